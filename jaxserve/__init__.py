@@ -1,0 +1,2 @@
+"""jaxserve: an LLM inference server on JAX/XLA."""
+__version__ = "0.1.0"

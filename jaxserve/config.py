@@ -1,0 +1,94 @@
+"""Engine configuration: one source of defaults (vLLM's flag names and values)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder (Llama family) or encoder model.
+
+    Frozen and hashable: it is a static argument of the jitted step.
+    """
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # rope_scaling as a tuple of (key, value) pairs so the config stays hashable
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False          # q/k/v projection bias (Qwen2)
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    model_type: str = "llama"
+    extra: tuple[tuple[str, Any], ...] = ()  # family-specific values (e.g. BERT's type_vocab_size)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def extra_dict(self) -> dict[str, Any]:
+        return dict(self.extra)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None   # on CPU (no memory stats): bytes for the KV cache
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"               # auto | fp8 (e4m3)
+    cpu_kv_cache_memory_bytes: int = 1 << 30   # default KV budget when the device reports no memory
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None                   # HF folder, GGUF file or configs/models name; None = SmolLM2
+    tokenizer: str | None = None
+    dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
+    load_format: str = "auto"                  # auto | safetensors | gguf | dummy | orbax
+    max_model_len: int | None = None
+    seed: int = 0
+    task: str = "auto"                         # auto | generate | embed
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    attention_backend: str = "auto"            # auto | pallas | reference
+    compilation_cache_dir: str | None = None   # None = ~/.cache/jaxserve/xla; "" disables it
+    max_logprobs: int = 20
+    skip_warmup: bool = False
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels and their pure-jnp references (installed as jaxserve.kernels)."""

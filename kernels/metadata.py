@@ -1,0 +1,30 @@
+"""The attention metadata of one ragged step: what every attention backend reads.
+
+A step carries a flat list of T new tokens from R requests (decode tokens and prefill chunks together).
+Request r owns the tokens ``query_start_loc[r] : query_start_loc[r+1]``; its context after this step is
+``seq_lens[r]`` tokens, so its new tokens sit at positions ``seq_lens[r] - q_len_r .. seq_lens[r]-1`` and
+attend causally to every earlier position of the same request through ``block_tables[r]``.
+
+Shapes are padded to buckets: padding tokens have ``slot_mapping == PAD_SLOT`` (block 0, the null block
+the KV manager never hands out, so their writes land nowhere that is read); padding requests have
+``seq_lens == 0`` and an empty query range at the end of the used tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+# Block 0 is the null block: padding tokens write their K/V there and no request ever reads it.
+NULL_BLOCK = 0
+PAD_SLOT = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: jax.Array      # [T] int32: flat cache slot (block * block_size + offset) of each new token
+    block_tables: jax.Array      # [R, max_blocks_per_seq] int32: physical block ids, padded with NULL_BLOCK
+    seq_lens: jax.Array          # [R] int32: context length of each request after this step (0 = padding)
+    query_start_loc: jax.Array   # [R + 1] int32: cumulative new-token offsets into the flat token axis
+    num_seqs: jax.Array          # [] int32: number of real requests (<= R)

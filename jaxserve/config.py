@@ -57,8 +57,9 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None = a platform default (resolve()): large on GPU, small on CPU where every bucket compiles slowly
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
 
@@ -92,3 +93,14 @@ class EngineConfig:
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
+
+    def resolved(self, platform: str) -> "EngineConfig":
+        """A copy with the platform defaults filled in (``platform``: jax.default_backend())."""
+        gpu = platform in ("gpu", "cuda", "rocm", "tpu")
+        sched = dataclasses.replace(
+            self.scheduler,
+            max_num_seqs=self.scheduler.max_num_seqs or (256 if gpu else 32),
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens or (8192 if gpu else 256))
+        if sched.max_num_batched_tokens < sched.max_num_seqs:
+            sched.max_num_seqs = sched.max_num_batched_tokens
+        return dataclasses.replace(self, scheduler=sched)

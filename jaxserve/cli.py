@@ -1,0 +1,207 @@
+"""``python -m jaxserve serve|generate|bench|convert`` — flags named like ``vllm serve``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None,
+                   help="HF folder, GGUF file, or a configs/models name (with --load-format dummy); "
+                        "default: the embedded SmolLM2-135M-Instruct")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy", "orbax"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"])
+    g.add_argument("--chat-template", default=None, help="a Jinja template string or a file holding one")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "reference"])
+    g.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache (default ~/.cache/jaxserve/xla; '' = off)")
+    g.add_argument("--max-logprobs", type=int, default=20)
+    g.add_argument("--skip-warmup", action="store_true", help="compile buckets lazily instead of at start")
+    c = p.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    c.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    c.add_argument("--kv-cache-memory", type=int, default=None, dest="kv_cache_memory_bytes",
+                   help="bytes for the KV cache (overrides --gpu-memory-utilization; the way to size it on CPU)")
+    _bool_flag(c, "enable-prefix-caching", True, "automatic prefix caching")
+    c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    s = p.add_argument_group("scheduler")
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    _bool_flag(s, "enable-chunked-prefill", True, "chunked prefill")
+    s.add_argument("--max-waiting-requests", type=int, default=None)
+    d = p.add_argument_group("parallel")
+    d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    d.add_argument("--distributed-coordinator", default=None, help="HOST:PORT of process 0")
+    d.add_argument("--num-processes", type=int, default=1)
+    d.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--config", default=None, help="a YAML file of flags (flag names, - or _); flags override it")
+
+
+def _first(v):
+    return v[0] if isinstance(v, (list, tuple)) else v
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    model = getattr(a, "model", None) or getattr(a, "model_flag", None)
+    template = a.chat_template
+    if template and os.path.isfile(template):
+        with open(template) as f:
+            template = f.read()
+    return EngineConfig(
+        model=model, tokenizer=a.tokenizer, dtype=a.dtype, load_format=a.load_format,
+        max_model_len=a.max_model_len, seed=a.seed, task=a.task,
+        served_model_name=_first(getattr(a, "served_model_name", None)),
+        chat_template=template, attention_backend=a.attention_backend,
+        compilation_cache_dir=a.compilation_cache_dir, max_logprobs=a.max_logprobs, skip_warmup=a.skip_warmup,
+        cache=CacheConfig(block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
+                          num_gpu_blocks_override=a.num_gpu_blocks_override,
+                          kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+                          enable_prefix_caching=a.enable_prefix_caching, kv_cache_dtype=a.kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                  enable_chunked_prefill=a.enable_chunked_prefill,
+                                  max_waiting_requests=a.max_waiting_requests),
+        parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
+                                distributed_coordinator=a.distributed_coordinator,
+                                num_processes=a.num_processes, process_id=a.process_id))
+
+
+def _apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """``--config FILE.yaml``: its keys become parser defaults, so flags on the command line override them."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if not known.config:
+        return
+    import yaml
+    with open(known.config) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"{known.config}: expected a mapping of flag names to values")
+    dests = {a.dest: a for a in parser._actions}
+    defaults = {}
+    for k, v in data.items():
+        key = k.replace("-", "_")
+        if key == "model":
+            key = "model_flag" if "model_flag" in dests else key
+        if key == "kv_cache_memory":
+            key = "kv_cache_memory_bytes"
+        if key not in dests:
+            raise SystemExit(f"{known.config}: unknown option {k!r}")
+        defaults[key] = v
+    parser.set_defaults(**defaults)
+
+
+def _setup_distributed(a) -> None:
+    if a.distributed_coordinator or a.num_processes > 1:
+        from jaxserve.parallel import distributed
+        distributed.initialize(a.distributed_coordinator, a.num_processes, a.process_id)
+
+
+# ---------------------------------------------------------------- subcommands
+def cmd_generate(a) -> int:
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+    llm = LLM(engine_config=engine_config_from_args(a))
+    prompts = a.prompt or ["What is the capital of France?"]
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.sampling_seed, n=a.n)
+    if a.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        for o in out.outputs:
+            print(f"### prompt: {p!r}" + (f" (completion {o.index})" if len(out.outputs) > 1 else ""))
+            print(o.text.strip() if a.chat else o.text)
+            print(f"### finish_reason={o.finish_reason} tokens={len(o.token_ids)}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(a) -> int:
+    from jaxserve.server.app import run_server
+    from jaxserve.server.args import server_args_from_namespace
+    cfg = engine_config_from_args(a)
+    return run_server(cfg, server_args_from_namespace(a)) or 0
+
+
+def cmd_bench(a, rest: list[str]) -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isdir(os.path.join(root, "benchmarks")) and root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        from benchmarks.runner import main as bench_main
+    except ImportError as e:
+        print(f"jaxserve bench: the benchmarks/ folder of a source checkout is needed ({e})", file=sys.stderr)
+        return 2
+    return bench_main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxserve", description="jaxserve: LLM inference on JAX/XLA")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model", nargs="?", default=None, help="model to serve (default: embedded SmolLM2)")
+    add_engine_args(s)
+    try:
+        from jaxserve.server.args import add_server_args
+        add_server_args(s)
+    except ImportError:
+        pass
+
+    g = sub.add_parser("generate", help="generate completions offline and print them")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+
+    sub.add_parser("bench", help="config-driven benchmarks (see benchmarks/README.md)", add_help=False)
+
+    c = sub.add_parser("convert", help="write an orbax checkpoint of a model")
+    try:
+        from jaxserve.models.orbax_io import add_convert_args
+        add_convert_args(c)
+    except ImportError:
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if argv and argv[0] == "bench":
+        return cmd_bench(None, argv[1:])
+    parser = build_parser()
+    if argv and argv[0] in parser._subparsers._group_actions[0].choices:
+        _apply_yaml_config(parser._subparsers._group_actions[0].choices[argv[0]], argv[1:])
+    a = parser.parse_args(argv)
+    if a.command == "convert":
+        from jaxserve.models.orbax_io import run_convert
+        return run_convert(a) or 0
+    _setup_distributed(a)
+    if a.command == "generate":
+        return cmd_generate(a)
+    if a.command == "serve":
+        return cmd_serve(a)
+    parser.error(f"unknown command {a.command}")
+    return 2

@@ -1,0 +1,199 @@
+"""The async front: the engine loop on a background thread, per-request asyncio queues.
+
+The server (and anything async) calls ``generate`` / ``abort`` / ``embed``; the loop thread owns the
+``LLMEngine`` and is the only thread that touches the scheduler, so no locks guard engine state: requests
+and aborts cross over through thread-safe queues and outputs come back with ``call_soon_threadsafe``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# A step that takes longer than this while requests wait means the loop is stuck (GET /health → 503).
+STUCK_AFTER_S = 60.0
+
+
+class _Stream:
+    __slots__ = ("loop", "queue", "finished")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:       # the consumer's loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config, progress=progress)
+        self.config = self.engine.config
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._accepting = True
+        self._dead: BaseException | None = None
+        self._busy_since: float | None = None
+        self._stats = self.engine.stats()
+        self._pending = 0
+        self._fault_marker = os.environ.get("JAXSERVE_FAULT_INJECTION") or None
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- facts the server needs
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def served_model_name(self) -> str:
+        return self.engine.served_model_name
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.engine.chat_template
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def num_waiting(self) -> int:
+        return self._stats.get("num_waiting", 0) + self._pending
+
+    def is_healthy(self) -> bool:
+        if self._dead is not None or not self._thread.is_alive():
+            return False
+        busy = self._busy_since
+        return busy is None or time.monotonic() - busy < STUCK_AFTER_S
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down")
+        self.engine.validate(list(prompt_token_ids), sampling_params)
+        limit = self.config.scheduler.max_waiting_requests
+        if limit is not None and self.num_waiting() >= limit:
+            raise QueueFullError(f"{self.num_waiting()} requests are waiting (--max-waiting-requests {limit})")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._pending += 1
+        self._inbox.put(("add", request_id, list(prompt_token_ids), sampling_params, prompt, time.time()))
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:          # the consumer went away (client disconnect, cancel): free it now
+                self._inbox.put(("abort", request_id))
+                self._wake.set()
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    async def embed(self, prompt_token_ids_list: list[list[int]], **kw):
+        embedder = getattr(self.engine, "embedder", None)
+        if embedder is None:
+            raise InvalidRequestError("the loaded model does not support embeddings", param="model")
+        return await asyncio.to_thread(embedder.embed, prompt_token_ids_list, **kw)
+
+    # ---------------------------------------------------------------- lifecycle
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish up to ``drain_timeout``, then stop the loop."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---------------------------------------------------------------- the loop thread
+    def _drain_inbox(self) -> None:
+        eng = self.engine
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, ids, params, prompt, arrival = msg
+                self._pending -= 1
+                stream = self._streams.get(rid)
+                if stream is None:           # aborted before it was added
+                    continue
+                try:
+                    eng.add_request(rid, ids, params, prompt=prompt, arrival_time=arrival)
+                except Exception as e:       # noqa: BLE001 - reported to that request only
+                    stream.put(e)
+            else:
+                eng.abort_request(msg[1])
+
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not eng.has_unfinished_requests():
+                    self._stats = eng.stats()
+                    self._wake.wait(0.1)
+                    self._wake.clear()
+                    continue
+                self._busy_since = time.monotonic()
+                outputs = eng.step()
+                self._busy_since = None
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    if self._fault_marker and out.prompt and self._fault_marker in out.prompt:
+                        # test hook: fail this one request mid-stream, keep serving the others
+                        eng.abort_request(out.request_id)
+                        stream.put(RuntimeError("injected engine fault"))
+                        continue
+                    stream.put(out)
+                self._stats = eng.stats()
+        except BaseException as e:  # noqa: BLE001 - the loop is dead; tell every waiting request
+            logger.exception("engine loop died")
+            self._dead = e
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"the engine loop died: {e!r}"))

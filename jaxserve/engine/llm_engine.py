@@ -1,0 +1,195 @@
+"""The synchronous engine: add requests, then ``step()`` = schedule → run → postprocess.
+
+Used directly by the offline ``LLM`` class and, on a background thread, by the async front.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler import Scheduler, validate_prompt_length
+from jaxserve.errors import InvalidRequestError
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def default_max_model_len(model_config, requested: int | None) -> int:
+    limit = model_config.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"--max-model-len {requested} is above the model's max_position_embeddings {limit}")
+    return requested
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True):
+        from jaxserve.models import load_model
+        from jaxserve.runner.model_runner import ModelRunner
+        from jaxserve.runner import compile_cache
+
+        import jax
+
+        compile_cache.enable(config.compilation_cache_dir)
+        config = config.resolved(jax.default_backend())
+        self.config = config
+        t0 = time.perf_counter()
+        mesh = None
+        if config.parallel.tensor_parallel_size > 1:
+            from jaxserve.parallel import make_mesh
+            mesh = make_mesh(config.parallel.tensor_parallel_size)
+        self.mesh = mesh
+        self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
+                                max_model_len=config.max_model_len, mesh=mesh)
+        self.load_seconds = time.perf_counter() - t0
+        self.model_config = self.model.config
+        self.tokenizer = self.model.tokenizer
+        self.chat_template = config.chat_template or self.model.chat_template
+        self.max_model_len = default_max_model_len(self.model_config, config.max_model_len)
+        self.runner = ModelRunner(self.model, config, self.max_model_len, mesh=mesh)
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                         config.cache.enable_prefix_caching, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._cum_logprob: dict[str, float] = {}
+        self._logprobs: dict[str, list] = {}
+        self._sent: dict[str, tuple[int, int]] = {}   # tokens / chars already returned (DELTA mode)
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        self.warmup_seconds = 0.0
+        if not config.skip_warmup:
+            self.warmup_seconds = self.runner.warmup(progress=progress)
+
+    # ---------------------------------------------------------------- requests
+    @property
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or self.model.source
+
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})",
+                param="prompt")
+        validate_prompt_length(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name}={k} is above the server's max_logprobs={self.config.max_logprobs}", param=name)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        prompt_token_ids = list(prompt_token_ids)
+        if params.truncate_prompt_tokens is not None and len(prompt_token_ids) > params.truncate_prompt_tokens:
+            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                      arrival_time=arrival_time or time.time(), prompt=prompt)
+        req.sampling_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31 - 1))
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        self._cum_logprob[request_id] = 0.0
+        self._logprobs[request_id] = [] if params.logprobs is not None else None
+        self._sent[request_id] = (0, 0)
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_ids) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.scheduler.abort_requests(request_ids)
+        for rid in request_ids:
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        for d in (self._detok, self._cum_logprob, self._logprobs, self._sent):
+            d.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched.scheduled)
+        now = time.time()
+        sampled = {rid: [tok] for rid, tok in result.token_ids.items()}
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            rid = req.request_id
+            if rid not in sampled:
+                continue
+            self._record_logprobs(rid, sampled[rid][0], result.logprobs.get(rid))
+            detok = self._detok[rid]
+            detok.update(sampled[rid])
+            if rid not in finished and detok.stop_reason is not None:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = detok.stop_reason
+                finished.add(rid)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            out = self._make_output(req, rid in finished)
+            if out is not None:
+                outputs.append(out)
+            if rid in finished:
+                req.metrics.finished_time = now
+                self._forget(rid)
+        return outputs
+
+    def _record_logprobs(self, rid, token, lp) -> None:
+        if lp is None:
+            return
+        logprob, rank, top_ids, top_lps = lp
+        self._cum_logprob[rid] += logprob
+        entry = {token: Logprob(logprob, rank, self.tokenizer.decode([token]))}
+        for r, (t, v) in enumerate(zip(top_ids, top_lps), start=1):
+            entry.setdefault(int(t), Logprob(float(v), r, self.tokenizer.decode([int(t)])))
+        self._logprobs[rid].append(entry)
+
+    def _make_output(self, req: Request, finished: bool) -> RequestOutput | None:
+        params: SamplingParams = req.sampling_params
+        kind = params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        detok = self._detok[req.request_id]
+        text, toks = detok.output_text, list(req.output_token_ids)
+        lps = self._logprobs[req.request_id]
+        if kind == RequestOutputKind.DELTA:
+            n_tok, n_chr = self._sent[req.request_id]
+            self._sent[req.request_id] = (len(toks), len(text))
+            text, toks = text[n_chr:], toks[n_tok:]
+            lps = lps[n_tok:] if lps is not None else None
+        cum = self._cum_logprob[req.request_id] if params.logprobs is not None else None
+        comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=cum, logprobs=lps,
+                                finish_reason=req.finish_reason if finished else None,
+                                stop_reason=req.stop_reason if finished else None)
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                             prompt_token_ids=req.prompt_token_ids, prompt_logprobs=None, outputs=[comp],
+                             finished=finished, metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        s = dict(self.scheduler.get_stats())
+        s.update(self.runner.stats.snapshot())
+        s["num_kv_blocks"] = self.runner.num_blocks
+        return s

@@ -1,0 +1,161 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, ``.chat(...)``, ``.embed(...)``."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_PAR_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "parallel"}
+
+
+def engine_config_from_kwargs(model: str | None = None, **kw) -> EngineConfig:
+    """Flat keyword arguments (vLLM's names) → EngineConfig. Unknown names are an error, not ignored."""
+    cache, sched, par, top = {}, {}, {}, {"model": model}
+    for k, v in kw.items():
+        if k in _CACHE_FIELDS:
+            cache[k] = v
+        elif k in _SCHED_FIELDS:
+            sched[k] = v
+        elif k in _PAR_FIELDS:
+            par[k] = v
+        elif k in _ENGINE_FIELDS:
+            top[k] = v
+        else:
+            raise TypeError(f"LLM got an unknown option {k!r}")
+    return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
+                        parallel=ParallelConfig(**par), **top)
+
+
+def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
+    """str | list[str] | list[int] | list[list[int]] | dicts → [(text, token_ids)]."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif prompts and isinstance(prompts[0], int):
+        prompts = [list(prompts)]
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append((p, None))
+        elif isinstance(p, dict):
+            out.append((p.get("prompt"), p.get("prompt_token_ids")))
+        else:
+            out.append((None, list(p)))
+    return out
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, use_tqdm_on_load: bool = True,
+                 engine_config: EngineConfig | None = None, **kwargs: Any):
+        from jaxserve.engine.llm_engine import LLMEngine
+        config = engine_config or engine_config_from_kwargs(model, **kwargs)
+        self.engine = LLMEngine(config, progress=use_tqdm_on_load)
+        self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---------------------------------------------------------------- generate
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        items = _normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = list(sampling_params) if isinstance(sampling_params, (list, tuple)) \
+            else [sampling_params] * len(items)
+        if len(params_list) != len(items):
+            raise ValueError(f"{len(params_list)} sampling params for {len(items)} prompts")
+        eng = self.engine
+        order: list[tuple[str, int]] = []        # (parent id, n)
+        for (text, ids), params in zip(items, params_list):
+            if ids is None:
+                ids = self.tokenizer.encode(text)
+            parent = eng.new_request_id()
+            order.append((parent, params.n))
+            for i in range(params.n):
+                child = dataclasses.replace(params, n=1, output_kind=RequestOutputKind.FINAL_ONLY)
+                if params.n > 1 and params.seed is not None:
+                    child.seed = params.seed + i
+                eng.add_request(f"{parent}" if params.n == 1 else f"{parent}_{i}", ids, child, prompt=text)
+        finals = self._run(sum(n for _, n in order), use_tqdm)
+        results = []
+        for parent, n in order:
+            if n == 1:
+                results.append(finals[parent])
+                continue
+            kids = [finals[f"{parent}_{i}"] for i in range(n)]
+            outs = []
+            for i, k in enumerate(kids):
+                o = k.outputs[0]
+                outs.append(dataclasses.replace(o, index=i))
+            results.append(dataclasses.replace(kids[0], request_id=parent, outputs=outs))
+        return results
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        from tqdm.auto import tqdm
+        eng = self.engine
+        finals: dict[str, RequestOutput] = {}
+        bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        t0 = time.perf_counter()
+        n_in = n_out = 0
+        try:
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        n_in += len(out.prompt_token_ids)
+                        n_out += sum(len(o.token_ids) for o in out.outputs)
+                        dt = max(time.perf_counter() - t0, 1e-9)
+                        bar.set_postfix_str(f"input: {n_in / dt:.1f} tok/s, output: {n_out / dt:.1f} tok/s")
+                        bar.update(1)
+        except BaseException:
+            eng.abort_request(list(eng.scheduler.request_ids()) if hasattr(eng.scheduler, "request_ids") else [])
+            raise
+        finally:
+            bar.close()
+        return finals
+
+    # ---------------------------------------------------------------- chat
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, chat_template=chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate([{"prompt": None, "prompt_token_ids": ids} for ids in prompts], sampling_params,
+                             use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation, *, chat_template: str | None = None,
+                            add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        template = chat_template or self.engine.chat_template
+        ids = self.tokenizer.apply_chat_template(conversation, chat_template=template,
+                                                 add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                 **kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---------------------------------------------------------------- embeddings
+    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
+              use_tqdm: bool = False):
+        from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput
+        embedder = getattr(self.engine, "embedder", None)
+        if embedder is None:
+            raise ValueError("the loaded model does not support embeddings (load an embedding model, or a "
+                             "decoder with task='embed')")
+        items = _normalize_prompts(prompts)
+        ids = [i if i is not None else self.tokenizer.encode(t) for t, i in items]
+        vecs = embedder.embed(ids, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions)
+        return [EmbeddingRequestOutput(request_id=str(k), outputs=EmbeddingOutput(embedding=list(map(float, v))),
+                                       prompt_token_ids=i, finished=True)
+                for k, (i, v) in enumerate(zip(ids, vecs))]
+
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "engine_config_from_kwargs"]

@@ -1,0 +1,223 @@
+"""Sampling parameters for text generation: vLLM's field names, defaults and validation.
+
+Every invalid value raises `ValueError` with one line that names the field, the allowed range and the
+value given, so the server can return it to the user as an HTTP 400 unchanged.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Below this temperature a request is greedy (vLLM's _SAMPLING_EPS); above it but under _MIN_TEMPERATURE
+# it is raised to _MIN_TEMPERATURE because logits / 1e-9 overflow float32.
+_SAMPLING_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2
+MAX_N = 1024
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0   # every RequestOutput carries the whole output so far
+    DELTA = 1        # only what is new since the last RequestOutput
+    FINAL_ONLY = 2   # one RequestOutput, when the request finishes
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the output of one request (vLLM's `SamplingParams`, same names and defaults).
+
+    `top_k` 0 or -1 and `top_p` 1 and `min_p` 0 mean "off"; `temperature` 0 means greedy (then top-k/p
+    and min-p are reset to off, as in vLLM). `seed` makes a request reproducible whatever batch it runs in.
+    """
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: int | None = None
+    # Set by the engine (update_from_generation_config), not by users.
+    eos_token_id: int | None = field(default=None, init=False, repr=False)
+    _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.seed == -1:   # the OpenAI-style "no seed"
+            self.seed = None
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))   # dedupe, keep order
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the filters cannot change an argmax, so turn them off (keeps the sampler on its fast path).
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        elif self.temperature < _MIN_TEMPERATURE:
+            self.temperature = _MIN_TEMPERATURE
+        self._all_stop_token_ids.update(self.stop_token_ids)
+
+    # ---- validation -------------------------------------------------------------------------------
+    def _verify(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, "a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
+                or self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", "a finite number > 0 (1 = off)")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
+            raise bad("temperature", "a finite number in [0, 2]")
+        if self.temperature < 0.0:
+            raise bad("temperature", ">= 0 (0 = greedy)")
+        if self.temperature > 2.0:
+            raise bad("temperature", "<= 2")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1] (1 = off)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 1, or 0 or -1 to consider all tokens")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1] (0 = off)")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 (or None for up to max_model_len)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise bad(name, "None, an integer >= 0, or -1 for the whole vocabulary")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True; set detokenize=True or remove stop")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), "
+                             f"got {self.stop_token_ids!r}")
+        if self.truncate_prompt_tokens is not None and \
+                (not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < -1
+                 or self.truncate_prompt_tokens == 0):
+            raise bad("truncate_prompt_tokens", "None, an integer >= 1, or -1 for max_model_len")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind "
+                             f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}")
+        if self.n > 1 and self.temperature < _SAMPLING_EPS:
+            raise ValueError(f"n must be 1 when temperature is 0 (greedy sampling), got {self.n}")
+
+    # ---- what the engine and the sampler read ------------------------------------------------------
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """stop_token_ids plus the model's eos ids (after update_from_generation_config): the ids that
+        min_tokens keeps the sampler from producing. Includes eos even with ignore_eos, as in vLLM."""
+        return self._all_stop_token_ids
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters a stream holds back so it never emits text that a stop string later cuts."""
+        if self.stop and not self.include_stop_str_in_output:
+            return max(len(s) for s in self.stop) - 1
+        return 0
+
+    def update_from_generation_config(self, generation_config: dict[str, Any] | None,
+                                      eos_token_id: int | None = None) -> None:
+        """Learn the model's eos ids. `eos_token_id` (the tokenizer's) stops the request unless
+        ignore_eos; other eos ids from generation_config join stop_token_ids (unless ignore_eos); all of
+        them join all_stop_token_ids (blocked while min_tokens is not reached)."""
+        if not self.ignore_eos:
+            self.eos_token_id = eos_token_id
+        if eos_token_id is not None:
+            self._all_stop_token_ids.add(eos_token_id)
+        eos_ids = (generation_config or {}).get("eos_token_id")
+        if eos_ids is None:
+            return
+        eos_ids = {eos_ids} if _is_int(eos_ids) else set(eos_ids)
+        eos_ids.discard(eos_token_id)
+        if eos_ids:
+            self._all_stop_token_ids.update(eos_ids)
+            if not self.ignore_eos:
+                self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(eos_ids)]))
+
+    def clone(self) -> "SamplingParams":
+        """A copy the engine can mutate (update_from_generation_config) without touching the caller's."""
+        import copy
+        return copy.deepcopy(self)
+
+
+def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """Called by the engine before a request enters the queue (vLLM's --max-logprobs, default 20;
+    -1 = no limit). Raises InvalidRequestError (a ValueError) naming the field and the limit."""
+    from jaxserve.errors import InvalidRequestError
+
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is None:
+            continue
+        wanted = vocab_size if value == -1 else value
+        if max_logprobs != -1 and wanted > max_logprobs:
+            raise InvalidRequestError(
+                f"{name} must be <= {max_logprobs} (the server's --max-logprobs), got {value}", param=name)
+        if wanted > vocab_size:
+            raise InvalidRequestError(f"{name} must be <= the vocabulary size {vocab_size}, got {value}",
+                                      param=name)
+
+
+def num_logprobs(value: int | None, vocab_size: int) -> int | None:
+    """The number of top logprobs a `logprobs`/`prompt_logprobs` value asks for (-1 = the whole vocab)."""
+    if value is None:
+        return None
+    return vocab_size if value == -1 else value

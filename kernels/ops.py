@@ -1,10 +1,25 @@
-"""Backend dispatch for paged attention: the model calls these, never a backend directly."""
+"""Backend dispatch for paged attention: the model calls these, never a backend directly.
+
+``backend="reference"`` is the pure-jnp path (CPU, tests, oracle); ``backend="pallas"`` the Pallas GPU
+kernels (``paged_attention_pallas``). ``default_backend()`` says which one this process should use.
+An fp8 cache (``kv_cache_dtype="fp8"``, e4m3) takes ``k_scale``/``v_scale`` (scalar or ``[kv_heads]``,
+None = 1.0) in both ``write_kv`` and ``paged_attention``; pass the same scales to both.
+"""
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
 
 from . import ref_attention
 from .metadata import AttentionMetadata
 
 BACKENDS = ("reference", "pallas")
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
+
+
+def default_backend() -> str:
+    """'pallas' when JAX runs on an NVIDIA GPU, else 'reference'."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -12,14 +27,42 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping, *, backend: str = "reference"):
-    return ref_attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
+def kv_cache_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
+    """The cache's storage dtype for ``--kv-cache-dtype`` (``auto`` = the model's dtype, ``fp8`` = e4m3)."""
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype == "fp8":
+        return jnp.dtype(ref_attention.FP8_DTYPE)
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return jnp.dtype(kv_cache_dtype)
+    raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, *, backend: str = "reference", k_scale=None, v_scale=None):
+    """Store the step's new K/V ``[T, kv_heads, head_dim]`` at ``slot_mapping`` (quantizing for fp8).
+
+    One XLA scatter for both backends: it is a small, bandwidth-trivial update that XLA does in place on
+    the donated cache, so there is no Pallas version.
+    """
+    _check_backend(backend)
+    return ref_attention.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                     soft_cap: float | None = None, sliding_window: int | None = None,
-                    backend: str = "reference"):
+                    backend: str = "reference", k_scale=None, v_scale=None, interpret: bool = False):
+    """Ragged paged attention ``q [T, Hq, D]`` -> ``[T, Hq, D]`` (semantics in ``kernels/metadata.py``)."""
+    _check_backend(backend)
     if backend == "reference":
         return ref_attention.ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
-                                                    soft_cap=soft_cap, sliding_window=sliding_window)
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+                                                    soft_cap=soft_cap, sliding_window=sliding_window,
+                                                    k_scale=k_scale, v_scale=v_scale)
+    from . import paged_attention_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
+    return paged_attention_pallas.ragged_paged_attention(
+        q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        k_scale=k_scale, v_scale=v_scale, interpret=interpret)

@@ -11,14 +11,39 @@ import jax.numpy as jnp
 from .metadata import AttentionMetadata
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping):
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)   # 448
+
+
+def head_scale(scale, kv_heads: int):
+    """A per-tensor (scalar) or per-head ``[kv_heads]`` scale as a ``[kv_heads]`` float32 vector."""
+    if scale is None:
+        return jnp.ones((kv_heads,), jnp.float32)
+    return jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(-1), (kv_heads,))
+
+
+def quantize_kv(x, cache_dtype, scale):
+    """Cast new keys/values ``[T, kv_heads, D]`` to the cache dtype; fp8 divides by the scale and saturates."""
+    if cache_dtype != FP8_DTYPE:
+        return x.astype(cache_dtype)
+    s = head_scale(scale, x.shape[1])[None, :, None]
+    return jnp.clip(x.astype(jnp.float32) / s, -FP8_MAX, FP8_MAX).astype(cache_dtype)
+
+
+def dequantize_kv(x, scale):
+    """Cache values ``[..., kv_heads, D]`` back to float32 (times the per-head scale)."""
+    return x.astype(jnp.float32) * head_scale(scale, x.shape[-2])[:, None]
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None):
     """Scatter the step's new keys/values ``[T, kv_heads, head_dim]`` into their cache slots.
 
-    Meant to run on a donated cache so XLA updates it in place.
+    Meant to run on a donated cache so XLA updates it in place. An fp8 (e4m3) cache stores
+    ``x / scale`` saturated to +-448; ``k_scale``/``v_scale`` are scalars or ``[kv_heads]`` (None = 1).
     """
     nb, bs, kvh, d = k_cache.shape
-    kf = k_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(k.astype(k_cache.dtype))
-    vf = v_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(v.astype(v_cache.dtype))
+    kf = k_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(quantize_kv(k, k_cache.dtype, k_scale))
+    vf = v_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(quantize_kv(v, v_cache.dtype, v_scale))
     return kf.reshape(nb, bs, kvh, d), vf.reshape(nb, bs, kvh, d)
 
 
@@ -36,12 +61,12 @@ def token_layout(md: AttentionMetadata, num_tokens: int):
 
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
-                           pages_per_step: int = 8):
+                           k_scale=None, v_scale=None, pages_per_step: int = 8):
     """Attention of ``q [T, q_heads, head_dim]`` over each token's request context in the paged cache.
 
     Causal within the step's new tokens; GQA by grouping q heads over kv heads. Computed in float32 with
     an online softmax over chunks of ``pages_per_step`` pages, so memory stays ``O(T * chunk)``.
-    Padding tokens return zeros.
+    Padding tokens return zeros. ``k_scale``/``v_scale`` dequantize an fp8 cache (see ``write_kv``).
     """
     T, hq, d = q.shape
     _, bs, kvh, _ = k_cache.shape
@@ -61,8 +86,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         m, l, acc = carry
         i, tab = xs                                                        # tab [R, c]
         blk = tab[req]                                                     # [T, c]
-        kb = k_cache[blk].reshape(T, c * bs, kvh, d).astype(jnp.float32)
-        vb = v_cache[blk].reshape(T, c * bs, kvh, d).astype(jnp.float32)
+        kb = dequantize_kv(k_cache[blk].reshape(T, c * bs, kvh, d), k_scale)
+        vb = dequantize_kv(v_cache[blk].reshape(T, c * bs, kvh, d), v_scale)
         s = jnp.einsum("thgd,tkhd->thgk", qg, kb)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

@@ -1,0 +1,122 @@
+"""Pallas paged attention (interpret mode on CPU) against the pure-jnp reference, on fresh random batches.
+
+Each case is a ragged step: decodes (q_len 1) and prefill chunks (q_len > 1) together, partial last blocks,
+shuffled physical blocks with a shared prefix block, padding tokens and padding requests. Outputs start
+NaN-poisoned (``poison_output``), so a row no kernel writes fails. Error: max |out - ref| / max |ref|.
+"""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.kernels import ops, ref_attention, synthetic
+from jaxserve.kernels import paged_attention_pallas as pa
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+# Small tiles: several q-blocks and KV iterations per request even at tiny sizes.
+SMALL_TILES = dict(decode_block_k=16, prefill_block_m=16, prefill_block_k=16)
+
+
+def max_rel_err(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert not np.isnan(out).any(), "NaN in output: a row was never written"
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def check(seed, q_lens, ctx_lens, *, hq, kvh, d, bs, dtype, soft_cap=None, window=None, splits=None,
+          tiles=SMALL_TILES, pad_tokens=3, pad_reqs=1):
+    rng = np.random.default_rng(seed)
+    q, k, v, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=bs, num_q_heads=hq, num_kv_heads=kvh,
+                                       head_dim=d, dtype=dtype, pad_tokens=pad_tokens, pad_reqs=pad_reqs)
+    kw = dict(sm_scale=d ** -0.5, soft_cap=soft_cap, sliding_window=window)
+    ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
+    out = pa.ragged_paged_attention(q, k, v, md, interpret=True, poison_output=True, decode_splits=splits,
+                                    **tiles, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    n_real = int(md.query_start_loc[int(md.num_seqs)])
+    assert not np.asarray(out[n_real:], np.float32).any(), "padding tokens must be zeros"
+    err = max_rel_err(out, ref)
+    assert err <= TOL[dtype], f"max rel err {err:.2e} > {TOL[dtype]:.0e}"
+
+
+# (q heads, kv heads, head_dim) of the shipped configs: SmolLM2, Llama-3-8B, Qwen2.5-7B.
+@pytest.mark.parametrize("hq,kvh,d,bs", [(9, 3, 64, 16), (32, 8, 128, 32), (28, 4, 128, 64)])
+def test_mixed_step_f32(hq, kvh, d, bs):
+    check(hq * 100 + bs, [1, 9, 1, 20, 1], [37, 9, 1, 53, bs + 1], hq=hq, kvh=kvh, d=d, bs=bs,
+          dtype=jnp.float32, splits=1)
+
+
+@pytest.mark.parametrize("hq,kvh,d,bs", [(9, 3, 64, 32), (32, 8, 128, 16), (28, 4, 128, 64)])
+def test_mixed_step_bf16_default_tiles(hq, kvh, d, bs):
+    check(7 + bs, [5, 1, 1, 70, 1], [40, 100, 2, 140, 17], hq=hq, kvh=kvh, d=d, bs=bs, dtype=jnp.bfloat16,
+          tiles={})
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_flash_decoding_splits(splits):
+    """Decode-only batch with the KV axis split; uneven lengths leave some splits empty."""
+    check(splits, [1, 1, 1, 1], [150, 3, 64, 97], hq=8, kvh=2, d=64, bs=16, dtype=jnp.float32, splits=splits)
+
+
+def test_soft_cap_and_sliding_window():
+    check(11, [1, 12, 1, 30], [90, 40, 5, 30], hq=9, kvh=3, d=64, bs=16, dtype=jnp.float32, soft_cap=5.0,
+          window=20, splits=2)
+
+
+def test_prefill_only_no_cache():
+    check(12, [33, 17], [33, 17], hq=4, kvh=4, d=64, bs=16, dtype=jnp.float32, pad_tokens=0, pad_reqs=0)
+
+
+def test_fp8_cache_matches_reference_and_write_kv_roundtrip():
+    rng = np.random.default_rng(5)
+    hq, kvh, d, bs = 8, 2, 64, 16
+    q, k, v, md = synthetic.make_batch(rng, [1, 6, 1], [40, 20, 9], block_size=bs, num_q_heads=hq,
+                                       num_kv_heads=kvh, head_dim=d, dtype=jnp.bfloat16, pad_tokens=2)
+    k_scale, v_scale = jnp.array([0.02, 0.05]), jnp.float32(0.03)   # per head and per tensor
+    fp8 = ops.kv_cache_dtype("fp8", jnp.bfloat16)
+    # Write every cache slot through write_kv, so the fp8 cache holds quantised real values.
+    nslots = k.shape[0] * bs
+    slots = jnp.arange(nslots, dtype=jnp.int32)
+    k8, v8 = ops.write_kv(jnp.zeros(k.shape, fp8), jnp.zeros(v.shape, fp8), k.reshape(nslots, kvh, d),
+                          v.reshape(nslots, kvh, d), slots, k_scale=k_scale, v_scale=v_scale)
+    assert k8.dtype == fp8
+    deq = ref_attention.dequantize_kv(k8, k_scale)
+    # e4m3 has 3 mantissa bits: relative rounding error <= 2^-4 (values stay far below 448 * scale).
+    assert float(jnp.max(jnp.abs(deq - k.astype(jnp.float32)) / (jnp.abs(k.astype(jnp.float32)) + 1e-3))) < 0.07
+    kw = dict(sm_scale=d ** -0.5, k_scale=k_scale, v_scale=v_scale)
+    ref8 = ref_attention.ragged_paged_attention(q, k8, v8, md, **kw)
+    out8 = ops.paged_attention(q, k8, v8, md, backend="pallas", interpret=True, **kw)
+    assert max_rel_err(out8, ref8) <= 1e-2
+    # And the fp8 result stays close to the unquantised attention.
+    ref16 = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=d ** -0.5)
+    assert max_rel_err(out8, ref16) < 0.1
+
+
+def test_ops_dispatch():
+    assert ops.default_backend() == "reference"          # tests run on CPU
+    rng = np.random.default_rng(3)
+    q, k, v, md = synthetic.make_batch(rng, [1, 3], [10, 3], block_size=16, num_q_heads=4, num_kv_heads=2,
+                                       head_dim=64, dtype=jnp.float32)
+    ref = ops.paged_attention(q, k, v, md, sm_scale=0.125)
+    out = ops.paged_attention(q, k, v, md, sm_scale=0.125, backend="pallas", interpret=True)
+    assert max_rel_err(out, ref) <= 1e-4
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        ops.paged_attention(q, k, v, md, sm_scale=0.125, backend="triton")
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
+        ops.kv_cache_dtype("int4", jnp.bfloat16)
+    assert ops.kv_cache_dtype("auto", jnp.bfloat16) == jnp.bfloat16
+
+
+def test_write_kv_then_attend_sees_new_tokens():
+    """The engine's order: write the step's K/V, then attend; the new keys must take part."""
+    rng = np.random.default_rng(9)
+    q, k, v, md = synthetic.make_batch(rng, [4, 1], [4, 30], block_size=16, num_q_heads=4, num_kv_heads=2,
+                                       head_dim=64, dtype=jnp.float32)
+    new_k = jnp.asarray(rng.standard_normal((q.shape[0], 2, 64), np.float32))
+    new_v = jnp.asarray(rng.standard_normal((q.shape[0], 2, 64), np.float32))
+    k2, v2 = ops.write_kv(k, v, new_k, new_v, md.slot_mapping)
+    before = pa.ragged_paged_attention(q, k, v, md, sm_scale=0.125, interpret=True)
+    after = pa.ragged_paged_attention(q, k2, v2, md, sm_scale=0.125, interpret=True)
+    ref = ref_attention.ragged_paged_attention(q, k2, v2, md, sm_scale=0.125)
+    assert max_rel_err(after, ref) <= 1e-4
+    assert max_rel_err(before, ref) > 1e-2

@@ -1,0 +1,272 @@
+"""On-device sampler against numpy references of vLLM's formulas, exact supports and empirical frequencies."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.runner import sampler as S
+from jaxserve.sampling_params import SamplingParams
+
+V = 64
+R = 8
+
+sample_jit = jax.jit(S.sample, static_argnames=("num_logprobs", "max_candidates"))
+top_k_top_p_jit = jax.jit(S.apply_top_k_top_p, static_argnames=("max_candidates",))
+penalties_jit = jax.jit(S.apply_penalties)
+
+
+def meta_for(params, *, outputs=None, prompts=None, num_out=None, pad_to=R, vocab=V, **kw):
+    n = len(params)
+    outputs = outputs or [[] for _ in range(n)]
+    prompts = prompts or [[0] for _ in range(n)]
+    num_out = num_out if num_out is not None else [len(o) for o in outputs]
+    return S.make_sampling_metadata(params, outputs, prompts, num_out, vocab, pad_to, **kw)
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return np.asarray(jax.random.normal(jax.random.PRNGKey(0), (R, V)) * 3.0, np.float32)
+
+
+def np_log_softmax(x):
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+# ---- numpy references of vLLM's formulas -----------------------------------------------------------
+def ref_penalties(logits, outputs, prompts, presence, frequency, repetition):
+    out = logits.copy()
+    for i in range(out.shape[0]):
+        counts = np.bincount(np.asarray(outputs[i], int), minlength=out.shape[1]).astype(np.float32)
+        seen = (counts > 0) | (np.bincount(np.asarray(prompts[i], int), minlength=out.shape[1]) > 0)
+        rep = np.where(seen, repetition[i], 1.0)
+        row = out[i]
+        row = np.where(row > 0, row / rep, row * rep)
+        out[i] = row - frequency[i] * counts - presence[i] * (counts > 0)
+    return out
+
+
+def ref_top_k_top_p(logits, top_k, top_p):
+    """vLLM's apply_top_k_top_p: top-k by the k-th value, then top-p over an ascending sort."""
+    out = logits.astype(np.float64).copy()
+    for i, row in enumerate(out):
+        if 0 < top_k[i] < row.size:
+            row[row < np.sort(row)[::-1][top_k[i] - 1]] = -np.inf
+        if top_p[i] < 1:
+            probs = np.exp(row - row.max())
+            probs /= probs.sum()
+            order = np.argsort(probs, kind="stable")
+            remove = np.cumsum(probs[order]) <= 1 - top_p[i]
+            remove[-1] = False
+            row[order[remove]] = -np.inf
+    return out
+
+
+# ---- greedy and degenerate filters -----------------------------------------------------------------
+def test_greedy_is_argmax_and_logprobs_match_numpy(logits):
+    m = meta_for([SamplingParams(temperature=0)] * 5)          # rows 5..7 are padding (greedy too)
+    out = sample_jit(logits, m, num_logprobs=4)
+    np.testing.assert_array_equal(np.asarray(out.token_ids), logits.argmax(1))
+    ref = np_log_softmax(logits.astype(np.float64))
+    np.testing.assert_allclose(out.logprob, ref.max(1), atol=1e-5)
+    np.testing.assert_array_equal(out.rank, np.ones(R))
+    np.testing.assert_array_equal(out.topk_ids, np.argsort(-ref, axis=1)[:, :4])
+    np.testing.assert_allclose(out.topk_logprobs, -np.sort(-ref, axis=1)[:, :4], atol=1e-5)
+    assert out.topk_ids.dtype == jnp.int32 and out.token_ids.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=1, temperature=1.5), SamplingParams(top_p=1e-6),
+                                    SamplingParams(min_p=1.0, temperature=2.0),
+                                    SamplingParams(top_k=3, top_p=1e-6, seed=5)])
+def test_filters_that_keep_one_token_give_argmax(logits, params):
+    for step in range(3):
+        out = sample_jit(logits, meta_for([params] * R, step=step))
+        np.testing.assert_array_equal(np.asarray(out.token_ids), logits.argmax(1))
+
+
+def test_sampled_logprob_and_rank_are_those_of_the_raw_distribution(logits):
+    m = meta_for([SamplingParams(temperature=2.0, presence_penalty=2.0)] * R, outputs=[[1, 2]] * R)
+    out = sample_jit(logits, m, num_logprobs=0)
+    ref = np_log_softmax(logits.astype(np.float64))
+    ids = np.asarray(out.token_ids)
+    np.testing.assert_allclose(out.logprob, ref[np.arange(R), ids], atol=1e-5)
+    np.testing.assert_array_equal(out.rank, (ref >= ref[np.arange(R), ids][:, None]).sum(1))
+    assert out.topk_ids.shape == (R, 0) and out.topk_logprobs.shape == (R, 0)
+
+
+# ---- top-k / top-p / min-p masks -------------------------------------------------------------------
+@pytest.mark.parametrize("max_candidates", [4, 16, V])
+def test_top_k_top_p_mask_matches_vllm_reference(max_candidates):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(R, V)).astype(np.float32) * rng.uniform(0.3, 4, size=(R, 1)).astype(np.float32)
+    top_k = np.array([0, 1, 5, 20, 0, 0, 3, V + 5], np.int32)
+    top_p = np.array([1.0, 0.9, 1.0, 0.8, 0.5, 0.95, 0.3, 1.0], np.float32)
+    got = np.asarray(top_k_top_p_jit(x, top_k, top_p, max_candidates=max_candidates))
+    ref = ref_top_k_top_p(x, top_k, top_p)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+    np.testing.assert_array_equal(got[np.isfinite(got)], x[np.isfinite(got)])   # kept logits unchanged
+
+
+def test_top_k_top_p_is_identity_when_no_row_filters():
+    x = np.random.default_rng(2).normal(size=(R, V)).astype(np.float32)
+    got = top_k_top_p_jit(x, np.zeros(R, np.int32), np.ones(R, np.float32), max_candidates=4)
+    np.testing.assert_array_equal(np.asarray(got), x)
+
+
+def test_min_p_mask():
+    x = np.log(np.array([[0.5, 0.3, 0.1, 0.06, 0.04], [0.5, 0.3, 0.1, 0.06, 0.04]], np.float32))
+    got = np.asarray(jax.jit(S.apply_min_p)(x, np.array([0.15, 0.0], np.float32)))
+    np.testing.assert_array_equal(np.isfinite(got[0]), [True, True, True, False, False])  # >= 0.075 kept
+    np.testing.assert_array_equal(got[1], x[1])
+
+
+# ---- distributions ---------------------------------------------------------------------------------
+DIST_ROWS = 4096
+DIST_V = 8
+DIST_LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
+
+
+def empirical(params, step=0):
+    m = meta_for([params] * DIST_ROWS, pad_to=DIST_ROWS, vocab=DIST_V,
+                 request_ids=[f"req-{i}" for i in range(DIST_ROWS)], step=step)
+    out = sample_jit(np.tile(DIST_LOGITS, (DIST_ROWS, 1)), m)
+    return np.bincount(np.asarray(out.token_ids), minlength=DIST_V) / DIST_ROWS
+
+
+def softmax(x):
+    e = np.exp(x - x[np.isfinite(x)].max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("params, support", [
+    (SamplingParams(temperature=0.7), None),
+    (SamplingParams(temperature=1.3, top_k=3), 3),
+    (SamplingParams(temperature=1.0, top_p=0.75), None),
+    (SamplingParams(temperature=1.0, min_p=0.2), None),
+])
+def test_empirical_frequencies_match_the_filtered_softmax(params, support):
+    scaled = DIST_LOGITS / params.temperature
+    masked = ref_top_k_top_p(scaled[None], np.array([params.top_k]), np.array([params.top_p]))[0]
+    if params.min_p:
+        masked[masked < masked.max() + np.log(params.min_p)] = -np.inf
+    expected = softmax(masked)
+    if support is not None:
+        assert np.count_nonzero(expected) == support
+    freq = (empirical(params, step=0) + empirical(params, step=1)) / 2
+    assert np.all(freq[expected == 0] == 0), "sampled a token outside the kept set"
+    # 8192 samples: the standard error of a frequency is <= 0.0055, so 0.03 is > 5 sigma
+    np.testing.assert_allclose(freq, expected, atol=0.03)
+    assert np.count_nonzero(freq) == np.count_nonzero(expected)
+
+
+# ---- seeds -------------------------------------------------------------------------------------------
+def test_seeded_rows_reproduce_whatever_the_batch(logits):
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    other = SamplingParams(temperature=1.0)
+    row = np.asarray(logits[3])
+
+    def seeded_token(position, batch, num_out, extra_step):
+        params = [other] * batch
+        params[position] = seeded
+        x = np.tile(np.roll(row, 0), (batch, 1))
+        x[:position] += 1.0    # different neighbours must not matter
+        m = meta_for(params, num_out=[num_out] * batch, pad_to=max(batch, R), step=extra_step,
+                     request_ids=[f"n{i}" for i in range(batch)])
+        x = np.pad(x, ((0, max(batch, R) - batch), (0, 0)))
+        return int(sample_jit(x, m).token_ids[position])
+
+    for num_out in range(6):
+        tokens = {seeded_token(0, 1, num_out, 0), seeded_token(5, 8, num_out, 3), seeded_token(2, 3, num_out, 9)}
+        assert len(tokens) == 1
+        key = jax.random.fold_in(jax.random.PRNGKey(1234), num_out)
+        expected = int(np.argmax(row + np.asarray(jax.random.gumbel(key, (V,)))))
+        assert tokens == {expected}
+    # and the stream is random, not constant
+    assert len({seeded_token(0, 1, n, 0) for n in range(12)}) > 3
+
+
+def test_unseeded_rows_differ_across_requests_and_steps(logits):
+    flat = np.zeros((R, V), np.float32)
+    ids = [f"r{i}" for i in range(R)]
+    a = np.asarray(sample_jit(flat, meta_for([SamplingParams()] * R, request_ids=ids, step=0)).token_ids)
+    b = np.asarray(sample_jit(flat, meta_for([SamplingParams()] * R, request_ids=ids, step=1)).token_ids)
+    c = np.asarray(sample_jit(flat, meta_for([SamplingParams()] * R, request_ids=ids, step=0)).token_ids)
+    np.testing.assert_array_equal(a, c)                  # same engine seed, request and step
+    assert len(set(a.tolist())) > 3 and not np.array_equal(a, b)
+
+
+def test_seed_key_data_matches_jax():
+    for seed in (0, 1, 42, 2**31 - 1, 987654321):
+        np.testing.assert_array_equal(S.seed_key_data(seed), jax.random.key_data(jax.random.PRNGKey(seed)))
+
+
+# ---- penalties and min_tokens ----------------------------------------------------------------------
+def test_penalties_match_numpy_reference(logits):
+    rng = np.random.default_rng(3)
+    params = [SamplingParams(presence_penalty=float(rng.uniform(-2, 2)),
+                             frequency_penalty=float(rng.uniform(-2, 2)),
+                             repetition_penalty=float(rng.uniform(0.5, 2))) for _ in range(6)]
+    params[0] = SamplingParams()                                   # a row with no penalty at all
+    outputs = [rng.integers(0, V, size=rng.integers(0, 20)).tolist() for _ in range(6)]
+    outputs[1] = [7, 7, 7, 9]                                      # repeated ids count
+    prompts = [rng.integers(0, V, size=rng.integers(1, 30)).tolist() for _ in range(6)]
+    m = meta_for(params, outputs=outputs, prompts=prompts)
+    got = np.asarray(penalties_jit(logits, m))
+    ref = ref_penalties(logits[:6], outputs, prompts, [p.presence_penalty for p in params],
+                        [p.frequency_penalty for p in params], [p.repetition_penalty for p in params])
+    np.testing.assert_allclose(got[:6], ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[6:], logits[6:])             # padding rows untouched
+    # greedy rows pick the argmax of the penalised logits
+    greedy = [SamplingParams(temperature=0, presence_penalty=p.presence_penalty,
+                             frequency_penalty=p.frequency_penalty,
+                             repetition_penalty=p.repetition_penalty) for p in params]
+    out = sample_jit(logits, meta_for(greedy, outputs=outputs, prompts=prompts))
+    np.testing.assert_array_equal(np.asarray(out.token_ids)[:6], ref.argmax(1))
+
+
+def test_penalty_arrays_are_absent_unless_used():
+    m = meta_for([SamplingParams(), SamplingParams(temperature=0)], outputs=[[1] * 40, [2]])
+    assert m.output_token_ids.shape == (R, 0) and m.prompt_token_ids.shape == (R, 0)
+    assert m.blocked_token_ids.shape == (R, 0)
+    m = meta_for([SamplingParams(frequency_penalty=1.0), SamplingParams()], outputs=[[1] * 40, [2]])
+    assert m.output_token_ids.shape == (R, 64) and m.prompt_token_ids.shape == (R, 0)
+    assert m.output_token_ids[0, 39] == 1 and m.output_token_ids[0, 40] == V    # padding is out of range
+    assert [S.length_bucket(n) for n in (0, 1, 16, 17, 100)] == [0, 16, 16, 32, 128]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids_until_reached():
+    x = np.zeros((R, V), np.float32)
+    x[:, 2] = 10.0      # eos is by far the most likely
+    x[:, 5] = 9.0       # then a stop token id
+    x[:, 11] = 8.0
+    p = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5])
+    p.update_from_generation_config({}, eos_token_id=2)
+    q = SamplingParams(temperature=0, ignore_eos=True, min_tokens=3)
+    q.update_from_generation_config({}, eos_token_id=2)
+    for num_out, expected in [(0, 11), (2, 11), (3, 2)]:
+        out = sample_jit(x, meta_for([p, q], num_out=[num_out, num_out]))
+        # q has no stop ids: only eos is blocked (even with ignore_eos, as in vLLM)
+        assert np.asarray(out.token_ids)[:2].tolist() == [expected, 5 if num_out < 3 else 2]
+        assert int(out.token_ids[2]) == 2        # padding rows are not blocked
+    # random rows are blocked too
+    r = SamplingParams(temperature=1.0, min_tokens=2)
+    r.update_from_generation_config({}, eos_token_id=2)
+    ids = [f"m{i}" for i in range(R)]
+    blocked = np.asarray(sample_jit(x, meta_for([r] * R, num_out=[1] * R, request_ids=ids)).token_ids)
+    free = np.asarray(sample_jit(x, meta_for([r] * R, num_out=[2] * R, request_ids=ids)).token_ids)
+    assert set(blocked.tolist()) <= {5, 11}    # 2 is blocked; 5 (not a stop id of r) and 11 dominate
+    assert 2 in free.tolist()
+
+
+def test_padding_rows_do_not_change_real_rows(logits):
+    params = [SamplingParams(seed=3), SamplingParams(temperature=0), SamplingParams(seed=4, top_p=0.9)]
+    small = sample_jit(logits[:4], meta_for(params, pad_to=4), num_logprobs=2)
+    big = sample_jit(logits, meta_for(params, pad_to=R), num_logprobs=2)
+    for field in small._fields:
+        np.testing.assert_array_equal(np.asarray(getattr(small, field))[:3], np.asarray(getattr(big, field))[:3])
+    assert np.all(np.isfinite(np.asarray(big.logprob)))
+
+
+def test_builder_rejects_too_many_rows():
+    with pytest.raises(ValueError, match="do not fit the request bucket pad_to=1"):
+        meta_for([SamplingParams()] * 2, pad_to=1)

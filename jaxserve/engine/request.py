@@ -41,7 +41,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "cache_salt", "prompt", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
         "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_computed_tokens",
-        "num_cached_tokens", "num_preemptions", "block_hashes", "metrics",
+        "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed",
     )
 
     def __init__(
@@ -53,6 +53,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         prompt: str | None = None,
+        sampling_seed: int | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -84,6 +85,9 @@ class Request:
         # never change once known, so they stay valid across preemptions).
         self.block_hashes: list = []
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        # The seed the runner folds into this request's PRNG key (the engine fills it: the request's
+        # own seed, or one drawn from the engine's generator).
+        self.sampling_seed = sampling_seed
 
     # -- tokens -------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,519 @@
+"""Scheduler: token budget, seq cap, chunked prefill, prefix caching, preemption, stops, aborts.
+
+A fake device stands in for the runner: it writes each scheduled token id into a flat slot array through
+the request's block table (like write_kv) and reads the whole context back through the block table (like
+paged attention), checking it equals the request's tokens. So a wrong block table, a prefix-cache hit on
+a block with other content, or a shared block overwritten after eviction all fail loudly. Its "model"
+samples a token that is a function of the context it read, so outputs are checkable after preemptions.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from jaxserve.engine.request import Request, RequestStatus, check_stop
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, validate_prompt_length
+from jaxserve.errors import InvalidRequestError, QueueFullError
+
+VOCAB = 50
+EOS = 0
+
+
+def next_token(context) -> int:
+    """The fake model: deterministic in the whole context, never EOS unless the test wants it."""
+    return 1 + (sum(context) * 7 + len(context) * 3) % (VOCAB - 1)
+
+
+class FakeDevice:
+    def __init__(self, kv: KVCacheManager):
+        self.bs = kv.block_size
+        self.slots = [None] * (kv.num_blocks * kv.block_size)
+
+    def execute(self, out: SchedulerOutput, eos_at: dict[str, int] | None = None) -> dict[str, list[int]]:
+        sampled = {}
+        for e in out.scheduled:
+            req, bs = e.request, self.bs
+            end = e.start_pos + e.num_new_tokens
+            assert len(e.block_ids) == cdiv(end, bs), "block table must cover computed + scheduled tokens"
+            assert 0 not in e.block_ids, "the null block was handed out"
+            for p in range(e.start_pos, end):                       # write_kv
+                self.slots[e.block_ids[p // bs] * bs + p % bs] = req.all_token_ids[p]
+            context = [self.slots[e.block_ids[p // bs] * bs + p % bs] for p in range(end)]   # attention
+            assert context == req.all_token_ids[:end], f"{req.request_id} read a wrong KV context"
+            if e.samples:
+                n_out = req.num_output_tokens
+                eos = eos_at and eos_at.get(req.request_id) == n_out
+                sampled[req.request_id] = [EOS if eos else next_token(context)]
+        return sampled
+
+
+def params(max_tokens=None, min_tokens=0, ignore_eos=False, stop_token_ids=()):
+    return SimpleNamespace(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                           stop_token_ids=list(stop_token_ids))
+
+
+def make(num_blocks=64, block_size=4, max_model_len=64, budget=32, max_seqs=8, chunked=True, caching=True,
+         max_waiting=None):
+    kv = KVCacheManager(num_blocks, block_size, caching, max_model_len)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                      enable_chunked_prefill=chunked, max_waiting_requests=max_waiting),
+                      CacheConfig(block_size=block_size, enable_prefix_caching=caching), kv, max_model_len)
+    return sched, kv, FakeDevice(kv)
+
+
+def step(sched, dev, eos_at=None):
+    out = sched.schedule()
+    return out, sched.update_from_output(out, dev.execute(out, eos_at))
+
+
+def run_to_completion(sched, dev, max_steps=2000):
+    finished = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return finished
+        finished += step(sched, dev)[1]
+    raise AssertionError("requests did not finish: the scheduler is stuck")
+
+
+def expected_outputs(prompt, n):
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+# ---------------------------------------------------------------------------------------------- basics
+def test_validate_prompt_length_messages():
+    with pytest.raises(InvalidRequestError, match=r"^prompt has 9000 tokens, max_model_len is 8192$"):
+        validate_prompt_length(9000, None, 8192)
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        validate_prompt_length([], None, 8192)
+    with pytest.raises(InvalidRequestError, match=r"8000 tokens and max_tokens is 500: 8500 tokens exceed"):
+        validate_prompt_length(8000, 500, 8192)
+    validate_prompt_length([1] * 8192, None, 8192)
+    validate_prompt_length(8000, 192, 8192)
+
+
+def test_add_request_rejects_before_queueing():
+    sched, kv, dev = make(max_model_len=64, max_waiting=2)
+    with pytest.raises(InvalidRequestError, match="prompt has 65 tokens, max_model_len is 64"):
+        sched.add_request(Request("long", [1] * 65, params()))
+    assert sched.num_waiting == 0 and not sched.has_unfinished_requests()
+    sched.add_request(Request("a", [1, 2], params()))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        sched.add_request(Request("a", [3], params()))
+    sched.add_request(Request("b", [1, 2], params()))
+    with pytest.raises(QueueFullError, match="max_waiting_requests is 2"):
+        sched.add_request(Request("c", [1, 2], params()))
+    assert sorted(sched.request_ids()) == ["a", "b"]
+
+
+def test_scheduler_checks_its_kv_cache():
+    kv = KVCacheManager(8, 4)
+    with pytest.raises(ValueError, match="fewer than max_model_len 64"):
+        Scheduler(SchedulerConfig(), CacheConfig(block_size=4), kv, 64)
+    with pytest.raises(ValueError, match="block_size mismatch"):
+        Scheduler(SchedulerConfig(), CacheConfig(block_size=16), kv, 16)
+
+
+# ------------------------------------------------------------------------------------------ check_stop
+@pytest.mark.parametrize("case", [
+    # (params, eos ids, outputs, max_model_len, finished, status, stop_reason)
+    (params(), {EOS}, [5, EOS], 100, True, RequestStatus.FINISHED_STOPPED, None),
+    (params(ignore_eos=True), {EOS}, [5, EOS], 100, False, RequestStatus.RUNNING, None),
+    (params(stop_token_ids=[7]), {EOS}, [5, 7], 100, True, RequestStatus.FINISHED_STOPPED, 7),
+    (params(min_tokens=3), {EOS}, [5, EOS], 100, False, RequestStatus.RUNNING, None),
+    (params(min_tokens=3, stop_token_ids=[7]), {EOS}, [5, 7], 100, False, RequestStatus.RUNNING, None),
+    (params(min_tokens=2), {EOS}, [5, EOS], 100, True, RequestStatus.FINISHED_STOPPED, None),
+    (params(max_tokens=2), {EOS}, [5, 6], 100, True, RequestStatus.FINISHED_LENGTH_CAPPED, None),
+    (params(max_tokens=2), {EOS}, [5, EOS], 100, True, RequestStatus.FINISHED_STOPPED, None),   # eos wins
+    (params(max_tokens=5), {EOS}, [5, 6], 100, False, RequestStatus.RUNNING, None),
+    (params(), {EOS}, [5, 6], 5, True, RequestStatus.FINISHED_LENGTH_CAPPED, None),           # 3+2 = 5
+    (params(min_tokens=10), {EOS}, [5, 6], 5, True, RequestStatus.FINISHED_LENGTH_CAPPED, None),
+    (params(), {EOS, 9}, [9], 100, True, RequestStatus.FINISHED_STOPPED, None),                 # any eos id
+])
+def test_check_stop(case):
+    p, eos, outs, max_model_len, finished, status, stop_reason = case
+    r = Request("r", [1, 2, 3], p, eos_token_ids=eos)
+    r.status = RequestStatus.RUNNING
+    r.append_output_token_ids(outs)
+    assert check_stop(r, max_model_len) is finished
+    assert r.status == status and r.stop_reason == stop_reason
+    assert r.finish_reason == {RequestStatus.RUNNING: None, RequestStatus.FINISHED_STOPPED: "stop",
+                               RequestStatus.FINISHED_LENGTH_CAPPED: "length"}[status]
+
+
+# ------------------------------------------------------------------------------------ budget and chunks
+def test_chunked_prefill_decodes_first_and_samples_only_at_the_end():
+    sched, kv, dev = make(budget=16, max_model_len=128, num_blocks=64)
+    sched.add_request(Request("a", list(range(1, 41)), params(max_tokens=3)))   # 40 tokens: 16 + 16 + 8
+    sched.add_request(Request("b", list(range(100, 110)), params(max_tokens=3)))
+    out, _ = step(sched, dev)
+    assert [(e.request_id, e.start_pos, e.num_new_tokens, e.samples) for e in out.scheduled] == [
+        ("a", 0, 16, False)]
+    out, _ = step(sched, dev)
+    assert [(e.request_id, e.start_pos, e.num_new_tokens, e.samples) for e in out.scheduled] == [
+        ("a", 16, 16, False)]
+    out, _ = step(sched, dev)
+    assert [(e.request_id, e.start_pos, e.num_new_tokens, e.samples) for e in out.scheduled] == [
+        ("a", 32, 8, True), ("b", 0, 8, False)]
+    assert out.total_num_scheduled_tokens == 16 and out.num_decodes == 0
+    out, _ = step(sched, dev)
+    # a decodes (first), b finishes its prompt in the same step
+    assert [(e.request_id, e.start_pos, e.num_new_tokens, e.samples) for e in out.scheduled] == [
+        ("a", 40, 1, True), ("b", 8, 2, True)]
+    assert out.num_decodes == 1
+    run_to_completion(sched, dev)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_room():
+    sched, kv, dev = make(budget=16, chunked=False)
+    sched.add_request(Request("a", list(range(1, 11)), params(max_tokens=4)))
+    sched.add_request(Request("b", list(range(20, 30)), params(max_tokens=4)))
+    sched.add_request(Request("c", [5, 6], params(max_tokens=4)))
+    out, _ = step(sched, dev)
+    # b (10 tokens) does not fit the 6 left, and FCFS keeps c behind it
+    assert [(e.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 10)]
+    out, _ = step(sched, dev)
+    assert [(e.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 1), ("b", 10), ("c", 2)]
+    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens 16 with chunked prefill off"):
+        sched.add_request(Request("d", list(range(17)), params()))
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched, kv, dev = make(max_seqs=2, budget=64)
+    for i in range(4):
+        sched.add_request(Request(str(i), [i + 1] * 3, params(max_tokens=2)))
+    out, _ = step(sched, dev)
+    assert [e.request_id for e in out.scheduled] == ["0", "1"] and sched.num_running == 2
+    out, finished = step(sched, dev)
+    assert [r.request_id for r in finished] == ["0", "1"]
+    out, _ = step(sched, dev)
+    assert [e.request_id for e in out.scheduled] == ["2", "3"]
+    assert out.finished_ids == ["0", "1"]                      # reported once, at the next schedule
+    assert step(sched, dev)[0].finished_ids == []
+
+
+# --------------------------------------------------------------------------------------- prefix caching
+def test_second_request_with_the_same_system_prompt_computes_only_its_suffix():
+    sched, kv, dev = make(block_size=4, budget=64, max_model_len=64)
+    system = list(range(10, 30))                                # 20 tokens = 5 full blocks
+    a = Request("a", system + [1, 2, 3], params(max_tokens=4))
+    sched.add_request(a)
+    run_to_completion(sched, dev)
+    b = Request("b", system + [4, 5], params(max_tokens=4))
+    sched.add_request(b)
+    out, _ = step(sched, dev)
+    (e,) = out.scheduled
+    assert (e.start_pos, e.num_new_tokens) == (20, 2)
+    assert b.num_cached_tokens == 20
+    run_to_completion(sched, dev)
+    assert b.output_token_ids == expected_outputs(b.prompt_token_ids, 4)
+    stats = sched.get_stats()
+    assert stats["prefix_cache_hits"] == 20 and stats["prefix_cache_queries"] == 23 + 22
+
+
+def test_prefix_caching_on_and_off_give_the_same_tokens():
+    prompts = [list(range(1, 19)) + [i] * (i % 5 + 1) for i in range(12)]
+    results = []
+    for caching in (True, False):
+        sched, kv, dev = make(num_blocks=40, block_size=4, budget=24, max_seqs=4, caching=caching)
+        reqs = [Request(str(i), p, params(max_tokens=6)) for i, p in enumerate(prompts)]
+        for r in reqs:
+            sched.add_request(r)
+        run_to_completion(sched, dev)
+        results.append([r.output_token_ids for r in reqs])
+        assert (sched.get_stats()["prefix_cache_hits"] > 0) == caching
+    assert results[0] == results[1]
+    assert results[0] == [expected_outputs(p, 6) for p in prompts]
+
+
+# ------------------------------------------------------------------------------------------- preemption
+def test_preemption_requeues_the_newest_and_keeps_its_outputs():
+    # 8 usable blocks of 4 = 32 tokens; 3 requests of 8 prompt tokens growing to 8 + 10.
+    sched, kv, dev = make(num_blocks=9, block_size=4, max_model_len=32, budget=64, caching=False)
+    reqs = [Request(str(i), [i + 1] * 8, params(max_tokens=10)) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    preempted = []
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = step(sched, dev)
+        preempted += out.preempted_ids
+        if out.preempted_ids:
+            victim = sched.waiting[0]
+            assert victim.request_id == out.preempted_ids[-1] and victim.status == RequestStatus.PREEMPTED
+            assert victim.num_computed_tokens == 0 and kv.block_ids(victim.request_id) == []
+            assert victim.num_output_tokens > 0                 # kept, recomputed later
+    assert preempted and preempted[0] == "2"                      # the newest goes first
+    assert sched.get_stats()["num_preemptions"] == len(preempted)
+    for r in reqs:
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert r.output_token_ids == expected_outputs(r.prompt_token_ids, 10)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_preempted_request_recomputes_prompt_plus_outputs():
+    sched, kv, dev = make(num_blocks=9, block_size=4, max_model_len=32, budget=64, caching=False)
+    a = Request("a", [1] * 12, params(max_tokens=20))
+    b = Request("b", [2] * 12, params(max_tokens=20))
+    sched.add_request(a)
+    sched.add_request(b)
+    while not b.num_preemptions:
+        step(sched, dev)
+    n_out = b.num_output_tokens
+    while a.status == RequestStatus.RUNNING:
+        step(sched, dev)
+    out, _ = step(sched, dev)
+    (e,) = [e for e in out.scheduled if e.request_id == "b"]
+    assert (e.start_pos, e.num_new_tokens, e.samples) == (0, 12 + n_out, True)
+
+
+def test_a_running_request_preempts_itself_when_alone_it_cannot_grow():
+    # Only possible when others hold blocks: b is older, a newer; a request that is last in the running
+    # list and cannot allocate must preempt itself rather than anyone already scheduled.
+    sched, kv, dev = make(num_blocks=5, block_size=4, max_model_len=16, budget=64, caching=False)
+    sched.add_request(Request("a", [1] * 8, params(max_tokens=8)))
+    sched.add_request(Request("b", [2] * 8, params(max_tokens=8)))
+    out, _ = step(sched, dev)
+    assert [e.request_id for e in out.scheduled] == ["a", "b"]          # 4 blocks: pool full
+    out, _ = step(sched, dev)                                            # both need a 3rd block
+    assert out.preempted_ids == ["b"] and [e.request_id for e in out.scheduled] == ["a"]
+    finished = run_to_completion(sched, dev)
+    assert {r.request_id for r in finished} == {"a", "b"}
+
+
+# ------------------------------------------------------------------------------------- abort and finish
+def test_abort_at_any_point_frees_everything():
+    sched, kv, dev = make(budget=8)
+    a = Request("a", list(range(1, 21)), params(max_tokens=5))
+    b = Request("b", [3, 4], params(max_tokens=5))
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, dev)                                         # a is mid-prefill, b waits
+    assert a.status == RequestStatus.RUNNING and b.status == RequestStatus.WAITING
+    aborted = sched.abort_requests(["a", "b", "unknown"])
+    assert aborted == [a, b] and a.finish_reason == "abort" and b.finish_reason == "abort"
+    assert not sched.has_unfinished_requests() and kv.num_free_blocks == kv.num_usable_blocks
+    assert sorted(sched.schedule().finished_ids) == ["a", "b"]
+
+
+def test_abort_between_schedule_and_update_is_ignored_by_update():
+    sched, kv, dev = make()
+    sched.add_request(Request("a", [1, 2, 3], params(max_tokens=5)))
+    out = sched.schedule()
+    sampled = dev.execute(out)
+    sched.abort_requests("a")
+    assert sched.update_from_output(out, sampled) == []
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_finish_request_for_a_stop_string():
+    sched, kv, dev = make()
+    a = Request("a", [1, 2, 3], params(max_tokens=50))
+    sched.add_request(a)
+    step(sched, dev)
+    step(sched, dev)
+    assert sched.finish_request("a", "stop", stop_reason="###") is a
+    assert a.finish_reason == "stop" and a.stop_reason == "###" and a.metrics.finished_time is not None
+    assert sched.finish_request("a", "stop") is None
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    with pytest.raises(ValueError, match="unknown finish reason"):
+        sched.finish_request("x", "done")
+    with pytest.raises(ValueError, match="not a finished status"):
+        sched.finish_request("x", RequestStatus.RUNNING)
+
+
+def test_eos_finishes_and_tokens_after_a_stop_are_dropped():
+    sched, kv, dev = make()
+    a = Request("a", [1, 2, 3], params(max_tokens=50), eos_token_ids=[EOS])
+    sched.add_request(a)
+    out, finished = step(sched, dev, eos_at={"a": 2})
+    out, finished = step(sched, dev, eos_at={"a": 2})
+    out = sched.schedule()
+    finished = sched.update_from_output(out, {"a": [EOS, 11, 12]})
+    assert finished == [a] and a.output_token_ids[-1] == EOS and a.num_output_tokens == 3
+    assert a.finish_reason == "stop" and a.stop_reason is None
+    m = a.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+
+
+def test_extra_sampled_tokens_are_fed_back_as_uncomputed():
+    sched, kv, dev = make()
+    a = Request("a", [1, 2, 3], params(max_tokens=50))
+    sched.add_request(a)
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": [7, 8, 9]})
+    assert a.output_token_ids == [7, 8, 9] and a.num_computed_tokens == 3
+    (e,) = sched.schedule().scheduled
+    assert (e.start_pos, e.num_new_tokens, e.samples) == (3, 3, True)
+
+
+def test_stale_output_is_refused():
+    sched, kv, dev = make()
+    sched.add_request(Request("a", [1, 2, 3], params(max_tokens=50)))
+    out = sched.schedule()
+    sampled = dev.execute(out)
+    sched.update_from_output(out, sampled)
+    with pytest.raises(RuntimeError, match="stale scheduler output"):
+        sched.update_from_output(out, sampled)
+
+
+# ------------------------------------------------------------------------ property-based state machine
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random add / step / abort / finish with a tiny pool (preemption is frequent), invariants after
+    every operation, and at the end everything must drain (nothing stuck, nothing lost)."""
+
+    @initialize(block_size=st.sampled_from([2, 4]), max_model_len=st.sampled_from([12, 24]),
+                spare_blocks=st.integers(0, 6), budget=st.integers(1, 30), max_seqs=st.integers(1, 5),
+                chunked=st.booleans(), caching=st.booleans())
+    def setup(self, block_size, max_model_len, spare_blocks, budget, max_seqs, chunked, caching):
+        num_blocks = 1 + cdiv(max_model_len, block_size) + spare_blocks
+        self.sched, self.kv, self.dev = make(num_blocks, block_size, max_model_len, budget, max_seqs,
+                                             chunked, caching)
+        self.budget, self.max_seqs = budget, max_seqs
+        self.added: dict[str, Request] = {}
+        self.finished: set[str] = set()
+        self.reported_finished: set[str] = set()
+        self.next_id = 0
+        self.shared_prefix = [7] * max_model_len        # so requests share cached blocks
+
+    @rule(prefix_len=st.integers(0, 12), suffix=st.lists(st.integers(1, VOCAB - 1), max_size=14),
+          max_tokens=st.one_of(st.none(), st.integers(1, 8)), eos=st.booleans())
+    def add(self, prefix_len, suffix, max_tokens, eos):
+        prompt = self.shared_prefix[:prefix_len] + suffix
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        r = Request(rid, prompt, params(max_tokens=max_tokens), eos_token_ids=[EOS] if eos else [])
+        too_long = len(prompt) > self.sched.max_model_len
+        unchunkable = not self.sched.enable_chunked_prefill and len(prompt) > self.budget
+        if not prompt or too_long or unchunkable:
+            with pytest.raises(InvalidRequestError):
+                self.sched.add_request(r)
+            return
+        self.sched.add_request(r)
+        self.added[rid] = r
+
+    @rule(eos_for=st.integers(0, 10))
+    def step(self, eos_for):
+        out = self.sched.schedule()
+        self.check_schedule(out)
+        eos_at = {f"r{eos_for}": 1}
+        if out.preempted_ids:
+            event("preempted")
+        finished = self.sched.update_from_output(out, self.dev.execute(out, eos_at))
+        for r in finished:
+            assert r.is_finished() and r.request_id not in self.finished
+            self.finished.add(r.request_id)
+
+    @precondition(lambda self: self.added)
+    @rule(data=st.data(), finish=st.booleans())
+    def abort_or_finish(self, data, finish):
+        rid = data.draw(st.sampled_from(sorted(self.added)))
+        if finish:
+            r = self.sched.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            got = [r] if r else []
+        else:
+            got = self.sched.abort_requests([rid])
+        if rid in self.finished:
+            assert got == []
+        else:
+            assert [r.request_id for r in got] == [rid]
+            self.finished.add(rid)
+
+    def check_schedule(self, out: SchedulerOutput):
+        sched, kv = self.sched, self.kv
+        assert out.total_num_scheduled_tokens == sum(e.num_new_tokens for e in out.scheduled) <= self.budget
+        assert len(out.scheduled) <= self.max_seqs and sched.num_running <= self.max_seqs
+        assert len({e.request_id for e in out.scheduled}) == len(out.scheduled)
+        sizes = [e.num_new_tokens for e in out.scheduled]
+        assert sizes[:out.num_decodes] == [1] * out.num_decodes and 1 not in sizes[out.num_decodes:]
+        for e in out.scheduled:
+            r = e.request
+            assert r.status == RequestStatus.RUNNING and e.start_pos == r.num_computed_tokens
+            assert 0 < e.num_new_tokens and e.start_pos + e.num_new_tokens <= r.num_tokens
+            assert e.samples == (e.start_pos + e.num_new_tokens == r.num_tokens)
+            assert e.start_pos + e.num_new_tokens <= sched.max_model_len
+            assert e.block_ids == kv.block_ids(r.request_id)
+            assert len(e.block_ids) == cdiv(e.start_pos + e.num_new_tokens, kv.block_size)
+        for rid in out.preempted_ids:
+            assert rid not in {e.request_id for e in out.scheduled}
+        for rid in out.finished_ids:
+            assert rid in self.finished and rid not in self.reported_finished
+            self.reported_finished.add(rid)
+        self.check_blocks()
+
+    @invariant()
+    def check_blocks(self):
+        if not hasattr(self, "kv"):
+            return
+        sched, kv, pool = self.sched, self.kv, self.kv.block_pool
+        holders: dict[int, int] = {}
+        for rid, blocks in kv.req_to_blocks.items():
+            assert rid in sched.requests, "a finished request still holds blocks"
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        assert 0 not in holders and pool.null_block.ref_cnt == 0
+        free = pool.free_block_queue.get_all_free_blocks()
+        assert len(free) == pool.num_free_blocks and len({b.block_id for b in free}) == len(free)
+        assert pool.null_block not in free
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt == holders.get(b.block_id, 0), f"ref count of {b} is wrong"
+        assert all(b.ref_cnt == 0 for b in free)
+        assert pool.num_free_blocks + len(holders) == pool.num_blocks - 1
+        for h, b in pool.cached_block_hash_to_block.items():
+            assert b.block_hash is h
+        assert sum(b.block_hash is not None for b in pool.blocks) == len(pool.cached_block_hash_to_block)
+
+    @invariant()
+    def check_requests(self):
+        if not hasattr(self, "sched"):
+            return
+        sched, kv = self.sched, self.kv
+        live = set(sched.requests)
+        assert live | self.finished == set(self.added) and not live & self.finished, "a request was lost"
+        running = [r.request_id for r in sched.running]
+        waiting = [r.request_id for r in sched.waiting]
+        assert sorted(running + waiting) == sorted(live)
+        for r in sched.running:
+            assert r.status == RequestStatus.RUNNING
+            assert len(kv.block_ids(r.request_id)) == cdiv(r.num_computed_tokens, kv.block_size)
+            assert r.num_computed_tokens < r.num_tokens <= sched.max_model_len
+        for r in sched.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert kv.block_ids(r.request_id) == [] and r.num_computed_tokens == 0
+        for rid in self.finished:
+            r = self.added[rid]
+            assert r.is_finished() and kv.block_ids(rid) == []
+            assert r.max_tokens is None or r.num_output_tokens <= r.max_tokens
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        for _ in range(500):
+            if not self.sched.has_unfinished_requests():
+                break
+            self.step(eos_for=-1)
+        assert not self.sched.has_unfinished_requests(), "requests stuck: the scheduler made no progress"
+        self.check_blocks()
+        if self.kv.prefix_cache_stats.hits:
+            event("prefix-cache hits")
+        pool = self.kv.block_pool
+        assert pool.num_free_blocks == pool.num_blocks - 1
+        for r in self.added.values():
+            # every token is the one its context implies (or an EOS the test injected), preemptions or not
+            for k, token in enumerate(r.output_token_ids):
+                assert token in (EOS, next_token(r.all_token_ids[:r.num_prompt_tokens + k]))
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,96 @@
+"""Paged attention under tensor parallelism: ``kernels.ops`` wrapped in ``jax.shard_map`` over ``"tp"``.
+
+The kernels are per-device math over the heads they are given. Under a mesh each device holds
+``num_heads / tp`` q heads (column-parallel q projection) and its share of the KV cache, so attention needs
+no communication: q, the new k/v and the cache are split on their head axis, the metadata is replicated,
+and the output stays split on heads for the row-parallel o projection (whose all-reduce XLA inserts).
+
+The model calls ``write_kv`` / ``paged_attention`` from here with ``kernels.ops``'s signatures. They read
+the mesh from JAX's abstract-mesh context (``jax.sharding.use_abstract_mesh``, or ``jax.set_mesh``
+outside jit; see ``bind_mesh``): without one, or with tp == 1, they
+are exactly ``kernels.ops``. A context mesh keeps the model's signature (``forward(..., attn_backend=)``)
+unchanged and the mesh out of the hashable ``ModelConfig``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.kernels import ops
+from jaxserve.kernels.metadata import AttentionMetadata
+
+from .mesh import TP, current_tp_mesh
+
+# check_vma=False on the shard_maps: the kernels are per-device math with no collectives, written without
+# varying-manual-axes annotations (their loop carries start as constants), as Pallas kernels are.
+
+HEADS = P(None, TP, None)            # [T, heads, head_dim]
+CACHE_HEADS = P(None, None, TP, None)  # [num_blocks, block_size, kv_heads, head_dim]
+
+
+def bind_mesh(fn, mesh):
+    """``fn`` run with ``mesh`` as the context mesh: wrap the step function *before* ``jax.jit`` so its trace
+    sees the mesh (the attention below shards over it). ``mesh=None`` returns ``fn`` unchanged."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def with_mesh(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return with_mesh
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping, *, backend: str = "reference", **kernel_kwargs):
+    """``kernels.ops.write_kv``; under a tp mesh each device scatters its own kv heads into its cache shard
+    (or, with kv heads replicated because tp > kv heads, every device writes all of them)."""
+    mesh = current_tp_mesh()
+    if mesh is None:
+        return ops.write_kv(k_cache, v_cache, k, v, slot_mapping, backend=backend, **kernel_kwargs)
+    cache_spec, new_spec = _kv_specs(k.shape[1], mesh.shape[TP])
+    fn = jax.shard_map(functools.partial(ops.write_kv, backend=backend, **kernel_kwargs), mesh=mesh,
+                       in_specs=(cache_spec, cache_spec, new_spec, new_spec, P()),
+                       out_specs=(cache_spec, cache_spec), check_vma=False)
+    return fn(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
+                    soft_cap: float | None = None, sliding_window: int | None = None,
+                    backend: str = "reference", **kernel_kwargs):
+    """``kernels.ops.paged_attention``; under a tp mesh q heads (and kv heads) are split over ``"tp"``.
+
+    ``kernel_kwargs`` (fp8 ``k_scale``/``v_scale``, ``interpret``) pass through to the kernel unchanged.
+    """
+    mesh = current_tp_mesh()
+    kernel = functools.partial(ops.paged_attention, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, backend=backend, **kernel_kwargs)
+    if mesh is None:
+        return kernel(q, k_cache, v_cache, md)
+    tp, num_q_heads, num_kv_heads = mesh.shape[TP], q.shape[1], k_cache.shape[2]
+    if num_q_heads % tp:
+        raise ValueError(f"{num_q_heads} attention heads are not divisible by tensor_parallel_size={tp}")
+    cache_spec, _ = _kv_specs(num_kv_heads, tp)
+    if cache_spec == CACHE_HEADS:
+        local = kernel
+    else:
+        # Replicated kv heads: this device's q heads all use kv head (device * num_kv_heads // tp).
+        def local(q, k_cache, v_cache, md):
+            head = jax.lax.axis_index(TP) // (tp // num_kv_heads)
+            k_one = jax.lax.dynamic_slice_in_dim(k_cache, head, 1, axis=2)
+            v_one = jax.lax.dynamic_slice_in_dim(v_cache, head, 1, axis=2)
+            return kernel(q, k_one, v_one, md)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(HEADS, cache_spec, cache_spec, P()), out_specs=HEADS,
+                       check_vma=False)
+    return fn(q, k_cache, v_cache, md)
+
+
+def _kv_specs(num_kv_heads: int, tp: int) -> tuple[P, P]:
+    """(cache spec, new k/v spec): split on kv heads when they divide evenly, else replicated."""
+    if num_kv_heads % tp == 0:
+        return CACHE_HEADS, HEADS
+    if tp % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} kv heads and tensor_parallel_size={tp}: one must divide the other")
+    return P(), P()

@@ -1,0 +1,167 @@
+"""The device mesh of tensor parallelism: one axis, ``"tp"``, and the shardings of what lives on it.
+
+Megatron layout (the model declares it per weight, see ``llama.param_partition_specs``): column-parallel
+q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding and lm_head. Activations between layers and
+all step inputs are replicated; XLA inserts one all-reduce after attention and one after the MLP.
+
+KV heads when ``tp > num_kv_heads``: the cache and the k/v projections are *replicated* (every device
+holds and writes all kv heads) and each device's attention reads the one kv head its q heads use (see
+``attention.py``). vLLM instead makes tp copies of the heads so each device stores one; replication is
+simpler here and costs cache memory only in that rare case (8B-class models have 8 kv heads).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+TP = "tp"
+
+
+def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A one-axis ``("tp",)`` mesh over the first ``tensor_parallel_size`` devices.
+
+    Multi-process (after ``jaxserve.parallel.distributed.initialize``) ``jax.devices()`` lists every
+    process's devices, so the mesh spans them. Auto axis types: XLA propagates shardings from the
+    weights, so the model code stays plain jnp.
+    """
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < tensor_parallel_size:
+        kind = devices[0].platform if devices else "device"
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} devices, but only "
+            f"{len(devices)} {kind} device(s) are visible"
+            + (" (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)"
+               if kind == "cpu" else ""))
+    return Mesh(np.array(devices[:tensor_parallel_size]), (TP,), axis_types=(AxisType.Auto,))
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[TP]
+
+
+def check_tp_compatible(cfg, tp: int) -> None:
+    """Raise a one-line, actionable error when the model's heads cannot be split ``tp`` ways."""
+    if tp == 1:
+        return
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    problems = []
+    if hq % tp:
+        problems.append(f"{hq} attention heads are not divisible by tensor_parallel_size={tp}")
+    if hkv % tp and tp % hkv:
+        problems.append(f"{hkv} kv heads and tensor_parallel_size={tp}: one must divide the other")
+    if cfg.intermediate_size % tp:
+        problems.append(f"intermediate_size {cfg.intermediate_size} is not divisible by {tp}")
+    if problems:
+        sizes = [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or n % hkv == 0)
+                 and cfg.intermediate_size % n == 0]
+        raise ValueError(f"cannot shard this model with tensor_parallel_size={tp}: " + "; ".join(problems)
+                         + f" (sizes that work: {sizes})")
+
+
+def kv_heads_sharded(cfg, tp: int) -> bool:
+    """True when each device owns ``num_kv_heads / tp`` kv heads; False when kv heads are replicated."""
+    return tp > 1 and cfg.num_kv_heads % tp == 0
+
+
+def kv_cache_spec(cfg, tp: int) -> P:
+    """PartitionSpec of one layer's K or V cache ``[num_blocks, block_size, kv_heads, head_dim]``."""
+    return P(None, None, TP, None) if kv_heads_sharded(cfg, tp) else P()
+
+
+def kv_cache_sharding(mesh: Mesh, cfg) -> NamedSharding:
+    """Sharding of each layer's K and V cache: kv heads over ``"tp"`` (replicated when tp > kv heads)."""
+    check_tp_compatible(cfg, tp_size(mesh))
+    return NamedSharding(mesh, kv_cache_spec(cfg, tp_size(mesh)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def shard_step_inputs(mesh: Mesh | None, tree: Any) -> Any:
+    """Place a step's host inputs (token ids, positions, metadata, sampling arrays) replicated on the mesh.
+
+    Every process passes the same values (process 0 broadcasts them first, see ``distributed.py``), so
+    this works whether the mesh spans one process or several.
+    """
+    if mesh is None:
+        return jax.device_put(tree)
+    return jax.device_put(tree, replicated(mesh))
+
+
+def current_tp_mesh():
+    """The context (abstract) mesh when it has a ``"tp"`` axis of size > 1, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or TP not in mesh.axis_names or mesh.shape[TP] == 1:
+        return None
+    return mesh
+
+
+def gather_logits(logits: jax.Array) -> jax.Array:
+    """Inside the step: vocab-sharded logits ``[R, vocab]`` → replicated (no-op without a tp mesh in context).
+
+    The vocab-parallel lm_head gives each device ``[R, vocab/tp]``; the sampler runs on the gathered
+    ``[R, vocab]``: one all-gather of R rows per step, simpler than a sharded top-k/top-p, and small next to
+    the weights a step reads. Pinning the vocab-sharded layout first matters: asked only for a replicated
+    result, XLA all-gathers the lm_head weight instead.
+    """
+    if current_tp_mesh() is None:
+        return logits
+    logits = jax.lax.with_sharding_constraint(logits, P(*([None] * (logits.ndim - 1)), TP))
+    return jax.lax.with_sharding_constraint(logits, P())
+
+
+def adjust_spec_for_tp(name: str, spec: P, cfg, tp: int) -> P:
+    """Replicate the k/v projections when kv heads are replicated (tp > num_kv_heads).
+
+    Splitting ``kv_heads * head_dim`` columns tp ways would cut a head in half; attention then needs
+    whole heads, so they stay whole and every device computes all of them (small: k/v are 1/4 of q or
+    less in GQA models).
+    """
+    if tp > 1 and not kv_heads_sharded(cfg, tp) and _is_kv_projection(name):
+        return P()
+    return spec
+
+
+def _is_kv_projection(name: str) -> bool:
+    """``layers.3.k`` / ``layers.3.v_bias`` (llama.param_shapes names) and HF-style ``k_proj``/``v_proj``."""
+    leaf = name.replace("/", ".").split(".")[-1]
+    return leaf in ("k", "v", "k_bias", "v_bias", "k_proj", "v_proj")
+
+
+def param_shardings(specs: Any, mesh: Mesh, cfg=None) -> Any:
+    """``NamedSharding`` per weight from a pytree of ``PartitionSpec`` (``llama.param_partition_specs``).
+
+    With ``cfg`` given, checks the heads split evenly and replicates k/v projections when tp > kv heads.
+    """
+    tp = tp_size(mesh)
+    if cfg is not None:
+        check_tp_compatible(cfg, tp)
+
+    def one(path, spec):
+        if cfg is not None:
+            spec = adjust_spec_for_tp(jax.tree_util.keystr(path, simple=True, separator="."), spec, cfg, tp)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def check_divisible(shapes: Any, specs: Any, mesh: Mesh) -> None:
+    """Raise one clear line naming the first weight whose sharded dimension does not split evenly."""
+    tp = tp_size(mesh)
+    flat_specs = dict(jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0])
+    for path, shape in jax.tree_util.tree_flatten_with_path(
+            shapes, is_leaf=lambda x: hasattr(x, "shape"))[0]:
+        spec = flat_specs.get(path)
+        if spec is None:
+            continue
+        for dim, axis in zip(shape.shape, spec):
+            if axis == TP and dim % tp:
+                name = jax.tree_util.keystr(path, simple=True, separator=".")
+                raise ValueError(f"weight {name} {tuple(shape.shape)}: dimension {dim} is not divisible by "
+                                 f"tensor_parallel_size={tp}")

@@ -1,0 +1,358 @@
+"""Paged attention kernels on one GPU: ours (kernels/paged_attention_pallas.py) vs the stock Pallas kernel.
+
+    python benchmarks/kernels_bench.py            # the H200 run: checks, decode sweep, prefill, mixed, fp8
+    python benchmarks/kernels_bench.py --smoke    # tiny sizes on CPU (interpret mode), so CI sees it run
+
+Sections: (1) correctness of ours against the pure-jnp reference on small mixed steps (bf16, f32, fp8,
+soft-cap + window); (2) decode B=64 x ctx 2048, 32q/8kv, d=128, bf16, block 16: stock
+``jax.experimental.pallas.ops.gpu.paged_attention`` and a few tile configs of ours; (3) the B x ctx sweep in
+TB/s of KV read and % of the 4.3 TB/s copy ceiling; (4) prefill 8 x 2048 causal (ours, cuDNN, Mosaic GPU
+FA3 in fp16), with a 2048-token cached prefix, and a mixed step; (5) fp8 vs bf16 decode at long context.
+
+Timing: each measurement is a jitted chain of ``n_iter`` calls, each feeding its output in as the next
+query (so nothing is hoisted or overlapped), cycling over several block tables drawn from a pool >= 1 GiB
+so consecutive calls read different memory (L2 is 60 MB); median over ``reps`` runs, divided by n_iter.
+Bytes = K and V of every context token read once; FLOPs = 4 * Hq * D * (query, key) pairs attended.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental.pallas.ops.gpu import paged_attention as stock  # noqa: E402
+
+from jaxserve.kernels import paged_attention_pallas as pa, ref_attention, synthetic  # noqa: E402
+from jaxserve.kernels.metadata import AttentionMetadata  # noqa: E402
+
+CEIL_TBS = 4.3       # H200 device-to-device copy, measured here (read + write)
+CUDNN_TFLOPS = 502   # jax.nn.dot_product_attention(implementation="cudnn"), 8 x 2048 causal, measured here
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    hq: int = 32
+    kvh: int = 8
+    d: int = 128
+    bs: int = 16
+    main_b: int = 64
+    main_ctx: int = 2048
+    sweep_b: tuple = (1, 8, 64, 256)
+    sweep_ctx: tuple = (512, 2048, 8192, 32768)
+    max_kv_gib: float = 40.0            # skip sweep points whose K+V exceed this
+    prefill_b: int = 8
+    prefill_len: int = 2048
+    mixed_decodes: int = 200
+    mixed_ctx: int = 2048
+    mixed_chunks: int = 2
+    mixed_chunk: int = 1024
+    fp8_cases: tuple = ((8, 32768), (64, 8192))
+    pool_bytes: int = 1 << 30
+    n_iter: int = 16
+    reps: int = 5
+    interpret: bool = False
+
+
+SMOKE = Sizes(hq=4, kvh=2, d=64, bs=16, main_b=2, main_ctx=64, sweep_b=(1, 2), sweep_ctx=(32, 64),
+              prefill_b=2, prefill_len=32, mixed_decodes=3, mixed_ctx=48, mixed_chunks=1, mixed_chunk=16,
+              fp8_cases=((2, 64),), pool_bytes=1 << 20, n_iter=2, reps=1, interpret=True)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def timed(fn, *args, n_iter, reps):
+    """Seconds per call of ``fn`` (a jitted chain of n_iter calls)."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) / n_iter
+
+
+def chain(step, n_iter, n_rot):
+    """jit(q, k, v, tables, *rest) -> q after n_iter steps, step i using block table i % n_rot."""
+    def run(q, k, v, tables, *rest):
+        for i in range(n_iter):
+            q = step(q, k, v, tables[i % n_rot], *rest)
+        return q
+    return jax.jit(run)
+
+
+def decode_inputs(S: Sizes, B, ctx, *, seed=0, cache_dtype=None):
+    """Decode batch: B requests at context ctx, caches in a pool >= pool_bytes, several block tables."""
+    pages = -(-ctx // S.bs)
+    need = B * pages
+    page_bytes = S.bs * S.kvh * S.d * 2 * jnp.dtype(cache_dtype or jnp.bfloat16).itemsize
+    pool = max(need, S.pool_bytes // page_bytes) + 1
+    n_rot = max(1, min(S.n_iter, pool // need))
+    rng = np.random.default_rng(seed)
+    tables = np.stack([rng.choice(pool - 1, need, replace=False).reshape(B, pages) + 1 for _ in range(n_rot)])
+    kk, kv_, kq = jax.random.split(jax.random.key(seed), 3)
+    k = jax.random.normal(kk, (pool, S.bs, S.kvh, S.d), jnp.bfloat16)
+    v = jax.random.normal(kv_, (pool, S.bs, S.kvh, S.d), jnp.bfloat16)
+    if cache_dtype is not None:
+        k, v = k.astype(cache_dtype), v.astype(cache_dtype)
+    q = jax.random.normal(kq, (B, S.hq, S.d), jnp.bfloat16)
+    seq_lens = jnp.full((B,), ctx, jnp.int32)
+    return q, k, v, jnp.asarray(tables, jnp.int32), seq_lens, n_rot
+
+
+def kv_bytes(S, tokens, itemsize=2):
+    return tokens * S.kvh * S.d * 2 * itemsize
+
+
+def ours_decode_step(S, **cfg):
+    def step(q, k, v, table, seq_lens):
+        B = q.shape[0]
+        md = AttentionMetadata(slot_mapping=jnp.zeros((B,), jnp.int32), block_tables=table, seq_lens=seq_lens,
+                               query_start_loc=jnp.arange(B + 1, dtype=jnp.int32),
+                               num_seqs=jnp.int32(B))
+        return pa.ragged_paged_attention(q, k, v, md, sm_scale=S.d ** -0.5, interpret=S.interpret, **cfg)
+    return step
+
+
+def stock_decode_step(S):
+    def step(q, k_pages, v_pages, table, seq_lens):
+        splits = math.gcd(16, table.shape[1])   # the stock default (16) must divide the pages per sequence
+        return stock.paged_attention(q, k_pages, v_pages, table, seq_lens, k_splits=splits, interpret=S.interpret)
+    return step
+
+
+def time_decode(S, B, ctx, *, which="ours", cache_dtype=None, k_scale=None, **cfg):
+    q, k, v, tables, seq_lens, n_rot = decode_inputs(S, B, ctx, cache_dtype=cache_dtype)
+    if which == "stock":
+        k, v = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
+        step = stock_decode_step(S)
+    else:
+        step = ours_decode_step(S, k_scale=k_scale, v_scale=k_scale, **cfg)
+    fn = chain(step, S.n_iter, n_rot)
+    t = timed(fn, q, k, v, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
+    return t, kv_bytes(S, B * ctx, jnp.dtype(k.dtype).itemsize) / t / 1e12
+
+
+def ragged_inputs(S, q_lens, ctx_lens, seed=1):
+    rng = np.random.default_rng(seed)
+    q, k, v, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=S.bs, num_q_heads=S.hq,
+                                       num_kv_heads=S.kvh, head_dim=S.d, dtype=jnp.bfloat16, share_prefix=False)
+    return q, k, v, md
+
+
+def attended_pairs(q_lens, ctx_lens):
+    return sum(q * (c - q) + q * (q + 1) // 2 for q, c in zip(q_lens, ctx_lens))
+
+
+def time_ragged(S, q_lens, ctx_lens, **cfg):
+    q, k, v, md = ragged_inputs(S, q_lens, ctx_lens)
+    fn = chain(lambda q, k, v, tables, md: pa.ragged_paged_attention(
+        q, k, v, md, sm_scale=S.d ** -0.5, interpret=S.interpret, **cfg), S.n_iter, 1)
+    t = timed(fn, q, k, v, [None], md, n_iter=S.n_iter, reps=S.reps)
+    flops = 4 * S.hq * S.d * attended_pairs(q_lens, ctx_lens)
+    return t, flops / t / 1e12
+
+
+def section_correctness(S, rows):
+    log("## 1. correctness vs the pure-jnp reference (max |out-ref| / max |ref|)")
+    cases = [("bf16 mixed", jnp.bfloat16, None, None, None, 1e-2),
+             ("f32 mixed", jnp.float32, None, None, None, 1e-4),
+             ("bf16 soft-cap 30 + window 40", jnp.bfloat16, 30.0, 40, None, 1e-2),
+             ("fp8 cache, per-head scale", jnp.bfloat16, None, None, "fp8", 1e-2)]
+    q_lens, ctx_lens = [1, 1, 37, 1, 130, 1], [700, 33, 37, 1, 300, 17]
+    if S.interpret:
+        q_lens, ctx_lens = [1, 5, 1], [40, 9, 17]
+    ok = True
+    for i, (name, dtype, cap, win, cache, tol) in enumerate(cases):
+        for splits in (None, 4):
+            rng = np.random.default_rng(i)
+            q, k, v, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=S.bs, num_q_heads=S.hq,
+                                               num_kv_heads=S.kvh, head_dim=S.d, dtype=dtype, pad_tokens=3,
+                                               pad_reqs=1)
+            scale = None
+            if cache == "fp8":
+                scale = jnp.linspace(0.5, 1.5, S.kvh)
+                k, v = (ref_attention.quantize_kv(x.reshape(-1, S.kvh, S.d), jnp.float8_e4m3fn, scale).reshape(x.shape)
+                        for x in (k, v))
+            kw = dict(sm_scale=S.d ** -0.5, soft_cap=cap, sliding_window=win, k_scale=scale, v_scale=scale)
+            ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
+            out = pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
+                                            decode_splits=splits, **kw)
+            o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+            err = float(np.abs(o - r).max() / np.abs(r).max()) if not np.isnan(o).any() else float("nan")
+            good = err <= tol
+            ok &= good
+            log(f"- {name}, splits={splits or 'auto'}: {err:.2e} (tol {tol:.0e}) {'ok' if good else 'FAIL'}")
+    rows.append(("correctness", "all cases within tolerance" if ok else "FAILED"))
+    return ok
+
+
+def section_decode_main(S, rows):
+    B, ctx = S.main_b, S.main_ctx
+    log(f"\n## 2. decode B={B} ctx={ctx} {S.hq}q/{S.kvh}kv d={S.d} bf16 block {S.bs}")
+    t, tbs = time_decode(S, B, ctx, which="stock")
+    log(f"| stock pallas.ops.gpu.paged_attention | {t * 1e6:.1f} us | {tbs:.2f} TB/s | {100 * tbs / CEIL_TBS:.0f}% |")
+    rows.append((f"decode B={B} ctx={ctx}: stock", f"{t * 1e6:.1f} us, {tbs:.2f} TB/s"))
+    stock_tbs = tbs
+    variants = [dict(), dict(decode_splits=1), dict(decode_splits=2), dict(decode_splits=4),
+                dict(decode_block_k=128), dict(decode_block_k=32, decode_stages=4),
+                dict(decode_stages=4), dict(decode_warps=8, decode_block_k=128)]
+    if S.interpret:
+        variants = variants[:2]
+    best = None
+    for cfg in variants:
+        try:
+            t, tbs = time_decode(S, B, ctx, **cfg)
+        except Exception as e:  # a config that does not compile is reported, not fatal
+            log(f"| ours {cfg} | failed: {type(e).__name__}: {str(e)[:200]} |")
+            continue
+        log(f"| ours {cfg or 'default'} | {t * 1e6:.1f} us | {tbs:.2f} TB/s | {100 * tbs / CEIL_TBS:.0f}% | "
+            f"{tbs / stock_tbs:.2f}x stock |")
+        if best is None or tbs > best[1]:
+            best = (cfg, tbs, t)
+    rows.append((f"decode B={B} ctx={ctx}: ours best {best[0] or 'default'}",
+                 f"{best[2] * 1e6:.1f} us, {best[1]:.2f} TB/s ({100 * best[1] / CEIL_TBS:.0f}% of ceiling, "
+                 f"{best[1] / stock_tbs:.2f}x stock)"))
+    return {k: v for k, v in best[0].items() if k != "decode_splits"}
+
+
+def section_sweep(S, rows, cfg):
+    log(f"\n## 3. decode sweep (ours {cfg or 'default'}, auto splits), TB/s of K+V read and % of {CEIL_TBS} TB/s")
+    log("| B | ctx | ours us | ours TB/s | ours % | stock us | stock TB/s | stock % | ours/stock |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    for B in S.sweep_b:
+        for ctx in S.sweep_ctx:
+            if kv_bytes(S, B * ctx) > S.max_kv_gib * 2 ** 30:
+                log(f"| {B} | {ctx} | skipped: K+V {kv_bytes(S, B * ctx) / 2 ** 30:.0f} GiB |")
+                continue
+            try:
+                t1, b1 = time_decode(S, B, ctx, **cfg)
+                t2, b2 = time_decode(S, B, ctx, which="stock")
+            except Exception as e:
+                log(f"| {B} | {ctx} | failed: {type(e).__name__}: {str(e)[:200]} |")
+                continue
+            log(f"| {B} | {ctx} | {t1 * 1e6:.1f} | {b1:.2f} | {100 * b1 / CEIL_TBS:.0f}% | {t2 * 1e6:.1f} | "
+                f"{b2:.2f} | {100 * b2 / CEIL_TBS:.0f}% | {b1 / b2:.2f}x |")
+
+
+def section_prefill(S, rows):
+    B, L = S.prefill_b, S.prefill_len
+    log(f"\n## 4. prefill {B} x {L} causal, {S.hq}q/{S.kvh}kv d={S.d} bf16 (TFLOP/s, causal FLOPs only)")
+    flops = 4 * S.hq * S.d * B * L * (L + 1) // 2
+    best = None
+    variants = [dict(), dict(prefill_warps=4, prefill_stages=3), dict(prefill_block_m=64, prefill_warps=4),
+                dict(prefill_block_k=128), dict(prefill_block_m=256, prefill_warps=8)]
+    if S.interpret:
+        variants = variants[:1]
+    for cfg in variants:
+        try:
+            t, tf = time_ragged(S, [L] * B, [L] * B, **cfg)
+        except Exception as e:
+            log(f"| ours {cfg} | failed: {type(e).__name__}: {str(e)[:200]} |")
+            continue
+        log(f"| ours {cfg or 'default'} | {t * 1e3:.3f} ms | {tf:.0f} TFLOP/s |")
+        if best is None or tf > best[1]:
+            best = (cfg, tf, t)
+    rows.append((f"prefill {B}x{L} causal: ours best {best[0] or 'default'}",
+                 f"{best[2] * 1e3:.3f} ms, {best[1]:.0f} TFLOP/s"))
+    key = jax.random.key(3)
+    q = jax.random.normal(key, (B, L, S.hq, S.d), jnp.bfloat16)
+    k = jax.random.normal(jax.random.fold_in(key, 1), (B, L, S.kvh, S.d), jnp.bfloat16)
+    v = jax.random.normal(jax.random.fold_in(key, 2), (B, L, S.kvh, S.d), jnp.bfloat16)
+    others = {}
+    if S.interpret:   # CPU smoke: exercise the comparison path with XLA's attention
+        others["xla (jax.nn.dot_product_attention)"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    else:
+        others["cuDNN"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        others["Mosaic GPU attention_mgpu (fp16)"] = mgpu_fa3
+    for name, f in others.items():
+        try:
+            fn = jax.jit(lambda q, k, v, f=f: functools.reduce(lambda acc, _: f(acc, k, v), range(S.n_iter), q))
+            t = timed(fn, q, k, v, n_iter=S.n_iter, reps=S.reps)
+            log(f"| {name} | {t * 1e3:.3f} ms | {flops / t / 1e12:.0f} TFLOP/s |")
+            rows.append((f"prefill {B}x{L} causal: {name}", f"{t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s"))
+        except Exception as e:
+            log(f"| {name} | failed: {type(e).__name__}: {str(e)[:300]} |")
+    pcfg = best[0]
+    t, tf = time_ragged(S, [L] * B, [2 * L] * B, **pcfg)
+    log(f"| ours, {L} new tokens on a {L}-token cached prefix | {t * 1e3:.3f} ms | {tf:.0f} TFLOP/s |")
+    rows.append((f"prefill {B}x{L} on a {L} cached prefix: ours", f"{t * 1e3:.3f} ms, {tf:.0f} TFLOP/s"))
+    nd, nc, c = S.mixed_decodes, S.mixed_chunks, S.mixed_chunk
+    q_lens = [1] * nd + [c] * nc
+    ctx_lens = [S.mixed_ctx] * nd + [2 * c] * nc
+    t, tf = time_ragged(S, q_lens, ctx_lens, **pcfg)
+    byts = kv_bytes(S, sum(ctx_lens))
+    log(f"| ours, mixed: {nd} decodes @ctx {S.mixed_ctx} + {nc} chunks of {c} (on a {c} prefix) | {t * 1e3:.3f} ms | "
+        f"{tf:.0f} TFLOP/s | {byts / t / 1e12:.2f} TB/s of K+V |")
+    rows.append((f"mixed {nd} decodes + {nc}x{c} chunks: ours", f"{t * 1e3:.3f} ms"))
+    return pcfg
+
+
+def mgpu_fa3(q, k, v):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    cfg = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+    return attention_mgpu.attention(q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16),
+                                    cfg).astype(q.dtype)
+
+
+def section_fp8(S, rows, cfg):
+    log("\n## 5. fp8 (e4m3) KV cache vs bf16, decode")
+    log("| B | ctx | bf16 us | fp8 us | fp8/bf16 time | fp8 TB/s (fp8 bytes) | fp8 'bf16-equivalent' TB/s |")
+    log("|---|---|---|---|---|---|---|")
+    for B, ctx in S.fp8_cases:
+        t16, _ = time_decode(S, B, ctx, **cfg)
+        t8, b8 = time_decode(S, B, ctx, cache_dtype=jnp.float8_e4m3fn, k_scale=jnp.float32(0.5), **cfg)
+        log(f"| {B} | {ctx} | {t16 * 1e6:.1f} | {t8 * 1e6:.1f} | {t8 / t16:.2f} | {b8:.2f} | "
+            f"{kv_bytes(S, B * ctx) / t8 / 1e12:.2f} |")
+        rows.append((f"fp8 decode B={B} ctx={ctx}", f"{t8 * 1e6:.1f} us vs bf16 {t16 * 1e6:.1f} us ({t8 / t16:.2f}x)"))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in interpret mode (CI)")
+    ap.add_argument("--only", default="1,2,3,4,5", help="comma list of sections to run")
+    args = ap.parse_args(argv)
+    S = SMOKE if args.smoke else Sizes()
+    secs = set(args.only.split(","))
+    log(f"# kernels_bench {'--smoke' if args.smoke else ''}: jax {jax.__version__}, device {jax.devices()[0].device_kind}")
+    rows = []
+    cfg, ok = {}, True
+    steps = [("1", lambda: section_correctness(S, rows)), ("2", lambda: section_decode_main(S, rows)),
+             ("3", lambda: section_sweep(S, rows, cfg)), ("4", lambda: section_prefill(S, rows)),
+             ("5", lambda: section_fp8(S, rows, cfg))]
+    for sec, fn in steps:
+        if sec not in secs:
+            continue
+        try:
+            res = fn()
+            if sec == "1":
+                ok = res
+            if sec == "2":
+                cfg = res
+        except Exception:
+            ok = False
+            log(f"section {sec} failed:\n{traceback.format_exc()}")
+    log("\n## summary\n| what | result |\n|---|---|")
+    for what, res in rows:
+        log(f"| {what} | {res} |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -459,6 +459,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         holders: dict[int, int] = {}
         for rid, blocks in kv.req_to_blocks.items():
             assert rid in sched.requests, "a finished request still holds blocks"
+            assert kv.block_ids(rid) == [b.block_id for b in blocks]
             for b in blocks:
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         assert 0 not in holders and pool.null_block.ref_cnt == 0

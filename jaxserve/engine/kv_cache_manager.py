@@ -45,6 +45,8 @@ class KVCacheManager:
                 f"({self.num_usable_blocks} blocks of {block_size}), fewer than max_model_len "
                 f"{max_model_len}: lower max_model_len or give the KV cache more memory")
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as plain ids, kept alongside so block_ids() is a C-level list copy.
+        self.req_to_block_ids: dict[str, list[int]] = {}
         # How many of a request's leading blocks are already in the prefix cache (or were offered to it).
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -145,21 +147,25 @@ class KVCacheManager:
         if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
             return None
 
-        if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
         if is_first_allocation:
             self.req_to_blocks[req.request_id] = req_blocks
+            self.req_to_block_ids[req.request_id] = []
             self.num_cached_blocks[req.request_id] = len(new_computed_blocks)
             if self.enable_prefix_caching:
                 stats = self.prefix_cache_stats
                 stats.requests += 1
                 stats.queries += req.num_tokens
                 stats.hits += len(new_computed_blocks) * self.block_size
+        req_block_ids = self.req_to_block_ids[req.request_id]
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            req_block_ids.extend(b.block_id for b in new_computed_blocks)
         if num_new_blocks <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
+        req_block_ids.extend(b.block_id for b in new_blocks)
         return new_blocks
 
     def free(self, req: Request) -> None:
@@ -167,6 +173,7 @@ class KVCacheManager:
         Safe to call for a request that holds none."""
         blocks = self.req_to_blocks.pop(req.request_id, None)
         self.num_cached_blocks.pop(req.request_id, None)
+        self.req_to_block_ids.pop(req.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
@@ -175,4 +182,5 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (physical block ids, a fresh list); empty if it holds none."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        ids = self.req_to_block_ids.get(request_id)
+        return list(ids) if ids else []

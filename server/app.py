@@ -1,0 +1,252 @@
+"""The Litestar app (`build_app`) and the process that serves it (`run_server`)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import logging
+import signal
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+from litestar import Litestar, Request, Response, get, post
+from litestar.config.cors import CORSConfig
+from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.params import JSONBody
+from litestar.types import ASGIApp, Receive, Scope, Send
+
+import jaxserve
+
+from .args import ServerArgs
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, bad_request, error_response, exception_handler
+from .metrics import CONTENT_TYPE
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                       DetokenizeRequest, DetokenizeResponse, EmbeddingData, EmbeddingRequest, EmbeddingResponse,
+                       EmbeddingUsage, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                       VersionResponse)
+from .serving import ClientDisconnected, Serving
+
+log = logging.getLogger("jaxserve.server")
+
+# Routes anyone may call without the API key (probes and scrapers), as in vLLM.
+OPEN_PATHS = ("/health", "/version", "/metrics", "/schema", "/ping")
+CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it, the access log does
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(content=msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _errors(*statuses: int) -> dict[int, ResponseSpec]:
+    return {s: ResponseSpec(data_container=ErrorResponse, description="OpenAI error body") for s in statuses}
+
+
+def auth_middleware(api_key: str):
+    """401 with an OpenAI body unless 'Authorization: Bearer <key>' matches (constant-time compare)."""
+    expected = f"Bearer {api_key}".encode()
+    body = msgspec.json.encode(APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                        code="invalid_api_key").body())
+
+    def factory(app: ASGIApp) -> ASGIApp:
+        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http" and not scope["path"].startswith(OPEN_PATHS):
+                given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                if not hmac.compare_digest(given, expected):
+                    await send({"type": "http.response.start", "status": 401,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"content-length", str(len(body)).encode()),
+                                            (b"www-authenticate", b"Bearer")]})
+                    await send({"type": "http.response.body", "body": body})
+                    return
+            await app(scope, receive, send)
+        return middleware
+    return factory
+
+
+def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
+    """The OpenAI-compatible app on top of an AsyncLLMEngine-like `engine` (see docs/design.md)."""
+    args = server_args or ServerArgs()
+    serving = Serving(engine, args)
+    created = int(time.time())
+
+    async def run(request: Request, work) -> Response:
+        try:
+            result = await work
+        except ClientDisconnected:
+            return Response(content=b"", status_code=CLIENT_CLOSED)
+        return result if isinstance(result, Response) else _json(result)
+
+    @post("/v1/chat/completions", status_code=200,
+          responses={200: ResponseSpec(ChatCompletionResponse, description="a completion, or SSE chunks when "
+                                       "stream=true"), **_errors(400, 401, 404, 413, 429, 500)})
+    async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
+        return await run(request, create_chat_completion(serving, data, request.receive))
+
+    @post("/v1/completions", status_code=200,
+          responses={200: ResponseSpec(CompletionResponse, description="a completion, or SSE chunks when "
+                                       "stream=true"), **_errors(400, 401, 404, 413, 429, 500)})
+    async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response:
+        return await run(request, create_completion(serving, data, request.receive))
+
+    @post("/v1/embeddings", status_code=200, responses=_errors(400, 401, 404, 413))
+    async def embeddings(data: JSONBody[EmbeddingRequest]) -> Response:
+        serving.check_model(data.model)
+        inputs = data.input
+        if isinstance(inputs, str):
+            batch: list = [inputs]
+        elif all(isinstance(x, int) for x in inputs):
+            batch = [list(inputs)]
+        else:
+            batch = list(inputs)
+        if any(isinstance(x, int) for x in batch):
+            raise bad_request("input must be a string, a list of strings, a list of token ids or a list of "
+                              "token-id lists (not a mix)", "input")
+        token_lists = [(await serving.encode(x)) if isinstance(x, str) else list(x) for x in batch]
+        vectors = await engine.embed(token_lists, dimensions=data.dimensions)
+        items = []
+        for i, v in enumerate(vectors):
+            v = np.asarray(getattr(getattr(v, "outputs", None), "embedding", v), dtype=np.float32)
+            emb: Any = base64.b64encode(v.tobytes()).decode() if data.encoding_format == "base64" else v.tolist()
+            items.append(EmbeddingData(i, emb))
+        n = sum(len(t) for t in token_lists)
+        return _json(EmbeddingResponse(data.model or serving.model_name, items, EmbeddingUsage(n, n)))
+
+    @get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList([ModelCard(id=name, created=created, max_model_len=serving.max_model_len,
+                                    root=serving.model_names[0]) for name in serving.model_names])
+
+    @post("/tokenize", status_code=200, responses=_errors(400, 401, 404))
+    async def tokenize(data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
+        serving.check_model(data.model)
+        if (data.prompt is None) == (data.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if data.messages is not None:
+            text = await serving.render_chat(data.messages, add_generation_prompt=data.add_generation_prompt,
+                                             continue_final_message=data.continue_final_message,
+                                             chat_template=data.chat_template,
+                                             chat_template_kwargs=data.chat_template_kwargs)
+            ids = await serving.encode(text, add_special_tokens=bool(data.add_special_tokens))
+        else:
+            ids = await serving.encode(data.prompt, add_special_tokens=data.add_special_tokens is not False)
+        strs = serving.tokenizer.convert_ids_to_tokens(ids) if data.return_token_strs else None
+        return TokenizeResponse(len(ids), serving.max_model_len, ids, strs)
+
+    @post("/detokenize", status_code=200, responses=_errors(400, 401, 404))
+    async def detokenize(data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:
+        serving.check_model(data.model)
+        serving.check_token_ids(data.tokens, "tokens")
+        return DetokenizeResponse(serving.tokenizer.decode(data.tokens))
+
+    @get("/health", responses=_errors(503))
+    async def health() -> Response:
+        if serving.draining:
+            return error_response(APIError(503, "the server is shutting down", code="draining"))
+        if not engine.is_healthy():
+            return error_response(APIError(503, "the engine loop is dead or stuck", code="engine_unhealthy"))
+        return Response(content=b"", status_code=200)
+
+    @get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(jaxserve.__version__)
+
+    @get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(content=serving.metrics.render(), media_type=CONTENT_TYPE)
+
+    middleware = [auth_middleware(args.api_key)] if args.api_key else []
+    cors = None
+    if args.allowed_origins:
+        cors = CORSConfig(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                          allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+    app = Litestar(
+        route_handlers=[chat_completions, completions, embeddings, models, tokenize, detokenize, health, version,
+                        metrics],
+        exception_handlers={Exception: exception_handler, HTTPException: exception_handler},
+        middleware=middleware,
+        cors_config=cors,
+        request_max_body_size=args.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="jaxserve", version=jaxserve.__version__, path="/schema"),
+        logging_config=None,
+    )
+    app.state.serving = serving
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------
+# the process
+
+
+def run_server(engine_config: Any, server_args: ServerArgs) -> int:
+    """Load the engine, serve until SIGTERM/SIGINT, drain in-flight requests, exit 0."""
+    import uvicorn
+
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.monotonic()
+    engine = AsyncLLMEngine(engine_config)
+    app = build_app(engine, server_args)
+    serving: Serving = app.state.serving
+    stats = engine.stats()
+    log.info("loaded %s: max_model_len %d, %s KV blocks, ready in %.1f s", serving.model_name,
+             serving.max_model_len, stats.get("num_kv_blocks", "?"), time.monotonic() - t0)
+
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop", http="httptools",
+                            log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_uvicorn_access_log,
+                            root_path=server_args.root_path or "", timeout_graceful_shutdown=server_args.drain_timeout,
+                            lifespan="off")
+    server = _DrainingServer(config, serving)
+    server.run()
+    log.info("HTTP server stopped; stopping the engine")
+    engine.shutdown(drain_timeout=min(server_args.drain_timeout, 5.0))
+    log.info("bye")
+    return 0
+
+
+class _DrainingServer:
+    """uvicorn.Server that marks /health 503 on SIGTERM/SIGINT, lets uvicorn finish in-flight requests up
+    to the drain timeout, and does not re-raise the signal afterwards (so the process exits 0)."""
+
+    def __new__(cls, config, serving):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+                self._install()
+
+            def capture_signals(self):  # uvicorn >= 0.29 re-raises captured signals on exit; we do not
+                import contextlib
+
+                @contextlib.contextmanager
+                def handlers():
+                    self._install()
+                    yield
+                return handlers()
+
+            def _install(self) -> None:
+                loop = asyncio.get_event_loop()
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, self._on_signal, sig)
+
+            def _on_signal(self, sig) -> None:
+                if serving.draining:  # a second signal: stop now
+                    self.force_exit = True
+                serving.draining = True
+                log.info("%s: no new connections; finishing in-flight requests (up to %.0f s)",
+                         signal.Signals(sig).name, config.timeout_graceful_shutdown or 0)
+                self.should_exit = True
+
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets)
+                if self.started:
+                    host, port = config.host, config.port
+                    log.info("ready: http://%s:%d/v1 (model %s)", host, port, serving.model_name)
+                    print(f"jaxserve ready on http://{host}:{port}", flush=True)
+
+        return Server(config)

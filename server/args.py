@@ -1,0 +1,93 @@
+"""Server options (vLLM's flag names where vLLM has the flag) and the argparse flags the CLI adds."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None                      # also read from $JAXSERVE_API_KEY / $VLLM_API_KEY
+    served_model_name: list[str] | None = None      # None: the engine's name for the model
+    max_waiting_requests: int | None = None         # 429 once this many requests wait; None = no limit
+    metrics_prefix: str = "jaxserve"                # "vllm" emits vllm:* names for existing dashboards
+    max_body_bytes: int = 8 * 1024 * 1024           # 413 above this
+    drain_timeout: float = 30.0                     # SIGTERM: seconds to finish in-flight requests
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty = no CORS headers
+    allow_credentials: bool = False
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    root_path: str | None = None
+    response_role: str = "assistant"
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+    max_log_len: int | None = None
+    health_stall_seconds: float | None = None       # /health 503 when a request waits longer; None = engine decides
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError:
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(out, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON list, got {value!r}")
+    return [str(v) for v in out]
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, **kw) -> None:
+    """Add a flag unless the CLI already defines it (some, like --served-model-name, are shared)."""
+    if flag in parser._option_string_actions:
+        return
+    parser.add_argument(flag, **kw)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the server flags to `parser` (the `serve` sub-command's). Defaults come from ServerArgs."""
+    d = ServerArgs()
+    g = parser.add_argument_group("server")
+    _add(g, "--host", default=d.host, help="address to bind (default %(default)s)")
+    _add(g, "--port", type=int, default=d.port, help="port to bind (default %(default)s)")
+    _add(g, "--api-key", default=None,
+         help="require 'Authorization: Bearer KEY' on every API route (also $JAXSERVE_API_KEY)")
+    _add(g, "--served-model-name", nargs="+", default=None,
+         help="model name(s) the API answers to; the first is reported (default: the model's path/name)")
+    _add(g, "--max-waiting-requests", type=int, default=None,
+         help="answer 429 when this many requests are waiting (default: no limit)")
+    _add(g, "--metrics-prefix", choices=["jaxserve", "vllm"], default=d.metrics_prefix,
+         help="prefix of the Prometheus metric names; 'vllm' matches vLLM's Grafana dashboards")
+    _add(g, "--max-body-bytes", type=int, default=d.max_body_bytes,
+         help="largest request body accepted, in bytes (413 above; default %(default)s)")
+    _add(g, "--drain-timeout", type=float, default=d.drain_timeout,
+         help="on SIGTERM, seconds to let in-flight requests finish (default %(default)s)")
+    _add(g, "--allowed-origins", type=_json_list, default=[], help="CORS origins, JSON list or comma separated")
+    _add(g, "--allow-credentials", action="store_true", help="CORS: allow credentials")
+    _add(g, "--allowed-methods", type=_json_list, default=d.allowed_methods, help="CORS methods")
+    _add(g, "--allowed-headers", type=_json_list, default=d.allowed_headers, help="CORS headers")
+    _add(g, "--root-path", default=None, help="ASGI root_path when behind a path-based proxy")
+    _add(g, "--response-role", default=d.response_role, help="role of the generated chat message")
+    _add(g, "--uvicorn-log-level", default=d.uvicorn_log_level,
+         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    _add(g, "--disable-uvicorn-access-log", action="store_true", help="no per-request access log lines")
+    _add(g, "--max-log-len", type=int, default=None, help="(accepted for vLLM compatibility)")
+    return parser
+
+
+def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    """Pick the ServerArgs fields out of parsed CLI args (missing ones keep their defaults)."""
+    d = ServerArgs()
+    kw = {f.name: getattr(ns, f.name) for f in fields(ServerArgs) if getattr(ns, f.name, None) is not None}
+    args = ServerArgs(**kw)
+    if args.api_key is None:
+        args.api_key = os.environ.get("JAXSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    if isinstance(args.served_model_name, str):
+        args.served_model_name = [args.served_model_name]
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.max_body_bytes <= 0:
+        args.max_body_bytes = d.max_body_bytes
+    return args

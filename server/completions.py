@@ -1,0 +1,110 @@
+"""POST /v1/completions: one or many prompts (text or token ids), n choices each, answer or stream."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from .errors import bad_request
+from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, now,
+                       random_id)
+from .serving import Choice, Prompt, Serving, race_disconnect
+from .streaming import open_stream, sse
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MIN_LOGPROB = -9999.0
+
+
+def completion_logprobs(serving: Serving, token_ids: list[int], positions: list[dict], top_k: int,
+                        offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for tid, pos in zip(token_ids, positions):
+        chosen = pos.get(tid)
+        tok = serving.token_str(tid, chosen.decoded_token if chosen else None)
+        out.tokens.append(tok)
+        out.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else MIN_LOGPROB)
+        tops = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_k]
+        out.top_logprobs.append({serving.token_str(i, lp.decoded_token): max(lp.logprob, MIN_LOGPROB)
+                                 for i, lp in tops} if top_k else None)
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out
+
+
+async def create_completion(serving: Serving, req: CompletionRequest, receive) -> Any:
+    serving.check_model(req.model)
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    try:
+        batch = req.prompt_batch()
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from e
+    serving.check_capacity()
+    requested = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+    rid = random_id("cmpl")
+    prompts: list[Prompt] = []
+    for p_idx, p in enumerate(batch):
+        if isinstance(p, str):
+            ids = await serving.encode(p, add_special_tokens=req.add_special_tokens)
+            text = p
+        else:
+            serving.check_token_ids(p, "prompt")
+            ids, text = p, None
+        if not ids:
+            raise bad_request("the prompt is empty: give at least one token", "prompt")
+        max_tokens = serving.resolve_max_tokens(len(ids), requested, "prompt")
+        prompt = Prompt(ids, text)
+        for i in range(req.n):
+            idx = p_idx * req.n + i
+            params = serving.sampling_params(req, max_tokens=max_tokens, choice_index=i, logprobs=req.logprobs)
+            prompt.choices.append(Choice(idx, f"{rid}-{idx}", params, serving.metrics.tracker(len(ids))))
+        prompts.append(prompt)
+    model = req.model or serving.model_name
+    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    top_k = req.logprobs or 0
+
+    def echo_text(p: Prompt) -> str:
+        return p.text if p.text is not None else serving.tokenizer.decode(p.token_ids)
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = now()
+        offsets = {c.index: 0 for p in prompts for c in p.choices}
+
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
+            return sse(CompletionResponse(id=rid, model=model, choices=choices, usage=usage, created=created))
+
+        async def render(outputs: AsyncIterator) -> AsyncIterator[bytes]:
+            if req.echo:
+                for p in prompts:
+                    for c in p.choices:
+                        yield chunk([CompletionChoice(c.index, echo_text(p), None, None)])
+            completion_tokens = 0
+            async for c, comp, _ in outputs:
+                completion_tokens += len(comp.token_ids)
+                if not comp.text and comp.finish_reason is None and not comp.logprobs:
+                    continue
+                logprobs = None
+                if req.logprobs is not None and comp.logprobs:
+                    logprobs = completion_logprobs(serving, comp.token_ids, comp.logprobs, top_k, offsets[c.index])
+                offsets[c.index] += len(comp.text)
+                yield chunk([CompletionChoice(c.index, comp.text, logprobs, comp.finish_reason, comp.stop_reason)])
+            if include_usage:
+                yield chunk([], Usage(num_prompt_tokens, completion_tokens, num_prompt_tokens + completion_tokens))
+
+        return await open_stream(serving, prompts, receive, render)
+
+    accs = await race_disconnect(receive, serving.collect(prompts))
+    choices = []
+    prompt_of = {c.index: p for p in prompts for c in p.choices}
+    for idx, acc in enumerate(accs):
+        text = "".join(acc.text)
+        prefix = echo_text(prompt_of[idx]) if req.echo else ""
+        logprobs = (completion_logprobs(serving, acc.token_ids, acc.logprobs, top_k, len(prefix))
+                    if req.logprobs is not None else None)
+        choices.append(CompletionChoice(idx, prefix + text, logprobs, acc.finish_reason, acc.stop_reason))
+    completion_tokens = sum(len(a.token_ids) for a in accs)
+    return CompletionResponse(id=rid, model=model, choices=choices,
+                              usage=Usage(num_prompt_tokens, completion_tokens, num_prompt_tokens + completion_tokens))

@@ -1,0 +1,165 @@
+"""Prometheus metrics with vLLM's names after the prefix (`jaxserve:` or `vllm:`), labelled model_name.
+
+Gauges and engine counters are read from `engine.stats()` at scrape time (a custom collector), so they
+are never stale; token counters, finish reasons and latency histograms are fed per request by the
+server as outputs stream (`RequestTracker`), from the engine's RequestOutput.metrics timestamps when it
+reports them and from the server's clock otherwise.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("jaxserve.server")
+
+disable_created_metrics()  # vLLM does too: *_created series only add noise to dashboards
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets, so dashboards' quantiles line up
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+# name after the prefix -> keys engine.stats() may use for it (first present wins)
+GAUGES = {
+    "num_requests_running": ("num_requests_running", "num_running"),
+    "num_requests_waiting": ("num_requests_waiting", "num_waiting"),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "kv_cache_usage", "gpu_cache_usage_perc"),
+}
+ENGINE_COUNTERS = {
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+    "num_preemptions": ("num_preemptions", "num_preemptions_total"),
+}
+
+
+def _pick(stats: dict[str, Any], keys: tuple[str, ...]) -> float | None:
+    for k in keys:
+        v = stats.get(k)
+        if v is not None:
+            return float(v)
+    return None
+
+
+class _EngineStatsCollector:
+    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict[str, Any]]):
+        self.prefix, self.model_name, self.stats = prefix, model_name, stats
+
+    def describe(self):  # no scrape at registration time
+        return []
+
+    def collect(self):
+        try:
+            stats = self.stats() or {}
+        except Exception as e:  # a scrape must not fail because the engine is in trouble
+            log.warning("engine.stats() failed: %s", e)
+            stats = {}
+        for name, keys in GAUGES.items():
+            g = GaugeMetricFamily(f"{self.prefix}{name}", name.replace("_", " "), labels=["model_name"])
+            v = _pick(stats, keys)
+            g.add_metric([self.model_name], 0.0 if v is None else v)
+            yield g
+        for name, keys in ENGINE_COUNTERS.items():
+            c = CounterMetricFamily(f"{self.prefix}{name}", name.replace("_", " "), labels=["model_name"])
+            v = _pick(stats, keys)
+            c.add_metric([self.model_name], 0.0 if v is None else v)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any, model_name: str, prefix: str = "jaxserve"):
+        self.prefix = prefix.rstrip(":") + ":"
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        p, labels = self.prefix, ["model_name"]
+        self.registry.register(_EngineStatsCollector(p, model_name, engine.stats))
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", labels, registry=self.registry)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", labels, registry=self.registry)
+        self.request_success = Counter(f"{p}request_success", "finished requests by reason",
+                                       labels + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "time to first token", labels,
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram(f"{p}inter_token_latency_seconds", "time between output tokens", labels,
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "arrival to finish", labels,
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram(f"{p}request_queue_time_seconds", "time waiting before first schedule",
+                                    labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        # children bound once: labels() costs a dict lookup and a lock per call
+        self._prompt = self.prompt_tokens.labels(model_name)
+        self._gen = self.generation_tokens.labels(model_name)
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
+        self._queue = self.queue_time.labels(model_name)
+        for reason in ("stop", "length", "abort"):  # present at 0 so rate() works from the start
+            self.request_success.labels(model_name, reason)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self, num_prompt_tokens: int) -> "RequestTracker":
+        return RequestTracker(self, num_prompt_tokens)
+
+
+class RequestTracker:
+    """Per engine request: feeds token counters and latency histograms from its outputs."""
+    __slots__ = ("m", "num_prompt_tokens", "start", "last", "num_generated", "done")
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
+        self.m = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.start = time.monotonic()
+        self.last: float | None = None
+        self.num_generated = 0
+        self.done = False
+
+    def on_output(self, num_new_tokens: int, engine_metrics: Any = None) -> None:
+        if num_new_tokens <= 0:
+            return
+        t = time.monotonic()
+        if self.last is None:
+            ttft = _span(engine_metrics, "arrival_time", "first_token_time")
+            self.m._ttft.observe(ttft if ttft is not None else t - self.start)
+            self.m._prompt.inc(self.num_prompt_tokens)
+            num_new_tokens_after_first = num_new_tokens - 1
+        else:
+            num_new_tokens_after_first = num_new_tokens
+        if num_new_tokens_after_first > 0 and self.last is not None:
+            per_token = (t - self.last) / num_new_tokens_after_first
+            for _ in range(num_new_tokens_after_first):
+                self.m._itl.observe(per_token)
+        self.last = t
+        self.num_generated += num_new_tokens
+        self.m._gen.inc(num_new_tokens)
+
+    def on_finish(self, finish_reason: str | None, engine_metrics: Any = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        reason = finish_reason or "abort"
+        self.m.request_success.labels(self.m.model_name, reason).inc()
+        if reason == "abort":
+            return
+        e2e = _span(engine_metrics, "arrival_time", "finished_time")
+        self.m._e2e.observe(e2e if e2e is not None else time.monotonic() - self.start)
+        queued = _span(engine_metrics, "arrival_time", "first_scheduled_time")
+        if queued is not None:
+            self.m._queue.observe(queued)
+
+
+def _span(engine_metrics: Any, start: str, end: str) -> float | None:
+    if engine_metrics is None:
+        return None
+    a, b = getattr(engine_metrics, start, None), getattr(engine_metrics, end, None)
+    if a is None or b is None or b < a:
+        return None
+    return float(b - a)

@@ -1,0 +1,317 @@
+"""The OpenAI wire format (plus vLLM's extra sampling fields) as msgspec Structs.
+
+Requests ignore unknown fields (the SDKs send new ones before we know them); responses always carry
+every field the OpenAI SDK models declare, with explicit nulls, so clients never guess.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---------------------------------------------------------------------------------------------------
+# shared request pieces
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Fields chat and completions requests share: OpenAI's, then vLLM's extras (same names)."""
+    model: str | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    max_tokens: NonNegInt | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = 0.0
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    min_tokens: NonNegInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+# ---------------------------------------------------------------------------------------------------
+# chat completions
+
+
+class TextContentPart(Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: NonNegInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: NonNegInt | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is the newer OpenAI name; it wins when both are sent
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatLogprobTop(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobToken(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatLogprobTop]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatLogprobToken] | None
+
+
+class ChatResponseMessage(Struct):
+    role: str
+    content: str | None
+    refusal: None = None
+    tool_calls: list[Any] = field(default_factory=list)
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    created: int = field(default_factory=now)
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    model: str
+    choices: list[ChatChunkChoice]
+    created: int
+    object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# completions
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]: msgspec allows one array type per union, so the
+    # items are a union and `prompt_batch()` checks the list is homogeneous.
+    prompt: str | Annotated[list[str | int | list[int]], Meta(min_length=1)]
+    echo: bool = False
+    logprobs: Annotated[int, Meta(ge=0)] | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    def prompt_batch(self) -> list[str | list[int]]:
+        """The prompts as a list of texts or a list of token-id lists; ValueError if mixed."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if all(isinstance(x, list) for x in p):
+            if any(len(x) == 0 for x in p):  # type: ignore[arg-type]
+                raise ValueError("prompt: a token-id prompt must not be empty")
+            return list(p)  # type: ignore[arg-type]
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                         "or a list of token-id lists (not a mix)")
+
+
+class CompletionLogprobs(Struct):
+    text_offset: list[int] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+    created: int = field(default_factory=now)
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# models, tokenize, embeddings, version, errors
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "jaxserve"
+    root: str | None = None
+    parent: str | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """vLLM's /tokenize takes either a completion-style `prompt` or chat `messages`."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[NonNegInt]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    input: str | Annotated[list[str | int | list[int]], Meta(min_length=1)]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PosInt | None = None
+    user: str | None = None
+
+
+class EmbeddingData(Struct):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(Struct):
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+    object: str = "list"
+    id: str = field(default_factory=lambda: random_id("embd"))
+    created: int = field(default_factory=now)
+
+
+class VersionResponse(Struct):
+    version: str
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+encoder = msgspec.json.Encoder()

@@ -1,0 +1,287 @@
+"""What chat and completions share: model names, prompt rendering and tokenizing, the token budget,
+request -> SamplingParams, and running n engine requests as one merged stream that always cleans up.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import anyio
+
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+from .args import ServerArgs
+from .errors import APIError, bad_request, model_not_found
+from .metrics import RequestTracker, ServerMetrics
+from .protocol import ChatMessage, SamplingFields
+
+log = logging.getLogger("jaxserve.server")
+
+T = TypeVar("T")
+THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread hop costs
+
+
+class ClientDisconnected(Exception):
+    """The client went away before we answered; the engine requests were aborted."""
+
+
+async def race_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (aborting its engine requests) if the client disconnects first.
+
+    The request body has been read by now, so the next ASGI message is http.disconnect, and the
+    server only sends it when the client closes the connection.
+    """
+    async def wait_disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work_task.cancel()
+        raise
+    finally:
+        watch_task.cancel()
+    if work_task.done():
+        return work_task.result()
+    work_task.cancel()
+    try:
+        await work_task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientDisconnected()
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request behind one choice of a response."""
+    index: int
+    request_id: str
+    params: SamplingParams
+    tracker: RequestTracker
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None  # the text when the user sent text (for echo / the engine's logs)
+    choices: list[Choice] = field(default_factory=list)
+
+
+class Serving:
+    def __init__(self, engine: Any, args: ServerArgs):
+        self.engine = engine
+        self.args = args
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = int(engine.max_model_len)
+        self.model_names: list[str] = list(args.served_model_name or [engine.served_model_name])
+        self.model_name = self.model_names[0]
+        self.max_logprobs = int(getattr(engine, "max_logprobs", None) or 20)
+        self.metrics = ServerMetrics(engine, self.model_name, args.metrics_prefix)
+        self.draining = False
+        self._token_strs: dict[int, str] = {}
+
+    # -- checks ------------------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise model_not_found(name)
+
+    def check_capacity(self) -> None:
+        limit = self.args.max_waiting_requests
+        if limit is not None and self.engine.num_waiting() >= limit:
+            raise APIError(429, f"the server has {limit} requests waiting (--max-waiting-requests); retry later",
+                           code="queue_full")
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, what: str) -> int:
+        """OpenAI's context-length check, naming both numbers; default = what is left of max_model_len."""
+        room = self.max_model_len - num_prompt_tokens
+        if requested is None:
+            if room <= 0:
+                raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; your "
+                                    f"{what} has {num_prompt_tokens} tokens, which leaves no room for a completion.",
+                               param=what, code="context_length_exceeded")
+            return room
+        if num_prompt_tokens + requested > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {what}, "
+                                f"{requested} in the completion). Please reduce the length of the {what} or "
+                                f"max_tokens.", param=what, code="context_length_exceeded")
+        return requested
+
+    # -- prompts -----------------------------------------------------------------------------------
+
+    async def _maybe_thread(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        if size < THREAD_THRESHOLD_CHARS:
+            return fn(*args)
+        return await anyio.to_thread.run_sync(fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._maybe_thread(len(text), self._encode, text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool,
+                          continue_final_message: bool, chat_template: str | None,
+                          chat_template_kwargs: dict[str, Any] | None) -> str:
+        template = chat_template or getattr(self.engine, "chat_template", None) or getattr(
+            self.tokenizer, "chat_template", None)
+        if not template:
+            raise bad_request("the model has no chat template; start the server with --chat-template FILE or "
+                              "use /v1/completions", "messages")
+        if add_generation_prompt and continue_final_message:
+            raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
+                              "continue_final_message")
+        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in messages]
+        kwargs = dict(chat_template_kwargs or {})
+        size = sum(len(c["content"]) for c in conversation)
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(
+                conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **kwargs)
+        try:
+            return await self._maybe_thread(size, render)
+        except APIError:
+            raise
+        except Exception as e:  # a template error is the caller's input (kwargs, roles), not a crash
+            raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                              "messages") from e
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = len(self.tokenizer)
+        bad = [t for t in ids if t < 0 or t >= vocab]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens", param)
+
+    def token_str(self, token_id: int, decoded: str | None = None) -> str:
+        if decoded is not None:
+            return decoded
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id])
+            self._token_strs[token_id] = s
+        return s
+
+    # -- sampling ----------------------------------------------------------------------------------
+
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int, choice_index: int,
+                        logprobs: int | None) -> SamplingParams:
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise bad_request(f"at most {self.max_logprobs} logprobs per token are supported, got {logprobs}",
+                              "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        kw: dict[str, Any] = dict(
+            n=1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,  # OpenAI clients send -1 for "off"
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=None if req.seed is None else req.seed + choice_index,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                              "min_tokens")
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:  # SamplingParams' messages start with the field they are about
+            param = getattr(e, "param", None) or str(e).split(" ", 1)[0]
+            raise bad_request(str(e), param if param.isidentifier() else None) from e
+
+    # -- running -----------------------------------------------------------------------------------
+
+    async def run(self, prompts: list[Prompt]) -> AsyncIterator[tuple[Choice, Any, Any]]:
+        """Run every choice of every prompt in the engine; yield (choice, CompletionOutput, RequestOutput)
+        as outputs arrive. However the consumer stops (finish, error, disconnect, cancel), every engine
+        request that has not finished is aborted before this returns, so its KV blocks are freed."""
+        work = [(p, c) for p in prompts for c in p.choices]
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+
+        async def pump(p: Prompt, c: Choice) -> None:
+            try:
+                async for out in self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text):
+                    await queue.put((c, out, None))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((c, None, e))
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+            else:
+                await queue.put((c, None, StopAsyncIteration()))
+
+        try:
+            for p, c in work:
+                tasks.append(asyncio.ensure_future(pump(p, c)))
+            remaining = len(tasks)
+            while remaining:
+                c, out, exc = await queue.get()
+                if exc is not None:
+                    if isinstance(exc, StopAsyncIteration):
+                        remaining -= 1
+                        continue
+                    raise exc
+                comp = out.outputs[0]
+                n_new = len(comp.token_ids)
+                c.tracker.on_output(n_new, getattr(out, "metrics", None))
+                if out.finished or comp.finish_reason is not None:
+                    c.finished = True
+                    c.tracker.on_finish(comp.finish_reason, getattr(out, "metrics", None))
+                yield c, comp, out
+        finally:
+            with anyio.CancelScope(shield=True):  # a cancelled stream must still clean up
+                for t in tasks:
+                    t.cancel()
+                # abort first: engine.abort only posts to the loop thread, it cannot be interrupted
+                for _, c in work:
+                    if not c.finished:
+                        c.tracker.on_finish("abort")
+                        try:
+                            await self.engine.abort(c.request_id)
+                        except Exception as e:  # already gone is fine
+                            log.debug("abort %s: %s", c.request_id, e)
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, prompts: list[Prompt]) -> list["Accumulated"]:
+        """Run to completion (non-streaming): every choice's text, token count, logprobs, finish."""
+        accs = {c.index: Accumulated() for p in prompts for c in p.choices}
+        async with contextlib.aclosing(self.run(prompts)) as outputs:
+            async for c, comp, _ in outputs:
+                acc = accs[c.index]
+                acc.text.append(comp.text)
+                acc.token_ids.extend(comp.token_ids)
+                if comp.logprobs:
+                    acc.logprobs.extend(comp.logprobs)
+                if comp.finish_reason is not None:
+                    acc.finish_reason, acc.stop_reason = comp.finish_reason, comp.stop_reason
+        return [accs[i] for i in sorted(accs)]
+
+
+@dataclass(slots=True)
+class Accumulated:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None

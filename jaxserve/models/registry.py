@@ -1,0 +1,48 @@
+"""Model registry: HF ``architectures`` name → the module that implements the family.
+
+Decoder families expose ``forward`` / ``compute_logits`` / ``param_shapes`` / ``param_partition_specs``
+(see ``llama.py``); encoder families (``bert``) expose ``load(path, dtype) -> LoadedModel``. Modules are
+imported lazily so a family that is not built yet does not break the others.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from jaxserve.errors import ModelLoadError
+
+DECODER_ARCHITECTURES = {
+    "LlamaForCausalLM": "jaxserve.models.llama",
+    "MistralForCausalLM": "jaxserve.models.llama",
+    "Qwen2ForCausalLM": "jaxserve.models.llama",
+}
+ENCODER_ARCHITECTURES = {
+    "BertModel": "jaxserve.models.bert",
+    "BertForMaskedLM": "jaxserve.models.bert",
+    "BertForSequenceClassification": "jaxserve.models.bert",
+    "BertForPreTraining": "jaxserve.models.bert",
+}
+SUPPORTED_ARCHITECTURES = tuple(DECODER_ARCHITECTURES) + tuple(ENCODER_ARCHITECTURES)
+
+
+def is_encoder(architecture: str) -> bool:
+    return architecture in ENCODER_ARCHITECTURES
+
+
+def resolve_architecture(architectures: list[str] | tuple[str, ...] | str | None) -> tuple[str, ModuleType]:
+    """The first supported name of ``architectures`` and its family module, or a ModelLoadError naming the
+    supported ones."""
+    names = [architectures] if isinstance(architectures, str) else list(architectures or [])
+    for name in names:
+        module_name = DECODER_ARCHITECTURES.get(name) or ENCODER_ARCHITECTURES.get(name)
+        if module_name is None:
+            continue
+        try:
+            return name, importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            raise ModelLoadError(f"architecture {name} needs {module_name}, which is not available "
+                                 f"in this build") from None
+    raise ModelLoadError(f"unsupported model architecture {names or '(none given)'}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")

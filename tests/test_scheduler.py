@@ -122,6 +122,38 @@ def test_scheduler_checks_its_kv_cache():
         Scheduler(SchedulerConfig(), CacheConfig(block_size=16), kv, 16)
 
 
+def test_request_reads_real_sampling_params():
+    from jaxserve.sampling_params import SamplingParams
+    sp = SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[9, 9, 8])
+    sp.update_from_generation_config({"eos_token_id": [2, 5]}, eos_token_id=2)
+    r = Request("a", [1, 2], sp, eos_token_ids=[])
+    assert (r.max_tokens, r.min_tokens, r.ignore_eos) == (3, 1, False)
+    assert r.eos_token_ids == {2} and r.stop_token_ids == {9, 8, 5}
+    r.append_output_token_ids(5)
+    assert check_stop(r, 100) and r.stop_reason == 5 and r.finish_reason == "stop"
+    r = Request("b", [1], SamplingParams(max_tokens=None, ignore_eos=True), eos_token_ids=2)
+    r.append_output_token_ids([2, 2])
+    assert r.max_tokens is None and not check_stop(r, 100) and r.all_token_ids == [1, 2, 2]
+
+
+def test_output_classes_keep_vllm_field_order():
+    # Callers build these positionally, as with vLLM's.
+    from dataclasses import fields
+
+    from jaxserve import outputs
+    names = {cls: [f.name for f in fields(cls)] for cls in (
+        outputs.Logprob, outputs.CompletionOutput, outputs.RequestOutput, outputs.EmbeddingRequestOutput)}
+    assert names[outputs.Logprob] == ["logprob", "rank", "decoded_token"]
+    assert names[outputs.CompletionOutput] == ["index", "text", "token_ids", "cumulative_logprob", "logprobs",
+                                               "finish_reason", "stop_reason"]
+    assert names[outputs.RequestOutput] == ["request_id", "prompt", "prompt_token_ids", "prompt_logprobs",
+                                            "outputs", "finished", "metrics", "num_cached_tokens"]
+    assert names[outputs.EmbeddingRequestOutput] == ["request_id", "outputs", "prompt_token_ids", "finished"]
+    assert not hasattr(outputs.CompletionOutput(0, "", [], None, None), "__dict__")    # slotted
+    m = outputs.RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0)
+    assert (m.time_in_queue, m.time_to_first_token) == (0.5, 1.0)
+
+
 # ------------------------------------------------------------------------------------------ check_stop
 @pytest.mark.parametrize("case", [
     # (params, eos ids, outputs, max_model_len, finished, status, stop_reason)

@@ -62,7 +62,9 @@ class Request:
             eos_token_ids = ()
         elif isinstance(eos_token_ids, int):
             eos_token_ids = (eos_token_ids,)
-        self.eos_token_ids = frozenset(eos_token_ids)
+        # The model's eos ids, plus the one SamplingParams.update_from_generation_config recorded (if any).
+        sp_eos = getattr(sampling_params, "eos_token_id", None)
+        self.eos_token_ids = frozenset(eos_token_ids) | ({sp_eos} if isinstance(sp_eos, int) else set())
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt          # separates prefix-cache namespaces (e.g. per tenant)
         self.prompt = prompt

@@ -140,6 +140,8 @@ class Scheduler:
 
     # -- schedule -------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens and allocate their KV slots. Call update_from_output with the result
+        before the next schedule(): num_computed_tokens advances there, not here."""
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []

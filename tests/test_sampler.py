@@ -185,6 +185,18 @@ def test_seeded_rows_reproduce_whatever_the_batch(logits):
     assert len({seeded_token(0, 1, n, 0) for n in range(12)}) > 3
 
 
+def test_request_seeds_act_as_seeds_unless_the_params_have_one(logits):
+    params = [SamplingParams(), SamplingParams(seed=99), SamplingParams()]
+    m = meta_for(params, num_out=[4, 4, 4], request_seeds=[7, 8, None], request_ids=["a", "b", "c"], step=2)
+    assert m.seeded[:3].tolist() == [True, True, False]
+    np.testing.assert_array_equal(m.seed_key_data[0], S.seed_key_data(7))
+    np.testing.assert_array_equal(m.seed_key_data[1], S.seed_key_data(99))
+    assert m.key_counter[:3].tolist() == [4, 4, 2]
+    out = sample_jit(logits, m)
+    key = jax.random.fold_in(jax.random.PRNGKey(7), 4)
+    assert int(out.token_ids[0]) == int(np.argmax(logits[0] + np.asarray(jax.random.gumbel(key, (V,)))))
+
+
 def test_unseeded_rows_differ_across_requests_and_steps(logits):
     flat = np.zeros((R, V), np.float32)
     ids = [f"r{i}" for i in range(R)]

@@ -123,15 +123,17 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
                            pad_to: int,
                            *,
                            request_ids: Sequence[str | int] | None = None,
+                           request_seeds: Sequence[int | None] | None = None,
                            step: int = 0,
                            engine_seed: int = 0) -> SamplingMetadata:
     """Build the metadata for a step's sampled rows (numpy arrays; jit transfers them).
 
-    Row i is request i; rows len(params_list)..pad_to-1 are padding (greedy, no penalties). For unseeded
-    rows the key is fold_in(fold_in(PRNGKey(engine_seed), crc32(request_id)), step); for seeded rows it is
-    fold_in(PRNGKey(seed), num_output_tokens), so a seeded request samples the same tokens whatever batch
-    it runs in. `num_output_tokens_list[i]` is the number of tokens request i has already generated (the
-    index of the token sampled now); it also decides whether min_tokens still blocks the stop ids.
+    Row i is request i; rows len(params_list)..pad_to-1 are padding (greedy, no penalties). Keys: a row
+    with a seed (`params.seed`, else `request_seeds[i]` when given: the engine may draw one per request)
+    uses fold_in(PRNGKey(seed), num_output_tokens), so it samples the same tokens whatever batch it runs
+    in; other rows use fold_in(fold_in(PRNGKey(engine_seed), crc32(request_ids[i])), step).
+    `num_output_tokens_list[i]` is the number of tokens request i has already generated (the index of
+    the token sampled now); it also decides whether min_tokens still blocks the stop ids.
     """
     n = len(params_list)
     if n > pad_to:
@@ -159,9 +161,10 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
         presence[i] = p.presence_penalty
         frequency[i] = p.frequency_penalty
         repetition[i] = p.repetition_penalty
-        if p.seed is not None:
+        seed = p.seed if p.seed is not None else (request_seeds[i] if request_seeds is not None else None)
+        if seed is not None:
             seeded[i] = True
-            seed_keys[i] = seed_key_data(p.seed)
+            seed_keys[i] = seed_key_data(seed)
             counters[i] = num_output_tokens_list[i]
         else:
             hashes[i] = request_hash(request_ids[i])

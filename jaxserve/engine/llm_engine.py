@@ -140,7 +140,7 @@ class LLMEngine:
                 continue
             self._record_logprobs(rid, sampled[rid][0], result.logprobs.get(rid))
             detok = self._detok[rid]
-            detok.update(sampled[rid])
+            detok.update(sampled[rid], finished=rid in finished)   # finished releases held-back text
             if rid not in finished and detok.stop_reason is not None:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = detok.stop_reason

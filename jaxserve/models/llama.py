@@ -21,6 +21,7 @@ attention softmax in float32; logits in float32.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -32,6 +33,9 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import AttentionMetadata
+# kernels.ops's write_kv/paged_attention, wrapped in shard_map over "tp" when the step runs under a mesh
+# (jaxserve.parallel.bind_mesh); identical to kernels.ops otherwise.
+from jaxserve.parallel import attention as tp_attention
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 TP_AXIS = "tp"
@@ -99,14 +103,18 @@ def init_dummy_params(cfg: ModelConfig, dtype, *, seed: int = 0, mesh=None) -> d
     out = []
     for (path, shape), spec, key in zip(leaves, spec_leaves, keys):
         sharding = jax.sharding.NamedSharding(mesh, spec) if mesh is not None else None
-        name = str(path[-1].key)
-        if name.endswith("norm"):
-            fn = jax.jit(lambda k, s=shape: jnp.ones(s, dtype), out_shardings=sharding)
-        else:
-            fn = jax.jit(lambda k, s=shape: jax.random.normal(k, s, dtype) * jnp.asarray(0.02, dtype),
-                         out_shardings=sharding)
-        out.append(fn(key))
+        kind = "ones" if str(path[-1].key).endswith("norm") else "normal"
+        out.append(_dummy_init_fn(kind, shape, jnp.dtype(dtype), sharding)(key))
     return jax.tree.unflatten(jax.tree.structure(param_shapes(cfg), is_leaf=is_shape), out)
+
+
+@functools.lru_cache(maxsize=64)
+def _dummy_init_fn(kind: str, shape: tuple, dtype, sharding):
+    """One jitted generator per (kind, shape, dtype, sharding): a 32-layer model compiles ~8, not ~290."""
+    if kind == "ones":
+        return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
+    return jax.jit(lambda key: jax.random.normal(key, shape, dtype) * jnp.asarray(0.02, dtype),
+                   out_shardings=sharding)
 
 
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, *, mesh=None) -> list:
@@ -186,9 +194,9 @@ def forward(params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.
         q = apply_rope(q.reshape(t, hq, d), cos, sin)
         k = apply_rope(k.reshape(t, hkv, d), cos, sin)
         v = v.reshape(t, hkv, d)
-        k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, md.slot_mapping, backend=attn_backend)
-        attn = ops.paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
-                                   sliding_window=cfg.sliding_window, backend=attn_backend)
+        k_cache, v_cache = tp_attention.write_kv(k_cache, v_cache, k, v, md.slot_mapping, backend=attn_backend)
+        attn = tp_attention.paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
+                                            sliding_window=cfg.sliding_window, backend=attn_backend)
         new_caches.append((k_cache, v_cache))
         x = x + attn.reshape(t, hq * d) @ lp["o"]
         h = rms_norm(x, lp["mlp_norm"], eps)

@@ -1,0 +1,131 @@
+"""Tensor parallelism on 4 fake CPU devices: TP=2/4 greedy output identical to TP=1, and the collectives XLA
+inserts (one all-reduce after attention and one after the MLP per layer, no all-gather of weights).
+
+Fake devices need ``XLA_FLAGS`` before JAX starts, and conftest has already started it with one device, so the
+checks run once in a subprocess (this file run as a script) that prints its findings as JSON; the tests below
+assert on them. One subprocess for the module: every mesh compiles once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+NUM_DEVICES = 4
+MAX_NEW_TOKENS = 6
+
+
+# ------------------------------------------------------------------------------------------ the subprocess
+def _collectives(hlo: str) -> dict:
+    """Result shapes of the all-reduce / all-gather instructions of a compiled HLO module."""
+    out = {"all-reduce": [], "all-gather": []}
+    for m in re.finditer(r"= (\(?[a-z0-9]+\[[0-9,]*\][^ ]*) (all-reduce|all-gather)(?:-start)?\(", hlo):
+        out[m.group(2)].append(m.group(1))
+    return out
+
+
+def _worker() -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve import parallel
+    from jaxserve.models import llama
+    from tp_greedy import GreedyDecoder, random_params, tiny_config
+
+    assert jax.device_count() == NUM_DEVICES, jax.devices()
+    report = {}
+    cases = {"8q4kv": tiny_config(8, 4), "8q2kv": tiny_config(8, 2, tie_word_embeddings=False),
+             "9q3kv": tiny_config(9, 3, intermediate_size=96, vocab_size=252)}
+    for name, cfg in cases.items():
+        params = random_params(cfg, seed=1)
+        for tp in (1, 2, 3, 4):
+            try:
+                parallel.check_tp_compatible(cfg, tp)
+            except ValueError as e:
+                report[f"{name}/tp{tp}"] = {"error": str(e)}
+                continue
+            mesh = None if tp == 1 else parallel.make_mesh(tp)
+            dec = GreedyDecoder(cfg, params, mesh, max_new_tokens=MAX_NEW_TOKENS)
+            tokens, logits = dec.generate()
+            entry = {"tokens": tokens, "logits": logits.tolist()}
+            if mesh is not None:
+                entry["cache_spec"] = str(dec.kv_caches[0][0].sharding.spec)
+                entry["q_spec"] = str(dec.params["layers"][0]["q"].sharding.spec)
+                entry["k_spec"] = str(dec.params["layers"][0]["k"].sharding.spec)
+                args = (dec.params, dec.kv_caches, *_step_args(dec))
+                hlo = dec._step.lower(*args).compile().as_text()
+                entry["collectives"] = _collectives(hlo)
+                entry["weight_shapes"] = sorted({str(list(x.shape)) for x in jax.tree.leaves(params)})
+            report[f"{name}/tp{tp}"] = entry
+    try:
+        parallel.make_mesh(NUM_DEVICES + 1)
+    except ValueError as e:
+        report["too_many"] = str(e)
+    return report
+
+
+def _step_args(dec):
+    from jaxserve.kernels.metadata import AttentionMetadata
+    from jaxserve import parallel
+    p = parallel.shard_step_inputs(dec.mesh, dec.build_inputs())
+    md = AttentionMetadata(p["slot_mapping"], p["block_tables"], p["seq_lens"], p["query_start_loc"],
+                           p["num_seqs"])
+    return p["input_ids"], p["positions"], md, p["logits_idx"]
+
+
+# ---------------------------------------------------------------------------------------------- the tests
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case,tp", [("8q4kv", 2), ("8q4kv", 4), ("8q2kv", 2), ("8q2kv", 4), ("9q3kv", 3)])
+def test_tp_greedy_matches_single_device(report, case, tp):
+    import numpy as np
+    base, sharded = report[f"{case}/tp1"], report[f"{case}/tp{tp}"]
+    assert sharded["tokens"] == base["tokens"]
+    assert len(base["tokens"][0]) == MAX_NEW_TOKENS
+    # float32: only the order of the partial sums differs
+    np.testing.assert_allclose(np.array(sharded["logits"]), np.array(base["logits"]), atol=2e-5, rtol=1e-4)
+
+
+def test_weights_and_cache_are_sharded(report):
+    # (jax prints specs without trailing Nones)
+    assert report["8q4kv/tp4"]["q_spec"] == "P(None, 'tp')"
+    assert report["8q4kv/tp4"]["cache_spec"] == "P(None, None, 'tp')"
+    # 2 kv heads over 4 devices: k/v projections and the cache are replicated, not cut mid-head
+    assert report["8q2kv/tp4"]["k_spec"] == "P()"
+    assert report["8q2kv/tp4"]["cache_spec"] == "P()"
+    assert report["8q2kv/tp2"]["cache_spec"] == "P(None, None, 'tp')"
+    assert report["8q2kv/tp2"]["k_spec"] == "P(None, 'tp')"
+
+
+@pytest.mark.parametrize("case,tp", [("8q4kv", 2), ("8q4kv", 4), ("8q2kv", 4), ("9q3kv", 3)])
+def test_hlo_collectives(report, case, tp):
+    entry = report[f"{case}/tp{tp}"]
+    num_layers = 2
+    reduces, gathers = entry["collectives"]["all-reduce"], entry["collectives"]["all-gather"]
+    # one after attention (o) and one after the MLP (down) per layer, one for the vocab-parallel embedding
+    assert len(reduces) == 2 * num_layers + 1, reduces
+    # the only all-gather: the [R, vocab] logits for the sampler; never a weight
+    assert all(g.startswith("f32[3,") for g in gathers), gathers
+    assert len(gathers) <= 1, gathers
+
+
+def test_indivisible_heads_error(report):
+    err = report["9q3kv/tp2"]["error"]
+    assert "9 attention heads are not divisible by tensor_parallel_size=2" in err and "sizes that work" in err
+    assert "needs 5 devices, but only 4 cpu device(s)" in report["too_many"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker()))

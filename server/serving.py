@@ -28,18 +28,17 @@ class ClientDisconnected(Exception):
     """The client went away before we answered; the engine requests were aborted."""
 
 
+async def wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Returns when the client closes the connection. The request body has been read by now, so the
+    next ASGI message is http.disconnect, which the server sends only then."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def race_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]) -> T:
-    """Await `work`, but cancel it (aborting its engine requests) if the client disconnects first.
-
-    The request body has been read by now, so the next ASGI message is http.disconnect, and the
-    server only sends it when the client closes the connection.
-    """
-    async def wait_disconnect() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
+    """Await `work`, but cancel it (aborting its engine requests) if the client disconnects first."""
     work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(wait_disconnect())
+    watch_task = asyncio.ensure_future(wait_disconnect(receive))
     try:
         await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:

@@ -1,7 +1,7 @@
-"""Server-sent events: `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`, with the first output awaited before
-the 200 goes out, so errors found on submission (400, 429) keep their HTTP status."""
+"""Server-sent events: `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any, AsyncIterator, Callable
@@ -11,7 +11,7 @@ import msgspec
 from litestar.response import Stream
 
 from .errors import to_api_error
-from .serving import Prompt, Serving, race_disconnect
+from .serving import ClientDisconnected, Prompt, Serving, wait_disconnect
 
 log = logging.getLogger("jaxserve.server")
 
@@ -26,28 +26,49 @@ def sse(obj: Any) -> bytes:
 Render = Callable[[AsyncIterator[tuple[Any, Any, Any]]], AsyncIterator[bytes]]
 
 
+# How long a stream waits for its first output before sending the 200: errors found on submission (bad
+# input, queue full) come within milliseconds and keep their HTTP status; a slow first token (a long
+# queue) does not hold the headers back, so proxies with header timeouts do not cut the request.
+HEADER_WAIT_S = 0.5
+
+
 async def open_stream(serving: Serving, prompts: list[Prompt], receive, render: Render) -> Stream:
-    """Submit, wait for the first output (or the client leaving), then stream `render(outputs)` as SSE.
+    """Submit, wait briefly for the first output (or the client leaving), then stream `render(outputs)`.
 
     `render` turns (choice, CompletionOutput, RequestOutput) items into SSE frames; an exception it lets
     through becomes an error event, and [DONE] always ends the stream. A client disconnect cancels the
     body, which closes `serving.run`, which aborts the unfinished engine requests.
     """
     outputs = serving.run(prompts)
+    first = asyncio.ensure_future(outputs.__anext__())
+    watch = asyncio.ensure_future(wait_disconnect(receive))
     try:
-        first = await race_disconnect(receive, outputs.__anext__())
-    except StopAsyncIteration:
-        first = None
+        await asyncio.wait({first, watch}, timeout=HEADER_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        with anyio.CancelScope(shield=True):
-            await outputs.aclose()
+        first.cancel()
         raise
+    finally:
+        watch.cancel()
+    failed = first.done() and not first.cancelled() and first.exception() is not None \
+        and not isinstance(first.exception(), StopAsyncIteration)
+    if failed or not first.done() and watch.done():
+        first.cancel()  # cancelling the pending __anext__ closes serving.run, which aborts
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(BaseException):
+                await first
+            await outputs.aclose()
+        if failed:
+            raise first.exception()
+        raise ClientDisconnected()
 
     async def replay() -> AsyncIterator[tuple[Any, Any, Any]]:
-        if first is not None:
-            yield first
-            async for item in outputs:
-                yield item
+        try:
+            item = await first
+        except StopAsyncIteration:
+            return
+        yield item
+        async for item in outputs:
+            yield item
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -61,6 +82,10 @@ async def open_stream(serving: Serving, prompts: list[Prompt], receive, render: 
             yield sse(err.body())
         finally:
             with anyio.CancelScope(shield=True):
+                if not first.done():
+                    first.cancel()
+                    with contextlib.suppress(BaseException):
+                        await first
                 await outputs.aclose()
         yield DONE
 

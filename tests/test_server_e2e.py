@@ -1,0 +1,256 @@
+"""The real thing: `python -m jaxserve serve` (embedded SmolLM2, CPU) in a subprocess on a loopback port,
+driven by the openai SDK. One server for the module; the SIGTERM drain test runs last and stops it."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from test_server_fakes import free_port
+
+KEY = "e2e-key"
+FAULT = "INJECT-FAULT-7f3a"   # JAXSERVE_FAULT_INJECTION: the async front fails requests whose prompt has it
+MAX_MODEL_LEN = 512
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ServerProcess:
+    def __init__(self, *flags: str, env: dict | None = None, startup_timeout: float = 600):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "jaxserve", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        self.log_path = os.path.join(ROOT, ".pytest_cache", f"server-{self.port}.log")
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not ready after {startup_timeout} s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server():
+    # a small token budget keeps warm-up to a few buckets; the compilation cache is the tests' one
+    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                        "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
+                        "--api-key", KEY,
+                        "--served-model-name", "smol", "--drain-timeout", "60",
+                        env={"JAXSERVE_FAULT_INJECTION": FAULT})
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as c:
+        yield c
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(f"jaxserve:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_greedy_stream_equals_non_stream(client):
+    full = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0)
+    text = full.choices[0].message.content
+    assert text.strip() and full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens <= 24 and full.usage.prompt_tokens > 5
+    chunks = list(client.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_forms_and_echo(client, http):
+    r = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=8, temperature=0)
+    text = r.choices[0].text
+    ids = http.post("/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    assert client.completions.create(model="smol", prompt=ids, max_tokens=8, temperature=0).choices[0].text == text
+    s = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=8, temperature=0,
+                                  stream=True, echo=True)
+    assert "".join(c.choices[0].text for c in s) == "The capital of France is" + text
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith("The capital of France is")
+
+
+def test_seeded_sampling_is_reproducible_and_n_differs(client):
+    kw = dict(model="smol", prompt="Once upon a time", max_tokens=12, temperature=1.0, top_p=0.95, seed=1234)
+    a = client.completions.create(n=2, **kw)
+    b = client.completions.create(n=2, **kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # seed + i per choice
+
+
+def test_stop_strings_and_extras(client):
+    base = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    r = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:text.index(stop)]
+    r = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop],
+                                  extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == text[:text.index(stop) + len(stop)]
+    r = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=6, temperature=0,
+                                  extra_body={"min_tokens": 6, "ignore_eos": True, "top_k": 1,
+                                              "repetition_penalty": 1.0})
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and all(x <= 0 for x in tops)
+        assert t.logprob == pytest.approx(tops[0], abs=1e-4)  # greedy picks the most likely token
+    c = client.completions.create(model="smol", prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.top_logprobs[0]) == 2
+
+
+def test_errors(client, http, server):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="smol", prompt="hi " * 500, max_tokens=100)
+    assert str(MAX_MODEL_LEN) in ei.value.body["message"] and "100" in ei.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "temperature": "warm"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="smol", input="x")
+    # an engine failure on a stream: before the 200 (within the header wait) it is an HTTP 500 with an
+    # OpenAI body, after it an error event then [DONE] (the fake-engine tests pin both cases down)
+    with http.stream("POST", "/v1/completions", json={"prompt": f"{FAULT} go", "max_tokens": 20,
+                                                      "stream": True}) as resp:
+        if resp.status_code == 200:
+            events = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+            assert events[-1] == "[DONE]" and "injected engine fault" in events[-2]
+        else:
+            resp.read()
+            assert resp.status_code == 500 and "injected engine fault" in resp.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"prompt": f"{FAULT} go", "max_tokens": 5})
+    assert r.status_code == 500 and r.json()["error"]["message"]
+    assert client.completions.create(model="smol", prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_64_concurrent_streams(server, client):
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(4)]
+    refs = [client.completions.create(model="smol", prompt=p, max_tokens=10, temperature=0).choices[0].text
+            for p in prompts]
+
+    async def one(ac, i):
+        s = await ac.completions.create(model="smol", prompt=prompts[i % 4], max_tokens=10, temperature=0,
+                                        stream=True)
+        return "".join([c.choices[0].text async for c in s])
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(64)))
+    texts = asyncio.run(main())
+    assert texts == [refs[i % 4] for i in range(64)]
+
+
+def test_cancelling_long_requests_frees_everything(server, http):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as ac:
+            streams = [await ac.completions.create(model="smol", prompt=f"Write a long story {i}", max_tokens=400,
+                                                   stream=True, extra_body={"ignore_eos": True}) for i in range(3)]
+            for s in streams:
+                async for _ in s:
+                    break
+            assert metric(http, 'num_requests_running') + metric(http, 'num_requests_waiting') == 3
+            assert metric(http, 'kv_cache_usage_perc') > 0
+            for s in streams:
+                await s.close()
+    asyncio.run(main())
+    deadline = time.monotonic() + 30
+    while True:
+        values = [metric(http, n) for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        if values == [0, 0, 0]:
+            break
+        assert time.monotonic() < deadline, f"still held after cancel: {values}"
+        time.sleep(0.1)
+    assert 'finished_reason="abort"' in http.get("/metrics").text
+
+
+def test_models_health_version(http):
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["smol"]
+    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(http.base_url.join("/health")).status_code == 200  # no key needed
+    assert http.get("/version").json()["version"]
+
+
+def test_zz_sigterm_drains_in_flight_then_exits_0(server, client):
+    """Runs last: SIGTERM while a stream is in flight; it completes, new connections fail, exit code 0."""
+    result = {}
+
+    def consume():
+        s = client.completions.create(model="smol", prompt="Tell me about the sea", max_tokens=40, stream=True,
+                                      extra_body={"ignore_eos": True})
+        chunks = list(s)
+        result["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        result["n"] = sum(1 for c in chunks if c.choices)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    deadline = time.monotonic() + 60
+    while metric(httpx.Client(base_url=server.url), "num_requests_running") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert result.get("finish") == "length", result
+    assert server.proc.wait(60) == 0, server.tail()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=2)

@@ -69,6 +69,29 @@ def _worker() -> dict:
     return report
 
 
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
+ENGINE_PROMPTS = [[5, 17, 99, 3, 42, 7, 250], [1, 2, 3], list(range(30, 70)), [200, 11, 11, 11, 64, 9]]
+# tiny-llama3 has 4 q / 2 kv heads: tp=4 exercises replicated kv heads; tiny-qwen2 adds q/k/v biases
+ENGINE_CASES = [("tiny-llama3", 1), ("tiny-llama3", 2), ("tiny-llama3", 4), ("tiny-qwen2", 1), ("tiny-qwen2", 2)]
+
+
+def _engine_worker() -> dict:
+    """Greedy tokens through the offline API (scheduler, runner, sampler) at each tensor_parallel_size."""
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    report = {}
+    for model, tp in ENGINE_CASES:
+        llm = LLM(os.path.join(FIXTURES, model), tensor_parallel_size=tp, dtype="float32", max_model_len=128,
+                  max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory_bytes=1 << 22, skip_warmup=True,
+                  compilation_cache_dir="", use_tqdm_on_load=False)
+        outs = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS,
+                                                           ignore_eos=True), use_tqdm=False)
+        report[f"{model}/tp{tp}"] = [list(o.outputs[0].token_ids) for o in outs]
+        del llm
+    return report
+
+
 def _step_args(dec):
     from jaxserve.kernels.metadata import AttentionMetadata
     from jaxserve import parallel
@@ -79,13 +102,29 @@ def _step_args(dec):
 
 
 # ---------------------------------------------------------------------------------------------- the tests
-@pytest.fixture(scope="module")
-def report():
+def _run_worker(*args: str) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}",
                JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _run_worker()
+
+
+@pytest.fixture(scope="module")
+def engine_report():
+    return _run_worker("engine")
+
+
+@pytest.mark.parametrize("model,tp", [c for c in ENGINE_CASES if c[1] > 1])
+def test_engine_greedy_matches_single_device(engine_report, model, tp):
+    base = engine_report[f"{model}/tp1"]
+    assert [len(t) for t in base] == [MAX_NEW_TOKENS] * len(ENGINE_PROMPTS)
+    assert engine_report[f"{model}/tp{tp}"] == base
 
 
 @pytest.mark.parametrize("case,tp", [("8q4kv", 2), ("8q4kv", 4), ("8q2kv", 2), ("8q2kv", 4), ("9q3kv", 3)])
@@ -128,4 +167,4 @@ def test_indivisible_heads_error(report):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_worker()))
+    print(json.dumps(_engine_worker() if sys.argv[1:] == ["engine"] else _worker()))

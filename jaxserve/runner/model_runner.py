@@ -20,6 +20,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
+from jaxserve.parallel import bind_mesh, gather_logits
 from jaxserve.runner import sampler as sampler_mod
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ class RunnerStats:
 def _step_fn(family, cfg, backend, num_logprobs, params, kv_caches, input_ids, positions, md, logits_indices,
              sampling_meta):
     hidden, kv_caches = family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend)
-    logits = family.compute_logits(params, hidden[logits_indices], cfg)
+    # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
+    logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
     out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs)
     return kv_caches, out
 
@@ -94,8 +96,9 @@ class ModelRunner:
         self.kv_caches = self._init_kv_caches()
         self._steps = {}
         for nl in (0, self.max_logprobs):
-            self._steps[nl] = jax.jit(partial(_step_fn, model.family, self.cfg, self.backend, nl),
-                                      donate_argnums=(1,))
+            # bind_mesh: the step traces under the mesh so attention runs in shard_map over "tp"
+            step = bind_mesh(partial(_step_fn, model.family, self.cfg, self.backend, nl), mesh)
+            self._steps[nl] = jax.jit(step, donate_argnums=(1,))
         self._rng = np.random.default_rng(config.seed)
 
     # ---------------------------------------------------------------- KV cache sizing

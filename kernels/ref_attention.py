@@ -10,6 +10,9 @@ import jax.numpy as jnp
 
 from .metadata import AttentionMetadata
 
+# The oracle computes in true float32: XLA's default f32 matmul on GPU is TF32 (~1e-3 relative error).
+HIGHEST = jax.lax.Precision.HIGHEST
+
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)   # 448
@@ -88,7 +91,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         blk = tab[req]                                                     # [T, c]
         kb = dequantize_kv(k_cache[blk].reshape(T, c * bs, kvh, d), k_scale)
         vb = dequantize_kv(v_cache[blk].reshape(T, c * bs, kvh, d), v_scale)
-        s = jnp.einsum("thgd,tkhd->thgk", qg, kb)
+        s = jnp.einsum("thgd,tkhd->thgk", qg, kb, precision=HIGHEST)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kpos = i * c * bs + offs                                           # [c*bs]
@@ -101,7 +104,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum("thgk,tkhd->thgd", p, vb)
+        acc = acc * alpha[..., None] + jnp.einsum("thgk,tkhd->thgd", p, vb, precision=HIGHEST)
         return (m_new, l, acc), None
 
     init = (jnp.full((T, kvh, g), -jnp.inf, jnp.float32), jnp.zeros((T, kvh, g), jnp.float32),

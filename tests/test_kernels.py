@@ -58,6 +58,13 @@ def test_flash_decoding_splits(splits):
     check(splits, [1, 1, 1, 1], [150, 3, 64, 97], hq=8, kvh=2, d=64, bs=16, dtype=jnp.float32, splits=splits)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_two_launch_variant(splits):
+    """fused=False: prefill and decode tiles in separate launches (same bodies, same result)."""
+    check(20 + splits, [1, 9, 1, 20], [37, 9, 70, 53], hq=9, kvh=3, d=64, bs=16, dtype=jnp.float32,
+          splits=splits, tiles=dict(SMALL_TILES, fused=False))
+
+
 def test_soft_cap_and_sliding_window():
     check(11, [1, 12, 1, 30], [90, 40, 5, 30], hq=9, kvh=3, d=64, bs=16, dtype=jnp.float32, soft_cap=5.0,
           window=20, splits=2)

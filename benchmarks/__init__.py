@@ -1,0 +1,1 @@
+"""Config-driven benchmarks (see benchmarks/README.md). Importing this package stays cheap: no JAX, no torch."""

@@ -1,0 +1,180 @@
+"""Offline modes on `jaxserve.LLM`: `throughput` (like `vllm bench throughput`) and `latency`."""
+from __future__ import annotations
+
+import time
+
+from benchmarks import plots, roofline
+from benchmarks.metrics import summarize
+from benchmarks.report import Table
+from benchmarks.workloads import random_token_prompts, sample_lengths
+
+
+def _sampling_params(output_lens, wl: dict, seed: int):
+    from jaxserve import SamplingParams
+    return [SamplingParams(max_tokens=int(o), ignore_eos=bool(wl["ignore_eos"]),
+                           temperature=float(wl["temperature"]), seed=seed + i)
+            for i, o in enumerate(output_lens)]
+
+
+class StepStats:
+    """The engine's host-ms / device-ms per step over one measured window (raw runner counters diffed)."""
+
+    def __init__(self, llm):
+        self.stats = getattr(getattr(getattr(llm, "engine", None), "runner", None), "stats", None)
+        self.start = self._raw()
+
+    def _raw(self):
+        s = self.stats
+        return None if s is None else {k: float(getattr(s, k, 0.0)) for k in ("steps", "host_ms", "device_ms", "tokens")}
+
+    def window(self) -> dict | None:
+        end = self._raw()
+        if end is None:
+            return None
+        d = {k: end[k] - self.start[k] for k in end}
+        n = max(d["steps"], 1.0)
+        return {"steps": int(d["steps"]), "host_ms_per_step": d["host_ms"] / n,
+                "device_ms_per_step": d["device_ms"] / n, "tokens_per_step": d["tokens"] / n}
+
+
+def run_throughput(run) -> None:
+    cfg, wl = run.cfg, run.cfg["workload"]
+    n = int(wl["num_prompts"])
+    ins = sample_lengths(wl["input_len"], n, run.rng, "input_len")
+    outs = sample_lengths(wl["output_len"], n, run.rng, "output_len")
+    prompts = random_token_prompts(run.rng, ins, run.model_config.vocab_size)
+    run.result["workload_shape"] = {"num_prompts": n, "input_len_mean": float(ins.mean()),
+                                    "output_len_mean": float(outs.mean())}
+    baseline = run.hf_baseline("throughput", prompts, outs.tolist())      # before the engine holds the GPU
+    llm = run.llm()
+    params = _sampling_params(outs, wl, cfg["seed"])
+    warm = int(wl.get("warmup_prompts") or 0)
+    if warm:   # first-touch effects (allocator, lazy compiles) stay out of the timed run
+        llm.generate(prompts[:warm], _sampling_params([min(8, int(o)) for o in outs[:warm]], wl, 0), use_tqdm=False)
+    steps = StepStats(llm)
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t0
+    prompt_tok = sum(len(r.prompt_token_ids) for r in results)
+    out_tok = sum(len(c.token_ids) for r in results for c in r.outputs)
+    m = {"elapsed_s": elapsed, "num_requests": len(results), "prompt_tokens": prompt_tok,
+         "output_tokens": out_tok, "requests_per_s": len(results) / elapsed,
+         "output_tok_per_s": out_tok / elapsed, "total_tok_per_s": (prompt_tok + out_tok) / elapsed,
+         "engine_steps": steps.window()}
+    if wl["ignore_eos"] and out_tok != int(outs.sum()):
+        run.notes.append(f"expected {int(outs.sum())} output tokens with ignore_eos, got {out_tok}")
+    run.result["jaxserve"] = m
+
+    max_batch = min(n, int(cfg["engine"].get("max_num_seqs") or 256))
+    bound = roofline.generation_bound(run.cost, run.hw, n, float(ins.mean()), float(outs.mean()), max_batch)
+    run.result["roofline"] = {**bound, "max_batch": max_batch}
+    t = Table("Throughput (offline)", ["metric", "jaxserve", "roofline limit", "% of limit"]
+              + (["HF", "jaxserve / HF"] if baseline else []))
+    for key, label, limit in (("requests_per_s", "requests/s", bound["requests_s"]),
+                              ("output_tok_per_s", "output tok/s", bound["output_tok_s"]),
+                              ("total_tok_per_s", "total tok/s", bound["total_tok_s"])):
+        row = [label, m[key], limit, roofline.percent(m[key], limit)]
+        if baseline:
+            hf = baseline.get(key)
+            row += [hf, (m[key] / hf) if hf else None]
+        t.rows.append(row)
+    t.rows.append(["elapsed s", elapsed, bound["seconds"], roofline.percent(bound["seconds"], elapsed)]
+                  + ([baseline.get("elapsed_s"), None] if baseline else []))
+    run.tables.append(t)
+    _steps_table(run, m["engine_steps"])
+    run.notes.append(f"roofline: {n} requests in waves of {max_batch} (max_num_seqs), each wave's prefill "
+                     f"against compute then {int(round(outs.mean())) - 1} decode steps against "
+                     f"max(bandwidth, compute); {run.limits_note()}")
+    if baseline:
+        run.notes.append(baseline.get("note", ""))
+    if run.cfg["report"]["plots"]:
+        labels = ["output tok/s", "total tok/s"]
+        plots.bars_vs_limit(run.out_dir / "throughput_vs_roofline.png", labels,
+                            [m["output_tok_per_s"], m["total_tok_per_s"]],
+                            [bound["output_tok_s"], bound["total_tok_s"]], "tok/s", f"{cfg['name']}: measured vs limit")
+
+
+def _steps_table(run, steps: dict | None) -> None:
+    if steps and steps["steps"]:
+        run.tables.append(Table("Engine steps (measured window)", ["steps", "host ms/step", "device ms/step",
+                                                                   "tokens/step"],
+                                [[steps["steps"], steps["host_ms_per_step"], steps["device_ms_per_step"],
+                                  steps["tokens_per_step"]]]))
+
+
+def _timed(llm, prompts, params) -> float:
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def run_latency(run) -> None:
+    from tqdm.auto import tqdm
+    cfg, wl = run.cfg, run.cfg["workload"]
+    b = int(wl["batch_size"])
+    ins = sample_lengths(wl["input_len"], b, run.rng, "input_len")
+    outs = sample_lengths(wl["output_len"], b, run.rng, "output_len")
+    prompts = random_token_prompts(run.rng, ins, run.model_config.vocab_size)
+    baseline = run.hf_baseline("latency", prompts, outs.tolist())
+    llm = run.llm()
+    params = _sampling_params(outs, wl, cfg["seed"])
+    prefill_params = _sampling_params([1] * b, wl, cfg["seed"])
+    for _ in tqdm(range(int(wl["warmup_iters"])), desc="warm-up"):
+        _timed(llm, prompts, params)
+    steps = StepStats(llm)
+    e2e = [_timed(llm, prompts, params) for _ in tqdm(range(int(wl["iters"])), desc="measured")]
+    step_window = steps.window()
+    prefill = [_timed(llm, prompts, prefill_params) for _ in tqdm(range(int(wl["prefill_iters"])), desc="prefill only")]
+    s_e2e, s_pre = summarize(e2e), summarize(prefill)
+    out_mean, in_mean = float(outs.mean()), float(ins.mean())
+    decode_steps = max(int(round(out_mean)) - 1, 1)
+    step_s = (s_e2e["mean"] - s_pre["mean"]) / decode_steps if prefill else float("nan")
+    m = {"batch_size": b, "input_len_mean": in_mean, "output_len_mean": out_mean, "e2e_s": s_e2e,
+         "prefill_s": s_pre, "decode_step_s": step_s, "output_tok_per_s": b * out_mean / s_e2e["mean"],
+         "decode_tok_per_s": b / step_s if step_s > 0 else float("nan"), "engine_steps": step_window,
+         "e2e_samples_s": e2e, "prefill_samples_s": prefill}
+    run.result["jaxserve"] = m
+
+    cost, hw = run.cost, run.hw
+    pre_bound = roofline.prefill_bound(cost, hw, b, in_mean)
+    dec_bound = roofline.decode_steps_bound(cost, hw, b, in_mean, decode_steps)
+    step_bound = dec_bound / decode_steps
+    mid_ctx = in_mean + 1 + (decode_steps - 1) / 2            # mean context over the decode steps
+    step_bytes, step_flops = cost.decode_bytes(mid_ctx, b), cost.decode_flops(mid_ctx, b)
+    r = {"e2e_bound_s": pre_bound + dec_bound, "prefill_bound_s": pre_bound, "decode_step_bound_s": step_bound,
+         "decode_step_bytes": step_bytes, "decode_step_flops": step_flops,
+         "achieved_bandwidth_Bps": step_bytes / step_s if step_s > 0 else float("nan"),
+         "prefill_achieved_flops": cost.prefill_flops(in_mean, b) / s_pre["mean"] if prefill else float("nan")}
+    run.result["roofline"] = r
+
+    t = Table(f"Latency: batch {b}, {in_mean:g} in / {out_mean:g} out, {len(e2e)} iterations",
+              ["metric", "jaxserve", "roofline limit", "% of limit"] + (["HF", "jaxserve / HF"] if baseline else []))
+
+    def add(label, value, limit, pct, hf=None, higher_better=False):
+        row = [label, value, limit, pct]
+        if baseline:
+            row += [hf, (value / hf if higher_better else hf / value) if hf and value else None]
+        t.rows.append(row)
+
+    hf_e2e = (baseline or {}).get("e2e_s", {})
+    add("e2e mean s", s_e2e["mean"], r["e2e_bound_s"], roofline.percent(r["e2e_bound_s"], s_e2e["mean"]), hf_e2e.get("mean"))
+    for q in (10, 25, 50, 75, 90, 99):
+        add(f"e2e p{q} s", s_e2e[f"p{q}"], None, None, hf_e2e.get(f"p{q}"))
+    add("output tok/s", m["output_tok_per_s"], b * out_mean / r["e2e_bound_s"],
+        roofline.percent(m["output_tok_per_s"], b * out_mean / r["e2e_bound_s"]),
+        (baseline or {}).get("output_tok_per_s"), higher_better=True)
+    add("prefill s (max_tokens=1)", s_pre["mean"], pre_bound, roofline.percent(pre_bound, s_pre["mean"]))
+    add("decode step ms", step_s * 1e3, step_bound * 1e3, roofline.percent(step_bound, step_s))
+    add("decode bandwidth TB/s", r["achieved_bandwidth_Bps"] / 1e12, hw.bandwidth / 1e12,
+        roofline.percent(r["achieved_bandwidth_Bps"], hw.bandwidth))
+    run.tables.append(t)
+    _steps_table(run, step_window)
+    run.notes.append("decode step = (e2e mean - prefill-only mean) / (output_len - 1); its bytes = weights + "
+                     f"KV of {b} sequences at their mean context ({mid_ctx:.0f}); {run.limits_note()}")
+    if baseline:
+        run.notes.append(baseline.get("note", ""))
+    if cfg["report"]["plots"]:
+        series = {"jaxserve e2e": e2e}
+        if baseline and baseline.get("e2e_samples_s"):
+            series["HF generate e2e"] = baseline["e2e_samples_s"]
+        plots.cdf(run.out_dir / "latency_cdf.png", series, "seconds", f"{cfg['name']}: end-to-end latency")

@@ -1,0 +1,219 @@
+"""How far from the limit: per-chip limits (configs/hardware/*.yaml) and per-model FLOP/byte counts.
+
+Conventions (kept on purpose, so figures compare with ../shared/ARCHITECTURE.md's):
+- A decode step reads every weight once (`weight_bytes` counts all parameters, embedding table included,
+  although a step only gathers T rows of it: the true bound is ~7 % higher for Llama-3.1-8B) plus the
+  K and V of every cached token of every sequence in the batch.
+- FLOPs: 2 per multiplied weight per token (the embedding gather multiplies nothing; the LM head runs only
+  for tokens that are sampled: one per prefill sequence, one per decode token) plus attention:
+  QK^T and PV are 4·layers·heads·head_dim FLOPs per (query, key) pair; causal prefill of n tokens has
+  n(n+1)/2 pairs.
+- A step takes at least max(bytes / bandwidth, FLOPs / peak) (the roofline); a workload's bound is the
+  sum of its steps' bounds. Tensor parallelism over N chips multiplies both limits by N.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HARDWARE_DIR = REPO_ROOT / "configs" / "hardware"
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_bandwidth: float            # bytes/s of one chip
+    peak_flops: dict[str, float]       # dtype -> FLOP/s of one chip
+    memory_bytes: float
+    bandwidth_source: str = ""
+    flops_source: dict[str, str] = field(default_factory=dict)
+    num_devices: int = 1               # chips the model is sharded over (TP)
+    source_file: str = ""
+
+    def flops(self, dtype: str) -> float:
+        per_chip = self.peak_flops.get(dtype) or self.peak_flops.get("bfloat16") or max(self.peak_flops.values())
+        return per_chip * self.num_devices
+
+    @property
+    def bandwidth(self) -> float:
+        return self.memory_bandwidth * self.num_devices
+
+    def scaled(self, num_devices: int) -> "Hardware":
+        return Hardware(self.name, self.memory_bandwidth, self.peak_flops, self.memory_bytes,
+                        self.bandwidth_source, self.flops_source, num_devices, self.source_file)
+
+    def describe(self, dtype: str) -> dict[str, Any]:
+        return {"name": self.name, "num_devices": self.num_devices,
+                "memory_bandwidth_TBps": self.bandwidth / 1e12, "bandwidth_source": self.bandwidth_source,
+                "peak_TFLOPs": self.flops(dtype) / 1e12, "dtype": dtype,
+                "flops_source": self.flops_source.get(dtype, ""), "file": self.source_file}
+
+
+def load_hardware(name_or_path: str) -> tuple[Hardware, dict]:
+    """A hardware file by name (configs/hardware/NAME.yaml) or path → (Hardware, raw dict)."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = HARDWARE_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
+        raise ValueError(f"hardware {name_or_path!r} not found (known: {known}, or a path to a YAML file)")
+    raw = yaml.safe_load(path.read_text())
+    hw = Hardware(name=raw["name"], memory_bandwidth=float(raw["memory_bandwidth"]),
+                  peak_flops={k: float(v) for k, v in raw["peak_flops"].items()},
+                  memory_bytes=float(raw.get("memory_bytes", 0)),
+                  bandwidth_source=raw.get("memory_bandwidth_source", ""),
+                  flops_source=dict(raw.get("peak_flops_source") or {}), source_file=str(path.name))
+    return hw, raw
+
+
+def detect_hardware_name(device_kind: str, platform: str) -> str:
+    """The configs/hardware file whose device_kind_patterns match this device (cpu for the host)."""
+    if platform == "cpu":
+        return "cpu"
+    for path in sorted(HARDWARE_DIR.glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text())
+        if any(p.lower() in device_kind.lower() for p in raw.get("device_kind_patterns", [])):
+            return path.stem
+    raise ValueError(f"no configs/hardware file matches device {device_kind!r}; add one or set hardware: NAME")
+
+
+@functools.lru_cache(maxsize=None)
+def measure_host_limits(seconds: float = 1.0) -> tuple[float, float]:
+    """(copy bandwidth bytes/s, float32 matmul FLOP/s) of this host, best of a few short runs (once per
+    process)."""
+    a = np.ones(64 * 1024 * 1024 // 8, dtype=np.float64)     # 64 MiB: well past the caches
+    b = np.empty_like(a)
+    best_bw, t_end = 0.0, time.perf_counter() + seconds / 2
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best_bw = max(best_bw, 2 * a.nbytes / (time.perf_counter() - t))   # read + write
+    import jax
+    import jax.numpy as jnp
+    n = 1024
+    x = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    mm(x).block_until_ready()
+    best_fl, t_end = 0.0, time.perf_counter() + seconds / 2
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        mm(x).block_until_ready()
+        best_fl = max(best_fl, 2 * n ** 3 / (time.perf_counter() - t))
+    return best_bw, best_fl
+
+
+def resolve_hardware(setting: str, device_kind: str, platform: str, num_devices: int = 1) -> Hardware:
+    """Hardware from a config's `hardware:` value ("auto" detects); CPU limits measured when the file asks."""
+    name = detect_hardware_name(device_kind, platform) if setting in (None, "", "auto") else setting
+    hw, raw = load_hardware(name)
+    if raw.get("measure_at_run_time") and platform == "cpu":
+        bw, fl = measure_host_limits()
+        note = f"measured at run time ({os.cpu_count()} CPUs)"
+        hw = Hardware(hw.name, bw, {"float32": fl, "bfloat16": fl, "float16": fl}, hw.memory_bytes,
+                      f"{note}: numpy copy", {k: f"{note}: float32 matmul through JAX" for k in hw.peak_flops},
+                      1, hw.source_file)
+    return hw.scaled(num_devices)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """FLOP and byte counts of one decoder model at one weight / KV dtype."""
+    params: int                        # all parameters
+    body_matmul_params: int            # weights every token multiplies (not the embedding gather, not the head)
+    lm_head_params: int                # the output projection (tied or not), multiplied for sampled tokens
+    weight_bytes: int                  # all parameters in the weight dtype
+    kv_bytes_per_token: int            # K + V of one token over all layers
+    attn_flops_per_pair: int           # QK^T + PV FLOPs for one (query, key) pair over all layers
+    dtype: str
+
+    def decode_flops(self, context_lens: np.ndarray | float, batch: int = 1) -> float:
+        """FLOPs of one decode step for `batch` sequences whose contexts sum to sum(context_lens)."""
+        ctx_total = float(np.sum(context_lens)) if np.ndim(context_lens) else float(context_lens) * batch
+        return batch * 2.0 * (self.body_matmul_params + self.lm_head_params) + self.attn_flops_per_pair * ctx_total
+
+    def decode_bytes(self, context_lens: np.ndarray | float, batch: int = 1) -> float:
+        ctx_total = float(np.sum(context_lens)) if np.ndim(context_lens) else float(context_lens) * batch
+        return float(self.weight_bytes) + self.kv_bytes_per_token * ctx_total
+
+    def prefill_flops(self, input_len: int, batch: int = 1) -> float:
+        """FLOPs to prefill `batch` prompts of `input_len` tokens (causal, logits for the last token only)."""
+        n = float(input_len)
+        per_seq = 2.0 * self.body_matmul_params * n + 2.0 * self.lm_head_params \
+            + self.attn_flops_per_pair * n * (n + 1) / 2
+        return batch * per_seq
+
+    def prefill_bytes(self, input_len: int, batch: int = 1) -> float:
+        return float(self.weight_bytes) + self.kv_bytes_per_token * float(input_len) * batch
+
+
+def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None) -> ModelCost:
+    """Counts for a Llama-family `jaxserve.config.ModelConfig` (GQA, SwiGLU MLP, RMSNorm)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} for the roofline (known: {', '.join(DTYPE_BYTES)})")
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if cfg.attention_bias else 0)
+    mlp = 3 * h * cfg.intermediate_size + ((2 * cfg.intermediate_size + h) if cfg.mlp_bias else 0)
+    per_layer = attn + mlp + 2 * h                           # + two RMSNorm weights
+    embedding = cfg.vocab_size * h
+    lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    body = cfg.num_layers * per_layer + h                   # + the final norm
+    params = embedding + lm_head + body
+    kv_bytes = DTYPE_BYTES[kv_dtype or dtype]
+    return ModelCost(params=params, body_matmul_params=body,
+                     lm_head_params=cfg.vocab_size * h, weight_bytes=params * DTYPE_BYTES[dtype],
+                     kv_bytes_per_token=2 * cfg.num_layers * kv * kv_bytes,
+                     attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d, dtype=dtype)
+
+
+def step_time(flops: float, nbytes: float, hw: Hardware, dtype: str) -> float:
+    """The roofline time of one step: whichever of compute and memory traffic takes longer."""
+    return max(flops / hw.flops(dtype), nbytes / hw.bandwidth)
+
+
+def decode_steps_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: float, num_steps: int) -> float:
+    """Seconds for `num_steps` decode steps of `batch` sequences starting at context `input_len`."""
+    if num_steps <= 0 or batch <= 0:
+        return 0.0
+    ctx = input_len + 1 + np.arange(num_steps, dtype=np.float64)       # context each step attends over
+    flops = batch * 2.0 * (cost.body_matmul_params + cost.lm_head_params) + cost.attn_flops_per_pair * batch * ctx
+    nbytes = cost.weight_bytes + cost.kv_bytes_per_token * batch * ctx
+    return float(np.sum(np.maximum(flops / hw.flops(cost.dtype), nbytes / hw.bandwidth)))
+
+
+def prefill_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: float) -> float:
+    return step_time(cost.prefill_flops(input_len, batch), cost.prefill_bytes(input_len, batch), hw, cost.dtype)
+
+
+def generation_bound(cost: ModelCost, hw: Hardware, num_prompts: int, input_len: float, output_len: float,
+                     max_batch: int) -> dict[str, float]:
+    """Ideal time for N requests (mean lengths) run in waves of `max_batch`: prefill each wave (its first
+    token comes from the prefill), then output_len - 1 decode steps. Returns seconds and tok/s limits."""
+    waves, left, prefill_s, decode_s = [], num_prompts, 0.0, 0.0
+    while left > 0:
+        waves.append(min(max_batch, left))
+        left -= waves[-1]
+    out_steps = max(int(round(output_len)) - 1, 0)
+    for b in waves:
+        prefill_s += prefill_bound(cost, hw, b, input_len)
+        decode_s += decode_steps_bound(cost, hw, b, input_len, out_steps)
+    total = prefill_s + decode_s
+    return {"seconds": total, "prefill_seconds": prefill_s, "decode_seconds": decode_s,
+            "output_tok_s": num_prompts * output_len / total if total else float("inf"),
+            "total_tok_s": num_prompts * (input_len + output_len) / total if total else float("inf"),
+            "requests_s": num_prompts / total if total else float("inf"), "batch": float(max(waves or [0]))}
+
+
+def percent(measured: float, limit: float) -> float:
+    """measured / limit in percent (for times pass limit_time / measured_time)."""
+    return 100.0 * measured / limit if limit else float("nan")

@@ -1,0 +1,336 @@
+"""`python -m jaxserve bench --config NAME [--config NAME ...] [--set key=value ...]` (or
+`python -m benchmarks.runner ...` from the repo root).
+
+Each config runs one mode (throughput | latency | serve | kernels) and writes
+benchmarks/results/<date>-<name>/ (result.json, result.md, config.yaml, PNGs). Several configs in one
+call share one loaded engine when their model and engine options match (load + warm-up once), and
+every HF baseline runs first, in its own process, before JAX takes the accelerator.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import roofline
+from benchmarks.config import REPO_ROOT, ConfigError, engine_kwargs, load_config
+from benchmarks.metrics import fmt
+from benchmarks.report import Table, results_dir, write_report
+
+
+class _BaselinePhaseDone(Exception):
+    """Raised by Run.llm() in the baseline phase: the mode has handed its prompts to the baseline."""
+
+
+class EngineCache:
+    """One live `jaxserve.LLM` at a time, reused by configs with the same model + engine options."""
+
+    def __init__(self):
+        self.key, self.llm = None, None
+
+    def get(self, kwargs: dict):
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key != self.key:
+            self.close()                      # two engines would each claim most of the accelerator
+            from jaxserve import LLM
+            print(f"[bench] loading the engine: {kwargs}", flush=True)
+            t = time.perf_counter()
+            self.llm = LLM(**kwargs)
+            self.key, self.load_s = key, time.perf_counter() - t
+        return self.llm
+
+    def close(self):
+        self.llm, self.key = None, None
+        gc.collect()
+
+
+@dataclass
+class Run:
+    """Everything one config's run needs and produces."""
+    cfg: dict
+    raw_workload: dict
+    argv: list[str]
+    engines: EngineCache
+    phase: str = "main"                       # "baseline" (HF only, no JAX) or "main"
+    base_url: str | None = None
+    out_dir: Path | None = None
+    env: dict = field(default_factory=dict)
+    hw: roofline.Hardware | None = None
+    model_config: object = None
+    hf_config: dict | None = None
+    dtype: str = "float32"
+    cost: roofline.ModelCost | None = None
+    baseline_result: dict | None = None
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    result: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.cfg["seed"])
+
+    def llm(self):
+        if self.phase == "baseline":
+            raise _BaselinePhaseDone
+        return self.engines.get(engine_kwargs(self.cfg))
+
+    def tokenizer(self):
+        """A tokenizer for ShareGPT lengths: the live engine's, else an HF folder's, else None (≈ words)."""
+        if self.engines.llm is not None:
+            return self.engines.llm.get_tokenizer()
+        path = self.cfg["model"].get("path")
+        if path and Path(path).is_dir():
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(path)
+        return None
+
+    def limits_note(self) -> str:
+        hw, dt = self.hw, self.dtype
+        return (f"limits from configs/hardware/{hw.source_file}: {hw.bandwidth / 1e12:.3g} TB/s "
+                f"({hw.bandwidth_source}), {hw.flops(dt) / 1e12:.4g} TFLOP/s {dt} "
+                f"({hw.flops_source.get(dt, '')})" + (f", × {hw.num_devices} devices" if hw.num_devices > 1 else ""))
+
+    def hf_baseline(self, kind: str, prompts: list[list[int]], output_lens: list[int]) -> dict | None:
+        """The HF transformers numbers for the same prompts (run in the baseline phase, in a subprocess)."""
+        base = self.cfg["baseline"]
+        if not base.get("hf"):
+            return None
+        if self.phase == "main":
+            return self.baseline_result
+        try:
+            self.baseline_result = run_hf_subprocess(self, kind, prompts, output_lens)
+        except Exception as e:            # the baseline is a comparison, never a reason to lose the run
+            print(f"[bench] HF baseline failed: {e}", file=sys.stderr, flush=True)
+            self.baseline_result = {"error": str(e)[:500], "note": f"HF baseline failed: {str(e)[:200]}"}
+        raise _BaselinePhaseDone
+
+
+def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    base = run.cfg["baseline"]
+    methods = base.get("methods") or (["generate"] if kind == "latency" else ["generate_batch"])
+    n = int(base.get("num_prompts") or len(prompts))
+    python = base.get("python") or sys.executable
+    if not Path(python).is_absolute():
+        python = str(REPO_ROOT / python)
+    dtype = run.cfg["engine"].get("dtype") or "auto"
+    if dtype == "auto":
+        dtype = "float32" if base.get("device") == "cpu" else "bfloat16"
+    spec = {"hf_config": run.hf_config, "dtype": dtype, "device": base.get("device", "auto"),
+            "prompts": prompts[:n], "output_lens": output_lens[:n], "methods": methods, "seed": run.cfg["seed"],
+            "iters": int(base.get("iters") or run.cfg["workload"].get("iters", 3)),
+            "warmup_iters": int(run.cfg["workload"].get("warmup_iters", 1))}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        print(f"[bench] HF transformers baseline ({', '.join(methods)}, {n} prompts) with {python}", flush=True)
+        proc = subprocess.run([python, "-m", "benchmarks.hf_baseline", str(spec_path), str(out_path)],
+                              cwd=REPO_ROOT, timeout=float(base.get("timeout_s") or 900),
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        if proc.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"benchmarks.hf_baseline exited with {proc.returncode}")
+        out = json.loads(out_path.read_text())
+    res = dict(out["results"][methods[0]])
+    res["all_methods"] = out["results"]
+    res["environment"] = out["environment"]
+    subset = f" on the first {n} of {len(prompts)} prompts" if n < len(prompts) else ""
+    res["note"] = (f"HF baseline: transformers {out['environment']['transformers']} / torch "
+                   f"{out['environment']['torch']} {methods[0]}"
+                   f"{' (paged|sdpa attention)' if methods[0] == 'generate_batch' else ' (sdpa)'}{subset}, "
+                   f"same model shape with random weights, {dtype}, eos disabled; device "
+                   f"{out['environment']['device_name']}")
+    return res
+
+
+MODES = {}
+
+
+def _mode(name):
+    def deco(fn):
+        MODES[name] = fn
+        return fn
+    return deco
+
+
+@_mode("throughput")
+def _throughput(run):
+    from benchmarks.offline import run_throughput
+    run_throughput(run)
+
+
+@_mode("latency")
+def _latency(run):
+    from benchmarks.offline import run_latency
+    run_latency(run)
+
+
+@_mode("serve")
+def _serve(run):
+    from benchmarks.serve import run_serve
+    run_serve(run)
+
+
+@_mode("kernels")
+def _kernels(run):
+    from benchmarks.kernels_mode import run_kernels
+    run_kernels(run)
+
+
+def prepare_model(run: Run) -> None:
+    from benchmarks.models import resolve_model
+    run.model_config, run.hf_config = resolve_model(run.cfg)
+
+
+def prepare_main(run: Run, out_root: str | None) -> None:
+    """Environment, hardware limits and the model's roofline counts (initialises JAX)."""
+    from benchmarks.envinfo import environment
+    from benchmarks.models import kv_dtype, weight_dtype
+    run.env = environment(run.argv)
+    tp = int(run.cfg["engine"].get("tensor_parallel_size") or 1)
+    run.hw = roofline.resolve_hardware(run.cfg["hardware"], run.env["device_kind"], run.env["platform"], tp)
+    if run.model_config is not None:
+        run.dtype = weight_dtype(run.cfg, run.env["platform"])
+        run.cost = roofline.model_cost(run.model_config, run.dtype, kv_dtype(run.cfg, run.dtype))
+    run.out_dir = results_dir(out_root, run.cfg["name"])
+
+
+def finish(run: Run, elapsed: float) -> Path:
+    c = run.cost
+    run.result["hardware"] = run.hw.describe(run.dtype) if run.hw else None
+    if c is not None:
+        run.result["model"] = {"config": {k: v for k, v in vars(run.model_config).items()},
+                               "params": c.params, "weight_bytes": c.weight_bytes,
+                               "kv_bytes_per_token": c.kv_bytes_per_token, "dtype": run.dtype}
+        run.tables.append(Table("Model and limits", ["params", "weights GB", "KV bytes/token", "dtype",
+                                                     "bandwidth TB/s", "peak TFLOP/s", "hardware"],
+                                [[c.params, c.weight_bytes / 1e9, c.kv_bytes_per_token, run.dtype,
+                                  run.hw.bandwidth / 1e12, run.hw.flops(run.dtype) / 1e12,
+                                  f"{run.hw.name} × {run.hw.num_devices}"]]))
+    if run.baseline_result:
+        run.result["hf_baseline"] = run.baseline_result
+    run.result["bench_seconds"] = elapsed
+    return write_report(run.out_dir, run.cfg, run.env, run.result, run.tables, [n for n in run.notes if n])
+
+
+def summary_line(run: Run) -> str:
+    """One line of headline numbers per config, for run_h200.sh's summary."""
+    r, name = run.result, run.cfg["name"]
+    j = r.get("jaxserve") or {}
+    hf = run.baseline_result if run.baseline_result and "error" not in run.baseline_result else None
+    if run.cfg["mode"] == "throughput" and j:
+        lim = r["roofline"]["output_tok_s"]
+        s = (f"{name}: {fmt(j['output_tok_per_s'])} output tok/s ({fmt(roofline.percent(j['output_tok_per_s'], lim))}% "
+             f"of {fmt(lim)}), {fmt(j['total_tok_per_s'])} total tok/s, {fmt(j['requests_per_s'], 2)} req/s")
+        if hf and hf.get("output_tok_per_s"):
+            s += f"; HF {hf['method']} {fmt(hf['output_tok_per_s'])} → ×{j['output_tok_per_s'] / hf['output_tok_per_s']:.2f}"
+        return s
+    if run.cfg["mode"] == "latency" and j:
+        ro = r["roofline"]
+        s = (f"{name}: e2e mean {j['e2e_s']['mean']:.3f} s ({fmt(roofline.percent(ro['e2e_bound_s'], j['e2e_s']['mean']))}% "
+             f"of limit), {fmt(j['output_tok_per_s'])} output tok/s, decode step {j['decode_step_s'] * 1e3:.2f} ms = "
+             f"{_bandwidth(ro['achieved_bandwidth_Bps'])} ({fmt(roofline.percent(ro['achieved_bandwidth_Bps'], run.hw.bandwidth))}%)")
+        if hf and hf.get("e2e_s"):
+            s += f"; HF generate {hf['output_tok_per_s']:.1f} tok/s → ×{hf['e2e_s']['mean'] / j['e2e_s']['mean']:.2f}"
+        return s
+    if run.cfg["mode"] == "serve" and r.get("points"):
+        parts = [f"{(str(p['sweep_value']) + ': ') if r['sweep_param'] else ''}{fmt(p['output_throughput'])} tok/s "
+                 f"TTFT p50 {fmt(p['ttft_ms']['median'])} ms TPOT p50 {fmt(p['tpot_ms']['median'])} ms"
+                 f"{' (' + str(p['failed']) + ' failed)' if p['failed'] else ''}" for p in r["points"]]
+        return f"{name} ({r['sweep_param'] or 'one load'}): " + "; ".join(parts)
+    return f"{name}: done ({run.cfg['mode']})"
+
+
+def _bandwidth(bps: float) -> str:
+    return f"{bps / 1e12:.2f} TB/s" if bps >= 1e11 else f"{bps / 1e9:.2f} GB/s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxserve bench",
+                                description="Config-driven benchmarks (configs/bench/*.yaml); see benchmarks/README.md")
+    p.add_argument("--config", action="append", required=True,
+                   help="a configs/bench name or a YAML path (repeat to run several in one process)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value by dotted key, e.g. --set workload.num_prompts=10 (applies to every --config)")
+    p.add_argument("--base-url", default=None, help="serve mode: benchmark a running server instead of starting one")
+    p.add_argument("--out", default=os.environ.get("JAXSERVE_BENCH_RESULTS"),
+                   help="results root (default: benchmarks/results)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--hf-baseline", action="store_true", help="also run the HF transformers baseline (baseline.hf)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.no_plots:
+        overrides.append("report.plots=false")
+    if args.hf_baseline:
+        overrides.append("baseline.hf=true")
+    try:
+        configs = [load_config(c, overrides) for c in args.config]
+    except (ConfigError, ValueError) as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    engines = EngineCache()
+    set_workload = {o.split("=", 1)[0][len("workload."):]: True for o in overrides if o.startswith("workload.")}
+    runs = [Run(cfg, {**_raw_workload(c), **set_workload}, argv, engines, base_url=args.base_url)
+            for c, cfg in zip(args.config, configs)]
+    failures = 0
+    for run in runs:                                   # phase 1: HF baselines, before JAX claims the GPU
+        if run.cfg["baseline"].get("hf") and run.cfg["mode"] in ("throughput", "latency"):
+            run.phase = "baseline"
+            try:
+                prepare_model(run)
+                MODES[run.cfg["mode"]](run)
+            except _BaselinePhaseDone:
+                pass
+            run.phase = "main"
+    summaries = []
+    for run in runs:                                   # phase 2: jaxserve
+        t0 = time.perf_counter()
+        run.rng = np.random.default_rng(run.cfg["seed"])   # same prompts as the baseline phase drew
+        try:
+            if run.cfg["mode"] != "kernels":
+                prepare_model(run)
+            prepare_main(run, args.out)
+            print(f"[bench] {run.cfg['name']} ({run.cfg['mode']}) → {run.out_dir}", flush=True)
+            MODES[run.cfg["mode"]](run)
+            md = finish(run, time.perf_counter() - t0)
+            print(md.read_text(), flush=True)
+            summaries.append(summary_line(run))
+        except Exception as e:                         # one config failing does not stop the others
+            failures += 1
+            traceback.print_exc()
+            print(f"bench: {run.cfg['name']} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            summaries.append(f"{run.cfg['name']}: FAILED ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+            if run.out_dir is not None:
+                (run.out_dir / "error.txt").write_text(traceback.format_exc())
+    engines.close()
+    print("\n== summary ==")
+    for s in summaries:
+        print(s)
+    return 1 if failures else 0
+
+
+def _raw_workload(name_or_path: str) -> dict:
+    """The workload keys the file itself sets (defaults excluded): ShareGPT keeps its reply lengths
+    unless output_len is given explicitly."""
+    from benchmarks.config import resolve_config_path
+    import yaml
+    try:
+        return dict((yaml.safe_load(resolve_config_path(name_or_path).read_text()) or {}).get("workload") or {})
+    except (ConfigError, OSError):
+        return {}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""`serve` mode: start `python -m jaxserve serve` (or target --base-url) and drive it with the load generator.
+
+A `workload.sweep` ({max_concurrency: [...]} or {request_rate: [...]}) runs the load once per value
+against the same server and draws throughput vs latency.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks import plots, roofline
+from benchmarks.config import REPO_ROOT, server_flags
+from benchmarks.loadgen import run_load
+from benchmarks.metrics import fmt, serving_metrics
+from benchmarks.report import Table
+from benchmarks.workloads import prefix_requests, random_requests, sharegpt_requests
+
+SWEEP_PARAMS = ("max_concurrency", "request_rate")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], log_path: Path, timeout_s: float, env: dict | None = None):
+    """`python -m jaxserve serve ARGS --host 127.0.0.1 --port P` until /health answers 200; yields the base
+    URL; SIGTERM (then SIGKILL) on exit. A server that dies or never gets ready is one clear error."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxserve", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    base_url = f"http://127.0.0.1:{port}"
+    log = open(log_path, "w")
+    log.write(" ".join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready; "
+                                   f"its log: {log_path}\n{_tail(log_path)}")
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s; its log: {log_path}")
+            time.sleep(0.5)
+        yield base_url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def build_requests(run, num_prompts: int, seed_offset: int = 0):
+    """The workload's requests from its dataset (random | sharegpt | prefix)."""
+    import numpy as np
+    wl, vocab = run.cfg["workload"], run.model_config.vocab_size
+    rng = np.random.default_rng(run.cfg["seed"] + seed_offset)
+    kind = wl["dataset"]
+    if kind == "random":
+        return random_requests(rng, num_prompts, wl["input_len"], wl["output_len"], vocab)
+    if kind == "prefix":
+        return prefix_requests(rng, num_prompts, int(wl["num_prefixes"]), int(wl["prefix_len"]),
+                               wl["input_len"], wl["output_len"], vocab)
+    if kind == "sharegpt":
+        if not wl.get("dataset_path"):
+            raise ValueError("workload.dataset is sharegpt but workload.dataset_path is not set")
+        out = wl["output_len"] if "output_len" in run.raw_workload else None
+        return sharegpt_requests(rng, wl["dataset_path"], num_prompts, out, tokenizer=run.tokenizer(),
+                                 max_len=run.cfg["engine"].get("max_model_len"))
+    raise ValueError(f"workload.dataset is {kind!r}; expected random, sharegpt or prefix")
+
+
+def sweep_points(wl: dict) -> tuple[str | None, list]:
+    sweep = wl.get("sweep")
+    if not sweep:
+        return None, [None]
+    if not isinstance(sweep, dict) or len(sweep) != 1 or next(iter(sweep)) not in SWEEP_PARAMS:
+        raise ValueError(f"workload.sweep: expected {{max_concurrency: [..]}} or {{request_rate: [..]}}, got {sweep!r}")
+    param, values = next(iter(sweep.items()))
+    return param, list(values)
+
+
+def run_serve(run) -> None:
+    cfg, wl = run.cfg, run.cfg["workload"]
+    param, values = sweep_points(wl)
+    base_url = run.base_url or cfg["serve"]["base_url"]
+    with contextlib.ExitStack() as stack:
+        if not base_url:
+            log_path = run.out_dir / "server.log"
+            print(f"[bench] starting the server (log: {log_path})", flush=True)
+            base_url = stack.enter_context(running_server(server_flags(cfg), log_path,
+                                                          float(cfg["serve"]["startup_timeout_s"])))
+        run.result["base_url"] = base_url
+        warm = int(wl["warmup_requests"] or 0)
+        if warm:
+            reqs = build_requests(run, warm, seed_offset=10_000)
+            asyncio.run(run_load(base_url, reqs, max_concurrency=warm, api_key=cfg["serve"]["api_key"],
+                                 ignore_eos=wl["ignore_eos"], progress=False))
+        points = []
+        for i, value in enumerate(values):
+            rate = float(wl["request_rate"])
+            conc = wl["max_concurrency"]
+            if param == "request_rate":
+                rate = float(value)
+            elif param == "max_concurrency":
+                conc = int(value)
+            reqs = build_requests(run, int(wl["num_prompts"]), seed_offset=i)
+            label = f"{param}={value}" if param else "requests"
+            timings, duration = asyncio.run(run_load(
+                base_url, reqs, request_rate=rate, burstiness=float(wl["burstiness"]), max_concurrency=conc,
+                seed=cfg["seed"] + i, ignore_eos=wl["ignore_eos"], api_key=cfg["serve"]["api_key"],
+                timeout_s=float(cfg["serve"]["request_timeout_s"]), desc=label))
+            m = serving_metrics(timings, duration, wl.get("slo") or None)
+            m.update({"sweep_value": value, "request_rate": rate, "max_concurrency": conc,
+                      "roofline": _limit(run, reqs, conc)})
+            m["ttft_samples_ms"] = [t.ttft * 1e3 for t in timings if t.success]
+            m["e2el_samples_ms"] = [t.e2e * 1e3 for t in timings if t.success]
+            m["tpot_samples_ms"] = [t.tpot * 1e3 for t in timings if t.success and t.tpot is not None]
+            points.append(m)
+            print(f"[bench] {label}: {fmt(m['output_throughput'])} output tok/s, "
+                  f"TTFT median {fmt(m['ttft_ms']['median'])} ms, {m['failed']} failed", flush=True)
+    run.result["points"] = points
+    run.result["sweep_param"] = param
+    _tables(run, points, param)
+    if cfg["report"]["plots"]:
+        _plots(run, points, param)
+
+
+def _limit(run, reqs, conc) -> dict:
+    """The roofline for this point: the same requests at the concurrency the load allows."""
+    n = len(reqs)
+    in_mean = sum(r.prompt_len for r in reqs) / n
+    out_mean = sum(r.output_len for r in reqs) / n
+    batch = min(n, int(conc or n), int(run.cfg["engine"].get("max_num_seqs") or 256))
+    return roofline.generation_bound(run.cost, run.hw, n, in_mean, out_mean, batch)
+
+
+def _tables(run, points: list[dict], param: str | None) -> None:
+    slo = bool(run.cfg["workload"].get("slo"))
+    head = ([param] if param else []) + ["req/s", "output tok/s", "total tok/s", "limit output tok/s",
+                                         "% of limit", "TTFT mean/median/p99 ms", "TPOT mean/median/p99 ms",
+                                         "ITL mean/median/p99 ms", "E2E mean/median/p99 ms"] \
+        + (["goodput req/s"] if slo else []) + ["failed"]
+    t = Table(f"Serving: {run.cfg['workload']['dataset']} dataset, {run.cfg['workload']['num_prompts']} requests"
+              + (f" per point" if param else ""), head)
+    for p in points:
+        trio = lambda k: " / ".join(fmt(p[k][s]) for s in ("mean", "median", "p99"))
+        lim = p["roofline"]["output_tok_s"]
+        row = ([p["sweep_value"]] if param else []) + [
+            p["request_throughput"], p["output_throughput"], p["total_token_throughput"], lim,
+            roofline.percent(p["output_throughput"], lim), trio("ttft_ms"), trio("tpot_ms"), trio("itl_ms"),
+            trio("e2el_ms")] + ([p["goodput"]] if slo else []) + [p["failed"]]
+        t.rows.append(row)
+    run.tables.append(t)
+    errors = {e: c for p in points for e, c in p["errors"].items()}
+    for e, c in list(errors.items())[:5]:
+        run.notes.append(f"{c} failed: {e}")
+    if slo:
+        run.notes.append(f"goodput = successful requests within every SLO {run.cfg['workload']['slo']} per second")
+    run.notes.append("limit output tok/s: the same requests in waves of min(concurrency, max_num_seqs), "
+                     f"prefill against compute, decode steps against bandwidth; {run.limits_note()}")
+
+
+def _plots(run, points: list[dict], param: str | None) -> None:
+    name = run.cfg["name"]
+    label = (lambda p: f"{param}={p['sweep_value']}") if param else (lambda p: "all")
+    for key, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2E latency")):
+        plots.cdf(run.out_dir / f"{key}_cdf.png", {label(p): p[f"{key}_samples_ms"] for p in points},
+                  "ms", f"{name}: {title}")
+    if param and len(points) > 1:
+        plots.sweep(run.out_dir / "throughput_vs_latency.png", points, param, f"{name}: sweep over {param}")

@@ -1,0 +1,433 @@
+"""Benchmarks: roofline numbers, hardware files, config loading / --set, metrics math, workloads, the load
+generator (against a scripted SSE server and the real server), and the cpu-smoke configs end to end."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import config as bcfg  # noqa: E402
+from benchmarks import metrics, roofline, workloads  # noqa: E402
+from benchmarks.metrics import RequestTiming  # noqa: E402
+from jaxserve.config import ModelConfig  # noqa: E402
+
+# Public config.json values.
+LLAMA_31_8B = ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                          num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
+QWEN25_7B = ModelConfig("Qwen2ForCausalLM", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                        num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, attention_bias=True)
+SMOLLM2_135M = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+H200 = roofline.load_hardware("h200")[0]
+
+
+# ----------------------------------------------------------------------------------------------- roofline
+def test_param_counts_match_the_published_sizes():
+    assert roofline.model_cost(LLAMA_31_8B).params == 8_030_261_248
+    assert roofline.model_cost(QWEN25_7B).params == 7_615_616_512          # q/k/v biases included
+    assert roofline.model_cost(SMOLLM2_135M).params == 134_515_008          # tied: one vocab matrix
+
+
+def test_llama8b_bf16_weight_and_kv_bytes():
+    c = roofline.model_cost(LLAMA_31_8B, "bfloat16")
+    assert c.weight_bytes / 1e9 == pytest.approx(16.06, abs=0.005)
+    assert c.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2                     # 128 KiB per token
+    assert roofline.model_cost(LLAMA_31_8B, "bfloat16", "fp8").kv_bytes_per_token == 2 * 32 * 8 * 128
+    assert roofline.model_cost(LLAMA_31_8B, "float32").weight_bytes == 2 * c.weight_bytes
+
+
+def test_bs1_decode_bound_on_h200_is_268_tok_s():
+    c = roofline.model_cost(LLAMA_31_8B, "bfloat16")
+    steps = 256
+    t = roofline.decode_steps_bound(c, H200, batch=1, input_len=128, num_steps=steps)
+    assert steps / t == pytest.approx(268, abs=1.0)
+    # memory-bound: the same step at batch 1 is far under the compute limit
+    assert c.decode_flops(128) / H200.flops("bfloat16") < c.decode_bytes(128) / H200.bandwidth / 50
+
+
+def test_flops_per_token():
+    c = roofline.model_cost(LLAMA_31_8B)
+    embed = LLAMA_31_8B.vocab_size * LLAMA_31_8B.hidden_size
+    # decode at empty context: 2 FLOPs per multiplied weight (all but the embedding gather)
+    assert c.decode_flops(0) == 2 * (c.params - embed)
+    # each cached token adds QK^T + PV: 4 * layers * heads * head_dim
+    assert c.decode_flops(1000) - c.decode_flops(0) == 4 * 32 * 32 * 128 * 1000
+    # prefill: the LM head runs once per sequence, attention over n(n+1)/2 causal pairs
+    n = 512
+    lm_head = embed
+    assert c.prefill_flops(n) == pytest.approx(2 * (c.params - 2 * embed) * n + 2 * lm_head
+                                               + 4 * 32 * 32 * 128 * n * (n + 1) / 2)
+    # tied embeddings: the LM head is the embedding matrix, still multiplied once per sampled token
+    s = roofline.model_cost(SMOLLM2_135M)
+    assert s.decode_flops(0) == 2 * s.params
+
+
+def test_prefill_is_compute_bound_and_generation_bound_adds_up():
+    c = roofline.model_cost(LLAMA_31_8B)
+    assert c.prefill_flops(1024, 64) / H200.flops("bfloat16") > c.prefill_bytes(1024, 64) / H200.bandwidth
+    b = roofline.generation_bound(c, H200, num_prompts=1000, input_len=1024, output_len=128, max_batch=256)
+    waves = [256, 256, 256, 232]
+    pre = sum(roofline.prefill_bound(c, H200, w, 1024) for w in waves)
+    dec = sum(roofline.decode_steps_bound(c, H200, w, 1024, 127) for w in waves)
+    assert b["seconds"] == pytest.approx(pre + dec)
+    assert b["output_tok_s"] == pytest.approx(1000 * 128 / (pre + dec))
+    # a bigger batch amortises the weight reads: a higher limit
+    small = roofline.generation_bound(c, H200, 1000, 1024, 128, max_batch=16)
+    assert small["output_tok_s"] < b["output_tok_s"]
+    # tensor parallelism over 2 chips doubles both limits
+    h2 = H200.scaled(2)
+    assert roofline.decode_steps_bound(c, h2, 1, 128, 10) == pytest.approx(
+        roofline.decode_steps_bound(c, H200, 1, 128, 10) / 2)
+
+
+def test_hardware_files():
+    h200, raw = roofline.load_hardware("h200")
+    assert h200.memory_bandwidth == 4.3e12 and h200.peak_flops["bfloat16"] == 789e12
+    assert h200.memory_bytes == 141e9 and "measured" in h200.bandwidth_source
+    h100, _ = roofline.load_hardware("h100")
+    assert "not measured" in h100.bandwidth_source and "not measured" in h100.flops_source["bfloat16"]
+    cpu, raw = roofline.load_hardware("cpu")
+    assert raw["measure_at_run_time"] and "not measured" in cpu.bandwidth_source
+    assert roofline.detect_hardware_name("NVIDIA H200", "gpu") == "h200"
+    assert roofline.detect_hardware_name("NVIDIA H100 80GB HBM3", "gpu") == "h100"
+    assert roofline.detect_hardware_name("cpu", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="no configs/hardware file matches"):
+        roofline.detect_hardware_name("Some TPU v9", "tpu")
+    with pytest.raises(ValueError, match="known: .*h200"):
+        roofline.load_hardware("a100")
+
+
+# ------------------------------------------------------------------------------------------------- config
+def test_config_load_and_set_overrides():
+    cfg = bcfg.load_config("cpu-smoke", ["workload.num_prompts=3", "engine.max_num_seqs=2",
+                                         "engine.enable_prefix_caching=false", "workload.output_len={dist: uniform, min: 2, max: 4}",
+                                         "seed=7", "model.name=llama-3.2-1b", "model.load_format=dummy"])
+    assert cfg["name"] == "cpu-smoke" and cfg["mode"] == "throughput" and cfg["seed"] == 7
+    assert cfg["workload"]["num_prompts"] == 3
+    assert cfg["workload"]["output_len"] == {"dist": "uniform", "min": 2, "max": 4}
+    assert cfg["workload"]["ignore_eos"] is True                          # default filled
+    kw = bcfg.engine_kwargs(cfg)
+    assert kw["model"] == "llama-3.2-1b" and kw["load_format"] == "dummy" and kw["max_num_seqs"] == 2
+    assert kw["seed"] == 7
+    flags = bcfg.server_flags(cfg)
+    assert flags[0] == "llama-3.2-1b"
+    assert "--no-enable-prefix-caching" in flags
+    assert flags[flags.index("--max-num-seqs") + 1] == "2"
+
+
+def test_parse_set_values():
+    assert bcfg.parse_set("a.b=3") == (["a", "b"], 3)
+    assert bcfg.parse_set("x=1.5e3") == (["x"], 1500.0)
+    assert bcfg.parse_set("x=[1, 2]") == (["x"], [1, 2])
+    assert bcfg.parse_set("x=null") == (["x"], None)
+    assert bcfg.parse_set("x=inf")[1] == "inf"
+    assert bcfg.parse_set("serve.base_url=http://h:1/v1") == (["serve", "base_url"], "http://h:1/v1")
+    with pytest.raises(bcfg.ConfigError, match="expected key=value"):
+        bcfg.parse_set("workload.num_prompts")
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(bcfg.ConfigError, match="unknown config key.*wrkload"):
+        bcfg.load_config("cpu-smoke", ["wrkload.num_prompts=3"])
+    with pytest.raises(bcfg.ConfigError, match="not used by mode 'throughput'.*known"):
+        bcfg.load_config("cpu-smoke", ["workload.batch_size=3"])
+    with pytest.raises(bcfg.ConfigError, match="mode is 'fast'"):
+        bcfg.load_config("cpu-smoke", ["mode=fast"])
+    with pytest.raises(bcfg.ConfigError, match="not found .*cpu-smoke"):
+        bcfg.load_config("no-such-config")
+    with pytest.raises(bcfg.ConfigError, match="is a int, not a section"):
+        bcfg.load_config("cpu-smoke", ["seed.x=1"])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "bench").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_configs_validate(path):
+    cfg = bcfg.load_config(str(path))
+    assert cfg["name"] == path.stem
+    if cfg["mode"] in ("throughput", "latency", "serve"):
+        rng = np.random.default_rng(0)
+        wl = cfg["workload"]
+        n = wl.get("num_prompts") or wl.get("batch_size")
+        lens = workloads.sample_lengths(wl["input_len"], n, rng, "input_len") + \
+            workloads.sample_lengths(wl["output_len"], n, rng, "output_len")
+        max_len = cfg["engine"].get("max_model_len")
+        assert max_len is None or lens.max() + (wl.get("prefix_len", 0) if wl.get("dataset") == "prefix" else 0) <= max_len
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def test_percentiles_and_summary():
+    v = list(range(1, 101))
+    assert metrics.percentile(v, 50) == 50.5
+    assert metrics.percentile(v, 99) == pytest.approx(99.01)
+    s = metrics.summarize(v)
+    assert s["mean"] == 50.5 and s["min"] == 1 and s["max"] == 100 and s["p10"] == pytest.approx(10.9)
+    assert s["p10"] <= s["p25"] <= s["median"] <= s["p75"] <= s["p90"] <= s["p99"]
+    assert np.isnan(metrics.summarize([])["mean"])
+
+
+def _timing(ttft, e2e, n, ok=True, prompt=10):
+    itl = [(e2e - ttft) / (n - 1)] * (n - 1) if n > 1 else []
+    return RequestTiming(prompt_tokens=prompt, output_tokens=n, ttft=ttft, e2e=e2e, itl=itl, success=ok,
+                         error="" if ok else "HTTP 500: boom")
+
+
+def test_serving_metrics_and_goodput():
+    rs = [_timing(0.1, 1.1, 11), _timing(0.2, 2.2, 11), _timing(0.5, 1.5, 11), _timing(0.1, 0.1, 1),
+          _timing(0, 0, 0, ok=False)]
+    assert rs[0].tpot == pytest.approx(0.1) and rs[3].tpot is None
+    m = metrics.serving_metrics(rs, duration_s=4.0, slo_ms={"ttft_ms": 300, "tpot_ms": 150})
+    assert m["completed"] == 4 and m["failed"] == 1 and m["errors"] == {"HTTP 500: boom": 1}
+    assert m["output_tokens"] == 34 and m["prompt_tokens"] == 40
+    assert m["output_throughput"] == pytest.approx(34 / 4) and m["request_throughput"] == 1.0
+    assert m["total_token_throughput"] == pytest.approx(74 / 4)
+    # within both SLOs: #0 (100 ms, 100 ms/token) and #3 (single token: no TPOT); #1 TPOT 200 ms; #2 TTFT 500 ms
+    assert m["goodput"] == pytest.approx(2 / 4)
+    assert m["ttft_ms"]["median"] == pytest.approx(150.0)
+    assert m["tpot_ms"]["mean"] == pytest.approx((100 + 200 + 100) / 3)
+    assert m["e2el_ms"]["p99"] == pytest.approx(np.percentile([1100, 2200, 1500, 100], 99))
+    assert len([g for r in rs if r.success for g in r.itl]) == 30
+    assert metrics.serving_metrics(rs, 4.0)["goodput"] is None
+    with pytest.raises(ValueError, match="unknown SLO"):
+        metrics.serving_metrics(rs, 4.0, {"ttfb_ms": 1})
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+def test_lengths_and_prompts_are_seeded_and_in_range():
+    rng = np.random.default_rng(0)
+    assert workloads.sample_lengths(5, 3, rng, "x").tolist() == [5, 5, 5]
+    u = workloads.sample_lengths({"dist": "uniform", "min": 3, "max": 6}, 2000, rng, "x")
+    assert u.min() == 3 and u.max() == 6
+    n = workloads.sample_lengths({"dist": "normal", "mean": 100, "std": 50, "min": 10, "max": 150}, 2000, rng, "x")
+    assert n.min() >= 10 and n.max() <= 150 and abs(n.mean() - 100) < 5
+    assert set(workloads.sample_lengths({"dist": "choice", "values": [7, 9]}, 50, rng, "x")) == {7, 9}
+    with pytest.raises(ValueError, match="workload.input_len"):
+        workloads.sample_lengths({"dist": "zipf"}, 2, rng, "input_len")
+    a = workloads.random_requests(np.random.default_rng(1), 4, 16, 8, 49152)
+    b = workloads.random_requests(np.random.default_rng(1), 4, 16, 8, 49152)
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+    lo, hi = workloads.token_id_range(49152)
+    assert all(lo <= t < hi for r in a for t in r.prompt) and all(r.prompt_len == 16 for r in a)
+
+
+def test_prefix_requests_share_prefixes():
+    reqs = workloads.prefix_requests(np.random.default_rng(0), 20, num_prefixes=2, prefix_len=32,
+                                     input_len=8, output_len=4, vocab_size=49152)
+    assert all(r.prompt_len == 40 for r in reqs)
+    assert len({tuple(r.prompt[:32]) for r in reqs}) == 2
+    assert len({tuple(r.prompt[32:]) for r in reqs}) == 20
+
+
+def test_sharegpt_requests(tmp_path):
+    data = [{"conversations": [{"from": "human", "value": "one two three"},
+                               {"from": "gpt", "value": " ".join(["w"] * 30)}]},
+            {"conversations": [{"from": "human", "value": "only a question"}]}]
+    p = tmp_path / "sg.json"
+    p.write_text(json.dumps(data))
+    reqs = workloads.sharegpt_requests(np.random.default_rng(0), str(p), 3)
+    assert len(reqs) == 3 and reqs[0].prompt == "one two three" and reqs[0].output_len == 40
+    assert workloads.sharegpt_requests(np.random.default_rng(0), str(p), 1, output_len=5)[0].output_len == 5
+    with pytest.raises(ValueError, match="file not found"):
+        workloads.sharegpt_requests(np.random.default_rng(0), str(tmp_path / "none.json"), 1)
+
+
+def test_arrivals_poisson_and_gamma():
+    rng = np.random.default_rng(0)
+    d = workloads.arrival_delays(rng, 20000, request_rate=10.0)
+    assert d.mean() == pytest.approx(0.1, rel=0.03) and d.std() / d.mean() == pytest.approx(1.0, rel=0.05)
+    bursty = workloads.arrival_delays(rng, 20000, request_rate=10.0, burstiness=0.25)
+    assert bursty.mean() == pytest.approx(0.1, rel=0.05)
+    assert (bursty.std() / bursty.mean()) ** 2 == pytest.approx(4.0, rel=0.1)   # CV^2 = 1 / burstiness
+    assert not workloads.arrival_delays(rng, 5, float("inf")).any()
+
+
+# ------------------------------------------------------------------ load generator vs a scripted SSE server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ScriptedServer:
+    """A raw-ASGI OpenAI-ish server: each completion streams `max_tokens` one-token chunks `gap` s apart
+    and a usage chunk; records the peak number of requests in flight. Prompts of [13] get HTTP 400."""
+
+    def __init__(self, gap: float):
+        self.gap, self.in_flight, self.peak, self.bodies = gap, 0, 0, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        if scope["path"] == "/v1/models":
+            await self._send(send, 200, json.dumps({"data": [{"id": "scripted"}]}).encode())
+            return
+        req = json.loads(body)
+        self.bodies.append(req)
+        if req["prompt"] == [13]:
+            await self._send(send, 400, b'{"error": {"message": "bad prompt"}}')
+            return
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(req["max_tokens"]):
+            await asyncio.sleep(self.gap)
+            chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+        usage = {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": req["max_tokens"]}}
+        self.in_flight -= 1
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()})
+
+    @staticmethod
+    async def _send(send, status, body):
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def scripted_server():
+    import uvicorn
+    app = ScriptedServer(gap=0.02)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    yield app, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(5)
+
+
+def test_loadgen_timings_and_concurrency_cap(scripted_server):
+    from benchmarks.loadgen import run_load
+    app, url = scripted_server
+    reqs = workloads.random_requests(np.random.default_rng(0), 6, 5, 4, 1000)
+    app.peak = 0
+    timings, duration = asyncio.run(run_load(url, reqs, max_concurrency=2, progress=False))
+    assert app.peak == 2                                           # the cap is reached and never exceeded
+    assert all(t.success and t.output_tokens == 4 and t.prompt_tokens == 5 for t in timings)
+    assert all(len(t.itl) == 3 for t in timings)
+    assert min(g for t in timings for g in t.itl) >= 0.015         # the server's 20 ms gaps
+    assert all(t.ttft >= 0.015 and t.e2e >= t.ttft + 0.045 for t in timings)
+    assert duration >= 3 * 4 * 0.02                                # 6 requests, 2 at a time, 80 ms each
+    body = app.bodies[-1]
+    assert body["stream"] and body["ignore_eos"] and body["stream_options"] == {"include_usage": True}
+    m = metrics.serving_metrics(timings, duration)
+    assert m["completed"] == 6 and m["output_tokens"] == 24 and m["failed"] == 0
+
+
+def test_loadgen_reports_http_errors(scripted_server):
+    from benchmarks.loadgen import run_load
+    _, url = scripted_server
+    reqs = [workloads.RequestSpec([13], 1, 3), workloads.RequestSpec([1, 2], 2, 2)]
+    timings, _ = asyncio.run(run_load(url, reqs, progress=False))
+    assert not timings[0].success and timings[0].error.startswith("HTTP 400") and "bad prompt" in timings[0].error
+    assert timings[1].success and timings[1].output_tokens == 2
+
+
+def test_loadgen_poisson_rate_spreads_sends(scripted_server):
+    from benchmarks.loadgen import run_load
+    _, url = scripted_server
+    reqs = workloads.random_requests(np.random.default_rng(0), 5, 3, 1, 1000)
+    timings, duration = asyncio.run(run_load(url, reqs, request_rate=50.0, seed=3, progress=False))
+    gaps = workloads.arrival_delays(np.random.default_rng(3), 5, 50.0)
+    starts = sorted(t.start for t in timings)
+    assert starts[-1] - starts[0] == pytest.approx(gaps[1:].sum(), abs=0.03)
+
+
+# ------------------------------------------------------------------------------- end to end on the engine
+def _engine_ready() -> str | None:
+    try:
+        from jaxserve.llm import LLM  # noqa: F401
+        from jaxserve.models import load_model  # noqa: F401
+        from jaxserve.engine.llm_engine import LLMEngine  # noqa: F401
+    except ImportError as e:
+        return f"the engine is not built yet ({e})"
+    return None
+
+
+needs_engine = pytest.mark.skipif(_engine_ready() is not None, reason=str(_engine_ready()))
+
+
+def _run_main(args: list[str], out: Path) -> dict[str, dict]:
+    from benchmarks.runner import main
+    assert main([*args, "--out", str(out)]) == 0
+    found = {}
+    for d in out.iterdir():
+        found[d.name] = json.loads((d / "result.json").read_text())
+        assert (d / "result.md").is_file() and (d / "config.yaml").is_file()
+    return found
+
+
+@needs_engine
+def test_cpu_smoke_throughput_and_latency_end_to_end(tmp_path):
+    res = _run_main(["--config", "cpu-smoke", "--config", "cpu-smoke-latency"], tmp_path)
+    thr = next(r for r in res.values() if r["mode"] == "throughput")
+    lat = next(r for r in res.values() if r["mode"] == "latency")
+    j = thr["jaxserve"]
+    assert j["num_requests"] == 6 and j["output_tokens"] == 6 * 8                # ignore_eos: exact lengths
+    assert j["output_tok_per_s"] == pytest.approx(j["output_tokens"] / j["elapsed_s"])
+    # the engine cannot beat the roofline; if it "does", the roofline or the timing is wrong
+    assert 0 < j["output_tok_per_s"] < thr["roofline"]["output_tok_s"]
+    env = thr["environment"]
+    assert env["jax"] and env["platform"] == "cpu" and env["command"].startswith("python -m jaxserve bench")
+    assert thr["config"]["workload"]["num_prompts"] == 6
+    lj = lat["jaxserve"]
+    assert len(lj["e2e_samples_s"]) == 3 and lj["e2e_s"]["p10"] <= lj["e2e_s"]["p50"] <= lj["e2e_s"]["p99"]
+    assert 0 < lj["prefill_s"]["mean"] < lj["e2e_s"]["mean"]
+    assert lat["roofline"]["e2e_bound_s"] < lj["e2e_s"]["mean"]
+    assert lat["model"]["params"] == 134_515_008
+    from benchmarks import plots
+    if plots.available():
+        assert any(p.suffix == ".png" for p in tmp_path.rglob("*.png"))
+
+
+@needs_engine
+@pytest.mark.slow
+def test_cpu_smoke_serve_against_a_real_server(tmp_path):
+    res = _run_main(["--config", "cpu-smoke-serve"], tmp_path)
+    (r,) = res.values()
+    assert r["sweep_param"] == "max_concurrency" and [p["sweep_value"] for p in r["points"]] == [1, 4]
+    for p in r["points"]:
+        assert p["failed"] == 0 and p["completed"] == 8 and p["output_tokens"] == 8 * 6
+        assert p["ttft_ms"]["median"] > 0 and p["tpot_ms"]["median"] > 0 and p["goodput"] is not None
+
+
+ORACLE_PYTHON = ROOT / ".venv-oracle" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason="needs the torch env .venv-oracle (tools/oracle_env.sh)")
+def test_hf_baseline_subprocess_on_a_tiny_shape(tmp_path):
+    import subprocess
+    from benchmarks.models import hf_config_from_model_config
+    tiny = ModelConfig("LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16)
+    spec = {"hf_config": hf_config_from_model_config(tiny), "dtype": "float32", "device": "cpu",
+            "prompts": [[5, 6, 7, 8]] * 3, "output_lens": [6] * 3, "methods": ["generate", "generate_batch"],
+            "iters": 2, "warmup_iters": 1}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    subprocess.run([str(ORACLE_PYTHON), "-m", "benchmarks.hf_baseline", str(tmp_path / "spec.json"),
+                    str(tmp_path / "out.json")], cwd=ROOT, check=True, timeout=600,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert out["generate"]["output_tokens"] == 18 and len(out["generate"]["e2e_samples_s"]) == 2
+    assert out["generate_batch"]["output_tokens"] == 18 and out["generate_batch"]["num_requests"] == 3

@@ -1,9 +1,11 @@
 """The device side of a step: padded arrays from a scheduler decision, the jitted step, warm-up.
 
-One jitted function runs a whole ragged step (prefill chunks and decode tokens together): model forward over
-the flat token list, logits for each request's last token, on-device sampling. Shapes come from a small set of
-token-count buckets (the request count follows the token bucket), all compiled at start-up, and the KV cache is
-donated so XLA updates it in place.
+A step is two jitted calls dispatched back to back with no host sync between them: the model forward over
+the flat ragged token list (prefill chunks and decode tokens together) returning logits for each request's
+last token, then the on-device sampler. Splitting them keeps the expensive model executable to one per
+token bucket (the sampler's variants — logprobs on/off, penalties on/off — are small graphs). The request
+count follows the token bucket, every variant is compiled at start-up, and the KV cache is donated so XLA
+updates it in place.
 """
 from __future__ import annotations
 
@@ -65,13 +67,11 @@ class RunnerStats:
                 "device_ms_per_step": self.device_ms / n, "tokens_per_step": self.tokens / n}
 
 
-def _step_fn(family, cfg, backend, num_logprobs, params, kv_caches, input_ids, positions, md, logits_indices,
-             sampling_meta):
+def _forward_fn(family, cfg, backend, params, kv_caches, input_ids, positions, md, logits_indices):
     hidden, kv_caches = family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
-    out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs)
-    return kv_caches, out
+    return kv_caches, logits
 
 
 class ModelRunner:
@@ -94,12 +94,14 @@ class ModelRunner:
         self.kv_dtype = self._kv_cache_dtype()
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._init_kv_caches()
-        self._steps = {}
-        for nl in (0, self.max_logprobs):
-            # bind_mesh: the step traces under the mesh so attention runs in shard_map over "tp"
-            step = bind_mesh(partial(_step_fn, model.family, self.cfg, self.backend, nl), mesh)
-            self._steps[nl] = jax.jit(step, donate_argnums=(1,))
-        self._rng = np.random.default_rng(config.seed)
+        # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
+        self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend), mesh),
+                                donate_argnums=(1,))
+        self._samplers = {nl: jax.jit(partial(sampler_mod.sample, num_logprobs=nl))
+                          for nl in (0, self.max_logprobs)}
+        # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
+        self.penalty_width = sampler_mod.length_bucket(max_model_len)
+        self._step_count = 0
 
     # ---------------------------------------------------------------- KV cache sizing
     def _kv_cache_dtype(self):
@@ -207,7 +209,10 @@ class ModelRunner:
             [r.prompt_token_ids for r in reqs],
             [len(r.output_token_ids) for r in reqs],
             self.vocab_size, pad_to=R,
-            request_seeds=[r.sampling_seed for r in reqs])
+            request_ids=[r.request_id for r in reqs],
+            request_seeds=[r.sampling_seed for r in reqs],
+            step=self._step_count, engine_seed=self.config.seed,
+            penalty_width=self.penalty_width)
 
     # ---------------------------------------------------------------- step
     def execute(self, scheduled) -> StepResult:
@@ -215,8 +220,10 @@ class ModelRunner:
         T, R, input_ids, positions, md, logits_idx = self.prepare(scheduled)
         smeta = self.sampling_metadata(scheduled, R)
         want_lp = any(s.samples and s.request.sampling_params.logprobs is not None for s in scheduled)
-        step = self._steps[self.max_logprobs if want_lp else 0]
-        self.kv_caches, out = step(self.model.params, self.kv_caches, input_ids, positions, md, logits_idx, smeta)
+        self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, input_ids, positions, md,
+                                               logits_idx)
+        out = self._samplers[self.max_logprobs if want_lp else 0](logits, smeta)
+        self._step_count += 1
         t1 = time.perf_counter()
         token_ids = np.asarray(out.token_ids)
         t2 = time.perf_counter()
@@ -241,25 +248,40 @@ class ModelRunner:
         return res
 
     # ---------------------------------------------------------------- warm-up
+    def _padding_inputs(self, T: int):
+        R = self.num_reqs_for(T)
+        md = AttentionMetadata(
+            slot_mapping=np.full(T, PAD_SLOT, np.int32),
+            block_tables=np.zeros((R, self.max_blocks_per_seq), np.int32),
+            seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
+            num_seqs=np.int32(0))
+        return np.zeros(T, np.int32), np.zeros(T, np.int32), md, np.zeros(R, np.int32)
+
     def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket (with and without logprobs) by running it on padding-only inputs."""
+        """Compile every variant: the forward per token bucket; the sampler per request count, with and
+        without logprobs and penalties. Runs them on padding-only inputs (writes go to the null block)."""
+        from jaxserve.sampling_params import SamplingParams
         from tqdm.auto import tqdm
         t0 = time.perf_counter()
-        variants = [(T, nl) for T in self.buckets for nl in self._steps]
-        for T, nl in tqdm(variants, desc="compiling step buckets", disable=not progress, unit="bucket"):
-            R = self.num_reqs_for(T)
-            md = AttentionMetadata(
-                slot_mapping=np.full(T, PAD_SLOT, np.int32),
-                block_tables=np.zeros((R, self.max_blocks_per_seq), np.int32),
-                seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
-                num_seqs=np.int32(0))
-            smeta = sampler_mod.make_sampling_metadata([], [], [], [], self.vocab_size, pad_to=R,
-                                                       request_seeds=[])
-            self.kv_caches, out = self._steps[nl](self.model.params, self.kv_caches, np.zeros(T, np.int32),
-                                                  np.zeros(T, np.int32), md, np.zeros(R, np.int32), smeta)
+        penalized = SamplingParams(repetition_penalty=1.1)
+        todo = [("forward", T) for T in self.buckets]
+        todo += [(("sample", nl, pen), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
+                 for nl in self._samplers for pen in (False, True)]
+        for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
+            if what == "forward":
+                ids, pos, md, lidx = self._padding_inputs(size)
+                self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, ids, pos, md, lidx)
+                jax.block_until_ready(logits)
+                continue
+            _, nl, pen = what
+            plist = [penalized] if pen else []
+            smeta = sampler_mod.make_sampling_metadata(
+                plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=size,
+                request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
+            out = self._samplers[nl](jnp.zeros((size, self.vocab_size), jnp.float32), smeta)
             jax.block_until_ready(out.token_ids)
         return time.perf_counter() - t0
 
     def compiled_variants(self) -> int:
-        """How many step executables exist (for the no-recompilation test)."""
-        return sum(f._cache_size() for f in self._steps.values())
+        """How many executables exist (the no-recompilation test compares this before and after a workload)."""
+        return self._forward._cache_size() + sum(f._cache_size() for f in self._samplers.values())

@@ -124,7 +124,8 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
                            request_ids: Sequence[str | int] | None = None,
                            request_seeds: Sequence[int | None] | None = None,
                            step: int = 0,
-                           engine_seed: int = 0) -> SamplingMetadata:
+                           engine_seed: int = 0,
+                           penalty_width: int | None = None) -> SamplingMetadata:
     """Build the metadata for a step's sampled rows (numpy arrays; jit transfers them).
 
     Row i is request i; rows len(params_list)..pad_to-1 are padding (greedy, no penalties). Keys: a row
@@ -133,6 +134,8 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
     in; other rows use fold_in(fold_in(PRNGKey(engine_seed), crc32(request_ids[i])), step).
     `num_output_tokens_list[i]` is the number of tokens request i has already generated (the index of
     the token sampled now); it also decides whether min_tokens still blocks the stop ids.
+    `penalty_width` fixes the width of the output/prompt id arrays whenever a penalty is in use (the engine
+    passes its max_model_len bucket), so penalties add one compiled variant, not one per history length.
     """
     n = len(params_list)
     if n > pad_to:
@@ -175,9 +178,14 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
 
     uses_output = bool(np.any(presence[:n] != 0) or np.any(frequency[:n] != 0) or np.any(repetition[:n] != 1))
     uses_prompt = bool(np.any(repetition[:n] != 1))
-    out_width = length_bucket(max((len(o) for o in output_token_ids_list), default=0)) if uses_output else 0
-    prompt_width = length_bucket(max((len(o) for o in prompt_token_ids_list), default=0)) if uses_prompt else 0
-    blocked_width = length_bucket(max((len(b) for b in blocked), default=0), minimum=8)
+    if penalty_width is not None:
+        out_width = prompt_width = penalty_width if uses_output else 0
+    else:
+        out_width = length_bucket(max((len(o) for o in output_token_ids_list), default=0)) if uses_output else 0
+        prompt_width = length_bucket(max((len(o) for o in prompt_token_ids_list), default=0)) if uses_prompt \
+            else 0
+    # fixed at 8 unless a request has more stop ids (then the next power of two: a rare extra compile)
+    blocked_width = max(8, length_bucket(max((len(b) for b in blocked), default=0), minimum=8))
     return SamplingMetadata(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,

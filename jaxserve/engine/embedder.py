@@ -28,7 +28,13 @@ from jaxserve.models.pooling import (PoolingConfig, check_dimensions, pool_padde
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
+
+
+def default_max_num_batched_tokens() -> int:
+    """Token budget of one jitted call. On CPU larger calls do not pay: matmul throughput fell from ~70 to
+    ~40 GFLOP/s between 2048 and 16384 rows here (2 cores; benchmarks/embed_bench.py), so batches stay
+    small; accelerators want big calls."""
+    return 2048 if jax.default_backend() == "cpu" else 16384
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -77,13 +83,14 @@ class Embedder:
 
     max_batch_size: largest batch bucket (batch buckets are 1, 2, 4, ... up to it).
     buckets: sequence-length buckets (default: 16, 32, ... up to the model's max length).
-    max_num_batched_tokens: token budget of one call (batch bucket x length bucket); bounds memory.
+    max_num_batched_tokens: token budget of one call (batch bucket x length bucket); bounds memory
+        (default: 2048 on CPU, 16384 on accelerators).
     pooling: override the model's pooling recipe (decoders: default last token + normalize).
     attn_backend: decoders only, the paged attention backend ("reference" on CPU, "pallas" on GPU).
     """
 
     def __init__(self, model, *, max_batch_size: int = 64, buckets: Sequence[int] | None = None,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, pooling: PoolingConfig | None = None,
+                 max_num_batched_tokens: int | None = None, pooling: PoolingConfig | None = None,
                  attn_backend: str = "reference", block_size: int = 16, max_length: int | None = None,
                  model_name: str | None = None):
         self.model = model
@@ -107,7 +114,8 @@ class Embedder:
             self.seq_buckets.append(self.max_length)         # every allowed input must fit some bucket
         if not self.is_encoder:                             # a sequence's blocks must tile its bucket
             self.seq_buckets = sorted(set(-(-s // block_size) * block_size for s in self.seq_buckets))
-        self.max_num_batched_tokens = max(max_num_batched_tokens, self.seq_buckets[-1])
+        budget = max_num_batched_tokens or default_max_num_batched_tokens()
+        self.max_num_batched_tokens = max(budget, self.seq_buckets[-1])   # one longest input always fits
 
         self._run = jax.jit(self._encoder_fn if self.is_encoder else self._decoder_fn)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -40,6 +40,10 @@ class LoadedEncoder:
     dtype: Any                      # compute / weight dtype
     source: str                     # the folder loaded
     family: Any = None              # this module (so callers can call family.forward)
+    # the decoder LoadedModel's remaining fields, so engine code that reads them works for both
+    chat_template: str | None = None
+    generation_config: dict = field(default_factory=dict)
+    load_format: str = "safetensors"
 
     def __post_init__(self):
         if self.family is None:
@@ -48,6 +52,10 @@ class LoadedEncoder:
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_length
 
 
 # ------------------------------------------------------------------------------------------------ model

@@ -244,11 +244,18 @@ def test_penalties_match_numpy_reference(logits):
 def test_penalty_arrays_are_absent_unless_used():
     m = meta_for([SamplingParams(), SamplingParams(temperature=0)], outputs=[[1] * 40, [2]])
     assert m.output_token_ids.shape == (R, 0) and m.prompt_token_ids.shape == (R, 0)
-    assert m.blocked_token_ids.shape == (R, 0)
+    # min_tokens ids keep a fixed width (8) so a request entering/leaving min_tokens never recompiles
+    assert m.blocked_token_ids.shape == (R, 8) and np.all(m.blocked_token_ids == V)
     m = meta_for([SamplingParams(frequency_penalty=1.0), SamplingParams()], outputs=[[1] * 40, [2]])
     assert m.output_token_ids.shape == (R, 64) and m.prompt_token_ids.shape == (R, 0)
     assert m.output_token_ids[0, 39] == 1 and m.output_token_ids[0, 40] == V    # padding is out of range
     assert [S.length_bucket(n) for n in (0, 1, 16, 17, 100)] == [0, 16, 16, 32, 128]
+    # the runner fixes the width (its max_model_len bucket) so steady state never recompiles
+    m = meta_for([SamplingParams(presence_penalty=1.0)], outputs=[[3] * 5], penalty_width=256)
+    assert m.output_token_ids.shape == (R, 256) and m.prompt_token_ids.shape == (R, 256)
+    assert meta_for([SamplingParams()], penalty_width=256).output_token_ids.shape == (R, 0)
+    with pytest.raises(ValueError, match="a prompt or output of 300 tokens exceeds penalty_width=256"):
+        meta_for([SamplingParams(presence_penalty=1.0)], prompts=[[1] * 300], penalty_width=256)
 
 
 def test_min_tokens_blocks_eos_and_stop_ids_until_reached():

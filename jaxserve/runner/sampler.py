@@ -181,6 +181,9 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
     uses_prompt = bool(np.any(repetition[:n] != 1))
     if penalty_width is not None:
         out_width = prompt_width = penalty_width if uses_output else 0
+        longest = max((len(ids) for ids in [*output_token_ids_list, *prompt_token_ids_list]), default=0)
+        if uses_output and longest > penalty_width:
+            raise ValueError(f"a prompt or output of {longest} tokens exceeds penalty_width={penalty_width}")
     else:
         out_width = length_bucket(max((len(o) for o in output_token_ids_list), default=0)) if uses_output else 0
         prompt_width = length_bucket(max((len(o) for o in prompt_token_ids_list), default=0)) if uses_prompt \
@@ -326,7 +329,9 @@ def sample(logits: jax.Array, meta: SamplingMetadata, *, num_logprobs: int = 0,
     vocab = logits.shape[1]
     x = apply_penalties(logits, meta)
     if meta.blocked_token_ids.shape[1]:
-        x = jnp.where(_token_mask(meta.blocked_token_ids, vocab), _NEG_INF, x)
+        # a scatter of R*S entries (padding ids are out of range and dropped), not an [R, V] mask pass
+        rows = jnp.arange(x.shape[0])[:, None]
+        x = x.at[rows, meta.blocked_token_ids].set(_NEG_INF, mode="drop")
     greedy_ids = jnp.argmax(x, axis=1).astype(jnp.int32)
     is_greedy = meta.temperature <= 0.0
 

@@ -54,7 +54,8 @@ def auth_middleware(api_key: str):
 
     def factory(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http" and not scope["path"].startswith(OPEN_PATHS):
+            # CORS preflights carry no credentials by design; they must pass for browsers to send the real call
+            if scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(OPEN_PATHS):
                 given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
                 if not hmac.compare_digest(given, expected):
                     await send({"type": "http.response.start", "status": 401,

@@ -50,8 +50,8 @@ def _pick(stats: dict[str, Any], keys: tuple[str, ...]) -> float | None:
 
 
 class _EngineStatsCollector:
-    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict[str, Any]]):
-        self.prefix, self.model_name, self.stats = prefix, model_name, stats
+    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict[str, Any]], block_size: Any):
+        self.prefix, self.model_name, self.stats, self.block_size = prefix, model_name, stats, block_size
 
     def describe(self):  # no scrape at registration time
         return []
@@ -72,6 +72,11 @@ class _EngineStatsCollector:
             v = _pick(stats, keys)
             c.add_metric([self.model_name], 0.0 if v is None else v)
             yield c
+        if stats.get("num_kv_blocks") is not None:  # vLLM's info gauge: the KV pool's size, for dashboards
+            info = GaugeMetricFamily(f"{self.prefix}cache_config_info", "KV cache configuration",
+                                     labels=["model_name", "num_gpu_blocks", "block_size"])
+            info.add_metric([self.model_name, str(stats["num_kv_blocks"]), str(self.block_size)], 1.0)
+            yield info
 
 
 class ServerMetrics:
@@ -80,7 +85,9 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         p, labels = self.prefix, ["model_name"]
-        self.registry.register(_EngineStatsCollector(p, model_name, engine.stats))
+        cache_config = getattr(getattr(engine, "config", None), "cache", None)
+        block_size = getattr(cache_config, "block_size", "")
+        self.registry.register(_EngineStatsCollector(p, model_name, engine.stats, block_size))
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", labels, registry=self.registry)
         self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", labels, registry=self.registry)
         self.request_success = Counter(f"{p}request_success", "finished requests by reason",

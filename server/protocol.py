@@ -89,7 +89,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    echo: bool = False
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer OpenAI name; it wins when both are sent

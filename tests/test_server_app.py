@@ -289,6 +289,18 @@ def test_disconnect_aborts_stream_and_non_stream(server):
         assert len(eng.aborted) == 1
 
 
+def test_slow_first_token_does_not_hold_headers(server):
+    """A long queue must not hold the 200 back (proxies time out); the client may still leave then."""
+    eng = server.engine
+    s = _raw_request(server.port, {"prompt": "LATE", "max_tokens": 5, "stream": True})
+    s.settimeout(2.5)  # the first token comes at 3 s; the headers at the 0.5 s header wait
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    assert len(eng.running) == 1 and not eng.finished
+    s.close()
+    _wait(lambda: not eng.running)
+    assert len(eng.aborted) == 1
+
+
 def test_async_client_cancel_frees_requests(server):
     async def main():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -353,6 +365,7 @@ def test_metrics(http, client):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert lines[f"jaxserve:{name}{lbl}"] == 0.0
     assert lines[f"jaxserve:prefix_cache_queries_total{lbl}"] == 10
+    assert 'jaxserve:cache_config_info{block_size="",model_name="fake-model",num_gpu_blocks="64"}' in lines
     assert lines[f"jaxserve:generation_tokens_total{lbl}"] >= 4
     assert lines['jaxserve:request_success_total{finished_reason="length",model_name="fake-model"}'] >= 1
     for h in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",

@@ -184,6 +184,7 @@ def test_errors(client, http, server):
     assert client.completions.create(model="smol", prompt="ok", max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.slow  # ~20 s on 2 cores; the fake-engine suite runs 64 streams in the default run
 def test_64_concurrent_streams(server, client):
     prompts = [f"Count from {i} to {i + 5}:" for i in range(4)]
     refs = [client.completions.create(model="smol", prompt=p, max_tokens=10, temperature=0).choices[0].text

@@ -56,11 +56,13 @@ def next_token(prev: int, step: int, seed: int | None) -> int:
 @dataclass
 class FakeEngine:
     """AsyncLLMEngine's interface. Prompts steer it: 'FAIL_AT_START' raises before any output,
-    'FAIL_MIDSTREAM' raises after two tokens, 'SLOW' waits `slow_delay` per token."""
+    'FAIL_MIDSTREAM' raises after two tokens, 'SLOW' waits `slow_delay` per token, 'LATE' waits
+    `late_first_token` before its first token."""
     max_model_len: int = 256
     served_model_name: str = "fake-model"
     token_delay: float = 0.0
     slow_delay: float = 0.05
+    late_first_token: float = 3.0
     max_waiting: int | None = None
     healthy: bool = True
     tokenizer: object = field(default_factory=byte_tokenizer)
@@ -109,7 +111,7 @@ class FakeEngine:
         prev, step, done = prompt_token_ids[-1], 0, False
         try:
             while not done:
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self.late_first_token if step == 0 and "LATE" in text else delay)
                 if request_id not in self.running:  # aborted
                     return
                 if "FAIL_MIDSTREAM" in text and step == 2:

@@ -87,12 +87,13 @@ class Embedder:
         (default: 2048 on CPU, 16384 on accelerators).
     pooling: override the model's pooling recipe (decoders: default last token + normalize).
     attn_backend: decoders only, the paged attention backend ("reference" on CPU, "pallas" on GPU).
+    call_overhead_tokens: what one more jitted call costs, in padded tokens, when planning batches.
     """
 
     def __init__(self, model, *, max_batch_size: int = 64, buckets: Sequence[int] | None = None,
                  max_num_batched_tokens: int | None = None, pooling: PoolingConfig | None = None,
                  attn_backend: str = "reference", block_size: int = 16, max_length: int | None = None,
-                 model_name: str | None = None):
+                 model_name: str | None = None, call_overhead_tokens: int = 128):
         self.model = model
         self.config = model.config
         self.tokenizer = model.tokenizer
@@ -105,6 +106,7 @@ class Embedder:
         self.max_length = min(max_length or model_max, model_max)
         self.block_size = block_size
         self.attn_backend = attn_backend
+        self.call_overhead_tokens = call_overhead_tokens
 
         self.batch_buckets = _powers_of_two(1, max(1, max_batch_size))
         if buckets is None:
@@ -233,17 +235,38 @@ class Embedder:
             return np.zeros((0, self.hidden_size), np.float32)
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]), reverse=True)   # similar lengths batch
         pending = []
-        start = 0
-        while start < len(order):
-            seq_bucket = _bucket(len(seqs[order[start]]), self.seq_buckets)           # longest of the batch
-            take = order[start: start + self.max_batch_for(seq_bucket)]
+        for start, stop, seq_bucket in self.plan_batches([len(seqs[i]) for i in order]):
+            take = order[start:stop]
             # dispatch every batch before reading any result, so host padding overlaps device work
-            pending.append((take, len(take), self._dispatch([seqs[i] for i in take], seq_bucket)))
-            start += len(take)
+            pending.append((take, self._dispatch([seqs[i] for i in take], seq_bucket)))
         out = np.zeros((len(seqs), self.hidden_size), np.float32)
-        for take, n, result in pending:
-            out[take] = np.asarray(result)[:n]
+        for take, result in pending:
+            out[take] = np.asarray(result)[:len(take)]
         return out
+
+    def plan_batches(self, lengths_desc: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Cut lengths sorted longest first into ``(start, stop, seq_bucket)`` batches with the fewest padded
+        tokens (batch bucket x length bucket, plus ``call_overhead_tokens`` per call), by dynamic programming
+        over the cut points that can matter: batch-bucket sizes and length-bucket boundaries."""
+        n = len(lengths_desc)
+        seq_bucket = [_bucket(k, self.seq_buckets) for k in lengths_desc]
+        boundaries = [k for k in range(1, n) if seq_bucket[k] != seq_bucket[k - 1]] + [n]
+        best = [0.0] * (n + 1)            # best[i]: cost of batching lengths_desc[i:]
+        cut = [n] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            max_rows = self.max_batch_for(seq_bucket[i])
+            stops = {min(i + b, n) for b in self.batch_buckets if b <= max_rows}
+            stops.update(k for k in boundaries if i < k <= i + max_rows)
+            best[i] = float("inf")
+            for j in stops:
+                cost = _bucket(j - i, self.batch_buckets) * seq_bucket[i] + self.call_overhead_tokens + best[j]
+                if cost < best[i]:
+                    best[i], cut[i] = cost, j
+        plan, i = [], 0
+        while i < n:
+            plan.append((i, cut[i], seq_bucket[i]))
+            i = cut[i]
+        return plan
 
     # ---------------------------------------------------------------------------------------- device
     def _dispatch(self, seqs: list[list[int]], seq_bucket: int | None = None):

@@ -153,13 +153,17 @@ def engine_kwargs(cfg: dict) -> dict[str, Any]:
     return kw
 
 
+# LLM(...) keyword → serve flag where the names differ
+FLAG_NAMES = {"kv_cache_memory_bytes": "--kv-cache-memory"}
+
+
 def server_flags(cfg: dict) -> list[str]:
     """`python -m jaxserve serve` arguments for the same model and engine options (vLLM flag names)."""
     kw = engine_kwargs(cfg)
     model = kw.pop("model")
     args = [str(model)] if model else []
     for key, value in kw.items():
-        flag = "--" + key.replace("_", "-")
+        flag = FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + key.replace("_", "-"))
         elif isinstance(value, (list, tuple)):

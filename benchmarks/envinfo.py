@@ -38,7 +38,20 @@ def device_info() -> dict:
             "jax_backend": jax.default_backend()}
 
 
-def environment(argv: list[str], with_devices: bool = True) -> dict:
+def device_info_subprocess() -> dict:
+    """The same, asked of a child process, so this one never claims accelerator memory (the serve mode's
+    server needs it all)."""
+    import json
+    code = ("import jax, json; d = jax.devices(); print(json.dumps({'platform': d[0].platform, "
+            "'device_kind': d[0].device_kind, 'device_count': len(d), 'jax_backend': jax.default_backend()}))")
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"could not list the JAX devices: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def environment(argv: list[str], with_devices: bool = True, devices_in_subprocess: bool = False) -> dict:
     env = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m jaxserve bench", *argv]),
@@ -50,5 +63,5 @@ def environment(argv: list[str], with_devices: bool = True) -> dict:
                                             "CUDA_VISIBLE_DEVICES") if k in os.environ},
     }
     if with_devices:
-        env.update(device_info())
+        env.update(device_info_subprocess() if devices_in_subprocess else device_info())
     return env

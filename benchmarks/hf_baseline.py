@@ -33,6 +33,7 @@ def build_model(spec: dict):
     model_type = hf.pop("model_type", "llama")
     for k in ("architectures", "torch_dtype", "dtype", "transformers_version"):
         hf.pop(k, None)
+    hf = {k: v for k, v in hf.items() if not k.startswith("_")}     # notes such as configs/models' _source
     hf["eos_token_id"] = None                  # ignore_eos: every request runs to its output length
     config = AutoConfig.for_model(model_type, **{k: v for k, v in hf.items() if v is not None})
     device = spec["device"]

@@ -30,6 +30,21 @@ class _Tee(io.TextIOBase):
             st.flush()
 
 
+def summary_rows(text: str) -> list[list[str]]:
+    """The rows of the last `| what | result |` Markdown table kernels_bench prints."""
+    lines = text.splitlines()
+    starts = [i for i, l in enumerate(lines) if l.replace(" ", "").startswith("|what|result|")]
+    if not starts:
+        return []
+    rows = []
+    for line in lines[starts[-1] + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows.append([cells[0], " | ".join(cells[1:])])
+    return rows
+
+
 def run_kernels(run) -> None:
     try:
         mod = importlib.import_module("benchmarks.kernels_bench")
@@ -56,4 +71,8 @@ def run_kernels(run) -> None:
         raise RuntimeError(f"benchmarks/kernels_bench.py exited with {rc}; see {run.out_dir}/kernels_stdout.txt")
     for t in out.get("tables", []) if isinstance(out, dict) else []:
         run.tables.append(Table(t.get("title", "kernels"), t["headers"], t["rows"]))
+    rows = summary_rows(buf.getvalue())
+    if rows:
+        run.tables.append(Table("kernels_bench summary", ["what", "result"], rows))
+        run.result["summary"] = rows
     run.notes.append("kernels_bench.py output: kernels_stdout.txt (and its own files in this folder)")

@@ -12,9 +12,11 @@ import argparse
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -193,7 +195,8 @@ def prepare_main(run: Run, out_root: str | None) -> None:
     """Environment, hardware limits and the model's roofline counts (initialises JAX)."""
     from benchmarks.envinfo import environment
     from benchmarks.models import kv_dtype, weight_dtype
-    run.env = environment(run.argv)
+    # serve mode: the server process needs the accelerator; this process must not initialise it
+    run.env = environment(run.argv, devices_in_subprocess=run.cfg["mode"] == "serve")
     tp = int(run.cfg["engine"].get("tensor_parallel_size") or 1)
     run.hw = roofline.resolve_hardware(run.cfg["hardware"], run.env["device_kind"], run.env["platform"], tp)
     if run.model_config is not None:
@@ -270,6 +273,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args, argv)
+    # SIGTERM (a time limit) unwinds like Ctrl-C, so a started server is stopped, not orphaned
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _run(args, argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args, argv: list[str]) -> int:
     overrides = list(args.overrides)
     if args.no_plots:
         overrides.append("report.plots=false")
@@ -295,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             run.phase = "main"
     summaries = []
-    for run in runs:                                   # phase 2: jaxserve
+    # phase 2: jaxserve. Serve configs first: their server needs the accelerator before this process's
+    # JAX (offline engine, kernels) claims it.
+    runs.sort(key=lambda r: r.cfg["mode"] != "serve")
+    for run in runs:
         t0 = time.perf_counter()
         run.rng = np.random.default_rng(run.cfg["seed"])   # same prompts as the baseline phase drew
         try:

@@ -108,9 +108,20 @@ def sweep_points(wl: dict) -> tuple[str | None, list]:
     return param, list(values)
 
 
+def prompt_counts(wl: dict, values: list) -> list[int]:
+    """Requests per sweep point: workload.num_prompts, or a list of one count per sweep value."""
+    n = wl["num_prompts"]
+    if isinstance(n, (list, tuple)):
+        if len(n) != len(values):
+            raise ValueError(f"workload.num_prompts has {len(n)} counts for {len(values)} sweep values")
+        return [int(x) for x in n]
+    return [int(n)] * len(values)
+
+
 def run_serve(run) -> None:
     cfg, wl = run.cfg, run.cfg["workload"]
     param, values = sweep_points(wl)
+    counts = prompt_counts(wl, values)
     base_url = run.base_url or cfg["serve"]["base_url"]
     with contextlib.ExitStack() as stack:
         if not base_url:
@@ -132,7 +143,7 @@ def run_serve(run) -> None:
                 rate = float(value)
             elif param == "max_concurrency":
                 conc = int(value)
-            reqs = build_requests(run, int(wl["num_prompts"]), seed_offset=i)
+            reqs = build_requests(run, counts[i], seed_offset=i)
             label = f"{param}={value}" if param else "requests"
             timings, duration = asyncio.run(run_load(
                 base_url, reqs, request_rate=rate, burstiness=float(wl["burstiness"]), max_concurrency=conc,
@@ -170,7 +181,7 @@ def _tables(run, points: list[dict], param: str | None) -> None:
                                          "ITL mean/median/p99 ms", "E2E mean/median/p99 ms"] \
         + (["goodput req/s"] if slo else []) + ["failed"]
     t = Table(f"Serving: {run.cfg['workload']['dataset']} dataset, {run.cfg['workload']['num_prompts']} requests"
-              + (f" per point" if param else ""), head)
+              + (" per point" if param else ""), head)
     for p in points:
         trio = lambda k: " / ".join(fmt(p[k][s]) for s in ("mean", "median", "p99"))
         lim = p["roofline"]["output_tok_s"]

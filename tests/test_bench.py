@@ -159,6 +159,7 @@ def test_shipped_configs_validate(path):
         rng = np.random.default_rng(0)
         wl = cfg["workload"]
         n = wl.get("num_prompts") or wl.get("batch_size")
+        n = max(n) if isinstance(n, list) else n
         lens = workloads.sample_lengths(wl["input_len"], n, rng, "input_len") + \
             workloads.sample_lengths(wl["output_len"], n, rng, "output_len")
         max_len = cfg["engine"].get("max_model_len")

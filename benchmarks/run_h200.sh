@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The project's H200 benchmark run, in sequence, sized to fit ~8 minutes on one H200:
+#   1. offline, one process (one engine load + warm-up shared): h200-llama8b-latency-bs1 (+ HF generate),
+#      h200-llama8b-throughput (+ HF generate_batch on 64 prompts), h200-llama8b-decode
+#   2. h200-llama8b-serve-sweep (its own process: the server needs the GPU to itself)
+#   3. h200-kernels (benchmarks/kernels_bench.py)
+#   4. h200x2-llama8b-tp2: only when asked (`benchmarks/run_h200.sh tp2` on a 2-GPU machine)
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|tp2 ...]   (default: offline serve kernels)
+# Results: $OUT/results/<date>-<name>/ when $OUT is set, else benchmarks/results/; the summary is printed
+# last and written to <results root>/h200-summary.txt. Step time limits are env-tunable (seconds).
+set -u
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+RESULTS=${OUT:+$OUT/results}
+RESULTS=${RESULTS:-benchmarks/results}
+mkdir -p "$RESULTS"
+SUMMARY="$RESULTS/h200-summary.txt"
+: > "$SUMMARY"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+STEPS=("$@")
+if [ ${#STEPS[@]} -eq 0 ]; then
+  STEPS=(offline serve kernels)
+fi
+
+bench() {   # bench LIMIT_S LOG_NAME ARGS...: one runner process under a time limit; keeps its summary lines
+  local limit=$1 name=$2; shift 2
+  local log="$RESULTS/$name.log" t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $PY -m benchmarks.runner $*" | tee -a "$SUMMARY"
+  timeout --signal=TERM --kill-after=20 "$limit" "$PY" -m benchmarks.runner --out "$RESULTS" "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  # the runner's own summary: the lines after "== summary ==" (absent if it was cut short)
+  sed -n '/^== summary ==$/,$p' "$log" | tail -n +2 >> "$SUMMARY"
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "$name: TIMED OUT after ${limit}s (partial results in $RESULTS)" >> "$SUMMARY"; fi
+  echo "($name: exit $rc, $((SECONDS - t0)) s)" >> "$SUMMARY"
+}
+
+for step in "${STEPS[@]}"; do
+  case $step in
+    offline) bench "${OFFLINE_LIMIT_S:-300}" offline --config h200-llama8b-latency-bs1 \
+               --config h200-llama8b-throughput --config h200-llama8b-decode ;;
+    serve)   bench "${SERVE_LIMIT_S:-110}" serve --config h200-llama8b-serve-sweep ;;
+    kernels) bench "${KERNELS_LIMIT_S:-70}" kernels --config h200-kernels ;;
+    tp2)     if [ "${NGPU:-0}" -lt 2 ]; then echo "tp2: skipped, needs 2 GPUs (${NGPU:-0} visible)" | tee -a "$SUMMARY"; continue; fi
+             bench "${TP2_LIMIT_S:-180}" tp2 --config h200x2-llama8b-tp2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, tp2)" >&2; exit 2 ;;
+  esac
+done
+
+echo
+echo "================ H200 summary ($(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null), ${NGPU:-0} GPU(s)) ================"
+cat "$SUMMARY"

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.embedder import Embedder, is_embedding_model
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, validate_prompt_length
@@ -31,10 +32,13 @@ def default_max_model_len(model_config, requested: int | None) -> int:
     return requested
 
 
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"     # the embedded default model
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True):
         from jaxserve.models import load_model
-        from jaxserve.runner.model_runner import ModelRunner
+        from jaxserve.runner.model_runner import ModelRunner, resolve_attention_backend
         from jaxserve.runner import compile_cache
 
         import jax
@@ -54,11 +58,6 @@ class LLMEngine:
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer
         self.chat_template = config.chat_template or self.model.chat_template
-        self.max_model_len = default_max_model_len(self.model_config, config.max_model_len)
-        self.runner = ModelRunner(self.model, config, self.max_model_len, mesh=mesh)
-        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                         config.cache.enable_prefix_caching, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -68,18 +67,46 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.warmup_seconds = 0.0
-        if not config.skip_warmup:
-            self.warmup_seconds = self.runner.warmup(progress=progress)
+        self.embedder = self.runner = self.scheduler = self.kv_manager = None
+        t0 = time.perf_counter()
+        if is_embedding_model(self.model, config.task):
+            # an embedding engine: no KV cache, no scheduler; requests go straight to the bucketed Embedder
+            self.embedder = Embedder(self.model, attn_backend=resolve_attention_backend(config.attention_backend),
+                                     block_size=config.cache.block_size, max_length=config.max_model_len,
+                                     model_name=config.served_model_name)
+            self.max_model_len = self.embedder.max_length
+            if not config.skip_warmup:
+                self.embedder.warmup(progress=progress)
+        else:
+            self.max_model_len = default_max_model_len(self.model_config, config.max_model_len)
+            self.runner = ModelRunner(self.model, config, self.max_model_len, mesh=mesh)
+            self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                             config.cache.enable_prefix_caching, self.max_model_len)
+            self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
+            if not config.skip_warmup:
+                self.runner.warmup(progress=progress)
+        self.warmup_seconds = time.perf_counter() - t0
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.embedder is not None
 
     # ---------------------------------------------------------------- requests
     @property
     def served_model_name(self) -> str:
-        return self.config.served_model_name or self.model.source
+        # vLLM's rule: the --served-model-name, else the model argument as given
+        return self.config.served_model_name or self.config.model or DEFAULT_SERVED_NAME
 
     def new_request_id(self) -> str:
         return str(next(self._ids))
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, *, strict_length: bool = True) -> None:
+        """Reject what can never run, with a message a user can act on. ``strict_length``: prompt + max_tokens
+        must fit max_model_len (the server's rule); off, generation just stops at max_model_len (offline)."""
+        if self.is_embedding:
+            raise InvalidRequestError(
+                f"the loaded model ({self.served_model_name}) serves embeddings (/v1/embeddings, LLM.embed), "
+                "not text generation", param="model")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
@@ -87,7 +114,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})",
                 param="prompt")
-        validate_prompt_length(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        validate_prompt_length(len(prompt_token_ids), params.max_tokens if strict_length else None,
+                               self.max_model_len)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.config.max_logprobs:
@@ -99,7 +127,7 @@ class LLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         if params.truncate_prompt_tokens is not None and len(prompt_token_ids) > params.truncate_prompt_tokens:
             prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, strict_length=False)
         # A per-request copy that knows the model's eos ids: the sampler blocks them below min_tokens.
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(self.eos_token_ids)},
@@ -125,7 +153,7 @@ class LLMEngine:
             d.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -193,6 +221,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
+        if self.scheduler is None:
+            return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
         s = dict(self.scheduler.get_stats())
         s.update(self.runner.stats.snapshot())
         s["num_kv_blocks"] = self.runner.num_blocks

@@ -114,6 +114,17 @@ def test_top_k_top_p_mask_matches_vllm_reference(max_candidates):
     np.testing.assert_array_equal(got[np.isfinite(got)], x[np.isfinite(got)])   # kept logits unchanged
 
 
+def test_top_k_top_p_mask_matches_reference_on_random_parameters():
+    rng = np.random.default_rng(11)
+    for _ in range(25):
+        x = (rng.normal(size=(R, V)) * rng.uniform(0.2, 6, size=(R, 1))).astype(np.float32)
+        top_k = np.where(rng.random(R) < 0.5, 0, rng.integers(1, V + 3, size=R)).astype(np.int32)
+        top_p = np.where(rng.random(R) < 0.3, 1.0, rng.uniform(0.05, 1.0, size=R)).astype(np.float32)
+        for max_candidates in (8, V):
+            got = np.asarray(top_k_top_p_jit(x, top_k, top_p, max_candidates=max_candidates))
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref_top_k_top_p(x, top_k, top_p)))
+
+
 def test_top_k_top_p_is_identity_when_no_row_filters():
     x = np.random.default_rng(2).normal(size=(R, V)).astype(np.float32)
     got = top_k_top_p_jit(x, np.zeros(R, np.int32), np.ones(R, np.float32), max_candidates=4)

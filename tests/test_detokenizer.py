@@ -19,17 +19,10 @@ def load_smollm2_tokenizer():
     try:
         return AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_NAME)
     except ImportError:
-        # transformers' GGUF reader imports torch, which the serving env does not have: build the same
-        # fast tokenizer from the GGUF metadata with transformers' own converter.
-        import gguf
-        from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
-
-        reader = gguf.GGUFReader(os.path.join(package_dir, GGUF_NAME))
-        fields = {name: reader.fields[f"tokenizer.{key}"].contents()
-                  for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in reader.fields}
-        backend, kwargs = convert_gguf_tokenizer(reader.fields["general.architecture"].contents(), fields)
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+        # transformers' GGUF reader imports torch, which the serving env lacks: use the engine's loader,
+        # which builds the same tokenizer from the GGUF metadata with transformers' converter.
+        from jaxserve.models.loader import embedded_tokenizer
+        return embedded_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -302,6 +302,16 @@ def test_padding_rows_do_not_change_real_rows(logits):
     assert np.all(np.isfinite(np.asarray(big.logprob)))
 
 
+def test_builder_takes_numpy_rows_like_lists():
+    params = [SamplingParams(repetition_penalty=1.2), SamplingParams(frequency_penalty=0.5)]
+    outputs, prompts = [[1, 2, 2], [5]], [[7, 8], [9, 9, 9]]
+    as_lists = meta_for(params, outputs=outputs, prompts=prompts)
+    as_arrays = meta_for(params, outputs=[np.array(o, np.int32) for o in outputs],
+                         prompts=[np.array(p, np.int32) for p in prompts], num_out=[3, 1])
+    for a, b in zip(jax.tree.leaves(as_lists), jax.tree.leaves(as_arrays)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_builder_rejects_too_many_rows():
     with pytest.raises(ValueError, match="do not fit the request bucket pad_to=1"):
         meta_for([SamplingParams()] * 2, pad_to=1)

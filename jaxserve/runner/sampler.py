@@ -135,6 +135,8 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
     in; other rows use fold_in(fold_in(PRNGKey(engine_seed), crc32(request_ids[i])), step).
     `num_output_tokens_list[i]` is the number of tokens request i has already generated (the index of
     the token sampled now); it also decides whether min_tokens still blocks the stop ids.
+    Token-id rows may be lists or int32 numpy arrays; with penalties on, converting Python lists costs
+    ~50 ns a token (20 ms for 256 rows of 1200 ids), arrays are a memcpy (0.1 ms): cache them per request.
     `penalty_width` fixes the width of the output/prompt id arrays whenever a penalty is in use (the engine
     passes its max_model_len bucket), so penalties add one compiled variant, not one per history length.
     """

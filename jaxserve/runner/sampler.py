@@ -4,9 +4,10 @@ Order (vLLM's): penalties (repetition, then frequency/presence) → min_tokens (
 argmax, or: temperature → top-k → top-p → min-p → an inverse-CDF draw with a per-request key. Logprobs are those of
 the raw logits (vLLM's default `raw_logprobs`): what the model said, before any of the above.
 
-Shapes are static per (rows, penalty-history length, blocked-ids width). The penalty and min_tokens arrays
-have width 0 (no work, no extra compile) unless some request in the batch uses them; their widths are
-bucketed to powers of two, so a batch that uses penalties compiles at most log2(max_model_len) variants.
+Shapes are static per (rows, penalty-history width, blocked-ids width). The penalty id arrays have width 0
+(no work) unless some request in the batch uses a penalty; then `penalty_width` (the runner passes its
+max_model_len bucket: one extra compiled variant) or else a power-of-two bucket of the longest history.
+The min_tokens ids are 8 wide (wider only for a request with more stop ids) and cost an R*8 scatter.
 
 Cost notes (benchmarks/sampler_bench.py -> benchmarks/results/2026-11-29-cpu-sampler.md; R=64, V=49152, the
 shared 2-core CPU box at load ~9, best of 10): the draw itself 5 ms by inverse CDF vs 202 ms by Gumbel-max

@@ -19,8 +19,8 @@ sort; greedy 94 ms; random T=0.8 125 ms.
   which a peaked LM distribution almost always does); otherwise a second `lax.cond` falls back to one full
   sort of the rows. Results are exact either way; only the cost differs.
 - penalties: output ids [R, L] become counts with one scatter-add into [R, V] (O(R·L) scatter + a few
-  O(R·V) elementwise passes); the prompt ids for repetition_penalty are shipped only when some request
-  uses it (they are the one large transfer: R x prompt_len int32 per step).
+  O(R·V) elementwise passes); the prompt ids (for repetition_penalty) are the one large transfer, R x
+  width int32 per step, and ship only while some request uses a penalty.
 """
 from __future__ import annotations
 

@@ -156,6 +156,36 @@ def test_llama3_rope_bands():
     assert mid.any() and np.all(scaled[mid] < plain[mid]) and np.all(scaled[mid] > plain[mid] / 8)
 
 
+def test_gguf_rope_freqs_equal_llama3_scaling():
+    """A Llama 3.1 GGUF stores llama3 scaling as rope_freqs (llama.cpp's convert_hf_to_gguf formula);
+    dividing by them gives transformers' llama3 inverse frequencies."""
+    from jaxserve.models.configs import model_config_from_gguf
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+            "llama.feed_forward_length": 8, "llama.block_count": 1, "llama.vocab_size": 8,
+            "llama.rope.freq_base": 10000.0, "llama.context_length": 256}
+    base = model_config_from_gguf(meta, set())
+    factor, low, high, old_len = 8.0, 1.0, 4.0, 32
+    factors = []
+    for freq in llama.rope_inv_freq(base):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    gguf_cfg = model_config_from_gguf(meta, {"rope_freqs.weight"}, rope_freqs=np.array(factors, np.float32))
+    hf_cfg = model_config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 64,
+                                   "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                   "rope_theta": 10000.0, "rope_scaling": {
+                                       "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                                       "high_freq_factor": high, "original_max_position_embeddings": old_len}})
+    np.testing.assert_allclose(llama.rope_inv_freq(gguf_cfg), llama.rope_inv_freq(hf_cfg), rtol=1e-6)
+    hash(gguf_cfg)
+
+
 @pytest.mark.parametrize("name,expect", [
     ("llama-3.1-8b", dict(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256,
                           rope_theta=500000.0, eos_token_ids=(128001, 128008, 128009))),

@@ -16,6 +16,8 @@ from jaxserve.errors import ModelLoadError
 # RoPE variants llama.forward implements; "dynamic" (NTK) depends on each request's length, which a ragged
 # batch does not have one of, so it is refused rather than silently approximated.
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# GGUF only: llama.cpp bakes Llama 3.1 RoPE scaling into a per-frequency divisor tensor (rope_freqs.weight)
+GGUF_FREQ_FACTORS = "freq_factors"
 
 # GGUF ``general.architecture`` → the HF architecture name the registry knows.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -132,14 +134,18 @@ def gguf_metadata(reader) -> dict[str, Any]:
     return out
 
 
-def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    """``ModelConfig`` from GGUF metadata (llama.cpp's key names), the way transformers' GGUF loader reads it."""
+def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
+    """``ModelConfig`` from GGUF metadata (llama.cpp's key names), the way transformers' GGUF loader reads it.
+
+    ``rope_freqs``: the values of a ``rope_freqs.weight`` tensor when the file has one (Llama 3.1 GGUFs):
+    llama.cpp divides each RoPE frequency by it, which is how it stores llama3 scaling.
+    """
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)}")
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError("GGUF with a rope_freqs tensor (Llama 3.1 style RoPE factors) is not supported yet")
+    if "rope_freqs.weight" in tensor_names and rope_freqs is None:
+        raise ModelLoadError("this GGUF has a rope_freqs tensor (Llama 3.1 RoPE factors): pass its values")
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -155,6 +161,11 @@ def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Mode
             rope_scaling = (("factor", float(get("rope.scaling.factor"))), ("rope_type", "linear"))
         elif get("rope.scaling.type") not in (None, "none"):
             raise ModelLoadError(f"GGUF rope scaling {get('rope.scaling.type')!r} is not supported")
+        if rope_freqs is not None:
+            if rope_scaling is not None:
+                raise ModelLoadError("GGUF with both rope_freqs and rope scaling metadata is not supported")
+            factors = tuple(float(f) for f in rope_freqs.reshape(-1))
+            rope_scaling = (("factors", factors), ("rope_type", GGUF_FREQ_FACTORS))
         name = str(meta.get("general.name", "")).lower()
         model_type = "qwen2" if arch == "qwen2" else ("mistral" if "mistral" in name else "llama")
         architecture = "MistralForCausalLM" if model_type == "mistral" else GGUF_ARCHITECTURES[arch]

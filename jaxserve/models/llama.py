@@ -136,6 +136,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     if not scaling:
         return inv
     kind = scaling["rope_type"]
+    if kind == "freq_factors":   # GGUF rope_freqs.weight: llama.cpp divides each frequency by its factor
+        return (inv / np.asarray(scaling["factors"], np.float32)).astype(np.float32)
     if kind == "linear":
         return (inv / np.float32(scaling["factor"])).astype(np.float32)
     if kind == "llama3":

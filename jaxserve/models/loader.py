@@ -226,6 +226,14 @@ def _gguf_getter(reader, path: str, cfg: ModelConfig) -> Callable[[str], np.ndar
     return get
 
 
+def gguf_rope_freqs(reader) -> np.ndarray | None:
+    """The ``rope_freqs.weight`` factors of a Llama 3.1 GGUF (float32), or None."""
+    from gguf.quants import dequantize
+
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return None if t is None else dequantize(t.data, t.tensor_type).astype(np.float32)
+
+
 @functools.lru_cache(maxsize=4)
 def gguf_tokenizer(path: str):
     """The HF tokenizer described by a GGUF file's metadata, built as transformers' ``gguf_file=`` path does
@@ -398,7 +406,8 @@ def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, 
 def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None) -> LoadedModel:
     reader = _open_gguf(path)
     meta = model_configs.gguf_metadata(reader)
-    cfg = model_configs.model_config_from_gguf(meta, {t.name for t in reader.tensors})
+    cfg = model_configs.model_config_from_gguf(meta, {t.name for t in reader.tensors},
+                                               rope_freqs=gguf_rope_freqs(reader))
     _, family = registry.resolve_architecture(cfg.architecture)
     family.check_config(cfg)
     # GGUF weights are quantized: "auto" means float32 on CPU (fast there), bfloat16 on accelerators.

@@ -119,7 +119,7 @@ def test_no_recompilation_after_warmup(embedder):
 
 
 def test_batch_plan_covers_inputs_and_beats_greedy(minilm_f32):
-    from jaxserve.engine.embedder import _bucket
+    from jaxserve.engine.embedder import bucket_for
     emb = Embedder(minilm_f32, max_batch_size=64, max_num_batched_tokens=2048)
     rng = np.random.default_rng(3)
     for n in (1, 5, 32, 100, 256):
@@ -128,13 +128,13 @@ def test_batch_plan_covers_inputs_and_beats_greedy(minilm_f32):
         assert [a for a, _, _ in plan] == [0] + [b for _, b, _ in plan[:-1]] and plan[-1][1] == n
         for a, b, s in plan:
             assert lengths[a] <= s and b - a <= emb.max_batch_for(s)
-            assert (_bucket(b - a, emb.batch_buckets), s) in emb.bucket_shapes()
-        cost = sum(_bucket(b - a, emb.batch_buckets) * s + emb.call_overhead_tokens for a, b, s in plan)
+            assert (bucket_for(b - a, emb.batch_buckets), s) in emb.bucket_shapes()
+        cost = sum(bucket_for(b - a, emb.batch_buckets) * s + emb.call_overhead_tokens for a, b, s in plan)
         greedy, i = 0, 0                  # longest first, as many rows as the budget allows
         while i < n:
-            s = _bucket(lengths[i], emb.seq_buckets)
+            s = bucket_for(lengths[i], emb.seq_buckets)
             rows = min(emb.max_batch_for(s), n - i)
-            greedy += _bucket(rows, emb.batch_buckets) * s + emb.call_overhead_tokens
+            greedy += bucket_for(rows, emb.batch_buckets) * s + emb.call_overhead_tokens
             i += rows
         assert cost <= greedy
 

@@ -47,7 +47,8 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
     return out
 
 
-def _bucket(n: int, buckets: Sequence[int]) -> int:
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds ``n``."""
     for b in buckets:
         if n <= b:
             return b
@@ -249,7 +250,7 @@ class Embedder:
         tokens (batch bucket x length bucket, plus ``call_overhead_tokens`` per call), by dynamic programming
         over the cut points that can matter: batch-bucket sizes and length-bucket boundaries."""
         n = len(lengths_desc)
-        seq_bucket = [_bucket(k, self.seq_buckets) for k in lengths_desc]
+        seq_bucket = [bucket_for(k, self.seq_buckets) for k in lengths_desc]
         boundaries = [k for k in range(1, n) if seq_bucket[k] != seq_bucket[k - 1]] + [n]
         best = [0.0] * (n + 1)            # best[i]: cost of batching lengths_desc[i:]
         cut = [n] * (n + 1)
@@ -259,7 +260,7 @@ class Embedder:
             stops.update(k for k in boundaries if i < k <= i + max_rows)
             best[i] = float("inf")
             for j in stops:
-                cost = _bucket(j - i, self.batch_buckets) * seq_bucket[i] + self.call_overhead_tokens + best[j]
+                cost = bucket_for(j - i, self.batch_buckets) * seq_bucket[i] + self.call_overhead_tokens + best[j]
                 if cost < best[i]:
                     best[i], cut[i] = cost, j
         plan, i = [], 0
@@ -272,8 +273,8 @@ class Embedder:
     def _dispatch(self, seqs: list[list[int]], seq_bucket: int | None = None):
         n = len(seqs)
         lengths = np.array([len(s) for s in seqs], np.int32)
-        s_pad = seq_bucket or _bucket(int(lengths.max()), self.seq_buckets)
-        b_pad = _bucket(n, self.batch_buckets)
+        s_pad = seq_bucket or bucket_for(int(lengths.max()), self.seq_buckets)
+        b_pad = bucket_for(n, self.batch_buckets)
         if self.is_encoder:
             ids = np.zeros((b_pad, s_pad), np.int32)
             for i, s in enumerate(seqs):

@@ -248,6 +248,8 @@ def summary_line(run: Run) -> str:
                  f"TTFT p50 {fmt(p['ttft_ms']['median'])} ms TPOT p50 {fmt(p['tpot_ms']['median'])} ms"
                  f"{' (' + str(p['failed']) + ' failed)' if p['failed'] else ''}" for p in r["points"]]
         return f"{name} ({r['sweep_param'] or 'one load'}): " + "; ".join(parts)
+    if run.cfg["mode"] == "kernels" and r.get("summary"):
+        return f"{name}: " + "; ".join(f"{what}: {res}" for what, res in r["summary"][:4])
     return f"{name}: done ({run.cfg['mode']})"
 
 

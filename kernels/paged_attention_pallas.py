@@ -3,30 +3,34 @@
 Same function as ``ref_attention.ragged_paged_attention`` over the engine's cache layout
 ``[num_blocks, block_size, kv_heads, head_dim]``; ``k_scale``/``v_scale`` dequantize an fp8 cache.
 
-Two launches share one kernel body and one output buffer (chained through ``input_output_aliases``):
+One launch (``fused=True``, the default) runs two kinds of tile over one output buffer:
 
-* the **prefill** launch walks q-blocks of ``block_q`` tokens of requests with ``q_len > 1``; a tile is
+* **prefill tiles** cover requests with ``q_len > 1`` in blocks of ``block_q`` tokens; a tile is
   ``block_q * group`` rows (tokens x the q heads of one kv head), so one K/V read serves the whole GQA
-  group; causal masking and sliding window come from each row's absolute position;
-* the **decode** launch takes requests with ``q_len == 1``, one tile per (request, kv head), and splits the
-  KV axis ``num_splits`` ways (flash-decoding) when there are too few (request, head) pairs to fill the
-  chip; the partial softmax states are merged in XLA.
+  group; causal masking and the sliding window come from each row's absolute position. Tiles find their
+  request in-kernel (binary search over ``qsl[r] // block_q + r``), so there is no XLA pre-pass;
+* **decode tiles** take requests with ``q_len == 1``, one per (request, kv head, split): the KV axis is
+  split ``num_splits`` ways (flash-decoding) when there are too few (request, head) pairs to fill the
+  chip, and a small second kernel (``_combine_kernel``) merges the splits' softmax states.
 
-Both read K/V a page-row at a time: token ``pos`` of request ``r`` lives in flat row
+K/V are read a page-row at a time: token ``pos`` of request ``r`` is row
 ``(block_tables[r, pos // block_size] * block_size + pos % block_size) * kv_heads + h`` of the cache seen as
-``[num_blocks * block_size * kv_heads, head_dim]`` -- a gather of contiguous ``head_dim`` rows, which the
-Triton lowering turns into vectorised pointer loads, pipelined over ``num_stages``.
+``[num_blocks * block_size * kv_heads, head_dim]`` -- a gather of contiguous ``head_dim`` rows that Triton
+turns into 16-byte vector loads pipelined over ``num_stages``. Interior KV chunks (below every row's
+diagonal, inside every row's window) skip all masking.
 
-Why Triton and not Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``): the work here is a gather through
-block tables.  Triton expresses it as pointer arithmetic on any page size and layout, compiles on the
-jaxlib we pin, and runs in interpret mode on CPU for the tests.  Mosaic GPU wants TMA copies of whole
-tiles whose addresses are known per copy; a 16-token page of one kv head is a 4 KiB strided box, so a
-Mosaic GPU kernel needs one small TMA per page (or a cache layout change the model code does not want)
-and its own warp-specialised pipeline.  The benchmark (benchmarks/kernels_bench.py) times ours against
-the stock Triton paged kernel and against Mosaic GPU's stock flash attention on the prefill shape; those
-figures, in benchmarks/results/, are the measurement behind this choice: decode is memory-bound and the
-Triton gather kernel reaches most of the bandwidth ceiling, so Mosaic GPU's advantage (wgmma + TMA) only
-matters for the compute-bound prefill, where we record the gap rather than hide it.
+Why Triton and not Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``), measured on the H200
+(benchmarks/results/2026-11-29-h200-kernels.md):
+* decode is a memory-bound gather through block tables. Triton expresses it as pointer arithmetic on any
+  page size, and this kernel reads K/V at 4.1-4.5 TB/s (95-105% of the 4.3 TB/s copy figure) once
+  context is long (B >= 64), 1.8-1.9x the stock Triton paged kernel; little is left for TMA to win there.
+  A Mosaic GPU kernel would need one small TMA per 16-token page and head (a 4 KiB strided box) or a
+  cache layout the model code does not use;
+* prefill is compute-bound, and there Mosaic GPU's wgmma + warp specialisation matter: the stock Mosaic
+  GPU flash attention (fp16, dense, no paging) ran 8x2048 causal at 472 TFLOP/s against our 243 (cuDNN
+  536). That gap is the case for a Mosaic GPU prefill kernel, not yet written;
+* Triton also runs in interpret mode on CPU, which is how the tests check this kernel.
+The Pallas Triton lowering is deprecated in JAX 0.11 but present and working in the pinned 0.11.2.
 """
 from __future__ import annotations
 

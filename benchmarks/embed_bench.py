@@ -85,12 +85,14 @@ def bench_jaxserve(args, sentences, batch_sizes) -> tuple[list[dict], dict]:
     model = bert.load(args.model, args.dtype)
     load_s = time.perf_counter() - t0
     dev = jax.devices()[0]
-    info = {"engine": "jaxserve", "device": f"{dev.platform}:{dev.device_kind}", "dtype": str(model.dtype.__name__),
+    info = {"engine": "jaxserve", "attn_impl": args.attn_impl or "xla",
+            "device": f"{dev.platform}:{dev.device_kind}", "dtype": str(model.dtype.__name__),
             "load_s": round(load_s, 2), "jax": jax.__version__}
     rows = []
     for b in batch_sizes:
         emb = Embedder(model, max_batch_size=b, max_num_batched_tokens=args.max_num_batched_tokens,
-                       buckets=[int(x) for x in args.seq_buckets.split(",")] if args.seq_buckets else None)
+                       buckets=[int(x) for x in args.seq_buckets.split(",")] if args.seq_buckets else None,
+                       encoder_attn_impl=args.attn_impl)
         ids = emb.tokenize(sentences)
         id_batches = [ids[i:i + b] for i in range(0, len(ids), b)]
         text_batches = [sentences[i:i + b] for i in range(0, len(sentences), b)]
@@ -146,6 +148,9 @@ def main(argv=None):
                    help="token budget of one jitted call (default: the Embedder's, 2048 on CPU, 16384 on GPU)")
     p.add_argument("--seq-buckets", default=None, help="sequence-length buckets, e.g. 16,24,32,48,64 "
                    "(default: the Embedder's powers of two)")
+    p.add_argument("--attn-impl", default=None, choices=["xla", "cudnn"],
+                   help="jax.nn.dot_product_attention implementation (default XLA; cudnn needs an NVIDIA GPU "
+                   "and bfloat16)")
     p.add_argument("--num-sentences", type=int, default=512)
     p.add_argument("--min-seconds", type=float, default=3.0)
     p.add_argument("--baseline", action="store_true", help="measure sentence-transformers instead (torch env)")

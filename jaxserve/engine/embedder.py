@@ -87,14 +87,16 @@ class Embedder:
     max_num_batched_tokens: token budget of one call (batch bucket x length bucket); bounds memory
         (default: 2048 on CPU, 16384 on accelerators).
     pooling: override the model's pooling recipe (decoders: default last token + normalize).
-    attn_backend: decoders only, the paged attention backend ("reference" on CPU, "pallas" on GPU).
+    attn_backend: decoders only, the paged attention backend (default: "pallas" on GPU, else "reference").
     call_overhead_tokens: what one more jitted call costs, in padded tokens, when planning batches.
+    encoder_attn_impl: encoders only, ``jax.nn.dot_product_attention`` implementation (None = XLA, "cudnn").
     """
 
     def __init__(self, model, *, max_batch_size: int = 64, buckets: Sequence[int] | None = None,
                  max_num_batched_tokens: int | None = None, pooling: PoolingConfig | None = None,
-                 attn_backend: str = "reference", block_size: int = 16, max_length: int | None = None,
-                 model_name: str | None = None, call_overhead_tokens: int = 128):
+                 attn_backend: str | None = None, block_size: int = 16, max_length: int | None = None,
+                 model_name: str | None = None, call_overhead_tokens: int = 128,
+                 encoder_attn_impl: str | None = None):
         self.model = model
         self.config = model.config
         self.tokenizer = model.tokenizer
@@ -106,8 +108,9 @@ class Embedder:
         model_max = model.max_length if self.is_encoder else model.max_model_len
         self.max_length = min(max_length or model_max, model_max)
         self.block_size = block_size
-        self.attn_backend = attn_backend
+        self.attn_backend = attn_backend or ops.default_backend()
         self.call_overhead_tokens = call_overhead_tokens
+        self.encoder_attn_impl = encoder_attn_impl
 
         self.batch_buckets = _powers_of_two(1, max(1, max_batch_size))
         if buckets is None:
@@ -285,7 +288,7 @@ class Embedder:
         return self._run(self.model.params, *self._decoder_inputs(seqs, lengths, b_pad, s_pad))
 
     def _encoder_fn(self, params, ids, lengths):
-        hidden = self.model.family.forward(params, ids, lengths, self.config)
+        hidden = self.model.family.forward(params, ids, lengths, self.config, attn_impl=self.encoder_attn_impl)
         return pool_padded(hidden, lengths, self.pooling.pooling_type)
 
     def _decoder_inputs(self, seqs, lengths, b_pad: int, s_pad: int):

@@ -67,12 +67,12 @@ def _layer_norm(x, scale, bias, eps):
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def _encoder_layer(p, x, lengths, cfg: ModelConfig, eps: float):
+def _encoder_layer(p, x, lengths, cfg: ModelConfig, eps: float, attn_impl: str | None):
     B, S, H = x.shape
     qkv = x @ p["qkv_w"] + p["qkv_b"]                                 # [B, S, 3H]
     q, k, v = jnp.split(qkv.reshape(B, S, 3 * cfg.num_heads, cfg.head_dim), 3, axis=2)
     # keys past each row's length are masked; softmax runs in float32 inside
-    attn = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+    attn = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation=attn_impl)
     attn = attn.reshape(B, S, H) @ p["o_w"] + p["o_b"]
     x = _layer_norm(x + attn, p["attn_ln_scale"], p["attn_ln_bias"], eps)
     h = jax.nn.gelu(x @ p["up_w"] + p["up_b"], approximate=False)      # HF "gelu" is the exact erf form
@@ -81,11 +81,13 @@ def _encoder_layer(p, x, lengths, cfg: ModelConfig, eps: float):
 
 
 def forward(params: dict, input_ids: jax.Array, lengths: jax.Array, cfg: ModelConfig,
-            token_type_ids: jax.Array | None = None) -> jax.Array:
+            token_type_ids: jax.Array | None = None, attn_impl: str | None = None) -> jax.Array:
     """Right-padded ``input_ids [B, S]`` with real ``lengths [B]`` -> last hidden state ``[B, S, H]``.
 
     Positions are ``0..S-1`` (as HF BERT); padded keys are masked, padded query rows are junk the caller
     ignores. ``token_type_ids`` default to zeros (single-segment input, as sentence-transformers sends).
+    ``attn_impl``: ``jax.nn.dot_product_attention``'s implementation (None = XLA; "cudnn" on NVIDIA GPUs
+    for bfloat16/float16).
     """
     eps = cfg.extra_dict["layer_norm_eps"]
     e = params["embed"]
@@ -96,7 +98,7 @@ def forward(params: dict, input_ids: jax.Array, lengths: jax.Array, cfg: ModelCo
     x = _layer_norm(x, e["ln_scale"], e["ln_bias"], eps)
     lengths = jnp.maximum(lengths, 1).astype(jnp.int32)   # padding rows: avoid an all-masked softmax
     for layer in params["layers"]:
-        x = _encoder_layer(layer, x, lengths, cfg, eps)
+        x = _encoder_layer(layer, x, lengths, cfg, eps, attn_impl)
     return x
 
 

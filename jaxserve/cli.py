@@ -29,6 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="JAX persistent compilation cache (default ~/.cache/jaxserve/xla; '' = off)")
     g.add_argument("--max-logprobs", type=int, default=20)
     g.add_argument("--skip-warmup", action="store_true", help="compile buckets lazily instead of at start")
+    _bool_flag(g, "async-scheduling", True, "dispatch step N+1 before reading step N's tokens (host never waits)")
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     c.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -66,6 +67,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         served_model_name=_first(getattr(a, "served_model_name", None)),
         chat_template=template, attention_backend=a.attention_backend,
         compilation_cache_dir=a.compilation_cache_dir, max_logprobs=a.max_logprobs, skip_warmup=a.skip_warmup,
+        async_scheduling=a.async_scheduling,
         cache=CacheConfig(block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
                           num_gpu_blocks_override=a.num_gpu_blocks_override,
                           kv_cache_memory_bytes=a.kv_cache_memory_bytes,

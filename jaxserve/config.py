@@ -87,6 +87,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None   # None = ~/.cache/jaxserve/xla; "" disables it
     max_logprobs: int = 20
     skip_warmup: bool = False
+    async_scheduling: bool = True              # dispatch step N+1 before reading step N's tokens
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -119,3 +119,19 @@ def test_n_completions_and_logprobs(llm, workload):
 def test_stats_report_host_and_device_time(llm):
     s = llm.engine.stats()
     assert s["steps"] > 0 and s["host_ms_per_step"] > 0 and s["device_ms_per_step"] > 0
+
+
+def test_async_and_sync_scheduling_agree_on_early_stops(llm, workload, single_outputs):
+    """Async scheduling computes one token past a stop it has not seen yet: that token must be dropped."""
+    prompts, max_tokens = workload
+    sync = make_llm(async_scheduling=False)
+    stops = [ref[min(2, len(ref) - 1)] for ref in single_outputs[:12]]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, stop_token_ids=[stop])
+              for m, stop in zip(max_tokens, stops)]
+    a = llm.generate(prompts[:12], params, use_tqdm=False)
+    b = sync.generate(prompts[:12], params, use_tqdm=False)
+    for x, y, ref, stop in zip(a, b, single_outputs, stops):
+        expected = ref[:ref.index(stop) + 1]
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids == expected
+        assert x.outputs[0].finish_reason == "stop" and x.outputs[0].stop_reason == stop
+    assert llm.engine.kv_manager.usage == 0.0 and sync.engine.kv_manager.usage == 0.0

@@ -4,6 +4,7 @@ Used directly by the offline ``LLM`` class and, on a background thread, by the a
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -11,12 +12,13 @@ import time
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
 from jaxserve.engine.embedder import Embedder, is_embedding_model
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, validate_prompt_length
 from jaxserve.errors import InvalidRequestError
+from jaxserve.runner.model_runner import PLACEHOLDER
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,6 +35,12 @@ def default_max_model_len(model_config, requested: int | None) -> int:
 
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"     # the embedded default model
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    pending: object                               # runner.PendingStep
+    index: dict[str, tuple[Request, int]]         # request id -> (request, output index of its placeholder)
 
 
 class LLMEngine:
@@ -66,6 +74,7 @@ class LLMEngine:
         self._sent: dict[str, tuple[int, int]] = {}   # tokens / chars already returned (DELTA mode)
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
+        self._inflight: _InFlight | None = None
         self.warmup_seconds = 0.0
         self.embedder = self.runner = self.scheduler = self.kv_manager = None
         t0 = time.perf_counter()
@@ -125,8 +134,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
         prompt_token_ids = list(prompt_token_ids)
-        if params.truncate_prompt_tokens is not None and len(prompt_token_ids) > params.truncate_prompt_tokens:
-            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
+        keep = params.truncate_prompt_tokens
+        if keep == -1:                      # vLLM: -1 = keep up to max_model_len tokens (the last ones)
+            keep = self.max_model_len
+        if keep is not None and len(prompt_token_ids) > keep:
+            prompt_token_ids = prompt_token_ids[-keep:]
         self.validate(prompt_token_ids, params, strict_length=False)
         # A per-request copy that knows the model's eos ids: the sampler blocks them below min_tokens.
         params = params.clone()
@@ -153,50 +165,112 @@ class LLMEngine:
             d.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler is not None and self.scheduler.has_unfinished_requests()
+        if self.scheduler is None:
+            return False
+        if self.scheduler.has_unfinished_requests():
+            return True
+        # a step in flight whose requests are all aborted needs no more steps
+        return self._inflight is not None and any(rid in self._detok for rid in self._inflight.index)
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        """schedule → dispatch → (process the previous step's tokens while this one runs) → record.
+
+        With async scheduling (the default) the host never waits for the device between steps: step N+1 is
+        scheduled and dispatched before step N's tokens are read. The scheduler sees each sampled token as
+        a PLACEHOLDER first (its count is what scheduling needs: positions, blocks, max_tokens); the token
+        itself goes from step N's output to step N+1's input on the device. Reading step N's results then
+        overlaps step N+1 on the device; a request that stopped (EOS, stop id or string) at step N has
+        computed one token too many in N+1, which is dropped. Penalties need the real history on the host,
+        so a step that uses them first resolves the step in flight.
+        """
         sched = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, None
+        outputs: list[RequestOutput] = []
+        if prev is not None and (not sched.scheduled or self._needs_history(sched)):
+            outputs += self._resolve(prev)
+            prev = None
         if not sched.scheduled:
-            return []
-        result = self.runner.execute(sched.scheduled)
-        now = time.time()
-        sampled = {rid: [tok] for rid, tok in result.token_ids.items()}
-        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
-        outputs = []
+            return outputs
+        pending = self.runner.dispatch(sched.scheduled, prev.pending if prev is not None else None)
+        if prev is not None:
+            outputs += self._resolve(prev)      # blocks on step N while the device runs step N+1
+        # the scheduler counts the new tokens now; their values arrive with _resolve
+        self.scheduler.update_from_output(sched, {rid: [PLACEHOLDER] for rid in pending.rows})
+        index = {}
         for s in sched.scheduled:
             req = s.request
-            rid = req.request_id
-            if rid not in sampled:
+            if s.samples and req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+                index[req.request_id] = (req, len(req.output_token_ids) - 1)
+        inflight = _InFlight(pending, index)
+        if self.config.async_scheduling:
+            self._inflight = inflight
+        else:
+            outputs += self._resolve(inflight)
+        return outputs
+
+    def _needs_history(self, sched) -> bool:
+        """Whether a scheduled request needs its previous token on the host before dispatch (penalties)."""
+        for s in sched.scheduled:
+            p = s.request.sampling_params
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                return True
+        return False
+
+    def _resolve(self, inflight: "_InFlight") -> list[RequestOutput]:
+        """Bring a dispatched step's tokens to the host: fill the placeholders, stop checks, detokenize."""
+        result = self.runner.collect(inflight.pending)
+        now = time.time()
+        outputs = []
+        for rid, (req, idx) in inflight.index.items():
+            if rid not in self._detok:          # aborted meanwhile
                 continue
-            self._record_logprobs(rid, sampled[rid][0], result.logprobs.get(rid))
+            tok = result.token_ids[rid]
+            req.set_output_token(idx, tok)
+            still_running = req.status == RequestStatus.RUNNING
+            stop = self._token_stop(req, tok, idx)
+            if stop is not None:
+                status, reason = stop
+                if still_running:
+                    self.scheduler.finish_request(rid, status, stop_reason=reason)
+                else:                            # finished by length on the same token: the stop wins
+                    req.status, req.stop_reason = status, reason
+            self._record_logprobs(rid, tok, result.logprobs.get(rid))
+            finished = req.is_finished()
             detok = self._detok[rid]
-            detok.update(sampled[rid], finished=rid in finished)   # finished releases held-back text
-            if rid not in finished and detok.stop_reason is not None:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-                req.stop_reason = detok.stop_reason
-                finished.add(rid)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
+            detok.update([tok], finished=finished)   # finished releases held-back text
+            if not finished and detok.stop_reason is not None:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_reason=detok.stop_reason)
+                finished = True
+            if finished and len(req.output_token_ids) > idx + 1:
+                req.truncate_output(idx + 1)        # drop a token computed after the stop
             req.metrics.last_token_time = now
-            out = self._make_output(req, rid in finished)
+            out = self._make_output(req, finished)
             if out is not None:
                 outputs.append(out)
-            if rid in finished:
+            if finished:
                 req.metrics.finished_time = now
                 self._forget(rid)
         return outputs
+
+    @staticmethod
+    def _token_stop(req: Request, tok: int, idx: int):
+        """EOS / stop-token-id check for the token at output index ``idx`` (vLLM's rules: only from
+        min_tokens on; EOS unless ignore_eos)."""
+        if idx + 1 < req.min_tokens:
+            return None
+        if not req.ignore_eos and tok in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if tok in req.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, tok
+        return None
 
     def _record_logprobs(self, rid, token, lp) -> None:
         if lp is None:
             return
         logprob, rank, top_ids, top_lps = lp
         self._cum_logprob[rid] += logprob
-        entry = {token: Logprob(logprob, rank, self.tokenizer.decode([token]))}
-        for r, (t, v) in enumerate(zip(top_ids, top_lps), start=1):
-            entry.setdefault(int(t), Logprob(float(v), r, self.tokenizer.decode([int(t)])))
-        self._logprobs[rid].append(entry)
+        self._logprobs[rid].append(decode_logprobs(self.tokenizer, token, logprob, rank, top_ids, top_lps))
 
     def _make_output(self, req: Request, finished: bool) -> RequestOutput | None:
         params: SamplingParams = req.sampling_params

@@ -110,6 +110,16 @@ class Request:
         """Prompt + outputs (the live list: read it, do not mutate it)."""
         return self._all_token_ids
 
+    def set_output_token(self, index: int, token_id: int) -> None:
+        """Fill in an output token the engine appended as a placeholder (async scheduling)."""
+        self.output_token_ids[index] = token_id
+        self._all_token_ids[self.num_prompt_tokens + index] = token_id
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past ``num_output_tokens`` (computed after a stop the host saw late)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self._all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         if isinstance(token_ids, int):
             token_ids = (token_ids,)

@@ -22,6 +22,9 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
+
+# An output token the host has not seen yet (it is still on the device, feeding the next step).
+PLACEHOLDER = -1
 from jaxserve.parallel import bind_mesh, gather_logits
 from jaxserve.runner import sampler as sampler_mod
 
@@ -67,11 +70,32 @@ class RunnerStats:
                 "device_ms_per_step": self.device_ms / n, "tokens_per_step": self.tokens / n}
 
 
-def _forward_fn(family, cfg, backend, params, kv_caches, input_ids, positions, md, logits_indices):
+def _forward_fn(family, cfg, backend, params, kv_caches, input_ids, positions, md, logits_indices, prev_tokens,
+                prev_index):
+    # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
+    # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
+    input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     hidden, kv_caches = family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
     return kv_caches, logits
+
+
+def _sample_fn(num_logprobs, max_rows, logits, sampling_meta):
+    out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs)
+    # the sampled ids padded to a fixed length, so the next step's forward sees one shape whatever this bucket
+    padded = jnp.zeros(max_rows, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
+    return out, padded
+
+
+@dataclasses.dataclass(slots=True)
+class PendingStep:
+    """A dispatched step whose results are still on the device."""
+    out: object                      # SamplerOutput of device arrays
+    tokens: jax.Array                # [max_num_seqs] sampled ids (feeds the next step's placeholders)
+    rows: dict[str, int]             # request id -> row, for the requests that sample
+    logprobs_k: dict[str, int]       # request id -> number of top logprobs wanted
+    num_tokens: int
 
 
 class ModelRunner:
@@ -97,8 +121,9 @@ class ModelRunner:
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend), mesh),
                                 donate_argnums=(1,))
-        self._samplers = {nl: jax.jit(partial(sampler_mod.sample, num_logprobs=nl))
+        self._samplers = {nl: jax.jit(partial(_sample_fn, nl, self.max_num_seqs))
                           for nl in (0, self.max_logprobs)}
+        self._no_prev = jnp.zeros(self.max_num_seqs, jnp.int32)
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
         self._step_count = 0
@@ -167,8 +192,9 @@ class ModelRunner:
     def num_reqs_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
 
-    def prepare(self, scheduled):
-        """Host arrays for one step. ``scheduled``: ScheduledRequest list (decodes first)."""
+    def prepare(self, scheduled, prev: PendingStep | None = None):
+        """Host arrays for one step. ``scheduled``: ScheduledRequest list (decodes first). A PLACEHOLDER
+        token (sampled by ``prev``, not yet on the host) is read on device from ``prev``'s output."""
         n_tok = sum(s.num_new_tokens for s in scheduled)
         T = self.bucket_for(n_tok)
         R = self.num_reqs_for(T)
@@ -182,10 +208,17 @@ class ModelRunner:
         seq_lens = np.zeros(R, np.int32)
         qsl = np.zeros(R + 1, np.int32)
         logits_idx = np.zeros(R, np.int32)
+        prev_index = np.full(T, -1, np.int32)
         off = 0
         for i, s in enumerate(scheduled):
             req, n, start = s.request, s.num_new_tokens, s.start_pos
             toks = req.all_token_ids[start:start + n]
+            if toks[-1] == PLACEHOLDER:
+                if prev is None or req.request_id not in prev.rows:
+                    raise RuntimeError(f"request {req.request_id}: its last token is still on the device but "
+                                       "no step in flight sampled it")
+                prev_index[off + n - 1] = prev.rows[req.request_id]
+                toks = list(toks[:-1]) + [0]
             input_ids[off:off + n] = toks
             pos = np.arange(start, start + n, dtype=np.int32)
             positions[off:off + n] = pos
@@ -199,7 +232,7 @@ class ModelRunner:
         qsl[len(scheduled) + 1:] = off
         md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
                                num_seqs=np.int32(len(scheduled)))
-        return T, R, input_ids, positions, md, logits_idx
+        return T, R, input_ids, positions, md, logits_idx, prev_index
 
     def sampling_metadata(self, scheduled, R: int):
         reqs = [s.request for s in scheduled]
@@ -215,37 +248,50 @@ class ModelRunner:
             penalty_width=self.penalty_width)
 
     # ---------------------------------------------------------------- step
-    def execute(self, scheduled) -> StepResult:
+    def dispatch(self, scheduled, prev: PendingStep | None = None) -> PendingStep:
+        """Build the inputs and launch the step; returns at once (JAX dispatches asynchronously)."""
         t0 = time.perf_counter()
-        T, R, input_ids, positions, md, logits_idx = self.prepare(scheduled)
+        T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev)
         smeta = self.sampling_metadata(scheduled, R)
-        want_lp = any(s.samples and s.request.sampling_params.logprobs is not None for s in scheduled)
+        rows, lp_k = {}, {}
+        for i, s in enumerate(scheduled):
+            if s.samples:
+                rows[s.request.request_id] = i
+                if s.request.sampling_params.logprobs is not None:
+                    lp_k[s.request.request_id] = s.request.sampling_params.logprobs
+        prev_tokens = prev.tokens if prev is not None else self._no_prev
         self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, input_ids, positions, md,
-                                               logits_idx)
-        out = self._samplers[self.max_logprobs if want_lp else 0](logits, smeta)
+                                               logits_idx, prev_tokens, prev_index)
+        out, padded = self._samplers[self.max_logprobs if lp_k else 0](logits, smeta)
         self._step_count += 1
-        t1 = time.perf_counter()
+        n_tok = sum(s.num_new_tokens for s in scheduled)
+        self.stats.host_ms += (time.perf_counter() - t0) * 1e3
+        return PendingStep(out, padded, rows, lp_k, n_tok)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
+        t0 = time.perf_counter()
+        out = pending.out
         token_ids = np.asarray(out.token_ids)
-        t2 = time.perf_counter()
-        res = StepResult({}, {})
         lp = None
-        if want_lp:
+        if pending.logprobs_k:
             lp = (np.asarray(out.logprobs), np.asarray(out.ranks), np.asarray(out.topk_ids),
                   np.asarray(out.topk_logprobs))
-        for i, s in enumerate(scheduled):
-            if not s.samples:
-                continue
-            rid = s.request.request_id
-            res.token_ids[rid] = int(token_ids[i])
-            if lp is not None and s.request.sampling_params.logprobs is not None:
-                k = s.request.sampling_params.logprobs
-                res.logprobs[rid] = (float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(), lp[3][i, :k].tolist())
         st = self.stats
+        st.device_ms += (time.perf_counter() - t0) * 1e3
         st.steps += 1
-        st.host_ms += (t1 - t0) * 1e3
-        st.device_ms += (t2 - t1) * 1e3
-        st.tokens += sum(s.num_new_tokens for s in scheduled)
+        st.tokens += pending.num_tokens
+        res = StepResult({}, {})
+        for rid, i in pending.rows.items():
+            res.token_ids[rid] = int(token_ids[i])
+            k = pending.logprobs_k.get(rid)
+            if k is not None:
+                res.logprobs[rid] = (float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(), lp[3][i, :k].tolist())
         return res
+
+    def execute(self, scheduled) -> StepResult:
+        """One step, synchronously (dispatch then collect)."""
+        return self.collect(self.dispatch(scheduled))
 
     # ---------------------------------------------------------------- warm-up
     def _padding_inputs(self, T: int):
@@ -270,7 +316,8 @@ class ModelRunner:
         for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
             if what == "forward":
                 ids, pos, md, lidx = self._padding_inputs(size)
-                self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, ids, pos, md, lidx)
+                self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, ids, pos, md, lidx,
+                                                       self._no_prev, np.full(size, -1, np.int32))
                 jax.block_until_ready(logits)
                 continue
             _, nl, pen = what
@@ -278,7 +325,7 @@ class ModelRunner:
             smeta = sampler_mod.make_sampling_metadata(
                 plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=size,
                 request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
-            out = self._samplers[nl](jnp.zeros((size, self.vocab_size), jnp.float32), smeta)
+            out, _ = self._samplers[nl](jnp.zeros((size, self.vocab_size), jnp.float32), smeta)
             jax.block_until_ready(out.token_ids)
         return time.perf_counter() - t0
 

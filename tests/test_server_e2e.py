@@ -3,8 +3,10 @@ driven by the openai SDK. One server for the module; the SIGTERM drain test runs
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -203,6 +205,12 @@ def test_64_concurrent_streams(server, client):
 
 
 def test_cancelling_long_requests_frees_everything(server, http):
+    """Three streams (the SDK closes them) and one non-streamed request (the socket closes) leave early."""
+    body = json.dumps({"prompt": "Write a long story", "max_tokens": 400, "ignore_eos": True}).encode()
+    raw = socket.create_connection(("127.0.0.1", server.port))
+    raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body))
+
     async def main():
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as ac:
             streams = [await ac.completions.create(model="smol", prompt=f"Write a long story {i}", max_tokens=400,
@@ -210,10 +218,11 @@ def test_cancelling_long_requests_frees_everything(server, http):
             for s in streams:
                 async for _ in s:
                     break
-            assert metric(http, 'num_requests_running') + metric(http, 'num_requests_waiting') == 3
+            assert metric(http, 'num_requests_running') + metric(http, 'num_requests_waiting') == 4
             assert metric(http, 'kv_cache_usage_perc') > 0
             for s in streams:
                 await s.close()
+            raw.close()
     asyncio.run(main())
     deadline = time.monotonic() + 30
     while True:

@@ -43,12 +43,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=None)
     _bool_flag(s, "enable-chunked-prefill", True, "chunked prefill")
     s.add_argument("--max-waiting-requests", type=int, default=None)
+    s.add_argument("--token-buckets", default=None,
+                   help="comma-separated padded step sizes to compile (default: powers of two up to "
+                        "--max-num-batched-tokens)")
     d = p.add_argument_group("parallel")
     d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     d.add_argument("--distributed-coordinator", default=None, help="HOST:PORT of process 0")
     d.add_argument("--num-processes", type=int, default=1)
     d.add_argument("--process-id", type=int, default=0)
     p.add_argument("--config", default=None, help="a YAML file of flags (flag names, - or _); flags override it")
+
+
+def _int_list(v):
+    if v is None or isinstance(v, (list, tuple)):
+        return tuple(v) if v else None
+    return tuple(int(x) for x in str(v).split(",") if x.strip())
 
 
 def _first(v):
@@ -74,7 +83,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=a.enable_prefix_caching, kv_cache_dtype=a.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   enable_chunked_prefill=a.enable_chunked_prefill,
-                                  max_waiting_requests=a.max_waiting_requests),
+                                  max_waiting_requests=a.max_waiting_requests,
+                                  token_buckets=_int_list(a.token_buckets)),
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
                                 distributed_coordinator=a.distributed_coordinator,
                                 num_processes=a.num_processes, process_id=a.process_id))

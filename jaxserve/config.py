@@ -62,6 +62,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
+    # padded token counts a step may have (each is one compiled forward); None = powers of two from 16 up
+    # to max_num_batched_tokens. Fewer buckets = a shorter warm-up, more padding.
+    token_buckets: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -109,7 +109,9 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
-        self.buckets = token_buckets(self.max_num_tokens)
+        self.buckets = sorted({min(int(b), self.max_num_tokens) for b in config.scheduler.token_buckets}
+                              | {self.max_num_tokens}) if config.scheduler.token_buckets \
+            else token_buckets(self.max_num_tokens)
         self.backend = resolve_attention_backend(config.attention_backend)
         self.max_logprobs = config.max_logprobs
         self.vocab_size = self.cfg.vocab_size

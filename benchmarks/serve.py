@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -78,6 +79,31 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
+_COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float]:
+    """Prefix-cache queries/hits and preemptions from the server's /metrics (empty if it has none)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10.0, headers=headers).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _COUNTER.match(line.strip())
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    q = d.get("prefix_cache_queries")
+    d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0.0) / q if q else None
+    return d
+
+
 def build_requests(run, num_prompts: int, seed_offset: int = 0):
     """The workload's requests from its dataset (random | sharegpt | prefix)."""
     import numpy as np
@@ -145,11 +171,13 @@ def run_serve(run) -> None:
                 conc = int(value)
             reqs = build_requests(run, counts[i], seed_offset=i)
             label = f"{param}={value}" if param else "requests"
+            before = scrape_counters(base_url, cfg["serve"]["api_key"])
             timings, duration = asyncio.run(run_load(
                 base_url, reqs, request_rate=rate, burstiness=float(wl["burstiness"]), max_concurrency=conc,
                 seed=cfg["seed"] + i, ignore_eos=wl["ignore_eos"], api_key=cfg["serve"]["api_key"],
                 timeout_s=float(cfg["serve"]["request_timeout_s"]), desc=label))
             m = serving_metrics(timings, duration, wl.get("slo") or None)
+            m["server_counters"] = counter_delta(before, scrape_counters(base_url, cfg["serve"]["api_key"]))
             m.update({"sweep_value": value, "request_rate": rate, "max_concurrency": conc,
                       "roofline": _limit(run, reqs, conc)})
             m["ttft_samples_ms"] = [t.ttft * 1e3 for t in timings if t.success]
@@ -179,7 +207,7 @@ def _tables(run, points: list[dict], param: str | None) -> None:
     head = ([param] if param else []) + ["req/s", "output tok/s", "total tok/s", "limit output tok/s",
                                          "% of limit", "TTFT mean/median/p99 ms", "TPOT mean/median/p99 ms",
                                          "ITL mean/median/p99 ms", "E2E mean/median/p99 ms"] \
-        + (["goodput req/s"] if slo else []) + ["failed"]
+        + (["goodput req/s"] if slo else []) + ["prefix-cache hit %", "preemptions", "failed"]
     t = Table(f"Serving: {run.cfg['workload']['dataset']} dataset, {run.cfg['workload']['num_prompts']} requests"
               + (" per point" if param else ""), head)
     for p in points:
@@ -188,12 +216,17 @@ def _tables(run, points: list[dict], param: str | None) -> None:
         row = ([p["sweep_value"]] if param else []) + [
             p["request_throughput"], p["output_throughput"], p["total_token_throughput"], lim,
             roofline.percent(p["output_throughput"], lim), trio("ttft_ms"), trio("tpot_ms"), trio("itl_ms"),
-            trio("e2el_ms")] + ([p["goodput"]] if slo else []) + [p["failed"]]
+            trio("e2el_ms")] + ([p["goodput"]] if slo else []) + [
+            None if p["server_counters"].get("prefix_cache_hit_rate") is None
+            else 100 * p["server_counters"]["prefix_cache_hit_rate"],
+            p["server_counters"].get("num_preemptions"), p["failed"]]
         t.rows.append(row)
     run.tables.append(t)
     errors = {e: c for p in points for e, c in p["errors"].items()}
     for e, c in list(errors.items())[:5]:
         run.notes.append(f"{c} failed: {e}")
+    run.notes.append("prefix-cache hit % and preemptions: the server's /metrics counters over each point "
+                     "(hits / queries, in the engine's units)")
     if slo:
         run.notes.append(f"goodput = successful requests within every SLO {run.cfg['workload']['slo']} per second")
     run.notes.append("limit output tok/s: the same requests in waves of min(concurrency, max_num_seqs), "

@@ -278,6 +278,9 @@ class ScriptedServer:
         if scope["path"] == "/v1/models":
             await self._send(send, 200, json.dumps({"data": [{"id": "scripted"}]}).encode())
             return
+        if scope["path"] != "/v1/completions":
+            await self._send(send, 404, b'{"error": {"message": "not found"}}')
+            return
         req = json.loads(body)
         self.bodies.append(req)
         if req["prompt"] == [13]:
@@ -463,3 +466,20 @@ def test_kernels_summary_table_is_parsed():
     text = "noise\n## summary\n| what | result |\n|---|---|\n| decode B=64 | 3.9 TB/s | 91 % |\n| fp8 | ok |\ntrailer\n"
     assert summary_rows(text) == [["decode B=64", "3.9 TB/s | 91 %"], ["fp8", "ok"]]
     assert summary_rows("no table") == []
+
+
+def test_metrics_scrape_parsing(scripted_server):
+    from benchmarks import serve
+    text = ('# HELP x\njaxserve:prefix_cache_queries_total{model_name="m"} 120.0\n'
+            'jaxserve:prefix_cache_hits_total{model_name="m"} 90.0\njaxserve:num_preemptions_total{model_name="m"} 2.0\n'
+            'jaxserve:num_requests_running{model_name="m"} 1.0\n')
+    got = {}
+    for line in text.splitlines():
+        m = serve._COUNTER.match(line)
+        if m:
+            got[m.group(1)] = float(m.group(2))
+    assert got == {"prefix_cache_queries": 120.0, "prefix_cache_hits": 90.0, "num_preemptions": 2.0}
+    d = serve.counter_delta({"prefix_cache_queries": 20.0, "prefix_cache_hits": 10.0}, got)
+    assert d["prefix_cache_hit_rate"] == pytest.approx(80 / 100) and d["num_preemptions"] == 2.0
+    _, url = scripted_server
+    assert serve.scrape_counters(url) == {}          # a server without those counters: nothing, no error

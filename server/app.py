@@ -108,7 +108,10 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
             raise bad_request("input must be a string, a list of strings, a list of token ids or a list of "
                               "token-id lists (not a mix)", "input")
         token_lists = [(await serving.encode(x)) if isinstance(x, str) else list(x) for x in batch]
-        vectors = await engine.embed(token_lists, dimensions=data.dimensions)
+        kw = {"dimensions": data.dimensions}
+        if data.truncate_prompt_tokens is not None:
+            kw["truncate_prompt_tokens"] = data.truncate_prompt_tokens
+        vectors = await engine.embed(token_lists, **kw)
         items = []
         for i, v in enumerate(vectors):
             v = np.asarray(getattr(getattr(v, "outputs", None), "embedding", v), dtype=np.float32)
@@ -246,8 +249,7 @@ class _DrainingServer:
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets)
                 if self.started:
-                    host, port = config.host, config.port
-                    log.info("ready: http://%s:%d/v1 (model %s)", host, port, serving.model_name)
-                    print(f"jaxserve ready on http://{host}:{port}", flush=True)
+                    log.info("ready: http://%s:%d/v1 serving %s", config.host, config.port,
+                             ", ".join(serving.model_names))
 
         return Server(config)

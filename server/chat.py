@@ -51,6 +51,8 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         created = now()
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
@@ -66,8 +68,9 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                     continue  # tokens held back while a stop string may still match
                 logprobs = (chat_logprobs(serving, comp.token_ids, comp.logprobs, top_k)
                             if num_logprobs is not None and comp.logprobs else None)
+                usage = Usage(len(ids), completion_tokens, len(ids) + completion_tokens) if continuous else None
                 yield chunk([ChatChunkChoice(c.index, ChatDelta(content=comp.text), logprobs, comp.finish_reason,
-                                             comp.stop_reason)])
+                                             comp.stop_reason)], usage)
             if include_usage:
                 yield chunk([], Usage(len(ids), completion_tokens, len(ids) + completion_tokens))
 

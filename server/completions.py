@@ -70,6 +70,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)  # vLLM's extra
         created = now()
         offsets = {c.index: 0 for p in prompts for c in p.choices}
 
@@ -90,7 +91,10 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
                 if req.logprobs is not None and comp.logprobs:
                     logprobs = completion_logprobs(serving, comp.token_ids, comp.logprobs, top_k, offsets[c.index])
                 offsets[c.index] += len(comp.text)
-                yield chunk([CompletionChoice(c.index, comp.text, logprobs, comp.finish_reason, comp.stop_reason)])
+                usage = (Usage(num_prompt_tokens, completion_tokens, num_prompt_tokens + completion_tokens)
+                         if continuous else None)
+                yield chunk([CompletionChoice(c.index, comp.text, logprobs, comp.finish_reason, comp.stop_reason)],
+                            usage)
             if include_usage:
                 yield chunk([], Usage(num_prompt_tokens, completion_tokens, num_prompt_tokens + completion_tokens))
 

@@ -276,6 +276,7 @@ class EmbeddingRequest(Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PosInt | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the first N tokens (-1 = the model's limit)
 
 
 class EmbeddingData(Struct):

@@ -64,6 +64,7 @@ class Choice:
     params: SamplingParams
     tracker: RequestTracker
     finished: bool = False
+    failed: bool = False      # the engine raised for it (never accepted, or failed): nothing to abort
 
 
 @dataclass(slots=True)
@@ -222,10 +223,12 @@ class Serving:
             try:
                 async for out in self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text):
                     await queue.put((c, out, None))
+            except asyncio.CancelledError:
+                raise
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                c.failed = True
+                c.tracker.on_finish("abort")
                 await queue.put((c, None, e))
-                if isinstance(e, asyncio.CancelledError):
-                    raise
             else:
                 await queue.put((c, None, StopAsyncIteration()))
 
@@ -253,7 +256,7 @@ class Serving:
                     t.cancel()
                 # abort first: engine.abort only posts to the loop thread, it cannot be interrupted
                 for _, c in work:
-                    if not c.finished:
+                    if not c.finished and not c.failed:
                         c.tracker.on_finish("abort")
                         try:
                             await self.engine.abort(c.request_id)

@@ -106,6 +106,10 @@ def test_chat_stream_equals_non_stream_with_usage(client):
     assert finals == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    assert [c.usage.completion_tokens for c in chunks[1:]] == [1, 2, 3, 3]
 
 
 def test_n_choices_seeds_and_sampling_params(client, server):

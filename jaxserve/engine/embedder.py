@@ -23,6 +23,7 @@ import numpy as np
 from jaxserve.errors import InvalidRequestError
 from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import NULL_BLOCK, PAD_SLOT, AttentionMetadata
+from jaxserve.models.bert import LoadedEncoder
 from jaxserve.models.pooling import (PoolingConfig, check_dimensions, pool_padded, pool_ragged, postprocess,
                                      read_pooling_config)
 
@@ -100,7 +101,7 @@ class Embedder:
         self.model = model
         self.config = model.config
         self.tokenizer = model.tokenizer
-        self.is_encoder = hasattr(model, "pooling")        # bert.LoadedEncoder carries its pooling recipe
+        self.is_encoder = isinstance(model, LoadedEncoder)
         self.model_name = model_name or os.path.basename(os.path.normpath(str(model.source))) or "model"
         if pooling is None:
             pooling = model.pooling if self.is_encoder else self._decoder_pooling(model)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
 import logging
 import signal
@@ -10,7 +9,6 @@ import time
 from typing import Any
 
 import msgspec
-import numpy as np
 from litestar import Litestar, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
@@ -23,11 +21,11 @@ import jaxserve
 from .args import ServerArgs
 from .chat import create_chat_completion
 from .completions import create_completion
+from .embeddings import create_embeddings
 from .errors import APIError, bad_request, error_response, exception_handler
 from .metrics import CONTENT_TYPE
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       DetokenizeRequest, DetokenizeResponse, EmbeddingData, EmbeddingRequest, EmbeddingResponse,
-                       EmbeddingUsage, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                       DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                        VersionResponse)
 from .serving import ClientDisconnected, Serving
 
@@ -96,29 +94,7 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
 
     @post("/v1/embeddings", status_code=200, responses=_errors(400, 401, 404, 413))
     async def embeddings(data: JSONBody[EmbeddingRequest]) -> Response:
-        serving.check_model(data.model)
-        inputs = data.input
-        if isinstance(inputs, str):
-            batch: list = [inputs]
-        elif all(isinstance(x, int) for x in inputs):
-            batch = [list(inputs)]
-        else:
-            batch = list(inputs)
-        if any(isinstance(x, int) for x in batch):
-            raise bad_request("input must be a string, a list of strings, a list of token ids or a list of "
-                              "token-id lists (not a mix)", "input")
-        token_lists = [(await serving.encode(x)) if isinstance(x, str) else list(x) for x in batch]
-        kw = {"dimensions": data.dimensions}
-        if data.truncate_prompt_tokens is not None:
-            kw["truncate_prompt_tokens"] = data.truncate_prompt_tokens
-        vectors = await engine.embed(token_lists, **kw)
-        items = []
-        for i, v in enumerate(vectors):
-            v = np.asarray(getattr(getattr(v, "outputs", None), "embedding", v), dtype=np.float32)
-            emb: Any = base64.b64encode(v.tobytes()).decode() if data.encoding_format == "base64" else v.tolist()
-            items.append(EmbeddingData(i, emb))
-        n = sum(len(t) for t in token_lists)
-        return _json(EmbeddingResponse(data.model or serving.model_name, items, EmbeddingUsage(n, n)))
+        return _json(await create_embeddings(serving, data))
 
     @get("/v1/models")
     async def models() -> ModelList:

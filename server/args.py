@@ -26,7 +26,6 @@ class ServerArgs:
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
     max_log_len: int | None = None
-    health_stall_seconds: float | None = None       # /health 503 when a request waits longer; None = engine decides
 
 
 def _json_list(value: str) -> list[str]:

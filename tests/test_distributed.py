@@ -1,8 +1,11 @@
 """Two CPU processes on localhost (jax.distributed + gloo collectives) decode the same greedy tokens as one.
 
-Process 0 owns the host state (the stand-in for the scheduler) and broadcasts each step's padded inputs over
-``StepChannel``; process 1 runs ``follow_steps``. The mesh is ``tp=2`` with one CPU device per process, so
-every layer's all-reduce crosses the process boundary. Each process is this file run as a script.
+The mesh is ``tp=2`` with one CPU device per process, so every layer's all-reduce crosses the process
+boundary. Two levels, in one pair of processes (this file run as a script):
+- model: process 0 owns the host state and broadcasts each step's padded inputs over ``StepChannel``;
+  process 1 runs ``follow_steps``.
+- engine: both build ``LLM(..., tensor_parallel_size=2)``; process 0 generates through the (async)
+  scheduler with its runner wrapped in ``BroadcastingRunner``; process 1 runs ``follow_runner``.
 """
 from __future__ import annotations
 
@@ -35,12 +38,38 @@ def _process_main(process_id: int, port: int) -> None:
     channel = parallel.StepChannel()
     if parallel.is_driver():
         tokens, logits = decoder.generate(channel)
-        print(json.dumps({"tokens": tokens, "logits": logits.tolist(), "steps_sent": channel.steps_sent}),
-              flush=True)
+        report = {"tokens": tokens, "logits": logits.tolist(), "steps_sent": channel.steps_sent}
     else:
-        steps = parallel.follow_steps(channel, decoder.run_step)
-        print(json.dumps({"followed": steps}), flush=True)
+        report = {"followed": parallel.follow_steps(channel, decoder.run_step)}
+
+    llm = _engine_llm(tensor_parallel_size=2)
+    channel = parallel.StepChannel()
+    if parallel.is_driver():
+        llm.engine.runner = parallel.BroadcastingRunner(llm.engine.runner, channel)
+        report["engine_tokens"] = _engine_generate(llm)
+        llm.engine.runner.stop()
+        report["engine_steps_sent"] = channel.steps_sent
+    else:
+        report["engine_followed"] = parallel.follow_runner(llm.engine.runner, channel)
+    print(json.dumps(report), flush=True)
     jax.distributed.shutdown()
+
+
+ENGINE_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models", "tiny-llama3")
+ENGINE_PROMPTS = [[5, 17, 99, 3, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 11, 11, 64]]
+
+
+def _engine_llm(tensor_parallel_size: int):
+    from jaxserve.llm import LLM
+    return LLM(ENGINE_MODEL, tensor_parallel_size=tensor_parallel_size, dtype="float32", max_model_len=64,
+               max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory_bytes=1 << 20, skip_warmup=True,
+               compilation_cache_dir="", use_tqdm_on_load=False)
+
+
+def _engine_generate(llm) -> list[list[int]]:
+    from jaxserve.sampling_params import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(ENGINE_PROMPTS, sp, use_tqdm=False)]
 
 
 def _free_port() -> int:
@@ -50,22 +79,29 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def two_process_run():
-    port = _free_port()
+def two_process_run(tmp_path_factory):
+    port, logs = _free_port(), tmp_path_factory.mktemp("procs")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
     env.pop("XLA_FLAGS", None)  # one CPU device per process
-    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    # output to files, not pipes: a process blocked on a full pipe stops its heartbeats and the other aborts
+    files = [(open(logs / f"p{i}.out", "w+"), open(logs / f"p{i}.err", "w+")) for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env, stdout=out, stderr=err)
+             for i, (out, err) in enumerate(files)]
     deadline, outs = time.monotonic() + TIMEOUT_S, []
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert p.returncode == 0, f"process exited {p.returncode}:\n{err[-4000:]}"
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+        for p, (out, err) in zip(procs, files):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            err.seek(0)
+            assert p.returncode == 0, f"process exited {p.returncode}:\n{err.read()[-4000:]}"
+            out.seek(0)
+            outs.append(json.loads(out.read().strip().splitlines()[-1]))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        for out, err in files:
+            out.close()
+            err.close()
     return outs
 
 
@@ -79,6 +115,13 @@ def test_two_processes_match_one(two_process_run):
     np.testing.assert_allclose(np.array(driver["logits"]), logits, atol=2e-5, rtol=1e-4)
     # the follower ran exactly the steps process 0 sent, then left its loop on stop()
     assert follower["followed"] == driver["steps_sent"] == MAX_NEW_TOKENS
+
+
+def test_two_process_engine_matches_one(two_process_run):
+    driver, follower = two_process_run
+    assert driver["engine_tokens"] == _engine_generate(_engine_llm(tensor_parallel_size=1))
+    assert [len(t) for t in driver["engine_tokens"]] == [MAX_NEW_TOKENS] * len(ENGINE_PROMPTS)
+    assert follower["engine_followed"] == driver["engine_steps_sent"] >= MAX_NEW_TOKENS
 
 
 def test_initialize_single_process_is_a_no_op(monkeypatch):

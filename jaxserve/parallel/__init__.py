@@ -2,10 +2,12 @@
 from .mesh import (TP, check_tp_compatible, current_tp_mesh, gather_logits, kv_cache_sharding, kv_cache_spec,
                    make_mesh, param_shardings, replicated, shard_step_inputs, tp_size)
 from .attention import bind_mesh, paged_attention, write_kv
-from .distributed import StepChannel, fetch_replicated, follow_steps, initialize, is_driver
+from .distributed import (BroadcastingRunner, StepChannel, fetch_replicated, follow_runner, follow_steps, initialize,
+                          is_driver)
 
 __all__ = [
     "TP", "make_mesh", "tp_size", "check_tp_compatible", "kv_cache_sharding", "kv_cache_spec", "param_shardings",
     "replicated", "shard_step_inputs", "current_tp_mesh", "gather_logits", "bind_mesh", "paged_attention",
-    "write_kv", "StepChannel", "fetch_replicated", "follow_steps", "initialize", "is_driver",
+    "write_kv", "BroadcastingRunner", "StepChannel", "fetch_replicated", "follow_steps", "follow_runner",
+    "initialize", "is_driver",
 ]

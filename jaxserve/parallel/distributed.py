@@ -1,17 +1,34 @@
 """Beyond one host: ``jax.distributed`` start-up and the step channel that keeps the processes in lockstep.
 
 Multi-controller JAX: every process runs the same jitted step on its own devices and XLA's collectives
-join them, so every process must call the step with the same inputs, in the same order. Only process 0
-runs the scheduler (and the server). The runner therefore does, per step::
+join them, so every process must launch the same steps with the same inputs, in the same order. Only
+process 0 runs the scheduler (and the server); it sends each step's description to the others over a
+``StepChannel`` before launching it, and every other process runs a follower loop instead of an engine
+loop: receive, launch the same step, repeat, until process 0 calls ``channel.stop()`` (at shutdown).
+Step outputs (sampled tokens) come out replicated, so process 0 reads its local copy and the followers
+never read theirs.
 
-    inputs = build_padded_step_inputs(scheduler_output)     # numpy dict, process 0 only
-    channel.send(inputs)                                    # process 0: one broadcast to the others
-    tokens = run_step(inputs)                               # every process
+With the engine (every process builds the same ``LLMEngine``; warm-up runs everywhere in the same order)::
 
-and every other process runs ``follow_steps(channel, run_step)`` instead of an engine loop: it receives
-each step's inputs and runs the same ``run_step`` until process 0 calls ``channel.stop()`` (at shutdown).
-Step outputs (sampled tokens) come out replicated, so process 0 reads its local copy
-(``fetch_replicated``) and the followers discard theirs.
+    if jax.process_count() > 1:
+        if is_driver():
+            engine.runner = BroadcastingRunner(engine.runner)   # process 0: scheduler + server as usual;
+            ...                                                 # engine.runner.stop() at shutdown
+        else:
+            follow_runner(engine.runner)                        # the others: no scheduler, no server
+
+What travels is the scheduler's decision (the ``ScheduledRequest`` list, and whether the step reads the
+previous step's on-device tokens), not padded arrays: ``ModelRunner.prepare`` and the sampling metadata
+are deterministic functions of it, so the runner needs no change and every process builds identical
+inputs.
+
+Transport: the ``jax.distributed`` coordination service's key-value store (one gRPC set per step on
+process 0, one blocking get on each follower), not a device collective such as
+``multihost_utils.broadcast_one_to_all``. A collective would be a separate device program per step that
+must not interleave with the in-flight step's all-reduces: with async scheduling (step N+1 launched
+before step N's tokens are read) and gloo on CPU, such programs run concurrently and the processes' gloo
+calls cross ("collective mismatch"). The store touches no device, so it cannot; it also costs no device
+time. It is reached through ``jax._src.distributed.global_state.client`` (JAX has no public accessor).
 """
 from __future__ import annotations
 
@@ -22,7 +39,6 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-_MIN_PAYLOAD = 4096           # payload sizes are padded to powers of two ≥ this: few broadcast shapes
 _STEP, _STOP = 1, 2
 
 
@@ -68,8 +84,8 @@ def is_driver() -> bool:
 
 
 def fetch_replicated(x: jax.Array) -> np.ndarray:
-    """Host copy of a replicated array, also when the mesh spans processes (where ``np.asarray`` of a
-    not-fully-addressable array is refused)."""
+    """Host copy of a replicated array, also when the mesh spans processes; a clear error for an array
+    sharded over processes (which no single process can read)."""
     if x.is_fully_addressable:
         return np.asarray(x)
     if not x.is_fully_replicated:
@@ -79,59 +95,116 @@ def fetch_replicated(x: jax.Array) -> np.ndarray:
 
 
 class StepChannel:
-    """Process 0 → all: each step's host inputs (any picklable pytree, e.g. a dict of padded numpy arrays).
+    """Process 0 → all: a sequence of picklable step descriptions over the coordination service's store.
 
-    Two collectives per step through ``multihost_utils.broadcast_one_to_all`` (a fixed-shape header, then
-    the pickled payload padded to a power of two so the broadcast compiles for a handful of sizes only).
-    With one process ``send`` is a no-op and ``receive`` is an error.
+    Message ``n`` is key ``jaxserve/steps/<channel>/<n>``; process 0 deletes keys ``KEEP`` steps old (a
+    follower cannot lag that far: every step's collectives need all processes). Channels are numbered in
+    creation order, which is the same on every process. With one process ``send``/``stop`` do nothing and
+    ``receive`` is an error.
     """
+    KEEP = 64
+    _created = 0
 
-    def __init__(self):
+    def __init__(self, poll_timeout_s: float = 60.0):
         self.multi_process = jax.process_count() > 1
+        self.prefix = f"jaxserve/steps/{StepChannel._created}"
+        StepChannel._created += 1
         self.steps_sent = 0
+        self._next = 0
+        self.poll_timeout_ms = int(poll_timeout_s * 1000)
 
-    def send(self, step_inputs: Any) -> None:
+    def send(self, step: Any) -> None:
         if self.multi_process:
-            self._broadcast(_STEP, pickle.dumps(step_inputs, protocol=pickle.HIGHEST_PROTOCOL))
+            self._put(_STEP, step)
             self.steps_sent += 1
 
     def stop(self) -> None:
-        """Release the followers from ``follow_steps`` (call once, at shutdown, on process 0)."""
+        """Release the followers from their loop (call once, at shutdown, on process 0)."""
         if self.multi_process:
-            self._broadcast(_STOP, b"")
+            self._put(_STOP, None)
 
     def receive(self) -> tuple[int, Any]:
+        """The next message (blocks; an idle server just keeps a follower waiting here)."""
         if not self.multi_process:
             raise RuntimeError("StepChannel.receive needs more than one process")
-        from jax.experimental import multihost_utils
-        header = multihost_utils.broadcast_one_to_all(np.zeros(2, np.int64))
-        kind, size = int(header[0]), int(header[1])
-        if kind == _STOP:
-            return _STOP, None
-        payload = multihost_utils.broadcast_one_to_all(np.zeros(_padded(size), np.uint8))
-        return _STEP, pickle.loads(payload[:size].tobytes())
+        key = f"{self.prefix}/{self._next}"
+        while True:
+            try:
+                data = _client().blocking_key_value_get_bytes(key, self.poll_timeout_ms)
+                break
+            except Exception as e:  # the client raises XlaRuntimeError; only a timeout means "keep waiting"
+                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+                    raise
+        self._next += 1
+        return pickle.loads(data)
 
-    def _broadcast(self, kind: int, data: bytes) -> None:
-        from jax.experimental import multihost_utils
+    def _put(self, kind: int, step: Any) -> None:
         if not is_driver():
-            raise RuntimeError("only process 0 sends steps; the others call follow_steps()")
-        multihost_utils.broadcast_one_to_all(np.array([kind, len(data)], np.int64))
-        if kind == _STEP:
-            buf = np.zeros(_padded(len(data)), np.uint8)
-            buf[:len(data)] = np.frombuffer(data, np.uint8)
-            multihost_utils.broadcast_one_to_all(buf)
+            raise RuntimeError("only process 0 sends steps; the others follow them")
+        client = _client()
+        n = self._next
+        client.key_value_set_bytes(f"{self.prefix}/{n}", pickle.dumps((kind, step), pickle.HIGHEST_PROTOCOL))
+        if n >= self.KEEP:
+            client.key_value_delete(f"{self.prefix}/{n - self.KEEP}")
+        self._next += 1
 
 
-def _padded(size: int) -> int:
-    return max(_MIN_PAYLOAD, 1 << (max(size, 1) - 1).bit_length())
+def _client():
+    from jax._src import distributed as jax_distributed
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized (call jaxserve.parallel.initialize first)")
+    return client
 
 
 def follow_steps(channel: StepChannel, run_step: Callable[[Any], Any]) -> int:
-    """A follower process's main loop: run every step process 0 sends, until it stops. Returns the count."""
+    """A follower's loop: run every step process 0 sends, until it stops. Returns the number of steps."""
     steps = 0
     while True:
-        kind, step_inputs = channel.receive()
+        kind, step = channel.receive()
         if kind == _STOP:
             return steps
-        run_step(step_inputs)
+        run_step(step)
         steps += 1
+
+
+class BroadcastingRunner:
+    """Process 0's ``ModelRunner``: ``dispatch`` (and ``execute``) first send the step to the followers.
+
+    Each message is ``(scheduled, reads_prev)``: the follower passes its own previous step as ``prev``
+    exactly when process 0 passed one, so placeholder tokens resolve to the same rows everywhere.
+    ``collect`` and everything else are the wrapped runner's.
+    """
+
+    def __init__(self, runner, channel: StepChannel | None = None):
+        self._runner = runner
+        self.channel = channel or StepChannel()
+
+    def dispatch(self, scheduled, prev=None):
+        self.channel.send((list(scheduled), prev is not None))
+        return self._runner.dispatch(scheduled, prev)
+
+    def execute(self, scheduled):
+        return self._runner.collect(self.dispatch(scheduled))
+
+    def stop(self) -> None:
+        self.channel.stop()
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+
+def follow_runner(runner, channel: StepChannel | None = None) -> int:
+    """A follower process's main loop with the engine's ``ModelRunner``: launch each step process 0
+    dispatches (never reading its tokens) until process 0 stops. Returns the number of steps."""
+    last = None
+
+    def run(message):
+        nonlocal last
+        scheduled, reads_prev = message
+        last = runner.dispatch(scheduled, last if reads_prev else None)
+
+    steps = follow_steps(channel or StepChannel(), run)
+    if last is not None:
+        jax.block_until_ready(last.tokens)
+    return steps

@@ -115,6 +115,34 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), base: dict 
     return validate(raw)
 
 
+def load_configs(names: list[str], overrides: list[str]) -> list[dict]:
+    """Several configs with the same --set overrides. A `workload.KEY` override that some given config's
+    mode uses is skipped for the configs whose mode does not (e.g. num_prompts for a latency config run
+    together with a throughput one); a key no given config uses is still an error."""
+    if len(names) == 1:
+        return [load_config(names[0], overrides)]
+    modes = []
+    for n in names:
+        raw = yaml.safe_load(resolve_config_path(n).read_text()) or {}
+        for item in overrides:
+            keys, value = parse_set(item)
+            if keys == ["mode"]:
+                raw["mode"] = value
+        modes.append(raw.get("mode"))
+    used = {k for m in modes if m in WORKLOAD_DEFAULTS for k in WORKLOAD_DEFAULTS[m]}
+    out = []
+    for n, mode in zip(names, modes):
+        mine = WORKLOAD_DEFAULTS.get(mode, {})
+        keep = []
+        for item in overrides:
+            keys, _ = parse_set(item)
+            if keys[0] == "workload" and len(keys) > 1 and keys[1] not in mine and keys[1] in used:
+                continue
+            keep.append(item)
+        out.append(load_config(n, keep))
+    return out
+
+
 def validate(raw: dict) -> dict:
     unknown = sorted(set(raw) - set(DEFAULTS))
     if unknown:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import roofline
-from benchmarks.config import REPO_ROOT, ConfigError, engine_kwargs, load_config
+from benchmarks.config import REPO_ROOT, ConfigError, engine_kwargs, load_configs
 from benchmarks.metrics import fmt
 from benchmarks.report import Table, results_dir, write_report
 
@@ -292,7 +292,7 @@ def _run(args, argv: list[str]) -> int:
     if args.hf_baseline:
         overrides.append("baseline.hf=true")
     try:
-        configs = [load_config(c, overrides) for c in args.config]
+        configs = load_configs(args.config, overrides)
     except (ConfigError, ValueError) as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2

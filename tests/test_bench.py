@@ -483,3 +483,31 @@ def test_metrics_scrape_parsing(scripted_server):
     assert d["prefix_cache_hit_rate"] == pytest.approx(80 / 100) and d["num_preemptions"] == 2.0
     _, url = scripted_server
     assert serve.scrape_counters(url) == {}          # a server without those counters: nothing, no error
+
+
+def test_set_overrides_across_configs_of_different_modes():
+    thr, lat = bcfg.load_configs(["cpu-smoke", "cpu-smoke-latency"], ["workload.num_prompts=3", "workload.batch_size=5",
+                                                                      "workload.output_len=2"])
+    assert thr["workload"]["num_prompts"] == 3 and thr["workload"]["output_len"] == 2
+    assert lat["workload"]["batch_size"] == 5 and lat["workload"]["output_len"] == 2
+    with pytest.raises(bcfg.ConfigError, match="num_prompt"):
+        bcfg.load_configs(["cpu-smoke", "cpu-smoke-latency"], ["workload.num_prompt=3"])
+
+
+@needs_engine
+@pytest.mark.slow
+@pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason="needs the torch env .venv-oracle (tools/oracle_env.sh)")
+def test_hf_baseline_runs_first_on_the_same_prompts(tmp_path):
+    """The two-phase flow: HF (subprocess, torch env) on the first 3 prompts, then jaxserve on all 6."""
+    res = _run_main(["--config", "cpu-smoke", "--set", "model.path=tests/fixtures/models/tiny-llama3",
+                     "--set", "baseline.hf=true", "--set", "baseline.python=.venv-oracle/bin/python",
+                     "--set", "baseline.device=cpu", "--set", "baseline.num_prompts=3"], tmp_path)
+    (r,) = res.values()
+    spec = bcfg.load_config("cpu-smoke")["workload"]["input_len"]
+    lens = workloads.sample_lengths(spec, 6, np.random.default_rng(0), "input_len")
+    hf = r["hf_baseline"]
+    assert hf["method"] == "generate_batch" and hf["num_requests"] == 3 and hf["output_tokens"] == 3 * 8
+    assert hf["prompt_tokens"] == lens[:3].sum()                  # the same prompts as jaxserve's first 3
+    assert r["jaxserve"]["prompt_tokens"] == lens.sum()
+    md = next(tmp_path.iterdir()) / "result.md"
+    assert "jaxserve / HF" in md.read_text() and "on the first 3 of 6 prompts" in md.read_text()

@@ -216,45 +216,18 @@ class Serving:
         as outputs arrive. However the consumer stops (finish, error, disconnect, cancel), every engine
         request that has not finished is aborted before this returns, so its KV blocks are freed."""
         work = [(p, c) for p in prompts for c in p.choices]
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks: list[asyncio.Task] = []
-
-        async def pump(p: Prompt, c: Choice) -> None:
-            try:
-                async for out in self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text):
-                    await queue.put((c, out, None))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
-                c.failed = True
-                c.tracker.on_finish("abort")
-                await queue.put((c, None, e))
-            else:
-                await queue.put((c, None, StopAsyncIteration()))
-
+        source = self._single(*work[0]) if len(work) == 1 else self._merged(work)
         try:
-            for p, c in work:
-                tasks.append(asyncio.ensure_future(pump(p, c)))
-            remaining = len(tasks)
-            while remaining:
-                c, out, exc = await queue.get()
-                if exc is not None:
-                    if isinstance(exc, StopAsyncIteration):
-                        remaining -= 1
-                        continue
-                    raise exc
+            async for c, out in source:
                 comp = out.outputs[0]
-                n_new = len(comp.token_ids)
-                c.tracker.on_output(n_new, getattr(out, "metrics", None))
+                c.tracker.on_output(len(comp.token_ids), getattr(out, "metrics", None))
                 if out.finished or comp.finish_reason is not None:
                     c.finished = True
                     c.tracker.on_finish(comp.finish_reason, getattr(out, "metrics", None))
                 yield c, comp, out
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled stream must still clean up
-                for t in tasks:
-                    t.cancel()
-                # abort first: engine.abort only posts to the loop thread, it cannot be interrupted
+                await source.aclose()  # closing the engine's generate() aborts there too
                 for _, c in work:
                     if not c.finished and not c.failed:
                         c.tracker.on_finish("abort")
@@ -262,8 +235,54 @@ class Serving:
                             await self.engine.abort(c.request_id)
                         except Exception as e:  # already gone is fine
                             log.debug("abort %s: %s", c.request_id, e)
-                if tasks:
-                    await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _single(self, p: Prompt, c: Choice) -> AsyncIterator[tuple[Choice, Any]]:
+        """n = 1, one prompt (the common case): the engine's stream as is, no extra task or queue hop."""
+        gen = self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text)
+        try:
+            async for out in gen:
+                yield c, out
+        except Exception:
+            self._failed(c)
+            raise
+        finally:
+            await gen.aclose()
+
+    async def _merged(self, work: list[tuple[Prompt, Choice]]) -> AsyncIterator[tuple[Choice, Any]]:
+        """Several engine requests as one stream, in arrival order: a pump task per request."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: Prompt, c: Choice) -> None:
+            try:
+                async for out in self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text):
+                    await queue.put((c, out, None))
+            except Exception as e:  # forwarded to the consumer
+                self._failed(c)
+                await queue.put((c, None, e))
+            else:
+                await queue.put((c, None, StopAsyncIteration()))
+
+        tasks = [asyncio.ensure_future(pump(p, c)) for p, c in work]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                c, out, exc = await queue.get()
+                if isinstance(exc, StopAsyncIteration):
+                    remaining -= 1
+                elif exc is not None:
+                    raise exc
+                else:
+                    yield c, out
+        finally:
+            for t in tasks:  # cancelling a pump closes its generate(), which aborts in the engine
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    def _failed(c: Choice) -> None:
+        """The engine raised for this request (never accepted, or failed): it holds nothing to abort."""
+        c.failed = True
+        c.tracker.on_finish("abort")
 
     async def collect(self, prompts: list[Prompt]) -> list["Accumulated"]:
         """Run to completion (non-streaming): every choice's text, token count, logprobs, finish."""

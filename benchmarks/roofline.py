@@ -112,6 +112,18 @@ def measure_host_limits(seconds: float = 1.0) -> tuple[float, float]:
     return best_bw, best_fl
 
 
+def hardware_mismatch(setting: str, device_kind: str, platform: str) -> str | None:
+    """A warning when a config names a hardware file that does not describe the device it runs on."""
+    if setting in (None, "", "auto"):
+        return None
+    _, raw = load_hardware(setting)
+    patterns = raw.get("device_kind_patterns", [])
+    if any(p.lower() in (device_kind if platform != "cpu" else "cpu").lower() for p in patterns):
+        return None
+    return (f"WARNING: limits are from hardware {setting!r} ({raw['name']}) but the device is {device_kind!r}: "
+            f"the % of limit figures do not describe this machine (use --set hardware=auto)")
+
+
 def resolve_hardware(setting: str, device_kind: str, platform: str, num_devices: int = 1) -> Hardware:
     """Hardware from a config's `hardware:` value ("auto" detects); CPU limits measured when the file asks."""
     name = detect_hardware_name(device_kind, platform) if setting in (None, "", "auto") else setting

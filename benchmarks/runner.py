@@ -199,6 +199,10 @@ def prepare_main(run: Run, out_root: str | None) -> None:
     run.env = environment(run.argv, devices_in_subprocess=run.cfg["mode"] == "serve")
     tp = int(run.cfg["engine"].get("tensor_parallel_size") or 1)
     run.hw = roofline.resolve_hardware(run.cfg["hardware"], run.env["device_kind"], run.env["platform"], tp)
+    mismatch = roofline.hardware_mismatch(run.cfg["hardware"], run.env["device_kind"], run.env["platform"])
+    if mismatch:
+        print(f"[bench] {mismatch}", file=sys.stderr, flush=True)
+        run.notes.append(mismatch)
     if run.model_config is not None:
         run.dtype = weight_dtype(run.cfg, run.env["platform"])
         run.cost = roofline.model_cost(run.model_config, run.dtype, kv_dtype(run.cfg, run.dtype))

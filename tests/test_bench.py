@@ -105,6 +105,10 @@ def test_hardware_files():
     assert roofline.detect_hardware_name("cpu", "cpu") == "cpu"
     with pytest.raises(ValueError, match="no configs/hardware file matches"):
         roofline.detect_hardware_name("Some TPU v9", "tpu")
+    assert roofline.hardware_mismatch("h200", "NVIDIA H200", "gpu") is None
+    assert roofline.hardware_mismatch("auto", "anything", "gpu") is None
+    assert "WARNING" in roofline.hardware_mismatch("h200", "NVIDIA H100 80GB HBM3", "gpu")
+    assert "WARNING" in roofline.hardware_mismatch("h200", "cpu", "cpu")
     with pytest.raises(ValueError, match="known: .*h200"):
         roofline.load_hardware("a100")
 
@@ -511,3 +515,28 @@ def test_hf_baseline_runs_first_on_the_same_prompts(tmp_path):
     assert r["jaxserve"]["prompt_tokens"] == lens.sum()
     md = next(tmp_path.iterdir()) / "result.md"
     assert "jaxserve / HF" in md.read_text() and "on the first 3 of 6 prompts" in md.read_text()
+
+
+def test_serve_mode_end_to_end_against_a_base_url(scripted_server, tmp_path):
+    """The serve mode's whole path (ShareGPT dataset, request-rate sweep, SLOs, report) against --base-url."""
+    app, url = scripted_server
+    data = [{"conversations": [{"from": "human", "value": f"question {i}"},
+                               {"from": "gpt", "value": " ".join(["word"] * (3 * i + 3))}]} for i in range(4)]
+    (tmp_path / "sg.json").write_text(json.dumps(data))
+    out = tmp_path / "results"
+    res = _run_main(["--config", "cpu-smoke-serve", "--base-url", url, "--set", "workload.dataset=sharegpt",
+                     "--set", f"workload.dataset_path={tmp_path / 'sg.json'}", "--set", "workload.num_prompts=4",
+                     "--set", "workload.output_len=null",        # ShareGPT: the replies' lengths
+                     "--set", "workload.sweep={request_rate: [100, inf]}", "--set", "workload.max_concurrency=null",
+                     "--set", "workload.slo={ttft_ms: 10000, e2el_ms: 1}", "--set", "workload.warmup_requests=0"], out)
+    (r,) = res.values()
+    assert r["base_url"] == url and r["sweep_param"] == "request_rate"
+    assert [p["sweep_value"] for p in r["points"]] == [100, "inf"]
+    for p in r["points"]:
+        assert p["completed"] == 4 and p["failed"] == 0
+        assert p["output_tokens"] == sum(round(len(("word " * (3 * i + 3)).split()) * 4 / 3) for i in range(4))
+        assert p["goodput"] == 0.0                        # nobody finishes within 1 ms
+        assert p["ttft_ms"]["median"] >= 15               # the scripted 20 ms before each chunk
+    prompts = {b["prompt"] for b in app.bodies[-8:]}
+    assert prompts == {f"question {i}" for i in range(4)}
+    assert "| request_rate |" in (next(out.iterdir()) / "result.md").read_text()

@@ -1,5 +1,6 @@
-"""Tensor parallelism on 4 fake CPU devices: TP=2/4 greedy output identical to TP=1, and the collectives XLA
-inserts (one all-reduce after attention and one after the MLP per layer, no all-gather of weights).
+"""Tensor parallelism on 4 fake CPU devices: TP=2/4 greedy output identical to TP=1 (model forward and the
+offline API), the real SmolLM2 at TP=3 equal to transformers' greedy ids, and the collectives XLA inserts
+(one all-reduce after attention and one after the MLP per layer, no all-gather of weights).
 
 Fake devices need ``XLA_FLAGS`` before JAX starts, and conftest has already started it with one device, so the
 checks run once in a subprocess (this file run as a script) that prints its findings as JSON; the tests below
@@ -92,6 +93,28 @@ def _engine_worker() -> dict:
     return report
 
 
+def _smollm2_worker() -> dict:
+    """The real SmolLM2 (9 q / 3 kv heads) at tp=3 against transformers' greedy ids, and tp=2's error."""
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    golden = json.load(open(os.path.join(FIXTURES, "smollm2_golden.json")))["cases"][:3]
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=128, max_num_seqs=4,
+              kv_cache_memory_bytes=1 << 26, skip_warmup=True, compilation_cache_dir="", use_tqdm_on_load=False)
+    report = {}
+    try:
+        LLM(None, tensor_parallel_size=2, **kw)
+    except ValueError as e:
+        report["tp2_error"] = str(e)
+    llm = LLM(None, tensor_parallel_size=3, **kw)
+    outs = llm.generate([c["prompt_ids"] for c in golden],
+                        [SamplingParams(temperature=0.0, max_tokens=len(c["greedy_ids"])) for c in golden],
+                        use_tqdm=False)
+    report["tp3"] = [list(o.outputs[0].token_ids) for o in outs]
+    report["golden"] = [c["greedy_ids"] for c in golden]
+    return report
+
+
 def _step_args(dec):
     from jaxserve.kernels.metadata import AttentionMetadata
     from jaxserve import parallel
@@ -118,6 +141,13 @@ def report():
 @pytest.fixture(scope="module")
 def engine_report():
     return _run_worker("engine")
+
+
+def test_smollm2_tp3_matches_transformers():
+    report = _run_worker("smollm2")
+    assert report["tp3"] == report["golden"]
+    assert "9 attention heads are not divisible by tensor_parallel_size=2" in report["tp2_error"]
+    assert "sizes that work: [1, 3]" in report["tp2_error"]
 
 
 @pytest.mark.parametrize("model,tp", [c for c in ENGINE_CASES if c[1] > 1])
@@ -167,4 +197,5 @@ def test_indivisible_heads_error(report):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_engine_worker() if sys.argv[1:] == ["engine"] else _worker()))
+    mode = sys.argv[1] if len(sys.argv) > 1 else "model"
+    print(json.dumps({"model": _worker, "engine": _engine_worker, "smollm2": _smollm2_worker}[mode]()))

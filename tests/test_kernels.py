@@ -127,3 +127,15 @@ def test_write_kv_then_attend_sees_new_tokens():
     ref = ref_attention.ragged_paged_attention(q, k2, v2, md, sm_scale=0.125)
     assert max_rel_err(after, ref) <= 1e-4
     assert max_rel_err(before, ref) > 1e-2
+
+
+def test_diagonal_at_every_chunk_offset():
+    """Prefill chunks whose first query sits at each offset around a 16-key chunk edge: the unmasked
+    fast path must stop exactly at the first row's diagonal."""
+    check(13, [18] * 5, [31, 32, 33, 34, 35], hq=4, kvh=4, d=64, bs=16, dtype=jnp.float32, splits=1)
+
+
+def test_window_edge_at_every_chunk_offset():
+    """Sliding-window starts at each offset around a 16-key chunk edge (decodes and a prefill chunk)."""
+    check(14, [1, 1, 1, 1, 1, 6], [31, 32, 33, 34, 35, 40], hq=4, kvh=2, d=64, bs=16, dtype=jnp.float32,
+          window=16, splits=1)

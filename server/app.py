@@ -5,6 +5,8 @@ import asyncio
 import hmac
 import logging
 import signal
+import socket
+import sys
 import time
 from typing import Any
 
@@ -17,6 +19,7 @@ from litestar.params import JSONBody
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 import jaxserve
+from jaxserve.errors import ModelLoadError
 
 from .args import ServerArgs
 from .chat import create_chat_completion
@@ -169,8 +172,15 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
     from jaxserve.engine.async_engine import AsyncLLMEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # bind before the (minutes-long) load so a busy port fails at once; listen() comes with uvicorn
+    sock = _bind(server_args.host, server_args.port)
     t0 = time.monotonic()
-    engine = AsyncLLMEngine(engine_config)
+    try:
+        engine = AsyncLLMEngine(engine_config)
+    except ModelLoadError as e:
+        sock.close()
+        print(f"jaxserve serve: {e}", file=sys.stderr)
+        return 1
     app = build_app(engine, server_args)
     serving: Serving = app.state.serving
     stats = engine.stats()
@@ -182,11 +192,25 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
                             root_path=server_args.root_path or "", timeout_graceful_shutdown=server_args.drain_timeout,
                             lifespan="off")
     server = _DrainingServer(config, serving)
-    server.run()
+    server.run(sockets=[sock])
     log.info("HTTP server stopped; stopping the engine")
     engine.shutdown(drain_timeout=min(server_args.drain_timeout, 5.0))
     log.info("bye")
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"jaxserve serve: cannot listen on {host}:{port}: {e.strerror or e} "
+                         f"(choose another --port or stop what uses it)") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class _DrainingServer:

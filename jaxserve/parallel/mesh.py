@@ -68,6 +68,11 @@ def kv_heads_sharded(cfg, tp: int) -> bool:
     return tp > 1 and cfg.num_kv_heads % tp == 0
 
 
+def kv_heads_per_device(cfg, tp: int) -> int:
+    """KV heads each device stores: what sizes the cache against one device's memory."""
+    return cfg.num_kv_heads // tp if kv_heads_sharded(cfg, tp) else cfg.num_kv_heads
+
+
 def kv_cache_spec(cfg, tp: int) -> P:
     """PartitionSpec of one layer's K or V cache ``[num_blocks, block_size, kv_heads, head_dim]``."""
     return P(None, None, TP, None) if kv_heads_sharded(cfg, tp) else P()

@@ -25,7 +25,7 @@ from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 
 # An output token the host has not seen yet (it is still on the device, feeding the next step).
 PLACEHOLDER = -1
-from jaxserve.parallel import bind_mesh, gather_logits
+from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
 from jaxserve.runner import sampler as sampler_mod
 
 logger = logging.getLogger(__name__)
@@ -140,8 +140,10 @@ class ModelRunner:
         return jnp.dtype(dt)
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes one block takes on each device (the cache is split over "tp" by kv heads)."""
         c = self.cfg
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * jnp.dtype(self.kv_dtype).itemsize
+        heads = kv_heads_per_device(c, tp_size(self.mesh))
+        return 2 * c.num_layers * self.block_size * heads * c.head_dim * jnp.dtype(self.kv_dtype).itemsize
 
     def _num_kv_blocks(self) -> int:
         cc = self.config.cache

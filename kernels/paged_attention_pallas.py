@@ -267,7 +267,7 @@ def _combine_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, vs_ref, o_ref, m_ref, l
     d = o_ref.shape[1]
     s = lax.iota(jnp.int32, num_splits)
     g = lax.iota(jnp.int32, group_pad)
-    keep = jnp.broadcast_to((g < group)[None, :], (num_splits, group_pad))
+    # Padded head slots (g >= group) re-read the last real head: in bounds, never stored.
     part = (s[:, None] * num_reqs + r) * num_q_heads + h * group + jnp.minimum(g, group - 1)[None, :]
     m = plgpu.load(m_ref.at[part])                                          # [S, G]
     l = plgpu.load(l_ref.at[part])
@@ -278,7 +278,6 @@ def _combine_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, vs_ref, o_ref, m_ref, l
     l_all = (w * l).sum(axis=0)
     acc = (w[:, :, None] * o).sum(axis=0)                                   # [G, D]
     out = acc * (vs_ref[h] / jnp.where(l_all > 0, l_all, 1.0))[:, None]
-    del keep
     _store_rows(out_ref, tok * num_q_heads + h * group + g, out, active & (g < group))
 
 

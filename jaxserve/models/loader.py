@@ -299,7 +299,12 @@ def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.n
                  file_of: Callable[[str], str] = lambda name: "?") -> dict:
     """Build the family's weight pytree from ``get(hf_name)``, one tensor at a time, onto the device(s)."""
     shapes = family.param_shapes(cfg)
-    specs = family.param_partition_specs(cfg) if mesh is not None else None
+    shardings = None
+    if mesh is not None:
+        from jaxserve.parallel import param_shardings  # noqa: PLC0415
+        # checks the heads split evenly (one clear error before any weight moves) and keeps whole kv
+        # heads on each device when tp > num_kv_heads
+        shardings = param_shardings(family.param_partition_specs(cfg), mesh, cfg)
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     np_dtype = np.dtype(dtype)
     for path, names, build in tqdm(_weight_plan(cfg), desc=desc, unit="tensor"):
@@ -311,7 +316,7 @@ def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.n
             raise ModelLoadError(f"{file_of(names[0])}: tensor {shapes_str} does not match the config "
                                  f"(expected {tuple(expected)} after layout conversion)")
         arr = np.ascontiguousarray(arr, dtype=np_dtype)
-        sharding = jax.sharding.NamedSharding(mesh, _tree_get(specs, path)) if mesh is not None else None
+        sharding = _tree_get(shardings, path) if shardings is not None else None
         _tree_set(params, path, jax.device_put(arr, sharding))
         del arr, raw
     return params

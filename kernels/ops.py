@@ -62,6 +62,9 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
         return ref_attention.ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
                                                     soft_cap=soft_cap, sliding_window=sliding_window,
                                                     k_scale=k_scale, v_scale=v_scale)
+    if not interpret and jax.default_backend() != "gpu":
+        raise ValueError(f"attention backend 'pallas' needs an NVIDIA GPU (JAX runs on "
+                         f"{jax.default_backend()!r}); use backend 'reference' (or 'auto')")
     from . import paged_attention_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
     return paged_attention_pallas.ragged_paged_attention(
         q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,

@@ -109,6 +109,8 @@ def test_ops_dispatch():
     assert max_rel_err(out, ref) <= 1e-4
     with pytest.raises(ValueError, match="unknown attention backend"):
         ops.paged_attention(q, k, v, md, sm_scale=0.125, backend="triton")
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        ops.paged_attention(q, k, v, md, sm_scale=0.125, backend="pallas")     # compiled Pallas on CPU
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         ops.kv_cache_dtype("int4", jnp.bfloat16)
     assert ops.kv_cache_dtype("auto", jnp.bfloat16) == jnp.bfloat16

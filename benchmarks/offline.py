@@ -87,6 +87,7 @@ def run_throughput(run) -> None:
                      f"max(bandwidth, compute); {run.limits_note()}")
     if baseline:
         run.notes.append(baseline.get("note", ""))
+        run.notes.append("jaxserve / HF > 1 means jaxserve is faster (for times: HF's time / jaxserve's)")
     if run.cfg["report"]["plots"]:
         labels = ["output tok/s", "total tok/s"]
         plots.bars_vs_limit(run.out_dir / "throughput_vs_roofline.png", labels,
@@ -173,6 +174,7 @@ def run_latency(run) -> None:
                      f"KV of {b} sequences at their mean context ({mid_ctx:.0f}); {run.limits_note()}")
     if baseline:
         run.notes.append(baseline.get("note", ""))
+        run.notes.append("jaxserve / HF > 1 means jaxserve is faster (for times: HF's time / jaxserve's)")
     if cfg["report"]["plots"]:
         series = {"jaxserve e2e": e2e}
         if baseline and baseline.get("e2e_samples_s"):

@@ -4,7 +4,8 @@
 #      h200-llama8b-throughput (+ HF generate_batch on 64 prompts), h200-llama8b-decode
 #   2. h200-llama8b-serve-sweep (its own process: the server needs the GPU to itself)
 #   3. h200-kernels (benchmarks/kernels_bench.py)
-#   4. h200x2-llama8b-tp2: only when asked (`benchmarks/run_h200.sh tp2` on a 2-GPU machine)
+#   4. h200x2-llama8b-tp2 next to h200-llama8b-latency-bs1 (TP=1), only when asked
+#      (`benchmarks/run_h200.sh tp2` on a 2-GPU machine)
 # Usage: benchmarks/run_h200.sh [offline|serve|kernels|tp2 ...]   (default: offline serve kernels)
 # Results: $OUT/results/<date>-<name>/ when $OUT is set, else benchmarks/results/; the summary is printed
 # last and written to <results root>/h200-summary.txt. Step time limits are env-tunable (seconds).
@@ -47,7 +48,9 @@ for step in "${STEPS[@]}"; do
     serve)   bench "${SERVE_LIMIT_S:-100}" serve --config h200-llama8b-serve-sweep ;;
     kernels) bench "${KERNELS_LIMIT_S:-70}" kernels --config h200-kernels ;;
     tp2)     if [ "${NGPU:-0}" -lt 2 ]; then echo "tp2: skipped, needs 2 GPUs (${NGPU:-0} visible)" | tee -a "$SUMMARY"; continue; fi
-             bench "${TP2_LIMIT_S:-180}" tp2 --config h200x2-llama8b-tp2 ;;
+             # TP=1 and TP=2 single-stream in one run (same prompt, same process; HF skipped)
+             bench "${TP2_LIMIT_S:-240}" tp2 --config h200-llama8b-latency-bs1 --config h200x2-llama8b-tp2 \
+               --set baseline.hf=false ;;
     *) echo "unknown step $step (offline, serve, kernels, tp2)" >&2; exit 2 ;;
   esac
 done

@@ -540,3 +540,13 @@ def test_serve_mode_end_to_end_against_a_base_url(scripted_server, tmp_path):
     prompts = {b["prompt"] for b in app.bodies[-8:]}
     assert prompts == {f"question {i}" for i in range(4)}
     assert "| request_rate |" in (next(out.iterdir()) / "result.md").read_text()
+
+
+def test_plots_are_optional(tmp_path, monkeypatch):
+    from benchmarks import plots
+    if plots.available():
+        assert plots.cdf(tmp_path / "a.png", {"x": [1.0, 2.0, 3.0]}, "s", "t") and (tmp_path / "a.png").stat().st_size
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # as if not installed: import fails
+    assert not plots.available()
+    assert not plots.cdf(tmp_path / "b.png", {"x": [1.0]}, "s", "t") and not (tmp_path / "b.png").exists()
+    assert not plots.sweep(tmp_path / "c.png", [{"output_throughput": 1}], "p", "t")

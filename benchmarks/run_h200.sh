@@ -43,10 +43,10 @@ bench() {   # bench LIMIT_S LOG_NAME ARGS...: one runner process under a time li
 
 for step in "${STEPS[@]}"; do
   case $step in
-    offline) bench "${OFFLINE_LIMIT_S:-320}" offline --config h200-llama8b-latency-bs1 \
+    offline) bench "${OFFLINE_LIMIT_S:-300}" offline --config h200-llama8b-latency-bs1 \
                --config h200-llama8b-throughput --config h200-llama8b-decode ;;
-    serve)   bench "${SERVE_LIMIT_S:-100}" serve --config h200-llama8b-serve-sweep ;;
-    kernels) bench "${KERNELS_LIMIT_S:-70}" kernels --config h200-kernels ;;
+    serve)   bench "${SERVE_LIMIT_S:-120}" serve --config h200-llama8b-serve-sweep ;;
+    kernels) bench "${KERNELS_LIMIT_S:-60}" kernels --config h200-kernels ;;
     tp2)     if [ "${NGPU:-0}" -lt 2 ]; then echo "tp2: skipped, needs 2 GPUs (${NGPU:-0} visible)" | tee -a "$SUMMARY"; continue; fi
              # TP=1 and TP=2 single-stream in one run (same prompt, same process; HF skipped)
              bench "${TP2_LIMIT_S:-240}" tp2 --config h200-llama8b-latency-bs1 --config h200x2-llama8b-tp2 \

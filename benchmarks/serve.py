@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -184,8 +185,12 @@ def run_serve(run) -> None:
             m["e2el_samples_ms"] = [t.e2e * 1e3 for t in timings if t.success]
             m["tpot_samples_ms"] = [t.tpot * 1e3 for t in timings if t.success and t.tpot is not None]
             points.append(m)
+            # kept as it goes: a run cut short by a time limit still leaves the points it finished
+            (run.out_dir / "points_partial.json").write_text(json.dumps(
+                [{k: v for k, v in p.items() if not k.endswith("_samples_ms")} for p in points], default=str))
             print(f"[bench] {label}: {fmt(m['output_throughput'])} output tok/s, "
                   f"TTFT median {fmt(m['ttft_ms']['median'])} ms, {m['failed']} failed", flush=True)
+    (run.out_dir / "points_partial.json").unlink(missing_ok=True)
     run.result["points"] = points
     run.result["sweep_param"] = param
     _tables(run, points, param)

@@ -1,0 +1,133 @@
+"""Workloads: prompt/output lengths (fixed or drawn), random token prompts, ShareGPT files, shared prefixes.
+
+Everything is drawn from one numpy Generator seeded by the config's `seed`, so a rerun sends the same
+requests.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class RequestSpec:
+    """One benchmark request: token ids (or text for ShareGPT) and how many tokens to generate."""
+    prompt: list[int] | str
+    prompt_len: int
+    output_len: int
+
+
+def sample_lengths(spec, n: int, rng: np.random.Generator, what: str) -> np.ndarray:
+    """n lengths from an int or a distribution:
+    {dist: uniform, min, max} | {dist: normal, mean, std, min?, max?} | {dist: choice, values: [...]}."""
+    if isinstance(spec, (int, np.integer)) or (isinstance(spec, float) and spec.is_integer()):
+        if int(spec) < 1:
+            raise ValueError(f"workload.{what} must be >= 1, got {spec}")
+        return np.full(n, int(spec), dtype=np.int64)
+    if not isinstance(spec, dict) or "dist" not in spec:
+        raise ValueError(f"workload.{what}: expected an integer or {{dist: uniform|normal|choice, ...}}, got {spec!r}")
+    dist = spec["dist"]
+    if dist == "uniform":
+        out = rng.integers(int(spec["min"]), int(spec["max"]) + 1, size=n)
+    elif dist == "normal":
+        out = np.rint(rng.normal(float(spec["mean"]), float(spec["std"]), size=n))
+        out = np.clip(out, int(spec.get("min", 1)), int(spec.get("max", 1 << 30)))
+    elif dist == "choice":
+        out = rng.choice(np.asarray(spec["values"], dtype=np.int64), size=n)
+    else:
+        raise ValueError(f"workload.{what}.dist is {dist!r}; expected uniform, normal or choice")
+    return np.maximum(out.astype(np.int64), 1)
+
+
+def mean_length(spec) -> float:
+    """The expected value of a length spec (for roofline bounds)."""
+    if not isinstance(spec, dict):
+        return float(spec)
+    if spec["dist"] == "uniform":
+        return (float(spec["min"]) + float(spec["max"])) / 2
+    if spec["dist"] == "normal":
+        return float(spec["mean"])
+    return float(np.mean(spec["values"]))
+
+
+def token_id_range(vocab_size: int) -> tuple[int, int]:
+    """Ids for random prompts: clear of the special tokens most vocabularies keep at either end."""
+    margin = 1000 if vocab_size > 8000 else vocab_size // 8
+    return margin, vocab_size - margin
+
+
+def random_token_prompts(rng: np.random.Generator, lengths: np.ndarray, vocab_size: int) -> list[list[int]]:
+    lo, hi = token_id_range(vocab_size)
+    return [rng.integers(lo, hi, size=int(n)).tolist() for n in lengths]
+
+
+def random_requests(rng, num_prompts: int, input_len, output_len, vocab_size: int) -> list[RequestSpec]:
+    ins = sample_lengths(input_len, num_prompts, rng, "input_len")
+    outs = sample_lengths(output_len, num_prompts, rng, "output_len")
+    prompts = random_token_prompts(rng, ins, vocab_size)
+    return [RequestSpec(p, len(p), int(o)) for p, o in zip(prompts, outs)]
+
+
+def prefix_requests(rng, num_prompts: int, num_prefixes: int, prefix_len: int, input_len, output_len,
+                    vocab_size: int) -> list[RequestSpec]:
+    """Requests that share one of `num_prefixes` system prompts of `prefix_len` tokens, followed by a
+    random suffix of `input_len` tokens: what prefix caching is for."""
+    lo, hi = token_id_range(vocab_size)
+    prefixes = [rng.integers(lo, hi, size=int(prefix_len)).tolist() for _ in range(max(num_prefixes, 1))]
+    suffix_lens = sample_lengths(input_len, num_prompts, rng, "input_len")
+    outs = sample_lengths(output_len, num_prompts, rng, "output_len")
+    which = rng.integers(0, len(prefixes), size=num_prompts)
+    reqs = []
+    for i in range(num_prompts):
+        p = prefixes[which[i]] + rng.integers(lo, hi, size=int(suffix_lens[i])).tolist()
+        reqs.append(RequestSpec(p, len(p), int(outs[i])))
+    return reqs
+
+
+def sharegpt_requests(rng, path: str, num_prompts: int, output_len=None, tokenizer=None,
+                      max_len: int | None = None) -> list[RequestSpec]:
+    """Conversations from a ShareGPT-format JSON ([{"conversations": [{"from": "human", "value": ...},
+    {"from": "gpt", "value": ...}, ...]}]): the first human turn is the prompt, the reply's length (in
+    tokens with `tokenizer`, else ~4/3 tokens per word) is the output length unless output_len is set."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"workload.dataset_path {path!r}: file not found (a ShareGPT-format JSON)")
+    data = json.loads(p.read_text())
+    pairs = []
+    for item in data:
+        conv = item.get("conversations") or item.get("conversation") or []
+        if len(conv) >= 2 and conv[0].get("value") and conv[1].get("value"):
+            pairs.append((conv[0]["value"], conv[1]["value"]))
+    if not pairs:
+        raise ValueError(f"{path}: no conversations with a prompt and a reply (ShareGPT format expected)")
+    order = rng.permutation(len(pairs))
+    count = lambda text: len(tokenizer.encode(text)) if tokenizer is not None else max(1, round(len(text.split()) * 4 / 3))
+    reqs: list[RequestSpec] = []
+    for i in order:
+        prompt, reply = pairs[i]
+        plen = count(prompt)
+        olen = int(output_len) if isinstance(output_len, (int, float)) and output_len else max(count(reply), 4)
+        if max_len and plen + olen > max_len:
+            continue                       # vLLM's sampler drops requests that cannot fit too
+        reqs.append(RequestSpec(prompt, plen, olen))
+        if len(reqs) == num_prompts:
+            break
+    if len(reqs) < num_prompts:            # small files: cycle so the request count is what was asked
+        reqs = [reqs[i % len(reqs)] for i in range(num_prompts)] if reqs else reqs
+    if not reqs:
+        raise ValueError(f"{path}: no conversation fits max_model_len={max_len}")
+    return reqs
+
+
+def arrival_delays(rng, num: int, request_rate: float, burstiness: float = 1.0) -> np.ndarray:
+    """Gaps between request sends: gamma(shape=burstiness, mean=1/rate) (burstiness 1 = Poisson);
+    rate inf sends everything at once."""
+    if request_rate == float("inf") or request_rate <= 0:
+        return np.zeros(num)
+    if burstiness <= 0:
+        raise ValueError("workload.burstiness must be > 0 (1 = Poisson; < 1 burstier; > 1 more regular)")
+    theta = 1.0 / (request_rate * burstiness)
+    return rng.gamma(shape=burstiness, scale=theta, size=num)

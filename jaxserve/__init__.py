@@ -1,5 +1,14 @@
 """jaxserve: an LLM inference server on JAX/XLA (vLLM's feature set, Pallas GPU kernels)."""
+import os as _os
+
 __version__ = "0.1.0"
+
+# kernels/ and server/ are top-level folders of the source tree, installed as jaxserve.kernels and
+# jaxserve.server (pyproject's package-dir). When this package is imported from a source checkout without
+# that mapping (e.g. `python -m benchmarks.runner` run from the repo root), find them beside it.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "kernels", "__init__.py")) and _root not in __path__:
+    __path__.append(_root)
 
 
 def __getattr__(name):

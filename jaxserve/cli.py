@@ -43,9 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=None)
     _bool_flag(s, "enable-chunked-prefill", True, "chunked prefill")
     s.add_argument("--max-waiting-requests", type=int, default=None)
-    s.add_argument("--token-buckets", default=None,
-                   help="comma-separated padded step sizes to compile (default: powers of two up to "
-                        "--max-num-batched-tokens)")
+    s.add_argument("--token-buckets", default=None, nargs="+",
+                   help="padded step sizes to compile, e.g. 16 64 256 2048 or 16,64,256 (default: powers of two "
+                        "up to --max-num-batched-tokens)")
     d = p.add_argument_group("parallel")
     d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     d.add_argument("--distributed-coordinator", default=None, help="HOST:PORT of process 0")
@@ -55,9 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _int_list(v):
-    if v is None or isinstance(v, (list, tuple)):
-        return tuple(v) if v else None
-    return tuple(int(x) for x in str(v).split(",") if x.strip())
+    if not v:
+        return None
+    items = v if isinstance(v, (list, tuple)) else [v]
+    return tuple(int(x) for item in items for x in str(item).strip("[]() ").split(",") if x.strip())
 
 
 def _first(v):

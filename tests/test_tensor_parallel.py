@@ -63,11 +63,36 @@ def _worker() -> dict:
                 entry["collectives"] = _collectives(hlo)
                 entry["weight_shapes"] = sorted({str(list(x.shape)) for x in jax.tree.leaves(params)})
             report[f"{name}/tp{tp}"] = entry
+    report["pallas"] = _pallas_under_shard_map()
     try:
         parallel.make_mesh(NUM_DEVICES + 1)
     except ValueError as e:
         report["too_many"] = str(e)
     return report
+
+
+def _pallas_under_shard_map() -> dict:
+    """The Pallas kernel (the GPU default; interpret mode here) inside the shard_map, against the reference:
+    kv heads split (8q/4kv, tp=2) and replicated with one kv head sliced per device (8q/2kv, tp=4)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxserve import parallel
+    from jaxserve.kernels import ops, synthetic
+
+    rng, out = np.random.default_rng(0), {}
+    for hq, kvh, tp in [(8, 4, 2), (8, 2, 4)]:
+        q, k, v, md = synthetic.make_batch(rng, [1, 3, 1], [10, 3, 20], block_size=16, num_q_heads=hq,
+                                           num_kv_heads=kvh, head_dim=64, dtype=jnp.float32)
+        ref = ops.paged_attention(q, k, v, md, sm_scale=0.125, backend="reference")
+        mesh = parallel.make_mesh(tp)
+        fn = jax.jit(parallel.bind_mesh(lambda *a: parallel.paged_attention(
+            *a, sm_scale=0.125, backend="pallas", interpret=True), mesh))
+        got = fn(*jax.device_put((q, k, v, md), NamedSharding(mesh, P())))
+        out[f"{hq}q{kvh}kv/tp{tp}"] = float(jnp.abs(got - ref).max())
+    return out
 
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
@@ -196,6 +221,11 @@ def test_hlo_collectives(report, case, tp):
     # the only all-gather: the [R, vocab] logits for the sampler; never a weight
     assert all(g.startswith("f32[3,") for g in gathers), gathers
     assert len(gathers) <= 1, gathers
+
+
+def test_pallas_kernel_under_shard_map(report):
+    assert set(report["pallas"]) == {"8q4kv/tp2", "8q2kv/tp4"}
+    assert all(err < 1e-5 for err in report["pallas"].values()), report["pallas"]
 
 
 def test_indivisible_heads_error(report):

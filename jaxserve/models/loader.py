@@ -338,7 +338,16 @@ def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.n
 
 # -------------------------------------------------------------------------------------------- tokenizers
 def embedded_tokenizer():
-    return gguf_tokenizer(embedded_model_path())
+    """The SmolLM2 tokenizer: from the embedded GGUF when the package is installed, else the copy committed
+    under configs/tokenizers/smollm2 (written from that GGUF), so dummy models need no model package."""
+    try:
+        return gguf_tokenizer(embedded_model_path())
+    except ModelLoadError:
+        folder = DUMMY_CONFIG_DIR.parent / "tokenizers" / "smollm2"
+        if not folder.is_dir():
+            raise
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _folder_tokenizer(folder: str):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from benchmarks import plots, roofline
 from benchmarks.metrics import summarize
 from benchmarks.report import Table
@@ -19,13 +21,22 @@ def _sampling_params(output_lens, wl: dict, seed: int):
 class StepStats:
     """The engine's host-ms / device-ms per step over one measured window (raw runner counters diffed)."""
 
+    COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+
     def __init__(self, llm):
-        self.stats = getattr(getattr(getattr(llm, "engine", None), "runner", None), "stats", None)
+        engine = getattr(llm, "engine", None)
+        self.stats = getattr(getattr(engine, "runner", None), "stats", None)
+        self.engine_stats = getattr(engine, "stats", None)
         self.start = self._raw()
 
     def _raw(self):
         s = self.stats
-        return None if s is None else {k: float(getattr(s, k, 0.0)) for k in ("steps", "host_ms", "device_ms", "tokens")}
+        if s is None:
+            return None
+        raw = {k: float(getattr(s, k, 0.0)) for k in ("steps", "host_ms", "device_ms", "tokens")}
+        counters = self.engine_stats() if callable(self.engine_stats) else {}
+        raw.update({k: float(counters.get(k) or 0.0) for k in self.COUNTERS})
+        return raw
 
     def window(self) -> dict | None:
         end = self._raw()
@@ -34,7 +45,8 @@ class StepStats:
         d = {k: end[k] - self.start[k] for k in end}
         n = max(d["steps"], 1.0)
         return {"steps": int(d["steps"]), "host_ms_per_step": d["host_ms"] / n,
-                "device_ms_per_step": d["device_ms"] / n, "tokens_per_step": d["tokens"] / n}
+                "device_ms_per_step": d["device_ms"] / n, "tokens_per_step": d["tokens"] / n,
+                **{k: int(d[k]) for k in self.COUNTERS}}
 
 
 def run_throughput(run) -> None:
@@ -49,8 +61,10 @@ def run_throughput(run) -> None:
     llm = run.llm()
     params = _sampling_params(outs, wl, cfg["seed"])
     warm = int(wl.get("warmup_prompts") or 0)
-    if warm:   # first-touch effects (allocator, lazy compiles) stay out of the timed run
-        llm.generate(prompts[:warm], _sampling_params([min(8, int(o)) for o in outs[:warm]], wl, 0), use_tqdm=False)
+    if warm:   # first-touch effects (allocator, lazy compiles) stay out of the timed run; other prompts,
+        # so the prefix cache holds none of the timed ones
+        warm_prompts = random_token_prompts(np.random.default_rng(cfg["seed"] + 1), ins[:warm], run.model_config.vocab_size)
+        llm.generate(warm_prompts, _sampling_params([min(8, int(o)) for o in outs[:warm]], wl, 0), use_tqdm=False)
     steps = StepStats(llm)
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=True)
@@ -98,9 +112,15 @@ def run_throughput(run) -> None:
 def _steps_table(run, steps: dict | None) -> None:
     if steps and steps["steps"]:
         run.tables.append(Table("Engine steps (measured window)", ["steps", "host ms/step", "device ms/step",
-                                                                   "tokens/step"],
+                                                                   "tokens/step", "prefix-cache hits",
+                                                                   "preemptions"],
                                 [[steps["steps"], steps["host_ms_per_step"], steps["device_ms_per_step"],
-                                  steps["tokens_per_step"]]]))
+                                  steps["tokens_per_step"], steps["prefix_cache_hits"], steps["num_preemptions"]]]))
+
+
+def _fresh(run, lengths):
+    """New random prompts of the same lengths: a repeated prompt would be served from the prefix cache."""
+    return random_token_prompts(run.rng, lengths, run.model_config.vocab_size)
 
 
 def _timed(llm, prompts, params) -> float:
@@ -121,11 +141,14 @@ def run_latency(run) -> None:
     params = _sampling_params(outs, wl, cfg["seed"])
     prefill_params = _sampling_params([1] * b, wl, cfg["seed"])
     for _ in tqdm(range(int(wl["warmup_iters"])), desc="warm-up"):
-        _timed(llm, prompts, params)
+        _timed(llm, _fresh(run, ins), params)
     steps = StepStats(llm)
-    e2e = [_timed(llm, prompts, params) for _ in tqdm(range(int(wl["iters"])), desc="measured")]
+    # the first measured batch is the one HF gets; every later run draws fresh prompts (no prefix-cache hits)
+    e2e = [_timed(llm, prompts if i == 0 else _fresh(run, ins), params)
+           for i in tqdm(range(int(wl["iters"])), desc="measured")]
     step_window = steps.window()
-    prefill = [_timed(llm, prompts, prefill_params) for _ in tqdm(range(int(wl["prefill_iters"])), desc="prefill only")]
+    prefill = [_timed(llm, _fresh(run, ins), prefill_params)
+               for _ in tqdm(range(int(wl["prefill_iters"])), desc="prefill only")]
     s_e2e, s_pre = summarize(e2e), summarize(prefill)
     out_mean, in_mean = float(outs.mean()), float(ins.mean())
     decode_steps = max(int(round(out_mean)) - 1, 1)

@@ -404,6 +404,9 @@ def test_cpu_smoke_throughput_and_latency_end_to_end(tmp_path):
     lj = lat["jaxserve"]
     assert len(lj["e2e_samples_s"]) == 3 and lj["e2e_s"]["p10"] <= lj["e2e_s"]["p50"] <= lj["e2e_s"]["p99"]
     assert 0 < lj["prefill_s"]["mean"] < lj["e2e_s"]["mean"]
+    # every timed run draws fresh prompts: nothing is served from the prefix cache
+    assert lj["engine_steps"]["prefix_cache_hits"] == 0 and j["engine_steps"]["prefix_cache_hits"] == 0
+    assert j["engine_steps"]["prefix_cache_queries"] > 0
     assert lat["roofline"]["e2e_bound_s"] < lj["e2e_s"]["mean"]
     assert lat["model"]["params"] == 134_515_008
     from benchmarks import plots

@@ -123,6 +123,22 @@ def _setup_distributed(a) -> None:
         distributed.initialize(a.distributed_coordinator, a.num_processes, a.process_id)
 
 
+def _is_follower() -> bool:
+    import jax
+    return jax.process_count() > 1 and jax.process_index() != 0
+
+
+def cmd_follow(a) -> int:
+    """A process other than 0 under jax.distributed: build the same engine (same weights, same warm-up),
+    then launch every step process 0 sends until it stops (jaxserve.parallel.distributed)."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.parallel import follow_runner
+    engine = LLMEngine(engine_config_from_args(a), progress=False)
+    steps = follow_runner(engine.runner)
+    print(f"process {a.process_id}: followed {steps} steps", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------- subcommands
 def cmd_generate(a) -> int:
     from jaxserve.llm import LLM
@@ -140,6 +156,9 @@ def cmd_generate(a) -> int:
             print(f"### prompt: {p!r}" + (f" (completion {o.index})" if len(out.outputs) > 1 else ""))
             print(o.text.strip() if a.chat else o.text)
             print(f"### finish_reason={o.finish_reason} tokens={len(o.token_ids)}", file=sys.stderr)
+    release_followers = getattr(llm.engine.runner, "stop", None)    # BroadcastingRunner (jax.distributed)
+    if release_followers is not None:
+        release_followers()
     return 0
 
 
@@ -212,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         from jaxserve.models.orbax_io import run_convert
         return run_convert(a) or 0
     _setup_distributed(a)
+    if a.command in ("generate", "serve") and _is_follower():
+        return cmd_follow(a)
     if a.command == "generate":
         return cmd_generate(a)
     if a.command == "serve":

@@ -5,7 +5,8 @@ boundary. Two levels, in one pair of processes (this file run as a script):
 - model: process 0 owns the host state and broadcasts each step's padded inputs over ``StepChannel``;
   process 1 runs ``follow_steps``.
 - engine: both build ``LLM(..., tensor_parallel_size=2)``; process 0 generates through the (async)
-  scheduler with its runner wrapped in ``BroadcastingRunner``; process 1 runs ``follow_runner``.
+  scheduler, its engine having wrapped the runner in ``BroadcastingRunner``; process 1 runs
+  ``follow_runner``.
 """
 from __future__ import annotations
 
@@ -42,15 +43,16 @@ def _process_main(process_id: int, port: int) -> None:
     else:
         report = {"followed": parallel.follow_steps(channel, decoder.run_step)}
 
+    # LLMEngine wraps process 0's runner in BroadcastingRunner itself (its StepChannel is the second one
+    # created on every process, after the one above)
     llm = _engine_llm(tensor_parallel_size=2)
-    channel = parallel.StepChannel()
     if parallel.is_driver():
-        llm.engine.runner = parallel.BroadcastingRunner(llm.engine.runner, channel)
+        assert isinstance(llm.engine.runner, parallel.BroadcastingRunner)
         report["engine_tokens"] = _engine_generate(llm)
         llm.engine.runner.stop()
-        report["engine_steps_sent"] = channel.steps_sent
+        report["engine_steps_sent"] = llm.engine.runner.channel.steps_sent
     else:
-        report["engine_followed"] = parallel.follow_runner(llm.engine.runner, channel)
+        report["engine_followed"] = parallel.follow_runner(llm.engine.runner)
     print(json.dumps(report), flush=True)
     jax.distributed.shutdown()
 
@@ -122,6 +124,43 @@ def test_two_process_engine_matches_one(two_process_run):
     assert driver["engine_tokens"] == _engine_generate(_engine_llm(tensor_parallel_size=1))
     assert [len(t) for t in driver["engine_tokens"]] == [MAX_NEW_TOKENS] * len(ENGINE_PROMPTS)
     assert follower["engine_followed"] == driver["engine_steps_sent"] >= MAX_NEW_TOKENS
+
+
+@pytest.mark.slow
+def test_cli_three_processes_smollm2_tp3(tmp_path):
+    """``python -m jaxserve generate`` on 3 processes (SmolLM2 split 3 ways across them) prints what one
+    process prints: process 0 schedules, processes 1 and 2 follow its 8 steps."""
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    prompt, port = "The capital of France is", _free_port()
+    flags = ["--prompt", prompt, "--max-tokens", "8", "--max-model-len", "128", "--max-num-batched-tokens", "64",
+             "--max-num-seqs", "4", "--skip-warmup", "--dtype", "float32"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    logs = [(open(tmp_path / f"{i}.out", "w+"), open(tmp_path / f"{i}.err", "w+")) for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxserve", "generate", "--tensor-parallel-size", "3",
+                               "--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "3",
+                               "--process-id", str(i), *flags], env=env, stdout=out, stderr=err)
+             for i, (out, err) in enumerate(logs)]
+    try:
+        for p, (_, err) in zip(procs, logs):
+            p.wait(timeout=TIMEOUT_S)
+            err.seek(0)
+            assert p.returncode == 0, err.read()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs[0][0].seek(0)
+    text = logs[0][0].read().split(f"### prompt: {prompt!r}\n", 1)[1]     # what follows the header line
+    expected = LLM(None, dtype="float32", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
+                   skip_warmup=True, use_tqdm_on_load=False).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    assert text == expected + "\n"
+    for i in (1, 2):
+        logs[i][1].seek(0)
+        assert f"process {i}: followed 8 steps" in logs[i][1].read()
 
 
 def test_initialize_single_process_is_a_no_op(monkeypatch):

@@ -146,6 +146,9 @@ class AsyncLLMEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        stop_followers = getattr(self.engine.runner, "stop", None)   # BroadcastingRunner (jax.distributed)
+        if stop_followers is not None:
+            stop_followers()
 
     # ---------------------------------------------------------------- the loop thread
     def _drain_inbox(self) -> None:

@@ -94,6 +94,10 @@ class LLMEngine:
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
             if not config.skip_warmup:
                 self.runner.warmup(progress=progress)
+            if jax.process_count() > 1 and jax.process_index() == 0:
+                # the other processes run follow_runner: each step is sent to them before it launches
+                from jaxserve.parallel import BroadcastingRunner
+                self.runner = BroadcastingRunner(self.runner)
         self.warmup_seconds = time.perf_counter() - t0
 
     @property

@@ -228,6 +228,21 @@ def test_pallas_kernel_under_shard_map(report):
     assert all(err < 1e-5 for err in report["pallas"].values()), report["pallas"]
 
 
+def test_check_tp_compatible_names_every_problem():
+    from jaxserve.parallel import check_tp_compatible
+    from tp_greedy import tiny_config
+
+    cfg = tiny_config(8, 4, vocab_size=250)
+    check_tp_compatible(cfg, 2)
+    with pytest.raises(ValueError) as e:
+        check_tp_compatible(cfg, 4)
+    assert str(e.value) == ("cannot shard this model with tensor_parallel_size=4: vocab_size 250 is not "
+                            "divisible by 4 (sizes that work: [1, 2])")
+    with pytest.raises(ValueError, match="8 attention heads are not divisible by tensor_parallel_size=3; 4 kv "
+                                         "heads and tensor_parallel_size=3: one must divide the other"):
+        check_tp_compatible(tiny_config(8, 4), 3)
+
+
 def test_indivisible_heads_error(report):
     err = report["9q3kv/tp2"]["error"]
     assert "9 attention heads are not divisible by tensor_parallel_size=2" in err and "sizes that work" in err

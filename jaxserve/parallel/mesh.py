@@ -45,7 +45,7 @@ def tp_size(mesh: Mesh | None) -> int:
 
 
 def check_tp_compatible(cfg, tp: int) -> None:
-    """Raise a one-line, actionable error when the model's heads cannot be split ``tp`` ways."""
+    """Raise a one-line, actionable error when the model cannot be split ``tp`` ways (heads, MLP, vocab)."""
     if tp == 1:
         return
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
@@ -56,9 +56,11 @@ def check_tp_compatible(cfg, tp: int) -> None:
         problems.append(f"{hkv} kv heads and tensor_parallel_size={tp}: one must divide the other")
     if cfg.intermediate_size % tp:
         problems.append(f"intermediate_size {cfg.intermediate_size} is not divisible by {tp}")
+    if cfg.vocab_size % tp:   # vocab-parallel embedding and lm_head (no vocab padding here)
+        problems.append(f"vocab_size {cfg.vocab_size} is not divisible by {tp}")
     if problems:
         sizes = [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or n % hkv == 0)
-                 and cfg.intermediate_size % n == 0]
+                 and cfg.intermediate_size % n == 0 and cfg.vocab_size % n == 0]
         raise ValueError(f"cannot shard this model with tensor_parallel_size={tp}: " + "; ".join(problems)
                          + f" (sizes that work: {sizes})")
 
@@ -91,8 +93,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def shard_step_inputs(mesh: Mesh | None, tree: Any) -> Any:
     """Place a step's host inputs (token ids, positions, metadata, sampling arrays) replicated on the mesh.
 
-    Every process passes the same values (process 0 broadcasts them first, see ``distributed.py``), so
-    this works whether the mesh spans one process or several.
+    Every process passes the same values (each builds them from the step process 0 sent, see
+    ``distributed.py``), so this works whether the mesh spans one process or several.
     """
     if mesh is None:
         return jax.device_put(tree)
@@ -154,19 +156,3 @@ def param_shardings(specs: Any, mesh: Mesh, cfg=None) -> Any:
         return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def check_divisible(shapes: Any, specs: Any, mesh: Mesh) -> None:
-    """Raise one clear line naming the first weight whose sharded dimension does not split evenly."""
-    tp = tp_size(mesh)
-    flat_specs = dict(jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0])
-    for path, shape in jax.tree_util.tree_flatten_with_path(
-            shapes, is_leaf=lambda x: hasattr(x, "shape"))[0]:
-        spec = flat_specs.get(path)
-        if spec is None:
-            continue
-        for dim, axis in zip(shape.shape, spec):
-            if axis == TP and dim % tp:
-                name = jax.tree_util.keystr(path, simple=True, separator=".")
-                raise ValueError(f"weight {name} {tuple(shape.shape)}: dimension {dim} is not divisible by "
-                                 f"tensor_parallel_size={tp}")

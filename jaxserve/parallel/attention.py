@@ -7,9 +7,9 @@ and the output stays split on heads for the row-parallel o projection (whose all
 
 The model calls ``write_kv`` / ``paged_attention`` from here with ``kernels.ops``'s signatures. They read
 the mesh from JAX's abstract-mesh context (``jax.sharding.use_abstract_mesh``, or ``jax.set_mesh``
-outside jit; see ``bind_mesh``): without one, or with tp == 1, they
-are exactly ``kernels.ops``. A context mesh keeps the model's signature (``forward(..., attn_backend=)``)
-unchanged and the mesh out of the hashable ``ModelConfig``.
+outside jit; see ``bind_mesh``): without one, or with tp == 1, they are exactly ``kernels.ops``. A
+context mesh keeps the model's signature (``forward(..., attn_backend=)``) unchanged and the mesh out of
+the hashable ``ModelConfig``.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from .mesh import TP, current_tp_mesh
 # check_vma=False on the shard_maps: the kernels are per-device math with no collectives, written without
 # varying-manual-axes annotations (their loop carries start as constants), as Pallas kernels are.
 
-HEADS = P(None, TP, None)            # [T, heads, head_dim]
-CACHE_HEADS = P(None, None, TP, None)  # [num_blocks, block_size, kv_heads, head_dim]
+HEADS = P(None, TP, None)               # [T, heads, head_dim]
+CACHE_HEADS = P(None, None, TP, None)   # [num_blocks, block_size, kv_heads, head_dim]
 
 
 def bind_mesh(fn, mesh):

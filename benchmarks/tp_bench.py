@@ -46,6 +46,7 @@ def child_speed(a) -> dict:
     llm = LLM(a.model_path, load_format="dummy", dtype=a.dtype, tensor_parallel_size=a.tp,
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
+              token_buckets=(16, 64, 256, a.max_num_batched_tokens),
               use_tqdm_on_load=False)
     startup_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size

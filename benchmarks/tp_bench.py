@@ -118,8 +118,10 @@ def child_load(a) -> dict:
 def write_random_hf_folder(config_json: str, out_dir: str, shard_bytes: int = 4 << 30) -> int:
     """An HF Llama folder (config.json + sharded bf16 safetensors + index) of random values in HF layout.
 
-    Written tensor by tensor from one tiled random block, so it needs neither torch nor the model's size in
-    host memory, and takes seconds per GB rather than the minutes a full normal draw would."""
+    Written tensor by tensor from one random block (128 MiB, longer than any compression window or orbax
+    chunk, so orbax's zstd gains nothing a real checkpoint would not give it), each tensor starting at its
+    own offset; needs neither torch nor the model's size in host memory, and takes seconds per GB rather
+    than the minutes a full normal draw would."""
     import ml_dtypes
     import numpy as np
 
@@ -140,7 +142,8 @@ def write_random_hf_folder(config_json: str, out_dir: str, shard_bytes: int = 4 
         if hf.get("attention_bias"):
             shapes |= {p + f"self_attn.{x}_proj.bias": (s,) for x, s in (("q", hq * d), ("k", hkv * d),
                                                                          ("v", hkv * d))}
-    block = (np.random.default_rng(0).standard_normal(1 << 20) * 0.02).astype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(0)
+    block = (rng.standard_normal(1 << 26, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
     cfg = {k: val for k, val in hf.items() if not k.startswith("_")} | {"torch_dtype": "bfloat16"}
     json.dump(cfg, open(os.path.join(out_dir, "config.json"), "w"), indent=1)
@@ -167,9 +170,11 @@ def write_random_hf_folder(config_json: str, out_dir: str, shard_bytes: int = 4 
         with open(os.path.join(out_dir, fname), "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
             for name in names:
-                n = int(np.prod(shapes[name]))
-                reps = -(-n // block.size)
-                f.write(np.tile(block, reps)[:n].tobytes() if reps > 1 else block[:n].tobytes())
+                n, start = int(np.prod(shapes[name])), int(rng.integers(block.size))
+                while n > 0:        # wrap around the block from a random start, in block-sized writes
+                    piece = block[start:start + n]
+                    f.write(piece.tobytes())
+                    n, start = n - piece.size, 0
         total += off
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
               open(os.path.join(out_dir, "model.safetensors.index.json"), "w"), indent=1)

@@ -87,6 +87,12 @@ def test_errors_are_actionable(converted, tmp_path):
         orbax_io.convert(TINY, out)
     with pytest.raises(ModelLoadError, match="not a jaxserve orbax checkpoint .* python -m jaxserve convert"):
         load_model(TINY, load_format="orbax")
+    import shutil
+    broken = tmp_path / "no-params"
+    broken.mkdir()
+    shutil.copy(os.path.join(out, orbax_io.MARKER), broken)     # the marker without the weights
+    with pytest.raises(ModelLoadError, match="cannot restore the orbax checkpoint"):
+        load_model(str(broken))
 
 
 def test_cli_pair(tmp_path, capsys):

@@ -71,6 +71,7 @@ def save(loaded, output_dir: str) -> dict:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.join(output_dir, PARAMS_DIR), loaded.params)
     checkpointer.wait_until_finished()
+    checkpointer.close()
     if jax.process_index() == 0:
         meta = {
             "format_version": FORMAT_VERSION,
@@ -122,10 +123,13 @@ def load_orbax(path: str, *, dtype: str | Any = "auto", max_model_len: int | Non
         shardings = jax.tree.map(lambda _: one, shapes, is_leaf=is_shape)
     target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, jdtype, sharding=sh), shapes, shardings,
                           is_leaf=is_shape)
+    checkpointer = ocp.StandardCheckpointer()
     try:
-        params = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), PARAMS_DIR), target)
+        params = checkpointer.restore(os.path.join(os.path.abspath(path), PARAMS_DIR), target)
     except Exception as e:  # orbax raises several types for a damaged or mismatched checkpoint
         raise ModelLoadError(f"{path}: cannot restore the orbax checkpoint ({type(e).__name__}: {e})") from None
+    finally:
+        checkpointer.close()
     tokenizer = loader._folder_tokenizer(path)
     limit = max_model_len if max_model_len is not None else meta.get("max_model_len")
     return loader.LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,

@@ -1,10 +1,11 @@
-"""Tensor parallelism on 4 fake CPU devices: TP=2/4 greedy output identical to TP=1 (model forward and the
-offline API), the real SmolLM2 at TP=3 equal to transformers' greedy ids, and the collectives XLA inserts
-(one all-reduce after attention and one after the MLP per layer, no all-gather of weights).
+"""Tensor parallelism on 4 fake CPU devices: TP=2/4 greedy output identical to TP=1 (model forward, the
+offline API and the async engine the server drives), the real SmolLM2 at TP=3 equal to transformers' greedy
+ids, and the collectives XLA inserts (one all-reduce after attention and one after the MLP per layer, no
+all-gather of weights).
 
 Fake devices need ``XLA_FLAGS`` before JAX starts, and conftest has already started it with one device, so the
 checks run once in a subprocess (this file run as a script) that prints its findings as JSON; the tests below
-assert on them. One subprocess for the module: every mesh compiles once.
+assert on them. One subprocess per group of checks (model, engine, SmolLM2): every mesh compiles once.
 """
 from __future__ import annotations
 
@@ -117,7 +118,39 @@ def _engine_worker() -> dict:
         k = llm.engine.model.params["layers"][0]["k"]
         report[f"{model}/tp{tp}/k_spec"] = str(getattr(k.sharding, "spec", None))
         del llm
+    report["async/tp2"] = _async_engine_tokens("tiny-llama3", 2)
     return report
+
+
+def _async_engine_tokens(model: str, tp: int) -> list[list[int]]:
+    """The server's path: AsyncLLMEngine (background loop thread), concurrent requests."""
+    import asyncio
+
+    from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+    from jaxserve.sampling_params import SamplingParams
+
+    config = EngineConfig(model=os.path.join(FIXTURES, model), dtype="float32", max_model_len=128,
+                          skip_warmup=True, compilation_cache_dir="",
+                          cache=CacheConfig(kv_cache_memory_bytes=1 << 22),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                          parallel=ParallelConfig(tensor_parallel_size=tp))
+    engine = AsyncLLMEngine(config, progress=False)
+
+    async def one(i, prompt):
+        sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        last = None
+        async for out in engine.generate(prompt, sp, request_id=f"r{i}"):
+            last = out
+        return list(last.outputs[0].token_ids)
+
+    async def all_prompts():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(ENGINE_PROMPTS)))
+
+    try:
+        return asyncio.run(all_prompts())
+    finally:
+        engine.shutdown(drain_timeout=1.0)
 
 
 def _smollm2_worker() -> dict:
@@ -182,6 +215,10 @@ def test_engine_greedy_matches_single_device(engine_report, model, tp):
     base = engine_report[f"{model}/tp1"]
     assert [len(t) for t in base] == [MAX_NEW_TOKENS] * len(ENGINE_PROMPTS)
     assert engine_report[f"{model}/tp{tp}"] == base
+
+
+def test_async_engine_tp2_matches_single_device(engine_report):
+    assert engine_report["async/tp2"] == engine_report["tiny-llama3/tp1"]
 
 
 def test_loader_keeps_kv_heads_whole(engine_report):

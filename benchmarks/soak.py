@@ -144,7 +144,8 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
     async with httpx.AsyncClient(base_url=url, limits=limits, headers=headers,
                                  timeout=httpx.Timeout(args.request_timeout)) as client:
         sem = asyncio.Semaphore(args.concurrency)
-        warm_mark = max(1, args.requests // 10)
+        tenth = max(1, args.requests // 10)
+        rss["trend"] = []  # RSS after each tenth of the requests: a leak climbs, a warm cache flattens
 
         async def guarded(i):
             async with sem:
@@ -152,8 +153,11 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
                     tally.outcome["skipped_time_limit"] += 1
                     return
                 await one_request(client, i, args, random.Random(rng.random()), tally)
-                if tally.done == warm_mark:
-                    rss["warm"] = rss_mb(server_pid)
+                if tally.done % tenth == 0:
+                    mb = rss_mb(server_pid)
+                    rss["trend"].append(None if mb is None else round(mb))
+                    if tally.done == tenth:
+                        rss["warm"] = mb
 
         await asyncio.gather(*(guarded(i) for i in range(args.requests)))
         elapsed = time.monotonic() - t0
@@ -311,6 +315,7 @@ def render_md(meta: dict, r: dict, args) -> str:
 | generation tokens | {r['generation_tokens']} |
 | /health after | {r['health_after']} |
 | server RSS start / warm (after 10 %) / end | {fmt(rss.get('start'))} / {fmt(rss.get('warm'))} / {fmt(rss.get('end'))} |
+| server RSS after each 10 % of the requests (MB) | {rss.get('trend')} |
 | server exit code after SIGTERM | {r['server_exit_code_after_sigterm']} |
 
 Mix: half chat, half completions; 70 % streamed; greedy or temperature 0.8, half seeded; max_tokens 4..{args.max_tokens};

@@ -315,3 +315,16 @@ def test_builder_takes_numpy_rows_like_lists():
 def test_builder_rejects_too_many_rows():
     with pytest.raises(ValueError, match="do not fit the request bucket pad_to=1"):
         meta_for([SamplingParams()] * 2, pad_to=1)
+
+
+def test_static_filter_modes_equal_dynamic_sampling():
+    """The GPU path (filtering static, no lax.cond) samples exactly what the CPU path (lax.cond) does."""
+    from jaxserve.runner import sampler as S
+    rng = np.random.default_rng(0)
+    V, R = 300, 8
+    logits = jnp.asarray(rng.normal(size=(R, V)) * 3, jnp.float32)
+    filtered = [SamplingParams(temperature=0.8, top_p=0.7, top_k=k, seed=i) for i, k in enumerate([0, 5, 0, 300, 2, 0, 50, 1])]
+    plain = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([0, 0.5, 1, 0, 0.7, 0, 1, 2])]
+    for params, mode in ((filtered, True), (plain, False)):
+        m = S.make_sampling_metadata(params, [[]] * R, [[1]] * R, [0] * R, V, pad_to=R)
+        assert np.array_equal(S.sample(logits, m, filtering=None).token_ids, S.sample(logits, m, filtering=mode).token_ids)

@@ -81,8 +81,8 @@ def _forward_fn(family, cfg, backend, params, kv_caches, input_ids, positions, m
     return kv_caches, logits
 
 
-def _sample_fn(num_logprobs, max_rows, logits, sampling_meta):
-    out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs)
+def _sample_fn(num_logprobs, max_rows, filtering, logits, sampling_meta):
+    out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs, filtering=filtering)
     # the sampled ids padded to a fixed length, so the next step's forward sees one shape whatever this bucket
     padded = jnp.zeros(max_rows, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
     return out, padded
@@ -123,8 +123,12 @@ class ModelRunner:
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend), mesh),
                                 donate_argnums=(1,))
-        self._samplers = {nl: jax.jit(partial(_sample_fn, nl, self.max_num_seqs))
-                          for nl in (0, self.max_logprobs)}
+        # On GPU the sampler must not contain XLA conditionals (each one syncs the host with the device), so
+        # the host says whether any row filters (top-k/top-p): two static variants. CPU keeps lax.cond.
+        self.static_sampling = jax.default_backend() != "cpu"
+        filter_modes = (False, True) if self.static_sampling else (None,)
+        self._samplers = {(nl, f): jax.jit(partial(_sample_fn, nl, self.max_num_seqs, f))
+                          for nl in (0, self.max_logprobs) for f in filter_modes}
         self._no_prev = jnp.zeros(self.max_num_seqs, jnp.int32)
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
@@ -266,7 +270,11 @@ class ModelRunner:
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, input_ids, positions, md,
                                                logits_idx, prev_tokens, prev_index)
-        out, padded = self._samplers[self.max_logprobs if lp_k else 0](logits, smeta)
+        filtering = None
+        if self.static_sampling:
+            filtering = any(s.samples and (0 < s.request.sampling_params.top_k < self.vocab_size
+                                           or s.request.sampling_params.top_p < 1.0) for s in scheduled)
+        out, padded = self._samplers[(self.max_logprobs if lp_k else 0, filtering)](logits, smeta)
         self._step_count += 1
         n_tok = sum(s.num_new_tokens for s in scheduled)
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
@@ -315,8 +323,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         penalized = SamplingParams(repetition_penalty=1.1)
         todo = [("forward", T) for T in self.buckets]
-        todo += [(("sample", nl, pen), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
-                 for nl in self._samplers for pen in (False, True)]
+        todo += [(("sample", key, pen), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
+                 for key in self._samplers for pen in (False, True)]
         for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
             if what == "forward":
                 ids, pos, md, lidx = self._padding_inputs(size)
@@ -324,12 +332,12 @@ class ModelRunner:
                                                        self._no_prev, np.full(size, -1, np.int32))
                 jax.block_until_ready(logits)
                 continue
-            _, nl, pen = what
+            _, key, pen = what
             plist = [penalized] if pen else []
             smeta = sampler_mod.make_sampling_metadata(
                 plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=size,
                 request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
-            out, _ = self._samplers[nl](jnp.zeros((size, self.vocab_size), jnp.float32), smeta)
+            out, _ = self._samplers[key](jnp.zeros((size, self.vocab_size), jnp.float32), smeta)
             jax.block_until_ready(out.token_ids)
         return time.perf_counter() - t0
 

@@ -256,9 +256,14 @@ def _keep_threshold(sorted_desc: jax.Array, lse_all: jax.Array, top_k: jax.Array
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
-                      max_candidates: int = DEFAULT_MAX_CANDIDATES) -> jax.Array:
+                      max_candidates: int = DEFAULT_MAX_CANDIDATES, branchless: bool = False) -> jax.Array:
     """Mask (-inf) what top-k then top-p remove. No sort when no row filters; `lax.top_k` of
-    `max_candidates` when that decides every row exactly; one full sort otherwise."""
+    `max_candidates` when that decides every row exactly; one full sort otherwise.
+
+    `branchless=True` (the caller knows some row filters) replaces both `lax.cond`s with arithmetic: on GPU
+    an XLA conditional copies its predicate to the host, which stalls the dispatching thread until the
+    device gets there — the host could no longer run ahead of the device. It then always sorts fully
+    (exact; ~1 ms for 256 x 128k on an H200) unless every row is decided by the candidates."""
     vocab = logits.shape[1]
     top_k = jnp.where((top_k > 0) & (top_k < vocab), top_k, 0)
     any_filter = jnp.any((top_k > 0) | (top_p < 1.0))
@@ -273,9 +278,14 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
         else:
             candidates = jax.lax.top_k(x, max_candidates)[0]
             threshold, exact = _keep_threshold(candidates, lse_all, top_k, top_p)
-            threshold = jax.lax.cond(jnp.all(exact), lambda x: threshold, full_sort_threshold, x)
+            if branchless:
+                threshold = jnp.where(exact, threshold, full_sort_threshold(x))
+            else:
+                threshold = jax.lax.cond(jnp.all(exact), lambda x: threshold, full_sort_threshold, x)
         return jnp.where(x < threshold[:, None], _NEG_INF, x)
 
+    if branchless:
+        return filtered(logits)
     return jax.lax.cond(any_filter, filtered, lambda x: x, logits)
 
 
@@ -323,27 +333,36 @@ def compute_logprobs(logprobs: jax.Array, token_ids: jax.Array, num_logprobs: in
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata, *, num_logprobs: int = 0,
-           max_candidates: int = DEFAULT_MAX_CANDIDATES) -> SamplerOutput:
+           max_candidates: int = DEFAULT_MAX_CANDIDATES, filtering: bool | None = None) -> SamplerOutput:
     """Sample one token per row of `logits` [R, V]. `num_logprobs` (static) is the number of top
     logprobs to return per row (the batch's max `logprobs`); the sampled token's logprob and rank are
-    always returned."""
+    always returned.
+
+    `filtering` (static): None decides on the device with `lax.cond` whether to skip the random path (all
+    greedy) and the top-k/top-p filter (no row filters) — cheapest on CPU. True/False is the host's answer
+    to "does any row use top-k/top-p", and the sampler then has no conditionals at all (what the GPU
+    needs: an XLA conditional there syncs the host with the device)."""
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=1)
     vocab = logits.shape[1]
     x = apply_penalties(logits, meta)
     if meta.blocked_token_ids.shape[1]:
-        # a scatter of R*S entries (padding ids are out of range and dropped), not an [R, V] mask pass
-        rows = jnp.arange(x.shape[0])[:, None]
-        x = x.at[rows, meta.blocked_token_ids].set(_NEG_INF, mode="drop")
+        x = jnp.where(_token_mask(meta.blocked_token_ids, vocab), _NEG_INF, x)
     greedy_ids = jnp.argmax(x, axis=1).astype(jnp.int32)
     is_greedy = meta.temperature <= 0.0
 
     def random_ids(x):
         x = x / jnp.where(is_greedy, 1.0, meta.temperature)[:, None]
-        x = apply_top_k_top_p(x, meta.top_k, meta.top_p, max_candidates=max_candidates)
+        if filtering is None:
+            x = apply_top_k_top_p(x, meta.top_k, meta.top_p, max_candidates=max_candidates)
+        elif filtering:
+            x = apply_top_k_top_p(x, meta.top_k, meta.top_p, max_candidates=max_candidates, branchless=True)
         x = apply_min_p(x, meta.min_p)
         return sample_inverse_cdf(x, row_keys(meta))
 
-    sampled = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_ids, random_ids, x)
+    if filtering is None:
+        sampled = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_ids, random_ids, x)
+    else:
+        sampled = random_ids(x)
     token_ids = jnp.where(is_greedy, greedy_ids, sampled)
     return SamplerOutput(token_ids, *compute_logprobs(raw_logprobs, token_ids, num_logprobs))

@@ -160,6 +160,8 @@ class LLMEngine:
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        if self.scheduler is None:          # an embedding engine queues nothing
+            return
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
             self._forget(rid)

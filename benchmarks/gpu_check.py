@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         variants = [tuple(v.split(":")) for v in a.variants.split(",")]
     elif gpu:
         variants = [("reference", "float32", "auto"), ("pallas", "float32", "auto"),
-                    ("pallas", "bfloat16", "auto"),
+                    ("reference", "bfloat16", "auto"), ("pallas", "bfloat16", "auto"),
                     ("pallas", "bfloat16", "fp8")]
     else:
         variants = [("reference", "float32", "auto")]
@@ -74,8 +74,10 @@ def main(argv=None) -> int:
         ids = [o.outputs[0].token_ids for o in outs]
         key = (backend, dtype, kv)
         results[key] = ids
-        ref = results.get(("reference", "float32", "auto"))
-        same_as_ref = ref == ids if ref is not None and key != ("reference", "float32", "auto") else None
+        # like with like: each variant against the reference path of its own dtype
+        ref_key = ("reference", dtype, "auto")
+        ref = results.get(ref_key)
+        same_as_ref = ref == ids if ref is not None and key != ref_key else None
         vs_ref = [first_diff(x, y) for x, y in zip(ids, ref)] if ref is not None else None
         line = f"- {model or 'SmolLM2'} {backend:9s} {dtype:8s} kv={kv:4s}: "
         if cases[0]["greedy_ids"] is not None:
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
             line += f"{sum(match)}/{len(cases)} identical to HF f32 (first diffs {diffs}); "
             if dtype == "float32" and not all(match):
                 ok = False
-        print(line + f"equals the f32 reference path: {same_as_ref} (first diffs {vs_ref}); "
+        print(line + f"equals the {dtype} reference path: {same_as_ref} (first diffs {vs_ref}); "
               f"{time.perf_counter() - t0:.1f} s")
         if same_as_ref is False and dtype == "float32":
             ok = False

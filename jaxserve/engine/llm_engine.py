@@ -65,6 +65,9 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - t0
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer
+        if config.tokenizer:                # --tokenizer: another HF tokenizer folder for this model
+            from transformers import AutoTokenizer
+            self.tokenizer = self.model.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.chat_template = config.chat_template or self.model.chat_template
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())

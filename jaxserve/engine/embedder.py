@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxserve.errors import InvalidRequestError
 from jaxserve.kernels import ops
+from jaxserve.runner.model_runner import token_buckets
 from jaxserve.kernels.metadata import NULL_BLOCK, PAD_SLOT, AttentionMetadata
 from jaxserve.models.bert import LoadedEncoder
 from jaxserve.models.pooling import (PoolingConfig, check_dimensions, pool_padded, pool_ragged, postprocess,
@@ -39,13 +40,7 @@ def default_max_num_batched_tokens() -> int:
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
-    """``lo, 2lo, 4lo, ... `` below ``hi``, then ``hi`` itself (so the largest bucket is exactly ``hi``)."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return out
+    return token_buckets(hi, smallest=lo)
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:

@@ -34,7 +34,8 @@ MIN_TOKEN_BUCKET = 16
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = MIN_TOKEN_BUCKET) -> list[int]:
-    """Powers of two from ``smallest`` up to the token budget (the budget itself is the last bucket)."""
+    """``smallest``, 2×, 4×, ... below the budget, then the budget itself (the last bucket is exactly it).
+    The runner's token buckets and the embedder's batch and length buckets."""
     out, b = [], smallest
     while b < max_num_batched_tokens:
         out.append(b)

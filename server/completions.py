@@ -36,7 +36,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        raise bad_request("echo together with logprobs is not supported by the server yet (LLM.generate has prompt_logprobs)", "echo")
     try:
         batch = req.prompt_batch()
     except ValueError as e:

@@ -135,3 +135,23 @@ def test_async_and_sync_scheduling_agree_on_early_stops(llm, workload, single_ou
         assert x.outputs[0].token_ids == y.outputs[0].token_ids == expected
         assert x.outputs[0].finish_reason == "stop" and x.outputs[0].stop_reason == stop
     assert llm.engine.kv_manager.usage == 0.0 and sync.engine.kv_manager.usage == 0.0
+
+
+def test_prompt_logprobs_match_hf_logits(llm):
+    """prompt_logprobs (an extra prefill) = log_softmax of HF's float32 logits at each prompt position."""
+    import json
+    with open(os.path.join(TINY, "golden.json")) as f:
+        prompt = json.load(f)["prompt_ids"]
+    hf = np.load(os.path.join(TINY, "logits.npy"))
+    ref = hf - np.log(np.exp(hf - hf.max(1, keepdims=True)).sum(1, keepdims=True)) - hf.max(1, keepdims=True)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    plp = out.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    for i in range(1, len(prompt)):
+        entry = plp[i]
+        tok = prompt[i]
+        assert entry[tok].logprob == pytest.approx(ref[i - 1, tok], abs=1e-4)
+        assert entry[tok].rank == int((ref[i - 1] >= ref[i - 1, tok]).sum())
+        top = np.argsort(-ref[i - 1])[:3]
+        for t in top:
+            assert entry[int(t)].logprob == pytest.approx(ref[i - 1, t], abs=1e-4)

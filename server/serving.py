@@ -288,7 +288,7 @@ class Serving:
         """Run to completion (non-streaming): every choice's text, token count, logprobs, finish."""
         accs = {c.index: Accumulated() for p in prompts for c in p.choices}
         async with contextlib.aclosing(self.run(prompts)) as outputs:
-            async for c, comp, _ in outputs:
+            async for c, comp, _out in outputs:
                 acc = accs[c.index]
                 acc.text.append(comp.text)
                 acc.token_ids.extend(comp.token_ids)
@@ -296,6 +296,8 @@ class Serving:
                     acc.logprobs.extend(comp.logprobs)
                 if comp.finish_reason is not None:
                     acc.finish_reason, acc.stop_reason = comp.finish_reason, comp.stop_reason
+                if acc.prompt_logprobs is None and getattr(_out, "prompt_logprobs", None):
+                    acc.prompt_logprobs = _out.prompt_logprobs
         return [accs[i] for i in sorted(accs)]
 
 
@@ -306,3 +308,4 @@ class Accumulated:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None      # vLLM's [None, {token: Logprob}, ...] when asked for

@@ -159,6 +159,25 @@ def test_logprobs(client):
     assert "".join(lp.tokens) == c.choices[0].text and len(lp.top_logprobs[0]) == 2
 
 
+def test_echo_logprobs_scores_the_prompt(client):
+    """lm-eval's loglikelihood request: echo + logprobs + max_tokens=0 returns the prompt's token logprobs."""
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model="smol", prompt=prompt, echo=True, logprobs=2, max_tokens=0, temperature=0)
+    c = r.choices[0]
+    assert c.text == prompt and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert "".join(lp.tokens) == prompt and lp.token_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and len(lp.top_logprobs[1]) >= 2
+    # " Paris" after "The capital of France is" is the model's own top choice
+    assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+    # with a completion: the prompt part is the same, then the generated tokens follow
+    r2 = client.completions.create(model="smol", prompt=prompt, echo=True, logprobs=2, max_tokens=3, temperature=0)
+    lp2 = r2.choices[0].logprobs
+    n = len(lp.tokens)
+    assert lp2.token_logprobs[:n] == lp.token_logprobs and len(lp2.tokens) == n + 3
+    assert r2.choices[0].text.startswith(prompt)
+
+
 def test_errors(client, http, server):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model="smol", prompt="hi " * 500, max_tokens=100)

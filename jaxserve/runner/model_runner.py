@@ -117,7 +117,6 @@ class ModelRunner:
         self.max_logprobs = config.max_logprobs
         self.vocab_size = self.cfg.vocab_size
         self.stats = RunnerStats()
-        self.num_compiles = 0
         self.kv_dtype = self._kv_cache_dtype()
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._init_kv_caches()

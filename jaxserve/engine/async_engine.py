@@ -53,7 +53,8 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._busy_since: float | None = None
         self._stats = self.engine.stats()
-        self._pending = 0
+        self._pending = 0                     # submitted, not yet in the scheduler (both threads change it)
+        self._pending_lock = threading.Lock()
         self._fault_marker = os.environ.get("JAXSERVE_FAULT_INJECTION") or None
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._thread.start()
@@ -106,7 +107,8 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._pending += 1
+        with self._pending_lock:
+            self._pending += 1
         self._inbox.put(("add", request_id, list(prompt_token_ids), sampling_params, prompt, time.time()))
         self._wake.set()
         try:
@@ -160,7 +162,8 @@ class AsyncLLMEngine:
                 return
             if msg[0] == "add":
                 _, rid, ids, params, prompt, arrival = msg
-                self._pending -= 1
+                with self._pending_lock:
+                    self._pending -= 1
                 stream = self._streams.get(rid)
                 if stream is None:           # aborted before it was added
                     continue

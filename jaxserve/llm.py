@@ -115,7 +115,7 @@ class LLM:
                         bar.set_postfix_str(f"input: {n_in / dt:.1f} tok/s, output: {n_out / dt:.1f} tok/s")
                         bar.update(1)
         except BaseException:
-            eng.abort_request(list(eng.scheduler.request_ids()) if hasattr(eng.scheduler, "request_ids") else [])
+            eng.abort_request(list(eng.scheduler.request_ids()))   # Ctrl-C: free what this call queued
             raise
         finally:
             bar.close()

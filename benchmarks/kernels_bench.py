@@ -174,7 +174,8 @@ def section_correctness(S, rows):
     cases = [("bf16 mixed", jnp.bfloat16, None, None, None, 1e-2),
              ("f32 mixed", jnp.float32, None, None, None, 1e-4),
              ("bf16 soft-cap 30 + window 40", jnp.bfloat16, 30.0, 40, None, 1e-2),
-             ("fp8 cache, per-head scale", jnp.bfloat16, None, None, "fp8", 1e-2)]
+             ("fp8 cache, per-head scale", jnp.bfloat16, None, None, "fp8", 1e-2),
+             ("fp8 cache, per-head scale, f16 dots", jnp.bfloat16, None, None, "fp8-f16", 1e-2)]
     q_lens, ctx_lens = [1, 1, 37, 1, 130, 1], [700, 33, 37, 1, 300, 17]
     if S.interpret:
         q_lens, ctx_lens = [1, 5, 1], [40, 9, 17]
@@ -186,14 +187,15 @@ def section_correctness(S, rows):
                                                num_kv_heads=S.kvh, head_dim=S.d, dtype=dtype, pad_tokens=3,
                                                pad_reqs=1)
             scale = None
-            if cache == "fp8":
+            if cache and cache.startswith("fp8"):
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
                 k, v = (ref_attention.quantize_kv(x.reshape(-1, S.kvh, S.d), jnp.float8_e4m3fn, scale).reshape(x.shape)
                         for x in (k, v))
             kw = dict(sm_scale=S.d ** -0.5, soft_cap=cap, sliding_window=win, k_scale=scale, v_scale=scale)
             ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
+            extra = dict(dot_dtype=jnp.float16) if cache == "fp8-f16" else {}
             out = pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
-                                            decode_splits=splits, fused=fused, **kw)
+                                            decode_splits=splits, fused=fused, **kw, **extra)
             o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
             err = float(np.abs(o - r).max() / np.abs(r).max()) if not np.isnan(o).any() else float("nan")
             good = err <= tol
@@ -260,9 +262,13 @@ def section_prefill(S, rows):
     log(f"\n## 4. prefill {B} x {L} causal, {S.hq}q/{S.kvh}kv d={S.d} bf16 (TFLOP/s, causal FLOPs only)")
     flops = 4 * S.hq * S.d * B * L * (L + 1) // 2
     best = None
-    variants = [dict(), dict(decode_stages=2), dict(prefill_block_k=128, decode_stages=2),
-                dict(prefill_block_m=64), dict(decode_warps=8),
-                dict(fused=False, prefill_warps=8, prefill_stages=3)]
+    variants = [dict(), dict(decode_stages=2), dict(prefill_block_k=32, decode_stages=2),
+                dict(prefill_block_m=64, decode_stages=2), dict(prefill_block_m=256, decode_warps=8, decode_stages=2)]
+    # two launches: the prefill launch gets its own warps/stages (the fused launch runs every tile with the
+    # decode ones)
+    variants += [dict(fused=False, prefill_warps=w, prefill_stages=st, prefill_block_k=bk, prefill_block_m=bm)
+                 for (bm, bk, w, st) in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2),
+                                         (128, 128, 8, 3), (256, 64, 8, 2), (64, 64, 4, 3)]]
     if S.interpret:
         variants = variants[:1]
     for cfg in variants:
@@ -320,8 +326,10 @@ def section_fp8(S, rows, cfg):
     log("\n## 5. fp8 (e4m3) KV cache vs bf16, decode")
     log("| B | ctx | bf16 us | fp8 us | fp8/bf16 time | fp8 TB/s (fp8 bytes) | fp8 'bf16-equivalent' TB/s |")
     log("|---|---|---|---|---|---|---|")
-    fp8_variants = [cfg, dict(decode_block_k=128), dict(decode_block_k=256, decode_stages=2),
-                    dict(decode_block_k=128, decode_warps=8)]
+    f16 = dict(dot_dtype=jnp.float16)
+    fp8_variants = [cfg, dict(cfg, **f16), dict(cfg, decode_stages=4, **f16), dict(cfg, decode_stages=2, **f16),
+                    dict(decode_block_k=64, decode_stages=4, **f16), dict(decode_block_k=256, decode_stages=2, **f16),
+                    dict(cfg, decode_warps=2, **f16), dict(cfg, decode_warps=8, **f16)]
     if S.interpret:
         fp8_variants = fp8_variants[:1]
     for B, ctx in S.fp8_cases:

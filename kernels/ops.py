@@ -55,8 +55,12 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, backend: str = "reference"
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                     soft_cap: float | None = None, sliding_window: int | None = None,
-                    backend: str = "reference", k_scale=None, v_scale=None, interpret: bool = False):
-    """Ragged paged attention ``q [T, Hq, D]`` -> ``[T, Hq, D]`` (semantics in ``kernels/metadata.py``)."""
+                    backend: str = "reference", k_scale=None, v_scale=None, interpret: bool = False,
+                    **pallas_options):
+    """Ragged paged attention ``q [T, Hq, D]`` -> ``[T, Hq, D]`` (semantics in ``kernels/metadata.py``).
+
+    ``pallas_options``: tile sizes / launch parameters / ``dot_dtype`` of the Pallas kernel (ignored by the
+    reference, which computes in f32)."""
     _check_backend(backend)
     if backend == "reference":
         return ref_attention.ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
@@ -68,4 +72,4 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
     from . import paged_attention_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
     return paged_attention_pallas.ragged_paged_attention(
         q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+        k_scale=k_scale, v_scale=v_scale, interpret=interpret, **pallas_options)

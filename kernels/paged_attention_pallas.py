@@ -291,7 +291,7 @@ def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> in
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
     "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "prefill_warps",
-    "prefill_stages", "fused", "poison_output"))
+    "prefill_stages", "fused", "poison_output", "dot_dtype"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
@@ -299,14 +299,20 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            decode_warps: int = 4, decode_stages: int = 3,
                            prefill_block_m: int = 128, prefill_block_k: int = 64,
                            prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
-                           poison_output: bool = False):
+                           poison_output: bool = False, dot_dtype=None):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
     ``k_scale``/``v_scale``: dequantisation scales (scalar or ``[kv_heads]``) of an fp8 cache, else None.
     The ``decode_*``/``prefill_*`` knobs are tile sizes and Triton launch parameters (static);
     ``fused`` runs prefill and decode tiles in one launch (with the decode warps/stages), else two.
     ``poison_output`` (tests): start real tokens' rows as NaN so a row no kernel writes fails the check.
+    ``dot_dtype``: operand dtype of the kernel's two matmuls (default: q's dtype). With an fp8 cache,
+    ``jnp.float16`` converts e4m3 to f16 (one hardware conversion on Hopper) instead of bf16; q and the
+    softmax weights are then f16 too and the result is cast back to q's dtype.
     """
+    out_dtype = q.dtype
+    if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
+        q = q.astype(dot_dtype)
     T, hq, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
     R, P = md.block_tables.shape
@@ -370,4 +376,4 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
             grid=(R, kvh), out_shape=out_shape, input_output_aliases={7: 0},
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
             name="ragged_paged_combine")(ins[0], ins[1], ins[2], ins[5], *parts, out)
-    return out.reshape(T, hq, d)
+    return out.reshape(T, hq, d).astype(out_dtype)

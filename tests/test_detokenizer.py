@@ -170,3 +170,25 @@ def test_decode_logprobs(tok):
     bare = decode_logprobs(None, 7, -3.0, 9)
     assert bare == {7: Logprob(-3.0, 9, None)}
     assert decode_token(tok, 19556) == tok.decode([19556])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_fast_decoder_equals_tokenizer_decode(tok, skip):
+    """The hot-path decoder (the Rust tokenizer called directly) returns exactly tokenizer.decode."""
+    from jaxserve.engine.detokenizer import _plain_backend, fast_decoder
+    assert _plain_backend(tok) is not None          # the SmolLM2 tokenizer takes the fast path
+    decode = fast_decoder(tok, skip_special_tokens=skip)
+    rng = random.Random(3)
+    seqs = [random_ids(tok, rng) for _ in range(200)] + [list(range(0, 40)), [0], [1, 2, 3]]
+    for ids in seqs:
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=True)
+
+
+def test_fast_decoder_falls_back_for_other_tokenizers():
+    from jaxserve.engine.detokenizer import fast_decoder
+
+    class Plain:
+        def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+            return f"{list(ids)}{skip_special_tokens}{spaces_between_special_tokens}"
+
+    assert fast_decoder(Plain(), False, True)([1, 2]) == "[1, 2]FalseTrue"

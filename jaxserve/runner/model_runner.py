@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from functools import partial
+from itertools import chain
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +134,7 @@ class ModelRunner:
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
         self._step_count = 0
+        self._row_cache: dict[str, tuple] = {}     # request id -> (params, seed, sampler_mod.SamplingRow)
 
     # ---------------------------------------------------------------- KV cache sizing
     def _kv_cache_dtype(self):
@@ -202,48 +204,83 @@ class ModelRunner:
 
     def prepare(self, scheduled, prev: PendingStep | None = None):
         """Host arrays for one step. ``scheduled``: ScheduledRequest list (decodes first). A PLACEHOLDER
-        token (sampled by ``prev``, not yet on the host) is read on device from ``prev``'s output."""
-        n_tok = sum(s.num_new_tokens for s in scheduled)
+        token (sampled by ``prev``, not yet on the host) is read on device from ``prev``'s output.
+
+        Vectorised: one pass over the requests gathers Python lists (tokens, starts, counts, the block
+        tables flattened), numpy does the per-token arithmetic (positions, slots, offsets)."""
+        n = len(scheduled)
+        counts_list = [s.num_new_tokens for s in scheduled]
+        n_tok = sum(counts_list)
         T = self.bucket_for(n_tok)
         R = self.num_reqs_for(T)
-        if len(scheduled) > R:
-            raise ValueError(f"{len(scheduled)} requests in a step of {T} tokens (max_num_seqs={self.max_num_seqs})")
+        if n > R:
+            raise ValueError(f"{n} requests in a step of {T} tokens (max_num_seqs={self.max_num_seqs})")
         bs = self.block_size
-        input_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slots = np.full(T, PAD_SLOT, np.int32)
-        tables = np.zeros((R, self.max_blocks_per_seq), np.int32)
-        seq_lens = np.zeros(R, np.int32)
-        qsl = np.zeros(R + 1, np.int32)
-        logits_idx = np.zeros(R, np.int32)
-        prev_index = np.full(T, -1, np.int32)
-        off = 0
-        for i, s in enumerate(scheduled):
-            req, n, start = s.request, s.num_new_tokens, s.start_pos
-            toks = req.all_token_ids[start:start + n]
-            if toks[-1] == PLACEHOLDER:
-                if prev is None or req.request_id not in prev.rows:
-                    raise RuntimeError(f"request {req.request_id}: its last token is still on the device but "
-                                       "no step in flight sampled it")
-                prev_index[off + n - 1] = prev.rows[req.request_id]
-                toks = list(toks[:-1]) + [0]
-            input_ids[off:off + n] = toks
-            pos = np.arange(start, start + n, dtype=np.int32)
-            positions[off:off + n] = pos
-            blocks = np.asarray(s.block_ids, np.int32)
-            slots[off:off + n] = blocks[pos // bs] * bs + pos % bs
-            tables[i, :len(blocks)] = blocks
-            seq_lens[i] = start + n
-            off += n
-            qsl[i + 1] = off
-            logits_idx[i] = off - 1
-        qsl[len(scheduled) + 1:] = off
+        i32 = np.int32
+        input_ids = np.zeros(T, i32)
+        positions = np.zeros(T, i32)
+        slots = np.full(T, PAD_SLOT, i32)
+        tables = np.zeros((R, self.max_blocks_per_seq), i32)
+        seq_lens = np.zeros(R, i32)
+        qsl = np.zeros(R + 1, i32)
+        logits_idx = np.zeros(R, i32)
+        prev_index = np.full(T, -1, i32)
+        if n:
+            starts = np.fromiter([s.start_pos for s in scheduled], i32, n)
+            counts = np.fromiter(counts_list, i32, n)
+            ends = np.cumsum(counts, dtype=i32)
+            if n_tok == n:              # decodes only: one token each, no per-token expansion
+                toks = [s.request.all_token_ids[s.start_pos] for s in scheduled]
+                pos = starts
+                tok_row = np.arange(n, dtype=i32)
+            else:
+                toks = list(chain.from_iterable(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens]
+                                                for s in scheduled))
+                tok_row = np.repeat(np.arange(n, dtype=i32), counts)
+                pos = (starts - (ends - counts))[tok_row] + np.arange(n_tok, dtype=i32)
+            input_ids[:n_tok] = toks
+            positions[:n_tok] = pos
+            # block tables: every request's ids in one flat array, scattered into the padded [R, max] table
+            tables_list = [s.block_ids for s in scheduled]
+            lens = np.fromiter([len(b) for b in tables_list], i32, n)
+            block_end = np.cumsum(lens)
+            block_start = block_end - lens
+            flat = np.fromiter(chain.from_iterable(tables_list), i32, int(block_end[-1]))
+            cols = np.arange(flat.shape[0]) - np.repeat(block_start, lens)
+            tables[np.repeat(np.arange(n), lens), cols] = flat
+            blk = pos // bs
+            if np.any(blk >= lens[tok_row]):
+                bad = int(np.flatnonzero(blk >= lens[tok_row])[0])
+                raise IndexError(f"request {scheduled[int(tok_row[bad])].request.request_id}: position "
+                                 f"{int(pos[bad])} is past its block table")
+            slots[:n_tok] = flat[block_start[tok_row] + blk] * bs + pos % bs
+            seq_lens[:n] = starts + counts
+            qsl[1:n + 1] = ends
+            qsl[n + 1:] = n_tok
+            logits_idx[:n] = ends - 1
+            # placeholders: the last token of a chunk sampled by the step in flight
+            waiting = np.flatnonzero(input_ids[ends - 1] == PLACEHOLDER)
+            if waiting.size:
+                rows = prev.rows if prev is not None else {}
+                try:
+                    src = [rows[scheduled[i].request.request_id] for i in waiting.tolist()]
+                except KeyError as e:
+                    raise RuntimeError(f"request {e.args[0]}: its last token is still on the device but "
+                                       "no step in flight sampled it") from None
+                last = ends[waiting] - 1
+                prev_index[last] = src
+                input_ids[last] = 0
         md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
-                               num_seqs=np.int32(len(scheduled)))
+                               num_seqs=np.int32(n))
         return T, R, input_ids, positions, md, logits_idx, prev_index
 
     def sampling_metadata(self, scheduled, R: int):
         reqs = [s.request for s in scheduled]
+        fast = self._sampling_rows(reqs)
+        if fast is not None:
+            rows, num_out = fast
+            return sampler_mod.make_sampling_metadata_from_rows(
+                rows, num_out, self.vocab_size, pad_to=R, step=self._step_count, engine_seed=self.config.seed)
         return sampler_mod.make_sampling_metadata(
             [r.sampling_params for r in reqs],
             [r.output_token_ids for r in reqs],
@@ -254,6 +291,28 @@ class ModelRunner:
             request_seeds=[r.sampling_seed for r in reqs],
             step=self._step_count, engine_seed=self.config.seed,
             penalty_width=self.penalty_width)
+
+    def _sampling_rows(self, reqs):
+        """Each request's fixed sampling row (cached per request id, checked against its params object and
+        seed), or None when some request needs the general path: a penalty (history arrays) or stop ids
+        still blocked by min_tokens."""
+        cache = self._row_cache
+        if len(cache) > 4 * self.max_num_seqs:      # finished requests' rows: drop them all now and then
+            cache.clear()
+        rows, num_out = [], []
+        for r in reqs:
+            p, seed = r.sampling_params, r.sampling_seed
+            hit = cache.get(r.request_id)
+            if hit is None or hit[0] is not p or hit[1] != seed:
+                hit = (p, seed, sampler_mod.sampling_row(p, r.request_id, seed, self.vocab_size))
+                cache[r.request_id] = hit
+            row = hit[2]
+            n = len(r.output_token_ids)
+            if row.needs_general_path(n):
+                return None
+            rows.append(row)
+            num_out.append(n)
+        return rows, num_out
 
     # ---------------------------------------------------------------- step
     def dispatch(self, scheduled, prev: PendingStep | None = None) -> PendingStep:

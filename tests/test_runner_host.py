@@ -1,0 +1,175 @@
+"""The runner's host side: vectorised step inputs and cached sampling rows equal the plain per-request
+construction they replaced, on random ragged batches (decodes, prefill chunks, placeholders)."""
+import random
+import types
+
+import numpy as np
+import pytest
+
+from jaxserve.engine.request import Request
+from jaxserve.engine.scheduler import ScheduledRequest
+from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
+from jaxserve.runner import sampler as S
+from jaxserve.runner.model_runner import PLACEHOLDER, ModelRunner, token_buckets
+from jaxserve.sampling_params import SamplingParams
+
+
+def bare_runner(block_size=4, max_model_len=128, max_num_seqs=32, max_tokens=256):
+    r = object.__new__(ModelRunner)
+    r.block_size = block_size
+    r.max_model_len = max_model_len
+    r.max_blocks_per_seq = -(-max_model_len // block_size)
+    r.max_num_seqs = max_num_seqs
+    r.max_num_tokens = max_tokens
+    r.buckets = token_buckets(max_tokens)
+    return r
+
+
+# The per-request loop prepare() was before it was vectorised (commit 65fd2db), kept as the reference.
+def reference_prepare(self, scheduled, prev=None):
+    """Host arrays for one step. ``scheduled``: ScheduledRequest list (decodes first). A PLACEHOLDER
+    token (sampled by ``prev``, not yet on the host) is read on device from ``prev``'s output."""
+    n_tok = sum(s.num_new_tokens for s in scheduled)
+    T = self.bucket_for(n_tok)
+    R = self.num_reqs_for(T)
+    if len(scheduled) > R:
+        raise ValueError(f"{len(scheduled)} requests in a step of {T} tokens (max_num_seqs={self.max_num_seqs})")
+    bs = self.block_size
+    input_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, PAD_SLOT, np.int32)
+    tables = np.zeros((R, self.max_blocks_per_seq), np.int32)
+    seq_lens = np.zeros(R, np.int32)
+    qsl = np.zeros(R + 1, np.int32)
+    logits_idx = np.zeros(R, np.int32)
+    prev_index = np.full(T, -1, np.int32)
+    off = 0
+    for i, s in enumerate(scheduled):
+        req, n, start = s.request, s.num_new_tokens, s.start_pos
+        toks = req.all_token_ids[start:start + n]
+        if toks[-1] == PLACEHOLDER:
+            if prev is None or req.request_id not in prev.rows:
+                raise RuntimeError(f"request {req.request_id}: its last token is still on the device but "
+                                   "no step in flight sampled it")
+            prev_index[off + n - 1] = prev.rows[req.request_id]
+            toks = list(toks[:-1]) + [0]
+        input_ids[off:off + n] = toks
+        pos = np.arange(start, start + n, dtype=np.int32)
+        positions[off:off + n] = pos
+        blocks = np.asarray(s.block_ids, np.int32)
+        slots[off:off + n] = blocks[pos // bs] * bs + pos % bs
+        tables[i, :len(blocks)] = blocks
+        seq_lens[i] = start + n
+        off += n
+        qsl[i + 1] = off
+        logits_idx[i] = off - 1
+    qsl[len(scheduled) + 1:] = off
+    md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
+                           num_seqs=np.int32(len(scheduled)))
+    return T, R, input_ids, positions, md, logits_idx, prev_index
+
+
+def random_batch(rng, runner, n_decodes, n_chunks):
+    """Requests with random block tables; decodes first, then prefill chunks; some last tokens are
+    placeholders (sampled by a step in flight), listed in prev.rows."""
+    bs = runner.block_size
+    scheduled, rows = [], {}
+    for i in range(n_decodes + n_chunks):
+        total = rng.randint(2, runner.max_model_len - 1)
+        prompt = [rng.randrange(1, 200) for _ in range(total)]
+        req = Request(f"r{i}", prompt, SamplingParams())
+        if i < n_decodes:
+            n, start = 1, total - 1
+        else:
+            start = rng.randint(0, total - 2)
+            n = rng.randint(2, total - start)
+        placeholder = start + n == total and rng.random() < 0.5
+        if placeholder:
+            req.all_token_ids[-1] = PLACEHOLDER
+            rows[req.request_id] = rng.randrange(runner.max_num_seqs)
+        n_blocks = -(-(start + n) // bs)
+        blocks = rng.sample(range(1, 4000), n_blocks)
+        scheduled.append(ScheduledRequest(req, n, start, blocks, samples=start + n == total))
+    return scheduled, types.SimpleNamespace(rows=rows)
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if isinstance(x, AttentionMetadata):
+            for f in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "num_seqs"):
+                gx, gy = np.asarray(getattr(x, f)), np.asarray(getattr(y, f))
+                assert gx.dtype == gy.dtype and gx.shape == gy.shape and np.array_equal(gx, gy), f
+        elif isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+        else:
+            assert x == y
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_vectorised_prepare_equals_reference(seed):
+    rng = random.Random(seed)
+    runner = bare_runner(block_size=rng.choice([1, 4, 16]), max_model_len=128)
+    budget = runner.max_num_tokens
+    n_dec = rng.randint(0, 24)
+    n_chunk = rng.randint(0 if n_dec else 1, 3)
+    scheduled, prev = random_batch(rng, runner, n_dec, n_chunk)
+    while sum(s.num_new_tokens for s in scheduled) > budget:
+        scheduled.pop()
+    assert_same(runner.prepare(scheduled, prev), reference_prepare(runner, scheduled, prev))
+
+
+def test_prepare_empty_and_placeholder_errors():
+    runner = bare_runner()
+    assert_same(runner.prepare([], None), reference_prepare(runner, [], None))
+    req = Request("x", [5, 6, PLACEHOLDER], SamplingParams())
+    s = [ScheduledRequest(req, 1, 2, [7])]
+    with pytest.raises(RuntimeError, match="still on the device"):
+        runner.prepare(s, None)
+    with pytest.raises(RuntimeError, match="still on the device"):
+        runner.prepare(s, types.SimpleNamespace(rows={"other": 0}))
+
+
+def _params(rng, plain):
+    kw = dict(temperature=rng.choice([0.0, 0.7, 1.3]), top_p=rng.choice([1.0, 0.9]),
+              top_k=rng.choice([0, 5, 10_000]), min_p=rng.choice([0.0, 0.05]),
+              seed=rng.choice([None, None, rng.randrange(2**40)]), min_tokens=rng.choice([0, 0, 3]),
+              max_tokens=32)
+    if rng.random() < 0.2:
+        kw["stop_token_ids"] = [rng.randrange(300)]
+    if plain:           # what the fast path takes: min_tokens 0 or only past it below, no penalties
+        return SamplingParams(**kw)
+    if rng.random() < 0.1:
+        kw[rng.choice(["presence_penalty", "frequency_penalty"])] = 0.5
+    if rng.random() < 0.1:
+        kw["repetition_penalty"] = 1.2
+    p = SamplingParams(**kw)
+    p.update_from_generation_config({"eos_token_id": [2]}, 2)
+    return p
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sampling_rows_equal_make_sampling_metadata(seed):
+    rng = random.Random(seed)
+    V, n = 256, rng.randint(0, 20)
+    R = max(n, 1) + rng.randint(0, 5)
+    plain = seed % 2 == 0
+    params = [_params(rng, plain) for _ in range(n)]
+    ids = [f"q{seed}-{i}" for i in range(n)]
+    req_seeds = [rng.choice([None, rng.randrange(2**31)]) for _ in range(n)]
+    num_out = [rng.randint(3 if plain else 0, 6) for _ in range(n)]
+    rows = [S.sampling_row(p, rid, s, V) for p, rid, s in zip(params, ids, req_seeds)]
+    general = any(r.needs_general_path(k) for r, k in zip(rows, num_out))
+    step = rng.randrange(2**34)
+    ref = S.make_sampling_metadata(params, [[1] * k for k in num_out], [[1]] * n, num_out, V, pad_to=R,
+                                   request_ids=ids, request_seeds=req_seeds, step=step, engine_seed=seed,
+                                   penalty_width=128)
+    assert not (plain and general)
+    if general:
+        # the general path is needed exactly when it builds something the fast path cannot
+        assert ref.output_token_ids.shape[1] or (ref.blocked_token_ids[:n] < V).any()
+        return
+    fast = S.make_sampling_metadata_from_rows(rows, num_out, V, pad_to=R, step=step, engine_seed=seed)
+    for f in ref.__dataclass_fields__:
+        a, b = np.asarray(getattr(ref, f)), np.asarray(getattr(fast, f))
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f

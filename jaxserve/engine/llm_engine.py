@@ -221,38 +221,52 @@ class LLMEngine:
         return False
 
     def _resolve(self, inflight: "_InFlight") -> list[RequestOutput]:
-        """Bring a dispatched step's tokens to the host: fill the placeholders, stop checks, detokenize."""
+        """Bring a dispatched step's tokens to the host: fill the placeholders, stop checks, detokenize.
+
+        The hot loop of the host (once per request per step): attribute lookups are hoisted, the common
+        case (no stop, no logprobs, FINAL_ONLY output while running) does no more than it must."""
         result = self.runner.collect(inflight.pending)
         now = time.time()
         outputs = []
+        detoks = self._detok
+        token_ids = result.token_ids
+        logprobs = result.logprobs
+        running, stopped = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
+        final_only = RequestOutputKind.FINAL_ONLY
+        finish_request = self.scheduler.finish_request
         for rid, (req, idx) in inflight.index.items():
-            if rid not in self._detok:          # aborted meanwhile
+            detok = detoks.get(rid)
+            if detok is None:                   # aborted meanwhile
                 continue
-            tok = result.token_ids[rid]
+            tok = token_ids[rid]
             req.set_output_token(idx, tok)
-            still_running = req.status == RequestStatus.RUNNING
-            stop = self._token_stop(req, tok, idx)
-            if stop is not None:
-                status, reason = stop
-                if still_running:
-                    self.scheduler.finish_request(rid, status, stop_reason=reason)
+            # EOS / stop-token-id check (vLLM's rules: only from min_tokens on; EOS unless ignore_eos)
+            if idx + 1 >= req.min_tokens and ((not req.ignore_eos and tok in req.eos_token_ids)
+                                              or tok in req.stop_token_ids):
+                reason = None if (not req.ignore_eos and tok in req.eos_token_ids) else tok
+                if req.status == running:
+                    finish_request(rid, stopped, stop_reason=reason)
                 else:                            # finished by length on the same token: the stop wins
-                    req.status, req.stop_reason = status, reason
-            self._record_logprobs(rid, tok, result.logprobs.get(rid))
-            finished = req.is_finished()
-            detok = self._detok[rid]
-            detok.update([tok], finished=finished)   # finished releases held-back text
+                    req.status, req.stop_reason = stopped, reason
+            if logprobs:
+                self._record_logprobs(rid, tok, logprobs.get(rid))
+            finished = req.status > RequestStatus.PREEMPTED
+            detok.update((tok,), finished)       # finished releases held-back text
             if not finished and detok.stop_reason is not None:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_reason=detok.stop_reason)
+                finish_request(rid, stopped, stop_reason=detok.stop_reason)
                 finished = True
-            if finished and len(req.output_token_ids) > idx + 1:
-                req.truncate_output(idx + 1)        # drop a token computed after the stop
-            req.metrics.last_token_time = now
+            metrics = req.metrics
+            metrics.last_token_time = now
+            if finished:
+                if len(req.output_token_ids) > idx + 1:
+                    req.truncate_output(idx + 1)    # drop a token computed after the stop
+            elif req.sampling_params.output_kind is final_only:
+                continue
             out = self._make_output(req, finished)
             if out is not None:
                 outputs.append(out)
             if finished:
-                req.metrics.finished_time = now
+                metrics.finished_time = now
                 self._forget(rid)
         return outputs
 
@@ -298,13 +312,16 @@ class LLMEngine:
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         detok = self._detok[req.request_id]
-        text, toks = detok.output_text, list(req.output_token_ids)
+        text = detok.output_text
         lps = self._logprobs[req.request_id]
-        if kind == RequestOutputKind.DELTA:
+        if kind == RequestOutputKind.DELTA:     # only the new part is copied
             n_tok, n_chr = self._sent[req.request_id]
-            self._sent[req.request_id] = (len(toks), len(text))
-            text, toks = text[n_chr:], toks[n_tok:]
+            toks = req.output_token_ids[n_tok:]
+            self._sent[req.request_id] = (n_tok + len(toks), len(text))
+            text = text[n_chr:]
             lps = lps[n_tok:] if lps is not None else None
+        else:
+            toks = list(req.output_token_ids)
         cum = self._cum_logprob[req.request_id] if params.logprobs is not None else None
         comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=cum, logprobs=lps,
                                 finish_reason=req.finish_reason if finished else None,

@@ -104,12 +104,14 @@ class KVCacheManager:
         into the prefix cache. Called by the scheduler after each step."""
         if not self.enable_prefix_caching:
             return
+        num_full = min(num_computed_tokens, req.num_tokens) // self.block_size
+        num_cached = self.num_cached_blocks.get(req.request_id, 0)
+        if num_full <= num_cached:              # the common case (a decode inside a block): nothing new
+            return
         blocks = self.req_to_blocks.get(req.request_id)
         if not blocks:
             return
-        num_full = min(num_computed_tokens, req.num_tokens) // self.block_size
         num_full = min(num_full, len(blocks))
-        num_cached = self.num_cached_blocks.get(req.request_id, 0)
         if num_full <= num_cached:
             return
         self._update_block_hashes(req, num_full)
@@ -131,8 +133,11 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.get(req.request_id)
+        if (req_blocks is not None and not new_computed_blocks
+                and req.num_computed_tokens + num_new_tokens <= len(req_blocks) * self.block_size):
+            return []                           # the common case (a decode inside its last block)
+        new_computed_blocks = new_computed_blocks or []
         is_first_allocation = req_blocks is None
         if is_first_allocation:
             req_blocks = []

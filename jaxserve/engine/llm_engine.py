@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"     # the embedded default model
 
+# What update_from_output appends for each sampling request of a dispatched step (read-only, shared).
+_PLACEHOLDER_ONLY = (PLACEHOLDER,)
+
 
 @dataclasses.dataclass(slots=True)
 class _InFlight:
@@ -199,12 +202,13 @@ class LLMEngine:
         if prev is not None:
             outputs += self._resolve(prev)      # blocks on step N while the device runs step N+1
         # the scheduler counts the new tokens now; their values arrive with _resolve
-        self.scheduler.update_from_output(sched, {rid: [PLACEHOLDER] for rid in pending.rows})
+        self.scheduler.update_from_output(sched, dict.fromkeys(pending.rows, _PLACEHOLDER_ONLY))
         index = {}
         for s in sched.scheduled:
-            req = s.request
-            if s.samples and req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
-                index[req.request_id] = (req, len(req.output_token_ids) - 1)
+            if s.samples:
+                out_ids = s.request.output_token_ids
+                if out_ids and out_ids[-1] == PLACEHOLDER:
+                    index[s.request.request_id] = (s.request, len(out_ids) - 1)
         inflight = _InFlight(pending, index)
         if self.config.async_scheduling:
             self._inflight = inflight
@@ -214,11 +218,7 @@ class LLMEngine:
 
     def _needs_history(self, sched) -> bool:
         """Whether a scheduled request needs its previous token on the host before dispatch (penalties)."""
-        for s in sched.scheduled:
-            p = s.request.sampling_params
-            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-                return True
-        return False
+        return any(s.request.uses_penalties for s in sched.scheduled)
 
     def _resolve(self, inflight: "_InFlight") -> list[RequestOutput]:
         """Bring a dispatched step's tokens to the host: fill the placeholders, stop checks, detokenize.

@@ -42,6 +42,7 @@ class Request:
         "cache_salt", "prompt", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
         "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed",
+        "uses_penalties",
     )
 
     def __init__(
@@ -73,6 +74,10 @@ class Request:
         self.min_tokens: int = getattr(sampling_params, "min_tokens", 0) or 0
         self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
         self.stop_token_ids = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
+        # presence/frequency/repetition penalties: sampling needs the real token history on the host
+        self.uses_penalties = bool(getattr(sampling_params, "presence_penalty", 0)
+                                   or getattr(sampling_params, "frequency_penalty", 0)
+                                   or getattr(sampling_params, "repetition_penalty", 1.0) != 1.0)
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -236,9 +236,12 @@ class Scheduler:
         kv = self.kv_cache_manager
         now = time.time()
         newly_finished: list[Request] = []
+        requests, running_status = self.requests, RequestStatus.RUNNING
+        max_model_len = self.max_model_len
+        cache_blocks = kv.cache_blocks if kv.enable_prefix_caching else None
         for entry in scheduler_output.scheduled:
             req = entry.request
-            if self.requests.get(req.request_id) is not req or req.status != RequestStatus.RUNNING:
+            if requests.get(req.request_id) is not req or req.status != running_status:
                 continue
             if req.num_computed_tokens != entry.start_pos:
                 raise RuntimeError(f"stale scheduler output for {req.request_id}: it starts at "
@@ -248,18 +251,26 @@ class Scheduler:
             if entry.samples:
                 tokens = sampled.get(req.request_id)
                 if tokens:
-                    if req.metrics.first_token_time is None:
-                        req.metrics.first_token_time = now
-                    req.metrics.last_token_time = now
+                    metrics = req.metrics
+                    if metrics.first_token_time is None:
+                        metrics.first_token_time = now
+                    metrics.last_token_time = now
                     for token in tokens:
-                        req.append_output_token_ids(token)
-                        if check_stop(req, self.max_model_len):
+                        req.output_token_ids.append(token)
+                        req._all_token_ids.append(token)
+                        # check_stop has nothing to do unless a length limit is reached or the token is a
+                        # stop/eos id (the common case of a decode step skips the call)
+                        if ((token in req.eos_token_ids or token in req.stop_token_ids
+                             or len(req._all_token_ids) >= max_model_len
+                             or (req.max_tokens is not None and len(req.output_token_ids) >= req.max_tokens))
+                                and check_stop(req, max_model_len)):
                             break
                 else:
                     # No token came back: recompute the last position next step rather than stall.
                     req.num_computed_tokens -= 1
-            kv.cache_blocks(req, req.num_computed_tokens)
-            if req.is_finished():
+            if cache_blocks is not None:
+                cache_blocks(req, req.num_computed_tokens)
+            if req.status > RequestStatus.PREEMPTED:        # finished
                 self._retire(req, now)
                 newly_finished.append(req)
         if newly_finished:

@@ -320,22 +320,26 @@ class ModelRunner:
         t0 = time.perf_counter()
         T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev)
         smeta = self.sampling_metadata(scheduled, R)
-        rows, lp_k = {}, {}
-        for i, s in enumerate(scheduled):
-            if s.samples:
-                rows[s.request.request_id] = i
-                if s.request.sampling_params.logprobs is not None:
-                    lp_k[s.request.request_id] = s.request.sampling_params.logprobs
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, input_ids, positions, md,
                                                logits_idx, prev_tokens, prev_index)
-        filtering = None
-        if self.static_sampling:
-            filtering = any(s.samples and (0 < s.request.sampling_params.top_k < self.vocab_size
-                                           or s.request.sampling_params.top_p < 1.0) for s in scheduled)
+        # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
+        # row filters with top-k/top-p
+        rows, lp_k = {}, {}
+        filtering = False if self.static_sampling else None
+        vocab = self.vocab_size
+        for i, s in enumerate(scheduled):
+            if s.samples:
+                req = s.request
+                rows[req.request_id] = i
+                p = req.sampling_params
+                if p.logprobs is not None:
+                    lp_k[req.request_id] = p.logprobs
+                if filtering is False and (0 < p.top_k < vocab or p.top_p < 1.0):
+                    filtering = True
         out, padded = self._samplers[(self.max_logprobs if lp_k else 0, filtering)](logits, smeta)
         self._step_count += 1
-        n_tok = sum(s.num_new_tokens for s in scheduled)
+        n_tok = int(md.query_start_loc[-1])
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, rows, lp_k, n_tok)
 
@@ -352,12 +356,11 @@ class ModelRunner:
         st.device_ms += (time.perf_counter() - t0) * 1e3
         st.steps += 1
         st.tokens += pending.num_tokens
-        res = StepResult({}, {})
-        for rid, i in pending.rows.items():
-            res.token_ids[rid] = int(token_ids[i])
-            k = pending.logprobs_k.get(rid)
-            if k is not None:
-                res.logprobs[rid] = (float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(), lp[3][i, :k].tolist())
+        toks = token_ids.tolist()
+        res = StepResult({rid: toks[i] for rid, i in pending.rows.items()}, {})
+        for rid, k in pending.logprobs_k.items():
+            i = pending.rows[rid]
+            res.logprobs[rid] = (float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(), lp[3][i, :k].tolist())
         return res
 
     def execute(self, scheduled) -> StepResult:

@@ -41,6 +41,11 @@ class _Stream:
             pass
 
 
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config, progress=progress)
@@ -187,6 +192,9 @@ class AsyncLLMEngine:
                 self._busy_since = time.monotonic()
                 outputs = eng.step()
                 self._busy_since = None
+                # one wake-up of each consumer loop per step, not one per output (256 cross-thread calls a
+                # step took the GIL from this thread as often)
+                batches: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
@@ -196,7 +204,12 @@ class AsyncLLMEngine:
                         eng.abort_request(out.request_id)
                         stream.put(RuntimeError("injected engine fault"))
                         continue
-                    stream.put(out)
+                    batches.setdefault(stream.loop, []).append((stream.queue, out))
+                for loop, items in batches.items():
+                    try:
+                        loop.call_soon_threadsafe(_put_all, items)
+                    except RuntimeError:   # that loop is closed: nobody is listening any more
+                        pass
                 self._stats = eng.stats()
         except BaseException as e:  # noqa: BLE001 - the loop is dead; tell every waiting request
             logger.exception("engine loop died")

@@ -79,8 +79,11 @@ class IncrementalDetokenizer:
         self._prefix_text = ""               # decode(token_ids[_prefix_offset:_read_offset])
         self._stop_buffer = params.output_text_buffer_length
         self._detokenize = params.detokenize
-        self._decode_fn = _cached_decoder(tokenizer, params.skip_special_tokens,
-                                          params.spaces_between_special_tokens) if params.detokenize else None
+        self._decode_fn = self._single = None
+        if params.detokenize:
+            # the decode function, and a cache of single-token decodes shared by every request using it
+            self._decode_fn, self._single = _cached_decoder(tokenizer, params.skip_special_tokens,
+                                                            params.spaces_between_special_tokens)
 
     @property
     def output_text(self) -> str:
@@ -128,7 +131,14 @@ class IncrementalDetokenizer:
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR):
             self._text += new_text[len(prefix_text):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-            self._prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+            if self._read_offset - self._prefix_offset == 1:    # the usual case: one token, decoded once
+                token_id = self.token_ids[-1]
+                text = self._single.get(token_id)
+                if text is None:
+                    text = self._single[token_id] = self._decode_fn((token_id,))
+                self._prefix_text = text
+            else:
+                self._prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
 
     def _decode_all_pending(self) -> None:
         """At the end nothing more can complete a split character: take the window as it decodes."""
@@ -156,7 +166,8 @@ class IncrementalDetokenizer:
 
 @functools.lru_cache(maxsize=64)
 def _cached_decoder(tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool):
-    return fast_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+    """(decode function, {token id: its decode alone}) per tokenizer and decode options."""
+    return fast_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens), {}
 
 
 # ---- logprobs --------------------------------------------------------------------------------------

@@ -327,7 +327,7 @@ def section_fp8(S, rows, cfg):
     log("| B | ctx | bf16 us | fp8 us | fp8/bf16 time | fp8 TB/s (fp8 bytes) | fp8 'bf16-equivalent' TB/s |")
     log("|---|---|---|---|---|---|---|")
     f16 = dict(dot_dtype=jnp.float16)
-    fp8_variants = [cfg, dict(cfg, **f16), dict(cfg, decode_stages=4, **f16), dict(cfg, decode_stages=2, **f16),
+    fp8_variants = [cfg, dict(cfg, dot_dtype=jnp.bfloat16, decode_stages=3), dict(cfg, **f16), dict(cfg, decode_stages=4, **f16), dict(cfg, decode_stages=2, **f16),
                     dict(decode_block_k=64, decode_stages=4, **f16), dict(decode_block_k=256, decode_stages=2, **f16),
                     dict(cfg, decode_warps=2, **f16), dict(cfg, decode_warps=8, **f16)]
     if S.interpret:

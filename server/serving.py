@@ -86,6 +86,10 @@ class Serving:
         self.metrics = ServerMetrics(engine, self.model_name, args.metrics_prefix)
         self.draining = False
         self._token_strs: dict[int, str] = {}
+        # Token ids are checked against the model's embedding rows (the tokenizer may have fewer ids, e.g.
+        # padded vocabularies, or dummy weights served with another model's tokenizer).
+        model_vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None)
+        self.vocab_size = int(model_vocab or len(self.tokenizer))
 
     # -- checks ------------------------------------------------------------------------------------
 
@@ -157,7 +161,7 @@ class Serving:
                               "messages") from e
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = len(self.tokenizer)
+        vocab = self.vocab_size
         bad = [t for t in ids if t < 0 or t >= vocab]
         if bad:
             raise bad_request(f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens", param)

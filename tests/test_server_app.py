@@ -419,3 +419,23 @@ def test_openapi_fuzz_no_5xx(server):
         check()
     assert not failures, failures[:3]
     assert len(calls) > 50 and calls.count(200) >= 10, sorted(set(calls))  # valid bodies reached the engine too
+
+
+def test_token_ids_checked_against_the_model_vocab_not_the_tokenizer():
+    """A model with more embedding rows than its tokenizer has ids (padded vocabularies; dummy weights served
+    with another model's tokenizer) accepts every id below its own vocab size."""
+    from types import SimpleNamespace
+
+    from jaxserve.server.args import ServerArgs
+    from jaxserve.server.serving import Serving
+    from jaxserve.server.errors import APIError
+
+    eng = FakeEngine()
+    n_tok = len(eng.tokenizer)
+    eng.model_config = SimpleNamespace(vocab_size=n_tok + 100)
+    serving = Serving(eng, ServerArgs())
+    serving.check_token_ids([0, n_tok, n_tok + 99], "prompt")
+    with pytest.raises(APIError) as e:
+        serving.check_token_ids([n_tok + 100], "prompt")
+    assert e.value.status == 400 and f"the vocabulary has {n_tok + 100} tokens" in e.value.message
+    assert Serving(FakeEngine(), ServerArgs()).vocab_size == n_tok       # no model_config: the tokenizer's

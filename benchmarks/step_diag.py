@@ -10,9 +10,12 @@ Each variant (TP size x ``XLA_FLAGS`` set) runs in a child process and reports:
 - ``forward ms``: the jitted model forward alone, replayed back to back on the arguments the engine passed it
   in a batch-1 decode step (the KV cache threaded through, as the engine donates it), i.e. device time with
   no host in the way;
-- ``sampler ms``: the same for the greedy sampler call;
+- ``sampler ms``: the same for the greedy sampler call -- a small graph, so this is mostly the host's
+  dispatch time per call, not device time;
 - ``psum us``: one all-reduce of a [1, hidden] bf16 vector over the TP axis (a chain of 64 under one jit),
-  the collective a TP decode step does twice per layer (TP > 1 only);
+  the collective a TP decode step does twice per layer (TP > 1 only). Measured after the engine filled the
+  GPU memory; on the H200s it read 702 us here against 22 us in a fresh process
+  (``benchmarks/allreduce_probe.py``), so trust the latter;
 - the compiled forward's collective counts (all-reduce / all-gather / reduce-scatter / collective-permute)
   and its number of kernels launched per step is not visible from here, so the table also gives
   ``gap ms`` = e2e ms/token - forward ms - sampler ms (host, launch and sync overhead not hidden).
@@ -36,7 +39,7 @@ FLAG_SETS = {
     "no-cmdbuf": "--xla_gpu_enable_command_buffer=",
     "cmdbuf+coll": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES "
                    "--xla_gpu_graph_min_graph_size=1",
-    "ar-kernel": "--xla_gpu_allow_all_reduce_kernel=true",
+    # jax 0.11.2's CUDA plugin rejects --xla_gpu_allow_all_reduce_kernel ("Unknown flag"; H200, 2026-11-30)
     "coll-kernels": "--xla_gpu_experimental_use_collective_kernels=true",
 }
 
@@ -170,11 +173,11 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(child(a)), flush=True)
         return 0
     flag_sets = a.flags or (["default"] if a.smoke else ["default", "no-cmdbuf", "cmdbuf+coll"]
-                            + (["ar-kernel", "coll-kernels"] if max(a.tps) > 1 else []))
+                            + (["coll-kernels"] if max(a.tps) > 1 else []))
     results = []
     for tp in a.tps:
         for fs in flag_sets:
-            if tp == 1 and fs in ("ar-kernel", "coll-kernels"):
+            if tp == 1 and fs == "coll-kernels":
                 continue
             env = dict(os.environ)
             env["XLA_FLAGS"] = " ".join(x for x in (env.get("XLA_FLAGS", ""), FLAG_SETS[fs]) if x)

@@ -27,7 +27,7 @@ from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 # An output token the host has not seen yet (it is still on the device, feeding the next step).
 PLACEHOLDER = -1
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
-from jaxserve.runner import sampler as sampler_mod
+from jaxserve.runner import packing, sampler as sampler_mod
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,12 @@ class RunnerStats:
                 "device_ms_per_step": self.device_ms / n, "tokens_per_step": self.tokens / n}
 
 
-def _forward_fn(family, cfg, backend, params, kv_caches, input_ids, positions, md, logits_indices, prev_tokens,
-                prev_index):
+def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, layout):
+    # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
+    x = packing.unpack(ints, jnp.zeros(0, jnp.float32), layout)
+    md = AttentionMetadata(**packing.take(x, "md."))
+    input_ids, positions, logits_indices, prev_index = x["input_ids"], x["positions"], x["logits_idx"], \
+        x["prev_index"]
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
     # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
@@ -83,11 +87,20 @@ def _forward_fn(family, cfg, backend, params, kv_caches, input_ids, positions, m
     return kv_caches, logits
 
 
-def _sample_fn(num_logprobs, max_rows, filtering, logits, sampling_meta):
+def _sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, *, layout):
+    sampling_meta = sampler_mod.SamplingMetadata(**packing.unpack(ints, floats, layout))
     out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs, filtering=filtering)
     # the sampled ids padded to a fixed length, so the next step's forward sees one shape whatever this bucket
     padded = jnp.zeros(max_rows, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
     return out, padded
+
+
+def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index):
+    """The forward's host inputs as one int32 buffer and its (static) layout."""
+    ints, _, layout = packing.pack({
+        "input_ids": input_ids, "positions": positions, "logits_idx": logits_idx, "prev_index": prev_index,
+        **packing.prefixed("md.", packing.fields(md))})
+    return ints, layout
 
 
 @dataclasses.dataclass(slots=True)
@@ -123,12 +136,12 @@ class ModelRunner:
         self.kv_caches = self._init_kv_caches()
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend), mesh),
-                                donate_argnums=(1,))
+                                donate_argnums=(1,), static_argnames=("layout",))
         # On GPU the sampler must not contain XLA conditionals (each one syncs the host with the device), so
         # the host says whether any row filters (top-k/top-p): two static variants. CPU keeps lax.cond.
         self.static_sampling = jax.default_backend() != "cpu"
         filter_modes = (False, True) if self.static_sampling else (None,)
-        self._samplers = {(nl, f): jax.jit(partial(_sample_fn, nl, self.max_num_seqs, f))
+        self._samplers = {(nl, f): jax.jit(partial(_sample_fn, nl, self.max_num_seqs, f), static_argnames=("layout",))
                           for nl in (0, self.max_logprobs) for f in filter_modes}
         self._no_prev = jnp.zeros(self.max_num_seqs, jnp.int32)
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
@@ -321,8 +334,11 @@ class ModelRunner:
         T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev)
         smeta = self.sampling_metadata(scheduled, R)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
-        self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, input_ids, positions, md,
-                                               logits_idx, prev_tokens, prev_index)
+        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index)
+        s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
+        # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
+        self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
+                                               layout=f_layout)
         # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
         # row filters with top-k/top-p
         rows, lp_k = {}, {}
@@ -337,7 +353,8 @@ class ModelRunner:
                     lp_k[req.request_id] = p.logprobs
                 if filtering is False and (0 < p.top_k < vocab or p.top_p < 1.0):
                     filtering = True
-        out, padded = self._samplers[(self.max_logprobs if lp_k else 0, filtering)](logits, smeta)
+        out, padded = self._samplers[(self.max_logprobs if lp_k else 0, filtering)](logits, s_ints, s_floats,
+                                                                                    layout=s_layout)
         self._step_count += 1
         n_tok = int(md.query_start_loc[-1])
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
@@ -390,8 +407,9 @@ class ModelRunner:
         for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
             if what == "forward":
                 ids, pos, md, lidx = self._padding_inputs(size)
-                self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, ids, pos, md, lidx,
-                                                       self._no_prev, np.full(size, -1, np.int32))
+                f_ints, f_layout = forward_pack(ids, pos, md, lidx, np.full(size, -1, np.int32))
+                self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints,
+                                                       self._no_prev, layout=f_layout)
                 jax.block_until_ready(logits)
                 continue
             _, key, pen = what
@@ -399,7 +417,9 @@ class ModelRunner:
             smeta = sampler_mod.make_sampling_metadata(
                 plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=size,
                 request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
-            out, _ = self._samplers[key](jnp.zeros((size, self.vocab_size), jnp.float32), smeta)
+            s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
+            out, _ = self._samplers[key](jnp.zeros((size, self.vocab_size), jnp.float32), s_ints, s_floats,
+                                         layout=s_layout)
             jax.block_until_ready(out.token_ids)
         return time.perf_counter() - t0
 

@@ -4,9 +4,12 @@
 #      h200-llama8b-throughput (+ HF generate_batch on 64 prompts), h200-llama8b-decode
 #   2. h200-llama8b-serve-sweep (its own process: the server needs the GPU to itself)
 #   3. h200-kernels (benchmarks/kernels_bench.py)
+#   embed: benchmarks/embed_bench.py on MiniLM-L6's shapes with random weights, bf16 (only when asked)
 #   4. h200x2-llama8b-tp2 next to h200-llama8b-latency-bs1 (TP=1), only when asked
 #      (`benchmarks/run_h200.sh tp2` on a 2-GPU machine)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|tp2 ...]   (default: offline serve kernels)
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2 ...]   (default: offline serve kernels)
+# A fresh GPU host has an empty compile cache: the server compiles its 28 step variants in ~70 s before the
+# sweep starts (2026-11-30), hence the serve limit.
 # Results: $OUT/results/<date>-<name>/ when $OUT is set, else benchmarks/results/; the summary is printed
 # last and written to <results root>/h200-summary.txt. Step time limits are env-tunable (seconds).
 set -u
@@ -45,13 +48,16 @@ for step in "${STEPS[@]}"; do
   case $step in
     offline) bench "${OFFLINE_LIMIT_S:-300}" offline --config h200-llama8b-latency-bs1 \
                --config h200-llama8b-throughput --config h200-llama8b-decode ;;
-    serve)   bench "${SERVE_LIMIT_S:-120}" serve --config h200-llama8b-serve-sweep ;;
+    serve)   bench "${SERVE_LIMIT_S:-180}" serve --config h200-llama8b-serve-sweep ;;
     kernels) bench "${KERNELS_LIMIT_S:-60}" kernels --config h200-kernels ;;
     tp2)     if [ "${NGPU:-0}" -lt 2 ]; then echo "tp2: skipped, needs 2 GPUs (${NGPU:-0} visible)" | tee -a "$SUMMARY"; continue; fi
              # TP=1 and TP=2 single-stream in one run (same prompt, same process; HF skipped)
              bench "${TP2_LIMIT_S:-240}" tp2 --config h200-llama8b-latency-bs1 --config h200x2-llama8b-tp2 \
                --set baseline.hf=false ;;
-    *) echo "unknown step $step (offline, serve, kernels, tp2)" >&2; exit 2 ;;
+    embed)   echo "=== embed: benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
+             timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 \
+               --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
+    *) echo "unknown step $step (offline, serve, kernels, embed, tp2)" >&2; exit 2 ;;
   esac
 done
 

@@ -44,6 +44,7 @@ def child_speed(a) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(a.model_path, load_format="dummy", dtype=a.dtype, tensor_parallel_size=a.tp,
+              distributed_executor_backend=a.executor if a.tp > 1 else "uni",
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
               token_buckets=(16, 64, 256, a.max_num_batched_tokens),
@@ -78,7 +79,7 @@ def child_speed(a) -> dict:
     offline = {"num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
                "elapsed_s": elapsed, "output_tok_s": out_tok / elapsed,
                "total_tok_s": (out_tok + a.num_prompts * a.input_len) / elapsed, "requests_s": a.num_prompts / elapsed}
-    return {"tp": a.tp, "startup_s": startup_s, "load_s": llm.engine.load_seconds,
+    return {"tp": a.tp, "executor": a.executor if a.tp > 1 else "uni", "startup_s": startup_s, "load_s": llm.engine.load_seconds,
             "warmup_s": llm.engine.warmup_seconds, "num_kv_blocks": runner.num_blocks,
             "single_stream": decode, "offline": offline}
 
@@ -186,7 +187,11 @@ def run_child(a, kind: str, **overrides) -> dict:
     args = [sys.executable, os.path.abspath(__file__), "--child", kind] + _forward_args(a, overrides)
     env = dict(os.environ)
     if a.smoke:
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={max(a.tps)}")
+        env.update(JAX_PLATFORMS="cpu")
+        if overrides.get("executor", "uni") == "mp":      # a process per device: one CPU device each
+            env.pop("XLA_FLAGS", None)
+        else:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={max(a.tps)}"
     t0 = time.perf_counter()
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout)
     if proc.returncode != 0:
@@ -230,6 +235,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--executors", nargs="+", default=["uni"], choices=["uni", "mp"],
+                   help="TP > 1 speed runs per executor: uni = one process drives every GPU, mp = a process per GPU")
+    p.add_argument("--executor", default="uni", help=argparse.SUPPRESS)
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-load", action="store_true")
     p.add_argument("--load-repeats", type=int, default=2)
@@ -262,7 +270,8 @@ def main(argv=None) -> int:
               "host": platform.node(), "model": a.model, "dtype": a.dtype, "speed": [], "load": []}
     if not a.skip_speed:
         for tp in a.tps:
-            result["speed"].append(run_child(a, "speed", tp_one=tp))
+            for ex in (a.executors if tp > 1 else ["uni"]):
+                result["speed"].append(run_child(a, "speed", tp_one=tp, executor=ex))
     if not a.skip_load:
         result["prepare"] = run_child(a, "prepare", tp_one=max(a.tps))
         for _ in range(a.load_repeats):
@@ -297,11 +306,11 @@ def write_results(a, r: dict, started) -> None:
              f"- device: {r['device']}  host: {r['host']}", f"- command: `{r['command']}`", ""]
     if r["speed"]:
         base = r["speed"][0]
-        lines += ["| TP | single-stream decode tok/s | ms/token | host ms/step | speedup | offline output tok/s "
-                  "| offline total tok/s | speedup | KV blocks | warm-up s |", "|" + "---|" * 10]
+        lines += ["| TP | executor | single-stream decode tok/s | ms/token | host ms/step | speedup | offline output "
+                  "tok/s | offline total tok/s | speedup | KV blocks | warm-up s |", "|" + "---|" * 11]
         for s in r["speed"]:
             ss, off = s["single_stream"], s["offline"]
-            lines.append(f"| {s['tp']} | {ss['decode_tok_s']:.1f} | {ss['ms_per_token']:.2f} | "
+            lines.append(f"| {s['tp']} | {s.get('executor', 'uni')} | {ss['decode_tok_s']:.1f} | {ss['ms_per_token']:.2f} | "
                          f"{ss['host_ms_per_step']:.2f} | {ss['decode_tok_s'] / base['single_stream']['decode_tok_s']:.2f}x | "
                          f"{off['output_tok_s']:.0f} | {off['total_tok_s']:.0f} | "
                          f"{off['output_tok_s'] / base['offline']['output_tok_s']:.2f}x | {s['num_kv_blocks']} | "

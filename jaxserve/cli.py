@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("parallel")
     d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     d.add_argument("--distributed-coordinator", default=None, help="HOST:PORT of process 0")
+    d.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
+                   help="uni: one process drives all tensor-parallel devices; mp: one process per device on this "
+                        "host (workers spawned and stopped by the engine)")
     d.add_argument("--num-processes", type=int, default=1)
     d.add_argument("--process-id", type=int, default=0)
     p.add_argument("--config", default=None, help="a YAML file of flags (flag names, - or _); flags override it")
@@ -88,7 +91,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                                   token_buckets=_int_list(a.token_buckets)),
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
                                 distributed_coordinator=a.distributed_coordinator,
-                                num_processes=a.num_processes, process_id=a.process_id))
+                                num_processes=a.num_processes, process_id=a.process_id,
+                                distributed_executor_backend=a.distributed_executor_backend))
 
 
 def _apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
@@ -125,7 +129,9 @@ def _setup_distributed(a) -> None:
 
 def _is_follower() -> bool:
     import jax
-    return jax.process_count() > 1 and jax.process_index() != 0
+    # asks nothing of JAX's backends unless jax.distributed already started them (the mp launcher must be
+    # able to start jax.distributed later, inside the engine)
+    return jax.distributed.is_initialized() and jax.process_count() > 1 and jax.process_index() != 0
 
 
 def cmd_follow(a) -> int:

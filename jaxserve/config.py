@@ -73,6 +73,9 @@ class ParallelConfig:
     distributed_coordinator: str | None = None
     num_processes: int = 1
     process_id: int = 0
+    # "uni": this process drives every device of the mesh; "mp": one process per device on this host (the
+    # engine spawns tensor_parallel_size - 1 workers that follow process 0's steps; jaxserve/parallel/launcher.py)
+    distributed_executor_backend: str = "uni"
 
 
 @dataclass

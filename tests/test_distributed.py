@@ -186,3 +186,39 @@ def test_step_channel_single_process():
 
 if __name__ == "__main__":
     _process_main(int(sys.argv[1]), int(sys.argv[2]))
+
+
+@pytest.mark.slow
+def test_mp_executor_spawns_its_workers_and_matches_one_process():
+    """``--distributed-executor-backend mp``: the user starts one command; the engine spawns a worker per
+    extra device, the text equals one process's, and every process exits cleanly (rc 0, workers reaped)."""
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    prompt = "The capital of France is"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--tensor-parallel-size", "3",
+                           "--distributed-executor-backend", "mp", "--prompt", prompt, "--max-tokens", "8",
+                           "--max-model-len", "128", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
+                           "--skip-warmup", "--dtype", "float32"], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker 1: followed 8 steps" in proc.stderr and "worker 2: followed 8 steps" in proc.stderr
+    text = proc.stdout.split(f"### prompt: {prompt!r}\n", 1)[1]
+    expected = LLM(None, dtype="float32", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
+                   skip_warmup=True, use_tqdm_on_load=False).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    assert text == expected + "\n"
+
+
+def test_mp_executor_is_only_started_when_asked():
+    from jaxserve.config import EngineConfig, ParallelConfig
+    from jaxserve.parallel import launcher
+
+    assert launcher.maybe_start(EngineConfig()) is None                                   # uni, tp 1
+    assert launcher.maybe_start(EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2))) is None
+    assert launcher.maybe_start(EngineConfig(parallel=ParallelConfig(distributed_executor_backend="mp"))) is None
+    with pytest.raises(ValueError, match="starts its own processes"):
+        launcher.maybe_start(EngineConfig(parallel=ParallelConfig(
+            tensor_parallel_size=2, distributed_executor_backend="mp", num_processes=2)))

@@ -44,6 +44,10 @@ class LLMEngine:
         from jaxserve.models import load_model
         from jaxserve.runner import compile_cache
 
+        from jaxserve.parallel import launcher
+        # --distributed-executor-backend mp: spawn the per-device workers and join jax.distributed before
+        # anything below starts a JAX backend
+        self._workers = launcher.maybe_start(config)
         compile_cache.enable(config.compilation_cache_dir)
         config = config.resolved(jax.default_backend())
         self.config = config
@@ -77,6 +81,9 @@ class LLMEngine:
         self.embedder = self.runner = self.scheduler = self.kv_manager = None
         t0 = time.perf_counter()
         if is_embedding_model(self.model, config.task):
+            if jax.process_count() > 1:
+                raise ValueError("embedding models run in a single process (no --num-processes / "
+                                 "--distributed-executor-backend mp)")
             # an embedding engine: no KV cache, no scheduler; requests go straight to the bucketed Embedder
             self.embedder = Embedder(self.model, attn_backend=resolve_attention_backend(config.attention_backend),
                                      block_size=config.cache.block_size, max_length=config.max_model_len,
@@ -96,6 +103,8 @@ class LLMEngine:
                 # the other processes run follow_runner: each step is sent to them before it launches
                 from jaxserve.parallel import BroadcastingRunner
                 self.runner = BroadcastingRunner(self.runner)
+                if self._workers is not None:
+                    self._workers.set_release(self.runner.stop)
         self.warmup_seconds = time.perf_counter() - t0
 
     @property

@@ -179,6 +179,7 @@ class BroadcastingRunner:
     def __init__(self, runner, channel: StepChannel | None = None):
         self._runner = runner
         self.channel = channel or StepChannel()
+        self._stopped = False
 
     def dispatch(self, scheduled, prev=None):
         self.channel.send((list(scheduled), prev is not None))
@@ -188,7 +189,11 @@ class BroadcastingRunner:
         return self._runner.collect(self.dispatch(scheduled))
 
     def stop(self) -> None:
-        self.channel.stop()
+        """Release the followers (idempotent: the CLI, the server's shutdown and the mp launcher's exit hook
+        may each call it)."""
+        if not self._stopped:
+            self._stopped = True
+            self.channel.stop()
 
     def __getattr__(self, name):
         return getattr(self._runner, name)

@@ -1,0 +1,29 @@
+"""A worker process of ``--distributed-executor-backend mp`` (started by ``launcher.LocalWorkers``):
+
+    python -m jaxserve.parallel.worker CONFIG.pkl COORDINATOR NUM_PROCESSES PROCESS_ID
+
+Joins ``jax.distributed``, builds the same engine as process 0 (same weights, same warm-up) and launches every
+step process 0 sends until it says stop.
+"""
+from __future__ import annotations
+
+import pickle
+import sys
+
+
+def main(argv=None) -> int:
+    config_path, coordinator, n, i = (argv if argv is not None else sys.argv[1:])
+    n, i = int(n), int(i)
+    with open(config_path, "rb") as f:
+        config = pickle.load(f)
+    from jaxserve.parallel import distributed, launcher
+    distributed.initialize(coordinator, n, i, local_device_ids=launcher.local_device_ids(i))
+    from jaxserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine(config, progress=False)
+    steps = distributed.follow_runner(engine.runner)
+    print(f"worker {i}: followed {steps} steps", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@
 #   embed: benchmarks/embed_bench.py on MiniLM-L6's shapes with random weights, bf16 (only when asked)
 #   4. h200x2-llama8b-tp2 next to h200-llama8b-latency-bs1 (TP=1), only when asked
 #      (`benchmarks/run_h200.sh tp2` on a 2-GPU machine)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2 ...]   (default: offline serve kernels)
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench ...]   (default: offline serve kernels)
 # A fresh GPU host has an empty compile cache: the server compiles its 28 step variants in ~70 s before the
 # sweep starts (2026-11-30), hence the serve limit.
 # Results: $OUT/results/<date>-<name>/ when $OUT is set, else benchmarks/results/; the summary is printed
@@ -54,10 +54,16 @@ for step in "${STEPS[@]}"; do
              # TP=1 and TP=2 single-stream in one run (same prompt, same process; HF skipped)
              bench "${TP2_LIMIT_S:-240}" tp2 --config h200-llama8b-latency-bs1 --config h200x2-llama8b-tp2 \
                --set baseline.hf=false ;;
+    tpbench) if [ "${NGPU:-0}" -lt 2 ]; then echo "tpbench: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
+             # TP=1 vs TP=2 driven by one process (uni) and by a process per GPU (mp), single stream + offline
+             echo "=== tpbench: benchmarks/tp_bench.py --skip-load --executors uni mp" | tee -a "$SUMMARY"
+             timeout "${TPBENCH_LIMIT_S:-400}" "$PY" benchmarks/tp_bench.py --skip-load --executors uni mp \
+               --num-prompts 256 --max-num-batched-tokens 2048 --child-timeout 130 --results-dir "$RESULTS" 2>&1 \
+               | tee "$RESULTS/tpbench.log" | grep '^| ' >> "$SUMMARY" ;;
     embed)   echo "=== embed: benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
              timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 \
                --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
-    *) echo "unknown step $step (offline, serve, kernels, embed, tp2)" >&2; exit 2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench)" >&2; exit 2 ;;
   esac
 done
 

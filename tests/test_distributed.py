@@ -45,7 +45,10 @@ def _process_main(process_id: int, port: int) -> None:
 
     # LLMEngine wraps process 0's runner in BroadcastingRunner itself (its StepChannel is the second one
     # created on every process, after the one above)
-    llm = _engine_llm(tensor_parallel_size=2)
+    # process 1 has room for fewer KV blocks (12 of 4 KiB each, against the 17 process 0 could use): both
+    # must size the sharded cache alike, to the smaller count
+    llm = _engine_llm(tensor_parallel_size=2, kv_bytes=(1 << 20) if process_id == 0 else 12 * 4096)
+    report = report | {"num_kv_blocks": llm.engine.runner.num_blocks}
     if parallel.is_driver():
         assert isinstance(llm.engine.runner, parallel.BroadcastingRunner)
         report["engine_tokens"] = _engine_generate(llm)
@@ -61,10 +64,10 @@ ENGINE_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixture
 ENGINE_PROMPTS = [[5, 17, 99, 3, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 11, 11, 64]]
 
 
-def _engine_llm(tensor_parallel_size: int):
+def _engine_llm(tensor_parallel_size: int, kv_bytes: int = 1 << 20):
     from jaxserve.llm import LLM
     return LLM(ENGINE_MODEL, tensor_parallel_size=tensor_parallel_size, dtype="float32", max_model_len=64,
-               max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory_bytes=1 << 20, skip_warmup=True,
+               max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory_bytes=kv_bytes, skip_warmup=True,
                compilation_cache_dir="", use_tqdm_on_load=False)
 
 
@@ -121,6 +124,7 @@ def test_two_processes_match_one(two_process_run):
 
 def test_two_process_engine_matches_one(two_process_run):
     driver, follower = two_process_run
+    assert driver["num_kv_blocks"] == follower["num_kv_blocks"] == 12
     assert driver["engine_tokens"] == _engine_generate(_engine_llm(tensor_parallel_size=1))
     assert [len(t) for t in driver["engine_tokens"]] == [MAX_NEW_TOKENS] * len(ENGINE_PROMPTS)
     assert follower["engine_followed"] == driver["engine_steps_sent"] >= MAX_NEW_TOKENS

@@ -185,6 +185,11 @@ class ModelRunner:
         n = int(budget // per_block)
         # never more blocks than can ever be used at once
         n = min(n, self.max_num_seqs * self.max_blocks_per_seq + 1)
+        if jax.process_count() > 1:
+            # every process sizes the cache from its own device's free memory; the sharded cache needs one
+            # shape everywhere, so all take the smallest
+            from jax.experimental import multihost_utils
+            n = int(np.min(multihost_utils.process_allgather(np.int32(n))))
         if n < self.max_blocks_per_seq + 1:
             raise ValueError(
                 f"KV cache too small: {n} blocks of {self.block_size} tokens fit in {budget / 2**20:.0f} MiB, "

@@ -51,6 +51,13 @@ def _process_main(process_id: int, port: int) -> None:
     report = report | {"num_kv_blocks": llm.engine.runner.num_blocks}
     if parallel.is_driver():
         assert isinstance(llm.engine.runner, parallel.BroadcastingRunner)
+        from jaxserve.errors import InvalidRequestError
+        from jaxserve.sampling_params import SamplingParams
+        try:    # an extra computation only process 0 would launch: refused, not a hang
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+            report["prompt_logprobs_error"] = None
+        except InvalidRequestError as e:
+            report["prompt_logprobs_error"] = str(e)
         report["engine_tokens"] = _engine_generate(llm)
         llm.engine.runner.stop()
         report["engine_steps_sent"] = llm.engine.runner.channel.steps_sent
@@ -125,6 +132,7 @@ def test_two_processes_match_one(two_process_run):
 def test_two_process_engine_matches_one(two_process_run):
     driver, follower = two_process_run
     assert driver["num_kv_blocks"] == follower["num_kv_blocks"] == 12
+    assert "prompt_logprobs is not available" in (driver["prompt_logprobs_error"] or "")
     assert driver["engine_tokens"] == _engine_generate(_engine_llm(tensor_parallel_size=1))
     assert [len(t) for t in driver["engine_tokens"]] == [MAX_NEW_TOKENS] * len(ENGINE_PROMPTS)
     assert follower["engine_followed"] == driver["engine_steps_sent"] >= MAX_NEW_TOKENS

@@ -78,6 +78,7 @@ class LLMEngine:
         self._prompt_lps: dict[str, list] = {}
         self._scorer = None
         self.warmup_seconds = 0.0
+        self._multi_process = jax.process_count() > 1
         self.embedder = self.runner = self.scheduler = self.kv_manager = None
         t0 = time.perf_counter()
         if is_embedding_model(self.model, config.task):
@@ -141,6 +142,12 @@ class LLMEngine:
             if k is not None and k > self.config.max_logprobs:
                 raise InvalidRequestError(
                     f"{name}={k} is above the server's max_logprobs={self.config.max_logprobs}", param=name)
+        if params.prompt_logprobs is not None and self._multi_process:
+            # the prompt scorer is an extra computation process 0 alone would launch (the others only follow
+            # steps), and the mesh's collectives would wait for them forever
+            raise InvalidRequestError("prompt_logprobs is not available when the model is spread over several "
+                                      "processes (--num-processes / --distributed-executor-backend mp)",
+                                      param="prompt_logprobs")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:

@@ -12,13 +12,10 @@ Each variant (TP size x ``XLA_FLAGS`` set) runs in a child process and reports:
   no host in the way;
 - ``sampler ms``: the same for the greedy sampler call -- a small graph, so this is mostly the host's
   dispatch time per call, not device time;
-- ``psum us``: one all-reduce of a [1, hidden] bf16 vector over the TP axis (a chain of 64 under one jit),
-  the collective a TP decode step does twice per layer (TP > 1 only). Measured after the engine filled the
-  GPU memory; on the H200s it read 702 us here against 22 us in a fresh process
-  (``benchmarks/allreduce_probe.py``), so trust the latter;
-- the compiled forward's collective counts (all-reduce / all-gather / reduce-scatter / collective-permute)
-  and its number of kernels launched per step is not visible from here, so the table also gives
-  ``gap ms`` = e2e ms/token - forward ms - sampler ms (host, launch and sync overhead not hidden).
+- the compiled forward's collective counts (all-reduce / all-gather / reduce-scatter / collective-permute),
+  and ``gap ms`` = e2e ms/token - forward ms - sampler ms (host, launch and sync overhead not hidden).
+All-reduce latency itself: ``benchmarks/allreduce_probe.py`` (a fresh process; measured inside a loaded engine
+process it read 30x slower on the H200s, 2026-11-30).
 Prints a Markdown table; ``--json`` writes the raw results.
 """
 from __future__ import annotations
@@ -46,7 +43,6 @@ FLAG_SETS = {
 
 def child(a) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from jaxserve.llm import LLM
@@ -127,25 +123,6 @@ def child(a) -> dict:
             out = f(*args, **skw)
         jax.block_until_ready(out)
         res["sampler_ms"] = 1e3 * (time.perf_counter() - t) / a.replays
-    if a.tp_one > 1:
-        from jax.sharding import PartitionSpec as P
-
-        from jaxserve.parallel import make_mesh
-        mesh = make_mesh(a.tp_one)
-        hidden = llm.engine.model_config.hidden_size
-        x = jnp.ones((a.tp_one, hidden), jnp.bfloat16)
-
-        def body(x):
-            for _ in range(64):
-                x = jax.lax.psum(x, "tp") * 0.5
-            return x
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
-        jax.block_until_ready(f(x))
-        t = time.perf_counter()
-        for _ in range(10):
-            x = f(x)
-        jax.block_until_ready(x)
-        res["psum_us"] = 1e6 * (time.perf_counter() - t) / 640
     res["gap_ms"] = ms_tok - res.get("forward_ms", 0.0) - res.get("sampler_ms", 0.0)
     return res
 
@@ -202,15 +179,15 @@ def main(argv=None) -> int:
             else:
                 results.append(json.loads(lines[-1][len("RESULT "):]))
             print(f"  tp={tp} {fs}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-    print("| TP | XLA flags | e2e tok/s | ms/token | forward ms | sampler ms | gap ms | host ms/step | psum us | HLO |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| TP | XLA flags | e2e tok/s | ms/token | forward ms | sampler ms | gap ms | host ms/step | HLO |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['tp']} | {r['flags']} | failed: {r['error']} |")
             continue
         f = lambda k, fmt="{:.2f}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
         print(f"| {r['tp']} | {r['flags']} | {f('e2e_tok_s', '{:.1f}')} | {f('ms_per_token')} | {f('forward_ms')} | "
-              f"{f('sampler_ms')} | {f('gap_ms')} | {f('host_ms_per_step')} | {f('psum_us', '{:.1f}')} | "
+              f"{f('sampler_ms')} | {f('gap_ms')} | {f('host_ms_per_step')} | "
               f"{r.get('hlo', r.get('hlo_error', '-'))} |")
     if a.json:
         with open(a.json, "w") as fh:

@@ -14,7 +14,6 @@ fails its next collective or key-value read and exits.
 from __future__ import annotations
 
 import atexit
-import copy
 import os
 import pickle
 import socket
@@ -47,10 +46,9 @@ class LocalWorkers:
     def __init__(self, config, *, timeout_s: float = 120.0):
         n = config.parallel.tensor_parallel_size
         self.coordinator = f"127.0.0.1:{_free_port()}"
-        cfg = copy.deepcopy(config)
         fd, self.config_path = tempfile.mkstemp(prefix="jaxserve-engine-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(cfg, f, pickle.HIGHEST_PROTOCOL)
+            pickle.dump(config, f, pickle.HIGHEST_PROTOCOL)
         self.procs = [subprocess.Popen([sys.executable, "-m", "jaxserve.parallel.worker", self.config_path,
                                         self.coordinator, str(n), str(i)], stdout=subprocess.DEVNULL)
                       for i in range(1, n)]

@@ -74,7 +74,7 @@ class RunnerStats:
 
 def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, layout):
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
-    x = packing.unpack(ints, jnp.zeros(0, jnp.float32), layout)
+    x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."))
     input_ids, positions, logits_indices, prev_index = x["input_ids"], x["positions"], x["logits_idx"], \
         x["prev_index"]

@@ -69,8 +69,9 @@ def pack(arrays: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, Layout]:
     return i, f, tuple(layout)
 
 
-def unpack(ints: jax.Array, floats: jax.Array, layout: Layout) -> dict[str, jax.Array]:
-    """Inside jit: the pieces of ``pack``'s buffers, with their shapes and dtypes."""
+def unpack(ints: jax.Array, floats: jax.Array | None, layout: Layout) -> dict[str, jax.Array]:
+    """Inside jit: the pieces of ``pack``'s buffers, with their shapes and dtypes (``floats`` may be None when
+    the layout has no float piece)."""
     out, oi, of = {}, 0, 0
     for name, shape, kind in layout:
         n = math.prod(shape)

@@ -146,18 +146,8 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
         raise ValueError(f"{n} requests do not fit the request bucket pad_to={pad_to}")
     if request_ids is None:
         request_ids = range(n)
-    f32 = np.float32
-    temperature = np.zeros(pad_to, f32)
-    top_p = np.ones(pad_to, f32)
-    top_k = np.zeros(pad_to, np.int32)
-    min_p = np.zeros(pad_to, f32)
-    presence = np.zeros(pad_to, f32)
-    frequency = np.zeros(pad_to, f32)
-    repetition = np.ones(pad_to, f32)
-    seed_keys = np.zeros((pad_to, 2), np.uint32)
-    seeded = np.zeros(pad_to, bool)
-    hashes = np.zeros(pad_to, np.uint32)
-    counters = np.zeros(pad_to, np.uint32)
+    (temperature, top_p, top_k, min_p, presence, frequency, repetition, seed_keys, seeded, hashes,
+     counters) = _padding_rows(pad_to)
     blocked: list[list[int]] = []
     for i, p in enumerate(params_list):
         temperature[i] = p.temperature
@@ -240,6 +230,16 @@ def sampling_row(params: SamplingParams, request_id: str | int, request_seed: in
         uses_penalty=uses_penalty)
 
 
+def _padding_rows(pad_to: int):
+    """The per-row arrays of `SamplingMetadata`, every row greedy with no filter, penalty or seed (the value
+    padding rows keep): temperature, top_p, top_k, min_p, presence, frequency, repetition, seed keys,
+    seeded, request hash, key counter."""
+    f32 = np.float32
+    return (np.zeros(pad_to, f32), np.ones(pad_to, f32), np.zeros(pad_to, np.int32), np.zeros(pad_to, f32),
+            np.zeros(pad_to, f32), np.zeros(pad_to, f32), np.ones(pad_to, f32), np.zeros((pad_to, 2), np.uint32),
+            np.zeros(pad_to, bool), np.zeros(pad_to, np.uint32), np.zeros(pad_to, np.uint32))
+
+
 def make_sampling_metadata_from_rows(rows: Sequence[SamplingRow], num_output_tokens_list: Sequence[int],
                                      vocab_size: int, pad_to: int, *, step: int = 0,
                                      engine_seed: int = 0) -> SamplingMetadata:
@@ -249,18 +249,8 @@ def make_sampling_metadata_from_rows(rows: Sequence[SamplingRow], num_output_tok
     n = len(rows)
     if n > pad_to:
         raise ValueError(f"{n} requests do not fit the request bucket pad_to={pad_to}")
-    f32 = np.float32
-    temperature = np.zeros(pad_to, f32)
-    top_p = np.ones(pad_to, f32)
-    top_k = np.zeros(pad_to, np.int32)
-    min_p = np.zeros(pad_to, f32)
-    presence = np.zeros(pad_to, f32)
-    frequency = np.zeros(pad_to, f32)
-    repetition = np.ones(pad_to, f32)
-    seed_keys = np.zeros((pad_to, 2), np.uint32)
-    seeded = np.zeros(pad_to, bool)
-    hashes = np.zeros(pad_to, np.uint32)
-    counters = np.zeros(pad_to, np.uint32)
+    (temperature, top_p, top_k, min_p, presence, frequency, repetition, seed_keys, seeded, hashes,
+     counters) = _padding_rows(pad_to)
     if n:
         floats = np.array([r.floats for r in rows], np.float64)
         temperature[:n], top_p[:n], min_p[:n] = floats[:, 0], floats[:, 1], floats[:, 2]

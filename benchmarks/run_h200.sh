@@ -7,7 +7,10 @@
 #   embed: benchmarks/embed_bench.py on MiniLM-L6's shapes with random weights, bf16 (only when asked)
 #   4. h200x2-llama8b-tp2 next to h200-llama8b-latency-bs1 (TP=1), only when asked
 #      (`benchmarks/run_h200.sh tp2` on a 2-GPU machine)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench ...]   (default: offline serve kernels)
+#   diagnostics: allreduce (benchmarks/allreduce_probe.py, NCCL vs XLA's one-shot kernel), stepdiag
+#   (benchmarks/step_diag.py --profile: TP=1, and TP=2 on 2 GPUs), smallbatch (kernels_bench.py section 6)
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|allreduce|stepdiag|smallbatch ...]
+#        (default: offline serve kernels)
 # A fresh GPU host has an empty compile cache: the server compiles its 28 step variants in ~70 s before the
 # sweep starts (2026-11-30), hence the serve limit.
 # Results: $OUT/results/<date>-<name>/ when $OUT is set, else benchmarks/results/; the summary is printed
@@ -60,10 +63,27 @@ for step in "${STEPS[@]}"; do
              timeout "${TPBENCH_LIMIT_S:-400}" "$PY" benchmarks/tp_bench.py --skip-load --executors uni mp \
                --num-prompts 256 --max-num-batched-tokens 2048 --child-timeout 130 --results-dir "$RESULTS" 2>&1 \
                | tee "$RESULTS/tpbench.log" | grep '^| ' >> "$SUMMARY" ;;
+    allreduce) # XLA all-reduce latency: NCCL vs XLA's one-shot collective kernel, one process and one per GPU
+             for fl in "" "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"; do
+               for np_ in 1 2; do
+                 echo "=== allreduce: XLA_FLAGS='$fl' processes=$np_" | tee -a "$SUMMARY"
+                 pa=(); [ "$np_" -gt 1 ] && pa=(--processes "$np_")
+                 XLA_FLAGS="$fl" timeout 120 "$PY" benchmarks/allreduce_probe.py "${pa[@]}" 2>&1 \
+                   | grep -E '^\[|Error|error' | head -5 | tee -a "$SUMMARY"
+               done
+             done ;;
+    stepdiag) # where a decode step goes: e2e vs forward replay, GPU kernels and host spans per step
+             tps=(1); [ "${NGPU:-0}" -ge 2 ] && tps=(1 2)
+             echo "=== stepdiag: benchmarks/step_diag.py --tp ${tps[*]} --flags default coll-kernels --profile" | tee -a "$SUMMARY"
+             timeout "${STEPDIAG_LIMIT_S:-420}" "$PY" benchmarks/step_diag.py --tp "${tps[@]}" --flags default coll-kernels \
+               --profile --json "$RESULTS/step_diag.json" 2>&1 | tee "$RESULTS/stepdiag.log" | grep -v '^  tp=' >> "$SUMMARY" ;;
+    smallbatch) echo "=== smallbatch: benchmarks/kernels_bench.py --only 6" | tee -a "$SUMMARY"
+             timeout "${SMALLBATCH_LIMIT_S:-150}" "$PY" benchmarks/kernels_bench.py --only 6 2>&1 \
+               | tee "$RESULTS/smallbatch.log" | grep '^|' >> "$SUMMARY" ;;
     embed)   echo "=== embed: benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
              timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 \
                --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
-    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench)" >&2; exit 2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, allreduce, stepdiag, smallbatch)" >&2; exit 2 ;;
   esac
 done
 

@@ -16,6 +16,9 @@ Each variant (TP size x ``XLA_FLAGS`` set) runs in a child process and reports:
   and ``gap ms`` = e2e ms/token - forward ms - sampler ms (host, launch and sync overhead not hidden).
 All-reduce latency itself: ``benchmarks/allreduce_probe.py`` (a fresh process; measured inside a loaded engine
 process it read 30x slower on the H200s, 2026-11-30).
+With ``--profile`` each variant also traces (``jax.profiler``) 10 forward replays and a 16-token decode and
+prints, per forward, GPU time by kernel group and how busy the GPU was, and per engine step the host spans
+(``benchmarks/profile_summary.py``).
 Prints a Markdown table; ``--json`` writes the raw results.
 """
 from __future__ import annotations
@@ -29,6 +32,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)        # benchmarks.profile_summary when run as a script
 
 # Named XLA flag sets to compare (appended to any XLA_FLAGS already in the environment).
 FLAG_SETS = {
@@ -37,7 +42,8 @@ FLAG_SETS = {
     "cmdbuf+coll": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES "
                    "--xla_gpu_graph_min_graph_size=1",
     # jax 0.11.2's CUDA plugin rejects --xla_gpu_allow_all_reduce_kernel ("Unknown flag"; H200, 2026-11-30)
-    "coll-kernels": "--xla_gpu_experimental_use_collective_kernels=true",
+    # XLA's Triton one-shot all-reduce in place of NCCL (the flag's values: ALL_REDUCE, ALL_GATHER)
+    "coll-kernels": "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
 }
 
 
@@ -105,6 +111,17 @@ def child(a) -> dict:
             caches, logits = fwd(params, caches, *rest, **fkw)
         jax.block_until_ready((caches, logits))
         res["forward_ms"] = 1e3 * (time.perf_counter() - t) / a.replays
+        if a.profile:
+            import tempfile
+
+            from benchmarks.profile_summary import summarize
+            with tempfile.TemporaryDirectory() as d:
+                jax.profiler.start_trace(d)
+                for _ in range(10):
+                    caches, logits = fwd(params, caches, *rest, **fkw)
+                jax.block_until_ready((caches, logits))
+                jax.profiler.stop_trace()
+                res["profile_forward"] = summarize(d, per=10)
         runner.kv_caches = caches
         try:
             hlo = fwd.lower(params, caches, *rest, **fkw).compile().as_text()
@@ -123,6 +140,17 @@ def child(a) -> dict:
             out = f(*args, **skw)
         jax.block_until_ready(out)
         res["sampler_ms"] = 1e3 * (time.perf_counter() - t) / a.replays
+    if a.profile:
+        import tempfile
+
+        from benchmarks.profile_summary import summarize
+        runner._forward, runner._samplers = fwd, samplers
+        with tempfile.TemporaryDirectory() as d:
+            s0 = runner.stats.steps
+            jax.profiler.start_trace(d)
+            run(16)
+            jax.profiler.stop_trace()
+            res["profile_e2e"] = summarize(d, per=max(runner.stats.steps - s0, 1))
     res["gap_ms"] = ms_tok - res.get("forward_ms", 0.0) - res.get("sampler_ms", 0.0)
     return res
 
@@ -140,6 +168,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--child-timeout", type=int, default=300)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="trace and print GPU kernels / host spans per step")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tp-one", type=int, default=1, help=argparse.SUPPRESS)
@@ -165,7 +194,8 @@ def main(argv=None) -> int:
                     "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
                     "--decode-tokens", str(a.decode_tokens), "--replays", str(a.replays),
                     "--max-model-len", str(a.max_model_len), "--max-num-batched-tokens",
-                    str(a.max_num_batched_tokens)] + (["--smoke"] if a.smoke else [])
+                    str(a.max_num_batched_tokens)] + (["--smoke"] if a.smoke else []) \
+                + (["--profile"] if a.profile else [])
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout,
@@ -189,6 +219,13 @@ def main(argv=None) -> int:
         print(f"| {r['tp']} | {r['flags']} | {f('e2e_tok_s', '{:.1f}')} | {f('ms_per_token')} | {f('forward_ms')} | "
               f"{f('sampler_ms')} | {f('gap_ms')} | {f('host_ms_per_step')} | "
               f"{r.get('hlo', r.get('hlo_error', '-'))} |")
+    if a.profile:
+        from benchmarks.profile_summary import format_summary
+        for r in results:
+            for key, what in (("profile_forward", "forward replay"), ("profile_e2e", "engine decode step")):
+                if key in r:
+                    print()
+                    print(format_summary(r[key], title=f"TP={r['tp']} {r['flags']}: {what}"))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=2)

@@ -238,13 +238,14 @@ def _decode_kernel(*refs, tile_kw):
     _decode_tile(x, outs, pl.program_id(0), pl.program_id(2), pl.program_id(1), **tile_kw)
 
 
-def _fused_kernel(*refs, n_prefill, prefill_kw, decode_kw):
-    """Prefill tiles first (the long ones start early), then (request, split) decode tiles."""
+def _fused_kernel(*refs, n_prefill, prefill_kw, decode_kw, n_in):
+    """Prefill tiles first (the long ones start early), then (request, split) decode tiles.
+    ``n_in``: 9 inputs, or 10 when the output buffer also comes in (aliased; poisoned for tests)."""
     x = _Refs(refs[:9])
-    out_ref = refs[10]
+    out_ref = refs[n_in]
     pid, h = pl.program_id(0), pl.program_id(1)
     splits = decode_kw["num_splits"]
-    decode_outs = (out_ref,) if splits == 1 else refs[11:]
+    decode_outs = (out_ref,) if splits == 1 else refs[n_in + 1:]
 
     @pl.when(pid < n_prefill)
     def _():
@@ -342,10 +343,14 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     decode_kw = dict(group=group, rows=max(16, group_pad), num_splits=splits, block_k=decode_block_k,
                      **common)                     # tl.dot needs M >= 16
 
-    out = jnp.zeros((T * hq, d), q.dtype)          # padding tokens stay zero
+    # The first launch allocates the output and writes every real token's rows; padding tokens' rows are left
+    # unwritten (the model never reads them back: logits are taken at real tokens only, and every op on the
+    # way is row-wise). ``poison_output`` (tests) passes in a buffer instead: real rows NaN, padding zero.
+    first_ins, first_alias = ins, {}
     if poison_output:
         real = jnp.repeat(jnp.arange(T) < qsl[md.num_seqs], hq)
-        out = jnp.where(real[:, None], jnp.nan, out).astype(q.dtype)
+        out = jnp.where(real[:, None], jnp.nan, jnp.zeros((T * hq, d), q.dtype)).astype(q.dtype)
+        first_ins, first_alias = ins + (out,), {9: 0}
     out_shape = jax.ShapeDtypeStruct((T * hq, d), q.dtype)
     part_shapes = (jax.ShapeDtypeStruct((splits * R * hq, d), jnp.float32),
                    jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32),
@@ -354,18 +359,19 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     parts = ()
     if fused:
         res = pl.pallas_call(
-            functools.partial(_fused_kernel, n_prefill=n_prefill, prefill_kw=prefill_kw, decode_kw=decode_kw),
+            functools.partial(_fused_kernel, n_prefill=n_prefill, prefill_kw=prefill_kw, decode_kw=decode_kw,
+                              n_in=len(first_ins)),
             grid=(n_prefill + R * splits, kvh),
             out_shape=(out_shape,) + (part_shapes if splits > 1 else ()),
-            input_output_aliases={9: 0}, compiler_params=decode_params, interpret=interpret,
-            name="ragged_paged_attention")(*ins, out)
+            input_output_aliases=first_alias, compiler_params=decode_params, interpret=interpret,
+            name="ragged_paged_attention")(*first_ins)
         out, parts = res[0], tuple(res[1:])
     else:
         out = pl.pallas_call(
             functools.partial(_prefill_kernel, tile_kw=prefill_kw), grid=(n_prefill, kvh), out_shape=out_shape,
-            input_output_aliases={9: 0},
+            input_output_aliases=first_alias,
             compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
-            interpret=interpret, name="ragged_paged_prefill")(*ins, out)
+            interpret=interpret, name="ragged_paged_prefill")(*first_ins)
         if splits == 1:
             out = pl.pallas_call(
                 functools.partial(_decode_kernel, tile_kw=decode_kw), grid=(R, kvh, 1), out_shape=out_shape,

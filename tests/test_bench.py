@@ -553,3 +553,27 @@ def test_plots_are_optional(tmp_path, monkeypatch):
     assert not plots.available()
     assert not plots.cdf(tmp_path / "b.png", {"x": [1.0]}, "s", "t") and not (tmp_path / "b.png").exists()
     assert not plots.sweep(tmp_path / "c.png", [{"output_throughput": 1}], "p", "t")
+
+
+def test_profile_summary_reads_a_cpu_trace(tmp_path):
+    """benchmarks/profile_summary.py: the trace parser behind step_diag --profile."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import profile_summary as ps
+
+    assert ps.kernel_group("loop_fusion_12") == "loop_fusion"
+    assert ps.kernel_group("input_reduce_fusion.3") == "input_reduce_fusion"
+    assert ps._intervals_union([(0, 10), (5, 12), (20, 25)]) == 17
+    f = jax.jit(lambda x: jnp.sin(x) @ x)
+    x = f(jnp.ones((64, 64)))
+    jax.profiler.start_trace(str(tmp_path))
+    for _ in range(4):
+        x = f(x)
+    x.block_until_ready()
+    jax.profiler.stop_trace()
+    s = ps.summarize(str(tmp_path), per=4)
+    pjit = [r for r in s["host"] if r["name"].startswith("PjitFunction")]
+    assert pjit and pjit[0]["count"] >= 1.0 and pjit[0]["us"] > 0      # per call (nested spans count twice)
+    assert not any(r["name"].startswith("$profiler.py") for r in s["host"])
+    assert "PjitFunction" in ps.format_summary(s, title="cpu")

@@ -74,8 +74,9 @@ for step in "${STEPS[@]}"; do
              done ;;
     stepdiag) # where a decode step goes: e2e vs forward replay, GPU kernels and host spans per step
              tps=(1); [ "${NGPU:-0}" -ge 2 ] && tps=(1 2)
-             echo "=== stepdiag: benchmarks/step_diag.py --tp ${tps[*]} --flags default coll-kernels --profile" | tee -a "$SUMMARY"
-             timeout "${STEPDIAG_LIMIT_S:-420}" "$PY" benchmarks/step_diag.py --tp "${tps[@]}" --flags default coll-kernels \
+             read -r -a fls <<< "${STEPDIAG_FLAGS:-default coll-kernels}"
+             echo "=== stepdiag: benchmarks/step_diag.py --tp ${tps[*]} --flags ${fls[*]} --profile" | tee -a "$SUMMARY"
+             timeout "${STEPDIAG_LIMIT_S:-420}" "$PY" benchmarks/step_diag.py --tp "${tps[@]}" --flags "${fls[@]}" \
                --profile --json "$RESULTS/step_diag.json" 2>&1 | tee "$RESULTS/stepdiag.log" | grep -v '^  tp=' >> "$SUMMARY" ;;
     smallbatch) echo "=== smallbatch: benchmarks/kernels_bench.py --only 6" | tee -a "$SUMMARY"
              timeout "${SMALLBATCH_LIMIT_S:-150}" "$PY" benchmarks/kernels_bench.py --only 6 2>&1 \

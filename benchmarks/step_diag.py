@@ -44,6 +44,8 @@ FLAG_SETS = {
     # jax 0.11.2's CUDA plugin rejects --xla_gpu_allow_all_reduce_kernel ("Unknown flag"; H200, 2026-11-30)
     # XLA's Triton one-shot all-reduce in place of NCCL (the flag's values: ALL_REDUCE, ALL_GATHER)
     "coll-kernels": "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
+    "cmdbuf+coll+kernels": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES "
+                           "--xla_gpu_graph_min_graph_size=1 --xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
 }
 
 
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
     results = []
     for tp in a.tps:
         for fs in flag_sets:
-            if tp == 1 and fs == "coll-kernels":
+            if tp == 1 and "kernels" in fs:
                 continue
             env = dict(os.environ)
             env["XLA_FLAGS"] = " ".join(x for x in (env.get("XLA_FLAGS", ""), FLAG_SETS[fs]) if x)

@@ -43,14 +43,26 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping, *, backend: str = "reference", k_scale=None, v_scale=None):
+def write_kv(k_cache, v_cache, k, v, slot_mapping, *, backend: str = "reference", k_scale=None, v_scale=None,
+             interpret: bool = False):
     """Store the step's new K/V ``[T, kv_heads, head_dim]`` at ``slot_mapping`` (quantizing for fp8).
 
-    One XLA scatter for both backends: it is a small, bandwidth-trivial update that XLA does in place on
-    the donated cache, so there is no Pallas version.
+    ``reference``: two XLA scatters (K, V). ``pallas``: one kernel for both (``kv_write_pallas``), which
+    skips padding tokens. Either updates a donated cache in place.
     """
     _check_backend(backend)
-    return ref_attention.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    if backend == "reference":
+        return ref_attention.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    _check_gpu(interpret)
+    from . import kv_write_pallas  # noqa: PLC0415
+    return kv_write_pallas.write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                                    interpret=interpret)
+
+
+def _check_gpu(interpret: bool) -> None:
+    if not interpret and jax.default_backend() != "gpu":
+        raise ValueError(f"attention backend 'pallas' needs an NVIDIA GPU (JAX runs on "
+                         f"{jax.default_backend()!r}); use backend 'reference' (or 'auto')")
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
@@ -66,9 +78,7 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
         return ref_attention.ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
                                                     soft_cap=soft_cap, sliding_window=sliding_window,
                                                     k_scale=k_scale, v_scale=v_scale)
-    if not interpret and jax.default_backend() != "gpu":
-        raise ValueError(f"attention backend 'pallas' needs an NVIDIA GPU (JAX runs on "
-                         f"{jax.default_backend()!r}); use backend 'reference' (or 'auto')")
+    _check_gpu(interpret)
     from . import paged_attention_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
     return paged_attention_pallas.ragged_paged_attention(
         q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,

@@ -150,3 +150,30 @@ def test_window_edge_at_every_chunk_offset():
     """Sliding-window starts at each offset around a 16-key chunk edge (decodes and a prefill chunk)."""
     check(14, [1, 1, 1, 1, 1, 6], [31, 32, 33, 34, 35, 40], hq=4, kvh=2, d=64, bs=16, dtype=jnp.float32,
           window=16, splits=1)
+
+
+@pytest.mark.parametrize("kvh,cache_dtype", [(3, jnp.bfloat16), (8, jnp.float32), (2, "fp8")])
+def test_pallas_write_kv_matches_scatter(kvh, cache_dtype):
+    """The one-launch Pallas K/V write (interpret mode) against the XLA scatter: every real slot equal, the
+    null block (padding tokens' PAD_SLOT) left untouched, other slots unchanged. kvh=3 is SmolLM2's
+    (not a power of two: padded head rows must not be stored)."""
+    rng = np.random.default_rng(kvh)
+    nb, bs, d, T, n_real = 6, 16, 64, 12, 9
+    dtype = jnp.bfloat16 if cache_dtype == "fp8" else cache_dtype
+    cdt = ops.kv_cache_dtype(cache_dtype, dtype) if cache_dtype == "fp8" else cache_dtype
+    k_cache = jnp.asarray(rng.standard_normal((nb, bs, kvh, d)), dtype).astype(cdt)
+    v_cache = jnp.asarray(rng.standard_normal((nb, bs, kvh, d)), dtype).astype(cdt)
+    k = jnp.asarray(rng.standard_normal((T, kvh, d)) * 3, dtype)
+    v = jnp.asarray(rng.standard_normal((T, kvh, d)) * 3, dtype)
+    real = rng.choice(np.arange(bs, nb * bs), n_real, replace=False)        # never the null block
+    slots = jnp.asarray(np.concatenate([real, np.zeros(T - n_real, np.int64)]), jnp.int32)
+    scale = dict(k_scale=jnp.linspace(0.5, 2.0, kvh), v_scale=jnp.float32(0.7)) if cache_dtype == "fp8" else {}
+    want_k, want_v = ops.write_kv(k_cache, v_cache, k, v, slots, **scale)
+    got_k, got_v = ops.write_kv(k_cache, v_cache, k, v, slots, backend="pallas", interpret=True, **scale)
+    for got, want, old in ((got_k, want_k, k_cache), (got_v, want_v, v_cache)):
+        assert got.dtype == old.dtype and got.shape == old.shape
+        g, w, o = (np.asarray(x.astype(jnp.float32)).reshape(nb * bs, kvh, d) for x in (got, want, old))
+        np.testing.assert_array_equal(g[bs:], w[bs:])               # real slots written, the rest unchanged
+        np.testing.assert_array_equal(g[:bs], o[:bs])               # padding tokens wrote nothing
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        ops.write_kv(k_cache, v_cache, k, v, slots, backend="pallas")

@@ -193,10 +193,18 @@ def run_child(a, kind: str, **overrides) -> dict:
         else:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={max(a.tps)}"
     t0 = time.perf_counter()
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"child {kind} {overrides} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    try:
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout)
+    except subprocess.TimeoutExpired as e:
+        # one child over its limit costs its own row, not the results of the others
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        print(f"  {kind} {overrides}: timed out after {a.child_timeout}s\n{tail[-3000:]}", file=sys.stderr, flush=True)
+        return {**overrides, "error": f"timed out after {a.child_timeout}s", "stderr_tail": tail[-3000:]}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(f"  {kind} {overrides}: failed ({proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+        return {**overrides, "error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+    line = lines[-1]
     result = json.loads(line[len("RESULT "):])
     print(f"  {kind} {overrides}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     return result
@@ -304,11 +312,15 @@ def write_results(a, r: dict, started) -> None:
     lines = [f"# Tensor parallelism: {r['model']} ({r['dtype']})", "",
              f"- date: {r['date_utc']}  commit: {r['commit']}{' (dirty)' if r['dirty'] else ''}",
              f"- device: {r['device']}  host: {r['host']}", f"- command: `{r['command']}`", ""]
-    if r["speed"]:
-        base = r["speed"][0]
+    ok = [s for s in r["speed"] if "error" not in s]
+    for s in r["speed"]:
+        if "error" in s:
+            lines.append(f"- TP={s.get('tp_one')} {s.get('executor', 'uni')}: **failed**, {s['error']}")
+    if ok:
+        base = ok[0]
         lines += ["| TP | executor | single-stream decode tok/s | ms/token | host ms/step | speedup | offline output "
                   "tok/s | offline total tok/s | speedup | KV blocks | warm-up s |", "|" + "---|" * 11]
-        for s in r["speed"]:
+        for s in ok:
             ss, off = s["single_stream"], s["offline"]
             lines.append(f"| {s['tp']} | {s.get('executor', 'uni')} | {ss['decode_tok_s']:.1f} | {ss['ms_per_token']:.2f} | "
                          f"{ss['host_ms_per_step']:.2f} | {ss['decode_tok_s'] / base['single_stream']['decode_tok_s']:.2f}x | "
@@ -326,7 +338,7 @@ def write_results(a, r: dict, started) -> None:
                   "| TP | format | load s (each run) | page cache dropped |", "|---|---|---|---|"]
         for tp in a.tps:
             for fmt in ("safetensors", "orbax"):
-                runs = [x for x in r["load"] if x["tp"] == tp and x["format"] == fmt]
+                runs = [x for x in r["load"] if x.get("tp") == tp and x.get("format") == fmt and "error" not in x]
                 seconds = ", ".join(f"{x['load_s']:.1f}" for x in runs)
                 dropped = all(x["page_cache_dropped"] for x in runs)
                 lines.append(f"| {tp} | {fmt} | {seconds} | {dropped} |")

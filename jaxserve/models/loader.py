@@ -1,11 +1,17 @@
 """Weight loaders: HF folder (safetensors, single or sharded), GGUF, dummy → ``LoadedModel``.
 
 Every format goes through one plan (``_weight_plan``): for each leaf of the family's weight pytree, the HF
-tensor names it is built from and how (transpose to ``[in, out]``, stack gate/up). A format only supplies
-``get(hf_name) -> np.ndarray`` in HF layout. Tensors are converted one at a time, host → device in the
-target dtype, so peak host memory is the memory-mapped files plus one tensor (no float32 copy of a bf16
-model). With a ``mesh`` each weight is placed with ``NamedSharding(mesh, spec)`` from the family's
-``param_partition_specs``.
+tensor names it is built from and how (as is, transposed to ``[in, out]``, or gate/up transposed and
+stacked). A format only supplies ``get(hf_name) -> np.ndarray`` in HF layout. Tensors go one at a time,
+host → device *in HF layout* (for safetensors straight from the memory-mapped file, no host copy), and the
+layout change and the cast to the target dtype run on the device. With a ``mesh`` each HF tensor is placed
+with the sharding that its layout change maps onto the weight's ``NamedSharding(mesh, spec)`` (from the
+family's ``param_partition_specs``), so every device converts only its own shard and no weight is ever
+whole on one device (unless its spec replicates it).
+
+Why on the device: numpy's transpose of 2-byte elements is a slow strided copy on one core; the 8B model
+took 70 s to load from safetensors at TP=2 on the H200 host with it (orbax, which stores the converted
+layout, 20 s; benchmarks/results/2026-11-30-h200-profile-tp.md).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
@@ -271,28 +278,48 @@ def gguf_tokenizer(path: str):
 
 
 # ------------------------------------------------------------------------------------- the weight plan
-def _weight_plan(cfg: ModelConfig) -> list[tuple[tuple, list[str], Callable[..., np.ndarray]]]:
-    """(param path, HF tensor names, build(*tensors) -> param-layout array) for every weight leaf."""
-    same = lambda w: w  # noqa: E731
-    t = lambda w: w.T   # noqa: E731  HF Linear [out, in] -> [in, out]
-    plan = [(("embed",), ["model.embed_tokens.weight"], same), (("final_norm",), ["model.norm.weight"], same)]
+# How a weight is built from its HF tensors: "same" (as is), "t" (HF Linear [out, in] -> [in, out]),
+# "stack_t" (gate and up, each transposed, stacked on axis 1: [in, 2, out]).
+_BUILDS = {
+    "same": lambda w: w,
+    "t": lambda w: w.T,
+    "stack_t": lambda g, u: jnp.stack([g.T, u.T], axis=1),
+}
+
+
+def _hf_spec(kind: str, spec):
+    """The sharding spec of each HF-layout input that ``_BUILDS[kind]`` maps onto the weight's ``spec``."""
+    spec = tuple(spec)
+    if kind == "same":
+        return P(*spec)
+    if kind == "t":
+        spec = spec + (None,) * (2 - len(spec))
+        return P(spec[1], spec[0])
+    spec = spec + (None,) * (3 - len(spec))          # stack_t: [in, 2, out] from [out, in]
+    if spec[1] is not None:
+        raise ValueError(f"gate/up stack axis cannot be sharded ({P(*spec)})")
+    return P(spec[2], spec[0])
+
+
+def _weight_plan(cfg: ModelConfig) -> list[tuple[tuple, list[str], str]]:
+    """(param path, HF tensor names, build kind of ``_BUILDS``) for every weight leaf."""
+    plan = [(("embed",), ["model.embed_tokens.weight"], "same"), (("final_norm",), ["model.norm.weight"], "same")]
     if not cfg.tie_word_embeddings:
-        plan.append((("lm_head",), ["lm_head.weight"], t))
+        plan.append((("lm_head",), ["lm_head.weight"], "t"))
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
         plan += [
-            (("layers", i, "attn_norm"), [pre + "input_layernorm.weight"], same),
-            (("layers", i, "mlp_norm"), [pre + "post_attention_layernorm.weight"], same),
-            (("layers", i, "q"), [pre + "self_attn.q_proj.weight"], t),
-            (("layers", i, "k"), [pre + "self_attn.k_proj.weight"], t),
-            (("layers", i, "v"), [pre + "self_attn.v_proj.weight"], t),
-            (("layers", i, "o"), [pre + "self_attn.o_proj.weight"], t),
-            (("layers", i, "gate_up"), [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"],
-             lambda g, u: np.stack([g.T, u.T], axis=1)),
-            (("layers", i, "down"), [pre + "mlp.down_proj.weight"], t),
+            (("layers", i, "attn_norm"), [pre + "input_layernorm.weight"], "same"),
+            (("layers", i, "mlp_norm"), [pre + "post_attention_layernorm.weight"], "same"),
+            (("layers", i, "q"), [pre + "self_attn.q_proj.weight"], "t"),
+            (("layers", i, "k"), [pre + "self_attn.k_proj.weight"], "t"),
+            (("layers", i, "v"), [pre + "self_attn.v_proj.weight"], "t"),
+            (("layers", i, "o"), [pre + "self_attn.o_proj.weight"], "t"),
+            (("layers", i, "gate_up"), [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"], "stack_t"),
+            (("layers", i, "down"), [pre + "mlp.down_proj.weight"], "t"),
         ]
         if cfg.attention_bias:
-            plan += [(("layers", i, f"{x}_bias"), [pre + f"self_attn.{x}_proj.bias"], same) for x in "qkv"]
+            plan += [(("layers", i, f"{x}_bias"), [pre + f"self_attn.{x}_proj.bias"], "same") for x in "qkv"]
     return plan
 
 
@@ -311,7 +338,8 @@ def _tree_set(tree, path, value):
 def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.ndarray], dtype, *,
                  mesh=None, desc: str = "Loading weights",
                  file_of: Callable[[str], str] = lambda name: "?") -> dict:
-    """Build the family's weight pytree from ``get(hf_name)``, one tensor at a time, onto the device(s)."""
+    """Build the family's weight pytree from ``get(hf_name)``, one tensor at a time, onto the device(s):
+    each HF tensor goes to the device(s) as it is, and a jitted build (layout change, cast) runs there."""
     shapes = family.param_shapes(cfg)
     shardings = None
     if mesh is not None:
@@ -320,20 +348,36 @@ def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.n
         # heads on each device when tp > num_kv_heads
         shardings = param_shardings(family.param_partition_specs(cfg), mesh, cfg)
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
-    np_dtype = np.dtype(dtype)
-    for path, names, build in tqdm(_weight_plan(cfg), desc=desc, unit="tensor"):
+    target_dtype = jnp.dtype(dtype)
+    builders: dict = {}
+    for path, names, kind in tqdm(_weight_plan(cfg), desc=desc, unit="tensor"):
         expected = _tree_get(shapes, path)
         raw = [get(n) for n in names]
-        arr = build(*raw)
-        if tuple(arr.shape) != tuple(expected):
+        built = jax.eval_shape(_BUILDS[kind], *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in raw))
+        if tuple(built.shape) != tuple(expected):
             shapes_str = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(names, raw))
             raise ModelLoadError(f"{file_of(names[0])}: tensor {shapes_str} does not match the config "
                                  f"(expected {tuple(expected)} after layout conversion)")
-        arr = np.ascontiguousarray(arr, dtype=np_dtype)
         sharding = _tree_get(shardings, path) if shardings is not None else None
-        _tree_set(params, path, jax.device_put(arr, sharding))
-        del arr, raw
+        in_sharding = NamedSharding(mesh, _hf_spec(kind, sharding.spec)) if sharding is not None else None
+        key = (kind, sharding)
+        if key not in builders:
+            fn = functools.partial(_build_cast, _BUILDS[kind], target_dtype)
+            builders[key] = jax.jit(fn, out_shardings=sharding) if sharding is not None else jax.jit(fn)
+        on_device = [jax.device_put(_device_ready(r), in_sharding) for r in raw]
+        _tree_set(params, path, builders[key](*on_device))
+        del raw, on_device
     return params
+
+
+def _build_cast(build, dtype, *ws):
+    return build(*ws).astype(dtype)
+
+
+def _device_ready(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array (memory-mapped views already are: no copy) in a dtype devices take (numpy
+    float64/int64 would be narrowed by JAX anyway)."""
+    return np.ascontiguousarray(a)
 
 
 # -------------------------------------------------------------------------------------------- tokenizers

@@ -15,17 +15,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .metadata import PAD_SLOT
+from .paged_attention_pallas import _rows
 from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale
-
-
-def _rows(ref, rows):
-    cols = lax.iota(jnp.int32, ref.shape[1])
-    return ref.at[rows[:, None], cols[None, :]]
 
 
 def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_ref, vc_ref, *, kvh):

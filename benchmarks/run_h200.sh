@@ -9,7 +9,8 @@
 #      (`benchmarks/run_h200.sh tp2` on a 2-GPU machine)
 #   diagnostics: allreduce (benchmarks/allreduce_probe.py, NCCL vs XLA's one-shot kernel), stepdiag
 #   (benchmarks/step_diag.py --profile: TP=1, and TP=2 on 2 GPUs), smallbatch (kernels_bench.py section 6)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|allreduce|stepdiag|smallbatch ...]
+#   tpload: 8B safetensors vs orbax load time into TP=1 and TP=2 (2 GPUs)
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpload|allreduce|stepdiag|smallbatch ...]
 #        (default: offline serve kernels)
 # A fresh GPU host has an empty compile cache: the server compiles its 28 step variants in ~70 s before the
 # sweep starts (2026-11-30), hence the serve limit.
@@ -60,9 +61,15 @@ for step in "${STEPS[@]}"; do
     tpbench) if [ "${NGPU:-0}" -lt 2 ]; then echo "tpbench: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
              # TP=1 vs TP=2 driven by one process (uni) and by a process per GPU (mp), single stream + offline
              echo "=== tpbench: benchmarks/tp_bench.py --skip-load --executors uni mp" | tee -a "$SUMMARY"
-             timeout "${TPBENCH_LIMIT_S:-400}" "$PY" benchmarks/tp_bench.py --skip-load --executors uni mp \
-               --num-prompts 256 --max-num-batched-tokens 2048 --child-timeout 130 --results-dir "$RESULTS" 2>&1 \
-               | tee "$RESULTS/tpbench.log" | grep '^| ' >> "$SUMMARY" ;;
+             # (a fresh host compiles each child's step variants: uni children took 83 s, the mp one 125 s)
+             timeout "${TPBENCH_LIMIT_S:-560}" "$PY" benchmarks/tp_bench.py --skip-load --executors uni mp \
+               --num-prompts 256 --max-num-batched-tokens 2048 --child-timeout 180 --results-dir "$RESULTS" 2>&1 \
+               | tee "$RESULTS/tpbench.log" | grep -E '^\| |failed' >> "$SUMMARY" ;;
+    tpload)  if [ "${NGPU:-0}" -lt 2 ]; then echo "tpload: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
+             # 8B weights (random, HF safetensors layout) vs their orbax conversion, loaded into TP=1 and TP=2
+             echo "=== tpload: benchmarks/tp_bench.py --skip-speed --tp 1 2 --load-repeats 1" | tee -a "$SUMMARY"
+             timeout "${TPLOAD_LIMIT_S:-400}" "$PY" benchmarks/tp_bench.py --skip-speed --tp 1 2 --load-repeats 1 \
+               --child-timeout 200 --results-dir "$RESULTS" 2>&1 | tee "$RESULTS/tpload.log" | grep -E '^\| |failed' >> "$SUMMARY" ;;
     allreduce) # XLA all-reduce latency: NCCL vs XLA's one-shot collective kernel, one process and one per GPU
              for fl in "" "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"; do
                for np_ in 1 2; do
@@ -84,7 +91,7 @@ for step in "${STEPS[@]}"; do
     embed)   echo "=== embed: benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
              timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 \
                --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
-    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, allreduce, stepdiag, smallbatch)" >&2; exit 2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpload, allreduce, stepdiag, smallbatch)" >&2; exit 2 ;;
   esac
 done
 

@@ -42,6 +42,9 @@ def check(seed, q_lens, ctx_lens, *, hq, kvh, d, bs, dtype, soft_cap=None, windo
     assert not np.asarray(out[n_real:], np.float32).any(), "padding tokens must be zeros"
     err = max_rel_err(out, ref)
     assert err <= TOL[dtype], f"max rel err {err:.2e} > {TOL[dtype]:.0e}"
+    # the engine's path: no buffer passed in, the first launch allocates the output (padding rows unwritten)
+    plain = pa.ragged_paged_attention(q, k, v, md, interpret=True, decode_splits=splits, **tiles, **kw)
+    np.testing.assert_array_equal(np.asarray(plain[:n_real], np.float32), np.asarray(out[:n_real], np.float32))
 
 
 # (q heads, kv heads, head_dim) of the shipped configs: SmolLM2, Llama-3-8B, Qwen2.5-7B.

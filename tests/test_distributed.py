@@ -196,6 +196,54 @@ def test_step_channel_single_process():
         channel.receive()
 
 
+def test_socket_step_transport(monkeypatch):
+    """The mp executor's local transport: every worker gets every message in order; process 0 exiting is
+    EOF on the workers, a worker exiting is an error on process 0's next sends, and accept gives up."""
+    import threading
+
+    from jaxserve.parallel import distributed
+
+    monkeypatch.setattr(distributed, "is_driver", lambda: True)
+    fan = distributed.SocketFanout()
+    receivers = {}
+    threads = [threading.Thread(target=lambda i=i: receivers.__setitem__(i, distributed.SocketReceiver(fan.port, i)))
+               for i in (2, 1)]
+    for t in threads:
+        t.start()
+    fan.accept(2, timeout_s=30)
+    for t in threads:
+        t.join()
+    out = distributed.StepChannel(transport=fan)
+    out.multi_process = True
+    steps = [{"step": 0}, list(range(20_000)), ("x", np.arange(5))]
+    for st in steps:
+        out.send(st)
+    out.stop()
+    assert out.steps_sent == 3
+    for i in (1, 2):
+        inp = distributed.StepChannel(transport=receivers[i])
+        inp.multi_process = True
+        got = [inp.receive() for _ in range(4)]
+        assert [k for k, _ in got] == [1, 1, 1, 2]
+        assert got[0][1] == steps[0] and got[1][1] == steps[1] and np.array_equal(got[2][1][1], steps[2][1])
+    fan.close()
+    with pytest.raises(RuntimeError, match="closed the step channel"):
+        receivers[1].recv_bytes()
+    # a worker that is gone
+    fan2 = distributed.SocketFanout()
+    rx = distributed.SocketReceiver(fan2.port, 1)
+    fan2.accept(1, timeout_s=30)
+    rx.close()
+    with pytest.raises(RuntimeError, match="worker process is gone"):
+        for _ in range(1000):
+            fan2.send_bytes(b"x" * 4096)
+    fan2.close()
+    fan3 = distributed.SocketFanout()
+    with pytest.raises(RuntimeError, match="0 of 1 worker"):
+        fan3.accept(1, timeout_s=0.3)
+    fan3.close()
+
+
 if __name__ == "__main__":
     _process_main(int(sys.argv[1]), int(sys.argv[2]))
 

@@ -103,7 +103,8 @@ class LLMEngine:
             if jax.process_count() > 1 and jax.process_index() == 0:
                 # the other processes run follow_runner: each step is sent to them before it launches
                 from jaxserve.parallel import BroadcastingRunner
-                self.runner = BroadcastingRunner(self.runner)
+                channel = self._workers.step_channel() if self._workers is not None else None
+                self.runner = BroadcastingRunner(self.runner, channel)
                 if self._workers is not None:
                     self._workers.set_release(self.runner.stop)
         self.warmup_seconds = time.perf_counter() - t0

@@ -22,18 +22,28 @@ previous step's on-device tokens), not padded arrays: ``ModelRunner.prepare`` an
 are deterministic functions of it, so the runner needs no change and every process builds identical
 inputs.
 
-Transport: the ``jax.distributed`` coordination service's key-value store (one gRPC set per step on
-process 0, one blocking get on each follower), not a device collective such as
+Transport, two kinds, both host-only:
+- the ``mp`` executor's workers (one host, spawned by the engine: ``launcher.py``) read their steps from a
+  local TCP connection to process 0 (``SocketFanout`` / ``SocketReceiver``): a send is a write per worker
+  and a receive a blocking read; a worker learns at once (EOF) when process 0 is gone, and process 0 (a
+  broken pipe) when a worker is;
+- otherwise (``--num-processes``, possibly several hosts) the ``jax.distributed`` coordination service's
+  key-value store (one gRPC set per step on process 0, one blocking get on each follower).
+Neither is a device collective such as
 ``multihost_utils.broadcast_one_to_all``. A collective would be a separate device program per step that
 must not interleave with the in-flight step's all-reduces: with async scheduling (step N+1 launched
 before step N's tokens are read) and gloo on CPU, such programs run concurrently and the processes' gloo
 calls cross ("collective mismatch"). The store touches no device, so it cannot; it also costs no device
 time. It is reached through ``jax._src.distributed.global_state.client`` (JAX has no public accessor).
+``benchmarks/step_channel_bench.py`` times both transports.
 """
 from __future__ import annotations
 
 import os
 import pickle
+import socket
+import struct
+import time
 from typing import Any, Callable
 
 import jax
@@ -94,18 +104,93 @@ def fetch_replicated(x: jax.Array) -> np.ndarray:
     return np.asarray(x.addressable_data(0))
 
 
-class StepChannel:
-    """Process 0 → all: a sequence of picklable step descriptions over the coordination service's store.
+_HEADER = struct.Struct("<Q")
 
-    Message ``n`` is key ``jaxserve/steps/<channel>/<n>``; process 0 deletes keys ``KEEP`` steps old (a
-    follower cannot lag that far: every step's collectives need all processes). Channels are numbered in
-    creation order, which is the same on every process. With one process ``send``/``stop`` do nothing and
-    ``receive`` is an error.
+
+def _nodelay(conn: socket.socket) -> socket.socket:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)     # a step is one small write: send it now
+    return conn
+
+
+class SocketFanout:
+    """Process 0's end of the local step transport: a listening socket on 127.0.0.1 and, after ``accept``,
+    one connection per worker. ``send_bytes`` writes a length-prefixed message to every worker."""
+
+    def __init__(self):
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._conns: list[socket.socket] = []
+
+    def accept(self, n: int, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
+        """Wait for ``n`` workers to connect (each says its process id first). ``alive()`` false = give up."""
+        deadline = time.monotonic() + timeout_s
+        self._listener.settimeout(0.5)
+        conns = {}
+        while len(conns) < n:
+            if time.monotonic() > deadline or not alive():
+                raise RuntimeError(f"{len(conns)} of {n} worker processes connected to the step channel")
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            conns[_HEADER.unpack(_recv_exact(conn, _HEADER.size))[0]] = _nodelay(conn)
+        self._conns = [conns[k] for k in sorted(conns)]
+
+    def send_bytes(self, data: bytes) -> None:
+        msg = _HEADER.pack(len(data)) + data
+        for conn in self._conns:
+            try:
+                conn.sendall(msg)
+            except OSError as e:
+                raise RuntimeError(f"a worker process is gone (step channel: {e})") from None
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        self._listener.close()
+
+
+class SocketReceiver:
+    """A worker's end of the local step transport (see ``SocketFanout``)."""
+
+    def __init__(self, port: int, process_id: int, timeout_s: float = 60.0):
+        self._conn = _nodelay(socket.create_connection(("127.0.0.1", port), timeout=timeout_s))
+        self._conn.settimeout(None)
+        self._conn.sendall(_HEADER.pack(process_id))
+
+    def recv_bytes(self) -> bytes:
+        (n,) = _HEADER.unpack(_recv_exact(self._conn, _HEADER.size))
+        return _recv_exact(self._conn, n)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise RuntimeError("process 0 closed the step channel (it exited)")
+        buf += chunk
+    return bytes(buf)
+
+
+class StepChannel:
+    """Process 0 → all: a sequence of picklable step descriptions.
+
+    ``transport``: a ``SocketFanout`` (on process 0) or ``SocketReceiver`` (on a worker) of the ``mp``
+    executor; by default the coordination service's store, where message ``n`` is key
+    ``jaxserve/steps/<channel>/<n>`` and process 0 deletes keys ``KEEP`` steps old (a follower cannot lag
+    that far: every step's collectives need all processes). Channels are numbered in creation order, which
+    is the same on every process. With one process ``send``/``stop`` do nothing and ``receive`` is an error.
     """
     KEEP = 64
     _created = 0
 
-    def __init__(self, poll_timeout_s: float = 60.0):
+    def __init__(self, poll_timeout_s: float = 60.0, transport=None):
+        self.transport = transport
         self.multi_process = jax.process_count() > 1
         self.prefix = f"jaxserve/steps/{StepChannel._created}"
         StepChannel._created += 1
@@ -127,6 +212,9 @@ class StepChannel:
         """The next message (blocks; an idle server just keeps a follower waiting here)."""
         if not self.multi_process:
             raise RuntimeError("StepChannel.receive needs more than one process")
+        if self.transport is not None:
+            self._next += 1
+            return pickle.loads(self.transport.recv_bytes())
         key = f"{self.prefix}/{self._next}"
         while True:
             try:
@@ -141,6 +229,10 @@ class StepChannel:
     def _put(self, kind: int, step: Any) -> None:
         if not is_driver():
             raise RuntimeError("only process 0 sends steps; the others follow them")
+        if self.transport is not None:
+            self.transport.send_bytes(pickle.dumps((kind, step), pickle.HIGHEST_PROTOCOL))
+            self._next += 1
+            return
         client = _client()
         n = self._next
         client.key_value_set_bytes(f"{self.prefix}/{n}", pickle.dumps((kind, step), pickle.HIGHEST_PROTOCOL))

@@ -8,8 +8,9 @@ step, the workers build the same engine and follow. Each process dispatches only
 a step, so the host cost of a step does not grow with the number of devices as it does when one process
 drives them all.
 
-At exit process 0 releases the workers (``stop_workers``) and reaps them; a worker whose process 0 is gone
-fails its next collective or key-value read and exits.
+Steps reach the workers over one local TCP connection each (``distributed.SocketFanout``), not the
+coordination service's key-value store. At exit process 0 releases the workers (``stop_workers``) and
+reaps them; a worker whose process 0 is gone reads EOF on that connection and exits.
 """
 from __future__ import annotations
 
@@ -49,18 +50,26 @@ class LocalWorkers:
         fd, self.config_path = tempfile.mkstemp(prefix="jaxserve-engine-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(config, f, pickle.HIGHEST_PROTOCOL)
+        # the steps travel over local sockets (distributed.SocketFanout), not the coordinator's store
+        self.fanout = distributed.SocketFanout()
         self.procs = [subprocess.Popen([sys.executable, "-m", "jaxserve.parallel.worker", self.config_path,
-                                        self.coordinator, str(n), str(i)], stdout=subprocess.DEVNULL)
+                                        self.coordinator, str(n), str(i), str(self.fanout.port)],
+                                       stdout=subprocess.DEVNULL)
                       for i in range(1, n)]
         self.timeout_s = timeout_s
         self._release = None
         atexit.register(self.shutdown)
         try:
+            self.fanout.accept(n - 1, timeout_s, alive=lambda: all(p.poll() is None for p in self.procs))
             distributed.initialize(self.coordinator, n, 0, local_device_ids=local_device_ids(0),
                                    initialization_timeout=int(timeout_s))
         except BaseException:
             self.kill()
             raise
+
+    def step_channel(self):
+        """Process 0's channel to these workers (the engine's ``BroadcastingRunner`` sends on it)."""
+        return distributed.StepChannel(transport=self.fanout)
 
     def set_release(self, release) -> None:
         """``release()`` tells the workers to leave their loop (the engine's BroadcastingRunner.stop)."""
@@ -95,6 +104,7 @@ class LocalWorkers:
         self._cleanup()
 
     def _cleanup(self) -> None:
+        self.fanout.close()
         try:
             os.unlink(self.config_path)
         except OSError:

@@ -1,6 +1,6 @@
 """A worker process of ``--distributed-executor-backend mp`` (started by ``launcher.LocalWorkers``):
 
-    python -m jaxserve.parallel.worker CONFIG.pkl COORDINATOR NUM_PROCESSES PROCESS_ID
+    python -m jaxserve.parallel.worker CONFIG.pkl COORDINATOR NUM_PROCESSES PROCESS_ID STEP_PORT
 
 Joins ``jax.distributed``, builds the same engine as process 0 (same weights, same warm-up) and launches every
 step process 0 sends until it says stop.
@@ -12,15 +12,16 @@ import sys
 
 
 def main(argv=None) -> int:
-    config_path, coordinator, n, i = (argv if argv is not None else sys.argv[1:])
+    config_path, coordinator, n, i, port = (argv if argv is not None else sys.argv[1:])
     n, i = int(n), int(i)
     with open(config_path, "rb") as f:
         config = pickle.load(f)
     from jaxserve.parallel import distributed, launcher
+    receiver = distributed.SocketReceiver(int(port), i)       # process 0 accepts before jax.distributed
     distributed.initialize(coordinator, n, i, local_device_ids=launcher.local_device_ids(i))
     from jaxserve.engine.llm_engine import LLMEngine
     engine = LLMEngine(config, progress=False)
-    steps = distributed.follow_runner(engine.runner)
+    steps = distributed.follow_runner(engine.runner, distributed.StepChannel(transport=receiver))
     print(f"worker {i}: followed {steps} steps", file=sys.stderr)
     return 0
 

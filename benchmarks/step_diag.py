@@ -46,6 +46,15 @@ FLAG_SETS = {
     "coll-kernels": "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
     "cmdbuf+coll+kernels": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES "
                            "--xla_gpu_graph_min_graph_size=1 --xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
+    # Host-side launch cost and inter-kernel gaps (2026-11-30 profile: command_buffer::update 1.2 ms of host
+    # time per TP=1 forward, ~0.4 ms of GPU gaps between kernels). Names and values read from jax 0.11.2's
+    # DebugOptions (they parse on CPU); not yet run on a GPU.
+    "pdl": "--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true",      # programmatic dependent launch
+    "skip-temp": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",            # no graph update for a moved temp buffer
+    "fixed-temp": "--xla_gpu_temp_buffer_use_separate_color=true",            # temp buffer at one address every run
+    "exclusive": "--xla_gpu_require_exclusive_lock=true",                     # cheaper command buffer updates
+    "host-lean": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_temp_buffer_use_separate_color=true "
+                 "--xla_gpu_require_exclusive_lock=true --xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true",
 }
 
 

@@ -577,3 +577,18 @@ def test_profile_summary_reads_a_cpu_trace(tmp_path):
     assert pjit and pjit[0]["count"] >= 1.0 and pjit[0]["us"] > 0      # per call (nested spans count twice)
     assert not any(r["name"].startswith("$profiler.py") for r in s["host"])
     assert "PjitFunction" in ps.format_summary(s, title="cpu")
+
+
+def test_step_diag_flag_sets_parse():
+    """Every XLA flag set step_diag offers is known to this jax's XLA (a typo would cost a GPU run: the
+    process aborts with "Unknown flag in XLA_FLAGS"). All sets at once, in one CPU process."""
+    import subprocess
+    import sys
+
+    from benchmarks import step_diag
+
+    flags = " ".join(v for v in step_diag.FLAG_SETS.values() if v)
+    r = subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; print(int(jax.jit(lambda x: x + 1)(jnp.ones(2)).sum()))"],
+                       env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "4", r.stderr[-2000:]

@@ -375,8 +375,7 @@ def _build_cast(build, dtype, *ws):
 
 
 def _device_ready(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous array (memory-mapped views already are: no copy) in a dtype devices take (numpy
-    float64/int64 would be narrowed by JAX anyway)."""
+    """C-contiguous for the host-to-device copy (memory-mapped safetensors views already are: no copy)."""
     return np.ascontiguousarray(a)
 
 

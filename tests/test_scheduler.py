@@ -531,7 +531,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "sched"):
             return
-        for _ in range(500):
+        # Every step computes at least one token, and a request never needs more than max_model_len of them
+        # (more with preemptions: they recompute); a fixed 500 was too few for 33 requests of 24 tokens
+        # decoded one token per step (found by hypothesis).
+        limit = 100 + 4 * self.sched.max_model_len * len(self.sched.requests)
+        for _ in range(limit):
             if not self.sched.has_unfinished_requests():
                 break
             self.step(eos_for=-1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,12 +21,6 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(pid: int, coordinator: str, step_port: int, n: int, nbytes: int) -> dict | None:
@@ -87,6 +80,7 @@ def main(argv=None) -> int:
         return 0
     os.environ["JAX_PLATFORMS"] = "cpu"
     from jaxserve.parallel import distributed
+    from jaxserve.parallel.launcher import _free_port
     _BENCH_FANOUT = distributed.SocketFanout()
     coordinator = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS); above it but under _MIN_TEMPERATURE
 # it is raised to _MIN_TEMPERATURE because logits / 1e-9 overflow float32.
 _SAMPLING_EPS = 1e-5
@@ -159,6 +161,14 @@ class SamplingParams:
         if self.temperature < _SAMPLING_EPS:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether a presence/frequency/repetition penalty is on, as the sampler sees it (float32): sampling
+        then needs the request's real token history on the host."""
+        f32 = np.float32
+        return bool(f32(self.presence_penalty) != 0 or f32(self.frequency_penalty) != 0
+                    or f32(self.repetition_penalty) != 1)
 
     @property
     def all_stop_token_ids(self) -> set[int]:

@@ -258,9 +258,9 @@ class LLMEngine:
             tok = token_ids[rid]
             req.set_output_token(idx, tok)
             # EOS / stop-token-id check (vLLM's rules: only from min_tokens on; EOS unless ignore_eos)
-            if idx + 1 >= req.min_tokens and ((not req.ignore_eos and tok in req.eos_token_ids)
-                                              or tok in req.stop_token_ids):
-                reason = None if (not req.ignore_eos and tok in req.eos_token_ids) else tok
+            is_eos = not req.ignore_eos and tok in req.eos_token_ids
+            if idx + 1 >= req.min_tokens and (is_eos or tok in req.stop_token_ids):
+                reason = None if is_eos else tok
                 if req.status == running:
                     finish_request(rid, stopped, stop_reason=reason)
                 else:                            # finished by length on the same token: the stop wins
@@ -286,18 +286,6 @@ class LLMEngine:
                 metrics.finished_time = now
                 self._forget(rid)
         return outputs
-
-    @staticmethod
-    def _token_stop(req: Request, tok: int, idx: int):
-        """EOS / stop-token-id check for the token at output index ``idx`` (vLLM's rules: only from
-        min_tokens on; EOS unless ignore_eos)."""
-        if idx + 1 < req.min_tokens:
-            return None
-        if not req.ignore_eos and tok in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
-        if tok in req.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, tok
-        return None
 
     def _score_prompt(self, prompt_token_ids: list[int], k: int) -> list:
         """vLLM's prompt_logprobs: [None, {token: Logprob, top-k...}, ...] (an extra prefill of the prompt)."""

@@ -75,9 +75,7 @@ class Request:
         self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
         self.stop_token_ids = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
         # presence/frequency/repetition penalties: sampling needs the real token history on the host
-        self.uses_penalties = bool(getattr(sampling_params, "presence_penalty", 0)
-                                   or getattr(sampling_params, "frequency_penalty", 0)
-                                   or getattr(sampling_params, "repetition_penalty", 1.0) != 1.0)
+        self.uses_penalties = bool(getattr(sampling_params, "uses_penalties", False))
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -9,8 +9,8 @@ a step, so the host cost of a step does not grow with the number of devices as i
 drives them all.
 
 Steps reach the workers over one local TCP connection each (``distributed.SocketFanout``), not the
-coordination service's key-value store. At exit process 0 releases the workers (``stop_workers``) and
-reaps them; a worker whose process 0 is gone reads EOF on that connection and exits.
+coordination service's key-value store. At exit process 0 releases the workers (``LocalWorkers.shutdown``)
+and reaps them; a worker whose process 0 is gone reads EOF on that connection and exits.
 """
 from __future__ import annotations
 

@@ -214,11 +214,8 @@ class SamplingRow(NamedTuple):
 
 def sampling_row(params: SamplingParams, request_id: str | int, request_seed: int | None,
                  vocab_size: int) -> SamplingRow:
-    f32 = np.float32
     seed = params.seed if params.seed is not None else request_seed
     key = seed_key_data(seed) if seed is not None else (0, 0)
-    uses_penalty = bool(f32(params.presence_penalty) != 0 or f32(params.frequency_penalty) != 0
-                        or f32(params.repetition_penalty) != 1)
     return SamplingRow(
         floats=(params.temperature, params.top_p, params.min_p, params.presence_penalty,
                 params.frequency_penalty, params.repetition_penalty),
@@ -227,7 +224,7 @@ def sampling_row(params: SamplingParams, request_id: str | int, request_seed: in
         hash=0 if seed is not None else request_hash(request_id),
         min_tokens=params.min_tokens,
         blocks_ids=any(t < vocab_size for t in params.all_stop_token_ids),
-        uses_penalty=uses_penalty)
+        uses_penalty=params.uses_penalties)
 
 
 def _padding_rows(pad_to: int):

@@ -1,7 +1,10 @@
 """Backend dispatch for paged attention: the model calls these, never a backend directly.
 
 ``backend="reference"`` is the pure-jnp path (CPU, tests, oracle); ``backend="pallas"`` the Pallas GPU
-kernels (``paged_attention_pallas``). ``default_backend()`` says which one this process should use.
+kernels (``paged_attention_pallas``; prefill tokens of steps with >= 512 token slots go to the Mosaic GPU
+kernel of ``prefill_mgpu`` where it applies). ``pallas-triton`` keeps every step on the Triton kernels,
+``pallas-mgpu`` sends prefill tokens to the Mosaic GPU kernel at every step size (A/B runs, GPU checks).
+``default_backend()`` says which one this process should use.
 An fp8 cache (``kv_cache_dtype="fp8"``, e4m3) takes ``k_scale``/``v_scale`` (scalar or ``[kv_heads]``,
 None = 1.0) in both ``write_kv`` and ``paged_attention``; pass the same scales to both.
 """
@@ -13,7 +16,8 @@ import jax.numpy as jnp
 from . import ref_attention
 from .metadata import AttentionMetadata
 
-BACKENDS = ("reference", "pallas")
+BACKENDS = ("reference", "pallas", "pallas-triton", "pallas-mgpu")
+_PREFILL_KERNEL = {"pallas": "auto", "pallas-triton": "triton", "pallas-mgpu": "mgpu"}
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
 
 
@@ -80,6 +84,7 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
                                                     k_scale=k_scale, v_scale=v_scale)
     _check_gpu(interpret)
     from . import paged_attention_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
+    pallas_options.setdefault("prefill_kernel", _PREFILL_KERNEL[backend])
     return paged_attention_pallas.ragged_paged_attention(
         q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         k_scale=k_scale, v_scale=v_scale, interpret=interpret, **pallas_options)

@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from . import prefill_mgpu
 from .metadata import AttentionMetadata
 from .ref_attention import head_scale
 
@@ -52,6 +53,7 @@ from .ref_attention import head_scale
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
 NUM_SMS = 132  # H200; only used to pick the decode split count
+MGPU_MIN_TOKENS = 512  # prefill_kernel="auto": token slots from which a step uses the Mosaic GPU prefill
 
 
 def _next_pow2(n: int) -> int:
@@ -282,6 +284,14 @@ def _combine_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, vs_ref, o_ref, m_ref, l
     _store_rows(out_ref, tok * num_q_heads + h * group + g, out, active & (g < group))
 
 
+def _prefill_tokens(md: AttentionMetadata, T: int):
+    """[T] bool: token t belongs to a real request with more than one new token."""
+    qsl = md.query_start_loc.astype(jnp.int32)
+    tok = jnp.arange(T, dtype=jnp.int32)
+    r = jnp.clip(jnp.searchsorted(qsl, tok, side="right") - 1, 0, qsl.shape[0] - 2)
+    return (tok < qsl[md.num_seqs]) & (qsl[r + 1] - qsl[r] > 1)
+
+
 def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> int:
     """Flash-decoding splits: enough (request, head, split) programs for ~4 waves, >= 4 chunks a split."""
     want = max(1, (4 * NUM_SMS) // max(1, num_reqs * kv_heads))
@@ -292,7 +302,7 @@ def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> in
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
     "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "prefill_warps",
-    "prefill_stages", "fused", "poison_output", "dot_dtype"))
+    "prefill_stages", "fused", "poison_output", "dot_dtype", "prefill_kernel", "mgpu_block_kv", "mgpu_stages"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
@@ -300,7 +310,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            decode_warps: int = 4, decode_stages: int | None = None,
                            prefill_block_m: int = 128, prefill_block_k: int = 64,
                            prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
-                           poison_output: bool = False, dot_dtype=None):
+                           poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
+                           mgpu_block_kv: int = 128, mgpu_stages: int = 2):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
     ``k_scale``/``v_scale``: dequantisation scales (scalar or ``[kv_heads]``) of an fp8 cache, else None.
@@ -312,7 +323,17 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     on the H200, B=8 ctx 32768: 314 us with bf16 operands, 217 us with f16, bf16 cache 300 us); q and the
     softmax weights are then f16 too and the result is cast back to q's dtype.
     ``decode_stages``: default 3, or 4 with an fp8 cache (its tiles are half the bytes).
+    ``prefill_kernel``: ``"triton"`` (prefill tiles in this file), ``"mgpu"`` (the Mosaic GPU kernel of
+    ``prefill_mgpu`` for the prefill tokens, then the decode launch, wherever ``prefill_mgpu.supported``;
+    else triton) or ``"auto"`` (mgpu where supported and the step has at least ``MGPU_MIN_TOKENS`` token
+    slots: its extra launch is nothing next to a long prefill but shows on small decode steps).
     """
+    if prefill_kernel not in ("triton", "mgpu", "auto"):
+        raise ValueError(f"prefill_kernel must be triton, mgpu or auto, got {prefill_kernel!r}")
+    mgpu_ok = prefill_mgpu.supported(q, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
+                                     k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv)
+    use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
+                                                         and q.shape[0] >= MGPU_MIN_TOKENS))
     out_dtype = q.dtype
     fp8_cache = jnp.dtype(k_cache.dtype).itemsize == 1
     if dot_dtype is None and fp8_cache and q.dtype == jnp.bfloat16:
@@ -357,7 +378,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                    jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32))
     decode_params = plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages)
     parts = ()
-    if fused:
+    if fused and not use_mgpu:
         res = pl.pallas_call(
             functools.partial(_fused_kernel, n_prefill=n_prefill, prefill_kw=prefill_kw, decode_kw=decode_kw,
                               n_in=len(first_ins)),
@@ -367,11 +388,18 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
             name="ragged_paged_attention")(*first_ins)
         out, parts = res[0], tuple(res[1:])
     else:
-        out = pl.pallas_call(
-            functools.partial(_prefill_kernel, tile_kw=prefill_kw), grid=(n_prefill, kvh), out_shape=out_shape,
-            input_output_aliases=first_alias,
-            compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
-            interpret=interpret, name="ragged_paged_prefill")(*first_ins)
+        if use_mgpu:
+            out = prefill_mgpu.prefill_attention(q, k_cache, v_cache, md, sm_scale=float(sm_scale),
+                                                 block_kv=mgpu_block_kv, stages=mgpu_stages,
+                                                 interpret=interpret).reshape(T * hq, d)
+            if poison_output:              # keep the kernel's prefill rows, the poisoned buffer elsewhere
+                out = jnp.where(jnp.repeat(_prefill_tokens(md, T), hq)[:, None], out, first_ins[9])
+        else:
+            out = pl.pallas_call(
+                functools.partial(_prefill_kernel, tile_kw=prefill_kw), grid=(n_prefill, kvh),
+                out_shape=out_shape, input_output_aliases=first_alias,
+                compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
+                interpret=interpret, name="ragged_paged_prefill")(*first_ins)
         if splits == 1:
             out = pl.pallas_call(
                 functools.partial(_decode_kernel, tile_kw=decode_kw), grid=(R, kvh, 1), out_shape=out_shape,

@@ -180,3 +180,44 @@ def test_pallas_write_kv_matches_scatter(kvh, cache_dtype):
         np.testing.assert_array_equal(g[:bs], o[:bs])               # padding tokens wrote nothing
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
         ops.write_kv(k_cache, v_cache, k, v, slots, backend="pallas")
+
+
+# The Mosaic GPU prefill kernel (kernels/prefill_mgpu.py) in Mosaic GPU's interpret mode: its tile schedule,
+# paged TMA reads, causal masks and ragged row stores against the reference. (Interpret mode takes the MMA's
+# A operand from shared memory and adds the P.V product after it; on the GPU both stay in the MMA.)
+MGPU = dict(prefill_kernel="mgpu", fused=False, decode_block_k=16)
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,kvh,d,bs,block_kv", [
+    # tiles that end 1 row short, exactly, and 1 row past a warpgroup's 64; decodes and a 2-token chunk between
+    ([64, 1, 63, 65, 2], [64, 3, 100, 65, 40], 4, 2, 64, 16, 64),
+    # SmolLM2's GQA group of 3; 32-token pages; a 200-token chunk on a 190-token cached prefix
+    ([1, 200, 1, 5], [30, 390, 7, 300], 9, 3, 64, 32, 128),
+    # Llama's head_dim 128 with 64-token pages: two pages per K/V step
+    ([129, 1], [129, 20], 4, 1, 128, 64, 128),
+])
+def test_mgpu_prefill_matches_reference(q_lens, ctx_lens, hq, kvh, d, bs, block_kv):
+    check(hq + bs, q_lens, ctx_lens, hq=hq, kvh=kvh, d=d, bs=bs, dtype=jnp.bfloat16,
+          tiles=dict(MGPU, mgpu_block_kv=block_kv))
+
+
+def test_mgpu_prefill_scope_and_dispatch():
+    """Where the Mosaic GPU kernel does not apply, "mgpu" falls back to the Triton prefill tiles; the
+    backend names pin the prefill kernel."""
+    from jaxserve.kernels import prefill_mgpu
+    rng = np.random.default_rng(4)
+    q, k, v, md = synthetic.make_batch(rng, [1, 20], [30, 20], block_size=16, num_q_heads=4, num_kv_heads=2,
+                                       head_dim=64, dtype=jnp.bfloat16)
+    assert prefill_mgpu.supported(q, k)
+    assert not prefill_mgpu.supported(q.astype(jnp.float32), k.astype(jnp.float32))
+    assert not prefill_mgpu.supported(q, k, soft_cap=30.0)
+    assert not prefill_mgpu.supported(q, k, sliding_window=8)
+    assert not prefill_mgpu.supported(q, k.astype(ops.kv_cache_dtype("fp8", jnp.bfloat16)), k_scale=1.0)
+    assert not prefill_mgpu.supported(q, k, block_kv=40)
+    ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125, soft_cap=30.0)
+    out = ops.paged_attention(q, k, v, md, sm_scale=0.125, soft_cap=30.0, backend="pallas-mgpu", interpret=True)
+    assert max_rel_err(out, ref, md) <= 1e-2
+    ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125)
+    for backend in ("pallas", "pallas-triton", "pallas-mgpu"):
+        out = ops.paged_attention(q, k, v, md, sm_scale=0.125, backend=backend, interpret=True)
+        assert max_rel_err(out, ref, md) <= 1e-2, backend

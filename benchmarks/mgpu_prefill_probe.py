@@ -22,8 +22,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", nargs="+", default=["128x2", "64x2", "64x3"], help="block_kv x stages")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--block-sizes", nargs="+", type=int, default=[16], help="cache page sizes to time")
+    ap.add_argument("--skip-others", action="store_true", help="no stock FA3 / cuDNN rows")
+    ap.add_argument("--skip-triton", action="store_true", help="no Triton rows")
     a = ap.parse_args(argv)
     S = kb.Sizes()
+    import dataclasses
     kb.log(f"# mgpu_prefill_probe: jax {jax.__version__}, {jax.devices()[0].device_kind}")
     if not a.skip_check:
         kb.log("## correctness (bf16, vs the pure-jnp reference)")
@@ -33,22 +37,27 @@ def main(argv=None):
     cases = {"8x2048 causal": ([L] * B, [L] * B), "8x2048 on 2048 prefix": ([L] * B, [2 * L] * B),
              f"mixed {nd}d+{nc}x{c}": ([1] * nd + [c] * nc, [S.mixed_ctx] * nd + [2 * c] * nc)}
     cfgs = {"triton default": {}, "triton decode_stages=2": dict(decode_stages=2)}
+    if a.skip_triton:
+        cfgs = {}
     for spec in a.configs:
         bk, st = map(int, spec.split("x"))
         cfgs[f"mgpu bk{bk} st{st}"] = dict(prefill_kernel="mgpu", fused=False, mgpu_block_kv=bk, mgpu_stages=st)
-    kb.log("| kernel | " + " | ".join(cases) + " |")
-    kb.log("|---|" + "---|" * len(cases))
-    for name, cfg in cfgs.items():
+    kb.log("| kernel | page size | " + " | ".join(cases) + " |")
+    kb.log("|---|---|" + "---|" * len(cases))
+    for (name, cfg), bs in [(c, b) for b in a.block_sizes for c in cfgs.items()]:
+        Sb = dataclasses.replace(S, bs=bs)
         cells = []
         for ql, cl in cases.values():
             try:
-                t, tf = kb.time_ragged(S, ql, cl, **cfg)
+                t, tf = kb.time_ragged(Sb, ql, cl, **cfg)
                 cells.append(f"{t * 1e3:.3f} ms, {tf:.0f} TFLOP/s")
             except Exception as e:
                 cells.append(f"failed: {type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc()
                 break
-        kb.log(f"| {name} | " + " | ".join(cells) + " |")
+        kb.log(f"| {name} | {bs} | " + " | ".join(cells) + " |")
+    if a.skip_others:
+        return
     key = jax.random.key(3)
     q = jax.random.normal(key, (B, L, S.hq, S.d), jnp.bfloat16)
     k = jax.random.normal(jax.random.fold_in(key, 1), (B, L, S.kvh, S.d), jnp.bfloat16)

@@ -4,6 +4,8 @@ Each case is a ragged step: decodes (q_len 1) and prefill chunks (q_len > 1) tog
 shuffled physical blocks with a shared prefix block, padding tokens and padding requests. Outputs start
 NaN-poisoned (``poison_output``), so a row no kernel writes fails. Error: max |out - ref| / max |ref|.
 """
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -221,3 +223,16 @@ def test_mgpu_prefill_scope_and_dispatch():
     for backend in ("pallas", "pallas-triton", "pallas-mgpu"):
         out = ops.paged_attention(q, k, v, md, sm_scale=0.125, backend=backend, interpret=True)
         assert max_rel_err(out, ref, md) <= 1e-2, backend
+
+
+@pytest.mark.parametrize("d,bs,block_kv,stages", [(128, 16, 128, 2), (64, 32, 64, 3)])
+def test_mgpu_prefill_lowers_for_cuda(d, bs, block_kv, stages):
+    """The GPU build of the kernel (MMA from registers, accumulation in the MMA: paths interpret mode does not
+    take) lowers to Mosaic GPU for CUDA here on CPU, so layout and tiling errors show without a GPU."""
+    from jaxserve.kernels import prefill_mgpu
+    rng = np.random.default_rng(6)
+    q, k, v, md = synthetic.make_batch(rng, [200, 1], [300, 40], block_size=bs, num_q_heads=4, num_kv_heads=2,
+                                       head_dim=d, dtype=jnp.bfloat16, pad_tokens=3, pad_reqs=1)
+    fn = jax.jit(functools.partial(prefill_mgpu.prefill_attention, sm_scale=0.1, block_kv=block_kv, stages=stages))
+    text = fn.trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -225,14 +225,15 @@ def test_mgpu_prefill_scope_and_dispatch():
         assert max_rel_err(out, ref, md) <= 1e-2, backend
 
 
-@pytest.mark.parametrize("d,bs,block_kv,stages", [(128, 16, 128, 2), (64, 32, 64, 3)])
-def test_mgpu_prefill_lowers_for_cuda(d, bs, block_kv, stages):
+@pytest.mark.parametrize("d,bs,block_kv,stages,pad", [(128, 16, 128, 2, 7), (64, 32, 64, 3, 3)])
+def test_mgpu_prefill_lowers_for_cuda(d, bs, block_kv, stages, pad):
     """The GPU build of the kernel (MMA from registers, accumulation in the MMA: paths interpret mode does not
-    take) lowers to Mosaic GPU for CUDA here on CPU, so layout and tiling errors show without a GPU."""
+    take) lowers to Mosaic GPU for CUDA here on CPU, so layout and tiling errors show without a GPU; token
+    counts 208 and 204 (a multiple of 8 and not)."""
     from jaxserve.kernels import prefill_mgpu
     rng = np.random.default_rng(6)
     q, k, v, md = synthetic.make_batch(rng, [200, 1], [300, 40], block_size=bs, num_q_heads=4, num_kv_heads=2,
-                                       head_dim=d, dtype=jnp.bfloat16, pad_tokens=3, pad_reqs=1)
+                                       head_dim=d, dtype=jnp.bfloat16, pad_tokens=pad, pad_reqs=1)
     fn = jax.jit(functools.partial(prefill_mgpu.prefill_attention, sm_scale=0.1, block_kv=block_kv, stages=stages))
     text = fn.trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -327,14 +327,11 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     ``prefill_kernel``: ``"triton"`` (prefill tiles in this file), ``"mgpu"`` (the Mosaic GPU kernel of
     ``prefill_mgpu`` for the prefill tokens, then the decode launch, wherever ``prefill_mgpu.supported``;
     else triton) or ``"auto"`` (mgpu where supported and the step has at least ``MGPU_MIN_TOKENS`` token
-    slots: its extra launch is nothing next to a long prefill but shows on small decode steps).
+    slots: its extra launch is nothing next to a long prefill but shows on small decode steps). The
+    default here is triton (the benchmarks' baseline); the engine's ``pallas`` backend passes auto.
     """
     if prefill_kernel not in ("triton", "mgpu", "auto"):
         raise ValueError(f"prefill_kernel must be triton, mgpu or auto, got {prefill_kernel!r}")
-    mgpu_ok = prefill_mgpu.supported(q, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
-                                     k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv)
-    use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
-                                                         and q.shape[0] >= MGPU_MIN_TOKENS))
     out_dtype = q.dtype
     fp8_cache = jnp.dtype(k_cache.dtype).itemsize == 1
     if dot_dtype is None and fp8_cache and q.dtype == jnp.bfloat16:
@@ -343,6 +340,10 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         decode_stages = 4 if fp8_cache else 3
     if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
         q = q.astype(dot_dtype)
+    mgpu_ok = prefill_mgpu.supported(q, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
+                                     k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv)
+    use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
+                                                         and q.shape[0] >= MGPU_MIN_TOKENS))
     T, hq, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
     R, P = md.block_tables.shape

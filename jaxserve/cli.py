@@ -25,7 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"])
     g.add_argument("--chat-template", default=None, help="a Jinja template string or a file holding one")
     g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "pallas", "pallas-triton", "pallas-mgpu", "reference"], help="auto: pallas on a GPU, else reference; pallas-triton / pallas-mgpu pin the prefill kernel")
+                   choices=["auto", "pallas", "pallas-triton", "pallas-mgpu", "reference"],
+                   help="auto: pallas on a GPU, else reference; pallas-triton / pallas-mgpu pin the prefill kernel")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default ~/.cache/jaxserve/xla; '' = off)")
     g.add_argument("--max-logprobs", type=int, default=20)

@@ -341,7 +341,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
         q = q.astype(dot_dtype)
     mgpu_ok = prefill_mgpu.supported(q, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
-                                     k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv)
+                                     k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv,
+                                     stages=mgpu_stages)
     use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
                                                          and q.shape[0] >= MGPU_MIN_TOKENS))
     T, hq, d = q.shape

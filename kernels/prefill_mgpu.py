@@ -30,7 +30,7 @@ memory and back to HBM in at most 7 TMA stores of 64, 32, ..., 1 rows (the binar
 valid rows), so no other request's rows are ever written.
 
 Limits (the caller falls back to the Triton kernel outside them): q and cache of the same 16-bit dtype (no
-fp8 cache), head_dim a multiple of 64 up to 256, no soft-cap, no sliding window, ``block_kv`` a multiple of
+fp8 cache), head_dim a multiple of 64 whose tiles fit shared memory (64 and 128), no soft-cap, no sliding window, ``block_kv`` a multiple of
 the cache's block size.
 """
 from __future__ import annotations
@@ -53,12 +53,22 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)   # finite: a fully masked
 LOG2E = math.log2(math.e)
 
 
+SMEM_BYTES = 227 * 1024   # Hopper's shared memory per block
+
+
+def smem_bytes(d: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
+    """Shared memory of one program: Q and the output buffer per compute warpgroup, ``stages`` K and V tiles."""
+    return (2 * COMPUTE_WGS * ROWS_PER_WG * d + 2 * stages * block_kv * d) * itemsize
+
+
 def supported(q, k_cache, *, soft_cap=None, sliding_window=None, k_scale=None, v_scale=None,
-              block_kv: int = 128) -> bool:
-    """Whether ``prefill_attention`` handles this call (else use the Triton prefill tiles)."""
+              block_kv: int = 128, stages: int = 2) -> bool:
+    """Whether ``prefill_attention`` handles this call (else use the Triton prefill tiles). head_dim 256 does
+    not fit shared memory (384 KiB at block_kv 128, 2 stages)."""
     d = q.shape[-1]
     bs = k_cache.shape[1]
-    return (q.dtype in (jnp.bfloat16, jnp.float16) and k_cache.dtype == q.dtype and d % 64 == 0 and d <= 256
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and k_cache.dtype == q.dtype and d % 64 == 0
+            and smem_bytes(d, block_kv, stages, q.dtype.itemsize) <= SMEM_BYTES
             and soft_cap is None and sliding_window is None and k_scale is None and v_scale is None
             and block_kv % bs == 0)
 

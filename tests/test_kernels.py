@@ -216,6 +216,11 @@ def test_mgpu_prefill_scope_and_dispatch():
     assert not prefill_mgpu.supported(q, k, sliding_window=8)
     assert not prefill_mgpu.supported(q, k.astype(ops.kv_cache_dtype("fp8", jnp.bfloat16)), k_scale=1.0)
     assert not prefill_mgpu.supported(q, k, block_kv=40)
+    # head_dim 256 (Gemma) and 3 stages at head_dim 128 do not fit the 227 KiB of shared memory
+    q256, k256 = jnp.zeros((8, 4, 256), jnp.bfloat16), jnp.zeros((4, 16, 2, 256), jnp.bfloat16)
+    assert not prefill_mgpu.supported(q256, k256)
+    q128, k128 = jnp.zeros((8, 4, 128), jnp.bfloat16), jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+    assert prefill_mgpu.supported(q128, k128) and not prefill_mgpu.supported(q128, k128, stages=3)
     ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125, soft_cap=30.0)
     out = ops.paged_attention(q, k, v, md, sm_scale=0.125, soft_cap=30.0, backend="pallas-mgpu", interpret=True)
     assert max_rel_err(out, ref, md) <= 1e-2

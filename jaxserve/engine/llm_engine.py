@@ -100,7 +100,7 @@ class LLMEngine:
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
             if not config.skip_warmup:
                 self.runner.warmup(progress=progress)
-            if jax.process_count() > 1 and jax.process_index() == 0:
+            if self._multi_process and jax.process_index() == 0:
                 # the other processes run follow_runner: each step is sent to them before it launches
                 from jaxserve.parallel import BroadcastingRunner
                 channel = self._workers.step_channel() if self._workers is not None else None

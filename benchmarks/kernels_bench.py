@@ -272,9 +272,10 @@ def section_decode_main(S, rows):
     log(f"| stock pallas.ops.gpu.paged_attention | {t * 1e6:.1f} us | {tbs:.2f} TB/s | {100 * tbs / CEIL_TBS:.0f}% |")
     rows.append((f"decode B={B} ctx={ctx}: stock", f"{t * 1e6:.1f} us, {tbs:.2f} TB/s"))
     stock_tbs = tbs
-    variants = [dict(), dict(fused=False), dict(decode_splits=2), dict(decode_block_k=128),
-                dict(decode_block_k=32, decode_stages=4), dict(decode_stages=2), dict(decode_block_k=128, decode_stages=2),
-                dict(decode_warps=8, decode_block_k=128)]
+    # default: the fused launch (any step); decode_only: the launch the engine runs for uniform decode steps
+    variants = [dict(), dict(decode_only=True), dict(decode_only=True, decode_stages=2), dict(fused=False),
+                dict(decode_splits=2), dict(decode_block_k=32, decode_stages=4), dict(decode_stages=2),
+                dict(decode_warps=8)]
     if S.interpret:
         variants = variants[:2]
     best = None
@@ -391,9 +392,8 @@ def section_fp8(S, rows, cfg):
     log("| B | ctx | bf16 us | fp8 us | fp8/bf16 time | fp8 TB/s (fp8 bytes) | fp8 'bf16-equivalent' TB/s |")
     log("|---|---|---|---|---|---|---|")
     f16 = dict(dot_dtype=jnp.float16)
-    fp8_variants = [cfg, dict(cfg, dot_dtype=jnp.bfloat16, decode_stages=3), dict(cfg, **f16), dict(cfg, decode_stages=4, **f16), dict(cfg, decode_stages=2, **f16),
-                    dict(decode_block_k=64, decode_stages=4, **f16), dict(decode_block_k=256, decode_stages=2, **f16),
-                    dict(cfg, decode_warps=2, **f16), dict(cfg, decode_warps=8, **f16)]
+    fp8_variants = [cfg, dict(cfg, dot_dtype=jnp.bfloat16), dict(cfg, decode_stages=6, **f16),
+                    dict(cfg, decode_block_k=32, decode_warps=1, decode_stages=12, **f16), dict(), dict(decode_stages=2)]
     if S.interpret:
         fp8_variants = fp8_variants[:1]
     for B, ctx in S.fp8_cases:

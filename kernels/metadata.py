@@ -28,3 +28,7 @@ class AttentionMetadata:
     seq_lens: jax.Array          # [R] int32: context length of each request after this step (0 = padding)
     query_start_loc: jax.Array   # [R + 1] int32: cumulative new-token offsets into the flat token axis
     num_seqs: jax.Array          # [] int32: number of real requests (<= R)
+    # Static (part of the jit cache key, not an array): every real request has exactly one new token. The
+    # Pallas backend then launches its decode kernel alone (vLLM's uniform-decode case); the reference
+    # ignores it. The caller must be right: a prefill token in such a step is left unwritten.
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))

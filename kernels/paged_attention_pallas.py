@@ -235,10 +235,10 @@ def _prefill_kernel(*refs, tile_kw):
     _prefill_tile(x, refs[-1], pl.program_id(0), pl.program_id(1), **tile_kw)
 
 
-def _decode_kernel(*refs, tile_kw):
+def _decode_kernel(*refs, tile_kw, n_in):
+    """``n_in``: 9 inputs, or 10 when the output buffer comes in too (aliased; skipped here)."""
     x = _Refs(refs[:9])
-    outs = refs[10:] if tile_kw["num_splits"] == 1 else refs[9:]    # skip the aliased input
-    _decode_tile(x, outs, pl.program_id(0), pl.program_id(2), pl.program_id(1), **tile_kw)
+    _decode_tile(x, refs[n_in:], pl.program_id(0), pl.program_id(2), pl.program_id(1), **tile_kw)
 
 
 def _fused_kernel(*refs, n_prefill, prefill_kw, decode_kw, n_in):
@@ -260,9 +260,11 @@ def _fused_kernel(*refs, n_prefill, prefill_kw, decode_kw, n_in):
         _decode_tile(x, decode_outs, idx // splits, idx % splits, h, **decode_kw)
 
 
-def _combine_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, vs_ref, o_ref, m_ref, l_ref, _out_in_ref, out_ref, *,
+def _combine_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, vs_ref, o_ref, m_ref, l_ref, *out_refs,
                     group, group_pad, num_splits, num_q_heads):
-    """Merge the splits' softmax states of request r's decode token for kv head h (flash-decoding)."""
+    """Merge the splits' softmax states of request r's decode token for kv head h (flash-decoding).
+    ``out_refs``: the output, after the aliased output buffer when one comes in."""
+    out_ref = out_refs[-1]
     r, h = pl.program_id(0), pl.program_id(1)
     tok = qsl_ref[r]
     seq_len = seq_lens_ref[r]
@@ -294,25 +296,28 @@ def _prefill_tokens(md: AttentionMetadata, T: int):
 
 
 def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> int:
-    """Flash-decoding splits: enough (request, head, split) programs for ~4 waves, >= 4 chunks a split."""
+    """Flash-decoding splits: enough (request, head, split) programs for ~4 waves, each split >= 4 chunks and
+    >= 512 keys (more splits make the combine the cost: B=1 ctx 32768 took 138.7 us with 128 splits of 256
+    keys, 67.2 with 64 of 512; H200, 2026-11-30)."""
     want = max(1, (4 * NUM_SMS) // max(1, num_reqs * kv_heads))
-    cap = max(1, max_ctx // (4 * block_k))
+    cap = max(1, max_ctx // (4 * max(block_k, 128)))
     return max(1, min(_next_pow2(want), _next_pow2(cap) if cap > 1 else 1))
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
     "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "prefill_warps",
-    "prefill_stages", "fused", "poison_output", "dot_dtype", "prefill_kernel", "mgpu_block_kv", "mgpu_stages"))
+    "prefill_stages", "fused", "poison_output", "dot_dtype", "prefill_kernel", "mgpu_block_kv", "mgpu_stages",
+    "decode_only"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
-                           decode_block_k: int = 128, decode_splits: int | None = None,
-                           decode_warps: int = 4, decode_stages: int | None = None,
+                           decode_block_k: int | None = None, decode_splits: int | None = None,
+                           decode_warps: int | None = None, decode_stages: int | None = None,
                            prefill_block_m: int = 128, prefill_block_k: int = 64,
                            prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
                            poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
-                           mgpu_block_kv: int = 128, mgpu_stages: int = 2):
+                           mgpu_block_kv: int = 128, mgpu_stages: int = 2, decode_only: bool | None = None):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
     ``k_scale``/``v_scale``: dequantisation scales (scalar or ``[kv_heads]``) of an fp8 cache, else None.
@@ -329,6 +334,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     else triton) or ``"auto"`` (mgpu where supported and the step has at least ``MGPU_MIN_TOKENS`` token
     slots: its extra launch is nothing next to a long prefill but shows on small decode steps). The
     default here is triton (the benchmarks' baseline); the engine's ``pallas`` backend passes auto.
+    ``decode_only`` (default: ``md.decode_only``): every real request has ``q_len == 1``; only the decode
+    launch runs, so no prefill tile slots are scheduled and its shared memory is the decode tile's alone.
     """
     if prefill_kernel not in ("triton", "mgpu", "auto"):
         raise ValueError(f"prefill_kernel must be triton, mgpu or auto, got {prefill_kernel!r}")
@@ -336,8 +343,20 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     fp8_cache = jnp.dtype(k_cache.dtype).itemsize == 1
     if dot_dtype is None and fp8_cache and q.dtype == jnp.bfloat16:
         dot_dtype = jnp.float16
+    if decode_only is None:
+        decode_only = md.decode_only
+    # Decode tile defaults (H200, benchmarks/decode_probe.py, 2026-11-30). The fused launch shares one
+    # program size with the prefill tiles (one program per SM), where 128-key tiles did best. The
+    # decode-only launch runs 64-key tiles in 2 warps: 96 KiB of shared memory at 3 stages, 2 programs per
+    # SM, so one program's first loads overlap the other's streaming (B=64 ctx 2048: 136.9 us against 166.2
+    # fused). An fp8 cache wants a deeper pipeline: 64-key tiles in 2 warps over 8 stages (B=8 ctx 32768:
+    # 167.5 us, 6 stages 180.8, 128-key tiles 185-192; bf16 cache 269.0).
+    if decode_block_k is None:
+        decode_block_k = 64 if decode_only else 128
+    if decode_warps is None:
+        decode_warps = 2 if decode_only else 4
     if decode_stages is None:
-        decode_stages = 4 if fp8_cache else 3
+        decode_stages = (8 if decode_only else 4) if fp8_cache else 3
     if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
         q = q.astype(dot_dtype)
     mgpu_ok = prefill_mgpu.supported(q, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
@@ -380,8 +399,22 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                    jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32),
                    jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32))
     decode_params = plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages)
-    parts = ()
-    if fused and not use_mgpu:
+
+    def decode_launch(ins_, alias, name):
+        """The decode tiles alone: straight into the output (1 split) or the splits' softmax states."""
+        return pl.pallas_call(
+            functools.partial(_decode_kernel, tile_kw=decode_kw, n_in=len(ins_)), grid=(R, kvh, splits),
+            out_shape=out_shape if splits == 1 else part_shapes, input_output_aliases=alias,
+            compiler_params=decode_params, interpret=interpret, name=name)(*ins_)
+
+    parts, out = (), None
+    if decode_only:
+        if splits == 1:
+            out = decode_launch(first_ins, first_alias, "ragged_paged_decode")
+        else:
+            parts = decode_launch(ins, {}, "ragged_paged_decode_split")
+            out = first_ins[9] if poison_output else None
+    elif fused and not use_mgpu:
         res = pl.pallas_call(
             functools.partial(_fused_kernel, n_prefill=n_prefill, prefill_kw=prefill_kw, decode_kw=decode_kw,
                               n_in=len(first_ins)),
@@ -404,20 +437,16 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                 compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
                 interpret=interpret, name="ragged_paged_prefill")(*first_ins)
         if splits == 1:
-            out = pl.pallas_call(
-                functools.partial(_decode_kernel, tile_kw=decode_kw), grid=(R, kvh, 1), out_shape=out_shape,
-                input_output_aliases={9: 0}, compiler_params=decode_params, interpret=interpret,
-                name="ragged_paged_decode")(*ins, out)
+            out = decode_launch(ins + (out,), {9: 0}, "ragged_paged_decode")
         else:
-            parts = pl.pallas_call(
-                functools.partial(_decode_kernel, tile_kw=decode_kw), grid=(R, kvh, splits),
-                out_shape=part_shapes, compiler_params=decode_params, interpret=interpret,
-                name="ragged_paged_decode_split")(*ins)
+            parts = decode_launch(ins, {}, "ragged_paged_decode_split")
     if splits > 1:
+        # the combine writes the decode rows into ``out`` (aliased) or, decode-only, allocates the output
+        outs = (out,) if out is not None else ()
         out = pl.pallas_call(
             functools.partial(_combine_kernel, group=group, group_pad=group_pad, num_splits=splits,
                               num_q_heads=hq),
-            grid=(R, kvh), out_shape=out_shape, input_output_aliases={7: 0},
+            grid=(R, kvh), out_shape=out_shape, input_output_aliases={7: 0} if outs else {},
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-            name="ragged_paged_combine")(ins[0], ins[1], ins[2], ins[5], *parts, out)
+            name="ragged_paged_combine")(ins[0], ins[1], ins[2], ins[5], *parts, *outs)
     return out.reshape(T, hq, d).astype(out_dtype)

@@ -75,6 +75,31 @@ def test_two_launch_variant(splits):
           splits=splits, tiles=dict(SMALL_TILES, fused=False))
 
 
+@pytest.mark.parametrize("splits,window", [(1, None), (4, None), (2, 40)])
+def test_decode_only_launch(splits, window):
+    """decode_only: the decode launch alone (no prefill tile slots); padding requests and tokens, empty
+    splits, and a window give the reference's rows."""
+    check(30 + splits, [1, 1, 1, 1, 1], [150, 3, 64, 97, 1], hq=8, kvh=2, d=64, bs=16, dtype=jnp.float32,
+          splits=splits, window=window, tiles=dict(SMALL_TILES, decode_only=True))
+
+
+def test_decode_only_from_metadata():
+    """The engine marks uniform decode steps in the metadata (a static field): same rows, and a prefill
+    request in an unmarked step still gets its rows."""
+    import dataclasses
+    rng = np.random.default_rng(5)
+    q, k, v, md = synthetic.make_batch(rng, [1, 1, 1], [40, 9, 70], block_size=16, num_q_heads=4,
+                                       num_kv_heads=2, head_dim=64, dtype=jnp.float32, pad_tokens=2, pad_reqs=1)
+    ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125)
+    marked = dataclasses.replace(md, decode_only=True)
+    out = pa.ragged_paged_attention(q, k, v, marked, sm_scale=0.125, interpret=True, poison_output=True,
+                                    **SMALL_TILES)
+    assert max_rel_err(out, ref, md) <= 1e-4
+    # the flag changes the compiled program (a static pytree field), not the arrays
+    assert jax.tree_util.tree_structure(marked) != jax.tree_util.tree_structure(md)
+    assert ops.paged_attention(q, k, v, marked, sm_scale=0.125).shape == q.shape   # the reference ignores it
+
+
 def test_soft_cap_and_sliding_window():
     check(11, [1, 12, 1, 30], [90, 40, 5, 30], hq=9, kvh=3, d=64, bs=16, dtype=jnp.float32, soft_cap=5.0,
           window=20, splits=2)

@@ -22,6 +22,7 @@ def bare_runner(block_size=4, max_model_len=128, max_num_seqs=32, max_tokens=256
     r.max_num_seqs = max_num_seqs
     r.max_num_tokens = max_tokens
     r.buckets = token_buckets(max_tokens)
+    r.uniform_decode = False
     return r
 
 
@@ -128,6 +129,21 @@ def test_prepare_empty_and_placeholder_errors():
         runner.prepare(s, None)
     with pytest.raises(RuntimeError, match="still on the device"):
         runner.prepare(s, types.SimpleNamespace(rows={"other": 0}))
+
+
+def test_prepare_marks_uniform_decode_steps():
+    """Under a Pallas backend a step whose requests all decode one token is marked decode-only (its own
+    compiled variant); a step with a prefill chunk, an empty step, and the reference backend are not."""
+    rng = random.Random(3)
+    runner = bare_runner()
+    runner.uniform_decode = True
+    decodes, prev = random_batch(rng, runner, 5, 0)
+    assert runner.prepare(decodes, prev)[4].decode_only
+    mixed, prev_mixed = random_batch(rng, runner, 5, 1)
+    assert not runner.prepare(mixed, prev_mixed)[4].decode_only
+    assert not runner.prepare([], None)[4].decode_only
+    runner.uniform_decode = False
+    assert not runner.prepare(decodes, prev)[4].decode_only
 
 
 def _params(rng, plain):

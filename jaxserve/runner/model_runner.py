@@ -72,10 +72,10 @@ class RunnerStats:
                 "device_ms_per_step": self.device_ms / n, "tokens_per_step": self.tokens / n}
 
 
-def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, layout):
+def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, layout, decode_only=False):
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
-    md = AttentionMetadata(**packing.take(x, "md."))
+    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only)
     input_ids, positions, logits_indices, prev_index = x["input_ids"], x["positions"], x["logits_idx"], \
         x["prev_index"]
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
@@ -136,7 +136,11 @@ class ModelRunner:
         self.kv_caches = self._init_kv_caches()
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend), mesh),
-                                donate_argnums=(1,), static_argnames=("layout",))
+                                donate_argnums=(1,), static_argnames=("layout", "decode_only"))
+        # Steps whose requests all decode one token get their own variant of the small buckets under the
+        # Pallas backends: the attention runs its decode launch alone (no prefill tile slots, the decode
+        # tile's shared memory only). The reference has one path for both, so no extra compiles there.
+        self.uniform_decode = self.backend != "reference"
         # On GPU the sampler must not contain XLA conditionals (each one syncs the host with the device), so
         # the host says whether any row filters (top-k/top-p): two static variants. CPU keeps lax.cond.
         self.static_sampling = jax.default_backend() != "cpu"
@@ -289,7 +293,7 @@ class ModelRunner:
                 prev_index[last] = src
                 input_ids[last] = 0
         md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
-                               num_seqs=np.int32(n))
+                               num_seqs=np.int32(n), decode_only=self.uniform_decode and 0 < n == n_tok)
         return T, R, input_ids, positions, md, logits_idx, prev_index
 
     def sampling_metadata(self, scheduled, R: int):
@@ -343,7 +347,7 @@ class ModelRunner:
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
         # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
         self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
-                                               layout=f_layout)
+                                               layout=f_layout, decode_only=md.decode_only)
         # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
         # row filters with top-k/top-p
         rows, lp_k = {}, {}
@@ -407,14 +411,18 @@ class ModelRunner:
         t0 = time.perf_counter()
         penalized = SamplingParams(repetition_penalty=1.1)
         todo = [("forward", T) for T in self.buckets]
+        if self.uniform_decode:       # decode-only steps land in the buckets up to max_num_seqs tokens
+            todo += [("forward-decode", T) for T in self.buckets
+                     if T <= self.bucket_for(min(self.max_num_seqs, self.max_num_tokens))]
         todo += [(("sample", key, pen), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
                  for key in self._samplers for pen in (False, True)]
         for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
-            if what == "forward":
+            if isinstance(what, str):
                 ids, pos, md, lidx = self._padding_inputs(size)
                 f_ints, f_layout = forward_pack(ids, pos, md, lidx, np.full(size, -1, np.int32))
                 self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints,
-                                                       self._no_prev, layout=f_layout)
+                                                       self._no_prev, layout=f_layout,
+                                                       decode_only=what == "forward-decode")
                 jax.block_until_ready(logits)
                 continue
             _, key, pen = what

@@ -90,8 +90,8 @@ def unpack(ints: jax.Array, floats: jax.Array | None, layout: Layout) -> dict[st
 
 
 def fields(obj) -> dict[str, Any]:
-    """A dataclass pytree's array fields by name (for ``pack``)."""
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    """A dataclass pytree's array fields by name (for ``pack``); static fields are not arrays and stay out."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.metadata.get("static")}
 
 
 def prefixed(prefix: str, d: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,155 @@
+"""Decode attention launch configurations on one GPU, in about two device minutes (kernels_bench takes ~7).
+
+    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1]
+
+Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool, median of reps):
+* main: decode B=64 ctx 2048 (32q/8kv, d128, bf16, pages of 16) -- the fused launch the engine used for
+  every step, the decode-only launch (``decode_only=True``: the engine's uniform-decode steps) in several
+  tile configurations, the stock kernel; plus the B=64 ctx-16 fixed-cost probe;
+* small: batch 1-4 as the engine's T=16 bucket pads it (16 request rows), fused against decode-only;
+* fp8: an e4m3 cache at B=8 ctx 32768 against bf16, fused and decode-only configurations.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import kernels_bench as kb
+from jaxserve.kernels import paged_attention_pallas as pa
+from jaxserve.kernels.metadata import AttentionMetadata
+
+D = dict(decode_only=True)
+
+
+def row(name, t, tbs=None):
+    extra = f" | {tbs:.2f} TB/s | {100 * tbs / kb.CEIL_TBS:.0f}%" if tbs is not None else ""
+    kb.log(f"| {name} | {t * 1e6:.1f} us{extra} |")
+
+
+def try_decode(S, B, ctx, name, **cfg):
+    try:
+        t, tbs = kb.time_decode(S, B, ctx, **cfg)
+    except Exception as e:   # a config that does not compile is reported, not fatal
+        kb.log(f"| {name} {cfg} | failed: {type(e).__name__}: {str(e)[:300]} |")
+        return None
+    row(f"{name} {cfg or 'default'}", t, tbs)
+    return t
+
+
+def section_main(S):
+    B, ctx = S.main_b, S.main_ctx
+    kb.log(f"\n## decode B={B} ctx={ctx} {S.hq}q/{S.kvh}kv d={S.d} bf16 block {S.bs}")
+    kb.log("| variant | time | KV read | % of 4.3 TB/s |\n|---|---|---|---|")
+    try_decode(S, B, ctx, "stock", which="stock")
+    variants = [dict(), dict(D), dict(D, decode_stages=4), dict(D, decode_stages=2),
+                dict(D, decode_block_k=64), dict(D, decode_block_k=64, decode_stages=4),
+                dict(D, decode_block_k=64, decode_stages=2), dict(D, decode_block_k=64, decode_warps=2),
+                dict(D, decode_block_k=32, decode_stages=4), dict(D, decode_splits=2),
+                dict(D, decode_splits=2, decode_block_k=64), dict(D, decode_warps=8)]
+    for cfg in variants:
+        try_decode(S, B, ctx, "ours", **cfg)
+    for cfg in (dict(), dict(D), dict(D, decode_block_k=64)):
+        try_decode(S, B, 16, "fixed cost B=64 ctx=16: ours", **cfg)
+    try_decode(S, B, 16, "fixed cost B=64 ctx=16: stock", which="stock")
+
+
+def section_tune(S):
+    """Decode-only tile configurations around the first probe's best (block_k 64, 2 warps)."""
+    B, ctx = S.main_b, S.main_ctx
+    kb.log(f"\n## decode-only tiles, B={B} ctx={ctx}")
+    kb.log("| variant | time | KV read | % of 4.3 TB/s |\n|---|---|---|---|")
+    for bk, w, st in [(64, 2, 3), (64, 2, 2), (64, 2, 4), (64, 1, 3), (32, 1, 3), (32, 2, 4), (128, 2, 2),
+                      (128, 2, 3), (128, 4, 2), (64, 4, 3)]:
+        try_decode(S, B, ctx, "ours", **dict(D, decode_block_k=bk, decode_warps=w, decode_stages=st))
+    try_decode(S, B, ctx, "ours, fused (before)", decode_block_k=128)
+
+
+def section_sweep(S):
+    """B x ctx: the fused launch (what every step ran before), decode-only at its defaults, stock."""
+    kb.log("\n## sweep: us and TB/s of K+V read")
+    kb.log("| B | ctx | fused us | decode-only us | decode-only TB/s | % | stock us | stock TB/s |")
+    kb.log("|---|---|---|---|---|---|---|---|")
+    for B in S.sweep_b:
+        for ctx in S.sweep_ctx:
+            if kb.kv_bytes(S, B * ctx) > S.max_kv_gib * 2 ** 30:
+                continue
+            try:
+                t0, _ = kb.time_decode(S, B, ctx)
+                t1, b1 = kb.time_decode(S, B, ctx, **D)
+                t2, b2 = kb.time_decode(S, B, ctx, which="stock")
+            except Exception as e:
+                kb.log(f"| {B} | {ctx} | failed: {type(e).__name__}: {str(e)[:200]} |")
+                continue
+            kb.log(f"| {B} | {ctx} | {t0 * 1e6:.1f} | {t1 * 1e6:.1f} | {b1:.2f} | {100 * b1 / kb.CEIL_TBS:.0f}% | "
+                   f"{t2 * 1e6:.1f} | {b2:.2f} |")
+
+
+def section_small(S):
+    T, R, P = 16, 16, 4096 // S.bs
+    kb.log(f"\n## small-batch decode in the engine's T={T} bucket (R={R} request rows, tables {P} pages)")
+    kb.log("| variant | time |\n|---|---|")
+    variants = [dict(), dict(D), dict(D, decode_splits=1), dict(D, decode_splits=2), dict(D, decode_splits=4),
+                dict(D, decode_splits=8), dict(D, decode_block_k=64), dict(D, decode_block_k=64, decode_splits=4),
+                dict(D, decode_block_k=32, decode_splits=8)]
+    for B, ctx in [(1, 256), (1, 2048), (4, 1024)]:
+        q, k, v, tables, seq_lens, qsl, n_rot = kb.engine_decode_inputs(S, B, ctx, T, R, P)
+        for cfg in variants:
+            def step(q, k, v, table, seq_lens, qsl, cfg=cfg):
+                md = AttentionMetadata(slot_mapping=jnp.zeros((T,), jnp.int32), block_tables=table,
+                                       seq_lens=seq_lens, query_start_loc=qsl, num_seqs=jnp.int32(B))
+                return pa.ragged_paged_attention(q, k, v, md, sm_scale=S.d ** -0.5, **cfg)
+            try:
+                t = kb.timed(kb.chain(step, S.n_iter, n_rot), q, k, v, tables, seq_lens, qsl, n_iter=S.n_iter,
+                             reps=S.reps)
+            except Exception as e:
+                kb.log(f"| B={B} ctx={ctx} {cfg} | failed: {type(e).__name__}: {str(e)[:200]} |")
+                continue
+            row(f"B={B} ctx={ctx} {cfg or 'default'}", t)
+        try_decode(S, B, ctx, f"B={B} ctx={ctx} stock (B rows, no padding)", which="stock")
+
+
+def section_fp8(S):
+    fp8 = dict(cache_dtype=jnp.float8_e4m3fn, k_scale=jnp.float32(0.5))
+    for B, ctx in S.fp8_cases:
+        kb.log(f"\n## fp8 (e4m3) cache, decode B={B} ctx={ctx}: time vs the bf16 cache")
+        kb.log("| variant | time | bytes read/s | % |\n|---|---|---|---|")
+        t16 = try_decode(S, B, ctx, "bf16 cache, decode-only", **D)
+        try_decode(S, B, ctx, "bf16 cache, fused", decode_block_k=128)
+        best = None
+        for cfg in [dict(decode_block_k=128), dict(D), dict(D, decode_stages=10), dict(D, decode_stages=12),
+                    dict(D, decode_block_k=32, decode_stages=8), dict(D, decode_block_k=32, decode_stages=12),
+                    dict(D, decode_block_k=32, decode_warps=1, decode_stages=12),
+                    dict(D, decode_warps=4, decode_stages=8)]:
+            t = try_decode(S, B, ctx, "fp8", **fp8, **cfg)
+            if t is not None and (best is None or t < best[0]):
+                best = (t, cfg)
+        if t16 and best:
+            kb.log(f"\nfp8 best {best[1]}: {best[0] * 1e6:.1f} us = {best[0] / t16:.2f}x the bf16 decode-only time")
+
+
+def section_long1(S):
+    """Batch 1 at long context: the split count (decode-only now caps splits at >= 512 keys each)."""
+    kb.log("\n## batch 1, long context\n| variant | time | KV read | % |\n|---|---|---|---|")
+    for ctx in (8192, 32768):
+        try_decode(S, 1, ctx, f"ctx {ctx} fused", decode_block_k=128)
+        try_decode(S, 1, ctx, f"ctx {ctx} decode-only", **D)
+        try_decode(S, 1, ctx, f"ctx {ctx} stock", which="stock")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="main,small,fp8")
+    args = ap.parse_args(argv)
+    S = kb.Sizes()
+    kb.log(f"# decode_probe: jax {jax.__version__}, device {jax.devices()[0].device_kind}")
+    for sec in args.sections.split(","):
+        {"main": section_main, "small": section_small, "fp8": section_fp8, "tune": section_tune,
+         "sweep": section_sweep, "long1": section_long1}[sec](S)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,8 @@ Why a second backend for prefill: prefill is compute-bound, and the Triton lower
 stock dense Mosaic GPU flash attention reached 472. Mosaic GPU gives Hopper's asynchronous tensor-core
 MMA (wgmma) and the TMA copy engine, so one warpgroup can stream K/V while two others compute.
 
-Layout of one program (``grid = (q heads, tile slots)``, three warpgroups of 128 threads):
+Layout of one program (``grid = (q heads, tile slots)``, one 128-token tile of one q head each; three
+warpgroups of 128 threads):
 * two **compute warpgroups**, each owning 64 query rows (one wgmma M) of the tile's 128 tokens for one q
   head; they alternate their tensor-core phases through a shared barrier (one does QK^T while the other
   does its softmax), the FA3 ping-pong;
@@ -24,19 +25,38 @@ a program finds its request by binary search over that monotone start. Slots pas
 decode requests and padding requests exit at once. Slots run in reverse order so the long (late,
 causal) tiles start first.
 
+Persistent variant (``persistent=True``): ``num_programs`` programs (132, one per H200 SM) each loop over
+the work items ``j = pid, pid + P, ...``; item j is tile slot ``n_slots - 1 - j // Hq`` (long tiles first)
+for q head ``j % Hq`` (a slot's q heads adjacent, so the items running at once read the same kv heads'
+pages, from L2). What a program no longer pays per item: the block launch, the Q load's latency, the first
+K/V steps' latency and the wait for the output store. The protocol across items:
+* every warpgroup walks the same item list; an empty item (past its request, a decode, padding) touches
+  no barrier and has 0 K/V steps, so its cost is the search;
+* K/V steps are numbered across the program's items (step g in slot ``g % stages``): the memory warpgroup
+  loads the next item's first steps as soon as the current item's last steps release their slots, and
+  every party observes every phase of every barrier once, in order (Pallas tracks the phase implicitly);
+* each compute warpgroup arrives at the ping-pong barrier ``2 * steps + 1`` times per item, as in the
+  one-tile kernel;
+* Q comes one item ahead into a staging buffer of its own (issued once the current Q has moved into the
+  MMA layout): 224 KiB of shared memory of 227 at head_dim 128, block_kv 128, 2 stages, where the
+  one-tile kernel stages Q in its output buffer (192 KiB). Configurations where the persistent layout
+  does not fit run the one-tile kernel. The previous item's output store is waited for only before its
+  buffer is written again.
+
 Ragged tiles: the 64 rows of a warpgroup may run past its request's last token (into the next request, or
 past T, which the TMA reads as zeros). Those rows are computed and dropped: the result goes to shared
 memory and back to HBM in at most 7 TMA stores of 64, 32, ..., 1 rows (the binary digits of the number of
 valid rows), so no other request's rows are ever written.
 
 Limits (the caller falls back to the Triton kernel outside them): q and cache of the same 16-bit dtype (no
-fp8 cache), head_dim a multiple of 64 whose tiles fit shared memory (64 and 128), no soft-cap, no sliding window, ``block_kv`` a multiple of
-the cache's block size.
+fp8 cache), head_dim a multiple of 64 whose tiles fit shared memory (64 and 128), no soft-cap, no sliding
+window, ``block_kv`` a multiple of the cache's block size.
 """
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,19 +76,23 @@ LOG2E = math.log2(math.e)
 SMEM_BYTES = 227 * 1024   # Hopper's shared memory per block
 
 
-def smem_bytes(d: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
-    """Shared memory of one program: Q and the output buffer per compute warpgroup, ``stages`` K and V tiles."""
-    return (2 * COMPUTE_WGS * ROWS_PER_WG * d + 2 * stages * block_kv * d) * itemsize
+def smem_bytes(d: int, block_kv: int, stages: int, itemsize: int = 2, persistent: bool = False) -> int:
+    """Shared memory of one program: Q and the output buffer per compute warpgroup (persistent: a Q staging
+    buffer too), ``stages`` K and V tiles."""
+    per_wg = 3 if persistent else 2
+    return (per_wg * COMPUTE_WGS * ROWS_PER_WG * d + 2 * stages * block_kv * d) * itemsize
 
 
 def supported(q, k_cache, *, soft_cap=None, sliding_window=None, k_scale=None, v_scale=None,
-              block_kv: int = 128, stages: int = 2) -> bool:
+              block_kv: int = 128, stages: int = 2, persistent: bool = False) -> bool:
     """Whether ``prefill_attention`` handles this call (else use the Triton prefill tiles). head_dim 256 does
-    not fit shared memory (384 KiB at block_kv 128, 2 stages)."""
+    not fit shared memory (384 KiB at block_kv 128, 2 stages). With ``persistent``: whether the persistent
+    layout fits (224 KiB at head_dim 128, block_kv 128, 2 stages); ``prefill_attention`` runs the
+    one-tile-per-program layout where it does not."""
     d = q.shape[-1]
     bs = k_cache.shape[1]
     return (q.dtype in (jnp.bfloat16, jnp.float16) and k_cache.dtype == q.dtype and d % 64 == 0
-            and smem_bytes(d, block_kv, stages, q.dtype.itemsize) <= SMEM_BYTES
+            and smem_bytes(d, block_kv, stages, q.dtype.itemsize, persistent) <= SMEM_BYTES
             and soft_cap is None and sliding_window is None and k_scale is None and v_scale is None
             and block_kv % bs == 0)
 
@@ -83,17 +107,27 @@ def _find_request(qsl_ref, slot, num_reqs):
     return lo
 
 
+class _Item(NamedTuple):
+    """One work item: the 128-token tile ``start`` of request ``r`` for q head ``qh``."""
+    qh: jax.Array
+    r: jax.Array
+    q_start: jax.Array
+    q_end: jax.Array
+    start: jax.Array
+    ctx: jax.Array          # cached tokens before the request's new ones
+    active: jax.Array       # a prefill tile with rows to compute (else: nothing to do, no barrier touched)
+
+
 def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs, pages_per_seq, group,
-            block_kv, stages, sm_scale):
+            block_kv, stages, sm_scale, num_programs):
     smem, kv_ready, consumed, q_ready, sched = scoped
-    q_smem, k_smem, v_smem, o_smem, p_smem = smem
+    q_smem, k_smem, v_smem, o_smem, q_stage, p_smem = smem
     k_ready, v_ready = kv_ready
     k_free, v_free = consumed
+    persistent = num_programs is not None
     wg = lax.axis_index("wg")
-    qh = lax.axis_index("heads")
-    h = qh // group
-    slot_id = n_slots - 1 - lax.axis_index("tiles")        # long causal tiles first
     _, bs, _, d = k_ref.shape
+    hq = q_ref.shape[1]
     pages = block_kv // bs
     dtype = q_ref.dtype
 
@@ -102,150 +136,216 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
     seq_lens_ref = meta_ref.at[pl.ds(num_reqs + 1, num_reqs)]
     num_seqs_ref = meta_ref.at[pl.ds(2 * num_reqs + 1, 1)]
     bt_ref = meta_ref.at[pl.ds(2 * num_reqs + 2, num_reqs * pages_per_seq)]
-    r = _find_request(qsl_ref, slot_id, num_reqs)
-    q_start, q_end = qsl_ref[r], qsl_ref[r + 1]
-    start = q_start + (slot_id - (q_start // TILE + r)) * TILE
-    active = (r < num_seqs_ref[0]) & (q_end - q_start > 1) & (start < q_end)
-    ctx = seq_lens_ref[r] - (q_end - q_start)               # cached tokens before the new ones
 
-    def wg_range(w):
-        """Rows, positions and K/V steps of compute warpgroup ``w``."""
-        row0 = start + w * ROWS_PER_WG
-        n_valid = jnp.clip(q_end - row0, 0, ROWS_PER_WG)
-        first_pos = ctx + (row0 - q_start)
+    # The items of this program, t = 0 .. n_items - 1. Persistent: item t is j = pid + t * P over the
+    # (tile slot, q head) pairs, slots from the last (long causal tiles first) and a slot's q heads adjacent,
+    # so the items running at once share kv heads' K/V in L2.
+    if persistent:
+        pid = lax.axis_index("progs")
+        n_items = (hq * n_slots - pid + num_programs - 1) // num_programs
+
+        def coords(t):
+            j = pid + t * num_programs
+            return j % hq, n_slots - 1 - j // hq
+    else:
+        n_items = 1
+
+        def coords(t):
+            del t
+            return lax.axis_index("heads"), n_slots - 1 - lax.axis_index("tiles")
+
+    def find(t):
+        """The request of item ``t``'s slot (a chain of dependent loads: searched once per item and warpgroup)."""
+        return _find_request(qsl_ref, coords(t)[1], num_reqs)
+
+    def item(t, r):
+        qh, slot_id = coords(t)
+        q_start, q_end = qsl_ref[r], qsl_ref[r + 1]
+        start = q_start + (slot_id - (q_start // TILE + r)) * TILE
+        active = (t < n_items) & (r < num_seqs_ref[0]) & (q_end - q_start > 1) & (start < q_end)
+        return _Item(qh, r, q_start, q_end, start, seq_lens_ref[r] - (q_end - q_start), active)
+
+    def wg_range(it, w):
+        """Rows, positions and K/V steps of compute warpgroup ``w`` in item ``it``."""
+        row0 = it.start + w * ROWS_PER_WG
+        n_valid = jnp.clip(it.q_end - row0, 0, ROWS_PER_WG)
+        first_pos = it.ctx + (row0 - it.q_start)
         last_pos = first_pos + n_valid - 1
         kv_steps = jnp.where(n_valid > 0, (last_pos + block_kv) // block_kv, 0)
         return row0, n_valid, first_pos, kv_steps
 
-    max_steps = jnp.maximum(wg_range(0)[3], wg_range(1)[3])
+    def max_steps(it):
+        """K/V steps of the item: every warpgroup observes all of them (0 for an inactive item)."""
+        return jnp.where(it.active, jnp.maximum(wg_range(it, 0)[3], wg_range(it, 1)[3]), 0)
+
+    def items_loop(body, carry):
+        """``carry = body(t, carry)`` over this program's items (one tile: a plain call, and step 0 stays a
+        Python 0, so that kernel traces as it did before the persistent variant)."""
+        return lax.fori_loop(0, n_items, body, carry) if persistent else body(0, carry)
+
+    # K/V steps are numbered across the program's items (g): step g uses slot g % stages, so the memory
+    # warpgroup streams on into the next item as slots free up and every barrier phase is observed in order.
 
     def schedule_barrier():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    @pl.when(active & (wg < COMPUTE_WGS))
+    @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        row0, n_valid, first_pos, kv_steps = wg_range(wg)
-        full_steps = jnp.minimum((first_pos + 1) // block_kv, kv_steps)   # below every row's diagonal
-        # Q: the tile's first row is anywhere (ragged), and a TMA into the swizzled MMA layout needs a row
-        # offset divisible by its 8-row tiling; so the rows land in the plain output buffer first and are
-        # moved into the MMA layout through registers (once per tile).
         qs, os_ = q_smem.at[wg], o_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, ROWS_PER_WG), qh], os_, q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
-        qs[...] = plgpu.load(os_, layout=plgpu.Layout.WGMMA, optimized=False)
-        plgpu.commit_smem()
+        # Q: the tile's first row is anywhere (ragged), and a TMA into the swizzled MMA layout needs a row
+        # offset divisible by its 8-row tiling; so the rows land in a plain buffer first and are moved into
+        # the MMA layout through registers (once per tile). One program per tile: the output buffer, free
+        # until the epilogue. Persistent: a buffer of its own, loaded one item ahead.
+        qbuf = q_stage.at[wg] if persistent else os_
 
-        m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
+        def fetch_q(it):
+            @pl.when(it.active)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(it.start + wg * ROWS_PER_WG, ROWS_PER_WG), it.qh], qbuf,
+                                        q_ready.at[wg])
 
-        @pl.when(kv_steps > 0)
-        def _():
-            plgpu.barrier_wait(k_ready.at[0])
+        def compute_item(it, g, n_steps):
+            """Item ``it``, its K/V steps numbered from ``g``."""
+            row0, n_valid, first_pos, kv_steps = wg_range(it, wg)
+            full_steps = jnp.minimum((first_pos + 1) // block_kv, kv_steps)   # below every row's diagonal
+            m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
 
-        pl.when(wg == 1)(schedule_barrier)          # start the ping-pong half a step apart
+            @pl.when(kv_steps > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[lax.rem(g, stages)])
 
-        def step(i, carry, masked):
-            acc, m, l = carry
-            slot = lax.rem(i, stages)
+            pl.when(wg == 1)(schedule_barrier)          # start the ping-pong half a step apart
 
-            def qk_mma(acc_ref):
-                plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
-                schedule_barrier()
-                return acc_ref[...]
-            s = pl.run_scoped(qk_mma, plgpu.ACC((ROWS_PER_WG, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            s = s * (sm_scale * LOG2E)
-            if masked:
-                rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(rows + first_pos >= cols + i * block_kv, s, MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            plgpu.barrier_arrive(sched)             # softmax done
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(sched)               # the other warpgroup's MMA is issued
+            def step(i, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(g + i, stages)
 
-            if p_smem is not None:                  # interpret mode: the MMA's A operand from shared memory
-                p_smem.at[wg][...] = p16
-                p_op = p_smem.at[wg]
-            else:                                   # the GPU: straight from registers
-                p_op = p16
-
-            def pv_mma(acc_ref):
-                plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
-
-                @pl.when(i + 1 < kv_steps)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, stages)])
-            if p_smem is None:                      # the MMA adds into acc
-                acc = pl.run_state(pv_mma)(plgpu.ACC.init(acc))
-            else:                                   # interpret mode has no run_state: a fresh ACC, then add
-                def pv_fresh(acc_ref):
-                    pv_mma(acc_ref)
+                def qk_mma(acc_ref):
+                    plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
+                    schedule_barrier()
                     return acc_ref[...]
-                acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((ROWS_PER_WG, d), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
+                s = pl.run_scoped(qk_mma, plgpu.ACC((ROWS_PER_WG, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s * (sm_scale * LOG2E)
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(rows + first_pos >= cols + i * block_kv, s, MASK_VALUE)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(sched)             # softmax done
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(sched)               # the other warpgroup's MMA is issued
 
-        carry = (acc, m, l)
-        carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
-        acc, m, l = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
+                if p_smem is not None:                  # interpret mode: the MMA's A operand from shared memory
+                    p_smem.at[wg][...] = p16
+                    p_op = p_smem.at[wg]
+                else:                                   # the GPU: straight from registers
+                    p_op = p16
 
-        @pl.loop(kv_steps, max_steps)
-        def _drain(i):                              # steps the other warpgroup still needs
-            slot = lax.rem(i, stages)
-            plgpu.barrier_wait(k_ready.at[slot])    # (observed, so every barrier phase is seen by all)
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            schedule_barrier()
-            schedule_barrier()
+                def pv_mma(acc_ref):
+                    plgpu.wgmma(acc_ref, p_op, v_smem.at[slot])
 
-        pl.when(wg == 0)(schedule_barrier)
+                    @pl.when(i + 1 < kv_steps)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(g + i + 1, stages)])
+                if p_smem is None:                      # the MMA adds into acc
+                    acc = pl.run_state(pv_mma)(plgpu.ACC.init(acc))
+                else:                                   # interpret mode has no run_state: a fresh ACC, then add
+                    def pv_fresh(acc_ref):
+                        pv_mma(acc_ref)
+                        return acc_ref[...]
+                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((ROWS_PER_WG, d), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
 
-        l_safe = jnp.where(l > 0, l, 1.0)
-        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        os_[...] = acc.astype(dtype)
-        plgpu.commit_smem()
-        _store_rows(os_, out_ref, row0, qh, n_valid)
+            carry = (acc, m, l)
+            carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
+            acc, m, l = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True), carry)
+
+            @pl.loop(kv_steps, n_steps)
+            def _drain(i):                              # steps the other warpgroup still needs
+                slot = lax.rem(g + i, stages)
+                plgpu.barrier_wait(k_ready.at[slot])    # (observed, so every barrier phase is seen by all)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                schedule_barrier()
+                schedule_barrier()
+
+            pl.when(wg == 0)(schedule_barrier)          # (so both arrive 2 * n_steps + 1 times per item)
+
+            l_safe = jnp.where(l > 0, l, 1.0)
+            acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            if persistent:                              # the previous item's store has read the buffer
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            os_[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            _store_rows(os_, out_ref, row0, it.qh, n_valid)
+
+        def body(t, carry):
+            g, r = carry
+            it = item(t, r)
+
+            @pl.when(it.active)
+            def _():
+                plgpu.barrier_wait(q_ready.at[wg])
+                qs[...] = plgpu.load(qbuf, layout=plgpu.Layout.WGMMA, optimized=False)
+                plgpu.commit_smem()             # (also: every thread has read qbuf before it is refilled)
+
+            if persistent:                      # the next item's Q, while this one computes
+                r_next = find(t + 1)
+                fetch_q(item(t + 1, r_next))
+            else:
+                r_next = r
+            n_steps = max_steps(it)             # (here: the scalars it comes from need not live through the item)
+            pl.when(it.active)(functools.partial(compute_item, it, g, n_steps))
+            return g + n_steps, r_next
+
+        r0 = find(0)
+        fetch_q(item(0, r0))
+        items_loop(body, (0, r0))
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(active & (wg == COMPUTE_WGS))
+    @pl.when(wg == COMPUTE_WGS)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        base = r * pages_per_seq
 
-        def load(ref, buf, bar, step, slot):
-            for j in range(pages):
-                page = bt_ref[base + jnp.minimum(step * pages + j, pages_per_seq - 1)]
-                plgpu.copy_gmem_to_smem(ref.at[page, :, h], buf.at[slot, pl.ds(j * bs, bs)], bar.at[slot])
+        def body(t, g):
+            it = item(t, find(t))
+            base = it.r * pages_per_seq
+            h = it.qh // group
 
-        for i in range(stages):
-            @pl.when(i < max_steps)
-            def _():
-                load(k_ref, k_smem, k_ready, i, i)
-                load(v_ref, v_smem, v_ready, i, i)
+            def load(ref, buf, bar, step, slot):
+                for j in range(pages):
+                    page = bt_ref[base + jnp.minimum(step * pages + j, pages_per_seq - 1)]
+                    plgpu.copy_gmem_to_smem(ref.at[page, :, h], buf.at[slot, pl.ds(j * bs, bs)], bar.at[slot])
 
-        # (Reading each step's page ids once for K and V, before the wait, measured slower: 410 against
-        # 435 TFLOP/s on 8 x 2048, H200, 2026-11-30.)
-        @pl.loop(0, jnp.maximum(max_steps - stages, 0))
-        def _stream(i):
-            step = i + stages
-            slot = lax.rem(i, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            load(k_ref, k_smem, k_ready, step, slot)
-            plgpu.barrier_wait(v_free.at[slot])
-            load(v_ref, v_smem, v_ready, step, slot)
+            n_steps = max_steps(it)
 
-        @pl.loop(jnp.maximum(max_steps - stages, 0), max_steps)
+            # (Reading each step's page ids once for K and V, before the wait, measured slower: 410 against
+            # 435 TFLOP/s on 8 x 2048, H200, 2026-11-30.)
+            @pl.loop(0, n_steps)
+            def _stream(i):
+                slot = lax.rem(g + i, stages)
+                pl.when(g + i >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))   # step g + i - stages
+                load(k_ref, k_smem, k_ready, i, slot)
+                pl.when(g + i >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                load(v_ref, v_smem, v_ready, i, slot)
+            return g + n_steps
+
+        g = items_loop(body, 0)
+
+        @pl.loop(jnp.maximum(g - stages, 0), g)
         def _last(i):                               # the last steps' release, so no barrier phase goes unseen
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(k_free.at[slot])
@@ -269,13 +369,19 @@ def _store_rows(src, out_ref, row0, qh, n_valid):
     plgpu.commit_smem_to_gmem_group()
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "stages", "interpret", "persistent",
+                                             "num_programs"))
 def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float, block_kv: int = 128,
-                      stages: int = 2, interpret: bool = False):
+                      stages: int = 2, interpret: bool | plgpu.InterpretGPUParams = False,
+                      persistent: bool = False, num_programs: int = 132):
     """Output ``[T, Hq, D]`` whose prefill tokens' rows hold their attention (other rows: unwritten).
 
     ``q [T, Hq, D]``, caches ``[num_blocks, block_size, kv_heads, D]`` (the new tokens' K/V already
-    written). ``interpret``: run on CPU in Mosaic GPU's interpret mode (unwritten memory reads as NaN).
+    written). ``interpret``: run on CPU in Mosaic GPU's interpret mode (unwritten memory reads as NaN), or
+    a ``plgpu.InterpretGPUParams`` for its options (the tests use ``detect_races=True``).
+    ``persistent``: ``num_programs`` programs (default: the H200's 132 SMs) loop over the work items instead
+    of one program per item; where its layout does not fit shared memory (``supported(...,
+    persistent=True)``), the one-tile-per-program kernel runs.
     """
     T, hq, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
@@ -284,7 +390,10 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({kvh})")
     if block_kv % bs:
         raise ValueError(f"block_kv ({block_kv}) must be a multiple of the cache block size ({bs})")
+    if num_programs < 1:
+        raise ValueError(f"num_programs must be positive, got {num_programs}")
     n_slots = T // TILE + R
+    persistent = persistent and smem_bytes(d, block_kv, stages, q.dtype.itemsize, True) <= SMEM_BYTES
     # One fresh metadata buffer: Mosaic GPU kernels take only 256-byte-aligned inputs, and the engine's step
     # arrays are slices of one packed host transfer (H200, 2026-11-30: "Input buffer 3 is not 256-byte
     # aligned" for the block tables passed as they were).
@@ -295,9 +404,18 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
     tiling = plgpu.TilingTransform((8, 128 // q.dtype.itemsize))
     swizzle = plgpu.SwizzleTransform(128)
     mma_tile = dict(transforms=(tiling, swizzle))
+    if persistent:
+        num_programs = min(num_programs, hq * n_slots)
+        grid, grid_names = (num_programs,), ("progs",)
+    else:
+        num_programs, grid, grid_names = None, (hq, n_slots), ("heads", "tiles")
     kw = dict(n_slots=n_slots, num_reqs=R, pages_per_seq=P, group=hq // kvh, block_kv=block_kv, stages=stages,
-              sm_scale=float(sm_scale))
+              sm_scale=float(sm_scale), num_programs=num_programs)
     pages = block_kv // bs
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        params = interpret
+    else:
+        params = plgpu.InterpretGPUParams() if interpret else None
 
     def entry(*refs):
         in_refs, out_ref = refs[:4], refs[4]
@@ -307,7 +425,8 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
              plgpu.SMEM((stages, block_kv, d), k_cache.dtype, **mma_tile),
              plgpu.SMEM((stages, block_kv, d), v_cache.dtype, **mma_tile),
              plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), q.dtype),
-             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, block_kv), q.dtype, **mma_tile) if interpret else None),
+             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), q.dtype) if persistent else None,
+             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, block_kv), q.dtype, **mma_tile) if params is not None else None),
             (plgpu.Barrier(num_arrivals=pages, num_barriers=stages),) * 2,
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
@@ -315,9 +434,8 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
             collective_axes="wg",
         )
 
-    params = plgpu.InterpretGPUParams() if interpret else None
     return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct((T, hq, d), q.dtype), grid=(hq, n_slots),
-        grid_names=("heads", "tiles"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        entry, out_type=jax.ShapeDtypeStruct((T, hq, d), q.dtype), grid=grid,
+        grid_names=grid_names, num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=params,
     )(*ins)

@@ -214,7 +214,7 @@ def section_correctness(S, rows):
     return ok
 
 
-def check_mgpu_prefill(S, q_lens, ctx_lens) -> bool:
+def check_mgpu_prefill(S, q_lens, ctx_lens, **extra) -> bool:
     """The Mosaic GPU prefill kernel (+ the Triton decode launch) against the reference, bf16, ragged."""
     ok = True
     cases = [(q_lens, ctx_lens, S.bs), ([64, 1, 63, 65, 200], [64, 30, 100, 65, 1000], S.bs)]
@@ -227,7 +227,7 @@ def check_mgpu_prefill(S, q_lens, ctx_lens) -> bool:
         ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=S.d ** -0.5)
         try:
             out = pa.ragged_paged_attention(q, k, v, md, sm_scale=S.d ** -0.5, interpret=S.interpret,
-                                            poison_output=True, prefill_kernel="mgpu", fused=False)
+                                            poison_output=True, prefill_kernel="mgpu", fused=False, **extra)
         except Exception as e:
             log(f"- mgpu prefill case {i}: failed: {type(e).__name__}: {str(e)[:1500]}")
             ok = False
@@ -236,7 +236,7 @@ def check_mgpu_prefill(S, q_lens, ctx_lens) -> bool:
         err = float(np.abs(o - r).max() / np.abs(r).max()) if not np.isnan(o).any() else float("nan")
         good = err <= 1e-2
         ok &= good
-        log(f"- bf16 mixed, Mosaic GPU prefill, q_lens {ql}, block {bs}: {err:.2e} (tol 1e-02) {'ok' if good else 'FAIL'}")
+        log(f"- bf16 mixed, Mosaic GPU prefill {extra or ''}, q_lens {ql}, block {bs}: {err:.2e} (tol 1e-02) {'ok' if good else 'FAIL'}")
     return ok
 
 

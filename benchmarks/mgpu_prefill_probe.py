@@ -2,7 +2,7 @@
 reference, then 8 x 2048 causal (no cache / 2048 cached prefix) and the mixed step for a few launch
 configurations, next to our Triton prefill and the stock Mosaic GPU FA3 in the same process.
 
-    python benchmarks/mgpu_prefill_probe.py [--configs 128x2 64x2 64x3]
+    python benchmarks/mgpu_prefill_probe.py [--configs 128x2 128x2p 64x2 64x3]   (p: persistent layout)
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def main(argv=None):
     if not a.skip_check:
         kb.log("## correctness (bf16, vs the pure-jnp reference)")
         kb.check_mgpu_prefill(S, [1, 1, 37, 1, 130, 1], [700, 33, 37, 1, 300, 17])
+        kb.check_mgpu_prefill(S, [1, 1, 37, 1, 130, 1], [700, 33, 37, 1, 300, 17], mgpu_persistent=True)
     B, L = S.prefill_b, S.prefill_len
     nd, nc, c = S.mixed_decodes, S.mixed_chunks, S.mixed_chunk
     cases = {"8x2048 causal": ([L] * B, [L] * B), "8x2048 on 2048 prefix": ([L] * B, [2 * L] * B),
@@ -40,8 +41,10 @@ def main(argv=None):
     if a.skip_triton:
         cfgs = {}
     for spec in a.configs:
-        bk, st = map(int, spec.split("x"))
-        cfgs[f"mgpu bk{bk} st{st}"] = dict(prefill_kernel="mgpu", fused=False, mgpu_block_kv=bk, mgpu_stages=st)
+        persistent = spec.endswith("p")
+        bk, st = map(int, spec.rstrip("p").split("x"))
+        cfgs[f"mgpu bk{bk} st{st}{' persistent' if persistent else ''}"] = dict(
+            prefill_kernel="mgpu", fused=False, mgpu_block_kv=bk, mgpu_stages=st, mgpu_persistent=persistent)
     kb.log("| kernel | page size | " + " | ".join(cases) + " |")
     kb.log("|---|---|" + "---|" * len(cases))
     for (name, cfg), bs in [(c, b) for b in a.block_sizes for c in cfgs.items()]:

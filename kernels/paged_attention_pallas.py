@@ -33,8 +33,9 @@ Why Triton and not Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``), measured
   cache layout the model code does not use;
 * prefill is compute-bound, and there Mosaic GPU's wgmma + warp specialisation matter: the stock Mosaic
   GPU flash attention (fp16, dense, no paging) ran 8x2048 causal at 472 TFLOP/s against this file's 243
-  (cuDNN 536). So prefill tokens of large steps go to ``prefill_mgpu`` (``prefill_kernel``, below): 432-436
-  TFLOP/s on the same problem, 517-522 with a cached prefix (H200, 2026-11-30). Decodes stay here;
+  (cuDNN 536). So prefill tokens of large steps go to ``prefill_mgpu`` (``prefill_kernel``, below): 445-465
+  TFLOP/s on the same problem with its persistent layout, 522-540 with a cached prefix (H200, 2026-11-30).
+  Decodes stay here;
 * Triton also runs in interpret mode on CPU, which is how the tests check this kernel.
 The Pallas Triton lowering is deprecated in JAX 0.11 but present and working in the pinned 0.11.2.
 """

@@ -130,6 +130,21 @@ def section_fp8(S):
             kb.log(f"\nfp8 best {best[1]}: {best[0] * 1e6:.1f} us = {best[0] / t16:.2f}x the bf16 decode-only time")
 
 
+def section_fp8b(S):
+    """fp8 split counts and pipeline depths around the default (64 keys, 2 warps, 8 stages = 128 KiB, one
+    program per SM; 7 stages = 112 KiB fits two)."""
+    fp8 = dict(cache_dtype=jnp.float8_e4m3fn, k_scale=jnp.float32(0.5))
+    for B, ctx, extra in [(8, 32768, [dict(decode_splits=4), dict(decode_splits=16),
+                                      dict(decode_block_k=32, decode_warps=1, decode_stages=12, decode_splits=16)]),
+                          (64, 8192, [])]:
+        kb.log(f"\n## fp8 B={B} ctx={ctx}\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
+        t16 = try_decode(S, B, ctx, "bf16 cache, decode-only", **D)
+        for cfg in [dict(D), dict(D, decode_stages=7), dict(D, decode_stages=5)] + [dict(D, **e) for e in extra]:
+            t = try_decode(S, B, ctx, "fp8", **fp8, **cfg)
+            if t and t16:
+                kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
+
+
 def section_long1(S):
     """Batch 1 at long context: the split count (decode-only now caps splits at >= 512 keys each)."""
     kb.log("\n## batch 1, long context\n| variant | time | KV read | % |\n|---|---|---|---|")
@@ -147,7 +162,8 @@ def main(argv=None):
     kb.log(f"# decode_probe: jax {jax.__version__}, device {jax.devices()[0].device_kind}")
     for sec in args.sections.split(","):
         {"main": section_main, "small": section_small, "fp8": section_fp8, "tune": section_tune,
-         "sweep": section_sweep, "long1": section_long1}[sec](S)
+         "sweep": section_sweep, "long1": section_long1,
+         "fp8b": section_fp8b}[sec](S)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Decode attention launch configurations on one GPU, in about two device minutes (kernels_bench takes ~7).
 
-    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1]
+    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed]
 
 Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool, median of reps):
 * main: decode B=64 ctx 2048 (32q/8kv, d128, bf16, pages of 16) -- the fused launch the engine used for
@@ -145,6 +145,21 @@ def section_fp8b(S):
                 kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
 
 
+def section_mixed(S):
+    """The mixed step (200 decodes + 2 chunks of 1024) with the Mosaic GPU prefill: its decode launch is a
+    launch of its own, so it could take the decode-only tile size; timed against the fused Triton launch."""
+    nd, nc, c = S.mixed_decodes, S.mixed_chunks, S.mixed_chunk
+    ql, cl = [1] * nd + [c] * nc, [S.mixed_ctx] * nd + [2 * c] * nc
+    base = dict(prefill_kernel="mgpu", fused=False)
+    kb.log(f"\n## mixed step {nd} decodes + {nc} x {c}\n| variant | time |\n|---|---|")
+    for _ in range(2):
+        for name, cfg in [("mgpu + decode tiles 128 keys / 4 warps", dict(base, decode_block_k=128, decode_warps=4)),
+                          ("mgpu + decode tiles 64 keys / 2 warps", dict(base, decode_block_k=64, decode_warps=2)),
+                          ("fused triton", dict(decode_block_k=128, decode_warps=4))]:
+            t, _ = kb.time_ragged(S, ql, cl, **cfg)
+            row(name, t)
+
+
 def section_long1(S):
     """Batch 1 at long context: the split count (decode-only now caps splits at >= 512 keys each)."""
     kb.log("\n## batch 1, long context\n| variant | time | KV read | % |\n|---|---|---|---|")
@@ -163,7 +178,7 @@ def main(argv=None):
     for sec in args.sections.split(","):
         {"main": section_main, "small": section_small, "fp8": section_fp8, "tune": section_tune,
          "sweep": section_sweep, "long1": section_long1,
-         "fp8b": section_fp8b}[sec](S)
+         "fp8b": section_fp8b, "mixed": section_mixed}[sec](S)
     return 0
 
 

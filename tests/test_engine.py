@@ -81,6 +81,35 @@ def test_no_recompilation_after_warmup(llm, workload):
     assert runner.compiled_variants() == before
 
 
+def test_decode_only_variants_cover_every_uniform_decode_step(llm, workload, single_outputs):
+    """Under the Pallas backends the runner compiles a decode-only variant of each bucket a uniform decode
+    step can land in and marks such steps (the attention then runs its decode launch alone). Here with the
+    reference backend, which ignores the flag: warm-up covers every step of a batched workload (no compile
+    after it), and the tokens are unchanged."""
+    runner = llm.engine.runner
+    runner.uniform_decode = True
+    marks = []
+
+    def prepare(*a, _prepare=runner.prepare, **kw):
+        out = _prepare(*a, **kw)
+        marks.append(out[4].decode_only)
+        return out
+    runner.prepare = prepare
+    try:
+        runner.warmup(progress=False)
+        before = runner.compiled_variants()
+        prompts, max_tokens = workload
+        outs = llm.generate(prompts[:12], [greedy(m) for m in max_tokens[:12]], use_tqdm=False)
+        assert runner.compiled_variants() == before
+        assert any(marks) and not all(marks)           # both kinds of step ran
+        assert [o.outputs[0].token_ids for o in outs] == single_outputs[:12]
+        cap = runner.bucket_for(min(runner.max_num_seqs, runner.max_num_tokens))
+        assert runner._forward._cache_size() == len(runner.buckets) + len([b for b in runner.buckets if b <= cap])
+    finally:
+        runner.uniform_decode = False
+        del runner.prepare
+
+
 def test_abort_frees_everything(llm, workload):
     eng = llm.engine
     prompts, _ = workload

@@ -16,12 +16,12 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import kernels_bench as kb
-from jaxserve.kernels import paged_attention_pallas as pa
-from jaxserve.kernels.metadata import AttentionMetadata
 
 D = dict(decode_only=True)
+FP8 = dict(cache_dtype=jnp.float8_e4m3fn, k_scale=np.float32(0.5))    # an e4m3 cache, per-tensor scale
 
 
 def row(name, t, tbs=None):
@@ -95,15 +95,10 @@ def section_small(S):
                 dict(D, decode_splits=8), dict(D, decode_block_k=64), dict(D, decode_block_k=64, decode_splits=4),
                 dict(D, decode_block_k=32, decode_splits=8)]
     for B, ctx in [(1, 256), (1, 2048), (4, 1024)]:
-        q, k, v, tables, seq_lens, qsl, n_rot = kb.engine_decode_inputs(S, B, ctx, T, R, P)
+        inputs = kb.engine_decode_inputs(S, B, ctx, T, R, P)
         for cfg in variants:
-            def step(q, k, v, table, seq_lens, qsl, cfg=cfg):
-                md = AttentionMetadata(slot_mapping=jnp.zeros((T,), jnp.int32), block_tables=table,
-                                       seq_lens=seq_lens, query_start_loc=qsl, num_seqs=jnp.int32(B))
-                return pa.ragged_paged_attention(q, k, v, md, sm_scale=S.d ** -0.5, **cfg)
             try:
-                t = kb.timed(kb.chain(step, S.n_iter, n_rot), q, k, v, tables, seq_lens, qsl, n_iter=S.n_iter,
-                             reps=S.reps)
+                t = kb.time_engine_decode(S, B, inputs, **cfg)
             except Exception as e:
                 kb.log(f"| B={B} ctx={ctx} {cfg} | failed: {type(e).__name__}: {str(e)[:200]} |")
                 continue
@@ -112,7 +107,6 @@ def section_small(S):
 
 
 def section_fp8(S):
-    fp8 = dict(cache_dtype=jnp.float8_e4m3fn, k_scale=jnp.float32(0.5))
     for B, ctx in S.fp8_cases:
         kb.log(f"\n## fp8 (e4m3) cache, decode B={B} ctx={ctx}: time vs the bf16 cache")
         kb.log("| variant | time | bytes read/s | % |\n|---|---|---|---|")
@@ -123,7 +117,7 @@ def section_fp8(S):
                     dict(D, decode_block_k=32, decode_stages=8), dict(D, decode_block_k=32, decode_stages=12),
                     dict(D, decode_block_k=32, decode_warps=1, decode_stages=12),
                     dict(D, decode_warps=4, decode_stages=8)]:
-            t = try_decode(S, B, ctx, "fp8", **fp8, **cfg)
+            t = try_decode(S, B, ctx, "fp8", **FP8, **cfg)
             if t is not None and (best is None or t < best[0]):
                 best = (t, cfg)
         if t16 and best:
@@ -133,14 +127,13 @@ def section_fp8(S):
 def section_fp8b(S):
     """fp8 split counts and pipeline depths around the default (64 keys, 2 warps, 8 stages = 128 KiB, one
     program per SM; 7 stages = 112 KiB fits two)."""
-    fp8 = dict(cache_dtype=jnp.float8_e4m3fn, k_scale=jnp.float32(0.5))
     for B, ctx, extra in [(8, 32768, [dict(decode_splits=4), dict(decode_splits=16),
                                       dict(decode_block_k=32, decode_warps=1, decode_stages=12, decode_splits=16)]),
                           (64, 8192, [])]:
         kb.log(f"\n## fp8 B={B} ctx={ctx}\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
         t16 = try_decode(S, B, ctx, "bf16 cache, decode-only", **D)
         for cfg in [dict(D), dict(D, decode_stages=7), dict(D, decode_stages=5)] + [dict(D, **e) for e in extra]:
-            t = try_decode(S, B, ctx, "fp8", **fp8, **cfg)
+            t = try_decode(S, B, ctx, "fp8", **FP8, **cfg)
             if t and t16:
                 kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
 

@@ -208,9 +208,38 @@ def section_correctness(S, rows):
             ok &= good
             log(f"- {name}, splits={splits or 'auto'}, fused={fused}: {err:.2e} (tol {tol:.0e})"
                 f"{'' if same else ', unpoisoned path differs'} {'ok' if good else 'FAIL'}")
+    ok &= check_decode_only(S)
     ok &= check_mgpu_prefill(S, q_lens, ctx_lens)
     ok &= check_write_kv(S)
     rows.append(("correctness", "all cases within tolerance" if ok else "FAILED"))
+    return ok
+
+
+def check_decode_only(S) -> bool:
+    """The decode-only launch (the engine's uniform decode steps) against the reference: bf16 and fp8 caches,
+    auto and 4 splits, padding requests and tokens."""
+    ok = True
+    ctx_lens = [700, 33, 1, 300, 17] if not S.interpret else [40, 9, 17]
+    for cache in ("bf16", "fp8"):
+        for splits in (None, 4):
+            rng = np.random.default_rng(7)
+            q, k, v, md = synthetic.make_batch(rng, [1] * len(ctx_lens), ctx_lens, block_size=S.bs,
+                                               num_q_heads=S.hq, num_kv_heads=S.kvh, head_dim=S.d,
+                                               dtype=jnp.bfloat16, pad_tokens=3, pad_reqs=1)
+            scale = None
+            if cache == "fp8":
+                scale = jnp.linspace(0.5, 1.5, S.kvh)
+                k, v = (ref_attention.quantize_kv(x.reshape(-1, S.kvh, S.d), jnp.float8_e4m3fn, scale).reshape(x.shape)
+                        for x in (k, v))
+            kw = dict(sm_scale=S.d ** -0.5, k_scale=scale, v_scale=scale)
+            ref = np.asarray(ref_attention.ragged_paged_attention(q, k, v, md, **kw), np.float32)
+            out = np.asarray(pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
+                                                       decode_only=True, decode_splits=splits, **kw), np.float32)
+            err = float(np.abs(out - ref).max() / np.abs(ref).max()) if not np.isnan(out).any() else float("nan")
+            good = err <= 1e-2
+            ok &= good
+            log(f"- decode-only launch, {cache} cache, splits={splits or 'auto'}: {err:.2e} (tol 1e-02) "
+                f"{'ok' if good else 'FAIL'}")
     return ok
 
 
@@ -426,6 +455,18 @@ def engine_decode_inputs(S: Sizes, B, ctx, T, R, P, *, seed=2):
     return qp, k, v, tab, sl, qsl, n_rot
 
 
+def time_engine_decode(S: Sizes, B, inputs, **cfg):
+    """Seconds per call of ours on ``engine_decode_inputs``' padded step (B real requests)."""
+    q, k, v, tables, seq_lens, qsl, n_rot = inputs
+    T = q.shape[0]
+
+    def step(q, k, v, table, seq_lens, qsl):
+        md = AttentionMetadata(slot_mapping=jnp.zeros((T,), jnp.int32), block_tables=table,
+                               seq_lens=seq_lens, query_start_loc=qsl, num_seqs=jnp.int32(B))
+        return pa.ragged_paged_attention(q, k, v, md, sm_scale=S.d ** -0.5, interpret=S.interpret, **cfg)
+    return timed(chain(step, S.n_iter, n_rot), q, k, v, tables, seq_lens, qsl, n_iter=S.n_iter, reps=S.reps)
+
+
 def section_small_batch(S, rows):
     """Batch 1-4 decode in the engine's smallest bucket (T=R=16, tables 4096 tokens wide): the per-layer
     attention cost of single-stream decode, per launch configuration."""
@@ -442,16 +483,11 @@ def section_small_batch(S, rows):
     log("| B | ctx | variant | us |")
     log("|---|---|---|---|")
     for B, ctx in cases:
-        q, k, v, tables, seq_lens, qsl, n_rot = engine_decode_inputs(S, B, ctx, T, R, P)
+        inputs = engine_decode_inputs(S, B, ctx, T, R, P)
         best = None
         for cfg in variants:
-            def step(q, k, v, table, seq_lens, qsl, cfg=cfg):
-                md = AttentionMetadata(slot_mapping=jnp.zeros((T,), jnp.int32), block_tables=table,
-                                       seq_lens=seq_lens, query_start_loc=qsl, num_seqs=jnp.int32(B))
-                return pa.ragged_paged_attention(q, k, v, md, sm_scale=S.d ** -0.5, interpret=S.interpret, **cfg)
             try:
-                t = timed(chain(step, S.n_iter, n_rot), q, k, v, tables, seq_lens, qsl, n_iter=S.n_iter,
-                          reps=S.reps)
+                t = time_engine_decode(S, B, inputs, **cfg)
             except Exception as e:
                 log(f"| {B} | {ctx} | {cfg} | failed: {type(e).__name__}: {str(e)[:160]} |")
                 continue

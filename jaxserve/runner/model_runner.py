@@ -410,19 +410,18 @@ class ModelRunner:
         from tqdm.auto import tqdm
         t0 = time.perf_counter()
         penalized = SamplingParams(repetition_penalty=1.1)
-        todo = [("forward", T) for T in self.buckets]
+        todo = [(("forward", False), T) for T in self.buckets]
         if self.uniform_decode:       # decode-only steps land in the buckets up to max_num_seqs tokens
-            todo += [("forward-decode", T) for T in self.buckets
+            todo += [(("forward", True), T) for T in self.buckets
                      if T <= self.bucket_for(min(self.max_num_seqs, self.max_num_tokens))]
         todo += [(("sample", key, pen), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
                  for key in self._samplers for pen in (False, True)]
         for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
-            if isinstance(what, str):
+            if what[0] == "forward":
                 ids, pos, md, lidx = self._padding_inputs(size)
                 f_ints, f_layout = forward_pack(ids, pos, md, lidx, np.full(size, -1, np.int32))
                 self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints,
-                                                       self._no_prev, layout=f_layout,
-                                                       decode_only=what == "forward-decode")
+                                                       self._no_prev, layout=f_layout, decode_only=what[1])
                 jax.block_until_ready(logits)
                 continue
             _, key, pen = what

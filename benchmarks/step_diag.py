@@ -70,7 +70,7 @@ def child(a) -> dict:
     llm = LLM(model, dtype=a.dtype, tensor_parallel_size=a.tp_one, max_model_len=a.max_model_len,
               max_num_seqs=16, max_num_batched_tokens=a.max_num_batched_tokens,
               token_buckets=(16, a.max_num_batched_tokens), enable_prefix_caching=False, use_tqdm_on_load=False,
-              **kw)
+              num_scheduler_steps=a.num_scheduler_steps, **kw)
     runner = llm.engine.runner
     captured = {}
     fwd, samplers = runner._forward, dict(runner._samplers)
@@ -159,9 +159,15 @@ def child(a) -> dict:
         with tempfile.TemporaryDirectory() as d:
             s0 = runner.stats.steps
             jax.profiler.start_trace(d)
-            run(16)
+            if a.num_scheduler_steps > 1:
+                # per decoded token (the trace also holds the 128-token prefill step, a few % of it)
+                _, n = run(8 * a.num_scheduler_steps + 1)
+                per = n - 1
+            else:
+                run(16)
+                per = runner.stats.steps - s0
             jax.profiler.stop_trace()
-            res["profile_e2e"] = summarize(d, per=max(runner.stats.steps - s0, 1))
+            res["profile_e2e"] = summarize(d, per=max(per, 1))
     res["gap_ms"] = ms_tok - res.get("forward_ms", 0.0) - res.get("sampler_ms", 0.0)
     return res
 
@@ -180,6 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--child-timeout", type=int, default=300)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="trace and print GPU kernels / host spans per step")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="multi-step decoding; with --profile the engine trace is then per decoded token")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tp-one", type=int, default=1, help=argparse.SUPPRESS)
@@ -205,7 +213,8 @@ def main(argv=None) -> int:
                     "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
                     "--decode-tokens", str(a.decode_tokens), "--replays", str(a.replays),
                     "--max-model-len", str(a.max_model_len), "--max-num-batched-tokens",
-                    str(a.max_num_batched_tokens)] + (["--smoke"] if a.smoke else []) \
+                    str(a.max_num_batched_tokens), "--num-scheduler-steps", str(a.num_scheduler_steps)] \
+                + (["--smoke"] if a.smoke else []) \
                 + (["--profile"] if a.profile else [])
             t0 = time.perf_counter()
             try:
@@ -233,7 +242,8 @@ def main(argv=None) -> int:
     if a.profile:
         from benchmarks.profile_summary import format_summary
         for r in results:
-            for key, what in (("profile_forward", "forward replay"), ("profile_e2e", "engine decode step")):
+            for key, what in (("profile_forward", "forward replay"), ("profile_e2e", "engine decode step" if a.num_scheduler_steps == 1
+                                                     else f"engine, {a.num_scheduler_steps}-step decode, per token")):
                 if key in r:
                     print()
                     print(format_summary(r[key], title=f"TP={r['tp']} {r['flags']}: {what}"))

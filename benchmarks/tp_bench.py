@@ -47,7 +47,7 @@ def child_speed(a) -> dict:
               distributed_executor_backend=a.executor if a.tp > 1 else "uni",
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
-              token_buckets=(16, 64, 256, a.max_num_batched_tokens),
+              token_buckets=(16, 256, a.max_num_batched_tokens), num_scheduler_steps=a.steps_one,
               use_tqdm_on_load=False)
     startup_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
@@ -79,7 +79,8 @@ def child_speed(a) -> dict:
     offline = {"num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
                "elapsed_s": elapsed, "output_tok_s": out_tok / elapsed,
                "total_tok_s": (out_tok + a.num_prompts * a.input_len) / elapsed, "requests_s": a.num_prompts / elapsed}
-    return {"tp": a.tp, "executor": a.executor if a.tp > 1 else "uni", "startup_s": startup_s, "load_s": llm.engine.load_seconds,
+    return {"tp": a.tp, "executor": a.executor if a.tp > 1 else "uni", "num_scheduler_steps": a.steps_one,
+            "startup_s": startup_s, "load_s": llm.engine.load_seconds,
             "warmup_s": llm.engine.warmup_seconds, "num_kv_blocks": runner.num_blocks,
             "single_stream": decode, "offline": offline}
 
@@ -214,7 +215,7 @@ def _forward_args(a, overrides: dict) -> list[str]:
     vals = {k: getattr(a, k) for k in ("model", "dtype", "prompt_len", "decode_tokens", "num_prompts",
                                         "input_len", "output_len", "max_model_len", "max_num_seqs",
                                         "max_num_batched_tokens", "workdir")} | overrides
-    out = ["--tp", *map(str, a.tps)]
+    out = ["--tp", *map(str, a.tps), "--num-scheduler-steps", *map(str, a.steps)]
     for k, v in vals.items():
         out += [f"--{k.replace('_', '-')}", str(v)]
     return out
@@ -246,6 +247,9 @@ def main(argv=None) -> int:
     p.add_argument("--executors", nargs="+", default=["uni"], choices=["uni", "mp"],
                    help="TP > 1 speed runs per executor: uni = one process drives every GPU, mp = a process per GPU")
     p.add_argument("--executor", default="uni", help=argparse.SUPPRESS)
+    p.add_argument("--num-scheduler-steps", dest="steps", type=int, nargs="+", default=[1],
+                   help="speed runs per multi-step setting (the engine's --num-scheduler-steps)")
+    p.add_argument("--steps-one", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-load", action="store_true")
     p.add_argument("--load-repeats", type=int, default=2)
@@ -279,7 +283,8 @@ def main(argv=None) -> int:
     if not a.skip_speed:
         for tp in a.tps:
             for ex in (a.executors if tp > 1 else ["uni"]):
-                result["speed"].append(run_child(a, "speed", tp_one=tp, executor=ex))
+                for steps in a.steps:
+                    result["speed"].append(run_child(a, "speed", tp_one=tp, executor=ex, steps_one=steps))
     if not a.skip_load:
         result["prepare"] = run_child(a, "prepare", tp_one=max(a.tps))
         for _ in range(a.load_repeats):
@@ -315,14 +320,22 @@ def write_results(a, r: dict, started) -> None:
     ok = [s for s in r["speed"] if "error" not in s]
     for s in r["speed"]:
         if "error" in s:
-            lines.append(f"- TP={s.get('tp_one')} {s.get('executor', 'uni')}: **failed**, {s['error']}")
+            lines.append(f"- TP={s.get('tp_one')} {s.get('executor', 'uni')} steps={s.get('steps_one', 1)}: "
+                         f"**failed**, {s['error']}")
     if ok:
         base = ok[0]
-        lines += ["| TP | executor | single-stream decode tok/s | ms/token | host ms/step | speedup | offline output "
-                  "tok/s | offline total tok/s | speedup | KV blocks | warm-up s |", "|" + "---|" * 11]
+        lines += ["| TP | executor | scheduler steps | single-stream decode tok/s | ms/token | host ms/dispatch | "
+                  "speedup | offline output tok/s | offline total tok/s | speedup | KV blocks | warm-up s |",
+                  "|" + "---|" * 12]
+        # speedups against the smallest TP size run with the same scheduler steps
+        bases = {}
         for s in ok:
+            bases.setdefault(s.get("num_scheduler_steps", 1), s)
+        for s in ok:
+            base = bases[s.get("num_scheduler_steps", 1)]
             ss, off = s["single_stream"], s["offline"]
-            lines.append(f"| {s['tp']} | {s.get('executor', 'uni')} | {ss['decode_tok_s']:.1f} | {ss['ms_per_token']:.2f} | "
+            lines.append(f"| {s['tp']} | {s.get('executor', 'uni')} | {s.get('num_scheduler_steps', 1)} | "
+                         f"{ss['decode_tok_s']:.1f} | {ss['ms_per_token']:.2f} | "
                          f"{ss['host_ms_per_step']:.2f} | {ss['decode_tok_s'] / base['single_stream']['decode_tok_s']:.2f}x | "
                          f"{off['output_tok_s']:.0f} | {off['total_tok_s']:.0f} | "
                          f"{off['output_tok_s'] / base['offline']['output_tok_s']:.2f}x | {s['num_kv_blocks']} | "

@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--token-buckets", default=None, nargs="+",
                    help="padded step sizes to compile, e.g. 16 64 256 2048 or 16,64,256 (default: powers of two "
                         "up to --max-num-batched-tokens)")
+    s.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode iterations per dispatch when every scheduled request decodes (a device-side "
+                        "loop; 1 = off). Cuts the host's share of each token: worth it where the host, not "
+                        "the GPU, sets the pace (small batches, tensor parallelism)")
     d = p.add_argument_group("parallel")
     d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     d.add_argument("--distributed-coordinator", default=None, help="HOST:PORT of process 0")
@@ -90,7 +94,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   enable_chunked_prefill=a.enable_chunked_prefill,
                                   max_waiting_requests=a.max_waiting_requests,
-                                  token_buckets=_int_list(a.token_buckets)),
+                                  token_buckets=_int_list(a.token_buckets),
+                                  num_scheduler_steps=a.num_scheduler_steps),
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
                                 distributed_coordinator=a.distributed_coordinator,
                                 num_processes=a.num_processes, process_id=a.process_id,

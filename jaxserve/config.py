@@ -65,6 +65,11 @@ class SchedulerConfig:
     # padded token counts a step may have (each is one compiled forward); None = powers of two from 16 up
     # to max_num_batched_tokens. Fewer buckets = a shorter warm-up, more padding.
     token_buckets: tuple[int, ...] | None = None
+    # vLLM's multi-step scheduling: a step whose requests all decode runs this many decode iterations in one
+    # jitted call (a device-side loop: forward, sample, feed the token back), so the host dispatches once per
+    # num_scheduler_steps tokens. 1 = off. Steps with penalties, logprobs or min_tokens still pending run
+    # one iteration.
+    num_scheduler_steps: int = 1
 
 
 @dataclass

@@ -184,3 +184,155 @@ def test_prompt_logprobs_match_hf_logits(llm):
         top = np.argsort(-ref[i - 1])[:3]
         for t in top:
             assert entry[int(t)].logprob == pytest.approx(ref[i - 1, t], abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- multi-step decoding
+MULTI_WARM = {}         # the multi-step engine's compiled variants right after its warm-up
+
+
+@pytest.fixture(scope="module")
+def multi():
+    m = make_llm(num_scheduler_steps=4)
+    MULTI_WARM["variants"] = m.engine.runner.compiled_variants()
+    return m
+
+
+class StepCounts:
+    """Records each scheduled step's num_steps (the scheduler's output) while in a `with` block."""
+
+    def __init__(self, llm):
+        self.sched, self.num_steps = llm.engine.scheduler, []
+
+    def __enter__(self):
+        orig = self.sched.schedule
+
+        def schedule():
+            out = orig()
+            if not out.is_empty:
+                self.num_steps.append(out.num_steps)
+            return out
+        self.sched.schedule = schedule
+        return self
+
+    def __exit__(self, *exc):
+        del self.sched.schedule
+
+    @property
+    def multi(self) -> int:
+        return sum(n > 1 for n in self.num_steps)
+
+
+def test_multi_step_greedy_matches_single_step(llm, multi, workload, single_outputs):
+    prompts, max_tokens = workload
+    params = [greedy(m) for m in max_tokens]
+    counts = []
+    for eng in (llm, multi):
+        stats = eng.engine.runner.stats
+        steps0 = stats.steps
+        with StepCounts(eng) as rec:
+            outs = eng.generate(prompts, params, use_tqdm=False)
+        counts.append(stats.steps - steps0)
+        assert eng.engine.kv_manager.usage == 0.0
+        for o, ref, m in zip(outs, single_outputs, max_tokens):
+            assert o.outputs[0].token_ids == ref and len(ref) == m
+            assert o.outputs[0].finish_reason == "length"
+    single, multi_steps = counts
+    assert rec.multi > 0 and max(rec.num_steps) == 4
+    # (most of this workload's steps mix prefill chunks with decodes: those run one step)
+    assert multi_steps < single and multi_steps < sum(max_tokens), counts
+    # a lone request: prefill, then one dispatch per 4 tokens
+    steps0 = multi.engine.runner.stats.steps
+    out = multi.generate([prompts[0]], greedy(17), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == llm.generate([prompts[0]], greedy(17), use_tqdm=False)[0].outputs[0].token_ids
+    assert multi.engine.runner.stats.steps - steps0 == 1 + 4
+
+
+def test_multi_step_early_stops_match_single_step(llm, multi, workload, single_outputs):
+    """Stop ids and stop strings met inside a 4-step loop: the tokens computed after them are dropped."""
+    prompts, max_tokens = workload
+    n = 12
+    # a stop id at output 1..5: after the prefill's token, inside the first loop or at the second's start
+    stops = [ref[min(i % 5 + 1, len(ref) - 1)] for i, ref in enumerate(single_outputs[:n])]
+    params = [SamplingParams(temperature=0, max_tokens=m, stop_token_ids=[s]) for m, s in zip(max_tokens, stops)]
+    with StepCounts(multi) as rec:
+        a = multi.generate(prompts[:n], params, use_tqdm=False)
+    assert rec.multi > 0
+    b = llm.generate(prompts[:n], params, use_tqdm=False)
+    stopped = 0
+    for x, y in zip(a, b):
+        x, y = x.outputs[0], y.outputs[0]
+        assert (x.token_ids, x.finish_reason, x.stop_reason, x.text) == (y.token_ids, y.finish_reason,
+                                                                            y.stop_reason, y.text)
+        stopped += x.finish_reason == "stop"
+    for x, ref, stop in zip(a, single_outputs, stops):
+        if x.outputs[0].stop_reason == stop:
+            assert x.outputs[0].token_ids == ref[:ref.index(stop) + 1]
+    assert stopped >= n // 2
+    assert multi.engine.kv_manager.usage == 0.0
+
+    # stop strings: text taken from the middle of each single-step output
+    full = llm.generate(prompts[:n], [greedy(m) for m in max_tokens[:n]], use_tqdm=False)
+    texts = [o.outputs[0].text for o in full]
+    cases = [(p, m, t[len(t) // 3:len(t) // 3 + 3]) for p, m, t in zip(prompts, max_tokens, texts)
+             if len(t[len(t) // 3:len(t) // 3 + 3].strip()) == 3]
+    assert len(cases) >= 4
+    sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, stop=[s]) for _, m, s in cases]
+    a = multi.generate([c[0] for c in cases], sps, use_tqdm=False)
+    b = llm.generate([c[0] for c in cases], sps, use_tqdm=False)
+    for x, y, (_, m, s) in zip(a, b, cases):
+        x, y = x.outputs[0], y.outputs[0]
+        assert (x.text, x.token_ids, x.finish_reason, x.stop_reason) == (y.text, y.token_ids, y.finish_reason,
+                                                                            y.stop_reason)
+        assert x.finish_reason == "stop" and x.stop_reason == s and s not in x.text and len(x.token_ids) < m
+    assert multi.engine.kv_manager.usage == 0.0
+
+
+def test_multi_step_seeded_sampling_matches_single_step(llm, multi, workload):
+    prompts, max_tokens = workload
+    params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=m, seed=100 + i, ignore_eos=True)
+              for i, m in enumerate(max_tokens[:12])]
+    with StepCounts(multi) as rec:
+        a = multi.generate(prompts[:12], params, use_tqdm=False)
+    assert rec.multi > 0
+    b = llm.generate(prompts[:12], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    # and not greedy in disguise
+    g = llm.generate(prompts[:12], [greedy(m) for m in max_tokens[:12]], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] != [o.outputs[0].token_ids for o in g]
+
+
+def test_multi_step_no_recompilation_after_warmup(multi, workload):
+    runner = multi.engine.runner
+    before = runner.compiled_variants()
+    # nothing compiled since the warm-up, in the tests before this one either
+    assert before == MULTI_WARM["variants"]
+    prompts, _ = workload
+    mixed = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_p=0.9, top_k=5, max_tokens=9, ignore_eos=True),
+             SamplingParams(temperature=1.0, max_tokens=9, seed=5, ignore_eos=True),
+             SamplingParams(temperature=0.7, max_tokens=9, presence_penalty=0.5, repetition_penalty=1.2,
+                            ignore_eos=True),
+             SamplingParams(temperature=0.5, max_tokens=9, logprobs=2, ignore_eos=True)]
+    with StepCounts(multi) as rec:
+        for sp in mixed:                             # each kind alone: the greedy/random ones run multi-step
+            multi.generate(prompts[:3], sp, use_tqdm=False)
+        multi.generate(prompts[3:3 + len(mixed)], mixed, use_tqdm=False)       # all in one batch
+        multi.generate(prompts[10:26], mixed[:3] * 5 + mixed[:1], use_tqdm=False)  # 16 rows: the full batch
+    assert rec.multi >= 3
+    assert runner.compiled_variants() == before
+
+
+def test_multi_step_prefix_caching_stays_correct(llm, multi):
+    p = np.random.default_rng(7).integers(1, 250, size=30).tolist()     # a prompt no other test uses
+    first = multi.generate([p], greedy(21), use_tqdm=False)[0].outputs[0].token_ids
+    assert first == llm.generate([p], greedy(21), use_tqdm=False)[0].outputs[0].token_ids
+    follow = p + list(first) + [17, 3, 99]
+    with StepCounts(multi) as rec:
+        out = multi.generate([follow], greedy(12), use_tqdm=False)[0]
+    assert rec.multi > 0
+    # The first request ran a prefill then five 4-step loops; each loop enters the blocks up to its first
+    # position into the cache (its later tokens are placeholders then), so every full block but those of
+    # the last loop's tokens is a hit. Caching blocks with placeholders would lose the hits after them.
+    assert out.num_cached_tokens >= (len(p) + len(first) - 4) // 4 * 4 > len(p)
+    assert out.outputs[0].token_ids == llm.generate([follow], greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    assert multi.engine.kv_manager.usage == 0.0

@@ -36,11 +36,15 @@ class FakeDevice:
         self.slots = [None] * (kv.num_blocks * kv.block_size)
 
     def execute(self, out: SchedulerOutput, eos_at: dict[str, int] | None = None) -> dict[str, list[int]]:
+        """One step. A multi-step entry (num_steps > 1) runs like the runner's device loop: each iteration
+        writes the previous sampled token's K/V at the next position and samples again (on past an EOS)."""
         sampled = {}
         for e in out.scheduled:
             req, bs = e.request, self.bs
             end = e.start_pos + e.num_new_tokens
-            assert len(e.block_ids) == cdiv(end, bs), "block table must cover computed + scheduled tokens"
+            assert e.num_steps == 1 or (e.num_new_tokens == 1 and e.samples), "only a decode runs several steps"
+            assert len(e.block_ids) == cdiv(end + e.num_steps - 1, bs), \
+                "block table must cover computed + scheduled tokens (+ a multi-step entry's later positions)"
             assert 0 not in e.block_ids, "the null block was handed out"
             for p in range(e.start_pos, end):                       # write_kv
                 self.slots[e.block_ids[p // bs] * bs + p % bs] = req.all_token_ids[p]
@@ -48,21 +52,30 @@ class FakeDevice:
             assert context == req.all_token_ids[:end], f"{req.request_id} read a wrong KV context"
             if e.samples:
                 n_out = req.num_output_tokens
-                eos = eos_at and eos_at.get(req.request_id) == n_out
-                sampled[req.request_id] = [EOS if eos else next_token(context)]
+                toks = []
+                for i in range(e.num_steps):
+                    if i:                                           # feed the last token back
+                        p = end - 1 + i
+                        self.slots[e.block_ids[p // bs] * bs + p % bs] = toks[-1]
+                        context = [self.slots[e.block_ids[q // bs] * bs + q % bs] for q in range(p + 1)]
+                        assert context == req.all_token_ids[:end] + toks, f"{req.request_id}: wrong KV in loop"
+                    eos = eos_at and eos_at.get(req.request_id) == n_out + i
+                    toks.append(EOS if eos else next_token(context))
+                sampled[req.request_id] = toks
         return sampled
 
 
-def params(max_tokens=None, min_tokens=0, ignore_eos=False, stop_token_ids=()):
+def params(max_tokens=None, min_tokens=0, ignore_eos=False, stop_token_ids=(), logprobs=None, penalties=False):
     return SimpleNamespace(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                           stop_token_ids=list(stop_token_ids))
+                           stop_token_ids=list(stop_token_ids), logprobs=logprobs, uses_penalties=penalties)
 
 
 def make(num_blocks=64, block_size=4, max_model_len=64, budget=32, max_seqs=8, chunked=True, caching=True,
-         max_waiting=None):
+         max_waiting=None, steps=1):
     kv = KVCacheManager(num_blocks, block_size, caching, max_model_len)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                      enable_chunked_prefill=chunked, max_waiting_requests=max_waiting),
+                                      enable_chunked_prefill=chunked, max_waiting_requests=max_waiting,
+                                      num_scheduler_steps=steps),
                       CacheConfig(block_size=block_size, enable_prefix_caching=caching), kv, max_model_len)
     return sched, kv, FakeDevice(kv)
 
@@ -323,6 +336,186 @@ def test_a_running_request_preempts_itself_when_alone_it_cannot_grow():
     assert {r.request_id for r in finished} == {"a", "b"}
 
 
+# ------------------------------------------------------------------------------ multi-step decoding
+def prefill(sched, dev, *reqs):
+    """Add the requests and run their (multi-token) prompts: afterwards each decodes."""
+    for r in reqs:
+        sched.add_request(r)
+    out, _ = step(sched, dev)
+    assert sorted(e.request_id for e in out.scheduled) == sorted(r.request_id for r in reqs)
+    assert out.num_steps == 1 and all(e.num_steps == 1 and e.num_new_tokens > 1 for e in out.scheduled)
+    return out
+
+
+def test_num_scheduler_steps_must_be_positive():
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=f"num_scheduler_steps must be at least 1, got {bad}"):
+            make(steps=bad)
+
+
+def test_multi_step_decode_allocates_every_position_and_advances_by_all_steps():
+    sched, kv, dev = make(steps=4, block_size=4)
+    a = Request("a", [1, 2, 3], params(max_tokens=50))
+    prefill(sched, dev, a)
+    assert (a.num_computed_tokens, a.num_tokens, len(kv.block_ids("a"))) == (3, 4, 1)
+    out = sched.schedule()
+    (e,) = out.scheduled
+    assert (out.num_steps, e.num_steps, e.start_pos, e.num_new_tokens, e.samples) == (4, 4, 3, 1, True)
+    # positions 3..6 (start_pos + 3) are written this step: two blocks, where one step needs one
+    assert len(e.block_ids) == 2 == cdiv(e.start_pos + 3 + 1, kv.block_size)
+    assert e.block_ids == kv.block_ids("a")
+    first = a.output_token_ids[0]
+    assert sched.update_from_output(out, {"a": [11, 12, 13, 14]}) == []
+    assert a.num_computed_tokens == 3 + 4
+    assert a.output_token_ids == [first, 11, 12, 13, 14] and a.all_token_ids == [1, 2, 3, first, 11, 12, 13, 14]
+    (e,) = sched.schedule().scheduled                # the last sampled token is the next step's input
+    assert (e.start_pos, e.num_new_tokens) == (7, 1)
+
+
+def test_multi_step_is_capped_by_max_tokens_and_max_model_len():
+    sched, kv, dev = make(steps=4, max_model_len=12, num_blocks=32)
+    a = Request("a", [1, 2, 3], params(max_tokens=3))                # 1 sampled by the prefill: 2 left
+    b = Request("b", [4, 5, 6, 7, 8, 9, 10, 11, 12], params())       # 9 + 1 tokens: 2 before max_model_len
+    c = Request("c", [13, 14], params(max_tokens=20))                 # room for all 4
+    d = Request("d", [15, 16], params(max_tokens=2))                  # 1 left: one step
+    prefill(sched, dev, a, b, c, d)
+    out = sched.schedule()
+    assert out.num_steps == 4
+    assert {e.request_id: e.num_steps for e in out.scheduled} == {"a": 2, "b": 2, "c": 4, "d": 1}
+    for e in out.scheduled:
+        assert len(e.block_ids) == cdiv(e.start_pos + e.num_steps, kv.block_size), e.request_id
+    finished = sched.update_from_output(out, dev.execute(out))
+    assert sorted(r.request_id for r in finished) == ["a", "b", "d"]
+    assert a.finish_reason == b.finish_reason == d.finish_reason == "length"
+    assert (a.num_output_tokens, b.num_tokens, d.num_output_tokens) == (3, 12, 2)
+    assert a.output_token_ids == expected_outputs(a.prompt_token_ids, 3)
+    assert b.output_token_ids == expected_outputs(b.prompt_token_ids, 3)
+    assert all(kv.block_ids(r) == [] for r in "abd")
+    assert (c.num_output_tokens, c.num_computed_tokens, c.status) == (5, 6, RequestStatus.RUNNING)
+    # c: 7 tokens, 4 more steps to 11, then 1 (max_model_len 12)
+    out, _ = step(sched, dev)
+    assert (out.num_steps, out.scheduled[0].num_steps) == (4, 4)
+    out, finished = step(sched, dev)
+    assert (out.num_steps, out.scheduled[0].num_steps) == (1, 1) and finished == [c]
+    assert c.finish_reason == "length" and c.output_token_ids == expected_outputs(c.prompt_token_ids, 10)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_multi_step_only_when_every_entry_decodes():
+    sched, kv, dev = make(steps=4, budget=32)
+    a = Request("a", [1, 2, 3], params(max_tokens=50))
+    prefill(sched, dev, a)
+    b = Request("b", list(range(5, 15)), params(max_tokens=50))
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(e.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 1), ("b", 10)]
+    assert out.num_steps == 1 and [e.num_steps for e in out.scheduled] == [1, 1]
+    assert len(kv.block_ids("a")) == 1                # no lookahead blocks taken
+    sched.update_from_output(out, dev.execute(out))
+    out = sched.schedule()                            # both decode now
+    assert out.num_steps == 4 and [e.num_steps for e in out.scheduled] == [4, 4]
+
+
+def test_one_token_prompt_chunk_is_not_multi_stepped():
+    # Budget 2: a decodes (1 token) and b's prompt gets a 1-token chunk, so every entry has num_new_tokens
+    # == 1, but b's chunk samples nothing: running it for 4 steps would write sampled tokens where b's
+    # prompt belongs and count prompt positions as computed.
+    sched, kv, dev = make(steps=4, budget=2)
+    a = Request("a", [1, 2], params(max_tokens=6))
+    prefill(sched, dev, a)
+    b = Request("b", [5, 6, 7, 8, 9], params(max_tokens=6))
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(e.request_id, e.num_new_tokens, e.samples) for e in out.scheduled] == [("a", 1, True),
+                                                                                   ("b", 1, False)]
+    (eb,) = [e for e in out.scheduled if e.request_id == "b"]
+    assert eb.num_steps == 1
+    sched.update_from_output(out, dev.execute(out))
+    assert b.num_computed_tokens == 1 and b.num_output_tokens == 0
+    run_to_completion(sched, dev)
+    assert a.output_token_ids == expected_outputs(a.prompt_token_ids, 6)
+    assert b.output_token_ids == expected_outputs(b.prompt_token_ids, 6)
+
+
+@pytest.mark.parametrize("kw", [dict(penalties=True), dict(logprobs=0), dict(min_tokens=3)],
+                         ids=["penalties", "logprobs", "min_tokens"])
+def test_multi_step_off_while_a_request_needs_the_host_between_tokens(kw):
+    sched, kv, dev = make(steps=4)
+    a = Request("a", [1, 2, 3], params(max_tokens=50))
+    b = Request("b", [4, 5, 6], params(max_tokens=50, **kw))
+    prefill(sched, dev, a, b)
+    out = sched.schedule()
+    # one such request makes the whole step single: a does not run ahead either
+    assert out.num_steps == 1 and [e.num_steps for e in out.scheduled] == [1, 1]
+    assert len(kv.block_ids("a")) == len(kv.block_ids("b")) == 1
+    sched.update_from_output(out, dev.execute(out))
+    if "min_tokens" in kw:                             # b has 2 outputs, 3rd is still below min_tokens
+        out, _ = step(sched, dev)
+        assert out.num_steps == 1
+        out = sched.schedule()                         # min_tokens reached: multi-step again
+        assert out.num_steps == 4 and [e.num_steps for e in out.scheduled] == [4, 4]
+    else:
+        for _ in range(3):
+            out, _ = step(sched, dev)
+            assert out.num_steps == 1 and [e.num_steps for e in out.scheduled] == [1, 1]
+
+
+def test_multi_step_lookahead_never_preempts():
+    # 3 usable blocks of 4. a and b (3-token prompts) hold one block each; 4 steps need a second block
+    # each, and one is free: a (first) gets it, b runs one step, nobody is preempted.
+    sched, kv, dev = make(num_blocks=4, block_size=4, max_model_len=12, steps=4, caching=False)
+    a = Request("a", [1, 2, 3], params(max_tokens=6))
+    b = Request("b", [4, 5, 6], params(max_tokens=6))
+    prefill(sched, dev, a, b)
+    assert kv.num_free_blocks == 1
+    out = sched.schedule()
+    assert out.preempted_ids == [] and out.num_steps == 4
+    assert [(e.request_id, e.num_steps) for e in out.scheduled] == [("a", 4), ("b", 1)]
+    assert kv.num_free_blocks == 0 and len(kv.block_ids("b")) == 1
+    sched.update_from_output(out, dev.execute(out))
+    assert (a.num_output_tokens, b.num_output_tokens) == (5, 2)
+    run_to_completion(sched, dev)
+    assert a.output_token_ids == expected_outputs(a.prompt_token_ids, 6)
+    assert b.output_token_ids == expected_outputs(b.prompt_token_ids, 6)
+
+    # no free block at all: every entry runs one step, and the step is a single one
+    sched, kv, dev = make(num_blocks=3, block_size=4, max_model_len=8, steps=4, caching=False)
+    prefill(sched, dev, Request("a", [1, 2, 3], params(max_tokens=4)), Request("b", [4, 5, 6], params(max_tokens=4)))
+    assert kv.num_free_blocks == 0
+    out = sched.schedule()
+    assert out.preempted_ids == [] and out.num_steps == 1 and [e.num_steps for e in out.scheduled] == [1, 1]
+
+
+def test_multi_step_gives_the_same_tokens_in_fewer_steps():
+    """Against single-step scheduling: the same tokens (an EOS mid-loop included), fewer steps, and the
+    prefix cache still right afterwards (the fake device checks every KV read, cache hits included)."""
+    prompts = [list(range(1, 19)) + [i] * (i % 5 + 1) for i in range(8)]
+    eos_at = {"3": 6}                                  # prefill gives output 0; loops give 1-4, 5-8: EOS mid-loop
+    results = []
+    for steps in (1, 4):
+        sched, kv, dev = make(num_blocks=80, block_size=4, max_model_len=64, budget=64, max_seqs=8, steps=steps)
+        reqs = [Request(str(i), p, params(max_tokens=10 + i), eos_token_ids=[EOS]) for i, p in enumerate(prompts)]
+        for r in reqs:
+            sched.add_request(r)
+        n = 0
+        while sched.has_unfinished_requests():
+            out, _ = step(sched, dev, eos_at)
+            n += 1
+            assert n < 100
+        assert kv.num_free_blocks == kv.num_usable_blocks
+        # a follow-up whose prompt is a finished request's whole sequence and more hits the cache
+        x = Request("x", reqs[0].all_token_ids + [7, 7], params(max_tokens=5))
+        sched.add_request(x)
+        run_to_completion(sched, dev)
+        assert x.num_cached_tokens >= 16 and x.output_token_ids == expected_outputs(x.prompt_token_ids, 5)
+        results.append(([r.output_token_ids for r in reqs], [r.finish_reason for r in reqs], n))
+    (single, single_reasons, n1), (multi, multi_reasons, n4) = results
+    assert multi == single and multi_reasons == single_reasons
+    assert single[3][-1] == EOS and len(single[3]) == 7 and single_reasons[3] == "stop"
+    assert [len(o) for o in single] == [7 if i == 3 else 10 + i for i in range(8)]
+    assert n4 < n1 / 2
+
+
 # ------------------------------------------------------------------------------------- abort and finish
 def test_abort_at_any_point_frees_everything():
     sched, kv, dev = make(budget=8)
@@ -406,11 +599,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(block_size=st.sampled_from([2, 4]), max_model_len=st.sampled_from([12, 24]),
                 spare_blocks=st.integers(0, 6), budget=st.integers(1, 30), max_seqs=st.integers(1, 5),
-                chunked=st.booleans(), caching=st.booleans())
-    def setup(self, block_size, max_model_len, spare_blocks, budget, max_seqs, chunked, caching):
+                chunked=st.booleans(), caching=st.booleans(), steps=st.sampled_from([1, 3]))
+    def setup(self, block_size, max_model_len, spare_blocks, budget, max_seqs, chunked, caching, steps):
         num_blocks = 1 + cdiv(max_model_len, block_size) + spare_blocks
         self.sched, self.kv, self.dev = make(num_blocks, block_size, max_model_len, budget, max_seqs,
-                                             chunked, caching)
+                                             chunked, caching, steps=steps)
         self.budget, self.max_seqs = budget, max_seqs
         self.added: dict[str, Request] = {}
         self.finished: set[str] = set()
@@ -441,6 +634,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         eos_at = {f"r{eos_for}": 1}
         if out.preempted_ids:
             event("preempted")
+        if out.num_steps > 1:
+            event("multi-step")
         finished = self.sched.update_from_output(out, self.dev.execute(out, eos_at))
         for r in finished:
             assert r.is_finished() and r.request_id not in self.finished
@@ -475,7 +670,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert e.samples == (e.start_pos + e.num_new_tokens == r.num_tokens)
             assert e.start_pos + e.num_new_tokens <= sched.max_model_len
             assert e.block_ids == kv.block_ids(r.request_id)
-            assert len(e.block_ids) == cdiv(e.start_pos + e.num_new_tokens, kv.block_size)
+            assert len(e.block_ids) == cdiv(e.start_pos + e.num_new_tokens + e.num_steps - 1, kv.block_size)
+            # multi-step: only decodes, never past max_model_len or max_tokens
+            assert 1 <= e.num_steps <= out.num_steps
+            if e.num_steps > 1:
+                assert r.num_tokens + e.num_steps <= sched.max_model_len
+                assert r.max_tokens is None or r.num_output_tokens + e.num_steps <= r.max_tokens
+        assert out.num_steps in (1, sched.num_scheduler_steps)
+        if out.num_steps > 1:
+            assert out.num_decodes == len(out.scheduled) and max(e.num_steps for e in out.scheduled) > 1
         for rid in out.preempted_ids:
             assert rid not in {e.request_id for e in out.scheduled}
         for rid in out.finished_ids:
@@ -554,3 +757,28 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_multi_step_entry_with_fewer_tokens_back_counts_only_those():
+    # the engine always sends num_steps tokens; a caller that sends fewer (or none) must not strand the request
+    for back in ([], [5, 6]):
+        sched, kv, dev = make(steps=4)
+        a = Request("a", [1, 2, 3], params(max_tokens=50))
+        prefill(sched, dev, a)
+        out = sched.schedule()
+        (e,) = out.scheduled
+        assert e.num_steps == 4
+        sched.update_from_output(out, {"a": back})
+        assert a.num_computed_tokens == a.num_tokens - 1          # exactly the last known token is pending
+        (e2,) = sched.schedule().scheduled
+        assert e2.start_pos == a.num_tokens - 1 and e2.num_new_tokens == 1
+
+
+def test_multi_step_with_a_request_that_has_no_sampling_params():
+    sched, kv, dev = make(steps=4)
+    a = Request("a", [1, 2, 3])
+    sched.add_request(a)
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": [7]})
+    out = sched.schedule()                  # a decode: must not trip over sampling_params=None
+    assert out.scheduled[0].num_new_tokens == 1

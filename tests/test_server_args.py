@@ -34,6 +34,15 @@ def test_vllm_flag_names(monkeypatch):
     assert cfg.served_model_name == "a" and cfg.scheduler.max_waiting_requests == 7
 
 
+def test_num_scheduler_steps_flag():
+    assert engine_config_from_args(parse()).scheduler.num_scheduler_steps == 1      # off by default
+    for cmd in ("serve", "generate"):
+        a = build_parser().parse_args([cmd, "--num-scheduler-steps", "8"])
+        assert engine_config_from_args(a).scheduler.num_scheduler_steps == 8
+    with pytest.raises(SystemExit):                                                  # an int, not any string
+        parse("--num-scheduler-steps", "many")
+
+
 def test_api_key_from_environment(monkeypatch):
     monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
     assert server_args_from_namespace(parse()).api_key == "from-env"

@@ -119,7 +119,40 @@ def _engine_worker() -> dict:
         report[f"{model}/tp{tp}/k_spec"] = str(getattr(k.sharding, "spec", None))
         del llm
     report["async/tp2"] = _async_engine_tokens("tiny-llama3", 2)
+    report["multistep/tp2"] = _multistep_warm_engine("tiny-llama3", 2)
     return report
+
+
+def _multistep_warm_engine(model: str, tp: int) -> dict:
+    """num_scheduler_steps=4 with the warm-up on: the greedy tokens, and the compiled variants after the
+    warm-up and after a workload (under a mesh, a step fed what the previous one returned must hit the
+    executable the warm-up compiled)."""
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    llm = LLM(os.path.join(FIXTURES, model), tensor_parallel_size=tp, dtype="float32", max_model_len=128,
+              max_num_batched_tokens=64, max_num_seqs=4, token_buckets=[16, 64], kv_cache_memory_bytes=1 << 22,
+              num_scheduler_steps=4, skip_warmup=False, compilation_cache_dir="", use_tqdm_on_load=False)
+    runner, sched = llm.engine.runner, llm.engine.scheduler
+    num_steps, schedule = [], sched.schedule
+
+    def recording_schedule():
+        out = schedule()
+        num_steps.append(out.num_steps)
+        return out
+    sched.schedule = recording_schedule
+    before = runner.compiled_variants()
+    outs = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    after_greedy = runner.compiled_variants()
+    mixed = [SamplingParams(temperature=0.8, top_p=0.9, top_k=5, max_tokens=MAX_NEW_TOKENS, seed=3, ignore_eos=True),
+             SamplingParams(temperature=0.7, max_tokens=MAX_NEW_TOKENS, repetition_penalty=1.2, ignore_eos=True),
+             SamplingParams(temperature=0.5, max_tokens=MAX_NEW_TOKENS, logprobs=2, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)]
+    llm.generate(ENGINE_PROMPTS, mixed, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "variants": [before, after_greedy,
+                                                                                 runner.compiled_variants()],
+            "num_steps": num_steps, "kv_usage": llm.engine.kv_manager.usage}
 
 
 def _async_engine_tokens(model: str, tp: int) -> list[list[int]]:
@@ -219,6 +252,15 @@ def test_engine_greedy_matches_single_device(engine_report, model, tp):
 
 def test_async_engine_tp2_matches_single_device(engine_report):
     assert engine_report["async/tp2"] == engine_report["tiny-llama3/tp1"]
+
+
+def test_multi_step_tp2_matches_single_device_without_recompiling(engine_report):
+    r = engine_report["multistep/tp2"]
+    assert r["tokens"] == engine_report["tiny-llama3/tp1"]
+    assert 4 in r["num_steps"]                       # the greedy batch ran multi-step dispatches
+    before, after_greedy, after_mixed = r["variants"]
+    assert before > 0 and before == after_greedy == after_mixed, r["variants"]
+    assert r["kv_usage"] == 0.0
 
 
 def test_loader_keeps_kv_heads_whole(engine_report):

@@ -205,7 +205,8 @@ class LLMEngine:
         itself goes from step N's output to step N+1's input on the device. Reading step N's results then
         overlaps step N+1 on the device; a request that stopped (EOS, stop id or string) at step N has
         computed one token too many in N+1, which is dropped. Penalties need the real history on the host,
-        so a step that uses them first resolves the step in flight.
+        so a step that uses them first resolves the step in flight. A multi-step decode (the scheduler's
+        ``num_steps`` > 1) works the same way with ``num_steps`` placeholders per request.
         """
         sched = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
@@ -219,13 +220,18 @@ class LLMEngine:
         if prev is not None:
             outputs += self._resolve(prev)      # blocks on step N while the device runs step N+1
         # the scheduler counts the new tokens now; their values arrive with _resolve
-        self.scheduler.update_from_output(sched, dict.fromkeys(pending.rows, _PLACEHOLDER_ONLY))
+        if sched.num_steps > 1:                 # multi-step: one placeholder per iteration each entry runs
+            self.scheduler.update_from_output(sched, {s.request.request_id: (PLACEHOLDER,) * s.num_steps
+                                                      for s in sched.scheduled})
+        else:
+            self.scheduler.update_from_output(sched, dict.fromkeys(pending.rows, _PLACEHOLDER_ONLY))
         index = {}
         for s in sched.scheduled:
             if s.samples:
                 out_ids = s.request.output_token_ids
                 if out_ids and out_ids[-1] == PLACEHOLDER:
-                    index[s.request.request_id] = (s.request, len(out_ids) - 1)
+                    # the first of this step's placeholders (a request may have finished by length on it)
+                    index[s.request.request_id] = (s.request, len(out_ids) - s.num_steps)
         inflight = _InFlight(pending, index)
         if self.config.async_scheduling:
             self._inflight = inflight
@@ -249,34 +255,46 @@ class LLMEngine:
         token_ids = result.token_ids
         logprobs = result.logprobs
         running, stopped = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
+        length_capped = RequestStatus.FINISHED_LENGTH_CAPPED
         final_only = RequestOutputKind.FINAL_ONLY
         finish_request = self.scheduler.finish_request
-        for rid, (req, idx) in inflight.index.items():
+        for rid, (req, first) in inflight.index.items():
             detok = detoks.get(rid)
             if detok is None:                   # aborted meanwhile
                 continue
-            tok = token_ids[rid]
-            req.set_output_token(idx, tok)
-            # EOS / stop-token-id check (vLLM's rules: only from min_tokens on; EOS unless ignore_eos)
-            is_eos = not req.ignore_eos and tok in req.eos_token_ids
-            if idx + 1 >= req.min_tokens and (is_eos or tok in req.stop_token_ids):
-                reason = None if is_eos else tok
-                if req.status == running:
-                    finish_request(rid, stopped, stop_reason=reason)
-                else:                            # finished by length on the same token: the stop wins
-                    req.status, req.stop_reason = stopped, reason
-            if logprobs:
-                self._record_logprobs(rid, tok, logprobs.get(rid))
-            finished = req.status > RequestStatus.PREEMPTED
-            detok.update((tok,), finished)       # finished releases held-back text
-            if not finished and detok.stop_reason is not None:
-                finish_request(rid, stopped, stop_reason=detok.stop_reason)
-                finished = True
+            toks = token_ids[rid]
+            if type(toks) is int:               # one step (a multi-step dispatch gives a list)
+                toks = (toks,)
+            last = len(toks) - 1
+            for j, tok in enumerate(toks):
+                idx = first + j
+                req.set_output_token(idx, tok)
+                # EOS / stop-token-id check (vLLM's rules: only from min_tokens on; EOS unless ignore_eos)
+                is_eos = not req.ignore_eos and tok in req.eos_token_ids
+                if idx + 1 >= req.min_tokens and (is_eos or tok in req.stop_token_ids):
+                    reason = None if is_eos else tok
+                    if req.status == running:
+                        finish_request(rid, stopped, stop_reason=reason)
+                    else:                            # finished by length on the same token: the stop wins
+                        req.status, req.stop_reason = stopped, reason
+                if logprobs:
+                    self._record_logprobs(rid, tok, logprobs.get(rid))
+                # finished by length shows on the request from its last placeholder on, not before
+                finished = req.status > RequestStatus.PREEMPTED and (j == last or req.status != length_capped)
+                detok.update((tok,), finished)       # finished releases held-back text
+                if not finished and detok.stop_reason is not None:
+                    if req.status == running:
+                        finish_request(rid, stopped, stop_reason=detok.stop_reason)
+                    else:
+                        req.status, req.stop_reason = stopped, detok.stop_reason
+                    finished = True
+                if finished:
+                    break
             metrics = req.metrics
             metrics.last_token_time = now
             if finished:
                 if len(req.output_token_ids) > idx + 1:
-                    req.truncate_output(idx + 1)    # drop a token computed after the stop
+                    req.truncate_output(idx + 1)    # drop tokens computed after the stop
             elif req.sampling_params.output_kind is final_only:
                 continue
             out = self._make_output(req, finished)

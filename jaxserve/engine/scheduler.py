@@ -47,6 +47,9 @@ class ScheduledRequest:
     start_pos: int                  # == request.num_computed_tokens when scheduled
     block_ids: list[int]            # the whole block table after allocation (a snapshot)
     samples: bool = True            # the chunk ends at the last known token: the step yields a token
+    # multi-step decoding: a decode run for num_steps iterations in one dispatch computes positions
+    # start_pos .. start_pos + num_steps - 1 and samples num_steps tokens (slots are allocated for all of them)
+    num_steps: int = 1
 
     @property
     def request_id(self) -> str:
@@ -63,6 +66,7 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     num_decodes: int = 0            # scheduled[:num_decodes] have num_new_tokens == 1
+    num_steps: int = 1              # > 1: a multi-step decode (every entry decodes, for up to this many steps)
 
     @property
     def is_empty(self) -> bool:
@@ -88,6 +92,8 @@ class Scheduler:
                              "lower max_model_len or give the KV cache more memory")
         if scheduler_config.max_num_batched_tokens <= 0 or scheduler_config.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if scheduler_config.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be at least 1, got {scheduler_config.num_scheduler_steps}")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager
@@ -95,6 +101,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.num_scheduler_steps = scheduler_config.num_scheduler_steps
 
         self.requests: dict[str, Request] = {}       # every unfinished request, by id
         self.waiting: deque[Request] = deque()       # FCFS; preempted requests re-enter at the front
@@ -199,10 +206,39 @@ class Scheduler:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         if len(decodes) != len(scheduled):
             scheduled = decodes + [s for s in scheduled if s.num_new_tokens != 1]
+        num_steps = 1
+        if self.num_scheduler_steps > 1 and scheduled and len(decodes) == len(scheduled):
+            num_steps = self._plan_steps(scheduled)
         finished_ids, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted_ids, finished_ids=finished_ids,
                                total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-                               num_decodes=len(decodes))
+                               num_decodes=len(decodes), num_steps=num_steps)
+
+    def _plan_steps(self, scheduled: list[ScheduledRequest]) -> int:
+        """Multi-step decoding for an all-decode step: give each entry up to num_scheduler_steps steps
+        (fewer where max_tokens or max_model_len comes first) and allocate their slots now. Returns the
+        step count (1 when some request needs the host between tokens: penalties read the history,
+        logprobs are returned per token, min_tokens still masks stop ids).
+
+        A request that cannot get the extra blocks runs one step; nothing is preempted for lookahead. A
+        request that stops early (EOS, stop string) wastes the rest of its steps; the engine drops them."""
+        for s in scheduled:
+            req = s.request
+            if (not s.samples or req.uses_penalties or getattr(req.sampling_params, "logprobs", None) is not None
+                    or len(req.output_token_ids) < req.min_tokens):
+                return 1            # (a one-token prompt chunk that stops short of the end samples nothing)
+        kv, n, max_len = self.kv_cache_manager, self.num_scheduler_steps, self.max_model_len
+        longest = 1
+        for s in scheduled:
+            req = s.request
+            k = min(n, max_len - req.num_tokens)
+            if req.max_tokens is not None:
+                k = min(k, req.max_tokens - len(req.output_token_ids))
+            if k > 1 and kv.allocate_slots(req, k) is not None:
+                s.num_steps = k
+                s.block_ids = kv.block_ids(req.request_id)
+                longest = max(longest, k)
+        return n if longest > 1 else 1
 
     def _may_chunk(self, num_new: int) -> bool:
         # With chunked prefill off, a sequence that could never fit a whole step (a preempted request
@@ -228,10 +264,10 @@ class Scheduler:
                            sampled: dict[str, list[int]]) -> list[Request]:
         """Record what the step computed and sampled; returns the requests that finished now.
 
-        sampled[request_id] holds the token(s) sampled for each entry with samples=True. Only the first
-        token's predecessor K/V was computed by the step; any further tokens (multi-step decoding) are
-        appended as known-but-uncomputed and fed to the next step. Tokens after a stop are dropped.
-        Entries whose request was aborted or finished in the meantime are skipped.
+        sampled[request_id] holds the token(s) sampled for each entry with samples=True: one per step the
+        entry ran (``num_steps``; its K/V positions start_pos .. start_pos + num_steps - 1 are computed).
+        Tokens after a stop are dropped. Entries whose request was aborted or finished in the meantime are
+        skipped.
         """
         kv = self.kv_cache_manager
         now = time.time()
@@ -251,6 +287,8 @@ class Scheduler:
             if entry.samples:
                 tokens = sampled.get(req.request_id)
                 if tokens:
+                    # a multi-step entry computed one more position per token it sampled after the first
+                    req.num_computed_tokens += min(len(tokens), entry.num_steps) - 1
                     metrics = req.metrics
                     if metrics.first_token_time is None:
                         metrics.first_token_time = now
@@ -269,7 +307,10 @@ class Scheduler:
                     # No token came back: recompute the last position next step rather than stall.
                     req.num_computed_tokens -= 1
             if cache_blocks is not None:
-                cache_blocks(req, req.num_computed_tokens)
+                # a multi-step entry's later tokens are placeholders until the engine reads them: blocks
+                # holding them are cached by a later step
+                cache_blocks(req, entry.start_pos + entry.num_new_tokens if entry.num_steps > 1
+                             else req.num_computed_tokens)
             if req.status > RequestStatus.PREEMPTED:        # finished
                 self._retire(req, now)
                 newly_finished.append(req)

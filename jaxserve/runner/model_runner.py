@@ -6,6 +6,9 @@ last token, then the on-device sampler. Splitting them keeps the expensive model
 token bucket (the sampler's variants — logprobs on/off, penalties on/off — are small graphs). The request
 count follows the token bucket, every variant is compiled at start-up, and the KV cache is donated so XLA
 updates it in place.
+
+Multi-step decoding (``--num-scheduler-steps N``) adds a third executable per decode bucket: N iterations of
+forward → sample → feed the token back in one ``lax.fori_loop``, for steps whose requests all decode.
 """
 from __future__ import annotations
 
@@ -54,8 +57,9 @@ def resolve_attention_backend(name: str) -> str:
 
 @dataclasses.dataclass(slots=True)
 class StepResult:
-    """What one step sampled, on the host: per scheduled request that samples."""
-    token_ids: dict[str, int]
+    """What one step sampled, on the host: per scheduled request that samples. A multi-step dispatch
+    returns a list of ids per request instead (one per iteration it ran)."""
+    token_ids: dict[str, int] | dict[str, list[int]]
     logprobs: dict[str, tuple[float, int, list[int], list[float]]]  # logprob, rank, top ids, top logprobs
 
 
@@ -95,6 +99,46 @@ def _sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, *, layou
     return out, padded
 
 
+def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, filtering, params, kv_caches, ints,
+                    prev_tokens, s_ints, s_floats, *, layout, s_layout):
+    """Multi-step decoding: ``num_steps`` iterations of forward → sample → feed the token back, as one
+    device-side loop (XLA's while loop with a known trip count: no host round trip between iterations).
+
+    Every request decodes (token row i = request row i). Row i runs ``step_limit[i]`` iterations; after
+    that it repeats its last position with its K/V write dropped (PAD_SLOT), so an early finisher never
+    writes outside the blocks the scheduler gave it. Returns the cache, the tokens [num_steps, R] and each
+    row's last real token (padded to ``max_rows``: what the next step's placeholders read)."""
+    x = packing.unpack(ints, None, layout)
+    md = AttentionMetadata(**packing.take(x, "md."), decode_only=True)
+    prev_index = x["prev_index"]
+    ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], x["input_ids"])
+    meta = sampler_mod.SamplingMetadata(**packing.unpack(s_ints, s_floats, s_layout))
+    T, R = ids.shape[0], md.seq_lens.shape[0]
+    limit = x["step_limit"]                                   # [R], 1 on padding rows
+    tok_row = jnp.minimum(jnp.arange(T), R - 1)
+    real = jnp.arange(T) < md.num_seqs
+    real_row = jnp.arange(R) < md.num_seqs
+    positions0, logits_idx = x["positions"], x["logits_idx"]
+
+    def body(i, carry):
+        kv, ids, toks = carry
+        advance = jnp.minimum(i, limit - 1)                  # [R]
+        pos = positions0 + advance[tok_row]
+        slot = md.block_tables[tok_row, pos // block_size] * block_size + pos % block_size
+        slot = jnp.where(real & (i < limit[tok_row]), slot, PAD_SLOT)
+        step_md = dataclasses.replace(md, slot_mapping=slot, seq_lens=md.seq_lens + jnp.where(real_row, advance, 0))
+        hidden, kv = family.forward(params, kv, ids, pos, step_md, cfg, attn_backend=backend)
+        logits = gather_logits(family.compute_logits(params, hidden[logits_idx], cfg))
+        step_meta = dataclasses.replace(meta, key_counter=meta.key_counter + i.astype(jnp.uint32))
+        new = sampler_mod.sample(logits, step_meta, filtering=filtering).token_ids
+        return kv, ids.at[:R].set(new), toks.at[i].set(new)
+
+    toks0 = jnp.zeros((num_steps, R), jnp.int32)
+    kv_caches, _, toks = jax.lax.fori_loop(0, num_steps, body, (kv_caches, ids, toks0))
+    last = toks[limit - 1, jnp.arange(R)]
+    return kv_caches, toks, jnp.zeros(max_rows, jnp.int32).at[:R].set(last)
+
+
 def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index):
     """The forward's host inputs as one int32 buffer and its (static) layout."""
     ints, _, layout = packing.pack({
@@ -111,6 +155,7 @@ class PendingStep:
     rows: dict[str, int]             # request id -> row, for the requests that sample
     logprobs_k: dict[str, int]       # request id -> number of top logprobs wanted
     num_tokens: int
+    steps: dict[str, int] | None = None   # multi-step: request id -> iterations it ran (out: [steps, R] ids)
 
 
 class ModelRunner:
@@ -134,9 +179,22 @@ class ModelRunner:
         self.kv_dtype = self._kv_cache_dtype()
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._init_kv_caches()
+        # Under a mesh every step output has a declared sharding (the cache's own, the rest replicated), and
+        # the warm-up feeds the same shardings in: jit keys its cache on the input shardings, so a step fed
+        # what an earlier step returned must find the executable the warm-up compiled (else each TP bucket
+        # compiled again on its first real step).
+        rep, fwd_out, samp_out, loop_out = None, {}, {}, {}
+        if mesh is not None:
+            from jaxserve.parallel import kv_cache_sharding, replicated
+            rep = replicated(mesh)
+            kv_sh = kv_cache_sharding(mesh, self.cfg)
+            fwd_out = {"out_shardings": (kv_sh, rep)}
+            samp_out = {"out_shardings": rep}
+            loop_out = {"out_shardings": (kv_sh, rep, rep)}
+        self._replicated = rep
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend), mesh),
-                                donate_argnums=(1,), static_argnames=("layout", "decode_only"))
+                                donate_argnums=(1,), static_argnames=("layout", "decode_only"), **fwd_out)
         # Steps whose requests all decode one token get their own variant of the small buckets under the
         # Pallas backends: the attention runs its decode launch alone (no prefill tile slots, the decode
         # tile's shared memory only). The reference has one path for both, so no extra compiles there.
@@ -145,13 +203,27 @@ class ModelRunner:
         # the host says whether any row filters (top-k/top-p): two static variants. CPU keeps lax.cond.
         self.static_sampling = jax.default_backend() != "cpu"
         filter_modes = (False, True) if self.static_sampling else (None,)
-        self._samplers = {(nl, f): jax.jit(partial(_sample_fn, nl, self.max_num_seqs, f), static_argnames=("layout",))
+        self._samplers = {(nl, f): jax.jit(partial(_sample_fn, nl, self.max_num_seqs, f), static_argnames=("layout",),
+                                           **samp_out)
                           for nl in (0, self.max_logprobs) for f in filter_modes}
-        self._no_prev = jnp.zeros(self.max_num_seqs, jnp.int32)
+        self._no_prev = self._placed(jnp.zeros(self.max_num_seqs, jnp.int32))
+        # multi-step decoding (--num-scheduler-steps): one decode loop per (token bucket, filter mode)
+        self.num_scheduler_steps = config.scheduler.num_scheduler_steps
+        self._decode_loops = {}
+        if self.num_scheduler_steps > 1:
+            self._decode_loops = {
+                f: jax.jit(bind_mesh(partial(_decode_loop_fn, model.family, self.cfg, self.backend, self.max_num_seqs,
+                                             self.block_size, self.num_scheduler_steps, f), mesh),
+                           donate_argnums=(1,), static_argnames=("layout", "s_layout"), **loop_out)
+                for f in filter_modes}
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
         self._step_count = 0
         self._row_cache: dict[str, tuple] = {}     # request id -> (params, seed, sampler_mod.SamplingRow)
+
+    def _placed(self, x: jax.Array) -> jax.Array:
+        """``x`` replicated on the mesh (as step outputs are), or as it is without one."""
+        return x if self._replicated is None else jax.device_put(x, self._replicated)
 
     # ---------------------------------------------------------------- KV cache sizing
     def _kv_cache_dtype(self):
@@ -343,11 +415,7 @@ class ModelRunner:
         T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev)
         smeta = self.sampling_metadata(scheduled, R)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
-        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index)
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
-        # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
-        self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
-                                               layout=f_layout, decode_only=md.decode_only)
         # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
         # row filters with top-k/top-p
         rows, lp_k = {}, {}
@@ -362,32 +430,64 @@ class ModelRunner:
                     lp_k[req.request_id] = p.logprobs
                 if filtering is False and (0 < p.top_k < vocab or p.top_p < 1.0):
                     filtering = True
+        n_tok = int(md.query_start_loc[-1])
+        if self._decode_loops and any(s.num_steps > 1 for s in scheduled):
+            return self._dispatch_loop(scheduled, t0, R, input_ids, positions, md, logits_idx, prev_index,
+                                       prev_tokens, (s_ints, s_floats, s_layout), rows, filtering)
+        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index)
+        # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
+        self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
+                                               layout=f_layout, decode_only=md.decode_only)
         out, padded = self._samplers[(self.max_logprobs if lp_k else 0, filtering)](logits, s_ints, s_floats,
                                                                                     layout=s_layout)
         self._step_count += 1
-        n_tok = int(md.query_start_loc[-1])
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, rows, lp_k, n_tok)
+
+    def _dispatch_loop(self, scheduled, t0, R, input_ids, positions, md, logits_idx, prev_index, prev_tokens,
+                       sampling, rows, filtering) -> PendingStep:
+        """Launch a multi-step decode (the scheduler gave each entry ``num_steps``; logprobs are never on)."""
+        limit = np.ones(R, np.int32)
+        limit[:len(scheduled)] = [s.num_steps for s in scheduled]
+        ints, _, layout = packing.pack({
+            "input_ids": input_ids, "positions": positions, "logits_idx": logits_idx, "prev_index": prev_index,
+            "step_limit": limit, **packing.prefixed("md.", packing.fields(md))})
+        s_ints, s_floats, s_layout = sampling
+        self.kv_caches, toks, padded = self._decode_loops[filtering](
+            self.model.params, self.kv_caches, ints, prev_tokens, s_ints, s_floats, layout=layout,
+            s_layout=s_layout)
+        self._step_count += self.num_scheduler_steps
+        self.stats.host_ms += (time.perf_counter() - t0) * 1e3
+        steps = {s.request.request_id: s.num_steps for s in scheduled}
+        return PendingStep(toks, padded, rows, {}, int(limit[:len(scheduled)].sum()), steps)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
         t0 = time.perf_counter()
         out = pending.out
+        if pending.steps is not None:           # multi-step: [steps, R] ids, row i ran steps[rid] of them
+            toks = np.asarray(out).T.tolist()
+            self._account(pending, t0)
+            steps = pending.steps
+            return StepResult({rid: toks[i][:steps[rid]] for rid, i in pending.rows.items()}, {})
         token_ids = np.asarray(out.token_ids)
         lp = None
         if pending.logprobs_k:
             lp = (np.asarray(out.logprobs), np.asarray(out.ranks), np.asarray(out.topk_ids),
                   np.asarray(out.topk_logprobs))
-        st = self.stats
-        st.device_ms += (time.perf_counter() - t0) * 1e3
-        st.steps += 1
-        st.tokens += pending.num_tokens
+        self._account(pending, t0)
         toks = token_ids.tolist()
         res = StepResult({rid: toks[i] for rid, i in pending.rows.items()}, {})
         for rid, k in pending.logprobs_k.items():
             i = pending.rows[rid]
             res.logprobs[rid] = (float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(), lp[3][i, :k].tolist())
         return res
+
+    def _account(self, pending: PendingStep, t0: float) -> None:
+        st = self.stats
+        st.device_ms += (time.perf_counter() - t0) * 1e3
+        st.steps += 1
+        st.tokens += pending.num_tokens
 
     def execute(self, scheduled) -> StepResult:
         """One step, synchronously (dispatch then collect)."""
@@ -411,12 +511,26 @@ class ModelRunner:
         t0 = time.perf_counter()
         penalized = SamplingParams(repetition_penalty=1.1)
         todo = [(("forward", False), T) for T in self.buckets]
+        decode_buckets = [T for T in self.buckets if T <= self.bucket_for(min(self.max_num_seqs, self.max_num_tokens))]
         if self.uniform_decode:       # decode-only steps land in the buckets up to max_num_seqs tokens
-            todo += [(("forward", True), T) for T in self.buckets
-                     if T <= self.bucket_for(min(self.max_num_seqs, self.max_num_tokens))]
+            todo += [(("forward", True), T) for T in decode_buckets]
+        todo += [(("decode-loop", f), T) for T in decode_buckets for f in self._decode_loops]
         todo += [(("sample", key, pen), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
                  for key in self._samplers for pen in (False, True)]
         for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
+            if what[0] == "decode-loop":
+                ids, pos, md, lidx = self._padding_inputs(size)
+                R = self.num_reqs_for(size)
+                ints, _, layout = packing.pack({
+                    "input_ids": ids, "positions": pos, "logits_idx": lidx, "prev_index": np.full(size, -1, np.int32),
+                    "step_limit": np.ones(R, np.int32), **packing.prefixed("md.", packing.fields(md))})
+                smeta = sampler_mod.make_sampling_metadata([], [], [], [], self.vocab_size, pad_to=R)
+                s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
+                self.kv_caches, toks, _ = self._decode_loops[what[1]](
+                    self.model.params, self.kv_caches, ints, self._no_prev, s_ints, s_floats, layout=layout,
+                    s_layout=s_layout)
+                jax.block_until_ready(toks)
+                continue
             if what[0] == "forward":
                 ids, pos, md, lidx = self._padding_inputs(size)
                 f_ints, f_layout = forward_pack(ids, pos, md, lidx, np.full(size, -1, np.int32))
@@ -430,11 +544,12 @@ class ModelRunner:
                 plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=size,
                 request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
             s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
-            out, _ = self._samplers[key](jnp.zeros((size, self.vocab_size), jnp.float32), s_ints, s_floats,
-                                         layout=s_layout)
+            out, _ = self._samplers[key](self._placed(jnp.zeros((size, self.vocab_size), jnp.float32)), s_ints,
+                                         s_floats, layout=s_layout)
             jax.block_until_ready(out.token_ids)
         return time.perf_counter() - t0
 
     def compiled_variants(self) -> int:
         """How many executables exist (the no-recompilation test compares this before and after a workload)."""
-        return self._forward._cache_size() + sum(f._cache_size() for f in self._samplers.values())
+        return self._forward._cache_size() + sum(f._cache_size() for f in self._samplers.values()) \
+            + sum(f._cache_size() for f in self._decode_loops.values())

@@ -10,7 +10,7 @@
 #   diagnostics: allreduce (benchmarks/allreduce_probe.py, NCCL vs XLA's one-shot kernel), stepdiag
 #   (benchmarks/step_diag.py --profile: TP=1, and TP=2 on 2 GPUs), smallbatch (kernels_bench.py section 6)
 #   tpload: 8B safetensors vs orbax load time into TP=1 and TP=2 (2 GPUs)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpload|allreduce|stepdiag|smallbatch ...]
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpmulti|tpload|allreduce|stepdiag|smallbatch ...]
 #        (default: offline serve kernels)
 # A fresh GPU host has an empty compile cache: the server compiles its 28 step variants in ~70 s before the
 # sweep starts (2026-11-30), hence the serve limit.
@@ -60,9 +60,10 @@ for step in "${STEPS[@]}"; do
                --set baseline.hf=false ;;
     tpbench) if [ "${NGPU:-0}" -lt 2 ]; then echo "tpbench: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
              # TP=1 vs TP=2 driven by one process (uni) and by a process per GPU (mp), single stream + offline
-             echo "=== tpbench: benchmarks/tp_bench.py --skip-load --executors uni mp" | tee -a "$SUMMARY"
-             # (a fresh host compiles each child's step variants: uni children took 83 s, the mp one 125 s)
+             # with 8-step decoding (run D of 2026-11-30-h200x2-multistep-tp.md: children took 94-115 s)
+             echo "=== tpbench: benchmarks/tp_bench.py --skip-load --executors uni mp --num-scheduler-steps ${TPBENCH_STEPS:-8}" | tee -a "$SUMMARY"
              timeout "${TPBENCH_LIMIT_S:-560}" "$PY" benchmarks/tp_bench.py --skip-load --executors uni mp \
+               --num-scheduler-steps ${TPBENCH_STEPS:-8} \
                --num-prompts 256 --max-num-batched-tokens 2048 --child-timeout 180 --results-dir "$RESULTS" 2>&1 \
                | tee "$RESULTS/tpbench.log" | grep -E '^\| |failed' >> "$SUMMARY" ;;
     tpload)  if [ "${NGPU:-0}" -lt 2 ]; then echo "tpload: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
@@ -85,13 +86,24 @@ for step in "${STEPS[@]}"; do
              echo "=== stepdiag: benchmarks/step_diag.py --tp ${tps[*]} --flags ${fls[*]} --profile" | tee -a "$SUMMARY"
              timeout "${STEPDIAG_LIMIT_S:-420}" "$PY" benchmarks/step_diag.py --tp "${tps[@]}" --flags "${fls[@]}" \
                --profile --json "$RESULTS/step_diag.json" 2>&1 | tee "$RESULTS/stepdiag.log" | grep -v '^  tp=' >> "$SUMMARY" ;;
+    tpmulti) if [ "${NGPU:-0}" -lt 2 ]; then echo "tpmulti: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
+             # TP=2 under 8-step decoding is host-bound (66 command buffers per GPU per token): the host-lean
+             # XLA flags in one process, then with a process per GPU (~4 min in all)
+             echo "=== tpmulti: step_diag.py --tp 2 --flags default host-lean --num-scheduler-steps 8" | tee -a "$SUMMARY"
+             timeout 260 "$PY" benchmarks/step_diag.py --tp 2 --flags default host-lean --num-scheduler-steps 8 \
+               --child-timeout 120 --json "$RESULTS/step_diag_multistep.json" 2>&1 | grep '^|' >> "$SUMMARY"
+             lean=$("$PY" -c "from benchmarks.step_diag import FLAG_SETS; print(FLAG_SETS['host-lean'])")
+             echo "=== tpmulti: XLA_FLAGS='$lean' tp_bench.py --tp 2 --executors mp --num-scheduler-steps 8" | tee -a "$SUMMARY"
+             XLA_FLAGS="$lean" timeout 200 "$PY" benchmarks/tp_bench.py --skip-load --tp 2 --executors mp \
+               --num-scheduler-steps 8 --num-prompts 128 --max-num-batched-tokens 2048 --child-timeout 180 \
+               --results-dir "$RESULTS/tpmulti" 2>&1 | grep -E '^\| |failed' >> "$SUMMARY" ;;
     smallbatch) echo "=== smallbatch: benchmarks/kernels_bench.py --only 6" | tee -a "$SUMMARY"
              timeout "${SMALLBATCH_LIMIT_S:-150}" "$PY" benchmarks/kernels_bench.py --only 6 2>&1 \
                | tee "$RESULTS/smallbatch.log" | grep '^|' >> "$SUMMARY" ;;
     embed)   echo "=== embed: benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
              timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 \
                --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
-    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpload, allreduce, stepdiag, smallbatch)" >&2; exit 2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpmulti, tpload, allreduce, stepdiag, smallbatch)" >&2; exit 2 ;;
   esac
 done
 

@@ -323,7 +323,6 @@ def write_results(a, r: dict, started) -> None:
             lines.append(f"- TP={s.get('tp_one')} {s.get('executor', 'uni')} steps={s.get('steps_one', 1)}: "
                          f"**failed**, {s['error']}")
     if ok:
-        base = ok[0]
         lines += ["| TP | executor | scheduler steps | single-stream decode tok/s | ms/token | host ms/dispatch | "
                   "speedup | offline output tok/s | offline total tok/s | speedup | KV blocks | warm-up s |",
                   "|" + "---|" * 12]

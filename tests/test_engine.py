@@ -336,3 +336,66 @@ def test_multi_step_prefix_caching_stays_correct(llm, multi):
     assert out.num_cached_tokens >= (len(p) + len(first) - 4) // 4 * 4 > len(p)
     assert out.outputs[0].token_ids == llm.generate([follow], greedy(12), use_tqdm=False)[0].outputs[0].token_ids
     assert multi.engine.kv_manager.usage == 0.0
+
+
+def test_request_preempted_while_its_stop_token_is_in_flight_finishes(llm, workload, single_outputs):
+    """Async scheduling: step N samples a request's stop token; before N is read, step N+1's schedule()
+    preempts the request (short of blocks). Reading N must finish it and take it out of the waiting queue,
+    not leave it there to be re-admitted and run on to max_tokens unseen."""
+    from jaxserve.engine.request import RequestStatus
+    from jaxserve.runner.model_runner import PLACEHOLDER
+
+    prompts, _ = workload
+    p, ref = prompts[0], single_outputs[0]
+    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])      # a token first sampled at output k
+    eng, sched = llm.engine, llm.engine.scheduler
+    assert not eng.has_unfinished_requests()
+    eng.add_request("pre-stop", p, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[ref[k]]))
+    orig = sched.schedule
+    preempted = []
+
+    def schedule():
+        out = orig()
+        req = sched.get_request("pre-stop")
+        if (not preempted and req is not None and len(req.output_token_ids) == k + 1
+                and req.output_token_ids[-1] == PLACEHOLDER):     # the step in flight samples output k
+            out.scheduled = [e for e in out.scheduled if e.request is not req]
+            sched.running.remove(req)
+            sched._preempt(req)
+            preempted.append(req)
+        return out
+
+    sched.schedule = schedule
+    try:
+        final = None
+        for _ in range(100):
+            for o in eng.step():
+                if o.finished:
+                    final = o
+            if final is not None:
+                break
+    finally:
+        del sched.schedule
+    assert preempted and final is not None
+    assert final.outputs[0].token_ids == ref[:k + 1] and final.outputs[0].finish_reason == "stop"
+    assert preempted[0].status == RequestStatus.FINISHED_STOPPED
+    assert sched.get_request("pre-stop") is None and not eng.has_unfinished_requests()
+    assert eng.kv_manager.usage == 0.0
+
+
+def test_stop_string_on_the_last_allowed_token_reports_stop(llm, multi, workload):
+    """vLLM v1: a stop string completed by the token that also reaches max_tokens finishes as "stop"."""
+    prompts, max_tokens = workload
+    cases = []
+    for p, m in zip(prompts[:12], max_tokens[:12]):
+        text = llm.generate([p], greedy(m), use_tqdm=False)[0].outputs[0].text
+        stop = text[-2:]
+        if len(stop.strip()) == 2 and text.find(stop) == len(text) - 2:     # only at the very end
+            cases.append((p, m, stop, text))
+    assert len(cases) >= 2
+    for eng in (llm, multi):
+        for p, m, stop, text in cases:
+            out = eng.generate([p], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, stop=[stop]),
+                               use_tqdm=False)[0].outputs[0]
+            assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, text[:-2])
+            assert len(out.token_ids) == m

@@ -43,7 +43,8 @@ class FakeDevice:
             req, bs = e.request, self.bs
             end = e.start_pos + e.num_new_tokens
             assert e.num_steps == 1 or (e.num_new_tokens == 1 and e.samples), "only a decode runs several steps"
-            assert len(e.block_ids) == cdiv(end + e.num_steps - 1, bs), \
+            # (it may hold more: lookahead left from a multi-step plan that fell back to single steps)
+            assert len(e.block_ids) >= cdiv(end + e.num_steps - 1, bs), \
                 "block table must cover computed + scheduled tokens (+ a multi-step entry's later positions)"
             assert 0 not in e.block_ids, "the null block was handed out"
             for p in range(e.start_pos, end):                       # write_kv
@@ -670,7 +671,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert e.samples == (e.start_pos + e.num_new_tokens == r.num_tokens)
             assert e.start_pos + e.num_new_tokens <= sched.max_model_len
             assert e.block_ids == kv.block_ids(r.request_id)
-            assert len(e.block_ids) == cdiv(e.start_pos + e.num_new_tokens + e.num_steps - 1, kv.block_size)
+            # the table covers this step's positions; it may hold more, up to the lookahead of a multi-step
+            # plan that fell back to single steps (no entry could use all N), never beyond N positions
+            assert cdiv(e.start_pos + e.num_new_tokens + e.num_steps - 1, kv.block_size) <= len(e.block_ids) \
+                <= cdiv(e.start_pos + e.num_new_tokens + sched.num_scheduler_steps - 1, kv.block_size)
             # multi-step: only decodes, never past max_model_len or max_tokens
             assert 1 <= e.num_steps <= out.num_steps
             if e.num_steps > 1:
@@ -721,7 +725,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sorted(running + waiting) == sorted(live)
         for r in sched.running:
             assert r.status == RequestStatus.RUNNING
-            assert len(kv.block_ids(r.request_id)) == cdiv(r.num_computed_tokens, kv.block_size)
+            # exactly the computed tokens' blocks, or up to a fallen-back multi-step plan's lookahead beyond them
+            assert cdiv(r.num_computed_tokens, kv.block_size) <= len(kv.block_ids(r.request_id)) \
+                <= cdiv(r.num_computed_tokens + sched.num_scheduler_steps - 1, kv.block_size)
             assert r.num_computed_tokens < r.num_tokens <= sched.max_model_len
         for r in sched.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)

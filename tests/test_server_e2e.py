@@ -260,6 +260,44 @@ def test_models_health_version(http):
     assert http.get("/version").json()["version"]
 
 
+def test_multi_step_server_streams_the_same_text(client):
+    """A second server with --num-scheduler-steps 4 (the engine's multi-step decode behind the async front):
+    streamed chat, stop strings, seeded sampling and concurrent streams give what the default server gives."""
+    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                        "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
+                        "--served-model-name", "smol", "--num-scheduler-steps", "4")
+    try:
+        multi = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        ref = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0)
+        chunks = list(multi.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == ref.usage.completion_tokens
+        assert "Paris" in ref.choices[0].message.content
+
+        kw = dict(model="smol", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        text = client.completions.create(**kw).choices[0].text
+        assert multi.completions.create(**kw).choices[0].text == text
+        stop = text[5:7]
+        a = multi.completions.create(**kw, stop=[stop]).choices[0]
+        assert a.finish_reason == "stop" and a.text == text[:text.index(stop)]
+
+        kw = dict(model="smol", prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95, seed=99)
+        assert multi.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+        async def streams(base_url, key):
+            c = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=300)
+
+            async def one(i):
+                s = await c.completions.create(model="smol", prompt=f"Item {i}:", max_tokens=10 + i, temperature=0,
+                                               stream=True)
+                return "".join([ch.choices[0].text async for ch in s])
+            return await asyncio.gather(*(one(i) for i in range(6)))
+        assert asyncio.run(streams(srv.url + "/v1", "none")) == asyncio.run(streams(str(client.base_url), KEY))
+    finally:
+        assert srv.stop() == 0, srv.tail()
+
+
 def test_zz_sigterm_drains_in_flight_then_exits_0(server, client):
     """Runs last: SIGTERM while a stream is in flight; it completes, new connections fail, exit code 0."""
     result = {}

@@ -1,7 +1,8 @@
 """Per-request block tables on top of the BlockPool, and the prefix-cache lookups.
 
 A request's block table covers its computed tokens plus the tokens scheduled this step:
-``len(blocks) == cdiv(num_computed_tokens + num_new_tokens, block_size)`` after allocate_slots.
+``len(blocks) == cdiv(num_computed_tokens + num_new_tokens, block_size)`` after allocate_slots (or more:
+a multi-step decode allocates its lookahead, and when it then runs single steps the blocks wait for them).
 Blocks enter the prefix cache only once their K/V are computed (`cache_blocks`, called by the
 scheduler after each step), so a lookup can never hit a block whose content is not written yet.
 """

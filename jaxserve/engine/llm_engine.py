@@ -34,7 +34,7 @@ _PLACEHOLDER_ONLY = (PLACEHOLDER,)
 @dataclasses.dataclass(slots=True)
 class _InFlight:
     pending: object                               # runner.PendingStep
-    index: dict[str, tuple[Request, int]]         # request id -> (request, output index of its placeholder)
+    index: dict[str, tuple[Request, int]]         # request id -> (request, output index of its first placeholder)
 
 
 class LLMEngine:
@@ -204,7 +204,7 @@ class LLMEngine:
         a PLACEHOLDER first (its count is what scheduling needs: positions, blocks, max_tokens); the token
         itself goes from step N's output to step N+1's input on the device. Reading step N's results then
         overlaps step N+1 on the device; a request that stopped (EOS, stop id or string) at step N has
-        computed one token too many in N+1, which is dropped. Penalties need the real history on the host,
+        computed one token too many in N+1 (up to num_steps with multi-step), which is dropped. Penalties need the real history on the host,
         so a step that uses them first resolves the step in flight. A multi-step decode (the scheduler's
         ``num_steps`` > 1) works the same way with ``num_steps`` placeholders per request.
         """
@@ -254,7 +254,7 @@ class LLMEngine:
         detoks = self._detok
         token_ids = result.token_ids
         logprobs = result.logprobs
-        running, stopped = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
+        stopped = RequestStatus.FINISHED_STOPPED
         length_capped = RequestStatus.FINISHED_LENGTH_CAPPED
         final_only = RequestOutputKind.FINAL_ONLY
         finish_request = self.scheduler.finish_request
@@ -273,20 +273,20 @@ class LLMEngine:
                 is_eos = not req.ignore_eos and tok in req.eos_token_ids
                 if idx + 1 >= req.min_tokens and (is_eos or tok in req.stop_token_ids):
                     reason = None if is_eos else tok
-                    if req.status == running:
-                        finish_request(rid, stopped, stop_reason=reason)
-                    else:                            # finished by length on the same token: the stop wins
+                    if req.status == length_capped:  # retired by length on the same token: the stop wins
                         req.status, req.stop_reason = stopped, reason
+                    else:                            # running, or preempted while this step was in flight
+                        finish_request(rid, stopped, stop_reason=reason)
                 if logprobs:
                     self._record_logprobs(rid, tok, logprobs.get(rid))
                 # finished by length shows on the request from its last placeholder on, not before
                 finished = req.status > RequestStatus.PREEMPTED and (j == last or req.status != length_capped)
                 detok.update((tok,), finished)       # finished releases held-back text
-                if not finished and detok.stop_reason is not None:
-                    if req.status == running:
-                        finish_request(rid, stopped, stop_reason=detok.stop_reason)
-                    else:
+                if detok.stop_reason is not None and req.status != stopped:
+                    if req.status == length_capped:  # a stop string on the capped token (or before it) wins
                         req.status, req.stop_reason = stopped, detok.stop_reason
+                    else:
+                        finish_request(rid, stopped, stop_reason=detok.stop_reason)
                     finished = True
                 if finished:
                     break

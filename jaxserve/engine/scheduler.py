@@ -238,7 +238,14 @@ class Scheduler:
                 s.num_steps = k
                 s.block_ids = kv.block_ids(req.request_id)
                 longest = max(longest, k)
-        return n if longest > 1 else 1
+        if longest < n:
+            # The loop always runs n iterations (a device-computed trip count would sync the host every
+            # iteration): when no entry can use them all (every request near its end), single steps waste
+            # nothing. The blocks just allocated stay with their requests for those steps.
+            for s in scheduled:
+                s.num_steps = 1
+            return 1
+        return n
 
     def _may_chunk(self, num_new: int) -> bool:
         # With chunked prefill off, a sequence that could never fit a whole step (a preempted request

@@ -105,8 +105,8 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, filte
     device-side loop (XLA's while loop with a known trip count: no host round trip between iterations).
 
     Every request decodes (token row i = request row i). Row i runs ``step_limit[i]`` iterations; after
-    that it repeats its last position with its K/V write dropped (PAD_SLOT), so an early finisher never
-    writes outside the blocks the scheduler gave it. Returns the cache, the tokens [num_steps, R] and each
+    that it repeats its last position with its K/V write sent to the null block (PAD_SLOT), so an early
+    finisher never writes outside the blocks the scheduler gave it. Returns the cache, the tokens [num_steps, R] and each
     row's last real token (padded to ``max_rows``: what the next step's placeholders read)."""
     x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=True)
@@ -150,7 +150,7 @@ def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_i
 @dataclasses.dataclass(slots=True)
 class PendingStep:
     """A dispatched step whose results are still on the device."""
-    out: object                      # SamplerOutput of device arrays
+    out: object                      # SamplerOutput of device arrays ([steps, R] ids for a multi-step dispatch)
     tokens: jax.Array                # [max_num_seqs] sampled ids (feeds the next step's placeholders)
     rows: dict[str, int]             # request id -> row, for the requests that sample
     logprobs_k: dict[str, int]       # request id -> number of top logprobs wanted
@@ -206,7 +206,7 @@ class ModelRunner:
         self._samplers = {(nl, f): jax.jit(partial(_sample_fn, nl, self.max_num_seqs, f), static_argnames=("layout",),
                                            **samp_out)
                           for nl in (0, self.max_logprobs) for f in filter_modes}
-        self._no_prev = self._placed(jnp.zeros(self.max_num_seqs, jnp.int32))
+        self._no_prev = self._zeros(self.max_num_seqs, jnp.int32)
         # multi-step decoding (--num-scheduler-steps): one decode loop per (token bucket, filter mode)
         self.num_scheduler_steps = config.scheduler.num_scheduler_steps
         self._decode_loops = {}
@@ -221,9 +221,10 @@ class ModelRunner:
         self._step_count = 0
         self._row_cache: dict[str, tuple] = {}     # request id -> (params, seed, sampler_mod.SamplingRow)
 
-    def _placed(self, x: jax.Array) -> jax.Array:
-        """``x`` replicated on the mesh (as step outputs are), or as it is without one."""
-        return x if self._replicated is None else jax.device_put(x, self._replicated)
+    def _zeros(self, shape, dtype) -> jax.Array:
+        """Zeros placed as step outputs are: replicated on the mesh (made there, not copied there: a copy onto
+        a mesh spanning processes would first check every process holds the same value)."""
+        return jnp.zeros(shape, dtype) if self._replicated is None else jnp.zeros(shape, dtype, device=self._replicated)
 
     # ---------------------------------------------------------------- KV cache sizing
     def _kv_cache_dtype(self):
@@ -415,6 +416,12 @@ class ModelRunner:
         T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev)
         smeta = self.sampling_metadata(scheduled, R)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
+        loop = bool(self._decode_loops) and any(s.num_steps > 1 for s in scheduled)
+        if not loop:        # the forward first: the device starts on it while the host finishes the step
+            f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index)
+            # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
+            self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
+                                                   layout=f_layout, decode_only=md.decode_only)
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
         # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
         # row filters with top-k/top-p
@@ -431,13 +438,9 @@ class ModelRunner:
                 if filtering is False and (0 < p.top_k < vocab or p.top_p < 1.0):
                     filtering = True
         n_tok = int(md.query_start_loc[-1])
-        if self._decode_loops and any(s.num_steps > 1 for s in scheduled):
+        if loop:
             return self._dispatch_loop(scheduled, t0, R, input_ids, positions, md, logits_idx, prev_index,
                                        prev_tokens, (s_ints, s_floats, s_layout), rows, filtering)
-        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index)
-        # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
-        self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
-                                               layout=f_layout, decode_only=md.decode_only)
         out, padded = self._samplers[(self.max_logprobs if lp_k else 0, filtering)](logits, s_ints, s_floats,
                                                                                     layout=s_layout)
         self._step_count += 1
@@ -544,8 +547,8 @@ class ModelRunner:
                 plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=size,
                 request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
             s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
-            out, _ = self._samplers[key](self._placed(jnp.zeros((size, self.vocab_size), jnp.float32)), s_ints,
-                                         s_floats, layout=s_layout)
+            out, _ = self._samplers[key](self._zeros((size, self.vocab_size), jnp.float32), s_ints, s_floats,
+                                         layout=s_layout)
             jax.block_until_ready(out.token_ids)
         return time.perf_counter() - t0
 

@@ -55,7 +55,15 @@ FLAG_SETS = {
     "exclusive": "--xla_gpu_require_exclusive_lock=true",                     # cheaper command buffer updates
     "host-lean": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_temp_buffer_use_separate_color=true "
                  "--xla_gpu_require_exclusive_lock=true --xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true",
+    # The 8-step TP=2 profile (2026-11-30) shows 66 command buffers per GPU per iteration: XLA's own Triton
+    # all-reduce kernels (`all_reduce_*_fusion`, on by default here) are not captured, so each one splits
+    # the graph. Without them the all-reduces are NCCL thunks, which COLLECTIVES (filtered to all-reduce)
+    # captures: one graph per iteration body, the while loop and conditionals too.
+    "graph-nccl": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
+                  "CONDITIONAL,WHILE,COLLECTIVES --xla_gpu_enable_collectives_command_buffer_filter=ALLREDUCE "
+                  "--xla_gpu_experimental_use_collective_kernels= --xla_gpu_graph_min_graph_size=1",
 }
+FLAG_SETS["graph-nccl+lean"] = FLAG_SETS["graph-nccl"] + " " + FLAG_SETS["host-lean"]
 
 
 def child(a) -> dict:

@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode iterations per dispatch when every scheduled request decodes (a device-side "
                         "loop; 1 = off). Cuts the host's share of each token: worth it where the host, not "
                         "the GPU, sets the pace (small batches, tensor parallelism). A step with any request "
-                        "using penalties, logprobs or a pending min_tokens runs one iteration")
+                        "using penalties or a pending min_tokens runs one iteration")
     d = p.add_argument_group("parallel")
     d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     d.add_argument("--distributed-coordinator", default=None, help="HOST:PORT of process 0")

@@ -67,7 +67,7 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...] | None = None
     # vLLM's multi-step scheduling: a step whose requests all decode runs this many decode iterations in one
     # jitted call (a device-side loop: forward, sample, feed the token back), so the host dispatches once per
-    # num_scheduler_steps tokens. 1 = off. Steps with penalties, logprobs or min_tokens still pending run
+    # num_scheduler_steps tokens. 1 = off. Steps with penalties or a min_tokens still pending run
     # one iteration.
     num_scheduler_steps: int = 1
 

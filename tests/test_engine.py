@@ -399,3 +399,28 @@ def test_stop_string_on_the_last_allowed_token_reports_stop(llm, multi, workload
                                use_tqdm=False)[0].outputs[0]
             assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, text[:-2])
             assert len(out.token_ids) == m
+
+
+def test_multi_step_logprobs_match_single_step(llm, multi, workload):
+    """Logprobs inside the loop: every token's logprob, rank and top-k equal the single-step engine's."""
+    prompts, max_tokens = workload
+    params = [SamplingParams(temperature=0, max_tokens=13, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=13, logprobs=1, seed=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)]
+    with StepCounts(multi) as rec:
+        a = multi.generate(prompts[:3], params, use_tqdm=False)
+    assert rec.multi >= 2
+    b = llm.generate(prompts[:3], params, use_tqdm=False)
+    for x, y, sp in zip(a, b, params):
+        x, y = x.outputs[0], y.outputs[0]
+        assert x.token_ids == y.token_ids
+        if sp.logprobs is None:
+            assert x.logprobs is None
+            continue
+        assert len(x.logprobs) == len(y.logprobs) == 13
+        assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-4)
+        for tok, lx, ly in zip(x.token_ids, x.logprobs, y.logprobs):
+            assert list(lx) == list(ly) and tok in lx            # same ids: the sampled one and the top-k
+            for t in lx:
+                assert lx[t].rank == ly[t].rank
+                assert lx[t].logprob == pytest.approx(ly[t].logprob, abs=1e-4)

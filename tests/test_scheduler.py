@@ -438,8 +438,7 @@ def test_one_token_prompt_chunk_is_not_multi_stepped():
     assert b.output_token_ids == expected_outputs(b.prompt_token_ids, 6)
 
 
-@pytest.mark.parametrize("kw", [dict(penalties=True), dict(logprobs=0), dict(min_tokens=3)],
-                         ids=["penalties", "logprobs", "min_tokens"])
+@pytest.mark.parametrize("kw", [dict(penalties=True), dict(min_tokens=3)], ids=["penalties", "min_tokens"])
 def test_multi_step_off_while_a_request_needs_the_host_between_tokens(kw):
     sched, kv, dev = make(steps=4)
     a = Request("a", [1, 2, 3], params(max_tokens=50))
@@ -459,6 +458,16 @@ def test_multi_step_off_while_a_request_needs_the_host_between_tokens(kw):
         for _ in range(3):
             out, _ = step(sched, dev)
             assert out.num_steps == 1 and [e.num_steps for e in out.scheduled] == [1, 1]
+
+
+def test_multi_step_with_logprobs():
+    # logprobs come back per iteration: a request asking for them runs multi-step like the others
+    sched, kv, dev = make(steps=4)
+    a = Request("a", [1, 2, 3], params(max_tokens=50))
+    b = Request("b", [4, 5, 6], params(max_tokens=50, logprobs=2))
+    prefill(sched, dev, a, b)
+    out = sched.schedule()
+    assert out.num_steps == 4 and [e.num_steps for e in out.scheduled] == [4, 4]
 
 
 def test_multi_step_lookahead_never_preempts():

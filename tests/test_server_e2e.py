@@ -285,6 +285,12 @@ def test_multi_step_server_streams_the_same_text(client):
         kw = dict(model="smol", prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95, seed=99)
         assert multi.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
+        kw = dict(model="smol", prompt="The capital of France is", max_tokens=9, temperature=0, logprobs=2)
+        a, b = multi.completions.create(**kw).choices[0].logprobs, client.completions.create(**kw).choices[0].logprobs
+        assert a.tokens == b.tokens and len(a.token_logprobs) == 9
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+        assert [sorted(t) for t in a.top_logprobs] == [sorted(t) for t in b.top_logprobs]
+
         async def streams(base_url, key):
             c = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=300)
 

@@ -263,8 +263,9 @@ class LLMEngine:
             if detok is None:                   # aborted meanwhile
                 continue
             toks = token_ids[rid]
-            if type(toks) is int:               # one step (a multi-step dispatch gives a list)
-                toks = (toks,)
+            lps = logprobs.get(rid) if logprobs else None
+            if type(toks) is int:               # one step (a multi-step dispatch gives lists)
+                toks, lps = (toks,), ((lps,) if lps is not None else None)
             last = len(toks) - 1
             for j, tok in enumerate(toks):
                 idx = first + j
@@ -277,8 +278,8 @@ class LLMEngine:
                         req.status, req.stop_reason = stopped, reason
                     else:                            # running, or preempted while this step was in flight
                         finish_request(rid, stopped, stop_reason=reason)
-                if logprobs:
-                    self._record_logprobs(rid, tok, logprobs.get(rid))
+                if lps is not None:
+                    self._record_logprobs(rid, tok, lps[j])
                 # finished by length shows on the request from its last placeholder on, not before
                 finished = req.status > RequestStatus.PREEMPTED and (j == last or req.status != length_capped)
                 detok.update((tok,), finished)       # finished releases held-back text

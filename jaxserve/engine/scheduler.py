@@ -217,15 +217,14 @@ class Scheduler:
     def _plan_steps(self, scheduled: list[ScheduledRequest]) -> int:
         """Multi-step decoding for an all-decode step: give each entry up to num_scheduler_steps steps
         (fewer where max_tokens or max_model_len comes first) and allocate their slots now. Returns the
-        step count (1 when some request needs the host between tokens: penalties read the history,
-        logprobs are returned per token, min_tokens still masks stop ids).
+        step count (1 when some request needs the host between tokens: penalties read the history, and
+        min_tokens still masks stop ids; logprobs come back per iteration).
 
         A request that cannot get the extra blocks runs one step; nothing is preempted for lookahead. A
         request that stops early (EOS, stop string) wastes the rest of its steps; the engine drops them."""
         for s in scheduled:
             req = s.request
-            if (not s.samples or req.uses_penalties or getattr(req.sampling_params, "logprobs", None) is not None
-                    or len(req.output_token_ids) < req.min_tokens):
+            if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens:
                 return 1            # (a one-token prompt chunk that stops short of the end samples nothing)
         kv, n, max_len = self.kv_cache_manager, self.num_scheduler_steps, self.max_model_len
         longest = 1

@@ -58,9 +58,10 @@ def resolve_attention_backend(name: str) -> str:
 @dataclasses.dataclass(slots=True)
 class StepResult:
     """What one step sampled, on the host: per scheduled request that samples. A multi-step dispatch
-    returns a list of ids per request instead (one per iteration it ran)."""
+    returns a list per request instead (of ids, and of logprob tuples: one per iteration it ran)."""
     token_ids: dict[str, int] | dict[str, list[int]]
-    logprobs: dict[str, tuple[float, int, list[int], list[float]]]  # logprob, rank, top ids, top logprobs
+    # logprob, rank, top ids, top logprobs (a list of them per request after a multi-step dispatch)
+    logprobs: dict[str, tuple[float, int, list[int], list[float]]] | dict[str, list[tuple]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,15 +100,16 @@ def _sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, *, layou
     return out, padded
 
 
-def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, filtering, params, kv_caches, ints,
-                    prev_tokens, s_ints, s_floats, *, layout, s_layout):
+def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_logprobs, filtering, params,
+                    kv_caches, ints, prev_tokens, s_ints, s_floats, *, layout, s_layout):
     """Multi-step decoding: ``num_steps`` iterations of forward → sample → feed the token back, as one
     device-side loop (XLA's while loop with a known trip count: no host round trip between iterations).
 
     Every request decodes (token row i = request row i). Row i runs ``step_limit[i]`` iterations; after
     that it repeats its last position with its K/V write sent to the null block (PAD_SLOT), so an early
-    finisher never writes outside the blocks the scheduler gave it. Returns the cache, the tokens [num_steps, R] and each
-    row's last real token (padded to ``max_rows``: what the next step's placeholders read)."""
+    finisher never writes outside the blocks the scheduler gave it. Returns the cache, a SamplerOutput whose
+    arrays have a leading [num_steps] axis (ids, and the logprobs when ``num_logprobs`` asks for them) and
+    each row's last real token (padded to ``max_rows``: what the next step's placeholders read)."""
     x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=True)
     prev_index = x["prev_index"]
@@ -121,7 +123,7 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, filte
     positions0, logits_idx = x["positions"], x["logits_idx"]
 
     def body(i, carry):
-        kv, ids, toks = carry
+        kv, ids, outs = carry
         advance = jnp.minimum(i, limit - 1)                  # [R]
         pos = positions0 + advance[tok_row]
         slot = md.block_tables[tok_row, pos // block_size] * block_size + pos % block_size
@@ -130,13 +132,18 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, filte
         hidden, kv = family.forward(params, kv, ids, pos, step_md, cfg, attn_backend=backend)
         logits = gather_logits(family.compute_logits(params, hidden[logits_idx], cfg))
         step_meta = dataclasses.replace(meta, key_counter=meta.key_counter + i.astype(jnp.uint32))
-        new = sampler_mod.sample(logits, step_meta, filtering=filtering).token_ids
-        return kv, ids.at[:R].set(new), toks.at[i].set(new)
+        out = sampler_mod.sample(logits, step_meta, num_logprobs=num_logprobs, filtering=filtering)
+        outs = jax.tree.map(lambda acc, x: acc.at[i].set(x), outs, out)
+        return kv, ids.at[:R].set(out.token_ids), outs
 
-    toks0 = jnp.zeros((num_steps, R), jnp.int32)
-    kv_caches, _, toks = jax.lax.fori_loop(0, num_steps, body, (kv_caches, ids, toks0))
-    last = toks[limit - 1, jnp.arange(R)]
-    return kv_caches, toks, jnp.zeros(max_rows, jnp.int32).at[:R].set(last)
+    k = num_logprobs
+    outs0 = sampler_mod.SamplerOutput(
+        jnp.zeros((num_steps, R), jnp.int32), jnp.zeros((num_steps, R), jnp.float32),
+        jnp.zeros((num_steps, R), jnp.int32), jnp.zeros((num_steps, R, k), jnp.int32),
+        jnp.zeros((num_steps, R, k), jnp.float32))
+    kv_caches, _, outs = jax.lax.fori_loop(0, num_steps, body, (kv_caches, ids, outs0))
+    last = outs.token_ids[limit - 1, jnp.arange(R)]
+    return kv_caches, outs, jnp.zeros(max_rows, jnp.int32).at[:R].set(last)
 
 
 def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index):
@@ -150,7 +157,7 @@ def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_i
 @dataclasses.dataclass(slots=True)
 class PendingStep:
     """A dispatched step whose results are still on the device."""
-    out: object                      # SamplerOutput of device arrays ([steps, R] ids for a multi-step dispatch)
+    out: object                      # SamplerOutput of device arrays (a leading [steps] axis when multi-step)
     tokens: jax.Array                # [max_num_seqs] sampled ids (feeds the next step's placeholders)
     rows: dict[str, int]             # request id -> row, for the requests that sample
     logprobs_k: dict[str, int]       # request id -> number of top logprobs wanted
@@ -207,15 +214,16 @@ class ModelRunner:
                                            **samp_out)
                           for nl in (0, self.max_logprobs) for f in filter_modes}
         self._no_prev = self._zeros(self.max_num_seqs, jnp.int32)
-        # multi-step decoding (--num-scheduler-steps): one decode loop per (token bucket, filter mode)
+        # multi-step decoding (--num-scheduler-steps): one decode loop per (token bucket, logprobs, filter mode)
         self.num_scheduler_steps = config.scheduler.num_scheduler_steps
         self._decode_loops = {}
         if self.num_scheduler_steps > 1:
             self._decode_loops = {
-                f: jax.jit(bind_mesh(partial(_decode_loop_fn, model.family, self.cfg, self.backend, self.max_num_seqs,
-                                             self.block_size, self.num_scheduler_steps, f), mesh),
-                           donate_argnums=(1,), static_argnames=("layout", "s_layout"), **loop_out)
-                for f in filter_modes}
+                (nl, f): jax.jit(bind_mesh(partial(_decode_loop_fn, model.family, self.cfg, self.backend,
+                                                   self.max_num_seqs, self.block_size, self.num_scheduler_steps,
+                                                   nl, f), mesh),
+                                 donate_argnums=(1,), static_argnames=("layout", "s_layout"), **loop_out)
+                for nl in (0, self.max_logprobs) for f in filter_modes}
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
         self._step_count = 0
@@ -440,7 +448,7 @@ class ModelRunner:
         n_tok = int(md.query_start_loc[-1])
         if loop:
             return self._dispatch_loop(scheduled, t0, R, input_ids, positions, md, logits_idx, prev_index,
-                                       prev_tokens, (s_ints, s_floats, s_layout), rows, filtering)
+                                       prev_tokens, (s_ints, s_floats, s_layout), rows, lp_k, filtering)
         out, padded = self._samplers[(self.max_logprobs if lp_k else 0, filtering)](logits, s_ints, s_floats,
                                                                                     layout=s_layout)
         self._step_count += 1
@@ -448,36 +456,40 @@ class ModelRunner:
         return PendingStep(out, padded, rows, lp_k, n_tok)
 
     def _dispatch_loop(self, scheduled, t0, R, input_ids, positions, md, logits_idx, prev_index, prev_tokens,
-                       sampling, rows, filtering) -> PendingStep:
-        """Launch a multi-step decode (the scheduler gave each entry ``num_steps``; logprobs are never on)."""
+                       sampling, rows, lp_k, filtering) -> PendingStep:
+        """Launch a multi-step decode (the scheduler gave each entry ``num_steps``)."""
         limit = np.ones(R, np.int32)
         limit[:len(scheduled)] = [s.num_steps for s in scheduled]
         ints, _, layout = packing.pack({
             "input_ids": input_ids, "positions": positions, "logits_idx": logits_idx, "prev_index": prev_index,
             "step_limit": limit, **packing.prefixed("md.", packing.fields(md))})
         s_ints, s_floats, s_layout = sampling
-        self.kv_caches, toks, padded = self._decode_loops[filtering](
+        self.kv_caches, outs, padded = self._decode_loops[(self.max_logprobs if lp_k else 0, filtering)](
             self.model.params, self.kv_caches, ints, prev_tokens, s_ints, s_floats, layout=layout,
             s_layout=s_layout)
         self._step_count += self.num_scheduler_steps
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
         steps = {s.request.request_id: s.num_steps for s in scheduled}
-        return PendingStep(toks, padded, rows, {}, int(limit[:len(scheduled)].sum()), steps)
+        return PendingStep(outs, padded, rows, lp_k, int(limit[:len(scheduled)].sum()), steps)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
         t0 = time.perf_counter()
         out = pending.out
-        if pending.steps is not None:           # multi-step: [steps, R] ids, row i ran steps[rid] of them
-            toks = np.asarray(out).T.tolist()
-            self._account(pending, t0)
-            steps = pending.steps
-            return StepResult({rid: toks[i][:steps[rid]] for rid, i in pending.rows.items()}, {})
         token_ids = np.asarray(out.token_ids)
         lp = None
         if pending.logprobs_k:
             lp = (np.asarray(out.logprobs), np.asarray(out.ranks), np.asarray(out.topk_ids),
                   np.asarray(out.topk_logprobs))
+        if pending.steps is not None:           # multi-step: [steps, R] arrays, row i ran steps[rid] of them
+            self._account(pending, t0)
+            toks, steps = token_ids.T.tolist(), pending.steps
+            res = StepResult({rid: toks[i][:steps[rid]] for rid, i in pending.rows.items()}, {})
+            for rid, k in pending.logprobs_k.items():
+                i = pending.rows[rid]
+                res.logprobs[rid] = [(float(lp[0][j, i]), int(lp[1][j, i]), lp[2][j, i, :k].tolist(),
+                                      lp[3][j, i, :k].tolist()) for j in range(steps[rid])]
+            return res
         self._account(pending, t0)
         toks = token_ids.tolist()
         res = StepResult({rid: toks[i] for rid, i in pending.rows.items()}, {})
@@ -517,7 +529,7 @@ class ModelRunner:
         decode_buckets = [T for T in self.buckets if T <= self.bucket_for(min(self.max_num_seqs, self.max_num_tokens))]
         if self.uniform_decode:       # decode-only steps land in the buckets up to max_num_seqs tokens
             todo += [(("forward", True), T) for T in decode_buckets]
-        todo += [(("decode-loop", f), T) for T in decode_buckets for f in self._decode_loops]
+        todo += [(("decode-loop", key), T) for T in decode_buckets for key in self._decode_loops]
         todo += [(("sample", key, pen), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
                  for key in self._samplers for pen in (False, True)]
         for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
@@ -529,10 +541,10 @@ class ModelRunner:
                     "step_limit": np.ones(R, np.int32), **packing.prefixed("md.", packing.fields(md))})
                 smeta = sampler_mod.make_sampling_metadata([], [], [], [], self.vocab_size, pad_to=R)
                 s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
-                self.kv_caches, toks, _ = self._decode_loops[what[1]](
+                self.kv_caches, outs, _ = self._decode_loops[what[1]](
                     self.model.params, self.kv_caches, ints, self._no_prev, s_ints, s_floats, layout=layout,
                     s_layout=s_layout)
-                jax.block_until_ready(toks)
+                jax.block_until_ready(outs.token_ids)
                 continue
             if what[0] == "forward":
                 ids, pos, md, lidx = self._padding_inputs(size)

@@ -272,6 +272,30 @@ def test_mp_executor_spawns_its_workers_and_matches_one_process():
     assert text == expected + "\n"
 
 
+@pytest.mark.slow
+def test_mp_executor_follows_multi_step_decoding():
+    """The workers replay process 0's multi-step decodes (the scheduled entries carry num_steps): a 9-token
+    answer is a prefill plus two 4-step loops, 3 steps followed, and the text is one process's."""
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    prompt = "The capital of France is"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--tensor-parallel-size", "3",
+                           "--distributed-executor-backend", "mp", "--num-scheduler-steps", "4", "--prompt", prompt,
+                           "--max-tokens", "9", "--max-model-len", "128", "--max-num-batched-tokens", "64",
+                           "--max-num-seqs", "4", "--skip-warmup", "--dtype", "float32"], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker 1: followed 3 steps" in proc.stderr and "worker 2: followed 3 steps" in proc.stderr
+    text = proc.stdout.split(f"### prompt: {prompt!r}\n", 1)[1]
+    expected = LLM(None, dtype="float32", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
+                   skip_warmup=True, use_tqdm_on_load=False).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=9), use_tqdm=False)[0].outputs[0].text
+    assert text == expected + "\n"
+
+
 def test_mp_executor_is_only_started_when_asked():
     from jaxserve.config import EngineConfig, ParallelConfig
     from jaxserve.parallel import launcher

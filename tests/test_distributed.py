@@ -248,10 +248,9 @@ if __name__ == "__main__":
     _process_main(int(sys.argv[1]), int(sys.argv[2]))
 
 
-@pytest.mark.slow
-def test_mp_executor_spawns_its_workers_and_matches_one_process():
-    """``--distributed-executor-backend mp``: the user starts one command; the engine spawns a worker per
-    extra device, the text equals one process's, and every process exits cleanly (rc 0, workers reaped)."""
+def _mp_generate(max_tokens: int, *flags: str):
+    """``python -m jaxserve generate`` of SmolLM2 at TP=3 with the mp executor: (its stderr, the text it
+    printed, one process's text for the same request)."""
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
@@ -259,41 +258,34 @@ def test_mp_executor_spawns_its_workers_and_matches_one_process():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--tensor-parallel-size", "3",
-                           "--distributed-executor-backend", "mp", "--prompt", prompt, "--max-tokens", "8",
-                           "--max-model-len", "128", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
-                           "--skip-warmup", "--dtype", "float32"], env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+                           "--distributed-executor-backend", "mp", *flags, "--prompt", prompt,
+                           "--max-tokens", str(max_tokens), "--max-model-len", "128", "--max-num-batched-tokens", "64",
+                           "--max-num-seqs", "4", "--skip-warmup", "--dtype", "float32"], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "worker 1: followed 8 steps" in proc.stderr and "worker 2: followed 8 steps" in proc.stderr
     text = proc.stdout.split(f"### prompt: {prompt!r}\n", 1)[1]
     expected = LLM(None, dtype="float32", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
                    skip_warmup=True, use_tqdm_on_load=False).generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
-    assert text == expected + "\n"
+        [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0].outputs[0].text
+    return proc.stderr, text, expected + "\n"
+
+
+@pytest.mark.slow
+def test_mp_executor_spawns_its_workers_and_matches_one_process():
+    """``--distributed-executor-backend mp``: the user starts one command; the engine spawns a worker per
+    extra device, the text equals one process's, and every process exits cleanly (rc 0, workers reaped)."""
+    stderr, text, expected = _mp_generate(8)
+    assert "worker 1: followed 8 steps" in stderr and "worker 2: followed 8 steps" in stderr
+    assert text == expected
 
 
 @pytest.mark.slow
 def test_mp_executor_follows_multi_step_decoding():
     """The workers replay process 0's multi-step decodes (the scheduled entries carry num_steps): a 9-token
     answer is a prefill plus two 4-step loops, 3 steps followed, and the text is one process's."""
-    from jaxserve.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
-
-    prompt = "The capital of France is"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--tensor-parallel-size", "3",
-                           "--distributed-executor-backend", "mp", "--num-scheduler-steps", "4", "--prompt", prompt,
-                           "--max-tokens", "9", "--max-model-len", "128", "--max-num-batched-tokens", "64",
-                           "--max-num-seqs", "4", "--skip-warmup", "--dtype", "float32"], env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "worker 1: followed 3 steps" in proc.stderr and "worker 2: followed 3 steps" in proc.stderr
-    text = proc.stdout.split(f"### prompt: {prompt!r}\n", 1)[1]
-    expected = LLM(None, dtype="float32", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
-                   skip_warmup=True, use_tqdm_on_load=False).generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=9), use_tqdm=False)[0].outputs[0].text
-    assert text == expected + "\n"
+    stderr, text, expected = _mp_generate(9, "--num-scheduler-steps", "4")
+    assert "worker 1: followed 3 steps" in stderr and "worker 2: followed 3 steps" in stderr
+    assert text == expected
 
 
 def test_mp_executor_is_only_started_when_asked():

@@ -249,9 +249,10 @@ def main(argv=None) -> int:
               f"{r.get('hlo', r.get('hlo_error', '-'))} |")
     if a.profile:
         from benchmarks.profile_summary import format_summary
+        e2e = ("engine decode step" if a.num_scheduler_steps == 1
+               else f"engine, {a.num_scheduler_steps}-step decode, per token")
         for r in results:
-            for key, what in (("profile_forward", "forward replay"), ("profile_e2e", "engine decode step" if a.num_scheduler_steps == 1
-                                                     else f"engine, {a.num_scheduler_steps}-step decode, per token")):
+            for key, what in (("profile_forward", "forward replay"), ("profile_e2e", e2e)):
                 if key in r:
                     print()
                     print(format_summary(r[key], title=f"TP={r['tp']} {r['flags']}: {what}"))

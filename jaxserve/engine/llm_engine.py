@@ -34,7 +34,7 @@ _PLACEHOLDER_ONLY = (PLACEHOLDER,)
 @dataclasses.dataclass(slots=True)
 class _InFlight:
     pending: object                               # runner.PendingStep
-    index: dict[str, tuple[Request, int]]         # request id -> (request, output index of its first placeholder)
+    index: dict[str, tuple[Request, int]]         # request id -> (request, index of its first placeholder)
 
 
 class LLMEngine:
@@ -204,9 +204,10 @@ class LLMEngine:
         a PLACEHOLDER first (its count is what scheduling needs: positions, blocks, max_tokens); the token
         itself goes from step N's output to step N+1's input on the device. Reading step N's results then
         overlaps step N+1 on the device; a request that stopped (EOS, stop id or string) at step N has
-        computed one token too many in N+1 (up to num_steps with multi-step), which is dropped. Penalties need the real history on the host,
-        so a step that uses them first resolves the step in flight. A multi-step decode (the scheduler's
-        ``num_steps`` > 1) works the same way with ``num_steps`` placeholders per request.
+        computed one token too many in N+1 (up to num_steps with multi-step), which is dropped. Penalties
+        need the real history on the host, so a step that uses them first resolves the step in flight. A
+        multi-step decode (the scheduler's ``num_steps`` > 1) works the same way with ``num_steps``
+        placeholders per request.
         """
         sched = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None

@@ -227,20 +227,24 @@ class Scheduler:
             if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens:
                 return 1            # (a one-token prompt chunk that stops short of the end samples nothing)
         kv, n, max_len = self.kv_cache_manager, self.num_scheduler_steps, self.max_model_len
-        longest = 1
+        ks = []
         for s in scheduled:
             req = s.request
             k = min(n, max_len - req.num_tokens)
             if req.max_tokens is not None:
                 k = min(k, req.max_tokens - len(req.output_token_ids))
-            if k > 1 and kv.allocate_slots(req, k) is not None:
+            ks.append(k)
+        # The loop always runs n iterations (a device-computed trip count would sync the host every
+        # iteration): when no entry can use them all (every request near its end), single steps waste nothing.
+        if max(ks) < n:
+            return 1
+        longest = 1
+        for s, k in zip(scheduled, ks):
+            if k > 1 and kv.allocate_slots(s.request, k) is not None:
                 s.num_steps = k
-                s.block_ids = kv.block_ids(req.request_id)
+                s.block_ids = kv.block_ids(s.request.request_id)
                 longest = max(longest, k)
-        if longest < n:
-            # The loop always runs n iterations (a device-computed trip count would sync the host every
-            # iteration): when no entry can use them all (every request near its end), single steps waste
-            # nothing. The blocks just allocated stay with their requests for those steps.
+        if longest < n:     # the pool gave no entry all n: single steps (the blocks stay for those steps)
             for s in scheduled:
                 s.num_steps = 1
             return 1
@@ -315,8 +319,7 @@ class Scheduler:
             if cache_blocks is not None:
                 # a multi-step entry's later tokens are placeholders until the engine reads them: blocks
                 # holding them are cached by a later step
-                cache_blocks(req, entry.start_pos + entry.num_new_tokens if entry.num_steps > 1
-                             else req.num_computed_tokens)
+                cache_blocks(req, min(req.num_computed_tokens, entry.start_pos + entry.num_new_tokens))
             if req.status > RequestStatus.PREEMPTED:        # finished
                 self._retire(req, now)
                 newly_finished.append(req)

@@ -119,7 +119,6 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_l
     limit = x["step_limit"]                                   # [R], 1 on padding rows
     tok_row = jnp.minimum(jnp.arange(T), R - 1)
     real = jnp.arange(T) < md.num_seqs
-    real_row = jnp.arange(R) < md.num_seqs
     positions0, logits_idx = x["positions"], x["logits_idx"]
 
     def body(i, carry):
@@ -128,7 +127,7 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_l
         pos = positions0 + advance[tok_row]
         slot = md.block_tables[tok_row, pos // block_size] * block_size + pos % block_size
         slot = jnp.where(real & (i < limit[tok_row]), slot, PAD_SLOT)
-        step_md = dataclasses.replace(md, slot_mapping=slot, seq_lens=md.seq_lens + jnp.where(real_row, advance, 0))
+        step_md = dataclasses.replace(md, slot_mapping=slot, seq_lens=md.seq_lens + advance)  # padding: +0
         hidden, kv = family.forward(params, kv, ids, pos, step_md, cfg, attn_backend=backend)
         logits = gather_logits(family.compute_logits(params, hidden[logits_idx], cfg))
         step_meta = dataclasses.replace(meta, key_counter=meta.key_counter + i.astype(jnp.uint32))
@@ -146,11 +145,13 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_l
     return kv_caches, outs, jnp.zeros(max_rows, jnp.int32).at[:R].set(last)
 
 
-def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index):
-    """The forward's host inputs as one int32 buffer and its (static) layout."""
+def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index, step_limit=None):
+    """The forward's host inputs as one int32 buffer and its (static) layout; ``step_limit`` [R] (each row's
+    iterations) for the multi-step decode loop."""
+    extra = {} if step_limit is None else {"step_limit": step_limit}
     ints, _, layout = packing.pack({
         "input_ids": input_ids, "positions": positions, "logits_idx": logits_idx, "prev_index": prev_index,
-        **packing.prefixed("md.", packing.fields(md))})
+        **extra, **packing.prefixed("md.", packing.fields(md))})
     return ints, layout
 
 
@@ -424,9 +425,12 @@ class ModelRunner:
         T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev)
         smeta = self.sampling_metadata(scheduled, R)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
-        loop = bool(self._decode_loops) and any(s.num_steps > 1 for s in scheduled)
-        if not loop:        # the forward first: the device starts on it while the host finishes the step
-            f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index)
+        limit = None
+        if self._decode_loops and any(s.num_steps > 1 for s in scheduled):     # multi-step: the decode loop
+            limit = np.ones(R, np.int32)
+            limit[:len(scheduled)] = [s.num_steps for s in scheduled]
+        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit)
+        if limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
             self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
                                                    layout=f_layout, decode_only=md.decode_only)
@@ -445,32 +449,19 @@ class ModelRunner:
                     lp_k[req.request_id] = p.logprobs
                 if filtering is False and (0 < p.top_k < vocab or p.top_p < 1.0):
                     filtering = True
-        n_tok = int(md.query_start_loc[-1])
-        if loop:
-            return self._dispatch_loop(scheduled, t0, R, input_ids, positions, md, logits_idx, prev_index,
-                                       prev_tokens, (s_ints, s_floats, s_layout), rows, lp_k, filtering)
-        out, padded = self._samplers[(self.max_logprobs if lp_k else 0, filtering)](logits, s_ints, s_floats,
-                                                                                    layout=s_layout)
-        self._step_count += 1
+        key = (self.max_logprobs if lp_k else 0, filtering)
+        if limit is None:
+            out, padded = self._samplers[key](logits, s_ints, s_floats, layout=s_layout)
+            self._step_count += 1
+            n_tok, steps = int(md.query_start_loc[-1]), None
+        else:               # the scheduler gave each entry ``num_steps``: the loop's rows run that many
+            self.kv_caches, out, padded = self._decode_loops[key](
+                self.model.params, self.kv_caches, f_ints, prev_tokens, s_ints, s_floats, layout=f_layout,
+                s_layout=s_layout)
+            self._step_count += self.num_scheduler_steps
+            n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
-        return PendingStep(out, padded, rows, lp_k, n_tok)
-
-    def _dispatch_loop(self, scheduled, t0, R, input_ids, positions, md, logits_idx, prev_index, prev_tokens,
-                       sampling, rows, lp_k, filtering) -> PendingStep:
-        """Launch a multi-step decode (the scheduler gave each entry ``num_steps``)."""
-        limit = np.ones(R, np.int32)
-        limit[:len(scheduled)] = [s.num_steps for s in scheduled]
-        ints, _, layout = packing.pack({
-            "input_ids": input_ids, "positions": positions, "logits_idx": logits_idx, "prev_index": prev_index,
-            "step_limit": limit, **packing.prefixed("md.", packing.fields(md))})
-        s_ints, s_floats, s_layout = sampling
-        self.kv_caches, outs, padded = self._decode_loops[(self.max_logprobs if lp_k else 0, filtering)](
-            self.model.params, self.kv_caches, ints, prev_tokens, s_ints, s_floats, layout=layout,
-            s_layout=s_layout)
-        self._step_count += self.num_scheduler_steps
-        self.stats.host_ms += (time.perf_counter() - t0) * 1e3
-        steps = {s.request.request_id: s.num_steps for s in scheduled}
-        return PendingStep(outs, padded, rows, lp_k, int(limit[:len(scheduled)].sum()), steps)
+        return PendingStep(out, padded, rows, lp_k, n_tok, steps)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
@@ -536,9 +527,7 @@ class ModelRunner:
             if what[0] == "decode-loop":
                 ids, pos, md, lidx = self._padding_inputs(size)
                 R = self.num_reqs_for(size)
-                ints, _, layout = packing.pack({
-                    "input_ids": ids, "positions": pos, "logits_idx": lidx, "prev_index": np.full(size, -1, np.int32),
-                    "step_limit": np.ones(R, np.int32), **packing.prefixed("md.", packing.fields(md))})
+                ints, layout = forward_pack(ids, pos, md, lidx, np.full(size, -1, np.int32), np.ones(R, np.int32))
                 smeta = sampler_mod.make_sampling_metadata([], [], [], [], self.vocab_size, pad_to=R)
                 s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
                 self.kv_caches, outs, _ = self._decode_loops[what[1]](

@@ -1,13 +1,14 @@
 """Decode attention launch configurations on one GPU, in about two device minutes (kernels_bench takes ~7).
 
-    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed]
+    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed,fp8qk]
 
 Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool, median of reps):
 * main: decode B=64 ctx 2048 (32q/8kv, d128, bf16, pages of 16) -- the fused launch the engine used for
   every step, the decode-only launch (``decode_only=True``: the engine's uniform-decode steps) in several
   tile configurations, the stock kernel; plus the B=64 ctx-16 fixed-cost probe;
 * small: batch 1-4 as the engine's T=16 bucket pads it (16 request rows), fused against decode-only;
-* fp8: an e4m3 cache at B=8 ctx 32768 against bf16, fused and decode-only configurations.
+* fp8: an e4m3 cache at B=8 ctx 32768 against bf16, fused and decode-only configurations;
+* fp8qk: the fp8 cache with QK^T on e4m3 operands (``fp8_qk``), checked and timed.
 """
 from __future__ import annotations
 
@@ -138,6 +139,51 @@ def section_fp8b(S):
                 kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
 
 
+def check_fp8_qk(S) -> bool:
+    """fp8_qk (QK^T on e4m3 operands, q scaled per row) against the reference with the same q rounding:
+    decode-only and fused launches (prefill tiles included), auto and 4 splits."""
+    ok = True
+    for q_lens, ctx_lens, launch in [([1] * 5, [700, 33, 1, 300, 17], dict(decode_only=True)),
+                                     ([1, 1, 37, 1, 130, 1], [700, 33, 37, 1, 300, 17], dict(decode_only=False))]:
+        for splits in (None, 4):
+            rng = np.random.default_rng(11)
+            q, k, v, md = kb.synthetic.make_batch(rng, q_lens, ctx_lens, block_size=S.bs, num_q_heads=S.hq,
+                                                  num_kv_heads=S.kvh, head_dim=S.d, dtype=jnp.bfloat16,
+                                                  pad_tokens=3, pad_reqs=1)
+            scale = jnp.linspace(0.5, 1.5, S.kvh)
+            k, v = (kb.ref_attention.quantize_kv(x.reshape(-1, S.kvh, S.d), jnp.float8_e4m3fn, scale).reshape(x.shape)
+                    for x in (k, v))
+            kw = dict(sm_scale=S.d ** -0.5, k_scale=scale, v_scale=scale)
+            ref = np.asarray(kb.ref_attention.ragged_paged_attention(q, k, v, md, fp8_query=True, **kw), np.float32)
+            out = np.asarray(kb.pa.ragged_paged_attention(q, k, v, md, poison_output=True, decode_splits=splits,
+                                                          interpret=S.interpret,
+                                                          fp8_qk=True, **launch, **kw), np.float32)
+            err = float(np.abs(out - ref).max() / np.abs(ref).max()) if not np.isnan(out).any() else float("nan")
+            good = err <= 1e-2
+            ok &= good
+            kb.log(f"- fp8_qk {launch}, splits={splits or 'auto'}: {err:.2e} (tol 1e-02) {'ok' if good else 'FAIL'}")
+    return ok
+
+
+def section_fp8qk(S):
+    """fp8 cache with QK^T on e4m3 operands (``fp8_qk``): K goes to the MMA as stored. Against the bf16
+    decode-only time and the f16-operand fp8 default, at the issue's long-context cases."""
+    kb.log("\n## fp8_qk correctness")
+    try:
+        check_fp8_qk(S)
+    except Exception as e:
+        kb.log(f"- fp8_qk check failed: {type(e).__name__}: {str(e)[:400]}")
+    for B, ctx in [(8, 32768), (64, 8192), (64, 2048)]:
+        kb.log(f"\n## fp8_qk B={B} ctx={ctx}\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
+        t16 = try_decode(S, B, ctx, "bf16 cache, decode-only", **D)
+        for cfg in [dict(D), dict(D, fp8_qk=True), dict(D, fp8_qk=True, decode_stages=6),
+                    dict(D, fp8_qk=True, decode_stages=10), dict(D, fp8_qk=True, decode_block_k=128, decode_stages=4),
+                    dict(D, fp8_qk=True, decode_warps=4)]:
+            t = try_decode(S, B, ctx, "fp8", **FP8, **cfg)
+            if t and t16:
+                kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
+
+
 def section_mixed(S):
     """The mixed step (200 decodes + 2 chunks of 1024) with the Mosaic GPU prefill: its decode launch is a
     launch of its own, so it could take the decode-only tile size; timed against the fused Triton launch."""
@@ -171,7 +217,7 @@ def main(argv=None):
     for sec in args.sections.split(","):
         {"main": section_main, "small": section_small, "fp8": section_fp8, "tune": section_tune,
          "sweep": section_sweep, "long1": section_long1,
-         "fp8b": section_fp8b, "mixed": section_mixed}[sec](S)
+         "fp8b": section_fp8b, "mixed": section_mixed, "fp8qk": section_fp8qk}[sec](S)
     return 0
 
 

@@ -2,7 +2,8 @@
 reference, then 8 x 2048 causal (no cache / 2048 cached prefix) and the mixed step for a few launch
 configurations, next to our Triton prefill and the stock Mosaic GPU FA3 in the same process.
 
-    python benchmarks/mgpu_prefill_probe.py [--configs 128x2 128x2p 64x2 64x3]   (p: persistent layout)
+    python benchmarks/mgpu_prefill_probe.py [--configs 128x2 128x2p 128x2pr 64x2 64x3] [--cases ...]
+    (p: persistent layout; pr: persistent with the earlier round-robin item deal instead of the balanced one)
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def main(argv=None):
     ap.add_argument("--block-sizes", nargs="+", type=int, default=[16], help="cache page sizes to time")
     ap.add_argument("--skip-others", action="store_true", help="no stock FA3 / cuDNN rows")
     ap.add_argument("--skip-triton", action="store_true", help="no Triton rows")
+    ap.add_argument("--engine-cases", action="store_true",
+                    help="also the engine's prefill step shapes (2048 token slots: 1 x 2048, 4 x 512, a 2048 chunk on "
+                         "a 6144 prefix)")
     a = ap.parse_args(argv)
     S = kb.Sizes()
     import dataclasses
@@ -37,14 +41,20 @@ def main(argv=None):
     nd, nc, c = S.mixed_decodes, S.mixed_chunks, S.mixed_chunk
     cases = {"8x2048 causal": ([L] * B, [L] * B), "8x2048 on 2048 prefix": ([L] * B, [2 * L] * B),
              f"mixed {nd}d+{nc}x{c}": ([1] * nd + [c] * nc, [S.mixed_ctx] * nd + [2 * c] * nc)}
+    if a.engine_cases:
+        cases.update({"1x2048": ([L], [L]), "4x512": ([L // 4] * 4, [L // 4] * 4),
+                      "2048 on 6144 prefix": ([L], [4 * L])})
     cfgs = {"triton default": {}, "triton decode_stages=2": dict(decode_stages=2)}
     if a.skip_triton:
         cfgs = {}
     for spec in a.configs:
-        persistent = spec.endswith("p")
-        bk, st = map(int, spec.rstrip("p").split("x"))
-        cfgs[f"mgpu bk{bk} st{st}{' persistent' if persistent else ''}"] = dict(
-            prefill_kernel="mgpu", fused=False, mgpu_block_kv=bk, mgpu_stages=st, mgpu_persistent=persistent)
+        round_robin = spec.endswith("pr")
+        persistent = round_robin or spec.endswith("p")
+        bk, st = map(int, spec.rstrip("pr").split("x"))
+        label = " persistent" + (" round-robin" if round_robin else "") if persistent else ""
+        cfgs[f"mgpu bk{bk} st{st}{label}"] = dict(
+            prefill_kernel="mgpu", fused=False, mgpu_block_kv=bk, mgpu_stages=st, mgpu_persistent=persistent,
+            mgpu_balanced=not round_robin)
     kb.log("| kernel | page size | " + " | ".join(cases) + " |")
     kb.log("|---|---|" + "---|" * len(cases))
     for (name, cfg), bs in [(c, b) for b in a.block_sizes for c in cfgs.items()]:

@@ -52,7 +52,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import prefill_mgpu
 from .metadata import AttentionMetadata
-from .ref_attention import head_scale
+from .ref_attention import FP8_MAX, head_scale
 
 # Finite, so a fully masked chunk gives exp2(MASK - MASK) = 1 instead of NaN; such a row's garbage is
 # wiped by the first real chunk (its correction factor is exp2(MASK - m_real) = 0) and rows that never
@@ -68,17 +68,26 @@ def _next_pow2(n: int) -> int:
 
 
 def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale, *, h,
-             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window):
+             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, fp8_qk=False):
     """Online softmax of tile ``q [M, D]`` over the request's keys ``[kv_lo, kv_hi)`` in steps of block_k.
 
     ``q_pos [M]`` are the rows' absolute positions, ``first_q_pos``/``last_q_pos`` those of the tile's
     first and last real token. Chunks that no mask can touch for any row (below the first row's diagonal,
     inside the last row's window, below kv_hi) run without masks; the rest (window edge, diagonal, ragged
     end) with them. Returns the unnormalised accumulator ``[M, D]`` f32 and running max / sum ``[M]``
-    (base 2).
+    (base 2). ``fp8_qk`` (fp8 cache): QK^T runs on e4m3 operands, q scaled per row into e4m3's range
+    (``ref_attention.fp8_query_rows``), so K goes to the MMA as stored, with no conversion.
     """
     m_rows, d = q.shape
     offs = lax.iota(jnp.int32, block_k)
+    s_scale = sm_scale * k_scale
+    q_dot = q
+    if fp8_qk:
+        qf = q.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(qf), axis=1)
+        q_sc = jnp.where(amax > 0, amax / FP8_MAX, 1.0)                      # [M]
+        q_dot = (qf / q_sc[:, None]).astype(k_ref.dtype)
+        s_scale = s_scale * q_sc[:, None]
 
     def body(i, carry, masked):
         acc, m_prev, l_prev = carry
@@ -96,9 +105,10 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
             k = plgpu.load(_rows(k_ref, rows))
             v = plgpu.load(_rows(v_ref, rows))
         if k.dtype != q.dtype:                                                # fp8 cache
-            k = k.astype(q.dtype)
+            if not fp8_qk:
+                k = k.astype(q.dtype)
             v = v.astype(q.dtype)
-        s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * (sm_scale * k_scale)   # [M, BK] f32
+        s = plgpu.dot(q_dot, k, trans_b=True, allow_tf32=False) * s_scale    # [M, BK] f32
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = s * LOG2E
@@ -314,7 +324,7 @@ def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> in
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
     "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "prefill_warps",
     "prefill_stages", "fused", "poison_output", "dot_dtype", "prefill_kernel", "mgpu_block_kv", "mgpu_stages",
-    "decode_only", "mgpu_persistent"))
+    "decode_only", "mgpu_persistent", "mgpu_balanced", "fp8_qk"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
@@ -324,7 +334,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
                            poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
                            mgpu_block_kv: int = 128, mgpu_stages: int = 2, decode_only: bool | None = None,
-                           mgpu_persistent: bool = True):
+                           mgpu_persistent: bool = True, mgpu_balanced: bool = True, fp8_qk: bool = False):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
     ``k_scale``/``v_scale``: dequantisation scales (scalar or ``[kv_heads]``) of an fp8 cache, else None.
@@ -343,7 +353,11 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     default here is triton (the benchmarks' baseline); the engine's ``pallas`` backend passes auto.
     ``mgpu_persistent``: the Mosaic GPU prefill kernel's persistent layout (one program per SM looping over
     tiles; ``prefill_mgpu``), where it fits shared memory: 8 x 2048 causal at 465 TFLOP/s against 424 for
-    one tile per program in the same run (H200, 2026-11-30).
+    one tile per program in the same run (H200, 2026-11-30). ``mgpu_balanced``: its work items sorted by
+    length and dealt in snake order (``prefill_mgpu.slot_order``); False: the earlier round-robin.
+    ``fp8_qk`` (fp8 cache only): QK^T on e4m3 operands, q rounded through e4m3 with a scale per (token, q
+    head) row, as vLLM's FlashAttention-3 fp8 path quantizes q; the reference's ``fp8_query`` is the same
+    arithmetic. P.V keeps f16 operands.
     ``decode_only`` (default: ``md.decode_only``): every real request has ``q_len == 1``; only the decode
     launch runs, so no prefill tile slots are scheduled and its shared memory is the decode tile's alone.
     """
@@ -386,7 +400,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
            md.block_tables.reshape(R * P).astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
            q.reshape(T * hq, d), k_cache.reshape(nb * bs * kvh, d), v_cache.reshape(nb * bs * kvh, d))
     common = dict(kv_heads=kvh, block_size=bs, pages_per_seq=P, sm_scale=float(sm_scale),
-                  soft_cap=soft_cap, sliding_window=sliding_window)
+                  soft_cap=soft_cap, sliding_window=sliding_window, fp8_qk=bool(fp8_qk and fp8_cache))
     block_q = max(1, prefill_block_m // group_pad)
     n_prefill = T // block_q + R                   # tile slots of the in-kernel prefill schedule
     splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)
@@ -438,6 +452,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
             out = prefill_mgpu.prefill_attention(q, k_cache, v_cache, md, sm_scale=float(sm_scale),
                                                  block_kv=mgpu_block_kv, stages=mgpu_stages,
                                                  persistent=mgpu_persistent, num_programs=NUM_SMS,
+                                                 balanced=mgpu_balanced,
                                                  interpret=interpret).reshape(T * hq, d)
             if poison_output:              # keep the kernel's prefill rows, the poisoned buffer elsewhere
                 out = jnp.where(jnp.repeat(_prefill_tokens(md, T), hq)[:, None], out, first_ins[9])

@@ -26,9 +26,13 @@ decode requests and padding requests exit at once. Slots run in reverse order so
 causal) tiles start first.
 
 Persistent variant (``persistent=True``): ``num_programs`` programs (132, one per H200 SM) each loop over
-the work items ``j = pid, pid + P, ...``; item j is tile slot ``n_slots - 1 - j // Hq`` (long tiles first)
-for q head ``j % Hq`` (a slot's q heads adjacent, so the items running at once read the same kv heads'
-pages, from L2). What a program no longer pays per item: the block launch, the Q load's latency, the first
+work items: item j is tile slot ``order[j // Hq]`` for q head ``j % Hq`` (a slot's q heads adjacent, so the
+items running at once read the same kv heads' pages, from L2). ``order`` sorts the slots by their K/V
+steps, most first (``slot_order``, a few XLA ops on the step metadata), and the items are dealt to the
+programs in snake order (round t: ``t * P + pid``, or ``t * P + P - 1 - pid`` when t is odd). Balance,
+simulated with one step of overhead per item: the busiest program within 3 % of the balanced bound for
+1 x 2048, 2 x 1024, 4 x 512 and 8 x 2048 tokens, where slot order dealt round-robin is 19 / 31 / 47 / 3 %
+over it (a step of the engine holds up to max_num_batched_tokens, so a few requests' tiles). What a program no longer pays per item: the block launch, the Q load's latency, the first
 K/V steps' latency and the wait for the output store. The protocol across items:
 * every warpgroup walks the same item list; an empty item (past its request, a decode, padding) touches
   no barrier and has 0 K/V steps, so its cost is the search;
@@ -119,7 +123,7 @@ class _Item(NamedTuple):
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs, pages_per_seq, group,
-            block_kv, stages, sm_scale, num_programs):
+            block_kv, stages, sm_scale, num_programs, balanced=True):
     smem, kv_ready, consumed, q_ready, sched = scoped
     q_smem, k_smem, v_smem, o_smem, q_stage, p_smem = smem
     k_ready, v_ready = kv_ready
@@ -131,16 +135,29 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
     pages = block_kv // bs
     dtype = q_ref.dtype
 
-    # meta = [query_start_loc (R+1), seq_lens (R), num_seqs (1), block_tables (R*P)]
+    # meta = [query_start_loc (R+1), seq_lens (R), num_seqs (1), block_tables (R*P), slot order (n_slots)]
     qsl_ref = meta_ref.at[pl.ds(0, num_reqs + 1)]
     seq_lens_ref = meta_ref.at[pl.ds(num_reqs + 1, num_reqs)]
     num_seqs_ref = meta_ref.at[pl.ds(2 * num_reqs + 1, 1)]
     bt_ref = meta_ref.at[pl.ds(2 * num_reqs + 2, num_reqs * pages_per_seq)]
+    order_ref = meta_ref.at[pl.ds(2 * num_reqs + 2 + num_reqs * pages_per_seq, n_slots)]
 
-    # The items of this program, t = 0 .. n_items - 1. Persistent: item t is j = pid + t * P over the
-    # (tile slot, q head) pairs, slots from the last (long causal tiles first) and a slot's q heads adjacent,
-    # so the items running at once share kv heads' K/V in L2.
-    if persistent:
+    # The items of this program, t = 0 .. n_items - 1. Persistent: the (tile slot, q head) pairs, slots
+    # in ``order`` (most K/V steps first) and a slot's q heads adjacent, so the items running at once share
+    # kv heads' K/V in L2; dealt in snake order: round t gives item t * P + pid when t is even and
+    # t * P + P - 1 - pid when odd, so a program that got a round's heaviest item gets the next round's
+    # lightest.
+    if persistent and balanced:
+        pid = lax.axis_index("progs")
+        n_all = hq * n_slots
+        last = n_all // num_programs                    # the partial round (if any)
+        k_last = jnp.where(last % 2 == 0, pid, num_programs - 1 - pid)
+        n_items = last + jnp.where(k_last < n_all - last * num_programs, 1, 0)
+
+        def coords(t):
+            j = t * num_programs + jnp.where(t % 2 == 0, pid, num_programs - 1 - pid)
+            return j % hq, order_ref[jnp.minimum(j // hq, n_slots - 1)]   # (past the end: inactive anyway)
+    elif persistent:                                    # balanced=False: slots from the last, round-robin
         pid = lax.axis_index("progs")
         n_items = (hq * n_slots - pid + num_programs - 1) // num_programs
 
@@ -369,11 +386,28 @@ def _store_rows(src, out_ref, row0, qh, n_valid):
     plgpu.commit_smem_to_gmem_group()
 
 
+def slot_order(md: AttentionMetadata, n_slots: int, block_kv: int):
+    """The tile slots ``[n_slots]`` sorted by their K/V steps, most first (empty slots last): the order in
+    which the persistent programs take them. Slot s belongs to the request found as ``_find_request`` finds
+    it; its steps reach the tile's last token (cached prefix included)."""
+    qsl = md.query_start_loc.astype(jnp.int32)
+    R = md.seq_lens.shape[0]
+    s = jnp.arange(n_slots, dtype=jnp.int32)
+    starts = qsl[:R] // TILE + jnp.arange(R, dtype=jnp.int32)
+    r = jnp.clip(jnp.searchsorted(starts, s, side="right") - 1, 0, R - 1)
+    q_start, q_end = qsl[r], qsl[r + 1]
+    start = q_start + (s - starts[r]) * TILE
+    active = (r < md.num_seqs) & (q_end - q_start > 1) & (start < q_end)
+    last = md.seq_lens.astype(jnp.int32)[r] - (q_end - jnp.minimum(start + TILE, q_end))   # keys seen
+    steps = jnp.where(active, (last + block_kv - 1) // block_kv, 0)
+    return jnp.argsort(-steps, stable=True).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "stages", "interpret", "persistent",
-                                             "num_programs"))
+                                             "num_programs", "balanced"))
 def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float, block_kv: int = 128,
                       stages: int = 2, interpret: bool | plgpu.InterpretGPUParams = False,
-                      persistent: bool = False, num_programs: int = 132):
+                      persistent: bool = False, num_programs: int = 132, balanced: bool = True):
     """Output ``[T, Hq, D]`` whose prefill tokens' rows hold their attention (other rows: unwritten).
 
     ``q [T, Hq, D]``, caches ``[num_blocks, block_size, kv_heads, D]`` (the new tokens' K/V already
@@ -381,7 +415,9 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
     a ``plgpu.InterpretGPUParams`` for its options (the tests use ``detect_races=True``).
     ``persistent``: ``num_programs`` programs (default: the H200's 132 SMs) loop over the work items instead
     of one program per item; where its layout does not fit shared memory (``supported(...,
-    persistent=True)``), the one-tile-per-program kernel runs.
+    persistent=True)``), the one-tile-per-program kernel runs. ``balanced`` (persistent): slots in
+    ``slot_order``, dealt in snake order; False: slots from the last, round-robin (the earlier schedule,
+    kept to time against).
     """
     T, hq, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
@@ -399,7 +435,7 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
     # aligned" for the block tables passed as they were).
     meta = jnp.concatenate([md.query_start_loc.astype(jnp.int32), md.seq_lens.astype(jnp.int32),
                             md.num_seqs.reshape(1).astype(jnp.int32),
-                            md.block_tables.reshape(R * P).astype(jnp.int32)])
+                            md.block_tables.reshape(R * P).astype(jnp.int32), slot_order(md, n_slots, block_kv)])
     ins = (meta, q, k_cache, v_cache)
     tiling = plgpu.TilingTransform((8, 128 // q.dtype.itemsize))
     swizzle = plgpu.SwizzleTransform(128)
@@ -410,7 +446,7 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
     else:
         num_programs, grid, grid_names = None, (hq, n_slots), ("heads", "tiles")
     kw = dict(n_slots=n_slots, num_reqs=R, pages_per_seq=P, group=hq // kvh, block_kv=block_kv, stages=stages,
-              sm_scale=float(sm_scale), num_programs=num_programs)
+              sm_scale=float(sm_scale), num_programs=num_programs, balanced=balanced)
     pages = block_kv // bs
     if isinstance(interpret, plgpu.InterpretGPUParams):
         params = interpret

@@ -38,6 +38,15 @@ def dequantize_kv(x, scale):
     return x.astype(jnp.float32) * head_scale(scale, x.shape[-2])[:, None]
 
 
+def fp8_query_rows(q):
+    """``q [..., D]`` rounded through e4m3 with one scale per row (``amax / 448``), returned in float32: what
+    the Pallas kernel's ``fp8_qk`` QK^T sees (each (token, q head) vector scaled into e4m3's range)."""
+    qf = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(qf), axis=-1, keepdims=True)
+    sc = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (qf / sc).astype(FP8_DTYPE).astype(jnp.float32) * sc
+
+
 def write_kv(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None):
     """Scatter the step's new keys/values ``[T, kv_heads, head_dim]`` into their cache slots.
 
@@ -64,12 +73,14 @@ def token_layout(md: AttentionMetadata, num_tokens: int):
 
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
-                           k_scale=None, v_scale=None, pages_per_step: int = 8):
+                           k_scale=None, v_scale=None, pages_per_step: int = 8, fp8_query: bool = False):
     """Attention of ``q [T, q_heads, head_dim]`` over each token's request context in the paged cache.
 
     Causal within the step's new tokens; GQA by grouping q heads over kv heads. Computed in float32 with
     an online softmax over chunks of ``pages_per_step`` pages, so memory stays ``O(T * chunk)``.
     Padding tokens return zeros. ``k_scale``/``v_scale`` dequantize an fp8 cache (see ``write_kv``).
+    ``fp8_query``: the scores take q rounded through e4m3 per row (``fp8_query_rows``), as the Pallas
+    kernel's ``fp8_qk`` does over an fp8 cache.
     """
     T, hq, d = q.shape
     _, bs, kvh, _ = k_cache.shape
@@ -82,7 +93,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
 
     req, qpos, valid = token_layout(md, T)
     klen = jnp.where(valid, md.seq_lens[req], 0)                          # [T]
-    qg = q.reshape(T, kvh, g, d).astype(jnp.float32) * sm_scale
+    qf = fp8_query_rows(q) if fp8_query else q.astype(jnp.float32)
+    qg = qf.reshape(T, kvh, g, d) * sm_scale
     offs = jnp.arange(c * bs, dtype=jnp.int32)
 
     def chunk(carry, xs):

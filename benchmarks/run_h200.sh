@@ -87,18 +87,14 @@ for step in "${STEPS[@]}"; do
              timeout "${STEPDIAG_LIMIT_S:-420}" "$PY" benchmarks/step_diag.py --tp "${tps[@]}" --flags "${fls[@]}" \
                --profile --json "$RESULTS/step_diag.json" 2>&1 | tee "$RESULTS/stepdiag.log" | grep -v '^  tp=' >> "$SUMMARY" ;;
     tpmulti) if [ "${NGPU:-0}" -lt 2 ]; then echo "tpmulti: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
-             # TP=2 under 8-step decoding is host-bound (66 command buffers per GPU per token): XLA flag sets
-             # in one process (graph-nccl: all-reduces as NCCL inside the graph), then the mp executor with
-             # the set named by TPMULTI_MP_FLAGS (~6.5 min in all)
-             echo "=== tpmulti: step_diag.py --tp 2 --flags default host-lean graph-nccl graph-nccl+lean --num-scheduler-steps 8" | tee -a "$SUMMARY"
-             timeout 330 "$PY" benchmarks/step_diag.py --tp 2 --flags default host-lean graph-nccl graph-nccl+lean \
-               --num-scheduler-steps 8 --child-timeout 110 --json "$RESULTS/step_diag_multistep.json" 2>&1 \
-               | grep '^|' >> "$SUMMARY"
-             mpfl=$("$PY" -c "from benchmarks.step_diag import FLAG_SETS; print(FLAG_SETS['${TPMULTI_MP_FLAGS:-graph-nccl}'])")
-             echo "=== tpmulti: XLA_FLAGS='$mpfl' tp_bench.py --tp 2 --executors mp --num-scheduler-steps 8" | tee -a "$SUMMARY"
-             XLA_FLAGS="$mpfl" timeout 200 "$PY" benchmarks/tp_bench.py --skip-load --tp 2 --executors mp \
-               --num-scheduler-steps 8 --num-prompts 128 --max-num-batched-tokens 2048 --child-timeout 180 \
-               --results-dir "$RESULTS/tpmulti" 2>&1 | grep -E '^\| |failed' >> "$SUMMARY" ;;
+             # TP=2 under 8-step decoding, one process: XLA flag sets (graph-nccl: all-reduces as NCCL inside the
+             # command buffers; with the mp executor it measured 265.1 tok/s, no better than default flags,
+             # 2026-11-30-h200-sixth-session.md). A child loads the 8B and compiles the 8-step loops in > 110 s.
+             read -r -a fls <<< "${TPMULTI_FLAGS:-default graph-nccl}"
+             echo "=== tpmulti: step_diag.py --tp 2 --flags ${fls[*]} --num-scheduler-steps 8" | tee -a "$SUMMARY"
+             timeout "${TPMULTI_LIMIT_S:-400}" "$PY" benchmarks/step_diag.py --tp 2 --flags "${fls[@]}" \
+               --num-scheduler-steps 8 --child-timeout 170 --json "$RESULTS/step_diag_multistep.json" 2>&1 \
+               | tee "$RESULTS/tpmulti.log" | grep -E '^\||error|timeout' >> "$SUMMARY" ;;
     smallbatch) echo "=== smallbatch: benchmarks/kernels_bench.py --only 6" | tee -a "$SUMMARY"
              timeout "${SMALLBATCH_LIMIT_S:-150}" "$PY" benchmarks/kernels_bench.py --only 6 2>&1 \
                | tee "$RESULTS/smallbatch.log" | grep '^|' >> "$SUMMARY" ;;

@@ -10,7 +10,7 @@
 #   diagnostics: allreduce (benchmarks/allreduce_probe.py, NCCL vs XLA's one-shot kernel), stepdiag
 #   (benchmarks/step_diag.py --profile: TP=1, and TP=2 on 2 GPUs), smallbatch (kernels_bench.py section 6)
 #   tpload: 8B safetensors vs orbax load time into TP=1 and TP=2 (2 GPUs)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpmulti|tpload|allreduce|stepdiag|smallbatch ...]
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpmulti|tpload|allreduce|stepdiag|smallbatch|gemm ...]
 #        (default: offline serve kernels)
 # A fresh GPU host has an empty compile cache: the server compiles its 28 step variants in ~70 s before the
 # sweep starts (2026-11-30), hence the serve limit.
@@ -95,13 +95,17 @@ for step in "${STEPS[@]}"; do
              timeout "${TPMULTI_LIMIT_S:-400}" "$PY" benchmarks/step_diag.py --tp 2 --flags "${fls[@]}" \
                --num-scheduler-steps 8 --child-timeout 170 --json "$RESULTS/step_diag_multistep.json" 2>&1 \
                | tee "$RESULTS/tpmulti.log" | grep -E '^\||error|timeout' >> "$SUMMARY" ;;
+    gemm)    # the decode step's weight GEMMs per GPU at TP=1 / TP=2 shapes under XLA flag sets (one GPU is enough)
+             echo "=== gemm: benchmarks/gemm_probe.py" | tee -a "$SUMMARY"
+             timeout "${GEMM_LIMIT_S:-300}" "$PY" benchmarks/gemm_probe.py --child-timeout 120 2>&1 \
+               | tee "$RESULTS/gemm.log" | grep -E '^\||^\(' >> "$SUMMARY" ;;
     smallbatch) echo "=== smallbatch: benchmarks/kernels_bench.py --only 6" | tee -a "$SUMMARY"
              timeout "${SMALLBATCH_LIMIT_S:-150}" "$PY" benchmarks/kernels_bench.py --only 6 2>&1 \
                | tee "$RESULTS/smallbatch.log" | grep '^|' >> "$SUMMARY" ;;
     embed)   echo "=== embed: benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
              timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 \
                --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
-    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpmulti, tpload, allreduce, stepdiag, smallbatch)" >&2; exit 2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpmulti, tpload, allreduce, stepdiag, smallbatch, gemm)" >&2; exit 2 ;;
   esac
 done
 

@@ -592,3 +592,15 @@ def test_step_diag_flag_sets_parse():
                        env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "4", r.stderr[-2000:]
+
+
+def test_gemm_probe_smoke(capsys):
+    """benchmarks/gemm_probe.py on CPU (1/16 shapes): a child per flag set, a row per TP degree with the
+    chain's and each GEMM kind's time."""
+    from benchmarks import gemm_probe
+    assert gemm_probe.shapes(2) == {"qkv": (4096, 3072), "o": (2048, 4096), "gate_up": (4096, 14336),
+                                    "down": (7168, 4096)}
+    assert gemm_probe.main(["--smoke", "--reps", "1", "--tp", "1", "2", "--tokens", "1", "--flags", "default"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| default |")]
+    assert [r.split(" | ")[1:3] for r in rows] == [["1", "1"], ["2", "1"]]
+    assert all(float(r.split(" | ")[3]) > 0 for r in rows)

@@ -149,13 +149,10 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
     # lightest.
     if persistent and balanced:
         pid = lax.axis_index("progs")
-        n_all = hq * n_slots
-        last = n_all // num_programs                    # the partial round (if any)
-        k_last = jnp.where(last % 2 == 0, pid, num_programs - 1 - pid)
-        n_items = last + jnp.where(k_last < n_all - last * num_programs, 1, 0)
+        n_items = snake_count(pid, num_programs, hq * n_slots)
 
         def coords(t):
-            j = t * num_programs + jnp.where(t % 2 == 0, pid, num_programs - 1 - pid)
+            j = snake_item(t, pid, num_programs)
             return j % hq, order_ref[jnp.minimum(j // hq, n_slots - 1)]   # (past the end: inactive anyway)
     elif persistent:                                    # balanced=False: slots from the last, round-robin
         pid = lax.axis_index("progs")
@@ -384,6 +381,19 @@ def _store_rows(src, out_ref, row0, qh, n_valid):
             plgpu.copy_smem_to_gmem(src.at[pl.ds(off, b)], out_ref.at[pl.ds(row0 + off, b), qh], commit_group=False)
         b //= 2
     plgpu.commit_smem_to_gmem_group()
+
+
+def snake_item(t, pid, num_programs):
+    """The item a program takes in its round ``t`` of the snake deal (rounds alternate direction)."""
+    return t * num_programs + jnp.where(t % 2 == 0, pid, num_programs - 1 - pid)
+
+
+def snake_count(pid, num_programs, n_all):
+    """How many of the ``n_all`` items the snake deal gives program ``pid`` (one more in the partial round
+    if its position in that round's direction falls inside it)."""
+    last = n_all // num_programs
+    k_last = jnp.where(last % 2 == 0, pid, num_programs - 1 - pid)
+    return last + jnp.where(k_last < n_all - last * num_programs, 1, 0)
 
 
 def slot_order(md: AttentionMetadata, n_slots: int, block_kv: int):

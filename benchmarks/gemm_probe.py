@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 CEIL_TBS = 4.3
 HIDDEN, Q_OUT, KV_OUT, INTER, LAYERS = 4096, 4096, 1024, 14336, 32      # Llama-3.1-8B
@@ -41,6 +39,9 @@ def shapes(tp: int, scale: int = 1) -> dict[str, tuple[int, int]]:
 def child(a) -> list[dict]:
     import jax
     import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.kernels_bench import timed
 
     scale, layers = (16, 4) if a.smoke else (1, LAYERS)
     rows = []
@@ -70,28 +71,17 @@ def child(a) -> list[dict]:
         for m in a.tokens:
             x = jax.random.normal(key, (m, sh["qkv"][0]), jnp.bfloat16)
             row = {"tp": tp, "tokens": m}
-            t = _time(jax.jit(chain), x, w, reps=a.reps)
+            t = timed(jax.jit(chain), x, w, n_iter=1, reps=a.reps)
             row["chain_ms"] = t * 1e3
             row["chain_tbs"] = sum(wbytes.values()) / t / 1e12
             for kind in sh:
                 xin = jax.random.normal(key, (m, max(s[0] for s in sh.values())), jnp.bfloat16)
-                tk = _time(jax.jit(alone(kind)), xin, w[kind], reps=a.reps)
+                tk = timed(jax.jit(alone(kind)), xin, w[kind], n_iter=1, reps=a.reps)
                 row[f"{kind}_us"] = tk * 1e6 / layers
                 row[f"{kind}_tbs"] = wbytes[kind] / tk / 1e12
             rows.append(row)
         del w
     return rows
-
-
-def _time(fn, *args, reps: int) -> float:
-    import jax
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:

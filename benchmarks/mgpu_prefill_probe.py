@@ -2,8 +2,8 @@
 reference, then 8 x 2048 causal (no cache / 2048 cached prefix) and the mixed step for a few launch
 configurations, next to our Triton prefill and the stock Mosaic GPU FA3 in the same process.
 
-    python benchmarks/mgpu_prefill_probe.py [--configs 128x2 128x2p 128x2pr 64x2 64x3] [--cases ...]
-    (p: persistent layout; pr: persistent with the earlier round-robin item deal instead of the balanced one)
+    python benchmarks/mgpu_prefill_probe.py [--configs 128x2 128x2p 64x2 64x3] [--engine-cases]
+    (p: persistent layout)
 """
 from __future__ import annotations
 
@@ -48,13 +48,10 @@ def main(argv=None):
     if a.skip_triton:
         cfgs = {}
     for spec in a.configs:
-        round_robin = spec.endswith("pr")
-        persistent = round_robin or spec.endswith("p")
-        bk, st = map(int, spec.rstrip("pr").split("x"))
-        label = " persistent" + (" round-robin" if round_robin else "") if persistent else ""
-        cfgs[f"mgpu bk{bk} st{st}{label}"] = dict(
-            prefill_kernel="mgpu", fused=False, mgpu_block_kv=bk, mgpu_stages=st, mgpu_persistent=persistent,
-            mgpu_balanced=not round_robin)
+        persistent = spec.endswith("p")
+        bk, st = map(int, spec.rstrip("p").split("x"))
+        cfgs[f"mgpu bk{bk} st{st}{' persistent' if persistent else ''}"] = dict(
+            prefill_kernel="mgpu", fused=False, mgpu_block_kv=bk, mgpu_stages=st, mgpu_persistent=persistent)
     kb.log("| kernel | page size | " + " | ".join(cases) + " |")
     kb.log("|---|---|" + "---|" * len(cases))
     for (name, cfg), bs in [(c, b) for b in a.block_sizes for c in cfgs.items()]:

@@ -324,7 +324,7 @@ def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> in
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
     "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "prefill_warps",
     "prefill_stages", "fused", "poison_output", "dot_dtype", "prefill_kernel", "mgpu_block_kv", "mgpu_stages",
-    "decode_only", "mgpu_persistent", "mgpu_balanced", "fp8_qk"))
+    "decode_only", "mgpu_persistent", "fp8_qk"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
@@ -334,7 +334,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
                            poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
                            mgpu_block_kv: int = 128, mgpu_stages: int = 2, decode_only: bool | None = None,
-                           mgpu_persistent: bool = True, mgpu_balanced: bool = True, fp8_qk: bool = False):
+                           mgpu_persistent: bool = True, fp8_qk: bool = False):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
     ``k_scale``/``v_scale``: dequantisation scales (scalar or ``[kv_heads]``) of an fp8 cache, else None.
@@ -353,8 +353,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     default here is triton (the benchmarks' baseline); the engine's ``pallas`` backend passes auto.
     ``mgpu_persistent``: the Mosaic GPU prefill kernel's persistent layout (one program per SM looping over
     tiles; ``prefill_mgpu``), where it fits shared memory: 8 x 2048 causal at 465 TFLOP/s against 424 for
-    one tile per program in the same run (H200, 2026-11-30). ``mgpu_balanced``: its work items sorted by
-    length and dealt in snake order (``prefill_mgpu.slot_order``); False: the earlier round-robin.
+    one tile per program in the same run (H200, 2026-11-30).
     ``fp8_qk`` (fp8 cache only): QK^T on e4m3 operands, q rounded through e4m3 with a scale per (token, q
     head) row, as vLLM's FlashAttention-3 fp8 path quantizes q; the reference's ``fp8_query`` is the same
     arithmetic. P.V keeps f16 operands.
@@ -452,7 +451,6 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
             out = prefill_mgpu.prefill_attention(q, k_cache, v_cache, md, sm_scale=float(sm_scale),
                                                  block_kv=mgpu_block_kv, stages=mgpu_stages,
                                                  persistent=mgpu_persistent, num_programs=NUM_SMS,
-                                                 balanced=mgpu_balanced,
                                                  interpret=interpret).reshape(T * hq, d)
             if poison_output:              # keep the kernel's prefill rows, the poisoned buffer elsewhere
                 out = jnp.where(jnp.repeat(_prefill_tokens(md, T), hq)[:, None], out, first_ins[9])

@@ -2,7 +2,7 @@
 reference, then 8 x 2048 causal (no cache / 2048 cached prefix) and the mixed step for a few launch
 configurations, next to our Triton prefill and the stock Mosaic GPU FA3 in the same process.
 
-    python benchmarks/mgpu_prefill_probe.py [--configs 128x2 128x2p 64x2 64x3] [--engine-cases]
+    python benchmarks/mgpu_prefill_probe.py [--configs 128x2 128x2p 64x2 64x3] [--engine-cases] [--repeat N]
     (p: persistent layout)
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main(argv=None):
     ap.add_argument("--block-sizes", nargs="+", type=int, default=[16], help="cache page sizes to time")
     ap.add_argument("--skip-others", action="store_true", help="no stock FA3 / cuDNN rows")
     ap.add_argument("--skip-triton", action="store_true", help="no Triton rows")
+    ap.add_argument("--repeat", type=int, default=1, help="time the whole table N times (run-to-run spread)")
     ap.add_argument("--engine-cases", action="store_true",
                     help="also the engine's prefill step shapes (2048 token slots: 1 x 2048, 4 x 512, a 2048 chunk on "
                          "a 6144 prefix)")
@@ -52,6 +53,15 @@ def main(argv=None):
         bk, st = map(int, spec.rstrip("p").split("x"))
         cfgs[f"mgpu bk{bk} st{st}{' persistent' if persistent else ''}"] = dict(
             prefill_kernel="mgpu", fused=False, mgpu_block_kv=bk, mgpu_stages=st, mgpu_persistent=persistent)
+    for rep in range(a.repeat):
+        if a.repeat > 1:
+            kb.log(f"\n### repeat {rep + 1} of {a.repeat}")
+        table(a, S, cfgs, cases)
+
+
+def table(a, S, cfgs, cases):
+    import dataclasses
+    B, L = S.prefill_b, S.prefill_len
     kb.log("| kernel | page size | " + " | ".join(cases) + " |")
     kb.log("|---|---|" + "---|" * len(cases))
     for (name, cfg), bs in [(c, b) for b in a.block_sizes for c in cfgs.items()]:

@@ -1,6 +1,6 @@
 """Decode attention launch configurations on one GPU, in about two device minutes (kernels_bench takes ~7).
 
-    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed,fp8qk]
+    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed,fp8qk,fp8c]
 
 Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool, median of reps):
 * main: decode B=64 ctx 2048 (32q/8kv, d128, bf16, pages of 16) -- the fused launch the engine used for
@@ -8,7 +8,8 @@ Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool,
   tile configurations, the stock kernel; plus the B=64 ctx-16 fixed-cost probe;
 * small: batch 1-4 as the engine's T=16 bucket pads it (16 request rows), fused against decode-only;
 * fp8: an e4m3 cache at B=8 ctx 32768 against bf16, fused and decode-only configurations;
-* fp8qk: the fp8 cache with QK^T on e4m3 operands (``fp8_qk``), checked and timed.
+* fp8qk: the fp8 cache with QK^T on e4m3 operands (``fp8_qk``), checked and timed;
+* fp8c: fp8 at B=8 ctx 32768 over split counts x pipeline depths, and the fixed cost of splitting.
 """
 from __future__ import annotations
 
@@ -184,6 +185,28 @@ def section_fp8qk(S):
                 kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
 
 
+def section_fp8c(S):
+    """fp8 at B=8 ctx 32768 (the case still above 0.6x): split counts x pipeline depths that change how many
+    programs share an SM (8 stages of 64-key fp8 tiles = 128 KiB: one per SM; 7: two; 4: three), and the
+    fixed cost of splitting (B=8 ctx 256: splits 8 against 1, i.e. the combine launch and the partials)."""
+    kb.log("\n## fp8 B=8 ctx=32768: splits x stages\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
+    t16 = try_decode(S, 8, 32768, "bf16 cache, decode-only", **D)
+    for cfg in [dict(D), dict(D, decode_splits=4, decode_stages=7), dict(D, decode_splits=4, decode_stages=6),
+                dict(D, decode_splits=2, decode_stages=8), dict(D, decode_splits=2, decode_stages=12),
+                dict(D, decode_splits=8, decode_stages=4), dict(D, decode_splits=16, decode_stages=7),
+                dict(D, decode_splits=8, decode_block_k=128, decode_stages=3),
+                dict(D, decode_splits=8, decode_block_k=32, decode_warps=1, decode_stages=8),
+                dict(D, decode_splits=4, decode_block_k=32, decode_warps=1, decode_stages=8),
+                dict(D, decode_splits=4, fp8_qk=True, decode_stages=7)]:
+        t = try_decode(S, 8, 32768, "fp8", **FP8, **cfg)
+        if t and t16:
+            kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
+    kb.log("\n## fixed cost of splitting, B=8 ctx=256\n| variant | time |\n|---|---|")
+    for cache in ({}, FP8):
+        for splits in (1, 8):
+            try_decode(S, 8, 256, "fp8" if cache else "bf16", **cache, **dict(D, decode_splits=splits))
+
+
 def section_mixed(S):
     """The mixed step (200 decodes + 2 chunks of 1024) with the Mosaic GPU prefill: its decode launch is a
     launch of its own, so it could take the decode-only tile size; timed against the fused Triton launch."""
@@ -217,7 +240,8 @@ def main(argv=None):
     for sec in args.sections.split(","):
         {"main": section_main, "small": section_small, "fp8": section_fp8, "tune": section_tune,
          "sweep": section_sweep, "long1": section_long1,
-         "fp8b": section_fp8b, "mixed": section_mixed, "fp8qk": section_fp8qk}[sec](S)
+         "fp8b": section_fp8b, "mixed": section_mixed, "fp8qk": section_fp8qk,
+         "fp8c": section_fp8c}[sec](S)
     return 0
 
 

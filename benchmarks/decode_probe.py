@@ -201,7 +201,7 @@ def section_fp8c(S):
         t = try_decode(S, 8, 32768, "fp8", **FP8, **cfg)
         if t and t16:
             kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
-    kb.log("\n## fixed cost of splitting, B=8 ctx=256\n| variant | time |\n|---|---|")
+    kb.log("\n## fixed cost of splitting, B=8 ctx=256\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
     for cache in ({}, FP8):
         for splits in (1, 8):
             try_decode(S, 8, 256, "fp8" if cache else "bf16", **cache, **dict(D, decode_splits=splits))

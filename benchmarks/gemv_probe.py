@@ -10,7 +10,9 @@ configurations against XLA's ``x @ W`` on the same data.
 Answer (H200, 2026-11-30, benchmarks/results/2026-11-30-h200-seventh-session.md): at M=16, the engine's
 smallest token bucket and so its batch-1 step, the best Pallas configuration is 0.88-1.15x XLA's time per
 GEMM kind at TP=2 (0.83-0.98x at TP=1): no GEMM choice gives the TP=2 decode the ~1 ms it lacks, and the
-engine keeps XLA's GEMMs. Only at M=1 does XLA pick badly, for the TP=2 ``o`` GEMM (31.3 us, Pallas 12.8).
+engine keeps XLA's GEMMs. XLA picks badly at M=1 for the TP=2 ``o`` GEMM (31.3 us, Pallas 12.8), and the Pallas
+kernel is 0.94x XLA over a TP=1 M=16 layer. Caveats: this harness's XLA times differ from gemm_probe's by up to
+20 % on the same shapes, and the best of 10 Pallas configurations is set against one XLA measurement.
 
 Per TP degree, token count M and GEMM kind, each candidate runs as gemm_probe's ``alone``: one jit over 32
 distinct weights (so they stream from HBM, not L2), each GEMM's bf16 result kept behind an
@@ -18,7 +20,7 @@ distinct weights (so they stream from HBM, not L2), each GEMM's bf16 result kept
 model, instead of fusing into the probe's accumulation). Each Pallas configuration is first checked against
 ``x @ W`` in f32 (max |err| / max |ref| <= 1e-2) on the first weight; failures and compile errors are
 printed and skipped. TB/s = weight bytes / time, against the 4.3 TB/s copy ceiling.
-``--smoke``: CPU, interpret mode, 1/16 of the shapes, 2 weights, 2 configurations (correctness only).
+``--smoke``: CPU, interpret mode, 1/16 of the shapes, 2 weights, 2 configurations (its timings mean nothing).
 """
 from __future__ import annotations
 

@@ -32,7 +32,6 @@ def main(argv=None):
                          "a 6144 prefix)")
     a = ap.parse_args(argv)
     S = kb.Sizes()
-    import dataclasses
     kb.log(f"# mgpu_prefill_probe: jax {jax.__version__}, {jax.devices()[0].device_kind}")
     if not a.skip_check:
         kb.log("## correctness (bf16, vs the pure-jnp reference)")

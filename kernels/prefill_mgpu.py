@@ -50,10 +50,11 @@ K/V steps' latency and the wait for the output store. The protocol across items:
   buffer is written again.
 
 Diagonal steps: a warpgroup's last K/V step is half-width (``block_kv / 2`` keys in its wgmmas, mask and
-softmax; same barriers) when no row of the warpgroup sees the step's second half, as on every diagonal step
-of the first warpgroup of a 128-aligned tile. 8 x 2048 causal: 465-468 TFLOP/s against 449-458 with
-full-width steps, three repeats of the same run (H200, 2026-11-30); the 1 x 2048 engine step 325-353
-against 270-342. block_kv 128 and up only (the P.V wgmma's K must be a multiple of 64).
+softmax; same barriers) when no row of the warpgroup sees the step's second half, as (at block_kv 128) on
+every diagonal step of the first warpgroup of a 128-aligned tile. 8 x 2048 causal: 465-468 TFLOP/s against
+449-458 with full-width steps, three repeats of the same run (H200, 2026-11-30); no clear change on the
+1 x 2048 engine step (324-353 against 270-342). block_kv a multiple of 128 only (the P.V wgmma's K must be a
+multiple of 64).
 
 Ragged tiles: the 64 rows of a warpgroup may run past its request's last token (into the next request, or
 past T, which the TMA reads as zeros). Those rows are computed and dropped: the result goes to shared
@@ -287,19 +288,20 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
-            # The last step is half-width when this warpgroup's last row is in its first half (every aligned
-            # diagonal step of the first warpgroup): that step's wgmma, mask and softmax run on block_kv / 2
-            # keys. (Such a step is never below the diagonal, so it is a masked one.) The P.V wgmma needs K a
-            # multiple of 64, so only from block_kv 128.
+            # The last step is half-width when this warpgroup's last row is in its first half (at block_kv 128:
+            # every diagonal step of a 128-aligned tile's first warpgroup): that step's wgmmas, mask and softmax
+            # run on block_kv / 2 keys. (Such a step is never below the diagonal, so it is a masked one.) The
+            # P.V wgmma needs K a multiple of 64, so block_kv a multiple of 128.
             half = block_kv // 2
+            halves = block_kv % 128 == 0
             n_wide = kv_steps
-            if half >= 64:
+            if halves:
                 last_half = (kv_steps > 0) & (first_pos + n_valid - 1 - (kv_steps - 1) * block_kv < half)
                 n_wide = kv_steps - jnp.where(last_half, 1, 0)
             carry = (acc, m, l)
             carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
             acc, m, l = lax.fori_loop(full_steps, n_wide, functools.partial(step, masked=True), carry)
-            if half >= 64:
+            if halves:
                 acc, m, l = lax.fori_loop(n_wide, kv_steps, functools.partial(step, masked=True, width=half),
                                           (acc, m, l))
 

@@ -43,6 +43,9 @@ def _prefill_rows(md, q_lens):
     ([1, 200, 1, 5, 130], [30, 390, 7, 300, 130], 6, 2, 64, 32, 64, 3, 5),
     # head_dim 128, 2 pages per K/V step; more programs asked for than there are items (clamped to 5 x 2)
     ([129, 1, 70], [129, 20, 200], 2, 1, 128, 32, 64, 2, 132),
+    # block_kv 128: half-width last steps, for the first warpgroup of aligned tiles (the 129-token prompt)
+    # and for the second (a 200-token chunk on a 64-token prefix: rows end at 191 and 263)
+    ([129, 1, 200], [129, 20, 264], 2, 1, 64, 16, 128, 2, 4),
 ])
 def test_persistent_matches_reference(q_lens, ctx_lens, hq, kvh, d, bs, block_kv, stages, num_programs, capsys):
     q, k, v, md = _batch(hq * 10 + bs, q_lens, ctx_lens, hq=hq, kvh=kvh, d=d, bs=bs)
@@ -85,6 +88,7 @@ def test_persistent_shared_memory():
     (128, 16, 128, 2, 7),   # the benchmarked configuration: 224 KiB of shared memory
     (64, 32, 64, 3, 3),
     (128, 16, 64, 5, 7),    # the persistent layout does not fit (256 KiB): the one-tile kernel lowers
+    (64, 16, 256, 2, 3),    # half-width steps of 128 keys
 ])
 def test_persistent_lowers_for_cuda(d, bs, block_kv, stages, pad):
     """The GPU build of the persistent kernel lowers to Mosaic GPU for CUDA on CPU (the lowering checks the

@@ -4,7 +4,8 @@
     python benchmarks/allreduce_probe.py --processes 2         # one process per GPU through jax.distributed
 
 Times a jitted chain of all-reduces (shard_map psum over a "tp" axis of every local device) for a decode-sized
-vector ([1, 4096] bf16 per device) and a large one (64 MiB per device).
+vector ([1, 4096] bf16 per device), the engine's batch-1 step (its 16-token bucket: [16, 4096], 128 KiB) and a
+large one (64 MiB per device). NCCL's environment (NCCL_PROTO, NCCL_ALGO, ...) passes through to the children.
 """
 import os
 import subprocess
@@ -26,7 +27,7 @@ if "--pid" in sys.argv:
 devs = jax.devices()
 mesh = Mesh(devs, ("tp",))
 n = len(devs)
-for elems, chain, reps in ((4096, 64, 20), (32 << 20, 4, 5)):
+for elems, chain, reps in ((4096, 64, 20), (16 * 4096, 64, 20), (32 << 20, 4, 5)):
     x = jax.jit(lambda: jnp.ones((n, elems), jnp.bfloat16), out_shardings=NamedSharding(mesh, P("tp")))()
 
     def body(x):

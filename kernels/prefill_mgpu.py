@@ -250,14 +250,16 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
                     return acc_ref[...]
                 s = pl.run_scoped(qk_mma, plgpu.ACC((ROWS_PER_WG, width), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = s * (sm_scale * LOG2E)
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where(rows + first_pos >= cols + i * block_kv, s, MASK_VALUE)
-                m_new = jnp.maximum(m, s.max(axis=1))
+                # Raw scores; the softmax scale (base 2) goes into exp2's argument (s * c - m: one multiply-add per
+                # score, no separate scaling pass). The running max m is kept scaled.
+                c = sm_scale * LOG2E
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)

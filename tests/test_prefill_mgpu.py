@@ -61,16 +61,20 @@ def test_persistent_matches_reference(q_lens, ctx_lens, hq, kvh, d, bs, block_kv
     assert err <= 1e-2, f"max rel err {err:.2e}"
 
 
-def test_persistent_equals_one_tile_kernel(capsys):
+@pytest.mark.parametrize("block_kv", [64, 128])
+def test_persistent_equals_one_tile_kernel(block_kv, capsys):
     """Same tiles, same arithmetic: the persistent kernel's rows are bit-identical to the one-tile kernel's;
-    one program runs all 4 x 5 items."""
+    one program runs all 4 x 5 items (block_kv 128: with half-width last steps in both)."""
     q_lens, ctx_lens = [70, 1, 130], [90, 9, 130]
     q, k, v, md = _batch(3, q_lens, ctx_lens, hq=4, kvh=2, d=64, bs=16)
-    f = functools.partial(prefill_mgpu.prefill_attention, q, k, v, md, sm_scale=0.125, block_kv=64, interpret=RACES)
+    f = functools.partial(prefill_mgpu.prefill_attention, q, k, v, md, sm_scale=0.125, block_kv=block_kv,
+                          interpret=RACES)
     rows = _prefill_rows(md, q_lens)
-    np.testing.assert_array_equal(np.asarray(f(persistent=True, num_programs=1)[rows], np.float32),
-                                  np.asarray(f()[rows], np.float32))
+    one_tile = np.asarray(f()[rows], np.float32)
+    np.testing.assert_array_equal(np.asarray(f(persistent=True, num_programs=1)[rows], np.float32), one_tile)
     assert "RACE DETECTED" not in capsys.readouterr().out
+    want = np.asarray(ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125)[rows], np.float32)
+    assert float(np.abs(one_tile - want).max() / np.abs(want).max()) <= 1e-2
 
 
 def test_persistent_shared_memory():

@@ -126,18 +126,24 @@ def section_fp8(S):
             kb.log(f"\nfp8 best {best[1]}: {best[0] * 1e6:.1f} us = {best[0] / t16:.2f}x the bf16 decode-only time")
 
 
+def fp8_against_bf16(S, title, B, ctx, cfgs):
+    """A table: the bf16 cache's decode-only time, then each fp8 configuration and its ratio to it."""
+    kb.log(f"\n## {title}\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
+    t16 = try_decode(S, B, ctx, "bf16 cache, decode-only", **D)
+    for cfg in cfgs:
+        t = try_decode(S, B, ctx, "fp8", **FP8, **cfg)
+        if t and t16:
+            kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
+
+
 def section_fp8b(S):
     """fp8 split counts and pipeline depths around the default (64 keys, 2 warps, 8 stages = 128 KiB, one
     program per SM; 7 stages = 112 KiB fits two)."""
     for B, ctx, extra in [(8, 32768, [dict(decode_splits=4), dict(decode_splits=16),
                                       dict(decode_block_k=32, decode_warps=1, decode_stages=12, decode_splits=16)]),
                           (64, 8192, [])]:
-        kb.log(f"\n## fp8 B={B} ctx={ctx}\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
-        t16 = try_decode(S, B, ctx, "bf16 cache, decode-only", **D)
-        for cfg in [dict(D), dict(D, decode_stages=7), dict(D, decode_stages=5)] + [dict(D, **e) for e in extra]:
-            t = try_decode(S, B, ctx, "fp8", **FP8, **cfg)
-            if t and t16:
-                kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
+        fp8_against_bf16(S, f"fp8 B={B} ctx={ctx}", B, ctx,
+                         [dict(D), dict(D, decode_stages=7), dict(D, decode_stages=5)] + [dict(D, **e) for e in extra])
 
 
 def check_fp8_qk(S) -> bool:
@@ -175,32 +181,24 @@ def section_fp8qk(S):
     except Exception as e:
         kb.log(f"- fp8_qk check failed: {type(e).__name__}: {str(e)[:400]}")
     for B, ctx in [(8, 32768), (64, 8192), (64, 2048)]:
-        kb.log(f"\n## fp8_qk B={B} ctx={ctx}\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
-        t16 = try_decode(S, B, ctx, "bf16 cache, decode-only", **D)
-        for cfg in [dict(D), dict(D, fp8_qk=True), dict(D, fp8_qk=True, decode_stages=6),
-                    dict(D, fp8_qk=True, decode_stages=10), dict(D, fp8_qk=True, decode_block_k=128, decode_stages=4),
-                    dict(D, fp8_qk=True, decode_warps=4)]:
-            t = try_decode(S, B, ctx, "fp8", **FP8, **cfg)
-            if t and t16:
-                kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
+        fp8_against_bf16(S, f"fp8_qk B={B} ctx={ctx}", B, ctx,
+                         [dict(D), dict(D, fp8_qk=True), dict(D, fp8_qk=True, decode_stages=6),
+                          dict(D, fp8_qk=True, decode_stages=10),
+                          dict(D, fp8_qk=True, decode_block_k=128, decode_stages=4), dict(D, fp8_qk=True, decode_warps=4)])
 
 
 def section_fp8c(S):
     """fp8 at B=8 ctx 32768 (the case still above 0.6x): split counts x pipeline depths that change how many
     programs share an SM (8 stages of 64-key fp8 tiles = 128 KiB: one per SM; 7: two; 4: three), and the
     fixed cost of splitting (B=8 ctx 256: splits 8 against 1, i.e. the combine launch and the partials)."""
-    kb.log("\n## fp8 B=8 ctx=32768: splits x stages\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
-    t16 = try_decode(S, 8, 32768, "bf16 cache, decode-only", **D)
-    for cfg in [dict(D), dict(D, decode_splits=4, decode_stages=7), dict(D, decode_splits=4, decode_stages=6),
-                dict(D, decode_splits=2, decode_stages=8), dict(D, decode_splits=2, decode_stages=12),
-                dict(D, decode_splits=8, decode_stages=4), dict(D, decode_splits=16, decode_stages=7),
-                dict(D, decode_splits=8, decode_block_k=128, decode_stages=3),
-                dict(D, decode_splits=8, decode_block_k=32, decode_warps=1, decode_stages=8),
-                dict(D, decode_splits=4, decode_block_k=32, decode_warps=1, decode_stages=8),
-                dict(D, decode_splits=4, fp8_qk=True, decode_stages=7)]:
-        t = try_decode(S, 8, 32768, "fp8", **FP8, **cfg)
-        if t and t16:
-            kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
+    fp8_against_bf16(S, "fp8 B=8 ctx=32768: splits x stages", 8, 32768,
+                     [dict(D), dict(D, decode_splits=4, decode_stages=7), dict(D, decode_splits=4, decode_stages=6),
+                      dict(D, decode_splits=2, decode_stages=8), dict(D, decode_splits=2, decode_stages=12),
+                      dict(D, decode_splits=8, decode_stages=4), dict(D, decode_splits=16, decode_stages=7),
+                      dict(D, decode_splits=8, decode_block_k=128, decode_stages=3),
+                      dict(D, decode_splits=8, decode_block_k=32, decode_warps=1, decode_stages=8),
+                      dict(D, decode_splits=4, decode_block_k=32, decode_warps=1, decode_stages=8),
+                      dict(D, decode_splits=4, fp8_qk=True, decode_stages=7)])
     kb.log("\n## fixed cost of splitting, B=8 ctx=256\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
     for cache in ({}, FP8):
         for splits in (1, 8):

@@ -302,10 +302,10 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
                 n_wide = kv_steps - jnp.where(last_half, 1, 0)
             carry = (acc, m, l)
             carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
-            acc, m, l = lax.fori_loop(full_steps, n_wide, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(full_steps, n_wide, functools.partial(step, masked=True), carry)
             if halves:
-                acc, m, l = lax.fori_loop(n_wide, kv_steps, functools.partial(step, masked=True, width=half),
-                                          (acc, m, l))
+                carry = lax.fori_loop(n_wide, kv_steps, functools.partial(step, masked=True, width=half), carry)
+            acc, m, l = carry
 
             @pl.loop(kv_steps, n_steps)
             def _drain(i):                              # steps the other warpgroup still needs

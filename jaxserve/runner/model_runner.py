@@ -472,21 +472,21 @@ class ModelRunner:
         if pending.logprobs_k:
             lp = (np.asarray(out.logprobs), np.asarray(out.ranks), np.asarray(out.topk_ids),
                   np.asarray(out.topk_logprobs))
-        if pending.steps is not None:           # multi-step: [steps, R] arrays, row i ran steps[rid] of them
-            self._account(pending, t0)
-            toks, steps = token_ids.T.tolist(), pending.steps
-            res = StepResult({rid: toks[i][:steps[rid]] for rid, i in pending.rows.items()}, {})
-            for rid, k in pending.logprobs_k.items():
-                i = pending.rows[rid]
-                res.logprobs[rid] = [(float(lp[0][j, i]), int(lp[1][j, i]), lp[2][j, i, :k].tolist(),
-                                      lp[3][j, i, :k].tolist()) for j in range(steps[rid])]
-            return res
         self._account(pending, t0)
-        toks = token_ids.tolist()
-        res = StepResult({rid: toks[i] for rid, i in pending.rows.items()}, {})
-        for rid, k in pending.logprobs_k.items():
-            i = pending.rows[rid]
-            res.logprobs[rid] = (float(lp[0][i]), int(lp[1][i]), lp[2][i, :k].tolist(), lp[3][i, :k].tolist())
+        rows, steps = pending.rows, pending.steps
+
+        def entry(at, k):   # (logprob, rank, top ids, top logprobs) at a row, or (iteration, row)
+            return float(lp[0][at]), int(lp[1][at]), lp[2][at][:k].tolist(), lp[3][at][:k].tolist()
+        if steps is None:
+            toks = token_ids.tolist()
+            res = StepResult({rid: toks[i] for rid, i in rows.items()}, {})
+            for rid, k in pending.logprobs_k.items():
+                res.logprobs[rid] = entry(rows[rid], k)
+        else:               # multi-step: [steps, R] arrays, row i ran steps[rid] of them
+            toks = token_ids.T.tolist()
+            res = StepResult({rid: toks[i][:steps[rid]] for rid, i in rows.items()}, {})
+            for rid, k in pending.logprobs_k.items():
+                res.logprobs[rid] = [entry((j, rows[rid]), k) for j in range(steps[rid])]
         return res
 
     def _account(self, pending: PendingStep, t0: float) -> None:

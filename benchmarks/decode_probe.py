@@ -1,6 +1,6 @@
 """Decode attention launch configurations on one GPU, in about two device minutes (kernels_bench takes ~7).
 
-    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed,fp8qk,fp8c]
+    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed,fp8qk,fp8c,layout]
 
 Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool, median of reps):
 * main: decode B=64 ctx 2048 (32q/8kv, d128, bf16, pages of 16) -- the fused launch the engine used for
@@ -9,7 +9,9 @@ Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool,
 * small: batch 1-4 as the engine's T=16 bucket pads it (16 request rows), fused against decode-only;
 * fp8: an e4m3 cache at B=8 ctx 32768 against bf16, fused and decode-only configurations;
 * fp8qk: the fp8 cache with QK^T on e4m3 operands (``fp8_qk``), checked and timed;
-* fp8c: fp8 at B=8 ctx 32768 over split counts x pipeline depths, and the fixed cost of splitting.
+* fp8c: fp8 at B=8 ctx 32768 over split counts x pipeline depths, and the fixed cost of splitting;
+* layout: head-major (the engine's) against token-major cache pages (``kv_layout``), bf16 and fp8, checked
+  and timed.
 """
 from __future__ import annotations
 
@@ -158,8 +160,7 @@ def check_fp8_qk(S) -> bool:
                                                   num_kv_heads=S.kvh, head_dim=S.d, dtype=jnp.bfloat16,
                                                   pad_tokens=3, pad_reqs=1)
             scale = jnp.linspace(0.5, 1.5, S.kvh)
-            k, v = (kb.ref_attention.quantize_kv(x.reshape(-1, S.kvh, S.d), jnp.float8_e4m3fn, scale).reshape(x.shape)
-                    for x in (k, v))
+            k, v = (kb.ref_attention.quantize_cache(x, jnp.float8_e4m3fn, scale) for x in (k, v))
             kw = dict(sm_scale=S.d ** -0.5, k_scale=scale, v_scale=scale)
             ref = np.asarray(kb.ref_attention.ragged_paged_attention(q, k, v, md, fp8_query=True, **kw), np.float32)
             out = np.asarray(kb.pa.ragged_paged_attention(q, k, v, md, poison_output=True, decode_splits=splits,
@@ -229,6 +230,43 @@ def section_long1(S):
         try_decode(S, 1, ctx, f"ctx {ctx} stock", which="stock")
 
 
+def check_layout(S) -> bool:
+    """Token-major pages (``kv_layout="nhd"``) give the same output as head-major (the engine's), bit for bit."""
+    ok = True
+    for cache in ({}, FP8):
+        q, k, v, tables, seq_lens, _ = kb.decode_inputs(S, S.main_b, S.main_ctx, cache_dtype=cache.get("cache_dtype"))
+        scale = cache.get("k_scale")
+        outs = []
+        for layout in ("nhd", "hnd"):
+            kk, vv = (k, v) if layout == "hnd" else (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
+            step = kb.ours_decode_step(S, k_scale=scale, v_scale=scale, kv_layout=layout, **D)
+            outs.append(np.asarray(jax.jit(step)(q, kk, vv, tables[0], seq_lens), np.float32))
+        same = bool(np.array_equal(outs[0], outs[1]))
+        ok &= same
+        kb.log(f"- {'fp8' if cache else 'bf16'} B={S.main_b} ctx={S.main_ctx}: nhd equals hnd bit for bit: {same}")
+    return ok
+
+
+def section_layout(S):
+    """Cache page layout: head-major [blocks, kv_heads, block, d] (the engine's), where one head's page is one
+    contiguous run (2 KiB fp8, 4 KiB bf16 at d=128, pages of 16), against token-major [blocks, block,
+    kv_heads, d] (16 rows of 128/256 bytes a kv_heads*d stride apart), same kernel otherwise."""
+    kb.log("\n## cache layout: head-major (hnd, default) vs token-major (nhd)")
+    check_layout(S)
+    N = dict(D, kv_layout="nhd")
+    for B, ctx in [(8, 32768), (64, 8192), (64, 2048), (1, 32768), (256, 2048)]:
+        kb.log(f"\n### B={B} ctx={ctx}\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
+        t16n = try_decode(S, B, ctx, "bf16 nhd", **N)
+        t16 = try_decode(S, B, ctx, "bf16 hnd", **D)
+        cfgs = [dict(N), dict(D), dict(D, decode_stages=6), dict(D, decode_stages=7), dict(D, fp8_qk=True)]
+        if (B, ctx) != (8, 32768):
+            cfgs = cfgs[:2]
+        for cfg in cfgs:
+            t = try_decode(S, B, ctx, "fp8", **FP8, **cfg)
+            if t and t16 and t16n:
+                kb.log(f"|   = {t / t16:.3f}x bf16 hnd, {t / t16n:.3f}x bf16 nhd | | | |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="main,small,fp8")
@@ -239,7 +277,7 @@ def main(argv=None):
         {"main": section_main, "small": section_small, "fp8": section_fp8, "tune": section_tune,
          "sweep": section_sweep, "long1": section_long1,
          "fp8b": section_fp8b, "mixed": section_mixed, "fp8qk": section_fp8qk,
-         "fp8c": section_fp8c}[sec](S)
+         "fp8c": section_fp8c, "layout": section_layout}[sec](S)
     return 0
 
 

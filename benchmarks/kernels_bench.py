@@ -108,8 +108,8 @@ def decode_inputs(S: Sizes, B, ctx, *, seed=0, cache_dtype=None):
     rng = np.random.default_rng(seed)
     tables = np.stack([rng.choice(pool - 1, need, replace=False).reshape(B, pages) + 1 for _ in range(n_rot)])
     kk, kv_, kq = jax.random.split(jax.random.key(seed), 3)
-    k = jax.random.normal(kk, (pool, S.bs, S.kvh, S.d), jnp.bfloat16)
-    v = jax.random.normal(kv_, (pool, S.bs, S.kvh, S.d), jnp.bfloat16)
+    k = jax.random.normal(kk, (pool, S.kvh, S.bs, S.d), jnp.bfloat16)      # ops.kv_cache_shape
+    v = jax.random.normal(kv_, (pool, S.kvh, S.bs, S.d), jnp.bfloat16)
     if cache_dtype is not None:
         k, v = k.astype(cache_dtype), v.astype(cache_dtype)
     q = jax.random.normal(kq, (B, S.hq, S.d), jnp.bfloat16)
@@ -141,9 +141,11 @@ def stock_decode_step(S):
 def time_decode(S, B, ctx, *, which="ours", cache_dtype=None, k_scale=None, **cfg):
     q, k, v, tables, seq_lens, n_rot = decode_inputs(S, B, ctx, cache_dtype=cache_dtype)
     if which == "stock":
-        k, v = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
+        k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)       # the stock layout: [kv_heads, pages, block, d]
         step = stock_decode_step(S)
-    else:
+    elif cfg.get("kv_layout") == "nhd":            # token-major pages [pool, block, kv_heads, d]
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    if which != "stock":
         step = ours_decode_step(S, k_scale=k_scale, v_scale=k_scale, **cfg)
     fn = chain(step, S.n_iter, n_rot)
     t = timed(fn, q, k, v, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
@@ -190,8 +192,7 @@ def section_correctness(S, rows):
             scale = None
             if cache and cache.startswith("fp8"):
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = (ref_attention.quantize_kv(x.reshape(-1, S.kvh, S.d), jnp.float8_e4m3fn, scale).reshape(x.shape)
-                        for x in (k, v))
+                k, v = (ref_attention.quantize_cache(x, jnp.float8_e4m3fn, scale) for x in (k, v))
             kw = dict(sm_scale=S.d ** -0.5, soft_cap=cap, sliding_window=win, k_scale=scale, v_scale=scale)
             ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
             extra = dict(dot_dtype=jnp.float16) if cache == "fp8-f16" else {}
@@ -229,8 +230,7 @@ def check_decode_only(S) -> bool:
             scale = None
             if cache == "fp8":
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = (ref_attention.quantize_kv(x.reshape(-1, S.kvh, S.d), jnp.float8_e4m3fn, scale).reshape(x.shape)
-                        for x in (k, v))
+                k, v = (ref_attention.quantize_cache(x, jnp.float8_e4m3fn, scale) for x in (k, v))
             kw = dict(sm_scale=S.d ** -0.5, k_scale=scale, v_scale=scale)
             ref = np.asarray(ref_attention.ragged_paged_attention(q, k, v, md, **kw), np.float32)
             out = np.asarray(pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
@@ -277,7 +277,8 @@ def check_write_kv(S) -> bool:
         rng = np.random.default_rng(kvh)
         nb, T, n_real = 64, 48, 40
         cdt = ops.kv_cache_dtype(cache, jnp.bfloat16)
-        kc, vc = (jnp.asarray(rng.standard_normal((nb, S.bs, kvh, S.d)), jnp.bfloat16).astype(cdt) for _ in range(2))
+        kc, vc = (jnp.asarray(rng.standard_normal(ops.kv_cache_shape(nb, S.bs, kvh, S.d)), jnp.bfloat16).astype(cdt)
+                  for _ in range(2))
         k, v = (jnp.asarray(rng.standard_normal((T, kvh, S.d)) * 3, jnp.bfloat16) for _ in range(2))
         real = rng.choice(np.arange(S.bs, nb * S.bs), n_real, replace=False)
         slots = jnp.asarray(np.concatenate([real, np.zeros(T - n_real, np.int64)]), jnp.int32)
@@ -286,7 +287,7 @@ def check_write_kv(S) -> bool:
         got = ops.write_kv(kc, vc, k, v, slots, backend="pallas", interpret=S.interpret, **sc)
         good = True
         for g, w, o in zip(got, want, (kc, vc)):
-            g, w, o = (np.asarray(x.astype(jnp.float32)).reshape(nb * S.bs, -1) for x in (g, w, o))
+            g, w, o = (np.swapaxes(np.asarray(x.astype(jnp.float32)), 1, 2).reshape(nb * S.bs, -1) for x in (g, w, o))
             good &= bool(np.array_equal(g[S.bs:], w[S.bs:]) and np.array_equal(g[:S.bs], o[:S.bs]))
         ok &= good
         log(f"- write_kv kvh={kvh} cache={cache}: "

@@ -1,6 +1,6 @@
 """The step's new K and V into the paged cache in one Pallas (Triton) launch: ``write_kv`` for NVIDIA GPUs.
 
-Same function as ``ref_attention.write_kv`` over the cache layout ``[num_blocks, block_size, kv_heads,
+Same function as ``ref_attention.write_kv`` over the cache layout ``[num_blocks, kv_heads, block_size,
 head_dim]``, except that padding tokens (``slot_mapping == PAD_SLOT``, the null block) write nothing. One
 program per token copies its ``kv_heads`` rows (one at a time) of K and of V (quantizing to e4m3 for an fp8 cache) into the
 caches, which are aliased to the outputs so the donated cache is updated in place.
@@ -23,9 +23,10 @@ from .paged_attention_pallas import _rows
 from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale
 
 
-def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_ref, vc_ref, *, kvh):
+def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_ref, vc_ref, *, kvh, bs):
     t = pl.program_id(0)
     slot = slots_ref[t]
+    page_row = (slot // bs) * kvh * bs + slot % bs          # head h's row: page_row + h * bs
 
     @pl.when(slot != PAD_SLOT)
     def _():
@@ -35,18 +36,18 @@ def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_re
                 x = plgpu.load(_rows(src, one + (t * kvh + h)))
                 if dst.dtype == FP8_DTYPE:
                     x = jnp.clip(x.astype(jnp.float32) / scale_ref[h], -FP8_MAX, FP8_MAX)
-                plgpu.store(_rows(dst, one + (slot * kvh + h)), x.astype(dst.dtype))
+                plgpu.store(_rows(dst, one + (page_row + h * bs)), x.astype(dst.dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def write_kv(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None, interpret: bool = False):
     """``ref_attention.write_kv`` (same arguments and result, padding tokens skipped) in one launch.
     In place when the caller's jit donates the caches (the engine's step does); otherwise XLA copies them."""
-    nb, bs, kvh, d = k_cache.shape
+    nb, kvh, bs, d = k_cache.shape
     T = k.shape[0]
-    flat = (nb * bs * kvh, d)
+    flat = (nb * kvh * bs, d)
     kc, vc = pl.pallas_call(
-        functools.partial(_write_kernel, kvh=kvh),
+        functools.partial(_write_kernel, kvh=kvh, bs=bs),
         grid=(T,),
         out_shape=(jax.ShapeDtypeStruct(flat, k_cache.dtype), jax.ShapeDtypeStruct(flat, v_cache.dtype)),
         input_output_aliases={5: 0, 6: 1},

@@ -27,8 +27,15 @@ def default_backend() -> str:
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of one layer's K (or V) cache."""
-    return (num_blocks, block_size, num_kv_heads, head_dim)
+    """Shape of one layer's K (or V) cache: ``[num_blocks, kv_heads, block_size, head_dim]``.
+
+    Head-major pages: one head's ``block_size`` rows of a page are one contiguous run (4 KiB in bf16 at
+    d=128, pages of 16), where token-major pages ``[blocks, block, kv_heads, d]`` scatter them as 16 rows a
+    ``kv_heads * d`` stride apart. The decode kernel reads whole runs: on the H200 (2026-11-30,
+    ``decode_probe.py --sections layout``) B=64 ctx 2048 took 140.1 us against 156.9, B=1 ctx 32768 54.3
+    against 78.3, with the same kernel and bit-identical output.
+    """
+    return (num_blocks, num_kv_heads, block_size, head_dim)
 
 
 def kv_cache_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:

@@ -1,7 +1,9 @@
 """Ragged paged attention for NVIDIA GPUs in Pallas (Triton lowering).
 
 Same function as ``ref_attention.ragged_paged_attention`` over the engine's cache layout
-``[num_blocks, block_size, kv_heads, head_dim]``; ``k_scale``/``v_scale`` dequantize an fp8 cache.
+``[num_blocks, kv_heads, block_size, head_dim]``; ``k_scale``/``v_scale`` dequantize an fp8 cache.
+(``kv_layout="nhd"`` reads token-major pages ``[num_blocks, block_size, kv_heads, head_dim]`` instead, for
+A/B runs: ``benchmarks/decode_probe.py --sections layout``.)
 
 One launch (``fused=True``, the default) runs two kinds of tile over one output buffer:
 
@@ -19,9 +21,10 @@ its own (64-key tiles in 2 warps, 2 programs per SM), which reads K/V at 3.7-3.9
 H200 where the fused launch reaches 3.2-3.4.
 
 K/V are read a page-row at a time: token ``pos`` of request ``r`` is row
-``(block_tables[r, pos // block_size] * block_size + pos % block_size) * kv_heads + h`` of the cache seen as
-``[num_blocks * block_size * kv_heads, head_dim]`` -- a gather of contiguous ``head_dim`` rows that Triton
-turns into 16-byte vector loads pipelined over ``num_stages``. Interior KV chunks (below every row's
+``(block_tables[r, pos // block_size] * kv_heads + h) * block_size + pos % block_size`` of the cache seen as
+``[num_blocks * kv_heads * block_size, head_dim]`` -- a gather of contiguous ``head_dim`` rows, each page's
+``block_size`` rows one contiguous run, that Triton turns into 16-byte vector loads pipelined over
+``num_stages``. Interior KV chunks (below every row's
 diagonal, inside every row's window) skip all masking.
 
 Why Triton and not Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``), measured on the H200
@@ -68,7 +71,8 @@ def _next_pow2(n: int) -> int:
 
 
 def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale, *, h,
-             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, fp8_qk=False):
+             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, fp8_qk=False,
+             head_major=False):
     """Online softmax of tile ``q [M, D]`` over the request's keys ``[kv_lo, kv_hi)`` in steps of block_k.
 
     ``q_pos [M]`` are the rows' absolute positions, ``first_q_pos``/``last_q_pos`` those of the tile's
@@ -77,6 +81,8 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
     end) with them. Returns the unnormalised accumulator ``[M, D]`` f32 and running max / sum ``[M]``
     (base 2). ``fp8_qk`` (fp8 cache): QK^T runs on e4m3 operands, q scaled per row into e4m3's range
     (``ref_attention.fp8_query_rows``), so K goes to the MMA as stored, with no conversion.
+    ``head_major``: the caches are ``[num_blocks, kv_heads, block_size, D]`` (a page's rows of one head are
+    contiguous), else ``[num_blocks, block_size, kv_heads, D]``.
     """
     m_rows, d = q.shape
     offs = lax.iota(jnp.int32, block_k)
@@ -94,7 +100,10 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
         pos = kv_lo + i * block_k + offs                                      # [BK]
         page = jnp.minimum(pos // block_size, pages_per_seq - 1)
         blk = bt_ref[r * pages_per_seq + page]                                # [BK]
-        rows = (blk * block_size + pos % block_size) * kv_heads + h
+        if head_major:
+            rows = (blk * kv_heads + h) * block_size + pos % block_size
+        else:
+            rows = (blk * block_size + pos % block_size) * kv_heads + h
         if masked:
             in_range = pos < kv_hi
             ld_mask = jnp.broadcast_to(in_range[:, None], (block_k, d))
@@ -324,7 +333,7 @@ def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> in
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
     "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "prefill_warps",
     "prefill_stages", "fused", "poison_output", "dot_dtype", "prefill_kernel", "mgpu_block_kv", "mgpu_stages",
-    "decode_only", "mgpu_persistent", "fp8_qk"))
+    "decode_only", "mgpu_persistent", "fp8_qk", "kv_layout"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
@@ -334,7 +343,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
                            poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
                            mgpu_block_kv: int = 128, mgpu_stages: int = 2, decode_only: bool | None = None,
-                           mgpu_persistent: bool = True, fp8_qk: bool = False):
+                           mgpu_persistent: bool = True, fp8_qk: bool = False, kv_layout: str = "hnd"):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
     ``k_scale``/``v_scale``: dequantisation scales (scalar or ``[kv_heads]``) of an fp8 cache, else None.
@@ -382,13 +391,16 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         decode_stages = (8 if decode_only else 4) if fp8_cache else 3
     if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
         q = q.astype(dot_dtype)
-    mgpu_ok = prefill_mgpu.supported(q, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
+    if kv_layout not in ("nhd", "hnd"):
+        raise ValueError(f"kv_layout must be nhd or hnd, got {kv_layout!r}")
+    head_major = kv_layout == "hnd"
+    mgpu_ok = head_major and prefill_mgpu.supported(q, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
                                      k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv,
                                      stages=mgpu_stages)
     use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
                                                          and q.shape[0] >= MGPU_MIN_TOKENS))
     T, hq, d = q.shape
-    nb, bs, kvh, _ = k_cache.shape
+    nb, kvh, bs, _ = k_cache.shape if head_major else tuple(k_cache.shape[i] for i in (0, 2, 1, 3))
     R, P = md.block_tables.shape
     if hq % kvh:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({kvh})")
@@ -399,7 +411,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
            md.block_tables.reshape(R * P).astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
            q.reshape(T * hq, d), k_cache.reshape(nb * bs * kvh, d), v_cache.reshape(nb * bs * kvh, d))
     common = dict(kv_heads=kvh, block_size=bs, pages_per_seq=P, sm_scale=float(sm_scale),
-                  soft_cap=soft_cap, sliding_window=sliding_window, fp8_qk=bool(fp8_qk and fp8_cache))
+                  soft_cap=soft_cap, sliding_window=sliding_window, fp8_qk=bool(fp8_qk and fp8_cache),
+                  head_major=head_major)
     block_q = max(1, prefill_block_m // group_pad)
     n_prefill = T // block_q + R                   # tile slots of the in-kernel prefill schedule
     splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)

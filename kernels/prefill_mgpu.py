@@ -18,7 +18,7 @@ warpgroups of 128 threads):
   does its softmax), the FA3 ping-pong;
 * one **memory warpgroup** streaming the K/V of the tile's kv head through ``stages`` shared-memory slots.
   A K/V step of ``block_kv`` keys is ``block_kv / block_size`` pages, one TMA copy per page (the page ids
-  read from the block table as scalars), all landing on the slot's barrier.
+  read from the block table as scalars; a head's page is one contiguous ``[block_size, D]`` run), all landing on the slot's barrier.
 
 Tile schedule (no XLA pre-pass): request r owns slots ``[qsl[r] // 128 + r, qsl[r+1] // 128 + r + 1)``;
 a program finds its request by binary search over that monotone start. Slots past a request's tokens,
@@ -103,7 +103,7 @@ def supported(q, k_cache, *, soft_cap=None, sliding_window=None, k_scale=None, v
     layout fits (224 KiB at head_dim 128, block_kv 128, 2 stages); ``prefill_attention`` runs the
     one-tile-per-program layout where it does not."""
     d = q.shape[-1]
-    bs = k_cache.shape[1]
+    bs = k_cache.shape[2]
     return (q.dtype in (jnp.bfloat16, jnp.float16) and k_cache.dtype == q.dtype and d % 64 == 0
             and smem_bytes(d, block_kv, stages, q.dtype.itemsize, persistent) <= SMEM_BYTES
             and soft_cap is None and sliding_window is None and k_scale is None and v_scale is None
@@ -139,7 +139,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
     k_free, v_free = consumed
     persistent = num_programs is not None
     wg = lax.axis_index("wg")
-    _, bs, _, d = k_ref.shape
+    _, _, bs, d = k_ref.shape
     hq = q_ref.shape[1]
     pages = block_kv // bs
     dtype = q_ref.dtype
@@ -363,7 +363,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
             def load(ref, buf, bar, step, slot):
                 for j in range(pages):
                     page = bt_ref[base + jnp.minimum(step * pages + j, pages_per_seq - 1)]
-                    plgpu.copy_gmem_to_smem(ref.at[page, :, h], buf.at[slot, pl.ds(j * bs, bs)], bar.at[slot])
+                    plgpu.copy_gmem_to_smem(ref.at[page, h], buf.at[slot, pl.ds(j * bs, bs)], bar.at[slot])
 
             n_steps = max_steps(it)
 
@@ -441,7 +441,7 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
                       persistent: bool = False, num_programs: int = 132):
     """Output ``[T, Hq, D]`` whose prefill tokens' rows hold their attention (other rows: unwritten).
 
-    ``q [T, Hq, D]``, caches ``[num_blocks, block_size, kv_heads, D]`` (the new tokens' K/V already
+    ``q [T, Hq, D]``, caches ``[num_blocks, kv_heads, block_size, D]`` (the new tokens' K/V already
     written). ``interpret``: run on CPU in Mosaic GPU's interpret mode (unwritten memory reads as NaN), or
     a ``plgpu.InterpretGPUParams`` for its options (the tests use ``detect_races=True``).
     ``persistent``: ``num_programs`` programs (default: the H200's 132 SMs) loop over the work items instead
@@ -449,7 +449,7 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
     persistent=True)``), the one-tile-per-program kernel runs.
     """
     T, hq, d = q.shape
-    nb, bs, kvh, _ = k_cache.shape
+    nb, kvh, bs, _ = k_cache.shape
     R, P = md.block_tables.shape
     if hq % kvh:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({kvh})")

@@ -1,7 +1,8 @@
 """Pure-jnp paged attention: the CPU path and the oracle every Pallas kernel is tested against.
 
-Cache layout, per layer: ``k_cache`` and ``v_cache`` each ``[num_blocks, block_size, kv_heads, head_dim]``;
-a token's flat slot is ``block * block_size + offset``.
+Cache layout, per layer: ``k_cache`` and ``v_cache`` each ``[num_blocks, kv_heads, block_size, head_dim]``
+(head-major pages: one head's rows of a page are contiguous; ``kernels/ops.py`` says why); a token's flat
+slot is ``block * block_size + offset``.
 """
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ def dequantize_kv(x, scale):
     return x.astype(jnp.float32) * head_scale(scale, x.shape[-2])[:, None]
 
 
+def quantize_cache(cache, cache_dtype, scale):
+    """A whole cache ``[num_blocks, kv_heads, block_size, D]`` through ``quantize_kv`` (per-head scale on
+    axis 1): how tests and benchmarks build an fp8 cache from random values."""
+    nb, kvh, bs, d = cache.shape
+    rows = jnp.swapaxes(cache, 1, 2).reshape(nb * bs, kvh, d)                # [slot, head, D]
+    return jnp.swapaxes(quantize_kv(rows, cache_dtype, scale).reshape(nb, bs, kvh, d), 1, 2)
+
+
 def fp8_query_rows(q):
     """``q [..., D]`` rounded through e4m3 with one scale per row (``amax / 448``), returned in float32: what
     the Pallas kernel's ``fp8_qk`` QK^T sees (each (token, q head) vector scaled into e4m3's range)."""
@@ -53,10 +62,11 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None
     Meant to run on a donated cache so XLA updates it in place. An fp8 (e4m3) cache stores
     ``x / scale`` saturated to +-448; ``k_scale``/``v_scale`` are scalars or ``[kv_heads]`` (None = 1).
     """
-    nb, bs, kvh, d = k_cache.shape
-    kf = k_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(quantize_kv(k, k_cache.dtype, k_scale))
-    vf = v_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(quantize_kv(v, v_cache.dtype, v_scale))
-    return kf.reshape(nb, bs, kvh, d), vf.reshape(nb, bs, kvh, d)
+    bs = k_cache.shape[2]
+    blk, off = slot_mapping // bs, slot_mapping % bs
+    # two advanced indices around a slice: the indexed view is [T, kv_heads, head_dim], like k and v
+    return (k_cache.at[blk, :, off].set(quantize_kv(k, k_cache.dtype, k_scale)),
+            v_cache.at[blk, :, off].set(quantize_kv(v, v_cache.dtype, v_scale)))
 
 
 def token_layout(md: AttentionMetadata, num_tokens: int):
@@ -71,6 +81,12 @@ def token_layout(md: AttentionMetadata, num_tokens: int):
     return req, qpos, valid
 
 
+def _token_rows(pages):
+    """Gathered pages ``[T, c, kv_heads, block_size, D]`` as ``[T, c * block_size, kv_heads, D]``."""
+    T, c, kvh, bs, d = pages.shape
+    return pages.transpose(0, 1, 3, 2, 4).reshape(T, c * bs, kvh, d)
+
+
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, pages_per_step: int = 8, fp8_query: bool = False):
@@ -83,7 +99,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     kernel's ``fp8_qk`` does over an fp8 cache.
     """
     T, hq, d = q.shape
-    _, bs, kvh, _ = k_cache.shape
+    _, kvh, bs, _ = k_cache.shape
     R, P = md.block_tables.shape
     g = hq // kvh
     c = max(1, min(pages_per_step, P))
@@ -101,8 +117,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         m, l, acc = carry
         i, tab = xs                                                        # tab [R, c]
         blk = tab[req]                                                     # [T, c]
-        kb = dequantize_kv(k_cache[blk].reshape(T, c * bs, kvh, d), k_scale)
-        vb = dequantize_kv(v_cache[blk].reshape(T, c * bs, kvh, d), v_scale)
+        kb = dequantize_kv(_token_rows(k_cache[blk]), k_scale)            # [T, c*bs, kvh, d]
+        vb = dequantize_kv(_token_rows(v_cache[blk]), v_scale)
         s = jnp.einsum("thgd,tkhd->thgk", qg, kb, precision=HIGHEST)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

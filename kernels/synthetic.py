@@ -48,7 +48,7 @@ def make_batch(rng: np.random.Generator, q_lens, ctx_lens, *, block_size: int, n
     md = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables),
                            seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl),
                            num_seqs=jnp.asarray(n, jnp.int32))
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)      # ops.kv_cache_shape
     cache_dtype = cache_dtype or dtype
     k = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(cache_dtype)
     v = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(cache_dtype)

@@ -316,6 +316,7 @@ DECODER_SEQS = [list(map(int, _rng.integers(1, 64, size=n))) for n in (5, 13, 1,
 @pytest.fixture(scope="module")
 def hidden_alone(tiny_llama):
     """The model's own forward on each of DECODER_SEQS alone, with its own cache: hidden ``[n, H]`` each."""
+    from jaxserve.kernels import ops
     from jaxserve.kernels.metadata import AttentionMetadata
     block_size = 4
 
@@ -323,7 +324,7 @@ def hidden_alone(tiny_llama):
     def run(params, ids):
         n = ids.shape[0]
         blocks = -(-n // block_size)
-        shape = (1 + blocks, block_size, TINY_LLAMA.num_kv_heads, TINY_LLAMA.head_dim)
+        shape = ops.kv_cache_shape(1 + blocks, block_size, TINY_LLAMA.num_kv_heads, TINY_LLAMA.head_dim)
         caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(TINY_LLAMA.num_layers)]
         md = AttentionMetadata(slot_mapping=jnp.arange(block_size, block_size + n, dtype=jnp.int32),
                                block_tables=jnp.arange(1, 1 + blocks, dtype=jnp.int32)[None],

@@ -100,6 +100,21 @@ def test_decode_only_from_metadata():
     assert ops.paged_attention(q, k, v, marked, sm_scale=0.125).shape == q.shape   # the reference ignores it
 
 
+@pytest.mark.parametrize("launch", [dict(decode_splits=2), dict(fused=False)])
+def test_token_major_layout_option(launch):
+    """``kv_layout="nhd"`` (token-major pages, kept for A/B timing) reads the same keys as the engine's
+    head-major layout: the same rows bit for bit, prefill and decode tiles."""
+    rng = np.random.default_rng(13)
+    q, k, v, md = synthetic.make_batch(rng, [1, 7, 1], [40, 9, 21], block_size=16, num_q_heads=6,
+                                       num_kv_heads=3, head_dim=64, dtype=jnp.float32, pad_tokens=2)
+    kw = dict(sm_scale=0.125, interpret=True, poison_output=True, **SMALL_TILES, **launch)
+    hnd = pa.ragged_paged_attention(q, k, v, md, **kw)
+    nhd = pa.ragged_paged_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), md, kv_layout="nhd", **kw)
+    n_real = int(md.query_start_loc[int(md.num_seqs)])
+    np.testing.assert_array_equal(np.asarray(nhd[:n_real]), np.asarray(hnd[:n_real]))
+    assert max_rel_err(hnd, ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125), md) <= 1e-4
+
+
 def test_soft_cap_and_sliding_window():
     check(11, [1, 12, 1, 30], [90, 40, 5, 30], hq=9, kvh=3, d=64, bs=16, dtype=jnp.float32, soft_cap=5.0,
           window=20, splits=2)
@@ -119,12 +134,14 @@ def test_fp8_cache_matches_reference_and_write_kv_roundtrip():
     # Write every cache slot through write_kv, so the fp8 cache holds quantised real values.
     nslots = k.shape[0] * bs
     slots = jnp.arange(nslots, dtype=jnp.int32)
-    k8, v8 = ops.write_kv(jnp.zeros(k.shape, fp8), jnp.zeros(v.shape, fp8), k.reshape(nslots, kvh, d),
-                          v.reshape(nslots, kvh, d), slots, k_scale=k_scale, v_scale=v_scale)
+    by_slot = lambda x: jnp.swapaxes(x, 1, 2).reshape(nslots, kvh, d)      # noqa: E731  [slot, head, d]
+    k8, v8 = ops.write_kv(jnp.zeros(k.shape, fp8), jnp.zeros(v.shape, fp8), by_slot(k), by_slot(v), slots,
+                          k_scale=k_scale, v_scale=v_scale)
     assert k8.dtype == fp8
-    deq = ref_attention.dequantize_kv(k8, k_scale)
+    deq = ref_attention.dequantize_kv(jnp.swapaxes(k8, 1, 2), k_scale)                # [.., head, d] per head
+    kf = jnp.swapaxes(k, 1, 2).astype(jnp.float32)
     # e4m3 has 3 mantissa bits: relative rounding error <= 2^-4 (values stay far below 448 * scale).
-    assert float(jnp.max(jnp.abs(deq - k.astype(jnp.float32)) / (jnp.abs(k.astype(jnp.float32)) + 1e-3))) < 0.07
+    assert float(jnp.max(jnp.abs(deq - kf) / (jnp.abs(kf) + 1e-3))) < 0.07
     kw = dict(sm_scale=d ** -0.5, k_scale=k_scale, v_scale=v_scale)
     ref8 = ref_attention.ragged_paged_attention(q, k8, v8, md, **kw)
     out8 = ops.paged_attention(q, k8, v8, md, backend="pallas", interpret=True, **kw)
@@ -151,8 +168,8 @@ def test_fp8_qk_matches_reference_with_rounded_query():
     q = q * jnp.linspace(0.01, 30.0, hq)[None, :, None].astype(q.dtype)     # rows far apart in scale
     fp8 = ops.kv_cache_dtype("fp8", jnp.bfloat16)
     kw = dict(sm_scale=d ** -0.5, k_scale=jnp.array([0.02, 0.05]), v_scale=jnp.float32(0.03))
-    k8 = ref_attention.quantize_kv(k.reshape(-1, kvh, d), fp8, kw["k_scale"]).reshape(k.shape)
-    v8 = ref_attention.quantize_kv(v.reshape(-1, kvh, d), fp8, kw["v_scale"]).reshape(v.shape)
+    k8 = ref_attention.quantize_cache(k, fp8, kw["k_scale"])
+    v8 = ref_attention.quantize_cache(v, fp8, kw["v_scale"])
     ref_q8 = ref_attention.ragged_paged_attention(q, k8, v8, md, fp8_query=True, **kw)
     for launch in (dict(decode_only=False), dict(decode_only=False, decode_splits=2)):
         out = ops.paged_attention(q, k8, v8, md, backend="pallas", interpret=True, fp8_qk=True,
@@ -163,8 +180,8 @@ def test_fp8_qk_matches_reference_with_rounded_query():
     dec = synthetic.make_batch(rng, [1, 1, 1], [40, 3, 17], block_size=bs, num_q_heads=hq, num_kv_heads=kvh,
                                head_dim=d, dtype=jnp.bfloat16, pad_tokens=1)
     qd, kd, vd, mdd = dec
-    kd8 = ref_attention.quantize_kv(kd.reshape(-1, kvh, d), fp8, kw["k_scale"]).reshape(kd.shape)
-    vd8 = ref_attention.quantize_kv(vd.reshape(-1, kvh, d), fp8, kw["v_scale"]).reshape(vd.shape)
+    kd8 = ref_attention.quantize_cache(kd, fp8, kw["k_scale"])
+    vd8 = ref_attention.quantize_cache(vd, fp8, kw["v_scale"])
     out = ops.paged_attention(qd, kd8, vd8, mdd, backend="pallas", interpret=True, fp8_qk=True, decode_only=True,
                               poison_output=True, **kw)
     assert max_rel_err(out, ref_attention.ragged_paged_attention(qd, kd8, vd8, mdd, fp8_query=True, **kw), mdd) <= 1e-2
@@ -226,8 +243,8 @@ def test_pallas_write_kv_matches_scatter(kvh, cache_dtype):
     nb, bs, d, T, n_real = 6, 16, 64, 12, 9
     dtype = jnp.bfloat16 if cache_dtype == "fp8" else cache_dtype
     cdt = ops.kv_cache_dtype(cache_dtype, dtype) if cache_dtype == "fp8" else cache_dtype
-    k_cache = jnp.asarray(rng.standard_normal((nb, bs, kvh, d)), dtype).astype(cdt)
-    v_cache = jnp.asarray(rng.standard_normal((nb, bs, kvh, d)), dtype).astype(cdt)
+    k_cache = jnp.asarray(rng.standard_normal(ops.kv_cache_shape(nb, bs, kvh, d)), dtype).astype(cdt)
+    v_cache = jnp.asarray(rng.standard_normal(ops.kv_cache_shape(nb, bs, kvh, d)), dtype).astype(cdt)
     k = jnp.asarray(rng.standard_normal((T, kvh, d)) * 3, dtype)
     v = jnp.asarray(rng.standard_normal((T, kvh, d)) * 3, dtype)
     real = rng.choice(np.arange(bs, nb * bs), n_real, replace=False)        # never the null block
@@ -237,7 +254,8 @@ def test_pallas_write_kv_matches_scatter(kvh, cache_dtype):
     got_k, got_v = ops.write_kv(k_cache, v_cache, k, v, slots, backend="pallas", interpret=True, **scale)
     for got, want, old in ((got_k, want_k, k_cache), (got_v, want_v, v_cache)):
         assert got.dtype == old.dtype and got.shape == old.shape
-        g, w, o = (np.asarray(x.astype(jnp.float32)).reshape(nb * bs, kvh, d) for x in (got, want, old))
+        g, w, o = (np.swapaxes(np.asarray(x.astype(jnp.float32)), 1, 2).reshape(nb * bs, kvh, d)
+                   for x in (got, want, old))                        # [slot, head, d]
         np.testing.assert_array_equal(g[bs:], w[bs:])               # real slots written, the rest unchanged
         np.testing.assert_array_equal(g[:bs], o[:bs])               # padding tokens wrote nothing
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):

@@ -282,11 +282,11 @@ def test_tp_greedy_matches_single_device(report, case, tp):
 def test_weights_and_cache_are_sharded(report):
     # (jax prints specs without trailing Nones)
     assert report["8q4kv/tp4"]["q_spec"] == "P(None, 'tp')"
-    assert report["8q4kv/tp4"]["cache_spec"] == "P(None, None, 'tp')"
+    assert report["8q4kv/tp4"]["cache_spec"] == "P(None, 'tp')"          # [blocks, kv_heads, block, d]
     # 2 kv heads over 4 devices: k/v projections and the cache are replicated, not cut mid-head
     assert report["8q2kv/tp4"]["k_spec"] == "P()"
     assert report["8q2kv/tp4"]["cache_spec"] == "P()"
-    assert report["8q2kv/tp2"]["cache_spec"] == "P(None, None, 'tp')"
+    assert report["8q2kv/tp2"]["cache_spec"] == "P(None, 'tp')"
     assert report["8q2kv/tp2"]["k_spec"] == "P(None, 'tp')"
 
 

@@ -35,6 +35,7 @@ from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import AttentionMetadata
 # kernels.ops's write_kv/paged_attention, wrapped in shard_map over "tp" when the step runs under a mesh
 # (jaxserve.parallel.bind_mesh); identical to kernels.ops otherwise.
+from jaxserve import parallel
 from jaxserve.parallel import attention as tp_attention
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -89,11 +90,6 @@ def param_partition_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def kv_cache_partition_spec() -> P:
-    """KV heads sharded over ``"tp"`` (each device holds the heads its q/k/v column shards produce)."""
-    return P(None, None, TP_AXIS, None)
-
-
 def init_dummy_params(cfg: ModelConfig, dtype, *, seed: int = 0, mesh=None) -> dict:
     """Random weights (normal, std 0.02; norms = 1) of the right shapes, generated on device."""
     is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
@@ -123,7 +119,7 @@ def _dummy_init_fn(kind: str, shape: tuple, dtype, sharding):
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, *, mesh=None) -> list:
     """One ``(k_cache, v_cache)`` pair per layer, zeros, ``kernels.ops.kv_cache_shape`` each."""
     shape = ops.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    sharding = jax.sharding.NamedSharding(mesh, kv_cache_partition_spec()) if mesh is not None else None
+    sharding = parallel.kv_cache_sharding(mesh, cfg) if mesh is not None else None
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 

@@ -27,7 +27,7 @@ from .mesh import TP, current_tp_mesh
 # varying-manual-axes annotations (their loop carries start as constants), as Pallas kernels are.
 
 HEADS = P(None, TP, None)               # [T, heads, head_dim]
-CACHE_HEADS = P(None, None, TP, None)   # [num_blocks, block_size, kv_heads, head_dim]
+CACHE_HEADS = P(None, TP, None, None)   # [num_blocks, kv_heads, block_size, head_dim]
 
 
 def bind_mesh(fn, mesh):
@@ -69,7 +69,7 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
                                sliding_window=sliding_window, backend=backend, **kernel_kwargs)
     if mesh is None:
         return kernel(q, k_cache, v_cache, md)
-    tp, num_q_heads, num_kv_heads = mesh.shape[TP], q.shape[1], k_cache.shape[2]
+    tp, num_q_heads, num_kv_heads = mesh.shape[TP], q.shape[1], k_cache.shape[1]
     if num_q_heads % tp:
         raise ValueError(f"{num_q_heads} attention heads are not divisible by tensor_parallel_size={tp}")
     cache_spec, _ = _kv_specs(num_kv_heads, tp)
@@ -79,8 +79,8 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
         # Replicated kv heads: this device's q heads all use kv head (device * num_kv_heads // tp).
         def local(q, k_cache, v_cache, md):
             head = jax.lax.axis_index(TP) // (tp // num_kv_heads)
-            k_one = jax.lax.dynamic_slice_in_dim(k_cache, head, 1, axis=2)
-            v_one = jax.lax.dynamic_slice_in_dim(v_cache, head, 1, axis=2)
+            k_one = jax.lax.dynamic_slice_in_dim(k_cache, head, 1, axis=1)
+            v_one = jax.lax.dynamic_slice_in_dim(v_cache, head, 1, axis=1)
             return kernel(q, k_one, v_one, md)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(HEADS, cache_spec, cache_spec, P()), out_specs=HEADS,
                        check_vma=False)

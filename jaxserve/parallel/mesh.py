@@ -76,8 +76,8 @@ def kv_heads_per_device(cfg, tp: int) -> int:
 
 
 def kv_cache_spec(cfg, tp: int) -> P:
-    """PartitionSpec of one layer's K or V cache ``[num_blocks, block_size, kv_heads, head_dim]``."""
-    return P(None, None, TP, None) if kv_heads_sharded(cfg, tp) else P()
+    """PartitionSpec of one layer's K or V cache ``[num_blocks, kv_heads, block_size, head_dim]``."""
+    return P(None, TP, None, None) if kv_heads_sharded(cfg, tp) else P()
 
 
 def kv_cache_sharding(mesh: Mesh, cfg) -> NamedSharding:

@@ -5,6 +5,13 @@ attention kernels equals the reference-attention path's and HF transformers' (th
 
 Prints one line per variant (backend, dtype, KV cache dtype): how many of the golden prompts match HF
 exactly, the first differing position otherwise, and whether the variant equals the reference path.
+
+A float32 variant passes when its tokens equal the reference path's, or where they first differ the reference
+had a near-tie there: the variant took the reference's runner-up, less than ``TIE_EPS`` below its top token in
+log-probability (random weights give flat logits: on the H200, 2026-11-30, the 5th prompt's 9th token had its
+top two 0.0010 apart in the reference and 0.0003 apart, swapped, with the Pallas kernels; the logprobs of both
+paths agreed to ~1e-3 everywhere). Every later token follows from that choice, so only the first difference
+is judged.
 """
 from __future__ import annotations
 
@@ -23,6 +30,19 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+TIE_EPS = 5e-3
+
+
+def tie_gap(ref_logprobs: dict, token: int) -> float | None:
+    """Where the reference's top token lost to ``token``: the gap in log-probability between its top two if
+    ``token`` is the runner-up, else None (a real divergence). ``ref_logprobs``: {token: Logprob} of the
+    reference at that position (``SamplingParams(logprobs=2)``)."""
+    ranked = sorted(ref_logprobs.items(), key=lambda kv: kv[1].logprob, reverse=True)
+    if len(ranked) < 2 or ranked[1][0] != token:
+        return None
+    return ranked[0][1].logprob - ranked[1][1].logprob
 
 
 def main(argv=None) -> int:
@@ -59,9 +79,9 @@ def main(argv=None) -> int:
                     ("pallas", "bfloat16", "fp8")]
     else:
         variants = [("reference", "float32", "auto")]
-    sp = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True, logprobs=2)
     prompts = [c["prompt_ids"] for c in cases]
-    results = {}
+    results, ref_outs = {}, {}
     ok = True
     print(f"# gpu_check: jax {jax.__version__}, {jax.devices()[0].device_kind}, {len(cases)} golden prompts, "
           f"{n_new} greedy tokens each")
@@ -74,6 +94,8 @@ def main(argv=None) -> int:
         ids = [o.outputs[0].token_ids for o in outs]
         key = (backend, dtype, kv)
         results[key] = ids
+        if backend == "reference" and kv == "auto":
+            ref_outs[dtype] = [o.outputs[0] for o in outs]
         # like with like: each variant against the reference path of its own dtype
         ref_key = ("reference", dtype, "auto")
         ref = results.get(ref_key)
@@ -87,10 +109,17 @@ def main(argv=None) -> int:
             line += f"{sum(match)}/{len(cases)} identical to HF f32 (first diffs {diffs}); "
             if dtype == "float32" and not all(match):
                 ok = False
+        if same_as_ref is False:
+            ties = [None if i is None or i >= len(got) else tie_gap(r.logprobs[i], got[i])
+                    for i, got, r in zip(vs_ref, ids, ref_outs[dtype])]
+            real = [i for i, gap in zip(vs_ref, ties) if i is not None and (gap is None or gap >= TIE_EPS)]
+            line_ties = ", ".join(f"prompt {j + 1} token {i}: runner-up {gap:.4f} below" for j, (i, gap)
+                                  in enumerate(zip(vs_ref, ties)) if gap is not None and gap < TIE_EPS)
+            if dtype == "float32" and real:
+                ok = False
         print(line + f"equals the {dtype} reference path: {same_as_ref} (first diffs {vs_ref}); "
-              f"{time.perf_counter() - t0:.1f} s")
-        if same_as_ref is False and dtype == "float32":
-            ok = False
+              + (f"near-ties: {line_ties}; " if same_as_ref is False and line_ties else "")
+              + f"{time.perf_counter() - t0:.1f} s")
         del llm
     print("gpu_check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1

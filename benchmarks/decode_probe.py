@@ -1,6 +1,6 @@
 """Decode attention launch configurations on one GPU, in about two device minutes (kernels_bench takes ~7).
 
-    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed,fp8qk,fp8c,layout]
+    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed,fp8qk,fp8c,layout,fp8d]
 
 Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool, median of reps):
 * main: decode B=64 ctx 2048 (32q/8kv, d128, bf16, pages of 16) -- the fused launch the engine used for
@@ -11,7 +11,8 @@ Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool,
 * fp8qk: the fp8 cache with QK^T on e4m3 operands (``fp8_qk``), checked and timed;
 * fp8c: fp8 at B=8 ctx 32768 over split counts x pipeline depths, and the fixed cost of splitting;
 * layout: head-major (the engine's) against token-major cache pages (``kv_layout``), bf16 and fp8, checked
-  and timed.
+  and timed;
+* fp8d: fp8 at 6 / 7 / 8 stages against bf16, B=8 ctx 32768 and B=64 ctx 8192, three interleaved rounds.
 """
 from __future__ import annotations
 
@@ -267,6 +268,20 @@ def section_layout(S):
                 kb.log(f"|   = {t / t16:.3f}x bf16 hnd, {t / t16n:.3f}x bf16 nhd | | | |")
 
 
+def section_fp8d(S):
+    """fp8 pipeline depth at the two long-context cases, interleaved with the bf16 reading over 3 rounds: one
+    run read 7 stages at 0.597x the bf16 time against 0.615x for the default 8 (B=8 ctx 32768, eighth session),
+    within the spread of single readings, so the rounds say whether the default should move."""
+    for B, ctx in S.fp8_cases:
+        kb.log(f"\n## fp8 depth B={B} ctx={ctx}, 3 interleaved rounds\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
+        for rnd in range(3):
+            t16 = try_decode(S, B, ctx, f"round {rnd + 1}: bf16", **D)
+            for st in (6, 7, 8):
+                t = try_decode(S, B, ctx, f"round {rnd + 1}: fp8", **FP8, **dict(D, decode_stages=st))
+                if t and t16:
+                    kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="main,small,fp8")
@@ -277,7 +292,7 @@ def main(argv=None):
         {"main": section_main, "small": section_small, "fp8": section_fp8, "tune": section_tune,
          "sweep": section_sweep, "long1": section_long1,
          "fp8b": section_fp8b, "mixed": section_mixed, "fp8qk": section_fp8qk,
-         "fp8c": section_fp8c, "layout": section_layout}[sec](S)
+         "fp8c": section_fp8c, "layout": section_layout, "fp8d": section_fp8d}[sec](S)
     return 0
 
 

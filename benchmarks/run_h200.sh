@@ -60,11 +60,12 @@ for step in "${STEPS[@]}"; do
                --set baseline.hf=false ;;
     tpbench) if [ "${NGPU:-0}" -lt 2 ]; then echo "tpbench: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
              # TP=1 vs TP=2 driven by one process (uni) and by a process per GPU (mp), single stream + offline
-             # with 8-step decoding (run D of 2026-11-30-h200x2-multistep-tp.md: children took 94-115 s)
+             # with 8-step decoding (run D of 2026-11-30-h200x2-multistep-tp.md: children took 94-115 s; on a fresh
+             # host's empty compile cache a TP=2 mp child ran past 190 s, 2026-11-30-h200-eighth-session.md)
              echo "=== tpbench: benchmarks/tp_bench.py --skip-load --executors uni mp --num-scheduler-steps ${TPBENCH_STEPS:-8}" | tee -a "$SUMMARY"
              timeout "${TPBENCH_LIMIT_S:-560}" "$PY" benchmarks/tp_bench.py --skip-load --executors uni mp \
                --num-scheduler-steps ${TPBENCH_STEPS:-8} \
-               --num-prompts 256 --max-num-batched-tokens 2048 --child-timeout 180 --results-dir "$RESULTS" 2>&1 \
+               --num-prompts 256 --max-num-batched-tokens 2048 --child-timeout "${TPBENCH_CHILD_S:-240}" --results-dir "$RESULTS" 2>&1 \
                | tee "$RESULTS/tpbench.log" | grep -E '^\| |failed' >> "$SUMMARY" ;;
     tpload)  if [ "${NGPU:-0}" -lt 2 ]; then echo "tpload: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
              # 8B weights (random, HF safetensors layout) vs their orbax conversion, loaded into TP=1 and TP=2

@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as stock  # noqa: E402
 
-from jaxserve.kernels import paged_attention_pallas as pa, ref_attention, synthetic  # noqa: E402
+from jaxserve.kernels import ops as kernel_ops, paged_attention_pallas as pa, ref_attention, synthetic  # noqa: E402
 from jaxserve.kernels.metadata import AttentionMetadata  # noqa: E402
 
 CEIL_TBS = 4.3       # H200 device-to-device copy, measured here (read + write)
@@ -108,8 +108,8 @@ def decode_inputs(S: Sizes, B, ctx, *, seed=0, cache_dtype=None):
     rng = np.random.default_rng(seed)
     tables = np.stack([rng.choice(pool - 1, need, replace=False).reshape(B, pages) + 1 for _ in range(n_rot)])
     kk, kv_, kq = jax.random.split(jax.random.key(seed), 3)
-    k = jax.random.normal(kk, (pool, S.kvh, S.bs, S.d), jnp.bfloat16)      # ops.kv_cache_shape
-    v = jax.random.normal(kv_, (pool, S.kvh, S.bs, S.d), jnp.bfloat16)
+    k = jax.random.normal(kk, kernel_ops.kv_cache_shape(pool, S.bs, S.kvh, S.d), jnp.bfloat16)
+    v = jax.random.normal(kv_, kernel_ops.kv_cache_shape(pool, S.bs, S.kvh, S.d), jnp.bfloat16)
     if cache_dtype is not None:
         k, v = k.astype(cache_dtype), v.astype(cache_dtype)
     q = jax.random.normal(kq, (B, S.hq, S.d), jnp.bfloat16)
@@ -271,7 +271,7 @@ def check_mgpu_prefill(S, q_lens, ctx_lens, **extra) -> bool:
 
 def check_write_kv(S) -> bool:
     """The Pallas K/V write against XLA's scatter: real slots bit-identical, the null block untouched."""
-    from jaxserve.kernels import ops
+    ops = kernel_ops
     ok = True
     for kvh, cache in ((S.kvh, "bfloat16"), (3, "bfloat16"), (S.kvh, "fp8")):
         rng = np.random.default_rng(kvh)

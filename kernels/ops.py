@@ -31,9 +31,10 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
     Head-major pages: one head's ``block_size`` rows of a page are one contiguous run (4 KiB in bf16 at
     d=128, pages of 16), where token-major pages ``[blocks, block, kv_heads, d]`` scatter them as 16 rows a
-    ``kv_heads * d`` stride apart. The decode kernel reads whole runs: on the H200 (2026-11-30,
-    ``decode_probe.py --sections layout``) B=64 ctx 2048 took 140.1 us against 156.9, B=1 ctx 32768 54.3
-    against 78.3, with the same kernel and bit-identical output.
+    ``kv_heads * d`` stride apart. Same decode kernel, bit-identical output; on the H200 (2026-11-30, two runs
+    of ``decode_probe.py --sections layout``) B=1 ctx 32768 took 54.3 / 54.4 us against 78.3 / 62.7, fp8
+    B=64 ctx 8192 293.4 / 292.3 against 311.9 / 319.4, B=64 ctx 2048 bf16 140.1 / 152.9 against 156.9 /
+    153.1; no case was slower by more than 0.4 % except fp8 at B=1 in run 1.
     """
     return (num_blocks, num_kv_heads, block_size, head_dim)
 

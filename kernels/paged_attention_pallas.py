@@ -32,8 +32,9 @@ Why Triton and not Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``), measured
 * decode is a memory-bound gather through block tables. Triton expresses it as pointer arithmetic on any
   page size, and this kernel reads K/V at 4.1-4.5 TB/s (95-105% of the 4.3 TB/s copy figure) once
   context is long (B >= 64), 1.8-1.9x the stock Triton paged kernel; little is left for TMA to win there.
-  A Mosaic GPU kernel would need one small TMA per 16-token page and head (a 4 KiB strided box) or a
-  cache layout the model code does not use;
+  A Mosaic GPU kernel would need one small TMA per 16-token page and head (one contiguous
+  ``[block_size, head_dim]`` run of the head-major cache, 4 KiB in bf16), which gains nothing over these
+  16-byte vector loads for a stream this size;
 * prefill is compute-bound, and there Mosaic GPU's wgmma + warp specialisation matter: the stock Mosaic
   GPU flash attention (fp16, dense, no paging) ran 8x2048 causal at 472 TFLOP/s against this file's 243
   (cuDNN 536). So prefill tokens of large steps go to ``prefill_mgpu`` (``prefill_kernel``, below): 445-465
@@ -71,8 +72,8 @@ def _next_pow2(n: int) -> int:
 
 
 def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale, *, h,
-             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, fp8_qk=False,
-             head_major=False):
+             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, head_major,
+             fp8_qk=False):
     """Online softmax of tile ``q [M, D]`` over the request's keys ``[kv_lo, kv_hi)`` in steps of block_k.
 
     ``q_pos [M]`` are the rows' absolute positions, ``first_q_pos``/``last_q_pos`` those of the tile's
@@ -394,6 +395,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if kv_layout not in ("nhd", "hnd"):
         raise ValueError(f"kv_layout must be nhd or hnd, got {kv_layout!r}")
     head_major = kv_layout == "hnd"
+    if prefill_kernel == "mgpu" and not head_major:
+        raise ValueError("prefill_kernel='mgpu' reads head-major pages only; kv_layout='nhd' runs the Triton tiles")
     mgpu_ok = head_major and prefill_mgpu.supported(q, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
                                      k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv,
                                      stages=mgpu_stages)

@@ -5,6 +5,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from .metadata import AttentionMetadata
+from .ops import kv_cache_shape
 
 
 def make_batch(rng: np.random.Generator, q_lens, ctx_lens, *, block_size: int, num_q_heads: int,
@@ -48,7 +49,7 @@ def make_batch(rng: np.random.Generator, q_lens, ctx_lens, *, block_size: int, n
     md = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables),
                            seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl),
                            num_seqs=jnp.asarray(n, jnp.int32))
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)      # ops.kv_cache_shape
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     cache_dtype = cache_dtype or dtype
     k = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(cache_dtype)
     v = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(cache_dtype)

@@ -113,6 +113,8 @@ def test_token_major_layout_option(launch):
     n_real = int(md.query_start_loc[int(md.num_seqs)])
     np.testing.assert_array_equal(np.asarray(nhd[:n_real]), np.asarray(hnd[:n_real]))
     assert max_rel_err(hnd, ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125), md) <= 1e-4
+    with pytest.raises(ValueError, match="head-major pages only"):
+        pa.ragged_paged_attention(q, k, v, md, sm_scale=0.125, interpret=True, kv_layout="nhd", prefill_kernel="mgpu")
 
 
 def test_soft_cap_and_sliding_window():

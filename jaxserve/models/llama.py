@@ -33,9 +33,9 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve import parallel
 # kernels.ops's write_kv/paged_attention, wrapped in shard_map over "tp" when the step runs under a mesh
 # (jaxserve.parallel.bind_mesh); identical to kernels.ops otherwise.
-from jaxserve import parallel
 from jaxserve.parallel import attention as tp_attention
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -7,10 +7,11 @@
 #   embed: benchmarks/embed_bench.py on MiniLM-L6's shapes with random weights, bf16 (only when asked)
 #   4. h200x2-llama8b-tp2 next to h200-llama8b-latency-bs1 (TP=1), only when asked
 #      (`benchmarks/run_h200.sh tp2` on a 2-GPU machine)
-#   diagnostics: allreduce (benchmarks/allreduce_probe.py, NCCL vs XLA's one-shot kernel), stepdiag
+#   diagnostics: allreduce (benchmarks/allreduce_probe.py, NCCL vs XLA's one-shot kernel), oneshot
+#   (benchmarks/oneshot_allreduce_probe.py, a Pallas peer-write all-reduce vs psum, 2 GPUs), stepdiag
 #   (benchmarks/step_diag.py --profile: TP=1, and TP=2 on 2 GPUs), smallbatch (kernels_bench.py section 6)
 #   tpload: 8B safetensors vs orbax load time into TP=1 and TP=2 (2 GPUs)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpmulti|tpload|allreduce|stepdiag|smallbatch|gemm ...]
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpmulti|tpload|allreduce|oneshot|stepdiag|smallbatch|gemm ...]
 #        (default: offline serve kernels)
 # A fresh GPU host has an empty compile cache: the server compiles its 28 step variants in ~70 s before the
 # sweep starts (2026-11-30), hence the serve limit.
@@ -72,6 +73,11 @@ for step in "${STEPS[@]}"; do
              echo "=== tpload: benchmarks/tp_bench.py --skip-speed --tp 1 2 --load-repeats 1" | tee -a "$SUMMARY"
              timeout "${TPLOAD_LIMIT_S:-400}" "$PY" benchmarks/tp_bench.py --skip-speed --tp 1 2 --load-repeats 1 \
                --child-timeout 200 --results-dir "$RESULTS" 2>&1 | tee "$RESULTS/tpload.log" | grep -E '^\| |failed' >> "$SUMMARY" ;;
+    oneshot) if [ "${NGPU:-0}" -lt 2 ]; then echo "oneshot: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
+             # the Pallas Mosaic GPU peer-write all-reduce vs psum (a protocol error can hang: hence the limit)
+             echo "=== oneshot: benchmarks/oneshot_allreduce_probe.py" | tee -a "$SUMMARY"
+             timeout "${ONESHOT_LIMIT_S:-180}" "$PY" benchmarks/oneshot_allreduce_probe.py 2>&1 \
+               | tee "$RESULTS/oneshot.log" | grep -E '^\||Error' >> "$SUMMARY" ;;
     allreduce) # XLA all-reduce latency: NCCL vs XLA's one-shot collective kernel, one process and one per GPU
              for fl in "" "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"; do
                for np_ in 1 2; do
@@ -106,7 +112,7 @@ for step in "${STEPS[@]}"; do
     embed)   echo "=== embed: benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
              timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 \
                --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
-    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpmulti, tpload, allreduce, stepdiag, smallbatch, gemm)" >&2; exit 2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpmulti, tpload, allreduce, oneshot, stepdiag, smallbatch, gemm)" >&2; exit 2 ;;
   esac
 done
 

@@ -1,6 +1,7 @@
 """A one-shot peer-write all-reduce in Pallas Mosaic GPU, checked against and timed next to XLA's psum (NCCL).
 
     python benchmarks/oneshot_allreduce_probe.py [--blocks 1 4 16 32] [--sizes 4096 65536]
+    python benchmarks/oneshot_allreduce_probe.py --processes 2      # one process per GPU (jax.distributed)
 
 Why: at batch 1, TP=2 spends ~0.55 ms per token on 65 all-reduces of 16-23 us each (NCCL, whatever
 NCCL_PROTO / NCCL_ALGO; XLA's own one-shot collective kernel was no faster; 2026-11-30 results), and the
@@ -14,7 +15,9 @@ Per block: TMA the block's slice of x into shared memory, TMA it into ``recv[me]
 each peer once; then wait until every peer's blocks have signalled (``(D - 1) * blocks``, as JAX's collective
 matmul waits: the semaphore counts from zero per launch), TMA the peers' slices in, add, store.
 
-Not measured yet: whether XLA meets each launch with a host-side rendezvous (that would cost more than
+With ``--processes N`` each GPU has its own process (the engine's mp executor); there Mosaic GPU marks the
+kernel's arguments for symmetric memory, which XLA must then provide: whether it does is part of what the
+run answers. Not measured yet: whether XLA meets each launch with a host-side rendezvous (that would cost more than
 NCCL), and the time per call. The script prints, per size and block count: bit-equality with psum after
 a chain of calls (a protocol error shows as a mismatch or a hang, so run it under ``timeout``), and us per
 all-reduce in a jitted chain of 64, next to psum's.
@@ -22,12 +25,15 @@ all-reduce in a jitted chain of 64, next to psum's.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -101,30 +107,51 @@ def build(mesh, *, blocks: int, chain: int, which: str):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
 
 
+def _same(got, want, *, exact: bool) -> bool:
+    """Every process's shards of ``got`` equal ``want``'s: bit for bit (2 devices: one rounding of the same
+    f32 sum), else within bf16 rounding (NCCL sums in another order)."""
+    ok = True
+    for g, w in zip(got.addressable_shards, want.addressable_shards):
+        g, w = np.asarray(g.data, np.float32), np.asarray(w.data, np.float32)
+        ok &= bool(np.array_equal(g, w) if exact else np.allclose(g, w, rtol=2e-2, atol=1e-2))
+    if jax.process_count() > 1:
+        ok = bool(multihost_utils.process_allgather(np.array(ok)).all())
+    return ok
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--processes" in argv and "--pid" not in argv:        # spawn one child per GPU, each one device
+        n = int(argv[argv.index("--processes") + 1])
+        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--pid", str(i)]) for i in range(n)]
+        return max(p.wait() for p in procs)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--processes", type=int, default=1)
+    ap.add_argument("--pid", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 16 * 4096],
                     help="elements per device (bf16): one decode row, the engine's 16-token bucket")
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args(argv)
+    if a.pid is not None:
+        jax.distributed.initialize("127.0.0.1:12358", num_processes=a.processes, process_id=a.pid,
+                                   local_device_ids=[a.pid])
+    say = print if jax.process_index() == 0 else (lambda *_, **__: None)
     mesh = jax.make_mesh((jax.device_count(),), (AXIS,))
     d = mesh.shape[AXIS]
-    print(f"# oneshot_allreduce_probe: jax {jax.__version__}, {d} x {jax.devices()[0].device_kind}", flush=True)
-    print("| elems per device | kernel | blocks | equals psum | us per all-reduce |\n|---|---|---|---|---|", flush=True)
+    say(f"# oneshot_allreduce_probe: jax {jax.__version__}, {d} x {jax.devices()[0].device_kind}", flush=True)
+    say(f"({jax.process_count()} process(es))\n| elems per device | kernel | blocks | equals psum | us per all-reduce |\n|---|---|---|---|---|", flush=True)
     for n in a.sizes:
-        key = jax.random.key(n)
-        x = jax.device_put(jax.random.normal(key, (d * n,), jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
+        host = np.random.default_rng(n).standard_normal(d * n).astype(jnp.bfloat16)   # the same in every process
+        x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P(AXIS)), lambda idx: host[idx])
         want = build(mesh, blocks=1, chain=3, which="psum")(x)
         for which, blocks in [("psum", 0)] + [("oneshot", b) for b in a.blocks]:
             try:
                 same = "-"
                 if which == "oneshot":
                     got = build(mesh, blocks=blocks, chain=3, which=which)(x)
-                    # 2 devices: bit-equal to psum; more: the summation order differs from NCCL's
-                    same = bool(jnp.array_equal(got, want) if d == 2 else
-                                jnp.allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=2e-2))
+                    same = _same(got, want, exact=d == 2)
                 f = build(mesh, blocks=blocks, chain=a.chain, which=which)
                 y = f(x).block_until_ready()
                 t = time.perf_counter()
@@ -132,9 +159,9 @@ def main(argv=None) -> int:
                     y = f(y)
                 y.block_until_ready()
                 us = (time.perf_counter() - t) / (a.reps * a.chain) * 1e6
-                print(f"| {n} | {which} | {blocks or '-'} | {same} | {us:.1f} |", flush=True)
+                say(f"| {n} | {which} | {blocks or '-'} | {same} | {us:.1f} |", flush=True)
             except Exception as e:          # a configuration that does not build is reported, not fatal
-                print(f"| {n} | {which} | {blocks} | failed: {type(e).__name__}: {str(e)[:300]} | |", flush=True)
+                say(f"| {n} | {which} | {blocks} | failed: {type(e).__name__}: {str(e)[:300]} | |", flush=True)
     return 0
 
 

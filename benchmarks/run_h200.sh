@@ -75,9 +75,12 @@ for step in "${STEPS[@]}"; do
                --child-timeout 200 --results-dir "$RESULTS" 2>&1 | tee "$RESULTS/tpload.log" | grep -E '^\| |failed' >> "$SUMMARY" ;;
     oneshot) if [ "${NGPU:-0}" -lt 2 ]; then echo "oneshot: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
              # the Pallas Mosaic GPU peer-write all-reduce vs psum (a protocol error can hang: hence the limit)
-             echo "=== oneshot: benchmarks/oneshot_allreduce_probe.py" | tee -a "$SUMMARY"
-             timeout "${ONESHOT_LIMIT_S:-180}" "$PY" benchmarks/oneshot_allreduce_probe.py 2>&1 \
-               | tee "$RESULTS/oneshot.log" | grep -E '^\||Error' >> "$SUMMARY" ;;
+             for pa_ in "" "--processes 2"; do       # one process for both GPUs, then one per GPU
+               echo "=== oneshot: benchmarks/oneshot_allreduce_probe.py $pa_" | tee -a "$SUMMARY"
+               # shellcheck disable=SC2086
+               timeout "${ONESHOT_LIMIT_S:-150}" "$PY" benchmarks/oneshot_allreduce_probe.py $pa_ 2>&1 \
+                 | tee -a "$RESULTS/oneshot.log" | grep -E '^\||Error' >> "$SUMMARY"
+             done ;;
     allreduce) # XLA all-reduce latency: NCCL vs XLA's one-shot collective kernel, one process and one per GPU
              for fl in "" "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"; do
                for np_ in 1 2; do

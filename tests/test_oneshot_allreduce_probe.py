@@ -48,6 +48,20 @@ def test_oneshot_allreduce_lowers_for_cuda(lowered, n, blocks):
     assert case["mosaic"] and case["custom_calls"] == 2 and not case["xla_all_reduce"]
 
 
+def test_harness_runs_on_cpu():
+    """The probe's harness under 2 fake devices: psum is timed, the kernel's row reports that it cannot run on CPU
+    (Mosaic GPU needs a GPU; its interpret mode has no peer memory) instead of ending the script."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "oneshot_allreduce_probe.py"), "--blocks",
+                          "1", "--sizes", "4096", "--chain", "2", "--reps", "1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| 4096")]
+    assert rows[0].startswith("| 4096 | psum | - | - | ") and float(rows[0].split("|")[5]) > 0
+    assert rows[1].startswith("| 4096 | oneshot | 1 | failed")
+
+
 def test_rejects_sizes_the_copy_boxes_cannot_split():
     with pytest.raises(ValueError, match="multiple of"):
         oneshot_allreduce(jnp.zeros((1000,), jnp.bfloat16), num_devices=2, blocks=1)

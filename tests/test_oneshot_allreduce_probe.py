@@ -50,7 +50,7 @@ def test_oneshot_allreduce_lowers_for_cuda(lowered, n, blocks):
 
 def test_harness_runs_on_cpu():
     """The probe's harness under 2 fake devices: psum is timed, the kernel's row reports that it cannot run on CPU
-    (Mosaic GPU needs a GPU; its interpret mode has no peer memory) instead of ending the script."""
+    (Mosaic GPU needs a GPU; its interpret mode fails on the kernel) instead of ending the script."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "oneshot_allreduce_probe.py"), "--blocks",

@@ -161,7 +161,7 @@ def check_fp8_qk(S) -> bool:
                                                   num_kv_heads=S.kvh, head_dim=S.d, dtype=jnp.bfloat16,
                                                   pad_tokens=3, pad_reqs=1)
             scale = jnp.linspace(0.5, 1.5, S.kvh)
-            k, v = (kb.ref_attention.quantize_cache(x, jnp.float8_e4m3fn, scale) for x in (k, v))
+            k, v = (kb.ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k, v))
             kw = dict(sm_scale=S.d ** -0.5, k_scale=scale, v_scale=scale)
             ref = np.asarray(kb.ref_attention.ragged_paged_attention(q, k, v, md, fp8_query=True, **kw), np.float32)
             out = np.asarray(kb.pa.ragged_paged_attention(q, k, v, md, poison_output=True, decode_splits=splits,

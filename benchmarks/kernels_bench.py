@@ -143,9 +143,9 @@ def time_decode(S, B, ctx, *, which="ours", cache_dtype=None, k_scale=None, **cf
     if which == "stock":
         k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)       # the stock layout: [kv_heads, pages, block, d]
         step = stock_decode_step(S)
-    elif cfg.get("kv_layout") == "nhd":            # token-major pages [pool, block, kv_heads, d]
-        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    if which != "stock":
+    else:
+        if cfg.get("kv_layout") == "nhd":                         # token-major pages [pool, block, kv_heads, d]
+            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
         step = ours_decode_step(S, k_scale=k_scale, v_scale=k_scale, **cfg)
     fn = chain(step, S.n_iter, n_rot)
     t = timed(fn, q, k, v, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
@@ -192,7 +192,7 @@ def section_correctness(S, rows):
             scale = None
             if cache and cache.startswith("fp8"):
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = (ref_attention.quantize_cache(x, jnp.float8_e4m3fn, scale) for x in (k, v))
+                k, v = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k, v))
             kw = dict(sm_scale=S.d ** -0.5, soft_cap=cap, sliding_window=win, k_scale=scale, v_scale=scale)
             ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
             extra = dict(dot_dtype=jnp.float16) if cache == "fp8-f16" else {}
@@ -230,7 +230,7 @@ def check_decode_only(S) -> bool:
             scale = None
             if cache == "fp8":
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = (ref_attention.quantize_cache(x, jnp.float8_e4m3fn, scale) for x in (k, v))
+                k, v = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k, v))
             kw = dict(sm_scale=S.d ** -0.5, k_scale=scale, v_scale=scale)
             ref = np.asarray(ref_attention.ragged_paged_attention(q, k, v, md, **kw), np.float32)
             out = np.asarray(pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
@@ -271,20 +271,19 @@ def check_mgpu_prefill(S, q_lens, ctx_lens, **extra) -> bool:
 
 def check_write_kv(S) -> bool:
     """The Pallas K/V write against XLA's scatter: real slots bit-identical, the null block untouched."""
-    ops = kernel_ops
     ok = True
     for kvh, cache in ((S.kvh, "bfloat16"), (3, "bfloat16"), (S.kvh, "fp8")):
         rng = np.random.default_rng(kvh)
         nb, T, n_real = 64, 48, 40
-        cdt = ops.kv_cache_dtype(cache, jnp.bfloat16)
-        kc, vc = (jnp.asarray(rng.standard_normal(ops.kv_cache_shape(nb, S.bs, kvh, S.d)), jnp.bfloat16).astype(cdt)
-                  for _ in range(2))
+        cdt = kernel_ops.kv_cache_dtype(cache, jnp.bfloat16)
+        shape = kernel_ops.kv_cache_shape(nb, S.bs, kvh, S.d)
+        kc, vc = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16).astype(cdt) for _ in range(2))
         k, v = (jnp.asarray(rng.standard_normal((T, kvh, S.d)) * 3, jnp.bfloat16) for _ in range(2))
         real = rng.choice(np.arange(S.bs, nb * S.bs), n_real, replace=False)
         slots = jnp.asarray(np.concatenate([real, np.zeros(T - n_real, np.int64)]), jnp.int32)
         sc = dict(k_scale=jnp.linspace(0.5, 2.0, kvh), v_scale=jnp.float32(0.7)) if cache == "fp8" else {}
-        want = ops.write_kv(kc, vc, k, v, slots, **sc)
-        got = ops.write_kv(kc, vc, k, v, slots, backend="pallas", interpret=S.interpret, **sc)
+        want = kernel_ops.write_kv(kc, vc, k, v, slots, **sc)
+        got = kernel_ops.write_kv(kc, vc, k, v, slots, backend="pallas", interpret=S.interpret, **sc)
         good = True
         for g, w, o in zip(got, want, (kc, vc)):
             g, w, o = (np.swapaxes(np.asarray(x.astype(jnp.float32)), 1, 2).reshape(nb * S.bs, -1) for x in (g, w, o))

@@ -27,24 +27,17 @@ def head_scale(scale, kv_heads: int):
 
 
 def quantize_kv(x, cache_dtype, scale):
-    """Cast new keys/values ``[T, kv_heads, D]`` to the cache dtype; fp8 divides by the scale and saturates."""
+    """Cast keys/values with kv heads on axis 1 -- a step's new ``[T, kv_heads, D]``, or a whole cache
+    ``[num_blocks, kv_heads, block_size, D]`` -- to the cache dtype; fp8 divides by the scale and saturates."""
     if cache_dtype != FP8_DTYPE:
         return x.astype(cache_dtype)
-    s = head_scale(scale, x.shape[1])[None, :, None]
+    s = head_scale(scale, x.shape[1]).reshape((1, -1) + (1,) * (x.ndim - 2))
     return jnp.clip(x.astype(jnp.float32) / s, -FP8_MAX, FP8_MAX).astype(cache_dtype)
 
 
 def dequantize_kv(x, scale):
     """Cache values ``[..., kv_heads, D]`` back to float32 (times the per-head scale)."""
     return x.astype(jnp.float32) * head_scale(scale, x.shape[-2])[:, None]
-
-
-def quantize_cache(cache, cache_dtype, scale):
-    """A whole cache ``[num_blocks, kv_heads, block_size, D]`` through ``quantize_kv`` (per-head scale on
-    axis 1): how tests and benchmarks build an fp8 cache from random values."""
-    nb, kvh, bs, d = cache.shape
-    rows = jnp.swapaxes(cache, 1, 2).reshape(nb * bs, kvh, d)                # [slot, head, D]
-    return jnp.swapaxes(quantize_kv(rows, cache_dtype, scale).reshape(nb, bs, kvh, d), 1, 2)
 
 
 def fp8_query_rows(q):

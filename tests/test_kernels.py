@@ -170,8 +170,8 @@ def test_fp8_qk_matches_reference_with_rounded_query():
     q = q * jnp.linspace(0.01, 30.0, hq)[None, :, None].astype(q.dtype)     # rows far apart in scale
     fp8 = ops.kv_cache_dtype("fp8", jnp.bfloat16)
     kw = dict(sm_scale=d ** -0.5, k_scale=jnp.array([0.02, 0.05]), v_scale=jnp.float32(0.03))
-    k8 = ref_attention.quantize_cache(k, fp8, kw["k_scale"])
-    v8 = ref_attention.quantize_cache(v, fp8, kw["v_scale"])
+    k8 = ref_attention.quantize_kv(k, fp8, kw["k_scale"])
+    v8 = ref_attention.quantize_kv(v, fp8, kw["v_scale"])
     ref_q8 = ref_attention.ragged_paged_attention(q, k8, v8, md, fp8_query=True, **kw)
     for launch in (dict(decode_only=False), dict(decode_only=False, decode_splits=2)):
         out = ops.paged_attention(q, k8, v8, md, backend="pallas", interpret=True, fp8_qk=True,
@@ -182,8 +182,8 @@ def test_fp8_qk_matches_reference_with_rounded_query():
     dec = synthetic.make_batch(rng, [1, 1, 1], [40, 3, 17], block_size=bs, num_q_heads=hq, num_kv_heads=kvh,
                                head_dim=d, dtype=jnp.bfloat16, pad_tokens=1)
     qd, kd, vd, mdd = dec
-    kd8 = ref_attention.quantize_cache(kd, fp8, kw["k_scale"])
-    vd8 = ref_attention.quantize_cache(vd, fp8, kw["v_scale"])
+    kd8 = ref_attention.quantize_kv(kd, fp8, kw["k_scale"])
+    vd8 = ref_attention.quantize_kv(vd, fp8, kw["v_scale"])
     out = ops.paged_attention(qd, kd8, vd8, mdd, backend="pallas", interpret=True, fp8_qk=True, decode_only=True,
                               poison_output=True, **kw)
     assert max_rel_err(out, ref_attention.ragged_paged_attention(qd, kd8, vd8, mdd, fp8_query=True, **kw), mdd) <= 1e-2

@@ -216,6 +216,15 @@ def section_correctness(S, rows):
     return ok
 
 
+def section_small_kernels(S, rows):
+    """Section 1b: the step's K/V write alone against XLA's scatter (a quick GPU check; its time is measured
+    where it counts, in the engine's step: ``step_diag.py --profile``, per-kernel GPU time)."""
+    log("## 1b. the K/V write kernel")
+    ok = check_write_kv(S)
+    rows.append(("K/V write", "checks ok" if ok else "FAILED"))
+    return ok
+
+
 def check_decode_only(S) -> bool:
     """The decode-only launch (the engine's uniform decode steps) against the reference: bf16 and fp8 caches,
     auto and 4 splits, padding requests and tokens."""
@@ -503,14 +512,15 @@ def section_small_batch(S, rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in interpret mode (CI)")
-    ap.add_argument("--only", default="1,2,3,4,5,6", help="comma list of sections to run")
+    ap.add_argument("--only", default="1,2,3,4,5,6", help="comma list of sections to run (1b: the K/V write check alone)")
     args = ap.parse_args(argv)
     S = SMOKE if args.smoke else Sizes()
     secs = set(args.only.split(","))
     log(f"# kernels_bench {'--smoke' if args.smoke else ''}: jax {jax.__version__}, device {jax.devices()[0].device_kind}")
     rows = []
     cfg, ok = {}, True
-    steps = [("1", lambda: section_correctness(S, rows)), ("2", lambda: section_decode_main(S, rows)),
+    steps = [("1", lambda: section_correctness(S, rows)), ("1b", lambda: section_small_kernels(S, rows)),
+             ("2", lambda: section_decode_main(S, rows)),
              ("3", lambda: section_sweep(S, rows, cfg)), ("4", lambda: section_prefill(S, rows)),
              ("5", lambda: section_fp8(S, rows, cfg)), ("6", lambda: section_small_batch(S, rows))]
     for sec, fn in steps:
@@ -518,8 +528,8 @@ def main(argv=None):
             continue
         try:
             res = fn()
-            if sec == "1":
-                ok = res
+            if sec in ("1", "1b"):
+                ok &= res
             if sec == "2":
                 cfg = res
         except Exception:

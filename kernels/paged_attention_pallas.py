@@ -355,7 +355,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     an fp8 cache uses f16: e4m3 -> f16 is one hardware conversion on Hopper, e4m3 -> bf16 is not (measured
     on the H200, B=8 ctx 32768: 314 us with bf16 operands, 217 us with f16, bf16 cache 300 us); q and the
     softmax weights are then f16 too and the result is cast back to q's dtype.
-    ``decode_stages``: default 3, or 4 with an fp8 cache (its tiles are half the bytes).
+    ``decode_stages``: default 3; with an fp8 cache 4, or 7 in the decode-only launch (its tiles are half the bytes).
     ``prefill_kernel``: ``"triton"`` (prefill tiles in this file), ``"mgpu"`` (the Mosaic GPU kernel of
     ``prefill_mgpu`` for the prefill tokens, then the decode launch, wherever ``prefill_mgpu.supported``;
     else triton) or ``"auto"`` (mgpu where supported and the step has at least ``MGPU_MIN_TOKENS`` token
@@ -382,14 +382,16 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     # program size with the prefill tiles (one program per SM), where 128-key tiles did best. The
     # decode-only launch runs 64-key tiles in 2 warps: 96 KiB of shared memory at 3 stages, 2 programs per
     # SM, so one program's first loads overlap the other's streaming (B=64 ctx 2048: 136.9 us against 166.2
-    # fused). An fp8 cache wants a deeper pipeline: 64-key tiles in 2 warps over 8 stages (B=8 ctx 32768:
-    # 167.5 us, 6 stages 180.8, 128-key tiles 185-192; bf16 cache 269.0).
+    # fused). An fp8 cache wants a deeper pipeline: 64-key tiles in 2 warps over 7 stages. B=8 ctx 32768,
+    # head-major pages, three interleaved rounds (decode_probe --sections fp8d, ninth session): 7 stages
+    # 169.0-172.5 us = 0.599-0.606x bf16, 8 stages 177.0-194.2 (0.622-0.693x), 6 stages 0.590-0.627x; at B=64
+    # ctx 8192 the three depths are level (0.551-0.581x). 128-key tiles: 185-192 us.
     if decode_block_k is None:
         decode_block_k = 64 if decode_only else 128
     if decode_warps is None:
         decode_warps = 2 if decode_only else 4
     if decode_stages is None:
-        decode_stages = (8 if decode_only else 4) if fp8_cache else 3
+        decode_stages = (7 if decode_only else 4) if fp8_cache else 3
     if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
         q = q.astype(dot_dtype)
     if kv_layout not in ("nhd", "hnd"):

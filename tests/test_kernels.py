@@ -264,6 +264,22 @@ def test_pallas_write_kv_matches_scatter(kvh, cache_dtype):
         ops.write_kv(k_cache, v_cache, k, v, slots, backend="pallas")
 
 
+@pytest.mark.parametrize("kvh,cache_dtype", [(3, jnp.bfloat16), (8, jnp.float8_e4m3fn)])
+def test_pallas_write_kv_lowers_for_cuda(kvh, cache_dtype):
+    """The K/V write's Triton build (all heads in one masked [kv_heads_pad, D] load and store) lowers for
+    CUDA here on CPU; interpret mode above checks its values."""
+    from jaxserve.kernels import kv_write_pallas
+    cache = jax.ShapeDtypeStruct(ops.kv_cache_shape(64, 16, kvh, 128), cache_dtype)
+    new = jax.ShapeDtypeStruct((16, kvh, 128), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((16,), jnp.int32)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(mesh):                      # Triton needs a GPU's compute capability
+        text = kv_write_pallas.write_kv.trace(cache, cache, new, new, slots).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
 # The Mosaic GPU prefill kernel (kernels/prefill_mgpu.py) in Mosaic GPU's interpret mode: its tile schedule,
 # paged TMA reads, causal masks and ragged row stores against the reference. (Interpret mode takes the MMA's
 # A operand from shared memory and adds the P.V product after it; on the GPU both stay in the MMA.)

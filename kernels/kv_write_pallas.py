@@ -4,7 +4,10 @@ Same function as ``ref_attention.write_kv`` over the cache layout ``[num_blocks,
 head_dim]``, except that padding tokens (``slot_mapping == PAD_SLOT``, the null block) write nothing. One
 program per token copies its ``kv_heads`` rows of K and of V (quantizing to e4m3 for an fp8 cache) into the
 caches, all heads in one masked ``[kv_heads, head_dim]`` load and store per tensor; the caches are aliased to
-the outputs so the donated cache is updated in place.
+the outputs so the donated cache is updated in place. ``write_kv_packed`` reads K and V from the one
+``[T, q heads + 2 * kv heads, D]`` array the layer also hands the attention kernel (``ops.write_kv_and_attend``).
+All heads at once, not one row per head in sequence: 1.60 against 3.67 us a launch in the Llama-3.1-8B batch-1
+step (H200, ``step_diag.py --profile``, 2026-11-30).
 
 Why not XLA's scatter (measured on the H200, Llama-3.1-8B decode step, 2026-11-30, ``step_diag --profile``):
 the two scatters per layer (K, V) took 2.6 us each at TP=1 and 12 us each on every device at TP=2, where
@@ -25,7 +28,10 @@ from .paged_attention_pallas import _next_pow2, _rows
 from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale
 
 
-def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_ref, vc_ref, *, kvh, bs):
+def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_ref, vc_ref, *, kvh, bs, stride,
+                  k_off, v_off):
+    """Token t's K heads are rows ``t * stride + k_off + h`` of ``k_ref``, its V heads the same from ``v_off``
+    in ``v_ref`` (separate k / v: stride kvh, offsets 0; one packed q/k/v array: both refs are it)."""
     t = pl.program_id(0)
     slot = slots_ref[t]
     page_row = (slot // bs) * kvh * bs + slot % bs          # head h's row: page_row + h * bs
@@ -39,28 +45,47 @@ def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_re
         # real row: interpret mode stores a masked row's old value back, which must not undo a real store
         dst_rows = jnp.where(real, page_row + heads * bs, 0)
         keep = jnp.broadcast_to(real[:, None], (heads.shape[0], k_ref.shape[1]))
-        for src, scale_ref, dst in ((k_ref, ks_ref, kc_ref), (v_ref, vs_ref, vc_ref)):
-            x = plgpu.load(_rows(src, t * kvh + hh))                              # [kvh_pad, D]
+        for src, off, scale_ref, dst in ((k_ref, k_off, ks_ref, kc_ref), (v_ref, v_off, vs_ref, vc_ref)):
+            x = plgpu.load(_rows(src, t * stride + off + hh))                     # [kvh_pad, D]
             if dst.dtype == FP8_DTYPE:
                 scale = plgpu.load(scale_ref.at[hh])
                 x = jnp.clip(x.astype(jnp.float32) / scale[:, None], -FP8_MAX, FP8_MAX)
             plgpu.store(_rows(dst, dst_rows), x.astype(dst.dtype), mask=keep)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def write_kv(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None, interpret: bool = False):
-    """``ref_attention.write_kv`` (same arguments and result, padding tokens skipped) in one launch.
-    In place when the caller's jit donates the caches (the engine's step does); otherwise XLA copies them."""
+def _launch(k_cache, v_cache, k_src, v_src, slot_mapping, *, T, stride, k_off, v_off, k_scale, v_scale, interpret):
     nb, kvh, bs, d = k_cache.shape
-    T = k.shape[0]
     flat = (nb * kvh * bs, d)
     kc, vc = pl.pallas_call(
-        functools.partial(_write_kernel, kvh=kvh, bs=bs),
+        functools.partial(_write_kernel, kvh=kvh, bs=bs, stride=stride, k_off=k_off, v_off=v_off),
         grid=(T,),
         out_shape=(jax.ShapeDtypeStruct(flat, k_cache.dtype), jax.ShapeDtypeStruct(flat, v_cache.dtype)),
         input_output_aliases={5: 0, 6: 1},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="paged_kv_write",
     )(slot_mapping.astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
-      k.reshape(T * kvh, d), v.reshape(T * kvh, d), k_cache.reshape(flat), v_cache.reshape(flat))
+      k_src, v_src, k_cache.reshape(flat), v_cache.reshape(flat))
     return kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def write_kv(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None, interpret: bool = False):
+    """``ref_attention.write_kv`` (same arguments and result, padding tokens skipped) in one launch.
+    In place when the caller's jit donates the caches (the engine's step does); otherwise XLA copies them."""
+    T, kvh, d = k.shape
+    return _launch(k_cache, v_cache, k.reshape(T * kvh, d), v.reshape(T * kvh, d), slot_mapping, T=T,
+                   stride=kvh, k_off=0, v_off=0, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "interpret"))
+def write_kv_packed(k_cache, v_cache, qkv, slot_mapping, *, num_q_heads: int, k_scale=None, v_scale=None,
+                    interpret: bool = False):
+    """``write_kv`` of the K and V packed behind the queries in ``qkv [T, num_q_heads + 2 * kv_heads, D]``
+    (heads ``[hq, hq + kvh)`` are K, the next ``kvh`` V): one operand, which the attention kernel reads too."""
+    T, H, d = qkv.shape
+    kvh = k_cache.shape[1]
+    if H != num_q_heads + 2 * kvh:
+        raise ValueError(f"qkv has {H} heads, expected {num_q_heads} q + 2 x {kvh} kv heads")
+    flat = qkv.reshape(T * H, d)
+    return _launch(k_cache, v_cache, flat, flat, slot_mapping, T=T, stride=H, k_off=num_q_heads,
+                   v_off=num_q_heads + kvh, k_scale=k_scale, v_scale=v_scale, interpret=interpret)

@@ -96,3 +96,33 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
     return paged_attention_pallas.ragged_paged_attention(
         q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         k_scale=k_scale, v_scale=v_scale, interpret=interpret, **pallas_options)
+
+
+def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
+                        soft_cap: float | None = None, sliding_window: int | None = None,
+                        backend: str = "reference", k_scale=None, v_scale=None, interpret: bool = False,
+                        **pallas_options):
+    """``write_kv`` of the step's new ``k``/``v`` then ``paged_attention`` of ``q`` (which sees them): what a
+    layer does. Returns ``(out [T, Hq, D], k_cache, v_cache)``.
+
+    The Pallas backends pack q, k and v into one ``[T, Hq + 2 * kv_heads, D]`` array that both kernels read
+    (``kv_write_pallas.write_kv_packed``, ``num_q_heads`` of the attention kernel), so the QKV projection's
+    epilogue (RoPE on q and k) is one XLA fusion instead of three (rope q, rope k, a copy of v).
+    """
+    _check_backend(backend)
+    if backend == "reference":
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        out = paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap,
+                              sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+        return out, k_cache, v_cache
+    _check_gpu(interpret)
+    from . import kv_write_pallas, paged_attention_pallas  # noqa: PLC0415
+    hq = q.shape[1]
+    qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
+    k_cache, v_cache = kv_write_pallas.write_kv_packed(k_cache, v_cache, qkv, md.slot_mapping, num_q_heads=hq,
+                                                       k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+    pallas_options.setdefault("prefill_kernel", _PREFILL_KERNEL[backend])
+    out = paged_attention_pallas.ragged_paged_attention(
+        qkv, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        k_scale=k_scale, v_scale=v_scale, interpret=interpret, num_q_heads=hq, **pallas_options)
+    return out, k_cache, v_cache

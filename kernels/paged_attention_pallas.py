@@ -178,7 +178,7 @@ def _store_rows(out_ref, rows, val, valid):
     plgpu.store(_rows(out_ref, rows), val.astype(out_ref.dtype), mask=jnp.broadcast_to(valid[:, None], val.shape))
 
 
-def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, **kw):
+def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stride, **kw):
     """Tile ``qb`` of the prefill schedule for kv head h: ``block_q`` tokens x the group's q heads.
 
     Schedule (vLLM's trick, no host/XLA pre-pass): request r owns tile slots
@@ -193,10 +193,11 @@ def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, **kw):
 
     @pl.when(x.qsl[n] > n)
     def _():
-        _prefill_tile_body(x, out_ref, qb, h, group=group, group_pad=group_pad, block_q=block_q, **kw)
+        _prefill_tile_body(x, out_ref, qb, h, group=group, group_pad=group_pad, block_q=block_q, q_stride=q_stride,
+                           **kw)
 
 
-def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, **kw):
+def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stride, **kw):
     num_reqs = x.seq_lens.shape[0]
     lo, hi = jnp.int32(0), jnp.int32(num_reqs - 1)
     for _ in range(max(1, (num_reqs - 1).bit_length())):
@@ -214,8 +215,8 @@ def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, *
     g = i % group_pad
     row_valid = active & (tok < q_end) & (g < group)
     q_rows = tok * num_q_heads + h * group + g
-    q = plgpu.load(_rows(x.q, q_rows), mask=jnp.broadcast_to(row_valid[:, None], (i.shape[0], x.q.shape[1])),
-                   other=0)
+    q = plgpu.load(_rows(x.q, tok * q_stride + h * group + g),
+                   mask=jnp.broadcast_to(row_valid[:, None], (i.shape[0], x.q.shape[1])), other=0)
     q_pos = seq_len - (q_end - tok)
     first_q_pos = seq_len - (q_end - start)
     last_q_pos = seq_len - (q_end - jnp.minimum(start + block_q, q_end)) - 1
@@ -226,7 +227,7 @@ def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, *
     _store_rows(out_ref, q_rows, out, row_valid)
 
 
-def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, **kw):
+def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stride, **kw):
     """Request r's decode token (if q_len == 1) for kv head h over split s of its context."""
     tok = x.qsl[r]
     seq_len = x.seq_lens[r]
@@ -235,7 +236,8 @@ def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, **kw):
     g = lax.iota(jnp.int32, rows)
     row_valid = active & (g < group)
     q_rows = tok * num_q_heads + h * group + g
-    q = plgpu.load(_rows(x.q, q_rows), mask=jnp.broadcast_to(row_valid[:, None], (rows, x.q.shape[1])), other=0)
+    q = plgpu.load(_rows(x.q, tok * q_stride + h * group + g),
+                   mask=jnp.broadcast_to(row_valid[:, None], (rows, x.q.shape[1])), other=0)
     q_pos = jnp.broadcast_to(seq_len - 1, (rows,))
     block_k = kw["block_k"]
     lo = _window_lo(seq_len - 1, kw["sliding_window"], block_k)
@@ -334,7 +336,7 @@ def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> in
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
     "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "prefill_warps",
     "prefill_stages", "fused", "poison_output", "dot_dtype", "prefill_kernel", "mgpu_block_kv", "mgpu_stages",
-    "decode_only", "mgpu_persistent", "fp8_qk", "kv_layout"))
+    "decode_only", "mgpu_persistent", "fp8_qk", "kv_layout", "num_q_heads"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
@@ -344,8 +346,13 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
                            poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
                            mgpu_block_kv: int = 128, mgpu_stages: int = 2, decode_only: bool | None = None,
-                           mgpu_persistent: bool = True, fp8_qk: bool = False, kv_layout: str = "hnd"):
+                           mgpu_persistent: bool = True, fp8_qk: bool = False, kv_layout: str = "hnd",
+                           num_q_heads: int | None = None):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
+
+    ``num_q_heads``: the queries are the first ``num_q_heads`` heads of ``q [T, H, D]`` (default: all ``H``);
+    the heads after them are skipped, so ``q`` can be the step's q, k and v packed in one array (``ops.
+    write_kv_and_attend``). The output is ``[T, num_q_heads, D]``.
 
     ``k_scale``/``v_scale``: dequantisation scales (scalar or ``[kv_heads]``) of an fp8 cache, else None.
     The ``decode_*``/``prefill_*`` knobs are tile sizes and Triton launch parameters (static);
@@ -373,6 +380,10 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if prefill_kernel not in ("triton", "mgpu", "auto"):
         raise ValueError(f"prefill_kernel must be triton, mgpu or auto, got {prefill_kernel!r}")
     out_dtype = q.dtype
+    q_stride = q.shape[1]                          # heads per token in q's rows; the first hq are the queries
+    hq = num_q_heads or q_stride
+    if not 0 < hq <= q_stride:
+        raise ValueError(f"num_q_heads={num_q_heads} must be in [1, {q_stride}] (q has {q_stride} heads)")
     fp8_cache = jnp.dtype(k_cache.dtype).itemsize == 1
     if dot_dtype is None and fp8_cache and q.dtype == jnp.bfloat16:
         dot_dtype = jnp.float16
@@ -394,17 +405,18 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         decode_stages = (7 if decode_only else 4) if fp8_cache else 3
     if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
         q = q.astype(dot_dtype)
+    q_only = q if hq == q_stride else q[:, :hq]    # the queries alone, for the Mosaic GPU prefill (its TMA)
     if kv_layout not in ("nhd", "hnd"):
         raise ValueError(f"kv_layout must be nhd or hnd, got {kv_layout!r}")
     head_major = kv_layout == "hnd"
     if prefill_kernel == "mgpu" and not head_major:
         raise ValueError("prefill_kernel='mgpu' reads head-major pages only; kv_layout='nhd' runs the Triton tiles")
-    mgpu_ok = head_major and prefill_mgpu.supported(q, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
+    mgpu_ok = head_major and prefill_mgpu.supported(q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
                                      k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv,
                                      stages=mgpu_stages)
     use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
                                                          and q.shape[0] >= MGPU_MIN_TOKENS))
-    T, hq, d = q.shape
+    T, _, d = q.shape
     nb, kvh, bs, _ = k_cache.shape if head_major else tuple(k_cache.shape[i] for i in (0, 2, 1, 3))
     R, P = md.block_tables.shape
     if hq % kvh:
@@ -414,7 +426,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     qsl = md.query_start_loc.astype(jnp.int32)
     ins = (qsl, md.seq_lens.astype(jnp.int32), md.num_seqs.reshape(1).astype(jnp.int32),
            md.block_tables.reshape(R * P).astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
-           q.reshape(T * hq, d), k_cache.reshape(nb * bs * kvh, d), v_cache.reshape(nb * bs * kvh, d))
+           q.reshape(T * q_stride, d), k_cache.reshape(nb * bs * kvh, d), v_cache.reshape(nb * bs * kvh, d))
     common = dict(kv_heads=kvh, block_size=bs, pages_per_seq=P, sm_scale=float(sm_scale),
                   soft_cap=soft_cap, sliding_window=sliding_window, fp8_qk=bool(fp8_qk and fp8_cache),
                   head_major=head_major)
@@ -423,9 +435,10 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)
     if splits & (splits - 1):
         raise ValueError(f"decode_splits must be a power of two, got {splits}")
-    prefill_kw = dict(group=group, group_pad=group_pad, block_q=block_q, block_k=prefill_block_k, **common)
+    prefill_kw = dict(group=group, group_pad=group_pad, block_q=block_q, block_k=prefill_block_k,
+                      q_stride=q_stride, **common)
     decode_kw = dict(group=group, rows=max(16, group_pad), num_splits=splits, block_k=decode_block_k,
-                     **common)                     # tl.dot needs M >= 16
+                     q_stride=q_stride, **common)  # tl.dot needs M >= 16
 
     # The first launch allocates the output and writes every real token's rows; padding tokens' rows are left
     # unwritten (the model never reads them back: logits are taken at real tokens only, and every op on the
@@ -466,7 +479,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         out, parts = res[0], tuple(res[1:])
     else:
         if use_mgpu:
-            out = prefill_mgpu.prefill_attention(q, k_cache, v_cache, md, sm_scale=float(sm_scale),
+            out = prefill_mgpu.prefill_attention(q_only, k_cache, v_cache, md, sm_scale=float(sm_scale),
                                                  block_kv=mgpu_block_kv, stages=mgpu_stages,
                                                  persistent=mgpu_persistent, num_programs=NUM_SMS,
                                                  interpret=interpret).reshape(T * hq, d)

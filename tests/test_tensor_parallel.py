@@ -82,6 +82,7 @@ def _pallas_under_shard_map() -> dict:
 
     from jaxserve import parallel
     from jaxserve.kernels import ops, synthetic
+    from jaxserve.parallel import attention as tp_attention
 
     rng, out = np.random.default_rng(0), {}
     for hq, kvh, tp in [(8, 4, 2), (8, 2, 4)]:
@@ -93,6 +94,16 @@ def _pallas_under_shard_map() -> dict:
             *a, sm_scale=0.125, backend="pallas", interpret=True), mesh))
         got = fn(*jax.device_put((q, k, v, md), NamedSharding(mesh, P())))
         out[f"{hq}q{kvh}kv/tp{tp}"] = float(jnp.abs(got - ref).max())
+        # the layer's write + attention (q, k, v packed per device; replicated kv heads: write, then attend)
+        new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], kvh, 64)), jnp.float32) for _ in range(2))
+        want = ops.write_kv_and_attend(q, new_k, new_v, k, v, md, sm_scale=0.125)
+        fn = jax.jit(parallel.bind_mesh(lambda *a: tp_attention.write_kv_and_attend(
+            *a, sm_scale=0.125, backend="pallas", interpret=True), mesh))
+        got = fn(*jax.device_put((q, new_k, new_v, k, v, md), NamedSharding(mesh, P())))
+        n_real = int(md.query_start_loc[int(md.num_seqs)])
+        out[f"write+attend {hq}q{kvh}kv/tp{tp}"] = max(
+            float(jnp.abs(got[0][:n_real] - want[0][:n_real]).max()),
+            *(float(jnp.abs(g[1:] - w[1:]).max()) for g, w in zip(got[1:], want[1:])))   # block 0: padding
     return out
 
 
@@ -303,7 +314,7 @@ def test_hlo_collectives(report, case, tp):
 
 
 def test_pallas_kernel_under_shard_map(report):
-    assert set(report["pallas"]) == {"8q4kv/tp2", "8q2kv/tp4"}
+    assert set(report["pallas"]) == {"8q4kv/tp2", "8q2kv/tp4", "write+attend 8q4kv/tp2", "write+attend 8q2kv/tp4"}
     assert all(err < 1e-5 for err in report["pallas"].values()), report["pallas"]
 
 

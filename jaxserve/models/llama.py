@@ -34,7 +34,7 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve import parallel
-# kernels.ops's write_kv/paged_attention, wrapped in shard_map over "tp" when the step runs under a mesh
+# kernels.ops's write_kv_and_attend, wrapped in shard_map over "tp" when the step runs under a mesh
 # (jaxserve.parallel.bind_mesh); identical to kernels.ops otherwise.
 from jaxserve.parallel import attention as tp_attention
 
@@ -195,9 +195,9 @@ def forward(params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.
         q = apply_rope(q.reshape(t, hq, d), cos, sin)
         k = apply_rope(k.reshape(t, hkv, d), cos, sin)
         v = v.reshape(t, hkv, d)
-        k_cache, v_cache = tp_attention.write_kv(k_cache, v_cache, k, v, md.slot_mapping, backend=attn_backend)
-        attn = tp_attention.paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale,
-                                            sliding_window=cfg.sliding_window, backend=attn_backend)
+        attn, k_cache, v_cache = tp_attention.write_kv_and_attend(
+            q, k, v, k_cache, v_cache, md, sm_scale=sm_scale, sliding_window=cfg.sliding_window,
+            backend=attn_backend)
         new_caches.append((k_cache, v_cache))
         x = x + attn.reshape(t, hq * d) @ lp["o"]
         h = rms_norm(x, lp["mlp_norm"], eps)

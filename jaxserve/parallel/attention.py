@@ -5,7 +5,8 @@ The kernels are per-device math over the heads they are given. Under a mesh each
 no communication: q, the new k/v and the cache are split on their head axis, the metadata is replicated,
 and the output stays split on heads for the row-parallel o projection (whose all-reduce XLA inserts).
 
-The model calls ``write_kv`` / ``paged_attention`` from here with ``kernels.ops``'s signatures. They read
+The model calls ``write_kv_and_attend`` (and ``write_kv`` / ``paged_attention``) from here with
+``kernels.ops``'s signatures. They read
 the mesh from JAX's abstract-mesh context (``jax.sharding.use_abstract_mesh``, or ``jax.set_mesh``
 outside jit; see ``bind_mesh``): without one, or with tp == 1, they are exactly ``kernels.ops``. A
 context mesh keeps the model's signature (``forward(..., attn_backend=)``) unchanged and the mesh out of
@@ -85,6 +86,30 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
     fn = jax.shard_map(local, mesh=mesh, in_specs=(HEADS, cache_spec, cache_spec, P()), out_specs=HEADS,
                        check_vma=False)
     return fn(q, k_cache, v_cache, md)
+
+
+def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
+                        soft_cap: float | None = None, sliding_window: int | None = None,
+                        backend: str = "reference", **kernel_kwargs):
+    """``kernels.ops.write_kv_and_attend`` (a layer's K/V write then attention); under a tp mesh each device
+    writes and attends with its own heads. With kv heads replicated (tp > kv heads) it is ``write_kv`` (every
+    device writes every head) then ``paged_attention`` (each device's q heads read their kv head)."""
+    mesh = current_tp_mesh()
+    kernel = functools.partial(ops.write_kv_and_attend, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, backend=backend, **kernel_kwargs)
+    if mesh is None:
+        return kernel(q, k, v, k_cache, v_cache, md)
+    cache_spec, new_spec = _kv_specs(k.shape[1], mesh.shape[TP])
+    if cache_spec != CACHE_HEADS:
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping, backend=backend, **kernel_kwargs)
+        out = paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap,
+                              sliding_window=sliding_window, backend=backend, **kernel_kwargs)
+        return out, k_cache, v_cache
+    if q.shape[1] % mesh.shape[TP]:
+        raise ValueError(f"{q.shape[1]} attention heads are not divisible by tensor_parallel_size={mesh.shape[TP]}")
+    fn = jax.shard_map(kernel, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, cache_spec, cache_spec, P()),
+                       out_specs=(HEADS, cache_spec, cache_spec), check_vma=False)
+    return fn(q, k, v, k_cache, v_cache, md)
 
 
 def _kv_specs(num_kv_heads: int, tp: int) -> tuple[P, P]:

@@ -4,7 +4,8 @@
 kernels (``paged_attention_pallas``; prefill tokens of steps with >= 512 token slots go to the Mosaic GPU
 kernel of ``prefill_mgpu`` where it applies). ``pallas-triton`` keeps every step on the Triton kernels,
 ``pallas-mgpu`` sends prefill tokens to the Mosaic GPU kernel at every step size (A/B runs, GPU checks).
-``default_backend()`` says which one this process should use.
+``default_backend()`` says which one this process should use. A model layer calls ``write_kv_and_attend``
+(the K/V write, then attention over the cache that now holds the step's tokens).
 An fp8 cache (``kv_cache_dtype="fp8"``, e4m3) takes ``k_scale``/``v_scale`` (scalar or ``[kv_heads]``,
 None = 1.0) in both ``write_kv`` and ``paged_attention``; pass the same scales to both.
 """

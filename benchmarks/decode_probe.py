@@ -140,13 +140,13 @@ def fp8_against_bf16(S, title, B, ctx, cfgs):
 
 
 def section_fp8b(S):
-    """fp8 split counts and pipeline depths around the default (64 keys, 2 warps, 8 stages = 128 KiB, one
-    program per SM; 7 stages = 112 KiB fits two)."""
+    """fp8 split counts and pipeline depths around the default (64 keys, 2 warps, 7 stages = 112 KiB, two
+    programs per SM; 8 stages = 128 KiB, one; the default was 8 until the ninth session)."""
     for B, ctx, extra in [(8, 32768, [dict(decode_splits=4), dict(decode_splits=16),
                                       dict(decode_block_k=32, decode_warps=1, decode_stages=12, decode_splits=16)]),
                           (64, 8192, [])]:
         fp8_against_bf16(S, f"fp8 B={B} ctx={ctx}", B, ctx,
-                         [dict(D), dict(D, decode_stages=7), dict(D, decode_stages=5)] + [dict(D, **e) for e in extra])
+                         [dict(D), dict(D, decode_stages=8), dict(D, decode_stages=5)] + [dict(D, **e) for e in extra])
 
 
 def check_fp8_qk(S) -> bool:
@@ -190,8 +190,8 @@ def section_fp8qk(S):
 
 
 def section_fp8c(S):
-    """fp8 at B=8 ctx 32768 (the case still above 0.6x): split counts x pipeline depths that change how many
-    programs share an SM (8 stages of 64-key fp8 tiles = 128 KiB: one per SM; 7: two; 4: three), and the
+    """fp8 at B=8 ctx 32768 (the case at the 0.6x line): split counts x pipeline depths that change how many
+    programs share an SM (8 stages of 64-key fp8 tiles = 128 KiB: one per SM; 7, the default: two; 4: three), and the
     fixed cost of splitting (B=8 ctx 256: splits 8 against 1, i.e. the combine launch and the partials)."""
     fp8_against_bf16(S, "fp8 B=8 ctx=32768: splits x stages", 8, 32768,
                      [dict(D), dict(D, decode_splits=4, decode_stages=7), dict(D, decode_splits=4, decode_stages=6),
@@ -259,7 +259,7 @@ def section_layout(S):
         kb.log(f"\n### B={B} ctx={ctx}\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
         t16n = try_decode(S, B, ctx, "bf16 nhd", **N)
         t16 = try_decode(S, B, ctx, "bf16 hnd", **D)
-        cfgs = [dict(N), dict(D), dict(D, decode_stages=6), dict(D, decode_stages=7), dict(D, fp8_qk=True)]
+        cfgs = [dict(N), dict(D), dict(D, decode_stages=6), dict(D, decode_stages=8), dict(D, fp8_qk=True)]
         if (B, ctx) != (8, 32768):
             cfgs = cfgs[:2]
         for cfg in cfgs:

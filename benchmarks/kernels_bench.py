@@ -217,11 +217,47 @@ def section_correctness(S, rows):
 
 
 def section_small_kernels(S, rows):
-    """Section 1b: the step's K/V write alone against XLA's scatter (a quick GPU check; its time is measured
-    where it counts, in the engine's step: ``step_diag.py --profile``, per-kernel GPU time)."""
-    log("## 1b. the K/V write kernel")
-    ok = check_write_kv(S)
-    rows.append(("K/V write", "checks ok" if ok else "FAILED"))
+    """Section 1b, quick GPU checks (seconds): the K/V write against XLA's scatter, the decode-only launch, and
+    a layer's packed write + attention (``ops.write_kv_and_attend``) against the reference. Their time is
+    measured where it counts, in the engine's step: ``step_diag.py --profile``, per-kernel GPU time."""
+    log("## 1b. K/V write, decode-only launch, packed write + attention")
+    ok = check_write_kv(S) & check_decode_only(S) & check_packed(S)
+    rows.append(("1b checks", "ok" if ok else "FAILED"))
+    return ok
+
+
+def check_packed(S) -> bool:
+    """``ops.write_kv_and_attend`` on the Pallas backend (q, k, v packed in one array for both kernels) against
+    the reference's write then attention: a decode-only step and a mixed one, bf16 and fp8 caches; output
+    within 1e-2, caches equal outside the null block (where the reference writes padding tokens)."""
+    ok = True
+    for name, q_lens, ctx_lens, decode_only in (("decode-only", [1] * 5, [700, 33, 1, 300, 17], True),
+                                                ("mixed", [1, 1, 37, 1, 130, 1], [700, 33, 37, 1, 300, 17], False)):
+        if S.interpret:
+            q_lens, ctx_lens = q_lens[:3], [min(c, 40) for c in ctx_lens[:3]]
+        for cache in ("bf16", "fp8"):
+            rng = np.random.default_rng(31)
+            q, kc, vc, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=S.bs, num_q_heads=S.hq,
+                                                 num_kv_heads=S.kvh, head_dim=S.d, dtype=jnp.bfloat16,
+                                                 pad_tokens=3, pad_reqs=1)
+            md = dataclasses.replace(md, decode_only=decode_only)
+            kw = dict(sm_scale=S.d ** -0.5)
+            if cache == "fp8":
+                scale = jnp.linspace(0.5, 1.5, S.kvh)
+                kc, vc = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (kc, vc))
+                kw |= dict(k_scale=scale, v_scale=scale)
+            k, v = (jnp.asarray(rng.standard_normal((q.shape[0], S.kvh, S.d)), jnp.bfloat16) for _ in range(2))
+            want = kernel_ops.write_kv_and_attend(q, k, v, kc, vc, md, **kw)
+            got = kernel_ops.write_kv_and_attend(q, k, v, kc, vc, md, backend="pallas", interpret=S.interpret, **kw)
+            n_real = int(md.query_start_loc[int(md.num_seqs)])
+            o, r = (np.asarray(x[0][:n_real], np.float32) for x in (got, want))
+            err = float(np.abs(o - r).max() / np.abs(r).max()) if not np.isnan(o).any() else float("nan")
+            same = all(np.array_equal(np.asarray(g[1:].astype(jnp.float32)), np.asarray(w[1:].astype(jnp.float32)))
+                       for g, w in zip(got[1:], want[1:]))
+            good = err <= 1e-2 and same
+            ok &= good
+            log(f"- packed write + attention, {name}, {cache} cache: {err:.2e} (tol 1e-02), caches "
+                f"{'equal' if same else 'DIFFER'} {'ok' if good else 'FAIL'}")
     return ok
 
 

@@ -3,7 +3,7 @@
 Same function as ``ref_attention.write_kv`` over the cache layout ``[num_blocks, kv_heads, block_size,
 head_dim]``, except that padding tokens (``slot_mapping == PAD_SLOT``, the null block) write nothing. One
 program per token copies its ``kv_heads`` rows of K and of V (quantizing to e4m3 for an fp8 cache) into the
-caches, all heads in one masked ``[kv_heads, head_dim]`` load and store per tensor; the caches are aliased to
+caches, all heads in one ``[kv_heads, head_dim]`` load and one masked store per tensor; the caches are aliased to
 the outputs so the donated cache is updated in place. ``write_kv_packed`` reads K and V from the one
 ``[T, q heads + 2 * kv heads, D]`` array the layer also hands the attention kernel (``ops.write_kv_and_attend``).
 All heads at once, not one row per head in sequence: 1.60 against 3.67 us a launch in the Llama-3.1-8B batch-1

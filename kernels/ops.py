@@ -108,7 +108,9 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
 
     The Pallas backends pack q, k and v into one ``[T, Hq + 2 * kv_heads, D]`` array that both kernels read
     (``kv_write_pallas.write_kv_packed``, ``num_q_heads`` of the attention kernel), so the QKV projection's
-    epilogue (RoPE on q and k) is one XLA fusion instead of three (rope q, rope k, a copy of v).
+    epilogue (RoPE on q and k) is one XLA fusion instead of three (rope q, rope k, a copy of v). Steps that may
+    take the Mosaic GPU prefill (``pallas-mgpu``, or ``pallas`` at ``MGPU_MIN_TOKENS`` token slots and more)
+    write and attend unpacked.
     """
     _check_backend(backend)
     if backend == "reference":
@@ -118,11 +120,21 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
         return out, k_cache, v_cache
     _check_gpu(interpret)
     from . import kv_write_pallas, paged_attention_pallas  # noqa: PLC0415
+    pallas_options.setdefault("prefill_kernel", _PREFILL_KERNEL[backend])
+    kernel = pallas_options["prefill_kernel"]
+    if kernel == "mgpu" or (kernel == "auto" and q.shape[0] >= paged_attention_pallas.MGPU_MIN_TOKENS):
+        # a step that may go to the Mosaic GPU prefill, which TMA-loads the queries alone: packing would cost a
+        # copy of them, and the three small fusions it saves are nothing next to such a step
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping, backend=backend, k_scale=k_scale,
+                                    v_scale=v_scale, interpret=interpret)
+        out = paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap,
+                              sliding_window=sliding_window, backend=backend, k_scale=k_scale, v_scale=v_scale,
+                              interpret=interpret, **pallas_options)
+        return out, k_cache, v_cache
     hq = q.shape[1]
     qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
     k_cache, v_cache = kv_write_pallas.write_kv_packed(k_cache, v_cache, qkv, md.slot_mapping, num_q_heads=hq,
                                                        k_scale=k_scale, v_scale=v_scale, interpret=interpret)
-    pallas_options.setdefault("prefill_kernel", _PREFILL_KERNEL[backend])
     out = paged_attention_pallas.ragged_paged_attention(
         qkv, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         k_scale=k_scale, v_scale=v_scale, interpret=interpret, num_q_heads=hq, **pallas_options)

@@ -178,7 +178,7 @@ def _store_rows(out_ref, rows, val, valid):
     plgpu.store(_rows(out_ref, rows), val.astype(out_ref.dtype), mask=jnp.broadcast_to(valid[:, None], val.shape))
 
 
-def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stride, **kw):
+def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stride, dot_dtype, **kw):
     """Tile ``qb`` of the prefill schedule for kv head h: ``block_q`` tokens x the group's q heads.
 
     Schedule (vLLM's trick, no host/XLA pre-pass): request r owns tile slots
@@ -194,10 +194,10 @@ def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stri
     @pl.when(x.qsl[n] > n)
     def _():
         _prefill_tile_body(x, out_ref, qb, h, group=group, group_pad=group_pad, block_q=block_q, q_stride=q_stride,
-                           **kw)
+                           dot_dtype=dot_dtype, **kw)
 
 
-def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stride, **kw):
+def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stride, dot_dtype, **kw):
     num_reqs = x.seq_lens.shape[0]
     lo, hi = jnp.int32(0), jnp.int32(num_reqs - 1)
     for _ in range(max(1, (num_reqs - 1).bit_length())):
@@ -217,6 +217,8 @@ def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q
     q_rows = tok * num_q_heads + h * group + g
     q = plgpu.load(_rows(x.q, tok * q_stride + h * group + g),
                    mask=jnp.broadcast_to(row_valid[:, None], (i.shape[0], x.q.shape[1])), other=0)
+    if dot_dtype is not None:
+        q = q.astype(dot_dtype)
     q_pos = seq_len - (q_end - tok)
     first_q_pos = seq_len - (q_end - start)
     last_q_pos = seq_len - (q_end - jnp.minimum(start + block_q, q_end)) - 1
@@ -227,7 +229,7 @@ def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q
     _store_rows(out_ref, q_rows, out, row_valid)
 
 
-def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stride, **kw):
+def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stride, dot_dtype, **kw):
     """Request r's decode token (if q_len == 1) for kv head h over split s of its context."""
     tok = x.qsl[r]
     seq_len = x.seq_lens[r]
@@ -238,6 +240,8 @@ def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stri
     q_rows = tok * num_q_heads + h * group + g
     q = plgpu.load(_rows(x.q, tok * q_stride + h * group + g),
                    mask=jnp.broadcast_to(row_valid[:, None], (rows, x.q.shape[1])), other=0)
+    if dot_dtype is not None:
+        q = q.astype(dot_dtype)
     q_pos = jnp.broadcast_to(seq_len - 1, (rows,))
     block_k = kw["block_k"]
     lo = _window_lo(seq_len - 1, kw["sliding_window"], block_k)
@@ -361,7 +365,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     ``dot_dtype``: operand dtype of the kernel's two matmuls. Default: q's dtype, except that a bf16 q over
     an fp8 cache uses f16: e4m3 -> f16 is one hardware conversion on Hopper, e4m3 -> bf16 is not (measured
     on the H200, B=8 ctx 32768: 314 us with bf16 operands, 217 us with f16, bf16 cache 300 us); q and the
-    softmax weights are then f16 too and the result is cast back to q's dtype.
+    softmax weights are then f16 too; q tiles are cast in the kernel after their load, and the kernel stores
+    q's dtype.
     ``decode_stages``: default 3; with an fp8 cache 4, or 7 in the decode-only launch (its tiles are half the bytes).
     ``prefill_kernel``: ``"triton"`` (prefill tiles in this file), ``"mgpu"`` (the Mosaic GPU kernel of
     ``prefill_mgpu`` for the prefill tokens, then the decode launch, wherever ``prefill_mgpu.supported``;
@@ -403,15 +408,16 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         decode_warps = 2 if decode_only else 4
     if decode_stages is None:
         decode_stages = (7 if decode_only else 4) if fp8_cache else 3
-    if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype:
-        q = q.astype(dot_dtype)
+    # q tiles are cast to the matmul dtype in the kernel, after their load: no XLA pass over q (or over the
+    # packed q/k/v array) and no cast of the output back (the kernel stores q's dtype)
+    tile_dot = jnp.dtype(dot_dtype) if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype else None
     q_only = q if hq == q_stride else q[:, :hq]    # the queries alone, for the Mosaic GPU prefill (its TMA)
     if kv_layout not in ("nhd", "hnd"):
         raise ValueError(f"kv_layout must be nhd or hnd, got {kv_layout!r}")
     head_major = kv_layout == "hnd"
     if prefill_kernel == "mgpu" and not head_major:
         raise ValueError("prefill_kernel='mgpu' reads head-major pages only; kv_layout='nhd' runs the Triton tiles")
-    mgpu_ok = head_major and prefill_mgpu.supported(q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
+    mgpu_ok = head_major and tile_dot is None and prefill_mgpu.supported(q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
                                      k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv,
                                      stages=mgpu_stages)
     use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
@@ -436,9 +442,9 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if splits & (splits - 1):
         raise ValueError(f"decode_splits must be a power of two, got {splits}")
     prefill_kw = dict(group=group, group_pad=group_pad, block_q=block_q, block_k=prefill_block_k,
-                      q_stride=q_stride, **common)
+                      q_stride=q_stride, dot_dtype=tile_dot, **common)
     decode_kw = dict(group=group, rows=max(16, group_pad), num_splits=splits, block_k=decode_block_k,
-                     q_stride=q_stride, **common)  # tl.dot needs M >= 16
+                     q_stride=q_stride, dot_dtype=tile_dot, **common)  # tl.dot needs M >= 16
 
     # The first launch allocates the output and writes every real token's rows; padding tokens' rows are left
     # unwritten (the model never reads them back: logits are taken at real tokens only, and every op on the

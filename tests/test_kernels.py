@@ -225,48 +225,54 @@ def test_write_kv_then_attend_sees_new_tokens():
     assert max_rel_err(before, ref) > 1e-2
 
 
-@pytest.mark.parametrize("case", ["f32", "bf16-decode-only", "fp8", "mgpu"])
+@pytest.mark.parametrize("case", ["f32", "bf16-decode-only", "fp8", "kvh3-split", "mgpu"])
 def test_write_kv_and_attend_packed_matches_reference(case):
     """The layer's K/V write + attention as the Pallas backend runs it (q, k, v packed in one array that both
     kernels read) against the reference's scatter then attention: same output, same cache (block 0, where
     the reference's padding tokens land, aside). Ragged prefill chunks and decodes; a decode-only step; an
-    fp8 cache; the Mosaic GPU prefill (which takes the queries alone)."""
+    fp8 cache (q cast to f16 in the kernel); 3 kv heads (padded head rows in the write) in a decode-only step
+    split 4 ways (the combine's rows); ``pallas-mgpu`` (such steps write and attend unpacked)."""
     rng = np.random.default_rng(21)
-    q_lens, ctx_lens = ([1, 1, 1], [40, 9, 17]) if case == "bf16-decode-only" else ([1, 5, 1, 20], [40, 9, 17, 20])
+    decode_only = case in ("bf16-decode-only", "kvh3-split")
+    q_lens, ctx_lens = ([1, 1, 1], [40, 9, 77]) if decode_only else ([1, 5, 1, 20], [40, 9, 17, 20])
     dtype = jnp.float32 if case == "f32" else jnp.bfloat16
-    q, k_cache, v_cache, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=16, num_q_heads=6,
-                                                   num_kv_heads=2, head_dim=64, dtype=dtype, pad_tokens=3,
+    kvh = 3 if case == "kvh3-split" else 2
+    q, k_cache, v_cache, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=16, num_q_heads=3 * kvh,
+                                                   num_kv_heads=kvh, head_dim=64, dtype=dtype, pad_tokens=3,
                                                    pad_reqs=1)
     kw = dict(sm_scale=0.125)
     if case == "fp8":
         scale = jnp.asarray([0.5, 1.5], jnp.float32)
         k_cache, v_cache = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k_cache, v_cache))
         kw |= dict(k_scale=scale, v_scale=scale)
-    if case == "bf16-decode-only":
-        md = dataclasses.replace(md, decode_only=True)
-    new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], 2, 64)), dtype) for _ in range(2))
+    md = dataclasses.replace(md, decode_only=decode_only)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], kvh, 64)), dtype) for _ in range(2))
     backend = "pallas-mgpu" if case == "mgpu" else "pallas"
+    extra = dict(decode_splits=4, decode_block_k=16) if case == "kvh3-split" else {}
     want, wk, wv = ops.write_kv_and_attend(q, new_k, new_v, k_cache, v_cache, md, **kw)
     got, gk, gv = ops.write_kv_and_attend(q, new_k, new_v, k_cache, v_cache, md, backend=backend,
-                                          interpret=True, **kw)
+                                          interpret=True, **kw, **extra)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert max_rel_err(got, want, md) <= TOL[dtype]
     for g, w in ((gk, wk), (gv, wv)):
         np.testing.assert_array_equal(np.asarray(g[1:].astype(jnp.float32)), np.asarray(w[1:].astype(jnp.float32)))
 
 
-def test_packed_queries_are_read_by_stride():
+@pytest.mark.parametrize("dtype,prefill_kernel", [(jnp.float32, "triton"), (jnp.bfloat16, "mgpu")])
+def test_packed_queries_are_read_by_stride(dtype, prefill_kernel):
     """``num_q_heads``: the kernel reads the first heads of each token's row as its queries and skips the
-    rest, whatever they hold (NaN here), and returns only the query heads."""
+    rest, whatever they hold (NaN here), and returns only the query heads; the Mosaic GPU prefill gets the
+    queries' slice."""
     rng = np.random.default_rng(22)
     q, k, v, md = synthetic.make_batch(rng, [1, 7, 1], [30, 7, 50], block_size=16, num_q_heads=4, num_kv_heads=2,
-                                       head_dim=64, dtype=jnp.float32, pad_tokens=2, pad_reqs=1)
+                                       head_dim=64, dtype=dtype, pad_tokens=2, pad_reqs=1)
     packed = jnp.concatenate([q, jnp.full((q.shape[0], 3, 64), jnp.nan, q.dtype)], axis=1)
     ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125)
     for splits in (1, 4):
         out = pa.ragged_paged_attention(packed, k, v, md, sm_scale=0.125, interpret=True, poison_output=True,
-                                        num_q_heads=4, decode_splits=splits, **SMALL_TILES)
-        assert out.shape == q.shape and max_rel_err(out, ref, md) <= 1e-4
+                                        num_q_heads=4, decode_splits=splits, prefill_kernel=prefill_kernel,
+                                        **SMALL_TILES)
+        assert out.shape == q.shape and max_rel_err(out, ref, md) <= TOL[dtype]
     with pytest.raises(ValueError, match="num_q_heads"):
         pa.ragged_paged_attention(q, k, v, md, sm_scale=0.125, interpret=True, num_q_heads=5)
 

@@ -1,6 +1,6 @@
 """Decode attention launch configurations on one GPU, in about two device minutes (kernels_bench takes ~7).
 
-    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed,fp8qk,fp8c,layout,fp8d]
+    python benchmarks/decode_probe.py [--sections main,small,fp8,tune,sweep,long1,fp8b,mixed,fp8qk,fp8c,layout,fp8d,vt]
 
 Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool, median of reps):
 * main: decode B=64 ctx 2048 (32q/8kv, d128, bf16, pages of 16) -- the fused launch the engine used for
@@ -12,7 +12,9 @@ Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool,
 * fp8c: fp8 at B=8 ctx 32768 over split counts x pipeline depths, and the fixed cost of splitting;
 * layout: head-major (the engine's) against token-major cache pages (``kv_layout``), bf16 and fp8, checked
   and timed;
-* fp8d: fp8 at 6 / 7 / 8 stages against bf16, B=8 ctx 32768 and B=64 ctx 8192, three interleaved rounds.
+* fp8d: fp8 at 6 / 7 / 8 stages against bf16, B=8 ctx 32768 and B=64 ctx 8192, three interleaved rounds;
+* vt: V pages stored transposed (``kv_layout="hnd-vt"``, the decode-only launch's A/B probe), checked bit for bit
+  against head-major, then timed against it, bf16 and fp8, two interleaved rounds.
 """
 from __future__ import annotations
 
@@ -282,6 +284,43 @@ def section_fp8d(S):
                     kb.log(f"|   = {t / t16:.3f}x bf16 | | | |")
 
 
+def check_vt(S) -> bool:
+    """Transposed V pages give the head-major kernel's output bit for bit (bf16 and fp8, decode-only)."""
+    ok = True
+    for cache in ({}, FP8):
+        q, k, v, tables, seq_lens, _ = kb.decode_inputs(S, S.main_b, S.main_ctx, cache_dtype=cache.get("cache_dtype"))
+        scale = cache.get("k_scale")
+        outs = []
+        for layout, vv in (("hnd", v), ("hnd-vt", jnp.swapaxes(v, 2, 3))):
+            step = kb.ours_decode_step(S, k_scale=scale, v_scale=scale, kv_layout=layout, **D)
+            outs.append(np.asarray(jax.jit(step)(q, k, vv, tables[0], seq_lens), np.float32))
+        same = bool(np.array_equal(outs[0], outs[1]))
+        ok &= same
+        kb.log(f"- {'fp8' if cache else 'bf16'} B={S.main_b} ctx={S.main_ctx}: hnd-vt equals hnd bit for bit: {same}")
+    return ok
+
+
+def section_vt(S):
+    """V pages transposed per page ([blocks, kv_heads, D, block]: P.V takes V^T as a K-major operand, as QK^T
+    takes K, so an fp8 V tile needs no 8-bit transpose on its way to the MMA) against head-major pages."""
+    kb.log("\n## transposed V pages (hnd-vt) vs head-major (hnd), decode-only launch")
+    try:
+        check_vt(S)
+    except Exception as e:                  # Triton may refuse the 3-D gather + reshape: report, keep timing
+        kb.log(f"- hnd-vt check failed: {type(e).__name__}: {str(e)[:600]}")
+    VT = dict(D, kv_layout="hnd-vt")
+    for B, ctx in [(8, 32768), (64, 8192), (64, 2048)]:
+        kb.log(f"\n### B={B} ctx={ctx}, 2 interleaved rounds\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
+        for rnd in range(2):
+            t16 = try_decode(S, B, ctx, f"round {rnd + 1}: bf16 hnd", **D)
+            try_decode(S, B, ctx, f"round {rnd + 1}: bf16 hnd-vt", **VT)
+            for name, cfg in (("fp8 hnd", dict(D)), ("fp8 hnd-vt", dict(VT)), ("fp8 hnd-vt 6 stages", dict(VT, decode_stages=6)),
+                              ("fp8 hnd-vt 8 stages", dict(VT, decode_stages=8))):
+                t = try_decode(S, B, ctx, f"round {rnd + 1}: {name}", **FP8, **cfg)
+                if t and t16:
+                    kb.log(f"|   = {t / t16:.3f}x bf16 hnd | | | |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="main,small,fp8")
@@ -292,7 +331,7 @@ def main(argv=None):
         {"main": section_main, "small": section_small, "fp8": section_fp8, "tune": section_tune,
          "sweep": section_sweep, "long1": section_long1,
          "fp8b": section_fp8b, "mixed": section_mixed, "fp8qk": section_fp8qk,
-         "fp8c": section_fp8c, "layout": section_layout, "fp8d": section_fp8d}[sec](S)
+         "fp8c": section_fp8c, "layout": section_layout, "fp8d": section_fp8d, "vt": section_vt}[sec](S)
     return 0
 
 

@@ -146,6 +146,8 @@ def time_decode(S, B, ctx, *, which="ours", cache_dtype=None, k_scale=None, **cf
     else:
         if cfg.get("kv_layout") == "nhd":                         # token-major pages [pool, block, kv_heads, d]
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        elif cfg.get("kv_layout") == "hnd-vt":                    # V pages transposed [pool, kv_heads, d, block]
+            v = jnp.swapaxes(v, 2, 3)
         step = ours_decode_step(S, k_scale=k_scale, v_scale=k_scale, **cfg)
     fn = chain(step, S.n_iter, n_rot)
     t = timed(fn, q, k, v, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)

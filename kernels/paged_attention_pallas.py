@@ -3,7 +3,8 @@
 Same function as ``ref_attention.ragged_paged_attention`` over the engine's cache layout
 ``[num_blocks, kv_heads, block_size, head_dim]``; ``k_scale``/``v_scale`` dequantize an fp8 cache.
 (``kv_layout="nhd"`` reads token-major pages ``[num_blocks, block_size, kv_heads, head_dim]`` instead, for
-A/B runs: ``benchmarks/decode_probe.py --sections layout``.)
+A/B runs: ``benchmarks/decode_probe.py --sections layout``; ``kv_layout="hnd-vt"``, decode-only launch only,
+reads V pages transposed, ``[num_blocks, kv_heads, head_dim, block_size]``: an fp8 probe, ``--sections vt``.)
 
 One launch (``fused=True``, the default) runs two kinds of tile over one output buffer:
 
@@ -73,7 +74,7 @@ def _next_pow2(n: int) -> int:
 
 def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale, *, h,
              kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, head_major,
-             fp8_qk=False):
+             fp8_qk=False, v_transposed=False):
     """Online softmax of tile ``q [M, D]`` over the request's keys ``[kv_lo, kv_hi)`` in steps of block_k.
 
     ``q_pos [M]`` are the rows' absolute positions, ``first_q_pos``/``last_q_pos`` those of the tile's
@@ -83,7 +84,10 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
     (base 2). ``fp8_qk`` (fp8 cache): QK^T runs on e4m3 operands, q scaled per row into e4m3's range
     (``ref_attention.fp8_query_rows``), so K goes to the MMA as stored, with no conversion.
     ``head_major``: the caches are ``[num_blocks, kv_heads, block_size, D]`` (a page's rows of one head are
-    contiguous), else ``[num_blocks, block_size, kv_heads, D]``.
+    contiguous), else ``[num_blocks, block_size, kv_heads, D]``. ``v_transposed`` (an A/B probe, decode tiles
+    only): V pages are ``[num_blocks, kv_heads, D, block_size]`` (keys contiguous), gathered as a ``[D, pages,
+    block_size]`` tile whose last axis Triton can see is contiguous, reshaped to ``[D, block_k]``; P.V then
+    takes V^T as the matmul's K-major operand, as QK^T takes K.
     """
     m_rows, d = q.shape
     offs = lax.iota(jnp.int32, block_k)
@@ -110,10 +114,25 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
             ld_mask = jnp.broadcast_to(in_range[:, None], (block_k, d))
             zero = jnp.zeros((), k_ref.dtype)
             k = plgpu.load(_rows(k_ref, rows), mask=ld_mask, other=zero)      # [BK, D]
-            v = plgpu.load(_rows(v_ref, rows), mask=ld_mask, other=zero)
+            if not v_transposed:
+                v = plgpu.load(_rows(v_ref, rows), mask=ld_mask, other=zero)
         else:
             k = plgpu.load(_rows(k_ref, rows))
-            v = plgpu.load(_rows(v_ref, rows))
+            if not v_transposed:
+                v = plgpu.load(_rows(v_ref, rows))
+        if v_transposed:                                                      # v: V^T [D, BK]
+            n_pg = block_k // block_size
+            pos_pg = kv_lo + i * block_k + lax.iota(jnp.int32, n_pg) * block_size         # [PT] page starts
+            blk_pg = bt_ref[r * pages_per_seq + jnp.minimum(pos_pg // block_size, pages_per_seq - 1)]
+            vt_rows = (blk_pg[None, :] * kv_heads + h) * d + lax.iota(jnp.int32, d)[:, None]    # [D, PT]
+            cols = lax.iota(jnp.int32, block_size)
+            vt_ref = v_ref.at[vt_rows[:, :, None], cols[None, None, :]]                     # [D, PT, bs]
+            if masked:
+                vt_mask = jnp.broadcast_to(((pos_pg[:, None] + cols[None, :]) < kv_hi)[None], (d, n_pg, block_size))
+                v = plgpu.load(vt_ref, mask=vt_mask, other=jnp.zeros((), v_ref.dtype))
+            else:
+                v = plgpu.load(vt_ref)
+            v = v.reshape(d, block_k)
         if k.dtype != q.dtype:                                                # fp8 cache
             if not fp8_qk:
                 k = k.astype(q.dtype)
@@ -131,7 +150,7 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
         alpha = jnp.exp2(m_prev - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l_new = l_prev * alpha + p.sum(axis=-1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, trans_b=v_transposed, allow_tf32=False)
         return acc, m_new, l_new
 
     n_iter = jnp.maximum(pl.cdiv(kv_hi - kv_lo, block_k), 0)
@@ -412,12 +431,15 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     # packed q/k/v array) and no cast of the output back (the kernel stores q's dtype)
     tile_dot = jnp.dtype(dot_dtype) if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype else None
     q_only = q if hq == q_stride else q[:, :hq]    # the queries alone, for the Mosaic GPU prefill (its TMA)
-    if kv_layout not in ("nhd", "hnd"):
-        raise ValueError(f"kv_layout must be nhd or hnd, got {kv_layout!r}")
-    head_major = kv_layout == "hnd"
-    if prefill_kernel == "mgpu" and not head_major:
+    if kv_layout not in ("nhd", "hnd", "hnd-vt"):
+        raise ValueError(f"kv_layout must be nhd, hnd or hnd-vt, got {kv_layout!r}")
+    head_major = kv_layout in ("hnd", "hnd-vt")
+    v_transposed = kv_layout == "hnd-vt"
+    if v_transposed and not decode_only:
+        raise ValueError("kv_layout='hnd-vt' (V pages transposed, an A/B probe) runs the decode-only launch only")
+    if prefill_kernel == "mgpu" and kv_layout != "hnd":
         raise ValueError("prefill_kernel='mgpu' reads head-major pages only; kv_layout='nhd' runs the Triton tiles")
-    mgpu_ok = head_major and tile_dot is None and prefill_mgpu.supported(q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
+    mgpu_ok = kv_layout == "hnd" and tile_dot is None and prefill_mgpu.supported(q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
                                      k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv,
                                      stages=mgpu_stages)
     use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
@@ -432,12 +454,16 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     qsl = md.query_start_loc.astype(jnp.int32)
     ins = (qsl, md.seq_lens.astype(jnp.int32), md.num_seqs.reshape(1).astype(jnp.int32),
            md.block_tables.reshape(R * P).astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
-           q.reshape(T * q_stride, d), k_cache.reshape(nb * bs * kvh, d), v_cache.reshape(nb * bs * kvh, d))
+           q.reshape(T * q_stride, d), k_cache.reshape(nb * bs * kvh, d),
+           v_cache.reshape(nb * kvh * d, bs) if v_transposed else v_cache.reshape(nb * bs * kvh, d))
     common = dict(kv_heads=kvh, block_size=bs, pages_per_seq=P, sm_scale=float(sm_scale),
                   soft_cap=soft_cap, sliding_window=sliding_window, fp8_qk=bool(fp8_qk and fp8_cache),
-                  head_major=head_major)
+                  head_major=head_major, v_transposed=v_transposed)
     block_q = max(1, prefill_block_m // group_pad)
     n_prefill = T // block_q + R                   # tile slots of the in-kernel prefill schedule
+    if v_transposed and (decode_block_k % bs or tuple(v_cache.shape) != (nb, kvh, d, bs)):
+        raise ValueError(f"kv_layout='hnd-vt' needs V pages [blocks, kv_heads, head_dim, block_size] and "
+                         f"decode_block_k a multiple of block_size; got {v_cache.shape}, {decode_block_k}")
     splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)
     if splits & (splits - 1):
         raise ValueError(f"decode_splits must be a power of two, got {splits}")

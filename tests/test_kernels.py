@@ -300,6 +300,41 @@ def test_packed_write_and_attention_lower_for_cuda(decode_only, prefill_kernel):
     assert "__gpu$xla.gpu.triton" in text and (prefill_kernel != "mgpu" or "mosaic_gpu" in text)
 
 
+@pytest.mark.parametrize("cache", [None, "fp8"])
+def test_transposed_v_pages_probe(cache):
+    """``kv_layout="hnd-vt"`` (an A/B probe of the decode-only launch: V pages stored [blocks, kv heads, D,
+    block], gathered as [D, pages, block] tiles) gives the head-major kernel's output bit for bit, split and
+    not, and its GPU build lowers for CUDA (the 3-D gather and the reshape)."""
+    rng = np.random.default_rng(24)
+    dtype = jnp.bfloat16 if cache else jnp.float32
+    q, k, v, md = synthetic.make_batch(rng, [1] * 4, [40, 9, 77, 33], block_size=16, num_q_heads=8, num_kv_heads=2,
+                                       head_dim=64, dtype=dtype, pad_tokens=3, pad_reqs=1)
+    md = dataclasses.replace(md, decode_only=True)
+    kw = dict(sm_scale=0.125, decode_block_k=32)
+    if cache:
+        scale = jnp.asarray([0.5, 1.5], jnp.float32)
+        k, v = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k, v))
+        kw |= dict(k_scale=scale, v_scale=scale)
+    vt = jnp.swapaxes(v, 2, 3)
+    ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125, k_scale=kw.get("k_scale"),
+                                               v_scale=kw.get("v_scale"))
+    for splits in (1, 4):
+        base = pa.ragged_paged_attention(q, k, v, md, interpret=True, poison_output=True, decode_splits=splits, **kw)
+        out = pa.ragged_paged_attention(q, k, vt, md, interpret=True, poison_output=True, decode_splits=splits,
+                                        kv_layout="hnd-vt", **kw)
+        assert max_rel_err(out, ref, md) <= TOL[dtype]
+        n = int(md.query_start_loc[int(md.num_seqs)])
+        np.testing.assert_array_equal(np.asarray(out[:n], np.float32), np.asarray(base[:n], np.float32))
+    with pytest.raises(ValueError, match="decode-only"):
+        pa.ragged_paged_attention(q, k, vt, dataclasses.replace(md, decode_only=False), interpret=True,
+                                  kv_layout="hnd-vt", **kw)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    fn = jax.jit(functools.partial(pa.ragged_paged_attention, kv_layout="hnd-vt", **kw))
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert "__gpu$xla.gpu.triton" in fn.trace(q, k, vt, md).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_diagonal_at_every_chunk_offset():
     """Prefill chunks whose first query sits at each offset around a 16-key chunk edge: the unmasked
     fast path must stop exactly at the first row's diagonal."""

@@ -11,7 +11,9 @@
 #   (benchmarks/oneshot_allreduce_probe.py, a Pallas peer-write all-reduce vs psum, 2 GPUs), stepdiag
 #   (benchmarks/step_diag.py --profile: TP=1, and TP=2 on 2 GPUs), smallbatch (kernels_bench.py section 6)
 #   tpload: 8B safetensors vs orbax load time into TP=1 and TP=2 (2 GPUs)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpmulti|tpload|allreduce|oneshot|stepdiag|smallbatch|gemm ...]
+#   ab: offline configs (AB_CONFIGS, default h200-llama8b-decode) at commit AB_BASE (default 5a76e75, checked out
+#   as a git worktree) against this tree, interleaved base / head / base / head, HF baseline off
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpmulti|tpload|allreduce|oneshot|stepdiag|smallbatch|gemm|ab ...]
 #        (default: offline serve kernels)
 # A fresh GPU host has an empty compile cache: the server compiles its 28 step variants in ~70 s before the
 # sweep starts (2026-11-30), hence the serve limit.
@@ -27,6 +29,8 @@ fi
 RESULTS=${OUT:+$OUT/results}
 RESULTS=${RESULTS:-benchmarks/results}
 mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)                      # absolute: the ab step runs from another checkout
+case $PY in */*) [ "${PY#/}" = "$PY" ] && PY=$(pwd)/$PY ;; esac
 SUMMARY="$RESULTS/h200-summary.txt"
 : > "$SUMMARY"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -115,7 +119,26 @@ for step in "${STEPS[@]}"; do
     embed)   echo "=== embed: benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
              timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 \
                --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
-    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpmulti, tpload, allreduce, oneshot, stepdiag, smallbatch, gemm)" >&2; exit 2 ;;
+    ab)      # the same offline configs at AB_BASE and at this tree, interleaved, in one session (one GPU host)
+             base=${AB_BASE:-5a76e75}
+             wt=$(mktemp -d)/base
+             if ! git worktree add --detach "$wt" "$base" > /dev/null 2>&1; then
+               echo "ab: cannot check out $base as a worktree" | tee -a "$SUMMARY"; continue
+             fi
+             read -r -a cfgs <<< "${AB_CONFIGS:-h200-llama8b-decode}"
+             cargs=(); for c in "${cfgs[@]}"; do cargs+=(--config "$c"); done
+             for rnd in 1 2; do
+               for side in base head; do
+                 dir=$(pwd); label="this tree"
+                 [ "$side" = base ] && { dir=$wt; label=$base; }
+                 echo "=== ab round $rnd, $side ($label): benchmarks.runner ${cargs[*]} --set baseline.hf=false" | tee -a "$SUMMARY"
+                 (cd "$dir" && timeout "${AB_LIMIT_S:-200}" "$PY" -m benchmarks.runner --out "$RESULTS/ab-$side-$rnd" \
+                   "${cargs[@]}" --set baseline.hf=false) > "$RESULTS/ab-$side-$rnd.log" 2>&1
+                 sed -n '/^== summary ==$/,$p' "$RESULTS/ab-$side-$rnd.log" | tail -n +2 >> "$SUMMARY"
+               done
+             done
+             git worktree remove --force "$wt" ;;
+    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpmulti, tpload, allreduce, oneshot, stepdiag, smallbatch, gemm, ab)" >&2; exit 2 ;;
   esac
 done
 

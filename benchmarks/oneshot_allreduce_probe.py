@@ -18,8 +18,8 @@ matmul waits: the semaphore counts from zero per launch), TMA the peers' slices 
 With ``--processes N`` each GPU has its own process (the engine's mp executor); there Mosaic GPU marks the
 kernel's arguments for symmetric memory, which XLA must then provide: whether it does is part of what the
 run answers. Measured on 2 H200s (2026-11-30, ninth session, ``benchmarks/results/2026-11-30-h200-ninth-session.md``):
-in one process the kernel equals psum bit for bit but takes 24.5 us at best against NCCL's 20.9 (XLA meets each
-launch with a host rendezvous, as it does its own all-reduces); with a process per GPU every launch fails, since
+in one process the kernel equals psum bit for bit but takes 24.5 us at best against NCCL's 20.9 (not profiled;
+likely XLA's per-launch host rendezvous for collectives); with a process per GPU every launch fails, since
 NCCL cannot give the peer pointers. So the engine keeps XLA's all-reduce. The script prints, per size and block count: bit-equality with psum after
 a chain of calls (a protocol error shows as a mismatch or a hang, so run it under ``timeout``), and us per
 all-reduce in a jitted chain of 64, next to psum's.

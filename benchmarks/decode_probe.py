@@ -233,21 +233,26 @@ def section_long1(S):
         try_decode(S, 1, ctx, f"ctx {ctx} stock", which="stock")
 
 
-def check_layout(S) -> bool:
-    """Token-major pages (``kv_layout="nhd"``) give the same output as head-major (the engine's), bit for bit."""
+def check_same_output(S, layout, to_layout) -> bool:
+    """Pages in ``layout`` (``to_layout(k, v)`` of the head-major caches) give the head-major (the engine's)
+    output bit for bit, bf16 and fp8, decode-only."""
     ok = True
     for cache in ({}, FP8):
         q, k, v, tables, seq_lens, _ = kb.decode_inputs(S, S.main_b, S.main_ctx, cache_dtype=cache.get("cache_dtype"))
         scale = cache.get("k_scale")
         outs = []
-        for layout in ("nhd", "hnd"):
-            kk, vv = (k, v) if layout == "hnd" else (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
-            step = kb.ours_decode_step(S, k_scale=scale, v_scale=scale, kv_layout=layout, **D)
+        for name, (kk, vv) in (("hnd", (k, v)), (layout, to_layout(k, v))):
+            step = kb.ours_decode_step(S, k_scale=scale, v_scale=scale, kv_layout=name, **D)
             outs.append(np.asarray(jax.jit(step)(q, kk, vv, tables[0], seq_lens), np.float32))
         same = bool(np.array_equal(outs[0], outs[1]))
         ok &= same
-        kb.log(f"- {'fp8' if cache else 'bf16'} B={S.main_b} ctx={S.main_ctx}: nhd equals hnd bit for bit: {same}")
+        kb.log(f"- {'fp8' if cache else 'bf16'} B={S.main_b} ctx={S.main_ctx}: {layout} equals hnd bit for bit: {same}")
     return ok
+
+
+def check_layout(S) -> bool:
+    """Token-major pages (``kv_layout="nhd"``) give the same output as head-major, bit for bit."""
+    return check_same_output(S, "nhd", lambda k, v: (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)))
 
 
 def section_layout(S):
@@ -285,19 +290,8 @@ def section_fp8d(S):
 
 
 def check_vt(S) -> bool:
-    """Transposed V pages give the head-major kernel's output bit for bit (bf16 and fp8, decode-only)."""
-    ok = True
-    for cache in ({}, FP8):
-        q, k, v, tables, seq_lens, _ = kb.decode_inputs(S, S.main_b, S.main_ctx, cache_dtype=cache.get("cache_dtype"))
-        scale = cache.get("k_scale")
-        outs = []
-        for layout, vv in (("hnd", v), ("hnd-vt", jnp.swapaxes(v, 2, 3))):
-            step = kb.ours_decode_step(S, k_scale=scale, v_scale=scale, kv_layout=layout, **D)
-            outs.append(np.asarray(jax.jit(step)(q, k, vv, tables[0], seq_lens), np.float32))
-        same = bool(np.array_equal(outs[0], outs[1]))
-        ok &= same
-        kb.log(f"- {'fp8' if cache else 'bf16'} B={S.main_b} ctx={S.main_ctx}: hnd-vt equals hnd bit for bit: {same}")
-    return ok
+    """Transposed V pages (``kv_layout="hnd-vt"``) give the head-major output bit for bit."""
+    return check_same_output(S, "hnd-vt", lambda k, v: (k, jnp.swapaxes(v, 2, 3)))
 
 
 def section_vt(S):

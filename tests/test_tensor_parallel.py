@@ -81,7 +81,7 @@ def _pallas_under_shard_map() -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxserve import parallel
-    from jaxserve.kernels import ops, synthetic
+    from jaxserve.kernels import ops, ref_attention, synthetic
     from jaxserve.parallel import attention as tp_attention
 
     rng, out = np.random.default_rng(0), {}
@@ -104,6 +104,20 @@ def _pallas_under_shard_map() -> dict:
         out[f"write+attend {hq}q{kvh}kv/tp{tp}"] = max(
             float(jnp.abs(got[0][:n_real] - want[0][:n_real]).max()),
             *(float(jnp.abs(g[1:] - w[1:]).max()) for g, w in zip(got[1:], want[1:])))   # block 0: padding
+        # an fp8 cache with per-head scales: each device gets its kv heads' scales (replicated heads: its one)
+        scale = jnp.linspace(0.5, 2.0, kvh).astype(jnp.float32)
+        k8, v8 = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k, v))
+        fp8 = dict(k_scale=scale, v_scale=scale)
+        for backend in ("reference", "pallas"):
+            extra = dict(interpret=True) if backend == "pallas" else {}
+            want = ops.write_kv_and_attend(q, new_k, new_v, k8, v8, md, sm_scale=0.125, **fp8)
+            fn = jax.jit(parallel.bind_mesh(lambda *a: tp_attention.write_kv_and_attend(
+                *a, sm_scale=0.125, backend=backend, **fp8, **extra), mesh))
+            got = fn(*jax.device_put((q, new_k, new_v, k8, v8, md), NamedSharding(mesh, P())))
+            err = float(jnp.abs(got[0][:n_real] - want[0][:n_real]).max() / jnp.abs(want[0][:n_real]).max())
+            same = all(bool(jnp.array_equal(g[1:].astype(jnp.float32), w[1:].astype(jnp.float32)))
+                       for g, w in zip(got[1:], want[1:]))
+            out[f"fp8 per-head scales {backend} {hq}q{kvh}kv/tp{tp}"] = err if same else float("inf")
     return out
 
 
@@ -314,8 +328,12 @@ def test_hlo_collectives(report, case, tp):
 
 
 def test_pallas_kernel_under_shard_map(report):
-    assert set(report["pallas"]) == {"8q4kv/tp2", "8q2kv/tp4", "write+attend 8q4kv/tp2", "write+attend 8q2kv/tp4"}
-    assert all(err < 1e-5 for err in report["pallas"].values()), report["pallas"]
+    exact = {"8q4kv/tp2", "8q2kv/tp4", "write+attend 8q4kv/tp2", "write+attend 8q2kv/tp4"}
+    fp8 = {f"fp8 per-head scales {b} {c}" for b in ("reference", "pallas") for c in ("8q4kv/tp2", "8q2kv/tp4")}
+    assert set(report["pallas"]) == exact | fp8
+    assert all(report["pallas"][k] < 1e-5 for k in exact), report["pallas"]
+    # fp8: caches equal to the single-device ones (else inf), outputs within 1e-4 of them (f32 queries)
+    assert all(report["pallas"][k] < 1e-4 for k in fp8), report["pallas"]
 
 
 def test_check_tp_compatible_names_every_problem():

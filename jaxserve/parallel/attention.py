@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels import ops
@@ -52,10 +53,12 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, backend: str = "reference"
     if mesh is None:
         return ops.write_kv(k_cache, v_cache, k, v, slot_mapping, backend=backend, **kernel_kwargs)
     cache_spec, new_spec = _kv_specs(k.shape[1], mesh.shape[TP])
-    fn = jax.shard_map(functools.partial(ops.write_kv, backend=backend, **kernel_kwargs), mesh=mesh,
-                       in_specs=(cache_spec, cache_spec, new_spec, new_spec, P()),
+    kernel_kwargs, scales = _head_scales(kernel_kwargs, k.shape[1])
+    kernel = _with_scales(functools.partial(ops.write_kv, backend=backend, **kernel_kwargs), 5, scales)
+    fn = jax.shard_map(kernel, mesh=mesh, in_specs=(cache_spec, cache_spec, new_spec, new_spec, P())
+                       + (_scale_spec(cache_spec),) * len(scales),
                        out_specs=(cache_spec, cache_spec), check_vma=False)
-    return fn(k_cache, v_cache, k, v, slot_mapping)
+    return fn(k_cache, v_cache, k, v, slot_mapping, *scales.values())
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
@@ -63,29 +66,32 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
                     backend: str = "reference", **kernel_kwargs):
     """``kernels.ops.paged_attention``; under a tp mesh q heads (and kv heads) are split over ``"tp"``.
 
-    ``kernel_kwargs`` (fp8 ``k_scale``/``v_scale``, ``interpret``) pass through to the kernel unchanged.
+    ``kernel_kwargs`` (fp8 ``k_scale``/``v_scale``, ``interpret``) pass through to the kernel; per-head scales
+    are split over the mesh with the kv heads they belong to.
     """
     mesh = current_tp_mesh()
-    kernel = functools.partial(ops.paged_attention, sm_scale=sm_scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window, backend=backend, **kernel_kwargs)
     if mesh is None:
-        return kernel(q, k_cache, v_cache, md)
+        return ops.paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap,
+                                   sliding_window=sliding_window, backend=backend, **kernel_kwargs)
     tp, num_q_heads, num_kv_heads = mesh.shape[TP], q.shape[1], k_cache.shape[1]
     if num_q_heads % tp:
         raise ValueError(f"{num_q_heads} attention heads are not divisible by tensor_parallel_size={tp}")
     cache_spec, _ = _kv_specs(num_kv_heads, tp)
+    kernel_kwargs, scales = _head_scales(kernel_kwargs, num_kv_heads)
+    kernel = functools.partial(ops.paged_attention, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, backend=backend, **kernel_kwargs)
     if cache_spec == CACHE_HEADS:
-        local = kernel
+        local = _with_scales(kernel, 4, scales)
     else:
         # Replicated kv heads: this device's q heads all use kv head (device * num_kv_heads // tp).
-        def local(q, k_cache, v_cache, md):
+        def local(q, k_cache, v_cache, md, *scale_vals):
             head = jax.lax.axis_index(TP) // (tp // num_kv_heads)
-            k_one = jax.lax.dynamic_slice_in_dim(k_cache, head, 1, axis=1)
-            v_one = jax.lax.dynamic_slice_in_dim(v_cache, head, 1, axis=1)
-            return kernel(q, k_one, v_one, md)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(HEADS, cache_spec, cache_spec, P()), out_specs=HEADS,
-                       check_vma=False)
-    return fn(q, k_cache, v_cache, md)
+            one = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=head, slice_size=1)
+            kw = {name: one(val, axis=0) for name, val in zip(scales, scale_vals)}
+            return kernel(q, one(k_cache, axis=1), one(v_cache, axis=1), md, **kw)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(HEADS, cache_spec, cache_spec, P())
+                       + (_scale_spec(cache_spec),) * len(scales), out_specs=HEADS, check_vma=False)
+    return fn(q, k_cache, v_cache, md, *scales.values())
 
 
 def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
@@ -95,10 +101,9 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
     writes and attends with its own heads. With kv heads replicated (tp > kv heads) it is ``write_kv`` (every
     device writes every head) then ``paged_attention`` (each device's q heads read their kv head)."""
     mesh = current_tp_mesh()
-    kernel = functools.partial(ops.write_kv_and_attend, sm_scale=sm_scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window, backend=backend, **kernel_kwargs)
     if mesh is None:
-        return kernel(q, k, v, k_cache, v_cache, md)
+        return ops.write_kv_and_attend(q, k, v, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap,
+                                       sliding_window=sliding_window, backend=backend, **kernel_kwargs)
     cache_spec, new_spec = _kv_specs(k.shape[1], mesh.shape[TP])
     if cache_spec != CACHE_HEADS:
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping, backend=backend, **kernel_kwargs)
@@ -107,9 +112,42 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
         return out, k_cache, v_cache
     if q.shape[1] % mesh.shape[TP]:
         raise ValueError(f"{q.shape[1]} attention heads are not divisible by tensor_parallel_size={mesh.shape[TP]}")
-    fn = jax.shard_map(kernel, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, cache_spec, cache_spec, P()),
+    kernel_kwargs, scales = _head_scales(kernel_kwargs, k.shape[1])
+    kernel = _with_scales(functools.partial(ops.write_kv_and_attend, sm_scale=sm_scale, soft_cap=soft_cap,
+                                            sliding_window=sliding_window, backend=backend, **kernel_kwargs),
+                          6, scales)
+    fn = jax.shard_map(kernel, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, cache_spec, cache_spec, P())
+                       + (_scale_spec(cache_spec),) * len(scales),
                        out_specs=(HEADS, cache_spec, cache_spec), check_vma=False)
-    return fn(q, k, v, k_cache, v_cache, md)
+    return fn(q, k, v, k_cache, v_cache, md, *scales.values())
+
+
+def _head_scales(kernel_kwargs: dict, num_kv_heads: int) -> tuple[dict, dict]:
+    """Splits per-head fp8 scales (``k_scale``/``v_scale`` with more than one element) out of the kernel
+    keyword arguments: they enter the shard_map as ``[kv_heads]`` operands, split like the kv heads. Scalars
+    stay keyword arguments (every device uses the same one)."""
+    rest, scales = dict(kernel_kwargs), {}
+    for name in ("k_scale", "v_scale"):
+        val = rest.get(name)
+        if val is not None and jnp.size(val) > 1:
+            scales[name] = jnp.broadcast_to(jnp.asarray(rest.pop(name), jnp.float32).reshape(-1), (num_kv_heads,))
+    return rest, scales
+
+
+def _with_scales(kernel, n_args: int, scales: dict):
+    """``kernel`` taking ``n_args`` positional operands, then the per-head scales (in ``scales``' order) as
+    trailing operands passed on by name."""
+    names = tuple(scales)
+
+    def call(*args):
+        return kernel(*args[:n_args], **dict(zip(names, args[n_args:])))
+
+    return call
+
+
+def _scale_spec(cache_spec: P) -> P:
+    """A per-head scale's spec: split over ``"tp"`` with the kv heads, or whole where they are replicated."""
+    return P(TP) if cache_spec == CACHE_HEADS else P()
 
 
 def _kv_specs(num_kv_heads: int, tp: int) -> tuple[P, P]:

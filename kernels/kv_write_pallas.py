@@ -53,8 +53,10 @@ def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_re
             plgpu.store(_rows(dst, dst_rows), x.astype(dst.dtype), mask=keep)
 
 
-def _launch(k_cache, v_cache, k_src, v_src, slot_mapping, *, T, stride, k_off, v_off, k_scale, v_scale, interpret):
+def _launch(k_cache, v_cache, k_src, v_src, slot_mapping, *, stride, k_off, v_off, k_scale, v_scale, interpret):
+    """One program per token: ``k_src``/``v_src`` hold ``stride`` rows per token (see ``_write_kernel``)."""
     nb, kvh, bs, d = k_cache.shape
+    T = k_src.shape[0] // stride
     flat = (nb * kvh * bs, d)
     kc, vc = pl.pallas_call(
         functools.partial(_write_kernel, kvh=kvh, bs=bs, stride=stride, k_off=k_off, v_off=v_off),
@@ -73,7 +75,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None
     """``ref_attention.write_kv`` (same arguments and result, padding tokens skipped) in one launch.
     In place when the caller's jit donates the caches (the engine's step does); otherwise XLA copies them."""
     T, kvh, d = k.shape
-    return _launch(k_cache, v_cache, k.reshape(T * kvh, d), v.reshape(T * kvh, d), slot_mapping, T=T,
+    return _launch(k_cache, v_cache, k.reshape(T * kvh, d), v.reshape(T * kvh, d), slot_mapping,
                    stride=kvh, k_off=0, v_off=0, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
 
 
@@ -87,5 +89,5 @@ def write_kv_packed(k_cache, v_cache, qkv, slot_mapping, *, num_q_heads: int, k_
     if H != num_q_heads + 2 * kvh:
         raise ValueError(f"qkv has {H} heads, expected {num_q_heads} q + 2 x {kvh} kv heads")
     flat = qkv.reshape(T * H, d)
-    return _launch(k_cache, v_cache, flat, flat, slot_mapping, T=T, stride=H, k_off=num_q_heads,
+    return _launch(k_cache, v_cache, flat, flat, slot_mapping, stride=H, k_off=num_q_heads,
                    v_off=num_q_heads + kvh, k_scale=k_scale, v_scale=v_scale, interpret=interpret)

@@ -113,18 +113,16 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
     write and attend unpacked.
     """
     _check_backend(backend)
-    if backend == "reference":
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
-        out = paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap,
-                              sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
-        return out, k_cache, v_cache
-    _check_gpu(interpret)
-    from . import kv_write_pallas, paged_attention_pallas  # noqa: PLC0415
-    pallas_options.setdefault("prefill_kernel", _PREFILL_KERNEL[backend])
-    kernel = pallas_options["prefill_kernel"]
-    if kernel == "mgpu" or (kernel == "auto" and q.shape[0] >= paged_attention_pallas.MGPU_MIN_TOKENS):
-        # a step that may go to the Mosaic GPU prefill, which TMA-loads the queries alone: packing would cost a
-        # copy of them, and the three small fusions it saves are nothing next to such a step
+    packed = False
+    if backend != "reference":
+        _check_gpu(interpret)
+        from . import kv_write_pallas, paged_attention_pallas  # noqa: PLC0415
+        pallas_options.setdefault("prefill_kernel", _PREFILL_KERNEL[backend])
+        kernel = pallas_options["prefill_kernel"]
+        # a step that may go to the Mosaic GPU prefill, which TMA-loads the queries alone, stays unpacked:
+        # packing would cost a copy of them, and the small fusions it saves are nothing next to such a step
+        packed = not (kernel == "mgpu" or (kernel == "auto" and q.shape[0] >= paged_attention_pallas.MGPU_MIN_TOKENS))
+    if not packed:
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping, backend=backend, k_scale=k_scale,
                                     v_scale=v_scale, interpret=interpret)
         out = paged_attention(q, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap,

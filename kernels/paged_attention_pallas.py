@@ -403,7 +403,6 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     """
     if prefill_kernel not in ("triton", "mgpu", "auto"):
         raise ValueError(f"prefill_kernel must be triton, mgpu or auto, got {prefill_kernel!r}")
-    out_dtype = q.dtype
     q_stride = q.shape[1]                          # heads per token in q's rows; the first hq are the queries
     hq = num_q_heads or q_stride
     if not 0 < hq <= q_stride:
@@ -438,7 +437,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if v_transposed and not decode_only:
         raise ValueError("kv_layout='hnd-vt' (V pages transposed, an A/B probe) runs the decode-only launch only")
     if prefill_kernel == "mgpu" and kv_layout != "hnd":
-        raise ValueError("prefill_kernel='mgpu' reads head-major pages only; kv_layout='nhd' runs the Triton tiles")
+        raise ValueError(f"prefill_kernel='mgpu' reads head-major pages only, not kv_layout={kv_layout!r}")
     mgpu_ok = kv_layout == "hnd" and tile_dot is None and prefill_mgpu.supported(q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
                                      k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv,
                                      stages=mgpu_stages)
@@ -536,4 +535,4 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
             grid=(R, kvh), out_shape=out_shape, input_output_aliases={7: 0} if outs else {},
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
             name="ragged_paged_combine")(ins[0], ins[1], ins[2], ins[5], *parts, *outs)
-    return out.reshape(T, hq, d).astype(out_dtype)
+    return out.reshape(T, hq, d)                   # the kernels store q's dtype

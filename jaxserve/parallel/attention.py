@@ -54,11 +54,9 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, backend: str = "reference"
         return ops.write_kv(k_cache, v_cache, k, v, slot_mapping, backend=backend, **kernel_kwargs)
     cache_spec, new_spec = _kv_specs(k.shape[1], mesh.shape[TP])
     kernel_kwargs, scales = _head_scales(kernel_kwargs, k.shape[1])
-    kernel = _with_scales(functools.partial(ops.write_kv, backend=backend, **kernel_kwargs), 5, scales)
-    fn = jax.shard_map(kernel, mesh=mesh, in_specs=(cache_spec, cache_spec, new_spec, new_spec, P())
-                       + (_scale_spec(cache_spec),) * len(scales),
-                       out_specs=(cache_spec, cache_spec), check_vma=False)
-    return fn(k_cache, v_cache, k, v, slot_mapping, *scales.values())
+    return _sharded(functools.partial(ops.write_kv, backend=backend, **kernel_kwargs), mesh, cache_spec, scales,
+                    (k_cache, v_cache, k, v, slot_mapping), (cache_spec, cache_spec, new_spec, new_spec, P()),
+                    (cache_spec, cache_spec))
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
@@ -81,17 +79,16 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: flo
     kernel = functools.partial(ops.paged_attention, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, backend=backend, **kernel_kwargs)
     if cache_spec == CACHE_HEADS:
-        local = _with_scales(kernel, 4, scales)
+        local = kernel
     else:
         # Replicated kv heads: this device's q heads all use kv head (device * num_kv_heads // tp).
-        def local(q, k_cache, v_cache, md, *scale_vals):
+        def local(q, k_cache, v_cache, md, **head_scales):
             head = jax.lax.axis_index(TP) // (tp // num_kv_heads)
             one = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=head, slice_size=1)
-            kw = {name: one(val, axis=0) for name, val in zip(scales, scale_vals)}
-            return kernel(q, one(k_cache, axis=1), one(v_cache, axis=1), md, **kw)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(HEADS, cache_spec, cache_spec, P())
-                       + (_scale_spec(cache_spec),) * len(scales), out_specs=HEADS, check_vma=False)
-    return fn(q, k_cache, v_cache, md, *scales.values())
+            return kernel(q, one(k_cache, axis=1), one(v_cache, axis=1), md,
+                          **{name: one(val, axis=0) for name, val in head_scales.items()})
+    return _sharded(local, mesh, cache_spec, scales, (q, k_cache, v_cache, md),
+                    (HEADS, cache_spec, cache_spec, P()), HEADS)
 
 
 def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
@@ -113,13 +110,24 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
     if q.shape[1] % mesh.shape[TP]:
         raise ValueError(f"{q.shape[1]} attention heads are not divisible by tensor_parallel_size={mesh.shape[TP]}")
     kernel_kwargs, scales = _head_scales(kernel_kwargs, k.shape[1])
-    kernel = _with_scales(functools.partial(ops.write_kv_and_attend, sm_scale=sm_scale, soft_cap=soft_cap,
-                                            sliding_window=sliding_window, backend=backend, **kernel_kwargs),
-                          6, scales)
-    fn = jax.shard_map(kernel, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, cache_spec, cache_spec, P())
-                       + (_scale_spec(cache_spec),) * len(scales),
-                       out_specs=(HEADS, cache_spec, cache_spec), check_vma=False)
-    return fn(q, k, v, k_cache, v_cache, md, *scales.values())
+    kernel = functools.partial(ops.write_kv_and_attend, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, backend=backend, **kernel_kwargs)
+    return _sharded(kernel, mesh, cache_spec, scales, (q, k, v, k_cache, v_cache, md),
+                    (HEADS, HEADS, HEADS, cache_spec, cache_spec, P()), (HEADS, cache_spec, cache_spec))
+
+
+def _sharded(kernel, mesh, cache_spec: P, scales: dict, args: tuple, in_specs: tuple, out_specs):
+    """``kernel(*args, **scales)`` under ``shard_map``: the per-head scales go in as trailing operands, split
+    like the kv heads (whole where they are replicated), and reach the kernel by name."""
+    n, names = len(args), tuple(scales)
+
+    def call(*operands):
+        return kernel(*operands[:n], **dict(zip(names, operands[n:])))
+
+    scale_spec = P(TP) if cache_spec == CACHE_HEADS else P()
+    fn = jax.shard_map(call, mesh=mesh, in_specs=tuple(in_specs) + (scale_spec,) * len(scales),
+                       out_specs=out_specs, check_vma=False)
+    return fn(*args, *scales.values())
 
 
 def _head_scales(kernel_kwargs: dict, num_kv_heads: int) -> tuple[dict, dict]:
@@ -132,22 +140,6 @@ def _head_scales(kernel_kwargs: dict, num_kv_heads: int) -> tuple[dict, dict]:
         if val is not None and jnp.size(val) > 1:
             scales[name] = jnp.broadcast_to(jnp.asarray(rest.pop(name), jnp.float32).reshape(-1), (num_kv_heads,))
     return rest, scales
-
-
-def _with_scales(kernel, n_args: int, scales: dict):
-    """``kernel`` taking ``n_args`` positional operands, then the per-head scales (in ``scales``' order) as
-    trailing operands passed on by name."""
-    names = tuple(scales)
-
-    def call(*args):
-        return kernel(*args[:n_args], **dict(zip(names, args[n_args:])))
-
-    return call
-
-
-def _scale_spec(cache_spec: P) -> P:
-    """A per-head scale's spec: split over ``"tp"`` with the kv heads, or whole where they are replicated."""
-    return P(TP) if cache_spec == CACHE_HEADS else P()
 
 
 def _kv_specs(num_kv_heads: int, tp: int) -> tuple[P, P]:

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     elif gpu:
         variants = [("reference", "float32", "auto"), ("pallas", "float32", "auto"),
                     ("reference", "bfloat16", "auto"), ("pallas", "bfloat16", "auto"),
-                    ("pallas", "bfloat16", "fp8")]
+                    ("reference", "bfloat16", "fp8"), ("pallas", "bfloat16", "fp8")]
     else:
         variants = [("reference", "float32", "auto")]
     variants.sort(key=lambda v: v[0] != "reference")   # each dtype's reference first: the others are judged on it
@@ -95,10 +95,12 @@ def main(argv=None) -> int:
         ids = [o.outputs[0].token_ids for o in outs]
         key = (backend, dtype, kv)
         results[key] = ids
-        if backend == "reference" and kv == "auto":
-            ref_outs[dtype] = [o.outputs[0] for o in outs]
-        # like with like: each variant against the reference path of its own dtype
-        ref_key = ("reference", dtype, "auto")
+        if backend == "reference":
+            ref_outs[dtype, kv] = [o.outputs[0] for o in outs]
+        # like with like: each variant against the reference path of its own dtype (and KV cache dtype, where
+        # that reference ran)
+        ref_kv = kv if ("reference", dtype, kv) in variants else "auto"
+        ref_key = ("reference", dtype, ref_kv)
         ref = results.get(ref_key)
         same_as_ref = ref == ids if ref is not None and key != ref_key else None
         vs_ref = [first_diff(x, y) for x, y in zip(ids, ref)] if ref is not None else None
@@ -114,13 +116,13 @@ def main(argv=None) -> int:
         if same_as_ref is False:
             # a length mismatch (i past either output) is a real divergence
             ties = [None if i is None or i >= min(len(got), len(r.logprobs)) else tie_gap(r.logprobs[i], got[i])
-                    for i, got, r in zip(vs_ref, ids, ref_outs[dtype])]
+                    for i, got, r in zip(vs_ref, ids, ref_outs[dtype, ref_kv])]
             real = [i for i, gap in zip(vs_ref, ties) if i is not None and (gap is None or gap >= TIE_EPS)]
             line_ties = ", ".join(f"prompt {j + 1} token {i}: runner-up {gap:.4f} below" for j, (i, gap)
                                   in enumerate(zip(vs_ref, ties)) if gap is not None and gap < TIE_EPS)
             if dtype == "float32" and real:
                 ok = False
-        print(line + f"equals the {dtype} reference path: {same_as_ref} (first diffs {vs_ref}); "
+        print(line + f"equals the {dtype} kv={ref_kv} reference path: {same_as_ref} (first diffs {vs_ref}); "
               + (f"near-ties: {line_ties}; " if line_ties else "")
               + f"{time.perf_counter() - t0:.1f} s")
         del llm

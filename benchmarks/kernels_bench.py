@@ -144,9 +144,10 @@ def time_decode(S, B, ctx, *, which="ours", cache_dtype=None, k_scale=None, **cf
         k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)       # the stock layout: [kv_heads, pages, block, d]
         step = stock_decode_step(S)
     else:
-        if cfg.get("kv_layout") == "nhd":                         # token-major pages [pool, block, kv_heads, d]
+        layout = cfg.get("kv_layout") or ("hnd-vt" if ref_attention.v_transposed(v.dtype) else "hnd")
+        if layout == "nhd":                                       # token-major pages [pool, block, kv_heads, d]
             k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-        elif cfg.get("kv_layout") == "hnd-vt":                    # V pages transposed [pool, kv_heads, d, block]
+        elif layout == "hnd-vt":                                  # V pages transposed [pool, kv_heads, d, block]
             v = jnp.swapaxes(v, 2, 3)
         step = ours_decode_step(S, k_scale=k_scale, v_scale=k_scale, **cfg)
     fn = chain(step, S.n_iter, n_rot)
@@ -194,7 +195,7 @@ def section_correctness(S, rows):
             scale = None
             if cache and cache.startswith("fp8"):
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k, v))
+                k, v = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
             kw = dict(sm_scale=S.d ** -0.5, soft_cap=cap, sliding_window=win, k_scale=scale, v_scale=scale)
             ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
             extra = dict(dot_dtype=jnp.float16) if cache == "fp8-f16" else {}
@@ -246,7 +247,7 @@ def check_packed(S) -> bool:
             kw = dict(sm_scale=S.d ** -0.5)
             if cache == "fp8":
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                kc, vc = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (kc, vc))
+                kc, vc = ref_attention.quantize_caches(kc, vc, jnp.float8_e4m3fn, scale, scale)
                 kw |= dict(k_scale=scale, v_scale=scale)
             k, v = (jnp.asarray(rng.standard_normal((q.shape[0], S.kvh, S.d)), jnp.bfloat16) for _ in range(2))
             want = kernel_ops.write_kv_and_attend(q, k, v, kc, vc, md, **kw)
@@ -277,7 +278,7 @@ def check_decode_only(S) -> bool:
             scale = None
             if cache == "fp8":
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k, v))
+                k, v = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
             kw = dict(sm_scale=S.d ** -0.5, k_scale=scale, v_scale=scale)
             ref = np.asarray(ref_attention.ragged_paged_attention(q, k, v, md, **kw), np.float32)
             out = np.asarray(pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
@@ -323,8 +324,8 @@ def check_write_kv(S) -> bool:
         rng = np.random.default_rng(kvh)
         nb, T, n_real = 64, 48, 40
         cdt = kernel_ops.kv_cache_dtype(cache, jnp.bfloat16)
-        shape = kernel_ops.kv_cache_shape(nb, S.bs, kvh, S.d)
-        kc, vc = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16).astype(cdt) for _ in range(2))
+        kc, vc = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16).astype(cdt)
+                  for shape in kernel_ops.kv_cache_shapes(nb, S.bs, kvh, S.d, cdt))
         k, v = (jnp.asarray(rng.standard_normal((T, kvh, S.d)) * 3, jnp.bfloat16) for _ in range(2))
         real = rng.choice(np.arange(S.bs, nb * S.bs), n_real, replace=False)
         slots = jnp.asarray(np.concatenate([real, np.zeros(T - n_real, np.int64)]), jnp.int32)
@@ -333,7 +334,12 @@ def check_write_kv(S) -> bool:
         got = kernel_ops.write_kv(kc, vc, k, v, slots, backend="pallas", interpret=S.interpret, **sc)
         good = True
         for g, w, o in zip(got, want, (kc, vc)):
-            g, w, o = (np.swapaxes(np.asarray(x.astype(jnp.float32)), 1, 2).reshape(nb * S.bs, -1) for x in (g, w, o))
+            transposed = o is vc and ref_attention.v_transposed(cdt)      # fp8 V pages [blocks, kvh, d, block]
+
+            def by_slot(x):
+                x = np.asarray(x.astype(jnp.float32))
+                return np.swapaxes(np.swapaxes(x, 2, 3) if transposed else x, 1, 2).reshape(nb * S.bs, -1)
+            g, w, o = map(by_slot, (g, w, o))
             good &= bool(np.array_equal(g[S.bs:], w[S.bs:]) and np.array_equal(g[:S.bs], o[:S.bs]))
         ok &= good
         log(f"- write_kv kvh={kvh} cache={cache}: "

@@ -1,7 +1,7 @@
 """The step's new K and V into the paged cache in one Pallas (Triton) launch: ``write_kv`` for NVIDIA GPUs.
 
 Same function as ``ref_attention.write_kv`` over the cache layout ``[num_blocks, kv_heads, block_size,
-head_dim]``, except that padding tokens (``slot_mapping == PAD_SLOT``, the null block) write nothing. One
+head_dim]`` (an fp8 cache's V pages transposed, ``[num_blocks, kv_heads, head_dim, block_size]``), except that padding tokens (``slot_mapping == PAD_SLOT``, the null block) write nothing. One
 program per token copies its ``kv_heads`` rows of K and of V (quantizing to e4m3 for an fp8 cache) into the
 caches, all heads in one ``[kv_heads, head_dim]`` load and one masked store per tensor; the caches are aliased to
 the outputs so the donated cache is updated in place. ``write_kv_packed`` reads K and V from the one
@@ -25,13 +25,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from .metadata import PAD_SLOT
 from .paged_attention_pallas import _next_pow2, _rows
-from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale
+from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale, v_transposed
 
 
 def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_ref, vc_ref, *, kvh, bs, stride,
-                  k_off, v_off):
+                  k_off, v_off, v_transposed):
     """Token t's K heads are rows ``t * stride + k_off + h`` of ``k_ref``, its V heads the same from ``v_off``
-    in ``v_ref`` (separate k / v: stride kvh, offsets 0; one packed q/k/v array: both refs are it)."""
+    in ``v_ref`` (separate k / v: stride kvh, offsets 0; one packed q/k/v array: both refs are it).
+    ``v_transposed`` (fp8): ``vc_ref`` is the V cache seen as ``[num_blocks * kvh * D, bs]``, and the token's
+    ``[kvh, D]`` values go to column ``slot % bs`` of rows ``(block * kvh + h) * D + d``."""
     t = pl.program_id(0)
     slot = slots_ref[t]
     page_row = (slot // bs) * kvh * bs + slot % bs          # head h's row: page_row + h * bs
@@ -44,13 +46,20 @@ def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_re
         # a padded row's (masked) store points at row 0 (the null block, which no token writes), not at a
         # real row: interpret mode stores a masked row's old value back, which must not undo a real store
         dst_rows = jnp.where(real, page_row + heads * bs, 0)
-        keep = jnp.broadcast_to(real[:, None], (heads.shape[0], k_ref.shape[1]))
+        d = k_ref.shape[1]
+        keep = jnp.broadcast_to(real[:, None], (heads.shape[0], d))
         for src, off, scale_ref, dst in ((k_ref, k_off, ks_ref, kc_ref), (v_ref, v_off, vs_ref, vc_ref)):
             x = plgpu.load(_rows(src, t * stride + off + hh))                     # [kvh_pad, D]
             if dst.dtype == FP8_DTYPE:
                 scale = plgpu.load(scale_ref.at[hh])
                 x = jnp.clip(x.astype(jnp.float32) / scale[:, None], -FP8_MAX, FP8_MAX)
-            plgpu.store(_rows(dst, dst_rows), x.astype(dst.dtype), mask=keep)
+            if v_transposed and dst is vc_ref:      # one element per (head, feature), a column of the page
+                head_base = jnp.where(real, (slot // bs) * kvh + heads, 0) * d        # padded rows: the null block
+                feat_rows = head_base[:, None] + lax.iota(jnp.int32, d)[None, :]      # [kvh_pad, D]
+                col = jnp.broadcast_to(jnp.where(real, slot % bs, 0)[:, None], feat_rows.shape)
+                plgpu.store(dst.at[feat_rows, col], x.astype(dst.dtype), mask=keep)
+            else:
+                plgpu.store(_rows(dst, dst_rows), x.astype(dst.dtype), mask=keep)
 
 
 def _launch(k_cache, v_cache, k_src, v_src, slot_mapping, *, stride, k_off, v_off, k_scale, v_scale, interpret):
@@ -58,15 +67,20 @@ def _launch(k_cache, v_cache, k_src, v_src, slot_mapping, *, stride, k_off, v_of
     nb, kvh, bs, d = k_cache.shape
     T = k_src.shape[0] // stride
     flat = (nb * kvh * bs, d)
+    vt = v_transposed(v_cache.dtype)
+    v_flat = (nb * kvh * d, bs) if vt else flat
+    if tuple(v_cache.shape) != ((nb, kvh, d, bs) if vt else (nb, kvh, bs, d)):
+        raise ValueError(f"V cache shape {v_cache.shape} does not match K's {k_cache.shape} in {v_cache.dtype} "
+                         f"(ops.kv_cache_shapes)")
     kc, vc = pl.pallas_call(
-        functools.partial(_write_kernel, kvh=kvh, bs=bs, stride=stride, k_off=k_off, v_off=v_off),
+        functools.partial(_write_kernel, kvh=kvh, bs=bs, stride=stride, k_off=k_off, v_off=v_off, v_transposed=vt),
         grid=(T,),
-        out_shape=(jax.ShapeDtypeStruct(flat, k_cache.dtype), jax.ShapeDtypeStruct(flat, v_cache.dtype)),
+        out_shape=(jax.ShapeDtypeStruct(flat, k_cache.dtype), jax.ShapeDtypeStruct(v_flat, v_cache.dtype)),
         input_output_aliases={5: 0, 6: 1},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="paged_kv_write",
     )(slot_mapping.astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
-      k_src, v_src, k_cache.reshape(flat), v_cache.reshape(flat))
+      k_src, v_src, k_cache.reshape(flat), v_cache.reshape(v_flat))
     return kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)
 
 

@@ -7,7 +7,8 @@ kernel of ``prefill_mgpu`` where it applies). ``pallas-triton`` keeps every step
 ``default_backend()`` says which one this process should use. A model layer calls ``write_kv_and_attend``
 (the K/V write, then attention over the cache that now holds the step's tokens).
 An fp8 cache (``kv_cache_dtype="fp8"``, e4m3) takes ``k_scale``/``v_scale`` (scalar or ``[kv_heads]``,
-None = 1.0) in both ``write_kv`` and ``paged_attention``; pass the same scales to both.
+None = 1.0) in both ``write_kv`` and ``paged_attention``; pass the same scales to both. Its V pages are stored
+transposed (``kv_cache_shapes``); every backend reads and writes that layout.
 """
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     153.1; no case was slower by more than 0.4 % except fp8 at B=1 in run 1.
     """
     return (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's ``(k_cache, v_cache)`` stored in ``dtype``: both ``kv_cache_shape``, except that an
+    fp8 cache's V pages are transposed, ``[num_blocks, kv_heads, head_dim, block_size]``
+    (``ref_attention.v_transposed`` says why)."""
+    k_shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    if ref_attention.v_transposed(dtype):
+        return k_shape, (num_blocks, num_kv_heads, head_dim, block_size)
+    return k_shape, k_shape
 
 
 def kv_cache_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:

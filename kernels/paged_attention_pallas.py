@@ -1,10 +1,11 @@
 """Ragged paged attention for NVIDIA GPUs in Pallas (Triton lowering).
 
 Same function as ``ref_attention.ragged_paged_attention`` over the engine's cache layout
-``[num_blocks, kv_heads, block_size, head_dim]``; ``k_scale``/``v_scale`` dequantize an fp8 cache.
-(``kv_layout="nhd"`` reads token-major pages ``[num_blocks, block_size, kv_heads, head_dim]`` instead, for
-A/B runs: ``benchmarks/decode_probe.py --sections layout``; ``kv_layout="hnd-vt"``, decode-only launch only,
-reads V pages transposed, ``[num_blocks, kv_heads, head_dim, block_size]``: an fp8 probe, ``--sections vt``.)
+``[num_blocks, kv_heads, block_size, head_dim]`` (``kv_layout="hnd"``), whose fp8 caches store V pages
+transposed, ``[num_blocks, kv_heads, head_dim, block_size]`` (``"hnd-vt"``); ``k_scale``/``v_scale``
+dequantize an fp8 cache. (``kv_layout="nhd"`` reads token-major pages ``[num_blocks, block_size, kv_heads,
+head_dim]`` instead, for A/B runs: ``benchmarks/decode_probe.py --sections layout``; ``--sections vt`` times
+hnd-vt against hnd.)
 
 One launch (``fused=True``, the default) runs two kinds of tile over one output buffer:
 
@@ -58,6 +59,7 @@ from jax.experimental.pallas import triton as plgpu
 from . import prefill_mgpu
 from .metadata import AttentionMetadata
 from .ref_attention import FP8_MAX, head_scale
+from .ref_attention import v_transposed as v_transposed_dtype
 
 # Finite, so a fully masked chunk gives exp2(MASK - MASK) = 1 instead of NaN; such a row's garbage is
 # wiped by the first real chunk (its correction factor is exp2(MASK - m_real) = 0) and rows that never
@@ -84,10 +86,10 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
     (base 2). ``fp8_qk`` (fp8 cache): QK^T runs on e4m3 operands, q scaled per row into e4m3's range
     (``ref_attention.fp8_query_rows``), so K goes to the MMA as stored, with no conversion.
     ``head_major``: the caches are ``[num_blocks, kv_heads, block_size, D]`` (a page's rows of one head are
-    contiguous), else ``[num_blocks, block_size, kv_heads, D]``. ``v_transposed`` (an A/B probe, decode tiles
-    only): V pages are ``[num_blocks, kv_heads, D, block_size]`` (keys contiguous), gathered as a ``[D, pages,
-    block_size]`` tile whose last axis Triton can see is contiguous, reshaped to ``[D, block_k]``; P.V then
-    takes V^T as the matmul's K-major operand, as QK^T takes K.
+    contiguous), else ``[num_blocks, block_size, kv_heads, D]``. ``v_transposed`` (fp8 caches): V pages are
+    ``[num_blocks, kv_heads, D, block_size]`` (keys contiguous), gathered as a ``[D, pages, block_size]`` tile
+    whose last axis Triton can see is contiguous, reshaped to ``[D, block_k]``; P.V then takes V^T as the
+    matmul's K-major operand, as QK^T takes K. Needs ``kv_lo`` and ``block_k`` multiples of ``block_size``.
     """
     m_rows, d = q.shape
     offs = lax.iota(jnp.int32, block_k)
@@ -369,7 +371,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
                            poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
                            mgpu_block_kv: int = 128, mgpu_stages: int = 2, decode_only: bool | None = None,
-                           mgpu_persistent: bool = True, fp8_qk: bool = False, kv_layout: str = "hnd",
+                           mgpu_persistent: bool = True, fp8_qk: bool = False, kv_layout: str | None = None,
                            num_q_heads: int | None = None):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
@@ -386,7 +388,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     on the H200, B=8 ctx 32768: 314 us with bf16 operands, 217 us with f16, bf16 cache 300 us); q and the
     softmax weights are then f16 too; q tiles are cast in the kernel after their load, and the kernel stores
     q's dtype.
-    ``decode_stages``: default 3; with an fp8 cache 4, or 7 in the decode-only launch (its tiles are half the bytes).
+    ``decode_stages``: default 3; with an fp8 cache 4, or in the decode-only launch 6 (7 over head-major V).
+    ``kv_layout``: default ``"hnd-vt"`` for an fp8 cache (``ref_attention.v_transposed``), else ``"hnd"``.
     ``prefill_kernel``: ``"triton"`` (prefill tiles in this file), ``"mgpu"`` (the Mosaic GPU kernel of
     ``prefill_mgpu`` for the prefill tokens, then the decode launch, wherever ``prefill_mgpu.supported``;
     else triton) or ``"auto"`` (mgpu where supported and the step has at least ``MGPU_MIN_TOKENS`` token
@@ -419,13 +422,20 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     # fused). An fp8 cache wants a deeper pipeline: 64-key tiles in 2 warps over 7 stages. B=8 ctx 32768,
     # head-major pages, three interleaved rounds (decode_probe --sections fp8d, ninth session): 7 stages
     # 169.0-172.5 us = 0.599-0.606x bf16, 8 stages 177.0-194.2 (0.622-0.693x), 6 stages 0.590-0.627x; at B=64
-    # ctx 8192 the three depths are level (0.551-0.581x). 128-key tiles: 185-192 us.
+    # ctx 8192 the three depths are level (0.551-0.581x). 128-key tiles: 185-192 us. With V pages transposed
+    # (the fp8 default since the tenth session) 6 stages did best: 0.559 / 0.569x at B=8 ctx 32768, 0.538 /
+    # 0.545x at B=64 ctx 8192, 0.568 / 0.557x at B=64 ctx 2048 (7 stages: 0.610 / 0.651x, 0.525 / 0.546x,
+    # 0.712 / 0.676x; decode_probe --sections vt, two interleaved rounds); on a second host 5 / 6 / 7 stages
+    # were within noise at B=8 ctx 32768 (0.570-0.587x) and B=64 ctx 8192 (0.533-0.551x), and 5 stages lost at
+    # B=64 ctx 2048 (0.643-0.656x against 0.584-0.601x).
     if decode_block_k is None:
         decode_block_k = 64 if decode_only else 128
     if decode_warps is None:
         decode_warps = 2 if decode_only else 4
+    if kv_layout is None:
+        kv_layout = "hnd-vt" if v_transposed_dtype(v_cache.dtype) else "hnd"
     if decode_stages is None:
-        decode_stages = (7 if decode_only else 4) if fp8_cache else 3
+        decode_stages = ((6 if kv_layout == "hnd-vt" else 7) if decode_only else 4) if fp8_cache else 3
     # q tiles are cast to the matmul dtype in the kernel, after their load: no XLA pass over q (or over the
     # packed q/k/v array) and no cast of the output back (the kernel stores q's dtype)
     tile_dot = jnp.dtype(dot_dtype) if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype else None
@@ -434,8 +444,6 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         raise ValueError(f"kv_layout must be nhd, hnd or hnd-vt, got {kv_layout!r}")
     head_major = kv_layout in ("hnd", "hnd-vt")
     v_transposed = kv_layout == "hnd-vt"
-    if v_transposed and not decode_only:
-        raise ValueError("kv_layout='hnd-vt' (V pages transposed, an A/B probe) runs the decode-only launch only")
     if prefill_kernel == "mgpu" and kv_layout != "hnd":
         raise ValueError(f"prefill_kernel='mgpu' reads head-major pages only, not kv_layout={kv_layout!r}")
     mgpu_ok = kv_layout == "hnd" and tile_dot is None and prefill_mgpu.supported(q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
@@ -460,9 +468,10 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                   head_major=head_major, v_transposed=v_transposed)
     block_q = max(1, prefill_block_m // group_pad)
     n_prefill = T // block_q + R                   # tile slots of the in-kernel prefill schedule
-    if v_transposed and (decode_block_k % bs or tuple(v_cache.shape) != (nb, kvh, d, bs)):
-        raise ValueError(f"kv_layout='hnd-vt' needs V pages [blocks, kv_heads, head_dim, block_size] and "
-                         f"decode_block_k a multiple of block_size; got {v_cache.shape}, {decode_block_k}")
+    if v_transposed and (decode_block_k % bs or (not decode_only and prefill_block_k % bs)
+                         or tuple(v_cache.shape) != (nb, kvh, d, bs)):
+        raise ValueError(f"kv_layout='hnd-vt' needs V pages [blocks, kv_heads, head_dim, block_size] and key tiles "
+                         f"a multiple of block_size; got {v_cache.shape}, block_k {decode_block_k} / {prefill_block_k}")
     splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)
     if splits & (splits - 1):
         raise ValueError(f"decode_splits must be a power of two, got {splits}")

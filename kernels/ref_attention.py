@@ -1,8 +1,9 @@
 """Pure-jnp paged attention: the CPU path and the oracle every Pallas kernel is tested against.
 
 Cache layout, per layer: ``k_cache`` and ``v_cache`` each ``[num_blocks, kv_heads, block_size, head_dim]``
-(head-major pages: one head's rows of a page are contiguous; ``kernels/ops.py`` says why); a token's flat
-slot is ``block * block_size + offset``.
+(head-major pages: one head's rows of a page are contiguous; ``kernels/ops.py`` says why), except that an fp8
+cache stores its V pages transposed, ``[num_blocks, kv_heads, head_dim, block_size]`` (``v_transposed``); a
+token's flat slot is ``block * block_size + offset``.
 """
 from __future__ import annotations
 
@@ -24,6 +25,24 @@ def head_scale(scale, kv_heads: int):
     if scale is None:
         return jnp.ones((kv_heads,), jnp.float32)
     return jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(-1), (kv_heads,))
+
+
+def v_transposed(cache_dtype) -> bool:
+    """Whether a V cache of this dtype stores its pages transposed, ``[num_blocks, kv_heads, head_dim,
+    block_size]`` (a page's keys contiguous per feature): fp8 (1-byte) caches do. The Pallas kernel's P.V then
+    takes V^T as the matmul's K-major operand, as QK^T takes K, so 8-bit V needs no transpose on its way to
+    the MMA: fp8 decode at 0.56-0.58x the bf16 time where head-major V read 0.60-0.63x (H200, B=8 ctx 32768,
+    ``decode_probe.py --sections vt``, 2026-11-30). bf16 V keeps head-major pages, which the Mosaic GPU
+    prefill TMA-loads."""
+    return jnp.dtype(cache_dtype).itemsize == 1
+
+
+def quantize_caches(k_cache, v_cache, cache_dtype, k_scale=None, v_scale=None):
+    """Whole head-major caches ``[num_blocks, kv_heads, block_size, D]`` cast (fp8: scaled and saturated) to
+    ``cache_dtype``, V transposed where that dtype wants it (``v_transposed``): caches as the engine keeps them."""
+    if v_transposed(cache_dtype):
+        v_cache = jnp.swapaxes(v_cache, 2, 3)
+    return quantize_kv(k_cache, cache_dtype, k_scale), quantize_kv(v_cache, cache_dtype, v_scale)
 
 
 def quantize_kv(x, cache_dtype, scale):
@@ -57,9 +76,10 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None
     """
     bs = k_cache.shape[2]
     blk, off = slot_mapping // bs, slot_mapping % bs
-    # two advanced indices around a slice: the indexed view is [T, kv_heads, head_dim], like k and v
+    # advanced indices around slices: the indexed view is [T, kv_heads, head_dim], like k and v
+    vq = quantize_kv(v, v_cache.dtype, v_scale)
     return (k_cache.at[blk, :, off].set(quantize_kv(k, k_cache.dtype, k_scale)),
-            v_cache.at[blk, :, off].set(quantize_kv(v, v_cache.dtype, v_scale)))
+            v_cache.at[blk, :, :, off].set(vq) if v_transposed(v_cache.dtype) else v_cache.at[blk, :, off].set(vq))
 
 
 def token_layout(md: AttentionMetadata, num_tokens: int):
@@ -74,8 +94,11 @@ def token_layout(md: AttentionMetadata, num_tokens: int):
     return req, qpos, valid
 
 
-def _token_rows(pages):
-    """Gathered pages ``[T, c, kv_heads, block_size, D]`` as ``[T, c * block_size, kv_heads, D]``."""
+def _token_rows(pages, transposed=False):
+    """Gathered pages ``[T, c, kv_heads, block_size, D]`` (``transposed``: ``[T, c, kv_heads, D, block_size]``)
+    as ``[T, c * block_size, kv_heads, D]``."""
+    if transposed:
+        pages = jnp.swapaxes(pages, 3, 4)
     T, c, kvh, bs, d = pages.shape
     return pages.transpose(0, 1, 3, 2, 4).reshape(T, c * bs, kvh, d)
 
@@ -111,7 +134,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         i, tab = xs                                                        # tab [R, c]
         blk = tab[req]                                                     # [T, c]
         kb = dequantize_kv(_token_rows(k_cache[blk]), k_scale)            # [T, c*bs, kvh, d]
-        vb = dequantize_kv(_token_rows(v_cache[blk]), v_scale)
+        vb = dequantize_kv(_token_rows(v_cache[blk], v_transposed(v_cache.dtype)), v_scale)
         s = jnp.einsum("thgd,tkhd->thgk", qg, kb, precision=HIGHEST)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

@@ -5,7 +5,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from .metadata import AttentionMetadata
-from .ops import kv_cache_shape
+from .ops import kv_cache_shapes
 
 
 def make_batch(rng: np.random.Generator, q_lens, ctx_lens, *, block_size: int, num_q_heads: int,
@@ -49,9 +49,8 @@ def make_batch(rng: np.random.Generator, q_lens, ctx_lens, *, block_size: int, n
     md = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables),
                            seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl),
                            num_seqs=jnp.asarray(n, jnp.int32))
-    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     cache_dtype = cache_dtype or dtype
-    k = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(cache_dtype)
-    v = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(cache_dtype)
+    k, v = (jnp.asarray(rng.standard_normal(shape, np.float32)).astype(cache_dtype)
+            for shape in kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype))
     q = jnp.asarray(rng.standard_normal((T, num_q_heads, head_dim), np.float32)).astype(dtype)
     return q, k, v, md

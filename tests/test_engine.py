@@ -424,3 +424,32 @@ def test_multi_step_logprobs_match_single_step(llm, multi, workload):
             for t in lx:
                 assert lx[t].rank == ly[t].rank
                 assert lx[t].logprob == pytest.approx(ly[t].logprob, abs=1e-4)
+
+
+def test_fp8_kv_cache_tracks_the_full_precision_cache(llm, workload):
+    """``kv_cache_dtype="fp8"``: the runner keeps e4m3 caches in the kernels' layout (V pages transposed,
+    ``ops.kv_cache_shapes``), and what it serves stays near the float32 cache's: the first generated token's
+    log-probability over prompts of 2-89 tokens (the attention reads every prompt token back from the cache)."""
+    import jax.numpy as jnp
+    from jaxserve.kernels import ops
+    fp8 = make_llm(kv_cache_dtype="fp8")
+    runner = fp8.engine.runner
+    k, v = runner.kv_caches[0]
+    cfg = runner.cfg
+    assert k.dtype == v.dtype == jnp.float8_e4m3fn
+    assert (k.shape, v.shape) == ops.kv_cache_shapes(runner.num_blocks, 4, cfg.num_kv_heads, cfg.head_dim, k.dtype)
+    assert v.shape[2:] == (cfg.head_dim, 4)
+    prompts, _ = workload
+    sp = SamplingParams(temperature=0, max_tokens=1, logprobs=3, ignore_eos=True)
+    want = llm.generate(prompts[:16], sp, use_tqdm=False)
+    got = fp8.generate(prompts[:16], sp, use_tqdm=False)
+    diffs, same = [], 0
+    for g, w in zip(got, want):
+        wt, gt = w.outputs[0].token_ids[0], g.outputs[0].token_ids[0]
+        same += wt == gt
+        lp = g.outputs[0].logprobs[0]
+        if wt in lp:
+            diffs.append(abs(lp[wt].logprob - w.outputs[0].logprobs[0][wt].logprob))
+    # measured: 14/16 same, |diff| median 0.069, max 0.133 (e4m3 keeps 3 mantissa bits, and this random tiny
+    # model's next-token distributions are flat); V stored one slot off in its page: 0/16 same
+    assert same >= 13 and len(diffs) >= 14 and np.median(diffs) < 0.1 and max(diffs) < 0.3, (same, diffs)

@@ -138,9 +138,13 @@ def test_fp8_cache_matches_reference_and_write_kv_roundtrip():
     nslots = k.shape[0] * bs
     slots = jnp.arange(nslots, dtype=jnp.int32)
     by_slot = lambda x: jnp.swapaxes(x, 1, 2).reshape(nslots, kvh, d)      # noqa: E731  [slot, head, d]
-    k8, v8 = ops.write_kv(jnp.zeros(k.shape, fp8), jnp.zeros(v.shape, fp8), by_slot(k), by_slot(v), slots,
+    k_shape, v_shape = ops.kv_cache_shapes(k.shape[0], bs, kvh, d, fp8)
+    assert v_shape == (k.shape[0], kvh, d, bs)                              # fp8 V pages are stored transposed
+    k8, v8 = ops.write_kv(jnp.zeros(k_shape, fp8), jnp.zeros(v_shape, fp8), by_slot(k), by_slot(v), slots,
                           k_scale=k_scale, v_scale=v_scale)
-    assert k8.dtype == fp8
+    assert k8.dtype == fp8 and v8.shape == v_shape
+    np.testing.assert_array_equal(np.asarray(v8.astype(jnp.float32)), np.asarray(ref_attention.quantize_caches(
+        k, v, fp8, k_scale, v_scale)[1].astype(jnp.float32)))               # the write and the whole-cache cast agree
     deq = ref_attention.dequantize_kv(jnp.swapaxes(k8, 1, 2), k_scale)                # [.., head, d] per head
     kf = jnp.swapaxes(k, 1, 2).astype(jnp.float32)
     # e4m3 has 3 mantissa bits: relative rounding error <= 2^-4 (values stay far below 448 * scale).
@@ -171,8 +175,7 @@ def test_fp8_qk_matches_reference_with_rounded_query():
     q = q * jnp.linspace(0.01, 30.0, hq)[None, :, None].astype(q.dtype)     # rows far apart in scale
     fp8 = ops.kv_cache_dtype("fp8", jnp.bfloat16)
     kw = dict(sm_scale=d ** -0.5, k_scale=jnp.array([0.02, 0.05]), v_scale=jnp.float32(0.03))
-    k8 = ref_attention.quantize_kv(k, fp8, kw["k_scale"])
-    v8 = ref_attention.quantize_kv(v, fp8, kw["v_scale"])
+    k8, v8 = ref_attention.quantize_caches(k, v, fp8, kw["k_scale"], kw["v_scale"])
     ref_q8 = ref_attention.ragged_paged_attention(q, k8, v8, md, fp8_query=True, **kw)
     for launch in (dict(decode_only=False), dict(decode_only=False, decode_splits=2)):
         out = ops.paged_attention(q, k8, v8, md, backend="pallas", interpret=True, fp8_qk=True,
@@ -183,8 +186,7 @@ def test_fp8_qk_matches_reference_with_rounded_query():
     dec = synthetic.make_batch(rng, [1, 1, 1], [40, 3, 17], block_size=bs, num_q_heads=hq, num_kv_heads=kvh,
                                head_dim=d, dtype=jnp.bfloat16, pad_tokens=1)
     qd, kd, vd, mdd = dec
-    kd8 = ref_attention.quantize_kv(kd, fp8, kw["k_scale"])
-    vd8 = ref_attention.quantize_kv(vd, fp8, kw["v_scale"])
+    kd8, vd8 = ref_attention.quantize_caches(kd, vd, fp8, kw["k_scale"], kw["v_scale"])
     out = ops.paged_attention(qd, kd8, vd8, mdd, backend="pallas", interpret=True, fp8_qk=True, decode_only=True,
                               poison_output=True, **kw)
     assert max_rel_err(out, ref_attention.ragged_paged_attention(qd, kd8, vd8, mdd, fp8_query=True, **kw), mdd) <= 1e-2
@@ -243,7 +245,7 @@ def test_write_kv_and_attend_packed_matches_reference(case):
     kw = dict(sm_scale=0.125)
     if case == "fp8":
         scale = jnp.asarray([0.5, 1.5], jnp.float32)
-        k_cache, v_cache = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k_cache, v_cache))
+        k_cache, v_cache = ref_attention.quantize_caches(k_cache, v_cache, jnp.float8_e4m3fn, scale, scale)
         kw |= dict(k_scale=scale, v_scale=scale)
     md = dataclasses.replace(md, decode_only=decode_only)
     new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], kvh, 64)), dtype) for _ in range(2))
@@ -277,10 +279,12 @@ def test_packed_queries_are_read_by_stride(dtype, prefill_kernel):
         pa.ragged_paged_attention(q, k, v, md, sm_scale=0.125, interpret=True, num_q_heads=5)
 
 
-@pytest.mark.parametrize("decode_only,prefill_kernel", [(True, "triton"), (False, "mgpu")])
-def test_packed_write_and_attention_lower_for_cuda(decode_only, prefill_kernel):
+@pytest.mark.parametrize("decode_only,prefill_kernel,cache", [(True, "triton", None), (False, "mgpu", None),
+                                                             (True, "triton", "fp8"), (False, "triton", "fp8")])
+def test_packed_write_and_attention_lower_for_cuda(decode_only, prefill_kernel, cache):
     """The packed path's GPU builds (the K/V write, the decode-only launch; the Mosaic GPU prefill fed the
-    queries' slice) lower for CUDA here on CPU."""
+    queries' slice; an fp8 cache's transposed V pages in the write, the decode-only and the fused launch)
+    lower for CUDA here on CPU."""
     from jaxserve.kernels import kv_write_pallas
     rng = np.random.default_rng(23)
     q_lens, ctx_lens = ([1] * 4, [40, 9, 17, 300]) if decode_only else ([1, 200], [40, 300])
@@ -288,6 +292,8 @@ def test_packed_write_and_attention_lower_for_cuda(decode_only, prefill_kernel):
                                        head_dim=128, dtype=jnp.bfloat16, pad_tokens=4, pad_reqs=1)
     md = dataclasses.replace(md, decode_only=decode_only)
     qkv = jnp.concatenate([q, q[:, :4]], axis=1)
+    if cache:
+        k, v = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn)
 
     def step(qkv, k, v, md):
         k, v = kv_write_pallas.write_kv_packed(k, v, qkv, md.slot_mapping, num_q_heads=8)
@@ -301,38 +307,46 @@ def test_packed_write_and_attention_lower_for_cuda(decode_only, prefill_kernel):
 
 
 @pytest.mark.parametrize("cache", [None, "fp8"])
-def test_transposed_v_pages_probe(cache):
-    """``kv_layout="hnd-vt"`` (an A/B probe of the decode-only launch: V pages stored [blocks, kv heads, D,
-    block], gathered as [D, pages, block] tiles) gives the head-major kernel's output bit for bit, split and
-    not, and its GPU build lowers for CUDA (the 3-D gather and the reshape)."""
+def test_transposed_v_pages_give_head_major_output(cache):
+    """``kv_layout="hnd-vt"`` (V pages stored [blocks, kv heads, D, block], gathered as [D, pages, block] tiles;
+    an fp8 cache's default) gives the head-major kernel's output bit for bit in every launch: decode-only,
+    fused (prefill tiles too) and two launches, split and not; its GPU builds lower for CUDA."""
     rng = np.random.default_rng(24)
     dtype = jnp.bfloat16 if cache else jnp.float32
-    q, k, v, md = synthetic.make_batch(rng, [1] * 4, [40, 9, 77, 33], block_size=16, num_q_heads=8, num_kv_heads=2,
-                                       head_dim=64, dtype=dtype, pad_tokens=3, pad_reqs=1)
-    md = dataclasses.replace(md, decode_only=True)
-    kw = dict(sm_scale=0.125, decode_block_k=32)
-    if cache:
-        scale = jnp.asarray([0.5, 1.5], jnp.float32)
-        k, v = (ref_attention.quantize_kv(x, jnp.float8_e4m3fn, scale) for x in (k, v))
-        kw |= dict(k_scale=scale, v_scale=scale)
-    vt = jnp.swapaxes(v, 2, 3)
-    ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125, k_scale=kw.get("k_scale"),
-                                               v_scale=kw.get("v_scale"))
-    for splits in (1, 4):
-        base = pa.ragged_paged_attention(q, k, v, md, interpret=True, poison_output=True, decode_splits=splits, **kw)
-        out = pa.ragged_paged_attention(q, k, vt, md, interpret=True, poison_output=True, decode_splits=splits,
-                                        kv_layout="hnd-vt", **kw)
-        assert max_rel_err(out, ref, md) <= TOL[dtype]
+    q, k, v, md = synthetic.make_batch(rng, [1, 1, 1, 1], [40, 9, 77, 33], block_size=16, num_q_heads=8,
+                                       num_kv_heads=2, head_dim=64, dtype=dtype, pad_tokens=3, pad_reqs=1)
+    qm, km, vm, mdm = synthetic.make_batch(rng, [1, 20, 1, 7], [40, 20, 77, 33], block_size=16, num_q_heads=8,
+                                           num_kv_heads=2, head_dim=64, dtype=dtype, pad_tokens=3, pad_reqs=1)
+    kw = dict(sm_scale=0.125, decode_block_k=32, prefill_block_m=16, prefill_block_k=16)
+    scale = jnp.asarray([0.5, 1.5], jnp.float32)
+    for q, k, v, md, launches in ((q, k, v, dataclasses.replace(md, decode_only=True), [{}]),
+                                  (qm, km, vm, mdm, [{}, dict(fused=False)])):
+        kv = dict(kw)
+        if cache:                                   # fp8: hnd-vt by default, the head-major pages by name
+            k, vt = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)   # V pages transposed
+            v = ref_attention.quantize_kv(v, jnp.float8_e4m3fn, scale)                     # head-major V pages
+            kv |= dict(k_scale=scale, v_scale=scale)
+            layouts = (dict(kv_layout="hnd"), {})
+        else:
+            vt = jnp.swapaxes(v, 2, 3)
+            layouts = ({}, dict(kv_layout="hnd-vt"))
+        ref = ref_attention.ragged_paged_attention(q, k, vt if cache else v, md, sm_scale=0.125,
+                                                   k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale"))
         n = int(md.query_start_loc[int(md.num_seqs)])
-        np.testing.assert_array_equal(np.asarray(out[:n], np.float32), np.asarray(base[:n], np.float32))
-    with pytest.raises(ValueError, match="decode-only"):
-        pa.ragged_paged_attention(q, k, vt, dataclasses.replace(md, decode_only=False), interpret=True,
-                                  kv_layout="hnd-vt", **kw)
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    fn = jax.jit(functools.partial(pa.ragged_paged_attention, kv_layout="hnd-vt", **kw))
-    with jax.sharding.use_abstract_mesh(mesh):
-        assert "__gpu$xla.gpu.triton" in fn.trace(q, k, vt, md).lower(lowering_platforms=("cuda",)).as_text()
+        for launch in launches:
+            for splits in (1, 4):
+                opts = dict(interpret=True, poison_output=True, decode_splits=splits, **launch, **kv)
+                base = pa.ragged_paged_attention(q, k, v, md, **layouts[0], **opts)
+                out = pa.ragged_paged_attention(q, k, vt, md, **layouts[1], **opts)
+                assert max_rel_err(out, ref, md) <= TOL[dtype]
+                np.testing.assert_array_equal(np.asarray(out[:n], np.float32), np.asarray(base[:n], np.float32))
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+            device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+        fn = jax.jit(functools.partial(pa.ragged_paged_attention, **layouts[1], **kv))
+        with jax.sharding.use_abstract_mesh(mesh):
+            assert "__gpu$xla.gpu.triton" in fn.trace(q, k, vt, md).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        pa.ragged_paged_attention(q, k, vt, md, **dict(kv, prefill_block_k=8), interpret=True, **layouts[1])
 
 
 def test_diagonal_at_every_chunk_offset():
@@ -347,17 +361,27 @@ def test_window_edge_at_every_chunk_offset():
           window=16, splits=1)
 
 
-@pytest.mark.parametrize("kvh,cache_dtype", [(3, jnp.bfloat16), (8, jnp.float32), (2, "fp8")])
+def slot_major(cache, is_v=False):
+    """A cache as ``[slot, kv_heads, D]`` in float32 (an fp8 V cache's transposed pages turned back)."""
+    x = np.asarray(cache.astype(jnp.float32))
+    if is_v and ref_attention.v_transposed(cache.dtype):
+        x = np.swapaxes(x, 2, 3)
+    nb, kvh, bs, d = x.shape
+    return np.swapaxes(x, 1, 2).reshape(nb * bs, kvh, d)
+
+
+@pytest.mark.parametrize("kvh,cache_dtype", [(3, jnp.bfloat16), (8, jnp.float32), (2, "fp8"), (3, "fp8")])
 def test_pallas_write_kv_matches_scatter(kvh, cache_dtype):
     """The one-launch Pallas K/V write (interpret mode) against the XLA scatter: every real slot equal, the
     null block (padding tokens' PAD_SLOT) left untouched, other slots unchanged. kvh=3 is SmolLM2's
-    (not a power of two: padded head rows must not be stored)."""
+    (not a power of two: padded head rows must not be stored). An fp8 cache's V pages are transposed: the
+    write stores each head's D values down one column of its page."""
     rng = np.random.default_rng(kvh)
     nb, bs, d, T, n_real = 6, 16, 64, 12, 9
     dtype = jnp.bfloat16 if cache_dtype == "fp8" else cache_dtype
     cdt = ops.kv_cache_dtype(cache_dtype, dtype) if cache_dtype == "fp8" else cache_dtype
-    k_cache = jnp.asarray(rng.standard_normal(ops.kv_cache_shape(nb, bs, kvh, d)), dtype).astype(cdt)
-    v_cache = jnp.asarray(rng.standard_normal(ops.kv_cache_shape(nb, bs, kvh, d)), dtype).astype(cdt)
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal(shape), dtype).astype(cdt)
+                        for shape in ops.kv_cache_shapes(nb, bs, kvh, d, cdt))   # fp8: V pages transposed
     k = jnp.asarray(rng.standard_normal((T, kvh, d)) * 3, dtype)
     v = jnp.asarray(rng.standard_normal((T, kvh, d)) * 3, dtype)
     real = rng.choice(np.arange(bs, nb * bs), n_real, replace=False)        # never the null block
@@ -367,8 +391,7 @@ def test_pallas_write_kv_matches_scatter(kvh, cache_dtype):
     got_k, got_v = ops.write_kv(k_cache, v_cache, k, v, slots, backend="pallas", interpret=True, **scale)
     for got, want, old in ((got_k, want_k, k_cache), (got_v, want_v, v_cache)):
         assert got.dtype == old.dtype and got.shape == old.shape
-        g, w, o = (np.swapaxes(np.asarray(x.astype(jnp.float32)), 1, 2).reshape(nb * bs, kvh, d)
-                   for x in (got, want, old))                        # [slot, head, d]
+        g, w, o = (slot_major(x, old is v_cache) for x in (got, want, old))                   # [slot, head, d]
         np.testing.assert_array_equal(g[bs:], w[bs:])               # real slots written, the rest unchanged
         np.testing.assert_array_equal(g[:bs], o[:bs])               # padding tokens wrote nothing
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
@@ -380,13 +403,14 @@ def test_pallas_write_kv_lowers_for_cuda(kvh, cache_dtype):
     """The K/V write's Triton build (all heads in one masked [kv_heads_pad, D] load and store) lowers for
     CUDA here on CPU; interpret mode above checks its values."""
     from jaxserve.kernels import kv_write_pallas
-    cache = jax.ShapeDtypeStruct(ops.kv_cache_shape(64, 16, kvh, 128), cache_dtype)
+    k_cache, v_cache = (jax.ShapeDtypeStruct(shape, cache_dtype)
+                        for shape in ops.kv_cache_shapes(64, 16, kvh, 128, cache_dtype))
     new = jax.ShapeDtypeStruct((16, kvh, 128), jnp.bfloat16)
     slots = jax.ShapeDtypeStruct((16,), jnp.int32)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     with jax.sharding.use_abstract_mesh(mesh):                      # Triton needs a GPU's compute capability
-        text = kv_write_pallas.write_kv.trace(cache, cache, new, new, slots).lower(
+        text = kv_write_pallas.write_kv.trace(k_cache, v_cache, new, new, slots).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
 

@@ -117,11 +117,11 @@ def _dummy_init_fn(kind: str, shape: tuple, dtype, sharding):
 
 
 def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, *, mesh=None) -> list:
-    """One ``(k_cache, v_cache)`` pair per layer, zeros, ``kernels.ops.kv_cache_shape`` each."""
-    shape = ops.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    """One ``(k_cache, v_cache)`` pair per layer, zeros, shaped as ``kernels.ops.kv_cache_shapes`` says."""
+    k_shape, v_shape = ops.kv_cache_shapes(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
     sharding = parallel.kv_cache_sharding(mesh, cfg) if mesh is not None else None
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+    zeros_k, zeros_v = (jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=sharding) for s in (k_shape, v_shape))
+    return [(zeros_k(), zeros_v()) for _ in range(cfg.num_layers)]
 
 
 # ------------------------------------------------------------------------------------------------- RoPE

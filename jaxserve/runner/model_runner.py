@@ -284,17 +284,17 @@ class ModelRunner:
         return n
 
     def _init_kv_caches(self):
-        shape = kernel_ops.kv_cache_shape(self.num_blocks, self.block_size, self.cfg.num_kv_heads,
-                                          self.cfg.head_dim)
+        shapes = kernel_ops.kv_cache_shapes(self.num_blocks, self.block_size, self.cfg.num_kv_heads,
+                                            self.cfg.head_dim, self.kv_dtype)
         sharding = None
         if self.mesh is not None:
             from jaxserve.parallel import kv_cache_sharding
             sharding = kv_cache_sharding(self.mesh, self.cfg)
 
-        def zeros():
+        def zeros(shape):
             return jnp.zeros(shape, self.kv_dtype, device=sharding) if sharding is not None \
                 else jnp.zeros(shape, self.kv_dtype)
-        return [(zeros(), zeros()) for _ in range(self.cfg.num_layers)]
+        return [tuple(map(zeros, shapes)) for _ in range(self.cfg.num_layers)]
 
     # ---------------------------------------------------------------- inputs
     def bucket_for(self, num_tokens: int) -> int:

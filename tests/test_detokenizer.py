@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer, decode_logprobs, decode_token
 from jaxserve.outputs import Logprob
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -76,6 +76,39 @@ def test_deltas_concatenate_to_decode_on_random_sequences(tok, skip_special_toke
         detok, deltas = stream(tok, ids, params, rng)
         assert "".join(deltas) == full, ids
         assert detok.stop_reason is None and detok.token_ids == ids
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_final_only_without_stop_strings_decodes_once_at_the_end(tok, skip_special_tokens):
+    """A FINAL_ONLY request without stop strings (what LLM.generate sends) keeps its ids undecoded until it
+    finishes, then decodes them in one call: tokenizer.decode's text. Read before the end (output_text), it
+    settles the ids as the per-step path would have, and finishing after that gives the same text again."""
+    rng = random.Random(77 + skip_special_tokens)
+    final = SamplingParams(skip_special_tokens=skip_special_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
+    per_step = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for _ in range(200):
+        ids = random_ids(tok, rng)
+        full = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        detok = IncrementalDetokenizer(tok, [], final)
+        calls = []
+        decode = detok._decode_fn
+        detok._decode_fn = lambda x: calls.append(len(x)) or decode(x)
+        i = 0
+        while i + 3 < len(ids):
+            assert detok.update(ids[i:i + 3]) == ""
+            i += 3
+        assert detok.update(ids[i:], finished=True) == full and detok.output_text == full
+        assert calls == [len(ids)], calls                          # one decode of every id, at the end
+        # read halfway: the same text as the per-step detokenizer holds there; the end is still the decode
+        half = len(ids) // 2
+        early, ref = IncrementalDetokenizer(tok, [], final), IncrementalDetokenizer(tok, [], per_step)
+        early.update(ids[:half])
+        ref.update(ids[:half])
+        assert early.output_text == ref.output_text
+        early.update(ids[half:], finished=True)
+        assert early.output_text == full and early.token_ids == ids
+    assert IncrementalDetokenizer(tok, [], SamplingParams(stop=["x"], output_kind=RequestOutputKind.FINAL_ONLY)
+                                  )._deferred is False            # stop strings need the text every step
 
 
 def test_split_characters_are_held_back_until_complete(tok):

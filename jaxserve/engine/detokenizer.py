@@ -11,7 +11,9 @@ Cost: the engine calls `update` once per request per step, so it is on the hot p
 window decodes a step). transformers' `tokenizer.decode` spends ~10 us in Python per call around a ~1 us
 Rust decode; `fast_decoder` calls the Rust `tokenizers.Tokenizer.decode` directly whenever that gives the
 same string (a transformers fast tokenizer that does not post-process the text), and the text of the
-window's settled prefix is kept between calls instead of being decoded again.
+window's settled prefix is kept between calls instead of being decoded again. A FINAL_ONLY request (what
+`LLM.generate` asks for) without stop strings shows no text until it finishes, so its ids are decoded once,
+then (``_deferred``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -79,6 +81,10 @@ class IncrementalDetokenizer:
         self._prefix_text = ""               # decode(token_ids[_prefix_offset:_read_offset])
         self._stop_buffer = params.output_text_buffer_length
         self._detokenize = params.detokenize
+        # a FINAL_ONLY request without stop strings shows its text once, at the end: decode it then, in one
+        # call, instead of a window per step (the same string: the stream's concatenation is the full decode)
+        self._deferred = (params.detokenize and not params.stop
+                          and params.output_kind is RequestOutputKind.FINAL_ONLY)
         self._decode_fn = self._single = None
         if params.detokenize:
             # the decode function, and a cache of single-token decodes shared by every request using it
@@ -88,7 +94,18 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """Everything emitted so far (what a CUMULATIVE output shows)."""
+        if self._deferred and self._read_offset < len(self.token_ids):
+            self._catch_up()
         return self._text[:self._num_emitted]
+
+    def _catch_up(self) -> None:
+        """Deferred ids read before the end: settle them as ``update`` would have, one at a time."""
+        pending = self.token_ids[self._read_offset:]
+        del self.token_ids[self._read_offset:]
+        for token_id in pending:
+            self.token_ids.append(token_id)
+            self._decode_settled()
+        self._num_emitted = max(self._num_emitted, len(self._text) - self._stop_buffer)
 
     @property
     def stopped(self) -> bool:
@@ -100,6 +117,14 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None or not self._detokenize:
             self.token_ids.extend(new_token_ids)
             return ""
+        if self._deferred:
+            self.token_ids.extend(new_token_ids)
+            if not finished:
+                return ""
+            emitted = self._num_emitted
+            self._decode_all_pending()              # one decode of the ids since the last settled chunk
+            self._num_emitted = len(self._text)
+            return self._text[emitted:]
         text = self._text
         num_chars_before = len(text)
         for token_id in new_token_ids:

@@ -12,7 +12,8 @@ Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool,
 * fp8c: fp8 at B=8 ctx 32768 over split counts x pipeline depths, and the fixed cost of splitting;
 * layout: head-major (the engine's) against token-major cache pages (``kv_layout``), bf16 and fp8, checked
   and timed;
-* fp8d: fp8 at 6 / 7 / 8 stages against bf16, B=8 ctx 32768 and B=64 ctx 8192, three interleaved rounds;
+* fp8d: fp8 (its default layout) at 6 / 7 / 8 stages against bf16, B=8 ctx 32768 and B=64 ctx 8192, three
+  interleaved rounds;
 * vt: V pages stored transposed (``kv_layout="hnd-vt"``, an fp8 cache's layout since the tenth session), checked
   bit for bit against head-major, then timed against it, bf16 and fp8, two interleaved rounds.
 An fp8 cache is timed in its default layout (V pages transposed) unless a variant names ``kv_layout``.
@@ -267,7 +268,8 @@ def section_layout(S):
         kb.log(f"\n### B={B} ctx={ctx}\n| variant | time | bytes read/s | % |\n|---|---|---|---|")
         t16n = try_decode(S, B, ctx, "bf16 nhd", **N)
         t16 = try_decode(S, B, ctx, "bf16 hnd", **D)
-        cfgs = [dict(N), dict(D), dict(D, decode_stages=6), dict(D, decode_stages=8), dict(D, fp8_qk=True)]
+        H = dict(D, kv_layout="hnd")                  # head-major V too (an fp8 cache's default transposes it)
+        cfgs = [dict(N), dict(H), dict(H, decode_stages=6), dict(H, decode_stages=8), dict(H, fp8_qk=True)]
         if (B, ctx) != (8, 32768):
             cfgs = cfgs[:2]
         for cfg in cfgs:

@@ -8,7 +8,8 @@ kernel of ``prefill_mgpu`` where it applies). ``pallas-triton`` keeps every step
 (the K/V write, then attention over the cache that now holds the step's tokens).
 An fp8 cache (``kv_cache_dtype="fp8"``, e4m3) takes ``k_scale``/``v_scale`` (scalar or ``[kv_heads]``,
 None = 1.0) in both ``write_kv`` and ``paged_attention``; pass the same scales to both. Its V pages are stored
-transposed (``kv_cache_shapes``); every backend reads and writes that layout.
+transposed (``kv_cache_shapes``); the reference and the Triton kernels read and write that layout (the Mosaic
+GPU prefill takes no fp8 cache: such steps keep their prefill tokens on the Triton tiles).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_di
                     dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of one layer's ``(k_cache, v_cache)`` stored in ``dtype``: both ``kv_cache_shape``, except that an
     fp8 cache's V pages are transposed, ``[num_blocks, kv_heads, head_dim, block_size]``
-    (``ref_attention.v_transposed`` says why)."""
+    (``ref_attention.v_transposed`` says why). When ``head_dim == block_size`` the two V layouts have the same
+    shape: the dtype alone says which one a cache holds."""
     k_shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     if ref_attention.v_transposed(dtype):
         return k_shape, (num_blocks, num_kv_heads, head_dim, block_size)

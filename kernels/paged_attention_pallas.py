@@ -367,7 +367,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            k_scale=None, v_scale=None, interpret: bool = False,
                            decode_block_k: int | None = None, decode_splits: int | None = None,
                            decode_warps: int | None = None, decode_stages: int | None = None,
-                           prefill_block_m: int = 128, prefill_block_k: int = 64,
+                           prefill_block_m: int = 128, prefill_block_k: int | None = None,
                            prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
                            poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
                            mgpu_block_kv: int = 128, mgpu_stages: int = 2, decode_only: bool | None = None,
@@ -388,7 +388,9 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     on the H200, B=8 ctx 32768: 314 us with bf16 operands, 217 us with f16, bf16 cache 300 us); q and the
     softmax weights are then f16 too; q tiles are cast in the kernel after their load, and the kernel stores
     q's dtype.
-    ``decode_stages``: default 3; with an fp8 cache 4, or in the decode-only launch 6 (7 over head-major V).
+    ``decode_stages``: default 3; with an fp8 cache 4, or in the decode-only launch's 64-key tiles 6 (7 over
+    head-major V). ``decode_block_k`` default 64 in the decode-only launch, else 128; ``prefill_block_k`` 64;
+    over transposed V pages both at least the page size (a V^T tile spans whole pages).
     ``kv_layout``: default ``"hnd-vt"`` for an fp8 cache (``ref_attention.v_transposed``), else ``"hnd"``.
     ``prefill_kernel``: ``"triton"`` (prefill tiles in this file), ``"mgpu"`` (the Mosaic GPU kernel of
     ``prefill_mgpu`` for the prefill tokens, then the decode launch, wherever ``prefill_mgpu.supported``;
@@ -428,23 +430,33 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     # 0.712 / 0.676x; decode_probe --sections vt, two interleaved rounds); on a second host 5 / 6 / 7 stages
     # were within noise at B=8 ctx 32768 (0.570-0.587x) and B=64 ctx 8192 (0.533-0.551x), and 5 stages lost at
     # B=64 ctx 2048 (0.643-0.656x against 0.584-0.601x).
-    if decode_block_k is None:
-        decode_block_k = 64 if decode_only else 128
-    if decode_warps is None:
-        decode_warps = 2 if decode_only else 4
+    layout_named = kv_layout is not None
     if kv_layout is None:
         kv_layout = "hnd-vt" if v_transposed_dtype(v_cache.dtype) else "hnd"
-    if decode_stages is None:
-        decode_stages = ((6 if kv_layout == "hnd-vt" else 7) if decode_only else 4) if fp8_cache else 3
-    # q tiles are cast to the matmul dtype in the kernel, after their load: no XLA pass over q (or over the
-    # packed q/k/v array) and no cast of the output back (the kernel stores q's dtype)
-    tile_dot = jnp.dtype(dot_dtype) if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype else None
-    q_only = q if hq == q_stride else q[:, :hq]    # the queries alone, for the Mosaic GPU prefill (its TMA)
     if kv_layout not in ("nhd", "hnd", "hnd-vt"):
         raise ValueError(f"kv_layout must be nhd, hnd or hnd-vt, got {kv_layout!r}")
     head_major = kv_layout in ("hnd", "hnd-vt")
     v_transposed = kv_layout == "hnd-vt"
-    if prefill_kernel == "mgpu" and kv_layout != "hnd":
+    bs = k_cache.shape[2] if head_major else k_cache.shape[1]
+    if decode_block_k is None:
+        decode_block_k = 64 if decode_only else 128
+        if v_transposed:                            # a V^T tile spans whole pages (pages of 128: 128-key tiles)
+            decode_block_k = max(decode_block_k, bs)
+    if prefill_block_k is None:
+        prefill_block_k = max(64, bs) if v_transposed else 64
+    if decode_warps is None:
+        decode_warps = 2 if decode_only else 4
+    if decode_stages is None:
+        decode_stages = 3
+        if fp8_cache:       # the decode-only launch's 64-key fp8 tiles take a deeper pipeline (128-key ones: 4)
+            decode_stages = (6 if v_transposed else 7) if decode_only and decode_block_k <= 64 else 4
+    # q tiles are cast to the matmul dtype in the kernel, after their load: no XLA pass over q (or over the
+    # packed q/k/v array) and no cast of the output back (the kernel stores q's dtype)
+    tile_dot = jnp.dtype(dot_dtype) if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype else None
+    q_only = q if hq == q_stride else q[:, :hq]    # the queries alone, for the Mosaic GPU prefill (its TMA)
+    # the Mosaic GPU prefill reads head-major pages: a layout named otherwise is an error, an fp8 cache's
+    # default layout (V transposed) just keeps its prefill tokens on the Triton tiles (as fp8 does anyway)
+    if prefill_kernel == "mgpu" and kv_layout != "hnd" and layout_named:
         raise ValueError(f"prefill_kernel='mgpu' reads head-major pages only, not kv_layout={kv_layout!r}")
     mgpu_ok = kv_layout == "hnd" and tile_dot is None and prefill_mgpu.supported(q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
                                      k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv,
@@ -453,6 +465,9 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                                                          and q.shape[0] >= MGPU_MIN_TOKENS))
     T, _, d = q.shape
     nb, kvh, bs, _ = k_cache.shape if head_major else tuple(k_cache.shape[i] for i in (0, 2, 1, 3))
+    if not v_transposed and v_cache.shape != k_cache.shape:
+        raise ValueError(f"kv_layout={kv_layout!r} needs V pages shaped like K's {k_cache.shape}, got "
+                         f"{v_cache.shape} (an fp8 cache's V pages are transposed: kv_layout='hnd-vt')")
     R, P = md.block_tables.shape
     if hq % kvh:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({kvh})")

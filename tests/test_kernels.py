@@ -349,6 +349,28 @@ def test_transposed_v_pages_give_head_major_output(cache):
         pa.ragged_paged_attention(q, k, vt, md, **dict(kv, prefill_block_k=8), interpret=True, **layouts[1])
 
 
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_fp8_cache_with_pages_of_128_and_the_mgpu_backend(decode_only):
+    """An fp8 cache's transposed V pages with pages of 128 tokens (the CLI allows them): the default key tiles
+    grow to a page, decode-only and fused. ``pallas-mgpu`` over an fp8 cache keeps its prefill tokens on the
+    Triton tiles (the Mosaic GPU prefill takes no fp8) instead of refusing the layout; a head-major layout
+    named over transposed V pages is refused, not misread."""
+    rng = np.random.default_rng(25)
+    q_lens = [1, 1, 1] if decode_only else [1, 9, 1]
+    q, k, v, md = synthetic.make_batch(rng, q_lens, [300, 9, 130], block_size=128, num_q_heads=4, num_kv_heads=2,
+                                       head_dim=64, dtype=jnp.bfloat16, pad_tokens=2, pad_reqs=1)
+    md = dataclasses.replace(md, decode_only=decode_only)
+    scale = jnp.asarray([0.5, 1.5], jnp.float32)
+    k, v = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
+    kw = dict(sm_scale=0.125, k_scale=scale, v_scale=scale)
+    ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
+    for backend in ("pallas", "pallas-mgpu"):
+        out = ops.paged_attention(q, k, v, md, backend=backend, interpret=True, poison_output=True, **kw)
+        assert max_rel_err(out, ref, md) <= 1e-2
+    with pytest.raises(ValueError, match="shaped like K"):
+        pa.ragged_paged_attention(q, k, v, md, interpret=True, kv_layout="hnd", **kw)
+
+
 def test_diagonal_at_every_chunk_offset():
     """Prefill chunks whose first query sits at each offset around a 16-key chunk edge: the unmasked
     fast path must stop exactly at the first row's diagonal."""

@@ -1,7 +1,8 @@
 """The step's new K and V into the paged cache in one Pallas (Triton) launch: ``write_kv`` for NVIDIA GPUs.
 
 Same function as ``ref_attention.write_kv`` over the cache layout ``[num_blocks, kv_heads, block_size,
-head_dim]`` (an fp8 cache's V pages transposed, ``[num_blocks, kv_heads, head_dim, block_size]``), except that padding tokens (``slot_mapping == PAD_SLOT``, the null block) write nothing. One
+head_dim]`` (an fp8 cache's V pages transposed, ``[num_blocks, kv_heads, head_dim, block_size]``), except
+that padding tokens (``slot_mapping == PAD_SLOT``, the null block) write nothing. One
 program per token copies its ``kv_heads`` rows of K and of V (quantizing to e4m3 for an fp8 cache) into the
 caches, all heads in one ``[kv_heads, head_dim]`` load and one masked store per tensor; the caches are aliased to
 the outputs so the donated cache is updated in place. ``write_kv_packed`` reads K and V from the one
@@ -24,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .metadata import PAD_SLOT
+from .ops import kv_cache_shapes
 from .paged_attention_pallas import _next_pow2, _rows
 from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale, v_transposed
 
@@ -69,7 +71,7 @@ def _launch(k_cache, v_cache, k_src, v_src, slot_mapping, *, stride, k_off, v_of
     flat = (nb * kvh * bs, d)
     vt = v_transposed(v_cache.dtype)
     v_flat = (nb * kvh * d, bs) if vt else flat
-    if tuple(v_cache.shape) != ((nb, kvh, d, bs) if vt else (nb, kvh, bs, d)):
+    if tuple(v_cache.shape) != kv_cache_shapes(nb, bs, kvh, d, v_cache.dtype)[1]:
         raise ValueError(f"V cache shape {v_cache.shape} does not match K's {k_cache.shape} in {v_cache.dtype} "
                          f"(ops.kv_cache_shapes)")
     kc, vc = pl.pallas_call(

@@ -47,7 +47,7 @@ def child_speed(a) -> dict:
               distributed_executor_backend=a.executor if a.tp > 1 else "uni",
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
-              token_buckets=(16, 256, a.max_num_batched_tokens), num_scheduler_steps=a.steps_one,
+              token_buckets=bench_buckets(a.smallest_one, a.max_num_batched_tokens), num_scheduler_steps=a.steps_one,
               use_tqdm_on_load=False)
     startup_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
@@ -73,16 +73,29 @@ def child_speed(a) -> dict:
               "host_ms_per_step": (runner.stats.host_ms - host0) / steps,
               "device_wait_ms_per_step": (runner.stats.device_ms - dev0) / steps}
 
+    if a.skip_offline:
+        offline = {}
+        return _speed_result(a, llm, runner, startup_s, decode, offline)
     batch = prompts(a.num_prompts, a.input_len)
     timed(batch[:8], 8, 1.0)
     elapsed, out_tok = timed(batch, a.output_len, 1.0)
     offline = {"num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
                "elapsed_s": elapsed, "output_tok_s": out_tok / elapsed,
                "total_tok_s": (out_tok + a.num_prompts * a.input_len) / elapsed, "requests_s": a.num_prompts / elapsed}
+    return _speed_result(a, llm, runner, startup_s, decode, offline)
+
+
+def _speed_result(a, llm, runner, startup_s, decode, offline) -> dict:
     return {"tp": a.tp, "executor": a.executor if a.tp > 1 else "uni", "num_scheduler_steps": a.steps_one,
+            "smallest_bucket": a.smallest_one, "skip_offline": a.skip_offline,
             "startup_s": startup_s, "load_s": llm.engine.load_seconds,
             "warmup_s": llm.engine.warmup_seconds, "num_kv_blocks": runner.num_blocks,
             "single_stream": decode, "offline": offline}
+
+
+def bench_buckets(smallest: int, budget: int) -> tuple[int, ...]:
+    """The speed runs' token buckets: ``smallest`` (the batch-1 decode step's), 16, 256 and the budget."""
+    return tuple(sorted({smallest, 16, 256, budget}))
 
 
 def child_prepare(a) -> dict:
@@ -216,6 +229,7 @@ def _forward_args(a, overrides: dict) -> list[str]:
                                         "input_len", "output_len", "max_model_len", "max_num_seqs",
                                         "max_num_batched_tokens", "workdir")} | overrides
     out = ["--tp", *map(str, a.tps), "--num-scheduler-steps", *map(str, a.steps)]
+    out += ["--smallest-bucket", *map(str, a.smallest)] + (["--skip-offline"] if a.skip_offline else [])
     for k, v in vals.items():
         out += [f"--{k.replace('_', '-')}", str(v)]
     return out
@@ -250,6 +264,11 @@ def main(argv=None) -> int:
     p.add_argument("--num-scheduler-steps", dest="steps", type=int, nargs="+", default=[1],
                    help="speed runs per multi-step setting (the engine's --num-scheduler-steps)")
     p.add_argument("--steps-one", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--smallest-bucket", dest="smallest", type=int, nargs="+", default=[16],
+                   help="speed runs per smallest token bucket (the batch-1 decode step's size; 16, 256 and the "
+                        "budget are always compiled)")
+    p.add_argument("--smallest-one", type=int, default=16, help=argparse.SUPPRESS)
+    p.add_argument("--skip-offline", action="store_true", help="single stream only")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-load", action="store_true")
     p.add_argument("--load-repeats", type=int, default=2)
@@ -279,12 +298,16 @@ def main(argv=None) -> int:
     started = dt.datetime.now(dt.timezone.utc)
     result = {"date_utc": started.isoformat(timespec="seconds"), "command": " ".join(["python", *sys.argv]),
               "commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "-uno")),
-              "host": platform.node(), "model": a.model, "dtype": a.dtype, "speed": [], "load": []}
+              "host": platform.node(), "model": a.model, "dtype": a.dtype, "speed": [], "load": [],
+              "device": _device_kind(a)}
     if not a.skip_speed:
         for tp in a.tps:
             for ex in (a.executors if tp > 1 else ["uni"]):
                 for steps in a.steps:
-                    result["speed"].append(run_child(a, "speed", tp_one=tp, executor=ex, steps_one=steps))
+                    for small in a.smallest:
+                        result["speed"].append(run_child(a, "speed", tp_one=tp, executor=ex, steps_one=steps,
+                                                         smallest_one=small))
+                        write_results(a, result, started, final=False)   # a run cut short keeps its rows
     if not a.skip_load:
         result["prepare"] = run_child(a, "prepare", tp_one=max(a.tps))
         for _ in range(a.load_repeats):
@@ -293,7 +316,6 @@ def main(argv=None) -> int:
                     dropped = drop_page_cache() if a.drop_caches else False
                     result["load"].append(run_child(a, "load", tp_one=tp, format=fmt) | {"page_cache_dropped": dropped})
         shutil.rmtree(a.workdir, ignore_errors=True)
-    result["device"] = _device_kind(a)
     write_results(a, result, started)
     return 0
 
@@ -313,7 +335,7 @@ def _git(*args) -> str:
         return ""
 
 
-def write_results(a, r: dict, started) -> None:
+def write_results(a, r: dict, started, final: bool = True) -> None:
     lines = [f"# Tensor parallelism: {r['model']} ({r['dtype']})", "",
              f"- date: {r['date_utc']}  commit: {r['commit']}{' (dirty)' if r['dirty'] else ''}",
              f"- device: {r['device']}  host: {r['host']}", f"- command: `{r['command']}`", ""]
@@ -323,26 +345,29 @@ def write_results(a, r: dict, started) -> None:
             lines.append(f"- TP={s.get('tp_one')} {s.get('executor', 'uni')} steps={s.get('steps_one', 1)}: "
                          f"**failed**, {s['error']}")
     if ok:
-        lines += ["| TP | executor | scheduler steps | single-stream decode tok/s | ms/token | host ms/dispatch | "
-                  "speedup | offline output tok/s | offline total tok/s | speedup | KV blocks | warm-up s |",
-                  "|" + "---|" * 12]
-        # speedups against the smallest TP size run with the same scheduler steps
+        lines += ["| TP | executor | scheduler steps | smallest bucket | single-stream decode tok/s | ms/token | "
+                  "host ms/dispatch | speedup | offline output tok/s | offline total tok/s | speedup | KV blocks | "
+                  "warm-up s |", "|" + "---|" * 13]
+        # speedups against the smallest TP size run with the same scheduler steps and smallest bucket
         bases = {}
+        for s in sorted(ok, key=lambda s: s["tp"]):
+            bases.setdefault((s.get("num_scheduler_steps", 1), s.get("smallest_bucket", 16)), s)
         for s in ok:
-            bases.setdefault(s.get("num_scheduler_steps", 1), s)
-        for s in ok:
-            base = bases[s.get("num_scheduler_steps", 1)]
-            ss, off = s["single_stream"], s["offline"]
+            base = bases[(s.get("num_scheduler_steps", 1), s.get("smallest_bucket", 16))]
+            ss, off, boff = s["single_stream"], s["offline"], base["offline"]
+            offline = (f"{off['output_tok_s']:.0f} | {off['total_tok_s']:.0f} | "
+                       f"{off['output_tok_s'] / boff['output_tok_s']:.2f}x" if off and boff else "– | – | –")
             lines.append(f"| {s['tp']} | {s.get('executor', 'uni')} | {s.get('num_scheduler_steps', 1)} | "
-                         f"{ss['decode_tok_s']:.1f} | {ss['ms_per_token']:.2f} | "
+                         f"{s.get('smallest_bucket', 16)} | {ss['decode_tok_s']:.1f} | {ss['ms_per_token']:.2f} | "
                          f"{ss['host_ms_per_step']:.2f} | {ss['decode_tok_s'] / base['single_stream']['decode_tok_s']:.2f}x | "
-                         f"{off['output_tok_s']:.0f} | {off['total_tok_s']:.0f} | "
-                         f"{off['output_tok_s'] / base['offline']['output_tok_s']:.2f}x | {s['num_kv_blocks']} | "
-                         f"{s['warmup_s']:.0f} |")
-        o = base["offline"]
-        lines += ["", f"Single stream: {base['single_stream']['prompt_len']}-token prompt, "
-                  f"{base['single_stream']['decode_tokens']} decoded tokens. Offline: {o['num_prompts']} prompts × "
-                  f"{o['input_len']} in / {o['output_len']} out, temperature 1, ignore_eos.", ""]
+                         f"{offline} | {s['num_kv_blocks']} | {s['warmup_s']:.0f} |")
+        ss = ok[0]["single_stream"]
+        lines += ["", f"Single stream: {ss['prompt_len']}-token prompt, {ss['decode_tokens']} decoded tokens."]
+        o = next((s["offline"] for s in ok if s["offline"]), None)
+        if o:
+            lines[-1] += (f" Offline: {o['num_prompts']} prompts × {o['input_len']} in / {o['output_len']} out, "
+                          "temperature 1, ignore_eos.")
+        lines.append("")
     if r["load"]:
         prep = r["prepare"]
         lines += [f"Load time ({prep['safetensors_bytes'] / 2**30:.1f} GiB of weights; orbax conversion took "
@@ -355,13 +380,15 @@ def write_results(a, r: dict, started) -> None:
                 dropped = all(x["page_cache_dropped"] for x in runs)
                 lines.append(f"| {tp} | {fmt} | {seconds} | {dropped} |")
     text = "\n".join(lines) + "\n"
-    print(text)
+    if final:
+        print(text)
     os.makedirs(a.results_dir, exist_ok=True)
     kind = str(r["device"]).replace(" ", "-").lower()
     stem = os.path.join(a.results_dir, f"{started:%Y-%m-%d}-tp-bench-{kind}{'-smoke' if a.smoke else ''}")
     json.dump(r, open(stem + ".json", "w"), indent=1)
     open(stem + ".md", "w").write(text)
-    print(f"wrote {stem}.json and .md", file=sys.stderr)
+    if final:
+        print(f"wrote {stem}.json and .md", file=sys.stderr)
 
 
 if __name__ == "__main__":

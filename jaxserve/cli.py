@@ -46,8 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     _bool_flag(s, "enable-chunked-prefill", True, "chunked prefill")
     s.add_argument("--max-waiting-requests", type=int, default=None)
     s.add_argument("--token-buckets", default=None, nargs="+",
-                   help="padded step sizes to compile, e.g. 16 64 256 2048 or 16,64,256 (default: powers of two "
-                        "up to --max-num-batched-tokens)")
+                   help="padded step sizes to compile, e.g. 8 64 256 2048 or 8,64,256 (default: 8, 16, 32, ... up to "
+                        "--max-num-batched-tokens; a batch-1 decode step pads to the smallest)")
     s.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode iterations per dispatch when every scheduled request decodes (a device-side "
                         "loop; 1 = off). Cuts the host's share of each token: worth it where the host, not "

@@ -6,7 +6,7 @@ Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool,
 * main: decode B=64 ctx 2048 (32q/8kv, d128, bf16, pages of 16) -- the fused launch the engine used for
   every step, the decode-only launch (``decode_only=True``: the engine's uniform-decode steps) in several
   tile configurations, the stock kernel; plus the B=64 ctx-16 fixed-cost probe;
-* small: batch 1-4 as the engine's T=16 bucket pads it (16 request rows), fused against decode-only;
+* small: batch 1-4 as the engine's smallest default bucket pads it (T = R = 8), fused against decode-only;
 * fp8: an e4m3 cache at B=8 ctx 32768 against bf16, fused and decode-only configurations;
 * fp8qk: the fp8 cache with QK^T on e4m3 operands (``fp8_qk``), checked and timed;
 * fp8c: fp8 at B=8 ctx 32768 over split counts x pipeline depths, and the fixed cost of splitting;
@@ -97,7 +97,8 @@ def section_sweep(S):
 
 
 def section_small(S):
-    T, R, P = 16, 16, 4096 // S.bs
+    T = R = kb.MIN_TOKEN_BUCKET                     # the engine's batch-1 decode step
+    P = 4096 // S.bs
     kb.log(f"\n## small-batch decode in the engine's T={T} bucket (R={R} request rows, tables {P} pages)")
     kb.log("| variant | time |\n|---|---|")
     variants = [dict(), dict(D), dict(D, decode_splits=1), dict(D, decode_splits=2), dict(D, decode_splits=4),

@@ -8,7 +8,7 @@ soft-cap + window); (2) decode B=64 x ctx 2048, 32q/8kv, d=128, bf16, block 16: 
 ``jax.experimental.pallas.ops.gpu.paged_attention`` and a few tile configs of ours; (3) the B x ctx sweep in
 TB/s of KV read and % of the 4.3 TB/s copy ceiling; (4) prefill 8 x 2048 causal (ours, cuDNN, Mosaic GPU
 FA3 in fp16), with a 2048-token cached prefix, and a mixed step; (5) fp8 vs bf16 decode at long context;
-(6) batch 1-4 decode padded as the engine's smallest bucket pads it, per launch configuration.
+(6) batch 1-4 decode padded as the engine's smallest default bucket pads it, per launch configuration.
 
 Timing: each measurement is a jitted chain of ``n_iter`` calls, each feeding its output in as the next
 query (so nothing is hoisted or overlapped), cycling over several block tables drawn from a pool >= 1 GiB
@@ -40,6 +40,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as stock  # noqa: E4
 
 from jaxserve.kernels import ops as kernel_ops, paged_attention_pallas as pa, ref_attention, synthetic  # noqa: E402
 from jaxserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from jaxserve.runner.model_runner import MIN_TOKEN_BUCKET  # noqa: E402  (the batch-1 decode step's padded size)
 
 CEIL_TBS = 4.3       # H200 device-to-device copy, measured here (read + write)
 CUDNN_TFLOPS = 502   # jax.nn.dot_product_attention(implementation="cudnn"), 8 x 2048 causal, measured here
@@ -521,9 +522,9 @@ def time_engine_decode(S: Sizes, B, inputs, **cfg):
 
 
 def section_small_batch(S, rows):
-    """Batch 1-4 decode in the engine's smallest bucket (T=R=16, tables 4096 tokens wide): the per-layer
-    attention cost of single-stream decode, per launch configuration."""
-    T, R, P = (16, 16, 4096 // S.bs) if not S.interpret else (4, 4, 8)
+    """Batch 1-4 decode in the engine's smallest default bucket (T=R=MIN_TOKEN_BUCKET, tables 4096 tokens
+    wide): the per-layer attention cost of single-stream decode, per launch configuration."""
+    T, R, P = (MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET, 4096 // S.bs) if not S.interpret else (4, 4, 8)
     cases = [(1, 256), (1, 2048), (4, 1024)] if not S.interpret else [(1, 32)]
     variants = [dict(), dict(decode_splits=1), dict(decode_splits=2), dict(decode_splits=8),
                 dict(decode_splits=16), dict(decode_block_k=64), dict(decode_block_k=64, decode_splits=8),

@@ -77,7 +77,7 @@ def child(a) -> dict:
     kw = dict(load_format="dummy") if not a.smoke else {}
     llm = LLM(model, dtype=a.dtype, tensor_parallel_size=a.tp_one, max_model_len=a.max_model_len,
               max_num_seqs=16, max_num_batched_tokens=a.max_num_batched_tokens,
-              token_buckets=(16, a.max_num_batched_tokens), enable_prefix_caching=False, use_tqdm_on_load=False,
+              token_buckets=(a.bucket, a.max_num_batched_tokens), enable_prefix_caching=False, use_tqdm_on_load=False,
               num_scheduler_steps=a.num_scheduler_steps, **kw)
     runner = llm.engine.runner
     captured = {}
@@ -85,7 +85,7 @@ def child(a) -> dict:
 
     def capture_forward(*args, **kw):
         # the smallest token bucket (the layout's first piece is input_ids [T]), after warm-up steps
-        if kw["layout"][0].shape == (16,) and "fwd" not in captured and captured.get("seen", 0) >= 2:
+        if kw["layout"][0].shape == (a.bucket,) and "fwd" not in captured and captured.get("seen", 0) >= 2:
             captured["fwd"] = (tuple(x for i, x in enumerate(args) if i != 1), kw)
         captured["seen"] = captured.get("seen", 0) + 1
         return fwd(*args, **kw)
@@ -196,11 +196,16 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="trace and print GPU kernels / host spans per step")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="multi-step decoding; with --profile the engine trace is then per decoded token")
+    p.add_argument("--bucket", type=int, default=None,
+                   help="the batch-1 step's token bucket (default: the engine's smallest, MIN_TOKEN_BUCKET)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tp-one", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--flag-set", default="default", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.bucket is None:
+        from jaxserve.runner.model_runner import MIN_TOKEN_BUCKET
+        a.bucket = MIN_TOKEN_BUCKET
     if a.child:
         if a.smoke:
             a.dtype, a.decode_tokens, a.replays, a.max_model_len, a.prompt_len = "float32", 8, 3, 256, 16
@@ -221,7 +226,8 @@ def main(argv=None) -> int:
                     "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
                     "--decode-tokens", str(a.decode_tokens), "--replays", str(a.replays),
                     "--max-model-len", str(a.max_model_len), "--max-num-batched-tokens",
-                    str(a.max_num_batched_tokens), "--num-scheduler-steps", str(a.num_scheduler_steps)] \
+                    str(a.max_num_batched_tokens), "--num-scheduler-steps", str(a.num_scheduler_steps),
+                    "--bucket", str(a.bucket)] \
                 + (["--smoke"] if a.smoke else []) \
                 + (["--profile"] if a.profile else [])
             t0 = time.perf_counter()

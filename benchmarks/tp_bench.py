@@ -42,13 +42,15 @@ def child_speed(a) -> dict:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
+    # single stream only: the step budget just holds the prompt, so warm-up compiles two buckets, not four
+    budget = max(a.prompt_len, a.smallest_one) if a.skip_offline else a.max_num_batched_tokens
+    buckets = tuple(sorted({a.smallest_one, budget})) if a.skip_offline else bench_buckets(a.smallest_one, budget)
     t0 = time.perf_counter()
     llm = LLM(a.model_path, load_format="dummy", dtype=a.dtype, tensor_parallel_size=a.tp,
               distributed_executor_backend=a.executor if a.tp > 1 else "uni",
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-              max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
-              token_buckets=bench_buckets(a.smallest_one, a.max_num_batched_tokens), num_scheduler_steps=a.steps_one,
-              use_tqdm_on_load=False)
+              max_num_batched_tokens=budget, enable_prefix_caching=False,
+              token_buckets=buckets, num_scheduler_steps=a.steps_one, use_tqdm_on_load=False)
     startup_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)
@@ -88,6 +90,7 @@ def child_speed(a) -> dict:
 def _speed_result(a, llm, runner, startup_s, decode, offline) -> dict:
     return {"tp": a.tp, "executor": a.executor if a.tp > 1 else "uni", "num_scheduler_steps": a.steps_one,
             "smallest_bucket": a.smallest_one, "skip_offline": a.skip_offline,
+            "token_buckets": list(llm.engine.runner.buckets),
             "startup_s": startup_s, "load_s": llm.engine.load_seconds,
             "warmup_s": llm.engine.warmup_seconds, "num_kv_blocks": runner.num_blocks,
             "single_stream": decode, "offline": offline}
@@ -264,11 +267,13 @@ def main(argv=None) -> int:
     p.add_argument("--num-scheduler-steps", dest="steps", type=int, nargs="+", default=[1],
                    help="speed runs per multi-step setting (the engine's --num-scheduler-steps)")
     p.add_argument("--steps-one", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--smallest-bucket", dest="smallest", type=int, nargs="+", default=[16],
-                   help="speed runs per smallest token bucket (the batch-1 decode step's size; 16, 256 and the "
-                        "budget are always compiled)")
-    p.add_argument("--smallest-one", type=int, default=16, help=argparse.SUPPRESS)
-    p.add_argument("--skip-offline", action="store_true", help="single stream only")
+    p.add_argument("--smallest-bucket", dest="smallest", type=int, nargs="+", default=None,
+                   help="speed runs per smallest token bucket (the batch-1 decode step's size; default the "
+                        "engine's, MIN_TOKEN_BUCKET; 16, 256 and the budget are compiled too)")
+    p.add_argument("--smallest-one", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--skip-offline", action="store_true",
+                   help="single stream only; the step budget is then the prompt length, so each child compiles two "
+                        "buckets (the smallest and the prompt's) instead of four")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-load", action="store_true")
     p.add_argument("--load-repeats", type=int, default=2)
@@ -281,6 +286,9 @@ def main(argv=None) -> int:
     p.add_argument("--tp-one", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--format", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    from jaxserve.runner.model_runner import MIN_TOKEN_BUCKET
+    a.smallest = a.smallest or [MIN_TOKEN_BUCKET]
+    a.smallest_one = a.smallest_one or MIN_TOKEN_BUCKET
     if a.smoke:
         a.model, a.dtype = TINY_SMOKE, "float32"
         a.prompt_len, a.decode_tokens, a.num_prompts, a.input_len, a.output_len = 8, 8, 8, 16, 8
@@ -352,7 +360,7 @@ def write_results(a, r: dict, started, final: bool = True) -> None:
         bases = {}
         for s in sorted(ok, key=lambda s: s["tp"]):
             bases.setdefault((s.get("num_scheduler_steps", 1), s.get("smallest_bucket", 16)), s)
-        for s in ok:
+        for s in ok:     # (runs before the smallest bucket was recorded used 16)
             base = bases[(s.get("num_scheduler_steps", 1), s.get("smallest_bucket", 16))]
             ss, off, boff = s["single_stream"], s["offline"], base["offline"]
             offline = (f"{off['output_tok_s']:.0f} | {off['total_tok_s']:.0f} | "

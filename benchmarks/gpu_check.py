@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import jax
     from jaxserve import LLM, SamplingParams
+    from jaxserve.runner.model_runner import MIN_TOKEN_BUCKET
 
     import importlib.util
     with open(GOLDEN) as f:
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     for backend, dtype, kv in variants:
         t0 = time.perf_counter()
         llm = LLM(model, load_format=load_format, dtype=dtype, attention_backend=backend, kv_cache_dtype=kv, max_model_len=256,
-                  max_num_seqs=8, max_num_batched_tokens=256, token_buckets=(16, 256), skip_warmup=True,
+                  max_num_seqs=8, max_num_batched_tokens=256, token_buckets=(MIN_TOKEN_BUCKET, 256), skip_warmup=True,
                   kv_cache_memory_bytes=1 << 30, use_tqdm_on_load=False)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         ids = [o.outputs[0].token_ids for o in outs]

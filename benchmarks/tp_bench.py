@@ -42,8 +42,8 @@ def child_speed(a) -> dict:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
-    # single stream only: the step budget just holds the prompt, so warm-up compiles two buckets, not four
-    budget = max(a.prompt_len, a.smallest_one) if a.skip_offline else a.max_num_batched_tokens
+    # single stream only: the smallest bucket and the budget (the prompt's one step), not four buckets
+    budget = a.max_num_batched_tokens
     buckets = tuple(sorted({a.smallest_one, budget})) if a.skip_offline else bench_buckets(a.smallest_one, budget)
     t0 = time.perf_counter()
     llm = LLM(a.model_path, load_format="dummy", dtype=a.dtype, tensor_parallel_size=a.tp,
@@ -272,8 +272,8 @@ def main(argv=None) -> int:
                         "engine's, MIN_TOKEN_BUCKET; 16, 256 and the budget are compiled too)")
     p.add_argument("--smallest-one", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--skip-offline", action="store_true",
-                   help="single stream only; the step budget is then the prompt length, so each child compiles two "
-                        "buckets (the smallest and the prompt's) instead of four")
+                   help="single stream only; each child then compiles two buckets (the smallest and the budget, "
+                        "where the prompt's step lands) instead of four")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-load", action="store_true")
     p.add_argument("--load-repeats", type=int, default=2)
@@ -350,8 +350,8 @@ def write_results(a, r: dict, started, final: bool = True) -> None:
     ok = [s for s in r["speed"] if "error" not in s]
     for s in r["speed"]:
         if "error" in s:
-            lines.append(f"- TP={s.get('tp_one')} {s.get('executor', 'uni')} steps={s.get('steps_one', 1)}: "
-                         f"**failed**, {s['error']}")
+            lines.append(f"- TP={s.get('tp_one')} {s.get('executor', 'uni')} steps={s.get('steps_one', 1)} "
+                         f"smallest bucket {s.get('smallest_one')}: **failed**, {s['error']}")
     if ok:
         lines += ["| TP | executor | scheduler steps | smallest bucket | single-stream decode tok/s | ms/token | "
                   "host ms/dispatch | speedup | offline output tok/s | offline total tok/s | speedup | KV blocks | "

@@ -186,9 +186,9 @@ class ModelRunner:
                               | {self.max_num_tokens}) if config.scheduler.token_buckets \
             else token_buckets(self.max_num_tokens)
         self.backend = resolve_attention_backend(config.attention_backend)
-        if self.backend != "reference" and self.buckets[0] < MIN_TOKEN_BUCKET:
-            logger.warning("token bucket %d is below %d: with 1 token row XLA runs some matmuls as multiply + reduce "
-                           "fusions (a bucket of 1 decoded ~10x slower than 8 on the H200; 2 and 4 are not measured)",
+        if jax.default_backend() == "gpu" and self.buckets[0] < MIN_TOKEN_BUCKET:
+            logger.warning("token bucket %d is below %d: a bucket of 1 decoded ~10x slower than 8 on the H200 (XLA "
+                           "lowers one-row matmuls as multiply + reduce fusions); 2 and 4 are not measured",
                            self.buckets[0], MIN_TOKEN_BUCKET)
         self.max_logprobs = config.max_logprobs
         self.vocab_size = self.cfg.vocab_size

@@ -335,12 +335,7 @@ def check_write_kv(S) -> bool:
         got = kernel_ops.write_kv(kc, vc, k, v, slots, backend="pallas", interpret=S.interpret, **sc)
         good = True
         for g, w, o in zip(got, want, (kc, vc)):
-            transposed = o is vc and ref_attention.v_transposed(cdt)      # fp8 V pages [blocks, kvh, d, block]
-
-            def by_slot(x):
-                x = np.asarray(x.astype(jnp.float32))
-                return np.swapaxes(np.swapaxes(x, 2, 3) if transposed else x, 1, 2).reshape(nb * S.bs, -1)
-            g, w, o = map(by_slot, (g, w, o))
+            g, w, o = (synthetic.slot_major(x, o is vc) for x in (g, w, o))     # [slot, kv_heads, d]
             good &= bool(np.array_equal(g[S.bs:], w[S.bs:]) and np.array_equal(g[:S.bs], o[:S.bs]))
         ok &= good
         log(f"- write_kv kvh={kvh} cache={cache}: "

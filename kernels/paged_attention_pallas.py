@@ -437,7 +437,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         raise ValueError(f"kv_layout must be nhd, hnd or hnd-vt, got {kv_layout!r}")
     head_major = kv_layout in ("hnd", "hnd-vt")
     v_transposed = kv_layout == "hnd-vt"
-    bs = k_cache.shape[2] if head_major else k_cache.shape[1]
+    nb, kvh, bs, _ = k_cache.shape if head_major else tuple(k_cache.shape[i] for i in (0, 2, 1, 3))
     if decode_block_k is None:
         decode_block_k = 64 if decode_only else 128
         if v_transposed:                            # a V^T tile spans whole pages (pages of 128: 128-key tiles)
@@ -464,7 +464,6 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
                                                          and q.shape[0] >= MGPU_MIN_TOKENS))
     T, _, d = q.shape
-    nb, kvh, bs, _ = k_cache.shape if head_major else tuple(k_cache.shape[i] for i in (0, 2, 1, 3))
     if not v_transposed and v_cache.shape != k_cache.shape:
         raise ValueError(f"kv_layout={kv_layout!r} needs V pages shaped like K's {k_cache.shape}, got "
                          f"{v_cache.shape} (an fp8 cache's V pages are transposed: kv_layout='hnd-vt')")

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from .metadata import AttentionMetadata
 from .ops import kv_cache_shapes
+from .ref_attention import v_transposed
 
 
 def make_batch(rng: np.random.Generator, q_lens, ctx_lens, *, block_size: int, num_q_heads: int,
@@ -54,3 +55,13 @@ def make_batch(rng: np.random.Generator, q_lens, ctx_lens, *, block_size: int, n
             for shape in kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype))
     q = jnp.asarray(rng.standard_normal((T, num_q_heads, head_dim), np.float32)).astype(dtype)
     return q, k, v, md
+
+
+def slot_major(cache, is_v: bool = False) -> np.ndarray:
+    """One layer's K (or, ``is_v``, V) cache as float32 ``[slot, kv_heads, D]`` (slot = block * block_size +
+    offset; an fp8 V cache's transposed pages turned back): caches in any layout compare slot for slot."""
+    x = np.asarray(cache.astype(jnp.float32))
+    if is_v and v_transposed(cache.dtype):
+        x = np.swapaxes(x, 2, 3)
+    nb, kvh, bs, d = x.shape
+    return np.swapaxes(x, 1, 2).reshape(nb * bs, kvh, d)

@@ -383,15 +383,6 @@ def test_window_edge_at_every_chunk_offset():
           window=16, splits=1)
 
 
-def slot_major(cache, is_v=False):
-    """A cache as ``[slot, kv_heads, D]`` in float32 (an fp8 V cache's transposed pages turned back)."""
-    x = np.asarray(cache.astype(jnp.float32))
-    if is_v and ref_attention.v_transposed(cache.dtype):
-        x = np.swapaxes(x, 2, 3)
-    nb, kvh, bs, d = x.shape
-    return np.swapaxes(x, 1, 2).reshape(nb * bs, kvh, d)
-
-
 @pytest.mark.parametrize("kvh,cache_dtype", [(3, jnp.bfloat16), (8, jnp.float32), (2, "fp8"), (3, "fp8")])
 def test_pallas_write_kv_matches_scatter(kvh, cache_dtype):
     """The one-launch Pallas K/V write (interpret mode) against the XLA scatter: every real slot equal, the
@@ -413,7 +404,7 @@ def test_pallas_write_kv_matches_scatter(kvh, cache_dtype):
     got_k, got_v = ops.write_kv(k_cache, v_cache, k, v, slots, backend="pallas", interpret=True, **scale)
     for got, want, old in ((got_k, want_k, k_cache), (got_v, want_v, v_cache)):
         assert got.dtype == old.dtype and got.shape == old.shape
-        g, w, o = (slot_major(x, old is v_cache) for x in (got, want, old))                   # [slot, head, d]
+        g, w, o = (synthetic.slot_major(x, old is v_cache) for x in (got, want, old))                   # [slot, head, d]
         np.testing.assert_array_equal(g[bs:], w[bs:])               # real slots written, the rest unchanged
         np.testing.assert_array_equal(g[:bs], o[:bs])               # padding tokens wrote nothing
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):

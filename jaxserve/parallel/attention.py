@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels import ops
+from jaxserve.kernels.ref_attention import head_scale
 from jaxserve.kernels.metadata import AttentionMetadata
 
 from .mesh import TP, current_tp_mesh
@@ -138,7 +139,7 @@ def _head_scales(kernel_kwargs: dict, num_kv_heads: int) -> tuple[dict, dict]:
     for name in ("k_scale", "v_scale"):
         val = rest.get(name)
         if val is not None and jnp.size(val) > 1:
-            scales[name] = jnp.broadcast_to(jnp.asarray(rest.pop(name), jnp.float32).reshape(-1), (num_kv_heads,))
+            scales[name] = head_scale(rest.pop(name), num_kv_heads)
     return rest, scales
 
 

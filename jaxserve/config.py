@@ -62,7 +62,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
-    # padded token counts a step may have (each is one compiled forward); None = 8, 16, 32, ... up
+    # padded token counts a step may have (each is one compiled forward); None = 4, 8, 16, 32, ... up
     # to max_num_batched_tokens (model_runner.MIN_TOKEN_BUCKET). Fewer buckets = a shorter warm-up, more padding.
     token_buckets: tuple[int, ...] | None = None
     # vLLM's multi-step scheduling: a step whose requests all decode runs this many decode iterations in one

@@ -34,12 +34,14 @@ from jaxserve.runner import packing, sampler as sampler_mod
 
 logger = logging.getLogger(__name__)
 
-# The smallest default token bucket: a batch-1 decode step pads to it. On the H200 (Llama-3.1-8B, 8-step
-# decoding, 2026-11-30) a bucket of 8 decoded 234.6-236.0 tok/s against 225.9 for 16 at TP=1, and 279.0
-# against 260.5-264.9 at TP=2. A bucket of 1 read 23.8 tok/s: with one token row XLA turns some of the
-# step's matmuls into multiply + reduce fusions (Llama-3.2-1B profile: 2.0 ms of kernels per token against
-# 1.1 ms for the same request padded to 16). Buckets of 2 and 4 are not measured; below 8 warns on GPU.
-MIN_TOKEN_BUCKET = 8
+# The smallest default token bucket: a batch-1 decode step pads to it. On the H200 (8-step decoding,
+# 2026-11-30): Llama-3.1-8B at TP=1 decoded 234.6-236.0 tok/s with a bucket of 8 against 225.9 with 16, and
+# 279.0 against 260.5-264.9 at TP=2; Llama-3.2-1B decoded 1,012-1,016 tok/s with 4 against 991-995 with 8
+# (two interleaved pairs, twelfth session). The 8B layer stack without attention (l2_prefetch_probe.py)
+# took 3.68 / 3.75 / 3.76 / 3.93 ms at T = 2 / 4 / 8 / 16 on one GPU; the 8B engine at 4 is not measured.
+# A bucket of 1 read 23.8 tok/s (8B) and 4.71 ms in that stack: with one token row XLA turns some of the
+# step's matmuls into multiply + reduce fusions. Below 4 warns on GPU.
+MIN_TOKEN_BUCKET = 4
 
 
 def token_buckets(max_num_batched_tokens: int, smallest: int = MIN_TOKEN_BUCKET) -> list[int]:
@@ -188,7 +190,7 @@ class ModelRunner:
         self.backend = resolve_attention_backend(config.attention_backend)
         if jax.default_backend() == "gpu" and self.buckets[0] < MIN_TOKEN_BUCKET:
             logger.warning("token bucket %d is below %d: a bucket of 1 decoded ~10x slower than 8 on the H200 (XLA "
-                           "lowers one-row matmuls as multiply + reduce fusions); 2 and 4 are not measured",
+                           "lowers one-row matmuls as multiply + reduce fusions); 2 is not measured in the engine",
                            self.buckets[0], MIN_TOKEN_BUCKET)
         self.max_logprobs = config.max_logprobs
         self.vocab_size = self.cfg.vocab_size

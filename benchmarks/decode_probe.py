@@ -6,7 +6,7 @@ Times, with kernels_bench's method (jitted chains of calls over a >= 1 GiB pool,
 * main: decode B=64 ctx 2048 (32q/8kv, d128, bf16, pages of 16) -- the fused launch the engine used for
   every step, the decode-only launch (``decode_only=True``: the engine's uniform-decode steps) in several
   tile configurations, the stock kernel; plus the B=64 ctx-16 fixed-cost probe;
-* small: batch 1-4 as the engine's smallest default bucket pads it (T = R = 8), fused against decode-only;
+* small: batch 1-4 as the engine's smallest default bucket pads it (T = R = MIN_TOKEN_BUCKET), fused against decode-only;
 * fp8: an e4m3 cache at B=8 ctx 32768 against bf16, fused and decode-only configurations;
 * fp8qk: the fp8 cache with QK^T on e4m3 operands (``fp8_qk``), checked and timed;
 * fp8c: fp8 at B=8 ctx 32768 over split counts x pipeline depths, and the fixed cost of splitting;

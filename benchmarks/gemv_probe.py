@@ -8,7 +8,7 @@ times ``gemv`` below (column blocks x K splits, f32 accumulation, bf16 out) in a
 configurations against XLA's ``x @ W`` on the same data.
 
 Answer (H200, 2026-11-30, benchmarks/results/2026-11-30-h200-seventh-session.md): at M=16, the engine's
-smallest token bucket and so its batch-1 step, the best Pallas configuration is 0.88-1.15x XLA's time per
+smallest token bucket then and so its batch-1 step (8 since the eleventh session, 4 since the twelfth), the best Pallas configuration is 0.88-1.15x XLA's time per
 GEMM kind at TP=2 (0.83-0.98x at TP=1): no GEMM choice gives the TP=2 decode the ~1 ms it lacks, and the
 engine keeps XLA's GEMMs. XLA picks badly at M=1 for the TP=2 ``o`` GEMM (31.3 us, Pallas 12.8), and the Pallas
 kernel is 0.94x XLA over a TP=1 M=16 layer. Caveats: this harness's XLA times differ from gemm_probe's by up to

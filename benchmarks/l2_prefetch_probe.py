@@ -58,6 +58,7 @@ if args.pid is not None:
                                local_device_ids=[args.pid])
 
 H, Q, KV, I = (64, 64, 16, 128) if args.smoke else (4096, 4096, 1024, 14336)
+HEAD_DIM = 8 if args.smoke else 128
 T, L = args.tokens, (2 if args.smoke else args.layers)
 DT = jnp.bfloat16
 MIB = 1 << 20
@@ -76,8 +77,11 @@ def prefetch(ws, after, budget):
         rows = min(w.shape[0], budget // row)
         if rows <= 0:
             break
-        start = (after.reshape(-1)[0] * 0).astype(jnp.int32)      # a data dependency XLA cannot fold away
-        toks.append(jnp.max(jax.lax.dynamic_slice_in_dim(w, start, rows, axis=0)))
+        # a data dependency XLA cannot fold away (x * 0 is NaN for x = NaN) inside the read's own fusion; a
+        # dynamic_slice start from ``after`` was not enough: XLA drops a slice that covers the whole array,
+        # and the dependency with it (review of 3bd81ab)
+        zero = (after.reshape(-1)[0] * 0).astype(w.dtype)
+        toks.append(jnp.max(w[:rows] + zero))
         budget -= rows * row
     return toks
 
@@ -97,7 +101,11 @@ def layer_local(x, lp, nxt, *, psum, pf_bytes, split=1):
         q, k, v = jnp.split(h @ lp["qkv"], [lp["q"].shape[1], lp["q"].shape[1] + lp["k"].shape[1]], axis=1)
     else:
         q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]
-    a = q + jnp.tile(k + v, (1, q.shape[1] // k.shape[1]))
+    # attention's stand-in: each q head plus its GQA group's k + v. Head-aligned, so neither XLA (gspmd) nor a
+    # device's shard (sm) needs other devices' heads (a jnp.tile here cost gspmd an all-gather per layer in
+    # the runs of 3bd81ab, and gave sm different numbers)
+    t, d = q.shape[0], HEAD_DIM
+    a = (q.reshape(t, k.shape[1] // d, -1, d) + (k + v).reshape(t, k.shape[1] // d, 1, d)).reshape(q.shape)
     if split > 1:       # o -> AR -> MLP -> AR per token chunk: independent chains XLA can overlap
         return jnp.concatenate([after_attention(xc, ac, lp, nxt, psum, pf_bytes)
                                 for xc, ac in zip(jnp.split(x, split), jnp.split(a, split))])
@@ -112,7 +120,8 @@ def after_attention(x, a, lp, nxt, psum, pf_bytes):
     x = x + y
     gu = jnp.einsum("th,hci->tci", rms(x), lp["gate_up"])
     part = (jax.nn.silu(gu[:, 0]) * gu[:, 1]) @ lp["down"]
-    toks = prefetch([nxt["q"], nxt["k"], nxt["v"]], part, pf_bytes) if (pf_bytes and nxt) else []
+    nxt_w = ([nxt["qkv"]] if "qkv" in nxt else [nxt["q"], nxt["k"], nxt["v"]]) if nxt else []
+    toks = prefetch(nxt_w, part, pf_bytes) if (pf_bytes and nxt) else []
     y = psum(part)
     y = join(y, toks)
     return x + y
@@ -138,24 +147,20 @@ def make(mesh):
     return x, layers
 
 
-def with_qkv(layers, fuse):
-    """Traced inside the jitted function, so the concatenation would run every call: instead the timed
-    function receives layers that already hold "qkv" (see ``time_variant``); here only pass them through."""
-    return layers
-
-
 def build(variant, mesh):
-    fuse = variant.endswith("-qkv")
+    fuse = variant.endswith("-qkv")     # the layers already hold "qkv" (time_variant concatenates per device)
     variant = variant.removesuffix("-qkv")
+    if fuse and variant.startswith("gspmd"):
+        raise ValueError("-qkv needs per-device offsets to split q/k/v: use it with tp1 or sm variants")
     split = int(variant.split("-split")[1]) if "-split" in variant else 1
     variant = variant.split("-split")[0]
     if variant in ("tp1", "gspmd"):
-        return jax.jit(lambda x, layers: stack(x, with_qkv(layers, fuse), psum=lambda y: y, pf_bytes=0,
+        return jax.jit(lambda x, layers: stack(x, layers, psum=lambda y: y, pf_bytes=0,
                                                split=split))
     pf = int(variant.split("pf")[1]) * MIB if "+pf" in variant else 0
     psum = (lambda y: y) if variant == "sm-noar" else (lambda y: jax.lax.psum(y, "tp"))
     specs = [{n: SPECS[n] for n in SHAPES} | ({"qkv": P(None, "tp")} if fuse else {}) for _ in range(L)]
-    body = lambda x, layers: stack(x, with_qkv(layers, fuse), psum=psum, pf_bytes=pf, split=split)  # noqa: E731
+    body = lambda x, layers: stack(x, layers, psum=psum, pf_bytes=pf, split=split)  # noqa: E731
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs), out_specs=P(), check_vma=False))
 
 
@@ -220,11 +225,11 @@ def main():
     if len(devs) >= 2:
         mesh = Mesh(devs[:2], ("tp",))
         runs += [(v, mesh) for v in ("gspmd", "sm", "sm-noar", *pf_variants)]
-    if args.variants:
-        names = {r[0] for r in runs}
-        runs = [r for r in runs if r[0] in args.variants] + \
-               [(v, r[1]) for r in runs for v in args.variants
-                if v not in names and v.startswith(r[0] + "-")]      # derived: <variant>-qkv, <variant>-split<N>
+    if args.variants:      # base variants as named, derived ones (<base>-qkv, <base>-split<N>) on their base's mesh
+        meshes = dict(runs)
+        derived = [(v, max((n for n in meshes if v.startswith(n + "-")), key=len, default=None))
+                   for v in args.variants if v not in meshes]
+        runs = [r for r in runs if r[0] in args.variants] + [(v, meshes[b]) for v, b in derived if b]
     lead = jax.process_index() == 0
     if lead:
         print(f"| variant | procs | ms/forward ({L} layers, T={T}) | us/layer | compile s | all-reduces | "

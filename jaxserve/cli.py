@@ -46,7 +46,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     _bool_flag(s, "enable-chunked-prefill", True, "chunked prefill")
     s.add_argument("--max-waiting-requests", type=int, default=None)
     s.add_argument("--token-buckets", default=None, nargs="+",
-                   help="padded step sizes to compile, e.g. 8 16 64 256 2048 or 8,16,64,256 (default: 8, 16, 32, ... up to "
+                   help="padded step sizes to compile, e.g. 4 8 16 64 256 2048 or 4,8,16,64,256 (default: 4, 8, 16, 32, ... up to "
                         "--max-num-batched-tokens; a batch-1 decode step pads to the smallest)")
     s.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode iterations per dispatch when every scheduled request decodes (a device-side "

@@ -4,7 +4,7 @@
     python benchmarks/allreduce_probe.py --processes 2         # one process per GPU through jax.distributed
 
 Times a jitted chain of all-reduces (shard_map psum over a "tp" axis of every local device) for a decode-sized
-vector ([1, 4096] bf16 per device), a 16-token step ([16, 4096], 128 KiB: the engine's batch-1 bucket until 2026-11-30, now 8) and a
+vector ([1, 4096] bf16 per device), a 16-token step ([16, 4096], 128 KiB: the engine's batch-1 bucket until 2026-11-30, now MIN_TOKEN_BUCKET) and a
 large one (64 MiB per device). NCCL's environment (NCCL_PROTO, NCCL_ALGO, ...) passes through to the children.
 """
 import os

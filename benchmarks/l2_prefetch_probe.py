@@ -15,8 +15,8 @@ stack without attention (norm, q/k/v, o, gate_up, down; T tokens) in these varia
   XLA may overlap with the other chunks' GEMMs; for large, compute-bound steps);
 - ``sm+pf<MB>``: ``sm`` where, after each row-parallel GEMM and before its psum completes, a reduction reads
   the first <MB> MiB of the next GEMM's local weights (next layer's q/k/v after ``down``, ``gate_up`` after
-  ``o``), so that GEMM finds them in L2. Ordering is forced by data: the read's start row is computed from
-  the GEMM's partial sum (times zero) and the read's result (times zero) is added to the psum's result.
+  ``o``), so that GEMM finds them in L2. Ordering is forced by data: the read adds the GEMM's partial sum
+  (times zero) to what it reads, and its result (times zero) is added to the psum's result.
 Prints ms per forward (all layers), and for each variant the ops XLA scheduled between the first
 all-reduce-start and its done.
 """
@@ -155,8 +155,7 @@ def build(variant, mesh):
     split = int(variant.split("-split")[1]) if "-split" in variant else 1
     variant = variant.split("-split")[0]
     if variant in ("tp1", "gspmd"):
-        return jax.jit(lambda x, layers: stack(x, layers, psum=lambda y: y, pf_bytes=0,
-                                               split=split))
+        return jax.jit(lambda x, layers: stack(x, layers, psum=lambda y: y, pf_bytes=0, split=split))
     pf = int(variant.split("pf")[1]) * MIB if "+pf" in variant else 0
     psum = (lambda y: y) if variant == "sm-noar" else (lambda y: jax.lax.psum(y, "tp"))
     specs = [{n: SPECS[n] for n in SHAPES} | ({"qkv": P(None, "tp")} if fuse else {}) for _ in range(L)]
@@ -212,7 +211,6 @@ def time_variant(variant, mesh):
         mid = between_first_ar(text)
     except Exception as e:  # noqa: BLE001  (a diagnostic column; never lose the timing to a parse)
         mid = [f"unparsed: {e!r}"]
-    del layers
     return min(ts) * 1e3, compile_s, n_ar, mid, first
 
 

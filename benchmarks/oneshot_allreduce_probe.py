@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 16 * 4096],
                     help="elements per device (bf16): one decode row, a 16-token step (the engine's "
-                         "batch-1 bucket until 2026-11-30, now 8)")
+                         "batch-1 bucket until 2026-11-30, now MIN_TOKEN_BUCKET)")
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args(argv)

@@ -11,6 +11,8 @@ stack without attention (norm, q/k/v, o, gate_up, down; T tokens) in these varia
 - ``gspmd``: weights sharded as the model shards them, XLA inserts the all-reduces (what the engine runs);
 - ``sm``: the same with the row-parallel GEMMs and their psums written out in ``shard_map``;
 - ``sm-noar``: ``sm`` with the psums removed (wrong numbers; its time minus ``sm``'s is what the all-reduces cost);
+- ``sm-car``: ``sm`` with the psums replaced by the CUDA one-shot all-reduce (``kernels/custom_allreduce.py``;
+  with ``--processes`` only: it shares buffers between processes);
 - ``<variant>-split<N>``: from ``o`` on, each layer runs as N independent token chunks (N all-reduce chains that
   XLA may overlap with the other chunks' GEMMs; for large, compute-bound steps);
 - ``sm+pf<MB>``: ``sm`` where, after each row-parallel GEMM and before its psum completes, a reduction reads
@@ -27,6 +29,8 @@ import os
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 p = argparse.ArgumentParser()
 p.add_argument("--processes", type=int, default=0)
@@ -139,6 +143,11 @@ SPECS = {"q": P(None, "tp"), "k": P(None, "tp"), "v": P(None, "tp"), "o": P("tp"
 SHAPES = {"q": (H, Q), "k": (H, KV), "v": (H, KV), "o": (Q, H), "gate_up": (H, 2, I), "down": (I, H)}
 
 
+def car_all_reduce(y):
+    from jaxserve.kernels import custom_allreduce
+    return custom_allreduce.all_reduce(y)
+
+
 def make(mesh):
     gens = {name: jax.jit(lambda key, s=shape: jax.random.normal(key, s, DT) * jnp.asarray(0.02, DT),
                           out_shardings=NamedSharding(mesh, SPECS[name])) for name, shape in SHAPES.items()}
@@ -157,7 +166,8 @@ def build(variant, mesh):
     if variant in ("tp1", "gspmd"):
         return jax.jit(lambda x, layers: stack(x, layers, psum=lambda y: y, pf_bytes=0, split=split))
     pf = int(variant.split("pf")[1]) * MIB if "+pf" in variant else 0
-    psum = (lambda y: y) if variant == "sm-noar" else (lambda y: jax.lax.psum(y, "tp"))
+    psum = {"sm-noar": lambda y: y, "sm-car": lambda y: car_all_reduce(y)}.get(
+        variant, lambda y: jax.lax.psum(y, "tp"))
     specs = [{n: SPECS[n] for n in SHAPES} | ({"qkv": P(None, "tp")} if fuse else {}) for _ in range(L)]
     body = lambda x, layers: stack(x, layers, psum=psum, pf_bytes=pf, split=split)  # noqa: E731
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs), out_specs=P(), check_vma=False))
@@ -223,12 +233,19 @@ def main():
     if len(devs) >= 2:
         mesh = Mesh(devs[:2], ("tp",))
         runs += [(v, mesh) for v in ("gspmd", "sm", "sm-noar", *pf_variants)]
+        if args.pid is not None:       # the CUDA all-reduce needs one process per GPU (CUDA IPC)
+            runs.append(("sm-car", mesh))
     if args.variants:      # base variants as named, derived ones (<base>-qkv, <base>-split<N>) on their base's mesh
         meshes = dict(runs)
         derived = [(v, max((n for n in meshes if v.startswith(n + "-")), key=len, default=None))
                    for v in args.variants if v not in meshes]
         runs = [r for r in runs if r[0] in args.variants] + [(v, meshes[b]) for v, b in derived if b]
     lead = jax.process_index() == 0
+    if any(v.startswith("sm-car") for v, _ in runs):
+        from jaxserve.kernels import custom_allreduce
+        n = jax.process_count()
+        custom_allreduce.setup(jax.local_devices()[0], jax.process_index(), n,
+                               custom_allreduce.distributed_exchange(jax.process_index(), n))
     if lead:
         print(f"| variant | procs | ms/forward ({L} layers, T={T}) | us/layer | compile s | all-reduces | "
               f"max diff / max (vs tp1, or sm) | between first AR start/done |", flush=True)
@@ -238,7 +255,7 @@ def main():
         ms, cs, n_ar, mid, out = time_variant(variant, mesh)
         outs[variant] = out
         base = variant.removesuffix("-qkv").split("-split")[0]
-        ref = outs.get("sm" if base.startswith("sm+") else "tp1", outs.get("gspmd")) if base == variant \
+        ref = outs.get("sm" if base.startswith(("sm+", "sm-car")) else "tp1", outs.get("gspmd")) if base == variant \
             else outs.get(base)                                                          # same math
         diff = "" if (variant == "sm-noar" or out is None or ref is None) else \
             f"{float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))):.2g}"

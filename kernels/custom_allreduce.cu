@@ -1,0 +1,297 @@
+// One-shot peer-write all-reduce for small tensor-parallel activations (decode steps), as an XLA FFI
+// custom call. Built and loaded by custom_allreduce.py; the design and its measurements are there.
+//
+// Each rank owns one CUDA IPC buffer: a flag table [MAX_BLOCKS][MAX_RANKS] of uint32 epochs, then two
+// receive areas (call parity 0/1), each with one slot per rank. A call with epoch e (per device, counted on
+// the device so CUDA-graph replays advance it) runs `blocks` CTAs; CTA b:
+//   1. writes its slice of the input straight into slot[me] of area e&1 on every peer (NVLink stores),
+//   2. publishes e in flag[b][me] on every peer (release, system scope),
+//   3. waits until flag[b][q] >= e in its own table for every peer q (acquire, system scope),
+//   4. sums the ranks' slices in rank order in float32 and rounds once, so every rank gets the same bits.
+// Two areas are enough: a rank enters call e+2 only after seeing a peer's flag for e+1, which the peer
+// raises only after it has finished reading area e&1 in call e (kernels on one stream run in order).
+// The last CTA to finish advances the epoch.
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxBlocks = 64;
+constexpr int kMaxDevices = 16;
+constexpr int kThreads = 512;
+constexpr size_t kDataOffset = 4096;  // flag table (kMaxBlocks * kMaxRanks * 4 = 2 KiB) padded
+static_assert(kMaxBlocks * kMaxRanks * sizeof(uint32_t) <= kDataOffset, "flag table too large");
+
+struct Peers {
+  char* base[kMaxRanks];
+};
+
+struct DeviceState {
+  bool ready = false;
+  int rank = 0;
+  int world = 0;
+  size_t slot_bytes = 0;
+  char* local = nullptr;       // this rank's IPC buffer
+  uint32_t* epoch = nullptr;   // [0] epoch, [1] CTAs done in the current call (plain device memory)
+  Peers peers{};               // every rank's buffer as mapped here (peers[rank] == local)
+};
+
+DeviceState g_state[kMaxDevices];
+
+__device__ __forceinline__ uint32_t* flag_ptr(char* base, int block, int rank) {
+  return reinterpret_cast<uint32_t*>(base) + block * kMaxRanks + rank;
+}
+
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename T> struct Vec;  // 16 bytes of T as float32 lanes
+template <> struct Vec<float> {
+  static constexpr int kLanes = 4;
+  __device__ static void add(float* acc, const int4& v) {
+    const float* f = reinterpret_cast<const float*>(&v);
+    for (int i = 0; i < 4; ++i) acc[i] += f[i];
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 out;
+    float* f = reinterpret_cast<float*>(&out);
+    for (int i = 0; i < 4; ++i) f[i] = acc[i];
+    return out;
+  }
+};
+template <> struct Vec<__nv_bfloat16> {
+  static constexpr int kLanes = 8;
+  __device__ static void add(float* acc, const int4& v) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    for (int i = 0; i < 4; ++i) {
+      float2 f = __bfloat1622float2(h[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 out;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    return out;
+  }
+};
+template <> struct Vec<__half> {
+  static constexpr int kLanes = 8;
+  __device__ static void add(float* acc, const int4& v) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+    for (int i = 0; i < 4; ++i) {
+      float2 f = __half22float2(h[i]);
+      acc[2 * i] += f.x;
+      acc[2 * i + 1] += f.y;
+    }
+  }
+  __device__ static int4 pack(const float* acc) {
+    int4 out;
+    __half2* h = reinterpret_cast<__half2*>(&out);
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(acc[2 * i], acc[2 * i + 1]);
+    return out;
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) oneshot_all_reduce(const int4* __restrict__ in,
+                                                               int4* __restrict__ out, int64_t num_vecs,
+                                                               int rank, int world, Peers peers,
+                                                               uint32_t* epoch_state, size_t slot_bytes) {
+  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(epoch_state) + 1;
+  const size_t area = static_cast<size_t>(epoch & 1u) * world * slot_bytes;
+  const int64_t per_block = (num_vecs + gridDim.x - 1) / gridDim.x;
+  const int64_t lo = blockIdx.x * per_block;
+  const int64_t hi = lo + per_block < num_vecs ? lo + per_block : num_vecs;
+
+  // 1. push this rank's slice into slot[rank] of every peer's receive area
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const int4 v = in[i];
+    for (int q = 0; q < world; ++q) {
+      if (q == rank) continue;
+      int4* slot = reinterpret_cast<int4*>(peers.base[q] + kDataOffset + area + rank * slot_bytes);
+      slot[i] = v;
+    }
+  }
+  __syncthreads();
+  // 2-3. one thread per peer: publish, then wait for the peer's publication of this block
+  if (threadIdx.x < world && threadIdx.x != rank) {
+    const int q = threadIdx.x;
+    __threadfence_system();
+    store_release_sys(flag_ptr(peers.base[q], blockIdx.x, rank), epoch);
+    const uint32_t* mine = flag_ptr(peers.base[rank], blockIdx.x, q);
+    while (static_cast<int32_t>(load_acquire_sys(mine) - epoch) < 0) {
+    }
+  }
+  __syncthreads();
+  // 4. sum in rank order (float32), round once
+  const char* recv = peers.base[rank] + kDataOffset + area;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    float acc[Vec<T>::kLanes] = {};
+    for (int r = 0; r < world; ++r) {
+      const int4 v = r == rank ? in[i] : __ldcg(reinterpret_cast<const int4*>(recv + r * slot_bytes) + i);
+      Vec<T>::add(acc, v);
+    }
+    out[i] = Vec<T>::pack(acc);
+  }
+  // the last CTA to finish advances the epoch for the next call on this device
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t done = atomicAdd(epoch_state + 1, 1u);
+    if (done == gridDim.x - 1) {
+      epoch_state[1] = 0;
+      epoch_state[0] = epoch;
+      __threadfence();
+    }
+  }
+}
+
+void release(DeviceState& s) {
+  if (s.local == nullptr) return;
+  cudaDeviceSynchronize();
+  for (int q = 0; q < s.world; ++q) {
+    if (q != s.rank && s.peers.base[q] != nullptr) cudaIpcCloseMemHandle(s.peers.base[q]);
+  }
+  cudaFree(s.local);
+  cudaFree(s.epoch);
+  s = DeviceState{};
+}
+
+void set_error(char* err, size_t len, const char* what, cudaError_t e) {
+  if (err != nullptr && len > 0) {
+    snprintf(err, len, "%s: %s", what, e == cudaSuccess ? "failed" : cudaGetErrorString(e));
+  }
+}
+
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t blocks) {
+  if (device < 0 || device >= kMaxDevices || !g_state[device].ready) {
+    return ffi::Error::InvalidArgument("jaxserve custom all-reduce: not set up on CUDA device " +
+                                       std::to_string(device));
+  }
+  const DeviceState& s = g_state[device];
+  const size_t bytes = x.size_bytes();
+  if (bytes % 16 != 0 || bytes > s.slot_bytes || y->size_bytes() != bytes) {
+    return ffi::Error::InvalidArgument("jaxserve custom all-reduce: " + std::to_string(bytes) +
+                                       " bytes (needs a multiple of 16, at most " +
+                                       std::to_string(s.slot_bytes) + ")");
+  }
+  if (blocks < 1 || blocks > kMaxBlocks) {
+    return ffi::Error::InvalidArgument("jaxserve custom all-reduce: blocks must be in [1, 64]");
+  }
+  const int64_t num_vecs = static_cast<int64_t>(bytes / 16);
+  if (num_vecs == 0) return ffi::Error::Success();
+  const auto* in = static_cast<const int4*>(x.untyped_data());
+  auto* out = static_cast<int4*>(y->untyped_data());
+  const dim3 grid(static_cast<unsigned>(blocks)), block(kThreads);
+  switch (x.element_type()) {
+    case ffi::DataType::BF16:
+      oneshot_all_reduce<__nv_bfloat16><<<grid, block, 0, stream>>>(in, out, num_vecs, s.rank, s.world,
+                                                                    s.peers, s.epoch, s.slot_bytes);
+      break;
+    case ffi::DataType::F16:
+      oneshot_all_reduce<__half><<<grid, block, 0, stream>>>(in, out, num_vecs, s.rank, s.world, s.peers,
+                                                             s.epoch, s.slot_bytes);
+      break;
+    case ffi::DataType::F32:
+      oneshot_all_reduce<float><<<grid, block, 0, stream>>>(in, out, num_vecs, s.rank, s.world, s.peers,
+                                                            s.epoch, s.slot_bytes);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("jaxserve custom all-reduce: dtype must be bf16, f16 or f32");
+  }
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jaxserve custom all-reduce launch: ") + cudaGetErrorString(e));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCustomAllReduce, AllReduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("blocks"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+extern "C" {
+
+// Allocate this rank's buffer on `device` and write its 64-byte IPC handle to `handle_out`.
+int jaxserve_car_create(int device, int rank, int world, uint64_t slot_bytes, void* handle_out, char* err,
+                        uint64_t err_len) {
+  if (device < 0 || device >= kMaxDevices || world < 2 || world > kMaxRanks || rank < 0 || rank >= world ||
+      slot_bytes % 16 != 0) {
+    set_error(err, err_len, "bad arguments", cudaSuccess);
+    return 1;
+  }
+  DeviceState& s = g_state[device];
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return set_error(err, err_len, "cudaSetDevice", e), 1;
+  release(s);  // an earlier engine's buffers in this process (its peers are gone)
+  const size_t total = kDataOffset + 2 * static_cast<size_t>(world) * slot_bytes;
+  if ((e = cudaMalloc(&s.local, total)) != cudaSuccess) return set_error(err, err_len, "cudaMalloc", e), 1;
+  if ((e = cudaMemset(s.local, 0, total)) != cudaSuccess) return set_error(err, err_len, "cudaMemset", e), 1;
+  if ((e = cudaMalloc(&s.epoch, 2 * sizeof(uint32_t))) != cudaSuccess) return set_error(err, err_len, "cudaMalloc", e), 1;
+  if ((e = cudaMemset(s.epoch, 0, 2 * sizeof(uint32_t))) != cudaSuccess) return set_error(err, err_len, "cudaMemset", e), 1;
+  if ((e = cudaDeviceSynchronize()) != cudaSuccess) return set_error(err, err_len, "cudaDeviceSynchronize", e), 1;
+  cudaIpcMemHandle_t handle;
+  if ((e = cudaIpcGetMemHandle(&handle, s.local)) != cudaSuccess) {
+    return set_error(err, err_len, "cudaIpcGetMemHandle", e), 1;
+  }
+  static_assert(sizeof(cudaIpcMemHandle_t) == 64, "IPC handle size");
+  memcpy(handle_out, &handle, sizeof(handle));
+  s.rank = rank;
+  s.world = world;
+  s.slot_bytes = slot_bytes;
+  return 0;
+}
+
+// Map every peer's buffer (`handles`: world * 64 bytes, in rank order) and mark the device ready.
+int jaxserve_car_open(int device, const void* handles, char* err, uint64_t err_len) {
+  if (device < 0 || device >= kMaxDevices || g_state[device].local == nullptr) {
+    set_error(err, err_len, "jaxserve_car_create was not called for this device", cudaSuccess);
+    return 1;
+  }
+  DeviceState& s = g_state[device];
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return set_error(err, err_len, "cudaSetDevice", e), 1;
+  for (int q = 0; q < s.world; ++q) {
+    if (q == s.rank) {
+      s.peers.base[q] = s.local;
+      continue;
+    }
+    cudaIpcMemHandle_t handle;
+    memcpy(&handle, static_cast<const char*>(handles) + 64 * q, sizeof(handle));
+    void* ptr = nullptr;
+    if ((e = cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess)) != cudaSuccess) {
+      return set_error(err, err_len, "cudaIpcOpenMemHandle", e), 1;
+    }
+    s.peers.base[q] = static_cast<char*>(ptr);
+  }
+  s.ready = true;
+  return 0;
+}
+
+}  // extern "C"

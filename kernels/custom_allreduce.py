@@ -1,0 +1,179 @@
+"""A one-shot all-reduce for small tensor-parallel activations: CUDA (``custom_allreduce.cu``) as an XLA FFI call.
+
+Why: a TP=2 decode step of Llama-3.1-8B carries 64 all-reduces of a few tens of KiB (one after attention and
+one after the MLP, per layer). XLA's own collectives take 13-14 us each there (one-shot NCCL kernels on the
+compute stream; ``benchmarks/results/2026-11-30-h200x2-s12-layer-stack.md``), about 0.85 ms of a 3.6 ms token.
+A kernel that writes each rank's shard straight into its peers' memory over NVLink, raises a flag and sums
+what arrived, is latency-bound by one NVLink round trip instead. vLLM ships the same idea as its "custom
+all-reduce" (``--disable-custom-all-reduce`` turns it off); this one is written for jaxserve's process-per-GPU
+executor and for XLA:
+
+- **Buffers**: each rank allocates one buffer (``cudaMalloc``) and shares it with ``cudaIpcGetMemHandle``; the
+  handles travel through ``jax.distributed``'s key-value store and every rank maps its peers'. So it needs one
+  process per GPU (``--distributed-executor-backend mp``), with every GPU visible to CUDA in each process
+  (jaxserve's launcher selects devices with ``local_device_ids``, not ``CUDA_VISIBLE_DEVICES``).
+- **In the step**: ``all_reduce(x)`` inside ``shard_map`` is a custom call on XLA's stream, allowed in
+  command buffers (CUDA graphs): its per-call epoch lives on the device, so a graph replay advances it.
+- **Numbers**: the ranks' values are summed in rank order in float32 and rounded once, so every rank holds the
+  same bits; with two ranks that is also what XLA's psum gives.
+- **Limits**: inputs up to ``slot_bytes`` (1 MiB by default: 128 tokens of a 4096-wide bf16 hidden state), a
+  multiple of 16 bytes; larger steps (prefill) keep XLA's all-reduce, which is bandwidth-bound there.
+
+The CUDA source is compiled on first use with the machine's ``nvcc`` (``$JAXSERVE_NVCC``, ``$CUDA_HOME/bin``,
+``PATH`` or ``/usr/local/cuda/bin``) for the local GPU, into a cache folder keyed by the source, the compiler and
+the FFI headers. Without ``nvcc`` or a GPU, ``CustomAllReduceUnavailable`` says why and callers keep XLA's
+all-reduce. No CPU path: tests drive the Python side on CPU, the kernel on the GPU (``benchmarks/gpu_check.py``,
+``benchmarks/custom_allreduce_probe.py``).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).with_name("custom_allreduce.cu")
+TARGET = "jaxserve_custom_all_reduce"
+MAX_RANKS = 8
+MAX_BLOCKS = 64
+THREADS = 512                      # per CTA, as in the .cu
+DEFAULT_SLOT_BYTES = 1 << 20
+
+_lib = None
+
+
+class CustomAllReduceUnavailable(RuntimeError):
+    """The custom all-reduce cannot run here (no nvcc, no GPU, CUDA IPC refused, ...); the message says why."""
+
+
+def find_nvcc() -> str | None:
+    for cand in (os.environ.get("JAXSERVE_NVCC"),
+                 os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None,
+                 shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("JAXSERVE_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "jaxserve", "kernels")
+    return Path(base)
+
+
+def nvcc_command(nvcc: str, out: Path, arch: str) -> list[str]:
+    import jax.ffi
+    return [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
+            "-isystem", jax.ffi.include_dir(), "-o", str(out), str(SOURCE)]
+
+
+def build(*, arch: str | None = None) -> Path:
+    """Compile ``custom_allreduce.cu`` (once per source/compiler/headers) and return the shared library's path."""
+    import jax.ffi
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise CustomAllReduceUnavailable("no nvcc found (set JAXSERVE_NVCC or CUDA_HOME)")
+    arch = arch or os.environ.get("JAXSERVE_CUDA_ARCH", "native")
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CustomAllReduceUnavailable(f"{nvcc} --version failed: {e}") from e
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + arch.encode()
+                         + jax.ffi.include_dir().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"custom_allreduce-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run(nvcc_command(nvcc, tmp, arch), capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise CustomAllReduceUnavailable(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)            # atomic: concurrent builders (one per process) end with one good file
+    return out
+
+
+def load():
+    """The built library, with its FFI target registered with XLA for CUDA (once per process)."""
+    global _lib
+    if _lib is None:
+        import jax
+        import jax.ffi
+        if jax.default_backend() != "gpu":
+            raise CustomAllReduceUnavailable(f"needs an NVIDIA GPU (backend is {jax.default_backend()!r})")
+        lib = ctypes.CDLL(str(build()))
+        lib.jaxserve_car_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
+                                            ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64]
+        lib.jaxserve_car_open.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64]
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveCustomAllReduce), platform="CUDA")
+        _lib = lib
+    return _lib
+
+
+def create(device, rank: int, world: int, *, slot_bytes: int = DEFAULT_SLOT_BYTES) -> bytes:
+    """Allocate rank ``rank``'s buffer on ``device`` (a ``jax.Device``; any earlier one there is freed) and
+    return its 64-byte CUDA IPC handle, for every other rank's ``open_peers``."""
+    if not 2 <= world <= MAX_RANKS:
+        raise CustomAllReduceUnavailable(f"{world} ranks (supported: 2..{MAX_RANKS})")
+    lib = load()
+    err = ctypes.create_string_buffer(512)
+    handle = ctypes.create_string_buffer(64)
+    if lib.jaxserve_car_create(int(device.local_hardware_id), rank, world, slot_bytes, handle, err, len(err)):
+        raise CustomAllReduceUnavailable(err.value.decode(errors="replace"))
+    return handle.raw
+
+
+def open_peers(device, handles: list[bytes]) -> None:
+    """Map every rank's buffer (``handles`` in rank order, this rank's included) on ``device``."""
+    if any(len(h) != 64 for h in handles):
+        raise CustomAllReduceUnavailable("bad IPC handle exchange")
+    lib = load()
+    err = ctypes.create_string_buffer(512)
+    if lib.jaxserve_car_open(int(device.local_hardware_id), b"".join(handles), err, len(err)):
+        raise CustomAllReduceUnavailable(err.value.decode(errors="replace"))
+
+
+def setup(device, rank: int, world: int, exchange, *, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+    """``create`` then ``open_peers``, with ``exchange(handle: bytes) -> list[bytes]`` sharing the handles
+    (``distributed_exchange`` does it through ``jax.distributed``). Every rank must call it. The engine does
+    the same in two agreed rounds instead (``jaxserve.parallel.collectives``), so one rank's failure cannot
+    leave the others waiting."""
+    open_peers(device, exchange(create(device, rank, world, slot_bytes=slot_bytes)))
+
+
+def distributed_exchange(rank: int, world: int, *, tag: str = "jaxserve-car", timeout_ms: int = 120_000):
+    """``exchange`` for ``setup`` through ``jax.distributed``'s key-value store (one process per rank)."""
+    from jax._src import distributed as jd
+    client = jd.global_state.client
+    if client is None:
+        raise CustomAllReduceUnavailable("jax.distributed is not initialized")
+
+    def exchange(handle: bytes) -> list[bytes]:
+        client.key_value_set_bytes(f"{tag}/{rank}", handle)
+        return [handle if q == rank else client.blocking_key_value_get_bytes(f"{tag}/{q}", timeout_ms)
+                for q in range(world)]
+
+    return exchange
+
+
+def default_blocks(nbytes: int) -> int:
+    """CTAs per call: one 16-byte vector per thread up to ``MAX_BLOCKS // 2`` CTAs (64 KiB: 8)."""
+    vecs = max(1, nbytes // 16)
+    return int(np.clip(-(-vecs // THREADS), 1, MAX_BLOCKS // 2))
+
+
+def supports(shape, dtype, *, slot_bytes: int = DEFAULT_SLOT_BYTES) -> bool:
+    """Whether ``all_reduce`` takes an array of this shape/dtype (else keep XLA's all-reduce)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    return dtype.name in ("bfloat16", "float16", "float32") and 0 < nbytes <= slot_bytes and nbytes % 16 == 0
+
+
+def all_reduce(x, *, blocks: int | None = None):
+    """The sum of ``x`` over every rank set up by ``setup``; call it per device (inside ``shard_map``)."""
+    import jax
+    blocks = default_blocks(x.size * x.dtype.itemsize) if blocks is None else int(blocks)
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(x, blocks=np.int64(blocks))

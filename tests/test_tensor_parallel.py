@@ -65,11 +65,65 @@ def _worker() -> dict:
                 entry["weight_shapes"] = sorted({str(list(x.shape)) for x in jax.tree.leaves(params)})
             report[f"{name}/tp{tp}"] = entry
     report["pallas"] = _pallas_under_shard_map()
+    report["custom_all_reduce"] = _custom_all_reduce_wiring(cases)
     try:
         parallel.make_mesh(NUM_DEVICES + 1)
     except ValueError as e:
         report["too_many"] = str(e)
     return report
+
+
+def _custom_all_reduce_wiring(cases) -> dict:
+    """The row-parallel layers as the custom all-reduce runs them (shard_map: local matmul, then the kernel),
+    with the CUDA kernel stood in for by a psum that records what it was given (the kernel itself needs GPUs:
+    benchmarks/custom_allreduce_probe.py, gpu_check --tp). Greedy tokens and logits against TP=1, the HLO's
+    all-reduces, and which sizes went to the kernel."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxserve import parallel
+    from jaxserve.kernels import custom_allreduce as car
+    from jaxserve.parallel import collectives
+    from tp_greedy import GreedyDecoder, random_params
+
+    calls = []
+
+    def stand_in(x, blocks=None):
+        calls.append(list(x.shape))
+        return lax.psum(x, "tp")
+
+    out = {"why_not_cpu": parallel.enable_custom_all_reduce(parallel.make_mesh(2)),
+           "why_not_disabled": parallel.enable_custom_all_reduce(parallel.make_mesh(2), disable=True),
+           "why_not_tp1": parallel.enable_custom_all_reduce(None)}
+    real = car.all_reduce
+    car.all_reduce, collectives._enabled = stand_in, True
+    try:
+        for name, tp in [("8q4kv", 2), ("8q2kv", 4)]:
+            cfg = cases[name]
+            mesh = parallel.make_mesh(tp)
+            dec = GreedyDecoder(cfg, random_params(cfg, seed=1), mesh, max_new_tokens=MAX_NEW_TOKENS)
+            calls.clear()
+            tokens, logits = dec.generate()
+            hlo = dec._step.lower(dec.params, dec.kv_caches, *_step_args(dec)).compile().as_text()
+            out[f"{name}/tp{tp}"] = {"tokens": tokens, "logits": logits.tolist(), "calls": list(calls),
+                                     "collectives": _collectives(hlo)}
+        # a step too large for the kernel's buffers keeps psum inside the same shard_map
+        mesh = parallel.make_mesh(2)
+        rng = np.random.default_rng(0)
+        for rows in (4, car.DEFAULT_SLOT_BYTES // (4 * 64) + 1):   # f32 [rows, 64]: fits / one row past 1 MiB
+            x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.float32)
+            w = jnp.asarray(rng.standard_normal((128, 64)), jnp.float32)
+            xs, ws = jax.device_put(x, NamedSharding(mesh, P(None, "tp"))), jax.device_put(w, NamedSharding(mesh, P("tp")))
+            calls.clear()
+            got = jax.jit(parallel.bind_mesh(parallel.row_parallel_matmul, mesh))(xs, ws)
+            out[f"matmul rows={rows}"] = {"calls": list(calls), "err": float(jnp.abs(got - x @ w).max()),
+                                         "spec": str(got.sharding.spec)}
+    finally:
+        car.all_reduce, collectives._enabled = real, False
+    return out
 
 
 def _pallas_under_shard_map() -> dict:
@@ -325,6 +379,33 @@ def test_hlo_collectives(report, case, tp):
     # the only all-gather: the [R, vocab] logits for the sampler; never a weight
     assert all(g.startswith("f32[3,") for g in gathers), gathers
     assert len(gathers) <= 1, gathers
+
+
+def test_custom_all_reduce_is_off_where_it_cannot_run(report):
+    car = report["custom_all_reduce"]
+    assert "needs NVIDIA GPUs" in car["why_not_cpu"]
+    assert car["why_not_disabled"] == "--disable-custom-all-reduce"
+    assert car["why_not_tp1"] == "no tensor parallelism"
+
+
+@pytest.mark.parametrize("case,tp", [("8q4kv", 2), ("8q2kv", 4)])
+def test_custom_all_reduce_path_matches_single_device(report, case, tp):
+    import numpy as np
+    base, got = report[f"{case}/tp1"], report["custom_all_reduce"][f"{case}/tp{tp}"]
+    assert got["tokens"] == base["tokens"]
+    np.testing.assert_allclose(np.array(got["logits"]), np.array(base["logits"]), atol=2e-5, rtol=1e-4)
+    # every o and down projection went to the kernel (2 layers), with the step's [tokens, hidden]
+    assert len(got["calls"]) == 2 * 2 and all(c[1] == 64 for c in got["calls"]), got["calls"]
+    # and XLA added none of its own for them: what is left is the kernel's stand-in and the embedding's
+    assert len(got["collectives"]["all-reduce"]) == 2 * 2 + 1
+
+
+def test_custom_all_reduce_leaves_large_steps_to_psum(report):
+    car = report["custom_all_reduce"]
+    small, large = car["matmul rows=4"], car[f"matmul rows={(1 << 20) // 256 + 1}"]
+    assert small["calls"] == [[4, 64]] and large["calls"] == []
+    assert small["err"] < 1e-4 and large["err"] < 1e-3
+    assert small["spec"] == large["spec"] == "P()"
 
 
 def test_pallas_kernel_under_shard_map(report):

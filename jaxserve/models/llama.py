@@ -199,10 +199,10 @@ def forward(params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.
             q, k, v, k_cache, v_cache, md, sm_scale=sm_scale, sliding_window=cfg.sliding_window,
             backend=attn_backend)
         new_caches.append((k_cache, v_cache))
-        x = x + attn.reshape(t, hq * d) @ lp["o"]
+        x = x + parallel.row_parallel_matmul(attn.reshape(t, hq * d), lp["o"])
         h = rms_norm(x, lp["mlp_norm"], eps)
         gate_up = jnp.einsum("th,hci->tci", h, lp["gate_up"])
-        x = x + (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ lp["down"]
+        x = x + parallel.row_parallel_matmul(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["down"])
     return rms_norm(x, params["final_norm"], eps), new_caches
 
 

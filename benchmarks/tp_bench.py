@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -50,7 +51,8 @@ def child_speed(a) -> dict:
               distributed_executor_backend=a.executor if a.tp > 1 else "uni",
               max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=budget, enable_prefix_caching=False,
-              token_buckets=buckets, num_scheduler_steps=a.steps_one, use_tqdm_on_load=False)
+              token_buckets=buckets, num_scheduler_steps=a.steps_one, use_tqdm_on_load=False,
+              disable_custom_all_reduce=a.all_reduce_one == "xla")
     startup_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)
@@ -58,10 +60,13 @@ def child_speed(a) -> dict:
     def prompts(n, length):
         return [rng.integers(100, min(vocab, 30000), size=length).tolist() for _ in range(n)]
 
+    outputs = []
+
     def timed(batch, max_tokens, temperature=0.0):
         sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
         t = time.perf_counter()
         outs = llm.generate(batch, sp, use_tqdm=False)
+        outputs[:] = [o.outputs[0].token_ids for o in outs]
         return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
 
     timed(prompts(1, a.prompt_len), 16)                      # first-touch effects out of the timings
@@ -69,11 +74,12 @@ def child_speed(a) -> dict:
     runner = llm.engine.runner
     steps0, host0, dev0 = runner.stats.steps, runner.stats.host_ms, runner.stats.device_ms
     full_s, n_out = timed(prompts(1, a.prompt_len), a.decode_tokens + 1)
+    greedy = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12]   # same model and prompt: same tokens?
     steps = max(runner.stats.steps - steps0, 1)
     decode = {"prompt_len": a.prompt_len, "decode_tokens": n_out - 1, "ttft_s": first_s,
               "decode_tok_s": (n_out - 1) / (full_s - first_s), "ms_per_token": 1e3 * (full_s - first_s) / (n_out - 1),
               "host_ms_per_step": (runner.stats.host_ms - host0) / steps,
-              "device_wait_ms_per_step": (runner.stats.device_ms - dev0) / steps}
+              "device_wait_ms_per_step": (runner.stats.device_ms - dev0) / steps, "greedy_tokens_sha256": greedy}
 
     if a.skip_offline:
         offline = {}
@@ -89,6 +95,7 @@ def child_speed(a) -> dict:
 
 def _speed_result(a, llm, runner, startup_s, decode, offline) -> dict:
     return {"tp": a.tp, "executor": a.executor if a.tp > 1 else "uni", "num_scheduler_steps": a.steps_one,
+            "all_reduce": "custom" if llm.engine.custom_all_reduce else ("xla" if a.tp > 1 else "-"),
             "smallest_bucket": a.smallest_one, "skip_offline": a.skip_offline,
             "token_buckets": list(llm.engine.runner.buckets),
             "startup_s": startup_s, "load_s": llm.engine.load_seconds,
@@ -267,6 +274,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-scheduler-steps", dest="steps", type=int, nargs="+", default=[1],
                    help="speed runs per multi-step setting (the engine's --num-scheduler-steps)")
     p.add_argument("--steps-one", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--all-reduce", dest="all_reduces", nargs="+", default=["custom"], choices=["custom", "xla"],
+                   help="TP > 1 speed runs per all-reduce: custom = the engine's default (the CUDA one-shot kernel "
+                        "where it can run), xla = --disable-custom-all-reduce")
+    p.add_argument("--all-reduce-one", default="custom", help=argparse.SUPPRESS)
     p.add_argument("--smallest-bucket", dest="smallest", type=int, nargs="+", default=None,
                    help="speed runs per smallest token bucket (the batch-1 decode step's size; default the "
                         "engine's, MIN_TOKEN_BUCKET; 16, 256 and the budget are compiled too)")
@@ -313,9 +324,10 @@ def main(argv=None) -> int:
             for ex in (a.executors if tp > 1 else ["uni"]):
                 for steps in a.steps:
                     for small in a.smallest:
-                        result["speed"].append(run_child(a, "speed", tp_one=tp, executor=ex, steps_one=steps,
-                                                         smallest_one=small))
-                        write_results(a, result, started, final=False)   # a run cut short keeps its rows
+                        for ar in (a.all_reduces if tp > 1 else ["custom"]):
+                            result["speed"].append(run_child(a, "speed", tp_one=tp, executor=ex, steps_one=steps,
+                                                             smallest_one=small, all_reduce_one=ar))
+                            write_results(a, result, started, final=False)   # a run cut short keeps its rows
     if not a.skip_load:
         result["prepare"] = run_child(a, "prepare", tp_one=max(a.tps))
         for _ in range(a.load_repeats):
@@ -353,9 +365,9 @@ def write_results(a, r: dict, started, final: bool = True) -> None:
             lines.append(f"- TP={s.get('tp_one')} {s.get('executor', 'uni')} steps={s.get('steps_one', 1)} "
                          f"smallest bucket {s.get('smallest_one')}: **failed**, {s['error']}")
     if ok:
-        lines += ["| TP | executor | scheduler steps | smallest bucket | single-stream decode tok/s | ms/token | "
-                  "host ms/dispatch | speedup | offline output tok/s | offline total tok/s | speedup | KV blocks | "
-                  "warm-up s |", "|" + "---|" * 13]
+        lines += ["| TP | executor | all-reduce | scheduler steps | smallest bucket | single-stream decode tok/s | "
+                  "ms/token | host ms/dispatch | speedup | greedy tokens (sha256) | offline output tok/s | "
+                  "offline total tok/s | speedup | KV blocks | warm-up s |", "|" + "---|" * 15]
         # speedups against the smallest TP size run with the same scheduler steps and smallest bucket
         bases = {}
         for s in sorted(ok, key=lambda s: s["tp"]):
@@ -365,10 +377,11 @@ def write_results(a, r: dict, started, final: bool = True) -> None:
             ss, off, boff = s["single_stream"], s["offline"], base["offline"]
             offline = (f"{off['output_tok_s']:.0f} | {off['total_tok_s']:.0f} | "
                        f"{off['output_tok_s'] / boff['output_tok_s']:.2f}x" if off and boff else "– | – | –")
-            lines.append(f"| {s['tp']} | {s.get('executor', 'uni')} | {s.get('num_scheduler_steps', 1)} | "
-                         f"{s.get('smallest_bucket', 16)} | {ss['decode_tok_s']:.1f} | {ss['ms_per_token']:.2f} | "
-                         f"{ss['host_ms_per_step']:.2f} | {ss['decode_tok_s'] / base['single_stream']['decode_tok_s']:.2f}x | "
-                         f"{offline} | {s['num_kv_blocks']} | {s['warmup_s']:.0f} |")
+            lines.append(f"| {s['tp']} | {s.get('executor', 'uni')} | {s.get('all_reduce', '?')} | "
+                         f"{s.get('num_scheduler_steps', 1)} | {s.get('smallest_bucket', 16)} | "
+                         f"{ss['decode_tok_s']:.1f} | {ss['ms_per_token']:.2f} | {ss['host_ms_per_step']:.2f} | "
+                         f"{ss['decode_tok_s'] / base['single_stream']['decode_tok_s']:.2f}x | "
+                         f"{ss.get('greedy_tokens_sha256', '?')} | {offline} | {s['num_kv_blocks']} | {s['warmup_s']:.0f} |")
         ss = ok[0]["single_stream"]
         lines += ["", f"Single stream: {ss['prompt_len']}-token prompt, {ss['decode_tokens']} decoded tokens."]
         o = next((s["offline"] for s in ok if s["offline"]), None)

@@ -2,7 +2,11 @@
 #   docker run --gpus all -p 8000:8000 -v hf-cache:/home/jaxserve/.cache jaxserve [MODEL] [FLAGS]
 # The jax[cuda12] wheels bring their own CUDA/cuDNN libraries, so the base only needs the CUDA 12 user-space
 # driver shims; Ubuntu 24.04 ships Python 3.12, the version jaxserve is tested on.
-FROM nvidia/cuda:12.8.1-base-ubuntu24.04
+# The base has no nvcc, so tensor parallelism keeps XLA's all-reduce there; for the CUDA one-shot all-reduce
+# (kernels/custom_allreduce.cu, compiled on first use) build with
+#   --build-arg BASE=nvidia/cuda:12.8.1-devel-ubuntu24.04
+ARG BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
+FROM ${BASE}
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \

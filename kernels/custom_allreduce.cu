@@ -29,6 +29,7 @@ constexpr int kMaxRanks = 8;
 constexpr int kMaxBlocks = 64;
 constexpr int kMaxDevices = 16;
 constexpr int kThreads = 512;
+constexpr uint64_t kWaitLimitNs = 120ull * 1000 * 1000 * 1000;  // a peer this late is gone
 constexpr size_t kDataOffset = 4096;  // flag table (kMaxBlocks * kMaxRanks * 4 = 2 KiB) padded
 static_assert(kMaxBlocks * kMaxRanks * sizeof(uint32_t) <= kDataOffset, "flag table too large");
 
@@ -47,6 +48,10 @@ struct DeviceState {
 };
 
 DeviceState g_state[kMaxDevices];
+// Buffers of an earlier setup on a device are retired, never freed: executables (and CUDA graphs) compiled
+// while they were current hold their addresses.
+DeviceState g_retired[kMaxDevices * 8];
+int g_num_retired = 0;
 
 __device__ __forceinline__ uint32_t* flag_ptr(char* base, int block, int rank) {
   return reinterpret_cast<uint32_t*>(base) + block * kMaxRanks + rank;
@@ -54,6 +59,12 @@ __device__ __forceinline__ uint32_t* flag_ptr(char* base, int block, int rank) {
 
 __device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 __device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
@@ -133,12 +144,15 @@ __global__ void __launch_bounds__(kThreads) oneshot_all_reduce(const int4* __res
   }
   __syncthreads();
   // 2-3. one thread per peer: publish, then wait for the peer's publication of this block
+  // (the release is cumulative: it covers the block's NVLink stores ordered before it by the barrier)
   if (threadIdx.x < world && threadIdx.x != rank) {
     const int q = threadIdx.x;
-    __threadfence_system();
     store_release_sys(flag_ptr(peers.base[q], blockIdx.x, rank), epoch);
     const uint32_t* mine = flag_ptr(peers.base[rank], blockIdx.x, q);
+    const uint64_t start = global_timer_ns();
     while (static_cast<int32_t>(load_acquire_sys(mine) - epoch) < 0) {
+      // a peer that died or stopped calling: fail the step (the process sees a CUDA error) instead of hanging
+      if (global_timer_ns() - start > kWaitLimitNs) __trap();
     }
   }
   __syncthreads();
@@ -164,15 +178,12 @@ __global__ void __launch_bounds__(kThreads) oneshot_all_reduce(const int4* __res
   }
 }
 
-void release(DeviceState& s) {
-  if (s.local == nullptr) return;
-  cudaDeviceSynchronize();
-  for (int q = 0; q < s.world; ++q) {
-    if (q != s.rank && s.peers.base[q] != nullptr) cudaIpcCloseMemHandle(s.peers.base[q]);
-  }
-  cudaFree(s.local);
-  cudaFree(s.epoch);
+bool retire(DeviceState& s) {
+  if (s.local == nullptr) return true;
+  if (g_num_retired == kMaxDevices * 8) return false;
+  g_retired[g_num_retired++] = s;
   s = DeviceState{};
+  return true;
 }
 
 void set_error(char* err, size_t len, const char* what, cudaError_t e) {
@@ -249,7 +260,7 @@ int jaxserve_car_create(int device, int rank, int world, uint64_t slot_bytes, vo
   DeviceState& s = g_state[device];
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return set_error(err, err_len, "cudaSetDevice", e), 1;
-  release(s);  // an earlier engine's buffers in this process (its peers are gone)
+  if (!retire(s)) return set_error(err, err_len, "too many set-ups in one process", cudaSuccess), 1;
   const size_t total = kDataOffset + 2 * static_cast<size_t>(world) * slot_bytes;
   if ((e = cudaMalloc(&s.local, total)) != cudaSuccess) return set_error(err, err_len, "cudaMalloc", e), 1;
   if ((e = cudaMemset(s.local, 0, total)) != cudaSuccess) return set_error(err, err_len, "cudaMemset", e), 1;

@@ -18,6 +18,10 @@ executor and for XLA:
   same bits; with two ranks that is also what XLA's psum gives.
 - **Limits**: inputs up to ``slot_bytes`` (1 MiB by default: 128 tokens of a 4096-wide bf16 hidden state), a
   multiple of 16 bytes; larger steps (prefill) keep XLA's all-reduce, which is bandwidth-bound there.
+- **A peer that is gone**: a rank waits at most 120 s for its peers' flags, then the kernel traps, so the step
+  fails with a CUDA error instead of hanging (NCCL would hang until jax.distributed's heartbeat gave up).
+- **Lockstep**: every rank must make the same calls in the same order, as SPMD steps do; a rank one call ahead
+  would be read as this call's data (the flags only say ">= this epoch").
 
 The CUDA source is compiled on first use with the machine's ``nvcc`` (``$JAXSERVE_NVCC``, ``$CUDA_HOME/bin``,
 ``PATH`` or ``/usr/local/cuda/bin``) for the local GPU, into a cache folder keyed by the source, the compiler and
@@ -96,7 +100,7 @@ def build(*, arch: str | None = None) -> Path:
     return out
 
 
-def load():
+def load(arch: str | None = None):
     """The built library, with its FFI target registered with XLA for CUDA (once per process)."""
     global _lib
     if _lib is None:
@@ -104,7 +108,7 @@ def load():
         import jax.ffi
         if jax.default_backend() != "gpu":
             raise CustomAllReduceUnavailable(f"needs an NVIDIA GPU (backend is {jax.default_backend()!r})")
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(arch=arch)))
         lib.jaxserve_car_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
                                             ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64]
         lib.jaxserve_car_open.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64]
@@ -114,11 +118,14 @@ def load():
 
 
 def create(device, rank: int, world: int, *, slot_bytes: int = DEFAULT_SLOT_BYTES) -> bytes:
-    """Allocate rank ``rank``'s buffer on ``device`` (a ``jax.Device``; any earlier one there is freed) and
-    return its 64-byte CUDA IPC handle, for every other rank's ``open_peers``."""
+    """Allocate rank ``rank``'s buffer on ``device`` (a ``jax.Device``) and return its 64-byte CUDA IPC handle,
+    for every other rank's ``open_peers``. An earlier set-up's buffers on the device are retired, not freed:
+    executables compiled while they were current still hold their addresses."""
     if not 2 <= world <= MAX_RANKS:
         raise CustomAllReduceUnavailable(f"{world} ranks (supported: 2..{MAX_RANKS})")
-    lib = load()
+    cc = str(getattr(device, "compute_capability", "") or "")
+    # the GPU's own architecture (not "native") so a cache shared by different GPUs keeps one build per kind
+    lib = load(arch=f"sm_{cc.replace('.', '')}" if cc.replace(".", "").isdigit() else None)
     err = ctypes.create_string_buffer(512)
     handle = ctypes.create_string_buffer(64)
     if lib.jaxserve_car_create(int(device.local_hardware_id), rank, world, slot_bytes, handle, err, len(err)):

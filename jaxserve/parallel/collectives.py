@@ -76,16 +76,16 @@ def enable_custom_all_reduce(mesh, *, disable: bool = False) -> str | None:
     reason = None
     try:
         handle = car.create(device, rank, world)
-    except car.CustomAllReduceUnavailable as e:
-        handle, reason = None, str(e)
+    except Exception as e:  # noqa: BLE001  (any failure here must still reach the other ranks as a "no")
+        handle, reason = None, f"{type(e).__name__}: {e}"
     # round 1: every rank's IPC handle, or that it has none; round 2: whether every rank mapped its peers
     statuses = car.distributed_exchange(rank, world, tag=f"{tag}/create")(b"ok" + handle if handle else b"no")
     if any(not s.startswith(b"ok") for s in statuses):
         return reason or "another process could not set it up (see its log)"
     try:
         car.open_peers(device, [s[2:] for s in statuses])
-    except car.CustomAllReduceUnavailable as e:
-        reason = str(e)
+    except Exception as e:  # noqa: BLE001
+        reason = f"{type(e).__name__}: {e}"
     opened = car.distributed_exchange(rank, world, tag=f"{tag}/open")(b"no" if reason else b"ok")
     if any(s != b"ok" for s in opened):
         return reason or "another process could not map its peers' buffers (see its log)"

@@ -32,10 +32,6 @@ _enabled = False
 _generation = 0           # key-value store tags must not repeat within one coordinator's life
 
 
-def custom_all_reduce_enabled() -> bool:
-    return _enabled
-
-
 def row_parallel_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` with ``w`` row-parallel over ``"tp"`` (see the module docstring)."""
     mesh = current_tp_mesh()
@@ -91,9 +87,3 @@ def enable_custom_all_reduce(mesh, *, disable: bool = False) -> str | None:
         return reason or "another process could not map its peers' buffers (see its log)"
     _enabled = True
     return None
-
-
-def disable_custom_all_reduce() -> None:
-    """Trace later steps with XLA's all-reduce (the buffers stay until the next ``enable``)."""
-    global _enabled
-    _enabled = False

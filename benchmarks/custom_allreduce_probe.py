@@ -8,6 +8,11 @@ whether a chain of calls equals psum's chain bit for bit on every rank (with 2 r
 sum once), then us per all-reduce in a jitted chain of ``--chain`` (each result halved so values stay bounded;
 the halving is in both). ``--blocks 0`` = the kernel's default CTA count. Run it under ``timeout``: a protocol
 error shows as a mismatch or a hang.
+
+``--same-gpu``: every process on GPU 0 (a one-GPU machine). NCCL refuses two ranks on one GPU, so there is
+no psum: each call is checked against numpy's float32 sum in rank order, rounded to bf16 (the inputs are
+seeded, so every process knows all of them). The kernels of the two processes time-share the GPU, so the
+us column then measures the GPU's context switching, not the kernel.
 """
 from __future__ import annotations
 
@@ -85,6 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--same-gpu", action="store_true", help="all processes on GPU 0; check against numpy")
     ap.add_argument("--engine", default=None, help="configs/models name: compare greedy decoding through the "
                     "engine at TP=1, TP=2 (XLA's all-reduce) and TP=2 (custom) instead")
     ap.add_argument("--dtype", default="float32")
@@ -99,7 +105,11 @@ def main(argv=None) -> int:
     if a.engine:
         return engine_check(a, argv)
     if a.pid is None:                      # spawn one child per GPU, each with one device
-        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--pid", str(i)]) for i in range(a.processes)]
+        env = dict(os.environ)
+        if a.same_gpu:                     # two processes' XLA pools on one GPU: no 75 % preallocation each
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--pid", str(i)], env=env)
+                 for i in range(a.processes)]
         return max(p.wait() for p in procs)
 
     import jax
@@ -112,7 +122,7 @@ def main(argv=None) -> int:
     from jaxserve.kernels import custom_allreduce as car
 
     jax.distributed.initialize(f"127.0.0.1:{a.port}", num_processes=a.processes, process_id=a.pid,
-                               local_device_ids=[a.pid])
+                               local_device_ids=[0 if a.same_gpu else a.pid])
     say = print if jax.process_index() == 0 else (lambda *_, **__: None)
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
     d = mesh.shape["tp"]
@@ -138,11 +148,39 @@ def main(argv=None) -> int:
                  for g, w in zip(got.addressable_shards, want.addressable_shards))
         return bool(multihost_utils.process_allgather(np.array(ok)).all())
 
+    def numpy_reference(host, n):
+        """One all-reduce + halving in numpy (a chain repeats it exactly: after the first call every rank holds
+        y, and y + y then halved is y again), tiled so every rank's shard is the same y."""
+        acc = np.zeros(n, np.float32)
+        for r in range(d):
+            acc += host[r * n:(r + 1) * n].astype(np.float32)
+        y = (acc.astype(jnp.bfloat16).astype(np.float32) * 0.5).astype(jnp.bfloat16)
+        return np.tile(y, d)
+
+    def same_as_host(got, want) -> bool:
+        """This process's shards only (gathering the verdicts would need NCCL): each rank prints its rows."""
+        return all(np.array_equal(np.asarray(g.data, np.float32), want[g.index].astype(np.float32))
+                   for g in got.addressable_shards)
+
     failures = 0
     for t in a.tokens:
         n = t * a.hidden
         host = np.random.default_rng(t).standard_normal(d * n).astype(jnp.bfloat16)   # same in every process
         x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("tp")), lambda idx: host[idx])
+        if a.same_gpu:
+            ref = numpy_reference(host, n)
+            for blocks in a.blocks:
+                eq = same_as_host(build("custom", blocks, 5)(x), ref)
+                failures += not eq
+                f = build("custom", blocks, a.chain)
+                y = f(x).block_until_ready()
+                t1 = time.perf_counter()
+                y = f(y).block_until_ready()
+                us = (time.perf_counter() - t1) / a.chain * 1e6
+                label = blocks or f"default ({car.default_blocks(n * 2)})"
+                print(f"| {t} | {n * 2 / 1024:.0f} | custom (same GPU, rank {a.pid}) | {label} | {eq} (numpy) | "
+                      f"{us:.1f} |", flush=True)
+            continue
         want = build("psum", 0, 5)(x)
         for which, blocks in [("psum", 0)] + [("custom", b) for b in a.blocks]:
             eq = "-"

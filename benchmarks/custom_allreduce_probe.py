@@ -9,6 +9,11 @@ sum once), then us per all-reduce in a jitted chain of ``--chain`` (each result 
 the halving is in both). ``--blocks 0`` = the kernel's default CTA count. Run it under ``timeout``: a protocol
 error shows as a mismatch or a hang.
 
+``--fused``: the same for ``all_reduce_add_rms_norm`` (the all-reduce + residual add + RMSNorm of a pre-norm
+layer): its sum must equal ``residual + psum`` bit for bit, its normalised output is compared with XLA's
+``rms_norm`` of that sum (statistics summed in another order: a few bf16 ulps may differ); us per call against
+the custom all-reduce followed by XLA's add and norm, and against psum followed by them.
+
 ``--same-gpu``: every process on GPU 0 (a one-GPU machine). NCCL refuses two ranks on one GPU, so there is
 no psum: each call is checked against numpy's float32 sum in rank order, rounded to bf16 (the inputs are
 seeded, so every process knows all of them). The kernels of the two processes time-share the GPU, so the
@@ -90,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--fused", action="store_true", help="check and time all_reduce_add_rms_norm instead")
     ap.add_argument("--same-gpu", action="store_true", help="all processes on GPU 0; check against numpy")
     ap.add_argument("--engine", default=None, help="configs/models name: compare greedy decoding through the "
                     "engine at TP=1, TP=2 (XLA's all-reduce) and TP=2 (custom) instead")
@@ -162,6 +168,8 @@ def main(argv=None) -> int:
         return all(np.array_equal(np.asarray(g.data, np.float32), want[g.index].astype(np.float32))
                    for g in got.addressable_shards)
 
+    if a.fused:
+        return fused_check(a, mesh, d, say)
     failures = 0
     for t in a.tokens:
         n = t * a.hidden
@@ -197,6 +205,80 @@ def main(argv=None) -> int:
             label = blocks or (f"default ({car.default_blocks(n * 2)})" if which == "custom" else "-")
             say(f"| {t} | {n * 2 / 1024:.0f} | {which} | {label} | {eq} | {us:.1f} |", flush=True)
     say(f"mismatches: {failures}", flush=True)
+    return 1 if failures else 0
+
+
+def fused_check(a, mesh, d, say) -> int:
+    """``--fused``: all_reduce_add_rms_norm against numpy (``--same-gpu``) or against psum + XLA's add + norm."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxserve.kernels import custom_allreduce as car
+    from jaxserve.models.llama import rms_norm
+
+    eps, hid = 1e-5, a.hidden
+    say("| tokens | variant | sum equals | normed: elements differing (max abs diff) | us per call |\n"
+        "|---|---|---|---|---|", flush=True)
+
+    def step(which, xs, res, w):
+        if which == "fused":
+            return car.all_reduce_add_rms_norm(xs, res, w, eps)
+        s = res + (car.all_reduce(xs) if which == "custom+xla" else lax.psum(xs, "tp"))
+        return s, rms_norm(s, w, eps)
+
+    def build(which, chain):
+        def body(x, res, w):
+            xs = x.reshape(-1, hid)
+            for _ in range(chain):
+                res, h = step(which, xs, res, w)
+                xs = (h.astype(jnp.float32) * 0.5).astype(h.dtype)
+            return res, h
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()),
+                                     check_vma=False))
+
+    failures = 0
+    for t in a.tokens:
+        n = t * hid
+        rng = np.random.default_rng(t)                   # same in every process
+        host = rng.standard_normal(d * n).astype(jnp.bfloat16)
+        res_h = rng.standard_normal((t, hid)).astype(jnp.bfloat16)
+        w_h = rng.uniform(0.5, 1.5, hid).astype(jnp.bfloat16)
+        x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("tp")), lambda idx: host[idx])
+        rep = NamedSharding(mesh, P())
+        res = jax.make_array_from_callback(res_h.shape, rep, lambda idx: res_h[idx])
+        w = jax.make_array_from_callback(w_h.shape, rep, lambda idx: w_h[idx])
+        got_s, got_h = (np.asarray(o.addressable_shards[0].data, np.float32) for o in build("fused", 1)(x, res, w))
+        if a.same_gpu:                                   # numpy, rounding where the ops round
+            f32, bf = np.float32, jnp.bfloat16
+            acc = sum(host[r * n:(r + 1) * n].astype(f32) for r in range(d)).reshape(t, hid)
+            want_s = (res_h.astype(f32) + acc.astype(bf).astype(f32)).astype(bf).astype(f32)
+            scale = 1.0 / np.sqrt((want_s * want_s).mean(-1, keepdims=True) + f32(eps))
+            want_h = (w_h.astype(f32) * (want_s * scale).astype(bf).astype(f32)).astype(bf).astype(f32)
+        else:
+            want_s, want_h = (np.asarray(o.addressable_shards[0].data, np.float32)
+                              for o in build("psum+xla", 1)(x, res, w))
+        same_s = bool(np.array_equal(got_s, want_s))
+        diff = np.abs(got_h - want_h)
+        ok = same_s and float(diff.max()) <= 0.02 * float(np.abs(want_h).max())
+        failures += not ok
+        for which in ("fused", "custom+xla", "psum+xla") if not a.same_gpu else ("fused",):
+            f = build(which, a.chain)
+            out = f(x, res, w)
+            jax.block_until_ready(out)
+            reps = 1 if a.same_gpu else a.reps
+            t1 = time.perf_counter()
+            for _ in range(reps):
+                out = f(x, res, w)
+            jax.block_until_ready(out)
+            us = (time.perf_counter() - t1) / (reps * a.chain) * 1e6
+            check = (f"{same_s} | {int((diff > 0).sum())} of {diff.size} ({float(diff.max()):.3g})"
+                     if which == "fused" else "- | -")
+            line = f"| {t} | {which}{' (rank %d)' % a.pid if a.same_gpu else ''} | {check} | {us:.1f} |"
+            (print if a.same_gpu else say)(line, flush=True)
+    (print if a.same_gpu else say)(f"fused mismatches: {failures}", flush=True)
     return 1 if failures else 0
 
 

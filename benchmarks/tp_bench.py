@@ -46,6 +46,8 @@ def child_speed(a) -> dict:
     # single stream only: the smallest bucket and the budget (the prompt's one step), not four buckets
     budget = a.max_num_batched_tokens
     buckets = tuple(sorted({a.smallest_one, budget})) if a.skip_offline else bench_buckets(a.smallest_one, budget)
+    if a.all_reduce_one == "custom-unfused":       # read by every process's enable_custom_all_reduce
+        os.environ["JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM"] = "0"
     t0 = time.perf_counter()
     llm = LLM(a.model_path, load_format="dummy", dtype=a.dtype, tensor_parallel_size=a.tp,
               distributed_executor_backend=a.executor if a.tp > 1 else "uni",
@@ -93,9 +95,16 @@ def child_speed(a) -> dict:
     return _speed_result(a, llm, runner, startup_s, decode, offline)
 
 
+def _all_reduce_label(llm, tp: int) -> str:
+    from jaxserve.parallel import collectives
+    if not llm.engine.custom_all_reduce:
+        return "xla" if tp > 1 else "-"
+    return "custom+norm" if collectives.fuses_norm() else "custom"
+
+
 def _speed_result(a, llm, runner, startup_s, decode, offline) -> dict:
     return {"tp": a.tp, "executor": a.executor if a.tp > 1 else "uni", "num_scheduler_steps": a.steps_one,
-            "all_reduce": "custom" if llm.engine.custom_all_reduce else ("xla" if a.tp > 1 else "-"),
+            "all_reduce": _all_reduce_label(llm, a.tp),
             "smallest_bucket": a.smallest_one, "skip_offline": a.skip_offline,
             "token_buckets": list(llm.engine.runner.buckets),
             "startup_s": startup_s, "load_s": llm.engine.load_seconds,
@@ -274,9 +283,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-scheduler-steps", dest="steps", type=int, nargs="+", default=[1],
                    help="speed runs per multi-step setting (the engine's --num-scheduler-steps)")
     p.add_argument("--steps-one", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--all-reduce", dest="all_reduces", nargs="+", default=["custom"], choices=["custom", "xla"],
+    p.add_argument("--all-reduce", dest="all_reduces", nargs="+", default=["custom"], choices=["custom", "custom-unfused", "xla"],
                    help="TP > 1 speed runs per all-reduce: custom = the engine's default (the CUDA one-shot kernel "
-                        "where it can run), xla = --disable-custom-all-reduce")
+                        "where it can run, fused with the residual add and RMSNorm), custom-unfused = the kernel "
+                        "alone (JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM=0), xla = --disable-custom-all-reduce")
     p.add_argument("--all-reduce-one", default="custom", help=argparse.SUPPRESS)
     p.add_argument("--smallest-bucket", dest="smallest", type=int, nargs="+", default=None,
                    help="speed runs per smallest token bucket (the batch-1 decode step's size; default the "

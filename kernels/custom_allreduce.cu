@@ -122,18 +122,14 @@ template <> struct Vec<__half> {
   }
 };
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) oneshot_all_reduce(const int4* __restrict__ in,
-                                                               int4* __restrict__ out, int64_t num_vecs,
-                                                               int rank, int world, Peers peers,
-                                                               uint32_t* epoch_state, size_t slot_bytes) {
-  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(epoch_state) + 1;
-  const size_t area = static_cast<size_t>(epoch & 1u) * world * slot_bytes;
-  const int64_t per_block = (num_vecs + gridDim.x - 1) / gridDim.x;
-  const int64_t lo = blockIdx.x * per_block;
-  const int64_t hi = lo + per_block < num_vecs ? lo + per_block : num_vecs;
+// Steps 1-3 and the epoch of one call, shared by both kernels.
+__device__ __forceinline__ uint32_t call_epoch(const uint32_t* epoch_state) {
+  return *reinterpret_cast<const volatile uint32_t*>(epoch_state) + 1;
+}
 
-  // 1. push this rank's slice into slot[rank] of every peer's receive area
+// 1. push vectors [lo, hi) of this rank's input into slot[rank] of every peer's receive area
+__device__ __forceinline__ void push(const int4* __restrict__ in, int64_t lo, int64_t hi, int rank, int world,
+                                     const Peers& peers, size_t area, size_t slot_bytes) {
   for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     const int4 v = in[i];
     for (int q = 0; q < world; ++q) {
@@ -142,9 +138,12 @@ __global__ void __launch_bounds__(kThreads) oneshot_all_reduce(const int4* __res
       slot[i] = v;
     }
   }
+}
+
+// 2-3. one thread per peer: publish, then wait for the peer's publication of this block
+// (the release is cumulative: it covers the block's NVLink stores ordered before it by the barrier)
+__device__ __forceinline__ void publish_and_wait(int rank, int world, const Peers& peers, uint32_t epoch) {
   __syncthreads();
-  // 2-3. one thread per peer: publish, then wait for the peer's publication of this block
-  // (the release is cumulative: it covers the block's NVLink stores ordered before it by the barrier)
   if (threadIdx.x < world && threadIdx.x != rank) {
     const int q = threadIdx.x;
     store_release_sys(flag_ptr(peers.base[q], blockIdx.x, rank), epoch);
@@ -156,17 +155,21 @@ __global__ void __launch_bounds__(kThreads) oneshot_all_reduce(const int4* __res
     }
   }
   __syncthreads();
-  // 4. sum in rank order (float32), round once
-  const char* recv = peers.base[rank] + kDataOffset + area;
-  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    float acc[Vec<T>::kLanes] = {};
-    for (int r = 0; r < world; ++r) {
-      const int4 v = r == rank ? in[i] : __ldcg(reinterpret_cast<const int4*>(recv + r * slot_bytes) + i);
-      Vec<T>::add(acc, v);
-    }
-    out[i] = Vec<T>::pack(acc);
+}
+
+// 4. the ranks' vector i summed in rank order in float32 (not rounded yet)
+template <typename T>
+__device__ __forceinline__ void sum_ranks(float* acc, const int4* __restrict__ in, int64_t i, int rank, int world,
+                                          const char* recv, size_t slot_bytes) {
+  for (int l = 0; l < Vec<T>::kLanes; ++l) acc[l] = 0.f;
+  for (int r = 0; r < world; ++r) {
+    const int4 v = r == rank ? in[i] : __ldcg(reinterpret_cast<const int4*>(recv + r * slot_bytes) + i);
+    Vec<T>::add(acc, v);
   }
-  // the last CTA to finish advances the epoch for the next call on this device
+}
+
+// the last CTA to finish advances the epoch for the next call on this device
+__device__ __forceinline__ void end_call(uint32_t* epoch_state, uint32_t epoch) {
   if (threadIdx.x == 0) {
     __threadfence();
     const uint32_t done = atomicAdd(epoch_state + 1, 1u);
@@ -176,6 +179,88 @@ __global__ void __launch_bounds__(kThreads) oneshot_all_reduce(const int4* __res
       __threadfence();
     }
   }
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack(float* f, const int4& v) {
+  for (int l = 0; l < Vec<T>::kLanes; ++l) f[l] = 0.f;
+  Vec<T>::add(f, v);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) oneshot_all_reduce(const int4* __restrict__ in,
+                                                               int4* __restrict__ out, int64_t num_vecs,
+                                                               int rank, int world, Peers peers,
+                                                               uint32_t* epoch_state, size_t slot_bytes) {
+  const uint32_t epoch = call_epoch(epoch_state);
+  const size_t area = static_cast<size_t>(epoch & 1u) * world * slot_bytes;
+  const int64_t per_block = (num_vecs + gridDim.x - 1) / gridDim.x;
+  const int64_t lo = blockIdx.x * per_block;
+  const int64_t hi = lo + per_block < num_vecs ? lo + per_block : num_vecs;
+  push(in, lo, hi, rank, world, peers, area, slot_bytes);
+  publish_and_wait(rank, world, peers, epoch);
+  const char* recv = peers.base[rank] + kDataOffset + area;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    float acc[Vec<T>::kLanes];
+    sum_ranks<T>(acc, in, i, rank, world, recv, slot_bytes);
+    out[i] = Vec<T>::pack(acc);
+  }
+  end_call(epoch_state, epoch);
+}
+
+// The all-reduce fused with what follows it in a pre-norm transformer layer:
+//   sum = residual + all_reduce(in)           (the all-reduce rounded to T first, as the unfused ops do)
+//   normed = weight * T(sum * rsqrt(mean(sum^2) + eps))   (statistics in float32: HF's RMSNorm)
+// A row (one token) belongs to one CTA (rows r, r + grid, ...), so the row's mean needs no other CTA.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) oneshot_all_reduce_add_rms_norm(
+    const int4* __restrict__ in, const int4* __restrict__ residual, const int4* __restrict__ weight,
+    int4* __restrict__ out_sum, int4* __restrict__ out_normed, int64_t rows, int64_t row_vecs, int64_t width,
+    float eps, int rank, int world, Peers peers, uint32_t* epoch_state, size_t slot_bytes) {
+  constexpr int L = Vec<T>::kLanes;
+  __shared__ float warp_sums[kThreads / 32];
+  __shared__ float row_scale;
+  const uint32_t epoch = call_epoch(epoch_state);
+  const size_t area = static_cast<size_t>(epoch & 1u) * world * slot_bytes;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    push(in, r * row_vecs, (r + 1) * row_vecs, rank, world, peers, area, slot_bytes);
+  }
+  publish_and_wait(rank, world, peers, epoch);
+  const char* recv = peers.base[rank] + kDataOffset + area;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    float sq = 0.f;
+    for (int64_t i = r * row_vecs + threadIdx.x; i < (r + 1) * row_vecs; i += blockDim.x) {
+      float acc[L], h[L];
+      sum_ranks<T>(acc, in, i, rank, world, recv, slot_bytes);
+      unpack<T>(h, Vec<T>::pack(acc));            // the all-reduce's result, rounded once
+      Vec<T>::add(h, residual[i]);
+      const int4 s = Vec<T>::pack(h);
+      out_sum[i] = s;
+      unpack<T>(h, s);
+      for (int l = 0; l < L; ++l) sq += h[l] * h[l];
+    }
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sq;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.f;
+      for (int w = 0; w < (blockDim.x + 31) / 32; ++w) total += warp_sums[w];
+      row_scale = rsqrtf(total / static_cast<float>(width) + eps);
+    }
+    __syncthreads();
+    const float scale = row_scale;
+    for (int64_t i = r * row_vecs + threadIdx.x; i < (r + 1) * row_vecs; i += blockDim.x) {
+      float h[L], w[L];
+      unpack<T>(h, out_sum[i]);                   // this thread's own store above
+      for (int l = 0; l < L; ++l) h[l] *= scale;
+      unpack<T>(h, Vec<T>::pack(h));              // the normalised value in T, before the weight
+      unpack<T>(w, weight[i - r * row_vecs]);
+      for (int l = 0; l < L; ++l) h[l] *= w[l];
+      out_normed[i] = Vec<T>::pack(h);
+    }
+    __syncthreads();                              // warp_sums / row_scale are reused by the next row
+  }
+  end_call(epoch_state, epoch);
 }
 
 bool retire(DeviceState& s) {
@@ -236,6 +321,56 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+ffi::Error AllReduceAddRmsNormImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                                  ffi::Result<ffi::AnyBuffer> sum, ffi::Result<ffi::AnyBuffer> normed,
+                                  int64_t blocks, float eps) {
+  const std::string name = "jaxserve custom all-reduce + add + RMSNorm: ";
+  if (device < 0 || device >= kMaxDevices || !g_state[device].ready) {
+    return ffi::Error::InvalidArgument(name + "not set up on CUDA device " + std::to_string(device));
+  }
+  const DeviceState& s = g_state[device];
+  const auto dims = x.dimensions();
+  const int64_t width = dims.size() == 0 ? 0 : dims[dims.size() - 1];
+  const size_t bytes = x.size_bytes();
+  const auto type = x.element_type();
+  if (width <= 0 || residual.element_type() != type || weight.element_type() != type ||
+      residual.size_bytes() != bytes || sum->size_bytes() != bytes || normed->size_bytes() != bytes ||
+      static_cast<int64_t>(weight.element_count()) != width) {
+    return ffi::Error::InvalidArgument(name + "x, residual [.., width] and weight [width] must agree");
+  }
+  const size_t row_bytes = bytes / (x.element_count() / width);
+  if (row_bytes % 16 != 0 || bytes > s.slot_bytes) {
+    return ffi::Error::InvalidArgument(name + std::to_string(bytes) + " bytes, rows of " +
+                                       std::to_string(row_bytes) + " (rows must be a multiple of 16 bytes, "
+                                       "the whole at most " + std::to_string(s.slot_bytes) + ")");
+  }
+  if (blocks < 1 || blocks > kMaxBlocks) return ffi::Error::InvalidArgument(name + "blocks must be in [1, 64]");
+  const int64_t rows = static_cast<int64_t>(x.element_count()) / width;
+  if (rows == 0) return ffi::Error::Success();
+  const int64_t row_vecs = static_cast<int64_t>(row_bytes / 16);
+  const auto* in = static_cast<const int4*>(x.untyped_data());
+  const auto* res = static_cast<const int4*>(residual.untyped_data());
+  const auto* w = static_cast<const int4*>(weight.untyped_data());
+  auto* out_sum = static_cast<int4*>(sum->untyped_data());
+  auto* out_normed = static_cast<int4*>(normed->untyped_data());
+  const dim3 grid(static_cast<unsigned>(blocks < rows ? blocks : rows)), block(kThreads);
+#define JAXSERVE_LAUNCH_FUSED(T)                                                                        \
+  oneshot_all_reduce_add_rms_norm<T><<<grid, block, 0, stream>>>(in, res, w, out_sum, out_normed, rows,    \
+                                                                 row_vecs, width, eps, s.rank, s.world,    \
+                                                                 s.peers, s.epoch, s.slot_bytes)
+  switch (type) {
+    case ffi::DataType::BF16: JAXSERVE_LAUNCH_FUSED(__nv_bfloat16); break;
+    case ffi::DataType::F16: JAXSERVE_LAUNCH_FUSED(__half); break;
+    case ffi::DataType::F32: JAXSERVE_LAUNCH_FUSED(float); break;
+    default: return ffi::Error::InvalidArgument(name + "dtype must be bf16, f16 or f32");
+  }
+#undef JAXSERVE_LAUNCH_FUSED
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return ffi::Error::Internal(name + "launch: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCustomAllReduce, AllReduceImpl,
@@ -245,6 +380,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCustomAllReduce, AllReduceImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("blocks"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCustomAllReduceAddRmsNorm, AllReduceAddRmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<float>("eps"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 extern "C" {

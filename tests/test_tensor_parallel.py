@@ -89,27 +89,39 @@ def _custom_all_reduce_wiring(cases) -> dict:
     from jaxserve.parallel import collectives
     from tp_greedy import GreedyDecoder, random_params
 
-    calls = []
+    from jaxserve.models import llama
+
+    calls, fused_calls = [], []
 
     def stand_in(x, blocks=None):
         calls.append(list(x.shape))
         return lax.psum(x, "tp")
 
+    def fused_stand_in(x, residual, weight, eps, blocks=None):
+        fused_calls.append(list(x.shape))
+        s = residual + lax.psum(x, "tp")
+        return s, llama.rms_norm(s, weight, eps)
+
     out = {"why_not_cpu": parallel.enable_custom_all_reduce(parallel.make_mesh(2)),
            "why_not_disabled": parallel.enable_custom_all_reduce(parallel.make_mesh(2), disable=True),
            "why_not_tp1": parallel.enable_custom_all_reduce(None)}
-    real = car.all_reduce
-    car.all_reduce, collectives._enabled = stand_in, True
+    real, real_fused = car.all_reduce, car.all_reduce_add_rms_norm
+    car.all_reduce, car.all_reduce_add_rms_norm, collectives._enabled = stand_in, fused_stand_in, True
     try:
-        for name, tp in [("8q4kv", 2), ("8q2kv", 4)]:
-            cfg = cases[name]
-            mesh = parallel.make_mesh(tp)
-            dec = GreedyDecoder(cfg, random_params(cfg, seed=1), mesh, max_new_tokens=MAX_NEW_TOKENS)
-            calls.clear()
-            tokens, logits = dec.generate()
-            hlo = dec._step.lower(dec.params, dec.kv_caches, *_step_args(dec)).compile().as_text()
-            out[f"{name}/tp{tp}"] = {"tokens": tokens, "logits": logits.tolist(), "calls": list(calls),
-                                     "collectives": _collectives(hlo)}
+        for fuse in (False, True):
+            collectives._fuse_norm = fuse
+            for name, tp in [("8q4kv", 2), ("8q2kv", 4)]:
+                cfg = cases[name]
+                mesh = parallel.make_mesh(tp)
+                dec = GreedyDecoder(cfg, random_params(cfg, seed=1), mesh, max_new_tokens=MAX_NEW_TOKENS)
+                calls.clear()
+                fused_calls.clear()
+                tokens, logits = dec.generate()
+                hlo = dec._step.lower(dec.params, dec.kv_caches, *_step_args(dec)).compile().as_text()
+                out[f"{name}/tp{tp}" + ("/fused" if fuse else "")] = {
+                    "tokens": tokens, "logits": logits.tolist(), "calls": list(calls),
+                    "fused_calls": list(fused_calls), "collectives": _collectives(hlo)}
+        collectives._fuse_norm = False
         # a step too large for the kernel's buffers keeps psum inside the same shard_map
         mesh = parallel.make_mesh(2)
         rng = np.random.default_rng(0)
@@ -121,8 +133,25 @@ def _custom_all_reduce_wiring(cases) -> dict:
             got = jax.jit(parallel.bind_mesh(parallel.row_parallel_matmul, mesh))(xs, ws)
             out[f"matmul rows={rows}"] = {"calls": list(calls), "err": float(jnp.abs(got - x @ w).max()),
                                          "spec": str(got.sharding.spec)}
+            # the fused form: the same split, and the plain ops when the step is past the kernel's buffers
+            collectives._fuse_norm = True
+            res = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+            nw = jnp.asarray(rng.uniform(0.5, 1.5, 64), jnp.float32)
+            calls.clear()
+            fused_calls.clear()
+            s_got, h_got = jax.jit(parallel.bind_mesh(
+                lambda a, b, r, n: parallel.row_parallel_matmul_add_rms_norm(a, b, r, n, 1e-5, llama.rms_norm),
+                mesh))(xs, ws, res, nw)
+            s_want = res + x @ w
+            out[f"fused rows={rows}"] = {
+                "calls": list(calls), "fused_calls": list(fused_calls),
+                "err_sum": float(jnp.abs(s_got - s_want).max()),
+                "err_norm": float(jnp.abs(h_got - llama.rms_norm(s_want, nw, 1e-5)).max()),
+                "spec": [str(s_got.sharding.spec), str(h_got.sharding.spec)]}
+            collectives._fuse_norm = False
     finally:
-        car.all_reduce, collectives._enabled = real, False
+        car.all_reduce, car.all_reduce_add_rms_norm = real, real_fused
+        collectives._enabled = collectives._fuse_norm = False
     return out
 
 
@@ -398,6 +427,29 @@ def test_custom_all_reduce_path_matches_single_device(report, case, tp):
     assert len(got["calls"]) == 2 * 2 and all(c[1] == 64 for c in got["calls"]), got["calls"]
     # and XLA added none of its own for them: what is left is the kernel's stand-in and the embedding's
     assert len(got["collectives"]["all-reduce"]) == 2 * 2 + 1
+
+
+@pytest.mark.parametrize("case,tp", [("8q4kv", 2), ("8q2kv", 4)])
+def test_custom_all_reduce_fused_with_add_and_norm_matches_single_device(report, case, tp):
+    """With the kernel's add + RMSNorm fusion on, every o / down projection (and the next norm) is one fused
+    call, the last one ending in the final norm, and decoding still equals TP=1."""
+    import numpy as np
+    base, got = report[f"{case}/tp1"], report["custom_all_reduce"][f"{case}/tp{tp}/fused"]
+    assert got["tokens"] == base["tokens"]
+    np.testing.assert_allclose(np.array(got["logits"]), np.array(base["logits"]), atol=2e-5, rtol=1e-4)
+    assert got["calls"] == [] and len(got["fused_calls"]) == 2 * 2, got
+    assert all(c[1] == 64 for c in got["fused_calls"]), got["fused_calls"]
+    assert len(got["collectives"]["all-reduce"]) == 2 * 2 + 1
+
+
+def test_custom_all_reduce_fused_form_falls_back_for_large_steps(report):
+    car = report["custom_all_reduce"]
+    small, large = car["fused rows=4"], car[f"fused rows={(1 << 20) // 256 + 1}"]
+    assert small["fused_calls"] == [[4, 64]] and small["calls"] == []
+    assert large["fused_calls"] == [] and large["calls"] == []      # plain x @ w: XLA's all-reduce
+    for r in (small, large):
+        assert r["err_sum"] < 1e-3 and r["err_norm"] < 1e-4, r
+        assert r["spec"] == ["P()", "P()"]
 
 
 def test_custom_all_reduce_leaves_large_steps_to_psum(report):

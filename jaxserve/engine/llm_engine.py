@@ -54,13 +54,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         mesh = None
         if config.parallel.tensor_parallel_size > 1:
-            from jaxserve.parallel import enable_custom_all_reduce, make_mesh
+            from jaxserve.parallel import collectives, enable_custom_all_reduce, make_mesh
             mesh = make_mesh(config.parallel.tensor_parallel_size)
             # every process, before the first trace: the row-parallel layers pick their all-reduce at trace time
             why_not = enable_custom_all_reduce(mesh, disable=config.parallel.disable_custom_all_reduce)
             self.custom_all_reduce = why_not is None
+            fused = " (fused with the residual add and RMSNorm)" if collectives.fuses_norm() else ""
             logger.info("tensor parallelism %d: %s", config.parallel.tensor_parallel_size,
-                     "CUDA one-shot all-reduce for steps up to 1 MiB" if why_not is None
+                     f"CUDA one-shot all-reduce for steps up to 1 MiB{fused}" if why_not is None
                      else f"XLA's all-reduce ({why_not})")
         else:
             self.custom_all_reduce = False

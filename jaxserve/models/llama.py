@@ -187,8 +187,12 @@ def forward(params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.
     cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg), x.dtype)
     sm_scale = d ** -0.5
     new_caches = []
-    for lp, (k_cache, v_cache) in zip(params["layers"], kv_caches):
-        h = rms_norm(x, lp["attn_norm"], eps)
+    layers = params["layers"]
+    # each row-parallel projection is followed by the residual add and the next norm (the next layer's
+    # attention norm, after the last layer the final norm): one call, so TP's all-reduce can fuse them
+    next_norms = [lp["attn_norm"] for lp in layers[1:]] + [params["final_norm"]]
+    h = rms_norm(x, layers[0]["attn_norm"], eps)
+    for lp, next_norm, (k_cache, v_cache) in zip(layers, next_norms, kv_caches):
         q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]
         if cfg.attention_bias:
             q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
@@ -199,11 +203,12 @@ def forward(params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.
             q, k, v, k_cache, v_cache, md, sm_scale=sm_scale, sliding_window=cfg.sliding_window,
             backend=attn_backend)
         new_caches.append((k_cache, v_cache))
-        x = x + parallel.row_parallel_matmul(attn.reshape(t, hq * d), lp["o"])
-        h = rms_norm(x, lp["mlp_norm"], eps)
+        x, h = parallel.row_parallel_matmul_add_rms_norm(attn.reshape(t, hq * d), lp["o"], x, lp["mlp_norm"],
+                                                          eps, rms_norm)
         gate_up = jnp.einsum("th,hci->tci", h, lp["gate_up"])
-        x = x + parallel.row_parallel_matmul(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["down"])
-    return rms_norm(x, params["final_norm"], eps), new_caches
+        x, h = parallel.row_parallel_matmul_add_rms_norm(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["down"],
+                                                          x, next_norm, eps, rms_norm)
+    return h, new_caches
 
 
 def compute_logits(params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:

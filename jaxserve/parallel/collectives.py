@@ -12,12 +12,20 @@ Why: at TP=2 a Llama-3.1-8B decode token carries 64 of these all-reduces. In the
 with the custom kernel (stack 2.983 -> 2.609 ms at T=4). vLLM users know it as the custom all-reduce
 (``--disable-custom-all-reduce``); the flag keeps its name here.
 
+``row_parallel_matmul_add_rms_norm(x, w, residual, norm_weight, eps, rms_norm)`` is the same projection followed
+by what a pre-norm layer does next, ``s = residual + x @ w`` and ``rms_norm(s, norm_weight, eps)``; with the
+kernel enabled the three are one launch (``custom_allreduce.all_reduce_add_rms_norm``), else the plain ops.
+``JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM=0`` keeps them apart (benchmark A/B).
+
 It is enabled only where it can work: an NVIDIA GPU, tensor parallelism with one process per GPU
 (``--distributed-executor-backend mp`` or ``--num-processes``), and ``nvcc`` to build the kernel. Every process
 takes part in the decision (two rounds through ``jax.distributed``), so either all of them use it or none.
 """
 from __future__ import annotations
 
+
+import os
+from typing import Callable
 
 import jax
 from jax import lax
@@ -29,6 +37,7 @@ from .mesh import TP, current_tp_mesh
 
 
 _enabled = False
+_fuse_norm = False
 _generation = 0           # key-value store tags must not repeat within one coordinator's life
 
 
@@ -48,12 +57,35 @@ def row_parallel_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, P(TP, None)), out_specs=P(), check_vma=False)(x, w)
 
 
+def row_parallel_matmul_add_rms_norm(x: jax.Array, w: jax.Array, residual: jax.Array, norm_weight: jax.Array,
+                                     eps: float, rms_norm: Callable) -> tuple[jax.Array, jax.Array]:
+    """``(s, rms_norm(s, norm_weight, eps))`` with ``s = residual + x @ w``, ``w`` row-parallel over ``"tp"``."""
+    mesh = current_tp_mesh()
+    out_shape = x.shape[:-1] + w.shape[-1:]
+    if (mesh is None or not fuses_norm() or residual.dtype != x.dtype
+            or not car.supports_add_rms_norm(out_shape, x.dtype)):
+        s = residual + row_parallel_matmul(x, w)
+        return s, rms_norm(s, norm_weight, eps)
+
+    def local(xs, ws, res, nw):
+        return car.all_reduce_add_rms_norm(xs @ ws, res, nw, eps)
+
+    x_spec = P(*([None] * (x.ndim - 1)), TP)
+    return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, P(TP, None), P(), P()), out_specs=(P(), P()),
+                         check_vma=False)(x, w, residual, norm_weight)
+
+
+def fuses_norm() -> bool:
+    """Whether ``row_parallel_matmul_add_rms_norm`` uses the fused kernel in this process."""
+    return _enabled and _fuse_norm
+
+
 def enable_custom_all_reduce(mesh, *, disable: bool = False) -> str | None:
     """Set up the custom all-reduce for this process's device of ``mesh``; ``None`` when it is on, else why not.
 
     Collective: under ``jax.distributed`` every process must call it with the same arguments.
     """
-    global _enabled, _generation
+    global _enabled, _fuse_norm, _generation
     _enabled = False
     if mesh is None or mesh.shape[TP] < 2:
         return "no tensor parallelism"
@@ -86,4 +118,5 @@ def enable_custom_all_reduce(mesh, *, disable: bool = False) -> str | None:
     if any(s != b"ok" for s in opened):
         return reason or "another process could not map its peers' buffers (see its log)"
     _enabled = True
+    _fuse_norm = os.environ.get("JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM", "1") != "0"
     return None

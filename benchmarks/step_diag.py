@@ -62,6 +62,10 @@ FLAG_SETS = {
     "graph-nccl": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
                   "CONDITIONAL,WHILE,COLLECTIVES --xla_gpu_enable_collectives_command_buffer_filter=ALLREDUCE "
                   "--xla_gpu_experimental_use_collective_kernels= --xla_gpu_graph_min_graph_size=1",
+    # The decode GEMMs' own speed (a TP=2 rank's streams 3.65 TB/s at T=4, fourteenth session): let the
+    # autotuner try every Triton tiling, or take cuBLAS's GEMMs instead of XLA's Triton ones.
+    "exhaustive-tiling": "--xla_gpu_exhaustive_tiling_search=true",
+    "cublas": "--xla_gpu_enable_triton_gemm=false",
 }
 FLAG_SETS["graph-nccl+lean"] = FLAG_SETS["graph-nccl"] + " " + FLAG_SETS["host-lean"]
 
@@ -242,7 +246,10 @@ def main(argv=None) -> int:
                 results.append({"tp": tp, "flags": fs, "error": proc.stderr.strip().splitlines()[-3:]})
             else:
                 results.append(json.loads(lines[-1][len("RESULT "):]))
-            print(f"  tp={tp} {fs}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+            r = results[-1]                  # the numbers now too, so a sweep cut short keeps what it measured
+            got = (f"{r['e2e_tok_s']:.1f} tok/s, forward {r.get('forward_ms', float('nan')):.3f} ms"
+                   if "e2e_tok_s" in r else "failed")
+            print(f"  tp={tp} {fs}: {time.perf_counter() - t0:.0f}s, {got}", file=sys.stderr, flush=True)
     print("| TP | XLA flags | e2e tok/s | ms/token | forward ms | sampler ms | gap ms | host ms/step | HLO |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -26,6 +26,7 @@ FLAG_SETS = {
     "no-triton-gemm": "--xla_gpu_enable_triton_gemm=false",
     "cublaslt": "--xla_gpu_enable_cublaslt=true",
     "autotune-0": "--xla_gpu_autotune_level=0",
+    "exhaustive-tiling": "--xla_gpu_exhaustive_tiling_search=true",   # every Triton tiling the autotuner knows
 }
 
 

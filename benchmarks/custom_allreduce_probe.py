@@ -136,8 +136,6 @@ def main(argv=None) -> int:
     car.setup(jax.local_devices()[0], jax.process_index(), d, car.distributed_exchange(jax.process_index(), d))
     say(f"# custom_allreduce_probe: jax {jax.__version__}, {d} x {jax.devices()[0].device_kind}, "
         f"{jax.process_count()} processes; build + setup {time.perf_counter() - t0:.1f} s", flush=True)
-    say("| tokens | KiB per device | kernel | blocks | chain equals psum | us per all-reduce |\n|---|---|---|---|---|---|",
-        flush=True)
 
     def build(which, blocks, chain):
         def step(x):
@@ -157,10 +155,7 @@ def main(argv=None) -> int:
     def numpy_reference(host, n):
         """One all-reduce + halving in numpy (a chain repeats it exactly: after the first call every rank holds
         y, and y + y then halved is y again), tiled so every rank's shard is the same y."""
-        acc = np.zeros(n, np.float32)
-        for r in range(d):
-            acc += host[r * n:(r + 1) * n].astype(np.float32)
-        y = (acc.astype(jnp.bfloat16).astype(np.float32) * 0.5).astype(jnp.bfloat16)
+        y = (rank_sum(host, d, n).astype(jnp.bfloat16).astype(np.float32) * 0.5).astype(jnp.bfloat16)
         return np.tile(y, d)
 
     def same_as_host(got, want) -> bool:
@@ -170,42 +165,46 @@ def main(argv=None) -> int:
 
     if a.fused:
         return fused_check(a, mesh, d, say)
+    say("| tokens | KiB per device | kernel | blocks | chain equals psum | us per all-reduce |\n|---|---|---|---|---|---|",
+        flush=True)
     failures = 0
+    out = print if a.same_gpu else say     # --same-gpu: every rank prints its own verdicts
     for t in a.tokens:
         n = t * a.hidden
         host = np.random.default_rng(t).standard_normal(d * n).astype(jnp.bfloat16)   # same in every process
         x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("tp")), lambda idx: host[idx])
         if a.same_gpu:
             ref = numpy_reference(host, n)
-            for blocks in a.blocks:
-                eq = same_as_host(build("custom", blocks, 5)(x), ref)
-                failures += not eq
-                f = build("custom", blocks, a.chain)
-                y = f(x).block_until_ready()
-                t1 = time.perf_counter()
-                y = f(y).block_until_ready()
-                us = (time.perf_counter() - t1) / a.chain * 1e6
-                label = blocks or f"default ({car.default_blocks(n * 2)})"
-                print(f"| {t} | {n * 2 / 1024:.0f} | custom (same GPU, rank {a.pid}) | {label} | {eq} (numpy) | "
-                      f"{us:.1f} |", flush=True)
-            continue
-        want = build("psum", 0, 5)(x)
-        for which, blocks in [("psum", 0)] + [("custom", b) for b in a.blocks]:
+            check, variants, rank = (lambda got: same_as_host(got, ref)), [], f" (same GPU, rank {a.pid})"
+        else:
+            want = build("psum", 0, 5)(x)
+            check, variants, rank = (lambda got: same(got, want)), [("psum", 0)], ""
+        for which, blocks in variants + [("custom", b) for b in a.blocks]:
             eq = "-"
             if which == "custom":
-                eq = same(build(which, blocks, 5)(x), want)
+                eq = check(build(which, blocks, 5)(x))
                 failures += not eq
             f = build(which, blocks, a.chain)
             y = f(x).block_until_ready()
+            reps = 1 if a.same_gpu else a.reps
             t1 = time.perf_counter()
-            for _ in range(a.reps):
+            for _ in range(reps):
                 y = f(y)
             y.block_until_ready()
-            us = (time.perf_counter() - t1) / (a.reps * a.chain) * 1e6
+            us = (time.perf_counter() - t1) / (reps * a.chain) * 1e6
             label = blocks or (f"default ({car.default_blocks(n * 2)})" if which == "custom" else "-")
-            say(f"| {t} | {n * 2 / 1024:.0f} | {which} | {label} | {eq} | {us:.1f} |", flush=True)
-    say(f"mismatches: {failures}", flush=True)
+            out(f"| {t} | {n * 2 / 1024:.0f} | {which}{rank} | {label} | {eq} | {us:.1f} |", flush=True)
+    out(f"mismatches: {failures}", flush=True)
     return 1 if failures else 0
+
+
+def rank_sum(host, d: int, n: int):
+    """numpy: the d ranks' shards of ``host`` (n elements each) summed in rank order in float32, as the kernel does."""
+    import numpy as np
+    acc = np.zeros(n, np.float32)
+    for r in range(d):
+        acc += host[r * n:(r + 1) * n].astype(np.float32)
+    return acc
 
 
 def fused_check(a, mesh, d, say) -> int:
@@ -253,7 +252,7 @@ def fused_check(a, mesh, d, say) -> int:
         got_s, got_h = (np.asarray(o.addressable_shards[0].data, np.float32) for o in build("fused", 1)(x, res, w))
         if a.same_gpu:                                   # numpy, rounding where the ops round
             f32, bf = np.float32, jnp.bfloat16
-            acc = sum(host[r * n:(r + 1) * n].astype(f32) for r in range(d)).reshape(t, hid)
+            acc = rank_sum(host, d, n).reshape(t, hid)
             want_s = (res_h.astype(f32) + acc.astype(bf).astype(f32)).astype(bf).astype(f32)
             scale = 1.0 / np.sqrt((want_s * want_s).mean(-1, keepdims=True) + f32(eps))
             want_h = (w_h.astype(f32) * (want_s * scale).astype(bf).astype(f32)).astype(bf).astype(f32)

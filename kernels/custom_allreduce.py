@@ -28,22 +28,18 @@ executor and for XLA:
 - **Lockstep**: every rank must make the same calls in the same order, as SPMD steps do; a rank one call ahead
   would be read as this call's data (the flags only say ">= this epoch").
 
-The CUDA source is compiled on first use with the machine's ``nvcc`` (``$JAXSERVE_NVCC``, ``$CUDA_HOME/bin``,
-``PATH`` or ``/usr/local/cuda/bin``) for the local GPU, into a cache folder keyed by the source, the compiler and
-the FFI headers. Without ``nvcc`` or a GPU, ``CustomAllReduceUnavailable`` says why and callers keep XLA's
-all-reduce. No CPU path: tests drive the Python side on CPU, the kernel on the GPU (``benchmarks/gpu_check.py``,
+The CUDA source is compiled on first use with the machine's ``nvcc`` (``cuda_build``) for the local GPU.
+Without ``nvcc`` or a GPU, ``CustomAllReduceUnavailable`` says why and callers keep XLA's all-reduce. No CPU path: tests drive the Python side on CPU, the kernel on the GPU (``benchmarks/gpu_check.py``,
 ``benchmarks/custom_allreduce_probe.py``).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
+
+from . import cuda_build
 
 SOURCE = Path(__file__).with_name("custom_allreduce.cu")
 TARGET = "jaxserve_custom_all_reduce"
@@ -60,50 +56,9 @@ class CustomAllReduceUnavailable(RuntimeError):
     """The custom all-reduce cannot run here (no nvcc, no GPU, CUDA IPC refused, ...); the message says why."""
 
 
-def find_nvcc() -> str | None:
-    for cand in (os.environ.get("JAXSERVE_NVCC"),
-                 os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None,
-                 shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("JAXSERVE_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "jaxserve", "kernels")
-    return Path(base)
-
-
-def nvcc_command(nvcc: str, out: Path, arch: str) -> list[str]:
-    import jax.ffi
-    return [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
-            "-isystem", jax.ffi.include_dir(), "-o", str(out), str(SOURCE)]
-
-
 def build(*, arch: str | None = None) -> Path:
     """Compile ``custom_allreduce.cu`` (once per source/compiler/headers) and return the shared library's path."""
-    import jax.ffi
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise CustomAllReduceUnavailable("no nvcc found (set JAXSERVE_NVCC or CUDA_HOME)")
-    arch = arch or os.environ.get("JAXSERVE_CUDA_ARCH", "native")
-    try:
-        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise CustomAllReduceUnavailable(f"{nvcc} --version failed: {e}") from e
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + arch.encode()
-                         + jax.ffi.include_dir().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"custom_allreduce-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    proc = subprocess.run(nvcc_command(nvcc, tmp, arch), capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise CustomAllReduceUnavailable(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)            # atomic: concurrent builders (one per process) end with one good file
-    return out
+    return cuda_build.build(SOURCE, arch=arch, error=CustomAllReduceUnavailable)
 
 
 def load(arch: str | None = None):
@@ -131,9 +86,7 @@ def create(device, rank: int, world: int, *, slot_bytes: int = DEFAULT_SLOT_BYTE
     executables compiled while they were current still hold their addresses."""
     if not 2 <= world <= MAX_RANKS:
         raise CustomAllReduceUnavailable(f"{world} ranks (supported: 2..{MAX_RANKS})")
-    cc = str(getattr(device, "compute_capability", "") or "")
-    # the GPU's own architecture (not "native") so a cache shared by different GPUs keeps one build per kind
-    lib = load(arch=f"sm_{cc.replace('.', '')}" if cc.replace(".", "").isdigit() else None)
+    lib = load(arch=cuda_build.device_arch(device))
     err = ctypes.create_string_buffer(512)
     handle = ctypes.create_string_buffer(64)
     if lib.jaxserve_car_create(int(device.local_hardware_id), rank, world, slot_bytes, handle, err, len(err)):

@@ -1,0 +1,66 @@
+"""Compile a CUDA source of ``kernels/`` into a shared library on first use (the custom all-reduce, the decode GEMV).
+
+The machine's ``nvcc`` (``$JAXSERVE_NVCC``, ``$CUDA_HOME/bin``, ``PATH`` or ``/usr/local/cuda/bin``) builds it for
+the given GPU architecture into a cache folder (``$JAXSERVE_KERNEL_CACHE``, else ``~/.cache/jaxserve/kernels``),
+keyed by the source, the compiler's version, the architecture and XLA's FFI headers.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+
+def find_nvcc() -> str | None:
+    for cand in (os.environ.get("JAXSERVE_NVCC"),
+                 os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None,
+                 shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("JAXSERVE_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "jaxserve", "kernels")
+    return Path(base)
+
+
+def nvcc_command(nvcc: str, source: Path, out: Path, arch: str) -> list[str]:
+    import jax.ffi
+    return [nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
+            "-isystem", jax.ffi.include_dir(), "-o", str(out), str(source)]
+
+
+def build(source: Path, *, arch: str | None = None, error: type[Exception] = RuntimeError) -> Path:
+    """Compile ``source`` (once per source/compiler/architecture/headers) and return the library's path; raise
+    ``error`` with the reason when it cannot."""
+    import jax.ffi
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise error("no nvcc found (set JAXSERVE_NVCC or CUDA_HOME)")
+    arch = arch or os.environ.get("JAXSERVE_CUDA_ARCH", "native")
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise error(f"{nvcc} --version failed: {e}") from e
+    key = hashlib.sha256(source.read_bytes() + version.encode() + arch.encode()
+                         + jax.ffi.include_dir().encode()).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run(nvcc_command(nvcc, source, tmp, arch), capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise error(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)            # atomic: concurrent builders (one per process) end with one good file
+    return out
+
+
+def device_arch(device) -> str | None:
+    """``sm_XY`` of a ``jax.Device`` (not "native", so a cache shared by different GPUs keeps one build per kind)."""
+    cc = str(getattr(device, "compute_capability", "") or "").replace(".", "")
+    return f"sm_{cc}" if cc.isdigit() else None

@@ -18,7 +18,13 @@ exact semantics); the sums run in another order than XLA's GEMMs, so results dif
 rounding, like any other GEMM choice. Steps of at most 8 tokens (``MAX_TOKENS``), bf16, no tensor parallelism
 (yet). Split-K keeps a counter per column tile on the device (allocated once per device by ``enable``); calls
 on one stream run in order, as XLA's do. ``JAXSERVE_DECODE_GEMV=1`` turns it on in the engine
-(``jaxserve.models.llama``); off by default until measured faster on a GPU (``benchmarks/decode_gemv_probe.py``).
+(``jaxserve.models.llama``), ``=mlp`` for the gate/up projection only.
+
+Measured (H200, 2026-12-01, ``benchmarks/results/2026-12-01-h200-s15-decode-gemv.md``): **off by default,
+because it is slower.** The big MLP projection streams at 3.95 TB/s (``benchmarks/decode_gemv_bench.cu``), but
+the split-K projections (qkv, o, down) lose 6-8 us each to the epilogue chain; a layer's four launches take 133 us
+against XLA's ~120 us of GEMMs, and Llama-3.1-8B batch 1 decodes at 210.8 tok/s (``mlp``: 234.7) against XLA's
+239.7. What would change that is in the results file (a stream-K grid; the all-reduce in the epilogue at TP>1).
 
 No CPU path: tests check ``reference`` against the model's unfused ops and drive the model's fused wiring with
 ``reference`` standing in for the kernel; ``benchmarks/decode_gemv_probe.py`` checks and times the kernel on a GPU.

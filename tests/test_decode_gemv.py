@@ -96,20 +96,28 @@ def decoders():
     dg.gemv, dg._enabled = stand_in, True
     try:
         fused = GreedyDecoder(cfg, params, None, prompts=prompts, max_new_tokens=5).generate()
+        all_calls = list(calls)
+        calls.clear()
+        os.environ[dg.ENV] = "mlp"
+        mlp = GreedyDecoder(cfg, params, None, prompts=prompts, max_new_tokens=5).generate()
     finally:
         dg.gemv, dg._enabled = real, False
-    return cfg, base, fused, calls
+        os.environ.pop(dg.ENV, None)
+    return cfg, base, fused, all_calls, mlp, list(calls)
 
 
 def test_fused_decode_path_gives_the_same_tokens(decoders):
-    cfg, (tokens, logits), (f_tokens, f_logits), calls = decoders
-    assert f_tokens == tokens
-    # the same roundings except silu's (one bf16 step at most), through 2 layers
-    np.testing.assert_allclose(f_logits, logits, atol=0.05 * float(np.max(np.abs(logits))))
+    cfg, (tokens, logits), (f_tokens, f_logits), _, (m_tokens, m_logits), _ = decoders
+    assert f_tokens == tokens and m_tokens == tokens
+    # the same roundings except silu's (two bf16 steps at most), through 2 layers
+    for other in (f_logits, m_logits):
+        np.testing.assert_allclose(other, logits, atol=0.05 * float(np.max(np.abs(logits))))
 
 
 def test_fused_decode_path_is_four_launches_per_layer(decoders):
-    cfg, _, _, calls = decoders
+    cfg, _, _, calls, _, mlp_calls = decoders
     # traced once (one step shape): per layer qkv + rope, o + residual, gate_up + silu, down + residual
     assert [c[2] for c in calls] == ["rope", "residual", "silu", "residual"] * cfg.num_layers
     assert calls[0] == ((8, cfg.hidden_size), 3, "rope")
+    # JAXSERVE_DECODE_GEMV=mlp: only gate_up + silu
+    assert [c[2] for c in mlp_calls] == ["silu"] * cfg.num_layers

@@ -619,6 +619,7 @@ def test_decode_gemv_probe_smoke(capsys):
     assert out.rstrip().endswith("decode_gemv_probe: PASS")
 
 
+@pytest.mark.slow   # 30 s on 2 cores, for a probe whose question is settled (no: results/2026-12-01-h200x2-s13-...)
 def test_l2_prefetch_probe_smoke(tmp_path):
     """benchmarks/l2_prefetch_probe.py on CPU (2 fake devices): every variant computes the same numbers as its
     base and gspmd needs no collective but the all-reduces; the prefetch reads survive XLA and stay behind the

@@ -13,7 +13,9 @@
 #   tpload: 8B safetensors vs orbax load time into TP=1 and TP=2 (2 GPUs)
 #   ab: offline configs (AB_CONFIGS, default h200-llama8b-decode) at commit AB_BASE (default 5a76e75, checked out
 #   as a git worktree) against this tree, interleaved base / head / base / head, HF baseline off
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpmulti|tpload|allreduce|oneshot|stepdiag|smallbatch|gemm|ab ...]
+#   tpcar / carcheck (2 GPUs): the custom all-reduce at TP=2, fused with the add + norm or not, against XLA's and
+#   TP=1 (tp_bench.py); its kernels' us per call and greedy decoding against TP=1 (custom_allreduce_probe.py)
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|embed|tp2|tpbench|tpcar|carcheck|tpmulti|tpload|allreduce|oneshot|stepdiag|smallbatch|gemm|ab ...]
 #        (default: offline serve kernels)
 # A fresh GPU host has an empty compile cache: the server compiles its 28 step variants in ~70 s before the
 # sweep starts (2026-11-30), hence the serve limit.
@@ -72,6 +74,24 @@ for step in "${STEPS[@]}"; do
                --num-scheduler-steps ${TPBENCH_STEPS:-8} \
                --num-prompts 256 --max-num-batched-tokens 2048 --child-timeout "${TPBENCH_CHILD_S:-240}" --results-dir "$RESULTS" 2>&1 \
                | tee "$RESULTS/tpbench.log" | grep -E '^\| |failed' >> "$SUMMARY" ;;
+    tpcar)   if [ "${NGPU:-0}" -lt 2 ]; then echo "tpcar: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
+             # TP=2 single stream with the custom all-reduce fused with the residual add + RMSNorm (the default),
+             # unfused, XLA's all-reduce, and TP=1, one tp_bench command (process per GPU, 8-step decoding)
+             echo "=== tpcar: benchmarks/tp_bench.py --tp 2 1 --executors mp --all-reduce custom custom-unfused xla" | tee -a "$SUMMARY"
+             timeout "${TPCAR_LIMIT_S:-570}" "$PY" benchmarks/tp_bench.py --model llama-3.1-8b --skip-load --skip-offline \
+               --tp 2 1 --executors mp --all-reduce custom custom-unfused xla --num-scheduler-steps 8 \
+               --max-num-batched-tokens 2048 --child-timeout "${TPCAR_CHILD_S:-200}" --results-dir "$RESULTS" 2>&1 \
+               | tee "$RESULTS/tpcar.log" | grep -E '^\| |failed' >> "$SUMMARY" ;;
+    carcheck) if [ "${NGPU:-0}" -lt 2 ]; then echo "carcheck: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
+             # the custom all-reduce kernels at TP=2: the fused kernel's us per call against the unfused one and
+             # XLA's add + norm; then greedy decoding through the engine, TP=2 (custom, XLA) against TP=1
+             echo "=== carcheck: custom_allreduce_probe.py --fused; --engine llama-3.2-1b (float32, bfloat16)" | tee -a "$SUMMARY"
+             timeout "${CARCHECK_PROBE_S:-150}" "$PY" benchmarks/custom_allreduce_probe.py --processes 2 --fused \
+               --tokens 1 4 8 128 2>&1 | tee "$RESULTS/carcheck.log" | grep -E '^\||Error|mismatch' >> "$SUMMARY"
+             for dt in float32 bfloat16; do
+               timeout "${CARCHECK_ENGINE_S:-200}" "$PY" benchmarks/custom_allreduce_probe.py --engine llama-3.2-1b \
+                 --dtype "$dt" 2>&1 | tee -a "$RESULTS/carcheck.log" | grep -E '^\||^#|Error' >> "$SUMMARY"
+             done ;;
     tpload)  if [ "${NGPU:-0}" -lt 2 ]; then echo "tpload: skipped, needs 2 GPUs" | tee -a "$SUMMARY"; continue; fi
              # 8B weights (random, HF safetensors layout) vs their orbax conversion, loaded into TP=1 and TP=2
              echo "=== tpload: benchmarks/tp_bench.py --skip-speed --tp 1 2 --load-repeats 1" | tee -a "$SUMMARY"
@@ -138,7 +158,7 @@ for step in "${STEPS[@]}"; do
                done
              done
              git worktree remove --force "$wt" ;;
-    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpmulti, tpload, allreduce, oneshot, stepdiag, smallbatch, gemm, ab)" >&2; exit 2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, embed, tp2, tpbench, tpcar, carcheck, tpmulti, tpload, allreduce, oneshot, stepdiag, smallbatch, gemm, ab)" >&2; exit 2 ;;
   esac
 done
 

@@ -72,11 +72,9 @@ struct Shape {
   int rope_mask;
 };
 
-int default_splits(int k, int tiles, int t, int sms, double ctas_per_sm) {
-  const int pt = t <= 1 ? 1 : t <= 2 ? 2 : t <= 4 ? 4 : 8;
+int default_splits(int k, int tiles, int sms, double ctas_per_sm) {
   int s = static_cast<int>(std::floor(sms * ctas_per_sm / std::max(1, tiles)));
   s = std::max(s, 1);
-  (void)pt;
   return std::min(std::min(s, std::max(1, k / 128)), k);
 }
 
@@ -131,7 +129,7 @@ int main(int argc, char** argv) {
         fill<<<1024, 256>>>(w[l][g], elems, 17u * l + g);
       }
     }
-    int splits = forced > 0 ? forced : default_splits(s.K, tiles, T, sms, ctas);
+    int splits = forced > 0 ? forced : default_splits(s.K, tiles, sms, ctas);
     if (cluster) splits = std::min(splits, kMaxCluster);
     __nv_bfloat16 *x, *res, *out, *cs, *sn, *copy_dst;
     float* ws;

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, JAXSERVE_GEMV_MIN_CTAS) decode_gemv(
     c_hi = c_lo + kTile / 2;
   }
   // widths are multiples of 8: a 16-byte piece is wholly inside the weight or wholly past its end
-  const bool lo_ok = (EPI == kSiluMul ? lt * (kTile / 2) + 8 * g : c_lo) < seg.n;
+  const bool lo_ok = c_lo < seg.n;
   const bool hi_ok = EPI == kSiluMul ? lo_ok : c_hi < seg.n;
   const __nv_bfloat16* w_lo = seg.w + c_lo;
   const __nv_bfloat16* w_hi = seg.w + c_hi;

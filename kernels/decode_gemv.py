@@ -95,11 +95,6 @@ def enable(devices=None, *, ctas_per_sm: float | None = None) -> str | None:
     return None
 
 
-def disable() -> None:
-    global _enabled
-    _enabled = False
-
-
 def enabled() -> bool:
     return _enabled
 
@@ -136,10 +131,9 @@ def num_tiles(widths: list[int], silu: bool) -> int:
     return sum(-(-n // per) for n in widths)
 
 
-def default_splits(k: int, tiles: int, t: int, *, num_sms: int | None = None, ctas_per_sm: float | None = None) -> int:
+def default_splits(k: int, tiles: int, *, num_sms: int | None = None, ctas_per_sm: float | None = None) -> int:
     """K splits: at most ``ctas_per_sm`` CTAs per SM in all, at most one split per 128 rows (one 16-row block
-    per warp). ``t`` (tokens) does not change it."""
-    del t
+    per warp); the token count does not change it."""
     target = (num_sms or _num_sms) * (ctas_per_sm or _ctas_per_sm)
     splits = max(1, int(target // max(1, tiles)))      # one wave at most: a partial second wave costs a whole one
     return int(min(splits, max(1, k // 128), MAX_CLUSTER if _cluster else splits))
@@ -163,7 +157,7 @@ def gemv(x, weights, *, residual=None, silu: bool = False, rope=None, rope_mask:
     weights = list(weights)
     widths = _widths(weights, silu)
     tiles = num_tiles(widths, silu)
-    splits = default_splits(k, tiles, t) if splits is None else int(splits)
+    splits = default_splits(k, tiles) if splits is None else int(splits)
     epilogue = SILU_MUL if silu else RESIDUAL if residual is not None else PLAIN
     dummy = jnp.zeros((1,), jnp.bfloat16)
     ws = [w.reshape(k, -1) if not silu else w for w in weights] + [dummy] * (3 - len(weights))

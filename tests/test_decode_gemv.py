@@ -58,12 +58,12 @@ def test_reference_matches_the_models_ops():
 def test_default_splits_fill_one_wave():
     # Llama-3.1-8B at TP=1, 132 SMs, 2 CTAs per SM: 264 CTA slots, never a partial second wave
     assert dg.num_tiles([4096, 1024, 1024], silu=False) == 48          # q, k, v: 128 columns per tile
-    assert dg.default_splits(4096, 48, 4, num_sms=132, ctas_per_sm=2) == 5
+    assert dg.default_splits(4096, 48, num_sms=132, ctas_per_sm=2) == 5
     assert dg.num_tiles([14336], silu=True) == 224                     # 64 gate + 64 up columns per tile
-    assert dg.default_splits(4096, 224, 4, num_sms=132, ctas_per_sm=2) == 1
-    assert dg.default_splits(14336, 32, 8, num_sms=132, ctas_per_sm=2) == 8
+    assert dg.default_splits(4096, 224, num_sms=132, ctas_per_sm=2) == 1
+    assert dg.default_splits(14336, 32, num_sms=132, ctas_per_sm=2) == 8
     for k, tiles in [(14336, 16), (128, 1), (4096, 1000), (576, 5), (2048, 1)]:
-        s = dg.default_splits(k, tiles, 4, num_sms=132, ctas_per_sm=2)
+        s = dg.default_splits(k, tiles, num_sms=132, ctas_per_sm=2)
         assert 1 <= s <= max(1, k // 128)                              # one 16-row block per warp at least
         assert s == 1 or s * tiles <= 264
 

@@ -65,7 +65,6 @@ class LLMEngine:
                      else f"XLA's all-reduce ({why_not})")
         else:
             self.custom_all_reduce = False
-        self.decode_gemv = False
         from jaxserve.kernels import decode_gemv
         if decode_gemv.requested():
             # before the first trace: the model picks its decode projections at trace time
@@ -73,7 +72,6 @@ class LLMEngine:
                 logger.info("%s=1 ignored: the decode GEMV has no tensor-parallel path yet", decode_gemv.ENV)
             else:
                 why_not = decode_gemv.enable()
-                self.decode_gemv = why_not is None
                 logger.info("decode projections: %s", "CUDA GEMV with fused epilogues for steps of up to "
                             f"{decode_gemv.MAX_TOKENS} tokens" if why_not is None else f"XLA's ({why_not})")
         self.mesh = mesh

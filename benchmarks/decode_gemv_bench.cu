@@ -5,7 +5,7 @@
 // this isolates the kernel from XLA's graph and the probe's harness, and it is what `ncu` profiles.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/gemv_bench benchmarks/decode_gemv_bench.cu
-//   /tmp/gemv_bench [--tp 1] [--tokens 4] [--ctas-per-sm 2] [--splits 0] [--cluster 0] [--reps 20]
+//   /tmp/gemv_bench [--tp 1] [--tokens 4] [--ctas-per-sm 2] [--splits 0] [--reps 20]
 //
 // Each (shape, splits) runs the 32 layers' distinct weights back to back (so they stream from HBM, not L2):
 // microseconds per call and weight bytes per second. `--splits N` forces N splits (0: the Python side's
@@ -81,7 +81,7 @@ int default_splits(int k, int tiles, int sms, double ctas_per_sm) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int tp = 1, T = 4, reps = 20, forced = 0, layers = 32, cluster = 0;
+  int tp = 1, T = 4, reps = 20, forced = 0, layers = 32;
   double ctas = 2.0;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--tp")) tp = std::atoi(argv[i + 1]);
@@ -90,7 +90,6 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--splits")) forced = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--cluster")) cluster = std::atoi(argv[i + 1]);
   }
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -107,8 +106,8 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  std::printf("# decode_gemv_bench: TP=%d shapes, T=%d, %d SMs, min CTAs/SM %d, %d layers, split-K in %s\n", tp,
-              T, sms, JAXSERVE_GEMV_MIN_CTAS, layers, cluster ? "a cluster" : "the last CTA (counter)");
+  std::printf("# decode_gemv_bench: TP=%d shapes, T=%d, %d SMs, min CTAs/SM %d, %d layers\n", tp, T, sms,
+              JAXSERVE_GEMV_MIN_CTAS, layers);
   std::printf("| kind | tiles x splits | kernel us | TB/s | loads only us | TB/s | D2D copy us | TB/s moved |\n"
               "|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
@@ -129,8 +128,7 @@ int main(int argc, char** argv) {
         fill<<<1024, 256>>>(w[l][g], elems, 17u * l + g);
       }
     }
-    int splits = forced > 0 ? forced : default_splits(s.K, tiles, sms, ctas);
-    if (cluster) splits = std::min(splits, kMaxCluster);
+    const int splits = forced > 0 ? forced : default_splits(s.K, tiles, sms, ctas);
     __nv_bfloat16 *x, *res, *out, *cs, *sn, *copy_dst;
     float* ws;
     CHECK(cudaMalloc(&x, static_cast<size_t>(T) * s.K * 2));
@@ -152,8 +150,7 @@ int main(int argc, char** argv) {
       Weight wd[kMaxSegments];
       for (int g = 0; g < nseg; ++g) wd[g] = Weight{w[l][g], dims[g].data(), static_cast<int>(dims[g].size())};
       const Call c{x, T, s.K, res, cs, sn, static_cast<int64_t>(T * out_cols), T * D, T * D, out,
-                   static_cast<int64_t>(T * out_cols), ws, ws_bytes, nseg, s.epilogue, s.rope_mask, splits, D,
-                   cluster};
+                   static_cast<int64_t>(T * out_cols), ws, ws_bytes, nseg, s.epilogue, s.rope_mask, splits, D};
       const std::string why = plan(c, wd, counters, params[l], grid, tm);
       if (!why.empty()) {
         std::printf("| %s | plan failed: %s |\n", s.name, why.c_str());

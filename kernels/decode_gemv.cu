@@ -12,16 +12,15 @@
 // layout after one byte permute per register: which columns make up an MMA's 16 A rows is ours to choose, so
 // lane (g, t) loads columns 8 g .. 8 g + 7 of rows 2t, 2t+1, 2t+8, 2t+9 and MMA j takes column 8 g + j. (The
 // first version's CUDA-core loop, 8 FMAs per weight pair and token, was issue-bound at 2.2-2.8 TB/s.)
-// The warps' sums meet in shared memory. With splits > 1 and `cluster`, a tile's splits are one thread-block
-// cluster (at most 8) and CTA 0 sums the others' [T, 128] totals straight out of their shared memory; without
-// it every CTA writes its partial to the workspace and the last CTA of the tile (a per-tile counter, reset by
-// that CTA for the next call) sums them. Either way the splits are summed in split order, so the result's bits
-// do not depend on which CTA finishes first. That CTA then applies the epilogue:
+// The warps' sums meet in shared memory. With splits > 1 every CTA writes its [T, 128] partial to
+// the workspace, and the last CTA of the tile (a per-tile counter, reset by that CTA for the next call) sums
+// the splits in split order, so the result's bits do not depend on which CTA finishes last. (Summing a tile's
+// splits as one thread-block cluster, from distributed shared memory, measured 1.3-1.5x slower: 703e442.)
+// That CTA then applies the epilogue:
 //   kPlain     out = bf16(acc), with rotate-half RoPE on the segments in rope_mask (the rounding of
 //              llama.apply_rope: bf16(bf16(x cos) + bf16(rot(x) sin)) on the bf16-rounded product)
 //   kResidual  out = bf16(residual + bf16(acc))                         (the o / down projection's add)
 //   kSiluMul   out = bf16(bf16(g sigmoid(g)) u), g, u = bf16(acc) of the gate / up column  (the MLP)
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 
@@ -35,10 +34,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-namespace cg = cooperative_groups;
-
 constexpr int kThreads = 256;
-constexpr int kMaxCluster = 8;        // portable thread-block cluster size: splits per tile with `cluster`
 constexpr int kWarps = kThreads / 32;
 constexpr int kTile = 128;            // output columns per CTA (kSiluMul: 64 gate + 64 up)
 constexpr int kMaxSegments = 3;
@@ -67,7 +63,6 @@ struct Params {
   unsigned* counters;           // [tiles]
   Segment seg[kMaxSegments];
   int nseg, T, K, kc, splits, tiles, ldo, rope_mask, head_dim;
-  int cluster;                  // 1: the splits of a tile are a cluster (reduced in shared memory), 0: counter
 };
 
 __device__ __forceinline__ int4 load_stream(const void* p) {
@@ -202,26 +197,7 @@ __global__ void __launch_bounds__(kThreads, JAXSERVE_GEMV_MIN_CTAS) decode_gemv(
   }
   __syncthreads();
 
-  if (p.splits > 1 && p.cluster) {
-    // the tile's splits are one thread-block cluster: CTA 0 sums its peers' totals out of their shared memory
-    // (distributed shared memory), in split order, and the peers wait until it has read them
-    if (c < kTile) {
-#pragma unroll
-      for (int t = 0; t < TM; ++t) red[t * kTile + c] = total[t];
-    }
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    if (split == 0 && c < kTile) {
-#pragma unroll
-      for (int t = 0; t < TM; ++t) {
-        float sum = 0.f;
-        for (int q = 0; q < p.splits; ++q) sum += cluster.map_shared_rank(red, q)[t * kTile + c];
-        total[t] = sum;
-      }
-    }
-    cluster.sync();
-    if (split != 0) return;
-  } else if (p.splits > 1) {
+  if (p.splits > 1) {
     const size_t cols = static_cast<size_t>(p.tiles) * kTile;
     if (c < kTile) {
       float* mine = p.ws + static_cast<size_t>(split) * TM * cols + static_cast<size_t>(tile) * kTile + c;
@@ -285,33 +261,13 @@ __global__ void __launch_bounds__(kThreads, JAXSERVE_GEMV_MIN_CTAS) decode_gemv(
   }
 }
 
-template <int TM, int EPI>
-void launch_kernel(dim3 grid, cudaStream_t stream, const Params& p) {
-  if (!p.cluster) {
-    decode_gemv<TM, EPI><<<grid, kThreads, 0, stream>>>(p);
-    return;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = grid.y;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaLaunchKernelEx(&cfg, decode_gemv<TM, EPI>, p);
-}
-
 template <int EPI>
 void launch_epilogue(int tm, dim3 grid, cudaStream_t stream, const Params& p) {
   switch (tm) {
-    case 1: launch_kernel<1, EPI>(grid, stream, p); break;
-    case 2: launch_kernel<2, EPI>(grid, stream, p); break;
-    case 4: launch_kernel<4, EPI>(grid, stream, p); break;
-    default: launch_kernel<8, EPI>(grid, stream, p); break;
+    case 1: decode_gemv<1, EPI><<<grid, kThreads, 0, stream>>>(p); break;
+    case 2: decode_gemv<2, EPI><<<grid, kThreads, 0, stream>>>(p); break;
+    case 4: decode_gemv<4, EPI><<<grid, kThreads, 0, stream>>>(p); break;
+    default: decode_gemv<8, EPI><<<grid, kThreads, 0, stream>>>(p); break;
   }
 }
 
@@ -333,7 +289,6 @@ struct Call {
   void* ws;
   size_t ws_bytes;
   int64_t nseg, epilogue, rope_mask, splits, head_dim;
-  int64_t cluster;   // reduce a tile's splits in a thread-block cluster (splits <= 8) instead of the counter
 };
 
 // Check a call, fill `p` and the grid; an empty string when it can run, else why not.
@@ -353,8 +308,6 @@ std::string plan(const Call& c, const Weight* w, unsigned* counters, Params& p, 
   // splits of whole 16-row MMA blocks
   p.kc = ((p.K + static_cast<int>(c.splits) - 1) / static_cast<int>(c.splits) + 15) / 16 * 16;
   p.splits = (p.K + p.kc - 1) / p.kc;   // <= splits
-  p.cluster = c.cluster != 0 && p.splits > 1;
-  if (p.cluster && p.splits > kMaxCluster) return "a cluster takes at most 8 splits";
   int tiles = 0, ldo = 0;
   for (int i = 0; i < c.nseg; ++i) {
     if (w[i].rank < 2 || w[i].dims[0] != p.K) return "weights must be bf16 [K, ...]";
@@ -430,7 +383,7 @@ bool is_bf16(const ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType
 ffi::Error GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w0, ffi::AnyBuffer w1,
                     ffi::AnyBuffer w2, ffi::AnyBuffer residual, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> ws, int64_t nseg,
-                    int64_t epilogue, int64_t rope_mask, int64_t splits, int64_t head_dim, int64_t cluster) {
+                    int64_t epilogue, int64_t rope_mask, int64_t splits, int64_t head_dim) {
   const std::string name = "jaxserve_decode_gemv: ";
   const auto xd = x.dimensions();
   if (!is_bf16(x) || xd.size() != 2) return ffi::Error::InvalidArgument(name + "x must be bf16 [T, K]");
@@ -449,7 +402,7 @@ ffi::Error GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::
                static_cast<int64_t>(residual.element_count()), static_cast<int64_t>(cos.element_count()),
                static_cast<int64_t>(sin.element_count()), out->untyped_data(),
                static_cast<int64_t>(out->element_count()), ws->untyped_data(), ws->size_bytes(), nseg, epilogue,
-               rope_mask, splits, head_dim, cluster};
+               rope_mask, splits, head_dim};
   Params p;
   dim3 grid;
   int tm = 1;
@@ -483,8 +436,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeGemv, GemvImpl,
                                   .Attr<int64_t>("epilogue")
                                   .Attr<int64_t>("rope_mask")
                                   .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("head_dim")
-                                  .Attr<int64_t>("cluster"),
+                                  .Attr<int64_t>("head_dim"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 #endif  // JAXSERVE_GEMV_NO_FFI

@@ -50,9 +50,6 @@ _lib = None
 _enabled = False
 _ctas_per_sm = 2.0
 _num_sms = 132
-_cluster = False           # reduce a tile's splits in a thread-block cluster instead of the last CTA by a counter
-                           # (measured slower: 2026-12-01-h200-s15-decode-gemv.md, run 8)
-MAX_CLUSTER = 8
 
 
 class DecodeGemvUnavailable(RuntimeError):
@@ -136,7 +133,7 @@ def default_splits(k: int, tiles: int, *, num_sms: int | None = None, ctas_per_s
     per warp); the token count does not change it."""
     target = (num_sms or _num_sms) * (ctas_per_sm or _ctas_per_sm)
     splits = max(1, int(target // max(1, tiles)))      # one wave at most: a partial second wave costs a whole one
-    return int(min(splits, max(1, k // 128), MAX_CLUSTER if _cluster else splits))
+    return int(min(splits, max(1, k // 128)))
 
 
 def _widths(weights, silu: bool) -> list[int]:
@@ -167,7 +164,7 @@ def gemv(x, weights, *, residual=None, silu: bool = False, rope=None, rope_mask:
                                        jax.ShapeDtypeStruct((ws_floats,), jnp.float32)))(
         x, *ws, dummy if residual is None else residual, cos, sin,
         nseg=np.int64(len(weights)), epilogue=np.int64(epilogue), rope_mask=np.int64(rope_mask if rope else 0),
-        splits=np.int64(splits), head_dim=np.int64(head_dim), cluster=np.int64(_cluster))
+        splits=np.int64(splits), head_dim=np.int64(head_dim))
     return out
 
 

@@ -606,19 +606,6 @@ def test_gemm_probe_smoke(capsys):
     assert all(float(r.split(" | ")[3]) > 0 for r in rows)
 
 
-def test_decode_gemv_probe_smoke(capsys):
-    """benchmarks/decode_gemv_probe.py on CPU (1/16 shapes, the reference standing in for the CUDA kernel): the
-    check row passes for every fused kind, the layer stack and each kind alone get a time."""
-    from benchmarks import decode_gemv_probe
-    assert decode_gemv_probe.main(["--smoke", "--reps", "1", "--tp", "2", "--tokens", "4", "--ctas-per-sm", "2"]) == 0
-    out = capsys.readouterr().out
-    check = next(ln for ln in out.splitlines() if ln.startswith("## TP=2 T=4"))
-    assert check.count(" ok ") == 4 and "FAIL" not in check
-    assert [ln.split(" | ")[2] for ln in out.splitlines() if ln.startswith("| 2 | 4 |")] == ["XLA", "kernel, 2 CTA/SM"]
-    assert len([ln for ln in out.splitlines() if ln.split(" | ")[0] in ("| qkv", "| o", "| gate_up", "| down")]) == 4
-    assert out.rstrip().endswith("decode_gemv_probe: PASS")
-
-
 @pytest.mark.slow   # 30 s on 2 cores, for a probe whose question is settled (no: results/2026-12-01-h200x2-s13-...)
 def test_l2_prefetch_probe_smoke(tmp_path):
     """benchmarks/l2_prefetch_probe.py on CPU (2 fake devices): every variant computes the same numbers as its

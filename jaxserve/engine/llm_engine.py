@@ -65,15 +65,6 @@ class LLMEngine:
                      else f"XLA's all-reduce ({why_not})")
         else:
             self.custom_all_reduce = False
-        from jaxserve.kernels import decode_gemv
-        if decode_gemv.requested():
-            # before the first trace: the model picks its decode projections at trace time
-            if mesh is not None:
-                logger.info("%s=1 ignored: the decode GEMV has no tensor-parallel path yet", decode_gemv.ENV)
-            else:
-                why_not = decode_gemv.enable()
-                logger.info("decode projections: %s", "CUDA GEMV with fused epilogues for steps of up to "
-                            f"{decode_gemv.MAX_TOKENS} tokens" if why_not is None else f"XLA's ({why_not})")
         self.mesh = mesh
         self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                 max_model_len=config.max_model_len, mesh=mesh)

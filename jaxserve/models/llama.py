@@ -31,13 +31,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.kernels import decode_gemv, ops
+from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve import parallel
 # kernels.ops's write_kv_and_attend, wrapped in shard_map over "tp" when the step runs under a mesh
 # (jaxserve.parallel.bind_mesh); identical to kernels.ops otherwise.
 from jaxserve.parallel import attention as tp_attention
-from jaxserve.parallel.mesh import current_tp_mesh
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 TP_AXIS = "tp"
@@ -193,10 +192,6 @@ def forward(params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.
     # attention norm, after the last layer the final norm): one call, so TP's all-reduce can fuse them
     next_norms = [lp["attn_norm"] for lp in layers[1:]] + [params["final_norm"]]
     h = rms_norm(x, layers[0]["attn_norm"], eps)
-    gemv = (current_tp_mesh() is None and not cfg.attention_bias and decode_gemv.fits(hq * d, cfg.intermediate_size, d)
-            and decode_gemv.applies(t, x, *layers[0].values()))
-    if gemv and not decode_gemv.mlp_only():
-        return _forward_decode_gemv(x, h, cos, sin, kv_caches, md, cfg, layers, next_norms, attn_backend)
     for lp, next_norm, (k_cache, v_cache) in zip(layers, next_norms, kv_caches):
         q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]
         if cfg.attention_bias:
@@ -210,34 +205,9 @@ def forward(params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.
         new_caches.append((k_cache, v_cache))
         x, h = parallel.row_parallel_matmul_add_rms_norm(attn.reshape(t, hq * d), lp["o"], x, lp["mlp_norm"],
                                                           eps, rms_norm)
-        if gemv:
-            act = decode_gemv.gemv(h, [lp["gate_up"]], silu=True)
-        else:
-            gate_up = jnp.einsum("th,hci->tci", h, lp["gate_up"])
-            act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+        gate_up = jnp.einsum("th,hci->tci", h, lp["gate_up"])
+        act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
         x, h = parallel.row_parallel_matmul_add_rms_norm(act, lp["down"], x, next_norm, eps, rms_norm)
-    return h, new_caches
-
-
-def _forward_decode_gemv(x, h, cos, sin, kv_caches, md, cfg, layers, next_norms, attn_backend):
-    """``forward``'s layers for a small step with ``kernels.decode_gemv``: four launches of projections per
-    layer with RoPE, the residual adds and silu x up in their epilogues (same rounding as the ops above)."""
-    t = x.shape[0]
-    hq, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    new_caches = []
-    for lp, next_norm, (k_cache, v_cache) in zip(layers, next_norms, kv_caches):
-        qkv = decode_gemv.gemv(h, [lp["q"], lp["k"], lp["v"]], rope=(cos, sin), rope_mask=0b011, head_dim=d)
-        q = qkv[:, :hq * d].reshape(t, hq, d)
-        k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
-        v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
-        attn, k_cache, v_cache = tp_attention.write_kv_and_attend(
-            q, k, v, k_cache, v_cache, md, sm_scale=d ** -0.5, sliding_window=cfg.sliding_window,
-            backend=attn_backend)
-        new_caches.append((k_cache, v_cache))
-        x = decode_gemv.gemv(attn.reshape(t, hq * d), [lp["o"]], residual=x)
-        h = rms_norm(x, lp["mlp_norm"], eps)
-        x = decode_gemv.gemv(decode_gemv.gemv(h, [lp["gate_up"]], silu=True), [lp["down"]], residual=x)
-        h = rms_norm(x, next_norm, eps)
     return h, new_caches
 
 

@@ -87,12 +87,12 @@ def run_throughput(run) -> None:
     for key, label, limit in (("requests_per_s", "requests/s", bound["requests_s"]),
                               ("output_tok_per_s", "output tok/s", bound["output_tok_s"]),
                               ("total_tok_per_s", "total tok/s", bound["total_tok_s"])):
-        row = [label, m[key], limit, roofline.percent(m[key], limit)]
+        row = [label, m[key], limit, roofline.percent(m[key], limit, label)]
         if baseline:
             hf = baseline.get(key)
             row += [hf, (m[key] / hf) if hf else None]
         t.rows.append(row)
-    t.rows.append(["elapsed s", elapsed, bound["seconds"], roofline.percent(bound["seconds"], elapsed)]
+    t.rows.append(["elapsed s", elapsed, bound["seconds"], roofline.percent(bound["seconds"], elapsed, "elapsed s")]
                   + ([baseline.get("elapsed_s"), None] if baseline else []))
     run.tables.append(t)
     _steps_table(run, m["engine_steps"])
@@ -181,16 +181,16 @@ def run_latency(run) -> None:
         t.rows.append(row)
 
     hf_e2e = (baseline or {}).get("e2e_s", {})
-    add("e2e mean s", s_e2e["mean"], r["e2e_bound_s"], roofline.percent(r["e2e_bound_s"], s_e2e["mean"]), hf_e2e.get("mean"))
+    add("e2e mean s", s_e2e["mean"], r["e2e_bound_s"], roofline.percent(r["e2e_bound_s"], s_e2e["mean"], "e2e mean s"), hf_e2e.get("mean"))
     for q in (10, 25, 50, 75, 90, 99):
         add(f"e2e p{q} s", s_e2e[f"p{q}"], None, None, hf_e2e.get(f"p{q}"))
     add("output tok/s", m["output_tok_per_s"], b * out_mean / r["e2e_bound_s"],
-        roofline.percent(m["output_tok_per_s"], b * out_mean / r["e2e_bound_s"]),
+        roofline.percent(m["output_tok_per_s"], b * out_mean / r["e2e_bound_s"], "output tok/s"),
         (baseline or {}).get("output_tok_per_s"), higher_better=True)
-    add("prefill s (max_tokens=1)", s_pre["mean"], pre_bound, roofline.percent(pre_bound, s_pre["mean"]))
-    add("decode step ms", step_s * 1e3, step_bound * 1e3, roofline.percent(step_bound, step_s))
+    add("prefill s (max_tokens=1)", s_pre["mean"], pre_bound, roofline.percent(pre_bound, s_pre["mean"], "prefill s"))
+    add("decode step ms", step_s * 1e3, step_bound * 1e3, roofline.percent(step_bound, step_s, "decode step ms"))
     add("decode bandwidth TB/s", r["achieved_bandwidth_Bps"] / 1e12, hw.bandwidth / 1e12,
-        roofline.percent(r["achieved_bandwidth_Bps"], hw.bandwidth))
+        roofline.percent(r["achieved_bandwidth_Bps"], hw.bandwidth, "decode bandwidth"))
     run.tables.append(t)
     _steps_table(run, step_window)
     run.notes.append("decode step = (e2e mean - prefill-only mean) / (output_len - 1); its bytes = weights + "

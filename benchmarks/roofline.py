@@ -1,6 +1,9 @@
 """How far from the limit: per-chip limits (configs/hardware/*.yaml) and per-model FLOP/byte counts.
 
-Conventions (kept on purpose, so figures compare with ../shared/ARCHITECTURE.md's):
+Conventions:
+- Two memory ceilings per chip: ``read_bandwidth`` (a read-only streaming reduction) and ``copy_bandwidth``
+  (read + write bytes of a device copy), both measured by benchmarks/diagnostics/bandwidth.py. Every step here
+  streams weights and KV and writes little, so its bound uses the read ceiling.
 - A decode step reads every weight once (`weight_bytes` counts all parameters, embedding table included,
   although a step only gathers T rows of it: the true bound is ~7 % higher for Llama-3.1-8B) plus the
   K and V of every cached token of every sequence in the batch.
@@ -10,12 +13,16 @@ Conventions (kept on purpose, so figures compare with ../shared/ARCHITECTURE.md'
   n(n+1)/2 pairs.
 - A step takes at least max(bytes / bandwidth, FLOPs / peak) (the roofline); a workload's bound is the
   sum of its steps' bounds. Tensor parallelism over N chips multiplies both limits by N.
+- A measured figure above its limit means the limit's assumptions are wrong (bytes counted, or a ceiling too
+  low): ``percent`` then warns, reports 100 and keeps the message for the report's notes.
 """
 from __future__ import annotations
 
 import functools
 import os
 import time
+import warnings
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,13 +39,15 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    memory_bandwidth: float            # bytes/s of one chip
+    read_bandwidth: float              # bytes/s of one chip, read-only streaming
     peak_flops: dict[str, float]       # dtype -> FLOP/s of one chip
     memory_bytes: float
     bandwidth_source: str = ""
     flops_source: dict[str, str] = field(default_factory=dict)
     num_devices: int = 1               # chips the model is sharded over (TP)
     source_file: str = ""
+    copy_bandwidth: float = 0.0        # bytes/s of one chip, read + write bytes of a copy (0: not known)
+    copy_source: str = ""
 
     def flops(self, dtype: str) -> float:
         per_chip = self.peak_flops.get(dtype) or self.peak_flops.get("bfloat16") or max(self.peak_flops.values())
@@ -46,15 +55,21 @@ class Hardware:
 
     @property
     def bandwidth(self) -> float:
-        return self.memory_bandwidth * self.num_devices
+        """The read ceiling of all chips: what weight and KV streaming is bounded by."""
+        return self.read_bandwidth * self.num_devices
+
+    @property
+    def copy(self) -> float:
+        """The copy ceiling (read + write bytes) of all chips, for kernels that write as much as they read."""
+        return self.copy_bandwidth * self.num_devices
 
     def scaled(self, num_devices: int) -> "Hardware":
-        return Hardware(self.name, self.memory_bandwidth, self.peak_flops, self.memory_bytes,
-                        self.bandwidth_source, self.flops_source, num_devices, self.source_file)
+        return dataclasses.replace(self, num_devices=num_devices)
 
     def describe(self, dtype: str) -> dict[str, Any]:
         return {"name": self.name, "num_devices": self.num_devices,
-                "memory_bandwidth_TBps": self.bandwidth / 1e12, "bandwidth_source": self.bandwidth_source,
+                "read_bandwidth_TBps": self.bandwidth / 1e12, "bandwidth_source": self.bandwidth_source,
+                "copy_bandwidth_TBps": self.copy / 1e12, "copy_source": self.copy_source,
                 "peak_TFLOPs": self.flops(dtype) / 1e12, "dtype": dtype,
                 "flops_source": self.flops_source.get(dtype, ""), "file": self.source_file}
 
@@ -68,11 +83,15 @@ def load_hardware(name_or_path: str) -> tuple[Hardware, dict]:
         known = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
         raise ValueError(f"hardware {name_or_path!r} not found (known: {known}, or a path to a YAML file)")
     raw = yaml.safe_load(path.read_text())
-    hw = Hardware(name=raw["name"], memory_bandwidth=float(raw["memory_bandwidth"]),
+    for key in ("name", "read_bandwidth", "peak_flops"):
+        if key not in raw:
+            raise ValueError(f"hardware file {path} has no {key!r}")
+    hw = Hardware(name=raw["name"], read_bandwidth=float(raw["read_bandwidth"]),
                   peak_flops={k: float(v) for k, v in raw["peak_flops"].items()},
                   memory_bytes=float(raw.get("memory_bytes", 0)),
-                  bandwidth_source=raw.get("memory_bandwidth_source", ""),
-                  flops_source=dict(raw.get("peak_flops_source") or {}), source_file=str(path.name))
+                  bandwidth_source=raw.get("read_bandwidth_source", ""),
+                  flops_source=dict(raw.get("peak_flops_source") or {}), source_file=str(path.name),
+                  copy_bandwidth=float(raw.get("copy_bandwidth", 0)), copy_source=raw.get("copy_bandwidth_source", ""))
     return hw, raw
 
 
@@ -88,16 +107,20 @@ def detect_hardware_name(device_kind: str, platform: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def measure_host_limits(seconds: float = 1.0) -> tuple[float, float]:
-    """(copy bandwidth bytes/s, float32 matmul FLOP/s) of this host, best of a few short runs (once per
-    process)."""
+def measure_host_limits(seconds: float = 1.0) -> tuple[float, float, float]:
+    """(read bandwidth, copy bandwidth bytes/s, float32 matmul FLOP/s) of this host, best of a few short runs
+    (once per process). Read: a numpy sum; copy: read + write bytes of a numpy copy."""
     a = np.ones(64 * 1024 * 1024 // 8, dtype=np.float64)     # 64 MiB: well past the caches
     b = np.empty_like(a)
-    best_bw, t_end = 0.0, time.perf_counter() + seconds / 2
+    best_read = best_bw = 0.0
+    t_end = time.perf_counter() + seconds / 2
     while time.perf_counter() < t_end:
         t = time.perf_counter()
         np.copyto(b, a)
         best_bw = max(best_bw, 2 * a.nbytes / (time.perf_counter() - t))   # read + write
+        t = time.perf_counter()
+        a.sum()
+        best_read = max(best_read, a.nbytes / (time.perf_counter() - t))
     import jax
     import jax.numpy as jnp
     n = 1024
@@ -109,7 +132,7 @@ def measure_host_limits(seconds: float = 1.0) -> tuple[float, float]:
         t = time.perf_counter()
         mm(x).block_until_ready()
         best_fl = max(best_fl, 2 * n ** 3 / (time.perf_counter() - t))
-    return best_bw, best_fl
+    return best_read, best_bw, best_fl
 
 
 def hardware_mismatch(setting: str, device_kind: str, platform: str) -> str | None:
@@ -129,11 +152,13 @@ def resolve_hardware(setting: str, device_kind: str, platform: str, num_devices:
     name = detect_hardware_name(device_kind, platform) if setting in (None, "", "auto") else setting
     hw, raw = load_hardware(name)
     if raw.get("measure_at_run_time") and platform == "cpu":
-        bw, fl = measure_host_limits()
+        read, copy, fl = measure_host_limits()
         note = f"measured at run time ({os.cpu_count()} CPUs)"
-        hw = Hardware(hw.name, bw, {"float32": fl, "bfloat16": fl, "float16": fl}, hw.memory_bytes,
-                      f"{note}: numpy copy", {k: f"{note}: float32 matmul through JAX" for k in hw.peak_flops},
-                      1, hw.source_file)
+        # a sum that the CPU computes slower than it copies is compute-bound, not the memory's read ceiling
+        hw = Hardware(hw.name, max(read, copy), {"float32": fl, "bfloat16": fl, "float16": fl}, hw.memory_bytes,
+                      f"{note}: numpy sum (or copy, if faster)",
+                      {k: f"{note}: float32 matmul through JAX" for k in hw.peak_flops},
+                      1, hw.source_file, copy, f"{note}: numpy copy")
     return hw.scaled(num_devices)
 
 
@@ -226,6 +251,30 @@ def generation_bound(cost: ModelCost, hw: Hardware, num_prompts: int, input_len:
             "requests_s": num_prompts / total if total else float("inf"), "batch": float(max(waves or [0]))}
 
 
-def percent(measured: float, limit: float) -> float:
-    """measured / limit in percent (for times pass limit_time / measured_time)."""
-    return 100.0 * measured / limit if limit else float("nan")
+class RooflineExceeded(UserWarning):
+    """A measured figure beat its limit: the limit's assumptions (bytes counted, ceilings) are wrong."""
+
+
+_exceeded: list[str] = []
+
+
+def percent(measured: float, limit: float, what: str = "") -> float:
+    """measured / limit in percent (for times pass limit_time / measured_time), at most 100: a figure above its
+    limit is an error in the limit, so it warns and is kept for ``take_exceeded`` (the report's notes)."""
+    if not limit:
+        return float("nan")
+    pct = 100.0 * measured / limit
+    if pct > 100.0:
+        msg = (f"{what or 'a figure'} is {pct:.1f} % of its roofline limit ({measured:.4g} against {limit:.4g}): "
+               f"the limit undercounts (bytes or FLOPs counted, or the ceiling in configs/hardware); shown as 100 %")
+        warnings.warn(msg, RooflineExceeded, stacklevel=2)
+        _exceeded.append(msg)
+        return 100.0
+    return pct
+
+
+def take_exceeded() -> list[str]:
+    """The over-the-limit messages since the last call (and forget them)."""
+    out = list(_exceeded)
+    _exceeded.clear()
+    return out

@@ -97,7 +97,7 @@ class Run:
 
     def limits_note(self) -> str:
         hw, dt = self.hw, self.dtype
-        return (f"limits from configs/hardware/{hw.source_file}: {hw.bandwidth / 1e12:.3g} TB/s "
+        return (f"limits from configs/hardware/{hw.source_file}: {hw.bandwidth / 1e12:.3g} TB/s read "
                 f"({hw.bandwidth_source}), {hw.flops(dt) / 1e12:.4g} TFLOP/s {dt} "
                 f"({hw.flops_source.get(dt, '')})" + (f", × {hw.num_devices} devices" if hw.num_devices > 1 else ""))
 
@@ -217,18 +217,25 @@ def finish(run: Run, elapsed: float) -> Path:
                                "params": c.params, "weight_bytes": c.weight_bytes,
                                "kv_bytes_per_token": c.kv_bytes_per_token, "dtype": run.dtype}
         run.tables.append(Table("Model and limits", ["params", "weights GB", "KV bytes/token", "dtype",
-                                                     "bandwidth TB/s", "peak TFLOP/s", "hardware"],
+                                                     "read TB/s", "peak TFLOP/s", "hardware"],
                                 [[c.params, c.weight_bytes / 1e9, c.kv_bytes_per_token, run.dtype,
                                   run.hw.bandwidth / 1e12, run.hw.flops(run.dtype) / 1e12,
                                   f"{run.hw.name} × {run.hw.num_devices}"]]))
     if run.baseline_result:
         run.result["hf_baseline"] = run.baseline_result
     run.result["bench_seconds"] = elapsed
+    run.notes += [f"WARNING: {m}" for m in roofline.take_exceeded()]
     return write_report(run.out_dir, run.cfg, run.env, run.result, run.tables, [n for n in run.notes if n])
 
 
 def summary_line(run: Run) -> str:
     """One line of headline numbers per config, for run_h200.sh's summary."""
+    line = _summary_line(run)
+    roofline.take_exceeded()          # the report's notes already carry them
+    return line
+
+
+def _summary_line(run: Run) -> str:
     r, name = run.result, run.cfg["name"]
     j = r.get("jaxserve") or {}
     hf = run.baseline_result if run.baseline_result and "error" not in run.baseline_result else None

@@ -220,7 +220,7 @@ def _tables(run, points: list[dict], param: str | None) -> None:
         lim = p["roofline"]["output_tok_s"]
         row = ([p["sweep_value"]] if param else []) + [
             p["request_throughput"], p["output_throughput"], p["total_token_throughput"], lim,
-            roofline.percent(p["output_throughput"], lim), trio("ttft_ms"), trio("tpot_ms"), trio("itl_ms"),
+            roofline.percent(p["output_throughput"], lim, f"output tok/s at {p['sweep_value']}"), trio("ttft_ms"), trio("tpot_ms"), trio("itl_ms"),
             trio("e2el_ms")] + ([p["goodput"]] if slo else []) + [
             None if p["server_counters"].get("prefix_cache_hit_rate") is None
             else 100 * p["server_counters"]["prefix_cache_hit_rate"],

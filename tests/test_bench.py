@@ -3,6 +3,7 @@ generator (against a scripted SSE server and the real server), and the cpu-smoke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -48,11 +49,16 @@ def test_llama8b_bf16_weight_and_kv_bytes():
     assert roofline.model_cost(LLAMA_31_8B, "float32").weight_bytes == 2 * c.weight_bytes
 
 
-def test_bs1_decode_bound_on_h200_is_268_tok_s():
+def test_bs1_decode_bound_is_the_weight_stream_at_the_read_ceiling():
     c = roofline.model_cost(LLAMA_31_8B, "bfloat16")
     steps = 256
-    t = roofline.decode_steps_bound(c, H200, batch=1, input_len=128, num_steps=steps)
-    assert steps / t == pytest.approx(268, abs=1.0)
+    at_4_3 = dataclasses.replace(H200, read_bandwidth=4.3e12)
+    t = roofline.decode_steps_bound(c, at_4_3, batch=1, input_len=128, num_steps=steps)
+    assert steps / t == pytest.approx(268, abs=1.0)                       # 16.06 GB + KV per step at 4.3 TB/s
+    # the bound scales with the read ceiling, not the copy one
+    t_h200 = roofline.decode_steps_bound(c, H200, batch=1, input_len=128, num_steps=steps)
+    assert t / t_h200 == pytest.approx(H200.read_bandwidth / 4.3e12)
+    assert H200.copy_bandwidth == 4.3e12 and H200.read_bandwidth >= H200.copy_bandwidth
     # memory-bound: the same step at batch 1 is far under the compute limit
     assert c.decode_flops(128) / H200.flops("bfloat16") < c.decode_bytes(128) / H200.bandwidth / 50
 
@@ -94,8 +100,9 @@ def test_prefill_is_compute_bound_and_generation_bound_adds_up():
 
 def test_hardware_files():
     h200, raw = roofline.load_hardware("h200")
-    assert h200.memory_bandwidth == 4.3e12 and h200.peak_flops["bfloat16"] == 789e12
-    assert h200.memory_bytes == 141e9 and "measured" in h200.bandwidth_source
+    assert h200.copy_bandwidth == 4.3e12 and h200.peak_flops["bfloat16"] == 789e12
+    assert h200.memory_bytes == 141e9 and "bandwidth.py" in h200.bandwidth_source and "measured" in h200.copy_source
+    assert h200.bandwidth == h200.read_bandwidth and h200.scaled(2).copy == 2 * h200.copy_bandwidth
     h100, _ = roofline.load_hardware("h100")
     assert "not measured" in h100.bandwidth_source and "not measured" in h100.flops_source["bfloat16"]
     cpu, raw = roofline.load_hardware("cpu")
@@ -111,6 +118,30 @@ def test_hardware_files():
     assert "WARNING" in roofline.hardware_mismatch("h200", "cpu", "cpu")
     with pytest.raises(ValueError, match="known: .*h200"):
         roofline.load_hardware("a100")
+
+
+def test_percent_of_a_limit_never_exceeds_100():
+    """A figure above its limit is a wrong limit: shown as 100 %, warned about, kept for the report's notes."""
+    roofline.take_exceeded()
+    assert roofline.percent(3.0, 4.0) == pytest.approx(75.0)
+    assert np.isnan(roofline.percent(1.0, 0.0))
+    with pytest.warns(roofline.RooflineExceeded, match="decode bandwidth is 104.7 %"):
+        assert roofline.percent(4.5, 4.3, "decode bandwidth") == 100.0
+    notes = roofline.take_exceeded()
+    assert len(notes) == 1 and "configs/hardware" in notes[0] and roofline.take_exceeded() == []
+
+
+def test_bandwidth_diagnostic_counts_bytes_and_runs_on_cpu(capsys):
+    """benchmarks/diagnostics/bandwidth.py: a reduction reads the array once, a copy reads and writes it; a tiny
+    run on CPU prints both ceilings and the hardware-file lines."""
+    from benchmarks.diagnostics import bandwidth
+    assert bandwidth.bytes_moved(1000, "read") == 1000 and bandwidth.bytes_moved(1000, "copy") == 2000
+    assert bandwidth.main(["--gib", "0.01", "--iters", "2", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| read (sum along rows) |" in out and "| copy (-x) |" in out
+    read = float(out.split("read_bandwidth: ")[1].split()[0])
+    copy = float(out.split("copy_bandwidth: ")[1].split()[0])
+    assert read > 0 and copy > 0
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -556,11 +587,11 @@ def test_plots_are_optional(tmp_path, monkeypatch):
 
 
 def test_profile_summary_reads_a_cpu_trace(tmp_path):
-    """benchmarks/profile_summary.py: the trace parser behind step_diag --profile."""
+    """benchmarks/diagnostics/profile_summary.py: the trace parser behind step_diag --profile."""
     import jax
     import jax.numpy as jnp
 
-    from benchmarks import profile_summary as ps
+    from benchmarks.diagnostics import profile_summary as ps
 
     assert ps.kernel_group("loop_fusion_12") == "loop_fusion"
     assert ps.kernel_group("input_reduce_fusion.3") == "input_reduce_fusion"
@@ -585,56 +616,10 @@ def test_step_diag_flag_sets_parse():
     import subprocess
     import sys
 
-    from benchmarks import step_diag
+    from benchmarks.diagnostics import step_diag
 
     flags = " ".join(v for v in step_diag.FLAG_SETS.values() if v)
     r = subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; print(int(jax.jit(lambda x: x + 1)(jnp.ones(2)).sum()))"],
                        env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "4", r.stderr[-2000:]
-
-
-def test_gemm_probe_smoke(capsys):
-    """benchmarks/gemm_probe.py on CPU (1/16 shapes): a child per flag set, a row per TP degree with the
-    chain's and each GEMM kind's time."""
-    from benchmarks import gemm_probe
-    assert gemm_probe.shapes(2) == {"qkv": (4096, 3072), "o": (2048, 4096), "gate_up": (4096, 14336),
-                                    "down": (7168, 4096)}
-    assert gemm_probe.main(["--smoke", "--reps", "1", "--tp", "1", "2", "--tokens", "1", "--flags", "default"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| default |")]
-    assert [r.split(" | ")[1:3] for r in rows] == [["1", "1"], ["2", "1"]]
-    assert all(float(r.split(" | ")[3]) > 0 for r in rows)
-
-
-@pytest.mark.slow   # 30 s on 2 cores, for a probe whose question is settled (no: results/2026-12-01-h200x2-s13-...)
-def test_l2_prefetch_probe_smoke(tmp_path):
-    """benchmarks/l2_prefetch_probe.py on CPU (2 fake devices): every variant computes the same numbers as its
-    base and gspmd needs no collective but the all-reduces; the prefetch reads survive XLA and stay behind the
-    GEMM they are ordered after. (3bd81ab's first probe lost its reads as dead code; its second let XLA hoist
-    the reads of whole arrays to the top of the program; its attention stand-in made gspmd all-gather.)"""
-    import re
-    import subprocess
-    variants = ["tp1", "gspmd", "sm", "sm-noar", "sm+pf1", "sm-qkv", "sm-noar-qkv", "gspmd-split2"]
-    r = subprocess.run([sys.executable, "benchmarks/l2_prefetch_probe.py", "--smoke", "--reps", "1", "--pf-mb", "1",
-                        "--variants", *variants, "--dump", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in r.stdout.splitlines()
-            if ln.startswith("| ") and not ln.startswith("| variant")]
-    assert sorted(row[0] for row in rows) == sorted(variants)          # each once
-    rows = {row[0]: row for row in rows}
-    diff = {v: float(row[6]) for v, row in rows.items() if row[6]}
-    # gspmd and sm vs tp1, the chunked step vs tp1: bf16 rounding; sm+pf1 and sm-qkv vs sm, sm-noar-qkv vs sm-noar: equal
-    assert diff["gspmd"] < 0.02 and diff["sm"] < 0.02 and diff["gspmd-split2"] < 0.02
-    assert diff["sm+pf1"] == 0 and diff["sm-qkv"] == 0 and diff["sm-noar-qkv"] == 0
-    assert rows["sm"][5] == "4" and rows["tp1"][5] == "0"            # 2 layers x (o, down) all-reduces
-    hlo = {v: (tmp_path / f"{v}.hlo.txt").read_text() for v in ("gspmd", "sm", "sm+pf1")}
-    assert "all-gather" not in hlo["gspmd"] and "collective-permute" not in hlo["gspmd"]
-    assert hlo["sm+pf1"].count(" reduce(") > hlo["sm"].count(" reduce(")
-    # layer 1's q (flat argument 11: x, then each layer's down, gate_up, k, o, q, v) is first read after layer
-    # 0's first all-reduce: its prefetch waits for layer 0's down GEMM (the CPU schedule is the text order)
-    entry = hlo["sm+pf1"][hlo["sm+pf1"].index("ENTRY"):].splitlines()
-    q1 = next(re.match(r"\s*(%\S+) = ", ln).group(1) for ln in entry if re.search(r"parameter\(11\)", ln))
-    first_use = next(i for i, ln in enumerate(entry) if q1 + "," in ln or q1 + ")" in ln)
-    first_ar = next(i for i, ln in enumerate(entry) if "all-reduce(" in ln)
-    assert first_use > first_ar

@@ -119,27 +119,6 @@ def test_greedy_through_the_engine(converted):
     assert [o.outputs[0].token_ids for o in from_orbax] == [o.outputs[0].token_ids for o in from_safetensors]
 
 
-def test_tp_bench_random_folder_is_a_loadable_hf_checkpoint(tmp_path):
-    """benchmarks/tp_bench.py times loads of a folder it writes itself; it must be what the loader reads."""
-    import importlib.util
-
-    import jax
-    from jaxserve.models import load_model
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "tp_bench.py")
-    spec = importlib.util.spec_from_file_location("tp_bench", path)
-    tp_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp_bench)
-    folder = str(tmp_path / "random")
-    nbytes = tp_bench.write_random_hf_folder(os.path.join(TINY, "config.json"), folder, shard_bytes=64 << 10)
-    assert len([f for f in os.listdir(folder) if f.endswith(".safetensors")]) > 1      # sharded + index
-    model = load_model(folder, load_format="safetensors")
-    reference = load_model(TINY, dtype="bfloat16")
-    assert model.config == reference.config and model.dtype == reference.dtype
-    assert jax.tree.map(lambda x: x.shape, model.params) == jax.tree.map(lambda x: x.shape, reference.params)
-    assert nbytes == sum(x.nbytes for x in jax.tree.leaves(model.params))
-
-
 # ------------------------------------------------------------------------------ sharded save and restore
 def _sharded_worker(workdir: str) -> dict:
     import jax

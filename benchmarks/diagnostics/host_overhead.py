@@ -1,0 +1,267 @@
+"""Host (Python) time per engine step at many concurrent decodes, broken down by phase.
+
+    .venv/bin/python benchmarks/diagnostics/host_overhead.py [--seqs 256] [--input-len 128] [--output-len 120]
+        [--layers N] [--mode sync|async|both] [--sampling greedy|random|both] [--profile FILE]
+
+A tiny Llama (tests/fixtures/models/tiny-llama3, or the same shape with --layers N and random weights, so
+the jitted step takes as many argument arrays as a real model) makes the device time negligible, so what
+a step costs is what the host spends on it: schedule, building the input arrays, dispatching the jitted
+calls, reading back the previous step's tokens, stop checks, incremental detokenization (the committed
+SmolLM2 tokenizer), building RequestOutputs. Only steady-state steps count: every running request decodes
+(no prefill chunk) and all --seqs of them are running.
+
+host ms/step = wall time of ``LLMEngine.step()`` minus the time it blocked waiting for the device (the
+runner's ``stats.device_ms``, the wait inside ``collect``). ``sync`` drives ``LLMEngine.step()`` as
+``LLM.generate`` does (FINAL_ONLY outputs); ``async`` goes through ``AsyncLLMEngine`` as the server does
+(DELTA outputs, one asyncio queue per request, consumed by 256 coroutines).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import os
+import platform
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "tests", "fixtures", "models", "tiny-llama3")
+TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "smollm2")
+
+PHASES = ("schedule", "prepare", "sampling_metadata", "dispatch_jit", "dispatch_other", "device_wait",
+          "collect_other", "update_from_output", "postprocess", "step_other")
+
+
+def model_folder(layers: int | None, max_len: int) -> tuple[str, str]:
+    """(folder, load_format): the fixture itself, or a temp copy of its config with ``layers`` layers."""
+    if not layers:
+        return TINY, "auto"
+    with open(os.path.join(TINY, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = layers
+    cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], max_len)
+    folder = tempfile.mkdtemp(prefix="host-overhead-model-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder, "dummy"
+
+
+class PhaseTimer:
+    """Wraps the engine's phases (instance attributes only) with perf_counter timers."""
+
+    def __init__(self, eng):
+        self.eng = eng
+        self.acc: dict[str, float] = defaultdict(float)
+        self.steady: list[dict[str, float]] = []
+        self.cur: dict[str, float] = {}
+        self._is_steady = False
+        self.want = 0
+        self._step = eng.step
+        r, s = eng.runner, eng.scheduler
+        self._wrap(s, "schedule", "schedule", after=self._check_steady)
+        self._wrap(r, "prepare", "prepare")
+        self._wrap(r, "sampling_metadata", "sampling_metadata")
+        self.forward = r._forward
+        self._wrap(r, "_forward", "dispatch_jit")
+        self.samplers = r._samplers
+        r._samplers = {k: self._timed(f, "dispatch_jit") for k, f in r._samplers.items()}
+        self._wrap(r, "dispatch", "dispatch")
+        self._wrap(r, "collect", "collect")
+        self._wrap(s, "update_from_output", "update_from_output")
+        self._wrap(eng, "_resolve", "resolve")
+
+    def _timed(self, fn, name, after=None):
+        cur = self
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            cur.cur[name] = cur.cur.get(name, 0.0) + time.perf_counter() - t0
+            if after is not None:
+                after(out)
+            return out
+        return wrapper
+
+    def _wrap(self, obj, attr, name, after=None):
+        setattr(obj, attr, self._timed(getattr(obj, attr), name, after))
+
+    def _check_steady(self, sched):
+        self._is_steady = (len(sched.scheduled) == self.want and sched.num_decodes == self.want)
+
+    def step(self):
+        st = self.eng.runner.stats
+        self.cur = {}
+        dev0 = st.device_ms
+        t0 = time.perf_counter()
+        outs = self._step()
+        wall = time.perf_counter() - t0
+        if self._is_steady:
+            c = self.cur
+            dev = (st.device_ms - dev0) / 1e3
+            rec = {
+                "wall": wall, "device_wait": dev, "host": wall - dev,
+                "schedule": c.get("schedule", 0.0),
+                "prepare": c.get("prepare", 0.0),
+                "sampling_metadata": c.get("sampling_metadata", 0.0),
+                "dispatch_jit": c.get("dispatch_jit", 0.0),
+                "collect_other": c.get("collect", 0.0) - dev,
+                "update_from_output": c.get("update_from_output", 0.0),
+                "postprocess": c.get("resolve", 0.0) - c.get("collect", 0.0),
+            }
+            rec["dispatch_other"] = c.get("dispatch", 0.0) - rec["prepare"] - rec["sampling_metadata"] \
+                - rec["dispatch_jit"]
+            rec["step_other"] = wall - sum(rec[p] for p in PHASES if p != "step_other")
+            self.steady.append(rec)
+        return outs
+
+    def summary(self, skip: int = 3) -> dict:
+        recs = self.steady[skip:] or self.steady
+        med = {k: float(np.median([r[k] for r in recs])) * 1e3 for k in recs[0]}
+        return {"steady_steps": len(recs), **{k: round(v, 3) for k, v in med.items()}}
+
+
+def make_params(kind: str, output_len: int, output_kind):
+    from jaxserve import SamplingParams
+    if kind == "greedy":
+        return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=output_kind)
+    return SamplingParams(temperature=0.8, top_p=0.9, max_tokens=output_len, ignore_eos=True,
+                          output_kind=output_kind)
+
+
+def run_sync(llm, prompts, kind, output_len, profile=None) -> dict:
+    from jaxserve.sampling_params import RequestOutputKind
+    eng = llm.engine
+    timer = PhaseTimer(eng)
+    timer.want = len(prompts)
+    for p in prompts:
+        eng.add_request(eng.new_request_id(), p, make_params(kind, output_len, RequestOutputKind.FINAL_ONLY))
+    prof = cProfile.Profile() if profile else None
+    n_out = 0
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        if prof is not None and timer.steady:
+            prof.enable()
+        for o in timer.step():
+            n_out += len(o.outputs[0].token_ids)
+        if prof is not None:
+            prof.disable()
+    dt = time.perf_counter() - t0
+    if prof is not None:
+        prof.dump_stats(profile)
+    res = timer.summary()
+    res["output_tok_s"] = round(n_out / dt, 1)
+    restore(eng, timer)
+    return res
+
+
+def run_async(llm, prompts, kind, output_len) -> dict:
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+    from jaxserve.sampling_params import RequestOutputKind
+    eng = llm.engine
+    timer = PhaseTimer(eng)
+    timer.want = len(prompts)
+    eng.step = timer.step                           # the loop thread calls eng.step()
+    front = AsyncLLMEngine(eng.config, engine=eng)
+
+    async def one(i, p):
+        n = 0
+        async for out in front.generate(p, make_params(kind, output_len, RequestOutputKind.DELTA), f"a{i}"):
+            n += len(out.outputs[0].token_ids)
+        return n
+
+    async def main():
+        return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    t0 = time.perf_counter()
+    n_out = asyncio.run(main())
+    dt = time.perf_counter() - t0
+    front.shutdown(drain_timeout=1)
+    del eng.step
+    res = timer.summary()
+    res["output_tok_s"] = round(n_out / dt, 1)
+    restore(eng, timer)
+    return res
+
+
+def restore(eng, timer):
+    """Drop the timing wrappers (instance attributes) so the next run starts clean."""
+    for obj, attrs in ((eng.scheduler, ("schedule", "update_from_output")),
+                       (eng.runner, ("prepare", "sampling_metadata", "dispatch", "collect")),
+                       (eng, ("_resolve",))):
+        for a in attrs:
+            del obj.__dict__[a]
+    eng.runner._forward = timer.forward
+    eng.runner._samplers = timer.samplers
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=120)
+    ap.add_argument("--layers", type=int, default=0, help="0 = the fixture (2 layers); N = N layers, random weights")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--mode", choices=("sync", "async", "both"), default="both")
+    ap.add_argument("--sampling", choices=("greedy", "random", "both"), default="both")
+    ap.add_argument("--profile", default=None, help="after the table, cProfile the steady-state steps of one "
+                                                   "more sync run into this file and print the top functions")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+
+    import jax
+    from jaxserve import LLM
+
+    max_len = a.input_len + a.output_len
+    folder, fmt = model_folder(a.layers, max_len)
+    llm = LLM(folder, load_format=fmt, tokenizer=TOKENIZER, dtype="float32", max_model_len=max(256, max_len),
+              max_num_seqs=a.seqs, max_num_batched_tokens=a.max_num_batched_tokens, compilation_cache_dir="",
+              kv_cache_memory_bytes=1 << 30, use_tqdm_on_load=False)
+    rng = np.random.default_rng(0)
+    vocab = llm.engine.model_config.vocab_size
+    modes = ("sync", "async") if a.mode == "both" else (a.mode,)
+    kinds = ("greedy", "random") if a.sampling == "both" else (a.sampling,)
+    rows = []
+    for mode in modes:
+        for kind in kinds:
+            prompts = [rng.integers(3, vocab, size=a.input_len).tolist() for _ in range(a.seqs)]
+            if mode == "sync":
+                res = run_sync(llm, prompts, kind, a.output_len)
+            else:
+                res = run_async(llm, prompts, kind, a.output_len)
+            res = {"mode": mode, "sampling": kind, **res}
+            rows.append(res)
+            print(json.dumps(res), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    print(f"\n{time.strftime('%Y-%m-%d')} commit {commit}, {platform.machine()} x{os.cpu_count()} CPUs, "
+          f"jax {jax.__version__} ({jax.default_backend()}), {a.seqs} seqs, layers {a.layers or 2}")
+    cols = ["host", "wall", *PHASES]
+    print("| mode | sampling | " + " | ".join(cols) + " | out tok/s |")
+    print("|" + "---|" * (len(cols) + 3))
+    for r in rows:
+        print(f"| {r['mode']} | {r['sampling']} | " + " | ".join(f"{r[c]:.2f}" for c in cols)
+              + f" | {r['output_tok_s']:.0f} |")
+    print("(ms per steady-state step, medians; host = wall - device_wait)")
+    if a.profile:       # a separate run (cProfile slows the host down): sync, the first sampling kind
+        prompts = [rng.integers(3, vocab, size=a.input_len).tolist() for _ in range(a.seqs)]
+        run_sync(llm, prompts, kinds[0], a.output_len, profile=a.profile)
+        print()
+        pstats.Stats(a.profile).sort_stats("tottime").print_stats(30)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"command": "python " + " ".join([os.path.relpath(__file__, ROOT)]
+                                                       + (argv if argv is not None else sys.argv[1:])),
+                       "commit": commit, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Soak test of the HTTP server over loopback: many requests at high concurrency, ~20 % of the streams
+cancelled mid-stream, then the books are checked.
+
+Reports 5xx count, hung requests (no answer within --request-timeout), leaked KV blocks (KV usage on
+/metrics once nothing runs or waits, times the number of blocks) and the server's RSS at start, after
+the first tenth of the load (warm) and at the end. Bounded: --requests and --time-limit; loopback only.
+
+    .venv/bin/python benchmarks/diagnostics/soak.py --requests 2000 --concurrency 64 \\
+        --out benchmarks/results/2026-11-29-cpu-soak.md
+starts `python -m jaxserve serve` itself (embedded SmolLM2, flags from --server-flags); --url uses a
+server that is already running (then RSS is read only if --server-pid is given).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # as a script
+from benchmarks.envinfo import git_commit  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPTS = ["Tell me a story about a dragon.", "What is 17 times 23?", "List three fruits.",
+           "Explain gravity to a child.", "Write a haiku about the sea.", "Translate 'good morning' to French.",
+           "Why is the sky blue?", "Name the planets of the solar system."]
+
+
+def rss_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def read_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+            out[name] = float(value)
+    return out
+
+
+def num_blocks(text: str) -> int | None:
+    for line in text.splitlines():
+        if line.startswith("jaxserve:cache_config_info{") or line.startswith("vllm:cache_config_info{"):
+            for part in line.split("{", 1)[1].split("}", 1)[0].split(","):
+                k, _, v = part.partition("=")
+                if k == "num_gpu_blocks":
+                    return int(v.strip('"'))
+    return None
+
+
+class Tally:
+    def __init__(self):
+        self.status = Counter()
+        self.outcome = Counter()
+        self.hung = 0
+        self.errors: list[str] = []
+        self.done = 0
+
+
+async def one_request(client: httpx.AsyncClient, i: int, args, rng: random.Random, tally: Tally) -> None:
+    chat = rng.random() < 0.5
+    stream = rng.random() < 0.7
+    cancel = stream and rng.random() < args.cancel_fraction / 0.7
+    max_tokens = rng.randint(4, args.max_tokens)
+    prompt = rng.choice(PROMPTS) + f" ({i})"
+    common = {"max_tokens": max_tokens, "temperature": rng.choice([0.0, 0.8]), "stream": stream,
+              "seed": i if rng.random() < 0.5 else None}
+    if cancel:
+        common["max_tokens"] = args.max_tokens * 4  # long enough to still be running when we leave
+        common["ignore_eos"] = True
+    if chat:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **common}
+    else:
+        path, body = "/v1/completions", {"prompt": prompt, **common}
+
+    async def go():
+        if not stream:
+            r = await client.post(path, json=body)
+            tally.status[r.status_code] += 1
+            if r.status_code >= 500:
+                tally.errors.append(r.text[:300])
+            tally.outcome["complete"] += 1
+            return
+        async with client.stream("POST", path, json=body) as r:
+            tally.status[r.status_code] += 1
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                if r.status_code >= 500:
+                    tally.errors.append(text[:300])
+                return
+            events = 0
+            stop_after = rng.randint(1, 4) if cancel else None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if '"error"' in line:
+                    tally.outcome["error_event"] += 1
+                    tally.errors.append(line[:300])
+                if line == "data: [DONE]":
+                    tally.outcome["complete"] += 1
+                    return
+                events += 1
+                if stop_after is not None and events >= stop_after:
+                    tally.outcome["cancelled"] += 1
+                    return  # leaving the context closes the connection mid-stream
+            tally.outcome["stream_ended_without_done"] += 1
+
+    try:
+        await asyncio.wait_for(go(), timeout=args.request_timeout)
+    except asyncio.TimeoutError:
+        tally.hung += 1
+    except httpx.HTTPError as e:
+        tally.outcome[f"transport_error:{type(e).__name__}"] += 1
+    finally:
+        tally.done += 1
+
+
+async def soak(args, url: str, server_pid: int | None) -> dict:
+    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = random.Random(args.seed)
+    tally = Tally()
+    rss = {"start": rss_mb(server_pid)}
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=url, limits=limits, headers=headers,
+                                 timeout=httpx.Timeout(args.request_timeout)) as client:
+        sem = asyncio.Semaphore(args.concurrency)
+        tenth = max(1, args.requests // 10)
+        rss["trend"] = []  # RSS after each tenth of the requests: a leak climbs, a warm cache flattens
+
+        async def guarded(i):
+            async with sem:
+                if time.monotonic() - t0 > args.time_limit:
+                    tally.outcome["skipped_time_limit"] += 1
+                    return
+                await one_request(client, i, args, random.Random(rng.random()), tally)
+                if tally.done % tenth == 0:
+                    mb = rss_mb(server_pid)
+                    rss["trend"].append(None if mb is None else round(mb))
+                    if tally.done == tenth:
+                        rss["warm"] = mb
+
+        await asyncio.gather(*(guarded(i) for i in range(args.requests)))
+        elapsed = time.monotonic() - t0
+        # the books: once nothing runs or waits, no KV block may be held
+        deadline = time.monotonic() + 60
+        while True:
+            text = (await client.get("/metrics")).text
+            m = read_metrics(text)
+            busy = m.get("jaxserve:num_requests_running", 0) + m.get("jaxserve:num_requests_waiting", 0)
+            if busy == 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
+        text = (await client.get("/metrics")).text
+        m = read_metrics(text)
+        health = (await client.get("/health")).status_code
+    rss["end"] = rss_mb(server_pid)
+    usage = m.get("jaxserve:kv_cache_usage_perc", 0.0)
+    blocks = num_blocks(text)
+    return {
+        "requests": args.requests, "concurrency": args.concurrency, "elapsed_s": round(elapsed, 1),
+        "status_counts": dict(sorted(tally.status.items())), "outcomes": dict(tally.outcome),
+        "num_5xx": sum(v for k, v in tally.status.items() if k >= 500), "hung": tally.hung,
+        "running_after": m.get("jaxserve:num_requests_running"), "waiting_after": m.get("jaxserve:num_requests_waiting"),
+        "kv_usage_after": usage, "kv_blocks": blocks,
+        "leaked_blocks": round(usage * blocks) if blocks else None,
+        "aborts_counted": m.get('jaxserve:request_success_total{finished_reason="abort",model_name="%s"}'
+                                % _model_label(text)),
+        "generation_tokens": m.get("jaxserve:generation_tokens_total"),
+        "health_after": health, "rss_mb": rss, "errors_sample": tally.errors[:5],
+    }
+
+
+def _model_label(text: str) -> str:
+    for line in text.splitlines():
+        if 'model_name="' in line:
+            return line.split('model_name="', 1)[1].split('"', 1)[0]
+    return ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(flags: list[str]) -> tuple[subprocess.Popen, str, float]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxserve", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+    log = open(os.path.join(ROOT, ".pytest_cache", f"soak-server-{port}.log"), "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url, time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > 900:
+            proc.kill()
+            raise SystemExit("server not ready after 900 s")
+        time.sleep(0.5)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="a running server (default: start one)")
+    p.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid, for RSS")
+    p.add_argument("--server-flags", default="--max-model-len 512 --max-num-seqs 32 --max-num-batched-tokens 128",
+                   help="flags for the server this script starts")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--cancel-fraction", type=float, default=0.2)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as hung")
+    p.add_argument("--time-limit", type=float, default=1800.0, help="stop starting requests after this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write a markdown report here (and .json beside it)")
+    args = p.parse_args()
+    os.makedirs(os.path.join(ROOT, ".pytest_cache"), exist_ok=True)
+    proc = None
+    startup = None
+    if args.url:
+        url, pid = args.url, args.server_pid
+        host = httpx.URL(url).host
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise SystemExit("soak.py drives loopback servers only")
+    else:
+        proc, url, startup = start_server(args.server_flags.split())
+        pid = proc.pid
+    try:
+        result = asyncio.run(soak(args, url, pid))
+    finally:
+        exit_code = None
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                exit_code = proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    result["server_startup_s"] = round(startup, 1) if startup else None
+    result["server_exit_code_after_sigterm"] = exit_code
+    ok = (result["num_5xx"] == 0 and result["hung"] == 0 and result["leaked_blocks"] in (0, None)
+          and result["kv_usage_after"] == 0 and not result["outcomes"].get("stream_ended_without_done"))
+    result["verdict"] = "PASS" if ok else "FAIL"
+    meta = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), "commit": (git_commit()["commit"] or "?")[:7],
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores visible, {platform.system()} "
+                       f"{platform.release()} (CPU JAX; shared with other jobs)",
+            "command": "python " + " ".join(sys.argv)}
+    print(json.dumps({**meta, **result}, indent=2))
+    if args.out:
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({**meta, **result}, f, indent=2)
+        with open(args.out, "w") as f:
+            f.write(render_md(meta, result, args))
+    return 0 if ok else 1
+
+
+def render_md(meta: dict, r: dict, args) -> str:
+    rss = r["rss_mb"]
+    fmt = lambda v: "n/a" if v is None else f"{v:.0f} MB"  # noqa: E731
+    return f"""# Server soak: {r['requests']} requests, concurrency {r['concurrency']}, ~{args.cancel_fraction:.0%} cancelled mid-stream
+
+- date: {meta['date_utc']} UTC
+- commit: {meta['commit']}
+- machine: {meta['machine']}
+- model: embedded SmolLM2-135M-Instruct (Q4_1 GGUF), server flags `{args.server_flags if not args.url else 'external server'}`
+- command: `{meta['command']}`
+
+| what | result |
+|---|---|
+| verdict | **{r['verdict']}** |
+| elapsed (load phase) | {r['elapsed_s']} s |
+| HTTP status counts | {r['status_counts']} |
+| outcomes | {r['outcomes']} |
+| 5xx responses | {r['num_5xx']} |
+| hung requests (> {args.request_timeout:.0f} s) | {r['hung']} |
+| running / waiting after | {r['running_after']} / {r['waiting_after']} |
+| KV usage after / blocks | {r['kv_usage_after']} of {r['kv_blocks']} blocks |
+| leaked KV blocks | {r['leaked_blocks']} |
+| aborts counted by the server | {r['aborts_counted']} |
+| generation tokens | {r['generation_tokens']} |
+| /health after | {r['health_after']} |
+| server RSS start / warm (after 10 %) / end | {fmt(rss.get('start'))} / {fmt(rss.get('warm'))} / {fmt(rss.get('end'))} |
+| server RSS after each 10 % of the requests (MB) | {rss.get('trend')} |
+| server exit code after SIGTERM | {r['server_exit_code_after_sigterm']} |
+
+Mix: half chat, half completions; 70 % streamed; greedy or temperature 0.8, half seeded; max_tokens 4..{args.max_tokens};
+the cancelled streams ask for {args.max_tokens * 4} tokens with ignore_eos and the client closes the connection after 1-4 events.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Where a decode step's time goes, per XLA flag set and tensor-parallel size (one fresh process per variant).
+
+    python benchmarks/diagnostics/step_diag.py                          # 1 GPU: Llama-3.1-8B dummy bf16, TP=1, flag sets
+    python benchmarks/diagnostics/step_diag.py --tp 1 2                 # 2 GPUs: TP=1 and TP=2
+    python benchmarks/diagnostics/step_diag.py --smoke                  # CPU, tiny model, 2 fake devices (checks the script)
+
+Each variant (TP size x ``XLA_FLAGS`` set) runs in a child process and reports:
+- ``e2e tok/s``: single-stream decode through ``LLM.generate`` (one request, ``--prompt-len`` in,
+  ``--decode-tokens`` out; prefill excluded by subtracting a 1-token run), with the engine's host ms/step;
+- ``forward ms``: the jitted model forward alone, replayed back to back on the arguments the engine passed it
+  in a batch-1 decode step (the KV cache threaded through, as the engine donates it), i.e. device time with
+  no host in the way;
+- ``sampler ms``: the same for the greedy sampler call -- a small graph, so this is mostly the host's
+  dispatch time per call, not device time;
+- the compiled forward's collective counts (all-reduce / all-gather / reduce-scatter / collective-permute),
+  and ``gap ms`` = e2e ms/token - forward ms - sampler ms (host, launch and sync overhead not hidden).
+With ``--profile`` each variant also traces (``jax.profiler``) 10 forward replays and a 16-token decode and
+prints, per forward, GPU time by kernel group and how busy the GPU was, and per engine step the host spans
+(``benchmarks/diagnostics/profile_summary.py``).
+Prints a Markdown table; ``--json`` writes the raw results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)        # benchmarks.diagnostics.profile_summary when run as a script
+
+# Named XLA flag sets to compare (appended to any XLA_FLAGS already in the environment). Those measured without
+# effect (PDL, command-buffer update modes, NCCL in the graph, exhaustive tiling, cuBLAS GEMMs) are in
+# kernels/README.md's "tried and not adopted" table.
+FLAG_SETS = {
+    "default": "",
+    "no-cmdbuf": "--xla_gpu_enable_command_buffer=",
+    # XLA's Triton one-shot all-reduce in place of NCCL
+    "coll-kernels": "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
+}
+
+
+def child(a) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    model = a.model if not a.smoke else os.path.join(REPO, "tests", "fixtures", "models", "tiny-llama3")
+    kw = dict(load_format="dummy") if not a.smoke else {}
+    llm = LLM(model, dtype=a.dtype, tensor_parallel_size=a.tp_one, max_model_len=a.max_model_len,
+              max_num_seqs=16, max_num_batched_tokens=a.max_num_batched_tokens,
+              token_buckets=(a.bucket, a.max_num_batched_tokens), enable_prefix_caching=False, use_tqdm_on_load=False,
+              num_scheduler_steps=a.num_scheduler_steps, **kw)
+    runner = llm.engine.runner
+    captured = {}
+    fwd, samplers = runner._forward, dict(runner._samplers)
+
+    def capture_forward(*args, **kw):
+        # the smallest token bucket (the layout's first piece is input_ids [T]), after warm-up steps
+        if kw["layout"][0].shape == (a.bucket,) and "fwd" not in captured and captured.get("seen", 0) >= 2:
+            captured["fwd"] = (tuple(x for i, x in enumerate(args) if i != 1), kw)
+        captured["seen"] = captured.get("seen", 0) + 1
+        return fwd(*args, **kw)
+
+    def wrap_sampler(key, f):
+        def g(*args, **kw):
+            if "fwd" in captured and "sampler" not in captured:
+                captured["sampler"] = (key, args, kw)
+            return f(*args, **kw)
+        return g
+
+    runner._forward = capture_forward
+    runner._samplers = {k: wrap_sampler(k, f) for k, f in samplers.items()}
+    vocab = llm.engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+
+    def run(n_tokens):
+        prompt = rng.integers(100, min(vocab, 30000), size=a.prompt_len).tolist()
+        sp = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
+        t = time.perf_counter()
+        out = llm.generate([prompt], sp, use_tqdm=False)
+        return time.perf_counter() - t, len(out[0].outputs[0].token_ids)
+
+    run(16)
+    first = min(run(1)[0] for _ in range(3))
+    st = runner.stats
+    s0, h0 = st.steps, st.host_ms
+    full, n = run(a.decode_tokens + 1)
+    ms_tok = 1e3 * (full - first) / (n - 1)
+    host_ms = (st.host_ms - h0) / max(st.steps - s0, 1)
+    runner._forward, runner._samplers = fwd, samplers
+
+    res = {"tp": a.tp_one, "flags": a.flag_set, "e2e_tok_s": 1e3 / ms_tok, "ms_per_token": ms_tok,
+           "host_ms_per_step": host_ms}
+    if "fwd" in captured:
+        (params, *rest), fkw = captured["fwd"]
+        caches = runner.kv_caches
+        caches, logits = fwd(params, caches, *rest, **fkw)
+        jax.block_until_ready(logits)
+        t = time.perf_counter()
+        for _ in range(a.replays):
+            caches, logits = fwd(params, caches, *rest, **fkw)
+        jax.block_until_ready((caches, logits))
+        res["forward_ms"] = 1e3 * (time.perf_counter() - t) / a.replays
+        if a.profile:
+            import tempfile
+
+            from benchmarks.diagnostics.profile_summary import summarize
+            with tempfile.TemporaryDirectory() as d:
+                jax.profiler.start_trace(d)
+                for _ in range(10):
+                    caches, logits = fwd(params, caches, *rest, **fkw)
+                jax.block_until_ready((caches, logits))
+                jax.profiler.stop_trace()
+                res["profile_forward"] = summarize(d, per=10)
+        runner.kv_caches = caches
+        try:
+            hlo = fwd.lower(params, caches, *rest, **fkw).compile().as_text()
+            res["hlo"] = {op: len(re.findall(rf"\b{op}(-start)?\(", hlo))
+                          for op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")}
+            res["hlo"]["custom-call"] = len(re.findall(r"custom-call\(", hlo))
+            res["hlo"]["fusion"] = len(re.findall(r"\bfusion\(", hlo))
+        except Exception as e:  # diagnostics only
+            res["hlo_error"] = f"{type(e).__name__}: {e}"[:200]
+    if "sampler" in captured:
+        key, args, skw = captured["sampler"]
+        f = samplers[key]
+        jax.block_until_ready(f(*args, **skw))
+        t = time.perf_counter()
+        for _ in range(a.replays):
+            out = f(*args, **skw)
+        jax.block_until_ready(out)
+        res["sampler_ms"] = 1e3 * (time.perf_counter() - t) / a.replays
+    if a.profile:
+        import tempfile
+
+        from benchmarks.diagnostics.profile_summary import summarize
+        runner._forward, runner._samplers = fwd, samplers
+        with tempfile.TemporaryDirectory() as d:
+            s0 = runner.stats.steps
+            jax.profiler.start_trace(d)
+            if a.num_scheduler_steps > 1:
+                # per decoded token (the trace also holds the 128-token prefill step, a few % of it)
+                _, n = run(8 * a.num_scheduler_steps + 1)
+                per = n - 1
+            else:
+                run(16)
+                per = runner.stats.steps - s0
+            jax.profiler.stop_trace()
+            res["profile_e2e"] = summarize(d, per=max(per, 1))
+    res["gap_ms"] = ms_tok - res.get("forward_ms", 0.0) - res.get("sampler_ms", 0.0)
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tp", dest="tps", type=int, nargs="+", default=[1])
+    p.add_argument("--flags", nargs="+", default=None, help=f"flag set names ({', '.join(FLAG_SETS)})")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--child-timeout", type=int, default=300)
+    p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="trace and print GPU kernels / host spans per step")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="multi-step decoding; with --profile the engine trace is then per decoded token")
+    p.add_argument("--bucket", type=int, default=None,
+                   help="the batch-1 step's token bucket (default: the engine's smallest, MIN_TOKEN_BUCKET)")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tp-one", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--flag-set", default="default", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.bucket is None:
+        from jaxserve.runner.model_runner import MIN_TOKEN_BUCKET
+        a.bucket = MIN_TOKEN_BUCKET
+    if a.child:
+        if a.smoke:
+            a.dtype, a.decode_tokens, a.replays, a.max_model_len, a.prompt_len = "float32", 8, 3, 256, 16
+        print("RESULT " + json.dumps(child(a)), flush=True)
+        return 0
+    flag_sets = a.flags or (["default"] if a.smoke else ["default", "no-cmdbuf", "cmdbuf+coll"]
+                            + (["coll-kernels"] if max(a.tps) > 1 else []))
+    results = []
+    for tp in a.tps:
+        for fs in flag_sets:
+            if tp == 1 and "kernels" in fs:
+                continue
+            env = dict(os.environ)
+            env["XLA_FLAGS"] = " ".join(x for x in (env.get("XLA_FLAGS", ""), FLAG_SETS[fs]) if x)
+            if a.smoke:
+                env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={max(a.tps)}")
+            args = [sys.executable, os.path.abspath(__file__), "--child", "--tp-one", str(tp), "--flag-set", fs,
+                    "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
+                    "--decode-tokens", str(a.decode_tokens), "--replays", str(a.replays),
+                    "--max-model-len", str(a.max_model_len), "--max-num-batched-tokens",
+                    str(a.max_num_batched_tokens), "--num-scheduler-steps", str(a.num_scheduler_steps),
+                    "--bucket", str(a.bucket)] \
+                + (["--smoke"] if a.smoke else []) \
+                + (["--profile"] if a.profile else [])
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout,
+                                      cwd=REPO)
+            except subprocess.TimeoutExpired:
+                results.append({"tp": tp, "flags": fs, "error": "timeout"})
+                continue
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                results.append({"tp": tp, "flags": fs, "error": proc.stderr.strip().splitlines()[-3:]})
+            else:
+                results.append(json.loads(lines[-1][len("RESULT "):]))
+            r = results[-1]                  # the numbers now too, so a sweep cut short keeps what it measured
+            got = (f"{r['e2e_tok_s']:.1f} tok/s, forward {r.get('forward_ms', float('nan')):.3f} ms"
+                   if "e2e_tok_s" in r else "failed")
+            print(f"  tp={tp} {fs}: {time.perf_counter() - t0:.0f}s, {got}", file=sys.stderr, flush=True)
+    print("| TP | XLA flags | e2e tok/s | ms/token | forward ms | sampler ms | gap ms | host ms/step | HLO |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['tp']} | {r['flags']} | failed: {r['error']} |")
+            continue
+        f = lambda k, fmt="{:.2f}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
+        print(f"| {r['tp']} | {r['flags']} | {f('e2e_tok_s', '{:.1f}')} | {f('ms_per_token')} | {f('forward_ms')} | "
+              f"{f('sampler_ms')} | {f('gap_ms')} | {f('host_ms_per_step')} | "
+              f"{r.get('hlo', r.get('hlo_error', '-'))} |")
+    if a.profile:
+        from benchmarks.diagnostics.profile_summary import format_summary
+        e2e = ("engine decode step" if a.num_scheduler_steps == 1
+               else f"engine, {a.num_scheduler_steps}-step decode, per token")
+        for r in results:
+            for key, what in (("profile_forward", "forward replay"), ("profile_e2e", e2e)):
+                if key in r:
+                    print()
+                    print(format_summary(r[key], title=f"TP={r['tp']} {r['flags']}: {what}"))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,8 @@
 """A one-shot all-reduce for small tensor-parallel activations: CUDA (``custom_allreduce.cu``) as an XLA FFI call.
 
 Why: a TP=2 decode step of Llama-3.1-8B carries 64 all-reduces of a few tens of KiB (one after attention and
-one after the MLP, per layer). XLA's own collectives take 13-14 us each there (one-shot NCCL kernels on the
-compute stream; ``benchmarks/results/2026-11-30-h200x2-s12-layer-stack.md``), about 0.85 ms of a 3.6 ms token.
-A kernel that writes each rank's shard straight into its peers' memory over NVLink, raises a flag and sums
+one after the MLP, per layer). XLA's own collectives (one-shot NCCL kernels on the compute stream) cost a
+fifth to a quarter of such a token (kernels/README.md has the figures). A kernel that writes each rank's shard straight into its peers' memory over NVLink, raises a flag and sums
 what arrived, is latency-bound by one NVLink round trip instead. vLLM ships the same idea as its "custom
 all-reduce" (``--disable-custom-all-reduce`` turns it off); this one is written for jaxserve's process-per-GPU
 executor and for XLA:
@@ -29,8 +28,9 @@ executor and for XLA:
   would be read as this call's data (the flags only say ">= this epoch").
 
 The CUDA source is compiled on first use with the machine's ``nvcc`` (``cuda_build``) for the local GPU.
-Without ``nvcc`` or a GPU, ``CustomAllReduceUnavailable`` says why and callers keep XLA's all-reduce. No CPU path: tests drive the Python side on CPU, the kernel on the GPU (``benchmarks/gpu_check.py``,
-``benchmarks/custom_allreduce_probe.py``).
+Without ``nvcc`` or a GPU, ``CustomAllReduceUnavailable`` says why and callers keep XLA's all-reduce. No CPU
+path: tests drive the Python side on CPU, the kernel on the GPU (``benchmarks/diagnostics/gpu_check.py``,
+``benchmarks/diagnostics/custom_allreduce_probe.py``).
 """
 from __future__ import annotations
 

@@ -7,12 +7,11 @@ program per token copies its ``kv_heads`` rows of K and of V (quantizing to e4m3
 caches, all heads in one ``[kv_heads, head_dim]`` load and one masked store per tensor; the caches are aliased to
 the outputs so the donated cache is updated in place. ``write_kv_packed`` reads K and V from the one
 ``[T, q heads + 2 * kv heads, D]`` array the layer also hands the attention kernel (``ops.write_kv_and_attend``).
-All heads at once, not one row per head in sequence: 1.60 against 3.67 us a launch in the Llama-3.1-8B batch-1
-step (H200, ``step_diag.py --profile``, 2026-11-30).
+All heads at once, not one row per head in sequence: a decode step's launch is latency-bound, and one masked
+block per tensor takes less than half the time of a chain of per-head rows (kernels/README.md).
 
-Why not XLA's scatter (measured on the H200, Llama-3.1-8B decode step, 2026-11-30, ``step_diag --profile``):
-the two scatters per layer (K, V) took 2.6 us each at TP=1 and 12 us each on every device at TP=2, where
-they were 18 % of the GPU's kernel time; this kernel writes both in one launch.
+Why not XLA's scatter: a layer's two scatters (K, V) are two launches, and under tensor parallelism they were
+a large share of each device's kernel time in a decode step; this kernel writes both in one launch.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ must not interleave with the in-flight step's all-reduces: with async scheduling
 before step N's tokens are read) and gloo on CPU, such programs run concurrently and the processes' gloo
 calls cross ("collective mismatch"). The store touches no device, so it cannot; it also costs no device
 time. It is reached through ``jax._src.distributed.global_state.client`` (JAX has no public accessor).
-``benchmarks/step_channel_bench.py`` times both transports.
+On one host the socket's round trip is about a tenth of the store's.
 """
 from __future__ import annotations
 

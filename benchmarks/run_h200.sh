@@ -66,7 +66,7 @@ ab() {   # ab OLD_TREE: the two configs at the old tree and at this one, interle
   rm -rf "$site"; mkdir -p "$site"
   for side in old new; do
     local tree=$new; [ $side = old ] && tree=$old
-    if ! python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site/$side" "$tree" \
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site/$side" "$tree" \
          > "$RESULTS/ab-install-$side.log" 2>&1; then
       echo "ab: installing the $side tree ($tree) failed: $RESULTS/ab-install-$side.log" | tee -a "$SUMMARY"; return 1
     fi
@@ -81,8 +81,12 @@ ab() {   # ab OLD_TREE: the two configs at the old tree and at this one, interle
         "$PY" -m benchmarks.runner --out "$RESULTS/ab-$side-$rnd" "${cfgs[@]}") > "$RESULTS/ab-$side-$rnd.log" 2>&1
       echo "(exit $?, $((SECONDS - t0)) s)" >> "$SUMMARY"
     done
+    ab_table | tee -a "$SUMMARY"        # after every round: a run cut short still has the rounds it finished
   done
-  "$PY" - "$RESULTS" <<'EOF' | tee -a "$SUMMARY"
+}
+
+ab_table() {   # old / new / ratio of output tok/s, the median over the rounds so far
+  "$PY" - "$RESULTS" <<'EOF'
 import glob, json, statistics, sys
 print("| config | old output tok/s | new output tok/s | new / old | runs |\n|---|---|---|---|---|")
 for name in ("h200-llama8b-latency-bs1", "h200-llama8b-throughput"):

@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
 # The project's H200 runs, each step sized to fit one device call (~8 minutes on one H200):
-#   offline   h200-llama8b-latency-bs1 (+ HF generate), h200-llama8b-throughput (+ HF generate_batch on 64 prompts),
-#             h200-llama8b-decode: one process, one engine load + warm-up shared
+#   offline   the three h200-llama8b offline configs (HF side by side), one process: one engine load + warm-up
 #   serve     h200-llama8b-serve-sweep (its own process: the server needs the GPU to itself)
-#   kernels   h200-kernels; bandwidth: the read and copy ceilings of configs/hardware/h200.yaml
-#   ab OLD    old tree vs this tree, interleaved: h200-llama8b-latency-bs1 and h200-llama8b-throughput (below)
+#   kernels   h200-kernels; bandwidth: the read and copy ceilings of configs/hardware/h200.yaml; ab OLD: below
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
 # Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|embed|gpucheck|stepdiag|tp2|carcheck ...]
-#        (default: offline serve kernels)
-# ab: OLD_TREE is a plain checkout of the old commit (e.g. .ab-old/, carried with the device call). Each tree is
-# pip-installed into its own folder and run from its own root, old / new / old / new (AB_ROUNDS, default 2), HF
-# baseline off; the compile cache is shared, so a program both trees build compiles once (cold: ~2 minutes).
-# Results: $OUT/results/ when $OUT is set, else benchmarks/results/; the summary is printed last and written to
-# <results root>/h200-summary.txt. Each step is cut at its time limit (env-tunable, seconds).
+# ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
+# carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
+# old / new / old / new (AB_ROUNDS, default 2), HF off; the compile cache is shared (a cold compile: ~2 minutes).
+# Default: offline serve kernels. Results: $OUT/results/ if $OUT is set, else benchmarks/results/; the summary is
+# printed last and kept in <results root>/h200-summary.txt. Each step is cut at its time limit (env, seconds).
 set -u
 cd "$(dirname "$0")/.."
 
@@ -60,8 +57,7 @@ needs_2_gpus() {
 }
 
 ab() {   # ab OLD_TREE: the two configs at the old tree and at this one, interleaved; prints old / new / ratio
-  local old=$1 new
-  new=$(pwd)
+  local old=$1 new=$PWD
   local site=${TMPDIR:-/tmp}/ab-site
   rm -rf "$site"; mkdir -p "$site"
   for side in old new; do

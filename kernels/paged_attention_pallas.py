@@ -1,13 +1,11 @@
 """Ragged paged attention for NVIDIA GPUs in Pallas (Triton lowering).
 
 Same function as ``ref_attention.ragged_paged_attention`` over the engine's cache layout
-``[num_blocks, kv_heads, block_size, head_dim]`` (``kv_layout="hnd"``), whose fp8 caches store V pages
-transposed, ``[num_blocks, kv_heads, head_dim, block_size]`` (``"hnd-vt"``); ``k_scale``/``v_scale``
-dequantize an fp8 cache. (``kv_layout="nhd"`` reads token-major pages ``[num_blocks, block_size, kv_heads,
-head_dim]`` instead, for A/B runs: ``benchmarks/decode_probe.py --sections layout``; ``--sections vt`` times
-hnd-vt against hnd.)
+``[num_blocks, kv_heads, block_size, head_dim]``, whose fp8 caches store V pages transposed,
+``[num_blocks, kv_heads, head_dim, block_size]`` (``ref_attention.v_transposed``); ``k_scale``/``v_scale``
+dequantize an fp8 cache.
 
-One launch (``fused=True``, the default) runs two kinds of tile over one output buffer:
+One launch runs two kinds of tile over one output buffer:
 
 * **prefill tiles** cover requests with ``q_len > 1`` in blocks of ``block_q`` tokens; a tile is
   ``block_q * group`` rows (tokens x the q heads of one kv head), so one K/V read serves the whole GQA
@@ -19,8 +17,8 @@ One launch (``fused=True``, the default) runs two kinds of tile over one output 
 
 A step the caller marks ``decode_only`` (every real request has ``q_len == 1``; the engine knows this on the
 host and compiles a variant for it) runs the decode tiles alone: no prefill tile slots, and a program size of
-its own (64-key tiles in 2 warps, 2 programs per SM), which reads K/V at 3.7-3.9 TB/s at B=64 ctx 2048 on the
-H200 where the fused launch reaches 3.2-3.4.
+its own (64-key tiles in 2 warps, 2 programs per SM, so one program's first loads overlap the other's
+streaming), which reads K/V faster than the mixed launch's one-program-per-SM tiles.
 
 K/V are read a page-row at a time: token ``pos`` of request ``r`` is row
 ``(block_tables[r, pos // block_size] * kv_heads + h) * block_size + pos % block_size`` of the cache seen as
@@ -29,19 +27,14 @@ K/V are read a page-row at a time: token ``pos`` of request ``r`` is row
 ``num_stages``. Interior KV chunks (below every row's
 diagonal, inside every row's window) skip all masking.
 
-Why Triton and not Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``), measured on the H200
-(benchmarks/results/2026-11-29-h200-kernels.md):
+Why Triton and not Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``) for decode:
 * decode is a memory-bound gather through block tables. Triton expresses it as pointer arithmetic on any
-  page size, and this kernel reads K/V at 4.1-4.5 TB/s (95-105% of the 4.3 TB/s copy figure) once
-  context is long (B >= 64), 1.8-1.9x the stock Triton paged kernel; little is left for TMA to win there.
-  A Mosaic GPU kernel would need one small TMA per 16-token page and head (one contiguous
-  ``[block_size, head_dim]`` run of the head-major cache, 4 KiB in bf16), which gains nothing over these
-  16-byte vector loads for a stream this size;
-* prefill is compute-bound, and there Mosaic GPU's wgmma + warp specialisation matter: the stock Mosaic
-  GPU flash attention (fp16, dense, no paging) ran 8x2048 causal at 472 TFLOP/s against this file's 243
-  (cuDNN 536). So prefill tokens of large steps go to ``prefill_mgpu`` (``prefill_kernel``, below): 445-465
-  TFLOP/s on the same problem with its persistent layout, 522-540 with a cached prefix (H200, 2026-11-30).
-  Decodes stay here;
+  page size, and its 16-byte vector loads stream K/V close to the HBM read ceiling once context is long
+  (kernels/README.md has the figures); a Mosaic GPU kernel would need one small TMA per 16-token page and
+  head (one contiguous ``[block_size, head_dim]`` run, 4 KiB in bf16), which gains nothing for a stream
+  this size;
+* prefill is compute-bound, and there Mosaic GPU's wgmma + warp specialisation matter, so prefill tokens of
+  large steps go to ``prefill_mgpu`` (``prefill_kernel``, below). Decodes stay here;
 * Triton also runs in interpret mode on CPU, which is how the tests check this kernel.
 The Pallas Triton lowering is deprecated in JAX 0.11 but present and working in the pinned 0.11.2.
 """
@@ -58,7 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import prefill_mgpu
 from .metadata import AttentionMetadata
-from .ref_attention import FP8_MAX, head_scale
+from .ref_attention import head_scale
 from .ref_attention import v_transposed as v_transposed_dtype
 
 # Finite, so a fully masked chunk gives exp2(MASK - MASK) = 1 instead of NaN; such a row's garbage is
@@ -75,18 +68,15 @@ def _next_pow2(n: int) -> int:
 
 
 def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale, *, h,
-             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, head_major,
-             fp8_qk=False, v_transposed=False):
+             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, v_transposed):
     """Online softmax of tile ``q [M, D]`` over the request's keys ``[kv_lo, kv_hi)`` in steps of block_k.
 
     ``q_pos [M]`` are the rows' absolute positions, ``first_q_pos``/``last_q_pos`` those of the tile's
     first and last real token. Chunks that no mask can touch for any row (below the first row's diagonal,
     inside the last row's window, below kv_hi) run without masks; the rest (window edge, diagonal, ragged
     end) with them. Returns the unnormalised accumulator ``[M, D]`` f32 and running max / sum ``[M]``
-    (base 2). ``fp8_qk`` (fp8 cache): QK^T runs on e4m3 operands, q scaled per row into e4m3's range
-    (``ref_attention.fp8_query_rows``), so K goes to the MMA as stored, with no conversion.
-    ``head_major``: the caches are ``[num_blocks, kv_heads, block_size, D]`` (a page's rows of one head are
-    contiguous), else ``[num_blocks, block_size, kv_heads, D]``. ``v_transposed`` (fp8 caches): V pages are
+    (base 2). The caches are ``[num_blocks, kv_heads, block_size, D]`` (a page's rows of one head are
+    contiguous). ``v_transposed`` (fp8 caches): V pages are
     ``[num_blocks, kv_heads, D, block_size]`` (keys contiguous), gathered as a ``[D, pages, block_size]`` tile
     whose last axis Triton can see is contiguous, reshaped to ``[D, block_k]``; P.V then takes V^T as the
     matmul's K-major operand, as QK^T takes K. Needs ``kv_lo`` and ``block_k`` multiples of ``block_size``.
@@ -94,23 +84,13 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
     m_rows, d = q.shape
     offs = lax.iota(jnp.int32, block_k)
     s_scale = sm_scale * k_scale
-    q_dot = q
-    if fp8_qk:
-        qf = q.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(qf), axis=1)
-        q_sc = jnp.where(amax > 0, amax / FP8_MAX, 1.0)                      # [M]
-        q_dot = (qf / q_sc[:, None]).astype(k_ref.dtype)
-        s_scale = s_scale * q_sc[:, None]
 
     def body(i, carry, masked):
         acc, m_prev, l_prev = carry
         pos = kv_lo + i * block_k + offs                                      # [BK]
         page = jnp.minimum(pos // block_size, pages_per_seq - 1)
         blk = bt_ref[r * pages_per_seq + page]                                # [BK]
-        if head_major:
-            rows = (blk * kv_heads + h) * block_size + pos % block_size
-        else:
-            rows = (blk * block_size + pos % block_size) * kv_heads + h
+        rows = (blk * kv_heads + h) * block_size + pos % block_size
         if masked:
             in_range = pos < kv_hi
             ld_mask = jnp.broadcast_to(in_range[:, None], (block_k, d))
@@ -136,10 +116,9 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
                 v = plgpu.load(vt_ref)
             v = v.reshape(d, block_k)
         if k.dtype != q.dtype:                                                # fp8 cache
-            if not fp8_qk:
-                k = k.astype(q.dtype)
+            k = k.astype(q.dtype)
             v = v.astype(q.dtype)
-        s = plgpu.dot(q_dot, k, trans_b=True, allow_tf32=False) * s_scale    # [M, BK] f32
+        s = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * s_scale    # [M, BK] f32
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = s * LOG2E
@@ -205,10 +184,9 @@ def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stri
     Schedule (vLLM's trick, no host/XLA pre-pass): request r owns tile slots
     ``[qsl[r] // block_q + r, qsl[r+1] // block_q + r + 1)``, at least ``cdiv(q_len, block_q)`` of them;
     a binary search over that monotone start finds the request. Slots past a request's tokens, decode
-    requests (q_len 1, handled by the decode tiles) and padding requests do nothing. A decode-only step
-    (every real request has q_len >= 1, so: ``qsl[num_seqs] == num_seqs``) skips the search: a B=64,
-    ctx-16 decode call measured 52 us on the H200 before this skip (stock kernel: 28 us), which we put
-    down to the idle slots' chains of dependent scalar loads; the skip itself is not measured yet.
+    requests (q_len 1, handled by the decode tiles) and padding requests do nothing. A step without prefill
+    tokens (``qsl[num_seqs] == num_seqs``) skips the search: the idle slots' chains of dependent scalar
+    loads made short decode calls slow.
     """
     n = x.num_seqs[0]
 
@@ -283,11 +261,6 @@ def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stri
         plgpu.store(l_ref.at[part_rows], l, mask=keep)
 
 
-def _prefill_kernel(*refs, tile_kw):
-    x = _Refs(refs[:9])
-    _prefill_tile(x, refs[-1], pl.program_id(0), pl.program_id(1), **tile_kw)
-
-
 def _decode_kernel(*refs, tile_kw, n_in):
     """``n_in``: 9 inputs, or 10 when the output buffer comes in too (aliased; skipped here)."""
     x = _Refs(refs[:9])
@@ -350,8 +323,8 @@ def _prefill_tokens(md: AttentionMetadata, T: int):
 
 def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> int:
     """Flash-decoding splits: enough (request, head, split) programs for ~4 waves, each split >= 4 chunks and
-    >= 512 keys (more splits make the combine the cost: B=1 ctx 32768 took 138.7 us with 128 splits of 256
-    keys, 67.2 with 64 of 512; H200, 2026-11-30)."""
+    >= 512 keys (more splits make the combine the cost: 64 splits of 512 keys ran B=1 ctx 32768 in half the
+    time of 128 splits of 256)."""
     want = max(1, (4 * NUM_SMS) // max(1, num_reqs * kv_heads))
     cap = max(1, max_ctx // (4 * max(block_k, 128)))
     return max(1, min(_next_pow2(want), _next_pow2(cap) if cap > 1 else 1))
@@ -359,19 +332,16 @@ def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> in
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
-    "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "prefill_warps",
-    "prefill_stages", "fused", "poison_output", "dot_dtype", "prefill_kernel", "mgpu_block_kv", "mgpu_stages",
-    "decode_only", "mgpu_persistent", "fp8_qk", "kv_layout", "num_q_heads"))
+    "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "poison_output", "dot_dtype",
+    "prefill_kernel", "mgpu_block_kv", "mgpu_stages", "decode_only", "num_q_heads"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
                            decode_block_k: int | None = None, decode_splits: int | None = None,
                            decode_warps: int | None = None, decode_stages: int | None = None,
                            prefill_block_m: int = 128, prefill_block_k: int | None = None,
-                           prefill_warps: int = 4, prefill_stages: int = 3, fused: bool = True,
                            poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
                            mgpu_block_kv: int = 128, mgpu_stages: int = 2, decode_only: bool | None = None,
-                           mgpu_persistent: bool = True, fp8_qk: bool = False, kv_layout: str | None = None,
                            num_q_heads: int | None = None):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
@@ -380,29 +350,21 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     write_kv_and_attend``). The output is ``[T, num_q_heads, D]``.
 
     ``k_scale``/``v_scale``: dequantisation scales (scalar or ``[kv_heads]``) of an fp8 cache, else None.
-    The ``decode_*``/``prefill_*`` knobs are tile sizes and Triton launch parameters (static);
-    ``fused`` runs prefill and decode tiles in one launch (with the decode warps/stages), else two.
+    The ``decode_*``/``prefill_*`` knobs are tile sizes and Triton launch parameters (static); prefill and
+    decode tiles share one launch and its decode warps/stages.
     ``poison_output`` (tests): start real tokens' rows as NaN so a row no kernel writes fails the check.
     ``dot_dtype``: operand dtype of the kernel's two matmuls. Default: q's dtype, except that a bf16 q over
-    an fp8 cache uses f16: e4m3 -> f16 is one hardware conversion on Hopper, e4m3 -> bf16 is not (measured
-    on the H200, B=8 ctx 32768: 314 us with bf16 operands, 217 us with f16, bf16 cache 300 us); q and the
-    softmax weights are then f16 too; q tiles are cast in the kernel after their load, and the kernel stores
+    an fp8 cache uses f16: e4m3 -> f16 is one hardware conversion on Hopper, e4m3 -> bf16 is not (with bf16
+    operands the fp8 cache decoded slower than a bf16 cache); q and the softmax weights are then f16 too; q tiles are cast in the kernel after their load, and the kernel stores
     q's dtype.
-    ``decode_stages``: default 3; with an fp8 cache 4, or in the decode-only launch's 64-key tiles 6 (7 over
-    head-major V). ``decode_block_k`` default 64 in the decode-only launch, else 128; ``prefill_block_k`` 64;
-    over transposed V pages both at least the page size (a V^T tile spans whole pages).
-    ``kv_layout``: default ``"hnd-vt"`` for an fp8 cache (``ref_attention.v_transposed``), else ``"hnd"``.
+    ``decode_stages``: default 3; with an fp8 cache 4, or in the decode-only launch's 64-key tiles 6.
+    ``decode_block_k`` default 64 in the decode-only launch, else 128; ``prefill_block_k`` 64; over an fp8
+    cache's transposed V pages both at least the page size (a V^T tile spans whole pages).
     ``prefill_kernel``: ``"triton"`` (prefill tiles in this file), ``"mgpu"`` (the Mosaic GPU kernel of
     ``prefill_mgpu`` for the prefill tokens, then the decode launch, wherever ``prefill_mgpu.supported``;
     else triton) or ``"auto"`` (mgpu where supported and the step has at least ``MGPU_MIN_TOKENS`` token
     slots: its extra launch is nothing next to a long prefill but shows on small decode steps). The
     default here is triton (the benchmarks' baseline); the engine's ``pallas`` backend passes auto.
-    ``mgpu_persistent``: the Mosaic GPU prefill kernel's persistent layout (one program per SM looping over
-    tiles; ``prefill_mgpu``), where it fits shared memory: 8 x 2048 causal at 465 TFLOP/s against 424 for
-    one tile per program in the same run (H200, 2026-11-30).
-    ``fp8_qk`` (fp8 cache only): QK^T on e4m3 operands, q rounded through e4m3 with a scale per (token, q
-    head) row, as vLLM's FlashAttention-3 fp8 path quantizes q; the reference's ``fp8_query`` is the same
-    arithmetic. P.V keeps f16 operands.
     ``decode_only`` (default: ``md.decode_only``): every real request has ``q_len == 1``; only the decode
     launch runs, so no prefill tile slots are scheduled and its shared memory is the decode tile's alone.
     """
@@ -417,27 +379,13 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         dot_dtype = jnp.float16
     if decode_only is None:
         decode_only = md.decode_only
-    # Decode tile defaults (H200, benchmarks/decode_probe.py, 2026-11-30). The fused launch shares one
+    # Decode tile defaults (tuned on the H200 with benchmarks' decode sweep). The mixed launch shares one
     # program size with the prefill tiles (one program per SM), where 128-key tiles did best. The
     # decode-only launch runs 64-key tiles in 2 warps: 96 KiB of shared memory at 3 stages, 2 programs per
-    # SM, so one program's first loads overlap the other's streaming (B=64 ctx 2048: 136.9 us against 166.2
-    # fused). An fp8 cache wants a deeper pipeline: 64-key tiles in 2 warps over 7 stages. B=8 ctx 32768,
-    # head-major pages, three interleaved rounds (decode_probe --sections fp8d, ninth session): 7 stages
-    # 169.0-172.5 us = 0.599-0.606x bf16, 8 stages 177.0-194.2 (0.622-0.693x), 6 stages 0.590-0.627x; at B=64
-    # ctx 8192 the three depths are level (0.551-0.581x). 128-key tiles: 185-192 us. With V pages transposed
-    # (the fp8 default since the tenth session) 6 stages did best: 0.559 / 0.569x at B=8 ctx 32768, 0.538 /
-    # 0.545x at B=64 ctx 8192, 0.568 / 0.557x at B=64 ctx 2048 (7 stages: 0.610 / 0.651x, 0.525 / 0.546x,
-    # 0.712 / 0.676x; decode_probe --sections vt, two interleaved rounds); on a second host 5 / 6 / 7 stages
-    # were within noise at B=8 ctx 32768 (0.570-0.587x) and B=64 ctx 8192 (0.533-0.551x), and 5 stages lost at
-    # B=64 ctx 2048 (0.643-0.656x against 0.584-0.601x).
-    layout_named = kv_layout is not None
-    if kv_layout is None:
-        kv_layout = "hnd-vt" if v_transposed_dtype(v_cache.dtype) else "hnd"
-    if kv_layout not in ("nhd", "hnd", "hnd-vt"):
-        raise ValueError(f"kv_layout must be nhd, hnd or hnd-vt, got {kv_layout!r}")
-    head_major = kv_layout in ("hnd", "hnd-vt")
-    v_transposed = kv_layout == "hnd-vt"
-    nb, kvh, bs, _ = k_cache.shape if head_major else tuple(k_cache.shape[i] for i in (0, 2, 1, 3))
+    # SM, so one program's first loads overlap the other's streaming. An fp8 cache (V pages transposed)
+    # wants a deeper pipeline: 6 stages did best, 5 and 7 were within noise or slower.
+    v_transposed = v_transposed_dtype(v_cache.dtype)
+    nb, kvh, bs, _ = k_cache.shape
     if decode_block_k is None:
         decode_block_k = 64 if decode_only else 128
         if v_transposed:                            # a V^T tile spans whole pages (pages of 128: 128-key tiles)
@@ -449,24 +397,21 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if decode_stages is None:
         decode_stages = 3
         if fp8_cache:       # the decode-only launch's 64-key fp8 tiles take a deeper pipeline (128-key ones: 4)
-            decode_stages = (6 if v_transposed else 7) if decode_only and decode_block_k <= 64 else 4
+            decode_stages = 6 if decode_only and decode_block_k <= 64 else 4
     # q tiles are cast to the matmul dtype in the kernel, after their load: no XLA pass over q (or over the
     # packed q/k/v array) and no cast of the output back (the kernel stores q's dtype)
     tile_dot = jnp.dtype(dot_dtype) if dot_dtype is not None and jnp.dtype(dot_dtype) != q.dtype else None
     q_only = q if hq == q_stride else q[:, :hq]    # the queries alone, for the Mosaic GPU prefill (its TMA)
-    # the Mosaic GPU prefill reads head-major pages: a layout named otherwise is an error, an fp8 cache's
-    # default layout (V transposed) just keeps its prefill tokens on the Triton tiles (as fp8 does anyway)
-    if prefill_kernel == "mgpu" and kv_layout != "hnd" and layout_named:
-        raise ValueError(f"prefill_kernel='mgpu' reads head-major pages only, not kv_layout={kv_layout!r}")
-    mgpu_ok = kv_layout == "hnd" and tile_dot is None and prefill_mgpu.supported(q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window,
-                                     k_scale=k_scale, v_scale=v_scale, block_kv=mgpu_block_kv,
-                                     stages=mgpu_stages)
+    # the Mosaic GPU prefill takes no fp8 cache: such steps keep their prefill tokens on the Triton tiles
+    mgpu_ok = not v_transposed and tile_dot is None and prefill_mgpu.supported(
+        q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+        block_kv=mgpu_block_kv, stages=mgpu_stages)
     use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
                                                          and q.shape[0] >= MGPU_MIN_TOKENS))
     T, _, d = q.shape
     if not v_transposed and v_cache.shape != k_cache.shape:
-        raise ValueError(f"kv_layout={kv_layout!r} needs V pages shaped like K's {k_cache.shape}, got "
-                         f"{v_cache.shape} (an fp8 cache's V pages are transposed: kv_layout='hnd-vt')")
+        raise ValueError(f"a {v_cache.dtype} V cache needs pages shaped like K's {k_cache.shape}, got "
+                         f"{v_cache.shape}")
     R, P = md.block_tables.shape
     if hq % kvh:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({kvh})")
@@ -478,13 +423,12 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
            q.reshape(T * q_stride, d), k_cache.reshape(nb * bs * kvh, d),
            v_cache.reshape(nb * kvh * d, bs) if v_transposed else v_cache.reshape(nb * bs * kvh, d))
     common = dict(kv_heads=kvh, block_size=bs, pages_per_seq=P, sm_scale=float(sm_scale),
-                  soft_cap=soft_cap, sliding_window=sliding_window, fp8_qk=bool(fp8_qk and fp8_cache),
-                  head_major=head_major, v_transposed=v_transposed)
+                  soft_cap=soft_cap, sliding_window=sliding_window, v_transposed=v_transposed)
     block_q = max(1, prefill_block_m // group_pad)
     n_prefill = T // block_q + R                   # tile slots of the in-kernel prefill schedule
     if v_transposed and (decode_block_k % bs or (not decode_only and prefill_block_k % bs)
                          or tuple(v_cache.shape) != (nb, kvh, d, bs)):
-        raise ValueError(f"kv_layout='hnd-vt' needs V pages [blocks, kv_heads, head_dim, block_size] and key tiles "
+        raise ValueError(f"an fp8 cache needs V pages [blocks, kv_heads, head_dim, block_size] and key tiles "
                          f"a multiple of block_size; got {v_cache.shape}, block_k {decode_block_k} / {prefill_block_k}")
     splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)
     if splits & (splits - 1):
@@ -522,7 +466,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         else:
             parts = decode_launch(ins, {}, "ragged_paged_decode_split")
             out = first_ins[9] if poison_output else None
-    elif fused and not use_mgpu:
+    elif not use_mgpu:
         res = pl.pallas_call(
             functools.partial(_fused_kernel, n_prefill=n_prefill, prefill_kw=prefill_kw, decode_kw=decode_kw,
                               n_in=len(first_ins)),
@@ -531,20 +475,12 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
             input_output_aliases=first_alias, compiler_params=decode_params, interpret=interpret,
             name="ragged_paged_attention")(*first_ins)
         out, parts = res[0], tuple(res[1:])
-    else:
-        if use_mgpu:
-            out = prefill_mgpu.prefill_attention(q_only, k_cache, v_cache, md, sm_scale=float(sm_scale),
-                                                 block_kv=mgpu_block_kv, stages=mgpu_stages,
-                                                 persistent=mgpu_persistent, num_programs=NUM_SMS,
-                                                 interpret=interpret).reshape(T * hq, d)
-            if poison_output:              # keep the kernel's prefill rows, the poisoned buffer elsewhere
-                out = jnp.where(jnp.repeat(_prefill_tokens(md, T), hq)[:, None], out, first_ins[9])
-        else:
-            out = pl.pallas_call(
-                functools.partial(_prefill_kernel, tile_kw=prefill_kw), grid=(n_prefill, kvh),
-                out_shape=out_shape, input_output_aliases=first_alias,
-                compiler_params=plgpu.CompilerParams(num_warps=prefill_warps, num_stages=prefill_stages),
-                interpret=interpret, name="ragged_paged_prefill")(*first_ins)
+    else:                                  # Mosaic GPU prefill, then the decode launch into its output
+        out = prefill_mgpu.prefill_attention(q_only, k_cache, v_cache, md, sm_scale=float(sm_scale),
+                                             block_kv=mgpu_block_kv, stages=mgpu_stages, num_programs=NUM_SMS,
+                                             interpret=interpret).reshape(T * hq, d)
+        if poison_output:                  # keep the kernel's prefill rows, the poisoned buffer elsewhere
+            out = jnp.where(jnp.repeat(_prefill_tokens(md, T), hq)[:, None], out, first_ins[9])
         if splits == 1:
             out = decode_launch(ins + (out,), {9: 0}, "ragged_paged_decode")
         else:

@@ -6,13 +6,13 @@ runs its Triton decode launch into the same buffer). Every prefill token attends
 whole context through the block table, cached prefix included, so chunked prefill and prefix-cache hits
 take the same path as a fresh prompt.
 
-Why a second backend for prefill: prefill is compute-bound, and the Triton lowering topped out at
-243-247 TFLOP/s on 8 x 2048 causal (a sweep of 12 launch configurations, H200, 2026-11-30), where the
-stock dense Mosaic GPU flash attention reached 472. Mosaic GPU gives Hopper's asynchronous tensor-core
-MMA (wgmma) and the TMA copy engine, so one warpgroup can stream K/V while two others compute.
+Why a second backend for prefill: prefill is compute-bound, and the Triton lowering topped out at about half
+the stock dense Mosaic GPU flash attention's TFLOP/s on long causal prompts (kernels/README.md has the
+figures). Mosaic GPU gives Hopper's asynchronous tensor-core MMA (wgmma) and the TMA copy engine, so one
+warpgroup can stream K/V while two others compute.
 
-Layout of one program (``grid = (q heads, tile slots)``, one 128-token tile of one q head each; three
-warpgroups of 128 threads):
+Layout of one program (three warpgroups of 128 threads), for each work item (one 128-token tile of one q
+head):
 * two **compute warpgroups**, each owning 64 query rows (one wgmma M) of the tile's 128 tokens for one q
   head; they alternate their tensor-core phases through a shared barrier (one does QK^T while the other
   does its softmax), the FA3 ping-pong;
@@ -22,39 +22,31 @@ warpgroups of 128 threads):
 
 Tile schedule (no XLA pre-pass): request r owns slots ``[qsl[r] // 128 + r, qsl[r+1] // 128 + r + 1)``;
 a program finds its request by binary search over that monotone start. Slots past a request's tokens,
-decode requests and padding requests exit at once. Slots run in reverse order so the long (late,
-causal) tiles start first.
+decode requests and padding requests are empty items.
 
-Persistent variant (``persistent=True``): ``num_programs`` programs (132, one per H200 SM) each loop over
-work items: item j is tile slot ``order[j // Hq]`` for q head ``j % Hq`` (a slot's q heads adjacent, so the
-items running at once read the same kv heads' pages, from L2). ``order`` sorts the slots by their K/V
+Persistent programs: ``num_programs`` programs (132, one per H200 SM) each loop over work items: item j is
+tile slot ``order[j // Hq]`` for q head ``j % Hq`` (a slot's q heads adjacent, so the items running at once read the same kv heads' pages, from L2). ``order`` sorts the slots by their K/V
 steps, most first (``slot_order``, a few XLA ops on the step metadata), and the items are dealt to the
 programs in snake order (round t: ``t * P + pid``, or ``t * P + P - 1 - pid`` when t is odd). Balance,
 simulated with one step of overhead per item: the busiest program within 3 % of the balanced bound for
 1 x 2048, 2 x 1024, 4 x 512 and 8 x 2048 tokens, where slot order dealt round-robin is 19 / 31 / 47 / 3 %
-over it (a step of the engine holds up to max_num_batched_tokens, so a few requests' tiles). On the H200
-the deal took a 2048-token prompt from 292 to 361 TFLOP/s (the round-robin deal, timed in the same run,
-is in git history at 6ad9985). What a program no longer pays per item: the block launch, the Q load's latency, the first
-K/V steps' latency and the wait for the output store. The protocol across items:
+over it (a step of the engine holds up to max_num_batched_tokens, so a few requests' tiles). What a program
+does not pay per item, against one program per tile: the block launch, the Q load's latency, the first K/V
+steps' latency and the wait for the output store. The protocol across items:
 * every warpgroup walks the same item list; an empty item (past its request, a decode, padding) touches
   no barrier and has 0 K/V steps, so its cost is the search;
 * K/V steps are numbered across the program's items (step g in slot ``g % stages``): the memory warpgroup
   loads the next item's first steps as soon as the current item's last steps release their slots, and
   every party observes every phase of every barrier once, in order (Pallas tracks the phase implicitly);
-* each compute warpgroup arrives at the ping-pong barrier ``2 * steps + 1`` times per item, as in the
-  one-tile kernel;
+* each compute warpgroup arrives at the ping-pong barrier ``2 * steps + 1`` times per item;
 * Q comes one item ahead into a staging buffer of its own (issued once the current Q has moved into the
-  MMA layout): 224 KiB of shared memory of 227 at head_dim 128, block_kv 128, 2 stages, where the
-  one-tile kernel stages Q in its output buffer (192 KiB). Configurations where the persistent layout
-  does not fit run the one-tile kernel. The previous item's output store is waited for only before its
-  buffer is written again.
+  MMA layout): 224 KiB of shared memory of 227 at head_dim 128, block_kv 128, 2 stages. The previous
+  item's output store is waited for only before its buffer is written again.
 
 Diagonal steps: a warpgroup's last K/V step is half-width (``block_kv / 2`` keys in its wgmmas, mask and
 softmax; same barriers) when no row of the warpgroup sees the step's second half, as (at block_kv 128) on
-every diagonal step of the first warpgroup of a 128-aligned tile. 8 x 2048 causal: 465-468 TFLOP/s against
-449-458 with full-width steps, three repeats of the same run (H200, 2026-11-30); no clear change on the
-1 x 2048 engine step (324-353 against 270-342). block_kv a multiple of 128 only (the P.V wgmma's K must be a
-multiple of 64).
+every diagonal step of the first warpgroup of a 128-aligned tile (a few percent on long causal prompts).
+block_kv a multiple of 128 only (the P.V wgmma's K must be a multiple of 64).
 
 Ragged tiles: the 64 rows of a warpgroup may run past its request's last token (into the next request, or
 past T, which the TMA reads as zeros). Those rows are computed and dropped: the result goes to shared
@@ -89,23 +81,20 @@ LOG2E = math.log2(math.e)
 SMEM_BYTES = 227 * 1024   # Hopper's shared memory per block
 
 
-def smem_bytes(d: int, block_kv: int, stages: int, itemsize: int = 2, persistent: bool = False) -> int:
-    """Shared memory of one program: Q and the output buffer per compute warpgroup (persistent: a Q staging
-    buffer too), ``stages`` K and V tiles."""
-    per_wg = 3 if persistent else 2
-    return (per_wg * COMPUTE_WGS * ROWS_PER_WG * d + 2 * stages * block_kv * d) * itemsize
+def smem_bytes(d: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
+    """Shared memory of one program: Q, its staging buffer and the output buffer per compute warpgroup,
+    ``stages`` K and V tiles."""
+    return (3 * COMPUTE_WGS * ROWS_PER_WG * d + 2 * stages * block_kv * d) * itemsize
 
 
 def supported(q, k_cache, *, soft_cap=None, sliding_window=None, k_scale=None, v_scale=None,
-              block_kv: int = 128, stages: int = 2, persistent: bool = False) -> bool:
-    """Whether ``prefill_attention`` handles this call (else use the Triton prefill tiles). head_dim 256 does
-    not fit shared memory (384 KiB at block_kv 128, 2 stages). With ``persistent``: whether the persistent
-    layout fits (224 KiB at head_dim 128, block_kv 128, 2 stages); ``prefill_attention`` runs the
-    one-tile-per-program layout where it does not."""
+              block_kv: int = 128, stages: int = 2) -> bool:
+    """Whether ``prefill_attention`` handles this call (else use the Triton prefill tiles): head_dim 128 fits
+    shared memory at block_kv 128 and 2 stages (224 KiB), head_dim 256 does not."""
     d = q.shape[-1]
     bs = k_cache.shape[2]
     return (q.dtype in (jnp.bfloat16, jnp.float16) and k_cache.dtype == q.dtype and d % 64 == 0
-            and smem_bytes(d, block_kv, stages, q.dtype.itemsize, persistent) <= SMEM_BYTES
+            and smem_bytes(d, block_kv, stages, q.dtype.itemsize) <= SMEM_BYTES
             and soft_cap is None and sliding_window is None and k_scale is None and v_scale is None
             and block_kv % bs == 0)
 
@@ -137,7 +126,6 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
     q_smem, k_smem, v_smem, o_smem, q_stage, p_smem = smem
     k_ready, v_ready = kv_ready
     k_free, v_free = consumed
-    persistent = num_programs is not None
     wg = lax.axis_index("wg")
     _, _, bs, d = k_ref.shape
     hq = q_ref.shape[1]
@@ -151,24 +139,16 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
     bt_ref = meta_ref.at[pl.ds(2 * num_reqs + 2, num_reqs * pages_per_seq)]
     order_ref = meta_ref.at[pl.ds(2 * num_reqs + 2 + num_reqs * pages_per_seq, n_slots)]
 
-    # The items of this program, t = 0 .. n_items - 1. Persistent: the (tile slot, q head) pairs, slots
-    # in ``order`` (most K/V steps first) and a slot's q heads adjacent, so the items running at once share
-    # kv heads' K/V in L2; dealt in snake order: round t gives item t * P + pid when t is even and
-    # t * P + P - 1 - pid when odd, so a program that got a round's heaviest item gets the next round's
-    # lightest.
-    if persistent:
-        pid = lax.axis_index("progs")
-        n_items = snake_count(pid, num_programs, hq * n_slots)
+    # The items of this program, t = 0 .. n_items - 1: the (tile slot, q head) pairs, slots in ``order``
+    # (most K/V steps first) and a slot's q heads adjacent, so the items running at once share kv heads' K/V
+    # in L2; dealt in snake order: round t gives item t * P + pid when t is even and t * P + P - 1 - pid
+    # when odd, so a program that got a round's heaviest item gets the next round's lightest.
+    pid = lax.axis_index("progs")
+    n_items = snake_count(pid, num_programs, hq * n_slots)
 
-        def coords(t):
-            j = snake_item(t, pid, num_programs)
-            return j % hq, order_ref[jnp.minimum(j // hq, n_slots - 1)]   # (past the end: inactive anyway)
-    else:
-        n_items = 1
-
-        def coords(t):
-            del t
-            return lax.axis_index("heads"), n_slots - 1 - lax.axis_index("tiles")
+    def coords(t):
+        j = snake_item(t, pid, num_programs)
+        return j % hq, order_ref[jnp.minimum(j // hq, n_slots - 1)]   # (past the end: inactive anyway)
 
     def find(t):
         """The request of item ``t``'s slot (a chain of dependent loads: searched once per item and warpgroup)."""
@@ -195,9 +175,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
         return jnp.where(it.active, jnp.maximum(wg_range(it, 0)[3], wg_range(it, 1)[3]), 0)
 
     def items_loop(body, carry):
-        """``carry = body(t, carry)`` over this program's items (one tile: a plain call, and step 0 stays a
-        Python 0, so that kernel traces as it did before the persistent variant)."""
-        return lax.fori_loop(0, n_items, body, carry) if persistent else body(0, carry)
+        """``carry = body(t, carry)`` over this program's items."""
+        return lax.fori_loop(0, n_items, body, carry)
 
     # K/V steps are numbered across the program's items (g): step g uses slot g % stages, so the memory
     # warpgroup streams on into the next item as slots free up and every barrier phase is observed in order.
@@ -211,10 +190,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
         plgpu.set_max_registers(232, action="increase")
         qs, os_ = q_smem.at[wg], o_smem.at[wg]
         # Q: the tile's first row is anywhere (ragged), and a TMA into the swizzled MMA layout needs a row
-        # offset divisible by its 8-row tiling; so the rows land in a plain buffer first and are moved into
-        # the MMA layout through registers (once per tile). One program per tile: the output buffer, free
-        # until the epilogue. Persistent: a buffer of its own, loaded one item ahead.
-        qbuf = q_stage.at[wg] if persistent else os_
+        # offset divisible by its 8-row tiling; so the rows land in a plain staging buffer first, loaded one
+        # item ahead, and are moved into the MMA layout through registers (once per tile).
+        qbuf = q_stage.at[wg]
 
         def fetch_q(it):
             @pl.when(it.active)
@@ -321,8 +299,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
 
             l_safe = jnp.where(l > 0, l, 1.0)
             acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-            if persistent:                              # the previous item's store has read the buffer
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous item's store has read the buffer
             os_[...] = acc.astype(dtype)
             plgpu.commit_smem()
             _store_rows(os_, out_ref, row0, it.qh, n_valid)
@@ -337,11 +314,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
                 qs[...] = plgpu.load(qbuf, layout=plgpu.Layout.WGMMA, optimized=False)
                 plgpu.commit_smem()             # (also: every thread has read qbuf before it is refilled)
 
-            if persistent:                      # the next item's Q, while this one computes
-                r_next = find(t + 1)
-                fetch_q(item(t + 1, r_next))
-            else:
-                r_next = r
+            r_next = find(t + 1)                # the next item's Q, while this one computes
+            fetch_q(item(t + 1, r_next))
             n_steps = max_steps(it)             # (here: the scalars it comes from need not live through the item)
             pl.when(it.active)(functools.partial(compute_item, it, g, n_steps))
             return g + n_steps, r_next
@@ -367,8 +341,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, n_slots, num_reqs
 
             n_steps = max_steps(it)
 
-            # (Reading each step's page ids once for K and V, before the wait, measured slower: 410 against
-            # 435 TFLOP/s on 8 x 2048, H200, 2026-11-30.)
+            # (Reading each step's page ids once for K and V, before the wait, measured slower.)
             @pl.loop(0, n_steps)
             def _stream(i):
                 slot = lax.rem(g + i, stages)
@@ -434,19 +407,17 @@ def slot_order(md: AttentionMetadata, n_slots: int, block_kv: int):
     return jnp.argsort(-steps, stable=True).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "stages", "interpret", "persistent",
-                                             "num_programs"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "stages", "interpret", "num_programs"))
 def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float, block_kv: int = 128,
                       stages: int = 2, interpret: bool | plgpu.InterpretGPUParams = False,
-                      persistent: bool = False, num_programs: int = 132):
+                      num_programs: int = 132):
     """Output ``[T, Hq, D]`` whose prefill tokens' rows hold their attention (other rows: unwritten).
 
     ``q [T, Hq, D]``, caches ``[num_blocks, kv_heads, block_size, D]`` (the new tokens' K/V already
     written). ``interpret``: run on CPU in Mosaic GPU's interpret mode (unwritten memory reads as NaN), or
     a ``plgpu.InterpretGPUParams`` for its options (the tests use ``detect_races=True``).
-    ``persistent``: ``num_programs`` programs (default: the H200's 132 SMs) loop over the work items instead
-    of one program per item; where its layout does not fit shared memory (``supported(...,
-    persistent=True)``), the one-tile-per-program kernel runs.
+    ``num_programs`` programs (default: the H200's 132 SMs) loop over the work items. Call only where
+    ``supported``.
     """
     T, hq, d = q.shape
     nb, kvh, bs, _ = k_cache.shape
@@ -458,10 +429,8 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
     if num_programs < 1:
         raise ValueError(f"num_programs must be positive, got {num_programs}")
     n_slots = T // TILE + R
-    persistent = persistent and smem_bytes(d, block_kv, stages, q.dtype.itemsize, True) <= SMEM_BYTES
-    # One fresh metadata buffer: Mosaic GPU kernels take only 256-byte-aligned inputs, and the engine's step
-    # arrays are slices of one packed host transfer (H200, 2026-11-30: "Input buffer 3 is not 256-byte
-    # aligned" for the block tables passed as they were).
+    # One fresh metadata buffer: Mosaic GPU kernels take only 256-byte-aligned inputs ("Input buffer 3 is not
+    # 256-byte aligned"), and the engine's step arrays are slices of one packed host transfer.
     meta = jnp.concatenate([md.query_start_loc.astype(jnp.int32), md.seq_lens.astype(jnp.int32),
                             md.num_seqs.reshape(1).astype(jnp.int32),
                             md.block_tables.reshape(R * P).astype(jnp.int32), slot_order(md, n_slots, block_kv)])
@@ -469,11 +438,7 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
     tiling = plgpu.TilingTransform((8, 128 // q.dtype.itemsize))
     swizzle = plgpu.SwizzleTransform(128)
     mma_tile = dict(transforms=(tiling, swizzle))
-    if persistent:
-        num_programs = min(num_programs, hq * n_slots)
-        grid, grid_names = (num_programs,), ("progs",)
-    else:
-        num_programs, grid, grid_names = None, (hq, n_slots), ("heads", "tiles")
+    num_programs = min(num_programs, hq * n_slots)
     kw = dict(n_slots=n_slots, num_reqs=R, pages_per_seq=P, group=hq // kvh, block_kv=block_kv, stages=stages,
               sm_scale=float(sm_scale), num_programs=num_programs)
     pages = block_kv // bs
@@ -490,7 +455,7 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
              plgpu.SMEM((stages, block_kv, d), k_cache.dtype, **mma_tile),
              plgpu.SMEM((stages, block_kv, d), v_cache.dtype, **mma_tile),
              plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), q.dtype),
-             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), q.dtype) if persistent else None,
+             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), q.dtype),
              plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, block_kv), q.dtype, **mma_tile) if params is not None else None),
             (plgpu.Barrier(num_arrivals=pages, num_barriers=stages),) * 2,
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
@@ -500,7 +465,7 @@ def prefill_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: f
         )
 
     return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct((T, hq, d), q.dtype), grid=grid,
-        grid_names=grid_names, num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        entry, out_type=jax.ShapeDtypeStruct((T, hq, d), q.dtype), grid=(num_programs,),
+        grid_names=("progs",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=params,
     )(*ins)

@@ -31,18 +31,9 @@ def v_transposed(cache_dtype) -> bool:
     """Whether a V cache of this dtype stores its pages transposed, ``[num_blocks, kv_heads, head_dim,
     block_size]`` (a page's keys contiguous per feature): fp8 (1-byte) caches do. The Pallas kernel's P.V then
     takes V^T as the matmul's K-major operand, as QK^T takes K, so 8-bit V needs no transpose on its way to
-    the MMA: fp8 decode at 0.56-0.58x the bf16 time where head-major V read 0.60-0.63x (H200, B=8 ctx 32768,
-    ``decode_probe.py --sections vt``, 2026-11-30). bf16 V keeps head-major pages, which the Mosaic GPU
-    prefill TMA-loads."""
+    the MMA (fp8 decode measured faster than over head-major V pages). bf16 V keeps head-major pages, which
+    the Mosaic GPU prefill TMA-loads."""
     return jnp.dtype(cache_dtype).itemsize == 1
-
-
-def quantize_caches(k_cache, v_cache, cache_dtype, k_scale=None, v_scale=None):
-    """Whole head-major caches ``[num_blocks, kv_heads, block_size, D]`` cast (fp8: scaled and saturated) to
-    ``cache_dtype``, V transposed where that dtype wants it (``v_transposed``): caches as the engine keeps them."""
-    if v_transposed(cache_dtype):
-        v_cache = jnp.swapaxes(v_cache, 2, 3)
-    return quantize_kv(k_cache, cache_dtype, k_scale), quantize_kv(v_cache, cache_dtype, v_scale)
 
 
 def quantize_kv(x, cache_dtype, scale):
@@ -57,15 +48,6 @@ def quantize_kv(x, cache_dtype, scale):
 def dequantize_kv(x, scale):
     """Cache values ``[..., kv_heads, D]`` back to float32 (times the per-head scale)."""
     return x.astype(jnp.float32) * head_scale(scale, x.shape[-2])[:, None]
-
-
-def fp8_query_rows(q):
-    """``q [..., D]`` rounded through e4m3 with one scale per row (``amax / 448``), returned in float32: what
-    the Pallas kernel's ``fp8_qk`` QK^T sees (each (token, q head) vector scaled into e4m3's range)."""
-    qf = q.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(qf), axis=-1, keepdims=True)
-    sc = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return (qf / sc).astype(FP8_DTYPE).astype(jnp.float32) * sc
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None):
@@ -105,14 +87,12 @@ def _token_rows(pages, transposed=False):
 
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
-                           k_scale=None, v_scale=None, pages_per_step: int = 8, fp8_query: bool = False):
+                           k_scale=None, v_scale=None, pages_per_step: int = 8):
     """Attention of ``q [T, q_heads, head_dim]`` over each token's request context in the paged cache.
 
     Causal within the step's new tokens; GQA by grouping q heads over kv heads. Computed in float32 with
     an online softmax over chunks of ``pages_per_step`` pages, so memory stays ``O(T * chunk)``.
     Padding tokens return zeros. ``k_scale``/``v_scale`` dequantize an fp8 cache (see ``write_kv``).
-    ``fp8_query``: the scores take q rounded through e4m3 per row (``fp8_query_rows``), as the Pallas
-    kernel's ``fp8_qk`` does over an fp8 cache.
     """
     T, hq, d = q.shape
     _, kvh, bs, _ = k_cache.shape
@@ -125,8 +105,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
 
     req, qpos, valid = token_layout(md, T)
     klen = jnp.where(valid, md.seq_lens[req], 0)                          # [T]
-    qf = fp8_query_rows(q) if fp8_query else q.astype(jnp.float32)
-    qg = qf.reshape(T, kvh, g, d) * sm_scale
+    qg = q.astype(jnp.float32).reshape(T, kvh, g, d) * sm_scale
     offs = jnp.arange(c * bs, dtype=jnp.int32)
 
     def chunk(carry, xs):

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.kernels import ops, ref_attention, synthetic
+import synthetic
+from jaxserve.kernels import ops, ref_attention
 from jaxserve.kernels import paged_attention_pallas as pa
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
@@ -69,13 +70,6 @@ def test_flash_decoding_splits(splits):
     check(splits, [1, 1, 1, 1], [150, 3, 64, 97], hq=8, kvh=2, d=64, bs=16, dtype=jnp.float32, splits=splits)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_two_launch_variant(splits):
-    """fused=False: prefill and decode tiles in separate launches (same bodies, same result)."""
-    check(20 + splits, [1, 9, 1, 20], [37, 9, 70, 53], hq=9, kvh=3, d=64, bs=16, dtype=jnp.float32,
-          splits=splits, tiles=dict(SMALL_TILES, fused=False))
-
-
 @pytest.mark.parametrize("splits,window", [(1, None), (4, None), (2, 40)])
 def test_decode_only_launch(splits, window):
     """decode_only: the decode launch alone (no prefill tile slots); padding requests and tokens, empty
@@ -99,23 +93,6 @@ def test_decode_only_from_metadata():
     # the flag changes the compiled program (a static pytree field), not the arrays
     assert jax.tree_util.tree_structure(marked) != jax.tree_util.tree_structure(md)
     assert ops.paged_attention(q, k, v, marked, sm_scale=0.125).shape == q.shape   # the reference ignores it
-
-
-@pytest.mark.parametrize("launch", [dict(decode_splits=2), dict(fused=False)])
-def test_token_major_layout_option(launch):
-    """``kv_layout="nhd"`` (token-major pages, kept for A/B timing) reads the same keys as the engine's
-    head-major layout: the same rows bit for bit, prefill and decode tiles."""
-    rng = np.random.default_rng(13)
-    q, k, v, md = synthetic.make_batch(rng, [1, 7, 1], [40, 9, 21], block_size=16, num_q_heads=6,
-                                       num_kv_heads=3, head_dim=64, dtype=jnp.float32, pad_tokens=2)
-    kw = dict(sm_scale=0.125, interpret=True, poison_output=True, **SMALL_TILES, **launch)
-    hnd = pa.ragged_paged_attention(q, k, v, md, **kw)
-    nhd = pa.ragged_paged_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), md, kv_layout="nhd", **kw)
-    n_real = int(md.query_start_loc[int(md.num_seqs)])
-    np.testing.assert_array_equal(np.asarray(nhd[:n_real]), np.asarray(hnd[:n_real]))
-    assert max_rel_err(hnd, ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125), md) <= 1e-4
-    with pytest.raises(ValueError, match="head-major pages only"):
-        pa.ragged_paged_attention(q, k, v, md, sm_scale=0.125, interpret=True, kv_layout="nhd", prefill_kernel="mgpu")
 
 
 def test_soft_cap_and_sliding_window():
@@ -143,7 +120,7 @@ def test_fp8_cache_matches_reference_and_write_kv_roundtrip():
     k8, v8 = ops.write_kv(jnp.zeros(k_shape, fp8), jnp.zeros(v_shape, fp8), by_slot(k), by_slot(v), slots,
                           k_scale=k_scale, v_scale=v_scale)
     assert k8.dtype == fp8 and v8.shape == v_shape
-    np.testing.assert_array_equal(np.asarray(v8.astype(jnp.float32)), np.asarray(ref_attention.quantize_caches(
+    np.testing.assert_array_equal(np.asarray(v8.astype(jnp.float32)), np.asarray(synthetic.quantize_caches(
         k, v, fp8, k_scale, v_scale)[1].astype(jnp.float32)))               # the write and the whole-cache cast agree
     deq = ref_attention.dequantize_kv(jnp.swapaxes(k8, 1, 2), k_scale)                # [.., head, d] per head
     kf = jnp.swapaxes(k, 1, 2).astype(jnp.float32)
@@ -160,39 +137,6 @@ def test_fp8_cache_matches_reference_and_write_kv_roundtrip():
     # And the fp8 result stays close to the unquantised attention.
     ref16 = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=d ** -0.5)
     assert max_rel_err(out8, ref16, md) < 0.1
-
-
-def test_fp8_qk_matches_reference_with_rounded_query():
-    """QK^T on e4m3 operands (q scaled per row) equals the reference that rounds q the same way, in the
-    decode-only and the fused launch (prefill tiles too); it drifts from the f16-operand result only by q's
-    rounding (a few per cent at moderate scores; sharp rows, like the x30 ones here, move more: the reason
-    fp8_qk is not the default)."""
-    rng = np.random.default_rng(21)
-    hq, kvh, d, bs = 8, 2, 64, 16
-    q, k, v, md = synthetic.make_batch(rng, [1, 6, 1], [40, 20, 9], block_size=bs, num_q_heads=hq,
-                                       num_kv_heads=kvh, head_dim=d, dtype=jnp.bfloat16, pad_tokens=2)
-    q_plain = q
-    q = q * jnp.linspace(0.01, 30.0, hq)[None, :, None].astype(q.dtype)     # rows far apart in scale
-    fp8 = ops.kv_cache_dtype("fp8", jnp.bfloat16)
-    kw = dict(sm_scale=d ** -0.5, k_scale=jnp.array([0.02, 0.05]), v_scale=jnp.float32(0.03))
-    k8, v8 = ref_attention.quantize_caches(k, v, fp8, kw["k_scale"], kw["v_scale"])
-    ref_q8 = ref_attention.ragged_paged_attention(q, k8, v8, md, fp8_query=True, **kw)
-    for launch in (dict(decode_only=False), dict(decode_only=False, decode_splits=2)):
-        out = ops.paged_attention(q, k8, v8, md, backend="pallas", interpret=True, fp8_qk=True,
-                                  poison_output=True, **launch, **kw)
-        assert max_rel_err(out, ref_q8, md) <= 1e-2
-    out = ops.paged_attention(q_plain, k8, v8, md, backend="pallas", interpret=True, fp8_qk=True, **kw)
-    assert max_rel_err(out, ref_attention.ragged_paged_attention(q_plain, k8, v8, md, **kw), md) < 0.1
-    dec = synthetic.make_batch(rng, [1, 1, 1], [40, 3, 17], block_size=bs, num_q_heads=hq, num_kv_heads=kvh,
-                               head_dim=d, dtype=jnp.bfloat16, pad_tokens=1)
-    qd, kd, vd, mdd = dec
-    kd8, vd8 = ref_attention.quantize_caches(kd, vd, fp8, kw["k_scale"], kw["v_scale"])
-    out = ops.paged_attention(qd, kd8, vd8, mdd, backend="pallas", interpret=True, fp8_qk=True, decode_only=True,
-                              poison_output=True, **kw)
-    assert max_rel_err(out, ref_attention.ragged_paged_attention(qd, kd8, vd8, mdd, fp8_query=True, **kw), mdd) <= 1e-2
-    # the rounding is per row: a row scaled by 2^k rounds to the same mantissas
-    rows = ref_attention.fp8_query_rows(jnp.stack([q[0, 0], q[0, 0] * 4.0]).astype(jnp.float32))
-    np.testing.assert_allclose(np.asarray(rows[1]), np.asarray(rows[0]) * 4.0, rtol=1e-6)
 
 
 def test_ops_dispatch():
@@ -245,7 +189,7 @@ def test_write_kv_and_attend_packed_matches_reference(case):
     kw = dict(sm_scale=0.125)
     if case == "fp8":
         scale = jnp.asarray([0.5, 1.5], jnp.float32)
-        k_cache, v_cache = ref_attention.quantize_caches(k_cache, v_cache, jnp.float8_e4m3fn, scale, scale)
+        k_cache, v_cache = synthetic.quantize_caches(k_cache, v_cache, jnp.float8_e4m3fn, scale, scale)
         kw |= dict(k_scale=scale, v_scale=scale)
     md = dataclasses.replace(md, decode_only=decode_only)
     new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], kvh, 64)), dtype) for _ in range(2))
@@ -293,7 +237,7 @@ def test_packed_write_and_attention_lower_for_cuda(decode_only, prefill_kernel, 
     md = dataclasses.replace(md, decode_only=decode_only)
     qkv = jnp.concatenate([q, q[:, :4]], axis=1)
     if cache:
-        k, v = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn)
+        k, v = synthetic.quantize_caches(k, v, jnp.float8_e4m3fn)
 
     def step(qkv, k, v, md):
         k, v = kv_write_pallas.write_kv_packed(k, v, qkv, md.slot_mapping, num_q_heads=8)
@@ -306,69 +250,54 @@ def test_packed_write_and_attention_lower_for_cuda(decode_only, prefill_kernel, 
     assert "__gpu$xla.gpu.triton" in text and (prefill_kernel != "mgpu" or "mosaic_gpu" in text)
 
 
-@pytest.mark.parametrize("cache", [None, "fp8"])
-def test_transposed_v_pages_give_head_major_output(cache):
-    """``kv_layout="hnd-vt"`` (V pages stored [blocks, kv heads, D, block], gathered as [D, pages, block] tiles;
-    an fp8 cache's default) gives the head-major kernel's output bit for bit in every launch: decode-only,
-    fused (prefill tiles too) and two launches, split and not; its GPU builds lower for CUDA."""
+def test_fp8_cache_transposed_v_pages_in_every_launch():
+    """An fp8 cache's V pages are stored transposed ([blocks, kv heads, D, block], gathered as [D, pages, block]
+    tiles): the reference's rows in the decode-only and the mixed launch, split and not; its GPU build lowers
+    for CUDA; key tiles that do not span whole pages are refused."""
     rng = np.random.default_rng(24)
-    dtype = jnp.bfloat16 if cache else jnp.float32
     q, k, v, md = synthetic.make_batch(rng, [1, 1, 1, 1], [40, 9, 77, 33], block_size=16, num_q_heads=8,
-                                       num_kv_heads=2, head_dim=64, dtype=dtype, pad_tokens=3, pad_reqs=1)
+                                       num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16, pad_tokens=3, pad_reqs=1)
     qm, km, vm, mdm = synthetic.make_batch(rng, [1, 20, 1, 7], [40, 20, 77, 33], block_size=16, num_q_heads=8,
-                                           num_kv_heads=2, head_dim=64, dtype=dtype, pad_tokens=3, pad_reqs=1)
-    kw = dict(sm_scale=0.125, decode_block_k=32, prefill_block_m=16, prefill_block_k=16)
+                                           num_kv_heads=2, head_dim=64, dtype=jnp.bfloat16, pad_tokens=3, pad_reqs=1)
     scale = jnp.asarray([0.5, 1.5], jnp.float32)
-    for q, k, v, md, launches in ((q, k, v, dataclasses.replace(md, decode_only=True), [{}]),
-                                  (qm, km, vm, mdm, [{}, dict(fused=False)])):
-        kv = dict(kw)
-        if cache:                                   # fp8: hnd-vt by default, the head-major pages by name
-            k, vt = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)   # V pages transposed
-            v = ref_attention.quantize_kv(v, jnp.float8_e4m3fn, scale)                     # head-major V pages
-            kv |= dict(k_scale=scale, v_scale=scale)
-            layouts = (dict(kv_layout="hnd"), {})
-        else:
-            vt = jnp.swapaxes(v, 2, 3)
-            layouts = ({}, dict(kv_layout="hnd-vt"))
-        ref = ref_attention.ragged_paged_attention(q, k, vt if cache else v, md, sm_scale=0.125,
-                                                   k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale"))
-        n = int(md.query_start_loc[int(md.num_seqs)])
-        for launch in launches:
-            for splits in (1, 4):
-                opts = dict(interpret=True, poison_output=True, decode_splits=splits, **launch, **kv)
-                base = pa.ragged_paged_attention(q, k, v, md, **layouts[0], **opts)
-                out = pa.ragged_paged_attention(q, k, vt, md, **layouts[1], **opts)
-                assert max_rel_err(out, ref, md) <= TOL[dtype]
-                np.testing.assert_array_equal(np.asarray(out[:n], np.float32), np.asarray(base[:n], np.float32))
+    kw = dict(sm_scale=0.125, decode_block_k=32, prefill_block_m=16, prefill_block_k=16, k_scale=scale,
+              v_scale=scale)
+    for q, k, v, md in ((q, k, v, dataclasses.replace(md, decode_only=True)), (qm, km, vm, mdm)):
+        k, vt = synthetic.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)   # V pages transposed
+        ref = ref_attention.ragged_paged_attention(q, k, vt, md, sm_scale=0.125, k_scale=scale, v_scale=scale)
+        for splits in (1, 4):
+            out = pa.ragged_paged_attention(q, k, vt, md, interpret=True, poison_output=True, decode_splits=splits,
+                                            **kw)
+            assert max_rel_err(out, ref, md) <= TOL[jnp.bfloat16]
         mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
             device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-        fn = jax.jit(functools.partial(pa.ragged_paged_attention, **layouts[1], **kv))
+        fn = jax.jit(functools.partial(pa.ragged_paged_attention, **kw))
         with jax.sharding.use_abstract_mesh(mesh):
             assert "__gpu$xla.gpu.triton" in fn.trace(q, k, vt, md).lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ValueError, match="multiple of block_size"):
-        pa.ragged_paged_attention(q, k, vt, md, **dict(kv, prefill_block_k=8), interpret=True, **layouts[1])
+        pa.ragged_paged_attention(q, k, vt, md, **dict(kw, prefill_block_k=8), interpret=True)
 
 
 @pytest.mark.parametrize("decode_only", [True, False])
 def test_fp8_cache_with_pages_of_128_and_the_mgpu_backend(decode_only):
     """An fp8 cache's transposed V pages with pages of 128 tokens (the CLI allows them): the default key tiles
     grow to a page, decode-only and fused. ``pallas-mgpu`` over an fp8 cache keeps its prefill tokens on the
-    Triton tiles (the Mosaic GPU prefill takes no fp8) instead of refusing the layout; a head-major layout
-    named over transposed V pages is refused, not misread."""
+    Triton tiles (the Mosaic GPU prefill takes no fp8); head-major V pages in an fp8 cache are refused, not
+    misread."""
     rng = np.random.default_rng(25)
     q_lens = [1, 1, 1] if decode_only else [1, 9, 1]
     q, k, v, md = synthetic.make_batch(rng, q_lens, [300, 9, 130], block_size=128, num_q_heads=4, num_kv_heads=2,
                                        head_dim=64, dtype=jnp.bfloat16, pad_tokens=2, pad_reqs=1)
     md = dataclasses.replace(md, decode_only=decode_only)
     scale = jnp.asarray([0.5, 1.5], jnp.float32)
-    k, v = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
+    k, v = synthetic.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
     kw = dict(sm_scale=0.125, k_scale=scale, v_scale=scale)
     ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
     for backend in ("pallas", "pallas-mgpu"):
         out = ops.paged_attention(q, k, v, md, backend=backend, interpret=True, poison_output=True, **kw)
         assert max_rel_err(out, ref, md) <= 1e-2
-    with pytest.raises(ValueError, match="shaped like K"):
-        pa.ragged_paged_attention(q, k, v, md, interpret=True, kv_layout="hnd", **kw)
+    with pytest.raises(ValueError, match="needs V pages"):
+        pa.ragged_paged_attention(q, k, jnp.swapaxes(v, 2, 3), md, interpret=True, **kw)
 
 
 def test_diagonal_at_every_chunk_offset():
@@ -431,7 +360,7 @@ def test_pallas_write_kv_lowers_for_cuda(kvh, cache_dtype):
 # The Mosaic GPU prefill kernel (kernels/prefill_mgpu.py) in Mosaic GPU's interpret mode: its tile schedule,
 # paged TMA reads, causal masks and ragged row stores against the reference. (Interpret mode takes the MMA's
 # A operand from shared memory and adds the P.V product after it; on the GPU both stay in the MMA.)
-MGPU = dict(prefill_kernel="mgpu", fused=False, decode_block_k=16)
+MGPU = dict(prefill_kernel="mgpu", decode_block_k=16)
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens,hq,kvh,d,bs,block_kv", [
@@ -476,17 +405,3 @@ def test_mgpu_prefill_scope_and_dispatch():
     for backend in ("pallas", "pallas-triton", "pallas-mgpu"):
         out = ops.paged_attention(q, k, v, md, sm_scale=0.125, backend=backend, interpret=True)
         assert max_rel_err(out, ref, md) <= 1e-2, backend
-
-
-@pytest.mark.parametrize("d,bs,block_kv,stages,pad", [(128, 16, 128, 2, 7), (64, 32, 64, 3, 3)])
-def test_mgpu_prefill_lowers_for_cuda(d, bs, block_kv, stages, pad):
-    """The GPU build of the kernel (MMA from registers, accumulation in the MMA: paths interpret mode does not
-    take) lowers to Mosaic GPU for CUDA here on CPU, so layout and tiling errors show without a GPU; token
-    counts 208 and 204 (a multiple of 8 and not)."""
-    from jaxserve.kernels import prefill_mgpu
-    rng = np.random.default_rng(6)
-    q, k, v, md = synthetic.make_batch(rng, [200, 1], [300, 40], block_size=bs, num_q_heads=4, num_kv_heads=2,
-                                       head_dim=d, dtype=jnp.bfloat16, pad_tokens=pad, pad_reqs=1)
-    fn = jax.jit(functools.partial(prefill_mgpu.prefill_attention, sm_scale=0.1, block_kv=block_kv, stages=stages))
-    text = fn.trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text

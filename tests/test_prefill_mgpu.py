@@ -1,4 +1,4 @@
-"""The persistent variant of the Mosaic GPU prefill kernel (``kernels/prefill_mgpu.py``, ``persistent=True``).
+"""The Mosaic GPU prefill kernel's persistent programs (``kernels/prefill_mgpu.py``).
 
 Interpret mode on CPU against the pure-jnp reference: a few programs each loop over many work items (empty
 ones, ragged tiles, tiles of different lengths), so the protocol across items (K/V steps numbered across
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.kernels import prefill_mgpu, ref_attention, synthetic
+import synthetic
+from jaxserve.kernels import prefill_mgpu, ref_attention
 
 RACES = plgpu.InterpretGPUParams(detect_races=True)     # prints "RACE DETECTED" for each race
 
@@ -51,7 +52,7 @@ def test_persistent_matches_reference(q_lens, ctx_lens, hq, kvh, d, bs, block_kv
     q, k, v, md = _batch(hq * 10 + bs, q_lens, ctx_lens, hq=hq, kvh=kvh, d=d, bs=bs)
     ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=d ** -0.5)
     out = prefill_mgpu.prefill_attention(q, k, v, md, sm_scale=d ** -0.5, block_kv=block_kv, stages=stages,
-                                         interpret=RACES, persistent=True, num_programs=num_programs)
+                                         interpret=RACES, num_programs=num_programs)
     assert "RACE DETECTED" not in capsys.readouterr().out
     assert out.shape == q.shape and out.dtype == q.dtype
     rows = _prefill_rows(md, q_lens)
@@ -61,37 +62,19 @@ def test_persistent_matches_reference(q_lens, ctx_lens, hq, kvh, d, bs, block_kv
     assert err <= 1e-2, f"max rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("block_kv", [64, 128])
-def test_persistent_equals_one_tile_kernel(block_kv, capsys):
-    """Same tiles, same arithmetic: the persistent kernel's rows are bit-identical to the one-tile kernel's;
-    one program runs all 4 x 5 items (block_kv 128: with half-width last steps in both)."""
-    q_lens, ctx_lens = [70, 1, 130], [90, 9, 130]
-    q, k, v, md = _batch(3, q_lens, ctx_lens, hq=4, kvh=2, d=64, bs=16)
-    f = functools.partial(prefill_mgpu.prefill_attention, q, k, v, md, sm_scale=0.125, block_kv=block_kv,
-                          interpret=RACES)
-    rows = _prefill_rows(md, q_lens)
-    one_tile = np.asarray(f()[rows], np.float32)
-    np.testing.assert_array_equal(np.asarray(f(persistent=True, num_programs=1)[rows], np.float32), one_tile)
-    assert "RACE DETECTED" not in capsys.readouterr().out
-    want = np.asarray(ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=0.125)[rows], np.float32)
-    assert float(np.abs(one_tile - want).max() / np.abs(want).max()) <= 1e-2
-
-
 def test_persistent_shared_memory():
     """The Q staging buffer costs 32 KiB at head_dim 128: 224 KiB of 227 at block_kv 128, 2 stages."""
     q, k = jnp.zeros((8, 4, 128), jnp.bfloat16), jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
-    assert prefill_mgpu.smem_bytes(128, 128, 2, persistent=True) == 224 * 1024
-    assert prefill_mgpu.supported(q, k, persistent=True)
-    assert not prefill_mgpu.supported(q, k, block_kv=64, stages=5, persistent=True)
-    assert prefill_mgpu.supported(q, k, block_kv=64, stages=5)      # where prefill_attention falls back
+    assert prefill_mgpu.smem_bytes(128, 128, 2) == 224 * 1024
+    assert prefill_mgpu.supported(q, k)
+    assert not prefill_mgpu.supported(q, k, block_kv=64, stages=5)
     q64, k64 = jnp.zeros((8, 4, 64), jnp.bfloat16), jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
-    assert prefill_mgpu.supported(q64, k64, stages=3, persistent=True)
+    assert prefill_mgpu.supported(q64, k64, stages=3)
 
 
 @pytest.mark.parametrize("d,bs,block_kv,stages,pad", [
     (128, 16, 128, 2, 7),   # the benchmarked configuration: 224 KiB of shared memory
     (64, 32, 64, 3, 3),
-    (128, 16, 64, 5, 7),    # the persistent layout does not fit (256 KiB): the one-tile kernel lowers
     (64, 16, 256, 2, 3),    # half-width steps of 128 keys
 ])
 def test_persistent_lowers_for_cuda(d, bs, block_kv, stages, pad):
@@ -99,7 +82,7 @@ def test_persistent_lowers_for_cuda(d, bs, block_kv, stages, pad):
     shared-memory limit); token counts 208 and 204 (a multiple of 8 and not)."""
     q, k, v, md = _batch(6, [200, 1], [300, 40], hq=4, kvh=2, d=d, bs=bs, pad_tokens=pad)
     fn = jax.jit(functools.partial(prefill_mgpu.prefill_attention, sm_scale=0.1, block_kv=block_kv,
-                                   stages=stages, persistent=True))
+                                   stages=stages))
     text = fn.trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -135,7 +118,7 @@ def test_persistent_snake_deal_covers_every_item(capsys):
     rows unwritten (NaN)."""
     q, k, v, md = _batch(9, [512], [512], hq=1, kvh=1, d=64, bs=16, pad_tokens=0, pad_reqs=0)
     out = prefill_mgpu.prefill_attention(q, k, v, md, sm_scale=0.125, block_kv=64, interpret=RACES,
-                                         persistent=True, num_programs=3)
+                                         num_programs=3)
     assert "RACE DETECTED" not in capsys.readouterr().out
     got = np.asarray(out, np.float32)
     assert not np.isnan(got).any(), "a tile was never computed"

@@ -164,7 +164,8 @@ def _pallas_under_shard_map() -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxserve import parallel
-    from jaxserve.kernels import ops, ref_attention, synthetic
+    import synthetic
+    from jaxserve.kernels import ops
     from jaxserve.parallel import attention as tp_attention
 
     rng, out = np.random.default_rng(0), {}
@@ -189,7 +190,7 @@ def _pallas_under_shard_map() -> dict:
             *(float(jnp.abs(g[1:] - w[1:]).max()) for g, w in zip(got[1:], want[1:])))   # block 0: padding
         # an fp8 cache with per-head scales: each device gets its kv heads' scales (replicated heads: its one)
         scale = jnp.linspace(0.5, 2.0, kvh).astype(jnp.float32)
-        k8, v8 = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
+        k8, v8 = synthetic.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
         fp8 = dict(k_scale=scale, v_scale=scale)
         for backend in ("reference", "pallas"):
             extra = dict(interpret=True) if backend == "pallas" else {}

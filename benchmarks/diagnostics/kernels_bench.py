@@ -39,7 +39,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as stock  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
-from jaxserve.kernels import ops as kernel_ops, paged_attention_pallas as pa, ref_attention, synthetic  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "tests"))
+import synthetic  # noqa: E402  (tests/synthetic.py: random ragged batches)
+from jaxserve.kernels import ops as kernel_ops, paged_attention_pallas as pa, ref_attention  # noqa: E402
 from jaxserve.kernels.metadata import AttentionMetadata  # noqa: E402
 
 # Decode attention only reads K/V: its ceiling is the chip's read bandwidth (configs/hardware/h200.yaml).
@@ -198,7 +201,7 @@ def section_correctness(S, rows):
             scale = None
             if cache and cache.startswith("fp8"):
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
+                k, v = synthetic.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
             kw = dict(sm_scale=S.d ** -0.5, soft_cap=cap, sliding_window=win, k_scale=scale, v_scale=scale)
             ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
             extra = dict(dot_dtype=jnp.float16) if cache == "fp8-f16" else {}
@@ -250,7 +253,7 @@ def check_packed(S) -> bool:
             kw = dict(sm_scale=S.d ** -0.5)
             if cache == "fp8":
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                kc, vc = ref_attention.quantize_caches(kc, vc, jnp.float8_e4m3fn, scale, scale)
+                kc, vc = synthetic.quantize_caches(kc, vc, jnp.float8_e4m3fn, scale, scale)
                 kw |= dict(k_scale=scale, v_scale=scale)
             k, v = (jnp.asarray(rng.standard_normal((q.shape[0], S.kvh, S.d)), jnp.bfloat16) for _ in range(2))
             want = kernel_ops.write_kv_and_attend(q, k, v, kc, vc, md, **kw)
@@ -281,7 +284,7 @@ def check_decode_only(S) -> bool:
             scale = None
             if cache == "fp8":
                 scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = ref_attention.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
+                k, v = synthetic.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
             kw = dict(sm_scale=S.d ** -0.5, k_scale=scale, v_scale=scale)
             ref = np.asarray(ref_attention.ragged_paged_attention(q, k, v, md, **kw), np.float32)
             out = np.asarray(pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
@@ -352,7 +355,7 @@ def section_decode_main(S, rows):
     log(f"| stock pallas.ops.gpu.paged_attention | {t * 1e6:.1f} us | {tbs:.2f} TB/s | {pct(tbs):.0f}% |")
     rows.append((f"decode B={B} ctx={ctx}: stock", f"{t * 1e6:.1f} us, {tbs:.2f} TB/s"))
     stock_tbs = tbs
-    # default: the fused launch (any step); decode_only: the launch the engine runs for uniform decode steps
+    # default: the mixed launch (any step); decode_only: the launch the engine runs for uniform decode steps
     variants = [dict(), dict(decode_only=True), dict(decode_only=True, decode_stages=2), dict(decode_splits=2)]
     if S.interpret:
         variants = variants[:2]

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import jax.numpy as jnp
 
-from .metadata import AttentionMetadata
-from .ops import kv_cache_shapes
-from .ref_attention import v_transposed
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.kernels.ops import kv_cache_shapes
+from jaxserve.kernels.ref_attention import quantize_kv, v_transposed
 
 
 def make_batch(rng: np.random.Generator, q_lens, ctx_lens, *, block_size: int, num_q_heads: int,
@@ -65,3 +65,11 @@ def slot_major(cache, is_v: bool = False) -> np.ndarray:
         x = np.swapaxes(x, 2, 3)
     nb, kvh, bs, d = x.shape
     return np.swapaxes(x, 1, 2).reshape(nb * bs, kvh, d)
+
+
+def quantize_caches(k_cache, v_cache, cache_dtype, k_scale=None, v_scale=None):
+    """Whole head-major caches ``[num_blocks, kv_heads, block_size, D]`` cast (fp8: scaled and saturated) to
+    ``cache_dtype``, V transposed where that dtype wants it (``v_transposed``): caches as the engine keeps them."""
+    if v_transposed(cache_dtype):
+        v_cache = jnp.swapaxes(v_cache, 2, 3)
+    return quantize_kv(k_cache, cache_dtype, k_scale), quantize_kv(v_cache, cache_dtype, v_scale)

@@ -8,7 +8,7 @@ kernel of ``prefill_mgpu`` where it applies). ``pallas-triton`` keeps every step
 (the K/V write, then attention over the cache that now holds the step's tokens).
 An fp8 cache (``kv_cache_dtype="fp8"``, e4m3) takes ``k_scale``/``v_scale`` (scalar or ``[kv_heads]``,
 None = 1.0) in both ``write_kv`` and ``paged_attention``; pass the same scales to both. Its V pages are stored
-transposed (``kv_cache_shapes``); the reference and the Triton kernels read and write that layout (the Mosaic
+transposed (``kv_cache_shapes``; ``init_kv_caches`` makes the caches); the reference and the Triton kernels read and write that layout (the Mosaic
 GPU prefill takes no fp8 cache: such steps keep their prefill tokens on the Triton tiles).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .metadata import AttentionMetadata
 
 BACKENDS = ("reference", "pallas", "pallas-triton", "pallas-mgpu")
 _PREFILL_KERNEL = {"pallas": "auto", "pallas-triton": "triton", "pallas-mgpu": "mgpu"}
-KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32")
 
 
 def default_backend() -> str:
@@ -29,36 +29,40 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of one layer's K (or V) cache: ``[num_blocks, kv_heads, block_size, head_dim]``.
-
-    Head-major pages: one head's ``block_size`` rows of a page are one contiguous run (4 KiB in bf16 at
-    d=128, pages of 16), where token-major pages ``[blocks, block, kv_heads, d]`` scatter them as 16 rows a
-    ``kv_heads * d`` stride apart. Same decode kernel, bit-identical output; on the H200 (2026-11-30, two runs
-    of ``decode_probe.py --sections layout``) B=1 ctx 32768 took 54.3 / 54.4 us against 78.3 / 62.7, fp8
-    B=64 ctx 8192 293.4 / 292.3 against 311.9 / 319.4, B=64 ctx 2048 bf16 140.1 / 152.9 against 156.9 /
-    153.1; no case was slower by more than 0.4 % except fp8 at B=1 in run 1.
-    """
-    return (num_blocks, num_kv_heads, block_size, head_dim)
-
-
 def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of one layer's ``(k_cache, v_cache)`` stored in ``dtype``: both ``kv_cache_shape``, except that an
-    fp8 cache's V pages are transposed, ``[num_blocks, kv_heads, head_dim, block_size]``
-    (``ref_attention.v_transposed`` says why). When ``head_dim == block_size`` the two V layouts have the same
-    shape: the dtype alone says which one a cache holds."""
-    k_shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    """Shapes of one layer's ``(k_cache, v_cache)`` stored in ``dtype``: head-major pages ``[num_blocks,
+    kv_heads, block_size, head_dim]``, except that an fp8 cache's V pages are transposed, ``[num_blocks,
+    kv_heads, head_dim, block_size]`` (``ref_attention.v_transposed`` says why). When ``head_dim ==
+    block_size`` the two V layouts have the same shape: the dtype alone says which one a cache holds.
+
+    Head-major pages: one head's ``block_size`` rows of a page are one contiguous run (4 KiB in bf16 at d=128,
+    pages of 16), where token-major pages ``[blocks, block, kv_heads, d]`` scatter them ``kv_heads * d``
+    apart; same output, and the decode kernel reads head-major pages faster.
+    """
+    k_shape = (num_blocks, num_kv_heads, block_size, head_dim)
     if ref_attention.v_transposed(dtype):
         return k_shape, (num_blocks, num_kv_heads, head_dim, block_size)
     return k_shape, k_shape
 
 
-def kv_cache_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
-    """The cache's storage dtype for ``--kv-cache-dtype`` (``auto`` = the model's dtype, ``fp8`` = e4m3)."""
-    if kv_cache_dtype == "auto":
+def init_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,
+                   *, sharding=None) -> list[tuple[jax.Array, jax.Array]]:
+    """One zeroed ``(k_cache, v_cache)`` pair per layer, shaped as ``kv_cache_shapes`` says: the engine's cache
+    (placed with ``sharding``, e.g. split over "tp" on kv heads) or, inside a jitted call, a scratch cache."""
+    shapes = kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+
+    def zeros(shape):
+        return jnp.zeros(shape, dtype) if sharding is None else jnp.zeros(shape, dtype, device=sharding)
+    return [tuple(map(zeros, shapes)) for _ in range(num_layers)]
+
+
+def kv_cache_dtype(kv_cache_dtype: str | None, model_dtype) -> jnp.dtype:
+    """The cache's storage dtype for ``--kv-cache-dtype``: ``auto`` (or None) = the model's dtype, ``fp8`` /
+    ``fp8_e4m3`` = e4m3, or a float dtype by name."""
+    if kv_cache_dtype in ("auto", None):
         return jnp.dtype(model_dtype)
-    if kv_cache_dtype == "fp8":
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return jnp.dtype(ref_attention.FP8_DTYPE)
     if kv_cache_dtype in KV_CACHE_DTYPES:
         return jnp.dtype(kv_cache_dtype)

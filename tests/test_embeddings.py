@@ -324,8 +324,8 @@ def hidden_alone(tiny_llama):
     def run(params, ids):
         n = ids.shape[0]
         blocks = -(-n // block_size)
-        shape = ops.kv_cache_shape(1 + blocks, block_size, TINY_LLAMA.num_kv_heads, TINY_LLAMA.head_dim)
-        caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(TINY_LLAMA.num_layers)]
+        caches = ops.init_kv_caches(TINY_LLAMA.num_layers, 1 + blocks, block_size, TINY_LLAMA.num_kv_heads,
+                                    TINY_LLAMA.head_dim, jnp.float32)
         md = AttentionMetadata(slot_mapping=jnp.arange(block_size, block_size + n, dtype=jnp.int32),
                                block_tables=jnp.arange(1, 1 + blocks, dtype=jnp.int32)[None],
                                seq_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32),

@@ -153,7 +153,18 @@ def test_ops_dispatch():
         ops.paged_attention(q, k, v, md, sm_scale=0.125, backend="pallas")     # compiled Pallas on CPU
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         ops.kv_cache_dtype("int4", jnp.bfloat16)
-    assert ops.kv_cache_dtype("auto", jnp.bfloat16) == jnp.bfloat16
+    assert ops.kv_cache_dtype("auto", jnp.bfloat16) == ops.kv_cache_dtype(None, jnp.bfloat16) == jnp.bfloat16
+    assert ops.kv_cache_dtype("fp8_e4m3", jnp.bfloat16) == ops.kv_cache_dtype("fp8", jnp.float32) == jnp.float8_e4m3fn
+
+
+def test_init_kv_caches():
+    """One zeroed (K, V) pair per layer; an fp8 cache's V pages transposed."""
+    caches = ops.init_kv_caches(2, 5, 16, 3, 64, jnp.float8_e4m3fn)
+    assert len(caches) == 2
+    assert [(c.shape, c.dtype) for c in caches[1]] == [((5, 3, 16, 64), jnp.float8_e4m3fn), ((5, 3, 64, 16), jnp.float8_e4m3fn)]
+    assert not any(c.astype(jnp.float32).any() for pair in caches for c in pair)
+    k, v = ops.init_kv_caches(1, 5, 16, 3, 64, jnp.bfloat16)[0]
+    assert k.shape == v.shape == (5, 3, 16, 64) and v.dtype == jnp.bfloat16
 
 
 def test_write_kv_then_attend_sees_new_tokens():

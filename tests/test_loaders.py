@@ -229,6 +229,7 @@ MESH_SCRIPT = textwrap.dedent("""
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
+    from jaxserve.kernels import ops
     from jaxserve.kernels.metadata import AttentionMetadata
     from jaxserve.models.loader import load_model
     path = sys.argv[1]
@@ -256,7 +257,7 @@ MESH_SCRIPT = textwrap.dedent("""
                            seq_lens=jnp.array([10], jnp.int32), query_start_loc=jnp.array([0, 10], jnp.int32),
                            num_seqs=jnp.array(1, jnp.int32))
     def logits(m):
-        caches = m.family.init_kv_caches(m.config, 4, 4, jnp.float32)
+        caches = ops.init_kv_caches(m.config.num_layers, 4, 4, m.config.num_kv_heads, m.config.head_dim, jnp.float32)
         fn = jax.jit(lambda p, c: m.family.compute_logits(p, m.family.forward(p, c, ids, jnp.arange(10), md, m.config)[0], m.config))
         return np.asarray(fn(m.params, caches))
     err = np.abs(logits(ref) - logits(tp)).max()

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.models import llama
 from jaxserve.models.configs import model_config_from_hf
@@ -35,7 +36,8 @@ class PagedRunner:
         pool = list(range(1, num_blocks))               # block 0 is the null block
         random.Random(seed).shuffle(pool)
         self.tables = [pool[r * self.max_blocks:(r + 1) * self.max_blocks] for r in range(max_reqs)]
-        self.caches = model.family.init_kv_caches(self.cfg, num_blocks, block_size, model.dtype)
+        self.caches = ops.init_kv_caches(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads,
+                                         self.cfg.head_dim, model.dtype)
         self._step = jax.jit(functools.partial(_step, cfg=self.cfg), donate_argnums=(1,))
 
     def step(self, chunks: list[tuple[int, list[int], int]], num_tokens: int, logits_rows: list[int] | None = None):

@@ -117,8 +117,8 @@ def decode_inputs(S: Sizes, B, ctx, *, seed=0, cache_dtype=None):
     rng = np.random.default_rng(seed)
     tables = np.stack([rng.choice(pool - 1, need, replace=False).reshape(B, pages) + 1 for _ in range(n_rot)])
     kk, kv_, kq = jax.random.split(jax.random.key(seed), 3)
-    k = jax.random.normal(kk, kernel_ops.kv_cache_shape(pool, S.bs, S.kvh, S.d), jnp.bfloat16)
-    v = jax.random.normal(kv_, kernel_ops.kv_cache_shape(pool, S.bs, S.kvh, S.d), jnp.bfloat16)
+    k = jax.random.normal(kk, kernel_ops.kv_cache_shapes(pool, S.bs, S.kvh, S.d, jnp.bfloat16)[0], jnp.bfloat16)
+    v = jax.random.normal(kv_, kernel_ops.kv_cache_shapes(pool, S.bs, S.kvh, S.d, jnp.bfloat16)[0], jnp.bfloat16)
     if cache_dtype is not None:
         k, v = k.astype(cache_dtype), v.astype(cache_dtype)
     q = jax.random.normal(kq, (B, S.hq, S.d), jnp.bfloat16)

@@ -17,7 +17,6 @@ import os
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import InvalidRequestError
@@ -318,10 +317,9 @@ class Embedder:
     def _decoder_fn(self, params, ids, positions, md):
         cfg = self.config
         num_blocks = 1 + md.block_tables.shape[0] * md.block_tables.shape[1]
-        shape = ops.kv_cache_shape(num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        dtype = self.model.dtype
         # scratch cache: allocated and dropped inside this call (XLA temp memory), never an input
-        caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+        caches = ops.init_kv_caches(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    self.model.dtype)
         hidden, _ = self.model.family.forward(params, caches, ids, positions, md, cfg,
                                               attn_backend=self.attn_backend)
         return pool_ragged(hidden, md.query_start_loc, md.num_seqs, self.pooling.pooling_type)

@@ -183,9 +183,6 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return self.req_to_blocks.get(request_id, [])
-
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (physical block ids, a fresh list); empty if it holds none."""
         ids = self.req_to_block_ids.get(request_id)

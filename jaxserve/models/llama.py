@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve import parallel
 # kernels.ops's write_kv_and_attend, wrapped in shard_map over "tp" when the step runs under a mesh
@@ -114,14 +113,6 @@ def _dummy_init_fn(kind: str, shape: tuple, dtype, sharding):
         return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
     return jax.jit(lambda key: jax.random.normal(key, shape, dtype) * jnp.asarray(0.02, dtype),
                    out_shardings=sharding)
-
-
-def init_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, *, mesh=None) -> list:
-    """One ``(k_cache, v_cache)`` pair per layer, zeros, shaped as ``kernels.ops.kv_cache_shapes`` says."""
-    k_shape, v_shape = ops.kv_cache_shapes(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-    sharding = parallel.kv_cache_sharding(mesh, cfg) if mesh is not None else None
-    zeros_k, zeros_v = (jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=sharding) for s in (k_shape, v_shape))
-    return [(zeros_k(), zeros_v()) for _ in range(cfg.num_layers)]
 
 
 # ------------------------------------------------------------------------------------------------- RoPE

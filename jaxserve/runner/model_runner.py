@@ -195,7 +195,8 @@ class ModelRunner:
         self.max_logprobs = config.max_logprobs
         self.vocab_size = self.cfg.vocab_size
         self.stats = RunnerStats()
-        self.kv_dtype = self._kv_cache_dtype()
+        self.kv_dtype = kernel_ops.kv_cache_dtype(config.cache.kv_cache_dtype,
+                                                  jax.tree_util.tree_leaves(model.params)[0].dtype)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._init_kv_caches()
         # Under a mesh every step output has a declared sharding (the cache's own, the rest replicated), and
@@ -247,14 +248,6 @@ class ModelRunner:
         return jnp.zeros(shape, dtype) if self._replicated is None else jnp.zeros(shape, dtype, device=self._replicated)
 
     # ---------------------------------------------------------------- KV cache sizing
-    def _kv_cache_dtype(self):
-        dt = self.config.cache.kv_cache_dtype
-        if dt in ("auto", None):
-            return jax.tree_util.tree_leaves(self.model.params)[0].dtype
-        if dt in ("fp8", "fp8_e4m3"):
-            return jnp.float8_e4m3fn
-        return jnp.dtype(dt)
-
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes on each device (the cache is split over "tp" by kv heads)."""
         c = self.cfg
@@ -295,17 +288,12 @@ class ModelRunner:
         return n
 
     def _init_kv_caches(self):
-        shapes = kernel_ops.kv_cache_shapes(self.num_blocks, self.block_size, self.cfg.num_kv_heads,
-                                            self.cfg.head_dim, self.kv_dtype)
         sharding = None
         if self.mesh is not None:
             from jaxserve.parallel import kv_cache_sharding
             sharding = kv_cache_sharding(self.mesh, self.cfg)
-
-        def zeros(shape):
-            return jnp.zeros(shape, self.kv_dtype, device=sharding) if sharding is not None \
-                else jnp.zeros(shape, self.kv_dtype)
-        return [tuple(map(zeros, shapes)) for _ in range(self.cfg.num_layers)]
+        return kernel_ops.init_kv_caches(self.cfg.num_layers, self.num_blocks, self.block_size, self.cfg.num_kv_heads,
+                                         self.cfg.head_dim, self.kv_dtype, sharding=sharding)
 
     # ---------------------------------------------------------------- inputs
     def bucket_for(self, num_tokens: int) -> int:
@@ -505,10 +493,6 @@ class ModelRunner:
         st.device_ms += (time.perf_counter() - t0) * 1e3
         st.steps += 1
         st.tokens += pending.num_tokens
-
-    def execute(self, scheduled) -> StepResult:
-        """One step, synchronously (dispatch then collect)."""
-        return self.collect(self.dispatch(scheduled))
 
     # ---------------------------------------------------------------- warm-up
     def _padding_inputs(self, T: int):

@@ -26,8 +26,7 @@ CHUNK = 256
 def _score_fn(family, cfg, backend, block_size, k, dtype, params, ids, targets, md):
     S = ids.shape[0]
     num_blocks = 1 + md.block_tables.shape[1]
-    shape = kernel_ops.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    caches = kernel_ops.init_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
     hidden, _ = family.forward(params, caches, ids, jnp.arange(S, dtype=jnp.int32), md, cfg, attn_backend=backend)
 
     def chunk(args):

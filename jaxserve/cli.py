@@ -136,7 +136,7 @@ def _apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str]) -> None
 
 def _setup_distributed(a) -> None:
     if a.distributed_coordinator or a.num_processes > 1:
-        from jaxserve.parallel import distributed
+        from jaxserve.executor import distributed
         distributed.initialize(a.distributed_coordinator, a.num_processes, a.process_id)
 
 
@@ -149,9 +149,9 @@ def _is_follower() -> bool:
 
 def cmd_follow(a) -> int:
     """A process other than 0 under jax.distributed: build the same engine (same weights, same warm-up),
-    then launch every step process 0 sends until it stops (jaxserve.parallel.distributed)."""
+    then launch every step process 0 sends until it stops (jaxserve.executor.distributed)."""
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.parallel import follow_runner
+    from jaxserve.executor import follow_runner
     engine = LLMEngine(engine_config_from_args(a), progress=False)
     steps = follow_runner(engine.runner)
     print(f"process {a.process_id}: followed {steps} steps", file=sys.stderr)

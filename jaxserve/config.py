@@ -79,7 +79,7 @@ class ParallelConfig:
     num_processes: int = 1
     process_id: int = 0
     # "uni": this process drives every device of the mesh; "mp": one process per device on this host (the
-    # engine spawns tensor_parallel_size - 1 workers that follow process 0's steps; jaxserve/parallel/launcher.py)
+    # engine spawns tensor_parallel_size - 1 workers that follow process 0's steps; jaxserve/executor/launcher.py)
     distributed_executor_backend: str = "uni"
     # the row-parallel layers' all-reduce of small steps through the CUDA one-shot kernel
     # (jaxserve/parallel/collectives.py) where it can run (GPUs, one process per GPU); True keeps XLA's

@@ -1,8 +1,9 @@
-"""Compile a CUDA source of ``kernels/`` into a shared library on first use (the custom all-reduce, the decode GEMV).
+"""Compile a CUDA source of ``kernels/`` into a shared library on first use (the custom all-reduce).
 
 The machine's ``nvcc`` (``$JAXSERVE_NVCC``, ``$CUDA_HOME/bin``, ``PATH`` or ``/usr/local/cuda/bin``) builds it for
 the given GPU architecture into a cache folder (``$JAXSERVE_KERNEL_CACHE``, else ``~/.cache/jaxserve/kernels``),
-keyed by the source, the compiler's version, the architecture and XLA's FFI headers.
+keyed by the source, the compiler's version, the architecture and XLA's FFI headers. The variables are read
+through ``jaxserve.envs``.
 """
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from jaxserve import envs
+
 
 def find_nvcc() -> str | None:
-    for cand in (os.environ.get("JAXSERVE_NVCC"),
-                 os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None,
+    cuda_home = envs.CUDA_HOME
+    for cand in (envs.JAXSERVE_NVCC, os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None,
                  shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
@@ -23,9 +26,7 @@ def find_nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("JAXSERVE_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "jaxserve", "kernels")
-    return Path(base)
+    return Path(envs.JAXSERVE_KERNEL_CACHE or os.path.join(envs.XDG_CACHE_HOME, "jaxserve", "kernels"))
 
 
 def nvcc_command(nvcc: str, source: Path, out: Path, arch: str) -> list[str]:
@@ -41,7 +42,7 @@ def build(source: Path, *, arch: str | None = None, error: type[Exception] = Run
     nvcc = find_nvcc()
     if nvcc is None:
         raise error("no nvcc found (set JAXSERVE_NVCC or CUDA_HOME)")
-    arch = arch or os.environ.get("JAXSERVE_CUDA_ARCH", "native")
+    arch = arch or envs.JAXSERVE_CUDA_ARCH
     try:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass, field, fields
+
+from jaxserve import envs
 
 
 @dataclass
@@ -82,7 +83,7 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     kw = {f.name: getattr(ns, f.name) for f in fields(ServerArgs) if getattr(ns, f.name, None) is not None}
     args = ServerArgs(**kw)
     if args.api_key is None:
-        args.api_key = os.environ.get("JAXSERVE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+        args.api_key = envs.JAXSERVE_API_KEY or envs.VLLM_API_KEY
     if isinstance(args.served_model_name, str):
         args.served_model_name = [args.served_model_name]
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:

@@ -25,9 +25,9 @@ TIMEOUT_S = 300
 
 
 def _process_main(process_id: int, port: int) -> None:
-    from jaxserve import parallel
+    from jaxserve import executor, parallel
 
-    assert parallel.initialize(f"127.0.0.1:{port}", 2, process_id) is True
+    assert executor.initialize(f"127.0.0.1:{port}", 2, process_id) is True
     import jax
 
     from tp_greedy import GreedyDecoder, random_params, tiny_config
@@ -36,12 +36,12 @@ def _process_main(process_id: int, port: int) -> None:
     cfg = tiny_config(8, 4)
     mesh = parallel.make_mesh(2)
     decoder = GreedyDecoder(cfg, random_params(cfg, seed=3), mesh, max_new_tokens=MAX_NEW_TOKENS)
-    channel = parallel.StepChannel()
-    if parallel.is_driver():
+    channel = executor.StepChannel()
+    if executor.is_driver():
         tokens, logits = decoder.generate(channel)
         report = {"tokens": tokens, "logits": logits.tolist(), "steps_sent": channel.steps_sent}
     else:
-        report = {"followed": parallel.follow_steps(channel, decoder.run_step)}
+        report = {"followed": executor.follow_steps(channel, decoder.run_step)}
 
     # LLMEngine wraps process 0's runner in BroadcastingRunner itself (its StepChannel is the second one
     # created on every process, after the one above)
@@ -49,8 +49,8 @@ def _process_main(process_id: int, port: int) -> None:
     # must size the sharded cache alike, to the smaller count
     llm = _engine_llm(tensor_parallel_size=2, kv_bytes=(1 << 20) if process_id == 0 else 12 * 4096)
     report = report | {"num_kv_blocks": llm.engine.runner.num_blocks}
-    if parallel.is_driver():
-        assert isinstance(llm.engine.runner, parallel.BroadcastingRunner)
+    if executor.is_driver():
+        assert isinstance(llm.engine.runner, executor.BroadcastingRunner)
         from jaxserve.errors import InvalidRequestError
         from jaxserve.sampling_params import SamplingParams
         try:    # an extra computation only process 0 would launch: refused, not a hang
@@ -62,7 +62,7 @@ def _process_main(process_id: int, port: int) -> None:
         llm.engine.runner.stop()
         report["engine_steps_sent"] = llm.engine.runner.channel.steps_sent
     else:
-        report["engine_followed"] = parallel.follow_runner(llm.engine.runner)
+        report["engine_followed"] = executor.follow_runner(llm.engine.runner)
     print(json.dumps(report), flush=True)
     jax.distributed.shutdown()
 
@@ -176,7 +176,7 @@ def test_cli_three_processes_smollm2_tp3(tmp_path):
 
 
 def test_initialize_single_process_is_a_no_op(monkeypatch):
-    from jaxserve.parallel import distributed
+    from jaxserve.executor import distributed
 
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -187,7 +187,7 @@ def test_initialize_single_process_is_a_no_op(monkeypatch):
 
 
 def test_step_channel_single_process():
-    from jaxserve.parallel import StepChannel
+    from jaxserve.executor import StepChannel
 
     channel = StepChannel()
     channel.send({"x": np.arange(3)})   # one process: nothing to broadcast to
@@ -201,7 +201,7 @@ def test_socket_step_transport(monkeypatch):
     EOF on the workers, a worker exiting is an error on process 0's next sends, and accept gives up."""
     import threading
 
-    from jaxserve.parallel import distributed
+    from jaxserve.executor import distributed
 
     monkeypatch.setattr(distributed, "is_driver", lambda: True)
     fan = distributed.SocketFanout()
@@ -290,7 +290,7 @@ def test_mp_executor_follows_multi_step_decoding():
 
 def test_mp_executor_is_only_started_when_asked():
     from jaxserve.config import EngineConfig, ParallelConfig
-    from jaxserve.parallel import launcher
+    from jaxserve.executor import launcher
 
     assert launcher.maybe_start(EngineConfig()) is None                                   # uni, tp 1
     assert launcher.maybe_start(EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2))) is None

@@ -319,8 +319,8 @@ def _smollm2_worker() -> dict:
 
 def _step_args(dec):
     from jaxserve.kernels.metadata import AttentionMetadata
-    from jaxserve import parallel
-    p = parallel.shard_step_inputs(dec.mesh, dec.build_inputs())
+    from tp_greedy import shard_step_inputs
+    p = shard_step_inputs(dec.mesh, dec.build_inputs())
     md = AttentionMetadata(p["slot_mapping"], p["block_tables"], p["seq_lens"], p["query_start_loc"],
                            p["num_seqs"])
     return p["input_ids"], p["positions"], md, p["logits_idx"]

@@ -54,7 +54,6 @@ class GreedyDecoder:
         self.blocks_per_seq = -(-self.max_len // BLOCK_SIZE)
         self.num_tokens = -(-sum(map(len, prompts)) // 8) * 8
         num_blocks = 1 + len(prompts) * self.blocks_per_seq
-        shape = ops.kv_cache_shape(num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
         dtype = jax.tree.leaves(params)[0].dtype
         if mesh is None:
             self.params = params
@@ -64,8 +63,8 @@ class GreedyDecoder:
             # from host numpy: every process passes the same values and keeps only its shards
             self.params = jax.device_put(jax.tree.map(np.asarray, params), shardings)
             cache_sharding = parallel.kv_cache_sharding(mesh, cfg)
-        self.kv_caches = [(jnp.zeros(shape, dtype, device=cache_sharding),
-                           jnp.zeros(shape, dtype, device=cache_sharding)) for _ in range(cfg.num_layers)]
+        self.kv_caches = ops.init_kv_caches(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
+                                            dtype, sharding=cache_sharding)
         self._step = jax.jit(parallel.bind_mesh(self._step_fn, mesh), donate_argnums=(1,))
         self.tokens = [list(p) for p in self.prompts]   # host state (process 0)
         self.computed = [0] * len(prompts)
@@ -98,7 +97,7 @@ class GreedyDecoder:
 
     def run_step(self, inputs: dict) -> jax.Array:
         """Run one step (every process, same inputs); returns the last-token logits ``[R, vocab]``."""
-        placed = parallel.shard_step_inputs(self.mesh, inputs)
+        placed = shard_step_inputs(self.mesh, inputs)
         md = AttentionMetadata(slot_mapping=placed["slot_mapping"], block_tables=placed["block_tables"],
                                seq_lens=placed["seq_lens"], query_start_loc=placed["query_start_loc"],
                                num_seqs=placed["num_seqs"])
@@ -113,7 +112,7 @@ class GreedyDecoder:
             inputs = self.build_inputs()
             if channel is not None:
                 channel.send(inputs)
-            logits = parallel.fetch_replicated(self.run_step(inputs))
+            logits = fetch_replicated(self.run_step(inputs))
             all_logits.append(logits)
             for r, toks in enumerate(self.tokens):
                 self.computed[r] = len(toks)
@@ -122,3 +121,25 @@ class GreedyDecoder:
             channel.stop()
         new = [toks[len(p):] for toks, p in zip(self.tokens, self.prompts)]
         return new, np.stack(all_logits)
+
+
+def fetch_replicated(x: jax.Array) -> np.ndarray:
+    """Host copy of a replicated array, also when the mesh spans processes; a clear error for an array
+    sharded over processes (which no single process can read)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if not x.is_fully_replicated:
+        raise ValueError(f"array of shape {x.shape} is sharded over processes ({x.sharding}); "
+                         "replicate it in the step (jaxserve.parallel.gather_logits) before fetching it")
+    return np.asarray(x.addressable_data(0))
+
+
+def shard_step_inputs(mesh, tree):
+    """Place a step's host inputs (token ids, positions, metadata, sampling arrays) replicated on the mesh.
+
+    Every process passes the same values (each builds them from the step process 0 sent, see
+    ``jaxserve.executor``), so this works whether the mesh spans one process or several.
+    """
+    if mesh is None:
+        return jax.device_put(tree)
+    return jax.device_put(tree, parallel.replicated(mesh))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
 from typing import AsyncIterator
 
+from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -60,7 +60,7 @@ class AsyncLLMEngine:
         self._stats = self.engine.stats()
         self._pending = 0                     # submitted, not yet in the scheduler (both threads change it)
         self._pending_lock = threading.Lock()
-        self._fault_marker = os.environ.get("JAXSERVE_FAULT_INJECTION") or None
+        self._fault_marker = envs.JAXSERVE_FAULT_INJECTION
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._thread.start()
 

@@ -44,7 +44,7 @@ class LLMEngine:
         from jaxserve.models import load_model
         from jaxserve.runner import compile_cache
 
-        from jaxserve.parallel import launcher
+        from jaxserve.executor import launcher
         # --distributed-executor-backend mp: spawn the per-device workers and join jax.distributed before
         # anything below starts a JAX backend
         self._workers = launcher.maybe_start(config)
@@ -111,7 +111,7 @@ class LLMEngine:
                 self.runner.warmup(progress=progress)
             if self._multi_process and jax.process_index() == 0:
                 # the other processes run follow_runner: each step is sent to them before it launches
-                from jaxserve.parallel import BroadcastingRunner
+                from jaxserve.executor import BroadcastingRunner
                 channel = self._workers.step_channel() if self._workers is not None else None
                 self.runner = BroadcastingRunner(self.runner, channel)
                 if self._workers is not None:

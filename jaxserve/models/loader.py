@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve import envs
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import configs as model_configs
@@ -49,7 +50,7 @@ def _dummy_config_dir() -> Path:
     """configs/models/: $JAXSERVE_CONFIGS/models, else beside the jaxserve package in a source checkout,
     else the package's own copy (wheels ship it as jaxserve/configs/models), else ./configs/models."""
     here = Path(__file__).resolve()
-    candidates = [Path(os.environ["JAXSERVE_CONFIGS"]) / "models"] if os.environ.get("JAXSERVE_CONFIGS") else []
+    candidates = [Path(envs.JAXSERVE_CONFIGS) / "models"] if envs.JAXSERVE_CONFIGS else []
     candidates += [here.parents[2] / "configs" / "models", here.parents[1] / "configs" / "models",
                    Path.cwd() / "configs" / "models"]
     for c in candidates:
@@ -68,7 +69,7 @@ DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16
 class LoadedModel:
     config: ModelConfig
     params: Any                       # pytree of jax.Array (family.param_shapes structure)
-    family: ModuleType                # forward / compute_logits / init_kv_caches / param_partition_specs
+    family: ModuleType                # forward / compute_logits / param_partition_specs
     tokenizer: Any                    # HF tokenizer
     chat_template: str | None
     generation_config: dict           # eos_token_id (list), bos_token_id, ...

@@ -23,13 +23,13 @@ takes part in the decision (two rounds through ``jax.distributed``), so either a
 from __future__ import annotations
 
 
-import os
 from typing import Callable
 
 import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxserve import envs
 from jaxserve.kernels import custom_allreduce as car
 
 from .mesh import TP, current_tp_mesh
@@ -117,5 +117,5 @@ def enable_custom_all_reduce(mesh, *, disable: bool = False) -> str | None:
     if any(s != b"ok" for s in opened):
         return reason or "another process could not map its peers' buffers (see its log)"
     _enabled = True
-    _fuse_norm = os.environ.get("JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM", "1") != "0"
+    _fuse_norm = envs.JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM
     return None

@@ -23,7 +23,7 @@ TP = "tp"
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A one-axis ``("tp",)`` mesh over the first ``tensor_parallel_size`` devices.
 
-    Multi-process (after ``jaxserve.parallel.distributed.initialize``) ``jax.devices()`` lists every
+    Multi-process (after ``jaxserve.executor.distributed.initialize``) ``jax.devices()`` lists every
     process's devices, so the mesh spans them. Auto axis types: XLA propagates shardings from the
     weights, so the model code stays plain jnp.
     """
@@ -88,17 +88,6 @@ def kv_cache_sharding(mesh: Mesh, cfg) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def shard_step_inputs(mesh: Mesh | None, tree: Any) -> Any:
-    """Place a step's host inputs (token ids, positions, metadata, sampling arrays) replicated on the mesh.
-
-    Every process passes the same values (each builds them from the step process 0 sent, see
-    ``distributed.py``), so this works whether the mesh spans one process or several.
-    """
-    if mesh is None:
-        return jax.device_put(tree)
-    return jax.device_put(tree, replicated(mesh))
 
 
 def current_tp_mesh():

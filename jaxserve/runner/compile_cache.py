@@ -5,12 +5,13 @@ import os
 
 import jax
 
+from jaxserve import envs
+
 _enabled_dir: str | None = None
 
 
 def default_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxserve", "xla")
+    return os.path.join(envs.XDG_CACHE_HOME, "jaxserve", "xla")
 
 
 def enable(directory: str | None) -> str | None:

@@ -39,7 +39,6 @@ On one host the socket's round trip is about a tenth of the store's.
 """
 from __future__ import annotations
 
-import os
 import pickle
 import socket
 import struct
@@ -47,7 +46,8 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
+
+from jaxserve import envs
 
 _STEP, _STOP = 1, 2
 
@@ -62,46 +62,25 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     does nothing for a single process with no coordinator. Must run before anything touches a device.
     On CPU it selects gloo collectives (XLA's CPU backend has no cross-process collectives otherwise).
     """
-    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
-    process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
+    coordinator = coordinator or envs.JAX_COORDINATOR_ADDRESS
+    num_processes = num_processes if num_processes is not None else envs.JAX_NUM_PROCESSES
+    process_id = process_id if process_id is not None else envs.JAX_PROCESS_ID
     if coordinator is None and (num_processes or 1) == 1:
         return False
     if jax.distributed.is_initialized():
         return True
     if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
         raise ValueError(f"process_id {process_id} is out of range for num_processes={num_processes}")
-    if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu").split(","):
+    if "cpu" in (envs.JAX_PLATFORMS or "cpu").split(","):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id, local_device_ids=local_device_ids,
                                initialization_timeout=initialization_timeout)
     return True
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer") from None
-
-
 def is_driver() -> bool:
     """True on the process that runs the scheduler (process 0)."""
     return jax.process_index() == 0
-
-
-def fetch_replicated(x: jax.Array) -> np.ndarray:
-    """Host copy of a replicated array, also when the mesh spans processes; a clear error for an array
-    sharded over processes (which no single process can read)."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    if not x.is_fully_replicated:
-        raise ValueError(f"array of shape {x.shape} is sharded over processes ({x.sharding}); "
-                         "replicate it in the step (jaxserve.parallel.gather_logits) before fetching it")
-    return np.asarray(x.addressable_data(0))
 
 
 _HEADER = struct.Struct("<Q")
@@ -276,9 +255,6 @@ class BroadcastingRunner:
     def dispatch(self, scheduled, prev=None):
         self.channel.send((list(scheduled), prev is not None))
         return self._runner.dispatch(scheduled, prev)
-
-    def execute(self, scheduled):
-        return self._runner.collect(self.dispatch(scheduled))
 
     def stop(self) -> None:
         """Release the followers (idempotent: the CLI, the server's shutdown and the mp launcher's exit hook

@@ -1,7 +1,7 @@
 """``--distributed-executor-backend mp``: one process per device on this host, started by the engine itself.
 
 Process 0 (the one the user started: the server, ``LLM``, the CLI) writes its engine config to a temporary
-file, spawns ``tensor_parallel_size - 1`` workers (``python -m jaxserve.parallel.worker``), and all of them
+file, spawns ``tensor_parallel_size - 1`` workers (``python -m jaxserve.executor.worker``), and all of them
 join ``jax.distributed`` through a coordinator on a free localhost port; on a GPU process i sees only local
 device i. From there it is the multi-process mode of ``distributed.py``: process 0 schedules and sends each
 step, the workers build the same engine and follow. Each process dispatches only its own device's share of
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 
+from jaxserve import envs
+
 from . import distributed
 
 
@@ -33,7 +35,7 @@ def _free_port() -> int:
 
 def _on_cpu() -> bool:
     # decided before JAX starts a backend (that would be too late for jax.distributed)
-    platforms = os.environ.get("JAX_PLATFORMS", "")
+    platforms = envs.JAX_PLATFORMS
     return bool(platforms) and "cpu" in platforms.split(",") and "cuda" not in platforms and "gpu" not in platforms
 
 
@@ -52,7 +54,7 @@ class LocalWorkers:
             pickle.dump(config, f, pickle.HIGHEST_PROTOCOL)
         # the steps travel over local sockets (distributed.SocketFanout), not the coordinator's store
         self.fanout = distributed.SocketFanout()
-        self.procs = [subprocess.Popen([sys.executable, "-m", "jaxserve.parallel.worker", self.config_path,
+        self.procs = [subprocess.Popen([sys.executable, "-m", "jaxserve.executor.worker", self.config_path,
                                         self.coordinator, str(n), str(i), str(self.fanout.port)],
                                        stdout=subprocess.DEVNULL)
                       for i in range(1, n)]

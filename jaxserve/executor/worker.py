@@ -1,6 +1,6 @@
 """A worker process of ``--distributed-executor-backend mp`` (started by ``launcher.LocalWorkers``):
 
-    python -m jaxserve.parallel.worker CONFIG.pkl COORDINATOR NUM_PROCESSES PROCESS_ID STEP_PORT
+    python -m jaxserve.executor.worker CONFIG.pkl COORDINATOR NUM_PROCESSES PROCESS_ID STEP_PORT
 
 Joins ``jax.distributed``, builds the same engine as process 0 (same weights, same warm-up) and launches every
 step process 0 sends until it says stop.
@@ -16,7 +16,7 @@ def main(argv=None) -> int:
     n, i = int(n), int(i)
     with open(config_path, "rb") as f:
         config = pickle.load(f)
-    from jaxserve.parallel import distributed, launcher
+    from jaxserve.executor import distributed, launcher
     receiver = distributed.SocketReceiver(int(port), i)       # process 0 accepts before jax.distributed
     distributed.initialize(coordinator, n, i, local_device_ids=launcher.local_device_ids(i))
     from jaxserve.engine.llm_engine import LLMEngine

@@ -1,0 +1,85 @@
+"""Every environment variable jaxserve reads, in one registry: name, default, and what it switches.
+
+Read a variable as an attribute, ``envs.JAXSERVE_NVCC``, at the point of use: each access reads the
+environment again, so a variable set after import (a test, the launcher starting its workers) still counts.
+Nothing else in jaxserve/, kernels/ or server/ reads ``os.environ``; a new switch gets a line here.
+``environment_variables()`` lists them (name, default, meaning) for the docs.
+This module imports nothing but the standard library, so the kernels and the CLI can use it before JAX starts.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, NamedTuple
+
+
+class EnvVar(NamedTuple):
+    read: Callable[[str], Any]     # raw string (or None) -> value
+    default: str | None            # as written in the environment; None = unset
+    meaning: str
+
+
+def _text(raw: str | None) -> str | None:
+    return raw or None
+
+
+def _flag(raw: str | None) -> bool:
+    return raw not in ("0", "false", "False", "no", "off")
+
+
+def _int(name: str) -> Callable[[str | None], int | None]:
+    def read(raw: str | None) -> int | None:
+        if raw in (None, ""):
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not an integer") from None
+    return read
+
+
+_REGISTRY: dict[str, EnvVar] = {
+    # server
+    "JAXSERVE_API_KEY": EnvVar(_text, None, "API key the server requires ('Authorization: Bearer KEY') when "
+                                            "--api-key is not given"),
+    "VLLM_API_KEY": EnvVar(_text, None, "read as JAXSERVE_API_KEY when that is unset (vLLM's name)"),
+    "JAXSERVE_FAULT_INJECTION": EnvVar(_text, None, "tests: the async engine fails every request whose prompt "
+                                                    "contains this marker"),
+    # models
+    "JAXSERVE_CONFIGS": EnvVar(_text, None, "folder holding models/ (the model YAML configs) when jaxserve is "
+                                            "installed outside its source checkout"),
+    # CUDA kernels (the custom all-reduce)
+    "JAXSERVE_NVCC": EnvVar(_text, None, "nvcc that builds the CUDA kernels (else $CUDA_HOME/bin, PATH, "
+                                         "/usr/local/cuda/bin)"),
+    "CUDA_HOME": EnvVar(_text, None, "CUDA toolkit folder searched for nvcc"),
+    "JAXSERVE_CUDA_ARCH": EnvVar(lambda raw: raw or "native", "native", "GPU architecture the CUDA kernels "
+                                                                        "are built for (nvcc -arch)"),
+    "JAXSERVE_KERNEL_CACHE": EnvVar(_text, None, "folder of built CUDA kernels (default: "
+                                                 "$XDG_CACHE_HOME/jaxserve/kernels)"),
+    "XDG_CACHE_HOME": EnvVar(lambda raw: raw or os.path.join(os.path.expanduser("~"), ".cache"), "~/.cache",
+                             "base of the default cache folders (XLA compilation cache, built kernels)"),
+    # tensor parallelism
+    "JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM": EnvVar(_flag, "1", "0 = the custom all-reduce does not fuse the "
+                                                               "residual add + RMSNorm (A/B runs)"),
+    # multi-process (read by JAX too)
+    "JAX_COORDINATOR_ADDRESS": EnvVar(_text, None, "host:port of process 0 for a multi-process engine"),
+    "JAX_NUM_PROCESSES": EnvVar(_int("JAX_NUM_PROCESSES"), None, "processes of a multi-process engine"),
+    "JAX_PROCESS_ID": EnvVar(_int("JAX_PROCESS_ID"), None, "this process's index in a multi-process engine"),
+    "JAX_PLATFORMS": EnvVar(lambda raw: raw or "", "", "JAX's backends; containing cpu, the multi-process "
+                                                       "engine uses gloo collectives and no GPU ids"),
+}
+
+
+def environment_variables() -> list[tuple[str, str | None, str]]:
+    """(name, default, meaning) of every variable jaxserve reads, in registry order."""
+    return [(name, var.default, var.meaning) for name, var in _REGISTRY.items()]
+
+
+def __getattr__(name: str):
+    var = _REGISTRY.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.read(os.environ.get(name))
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_REGISTRY))

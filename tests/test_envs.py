@@ -1,0 +1,45 @@
+"""The environment-variable registry (``jaxserve/envs.py``): reads at access time, typed values, and no
+``os.environ`` read anywhere else in the product."""
+import pathlib
+import re
+
+import pytest
+
+from jaxserve import envs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+READ = re.compile(r"os\.environ\.get\(|os\.environ\[|os\.getenv\(|environ\.get\(")
+
+
+def test_values_are_read_at_access_time(monkeypatch):
+    monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+    assert envs.JAX_NUM_PROCESSES is None
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "3")
+    assert envs.JAX_NUM_PROCESSES == 3
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "three")
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='three' is not an integer"):
+        envs.JAX_NUM_PROCESSES
+    monkeypatch.delenv("JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM", raising=False)
+    assert envs.JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM is True
+    monkeypatch.setenv("JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM", "0")
+    assert envs.JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM is False
+    monkeypatch.setenv("JAXSERVE_CUDA_ARCH", "")
+    assert envs.JAXSERVE_CUDA_ARCH == "native"
+    with pytest.raises(AttributeError, match="JAXSERVE_NO_SUCH_SWITCH"):
+        envs.JAXSERVE_NO_SUCH_SWITCH
+
+
+def test_every_variable_is_documented():
+    for name, default, meaning in envs.environment_variables():
+        assert name.isupper() and meaning, name
+        assert default is None or isinstance(default, str), name
+
+
+def test_the_product_reads_the_environment_only_through_the_registry():
+    sources = [p for d in ("jaxserve", "kernels", "server") for p in (ROOT / d).rglob("*.py")]
+    direct = [f"{p.relative_to(ROOT)}:{i}" for p in sources if p.name != "envs.py"
+              for i, line in enumerate(p.read_text().splitlines(), 1) if READ.search(line)]
+    assert not direct, f"read these through jaxserve/envs.py: {direct}"
+    text = "\n".join(p.read_text() for p in sources if p.name != "envs.py")
+    unused = [name for name, _, _ in envs.environment_variables() if f"envs.{name}" not in text]
+    assert not unused, f"registered but never read: {unused}"

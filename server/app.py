@@ -8,13 +8,15 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.openapi.spec import OpenAPIMediaType, Operation, Schema
 from litestar.params import JSONBody
 from litestar.types import ASGIApp, Receive, Scope, Send
 
@@ -45,6 +47,19 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 def _errors(*statuses: int) -> dict[int, ResponseSpec]:
     return {s: ResponseSpec(data_container=ErrorResponse, description="OpenAI error body") for s in statuses}
+
+
+@dataclass
+class StreamableOperation(Operation):
+    """A route whose 200 answer is JSON, or SSE chunks (``text/event-stream``) when the request says stream=true:
+    the schema lists both content types."""
+
+    def __post_init__(self) -> None:
+        ok = (self.responses or {}).get("200")
+        if ok is not None and getattr(ok, "content", None) is not None:
+            # any event: the chunk objects, then the "[DONE]" sentinel, which is not JSON
+            ok.content["text/event-stream"] = OpenAPIMediaType(schema=Schema(
+                description="server-sent events: one JSON chunk object per event, then [DONE]"))
 
 
 def auth_middleware(api_key: str):
@@ -83,13 +98,13 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
             return Response(content=b"", status_code=CLIENT_CLOSED)
         return result if isinstance(result, Response) else _json(result)
 
-    @post("/v1/chat/completions", status_code=200,
+    @post("/v1/chat/completions", status_code=200, operation_class=StreamableOperation,
           responses={200: ResponseSpec(ChatCompletionResponse, description="a completion, or SSE chunks when "
                                        "stream=true"), **_errors(400, 401, 404, 413, 429, 500)})
     async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
         return await run(request, create_chat_completion(serving, data, request.receive))
 
-    @post("/v1/completions", status_code=200,
+    @post("/v1/completions", status_code=200, operation_class=StreamableOperation,
           responses={200: ResponseSpec(CompletionResponse, description="a completion, or SSE chunks when "
                                        "stream=true"), **_errors(400, 401, 404, 413, 429, 500)})
     async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response:
@@ -126,13 +141,13 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
         serving.check_token_ids(data.tokens, "tokens")
         return DetokenizeResponse(serving.tokenizer.decode(data.tokens))
 
-    @get("/health", responses=_errors(503))
+    @get("/health", media_type=MediaType.TEXT, responses=_errors(503))
     async def health() -> Response:
         if serving.draining:
             return error_response(APIError(503, "the server is shutting down", code="draining"))
         if not engine.is_healthy():
             return error_response(APIError(503, "the engine loop is dead or stuck", code="engine_unhealthy"))
-        return Response(content=b"", status_code=200)
+        return Response(content=b"", status_code=200, media_type=MediaType.TEXT)   # 200, empty (vLLM's)
 
     @get("/version")
     async def version() -> VersionResponse:

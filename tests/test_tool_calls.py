@@ -40,8 +40,10 @@ TOOLS_TEMPLATE = (
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
-                   "required": ["city"]}}}
-TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+                   "required": ["city"], "additionalProperties": False}}}
+# no additionalProperties: false, a constrained small model may wander into made-up properties until max_tokens
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
 TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 
@@ -326,3 +328,125 @@ def test_launcher_tool_flags(tmp_path):
                       "@register_tool_parser('my_plugin')\nclass P(ToolParser):\n    start_markers = ('<c>',)\n")
     ok = serve_flags("--tool-parser-plugin", str(plugin), "--tool-call-parser", "my_plugin")
     assert ok.returncode == 0 and ok.stdout.split() == ["False", "my_plugin"], ok.stderr
+
+
+# -- the real server (embedded SmolLM2 on CPU) ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real():
+    from test_server_e2e import MAX_MODEL_LEN, ROOT, ServerProcess
+    # the same engine flags as test_server_e2e's server, so the compiled steps come from the cache
+    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                        "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
+                        "--served-model-name", "smol", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def real_client(real):
+    return openai.OpenAI(base_url=real.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def check_calls_valid(calls, tools=(WEATHER_TOOL,)) -> None:
+    """Every call names a given tool and its arguments are a JSON object with the required fields."""
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert c.function.name in by_name and isinstance(args, dict)
+        assert set(by_name[c.function.name].get("required", [])) <= set(args)
+        for key, spec in by_name[c.function.name].get("properties", {}).items():
+            if key in args and spec.get("type") == "string":
+                assert isinstance(args[key], str)
+            if key in args and "enum" in spec:
+                assert args[key] in spec["enum"]
+
+
+def test_real_auto_reaches_the_prompt_and_answers(real_client):
+    kw = dict(model="smol", messages=ask("What is the weather in Paris?"), max_tokens=24, temperature=0,
+              extra_body={"chat_template": TOOLS_TEMPLATE})
+    bare = real_client.chat.completions.create(**kw)
+    r = real_client.chat.completions.create(tools=[WEATHER_TOOL], **kw)
+    assert r.usage.prompt_tokens > bare.usage.prompt_tokens     # the template rendered the tools
+    msg = r.choices[0].message
+    if msg.tool_calls:           # the model may call the tool; then the call is well-formed
+        check_calls_valid(msg.tool_calls)
+        assert r.choices[0].finish_reason == "tool_calls"
+    else:
+        assert msg.content and r.choices[0].finish_reason in ("stop", "length")
+    streamed = list(real_client.chat.completions.create(tools=[WEATHER_TOOL], stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices).strip() == (msg.content or "").strip()
+
+
+def test_real_second_turn_with_tool_results(real_client):
+    history = ask("What is the weather in Paris?") + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "18 degrees and sunny"}]
+    r = real_client.chat.completions.create(model="smol", messages=history, tools=[WEATHER_TOOL], max_tokens=24,
+                                            temperature=0)
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+
+
+def weather(city: str, unit: str = "C") -> str:
+    return f"18 {unit} and sunny in {city}"
+
+
+@needs_structured_outputs
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_real_openai_tool_loop(real_client, choice):
+    """The openai SDK's agent loop: forced call -> run the tool -> send the result -> an answer."""
+    messages = ask("What is the weather in Paris?")
+    first = real_client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                                tool_choice=choice, max_tokens=128, temperature=0)
+    msg = first.choices[0].message
+    assert msg.tool_calls and first.choices[0].finish_reason == "tool_calls"
+    check_calls_valid(msg.tool_calls, (WEATHER_TOOL, TIME_TOOL))
+    messages.append(msg.model_dump(exclude_none=True))
+    for call in msg.tool_calls:
+        args = json.loads(call.function.arguments)
+        result = weather(**args) if call.function.name == "get_weather" else "12:00"
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    second = real_client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                                 tool_choice="none", max_tokens=24, temperature=0)
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+@needs_structured_outputs
+def test_real_required_sampled_calls_validate(real_client):
+    for seed in range(3):
+        r = real_client.chat.completions.create(model="smol", messages=ask("Weather?"), tools=[WEATHER_TOOL],
+                                                tool_choice="required", max_tokens=128, temperature=1.0, seed=seed)
+        check_calls_valid(r.choices[0].message.tool_calls)
+
+
+def get_weather(city: str) -> str:
+    """Current weather of a city."""
+    return weather(city)
+
+
+def test_real_langchain_bind_tools_invoke(real):
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+    from langchain_core.messages import AIMessage
+    llm = langchain_openai.ChatOpenAI(base_url=real.url + "/v1", api_key="x", model="smol", max_tokens=24,
+                                      temperature=0, max_retries=0)
+    reply = llm.bind_tools([get_weather]).invoke("What is the weather in Paris?")
+    assert isinstance(reply, AIMessage)
+    for call in reply.tool_calls:          # parsed by LangChain from our tool_calls
+        assert call["name"] == "get_weather" and isinstance(call["args"], dict)
+    assert reply.tool_calls or reply.content
+
+
+@needs_structured_outputs
+def test_real_langchain_with_structured_output_function_calling(real):
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: str
+        degrees: int
+
+    llm = langchain_openai.ChatOpenAI(base_url=real.url + "/v1", api_key="x", model="smol", max_tokens=64,
+                                      temperature=0, max_retries=0)
+    out = llm.with_structured_output(Weather, method="function_calling").invoke("Paris is 18 degrees today.")
+    assert isinstance(out, Weather)

@@ -106,8 +106,9 @@ class ToolParser:
     """
     name = ""
     start_markers: tuple[str, ...] = ()
-    # Markers that are special tokens need skip_special_tokens=False to reach the text at all.
-    needs_special_tokens = True
+    # A format whose markers are special tokens ([TOOL_CALLS], <|python_tag|>) sets this: the request then
+    # runs with skip_special_tokens=False, or the markers would never reach the text.
+    needs_special_tokens = False
 
     def __init__(self, tools: list[dict] | None = None):
         self.tools = {t["function"]["name"]: t["function"] for t in (tools or [])}

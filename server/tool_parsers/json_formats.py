@@ -81,6 +81,7 @@ class Llama3JsonToolParser(ToolParser):
     (after an optional `<|python_tag|>`); several calls are separated by `;`. An output that starts with
     prose is content, as in vLLM."""
     python_tag = "<|python_tag|>"
+    needs_special_tokens = True
 
     def find_start(self, text: str, pos: int) -> tuple[int, int] | int:
         if pos != self.block_end:
@@ -112,6 +113,7 @@ class MistralToolParser(ToolParser):
     Call ids are 9 alphanumeric characters, the only ids Mistral's templates accept."""
     start_markers = ("[TOOL_CALLS]",)
     args_marker = "[ARGS]"
+    needs_special_tokens = True
 
     def new_id(self) -> str:
         return mistral_id()
@@ -152,7 +154,6 @@ class RequiredToolChoiceParser(ToolParser):
     """What tool_choice="required" makes the model write (a constrained JSON array of
     {"name": ..., "parameters": {...}}): the whole output is one block."""
     name = "required"
-    needs_special_tokens = False
 
     def find_start(self, text: str, pos: int) -> tuple[int, int] | int:
         if pos != 0 or self.calls:
@@ -173,7 +174,6 @@ class RequiredToolChoiceParser(ToolParser):
 
 class NamedToolChoiceParser(ToolParser):
     """tool_choice naming a function: the constrained output *is* the arguments object, streamed as is."""
-    needs_special_tokens = False
 
     def __init__(self, function_name: str, tools: list[dict] | None = None):
         super().__init__(tools)

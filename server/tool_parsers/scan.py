@@ -6,7 +6,7 @@ _CLOSE = {"{": "}", "[": "]", "(": ")"}
 
 def value_end(text: str, i: int, quotes: str = '"') -> int | None:
     """Index just after the bracketed value opening at text[i] ('{', '[' or '('), None if the text ends
-    first. Brackets inside strings (any of `quotes`, backslash escapes) do not count, so a string holding
+    first, -1 if a closing bracket does not match. Brackets inside strings (any of `quotes`, backslash escapes) do not count, so a string holding
     an end marker such as '</tool_call>' or ']' is read as part of the value."""
     stack = [_CLOSE[text[i]]]
     quote = None

@@ -269,3 +269,46 @@ def test_plugin_file_registers_a_parser(tmp_path):
                    "ok ")
     with pytest.raises(FileNotFoundError):
         import_tool_parser_plugin(str(tmp_path / "missing.py"))
+
+
+# -- any split of any recorded output gives the at-once answer ------------------------------------------
+
+RECORDED = [("hermes", QWEN_TWO_CALLS), ("qwen3_xml", QWEN3_CODER),
+            ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "P\\"aris"}[TOOL_CALLS]get_weather[ARGS]{}'),
+            ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "a;b"}}; '
+                            '{"name": "get_weather", "parameters": {}}'),
+            ("pythonic", "ok [get_weather(city='x]'), get_weather(days=1)] bye"),
+            ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "a",,}}</tool_call> tail')]
+
+
+@pytest.mark.parametrize("name, text", RECORDED)
+def test_random_splits_agree_with_at_once(name, text):
+    from hypothesis import given, settings, strategies as st
+
+    cls = get_tool_parser(name)
+    want = cls([WEATHER]).extract(text)
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.integers(1, len(text)), max_size=12))
+    def check(cuts):
+        bounds = [0, *sorted(set(cuts)), len(text)]
+        p = cls([WEATHER])
+        outs = [p.feed(text[a:b], final=k == len(bounds) - 2) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        assert [(c.name, c.arguments) for c in p.calls] == [(c.name, c.arguments) for c in want.tool_calls]
+        content = "".join(o.content for o in outs)
+        assert (content.strip() or None if want.tool_calls else content) == want.content
+
+    check()
+
+
+def test_long_arguments_stream_in_linear_time():
+    """A long call (a file's content as an argument) streamed one character at a time stays cheap: the
+    scan of an unfinished value resumes where it stopped."""
+    import time
+    args = json.dumps({"path": "a.py", "content": "x = '}'\n" * 2000})
+    text = '<tool_call>{"name": "write", "arguments": ' + args + '}</tool_call>'
+    p, t0 = get_tool_parser("hermes")(), time.perf_counter()
+    for ch in text:
+        p.feed(ch)
+    p.feed("", final=True)
+    assert p.calls[0].arguments == args and time.perf_counter() - t0 < 2.0

@@ -117,6 +117,7 @@ class ToolParser:
         self.block_end = 0           # where the last complete block ended (0: the start of the output)
         self._block: tuple[int, int, int] | None = None   # (marker index, body index, calls before it)
         self.calls: list[FunctionCall] = []
+        self.scans: dict = {}        # value_end's resumable scans of this text, by start index
 
     # -- what a format provides ------------------------------------------------------------------------
 

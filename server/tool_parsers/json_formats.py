@@ -13,15 +13,15 @@ from .scan import value_end
 _INCOMPLETE = "incomplete"
 
 
-def read_json(text: str, i: int, final: bool) -> tuple[Any, int] | str | None:
+def read_json(text: str, i: int, final: bool, cache: dict | None = None) -> tuple[Any, int] | str | None:
     """The JSON object or array starting at text[i] (after whitespace) and the index after it;
-    _INCOMPLETE if the text may still complete it; None if it is not JSON."""
+    _INCOMPLETE if the text may still complete it; None if it is not JSON. `cache`: see value_end."""
     i = skip_ws(text, i)
     if i == len(text):
         return None if final else _INCOMPLETE
     if text[i] not in "{[":
         return None
-    end = value_end(text, i)
+    end = value_end(text, i, cache=cache)
     if end is None:
         return None if final else _INCOMPLETE
     if end < 0:
@@ -62,7 +62,7 @@ class HermesToolParser(ToolParser):
     end_marker = "</tool_call>"
 
     def read_block(self, text: str, body: int, final: bool) -> Block | None:
-        got = read_json(text, body, final)
+        got = read_json(text, body, final, self.scans)
         if got is None or got == _INCOMPLETE:
             return None if got is None else Block()
         obj, after = got
@@ -96,7 +96,7 @@ class Llama3JsonToolParser(ToolParser):
         return (pos, j) if text[j] == "{" else len(text)
 
     def read_block(self, text: str, body: int, final: bool) -> Block | None:
-        got = read_json(text, body, final)
+        got = read_json(text, body, final, self.scans)
         if got is None or got == _INCOMPLETE:
             return None if got is None else Block()
         call = json_call(got[0])
@@ -123,14 +123,14 @@ class MistralToolParser(ToolParser):
         if i == len(text):
             return None if final else Block()
         if text[i] == "[":
-            got = read_json(text, i, final)
+            got = read_json(text, i, final, self.scans)
             if got is None or got == _INCOMPLETE:
                 return None if got is None else Block()
             items, end = got
             calls = [json_call(x) for x in items] if isinstance(items, list) and items else [None]
             return None if any(c is None for c in calls) else Block(calls, end)
         if text[i] == "{":             # a single object without the array
-            got = read_json(text, i, final)
+            got = read_json(text, i, final, self.scans)
             if got is None or got == _INCOMPLETE:
                 return None if got is None else Block()
             call = json_call(got[0])
@@ -143,7 +143,7 @@ class MistralToolParser(ToolParser):
             if j == len(text) or self.args_marker.startswith(text[j:]):
                 return None if final else Block()
             return None
-        got = read_json(text, j + len(self.args_marker), final)
+        got = read_json(text, j + len(self.args_marker), final, self.scans)
         if got is None or got == _INCOMPLETE:
             return None if got is None else Block()
         args = call_arguments(got[0])
@@ -164,7 +164,7 @@ class RequiredToolChoiceParser(ToolParser):
         return (0, j) if text[j] == "[" else len(text)
 
     def read_block(self, text: str, body: int, final: bool) -> Block | None:
-        got = read_json(text, body, final)
+        got = read_json(text, body, final, self.scans)
         if got is None or got == _INCOMPLETE:
             return None if got is None else Block()
         items, end = got

@@ -57,7 +57,7 @@ class PythonicToolParser(ToolParser):
         return len(text)
 
     def read_block(self, text: str, body: int, final: bool) -> Block | None:
-        end = value_end(text, body, quotes="\"'")
+        end = value_end(text, body, quotes="\"'", cache=self.scans)
         if end is None:
             return None if final else Block()
         if end < 0:

@@ -57,6 +57,10 @@ def convert_value(raw: str, schema: dict | None) -> Any:
 class Qwen3XmlToolParser(ToolParser):
     start_markers = ("<tool_call>", FUNCTION)
 
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._settled: dict[int, tuple[int, list[str]]] = {}   # block body -> (index after, pieces)
+
     def find_start(self, text: str, pos: int) -> tuple[int, int] | int:
         start = super().find_start(text, pos)
         if isinstance(start, tuple) and text.startswith(FUNCTION, start[0]):
@@ -79,8 +83,9 @@ class Qwen3XmlToolParser(ToolParser):
         if not _NAME.fullmatch(name):
             return None
         properties = (self.tools.get(name, {}).get("parameters") or {}).get("properties") or {}
-        pieces: list[str] = []
-        j = name_end + 1
+        # parameters already settled on an earlier feed are not read again (long values stream cheaply)
+        j, pieces = self._settled.get(body, (name_end + 1, []))
+        pieces = list(pieces)
         while True:
             j = skip_ws(text, j)
             if text.startswith(PARAMETER, j):
@@ -104,6 +109,7 @@ class Qwen3XmlToolParser(ToolParser):
                     after = close + len(END_PARAMETER)
                 pieces.append(self._piece(key, text[key_end + 1:close], properties))
                 j = after
+                self._settled[body] = (j, list(pieces))
                 continue
             if text.startswith(END_FUNCTION, j):
                 end = j + len(END_FUNCTION)

@@ -413,6 +413,22 @@ def test_real_openai_tool_loop(real_client, choice):
 
 
 @needs_structured_outputs
+def test_real_sdk_parse_with_a_pydantic_tool(real_client):
+    """The SDK's parse() with pydantic_function_tool (strict: true): the arguments come back as the model."""
+    from pydantic import BaseModel
+
+    class GetWeather(BaseModel):
+        city: str
+
+    tool = openai.pydantic_function_tool(GetWeather)
+    r = real_client.chat.completions.parse(model="smol", messages=ask("What is the weather in Paris?"), tools=[tool],
+                                           tool_choice={"type": "function", "function": {"name": "GetWeather"}},
+                                           max_tokens=64, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+@needs_structured_outputs
 def test_real_required_sampled_calls_validate(real_client):
     for seed in range(3):
         r = real_client.chat.completions.create(model="smol", messages=ask("Weather?"), tools=[WEATHER_TOOL],

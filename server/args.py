@@ -27,6 +27,9 @@ class ServerArgs:
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
     max_log_len: int | None = None
+    enable_auto_tool_choice: bool = False           # let the model decide to call tools (tool_choice "auto")
+    tool_call_parser: str | None = None             # how to read calls from its output: hermes, mistral, ...
+    tool_parser_plugin: str | None = None           # a Python file registering more parsers
 
 
 def _json_list(value: str) -> list[str]:
@@ -74,6 +77,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          choices=["critical", "error", "warning", "info", "debug", "trace"])
     _add(g, "--disable-uvicorn-access-log", action="store_true", help="no per-request access log lines")
     _add(g, "--max-log-len", type=int, default=None, help="(accepted for vLLM compatibility)")
+    t = parser.add_argument_group("tool calling")
+    _add(t, "--enable-auto-tool-choice", action="store_true",
+         help="let the model call tools on its own (tool_choice 'auto'); needs --tool-call-parser")
+    _add(t, "--tool-call-parser", default=None, metavar="NAME",
+         help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes), llama3_json (Llama 3.x), mistral, "
+              "pythonic (Llama 3.2/4 pythonic), qwen3_xml (Qwen3-Coder), or a name from --tool-parser-plugin")
+    _add(t, "--tool-parser-plugin", default=None, metavar="FILE",
+         help="a Python file whose @register_tool_parser classes become --tool-call-parser names")
     return parser
 
 
@@ -90,4 +101,24 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.max_body_bytes <= 0:
         args.max_body_bytes = d.max_body_bytes
+    try:
+        resolve_tool_parser(args)   # before the model loads: a typo'd parser name fails in a second
+    except (KeyError, ValueError, ImportError, OSError) as e:
+        raise SystemExit(f"jaxserve serve: {e.args[0] if isinstance(e, KeyError) else e}") from None
     return args
+
+
+_plugins_loaded: set[str] = set()
+
+
+def resolve_tool_parser(args: ServerArgs) -> type | None:
+    """The ToolParser class --tool-call-parser names (importing --tool-parser-plugin first), or None."""
+    from .tool_parsers import get_tool_parser, import_tool_parser_plugin
+    if args.tool_parser_plugin:
+        path = os.path.abspath(args.tool_parser_plugin)
+        if path not in _plugins_loaded:
+            import_tool_parser_plugin(path)
+            _plugins_loaded.add(path)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (how to read the model's calls)")
+    return get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None

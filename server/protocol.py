@@ -67,10 +67,24 @@ class TextContentPart(Struct, tag="text", tag_field="type"):
     text: str
 
 
+class FunctionCallIn(Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"    # a JSON object as text, as the model returned it
+
+
+class ToolCallIn(Struct, kw_only=True):
+    """An earlier assistant turn's tool call, sent back in the history."""
+    function: FunctionCallIn
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None    # assistant turns that called tools
+    tool_call_id: str | None = None               # role "tool": the call this result answers
 
     def text(self) -> str:
         if self.content is None:
@@ -80,8 +94,34 @@ class ChatMessage(Struct, kw_only=True):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None     # a JSON schema
+    # strict: the schema is enforced where the output is constrained (named and required tool_choice)
+    strict: bool | None = None
+
+
+class ChatTool(Struct, kw_only=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    tools: list[ChatTool] | None = None
+    # None: "auto" when tools are sent, else "none" (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     max_completion_tokens: NonNegInt | None = None
     logprobs: bool | None = False
     top_logprobs: NonNegInt | None = None
@@ -112,11 +152,22 @@ class ChatLogprobs(Struct):
     content: list[ChatLogprobToken] | None
 
 
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str           # a JSON object as text
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class ChatResponseMessage(Struct):
     role: str
     content: str | None
     refusal: None = None
-    tool_calls: list[Any] = field(default_factory=list)
+    tool_calls: list[ToolCallOut] = field(default_factory=list)
 
 
 class ChatChoice(Struct):
@@ -143,9 +194,23 @@ class ChatCompletionResponse(Struct):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A streamed piece of a tool call: the first has id, type and name; later ones argument text."""
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -13,10 +13,11 @@ import anyio
 
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
-from .args import ServerArgs
+from .args import ServerArgs, resolve_tool_parser
 from .errors import APIError, bad_request, model_not_found
 from .metrics import RequestTracker, ServerMetrics
 from .protocol import ChatMessage, SamplingFields
+from .tool_parsers.choice import ToolRequestError, template_messages
 
 log = logging.getLogger("jaxserve.server")
 
@@ -85,6 +86,7 @@ class Serving:
         self.max_logprobs = int(getattr(engine, "max_logprobs", None) or 20)
         self.metrics = ServerMetrics(engine, self.model_name, args.metrics_prefix)
         self.draining = False
+        self.tool_parser_cls = resolve_tool_parser(args)   # --tool-call-parser (None: no auto tool choice)
         self._token_strs: dict[int, str] = {}
         # Token ids are checked against the model's embedding rows (the tokenizer may have fewer ids, e.g.
         # padded vocabularies, or dummy weights served with another model's tokenizer).
@@ -134,7 +136,7 @@ class Serving:
 
     async def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
-                          chat_template_kwargs: dict[str, Any] | None) -> str:
+                          chat_template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> str:
         template = chat_template or getattr(self.engine, "chat_template", None) or getattr(
             self.tokenizer, "chat_template", None)
         if not template:
@@ -143,9 +145,13 @@ class Serving:
         if add_generation_prompt and continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
                               "continue_final_message")
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in messages]
+        try:
+            conversation = template_messages(messages)
+        except ToolRequestError as e:
+            raise bad_request(str(e), e.param) from None
         kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
         size = sum(len(c["content"]) for c in conversation)
 
         def render() -> str:

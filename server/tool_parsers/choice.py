@@ -1,0 +1,192 @@
+"""A chat request's tools and tool_choice: checks, the constraint that enforces named and required
+choices, and the parser that reads each choice's output (vLLM's semantics and messages)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .engine import ToolParser
+from .json_formats import NamedToolChoiceParser, RequiredToolChoiceParser
+
+AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+_SUBSCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+class ToolRequestError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def schema_problem(schema: Any, where: str = "") -> str | None:
+    """What makes `schema` not a JSON schema (None: fine). Checks the structure the keywords must have,
+    so a typo'd schema is a 400 here rather than a template or grammar error later."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"{where or 'the schema'} must be an object or a boolean, not {type(schema).__name__}"
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    for k in kinds:
+        if k not in _JSON_TYPES:
+            return f"{where}.type: {k!r} is not a JSON type ({', '.join(sorted(_JSON_TYPES))})"
+    if "required" in schema and not (isinstance(schema["required"], list)
+                                     and all(isinstance(r, str) for r in schema["required"])):
+        return f"{where}.required must be a list of property names"
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"{where}.enum must be a list"
+    for key in _SCHEMA_MAP_KEYS:
+        if key in schema:
+            if not isinstance(schema[key], dict):
+                return f"{where}.{key} must be an object of schemas"
+            for name, sub in schema[key].items():
+                if problem := schema_problem(sub, f"{where}.{key}.{name}"):
+                    return problem
+    for key in _SCHEMA_LIST_KEYS:
+        if key in schema:
+            if not isinstance(schema[key], list):
+                return f"{where}.{key} must be a list of schemas"
+            for n, sub in enumerate(schema[key]):
+                if problem := schema_problem(sub, f"{where}.{key}[{n}]"):
+                    return problem
+    for key in _SUBSCHEMA_KEYS:
+        if key in schema and (problem := schema_problem(schema[key], f"{where}.{key}")):
+            return problem
+    return None
+
+
+def tool_dicts(tools: list[Any]) -> list[dict]:
+    """The request's tools as the plain dicts chat templates and parsers read."""
+    out = []
+    for t in tools:
+        fn: dict[str, Any] = {"name": t.function.name}
+        if t.function.description is not None:
+            fn["description"] = t.function.description
+        fn["parameters"] = t.function.parameters if t.function.parameters is not None else \
+            {"type": "object", "properties": {}}
+        if t.function.strict is not None:
+            fn["strict"] = t.function.strict
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+@dataclass
+class ToolPlan:
+    """How one chat request uses tools: `mode` is none | auto | named | required."""
+    mode: str
+    tools: list[dict] | None          # for the chat template (None: no tools sent)
+    function_name: str | None = None  # the named choice
+    parser_cls: type | None = None    # auto: the server's --tool-call-parser
+    parallel: bool = True
+
+    def new_parser(self) -> ToolParser | None:
+        """A fresh parser for one generated choice (None: the output is plain content)."""
+        if self.mode == "auto":
+            return self.parser_cls(self.tools)
+        if self.mode == "named":
+            return NamedToolChoiceParser(self.function_name, self.tools)
+        if self.mode == "required":
+            return RequiredToolChoiceParser(self.tools)
+        return None
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        return self.mode == "auto" and self.parser_cls.needs_special_tokens
+
+    def constraint_schema(self) -> dict | None:
+        """The JSON schema the output must follow: the named tool's parameters, or for `required` an
+        array of one or more {"name": <a tool>, "parameters": <its schema>}."""
+        by_name = {t["function"]["name"]: t["function"]["parameters"] for t in self.tools or []}
+        if self.mode == "named":
+            return by_name[self.function_name]
+        if self.mode == "required":
+            alternatives = [{"type": "object", "properties": {"name": {"type": "string", "const": name},
+                                                              "parameters": params},
+                             "required": ["name", "parameters"], "additionalProperties": False}
+                            for name, params in by_name.items()]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                      "items": alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return schema
+        return None
+
+    def structured_outputs(self) -> Any:
+        """The structured-outputs constraint for named / required choices (None for none / auto)."""
+        schema = self.constraint_schema()
+        if schema is None:
+            return None
+        try:
+            from jaxserve.sampling_params import StructuredOutputsParams
+        except ImportError:
+            raise ToolRequestError(f"tool_choice {self.mode!r} is enforced with structured outputs, which this "
+                                   "build of jaxserve does not have; use tool_choice 'auto'", "tool_choice") from None
+        return StructuredOutputsParams(json=schema)
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, *,
+               enable_auto_tool_choice: bool, parser_cls: type | None) -> ToolPlan:
+    """Check a request's tools and tool_choice; ToolRequestError names the field at fault."""
+    if not tools:
+        if tool_choice is not None and tool_choice != "none":
+            raise ToolRequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        return ToolPlan("none", None)
+    names: set[str] = set()
+    for i, t in enumerate(tools):
+        name = t.function.name
+        if not name:
+            raise ToolRequestError("a tool's function name must not be empty", f"tools[{i}].function.name")
+        if name in names:
+            raise ToolRequestError(f"two tools are named {name!r}", f"tools[{i}].function.name")
+        names.add(name)
+        params = t.function.parameters
+        if params is not None and (problem := schema_problem(params, "parameters")):
+            raise ToolRequestError(f"tool {name!r}: parameters is not a valid JSON schema: {problem}",
+                                   f"tools[{i}].function.parameters")
+    dicts = tool_dicts(tools)
+    parallel = parallel_tool_calls is not False
+    choice = "auto" if tool_choice is None else tool_choice   # OpenAI's default once tools are sent
+    if choice == "none":
+        return ToolPlan("none", dicts, parallel=parallel)
+    if choice == "auto":
+        if not enable_auto_tool_choice or parser_cls is None:
+            raise ToolRequestError(AUTO_NEEDS_FLAGS, "tool_choice")
+        return ToolPlan("auto", dicts, parser_cls=parser_cls, parallel=parallel)
+    if choice == "required":
+        return ToolPlan("required", dicts, parallel=parallel)
+    name = choice.function.name
+    if name not in names:
+        raise ToolRequestError(f"Tool '{name}' has not been passed in `tools`.", "tool_choice")
+    return ToolPlan("named", dicts, function_name=name, parallel=parallel)
+
+
+def template_messages(messages: list[Any]) -> list[dict]:
+    """Chat messages as the dicts chat templates read: assistant tool calls with their arguments parsed
+    to objects (templates such as Qwen3-Coder's iterate over them), tool results with tool_call_id."""
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_calls:
+            calls = []
+            for j, call in enumerate(m.tool_calls):
+                try:
+                    args = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise ToolRequestError(f"the arguments of tool call {j} are not JSON: {e}",
+                                           f"messages[{i}].tool_calls[{j}].function.arguments") from None
+                entry: dict[str, Any] = {"type": "function", "function": {"name": call.function.name,
+                                                                          "arguments": args}}
+                if call.id is not None:
+                    entry["id"] = call.id
+                calls.append(entry)
+            d["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out

@@ -34,13 +34,10 @@ from jaxserve.runner import packing, sampler as sampler_mod
 
 logger = logging.getLogger(__name__)
 
-# The smallest default token bucket: a batch-1 decode step pads to it. On the H200 (8-step decoding,
-# 2026-11-30): Llama-3.1-8B at TP=1 decoded 234.6-236.0 tok/s with a bucket of 8 against 225.9 with 16, and
-# 279.0 against 260.5-264.9 at TP=2; Llama-3.2-1B decoded 1,012-1,016 tok/s with 4 against 991-995 with 8
-# (two interleaved pairs, twelfth session). The 8B layer stack without attention (l2_prefetch_probe.py)
-# took 3.68 / 3.75 / 3.76 / 3.93 ms at T = 2 / 4 / 8 / 16 on one GPU; the 8B engine at 4 is not measured.
-# A bucket of 1 read 23.8 tok/s (8B) and 4.71 ms in that stack: with one token row XLA turns some of the
-# step's matmuls into multiply + reduce fusions. Below 4 warns on GPU.
+# The smallest default token bucket: a batch-1 decode step pads to it. Smaller buckets decoded faster on the
+# H200 down to 4 (8 beat 16 for Llama-3.1-8B at TP=1 and TP=2, 4 beat 8 for Llama-3.2-1B); a bucket of 1 was
+# about 10x slower: with one token row XLA turns some of the step's matmuls into multiply + reduce fusions.
+# Below 4 warns on GPU.
 MIN_TOKEN_BUCKET = 4
 
 

@@ -16,6 +16,10 @@ nothing until it finishes). The engine frees what this returns as finished (``Sc
 
 This is the hot loop of the host (once per request per step): attribute lookups are hoisted and the common
 case (no stop, no logprobs, FINAL_ONLY output while running) does no more than it must.
+
+Structured outputs plug in at the token loop of ``process_outputs``: a constrained request's grammar matcher
+accepts each token right after it is filled in, and a grammar that reaches its end finishes the request
+there (status stop), like a stop token.
 """
 from __future__ import annotations
 

@@ -272,16 +272,14 @@ class Scheduler:
             end = entry.start_pos + entry.num_new_tokens
             if entry.samples:
                 n = entry.num_steps
-                out_ids, all_ids = req.output_token_ids, req._all_token_ids
-                if n == 1:
-                    out_ids.append(PLACEHOLDER)
-                    all_ids.append(PLACEHOLDER)
+                if n == 1:              # req.append_placeholders(1), inlined: once per decode per step
+                    req.output_token_ids.append(PLACEHOLDER)
+                    req._all_token_ids.append(PLACEHOLDER)
+                    req.num_placeholders += 1
                 else:
-                    out_ids.extend((PLACEHOLDER,) * n)
-                    all_ids.extend((PLACEHOLDER,) * n)
+                    req.append_placeholders(n)
                     end += n - 1        # the loop computed one more position per token after the first
-                req.num_placeholders += n
-                if len(out_ids) >= req.max_output_tokens:
+                if len(req.output_token_ids) >= req.max_output_tokens:
                     if capped is None:
                         capped = []
                     capped.append(req)

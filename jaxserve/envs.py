@@ -42,8 +42,6 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_API_KEY": EnvVar(_text, None, "API key the server requires ('Authorization: Bearer KEY') when "
                                             "--api-key is not given"),
     "VLLM_API_KEY": EnvVar(_text, None, "read as JAXSERVE_API_KEY when that is unset (vLLM's name)"),
-    "JAXSERVE_FAULT_INJECTION": EnvVar(_text, None, "tests: the async engine fails every request whose prompt "
-                                                    "contains this marker"),
     # models
     "JAXSERVE_CONFIGS": EnvVar(_text, None, "folder holding models/ (the model YAML configs) when jaxserve is "
                                             "installed outside its source checkout"),

@@ -1,4 +1,9 @@
-"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, ``.chat(...)``, ``.embed(...)``."""
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, ``.chat(...)``, ``.embed(...)``.
+
+``generate`` runs the engine to completion with FINAL_ONLY outputs. A SamplingParams with n > 1 becomes n
+engine requests (``<id>_<i>``, seeds ``seed + i``), merged back into one RequestOutput by index, as the
+server does for its choices.
+"""
 from __future__ import annotations
 
 import dataclasses

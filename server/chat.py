@@ -71,7 +71,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     plan, constraint = tool_plan(serving, req)
-    serving.check_capacity()
+    serving.check_capacity(req.n)
     text = await serving.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message,
                                      chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,

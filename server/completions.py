@@ -70,7 +70,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
         batch = req.prompt_batch()
     except ValueError as e:
         raise bad_request(str(e), "prompt") from e
-    serving.check_capacity()
+    serving.check_capacity(len(batch) * req.n)
     requested = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     echo_only = req.echo and requested == 0      # the engine still samples one token; it is not returned
     if echo_only:

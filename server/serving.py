@@ -99,11 +99,10 @@ class Serving:
         if name is not None and name not in self.model_names:
             raise model_not_found(name)
 
-    def check_capacity(self) -> None:
-        limit = self.args.max_waiting_requests
-        if limit is not None and self.engine.num_waiting() >= limit:
-            raise APIError(429, f"the server has {limit} requests waiting (--max-waiting-requests); retry later",
-                           code="queue_full")
+    def check_capacity(self, num_requests: int) -> None:
+        """The engine's admission for the whole request (prompts x n) before any work: 400 if it can never
+        fit, 429 if not now."""
+        self.engine.check_admission(num_requests)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, what: str) -> int:
         """OpenAI's context-length check, naming both numbers; default = what is left of max_model_len."""

@@ -123,6 +123,31 @@ def test_abort_frees_everything(llm, workload):
     assert eng.kv_manager.usage == 0.0
 
 
+def test_delta_and_cumulative_outputs_add_up_to_the_final_one(llm, workload, single_outputs):
+    """Streams read while the next step is in flight: no placeholder ever shows, nothing is sent twice."""
+    from jaxserve.sampling_params import RequestOutputKind
+    from jaxserve.errors import InvalidRequestError
+    prompts, max_tokens = workload
+    eng = llm.engine
+    kinds = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE)
+    for i, kind in enumerate(kinds):
+        eng.add_request(f"stream-{i}", prompts[i], SamplingParams(temperature=0, max_tokens=max_tokens[i],
+                                                                   ignore_eos=True, logprobs=1, output_kind=kind))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        eng.add_request("stream-0", prompts[0], greedy(3))
+    seen = {f"stream-{i}": [] for i in range(len(kinds))}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id].append(out.outputs[0])
+    delta, cumulative = seen["stream-0"], seen["stream-1"]
+    assert [t for o in delta for t in o.token_ids] == single_outputs[0]
+    assert sum(len(o.logprobs) for o in delta) == len(single_outputs[0])
+    assert [o.token_ids for o in cumulative] == [single_outputs[1][:len(o.token_ids)] for o in cumulative]
+    assert cumulative[-1].token_ids == single_outputs[1] and len(cumulative[-1].logprobs) == max_tokens[1]
+    assert delta[-1].finish_reason == cumulative[-1].finish_reason == "length"
+    assert [o.finish_reason for o in delta[:-1] + cumulative[:-1]] == [None] * (len(delta) + len(cumulative) - 2)
+
+
 def test_seeded_sampling_reproducible_across_batches(llm, workload):
     prompts, _ = workload
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
@@ -343,7 +368,7 @@ def test_request_preempted_while_its_stop_token_is_in_flight_finishes(llm, workl
     preempts the request (short of blocks). Reading N must finish it and take it out of the waiting queue,
     not leave it there to be re-admitted and run on to max_tokens unseen."""
     from jaxserve.engine.request import RequestStatus
-    from jaxserve.runner.model_runner import PLACEHOLDER
+    from jaxserve.engine.request import PLACEHOLDER
 
     prompts, _ = workload
     p, ref = prompts[0], single_outputs[0]

@@ -10,7 +10,8 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import ScheduledRequest
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.runner import sampler as S
-from jaxserve.runner.model_runner import PLACEHOLDER, ModelRunner, token_buckets
+from jaxserve.engine.request import PLACEHOLDER
+from jaxserve.runner.model_runner import ModelRunner, token_buckets
 from jaxserve.sampling_params import SamplingParams
 
 

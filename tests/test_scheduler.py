@@ -1,10 +1,12 @@
-"""Scheduler: token budget, seq cap, chunked prefill, prefix caching, preemption, stops, aborts.
+"""Scheduler: token budget, seq cap, chunked prefill, prefix caching, preemption, placeholders, aborts.
 
 A fake device stands in for the runner: it writes each scheduled token id into a flat slot array through
 the request's block table (like write_kv) and reads the whole context back through the block table (like
 paged attention), checking it equals the request's tokens. So a wrong block table, a prefix-cache hit on
 a block with other content, or a shared block overwritten after eviction all fail loudly. Its "model"
 samples a token that is a function of the context it read, so outputs are checkable after preemptions.
+Each step runs as the engine runs it: schedule, the device, ``update_from_output`` (placeholders), then the
+output processor reads the tokens, decides which requests finished, and the scheduler frees them.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from jaxserve.engine.request import Request, RequestStatus, check_stop
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput, validate_prompt_length
-from jaxserve.errors import InvalidRequestError, QueueFullError
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 VOCAB = 50
 EOS = 0
@@ -67,23 +70,51 @@ class FakeDevice:
 
 
 def params(max_tokens=None, min_tokens=0, ignore_eos=False, stop_token_ids=(), logprobs=None, penalties=False):
-    return SimpleNamespace(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                           stop_token_ids=list(stop_token_ids), logprobs=logprobs, uses_penalties=penalties)
+    return SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                          stop_token_ids=list(stop_token_ids), logprobs=logprobs,
+                          repetition_penalty=1.1 if penalties else 1.0, detokenize=False,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+PROCESSOR = OutputProcessor(tokenizer=None)
+
+
+class EngineScheduler(Scheduler):
+    """A Scheduler whose requests get their output state on the way in, as the engine's ``enqueue`` does."""
+
+    def add_request(self, request: Request) -> None:
+        if request.sampling_params is not None:
+            PROCESSOR.add_request(request)
+        super().add_request(request)
 
 
 def make(num_blocks=64, block_size=4, max_model_len=64, budget=32, max_seqs=8, chunked=True, caching=True,
-         max_waiting=None, steps=1):
+         steps=1):
     kv = KVCacheManager(num_blocks, block_size, caching, max_model_len)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                      enable_chunked_prefill=chunked, max_waiting_requests=max_waiting,
-                                      num_scheduler_steps=steps),
-                      CacheConfig(block_size=block_size, enable_prefix_caching=caching), kv, max_model_len)
+    sched = EngineScheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                            enable_chunked_prefill=chunked, num_scheduler_steps=steps),
+                            CacheConfig(block_size=block_size, enable_prefix_caching=caching), kv, max_model_len)
     return sched, kv, FakeDevice(kv)
+
+
+def read_tokens(sched, out, sampled) -> list[Request]:
+    """The output processor reads a step whose placeholders are counted (the only ones: steps here are read
+    before the next is scheduled) and the scheduler frees what it says finished. Returns those requests."""
+    entries = [(e.request, e.request.num_output_tokens - e.request.num_placeholders) for e in out.scheduled
+               if e.samples and e.request.status == RequestStatus.RUNNING]
+    _, finished = PROCESSOR.process_outputs(entries, sampled, None)
+    return [r for status, ids in finished.items() for r in sched.finish_requests(ids, status)]
+
+
+def apply(sched, out, sampled) -> list[Request]:
+    """The engine's half of a step after the device: count its placeholders, then read its tokens."""
+    sched.update_from_output(out)
+    return read_tokens(sched, out, sampled)
 
 
 def step(sched, dev, eos_at=None):
     out = sched.schedule()
-    return out, sched.update_from_output(out, dev.execute(out, eos_at))
+    return out, apply(sched, out, dev.execute(out, eos_at))
 
 
 def run_to_completion(sched, dev, max_steps=2000):
@@ -103,29 +134,14 @@ def expected_outputs(prompt, n):
 
 
 # ---------------------------------------------------------------------------------------------- basics
-def test_validate_prompt_length_messages():
-    with pytest.raises(InvalidRequestError, match=r"^prompt has 9000 tokens, max_model_len is 8192$"):
-        validate_prompt_length(9000, None, 8192)
-    with pytest.raises(InvalidRequestError, match="prompt is empty"):
-        validate_prompt_length([], None, 8192)
-    with pytest.raises(InvalidRequestError, match=r"8000 tokens and max_tokens is 500: 8500 tokens exceed"):
-        validate_prompt_length(8000, 500, 8192)
-    validate_prompt_length([1] * 8192, None, 8192)
-    validate_prompt_length(8000, 192, 8192)
-
-
-def test_add_request_rejects_before_queueing():
-    sched, kv, dev = make(max_model_len=64, max_waiting=2)
-    with pytest.raises(InvalidRequestError, match="prompt has 65 tokens, max_model_len is 64"):
-        sched.add_request(Request("long", [1] * 65, params()))
-    assert sched.num_waiting == 0 and not sched.has_unfinished_requests()
-    sched.add_request(Request("a", [1, 2], params()))
-    with pytest.raises(InvalidRequestError, match="already in use"):
-        sched.add_request(Request("a", [3], params()))
-    sched.add_request(Request("b", [1, 2], params()))
-    with pytest.raises(QueueFullError, match="max_waiting_requests is 2"):
-        sched.add_request(Request("c", [1, 2], params()))
-    assert sorted(sched.request_ids()) == ["a", "b"]
+def test_add_request_lowers_the_length_limit_to_what_max_model_len_leaves():
+    sched, kv, dev = make(max_model_len=64)
+    a, b = Request("a", [1] * 60, params(max_tokens=10)), Request("b", [1] * 10, params(max_tokens=10))
+    sched.add_request(a)
+    sched.add_request(b)
+    assert (a.max_output_tokens, b.max_output_tokens) == (4, 10)
+    run_to_completion(sched, dev)
+    assert (a.num_tokens, a.finish_reason, b.num_output_tokens, b.finish_reason) == (64, "length", 10, "length")
 
 
 def test_scheduler_checks_its_kv_cache():
@@ -137,17 +153,14 @@ def test_scheduler_checks_its_kv_cache():
 
 
 def test_request_reads_real_sampling_params():
-    from jaxserve.sampling_params import SamplingParams
     sp = SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[9, 9, 8])
     sp.update_from_generation_config({"eos_token_id": [2, 5]}, eos_token_id=2)
     r = Request("a", [1, 2], sp, eos_token_ids=[])
-    assert (r.max_tokens, r.min_tokens, r.ignore_eos) == (3, 1, False)
+    assert (r.max_tokens, r.max_output_tokens, r.min_tokens, r.ignore_eos) == (3, 3, 1, False)
     assert r.eos_token_ids == {2} and r.stop_token_ids == {9, 8, 5}
-    r.append_output_token_ids(5)
-    assert check_stop(r, 100) and r.stop_reason == 5 and r.finish_reason == "stop"
     r = Request("b", [1], SamplingParams(max_tokens=None, ignore_eos=True), eos_token_ids=2)
     r.append_output_token_ids([2, 2])
-    assert r.max_tokens is None and not check_stop(r, 100) and r.all_token_ids == [1, 2, 2]
+    assert r.max_tokens is None and r.all_token_ids == [1, 2, 2] and r.num_placeholders == 0
 
 
 def test_output_classes_keep_vllm_field_order():
@@ -166,33 +179,6 @@ def test_output_classes_keep_vllm_field_order():
     assert not hasattr(outputs.CompletionOutput(0, "", [], None, None), "__dict__")    # slotted
     m = outputs.RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0)
     assert (m.time_in_queue, m.time_to_first_token) == (0.5, 1.0)
-
-
-# ------------------------------------------------------------------------------------------ check_stop
-@pytest.mark.parametrize("case", [
-    # (params, eos ids, outputs, max_model_len, finished, status, stop_reason)
-    (params(), {EOS}, [5, EOS], 100, True, RequestStatus.FINISHED_STOPPED, None),
-    (params(ignore_eos=True), {EOS}, [5, EOS], 100, False, RequestStatus.RUNNING, None),
-    (params(stop_token_ids=[7]), {EOS}, [5, 7], 100, True, RequestStatus.FINISHED_STOPPED, 7),
-    (params(min_tokens=3), {EOS}, [5, EOS], 100, False, RequestStatus.RUNNING, None),
-    (params(min_tokens=3, stop_token_ids=[7]), {EOS}, [5, 7], 100, False, RequestStatus.RUNNING, None),
-    (params(min_tokens=2), {EOS}, [5, EOS], 100, True, RequestStatus.FINISHED_STOPPED, None),
-    (params(max_tokens=2), {EOS}, [5, 6], 100, True, RequestStatus.FINISHED_LENGTH_CAPPED, None),
-    (params(max_tokens=2), {EOS}, [5, EOS], 100, True, RequestStatus.FINISHED_STOPPED, None),   # eos wins
-    (params(max_tokens=5), {EOS}, [5, 6], 100, False, RequestStatus.RUNNING, None),
-    (params(), {EOS}, [5, 6], 5, True, RequestStatus.FINISHED_LENGTH_CAPPED, None),           # 3+2 = 5
-    (params(min_tokens=10), {EOS}, [5, 6], 5, True, RequestStatus.FINISHED_LENGTH_CAPPED, None),
-    (params(), {EOS, 9}, [9], 100, True, RequestStatus.FINISHED_STOPPED, None),                 # any eos id
-])
-def test_check_stop(case):
-    p, eos, outs, max_model_len, finished, status, stop_reason = case
-    r = Request("r", [1, 2, 3], p, eos_token_ids=eos)
-    r.status = RequestStatus.RUNNING
-    r.append_output_token_ids(outs)
-    assert check_stop(r, max_model_len) is finished
-    assert r.status == status and r.stop_reason == stop_reason
-    assert r.finish_reason == {RequestStatus.RUNNING: None, RequestStatus.FINISHED_STOPPED: "stop",
-                               RequestStatus.FINISHED_LENGTH_CAPPED: "length"}[status]
 
 
 # ------------------------------------------------------------------------------------ budget and chunks
@@ -229,8 +215,6 @@ def test_without_chunked_prefill_a_prompt_waits_for_room():
     assert [(e.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 10)]
     out, _ = step(sched, dev)
     assert [(e.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 1), ("b", 10), ("c", 2)]
-    with pytest.raises(InvalidRequestError, match="max_num_batched_tokens 16 with chunked prefill off"):
-        sched.add_request(Request("d", list(range(17)), params()))
 
 
 def test_max_num_seqs_caps_the_batch():
@@ -366,8 +350,10 @@ def test_multi_step_decode_allocates_every_position_and_advances_by_all_steps():
     assert len(e.block_ids) == 2 == cdiv(e.start_pos + 3 + 1, kv.block_size)
     assert e.block_ids == kv.block_ids("a")
     first = a.output_token_ids[0]
-    assert sched.update_from_output(out, {"a": [11, 12, 13, 14]}) == []
-    assert a.num_computed_tokens == 3 + 4
+    sched.update_from_output(out)
+    assert a.output_token_ids == [first] + [PLACEHOLDER] * 4 and a.num_placeholders == 4
+    assert read_tokens(sched, out, {"a": [11, 12, 13, 14]}) == []
+    assert a.num_computed_tokens == 3 + 4 and a.num_placeholders == 0
     assert a.output_token_ids == [first, 11, 12, 13, 14] and a.all_token_ids == [1, 2, 3, first, 11, 12, 13, 14]
     (e,) = sched.schedule().scheduled                # the last sampled token is the next step's input
     assert (e.start_pos, e.num_new_tokens) == (7, 1)
@@ -385,7 +371,7 @@ def test_multi_step_is_capped_by_max_tokens_and_max_model_len():
     assert {e.request_id: e.num_steps for e in out.scheduled} == {"a": 2, "b": 2, "c": 4, "d": 1}
     for e in out.scheduled:
         assert len(e.block_ids) == cdiv(e.start_pos + e.num_steps, kv.block_size), e.request_id
-    finished = sched.update_from_output(out, dev.execute(out))
+    finished = apply(sched, out, dev.execute(out))
     assert sorted(r.request_id for r in finished) == ["a", "b", "d"]
     assert a.finish_reason == b.finish_reason == d.finish_reason == "length"
     assert (a.num_output_tokens, b.num_tokens, d.num_output_tokens) == (3, 12, 2)
@@ -412,7 +398,7 @@ def test_multi_step_only_when_every_entry_decodes():
     assert [(e.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 1), ("b", 10)]
     assert out.num_steps == 1 and [e.num_steps for e in out.scheduled] == [1, 1]
     assert len(kv.block_ids("a")) == 1                # no lookahead blocks taken
-    sched.update_from_output(out, dev.execute(out))
+    apply(sched, out, dev.execute(out))
     out = sched.schedule()                            # both decode now
     assert out.num_steps == 4 and [e.num_steps for e in out.scheduled] == [4, 4]
 
@@ -431,7 +417,7 @@ def test_one_token_prompt_chunk_is_not_multi_stepped():
                                                                                    ("b", 1, False)]
     (eb,) = [e for e in out.scheduled if e.request_id == "b"]
     assert eb.num_steps == 1
-    sched.update_from_output(out, dev.execute(out))
+    apply(sched, out, dev.execute(out))
     assert b.num_computed_tokens == 1 and b.num_output_tokens == 0
     run_to_completion(sched, dev)
     assert a.output_token_ids == expected_outputs(a.prompt_token_ids, 6)
@@ -448,7 +434,7 @@ def test_multi_step_off_while_a_request_needs_the_host_between_tokens(kw):
     # one such request makes the whole step single: a does not run ahead either
     assert out.num_steps == 1 and [e.num_steps for e in out.scheduled] == [1, 1]
     assert len(kv.block_ids("a")) == len(kv.block_ids("b")) == 1
-    sched.update_from_output(out, dev.execute(out))
+    apply(sched, out, dev.execute(out))
     if "min_tokens" in kw:                             # b has 2 outputs, 3rd is still below min_tokens
         out, _ = step(sched, dev)
         assert out.num_steps == 1
@@ -482,7 +468,7 @@ def test_multi_step_lookahead_never_preempts():
     assert out.preempted_ids == [] and out.num_steps == 4
     assert [(e.request_id, e.num_steps) for e in out.scheduled] == [("a", 4), ("b", 1)]
     assert kv.num_free_blocks == 0 and len(kv.block_ids("b")) == 1
-    sched.update_from_output(out, dev.execute(out))
+    apply(sched, out, dev.execute(out))
     assert (a.num_output_tokens, b.num_output_tokens) == (5, 2)
     run_to_completion(sched, dev)
     assert a.output_token_ids == expected_outputs(a.prompt_token_ids, 6)
@@ -543,63 +529,85 @@ def test_abort_at_any_point_frees_everything():
 
 def test_abort_between_schedule_and_update_is_ignored_by_update():
     sched, kv, dev = make()
-    sched.add_request(Request("a", [1, 2, 3], params(max_tokens=5)))
+    a = Request("a", [1, 2, 3], params(max_tokens=5))
+    sched.add_request(a)
     out = sched.schedule()
     sampled = dev.execute(out)
     sched.abort_requests("a")
-    assert sched.update_from_output(out, sampled) == []
+    assert apply(sched, out, sampled) == []
+    assert a.num_placeholders == 0 and a.finish_reason == "abort"
     assert kv.num_free_blocks == kv.num_usable_blocks
 
 
-def test_finish_request_for_a_stop_string():
-    sched, kv, dev = make()
+def test_finish_requests_frees_wherever_the_request_is():
+    sched, kv, dev = make(max_seqs=1)
     a = Request("a", [1, 2, 3], params(max_tokens=50))
+    b = Request("b", [4, 5], params(max_tokens=50))
     sched.add_request(a)
+    sched.add_request(b)
     step(sched, dev)
     step(sched, dev)
-    assert sched.finish_request("a", "stop", stop_reason="###") is a
-    assert a.finish_reason == "stop" and a.stop_reason == "###" and a.metrics.finished_time is not None
-    assert sched.finish_request("a", "stop") is None
-    assert kv.num_free_blocks == kv.num_usable_blocks
-    with pytest.raises(ValueError, match="unknown finish reason"):
-        sched.finish_request("x", "done")
+    assert (a.status, b.status) == (RequestStatus.RUNNING, RequestStatus.WAITING)
+    assert sched.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_STOPPED) == [a, b]
+    assert a.finish_reason == b.finish_reason == "stop" and a.metrics.finished_time is not None
+    assert sched.finish_requests("a", RequestStatus.FINISHED_STOPPED) == []
+    assert kv.num_free_blocks == kv.num_usable_blocks and not sched.has_unfinished_requests()
     with pytest.raises(ValueError, match="not a finished status"):
-        sched.finish_request("x", RequestStatus.RUNNING)
+        sched.finish_requests("x", RequestStatus.RUNNING)
+
+
+def test_a_request_at_its_length_limit_gets_no_more_steps_until_it_is_read():
+    """Its last token is a placeholder: the scheduler stops giving it steps (and never preempts it) but
+    does not finish it; the output processor does when it reads the token."""
+    sched, kv, dev = make()
+    a = Request("a", [1, 2, 3], params(max_tokens=2))
+    sched.add_request(a)
+    step(sched, dev)                                   # the prefill samples output 1
+    out = sched.schedule()
+    sampled = dev.execute(out)
+    sched.update_from_output(out)                      # output 2 is dispatched: the limit
+    assert list(sched.capped) == ["a"] and sched.running == [] and sched.num_running == 1
+    assert a.status == RequestStatus.RUNNING and kv.block_ids("a") and sched.schedule().scheduled == []
+    assert read_tokens(sched, out, sampled) == [a]
+    assert a.finish_reason == "length" and a.output_token_ids == expected_outputs([1, 2, 3], 2)
+    assert sched.capped == {} and kv.num_free_blocks == kv.num_usable_blocks
 
 
 def test_eos_finishes_and_tokens_after_a_stop_are_dropped():
-    sched, kv, dev = make()
+    sched, kv, dev = make(steps=4)
     a = Request("a", [1, 2, 3], params(max_tokens=50), eos_token_ids=[EOS])
-    sched.add_request(a)
-    out, finished = step(sched, dev, eos_at={"a": 2})
-    out, finished = step(sched, dev, eos_at={"a": 2})
+    prefill(sched, dev, a)
     out = sched.schedule()
-    finished = sched.update_from_output(out, {"a": [EOS, 11, 12]})
-    assert finished == [a] and a.output_token_ids[-1] == EOS and a.num_output_tokens == 3
+    assert out.num_steps == 4
+    sched.update_from_output(out)
+    finished = read_tokens(sched, out, {"a": [9, EOS, 11, 12]})
+    assert finished == [a] and a.output_token_ids[1:] == [9, EOS] and a.num_placeholders == 0
     assert a.finish_reason == "stop" and a.stop_reason is None
     m = a.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
 
 
-def test_extra_sampled_tokens_are_fed_back_as_uncomputed():
+def test_waiting_for_fsm_is_passed_over_and_keeps_its_place():
     sched, kv, dev = make()
-    a = Request("a", [1, 2, 3], params(max_tokens=50))
+    a = Request("a", [1, 2, 3], params(max_tokens=3))
+    a.status = RequestStatus.WAITING_FOR_FSM
+    b = Request("b", [4, 5], params(max_tokens=3))
     sched.add_request(a)
-    out = sched.schedule()
-    sched.update_from_output(out, {"a": [7, 8, 9]})
-    assert a.output_token_ids == [7, 8, 9] and a.num_computed_tokens == 3
-    (e,) = sched.schedule().scheduled
-    assert (e.start_pos, e.num_new_tokens, e.samples) == (3, 3, True)
+    sched.add_request(b)
+    out, _ = step(sched, dev)
+    assert [e.request_id for e in out.scheduled] == ["b"] and list(sched.waiting) == [a]
+    a.status = RequestStatus.WAITING                   # its grammar compiled
+    out, _ = step(sched, dev)
+    assert [e.request_id for e in out.scheduled] == ["b", "a"]
 
 
 def test_stale_output_is_refused():
     sched, kv, dev = make()
     sched.add_request(Request("a", [1, 2, 3], params(max_tokens=50)))
     out = sched.schedule()
-    sampled = dev.execute(out)
-    sched.update_from_output(out, sampled)
+    sched.update_from_output(out)
     with pytest.raises(RuntimeError, match="stale scheduler output"):
-        sched.update_from_output(out, sampled)
+        sched.update_from_output(out)
 
 
 # ------------------------------------------------------------------------ property-based state machine
@@ -630,9 +638,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         r = Request(rid, prompt, params(max_tokens=max_tokens), eos_token_ids=[EOS] if eos else [])
         too_long = len(prompt) > self.sched.max_model_len
         unchunkable = not self.sched.enable_chunked_prefill and len(prompt) > self.budget
-        if not prompt or too_long or unchunkable:
-            with pytest.raises(InvalidRequestError):
-                self.sched.add_request(r)
+        if not prompt or too_long or unchunkable:      # the engine refuses these before the scheduler
             return
         self.sched.add_request(r)
         self.added[rid] = r
@@ -646,7 +652,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preempted")
         if out.num_steps > 1:
             event("multi-step")
-        finished = self.sched.update_from_output(out, self.dev.execute(out, eos_at))
+        finished = apply(self.sched, out, self.dev.execute(out, eos_at))
         for r in finished:
             assert r.is_finished() and r.request_id not in self.finished
             self.finished.add(r.request_id)
@@ -656,8 +662,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort_or_finish(self, data, finish):
         rid = data.draw(st.sampled_from(sorted(self.added)))
         if finish:
-            r = self.sched.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            got = [r] if r else []
+            got = self.sched.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
         else:
             got = self.sched.abort_requests([rid])
         if rid in self.finished:
@@ -774,26 +779,12 @@ TestSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=5
                                          suppress_health_check=[HealthCheck.too_slow])
 
 
-def test_multi_step_entry_with_fewer_tokens_back_counts_only_those():
-    # the engine always sends num_steps tokens; a caller that sends fewer (or none) must not strand the request
-    for back in ([], [5, 6]):
-        sched, kv, dev = make(steps=4)
-        a = Request("a", [1, 2, 3], params(max_tokens=50))
-        prefill(sched, dev, a)
-        out = sched.schedule()
-        (e,) = out.scheduled
-        assert e.num_steps == 4
-        sched.update_from_output(out, {"a": back})
-        assert a.num_computed_tokens == a.num_tokens - 1          # exactly the last known token is pending
-        (e2,) = sched.schedule().scheduled
-        assert e2.start_pos == a.num_tokens - 1 and e2.num_new_tokens == 1
-
-
 def test_multi_step_with_a_request_that_has_no_sampling_params():
     sched, kv, dev = make(steps=4)
     a = Request("a", [1, 2, 3])
     sched.add_request(a)
     out = sched.schedule()
-    sched.update_from_output(out, {"a": [7]})
+    sched.update_from_output(out)
+    a.set_output_token(0, 7)
     out = sched.schedule()                  # a decode: must not trip over sampling_params=None
     assert out.scheduled[0].num_new_tokens == 1

@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
+from fault_injection_server import FAULT   # the server runs through it: requests holding FAULT fail
 from test_server_fakes import free_port
 
 KEY = "e2e-key"
-FAULT = "INJECT-FAULT-7f3a"   # JAXSERVE_FAULT_INJECTION: the async front fails requests whose prompt has it
 MAX_MODEL_LEN = 512
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +28,8 @@ class ServerProcess:
     def __init__(self, *flags: str, env: dict | None = None, startup_timeout: float = 600):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "jaxserve", "serve", "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "fault_injection_server.py"), "serve", "--host",
+               "127.0.0.1", "--port", str(self.port), *flags]
         self.log_path = os.path.join(ROOT, ".pytest_cache", f"server-{self.port}.log")
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         self.log = open(self.log_path, "w")
@@ -71,8 +72,7 @@ def server():
     srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
                         "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
                         "--api-key", KEY,
-                        "--served-model-name", "smol", "--drain-timeout", "60",
-                        env={"JAXSERVE_FAULT_INJECTION": FAULT})
+                        "--served-model-name", "smol", "--drain-timeout", "60")
     yield srv
     srv.stop()
 

@@ -87,6 +87,10 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return self.healthy
 
+    def check_admission(self, num_requests: int = 1) -> None:
+        if self.max_waiting is not None and len(self.running) + num_requests > self.max_waiting:
+            raise QueueFullError(f"{len(self.running)} requests are running (fake limit {self.max_waiting})")
+
     async def abort(self, request_id: str) -> None:
         if self.running.pop(request_id, None) is not None:
             self.aborted.append(request_id)

@@ -76,7 +76,7 @@ class PhaseTimer:
         self._wrap(r, "dispatch", "dispatch")
         self._wrap(r, "collect", "collect")
         self._wrap(s, "update_from_output", "update_from_output")
-        self._wrap(eng, "_resolve", "resolve")
+        self._wrap(eng, "_process_in_flight", "resolve")
 
     def _timed(self, fn, name, after=None):
         cur = self
@@ -195,7 +195,7 @@ def restore(eng, timer):
     """Drop the timing wrappers (instance attributes) so the next run starts clean."""
     for obj, attrs in ((eng.scheduler, ("schedule", "update_from_output")),
                        (eng.runner, ("prepare", "sampling_metadata", "dispatch", "collect")),
-                       (eng, ("_resolve",))):
+                       (eng, ("_process_in_flight",))):
         for a in attrs:
             del obj.__dict__[a]
     eng.runner._forward = timer.forward

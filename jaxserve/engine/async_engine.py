@@ -3,6 +3,8 @@
 The server (and anything async) calls ``generate`` / ``abort`` / ``embed``; the loop thread owns the
 ``LLMEngine`` and is the only thread that touches the scheduler, so no locks guard engine state: requests
 and aborts cross over through thread-safe queues and outputs come back with ``call_soon_threadsafe``.
+A request is validated and admitted (``check_admission``: the one place --max-waiting-requests is read)
+on the caller's side, before it crosses over, so the caller gets the error.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import threading
 import time
 from typing import AsyncIterator
 
-from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -60,7 +61,6 @@ class AsyncLLMEngine:
         self._stats = self.engine.stats()
         self._pending = 0                     # submitted, not yet in the scheduler (both threads change it)
         self._pending_lock = threading.Lock()
-        self._fault_marker = envs.JAXSERVE_FAULT_INJECTION
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -91,6 +91,26 @@ class AsyncLLMEngine:
     def num_waiting(self) -> int:
         return self._stats.get("num_waiting", 0) + self._pending
 
+    def check_admission(self, num_requests: int = 1) -> None:
+        """Raise unless ``num_requests`` more requests fit under --max-waiting-requests: InvalidRequestError
+        (HTTP 400) if they never can (more than max_num_seqs + max_waiting_requests at once), QueueFullError
+        (429, retry later) if they cannot now. Requests the next step will schedule (up to the free seats of
+        max_num_seqs) count as running, not waiting."""
+        sched = self.config.scheduler
+        limit = sched.max_waiting_requests
+        if limit is None:
+            return
+        max_seqs = sched.max_num_seqs
+        if num_requests > max_seqs + limit:
+            raise InvalidRequestError(
+                f"the request needs {num_requests} sequences (prompts x n), more than this server ever holds: "
+                f"{max_seqs} running (--max-num-seqs) + {limit} waiting (--max-waiting-requests)", param="n")
+        free_seats = max(0, max_seqs - self._stats.get("num_running", 0))
+        waiting = self.num_waiting() + num_requests - free_seats
+        if waiting > limit:
+            raise QueueFullError(f"{self.num_waiting()} requests are waiting (--max-waiting-requests {limit}); "
+                                 "retry later")
+
     def is_healthy(self) -> bool:
         if self._dead is not None or not self._thread.is_alive():
             return False
@@ -104,17 +124,16 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
-        self.engine.validate(list(prompt_token_ids), sampling_params)
-        limit = self.config.scheduler.max_waiting_requests
-        if limit is not None and self.num_waiting() >= limit:
-            raise QueueFullError(f"{self.num_waiting()} requests are waiting (--max-waiting-requests {limit})")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+        req = self.engine.make_request(request_id, prompt_token_ids, sampling_params, prompt, time.time(),
+                                       strict_length=True)
+        self.check_admission(1)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         with self._pending_lock:
             self._pending += 1
-        self._inbox.put(("add", request_id, list(prompt_token_ids), sampling_params, prompt, time.time()))
+        self._inbox.put(("add", req))
         self._wake.set()
         try:
             while True:
@@ -166,18 +185,32 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, ids, params, prompt, arrival = msg
+                req = msg[1]
                 with self._pending_lock:
                     self._pending -= 1
-                stream = self._streams.get(rid)
+                stream = self._streams.get(req.request_id)
                 if stream is None:           # aborted before it was added
                     continue
                 try:
-                    eng.add_request(rid, ids, params, prompt=prompt, arrival_time=arrival)
+                    eng.enqueue(req)
                 except Exception as e:       # noqa: BLE001 - reported to that request only
                     stream.put(e)
             else:
                 eng.abort_request(msg[1])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each consumer loop per step, not one per
+        output (256 cross-thread calls a step took the GIL from the loop thread as often)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:   # that loop is closed: nobody is listening any more
+                pass
 
     def _loop(self) -> None:
         eng = self.engine
@@ -192,24 +225,7 @@ class AsyncLLMEngine:
                 self._busy_since = time.monotonic()
                 outputs = eng.step()
                 self._busy_since = None
-                # one wake-up of each consumer loop per step, not one per output (256 cross-thread calls a
-                # step took the GIL from this thread as often)
-                batches: dict[asyncio.AbstractEventLoop, list] = {}
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    if self._fault_marker and out.prompt and self._fault_marker in out.prompt:
-                        # test hook: fail this one request mid-stream, keep serving the others
-                        eng.abort_request(out.request_id)
-                        stream.put(RuntimeError("injected engine fault"))
-                        continue
-                    batches.setdefault(stream.loop, []).append((stream.queue, out))
-                for loop, items in batches.items():
-                    try:
-                        loop.call_soon_threadsafe(_put_all, items)
-                    except RuntimeError:   # that loop is closed: nobody is listening any more
-                        pass
+                self._publish(outputs)
                 self._stats = eng.stats()
         except BaseException as e:  # noqa: BLE001 - the loop is dead; tell every waiting request
             logger.exception("engine loop died")

@@ -7,7 +7,7 @@ what the window adds beyond the part already emitted. Two things are held back u
 - the last max(len(stop)) - 1 characters when stop strings are set, so no emitted text is later cut.
 `update(..., finished=True)` releases everything still held.
 
-Cost: the engine calls `update` once per request per step, so it is on the hot path (256 requests = 512
+Cost: the output processor calls `update` once per request per step, so it is on the hot path (256 requests = 512
 window decodes a step). transformers' `tokenizer.decode` spends ~10 us in Python per call around a ~1 us
 Rust decode; `fast_decoder` calls the Rust `tokenizers.Tokenizer.decode` directly whenever that gives the
 same string (a transformers fast tokenizer that does not post-process the text), and the text of the

@@ -1,6 +1,10 @@
-"""The engine: add requests, then ``step()`` = schedule → dispatch → post-process the previous step.
+"""The engine: requests in, ``step()`` = schedule → dispatch → process the previous step's outputs → outputs out.
 
 Single-threaded. Used directly by the offline ``LLM`` class and, on a background thread, by the async front.
+The roles, in vLLM v1's shape: the engine boundary (``make_request``) validates a request once and builds its
+``Request``, the one object holding its state; the scheduler picks each step's tokens and counts the tokens
+a dispatched step will sample as placeholders; the runner dispatches steps; the output processor reads
+their tokens and alone decides that a request is finished (and why), which the scheduler then frees.
 """
 from __future__ import annotations
 
@@ -8,33 +12,50 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
+from typing import Sequence
 
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
+from jaxserve.engine.detokenizer import decode_logprobs
 from jaxserve.engine.embedder import Embedder, is_embedding_model
 from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.scheduler import Scheduler, validate_prompt_length
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.errors import InvalidRequestError
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.runner.model_runner import PLACEHOLDER, ModelRunner, resolve_attention_backend
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.outputs import RequestOutput
+from jaxserve.runner.model_runner import ModelRunner, resolve_attention_backend
+from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"     # the embedded default model
 
-# What update_from_output appends for each sampling request of a dispatched step (read-only, shared).
-_PLACEHOLDER_ONLY = (PLACEHOLDER,)
+
+def validate_prompt_length(prompt_token_ids: Sequence[int] | int, max_tokens: int | None,
+                           max_model_len: int) -> None:
+    """Reject a prompt that is empty or longer than max_model_len, or (when max_tokens is given) one that
+    leaves no room for max_tokens new tokens, as vLLM's OpenAI server does. Pass max_tokens=None to only
+    check the prompt (generation then stops at max_model_len, "length")."""
+    n = prompt_token_ids if isinstance(prompt_token_ids, int) else len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("prompt is empty: send at least one token", param="prompt")
+    if n > max_model_len:
+        raise InvalidRequestError(f"prompt has {n} tokens, max_model_len is {max_model_len}", param="prompt")
+    if max_tokens is not None and n + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} tokens exceed "
+            f"max_model_len {max_model_len}; lower max_tokens or shorten the prompt", param="max_tokens")
 
 
 @dataclasses.dataclass(slots=True)
 class _InFlight:
+    """A dispatched step whose tokens are not read yet."""
     pending: object                               # runner.PendingStep
-    index: dict[str, tuple[Request, int]]         # request id -> (request, index of its first placeholder)
+    sampled: list[tuple[Request, int]]            # (request, index of its first placeholder of this step)
 
 
 class LLMEngine:
@@ -77,14 +98,12 @@ class LLMEngine:
         self.chat_template = config.chat_template or self.model.chat_template
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._cum_logprob: dict[str, float] = {}
-        self._logprobs: dict[str, list] = {}
-        self._sent: dict[str, tuple[int, int]] = {}   # tokens / chars already returned (DELTA mode)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
-        self._inflight: _InFlight | None = None
-        self._prompt_lps: dict[str, list] = {}
+        # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
+        self._in_flight: deque[_InFlight] = deque()
+        self._lookahead = 1 if config.async_scheduling else 0
         self._scorer = None
         self.warmup_seconds = 0.0
         self._multi_process = jax.process_count() > 1
@@ -147,6 +166,11 @@ class LLMEngine:
                 param="prompt")
         validate_prompt_length(len(prompt_token_ids), params.max_tokens if strict_length else None,
                                self.max_model_len)
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and len(prompt_token_ids) > sched.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_token_ids)} tokens, more than max_num_batched_tokens "
+                f"{sched.max_num_batched_tokens} with chunked prefill off", param="prompt")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.config.max_logprobs:
@@ -159,161 +183,106 @@ class LLMEngine:
                                       "processes (--num-processes / --distributed-executor-backend mp)",
                                       param="prompt_logprobs")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     prompt: str | None = None, arrival_time: float | None = None, *,
+                     strict_length: bool = False) -> Request:
+        """The engine's boundary: truncate the prompt as asked, validate (``validate``), and build the Request
+        with its own copy of the parameters (which knows the model's eos ids: the sampler blocks them below
+        min_tokens) and its sampling seed. Raises InvalidRequestError; queues nothing (``enqueue`` does)."""
         prompt_token_ids = list(prompt_token_ids)
         keep = params.truncate_prompt_tokens
         if keep == -1:                      # vLLM: -1 = keep up to max_model_len tokens (the last ones)
             keep = self.max_model_len
         if keep is not None and len(prompt_token_ids) > keep:
             prompt_token_ids = prompt_token_ids[-keep:]
-        self.validate(prompt_token_ids, params, strict_length=False)
-        # A per-request copy that knows the model's eos ids: the sampler blocks them below min_tokens.
+        self.validate(prompt_token_ids, params, strict_length=strict_length)
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(self.eos_token_ids)},
                                              self.eos_token_ids[0] if self.eos_token_ids else None)
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                       arrival_time=arrival_time or time.time(), prompt=prompt)
         req.sampling_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31 - 1))
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        self._cum_logprob[request_id] = 0.0
-        self._logprobs[request_id] = [] if params.logprobs is not None else None
-        self._sent[request_id] = (0, 0)
-        if params.prompt_logprobs is not None:
-            self._prompt_lps[request_id] = self._score_prompt(prompt_token_ids, params.prompt_logprobs)
+        return req
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a Request from ``make_request`` (on the engine's thread). Raises InvalidRequestError if its id
+        is in use."""
+        if self.scheduler.get_request(req.request_id) is not None:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
+        self.output_processor.add_request(req)
+        if req.sampling_params.prompt_logprobs is not None:
+            req.prompt_logprobs = self._score_prompt(req.prompt_token_ids, req.sampling_params.prompt_logprobs)
         self.scheduler.add_request(req)
 
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        """Validate and queue a request (offline rules: generation stops at max_model_len)."""
+        self.enqueue(self.make_request(request_id, prompt_token_ids, params, prompt, arrival_time))
+
     def abort_request(self, request_ids) -> None:
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
         if self.scheduler is None:          # an embedding engine queues nothing
             return
         self.scheduler.abort_requests(request_ids)
-        for rid in request_ids:
-            self._forget(rid)
-
-    def _forget(self, rid: str) -> None:
-        for d in (self._detok, self._cum_logprob, self._logprobs, self._sent, self._prompt_lps):
-            d.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        if self.scheduler is None:
-            return False
-        if self.scheduler.has_unfinished_requests():
-            return True
-        # a step in flight whose requests are all aborted needs no more steps
-        return self._inflight is not None and any(rid in self._detok for rid in self._inflight.index)
+        # a step in flight whose requests all finished or were aborted needs no more steps
+        return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """schedule → dispatch → (process the previous step's tokens while this one runs) → record.
+        """schedule → dispatch → process the previous step's outputs → return them.
 
         With async scheduling (the default) the host never waits for the device between steps: step N+1 is
-        scheduled and dispatched before step N's tokens are read. The scheduler sees each sampled token as
-        a PLACEHOLDER first (its count is what scheduling needs: positions, blocks, max_tokens); the token
-        itself goes from step N's output to step N+1's input on the device. Reading step N's results then
-        overlaps step N+1 on the device; a request that stopped (EOS, stop id or string) at step N has
-        computed one token too many in N+1 (up to num_steps with multi-step), which is dropped. Penalties
-        need the real history on the host, so a step that uses them first resolves the step in flight. A
-        multi-step decode (the scheduler's ``num_steps`` > 1) works the same way with ``num_steps``
-        placeholders per request.
+        dispatched before step N's tokens are read, and reading them overlaps step N+1 on the device. The
+        scheduler counts each token a dispatched step samples as a PLACEHOLDER (positions, blocks and the
+        length limit need only the count); the token itself goes from step N's output to step N+1's input on
+        the device, and the output processor fills it in when step N is read. A request that stopped at
+        step N has computed one token too many in N+1 (up to num_steps with multi-step): the processor drops
+        it. Without async scheduling each step is read before step() returns.
         """
-        sched = self.scheduler.schedule()
-        prev, self._inflight = self._inflight, None
-        outputs: list[RequestOutput] = []
-        if prev is not None and (not sched.scheduled or self._needs_history(sched)):
-            outputs += self._resolve(prev)
-            prev = None
-        if not sched.scheduled:
-            return outputs
-        pending = self.runner.dispatch(sched.scheduled, prev.pending if prev is not None else None)
-        if prev is not None:
-            outputs += self._resolve(prev)      # blocks on step N while the device runs step N+1
-        # the scheduler counts the new tokens now; their values arrive with _resolve
-        if sched.num_steps > 1:                 # multi-step: one placeholder per iteration each entry runs
-            self.scheduler.update_from_output(sched, {s.request.request_id: (PLACEHOLDER,) * s.num_steps
-                                                      for s in sched.scheduled})
-        else:
-            self.scheduler.update_from_output(sched, dict.fromkeys(pending.rows, _PLACEHOLDER_ONLY))
-        index = {}
-        for s in sched.scheduled:
-            if s.samples:
-                out_ids = s.request.output_token_ids
-                if out_ids and out_ids[-1] == PLACEHOLDER:
-                    # the first of this step's placeholders (a request may have finished by length on it)
-                    index[s.request.request_id] = (s.request, len(out_ids) - s.num_steps)
-        inflight = _InFlight(pending, index)
-        if self.config.async_scheduling:
-            self._inflight = inflight
-        else:
-            outputs += self._resolve(inflight)
+        scheduler_output = self.scheduler.schedule()
+        outputs = self._dispatch(scheduler_output)
+        outputs += self._process_in_flight(keep=self._lookahead if scheduler_output.scheduled else 0)
         return outputs
 
-    def _needs_history(self, sched) -> bool:
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        """Send the scheduled step to the device and let the scheduler count its tokens. Returns the outputs
+        of the steps it first had to read: penalties need the real token history on the host.
+
+        The step's two halves (``runner.dispatch_forward`` and ``dispatch_sample``, one ``runner.dispatch``
+        here) are where structured outputs plug in: for a step with constrained rows, dispatch the forward,
+        read the step in flight, fill those rows' bitmask from their matchers, then dispatch the sampler
+        with it; a step with none stays one ``dispatch``."""
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return []
+        outputs = self._process_in_flight(keep=0) if self._needs_history(scheduled) else []
+        prev = self._in_flight[-1].pending if self._in_flight else None
+        pending = self.runner.dispatch(scheduled, prev)
+        self.scheduler.update_from_output(scheduler_output)
+        running = RequestStatus.RUNNING
+        sampled = [(s.request, len(s.request.output_token_ids) - s.num_steps)
+                   for s in scheduled if s.samples and s.request.status == running]
+        self._in_flight.append(_InFlight(pending, sampled))
+        return outputs
+
+    @staticmethod
+    def _needs_history(scheduled) -> bool:
         """Whether a scheduled request needs its previous token on the host before dispatch (penalties)."""
-        return any(s.request.uses_penalties for s in sched.scheduled)
+        return any(s.request.uses_penalties for s in scheduled)
 
-    def _resolve(self, inflight: "_InFlight") -> list[RequestOutput]:
-        """Bring a dispatched step's tokens to the host: fill the placeholders, stop checks, detokenize.
-
-        The hot loop of the host (once per request per step): attribute lookups are hoisted, the common
-        case (no stop, no logprobs, FINAL_ONLY output while running) does no more than it must."""
-        result = self.runner.collect(inflight.pending)
-        now = time.time()
-        outputs = []
-        detoks = self._detok
-        token_ids = result.token_ids
-        logprobs = result.logprobs
-        stopped = RequestStatus.FINISHED_STOPPED
-        length_capped = RequestStatus.FINISHED_LENGTH_CAPPED
-        final_only = RequestOutputKind.FINAL_ONLY
-        finish_request = self.scheduler.finish_request
-        for rid, (req, first) in inflight.index.items():
-            detok = detoks.get(rid)
-            if detok is None:                   # aborted meanwhile
-                continue
-            toks = token_ids[rid]
-            lps = logprobs.get(rid) if logprobs else None
-            if type(toks) is int:               # one step (a multi-step dispatch gives lists)
-                toks, lps = (toks,), ((lps,) if lps is not None else None)
-            last = len(toks) - 1
-            for j, tok in enumerate(toks):
-                idx = first + j
-                req.set_output_token(idx, tok)
-                # EOS / stop-token-id check (vLLM's rules: only from min_tokens on; EOS unless ignore_eos)
-                is_eos = not req.ignore_eos and tok in req.eos_token_ids
-                if idx + 1 >= req.min_tokens and (is_eos or tok in req.stop_token_ids):
-                    reason = None if is_eos else tok
-                    if req.status == length_capped:  # retired by length on the same token: the stop wins
-                        req.status, req.stop_reason = stopped, reason
-                    else:                            # running, or preempted while this step was in flight
-                        finish_request(rid, stopped, stop_reason=reason)
-                if lps is not None:
-                    self._record_logprobs(rid, tok, lps[j])
-                # finished by length shows on the request from its last placeholder on, not before
-                finished = req.status > RequestStatus.PREEMPTED and (j == last or req.status != length_capped)
-                detok.update((tok,), finished)       # finished releases held-back text
-                if detok.stop_reason is not None and req.status != stopped:
-                    if req.status == length_capped:  # a stop string on the capped token (or before it) wins
-                        req.status, req.stop_reason = stopped, detok.stop_reason
-                    else:
-                        finish_request(rid, stopped, stop_reason=detok.stop_reason)
-                    finished = True
-                if finished:
-                    break
-            metrics = req.metrics
-            metrics.last_token_time = now
-            if finished:
-                if len(req.output_token_ids) > idx + 1:
-                    req.truncate_output(idx + 1)    # drop tokens computed after the stop
-            elif req.sampling_params.output_kind is final_only:
-                continue
-            out = self._make_output(req, finished)
-            if out is not None:
-                outputs.append(out)
-            if finished:
-                metrics.finished_time = now
-                self._forget(rid)
+    def _process_in_flight(self, keep: int) -> list[RequestOutput]:
+        """Read the dispatched steps' tokens, oldest first, leaving the newest ``keep`` on the device; the
+        output processor decides which requests finished, the scheduler frees them."""
+        outputs: list[RequestOutput] = []
+        while len(self._in_flight) > keep:
+            step = self._in_flight.popleft()
+            result = self.runner.collect(step.pending)      # waits for the device
+            new, finished = self.output_processor.process_outputs(step.sampled, result.token_ids,
+                                                                  result.logprobs)
+            for status, request_ids in finished.items():
+                self.scheduler.finish_requests(request_ids, status)
+            outputs += new
         return outputs
 
     def _score_prompt(self, prompt_token_ids: list[int], k: int) -> list:
@@ -332,40 +301,6 @@ class LLMEngine:
             lp, rank, top_ids, top_lps = entry
             out.append(decode_logprobs(self.tokenizer, tok, lp, rank, top_ids, top_lps, num_logprobs=k))
         return out
-
-    def _record_logprobs(self, rid, token, lp) -> None:
-        if lp is None:
-            return
-        logprob, rank, top_ids, top_lps = lp
-        self._cum_logprob[rid] += logprob
-        self._logprobs[rid].append(decode_logprobs(self.tokenizer, token, logprob, rank, top_ids, top_lps))
-
-    def _make_output(self, req: Request, finished: bool) -> RequestOutput | None:
-        params: SamplingParams = req.sampling_params
-        kind = params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        detok = self._detok[req.request_id]
-        text = detok.output_text
-        lps = self._logprobs[req.request_id]
-        if kind == RequestOutputKind.DELTA:     # only the new part is copied
-            n_tok, n_chr = self._sent[req.request_id]
-            toks = req.output_token_ids[n_tok:]
-            self._sent[req.request_id] = (n_tok + len(toks), len(text))
-            text = text[n_chr:]
-            lps = lps[n_tok:] if lps is not None else None
-        else:
-            toks = list(req.output_token_ids)
-        cum = self._cum_logprob[req.request_id] if params.logprobs is not None else None
-        comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=cum, logprobs=lps,
-                                finish_reason=req.finish_reason if finished else None,
-                                stop_reason=req.stop_reason if finished else None)
-        prompt_lps = self._prompt_lps.get(req.request_id)
-        if kind == RequestOutputKind.DELTA:     # sent once, with the first delta
-            self._prompt_lps.pop(req.request_id, None)
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
-                             prompt_token_ids=req.prompt_token_ids, prompt_logprobs=prompt_lps, outputs=[comp],
-                             finished=finished, metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:

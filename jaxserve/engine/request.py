@@ -1,8 +1,16 @@
-"""One sequence being generated: its tokens, its progress through the KV cache, its status.
+"""One sequence being generated: its tokens, its progress through the KV cache, its status, its output state.
 
-A `Request` is one sequence: the engine fans a SamplingParams with n > 1 out into n requests. The
-sampling parameters are duck-typed (jaxserve.sampling_params.SamplingParams in practice): only
-max_tokens, min_tokens, ignore_eos and stop_token_ids are read here, once, at construction.
+A `Request` is one sequence (the front ends fan a SamplingParams with n > 1 out into n requests) and the one
+object that holds everything the engine knows about it: the scheduler's view (tokens, computed tokens,
+placeholders, status) and the output processor's (detokenizer, logprobs, what was already returned).
+
+The scheduler/runner/processor contract for tokens the host has not seen yet: when a step is dispatched the
+scheduler appends one ``PLACEHOLDER`` per token the step will sample (``num_placeholders`` counts them); the
+runner feeds a placeholder to the next step from the device; the output processor overwrites each one with
+the real id when the step's results are read (``set_output_token``).
+
+The sampling parameters are duck-typed (jaxserve.sampling_params.SamplingParams in practice): the
+stopping parameters are read once, at construction, so the per-token path never goes through getattr.
 """
 from __future__ import annotations
 
@@ -10,18 +18,22 @@ import enum
 import time
 from typing import Any, Iterable
 
-from jaxserve.outputs import RequestMetrics
+from jaxserve.outputs import PositionLogprobs, RequestMetrics
+
+# An output token the host has not seen yet (it is still on the device, feeding the next step).
+PLACEHOLDER = -1
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2            # back in the waiting queue, will recompute its prompt + outputs so far
+    WAITING_FOR_FSM = 1      # structured output: its grammar is still compiling; the scheduler skips it
+    RUNNING = 2
+    PREEMPTED = 3            # back in the waiting queue, will recompute its prompt + outputs so far
     # Everything after PREEMPTED is finished.
-    FINISHED_STOPPED = 3     # EOS, a stop token id, or a stop string (engine: finish_request)
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_IGNORED = 6     # rejected without running (reported like vLLM: finish_reason "length")
+    FINISHED_STOPPED = 4     # EOS, a stop token id, or a stop string
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7     # rejected without running (reported like vLLM: finish_reason "length")
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -36,13 +48,19 @@ _FINISH_REASONS = {
 }
 
 
+def finish_reason(status: RequestStatus) -> str | None:
+    """"stop" | "length" | "abort" for a finished status, else None (OpenAI's and vLLM's names)."""
+    return _FINISH_REASONS.get(status)
+
+
 class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
-        "cache_salt", "prompt", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
-        "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_computed_tokens",
-        "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed",
-        "uses_penalties",
+        "cache_salt", "prompt", "max_tokens", "max_output_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
+        "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_placeholders", "num_computed_tokens",
+        "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed", "uses_penalties",
+        # output state (the output processor's)
+        "detokenizer", "cumulative_logprob", "logprobs", "prompt_logprobs", "num_sent_tokens", "num_sent_chars",
     )
 
     def __init__(
@@ -69,8 +87,10 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt          # separates prefix-cache namespaces (e.g. per tenant)
         self.prompt = prompt
-        # Read the stopping parameters once (the hot path must not go through getattr).
         self.max_tokens: int | None = getattr(sampling_params, "max_tokens", None)
+        # The output length at which the request is finished by length: max_tokens, and the room max_model_len
+        # leaves (the scheduler lowers it to that when the request is queued).
+        self.max_output_tokens: int = self.max_tokens if self.max_tokens is not None else 1 << 62
         self.min_tokens: int = getattr(sampling_params, "min_tokens", 0) or 0
         self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
         self.stop_token_ids = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
@@ -81,6 +101,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Trailing output tokens that are still PLACEHOLDER (dispatched, not read back yet).
+        self.num_placeholders = 0
         # Tokens whose K/V are in the cache (prefix-cache hits included); reset to 0 on preemption.
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache when first scheduled (RequestOutput.num_cached_tokens).
@@ -94,6 +116,17 @@ class Request:
         # own seed, or one drawn from the engine's generator).
         self.sampling_seed = sampling_seed
 
+        # The output processor's state: the incremental detokenizer (None until the processor adopts the
+        # request), the sampled tokens' logprobs and their sum, the prompt's logprobs when asked, and how much
+        # of the tokens and text a DELTA output has already returned.
+        self.detokenizer = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[PositionLogprobs] | None = \
+            [] if getattr(sampling_params, "logprobs", None) is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+
     # -- tokens -------------------------------------------------------------------------------------
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,7 +138,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + output tokens known so far."""
+        """Prompt + output tokens known so far (placeholders included)."""
         return len(self._all_token_ids)
 
     @property
@@ -113,17 +146,27 @@ class Request:
         """Prompt + outputs (the live list: read it, do not mutate it)."""
         return self._all_token_ids
 
+    def append_placeholders(self, count: int) -> None:
+        """The step just dispatched samples ``count`` tokens for this request (their ids come later)."""
+        self.output_token_ids.extend((PLACEHOLDER,) * count)
+        self._all_token_ids.extend((PLACEHOLDER,) * count)
+        self.num_placeholders += count
+
     def set_output_token(self, index: int, token_id: int) -> None:
-        """Fill in an output token the engine appended as a placeholder (async scheduling)."""
+        """Fill in the output token at ``index``, a placeholder until now (placeholders fill in order)."""
         self.output_token_ids[index] = token_id
-        self._all_token_ids[self.num_prompt_tokens + index] = token_id
+        self._all_token_ids[len(self.prompt_token_ids) + index] = token_id
+        self.num_placeholders -= 1
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past ``num_output_tokens`` (computed after a stop the host saw late)."""
+        dropped = len(self.output_token_ids) - num_output_tokens
         del self.output_token_ids[num_output_tokens:]
         del self._all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+        self.num_placeholders = max(0, self.num_placeholders - dropped)
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append known output tokens (tests, and callers that sample on the host)."""
         if isinstance(token_ids, int):
             token_ids = (token_ids,)
         for token_id in token_ids:
@@ -142,29 +185,3 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
-
-
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """After a token was appended: decide whether the request is done; if so set its status.
-
-    Order: below min_tokens only the length limits can stop it; EOS (unless ignore_eos) and
-    stop_token_ids win over max_tokens when both happen on the same token (the model did stop).
-    Stop strings are the detokenizer's business (engine -> Scheduler.finish_request).
-    """
-    num_output = request.num_output_tokens
-    length_capped = (request.num_tokens >= max_model_len
-                     or (request.max_tokens is not None and num_output >= request.max_tokens))
-    if num_output >= request.min_tokens and num_output > 0:
-        last = request.output_token_ids[-1]
-        if not request.ignore_eos and last in request.eos_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = None
-            return True
-        if last in request.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-            return True
-    if length_capped:
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
-    return False

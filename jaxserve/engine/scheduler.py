@@ -9,34 +9,23 @@ A request's next tokens are ``all_token_ids[num_computed_tokens:num_tokens]``. T
 for it only when its chunk reaches num_tokens (``ScheduledRequest.samples``): a prefill chunk that
 stops short yields no token. When the pool runs dry for a running request, the newest running request
 is preempted (blocks freed, requeued at the front, recomputed later from its prompt + outputs so far).
+
+The scheduler never decides that a request is finished: ``update_from_output`` counts the tokens a
+dispatched step samples as placeholders, and a request whose placeholders reach its length limit gets no
+more steps (it waits, holding its blocks, in ``capped``); the output processor reads the tokens, decides
+(EOS, stop ids and strings, length) and the engine frees what it names with ``finish_requests``.
+Admission (prompt length, queue limits) is the engine's, checked before ``add_request``.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager
-from jaxserve.engine.request import Request, RequestStatus, check_stop
-from jaxserve.errors import InvalidRequestError, QueueFullError
-
-
-def validate_prompt_length(prompt_token_ids: Sequence[int] | int, max_tokens: int | None,
-                           max_model_len: int) -> None:
-    """Reject, before it is queued, a prompt that is empty or longer than max_model_len, or (when
-    max_tokens is given) one that leaves no room for max_tokens new tokens, as vLLM's OpenAI server does.
-    Pass max_tokens=None to only check the prompt (generation then stops at max_model_len, "length")."""
-    n = prompt_token_ids if isinstance(prompt_token_ids, int) else len(prompt_token_ids)
-    if n == 0:
-        raise InvalidRequestError("prompt is empty: send at least one token", param="prompt")
-    if n > max_model_len:
-        raise InvalidRequestError(f"prompt has {n} tokens, max_model_len is {max_model_len}", param="prompt")
-    if max_tokens is not None and n + max_tokens > max_model_len:
-        raise InvalidRequestError(
-            f"prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} tokens exceed "
-            f"max_model_len {max_model_len}; lower max_tokens or shorten the prompt", param="max_tokens")
+from jaxserve.engine.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -73,13 +62,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-_STATUS_BY_REASON = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH_CAPPED,
-    "abort": RequestStatus.FINISHED_ABORTED,
-}
-
-
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int):
@@ -106,24 +88,21 @@ class Scheduler:
         self.requests: dict[str, Request] = {}       # every unfinished request, by id
         self.waiting: deque[Request] = deque()       # FCFS; preempted requests re-enter at the front
         self.running: list[Request] = []             # admission order: the last one is the newest
+        # Running requests whose last token (by length) is dispatched: no more steps, and never preempted;
+        # they keep their blocks until the output processor has read that token and the engine finishes them.
+        self.capped: dict[str, Request] = {}
         self._finished_ids: list[str] = []           # since the last schedule()
         self.num_preemptions = 0                     # total, for stats
 
     # -- queue ----------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises InvalidRequestError (bad length, duplicate id) or QueueFullError."""
-        validate_prompt_length(request.num_prompt_tokens, None, self.max_model_len)
-        if not self.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"prompt has {request.num_prompt_tokens} tokens, more than max_num_batched_tokens "
-                f"{self.max_num_batched_tokens} with chunked prefill off", param="prompt")
-        if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
-        limit = self.scheduler_config.max_waiting_requests
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_waiting_requests is {limit}); "
-                                 "retry later")
-        request.status = RequestStatus.WAITING
+        """Queue a request the engine has admitted (its length and the queue limits are checked there)."""
+        assert request.request_id not in self.requests, f"request id {request.request_id!r} is already queued"
+        assert 0 < request.num_prompt_tokens <= self.max_model_len, request
+        # the output length at which it stops by length: max_tokens, or what max_model_len leaves
+        request.max_output_tokens = min(request.max_output_tokens, self.max_model_len - request.num_prompt_tokens)
+        if request.status != RequestStatus.WAITING_FOR_FSM:
+            request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -132,7 +111,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self.capped)
 
     @property
     def num_waiting(self) -> int:
@@ -181,9 +160,14 @@ class Scheduler:
                 continue
             break                       # req preempted itself: nothing after it is left running
 
-        # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone).
+        # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone). A request
+        #    whose grammar is still compiling keeps its place and is passed over.
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_ids:
             req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_FSM:
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget and not self._may_chunk(num_new):
@@ -201,6 +185,8 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
 
         # Decodes first, then prefill chunks (stable: FCFS within each group).
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
@@ -221,19 +207,14 @@ class Scheduler:
         min_tokens still masks stop ids; logprobs come back per iteration).
 
         A request that cannot get the extra blocks runs one step; nothing is preempted for lookahead. A
-        request that stops early (EOS, stop string) wastes the rest of its steps; the engine drops them."""
+        request that stops early (EOS, stop string) wastes the rest of its steps; the output processor drops
+        their tokens."""
         for s in scheduled:
             req = s.request
             if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens:
                 return 1            # (a one-token prompt chunk that stops short of the end samples nothing)
-        kv, n, max_len = self.kv_cache_manager, self.num_scheduler_steps, self.max_model_len
-        ks = []
-        for s in scheduled:
-            req = s.request
-            k = min(n, max_len - req.num_tokens)
-            if req.max_tokens is not None:
-                k = min(k, req.max_tokens - len(req.output_token_ids))
-            ks.append(k)
+        kv, n = self.kv_cache_manager, self.num_scheduler_steps
+        ks = [min(n, s.request.max_output_tokens - len(s.request.output_token_ids)) for s in scheduled]
         # The loop always runs n iterations (a device-computed trip count would sync the host every
         # iteration): when no entry can use them all (every request near its end), single steps waste nothing.
         if max(ks) < n:
@@ -270,103 +251,84 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- results --------------------------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled: dict[str, list[int]]) -> list[Request]:
-        """Record what the step computed and sampled; returns the requests that finished now.
-
-        sampled[request_id] holds the token(s) sampled for each entry with samples=True: one per step the
-        entry ran (``num_steps``; its K/V positions start_pos .. start_pos + num_steps - 1 are computed).
-        Tokens after a stop are dropped. Entries whose request was aborted or finished in the meantime are
-        skipped.
+    def update_from_output(self, scheduler_output: SchedulerOutput) -> None:
+        """The step was dispatched: advance each entry's computed tokens and append a PLACEHOLDER for each
+        token it samples (``num_steps`` of them for a multi-step entry, whose K/V positions start_pos ..
+        start_pos + num_steps - 1 are computed). A request whose placeholders reach its length limit moves to
+        ``capped``. Entries whose request finished since schedule() are skipped.
         """
-        kv = self.kv_cache_manager
-        now = time.time()
-        newly_finished: list[Request] = []
         requests, running_status = self.requests, RequestStatus.RUNNING
-        max_model_len = self.max_model_len
+        kv = self.kv_cache_manager
         cache_blocks = kv.cache_blocks if kv.enable_prefix_caching else None
+        capped = None
         for entry in scheduler_output.scheduled:
             req = entry.request
-            if requests.get(req.request_id) is not req or req.status != running_status:
+            if req.status != running_status or requests.get(req.request_id) is not req:
                 continue
             if req.num_computed_tokens != entry.start_pos:
                 raise RuntimeError(f"stale scheduler output for {req.request_id}: it starts at "
                                    f"{entry.start_pos}, the request has {req.num_computed_tokens} computed "
                                    "tokens (call update_from_output once per schedule, in order)")
-            req.num_computed_tokens = entry.start_pos + entry.num_new_tokens
+            end = entry.start_pos + entry.num_new_tokens
             if entry.samples:
-                tokens = sampled.get(req.request_id)
-                if tokens:
-                    # a multi-step entry computed one more position per token it sampled after the first
-                    req.num_computed_tokens += min(len(tokens), entry.num_steps) - 1
-                    metrics = req.metrics
-                    if metrics.first_token_time is None:
-                        metrics.first_token_time = now
-                    metrics.last_token_time = now
-                    for token in tokens:
-                        req.output_token_ids.append(token)
-                        req._all_token_ids.append(token)
-                        # check_stop has nothing to do unless a length limit is reached or the token is a
-                        # stop/eos id (the common case of a decode step skips the call)
-                        if ((token in req.eos_token_ids or token in req.stop_token_ids
-                             or len(req._all_token_ids) >= max_model_len
-                             or (req.max_tokens is not None and len(req.output_token_ids) >= req.max_tokens))
-                                and check_stop(req, max_model_len)):
-                            break
+                n = entry.num_steps
+                if n == 1:              # req.append_placeholders(1), inlined: once per decode per step
+                    req.output_token_ids.append(PLACEHOLDER)
+                    req._all_token_ids.append(PLACEHOLDER)
+                    req.num_placeholders += 1
                 else:
-                    # No token came back: recompute the last position next step rather than stall.
-                    req.num_computed_tokens -= 1
+                    req.append_placeholders(n)
+                    end += n - 1        # the loop computed one more position per token after the first
+                if len(req.output_token_ids) >= req.max_output_tokens:
+                    if capped is None:
+                        capped = []
+                    capped.append(req)
+            req.num_computed_tokens = end
             if cache_blocks is not None:
-                # a multi-step entry's later tokens are placeholders until the engine reads them: blocks
-                # holding them are cached by a later step
-                cache_blocks(req, min(req.num_computed_tokens, entry.start_pos + entry.num_new_tokens))
-            if req.status > RequestStatus.PREEMPTED:        # finished
-                self._retire(req, now)
-                newly_finished.append(req)
-        if newly_finished:
-            self.running = [r for r in self.running if not r.is_finished()]
-        return newly_finished
+                # only blocks of known tokens: placeholders are filled when the output processor reads them
+                cache_blocks(req, min(end, len(req._all_token_ids) - req.num_placeholders))
+        if capped:
+            for req in capped:
+                self.capped[req.request_id] = req
+            self.running = [r for r in self.running if r.request_id not in self.capped]
 
-    # -- finishing from outside -----------------------------------------------------------------------
-    def finish_request(self, request_id: str, status: RequestStatus | str = RequestStatus.FINISHED_STOPPED,
-                       stop_reason: int | str | None = None) -> Request | None:
-        """Finish a request now (engine: a stop string matched; or abort). `status` is a finished
-        RequestStatus or a finish reason ("stop" | "length" | "abort"). Returns the request, or None
-        if it is unknown or already finished."""
-        if isinstance(status, str):
-            if status not in _STATUS_BY_REASON:
-                raise ValueError(f"unknown finish reason {status!r}: use one of {sorted(_STATUS_BY_REASON)}")
-            status = _STATUS_BY_REASON[status]
+    # -- finishing ------------------------------------------------------------------------------------
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests wherever they are (waiting, running, capped) with a finished ``status`` and
+        free their blocks; unknown or already finished ids are ignored. Returns the requests finished."""
         if not RequestStatus.is_finished(status):
             raise ValueError(f"{status!r} is not a finished status")
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-        req.status = status
-        if stop_reason is not None:
-            req.stop_reason = stop_reason
-        self._retire(req, time.time())
-        return req
-
-    def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
-        """Abort requests wherever they are (waiting, running, preempted); unknown ids are ignored.
-        Frees their blocks. Returns the requests aborted."""
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        aborted = []
+        now = time.time()
+        finished, leave_running = [], False
         for request_id in request_ids:
-            req = self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-            if req is not None:
-                aborted.append(req)
-        return aborted
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if self.capped.pop(request_id, None) is None:
+                if req.status == RequestStatus.RUNNING:
+                    leave_running = True
+                else:
+                    self.waiting.remove(req)
+            req.status = status
+            self._retire(req, now)
+            finished.append(req)
+        if leave_running:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return finished
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """Abort requests wherever they are; unknown ids are ignored. Frees their blocks."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def _retire(self, req: Request, now: float) -> None:
-        # Computed full blocks stay in the prefix cache after the free (until evicted).
-        self.kv_cache_manager.free(req)
+        # Computed full blocks stay in the prefix cache after the free (until evicted); the last ones whose
+        # tokens were placeholders at the last update are known now.
+        kv = self.kv_cache_manager
+        if kv.enable_prefix_caching and req.num_computed_tokens:
+            kv.cache_blocks(req, min(req.num_computed_tokens, len(req._all_token_ids) - req.num_placeholders))
+        kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
         req.metrics.finished_time = now
@@ -376,7 +338,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         pc = kv.prefix_cache_stats
         return {
-            "num_running": len(self.running),
+            "num_running": self.num_running,
             "num_waiting": len(self.waiting),
             "kv_cache_usage": kv.usage,
             "num_free_blocks": kv.num_free_blocks,

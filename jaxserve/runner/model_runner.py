@@ -25,10 +25,8 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.kernels import ops as kernel_ops
+from jaxserve.engine.request import PLACEHOLDER
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
-
-# An output token the host has not seen yet (it is still on the device, feeding the next step).
-PLACEHOLDER = -1
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
 from jaxserve.runner import packing, sampler as sampler_mod
 
@@ -157,6 +155,20 @@ def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_i
         "input_ids": input_ids, "positions": positions, "logits_idx": logits_idx, "prev_index": prev_index,
         **extra, **packing.prefixed("md.", packing.fields(md))})
     return ints, layout
+
+
+@dataclasses.dataclass(slots=True)
+class ForwardStep:
+    """A step whose forward is dispatched (``logits`` on the device) and whose sampling is not yet; for a
+    multi-step decode (``limit``: each row's iterations) the packed forward inputs wait for the decode loop."""
+    scheduled: list
+    num_reqs: int                    # R, the padded request count
+    num_tokens: int
+    logits: jax.Array | None
+    limit: np.ndarray | None
+    forward_ints: np.ndarray
+    forward_layout: object
+    prev_tokens: jax.Array
 
 
 @dataclasses.dataclass(slots=True)
@@ -417,19 +429,33 @@ class ModelRunner:
     # ---------------------------------------------------------------- step
     def dispatch(self, scheduled, prev: PendingStep | None = None) -> PendingStep:
         """Build the inputs and launch the step; returns at once (JAX dispatches asynchronously)."""
+        return self.dispatch_sample(self.dispatch_forward(scheduled, prev))
+
+    def dispatch_forward(self, scheduled, prev: PendingStep | None = None) -> ForwardStep:
+        """The step's first half: its inputs, and the model forward launched (the device starts on it while
+        the host prepares the sampling). A multi-step decode runs forward and sampling in one loop: its
+        inputs are only prepared here."""
         t0 = time.perf_counter()
         T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev)
-        smeta = self.sampling_metadata(scheduled, R)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         limit = None
         if self._decode_loops and any(s.num_steps > 1 for s in scheduled):     # multi-step: the decode loop
             limit = np.ones(R, np.int32)
             limit[:len(scheduled)] = [s.num_steps for s in scheduled]
         f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit)
-        if limit is None:   # the forward first: the device starts on it while the host finishes the step
+        logits = None
+        if limit is None:
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
             self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
                                                    layout=f_layout, decode_only=md.decode_only)
+        self.stats.host_ms += (time.perf_counter() - t0) * 1e3
+        return ForwardStep(scheduled, R, int(md.query_start_loc[-1]), logits, limit, f_ints, f_layout, prev_tokens)
+
+    def dispatch_sample(self, fwd: ForwardStep) -> PendingStep:
+        """The step's second half: the sampler over the forward's logits (or the multi-step decode loop)."""
+        t0 = time.perf_counter()
+        scheduled = fwd.scheduled
+        smeta = self.sampling_metadata(scheduled, fwd.num_reqs)
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
         # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
         # row filters with top-k/top-p
@@ -446,14 +472,15 @@ class ModelRunner:
                 if filtering is False and (0 < p.top_k < vocab or p.top_p < 1.0):
                     filtering = True
         key = (self.max_logprobs if lp_k else 0, filtering)
+        limit = fwd.limit
         if limit is None:
-            out, padded = self._samplers[key](logits, s_ints, s_floats, layout=s_layout)
+            out, padded = self._samplers[key](fwd.logits, s_ints, s_floats, layout=s_layout)
             self._step_count += 1
-            n_tok, steps = int(md.query_start_loc[-1]), None
+            n_tok, steps = fwd.num_tokens, None
         else:               # the scheduler gave each entry ``num_steps``: the loop's rows run that many
             self.kv_caches, out, padded = self._decode_loops[key](
-                self.model.params, self.kv_caches, f_ints, prev_tokens, s_ints, s_floats, layout=f_layout,
-                s_layout=s_layout)
+                self.model.params, self.kv_caches, fwd.forward_ints, fwd.prev_tokens, s_ints, s_floats,
+                layout=fwd.forward_layout, s_layout=s_layout)
             self._step_count += self.num_scheduler_steps
             n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3

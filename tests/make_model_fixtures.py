@@ -20,8 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,  # noqa: E402
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, CohereConfig, CohereForCausalLM,  # noqa: E402
+                          Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
 PROMPT_LEN, GREEDY_TOKENS = 10, 32
@@ -41,7 +43,29 @@ TINY = {
     "tiny-mistral": (MistralForCausalLM, MistralConfig(**COMMON, rope_theta=1e6, sliding_window=16)),
     "tiny-qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, rope_theta=1e6, tie_word_embeddings=False)),
     "tiny-llama-tied": (LlamaForCausalLM, LlamaConfig(**COMMON, rope_theta=10000.0, tie_word_embeddings=True)),
+    "tiny-qwen3": (Qwen3ForCausalLM, Qwen3Config(**COMMON, head_dim=16, rope_theta=1e6, tie_word_embeddings=False)),
+    # small soft-caps and a window of 8 so that capping and the window both bite in a 10 + 32 token run;
+    # query_pre_attn_scalar != head_dim so the scale is tested
+    "tiny-gemma2": (Gemma2ForCausalLM, Gemma2Config(
+        **COMMON, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
+        final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0)),
+    # two local layers then a global one, each kind with its own RoPE (linear scaling on the global)
+    "tiny-gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # LongRoPE past position 32 (the greedy run crosses it), RoPE on half of each head
+    "tiny-phi3": (Phi3ForCausalLM, Phi3Config(
+        **COMMON, original_max_position_embeddings=32, partial_rotary_factor=0.5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.5, 3.0, 6.0, 12.0]})),
+    "tiny-cohere": (CohereForCausalLM, CohereConfig(
+        **{k: v for k, v in COMMON.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5, logit_scale=0.5,
+        rope_theta=10000.0, tie_word_embeddings=True)),
 }
+
+INCREMENTAL = {"tiny-phi3"}     # greedy_incremental says why
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -67,6 +91,23 @@ def greedy(model, ids: list[int], n: int) -> tuple[list[int], float]:
 
 
 @torch.no_grad()
+def greedy_incremental(model, ids: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy decoding through HF's model forward and KV cache, one token at a time. For LongRoPE: HF Phi-3's
+    ``generate`` drops its cache and re-encodes the whole sequence with the long factors once it passes
+    ``original_max_position_embeddings``; a paged engine (vLLM, jaxserve) keeps the cache, so each token's
+    own position picks its factors, which is what this loop computes."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    seq, margins = list(ids), []
+    for _ in range(n):
+        top = out.logits[0, -1].topk(2).values
+        margins.append(float(top[0] - top[1]))
+        seq.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[seq[-1]]]), past_key_values=out.past_key_values, use_cache=True,
+                    position_ids=torch.tensor([[len(seq) - 1]]))
+    return seq[len(ids):], min(margins)
+
+
+@torch.no_grad()
 def make_tiny(name: str, cls, config) -> None:
     config.architectures = [cls.__name__]
     folder = os.path.join(OUT, name)
@@ -79,7 +120,8 @@ def make_tiny(name: str, cls, config) -> None:
         # the oracle is HF reading the saved files, exactly what jaxserve reads
         model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
         prompt = torch.randint(3, config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
-        continuation, margin = greedy(model, prompt, GREEDY_TOKENS)
+        decode = greedy_incremental if name in INCREMENTAL else greedy
+        continuation, margin = decode(model, prompt, GREEDY_TOKENS)
         if margin > 1e-3:
             break
     logits = model(torch.tensor([prompt])).logits[0].float().numpy()

@@ -21,7 +21,8 @@ from jaxserve.models.configs import model_config_from_hf
 from jaxserve.models.loader import load_model
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "models")
-TINY = ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-llama-tied"]
+TINY = ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-llama-tied", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3",
+        "tiny-phi3", "tiny-cohere"]
 
 
 class PagedRunner:
@@ -36,7 +37,7 @@ class PagedRunner:
         random.Random(seed).shuffle(pool)
         self.tables = [pool[r * self.max_blocks:(r + 1) * self.max_blocks] for r in range(max_reqs)]
         self.caches = model.family.init_kv_caches(self.cfg, num_blocks, block_size, model.dtype)
-        self._step = jax.jit(functools.partial(_step, cfg=self.cfg), donate_argnums=(1,))
+        self._step = jax.jit(functools.partial(_step, family=model.family, cfg=self.cfg), donate_argnums=(1,))
 
     def step(self, chunks: list[tuple[int, list[int], int]], num_tokens: int, logits_rows: list[int] | None = None):
         """``chunks``: (request slot, new token ids, start position). Returns float32 logits of the last new
@@ -77,9 +78,9 @@ class PagedRunner:
         return out
 
 
-def _step(params, caches, ids, pos, md, rows, *, cfg):
-    hidden, caches = llama.forward(params, caches, ids, pos, md, cfg, attn_backend="reference")
-    return llama.compute_logits(params, hidden[rows], cfg), caches
+def _step(params, caches, ids, pos, md, rows, *, family, cfg):
+    hidden, caches = family.forward(params, caches, ids, pos, md, cfg, attn_backend="reference")
+    return family.compute_logits(params, hidden[rows], cfg), caches
 
 
 def _golden(name):

@@ -17,11 +17,11 @@ LLAMA_LAYER = {
     "mlp_norm": ("same", ["post_attention_layernorm.weight"]),
     "q": ("t", ["self_attn.q_proj.weight"]), "k": ("t", ["self_attn.k_proj.weight"]),
     "v": ("t", ["self_attn.v_proj.weight"]), "o": ("t", ["self_attn.o_proj.weight"]),
+    "gate_up": ("stack_t", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+    "down": ("t", ["mlp.down_proj.weight"]),
     "q_bias": ("same", ["self_attn.q_proj.bias"]), "k_bias": ("same", ["self_attn.k_proj.bias"]),
     "v_bias": ("same", ["self_attn.v_proj.bias"]),
     "q_norm": ("same", ["self_attn.q_norm.weight"]), "k_norm": ("same", ["self_attn.k_norm.weight"]),
-    "gate_up": ("stack_t", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-    "down": ("t", ["mlp.down_proj.weight"]),
 }
 TOP = {"embed": ("same", ["model.embed_tokens.weight"]), "final_norm": ("same", ["model.norm.weight"]),
        "lm_head": ("t", ["lm_head.weight"])}
@@ -29,14 +29,16 @@ TOP = {"embed": ("same", ["model.embed_tokens.weight"]), "final_norm": ("same", 
 
 def weight_plan(shapes: dict, layer_names: Callable[[int], dict] | dict = LLAMA_LAYER,
                 top: dict = TOP, prefix: str = "model.layers.") -> list[tuple[tuple, list[str], object]]:
-    """The plan for every leaf of ``shapes`` (a family's ``param_shapes``); ``layer_names`` maps a layer
-    weight to ``(build, names relative to "<prefix><i>.")`` (a dict, or a function of the layer index)."""
-    plan = [((name,), list(top[name][1]), top[name][0]) for name in shapes if name != "layers"]
+    """The plan for every leaf of ``shapes`` (a family's ``param_shapes``), in the order of ``top`` and
+    ``layer_names``; ``layer_names`` maps a layer weight to ``(build, names relative to "<prefix><i>.")``
+    (a dict, or a function of the layer index)."""
+    plan = [((name,), list(build_names[1]), build_names[0]) for name, build_names in top.items() if name in shapes]
     for i, layer in enumerate(shapes["layers"]):
         names = layer_names(i) if callable(layer_names) else layer_names
+        missing = set(layer) - set(names)
+        assert not missing, f"no checkpoint names for {sorted(missing)}"
         pre = f"{prefix}{i}."
-        for weight in layer:
-            build, hf = names[weight]
-            plan.append((("layers", i, weight), [pre + n for n in hf], build))
+        plan += [(("layers", i, weight), [pre + n for n in hf], build)
+                 for weight, (build, hf) in names.items() if weight in layer]
     return plan
 

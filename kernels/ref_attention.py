@@ -32,7 +32,7 @@ def v_transposed(cache_dtype) -> bool:
     block_size]`` (a page's keys contiguous per feature): fp8 (1-byte) caches do. The Pallas kernel's P.V then
     takes V^T as the matmul's K-major operand, as QK^T takes K, so 8-bit V needs no transpose on its way to
     the MMA: fp8 decode at 0.56-0.58x the bf16 time where head-major V read 0.60-0.63x (H200, B=8 ctx 32768,
-    ``decode_probe.py --sections vt``, 2026-11-30). bf16 V keeps head-major pages, which the Mosaic GPU
+    ``decode_probe.py --sections vt``). bf16 V keeps head-major pages, which the Mosaic GPU
     prefill TMA-loads."""
     return jnp.dtype(cache_dtype).itemsize == 1
 

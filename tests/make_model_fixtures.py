@@ -6,6 +6,7 @@ Writes under tests/fixtures/models/:
 - tiny-<family>/: a tiny random HF model (config.json, model.safetensors in bfloat16 to stay small),
   golden.json (prompt ids, HF greedy continuation, smallest top-1/top-2 logit margin on that path) and
   logits.npy (HF float32 logits [prompt_len, vocab] of the prompt, the weights upcast to float32).
+- rope_golden.json: transformers' inverse frequencies and attention factor of RoPE variants (ROPE_CASES).
 - smollm2_golden.json: the embedded SmolLM2 GGUF loaded by HF in float32 (gguf_file=): chat-template
   prompt ids and greedy continuations of chat and plain prompts.
 """
@@ -132,6 +133,34 @@ def make_tiny(name: str, cls, config) -> None:
     print(f"{name}: seed {seed}, min greedy margin {margin:.4f}, {continuation[:8]}...")
 
 
+# RoPE variants checked against transformers' own inverse frequencies (tests/test_models.py)
+ROPE_CASES = {
+    "yarn": (LlamaConfig, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                           "rope_theta": 10000.0}),
+    "yarn-mscale": (LlamaConfig, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                                  "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
+                                  "rope_theta": 500000.0}),
+    "llama3": (LlamaConfig, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 32, "rope_theta": 10000.0}),
+    "linear": (LlamaConfig, {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+}
+
+
+def make_rope_golden() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    out = {}
+    for name, (cls, rope) in ROPE_CASES.items():
+        config = cls(**COMMON, rope_parameters=dict(rope))
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None)
+        hf = config.to_dict()
+        hf["architectures"] = ["LlamaForCausalLM"]
+        out[name] = {"config": hf, "inv_freq": inv_freq.tolist(), "attention_factor": float(attention_factor)}
+    with open(os.path.join(OUT, "rope_golden.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print("rope_golden:", ", ".join(out))
+
+
 SMOL_CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?"]
 SMOL_PLAIN = ["The quick brown fox", "def fibonacci(n):"]
 SMOL_TOKENS = 24
@@ -179,9 +208,11 @@ def make_smollm2() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     os.makedirs(OUT, exist_ok=True)
-    which = sys.argv[1:] or list(TINY) + ["smollm2"]
+    which = sys.argv[1:] or list(TINY) + ["smollm2", "rope"]
     for name in which:
         if name == "smollm2":
             make_smollm2()
+        elif name == "rope":
+            make_rope_golden()
         else:
             make_tiny(name, *TINY[name])

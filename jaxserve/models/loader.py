@@ -9,9 +9,9 @@ with the sharding that its layout change maps onto the weight's ``NamedSharding(
 family's ``param_partition_specs``), so every device converts only its own shard and no weight is ever
 whole on one device (unless its spec replicates it).
 
-Why on the device: numpy's transpose of 2-byte elements is a slow strided copy on one core; the 8B model
-took 70 s to load from safetensors at TP=2 on the H200 host with it (orbax, which stores the converted
-layout, 20 s; benchmarks/results/2026-11-30-h200-profile-tp.md).
+Why on the device: numpy's transpose of 2-byte elements is a slow strided copy on one core; with it an 8B
+model took 70 s to load from safetensors at TP=2 on an H200 host (20 s from orbax, which stores the converted
+layout).
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import (AutoModelForCausalLM, AutoTokenizer, CohereConfig, CohereForCausalLM,  # noqa: E402
-                          Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                          Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -56,6 +57,16 @@ TINY = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # the multimodal wrapper: jaxserve serves its text model (same text config as tiny-gemma3)
+    "tiny-gemma3-mm": (Gemma3ForConditionalGeneration, Gemma3Config(
+        text_config=Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4, eos_token_id=2, bos_token_id=1, pad_token_id=0)),
     # LongRoPE past position 32 (the greedy run crosses it), RoPE on half of each head
     "tiny-phi3": (Phi3ForCausalLM, Phi3Config(
         **COMMON, original_max_position_embeddings=32, partial_rotary_factor=0.5, tie_word_embeddings=False,
@@ -120,7 +131,7 @@ def make_tiny(name: str, cls, config) -> None:
         model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
         # the oracle is HF reading the saved files, exactly what jaxserve reads
         model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-        prompt = torch.randint(3, config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+        prompt = torch.randint(3, config.get_text_config().vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
         decode = greedy_incremental if name in INCREMENTAL else greedy
         continuation, margin = decode(model, prompt, GREEDY_TOKENS)
         if margin > 1e-3:

@@ -100,6 +100,22 @@ def test_shipped_dummy_configs(name, architecture, billions, windows):
         assert spec.rotaries[0].inv_freq != spec.rotaries[1].inv_freq
 
 
+def test_gemma3_multimodal_config_serves_its_text_model():
+    """A hub Gemma 3 config lists only what differs from transformers' defaults in its text_config; the text
+    model read from it is the text-only gemma-3-12b config's."""
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+           "text_config": {"hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
+                           "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    cfg = model_config_from_hf(hub)
+    text_only = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / "gemma-3-12b.json")))
+    _, family = registry.resolve_architecture(cfg.architecture)
+    assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.eos_token_ids == (1, 106)
+    assert family.decoder_spec(cfg) == family.decoder_spec(text_only)
+    assert family.param_shapes(cfg) == family.param_shapes(text_only)
+
+
 @pytest.mark.parametrize("name,change,field", [
     ("tiny-qwen3", {"use_sliding_window": True}, "use_sliding_window"),
     ("tiny-cohere", {"use_qk_norm": True}, "use_qk_norm"),

@@ -22,7 +22,7 @@ from jaxserve.models.loader import load_model
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "models")
 TINY = ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-llama-tied", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3",
-        "tiny-phi3", "tiny-cohere"]
+        "tiny-gemma3-mm", "tiny-phi3", "tiny-cohere"]
 
 
 class PagedRunner:

@@ -42,3 +42,17 @@ def weight_plan(shapes: dict, layer_names: Callable[[int], dict] | dict = LLAMA_
                  for weight, (build, hf) in names.items() if weight in layer]
     return plan
 
+
+
+# Where a multimodal wrapper (Gemma 3's ConditionalGeneration) keeps its text model's tensors: transformers 5
+# saves "model.language_model.<...>", the hub's original checkpoints have "language_model.model.<...>".
+_WRAPPED = ((r"model.", ("model.language_model.", "language_model.model.")),
+            (r"lm_head.", ("language_model.lm_head.",)))
+
+
+def wrapped_names(hf_name: str) -> tuple[str, ...]:
+    """The other spellings of a text-model tensor name inside a multimodal checkpoint."""
+    for prefix, wrapped in _WRAPPED:
+        if hf_name.startswith(prefix):
+            return tuple(w + hf_name[len(prefix):] for w in wrapped)
+    return ()

@@ -77,6 +77,24 @@ def _rope(hf: dict, layer_type: str = "full_attention") -> tuple[float, tuple[tu
     return theta, _freeze({"rope_type": rope_type, **scaling})
 
 
+# multimodal configs whose text part a family serves: model_type → the text config's model_type
+TEXT_CONFIG_WRAPPERS = {"gemma3": "gemma3_text"}
+# top-level fields of such a config that describe the whole model (and win over the text config's)
+WRAPPER_FIELDS = ("architectures", "eos_token_id", "bos_token_id", "torch_dtype", "dtype")
+
+
+def _text_part(hf: dict) -> dict:
+    """The text model's config of a multimodal one (Gemma 3's ``text_config``), with transformers' defaults
+    filled in (the hub configs list only what differs from them), under the wrapper's architecture."""
+    from transformers import AutoConfig
+
+    text_type = TEXT_CONFIG_WRAPPERS[hf["model_type"]]
+    text = dict(hf.get("text_config") or {})
+    text.pop("model_type", None)
+    full = AutoConfig.for_model(text_type, **text).to_dict()
+    return full | {k: hf[k] for k in WRAPPER_FIELDS if k in hf} | {"model_type": text_type}
+
+
 def _eos_ids(*values: Any) -> tuple[int, ...]:
     ids: list[int] = []
     for v in values:
@@ -93,6 +111,8 @@ def model_config_from_hf(hf_config: Any, generation_config: dict | None = None) 
     instruct models stop on several tokens that only it lists.
     """
     hf = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    if hf.get("model_type") in TEXT_CONFIG_WRAPPERS:
+        hf = _text_part(hf)
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type", "llama")
     try:

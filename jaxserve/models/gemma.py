@@ -3,6 +3,8 @@ gated MLP, embeddings scaled by ``sqrt(hidden_size)``, tied lm_head, attention s
 ``query_pre_attn_scalar ** -0.5``, sliding-window layers interleaved with global ones (``layer_types``:
 Gemma 2 alternates, Gemma 3 has five local to one global). Gemma 2 soft-caps the attention logits and the
 final logits; Gemma 3 norms q and k per head instead and gives its local layers their own RoPE base.
+``Gemma3ForConditionalGeneration`` is served as its text model (the vision tower's weights are not loaded;
+requests are text only).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from jaxserve.models import checkpoint_names
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
 from jaxserve.models.layers.rotary import make_rotary
 
-ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 LAYER_NAMES = {**checkpoint_names.LLAMA_LAYER,

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
+from jaxserve.models import checkpoint_names
 from jaxserve.models import configs as model_configs
 from jaxserve.models import registry
 
@@ -170,10 +171,17 @@ def _safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Calla
         weight_map = {t: fname for fname in files for t in SafetensorsFile(os.path.join(folder, fname)).names()}
     opened: dict[str, SafetensorsFile] = {}
 
+    def stored_name(hf_name: str) -> str:
+        """``hf_name`` as the checkpoint spells it (a multimodal one nests the text model's tensors)."""
+        if hf_name in weight_map:
+            return hf_name
+        return next((n for n in checkpoint_names.wrapped_names(hf_name) if n in weight_map), hf_name)
+
     def file_of(hf_name: str) -> str:
-        return weight_map.get(hf_name, "?")
+        return weight_map.get(stored_name(hf_name), "?")
 
     def get(hf_name: str) -> np.ndarray:
+        hf_name = stored_name(hf_name)
         fname = weight_map.get(hf_name)
         if fname is None:
             raise ModelLoadError(f"{folder}: tensor {hf_name} not found in the checkpoint")

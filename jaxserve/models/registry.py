@@ -19,6 +19,7 @@ DECODER_ARCHITECTURES = {
     "Qwen3ForCausalLM": "jaxserve.models.qwen3",
     "Gemma2ForCausalLM": "jaxserve.models.gemma",
     "Gemma3ForCausalLM": "jaxserve.models.gemma",
+    "Gemma3ForConditionalGeneration": "jaxserve.models.gemma",   # its text model (text-only requests)
     "Phi3ForCausalLM": "jaxserve.models.phi3",
     "CohereForCausalLM": "jaxserve.models.cohere",
 }

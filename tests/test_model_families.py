@@ -73,6 +73,21 @@ def test_chat_template_and_eos_ids_come_from_the_checkpoint(tmp_path):
     assert llm.engine.model.generation_config["eos_token_id"] == [2, 7]
 
 
+def test_orbax_convert_round_trip(tmp_path):
+    """``convert`` keeps a family's config (its extra hyper-parameters included) and weights bit for bit."""
+    import jax
+
+    from jaxserve.models import load_model, orbax_io
+
+    source = os.path.join(FIXTURES, "tiny-gemma3")
+    orbax_io.convert(source, str(tmp_path / "ckpt"), dtype="float32")
+    restored, original = load_model(str(tmp_path / "ckpt")), load_model(source, dtype="float32")
+    assert restored.load_format == "orbax" and restored.config == original.config
+    assert restored.family is original.family
+    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(original.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # --------------------------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("name,architecture,billions,windows", [
     ("qwen3-8b", "Qwen3ForCausalLM", 8.19, {None}),

@@ -5,6 +5,12 @@ Gemma 2 alternates, Gemma 3 has five local to one global). Gemma 2 soft-caps the
 final logits; Gemma 3 norms q and k per head instead and gives its local layers their own RoPE base.
 ``Gemma3ForConditionalGeneration`` is served as its text model (the vision tower's weights are not loaded;
 requests are text only).
+
+What a config source must give (``configs.model_config_from_hf`` does; a GGUF reader must too):
+``model_type`` ``gemma2`` / ``gemma3_text``, ``hidden_act`` ``gelu_pytorch_tanh``, ``sliding_window``, and in
+``ModelConfig.extra``: ``layer_types`` (one of ``LAYER_TYPES`` per layer), ``query_pre_attn_scalar``,
+``attn_logit_softcapping`` / ``final_logit_softcapping`` (None = off), and for Gemma 3 ``local_rope``
+(``(theta, rope_scaling pairs or None)`` of the sliding layers). Norm weights are HF's ``w`` of ``(1 + w)``.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import checkpoint_names
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
+from jaxserve.models.layers.norms import rms_norm  # noqa: F401  (the family's norm, for callers outside the model)
 from jaxserve.models.layers.rotary import make_rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

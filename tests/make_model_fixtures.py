@@ -6,6 +6,7 @@ Writes under tests/fixtures/models/:
 - tiny-<family>/: a tiny random HF model (config.json, model.safetensors in bfloat16 to stay small),
   golden.json (prompt ids, HF greedy continuation, smallest top-1/top-2 logit margin on that path) and
   logits.npy (HF float32 logits [prompt_len, vocab] of the prompt, the weights upcast to float32).
+- rope_golden.json: transformers' inverse frequencies and attention factor of RoPE variants (ROPE_CASES).
 - smollm2_golden.json: the embedded SmolLM2 GGUF loaded by HF in float32 (gguf_file=): chat-template
   prompt ids and greedy continuations of chat and plain prompts.
 """
@@ -20,8 +21,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,  # noqa: E402
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, CohereConfig, CohereForCausalLM,  # noqa: E402
+                          Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                          Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
 PROMPT_LEN, GREEDY_TOKENS = 10, 32
@@ -41,7 +45,39 @@ TINY = {
     "tiny-mistral": (MistralForCausalLM, MistralConfig(**COMMON, rope_theta=1e6, sliding_window=16)),
     "tiny-qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, rope_theta=1e6, tie_word_embeddings=False)),
     "tiny-llama-tied": (LlamaForCausalLM, LlamaConfig(**COMMON, rope_theta=10000.0, tie_word_embeddings=True)),
+    "tiny-qwen3": (Qwen3ForCausalLM, Qwen3Config(**COMMON, head_dim=16, rope_theta=1e6, tie_word_embeddings=False)),
+    # small soft-caps and a window of 8 so that capping and the window both bite in a 10 + 32 token run;
+    # query_pre_attn_scalar != head_dim so the scale is tested
+    "tiny-gemma2": (Gemma2ForCausalLM, Gemma2Config(
+        **COMMON, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
+        final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0)),
+    # two local layers then a global one, each kind with its own RoPE (linear scaling on the global)
+    "tiny-gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # the multimodal wrapper: jaxserve serves its text model (same text config as tiny-gemma3)
+    "tiny-gemma3-mm": (Gemma3ForConditionalGeneration, Gemma3Config(
+        text_config=Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4, eos_token_id=2, bos_token_id=1, pad_token_id=0)),
+    # LongRoPE past position 32 (the greedy run crosses it), RoPE on half of each head
+    "tiny-phi3": (Phi3ForCausalLM, Phi3Config(
+        **COMMON, original_max_position_embeddings=32, partial_rotary_factor=0.5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.5, 3.0, 6.0, 12.0]})),
+    "tiny-cohere": (CohereForCausalLM, CohereConfig(
+        **{k: v for k, v in COMMON.items() if k != "rms_norm_eps"}, layer_norm_eps=1e-5, logit_scale=0.5,
+        rope_theta=10000.0, tie_word_embeddings=True)),
 }
+
+INCREMENTAL = {"tiny-phi3"}     # greedy_incremental says why
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
@@ -67,6 +103,23 @@ def greedy(model, ids: list[int], n: int) -> tuple[list[int], float]:
 
 
 @torch.no_grad()
+def greedy_incremental(model, ids: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy decoding through HF's model forward and KV cache, one token at a time. For LongRoPE: HF Phi-3's
+    ``generate`` drops its cache and re-encodes the whole sequence with the long factors once it passes
+    ``original_max_position_embeddings``; a paged engine (vLLM, jaxserve) keeps the cache, so each token's
+    own position picks its factors, which is what this loop computes."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    seq, margins = list(ids), []
+    for _ in range(n):
+        top = out.logits[0, -1].topk(2).values
+        margins.append(float(top[0] - top[1]))
+        seq.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[seq[-1]]]), past_key_values=out.past_key_values, use_cache=True,
+                    position_ids=torch.tensor([[len(seq) - 1]]))
+    return seq[len(ids):], min(margins)
+
+
+@torch.no_grad()
 def make_tiny(name: str, cls, config) -> None:
     config.architectures = [cls.__name__]
     folder = os.path.join(OUT, name)
@@ -78,8 +131,9 @@ def make_tiny(name: str, cls, config) -> None:
         model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
         # the oracle is HF reading the saved files, exactly what jaxserve reads
         model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-        prompt = torch.randint(3, config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
-        continuation, margin = greedy(model, prompt, GREEDY_TOKENS)
+        prompt = torch.randint(3, config.get_text_config().vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+        decode = greedy_incremental if name in INCREMENTAL else greedy
+        continuation, margin = decode(model, prompt, GREEDY_TOKENS)
         if margin > 1e-3:
             break
     logits = model(torch.tensor([prompt])).logits[0].float().numpy()
@@ -88,6 +142,34 @@ def make_tiny(name: str, cls, config) -> None:
         json.dump({"prompt_ids": prompt, "greedy_ids": continuation, "min_margin": margin, "seed": seed,
                    "transformers": __import__("transformers").__version__, "torch": torch.__version__}, f, indent=1)
     print(f"{name}: seed {seed}, min greedy margin {margin:.4f}, {continuation[:8]}...")
+
+
+# RoPE variants checked against transformers' own inverse frequencies (tests/test_models.py)
+ROPE_CASES = {
+    "yarn": (LlamaConfig, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                           "rope_theta": 10000.0}),
+    "yarn-mscale": (LlamaConfig, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                                  "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
+                                  "rope_theta": 500000.0}),
+    "llama3": (LlamaConfig, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 32, "rope_theta": 10000.0}),
+    "linear": (LlamaConfig, {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+}
+
+
+def make_rope_golden() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    out = {}
+    for name, (cls, rope) in ROPE_CASES.items():
+        config = cls(**COMMON, rope_parameters=dict(rope))
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None)
+        hf = config.to_dict()
+        hf["architectures"] = ["LlamaForCausalLM"]
+        out[name] = {"config": hf, "inv_freq": inv_freq.tolist(), "attention_factor": float(attention_factor)}
+    with open(os.path.join(OUT, "rope_golden.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print("rope_golden:", ", ".join(out))
 
 
 SMOL_CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "What is 12 times 7?"]
@@ -137,9 +219,11 @@ def make_smollm2() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     os.makedirs(OUT, exist_ok=True)
-    which = sys.argv[1:] or list(TINY) + ["smollm2"]
+    which = sys.argv[1:] or list(TINY) + ["smollm2", "rope"]
     for name in which:
         if name == "smollm2":
             make_smollm2()
+        elif name == "rope":
+            make_rope_golden()
         else:
             make_tiny(name, *TINY[name])

@@ -1,4 +1,4 @@
-"""The Llama family against HF transformers (golden fixtures from tests/make_model_fixtures.py).
+"""The decoder families against HF transformers (golden fixtures from tests/make_model_fixtures.py).
 
 Greedy decoding runs through the paged KV cache the way the engine will: ragged steps of several requests,
 block tables drawn from a shuffled pool, a batched prefill then one decode token per request per step.
@@ -22,11 +22,12 @@ from jaxserve.models.configs import model_config_from_hf
 from jaxserve.models.loader import load_model
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "models")
-TINY = ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-llama-tied"]
+TINY = ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-llama-tied", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3",
+        "tiny-gemma3-mm", "tiny-phi3", "tiny-cohere"]
 
 
 class PagedRunner:
-    """A minimal host driver over ``llama.forward``: fixed token/request buckets (so each shape compiles
+    """A minimal host driver over a family's ``forward``: fixed token/request buckets (so each shape compiles
     once), a paged cache with shuffled block ids, the cache donated to every step."""
 
     def __init__(self, model, *, max_reqs: int, max_len: int, block_size: int = 4, seed: int = 0):
@@ -38,7 +39,7 @@ class PagedRunner:
         self.tables = [pool[r * self.max_blocks:(r + 1) * self.max_blocks] for r in range(max_reqs)]
         self.caches = ops.init_kv_caches(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads,
                                          self.cfg.head_dim, model.dtype)
-        self._step = jax.jit(functools.partial(_step, cfg=self.cfg), donate_argnums=(1,))
+        self._step = jax.jit(functools.partial(_step, family=model.family, cfg=self.cfg), donate_argnums=(1,))
 
     def step(self, chunks: list[tuple[int, list[int], int]], num_tokens: int, logits_rows: list[int] | None = None):
         """``chunks``: (request slot, new token ids, start position). Returns float32 logits of the last new
@@ -79,9 +80,9 @@ class PagedRunner:
         return out
 
 
-def _step(params, caches, ids, pos, md, rows, *, cfg):
-    hidden, caches = llama.forward(params, caches, ids, pos, md, cfg, attn_backend="reference")
-    return llama.compute_logits(params, hidden[rows], cfg), caches
+def _step(params, caches, ids, pos, md, rows, *, family, cfg):
+    hidden, caches = family.forward(params, caches, ids, pos, md, cfg, attn_backend="reference")
+    return family.compute_logits(params, hidden[rows], cfg), caches
 
 
 def _golden(name):
@@ -186,6 +187,16 @@ def test_gguf_rope_freqs_equal_llama3_scaling():
                                        "high_freq_factor": high, "original_max_position_embeddings": old_len}})
     np.testing.assert_allclose(llama.rope_inv_freq(gguf_cfg), llama.rope_inv_freq(hf_cfg), rtol=1e-6)
     hash(gguf_cfg)
+
+
+@pytest.mark.parametrize("case", ["yarn", "yarn-mscale", "llama3", "linear"])
+def test_rope_variants_match_transformers(case):
+    """Inverse frequencies and the cos/sin attention factor as transformers computes them (rope_golden.json)."""
+    with open(os.path.join(FIXTURES, "rope_golden.json")) as f:
+        golden = json.load(f)[case]
+    rotary = llama.decoder_spec(model_config_from_hf(golden["config"])).rotaries[0]
+    np.testing.assert_allclose(rotary.inv_freq, golden["inv_freq"], rtol=1e-6)
+    assert rotary.attention_factor == pytest.approx(golden["attention_factor"], rel=1e-6)
 
 
 @pytest.mark.parametrize("name,expect", [

@@ -13,9 +13,27 @@ from typing import Any
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 
-# RoPE variants llama.forward implements; "dynamic" (NTK) depends on each request's length, which a ragged
+# RoPE variants layers.rotary implements; "dynamic" (NTK) depends on each request's length, which a ragged
 # batch does not have one of, so it is refused rather than silently approximated.
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
+# the families' model_type → architecture, for configs without an "architectures" list
+MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                            "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                            "cohere": "CohereForCausalLM"}
+# family hyper-parameters kept in ModelConfig.extra, with HF's defaults where config.json may omit them
+FAMILY_DEFAULTS = {
+    "gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "sliding_window_pattern": 2},
+    "gemma3_text": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "sliding_window_pattern": 6},
+    "phi3": {"partial_rotary_factor": 1.0},
+    "cohere": {"logit_scale": 0.0625, "use_qk_norm": False},
+    "qwen3": {},
+}
+# fields a family reads from config.json as they are (beyond FAMILY_DEFAULTS' keys)
+FAMILY_FIELDS = ("layer_types", "use_sliding_window", "attention_bias", "final_logit_softcapping",
+                 "attn_logit_softcapping", "use_bidirectional_attention", "max_window_layers")
 # GGUF only: llama.cpp bakes Llama 3.1 RoPE scaling into a per-frequency divisor tensor (rope_freqs.weight)
 GGUF_FREQ_FACTORS = "freq_factors"
 
@@ -32,21 +50,49 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _rope(hf: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+def _rope(hf: dict, layer_type: str = "full_attention") -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     """(rope_theta, rope_scaling pairs) from either transformers 4 (``rope_theta`` + ``rope_scaling``) or
-    transformers 5 (``rope_parameters``) spelling."""
-    scaling = dict(hf.get("rope_parameters") or {})
-    if hf.get("rope_scaling"):     # the older, more specific key wins where both are present
+    transformers 5 (``rope_parameters``, per layer type for Gemma 3) spelling."""
+    params = dict(hf.get("rope_parameters") or {})
+    if layer_type in params or "sliding_attention" in params:
+        params = dict(params.get(layer_type) or {})
+    elif layer_type == "sliding_attention":     # transformers 4 Gemma 3: the local layers' plain-RoPE base
+        return float(hf.get("rope_local_base_freq") or 10000.0), None
+    scaling = params
+    if hf.get("rope_scaling") and layer_type == "full_attention":   # the older, more specific key wins
         scaling = {k: v for k, v in scaling.items() if k == "rope_theta"} | dict(hf["rope_scaling"])
     theta = float(scaling.pop("rope_theta", hf.get("rope_theta") or 10000.0))
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
+    scaling.pop("partial_rotary_factor", None)
+    if rope_type == "su" or (rope_type == "yarn" and hf.get("model_type") == "phi3"):
+        rope_type = "longrope"     # Phi-3's old names of LongRoPE (transformers renames them too)
+    if rope_type in ("longrope", "yarn") and hf.get("original_max_position_embeddings"):
+        scaling.setdefault("original_max_position_embeddings", int(hf["original_max_position_embeddings"]))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"rope_scaling type {rope_type!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
     return theta, _freeze({"rope_type": rope_type, **scaling})
+
+
+# multimodal configs whose text part a family serves: model_type → the text config's model_type
+TEXT_CONFIG_WRAPPERS = {"gemma3": "gemma3_text"}
+# top-level fields of such a config that describe the whole model (and win over the text config's)
+WRAPPER_FIELDS = ("architectures", "eos_token_id", "bos_token_id", "torch_dtype", "dtype")
+
+
+def _text_part(hf: dict) -> dict:
+    """The text model's config of a multimodal one (Gemma 3's ``text_config``), with transformers' defaults
+    filled in (the hub configs list only what differs from them), under the wrapper's architecture."""
+    from transformers import AutoConfig
+
+    text_type = TEXT_CONFIG_WRAPPERS[hf["model_type"]]
+    text = dict(hf.get("text_config") or {})
+    text.pop("model_type", None)
+    full = AutoConfig.for_model(text_type, **text).to_dict()
+    return full | {k: hf[k] for k in WRAPPER_FIELDS if k in hf} | {"model_type": text_type}
 
 
 def _eos_ids(*values: Any) -> tuple[int, ...]:
@@ -65,6 +111,8 @@ def model_config_from_hf(hf_config: Any, generation_config: dict | None = None) 
     instruct models stop on several tokens that only it lists.
     """
     hf = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    if hf.get("model_type") in TEXT_CONFIG_WRAPPERS:
+        hf = _text_part(hf)
     archs = hf.get("architectures") or []
     model_type = hf.get("model_type", "llama")
     try:
@@ -72,13 +120,14 @@ def model_config_from_hf(hf_config: Any, generation_config: dict | None = None) 
         hidden = int(hf["hidden_size"])
         theta, rope_scaling = _rope(hf)
         qwen2 = model_type == "qwen2"
-        if qwen2 and hf.get("use_sliding_window"):
-            raise ModelLoadError("Qwen2 use_sliding_window=true (per-layer windows) is not supported")
-        sliding = None if qwen2 else hf.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise ModelLoadError(f"{model_type} use_sliding_window=true (per-layer windows) is not supported")
+        # Qwen configs carry a sliding_window value that only use_sliding_window turns on
+        sliding = None if model_type in ("qwen2", "qwen3") else hf.get("sliding_window")
         gen = generation_config or {}
+        extra = _family_extra(hf, model_type, int(hf["num_hidden_layers"]))
         return ModelConfig(
-            architecture=archs[0] if archs else {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-            .get(model_type, "LlamaForCausalLM"),
+            architecture=archs[0] if archs else MODEL_TYPE_ARCHITECTURES.get(model_type, "LlamaForCausalLM"),
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
@@ -86,7 +135,7 @@ def model_config_from_hf(hf_config: Any, generation_config: dict | None = None) 
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", hf.get("layer_norm_eps", 1e-6))),
             rope_theta=theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
@@ -96,11 +145,30 @@ def model_config_from_hf(hf_config: Any, generation_config: dict | None = None) 
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=gen.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=_eos_ids(gen.get("eos_token_id", hf.get("eos_token_id"))),
-            hidden_act=hf.get("hidden_act", "silu"),
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
             model_type=model_type,
+            extra=_freeze(extra),
         )
     except KeyError as e:
         raise ModelLoadError(f"model config is missing the field {e.args[0]!r}") from None
+
+
+def _family_extra(hf: dict, model_type: str, num_layers: int) -> dict:
+    """The family hyper-parameters beyond ModelConfig's fields (``ModelConfig.extra``)."""
+    if model_type not in FAMILY_DEFAULTS:
+        return {}
+    extra = {k: hf.get(k, v) for k, v in FAMILY_DEFAULTS[model_type].items()}
+    extra |= {k: hf[k] for k in FAMILY_FIELDS if k in hf}
+    if "sliding_window_pattern" in extra and not extra.get("layer_types"):
+        pattern = int(hf.get("sliding_window_pattern") or extra["sliding_window_pattern"])
+        extra["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                for i in range(num_layers)]
+    if model_type == "gemma3_text":
+        extra["local_rope"] = _rope(hf, "sliding_attention")
+    if model_type == "phi3":
+        factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
+        extra["partial_rotary_factor"] = float(factor or extra["partial_rotary_factor"])
+    return extra
 
 
 def read_json(path: str) -> dict:

@@ -1,17 +1,17 @@
 """Weight loaders: HF folder (safetensors, single or sharded), GGUF, dummy → ``LoadedModel``.
 
-Every format goes through one plan (``_weight_plan``): for each leaf of the family's weight pytree, the HF
-tensor names it is built from and how (as is, transposed to ``[in, out]``, or gate/up transposed and
-stacked). A format only supplies ``get(hf_name) -> np.ndarray`` in HF layout. Tensors go one at a time,
-host → device *in HF layout* (for safetensors straight from the memory-mapped file, no host copy), and the
+Every format goes through one plan (the family's ``weight_plan``, see ``checkpoint_names``): for each leaf of
+the family's weight pytree, the HF tensor names it is built from and how (as is, transposed to ``[in, out]``,
+gate/up transposed and stacked, a fused projection split). A format only supplies ``get(hf_name) ->
+np.ndarray`` in HF layout. Tensors go one at a time, host → device *in HF layout* (for safetensors straight from the memory-mapped file, no host copy), and the
 layout change and the cast to the target dtype run on the device. With a ``mesh`` each HF tensor is placed
 with the sharding that its layout change maps onto the weight's ``NamedSharding(mesh, spec)`` (from the
 family's ``param_partition_specs``), so every device converts only its own shard and no weight is ever
 whole on one device (unless its spec replicates it).
 
-Why on the device: numpy's transpose of 2-byte elements is a slow strided copy on one core; the 8B model
-took 70 s to load from safetensors at TP=2 on the H200 host with it (orbax, which stores the converted
-layout, 20 s; benchmarks/results/2026-11-30-h200-profile-tp.md).
+Why on the device: numpy's transpose of 2-byte elements is a slow strided copy on one core; with it an 8B
+model took 70 s to load from safetensors at TP=2 on an H200 host (20 s from orbax, which stores the converted
+layout).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from jaxserve import envs
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
+from jaxserve.models import checkpoint_names
 from jaxserve.models import configs as model_configs
 from jaxserve.models import registry
 
@@ -171,10 +172,17 @@ def _safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Calla
         weight_map = {t: fname for fname in files for t in SafetensorsFile(os.path.join(folder, fname)).names()}
     opened: dict[str, SafetensorsFile] = {}
 
+    def stored_name(hf_name: str) -> str:
+        """``hf_name`` as the checkpoint spells it (a multimodal one nests the text model's tensors)."""
+        if hf_name in weight_map:
+            return hf_name
+        return next((n for n in checkpoint_names.wrapped_names(hf_name) if n in weight_map), hf_name)
+
     def file_of(hf_name: str) -> str:
-        return weight_map.get(hf_name, "?")
+        return weight_map.get(stored_name(hf_name), "?")
 
     def get(hf_name: str) -> np.ndarray:
+        hf_name = stored_name(hf_name)
         fname = weight_map.get(hf_name)
         if fname is None:
             raise ModelLoadError(f"{folder}: tensor {hf_name} not found in the checkpoint")
@@ -279,49 +287,37 @@ def gguf_tokenizer(path: str):
 
 
 # ------------------------------------------------------------------------------------- the weight plan
-# How a weight is built from its HF tensors: "same" (as is), "t" (HF Linear [out, in] -> [in, out]),
-# "stack_t" (gate and up, each transposed, stacked on axis 1: [in, 2, out]).
+# How a weight is built from its HF tensors (checkpoint_names says what each build means).
 _BUILDS = {
     "same": lambda w: w,
     "t": lambda w: w.T,
     "stack_t": lambda g, u: jnp.stack([g.T, u.T], axis=1),
+    "fused_gate_up_t": lambda w: w.reshape(2, w.shape[0] // 2, w.shape[1]).transpose(2, 0, 1),
 }
 
 
-def _hf_spec(kind: str, spec):
-    """The sharding spec of each HF-layout input that ``_BUILDS[kind]`` maps onto the weight's ``spec``."""
+def _build_fn(kind) -> Callable:
+    if isinstance(kind, tuple) and kind[0] == "rows_t":
+        start, stop = kind[1], kind[2]
+        return lambda w: w[start:stop].T
+    return _BUILDS[kind]
+
+
+def _hf_spec(kind, spec):
+    """The sharding spec of each HF-layout input that the build ``kind`` maps onto the weight's ``spec``
+    (fused checkpoint tensors go in replicated: every device slices out its own part)."""
     spec = tuple(spec)
     if kind == "same":
         return P(*spec)
     if kind == "t":
         spec = spec + (None,) * (2 - len(spec))
         return P(spec[1], spec[0])
-    spec = spec + (None,) * (3 - len(spec))          # stack_t: [in, 2, out] from [out, in]
-    if spec[1] is not None:
-        raise ValueError(f"gate/up stack axis cannot be sharded ({P(*spec)})")
-    return P(spec[2], spec[0])
-
-
-def _weight_plan(cfg: ModelConfig) -> list[tuple[tuple, list[str], str]]:
-    """(param path, HF tensor names, build kind of ``_BUILDS``) for every weight leaf."""
-    plan = [(("embed",), ["model.embed_tokens.weight"], "same"), (("final_norm",), ["model.norm.weight"], "same")]
-    if not cfg.tie_word_embeddings:
-        plan.append((("lm_head",), ["lm_head.weight"], "t"))
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        plan += [
-            (("layers", i, "attn_norm"), [pre + "input_layernorm.weight"], "same"),
-            (("layers", i, "mlp_norm"), [pre + "post_attention_layernorm.weight"], "same"),
-            (("layers", i, "q"), [pre + "self_attn.q_proj.weight"], "t"),
-            (("layers", i, "k"), [pre + "self_attn.k_proj.weight"], "t"),
-            (("layers", i, "v"), [pre + "self_attn.v_proj.weight"], "t"),
-            (("layers", i, "o"), [pre + "self_attn.o_proj.weight"], "t"),
-            (("layers", i, "gate_up"), [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"], "stack_t"),
-            (("layers", i, "down"), [pre + "mlp.down_proj.weight"], "t"),
-        ]
-        if cfg.attention_bias:
-            plan += [(("layers", i, f"{x}_bias"), [pre + f"self_attn.{x}_proj.bias"], "same") for x in "qkv"]
-    return plan
+    if kind == "stack_t":
+        spec = spec + (None,) * (3 - len(spec))          # [in, 2, out] from [out, in]
+        if spec[1] is not None:
+            raise ValueError(f"gate/up stack axis cannot be sharded ({P(*spec)})")
+        return P(spec[2], spec[0])
+    return P()
 
 
 def _tree_get(tree, path):
@@ -351,10 +347,10 @@ def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.n
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     target_dtype = jnp.dtype(dtype)
     builders: dict = {}
-    for path, names, kind in tqdm(_weight_plan(cfg), desc=desc, unit="tensor"):
+    for path, names, kind in tqdm(family.weight_plan(cfg), desc=desc, unit="tensor"):
         expected = _tree_get(shapes, path)
         raw = [get(n) for n in names]
-        built = jax.eval_shape(_BUILDS[kind], *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in raw))
+        built = jax.eval_shape(_build_fn(kind), *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in raw))
         if tuple(built.shape) != tuple(expected):
             shapes_str = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(names, raw))
             raise ModelLoadError(f"{file_of(names[0])}: tensor {shapes_str} does not match the config "
@@ -363,7 +359,7 @@ def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.n
         in_sharding = NamedSharding(mesh, _hf_spec(kind, sharding.spec)) if sharding is not None else None
         key = (kind, sharding)
         if key not in builders:
-            fn = functools.partial(_build_cast, _BUILDS[kind], target_dtype)
+            fn = functools.partial(_build_cast, _build_fn(kind), target_dtype)
             builders[key] = jax.jit(fn, out_shardings=sharding) if sharding is not None else jax.jit(fn)
         on_device = [jax.device_put(_device_ready(r), in_sharding) for r in raw]
         _tree_set(params, path, builders[key](*on_device))

@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError

@@ -1,7 +1,8 @@
 """Model registry: HF ``architectures`` name → the module that implements the family.
 
-Decoder families expose ``forward`` / ``compute_logits`` / ``param_shapes`` / ``param_partition_specs``
-(see ``llama.py``); encoder families (``bert``) expose ``load(path, dtype) -> LoadedModel``. Modules are
+Decoder families expose ``check_config`` / ``weight_plan`` / ``forward`` / ``compute_logits`` /
+``param_shapes`` / ``param_partition_specs`` / ``init_dummy_params`` (``llama.py``; the
+shared ``layers.decoder.DecoderFamily`` provides all but the first two); encoder families (``bert``) expose ``load(path, dtype) -> LoadedModel``. Modules are
 imported lazily so a family that is not built yet does not break the others.
 """
 from __future__ import annotations
@@ -15,6 +16,12 @@ DECODER_ARCHITECTURES = {
     "LlamaForCausalLM": "jaxserve.models.llama",
     "MistralForCausalLM": "jaxserve.models.llama",
     "Qwen2ForCausalLM": "jaxserve.models.llama",
+    "Qwen3ForCausalLM": "jaxserve.models.qwen3",
+    "Gemma2ForCausalLM": "jaxserve.models.gemma",
+    "Gemma3ForCausalLM": "jaxserve.models.gemma",
+    "Gemma3ForConditionalGeneration": "jaxserve.models.gemma",   # its text model (text-only requests)
+    "Phi3ForCausalLM": "jaxserve.models.phi3",
+    "CohereForCausalLM": "jaxserve.models.cohere",
 }
 ENCODER_ARCHITECTURES = {
     "BertModel": "jaxserve.models.bert",

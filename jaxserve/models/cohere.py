@@ -1,0 +1,38 @@
+"""Command-R (``CohereForCausalLM``): one LayerNorm (no bias) feeds attention and the SiLU-gated MLP in
+parallel, their outputs added to the residual together; interleaved-pair RoPE; tied embeddings; logits times
+``logit_scale``."""
+from __future__ import annotations
+
+from jaxserve.config import ModelConfig
+from jaxserve.errors import ModelLoadError
+from jaxserve.models import checkpoint_names, llama
+from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
+from jaxserve.models.layers.rotary import make_rotary
+
+ARCHITECTURES = ("CohereForCausalLM",)
+
+
+def check_config(cfg: ModelConfig) -> None:
+    llama.check_config(cfg)
+    if cfg.extra_dict.get("use_qk_norm"):
+        raise ModelLoadError("use_qk_norm=true (Command-R+) is not supported")
+    if cfg.sliding_window:
+        raise ModelLoadError("sliding_window is not supported for Cohere")
+
+
+def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
+    rotary = make_rotary(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling_dict, cfg.max_position_embeddings,
+                         interleaved=True)
+    return DecoderSpec(norm="layer", parallel_block=True, attention_bias=cfg.attention_bias,
+                       sm_scale=cfg.head_dim ** -0.5, logit_scale=cfg.extra_dict.get("logit_scale"),
+                       windows=(None,) * cfg.num_layers, rotaries=(rotary,), layer_rotary=(0,) * cfg.num_layers)
+
+
+def weight_plan(cfg: ModelConfig) -> list:
+    return checkpoint_names.weight_plan(param_shapes(cfg))
+
+
+_family = DecoderFamily(decoder_spec)
+forward, compute_logits = _family.forward, _family.compute_logits
+param_shapes, param_partition_specs = _family.param_shapes, _family.param_partition_specs
+init_dummy_params = _family.init_dummy_params

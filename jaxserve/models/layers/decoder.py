@@ -1,0 +1,266 @@
+"""The decoder stack as ``flax.nnx`` modules, configured by a ``DecoderSpec`` that a family derives from its
+``ModelConfig``; ``DecoderFamily`` turns a family's spec function into the functions the engine calls.
+
+Weights: every parameter is declared once, in ``DecoderLayer`` / ``DecoderModel``, as an ``nnx.Param`` with its
+tensor-parallel layout (``out_sharding``: axis names over the ``"tp"`` mesh axis; q/k/v/gate/up
+column-parallel, o/down row-parallel, embedding and lm_head vocab-parallel, norms replicated) and its dummy
+initialiser (``init``). ``nnx.split`` of the abstract model gives the state; its pure-dict form, with the
+layers as a list, is the weight pytree the loaders fill and the jitted step takes:
+``{"embed", "layers": [{"attn_norm", "q", "k", ...}, ...], "final_norm", "lm_head"?}``. A layer's weights stay
+flat (no per-layer-module nesting) so checkpoint names map onto one dict per layer and tensor parallelism
+can tell a kv projection by its name (``parallel.mesh.adjust_spec_for_tp``).
+
+Layout: matmul weights are ``[in, out]`` so the step never transposes; ``gate_up`` is the gated MLP's input
+projection ``[hidden, 2, intermediate]`` (gate then up), fused along its own axis so tensor parallelism still
+shards ``intermediate``; q/k/v stay separate (under GQA a fused column split would not line up with head
+shards; Phi-3's fused checkpoint tensors are split at load).
+
+The step: ``forward`` merges the graph definition (static, cached per config) with the weight pytree it was
+given and runs the model: layers unrolled in Python, each writing its K/V into its paged cache (the caches
+are plain arrays the step donates) and attending through the step's block tables. Each row-parallel
+projection is followed by the residual add and the next norm in one call so TP's all-reduce can fuse them.
+
+Numerics follow HF transformers: compute in the parameter dtype; norm statistics, RoPE angles and the
+attention softmax in float32; logits in float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import parallel
+from jaxserve.config import ModelConfig
+from jaxserve.kernels.metadata import AttentionMetadata
+# kernels.ops's write_kv_and_attend, wrapped in shard_map over "tp" when the step runs under a mesh
+from jaxserve.parallel import attention as tp_attention
+
+from .norms import NORMS
+from .rotary import Rotary
+
+TP = "tp"
+COLUMN, ROW, VOCAB, REPLICATED, COLUMN_BIAS = (None, TP), (TP, None), (TP, None), (), (TP,)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    """What a family's decoder computes, beyond the shapes in ``ModelConfig`` (hashable: a static jit arg)."""
+    norm: str = "rms"                          # layers.norms.NORMS key
+    qk_norm: bool = False                      # per-head norm of q and k before RoPE (Qwen3, Gemma 3)
+    attention_bias: bool = False               # q/k/v bias (Qwen2)
+    sandwich_norms: bool = False               # Gemma: norms after attention and after the MLP as well
+    parallel_block: bool = False               # Command-R: attention and MLP both read the input norm
+    activation: str = "silu"                   # ACTIVATIONS key, of the gate
+    embed_scale: float | None = None           # Gemma: embeddings times sqrt(hidden_size)
+    sm_scale: float = 1.0                      # attention scale (head_dim ** -0.5, Gemma query_pre_attn_scalar)
+    attn_soft_cap: float | None = None         # Gemma 2 attention-logit soft-capping
+    final_soft_cap: float | None = None        # Gemma 2 final-logit soft-capping
+    logit_scale: float | None = None           # Command-R
+    windows: tuple[int | None, ...] = ()       # per layer: sliding window or None (global)
+    rotaries: tuple[Rotary, ...] = ()          # the distinct RoPE tables
+    layer_rotary: tuple[int, ...] = ()         # per layer: index into ``rotaries``
+
+
+def _param(shape: tuple[int, ...], sharding: tuple, init: str = "normal") -> nnx.Param:
+    """A parameter declared with its TP layout and dummy initialiser; the value is a placeholder (the model is
+    only ever built under ``nnx.eval_shape``: real values come from a loader)."""
+    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=sharding, eager_sharding=False, init=init)
+
+
+def _w(variable: nnx.Variable) -> jax.Array:
+    return variable.get_value()
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, index: int):
+        h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+        norm_init = "zeros" if spec.norm == "offset_rms" else "ones"
+        self.cfg, self.spec, self.index = cfg, spec, index
+        self.norm = NORMS[spec.norm]
+        self.attn_norm = _param((h,), REPLICATED, norm_init)
+        self.q, self.k, self.v = _param((h, q_out), COLUMN), _param((h, kv_out), COLUMN), _param((h, kv_out), COLUMN)
+        if spec.attention_bias:
+            self.q_bias, self.k_bias, self.v_bias = (_param((q_out,), COLUMN_BIAS), _param((kv_out,), COLUMN_BIAS),
+                                                     _param((kv_out,), COLUMN_BIAS))
+        if spec.qk_norm:
+            self.q_norm, self.k_norm = _param((d,), REPLICATED, norm_init), _param((d,), REPLICATED, norm_init)
+        self.o = _param((q_out, h), ROW)
+        if not spec.parallel_block:
+            self.mlp_norm = _param((h,), REPLICATED, norm_init)
+        if spec.sandwich_norms:
+            self.post_attn_norm = _param((h,), REPLICATED, norm_init)
+            self.post_mlp_norm = _param((h,), REPLICATED, norm_init)
+        self.gate_up = _param((h, 2, i), (None, None, TP))
+        self.down = _param((i, h), ROW)
+
+    def attention(self, h: jax.Array, cos_sin, kv_cache, md: AttentionMetadata, backend: str):
+        """Self-attention of the normed input ``h [T, hidden]`` up to (not including) the o projection:
+        ``(attn [T, heads * head_dim], (k_cache, v_cache))``."""
+        cfg, spec = self.cfg, self.spec
+        t, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rotary = spec.rotaries[spec.layer_rotary[self.index]]
+        cos, sin = cos_sin[spec.layer_rotary[self.index]]
+        q, k, v = h @ _w(self.q), h @ _w(self.k), h @ _w(self.v)
+        if spec.attention_bias:
+            q, k, v = q + _w(self.q_bias), k + _w(self.k_bias), v + _w(self.v_bias)
+        q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+        if spec.qk_norm:
+            q, k = self.norm(q, _w(self.q_norm), cfg.rms_norm_eps), self.norm(k, _w(self.k_norm), cfg.rms_norm_eps)
+        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        attn, k_cache, v_cache = tp_attention.write_kv_and_attend(
+            q, k, v, k_cache, v_cache, md, sm_scale=spec.sm_scale, soft_cap=spec.attn_soft_cap,
+            sliding_window=spec.windows[self.index], backend=backend)
+        return attn.reshape(t, hq * d), (k_cache, v_cache)
+
+    def gated(self, h: jax.Array) -> jax.Array:
+        """The gated MLP up to (not including) the down projection: ``act(h @ gate) * (h @ up)``."""
+        gate_up = jnp.einsum("th,hci->tci", h, _w(self.gate_up))
+        return ACTIVATIONS[self.spec.activation](gate_up[:, 0]) * gate_up[:, 1]
+
+
+class DecoderModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec):
+        h = cfg.hidden_size
+        self.cfg, self.spec = cfg, spec
+        self.norm = NORMS[spec.norm]
+        self.embed = _param((cfg.vocab_size, h), VOCAB)
+        self.layers = nnx.List([DecoderLayer(cfg, spec, i) for i in range(cfg.num_layers)])
+        self.final_norm = _param((h,), REPLICATED, "zeros" if spec.norm == "offset_rms" else "ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param((h, cfg.vocab_size), COLUMN)
+
+    def __call__(self, kv_caches: list, input_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
+                 backend: str):
+        spec, eps = self.spec, self.cfg.rms_norm_eps
+        x = jnp.take(_w(self.embed), input_ids, axis=0)
+        if spec.embed_scale is not None:
+            x = x * jnp.asarray(spec.embed_scale, x.dtype)
+        cos_sin = [r.cos_sin(positions, x.dtype) for r in spec.rotaries]
+        layers = list(self.layers)
+        next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
+        h = self.norm(x, _w(layers[0].attn_norm), eps)
+        new_caches = []
+        for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches):
+            attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
+            new_caches.append(kv_cache)
+            if spec.parallel_block:
+                mlp = parallel.row_parallel_matmul(layer.gated(h), _w(layer.down))
+                x = (parallel.row_parallel_matmul(attn, _w(layer.o)) + mlp) + x
+                h = self.norm(x, next_norm, eps)
+            elif spec.sandwich_norms:
+                x = x + self.norm(parallel.row_parallel_matmul(attn, _w(layer.o)), _w(layer.post_attn_norm), eps)
+                h = self.norm(x, _w(layer.mlp_norm), eps)
+                x = x + self.norm(parallel.row_parallel_matmul(layer.gated(h), _w(layer.down)),
+                                  _w(layer.post_mlp_norm), eps)
+                h = self.norm(x, next_norm, eps)
+            else:
+                x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
+                x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm)
+        return h, new_caches
+
+    def _add_norm(self, x, w, residual, norm_weight):
+        """``s = residual + x @ w`` (row-parallel) and the next norm of ``s``; fused with TP's all-reduce
+        where the custom all-reduce can (RMSNorm only)."""
+        if self.spec.norm == "rms":
+            return parallel.row_parallel_matmul_add_rms_norm(x, w, residual, norm_weight, self.cfg.rms_norm_eps,
+                                                              self.norm)
+        s = residual + parallel.row_parallel_matmul(x, w)
+        return s, self.norm(s, norm_weight, self.cfg.rms_norm_eps)
+
+
+# ----------------------------------------------------------------------------------- the family interface
+def _to_external(pure: dict) -> dict:
+    """nnx's pure dict (layers keyed 0..n-1) → the weight pytree (layers as a list)."""
+    out = dict(pure)
+    out["layers"] = [pure["layers"][i] for i in range(len(pure["layers"]))]
+    return out
+
+
+def _to_internal(params: dict) -> dict:
+    out = dict(params)
+    out["layers"] = dict(enumerate(params["layers"]))
+    return out
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple)
+
+
+class DecoderFamily:
+    """The functions the registry's decoder families expose, from a family's ``spec(cfg) -> DecoderSpec``."""
+
+    def __init__(self, spec: Callable[[ModelConfig], DecoderSpec]):
+        self.spec = functools.lru_cache(maxsize=16)(spec)
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019  (one per family object, which lives as long as its module)
+    def abstract(self, cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+        """(graph definition, abstract state) of the model of ``cfg``: no weight is allocated."""
+        return nnx.split(nnx.eval_shape(lambda: DecoderModel(cfg, self.spec(cfg))))
+
+    def _metadata(self, cfg: ModelConfig, fn: Callable[[nnx.Variable], object]) -> dict:
+        _, state = self.abstract(cfg)
+        return _to_external(nnx.to_pure_dict(nnx.map_state(lambda path, v: fn(v), state)))
+
+    def param_shapes(self, cfg: ModelConfig) -> dict:
+        """The weight pytree's structure with a shape tuple at each leaf."""
+        return self._metadata(cfg, lambda v: tuple(v.get_value().shape))
+
+    def param_partition_specs(self, cfg: ModelConfig) -> dict:
+        """``PartitionSpec`` of each weight over the mesh axis ``"tp"``, as its ``nnx.Param`` declares it."""
+        return self._metadata(cfg, lambda v: P(*v.get_metadata()["out_sharding"]))
+
+    def param_inits(self, cfg: ModelConfig) -> dict:
+        return self._metadata(cfg, lambda v: v.get_metadata()["init"])
+
+    def forward(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
+                md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference"):
+        """One ragged step: ``input_ids``/``positions`` ``[T]`` int32 → ``(hidden [T, hidden_size], kv_caches)``."""
+        graphdef, _ = self.abstract(cfg)
+        model = nnx.merge(graphdef, _to_internal(params))
+        return model(kv_caches, input_ids, positions, md, attn_backend)
+
+    def compute_logits(self, params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+        """``hidden [N, hidden_size]`` → logits ``[N, vocab]`` in float32 (float32 accumulation)."""
+        spec = self.spec(cfg)
+        if cfg.tie_word_embeddings:
+            logits = jnp.einsum("nh,vh->nv", hidden, params["embed"], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        if spec.logit_scale is not None:
+            logits = logits * spec.logit_scale
+        if spec.final_soft_cap is not None:
+            logits = jnp.tanh(logits / spec.final_soft_cap) * spec.final_soft_cap
+        return logits
+
+    def init_dummy_params(self, cfg: ModelConfig, dtype, *, seed: int = 0, mesh=None) -> dict:
+        """Random weights (normal, std 0.02; norms the identity) of the right shapes, generated on device."""
+        shapes = self.param_shapes(cfg)
+        leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_shape)
+        inits = jax.tree.leaves(self.param_inits(cfg))
+        if mesh is not None:
+            from jaxserve.parallel import param_shardings  # noqa: PLC0415  (whole kv heads when tp > kv heads)
+            sharding_leaves = jax.tree.leaves(param_shardings(self.param_partition_specs(cfg), mesh, cfg))
+        else:
+            sharding_leaves = [None] * len(leaves)
+        keys = jax.random.split(jax.random.key(seed), len(leaves))
+        out = [_dummy_init_fn(kind, shape, jnp.dtype(dtype), sharding)(key)
+               for shape, kind, sharding, key in zip(leaves, inits, sharding_leaves, keys)]
+        return jax.tree.unflatten(treedef, out)
+
+
+@functools.lru_cache(maxsize=64)
+def _dummy_init_fn(kind: str, shape: tuple, dtype, sharding):
+    """One jitted generator per (kind, shape, dtype, sharding): a 32-layer model compiles ~8, not ~290."""
+    if kind in ("ones", "zeros"):
+        fill = jnp.ones if kind == "ones" else jnp.zeros
+        return jax.jit(lambda key: fill(shape, dtype), out_shardings=sharding)
+    return jax.jit(lambda key: jax.random.normal(key, shape, dtype) * jnp.asarray(0.02, dtype),
+                   out_shardings=sharding)

@@ -238,3 +238,18 @@ def test_gguf_file_reads_what_gguf_reader_reads(smollm2_path):
         assert a.tensor_type == b.tensor_type and a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
     for a, b in zip(ours.tensors[:3], theirs.tensors[:3]):
         assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
+
+
+def test_llguidance_reads_gguf_tokenizers(gemma3, smollm2_path):
+    """Structured outputs read the tokenizer.json form: llguidance tokenizes and decodes as we do."""
+    llguidance = pytest.importorskip("llguidance")
+    import llguidance.hf
+
+    text = "The capital of Japan is Tokyo.\n  東京 😀 {\"a\": 1}"
+    for tok in (gemma3, loader.gguf_tokenizer(smollm2_path)):
+        ll = llguidance.hf.from_tokenizer(tok)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ll.tokenize_str(text) == ids and ll.decode_str(ids) == text
+        assert ll.eos_token == tok.eos_token_id
+        grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        assert not llguidance.LLMatcher(ll, grammar).is_error()

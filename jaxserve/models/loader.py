@@ -39,7 +39,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import checkpoint_names
 from jaxserve.models import configs as model_configs
-from jaxserve.models import registry
+from jaxserve.models import packaged, registry
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +196,7 @@ def _safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Calla
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
+# HF tensor name -> llama.cpp's, in order (Llama / Mistral / Qwen2)
 _GGUF_NAMES = [(r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "output_norm."),
                (r"^lm_head\.", "output."), (r"^model\.layers\.(\d+)\.", r"blk.\1."),
                (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
@@ -203,10 +204,17 @@ _GGUF_NAMES = [(r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "
                (r"\.self_attn\.v_proj\.", ".attn_v."), (r"\.self_attn\.o_proj\.", ".attn_output."),
                (r"\.mlp\.gate_proj\.", ".ffn_gate."), (r"\.mlp\.up_proj\.", ".ffn_up."),
                (r"\.mlp\.down_proj\.", ".ffn_down.")]
+# Gemma's four norms per layer: post_attention_layernorm is its own tensor there, ffn_norm the pre-MLP one
+_GEMMA_GGUF_NAMES = [(r"\.post_attention_layernorm\.", ".post_attention_norm."),
+                     (r"\.pre_feedforward_layernorm\.", ".ffn_norm."),
+                     (r"\.post_feedforward_layernorm\.", ".post_ffw_norm."),
+                     (r"\.self_attn\.q_norm\.", ".attn_q_norm."), (r"\.self_attn\.k_norm\.", ".attn_k_norm.")]
+GGUF_TENSOR_NAMES = {"gemma3": _GEMMA_GGUF_NAMES + _GGUF_NAMES}
 
 
-def gguf_name(hf_name: str) -> str:
-    for pattern, repl in _GGUF_NAMES:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
+    """The llama.cpp tensor name of an HF tensor name, for GGUF ``general.architecture`` ``arch``."""
+    for pattern, repl in GGUF_TENSOR_NAMES.get(arch, _GGUF_NAMES):
         hf_name = re.sub(pattern, repl, hf_name)
     return hf_name
 
@@ -220,26 +228,26 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str):
-    """A memory-mapped ``gguf.GGUFReader`` (cached: parsing the vocabulary metadata takes seconds)."""
-    import gguf
+    """A memory-mapped ``GGUFFile`` (cached: the loader, the config and the tokenizer all read it)."""
+    from jaxserve.models.gguf_file import GGUFFile  # noqa: PLC0415
 
-    try:
-        return gguf.GGUFReader(path)
-    except FileNotFoundError:
-        raise ModelLoadError(f"{os.path.basename(path)}: file not found ({path})") from None
-    except Exception as e:  # the reader raises ValueError/struct/IndexError kinds on a bad file
-        raise ModelLoadError(f"{os.path.basename(path)}: not a valid GGUF file ({type(e).__name__}: {e})") from None
+    return GGUFFile(path)
 
 
 def _gguf_getter(reader, path: str, cfg: ModelConfig) -> Callable[[str], np.ndarray]:
+    """``get(hf_name)``: the GGUF tensor dequantized to float32, in HF layout and HF values. llama.cpp's
+    converters change two things that are undone here: Llama's q/k rows are permuted for its RoPE, and
+    Gemma's norm weights are stored as ``1 + w`` (its RMSNorm multiplies by the weight itself)."""
     from gguf.quants import dequantize
 
     tensors = {t.name: t for t in reader.tensors}
-    permute = reader.fields["general.architecture"].contents() == "llama"
+    arch = reader.fields["general.architecture"]
+    permute = arch == "llama"
+    norm_shift = arch in GGUF_GEMMA_ARCHITECTURES
     fname = os.path.basename(path)
 
     def get(hf_name: str) -> np.ndarray:
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, arch)
         if name not in tensors:
             raise ModelLoadError(f"{fname}: tensor {name} ({hf_name}) not found")
         t = tensors[name]
@@ -251,6 +259,8 @@ def _gguf_getter(reader, path: str, cfg: ModelConfig) -> Callable[[str], np.ndar
             w = unpermute_rope_rows(w, cfg.num_heads)
         elif permute and ".attn_k." in name:
             w = unpermute_rope_rows(w, cfg.num_kv_heads)
+        elif norm_shift and name.endswith("norm.weight"):
+            w = w - 1.0
         return w
 
     return get
@@ -264,26 +274,68 @@ def gguf_rope_freqs(reader) -> np.ndarray | None:
     return None if t is None else dequantize(t.data, t.tensor_type).astype(np.float32)
 
 
+GGUF_GEMMA_ARCHITECTURES = ("gemma3",)
+
+
+def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict | None:
+    """The HF ``config.json`` that a Gemma 3 GGUF's metadata (``GGUFFile.fields``) describes, or None for
+    other architectures (``configs.model_config_from_gguf`` reads those). Gemma 3 goes through its HF config
+    so the family's one config reader applies; the values llama.cpp does not store are the ones it
+    hard-codes for Gemma 3: five sliding-window layers to one global, local RoPE base 10000, queries scaled
+    by 1/sqrt(head_dim) (27B, 62 layers: 1/sqrt(hidden/heads)), no soft-capping, and ``<end_of_turn>``
+    ends generation as ``<eos>`` does."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_GEMMA_ARCHITECTURES:
+        return None
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata has no {arch}.{key}")
+        return value
+
+    hidden, heads, layers = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ModelLoadError("GGUF metadata has no vocab size")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ModelLoadError(f"GGUF rope scaling {scaling!r} is not supported for {arch}")
+    eos = [meta.get("tokenizer.ggml.eos_token_id", 1)]
+    end_of_turn = meta.get("tokenizer.ggml.eot_token_id")
+    if end_of_turn is None and tokens is not None and "<end_of_turn>" in tokens:
+        end_of_turn = tokens.index("<end_of_turn>")
+    if end_of_turn is not None and end_of_turn not in eos:
+        eos.append(int(end_of_turn))
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": int(vocab), "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)), "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length")),
+        "rope_theta": float(get("rope.freq_base", 1e6)), "rope_local_base_freq": 10000.0,
+        "rope_scaling": ({"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+                         if scaling == "linear" else None),
+        "sliding_window": int(get("attention.sliding_window")),
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos,
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+
+
 @functools.lru_cache(maxsize=4)
 def gguf_tokenizer(path: str):
-    """The HF tokenizer described by a GGUF file's metadata, built as transformers' ``gguf_file=`` path does
-    (``convert_gguf_tokenizer``) but without its torch-only GGUF checkpoint reader."""
-    from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    """The HF fast tokenizer built from the GGUF file's own vocabulary (``gguf_tokenizer.py``)."""
+    from jaxserve.models.gguf_tokenizer import tokenizer_from_gguf  # noqa: PLC0415
 
-    reader = _open_gguf(path)
-    sections: dict[str, dict] = {"tokenizer": {}, "tokenizer_config": {}}
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        sub = key[len("tokenizer."):]
-        for section, renames in GGUF_TOKENIZER_MAPPING.items():
-            if sub in renames:
-                sections[section][renames[sub]] = field.contents()
-    arch = reader.fields["general.architecture"].contents()
-    model_type = {"llama": "llama", "qwen2": "qwen2"}.get(arch, arch)
-    fast, extra = convert_gguf_tokenizer(model_type, sections["tokenizer"])
-    return TokenizersBackend(tokenizer_object=fast, **sections["tokenizer_config"], **extra)
+    return tokenizer_from_gguf(_open_gguf(path).fields)
 
 
 # ------------------------------------------------------------------------------------- the weight plan
@@ -424,12 +476,17 @@ def _max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
 # ---------------------------------------------------------------------------------------------- loaders
 def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str = "auto",
                max_model_len: int | None = None, mesh=None, seed: int = 0) -> LoadedModel:
-    """Load a model: ``None`` (the embedded SmolLM2 GGUF), a ``.gguf`` file, an HF folder, or the name of a
-    ``configs/models/*.json`` (random weights). ``load_format="dummy"`` gives random weights for any of them.
+    """Load a model: ``None`` (the embedded SmolLM2 GGUF), a packaged model's name (``gemma3-270m``), a
+    ``.gguf`` file, an HF folder, or the name of a ``configs/models/*.json`` (random weights). ``load_format="dummy"`` gives random weights for any of them.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
-    path = embedded_model_path() if model is None else os.path.expanduser(model)
+    if model is None:
+        path = embedded_model_path()
+    elif packaged.is_packaged_model(model):
+        path = packaged.packaged_gguf_path(model)
+    else:
+        path = os.path.expanduser(model)
     from jaxserve.models import orbax_io  # noqa: PLC0415  (orbax imports lazily, only for its folders)
     if load_format == "orbax" or (load_format == "auto" and orbax_io.is_orbax_checkpoint(path)):
         return orbax_io.load_orbax(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh)
@@ -473,9 +530,11 @@ def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, 
 
 def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None) -> LoadedModel:
     reader = _open_gguf(path)
-    meta = model_configs.gguf_metadata(reader)
-    cfg = model_configs.model_config_from_gguf(meta, {t.name for t in reader.tensors},
-                                               rope_freqs=gguf_rope_freqs(reader))
+    meta = reader.metadata()
+    tensor_names = {t.name for t in reader.tensors}
+    hf = gguf_hf_config(reader.fields, tensor_names)
+    cfg = (model_configs.model_config_from_hf(hf) if hf is not None else
+           model_configs.model_config_from_gguf(meta, tensor_names, rope_freqs=gguf_rope_freqs(reader)))
     _, family = registry.resolve_architecture(cfg.architecture)
     family.check_config(cfg)
     # GGUF weights are quantized: "auto" means float32 on CPU (fast there), bfloat16 on accelerators.

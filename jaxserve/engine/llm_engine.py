@@ -17,6 +17,7 @@ from jaxserve.engine.embedder import Embedder, is_embedding_model
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, validate_prompt_length
+from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.model_runner import PLACEHOLDER, ModelRunner, resolve_attention_backend
@@ -78,6 +79,9 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+            disable_any_whitespace=config.structured_outputs.disable_any_whitespace)
         self._cum_logprob: dict[str, float] = {}
         self._logprobs: dict[str, list] = {}
         self._sent: dict[str, tuple[int, int]] = {}   # tokens / chars already returned (DELTA mode)
@@ -114,6 +118,10 @@ class LLMEngine:
                 from jaxserve.parallel import BroadcastingRunner
                 channel = self._workers.step_channel() if self._workers is not None else None
                 self.runner = BroadcastingRunner(self.runner, channel)
+                # the processes follow the steps process 0 sends, and a step carries no bitmask
+                self.structured_output.unsupported_reason = (
+                    "the model is spread over several processes (--num-processes / "
+                    "--distributed-executor-backend mp); run it in one process (-tp over its local GPUs)")
                 if self._workers is not None:
                     self._workers.set_release(self.runner.stop)
         self.warmup_seconds = time.perf_counter() - t0
@@ -158,6 +166,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt_logprobs is not available when the model is spread over several "
                                       "processes (--num-processes / --distributed-executor-backend mp)",
                                       param="prompt_logprobs")
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)    # cached; raises naming the problem
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
@@ -182,6 +192,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             self._prompt_lps[request_id] = self._score_prompt(prompt_token_ids, params.prompt_logprobs)
         self.scheduler.add_request(req)
+        self.structured_output.add_request(req)    # structured outputs: the request's own matcher
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):
@@ -195,6 +206,7 @@ class LLMEngine:
     def _forget(self, rid: str) -> None:
         for d in (self._detok, self._cum_logprob, self._logprobs, self._sent, self._prompt_lps):
             d.pop(rid, None)
+        self.structured_output.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         if self.scheduler is None:
@@ -226,9 +238,19 @@ class LLMEngine:
             prev = None
         if not sched.scheduled:
             return outputs
-        pending = self.runner.dispatch(sched.scheduled, prev.pending if prev is not None else None)
-        if prev is not None:
-            outputs += self._resolve(prev)      # blocks on step N while the device runs step N+1
+        constrained = self.structured_output.constrained_rows(sched.scheduled)
+        if constrained is None:
+            pending = self.runner.dispatch(sched.scheduled, prev.pending if prev is not None else None)
+            if prev is not None:
+                outputs += self._resolve(prev)  # blocks on step N while the device runs step N+1
+        else:
+            # structured outputs: step N+1's forward runs while step N's tokens are read and advance the
+            # matchers; then the host fills the bitmask and step N+1's sampler follows
+            fwd = self.runner.dispatch_forward(sched.scheduled, prev.pending if prev is not None else None)
+            if prev is not None:
+                outputs += self._resolve(prev)
+            pending = self.runner.dispatch_sample(fwd, self.structured_output.fill_bitmask(constrained,
+                                                                                         fwd.num_rows))
         # the scheduler counts the new tokens now; their values arrive with _resolve
         if sched.num_steps > 1:                 # multi-step: one placeholder per iteration each entry runs
             self.scheduler.update_from_output(sched, {s.request.request_id: (PLACEHOLDER,) * s.num_steps
@@ -268,6 +290,7 @@ class LLMEngine:
         length_capped = RequestStatus.FINISHED_LENGTH_CAPPED
         final_only = RequestOutputKind.FINAL_ONLY
         finish_request = self.scheduler.finish_request
+        structured = self.structured_output if self.structured_output.has_requests else None
         for rid, (req, first) in inflight.index.items():
             detok = detoks.get(rid)
             if detok is None:                   # aborted meanwhile
@@ -288,6 +311,12 @@ class LLMEngine:
                         req.status, req.stop_reason = stopped, reason
                     else:                            # running, or preempted while this step was in flight
                         finish_request(rid, stopped, stop_reason=reason)
+                # structured outputs: the matcher takes the token; a grammar that ended stops like EOS
+                if structured is not None and structured.accept(rid, tok) and req.status != stopped:
+                    if req.status == length_capped:
+                        req.status, req.stop_reason = stopped, None
+                    else:
+                        finish_request(rid, stopped)
                 if lps is not None:
                     self._record_logprobs(rid, tok, lps[j])
                 # finished by length shows on the request from its last placeholder on, not before
@@ -373,5 +402,6 @@ class LLMEngine:
             return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
         s = dict(self.scheduler.get_stats())
         s.update(self.runner.stats.snapshot())
+        s.update(self.structured_output.stats())
         s["num_kv_blocks"] = self.runner.num_blocks
         return s

@@ -224,8 +224,9 @@ class Scheduler:
         request that stops early (EOS, stop string) wastes the rest of its steps; the engine drops them."""
         for s in scheduled:
             req = s.request
-            if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens:
-                return 1            # (a one-token prompt chunk that stops short of the end samples nothing)
+            if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens \
+                    or getattr(req.sampling_params, "structured_outputs", None) is not None:
+                return 1            # structured outputs: each token's mask needs the previous token            # (a one-token prompt chunk that stops short of the end samples nothing)
         kv, n, max_len = self.kv_cache_manager, self.num_scheduler_steps, self.max_model_len
         ks = []
         for s in scheduled:

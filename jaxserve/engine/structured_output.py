@@ -68,9 +68,9 @@ class StructuredOutputManager:
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance
-                import llguidance.hf
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None)
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    llguidance_tokenizer_json(self.hf_tokenizer), n_vocab=self.vocab_size,
+                    eos_token=self.eos_token_ids or self.hf_tokenizer.eos_token_id)
                 self._executor = llguidance.LLExecutor()
             return self._ll_tokenizer
 
@@ -175,9 +175,47 @@ class StructuredOutputManager:
         return mask
 
     def stats(self) -> dict:
+        """Steps that filled a mask, rows and host ms spent filling (totals, and per masked step)."""
         n = max(self.mask_steps, 1)
-        return {"structured_steps": self.mask_steps, "structured_rows_per_step": self.mask_rows / n,
-                "structured_mask_ms_per_step": self.mask_ms / n}
+        return {"structured_steps": self.mask_steps, "structured_mask_ms": self.mask_ms,
+                "structured_rows_per_step": self.mask_rows / n, "structured_mask_ms_per_step": self.mask_ms / n}
+
+
+def llguidance_tokenizer_json(tokenizer) -> str:
+    """The HF fast tokenizer's ``tokenizer.json`` as llguidance reads it (what ``llguidance.hf.from_tokenizer``
+    passes, without padding or truncation), with one repair: a byte-level BPE (ByteLevel pre-tokenizer) whose
+    decoder is a Sequence that also holds sentencepiece steps (ByteFallback, Replace "▁": what GGUF
+    conversions write) gets the plain ByteLevel decoder. llguidance reads the token bytes from the decoder's
+    shape, and took such a vocabulary's "Ġ" as a literal character instead of a space."""
+    import copy
+    import json
+
+    backend = copy.copy(getattr(tokenizer, "backend_tokenizer", None))
+    if backend is None:
+        raise InvalidRequestError("structured outputs need a fast (Rust) Hugging Face tokenizer",
+                                  param="structured_outputs")
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+
+    def byte_level(node) -> dict | None:
+        if not isinstance(node, dict):
+            return None
+        if node.get("type") == "ByteLevel":
+            return node
+        for child in node.get("pretokenizers", node.get("decoders", [])) or []:
+            found = byte_level(child)
+            if found is not None:
+                return found
+        return None
+
+    decoder = spec.get("decoder")
+    if byte_level(spec.get("pre_tokenizer")) is not None and isinstance(decoder, dict) \
+            and decoder.get("type") == "Sequence":
+        level = byte_level(decoder)
+        if level is not None:
+            spec["decoder"] = level
+    return json.dumps(spec)
 
 
 _PARAM_OF_KIND = {"json": "json_schema", "json_object": "response_format", "regex": "regex", "choice": "choice",

@@ -10,10 +10,9 @@ Shapes are static per (rows, penalty-history width, blocked-ids width). The pena
 max_model_len bucket: one extra compiled variant) or else a power-of-two bucket of the longest history.
 The min_tokens ids are 8 wide (wider only for a request with more stop ids) and cost an R*8 scatter.
 
-Cost notes (benchmarks/sampler_bench.py -> benchmarks/results/2026-11-29-cpu-sampler.md; R=64, V=49152, the
-shared 2-core CPU box at load ~9, best of 10): the draw itself 5 ms by inverse CDF vs 202 ms by Gumbel-max
-(threefry noise for R*V floats); top_k=50 + top_p=0.9 through 256 candidates 162 ms vs 1375 ms with a full
-sort; greedy 94 ms; random T=0.8 125 ms.
+Cost notes (benchmarks/sampler_bench.py on a shared 2-core CPU; R=64, V=49152, best of 10): the draw itself
+5 ms by inverse CDF vs 202 ms by Gumbel-max (threefry noise for R*V floats); top_k=50 + top_p=0.9 through 256
+candidates 162 ms vs 1375 ms with a full sort; greedy 94 ms; random T=0.8 125 ms.
 - greedy-only and unfiltered batches never sort: top-k/top-p run under a `lax.cond` on "any row filters".
 - top-k/top-p take the `max_candidates` largest logits with `lax.top_k` and are exact when every row's
   kept set lies inside them (top_k <= K, and for top-p the K candidates hold at least top_p of the mass,

@@ -281,3 +281,21 @@ def test_a_constrained_request_makes_a_multi_step_decode_a_single_step():
     sched2, _, dev2 = make(steps=4)
     prefill(sched2, dev2, Request("a", [1, 2, 3], params(max_tokens=50)))
     assert sched2.schedule().num_steps == 4
+
+
+def test_preempted_constrained_requests_keep_their_grammar_state_without_async_scheduling():
+    """A KV cache too small for all requests at once: constrained requests are preempted and recomputed
+    (their matchers keep the tokens already generated), here with the synchronous step loop."""
+    llm = LLM(None, dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+              num_gpu_blocks_override=10, async_scheduling=False)
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"enum": ["red", "green"]},
+                                                         "minItems": 10, "maxItems": 12}},
+              "required": ["items"], "additionalProperties": False}
+    sp = SamplingParams(max_tokens=80, temperature=0.8, seed=3, structured_outputs=StructuredOutputsParams(json=schema))
+    prompts = [f"Request {i}. Please list some colours, red or green, as a JSON object with an items array; "
+               "use at least ten items and nothing else:" for i in range(6)]
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.engine.stats()["num_preemptions"] > 0
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)

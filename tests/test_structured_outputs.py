@@ -299,3 +299,22 @@ def test_preempted_constrained_requests_keep_their_grammar_state_without_async_s
     for o in outs:
         assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
+
+
+def test_manager_with_a_model_vocabulary_wider_than_the_tokenizer():
+    """Dummy weights with another model's tokenizer: the config's vocab (and EOS ids) lie past the tokenizer;
+    the mask still covers the model's vocabulary and never allows the ids the tokenizer lacks."""
+    from types import SimpleNamespace
+
+    from jaxserve.engine.structured_output import StructuredOutputManager
+    from jaxserve.models.loader import embedded_tokenizer
+    tok = embedded_tokenizer()
+    manager = StructuredOutputManager(tok, 128256, (128001, 128009))
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    manager.add_request(SimpleNamespace(request_id="a", sampling_params=SimpleNamespace(structured_outputs=spec)))
+    mask = manager.fill_bitmask([(1, "a")], 3)
+    assert mask.shape == (3, 128256 // 32) and (mask[0] == -1).all() and (mask[2] == -1).all()
+    allowed = np.flatnonzero(np.unpackbits(mask[1].view(np.uint8), bitorder="little"))
+    assert len(allowed) and allowed.max() < len(tok)
+    assert {tok.decode([t]) for t in allowed} <= {"y", "ye", "yes", "n", "no"}
+    assert manager.compile(spec) is manager.compile(StructuredOutputsParams(choice=["yes", "no"]))   # cached

@@ -68,9 +68,12 @@ class StructuredOutputManager:
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance
+                # llguidance takes EOS ids from the tokenizer's own range only (dummy weights served with
+                # another model's tokenizer have the config's EOS past it: the tokenizer's EOS stands in)
+                eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)] \
+                    or self.hf_tokenizer.eos_token_id
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    llguidance_tokenizer_json(self.hf_tokenizer), n_vocab=self.vocab_size,
-                    eos_token=self.eos_token_ids or self.hf_tokenizer.eos_token_id)
+                    llguidance_tokenizer_json(self.hf_tokenizer), n_vocab=self.vocab_size, eos_token=eos)
                 self._executor = llguidance.LLExecutor()
             return self._ll_tokenizer
 

@@ -318,3 +318,37 @@ def test_manager_with_a_model_vocabulary_wider_than_the_tokenizer():
     assert len(allowed) and allowed.max() < len(tok)
     assert {tok.decode([t]) for t in allowed} <= {"y", "ye", "yes", "n", "no"}
     assert manager.compile(spec) is manager.compile(StructuredOutputsParams(choice=["yes", "no"]))   # cached
+
+
+_TP_SCRIPT = r'''
+import json, os, sys
+from jaxserve.llm import LLM
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+out = {}
+for tp in (1, 2):
+    llm = LLM(sys.argv[1], tensor_parallel_size=tp, dtype="float32", max_model_len=128, max_num_batched_tokens=64,
+              max_num_seqs=4, kv_cache_memory_bytes=1 << 22, skip_warmup=True, compilation_cache_dir="",
+              use_tqdm_on_load=False)
+    sp = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,8}"))
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7, 8], [9, 10, 11]], [sp, free], use_tqdm=False)
+    out[tp] = [[o.outputs[0].text, o.outputs[0].token_ids] for o in outs]
+    del llm
+print(json.dumps(out))
+'''
+
+
+def test_tensor_parallel_2_gives_the_same_constrained_tokens():
+    """One process, a 2-device mesh (fake CPU devices, so a subprocess): the mask reaches the replicated
+    sampler and the tokens equal TP=1's (the tiny fixture model's ids < 256 include the letters)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, os.path.join(root, "tests/fixtures/models/tiny-llama3")],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["1"] == out["2"]
+    assert re.fullmatch("[a-z]{3,8}", out["2"][0][0])

@@ -103,7 +103,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         chat_template=template, attention_backend=a.attention_backend,
         compilation_cache_dir=a.compilation_cache_dir, max_logprobs=a.max_logprobs, skip_warmup=a.skip_warmup,
         async_scheduling=a.async_scheduling,
-        structured_outputs=a.structured_outputs_config or StructuredOutputsConfig(),
+        structured_outputs_config=a.structured_outputs_config or StructuredOutputsConfig(),
         cache=CacheConfig(block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
                           num_gpu_blocks_override=a.num_gpu_blocks_override,
                           kv_cache_memory_bytes=a.kv_cache_memory_bytes,

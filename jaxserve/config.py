@@ -120,7 +120,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # vLLM's name; LLM(structured_outputs_config={...}) takes a dict too
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs_config, dict):
+            self.structured_outputs_config = StructuredOutputsConfig(**self.structured_outputs_config)
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

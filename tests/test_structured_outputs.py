@@ -352,3 +352,19 @@ def test_tensor_parallel_2_gives_the_same_constrained_tokens():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["1"] == out["2"]
     assert re.fullmatch("[a-z]{3,8}", out["2"][0][0])
+
+
+@pytest.mark.parametrize("disable_any_whitespace", [True, False])
+def test_json_whitespace_follows_disable_any_whitespace(disable_any_whitespace):
+    from jaxserve.engine.structured_output import StructuredOutputManager
+    from jaxserve.models.loader import embedded_tokenizer
+    tok = embedded_tokenizer()
+    manager = StructuredOutputManager(tok, len(tok), (tok.eos_token_id,),
+                                      disable_any_whitespace=disable_any_whitespace)
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+
+    def accepts(text: str) -> bool:
+        m = manager.compile(spec).deep_copy()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+    assert accepts('{"a":1}')
+    assert accepts('{ "a": 1 }') is not disable_any_whitespace

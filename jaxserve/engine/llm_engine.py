@@ -81,7 +81,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            disable_any_whitespace=config.structured_outputs.disable_any_whitespace)
+            disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace)
         self._cum_logprob: dict[str, float] = {}
         self._logprobs: dict[str, list] = {}
         self._sent: dict[str, tuple[int, int]] = {}   # tokens / chars already returned (DELTA mode)

@@ -39,7 +39,7 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "serve": {"dataset": "random", "num_prompts": 100, "input_len": 128, "output_len": 128,
               "dataset_path": None, "num_prefixes": 4, "prefix_len": 256, "ignore_eos": True,
               "request_rate": "inf", "burstiness": 1.0, "max_concurrency": None, "warmup_requests": 2,
-              "sweep": None, "slo": {}},
+              "sweep": None, "slo": {}, "structured_fraction": 0.0, "structured_schema": None},
     "kernels": {},
 }
 

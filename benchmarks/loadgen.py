@@ -94,7 +94,7 @@ async def run_load(base_url: str, requests: list[RequestSpec], *, request_rate: 
 
         async def one(req: RequestSpec) -> RequestTiming:
             async with sem:
-                r = await stream_completion(client, base_url, model, req, ignore_eos)
+                r = await stream_completion(client, base_url, model, req, ignore_eos, req.extra)
             bar.update(1)
             return r
 

@@ -24,9 +24,9 @@ from benchmarks.config import REPO_ROOT, server_flags
 from benchmarks.loadgen import run_load
 from benchmarks.metrics import fmt, serving_metrics
 from benchmarks.report import Table
-from benchmarks.workloads import prefix_requests, random_requests, sharegpt_requests
+from benchmarks.workloads import add_structured_outputs, prefix_requests, random_requests, sharegpt_requests
 
-SWEEP_PARAMS = ("max_concurrency", "request_rate")
+SWEEP_PARAMS = ("max_concurrency", "request_rate", "structured_fraction")
 
 
 def free_port() -> int:
@@ -80,7 +80,8 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
-_COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+_COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions|structured_output_mask_steps"
+                      r"|structured_output_mask_ms)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float]:
@@ -102,14 +103,25 @@ def counter_delta(before: dict, after: dict) -> dict:
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     q = d.get("prefix_cache_queries")
     d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0.0) / q if q else None
+    masked = d.get("structured_output_mask_steps")
+    d["structured_mask_ms_per_step"] = d.get("structured_output_mask_ms", 0.0) / masked if masked else None
     return d
 
 
-def build_requests(run, num_prompts: int, seed_offset: int = 0):
-    """The workload's requests from its dataset (random | sharegpt | prefix)."""
+def build_requests(run, num_prompts: int, seed_offset: int = 0, structured_fraction: float | None = None):
+    """The workload's requests from its dataset (random | sharegpt | prefix), ``structured_fraction`` of
+    them (default workload.structured_fraction) with a JSON-schema constraint."""
     import numpy as np
-    wl, vocab = run.cfg["workload"], run.model_config.vocab_size
+    wl = run.cfg["workload"]
     rng = np.random.default_rng(run.cfg["seed"] + seed_offset)
+    fraction = float(wl["structured_fraction"] if structured_fraction is None else structured_fraction)
+    reqs = _dataset_requests(run, rng, num_prompts)
+    return add_structured_outputs(np.random.default_rng(run.cfg["seed"] + seed_offset + 1), reqs, fraction,
+                                  wl["structured_schema"]) if fraction else reqs
+
+
+def _dataset_requests(run, rng, num_prompts: int):
+    wl, vocab = run.cfg["workload"], run.model_config.vocab_size
     kind = wl["dataset"]
     if kind == "random":
         return random_requests(rng, num_prompts, wl["input_len"], wl["output_len"], vocab)
@@ -130,7 +142,7 @@ def sweep_points(wl: dict) -> tuple[str | None, list]:
     if not sweep:
         return None, [None]
     if not isinstance(sweep, dict) or len(sweep) != 1 or next(iter(sweep)) not in SWEEP_PARAMS:
-        raise ValueError(f"workload.sweep: expected {{max_concurrency: [..]}} or {{request_rate: [..]}}, got {sweep!r}")
+        raise ValueError(f"workload.sweep: expected {{max_concurrency: [..]}}, {{request_rate: [..]}} or {{structured_fraction: [..]}}, got {sweep!r}")
     param, values = next(iter(sweep.items()))
     return param, list(values)
 
@@ -170,7 +182,8 @@ def run_serve(run) -> None:
                 rate = float(value)
             elif param == "max_concurrency":
                 conc = int(value)
-            reqs = build_requests(run, counts[i], seed_offset=i)
+            fraction = float(value) if param == "structured_fraction" else None
+            reqs = build_requests(run, counts[i], seed_offset=i, structured_fraction=fraction)
             label = f"{param}={value}" if param else "requests"
             before = scrape_counters(base_url, cfg["serve"]["api_key"])
             timings, duration = asyncio.run(run_load(

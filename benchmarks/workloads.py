@@ -18,6 +18,26 @@ class RequestSpec:
     prompt: list[int] | str
     prompt_len: int
     output_len: int
+    extra: dict | None = None      # more request-body fields (a structured-output constraint)
+
+
+# A JSON schema whose string must hold more characters than any output_len of tokens can write, so a
+# constrained request runs to max_tokens like an unconstrained one (a fair throughput comparison).
+DEFAULT_STRUCTURED_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "minLength": 65536}},
+                             "required": ["answer"], "additionalProperties": False}
+
+
+def add_structured_outputs(rng: np.random.Generator, requests: list[RequestSpec], fraction: float,
+                           schema: dict | None = None) -> list[RequestSpec]:
+    """Give ``fraction`` of the requests (a random subset; 0 and 1 exact) vLLM's ``structured_outputs``
+    JSON-schema constraint."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"workload.structured_fraction must be in [0, 1], got {fraction}")
+    chosen = rng.random(len(requests)) < fraction
+    for req, on in zip(requests, chosen):
+        if on:
+            req.extra = {"structured_outputs": {"json": schema or DEFAULT_STRUCTURED_SCHEMA}}
+    return requests
 
 
 def sample_lengths(spec, n: int, rng: np.random.Generator, what: str) -> np.ndarray:

@@ -16,13 +16,13 @@ def __getattr__(name):
     if name == "LLM":
         from jaxserve.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from jaxserve.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from jaxserve import sampling_params
+        return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from jaxserve import outputs
         return getattr(outputs, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]

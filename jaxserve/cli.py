@@ -2,14 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
-from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, StructuredOutputsConfig
 
 
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
     p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def _structured_outputs_config(value: str) -> StructuredOutputsConfig:
+    try:
+        return StructuredOutputsConfig(**json.loads(value))
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"--structured-outputs-config: {e}") from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=20)
     g.add_argument("--skip-warmup", action="store_true", help="compile buckets lazily instead of at start")
     _bool_flag(g, "async-scheduling", True, "dispatch step N+1 before reading step N's tokens (host never waits)")
+    g.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
+                   help='JSON, as vLLM\'s: {"backend": "guidance", "disable_any_whitespace": true} (the defaults; '
+                        'false lets JSON outputs hold any whitespace)')
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     c.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -92,6 +103,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         chat_template=template, attention_backend=a.attention_backend,
         compilation_cache_dir=a.compilation_cache_dir, max_logprobs=a.max_logprobs, skip_warmup=a.skip_warmup,
         async_scheduling=a.async_scheduling,
+        structured_outputs_config=a.structured_outputs_config or StructuredOutputsConfig(),
         cache=CacheConfig(block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
                           num_gpu_blocks_override=a.num_gpu_blocks_override,
                           kv_cache_memory_bytes=a.kv_cache_memory_bytes,

@@ -87,6 +87,21 @@ class ParallelConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """vLLM's ``--structured-outputs-config``. ``disable_any_whitespace`` (default True here; vLLM's is
+    False): JSON is generated with compact separators and no free whitespace, so a model cannot loop on
+    whitespace until max_tokens; False allows any JSON whitespace between tokens. ``backend``: llguidance
+    is the one backend ("auto" and "guidance" both name it)."""
+    backend: str = "auto"
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "guidance"):
+            raise ValueError(f"structured outputs backend must be 'auto' or 'guidance' (llguidance), "
+                             f"got {self.backend!r}")
+
+
+@dataclass
 class EngineConfig:
     model: str | None = None                   # HF folder, GGUF file or configs/models name; None = SmolLM2
     tokenizer: str | None = None
@@ -105,6 +120,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # vLLM's name; LLM(structured_outputs_config={...}) takes a dict too
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs_config, dict):
+            self.structured_outputs_config = StructuredOutputsConfig(**self.structured_outputs_config)
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

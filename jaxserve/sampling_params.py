@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,72 @@ def _is_number(value: Any) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text): the output is one JSON value that validates;
+    - ``regex``: the output matches the regular expression (Rust ``regex`` syntax, anchored at both ends);
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a Lark grammar (llguidance's dialect) or a GBNF / EBNF grammar;
+    - ``json_object``: ``True``: the output is one JSON object (any keys).
+
+    The engine enforces it with a token mask per step (``jaxserve.engine.structured_output``); the grammar
+    is compiled when the request is accepted, so a bad one is a ``ValueError`` (HTTP 400) naming the problem.
+    """
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) if given else 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings, "
+                                 f"got {self.choice!r}")
+            if any(not isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must hold strings only, got {self.choice!r}")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one canonical string (with ``kind``: the key of the compiled-grammar cache)."""
+        kind = self.kind
+        if kind == "json":
+            return json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return json.dumps(self.choice)
+        if kind == "json_object":
+            return ""
+        return getattr(self, kind)
+
+
+@dataclass
 class SamplingParams:
     """How to sample the output of one request (vLLM's `SamplingParams`, same names and defaults).
 
@@ -68,6 +135,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the engine (update_from_generation_config), not by users.
     eos_token_id: int | None = field(default=None, init=False, repr=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -152,6 +220,9 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind "
                              f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, "
+                             f"got {type(self.structured_outputs).__name__}")
         if self.n > 1 and self.temperature < _SAMPLING_EPS:
             raise ValueError(f"n must be 1 when temperature is 0 (greedy sampling), got {self.n}")
 

@@ -95,6 +95,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
                 params.prompt_logprobs = req.logprobs
             prompt.choices.append(Choice(idx, f"{rid}-{idx}", params, serving.metrics.tracker(len(ids))))
         prompts.append(prompt)
+    await serving.compile_structured_outputs(prompts)
     model = req.model or serving.model_name
     num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
     top_k = req.logprobs or 0

@@ -33,6 +33,29 @@ class StreamOptions(Struct, kw_only=True):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    """OpenAI's ``response_format.json_schema``."""
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` extra body: exactly one constraint (unknown keys are a 400, not ignored)."""
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(Struct, kw_only=True):
     """Fields chat and completions requests share: OpenAI's, then vLLM's extras (same names)."""
     model: str | None = None
@@ -57,6 +80,13 @@ class SamplingFields(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,18 +11,56 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
 
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from .args import ServerArgs, resolve_tool_parser
 from .errors import APIError, bad_request, model_not_found
 from .metrics import RequestTracker, ServerMetrics
-from .protocol import ChatMessage, SamplingFields
+from .protocol import ChatMessage, SamplingFields, StructuredOutputs
 from .tool_parsers.choice import ToolRequestError, template_messages
 
 log = logging.getLogger("jaxserve.server")
 
 T = TypeVar("T")
 THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread hop costs
+
+
+def structured_outputs_from_request(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint from ``response_format``, ``structured_outputs`` or a ``guided_*`` field
+    (vLLM's rules: at most one of them); None without one. Raises a 400 naming the conflicting fields."""
+    found: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema (the JSON schema)",
+                              "response_format")
+        found.append(("response_format", {"json": rf.json_schema.schema}))
+    so = req.structured_outputs
+    if so is not None:
+        given = {name: getattr(so, name) for name in StructuredOutputs.__struct_fields__
+                 if getattr(so, name) is not None and getattr(so, name) is not False}
+        if len(given) != 1:
+            raise bad_request("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                              f"json_object; got {', '.join(given) or 'none'}", "structured_outputs")
+        found.append(("structured_outputs", given))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {key: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"only one structured-output constraint per request; got {' and '.join(n for n, _ in found)}",
+                          found[1][0])
+    field_name, kw = found[0]
+    try:
+        return StructuredOutputsParams(**kw)
+    except ValueError as e:
+        raise bad_request(str(e), field_name) from e
 
 
 class ClientDisconnected(Exception):
@@ -208,6 +246,7 @@ class Serving:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs_from_request(req),
         )
         if req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
@@ -217,6 +256,21 @@ class Serving:
         except ValueError as e:  # SamplingParams' messages start with the field they are about
             param = getattr(e, "param", None) or str(e).split(" ", 1)[0]
             raise bad_request(str(e), param if param.isidentifier() else None) from e
+
+    async def compile_structured_outputs(self, prompts: list[Prompt]) -> None:
+        """Compile each choice's constraint on a worker thread (the engine caches it), so a schema, regex or
+        grammar that does not compile is a 400 before any response header, and the engine thread never
+        compiles."""
+        manager = getattr(self.engine, "structured_output", None)
+        specs = {id(c.params.structured_outputs): c.params.structured_outputs
+                 for p in prompts for c in p.choices if c.params.structured_outputs is not None}
+        if manager is None or not specs:
+            return
+        for spec in specs.values():
+            try:
+                await anyio.to_thread.run_sync(manager.compile, spec)
+            except InvalidRequestError as e:
+                raise bad_request(e.message, e.param) from None
 
     # -- running -----------------------------------------------------------------------------------
 

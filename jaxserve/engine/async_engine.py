@@ -78,6 +78,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def structured_output(self):
+        """The engine's StructuredOutputManager: the server compiles constraints with it off the loop."""
+        return self.engine.structured_output
+
+    @property
     def served_model_name(self) -> str:
         return self.engine.served_model_name
 

@@ -24,6 +24,7 @@ from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.model_runner import ModelRunner, resolve_attention_backend
@@ -98,7 +99,10 @@ class LLMEngine:
         self.chat_template = config.chat_template or self.model.chat_template
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+            disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace)
+        self.output_processor = OutputProcessor(self.tokenizer, self.structured_output)
         self._seed_rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
@@ -133,6 +137,10 @@ class LLMEngine:
                 from jaxserve.executor import BroadcastingRunner
                 channel = self._workers.step_channel() if self._workers is not None else None
                 self.runner = BroadcastingRunner(self.runner, channel)
+                # the processes follow the steps process 0 sends, and a step carries no bitmask
+                self.structured_output.unsupported_reason = (
+                    "the model is spread over several processes (--num-processes / "
+                    "--distributed-executor-backend mp); run it in one process (-tp over its local GPUs)")
                 if self._workers is not None:
                     self._workers.set_release(self.runner.stop)
         self.warmup_seconds = time.perf_counter() - t0
@@ -182,6 +190,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt_logprobs is not available when the model is spread over several "
                                       "processes (--num-processes / --distributed-executor-backend mp)",
                                       param="prompt_logprobs")
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)    # cached; raises naming the problem
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
@@ -213,6 +223,7 @@ class LLMEngine:
         if req.sampling_params.prompt_logprobs is not None:
             req.prompt_logprobs = self._score_prompt(req.prompt_token_ids, req.sampling_params.prompt_logprobs)
         self.scheduler.add_request(req)
+        self.structured_output.add_request(req)    # a constrained request gets its own grammar matcher
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
@@ -223,6 +234,8 @@ class LLMEngine:
         if self.scheduler is None:          # an embedding engine queues nothing
             return
         self.scheduler.abort_requests(request_ids)
+        for rid in ([request_ids] if isinstance(request_ids, str) else request_ids):
+            self.structured_output.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         # a step in flight whose requests all finished or were aborted needs no more steps
@@ -247,22 +260,31 @@ class LLMEngine:
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         """Send the scheduled step to the device and let the scheduler count its tokens. Returns the outputs
-        of the steps it first had to read: penalties need the real token history on the host.
+        of the steps it first had to read: penalties need the real token history on the host, and a step
+        with structured-output rows needs its previous tokens in the matchers before its bitmask exists.
 
-        The step's two halves (``runner.dispatch_forward`` and ``dispatch_sample``, one ``runner.dispatch``
-        here) are where structured outputs plug in: for a step with constrained rows, dispatch the forward,
-        read the step in flight, fill those rows' bitmask from their matchers, then dispatch the sampler
-        with it; a step with none stays one ``dispatch``."""
+        A step with constrained rows goes in two halves: its forward (the device starts on it), then the
+        step in flight is read and advances the matchers, the host fills those rows' bitmask, and the
+        sampler follows with it. A step with none is one ``runner.dispatch``: today's program, no extra
+        host work."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return []
         outputs = self._process_in_flight(keep=0) if self._needs_history(scheduled) else []
         prev = self._in_flight[-1].pending if self._in_flight else None
-        pending = self.runner.dispatch(scheduled, prev)
+        constrained = self.structured_output.constrained_rows(scheduled)
+        if constrained is None:
+            pending = self.runner.dispatch(scheduled, prev)
+        else:
+            forward = self.runner.dispatch_forward(scheduled, prev)
         self.scheduler.update_from_output(scheduler_output)
         running = RequestStatus.RUNNING
         sampled = [(s.request, len(s.request.output_token_ids) - s.num_steps)
                    for s in scheduled if s.samples and s.request.status == running]
+        if constrained is not None:
+            outputs += self._process_in_flight(keep=0)
+            pending = self.runner.dispatch_sample(
+                forward, self.structured_output.fill_bitmask(constrained, forward.num_rows))
         self._in_flight.append(_InFlight(pending, sampled))
         return outputs
 
@@ -282,6 +304,9 @@ class LLMEngine:
                                                                   result.logprobs)
             for status, request_ids in finished.items():
                 self.scheduler.finish_requests(request_ids, status)
+                if self.structured_output.has_requests:
+                    for rid in request_ids:
+                        self.structured_output.remove(rid)
             outputs += new
         return outputs
 
@@ -309,4 +334,5 @@ class LLMEngine:
         s = dict(self.scheduler.get_stats())
         s.update(self.runner.stats.snapshot())
         s["num_kv_blocks"] = self.runner.num_blocks
+        s.update(self.structured_output.stats())
         return s

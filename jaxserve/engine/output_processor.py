@@ -17,9 +17,8 @@ nothing until it finishes). The engine frees what this returns as finished (``Sc
 This is the hot loop of the host (once per request per step): attribute lookups are hoisted and the common
 case (no stop, no logprobs, FINAL_ONLY output while running) does no more than it must.
 
-Structured outputs plug in at the token loop of ``process_outputs``: a constrained request's grammar matcher
-accepts each token right after it is filled in, and a grammar that reaches its end finishes the request
-there (status stop), like a stop token.
+Structured outputs: a constrained request's grammar matcher accepts each token right after it is filled in,
+and a grammar that reaches its end finishes the request there (status stop), like a stop token.
 """
 from __future__ import annotations
 
@@ -38,8 +37,9 @@ _DELTA = RequestOutputKind.DELTA
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, structured_output: Any = None):
         self.tokenizer = tokenizer
+        self.structured_output = structured_output     # the StructuredOutputManager, or None
 
     def add_request(self, req: Request) -> None:
         """Give a new request its output state (the detokenizer; the rest starts empty on the Request)."""
@@ -59,6 +59,8 @@ class OutputProcessor:
         outputs: list[RequestOutput] = []
         finished: dict[RequestStatus, list[str]] = {}
         preempted = RequestStatus.PREEMPTED
+        so = self.structured_output
+        accept = so.accept if so is not None and so.has_requests else None
         for req, first in sampled:
             if req.status > preempted:          # aborted, or finished by an earlier step's token
                 continue
@@ -80,6 +82,9 @@ class OutputProcessor:
                     status, reason = _STOPPED, (None if tok in eos_ids else tok)
                 elif num_output >= limit:
                     status = _LENGTH_CAPPED
+                # structured outputs: the matcher takes the token; a grammar that ended stops like EOS
+                if accept is not None and accept(rid, tok) and status is not _STOPPED:
+                    status, reason = _STOPPED, None
                 if lps is not None and lps[j] is not None:
                     self._record_logprobs(req, tok, lps[j])
                 detok.update((tok,), status is not None)    # finished releases held-back text

@@ -203,16 +203,20 @@ class Scheduler:
     def _plan_steps(self, scheduled: list[ScheduledRequest]) -> int:
         """Multi-step decoding for an all-decode step: give each entry up to num_scheduler_steps steps
         (fewer where max_tokens or max_model_len comes first) and allocate their slots now. Returns the
-        step count (1 when some request needs the host between tokens: penalties read the history, and
-        min_tokens still masks stop ids; logprobs come back per iteration).
+        step count (1 when some request needs the host between tokens: penalties read the history,
+        min_tokens still masks stop ids, a structured output's mask follows each token; logprobs come back
+        per iteration).
 
         A request that cannot get the extra blocks runs one step; nothing is preempted for lookahead. A
         request that stops early (EOS, stop string) wastes the rest of its steps; the output processor drops
         their tokens."""
         for s in scheduled:
             req = s.request
-            if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens:
-                return 1            # (a one-token prompt chunk that stops short of the end samples nothing)
+            if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens \
+                    or req.sampling_params.structured_outputs is not None:
+                # (a one-token prompt chunk that stops short of the end samples nothing; a structured
+                # output's mask needs each previous token on the host)
+                return 1
         kv, n = self.kv_cache_manager, self.num_scheduler_steps
         ks = [min(n, s.request.max_output_tokens - len(s.request.output_token_ids)) for s in scheduled]
         # The loop always runs n iterations (a device-computed trip count would sync the host every

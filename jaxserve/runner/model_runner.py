@@ -3,7 +3,9 @@
 A step is two jitted calls dispatched back to back with no host sync between them: the model forward over
 the flat ragged token list (prefill chunks and decode tokens together) returning logits for each request's
 last token, then the on-device sampler. Splitting them keeps the expensive model executable to one per
-token bucket (the sampler's variants — logprobs on/off, penalties on/off — are small graphs). The request
+token bucket (the sampler's variants — logprobs on/off, penalties on/off, a structured-output bitmask or
+none — are small graphs), and lets a structured-output step fill its bitmask on the host while the forward
+runs (``dispatch_forward``, then ``dispatch_sample`` with the mask). The request
 count follows the token bucket, every variant is compiled at start-up, and the KV cache is donated so XLA
 updates it in place.
 
@@ -94,9 +96,10 @@ def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, l
     return kv_caches, logits
 
 
-def _sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, *, layout):
+def _sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=None, *, layout):
     sampling_meta = sampler_mod.SamplingMetadata(**packing.unpack(ints, floats, layout))
-    out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs, filtering=filtering)
+    out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs, filtering=filtering,
+                             bitmask=bitmask)
     # the sampled ids padded to a fixed length, so the next step's forward sees one shape whatever this bucket
     padded = jnp.zeros(max_rows, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
     return out, padded
@@ -159,16 +162,18 @@ def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_i
 
 @dataclasses.dataclass(slots=True)
 class ForwardStep:
-    """A step whose forward is dispatched (``logits`` on the device) and whose sampling is not yet; for a
-    multi-step decode (``limit``: each row's iterations) the packed forward inputs wait for the decode loop."""
-    scheduled: list
-    num_reqs: int                    # R, the padded request count
+    """A step whose forward is dispatched and whose sampler is not yet (``ModelRunner.dispatch_forward``):
+    the host fills the structured-output bitmask meanwhile."""
+    logits: jax.Array
+    s_ints: np.ndarray
+    s_floats: np.ndarray
+    s_layout: tuple
+    key: tuple                       # the sampler variant: (logprobs, filter mode)
+    rows: dict[str, int]
+    logprobs_k: dict[str, int]
     num_tokens: int
-    logits: jax.Array | None
-    limit: np.ndarray | None
-    forward_ints: np.ndarray
-    forward_layout: object
-    prev_tokens: jax.Array
+    num_rows: int
+    t_host: float                    # host ms spent on it so far
 
 
 @dataclasses.dataclass(slots=True)
@@ -235,6 +240,10 @@ class ModelRunner:
         self._samplers = {(nl, f): jax.jit(partial(_sample_fn, nl, self.max_num_seqs, f), static_argnames=("layout",),
                                            **samp_out)
                           for nl in (0, self.max_logprobs) for f in filter_modes}
+        # a structured-output step passes its bitmask to the same jitted samplers: a separate executable
+        # (another input signature), so a step without constrained rows runs exactly the unmasked program
+        tokenizer = getattr(model, "tokenizer", None)
+        self.bitmask_width = (max(self.vocab_size, len(tokenizer) if tokenizer is not None else 0) + 31) // 32
         self._no_prev = self._zeros(self.max_num_seqs, jnp.int32)
         # multi-step decoding (--num-scheduler-steps): one decode loop per (token bucket, logprobs, filter mode)
         self.num_scheduler_steps = config.scheduler.num_scheduler_steps
@@ -429,14 +438,16 @@ class ModelRunner:
     # ---------------------------------------------------------------- step
     def dispatch(self, scheduled, prev: PendingStep | None = None) -> PendingStep:
         """Build the inputs and launch the step; returns at once (JAX dispatches asynchronously)."""
-        return self.dispatch_sample(self.dispatch_forward(scheduled, prev))
+        step = self.dispatch_forward(scheduled, prev)
+        return step if isinstance(step, PendingStep) else self.dispatch_sample(step)
 
-    def dispatch_forward(self, scheduled, prev: PendingStep | None = None) -> ForwardStep:
-        """The step's first half: its inputs, and the model forward launched (the device starts on it while
-        the host prepares the sampling). A multi-step decode runs forward and sampling in one loop: its
-        inputs are only prepared here."""
+    def dispatch_forward(self, scheduled, prev: PendingStep | None = None) -> "ForwardStep | PendingStep":
+        """Launch the step's forward; the sampler follows with ``dispatch_sample`` (structured outputs fill
+        their bitmask in between). A multi-step decode runs forward and sampler in one loop: it comes back
+        as a PendingStep at once."""
         t0 = time.perf_counter()
         T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev)
+        smeta = self.sampling_metadata(scheduled, R)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         limit = None
         if self._decode_loops and any(s.num_steps > 1 for s in scheduled):     # multi-step: the decode loop
@@ -444,18 +455,10 @@ class ModelRunner:
             limit[:len(scheduled)] = [s.num_steps for s in scheduled]
         f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit)
         logits = None
-        if limit is None:
+        if limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
             self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
                                                    layout=f_layout, decode_only=md.decode_only)
-        self.stats.host_ms += (time.perf_counter() - t0) * 1e3
-        return ForwardStep(scheduled, R, int(md.query_start_loc[-1]), logits, limit, f_ints, f_layout, prev_tokens)
-
-    def dispatch_sample(self, fwd: ForwardStep) -> PendingStep:
-        """The step's second half: the sampler over the forward's logits (or the multi-step decode loop)."""
-        t0 = time.perf_counter()
-        scheduled = fwd.scheduled
-        smeta = self.sampling_metadata(scheduled, fwd.num_reqs)
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
         # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
         # row filters with top-k/top-p
@@ -472,19 +475,30 @@ class ModelRunner:
                 if filtering is False and (0 < p.top_k < vocab or p.top_p < 1.0):
                     filtering = True
         key = (self.max_logprobs if lp_k else 0, filtering)
-        limit = fwd.limit
         if limit is None:
-            out, padded = self._samplers[key](fwd.logits, s_ints, s_floats, layout=s_layout)
-            self._step_count += 1
-            n_tok, steps = fwd.num_tokens, None
-        else:               # the scheduler gave each entry ``num_steps``: the loop's rows run that many
-            self.kv_caches, out, padded = self._decode_loops[key](
-                self.model.params, self.kv_caches, fwd.forward_ints, fwd.prev_tokens, s_ints, s_floats,
-                layout=fwd.forward_layout, s_layout=s_layout)
-            self._step_count += self.num_scheduler_steps
-            n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
+            return ForwardStep(logits, s_ints, s_floats, s_layout, key, rows, lp_k, int(md.query_start_loc[-1]), R,
+                               (time.perf_counter() - t0) * 1e3)
+        # the scheduler gave each entry ``num_steps``: the loop's rows run that many
+        self.kv_caches, out, padded = self._decode_loops[key](
+            self.model.params, self.kv_caches, f_ints, prev_tokens, s_ints, s_floats, layout=f_layout,
+            s_layout=s_layout)
+        self._step_count += self.num_scheduler_steps
+        n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, rows, lp_k, n_tok, steps)
+
+    def dispatch_sample(self, step: ForwardStep, bitmask: np.ndarray | None = None) -> PendingStep:
+        """Launch the sampler of a dispatched forward; ``bitmask`` ([rows, bitmask_width] int32, structured
+        outputs) selects the masked sampler variant."""
+        t0 = time.perf_counter()
+        if bitmask is None:
+            out, padded = self._samplers[step.key](step.logits, step.s_ints, step.s_floats, layout=step.s_layout)
+        else:
+            out, padded = self._samplers[step.key](step.logits, step.s_ints, step.s_floats, bitmask,
+                                                   layout=step.s_layout)
+        self._step_count += 1
+        self.stats.host_ms += step.t_host + (time.perf_counter() - t0) * 1e3
+        return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
@@ -530,7 +544,7 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every variant: the forward per token bucket; the sampler per request count, with and
-        without logprobs and penalties. Runs them on padding-only inputs (writes go to the null block)."""
+        without logprobs, penalties and a structured-output bitmask. Runs them on padding-only inputs (writes go to the null block)."""
         from jaxserve.sampling_params import SamplingParams
         from tqdm.auto import tqdm
         t0 = time.perf_counter()
@@ -540,8 +554,8 @@ class ModelRunner:
         if self.uniform_decode:       # decode-only steps land in the buckets up to max_num_seqs tokens
             todo += [(("forward", True), T) for T in decode_buckets]
         todo += [(("decode-loop", key), T) for T in decode_buckets for key in self._decode_loops]
-        todo += [(("sample", key, pen), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
-                 for key in self._samplers for pen in (False, True)]
+        todo += [(("sample", key, pen, masked), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
+                 for key in self._samplers for pen in (False, True) for masked in (False, True)]
         for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
             if what[0] == "decode-loop":
                 ids, pos, md, lidx = self._padding_inputs(size)
@@ -561,14 +575,18 @@ class ModelRunner:
                                                        self._no_prev, layout=f_layout, decode_only=what[1])
                 jax.block_until_ready(logits)
                 continue
-            _, key, pen = what
+            _, key, pen, masked = what
             plist = [penalized] if pen else []
             smeta = sampler_mod.make_sampling_metadata(
                 plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=size,
                 request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
             s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
-            out, _ = self._samplers[key](self._zeros((size, self.vocab_size), jnp.float32), s_ints, s_floats,
-                                         layout=s_layout)
+            logits = self._zeros((size, self.vocab_size), jnp.float32)
+            if masked:
+                out, _ = self._samplers[key](logits, s_ints, s_floats,
+                                             np.full((size, self.bitmask_width), -1, np.int32), layout=s_layout)
+            else:
+                out, _ = self._samplers[key](logits, s_ints, s_floats, layout=s_layout)
             jax.block_until_ready(out.token_ids)
         return time.perf_counter() - t0
 

@@ -1,18 +1,18 @@
 """On-device sampling: batched, per-request parameters as arrays, jit-friendly (no host round trip).
 
-Order (vLLM's): penalties (repetition, then frequency/presence) → min_tokens (stop ids masked) → greedy
-argmax, or: temperature → top-k → top-p → min-p → an inverse-CDF draw with a per-request key. Logprobs are those of
-the raw logits (vLLM's default `raw_logprobs`): what the model said, before any of the above.
+Order (vLLM's): the structured-output bitmask (tokens outside a request's grammar → -inf) → penalties
+(repetition, then frequency/presence) → min_tokens (stop ids masked) → greedy argmax, or: temperature → top-k
+→ top-p → min-p → an inverse-CDF draw with a per-request key. Logprobs are those of the logits after the bitmask
+and before the rest (vLLM's default `raw_logprobs`, and its masked distribution for constrained requests).
 
 Shapes are static per (rows, penalty-history width, blocked-ids width). The penalty id arrays have width 0
 (no work) unless some request in the batch uses a penalty; then `penalty_width` (the runner passes its
 max_model_len bucket: one extra compiled variant) or else a power-of-two bucket of the longest history.
 The min_tokens ids are 8 wide (wider only for a request with more stop ids) and cost an R*8 scatter.
 
-Cost notes (benchmarks/sampler_bench.py -> benchmarks/results/2026-11-29-cpu-sampler.md; R=64, V=49152, the
-shared 2-core CPU box at load ~9, best of 10): the draw itself 5 ms by inverse CDF vs 202 ms by Gumbel-max
-(threefry noise for R*V floats); top_k=50 + top_p=0.9 through 256 candidates 162 ms vs 1375 ms with a full
-sort; greedy 94 ms; random T=0.8 125 ms.
+Cost notes (benchmarks/sampler_bench.py on a shared 2-core CPU; R=64, V=49152, best of 10): the draw itself
+5 ms by inverse CDF vs 202 ms by Gumbel-max (threefry noise for R*V floats); top_k=50 + top_p=0.9 through 256
+candidates 162 ms vs 1375 ms with a full sort; greedy 94 ms; random T=0.8 125 ms.
 - greedy-only and unfiltered batches never sort: top-k/top-p run under a `lax.cond` on "any row filters".
 - top-k/top-p take the `max_candidates` largest logits with `lax.top_k` and are exact when every row's
   kept set lies inside them (top_k <= K, and for top-p the K candidates hold at least top_p of the mass,
@@ -397,8 +397,20 @@ def compute_logprobs(logprobs: jax.Array, token_ids: jax.Array, num_logprobs: in
     return token_logprob, rank, topk_ids.astype(jnp.int32), topk_logprobs
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where a row's bitmask bit is 0: token t is bit t % 32 of int32 word t // 32 ([R, ceil(V/32)]:
+    llguidance's layout). Bits past the logits' width are ignored."""
+    vocab = logits.shape[1]
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    words = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)
+    bits = (words[:, :, None] >> shifts[None, None, :]) & jnp.uint32(1)   # logical: unsigned words
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, _NEG_INF)
+
+
 def sample(logits: jax.Array, meta: SamplingMetadata, *, num_logprobs: int = 0,
-           max_candidates: int = DEFAULT_MAX_CANDIDATES, filtering: bool | None = None) -> SamplerOutput:
+           max_candidates: int = DEFAULT_MAX_CANDIDATES, filtering: bool | None = None,
+           bitmask: jax.Array | None = None) -> SamplerOutput:
     """Sample one token per row of `logits` [R, V]. `num_logprobs` (static) is the number of top
     logprobs to return per row (the batch's max `logprobs`); the sampled token's logprob and rank are
     always returned.
@@ -406,8 +418,13 @@ def sample(logits: jax.Array, meta: SamplingMetadata, *, num_logprobs: int = 0,
     `filtering` (static): None decides on the device with `lax.cond` whether to skip the random path (all
     greedy) and the top-k/top-p filter (no row filters) — cheapest on CPU. True/False is the host's answer
     to "does any row use top-k/top-p", and the sampler then has no conditionals at all (what the GPU
-    needs: an XLA conditional there syncs the host with the device)."""
+    needs: an XLA conditional there syncs the host with the device).
+
+    `bitmask` ([R, ceil(V/32)] int32, structured outputs): the tokens each row may produce; None (no
+    constrained row in the step) compiles no mask at all."""
     logits = logits.astype(jnp.float32)
+    if bitmask is not None:
+        logits = apply_token_bitmask(logits, bitmask)
     raw_logprobs = jax.nn.log_softmax(logits, axis=1)
     vocab = logits.shape[1]
     x = apply_penalties(logits, meta)

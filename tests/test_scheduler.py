@@ -10,7 +10,6 @@ output processor reads the tokens, decides which requests finished, and the sche
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import hypothesis.strategies as st
 import pytest

@@ -32,11 +32,8 @@ def _collectives(hlo: str) -> dict:
 
 def _worker() -> dict:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     from jaxserve import parallel
-    from jaxserve.models import llama
     from tp_greedy import GreedyDecoder, random_params, tiny_config
 
     assert jax.device_count() == NUM_DEVICES, jax.devices()

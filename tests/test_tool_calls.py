@@ -13,7 +13,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import httpx
 import openai
 import pytest
 

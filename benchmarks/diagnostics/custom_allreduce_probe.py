@@ -68,8 +68,8 @@ def engine_check(a, argv) -> int:
             return 1
         runs[name] = json.loads(line[-1][len("RESULT "):])
     base = runs["tp1"]["rows"]
-    print(f"| run | all-reduce | first differing token vs TP=1 (per prompt) | TP=1's top-2 gap there | "
-          f"max logprob diff before it |\n|---|---|---|---|---|")
+    print("| run | all-reduce | first differing token vs TP=1 (per prompt) | TP=1's top-2 gap there | "
+          "max logprob diff before it |\n|---|---|---|---|---|")
     for name, r in runs.items():
         firsts, gaps, worst = [], [], 0.0
         for got, ref in zip(r["rows"], base):

@@ -184,8 +184,9 @@ def test_pallas_attention_head_dim_256(soft_cap, window):
     kernels (interpret mode) against the reference: decodes and prefill chunks in one ragged step."""
     import jax.numpy as jnp
 
+    import synthetic
     from jaxserve.kernels import paged_attention_pallas as pa
-    from jaxserve.kernels import ref_attention, synthetic
+    from jaxserve.kernels import ref_attention
 
     rng = np.random.default_rng(256)
     q, k, v, md = synthetic.make_batch(rng, [1, 9, 1, 20], [40, 9, 3, 53], block_size=16, num_q_heads=4,

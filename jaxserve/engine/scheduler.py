@@ -213,7 +213,7 @@ class Scheduler:
         for s in scheduled:
             req = s.request
             if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens \
-                    or req.sampling_params.structured_outputs is not None:
+                    or getattr(req.sampling_params, "structured_outputs", None) is not None:
                 # (a one-token prompt chunk that stops short of the end samples nothing; a structured
                 # output's mask needs each previous token on the host)
                 return 1

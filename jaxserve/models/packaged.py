@@ -11,6 +11,7 @@ import importlib
 import os
 from pathlib import Path
 
+from jaxserve import envs
 from jaxserve.errors import ModelLoadError
 
 # short name -> (assembler module, pip packages to install with --no-deps, file name)
@@ -23,10 +24,7 @@ PACKAGED_GGUFS = {
 
 def cache_dir() -> Path:
     """$JAXSERVE_CACHE_DIR, else $XDG_CACHE_HOME/jaxserve, else ~/.cache/jaxserve."""
-    if os.environ.get("JAXSERVE_CACHE_DIR"):
-        return Path(os.environ["JAXSERVE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jaxserve"
+    return Path(envs.JAXSERVE_CACHE_DIR or Path(envs.XDG_CACHE_HOME) / "jaxserve")
 
 
 def packaged_gguf_path(name: str) -> str:

@@ -8,7 +8,8 @@
 # Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|embed|gpucheck|stepdiag|tp2|carcheck ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
-# old / new / old / new (AB_ROUNDS, default 2), HF off; the compile cache is shared (a cold compile: ~2 minutes).
+# old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
+# (a cold compile: ~2 minutes; the two rounds take ~8.5 minutes).
 # Default: offline serve kernels. Results: $OUT/results/ if $OUT is set, else benchmarks/results/; the summary is
 # printed last and kept in <results root>/h200-summary.txt. Each step is cut at its time limit (env, seconds).
 set -u
@@ -69,6 +70,7 @@ ab() {   # ab OLD_TREE: the two configs at the old tree and at this one, interle
   done
   local cfgs=(--config h200-llama8b-latency-bs1 --config h200-llama8b-throughput --set baseline.hf=false --no-plots)
   for rnd in $(seq 1 "${AB_ROUNDS:-2}"); do
+    [ "$rnd" -gt 1 ] && cfgs=(--config h200-llama8b-latency-bs1 --set baseline.hf=false --no-plots)  # fits one call
     for side in old new; do
       local tree=$new; [ $side = old ] && tree=$old
       local t0=$SECONDS

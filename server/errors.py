@@ -113,6 +113,8 @@ def to_api_error(exc: Exception) -> APIError:
         if status == 404:
             return APIError(404, message, code="not_found")
         return APIError(status, message)
+    if isinstance(exc, RecursionError):  # msgspec's depth guard on a deeply nested body (or a value inside one)
+        return bad_request("the request is nested too deeply to decode", None)
     if isinstance(exc, ValueError):  # SamplingParams validation and friends
         return bad_request(str(exc), getattr(exc, "param", None))
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
@@ -129,6 +131,10 @@ def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Respon
         limit = state.args.max_body_bytes if state is not None else None
         if limit:
             err.message = f"request body is larger than the server's limit of {limit} bytes (--max-body-bytes)"
+    if isinstance(exc, RecursionError):  # a hostile input, not a server fault: one line, no traceback
+        log.warning("%s %s: 400, the request is nested too deeply", request.method, request.url.path)
+        body = request._connection_state.body
+        err.message = f"{err.message}. Input: {_echo(body if isinstance(body, bytes) else None)}"
     if err.status >= 500:
         log.error("%s %s failed: %s", request.method, request.url.path, err.message,
                   exc_info=exc if err.status == 500 else None)

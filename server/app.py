@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar import Litestar, MediaType, Request, Response, get, head, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig, ResponseSpec
@@ -153,9 +153,14 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
     async def version() -> VersionResponse:
         return VersionResponse(jaxserve.__version__)
 
+    # the header given whole: as a media_type Litestar would append a second "; charset=utf-8"
     @get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
-        return Response(content=serving.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(content=serving.metrics.render(), headers={"content-type": CONTENT_TYPE})
+
+    @head("/metrics", include_in_schema=False)   # scrapers' and load balancers' liveness probe
+    async def metrics_head() -> Response[None]:
+        return Response(content=None, headers={"content-type": CONTENT_TYPE})
 
     middleware = [auth_middleware(args.api_key)] if args.api_key else []
     cors = None
@@ -164,7 +169,7 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = Litestar(
         route_handlers=[chat_completions, completions, embeddings, models, tokenize, detokenize, health, version,
-                        metrics],
+                        metrics, metrics_head],
         exception_handlers={Exception: exception_handler, HTTPException: exception_handler},
         middleware=middleware,
         cors_config=cors,

@@ -100,6 +100,10 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         args.served_model_name = [args.served_model_name]
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if "*" in args.allowed_origins and args.allow_credentials:
+        raise SystemExit("jaxserve serve: --allowed-origins '*' with --allow-credentials is a combination browsers "
+                         "refuse (the CORS spec forbids credentials with a wildcard origin); list the origins "
+                         "explicitly, or drop --allow-credentials")
     if args.max_body_bytes <= 0:
         args.max_body_bytes = d.max_body_bytes
     try:

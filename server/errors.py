@@ -19,6 +19,7 @@ from .protocol import ErrorInfo, ErrorResponse
 log = logging.getLogger("jaxserve.server")
 
 ECHO_LIMIT = 200  # characters of the bad input echoed back in a 400
+NAME_ECHO_LIMIT = 100  # characters of an unknown model name echoed back in a 404
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -54,7 +55,8 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def model_not_found(name: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    shown = name if len(name) <= NAME_ECHO_LIMIT else f"{name[:NAME_ECHO_LIMIT]}... ({len(name)} chars)"
+    return APIError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
 
 
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> Response:
@@ -141,4 +143,6 @@ def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Respon
     headers = None
     if err.status == 429:
         headers = {"Retry-After": "1"}
+    elif err.status == 405 and isinstance(exc, HTTPException) and exc.headers:
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
     return error_response(err, headers)

@@ -230,7 +230,7 @@ class Serving:
             n=1,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,  # OpenAI clients send -1 for "off"
+            top_k=0 if req.top_k is None else req.top_k,  # -1 ("off", vLLM's) and < -1 (a 400) are SamplingParams' call
             min_p=0.0 if req.min_p is None else req.min_p,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,

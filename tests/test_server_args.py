@@ -70,3 +70,11 @@ def test_request_models():
                 b'{"prompt": "x", "top_p": 0}', b'{"prompt": "x", "logprobs": -1}'):
         with pytest.raises(msgspec.ValidationError):
             msgspec.json.decode(bad, type=CompletionRequest)
+
+
+def test_wildcard_origin_with_credentials_is_refused_at_start_up():
+    with pytest.raises(SystemExit, match="browsers refuse"):
+        server_args_from_namespace(parse("--allowed-origins", "*", "--allow-credentials"))
+    ok = server_args_from_namespace(parse("--allowed-origins", "http://a.example", "--allow-credentials"))
+    assert ok.allowed_origins == ["http://a.example"] and ok.allow_credentials
+    assert server_args_from_namespace(parse("--allowed-origins", "*")).allowed_origins == ["*"]

@@ -48,3 +48,35 @@ def test_deeply_nested_json_is_400_with_one_log_line(http, caplog):
         records = [r for r in caplog.records if r.name == "jaxserve.server"]
         assert len(records) == 1 and records[0].exc_info is None, [r.getMessage() for r in records]
     assert http.post("/v1/completions", json={"prompt": "still fine", "max_tokens": 2}).status_code == 200
+
+
+def test_top_k_below_minus_one_is_400(http, server):
+    e = _error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "top_k": -2}), 400)
+    assert e["param"] == "top_k" and "-2" in e["message"]
+    for off in (-1, 0):   # vLLM's "no top-k filter"
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "top_k": off, "temperature": 1})
+        assert r.status_code == 200, r.text
+        assert server.engine.params_seen[r.json()["id"] + "-0"].top_k == 0
+
+
+def test_unknown_model_name_is_not_echoed_unbounded(http):
+    e = _error(http.post("/v1/completions", json={"model": "m" * 50_000, "prompt": "x"}), 404)
+    assert e["code"] == "model_not_found" and len(e["message"]) < 300 and "50000 chars" in e["message"]
+    e = _error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
+    assert "`gpt-9`" in e["message"]
+
+
+def test_metrics_content_type_and_head(http):
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    r = http.head("/metrics")
+    assert r.status_code == 200 and r.content == b""
+    assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+
+
+def test_unsupported_method_is_405_with_allow(http):
+    e = _error(http.request("TRACE", "/v1/models"), 405)
+    assert e["type"] == "invalid_request_error"
+    r = http.request("TRACE", "/v1/models")
+    assert "GET" in r.headers["allow"]
+    assert "POST" in http.delete("/v1/completions").headers["allow"]

@@ -17,7 +17,7 @@ from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.openapi.spec import OpenAPIMediaType, Operation, Schema
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 import jaxserve
@@ -60,6 +60,29 @@ class StreamableOperation(Operation):
             # any event: the chunk objects, then the "[DONE]" sentinel, which is not JSON
             ok.content["text/event-stream"] = OpenAPIMediaType(schema=Schema(
                 description="server-sent events: one JSON chunk object per event, then [DONE]"))
+
+
+def tokenizer_config(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
+    """vLLM's /tokenizer_info body: the tokenizer's init kwargs (its tokenizer_config.json) without the
+    local file paths, special tokens as their strings, plus ``tokenizer_class`` and the chat template."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if hasattr(value, "content"):      # tokenizers.AddedToken
+            return value.content
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return value
+        return str(value)
+
+    config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if k not in ("vocab_file", "merges_file", "tokenizer_file", "tokenizer_object")}
+    out = plain(config)
+    out["tokenizer_class"] = type(tokenizer).__name__
+    if chat_template:
+        out["chat_template"] = chat_template
+    return out
 
 
 def auth_middleware(api_key: str):
@@ -114,10 +137,23 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
     async def embeddings(data: JSONBody[EmbeddingRequest]) -> Response:
         return _json(await create_embeddings(serving, data))
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=created, max_model_len=serving.max_model_len, root=serving.model_names[0])
+
     @get("/v1/models")
     async def models() -> ModelList:
-        return ModelList([ModelCard(id=name, created=created, max_model_len=serving.max_model_len,
-                                    root=serving.model_names[0]) for name in serving.model_names])
+        return ModelList([model_card(name) for name in serving.model_names])
+
+    # `path`: served names are often "org/name"; OpenAI's retrieve-model route
+    @get("/v1/models/{model_id:path}", responses=_errors(401, 404))
+    async def retrieve_model(model_id: FromPath[str]) -> ModelCard:
+        name = model_id.lstrip("/")
+        serving.check_model(name)
+        return model_card(name)
+
+    @get("/tokenizer_info", responses=_errors(401))
+    async def tokenizer_info() -> Response:
+        return _json(tokenizer_config(serving.tokenizer, serving.chat_template))
 
     @post("/tokenize", status_code=200, responses=_errors(400, 401, 404))
     async def tokenize(data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
@@ -169,7 +205,8 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = Litestar(
         route_handlers=[chat_completions, completions, embeddings, models, tokenize, detokenize, health, version,
-                        metrics, metrics_head],
+                        metrics, metrics_head, retrieve_model,
+                        *([tokenizer_info] if args.enable_tokenizer_info_endpoint else [])],
         exception_handlers={Exception: exception_handler, HTTPException: exception_handler},
         middleware=middleware,
         cors_config=cors,

@@ -171,11 +171,15 @@ class Serving:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    @property
+    def chat_template(self) -> str | None:
+        """The server's template: --chat-template, else the tokenizer's."""
+        return getattr(self.engine, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
+
     async def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
                           chat_template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> str:
-        template = chat_template or getattr(self.engine, "chat_template", None) or getattr(
-            self.tokenizer, "chat_template", None)
+        template = chat_template or self.chat_template
         if not template:
             raise bad_request("the model has no chat template; start the server with --chat-template FILE or "
                               "use /v1/completions", "messages")

@@ -31,6 +31,7 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False           # let the model decide to call tools (tool_choice "auto")
     tool_call_parser: str | None = None             # how to read calls from its output: hermes, mistral, ...
     tool_parser_plugin: str | None = None           # a Python file registering more parsers
+    trust_request_chat_template: bool = False       # let a request's chat_template run (vLLM's; off: a 400)
     enable_tokenizer_info_endpoint: bool = False    # GET /tokenizer_info (vLLM's; off: it shows the chat template)
 
 
@@ -78,6 +79,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--uvicorn-log-level", default=d.uvicorn_log_level,
          choices=["critical", "error", "warning", "info", "debug", "trace"])
     _add(g, "--disable-uvicorn-access-log", action="store_true", help="no per-request access log lines")
+    _add(g, "--trust-request-chat-template", action="store_true",
+         help="accept a request's chat_template (a Jinja program run on this server; refused with a 400 "
+              "without this flag, as in vLLM)")
     _add(g, "--enable-tokenizer-info-endpoint", action="store_true",
          help="serve GET /tokenizer_info (the tokenizer's config and chat template, as vLLM does; lm-eval's "
               "local-completions tokenizer backend reads it)")

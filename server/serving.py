@@ -24,6 +24,11 @@ log = logging.getLogger("jaxserve.server")
 
 T = TypeVar("T")
 THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread hop costs
+# apply_chat_template's own arguments: chat_template_kwargs may not override them
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "chat_template", "tools", "documents",
+                                      "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                      "truncation", "max_length", "return_tensors", "return_dict",
+                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def structured_outputs_from_request(req: SamplingFields) -> StructuredOutputsParams | None:
@@ -179,6 +184,14 @@ class Serving:
     async def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
                           chat_template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> str:
+        kwargs = dict(chat_template_kwargs or {})
+        if not self.args.trust_request_chat_template and (chat_template is not None or "chat_template" in kwargs):
+            raise bad_request("a request's chat_template is refused: it is a program run on the server; the "
+                              "operator may allow it with --trust-request-chat-template", "chat_template")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own fields "
+                              "say those)", "chat_template_kwargs")
         template = chat_template or self.chat_template
         if not template:
             raise bad_request("the model has no chat template; start the server with --chat-template FILE or "
@@ -190,7 +203,6 @@ class Serving:
             conversation = template_messages(messages)
         except ToolRequestError as e:
             raise bad_request(str(e), e.param) from None
-        kwargs = dict(chat_template_kwargs or {})
         if tools is not None:
             kwargs["tools"] = tools
         size = sum(len(c["content"]) for c in conversation)
@@ -199,6 +211,8 @@ class Serving:
             return self.tokenizer.apply_chat_template(
                 conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **kwargs)
+        if chat_template is not None:   # a request's (trusted) template may loop: never on the event loop
+            size = THREAD_THRESHOLD_CHARS
         try:
             return await self._maybe_thread(size, render)
         except APIError:

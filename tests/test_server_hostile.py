@@ -80,3 +80,48 @@ def test_unsupported_method_is_405_with_allow(http):
     r = http.request("TRACE", "/v1/models")
     assert "GET" in r.headers["allow"]
     assert "POST" in http.delete("/v1/completions").headers["allow"]
+
+
+HEAVY_TEMPLATE = "{% for i in range(16000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}x"   # ~0.7 s of Jinja
+
+
+def test_request_chat_template_refused_unless_trusted(http):
+    msgs = [{"role": "user", "content": "x"}]
+    e = _error(http.post("/v1/chat/completions", json={"messages": msgs, "chat_template": "{{ 'hi' }}"}), 400)
+    assert e["param"] == "chat_template" and "--trust-request-chat-template" in e["message"]
+    e = _error(http.post("/tokenize", json={"messages": msgs, "chat_template": "{{ 'hi' }}"}), 400)
+    assert e["param"] == "chat_template"
+    e = _error(http.post("/v1/chat/completions", json={"messages": msgs,
+                                                       "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}}), 400)
+    assert e["param"] == "chat_template"
+    e = _error(http.post("/v1/chat/completions", json={"messages": msgs, "chat_template_kwargs": {"tokenize": True}}),
+               400)
+    assert e["param"] == "chat_template_kwargs" and "tokenize" in e["message"]
+
+
+def test_trusted_request_template_renders_off_the_event_loop():
+    import threading
+    import time
+
+    srv = InProcessServer(FakeEngine(), trust_request_chat_template=True)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+            tiny = "<|im_start|>{{ messages[0].content }}"
+            r = http.post("/v1/chat/completions", json={**body, "chat_template": tiny})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == 2   # the request's template ran: <|im_start|> and "x"
+            t0 = time.monotonic()
+            assert http.post("/tokenize", json={**body, "chat_template": HEAVY_TEMPLATE}).status_code == 200
+            render_s = time.monotonic() - t0
+            heavy = {**body, "chat_template": HEAVY_TEMPLATE}
+            slow = threading.Thread(target=http.post, args=("/tokenize",), kwargs={"json": heavy})
+            slow.start()
+            time.sleep(render_s / 4)
+            t0 = time.monotonic()
+            assert httpx.get(srv.url + "/health", timeout=60).status_code == 200
+            health_s = time.monotonic() - t0
+            slow.join()
+            assert health_s < render_s / 2, (health_s, render_s)   # on the loop it would wait out the render
+    finally:
+        srv.stop()

@@ -337,7 +337,8 @@ def real():
     # the same engine flags as test_server_e2e's server, so the compiled steps come from the cache
     srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
                         "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
-                        "--served-model-name", "smol", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+                        "--served-model-name", "smol", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        "--trust-request-chat-template")   # the tests send their own tools template
     yield srv
     srv.stop()
 

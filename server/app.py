@@ -16,7 +16,7 @@ from litestar import Litestar, MediaType, Request, Response, get, head, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig, ResponseSpec
-from litestar.openapi.spec import OpenAPIMediaType, Operation, Schema
+from litestar.openapi.spec import Components, OpenAPIMediaType, Operation, Schema, SecurityScheme
 from litestar.params import FromPath, JSONBody
 from litestar.types import ASGIApp, Receive, Scope, Send
 
@@ -177,7 +177,10 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
         serving.check_token_ids(data.tokens, "tokens")
         return DetokenizeResponse(serving.tokenizer.decode(data.tokens))
 
-    @get("/health", media_type=MediaType.TEXT, responses=_errors(503))
+    # with --api-key the schema says so (a bearer scheme on every route but the open ones)
+    auth = dict(security=[{}]) if args.api_key else {}
+
+    @get("/health", media_type=MediaType.TEXT, responses=_errors(503), **auth)
     async def health() -> Response:
         if serving.draining:
             return error_response(APIError(503, "the server is shutting down", code="draining"))
@@ -185,7 +188,7 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
             return error_response(APIError(503, "the engine loop is dead or stuck", code="engine_unhealthy"))
         return Response(content=b"", status_code=200, media_type=MediaType.TEXT)   # 200, empty (vLLM's)
 
-    @get("/version")
+    @get("/version", **auth)
     async def version() -> VersionResponse:
         return VersionResponse(jaxserve.__version__)
 
@@ -211,7 +214,11 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
         middleware=middleware,
         cors_config=cors,
         request_max_body_size=args.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="jaxserve", version=jaxserve.__version__, path="/schema"),
+        openapi_config=OpenAPIConfig(
+            title="jaxserve", version=jaxserve.__version__, path="/schema",
+            **(dict(security=[{"bearer": []}],
+                    components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}))
+               if args.api_key else {})),
         logging_config=None,
     )
     app.state.serving = serving

@@ -125,3 +125,16 @@ def test_trusted_request_template_renders_off_the_event_loop():
             assert health_s < render_s / 2, (health_s, render_s)   # on the loop it would wait out the render
     finally:
         srv.stop()
+
+
+def test_openapi_declares_bearer_auth_only_with_an_api_key(http):
+    assert "security" not in http.get("/schema/openapi.json").json()
+    srv = InProcessServer(FakeEngine(), api_key="k")
+    try:
+        schema = httpx.get(srv.url + "/schema/openapi.json", timeout=30).json()
+        assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+        assert schema["security"] == [{"bearer": []}]
+        assert schema["paths"]["/health"]["get"]["security"] == [{}]        # the probes stay open
+        assert "security" not in schema["paths"]["/v1/completions"]["post"]  # the global rule applies
+    finally:
+        srv.stop()

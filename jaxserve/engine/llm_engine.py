@@ -233,8 +233,9 @@ class LLMEngine:
     def abort_request(self, request_ids) -> None:
         if self.scheduler is None:          # an embedding engine queues nothing
             return
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.scheduler.abort_requests(request_ids)
-        for rid in ([request_ids] if isinstance(request_ids, str) else request_ids):
+        for rid in request_ids:
             self.structured_output.remove(rid)
 
     def has_unfinished_requests(self) -> bool:

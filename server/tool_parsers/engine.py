@@ -131,8 +131,8 @@ class ToolParser:
 
     def read_block(self, text: str, body: int, final: bool) -> Block | None:
         """The calls of the block whose body starts at `body`; None when it is malformed. With `final`, the
-        text ends here: answer a complete block or None."""
-        raise NotImplementedError
+        text ends here: answer a complete block or None. Every format defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not define read_block (each tool-call format must)")
 
     def new_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"

@@ -26,6 +26,11 @@ def _flag(raw: str | None) -> bool:
     return raw not in ("0", "false", "False", "no", "off")
 
 
+def _optional_flag(raw: str | None) -> bool | None:
+    """None when unset (the caller's default applies), else as ``_flag``."""
+    return None if raw in (None, "") else _flag(raw)
+
+
 def _int(name: str) -> Callable[[str | None], int | None]:
     def read(raw: str | None) -> int | None:
         if raw in (None, ""):
@@ -42,6 +47,11 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_API_KEY": EnvVar(_text, None, "API key the server requires ('Authorization: Bearer KEY') when "
                                             "--api-key is not given"),
     "VLLM_API_KEY": EnvVar(_text, None, "read as JAXSERVE_API_KEY when that is unset (vLLM's name)"),
+    # engine
+    "JAXSERVE_ENABLE_MULTIPROCESSING": EnvVar(_optional_flag, None,
+                                              "1 = the engine core runs in its own process, 0 = in the front "
+                                              "end's (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); unset: its own "
+                                              "process for `serve`, the caller's for the offline LLM"),
     # models
     "JAXSERVE_CONFIGS": EnvVar(_text, None, "folder holding models/ (the model YAML configs) when jaxserve is "
                                             "installed outside its source checkout"),

@@ -1,6 +1,7 @@
 """The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, ``.chat(...)``, ``.embed(...)``.
 
-``generate`` runs the engine to completion with FINAL_ONLY outputs. A SamplingParams with n > 1 becomes n
+``generate`` runs the engine to completion with FINAL_ONLY outputs. ``multiprocess=True`` (or
+JAXSERVE_ENABLE_MULTIPROCESSING=1) runs the engine core in its own process; the default is one process. A SamplingParams with n > 1 becomes n
 engine requests (``<id>_<i>``, seeds ``seed + i``), merged back into one RequestOutput by index, as the
 server does for its choices.
 """
@@ -57,11 +58,19 @@ def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
 
 class LLM:
     def __init__(self, model: str | None = None, *, use_tqdm_on_load: bool = True,
-                 engine_config: EngineConfig | None = None, **kwargs: Any):
+                 engine_config: EngineConfig | None = None, multiprocess: bool | None = None, **kwargs: Any):
+        from jaxserve.engine.core_client import MultiprocessLLMEngine, use_multiprocess
         from jaxserve.engine.llm_engine import LLMEngine
         config = engine_config or engine_config_from_kwargs(model, **kwargs)
-        self.engine = LLMEngine(config, progress=use_tqdm_on_load)
+        self.multiprocess = use_multiprocess(multiprocess, default=False)
+        engine_class = MultiprocessLLMEngine if self.multiprocess else LLMEngine
+        self.engine = engine_class(config, progress=use_tqdm_on_load)
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine core process (a split engine; nothing to do in one process)."""
+        if self.multiprocess:
+            self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -78,6 +87,7 @@ class LLM:
             raise ValueError(f"{len(params_list)} sampling params for {len(items)} prompts")
         eng = self.engine
         order: list[tuple[str, int]] = []        # (parent id, n)
+        batch = []                               # a split engine's requests, sent at once
         for (text, ids), params in zip(items, params_list):
             if ids is None:
                 ids = self.tokenizer.encode(text)
@@ -87,7 +97,13 @@ class LLM:
                 child = dataclasses.replace(params, n=1, output_kind=RequestOutputKind.FINAL_ONLY)
                 if params.n > 1 and params.seed is not None:
                     child.seed = params.seed + i
-                eng.add_request(f"{parent}" if params.n == 1 else f"{parent}_{i}", ids, child, prompt=text)
+                rid = f"{parent}" if params.n == 1 else f"{parent}_{i}"
+                if self.multiprocess:
+                    batch.append(eng.make_request(rid, ids, child, prompt=text))
+                else:
+                    eng.add_request(rid, ids, child, prompt=text)
+        if batch:
+            eng.enqueue_many(batch)
         finals = self._run(sum(n for _, n in order), use_tqdm)
         results = []
         for parent, n in order:
@@ -120,7 +136,8 @@ class LLM:
                         bar.set_postfix_str(f"input: {n_in / dt:.1f} tok/s, output: {n_out / dt:.1f} tok/s")
                         bar.update(1)
         except BaseException:
-            eng.abort_request(list(eng.scheduler.request_ids()))   # Ctrl-C: free what this call queued
+            # Ctrl-C: free what this call queued
+            eng.abort_request(eng.request_ids() if self.multiprocess else list(eng.scheduler.request_ids()))
             raise
         finally:
             bar.close()

@@ -230,17 +230,20 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
 
 
 def run_server(engine_config: Any, server_args: ServerArgs) -> int:
-    """Load the engine, serve until SIGTERM/SIGINT, drain in-flight requests, exit 0."""
+    """Load the engine, serve until SIGTERM/SIGINT, drain in-flight requests, exit 0. The engine core runs in
+    its own process (JAXSERVE_ENABLE_MULTIPROCESSING=0: in this one); if it dies, every in-flight request gets
+    an error, /health answers 503, and the server stops and exits 1 (a supervisor restarts it)."""
     import uvicorn
 
     from jaxserve.engine.async_engine import AsyncLLMEngine
+    from jaxserve.engine.core_client import use_multiprocess
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # bind before the (minutes-long) load so a busy port fails at once; listen() comes with uvicorn
     sock = _bind(server_args.host, server_args.port)
     t0 = time.monotonic()
     try:
-        engine = AsyncLLMEngine(engine_config)
+        engine = AsyncLLMEngine(engine_config, multiprocess=use_multiprocess(None, default=True))
     except ModelLoadError as e:
         sock.close()
         print(f"jaxserve serve: {e}", file=sys.stderr)
@@ -248,19 +251,30 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
     app = build_app(engine, server_args)
     serving: Serving = app.state.serving
     stats = engine.stats()
-    eng = engine.engine
+    facts = engine.facts()
     log.info("loaded %s from %s (%s, %s): max_model_len %d, %s KV blocks of %d tokens; load %.1f s, warm-up "
-             "(compiling every step bucket) %.1f s, ready in %.1f s", serving.model_name, eng.model.source,
-             eng.model.load_format, getattr(eng.model.dtype, "__name__", eng.model.dtype), serving.max_model_len,
-             stats.get("num_kv_blocks", "?"), eng.config.cache.block_size, eng.load_seconds, eng.warmup_seconds,
-             time.monotonic() - t0)
+             "(compiling every step bucket) %.1f s, ready in %.1f s; engine core %s", serving.model_name,
+             facts.model_source, facts.load_format, facts.dtype_name, serving.max_model_len,
+             stats.get("num_kv_blocks", "?"), facts.config.cache.block_size, facts.load_seconds,
+             facts.warmup_seconds, time.monotonic() - t0,
+             "in its own process" if engine.multiprocess else "in this process")
 
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop", http="httptools",
                             log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_uvicorn_access_log,
                             root_path=server_args.root_path or "", timeout_graceful_shutdown=server_args.drain_timeout,
                             lifespan="off")
     server = _DrainingServer(config, serving)
+
+    def on_engine_dead() -> None:       # the engine thread: streams have their errors; stop serving
+        server.should_exit = True
+    engine.on_dead = on_engine_dead
+    if engine.dead:
+        on_engine_dead()
     server.run(sockets=[sock])
+    if engine.dead:
+        log.error("the engine died; the server exits 1")
+        engine.shutdown(drain_timeout=0)
+        return 1
     log.info("HTTP server stopped; stopping the engine")
     engine.shutdown(drain_timeout=min(server_args.drain_timeout, 5.0))
     log.info("bye")

@@ -1,10 +1,16 @@
-"""The async front: the engine loop on a background thread, per-request asyncio queues.
+"""The async front: per-request asyncio queues fed by a background thread.
 
-The server (and anything async) calls ``generate`` / ``abort`` / ``embed``; the loop thread owns the
-``LLMEngine`` and is the only thread that touches the scheduler, so no locks guard engine state: requests
-and aborts cross over through thread-safe queues and outputs come back with ``call_soon_threadsafe``.
+The server (and anything async) calls ``generate`` / ``abort`` / ``embed``. In-process (``multiprocess``
+off), the loop thread owns the ``LLMEngine`` and is the only thread that touches the scheduler, so no locks
+guard engine state: requests and aborts cross over through thread-safe queues. Split (the engine core in
+its own process, ``MultiprocessLLMEngine``), requests and aborts go straight to the core's socket from the
+caller, and the thread reads the core's per-step outputs, detokenizes them and hands them out. Either way
+outputs come back with ``call_soon_threadsafe``, one call per consumer loop per step.
 A request is validated and admitted (``check_admission``: the one place --max-waiting-requests is read)
 on the caller's side, before it crosses over, so the caller gets the error.
+
+If the engine dies (the loop raises, or the core process exits), every waiting request gets an
+EngineDeadError, ``is_healthy`` turns False, and ``on_dead`` (if set) is called once, from the thread.
 """
 from __future__ import annotations
 
@@ -48,9 +54,18 @@ def _put_all(items) -> None:
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, *, progress: bool = True, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config, progress=progress)
+    def __init__(self, config: EngineConfig, *, progress: bool = True, engine: LLMEngine | None = None,
+                 multiprocess: bool | None = None):
+        from jaxserve.engine.core_client import MultiprocessLLMEngine, use_multiprocess
+        self.multiprocess = engine is None and use_multiprocess(multiprocess, default=False)
+        if engine is not None:
+            self.engine = engine
+        elif self.multiprocess:
+            self.engine = MultiprocessLLMEngine(config, progress=progress)
+        else:
+            self.engine = LLMEngine(config, progress=progress)
         self.config = self.engine.config
+        self.on_dead = None                   # called once (from the engine thread) when the engine dies
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -61,7 +76,10 @@ class AsyncLLMEngine:
         self._stats = self.engine.stats()
         self._pending = 0                     # submitted, not yet in the scheduler (both threads change it)
         self._pending_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._read_core if self.multiprocess else self._loop,
+                                        name="jaxserve-engine", daemon=True)
+        if self.multiprocess:
+            self.engine._reader_thread = self._thread
         self._thread.start()
 
     # ---------------------------------------------------------------- facts the server needs
@@ -90,10 +108,21 @@ class AsyncLLMEngine:
     def chat_template(self) -> str | None:
         return self.engine.chat_template
 
+    def facts(self):
+        """The loaded engine's EngineFacts (model, dtype, load and warm-up seconds)."""
+        return self.engine.facts()
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
     def stats(self) -> dict:
         return dict(self._stats)
 
     def num_waiting(self) -> int:
+        if self.multiprocess:   # sent to the core but not in its stats yet count as waiting
+            ahead = len(self.engine.output_processor.requests) - self._stats.get("num_running", 0)
+            return max(self._stats.get("num_waiting", 0), ahead)
         return self._stats.get("num_waiting", 0) + self._pending
 
     def check_admission(self, num_requests: int = 1) -> None:
@@ -119,6 +148,10 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         if self._dead is not None or not self._thread.is_alive():
             return False
+        if self.multiprocess:
+            eng = self.engine
+            return eng.client.is_alive() and (not eng.has_unfinished_requests()
+                                              or time.monotonic() - eng.last_output_time < STUCK_AFTER_S)
         busy = self._busy_since
         return busy is None or time.monotonic() - busy < STUCK_AFTER_S
 
@@ -126,7 +159,7 @@ class AsyncLLMEngine:
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+            raise EngineDeadError(f"the engine died: {self._dead}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
         if request_id in self._streams:
@@ -136,10 +169,17 @@ class AsyncLLMEngine:
         self.check_admission(1)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        with self._pending_lock:
-            self._pending += 1
-        self._inbox.put(("add", req))
-        self._wake.set()
+        if self.multiprocess:
+            try:
+                self.engine.enqueue(req)
+            except BaseException:
+                self._streams.pop(request_id, None)
+                raise
+        else:
+            with self._pending_lock:
+                self._pending += 1
+            self._inbox.put(("add", req))
+            self._wake.set()
         try:
             while True:
                 item = await stream.queue.get()
@@ -153,11 +193,20 @@ class AsyncLLMEngine:
                     return
         finally:
             if not stream.finished:          # the consumer went away (client disconnect, cancel): free it now
-                self._inbox.put(("abort", request_id))
-                self._wake.set()
+                self._abort(request_id)
             self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if self.multiprocess:
+            if self._dead is None:
+                try:
+                    self.engine.abort_request(request_id)
+                except EngineDeadError:
+                    pass
+            return
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
@@ -177,6 +226,9 @@ class AsyncLLMEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        if self.multiprocess:
+            self.engine.shutdown()
+            return
         stop_followers = getattr(self.engine.runner, "stop", None)   # BroadcastingRunner (jax.distributed)
         if stop_followers is not None:
             stop_followers()
@@ -234,6 +286,24 @@ class AsyncLLMEngine:
                 self._stats = eng.stats()
         except BaseException as e:  # noqa: BLE001 - the loop is dead; tell every waiting request
             logger.exception("engine loop died")
-            self._dead = e
-            for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"the engine loop died: {e!r}"))
+            self._die(e, EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def _read_core(self) -> None:
+        """The split engine's thread: the core's outputs → RequestOutputs → the streams."""
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                outputs = eng.step(timeout_s=0.1)
+                if outputs:
+                    self._publish(outputs)
+                self._stats = eng.stats()
+        except BaseException as e:  # noqa: BLE001 - the core is gone; tell every waiting request
+            logger.error("the engine core died: %s", e)
+            self._die(e, e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine core died: {e!r}"))
+
+    def _die(self, cause: BaseException, error: EngineDeadError) -> None:
+        self._dead = cause
+        for stream in list(self._streams.values()):
+            stream.put(error)
+        if self.on_dead is not None:
+            self.on_dead()

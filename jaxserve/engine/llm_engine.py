@@ -59,97 +59,32 @@ class _InFlight:
     sampled: list[tuple[Request, int]]            # (request, index of its first placeholder of this step)
 
 
-class LLMEngine:
-    def __init__(self, config: EngineConfig, *, progress: bool = True):
-        import jax
+@dataclasses.dataclass
+class EngineFacts:
+    """What a front end knows of a loaded engine: enough to validate requests and to (de)tokenize without
+    the model (the engine core process sends it once, when it is ready)."""
+    config: EngineConfig                  # resolved for the backend
+    tokenizer: object
+    model_config: object
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+    is_embedding: bool
+    multi_process: bool                   # the model spans several JAX processes
+    structured_unsupported_reason: str | None
+    model_source: str
+    load_format: str
+    dtype_name: str
+    load_seconds: float
+    warmup_seconds: float
 
-        from jaxserve.models import load_model
-        from jaxserve.runner import compile_cache
 
-        from jaxserve.executor import launcher
-        # --distributed-executor-backend mp: spawn the per-device workers and join jax.distributed before
-        # anything below starts a JAX backend
-        self._workers = launcher.maybe_start(config)
-        compile_cache.enable(config.compilation_cache_dir)
-        config = config.resolved(jax.default_backend())
-        self.config = config
-        t0 = time.perf_counter()
-        mesh = None
-        if config.parallel.tensor_parallel_size > 1:
-            from jaxserve.parallel import collectives, enable_custom_all_reduce, make_mesh
-            mesh = make_mesh(config.parallel.tensor_parallel_size)
-            # every process, before the first trace: the row-parallel layers pick their all-reduce at trace time
-            why_not = enable_custom_all_reduce(mesh, disable=config.parallel.disable_custom_all_reduce)
-            self.custom_all_reduce = why_not is None
-            fused = " (fused with the residual add and RMSNorm)" if collectives.fuses_norm() else ""
-            logger.info("tensor parallelism %d: %s", config.parallel.tensor_parallel_size,
-                     f"CUDA one-shot all-reduce for steps up to 1 MiB{fused}" if why_not is None
-                     else f"XLA's all-reduce ({why_not})")
-        else:
-            self.custom_all_reduce = False
-        self.mesh = mesh
-        self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                max_model_len=config.max_model_len, mesh=mesh)
-        self.load_seconds = time.perf_counter() - t0
-        self.model_config = self.model.config
-        self.tokenizer = self.model.tokenizer
-        if config.tokenizer:                # --tokenizer: another HF tokenizer folder for this model
-            from transformers import AutoTokenizer
-            self.tokenizer = self.model.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-        self.chat_template = config.chat_template or self.model.chat_template
-        self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace)
-        self.output_processor = OutputProcessor(self.tokenizer, self.structured_output)
-        self._seed_rng = np.random.default_rng(config.seed)
-        self._ids = itertools.count()
-        # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
-        self._in_flight: deque[_InFlight] = deque()
-        self._lookahead = 1 if config.async_scheduling else 0
-        self._scorer = None
-        self.warmup_seconds = 0.0
-        self._multi_process = jax.process_count() > 1
-        self.embedder = self.runner = self.scheduler = self.kv_manager = None
-        t0 = time.perf_counter()
-        if is_embedding_model(self.model, config.task):
-            if jax.process_count() > 1:
-                raise ValueError("embedding models run in a single process (no --num-processes / "
-                                 "--distributed-executor-backend mp)")
-            # an embedding engine: no KV cache, no scheduler; requests go straight to the bucketed Embedder
-            self.embedder = Embedder(self.model, attn_backend=resolve_attention_backend(config.attention_backend),
-                                     block_size=config.cache.block_size, max_length=config.max_model_len,
-                                     model_name=config.served_model_name)
-            self.max_model_len = self.embedder.max_length
-            if not config.skip_warmup:
-                self.embedder.warmup(progress=progress)
-        else:
-            self.max_model_len = self.model.max_model_len     # the loader checked it against the model
-            self.runner = ModelRunner(self.model, config, self.max_model_len, mesh=mesh)
-            self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                             config.cache.enable_prefix_caching, self.max_model_len)
-            self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
-            if not config.skip_warmup:
-                self.runner.warmup(progress=progress)
-            if self._multi_process and jax.process_index() == 0:
-                # the other processes run follow_runner: each step is sent to them before it launches
-                from jaxserve.executor import BroadcastingRunner
-                channel = self._workers.step_channel() if self._workers is not None else None
-                self.runner = BroadcastingRunner(self.runner, channel)
-                # the processes follow the steps process 0 sends, and a step carries no bitmask
-                self.structured_output.unsupported_reason = (
-                    "the model is spread over several processes (--num-processes / "
-                    "--distributed-executor-backend mp); run it in one process (-tp over its local GPUs)")
-                if self._workers is not None:
-                    self._workers.set_release(self.runner.stop)
-        self.warmup_seconds = time.perf_counter() - t0
+class RequestBuilder:
+    """The engine boundary, shared by the in-process engine and the front end of a split one: validate a
+    request once and build its ``Request``. Needs ``config``, ``model_config``, ``max_model_len``,
+    ``eos_token_ids``, ``is_embedding``, ``served_model_name``, ``structured_output``, ``_multi_process``
+    and ``_seed_rng``."""
 
-    @property
-    def is_embedding(self) -> bool:
-        return self.embedder is not None
-
-    # ---------------------------------------------------------------- requests
     @property
     def served_model_name(self) -> str:
         # vLLM's rule: the --served-model-name, else the model argument as given
@@ -214,6 +149,114 @@ class LLMEngine:
         req.sampling_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31 - 1))
         return req
 
+
+class LLMEngine(RequestBuilder):
+    """The in-process engine (front end and core in one), and the core of a split engine
+    (``core_outputs=True``: no text; ``step`` returns EngineCoreOutputs, see output_processor)."""
+
+    def __init__(self, config: EngineConfig, *, progress: bool = True, core_outputs: bool = False):
+        import jax
+
+        from jaxserve.models import load_model
+        from jaxserve.runner import compile_cache
+
+        from jaxserve.executor import launcher
+        # --distributed-executor-backend mp: spawn the per-device workers and join jax.distributed before
+        # anything below starts a JAX backend
+        self._workers = launcher.maybe_start(config)
+        compile_cache.enable(config.compilation_cache_dir)
+        config = config.resolved(jax.default_backend())
+        self.config = config
+        t0 = time.perf_counter()
+        mesh = None
+        if config.parallel.tensor_parallel_size > 1:
+            from jaxserve.parallel import collectives, enable_custom_all_reduce, make_mesh
+            mesh = make_mesh(config.parallel.tensor_parallel_size)
+            # every process, before the first trace: the row-parallel layers pick their all-reduce at trace time
+            why_not = enable_custom_all_reduce(mesh, disable=config.parallel.disable_custom_all_reduce)
+            self.custom_all_reduce = why_not is None
+            fused = " (fused with the residual add and RMSNorm)" if collectives.fuses_norm() else ""
+            logger.info("tensor parallelism %d: %s", config.parallel.tensor_parallel_size,
+                     f"CUDA one-shot all-reduce for steps up to 1 MiB{fused}" if why_not is None
+                     else f"XLA's all-reduce ({why_not})")
+        else:
+            self.custom_all_reduce = False
+        self.mesh = mesh
+        self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
+                                max_model_len=config.max_model_len, mesh=mesh)
+        self.load_seconds = time.perf_counter() - t0
+        self.model_config = self.model.config
+        self.tokenizer = self.model.tokenizer
+        if config.tokenizer:                # --tokenizer: another HF tokenizer folder for this model
+            from transformers import AutoTokenizer
+            self.tokenizer = self.model.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.chat_template = config.chat_template or self.model.chat_template
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+            disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace)
+        self.core_outputs = core_outputs
+        self.output_processor = OutputProcessor(self.tokenizer, self.structured_output, core_outputs=core_outputs)
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
+        self._in_flight: deque[_InFlight] = deque()
+        self._lookahead = 1 if config.async_scheduling else 0
+        self._scorer = None
+        self.warmup_seconds = 0.0
+        self._multi_process = jax.process_count() > 1
+        self.embedder = self.runner = self.scheduler = self.kv_manager = None
+        t0 = time.perf_counter()
+        if is_embedding_model(self.model, config.task):
+            if jax.process_count() > 1:
+                raise ValueError("embedding models run in a single process (no --num-processes / "
+                                 "--distributed-executor-backend mp)")
+            # an embedding engine: no KV cache, no scheduler; requests go straight to the bucketed Embedder
+            self.embedder = Embedder(self.model, attn_backend=resolve_attention_backend(config.attention_backend),
+                                     block_size=config.cache.block_size, max_length=config.max_model_len,
+                                     model_name=config.served_model_name)
+            self.max_model_len = self.embedder.max_length
+            if not config.skip_warmup:
+                self.embedder.warmup(progress=progress)
+        else:
+            self.max_model_len = self.model.max_model_len     # the loader checked it against the model
+            self.runner = ModelRunner(self.model, config, self.max_model_len, mesh=mesh)
+            self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                             config.cache.enable_prefix_caching, self.max_model_len)
+            self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
+            if not config.skip_warmup:
+                self.runner.warmup(progress=progress)
+            if self._multi_process and jax.process_index() == 0:
+                # the other processes run follow_runner: each step is sent to them before it launches
+                from jaxserve.executor import BroadcastingRunner
+                channel = self._workers.step_channel() if self._workers is not None else None
+                self.runner = BroadcastingRunner(self.runner, channel)
+                # the processes follow the steps process 0 sends, and a step carries no bitmask
+                self.structured_output.unsupported_reason = (
+                    "the model is spread over several processes (--num-processes / "
+                    "--distributed-executor-backend mp); run it in one process (-tp over its local GPUs)")
+                if self._workers is not None:
+                    self._workers.set_release(self.runner.stop)
+        self.warmup_seconds = time.perf_counter() - t0
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.embedder is not None
+
+    def facts(self) -> EngineFacts:
+        model = self.model
+        return EngineFacts(
+            config=self.config, tokenizer=self.tokenizer, model_config=self.model_config,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, chat_template=self.chat_template,
+            is_embedding=self.is_embedding, multi_process=self._multi_process,
+            structured_unsupported_reason=self.structured_output.unsupported_reason,
+            model_source=str(getattr(model, "source", self.config.model)),
+            load_format=str(getattr(model, "load_format", self.config.load_format)),
+            dtype_name=str(getattr(model.dtype, "__name__", model.dtype)),
+            load_seconds=self.load_seconds, warmup_seconds=self.warmup_seconds)
+
+    # ---------------------------------------------------------------- requests
     def enqueue(self, req: Request) -> None:
         """Queue a Request from ``make_request`` (on the engine's thread). Raises InvalidRequestError if its id
         is in use."""
@@ -319,6 +362,8 @@ class LLMEngine:
                                         block_size=self.config.cache.block_size,
                                         max_logprobs=self.config.max_logprobs, mesh=self.mesh)
         k = self.config.max_logprobs if k == -1 else k
+        if self.core_outputs:               # the front end decodes them (FrontendOutputProcessor)
+            return [None if e is None else list(e) for e in self._scorer.score(prompt_token_ids)]
         out = []
         for tok, entry in zip(prompt_token_ids, self._scorer.score(prompt_token_ids)):
             if entry is None:

@@ -1,0 +1,154 @@
+"""The engine core process: an ``LLMEngine`` without text (``core_outputs=True``) in a busy loop.
+
+    messages in (add / abort / embed / shutdown) → step() → EngineCoreOutputs out → repeat
+
+The loop reads every message waiting before each step, so an abort reaches the scheduler within one step;
+with nothing to run it blocks on the input socket. Its sockets: PULL for what the front end sends, PUSH for
+what it answers (``jaxserve.engine.core_client`` holds the other ends). It answers ``CoreReady`` (the
+``EngineFacts``) once the model is loaded and warm, ``CoreFailed`` if loading or a step raises (then it
+exits 1), and exits when its front end goes away (its parent process ends) or sends ``Shutdown``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+
+import msgspec
+
+from jaxserve.engine import messages as m
+from jaxserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# With requests unfinished the loop only polls its input; idle, it waits this long between checks of its
+# parent (a front end that died without a Shutdown).
+IDLE_POLL_MS = 500
+
+
+def run_engine_core(config, input_address: str, output_address: str, progress: bool) -> None:
+    """The process's body: load the engine, say so, serve until Shutdown."""
+    import zmq
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM / Ctrl-C go to the front end, which drains and then sends Shutdown; the core keeps stepping
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctx = zmq.Context(io_threads=1)
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from jaxserve.engine.llm_engine import LLMEngine
+        engine = LLMEngine(config, progress=progress, core_outputs=True)
+        outbox.send(encoder.encode(m.CoreReady(pickle.dumps(engine.facts()))))
+        EngineCoreLoop(engine, inbox, outbox, encoder).run()
+    except BaseException as e:  # noqa: BLE001 - reported to the front end, then the process ends
+        logger.exception("engine core failed")
+        try:
+            try:
+                exc = pickle.dumps(e)
+            except Exception:  # noqa: BLE001 - not picklable: the text is enough
+                exc = None
+            outbox.send(encoder.encode(m.CoreFailed(f"{type(e).__name__}: {e}", exc)))
+        finally:
+            outbox.close(linger=2000)
+            inbox.close(linger=0)
+            ctx.term()
+        sys.exit(1)
+    outbox.close(linger=2000)
+    inbox.close(linger=0)
+    ctx.term()
+
+
+class EngineCoreLoop:
+    def __init__(self, engine, inbox, outbox, encoder):
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.encoder = encoder
+        self.decoder = msgspec.msgpack.Decoder(m.ToCore)
+        self.parent = os.getppid()
+        self.running = True
+
+    def run(self) -> None:
+        import zmq
+        eng, inbox = self.engine, self.inbox
+        while self.running:
+            if not eng.has_unfinished_requests():
+                # idle: block for the next message (waking now and then to notice a parent that died)
+                if not inbox.poll(IDLE_POLL_MS):
+                    if os.getppid() != self.parent:
+                        logger.info("the front end is gone; the engine core exits")
+                        return
+                    continue
+            handled = 0
+            while True:                         # everything waiting, before the step
+                try:
+                    raw = inbox.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self.handle(self.decoder.decode(raw.buffer))
+                handled += 1
+            if not self.running:
+                return
+            if not eng.has_unfinished_requests():
+                if handled:                     # e.g. the last aborts: the front end's stats show them
+                    self.outbox.send(self.encoder.encode(m.EngineCoreOutputs([], eng.stats())))
+                continue
+            outputs = eng.step()
+            self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(outputs, eng.stats())), copy=False)
+
+    def add(self, msg: m.EngineCoreRequest) -> None:
+        eng = self.engine
+        params = pickle.loads(msg.sampling_params)
+        req = Request(msg.request_id, msg.prompt_token_ids, params, eos_token_ids=eng.eos_token_ids,
+                      arrival_time=msg.arrival_time)
+        req.sampling_seed = msg.sampling_seed
+        try:
+            eng.enqueue(req)
+        except Exception:  # noqa: BLE001 - the front end validated it; end that request, keep serving
+            logger.exception("request %s could not be queued; it ends as aborted", msg.request_id)
+            self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(
+                [m.EngineCoreOutput(msg.request_id, [], int(RequestStatus.FINISHED_ABORTED))])))
+
+    def handle(self, msg) -> None:
+        eng = self.engine
+        if isinstance(msg, m.EngineCoreRequest):
+            self.add(msg)
+        elif isinstance(msg, m.AddRequests):
+            for r in msg.requests:
+                self.add(r)
+        elif isinstance(msg, m.AbortRequests):
+            eng.abort_request(msg.request_ids)
+        elif isinstance(msg, m.EmbedCall):
+            t0 = time.perf_counter()
+            try:
+                vecs = eng.embedder.embed(msg.prompt_token_ids, truncate_prompt_tokens=msg.truncate_prompt_tokens,
+                                          dimensions=msg.dimensions)
+                reply = m.EmbedResult(msg.call_id, embeddings=pickle.dumps(vecs))
+            except Exception as e:  # noqa: BLE001 - the caller's error
+                reply = m.EmbedResult(msg.call_id, error=pickle.dumps(e))
+            logger.debug("embedded %d inputs in %.1f ms", len(msg.prompt_token_ids), 1e3 * (time.perf_counter() - t0))
+            self.outbox.send(self.encoder.encode(reply))
+        elif isinstance(msg, m.Shutdown):
+            self.running = False
+
+
+
+def main(argv: list[str]) -> None:
+    """``python -m jaxserve.engine.core CONFIG_PICKLE INPUT_ADDRESS OUTPUT_ADDRESS`` (EngineCoreClient runs it)."""
+    config_path, input_address, output_address = argv
+    with open(config_path, "rb") as f:
+        config, progress = pickle.load(f)
+    run_engine_core(config, input_address, output_address, progress)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

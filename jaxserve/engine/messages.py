@@ -1,0 +1,84 @@
+"""The messages between the front end and the engine core process (msgspec Structs, msgpack on ZMQ sockets).
+
+Front end → core: ``EngineCoreRequest`` (a validated request; ``AddRequests``: several), ``AbortRequests``, ``EmbedCall``, ``Shutdown``.
+Core → front end: ``EngineCoreOutputs`` (one per step: each request's new token ids, finish status, raw
+logprobs, and the core's stats), ``EmbedResult``, ``CoreReady`` (once, after load and warm-up), ``CoreFailed``.
+No text crosses: the front end detokenizes, matches stop strings and builds the RequestOutputs. Structs are
+``array_like`` (encoded as msgpack arrays, not maps) and tagged, so one decoder reads any message of a side.
+
+The sampling parameters travel pickled (a dataclass with derived, non-init fields; once per request, not per
+step); so do the facts of ``CoreReady`` (the tokenizer, the model config: once per process).
+"""
+from __future__ import annotations
+
+import msgspec
+
+# Raw logprobs of one sampled position, as the runner reads them: (logprob, rank, top ids, top logprobs).
+RawLogprobs = tuple[float, int, list[int], list[float]]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: bytes            # pickle of the SamplingParams the front end validated
+    arrival_time: float
+    sampling_seed: int
+
+
+class AddRequests(msgspec.Struct, array_like=True, tag=True, gc=False):
+    """Several requests the core queues before its next step (LLM.generate's batch: the core schedules it
+    as the in-process engine would, not split by when each message arrived)."""
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag=True, gc=False):
+    request_ids: list[str]
+
+
+class EmbedCall(msgspec.Struct, array_like=True, tag=True, gc=False):
+    call_id: int
+    prompt_token_ids: list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    dimensions: int | None = None
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag=True, gc=False):
+    pass
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's news from one step. ``finish_status``: a finished RequestStatus value (0 = running);
+    ``stop_reason``: the stop token id (None for EOS); ``logprobs``: one RawLogprobs per new token, when the
+    request asked for them; the rest are sent once, with the request's first output."""
+    request_id: str
+    new_token_ids: list[int]
+    finish_status: int = 0
+    stop_reason: int | None = None
+    logprobs: list[RawLogprobs] | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    prompt_logprobs: list[RawLogprobs | None] | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True, gc=False):
+    outputs: list[EngineCoreOutput]
+    stats: dict | None = None           # the core's LLMEngine.stats(), every step
+
+
+class EmbedResult(msgspec.Struct, array_like=True, tag=True, gc=False):
+    call_id: int
+    embeddings: bytes | None = None     # pickle of the list of vectors
+    error: bytes | None = None          # pickle of the exception
+
+
+class CoreReady(msgspec.Struct, array_like=True, tag=True, gc=False):
+    facts: bytes                        # pickle of core.EngineFacts
+
+
+class CoreFailed(msgspec.Struct, array_like=True, tag=True, gc=False):
+    error: str                          # what stopped the core, for the front end's error messages
+    exception: bytes | None = None      # pickle of the exception, when it pickles (a load error: re-raised)
+
+
+ToCore = EngineCoreRequest | AddRequests | AbortRequests | EmbedCall | Shutdown
+FromCore = EngineCoreOutputs | EmbedResult | CoreReady | CoreFailed

@@ -3,9 +3,12 @@
 #   offline   the three h200-llama8b offline configs (HF side by side), one process: one engine load + warm-up
 #   serve     h200-llama8b-serve-sweep (its own process: the server needs the GPU to itself)
 #   kernels   h200-kernels; bandwidth: the read and copy ceilings of configs/hardware/h200.yaml; ab OLD: below
+#   split     the engine core in the caller's process (JAXSERVE_ENABLE_MULTIPROCESSING=0, old) vs its own (=1, new),
+#             interleaved: h200-llama8b-decode old/new, then h200-llama8b-serve-sweep at concurrency 1 and 256 old/new
+#             (warm compile cache: ~8 minutes; split-decode / split-serve: one half each)
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|embed|gpucheck|stepdiag|tp2|carcheck ...]
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|embed|gpucheck|stepdiag|tp2|carcheck ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
 # old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
@@ -96,8 +99,56 @@ for name in ("h200-llama8b-latency-bs1", "h200-llama8b-throughput"):
 EOF
 }
 
+split_ab() {   # split_ab decode|serve: one config with the engine core in-process (old) and in its own process (new)
+  local what=$1 cfg
+  if [ "$what" = decode ]; then
+    cfg=(--config h200-llama8b-decode --set baseline.hf=false --no-plots)
+  else
+    cfg=(--config h200-llama8b-serve-sweep --set "workload.sweep.max_concurrency=[1, 256]"
+         --set "workload.num_prompts=[16, 512]" --no-plots)
+  fi
+  for side in old new; do
+    local mp=0 t0=$SECONDS; [ $side = new ] && mp=1
+    echo "=== split $what, $side (JAXSERVE_ENABLE_MULTIPROCESSING=$mp): benchmarks.runner ${cfg[*]}" | tee -a "$SUMMARY"
+    JAXSERVE_ENABLE_MULTIPROCESSING=$mp timeout --kill-after=20 "${SPLIT_LIMIT_S:-270}" \
+      "$PY" -m benchmarks.runner --out "$RESULTS/split-$what-$side" "${cfg[@]}" > "$RESULTS/split-$what-$side.log" 2>&1
+    echo "(exit $?, $((SECONDS - t0)) s)" >> "$SUMMARY"
+  done
+  split_table "$what" | tee -a "$SUMMARY"
+}
+
+split_table() {   # old (one process) / new (engine core in its own) for the split step's results
+  "$PY" - "$RESULTS" "$1" <<'EOF'
+import glob, json, sys
+root, what = sys.argv[1], sys.argv[2]
+def load(side):
+    files = sorted(glob.glob(f"{root}/split-{what}-{side}/*/result.json"))
+    return json.load(open(files[-1])) if files else None
+res = {side: load(side) for side in ("old", "new")}
+if what == "decode":
+    print("| h200-llama8b-decode | output tok/s | runner host ms/step | engine host ms/step | device ms/step |\n|---|---|---|---|---|")
+    for side, r in res.items():
+        if r is None:
+            print(f"| {side} | (no result) | | | |"); continue
+        j = r["jaxserve"]; st = j.get("engine_steps") or {}
+        f = lambda k: f"{st[k]:.2f}" if st.get(k) is not None else "-"
+        print(f"| {side} | {j['output_tok_per_s']:.1f} | {f('host_ms_per_step')} | {f('engine_host_ms_per_step')} | {f('device_ms_per_step')} |")
+else:
+    print("| h200-llama8b-serve-sweep | concurrency | output tok/s | TPOT p50 ms | TTFT p50 ms | failed |\n|---|---|---|---|---|---|")
+    for side, r in res.items():
+        if r is None:
+            print(f"| {side} | (no result) | | | | |"); continue
+        for p in r.get("points", []):
+            print(f"| {side} | {p['max_concurrency']} | {p['output_throughput']:.1f} | {p['tpot_ms']['p50']:.1f} | "
+                  f"{p['ttft_ms']['p50']:.1f} | {p['failed']} |")
+EOF
+}
+
 for step in "${STEPS[@]}"; do
   case $step in
+    split)        split_ab decode; split_ab serve ;;
+    split-decode) split_ab decode ;;
+    split-serve)  split_ab serve ;;
     offline)   bench "${OFFLINE_LIMIT_S:-300}" offline --config h200-llama8b-latency-bs1 \
                  --config h200-llama8b-throughput --config h200-llama8b-decode ;;
     serve)     bench "${SERVE_LIMIT_S:-240}" serve --config h200-llama8b-serve-sweep ;;
@@ -130,7 +181,7 @@ for step in "${STEPS[@]}"; do
                  timeout "${CARCHECK_ENGINE_S:-200}" "$PY" benchmarks/diagnostics/custom_allreduce_probe.py \
                    --engine llama-3.2-1b --dtype "$dt" 2>&1 | tee -a "$RESULTS/carcheck.log" | grep -E '^\||^#|Error' >> "$SUMMARY"
                done ;;
-    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, embed, gpucheck, stepdiag, tp2, carcheck)" >&2; exit 2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, embed, gpucheck, stepdiag, tp2, carcheck)" >&2; exit 2 ;;
   esac
 done
 

@@ -52,6 +52,8 @@ class EngineCache:
         return self.llm
 
     def close(self):
+        if self.llm is not None:
+            self.llm.shutdown()               # a split engine's core process lets go of the accelerator
         self.llm, self.key = None, None
         gc.collect()
 

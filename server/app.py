@@ -257,7 +257,8 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
              facts.model_source, facts.load_format, facts.dtype_name, serving.max_model_len,
              stats.get("num_kv_blocks", "?"), facts.config.cache.block_size, facts.load_seconds,
              facts.warmup_seconds, time.monotonic() - t0,
-             "in its own process" if engine.multiprocess else "in this process")
+             f"in its own process (pid {engine.engine.client.process.pid})" if engine.multiprocess
+             else "in this process")
 
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop", http="httptools",
                             log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_uvicorn_access_log,

@@ -1,7 +1,8 @@
 """Host (Python) time per engine step at many concurrent decodes, broken down by phase.
 
     .venv/bin/python benchmarks/diagnostics/host_overhead.py [--seqs 256] [--input-len 128] [--output-len 120]
-        [--layers N] [--mode sync|async|both] [--sampling greedy|random|both] [--profile FILE]
+        [--layers N] [--mode sync|async|both] [--sampling greedy|random|both] [--engine inproc|split|both]
+        [--profile FILE]
 
 A tiny Llama (tests/fixtures/models/tiny-llama3, or the same shape with --layers N and random weights, so
 the jitted step takes as many argument arrays as a real model) makes the device time negligible, so what
@@ -14,6 +15,12 @@ host ms/step = wall time of ``LLMEngine.step()`` minus the time it blocked waiti
 runner's ``stats.device_ms``, the wait inside ``collect``). ``sync`` drives ``LLMEngine.step()`` as
 ``LLM.generate`` does (FINAL_ONLY outputs); ``async`` goes through ``AsyncLLMEngine`` as the server does
 (DELTA outputs, one asyncio queue per request, consumed by 256 coroutines).
+
+``--engine split`` runs the same workloads with the engine core in its own process (``multiprocess=True``):
+its host ms/step is measured in the core from the raw totals each step's outputs carry (``step_ms_total``
+minus ``device_ms_total``, per steady-state step; ``loop`` adds the core's message handling, encoding and
+sending), and ``front`` is what the front end spends per step turning the core's outputs into
+RequestOutputs (detokenization, stop strings), in its own process, overlapped with the core's next step.
 """
 from __future__ import annotations
 
@@ -191,6 +198,93 @@ def run_async(llm, prompts, kind, output_len) -> dict:
     return res
 
 
+class CoreStepRecorder:
+    """Records the raw totals every EngineCoreOutputs carries (a split engine) and the front end's time per
+    step; ``summary`` takes the steady-state steps (all ``want`` requests decoding: ``want`` tokens)."""
+
+    def __init__(self, eng, want: int):
+        self.eng, self.want = eng, want
+        self.snaps: list[dict] = []
+        self.front: list[float] = []
+        self._recv = eng.client.recv
+        self._process = eng.output_processor.process_outputs
+        eng.client.recv = self.recv
+        eng.output_processor.process_outputs = self.process
+
+    def recv(self, timeout_s):
+        msg = self._recv(timeout_s)
+        st = getattr(msg, "stats", None)
+        if st and getattr(msg, "outputs", None):
+            self.snaps.append(dict(st))
+        return msg
+
+    def process(self, outs):
+        t0 = time.perf_counter()
+        res = self._process(outs)
+        if len(outs) == self.want:
+            self.front.append(time.perf_counter() - t0)
+        return res
+
+    def restore(self):
+        del self.eng.client.recv
+        del self.eng.output_processor.process_outputs
+
+    def summary(self, skip: int = 3) -> dict:
+        recs = []
+        for a, b in zip(self.snaps, self.snaps[1:]):
+            if b["steps"] - a["steps"] == 1 and b["tokens_total"] - a["tokens_total"] == self.want \
+                    and b["num_running"] == self.want:
+                dev = b["device_ms_total"] - a["device_ms_total"]
+                wall = b["step_ms_total"] - a["step_ms_total"]
+                recs.append({"wall": wall, "device_wait": dev, "host": wall - dev,
+                             "loop_host": b["core_loop_ms_total"] - a["core_loop_ms_total"] - dev})
+        recs = recs[skip:] or recs
+        if not recs:
+            return {"steady_steps": 0}
+        med = {k: round(float(np.median([r[k] for r in recs])), 3) for k in recs[0]}
+        # loop_host lags one step (each message carries the loop time up to the previous step): fine in steady state
+        med["front"] = round(float(np.median(self.front[skip:] or self.front)) * 1e3, 3) if self.front else None
+        return {"steady_steps": len(recs), **med}
+
+
+def run_split_sync(llm, prompts, kind, output_len) -> dict:
+    from jaxserve.sampling_params import RequestOutputKind
+    eng = llm.engine
+    rec = CoreStepRecorder(eng, len(prompts))
+    params = make_params(kind, output_len, RequestOutputKind.FINAL_ONLY)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    rec.restore()
+    return {**rec.summary(), "output_tok_s": round(sum(len(o.outputs[0].token_ids) for o in outs) / dt, 1)}
+
+
+def run_split_async(llm, prompts, kind, output_len) -> dict:
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+    from jaxserve.sampling_params import RequestOutputKind
+    eng = llm.engine
+    front = AsyncLLMEngine(eng.config, engine=eng)
+    rec = CoreStepRecorder(eng, len(prompts))
+
+    async def one(i, p):
+        n = 0
+        async for out in front.generate(p, make_params(kind, output_len, RequestOutputKind.DELTA), f"a{i}"):
+            n += len(out.outputs[0].token_ids)
+        return n
+
+    async def main():
+        return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    t0 = time.perf_counter()
+    n_out = asyncio.run(main())
+    dt = time.perf_counter() - t0
+    rec.restore()
+    front._stop.set()                       # stop its reader thread; the core stays up for the next run
+    front._thread.join()
+    eng._reader_thread = None
+    return {**rec.summary(), "output_tok_s": round(n_out / dt, 1)}
+
+
 def restore(eng, timer):
     """Drop the timing wrappers (instance attributes) so the next run starts clean."""
     for obj, attrs in ((eng.scheduler, ("schedule", "update_from_output")),
@@ -211,6 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--mode", choices=("sync", "async", "both"), default="both")
     ap.add_argument("--sampling", choices=("greedy", "random", "both"), default="both")
+    ap.add_argument("--engine", choices=("inproc", "split", "both"), default="both",
+                    help="the engine core in this process, in its own (multiprocess=True), or both")
     ap.add_argument("--profile", default=None, help="after the table, cProfile the steady-state steps of one "
                                                    "more sync run into this file and print the top functions")
     ap.add_argument("--json", default=None)
@@ -221,36 +317,62 @@ def main(argv=None) -> int:
 
     max_len = a.input_len + a.output_len
     folder, fmt = model_folder(a.layers, max_len)
-    llm = LLM(folder, load_format=fmt, tokenizer=TOKENIZER, dtype="float32", max_model_len=max(256, max_len),
-              max_num_seqs=a.seqs, max_num_batched_tokens=a.max_num_batched_tokens, compilation_cache_dir="",
-              kv_cache_memory_bytes=1 << 30, use_tqdm_on_load=False)
-    rng = np.random.default_rng(0)
-    vocab = llm.engine.model_config.vocab_size
+    opts = dict(load_format=fmt, tokenizer=TOKENIZER, dtype="float32", max_model_len=max(256, max_len),
+                max_num_seqs=a.seqs, max_num_batched_tokens=a.max_num_batched_tokens, compilation_cache_dir="",
+                kv_cache_memory_bytes=1 << 30)
     modes = ("sync", "async") if a.mode == "both" else (a.mode,)
     kinds = ("greedy", "random") if a.sampling == "both" else (a.sampling,)
+    engines = ("inproc", "split") if a.engine == "both" else (a.engine,)
     rows = []
-    for mode in modes:
-        for kind in kinds:
-            prompts = [rng.integers(3, vocab, size=a.input_len).tolist() for _ in range(a.seqs)]
-            if mode == "sync":
-                res = run_sync(llm, prompts, kind, a.output_len)
-            else:
-                res = run_async(llm, prompts, kind, a.output_len)
-            res = {"mode": mode, "sampling": kind, **res}
-            rows.append(res)
-            print(json.dumps(res), flush=True)
+    llm = None
+    for engine in engines:
+        rng = np.random.default_rng(0)
+        if engine == "inproc":
+            llm = LLM(folder, use_tqdm_on_load=False, multiprocess=False, **opts)
+            vocab = llm.engine.model_config.vocab_size
+        else:
+            split = LLM(folder, use_tqdm_on_load=False, multiprocess=True, **opts)
+            vocab = split.engine.model_config.vocab_size
+        for mode in modes:
+            for kind in kinds:
+                prompts = [rng.integers(3, vocab, size=a.input_len).tolist() for _ in range(a.seqs)]
+                if engine == "inproc":
+                    res = (run_sync if mode == "sync" else run_async)(llm, prompts, kind, a.output_len)
+                elif mode == "sync":
+                    res = run_split_sync(split, prompts, kind, a.output_len)
+                else:
+                    res = run_split_async(split, prompts, kind, a.output_len)
+                res = {"engine": engine, "mode": mode, "sampling": kind, **res}
+                rows.append(res)
+                print(json.dumps(res), flush=True)
+        if engine == "split":
+            split.shutdown()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     print(f"\n{time.strftime('%Y-%m-%d')} commit {commit}, {platform.machine()} x{os.cpu_count()} CPUs, "
           f"jax {jax.__version__} ({jax.default_backend()}), {a.seqs} seqs, layers {a.layers or 2}")
     cols = ["host", "wall", *PHASES]
-    print("| mode | sampling | " + " | ".join(cols) + " | out tok/s |")
-    print("|" + "---|" * (len(cols) + 3))
-    for r in rows:
-        print(f"| {r['mode']} | {r['sampling']} | " + " | ".join(f"{r[c]:.2f}" for c in cols)
-              + f" | {r['output_tok_s']:.0f} |")
-    print("(ms per steady-state step, medians; host = wall - device_wait)")
-    if a.profile:       # a separate run (cProfile slows the host down): sync, the first sampling kind
+    inproc_rows = [r for r in rows if r["engine"] == "inproc"]
+    if inproc_rows:
+        print("| mode | sampling | " + " | ".join(cols) + " | out tok/s |")
+        print("|" + "---|" * (len(cols) + 3))
+        for r in inproc_rows:
+            print(f"| {r['mode']} | {r['sampling']} | " + " | ".join(f"{r[c]:.2f}" for c in cols)
+                  + f" | {r['output_tok_s']:.0f} |")
+        print("(in-process engine; ms per steady-state step, medians; host = wall - device_wait)")
+    split_rows = [r for r in rows if r["engine"] == "split"]
+    if split_rows:
+        cols = ["host", "loop_host", "wall", "device_wait", "front"]
+        print("\n| mode | sampling | core " + " | core ".join(cols[:-1]) + " | front | steady steps | out tok/s |")
+        print("|" + "---|" * (len(cols) + 4))
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"      # noqa: E731
+        for r in split_rows:
+            print(f"| {r['mode']} | {r['sampling']} | " + " | ".join(fmt(r.get(c)) for c in cols)
+                  + f" | {r['steady_steps']} | {r['output_tok_s']:.0f} |")
+        print("(engine core in its own process; ms per steady-state step, medians; core host = its step() wall "
+              "- device_wait; loop_host adds its messages, encoding, sending; front = the front end's output "
+              "processing per step, in the other process)")
+    if a.profile and llm is not None:       # a separate run (cProfile slows the host down): sync, the first sampling kind
         prompts = [rng.integers(3, vocab, size=a.input_len).tolist() for _ in range(a.seqs)]
         run_sync(llm, prompts, kinds[0], a.output_len, profile=a.profile)
         print()

@@ -57,7 +57,8 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True, engine: LLMEngine | None = None,
                  multiprocess: bool | None = None):
         from jaxserve.engine.core_client import MultiprocessLLMEngine, use_multiprocess
-        self.multiprocess = engine is None and use_multiprocess(multiprocess, default=False)
+        self.multiprocess = (getattr(engine, "multiprocess", False) if engine is not None
+                             else use_multiprocess(multiprocess, default=False))
         if engine is not None:
             self.engine = engine
         elif self.multiprocess:

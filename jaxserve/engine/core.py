@@ -76,10 +76,12 @@ class EngineCoreLoop:
         self.decoder = msgspec.msgpack.Decoder(m.ToCore)
         self.parent = os.getppid()
         self.running = True
+        self.loop_ms = 0.0                  # wall time of the iterations that stepped, summed
 
     def run(self) -> None:
         import zmq
         eng, inbox = self.engine, self.inbox
+        t0 = time.perf_counter()
         while self.running:
             if not eng.has_unfinished_requests():
                 # idle: block for the next message (waking now and then to notice a parent that died)
@@ -88,6 +90,7 @@ class EngineCoreLoop:
                         logger.info("the front end is gone; the engine core exits")
                         return
                     continue
+                t0 = time.perf_counter()
             handled = 0
             while True:                         # everything waiting, before the step
                 try:
@@ -103,7 +106,13 @@ class EngineCoreLoop:
                     self.outbox.send(self.encoder.encode(m.EngineCoreOutputs([], eng.stats())))
                 continue
             outputs = eng.step()
-            self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(outputs, eng.stats())), copy=False)
+            stats = eng.stats()
+            stats["core_loop_ms_total"] = self.loop_ms          # up to the previous step
+            self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(outputs, stats)), copy=False)
+            t1 = time.perf_counter()
+            # the loop's whole cost of a step: its messages, the step, encoding and sending its outputs
+            self.loop_ms += (t1 - t0) * 1e3
+            t0 = t1
 
     def add(self, msg: m.EngineCoreRequest) -> None:
         eng = self.engine

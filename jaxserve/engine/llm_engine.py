@@ -204,6 +204,7 @@ class LLMEngine(RequestBuilder):
         self._in_flight: deque[_InFlight] = deque()
         self._lookahead = 1 if config.async_scheduling else 0
         self._scorer = None
+        self._step_ms = 0.0                       # wall time inside step(), summed (host + device waits)
         self.warmup_seconds = 0.0
         self._multi_process = jax.process_count() > 1
         self.embedder = self.runner = self.scheduler = self.kv_manager = None
@@ -297,9 +298,11 @@ class LLMEngine(RequestBuilder):
         step N has computed one token too many in N+1 (up to num_steps with multi-step): the processor drops
         it. Without async scheduling each step is read before step() returns.
         """
+        t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         outputs = self._dispatch(scheduler_output)
         outputs += self._process_in_flight(keep=self._lookahead if scheduler_output.scheduled else 0)
+        self._step_ms += (time.perf_counter() - t0) * 1e3
         return outputs
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
@@ -378,7 +381,11 @@ class LLMEngine(RequestBuilder):
         if self.scheduler is None:
             return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
         s = dict(self.scheduler.get_stats())
-        s.update(self.runner.stats.snapshot())
+        rs = self.runner.stats
+        s.update(rs.snapshot())
+        # raw totals, so a benchmark can diff a window: host ms/step = (step_ms - device_ms) / steps
+        s.update(step_ms_total=self._step_ms, runner_host_ms_total=rs.host_ms, device_ms_total=rs.device_ms,
+                 tokens_total=rs.tokens)
         s["num_kv_blocks"] = self.runner.num_blocks
         s.update(self.structured_output.stats())
         return s

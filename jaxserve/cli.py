@@ -187,7 +187,7 @@ def cmd_generate(a) -> int:
             print(f"### prompt: {p!r}" + (f" (completion {o.index})" if len(out.outputs) > 1 else ""))
             print(o.text.strip() if a.chat else o.text)
             print(f"### finish_reason={o.finish_reason} tokens={len(o.token_ids)}", file=sys.stderr)
-    release_followers = getattr(llm.engine.runner, "stop", None)    # BroadcastingRunner (jax.distributed)
+    release_followers = getattr(getattr(llm.engine, "runner", None), "stop", None)    # BroadcastingRunner
     if release_followers is not None:
         release_followers()
     return 0

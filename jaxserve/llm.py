@@ -62,7 +62,7 @@ class LLM:
         from jaxserve.engine.core_client import MultiprocessLLMEngine, use_multiprocess
         from jaxserve.engine.llm_engine import LLMEngine
         config = engine_config or engine_config_from_kwargs(model, **kwargs)
-        self.multiprocess = use_multiprocess(multiprocess, default=False)
+        self.multiprocess = use_multiprocess(multiprocess, default=False, config=config)
         engine_class = MultiprocessLLMEngine if self.multiprocess else LLMEngine
         self.engine = engine_class(config, progress=use_tqdm_on_load)
         self.tokenizer = self.engine.tokenizer

@@ -243,7 +243,8 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
     sock = _bind(server_args.host, server_args.port)
     t0 = time.monotonic()
     try:
-        engine = AsyncLLMEngine(engine_config, multiprocess=use_multiprocess(None, default=True))
+        engine = AsyncLLMEngine(engine_config, multiprocess=use_multiprocess(None, default=True,
+                                                                             config=engine_config))
     except ModelLoadError as e:
         sock.close()
         print(f"jaxserve serve: {e}", file=sys.stderr)

@@ -58,7 +58,7 @@ class AsyncLLMEngine:
                  multiprocess: bool | None = None):
         from jaxserve.engine.core_client import MultiprocessLLMEngine, use_multiprocess
         self.multiprocess = (getattr(engine, "multiprocess", False) if engine is not None
-                             else use_multiprocess(multiprocess, default=False))
+                             else use_multiprocess(multiprocess, default=False, config=config))
         if engine is not None:
             self.engine = engine
         elif self.multiprocess:

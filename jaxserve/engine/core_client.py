@@ -285,11 +285,22 @@ class MultiprocessLLMEngine(RequestBuilder):
         self.client.close(timeout_s)
 
 
-def use_multiprocess(explicit: bool | None, default: bool) -> bool:
+def use_multiprocess(explicit: bool | None, default: bool, config=None) -> bool:
     """Whether a front end runs the engine core in its own process: ``explicit`` if given, else
-    JAXSERVE_ENABLE_MULTIPROCESSING if set, else ``default``."""
+    JAXSERVE_ENABLE_MULTIPROCESSING if set, else ``default``; never for an engine spread over several JAX
+    processes (``config.parallel``: those processes follow the one that schedules)."""
     from jaxserve import envs
-    if explicit is not None:
-        return explicit
-    env = envs.JAXSERVE_ENABLE_MULTIPROCESSING
-    return default if env is None else env
+    if explicit is None:
+        env = envs.JAXSERVE_ENABLE_MULTIPROCESSING
+        wanted = default if env is None else env
+    else:
+        wanted = explicit
+    par = getattr(config, "parallel", None)
+    if wanted and par is not None and (par.num_processes > 1 or par.distributed_coordinator
+                                       or par.distributed_executor_backend != "uni"):
+        if explicit:
+            raise ValueError("the engine core runs in its own process only when the model is in one JAX process "
+                             "(not with --num-processes / --distributed-executor-backend mp)")
+        logger.info("the engine spans several JAX processes: its core stays in this process")
+        return False
+    return wanted

@@ -1,6 +1,8 @@
 """The engine: requests in, ``step()`` = schedule → dispatch → process the previous step's outputs → outputs out.
 
-Single-threaded. Used directly by the offline ``LLM`` class and, on a background thread, by the async front.
+Single-threaded. Used directly by the offline ``LLM`` class and, on a background thread, by the async front;
+with ``core_outputs=True`` it is the engine core of a split engine (``jaxserve.engine.core``, its own process:
+no text, compact per-step outputs), and ``core_client.MultiprocessLLMEngine`` is its front end.
 The roles, in vLLM v1's shape: the engine boundary (``make_request``) validates a request once and builds its
 ``Request``, the one object holding its state; the scheduler picks each step's tokens and counts the tokens
 a dispatched step will sample as placeholders; the runner dispatches steps; the output processor reads

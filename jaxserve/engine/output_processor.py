@@ -280,7 +280,7 @@ class FrontendOutputProcessor:
                 req.status = status
                 req.stop_reason = reason
                 metrics.finished_time = now
-                del requests[req.request_id]
+                requests.pop(req.request_id, None)      # (an abort on another thread may have popped it)
                 outputs.append(OutputProcessor.make_output(req, finish_reason(status)))
             elif req.sampling_params.output_kind is not _FINAL_ONLY:
                 outputs.append(OutputProcessor.make_output(req, None))

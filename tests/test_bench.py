@@ -119,6 +119,15 @@ def test_sliding_window_layers_read_at_most_their_window():
     assert t < 0.8 * roofline.decode_steps_bound(all_global, H200, 64, 8192, steps)
 
 
+def test_throughput_roofline_waves_fit_the_kv_cache():
+    from types import SimpleNamespace
+    from benchmarks.offline import _kv_capacity_seqs
+    llm = SimpleNamespace(engine=SimpleNamespace(kv_manager=SimpleNamespace(block_size=16, num_usable_blocks=1000)))
+    assert _kv_capacity_seqs(llm, 1152) == 13            # 72 blocks a sequence
+    assert _kv_capacity_seqs(llm, 1153) == 13 and _kv_capacity_seqs(llm, 16) == 1000
+    assert _kv_capacity_seqs(SimpleNamespace(), 1152) is None
+
+
 def test_roofline_refuses_what_it_cannot_count():
     with pytest.raises(ValueError, match="no roofline for BertModel"):
         roofline.model_cost(dataclasses.replace(LLAMA_31_8B, architecture="BertModel"))

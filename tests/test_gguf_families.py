@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -21,6 +22,9 @@ from jaxserve.models import configs as model_configs
 from jaxserve.models import loader
 from jaxserve.models.loader import SafetensorsFile, load_model
 from test_models import PagedRunner
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.models import resolve_model  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 
@@ -126,6 +130,8 @@ def test_gguf_loads_what_the_safetensors_give(name, tmp_path):
     logits = [PagedRunner(m, max_reqs=1, max_len=16).step([(0, prompt, 0)], 16, logits_rows=list(range(10)))
               for m in (want, got)]
     assert np.abs(logits[0] - logits[1]).max() <= 1e-5
+    # the benchmark harness reads the same config without loading the weights (its roofline counts)
+    assert resolve_model({"model": {"path": path, "name": None}})[0] == got.config
 
 
 def test_gguf_config_is_what_llama_cpp_implies():

@@ -214,7 +214,7 @@ class CoreStepRecorder:
     def recv(self, timeout_s):
         msg = self._recv(timeout_s)
         st = getattr(msg, "stats", None)
-        if st and getattr(msg, "outputs", None):
+        if st and "tokens_total" in st:     # every step's message (FINAL_ONLY requests: often no outputs)
             self.snaps.append(dict(st))
         return msg
 

@@ -200,15 +200,19 @@ def cmd_serve(a) -> int:
     return run_server(cfg, server_args_from_namespace(a)) or 0
 
 
-def cmd_bench(a, rest: list[str]) -> int:
+def cmd_bench(rest: list[str]) -> int:
+    """The config-driven benchmark of a source checkout (benchmarks/runner.py). Its workloads, model shapes and
+    hardware limits live in the checkout's benchmarks/ and configs/, which a package install does not carry,
+    so an installed jaxserve says where to run it instead of importing half of it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isdir(os.path.join(root, "benchmarks")) and root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        from benchmarks.runner import main as bench_main
-    except ImportError as e:
-        print(f"jaxserve bench: the benchmarks/ folder of a source checkout is needed ({e})", file=sys.stderr)
+    if not all(os.path.isdir(os.path.join(root, d)) for d in ("benchmarks", "configs")):
+        print("jaxserve bench runs the benchmarks of a source checkout (benchmarks/ and configs/ are not "
+              "installed with the package): clone the repository, pip install -e it, and run "
+              "jaxserve bench from there", file=sys.stderr)
         return 2
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.runner import main as bench_main
     return bench_main(rest)
 
 
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if argv and argv[0] == "bench":
-        return cmd_bench(None, argv[1:])
+        return cmd_bench(argv[1:])
     parser = build_parser()
     if argv and argv[0] in parser._subparsers._group_actions[0].choices:
         _apply_yaml_config(parser._subparsers._group_actions[0].choices[argv[0]], argv[1:])

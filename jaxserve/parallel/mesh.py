@@ -1,6 +1,6 @@
 """The device mesh of tensor parallelism: one axis, ``"tp"``, and the shardings of what lives on it.
 
-Megatron layout (the model declares it per weight, see ``llama.param_partition_specs``): column-parallel
+Megatron layout (the model declares it per weight, see ``DecoderFamily.param_partition_specs``): column-parallel
 q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding and lm_head. Activations between layers and
 all step inputs are replicated; XLA inserts one all-reduce after attention and one after the MLP.
 
@@ -125,13 +125,13 @@ def adjust_spec_for_tp(name: str, spec: P, cfg, tp: int) -> P:
 
 
 def _is_kv_projection(name: str) -> bool:
-    """``layers.3.k`` / ``layers.3.v_bias`` (llama.param_shapes names) and HF-style ``k_proj``/``v_proj``."""
+    """``layers.3.k`` / ``layers.3.v_bias`` (``DecoderFamily.param_shapes`` names) and HF-style ``k_proj``/``v_proj``."""
     leaf = name.replace("/", ".").split(".")[-1]
     return leaf in ("k", "v", "k_bias", "v_bias", "k_proj", "v_proj")
 
 
 def param_shardings(specs: Any, mesh: Mesh, cfg=None) -> Any:
-    """``NamedSharding`` per weight from a pytree of ``PartitionSpec`` (``llama.param_partition_specs``).
+    """``NamedSharding`` per weight from a pytree of ``PartitionSpec`` (``DecoderFamily.param_partition_specs``).
 
     With ``cfg`` given, checks the heads split evenly and replicates k/v projections when tp > kv heads.
     """

@@ -195,10 +195,21 @@ def _is_shape(x) -> bool:
 
 
 class DecoderFamily:
-    """The functions the registry's decoder families expose, from a family's ``spec(cfg) -> DecoderSpec``."""
+    """A decoder family as the registry holds it: from its ``spec(cfg) -> DecoderSpec``, its ``check_config``
+    and its checkpoint names per layer weight (``checkpoint_names.LLAMA_LAYER`` by default; a dict or a
+    function of the config), the functions the loaders and the step call."""
 
-    def __init__(self, spec: Callable[[ModelConfig], DecoderSpec]):
+    def __init__(self, spec: Callable[[ModelConfig], DecoderSpec], check_config: Callable[[ModelConfig], None],
+                 layer_names: dict | Callable[[ModelConfig], dict] | None = None):
         self.spec = functools.lru_cache(maxsize=16)(spec)
+        self.check_config = check_config
+        self.layer_names = layer_names
+
+    def weight_plan(self, cfg: ModelConfig) -> list:
+        """``(param path, HF tensor names, build)`` per weight (``checkpoint_names.weight_plan``)."""
+        from jaxserve.models import checkpoint_names  # noqa: PLC0415
+        names = self.layer_names(cfg) if callable(self.layer_names) else self.layer_names
+        return checkpoint_names.weight_plan(self.param_shapes(cfg), names or checkpoint_names.LLAMA_LAYER)
 
     @functools.lru_cache(maxsize=16)  # noqa: B019  (one per family object, which lives as long as its module)
     def abstract(self, cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

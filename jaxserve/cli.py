@@ -217,17 +217,15 @@ def cmd_bench(rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxserve.models.orbax_io import add_convert_args
+    from jaxserve.server.args import add_server_args
     p = argparse.ArgumentParser(prog="python -m jaxserve", description="jaxserve: LLM inference on JAX/XLA")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model", nargs="?", default=None, help="model to serve (default: embedded SmolLM2)")
     add_engine_args(s)
-    try:
-        from jaxserve.server.args import add_server_args
-        add_server_args(s)
-    except ImportError:
-        pass
+    add_server_args(s)
 
     g = sub.add_parser("generate", help="generate completions offline and print them")
     add_engine_args(g)
@@ -242,12 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="config-driven benchmarks (see benchmarks/README.md)", add_help=False)
 
-    c = sub.add_parser("convert", help="write an orbax checkpoint of a model")
-    try:
-        from jaxserve.models.orbax_io import add_convert_args
-        add_convert_args(c)
-    except ImportError:
-        pass
+    add_convert_args(sub.add_parser("convert", help="write an orbax checkpoint of a model"))
     return p
 
 
@@ -266,11 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         from jaxserve.models.orbax_io import run_convert
         return run_convert(a) or 0
     _setup_distributed(a)
-    if a.command in ("generate", "serve") and _is_follower():
+    if _is_follower():
         return cmd_follow(a)
     if a.command == "generate":
         return cmd_generate(a)
-    if a.command == "serve":
-        return cmd_serve(a)
-    parser.error(f"unknown command {a.command}")
-    return 2
+    return cmd_serve(a)

@@ -189,19 +189,6 @@ def model_config_from_folder(folder: str) -> tuple[ModelConfig, dict, dict]:
     return model_config_from_hf(hf, gen), hf, gen
 
 
-def gguf_metadata(reader) -> dict[str, Any]:
-    """Scalar and string metadata of a ``gguf.GGUFReader`` (big arrays such as the vocabulary skipped)."""
-    from gguf import GGUFValueType
-
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 64:
-            out[key + "#count"] = len(field.data)
-            continue
-        out[key] = field.contents()
-    return out
-
-
 def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
     """``ModelConfig`` from GGUF metadata (llama.cpp's key names), the way transformers' GGUF loader reads it.
 

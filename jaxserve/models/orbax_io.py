@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import time
 from typing import Any
@@ -29,7 +28,6 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 
-logger = logging.getLogger(__name__)
 
 MARKER = "jaxserve_checkpoint.json"
 PARAMS_DIR = "params"

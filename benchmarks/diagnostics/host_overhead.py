@@ -65,13 +65,13 @@ class PhaseTimer:
         self._is_steady = False
         self.want = 0
         self._step = eng.step
+        self.wrapped: list[tuple[object, str, object]] = []     # (object, attribute, original): for restore
         r, s = eng.runner, eng.scheduler
         self._wrap(s, "schedule", "schedule", after=self._check_steady)
         self._wrap(r, "prepare", "prepare")
         self._wrap(r, "sampling_metadata", "sampling_metadata")
-        self.forward = r._forward
         self._wrap(r, "_forward", "dispatch_jit")
-        self.samplers = r._samplers
+        self.wrapped.append((r, "_samplers", r._samplers))
         r._samplers = {k: self._timed(f, "dispatch_jit") for k, f in r._samplers.items()}
         self._wrap(r, "dispatch", "dispatch")
         self._wrap(r, "collect", "collect")
@@ -91,7 +91,13 @@ class PhaseTimer:
         return wrapper
 
     def _wrap(self, obj, attr, name, after=None):
+        self.wrapped.append((obj, attr, getattr(obj, attr)))
         setattr(obj, attr, self._timed(getattr(obj, attr), name, after))
+
+    def restore(self) -> None:
+        """Put the wrapped attributes back, so the next run starts clean."""
+        for obj, attr, original in reversed(self.wrapped):
+            setattr(obj, attr, original)
 
     def _check_steady(self, sched):
         self._is_steady = (len(sched.scheduled) == self.want and sched.num_decodes == self.want)
@@ -158,7 +164,7 @@ def run_sync(llm, prompts, kind, output_len, profile=None) -> dict:
         prof.dump_stats(profile)
     res = timer.summary()
     res["output_tok_s"] = round(n_out / dt, 1)
-    restore(eng, timer)
+    timer.restore()
     return res
 
 
@@ -187,19 +193,8 @@ def run_async(llm, prompts, kind, output_len) -> dict:
     del eng.step
     res = timer.summary()
     res["output_tok_s"] = round(n_out / dt, 1)
-    restore(eng, timer)
+    timer.restore()
     return res
-
-
-def restore(eng, timer):
-    """Drop the timing wrappers (instance attributes) so the next run starts clean."""
-    for obj, attrs in ((eng.scheduler, ("schedule", "update_from_output")),
-                       (eng.runner, ("prepare", "sampling_metadata", "dispatch", "collect")),
-                       (eng, ("_process_in_flight",))):
-        for a in attrs:
-            del obj.__dict__[a]
-    eng.runner._forward = timer.forward
-    eng.runner._samplers = timer.samplers
 
 
 def main(argv=None) -> int:

@@ -93,7 +93,7 @@ def test_server_serves_a_family():
     """``python -m jaxserve serve <Gemma 2 checkpoint>``: an OpenAI completion from token ids gives HF's tokens
     (the tiny model's vocabulary is too small for text prompts)."""
     import httpx
-    from test_server_e2e import ROOT, ServerProcess
+    from server_process import ROOT, ServerProcess
 
     from jaxserve.models.loader import embedded_tokenizer
 

@@ -53,8 +53,13 @@ def resolve_model(cfg: dict):
     if not str(path).endswith(".gguf") or not Path(path).is_file():
         raise ValueError(f"model {path!r}: expected an HF folder, a .gguf file or a configs/models name")
     from jaxserve.models.gguf_file import GGUFFile
-    reader = GGUFFile(str(path))
-    mc = model_config_from_gguf(reader.metadata(), {t.name for t in reader.tensors})
+    from jaxserve.models.loader import gguf_hf_config, gguf_rope_freqs
+    reader = GGUFFile(path)
+    names = {t.name for t in reader.tensors}
+    hf = gguf_hf_config(reader.fields, names, reader)      # the architectures read through their HF config
+    if hf is not None:
+        return model_config_from_hf(hf), hf
+    mc = model_config_from_gguf(reader.metadata(), names, rope_freqs=gguf_rope_freqs(reader))
     return mc, hf_config_from_model_config(mc)
 
 

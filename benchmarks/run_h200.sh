@@ -154,11 +154,11 @@ for step in "${STEPS[@]}"; do
                bench "${TP2_LIMIT_S:-240}" tp2 --config h200-llama8b-latency-bs1 --config h200x2-llama8b-tp2 \
                  --set baseline.hf=false ;;
     carcheck)  needs_2_gpus carcheck || continue
-               diag "${CARCHECK_PROBE_S:-150}" carcheck '^\||Error|mismatch' benchmarks/diagnostics/custom_allreduce_probe.py \
-                 --processes 2 --fused --tokens 1 4 8 128
+               diag "${CARCHECK_PROBE_S:-150}" carcheck '^\||Error|mismatch' \
+                 benchmarks/diagnostics/custom_allreduce_probe.py --processes 2 --fused --tokens 1 4 8 128
                for dt in float32 bfloat16; do
-                 diag "${CARCHECK_ENGINE_S:-200}" "carcheck-$dt" '^\||^#|Error' benchmarks/diagnostics/custom_allreduce_probe.py \
-                   --engine llama-3.2-1b --dtype "$dt"
+                 diag "${CARCHECK_ENGINE_S:-200}" "carcheck-$dt" '^\||^#|Error' \
+                   benchmarks/diagnostics/custom_allreduce_probe.py --engine llama-3.2-1b --dtype "$dt"
                done ;;
     families)  families latency h200-family-latency-bs1 "${FAMILY_LIMIT_S:-200}" ;;
     families-throughput) families throughput h200-family-throughput "${FAMILY_THROUGHPUT_LIMIT_S:-240}" ;;

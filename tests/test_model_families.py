@@ -136,7 +136,7 @@ def test_shipped_dummy_configs(name, architecture, billions, windows):
     shapes = jax.tree.leaves(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     assert arch == architecture
     assert sum(int(np.prod(s)) for s in shapes) / 1e9 == pytest.approx(billions, abs=0.01)
-    spec = family.spec(cfg)
+    spec = family.decoder_spec(cfg)
     assert set(spec.windows) == windows
     if name == "gemma-3-12b":   # five local layers to one global, the local ones on their own RoPE base
         assert spec.windows[:6] == (1024,) * 5 + (None,) and spec.layer_rotary[:6] == (1,) * 5 + (0,)
@@ -155,7 +155,7 @@ def test_gemma3_multimodal_config_serves_its_text_model():
     text_only = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / "gemma-3-12b.json")))
     _, family = registry.resolve_architecture(cfg.architecture)
     assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.eos_token_ids == (1, 106)
-    assert family.spec(cfg) == family.spec(text_only)
+    assert family.decoder_spec(cfg) == family.decoder_spec(text_only)
     assert family.param_shapes(cfg) == family.param_shapes(text_only)
 
 
@@ -174,7 +174,7 @@ def test_configs_a_family_would_get_wrong_are_refused(name, change, field):
         cfg = model_config_from_hf(hf)
         _, family = registry.resolve_architecture(hf["architectures"])
         family.check_config(cfg)
-        family.spec(cfg)
+        family.decoder_spec(cfg)
 
 
 # --------------------------------------------------------------------------------------------- kernels

@@ -208,13 +208,13 @@ def _is_shape(x) -> bool:
 
 
 class DecoderFamily:
-    """A decoder family as the registry holds it: from its ``spec(cfg) -> DecoderSpec``, its ``check_config``
-    and its checkpoint names per layer weight (``checkpoint_names.LLAMA_LAYER`` by default; a dict or a
-    function of the config), the functions the loaders and the step call."""
+    """A decoder family as the registry holds it: from its ``decoder_spec(cfg) -> DecoderSpec``, its
+    ``check_config`` and its checkpoint names per layer weight (``checkpoint_names.LLAMA_LAYER`` by default; a
+    dict or a function of the config), the functions the loaders and the step call."""
 
     def __init__(self, spec: Callable[[ModelConfig], DecoderSpec], check_config: Callable[[ModelConfig], None],
                  layer_names: dict | Callable[[ModelConfig], dict] | None = None):
-        self.spec = functools.lru_cache(maxsize=16)(spec)
+        self.decoder_spec = functools.lru_cache(maxsize=16)(spec)
         self.check_config = check_config
         self.layer_names = layer_names
 
@@ -227,7 +227,7 @@ class DecoderFamily:
     @functools.lru_cache(maxsize=16)  # noqa: B019  (one per family object, which lives as long as its module)
     def abstract(self, cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
         """(graph definition, abstract state) of the model of ``cfg``: no weight is allocated."""
-        return nnx.split(nnx.eval_shape(lambda: DecoderModel(cfg, self.spec(cfg))))
+        return nnx.split(nnx.eval_shape(lambda: DecoderModel(cfg, self.decoder_spec(cfg))))
 
     def _metadata(self, cfg: ModelConfig, fn: Callable[[nnx.Variable], object]) -> dict:
         _, state = self.abstract(cfg)
@@ -253,7 +253,7 @@ class DecoderFamily:
 
     def compute_logits(self, params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
         """``hidden [N, hidden_size]`` → logits ``[N, vocab]`` in float32 (float32 accumulation)."""
-        spec = self.spec(cfg)
+        spec = self.decoder_spec(cfg)
         if cfg.tie_word_embeddings:
             logits = jnp.einsum("nh,vh->nv", hidden, params["embed"], preferred_element_type=jnp.float32)
         else:

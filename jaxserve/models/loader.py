@@ -345,6 +345,9 @@ _BUILDS = {
     "t": lambda w: w.T,
     "stack_t": lambda g, u: jnp.stack([g.T, u.T], axis=1),
     "fused_gate_up_t": lambda w: w.reshape(2, w.shape[0] // 2, w.shape[1]).transpose(2, 0, 1),
+    # MoE: per-expert HF tensors stacked on a leading expert axis
+    "experts_stack_t": lambda *gu: jnp.stack([jnp.stack([g.T, u.T], axis=1) for g, u in zip(gu[::2], gu[1::2])]),
+    "experts_t": lambda *ws: jnp.stack([w.T for w in ws]),
 }
 
 
@@ -369,7 +372,9 @@ def _hf_spec(kind, spec):
         if spec[1] is not None:
             raise ValueError(f"gate/up stack axis cannot be sharded ({P(*spec)})")
         return P(spec[2], spec[0])
-    return P()
+    if kind in ("experts_stack_t", "experts_t") and spec[0] is None:   # experts tensor parallel: [out, in] slices
+        return P(spec[-1], spec[1])
+    return P()              # expert parallel: each expert's tensor goes whole to the devices that own it
 
 
 def _tree_get(tree, path):

@@ -72,7 +72,8 @@ def test_moe_stacks_experts_at_load(tiny):
         assert layer0["shared_gate"].shape == (h, 1)
 
 
-@pytest.mark.parametrize("name", MOE)
+# Mixtral in the default run, the Qwen families (whose paged greedy decoding the tests above check) with the slow ones
+@pytest.mark.parametrize("name", [n if n == "tiny-mixtral" else pytest.param(n, marks=pytest.mark.slow) for n in MOE])
 def test_moe_engine_greedy_matches_hf(name):
     """Through the engine: the prompt three times among others, prefix caching, 8-token chunks, and a block
     pool small enough that the scheduler preempts."""
@@ -88,3 +89,39 @@ def test_moe_engine_greedy_matches_hf(name):
     assert llm.engine.scheduler.get_stats()["num_preemptions"] > 0
     for i in (0, 2, 4):
         assert outs[i].outputs[0].token_ids == golden["greedy_ids"], f"{name}: copy {i} differs from HF"
+
+
+@pytest.mark.parametrize("name,architecture,billions,experts,top_k,renormalize,shared", [
+    ("mixtral-8x7b", "MixtralForCausalLM", 46.70, 8, 2, True, None),
+    ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 30.53, 128, 8, True, None),
+    ("qwen2-moe-a2.7b", "Qwen2MoeForCausalLM", 14.32, 60, 4, False, 5632),
+])
+def test_moe_dummy_configs(name, architecture, billions, experts, top_k, renormalize, shared):
+    """The public configs' parameter counts and routing; expert parallelism shards the expert axis and needs
+    the experts to divide the devices."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.models import registry
+    from jaxserve.models.configs import model_config_from_hf, read_json
+    from jaxserve.models.layers.moe import with_expert_parallel
+    from jaxserve.models.loader import DUMMY_CONFIG_DIR
+    from jaxserve.parallel import check_tp_compatible
+
+    cfg = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / f"{name}.json")))
+    arch, family = registry.resolve_architecture(cfg.architecture)
+    family.check_config(cfg)
+    shapes = jax.tree.leaves(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    assert arch == architecture
+    assert sum(int(np.prod(s)) for s in shapes) / 1e9 == pytest.approx(billions, abs=0.01)
+    spec = family.decoder_spec(cfg).moe
+    assert (spec.num_experts, spec.top_k, spec.renormalize, spec.shared_intermediate_size) == (
+        experts, top_k, renormalize, shared)
+    assert all(spec.layers) and len(family.weight_plan(cfg)) > 0
+    ep = with_expert_parallel(cfg, True)
+    assert family.param_partition_specs(ep)["layers"][0]["experts_down"] == P("tp", None, None)
+    assert family.param_partition_specs(cfg)["layers"][0]["experts_down"] == P(None, "tp", None)
+    check_tp_compatible(ep, 4)
+    if experts % 8:
+        with pytest.raises(ValueError, match=f"{experts} experts are not divisible by 8"):
+            check_tp_compatible(ep, 8)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import parallel
+from jaxserve import envs, parallel
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import ragged_dot
 
@@ -65,7 +65,14 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
                    intermediate_size=int(extra["moe_intermediate_size"]), renormalize=renormalize,
                    weights_in_hidden_dtype=weights_in_hidden_dtype,
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
-                   expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)))
+                   expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=_grouped_gemm())
+
+
+def _grouped_gemm() -> str:
+    impl = envs.JAXSERVE_MOE_GROUPED_GEMM
+    if impl not in ragged_dot.IMPLEMENTATIONS:
+        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of {', '.join(ragged_dot.IMPLEMENTATIONS)}")
+    return impl
 
 
 def with_expert_parallel(cfg: ModelConfig, enable: bool) -> ModelConfig:

@@ -125,3 +125,17 @@ def test_moe_dummy_configs(name, architecture, billions, experts, top_k, renorma
     if experts % 8:
         with pytest.raises(ValueError, match=f"{experts} experts are not divisible by 8"):
             check_tp_compatible(ep, 8)
+
+
+def test_moe_orbax_round_trip(tmp_path):
+    """``convert`` keeps the MoE config (expert count, shared expert, dense layers) and the stacked experts."""
+    import jax
+
+    from jaxserve.models import orbax_io
+
+    source = os.path.join(FIXTURES, "tiny-qwen2moe")
+    orbax_io.convert(source, str(tmp_path / "ckpt"), dtype="float32")
+    restored, original = load_model(str(tmp_path / "ckpt")), load_model(source, dtype="float32")
+    assert restored.load_format == "orbax" and restored.config == original.config
+    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(original.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -18,10 +18,11 @@ from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwe
 from make_model_fixtures import COMMON, make_tiny  # noqa: E402
 
 # experts small enough to keep each folder small, enough of them that tensor/expert parallelism over 2 and 4
-# fake devices splits them (8 / 16 experts, 16 intermediate columns each)
+# fake devices splits them (8 / 16 experts, 16 or 32 intermediate columns each; Mixtral's 32 and RoPE base
+# 1e4 keep its greedy path from settling on one repeated token, which would test little of decoding)
 TINY_MOE = {
     "tiny-mixtral": (MixtralForCausalLM, MixtralConfig(
-        **{**COMMON, "intermediate_size": 16}, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6)),
+        **{**COMMON, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e4)),
     # top-4 of 8 without renormalisation, a shared expert, and layer 1 a dense MLP (mlp_only_layers)
     "tiny-qwen2moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(
         **COMMON, moe_intermediate_size=16, shared_expert_intermediate_size=48, num_experts=8,

@@ -61,7 +61,7 @@ def check_tp_compatible(cfg, tp: int) -> None:
     problems += _expert_problems(cfg, tp)
     if problems:
         sizes = [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or n % hkv == 0)
-                 and cfg.intermediate_size % n == 0 and cfg.vocab_size % n == 0]
+                 and cfg.intermediate_size % n == 0 and cfg.vocab_size % n == 0 and not _expert_problems(cfg, n)]
         raise ValueError(f"cannot shard this model with tensor_parallel_size={tp}: " + "; ".join(problems)
                          + f" (sizes that work: {sizes})")
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import envs, parallel
 from jaxserve.config import ModelConfig
+from jaxserve.errors import ModelLoadError
 from jaxserve.kernels import ragged_dot
 
 TP = parallel.TP
@@ -169,8 +170,6 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
 
 def check_config(cfg: ModelConfig) -> None:
     """Refuse MoE configs this layer would get wrong, with the field to fix."""
-    from jaxserve.errors import ModelLoadError  # noqa: PLC0415
-
     extra = cfg.extra_dict
     experts, top_k = int(extra.get("num_experts") or 0), int(extra.get("num_experts_per_tok") or 0)
     if experts < 1 or not 1 <= top_k <= experts:

@@ -4,6 +4,10 @@ selected experts' weights (kernels/ragged_dot.py), at decode and prefill token c
     python benchmarks/diagnostics/moe_gemm.py            # the H200 run (a few minutes), prints one table
     python benchmarks/diagnostics/moe_gemm.py --smoke    # tiny sizes on CPU (Pallas in interpret mode)
 
+The run ends with a model check: the tiny Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints (tests/fixtures/models)
+through the engine with each implementation (``JAXSERVE_MOE_GROUPED_GEMM``, one subprocess each), float32,
+against HF transformers' greedy ids: the kernels inside the whole model, on this device.
+
 Shapes: the gate/up GEMM of one MoE layer, ``[T * top_k, hidden] x [E, hidden, 2 * intermediate]``, of
 Qwen3-30B-A3B (128 experts, top-8, hidden 2048, intermediate 768) and Mixtral-8x7B (8 experts, top-2, hidden
 4096, intermediate 14336), bf16, T = 1, 16, 256, 8192 tokens routed uniformly at random.
@@ -88,7 +92,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=None, help="comma list of token counts (default 1,16,256,8192)")
     ap.add_argument("--n-iter", type=int, default=None)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--skip-models", action="store_true", help="only the GEMM table")
+    ap.add_argument("--model-check", action="store_true", help=argparse.SUPPRESS)   # the per-impl subprocess
     args = ap.parse_args(argv)
+    if args.model_check:
+        model_check()
+        return 0
     smoke = args.smoke
     shapes = SMOKE_SHAPES if smoke else SHAPES
     token_counts = [int(t) for t in (args.tokens or ("1,16" if smoke else "1,16,256,8192")).split(",")]
@@ -136,7 +145,47 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(_fmt(r))
+    if not args.skip_models:
+        run_model_checks()
     return 0
+
+
+MOE_FIXTURES = ("tiny-mixtral", "tiny-qwen2moe", "tiny-qwen3moe")
+
+
+def model_check() -> None:
+    """(In a subprocess whose JAXSERVE_MOE_GROUPED_GEMM picks the implementation.) One line per fixture."""
+    import json
+
+    from jaxserve import LLM, SamplingParams
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name in MOE_FIXTURES:
+        path = os.path.join(root, "tests", "fixtures", "models", name)
+        with open(os.path.join(path, "golden.json")) as f:
+            golden = json.load(f)
+        llm = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4,
+                  compilation_cache_dir="", use_tqdm_on_load=False, gpu_memory_utilization=0.05)
+        outs = llm.generate([golden["prompt_ids"]] * 3, SamplingParams(temperature=0, ignore_eos=True,
+                            max_tokens=len(golden["greedy_ids"])), use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        diff = next((i for i, (a, b) in enumerate(zip(got[0], golden["greedy_ids"])) if a != b), None)
+        print(f"{name}: {'matches HF' if diff is None else f'differs from HF at token {diff}'}, "
+              f"copies equal: {all(g == got[0] for g in got)}", flush=True)
+
+
+def run_model_checks() -> None:
+    import subprocess
+
+    print("\nmodel check (tiny MoE checkpoints, float32, greedy ids vs HF):", flush=True)
+    for impl in ragged_dot.IMPLEMENTATIONS:
+        env = dict(os.environ, JAXSERVE_MOE_GROUPED_GEMM=impl)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--model-check"], env=env,
+                              capture_output=True, text=True, timeout=900)
+        lines = proc.stdout.strip().splitlines() if proc.returncode == 0 else [
+            f"failed (rc {proc.returncode}): {(proc.stderr.strip().splitlines() or ['?'])[-1][:200]}"]
+        for line in lines:
+            print(f"  {impl}: {line}", flush=True)
 
 
 def _fmt(r) -> str:

@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep XLA's all-reduce for every step; by default steps of up to 1 MiB of activations "
                         "(128 tokens of a 4096-wide model) use a CUDA one-shot all-reduce when each GPU has its "
                         "own process (mp executor or --num-processes) and nvcc is there to build it")
+    d.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: shard the experts over the devices (whole experts per "
+                        "device) instead of splitting every expert tensor-parallel like a dense MLP")
     d.add_argument("--num-processes", type=int, default=1)
     d.add_argument("--process-id", type=int, default=0)
     p.add_argument("--config", default=None, help="a YAML file of flags (flag names, - or _); flags override it")
@@ -117,7 +120,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                                 distributed_coordinator=a.distributed_coordinator,
                                 num_processes=a.num_processes, process_id=a.process_id,
                                 distributed_executor_backend=a.distributed_executor_backend,
-                                disable_custom_all_reduce=a.disable_custom_all_reduce))
+                                disable_custom_all_reduce=a.disable_custom_all_reduce,
+                                enable_expert_parallel=a.enable_expert_parallel))
 
 
 def _apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:

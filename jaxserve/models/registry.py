@@ -21,6 +21,9 @@ DECODER_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "jaxserve.models.gemma",   # its text model (text-only requests)
     "Phi3ForCausalLM": "jaxserve.models.phi3",
     "CohereForCausalLM": "jaxserve.models.cohere",
+    "MixtralForCausalLM": "jaxserve.models.mixtral",
+    "Qwen2MoeForCausalLM": "jaxserve.models.qwen2_moe",
+    "Qwen3MoeForCausalLM": "jaxserve.models.qwen3_moe",
 }
 ENCODER_ARCHITECTURES = {
     "BertModel": "jaxserve.models.bert",

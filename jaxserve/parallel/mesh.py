@@ -58,11 +58,26 @@ def check_tp_compatible(cfg, tp: int) -> None:
         problems.append(f"intermediate_size {cfg.intermediate_size} is not divisible by {tp}")
     if cfg.vocab_size % tp:   # vocab-parallel embedding and lm_head (no vocab padding here)
         problems.append(f"vocab_size {cfg.vocab_size} is not divisible by {tp}")
+    problems += _expert_problems(cfg, tp)
     if problems:
         sizes = [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or n % hkv == 0)
-                 and cfg.intermediate_size % n == 0 and cfg.vocab_size % n == 0]
+                 and cfg.intermediate_size % n == 0 and cfg.vocab_size % n == 0 and not _expert_problems(cfg, n)]
         raise ValueError(f"cannot shard this model with tensor_parallel_size={tp}: " + "; ".join(problems)
                          + f" (sizes that work: {sizes})")
+
+
+def _expert_problems(cfg, tp: int) -> list[str]:
+    """A mixture-of-experts model's split (models/layers/moe.py): whole experts per device under expert
+    parallelism, else each expert's (and the shared expert's) intermediate columns."""
+    extra = dict(getattr(cfg, "extra", ()) or ())
+    if "num_experts" not in extra:
+        return []
+    if extra.get("enable_expert_parallel"):
+        experts = int(extra["num_experts"])
+        return [] if experts % tp == 0 else [f"{experts} experts are not divisible by {tp} (expert parallel)"]
+    sizes = {"moe_intermediate_size": extra.get("moe_intermediate_size"),
+             "shared_expert_intermediate_size": extra.get("shared_expert_intermediate_size")}
+    return [f"{name} {size} is not divisible by {tp}" for name, size in sizes.items() if size and int(size) % tp]
 
 
 def kv_heads_sharded(cfg, tp: int) -> bool:

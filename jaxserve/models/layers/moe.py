@@ -70,7 +70,12 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
 
 
 def _grouped_gemm() -> str:
+    """The grouped GEMM the MoE layers run. On a GPU the Pallas kernel: ``lax.ragged_dot`` lowers to a dense
+    padded product there (measured on an H200 at 256 tokens: 2,276 us against the kernel's 322 us for
+    Qwen3-30B-A3B's gate/up; 2026-12-01-h200-moe-grouped-gemm.md)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "ragged_dot"
     if impl not in ragged_dot.IMPLEMENTATIONS:
         raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of {', '.join(ragged_dot.IMPLEMENTATIONS)}")
     return impl

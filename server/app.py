@@ -165,7 +165,7 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
                                              continue_final_message=data.continue_final_message,
                                              chat_template=data.chat_template,
                                              chat_template_kwargs=data.chat_template_kwargs)
-            ids = await serving.encode(text, add_special_tokens=bool(data.add_special_tokens))
+            ids = await serving.encode(text, add_special_tokens=bool(data.add_special_tokens), what="messages")
         else:
             ids = await serving.encode(data.prompt, add_special_tokens=data.add_special_tokens is not False)
         strs = serving.tokenizer.convert_ids_to_tokens(ids) if data.return_token_strs else None

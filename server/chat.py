@@ -77,7 +77,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                                      chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,
                                      tools=plan.tools)
     # the template already holds BOS and friends: vLLM encodes it without adding special tokens again
-    ids = await serving.encode(text, add_special_tokens=False)
+    ids = await serving.encode(text, add_special_tokens=False, what="messages")
     if not ids:
         raise bad_request("the messages rendered to an empty prompt", "messages")
     max_tokens = serving.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages")

@@ -24,6 +24,9 @@ log = logging.getLogger("jaxserve.server")
 
 T = TypeVar("T")
 THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread hop costs
+# Long texts tokenize on worker threads, this many at once: a tokenizer's working memory is a multiple of
+# its input, so the bound on concurrent tokenization is a bound on that memory.
+TOKENIZE_THREADS = 4
 # apply_chat_template's own arguments: chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "chat_template", "tools", "documents",
                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
@@ -66,6 +69,16 @@ def structured_outputs_from_request(req: SamplingFields) -> StructuredOutputsPar
         return StructuredOutputsParams(**kw)
     except ValueError as e:
         raise bad_request(str(e), field_name) from e
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token can stand for (its longest vocabulary entry; byte-level vocabularies
+    spell each byte as one character, so this also bounds bytes), or None if the tokenizer cannot say."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:   # a tokenizer without a readable vocabulary: no character bound
+        return None
+    return max((len(t) for t in vocab), default=0) or None
 
 
 class ClientDisconnected(Exception):
@@ -135,6 +148,11 @@ class Serving:
         # padded vocabularies, or dummy weights served with another model's tokenizer).
         model_vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None)
         self.vocab_size = int(model_vocab or len(self.tokenizer))
+        # A text of more characters than max_model_len tokens can spell is refused before it is tokenized
+        # (tokenizing a multi-megabyte prompt costs gigabytes of memory only to answer "too long").
+        per_token = longest_token_chars(self.tokenizer)
+        self.max_prompt_chars: int | None = per_token * self.max_model_len if per_token else None
+        self._tokenize_limiter: anyio.CapacityLimiter | None = None
 
     # -- checks ------------------------------------------------------------------------------------
 
@@ -165,13 +183,31 @@ class Serving:
 
     # -- prompts -----------------------------------------------------------------------------------
 
-    async def _maybe_thread(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+    async def _maybe_thread(self, size: int, fn: Callable[..., T], *args: Any,
+                            limiter: anyio.CapacityLimiter | None = None) -> T:
         if size < THREAD_THRESHOLD_CHARS:
             return fn(*args)
-        return await anyio.to_thread.run_sync(fn, *args)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._maybe_thread(len(text), self._encode, text, add_special_tokens)
+    def check_prompt_chars(self, num_chars: int, what: str) -> None:
+        """400 context_length_exceeded for a text that cannot fit max_model_len whatever its tokens."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; your {what} "
+                                f"has {num_chars} characters, more than {self.max_model_len} tokens of at most "
+                                f"{self.max_prompt_chars // self.max_model_len} characters each can hold. "
+                                f"Please reduce the length of the {what}.", param=what,
+                           code="context_length_exceeded")
+
+    async def encode(self, text: str, add_special_tokens: bool = True, what: str | None = "prompt") -> list[int]:
+        """Token ids of ``text``, tokenized on a worker thread when long (``TOKENIZE_THREADS`` at once).
+        ``what`` names the field for the character bound (``check_prompt_chars``); None skips it (a caller
+        that truncates the tokens after)."""
+        if what is not None:
+            self.check_prompt_chars(len(text), what)
+        if self._tokenize_limiter is None:      # made on the event loop that uses it
+            self._tokenize_limiter = anyio.CapacityLimiter(TOKENIZE_THREADS)
+        return await self._maybe_thread(len(text), self._encode, text, add_special_tokens,
+                                        limiter=self._tokenize_limiter)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -206,6 +242,7 @@ class Serving:
         if tools is not None:
             kwargs["tools"] = tools
         size = sum(len(c["content"]) for c in conversation)
+        self.check_prompt_chars(size, "messages")      # the rendered prompt holds every message
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(

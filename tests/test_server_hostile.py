@@ -138,3 +138,54 @@ def test_openapi_declares_bearer_auth_only_with_an_api_key(http):
         assert "security" not in schema["paths"]["/v1/completions"]["post"]  # the global rule applies
     finally:
         srv.stop()
+
+
+def test_text_too_long_for_any_tokenization_is_400_before_tokenizing(http, server, monkeypatch):
+    """max_model_len 256 x 12 characters (the fake vocabulary's longest token, <|im_start|>): a longer text
+    is refused without running the tokenizer (a multi-megabyte prompt cost gigabytes to tokenize)."""
+    calls = []
+    tok = server.engine.tokenizer
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    huge = "hello " * 600                  # 3,600 characters
+    for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
+                              ("/v1/completions", {"prompt": ["x", huge]}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+                              ("/tokenize", {"prompt": huge}, "prompt")):
+        e = _error(http.post(path, json=body), 400)
+        assert e["code"] == "context_length_exceeded" and e["param"] == param and "3600 characters" in e["message"]
+    assert calls in ([], [1])              # at most the short "x" of the batch
+    assert http.post("/v1/completions", json={"prompt": "hello " * 20, "max_tokens": 1}).status_code == 200
+
+
+def test_long_texts_tokenize_a_few_at_a_time():
+    """Tokenizing memory is a multiple of the text: long texts go to worker threads, at most
+    TOKENIZE_THREADS at once however many requests arrive together."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jaxserve.server.serving import TOKENIZE_THREADS
+
+    engine = FakeEngine(max_model_len=8192)
+    lock, active, peak = threading.Lock(), [0], [0]
+    real = engine.tokenizer.encode
+
+    def encode(*a, **kw):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.2)
+        with lock:
+            active[0] -= 1
+        return real(*a, **kw)
+    engine.tokenizer.encode = encode
+    srv = InProcessServer(engine)
+    try:
+        def post(_):
+            return httpx.post(srv.url + "/tokenize", json={"prompt": "y" * 5000}, timeout=60).status_code
+        with ThreadPoolExecutor(12) as pool:
+            assert list(pool.map(post, range(12))) == [200] * 12
+        assert 1 < peak[0] <= TOKENIZE_THREADS, peak
+    finally:
+        srv.stop()

@@ -309,7 +309,8 @@ class _DrainingServer:
             def _on_signal(self, sig) -> None:
                 if serving.draining:  # a second signal: stop now
                     self.force_exit = True
-                serving.draining = True
+                else:
+                    serving.start_drain(config.timeout_graceful_shutdown or 0.0)
                 log.info("%s: no new connections; finishing in-flight requests (up to %.0f s)",
                          signal.Signals(sig).name, config.timeout_graceful_shutdown or 0)
                 self.should_exit = True

@@ -27,6 +27,9 @@ THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread h
 # Long texts tokenize on worker threads, this many at once: a tokenizer's working memory is a multiple of
 # its input, so the bound on concurrent tokenization is a bound on that memory.
 TOKENIZE_THREADS = 4
+# A drain timeout ends the running requests this much (at most a tenth of the timeout) before the HTTP
+# server's graceful timeout closes their connections: time to send each its error event and [DONE].
+DRAIN_GRACE_S = 2.0
 # apply_chat_template's own arguments: chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "chat_template", "tools", "documents",
                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
@@ -142,6 +145,10 @@ class Serving:
         self.max_logprobs = int(getattr(engine, "max_logprobs", None) or 20)
         self.metrics = ServerMetrics(engine, self.model_name, args.metrics_prefix)
         self.draining = False
+        self.drain_expired = False
+        # tasks now awaiting an engine output in ``run``: the ones a drain timeout interrupts
+        self._awaiting_engine: set[asyncio.Task] = set()
+        self._interrupted: set[asyncio.Task] = set()
         self.tool_parser_cls = resolve_tool_parser(args)   # --tool-call-parser (None: no auto tool choice)
         self._token_strs: dict[int, str] = {}
         # Token ids are checked against the model's embedding rows (the tokenizer may have fewer ids, e.g.
@@ -327,6 +334,45 @@ class Serving:
             except InvalidRequestError as e:
                 raise bad_request(e.message, e.param) from None
 
+    # -- draining ----------------------------------------------------------------------------------
+
+    def start_drain(self, timeout: float) -> None:
+        """SIGTERM: refuse new work (/health 503) and, a little before the HTTP server's own graceful
+        timeout cuts connections, end every request still running with an error (``expire_drain``).
+        Call on the event loop."""
+        self.draining = True
+        grace = min(DRAIN_GRACE_S, timeout / 10)
+        asyncio.get_running_loop().call_later(max(timeout - grace, 0.0), self.expire_drain)
+
+    def expire_drain(self) -> None:
+        """The drain timeout ran out: every request waiting for the engine ends now, a stream with an error
+        event and [DONE], any other with a 503 (``run`` raises ``drain_error``)."""
+        self.drain_expired = True
+        for task in list(self._awaiting_engine):
+            self._interrupted.add(task)
+            task.cancel()
+
+    def drain_error(self) -> APIError:
+        return APIError(503, "the server is shutting down and its drain timeout (--drain-timeout) ran out before "
+                             "this request finished", code="draining")
+
+    async def _next_output(self, source: AsyncIterator[T]) -> T:
+        """``source``'s next item; a drain timeout interrupts only this wait (never a write to the client)."""
+        if self.drain_expired:
+            raise self.drain_error()
+        task = asyncio.current_task()
+        self._awaiting_engine.add(task)
+        try:
+            return await source.__anext__()
+        except asyncio.CancelledError:
+            if task not in self._interrupted:
+                raise
+            self._interrupted.discard(task)
+            task.uncancel()
+            raise self.drain_error() from None
+        finally:
+            self._awaiting_engine.discard(task)
+
     # -- running -----------------------------------------------------------------------------------
 
     async def run(self, prompts: list[Prompt]) -> AsyncIterator[tuple[Choice, Any, Any]]:
@@ -336,7 +382,11 @@ class Serving:
         work = [(p, c) for p in prompts for c in p.choices]
         source = self._single(*work[0]) if len(work) == 1 else self._merged(work)
         try:
-            async for c, out in source:
+            while True:
+                try:
+                    c, out = await self._next_output(source)
+                except StopAsyncIteration:
+                    break
                 comp = out.outputs[0]
                 c.tracker.on_output(len(comp.token_ids), getattr(out, "metrics", None))
                 if out.finished or comp.finish_reason is not None:

@@ -189,3 +189,46 @@ def test_long_texts_tokenize_a_few_at_a_time():
         assert 1 < peak[0] <= TOKENIZE_THREADS, peak
     finally:
         srv.stop()
+
+
+def test_drain_timeout_ends_open_streams_with_an_error_and_done():
+    """SIGTERM's drain timeout running out: a stream that already has its 200 gets an error event and
+    [DONE] (not a cut connection), a request still waiting a 503, and both engine requests are aborted."""
+    import json
+    import threading
+    import time
+
+    engine = FakeEngine(slow_delay=0.05)
+    srv = InProcessServer(engine)
+    serving = srv.app.state.serving
+    loop = srv.server.servers[0].get_loop()
+    try:
+        waiting = {}
+
+        def non_stream():
+            waiting["r"] = httpx.post(srv.url + "/v1/completions", json={"prompt": "SLOW", "max_tokens": 200},
+                                      timeout=60)
+        t = threading.Thread(target=non_stream)
+        t.start()
+        events = []
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"prompt": "SLOW", "max_tokens": 200, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 3:
+                    t0 = time.monotonic()
+                    loop.call_soon_threadsafe(serving.start_drain, 1.0)
+        elapsed = time.monotonic() - t0
+        t.join(10)
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][len("data: "):])["error"]
+        assert error["code"] == "draining" and "--drain-timeout" in error["message"]
+        assert 0.8 < elapsed < 5, elapsed                       # at the timeout less its grace (0.1 s)
+        assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "draining"
+        assert engine.running == {} and len(engine.aborted) == 2
+        assert httpx.get(srv.url + "/health").status_code == 503
+    finally:
+        srv.stop()

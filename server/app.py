@@ -28,7 +28,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_embeddings
 from .errors import APIError, bad_request, error_response, exception_handler
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, arrival_middleware
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                        VersionResponse)
@@ -201,7 +201,8 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
     async def metrics_head() -> Response[None]:
         return Response(content=None, headers={"content-type": CONTENT_TYPE})
 
-    middleware = [auth_middleware(args.api_key)] if args.api_key else []
+    # the arrival stamp first: time to first token counts from the request's arrival (metrics)
+    middleware = [arrival_middleware, *([auth_middleware(args.api_key)] if args.api_key else [])]
     cors = None
     if args.allowed_origins:
         cors = CORSConfig(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,

@@ -2,11 +2,14 @@
 
 Gauges and engine counters are read from `engine.stats()` at scrape time (a custom collector), so they
 are never stale; token counters, finish reasons and latency histograms are fed per request by the
-server as outputs stream (`RequestTracker`), from the engine's RequestOutput.metrics timestamps when it
-reports them and from the server's clock otherwise.
+server as outputs stream (`RequestTracker`). Time to first token and end-to-end latency are the server's
+clock from the request's arrival (``REQUEST_ARRIVAL``, stamped by ``arrival_middleware`` before the body is
+read) to the output reaching the server's loop, as vLLM measures them: what a client sees, tokenizing,
+template rendering and the hop to the engine included. Queue time is the engine's own span.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from typing import Any, Callable
@@ -19,6 +22,18 @@ log = logging.getLogger("jaxserve.server")
 disable_created_metrics()  # vLLM does too: *_created series only add noise to dashboards
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# time.monotonic() when the HTTP request being handled arrived (the request's task sees its own value)
+REQUEST_ARRIVAL: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_arrival", default=None)
+
+
+def arrival_middleware(app):
+    """Stamps ``REQUEST_ARRIVAL`` for each HTTP request as it arrives (before its body is read)."""
+    async def middleware(scope, receive, send):
+        if scope["type"] == "http":
+            REQUEST_ARRIVAL.set(time.monotonic())
+        await app(scope, receive, send)
+    return middleware
 
 # vLLM's buckets, so dashboards' quantiles line up
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -127,7 +142,8 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
         self.m = metrics
         self.num_prompt_tokens = num_prompt_tokens
-        self.start = time.monotonic()
+        arrival = REQUEST_ARRIVAL.get()
+        self.start = arrival if arrival is not None else time.monotonic()
         self.last: float | None = None
         self.num_generated = 0
         self.done = False
@@ -137,8 +153,7 @@ class RequestTracker:
             return
         t = time.monotonic()
         if self.last is None:
-            ttft = _span(engine_metrics, "arrival_time", "first_token_time")
-            self.m._ttft.observe(ttft if ttft is not None else t - self.start)
+            self.m._ttft.observe(t - self.start)
             self.m._prompt.inc(self.num_prompt_tokens)
             num_new_tokens_after_first = num_new_tokens - 1
         else:
@@ -159,8 +174,7 @@ class RequestTracker:
         self.m.request_success.labels(self.m.model_name, reason).inc()
         if reason == "abort":
             return
-        e2e = _span(engine_metrics, "arrival_time", "finished_time")
-        self.m._e2e.observe(e2e if e2e is not None else time.monotonic() - self.start)
+        self.m._e2e.observe(time.monotonic() - self.start)
         queued = _span(engine_metrics, "arrival_time", "first_scheduled_time")
         if queued is not None:
             self.m._queue.observe(queued)

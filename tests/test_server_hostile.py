@@ -232,3 +232,32 @@ def test_drain_timeout_ends_open_streams_with_an_error_and_done():
         assert httpx.get(srv.url + "/health").status_code == 503
     finally:
         srv.stop()
+
+
+def test_time_to_first_token_counts_from_the_request_arrival():
+    """TTFT and e2e latency start when the request reaches the server (vLLM's rule), so time spent before
+    the engine sees it (here a tokenizer taking 0.3 s) is in them, as the client sees it."""
+    import time
+
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = FakeEngine()
+    real = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda *a, **kw: time.sleep(0.3) or real(*a, **kw)
+    srv = InProcessServer(engine)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        t0 = time.monotonic()
+        stream = client.completions.create(model=MODEL, prompt="ttft", max_tokens=3, stream=True)
+        next(iter(stream))
+        client_ttft = time.monotonic() - t0
+        list(stream)
+        samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+                   for s in f.samples}
+        ttft = samples["jaxserve:time_to_first_token_seconds_sum"]
+        assert samples["jaxserve:time_to_first_token_seconds_count"] == 1
+        assert 0.3 <= ttft <= client_ttft, (ttft, client_ttft)
+        assert samples["jaxserve:e2e_request_latency_seconds_sum"] >= ttft
+    finally:
+        srv.stop()

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import threading
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
@@ -30,6 +33,8 @@ TOKENIZE_THREADS = 4
 # A drain timeout ends the running requests this much (at most a tenth of the timeout) before the HTTP
 # server's graceful timeout closes their connections: time to send each its error event and [DONE].
 DRAIN_GRACE_S = 2.0
+# A request's own chat template (--trust-request-chat-template) is a program: it may run this long.
+REQUEST_TEMPLATE_TIMEOUT_S = 5.0
 # apply_chat_template's own arguments: chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "chat_template", "tools", "documents",
                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
@@ -82,6 +87,37 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     except Exception:   # a tokenizer without a readable vocabulary: no character bound
         return None
     return max((len(t) for t in vocab), default=0) or None
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past its time bound."""
+
+
+def run_with_deadline(fn: Callable[[], T], seconds: float) -> T:
+    """``fn()`` in this (worker) thread, stopped with TemplateTimeout once it runs past ``seconds``: a timer
+    raises it asynchronously in this thread (CPython's PyThreadState_SetAsyncExc), which pure-Python code
+    such as Jinja's compiled templates sees at its next bytecode; no cost while it runs."""
+    tid = threading.get_ident()
+    lock = threading.Lock()
+    state = {"finished": False, "fired": False}
+
+    def interrupt() -> None:
+        with lock:
+            if not state["finished"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(TemplateTimeout))
+    timer = threading.Timer(seconds, interrupt)
+    timer.start()
+    try:
+        return fn()
+    except TemplateTimeout:
+        raise TemplateTimeout(f"the chat template ran past {seconds:g} s") from None
+    finally:
+        with lock:
+            state["finished"] = True
+            if state["fired"]:      # not raised yet (fn had just returned): never let it hit the pool's next job
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+        timer.cancel()
 
 
 class ClientDisconnected(Exception):
@@ -255,15 +291,23 @@ class Serving:
             return self.tokenizer.apply_chat_template(
                 conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **kwargs)
-        if chat_template is not None:   # a request's (trusted) template may loop: never on the event loop
+        if chat_template is not None:
+            # a request's (trusted) template may loop: never on the event loop, and bounded in time
             size = THREAD_THRESHOLD_CHARS
+            render_fn = partial(run_with_deadline, render, REQUEST_TEMPLATE_TIMEOUT_S)
+        else:
+            render_fn = render
         try:
-            return await self._maybe_thread(size, render)
+            text = await self._maybe_thread(size, render_fn)
         except APIError:
             raise
+        except TemplateTimeout as e:
+            raise bad_request(f"{e}: simplify the chat template", "chat_template") from None
         except Exception as e:  # a template error is the caller's input (kwargs, roles), not a crash
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from e
+        self.check_prompt_chars(len(text), "messages")     # a template can make a prompt of any size
+        return text
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size

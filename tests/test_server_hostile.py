@@ -261,3 +261,30 @@ def test_time_to_first_token_counts_from_the_request_arrival():
         assert samples["jaxserve:e2e_request_latency_seconds_sum"] >= ttft
     finally:
         srv.stop()
+
+
+def test_trusted_request_template_is_bounded_in_time_and_output(monkeypatch):
+    """Even trusted, a request's template stops at its time bound (a 400, the server free) and a prompt it
+    renders past max_model_len's character bound is a 400 before tokenizing."""
+    import time
+
+    from jaxserve.server import serving as serving_mod
+
+    monkeypatch.setattr(serving_mod, "REQUEST_TEMPLATE_TIMEOUT_S", 1.5)
+    srv = InProcessServer(FakeEngine(), trust_request_chat_template=True)
+    try:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+        endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+        t0 = time.monotonic()
+        e = _error(httpx.post(srv.url + "/v1/chat/completions", json={**body, "chat_template": endless}, timeout=60),
+                   400)
+        assert e["param"] == "chat_template" and "1.5 s" in e["message"] and time.monotonic() - t0 < 8
+        e = _error(httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                              json={**body, "chat_template": "{{ 'hello ' * 2000000 }}"}), 400)
+        assert e["code"] == "context_length_exceeded" and e["param"] == "messages", e
+        for _ in range(3):      # the worker threads the timeouts interrupted serve on
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                           json={**body, "chat_template": "<|im_start|>{{ messages[0].content }}"})
+            assert r.status_code == 200, r.text
+    finally:
+        srv.stop()

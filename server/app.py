@@ -256,7 +256,9 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
              stats.get("num_kv_blocks", "?"), eng.config.cache.block_size, eng.load_seconds, eng.warmup_seconds,
              time.monotonic() - t0)
 
-    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop", http="httptools",
+    from .http_protocol import timed_http_protocol
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop",
+                            http=timed_http_protocol(server_args.read_timeout),
                             log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_uvicorn_access_log,
                             root_path=server_args.root_path or "", timeout_graceful_shutdown=server_args.drain_timeout,
                             lifespan="off")

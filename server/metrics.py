@@ -68,8 +68,13 @@ def _pick(stats: dict[str, Any], keys: tuple[str, ...]) -> float | None:
 
 
 class _EngineStatsCollector:
-    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict[str, Any]], block_size: Any):
+    """The engine's gauges and counters at scrape time, and ``engine_healthy`` (1, or 0 once the engine loop
+    is dead or stuck: its last figures then stop moving, and this says why)."""
+
+    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict[str, Any]], block_size: Any,
+                 healthy: Callable[[], bool] | None = None):
         self.prefix, self.model_name, self.stats, self.block_size = prefix, model_name, stats, block_size
+        self.healthy = healthy
 
     def describe(self):  # no scrape at registration time
         return []
@@ -80,6 +85,14 @@ class _EngineStatsCollector:
         except Exception as e:  # a scrape must not fail because the engine is in trouble
             log.warning("engine.stats() failed: %s", e)
             stats = {}
+        try:
+            healthy = self.healthy() if self.healthy is not None else True
+        except Exception:   # noqa: BLE001 - a health check that raises is an unhealthy engine
+            healthy = False
+        h = GaugeMetricFamily(f"{self.prefix}engine_healthy", "1 while the engine loop runs, 0 once it is dead "
+                              "or stuck (the other engine figures then stop moving)", labels=["model_name"])
+        h.add_metric([self.model_name], 1.0 if healthy else 0.0)
+        yield h
         for name, keys in GAUGES.items():
             g = GaugeMetricFamily(f"{self.prefix}{name}", name.replace("_", " "), labels=["model_name"])
             v = _pick(stats, keys)
@@ -105,7 +118,8 @@ class ServerMetrics:
         p, labels = self.prefix, ["model_name"]
         cache_config = getattr(getattr(engine, "config", None), "cache", None)
         block_size = getattr(cache_config, "block_size", "")
-        self.registry.register(_EngineStatsCollector(p, model_name, engine.stats, block_size))
+        self.registry.register(_EngineStatsCollector(p, model_name, engine.stats, block_size,
+                                                     getattr(engine, "is_healthy", None)))
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", labels, registry=self.registry)
         self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", labels, registry=self.registry)
         self.request_success = Counter(f"{p}request_success", "finished requests by reason",

@@ -203,9 +203,13 @@ class Serving:
         if name is not None and name not in self.model_names:
             raise model_not_found(name)
 
-    def check_capacity(self, num_requests: int) -> None:
-        """The engine's admission for the whole request (prompts x n) before any work: 400 if it can never
-        fit, 429 if not now."""
+    def check_capacity(self, num_requests: int, param: str = "n") -> None:
+        """Admission for the whole request (prompts x n) before any work: 400 above --max-request-choices
+        or if it can never fit the engine, 429 if not now."""
+        limit = self.args.max_request_choices
+        if num_requests > limit:
+            raise bad_request(f"this request asks for {num_requests} choices (prompts x n), more than the "
+                              f"server's --max-request-choices {limit}; split it", param)
         self.engine.check_admission(num_requests)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, what: str) -> int:

@@ -162,7 +162,10 @@ class InProcessServer:
         self.port = free_port()
         self.engine = engine
         self.app = build_app(engine, ServerArgs(port=self.port, **server_args))
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", http="httptools",
+        from jaxserve.server.http_protocol import timed_http_protocol
+        args = self.app.state.serving.args
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio",
+                                http=timed_http_protocol(args.read_timeout),
                                 log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None

@@ -288,3 +288,68 @@ def test_trusted_request_template_is_bounded_in_time_and_output(monkeypatch):
             assert r.status_code == 200, r.text
     finally:
         srv.stop()
+
+
+def test_slow_clients_get_408_and_the_connection_closed():
+    """A client trickling its headers or its body, or opening a connection and sending nothing, is cut
+    after --read-timeout (uvicorn alone held such connections forever)."""
+    import socket
+    import time
+
+    srv = InProcessServer(FakeEngine(), read_timeout=0.5)
+    try:
+        def talk(*parts: bytes) -> tuple[bytes, float]:
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            t0 = time.monotonic()
+            for p in parts:
+                s.sendall(p)
+                time.sleep(0.1)
+            data = b""
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            s.close()
+            return data, time.monotonic() - t0
+        half_head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Len"
+        half_body = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
+                    b"Content-Length: 100\r\n\r\n{\"prompt\": "
+        for parts in ((half_head,), (half_body,), ()):
+            data, took = talk(*parts)
+            assert data.startswith(b"HTTP/1.1 408") and b"--read-timeout" in data, data
+            assert took < 5, took
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200   # a whole request in time is served
+    finally:
+        srv.stop()
+
+
+def test_prompts_times_n_is_capped(http):
+    e = _error(http.post("/v1/completions", json={"prompt": ["a"] * 100, "n": 128, "max_tokens": 1}), 400)
+    assert "12800 choices" in e["message"] and "--max-request-choices 1024" in e["message"] and e["param"] == "n"
+    e = _error(http.post("/v1/completions", json={"prompt": [[1, 2]] * 9, "n": 128, "max_tokens": 1}), 400)
+    assert "1152 choices" in e["message"]
+
+
+def test_metrics_parse_and_report_a_dead_engine():
+    """The scrape parses with prometheus_client's own text parser; once the engine loop is dead,
+    engine_healthy says so (the other engine figures stop moving)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = FakeEngine()
+    srv = InProcessServer(engine)
+    try:
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "m", "max_tokens": 2}).status_code == 200
+
+        def scrape() -> dict:
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text) for s in f.samples}
+        lbl = (("model_name", MODEL),)
+        samples = scrape()
+        assert samples[("jaxserve:engine_healthy", lbl)] == 1.0
+        assert samples[("jaxserve:generation_tokens_total", lbl)] == 2
+        engine.healthy = False
+        assert scrape()[("jaxserve:engine_healthy", lbl)] == 0.0
+    finally:
+        srv.stop()

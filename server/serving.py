@@ -20,12 +20,13 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams, Structur
 from .args import ServerArgs, resolve_tool_parser
 from .errors import APIError, bad_request, model_not_found
 from .metrics import RequestTracker, ServerMetrics
-from .protocol import ChatMessage, SamplingFields, StructuredOutputs
+from .protocol import ChatMessage, PromptLogprob, SamplingFields, StructuredOutputs
 from .tool_parsers.choice import ToolRequestError, template_messages
 
 log = logging.getLogger("jaxserve.server")
 
 T = TypeVar("T")
+MIN_LOGPROB = -9999.0  # JSON has no -inf
 THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread hop costs
 # Long texts tokenize on worker threads, this many at once: a tokenizer's working memory is a multiple of
 # its input, so the bound on concurrent tokenization is a bound on that memory.
@@ -319,6 +320,26 @@ class Serving:
         if bad:
             raise bad_request(f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens", param)
 
+    def token_namer(self, req: SamplingFields) -> Callable[[int, str | None], str]:
+        """How logprobs name a token: its text, or "token_id:{id}" with return_tokens_as_token_ids (vLLM's
+        extra, for tokens whose text is not valid UTF-8 on its own)."""
+        if req.return_tokens_as_token_ids:
+            return lambda token_id, decoded=None: f"token_id:{token_id}"
+        return self.token_str
+
+    def prompt_logprobs_out(self, positions: list | None) -> list | None:
+        """The engine's prompt logprobs ([None, {id: Logprob}, ...]) as vLLM's server writes them."""
+        if positions is None:
+            return None
+        return [None if pos is None else
+                {tid: PromptLogprob(max(lp.logprob, MIN_LOGPROB), lp.rank, self.token_str(tid, lp.decoded_token))
+                 for tid, lp in pos.items()} for pos in positions]
+
+    @staticmethod
+    def check_unstreamed(req: SamplingFields) -> None:
+        if req.prompt_logprobs is not None and req.stream:
+            raise bad_request("prompt_logprobs is supported without stream only", "prompt_logprobs")
+
     def token_str(self, token_id: int, decoded: str | None = None) -> str:
         if decoded is not None:
             return decoded
@@ -335,6 +356,9 @@ class Serving:
         if logprobs is not None and logprobs > self.max_logprobs:
             raise bad_request(f"at most {self.max_logprobs} logprobs per token are supported, got {logprobs}",
                               "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs")
+        if req.prompt_logprobs is not None and req.prompt_logprobs > self.max_logprobs:
+            raise bad_request(f"at most {self.max_logprobs} prompt logprobs per token are supported, got "
+                              f"{req.prompt_logprobs}", "prompt_logprobs")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         kw: dict[str, Any] = dict(
             n=1,
@@ -353,6 +377,7 @@ class Serving:
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA,

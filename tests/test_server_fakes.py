@@ -138,10 +138,18 @@ class FakeEngine:
                     self.running.pop(request_id, None)
                     self.finished.append(request_id)
                 comp = CompletionOutput(0, chr(tok), [tok], None, lp, finish, None)
-                yield RequestOutput(request_id, prompt, list(prompt_token_ids), None, [comp], done, metrics)
+                plp = fake_prompt_logprobs(prompt_token_ids) if step == 1 and \
+                    sampling_params.prompt_logprobs is not None else None
+                yield RequestOutput(request_id, prompt, list(prompt_token_ids), plp, [comp], done, metrics)
         finally:
             if self.running.pop(request_id, None) is not None:  # consumer left early: the async front aborts
                 self.aborted.append(request_id)
+
+
+def fake_prompt_logprobs(prompt_token_ids) -> list:
+    """vLLM's prompt_logprobs shape, a pure function of the prompt: None, then {token: Logprob} per token."""
+    return [None] + [{t: Logprob(-1.0 - (t % 7) / 10, 1 + t % 3, chr(t) if t < 256 else SPECIALS[t - 256])}
+                     for t in prompt_token_ids[1:]]
 
 
 def free_port() -> int:

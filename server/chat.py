@@ -91,7 +91,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     for i in range(req.n):
         params = serving.sampling_params(req, max_tokens=max_tokens, choice_index=i, logprobs=num_logprobs)
         params = apply_tool_plan(params, plan, constraint)
-        prompt.choices.append(Choice(i, f"{rid}-{i}", params, serving.metrics.tracker(len(ids))))
+        prompt.choices.append(Choice(i, f"{rid}-{i}", params, serving.metrics.tracker(len(ids), max_tokens)))
     await serving.compile_structured_outputs([prompt])
     model = req.model or serving.model_name
     top_k = req.top_logprobs or 0

@@ -97,7 +97,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
             params = serving.sampling_params(req, max_tokens=max_tokens, choice_index=i, logprobs=req.logprobs)
             if score_prompt and params.prompt_logprobs != -1:
                 params.prompt_logprobs = max(req.logprobs, params.prompt_logprobs or 0)
-            prompt.choices.append(Choice(idx, f"{rid}-{idx}", params, serving.metrics.tracker(len(ids))))
+            prompt.choices.append(Choice(idx, f"{rid}-{idx}", params, serving.metrics.tracker(len(ids), max_tokens)))
         prompts.append(prompt)
     await serving.compile_structured_outputs(prompts)
     model = req.model or serving.model_name

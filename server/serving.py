@@ -469,6 +469,10 @@ class Serving:
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled stream must still clean up
                 await source.aclose()  # closing the engine's generate() aborts there too
+                for p in prompts:
+                    trackers = [c.tracker for c in p.choices]
+                    if all(c.finished for c in p.choices) and not any(t.aborted for t in trackers):
+                        self.metrics.on_prompt_finished(trackers)
                 for _, c in work:
                     if not c.finished and not c.failed:
                         c.tracker.on_finish("abort")

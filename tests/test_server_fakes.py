@@ -76,10 +76,12 @@ class FakeEngine:
     num_kv_blocks: int = 64
 
     def stats(self) -> dict:
+        from jaxserve.runner.model_runner import RunnerStats
         used = sum(self.running.values())
+        steps = RunnerStats(steps=3, tokens=1 + 8 + 100, token_buckets=[1, 1, 0, 0, 0, 1] + [0] * 8)
         return {"num_running": len(self.running), "num_waiting": 0, "kv_cache_usage": used / self.num_kv_blocks,
-                "prefix_cache_queries": 10, "prefix_cache_hits": 4, "num_preemptions": 0,
-                "num_kv_blocks": self.num_kv_blocks}
+                "prefix_cache_queries": 10, "prefix_cache_hits": 4, "prefix_cache_hit_rate": 0.4,
+                "num_preemptions": 0, "num_kv_blocks": self.num_kv_blocks, **steps.snapshot()}
 
     def num_waiting(self) -> int:
         return 0

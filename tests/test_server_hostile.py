@@ -353,3 +353,49 @@ def test_metrics_parse_and_report_a_dead_engine():
         assert scrape()[("jaxserve:engine_healthy", lbl)] == 0.0
     finally:
         srv.stop()
+
+
+# what vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana) and the list query
+VLLM_DASHBOARD_SERIES = [
+    "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum", "e2e_request_latency_seconds_count",
+    "prompt_tokens_total", "generation_tokens_total",
+    "time_per_output_token_seconds_bucket", "time_per_output_token_seconds_sum",
+    "time_per_output_token_seconds_count", "num_requests_running", "num_requests_waiting",
+    "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
+    "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate", "kv_cache_usage_perc",
+    "request_prompt_tokens_bucket", "request_generation_tokens_bucket", "request_success_total",
+    "request_queue_time_seconds_sum", "request_prefill_time_seconds_sum", "request_decode_time_seconds_sum",
+    "request_inference_time_seconds_sum", "request_max_num_generation_tokens_sum", "request_params_n_bucket",
+    "request_params_max_tokens_bucket", "request_time_per_output_token_seconds_bucket",
+    "iteration_tokens_total_bucket", "iteration_tokens_total_sum", "inter_token_latency_seconds_bucket",
+    "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total", "cache_config_info",
+]
+
+
+def test_vllm_dashboard_series_under_the_vllm_prefix():
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    srv = InProcessServer(FakeEngine(), metrics_prefix="vllm")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=5, n=2)
+        samples: dict = {}
+        for family in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
+            for s in family.samples:
+                samples.setdefault(s.name, []).append(s)
+        missing = [n for n in VLLM_DASHBOARD_SERIES if "vllm:" + n not in samples]
+        assert not missing, missing
+        one = {n: samples["vllm:" + n][0].value for n in VLLM_DASHBOARD_SERIES if len(samples["vllm:" + n]) == 1}
+        count = {s.labels["le"]: s.value for s in samples["vllm:request_params_n_bucket"]}
+        assert count["1.0"] == 0 and count["2.0"] == 2                      # two prompts, n=2 each
+        assert one["request_max_num_generation_tokens_sum"] == 10          # 5 tokens, per prompt
+        gen = {s.labels["le"]: s.value for s in samples["vllm:request_generation_tokens_bucket"]}
+        assert gen["5.0"] == 4 and gen["2.0"] == 0                         # four choices of 5 tokens
+        steps = {s.labels["le"]: s.value for s in samples["vllm:iteration_tokens_total_bucket"]}
+        assert (steps["1.0"], steps["8.0"], steps["128.0"], steps["+Inf"]) == (1, 2, 3, 3)
+        assert one["iteration_tokens_total_sum"] == 109
+        assert one["gpu_prefix_cache_hit_rate"] == 0.4
+        assert one["gpu_cache_usage_perc"] == one["kv_cache_usage_perc"]
+    finally:
+        srv.stop()

@@ -9,12 +9,14 @@ against the request's own blocks (which the step has just written; this forward 
 are the null block), then logits at every position in chunks of ``CHUNK`` rows so a long chunk never
 materializes ``[S, vocab]``. The results stay on the device until the step itself is read (``collect``).
 
-The step's executables are untouched (a rarely used feature stays off the hot path); the scorer compiles
-once per power-of-two chunk length, at most ``max_num_batched_tokens``, on first use.
+The step's executables are untouched (a rarely used feature stays off the hot path). The scorer has one
+executable per power-of-two chunk length up to ``max_num_batched_tokens``; the first scoring request compiles
+them all at once (in parallel), so later ones never stall the engine on a compile.
 """
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -72,11 +74,26 @@ class PromptLogprobsScorer:
             out = {"out_shardings": (kv_cache_sharding(mesh, self.cfg), replicated(mesh))}
         self._fn = jax.jit(bind_mesh(partial(_score_fn, model.family, self.cfg, attn_backend, max_logprobs), mesh),
                            donate_argnums=(1,), **out)
+        self._executables: dict[int, object] = {}
 
     @staticmethod
     def bucket(n: int) -> int:
-        S = max(MIN_BUCKET, 1 << (n - 1).bit_length())
-        return S if S <= CHUNK else -(-S // CHUNK) * CHUNK
+        return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+
+    def buckets(self) -> list[int]:
+        out, S = [], MIN_BUCKET
+        while S <= self.max_bucket:
+            out.append(S)
+            S *= 2
+        return out
+
+    def _compile_all(self, kv_caches) -> None:
+        """Every chunk length's executable, compiled in parallel (XLA compiles outside the GIL)."""
+        def compile_one(S):
+            return S, self._fn.lower(self.model.params, kv_caches, *self._inputs([0] * (S + 1), 0, S, [])).compile()
+        buckets = self.buckets()
+        with ThreadPoolExecutor(min(len(buckets), 8)) as pool:
+            self._executables.update(pool.map(compile_one, buckets))
 
     def dispatch(self, scheduled, kv_caches) -> tuple[object, list[ScoredChunk]]:
         """Launch the scoring forward for each scheduled prompt chunk that has positions to score (call it
@@ -98,6 +115,13 @@ class PromptLogprobsScorer:
         return kv_caches, chunks
 
     def _launch(self, prompt: list[int], first: int, end: int, block_ids: list[int], kv_caches):
+        if not self._executables:
+            self._compile_all(kv_caches)
+        inputs = self._inputs(prompt, first, end, block_ids)
+        return self._executables[inputs[0].shape[0]](self.model.params, kv_caches, *inputs)
+
+    def _inputs(self, prompt: list[int], first: int, end: int, block_ids: list[int]):
+        """(ids, positions, targets, metadata) of prompt positions first .. end - 1, padded to their bucket."""
         n = end - first
         S = self.bucket(n)
         ids = np.zeros(S, np.int32)
@@ -111,7 +135,7 @@ class PromptLogprobsScorer:
         md = AttentionMetadata(slot_mapping=np.full(S, PAD_SLOT, np.int32), block_tables=tables,
                                seq_lens=np.array([end], np.int32), query_start_loc=np.array([0, n], np.int32),
                                num_seqs=np.int32(1))
-        return self._fn(self.model.params, kv_caches, ids, positions, targets, md)
+        return ids, positions, targets, md
 
     def collect(self, chunks: list[ScoredChunk], tokenizer, max_logprobs: int) -> None:
         """Bring scored chunks to the host (after their step is read) and append vLLM's per-position

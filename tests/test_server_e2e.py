@@ -116,6 +116,22 @@ def test_echo_logprobs_scores_the_prompt(client):
     assert r2.choices[0].text.startswith(prompt)
 
 
+def test_prompt_logprobs_of_a_long_prompt_through_the_scheduler(client):
+    """prompt_logprobs (vLLM's extra) of a prompt longer than the step budget (64): scored chunk by chunk as
+    it prefills, the same numbers echo + logprobs gives, every position present."""
+    prompt = " ".join(f"item{i}" for i in range(40))
+    r = client.completions.create(model="smol", prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    c = r.choices[0].model_dump()
+    ids, plp = c["prompt_token_ids"], c["prompt_logprobs"]
+    assert len(plp) == len(ids) > 64 and plp[0] is None
+    assert all(str(t) in pos and pos[str(t)]["logprob"] <= 0 for t, pos in zip(ids[1:], plp[1:]))
+    echo = client.completions.create(model="smol", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    scored = echo.choices[0].logprobs.token_logprobs
+    assert scored[0] is None and len(scored) == len(ids)
+    assert scored[1:] == pytest.approx([pos[str(t)]["logprob"] for t, pos in zip(ids[1:], plp[1:])], abs=1e-4)
+
+
 def test_errors(client, http, server):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model="smol", prompt="hi " * 500, max_tokens=100)

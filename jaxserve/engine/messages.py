@@ -57,7 +57,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     logprobs: list[RawLogprobs] | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
-    prompt_logprobs: list[RawLogprobs | None] | None = None
+    # the prompt's logprobs (the core's scorer decodes them): per position None or {token id: (logprob,
+    # rank, text)}
+    prompt_logprobs: list[dict[int, tuple[float, int | None, str | None]] | None] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True, gc=False):

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 from jaxserve.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
 from jaxserve.engine.messages import EngineCoreOutput
 from jaxserve.engine.request import Request, RequestStatus, finish_reason
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind
 
 _STOPPED = RequestStatus.FINISHED_STOPPED
@@ -173,7 +173,9 @@ class OutputProcessor:
                 out.num_cached_tokens = req.num_cached_tokens
                 out.first_scheduled_time = req.metrics.first_scheduled_time
                 if req.prompt_logprobs is not None:
-                    out.prompt_logprobs = req.prompt_logprobs
+                    out.prompt_logprobs = [None if pos is None else
+                                           {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in pos.items()}
+                                           for pos in req.prompt_logprobs]
                     req.prompt_logprobs = None
             req.num_sent_tokens = known
             outputs.append(out)
@@ -248,10 +250,8 @@ class FrontendOutputProcessor:
                 req.metrics.first_scheduled_time = out.first_scheduled_time
                 req.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None:
-                k = req.sampling_params.prompt_logprobs
-                req.prompt_logprobs = [
-                    None if e is None else decode_logprobs(tokenizer, tok, *e, num_logprobs=k)
-                    for tok, e in zip(req.prompt_token_ids, out.prompt_logprobs)]
+                req.prompt_logprobs = [None if pos is None else {t: Logprob(*v) for t, v in pos.items()}
+                                       for pos in out.prompt_logprobs]
             core_status = RequestStatus(out.finish_status) if out.finish_status else None
             toks = out.new_token_ids
             lps = out.logprobs

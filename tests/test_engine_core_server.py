@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from test_server_e2e import MAX_MODEL_LEN, ROOT, ServerProcess
+from server_process import MAX_MODEL_LEN, ROOT, ServerProcess
 
 FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
          "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--served-model-name", "smol")
@@ -59,7 +59,7 @@ def test_a_killed_core_errors_every_stream_and_the_server_exits_1():
         results: dict[int, list] = {}
 
         def stream(i):
-            lines = []
+            lines = results[i] = []                  # filled as chunks arrive
             body = {"model": "smol", "prompt": f"Write a long story {i}", "max_tokens": 400, "stream": True,
                     "ignore_eos": True}
             try:
@@ -69,17 +69,13 @@ def test_a_killed_core_errors_every_stream_and_the_server_exits_1():
                             lines.append(line)
             except httpx.HTTPError as e:
                 lines.append(f"transport error {e!r}")
-            results[i] = lines
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
-        while sum(len(v) for v in results.values()) == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-            if all(not t.is_alive() for t in threads):
-                break
-        time.sleep(0.5)                              # every stream has chunks by now
+        while min((len(results.get(i, [])) for i in range(4)), default=0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)                         # every stream has its first chunks
         os.kill(pid, signal.SIGKILL)
         for t in threads:
             t.join(60)

@@ -89,7 +89,7 @@ class LLMEngine:
             self.custom_all_reduce = False
         self.mesh = mesh
         self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                max_model_len=config.max_model_len, mesh=mesh)
+                                max_model_len=config.max_model_len, mesh=mesh, quantization=config.quantization)
         self.load_seconds = time.perf_counter() - t0
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer

@@ -46,10 +46,11 @@ def _tp_and_axis(sharding) -> tuple[int, int | None]:
     return (sharding.mesh.shape["tp"] if axis is not None else 1), axis
 
 
-def check_shards(name: str, shape: tuple, sharding, unit: int, what: str) -> None:
-    """A shard of ``shape`` along its tp axis must hold whole ``unit``s (groups, blocks)."""
+def check_shards(name: str, shape: tuple, sharding, unit: int, what: str, *, input_only: bool = False) -> None:
+    """A shard of ``shape`` along its tp axis must hold whole ``unit``s (groups, blocks); ``input_only``:
+    the units only tile the input axis (int4 groups), so a column split is free."""
     tp, axis = _tp_and_axis(sharding)
-    if axis is None or tp == 1:
+    if axis is None or tp == 1 or (input_only and axis != 0):
         return
     size = shape[axis]
     if size % tp or (size // tp) % unit:
@@ -86,7 +87,7 @@ def load_linear(q: QuantConfig, path: tuple, names: list[str], kind, expected: t
         if tuple(whole.q.shape) != tuple(expected):
             raise ModelLoadError(f"{prefixes[0]}: int4 weight of shape {tuple(whole.q.shape)} (in, out) does not "
                                  f"match the config (expected {tuple(expected)})")
-        check_shards(name, expected, sharding, whole.group_size, "quantization groups")
+        check_shards(name, expected, sharding, whole.group_size, "quantization groups", input_only=True)
         tp, axis = _tp_and_axis(sharding)
         if whole.perm is not None and axis == 0 and tp > 1:
             raise ModelLoadError(f"{name}: GPTQ act-order (desc_act) weights of a row-parallel projection cannot "
@@ -192,7 +193,7 @@ def quantize_leaf(q: QuantConfig, path: tuple, w: jax.Array, sharding, scale_dty
         group = q.group_size if q.group_size != -1 else w.shape[0]
         if w.shape[0] % group:
             raise ModelLoadError(f"{name}: {w.shape[0]} input features are not a multiple of the group size {group}")
-        check_shards(name, tuple(w.shape), sharding, group, "quantization groups")
+        check_shards(name, tuple(w.shape), sharding, group, "quantization groups", input_only=True)
         kw = dict(group_size=group, scale_dtype=jnp.dtype(scale_dtype))
         template = jax.eval_shape(lambda a: online.quantize_int4(a, **kw), w)
         fn = online.quantize_int4

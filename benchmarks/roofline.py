@@ -193,8 +193,16 @@ class ModelCost:
         return float(self.weight_bytes) + self.kv_bytes_per_token * float(input_len) * batch
 
 
-def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None) -> ModelCost:
-    """Counts for a Llama-family `jaxserve.config.ModelConfig` (GQA, SwiGLU MLP, RMSNorm)."""
+# bytes per weight of a quantized projection: int4 + a 2-byte scale and a 1-byte zero per group of 128; fp8
+# + a float32 scale per output channel (negligible)
+QUANTIZED_WEIGHT_BYTES = {"awq": 0.5 + 3 / 128, "gptq": 0.5 + 3 / 128, "compressed-tensors": 0.5 + 3 / 128,
+                          "fp8": 1.0}
+
+
+def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
+               quantization: str | None = None) -> ModelCost:
+    """Counts for a Llama-family `jaxserve.config.ModelConfig` (GQA, SwiGLU MLP, RMSNorm); ``quantization``
+    (``--quantization``): the projections' storage, the rest stays ``dtype``."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r} for the roofline (known: {', '.join(DTYPE_BYTES)})")
     h, d = cfg.hidden_size, cfg.head_dim
@@ -207,8 +215,12 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None) -> Mod
     body = cfg.num_layers * per_layer + h                   # + the final norm
     params = embedding + lm_head + body
     kv_bytes = DTYPE_BYTES[kv_dtype or dtype]
+    weight_bytes = params * DTYPE_BYTES[dtype]
+    if quantization in QUANTIZED_WEIGHT_BYTES:
+        projections = cfg.num_layers * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
+        weight_bytes -= int(projections * (DTYPE_BYTES[dtype] - QUANTIZED_WEIGHT_BYTES[quantization]))
     return ModelCost(params=params, body_matmul_params=body,
-                     lm_head_params=cfg.vocab_size * h, weight_bytes=params * DTYPE_BYTES[dtype],
+                     lm_head_params=cfg.vocab_size * h, weight_bytes=weight_bytes,
                      kv_bytes_per_token=2 * cfg.num_layers * kv * kv_bytes,
                      attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d, dtype=dtype)
 

@@ -328,3 +328,36 @@ def test_gguf_and_orbax_take_no_quantization_flag():
         loader._float_only("awq", "x.gguf is a GGUF file (its weights are dequantized at load)")
     loader._float_only("auto", "anything")
     loader._float_only("none", "anything")
+
+
+def test_engine_greedy_continuations_match_the_dequantized_model(tmp):
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    tensors, qc, ref, _ = quantized_checkpoint("gptq", symmetric=False)
+    folders = [write_folder(tmp / "engine-gptq", tensors, HF | {"quantization_config": qc}),
+               write_folder(tmp / "engine-gptq-float", ref, HF | {"torch_dtype": "float32"})]
+    prompts = [[5, 17, 99, 3, 42, 7, 250], [1, 2, 3, 4]]
+    outs = []
+    for folder in folders:
+        llm = LLM(folder, dtype="float32", max_model_len=64, max_num_batched_tokens=32, max_num_seqs=2,
+                  kv_cache_memory_bytes=1 << 21, skip_warmup=True, compilation_cache_dir="", use_tqdm_on_load=False)
+        assert llm.engine.model.quantization == (None if folder.endswith("float") else "gptq")
+        res = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        outs.append([r.outputs[0].token_ids for r in res])
+    assert outs[0] == outs[1]
+
+
+def test_roofline_counts_the_quantized_bytes():
+    from benchmarks import roofline
+    from jaxserve.models.configs import model_config_from_hf
+    from jaxserve.models.loader import DUMMY_CONFIG_DIR
+    from jaxserve.models.configs import read_json
+
+    cfg = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / "llama-3.1-8b.json")))
+    bf16 = roofline.model_cost(cfg, "bfloat16").weight_bytes
+    int4 = roofline.model_cost(cfg, "bfloat16", quantization="awq").weight_bytes
+    fp8 = roofline.model_cost(cfg, "bfloat16", quantization="fp8").weight_bytes
+    embeddings = 2 * 2 * cfg.vocab_size * cfg.hidden_size          # embed + lm_head stay bf16
+    assert 15.9e9 < bf16 < 16.1e9 and 5.7e9 < int4 < 6.0e9 and 9.0e9 < fp8 < 9.1e9
+    assert int4 > embeddings

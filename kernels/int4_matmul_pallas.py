@@ -7,9 +7,9 @@ per group of ``G`` input rows: ``w[k, n] = (q[k, n] - zeros[k // G, n]) * scales
 
 Why this layout: packing along K keeps every output column's bytes together (a program streams whole columns
 of its tile) and lets tensor parallelism split K or N at any group boundary. The kernel does not need to
-interleave rows: ``x`` is split into its 8 strided planes outside (``x_planes[j, m, r] = x[m, 8r + j]``, a
-cheap XLA transpose of the activation), so plane ``j`` of a packed tile multiplies plane ``j`` of ``x`` and
-every dot is a plain 2-D tile product.
+interleave rows: nibble plane ``j`` of a packed tile holds rows ``j, j + 8, ...``, so it multiplies the
+stride-8 columns ``j, j + 8, ...`` of ``x`` (a strided load of the small activation) and every dot is a plain
+2-D tile product.
 
 The kernel: a program owns ``bm`` rows of ``x`` and ``bn`` output columns, and walks its share of K (split
 ``split_k`` ways when too few tiles would fill the GPU: decode shapes) in steps of ``bk`` rows that never
@@ -85,7 +85,7 @@ def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bm, bn, bk, group_size, k_step
         z = z_ref[pl.ds(g, 1), cols].astype(jnp.float32)
         for j in range(PACK):
             w = ((((p >> (4 * j)) & 15).astype(jnp.float32) - z) * s).astype(x_ref.dtype)
-            xj = x_ref[j, rows, pl.ds(k0 // PACK, kp)]
+            xj = x_ref[rows, pl.ds(k0 + j, kp, stride=PACK)]
             acc += jnp.dot(xj, w, preferred_element_type=jnp.float32)
         return acc
 
@@ -113,13 +113,12 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.A
         split_k = max(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and d <= want)
     assert k_blocks % split_k == 0, (k_blocks, split_k)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
-    x_planes = xp.reshape(mp, k // PACK, PACK).transpose(2, 0, 1)
     out_dtype = x.dtype if split_k == 1 else jnp.float32
     out = pl.pallas_call(
         functools.partial(_kernel, bm=bm, bn=bn, bk=bk, group_size=group_size, k_steps=k_blocks // split_k),
         grid=(mp // bm, n // bn, split_k),
         out_shape=jax.ShapeDtypeStruct((split_k, mp, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="int4_matmul")(x_planes, packed, scales, zeros)
+        interpret=interpret, name="int4_matmul")(xp, packed, scales, zeros)
     out = out[0] if split_k == 1 else out.sum(0).astype(x.dtype)
     return out[:m]

@@ -361,3 +361,17 @@ def test_roofline_counts_the_quantized_bytes():
     embeddings = 2 * 2 * cfg.vocab_size * cfg.hidden_size          # embed + lm_head stay bf16
     assert 15.9e9 < bf16 < 16.1e9 and 5.7e9 < int4 < 6.0e9 and 9.0e9 < fp8 < 9.1e9
     assert int4 > embeddings
+
+
+def test_ignored_modules_stay_float(tmp):
+    tensors, qc, ref, _ = quantized_checkpoint("compressed-tensors", symmetric=True)
+    for name in ("weight_packed", "weight_scale", "weight_shape"):   # layer 1's down_proj left in float
+        del tensors[f"model.layers.1.mlp.down_proj.{name}"]
+    tensors["model.layers.1.mlp.down_proj.weight"] = ref["model.layers.1.mlp.down_proj.weight"]
+    qc["ignore"] = ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj"]
+    model = load_model(write_folder(tmp / "ct-ignore", tensors, HF | {"quantization_config": qc}), dtype="float32")
+    assert isinstance(model.params["layers"][0]["down"], Int4Weight)
+    assert not isinstance(model.params["layers"][1]["down"], Int4Weight)
+    want = logits_of(load_model(write_folder(tmp / "ct-ignore-float", ref, HF | {"torch_dtype": "float32"}),
+                                dtype="float32"))
+    np.testing.assert_allclose(logits_of(model), want, rtol=2e-4, atol=2e-4)

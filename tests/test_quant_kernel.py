@@ -65,8 +65,8 @@ def test_fp8_w8a8_matmul_is_the_scaled_fp8_product():
     x = rng.standard_normal((3, 256)).astype(np.float32)
     wq = (rng.standard_normal((256, 64)) * 100).astype(jnp.float8_e4m3fn)
     scale = (rng.random(64) * 0.01).astype(np.float32)
-    got = _fp8_matmul(jnp.asarray(x), Fp8Weight(weight=jnp.asarray(wq), scale=jnp.asarray(scale), input_scale=None),
-                      64)
+    stored = jnp.asarray(np.ascontiguousarray(wq.T))          # output-major
+    got = _fp8_matmul(jnp.asarray(x), Fp8Weight(weight=stored, scale=jnp.asarray(scale), input_scale=None), 64)
     xq, sx = quantize_activation_per_token(jnp.asarray(x))
     want = (np.asarray(xq, np.float32) @ np.asarray(wq, np.float32)) * np.asarray(sx) * scale
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -426,7 +426,7 @@ def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.n
             quant.quantizes(quant_loading.module_of(n)) for n in names)
         if quantized and not quant.online:
             _tree_set(params, path, quant_loading.load_linear(quant, path, names, kind, tuple(expected), sharding,
-                                                              get, has, build_on_device, target_dtype))
+                                                              get, has))
             continue
         raw = [get(n) for n in names]
         built = jax.eval_shape(_build_fn(kind), *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in raw))

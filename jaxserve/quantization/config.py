@@ -8,6 +8,7 @@ says what the checkpoint is, so a wrong flag never silently loads garbage.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from jaxserve.errors import ModelLoadError
@@ -40,9 +41,15 @@ class QuantConfig:
     ignore: tuple[str, ...] = ()
 
     def quantizes(self, module: str) -> bool:
-        """Whether the checkpoint module ``model.layers.3.self_attn.q_proj`` is quantized."""
-        return not any(module == name or module.endswith("." + name) or name.endswith("." + module)
-                       for name in self.ignore)
+        """Whether the checkpoint module ``model.layers.3.self_attn.q_proj`` is quantized (``ignore`` entries
+        are module names, name suffixes, or compressed-tensors' ``re:`` patterns)."""
+        for name in self.ignore:
+            if name.startswith("re:"):
+                if re.fullmatch(name[3:], module):
+                    return False
+            elif module == name or module.endswith("." + name) or name.endswith("." + module):
+                return False
+        return True
 
 
 def canonical_method(name: str | None) -> str:

@@ -76,8 +76,7 @@ def _place(weight, sharding):
 
 
 def load_linear(q: QuantConfig, path: tuple, names: list[str], kind, expected: tuple, sharding,
-                get: Callable[[str], np.ndarray], has: Callable[[str], bool],
-                build_on_device: Callable, dtype) -> Int4Weight | Fp8Weight:
+                get: Callable[[str], np.ndarray], has: Callable[[str], bool]) -> Int4Weight | Fp8Weight:
     """The quantized weight at ``path`` from its checkpoint modules (``names``: their ``.weight`` names)."""
     name = weight_name(path)
     prefixes = [module_of(n) for n in names]
@@ -96,7 +95,7 @@ def load_linear(q: QuantConfig, path: tuple, names: list[str], kind, expected: t
         weight = Int4Weight(packed=int4_formats.pack(whole.q), scales=whole.scales, zeros=whole.zeros,
                             perm=whole.perm, group_size=whole.group_size)
         return _place(weight, sharding)
-    return _load_fp8(q, name, prefixes, kind, expected, sharding, get, has, build_on_device)
+    return _load_fp8(q, name, prefixes, kind, expected, sharding, get, has)
 
 
 def _read_int4(q: QuantConfig, prefix: str, get, has) -> int4_formats.Int4Parts:
@@ -143,8 +142,8 @@ def _combine_fp8_scales(scales: list[np.ndarray], block: bool, kind, name: str) 
     raise ModelLoadError(f"{name}: build {kind!r} has no fp8 form")
 
 
-def _load_fp8(q: QuantConfig, name: str, prefixes: list[str], kind, expected: tuple, sharding, get, has,
-              build_on_device) -> Fp8Weight:
+def _load_fp8(q: QuantConfig, name: str, prefixes: list[str], kind, expected: tuple, sharding, get,
+              has) -> Fp8Weight:
     raws = [get(f"{p}.weight") for p in prefixes]
     for p, r in zip(prefixes, raws):
         if r.dtype != ml_dtypes.float8_e4m3fn:
@@ -166,8 +165,8 @@ def _load_fp8(q: QuantConfig, name: str, prefixes: list[str], kind, expected: tu
             raise ModelLoadError(f"{missing[0]}: static fp8 activations need an input_scale")
         # a fused projection feeds one activation: the largest of its modules' scales covers them all (vLLM's)
         input_scale = np.float32(max(float(np.asarray(get(f"{p}.input_scale")).max()) for p in prefixes))
-    weight = build_on_device(kind, raws, FP8_DTYPE, sharding)
-    if tuple(weight.shape) != tuple(expected):
+    weight = _build_fp8(kind, raws, sharding)
+    if (weight.shape[-1],) + tuple(weight.shape[:-1]) != tuple(expected):
         raise ModelLoadError(f"{prefixes[0]}: fp8 weight {tuple(raws[0].shape)} does not match the config "
                              f"(expected {tuple(expected)} after layout conversion)")
     w = Fp8Weight(weight=weight, scale=scale, input_scale=input_scale, block=block)
@@ -180,6 +179,39 @@ def _load_fp8(q: QuantConfig, name: str, prefixes: list[str], kind, expected: tu
     return Fp8Weight(weight=weight, scale=_put(scale, NamedSharding(mesh, specs.scale)),
                      input_scale=None if input_scale is None else _put(input_scale, NamedSharding(mesh, P())),
                      block=block, tp_axis=specs.tp_axis)
+
+
+# The fp8 weight keeps HF's output-major layout, so a build only stacks or slices along the outputs.
+_FP8_BUILDS = {
+    "t": lambda w: w,
+    "stack_t": lambda g, u: jnp.stack([g, u], axis=0),
+    "fused_gate_up_t": lambda w: w.reshape(2, w.shape[0] // 2, w.shape[1]),
+}
+
+
+def _build_fp8(kind, raws: list[np.ndarray], sharding) -> jax.Array:
+    """The stored ``[*out, K]`` weight from the HF ``[out, in]`` tensors, each device converting its shard."""
+    if isinstance(kind, tuple) and kind[0] == "rows_t":
+        start, stop = kind[1], kind[2]
+        build = lambda w: w[start:stop]  # noqa: E731
+    elif kind in _FP8_BUILDS:
+        build = _FP8_BUILDS[kind]
+    else:
+        raise ModelLoadError(f"build {kind!r} has no fp8 form")
+    if sharding is None:
+        return jax.jit(build)(*[jnp.asarray(np.ascontiguousarray(r)) for r in raws])
+    ndim = 2 if kind == "t" or isinstance(kind, tuple) else 3
+    full = tuple(sharding.spec) + (None,) * (ndim - len(tuple(sharding.spec)))
+    out_spec = P(*full[1:], full[0])
+    if kind == "t":
+        in_spec = out_spec
+    elif kind == "stack_t":
+        in_spec = P(*tuple(out_spec)[1:])
+    else:                  # fused tensors go in replicated: every device slices out its own part
+        in_spec = P()
+    mesh = sharding.mesh
+    placed = [jax.device_put(np.ascontiguousarray(r), NamedSharding(mesh, in_spec)) for r in raws]
+    return jax.jit(build, out_shardings=NamedSharding(mesh, out_spec))(*placed)
 
 
 # ------------------------------------------------------------------------------------------- online

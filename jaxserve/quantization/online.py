@@ -13,11 +13,12 @@ PACK = 8
 
 
 def quantize_fp8_per_channel(w: jax.Array) -> Fp8Weight:
-    """``w [K, *out]`` → e4m3 with one float32 scale per output channel (max |w| over K maps to 448)."""
+    """``w [K, *out]`` → e4m3 with one float32 scale per output channel (max |w| over K maps to 448), stored
+    output-major (``Fp8Weight``)."""
     wf = w.astype(jnp.float32)
     scale = jnp.maximum(jnp.max(jnp.abs(wf), axis=0), 1e-12) / FP8_MAX
     q = jnp.clip(wf / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    return Fp8Weight(weight=q, scale=scale, input_scale=None)
+    return Fp8Weight(weight=jnp.moveaxis(q, 0, -1), scale=scale, input_scale=None)
 
 
 def quantize_int4(w: jax.Array, group_size: int, scale_dtype) -> Int4Weight:

@@ -58,9 +58,11 @@ class Int4Weight:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
-    """FP8 e4m3 ``weight [K, *out]``; ``scale`` float32 ``[*out]`` per output channel (per-tensor scales are
-    stored broadcast) or ``[K/128, *out/128]`` per 128 × 128 block (``block=True``); ``input_scale`` the static
-    per-tensor activation scale, or None (dynamic per-token scales)."""
+    """FP8 e4m3 ``weight [*out, K]``, output-major (HF's own layout: the one cuBLASLt's fp8 GEMM takes
+    without a transpose, both operands K-minor); its logical shape is ``[K, *out]`` like every projection's.
+    ``scale`` float32 ``[*out]`` per output channel (per-tensor scales are stored broadcast) or
+    ``[K/128, *out/128]`` per 128 × 128 block (``block=True``); ``input_scale`` the static per-tensor
+    activation scale, or None (dynamic per-token scales)."""
     weight: jax.Array
     scale: jax.Array
     input_scale: jax.Array | None
@@ -69,16 +71,17 @@ class Fp8Weight:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.weight.shape)
+        return (self.weight.shape[-1],) + tuple(self.weight.shape[:-1])
 
     def specs(self, spec: P) -> "Fp8Weight":
-        axis = _tp_axis(spec)
         ndim = self.weight.ndim
+        full = tuple(spec) + (None,) * (ndim - len(tuple(spec)))      # over the logical [K, *out]
+        axis = _tp_axis(spec)
         if self.block:
-            scale_spec = spec
+            scale_spec = P(*full)
         else:   # [*out]: split only where the outputs are
             scale_spec = P(*([None] * (ndim - 2)), TP) if axis == ndim - 1 else P()
-        return dataclasses.replace(self, weight=spec, scale=scale_spec,
+        return dataclasses.replace(self, weight=P(*full[1:], full[0]), scale=scale_spec,
                                    input_scale=None if self.input_scale is None else P())
 
 
@@ -152,18 +155,21 @@ def _to_fp8(x: jax.Array) -> jax.Array:
     return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
+_CONTRACT_K = (((1,), (1,)), ((), ()))     # x [T, K] with w [N, K]
+
+
 def _fp8_matmul(x: jax.Array, w: Fp8Weight, n: int) -> jax.Array:
     k = x.shape[-1]
-    wt = w.weight.reshape(k, n)
+    wt = w.weight.reshape(n, k)
     if w.block:
         s = w.scale.reshape(w.scale.shape[0], -1)
         s = jnp.repeat(jnp.repeat(s, 128, axis=0)[:k], 128, axis=1)[:, :n]
-        wd = (wt.astype(jnp.float32) * s).astype(x.dtype)
-        return jnp.dot(x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+        wd = (wt.astype(jnp.float32) * s.T).astype(x.dtype)
+        return jax.lax.dot_general(x, wd, _CONTRACT_K, preferred_element_type=jnp.float32).astype(x.dtype)
     if w.input_scale is None:
         xq, sx = quantize_activation_per_token(x)
     else:
         sx = w.input_scale.astype(jnp.float32)
         xq = _to_fp8(x.astype(jnp.float32) / sx)
-    y = jax.lax.dot(xq, wt, preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(xq, wt, _CONTRACT_K, preferred_element_type=jnp.float32)
     return (y * sx * w.scale.reshape(1, n)).astype(x.dtype)

@@ -8,8 +8,9 @@ groups, K/128 blocks), a column-parallel one its last. ``tp_axis`` (static) says
 matmul can run the local product in ``shard_map`` (a Pallas call cannot be partitioned by XLA) and sum
 row-parallel partials.
 
-On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU it goes
-through ``kernels.int4_matmul_pallas`` (dequantization in registers). FP8 per-channel weights run W8A8 as an
+On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU steps of
+up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through ``kernels.int4_matmul_pallas`` (dequantization in
+registers), larger ones dequantize and run XLA's GEMM. FP8 per-channel weights run W8A8 as an
 fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on the H200), the per-token activation scale
 and the weight's channel scale applied to the result; 128 × 128 block weights are dequantized to the
 activation dtype before the dot (W8A16).
@@ -25,6 +26,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels import int4_matmul_pallas as int4_kernel
 
+# Steps up to this many tokens (decode, small mixed steps: bound by weight bytes) run the fused int4 kernel;
+# larger ones are bound by compute, where dequantizing once and running XLA's bf16 GEMM does better than
+# re-dequantizing every weight tile per 64-row block of x (benchmarks/diagnostics/quant_matmul_bench.py
+# measures both at M = 256 and 2048)
+INT4_KERNEL_MAX_TOKENS = 64
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)
 TP = "tp"
@@ -139,7 +145,8 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int) -> jax.Array:
         x = jnp.take(x, w.perm, axis=1)
     k = x.shape[-1]
     packed, scales, zeros = (a.reshape(a.shape[0], n) for a in (w.packed, w.scales, w.zeros))
-    if jax.default_backend() == "gpu" and int4_kernel.supports(x.shape[0], k, n, w.group_size):
+    if (jax.default_backend() == "gpu" and x.shape[0] <= INT4_KERNEL_MAX_TOKENS
+            and int4_kernel.supports(x.shape[0], k, n, w.group_size)):
         return int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=w.group_size)
     return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size)
 

@@ -12,6 +12,11 @@ whole on one device (unless its spec replicates it).
 Why on the device: numpy's transpose of 2-byte elements is a slow strided copy on one core; with it an 8B
 model took 70 s to load from safetensors at TP=2 on an H200 host (20 s from orbax, which stores the converted
 layout).
+
+Quantized checkpoints (``quantization``, vLLM's ``--quantization``): the plan's projections whose modules the
+checkpoint quantizes go through ``jaxserve.quantization.loading`` instead (int4 formats repacked on the host,
+fp8 weights kept output-major), and land in the tree as ``Int4Weight`` / ``Fp8Weight`` leaves with the same
+tensor-parallel split; online fp8 quantizes each float projection on the device as soon as it is built.
 """
 from __future__ import annotations
 

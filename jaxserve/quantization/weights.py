@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels import int4_matmul_pallas as int4_kernel
+from jaxserve.parallel.mesh import current_tp_mesh
 
 # Steps up to this many tokens (decode, small mixed steps: bound by weight bytes) run the fused int4 kernel;
 # larger ones are bound by compute, where dequantizing once and running XLA's bf16 GEMM does better than
@@ -111,13 +112,11 @@ def _tp_axis(spec: P) -> int | None:
 def matmul(x: jax.Array, w) -> jax.Array:
     """``x [T, K]`` times the quantized weight ``w [K, *out]`` → ``[T, *out]`` in ``x``'s dtype; summed over
     the devices when ``w`` is row-parallel under a tp mesh."""
-    from jaxserve.parallel import current_tp_mesh  # noqa: PLC0415  (parallel imports models' layers lazily)
-
     mesh = current_tp_mesh()
     if mesh is None or w.tp_axis is None:
         return _local_matmul(x, w)
     wspec = w.specs(_spec_on_axis(len(w.shape), w.tp_axis))
-    out_ndim = 1 + len(w.shape) - 1
+    out_ndim = len(w.shape)            # [T, *out]
     if w.tp_axis == 0:               # row-parallel: x split on K, partial sums reduced
         def local(xs, ws):
             return jax.lax.psum(_local_matmul(xs, ws), TP)

@@ -5,7 +5,15 @@
 #   kernels   h200-kernels; bandwidth: the read and copy ceilings of configs/hardware/h200.yaml; ab OLD: below
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|embed|gpucheck|stepdiag|tp2|carcheck ...]
+#   families  batch-1 latency of each decoder family (h200-family-latency-bs1, one process per model) for the
+#             configs/models names in $FAMILIES (default: qwen3-8b gemma-2-9b gemma-3-12b phi-4 command-r-35b;
+#             ~8-9 minutes on a cold host: each model loads and compiles its 3 forwards in ~1-2 minutes)
+#   families-throughput  offline 1000 x 1024 / 128 of the same models (h200-family-throughput, with the
+#             per-family settings of family_sets below); all five take ~11 minutes cold, so split them over two
+#             calls: FAMILIES="qwen3-8b gemma-2-9b gemma-3-12b", then FAMILIES="phi-4 command-r-35b"
+#   gemma2-long  h200-gemma2-9b-long-prompts (200 x 8064 / 128: the sliding-window layers at long context)
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|embed|gpucheck|stepdiag|tp2|carcheck|
+#        families|families-throughput|gemma2-long ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
 # old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
@@ -55,6 +63,30 @@ bench() {   # bench LIMIT_S LOG_NAME ARGS...: one runner process under a time li
 
 needs_2_gpus() {
   if [ "${NGPU:-0}" -lt 2 ]; then echo "$1: skipped, needs 2 GPUs (${NGPU:-0} visible)" | tee -a "$SUMMARY"; return 1; fi
+}
+
+FAMILIES=${FAMILIES:-qwen3-8b gemma-2-9b gemma-3-12b phi-4 command-r-35b}
+
+family_sets() {   # family_sets MODE MODEL: the --set values MODEL needs beyond the family config
+  # Throughput: max_num_seqs no more than the sequences of 1152 tokens the KV cache holds (the engine's
+  # cache gets 90 % of JAX's default 75 % of HBM, less the weights; K/V per token: gemma-2-9b 344 KB,
+  # gemma-3-12b 393 KB, command-r-35b 1.31 MB beside 70 GB of weights), so the run neither preempts nor
+  # waits on blocks; command-r runs 128 prompts (1000 at 16 at a time would take ~4 minutes).
+  case "$1:$2" in
+    throughput:gemma-2-9b)    echo "engine.max_num_seqs=192" ;;
+    throughput:gemma-3-12b)   echo "engine.max_num_seqs=160" ;;
+    throughput:command-r-35b) echo "engine.max_num_seqs=16 engine.token_buckets=[16,2048] workload.num_prompts=128" ;;
+  esac
+}
+
+families() {   # families MODE CONFIG LIMIT_S: CONFIG for each model of $FAMILIES, one runner process each
+  local mode=$1 config=$2 limit=$3 suffix=latency-bs1 m
+  [ "$mode" = throughput ] && suffix=throughput
+  for m in $FAMILIES; do
+    local sets=(--set "model.name=$m" --set "name=h200-$m-$suffix") s
+    for s in $(family_sets "$mode" "$m"); do sets+=(--set "$s"); done
+    bench "$limit" "family-$m-$suffix" --config "$config" "${sets[@]}" --no-plots
+  done
 }
 
 ab() {   # ab OLD_TREE: the two configs at the old tree and at this one, interleaved; prints old / new / ratio
@@ -130,7 +162,11 @@ for step in "${STEPS[@]}"; do
                  timeout "${CARCHECK_ENGINE_S:-200}" "$PY" benchmarks/diagnostics/custom_allreduce_probe.py \
                    --engine llama-3.2-1b --dtype "$dt" 2>&1 | tee -a "$RESULTS/carcheck.log" | grep -E '^\||^#|Error' >> "$SUMMARY"
                done ;;
-    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, embed, gpucheck, stepdiag, tp2, carcheck)" >&2; exit 2 ;;
+    families)  families latency h200-family-latency-bs1 "${FAMILY_LIMIT_S:-200}" ;;
+    families-throughput) families throughput h200-family-throughput "${FAMILY_THROUGHPUT_LIMIT_S:-240}" ;;
+    gemma2-long) bench "${GEMMA2_LONG_LIMIT_S:-300}" gemma2-long --config h200-gemma2-9b-long-prompts --no-plots ;;
+    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, embed, gpucheck, stepdiag, tp2, carcheck," \
+         "families, families-throughput, gemma2-long)" >&2; exit 2 ;;
   esac
 done
 

@@ -217,7 +217,7 @@ def finish(run: Run, elapsed: float) -> Path:
         run.result["model"] = {"config": {k: v for k, v in vars(run.model_config).items()},
                                "params": c.params, "weight_bytes": c.weight_bytes,
                                "kv_bytes_per_token": c.kv_bytes_per_token, "dtype": run.dtype}
-        run.tables.append(Table("Model and limits", ["params", "weights GB", "KV bytes/token", "dtype",
+        run.tables.append(Table("Model and limits", ["params", "weights read per step GB", "KV bytes/token", "dtype",
                                                      "read TB/s", "peak TFLOP/s", "hardware"],
                                 [[c.params, c.weight_bytes / 1e9, c.kv_bytes_per_token, run.dtype,
                                   run.hw.bandwidth / 1e12, run.hw.flops(run.dtype) / 1e12,

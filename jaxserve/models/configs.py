@@ -37,8 +37,10 @@ FAMILY_FIELDS = ("layer_types", "use_sliding_window", "attention_bias", "final_l
 # GGUF only: llama.cpp bakes Llama 3.1 RoPE scaling into a per-frequency divisor tensor (rope_freqs.weight)
 GGUF_FREQ_FACTORS = "freq_factors"
 
-# GGUF ``general.architecture`` → the HF architecture name the registry knows.
+# GGUF ``general.architecture`` → the HF architecture name the registry knows (read here), and the
+# architectures whose GGUF metadata the loader turns into an HF config first (``loader.gguf_hf_config``).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_HF_CONFIG_ARCHITECTURES = ("gemma2", "gemma3", "qwen3", "phi3", "command-r")
 
 
 def _freeze(value: Any) -> Any:
@@ -211,7 +213,7 @@ def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_fr
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: "
-                             f"{', '.join(GGUF_ARCHITECTURES)}")
+                             f"{', '.join((*GGUF_ARCHITECTURES, *GGUF_HF_CONFIG_ARCHITECTURES))}")
     if "rope_freqs.weight" in tensor_names and rope_freqs is None:
         raise ModelLoadError("this GGUF has a rope_freqs tensor (Llama 3.1 RoPE factors): pass its values")
 

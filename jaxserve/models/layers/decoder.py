@@ -34,13 +34,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxserve import parallel
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.metadata import AttentionMetadata
 # kernels.ops's write_kv_and_attend, wrapped in shard_map over "tp" when the step runs under a mesh
 from jaxserve.parallel import attention as tp_attention
 
 from .linear import linear, row_parallel_linear, row_parallel_linear_add_rms_norm
-from .norms import NORMS
+from .norms import NORMS, inv_rms
 from .rotary import Rotary
 
 TP = "tp"
@@ -112,13 +113,26 @@ class DecoderLayer(nnx.Module):
             q, k, v = q + _w(self.q_bias), k + _w(self.k_bias), v + _w(self.v_bias)
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         if spec.qk_norm:
-            q, k = self.norm(q, _w(self.q_norm), cfg.rms_norm_eps), self.norm(k, _w(self.k_norm), cfg.rms_norm_eps)
+            q, k = self._qk_norm(q, k)
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
         k_cache, v_cache = kv_cache
         attn, k_cache, v_cache = tp_attention.write_kv_and_attend(
             q, k, v, k_cache, v_cache, md, sm_scale=spec.sm_scale, soft_cap=spec.attn_soft_cap,
             sliding_window=spec.windows[self.index], backend=backend)
         return attn.reshape(t, hq * d), (k_cache, v_cache)
+
+    def _qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The per-head norms of q ``[T, hq, d]`` and k ``[T, hkv, d]``. Without a tp mesh their statistics
+        come from one reduction over the heads side by side (two would each be a GPU kernel of their own, and
+        a batch-1 step runs ~15 kernels a layer); the normalised values are still made from q and k
+        themselves, so the join feeds only the reduction. Under a mesh q and k are split on heads separately
+        and joining them would reshard, so each is normed alone."""
+        eps = self.cfg.rms_norm_eps
+        if parallel.current_tp_mesh() is not None or self.spec.norm not in ("rms", "offset_rms"):
+            return self.norm(q, _w(self.q_norm), eps), self.norm(k, _w(self.k_norm), eps)
+        hq = q.shape[1]
+        inv = inv_rms(jnp.concatenate([q, k], axis=1), eps)
+        return self.norm(q, _w(self.q_norm), eps, inv[:, :hq]), self.norm(k, _w(self.k_norm), eps, inv[:, hq:])
 
     def gated(self, h: jax.Array) -> jax.Array:
         """The gated MLP up to (not including) the down projection: ``act(h @ gate) * (h @ up)``."""

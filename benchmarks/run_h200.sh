@@ -61,6 +61,13 @@ bench() {   # bench LIMIT_S LOG_NAME ARGS...: one runner process under a time li
   echo "($name: exit $rc, $((SECONDS - t0)) s)" >> "$SUMMARY"
 }
 
+diag() {   # diag LIMIT_S NAME FILTER ARGS...: "$PY ARGS" under a time limit, logged to NAME.log; the lines
+  local limit=$1 name=$2 filter=(-E -- "$3"); shift 3   # matching FILTER (grep -E; !FILTER: not matching) join
+  [ "${filter[2]#!}" != "${filter[2]}" ] && filter=(-v -E -- "${filter[2]#!}")   # the summary
+  echo "=== $name: $*" | tee -a "$SUMMARY"
+  timeout "$limit" "$PY" "$@" 2>&1 | tee "$RESULTS/$name.log" | grep "${filter[@]}" >> "$SUMMARY"
+}
+
 needs_2_gpus() {
   if [ "${NGPU:-0}" -lt 2 ]; then echo "$1: skipped, needs 2 GPUs (${NGPU:-0} visible)" | tee -a "$SUMMARY"; return 1; fi
 }
@@ -134,33 +141,24 @@ for step in "${STEPS[@]}"; do
                  --config h200-llama8b-throughput --config h200-llama8b-decode ;;
     serve)     bench "${SERVE_LIMIT_S:-240}" serve --config h200-llama8b-serve-sweep ;;
     kernels)   bench "${KERNELS_LIMIT_S:-90}" kernels --config h200-kernels ;;
-    bandwidth) echo "=== bandwidth: benchmarks/diagnostics/bandwidth.py" | tee -a "$SUMMARY"
-               timeout "${BANDWIDTH_LIMIT_S:-60}" "$PY" benchmarks/diagnostics/bandwidth.py 2>&1 \
-                 | tee "$RESULTS/bandwidth.log" | grep -E '^\||^#|_bandwidth|Error' >> "$SUMMARY" ;;
+    bandwidth) diag "${BANDWIDTH_LIMIT_S:-60}" bandwidth '^\||^#|_bandwidth|Error' benchmarks/diagnostics/bandwidth.py ;;
     ab)        ab "$AB_OLD" ;;
-    embed)     echo "=== embed: benchmarks/diagnostics/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
-               timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/diagnostics/embed_bench.py \
-                 --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 \
-                 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
-    gpucheck)  echo "=== gpucheck: benchmarks/diagnostics/gpu_check.py" | tee -a "$SUMMARY"
-               timeout "${GPUCHECK_LIMIT_S:-300}" "$PY" benchmarks/diagnostics/gpu_check.py 2>&1 \
-                 | tee "$RESULTS/gpucheck.log" | tail -20 >> "$SUMMARY" ;;
+    embed)     diag "${EMBED_LIMIT_S:-120}" embed '^\{"batch"' benchmarks/diagnostics/embed_bench.py \
+                 --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16 --out "$RESULTS/embed_h200.json" ;;
+    gpucheck)  diag "${GPUCHECK_LIMIT_S:-300}" gpucheck '^(#|- |gpu_check:)|Error' benchmarks/diagnostics/gpu_check.py ;;
     stepdiag)  tps=(1); [ "${NGPU:-0}" -ge 2 ] && tps=(1 2)
                read -r -a fls <<< "${STEPDIAG_FLAGS:-default}"
-               echo "=== stepdiag: benchmarks/diagnostics/step_diag.py --tp ${tps[*]} --flags ${fls[*]} --profile" | tee -a "$SUMMARY"
-               timeout "${STEPDIAG_LIMIT_S:-420}" "$PY" benchmarks/diagnostics/step_diag.py --tp "${tps[@]}" \
-                 --flags "${fls[@]}" --profile --json "$RESULTS/step_diag.json" 2>&1 \
-                 | tee "$RESULTS/stepdiag.log" | grep -v '^  tp=' >> "$SUMMARY" ;;
+               diag "${STEPDIAG_LIMIT_S:-420}" stepdiag '!^  tp=' benchmarks/diagnostics/step_diag.py \
+                 --tp "${tps[@]}" --flags "${fls[@]}" --profile --json "$RESULTS/step_diag.json" ;;
     tp2)       needs_2_gpus tp2 || continue
                bench "${TP2_LIMIT_S:-240}" tp2 --config h200-llama8b-latency-bs1 --config h200x2-llama8b-tp2 \
                  --set baseline.hf=false ;;
     carcheck)  needs_2_gpus carcheck || continue
-               echo "=== carcheck: custom_allreduce_probe.py --fused; --engine llama-3.2-1b (float32, bfloat16)" | tee -a "$SUMMARY"
-               timeout "${CARCHECK_PROBE_S:-150}" "$PY" benchmarks/diagnostics/custom_allreduce_probe.py --processes 2 \
-                 --fused --tokens 1 4 8 128 2>&1 | tee "$RESULTS/carcheck.log" | grep -E '^\||Error|mismatch' >> "$SUMMARY"
+               diag "${CARCHECK_PROBE_S:-150}" carcheck '^\||Error|mismatch' \
+                 benchmarks/diagnostics/custom_allreduce_probe.py --processes 2 --fused --tokens 1 4 8 128
                for dt in float32 bfloat16; do
-                 timeout "${CARCHECK_ENGINE_S:-200}" "$PY" benchmarks/diagnostics/custom_allreduce_probe.py \
-                   --engine llama-3.2-1b --dtype "$dt" 2>&1 | tee -a "$RESULTS/carcheck.log" | grep -E '^\||^#|Error' >> "$SUMMARY"
+                 diag "${CARCHECK_ENGINE_S:-200}" "carcheck-$dt" '^\||^#|Error' \
+                   benchmarks/diagnostics/custom_allreduce_probe.py --engine llama-3.2-1b --dtype "$dt"
                done ;;
     families)  families latency h200-family-latency-bs1 "${FAMILY_LIMIT_S:-200}" ;;
     families-throughput) families throughput h200-family-throughput "${FAMILY_THROUGHPUT_LIMIT_S:-240}" ;;

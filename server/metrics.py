@@ -38,9 +38,11 @@ ENGINE_COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries",),
     "prefix_cache_hits": ("prefix_cache_hits",),
     "num_preemptions": ("num_preemptions", "num_preemptions_total"),
-    # structured outputs: steps that filled a token bitmask, and the host ms spent filling them
+    # structured outputs: steps that filled a token bitmask, the host ms spent filling them (beside the output
+    # processing) and the ms the engine's step waited for them
     "structured_output_mask_steps": ("structured_steps",),
     "structured_output_mask_ms": ("structured_mask_ms",),
+    "structured_output_mask_wait_ms": ("structured_mask_wait_ms",),
 }
 
 

@@ -9,7 +9,6 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta, Struct, field
 
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -171,10 +170,7 @@ class ChatLogprobTop(Struct):
     bytes: list[int] | None
 
 
-class ChatLogprobToken(Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None
+class ChatLogprobToken(ChatLogprobTop):
     top_logprobs: list[ChatLogprobTop]
 
 
@@ -408,5 +404,3 @@ class ErrorInfo(Struct):
 class ErrorResponse(Struct):
     error: ErrorInfo
 
-
-encoder = msgspec.json.Encoder()

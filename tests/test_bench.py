@@ -695,3 +695,16 @@ def test_step_diag_flag_sets_parse():
                        env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "4", r.stderr[-2000:]
+
+
+def test_bench_outside_a_source_checkout_says_where_to_run_it(tmp_path, monkeypatch, capsys):
+    """An installed package has no benchmarks/ or configs/ beside it: `jaxserve bench` exits 2 with what to do
+    instead of an ImportError; in the checkout it reaches the runner (a bad config is its own exit 2)."""
+    from jaxserve import cli
+    (tmp_path / "jaxserve").mkdir()
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "jaxserve" / "cli.py"))
+    assert cli.main(["bench", "--config", "x.yaml"]) == 2
+    assert "source checkout" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert cli.main(["bench", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert capsys.readouterr().err.startswith("bench: ")

@@ -93,7 +93,7 @@ def test_server_serves_a_family():
     """``python -m jaxserve serve <Gemma 2 checkpoint>``: an OpenAI completion from token ids gives HF's tokens
     (the tiny model's vocabulary is too small for text prompts)."""
     import httpx
-    from test_server_e2e import ROOT, ServerProcess
+    from server_process import ROOT, ServerProcess
 
     from jaxserve.models.loader import embedded_tokenizer
 
@@ -275,4 +275,4 @@ def test_qk_norm_costs_one_reduction_per_layer():
     """Qwen3's q- and k-norms share one reduction (each reduction is a GPU kernel of its own at batch 1)."""
     from jaxserve.models import llama, qwen3
 
-    assert _reductions_per_layer(qwen3) == _reductions_per_layer(llama) + 1
+    assert _reductions_per_layer(qwen3.FAMILY) == _reductions_per_layer(llama.FAMILY) + 1

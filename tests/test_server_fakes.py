@@ -161,6 +161,7 @@ class InProcessServer:
 
         self.port = free_port()
         self.engine = engine
+        self.api_key = server_args.get("api_key")
         self.app = build_app(engine, ServerArgs(port=self.port, **server_args))
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", http="httptools",
                                 log_level="warning", lifespan="off")

@@ -20,12 +20,6 @@ def server():
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
 def _error(resp: httpx.Response, status: int) -> dict:
     assert resp.status_code == status, resp.text
     body = resp.json()

@@ -187,18 +187,11 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
         "running_after": m.get("jaxserve:num_requests_running"), "waiting_after": m.get("jaxserve:num_requests_waiting"),
         "kv_usage_after": usage, "kv_blocks": blocks,
         "leaked_blocks": round(usage * blocks) if blocks else None,
-        "aborts_counted": m.get('jaxserve:request_success_total{finished_reason="abort",model_name="%s"}'
-                                % _model_label(text)),
+        "aborts_counted": sum(v for k, v in m.items()
+                              if k.startswith("jaxserve:request_success_total{") and 'finished_reason="abort"' in k),
         "generation_tokens": m.get("jaxserve:generation_tokens_total"),
         "health_after": health, "rss_mb": rss, "errors_sample": tally.errors[:5],
     }
-
-
-def _model_label(text: str) -> str:
-    for line in text.splitlines():
-        if 'model_name="' in line:
-            return line.split('model_name="', 1)[1].split('"', 1)[0]
-    return ""
 
 
 def free_port() -> int:

@@ -89,7 +89,8 @@ class LLMEngine:
             self.custom_all_reduce = False
         self.mesh = mesh
         self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                max_model_len=config.max_model_len, mesh=mesh, quantization=config.quantization)
+                                max_model_len=config.max_model_len, mesh=mesh, quantization=config.quantization,
+                                enable_expert_parallel=config.parallel.enable_expert_parallel)
         self.load_seconds = time.perf_counter() - t0
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -265,9 +266,9 @@ class LLMEngine:
         with structured-output rows needs its previous tokens in the matchers before its bitmask exists.
 
         A step with constrained rows goes in two halves: its forward (the device starts on it), then the
-        step in flight is read and advances the matchers, the host fills those rows' bitmask, and the
-        sampler follows with it. A step with none is one ``runner.dispatch``: today's program, no extra
-        host work."""
+        step in flight is read, its tokens advance the matchers, those rows' bitmask fills on a worker
+        thread while the output processor reads the step, and the sampler follows with the mask. A step
+        with none is one ``runner.dispatch``: today's program, no extra host work."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return []
@@ -283,9 +284,15 @@ class LLMEngine:
         sampled = [(s.request, len(s.request.output_token_ids) - s.num_steps)
                    for s in scheduled if s.samples and s.request.status == running]
         if constrained is not None:
-            outputs += self._process_in_flight(keep=0)
-            pending = self.runner.dispatch_sample(
-                forward, self.structured_output.fill_bitmask(constrained, forward.num_rows))
+            so, mask = self.structured_output, None
+            while self._in_flight:                  # (one step at most with async scheduling)
+                step, result = self._read(self._in_flight.popleft())
+                so.advance(step.sampled, result.token_ids)
+                if not self._in_flight:             # the matchers are current: fill while the outputs are made
+                    mask = so.start_fill(constrained, forward.num_rows)
+                outputs += self._process_read(step, result)
+            mask = mask or so.start_fill(constrained, forward.num_rows)
+            pending = self.runner.dispatch_sample(forward, mask.result())
         self._in_flight.append(_InFlight(pending, sampled))
         return outputs
 
@@ -299,17 +306,22 @@ class LLMEngine:
         output processor decides which requests finished, the scheduler frees them."""
         outputs: list[RequestOutput] = []
         while len(self._in_flight) > keep:
-            step = self._in_flight.popleft()
-            result = self.runner.collect(step.pending)      # waits for the device
-            new, finished = self.output_processor.process_outputs(step.sampled, result.token_ids,
-                                                                  result.logprobs)
-            for status, request_ids in finished.items():
-                self.scheduler.finish_requests(request_ids, status)
-                if self.structured_output.has_requests:
-                    for rid in request_ids:
-                        self.structured_output.remove(rid)
-            outputs += new
+            outputs += self._process_read(*self._read(self._in_flight.popleft()))
         return outputs
+
+    def _read(self, step: _InFlight):
+        """The step with its sampled tokens (waits for the device)."""
+        return step, self.runner.collect(step.pending)
+
+    def _process_read(self, step: _InFlight, result) -> list[RequestOutput]:
+        """The output processor reads a step's tokens; the scheduler frees the requests it finished."""
+        new, finished = self.output_processor.process_outputs(step.sampled, result.token_ids, result.logprobs)
+        for status, request_ids in finished.items():
+            self.scheduler.finish_requests(request_ids, status)
+            if self.structured_output.has_requests:
+                for rid in request_ids:
+                    self.structured_output.remove(rid)
+        return new
 
     def _score_prompt(self, prompt_token_ids: list[int], k: int) -> list:
         """vLLM's prompt_logprobs: [None, {token: Logprob, top-k...}, ...] (an extra prefill of the prompt)."""

@@ -165,14 +165,6 @@ class Request:
         del self._all_token_ids[self.num_prompt_tokens + num_output_tokens:]
         self.num_placeholders = max(0, self.num_placeholders - dropped)
 
-    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
-        """Append known output tokens (tests, and callers that sample on the host)."""
-        if isinstance(token_ids, int):
-            token_ids = (token_ids,)
-        for token_id in token_ids:
-            self.output_token_ids.append(token_id)
-            self._all_token_ids.append(token_id)
-
     # -- status -------------------------------------------------------------------------------------
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

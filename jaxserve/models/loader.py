@@ -48,6 +48,7 @@ from jaxserve.models import configs as model_configs
 from jaxserve.models import packaged, registry
 from jaxserve.quantization import config as quant_config
 from jaxserve.quantization import loading as quant_loading
+from jaxserve.models.layers.moe import with_expert_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -452,6 +453,9 @@ _BUILDS = {
     "t": lambda w: w.T,
     "stack_t": lambda g, u: jnp.stack([g.T, u.T], axis=1),
     "fused_gate_up_t": lambda w: w.reshape(2, w.shape[0] // 2, w.shape[1]).transpose(2, 0, 1),
+    # MoE: per-expert HF tensors stacked on a leading expert axis
+    "experts_stack_t": lambda *gu: jnp.stack([jnp.stack([g.T, u.T], axis=1) for g, u in zip(gu[::2], gu[1::2])]),
+    "experts_t": lambda *ws: jnp.stack([w.T for w in ws]),
 }
 
 
@@ -476,7 +480,9 @@ def _hf_spec(kind, spec):
         if spec[1] is not None:
             raise ValueError(f"gate/up stack axis cannot be sharded ({P(*spec)})")
         return P(spec[2], spec[0])
-    return P()
+    if kind in ("experts_stack_t", "experts_t") and spec[0] is None:   # experts tensor parallel: [out, in] slices
+        return P(spec[-1], spec[1])
+    return P()              # expert parallel: each expert's tensor goes whole to the devices that own it
 
 
 def _tree_get(tree, path):
@@ -609,11 +615,13 @@ def _max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
 # ---------------------------------------------------------------------------------------------- loaders
 def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str = "auto",
                max_model_len: int | None = None, mesh=None, seed: int = 0,
-               quantization: str | None = "auto") -> LoadedModel:
+               quantization: str | None = "auto", enable_expert_parallel: bool = False) -> LoadedModel:
     """Load a model: ``None`` (the embedded SmolLM2 GGUF), a packaged model's name (``gemma3-270m``), a
     ``.gguf`` file, an HF folder, or the name of a ``configs/models/*.json`` (random weights). ``load_format="dummy"`` gives random weights for any of them.
     ``quantization`` (vLLM's ``--quantization``): ``auto`` follows an HF checkpoint's ``quantization_config``;
     random weights take any method's storage (int4 groups of 128 for awq / gptq / compressed-tensors).
+    ``enable_expert_parallel``: a mixture-of-experts model's experts sharded over the mesh (``layers.moe``;
+    HF folders and dummy configs).
     """
     quantization = quantization or "auto"
     if load_format not in LOAD_FORMATS:
@@ -625,8 +633,11 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
     else:
         path = os.path.expanduser(model)
     from jaxserve.models import orbax_io  # noqa: PLC0415  (orbax imports lazily, only for its folders)
+    ep = {"enable_expert_parallel": True} if enable_expert_parallel else {}
     if load_format == "orbax" or (load_format == "auto" and orbax_io.is_orbax_checkpoint(path)):
         _float_only(quantization, f"{path} is an orbax checkpoint (float weights)")
+        if ep:
+            raise ModelLoadError("--enable-expert-parallel needs an HF folder or a configs/models name (not orbax)")
         return orbax_io.load_orbax(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh)
     if os.path.isfile(path) and path.endswith(".gguf"):
         if load_format not in ("auto", "gguf"):
@@ -637,18 +648,20 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
         if load_format == "gguf":
             raise ModelLoadError(f"{path} is a folder; pass the .gguf file itself for load_format gguf")
         return load_hf_folder(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh,
-                              dummy=load_format == "dummy", seed=seed, quantization=quantization)
+                              dummy=load_format == "dummy", seed=seed, quantization=quantization, **ep)
     config_path = DUMMY_CONFIG_DIR / f"{model}.json"
     if config_path.is_file() and load_format in ("auto", "dummy"):
         return load_dummy(str(model), dtype=dtype, max_model_len=max_model_len, mesh=mesh, seed=seed,
-                          quantization=quantization)
+                          quantization=quantization, **ep)
     raise ModelLoadError(f"{model}: no such .gguf file, model folder or configs/models name "
                          f"(dummy configs: {', '.join(dummy_config_names())})")
 
 
 def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, dummy=False,
-                   seed: int = 0, quantization: str | None = "auto") -> LoadedModel:
+                   seed: int = 0, quantization: str | None = "auto",
+                   enable_expert_parallel: bool = False) -> LoadedModel:
     cfg, hf, gen = model_configs.model_config_from_folder(folder)
+    cfg = with_expert_parallel(cfg, enable_expert_parallel)
     arch, family = registry.resolve_architecture(hf.get("architectures"))
     if dummy:     # random weights in the checkpoint's storage, or in any method's the flag names
         stored = (hf.get("quantization_config") or {}).get("quant_method")
@@ -697,11 +710,11 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None) -> Load
 
 
 def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: int = 0,
-               quantization: str | None = "auto") -> LoadedModel:
+               quantization: str | None = "auto", enable_expert_parallel: bool = False) -> LoadedModel:
     """Random weights for ``configs/models/NAME.json`` (public HF config.json values); the tokenizer is the
     embedded SmolLM2 one, since no model files exist (token ids beyond its vocab are never produced by it)."""
     hf = model_configs.read_json(str(DUMMY_CONFIG_DIR / f"{name}.json"))
-    cfg = model_configs.model_config_from_hf(hf)
+    cfg = with_expert_parallel(model_configs.model_config_from_hf(hf), enable_expert_parallel)
     _, family = registry.resolve_architecture(hf.get("architectures"))
     family.check_config(cfg)
     jdtype = _resolve_dtype(dtype, _config_dtype(hf, jnp.bfloat16))

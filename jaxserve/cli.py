@@ -28,6 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy", "orbax"])
+    g.add_argument("-q", "--quantization", default="auto",
+                   choices=["auto", "fp8", "awq", "gptq", "compressed-tensors", "none", "awq_marlin", "gptq_marlin"],
+                   help="how the projections' weights are stored: auto follows config.json's quantization_config; "
+                        "fp8 also quantizes a float checkpoint at load; with --load-format dummy, random weights "
+                        "in that storage")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"])
@@ -101,6 +106,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
             template = f.read()
     return EngineConfig(
         model=model, tokenizer=a.tokenizer, dtype=a.dtype, load_format=a.load_format,
+        quantization=a.quantization,
         max_model_len=a.max_model_len, seed=a.seed, task=a.task,
         served_model_name=_first(getattr(a, "served_model_name", None)),
         chat_template=template, attention_backend=a.attention_backend,

@@ -110,6 +110,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
     load_format: str = "auto"                  # auto | safetensors | gguf | dummy | orbax
+    quantization: str = "auto"                 # auto (the checkpoint's) | fp8 | awq | gptq | compressed-tensors | none
     max_model_len: int | None = None
     seed: int = 0
     task: str = "auto"                         # auto | generate | embed

@@ -3,9 +3,10 @@
 #   offline   the three h200-llama8b offline configs (HF side by side), one process: one engine load + warm-up
 #   serve     h200-llama8b-serve-sweep (its own process: the server needs the GPU to itself)
 #   kernels   h200-kernels; bandwidth: the read and copy ceilings of configs/hardware/h200.yaml; ab OLD: below
+#   startup   serve llama-3.1-8b dummy until /health 200 and a first completion, fresh compile cache then warm
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|embed|gpucheck|stepdiag|tp2|carcheck ...]
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|startup|embed|gpucheck|stepdiag|tp2|carcheck ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
 # old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
@@ -106,6 +107,10 @@ for step in "${STEPS[@]}"; do
                timeout "${BANDWIDTH_LIMIT_S:-60}" "$PY" benchmarks/diagnostics/bandwidth.py 2>&1 \
                  | tee "$RESULTS/bandwidth.log" | grep -E '^\||^#|_bandwidth|Error' >> "$SUMMARY" ;;
     ab)        ab "$AB_OLD" ;;
+    startup)   echo "=== startup: benchmarks/diagnostics/startup.py serve --model llama-3.1-8b --load-format dummy" | tee -a "$SUMMARY"
+               timeout "${STARTUP_LIMIT_S:-540}" "$PY" benchmarks/diagnostics/startup.py serve --model llama-3.1-8b \
+                 --load-format dummy --out "$RESULTS/startup_h200.json" 2>&1 \
+                 | tee "$RESULTS/startup.log" | grep -E '^(cold|warm):|Error' >> "$SUMMARY" ;;
     embed)     echo "=== embed: benchmarks/diagnostics/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
                timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/diagnostics/embed_bench.py \
                  --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 \

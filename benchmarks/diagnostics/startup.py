@@ -6,6 +6,8 @@
                cold then warm (the second start reuses the first's cache folder)
     compile    the warm-up's planned variants compiled with 1 thread and with ``--workers`` (cache off, each
                in its own process so no in-memory cache helps the second), wall seconds of each
+    pad        pad or wait: a prompt's own bucket compiled (seconds) against its step run padded to the largest
+               bucket (milliseconds more per step) — what a step does while its bucket compiles
 
 Every run is a fresh process with a fresh cache folder under a temporary directory. CPU time (user + sys of
 the child) is reported next to wall time: on a shared machine wall time mostly measures the neighbours.
@@ -34,9 +36,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROMPT = "What is the capital of France?"
 
 
+TREE = ROOT          # the checkout whose jaxserve the children run (--tree: A/B against another one)
+
+
 def _child_env() -> dict:
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if TREE != ROOT:
+        env["PYTHONPATH"] = TREE + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -44,7 +51,7 @@ def timed(cmd: list[str]) -> dict:
     """Run ``cmd`` to completion: wall seconds, the child's CPU seconds, stdout, and the exit code."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True)
+    p = subprocess.run(cmd, cwd=TREE, env=_child_env(), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -63,12 +70,14 @@ def run_generate(a) -> dict:
             cache = os.path.join(tmp, "xla")
             cold = timed(base + ["--compilation-cache-dir", cache])
             warm = timed(base + ["--compilation-cache-dir", cache])
-            eager = timed(base + ["--compilation-cache-dir", os.path.join(tmp, "xla-eager"), "--enforce-eager"])
+            r = {"cold": cold, "warm": warm}
+            if not a.skip_eager:
+                r["enforce_eager_cold"] = timed(base + ["--compilation-cache-dir", os.path.join(tmp, "xla-eager"),
+                                                        "--enforce-eager"])
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        rounds.append({"cold": cold, "warm": warm, "enforce_eager_cold": eager})
-        print(f"cold {cold['wall_s']} s (cpu {cold['cpu_s']}), warm {warm['wall_s']} s (cpu {warm['cpu_s']}), "
-              f"--enforce-eager cold {eager['wall_s']} s (cpu {eager['cpu_s']})", file=sys.stderr)
+        rounds.append(r)
+        print(", ".join(f"{k} {v['wall_s']} s (cpu {v['cpu_s']})" for k, v in r.items()), file=sys.stderr)
     answers = {r[k]["stdout"] for r in rounds for k in r}
     return {"rounds": [{k: {x: v for x, v in r[k].items() if x != "stdout"} for k in r} for r in rounds],
             "same_output": len(answers) == 1, "output": sorted(answers)[0]}
@@ -89,7 +98,7 @@ def _serve_once(a, cache: str) -> dict:
         cmd += ["--load-format", a.load_format]
     log = open(os.path.join(os.path.dirname(cache), f"serve-{port}.log"), "w")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=TREE, env=_child_env(), stdout=log, stderr=subprocess.STDOUT)
     out = {}
     try:
         url = f"http://127.0.0.1:{port}"
@@ -151,6 +160,33 @@ def compile_child(workers: int) -> None:
                       "sum_of_compiles_s": round(sum(compiler.seconds.values()), 2)}))
 
 
+def run_pad(a) -> dict:
+    import numpy as np
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    eng = LLMEngine(EngineConfig(enforce_eager=True, compilation_cache_dir=""), progress=False)
+    runner = eng.runner
+    n = len(eng.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True))
+    own, largest = runner.bucket_for(n), runner.buckets[-1]
+    out = {"prompt_tokens": n, "own_bucket": own, "largest_bucket": largest}
+    for T in (own, largest):
+        t0 = time.perf_counter()
+        exe = runner.variants.need(("forward", T, False), "pad mode")
+        out[f"compile_{T}_s"] = round(time.perf_counter() - t0, 2)
+        ints, _ = runner._forward_inputs(T)
+        times = []
+        for _ in range(a.rounds + 1):
+            t0 = time.perf_counter()
+            runner.kv_caches, logits = exe(runner.model.params, runner.kv_caches, ints, runner._no_prev)
+            logits.block_until_ready()
+            times.append(time.perf_counter() - t0)
+        out[f"step_{T}_ms"] = round(1e3 * float(np.median(times[1:])), 1)
+    out["padding_costs_ms_per_step"] = round(out[f"step_{largest}_ms"] - out[f"step_{own}_ms"], 1)
+    print(out, file=sys.stderr)
+    return out
+
+
 def run_compile(a) -> dict:
     out = []
     for w in (1, a.workers):
@@ -164,7 +200,7 @@ def run_compile(a) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=["generate", "serve", "compile", "compile-child"])
+    p.add_argument("mode", choices=["generate", "serve", "compile", "pad", "compile-child"])
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
@@ -173,13 +209,17 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="more jaxserve flags (last)")
+    p.add_argument("--skip-eager", action="store_true", help="generate: no --enforce-eager run")
+    p.add_argument("--tree", default=None, help="run the jaxserve of this checkout instead (A/B)")
     p.add_argument("--out", default=None, help="write the result as JSON here")
     a = p.parse_args(argv)
+    global TREE
+    TREE = os.path.abspath(a.tree) if a.tree else ROOT
     if a.mode == "compile-child":
         compile_child(a.workers)
         return 0
-    result = {"generate": run_generate, "serve": run_serve, "compile": run_compile}[a.mode](a)
-    result = {"mode": a.mode, "argv": sys.argv, "environment": environment(sys.argv, devices_in_subprocess=True),
+    result = {"generate": run_generate, "serve": run_serve, "compile": run_compile, "pad": run_pad}[a.mode](a)
+    result = {"mode": a.mode, "argv": sys.argv, "tree": os.path.relpath(TREE, ROOT), "environment": environment(sys.argv, devices_in_subprocess=True),
               **result}
     text = json.dumps(result, indent=1)
     if a.out:

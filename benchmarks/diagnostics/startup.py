@@ -4,7 +4,7 @@
                warm, ``--rounds`` times (also `--enforce-eager`, cold); the answers must be the same
     serve      `python -m jaxserve serve MODEL ...` until /health is 200 and until a first completion returns,
                cold then warm (the second start reuses the first's cache folder)
-    compile    the warm-up's planned variants compiled with 1 thread and with ``--workers`` (cache off, each
+    compile    the warm-up's planned variants compiled one by one and ``--workers`` at a time (cache off, each
                in its own process so no in-memory cache helps the second), wall seconds of each
     pad        pad or wait: a prompt's own bucket compiled (seconds) against its step run padded to the largest
                bucket (milliseconds more per step) — what a step does while its bucket compiles
@@ -144,17 +144,22 @@ def run_serve(a) -> dict:
     return {"cold": cold, "warm": warm, "same_output": cold["text"] == warm["text"]}
 
 
-def compile_child(workers: int) -> None:
+def compile_child(workers: int, model: str | None, load_format: str | None) -> None:
     """In a fresh process: the engine without its warm-up, then every planned variant, timed."""
     from jaxserve.config import EngineConfig
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.runner.step_compiler import StepCompiler
-    eng = LLMEngine(EngineConfig(enforce_eager=True, compilation_cache_dir=""), progress=False)
+    eng = LLMEngine(EngineConfig(model=model, load_format=load_format or "auto", enforce_eager=True,
+                                 compilation_cache_dir=""), progress=False)
     runner = eng.runner
     first, rest = runner.planned_variants()
-    compiler = StepCompiler(runner._lower_variant, workers=workers)
+    compiler = StepCompiler(runner._lower_variant, workers=max(workers - 1, 1))
     t0 = time.perf_counter()
-    compiler.compile_now(first + rest)
+    if workers == 1:            # one after the other, on this thread (the warm-up before the thread pool)
+        for k in first + rest:
+            compiler.need(k, "the serial baseline")
+    else:                       # workers - 1 threads and this one
+        compiler.compile_now(first + rest)
     print(json.dumps({"workers": workers, "variants": len(first) + len(rest), "first": len(first),
                       "wall_s": round(time.perf_counter() - t0, 2),
                       "sum_of_compiles_s": round(sum(compiler.seconds.values()), 2)}))
@@ -165,9 +170,12 @@ def run_pad(a) -> dict:
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine.llm_engine import LLMEngine
-    eng = LLMEngine(EngineConfig(enforce_eager=True, compilation_cache_dir=""), progress=False)
+    eng = LLMEngine(EngineConfig(model=a.model, load_format=a.load_format or "auto", enforce_eager=True,
+                                 compilation_cache_dir=""), progress=False)
     runner = eng.runner
-    n = len(eng.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True))
+    text = eng.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+    n = len(eng.tokenizer.encode(text, add_special_tokens=False))
     own, largest = runner.bucket_for(n), runner.buckets[-1]
     out = {"prompt_tokens": n, "own_bucket": own, "largest_bucket": largest}
     for T in (own, largest):
@@ -190,7 +198,8 @@ def run_pad(a) -> dict:
 def run_compile(a) -> dict:
     out = []
     for w in (1, a.workers):
-        r = timed([sys.executable, os.path.abspath(__file__), "compile-child", "--workers", str(w)])
+        r = timed([sys.executable, os.path.abspath(__file__), "compile-child", "--workers", str(w),
+                   *(["--model", a.model] if a.model else []), *(["--load-format", a.load_format] if a.load_format else [])])
         res = json.loads(r["stdout"].strip().splitlines()[-1])
         res["cpu_s"] = r["cpu_s"]
         out.append(res)
@@ -216,7 +225,7 @@ def main(argv=None) -> int:
     global TREE
     TREE = os.path.abspath(a.tree) if a.tree else ROOT
     if a.mode == "compile-child":
-        compile_child(a.workers)
+        compile_child(a.workers, a.model, a.load_format)
         return 0
     result = {"generate": run_generate, "serve": run_serve, "compile": run_compile, "pad": run_pad}[a.mode](a)
     result = {"mode": a.mode, "argv": sys.argv, "tree": os.path.relpath(TREE, ROOT), "environment": environment(sys.argv, devices_in_subprocess=True),

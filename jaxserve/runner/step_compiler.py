@@ -47,7 +47,6 @@ class StepCompiler:
         self._queued: set[Hashable] = set()
         self._order = itertools.count()
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self.seconds: dict[Hashable, float] = {}             # key -> wall seconds its compile took
@@ -116,7 +115,6 @@ class StepCompiler:
                 self._queued.add(k)
                 heapq.heappush(self._queue, (priority, next(self._order), k))
             self._start_threads()
-            self._wake.notify_all()
 
     def pending(self) -> int:
         """Keys queued or compiling."""
@@ -145,23 +143,23 @@ class StepCompiler:
                     self._queued.discard(k)
                     self._events.pop(k).set()       # never compiled: wait_all must not wait for it
             self._queue.clear()
-            self._wake.notify_all()
             threads = list(self._threads) if wait else []
         for t in threads:
             t.join()
 
     def _start_threads(self) -> None:
-        while len(self._threads) < self.workers:
+        while len(self._threads) < min(self.workers, len(self._queue)):
             t = threading.Thread(target=self._work, name=f"step-compiler-{len(self._threads)}", daemon=True)
             self._threads.append(t)
             t.start()
 
     def _work(self) -> None:
+        # a thread ends once the queue is empty (``submit`` starts new ones): a finished compiler holds no
+        # thread, so the runner it compiles for (weights, KV cache) can be freed
         while True:
             with self._lock:
-                while not self._queue and not self._stopping:
-                    self._wake.wait()
-                if self._stopping:
+                if self._stopping or not self._queue:
+                    self._threads.remove(threading.current_thread())
                     return
                 _, _, key = heapq.heappop(self._queue)
                 if key not in self._queued:            # ``need`` took it over

@@ -270,7 +270,7 @@ class ModelRunner:
         self._row_cache: dict[str, tuple] = {}     # request id -> (params, seed, sampler_mod.SamplingRow)
         # what the executables are compiled for: shapes, dtypes and shardings only (a background compile must
         # not touch the cache buffers a step is donating meanwhile)
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
         self._param_specs = jax.tree.map(spec, model.params)
         self._kv_specs = jax.tree.map(spec, self.kv_caches)
         self._prev_spec = spec(self._no_prev)

@@ -80,6 +80,11 @@ def run_throughput(run) -> None:
     run.result["jaxserve"] = m
 
     max_batch = min(n, int(cfg["engine"].get("max_num_seqs") or 256))
+    kv_seqs = _kv_capacity_seqs(llm, int(ins.max() + outs.max()))
+    if kv_seqs is not None and kv_seqs < max_batch:
+        run.notes.append(f"the KV cache holds {kv_seqs} sequences of {int(ins.max() + outs.max())} tokens, fewer "
+                         f"than max_num_seqs: the roofline's waves are {kv_seqs} requests")
+        max_batch = kv_seqs
     bound = roofline.generation_bound(run.cost, run.hw, n, float(ins.mean()), float(outs.mean()), max_batch)
     run.result["roofline"] = {**bound, "max_batch": max_batch}
     t = Table("Throughput (offline)", ["metric", "jaxserve", "roofline limit", "% of limit"]
@@ -107,6 +112,16 @@ def run_throughput(run) -> None:
         plots.bars_vs_limit(run.out_dir / "throughput_vs_roofline.png", labels,
                             [m["output_tok_per_s"], m["total_tok_per_s"]],
                             [bound["output_tok_s"], bound["total_tok_s"]], "tok/s", f"{cfg['name']}: measured vs limit")
+
+
+def _kv_capacity_seqs(llm, seq_len: int) -> int | None:
+    """How many sequences of ``seq_len`` tokens the engine's KV cache holds at once (None if not known): a
+    model whose cache is smaller than max_num_seqs sequences runs smaller batches, and its roofline must too."""
+    kv = getattr(getattr(llm, "engine", None), "kv_manager", None)
+    if kv is None:
+        return None
+    per_seq = -(-seq_len // kv.block_size)
+    return max(int(kv.num_usable_blocks) // per_seq, 1)
 
 
 def _steps_table(run, steps: dict | None) -> None:

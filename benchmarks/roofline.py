@@ -4,13 +4,17 @@ Conventions:
 - Two memory ceilings per chip: ``read_bandwidth`` (a read-only streaming reduction) and ``copy_bandwidth``
   (read + write bytes of a device copy), both measured by benchmarks/diagnostics/bandwidth.py. Every step here
   streams weights and KV and writes little, so its bound uses the read ceiling.
-- A decode step reads every weight once (`weight_bytes` counts all parameters, embedding table included,
-  although a step only gathers T rows of it: the true bound is ~7 % higher for Llama-3.1-8B) plus the
-  K and V of every cached token of every sequence in the batch.
+- Weights are counted from the family's own parameter shapes (``param_shapes`` of the module the registry
+  resolves), so every family's real layout is in the count: q/k-norms, Gemma's four norms per layer, head_dim
+  256, tied or separate LM head. A step reads every weight once except an untied embedding table, of which it
+  gathers only its T rows (negligible: T * hidden elements); a tied table is read whole, as the LM head.
+- K/V reads are per layer: a layer with a sliding window of w reads at most w cached tokens of a sequence
+  (the paged kernels skip the blocks before the window), a global layer all of them. A step writes the K/V of
+  each of its tokens into every layer (prefill bytes count that write).
 - FLOPs: 2 per multiplied weight per token (the embedding gather multiplies nothing; the LM head runs only
   for tokens that are sampled: one per prefill sequence, one per decode token) plus attention:
-  QK^T and PV are 4·layers·heads·head_dim FLOPs per (query, key) pair; causal prefill of n tokens has
-  n(n+1)/2 pairs.
+  QK^T and PV are 4·heads·head_dim FLOPs per (query, key) pair per layer; causal prefill of n tokens has
+  n(n+1)/2 pairs in a global layer, fewer in a windowed one (each query sees at most w keys).
 - A step takes at least max(bytes / bandwidth, FLOPs / peak) (the roofline); a workload's bound is the
   sum of its steps' bounds. Tensor parallelism over N chips multiplies both limits by N.
 - A measured figure above its limit means the limit's assumptions are wrong (bytes counted, or a ceiling too
@@ -168,49 +172,109 @@ class ModelCost:
     params: int                        # all parameters
     body_matmul_params: int            # weights every token multiplies (not the embedding gather, not the head)
     lm_head_params: int                # the output projection (tied or not), multiplied for sampled tokens
-    weight_bytes: int                  # all parameters in the weight dtype
-    kv_bytes_per_token: int            # K + V of one token over all layers
+    weight_bytes: int                  # the weights one step reads, in the weight dtype (no untied embedding)
+    kv_bytes_per_token: int            # K + V of one token over all layers (what a step writes per token)
     attn_flops_per_pair: int           # QK^T + PV FLOPs for one (query, key) pair over all layers
     dtype: str
+    layer_windows: tuple[int | None, ...] = ()   # per layer: its sliding window, None = global (all layers if empty)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_windows) or 1
+
+    def keys(self, context_lens) -> np.ndarray:
+        """Keys one new token attends over at each context length (any shape), averaged over the layers (so
+        ``* kv_bytes_per_token`` is its K/V read and ``* attn_flops_per_pair`` its attention FLOPs): a windowed
+        layer sees at most its window."""
+        ctx = np.asarray(context_lens, dtype=np.float64)
+        if not self.layer_windows:
+            return ctx
+        per_layer = [ctx if w is None else np.minimum(ctx, float(w)) for w in self.layer_windows]
+        return np.sum(per_layer, axis=0) / self.num_layers
+
+    def _total_keys(self, context_lens, batch: int) -> float:
+        """Keys read by one decode step, summed over the sequences (in units of one all-layer token)."""
+        if np.ndim(context_lens):
+            return float(np.sum(self.keys(context_lens)))
+        return float(self.keys(context_lens)) * batch
+
+    def kv_read_bytes(self, context_lens, batch: int = 1) -> float:
+        """K/V bytes one decode step reads for sequences at ``context_lens`` (an array, or one length for
+        ``batch`` sequences)."""
+        return self.kv_bytes_per_token * self._total_keys(context_lens, batch)
 
     def decode_flops(self, context_lens: np.ndarray | float, batch: int = 1) -> float:
-        """FLOPs of one decode step for `batch` sequences whose contexts sum to sum(context_lens)."""
-        ctx_total = float(np.sum(context_lens)) if np.ndim(context_lens) else float(context_lens) * batch
-        return batch * 2.0 * (self.body_matmul_params + self.lm_head_params) + self.attn_flops_per_pair * ctx_total
+        """FLOPs of one decode step for `batch` sequences at `context_lens` (an array: one per sequence)."""
+        return batch * 2.0 * (self.body_matmul_params + self.lm_head_params) \
+            + self.attn_flops_per_pair * self._total_keys(context_lens, batch)
 
     def decode_bytes(self, context_lens: np.ndarray | float, batch: int = 1) -> float:
-        ctx_total = float(np.sum(context_lens)) if np.ndim(context_lens) else float(context_lens) * batch
-        return float(self.weight_bytes) + self.kv_bytes_per_token * ctx_total
+        return float(self.weight_bytes) + self.kv_read_bytes(context_lens, batch)
+
+    def prefill_pairs(self, input_len: float) -> float:
+        """Causal (query, key) pairs of one prompt over all layers, in units of one layer: n(n+1)/2 in a global
+        layer; w(w+1)/2 + (n - w)·w in one with window w < n."""
+        n = float(input_len)
+        pairs = []
+        for w in self.layer_windows or (None,):
+            if w is None or n <= w:
+                pairs.append(n * (n + 1) / 2)
+            else:
+                pairs.append(w * (w + 1) / 2 + (n - w) * w)
+        return sum(pairs) / len(pairs)
 
     def prefill_flops(self, input_len: int, batch: int = 1) -> float:
         """FLOPs to prefill `batch` prompts of `input_len` tokens (causal, logits for the last token only)."""
         n = float(input_len)
         per_seq = 2.0 * self.body_matmul_params * n + 2.0 * self.lm_head_params \
-            + self.attn_flops_per_pair * n * (n + 1) / 2
+            + self.attn_flops_per_pair * self.prefill_pairs(n)
         return batch * per_seq
 
     def prefill_bytes(self, input_len: int, batch: int = 1) -> float:
         return float(self.weight_bytes) + self.kv_bytes_per_token * float(input_len) * batch
 
 
+def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...]]:
+    """(parameter shapes, per-layer sliding windows) of a decoder config, from its family module."""
+    from jaxserve.errors import ModelLoadError
+    from jaxserve.models import registry
+    try:
+        _, family = registry.resolve_architecture(cfg.architecture)
+    except ModelLoadError as e:
+        raise ValueError(f"no roofline for {cfg.architecture}: {e}") from None
+    if not hasattr(family, "decoder_spec"):
+        raise ValueError(f"no roofline for {cfg.architecture}: not a decoder family")
+    return family.param_shapes(cfg), tuple(family.decoder_spec(cfg).windows)
+
+
 def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None) -> ModelCost:
-    """Counts for a Llama-family `jaxserve.config.ModelConfig` (GQA, SwiGLU MLP, RMSNorm)."""
+    """Counts for a decoder ``jaxserve.config.ModelConfig`` of any registered family."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r} for the roofline (known: {', '.join(DTYPE_BYTES)})")
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if cfg.attention_bias else 0)
-    mlp = 3 * h * cfg.intermediate_size + ((2 * cfg.intermediate_size + h) if cfg.mlp_bias else 0)
-    per_layer = attn + mlp + 2 * h                           # + two RMSNorm weights
-    embedding = cfg.vocab_size * h
-    lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    body = cfg.num_layers * per_layer + h                   # + the final norm
-    params = embedding + lm_head + body
+    shapes, windows = _family_layout(cfg)
+    sizes = {path: int(np.prod(shape)) for path, shape in _leaves(shapes)}
+    params = sum(sizes.values())
+    embedding = sizes[("embed",)]
+    lm_head = sizes.get(("lm_head",), 0)
+    body = params - embedding - lm_head                     # every layer weight (norms, biases too) + final norm
+    head = lm_head or embedding                             # tied: the embedding table is the head
     kv_bytes = DTYPE_BYTES[kv_dtype or dtype]
-    return ModelCost(params=params, body_matmul_params=body,
-                     lm_head_params=cfg.vocab_size * h, weight_bytes=params * DTYPE_BYTES[dtype],
-                     kv_bytes_per_token=2 * cfg.num_layers * kv * kv_bytes,
-                     attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d, dtype=dtype)
+    d = cfg.head_dim
+    return ModelCost(params=params, body_matmul_params=body, lm_head_params=head,
+                     weight_bytes=(body + head) * DTYPE_BYTES[dtype],
+                     kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
+                     attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d, dtype=dtype,
+                     layer_windows=windows)
+
+
+def _leaves(shapes: dict, prefix: tuple = ()):
+    """(path, shape) of every leaf of a ``param_shapes`` pytree (dicts and lists of dicts)."""
+    items = shapes.items() if isinstance(shapes, dict) else enumerate(shapes)
+    for key, value in items:
+        if isinstance(value, tuple):
+            yield prefix + (key,), value
+        else:
+            yield from _leaves(value, prefix + (key,))
 
 
 def step_time(flops: float, nbytes: float, hw: Hardware, dtype: str) -> float:
@@ -223,8 +287,9 @@ def decode_steps_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: flo
     if num_steps <= 0 or batch <= 0:
         return 0.0
     ctx = input_len + 1 + np.arange(num_steps, dtype=np.float64)       # context each step attends over
-    flops = batch * 2.0 * (cost.body_matmul_params + cost.lm_head_params) + cost.attn_flops_per_pair * batch * ctx
-    nbytes = cost.weight_bytes + cost.kv_bytes_per_token * batch * ctx
+    keys = batch * cost.keys(ctx)                                      # per step, all layers, all sequences
+    flops = batch * 2.0 * (cost.body_matmul_params + cost.lm_head_params) + cost.attn_flops_per_pair * keys
+    nbytes = cost.weight_bytes + cost.kv_bytes_per_token * keys
     return float(np.sum(np.maximum(flops / hw.flops(cost.dtype), nbytes / hw.bandwidth)))
 
 

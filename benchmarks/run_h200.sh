@@ -6,7 +6,15 @@
 #   startup   serve llama-3.1-8b dummy until /health 200 and a first completion, fresh compile cache then warm
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|startup|embed|gpucheck|stepdiag|tp2|carcheck ...]
+#   families  batch-1 latency of each decoder family (h200-family-latency-bs1, one process per model) for the
+#             configs/models names in $FAMILIES (default: qwen3-8b gemma-2-9b gemma-3-12b phi-4 command-r-35b;
+#             ~8-9 minutes on a cold host: each model loads and compiles its 3 forwards in ~1-2 minutes)
+#   families-throughput  offline 1000 x 1024 / 128 of the same models (h200-family-throughput, with the
+#             per-family settings of family_sets below); all five take ~11 minutes cold, so split them over two
+#             calls: FAMILIES="qwen3-8b gemma-2-9b gemma-3-12b", then FAMILIES="phi-4 command-r-35b"
+#   gemma2-long  h200-gemma2-9b-long-prompts (200 x 8064 / 128: the sliding-window layers at long context)
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|startup|embed|gpucheck|stepdiag|tp2|carcheck|
+#        families|families-throughput|gemma2-long ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
 # old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
@@ -54,8 +62,39 @@ bench() {   # bench LIMIT_S LOG_NAME ARGS...: one runner process under a time li
   echo "($name: exit $rc, $((SECONDS - t0)) s)" >> "$SUMMARY"
 }
 
+diag() {   # diag LIMIT_S NAME FILTER ARGS...: "$PY ARGS" under a time limit, logged to NAME.log; the lines
+  local limit=$1 name=$2 filter=(-E -- "$3"); shift 3   # matching FILTER (grep -E; !FILTER: not matching) join
+  [ "${filter[2]#!}" != "${filter[2]}" ] && filter=(-v -E -- "${filter[2]#!}")   # the summary
+  echo "=== $name: $*" | tee -a "$SUMMARY"
+  timeout "$limit" "$PY" "$@" 2>&1 | tee "$RESULTS/$name.log" | grep "${filter[@]}" >> "$SUMMARY"
+}
+
 needs_2_gpus() {
   if [ "${NGPU:-0}" -lt 2 ]; then echo "$1: skipped, needs 2 GPUs (${NGPU:-0} visible)" | tee -a "$SUMMARY"; return 1; fi
+}
+
+FAMILIES=${FAMILIES:-qwen3-8b gemma-2-9b gemma-3-12b phi-4 command-r-35b}
+
+family_sets() {   # family_sets MODE MODEL: the --set values MODEL needs beyond the family config
+  # Throughput: max_num_seqs no more than the sequences of 1152 tokens the KV cache holds (the engine's
+  # cache gets 90 % of JAX's default 75 % of HBM, less the weights; K/V per token: gemma-2-9b 344 KB,
+  # gemma-3-12b 393 KB, command-r-35b 1.31 MB beside 70 GB of weights), so the run neither preempts nor
+  # waits on blocks; command-r runs 128 prompts (1000 at 16 at a time would take ~4 minutes).
+  case "$1:$2" in
+    throughput:gemma-2-9b)    echo "engine.max_num_seqs=192" ;;
+    throughput:gemma-3-12b)   echo "engine.max_num_seqs=160" ;;
+    throughput:command-r-35b) echo "engine.max_num_seqs=16 engine.token_buckets=[16,2048] workload.num_prompts=128" ;;
+  esac
+}
+
+families() {   # families MODE CONFIG LIMIT_S: CONFIG for each model of $FAMILIES, one runner process each
+  local mode=$1 config=$2 limit=$3 suffix=latency-bs1 m
+  [ "$mode" = throughput ] && suffix=throughput
+  for m in $FAMILIES; do
+    local sets=(--set "model.name=$m" --set "name=h200-$m-$suffix") s
+    for s in $(family_sets "$mode" "$m"); do sets+=(--set "$s"); done
+    bench "$limit" "family-$m-$suffix" --config "$config" "${sets[@]}" --no-plots
+  done
 }
 
 ab() {   # ab OLD_TREE: the two configs at the old tree and at this one, interleaved; prints old / new / ratio
@@ -103,39 +142,32 @@ for step in "${STEPS[@]}"; do
                  --config h200-llama8b-throughput --config h200-llama8b-decode ;;
     serve)     bench "${SERVE_LIMIT_S:-240}" serve --config h200-llama8b-serve-sweep ;;
     kernels)   bench "${KERNELS_LIMIT_S:-90}" kernels --config h200-kernels ;;
-    bandwidth) echo "=== bandwidth: benchmarks/diagnostics/bandwidth.py" | tee -a "$SUMMARY"
-               timeout "${BANDWIDTH_LIMIT_S:-60}" "$PY" benchmarks/diagnostics/bandwidth.py 2>&1 \
-                 | tee "$RESULTS/bandwidth.log" | grep -E '^\||^#|_bandwidth|Error' >> "$SUMMARY" ;;
+    bandwidth) diag "${BANDWIDTH_LIMIT_S:-60}" bandwidth '^\||^#|_bandwidth|Error' benchmarks/diagnostics/bandwidth.py ;;
     ab)        ab "$AB_OLD" ;;
-    startup)   echo "=== startup: benchmarks/diagnostics/startup.py serve --model llama-3.1-8b --load-format dummy" | tee -a "$SUMMARY"
-               timeout "${STARTUP_LIMIT_S:-540}" "$PY" benchmarks/diagnostics/startup.py serve --model llama-3.1-8b \
-                 --load-format dummy --out "$RESULTS/startup_h200.json" 2>&1 \
-                 | tee "$RESULTS/startup.log" | grep -E '^(cold|warm):|Error' >> "$SUMMARY" ;;
-    embed)     echo "=== embed: benchmarks/diagnostics/embed_bench.py --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16" | tee -a "$SUMMARY"
-               timeout "${EMBED_LIMIT_S:-120}" "$PY" benchmarks/diagnostics/embed_bench.py \
-                 --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16 --out "$RESULTS/embed_h200.json" 2>&1 \
-                 | tee "$RESULTS/embed.log" | grep '^{"batch"' >> "$SUMMARY" ;;
-    gpucheck)  echo "=== gpucheck: benchmarks/diagnostics/gpu_check.py" | tee -a "$SUMMARY"
-               timeout "${GPUCHECK_LIMIT_S:-300}" "$PY" benchmarks/diagnostics/gpu_check.py 2>&1 \
-                 | tee "$RESULTS/gpucheck.log" | tail -20 >> "$SUMMARY" ;;
+    startup)   diag "${STARTUP_LIMIT_S:-540}" startup '^(cold|warm):|Error' benchmarks/diagnostics/startup.py serve \
+                 --model llama-3.1-8b --load-format dummy --out "$RESULTS/startup_h200.json" ;;
+    embed)     diag "${EMBED_LIMIT_S:-120}" embed '^\{"batch"' benchmarks/diagnostics/embed_bench.py \
+                 --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16 --out "$RESULTS/embed_h200.json" ;;
+    gpucheck)  diag "${GPUCHECK_LIMIT_S:-300}" gpucheck '^(#|- |gpu_check:)|Error' benchmarks/diagnostics/gpu_check.py ;;
     stepdiag)  tps=(1); [ "${NGPU:-0}" -ge 2 ] && tps=(1 2)
                read -r -a fls <<< "${STEPDIAG_FLAGS:-default}"
-               echo "=== stepdiag: benchmarks/diagnostics/step_diag.py --tp ${tps[*]} --flags ${fls[*]} --profile" | tee -a "$SUMMARY"
-               timeout "${STEPDIAG_LIMIT_S:-420}" "$PY" benchmarks/diagnostics/step_diag.py --tp "${tps[@]}" \
-                 --flags "${fls[@]}" --profile --json "$RESULTS/step_diag.json" 2>&1 \
-                 | tee "$RESULTS/stepdiag.log" | grep -v '^  tp=' >> "$SUMMARY" ;;
+               diag "${STEPDIAG_LIMIT_S:-420}" stepdiag '!^  tp=' benchmarks/diagnostics/step_diag.py \
+                 --tp "${tps[@]}" --flags "${fls[@]}" --profile --json "$RESULTS/step_diag.json" ;;
     tp2)       needs_2_gpus tp2 || continue
                bench "${TP2_LIMIT_S:-240}" tp2 --config h200-llama8b-latency-bs1 --config h200x2-llama8b-tp2 \
                  --set baseline.hf=false ;;
     carcheck)  needs_2_gpus carcheck || continue
-               echo "=== carcheck: custom_allreduce_probe.py --fused; --engine llama-3.2-1b (float32, bfloat16)" | tee -a "$SUMMARY"
-               timeout "${CARCHECK_PROBE_S:-150}" "$PY" benchmarks/diagnostics/custom_allreduce_probe.py --processes 2 \
-                 --fused --tokens 1 4 8 128 2>&1 | tee "$RESULTS/carcheck.log" | grep -E '^\||Error|mismatch' >> "$SUMMARY"
+               diag "${CARCHECK_PROBE_S:-150}" carcheck '^\||Error|mismatch' \
+                 benchmarks/diagnostics/custom_allreduce_probe.py --processes 2 --fused --tokens 1 4 8 128
                for dt in float32 bfloat16; do
-                 timeout "${CARCHECK_ENGINE_S:-200}" "$PY" benchmarks/diagnostics/custom_allreduce_probe.py \
-                   --engine llama-3.2-1b --dtype "$dt" 2>&1 | tee -a "$RESULTS/carcheck.log" | grep -E '^\||^#|Error' >> "$SUMMARY"
+                 diag "${CARCHECK_ENGINE_S:-200}" "carcheck-$dt" '^\||^#|Error' \
+                   benchmarks/diagnostics/custom_allreduce_probe.py --engine llama-3.2-1b --dtype "$dt"
                done ;;
-    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, embed, gpucheck, stepdiag, tp2, carcheck)" >&2; exit 2 ;;
+    families)  families latency h200-family-latency-bs1 "${FAMILY_LIMIT_S:-200}" ;;
+    families-throughput) families throughput h200-family-throughput "${FAMILY_THROUGHPUT_LIMIT_S:-240}" ;;
+    gemma2-long) bench "${GEMMA2_LONG_LIMIT_S:-300}" gemma2-long --config h200-gemma2-9b-long-prompts --no-plots ;;
+    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, embed, gpucheck, stepdiag, tp2, carcheck," \
+         "families, families-throughput, gemma2-long)" >&2; exit 2 ;;
   esac
 done
 

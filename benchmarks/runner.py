@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import signal
@@ -152,38 +153,14 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
     return res
 
 
-MODES = {}
+# mode -> (module, function), imported when a run of that mode starts
+MODES = {"throughput": ("benchmarks.offline", "run_throughput"), "latency": ("benchmarks.offline", "run_latency"),
+         "serve": ("benchmarks.serve", "run_serve"), "kernels": ("benchmarks.kernels_mode", "run_kernels")}
 
 
-def _mode(name):
-    def deco(fn):
-        MODES[name] = fn
-        return fn
-    return deco
-
-
-@_mode("throughput")
-def _throughput(run):
-    from benchmarks.offline import run_throughput
-    run_throughput(run)
-
-
-@_mode("latency")
-def _latency(run):
-    from benchmarks.offline import run_latency
-    run_latency(run)
-
-
-@_mode("serve")
-def _serve(run):
-    from benchmarks.serve import run_serve
-    run_serve(run)
-
-
-@_mode("kernels")
-def _kernels(run):
-    from benchmarks.kernels_mode import run_kernels
-    run_kernels(run)
+def run_mode(run) -> None:
+    module, fn = MODES[run.cfg["mode"]]
+    getattr(importlib.import_module(module), fn)(run)
 
 
 def prepare_model(run: Run) -> None:
@@ -216,7 +193,7 @@ def finish(run: Run, elapsed: float) -> Path:
         run.result["model"] = {"config": {k: v for k, v in vars(run.model_config).items()},
                                "params": c.params, "weight_bytes": c.weight_bytes,
                                "kv_bytes_per_token": c.kv_bytes_per_token, "dtype": run.dtype}
-        run.tables.append(Table("Model and limits", ["params", "weights GB", "KV bytes/token", "dtype",
+        run.tables.append(Table("Model and limits", ["params", "weights read per step GB", "KV bytes/token", "dtype",
                                                      "read TB/s", "peak TFLOP/s", "hardware"],
                                 [[c.params, c.weight_bytes / 1e9, c.kv_bytes_per_token, run.dtype,
                                   run.hw.bandwidth / 1e12, run.hw.flops(run.dtype) / 1e12,
@@ -317,7 +294,7 @@ def _run(args, argv: list[str]) -> int:
             run.phase = "baseline"
             try:
                 prepare_model(run)
-                MODES[run.cfg["mode"]](run)
+                run_mode(run)
             except _BaselinePhaseDone:
                 pass
             except Exception as e:                 # phase 2 meets the same error and reports it
@@ -335,7 +312,7 @@ def _run(args, argv: list[str]) -> int:
                 prepare_model(run)
             prepare_main(run, args.out)
             print(f"[bench] {run.cfg['name']} ({run.cfg['mode']}) → {run.out_dir}", flush=True)
-            MODES[run.cfg["mode"]](run)
+            run_mode(run)
             md = finish(run, time.perf_counter() - t0)
             print(md.read_text(), flush=True)
             summaries.append(summary_line(run))

@@ -81,7 +81,7 @@ def _tail(path: Path, n: int = 15) -> str:
 
 
 _COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions|structured_output_mask_steps"
-                      r"|structured_output_mask_ms)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+                      r"|structured_output_mask_ms|structured_output_mask_wait_ms)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float]:
@@ -105,6 +105,7 @@ def counter_delta(before: dict, after: dict) -> dict:
     d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0.0) / q if q else None
     masked = d.get("structured_output_mask_steps")
     d["structured_mask_ms_per_step"] = d.get("structured_output_mask_ms", 0.0) / masked if masked else None
+    d["structured_mask_wait_ms_per_step"] = d.get("structured_output_mask_wait_ms", 0.0) / masked if masked else None
     return d
 
 

@@ -78,6 +78,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep XLA's all-reduce for every step; by default steps of up to 1 MiB of activations "
                         "(128 tokens of a 4096-wide model) use a CUDA one-shot all-reduce when each GPU has its "
                         "own process (mp executor or --num-processes) and nvcc is there to build it")
+    d.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: shard the experts over the devices (whole experts per "
+                        "device) instead of splitting every expert tensor-parallel like a dense MLP")
     d.add_argument("--num-processes", type=int, default=1)
     d.add_argument("--process-id", type=int, default=0)
     p.add_argument("--config", default=None, help="a YAML file of flags (flag names, - or _); flags override it")
@@ -122,7 +125,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                                 distributed_coordinator=a.distributed_coordinator,
                                 num_processes=a.num_processes, process_id=a.process_id,
                                 distributed_executor_backend=a.distributed_executor_backend,
-                                disable_custom_all_reduce=a.disable_custom_all_reduce))
+                                disable_custom_all_reduce=a.disable_custom_all_reduce,
+                                enable_expert_parallel=a.enable_expert_parallel))
 
 
 def _apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
@@ -210,30 +214,32 @@ def cmd_serve(a) -> int:
     return run_server(cfg, server_args_from_namespace(a)) or 0
 
 
-def cmd_bench(a, rest: list[str]) -> int:
+def cmd_bench(rest: list[str]) -> int:
+    """The config-driven benchmark of a source checkout (benchmarks/runner.py). Its workloads, model shapes and
+    hardware limits live in the checkout's benchmarks/ and configs/, which a package install does not carry,
+    so an installed jaxserve says where to run it instead of importing half of it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isdir(os.path.join(root, "benchmarks")) and root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        from benchmarks.runner import main as bench_main
-    except ImportError as e:
-        print(f"jaxserve bench: the benchmarks/ folder of a source checkout is needed ({e})", file=sys.stderr)
+    if not all(os.path.isdir(os.path.join(root, d)) for d in ("benchmarks", "configs")):
+        print("jaxserve bench runs the benchmarks of a source checkout (benchmarks/ and configs/ are not "
+              "installed with the package): clone the repository, pip install -e it, and run "
+              "jaxserve bench from there", file=sys.stderr)
         return 2
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.runner import main as bench_main
     return bench_main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxserve.models.orbax_io import add_convert_args
+    from jaxserve.server.args import add_server_args
     p = argparse.ArgumentParser(prog="python -m jaxserve", description="jaxserve: LLM inference on JAX/XLA")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model", nargs="?", default=None, help="model to serve (default: embedded SmolLM2)")
     add_engine_args(s)
-    try:
-        from jaxserve.server.args import add_server_args
-        add_server_args(s)
-    except ImportError:
-        pass
+    add_server_args(s)
 
     g = sub.add_parser("generate", help="generate completions offline and print them")
     add_engine_args(g)
@@ -248,12 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="config-driven benchmarks (see benchmarks/README.md)", add_help=False)
 
-    c = sub.add_parser("convert", help="write an orbax checkpoint of a model")
-    try:
-        from jaxserve.models.orbax_io import add_convert_args
-        add_convert_args(c)
-    except ImportError:
-        pass
+    add_convert_args(sub.add_parser("convert", help="write an orbax checkpoint of a model"))
     return p
 
 
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if argv and argv[0] == "bench":
-        return cmd_bench(None, argv[1:])
+        return cmd_bench(argv[1:])
     parser = build_parser()
     if argv and argv[0] in parser._subparsers._group_actions[0].choices:
         _apply_yaml_config(parser._subparsers._group_actions[0].choices[argv[0]], argv[1:])
@@ -272,11 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         from jaxserve.models.orbax_io import run_convert
         return run_convert(a) or 0
     _setup_distributed(a)
-    if a.command in ("generate", "serve") and _is_follower():
+    if _is_follower():
         return cmd_follow(a)
     if a.command == "generate":
         return cmd_generate(a)
-    if a.command == "serve":
-        return cmd_serve(a)
-    parser.error(f"unknown command {a.command}")
-    return 2
+    return cmd_serve(a)

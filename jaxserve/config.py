@@ -84,6 +84,9 @@ class ParallelConfig:
     # the row-parallel layers' all-reduce of small steps through the CUDA one-shot kernel
     # (jaxserve/parallel/collectives.py) where it can run (GPUs, one process per GPU); True keeps XLA's
     disable_custom_all_reduce: bool = False
+    # vLLM's --enable-expert-parallel: a mixture-of-experts model's experts sharded over the mesh (whole
+    # experts per device) instead of tensor parallel like a dense MLP (jaxserve/models/layers/moe.py)
+    enable_expert_parallel: bool = False
 
 
 @dataclass

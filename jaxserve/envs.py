@@ -60,6 +60,10 @@ _REGISTRY: dict[str, EnvVar] = {
     # tensor parallelism
     "JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM": EnvVar(_flag, "1", "0 = the custom all-reduce does not fuse the "
                                                                "residual add + RMSNorm (A/B runs)"),
+    # mixture of experts
+    "JAXSERVE_MOE_GROUPED_GEMM": EnvVar(lambda raw: raw or "auto", "auto",
+                                        "the MoE layers' grouped GEMM: auto (pallas on a GPU, ragged_dot "
+                                        "elsewhere), ragged_dot, gather or pallas (kernels/ragged_dot.py)"),
     # multi-process (read by JAX too)
     "JAX_COORDINATOR_ADDRESS": EnvVar(_text, None, "host:port of process 0 for a multi-process engine"),
     "JAX_NUM_PROCESSES": EnvVar(_int("JAX_NUM_PROCESSES"), None, "processes of a multi-process engine"),

@@ -295,10 +295,3 @@ def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -
         if wanted > vocab_size:
             raise InvalidRequestError(f"{name} must be <= the vocabulary size {vocab_size}, got {value}",
                                       param=name)
-
-
-def num_logprobs(value: int | None, vocab_size: int) -> int | None:
-    """The number of top logprobs a `logprobs`/`prompt_logprobs` value asks for (-1 = the whole vocab)."""
-    if value is None:
-        return None
-    return vocab_size if value == -1 else value

@@ -28,7 +28,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_embeddings
 from .errors import APIError, bad_request, error_response, exception_handler
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, arrival_middleware
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                        VersionResponse)
@@ -165,7 +165,7 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
                                              continue_final_message=data.continue_final_message,
                                              chat_template=data.chat_template,
                                              chat_template_kwargs=data.chat_template_kwargs)
-            ids = await serving.encode(text, add_special_tokens=bool(data.add_special_tokens))
+            ids = await serving.encode(text, add_special_tokens=bool(data.add_special_tokens), what="messages")
         else:
             ids = await serving.encode(data.prompt, add_special_tokens=data.add_special_tokens is not False)
         strs = serving.tokenizer.convert_ids_to_tokens(ids) if data.return_token_strs else None
@@ -201,7 +201,8 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
     async def metrics_head() -> Response[None]:
         return Response(content=None, headers={"content-type": CONTENT_TYPE})
 
-    middleware = [auth_middleware(args.api_key)] if args.api_key else []
+    # the arrival stamp first: time to first token counts from the request's arrival (metrics)
+    middleware = [arrival_middleware, *([auth_middleware(args.api_key)] if args.api_key else [])]
     cors = None
     if args.allowed_origins:
         cors = CORSConfig(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
@@ -256,7 +257,9 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
              stats.get("num_kv_blocks", "?"), eng.config.cache.block_size, eng.load_seconds, eng.warmup_seconds,
              time.monotonic() - t0)
 
-    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop", http="httptools",
+    from .http_protocol import timed_http_protocol
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop",
+                            http=timed_http_protocol(server_args.read_timeout),
                             log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_uvicorn_access_log,
                             root_path=server_args.root_path or "", timeout_graceful_shutdown=server_args.drain_timeout,
                             lifespan="off")
@@ -310,7 +313,8 @@ class _DrainingServer:
             def _on_signal(self, sig) -> None:
                 if serving.draining:  # a second signal: stop now
                     self.force_exit = True
-                serving.draining = True
+                else:
+                    serving.start_drain(config.timeout_graceful_shutdown or 0.0)
                 log.info("%s: no new connections; finishing in-flight requests (up to %.0f s)",
                          signal.Signals(sig).name, config.timeout_graceful_shutdown or 0)
                 self.should_exit = True

@@ -19,6 +19,8 @@ class ServerArgs:
     metrics_prefix: str = "jaxserve"                # "vllm" emits vllm:* names for existing dashboards
     max_body_bytes: int = 8 * 1024 * 1024           # 413 above this
     drain_timeout: float = 30.0                     # SIGTERM: seconds to finish in-flight requests
+    read_timeout: float = 30.0                      # a request's head and body must arrive within this (408)
+    max_request_choices: int = 1024                 # prompts x n in one request (400 above)
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty = no CORS headers
     allow_credentials: bool = False
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
@@ -70,6 +72,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="largest request body accepted, in bytes (413 above; default %(default)s)")
     _add(g, "--drain-timeout", type=float, default=d.drain_timeout,
          help="on SIGTERM, seconds to let in-flight requests finish (default %(default)s)")
+    _add(g, "--read-timeout", type=float, default=d.read_timeout,
+         help="seconds a client may take to send a request's headers and body, and an idle new connection to "
+              "start one (408 and closed after; default %(default)s)")
+    _add(g, "--max-request-choices", type=int, default=d.max_request_choices,
+         help="most choices one request may ask for: prompts x n (400 above; default %(default)s)")
     _add(g, "--allowed-origins", type=_json_list, default=[], help="CORS origins, JSON list or comma separated")
     _add(g, "--allow-credentials", action="store_true", help="CORS: allow credentials")
     _add(g, "--allowed-methods", type=_json_list, default=d.allowed_methods, help="CORS methods")
@@ -114,6 +121,10 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
                          "explicitly, or drop --allow-credentials")
     if args.max_body_bytes <= 0:
         args.max_body_bytes = d.max_body_bytes
+    if args.read_timeout <= 0:
+        raise SystemExit(f"jaxserve serve: --read-timeout must be positive, got {args.read_timeout}")
+    if args.max_request_choices < 1:
+        raise SystemExit(f"jaxserve serve: --max-request-choices must be at least 1, got {args.max_request_choices}")
     try:
         resolve_tool_parser(args)   # before the model loads: a typo'd parser name fails in a second
     except (KeyError, ValueError, ImportError, OSError) as e:

@@ -19,16 +19,19 @@ from .tool_parsers.choice import ToolPlan, ToolRequestError, plan_tools
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
-def chat_logprobs(serving: Serving, token_ids: list[int], positions: list[dict], top_k: int) -> ChatLogprobs:
+def chat_logprobs(serving: Serving, token_ids: list[int], positions: list[dict], top_k: int,
+                  name=None) -> ChatLogprobs:
+    """``name(token id, decoded text)``: how a token is written (``Serving.token_namer``)."""
+    name = name or serving.token_str
     content = []
     for tid, pos in zip(token_ids, positions):
         chosen = pos.get(tid)
-        tok = serving.token_str(tid, chosen.decoded_token if chosen else None)
+        tok = name(tid, chosen.decoded_token if chosen else None)
         tops = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_k]
         content.append(ChatLogprobToken(
             token=tok, logprob=max(chosen.logprob, MIN_LOGPROB) if chosen else MIN_LOGPROB,
             bytes=list(tok.encode("utf-8")),
-            top_logprobs=[ChatLogprobTop(t := serving.token_str(i, lp.decoded_token), max(lp.logprob, MIN_LOGPROB),
+            top_logprobs=[ChatLogprobTop(t := name(i, lp.decoded_token), max(lp.logprob, MIN_LOGPROB),
                                          list(t.encode("utf-8"))) for i, lp in tops]))
     return ChatLogprobs(content=content)
 
@@ -70,6 +73,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     serving.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    serving.check_unstreamed(req)
     plan, constraint = tool_plan(serving, req)
     serving.check_capacity(req.n)
     text = await serving.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
@@ -77,7 +81,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                                      chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,
                                      tools=plan.tools)
     # the template already holds BOS and friends: vLLM encodes it without adding special tokens again
-    ids = await serving.encode(text, add_special_tokens=False)
+    ids = await serving.encode(text, add_special_tokens=False, what="messages")
     if not ids:
         raise bad_request("the messages rendered to an empty prompt", "messages")
     max_tokens = serving.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages")
@@ -87,10 +91,12 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     for i in range(req.n):
         params = serving.sampling_params(req, max_tokens=max_tokens, choice_index=i, logprobs=num_logprobs)
         params = apply_tool_plan(params, plan, constraint)
-        prompt.choices.append(Choice(i, f"{rid}-{i}", params, serving.metrics.tracker(len(ids))))
+        prompt.choices.append(Choice(i, f"{rid}-{i}", params, serving.metrics.tracker(len(ids), max_tokens)))
     await serving.compile_structured_outputs([prompt])
     model = req.model or serving.model_name
     top_k = req.top_logprobs or 0
+    name = serving.token_namer(req)
+    token_ids = bool(req.return_token_ids)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -98,12 +104,14 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         created = now()
 
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-            return sse(ChatCompletionChunk(id=rid, model=model, choices=choices, created=created, usage=usage))
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None, prompt_ids=None) -> bytes:
+            return sse(ChatCompletionChunk(id=rid, model=model, choices=choices, created=created, usage=usage,
+                                           prompt_token_ids=prompt_ids))
 
         async def render(outputs: AsyncIterator) -> AsyncIterator[bytes]:
             role = serving.args.response_role
-            yield chunk([ChatChunkChoice(i, ChatDelta(role=role, content=""), None, None) for i in range(req.n)])
+            yield chunk([ChatChunkChoice(i, ChatDelta(role=role, content=""), None, None) for i in range(req.n)],
+                        prompt_ids=ids if token_ids else None)
             completion_tokens = 0
             parsers = [plan.new_parser() for _ in range(req.n)]
             called = [False] * req.n
@@ -119,10 +127,11 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
                     finish = tool_finish_reason(finish, called[c.index])
                 if not delta.content and not delta.tool_calls and finish is None and not comp.logprobs:
                     continue  # tokens held back while a stop string (or a tool-call marker) may still match
-                logprobs = (chat_logprobs(serving, comp.token_ids, comp.logprobs, top_k)
+                logprobs = (chat_logprobs(serving, comp.token_ids, comp.logprobs, top_k, name)
                             if num_logprobs is not None and comp.logprobs else None)
                 usage = Usage(len(ids), completion_tokens, len(ids) + completion_tokens) if continuous else None
-                yield chunk([ChatChunkChoice(c.index, delta, logprobs, finish, comp.stop_reason)], usage)
+                yield chunk([ChatChunkChoice(c.index, delta, logprobs, finish, comp.stop_reason,
+                                             list(comp.token_ids) if token_ids else None)], usage)
             if include_usage:
                 yield chunk([], Usage(len(ids), completion_tokens, len(ids) + completion_tokens))
 
@@ -131,7 +140,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     accs = await race_disconnect(receive, serving.collect([prompt]))
     choices = []
     for i, acc in enumerate(accs):
-        logprobs = (chat_logprobs(serving, acc.token_ids, acc.logprobs, top_k)
+        logprobs = (chat_logprobs(serving, acc.token_ids, acc.logprobs, top_k, name)
                     if num_logprobs is not None else None)
         content: str | None = "".join(acc.text)
         calls = []
@@ -142,7 +151,10 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         message = ChatResponseMessage(serving.args.response_role, content, tool_calls=[
             ToolCallOut(call.id, FunctionCallOut(call.name, call.arguments)) for call in calls])
         choices.append(ChatChoice(i, message, logprobs, tool_finish_reason(acc.finish_reason, bool(calls)),
-                                  acc.stop_reason))
+                                  acc.stop_reason, acc.token_ids if token_ids else None))
     completion_tokens = sum(len(a.token_ids) for a in accs)
-    return ChatCompletionResponse(id=rid, model=model, choices=choices,
-                                  usage=Usage(len(ids), completion_tokens, len(ids) + completion_tokens))
+    return ChatCompletionResponse(
+        id=rid, model=model, choices=choices, usage=Usage(len(ids), completion_tokens, len(ids) + completion_tokens),
+        prompt_logprobs=serving.prompt_logprobs_out(accs[0].prompt_logprobs) if req.prompt_logprobs is not None
+        else None,
+        prompt_token_ids=ids if token_ids else None)

@@ -23,7 +23,9 @@ async def create_embeddings(serving: Serving, data: EmbeddingRequest) -> Embeddi
     if any(isinstance(x, int) for x in batch):
         raise bad_request("input must be a string, a list of strings, a list of token ids or a list of "
                           "token-id lists (not a mix)", "input")
-    token_lists = [(await serving.encode(x)) if isinstance(x, str) else list(x) for x in batch]
+    # truncating the tokens after: no character bound (the engine keeps the last ones)
+    what = "input" if data.truncate_prompt_tokens is None else None
+    token_lists = [(await serving.encode(x, what=what)) if isinstance(x, str) else list(x) for x in batch]
     kw: dict[str, Any] = {"dimensions": data.dimensions}
     if data.truncate_prompt_tokens is not None:
         kw["truncate_prompt_tokens"] = data.truncate_prompt_tokens

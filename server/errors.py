@@ -109,6 +109,11 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, HTTPException):
         status = exc.status_code
         message = str(exc.detail)
+        if status == 500 and "disconnected prematurely" in message:
+            # the body never arrived (the client left, or --read-timeout cut it): nobody reads this answer,
+            # and it is no server fault (nginx's 499, "client closed request")
+            return APIError(499, "the client closed the connection before its request body arrived",
+                            code="client_closed")
         if status == 413:
             message = f"request body is too large ({message})"
             return APIError(413, message, code="request_too_large")

@@ -2,23 +2,39 @@
 
 Gauges and engine counters are read from `engine.stats()` at scrape time (a custom collector), so they
 are never stale; token counters, finish reasons and latency histograms are fed per request by the
-server as outputs stream (`RequestTracker`), from the engine's RequestOutput.metrics timestamps when it
-reports them and from the server's clock otherwise.
+server as outputs stream (`RequestTracker`). Time to first token and end-to-end latency are the server's
+clock from the request's arrival (``REQUEST_ARRIVAL``, stamped by ``arrival_middleware`` before the body is
+read) to the output reaching the server's loop, as vLLM measures them: what a client sees, tokenizing,
+template rendering and the hop to the engine included. Queue time is the engine's own span.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger("jaxserve.server")
 
 disable_created_metrics()  # vLLM does too: *_created series only add noise to dashboards
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# time.monotonic() when the HTTP request being handled arrived (the request's task sees its own value)
+REQUEST_ARRIVAL: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_arrival", default=None)
+
+
+def arrival_middleware(app):
+    """Stamps ``REQUEST_ARRIVAL`` for each HTTP request as it arrives (before its body is read)."""
+    async def middleware(scope, receive, send):
+        if scope["type"] == "http":
+            REQUEST_ARRIVAL.set(time.monotonic())
+        await app(scope, receive, send)
+    return middleware
 
 # vLLM's buckets, so dashboards' quantiles line up
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -27,6 +43,21 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+REQUEST_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def one_two_five_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets for token-count histograms)."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exponent
+            if v > max_value:
+                return out
+            out.append(v)
+        exponent += 1
+
 
 # name after the prefix -> keys engine.stats() may use for it (first present wins)
 GAUGES = {
@@ -38,9 +69,11 @@ ENGINE_COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries",),
     "prefix_cache_hits": ("prefix_cache_hits",),
     "num_preemptions": ("num_preemptions", "num_preemptions_total"),
-    # structured outputs: steps that filled a token bitmask, and the host ms spent filling them
+    # structured outputs: steps that filled a token bitmask, the host ms spent filling them (beside the output
+    # processing) and the ms the engine's step waited for them
     "structured_output_mask_steps": ("structured_steps",),
     "structured_output_mask_ms": ("structured_mask_ms",),
+    "structured_output_mask_wait_ms": ("structured_mask_wait_ms",),
 }
 
 
@@ -53,8 +86,13 @@ def _pick(stats: dict[str, Any], keys: tuple[str, ...]) -> float | None:
 
 
 class _EngineStatsCollector:
-    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict[str, Any]], block_size: Any):
+    """The engine's gauges and counters at scrape time, and ``engine_healthy`` (1, or 0 once the engine loop
+    is dead or stuck: its last figures then stop moving, and this says why)."""
+
+    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict[str, Any]], block_size: Any,
+                 healthy: Callable[[], bool] | None = None):
         self.prefix, self.model_name, self.stats, self.block_size = prefix, model_name, stats, block_size
+        self.healthy = healthy
 
     def describe(self):  # no scrape at registration time
         return []
@@ -65,6 +103,14 @@ class _EngineStatsCollector:
         except Exception as e:  # a scrape must not fail because the engine is in trouble
             log.warning("engine.stats() failed: %s", e)
             stats = {}
+        try:
+            healthy = self.healthy() if self.healthy is not None else True
+        except Exception:   # noqa: BLE001 - a health check that raises is an unhealthy engine
+            healthy = False
+        h = GaugeMetricFamily(f"{self.prefix}engine_healthy", "1 while the engine loop runs, 0 once it is dead "
+                              "or stuck (the other engine figures then stop moving)", labels=["model_name"])
+        h.add_metric([self.model_name], 1.0 if healthy else 0.0)
+        yield h
         for name, keys in GAUGES.items():
             g = GaugeMetricFamily(f"{self.prefix}{name}", name.replace("_", " "), labels=["model_name"])
             v = _pick(stats, keys)
@@ -75,6 +121,25 @@ class _EngineStatsCollector:
             v = _pick(stats, keys)
             c.add_metric([self.model_name], 0.0 if v is None else v)
             yield c
+        hist = stats.get("iteration_tokens")
+        if hist is not None:    # (bounds, per-bucket step counts with one more for "above", tokens summed)
+            bounds, counts, total = hist
+            h = HistogramMetricFamily(f"{self.prefix}iteration_tokens_total", "tokens computed per engine step",
+                                      labels=["model_name"])
+            cumulative, buckets = 0, []
+            for bound, n in zip([*(floatToGoString(b) for b in bounds), "+Inf"], counts):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            h.add_metric([self.model_name], buckets, float(total))
+            yield h
+        if self.prefix == "vllm:":     # vLLM V0's names, which its Grafana dashboard still queries
+            for name, keys in (("gpu_cache_usage_perc", GAUGES["kv_cache_usage_perc"]),
+                               ("gpu_prefix_cache_hit_rate", ("prefix_cache_hit_rate",))):
+                g = GaugeMetricFamily(f"{self.prefix}{name}", f"{name.replace('_', ' ')} (vLLM V0's name)",
+                                      labels=["model_name"])
+                v = _pick(stats, keys)
+                g.add_metric([self.model_name], 0.0 if v is None else v)
+                yield g
         if stats.get("num_kv_blocks") is not None:  # vLLM's info gauge: the KV pool's size, for dashboards
             info = GaugeMetricFamily(f"{self.prefix}cache_config_info", "KV cache configuration",
                                      labels=["model_name", "num_gpu_blocks", "block_size"])
@@ -90,7 +155,8 @@ class ServerMetrics:
         p, labels = self.prefix, ["model_name"]
         cache_config = getattr(getattr(engine, "config", None), "cache", None)
         block_size = getattr(cache_config, "block_size", "")
-        self.registry.register(_EngineStatsCollector(p, model_name, engine.stats, block_size))
+        self.registry.register(_EngineStatsCollector(p, model_name, engine.stats, block_size,
+                                                     getattr(engine, "is_healthy", None)))
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", labels, registry=self.registry)
         self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", labels, registry=self.registry)
         self.request_success = Counter(f"{p}request_success", "finished requests by reason",
@@ -103,6 +169,24 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue_time = Histogram(f"{p}request_queue_time_seconds", "time waiting before first schedule",
                                     labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        # vLLM's per-request histograms (the names its dashboards query)
+        tokens = one_two_five_buckets(int(getattr(engine, "max_model_len", 0) or 1 << 20))
+
+        def hist(name: str, doc: str, buckets) -> Any:
+            return Histogram(f"{p}{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+        self._tpot = hist("time_per_output_token_seconds", "time between output tokens (vLLM's older name for "
+                          "inter_token_latency_seconds)", ITL_BUCKETS)
+        self._req_tpot = hist("request_time_per_output_token_seconds", "a request's mean time per output token "
+                              "after the first", ITL_BUCKETS)
+        self._req_prompt = hist("request_prompt_tokens", "prompt tokens per request", tokens)
+        self._req_gen = hist("request_generation_tokens", "generated tokens per request", tokens)
+        self._req_max_tokens = hist("request_params_max_tokens", "max_tokens per request", tokens)
+        self._req_n = hist("request_params_n", "n (choices per prompt) per request", REQUEST_N_BUCKETS)
+        self._req_max_gen = hist("request_max_num_generation_tokens", "the most tokens any choice of a prompt "
+                                 "generated", tokens)
+        self._prefill = hist("request_prefill_time_seconds", "first schedule to first token", LATENCY_BUCKETS)
+        self._decode = hist("request_decode_time_seconds", "first token to finish", LATENCY_BUCKETS)
+        self._inference = hist("request_inference_time_seconds", "first schedule to finish", LATENCY_BUCKETS)
         # children bound once: labels() costs a dict lookup and a lock per call
         self._prompt = self.prompt_tokens.labels(model_name)
         self._gen = self.generation_tokens.labels(model_name)
@@ -116,18 +200,28 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def tracker(self, num_prompt_tokens: int) -> "RequestTracker":
-        return RequestTracker(self, num_prompt_tokens)
+    def tracker(self, num_prompt_tokens: int, max_tokens: int | None = None) -> "RequestTracker":
+        return RequestTracker(self, num_prompt_tokens, max_tokens)
+
+    def on_prompt_finished(self, trackers: list["RequestTracker"]) -> None:
+        """All n choices of one prompt finished (none aborted): vLLM's per-sequence-group histograms."""
+        self._req_n.observe(len(trackers))
+        self._req_max_gen.observe(max(t.num_generated for t in trackers))
 
 
 class RequestTracker:
     """Per engine request: feeds token counters and latency histograms from its outputs."""
-    __slots__ = ("m", "num_prompt_tokens", "start", "last", "num_generated", "done")
+    __slots__ = ("m", "num_prompt_tokens", "max_tokens", "start", "first", "last", "num_generated", "done",
+                 "aborted")
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, max_tokens: int | None = None):
         self.m = metrics
         self.num_prompt_tokens = num_prompt_tokens
-        self.start = time.monotonic()
+        self.max_tokens = max_tokens
+        self.first: float | None = None
+        self.aborted = False
+        arrival = REQUEST_ARRIVAL.get()
+        self.start = arrival if arrival is not None else time.monotonic()
         self.last: float | None = None
         self.num_generated = 0
         self.done = False
@@ -137,8 +231,8 @@ class RequestTracker:
             return
         t = time.monotonic()
         if self.last is None:
-            ttft = _span(engine_metrics, "arrival_time", "first_token_time")
-            self.m._ttft.observe(ttft if ttft is not None else t - self.start)
+            self.first = t
+            self.m._ttft.observe(t - self.start)
             self.m._prompt.inc(self.num_prompt_tokens)
             num_new_tokens_after_first = num_new_tokens - 1
         else:
@@ -147,6 +241,7 @@ class RequestTracker:
             per_token = (t - self.last) / num_new_tokens_after_first
             for _ in range(num_new_tokens_after_first):
                 self.m._itl.observe(per_token)
+                self.m._tpot.observe(per_token)
         self.last = t
         self.num_generated += num_new_tokens
         self.m._gen.inc(num_new_tokens)
@@ -158,12 +253,23 @@ class RequestTracker:
         reason = finish_reason or "abort"
         self.m.request_success.labels(self.m.model_name, reason).inc()
         if reason == "abort":
+            self.aborted = True
             return
-        e2e = _span(engine_metrics, "arrival_time", "finished_time")
-        self.m._e2e.observe(e2e if e2e is not None else time.monotonic() - self.start)
-        queued = _span(engine_metrics, "arrival_time", "first_scheduled_time")
-        if queued is not None:
-            self.m._queue.observe(queued)
+        m = self.m
+        m._e2e.observe(time.monotonic() - self.start)
+        m._req_prompt.observe(self.num_prompt_tokens)
+        m._req_gen.observe(self.num_generated)
+        if self.max_tokens is not None:
+            m._req_max_tokens.observe(self.max_tokens)
+        if self.num_generated > 1 and self.first is not None:
+            m._req_tpot.observe((self.last - self.first) / (self.num_generated - 1))
+        for hist, start, end in ((m._queue, "arrival_time", "first_scheduled_time"),
+                                 (m._prefill, "first_scheduled_time", "first_token_time"),
+                                 (m._decode, "first_token_time", "finished_time"),
+                                 (m._inference, "first_scheduled_time", "finished_time")):
+            span = _span(engine_metrics, start, end)
+            if span is not None:
+                hist.observe(span)
 
 
 def _span(engine_metrics: Any, start: str, end: str) -> float | None:

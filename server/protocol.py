@@ -9,7 +9,6 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta, Struct, field
 
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -78,6 +77,10 @@ class SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[NonNegInt] | None = None
     include_stop_str_in_output: bool = False
+    # each prompt token's logprob and top-k (-1: max_logprobs); answered whole, not streamed
+    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None
+    return_token_ids: bool | None = None            # prompt_token_ids and each choice's token_ids
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:{id}"
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
@@ -165,16 +168,24 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class PromptLogprob(Struct):
+    """vLLM's Logprob as its server writes it: one candidate token at one prompt position."""
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: per prompt position, None for the first, else {token id: PromptLogprob}
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatLogprobTop(Struct):
     token: str
     logprob: float
     bytes: list[int] | None
 
 
-class ChatLogprobToken(Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None
+class ChatLogprobToken(ChatLogprobTop):
     top_logprobs: list[ChatLogprobTop]
 
 
@@ -206,6 +217,7 @@ class ChatChoice(Struct):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None          # return_token_ids
 
 
 class Usage(Struct):
@@ -222,6 +234,8 @@ class ChatCompletionResponse(Struct):
     created: int = field(default_factory=now)
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids
 
 
 class DeltaFunctionCall(Struct, omit_defaults=True):
@@ -249,6 +263,7 @@ class ChatChunkChoice(Struct):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None          # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(Struct):
@@ -259,6 +274,7 @@ class ChatCompletionChunk(Struct):
     object: str = "chat.completion.chunk"
     system_fingerprint: str | None = None
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids: in the first chunk
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -305,6 +321,9 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids (in a stream: its first chunk)
+    token_ids: list[int] | None = None          # return_token_ids (in a stream: this chunk's)
 
 
 class CompletionResponse(Struct):
@@ -408,5 +427,3 @@ class ErrorInfo(Struct):
 class ErrorResponse(Struct):
     error: ErrorInfo
 
-
-encoder = msgspec.json.Encoder()

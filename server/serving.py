@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import threading
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
@@ -17,13 +20,22 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams, Structur
 from .args import ServerArgs, resolve_tool_parser
 from .errors import APIError, bad_request, model_not_found
 from .metrics import RequestTracker, ServerMetrics
-from .protocol import ChatMessage, SamplingFields, StructuredOutputs
+from .protocol import ChatMessage, PromptLogprob, SamplingFields, StructuredOutputs
 from .tool_parsers.choice import ToolRequestError, template_messages
 
 log = logging.getLogger("jaxserve.server")
 
 T = TypeVar("T")
+MIN_LOGPROB = -9999.0  # JSON has no -inf
 THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread hop costs
+# Long texts tokenize on worker threads, this many at once: a tokenizer's working memory is a multiple of
+# its input, so the bound on concurrent tokenization is a bound on that memory.
+TOKENIZE_THREADS = 4
+# A drain timeout ends the running requests this much (at most a tenth of the timeout) before the HTTP
+# server's graceful timeout closes their connections: time to send each its error event and [DONE].
+DRAIN_GRACE_S = 2.0
+# A request's own chat template (--trust-request-chat-template) is a program: it may run this long.
+REQUEST_TEMPLATE_TIMEOUT_S = 5.0
 # apply_chat_template's own arguments: chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "chat_template", "tools", "documents",
                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
@@ -66,6 +78,47 @@ def structured_outputs_from_request(req: SamplingFields) -> StructuredOutputsPar
         return StructuredOutputsParams(**kw)
     except ValueError as e:
         raise bad_request(str(e), field_name) from e
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token can stand for (its longest vocabulary entry; byte-level vocabularies
+    spell each byte as one character, so this also bounds bytes), or None if the tokenizer cannot say."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:   # a tokenizer without a readable vocabulary: no character bound
+        return None
+    return max((len(t) for t in vocab), default=0) or None
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past its time bound."""
+
+
+def run_with_deadline(fn: Callable[[], T], seconds: float) -> T:
+    """``fn()`` in this (worker) thread, stopped with TemplateTimeout once it runs past ``seconds``: a timer
+    raises it asynchronously in this thread (CPython's PyThreadState_SetAsyncExc), which pure-Python code
+    such as Jinja's compiled templates sees at its next bytecode; no cost while it runs."""
+    tid = threading.get_ident()
+    lock = threading.Lock()
+    state = {"finished": False, "fired": False}
+
+    def interrupt() -> None:
+        with lock:
+            if not state["finished"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(TemplateTimeout))
+    timer = threading.Timer(seconds, interrupt)
+    timer.start()
+    try:
+        return fn()
+    except TemplateTimeout:
+        raise TemplateTimeout(f"the chat template ran past {seconds:g} s") from None
+    finally:
+        with lock:
+            state["finished"] = True
+            if state["fired"]:      # not raised yet (fn had just returned): never let it hit the pool's next job
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+        timer.cancel()
 
 
 class ClientDisconnected(Exception):
@@ -129,12 +182,21 @@ class Serving:
         self.max_logprobs = int(getattr(engine, "max_logprobs", None) or 20)
         self.metrics = ServerMetrics(engine, self.model_name, args.metrics_prefix)
         self.draining = False
+        self.drain_expired = False
+        # tasks now awaiting an engine output in ``run``: the ones a drain timeout interrupts
+        self._awaiting_engine: set[asyncio.Task] = set()
+        self._interrupted: set[asyncio.Task] = set()
         self.tool_parser_cls = resolve_tool_parser(args)   # --tool-call-parser (None: no auto tool choice)
         self._token_strs: dict[int, str] = {}
         # Token ids are checked against the model's embedding rows (the tokenizer may have fewer ids, e.g.
         # padded vocabularies, or dummy weights served with another model's tokenizer).
         model_vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None)
         self.vocab_size = int(model_vocab or len(self.tokenizer))
+        # A text of more characters than max_model_len tokens can spell is refused before it is tokenized
+        # (tokenizing a multi-megabyte prompt costs gigabytes of memory only to answer "too long").
+        per_token = longest_token_chars(self.tokenizer)
+        self.max_prompt_chars: int | None = per_token * self.max_model_len if per_token else None
+        self._tokenize_limiter: anyio.CapacityLimiter | None = None
 
     # -- checks ------------------------------------------------------------------------------------
 
@@ -142,9 +204,13 @@ class Serving:
         if name is not None and name not in self.model_names:
             raise model_not_found(name)
 
-    def check_capacity(self, num_requests: int) -> None:
-        """The engine's admission for the whole request (prompts x n) before any work: 400 if it can never
-        fit, 429 if not now."""
+    def check_capacity(self, num_requests: int, param: str = "n") -> None:
+        """Admission for the whole request (prompts x n) before any work: 400 above --max-request-choices
+        or if it can never fit the engine, 429 if not now."""
+        limit = self.args.max_request_choices
+        if num_requests > limit:
+            raise bad_request(f"this request asks for {num_requests} choices (prompts x n), more than the "
+                              f"server's --max-request-choices {limit}; split it", param)
         self.engine.check_admission(num_requests)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, what: str) -> int:
@@ -165,13 +231,31 @@ class Serving:
 
     # -- prompts -----------------------------------------------------------------------------------
 
-    async def _maybe_thread(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+    async def _maybe_thread(self, size: int, fn: Callable[..., T], *args: Any,
+                            limiter: anyio.CapacityLimiter | None = None) -> T:
         if size < THREAD_THRESHOLD_CHARS:
             return fn(*args)
-        return await anyio.to_thread.run_sync(fn, *args)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._maybe_thread(len(text), self._encode, text, add_special_tokens)
+    def check_prompt_chars(self, num_chars: int, what: str) -> None:
+        """400 context_length_exceeded for a text that cannot fit max_model_len whatever its tokens."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; your {what} "
+                                f"has {num_chars} characters, more than {self.max_model_len} tokens of at most "
+                                f"{self.max_prompt_chars // self.max_model_len} characters each can hold. "
+                                f"Please reduce the length of the {what}.", param=what,
+                           code="context_length_exceeded")
+
+    async def encode(self, text: str, add_special_tokens: bool = True, what: str | None = "prompt") -> list[int]:
+        """Token ids of ``text``, tokenized on a worker thread when long (``TOKENIZE_THREADS`` at once).
+        ``what`` names the field for the character bound (``check_prompt_chars``); None skips it (a caller
+        that truncates the tokens after)."""
+        if what is not None:
+            self.check_prompt_chars(len(text), what)
+        if self._tokenize_limiter is None:      # made on the event loop that uses it
+            self._tokenize_limiter = anyio.CapacityLimiter(TOKENIZE_THREADS)
+        return await self._maybe_thread(len(text), self._encode, text, add_special_tokens,
+                                        limiter=self._tokenize_limiter)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -206,26 +290,55 @@ class Serving:
         if tools is not None:
             kwargs["tools"] = tools
         size = sum(len(c["content"]) for c in conversation)
+        self.check_prompt_chars(size, "messages")      # the rendered prompt holds every message
 
         def render() -> str:
             return self.tokenizer.apply_chat_template(
                 conversation, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **kwargs)
-        if chat_template is not None:   # a request's (trusted) template may loop: never on the event loop
+        if chat_template is not None:
+            # a request's (trusted) template may loop: never on the event loop, and bounded in time
             size = THREAD_THRESHOLD_CHARS
+            render_fn = partial(run_with_deadline, render, REQUEST_TEMPLATE_TIMEOUT_S)
+        else:
+            render_fn = render
         try:
-            return await self._maybe_thread(size, render)
+            text = await self._maybe_thread(size, render_fn)
         except APIError:
             raise
+        except TemplateTimeout as e:
+            raise bad_request(f"{e}: simplify the chat template", "chat_template") from None
         except Exception as e:  # a template error is the caller's input (kwargs, roles), not a crash
             raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                               "messages") from e
+        self.check_prompt_chars(len(text), "messages")     # a template can make a prompt of any size
+        return text
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size
         bad = [t for t in ids if t < 0 or t >= vocab]
         if bad:
             raise bad_request(f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens", param)
+
+    def token_namer(self, req: SamplingFields) -> Callable[[int, str | None], str]:
+        """How logprobs name a token: its text, or "token_id:{id}" with return_tokens_as_token_ids (vLLM's
+        extra, for tokens whose text is not valid UTF-8 on its own)."""
+        if req.return_tokens_as_token_ids:
+            return lambda token_id, decoded=None: f"token_id:{token_id}"
+        return self.token_str
+
+    def prompt_logprobs_out(self, positions: list | None) -> list | None:
+        """The engine's prompt logprobs ([None, {id: Logprob}, ...]) as vLLM's server writes them."""
+        if positions is None:
+            return None
+        return [None if pos is None else
+                {tid: PromptLogprob(max(lp.logprob, MIN_LOGPROB), lp.rank, self.token_str(tid, lp.decoded_token))
+                 for tid, lp in pos.items()} for pos in positions]
+
+    @staticmethod
+    def check_unstreamed(req: SamplingFields) -> None:
+        if req.prompt_logprobs is not None and req.stream:
+            raise bad_request("prompt_logprobs is supported without stream only", "prompt_logprobs")
 
     def token_str(self, token_id: int, decoded: str | None = None) -> str:
         if decoded is not None:
@@ -243,6 +356,9 @@ class Serving:
         if logprobs is not None and logprobs > self.max_logprobs:
             raise bad_request(f"at most {self.max_logprobs} logprobs per token are supported, got {logprobs}",
                               "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs")
+        if req.prompt_logprobs is not None and req.prompt_logprobs > self.max_logprobs:
+            raise bad_request(f"at most {self.max_logprobs} prompt logprobs per token are supported, got "
+                              f"{req.prompt_logprobs}", "prompt_logprobs")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         kw: dict[str, Any] = dict(
             n=1,
@@ -261,6 +377,7 @@ class Serving:
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA,
@@ -290,6 +407,45 @@ class Serving:
             except InvalidRequestError as e:
                 raise bad_request(e.message, e.param) from None
 
+    # -- draining ----------------------------------------------------------------------------------
+
+    def start_drain(self, timeout: float) -> None:
+        """SIGTERM: refuse new work (/health 503) and, a little before the HTTP server's own graceful
+        timeout cuts connections, end every request still running with an error (``expire_drain``).
+        Call on the event loop."""
+        self.draining = True
+        grace = min(DRAIN_GRACE_S, timeout / 10)
+        asyncio.get_running_loop().call_later(max(timeout - grace, 0.0), self.expire_drain)
+
+    def expire_drain(self) -> None:
+        """The drain timeout ran out: every request waiting for the engine ends now, a stream with an error
+        event and [DONE], any other with a 503 (``run`` raises ``drain_error``)."""
+        self.drain_expired = True
+        for task in list(self._awaiting_engine):
+            self._interrupted.add(task)
+            task.cancel()
+
+    def drain_error(self) -> APIError:
+        return APIError(503, "the server is shutting down and its drain timeout (--drain-timeout) ran out before "
+                             "this request finished", code="draining")
+
+    async def _next_output(self, source: AsyncIterator[T]) -> T:
+        """``source``'s next item; a drain timeout interrupts only this wait (never a write to the client)."""
+        if self.drain_expired:
+            raise self.drain_error()
+        task = asyncio.current_task()
+        self._awaiting_engine.add(task)
+        try:
+            return await source.__anext__()
+        except asyncio.CancelledError:
+            if task not in self._interrupted:
+                raise
+            self._interrupted.discard(task)
+            task.uncancel()
+            raise self.drain_error() from None
+        finally:
+            self._awaiting_engine.discard(task)
+
     # -- running -----------------------------------------------------------------------------------
 
     async def run(self, prompts: list[Prompt]) -> AsyncIterator[tuple[Choice, Any, Any]]:
@@ -299,7 +455,11 @@ class Serving:
         work = [(p, c) for p in prompts for c in p.choices]
         source = self._single(*work[0]) if len(work) == 1 else self._merged(work)
         try:
-            async for c, out in source:
+            while True:
+                try:
+                    c, out = await self._next_output(source)
+                except StopAsyncIteration:
+                    break
                 comp = out.outputs[0]
                 c.tracker.on_output(len(comp.token_ids), getattr(out, "metrics", None))
                 if out.finished or comp.finish_reason is not None:
@@ -309,6 +469,10 @@ class Serving:
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled stream must still clean up
                 await source.aclose()  # closing the engine's generate() aborts there too
+                for p in prompts:
+                    trackers = [c.tracker for c in p.choices]
+                    if all(c.finished for c in p.choices) and not any(t.aborted for t in trackers):
+                        self.metrics.on_prompt_finished(trackers)
                 for _, c in work:
                     if not c.finished and not c.failed:
                         c.tracker.on_finish("abort")

@@ -43,10 +43,16 @@ def test_param_counts_match_the_published_sizes():
 
 def test_llama8b_bf16_weight_and_kv_bytes():
     c = roofline.model_cost(LLAMA_31_8B, "bfloat16")
-    assert c.weight_bytes / 1e9 == pytest.approx(16.06, abs=0.005)
+    # every weight but the untied embedding table, of which a step gathers only its rows
+    embed = LLAMA_31_8B.vocab_size * LLAMA_31_8B.hidden_size
+    assert c.weight_bytes == 2 * (c.params - embed)
+    assert c.weight_bytes / 1e9 == pytest.approx(15.01, abs=0.005)
     assert c.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2                     # 128 KiB per token
     assert roofline.model_cost(LLAMA_31_8B, "bfloat16", "fp8").kv_bytes_per_token == 2 * 32 * 8 * 128
     assert roofline.model_cost(LLAMA_31_8B, "float32").weight_bytes == 2 * c.weight_bytes
+    # tied: the embedding table is the LM head, read whole
+    s = roofline.model_cost(SMOLLM2_135M, "bfloat16")
+    assert s.weight_bytes == 2 * s.params
 
 
 def test_bs1_decode_bound_is_the_weight_stream_at_the_read_ceiling():
@@ -54,13 +60,79 @@ def test_bs1_decode_bound_is_the_weight_stream_at_the_read_ceiling():
     steps = 256
     at_4_3 = dataclasses.replace(H200, read_bandwidth=4.3e12)
     t = roofline.decode_steps_bound(c, at_4_3, batch=1, input_len=128, num_steps=steps)
-    assert steps / t == pytest.approx(268, abs=1.0)                       # 16.06 GB + KV per step at 4.3 TB/s
+    assert steps / t == pytest.approx(286, abs=1.0)                       # 15.01 GB + KV per step at 4.3 TB/s
     # the bound scales with the read ceiling, not the copy one
     t_h200 = roofline.decode_steps_bound(c, H200, batch=1, input_len=128, num_steps=steps)
     assert t / t_h200 == pytest.approx(H200.read_bandwidth / 4.3e12)
     assert H200.copy_bandwidth == 3.35e12 and H200.read_bandwidth == 4.60e12
     # memory-bound: the same step at batch 1 is far under the compute limit
     assert c.decode_flops(128) / H200.flops("bfloat16") < c.decode_bytes(128) / H200.bandwidth / 50
+
+
+def _dummy_config(name: str) -> ModelConfig:
+    from jaxserve.models.configs import model_config_from_hf
+    return model_config_from_hf(json.loads((ROOT / "configs" / "models" / f"{name}.json").read_text()))
+
+
+@pytest.mark.parametrize("name, params, tied", [
+    ("qwen3-8b", 8_190_735_360, False),          # q/k-norms: 2 * 128 per layer
+    ("gemma-2-9b", 9_241_705_984, True),         # four norms per layer, head_dim 256 (q is wider than hidden)
+    ("gemma-3-12b", 11_766_034_176, True),       # the text model of the published 12.2B
+    ("phi-4", 14_659_507_200, False),
+    ("command-r-35b", 34_980_831_232, True),     # one LayerNorm per layer
+])
+def test_family_param_counts_match_the_published_sizes(name, params, tied):
+    cfg = _dummy_config(name)
+    c = roofline.model_cost(cfg)
+    assert c.params == params
+    embed = cfg.vocab_size * cfg.hidden_size
+    assert c.weight_bytes == 2 * (params if tied else params - embed)
+    assert c.lm_head_params == embed and c.body_matmul_params == params - embed * (1 if tied else 2)
+    assert c.kv_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def test_sliding_window_layers_read_at_most_their_window():
+    g2, g3 = roofline.model_cost(_dummy_config("gemma-2-9b")), roofline.model_cost(_dummy_config("gemma-3-12b"))
+    assert g2.layer_windows == (4096, None) * 21
+    assert g3.layer_windows == ((1024,) * 5 + (None,)) * 8
+    per_layer = g2.kv_bytes_per_token / 42
+    # below the window every layer reads the whole context; past it half the layers stop at 4096
+    assert g2.kv_read_bytes(4000) == pytest.approx(4000 * g2.kv_bytes_per_token)
+    assert g2.kv_read_bytes(8192) == pytest.approx(per_layer * (21 * 4096 + 21 * 8192))
+    assert g3.kv_read_bytes(8192) == pytest.approx(g3.kv_bytes_per_token / 48 * (40 * 1024 + 8 * 8192))
+    # per sequence: an array of contexts sums each one's reads
+    assert g2.kv_read_bytes(np.array([100, 8192])) == pytest.approx(g2.kv_read_bytes(100) + g2.kv_read_bytes(8192))
+    assert g2.decode_bytes(8192, batch=3) == pytest.approx(g2.weight_bytes + 3 * g2.kv_read_bytes(8192))
+    # attention FLOPs follow the same keys; prefill pairs: w(w+1)/2 + (n - w) w in a windowed layer
+    assert g2.decode_flops(8192) - g2.decode_flops(0) == pytest.approx(g2.attn_flops_per_pair * 6144)
+    n, w = 8192, 4096
+    assert g2.prefill_pairs(n) == pytest.approx((n * (n + 1) / 2 + w * (w + 1) / 2 + (n - w) * w) / 2)
+    assert g2.prefill_pairs(1000) == pytest.approx(1000 * 1001 / 2)
+    # the decode bound sums the steps' window-aware bytes: long prompts are cheaper than all-global layers
+    steps = 128
+    t = roofline.decode_steps_bound(g2, H200, batch=64, input_len=8192, num_steps=steps)
+    ctx = 8192 + 1 + np.arange(steps)
+    want = sum(max(g2.decode_flops(x, 64) / H200.flops("bfloat16"), g2.decode_bytes(x, 64) / H200.bandwidth)
+               for x in ctx)
+    assert t == pytest.approx(want)
+    all_global = dataclasses.replace(g2, layer_windows=())
+    assert t < 0.8 * roofline.decode_steps_bound(all_global, H200, 64, 8192, steps)
+
+
+def test_throughput_roofline_waves_fit_the_kv_cache():
+    from types import SimpleNamespace
+    from benchmarks.offline import _kv_capacity_seqs
+    llm = SimpleNamespace(engine=SimpleNamespace(kv_manager=SimpleNamespace(block_size=16, num_usable_blocks=1000)))
+    assert _kv_capacity_seqs(llm, 1152) == 13            # 72 blocks a sequence
+    assert _kv_capacity_seqs(llm, 1153) == 13 and _kv_capacity_seqs(llm, 16) == 1000
+    assert _kv_capacity_seqs(SimpleNamespace(), 1152) is None
+
+
+def test_roofline_refuses_what_it_cannot_count():
+    with pytest.raises(ValueError, match="no roofline for BertModel"):
+        roofline.model_cost(dataclasses.replace(LLAMA_31_8B, architecture="BertModel"))
+    with pytest.raises(ValueError, match="no roofline for NoSuchForCausalLM"):
+        roofline.model_cost(dataclasses.replace(LLAMA_31_8B, architecture="NoSuchForCausalLM"))
 
 
 def test_flops_per_token():
@@ -623,3 +695,16 @@ def test_step_diag_flag_sets_parse():
                        env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "4", r.stderr[-2000:]
+
+
+def test_bench_outside_a_source_checkout_says_where_to_run_it(tmp_path, monkeypatch, capsys):
+    """An installed package has no benchmarks/ or configs/ beside it: `jaxserve bench` exits 2 with what to do
+    instead of an ImportError; in the checkout it reaches the runner (a bad config is its own exit 2)."""
+    from jaxserve import cli
+    (tmp_path / "jaxserve").mkdir()
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "jaxserve" / "cli.py"))
+    assert cli.main(["bench", "--config", "x.yaml"]) == 2
+    assert "source checkout" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert cli.main(["bench", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert capsys.readouterr().err.startswith("bench: ")

@@ -300,12 +300,12 @@ TINY_LLAMA = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_
 def tiny_llama():
     from jaxserve.models import llama
     from jaxserve.models.loader import LoadedModel
-    # random weights built on the host (llama.init_dummy_params jits per leaf: slow for a test); std 0.2 so
+    # random weights built on the host (init_dummy_params jits per leaf: slow for a test); std 0.2 so
     # attention is far from uniform and a masking mistake shows
     rng = np.random.default_rng(1)
     params = jax.tree.map(lambda shape: jnp.asarray(rng.normal(0, 0.2, shape), jnp.float32),
-                          llama.param_shapes(TINY_LLAMA), is_leaf=lambda x: isinstance(x, tuple))
-    return LoadedModel(config=TINY_LLAMA, params=params, family=llama, tokenizer=None, chat_template=None,
+                          llama.FAMILY.param_shapes(TINY_LLAMA), is_leaf=lambda x: isinstance(x, tuple))
+    return LoadedModel(config=TINY_LLAMA, params=params, family=llama.FAMILY, tokenizer=None, chat_template=None,
                        generation_config={}, source="dummy:tiny-llama", dtype=jnp.float32, max_model_len=64)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxserve.errors import ModelLoadError
-from jaxserve.models import loader, packaged, registry
+from jaxserve.models import loader, registry
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "fixtures", "models", "gemma3-270m", "golden.json")
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -32,14 +32,6 @@ needs_family = pytest.mark.skipif(not _has_family(), reason=f"{ARCHITECTURE} is 
 
 
 @pytest.fixture(scope="module")
-def path():
-    try:
-        return packaged.packaged_gguf_path("gemma3-270m")
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def golden():
     with open(GOLDEN) as f:
         return json.load(f)
@@ -53,8 +45,8 @@ def comparable(case: dict) -> int:
 
 
 # ------------------------------------------------------------------------------------- the GGUF side
-def test_gguf_config(path):
-    reader = loader._open_gguf(path)
+def test_gguf_config(gemma3_path):
+    reader = loader._open_gguf(gemma3_path)
     hf = loader.gguf_hf_config(reader.fields, {t.name for t in reader.tensors})
     assert hf["architectures"] == [ARCHITECTURE] and hf["model_type"] == "gemma3_text"
     assert (hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"]) == (262144, 640, 2048)
@@ -66,9 +58,9 @@ def test_gguf_config(path):
     assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (2, [1, 106], 0)
 
 
-def test_gguf_tensor_names_cover_the_file(path):
+def test_gguf_tensor_names_cover_the_file(gemma3_path):
     """Every tensor of the file is reached from exactly one HF name, and Gemma's norms lose llama.cpp's +1."""
-    reader = loader._open_gguf(path)
+    reader = loader._open_gguf(gemma3_path)
     layer = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
              "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm", "self_attn.q_proj",
              "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
@@ -77,14 +69,14 @@ def test_gguf_tensor_names_cover_the_file(path):
         f"model.layers.{i}.{n}.weight" for i in range(18) for n in layer]
     mapped = [loader.gguf_name(n, "gemma3") for n in hf_names]
     assert sorted(mapped) == sorted(t.name for t in reader.tensors)
-    get = loader._gguf_getter(reader, path, None)
+    get = loader._gguf_getter(reader, gemma3_path, None)
     raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_norm.weight").data
     np.testing.assert_array_equal(get("model.layers.0.pre_feedforward_layernorm.weight"), raw - 1.0)
     assert get("model.layers.0.self_attn.q_proj.weight").shape == (1024, 640)      # HF [out, in]
 
 
-def test_golden_prompt_ids_are_this_tokenizer(path, golden):
-    tok = loader.gguf_tokenizer(path)
+def test_golden_prompt_ids_are_this_tokenizer(gemma3_path, golden):
+    tok = loader.gguf_tokenizer(gemma3_path)
     for case in golden["cases"]:
         assert tok.encode(case["prompt"]) == case["prompt_ids"], case["prompt"]
     japan = golden["cases"][0]
@@ -102,11 +94,11 @@ def _greedy(llm, cases: list[dict], n: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llm(path):
+def llm(gemma3_path):
     from jaxserve import LLM
 
     # a small engine: few warm-up buckets (loading and compiling are most of the fast test's time)
-    return LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4,
+    return LLM(gemma3_path, dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4,
                use_tqdm_on_load=False)
 
 
@@ -154,10 +146,10 @@ def test_last_position_logits_match_hf(llm, golden):
 
 @needs_family
 @pytest.mark.slow
-def test_server_serves_gemma3(path, golden):
+def test_server_serves_gemma3(gemma3_path, golden):
     """`python -m jaxserve serve gemma3-270m` (the packaged name): a completion equals the golden tokens."""
     import openai
-    from test_server_e2e import ROOT, ServerProcess
+    from server_process import ROOT, ServerProcess
 
     srv = ServerProcess("gemma3-270m", "--max-model-len", "128", "--max-num-seqs", "4",
                         "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
@@ -168,7 +160,7 @@ def test_server_serves_gemma3(path, golden):
         k = comparable(case)
         r = client.completions.create(model="gemma3-270m", prompt=case["prompt"], max_tokens=k, temperature=0,
                                       extra_body={"ignore_eos": True})
-        tok = loader.gguf_tokenizer(path)
+        tok = loader.gguf_tokenizer(gemma3_path)
         assert r.choices[0].text == tok.decode(case["greedy_ids"][:k], skip_special_tokens=True)
         assert r.usage.prompt_tokens == len(case["prompt_ids"])
     finally:

@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import gguf_tokenizer as gt
-from jaxserve.models import loader, packaged
+from jaxserve.models import loader
 from jaxserve.models.gguf_file import GGUFFile
 
 SMOLLM2_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "configs", "tokenizers", "smollm2")
@@ -42,14 +42,6 @@ CORPUS = [
 
 def _gguf(path: str) -> GGUFFile:
     return GGUFFile(path)
-
-
-@pytest.fixture(scope="module")
-def gemma3_path():
-    try:
-        return packaged.packaged_gguf_path("gemma3-270m")
-    except ModelLoadError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ def test_weights_layout_and_dtype(qwen2_single):
     np.testing.assert_array_equal(np.asarray(layer["q"]), tensors["model.layers.1.self_attn.q_proj.weight"].T.astype(np.float32))
     np.testing.assert_array_equal(np.asarray(layer["gate_up"][:, 1]), tensors["model.layers.1.mlp.up_proj.weight"].T.astype(np.float32))
     np.testing.assert_array_equal(np.asarray(layer["k_bias"]), tensors["model.layers.1.self_attn.k_bias".replace("k_bias", "k_proj.bias")].astype(np.float32))
-    shapes = llama.param_shapes(qwen2_single.config)
+    shapes = llama.FAMILY.param_shapes(qwen2_single.config)
     got = jax.tree.map(lambda a: a.shape, qwen2_single.params)
     assert got == jax.tree.map(tuple, shapes, is_leaf=lambda x: isinstance(x, tuple))
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(qwen2_single.params))
@@ -101,11 +101,11 @@ def test_gguf_unpermute_inverts_llama_cpp_permute():
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b"])
 def test_dummy_param_shapes_of_shipped_configs(name):
     cfg = model_config_from_hf(read_json(str(loader.DUMMY_CONFIG_DIR / f"{name}.json")))
-    abstract = jax.eval_shape(lambda: llama.init_dummy_params(cfg, jnp.bfloat16))
-    expected = llama.param_shapes(cfg)
+    abstract = jax.eval_shape(lambda: llama.FAMILY.init_dummy_params(cfg, jnp.bfloat16))
+    expected = llama.FAMILY.param_shapes(cfg)
     assert jax.tree.map(lambda a: a.shape, abstract) == jax.tree.map(tuple, expected, is_leaf=lambda x: isinstance(x, tuple))
     assert {a.dtype for a in jax.tree.leaves(abstract)} == {jnp.dtype(jnp.bfloat16)}
-    specs = llama.param_partition_specs(cfg)
+    specs = llama.FAMILY.param_partition_specs(cfg)
     assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) == \
         jax.tree.structure(abstract)
 
@@ -117,7 +117,7 @@ def test_dummy_load_by_name(tmp_path, monkeypatch):
     m = load_model("tiny-test")
     assert m.source == "dummy:tiny-test" and m.load_format == "dummy"
     assert m.dtype == jnp.bfloat16                                # the config's torch_dtype
-    shapes = jax.tree.map(tuple, llama.param_shapes(m.config), is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.map(tuple, llama.FAMILY.param_shapes(m.config), is_leaf=lambda x: isinstance(x, tuple))
     assert jax.tree.map(lambda a: a.shape, m.params) == shapes
     q = np.asarray(m.params["layers"][0]["q"], np.float32)
     assert 0.01 < q.std() < 0.03 and np.all(np.asarray(m.params["final_norm"]) == 1)
@@ -310,7 +310,7 @@ def test_host_memory_is_one_tensor_at_a_time(tmp_path, monkeypatch):
         live.clear()
         tracemalloc.start()
         try:
-            params = loader.load_weights(cfg, llama, get, dtype)
+            params = loader.load_weights(cfg, llama.FAMILY, get, dtype)
         finally:
             tracemalloc.stop()
         weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params))

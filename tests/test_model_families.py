@@ -93,7 +93,7 @@ def test_server_serves_a_family():
     """``python -m jaxserve serve <Gemma 2 checkpoint>``: an OpenAI completion from token ids gives HF's tokens
     (the tiny model's vocabulary is too small for text prompts)."""
     import httpx
-    from test_server_e2e import ROOT, ServerProcess
+    from server_process import ROOT, ServerProcess
 
     from jaxserve.models.loader import embedded_tokenizer
 
@@ -244,3 +244,35 @@ def test_tensor_parallel_greedy_matches_hf(tp_report, name, tp):
 
 if __name__ == "__main__" and sys.argv[1:] == ["tp"]:
     print(json.dumps(_tp_worker()))
+
+
+def _reductions_per_layer(family, **shape) -> int:
+    """``stablehlo.reduce`` ops one more layer adds to a decode forward (reference attention)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.kernels import ops
+    from jaxserve.kernels.metadata import AttentionMetadata
+
+    def count(layers: int) -> int:
+        cfg = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=layers,
+                          num_heads=4, num_kv_heads=2, head_dim=16, **shape)
+        params = jax.eval_shape(lambda: family.init_dummy_params(cfg, jnp.bfloat16))
+        caches = ops.init_kv_caches(layers, 4, 16, 2, 16, jnp.bfloat16)
+        md = AttentionMetadata(slot_mapping=jnp.zeros(4, jnp.int32), block_tables=jnp.zeros((4, 4), jnp.int32),
+                               seq_lens=jnp.ones(4, jnp.int32), query_start_loc=jnp.arange(5, dtype=jnp.int32),
+                               num_seqs=jnp.int32(4), decode_only=True)
+        step = jax.jit(lambda p, kv, ids: family.forward(p, kv, ids, ids, md, cfg))
+        return len(re.findall(r"stablehlo\.reduce\b", step.lower(params, caches, jnp.zeros(4, jnp.int32)).as_text()))
+
+    return count(2) - count(1)
+
+
+def test_qk_norm_costs_one_reduction_per_layer():
+    """Qwen3's q- and k-norms share one reduction (each reduction is a GPU kernel of its own at batch 1)."""
+    from jaxserve.models import llama, qwen3
+
+    assert _reductions_per_layer(qwen3.FAMILY) == _reductions_per_layer(llama.FAMILY) + 1

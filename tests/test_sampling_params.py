@@ -2,8 +2,7 @@
 import pytest
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import (RequestOutputKind, SamplingParams, SamplingType, check_logprobs,
-                                      num_logprobs)
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, SamplingType, check_logprobs
 
 
 def test_defaults_match_vllm():
@@ -112,4 +111,3 @@ def test_check_logprobs():
     check_logprobs(SamplingParams(logprobs=-1), max_logprobs=-1, vocab_size=100)
     with pytest.raises(InvalidRequestError, match="vocabulary size 100"):
         check_logprobs(SamplingParams(logprobs=101), max_logprobs=-1, vocab_size=100)
-    assert num_logprobs(None, 100) is None and num_logprobs(-1, 100) == 100 and num_logprobs(3, 100) == 3

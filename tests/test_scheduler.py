@@ -158,7 +158,9 @@ def test_request_reads_real_sampling_params():
     assert (r.max_tokens, r.max_output_tokens, r.min_tokens, r.ignore_eos) == (3, 3, 1, False)
     assert r.eos_token_ids == {2} and r.stop_token_ids == {9, 8, 5}
     r = Request("b", [1], SamplingParams(max_tokens=None, ignore_eos=True), eos_token_ids=2)
-    r.append_output_token_ids([2, 2])
+    r.append_placeholders(2)
+    r.set_output_token(0, 2)
+    r.set_output_token(1, 2)
     assert r.max_tokens is None and r.all_token_ids == [1, 2, 2] and r.num_placeholders == 0
 
 

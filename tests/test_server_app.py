@@ -25,17 +25,6 @@ def server():
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
 @pytest.fixture(autouse=True)
 def _reset(server):
     e = server.engine

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,75 +14,16 @@ import openai
 import pytest
 
 from fault_injection_server import FAULT   # the server runs through it: requests holding FAULT fail
-from test_server_fakes import free_port
+from server_process import MAX_MODEL_LEN, smol_server
 
 KEY = "e2e-key"
-MAX_MODEL_LEN = 512
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class ServerProcess:
-    def __init__(self, *flags: str, env: dict | None = None, startup_timeout: float = 600):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, os.path.join(ROOT, "tests", "fault_injection_server.py"), "serve", "--host",
-               "127.0.0.1", "--port", str(self.port), *flags]
-        self.log_path = os.path.join(ROOT, ".pytest_cache", f"server-{self.port}.log")
-        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not ready after {startup_timeout} s:\n{self.tail()}")
-            time.sleep(0.5)
-
-    def tail(self, n: int = 4000) -> str:
-        self.log.flush()
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-n:]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
 def server():
-    # a small token budget keeps warm-up to a few buckets; the compilation cache is the tests' one
-    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-                        "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
-                        "--api-key", KEY,
-                        "--served-model-name", "smol", "--drain-timeout", "60")
+    srv = smol_server("--api-key", KEY, "--drain-timeout", "60")
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as c:
-        yield c
 
 
 def metric(http: httpx.Client, name: str) -> float:
@@ -178,6 +116,22 @@ def test_echo_logprobs_scores_the_prompt(client):
     assert r2.choices[0].text.startswith(prompt)
 
 
+def test_prompt_logprobs_of_a_long_prompt_through_the_scheduler(client):
+    """prompt_logprobs (vLLM's extra) of a prompt longer than the step budget (64): scored chunk by chunk as
+    it prefills, the same numbers echo + logprobs gives, every position present."""
+    prompt = " ".join(f"item{i}" for i in range(40))
+    r = client.completions.create(model="smol", prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    c = r.choices[0].model_dump()
+    ids, plp = c["prompt_token_ids"], c["prompt_logprobs"]
+    assert len(plp) == len(ids) > 64 and plp[0] is None
+    assert all(str(t) in pos and pos[str(t)]["logprob"] <= 0 for t, pos in zip(ids[1:], plp[1:]))
+    echo = client.completions.create(model="smol", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    scored = echo.choices[0].logprobs.token_logprobs
+    assert scored[0] is None and len(scored) == len(ids)
+    assert scored[1:] == pytest.approx([pos[str(t)]["logprob"] for t, pos in zip(ids[1:], plp[1:])], abs=1e-4)
+
+
 def test_errors(client, http, server):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model="smol", prompt="hi " * 500, max_tokens=100)
@@ -263,9 +217,7 @@ def test_models_health_version(http):
 def test_multi_step_server_streams_the_same_text(client):
     """A second server with --num-scheduler-steps 4 (the engine's multi-step decode behind the async front):
     streamed chat, stop strings, seeded sampling and concurrent streams give what the default server gives."""
-    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-                        "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
-                        "--served-model-name", "smol", "--num-scheduler-steps", "4")
+    srv = smol_server("--num-scheduler-steps", "4")
     try:
         multi = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
         ref = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=24, temperature=0)

@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 
-from test_server_e2e import ROOT, ServerProcess
+from server_process import ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow  # its own server (~1 min of warm-up on 2 cores)
 

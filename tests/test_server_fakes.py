@@ -76,10 +76,12 @@ class FakeEngine:
     num_kv_blocks: int = 64
 
     def stats(self) -> dict:
+        from jaxserve.runner.model_runner import RunnerStats
         used = sum(self.running.values())
+        steps = RunnerStats(steps=3, tokens=1 + 8 + 100, token_buckets=[1, 1, 0, 0, 0, 1] + [0] * 8)
         return {"num_running": len(self.running), "num_waiting": 0, "kv_cache_usage": used / self.num_kv_blocks,
-                "prefix_cache_queries": 10, "prefix_cache_hits": 4, "num_preemptions": 0,
-                "num_kv_blocks": self.num_kv_blocks}
+                "prefix_cache_queries": 10, "prefix_cache_hits": 4, "prefix_cache_hit_rate": 0.4,
+                "num_preemptions": 0, "num_kv_blocks": self.num_kv_blocks, **steps.snapshot()}
 
     def num_waiting(self) -> int:
         return 0
@@ -138,10 +140,18 @@ class FakeEngine:
                     self.running.pop(request_id, None)
                     self.finished.append(request_id)
                 comp = CompletionOutput(0, chr(tok), [tok], None, lp, finish, None)
-                yield RequestOutput(request_id, prompt, list(prompt_token_ids), None, [comp], done, metrics)
+                plp = fake_prompt_logprobs(prompt_token_ids) if step == 1 and \
+                    sampling_params.prompt_logprobs is not None else None
+                yield RequestOutput(request_id, prompt, list(prompt_token_ids), plp, [comp], done, metrics)
         finally:
             if self.running.pop(request_id, None) is not None:  # consumer left early: the async front aborts
                 self.aborted.append(request_id)
+
+
+def fake_prompt_logprobs(prompt_token_ids) -> list:
+    """vLLM's prompt_logprobs shape, a pure function of the prompt: None, then {token: Logprob} per token."""
+    return [None] + [{t: Logprob(-1.0 - (t % 7) / 10, 1 + t % 3, chr(t) if t < 256 else SPECIALS[t - 256])}
+                     for t in prompt_token_ids[1:]]
 
 
 def free_port() -> int:
@@ -161,8 +171,12 @@ class InProcessServer:
 
         self.port = free_port()
         self.engine = engine
+        self.api_key = server_args.get("api_key")
         self.app = build_app(engine, ServerArgs(port=self.port, **server_args))
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio", http="httptools",
+        from jaxserve.server.http_protocol import timed_http_protocol
+        args = self.app.state.serving.args
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="asyncio",
+                                http=timed_http_protocol(args.read_timeout),
                                 log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None

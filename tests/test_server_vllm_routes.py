@@ -16,12 +16,6 @@ def server():
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
 def test_retrieve_model(server, http):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     for name in ("org/model-a", "b"):       # a served name may hold a slash

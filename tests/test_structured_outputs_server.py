@@ -3,15 +3,12 @@ LangChain's ``with_structured_output``, vLLM's extra-body fields, streaming, and
 from __future__ import annotations
 
 import json
-import os
 import re
 
-import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_server_e2e import MAX_MODEL_LEN, ROOT, ServerProcess
+from server_process import smol_server
 
 KEY = "so-key"
 
@@ -24,22 +21,9 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-                        "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
-                        "--api-key", KEY, "--served-model-name", "smol")
+    srv = smol_server("--api-key", KEY)
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as c:
-        yield c
 
 
 ASK = [{"role": "user", "content": "Name a large city as JSON."}]

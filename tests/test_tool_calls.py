@@ -1,13 +1,11 @@
 """Tool calling through the HTTP server with the openai SDK: tools in the prompt, tool_choice checks,
 history with tool calls and results, auto tool choice parsed from a scripted model output (streaming at
 several delta sizes), and the launcher flags. The real SmolLM2 server (at the end) runs the agent loop
-and LangChain; named / required choices need the structured-output engine and are skipped without it."""
+and LangChain, with named and required tool choices constrained by structured outputs."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,9 +17,6 @@ import pytest
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from test_server_fakes import FakeEngine, InProcessServer
 
-HAS_STRUCTURED_OUTPUTS = importlib.util.find_spec("jaxserve.engine.structured_output") is not None
-needs_structured_outputs = pytest.mark.skipif(not HAS_STRUCTURED_OUTPUTS,
-                                              reason="named / required tool_choice need the structured-output engine")
 
 # A Qwen-style template that renders tools, assistant tool calls (arguments as objects) and tool results.
 TOOLS_TEMPLATE = (
@@ -265,16 +260,6 @@ def test_mistral_parser_keeps_special_tokens():
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.mark.skipif(HAS_STRUCTURED_OUTPUTS, reason="this build has structured outputs")
-def test_named_and_required_without_structured_outputs_are_a_400(plain):
-    _, client, _ = plain
-    for choice in (NAMED, "required"):
-        status, message, param = error_of(lambda: client.chat.completions.create(
-            model="fake-model", messages=ask("x"), tools=[WEATHER_TOOL], tool_choice=choice, max_tokens=4))
-        assert status == 400 and param == "tool_choice" and "structured outputs" in message
-
-
-@needs_structured_outputs
 def test_named_choice_constrains_to_the_parameters_schema():
     engine = ScriptedEngine(default_reply='{"city": "Paris"}')
     srv, client = make_server(engine)
@@ -289,7 +274,6 @@ def test_named_choice_constrains_to_the_parameters_schema():
         srv.stop()
 
 
-@needs_structured_outputs
 def test_required_choice_constrains_to_an_array_of_calls():
     engine = ScriptedEngine(default_reply='[{"name": "get_time", "parameters": {}}]')
     srv, client = make_server(engine)
@@ -333,12 +317,9 @@ def test_launcher_tool_flags(tmp_path):
 
 @pytest.fixture(scope="module")
 def real():
-    from test_server_e2e import MAX_MODEL_LEN, ROOT, ServerProcess
-    # the same engine flags as test_server_e2e's server, so the compiled steps come from the cache
-    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-                        "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
-                        "--served-model-name", "smol", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                        "--trust-request-chat-template")   # the tests send their own tools template
+    from server_process import smol_server
+    srv = smol_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                      "--trust-request-chat-template")   # the tests send their own tools template
     yield srv
     srv.stop()
 
@@ -392,7 +373,6 @@ def weather(city: str, unit: str = "C") -> str:
     return f"18 {unit} and sunny in {city}"
 
 
-@needs_structured_outputs
 @pytest.mark.parametrize("choice", [NAMED, "required"])
 def test_real_openai_tool_loop(real_client, choice):
     """The openai SDK's agent loop: forced call -> run the tool -> send the result -> an answer."""
@@ -412,7 +392,6 @@ def test_real_openai_tool_loop(real_client, choice):
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
 
 
-@needs_structured_outputs
 def test_real_sdk_parse_with_a_pydantic_tool(real_client):
     """The SDK's parse() with pydantic_function_tool (strict: true): the arguments come back as the model."""
     from pydantic import BaseModel
@@ -428,7 +407,6 @@ def test_real_sdk_parse_with_a_pydantic_tool(real_client):
     assert isinstance(call.function.parsed_arguments, GetWeather)
 
 
-@needs_structured_outputs
 def test_real_required_sampled_calls_validate(real_client):
     for seed in range(3):
         r = real_client.chat.completions.create(model="smol", messages=ask("Weather?"), tools=[WEATHER_TOOL],
@@ -453,7 +431,6 @@ def test_real_langchain_bind_tools_invoke(real):
     assert reply.tool_calls or reply.content
 
 
-@needs_structured_outputs
 def test_real_langchain_with_structured_output_function_calling(real):
     langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
     from pydantic import BaseModel

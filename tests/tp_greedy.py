@@ -1,4 +1,4 @@
-"""A minimal greedy decoder over ``llama.forward`` for the tensor-parallel and multi-process tests.
+"""A minimal greedy decoder over ``llama.FAMILY.forward`` for the tensor-parallel and multi-process tests.
 
 Not the engine: a fixed batch of prompts, one ragged prefill step then one-token decode steps, all padded to
 one shape so each mesh compiles the step once. Split as ``build_inputs`` (host, process 0 only) and
@@ -29,10 +29,10 @@ def tiny_config(num_heads=8, num_kv_heads=4, **kw) -> ModelConfig:
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict:
-    """``llama.init_dummy_params`` rescaled to std 1/sqrt(fan_in) so each layer moves the residual stream and
+    """``llama.FAMILY.init_dummy_params`` rescaled to std 1/sqrt(fan_in) so each layer moves the residual stream and
     greedy tokens depend on attention (at std 0.02 every step echoes its input token through the tied
     embedding)."""
-    params = llama.init_dummy_params(cfg, jnp.float32, seed=seed)
+    params = llama.FAMILY.init_dummy_params(cfg, jnp.float32, seed=seed)
 
     def rescale(path, x):
         name = str(path[-1].key) if hasattr(path[-1], "key") else ""
@@ -59,7 +59,7 @@ class GreedyDecoder:
             self.params = params
             cache_sharding = None
         else:
-            shardings = parallel.param_shardings(llama.param_partition_specs(cfg), mesh, cfg)
+            shardings = parallel.param_shardings(llama.FAMILY.param_partition_specs(cfg), mesh, cfg)
             # from host numpy: every process passes the same values and keeps only its shards
             self.params = jax.device_put(jax.tree.map(np.asarray, params), shardings)
             cache_sharding = parallel.kv_cache_sharding(mesh, cfg)
@@ -70,9 +70,9 @@ class GreedyDecoder:
         self.computed = [0] * len(prompts)
 
     def _step_fn(self, params, kv_caches, input_ids, positions, md, logits_idx):
-        hidden, kv_caches = llama.forward(params, kv_caches, input_ids, positions, md, self.cfg,
+        hidden, kv_caches = llama.FAMILY.forward(params, kv_caches, input_ids, positions, md, self.cfg,
                                           attn_backend="reference")
-        return kv_caches, parallel.gather_logits(llama.compute_logits(params, hidden[logits_idx], self.cfg))
+        return kv_caches, parallel.gather_logits(llama.FAMILY.compute_logits(params, hidden[logits_idx], self.cfg))
 
     def build_inputs(self) -> dict:
         """Padded host arrays for the next step: every request's not-yet-computed tokens."""

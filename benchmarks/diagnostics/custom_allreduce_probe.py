@@ -13,11 +13,6 @@ error shows as a mismatch or a hang.
 layer): its sum must equal ``residual + psum`` bit for bit, its normalised output is compared with XLA's
 ``rms_norm`` of that sum (statistics summed in another order: a few bf16 ulps may differ); us per call against
 the custom all-reduce followed by XLA's add and norm, and against psum followed by them.
-
-``--same-gpu``: every process on GPU 0 (a one-GPU machine). NCCL refuses two ranks on one GPU, so there is
-no psum: each call is checked against numpy's float32 sum in rank order, rounded to bf16 (the inputs are
-seeded, so every process knows all of them). The kernels of the two processes time-share the GPU, so the
-us column then measures the GPU's context switching, not the kernel.
 """
 from __future__ import annotations
 
@@ -96,7 +91,6 @@ def main(argv=None) -> int:
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--fused", action="store_true", help="check and time all_reduce_add_rms_norm instead")
-    ap.add_argument("--same-gpu", action="store_true", help="all processes on GPU 0; check against numpy")
     ap.add_argument("--engine", default=None, help="configs/models name: compare greedy decoding through the "
                     "engine at TP=1, TP=2 (XLA's all-reduce) and TP=2 (custom) instead")
     ap.add_argument("--dtype", default="float32")
@@ -111,11 +105,7 @@ def main(argv=None) -> int:
     if a.engine:
         return engine_check(a, argv)
     if a.pid is None:                      # spawn one child per GPU, each with one device
-        env = dict(os.environ)
-        if a.same_gpu:                     # two processes' XLA pools on one GPU: no 75 % preallocation each
-            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--pid", str(i)], env=env)
-                 for i in range(a.processes)]
+        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--pid", str(i)]) for i in range(a.processes)]
         return max(p.wait() for p in procs)
 
     import jax
@@ -128,7 +118,7 @@ def main(argv=None) -> int:
     from jaxserve.kernels import custom_allreduce as car
 
     jax.distributed.initialize(f"127.0.0.1:{a.port}", num_processes=a.processes, process_id=a.pid,
-                               local_device_ids=[0 if a.same_gpu else a.pid])
+                               local_device_ids=[a.pid])
     say = print if jax.process_index() == 0 else (lambda *_, **__: None)
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
     d = mesh.shape["tp"]
@@ -152,63 +142,36 @@ def main(argv=None) -> int:
                  for g, w in zip(got.addressable_shards, want.addressable_shards))
         return bool(multihost_utils.process_allgather(np.array(ok)).all())
 
-    def numpy_reference(host, n):
-        """One all-reduce + halving in numpy (a chain repeats it exactly: after the first call every rank holds
-        y, and y + y then halved is y again), tiled so every rank's shard is the same y."""
-        y = (rank_sum(host, d, n).astype(jnp.bfloat16).astype(np.float32) * 0.5).astype(jnp.bfloat16)
-        return np.tile(y, d)
-
-    def same_as_host(got, want) -> bool:
-        """This process's shards only (gathering the verdicts would need NCCL): each rank prints its rows."""
-        return all(np.array_equal(np.asarray(g.data, np.float32), want[g.index].astype(np.float32))
-                   for g in got.addressable_shards)
-
     if a.fused:
         return fused_check(a, mesh, d, say)
     say("| tokens | KiB per device | kernel | blocks | chain equals psum | us per all-reduce |\n|---|---|---|---|---|---|",
         flush=True)
     failures = 0
-    out = print if a.same_gpu else say     # --same-gpu: every rank prints its own verdicts
     for t in a.tokens:
         n = t * a.hidden
         host = np.random.default_rng(t).standard_normal(d * n).astype(jnp.bfloat16)   # same in every process
         x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("tp")), lambda idx: host[idx])
-        if a.same_gpu:
-            ref = numpy_reference(host, n)
-            check, variants, rank = (lambda got: same_as_host(got, ref)), [], f" (same GPU, rank {a.pid})"
-        else:
-            want = build("psum", 0, 5)(x)
-            check, variants, rank = (lambda got: same(got, want)), [("psum", 0)], ""
-        for which, blocks in variants + [("custom", b) for b in a.blocks]:
+        want = build("psum", 0, 5)(x)
+        for which, blocks in [("psum", 0)] + [("custom", b) for b in a.blocks]:
             eq = "-"
             if which == "custom":
-                eq = check(build(which, blocks, 5)(x))
+                eq = same(build(which, blocks, 5)(x), want)
                 failures += not eq
             f = build(which, blocks, a.chain)
             y = f(x).block_until_ready()
-            reps = 1 if a.same_gpu else a.reps
             t1 = time.perf_counter()
-            for _ in range(reps):
+            for _ in range(a.reps):
                 y = f(y)
             y.block_until_ready()
-            us = (time.perf_counter() - t1) / (reps * a.chain) * 1e6
+            us = (time.perf_counter() - t1) / (a.reps * a.chain) * 1e6
             label = blocks or (f"default ({car.default_blocks(n * 2)})" if which == "custom" else "-")
-            out(f"| {t} | {n * 2 / 1024:.0f} | {which}{rank} | {label} | {eq} | {us:.1f} |", flush=True)
-    out(f"mismatches: {failures}", flush=True)
+            say(f"| {t} | {n * 2 / 1024:.0f} | {which} | {label} | {eq} | {us:.1f} |", flush=True)
+    say(f"mismatches: {failures}", flush=True)
     return 1 if failures else 0
 
 
-def rank_sum(host, d: int, n: int):
-    """numpy: the d ranks' shards of ``host`` (n elements each) summed in rank order in float32, as the kernel does."""
-    import numpy as np
-    acc = np.zeros(n, np.float32)
-    for r in range(d):
-        acc += host[r * n:(r + 1) * n].astype(np.float32)
-    return acc
-
-
 def fused_check(a, mesh, d, say) -> int:
-    """``--fused``: all_reduce_add_rms_norm against numpy (``--same-gpu``) or against psum + XLA's add + norm."""
+    """``--fused``: all_reduce_add_rms_norm against psum + XLA's add + norm."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -250,34 +213,25 @@ def fused_check(a, mesh, d, say) -> int:
         res = jax.make_array_from_callback(res_h.shape, rep, lambda idx: res_h[idx])
         w = jax.make_array_from_callback(w_h.shape, rep, lambda idx: w_h[idx])
         got_s, got_h = (np.asarray(o.addressable_shards[0].data, np.float32) for o in build("fused", 1)(x, res, w))
-        if a.same_gpu:                                   # numpy, rounding where the ops round
-            f32, bf = np.float32, jnp.bfloat16
-            acc = rank_sum(host, d, n).reshape(t, hid)
-            want_s = (res_h.astype(f32) + acc.astype(bf).astype(f32)).astype(bf).astype(f32)
-            scale = 1.0 / np.sqrt((want_s * want_s).mean(-1, keepdims=True) + f32(eps))
-            want_h = (w_h.astype(f32) * (want_s * scale).astype(bf).astype(f32)).astype(bf).astype(f32)
-        else:
-            want_s, want_h = (np.asarray(o.addressable_shards[0].data, np.float32)
-                              for o in build("psum+xla", 1)(x, res, w))
+        want_s, want_h = (np.asarray(o.addressable_shards[0].data, np.float32)
+                          for o in build("psum+xla", 1)(x, res, w))
         same_s = bool(np.array_equal(got_s, want_s))
         diff = np.abs(got_h - want_h)
         ok = same_s and float(diff.max()) <= 0.02 * float(np.abs(want_h).max())
         failures += not ok
-        for which in ("fused", "custom+xla", "psum+xla") if not a.same_gpu else ("fused",):
+        for which in ("fused", "custom+xla", "psum+xla"):
             f = build(which, a.chain)
             out = f(x, res, w)
             jax.block_until_ready(out)
-            reps = 1 if a.same_gpu else a.reps
             t1 = time.perf_counter()
-            for _ in range(reps):
+            for _ in range(a.reps):
                 out = f(x, res, w)
             jax.block_until_ready(out)
-            us = (time.perf_counter() - t1) / (reps * a.chain) * 1e6
+            us = (time.perf_counter() - t1) / (a.reps * a.chain) * 1e6
             check = (f"{same_s} | {int((diff > 0).sum())} of {diff.size} ({float(diff.max()):.3g})"
                      if which == "fused" else "- | -")
-            line = f"| {t} | {which}{' (rank %d)' % a.pid if a.same_gpu else ''} | {check} | {us:.1f} |"
-            (print if a.same_gpu else say)(line, flush=True)
-    (print if a.same_gpu else say)(f"fused mismatches: {failures}", flush=True)
+            say(f"| {t} | {which} | {check} | {us:.1f} |", flush=True)
+    say(f"fused mismatches: {failures}", flush=True)
     return 1 if failures else 0
 
 

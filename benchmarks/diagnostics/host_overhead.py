@@ -1,14 +1,18 @@
 """Host (Python) time per engine step at many concurrent decodes, broken down by phase.
 
     .venv/bin/python benchmarks/diagnostics/host_overhead.py [--seqs 256] [--input-len 128] [--output-len 120]
-        [--layers N] [--mode sync|async|both] [--sampling greedy|random|both] [--profile FILE]
+        [--layers N] [--vocab N] [--mode sync|async|both] [--sampling greedy|random|both] [--structured]
+        [--stub-device] [--profile FILE]
 
 A tiny Llama (tests/fixtures/models/tiny-llama3, or the same shape with --layers N and random weights, so
 the jitted step takes as many argument arrays as a real model) makes the device time negligible, so what
 a step costs is what the host spends on it: schedule, building the input arrays, dispatching the jitted
 calls, reading back the previous step's tokens, stop checks, incremental detokenization (the committed
 SmolLM2 tokenizer), building RequestOutputs. Only steady-state steps count: every running request decodes
-(no prefill chunk) and all --seqs of them are running.
+(no prefill chunk) and all --seqs of them are running. ``--structured`` constrains every request to the
+serving benchmark's JSON schema (a string longer than any run writes) and gives the model random weights
+and Llama-3's 128,256 ids (the fixture's 256 hold no ``{``): ``mask`` is then the host's bitmask fill per
+step and ``postprocess`` includes the matchers taking each token.
 
 host ms/step = wall time of ``LLMEngine.step()`` minus the time it blocked waiting for the device (the
 runner's ``stats.device_ms``, the wait inside ``collect``). ``sync`` drives ``LLMEngine.step()`` as
@@ -33,20 +37,24 @@ from collections import defaultdict
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)        # benchmarks.workloads when run as a script
 TINY = os.path.join(ROOT, "tests", "fixtures", "models", "tiny-llama3")
 TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "smollm2")
 
 PHASES = ("schedule", "prepare", "sampling_metadata", "dispatch_jit", "dispatch_other", "device_wait",
-          "collect_other", "update_from_output", "postprocess", "step_other")
+          "collect_other", "update_from_output", "postprocess", "mask", "step_other")
 
 
-def model_folder(layers: int | None, max_len: int) -> tuple[str, str]:
-    """(folder, load_format): the fixture itself, or a temp copy of its config with ``layers`` layers."""
-    if not layers:
+def model_folder(layers: int | None, max_len: int, vocab: int | None = None) -> tuple[str, str]:
+    """(folder, load_format): the fixture itself, or a temp copy of its config with ``layers`` layers and a
+    ``vocab``-sized vocabulary (random weights)."""
+    if not layers and not vocab:
         return TINY, "auto"
     with open(os.path.join(TINY, "config.json")) as f:
         cfg = json.load(f)
-    cfg["num_hidden_layers"] = layers
+    cfg["num_hidden_layers"] = layers or cfg["num_hidden_layers"]
+    cfg["vocab_size"] = vocab or cfg["vocab_size"]
     cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], max_len)
     folder = tempfile.mkdtemp(prefix="host-overhead-model-")
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -65,18 +73,24 @@ class PhaseTimer:
         self._is_steady = False
         self.want = 0
         self._step = eng.step
+        self.wrapped: list[tuple[object, str, object]] = []     # (object, attribute, original): for restore
         r, s = eng.runner, eng.scheduler
         self._wrap(s, "schedule", "schedule", after=self._check_steady)
         self._wrap(r, "prepare", "prepare")
         self._wrap(r, "sampling_metadata", "sampling_metadata")
-        self.forward = r._forward
         self._wrap(r, "_forward", "dispatch_jit")
-        self.samplers = r._samplers
+        self.wrapped.append((r, "_samplers", r._samplers))
         r._samplers = {k: self._timed(f, "dispatch_jit") for k, f in r._samplers.items()}
-        self._wrap(r, "dispatch", "dispatch")
+        # a structured-output step calls the two halves itself; ``dispatch`` calls them too
+        self._wrap(r, "dispatch_forward", "dispatch")
+        self._wrap(r, "dispatch_sample", "dispatch")
         self._wrap(r, "collect", "collect")
         self._wrap(s, "update_from_output", "update_from_output")
-        self._wrap(eng, "_process_in_flight", "resolve")
+        self._wrap(eng.output_processor, "process_outputs", "postprocess")
+        # the mask: filled in place (fill_bitmask), or started on a worker (start_fill) and waited for
+        self.mask_calls = [a for a in ("fill_bitmask", "start_fill") if hasattr(eng.structured_output, a)]
+        for a in self.mask_calls:
+            self._wrap(eng.structured_output, a, "mask")
 
     def _timed(self, fn, name, after=None):
         cur = self
@@ -91,7 +105,13 @@ class PhaseTimer:
         return wrapper
 
     def _wrap(self, obj, attr, name, after=None):
+        self.wrapped.append((obj, attr, getattr(obj, attr)))
         setattr(obj, attr, self._timed(getattr(obj, attr), name, after))
+
+    def restore(self) -> None:
+        """Put the wrapped attributes back, so the next run starts clean."""
+        for obj, attr, original in reversed(self.wrapped):
+            setattr(obj, attr, original)
 
     def _check_steady(self, sched):
         self._is_steady = (len(sched.scheduled) == self.want and sched.num_decodes == self.want)
@@ -100,9 +120,12 @@ class PhaseTimer:
         st = self.eng.runner.stats
         self.cur = {}
         dev0 = st.device_ms
+        so = self.eng.structured_output
+        wait0 = getattr(so, "mask_wait_ms", 0.0)
         t0 = time.perf_counter()
         outs = self._step()
         wall = time.perf_counter() - t0
+        self.cur["mask"] = self.cur.get("mask", 0.0) + (getattr(so, "mask_wait_ms", 0.0) - wait0) / 1e3
         if self._is_steady:
             c = self.cur
             dev = (st.device_ms - dev0) / 1e3
@@ -114,7 +137,8 @@ class PhaseTimer:
                 "dispatch_jit": c.get("dispatch_jit", 0.0),
                 "collect_other": c.get("collect", 0.0) - dev,
                 "update_from_output": c.get("update_from_output", 0.0),
-                "postprocess": c.get("resolve", 0.0) - c.get("collect", 0.0),
+                "postprocess": c.get("postprocess", 0.0),
+                "mask": c.get("mask", 0.0),
             }
             rec["dispatch_other"] = c.get("dispatch", 0.0) - rec["prepare"] - rec["sampling_metadata"] \
                 - rec["dispatch_jit"]
@@ -128,17 +152,69 @@ class PhaseTimer:
         return {"steady_steps": len(recs), **{k: round(v, 3) for k, v in med.items()}}
 
 
+STRUCTURED = False     # --structured: every request constrained to the serving benchmark's JSON schema
+STUB_DEVICE = False    # --stub-device: no jitted step at all (StubDevice)
+
+
+class StubDevice:
+    """``--stub-device``: the runner's dispatches return at once and reading a step picks, per sampling row,
+    a random token its structured-output bitmask allows (any token without one). The picking is counted as
+    device wait, so host ms is the engine's own work even where the CPU "device" would dominate (a
+    128,256-id vocabulary) or compete with the host for the cores."""
+
+    def __init__(self, runner, seed: int = 0):
+        self.runner, self.rng, self.num_rows = runner, np.random.default_rng(seed), runner.max_num_seqs
+        runner.dispatch_forward, runner.dispatch_sample = self.dispatch_forward, self.dispatch_sample
+        runner.dispatch, runner.collect = self.dispatch, self.collect
+
+    def dispatch_forward(self, scheduled, prev=None):
+        from types import SimpleNamespace
+        return SimpleNamespace(num_rows=max(len(scheduled), self.num_rows), scheduled=scheduled)
+
+    def dispatch_sample(self, forward, bitmask=None):
+        forward.bitmask = bitmask
+        return forward
+
+    def dispatch(self, scheduled, prev=None):
+        return self.dispatch_sample(self.dispatch_forward(scheduled, prev))
+
+    def collect(self, pending):
+        from jaxserve.runner.model_runner import StepResult
+        t0 = time.perf_counter()
+        vocab, toks = self.runner.vocab_size, {}
+        for i, s in enumerate(pending.scheduled):
+            if s.samples:
+                toks[s.request.request_id] = (self._allowed(pending.bitmask[i], vocab) if pending.bitmask is not None
+                                              else int(self.rng.integers(3, vocab)))
+        self.runner.stats.device_ms += (time.perf_counter() - t0) * 1e3
+        return StepResult(toks, {})
+
+    def _allowed(self, row: np.ndarray, vocab: int) -> int:
+        words = row.view(np.uint32)[:(vocab + 31) // 32]
+        w = int(self.rng.choice(np.flatnonzero(words)))
+        bits = [b for b in range(32) if int(words[w]) >> b & 1 and w * 32 + b < vocab]
+        return w * 32 + int(self.rng.choice(bits))
+
+
 def make_params(kind: str, output_len: int, output_kind):
     from jaxserve import SamplingParams
+    from jaxserve.sampling_params import StructuredOutputsParams
+    extra = {}
+    if STRUCTURED:
+        from benchmarks.workloads import DEFAULT_STRUCTURED_SCHEMA
+        extra["structured_outputs"] = StructuredOutputsParams(json=DEFAULT_STRUCTURED_SCHEMA)
     if kind == "greedy":
-        return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=output_kind)
+        return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=output_kind,
+                              **extra)
     return SamplingParams(temperature=0.8, top_p=0.9, max_tokens=output_len, ignore_eos=True,
-                          output_kind=output_kind)
+                          output_kind=output_kind, **extra)
 
 
 def run_sync(llm, prompts, kind, output_len, profile=None) -> dict:
     from jaxserve.sampling_params import RequestOutputKind
     eng = llm.engine
+    if STUB_DEVICE:
+        StubDevice(eng.runner)
     timer = PhaseTimer(eng)
     timer.want = len(prompts)
     for p in prompts:
@@ -158,7 +234,7 @@ def run_sync(llm, prompts, kind, output_len, profile=None) -> dict:
         prof.dump_stats(profile)
     res = timer.summary()
     res["output_tok_s"] = round(n_out / dt, 1)
-    restore(eng, timer)
+    timer.restore()
     return res
 
 
@@ -166,6 +242,8 @@ def run_async(llm, prompts, kind, output_len) -> dict:
     from jaxserve.engine.async_engine import AsyncLLMEngine
     from jaxserve.sampling_params import RequestOutputKind
     eng = llm.engine
+    if STUB_DEVICE:
+        StubDevice(eng.runner)
     timer = PhaseTimer(eng)
     timer.want = len(prompts)
     eng.step = timer.step                           # the loop thread calls eng.step()
@@ -187,19 +265,8 @@ def run_async(llm, prompts, kind, output_len) -> dict:
     del eng.step
     res = timer.summary()
     res["output_tok_s"] = round(n_out / dt, 1)
-    restore(eng, timer)
+    timer.restore()
     return res
-
-
-def restore(eng, timer):
-    """Drop the timing wrappers (instance attributes) so the next run starts clean."""
-    for obj, attrs in ((eng.scheduler, ("schedule", "update_from_output")),
-                       (eng.runner, ("prepare", "sampling_metadata", "dispatch", "collect")),
-                       (eng, ("_process_in_flight",))):
-        for a in attrs:
-            del obj.__dict__[a]
-    eng.runner._forward = timer.forward
-    eng.runner._samplers = timer.samplers
 
 
 def main(argv=None) -> int:
@@ -208,22 +275,32 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=120)
     ap.add_argument("--layers", type=int, default=0, help="0 = the fixture (2 layers); N = N layers, random weights")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="the model's vocabulary size (random weights); 0 = the fixture's, 128256 with --structured")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--mode", choices=("sync", "async", "both"), default="both")
     ap.add_argument("--sampling", choices=("greedy", "random", "both"), default="both")
+    ap.add_argument("--structured", action="store_true",
+                    help="constrain every request to the serving benchmark's JSON schema")
+    ap.add_argument("--stub-device", action="store_true",
+                    help="run no jitted step: tokens are random (allowed by the mask), their picking counts as device")
     ap.add_argument("--profile", default=None, help="after the table, cProfile the steady-state steps of one "
                                                    "more sync run into this file and print the top functions")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    global STRUCTURED, STUB_DEVICE
+    STRUCTURED, STUB_DEVICE = a.structured, a.stub_device
 
     import jax
     from jaxserve import LLM
 
     max_len = a.input_len + a.output_len
-    folder, fmt = model_folder(a.layers, max_len)
+    # a grammar needs the tokenizer's ids among the model's (the fixture has 256): the serving benchmark's
+    # shape, Llama-3's 128,256 logits over the SmolLM2 tokenizer
+    folder, fmt = model_folder(a.layers, max_len, vocab=a.vocab or (128256 if a.structured else None))
     llm = LLM(folder, load_format=fmt, tokenizer=TOKENIZER, dtype="float32", max_model_len=max(256, max_len),
               max_num_seqs=a.seqs, max_num_batched_tokens=a.max_num_batched_tokens, compilation_cache_dir="",
-              kv_cache_memory_bytes=1 << 30, use_tqdm_on_load=False)
+              kv_cache_memory_bytes=1 << 30, use_tqdm_on_load=False, skip_warmup=a.stub_device)
     rng = np.random.default_rng(0)
     vocab = llm.engine.model_config.vocab_size
     modes = ("sync", "async") if a.mode == "both" else (a.mode,)
@@ -242,7 +319,10 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     print(f"\n{time.strftime('%Y-%m-%d')} commit {commit}, {platform.machine()} x{os.cpu_count()} CPUs, "
-          f"jax {jax.__version__} ({jax.default_backend()}), {a.seqs} seqs, layers {a.layers or 2}")
+          f"jax {jax.__version__} ({jax.default_backend()}), {a.seqs} seqs, layers {a.layers or 2}, "
+          f"vocab {vocab}"
+          + (", every request JSON-schema constrained" if a.structured else "")
+          + (", stub device (no jitted step)" if a.stub_device else ""))
     cols = ["host", "wall", *PHASES]
     print("| mode | sampling | " + " | ".join(cols) + " | out tok/s |")
     print("|" + "---|" * (len(cols) + 3))

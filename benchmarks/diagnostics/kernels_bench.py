@@ -161,11 +161,22 @@ def time_decode(S, B, ctx, *, which="ours", cache_dtype=None, k_scale=None, **cf
     return t, kv_bytes(S, B * ctx, jnp.dtype(k.dtype).itemsize) / t / 1e12
 
 
-def ragged_inputs(S, q_lens, ctx_lens, seed=1):
-    rng = np.random.default_rng(seed)
-    q, k, v, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=S.bs, num_q_heads=S.hq,
-                                       num_kv_heads=S.kvh, head_dim=S.d, dtype=jnp.bfloat16, share_prefix=False)
-    return q, k, v, md
+def batch(S, seed, q_lens, ctx_lens, *, block_size=None, dtype=jnp.bfloat16, **kw):
+    """A random ragged step of S's head shape (``synthetic.make_batch``): q, k_cache, v_cache, metadata."""
+    return synthetic.make_batch(np.random.default_rng(seed), q_lens, ctx_lens, block_size=block_size or S.bs,
+                                num_q_heads=S.hq, num_kv_heads=S.kvh, head_dim=S.d, dtype=dtype, **kw)
+
+
+def fp8_caches(S, k, v):
+    """(k, v, scale): the caches as e4m3 with per-head scales 0.5..1.5."""
+    scale = jnp.linspace(0.5, 1.5, S.kvh)
+    return (*synthetic.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale), scale)
+
+
+def rel_err(out, ref) -> float:
+    """max |out - ref| / max |ref|; NaN where out holds a NaN (a poisoned row no kernel wrote)."""
+    o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.abs(o - r).max() / np.abs(r).max()) if not np.isnan(o).any() else float("nan")
 
 
 def attended_pairs(q_lens, ctx_lens):
@@ -173,7 +184,7 @@ def attended_pairs(q_lens, ctx_lens):
 
 
 def time_ragged(S, q_lens, ctx_lens, **cfg):
-    q, k, v, md = ragged_inputs(S, q_lens, ctx_lens)
+    q, k, v, md = batch(S, 1, q_lens, ctx_lens, share_prefix=False)
     fn = chain(lambda q, k, v, tables, md: pa.ragged_paged_attention(
         q, k, v, md, sm_scale=S.d ** -0.5, interpret=S.interpret, **cfg), S.n_iter, 1)
     t = timed(fn, q, k, v, [None], md, n_iter=S.n_iter, reps=S.reps)
@@ -194,21 +205,16 @@ def section_correctness(S, rows):
     ok = True
     for i, (name, dtype, cap, win, cache, tol) in enumerate(cases):
         for splits in (None, 4):
-            rng = np.random.default_rng(i)
-            q, k, v, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=S.bs, num_q_heads=S.hq,
-                                               num_kv_heads=S.kvh, head_dim=S.d, dtype=dtype, pad_tokens=3,
-                                               pad_reqs=1)
+            q, k, v, md = batch(S, i, q_lens, ctx_lens, dtype=dtype, pad_tokens=3, pad_reqs=1)
             scale = None
             if cache and cache.startswith("fp8"):
-                scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = synthetic.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
+                k, v, scale = fp8_caches(S, k, v)
             kw = dict(sm_scale=S.d ** -0.5, soft_cap=cap, sliding_window=win, k_scale=scale, v_scale=scale)
             ref = ref_attention.ragged_paged_attention(q, k, v, md, **kw)
             extra = dict(dot_dtype=jnp.float16) if cache == "fp8-f16" else {}
             out = pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
                                             decode_splits=splits, **kw, **extra)
-            o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-            err = float(np.abs(o - r).max() / np.abs(r).max()) if not np.isnan(o).any() else float("nan")
+            err, o = rel_err(out, ref), np.asarray(out, np.float32)
             # the engine's path (no poisoned buffer in; padding rows unwritten) gives the same real rows
             plain = pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, decode_splits=splits,
                                               **kw, **extra)
@@ -245,22 +251,18 @@ def check_packed(S) -> bool:
         if S.interpret:
             q_lens, ctx_lens = q_lens[:3], [min(c, 40) for c in ctx_lens[:3]]
         for cache in ("bf16", "fp8"):
-            rng = np.random.default_rng(31)
-            q, kc, vc, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=S.bs, num_q_heads=S.hq,
-                                                 num_kv_heads=S.kvh, head_dim=S.d, dtype=jnp.bfloat16,
-                                                 pad_tokens=3, pad_reqs=1)
+            q, kc, vc, md = batch(S, 31, q_lens, ctx_lens, pad_tokens=3, pad_reqs=1)
             md = dataclasses.replace(md, decode_only=decode_only)
             kw = dict(sm_scale=S.d ** -0.5)
             if cache == "fp8":
-                scale = jnp.linspace(0.5, 1.5, S.kvh)
-                kc, vc = synthetic.quantize_caches(kc, vc, jnp.float8_e4m3fn, scale, scale)
+                kc, vc, scale = fp8_caches(S, kc, vc)
                 kw |= dict(k_scale=scale, v_scale=scale)
+            rng = np.random.default_rng(31)
             k, v = (jnp.asarray(rng.standard_normal((q.shape[0], S.kvh, S.d)), jnp.bfloat16) for _ in range(2))
             want = kernel_ops.write_kv_and_attend(q, k, v, kc, vc, md, **kw)
             got = kernel_ops.write_kv_and_attend(q, k, v, kc, vc, md, backend="pallas", interpret=S.interpret, **kw)
             n_real = int(md.query_start_loc[int(md.num_seqs)])
-            o, r = (np.asarray(x[0][:n_real], np.float32) for x in (got, want))
-            err = float(np.abs(o - r).max() / np.abs(r).max()) if not np.isnan(o).any() else float("nan")
+            err = rel_err(got[0][:n_real], want[0][:n_real])
             same = all(np.array_equal(np.asarray(g[1:].astype(jnp.float32)), np.asarray(w[1:].astype(jnp.float32)))
                        for g, w in zip(got[1:], want[1:]))
             good = err <= 1e-2 and same
@@ -277,19 +279,14 @@ def check_decode_only(S) -> bool:
     ctx_lens = [700, 33, 1, 300, 17] if not S.interpret else [40, 9, 17]
     for cache in ("bf16", "fp8"):
         for splits in (None, 4):
-            rng = np.random.default_rng(7)
-            q, k, v, md = synthetic.make_batch(rng, [1] * len(ctx_lens), ctx_lens, block_size=S.bs,
-                                               num_q_heads=S.hq, num_kv_heads=S.kvh, head_dim=S.d,
-                                               dtype=jnp.bfloat16, pad_tokens=3, pad_reqs=1)
+            q, k, v, md = batch(S, 7, [1] * len(ctx_lens), ctx_lens, pad_tokens=3, pad_reqs=1)
             scale = None
             if cache == "fp8":
-                scale = jnp.linspace(0.5, 1.5, S.kvh)
-                k, v = synthetic.quantize_caches(k, v, jnp.float8_e4m3fn, scale, scale)
+                k, v, scale = fp8_caches(S, k, v)
             kw = dict(sm_scale=S.d ** -0.5, k_scale=scale, v_scale=scale)
-            ref = np.asarray(ref_attention.ragged_paged_attention(q, k, v, md, **kw), np.float32)
-            out = np.asarray(pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
-                                                       decode_only=True, decode_splits=splits, **kw), np.float32)
-            err = float(np.abs(out - ref).max() / np.abs(ref).max()) if not np.isnan(out).any() else float("nan")
+            err = rel_err(pa.ragged_paged_attention(q, k, v, md, interpret=S.interpret, poison_output=True,
+                                                    decode_only=True, decode_splits=splits, **kw),
+                          ref_attention.ragged_paged_attention(q, k, v, md, **kw))
             good = err <= 1e-2
             ok &= good
             log(f"- decode-only launch, {cache} cache, splits={splits or 'auto'}: {err:.2e} (tol 1e-02) "
@@ -304,9 +301,7 @@ def check_mgpu_prefill(S, q_lens, ctx_lens, **extra) -> bool:
     if not S.interpret:
         cases.append(([2048, 1, 700], [4096, 2048, 700], 32))
     for i, (ql, cl, bs) in enumerate(cases):
-        rng = np.random.default_rng(100 + i)
-        q, k, v, md = synthetic.make_batch(rng, ql, cl, block_size=bs, num_q_heads=S.hq, num_kv_heads=S.kvh,
-                                           head_dim=S.d, dtype=jnp.bfloat16, pad_tokens=3, pad_reqs=1)
+        q, k, v, md = batch(S, 100 + i, ql, cl, block_size=bs, pad_tokens=3, pad_reqs=1)
         ref = ref_attention.ragged_paged_attention(q, k, v, md, sm_scale=S.d ** -0.5)
         try:
             out = pa.ragged_paged_attention(q, k, v, md, sm_scale=S.d ** -0.5, interpret=S.interpret,
@@ -315,8 +310,7 @@ def check_mgpu_prefill(S, q_lens, ctx_lens, **extra) -> bool:
             log(f"- mgpu prefill case {i}: failed: {type(e).__name__}: {str(e)[:1500]}")
             ok = False
             continue
-        o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-        err = float(np.abs(o - r).max() / np.abs(r).max()) if not np.isnan(o).any() else float("nan")
+        err = rel_err(out, ref)
         good = err <= 1e-2
         ok &= good
         log(f"- bf16 mixed, Mosaic GPU prefill {extra or ''}, q_lens {ql}, block {bs}: {err:.2e} (tol 1e-02) {'ok' if good else 'FAIL'}")

@@ -1,6 +1,12 @@
 """Soak test of the HTTP server over loopback: many requests at high concurrency, ~20 % of the streams
 cancelled mid-stream, then the books are checked.
 
+With --hostile-fraction F a share F of the requests are hostile or careless (issue 32's list): deeply nested
+JSON, multi-megabyte prompts, prompt scoring (echo + logprobs over a long prompt), heavy request chat
+templates, prompts x n bursts past the limit, a body sent too slowly; each kind must get its expected answer.
+The same ordinary load first runs alone (--baseline-requests of it), so the report compares the ordinary
+streams' TTFT p99 with and without the hostile mix (it must stay within --max-ttft-ratio).
+
 Reports 5xx count, hung requests (no answer within --request-timeout), leaked KV blocks (KV usage on
 /metrics once nothing runs or waits, times the number of blocks) and the server's RSS at start, after
 the first tenth of the load (warm) and at the end. Bounded: --requests and --time-limit; loopback only.
@@ -35,6 +41,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PROMPTS = ["Tell me a story about a dragon.", "What is 17 times 23?", "List three fruits.",
            "Explain gravity to a child.", "Write a haiku about the sea.", "Translate 'good morning' to French.",
            "Why is the sky blue?", "Name the planets of the solar system."]
+
+
+# hostile request kinds -> the statuses that are a correct answer
+HOSTILE = {
+    "nested_json": {400},
+    "huge_prompt": {400, 413},
+    "scoring": {200},
+    "heavy_template": {200, 400},
+    "choices_burst": {400},
+    "slow_body": {408},
+}
+HEAVY_TEMPLATE = ("{% for i in range(20000) %}{% for j in range(100) %}{% endfor %}{% endfor %}"
+                  "{{ messages[0].content }}")
 
 
 def rss_mb(pid: int | None) -> float | None:
@@ -77,9 +96,75 @@ class Tally:
         self.hung = 0
         self.errors: list[str] = []
         self.done = 0
+        self.ttft: list[float] = []               # ordinary, uncancelled streams: seconds to the first event
+        self.hostile = Counter()                  # "kind status" -> count
+        self.hostile_wrong: list[str] = []
 
 
-async def one_request(client: httpx.AsyncClient, i: int, args, rng: random.Random, tally: Tally) -> None:
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
+
+
+async def slow_body(url: str, path: str, headers: dict, timeout: float) -> int:
+    """A client that sends its headers and half its body, then stalls: the server must answer 408."""
+    u = httpx.URL(url)
+    reader, writer = await asyncio.open_connection(u.host, u.port)
+    try:
+        head = [f"POST {path} HTTP/1.1", f"Host: {u.host}", "Content-Type: application/json", "Content-Length: 64",
+                *[f"{k}: {v}" for k, v in headers.items()], "", ""]
+        writer.write("\r\n".join(head).encode() + b'{"prompt": "stalled')
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        return int(line.split()[1]) if line else 0
+    finally:
+        writer.close()
+
+
+async def hostile_request(client: httpx.AsyncClient, url: str, args, rng: random.Random, tally: Tally) -> None:
+    kind = rng.choice(sorted(HOSTILE))
+    chat_msgs = [{"role": "user", "content": "hello"}]
+    if kind == "slow_body":
+        status = await slow_body(url, "/v1/completions", dict(client.headers), args.request_timeout)
+    else:
+        if kind == "nested_json":
+            depth = 3000
+            r = await client.post("/v1/completions", content=b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}",
+                                  headers={"content-type": "application/json"})
+        elif kind == "huge_prompt":
+            r = await client.post("/v1/completions", json={"prompt": "hello " * 1_300_000, "max_tokens": 4})
+        elif kind == "scoring":   # lm-eval's loglikelihood request: score the prompt, generate nothing
+            r = await client.post("/v1/completions", json={"prompt": " ".join(["word"] * args.scoring_words),
+                                                           "max_tokens": 0, "echo": True, "logprobs": 1})
+        elif kind == "heavy_template":
+            r = await client.post("/v1/chat/completions", json={"messages": chat_msgs, "max_tokens": 4,
+                                                                "chat_template": HEAVY_TEMPLATE})
+        else:                     # choices_burst: prompts x n past --max-request-choices
+            r = await client.post("/v1/completions", json={"prompt": ["x"] * 40, "n": 64, "max_tokens": 4})
+        status = r.status_code
+        if status >= 500:
+            tally.errors.append(f"{kind}: {r.text[:300]}")
+    tally.status[status] += 1
+    tally.hostile[f"{kind} {status}"] += 1
+    if status not in HOSTILE[kind]:
+        tally.hostile_wrong.append(f"{kind} -> {status}")
+
+
+async def one_request(client: httpx.AsyncClient, i: int, args, rng: random.Random, tally: Tally,
+                      hostile_fraction: float = 0.0) -> None:
+    if rng.random() < hostile_fraction:
+        try:
+            await asyncio.wait_for(hostile_request(client, str(client.base_url), args, rng, tally),
+                                   timeout=args.request_timeout)
+        except asyncio.TimeoutError:
+            tally.hung += 1
+        except (httpx.HTTPError, OSError) as e:
+            tally.outcome[f"hostile_transport_error:{type(e).__name__}"] += 1
+        finally:
+            tally.done += 1
+        return
     chat = rng.random() < 0.5
     stream = rng.random() < 0.7
     cancel = stream and rng.random() < args.cancel_fraction / 0.7
@@ -115,6 +200,8 @@ async def one_request(client: httpx.AsyncClient, i: int, args, rng: random.Rando
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
+                if events == (1 if chat else 0) and not cancel:    # chat's first event is the role alone
+                    tally.ttft.append(time.monotonic() - t_start)
                 if '"error"' in line:
                     tally.outcome["error_event"] += 1
                     tally.errors.append(line[:300])
@@ -127,6 +214,7 @@ async def one_request(client: httpx.AsyncClient, i: int, args, rng: random.Rando
                     return  # leaving the context closes the connection mid-stream
             tally.outcome["stream_ended_without_done"] += 1
 
+    t_start = time.monotonic()
     try:
         await asyncio.wait_for(go(), timeout=args.request_timeout)
     except asyncio.TimeoutError:
@@ -140,30 +228,43 @@ async def one_request(client: httpx.AsyncClient, i: int, args, rng: random.Rando
 async def soak(args, url: str, server_pid: int | None) -> dict:
     limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    rng = random.Random(args.seed)
     tally = Tally()
     rss = {"start": rss_mb(server_pid)}
-    t0 = time.monotonic()
     async with httpx.AsyncClient(base_url=url, limits=limits, headers=headers,
                                  timeout=httpx.Timeout(args.request_timeout)) as client:
-        sem = asyncio.Semaphore(args.concurrency)
-        tenth = max(1, args.requests // 10)
+
+        async def phase(num: int, hostile_fraction: float, tally: Tally, trend: list | None) -> float:
+            rng = random.Random(args.seed)        # the same ordinary requests in both phases
+            sem = asyncio.Semaphore(args.concurrency)
+            tenth = max(1, num // 10)
+            t0 = time.monotonic()
+
+            async def guarded(i):
+                async with sem:
+                    if time.monotonic() - t0 > args.time_limit:
+                        tally.outcome["skipped_time_limit"] += 1
+                        return
+                    await one_request(client, i, args, random.Random(rng.random()), tally, hostile_fraction)
+                    if trend is not None and tally.done % tenth == 0:
+                        mb = rss_mb(server_pid)
+                        trend.append(None if mb is None else round(mb))
+                        if tally.done == tenth and "warm" not in rss:
+                            rss["warm"] = mb
+            await asyncio.gather(*(guarded(i) for i in range(num)))
+            return time.monotonic() - t0
+
+        baseline = None
+        if args.hostile_fraction > 0:             # the ordinary load alone first: TTFT's reference (and warm-up)
+            # warm-up: the first scoring request compiles the prompt scorer (every chunk length, once)
+            t_warm = time.monotonic()
+            await client.post("/v1/completions", json={"prompt": " ".join(["word"] * args.scoring_words),
+                                                       "max_tokens": 0, "echo": True, "logprobs": 1})
+            rss["scorer_warmup_s"] = round(time.monotonic() - t_warm, 1)
+            baseline = Tally()
+            await phase(args.baseline_requests, 0.0, baseline, None)
+            rss["warm"] = rss_mb(server_pid)
         rss["trend"] = []  # RSS after each tenth of the requests: a leak climbs, a warm cache flattens
-
-        async def guarded(i):
-            async with sem:
-                if time.monotonic() - t0 > args.time_limit:
-                    tally.outcome["skipped_time_limit"] += 1
-                    return
-                await one_request(client, i, args, random.Random(rng.random()), tally)
-                if tally.done % tenth == 0:
-                    mb = rss_mb(server_pid)
-                    rss["trend"].append(None if mb is None else round(mb))
-                    if tally.done == tenth:
-                        rss["warm"] = mb
-
-        await asyncio.gather(*(guarded(i) for i in range(args.requests)))
-        elapsed = time.monotonic() - t0
+        elapsed = await phase(args.requests, args.hostile_fraction, tally, rss["trend"])
         # the books: once nothing runs or waits, no KV block may be held
         deadline = time.monotonic() + 60
         while True:
@@ -180,6 +281,8 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
     rss["end"] = rss_mb(server_pid)
     usage = m.get("jaxserve:kv_cache_usage_perc", 0.0)
     blocks = num_blocks(text)
+    ttft_p99 = percentile(tally.ttft, 99)
+    base_p99 = percentile(baseline.ttft, 99) if baseline is not None else None
     return {
         "requests": args.requests, "concurrency": args.concurrency, "elapsed_s": round(elapsed, 1),
         "status_counts": dict(sorted(tally.status.items())), "outcomes": dict(tally.outcome),
@@ -187,18 +290,20 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
         "running_after": m.get("jaxserve:num_requests_running"), "waiting_after": m.get("jaxserve:num_requests_waiting"),
         "kv_usage_after": usage, "kv_blocks": blocks,
         "leaked_blocks": round(usage * blocks) if blocks else None,
-        "aborts_counted": m.get('jaxserve:request_success_total{finished_reason="abort",model_name="%s"}'
-                                % _model_label(text)),
+        "aborts_counted": sum(v for k, v in m.items()
+                              if k.startswith("jaxserve:request_success_total{") and 'finished_reason="abort"' in k),
         "generation_tokens": m.get("jaxserve:generation_tokens_total"),
         "health_after": health, "rss_mb": rss, "errors_sample": tally.errors[:5],
+        "hostile": dict(sorted(tally.hostile.items())), "hostile_wrong": tally.hostile_wrong[:10],
+        "ttft_p50_s": _round(percentile(tally.ttft, 50)), "ttft_p99_s": _round(ttft_p99),
+        "baseline_ttft_p50_s": _round(percentile(baseline.ttft, 50)) if baseline is not None else None,
+        "baseline_ttft_p99_s": _round(base_p99),
+        "ttft_p99_ratio": round(ttft_p99 / base_p99, 2) if ttft_p99 and base_p99 else None,
     }
 
 
-def _model_label(text: str) -> str:
-    for line in text.splitlines():
-        if 'model_name="' in line:
-            return line.split('model_name="', 1)[1].split('"', 1)[0]
-    return ""
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
 
 
 def free_port() -> int:
@@ -243,6 +348,15 @@ def main() -> int:
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as hung")
     p.add_argument("--time-limit", type=float, default=1800.0, help="stop starting requests after this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hostile-fraction", type=float, default=0.0,
+                   help="share of hostile/careless requests (nested JSON, huge prompts, scoring, heavy templates, "
+                        "choice bursts, slow bodies); > 0 runs the ordinary load alone first as the TTFT reference")
+    p.add_argument("--baseline-requests", type=int, default=500, help="with --hostile-fraction: the reference run")
+    p.add_argument("--scoring-words", type=int, default=300, help="prompt length of the scoring requests")
+    p.add_argument("--max-ttft-ratio", type=float, default=3.0,
+                   help="with --hostile-fraction: ordinary streams' TTFT p99 may grow this much at most")
+    p.add_argument("--max-rss-growth", type=float, default=0.2,
+                   help="the server's RSS at the end may exceed its warm value by this share at most")
     p.add_argument("--out", default=None, help="write a markdown report here (and .json beside it)")
     args = p.parse_args()
     os.makedirs(os.path.join(ROOT, ".pytest_cache"), exist_ok=True)
@@ -268,8 +382,13 @@ def main() -> int:
                 proc.kill()
     result["server_startup_s"] = round(startup, 1) if startup else None
     result["server_exit_code_after_sigterm"] = exit_code
+    rss = result["rss_mb"]
+    rss_ok = rss.get("warm") is None or rss.get("end") is None or rss["end"] <= rss["warm"] * (1 + args.max_rss_growth)
+    ttft_ok = result["ttft_p99_ratio"] is None or result["ttft_p99_ratio"] <= args.max_ttft_ratio
     ok = (result["num_5xx"] == 0 and result["hung"] == 0 and result["leaked_blocks"] in (0, None)
-          and result["kv_usage_after"] == 0 and not result["outcomes"].get("stream_ended_without_done"))
+          and result["kv_usage_after"] == 0 and not result["outcomes"].get("stream_ended_without_done")
+          and not result["hostile_wrong"] and result["running_after"] == 0 and result["waiting_after"] == 0
+          and rss_ok and ttft_ok)
     result["verdict"] = "PASS" if ok else "FAIL"
     meta = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), "commit": (git_commit()["commit"] or "?")[:7],
             "machine": f"{platform.machine()}, {os.cpu_count()} cores visible, {platform.system()} "
@@ -309,12 +428,20 @@ def render_md(meta: dict, r: dict, args) -> str:
 | aborts counted by the server | {r['aborts_counted']} |
 | generation tokens | {r['generation_tokens']} |
 | /health after | {r['health_after']} |
-| server RSS start / warm (after 10 %) / end | {fmt(rss.get('start'))} / {fmt(rss.get('warm'))} / {fmt(rss.get('end'))} |
+| server RSS start / warm (after the first 10 %, or after the baseline run) / end | {fmt(rss.get('start'))} / {fmt(rss.get('warm'))} / {fmt(rss.get('end'))} |
 | server RSS after each 10 % of the requests (MB) | {rss.get('trend')} |
+| first scoring request (compiles the prompt scorer) | {rss.get('scorer_warmup_s', 'n/a')} s |
 | server exit code after SIGTERM | {r['server_exit_code_after_sigterm']} |
+| hostile requests (kind status: count) | {r['hostile'] or 'none'} |
+| hostile requests with a wrong answer | {r['hostile_wrong'] or 'none'} |
+| ordinary streams' TTFT p50 / p99 | {r['ttft_p50_s']} / {r['ttft_p99_s']} s |
+| the same ordinary load alone: TTFT p50 / p99 | {r['baseline_ttft_p50_s']} / {r['baseline_ttft_p99_s']} s |
+| TTFT p99 ratio (limit {args.max_ttft_ratio:g}) | {r['ttft_p99_ratio']} |
 
 Mix: half chat, half completions; 70 % streamed; greedy or temperature 0.8, half seeded; max_tokens 4..{args.max_tokens};
 the cancelled streams ask for {args.max_tokens * 4} tokens with ignore_eos and the client closes the connection after 1-4 events.
+Hostile share {args.hostile_fraction:.0%}: an equal mix of {', '.join(sorted(HOSTILE))}
+(scoring: echo + logprobs, max_tokens 0, {args.scoring_words} words).
 """
 
 

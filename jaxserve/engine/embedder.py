@@ -12,7 +12,6 @@ inside the jitted call, ``B * S`` flat tokens, ``S / block_size`` blocks per seq
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any, Sequence
 
@@ -27,19 +26,12 @@ from jaxserve.models.bert import LoadedEncoder
 from jaxserve.models.pooling import (PoolingConfig, check_dimensions, pool_padded, pool_ragged, postprocess,
                                      read_pooling_config)
 
-logger = logging.getLogger(__name__)
-
-
 
 def default_max_num_batched_tokens() -> int:
     """Token budget of one jitted call. On CPU larger calls do not pay: matmul throughput fell from ~70 to
-    ~40 GFLOP/s between 2048 and 16384 rows here (2 cores; benchmarks/embed_bench.py), so batches stay
+    ~40 GFLOP/s between 2048 and 16384 rows here (2 cores; benchmarks/diagnostics/embed_bench.py), so batches stay
     small; accelerators want big calls."""
     return 2048 if jax.default_backend() == "cpu" else 16384
-
-
-def _powers_of_two(lo: int, hi: int) -> list[int]:
-    return token_buckets(hi, smallest=lo)
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
@@ -107,9 +99,9 @@ class Embedder:
         self.call_overhead_tokens = call_overhead_tokens
         self.encoder_attn_impl = encoder_attn_impl
 
-        self.batch_buckets = _powers_of_two(1, max(1, max_batch_size))
+        self.batch_buckets = token_buckets(max(1, max_batch_size), smallest=1)
         if buckets is None:
-            buckets = _powers_of_two(min(16, self.max_length), self.max_length)
+            buckets = token_buckets(self.max_length, smallest=min(16, self.max_length))
         self.seq_buckets = sorted(set(int(b) for b in buckets if b <= self.max_length))
         if not self.seq_buckets or self.seq_buckets[-1] < self.max_length:
             self.seq_buckets.append(self.max_length)         # every allowed input must fit some bucket

@@ -18,7 +18,6 @@ from typing import Sequence
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.detokenizer import decode_logprobs
 from jaxserve.engine.embedder import Embedder, is_embedding_model
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.output_processor import OutputProcessor
@@ -57,6 +56,7 @@ class _InFlight:
     """A dispatched step whose tokens are not read yet."""
     pending: object                               # runner.PendingStep
     sampled: list[tuple[Request, int]]            # (request, index of its first placeholder of this step)
+    scored: list = dataclasses.field(default_factory=list)   # prompt_logprobs chunks scored after the step
 
 
 class LLMEngine:
@@ -89,7 +89,8 @@ class LLMEngine:
             self.custom_all_reduce = False
         self.mesh = mesh
         self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                max_model_len=config.max_model_len, mesh=mesh)
+                                max_model_len=config.max_model_len, mesh=mesh,
+                                enable_expert_parallel=config.parallel.enable_expert_parallel)
         self.load_seconds = time.perf_counter() - t0
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -221,7 +222,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
         self.output_processor.add_request(req)
         if req.sampling_params.prompt_logprobs is not None:
-            req.prompt_logprobs = self._score_prompt(req.prompt_token_ids, req.sampling_params.prompt_logprobs)
+            req.prompt_logprobs = [None]    # the first position has no logprob; the rest come chunk by chunk
         self.scheduler.add_request(req)
         self.structured_output.add_request(req)    # a constrained request gets its own grammar matcher
 
@@ -265,9 +266,9 @@ class LLMEngine:
         with structured-output rows needs its previous tokens in the matchers before its bitmask exists.
 
         A step with constrained rows goes in two halves: its forward (the device starts on it), then the
-        step in flight is read and advances the matchers, the host fills those rows' bitmask, and the
-        sampler follows with it. A step with none is one ``runner.dispatch``: today's program, no extra
-        host work."""
+        step in flight is read, its tokens advance the matchers, those rows' bitmask fills on a worker
+        thread while the output processor reads the step, and the sampler follows with the mask. A step
+        with none is one ``runner.dispatch``: today's program, no extra host work."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return []
@@ -278,15 +279,22 @@ class LLMEngine:
             pending = self.runner.dispatch(scheduled, prev)
         else:
             forward = self.runner.dispatch_forward(scheduled, prev)
+        scored = self._score_prompt_chunks(scheduled) if self.scheduler.num_scoring else []
         self.scheduler.update_from_output(scheduler_output)
         running = RequestStatus.RUNNING
         sampled = [(s.request, len(s.request.output_token_ids) - s.num_steps)
                    for s in scheduled if s.samples and s.request.status == running]
         if constrained is not None:
-            outputs += self._process_in_flight(keep=0)
-            pending = self.runner.dispatch_sample(
-                forward, self.structured_output.fill_bitmask(constrained, forward.num_rows))
-        self._in_flight.append(_InFlight(pending, sampled))
+            so, mask = self.structured_output, None
+            while self._in_flight:                  # (one step at most with async scheduling)
+                step, result = self._read(self._in_flight.popleft())
+                so.advance(step.sampled, result.token_ids)
+                if not self._in_flight:             # the matchers are current: fill while the outputs are made
+                    mask = so.start_fill(constrained, forward.num_rows)
+                outputs += self._process_read(step, result)
+            mask = mask or so.start_fill(constrained, forward.num_rows)
+            pending = self.runner.dispatch_sample(forward, mask.result())
+        self._in_flight.append(_InFlight(pending, sampled, scored))
         return outputs
 
     @staticmethod
@@ -299,34 +307,36 @@ class LLMEngine:
         output processor decides which requests finished, the scheduler frees them."""
         outputs: list[RequestOutput] = []
         while len(self._in_flight) > keep:
-            step = self._in_flight.popleft()
-            result = self.runner.collect(step.pending)      # waits for the device
-            new, finished = self.output_processor.process_outputs(step.sampled, result.token_ids,
-                                                                  result.logprobs)
-            for status, request_ids in finished.items():
-                self.scheduler.finish_requests(request_ids, status)
-                if self.structured_output.has_requests:
-                    for rid in request_ids:
-                        self.structured_output.remove(rid)
-            outputs += new
+            outputs += self._process_read(*self._read(self._in_flight.popleft()))
         return outputs
 
-    def _score_prompt(self, prompt_token_ids: list[int], k: int) -> list:
-        """vLLM's prompt_logprobs: [None, {token: Logprob, top-k...}, ...] (an extra prefill of the prompt)."""
+    def _read(self, step: _InFlight):
+        """The step with its sampled tokens (waits for the device)."""
+        return step, self.runner.collect(step.pending)
+
+    def _process_read(self, step: _InFlight, result) -> list[RequestOutput]:
+        """The output processor reads a step's tokens; the scheduler frees the requests it finished."""
+        if step.scored:
+            self._scorer.collect(step.scored, self.tokenizer, self.config.max_logprobs)
+        new, finished = self.output_processor.process_outputs(step.sampled, result.token_ids, result.logprobs)
+        for status, request_ids in finished.items():
+            self.scheduler.finish_requests(request_ids, status)
+            if self.structured_output.has_requests:
+                for rid in request_ids:
+                    self.structured_output.remove(rid)
+        return new
+
+    def _score_prompt_chunks(self, scheduled) -> list:
+        """vLLM's prompt_logprobs: score the prompt chunks this step computes (``runner.prompt_logprobs``)."""
         if self._scorer is None:
-            from jaxserve.runner.prompt_logprobs import PromptScorer
-            self._scorer = PromptScorer(self.model, attn_backend=self.runner.backend,
-                                        block_size=self.config.cache.block_size,
-                                        max_logprobs=self.config.max_logprobs, mesh=self.mesh)
-        k = self.config.max_logprobs if k == -1 else k
-        out = []
-        for tok, entry in zip(prompt_token_ids, self._scorer.score(prompt_token_ids)):
-            if entry is None:
-                out.append(None)
-                continue
-            lp, rank, top_ids, top_lps = entry
-            out.append(decode_logprobs(self.tokenizer, tok, lp, rank, top_ids, top_lps, num_logprobs=k))
-        return out
+            from jaxserve.runner.prompt_logprobs import PromptLogprobsScorer
+            sched = self.config.scheduler
+            self._scorer = PromptLogprobsScorer(self.model, attn_backend=self.runner.backend,
+                                                max_blocks_per_seq=self.runner.max_blocks_per_seq,
+                                                max_num_batched_tokens=sched.max_num_batched_tokens,
+                                                max_logprobs=self.config.max_logprobs, mesh=self.mesh)
+        self.runner.kv_caches, scored = self._scorer.dispatch(scheduled, self.runner.kv_caches)
+        return scored
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:

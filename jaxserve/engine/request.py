@@ -59,6 +59,7 @@ class Request:
         "cache_salt", "prompt", "max_tokens", "max_output_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
         "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_placeholders", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed", "uses_penalties",
+        "num_prompt_positions_scored",
         # output state (the output processor's)
         "detokenizer", "cumulative_logprob", "logprobs", "prompt_logprobs", "num_sent_tokens", "num_sent_chars",
     )
@@ -108,6 +109,9 @@ class Request:
         # Prompt tokens served from the prefix cache when first scheduled (RequestOutput.num_cached_tokens).
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # prompt_logprobs: prompt positions whose scoring is dispatched (kept across preemptions: a recomputed
+        # prompt is not scored twice)
+        self.num_prompt_positions_scored = 0
         # Chained hashes of this request's full blocks of tokens (filled by the KV cache manager; tokens
         # never change once known, so they stay valid across preemptions).
         self.block_hashes: list = []
@@ -164,14 +168,6 @@ class Request:
         del self.output_token_ids[num_output_tokens:]
         del self._all_token_ids[self.num_prompt_tokens + num_output_tokens:]
         self.num_placeholders = max(0, self.num_placeholders - dropped)
-
-    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
-        """Append known output tokens (tests, and callers that sample on the host)."""
-        if isinstance(token_ids, int):
-            token_ids = (token_ids,)
-        for token_id in token_ids:
-            self.output_token_ids.append(token_id)
-            self._all_token_ids.append(token_id)
 
     # -- status -------------------------------------------------------------------------------------
     def is_finished(self) -> bool:

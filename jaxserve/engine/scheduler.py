@@ -15,6 +15,11 @@ dispatched step samples as placeholders, and a request whose placeholders reach 
 more steps (it waits, holding its blocks, in ``capped``); the output processor reads the tokens, decides
 (EOS, stop ids and strings, length) and the engine frees what it names with ``finish_requests``.
 Admission (prompt length, queue limits) is the engine's, checked before ``add_request``.
+
+A request that asks for prompt logprobs is scheduled like any other (chunked, budgeted, preemptible,
+abortable); the engine scores each of its prompt chunks after the step that computes it
+(``runner.prompt_logprobs``). It takes no prefix-cache hits, as in vLLM: every prompt position must be
+computed to be scored. ``num_scoring`` lets the engine skip that look on the steps without one.
 """
 from __future__ import annotations
 
@@ -62,6 +67,10 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _scores_prompt(req: Request) -> bool:
+    return getattr(req.sampling_params, "prompt_logprobs", None) is not None
+
+
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int):
@@ -92,6 +101,7 @@ class Scheduler:
         # they keep their blocks until the output processor has read that token and the engine finishes them.
         self.capped: dict[str, Request] = {}
         self._finished_ids: list[str] = []           # since the last schedule()
+        self.num_scoring = 0                         # unfinished requests that asked for prompt logprobs
         self.num_preemptions = 0                     # total, for stats
 
     # -- queue ----------------------------------------------------------------------------------------
@@ -105,6 +115,8 @@ class Scheduler:
             request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if _scores_prompt(request):
+            self.num_scoring += 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -168,7 +180,7 @@ class Scheduler:
             if req.status == RequestStatus.WAITING_FOR_FSM:
                 skipped.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_hit_tokens = kv.get_computed_blocks(req)
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(req) if not _scores_prompt(req) else ([], 0)
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget and not self._may_chunk(num_new):
                 break
@@ -334,6 +346,8 @@ class Scheduler:
             kv.cache_blocks(req, min(req.num_computed_tokens, len(req._all_token_ids) - req.num_placeholders))
         kv.free(req)
         del self.requests[req.request_id]
+        if _scores_prompt(req):
+            self.num_scoring -= 1
         self._finished_ids.append(req.request_id)
         req.metrics.finished_time = now
 

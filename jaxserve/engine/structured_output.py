@@ -1,25 +1,31 @@
 """Structured outputs: compile a request's constraint with llguidance, keep its matcher, fill its token mask.
 
-The engine touches this module at three places (each a one-liner there):
+The engine touches this module at three places:
 
 - ``validate`` / ``compile``: the constraint is compiled before the request is accepted (the server awaits
   ``compile`` on a worker thread before it answers, offline ``add_request`` compiles in place), so a bad
   schema, regex or grammar is a 400 / ``ValueError`` and a request enters the scheduler with its grammar
   ready. Compiled grammars are cached by (kind, spec): a repeated schema costs one ``deep_copy``.
-- ``accept``: after a step's tokens are read, each constrained request's matcher consumes its token; a
-  grammar that has ended finishes the request (``stop``, as EOS would).
-- ``constrained_rows`` / ``fill_bitmask``: a step with constrained rows gets a ``[rows, ceil(vocab/32)]``
+- ``advance`` / ``accept``: after a step's tokens are read, each constrained request's matcher consumes its
+  token (``advance``: all of them in one pass, before the output processor runs; ``accept`` answers the
+  output processor from that pass, or consumes the token itself when no pass ran); a grammar that has ended
+  finishes the request (``stop``, as EOS would).
+- ``constrained_rows`` / ``start_fill``: a step with constrained rows gets a ``[rows, ceil(vocab/32)]``
   int32 bitmask (bit ``t % 32`` of word ``t // 32`` = token ``t`` allowed), filled by llguidance's thread
-  pool while the forward runs; the sampler sets the logits of disallowed tokens to -inf. A step with no
-  constrained row sees ``None`` and runs the unmasked program.
+  pool; the sampler sets the logits of disallowed tokens to -inf. A step with no constrained row sees
+  ``None`` and runs the unmasked program.
 
 NOTE: the mask of step N+1 depends on the token of step N. With async scheduling the engine therefore
-dispatches step N+1's forward, reads step N's tokens (the matchers consume them), fills the mask and only
-then dispatches step N+1's sampler: the forward still overlaps the host's work, the sampler waits for it.
+dispatches step N+1's forward, reads step N's tokens, advances the matchers by them, starts the mask fill
+on a worker thread (llguidance computes without the GIL), lets the output processor read step N
+(detokenization, stop checks, outputs) meanwhile, and dispatches step N+1's sampler with the finished mask:
+the forward overlaps all of the host's work, the fill overlaps the output processing, and only the sampler
+waits for the mask.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -56,12 +62,16 @@ class StructuredOutputManager:
         self.unsupported_reason: str | None = None  # set by the engine where the mask cannot reach the device
         self._lock = threading.Lock()
         self._ll_tokenizer = None
-        self._executor = None
+        self._executor = self._llnp = None
         self._cache: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
         self._matchers: dict[str, object] = {}     # request id -> llguidance.LLMatcher
+        # request id -> (token, must finish) from the last ``advance``, for the output processor's ``accept``
+        self._advanced: dict[str, tuple[int, bool]] = {}
+        self._filler: concurrent.futures.ThreadPoolExecutor | None = None   # runs ``start_fill``'s fills
         self.mask_steps = 0
         self.mask_rows = 0
-        self.mask_ms = 0.0
+        self.mask_ms = 0.0          # filling (on the worker thread when started by ``start_fill``)
+        self.mask_wait_ms = 0.0     # the engine's wait for a started fill (what the step pays for it)
 
     # ---------------------------------------------------------------- compile
     def _tokenizer(self):
@@ -75,6 +85,8 @@ class StructuredOutputManager:
                 self._ll_tokenizer = llguidance.LLTokenizer(
                     llguidance_tokenizer_json(self.hf_tokenizer), n_vocab=self.vocab_size, eos_token=eos)
                 self._executor = llguidance.LLExecutor()
+                import llguidance.numpy
+                self._llnp = llguidance.numpy
             return self._ll_tokenizer
 
     def _grammar(self, params) -> str:
@@ -138,13 +150,37 @@ class StructuredOutputManager:
     def has_requests(self) -> bool:
         return bool(self._matchers)
 
+    def advance(self, sampled, token_ids) -> None:
+        """Advance the matchers of a read step's constrained requests by their tokens, all in one pass before
+        the output processor reads the step (so the next mask can fill while it does). ``sampled`` and
+        ``token_ids`` are what ``OutputProcessor.process_outputs`` gets; its ``accept`` calls then answer
+        from this pass. A finished or aborted request is skipped, as the output processor skips it."""
+        from jaxserve.engine.request import RequestStatus
+        preempted = RequestStatus.PREEMPTED
+        matchers, advanced = self._matchers, {}
+        for req, _ in sampled:
+            m = matchers.get(req.request_id)
+            if m is None or req.status > preempted:
+                continue
+            tok = token_ids[req.request_id]
+            if type(tok) is not int:    # a multi-step dispatch never holds a constrained row: ``accept`` copes
+                continue
+            advanced[req.request_id] = (tok, self._consume(req.request_id, m, tok))
+        self._advanced = advanced
+
     def accept(self, request_id: str, token_id: int) -> bool:
-        """Advance a request's matcher by its sampled token; True when the request must finish now: its
-        grammar has ended (only EOS could follow) or the token was not allowed (which the mask prevents;
-        a token outside the grammar can only come from a caller that bypassed it)."""
+        """Whether a constrained request must finish now that its matcher has the sampled token: its grammar
+        has ended (only EOS could follow) or the token was not allowed (which the mask prevents; a token
+        outside the grammar can only come from a caller that bypassed it). The token was consumed by the
+        last ``advance``, else it is consumed now."""
+        hit = self._advanced.pop(request_id, None)
+        if hit is not None and hit[0] == token_id:
+            return hit[1]
         m = self._matchers.get(request_id)
-        if m is None:
-            return False
+        return m is not None and self._consume(request_id, m, token_id)
+
+    @staticmethod
+    def _consume(request_id: str, m, token_id: int) -> bool:
         if not m.consume_token(token_id):
             logger.warning("request %s: token %d is outside its grammar (%s); finishing it", request_id, token_id,
                            m.get_error())
@@ -166,22 +202,76 @@ class StructuredOutputManager:
         """The step's [num_rows, ceil(vocab/32)] int32 mask: constrained rows from their matchers (in
         parallel, on llguidance's threads), every other row all ones (allowed). A fresh array each step:
         on CPU jit reads numpy buffers in place while the step runs."""
-        import llguidance.numpy as llnp
+        mask, pairs = self._open_mask(num_rows), self._pairs(rows)
+        self._fill(pairs, mask)
+        return mask
+
+    def start_fill(self, rows: list[tuple[int, str]], num_rows: int) -> "PendingMask":
+        """``fill_bitmask`` on a worker thread, so that the engine's thread goes on with the output
+        processing while llguidance computes (without the GIL); ``PendingMask.result`` hands the mask over.
+        No matcher may be advanced until then (llguidance holds each one while it fills).
+
+        The call waits until the worker holds the matchers: a thread woken while this one runs Python would
+        otherwise get the GIL only when this one next blocks (measured: the fill then started after the
+        output processing, not beside it)."""
+        mask, pairs = self._open_mask(num_rows), self._pairs(rows)
+        if not pairs:                       # every constrained request of the step finished meanwhile
+            self._fill(pairs, mask)
+            return PendingMask(self, None, mask)
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-bitmask")
         t0 = time.perf_counter()
-        mask = np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32)
-        pairs = [(m, i) for i, rid in rows if (m := self._matchers.get(rid)) is not None]
+        started = threading.Event()
+        future = self._filler.submit(self._fill, pairs, mask, started)
+        started.wait()
+        self.mask_wait_ms += (time.perf_counter() - t0) * 1e3
+        return PendingMask(self, future, mask)
+
+    def _open_mask(self, num_rows: int) -> np.ndarray:
+        return np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32)
+
+    def _pairs(self, rows: list[tuple[int, str]]) -> list[tuple[object, int]]:
+        """(matcher, row) of the rows whose request still has one (a request finished meanwhile has none)."""
+        matchers = self._matchers
+        return [(m, i) for i, rid in rows if (m := matchers.get(rid)) is not None]
+
+    def _fill(self, pairs: list[tuple[object, int]], mask: np.ndarray, started: threading.Event | None = None):
+        t0 = time.perf_counter()
+        if started is not None:
+            started.set()
         if pairs:
-            llnp.fill_next_token_bitmask_par(self._executor, pairs, mask)
+            self._llnp.fill_next_token_bitmask_par(self._executor, pairs, mask)
         self.mask_steps += 1
         self.mask_rows += len(pairs)
         self.mask_ms += (time.perf_counter() - t0) * 1e3
-        return mask
 
     def stats(self) -> dict:
-        """Steps that filled a mask, rows and host ms spent filling (totals, and per masked step)."""
+        """Steps that filled a mask, rows, host ms spent filling and ms the engine waited for a fill after
+        its own work (totals, and per masked step)."""
         n = max(self.mask_steps, 1)
         return {"structured_steps": self.mask_steps, "structured_mask_ms": self.mask_ms,
-                "structured_rows_per_step": self.mask_rows / n, "structured_mask_ms_per_step": self.mask_ms / n}
+                "structured_rows_per_step": self.mask_rows / n, "structured_mask_ms_per_step": self.mask_ms / n,
+                "structured_mask_wait_ms": self.mask_wait_ms,
+                "structured_mask_wait_ms_per_step": self.mask_wait_ms / n}
+
+
+class PendingMask:
+    """A mask being filled on the manager's worker thread (``StructuredOutputManager.start_fill``)."""
+
+    __slots__ = ("_manager", "_future", "_mask")
+
+    def __init__(self, manager: StructuredOutputManager, future: concurrent.futures.Future | None,
+                 mask: np.ndarray):
+        self._manager, self._future, self._mask = manager, future, mask
+
+    def result(self) -> np.ndarray:
+        """The filled mask (waits for the fill; re-raises its error)."""
+        if self._future is not None:
+            t0 = time.perf_counter()
+            self._future.result()
+            self._manager.mask_wait_ms += (time.perf_counter() - t0) * 1e3
+            self._future = None
+        return self._mask
 
 
 def llguidance_tokenizer_json(tokenizer) -> str:

@@ -240,7 +240,7 @@ def follow_steps(channel: StepChannel, run_step: Callable[[Any], Any]) -> int:
 
 
 class BroadcastingRunner:
-    """Process 0's ``ModelRunner``: ``dispatch`` (and ``execute``) first send the step to the followers.
+    """Process 0's ``ModelRunner``: ``dispatch`` first sends the step to the followers.
 
     Each message is ``(scheduled, reads_prev)``: the follower passes its own previous step as ``prev``
     exactly when process 0 passed one, so placeholder tokens resolve to the same rows everywhere.

@@ -24,8 +24,6 @@ from jaxserve.errors import ModelLoadError
 
 from .pooling import PoolingConfig, read_pooling_config
 
-ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification",
-                         "BertForTokenClassification", "BertForNextSentencePrediction")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

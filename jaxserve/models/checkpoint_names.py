@@ -56,3 +56,23 @@ def wrapped_names(hf_name: str) -> tuple[str, ...]:
         if hf_name.startswith(prefix):
             return tuple(w + hf_name[len(prefix):] for w in wrapped)
     return ()
+
+
+def moe_layer_names(num_experts: int, block: str, router: str, gate: str, up: str, down: str) -> dict:
+    """The MoE weights of a layer (``layers.moe``) from HF's per-expert tensors under ``<block>.``, stacked at
+    load: ``"experts_stack_t"`` (each expert's gate and up transposed and stacked: ``[E, in, 2, out]``, names
+    ordered gate 0, up 0, gate 1, ...) and ``"experts_t"`` (each expert's Linear transposed: ``[E, in, out]``)."""
+    experts = range(num_experts)
+    return {
+        "router": ("t", [f"{block}.{router}.weight"]),
+        "experts_gate_up": ("experts_stack_t", [f"{block}.experts.{e}.{p}.weight" for e in experts for p in (gate, up)]),
+        "experts_down": ("experts_t", [f"{block}.experts.{e}.{down}.weight" for e in experts]),
+    }
+
+
+# Qwen2-MoE's shared expert and its sigmoid gate (relative to "model.layers.<i>.")
+SHARED_EXPERT = {
+    "shared_gate_up": ("stack_t", ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"]),
+    "shared_down": ("t", ["mlp.shared_expert.down_proj.weight"]),
+    "shared_gate": ("t", ["mlp.shared_expert_gate.weight"]),
+}

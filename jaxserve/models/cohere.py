@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.models import checkpoint_names, llama
+from jaxserve.models import llama
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
 from jaxserve.models.layers.rotary import make_rotary
-
-ARCHITECTURES = ("CohereForCausalLM",)
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -28,11 +26,4 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
                        windows=(None,) * cfg.num_layers, rotaries=(rotary,), layer_rotary=(0,) * cfg.num_layers)
 
 
-def weight_plan(cfg: ModelConfig) -> list:
-    return checkpoint_names.weight_plan(param_shapes(cfg))
-
-
-_family = DecoderFamily(decoder_spec)
-forward, compute_logits = _family.forward, _family.compute_logits
-param_shapes, param_partition_specs = _family.param_shapes, _family.param_partition_specs
-init_dummy_params = _family.init_dummy_params
+FAMILY = DecoderFamily(decoder_spec, check_config)

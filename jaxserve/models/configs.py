@@ -20,7 +20,8 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                             "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                            "cohere": "CohereForCausalLM"}
+                            "cohere": "CohereForCausalLM", "mixtral": "MixtralForCausalLM",
+                            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # family hyper-parameters kept in ModelConfig.extra, with HF's defaults where config.json may omit them
 FAMILY_DEFAULTS = {
     "gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
@@ -30,15 +31,24 @@ FAMILY_DEFAULTS = {
     "phi3": {"partial_rotary_factor": 1.0},
     "cohere": {"logit_scale": 0.0625, "use_qk_norm": False},
     "qwen3": {},
+    # mixture of experts (layers.moe reads these; the expert count is "num_experts" whatever the config calls it)
+    "mixtral": {"num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts_per_tok": 4, "norm_topk_prob": False, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1, "mlp_only_layers": ()},
+    "qwen3_moe": {"num_experts_per_tok": 8, "norm_topk_prob": True, "moe_intermediate_size": 768,
+                  "decoder_sparse_step": 1, "mlp_only_layers": ()},
 }
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")   # sliding_window only counts with use_sliding_window
 # fields a family reads from config.json as they are (beyond FAMILY_DEFAULTS' keys)
 FAMILY_FIELDS = ("layer_types", "use_sliding_window", "attention_bias", "final_logit_softcapping",
                  "attn_logit_softcapping", "use_bidirectional_attention", "max_window_layers")
 # GGUF only: llama.cpp bakes Llama 3.1 RoPE scaling into a per-frequency divisor tensor (rope_freqs.weight)
 GGUF_FREQ_FACTORS = "freq_factors"
 
-# GGUF ``general.architecture`` → the HF architecture name the registry knows.
+# GGUF ``general.architecture`` → the HF architecture name the registry knows (read here), and the
+# architectures whose GGUF metadata the loader turns into an HF config first (``loader.gguf_hf_config``).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_HF_CONFIG_ARCHITECTURES = ("gemma2", "gemma3", "qwen3", "phi3", "command-r")
 
 
 def _freeze(value: Any) -> Any:
@@ -119,11 +129,11 @@ def model_config_from_hf(hf_config: Any, generation_config: dict | None = None) 
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         theta, rope_scaling = _rope(hf)
-        qwen2 = model_type == "qwen2"
-        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        qwen2 = model_type == "qwen2" or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
+        if model_type in QWEN_TYPES and hf.get("use_sliding_window"):
             raise ModelLoadError(f"{model_type} use_sliding_window=true (per-layer windows) is not supported")
         # Qwen configs carry a sliding_window value that only use_sliding_window turns on
-        sliding = None if model_type in ("qwen2", "qwen3") else hf.get("sliding_window")
+        sliding = None if model_type in QWEN_TYPES else hf.get("sliding_window")
         gen = generation_config or {}
         extra = _family_extra(hf, model_type, int(hf["num_hidden_layers"]))
         return ModelConfig(
@@ -165,6 +175,10 @@ def _family_extra(hf: dict, model_type: str, num_layers: int) -> dict:
                                 for i in range(num_layers)]
     if model_type == "gemma3_text":
         extra["local_rope"] = _rope(hf, "sliding_attention")
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        # Mixtral and transformers 5's Qwen3-MoE say num_local_experts; Mixtral's experts use intermediate_size
+        extra["num_experts"] = int(hf.get("num_experts") or hf.get("num_local_experts") or 8)
+        extra.setdefault("moe_intermediate_size", int(hf["intermediate_size"]))
     if model_type == "phi3":
         factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
         extra["partial_rotary_factor"] = float(factor or extra["partial_rotary_factor"])
@@ -189,19 +203,6 @@ def model_config_from_folder(folder: str) -> tuple[ModelConfig, dict, dict]:
     return model_config_from_hf(hf, gen), hf, gen
 
 
-def gguf_metadata(reader) -> dict[str, Any]:
-    """Scalar and string metadata of a ``gguf.GGUFReader`` (big arrays such as the vocabulary skipped)."""
-    from gguf import GGUFValueType
-
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 64:
-            out[key + "#count"] = len(field.data)
-            continue
-        out[key] = field.contents()
-    return out
-
-
 def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
     """``ModelConfig`` from GGUF metadata (llama.cpp's key names), the way transformers' GGUF loader reads it.
 
@@ -211,7 +212,7 @@ def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_fr
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: "
-                             f"{', '.join(GGUF_ARCHITECTURES)}")
+                             f"{', '.join((*GGUF_ARCHITECTURES, *GGUF_HF_CONFIG_ARCHITECTURES))}")
     if "rope_freqs.weight" in tensor_names and rope_freqs is None:
         raise ModelLoadError("this GGUF has a rope_freqs tensor (Llama 3.1 RoPE factors): pass its values")
 

@@ -22,7 +22,6 @@ from jaxserve.models import checkpoint_names
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
 from jaxserve.models.layers.rotary import make_rotary
 
-ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 LAYER_NAMES = {**checkpoint_names.LLAMA_LAYER,
@@ -64,11 +63,4 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
         layer_rotary=tuple(1 if gemma3 and is_local else 0 for is_local in local))
 
 
-def weight_plan(cfg: ModelConfig) -> list:
-    return checkpoint_names.weight_plan(param_shapes(cfg), LAYER_NAMES)
-
-
-_family = DecoderFamily(decoder_spec)
-forward, compute_logits = _family.forward, _family.compute_logits
-param_shapes, param_partition_specs = _family.param_shapes, _family.param_partition_specs
-init_dummy_params = _family.init_dummy_params
+FAMILY = DecoderFamily(decoder_spec, check_config, LAYER_NAMES)

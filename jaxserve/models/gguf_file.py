@@ -142,7 +142,7 @@ class GGUFFile:
 
     def metadata(self, max_array: int = 64) -> dict[str, Any]:
         """Scalar and short-array metadata (as plain Python values); an array longer than ``max_array`` is
-        replaced by ``key#count`` (its length), as ``configs.gguf_metadata`` does for ``GGUFReader``."""
+        replaced by ``key#count`` (its length)."""
         out: dict[str, Any] = {}
         for key, value in self.fields.items():
             if isinstance(value, (list, np.ndarray)):

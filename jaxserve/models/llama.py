@@ -10,12 +10,9 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.models import checkpoint_names
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
 from jaxserve.models.layers.norms import rms_norm  # noqa: F401  (the family's norm, for callers outside the model)
 from jaxserve.models.layers.rotary import make_rotary
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -41,11 +38,4 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.asarray(decoder_spec(cfg).rotaries[0].inv_freq, np.float32)
 
 
-def weight_plan(cfg: ModelConfig) -> list:
-    return checkpoint_names.weight_plan(param_shapes(cfg))
-
-
-_family = DecoderFamily(decoder_spec)
-forward, compute_logits = _family.forward, _family.compute_logits
-param_shapes, param_partition_specs = _family.param_shapes, _family.param_partition_specs
-init_dummy_params = _family.init_dummy_params
+FAMILY = DecoderFamily(decoder_spec, check_config)

@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -40,6 +41,7 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models import checkpoint_names
 from jaxserve.models import configs as model_configs
 from jaxserve.models import packaged, registry
+from jaxserve.models.layers.moe import with_expert_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -204,12 +206,17 @@ _GGUF_NAMES = [(r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "
                (r"\.self_attn\.v_proj\.", ".attn_v."), (r"\.self_attn\.o_proj\.", ".attn_output."),
                (r"\.mlp\.gate_proj\.", ".ffn_gate."), (r"\.mlp\.up_proj\.", ".ffn_up."),
                (r"\.mlp\.down_proj\.", ".ffn_down.")]
+# per-head q/k norms (Qwen3, Gemma 3)
+_QK_NORM_GGUF_NAMES = [(r"\.self_attn\.q_norm\.", ".attn_q_norm."), (r"\.self_attn\.k_norm\.", ".attn_k_norm.")]
 # Gemma's four norms per layer: post_attention_layernorm is its own tensor there, ffn_norm the pre-MLP one
 _GEMMA_GGUF_NAMES = [(r"\.post_attention_layernorm\.", ".post_attention_norm."),
                      (r"\.pre_feedforward_layernorm\.", ".ffn_norm."),
-                     (r"\.post_feedforward_layernorm\.", ".post_ffw_norm."),
-                     (r"\.self_attn\.q_norm\.", ".attn_q_norm."), (r"\.self_attn\.k_norm\.", ".attn_k_norm.")]
-GGUF_TENSOR_NAMES = {"gemma3": _GEMMA_GGUF_NAMES + _GGUF_NAMES}
+                     (r"\.post_feedforward_layernorm\.", ".post_ffw_norm.")]
+# Phi-3 keeps HF's fused projections: attn_qkv is qkv_proj, ffn_up the gate-then-up gate_up_proj
+_PHI3_GGUF_NAMES = [(r"\.self_attn\.qkv_proj\.", ".attn_qkv."), (r"\.mlp\.gate_up_proj\.", ".ffn_up.")]
+GGUF_TENSOR_NAMES = {"gemma3": _GEMMA_GGUF_NAMES + _QK_NORM_GGUF_NAMES + _GGUF_NAMES,
+                     "gemma2": _GEMMA_GGUF_NAMES + _GGUF_NAMES, "qwen3": _QK_NORM_GGUF_NAMES + _GGUF_NAMES,
+                     "phi3": _PHI3_GGUF_NAMES + _GGUF_NAMES, "command-r": _GGUF_NAMES}
 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str:
@@ -274,60 +281,148 @@ def gguf_rope_freqs(reader) -> np.ndarray | None:
     return None if t is None else dequantize(t.data, t.tensor_type).astype(np.float32)
 
 
-GGUF_GEMMA_ARCHITECTURES = ("gemma3",)
+GGUF_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 
-def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict | None:
-    """The HF ``config.json`` that a Gemma 3 GGUF's metadata (``GGUFFile.fields``) describes, or None for
-    other architectures (``configs.model_config_from_gguf`` reads those). Gemma 3 goes through its HF config
-    so the family's one config reader applies; the values llama.cpp does not store are the ones it
-    hard-codes for Gemma 3: five sliding-window layers to one global, local RoPE base 10000, queries scaled
-    by 1/sqrt(head_dim) (27B, 62 layers: 1/sqrt(hidden/heads)), no soft-capping, and ``<end_of_turn>``
-    ends generation as ``<eos>`` does."""
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_GEMMA_ARCHITECTURES:
-        return None
+class _GGUFMeta:
+    """``<arch>.<key>`` lookups of one GGUF's metadata, and the HF config fields every architecture shares."""
 
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
+    def __init__(self, meta: dict[str, Any], tensor_names: set[str]):
+        self.meta, self.arch, self.tensor_names = meta, meta.get("general.architecture"), tensor_names
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.meta.get(f"{self.arch}.{key}", default)
         if value is None:
-            raise ModelLoadError(f"GGUF metadata has no {arch}.{key}")
+            raise ModelLoadError(f"GGUF metadata has no {self.arch}.{key}")
         return value
 
-    hidden, heads, layers = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
-    if vocab is None:
-        raise ModelLoadError("GGUF metadata has no vocab size")
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise ModelLoadError(f"GGUF rope scaling {scaling!r} is not supported for {arch}")
-    eos = [meta.get("tokenizer.ggml.eos_token_id", 1)]
-    end_of_turn = meta.get("tokenizer.ggml.eot_token_id")
-    if end_of_turn is None and tokens is not None and "<end_of_turn>" in tokens:
-        end_of_turn = tokens.index("<end_of_turn>")
-    if end_of_turn is not None and end_of_turn not in eos:
-        eos.append(int(end_of_turn))
-    return {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-        "vocab_size": int(vocab), "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)), "head_dim": head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(get("context_length")),
-        "rope_theta": float(get("rope.freq_base", 1e6)), "rope_local_base_freq": 10000.0,
-        "rope_scaling": ({"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-                         if scaling == "linear" else None),
-        "sliding_window": int(get("attention.sliding_window")),
-        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
-        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
-        "final_logit_softcapping": None, "attn_logit_softcapping": None,
-        "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos,
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-    }
+    def real(self, key: str, default: float | None = None) -> float | None:
+        """A float32 metadata value as the decimal the converter wrote (1e-05, not 9.99999974e-06): the
+        shortest one that rounds to the same float32. None stays None when ``default`` is None and the key
+        is absent."""
+        value = self.meta.get(f"{self.arch}.{key}", default)
+        return None if value is None else float(str(np.float32(value)))
+
+    def eos_ids(self, end_of_turn: str | None = None) -> list[int]:
+        """The eos id, and the end-of-turn token (``tokenizer.ggml.eot_token_id``, else ``end_of_turn`` by
+        name) that llama.cpp also stops at."""
+        eos = [int(self.meta.get("tokenizer.ggml.eos_token_id", 1))]
+        tokens = self.meta.get("tokenizer.ggml.tokens")
+        eot = self.meta.get("tokenizer.ggml.eot_token_id")
+        if eot is None and end_of_turn and tokens is not None and end_of_turn in tokens:
+            eot = tokens.index(end_of_turn)
+        return eos + ([int(eot)] if eot is not None and int(eot) not in eos else [])
+
+    def common(self) -> dict[str, Any]:
+        hidden, heads = int(self.get("embedding_length")), int(self.get("attention.head_count"))
+        tokens = self.meta.get("tokenizer.ggml.tokens")
+        vocab = self.meta.get(f"{self.arch}.vocab_size", len(tokens) if tokens is not None else None)
+        if vocab is None:
+            raise ModelLoadError("GGUF metadata has no vocab size")
+        scaling = self.meta.get(f"{self.arch}.rope.scaling.type")
+        if scaling not in (None, "none", "linear"):
+            raise ModelLoadError(f"GGUF rope scaling {scaling!r} is not supported for {self.arch}")
+        return {
+            "vocab_size": int(vocab), "hidden_size": hidden, "intermediate_size": int(self.get("feed_forward_length")),
+            "num_hidden_layers": int(self.get("block_count")), "num_attention_heads": heads,
+            "num_key_value_heads": int(self.get("attention.head_count_kv", heads)),
+            "head_dim": int(self.get("attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(self.get("context_length")),
+            "rope_theta": self.real("rope.freq_base", 10000.0),
+            "rope_scaling": ({"rope_type": "linear", "factor": float(self.get("rope.scaling.factor"))}
+                             if scaling == "linear" else None),
+            "tie_word_embeddings": "output.weight" not in self.tensor_names, "attention_bias": False,
+            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": self.eos_ids(),
+            "pad_token_id": self.meta.get("tokenizer.ggml.padding_token_id"),
+        }
+
+
+def _gemma_config(m: _GGUFMeta, reader) -> dict:
+    """Gemma 2 / 3: the values llama.cpp does not store are the ones it hard-codes: Gemma 2 alternates
+    sliding-window and global layers and soft-caps as its metadata says; Gemma 3 has five sliding-window layers
+    to one global, local RoPE base 10000 and no soft-capping; queries are scaled by 1/sqrt(head_dim) (the 27B
+    models, 46 and 62 layers: 1/sqrt(hidden/heads)); ``<end_of_turn>`` ends generation as ``<eos>`` does."""
+    c = m.common()
+    layers, gemma3 = c["num_hidden_layers"], m.arch == "gemma3"
+    pattern = 6 if gemma3 else 2
+    big = layers == (62 if gemma3 else 46)
+    c |= {"architectures": ["Gemma3ForCausalLM" if gemma3 else "Gemma2ForCausalLM"],
+          "model_type": "gemma3_text" if gemma3 else "gemma2",
+          "rms_norm_eps": m.real("attention.layer_norm_rms_epsilon", 1e-6),
+          "sliding_window": int(m.get("attention.sliding_window")),
+          "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+          "query_pre_attn_scalar": c["hidden_size"] // c["num_attention_heads"] if big else c["head_dim"],
+          "hidden_activation": "gelu_pytorch_tanh", "eos_token_id": m.eos_ids("<end_of_turn>")}
+    if gemma3:
+        c |= {"rope_theta": m.real("rope.freq_base", 1e6), "rope_local_base_freq": 10000.0,
+              "final_logit_softcapping": None, "attn_logit_softcapping": None}
+    else:
+        c |= {"final_logit_softcapping": m.real("final_logit_softcapping"),
+              "attn_logit_softcapping": m.real("attn_logit_softcapping")}
+    return c
+
+
+def _qwen3_config(m: _GGUFMeta, reader) -> dict:
+    return m.common() | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                         "rms_norm_eps": m.real("attention.layer_norm_rms_epsilon", 1e-6),
+                         "eos_token_id": m.eos_ids("<|im_end|>")}
+
+
+def _phi3_config(m: _GGUFMeta, reader) -> dict:
+    """Phi-3 / Phi-4: RoPE on ``rope.dimension_count`` features of each head; a sliding window of 0 is none;
+    LongRoPE as llama.cpp stores it: the ``rope_factors_long`` / ``rope_factors_short`` tensors, the original
+    context length and the attention factor in the metadata."""
+    c = m.common()
+    rotary = int(m.get("rope.dimension_count", c["head_dim"]))
+    window = int(m.meta.get("phi3.attention.sliding_window") or 0)
+    c |= {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_act": "silu",
+          "rms_norm_eps": m.real("attention.layer_norm_rms_epsilon", 1e-5),
+          "partial_rotary_factor": rotary / c["head_dim"], "sliding_window": window or None,
+          "eos_token_id": m.eos_ids("<|end|>")}
+    factors = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+    present = [n for n in factors.values() if n in m.tensor_names]
+    if present:
+        if len(present) != 2 or reader is None:
+            raise ModelLoadError("this Phi-3 GGUF's LongRoPE needs both rope_factors_long and rope_factors_short")
+        original = int(m.get("rope.scaling.original_context_length"))
+        c["original_max_position_embeddings"] = original
+        c["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": original,
+                             **{k: _gguf_tensor(reader, n).reshape(-1).tolist() for k, n in factors.items()}}
+        # llama.cpp stores the attention factor HF derives from the two lengths (in float32): kept only when
+        # it is another value
+        stored, scale = m.real("rope.scaling.attn_factor"), c["max_position_embeddings"] / original
+        derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        if stored is not None and abs(stored - derived) > 1e-6 * derived:
+            c["rope_scaling"]["attention_factor"] = stored
+    return c
+
+
+def _cohere_config(m: _GGUFMeta, reader) -> dict:
+    return m.common() | {"architectures": ["CohereForCausalLM"], "model_type": "cohere", "hidden_act": "silu",
+                         "layer_norm_eps": m.real("attention.layer_norm_epsilon", 1e-5),
+                         "logit_scale": m.real("logit_scale", 1.0), "use_qk_norm": False,
+                         "eos_token_id": m.eos_ids("<|END_OF_TURN_TOKEN|>")}
+
+
+# GGUF general.architecture -> the HF config it describes (llama and qwen2: configs.model_config_from_gguf)
+_GGUF_HF_CONFIGS = {"gemma2": _gemma_config, "gemma3": _gemma_config, "qwen3": _qwen3_config,
+                    "phi3": _phi3_config, "command-r": _cohere_config}
+
+
+def _gguf_tensor(reader, name: str) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    t = next(t for t in reader.tensors if t.name == name)
+    return dequantize(t.data, t.tensor_type).astype(np.float32)
+
+
+def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], reader=None) -> dict | None:
+    """The HF ``config.json`` that a GGUF's metadata (``GGUFFile.fields``) describes, or None for the
+    architectures ``configs.model_config_from_gguf`` reads (llama, qwen2). The others go through their HF
+    config so each family's one config reader applies. ``reader`` (the ``GGUFFile``) supplies the tensors
+    some configs live in (Phi-3's LongRoPE factors)."""
+    build = _GGUF_HF_CONFIGS.get(meta.get("general.architecture"))
+    return None if build is None else build(_GGUFMeta(meta, tensor_names), reader)
 
 
 @functools.lru_cache(maxsize=4)
@@ -345,6 +440,9 @@ _BUILDS = {
     "t": lambda w: w.T,
     "stack_t": lambda g, u: jnp.stack([g.T, u.T], axis=1),
     "fused_gate_up_t": lambda w: w.reshape(2, w.shape[0] // 2, w.shape[1]).transpose(2, 0, 1),
+    # MoE: per-expert HF tensors stacked on a leading expert axis
+    "experts_stack_t": lambda *gu: jnp.stack([jnp.stack([g.T, u.T], axis=1) for g, u in zip(gu[::2], gu[1::2])]),
+    "experts_t": lambda *ws: jnp.stack([w.T for w in ws]),
 }
 
 
@@ -369,7 +467,9 @@ def _hf_spec(kind, spec):
         if spec[1] is not None:
             raise ValueError(f"gate/up stack axis cannot be sharded ({P(*spec)})")
         return P(spec[2], spec[0])
-    return P()
+    if kind in ("experts_stack_t", "experts_t") and spec[0] is None:   # experts tensor parallel: [out, in] slices
+        return P(spec[-1], spec[1])
+    return P()              # expert parallel: each expert's tensor goes whole to the devices that own it
 
 
 def _tree_get(tree, path):
@@ -475,9 +575,12 @@ def _max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 # ---------------------------------------------------------------------------------------------- loaders
 def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str = "auto",
-               max_model_len: int | None = None, mesh=None, seed: int = 0) -> LoadedModel:
+               max_model_len: int | None = None, mesh=None, seed: int = 0,
+               enable_expert_parallel: bool = False) -> LoadedModel:
     """Load a model: ``None`` (the embedded SmolLM2 GGUF), a packaged model's name (``gemma3-270m``), a
     ``.gguf`` file, an HF folder, or the name of a ``configs/models/*.json`` (random weights). ``load_format="dummy"`` gives random weights for any of them.
+    ``enable_expert_parallel``: a mixture-of-experts model's experts sharded over the mesh (``layers.moe``;
+    HF folders and dummy configs).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
@@ -488,7 +591,10 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
     else:
         path = os.path.expanduser(model)
     from jaxserve.models import orbax_io  # noqa: PLC0415  (orbax imports lazily, only for its folders)
+    ep = {"enable_expert_parallel": True} if enable_expert_parallel else {}
     if load_format == "orbax" or (load_format == "auto" and orbax_io.is_orbax_checkpoint(path)):
+        if ep:
+            raise ModelLoadError("--enable-expert-parallel needs an HF folder or a configs/models name (not orbax)")
         return orbax_io.load_orbax(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh)
     if os.path.isfile(path) and path.endswith(".gguf"):
         if load_format not in ("auto", "gguf"):
@@ -498,17 +604,18 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
         if load_format == "gguf":
             raise ModelLoadError(f"{path} is a folder; pass the .gguf file itself for load_format gguf")
         return load_hf_folder(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh,
-                              dummy=load_format == "dummy", seed=seed)
+                              dummy=load_format == "dummy", seed=seed, **ep)
     config_path = DUMMY_CONFIG_DIR / f"{model}.json"
     if config_path.is_file() and load_format in ("auto", "dummy"):
-        return load_dummy(str(model), dtype=dtype, max_model_len=max_model_len, mesh=mesh, seed=seed)
+        return load_dummy(str(model), dtype=dtype, max_model_len=max_model_len, mesh=mesh, seed=seed, **ep)
     raise ModelLoadError(f"{model}: no such .gguf file, model folder or configs/models name "
                          f"(dummy configs: {', '.join(dummy_config_names())})")
 
 
 def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, dummy=False,
-                   seed: int = 0) -> LoadedModel:
+                   seed: int = 0, enable_expert_parallel: bool = False) -> LoadedModel:
     cfg, hf, gen = model_configs.model_config_from_folder(folder)
+    cfg = with_expert_parallel(cfg, enable_expert_parallel)
     arch, family = registry.resolve_architecture(hf.get("architectures"))
     jdtype = _resolve_dtype(dtype, _config_dtype(hf, jnp.float32))
     if registry.is_encoder(arch):
@@ -532,7 +639,7 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None) -> Load
     reader = _open_gguf(path)
     meta = reader.metadata()
     tensor_names = {t.name for t in reader.tensors}
-    hf = gguf_hf_config(reader.fields, tensor_names)
+    hf = gguf_hf_config(reader.fields, tensor_names, reader)
     cfg = (model_configs.model_config_from_hf(hf) if hf is not None else
            model_configs.model_config_from_gguf(meta, tensor_names, rope_freqs=gguf_rope_freqs(reader)))
     _, family = registry.resolve_architecture(cfg.architecture)
@@ -548,11 +655,12 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None) -> Load
                        max_model_len=_max_model_len(cfg, max_model_len), load_format="gguf")
 
 
-def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: int = 0) -> LoadedModel:
+def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: int = 0,
+               enable_expert_parallel: bool = False) -> LoadedModel:
     """Random weights for ``configs/models/NAME.json`` (public HF config.json values); the tokenizer is the
     embedded SmolLM2 one, since no model files exist (token ids beyond its vocab are never produced by it)."""
     hf = model_configs.read_json(str(DUMMY_CONFIG_DIR / f"{name}.json"))
-    cfg = model_configs.model_config_from_hf(hf)
+    cfg = with_expert_parallel(model_configs.model_config_from_hf(hf), enable_expert_parallel)
     _, family = registry.resolve_architecture(hf.get("architectures"))
     family.check_config(cfg)
     jdtype = _resolve_dtype(dtype, _config_dtype(hf, jnp.bfloat16))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import time
 from typing import Any
@@ -29,7 +28,6 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 
-logger = logging.getLogger(__name__)
 
 MARKER = "jaxserve_checkpoint.json"
 PARAMS_DIR = "params"
@@ -75,7 +73,6 @@ def save(loaded, output_dir: str) -> dict:
         meta = {
             "format_version": FORMAT_VERSION,
             "model_config": _config_to_json(loaded.config),
-            "family": loaded.family.__name__,
             "dtype": jnp.dtype(loaded.dtype).name,
             "source": loaded.source,
             "source_load_format": loaded.load_format,
@@ -101,16 +98,14 @@ def _check_output_dir(output_dir: str) -> None:
 def load_orbax(path: str, *, dtype: str | Any = "auto", max_model_len: int | None = None, mesh=None):
     """Restore a converted folder as a ``LoadedModel``; with a ``mesh`` every weight lands directly in its
     ``NamedSharding`` (each device reads only its slice). ``dtype="auto"`` keeps the stored dtype."""
-    import importlib
-
     import orbax.checkpoint as ocp
 
-    from jaxserve.models import loader
+    from jaxserve.models import loader, registry
     from jaxserve.parallel import param_shardings
 
     meta = read_metadata(path)
     cfg = _config_from_json(meta["model_config"])
-    family = importlib.import_module(meta["family"])
+    _, family = registry.resolve_architecture(cfg.architecture)
     family.check_config(cfg)
     jdtype = loader._resolve_dtype(dtype, jnp.dtype(meta["dtype"]).type)
     shapes = family.param_shapes(cfg)

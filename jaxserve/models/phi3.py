@@ -8,12 +8,6 @@ from jaxserve.models import checkpoint_names, llama
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
 from jaxserve.models.layers.rotary import make_rotary
 
-ARCHITECTURES = ("Phi3ForCausalLM",)
-
-
-def check_config(cfg: ModelConfig) -> None:
-    llama.check_config(cfg)
-
 
 def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
     rotary_dim = int(cfg.head_dim * cfg.extra_dict.get("partial_rotary_factor", 1.0))
@@ -22,17 +16,13 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
                        rotaries=(rotary,), layer_rotary=(0,) * cfg.num_layers)
 
 
-def weight_plan(cfg: ModelConfig) -> list:
+def layer_names(cfg: ModelConfig) -> dict:
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     qkv = ["self_attn.qkv_proj.weight"]
-    names = {**checkpoint_names.LLAMA_LAYER,
-             "q": (("rows_t", 0, q_out), qkv), "k": (("rows_t", q_out, q_out + kv_out), qkv),
-             "v": (("rows_t", q_out + kv_out, q_out + 2 * kv_out), qkv),
-             "gate_up": ("fused_gate_up_t", ["mlp.gate_up_proj.weight"])}
-    return checkpoint_names.weight_plan(param_shapes(cfg), names)
+    return {**checkpoint_names.LLAMA_LAYER,
+            "q": (("rows_t", 0, q_out), qkv), "k": (("rows_t", q_out, q_out + kv_out), qkv),
+            "v": (("rows_t", q_out + kv_out, q_out + 2 * kv_out), qkv),
+            "gate_up": ("fused_gate_up_t", ["mlp.gate_up_proj.weight"])}
 
 
-_family = DecoderFamily(decoder_spec)
-forward, compute_logits = _family.forward, _family.compute_logits
-param_shapes, param_partition_specs = _family.param_shapes, _family.param_partition_specs
-init_dummy_params = _family.init_dummy_params
+FAMILY = DecoderFamily(decoder_spec, llama.check_config, layer_names)

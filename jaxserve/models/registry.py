@@ -1,14 +1,13 @@
-"""Model registry: HF ``architectures`` name → the module that implements the family.
+"""Model registry: HF ``architectures`` name → its family.
 
-Decoder families expose ``check_config`` / ``weight_plan`` / ``forward`` / ``compute_logits`` /
-``param_shapes`` / ``param_partition_specs`` / ``init_dummy_params`` (``llama.py``; the
-shared ``layers.decoder.DecoderFamily`` provides all but the first two); encoder families (``bert``) expose ``load(path, dtype) -> LoadedModel``. Modules are
-imported lazily so a family that is not built yet does not break the others.
+A decoder family's module (``llama.py``, ``gemma.py``, ...) defines ``FAMILY``, a ``layers.decoder.DecoderFamily``
+(the functions the loaders and the step call); an encoder family's module (``bert``) is its own record and
+exposes ``load(path, dtype) -> LoadedModel``. Modules are imported on first use.
 """
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import Any
 
 from jaxserve.errors import ModelLoadError
 
@@ -22,6 +21,9 @@ DECODER_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "jaxserve.models.gemma",   # its text model (text-only requests)
     "Phi3ForCausalLM": "jaxserve.models.phi3",
     "CohereForCausalLM": "jaxserve.models.cohere",
+    "MixtralForCausalLM": "jaxserve.models.mixtral",
+    "Qwen2MoeForCausalLM": "jaxserve.models.qwen2_moe",
+    "Qwen3MoeForCausalLM": "jaxserve.models.qwen3_moe",
 }
 ENCODER_ARCHITECTURES = {
     "BertModel": "jaxserve.models.bert",
@@ -36,20 +38,21 @@ def is_encoder(architecture: str) -> bool:
     return architecture in ENCODER_ARCHITECTURES
 
 
-def resolve_architecture(architectures: list[str] | tuple[str, ...] | str | None) -> tuple[str, ModuleType]:
-    """The first supported name of ``architectures`` and its family module, or a ModelLoadError naming the
-    supported ones."""
+def resolve_architecture(architectures: list[str] | tuple[str, ...] | str | None) -> tuple[str, Any]:
+    """The first supported name of ``architectures`` and its family (a decoder's ``DecoderFamily``, an
+    encoder's module), or a ModelLoadError naming the supported ones."""
     names = [architectures] if isinstance(architectures, str) else list(architectures or [])
     for name in names:
         module_name = DECODER_ARCHITECTURES.get(name) or ENCODER_ARCHITECTURES.get(name)
         if module_name is None:
             continue
         try:
-            return name, importlib.import_module(module_name)
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             if e.name != module_name:
                 raise
             raise ModelLoadError(f"architecture {name} needs {module_name}, which is not available "
                                  f"in this build") from None
+        return name, getattr(module, "FAMILY", module)
     raise ModelLoadError(f"unsupported model architecture {names or '(none given)'}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")

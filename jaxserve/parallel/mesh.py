@@ -1,6 +1,6 @@
 """The device mesh of tensor parallelism: one axis, ``"tp"``, and the shardings of what lives on it.
 
-Megatron layout (the model declares it per weight, see ``llama.param_partition_specs``): column-parallel
+Megatron layout (the model declares it per weight, see ``DecoderFamily.param_partition_specs``): column-parallel
 q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding and lm_head. Activations between layers and
 all step inputs are replicated; XLA inserts one all-reduce after attention and one after the MLP.
 
@@ -58,11 +58,26 @@ def check_tp_compatible(cfg, tp: int) -> None:
         problems.append(f"intermediate_size {cfg.intermediate_size} is not divisible by {tp}")
     if cfg.vocab_size % tp:   # vocab-parallel embedding and lm_head (no vocab padding here)
         problems.append(f"vocab_size {cfg.vocab_size} is not divisible by {tp}")
+    problems += _expert_problems(cfg, tp)
     if problems:
         sizes = [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or n % hkv == 0)
-                 and cfg.intermediate_size % n == 0 and cfg.vocab_size % n == 0]
+                 and cfg.intermediate_size % n == 0 and cfg.vocab_size % n == 0 and not _expert_problems(cfg, n)]
         raise ValueError(f"cannot shard this model with tensor_parallel_size={tp}: " + "; ".join(problems)
                          + f" (sizes that work: {sizes})")
+
+
+def _expert_problems(cfg, tp: int) -> list[str]:
+    """A mixture-of-experts model's split (models/layers/moe.py): whole experts per device under expert
+    parallelism, else each expert's (and the shared expert's) intermediate columns."""
+    extra = dict(getattr(cfg, "extra", ()) or ())
+    if "num_experts" not in extra:
+        return []
+    if extra.get("enable_expert_parallel"):
+        experts = int(extra["num_experts"])
+        return [] if experts % tp == 0 else [f"{experts} experts are not divisible by {tp} (expert parallel)"]
+    sizes = {"moe_intermediate_size": extra.get("moe_intermediate_size"),
+             "shared_expert_intermediate_size": extra.get("shared_expert_intermediate_size")}
+    return [f"{name} {size} is not divisible by {tp}" for name, size in sizes.items() if size and int(size) % tp]
 
 
 def kv_heads_sharded(cfg, tp: int) -> bool:
@@ -125,13 +140,13 @@ def adjust_spec_for_tp(name: str, spec: P, cfg, tp: int) -> P:
 
 
 def _is_kv_projection(name: str) -> bool:
-    """``layers.3.k`` / ``layers.3.v_bias`` (llama.param_shapes names) and HF-style ``k_proj``/``v_proj``."""
+    """``layers.3.k`` / ``layers.3.v_bias`` (``DecoderFamily.param_shapes`` names) and HF-style ``k_proj``/``v_proj``."""
     leaf = name.replace("/", ".").split(".")[-1]
     return leaf in ("k", "v", "k_bias", "v_bias", "k_proj", "v_proj")
 
 
 def param_shardings(specs: Any, mesh: Mesh, cfg=None) -> Any:
-    """``NamedSharding`` per weight from a pytree of ``PartitionSpec`` (``llama.param_partition_specs``).
+    """``NamedSharding`` per weight from a pytree of ``PartitionSpec`` (``DecoderFamily.param_partition_specs``).
 
     With ``cfg`` given, checks the heads split evenly and replicates k/v projections when tp > kv heads.
     """

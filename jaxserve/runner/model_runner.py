@@ -21,6 +21,7 @@ forward → sample → feed the token back in one ``lax.fori_loop``, for steps w
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -77,17 +78,24 @@ class StepResult:
     logprobs: dict[str, tuple[float, int, list[int], list[float]]] | dict[str, list[tuple]]
 
 
+# vLLM's iteration_tokens_total histogram bounds: the tokens one step computes
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclasses.dataclass(slots=True)
 class RunnerStats:
     steps: int = 0
     host_ms: float = 0.0        # building inputs + dispatch, summed
     device_ms: float = 0.0      # waiting for the step's results, summed
     tokens: int = 0
+    # steps by tokens computed: [i] counts steps of at most ITERATION_TOKEN_BUCKETS[i] tokens (the last: more)
+    token_buckets: list = dataclasses.field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
 
     def snapshot(self) -> dict:
         n = max(self.steps, 1)
         return {"steps": self.steps, "host_ms_per_step": self.host_ms / n,
-                "device_ms_per_step": self.device_ms / n, "tokens_per_step": self.tokens / n}
+                "device_ms_per_step": self.device_ms / n, "tokens_per_step": self.tokens / n,
+                "iteration_tokens": (ITERATION_TOKEN_BUCKETS, tuple(self.token_buckets), self.tokens)}
 
 
 def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, layout, decode_only=False):
@@ -578,6 +586,7 @@ class ModelRunner:
         st.device_ms += (time.perf_counter() - t0) * 1e3
         st.steps += 1
         st.tokens += pending.num_tokens
+        st.token_buckets[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, pending.num_tokens)] += 1
 
     # ---------------------------------------------------------------- compiling, warm-up
     def _padding_inputs(self, T: int):

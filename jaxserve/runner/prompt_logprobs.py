@@ -1,33 +1,40 @@
 """Prompt logprobs (vLLM's ``SamplingParams.prompt_logprobs``): each prompt token's logprob given the tokens
 before it, its rank and the top-k alternatives.
 
-One extra prefill of the prompt on a scratch paged cache (allocated inside the call, never an input), then
-logits at every position in chunks of ``CHUNK`` rows so a long prompt never materializes ``[S, vocab]``.
-A rarely used feature, so it stays off the hot path: the step's executables are untouched, and this one is
-compiled per power-of-two prompt length on first use.
+Scored chunk by chunk as the scheduler prefills the prompt, so a scoring request is like any other: its
+chunks share the step's token budget with everyone's decodes, it is counted in running/waiting, and an abort
+stops it between chunks. After a step that prefills positions ``[a, b)`` of such a request is dispatched,
+``PromptLogprobsScorer.dispatch`` launches one more forward over the not yet scored positions of that chunk
+against the request's own blocks (which the step has just written; this forward writes nothing: its slots
+are the null block), then logits at every position in chunks of ``CHUNK`` rows so a long chunk never
+materializes ``[S, vocab]``. The results stay on the device until the step itself is read (``collect``).
+
+The step's executables are untouched (a rarely used feature stays off the hot path). The scorer has one
+executable per power-of-two chunk length up to ``max_num_batched_tokens``; the first scoring request compiles
+them all at once (in parallel), so later ones never stall the engine on a compile.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels import ops as kernel_ops
+from jaxserve.engine.detokenizer import decode_logprobs
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits
 from jaxserve.runner.sampler import compute_logprobs
 
 CHUNK = 256
+MIN_BUCKET = 16
 
 
-def _score_fn(family, cfg, backend, block_size, k, dtype, params, ids, targets, md):
+def _score_fn(family, cfg, backend, k, params, kv_caches, ids, positions, targets, md):
     S = ids.shape[0]
-    num_blocks = 1 + md.block_tables.shape[1]
-    caches = kernel_ops.init_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-    hidden, _ = family.forward(params, caches, ids, jnp.arange(S, dtype=jnp.int32), md, cfg, attn_backend=backend)
+    hidden, kv_caches = family.forward(params, kv_caches, ids, positions, md, cfg, attn_backend=backend)
 
     def chunk(args):
         h, t = args
@@ -35,43 +42,113 @@ def _score_fn(family, cfg, backend, block_size, k, dtype, params, ids, targets, 
         return compute_logprobs(jax.nn.log_softmax(logits, axis=1), t, k)
 
     c = min(CHUNK, S)
-    return jax.lax.map(chunk, (hidden.reshape(S // c, c, -1), targets.reshape(S // c, c)))
+    return kv_caches, jax.lax.map(chunk, (hidden.reshape(S // c, c, -1), targets.reshape(S // c, c)))
 
 
-class PromptScorer:
-    def __init__(self, model, *, attn_backend: str, block_size: int, max_logprobs: int, mesh=None):
+@dataclasses.dataclass(slots=True)
+class ScoredChunk:
+    """Prompt positions ``first .. first + count - 1`` of ``request``, scored on the device."""
+    request: object
+    first: int
+    count: int
+    arrays: tuple                   # (logprob, rank, top ids, top logprobs), device arrays of S rows
+
+
+def wants_scoring(req) -> bool:
+    """Whether the request asked for prompt logprobs and has prompt positions not yet sent for scoring."""
+    return req.sampling_params.prompt_logprobs is not None and \
+        req.num_prompt_positions_scored < req.num_prompt_tokens - 1
+
+
+class PromptLogprobsScorer:
+    def __init__(self, model, *, attn_backend: str, max_blocks_per_seq: int, max_num_batched_tokens: int,
+                 max_logprobs: int, mesh=None):
         self.model = model
         self.cfg = model.config
-        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_bucket = self.bucket(max_num_batched_tokens)
         self.k = max_logprobs
-        self.dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
-        self._fn = jax.jit(bind_mesh(partial(_score_fn, model.family, self.cfg, attn_backend, block_size,
-                                             max_logprobs, self.dtype), mesh))
+        out = {}
+        if mesh is not None:
+            from jaxserve.parallel import kv_cache_sharding, replicated
+            out = {"out_shardings": (kv_cache_sharding(mesh, self.cfg), replicated(mesh))}
+        self._fn = jax.jit(bind_mesh(partial(_score_fn, model.family, self.cfg, attn_backend, max_logprobs), mesh),
+                           donate_argnums=(1,), **out)
+        self._executables: dict[int, object] = {}
 
-    def bucket(self, n: int) -> int:
-        return max(self.block_size, 1 << (n - 1).bit_length())
+    @staticmethod
+    def bucket(n: int) -> int:
+        return max(MIN_BUCKET, 1 << (n - 1).bit_length())
 
-    def score(self, prompt_ids: list[int]) -> list[tuple[float, int, list[int], list[float]] | None]:
-        """Per prompt position: None for the first token, else (logprob, rank, top ids, top logprobs) of
-        ``prompt_ids[i]`` given ``prompt_ids[:i]`` (top lists of ``max_logprobs`` entries)."""
-        n = len(prompt_ids)
-        S = self.bucket(n)
-        if S > CHUNK:
-            S = math.ceil(S / CHUNK) * CHUNK
-        bs = self.block_size
-        ids = np.zeros(S, np.int32)
-        ids[:n] = prompt_ids
-        targets = np.zeros(S, np.int32)
-        targets[:n - 1] = prompt_ids[1:]
-        slots = np.full(S, PAD_SLOT, np.int32)
-        slots[:n] = bs + np.arange(n)                       # blocks 1.. of the scratch cache, in order
-        pages = S // bs
-        md = AttentionMetadata(slot_mapping=slots, block_tables=np.arange(1, pages + 1, dtype=np.int32)[None],
-                               seq_lens=np.array([n], np.int32), query_start_loc=np.array([0, n], np.int32),
-                               num_seqs=np.int32(1))
-        lp, rank, top_ids, top_lp = (np.asarray(x).reshape(S, -1) if x.ndim == 3 else np.asarray(x).reshape(S)
-                                     for x in self._fn(self.model.params, ids, targets, md))
-        out: list = [None]
-        for i in range(n - 1):
-            out.append((float(lp[i]), int(rank[i]), top_ids[i].tolist(), top_lp[i].tolist()))
+    def buckets(self) -> list[int]:
+        out, S = [], MIN_BUCKET
+        while S <= self.max_bucket:
+            out.append(S)
+            S *= 2
         return out
+
+    def _compile_all(self, kv_caches) -> None:
+        """Every chunk length's executable, compiled in parallel (XLA compiles outside the GIL)."""
+        def compile_one(S):
+            return S, self._fn.lower(self.model.params, kv_caches, *self._inputs([0] * (S + 1), 0, S, [])).compile()
+        buckets = self.buckets()
+        with ThreadPoolExecutor(min(len(buckets), 8)) as pool:
+            self._executables.update(pool.map(compile_one, buckets))
+
+    def dispatch(self, scheduled, kv_caches) -> tuple[object, list[ScoredChunk]]:
+        """Launch the scoring forward for each scheduled prompt chunk that has positions to score (call it
+        after the step that computes those chunks is dispatched). Returns the KV caches (donated through,
+        unchanged) and the chunks in flight."""
+        chunks = []
+        for s in scheduled:
+            req = s.request
+            if not wants_scoring(req):
+                continue
+            # position p scores prompt token p + 1, so the last prompt position scores nothing
+            first = max(s.start_pos, req.num_prompt_positions_scored)
+            end = min(s.start_pos + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if end <= first:
+                continue
+            kv_caches, arrays = self._launch(req.prompt_token_ids, first, end, s.block_ids, kv_caches)
+            req.num_prompt_positions_scored = end
+            chunks.append(ScoredChunk(req, first, end - first, arrays))
+        return kv_caches, chunks
+
+    def _launch(self, prompt: list[int], first: int, end: int, block_ids: list[int], kv_caches):
+        if not self._executables:
+            self._compile_all(kv_caches)
+        inputs = self._inputs(prompt, first, end, block_ids)
+        return self._executables[inputs[0].shape[0]](self.model.params, kv_caches, *inputs)
+
+    def _inputs(self, prompt: list[int], first: int, end: int, block_ids: list[int]):
+        """(ids, positions, targets, metadata) of prompt positions first .. end - 1, padded to their bucket."""
+        n = end - first
+        S = self.bucket(n)
+        ids = np.zeros(S, np.int32)
+        ids[:n] = prompt[first:end]
+        targets = np.zeros(S, np.int32)
+        targets[:n] = prompt[first + 1:end + 1]
+        positions = np.zeros(S, np.int32)
+        positions[:n] = np.arange(first, end, dtype=np.int32)
+        tables = np.zeros((1, self.max_blocks_per_seq), np.int32)
+        tables[0, :len(block_ids)] = block_ids
+        md = AttentionMetadata(slot_mapping=np.full(S, PAD_SLOT, np.int32), block_tables=tables,
+                               seq_lens=np.array([end], np.int32), query_start_loc=np.array([0, n], np.int32),
+                               num_seqs=np.int32(1))
+        return ids, positions, targets, md
+
+    def collect(self, chunks: list[ScoredChunk], tokenizer, max_logprobs: int) -> None:
+        """Bring scored chunks to the host (after their step is read) and append vLLM's per-position
+        ``{token: Logprob}`` to each request's ``prompt_logprobs`` (the first prompt position is None)."""
+        for c in chunks:
+            req = c.request
+            if req.prompt_logprobs is None:         # already sent (a preempted request recomputing)
+                continue
+            assert len(req.prompt_logprobs) == c.first + 1, (req.request_id, len(req.prompt_logprobs), c.first)
+            lp, rank, top_ids, top_lp = (np.asarray(x).reshape(-1, *x.shape[2:]) for x in c.arrays)
+            k = req.sampling_params.prompt_logprobs
+            k = max_logprobs if k == -1 else k
+            prompt = req.prompt_token_ids
+            for i in range(c.count):
+                req.prompt_logprobs.append(decode_logprobs(tokenizer, prompt[c.first + 1 + i], lp[i], rank[i],
+                                                           top_ids[i], top_lp[i], num_logprobs=k))

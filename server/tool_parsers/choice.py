@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.sampling_params import StructuredOutputsParams
+
 from .engine import ToolParser
 from .json_formats import NamedToolChoiceParser, RequiredToolChoiceParser
 
@@ -120,11 +122,6 @@ class ToolPlan:
         schema = self.constraint_schema()
         if schema is None:
             return None
-        try:
-            from jaxserve.sampling_params import StructuredOutputsParams
-        except ImportError:
-            raise ToolRequestError(f"tool_choice {self.mode!r} is enforced with structured outputs, which this "
-                                   "build of jaxserve does not have; use tool_choice 'auto'", "tool_choice") from None
         return StructuredOutputsParams(json=schema)
 
 

@@ -36,11 +36,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
-from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 # kernels.ops's write_kv_and_attend, wrapped in shard_map over "tp" when the step runs under a mesh
 from jaxserve.parallel import attention as tp_attention
 
-from .norms import NORMS
+from . import moe
+from .norms import NORMS, inv_rms
 from .rotary import Rotary
 
 TP = "tp"
@@ -65,6 +66,7 @@ class DecoderSpec:
     windows: tuple[int | None, ...] = ()       # per layer: sliding window or None (global)
     rotaries: tuple[Rotary, ...] = ()          # the distinct RoPE tables
     layer_rotary: tuple[int, ...] = ()         # per layer: index into ``rotaries``
+    moe: moe.MoESpec | None = None             # mixture-of-experts MLPs (on the layers it lists)
 
 
 def _param(shape: tuple[int, ...], sharding: tuple, init: str = "normal") -> nnx.Param:
@@ -97,8 +99,12 @@ class DecoderLayer(nnx.Module):
         if spec.sandwich_norms:
             self.post_attn_norm = _param((h,), REPLICATED, norm_init)
             self.post_mlp_norm = _param((h,), REPLICATED, norm_init)
-        self.gate_up = _param((h, 2, i), (None, None, TP))
-        self.down = _param((i, h), ROW)
+        self.is_moe = spec.moe is not None and spec.moe.layers[index]
+        if self.is_moe:
+            moe.declare_params(self, h, spec.moe, _param)
+        else:
+            self.gate_up = _param((h, 2, i), (None, None, TP))
+            self.down = _param((i, h), ROW)
 
     def attention(self, h: jax.Array, cos_sin, kv_cache, md: AttentionMetadata, backend: str):
         """Self-attention of the normed input ``h [T, hidden]`` up to (not including) the o projection:
@@ -112,7 +118,7 @@ class DecoderLayer(nnx.Module):
             q, k, v = q + _w(self.q_bias), k + _w(self.k_bias), v + _w(self.v_bias)
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         if spec.qk_norm:
-            q, k = self.norm(q, _w(self.q_norm), cfg.rms_norm_eps), self.norm(k, _w(self.k_norm), cfg.rms_norm_eps)
+            q, k = self._qk_norm(q, k)
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
         k_cache, v_cache = kv_cache
         attn, k_cache, v_cache = tp_attention.write_kv_and_attend(
@@ -120,10 +126,29 @@ class DecoderLayer(nnx.Module):
             sliding_window=spec.windows[self.index], backend=backend)
         return attn.reshape(t, hq * d), (k_cache, v_cache)
 
+    def _qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The per-head norms of q ``[T, hq, d]`` and k ``[T, hkv, d]``. Without a tp mesh their statistics
+        come from one reduction over the heads side by side (two would each be a GPU kernel of their own, and
+        a batch-1 step runs ~15 kernels a layer); the normalised values are still made from q and k
+        themselves, so the join feeds only the reduction. Under a mesh q and k are split on heads separately
+        and joining them would reshard, so each is normed alone."""
+        eps = self.cfg.rms_norm_eps
+        if parallel.current_tp_mesh() is not None or self.spec.norm not in ("rms", "offset_rms"):
+            return self.norm(q, _w(self.q_norm), eps), self.norm(k, _w(self.k_norm), eps)
+        hq = q.shape[1]
+        inv = inv_rms(jnp.concatenate([q, k], axis=1), eps)
+        return self.norm(q, _w(self.q_norm), eps, inv[:, :hq]), self.norm(k, _w(self.k_norm), eps, inv[:, hq:])
+
     def gated(self, h: jax.Array) -> jax.Array:
         """The gated MLP up to (not including) the down projection: ``act(h @ gate) * (h @ up)``."""
         gate_up = jnp.einsum("th,hci->tci", h, _w(self.gate_up))
         return ACTIVATIONS[self.spec.activation](gate_up[:, 0]) * gate_up[:, 1]
+
+    def moe_mlp(self, h: jax.Array, valid: jax.Array) -> jax.Array:
+        """The whole MoE MLP (all-reduced under a mesh): router, top-k experts, combine, shared expert."""
+        names = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down", "shared_gate")
+        weights = {n: _w(getattr(self, n)) for n in names if hasattr(self, n)}
+        return moe.moe_mlp(h, weights, self.spec.moe, ACTIVATIONS[self.spec.activation], valid)
 
 
 class DecoderModel(nnx.Module):
@@ -161,6 +186,10 @@ class DecoderModel(nnx.Module):
                 x = x + self.norm(parallel.row_parallel_matmul(layer.gated(h), _w(layer.down)),
                                   _w(layer.post_mlp_norm), eps)
                 h = self.norm(x, next_norm, eps)
+            elif layer.is_moe:
+                x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
+                x = x + layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
+                h = self.norm(x, next_norm, eps)
             else:
                 x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
                 x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm)
@@ -195,15 +224,26 @@ def _is_shape(x) -> bool:
 
 
 class DecoderFamily:
-    """The functions the registry's decoder families expose, from a family's ``spec(cfg) -> DecoderSpec``."""
+    """A decoder family as the registry holds it: from its ``decoder_spec(cfg) -> DecoderSpec``, its
+    ``check_config`` and its checkpoint names per layer weight (``checkpoint_names.LLAMA_LAYER`` by default; a
+    dict or a function of the config), the functions the loaders and the step call."""
 
-    def __init__(self, spec: Callable[[ModelConfig], DecoderSpec]):
-        self.spec = functools.lru_cache(maxsize=16)(spec)
+    def __init__(self, spec: Callable[[ModelConfig], DecoderSpec], check_config: Callable[[ModelConfig], None],
+                 layer_names: dict | Callable[[ModelConfig], dict] | None = None):
+        self.decoder_spec = functools.lru_cache(maxsize=16)(spec)
+        self.check_config = check_config
+        self.layer_names = layer_names
+
+    def weight_plan(self, cfg: ModelConfig) -> list:
+        """``(param path, HF tensor names, build)`` per weight (``checkpoint_names.weight_plan``)."""
+        from jaxserve.models import checkpoint_names  # noqa: PLC0415
+        names = self.layer_names(cfg) if callable(self.layer_names) else self.layer_names
+        return checkpoint_names.weight_plan(self.param_shapes(cfg), names or checkpoint_names.LLAMA_LAYER)
 
     @functools.lru_cache(maxsize=16)  # noqa: B019  (one per family object, which lives as long as its module)
     def abstract(self, cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
         """(graph definition, abstract state) of the model of ``cfg``: no weight is allocated."""
-        return nnx.split(nnx.eval_shape(lambda: DecoderModel(cfg, self.spec(cfg))))
+        return nnx.split(nnx.eval_shape(lambda: DecoderModel(cfg, self.decoder_spec(cfg))))
 
     def _metadata(self, cfg: ModelConfig, fn: Callable[[nnx.Variable], object]) -> dict:
         _, state = self.abstract(cfg)
@@ -229,7 +269,7 @@ class DecoderFamily:
 
     def compute_logits(self, params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
         """``hidden [N, hidden_size]`` → logits ``[N, vocab]`` in float32 (float32 accumulation)."""
-        spec = self.spec(cfg)
+        spec = self.decoder_spec(cfg)
         if cfg.tie_word_embeddings:
             logits = jnp.einsum("nh,vh->nv", hidden, params["embed"], preferred_element_type=jnp.float32)
         else:

@@ -11,15 +11,22 @@ import jax
 import jax.numpy as jnp
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def inv_rms(x: jax.Array, eps: float) -> jax.Array:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last axis in float32, kept as a size-1 axis: the statistic of
+    both RMSNorms, which a caller may compute once for several arrays' rows (``inv`` below)."""
     xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, inv: jax.Array | None = None) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    normed = xf * (inv_rms(xf, eps) if inv is None else inv)
     return weight * normed.astype(x.dtype)
 
 
-def offset_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def offset_rms_norm(x: jax.Array, weight: jax.Array, eps: float, inv: jax.Array | None = None) -> jax.Array:
     xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    normed = xf * (inv_rms(xf, eps) if inv is None else inv)
     return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 

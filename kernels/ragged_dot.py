@@ -1,0 +1,141 @@
+"""Grouped (ragged) matmul for mixture-of-experts layers, three ways, and its jnp reference.
+
+``grouped_matmul(lhs [m, k], rhs [G, k, n], group_sizes [G], impl)`` -> ``[m, n]``: rows are sorted by group,
+the first ``group_sizes[0]`` rows use ``rhs[0]``, the next ``group_sizes[1]`` use ``rhs[1]``, and so on. Rows
+past ``sum(group_sizes)`` come out zero: the MoE layer sorts there what this device does not compute (padding
+tokens, another device's experts under expert parallelism), so an implementation that skips them spends
+nothing on them. Products accumulate in float32 and come out in ``lhs.dtype``.
+
+Implementations (``IMPLEMENTATIONS``; the MoE layer takes one by name; benchmarks/diagnostics/moe_gemm.py times
+them on the GPU against each other):
+
+- ``ragged_dot``: ``jax.lax.ragged_dot``. On CPU (and reportedly on GPU) XLA expands it to a masked product
+  over every group, ``G`` times the work; correct everywhere, the CPU default.
+- ``gather``: every row gathers its group's ``[k, n]`` matrix and a batched GEMV multiplies them. Reads just
+  the selected experts' weights; for decode-sized ``m`` (at most ``m`` distinct experts) it is the
+  bandwidth-bound shape. Its gathered copy makes it useless for large ``m``.
+- ``pallas``: a Pallas Triton kernel over row tiles aligned to groups (each group's rows split into tiles of
+  ``block_m``, so every tile multiplies by one expert's matrix; a tile plan computed in jnp says which). One
+  program per (tile, ``block_n`` columns); tiles past the plan exit at once. Runs in interpret mode on CPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+IMPLEMENTATIONS = ("ragged_dot", "gather", "pallas")
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "ragged_dot", *,
+                   interpret: bool = False) -> jax.Array:
+    group_sizes = group_sizes.astype(jnp.int32)
+    if impl == "ragged_dot":
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
+    if impl == "gather":
+        return grouped_matmul_gather(lhs, rhs, group_sizes)
+    if impl == "pallas":   # Triton lowers for NVIDIA GPUs; elsewhere the kernel runs in interpret mode
+        return grouped_matmul_pallas(lhs, rhs, group_sizes, interpret=interpret or jax.default_backend() != "gpu")
+    raise ValueError(f"grouped matmul implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+
+
+def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
+    """The group of each of ``m`` sorted rows; ``G`` for rows past the last group."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32), side="right")
+
+
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The obvious definition: each group's dense product, masked to its rows."""
+    groups = row_groups(group_sizes.astype(jnp.int32), lhs.shape[0])
+    out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
+    for g in range(rhs.shape[0]):
+        prod = jnp.dot(lhs, rhs[g], preferred_element_type=jnp.float32)
+        out = jnp.where((groups == g)[:, None], prod, out)
+    return out.astype(lhs.dtype)
+
+
+def grouped_matmul_gather(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    num_groups = rhs.shape[0]
+    groups = row_groups(group_sizes, lhs.shape[0])
+    w = jnp.take(rhs, jnp.minimum(groups, num_groups - 1), axis=0)             # [m, k, n]
+    out = jnp.einsum("mk,mkn->mn", lhs, w, preferred_element_type=jnp.float32)
+    return jnp.where((groups < num_groups)[:, None], out, 0).astype(lhs.dtype)
+
+
+# ------------------------------------------------------------------------------------------ Pallas Triton
+def tile_plan(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(group, first_row, num_rows)`` of each row tile, ``cdiv(m, block_m) + G`` tiles (the most any split
+    of ``m`` rows into ``G`` groups needs); unused tiles have ``num_rows == 0``."""
+    num_groups = group_sizes.shape[0]
+    tiles_per_group = (group_sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles_per_group)
+    group_row0 = jnp.cumsum(group_sizes) - group_sizes
+    t = jnp.arange(pl.cdiv(m, block_m) + num_groups, dtype=jnp.int32)
+    group = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    g = jnp.minimum(group, num_groups - 1)
+    row0 = group_row0[g] + (t - (tile_end[g] - tiles_per_group[g])) * block_m
+    rows = jnp.where(group < num_groups, jnp.minimum(block_m, group_row0[g] + group_sizes[g] - row0), 0)
+    return g, row0.astype(jnp.int32), rows.astype(jnp.int32)
+
+
+def _block(size: int, largest: int) -> int:
+    """The largest power of two <= ``largest`` (and >= 16, Triton's smallest dot) dividing ``size``."""
+    b = largest
+    while b >= 16:
+        if size % b == 0:
+            return b
+        b //= 2
+    raise ValueError(f"grouped matmul (pallas): dimension {size} is not a multiple of 16")
+
+
+def _gmm_kernel(group_ref, row0_ref, rows_ref, lhs_ref, rhs_ref, _out_in, out_ref, *, m, k, block_m, block_k,
+                block_n):
+    t, j = pl.program_id(0), pl.program_id(1)
+    num_rows = rows_ref[t]
+
+    @pl.when(num_rows > 0)
+    def _():
+        g, row0 = group_ref[t], row0_ref[t]
+        r = lax.iota(jnp.int32, block_m)
+        # rows past the tile's group read and write row m: a zero row of lhs, a discarded row of out
+        rows = jnp.where(r < num_rows, row0 + r, m)
+        cols = j * block_n + lax.iota(jnp.int32, block_n)
+
+        def step(kb, acc):
+            ks = kb * block_k + lax.iota(jnp.int32, block_k)
+            x = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]])                       # [bm, bk]
+            w = plgpu.load(rhs_ref.at[(g * k + ks)[:, None], cols[None, :]])            # [bk, bn]
+            return acc + plgpu.dot(x, w, allow_tf32=False)
+
+        acc = lax.fori_loop(0, k // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype))
+
+
+def _auto_block_m(m: int, num_groups: int) -> int:
+    """Rows per tile: about the mean group size, 16 to 128 — small tiles waste no rows at decode sizes, big
+    ones read each expert's weights fewer times at prefill sizes."""
+    return max(16, min(128, 1 << max(0, (max(1, m // num_groups) - 1).bit_length())))
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "interpret"))
+def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_m: int | None = None,
+                          interpret: bool = False) -> jax.Array:
+    m, k = lhs.shape
+    num_groups, _, n = rhs.shape
+    block_m = block_m or _auto_block_m(m, num_groups)
+    block_k, block_n = _block(k, 64), _block(n, 128)
+    group, row0, rows = tile_plan(group_sizes.astype(jnp.int32), m, block_m)
+    lhs_padded = jnp.concatenate([lhs, jnp.zeros((1, k), lhs.dtype)])
+    out = pl.pallas_call(
+        functools.partial(_gmm_kernel, m=m, k=k, block_m=block_m, block_k=block_k, block_n=block_n),
+        grid=(group.shape[0], n // block_n),
+        out_shape=jax.ShapeDtypeStruct((m + 1, n), lhs.dtype),
+        input_output_aliases={5: 0},          # zeros: rows no tile covers stay zero
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret, name="moe_grouped_matmul",
+    )(group, row0, rows, lhs_padded, rhs.reshape(num_groups * k, n), jnp.zeros((m + 1, n), lhs.dtype))
+    return out[:m]

@@ -1,0 +1,159 @@
+"""The MoE layer's pieces against plain definitions: routing (softmax then top-k, renormalised or not), the
+grouped GEMM (every implementation, on random group sizes with empty experts and one expert holding every
+row), and the whole MoE MLP against a dense every-expert loop, padding tokens routed nowhere."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels import ragged_dot
+from jaxserve.models.layers import moe
+
+moe_mlp = jax.jit(moe.moe_mlp, static_argnums=(2, 3))
+SPEC = moe.MoESpec(num_experts=8, top_k=2, intermediate_size=16, renormalize=True, layers=(True,))
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_is_softmax_then_top_k(renormalize):
+    logits = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    weights, ids = moe.route(jnp.asarray(logits), dataclasses.replace(SPEC, top_k=3, renormalize=renormalize))
+    probs = _softmax(logits.astype(np.float64))
+    want_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :3]
+    want = np.take_along_axis(probs, want_ids, -1)
+    if renormalize:
+        want = want / want.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
+    assert weights.dtype == jnp.float32
+
+
+def test_route_ties_pick_the_lower_expert():
+    weights, ids = moe.route(jnp.zeros((1, 8)), SPEC)
+    assert np.asarray(ids).tolist() == [[0, 1]]
+    np.testing.assert_allclose(np.asarray(weights), [[0.5, 0.5]])
+
+
+GROUPS = [[3, 0, 5, 1, 0, 0, 2, 1], [0, 0, 12, 0, 0, 0, 0, 0], [1] * 8, [0] * 8, [2, 0, 0, 0, 0, 0, 0, 3]]
+
+
+@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS)
+@pytest.mark.parametrize("groups", GROUPS, ids=["mixed", "one-expert", "one-each", "none", "rows-past-groups"])
+def test_grouped_matmul_matches_reference(impl, groups):
+    rng = np.random.default_rng(len(groups) + sum(groups))
+    m, k, n = 12, 32, 48
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((8, k, n)), jnp.float32)
+    sizes = jnp.asarray(groups, jnp.int32)
+    want = np.asarray(ragged_dot.grouped_matmul_reference(lhs, rhs, sizes))
+    got = np.asarray(ragged_dot.grouped_matmul(lhs, rhs, sizes, impl))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    assert not got[sum(groups):].any(), "rows past the last group must be zero"
+
+
+def test_reference_is_each_groups_product():
+    rng = np.random.default_rng(0)
+    lhs, rhs = jnp.asarray(rng.standard_normal((9, 16))), jnp.asarray(rng.standard_normal((3, 16, 8)))
+    out = np.asarray(ragged_dot.grouped_matmul_reference(lhs, rhs, jnp.asarray([3, 0, 5])))
+    np.testing.assert_allclose(out[:3], lhs[:3] @ rhs[0], rtol=1e-6)
+    np.testing.assert_allclose(out[3:8], lhs[3:8] @ rhs[2], rtol=1e-6)
+    assert not out[8:].any()
+
+
+def test_tile_plan_covers_every_row_once():
+    sizes = jnp.asarray([17, 0, 1, 32, 0, 5], jnp.int32)
+    group, row0, rows = (np.asarray(a) for a in ragged_dot.tile_plan(sizes, 55, 16))
+    covered = np.concatenate([np.arange(r0, r0 + n) for r0, n in zip(row0, rows) if n])
+    assert sorted(covered.tolist()) == list(range(55))
+    ends = np.cumsum(np.asarray(sizes))
+    for g, r0, n in zip(group, row0, rows):      # a tile never crosses into another group's rows
+        if n:
+            assert ends[g] - np.asarray(sizes)[g] <= r0 and r0 + n <= ends[g]
+
+
+def _weights(spec, hidden=32, seed=0):
+    rng = np.random.default_rng(seed)
+    e, i = spec.num_experts, spec.intermediate_size
+    w = {"router": rng.standard_normal((hidden, e)), "experts_gate_up": rng.standard_normal((e, hidden, 2, i)) * 0.2,
+         "experts_down": rng.standard_normal((e, i, hidden)) * 0.2}
+    if spec.shared_intermediate_size:
+        si = spec.shared_intermediate_size
+        w |= {"shared_gate_up": rng.standard_normal((hidden, 2, si)) * 0.2,
+              "shared_down": rng.standard_normal((si, hidden)) * 0.2, "shared_gate": rng.standard_normal((hidden, 1))}
+    return {k: jnp.asarray(v, jnp.float32) for k, v in w.items()}
+
+
+def _dense_reference(h, w, spec):
+    """Every expert on every token, each token keeping its top-k experts' outputs times their weights."""
+    h = np.asarray(h, np.float64)
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    probs = _softmax(h @ w["router"])
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :spec.top_k]
+    top = np.take_along_axis(probs, ids, -1)
+    if spec.renormalize:
+        top = top / top.sum(-1, keepdims=True)
+    silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j, e in enumerate(ids[t]):
+            gu = np.einsum("h,hci->ci", h[t], w["experts_gate_up"][e])
+            out[t] += top[t, j] * ((silu(gu[0]) * gu[1]) @ w["experts_down"][e])
+    if spec.shared_intermediate_size:
+        gu = np.einsum("th,hci->tci", h, w["shared_gate_up"])
+        gate = 1 / (1 + np.exp(-(h @ w["shared_gate"])))
+        out += gate * ((silu(gu[:, 0]) * gu[:, 1]) @ w["shared_down"])
+    return out
+
+
+@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2-shared"])
+def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
+    spec = dataclasses.replace(SPEC, grouped_gemm=impl)
+    if kind == "qwen2-shared":
+        spec = dataclasses.replace(spec, top_k=4, renormalize=False, weights_in_hidden_dtype=True,
+                                   shared_intermediate_size=24)
+    w = _weights(spec)
+    h = jnp.asarray(np.random.default_rng(1).standard_normal((6, 32)), jnp.float32)
+    out = moe_mlp(h, w, spec, jax.nn.silu)
+    np.testing.assert_allclose(np.asarray(out), _dense_reference(h, w, spec), atol=1e-4, rtol=1e-4)
+
+
+def test_padding_tokens_reach_no_expert():
+    w = _weights(SPEC)
+    h = jnp.asarray(np.random.default_rng(2).standard_normal((4, 32)), jnp.float32)
+    valid = jnp.asarray([True, True, False, False])
+    out = np.asarray(moe_mlp(h, w, SPEC, jax.nn.silu, valid))
+    assert not out[2:].any()
+    np.testing.assert_allclose(out[:2], _dense_reference(h[:2], w, SPEC), atol=1e-4, rtol=1e-4)
+
+
+def test_layers_follow_hf_sparse_step_and_mlp_only_layers():
+    from jaxserve.config import ModelConfig
+
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8,
+                      num_layers=6, num_heads=1, num_kv_heads=1, head_dim=8, model_type="qwen3_moe",
+                      extra=(("decoder_sparse_step", 2), ("mlp_only_layers", (3,)), ("moe_intermediate_size", 4),
+                             ("num_experts", 4), ("num_experts_per_tok", 2)))
+    spec = moe.moe_spec(cfg, renormalize=True, weights_in_hidden_dtype=True)
+    assert spec.layers == (False, True, False, False, False, True)
+    assert not spec.expert_parallel and moe.moe_spec(moe.with_expert_parallel(cfg, True), renormalize=True,
+                                                     weights_in_hidden_dtype=True).expert_parallel
+
+
+def test_pallas_tiles_larger_than_groups_and_spanning_them():
+    """Tiles of 32 rows over groups of 20, 0, 33 and 7 rows (a group split over tiles, tiles cut short)."""
+    rng = np.random.default_rng(3)
+    lhs = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((4, 32, 16)), jnp.float32)
+    sizes = jnp.asarray([20, 0, 33, 7], jnp.int32)
+    got = ragged_dot.grouped_matmul_pallas(lhs, rhs, sizes, block_m=32, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ragged_dot.grouped_matmul_reference(lhs, rhs, sizes)),
+                               atol=1e-4, rtol=1e-5)

@@ -1,0 +1,102 @@
+"""Tensor and expert parallelism of the MoE families on 4 fake CPU devices: the prompt's logits equal one
+device's (and HF's) and so do their greedy tokens, experts sharded the way each mode says (TP: each expert's intermediate columns; EP:
+whole experts per device), and a split that cannot work refused with the sizes named.
+
+Fake devices need ``XLA_FLAGS`` before JAX starts, so the checks run once in a subprocess (this file as a
+script) that prints its findings as JSON.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+NUM_DEVICES = 4
+# (fixture, tensor_parallel_size, enable_expert_parallel): Qwen2-MoE has the shared expert and a dense layer
+CASES = [("tiny-mixtral", 2, False), ("tiny-mixtral", 4, True), ("tiny-qwen2moe", 2, True),
+         ("tiny-qwen3moe", 4, False)]
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
+
+
+def _worker() -> dict:
+    import jax
+    import numpy as np
+
+    from jaxserve import parallel
+    from jaxserve.models.loader import load_model
+    from test_models import PagedRunner, _step
+
+    assert jax.device_count() == NUM_DEVICES, jax.devices()
+
+    def run(name, mesh=None, ep=False):
+        model = load_model(os.path.join(FIXTURES, name), dtype="float32", mesh=mesh, enable_expert_parallel=ep)
+        with open(os.path.join(FIXTURES, name, "golden.json")) as f:
+            prompt = json.load(f)["prompt_ids"]
+        runner = PagedRunner(model, max_reqs=2, max_len=len(prompt))
+        if mesh is not None:
+            runner.caches = jax.device_put(runner.caches, parallel.kv_cache_sharding(mesh, model.config))
+            runner._step = jax.jit(parallel.bind_mesh(functools.partial(_step, family=model.family,
+                                                                        cfg=model.config), mesh), donate_argnums=(1,))
+        logits = runner.step([(0, prompt, 0)], 16, logits_rows=list(range(len(prompt))))
+        return model, logits, logits.argmax(-1).tolist()
+
+    report = {}
+    single = {}
+    for name in sorted({c[0] for c in CASES}):
+        model, logits, tokens = run(name)
+        single[name] = logits, tokens
+        report[name] = {"hf_err": float(np.abs(logits - np.load(os.path.join(FIXTURES, name, "logits.npy"))).max())}
+    for name, tp, ep in CASES:
+        mesh = parallel.make_mesh(tp)
+        model, logits, tokens = run(name, mesh, ep)
+        layer0 = model.params["layers"][0]
+        report[f"{name}/tp{tp}/ep{int(ep)}"] = {
+            "err": float(np.abs(logits - single[name][0]).max()),
+            "same_tokens": tokens == single[name][1],
+            "gate_up_spec": str(layer0["experts_gate_up"].sharding.spec),
+            "down_spec": str(layer0["experts_down"].sharding.spec),
+            "local_gate_up": list(layer0["experts_gate_up"].addressable_shards[0].data.shape),
+            "experts": model.config.extra_dict["num_experts"],
+            "intermediate": model.config.extra_dict["moe_intermediate_size"]}
+    try:
+        load_model(os.path.join(FIXTURES, "tiny-mixtral"), dtype="float32", mesh=parallel.make_mesh(3),
+                   enable_expert_parallel=True)
+    except ValueError as e:
+        report["ep3"] = str(e)
+    return report
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-tp{t}-{'ep' if e else 'tp'}" for n, t, e in CASES])
+def test_parallel_logits_equal_one_device(report, case):
+    name, tp, ep = case
+    entry = report[f"{name}/tp{tp}/ep{int(ep)}"]
+    assert report[name]["hf_err"] <= 1e-4
+    assert entry["err"] <= 1e-5 and entry["same_tokens"], entry
+    if ep:     # whole experts: E / tp per device, each with all its intermediate columns
+        assert entry["gate_up_spec"].startswith("P('tp'"), entry
+        assert entry["local_gate_up"] == [entry["experts"] // tp, 64, 2, entry["intermediate"]], entry
+    else:      # every expert on every device, its intermediate columns split
+        assert entry["gate_up_spec"] == "P(None, None, None, 'tp')", entry
+        assert entry["local_gate_up"] == [entry["experts"], 64, 2, entry["intermediate"] // tp], entry
+
+
+def test_expert_parallel_split_must_divide_the_experts(report):
+    assert "8 experts are not divisible by 3 (expert parallel)" in report["ep3"]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    print(json.dumps(_worker()))

@@ -231,9 +231,8 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._init_kv_caches()
         # Under a mesh every step output has a declared sharding (the cache's own, the rest replicated), and
-        # the warm-up feeds the same shardings in: jit keys its cache on the input shardings, so a step fed
-        # what an earlier step returned must find the executable the warm-up compiled (else each TP bucket
-        # compiled again on its first real step).
+        # the executables are compiled for the same shardings in: a step fed what an earlier step returned
+        # runs the executable compiled ahead (one called with other shardings raises: never a recompile).
         rep, fwd_out, samp_out, loop_out = None, {}, {}, {}
         if mesh is not None:
             from jaxserve.parallel import kv_cache_sharding, replicated

@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 
 _live: "weakref.WeakSet[StepCompiler]" = weakref.WeakSet()
 # JAX's tracing is not thread-safe (concurrent traces of lax.cond raced on shared state), and it holds the
-# GIL anyway: one trace + lower at a time, in every compiler; the compiles themselves overlap
-_TRACE_LOCK = threading.Lock()
+# GIL anyway: one trace + lower at a time in the process (anything lowering on a thread takes it); the
+# compiles themselves overlap
+TRACE_LOCK = threading.Lock()
 
 
 def default_workers() -> int:
@@ -171,7 +172,7 @@ class StepCompiler:
     def _compile(self, key: Hashable, ev: threading.Event) -> None:
         t0 = time.perf_counter()
         try:
-            with _TRACE_LOCK:
+            with TRACE_LOCK:
                 lowered = self._lower(key)
             exe = lowered.compile()
         except BaseException as e:          # surfaced to whoever needs the key

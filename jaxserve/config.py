@@ -119,7 +119,9 @@ class EngineConfig:
     attention_backend: str = "auto"            # auto | pallas | reference
     compilation_cache_dir: str | None = None   # None = ~/.cache/jaxserve/xla; "" disables it
     max_logprobs: int = 20
-    skip_warmup: bool = False
+    skip_warmup: bool = False                  # the older name of enforce_eager
+    # vLLM's flag: compile nothing ahead; each step variant compiles when a step first needs it
+    enforce_eager: bool = False
     async_scheduling: bool = True              # dispatch step N+1 before reading step N's tokens
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -251,7 +251,8 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
     stats = engine.stats()
     eng = engine.engine
     log.info("loaded %s from %s (%s, %s): max_model_len %d, %s KV blocks of %d tokens; load %.1f s, warm-up "
-             "(compiling every step bucket) %.1f s, ready in %.1f s", serving.model_name, eng.model.source,
+             "(the first-needed step variants; the others compile in the background) %.1f s, ready in %.1f s",
+             serving.model_name, eng.model.source,
              eng.model.load_format, getattr(eng.model.dtype, "__name__", eng.model.dtype), serving.max_model_len,
              stats.get("num_kv_blocks", "?"), eng.config.cache.block_size, eng.load_seconds, eng.warmup_seconds,
              time.monotonic() - t0)

@@ -234,6 +234,13 @@ class ModelCost:
         return float(self.weight_bytes) + self.kv_bytes_per_token * float(input_len) * batch
 
 
+# bytes per weight of a quantized projection: int4 + a 2-byte scale and a 1-byte zero per group of 128; fp8
+# + a float32 scale per output channel (negligible)
+QUANTIZED_WEIGHT_BYTES = {"awq": 0.5 + 3 / 128, "gptq": 0.5 + 3 / 128, "compressed-tensors": 0.5 + 3 / 128,
+                          "fp8": 1.0}
+PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down")
+
+
 def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...]]:
     """(parameter shapes, per-layer sliding windows) of a decoder config, from its family module."""
     from jaxserve.errors import ModelLoadError
@@ -247,8 +254,10 @@ def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...]]:
     return family.param_shapes(cfg), tuple(family.decoder_spec(cfg).windows)
 
 
-def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None) -> ModelCost:
-    """Counts for a decoder ``jaxserve.config.ModelConfig`` of any registered family."""
+def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
+               quantization: str | None = None) -> ModelCost:
+    """Counts for a decoder ``jaxserve.config.ModelConfig`` of any registered family; ``quantization``
+    (``--quantization``): the projections' storage, the rest stays ``dtype``."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r} for the roofline (known: {', '.join(DTYPE_BYTES)})")
     shapes, windows = _family_layout(cfg)
@@ -260,8 +269,13 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None) -> Mod
     head = lm_head or embedding                             # tied: the embedding table is the head
     kv_bytes = DTYPE_BYTES[kv_dtype or dtype]
     d = cfg.head_dim
+    weight_bytes = (body + head) * DTYPE_BYTES[dtype]
+    if quantization in QUANTIZED_WEIGHT_BYTES:
+        projections = sum(n for path, n in sizes.items()
+                          if len(path) == 3 and path[0] == "layers" and path[2] in PROJECTIONS)
+        weight_bytes -= int(projections * (DTYPE_BYTES[dtype] - QUANTIZED_WEIGHT_BYTES[quantization]))
     return ModelCost(params=params, body_matmul_params=body, lm_head_params=head,
-                     weight_bytes=(body + head) * DTYPE_BYTES[dtype],
+                     weight_bytes=weight_bytes,
                      kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
                      attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d, dtype=dtype,
                      layer_windows=windows)

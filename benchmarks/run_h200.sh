@@ -6,6 +6,7 @@
 #   split     the engine core in the caller's process (JAXSERVE_ENABLE_MULTIPROCESSING=0, old) vs its own (=1, new),
 #             interleaved: h200-llama8b-decode old/new, then h200-llama8b-serve-sweep at concurrency 1 and 256 old/new
 #             (warm compile cache: ~8 minutes; split-decode / split-serve: one half each)
+#   startup   serve llama-3.1-8b dummy until /health 200 and a first completion, fresh compile cache then warm
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
 #   families  batch-1 latency of each decoder family (h200-family-latency-bs1, one process per model) for the
@@ -15,7 +16,7 @@
 #             per-family settings of family_sets below); all five take ~11 minutes cold, so split them over two
 #             calls: FAMILIES="qwen3-8b gemma-2-9b gemma-3-12b", then FAMILIES="phi-4 command-r-35b"
 #   gemma2-long  h200-gemma2-9b-long-prompts (200 x 8064 / 128: the sliding-window layers at long context)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|embed|gpucheck|stepdiag|tp2|carcheck|
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|startup|embed|gpucheck|stepdiag|tp2|carcheck|
 #        families|families-throughput|gemma2-long ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
@@ -194,6 +195,8 @@ for step in "${STEPS[@]}"; do
     kernels)   bench "${KERNELS_LIMIT_S:-90}" kernels --config h200-kernels ;;
     bandwidth) diag "${BANDWIDTH_LIMIT_S:-60}" bandwidth '^\||^#|_bandwidth|Error' benchmarks/diagnostics/bandwidth.py ;;
     ab)        ab "$AB_OLD" ;;
+    startup)   diag "${STARTUP_LIMIT_S:-540}" startup '^(cold|warm):|Error' benchmarks/diagnostics/startup.py serve \
+                 --model llama-3.1-8b --load-format dummy --out "$RESULTS/startup_h200.json" ;;
     embed)     diag "${EMBED_LIMIT_S:-120}" embed '^\{"batch"' benchmarks/diagnostics/embed_bench.py \
                  --random-weights configs/models/all-minilm-l6-v2 --dtype bfloat16 --out "$RESULTS/embed_h200.json" ;;
     gpucheck)  diag "${GPUCHECK_LIMIT_S:-300}" gpucheck '^(#|- |gpu_check:)|Error' benchmarks/diagnostics/gpu_check.py ;;

@@ -184,7 +184,8 @@ def prepare_main(run: Run, out_root: str | None) -> None:
         run.notes.append(mismatch)
     if run.model_config is not None:
         run.dtype = weight_dtype(run.cfg, run.env["platform"])
-        run.cost = roofline.model_cost(run.model_config, run.dtype, kv_dtype(run.cfg, run.dtype))
+        run.cost = roofline.model_cost(run.model_config, run.dtype, kv_dtype(run.cfg, run.dtype),
+                                       quantization=run.cfg["engine"].get("quantization"))
     run.out_dir = results_dir(out_root, run.cfg["name"])
 
 

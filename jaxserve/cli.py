@@ -28,6 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy", "orbax"])
+    g.add_argument("-q", "--quantization", default="auto",
+                   choices=["auto", "fp8", "awq", "gptq", "compressed-tensors", "none", "awq_marlin", "gptq_marlin"],
+                   help="how the projections' weights are stored: auto follows config.json's quantization_config; "
+                        "fp8 also quantizes a float checkpoint at load; with --load-format dummy, random weights "
+                        "in that storage")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"])
@@ -38,7 +43,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default ~/.cache/jaxserve/xla; '' = off)")
     g.add_argument("--max-logprobs", type=int, default=20)
-    g.add_argument("--skip-warmup", action="store_true", help="compile buckets lazily instead of at start")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="compile nothing at start-up: each step variant compiles when a step first needs it "
+                        "(vLLM's flag; by default the first-needed buckets compile before serving, the rest in "
+                        "the background)")
+    g.add_argument("--skip-warmup", action="store_true", help="the same as --enforce-eager")
     _bool_flag(g, "async-scheduling", True, "dispatch step N+1 before reading step N's tokens (host never waits)")
     g.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
                    help='JSON, as vLLM\'s: {"backend": "guidance", "disable_any_whitespace": true} (the defaults; '
@@ -101,10 +110,12 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
             template = f.read()
     return EngineConfig(
         model=model, tokenizer=a.tokenizer, dtype=a.dtype, load_format=a.load_format,
+        quantization=a.quantization,
         max_model_len=a.max_model_len, seed=a.seed, task=a.task,
         served_model_name=_first(getattr(a, "served_model_name", None)),
         chat_template=template, attention_backend=a.attention_backend,
         compilation_cache_dir=a.compilation_cache_dir, max_logprobs=a.max_logprobs, skip_warmup=a.skip_warmup,
+        enforce_eager=a.enforce_eager,
         async_scheduling=a.async_scheduling,
         structured_outputs_config=a.structured_outputs_config or StructuredOutputsConfig(),
         cache=CacheConfig(block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
@@ -179,6 +190,11 @@ def cmd_generate(a) -> int:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
     llm = LLM(engine_config=engine_config_from_args(a))
+    # one batch, then exit: the buckets the warm-up left to the background would finish after it (and the exit
+    # would wait for them); its steps pad up to the compiled ones instead
+    stop_compiles = getattr(llm.engine.runner, "stop_background_compiles", None)
+    if stop_compiles is not None:
+        stop_compiles()
     prompts = a.prompt or ["What is the capital of France?"]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.sampling_seed, n=a.n)

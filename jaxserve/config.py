@@ -110,6 +110,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
     load_format: str = "auto"                  # auto | safetensors | gguf | dummy | orbax
+    quantization: str = "auto"                 # auto (the checkpoint's) | fp8 | awq | gptq | compressed-tensors | none
     max_model_len: int | None = None
     seed: int = 0
     task: str = "auto"                         # auto | generate | embed
@@ -118,7 +119,9 @@ class EngineConfig:
     attention_backend: str = "auto"            # auto | pallas | reference
     compilation_cache_dir: str | None = None   # None = ~/.cache/jaxserve/xla; "" disables it
     max_logprobs: int = 20
-    skip_warmup: bool = False
+    skip_warmup: bool = False                  # the older name of enforce_eager
+    # vLLM's flag: compile nothing ahead; each step variant compiles when a step first needs it
+    enforce_eager: bool = False
     async_scheduling: bool = True              # dispatch step N+1 before reading step N's tokens
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

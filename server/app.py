@@ -255,7 +255,8 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
     stats = engine.stats()
     facts = engine.facts()
     log.info("loaded %s from %s (%s, %s): max_model_len %d, %s KV blocks of %d tokens; load %.1f s, warm-up "
-             "(compiling every step bucket) %.1f s, ready in %.1f s; engine core %s", serving.model_name,
+             "(the first-needed step variants; the others compile in the background) %.1f s, ready in %.1f s; "
+             "engine core %s", serving.model_name,
              facts.model_source, facts.load_format, facts.dtype_name, serving.max_model_len,
              stats.get("num_kv_blocks", "?"), facts.config.cache.block_size, facts.load_seconds,
              facts.warmup_seconds, time.monotonic() - t0,

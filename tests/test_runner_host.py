@@ -12,6 +12,7 @@ from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.runner import sampler as S
 from jaxserve.engine.request import PLACEHOLDER
 from jaxserve.runner.model_runner import ModelRunner, token_buckets
+from jaxserve.runner.step_compiler import StepCompiler
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -24,6 +25,8 @@ def bare_runner(block_size=4, max_model_len=128, max_num_seqs=32, max_tokens=256
     r.max_num_tokens = max_tokens
     r.buckets = token_buckets(max_tokens)
     r.uniform_decode = False
+    r.variants = StepCompiler(lambda key: None)       # nothing compiled: each step keeps its own bucket
+    r._routes, r._routes_at = {}, -1
     return r
 
 

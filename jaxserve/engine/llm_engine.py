@@ -185,7 +185,7 @@ class LLMEngine(RequestBuilder):
             self.custom_all_reduce = False
         self.mesh = mesh
         self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                max_model_len=config.max_model_len, mesh=mesh,
+                                max_model_len=config.max_model_len, mesh=mesh, quantization=config.quantization,
                                 enable_expert_parallel=config.parallel.enable_expert_parallel)
         self.load_seconds = time.perf_counter() - t0
         self.model_config = self.model.config

@@ -12,6 +12,11 @@ whole on one device (unless its spec replicates it).
 Why on the device: numpy's transpose of 2-byte elements is a slow strided copy on one core; with it an 8B
 model took 70 s to load from safetensors at TP=2 on an H200 host (20 s from orbax, which stores the converted
 layout).
+
+Quantized checkpoints (``quantization``, vLLM's ``--quantization``): the plan's projections whose modules the
+checkpoint quantizes go through ``jaxserve.quantization.loading`` instead (int4 formats repacked on the host,
+fp8 weights kept output-major), and land in the tree as ``Int4Weight`` / ``Fp8Weight`` leaves with the same
+tensor-parallel split; online fp8 quantizes each float projection on the device as soon as it is built.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models import checkpoint_names
 from jaxserve.models import configs as model_configs
 from jaxserve.models import packaged, registry
+from jaxserve.quantization import config as quant_config
+from jaxserve.quantization import loading as quant_loading
 from jaxserve.models.layers.moe import with_expert_parallel
 
 logger = logging.getLogger(__name__)
@@ -80,6 +87,7 @@ class LoadedModel:
     dtype: Any = jnp.float32          # the parameters' dtype
     max_model_len: int = 2048
     load_format: str = "auto"
+    quantization: str | None = None   # the method the projections are stored in (awq, gptq, fp8, ...)
 
 
 # ---------------------------------------------------------------------------------------- locating models
@@ -117,6 +125,7 @@ def _config_dtype(hf: dict, fallback: Any) -> Any:
 
 # --------------------------------------------------------------------------------------- safetensors
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
               "BOOL": np.bool_}
 
@@ -183,6 +192,9 @@ def _safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Calla
     def file_of(hf_name: str) -> str:
         return weight_map.get(stored_name(hf_name), "?")
 
+    def has(hf_name: str) -> bool:
+        return stored_name(hf_name) in weight_map
+
     def get(hf_name: str) -> np.ndarray:
         hf_name = stored_name(hf_name)
         fname = weight_map.get(hf_name)
@@ -194,6 +206,7 @@ def _safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Calla
             raise ModelLoadError(f"{fname}: tensor {hf_name} not found (the index lists it in this file)")
         return opened[fname].get(hf_name)
 
+    get.has = has      # quantized checkpoints: which optional tensors (g_idx, zero points) a module has
     return get, file_of
 
 
@@ -486,9 +499,11 @@ def _tree_set(tree, path, value):
 
 def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.ndarray], dtype, *,
                  mesh=None, desc: str = "Loading weights",
-                 file_of: Callable[[str], str] = lambda name: "?") -> dict:
+                 file_of: Callable[[str], str] = lambda name: "?", quant=None) -> dict:
     """Build the family's weight pytree from ``get(hf_name)``, one tensor at a time, onto the device(s):
-    each HF tensor goes to the device(s) as it is, and a jitted build (layout change, cast) runs there."""
+    each HF tensor goes to the device(s) as it is, and a jitted build (layout change, cast) runs there.
+    ``quant`` (a ``quantization.QuantConfig``): the projections it covers load quantized
+    (``quantization.loading``), or are quantized once built (online fp8)."""
     shapes = family.param_shapes(cfg)
     shardings = None
     if mesh is not None:
@@ -499,23 +514,47 @@ def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.n
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     target_dtype = jnp.dtype(dtype)
     builders: dict = {}
+
+    def build_on_device(kind, raw, to_dtype, sharding):
+        in_sharding = NamedSharding(mesh, _hf_spec(kind, sharding.spec)) if sharding is not None else None
+        key = (kind, sharding, jnp.dtype(to_dtype))
+        if key not in builders:
+            fn = functools.partial(_build_cast, _build_fn(kind), jnp.dtype(to_dtype))
+            builders[key] = jax.jit(fn, out_shardings=sharding) if sharding is not None else jax.jit(fn)
+        return builders[key](*[jax.device_put(_device_ready(r), in_sharding) for r in raw])
+
+    has = getattr(get, "has", lambda name: True)
     for path, names, kind in tqdm(family.weight_plan(cfg), desc=desc, unit="tensor"):
         expected = _tree_get(shapes, path)
+        sharding = _tree_get(shardings, path) if shardings is not None else None
+        quantized = quant is not None and quant_loading.is_linear(path) and all(
+            quant.quantizes(quant_loading.module_of(n)) for n in names)
+        if quantized and not quant.online:
+            _tree_set(params, path, quant_loading.load_linear(quant, path, names, kind, tuple(expected), sharding,
+                                                              get, has))
+            continue
         raw = [get(n) for n in names]
         built = jax.eval_shape(_build_fn(kind), *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in raw))
         if tuple(built.shape) != tuple(expected):
             shapes_str = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(names, raw))
             raise ModelLoadError(f"{file_of(names[0])}: tensor {shapes_str} does not match the config "
                                  f"(expected {tuple(expected)} after layout conversion)")
-        sharding = _tree_get(shardings, path) if shardings is not None else None
-        in_sharding = NamedSharding(mesh, _hf_spec(kind, sharding.spec)) if sharding is not None else None
-        key = (kind, sharding)
-        if key not in builders:
-            fn = functools.partial(_build_cast, _build_fn(kind), target_dtype)
-            builders[key] = jax.jit(fn, out_shardings=sharding) if sharding is not None else jax.jit(fn)
-        on_device = [jax.device_put(_device_ready(r), in_sharding) for r in raw]
-        _tree_set(params, path, builders[key](*on_device))
-        del raw, on_device
+        built = build_on_device(kind, raw, target_dtype, sharding)
+        if quantized:       # online: the float weight, quantized where it lies
+            built = quant_loading.quantize_leaf(quant, path, built, sharding, target_dtype)
+        _tree_set(params, path, built)
+        del raw, built
+    return params
+
+
+def quantize_params(params: dict, quant, sharding_tree, dtype) -> dict:
+    """The projections of a float weight pytree (random weights) quantized on the device by ``quant``."""
+    for i, layer in enumerate(params["layers"]):
+        for name in list(layer):
+            path = ("layers", i, name)
+            if quant_loading.is_linear(path):
+                sharding = _tree_get(sharding_tree, path) if sharding_tree is not None else None
+                layer[name] = quant_loading.quantize_leaf(quant, path, layer[name], sharding, dtype)
     return params
 
 
@@ -576,12 +615,15 @@ def _max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
 # ---------------------------------------------------------------------------------------------- loaders
 def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str = "auto",
                max_model_len: int | None = None, mesh=None, seed: int = 0,
-               enable_expert_parallel: bool = False) -> LoadedModel:
+               quantization: str | None = "auto", enable_expert_parallel: bool = False) -> LoadedModel:
     """Load a model: ``None`` (the embedded SmolLM2 GGUF), a packaged model's name (``gemma3-270m``), a
     ``.gguf`` file, an HF folder, or the name of a ``configs/models/*.json`` (random weights). ``load_format="dummy"`` gives random weights for any of them.
+    ``quantization`` (vLLM's ``--quantization``): ``auto`` follows an HF checkpoint's ``quantization_config``;
+    random weights take any method's storage (int4 groups of 128 for awq / gptq / compressed-tensors).
     ``enable_expert_parallel``: a mixture-of-experts model's experts sharded over the mesh (``layers.moe``;
     HF folders and dummy configs).
     """
+    quantization = quantization or "auto"
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
     if model is None:
@@ -593,46 +635,58 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
     from jaxserve.models import orbax_io  # noqa: PLC0415  (orbax imports lazily, only for its folders)
     ep = {"enable_expert_parallel": True} if enable_expert_parallel else {}
     if load_format == "orbax" or (load_format == "auto" and orbax_io.is_orbax_checkpoint(path)):
+        _float_only(quantization, f"{path} is an orbax checkpoint (float weights)")
         if ep:
             raise ModelLoadError("--enable-expert-parallel needs an HF folder or a configs/models name (not orbax)")
         return orbax_io.load_orbax(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh)
     if os.path.isfile(path) and path.endswith(".gguf"):
         if load_format not in ("auto", "gguf"):
             raise ModelLoadError(f"{path} is a GGUF file; load_format {load_format!r} does not apply")
+        _float_only(quantization, f"{path} is a GGUF file (its weights are dequantized at load)")
         return load_gguf(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh)
     if os.path.isdir(path):
         if load_format == "gguf":
             raise ModelLoadError(f"{path} is a folder; pass the .gguf file itself for load_format gguf")
         return load_hf_folder(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh,
-                              dummy=load_format == "dummy", seed=seed, **ep)
+                              dummy=load_format == "dummy", seed=seed, quantization=quantization, **ep)
     config_path = DUMMY_CONFIG_DIR / f"{model}.json"
     if config_path.is_file() and load_format in ("auto", "dummy"):
-        return load_dummy(str(model), dtype=dtype, max_model_len=max_model_len, mesh=mesh, seed=seed, **ep)
+        return load_dummy(str(model), dtype=dtype, max_model_len=max_model_len, mesh=mesh, seed=seed,
+                          quantization=quantization, **ep)
     raise ModelLoadError(f"{model}: no such .gguf file, model folder or configs/models name "
                          f"(dummy configs: {', '.join(dummy_config_names())})")
 
 
 def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, dummy=False,
-                   seed: int = 0, enable_expert_parallel: bool = False) -> LoadedModel:
+                   seed: int = 0, quantization: str | None = "auto",
+                   enable_expert_parallel: bool = False) -> LoadedModel:
     cfg, hf, gen = model_configs.model_config_from_folder(folder)
     cfg = with_expert_parallel(cfg, enable_expert_parallel)
     arch, family = registry.resolve_architecture(hf.get("architectures"))
+    if dummy:     # random weights in the checkpoint's storage, or in any method's the flag names
+        stored = (hf.get("quantization_config") or {}).get("quant_method")
+        quant = _dummy_quantization(stored if quantization in (None, "auto") else quantization)
+    else:
+        quant = quant_config.resolve_quantization(quantization, hf, folder)
+    # a quantized checkpoint's float tensors (scales aside) are fp16/bf16: its torch_dtype says which
     jdtype = _resolve_dtype(dtype, _config_dtype(hf, jnp.float32))
     if registry.is_encoder(arch):
+        _float_only(quantization, f"{folder} is an encoder model")
         return family.load(folder, dtype)   # the encoder family resolves "auto" itself
     family.check_config(cfg)
     if dummy:
-        params = family.init_dummy_params(cfg, jdtype, seed=seed, mesh=mesh)
+        params = _dummy_params(cfg, family, jdtype, seed, mesh, quant)
     else:
         get, file_of = _safetensors_getter(folder)
-        params = load_weights(cfg, family, get, jdtype, mesh=mesh, file_of=file_of,
+        params = load_weights(cfg, family, get, jdtype, mesh=mesh, file_of=file_of, quant=quant,
                               desc=f"Loading {os.path.basename(os.path.normpath(folder))}")
     tokenizer = _folder_tokenizer(folder)
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        generation_config=_generation_config(cfg, gen), source=folder, dtype=jdtype,
                        max_model_len=_max_model_len(cfg, max_model_len),
-                       load_format="dummy" if dummy else "safetensors")
+                       load_format="dummy" if dummy else "safetensors",
+                       quantization=quant.method if quant is not None else None)
 
 
 def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None) -> LoadedModel:
@@ -656,7 +710,7 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None) -> Load
 
 
 def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: int = 0,
-               enable_expert_parallel: bool = False) -> LoadedModel:
+               quantization: str | None = "auto", enable_expert_parallel: bool = False) -> LoadedModel:
     """Random weights for ``configs/models/NAME.json`` (public HF config.json values); the tokenizer is the
     embedded SmolLM2 one, since no model files exist (token ids beyond its vocab are never produced by it)."""
     hf = model_configs.read_json(str(DUMMY_CONFIG_DIR / f"{name}.json"))
@@ -664,9 +718,39 @@ def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: 
     _, family = registry.resolve_architecture(hf.get("architectures"))
     family.check_config(cfg)
     jdtype = _resolve_dtype(dtype, _config_dtype(hf, jnp.bfloat16))
-    params = family.init_dummy_params(cfg, jdtype, seed=seed, mesh=mesh)
+    quant = _dummy_quantization(quantization)
+    params = _dummy_params(cfg, family, jdtype, seed, mesh, quant)
     tokenizer = embedded_tokenizer()
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        generation_config=_generation_config(cfg), source=f"dummy:{name}", dtype=jdtype,
-                       max_model_len=_max_model_len(cfg, max_model_len), load_format="dummy")
+                       max_model_len=_max_model_len(cfg, max_model_len), load_format="dummy",
+                       quantization=quant.method if quant is not None else None)
+
+
+def _dummy_quantization(quantization: str | None):
+    """Random weights in ``quantization``'s storage (None: float)."""
+    method = quant_config.canonical_method(quantization)
+    if method in (None, "auto", "none"):
+        return None
+    if method not in quant_config.QUANTIZATION_METHODS:
+        raise ModelLoadError(f"quantization {method!r} is not supported; choose one of "
+                             f"{', '.join(quant_config.QUANTIZATION_METHODS)}")
+    return quant_config.checkpoint_quantization(method)
+
+
+def _dummy_params(cfg, family, dtype, seed, mesh, quant) -> dict:
+    params = family.init_dummy_params(cfg, dtype, seed=seed, mesh=mesh)
+    if quant is None:
+        return params
+    shardings = None
+    if mesh is not None:
+        from jaxserve.parallel import param_shardings  # noqa: PLC0415
+        shardings = param_shardings(family.param_partition_specs(cfg), mesh, cfg)
+    return quantize_params(params, quant, shardings, dtype)
+
+
+def _float_only(quantization: str | None, what: str) -> None:
+    if quantization not in (None, "auto", "none"):
+        raise ModelLoadError(f"--quantization {quantization}: {what}; quantized loading reads HF safetensors "
+                             f"checkpoints (or random weights with --load-format dummy)")

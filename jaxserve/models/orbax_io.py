@@ -62,6 +62,9 @@ def save(loaded, output_dir: str) -> dict:
     _check_output_dir(output_dir)
     if not hasattr(loaded.family, "param_shapes"):
         raise ModelLoadError(f"{loaded.source}: only decoder models can be converted to orbax")
+    if getattr(loaded, "quantization", None):
+        raise ModelLoadError(f"{loaded.source}: {loaded.quantization} weights cannot be converted to orbax (it "
+                             f"stores float weights); serve the checkpoint itself")
     output_dir = os.path.abspath(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     t0 = time.perf_counter()

@@ -24,6 +24,9 @@ def enable(directory: str | None) -> str | None:
     directory = directory or default_dir()
     os.makedirs(directory, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # every executable: a sampler variant compiles in well under a second (JAX's default threshold is 1 s)
+    # but a warm start loads dozens of them, and the loader's per-shape casts too
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     _enabled_dir = directory
     return directory

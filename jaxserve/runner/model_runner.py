@@ -6,8 +6,15 @@ last token, then the on-device sampler. Splitting them keeps the expensive model
 token bucket (the sampler's variants — logprobs on/off, penalties on/off, a structured-output bitmask or
 none — are small graphs), and lets a structured-output step fill its bitmask on the host while the forward
 runs (``dispatch_forward``, then ``dispatch_sample`` with the mask). The request
-count follows the token bucket, every variant is compiled at start-up, and the KV cache is donated so XLA
-updates it in place.
+count follows the token bucket, and the KV cache is donated so XLA updates it in place.
+
+Compiling (``step_compiler``): every executable is compiled ahead of time and called directly, so a step
+never compiles silently. ``warmup`` compiles what the first steps need (the smallest bucket for decodes and
+the largest, which any step fits in, with their base samplers) concurrently, returns — the engine can
+answer — and the other buckets compile on background threads; until a step's own bucket is compiled it pads
+up to the next compiled one. Sampler variants that only some requests need (logprobs, penalties, a
+structured-output bitmask) compile when the first such request arrives (it waits) and then for the other
+request counts in the background. ``--enforce-eager`` compiles nothing ahead: each variant on first use.
 
 Multi-step decoding (``--num-scheduler-steps N``) adds a third executable per decode bucket: N iterations of
 forward → sample → feed the token back in one ``lax.fori_loop``, for steps whose requests all decode.
@@ -32,6 +39,8 @@ from jaxserve.engine.request import PLACEHOLDER
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
 from jaxserve.runner import packing, sampler as sampler_mod
+from jaxserve.runner.step_compiler import StepCompiler
+from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +231,8 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._init_kv_caches()
         # Under a mesh every step output has a declared sharding (the cache's own, the rest replicated), and
-        # the warm-up feeds the same shardings in: jit keys its cache on the input shardings, so a step fed
-        # what an earlier step returned must find the executable the warm-up compiled (else each TP bucket
-        # compiled again on its first real step).
+        # the executables are compiled for the same shardings in: a step fed what an earlier step returned
+        # runs the executable compiled ahead (one called with other shardings raises: never a recompile).
         rep, fwd_out, samp_out, loop_out = None, {}, {}, {}
         if mesh is not None:
             from jaxserve.parallel import kv_cache_sharding, replicated
@@ -267,6 +275,18 @@ class ModelRunner:
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
         self._step_count = 0
         self._row_cache: dict[str, tuple] = {}     # request id -> (params, seed, sampler_mod.SamplingRow)
+        # what the executables are compiled for: shapes, dtypes and shardings only (a background compile must
+        # not touch the cache buffers a step is donating meanwhile)
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
+        self._param_specs = jax.tree.map(spec, model.params)
+        self._kv_specs = jax.tree.map(spec, self.kv_caches)
+        self._prev_spec = spec(self._no_prev)
+        self.enforce_eager = config.enforce_eager or config.skip_warmup
+        self.variants = StepCompiler(self._lower_variant)
+        # (exact bucket, decode-only) -> the compiled (bucket, decode-only) a step of that size runs in now;
+        # rebuilt whenever more executables are ready
+        self._routes: dict[tuple[int, bool], tuple[int, bool]] = {}
+        self._routes_at = -1
 
     def _zeros(self, shape, dtype) -> jax.Array:
         """Zeros placed as step outputs are: replicated on the mesh (made there, not copied there: a copy onto
@@ -331,16 +351,19 @@ class ModelRunner:
     def num_reqs_for(self, token_bucket: int) -> int:
         return min(token_bucket, self.max_num_seqs)
 
-    def prepare(self, scheduled, prev: PendingStep | None = None):
+    def prepare(self, scheduled, prev: PendingStep | None = None, *, pad_to_compiled: bool = True):
         """Host arrays for one step. ``scheduled``: ScheduledRequest list (decodes first). A PLACEHOLDER
         token (sampled by ``prev``, not yet on the host) is read on device from ``prev``'s output.
+        ``pad_to_compiled``: while the step's own bucket is still compiling, pad up to a compiled one.
 
         Vectorised: one pass over the requests gathers Python lists (tokens, starts, counts, the block
         tables flattened), numpy does the per-token arithmetic (positions, slots, offsets)."""
         n = len(scheduled)
         counts_list = [s.num_new_tokens for s in scheduled]
         n_tok = sum(counts_list)
-        T = self.bucket_for(n_tok)
+        T, decode_only = self.bucket_for(n_tok), self.uniform_decode and 0 < n == n_tok
+        if pad_to_compiled:
+            T, decode_only = self._compiled_shape(T, decode_only)
         R = self.num_reqs_for(T)
         if n > R:
             raise ValueError(f"{n} requests in a step of {T} tokens (max_num_seqs={self.max_num_seqs})")
@@ -400,8 +423,26 @@ class ModelRunner:
                 prev_index[last] = src
                 input_ids[last] = 0
         md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
-                               num_seqs=np.int32(n), decode_only=self.uniform_decode and 0 < n == n_tok)
+                               num_seqs=np.int32(n), decode_only=decode_only)
         return T, R, input_ids, positions, md, logits_idx, prev_index
+
+    def _compiled_shape(self, T: int, decode_only: bool) -> tuple[int, bool]:
+        """The compiled forward a step of bucket ``T`` runs in: its own, else (during start-up) the next
+        larger compiled bucket, the decode-only variant where there is one. Nothing compiled at or above
+        ``T`` (``--enforce-eager``): its own, which dispatch then compiles."""
+        if self._routes_at != len(self.variants):
+            self._routes_at = len(self.variants)
+            self._routes = {}
+            for b in self.buckets:
+                for dec in (False, True):
+                    for c in (c for c in self.buckets if c >= b):
+                        if dec and ("forward", c, True) in self.variants:
+                            self._routes[b, dec] = (c, True)
+                            break
+                        if ("forward", c, False) in self.variants:
+                            self._routes[b, dec] = (c, False)
+                            break
+        return self._routes.get((T, decode_only), (T, decode_only))
 
     def sampling_metadata(self, scheduled, R: int):
         reqs = [s.request for s in scheduled]
@@ -454,19 +495,23 @@ class ModelRunner:
         their bitmask in between). A multi-step decode runs forward and sampler in one loop: it comes back
         as a PendingStep at once."""
         t0 = time.perf_counter()
-        T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev)
+        multi = bool(self._decode_loops) and any(s.num_steps > 1 for s in scheduled)
+        # a multi-step decode runs in its own bucket's loop (compiled on first use if need be)
+        T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev,
+                                                                              pad_to_compiled=not multi)
         smeta = self.sampling_metadata(scheduled, R)
         prev_tokens = prev.tokens if prev is not None else self._no_prev
         limit = None
-        if self._decode_loops and any(s.num_steps > 1 for s in scheduled):     # multi-step: the decode loop
+        if multi:                                                           # multi-step: the decode loop
             limit = np.ones(R, np.int32)
             limit[:len(scheduled)] = [s.num_steps for s in scheduled]
         f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit)
         logits = None
         if limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
-            self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints, prev_tokens,
-                                                   layout=f_layout, decode_only=md.decode_only)
+            fwd = self.variants.get(("forward", T, md.decode_only)) or \
+                self.variants.need(("forward", T, md.decode_only), f"a step of {T} tokens")
+            self.kv_caches, logits = fwd(self.model.params, self.kv_caches, f_ints, prev_tokens)
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
         # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
         # row filters with top-k/top-p
@@ -487,9 +532,9 @@ class ModelRunner:
             return ForwardStep(logits, s_ints, s_floats, s_layout, key, rows, lp_k, int(md.query_start_loc[-1]), R,
                                (time.perf_counter() - t0) * 1e3)
         # the scheduler gave each entry ``num_steps``: the loop's rows run that many
-        self.kv_caches, out, padded = self._decode_loops[key](
-            self.model.params, self.kv_caches, f_ints, prev_tokens, s_ints, s_floats, layout=f_layout,
-            s_layout=s_layout)
+        loop_key = ("decode-loop", T, *key, s_layout)
+        loop = self.variants.get(loop_key) or self.variants.need(loop_key, f"a multi-step decode of {T} tokens")
+        self.kv_caches, out, padded = loop(self.model.params, self.kv_caches, f_ints, prev_tokens, s_ints, s_floats)
         self._step_count += self.num_scheduler_steps
         n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
@@ -499,11 +544,12 @@ class ModelRunner:
         """Launch the sampler of a dispatched forward; ``bitmask`` ([rows, bitmask_width] int32, structured
         outputs) selects the masked sampler variant."""
         t0 = time.perf_counter()
+        key = ("sample", *step.key, bitmask is not None, step.s_layout)
+        exe = self.variants.get(key) or self._sampler_on_first_use(key)
         if bitmask is None:
-            out, padded = self._samplers[step.key](step.logits, step.s_ints, step.s_floats, layout=step.s_layout)
+            out, padded = exe(step.logits, step.s_ints, step.s_floats)
         else:
-            out, padded = self._samplers[step.key](step.logits, step.s_ints, step.s_floats, bitmask,
-                                                   layout=step.s_layout)
+            out, padded = exe(step.logits, step.s_ints, step.s_floats, bitmask)
         self._step_count += 1
         self.stats.host_ms += step.t_host + (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None)
@@ -541,7 +587,7 @@ class ModelRunner:
         st.tokens += pending.num_tokens
         st.token_buckets[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, pending.num_tokens)] += 1
 
-    # ---------------------------------------------------------------- warm-up
+    # ---------------------------------------------------------------- compiling, warm-up
     def _padding_inputs(self, T: int):
         R = self.num_reqs_for(T)
         md = AttentionMetadata(
@@ -551,55 +597,135 @@ class ModelRunner:
             num_seqs=np.int32(0))
         return np.zeros(T, np.int32), np.zeros(T, np.int32), md, np.zeros(R, np.int32)
 
-    def warmup(self, progress: bool = True) -> float:
-        """Compile every variant: the forward per token bucket; the sampler per request count, with and
-        without logprobs, penalties and a structured-output bitmask. Runs them on padding-only inputs (writes go to the null block)."""
-        from jaxserve.sampling_params import SamplingParams
-        from tqdm.auto import tqdm
+    def _forward_inputs(self, T: int, multi_step: bool = False):
+        """A step of bucket ``T``'s packed forward inputs (padding only) and their layout."""
+        ids, pos, md, lidx = self._padding_inputs(T)
+        limit = np.ones(self.num_reqs_for(T), np.int32) if multi_step else None
+        return forward_pack(ids, pos, md, lidx, np.full(T, -1, np.int32), limit)
+
+    def _sampler_layout(self, R: int, penalized: bool = False) -> packing.Layout:
+        """The packed sampling metadata's layout for ``R`` rows: what every step without penalties ships
+        (``penalized``: some row uses a penalty: the history arrays at ``penalty_width``)."""
+        plist = [SamplingParams(repetition_penalty=1.1)] if penalized else []
+        smeta = sampler_mod.make_sampling_metadata(
+            plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=R,
+            request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
+        return packing.pack(packing.fields(smeta))[2]
+
+    @staticmethod
+    def _buffers(layout: packing.Layout) -> tuple[np.ndarray, np.ndarray]:
+        """Zero int32 and float32 buffers of ``layout``'s sizes (what ``packing.pack`` would return)."""
+        n_f = sum(math.prod(p.shape) for p in layout if p.kind == "f32")
+        n_i = sum(math.prod(p.shape) for p in layout) - n_f
+        return np.zeros(n_i, np.int32), np.zeros(n_f, np.float32)
+
+    def _lower_variant(self, key):
+        """Trace and lower one executable (``StepCompiler`` compiles it): from shapes, not buffers."""
+        kind = key[0]
+        if kind == "forward":
+            _, T, decode_only = key
+            ints, layout = self._forward_inputs(T)
+            lowered = self._forward.lower(self._param_specs, self._kv_specs, ints, self._prev_spec,
+                                          layout=layout, decode_only=decode_only)
+        elif kind == "sample":
+            _, num_logprobs, filtering, masked, s_layout = key
+            R = s_layout[0].shape[0]
+            logits = jax.ShapeDtypeStruct((R, self.vocab_size), jnp.float32, sharding=self._replicated)
+            extra = (np.zeros((R, self.bitmask_width), np.int32),) if masked else ()
+            lowered = self._samplers[num_logprobs, filtering].lower(logits, *self._buffers(s_layout), *extra,
+                                                                    layout=s_layout)
+        elif kind == "decode-loop":
+            _, T, num_logprobs, filtering, s_layout = key
+            ints, layout = self._forward_inputs(T, multi_step=True)
+            lowered = self._decode_loops[num_logprobs, filtering].lower(
+                self._param_specs, self._kv_specs, ints, self._prev_spec, *self._buffers(s_layout), layout=layout,
+                s_layout=s_layout)
+        else:
+            raise KeyError(key)
+        return lowered
+
+    def _sampler_on_first_use(self, key):
+        """A sampler variant no step has needed yet (logprobs, penalties, a bitmask, ...): compiled now for
+        this request count (the step waits), then for the other request counts in the background."""
+        _, num_logprobs, filtering, masked, s_layout = key
+        exe = self.variants.need(key, "the first step that needs it")
+        if not self.enforce_eager:
+            R = s_layout[0].shape[0]
+            self.variants.submit([("sample", num_logprobs, filtering, masked, _with_rows(s_layout, R, r))
+                                  for r in self._request_counts() if r != R], priority=2)
+        return exe
+
+    def _request_counts(self) -> list[int]:
+        return sorted({self.num_reqs_for(T) for T in self.buckets})
+
+    def planned_variants(self) -> tuple[list, list]:
+        """The executables compiled ahead: (what the first steps need, the rest, in the order wanted).
+
+        First: the smallest bucket (a batch of decodes) and the largest (a step of any size pads up to it),
+        with the sampler every request without logprobs, penalties or a grammar uses. Then the other buckets
+        from the smallest up (decodes are the steps that run most), then the filtering samplers (GPU:
+        requests with top-k/top-p). Logprobs, penalties and bitmasks compile on first use."""
+        base_f = False if self.static_sampling else None
+        decode_cap = self.bucket_for(min(self.max_num_seqs, self.max_num_tokens))
+
+        def bucket(T):
+            ks = [("sample", 0, base_f, False, self._sampler_layout(self.num_reqs_for(T)))]
+            if self.uniform_decode and T <= decode_cap:
+                ks.append(("forward", T, True))
+            ks.append(("forward", T, False))
+            if self._decode_loops and T <= decode_cap:
+                ks.append(("decode-loop", T, 0, base_f, self._sampler_layout(self.num_reqs_for(T))))
+            return ks
+        first = bucket(self.buckets[0]) + bucket(self.buckets[-1])
+        rest = [k for T in self.buckets[1:-1] for k in bucket(T)]
+        if self.static_sampling:
+            rest += [("sample", 0, True, False, self._sampler_layout(r)) for r in self._request_counts()]
+            if self._decode_loops:
+                rest += [("decode-loop", T, 0, True, self._sampler_layout(self.num_reqs_for(T)))
+                         for T in self.buckets if T <= decode_cap]
+        first = list(dict.fromkeys(first))
+        return first, [k for k in dict.fromkeys(rest) if k not in first]
+
+    def warmup(self, progress: bool = True, background: bool | None = None) -> float:
+        """Compile what the first steps need (concurrently) and queue the other planned variants for the
+        background threads (``background=False``: compile them all now, as every process of a multi-process
+        mesh must, to take the same bucket for the same step). Returns the seconds it blocked.
+        ``--enforce-eager``: nothing."""
         t0 = time.perf_counter()
-        penalized = SamplingParams(repetition_penalty=1.1)
-        todo = [(("forward", False), T) for T in self.buckets]
-        decode_buckets = [T for T in self.buckets if T <= self.bucket_for(min(self.max_num_seqs, self.max_num_tokens))]
-        if self.uniform_decode:       # decode-only steps land in the buckets up to max_num_seqs tokens
-            todo += [(("forward", True), T) for T in decode_buckets]
-        todo += [(("decode-loop", key), T) for T in decode_buckets for key in self._decode_loops]
-        todo += [(("sample", key, pen, masked), R) for R in sorted({self.num_reqs_for(T) for T in self.buckets})
-                 for key in self._samplers for pen in (False, True) for masked in (False, True)]
-        for what, size in tqdm(todo, desc="compiling step buckets", disable=not progress, unit="variant"):
-            if what[0] == "decode-loop":
-                ids, pos, md, lidx = self._padding_inputs(size)
-                R = self.num_reqs_for(size)
-                ints, layout = forward_pack(ids, pos, md, lidx, np.full(size, -1, np.int32), np.ones(R, np.int32))
-                smeta = sampler_mod.make_sampling_metadata([], [], [], [], self.vocab_size, pad_to=R)
-                s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
-                self.kv_caches, outs, _ = self._decode_loops[what[1]](
-                    self.model.params, self.kv_caches, ints, self._no_prev, s_ints, s_floats, layout=layout,
-                    s_layout=s_layout)
-                jax.block_until_ready(outs.token_ids)
-                continue
-            if what[0] == "forward":
-                ids, pos, md, lidx = self._padding_inputs(size)
-                f_ints, f_layout = forward_pack(ids, pos, md, lidx, np.full(size, -1, np.int32))
-                self.kv_caches, logits = self._forward(self.model.params, self.kv_caches, f_ints,
-                                                       self._no_prev, layout=f_layout, decode_only=what[1])
-                jax.block_until_ready(logits)
-                continue
-            _, key, pen, masked = what
-            plist = [penalized] if pen else []
-            smeta = sampler_mod.make_sampling_metadata(
-                plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=size,
-                request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
-            s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
-            logits = self._zeros((size, self.vocab_size), jnp.float32)
-            if masked:
-                out, _ = self._samplers[key](logits, s_ints, s_floats,
-                                             np.full((size, self.bitmask_width), -1, np.int32), layout=s_layout)
-            else:
-                out, _ = self._samplers[key](logits, s_ints, s_floats, layout=s_layout)
-            jax.block_until_ready(out.token_ids)
+        if self.enforce_eager:
+            return 0.0
+        if background is None:
+            background = jax.process_count() == 1
+        first, rest = self.planned_variants()
+        if not background:
+            first, rest = first + rest, []
+        self.variants.compile_now(first)
+        if progress:
+            logger.info("compiled %d step variants in %.1f s; %d more compile in the background", len(first),
+                        time.perf_counter() - t0, len(rest))
+        self.variants.submit(rest, priority=1)
         return time.perf_counter() - t0
+
+    def stop_background_compiles(self) -> None:
+        """Drop the queued background compiles (a one-shot run); a variant a step needs still compiles."""
+        self.variants.stop(wait=False)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compiles are done (False on timeout)."""
+        return self.variants.wait_all(timeout)
+
+    def compile_stats(self) -> dict:
+        """Compiled executables, those still queued, the ones a step waited for, and compile seconds."""
+        v = self.variants
+        return {"compiled": len(v), "pending": v.pending(), "on_first_use": len(v.on_first_use),
+                "compile_seconds": round(sum(v.seconds.values()), 3)}
 
     def compiled_variants(self) -> int:
         """How many executables exist (the no-recompilation test compares this before and after a workload)."""
-        return self._forward._cache_size() + sum(f._cache_size() for f in self._samplers.values()) \
-            + sum(f._cache_size() for f in self._decode_loops.values())
+        return len(self.variants)
+
+
+def _with_rows(layout: packing.Layout, old: int, new: int) -> packing.Layout:
+    """A sampler layout for ``new`` rows instead of ``old`` (every per-row piece's leading axis)."""
+    return tuple(p._replace(shape=(new, *p.shape[1:])) if p.name != "engine_key_data" and p.shape[:1] == (old,)
+                 else p for p in layout)

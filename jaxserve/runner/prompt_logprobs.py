@@ -27,6 +27,7 @@ from jaxserve.engine.detokenizer import decode_logprobs
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits
 from jaxserve.runner.sampler import compute_logprobs
+from jaxserve.runner.step_compiler import TRACE_LOCK
 
 CHUNK = 256
 MIN_BUCKET = 16
@@ -90,7 +91,9 @@ class PromptLogprobsScorer:
     def _compile_all(self, kv_caches) -> None:
         """Every chunk length's executable, compiled in parallel (XLA compiles outside the GIL)."""
         def compile_one(S):
-            return S, self._fn.lower(self.model.params, kv_caches, *self._inputs([0] * (S + 1), 0, S, [])).compile()
+            with TRACE_LOCK:            # JAX's tracing is not thread-safe: one lowering at a time, process-wide
+                lowered = self._fn.lower(self.model.params, kv_caches, *self._inputs([0] * (S + 1), 0, S, []))
+            return S, lowered.compile()
         buckets = self.buckets()
         with ThreadPoolExecutor(min(len(buckets), 8)) as pool:
             self._executables.update(pool.map(compile_one, buckets))

@@ -41,6 +41,7 @@ from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.parallel import attention as tp_attention
 
 from . import moe
+from .linear import linear, row_parallel_linear, row_parallel_linear_add_rms_norm
 from .norms import NORMS, inv_rms
 from .rotary import Rotary
 
@@ -113,7 +114,7 @@ class DecoderLayer(nnx.Module):
         t, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rotary = spec.rotaries[spec.layer_rotary[self.index]]
         cos, sin = cos_sin[spec.layer_rotary[self.index]]
-        q, k, v = h @ _w(self.q), h @ _w(self.k), h @ _w(self.v)
+        q, k, v = linear(h, _w(self.q)), linear(h, _w(self.k)), linear(h, _w(self.v))
         if spec.attention_bias:
             q, k, v = q + _w(self.q_bias), k + _w(self.k_bias), v + _w(self.v_bias)
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
@@ -141,7 +142,7 @@ class DecoderLayer(nnx.Module):
 
     def gated(self, h: jax.Array) -> jax.Array:
         """The gated MLP up to (not including) the down projection: ``act(h @ gate) * (h @ up)``."""
-        gate_up = jnp.einsum("th,hci->tci", h, _w(self.gate_up))
+        gate_up = linear(h, _w(self.gate_up))
         return ACTIVATIONS[self.spec.activation](gate_up[:, 0]) * gate_up[:, 1]
 
     def moe_mlp(self, h: jax.Array, valid: jax.Array) -> jax.Array:
@@ -177,13 +178,13 @@ class DecoderModel(nnx.Module):
             attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
             new_caches.append(kv_cache)
             if spec.parallel_block:
-                mlp = parallel.row_parallel_matmul(layer.gated(h), _w(layer.down))
-                x = (parallel.row_parallel_matmul(attn, _w(layer.o)) + mlp) + x
+                mlp = row_parallel_linear(layer.gated(h), _w(layer.down))
+                x = (row_parallel_linear(attn, _w(layer.o)) + mlp) + x
                 h = self.norm(x, next_norm, eps)
             elif spec.sandwich_norms:
-                x = x + self.norm(parallel.row_parallel_matmul(attn, _w(layer.o)), _w(layer.post_attn_norm), eps)
+                x = x + self.norm(row_parallel_linear(attn, _w(layer.o)), _w(layer.post_attn_norm), eps)
                 h = self.norm(x, _w(layer.mlp_norm), eps)
-                x = x + self.norm(parallel.row_parallel_matmul(layer.gated(h), _w(layer.down)),
+                x = x + self.norm(row_parallel_linear(layer.gated(h), _w(layer.down)),
                                   _w(layer.post_mlp_norm), eps)
                 h = self.norm(x, next_norm, eps)
             elif layer.is_moe:
@@ -199,9 +200,9 @@ class DecoderModel(nnx.Module):
         """``s = residual + x @ w`` (row-parallel) and the next norm of ``s``; fused with TP's all-reduce
         where the custom all-reduce can (RMSNorm only)."""
         if self.spec.norm == "rms":
-            return parallel.row_parallel_matmul_add_rms_norm(x, w, residual, norm_weight, self.cfg.rms_norm_eps,
-                                                              self.norm)
-        s = residual + parallel.row_parallel_matmul(x, w)
+            return row_parallel_linear_add_rms_norm(x, w, residual, norm_weight, self.cfg.rms_norm_eps,
+                                                    self.norm)
+        s = residual + row_parallel_linear(x, w)
         return s, self.norm(s, norm_weight, self.cfg.rms_norm_eps)
 
 

@@ -1,0 +1,13 @@
+"""Quantized checkpoints: FP8 and int4 W4A16 (AWQ, GPTQ, compressed-tensors) weights of the decoder's
+projections (``--quantization``, vLLM's names).
+
+``config`` reads the flag and the checkpoint's ``quantization_config``; ``int4_formats`` repacks each int4
+format into one layout; ``weights`` holds the quantized weight pytrees and the matmul each runs (the
+kernels: ``kernels/int4_matmul_pallas.py`` on GPUs, XLA's fp8 dot); ``loading`` places them (with their
+tensor-parallel shards) for ``models.loader``; ``online`` quantizes float weights on the device.
+"""
+from .config import QUANTIZATION_METHODS, QuantConfig, checkpoint_quantization, resolve_quantization
+from .weights import Fp8Weight, Int4Weight, is_quantized, matmul
+
+__all__ = ["QUANTIZATION_METHODS", "QuantConfig", "checkpoint_quantization", "resolve_quantization",
+           "Fp8Weight", "Int4Weight", "is_quantized", "matmul"]

@@ -1,0 +1,165 @@
+"""AWQ, GPTQ and compressed-tensors int4 tensors → one layout (``Int4Parts``), in numpy at load.
+
+Each reader returns a module's weight as unsigned 4-bit values ``q [K, N]`` in the model's ``[in, out]``
+layout, with per-group ``scales [K/G, N]`` (the checkpoint's float dtype, unchanged) and integer ``zeros
+[K/G, N]`` such that ``w = (q - zeros) * scales``, and ``perm`` when GPTQ's act-order stores the input
+channels out of group order. ``combine`` then applies the weight plan's build (stack gate and up, slice a
+fused projection) and ``pack`` packs ``q`` along K into ``kernels/int4_matmul_pallas.py``'s layout.
+
+The formats' packing rules, as their quantizers write them:
+* AWQ (GEMM): ``qweight [K, N/8]`` int32 packs 8 output columns per word in the order 0, 2, 4, 6, 1, 3, 5, 7
+  (nibble ``i`` holds column ``ORDER[i]``); ``qzeros [K/G, N/8]`` the same way; ``scales [K/G, N]``.
+* GPTQ (v1): ``qweight [K/8, N]`` packs 8 input rows per word (nibble ``j`` of row ``r`` is row ``8r + j``);
+  ``qzeros [K/G, N/8]`` packs columns in natural order and stores ``zero - 1`` (read back as ``stored + 1``,
+  modulo 16); ``g_idx [K]`` the group of each input row: with ``desc_act`` the rows of a group are scattered,
+  and sorting the rows by group (``perm``) makes them contiguous again, so the step gathers ``x[:, perm]``.
+* compressed-tensors ``pack-quantized``: ``weight_packed [N, K/8]`` packs 8 input columns per word (natural
+  order) of the signed values offset by 8; ``weight_scale [N, K/G]``; asymmetric ``weight_zero_point
+  [N/8, K/G]`` packs 8 output rows per word, also offset by 8; ``weight_shape`` = ``[N, K]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from jaxserve.errors import ModelLoadError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # nibble i of an AWQ word holds column AWQ_ORDER[i]
+PACK = 8
+
+
+@dataclasses.dataclass
+class Int4Parts:
+    q: np.ndarray                  # uint8 [K, *out], 0..15
+    scales: np.ndarray             # [K/G, *out] float
+    zeros: np.ndarray              # int8 [K/G, *out], 0..15
+    perm: np.ndarray | None        # int32 [K] or None
+    group_size: int
+
+
+def _unpack_last(packed: np.ndarray, order=tuple(range(PACK))) -> np.ndarray:
+    """int32 ``[..., C]`` → uint8 ``[..., 8C]``: column ``8c + order[i]`` from nibble ``i`` of word ``c``."""
+    u = packed.view(np.uint32)
+    out = np.empty(packed.shape[:-1] + (packed.shape[-1], PACK), np.uint8)
+    for i, col in enumerate(order):
+        out[..., col] = (u >> np.uint32(4 * i)) & np.uint32(15)
+    return out.reshape(packed.shape[:-1] + (packed.shape[-1] * PACK,))
+
+
+def _unpack_first(packed: np.ndarray) -> np.ndarray:
+    """int32 ``[R, ...]`` → uint8 ``[8R, ...]``: row ``8r + j`` from nibble ``j`` of row ``r``."""
+    return np.moveaxis(_unpack_last(np.moveaxis(packed, 0, -1)), -1, 0)
+
+
+def pack(q: np.ndarray) -> np.ndarray:
+    """uint8 ``[K, ...]`` (0..15) → int32 ``[K/8, ...]``, nibble ``j`` of row ``r`` = row ``8r + j``."""
+    k = q.shape[0]
+    if k % PACK:
+        raise ModelLoadError(f"int4 weight with {k} input rows (not a multiple of 8)")
+    planes = q.reshape((k // PACK, PACK) + q.shape[1:]).astype(np.uint32)
+    out = np.zeros((k // PACK,) + q.shape[1:], np.uint32)
+    for j in range(PACK):
+        out |= planes[:, j] << np.uint32(4 * j)
+    return out.view(np.int32)
+
+
+def _check(cond: bool, prefix: str, what: str) -> None:
+    if not cond:
+        raise ModelLoadError(f"{prefix}: {what}")
+
+
+def _group(group_size: int, k: int, prefix: str) -> int:
+    g = k if group_size == -1 else group_size
+    _check(k % g == 0, prefix, f"{k} input features are not a multiple of the group size {g}")
+    return g
+
+
+def read_awq(get: Callable[[str], np.ndarray], prefix: str, group_size: int) -> Int4Parts:
+    qweight, qzeros, scales = get(f"{prefix}.qweight"), get(f"{prefix}.qzeros"), get(f"{prefix}.scales")
+    q = _unpack_last(qweight, AWQ_ORDER)
+    k, n = q.shape
+    g = _group(group_size, k, prefix)
+    _check(scales.shape == (k // g, n), prefix, f"scales {scales.shape} do not fit qweight {qweight.shape} "
+                                               f"with group_size {g}")
+    zeros = _unpack_last(qzeros, AWQ_ORDER).astype(np.int8)
+    _check(zeros.shape == scales.shape, prefix, f"qzeros {qzeros.shape} do not fit scales {scales.shape}")
+    return Int4Parts(q, np.asarray(scales), zeros, None, g)
+
+
+def read_gptq(get: Callable[[str], np.ndarray], prefix: str, group_size: int, has: Callable[[str], bool]
+              ) -> Int4Parts:
+    qweight, qzeros, scales = get(f"{prefix}.qweight"), get(f"{prefix}.qzeros"), get(f"{prefix}.scales")
+    q = _unpack_first(qweight)
+    k, n = q.shape
+    g = _group(group_size, k, prefix)
+    _check(scales.shape == (k // g, n), prefix, f"scales {scales.shape} do not fit qweight {qweight.shape} "
+                                               f"with group_size {g}")
+    zeros = ((_unpack_last(qzeros).astype(np.int16) + 1) & 15).astype(np.int8)      # v1: stored zero - 1
+    _check(zeros.shape == scales.shape, prefix, f"qzeros {qzeros.shape} do not fit scales {scales.shape}")
+    perm = None
+    if has(f"{prefix}.g_idx"):
+        g_idx = np.asarray(get(f"{prefix}.g_idx")).astype(np.int64)
+        _check(g_idx.shape == (k,), prefix, f"g_idx {g_idx.shape} does not fit {k} input features")
+        if not np.array_equal(g_idx, np.arange(k) // g):
+            perm = np.argsort(g_idx, kind="stable")
+            _check(np.array_equal(g_idx[perm], np.arange(k) // g), prefix,
+                   f"g_idx does not give every group exactly {g} input features")
+            q, perm = q[perm], perm.astype(np.int32)
+    return Int4Parts(q, np.asarray(scales), zeros, perm, g)
+
+
+def read_compressed_tensors(get: Callable[[str], np.ndarray], prefix: str, group_size: int, symmetric: bool,
+                            has: Callable[[str], bool]) -> Int4Parts:
+    packed, scales = get(f"{prefix}.weight_packed"), np.asarray(get(f"{prefix}.weight_scale"))
+    q = _unpack_last(packed)                                         # [N, K]
+    if has(f"{prefix}.weight_shape"):
+        n, k = (int(v) for v in np.asarray(get(f"{prefix}.weight_shape")))
+        _check(q.shape[0] == n and q.shape[1] >= k, prefix, f"weight_packed {packed.shape} does not fit "
+                                                             f"weight_shape [{n}, {k}]")
+        q = q[:, :k]
+    n, k = q.shape
+    g = _group(group_size, k, prefix)
+    _check(scales.shape == (n, k // g), prefix, f"weight_scale {scales.shape} does not fit [{n}, {k // g}]")
+    if symmetric or not has(f"{prefix}.weight_zero_point"):
+        zeros = np.full((k // g, n), 8, np.int8)
+    else:
+        zp = _unpack_first(get(f"{prefix}.weight_zero_point"))[:n]   # [N, K/G], offset by 8 like the weights
+        _check(zp.shape == scales.shape, prefix, f"weight_zero_point does not fit weight_scale {scales.shape}")
+        zeros = np.ascontiguousarray(zp.T).astype(np.int8)
+    return Int4Parts(np.ascontiguousarray(q.T), np.ascontiguousarray(scales.T), zeros, None, g)
+
+
+def combine(parts: list[Int4Parts], kind, name: str) -> Int4Parts:
+    """One weight from its modules' parts by the weight plan's build ``kind`` (checkpoint_names)."""
+    if kind == "t":
+        return parts[0]
+    if kind == "stack_t":
+        gate, up = parts
+        if gate.group_size != up.group_size:
+            raise ModelLoadError(f"{name}: gate and up have different group sizes")
+        if (gate.perm is None) != (up.perm is None) or (gate.perm is not None
+                                                         and not np.array_equal(gate.perm, up.perm)):
+            raise ModelLoadError(f"{name}: gate_proj and up_proj have different act-order permutations "
+                                 f"(g_idx); their fused projection needs one")
+        return Int4Parts(*(np.stack([a, b], axis=1) for a, b in
+                           ((gate.q, up.q), (gate.scales, up.scales), (gate.zeros, up.zeros))),
+                         gate.perm, gate.group_size)
+    p = parts[0]
+    if isinstance(kind, tuple) and kind[0] == "rows_t":
+        cols = slice(kind[1], kind[2])
+        return Int4Parts(p.q[:, cols], p.scales[:, cols], p.zeros[:, cols], p.perm, p.group_size)
+    if kind == "fused_gate_up_t":
+        def split(a):
+            return a.reshape(a.shape[0], 2, a.shape[1] // 2)
+        return Int4Parts(split(p.q), split(p.scales), split(p.zeros), p.perm, p.group_size)
+    raise ModelLoadError(f"{name}: build {kind!r} has no int4 form")
+
+
+def dequantize(parts: Int4Parts) -> np.ndarray:
+    """The float32 weight ``[K, *out]`` the parts stand for (rows in ``perm`` order when there is one)."""
+    g = parts.group_size
+    s = np.repeat(parts.scales.astype(np.float32), g, axis=0)
+    z = np.repeat(parts.zeros.astype(np.float32), g, axis=0)
+    return (parts.q.astype(np.float32) - z) * s

@@ -1,0 +1,183 @@
+"""Quantized linear weights as pytrees in the weight tree, and the matmul each one runs.
+
+A quantized projection replaces its float ``[in, *out]`` leaf (``q``, ``gate_up [hidden, 2, inter]``, ...) with
+an ``Int4Weight`` or ``Fp8Weight`` of the same logical shape; the model code calls ``matmul(x, w)`` and never
+looks inside. Every array of one weight is laid out ``[in-ish, *out]`` so a tensor-parallel weight spec
+applies to all of them alike: a row-parallel weight splits its first axis (K rows, K/8 packed rows, K/G
+groups, K/128 blocks), a column-parallel one its last. ``tp_axis`` (static) says which one was split, so the
+matmul can run the local product in ``shard_map`` (a Pallas call cannot be partitioned by XLA) and sum
+row-parallel partials.
+
+On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU steps of
+up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through ``kernels.int4_matmul_pallas`` (dequantization in
+registers), larger ones dequantize and run XLA's GEMM. FP8 per-channel weights run W8A8 as an
+fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on the H200), the per-token activation scale
+and the weight's channel scale applied to the result; 128 × 128 block weights are dequantized to the
+activation dtype before the dot (W8A16).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.kernels import int4_matmul_pallas as int4_kernel
+from jaxserve.parallel.mesh import current_tp_mesh
+
+# Steps up to this many tokens (decode, small mixed steps: bound by weight bytes) run the fused int4 kernel;
+# larger ones are bound by compute, where dequantizing once and running XLA's bf16 GEMM does better than
+# re-dequantizing every weight tile per 64-row block of x (benchmarks/diagnostics/quant_matmul_bench.py
+# measures both at M = 256 and 2048)
+INT4_KERNEL_MAX_TOKENS = 64
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)
+TP = "tp"
+_static = dict(static=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+    """W4A16 (``kernels/int4_matmul_pallas.py`` says the layout): ``packed [K/8, *out]`` int32,
+    ``scales [K/G, *out]``, ``zeros [K/G, *out]`` int8; ``perm [K]`` (GPTQ act-order: the input channels in
+    group order, ``x[:, perm]`` feeds the weight's rows) or None."""
+    packed: jax.Array
+    scales: jax.Array
+    zeros: jax.Array
+    perm: jax.Array | None
+    group_size: int = dataclasses.field(metadata=_static)
+    tp_axis: int | None = dataclasses.field(default=None, metadata=_static)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.packed.shape[0] * int4_kernel.PACK,) + tuple(self.packed.shape[1:])
+
+    def specs(self, spec: P) -> "Int4Weight":
+        """The PartitionSpec of each array when the float weight's spec is ``spec`` (``tp_axis`` is set
+        from the same spec: ``with_tp_axis``)."""
+        return dataclasses.replace(self, packed=spec, scales=spec, zeros=spec,
+                                   perm=None if self.perm is None else P())
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """FP8 e4m3 ``weight [*out, K]``, output-major (HF's own layout: the one cuBLASLt's fp8 GEMM takes
+    without a transpose, both operands K-minor); its logical shape is ``[K, *out]`` like every projection's.
+    ``scale`` float32 ``[*out]`` per output channel (per-tensor scales are stored broadcast) or
+    ``[K/128, *out/128]`` per 128 × 128 block (``block=True``); ``input_scale`` the static per-tensor
+    activation scale, or None (dynamic per-token scales)."""
+    weight: jax.Array
+    scale: jax.Array
+    input_scale: jax.Array | None
+    block: bool = dataclasses.field(default=False, metadata=_static)
+    tp_axis: int | None = dataclasses.field(default=None, metadata=_static)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.weight.shape[-1],) + tuple(self.weight.shape[:-1])
+
+    def specs(self, spec: P) -> "Fp8Weight":
+        ndim = self.weight.ndim
+        full = tuple(spec) + (None,) * (ndim - len(tuple(spec)))      # over the logical [K, *out]
+        axis = _tp_axis(spec)
+        if self.block:
+            scale_spec = P(*full)
+        else:   # [*out]: split only where the outputs are
+            scale_spec = P(*([None] * (ndim - 2)), TP) if axis == ndim - 1 else P()
+        return dataclasses.replace(self, weight=P(*full[1:], full[0]), scale=scale_spec,
+                                   input_scale=None if self.input_scale is None else P())
+
+
+QUANTIZED_TYPES = (Int4Weight, Fp8Weight)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QUANTIZED_TYPES)
+
+
+def with_tp_axis(w, spec: P):
+    """``w`` marked with the axis that ``spec`` splits over ``"tp"`` (None: replicated)."""
+    return dataclasses.replace(w, tp_axis=_tp_axis(spec))
+
+
+def _tp_axis(spec: P) -> int | None:
+    return next((i for i, a in enumerate(tuple(spec)) if a == TP), None)
+
+
+# ------------------------------------------------------------------------------------------ the matmul
+def matmul(x: jax.Array, w) -> jax.Array:
+    """``x [T, K]`` times the quantized weight ``w [K, *out]`` → ``[T, *out]`` in ``x``'s dtype; summed over
+    the devices when ``w`` is row-parallel under a tp mesh."""
+    mesh = current_tp_mesh()
+    if mesh is None or w.tp_axis is None:
+        return _local_matmul(x, w)
+    wspec = w.specs(_spec_on_axis(len(w.shape), w.tp_axis))
+    out_ndim = len(w.shape)            # [T, *out]
+    if w.tp_axis == 0:               # row-parallel: x split on K, partial sums reduced
+        def local(xs, ws):
+            return jax.lax.psum(_local_matmul(xs, ws), TP)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, TP), wspec), out_specs=P(), check_vma=False)(x, w)
+    out_spec = P(*([None] * (out_ndim - 1)), TP)
+    # check_vma=False: the Pallas kernel's loop carries no varying-manual-axes annotations (parallel/attention.py)
+    return jax.shard_map(_local_matmul, mesh=mesh, in_specs=(P(), wspec), out_specs=out_spec,
+                         check_vma=False)(x, w)
+
+
+def _spec_on_axis(ndim: int, axis: int) -> P:
+    return P(*[TP if i == axis else None for i in range(ndim)])
+
+
+def _local_matmul(x: jax.Array, w) -> jax.Array:
+    out_shape = tuple(w.shape[1:])
+    n = math.prod(out_shape)
+    if isinstance(w, Int4Weight):
+        y = _int4_matmul(x, w, n)
+    else:
+        y = _fp8_matmul(x, w, n)
+    return y.reshape(x.shape[:-1] + out_shape)
+
+
+def _int4_matmul(x: jax.Array, w: Int4Weight, n: int) -> jax.Array:
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=1)
+    k = x.shape[-1]
+    packed, scales, zeros = (a.reshape(a.shape[0], n) for a in (w.packed, w.scales, w.zeros))
+    if (jax.default_backend() == "gpu" and x.shape[0] <= INT4_KERNEL_MAX_TOKENS
+            and int4_kernel.supports(x.shape[0], k, n, w.group_size)):
+        return int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=w.group_size)
+    return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size)
+
+
+def quantize_activation_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x_fp8, scale [T, 1] float32)`` with ``x ≈ x_fp8 * scale`` row by row (dynamic, per token)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+    return _to_fp8(x.astype(jnp.float32) / scale), scale
+
+
+def _to_fp8(x: jax.Array) -> jax.Array:
+    return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+_CONTRACT_K = (((1,), (1,)), ((), ()))     # x [T, K] with w [N, K]
+
+
+def _fp8_matmul(x: jax.Array, w: Fp8Weight, n: int) -> jax.Array:
+    k = x.shape[-1]
+    wt = w.weight.reshape(n, k)
+    if w.block:
+        s = w.scale.reshape(w.scale.shape[0], -1)
+        s = jnp.repeat(jnp.repeat(s, 128, axis=0)[:k], 128, axis=1)[:, :n]
+        wd = (wt.astype(jnp.float32) * s.T).astype(x.dtype)
+        return jax.lax.dot_general(x, wd, _CONTRACT_K, preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.input_scale is None:
+        xq, sx = quantize_activation_per_token(x)
+    else:
+        sx = w.input_scale.astype(jnp.float32)
+        xq = _to_fp8(x.astype(jnp.float32) / sx)
+    y = jax.lax.dot_general(xq, wt, _CONTRACT_K, preferred_element_type=jnp.float32)
+    return (y * sx * w.scale.reshape(1, n)).astype(x.dtype)

@@ -1,0 +1,74 @@
+"""The int4 W4A16 Pallas kernel (interpret mode) and the jnp dequantization against a numpy reference, on
+random shapes: groups of 32 / 64 / 128 and per-channel, odd M, N tails the block sizes must divide, split-K."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from jaxserve.kernels import int4_matmul_pallas as k4
+from jaxserve.quantization import int4_formats
+from jaxserve.quantization.weights import Fp8Weight, _fp8_matmul, quantize_activation_per_token
+
+
+def random_int4(rng, k: int, n: int, group: int):
+    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    scales = (rng.random((k // group, n)) * 0.02 + 0.001).astype(np.float16)
+    zeros = rng.integers(0, 16, (k // group, n)).astype(np.int8)
+    w = ((q.astype(np.float32) - np.repeat(zeros, group, 0)) * np.repeat(scales.astype(np.float32), group, 0))
+    return int4_formats.pack(q), scales, zeros, w.astype(np.float32)
+
+
+def test_pack_and_dequantize_are_exact():
+    rng = np.random.default_rng(0)
+    packed, scales, zeros, w = random_int4(rng, 256, 40, 64)
+    np.testing.assert_array_equal(np.asarray(k4.unpack_int4(jnp.asarray(packed))),
+                                  int4_formats._unpack_first(packed))
+    np.testing.assert_array_equal(np.asarray(k4.dequantize_int4(packed, scales, zeros, 64)), w)
+
+
+@pytest.mark.parametrize("m,k,n,group,split_k", [(1, 256, 64, 128, None), (5, 384, 48, 32, 1), (3, 512, 96, 64, 2),
+                                                 (20, 256, 32, 256, None), (33, 1024, 16, 128, 4)])
+def test_kernel_matches_the_reference_in_interpret_mode(m, k, n, group, split_k):
+    rng = np.random.default_rng(m * 7 + n)
+    packed, scales, zeros, w = random_int4(rng, k, n, group)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x @ w
+    assert k4.supports(m, k, n, group, interpret=True)
+    got = k4.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros),
+                         group_size=group, split_k=split_k, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    ref = k4.int4_matmul_reference(jnp.asarray(x), packed, scales, zeros, group)
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_bfloat16():
+    rng = np.random.default_rng(3)
+    packed, scales, zeros, w = random_int4(rng, 512, 64, 128)
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    got = k4.int4_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scales),
+                         jnp.asarray(zeros), group_size=128, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    want = x @ w
+    assert np.abs(np.asarray(got, np.float32) - want).max() < 0.02 * np.abs(want).max()
+
+
+def test_gpu_path_declines_what_triton_cannot_tile():
+    assert not k4.supports(1, 256, 64, 64)           # K steps of 64 rows: plane dots of 8 (< 16)
+    assert not k4.supports(1, 256, 24, 128)          # no block of 16/32/64 columns divides 24
+    assert k4.supports(1, 4096, 14336, 128)
+
+
+def test_fp8_w8a8_matmul_is_the_scaled_fp8_product():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    wq = (rng.standard_normal((256, 64)) * 100).astype(jnp.float8_e4m3fn)
+    scale = (rng.random(64) * 0.01).astype(np.float32)
+    stored = jnp.asarray(np.ascontiguousarray(wq.T))          # output-major
+    got = _fp8_matmul(jnp.asarray(x), Fp8Weight(weight=stored, scale=jnp.asarray(scale), input_scale=None), 64)
+    xq, sx = quantize_activation_per_token(jnp.asarray(x))
+    want = (np.asarray(xq, np.float32) @ np.asarray(wq, np.float32)) * np.asarray(sx) * scale
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    # the activation quantization itself: each row's largest magnitude maps to e4m3's 448
+    np.testing.assert_allclose(np.abs(np.asarray(xq, np.float32)).max(1), 448.0)

@@ -13,10 +13,12 @@ TINY = os.path.join(os.path.dirname(__file__), "fixtures", "models", "tiny-llama
 
 
 class FakeLowered:
-    def __init__(self, key, log, delay=0.0):
-        self.key, self.log, self.delay = key, log, delay
+    def __init__(self, key, log, delay=0.0, gate=None):
+        self.key, self.log, self.delay, self.gate = key, log, delay, gate
 
     def compile(self):
+        if self.gate is not None:
+            self.gate.wait(10)
         time.sleep(self.delay)
         self.log.append(self.key)
         return f"exe-{self.key}"
@@ -25,10 +27,8 @@ class FakeLowered:
 def test_compiler_runs_queued_keys_in_priority_order_and_need_takes_one_over():
     log, gate = [], threading.Event()
 
-    def lower(key):
-        if key == "blocker":
-            gate.wait(10)
-        return FakeLowered(key, log)
+    def lower(key):                             # the blocker waits in its compile, outside TRACE_LOCK
+        return FakeLowered(key, log, gate=gate if key == "blocker" else None)
     c = StepCompiler(lower, workers=1)
     c.submit(["blocker"], priority=0)          # holds the one worker until the gate opens
     c.submit(["late", "later"], priority=5)
@@ -130,3 +130,22 @@ def test_compile_cache_keeps_every_executable(tmp_path):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", old[2])
         compile_cache._enabled_dir = old[3]
+
+
+def test_compiler_retries_a_failed_lowering_once_then_surfaces_the_error():
+    calls = []
+
+    def lower(key):
+        calls.append(key)
+        if key == "flaky" and calls.count("flaky") == 1:
+            raise KeyError("a trace raced on another thread")
+        if key == "broken":
+            raise ValueError("does not lower")
+        return FakeLowered(key, [])
+    c = StepCompiler(lower, workers=1)
+    c.compile_now(["flaky"])
+    assert c.get("flaky") == "exe-flaky" and calls.count("flaky") == 2
+    with pytest.raises(ValueError, match="does not lower"):
+        c.need("broken")
+    assert calls.count("broken") == 2
+    c.stop()

@@ -171,15 +171,21 @@ class StepCompiler:
 
     def _compile(self, key: Hashable, ev: threading.Event) -> None:
         t0 = time.perf_counter()
-        try:
-            with TRACE_LOCK:
-                lowered = self._lower(key)
-            exe = lowered.compile()
-        except BaseException as e:          # surfaced to whoever needs the key
-            self._errors[key] = e
-            logger.warning("compiling %s failed: %r", _name(key), e)
-        else:
-            self._ready[key] = exe
+        for attempt in (1, 2):
+            try:
+                with TRACE_LOCK:
+                    lowered = self._lower(key)
+                exe = lowered.compile()
+            except Exception as e:
+                # a trace on another thread that does not take TRACE_LOCK (a first-called jit elsewhere in
+                # the process) can race this one (seen as a KeyError on a jaxpr Var): one retry; a second
+                # failure is surfaced to whoever needs the key
+                logger.warning("compiling %s failed (attempt %d): %r", _name(key), attempt, e)
+                if attempt == 2:
+                    self._errors[key] = e
+            else:
+                self._ready[key] = exe
+                break
         self.seconds[key] = time.perf_counter() - t0
         ev.set()
 

@@ -81,7 +81,7 @@ def _tail(path: Path, n: int = 15) -> str:
 
 
 _COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions|structured_output_mask_steps"
-                      r"|structured_output_mask_ms|structured_output_mask_wait_ms)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+                      r"|structured_output_mask_ms|structured_output_mask_wait_ms|step_variants_pending)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float]:
@@ -172,9 +172,18 @@ def run_serve(run) -> None:
         run.result["base_url"] = base_url
         warm = int(wl["warmup_requests"] or 0)
         if warm:
-            reqs = build_requests(run, warm, seed_offset=10_000)
-            asyncio.run(run_load(base_url, reqs, max_concurrency=warm, api_key=cfg["serve"]["api_key"],
-                                 ignore_eos=wl["ignore_eos"], progress=False))
+            # the warm-up asks for what the points will (a grammar: its bitmask sampler compiles on first use),
+            # then waits for the server's background compiles: the points measure the compiled steady state
+            fraction = max(float(v) for v in values) if param == "structured_fraction" else None
+            reqs = build_requests(run, warm, seed_offset=10_000, structured_fraction=fraction)
+            api_key = cfg["serve"]["api_key"]
+            deadline = time.monotonic() + float(cfg["serve"]["startup_timeout_s"])
+            while True:
+                asyncio.run(run_load(base_url, reqs, max_concurrency=warm, api_key=api_key,
+                                     ignore_eos=wl["ignore_eos"], progress=False))
+                if not scrape_counters(base_url, api_key).get("step_variants_pending") or time.monotonic() > deadline:
+                    break
+                time.sleep(2.0)
         points = []
         for i, value in enumerate(values):
             rate = float(wl["request_rate"])

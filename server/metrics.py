@@ -64,6 +64,8 @@ GAUGES = {
     "num_requests_running": ("num_requests_running", "num_running"),
     "num_requests_waiting": ("num_requests_waiting", "num_waiting"),
     "kv_cache_usage_perc": ("kv_cache_usage_perc", "kv_cache_usage", "gpu_cache_usage_perc"),
+    # step variants queued or compiling in the background (the server answers before all are compiled)
+    "step_variants_pending": ("step_variants_pending",),
 }
 ENGINE_COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries",),

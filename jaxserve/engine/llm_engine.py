@@ -397,5 +397,8 @@ class LLMEngine(RequestBuilder):
         s.update(step_ms_total=self._step_ms, runner_host_ms_total=rs.host_ms, device_ms_total=rs.device_ms,
                  tokens_total=rs.tokens)
         s["num_kv_blocks"] = self.runner.num_blocks
+        variants = getattr(self.runner, "variants", None)
+        if variants is not None:                # background compiles not done yet
+            s["step_variants_pending"] = variants.pending()
         s.update(self.structured_output.stats())
         return s

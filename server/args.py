@@ -29,7 +29,8 @@ class ServerArgs:
     response_role: str = "assistant"
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
-    max_log_len: int | None = None
+    enable_log_requests: bool = False               # log each request's prompt and parameters (vLLM's)
+    max_log_len: int | None = None                  # characters / token ids of a logged prompt (None: all)
     enable_auto_tool_choice: bool = False           # let the model decide to call tools (tool_choice "auto")
     tool_call_parser: str | None = None             # how to read calls from its output: hermes, mistral, ...
     tool_parser_plugin: str | None = None           # a Python file registering more parsers
@@ -92,7 +93,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add(g, "--enable-tokenizer-info-endpoint", action="store_true",
          help="serve GET /tokenizer_info (the tokenizer's config and chat template, as vLLM does; lm-eval's "
               "local-completions tokenizer backend reads it)")
-    _add(g, "--max-log-len", type=int, default=None, help="(accepted for vLLM compatibility)")
+    _add(g, "--enable-log-requests", action="store_true",
+         help="log each request: its prompt (cut to --max-log-len), sampling parameters and prompt token ids")
+    _add(g, "--max-log-len", type=int, default=None,
+         help="with --enable-log-requests: how many prompt characters and token ids a log line shows (default all)")
     t = parser.add_argument_group("tool calling")
     _add(t, "--enable-auto-tool-choice", action="store_true",
          help="let the model call tools on its own (tool_choice 'auto'); needs --tool-call-parser")

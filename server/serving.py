@@ -481,8 +481,20 @@ class Serving:
                         except Exception as e:  # already gone is fine
                             log.debug("abort %s: %s", c.request_id, e)
 
+    def log_request(self, p: Prompt, c: Choice) -> None:
+        """--enable-log-requests (vLLM's): one line per engine request, the prompt cut to --max-log-len
+        characters and token ids."""
+        if not self.args.enable_log_requests:
+            return
+        n = self.args.max_log_len
+        text = p.text if n is None or p.text is None else p.text[:n]
+        ids = p.token_ids if n is None else p.token_ids[:n]
+        log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", c.request_id, text,
+                 c.params, ids)
+
     async def _single(self, p: Prompt, c: Choice) -> AsyncIterator[tuple[Choice, Any]]:
         """n = 1, one prompt (the common case): the engine's stream as is, no extra task or queue hop."""
+        self.log_request(p, c)
         gen = self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text)
         try:
             async for out in gen:
@@ -498,6 +510,7 @@ class Serving:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(p: Prompt, c: Choice) -> None:
+            self.log_request(p, c)
             try:
                 async for out in self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text):
                     await queue.put((c, out, None))

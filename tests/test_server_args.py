@@ -78,3 +78,28 @@ def test_wildcard_origin_with_credentials_is_refused_at_start_up():
     ok = server_args_from_namespace(parse("--allowed-origins", "http://a.example", "--allow-credentials"))
     assert ok.allowed_origins == ["http://a.example"] and ok.allow_credentials
     assert server_args_from_namespace(parse("--allowed-origins", "*")).allowed_origins == ["*"]
+
+
+def test_enable_log_requests_logs_each_request_cut_to_max_log_len(caplog):
+    """--enable-log-requests logs a request's prompt and ids cut to --max-log-len; off, nothing is logged."""
+    import argparse
+    import logging
+    from types import SimpleNamespace
+
+    from jaxserve.sampling_params import SamplingParams
+    from server.args import add_server_args, server_args_from_namespace
+    from server.serving import Choice, Prompt, Serving
+
+    ns = add_server_args(argparse.ArgumentParser()).parse_args(["--enable-log-requests", "--max-log-len", "5"])
+    args = server_args_from_namespace(ns)
+    assert args.enable_log_requests and args.max_log_len == 5
+    prompt = Prompt(token_ids=list(range(10)), text="The capital of France")
+    choice = Choice(index=0, request_id="cmpl-1-0", params=SamplingParams(max_tokens=3), tracker=None)
+    with caplog.at_level(logging.INFO, logger="jaxserve.server"):
+        Serving.log_request(SimpleNamespace(args=args), prompt, choice)
+        Serving.log_request(SimpleNamespace(args=server_args_from_namespace(
+            add_server_args(argparse.ArgumentParser()).parse_args([]))), prompt, choice)
+    lines = [r.getMessage() for r in caplog.records if "Received request" in r.getMessage()]
+    assert len(lines) == 1
+    assert "cmpl-1-0" in lines[0] and "'The c'" in lines[0] and "[0, 1, 2, 3, 4]" in lines[0]
+    assert "France" not in lines[0]

@@ -46,6 +46,30 @@ _DELTA = RequestOutputKind.DELTA
 _DEFERRED = "deferred"
 
 
+
+def _step_tokens(token_ids: dict[str, Any], logprobs: dict[str, Any] | None, rid: str) -> tuple:
+    """(tokens, logprobs or None) a step sampled for ``rid``, as sequences (a multi-step dispatch gives lists)."""
+    toks = token_ids[rid]
+    lps = logprobs.get(rid) if logprobs else None
+    if type(toks) is int:
+        return (toks,), ((lps,) if lps is not None else None)
+    return toks, lps
+
+
+def token_verdict(req: Request, num_output: int, tok: int, eos_ids, accept) -> tuple:
+    """(status, stop reason) after ``req``'s ``num_output``-th output token ``tok``, or (None, None): EOS or
+    a stop id from ``min_tokens`` on (a stop on the token that also reaches the limit wins), else the length
+    limit; a structured-output grammar that ended (``accept``) stops like EOS. Stop strings, which need the
+    text, are the detokenizer's (in a split engine the front end's)."""
+    status = reason = None
+    if num_output >= req.min_tokens and (tok in eos_ids or tok in req.stop_token_ids):
+        status, reason = _STOPPED, (None if tok in eos_ids else tok)
+    elif num_output >= req.max_output_tokens:
+        status = _LENGTH_CAPPED
+    if accept is not None and accept(req.request_id, tok) and status is not _STOPPED:
+        status, reason = _STOPPED, None
+    return status, reason
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any, structured_output: Any = None, *, core_outputs: bool = False):
         self.tokenizer = tokenizer
@@ -83,26 +107,14 @@ class OutputProcessor:
             if req.status > preempted:          # aborted, or finished by an earlier step's token
                 continue
             rid = req.request_id
-            toks = token_ids[rid]
-            lps = logprobs.get(rid) if logprobs else None
-            if type(toks) is int:               # one step (a multi-step dispatch gives lists)
-                toks, lps = (toks,), ((lps,) if lps is not None else None)
+            toks, lps = _step_tokens(token_ids, logprobs, rid)
             detok = req.detokenizer
-            min_tokens, limit = req.min_tokens, req.max_output_tokens
             eos_ids = () if req.ignore_eos else req.eos_token_ids
-            stop_ids = req.stop_token_ids
             status = reason = None
             for j, tok in enumerate(toks):
                 idx = first + j
                 req.set_output_token(idx, tok)
-                num_output = idx + 1
-                if num_output >= min_tokens and (tok in eos_ids or tok in stop_ids):
-                    status, reason = _STOPPED, (None if tok in eos_ids else tok)
-                elif num_output >= limit:
-                    status = _LENGTH_CAPPED
-                # structured outputs: the matcher takes the token; a grammar that ended stops like EOS
-                if accept is not None and accept(rid, tok) and status is not _STOPPED:
-                    status, reason = _STOPPED, None
+                status, reason = token_verdict(req, idx + 1, tok, eos_ids, accept)
                 if lps is not None and lps[j] is not None:
                     self._record_logprobs(req, tok, lps[j])
                 detok.update((tok,), status is not None)    # finished releases held-back text
@@ -138,24 +150,13 @@ class OutputProcessor:
             if req.status > preempted:
                 continue
             rid = req.request_id
-            toks = token_ids[rid]
-            lps = logprobs.get(rid) if logprobs else None
-            if type(toks) is int:
-                toks, lps = (toks,), ((lps,) if lps is not None else None)
-            min_tokens, limit = req.min_tokens, req.max_output_tokens
+            toks, lps = _step_tokens(token_ids, logprobs, rid)
             eos_ids = () if req.ignore_eos else req.eos_token_ids
-            stop_ids = req.stop_token_ids
             status = reason = None
             for j, tok in enumerate(toks):
                 idx = first + j
                 req.set_output_token(idx, tok)
-                num_output = idx + 1
-                if num_output >= min_tokens and (tok in eos_ids or tok in stop_ids):
-                    status, reason = _STOPPED, (None if tok in eos_ids else tok)
-                elif num_output >= limit:
-                    status = _LENGTH_CAPPED
-                if accept is not None and accept(rid, tok) and status is not _STOPPED:
-                    status, reason = _STOPPED, None
+                status, reason = token_verdict(req, idx + 1, tok, eos_ids, accept)
                 if status is not None:
                     break
             if status is not None:
@@ -241,7 +242,6 @@ class FrontendOutputProcessor:
         outputs: list[RequestOutput] = []
         stopped_here: list[str] = []
         requests = self.requests
-        tokenizer = self.tokenizer
         for out in core_outputs:
             req = requests.get(out.request_id)
             if req is None:                     # aborted, or finished by a stop string a step ago

@@ -1,6 +1,7 @@
 """prompt_logprobs through the scheduler: scored chunk by chunk as the prompt prefills, sharing the step's
 budget with other requests' decodes, counted in running/waiting, abortable between chunks."""
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -31,8 +32,9 @@ def scored(llm, prompt, k=2):
 
 
 def test_chunked_scoring_equals_one_chunk(llm):
-    """150 prompt tokens scored in chunks of at most 16 (after a request that leaves half the prompt in the
-    prefix cache: scoring takes no hits) equal one engine scoring them in one chunk."""
+    """150 prompt tokens scored in chunks of at most 8 (a 16-token budget that counts each scored position
+    twice; after a request that leaves half the prompt in the prefix cache: scoring takes no hits) equal an
+    engine scoring them in two chunks."""
     llm.generate([PROMPT[:80]], SamplingParams(max_tokens=1), use_tqdm=False)
     chunked = scored(llm, PROMPT)
     whole = scored(make_llm(max_num_batched_tokens=256), PROMPT)
@@ -67,3 +69,59 @@ def test_scoring_shares_the_step_and_is_counted_and_abortable(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv_manager.usage == 0.0
+
+
+def test_scoring_compiles_in_the_background_and_never_stalls_the_engine(monkeypatch):
+    """The first scoring request makes the scorer, whose compile runs on background threads (held here until
+    released): meanwhile the engine keeps decoding, the scoring request waits in the queue (counted there)
+    and no step waits for a compile; once compiled it is scheduled and scored."""
+    from jaxserve.runner.prompt_logprobs import PromptLogprobsScorer
+    release, lowering = threading.Event(), threading.Event()
+    real_lower = PromptLogprobsScorer._lower
+
+    def held_lower(self, S):
+        lowering.set()
+        assert release.wait(120)
+        return real_lower(self, S)
+    monkeypatch.setattr(PromptLogprobsScorer, "_lower", held_lower)
+    engine = make_llm().engine
+    engine.add_request("decode", [5, 6, 7], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.add_request("score", PROMPT[:40], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    assert lowering.wait(60)
+    decoded = 0
+    for _ in range(5):
+        decoded += sum(o.request_id == "decode" for o in engine.step())
+    score = engine.scheduler.get_request("score")
+    assert decoded >= 4 and score.num_computed_tokens == 0
+    assert engine.scheduler.get_stats()["num_waiting"] == 1 and engine.stats()["step_variants_pending"] >= 1
+    release.set()
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert len(outs["score"].prompt_logprobs) == 40 and engine._scorer.compiler.on_first_use == []
+    assert engine.runner.variants.on_first_use == []
+
+
+def test_scored_positions_count_against_the_step_budget():
+    """Each position a step scores is a second forward over it: the step's tokens plus its scored positions
+    stay within max_num_batched_tokens (16), with a decode sharing the steps."""
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request("decode", [5, 6, 7], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.add_request("score", PROMPT[:60], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    engine._scorer.compiler.wait_all()
+    real_dispatch, spent, scored_positions = engine._scorer.dispatch, [], []
+
+    def counting_dispatch(scheduled, kv_caches):
+        kv_caches, chunks = real_dispatch(scheduled, kv_caches)
+        spent.append(sum(s.num_new_tokens for s in scheduled) + sum(c.count for c in chunks))
+        scored_positions.extend(c.count for c in chunks)
+        return kv_caches, chunks
+    engine._scorer.dispatch = counting_dispatch
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert len(outs["score"].prompt_logprobs) == 60
+    assert max(spent) <= 16 and max(spent) >= 14, spent     # full steps, never over
+    assert sum(scored_positions) == 59                       # every position scored once

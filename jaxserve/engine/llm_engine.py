@@ -269,6 +269,8 @@ class LLMEngine(RequestBuilder):
         self.output_processor.add_request(req)
         if req.sampling_params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]    # the first position has no logprob; the rest come chunk by chunk
+            if self._scorer is None:
+                self._make_scorer()
         self.scheduler.add_request(req)
         self.structured_output.add_request(req)    # a constrained request gets its own grammar matcher
 
@@ -302,6 +304,8 @@ class LLMEngine(RequestBuilder):
         it. Without async scheduling each step is read before step() returns.
         """
         t0 = time.perf_counter()
+        if not self.scheduler.scoring_ready:
+            self._wait_for_scorer()
         scheduler_output = self.scheduler.schedule()
         outputs = self._dispatch(scheduler_output)
         outputs += self._process_in_flight(keep=self._lookahead if scheduler_output.scheduled else 0)
@@ -374,15 +378,27 @@ class LLMEngine(RequestBuilder):
                     self.structured_output.remove(rid)
         return new
 
+    def _make_scorer(self) -> None:
+        """vLLM's prompt_logprobs (``runner.prompt_logprobs``), made for the first request that asks: its
+        executables compile in the background while scoring requests wait in the queue."""
+        from jaxserve.runner.prompt_logprobs import PromptLogprobsScorer
+        self._scorer = PromptLogprobsScorer(self.model, self.runner.kv_caches, attn_backend=self.runner.backend,
+                                            max_blocks_per_seq=self.runner.max_blocks_per_seq,
+                                            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+                                            max_logprobs=self.config.max_logprobs, mesh=self.mesh,
+                                            background=not self.runner.enforce_eager)
+        self.scheduler.scoring_ready = self._scorer.ready()
+
+    def _wait_for_scorer(self) -> None:
+        """Let the scheduler take scoring requests once the scorer is compiled. A step with nothing else to
+        run waits a little for it rather than spinning (the compiles want the cores and the GIL)."""
+        if not self._scorer.ready() and not self._in_flight and \
+                self.scheduler.num_running == 0 and self.scheduler.num_waiting <= self.scheduler.num_scoring:
+            self._scorer.compiler.wait_all(timeout=0.02)
+        self.scheduler.scoring_ready = self._scorer.ready()
+
     def _score_prompt_chunks(self, scheduled) -> list:
-        """vLLM's prompt_logprobs: score the prompt chunks this step computes (``runner.prompt_logprobs``)."""
-        if self._scorer is None:
-            from jaxserve.runner.prompt_logprobs import PromptLogprobsScorer
-            sched = self.config.scheduler
-            self._scorer = PromptLogprobsScorer(self.model, attn_backend=self.runner.backend,
-                                                max_blocks_per_seq=self.runner.max_blocks_per_seq,
-                                                max_num_batched_tokens=sched.max_num_batched_tokens,
-                                                max_logprobs=self.config.max_logprobs, mesh=self.mesh)
+        """Score the prompt chunks this step computes (``runner.prompt_logprobs``)."""
         self.runner.kv_caches, scored = self._scorer.dispatch(scheduled, self.runner.kv_caches)
         return scored
 
@@ -398,7 +414,7 @@ class LLMEngine(RequestBuilder):
                  tokens_total=rs.tokens)
         s["num_kv_blocks"] = self.runner.num_blocks
         variants = getattr(self.runner, "variants", None)
-        if variants is not None:                # background compiles not done yet
-            s["step_variants_pending"] = variants.pending()
+        if variants is not None:                # background compiles not done yet (the prompt scorer's too)
+            s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0)
         s.update(self.structured_output.stats())
         return s

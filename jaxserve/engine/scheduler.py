@@ -19,7 +19,10 @@ Admission (prompt length, queue limits) is the engine's, checked before ``add_re
 A request that asks for prompt logprobs is scheduled like any other (chunked, budgeted, preemptible,
 abortable); the engine scores each of its prompt chunks after the step that computes it
 (``runner.prompt_logprobs``). It takes no prefix-cache hits, as in vLLM: every prompt position must be
-computed to be scored. ``num_scoring`` lets the engine skip that look on the steps without one.
+computed to be scored. Scoring a position is a second forward over it, so a chunk's positions still to be
+scored count twice against the budget (``_cost``). Such a request waits, in place, while the scorer's
+executables compile in the background (``scoring_ready``). ``num_scoring`` lets the engine skip that look
+on the steps without one.
 """
 from __future__ import annotations
 
@@ -102,6 +105,7 @@ class Scheduler:
         self.capped: dict[str, Request] = {}
         self._finished_ids: list[str] = []           # since the last schedule()
         self.num_scoring = 0                         # unfinished requests that asked for prompt logprobs
+        self.scoring_ready = True                    # False while the engine's prompt scorer compiles
         self.num_preemptions = 0                     # total, for stats
 
     # -- queue ----------------------------------------------------------------------------------------
@@ -144,6 +148,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted_ids: list[str] = []
+        scoring_tokens = 0              # of the budget spent: the prompt scorer's forwards
         now = time.time()
 
         # 1. Running requests, oldest first. A victim is always popped from the end, which is never a
@@ -155,10 +160,15 @@ class Scheduler:
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
                 continue
-            if num_new > budget and not self._may_chunk(num_new):
-                i += 1                  # chunked prefill off: wait for a step with room for all of it
-                continue
-            num_new = min(num_new, budget)
+            cost = self._cost(req, num_new) if self.num_scoring else num_new
+            if cost > budget:
+                if not self._may_chunk(cost):
+                    i += 1              # chunked prefill off: wait for a step with room for all of it
+                    continue
+                num_new, cost = self._fit(req, num_new, budget)
+                if num_new == 0:        # a scored chunk's first token alone costs 2
+                    i += 1
+                    continue
             while kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -167,7 +177,8 @@ class Scheduler:
                     break
             else:
                 scheduled.append(self._scheduled(req, num_new))
-                budget -= num_new
+                budget -= cost
+                scoring_tokens += cost - num_new
                 i += 1
                 continue
             break                       # req preempted itself: nothing after it is left running
@@ -177,14 +188,19 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_ids:
             req = self.waiting[0]
-            if req.status == RequestStatus.WAITING_FOR_FSM:
+            scores = self.num_scoring and _scores_prompt(req)
+            if req.status == RequestStatus.WAITING_FOR_FSM or (scores and not self.scoring_ready):
                 skipped.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_hit_tokens = kv.get_computed_blocks(req) if not _scores_prompt(req) else ([], 0)
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(req) if not scores else ([], 0)
             num_new = req.num_tokens - num_hit_tokens
-            if num_new > budget and not self._may_chunk(num_new):
-                break
-            num_new = min(num_new, budget)
+            cost = self._cost(req, num_new) if scores else num_new
+            if cost > budget:
+                if not self._may_chunk(cost):
+                    break
+                num_new, cost = self._fit(req, num_new, budget)
+                if num_new == 0:
+                    break
             if kv.allocate_slots(req, num_new, computed_blocks) is None:
                 break
             self.waiting.popleft()
@@ -196,7 +212,8 @@ class Scheduler:
                 req.metrics.first_scheduled_time = now
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
-            budget -= num_new
+            budget -= cost
+            scoring_tokens += cost - num_new
         if skipped:
             self.waiting.extendleft(reversed(skipped))
 
@@ -209,7 +226,7 @@ class Scheduler:
             num_steps = self._plan_steps(scheduled)
         finished_ids, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted_ids, finished_ids=finished_ids,
-                               total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+                               total_num_scheduled_tokens=self.max_num_batched_tokens - budget - scoring_tokens,
                                num_decodes=len(decodes), num_steps=num_steps)
 
     def _plan_steps(self, scheduled: list[ScheduledRequest]) -> int:
@@ -246,6 +263,33 @@ class Scheduler:
                 s.num_steps = 1
             return 1
         return n
+
+    @staticmethod
+    def _cost(req: Request, num_new: int) -> int:
+        """Budget tokens of a chunk of ``num_new`` tokens from ``req.num_computed_tokens`` on: its tokens, and
+        once more each prompt position in it still to be scored (position p scores prompt token p + 1, so the
+        last prompt position scores nothing; positions scored before a preemption are not scored again)."""
+        if not _scores_prompt(req):
+            return num_new
+        start = req.num_computed_tokens
+        first = max(start, req.num_prompt_positions_scored)
+        end = min(start + num_new, req.num_prompt_tokens - 1)
+        return num_new + max(0, end - first)
+
+    def _fit(self, req: Request, num_new: int, budget: int) -> tuple[int, int]:
+        """The longest chunk of at most ``num_new`` tokens whose cost fits ``budget``, and its cost (a scored
+        chunk costs up to twice its length: the cost grows with the length, so a bisection finds it)."""
+        n = min(num_new, budget)
+        if not _scores_prompt(req):
+            return n, n
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._cost(req, mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, self._cost(req, lo)
 
     def _may_chunk(self, num_new: int) -> bool:
         # With chunked prefill off, a sequence that could never fit a whole step (a preempted request

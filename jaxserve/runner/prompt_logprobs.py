@@ -10,13 +10,15 @@ are the null block), then logits at every position in chunks of ``CHUNK`` rows s
 materializes ``[S, vocab]``. The results stay on the device until the step itself is read (``collect``).
 
 The step's executables are untouched (a rarely used feature stays off the hot path). The scorer has one
-executable per power-of-two chunk length up to ``max_num_batched_tokens``; the first scoring request compiles
-them all at once (in parallel), so later ones never stall the engine on a compile.
+executable per power-of-two count of positions scored at once, up to half of ``max_num_batched_tokens`` (the
+scheduler counts each position to score twice against the budget, so no step scores more). The engine makes
+the scorer when the first scoring request arrives and its executables compile on the step compiler's
+background threads; scoring requests wait in the queue until they are ready (``ready``), so no request
+stalls the engine thread on a compile. With ``--enforce-eager`` they compile on first use, as steps do.
 """
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -27,7 +29,7 @@ from jaxserve.engine.detokenizer import decode_logprobs
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits
 from jaxserve.runner.sampler import compute_logprobs
-from jaxserve.runner.step_compiler import TRACE_LOCK
+from jaxserve.runner.step_compiler import StepCompiler
 
 CHUNK = 256
 MIN_BUCKET = 16
@@ -62,12 +64,12 @@ def wants_scoring(req) -> bool:
 
 
 class PromptLogprobsScorer:
-    def __init__(self, model, *, attn_backend: str, max_blocks_per_seq: int, max_num_batched_tokens: int,
-                 max_logprobs: int, mesh=None):
+    def __init__(self, model, kv_caches, *, attn_backend: str, max_blocks_per_seq: int,
+                 max_num_batched_tokens: int, max_logprobs: int, mesh=None, background: bool = True):
         self.model = model
         self.cfg = model.config
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.max_bucket = self.bucket(max_num_batched_tokens)
+        self.max_bucket = self.bucket(max(1, max_num_batched_tokens // 2))
         self.k = max_logprobs
         out = {}
         if mesh is not None:
@@ -75,7 +77,14 @@ class PromptLogprobsScorer:
             out = {"out_shardings": (kv_cache_sharding(mesh, self.cfg), replicated(mesh))}
         self._fn = jax.jit(bind_mesh(partial(_score_fn, model.family, self.cfg, attn_backend, max_logprobs), mesh),
                            donate_argnums=(1,), **out)
-        self._executables: dict[int, object] = {}
+        # compiled for shapes, dtypes and shardings only: a background compile must not touch the cache
+        # buffers the steps are donating meanwhile
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
+        self._param_specs = jax.tree.map(spec, model.params)
+        self._kv_specs = jax.tree.map(spec, kv_caches)
+        self.compiler = StepCompiler(self._lower)
+        if background:
+            self.compiler.submit(self.buckets())
 
     @staticmethod
     def bucket(n: int) -> int:
@@ -88,15 +97,15 @@ class PromptLogprobsScorer:
             S *= 2
         return out
 
-    def _compile_all(self, kv_caches) -> None:
-        """Every chunk length's executable, compiled in parallel (XLA compiles outside the GIL)."""
-        def compile_one(S):
-            with TRACE_LOCK:            # JAX's tracing is not thread-safe: one lowering at a time, process-wide
-                lowered = self._fn.lower(self.model.params, kv_caches, *self._inputs([0] * (S + 1), 0, S, []))
-            return S, lowered.compile()
-        buckets = self.buckets()
-        with ThreadPoolExecutor(min(len(buckets), 8)) as pool:
-            self._executables.update(pool.map(compile_one, buckets))
+    def ready(self) -> bool:
+        """Whether no executable is still queued or compiling (a scoring request may be scheduled)."""
+        return self.compiler.pending() == 0
+
+    def pending(self) -> int:
+        return self.compiler.pending()
+
+    def _lower(self, S: int):
+        return self._fn.lower(self._param_specs, self._kv_specs, *self._inputs([0] * (S + 1), 0, S, []))
 
     def dispatch(self, scheduled, kv_caches) -> tuple[object, list[ScoredChunk]]:
         """Launch the scoring forward for each scheduled prompt chunk that has positions to score (call it
@@ -118,10 +127,11 @@ class PromptLogprobsScorer:
         return kv_caches, chunks
 
     def _launch(self, prompt: list[int], first: int, end: int, block_ids: list[int], kv_caches):
-        if not self._executables:
-            self._compile_all(kv_caches)
         inputs = self._inputs(prompt, first, end, block_ids)
-        return self._executables[inputs[0].shape[0]](self.model.params, kv_caches, *inputs)
+        S = inputs[0].shape[0]
+        assert S <= self.max_bucket, (S, self.max_bucket)      # the scheduler budgets scored positions twice
+        exe = self.compiler.get(S) or self.compiler.need(S, f"prompt scoring of {end - first} positions")
+        return exe(self.model.params, kv_caches, *inputs)
 
     def _inputs(self, prompt: list[int], first: int, end: int, block_ids: list[int]):
         """(ids, positions, targets, metadata) of prompt positions first .. end - 1, padded to their bucket."""

@@ -14,7 +14,7 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
-from .protocol import ErrorInfo, ErrorResponse
+from .protocol import ErrorInfo, ErrorResponse, unknown_fields, unknown_fields_message
 
 log = logging.getLogger("jaxserve.server")
 
@@ -131,8 +131,13 @@ def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Respon
     err = to_api_error(exc)
     if err.status == 400 and isinstance(exc, HTTPException):  # schema or JSON error: show what we got
         body = request._connection_state.body  # cached by Litestar when it read the body
-        prefix = "" if isinstance(exc, ValidationException) else "invalid JSON body: "
-        err.message = f"{prefix}{err.message}. Input: {_echo(body if isinstance(body, bytes) else None)}"
+        body = body if isinstance(body, bytes) else None
+        unknown = unknown_fields(request.url.path, body) if "unknown field" in err.message else []
+        if unknown:       # every field the request type lacks, not only the first msgspec met
+            err = APIError(400, unknown_fields_message(unknown), param=unknown[0], code="unknown_parameter")
+        else:
+            prefix = "" if isinstance(exc, ValidationException) else "invalid JSON body: "
+            err.message = f"{prefix}{err.message}. Input: {_echo(body)}"
     elif err.status == 413:
         state = getattr(request.app.state, "serving", None)
         limit = state.args.max_body_bytes if state is not None else None

@@ -88,13 +88,16 @@ def _pick(stats: dict[str, Any], keys: tuple[str, ...]) -> float | None:
 
 
 class _EngineStatsCollector:
-    """The engine's gauges and counters at scrape time, and ``engine_healthy`` (1, or 0 once the engine loop
-    is dead or stuck: its last figures then stop moving, and this says why)."""
+    """The engine's gauges and counters at scrape time, ``engine_healthy`` (1, or 0 once the engine loop is
+    dead or stuck) and ``engine_dead`` (1 once it is dead: the server then ends). A dead engine has failed
+    every request it held and runs none, so its gauges (running, waiting, KV usage, pending compiles) read 0
+    rather than the last figures it reported; its counters keep their totals."""
 
     def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict[str, Any]], block_size: Any,
-                 healthy: Callable[[], bool] | None = None):
+                 healthy: Callable[[], bool] | None = None, dead: Callable[[], bool] | None = None):
         self.prefix, self.model_name, self.stats, self.block_size = prefix, model_name, stats, block_size
         self.healthy = healthy
+        self.dead = dead
 
     def describe(self):  # no scrape at registration time
         return []
@@ -113,9 +116,17 @@ class _EngineStatsCollector:
                               "or stuck (the other engine figures then stop moving)", labels=["model_name"])
         h.add_metric([self.model_name], 1.0 if healthy else 0.0)
         yield h
+        try:
+            dead = bool(self.dead()) if self.dead is not None else False
+        except Exception:   # noqa: BLE001 - an engine that cannot say it is alive is not
+            dead = True
+        d = GaugeMetricFamily(f"{self.prefix}engine_dead", "1 once the engine loop or core process has died (the "
+                              "server fails every request and exits; restart it)", labels=["model_name"])
+        d.add_metric([self.model_name], 1.0 if dead else 0.0)
+        yield d
         for name, keys in GAUGES.items():
             g = GaugeMetricFamily(f"{self.prefix}{name}", name.replace("_", " "), labels=["model_name"])
-            v = _pick(stats, keys)
+            v = None if dead else _pick(stats, keys)
             g.add_metric([self.model_name], 0.0 if v is None else v)
             yield g
         for name, keys in ENGINE_COUNTERS.items():
@@ -139,7 +150,7 @@ class _EngineStatsCollector:
                                ("gpu_prefix_cache_hit_rate", ("prefix_cache_hit_rate",))):
                 g = GaugeMetricFamily(f"{self.prefix}{name}", f"{name.replace('_', ' ')} (vLLM V0's name)",
                                       labels=["model_name"])
-                v = _pick(stats, keys)
+                v = None if dead and name == "gpu_cache_usage_perc" else _pick(stats, keys)
                 g.add_metric([self.model_name], 0.0 if v is None else v)
                 yield g
         if stats.get("num_kv_blocks") is not None:  # vLLM's info gauge: the KV pool's size, for dashboards
@@ -158,7 +169,8 @@ class ServerMetrics:
         cache_config = getattr(getattr(engine, "config", None), "cache", None)
         block_size = getattr(cache_config, "block_size", "")
         self.registry.register(_EngineStatsCollector(p, model_name, engine.stats, block_size,
-                                                     getattr(engine, "is_healthy", None)))
+                                                     getattr(engine, "is_healthy", None),
+                                                     lambda: getattr(engine, "dead", False)))
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "prompt tokens processed", labels, registry=self.registry)
         self.generation_tokens = Counter(f"{p}generation_tokens", "tokens generated", labels, registry=self.registry)
         self.request_success = Counter(f"{p}request_success", "finished requests by reason",

@@ -1,6 +1,7 @@
 """The OpenAI wire format (plus vLLM's extra sampling fields) as msgspec Structs.
 
-Requests ignore unknown fields (the SDKs send new ones before we know them); responses always carry
+A request field this server does not implement is a 400 naming it (``forbid_unknown_fields`` on each request
+body; ``unknown_fields`` lists them all for the message), never accepted and ignored. Responses always carry
 every field the OpenAI SDK models declare, with explicit nulls, so clients never guess.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta, Struct, field
 
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -55,7 +57,7 @@ class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
     json_object: bool | None = None
 
 
-class SamplingFields(Struct, kw_only=True):
+class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields chat and completions requests share: OpenAI's, then vLLM's extras (same names)."""
     model: str | None = None
     n: Annotated[int, Meta(ge=1, le=128)] = 1
@@ -355,7 +357,7 @@ class ModelList(Struct):
     object: str = "list"
 
 
-class TokenizeRequest(Struct, kw_only=True):
+class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's /tokenize takes either a completion-style `prompt` or chat `messages`."""
     model: str | None = None
     prompt: str | None = None
@@ -375,7 +377,7 @@ class TokenizeResponse(Struct):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(Struct, kw_only=True):
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     tokens: list[NonNegInt]
     model: str | None = None
 
@@ -384,7 +386,7 @@ class DetokenizeResponse(Struct):
     prompt: str
 
 
-class EmbeddingRequest(Struct, kw_only=True):
+class EmbeddingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     input: str | Annotated[list[str | int | list[int]], Meta(min_length=1)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -427,3 +429,50 @@ class ErrorInfo(Struct):
 class ErrorResponse(Struct):
     error: ErrorInfo
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# request fields this server does not implement
+
+
+# OpenAI's and vLLM's request fields this server knows of and does not implement: named as such in the 400
+NOT_IMPLEMENTED = frozenset({
+    "logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "store", "metadata",
+    "service_tier", "reasoning_effort", "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier",
+    "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "priority",
+    "request_id", "logits_processors", "documents", "mm_processor_kwargs", "cache_salt", "kv_transfer_params",
+    "vllm_xargs", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern", "include_reasoning",
+    "prompt_embeds", "echo", "add_special_tokens", "media_io_kwargs",
+})
+
+REQUEST_BODIES: dict[str, type[Struct]] = {
+    "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+}
+
+
+def unknown_fields(path: str, body: bytes | None) -> list[str]:
+    """The top-level fields of a JSON ``body`` sent to ``path`` that its request type lacks (empty when the
+    body is no JSON object or the path takes none)."""
+    cls = REQUEST_BODIES.get(path)
+    if cls is None or not body:
+        return []
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return []
+    if not isinstance(obj, dict):
+        return []
+    known = set(cls.__struct_fields__)
+    return [k for k in obj if k not in known]
+
+
+def unknown_fields_message(fields: list[str]) -> str:
+    """OpenAI's "Unrecognized request argument supplied" for each field, with what this server makes of it."""
+    named = ", ".join(f"`{f[:100]}`" for f in fields[:20]) + (f" and {len(fields) - 20} more" if len(fields) > 20 else "")
+    known = [f for f in fields if f in NOT_IMPLEMENTED]
+    why = (f"; {', '.join(f'`{f}`' for f in known)} {'is' if len(known) == 1 else 'are'} not implemented by this "
+           "server" if known else "")
+    return (f"Unrecognized request argument{'s' if len(fields) > 1 else ''} supplied: {named}{why}. This server "
+            "answers 400 rather than ignore a field it does not implement: remove "
+            f"{'it' if len(fields) == 1 else 'them'} from the request.")

@@ -65,6 +65,7 @@ class FakeEngine:
     late_first_token: float = 3.0
     max_waiting: int | None = None
     healthy: bool = True
+    dead: bool = False          # AsyncLLMEngine.dead: the loop died (the tests set it)
     tokenizer: object = field(default_factory=byte_tokenizer)
     chat_template: str | None = CHATML
     max_logprobs: int = 20

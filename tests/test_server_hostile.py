@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import httpx
+import openai
 import pytest
 
 from test_server_fakes import FakeEngine, InProcessServer
@@ -93,16 +94,18 @@ def test_request_chat_template_refused_unless_trusted(http):
     assert e["param"] == "chat_template_kwargs" and "tokenize" in e["message"]
 
 
-def test_trusted_request_template_renders_off_the_event_loop():
+def test_trusted_request_template_renders_off_the_event_loop(monkeypatch):
     import threading
     import time
 
+    from jaxserve.server import serving as serving_mod
+    monkeypatch.setattr(serving_mod, "REQUEST_TEMPLATE_TIMEOUT_S", 120.0)   # a loaded machine renders slower
     srv = InProcessServer(FakeEngine(), trust_request_chat_template=True)
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as http:
-            body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+            body = {"messages": [{"role": "user", "content": "x"}]}
             tiny = "<|im_start|>{{ messages[0].content }}"
-            r = http.post("/v1/chat/completions", json={**body, "chat_template": tiny})
+            r = http.post("/v1/chat/completions", json={**body, "max_tokens": 1, "chat_template": tiny})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens"] == 2   # the request's template ran: <|im_start|> and "x"
             t0 = time.monotonic()
@@ -329,8 +332,8 @@ def test_prompts_times_n_is_capped(http):
 
 
 def test_metrics_parse_and_report_a_dead_engine():
-    """The scrape parses with prometheus_client's own text parser; once the engine loop is dead,
-    engine_healthy says so (the other engine figures stop moving)."""
+    """The scrape parses with prometheus_client's own text parser; a stuck engine is unhealthy; a dead one
+    is unhealthy and dead, and its running / waiting / KV gauges read 0, not the last figures it reported."""
     from prometheus_client.parser import text_string_to_metric_families
 
     engine = FakeEngine()
@@ -345,8 +348,18 @@ def test_metrics_parse_and_report_a_dead_engine():
         samples = scrape()
         assert samples[("jaxserve:engine_healthy", lbl)] == 1.0
         assert samples[("jaxserve:generation_tokens_total", lbl)] == 2
-        engine.healthy = False
-        assert scrape()[("jaxserve:engine_healthy", lbl)] == 0.0
+        assert samples[("jaxserve:engine_dead", lbl)] == 0.0
+        engine.running.update(a=3, b=5)        # two requests hold blocks when the loop stops
+        engine.healthy = False                 # stuck: its figures are still the truth
+        samples = scrape()
+        assert samples[("jaxserve:engine_healthy", lbl)] == 0.0 and samples[("jaxserve:engine_dead", lbl)] == 0.0
+        assert samples[("jaxserve:num_requests_running", lbl)] == 2.0
+        engine.dead = True                     # dead: every request it held has failed
+        samples = scrape()
+        assert samples[("jaxserve:engine_healthy", lbl)] == 0.0 and samples[("jaxserve:engine_dead", lbl)] == 1.0
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert samples[(f"jaxserve:{gauge}", lbl)] == 0.0, gauge
+        assert samples[("jaxserve:generation_tokens_total", lbl)] == 2      # totals stay
     finally:
         srv.stop()
 
@@ -395,3 +408,57 @@ def test_vllm_dashboard_series_under_the_vllm_prefix():
         assert one["gpu_cache_usage_perc"] == one["kv_cache_usage_perc"]
     finally:
         srv.stop()
+
+
+def test_unknown_request_fields_are_400_naming_each(client, http):
+    """No field is accepted and ignored: every top-level field a request type lacks is named in one 400
+    (through the openai SDK's extra_body, as clients send them), OpenAI's and vLLM's fields this server
+    does not implement say so, and a nested unknown key names its path."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       extra_body={"frobnicate": 1, "use_beam_search": True})
+    err = e.value.body
+    assert err["param"] == "frobnicate" and err["code"] == "unknown_parameter", err
+    assert "`frobnicate`, `use_beam_search`" in err["message"] and "`use_beam_search` is not implemented" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias={"5": 1.0})
+    assert e.value.body["param"] == "logit_bias" and "not implemented" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=MODEL, input="x", extra_body={"normalize": True})
+    assert e.value.body["param"] == "normalize"
+    for path, body in (("/tokenize", {"prompt": "x", "bogus": 1}), ("/detokenize", {"tokens": [1], "bogus": 1})):
+        assert _error(http.post(path, json=body), 400)["param"] == "bogus"
+    e = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                       "structured_outputs": {"regex": "a", "bogus": 1}}), 400)
+    assert "bogus" in e["message"] and "structured_outputs" in e["message"], e
+
+
+def test_fields_clients_send_are_accepted(client, http):
+    """What the openai SDK, LangChain's ChatOpenAI (its request payload, tools and structured output) and
+    vLLM's documented extra sampling params send is accepted."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=MODEL, base_url=str(client.base_url), api_key="x", temperature=0.5, max_tokens=3, top_p=0.9,
+                      seed=1, logprobs=True, top_logprobs=2, frequency_penalty=0.1, presence_penalty=0.1,
+                      stop=["zz"], stream_usage=True, model_kwargs={"user": "u"},
+                      extra_body={"top_k": 3, "min_p": 0.05, "repetition_penalty": 1.1})
+    assert chat.invoke([HumanMessage("hi")]).content is not None
+    assert "".join(c.content for c in chat.stream([HumanMessage("hi")])) is not None
+    tool = {"type": "function", "function": {"name": "f", "description": "d",
+                                              "parameters": {"type": "object", "properties": {}}}}
+    tools = chat.bind_tools([tool], tool_choice="none", parallel_tool_calls=False)
+    assert tools.invoke([HumanMessage("hi")]) is not None
+    vllm_extras = {"top_k": 2, "min_p": 0.1, "repetition_penalty": 1.1, "stop_token_ids": [7], "ignore_eos": True,
+                   "min_tokens": 1, "include_stop_str_in_output": False, "skip_special_tokens": True,
+                   "spaces_between_special_tokens": True, "prompt_logprobs": 1, "return_token_ids": True,
+                   "return_tokens_as_token_ids": False, "add_generation_prompt": True,
+                   "continue_final_message": False, "chat_template_kwargs": {}}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       n=1, stream_options=None, user="u", extra_body=vllm_extras)
+    assert r.choices[0].finish_reason is not None
+    completion_extras = {k: v for k, v in vllm_extras.items()
+                         if k not in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")}
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, echo=False, best_of=1, suffix=None,
+                                  extra_body={**completion_extras, "add_special_tokens": True})
+    assert r.choices[0].finish_reason is not None

@@ -23,8 +23,8 @@ def test_hostile_soak(tmp_path):
     out = tmp_path / "soak.md"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "diagnostics", "soak.py"), "--requests", "2000",
            "--concurrency", "32", "--cancel-fraction", "0.2", "--hostile-fraction", "0.1",
-           "--baseline-requests", "500", "--server-flags", SERVER_FLAGS, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+           "--baseline-requests", "500", "--time-limit", "3600", "--server-flags", SERVER_FLAGS, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=5400)
     report = json.loads((tmp_path / "soak.json").read_text()) if (tmp_path / "soak.json").exists() else None
     assert proc.returncode == 0, (report, proc.stdout[-3000:], proc.stderr[-3000:])
     assert report["verdict"] == "PASS" and report["num_5xx"] == 0 and not report["hostile_wrong"]

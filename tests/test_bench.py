@@ -694,9 +694,9 @@ def test_step_diag_cuts_a_forward_into_layers():
         events.append((t, t + 2000, n))       # 2 us kernels, 1 us apart
         t += 3000
     w = layer_windows(events, 3)
-    assert w["windows"] == 4 and w["distinct_windows"] == 1 and w["kernels_per_layer"] == len(layer)
-    assert [g for g, _ in w["layer"]] == layer[2:] + layer[:2]
-    assert w["layer_busy_us"] == 2.0 * len(layer) and w["layer_gap_us"] == 1.0 * (len(layer) - 1)
+    assert w["windows"] == 4 and len(w["layer_kinds"]) == 1 and w["kernels_per_layer"] == len(layer)
+    assert w["layer_kinds"][0]["kernels"] == [(g, 2.0) for g in layer[2:] + layer[:2]]
+    assert w["layer_busy_us"] == 2.0 * len(layer) and w["layer_gap_us"] == 1.0 * len(layer)
     assert layer_windows(events[:5], 3)["kernels_per_layer"] is None
 
 
@@ -710,6 +710,12 @@ def test_step_diag_layer_kernels_runs_on_cpu():
                            max_model_len=64, smoke=True)
     (r,) = layer_child(a)
     assert r["model"] == "gemma-2-9b" and r["forward_ms"] > 0 and r["hlo_fusions"] > 0
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.diagnostics.step_diag import hlo_kernel_ops
+    hlo = jax.jit(lambda x: jnp.sin(x) * 2 + x.sum()).lower(jnp.ones((8, 128))).compile().as_text()
+    assert any("sine" in what for what in hlo_kernel_ops(hlo).values()), hlo_kernel_ops(hlo)
 
 
 def test_step_diag_flag_sets_parse():

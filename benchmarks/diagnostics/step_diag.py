@@ -250,34 +250,67 @@ def layer_child(a) -> list:
                 jax.block_until_ready((caches, logits))
                 jax.profiler.stop_trace()
                 data = ProfileData.from_file(latest_xspace(d))
-                events = sorted((ev.start_ns, ev.end_ns, kernel_group(ev.name)) for plane in data.planes
+                events = sorted((ev.start_ns, ev.end_ns, kernel_group(ev.name), ev.name) for plane in data.planes
                                 if plane.name.startswith("/device:GPU:") for line in plane.lines
                                 if line.name.startswith("Stream") for ev in line.events)
             res.update(layer_windows(events, a.layers))
+            what = hlo_kernel_ops(hlo)
+            for kind in res.get("layer_kinds", []):
+                kind["ops"] = [what.get(n, "") for n in kind.pop("names")]
         out.append(res)
         del params, caches, logits
     return out
 
 
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^=]*?\)|\S+) ([\w\-]+)\(")
+
+
+def hlo_kernel_ops(hlo: str) -> dict:
+    """Optimized HLO text -> ``{kernel name: "kind: op op ..."}`` for each fusion (kernel names are the fusion
+    instruction names with ``.`` as ``_``, as the GPU trace shows them): what a small kernel computes."""
+    ops, calls, comp = {}, {}, None
+    for line in hlo.splitlines():
+        m = _HLO_COMPUTATION.match(line)
+        if m and "=" not in line.split("{")[0]:
+            comp = m.group(1)
+            ops[comp] = []
+            continue
+        m = _HLO_INSTRUCTION.match(line)
+        if not m or comp is None:
+            continue
+        name, opcode = m.groups()
+        if opcode not in ("parameter", "constant", "bitcast", "get-tuple-element", "tuple"):
+            ops[comp].append(opcode)
+        c = re.search(r"kind=(\w+), calls=%?([\w.\-]+)", line)
+        if opcode == "fusion" and c:
+            calls[name.replace(".", "_")] = (c.group(1), c.group(2))
+    return {k: f"{kind}: {' '.join(dict.fromkeys(ops.get(c, [])))}" for k, (kind, c) in calls.items()}
+
+
 def layer_windows(events: list, layers: int) -> dict:
-    """``events`` (start ns, end ns, kernel group) of whole forwards in time order, cut at each layer's K/V
+    """``events`` (start ns, end ns, kernel group[, kernel name]) of whole forwards in time order, cut at each layer's K/V
     write: the window from one layer's write to the next layer's is one layer's worth of kernels (the end of
-    one, the start of the next); windows across two forwards are dropped. Returns the kernels per layer, the
-    GPU-busy us per layer, the gap us per layer (idle time between the window's kernels) and the most common
-    window as ``[(kernel group, us)]``."""
+    one, the start of the next); windows across two forwards are dropped. Returns the mean kernels, GPU-busy us
+    and idle us (write start to next write start, less the busy time) per layer, and each distinct window
+    (layers of two kinds, e.g. Gemma's sliding and global ones, give two) as ``[(kernel group, mean us)]``
+    with how many windows had it."""
     marks = [i for i, (_, _, g) in enumerate(events) if g == "paged_kv_write"]
-    windows = [events[i:j] for n, (i, j) in enumerate(zip(marks, marks[1:])) if n % layers != layers - 1]
-    if not windows:
+    cuts = [(i, j) for n, (i, j) in enumerate(zip(marks, marks[1:])) if n % layers != layers - 1]
+    if not cuts:
         return {"kernels_per_layer": None, "note": f"{len(marks)} paged_kv_write launches: no layer window"}
-    sigs = Counter(tuple(g for _, _, g in w) for w in windows)
-    sig = sigs.most_common(1)[0][0]
-    same = [w for w in windows if tuple(g for _, _, g in w) == sig]
-    us = [sum((e - s) for s, e, _ in w) / len(same) / 1e3 for w in zip(*same)]
-    busy = sum(us)
-    span = sum(w[-1][1] - w[0][0] for w in same) / len(same) / 1e3
-    return {"kernels_per_layer": len(sig), "layer_busy_us": busy, "layer_gap_us": span - busy,
-            "windows": len(windows), "distinct_windows": len(sigs),
-            "layer": [(g, round(u, 2)) for g, u in zip(sig, us)]}
+    busy = [sum(e - s for s, e, _ in events[i:j]) / 1e3 for i, j in cuts]
+    span = [(events[j][0] - events[i][0]) / 1e3 for i, j in cuts]
+    by_sig = {}
+    for i, j in cuts:
+        by_sig.setdefault(tuple(g for _, _, g in events[i:j]), []).append(events[i:j])
+    kinds = []
+    for sig, ws in sorted(by_sig.items(), key=lambda kv: -len(kv[1])):
+        us = [sum(e - s for s, e, _ in col) / len(ws) / 1e3 for col in zip(*ws)]
+        kinds.append({"windows": len(ws), "kernels": [(g, round(u, 2)) for g, u in zip(sig, us)],
+                      "names": [ev[3] if len(ev) > 3 else ev[2] for ev in ws[0]]})
+    return {"kernels_per_layer": sum(j - i for i, j in cuts) / len(cuts), "layer_busy_us": sum(busy) / len(cuts),
+            "layer_gap_us": (sum(span) - sum(busy)) / len(cuts), "windows": len(cuts), "layer_kinds": kinds}
 
 
 def layer_main(a) -> int:
@@ -318,13 +351,15 @@ def layer_main(a) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         f = lambda k, fmt="{:.1f}": fmt.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
-        print(f"| {r['model']} ({r['layers']} layers) | {r['tree']} | {r['flags']} | {f('kernels_per_layer', '{}')} | "
+        print(f"| {r['model']} ({r['layers']} layers) | {r['tree']} | {r['flags']} | {f('kernels_per_layer')} | "
               f"{f('layer_busy_us')} | {f('layer_gap_us')} | {f('forward_ms', '{:.3f}')} | {r['hlo_fusions']} | "
               f"{r['hlo_custom_calls']} |")
     for r in results:
-        if r.get("layer"):
-            print(f"\n{r['model']} {r['tree']} {r['flags']}: one layer, K/V write to K/V write ({r['windows']} windows, "
-                  f"{r['distinct_windows']} distinct): " + ", ".join(f"{g} {u}" for g, u in r["layer"]))
+        for kind in r.get("layer_kinds", [])[:3]:
+            print(f"\n{r['model']} {r['tree']} {r['flags']}: a layer, K/V write to K/V write, in {kind['windows']} of "
+                  f"{r['windows']} windows (kernel, us, what the HLO fusion computes):")
+            for (g, u), what in zip(kind["kernels"], kind.get("ops") or [""] * len(kind["kernels"])):
+                print(f"    {g:32s} {u:7.2f}  {what[:110]}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=2)

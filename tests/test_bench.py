@@ -700,7 +700,7 @@ def test_step_diag_cuts_a_forward_into_layers():
     assert layer_windows(events[:5], 3)["kernels_per_layer"] is None
 
 
-def test_step_diag_layer_kernels_runs_on_cpu():
+def test_step_diag_layer_kernels_runs_on_cpu(capsys):
     """The --layer-kernels child (one narrowed model, the reference attention): compiles and times a forward."""
     import argparse
 
@@ -708,7 +708,9 @@ def test_step_diag_layer_kernels_runs_on_cpu():
 
     a = argparse.Namespace(models=["gemma-2-9b"], layers=2, context=20, dtype="float32", replays=1,
                            max_model_len=64, smoke=True)
-    (r,) = layer_child(a)
+    layer_child(a)
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
+    r = json.loads(line[len("RESULT "):])
     assert r["model"] == "gemma-2-9b" and r["forward_ms"] > 0 and r["hlo_fusions"] > 0
     import jax
     import jax.numpy as jnp

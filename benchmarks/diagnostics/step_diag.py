@@ -34,8 +34,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -178,7 +180,7 @@ def child(a) -> dict:
 LAYER_MODELS = ("gemma-2-9b", "gemma-3-12b", "qwen3-8b", "llama-3.1-8b")
 
 
-def layer_child(a) -> list:
+def layer_child(a) -> None:
     """Per model: the jitted forward + logits of a batch-1 decode step (token bucket 4, 4 request rows, one real
     request at ``--context`` tokens, block tables for ``--max-model-len``) at the model's real widths with
     ``--layers`` layers and dummy weights, as the engine compiles it; its ms per replay, and on a GPU the kernels
@@ -198,7 +200,6 @@ def layer_child(a) -> list:
     T = R = 4
     bs = 16
     pages = a.max_model_len // bs
-    out = []
     for name in a.models:
         hf = model_configs.read_json(os.path.join(REPO, "configs", "models", f"{name}.json"))
         hf["num_hidden_layers"] = a.layers
@@ -257,9 +258,8 @@ def layer_child(a) -> list:
             what = hlo_kernel_ops(hlo)
             for kind in res.get("layer_kinds", []):
                 kind["ops"] = [what.get(n, "") for n in kind.pop("names")]
-        out.append(res)
+        print("RESULT " + json.dumps(res), flush=True)      # per model: a child cut short keeps the rest
         del params, caches, logits
-    return out
 
 
 _HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
@@ -318,18 +318,20 @@ def layer_main(a) -> int:
     trees = [("new", None)]
     site = None
     if a.old_tree:
-        import tempfile
         site = tempfile.mkdtemp(prefix="step-diag-old-")
-        import shutil
         # the installed layout (pyproject's package-dir) without pip: kernels/ and server/ inside jaxserve/
         skip = shutil.ignore_patterns("__pycache__")
         shutil.copytree(os.path.join(a.old_tree, "jaxserve"), os.path.join(site, "jaxserve"), ignore=skip)
         for sub in ("kernels", "server"):
             shutil.copytree(os.path.join(a.old_tree, sub), os.path.join(site, "jaxserve", sub), ignore=skip)
         trees.insert(0, ("old", site))
+    # one compilation cache for every child: a model whose program the two trees share compiles (and autotunes
+    # its GEMMs) once, so both sides run the same executable and the command fits a few minutes
+    cache = tempfile.mkdtemp(prefix="step-diag-cache-")
     results = []
     for (tree, path), fs in [(t, fs) for t in trees for fs in (a.flags or ["default"])]:
-        env = dict(os.environ)
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         env["XLA_FLAGS"] = " ".join(x for x in (env.get("XLA_FLAGS", ""), FLAG_SETS[fs]) if x)
         if path:
             env["PYTHONPATH"] = os.pathsep.join(x for x in (path, REPO, env.get("PYTHONPATH", "")) if x)
@@ -339,14 +341,17 @@ def layer_main(a) -> int:
                 "--layers", str(a.layers), "--context", str(a.context), "--dtype", a.dtype,
                 "--replays", str(a.replays), "--max-model-len", str(a.max_model_len)] + (["--smoke"] if a.smoke else [])
         t0 = time.perf_counter()
-        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout,
-                              cwd=a.old_tree if path else REPO)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            print(f"{tree} tree, {fs}: failed: {proc.stderr.strip().splitlines()[-3:]}", file=sys.stderr)
-            continue
-        print(f"  {tree} tree, {fs}: {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-        results += [dict(r, tree=tree, flags=fs) for r in json.loads(lines[-1][len("RESULT "):])]
+        try:
+            proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout,
+                                  cwd=a.old_tree if path else REPO)
+            out, why = proc.stdout, (f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}"
+                                     if proc.returncode else "")
+        except subprocess.TimeoutExpired as e:    # keep the models it finished
+            out, why = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+        got = [json.loads(ln[len("RESULT "):]) for ln in out.splitlines() if ln.startswith("RESULT ")]
+        print(f"  {tree} tree, {fs}: {time.perf_counter() - t0:.0f}s, {len(got)} of {len(a.models)} models"
+              + (f" ({why})" if why else ""), file=sys.stderr, flush=True)
+        results += [dict(r, tree=tree, flags=fs) for r in got]
     print("| model | tree | XLA flags | kernels / layer | layer busy us | layer gap us | forward ms | HLO fusions | HLO custom calls |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -363,8 +368,9 @@ def layer_main(a) -> int:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=2)
-    if site:
-        shutil.rmtree(site, ignore_errors=True)
+    for d in (site, cache):
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
     return 0 if results else 1
 
 
@@ -400,7 +406,7 @@ def main(argv=None) -> int:
     if a.layer_kernels is not None:
         a.models = a.layer_kernels or list(LAYER_MODELS)
         if a.layer_child:
-            print("RESULT " + json.dumps(layer_child(a)), flush=True)
+            layer_child(a)
             return 0
         return layer_main(a)
     if a.bucket is None:

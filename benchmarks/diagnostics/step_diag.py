@@ -227,8 +227,8 @@ def layer_child(a) -> None:
             hidden, caches = family.forward(params, caches, ids, pos, md, cfg, attn_backend=backend)
             return caches, family.compute_logits(params, hidden[jnp.zeros(R, jnp.int32)], cfg)
 
-        fwd = jax.jit(step, donate_argnums=(1,))
-        hlo = fwd.lower(params, caches, ids, pos, md).compile().as_text()
+        fwd = jax.jit(step, donate_argnums=(1,)).lower(params, caches, ids, pos, md).compile()
+        hlo = fwd.as_text()
         caches, logits = fwd(params, caches, ids, pos, md)
         jax.block_until_ready(logits)
         t = time.perf_counter()
@@ -257,7 +257,7 @@ def layer_child(a) -> None:
             res.update(layer_windows(events, a.layers))
             what = hlo_kernel_ops(hlo)
             for kind in res.get("layer_kinds", []):
-                kind["ops"] = [what.get(n, "") for n in kind.pop("names")]
+                kind["ops"] = [what.get(n.replace(".", "_"), "") for n in kind.pop("names")]
         print("RESULT " + json.dumps(res), flush=True)      # per model: a child cut short keeps the rest
         del params, caches, logits
 

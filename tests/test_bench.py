@@ -707,7 +707,7 @@ def test_step_diag_layer_kernels_runs_on_cpu(capsys):
     from benchmarks.diagnostics.step_diag import layer_child
 
     a = argparse.Namespace(models=["gemma-2-9b"], layers=2, context=20, dtype="float32", replays=1,
-                           max_model_len=64, smoke=True)
+                           max_model_len=64, smoke=True, hlo_dir=None, tag="new-default")
     layer_child(a)
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
     r = json.loads(line[len("RESULT "):])

@@ -229,6 +229,9 @@ def layer_child(a) -> None:
 
         fwd = jax.jit(step, donate_argnums=(1,)).lower(params, caches, ids, pos, md).compile()
         hlo = fwd.as_text()
+        if a.hlo_dir:        # the GPU's fusion decisions, for working out the next fusion without a GPU
+            with open(os.path.join(a.hlo_dir, f"{a.tag}-{name}.hlo.txt"), "w") as fh:
+                fh.write(hlo)
         caches, logits = fwd(params, caches, ids, pos, md)
         jax.block_until_ready(logits)
         t = time.perf_counter()
@@ -314,7 +317,9 @@ def layer_windows(events: list, layers: int) -> dict:
 
 
 def layer_main(a) -> int:
-    """One child per (tree, model set); with ``--old-tree`` the old tree's child first, then this tree's."""
+    """One child per (tree, flag set); with ``--old-tree`` the old tree's children first, then this tree's."""
+    if a.hlo_dir:
+        os.makedirs(a.hlo_dir, exist_ok=True)
     trees = [("new", None)]
     site = None
     if a.old_tree:
@@ -339,7 +344,8 @@ def layer_main(a) -> int:
             env.update(JAX_PLATFORMS="cpu")
         args = [sys.executable, os.path.abspath(__file__), "--layer-kernels", *a.models, "--layer-child",
                 "--layers", str(a.layers), "--context", str(a.context), "--dtype", a.dtype,
-                "--replays", str(a.replays), "--max-model-len", str(a.max_model_len)] + (["--smoke"] if a.smoke else [])
+                "--replays", str(a.replays), "--max-model-len", str(a.max_model_len), "--tag", f"{tree}-{fs}"] \
+            + (["--smoke"] if a.smoke else []) + (["--hlo-dir", os.path.abspath(a.hlo_dir)] if a.hlo_dir else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout,
@@ -398,7 +404,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=3, help="--layer-kernels: layers of each model")
     p.add_argument("--context", type=int, default=256, help="--layer-kernels: the request's context")
     p.add_argument("--old-tree", default=None, help="--layer-kernels: also measure this checkout (first)")
+    p.add_argument("--hlo-dir", default=None, help="--layer-kernels: write each compiled forward's HLO here")
     p.add_argument("--layer-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tag", default="new-default", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tp-one", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--flag-set", default="default", help=argparse.SUPPRESS)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxserve import envs
 from jaxserve.kernels import int4_matmul_pallas as int4_kernel
 from jaxserve.parallel.mesh import current_tp_mesh
 
@@ -183,6 +184,10 @@ def _fp8_matmul(x: jax.Array, w: Fp8Weight, n: int) -> jax.Array:
         s = jnp.repeat(jnp.repeat(s, 128, axis=0)[:k], 128, axis=1)[:, :n]
         wd = (wt.astype(jnp.float32) * s.T).astype(x.dtype)
         return jax.lax.dot_general(x, wd, _CONTRACT_K, preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.input_scale is None and x.shape[0] <= (envs.JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS or 0):
+        # weight-only: a decode step is bound by the weight bytes, which stay fp8; no activation quantization
+        y = jax.lax.dot_general(x, wt.astype(x.dtype), _CONTRACT_K, preferred_element_type=jnp.float32)
+        return (y * w.scale.reshape(1, n)).astype(x.dtype)
     if w.input_scale is None:
         xq, sx = quantize_activation_per_token(x)
     else:

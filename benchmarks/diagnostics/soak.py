@@ -56,17 +56,35 @@ HEAVY_TEMPLATE = ("{% for i in range(20000) %}{% for j in range(100) %}{% endfor
                   "{{ messages[0].content }}")
 
 
+def _descendants(pid: int) -> list[int]:
+    """pid and every process under it (the split engine's core is the server's child)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
 def rss_mb(pid: int | None) -> float | None:
+    """The resident memory of the server and its child processes (the engine core), summed."""
     if pid is None:
         return None
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    total = None
+    for p in _descendants(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total = (total or 0.0) + int(line.split()[1]) / 1024
+        except OSError:
+            continue
+    return total
 
 
 def read_metrics(text: str) -> dict[str, float]:

@@ -133,21 +133,22 @@ def _planes(p: jax.Array) -> list[tuple[jax.Array, float]]:
 
 
 def _fma_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, rows, bn, bk, group_size, k_steps, unroll):
+    # x_ref is x viewed as [M * K/8, 8]: element (m * K/8 + r, j) is x[m, 8r + j], so plane j's activations
+    # load straight into the [bk/8, 1] column the tile broadcasts (no reshape of a row in registers)
     n, split = pl.program_id(0), pl.program_id(1)
+    k_rows = x_ref.shape[0] // rows
     cols = pl.ds(n * bn, bn)
     kp = bk // PACK
 
     def block(k0, p, s, z, accs):
-        planes = _planes(p)
-        out = []
-        for m in range(rows):
-            t = xs = None
-            for j, (w, inv) in enumerate(planes):
-                xj = x_ref[pl.ds(m, 1), pl.ds(k0 + j, kp, stride=PACK)].astype(jnp.float32).reshape(kp, 1)
-                t = w * (xj * inv) if t is None else t + w * (xj * inv)
-                xs = xj if xs is None else xs + xj
-            out.append(accs[m] + s * (t - z * xs))
-        return out
+        # plane-major: each dequantized plane serves every row, then dies (registers: 2 tiles per row + 2)
+        ts, xs = [None] * rows, [None] * rows
+        for j, (w, inv) in enumerate(_planes(p)):
+            for m in range(rows):
+                xj = x_ref[pl.ds(m * k_rows + k0 // PACK, kp), pl.ds(j, 1)].astype(jnp.float32)     # [kp, 1]
+                ts[m] = w * (xj * inv) if j == 0 else ts[m] + w * (xj * inv)
+                xs[m] = xj if j == 0 else xs[m] + xj
+        return [accs[m] + s * (ts[m] - z * xs[m]) for m in range(rows)]
 
     def step(i, accs):
         loads = []
@@ -224,7 +225,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.A
     if cfg.method == "fma":
         kernel = functools.partial(_fma_kernel, rows=m, **common)
         grid = (n // bn, split_k)
-        xp = x
+        xp = x.reshape(m * k // PACK, PACK)
     else:
         kernel = functools.partial(_dot_kernel, bm=bm, **common)
         grid = (mp // bm, n // bn, split_k)

@@ -15,12 +15,17 @@ Two kernels; both walk K in steps of ``bk`` rows that never cross a group (one s
 split K over ``split_k`` programs when the output columns alone would not fill the GPU (decode shapes); the
 partial sums are added by XLA.
 
-* ``"fma"`` (decode, ``M`` up to a few rows): each program owns ``bn`` columns and all ``M`` rows and keeps a
-  float32 accumulator per row *as a 2-D tile* ``[bk/8, bn]``, multiply-adding the activation broadcast along
-  the columns into it; the one cross-thread reduction happens once, at the end. No tensor core, so no padding
-  of ``M`` to 16.
+* ``"fma"`` (one row: batch-1 decode): each program owns ``bn`` columns and keeps a float32 accumulator
+  *as a 2-D tile* ``[bk/8, bn]``, multiply-adding the activation broadcast along the columns into it; the one
+  cross-thread reduction happens once, at the end. No tensor core, so no padding of ``M`` to 16. Launch it with
+  ``bn = 128 * num_warps``: Triton then gives the ``[1, bn]`` scale / zero rows, the output row and the
+  ``[bk/8, bn]`` weight tile one register layout (4 consecutive words per thread, a thread owning whole
+  columns), so no tile changes layout through shared memory inside the loop (with 4 warps over 128 columns
+  the accumulator took the scale row's layout and every step paid a shared-memory round trip). More rows
+  spill: each holds two ``[bk/8, 4]`` tiles per thread.
 * ``"dot"`` (``M`` up to 64): the same dequantized planes, each a ``[16, bk/8] x [bk/8, bn]`` tensor-core dot
-  (Triton's dot needs 16 rows of ``x``, padded, and a K of at least 16: ``bk >= 128``).
+  (Triton's dot needs 16 rows of ``x``, padded, and a K of at least 16: ``bk >= 128``); its cost per weight
+  does not grow with ``M``.
 
 Dequantization costs two instructions per weight, neither a slow int-to-float conversion: a nibble masked in
 place and OR-ed into the mantissa of 2^23 (``MAGIC``) is the float ``2^23 + q * 2^s`` exactly; subtracting
@@ -43,7 +48,7 @@ PACK = 8          # int4 values per int32
 NUM_SMS = 132     # H200: the split-K heuristic aims at a few programs per SM
 MAGIC = 0x4B000000            # the float32 bits of 2^23
 MAGIC_F = float(2 ** 23)
-FMA_MAX_ROWS = 16             # the "fma" kernel unrolls its rows; more would spill its accumulators
+FMA_MAX_ROWS = 16             # the "fma" kernel unrolls its rows (correct for any; fast for one)
 DOT_MAX_ROWS = 64
 METHODS = ("fma", "dot")
 
@@ -108,17 +113,18 @@ def _fit_block_n(n: int, want: int) -> int | None:
 
 
 def default_config(m: int, k: int, n: int, group_size: int) -> Config:
-    """The launch the engine uses: the fma kernel at decode sizes, the tensor-core one above."""
-    if m <= 4:
-        return Config(method="fma", block_n=128, unroll=2, num_warps=4)
-    return Config(method="dot", block_n=64, unroll=1, num_warps=4, num_stages=3)
+    """The launch the engine uses (why these: ``kernels/README.md``, the int4 section)."""
+    if m == 1:
+        return Config(method="fma", block_n=128, num_warps=1, unroll=1)
+    return Config(method="dot", block_n=128, num_warps=8, unroll=1, num_stages=3)
 
 
-def _split_k(k_blocks: int, tiles: int, unroll: int) -> int:
-    """About three programs per SM, each keeping at least ``unroll`` K steps."""
-    want = max(1, -(-3 * NUM_SMS // tiles))
+def _split_k(k_blocks: int, tiles: int, num_warps: int, unroll: int) -> int:
+    """K splits for about 16 warps per SM (a decode launch is latency-bound below that), each split keeping at
+    least ``unroll`` K steps."""
+    want = max(1, -(-16 * NUM_SMS // (tiles * num_warps)))
     return max(d for d in range(1, k_blocks + 1)
-               if k_blocks % d == 0 and d <= want and (k_blocks // d) % unroll == 0 or d == 1)
+               if d == 1 or (k_blocks % d == 0 and d <= want and (k_blocks // d) % unroll == 0))
 
 
 def _planes(p: jax.Array) -> list[tuple[jax.Array, float]]:
@@ -133,10 +139,10 @@ def _planes(p: jax.Array) -> list[tuple[jax.Array, float]]:
 
 
 def _fma_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, rows, bn, bk, group_size, k_steps, unroll):
-    # x_ref is x viewed as [M * K/8, 8]: element (m * K/8 + r, j) is x[m, 8r + j], so plane j's activations
-    # load straight into the [bk/8, 1] column the tile broadcasts (no reshape of a row in registers)
+    # x_ref is x flattened: plane j's activations are a 1-D strided load, expanded to the [bk/8, 1] column the
+    # tile broadcasts (Triton keeps a 1-D vector in the tile's row layout: one load per row a thread owns)
     n, split = pl.program_id(0), pl.program_id(1)
-    k_rows = x_ref.shape[0] // rows
+    k = x_ref.shape[0] // rows
     cols = pl.ds(n * bn, bn)
     kp = bk // PACK
 
@@ -145,7 +151,7 @@ def _fma_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, rows, bn, bk, group_size, 
         ts, xs = [None] * rows, [None] * rows
         for j, (w, inv) in enumerate(_planes(p)):
             for m in range(rows):
-                xj = x_ref[pl.ds(m * k_rows + k0 // PACK, kp), pl.ds(j, 1)].astype(jnp.float32)     # [kp, 1]
+                xj = x_ref[pl.ds(m * k + k0 + j, kp, stride=PACK)].astype(jnp.float32)[:, None]     # [kp, 1]
                 ts[m] = w * (xj * inv) if j == 0 else ts[m] + w * (xj * inv)
                 xs[m] = xj if j == 0 else xs[m] + xj
         return [accs[m] + s * (ts[m] - z * xs[m]) for m in range(rows)]
@@ -216,7 +222,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.A
         mp = -(-m // bm) * bm
     tiles = (mp // bm) * (n // bn)
     unroll = cfg.unroll if k_blocks % cfg.unroll == 0 else 1
-    split_k = cfg.split_k or _split_k(k_blocks, tiles, unroll)
+    split_k = cfg.split_k or _split_k(k_blocks, tiles, cfg.num_warps, unroll)
     assert k_blocks % split_k == 0, (k_blocks, split_k)
     k_steps = k_blocks // split_k
     unroll = unroll if k_steps % unroll == 0 else 1
@@ -225,7 +231,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.A
     if cfg.method == "fma":
         kernel = functools.partial(_fma_kernel, rows=m, **common)
         grid = (n // bn, split_k)
-        xp = x.reshape(m * k // PACK, PACK)
+        xp = x.reshape(m * k)
     else:
         kernel = functools.partial(_dot_kernel, bm=bm, **common)
         grid = (mp // bm, n // bn, split_k)

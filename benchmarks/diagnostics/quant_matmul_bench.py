@@ -1,6 +1,7 @@
 """Quantized projection matmuls vs bf16 at Llama-3.1-8B's shapes: the int4 W4A16 Pallas kernel (the launch the
 engine uses), the int4 dequantize-then-dot path (the engine's prefill path), FP8 W8A8 (XLA's fp8 dot) and the
-bf16 dot, at decode (M = 1, 4, 16, 64) and prefill (M = 256, 2048) sizes.
+bf16 dot, at decode (M = 1, 4, 16, 64) and prefill (M = 256, 2048) sizes; at decode sizes also FP8 as W8A16
+(the weight converted inside XLA's GEMM, no activation quantization).
 
 Each figure is one matmul's share of ``--layers`` matmuls over as many distinct weights inside one jitted
 program, as the model's layers run them: a separate dispatch per matmul would measure the ~40 us launch, and one
@@ -93,25 +94,30 @@ def int4_fn(config: k4.Config | None = None):
 
 
 def tune_configs(m: int, k: int, n: int) -> list[k4.Config]:
-    """A dozen launches worth trying at this size, the likeliest first."""
-    base = k4.default_config(m, k, n, GROUP)
-    tiles = n // base.block_n if base.method == "fma" else (n // base.block_n) * max(1, m // 16)
-    split = k4._split_k(k // k4.block_k(GROUP), tiles, base.unroll)
+    """About a dozen launches worth trying at this size, the likeliest first: the fma kernel with a block of
+    128 columns per warp (its scale row and weight tile then share one register layout), the dot kernel with
+    8 or 4 warps, each with the split-K heuristic's choice and twice / half of it."""
+    k_blocks = k // k4.block_k(GROUP)
     R = dataclasses.replace
-    if m <= 4:
-        cands = [base, R(base, unroll=1), R(base, block_n=64), R(base, block_n=256, num_warps=8),
-                 R(base, num_warps=8), R(base, unroll=4), R(base, block_n=256), R(base, block_n=64, num_warps=2),
-                 R(base, split_k=split * 2), R(base, split_k=max(1, split // 2)),
-                 k4.Config("dot", block_n=64, num_stages=3), k4.Config("dot", block_n=128, num_warps=8)]
+
+    def splits(c: k4.Config) -> list[k4.Config]:
+        tiles = n // c.block_n * (1 if c.method == "fma" else -(-m // 16))
+        auto = k4._split_k(k_blocks, tiles, c.num_warps, c.unroll)
+        return [R(c, split_k=auto * 2), R(c, split_k=max(1, auto // 2))]
+
+    fma = k4.Config("fma", block_n=128, num_warps=1)
+    dot = k4.Config("dot", block_n=128, num_warps=8, num_stages=3)
+    if m == 1:
+        cands = [fma, R(fma, block_n=256, num_warps=2), R(fma, block_n=512, num_warps=4), *splits(fma),
+                 R(fma, num_stages=3), dot, R(dot, block_n=64, num_warps=4), *splits(dot)]
     else:
-        fma = k4.Config("fma", block_n=128, unroll=2)
-        cands = [base, R(base, block_n=128), R(base, block_n=32), R(base, num_warps=8), R(base, unroll=2),
-                 R(base, block_n=128, num_warps=8), R(base, num_stages=2), R(base, split_k=split * 2),
-                 R(base, split_k=max(1, split // 2)), fma, R(fma, block_n=64)]
+        cands = [dot, R(dot, block_n=64, num_warps=4), R(dot, block_n=256), R(dot, unroll=2), R(dot, num_stages=2),
+                 *splits(dot), R(dot, block_n=64, num_warps=4, unroll=2), R(dot, num_warps=4)]
+        if m <= 4:
+            cands.append(fma)
     seen, out = set(), []
     for c in cands:
-        if c not in seen and (c.method != "fma" or m <= k4.FMA_MAX_ROWS) and (
-                c.split_k is None or (k // k4.block_k(GROUP)) % c.split_k == 0) and n % c.block_n == 0:
+        if c not in seen and (c.split_k is None or k_blocks % c.split_k == 0) and n % c.block_n == 0:
             seen.add(c)
             out.append(c)
     return out
@@ -149,11 +155,16 @@ def tune(shapes, ms, layers: int, max_configs: int, emit) -> None:
 
 def table(shapes, ms, layers: int, emit) -> None:
     emit("| shape | M | bf16 us | int4 us (path) | int4 TB/s (% read) | fp8 us | fp8 TB/s (% read) | "
-         "int4 / fp8 speed-up |")
-    emit("|---|---|---|---|---|---|---|---|")
+         "int4 / fp8 speed-up | fp8 W8A16 us |")
+    emit("|---|---|---|---|---|---|---|---|---|")
     bf16 = layered(lambda x, w: x @ w)
     kernel, dequant = int4_fn(), layered(lambda x, w: k4.int4_matmul_reference(x, *w, GROUP))
     fp8 = layered(lambda x, w: _fp8_matmul(x, w, w.weight.shape[0]))
+    # the alternative at decode sizes: no activation quantization, the weight's e4m3 -> bf16 convert left for
+    # XLA to fuse into its GEMM, the channel scale on the result
+    fp8_w8a16 = layered(lambda x, w: (jax.lax.dot_general(x, w.weight.astype(x.dtype), (((1,), (1,)), ((), ())),
+                                                          preferred_element_type=jnp.float32) * w.scale
+                                      ).astype(x.dtype))
     for name in shapes:
         k, n = SHAPES[name]
         w = make_weights(k, n, layers)
@@ -163,6 +174,7 @@ def table(shapes, ms, layers: int, emit) -> None:
             use_kernel = m <= INT4_KERNEL_MAX_TOKENS and k4.supports(m, k, n, GROUP)
             t_4 = time_us(kernel if use_kernel else dequant, (xs, w.int4), layers)
             t_8 = time_us(fp8, (xs, w.fp8), layers)
+            w8a16 = f"{time_us(fp8_w8a16, (xs, w.fp8), layers):.1f}" if m <= INT4_KERNEL_MAX_TOKENS else "–"
             note = ""
             if use_kernel:
                 got = kernel(xs[:1], w.int4[:1])[0].astype(jnp.float32)
@@ -172,7 +184,7 @@ def table(shapes, ms, layers: int, emit) -> None:
             r4, r8 = w.int4_bytes / t_4 / 1e6, w.fp8_bytes / t_8 / 1e6
             emit(f"| {name} {k}x{n} | {m} | {t_bf16:.1f} | {t_4:.1f} ({'kernel' if use_kernel else 'dequant'}) | "
                  f"{r4:.2f} ({100e12 * r4 / READ_CEILING:.0f} %) | {t_8:.1f} | {r8:.2f} "
-                 f"({100e12 * r8 / READ_CEILING:.0f} %) | {t_bf16 / t_4:.2f}x / {t_bf16 / t_8:.2f}x |{note}")
+                 f"({100e12 * r8 / READ_CEILING:.0f} %) | {t_bf16 / t_4:.2f}x / {t_bf16 / t_8:.2f}x | {w8a16} |{note}")
         del w
 
 

@@ -17,21 +17,22 @@ partial sums are added by XLA.
 
 * ``"fma"`` (one row: batch-1 decode): each program owns ``bn`` columns and keeps a float32 accumulator
   *as a 2-D tile* ``[bk/8, bn]``, multiply-adding the activation broadcast along the columns into it; the one
-  cross-thread reduction happens once, at the end. No tensor core, so no padding of ``M`` to 16. Launch it with
+  reduction happens once, at the end. No tensor core, so no padding of ``M`` to 16. Launch it with
   ``bn = 128 * num_warps``: Triton then gives the ``[1, bn]`` scale / zero rows, the output row and the
   ``[bk/8, bn]`` weight tile one register layout (4 consecutive words per thread, a thread owning whole
-  columns), so no tile changes layout through shared memory inside the loop (with 4 warps over 128 columns
-  the accumulator took the scale row's layout and every step paid a shared-memory round trip). More rows
-  spill: each holds two ``[bk/8, 4]`` tiles per thread.
+  columns), so no tile changes layout through shared memory inside the loop (with 4 warps over 128
+  columns the accumulator took the scale row's layout and every step paid a shared-memory round trip).
+  More rows spill: each holds two ``[bk/8, 4]`` tiles per thread.
 * ``"dot"`` (``M`` up to 64): the same dequantized planes, each a ``[16, bk/8] x [bk/8, bn]`` tensor-core dot
   (Triton's dot needs 16 rows of ``x``, padded, and a K of at least 16: ``bk >= 128``); its cost per weight
   does not grow with ``M``.
 
 Dequantization costs two instructions per weight, neither a slow int-to-float conversion: a nibble masked in
 place and OR-ed into the mantissa of 2^23 (``MAGIC``) is the float ``2^23 + q * 2^s`` exactly; subtracting
-2^23 leaves ``q * 2^s``, and the ``2^-s`` goes into the activation (exact: a power of two). Nibbles 0..4 sit in
-the 23 mantissa bits as stored (``s = 4j``); 5..7 after one shift of the word by 20. The zero point and scale
-are applied once per step and column, not per weight: ``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)``.
+2^23 leaves ``q 2^s`` (the dot kernel subtracts 2^23 + z 2^s: ``(q - z) 2^s``, the zero point for free), and
+the ``2^-s`` goes into the activation (exact: a power of two). Nibbles 0..4 sit in the 23 mantissa bits as
+stored (``s = 4j``); 5..7 after one shift of the word by 20. The scale (and the fma kernel's zero point, as
+``z sum_k x_k``) is applied once per step and column, not per weight.
 """
 from __future__ import annotations
 
@@ -127,14 +128,16 @@ def _split_k(k_blocks: int, tiles: int, num_warps: int, unroll: int) -> int:
                if d == 1 or (k_blocks % d == 0 and d <= want and (k_blocks // d) % unroll == 0))
 
 
-def _planes(p: jax.Array) -> list[tuple[jax.Array, float]]:
-    """The 8 nibble planes of a packed int32 tile as float32 ``q * 2^s``, each with its ``2^-s``."""
+def _planes(p: jax.Array, z: jax.Array | None) -> list[tuple[jax.Array, float]]:
+    """The 8 nibble planes of a packed int32 tile as float32 ``(q - z) * 2^s`` (exact: ``|q - z| < 16``; ``z``
+    the step's zero-point row, None for 0), each with its ``2^-s``."""
     out = []
     hi = lax.shift_right_logical(p, jnp.int32(20))
     for j in range(PACK):
         src, s = (p, 4 * j) if j < 5 else (hi, 4 * (j - 5))
         bits = (src & jnp.int32(15 << s)) | jnp.int32(MAGIC)
-        out.append((lax.bitcast_convert_type(bits, jnp.float32) - MAGIC_F, 2.0 ** -s))
+        bias = MAGIC_F if z is None else MAGIC_F + z * float(2 ** s)
+        out.append((lax.bitcast_convert_type(bits, jnp.float32) - bias, 2.0 ** -s))
     return out
 
 
@@ -147,9 +150,10 @@ def _fma_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, rows, bn, bk, group_size, 
     kp = bk // PACK
 
     def block(k0, p, s, z, accs):
-        # plane-major: each dequantized plane serves every row, then dies (registers: 2 tiles per row + 2)
+        # plane-major: each dequantized plane serves every row, then dies. The zero point is applied per step
+        # (``- z * sum x``), not folded into the planes: 8 per-plane zero rows cost this kernel registers
         ts, xs = [None] * rows, [None] * rows
-        for j, (w, inv) in enumerate(_planes(p)):
+        for j, (w, inv) in enumerate(_planes(p, None)):
             for m in range(rows):
                 xj = x_ref[pl.ds(m * k + k0 + j, kp, stride=PACK)].astype(jnp.float32)[:, None]     # [kp, 1]
                 ts[m] = w * (xj * inv) if j == 0 else ts[m] + w * (xj * inv)
@@ -182,12 +186,10 @@ def _dot_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bm, bn, bk, group_size, k_
 
     def block(k0, p, s, z, acc):
         t = jnp.zeros((bm, bn), jnp.float32)
-        xs = jnp.zeros((bm, 1), jnp.float32)
-        for j, (w, inv) in enumerate(_planes(p)):
+        for j, (w, inv) in enumerate(_planes(p, z)):
             xj = x_ref[rows, pl.ds(k0 + j, kp, stride=PACK)]
-            xs += jnp.sum(xj.astype(jnp.float32), axis=1, keepdims=True)
             t += jnp.dot((xj * inv).astype(x_ref.dtype), w.astype(x_ref.dtype), preferred_element_type=jnp.float32)
-        return acc + s * (t - z * xs)
+        return acc + s * t
 
     def step(i, acc):
         loads = []

@@ -57,11 +57,13 @@ def test_kernel_matches_the_reference_in_interpret_mode(m, k, n, group, config):
 
 
 def test_dequantized_planes_are_exact():
-    """The mantissa trick reads every nibble back exactly, the top ones (sign bit included) too."""
+    """The mantissa trick reads every nibble back exactly, less its zero point, the top nibbles (sign bit
+    included) too."""
     words = jnp.asarray(np.array([[0x76543210, -0x12345679, -1, 0]], np.int64).astype(np.int32))
-    planes = k4._planes(words)
-    got = np.stack([np.asarray(w * inv) for w, inv in planes], axis=-1)        # [1, 4, 8]
-    np.testing.assert_array_equal(got.reshape(4, 8), np.asarray(k4.unpack_int4(words)).reshape(8, 4).T)
+    zeros = np.array([[3.0, 0.0, 15.0, 7.0]], np.float32)
+    got = np.stack([np.asarray(w * inv) for w, inv in k4._planes(words, jnp.asarray(zeros))], axis=-1)  # [1, 4, 8]
+    want = np.asarray(k4.unpack_int4(words)).reshape(8, 4).T - zeros.reshape(4, 1)
+    np.testing.assert_array_equal(got.reshape(4, 8), want)
 
 
 @pytest.mark.parametrize("method", k4.METHODS)

@@ -179,15 +179,19 @@ def _fma_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, rows, bn, bk, group_size, 
 
 
 def _dot_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bm, bn, bk, group_size, k_steps, unroll):
+    # x is not padded to the row tile (no XLA pad before every call): rows past M read row M - 1 again (their
+    # results are dropped), so every load stays inside x
     m, n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, cols = pl.ds(m * bm, bm), pl.ds(n * bn, bn)
+    x_rows = jnp.minimum(m * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0), x_ref.shape[0] - 1)
+    x_cols = PACK * lax.broadcasted_iota(jnp.int32, (1, bk // PACK), 1)
+    cols = pl.ds(n * bn, bn)
     out_rows = pl.ds(split * pl.num_programs(0) * bm + m * bm, bm)
     kp = bk // PACK
 
     def block(k0, p, s, z, acc):
         t = jnp.zeros((bm, bn), jnp.float32)
         for j, (w, inv) in enumerate(_planes(p, z)):
-            xj = x_ref[rows, pl.ds(k0 + j, kp, stride=PACK)]
+            xj = x_ref[x_rows, x_cols + (k0 + j)]
             t += jnp.dot((xj * inv).astype(x_ref.dtype), w.astype(x_ref.dtype), preferred_element_type=jnp.float32)
         return acc + s * t
 
@@ -237,7 +241,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.A
     else:
         kernel = functools.partial(_dot_kernel, bm=bm, **common)
         grid = (mp // bm, n // bn, split_k)
-        xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
+        xp = x
     out = pl.pallas_call(
         kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((split_k * mp, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),

@@ -43,9 +43,17 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
     raise ValueError(f"grouped matmul implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
 
 
+def count_ends_at_or_below(ends: jax.Array, x: jax.Array) -> jax.Array:
+    """``searchsorted(ends, x, side="right")`` for a short sorted ``ends``, as one compare-and-count fusion.
+    jnp's default search is a ``while`` loop of log2(len) steps, and a device loop costs a kernel launch (and
+    on GPU a predicate read back by the host) per step: inside every MoE layer of a decode step that was
+    most of the step's time."""
+    return jnp.sum(x[..., None] >= ends, axis=-1, dtype=jnp.int32)
+
+
 def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
     """The group of each of ``m`` sorted rows; ``G`` for rows past the last group."""
-    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32), side="right")
+    return count_ends_at_or_below(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32))
 
 
 def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -75,7 +83,7 @@ def tile_plan(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, 
     tile_end = jnp.cumsum(tiles_per_group)
     group_row0 = jnp.cumsum(group_sizes) - group_sizes
     t = jnp.arange(pl.cdiv(m, block_m) + num_groups, dtype=jnp.int32)
-    group = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    group = count_ends_at_or_below(tile_end, t)
     g = jnp.minimum(group, num_groups - 1)
     row0 = group_row0[g] + (t - (tile_end[g] - tiles_per_group[g])) * block_m
     rows = jnp.where(group < num_groups, jnp.minimum(block_m, group_row0[g] + group_sizes[g] - row0), 0)

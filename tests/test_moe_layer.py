@@ -157,3 +157,17 @@ def test_pallas_tiles_larger_than_groups_and_spanning_them():
     got = ragged_dot.grouped_matmul_pallas(lhs, rhs, sizes, block_m=32, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ragged_dot.grouped_matmul_reference(lhs, rhs, sizes)),
                                atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "gather"])
+def test_moe_layer_compiles_to_no_device_loop(impl):
+    """A ``while`` in the step costs a launch (on GPU a host round trip) per iteration, in every MoE layer;
+    the routing, sort and tile plan must be loop-free (the Pallas kernel's own loop runs inside its launch,
+    so the plan is checked on its own)."""
+    spec = dataclasses.replace(SPEC, grouped_gemm=impl)
+    w = _weights(spec)
+    h = jnp.zeros((6, 32), jnp.float32)
+    hlo = moe_mlp.lower(h, w, spec, jax.nn.silu, jnp.ones((6,), bool)).compile().as_text()
+    assert " while(" not in hlo
+    plan = jax.jit(lambda s: ragged_dot.tile_plan(s, 64, 16)).lower(jnp.ones((8,), jnp.int32)).compile().as_text()
+    assert " while(" not in plan

@@ -72,15 +72,16 @@ DECODE_ROWS = ("rows", "layer:pallas", "layer:rows")     # --decode's extra rows
 ROWS_MAX_TOKENS = moe.ROWS_PATH_MAX_TOKENS
 
 
-def one_call(impl, tokens, top_k):
+def one_call(impl):
     """``f(x, rhs, routing) -> out`` of one implementation; ``rhs`` and ``routing`` as ``decode_inputs`` makes
-    them for the ``DECODE_ROWS``, the sorted rows' ``[E, hidden, n]`` and group sizes otherwise."""
-    if impl == "rows":
-        return lambda x, rhs, row_expert: ragged_dot.expert_rows_matmul(x, rhs, row_expert, tokens)
+    them for the ``DECODE_ROWS`` (the routing's ``ids [T, k]`` in token order), the sorted rows'
+    ``[E, hidden, n]`` and group sizes otherwise."""
+    if impl == "rows":      # each expert gets at most one row per token
+        return lambda x, rhs, ids: ragged_dot.expert_rows_matmul(x, rhs, ids.reshape(-1), ids.shape[0])
     if impl.startswith("layer:"):
         def layer(x, rhs, routing):
             (gate_up, down), (ids, weights) = rhs, routing
-            spec = moe.MoESpec(num_experts=gate_up.shape[0], top_k=top_k, intermediate_size=down.shape[1],
+            spec = moe.MoESpec(num_experts=gate_up.shape[0], top_k=ids.shape[1], intermediate_size=down.shape[1],
                                renormalize=True, layers=(True,), grouped_gemm="pallas",
                                rows_path_max_tokens=ROWS_MAX_TOKENS if impl == "layer:rows" else 0)
             return moe.routed_experts(x, ids, weights, gate_up, down, spec, jax.nn.silu)
@@ -93,8 +94,7 @@ def decode_inputs(impl, rng, rhs, ids, dtype):
     _, tokens, top_k = ids.shape
     experts, hidden, n = rhs.shape
     if impl == "rows":       # the (token, slot) rows in token order, each naming its expert
-        return (jnp.asarray(rng.standard_normal((tokens * top_k, hidden)) * 0.1, dtype), rhs,
-                jnp.asarray(ids.reshape(POOL, -1)))
+        return jnp.asarray(rng.standard_normal((tokens * top_k, hidden)) * 0.1, dtype), rhs, jnp.asarray(ids)
     down = _down_weights(experts, n // 2, hidden, dtype)
     weights = jnp.asarray(rng.random(ids.shape), jnp.float32)
     return (jnp.asarray(rng.standard_normal((tokens, hidden)) * 0.1, dtype),
@@ -107,8 +107,8 @@ def _down_weights(experts, inter, hidden, dtype):
     return (jax.random.normal(jax.random.key(1), (experts, inter, hidden), jnp.float32) * 0.02).astype(dtype)
 
 
-def chained(impl, n_iter, tokens=0, top_k=0):
-    call = one_call(impl, tokens, top_k)
+def chained(impl, n_iter):
+    call = one_call(impl)
 
     def run(lhs, rhs, pool):
         def body(i, carry):
@@ -141,9 +141,16 @@ def check(impl, rhs, rng, top_k) -> str | None:
     lhs = jnp.asarray(rng.standard_normal((m, hidden)) * 0.1, rhs.dtype)
     want = np.asarray(ragged_dot.grouped_matmul_reference(lhs, rhs, sizes), np.float32)
     routing = sizes
-    if impl == "rows":                                     # the sorted rows as row -> expert, experts for the 3
-        routing = jnp.asarray(np.concatenate([np.repeat(np.arange(experts), np.asarray(sizes)), [experts] * 3]))
-    got = np.asarray(jax.jit(one_call(impl, 8, top_k))(lhs, rhs, routing), np.float32)
+    if impl == "rows":     # 8 tokens in token order, the last one's rows unowned (padding): reference on them sorted
+        ids = routed_ids(rng, 8, experts, top_k, 1)[0]
+        ids[-1] = experts
+        order = np.argsort(ids.reshape(-1), kind="stable")
+        lhs = jnp.asarray(rng.standard_normal((8 * top_k, hidden)) * 0.1, rhs.dtype)
+        sizes = jnp.asarray(np.bincount(ids.reshape(-1), minlength=experts + 1)[:experts])
+        want = np.empty((8 * top_k, rhs.shape[2]), np.float32)
+        want[order] = np.asarray(ragged_dot.grouped_matmul_reference(lhs[order], rhs, sizes), np.float32)
+        routing = jnp.asarray(ids)
+    got = np.asarray(jax.jit(one_call(impl))(lhs, rhs, routing), np.float32)
     err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-9))
     return None if err < 2e-2 else f"mismatch vs reference: max rel err {err:.3g}"
 
@@ -176,11 +183,11 @@ def main(argv=None) -> int:
     rows = []
     for name, (experts, top_k, hidden, inter) in shapes.items():
         n = 2 * inter
-        rhs = (jax.random.normal(jax.random.key(0), (experts, hidden, n), jnp.float32) * 0.02).astype(dtype)
+        experts_w = (jax.random.normal(jax.random.key(0), (experts, hidden, n), jnp.float32) * 0.02).astype(dtype)
         broken = {}
         for impl in impls:
             try:
-                broken[impl] = check(impl, rhs, rng, top_k)
+                broken[impl] = check(impl, experts_w, rng, top_k)
             except Exception as e:  # noqa: BLE001  (a lowering failure is a finding, not the end of the run)
                 broken[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 traceback.print_exc(limit=2)
@@ -189,24 +196,24 @@ def main(argv=None) -> int:
             ids_np = routed_ids(rng, tokens, experts, top_k, POOL)
             pool_np = group_sizes(ids_np, experts)
             touched = float(np.mean([(p > 0).sum() for p in pool_np]))
-            gemm_bytes = touched * hidden * n * rhs.dtype.itemsize + m * (hidden + n) * rhs.dtype.itemsize
+            gemm_bytes = (touched * hidden * n + m * (hidden + n)) * experts_w.dtype.itemsize
             gemm_flops = 2.0 * m * hidden * n
-            gemm_inputs = (jnp.asarray(rng.standard_normal((m, hidden)) * 0.1, dtype), rhs, jnp.asarray(pool_np))
+            gemm_inputs = (jnp.asarray(rng.standard_normal((m, hidden)) * 0.1, dtype), experts_w, jnp.asarray(pool_np))
             for impl in impls:
                 row = {"shape": name, "tokens": tokens, "impl": impl}
                 layer = impl.startswith("layer:")      # both GEMMs: 1.5 x the gate/up weights and FLOPs
                 nbytes, flops = (1.5 * gemm_bytes, 1.5 * gemm_flops) if layer else (gemm_bytes, gemm_flops)
-                lhs, rhs_in, pool = decode_inputs(impl, rng, rhs, ids_np, dtype) if impl in DECODE_ROWS \
+                lhs, rhs, pool = decode_inputs(impl, rng, experts_w, ids_np, dtype) if impl in DECODE_ROWS \
                     else gemm_inputs
                 if broken[impl]:
                     row["note"] = broken[impl]
                 elif impl in ("rows", "layer:rows") and tokens > ROWS_MAX_TOKENS:
                     row["note"] = f"the rows path runs at most {ROWS_MAX_TOKENS} tokens"
-                elif impl == "gather" and m * hidden * n * rhs.dtype.itemsize > GATHER_MAX_BYTES:
+                elif impl == "gather" and m * hidden * n * experts_w.dtype.itemsize > GATHER_MAX_BYTES:
                     row["note"] = "skipped: the gathered weights would not fit"
                 else:
                     try:
-                        s = timed(chained(impl, n_iter, tokens, top_k), lhs, rhs_in, pool, n_iter=n_iter, reps=args.reps)
+                        s = timed(chained(impl, n_iter), lhs, rhs, pool, n_iter=n_iter, reps=args.reps)
                         row |= {"us": s * 1e6, "tbs": nbytes / s / 1e12, "bw": 100 * nbytes / s / read_bw,
                                 "tflops": flops / s / 1e12, "fl": 100 * flops / s / peak}
                     except Exception as e:  # noqa: BLE001

@@ -114,14 +114,16 @@ def test_moe_steps_read_only_the_experts_their_tokens_touch(name, params, active
     # FLOPs count the active experts only, at every batch
     assert c.decode_flops(0, batch=16) == 16 * 2 * (c.active_params - embed)
     t = roofline.decode_steps_bound(c, H200, batch=4, input_len=128, num_steps=1)
-    assert t == pytest.approx(max(c.decode_bytes(129, 4) / H200.bandwidth, c.decode_flops(129, 4) / H200.flops("bfloat16")))
+    assert t == pytest.approx(max(c.decode_bytes(129, 4) / H200.bandwidth,
+                                  c.decode_flops(129, 4) / H200.flops("bfloat16")))
 
 
 def test_qwen3_30b_a3b_batch1_bound_is_its_active_weights():
     c = roofline.model_cost(_dummy_config("qwen3-30b-a3b"))
     assert c.weight_bytes / 1e9 == pytest.approx(6.08, abs=0.01)        # of 60.4 GB stored
     steps = 256
-    assert steps / roofline.decode_steps_bound(c, H200, 1, 128, steps) == pytest.approx(753, rel=0.01)   # ~1.33 ms a step
+    # ~1.33 ms a step
+    assert steps / roofline.decode_steps_bound(c, H200, 1, 128, steps) == pytest.approx(753, rel=0.01)
 
 
 def test_sliding_window_layers_read_at_most_their_window():

@@ -15,6 +15,9 @@ Conventions:
   for tokens that are sampled: one per prefill sequence, one per decode token) plus attention:
   QK^T and PV are 4·heads·head_dim FLOPs per (query, key) pair per layer; causal prefill of n tokens has
   n(n+1)/2 pairs in a global layer, fewer in a windowed one (each query sees at most w keys).
+- Mixture-of-experts layers: a token multiplies only its top-k experts' weights (k / E of the routed experts'
+  FLOPs); a step of n tokens reads the experts they are routed to, E·(1 - (1 - k/E)^n) per layer in
+  expectation under even routing (k at batch 1, all of them at large n; a skewed router reads fewer).
 - A step takes at least max(bytes / bandwidth, FLOPs / peak) (the roofline); a workload's bound is the
   sum of its steps' bounds. Tensor parallelism over N chips multiplies both limits by N.
 - A measured figure above its limit means the limit's assumptions are wrong (bytes counted, or a ceiling too
@@ -177,6 +180,17 @@ class ModelCost:
     attn_flops_per_pair: int           # QK^T + PV FLOPs for one (query, key) pair over all layers
     dtype: str
     layer_windows: tuple[int | None, ...] = ()   # per layer: its sliding window, None = global (all layers if empty)
+    routed_expert_bytes: int = 0       # MoE: the routed experts' weights (within weight_bytes)
+    num_experts: int = 0
+    top_k: int = 0
+
+    def step_weight_bytes(self, tokens: float) -> float:
+        """Weight bytes a step of ``tokens`` tokens reads: all of ``weight_bytes`` but, for an MoE model, the
+        routed experts no token is sent to (expected, under even routing)."""
+        if not self.num_experts:
+            return float(self.weight_bytes)
+        touched = 1.0 - (1.0 - self.top_k / self.num_experts) ** max(float(tokens), 0.0)
+        return float(self.weight_bytes) - self.routed_expert_bytes * (1.0 - touched)
 
     @property
     def num_layers(self) -> int:
@@ -209,7 +223,8 @@ class ModelCost:
             + self.attn_flops_per_pair * self._total_keys(context_lens, batch)
 
     def decode_bytes(self, context_lens: np.ndarray | float, batch: int = 1) -> float:
-        return float(self.weight_bytes) + self.kv_read_bytes(context_lens, batch)
+        n = np.size(context_lens) if np.ndim(context_lens) else batch
+        return self.step_weight_bytes(n) + self.kv_read_bytes(context_lens, batch)
 
     def prefill_pairs(self, input_len: float) -> float:
         """Causal (query, key) pairs of one prompt over all layers, in units of one layer: n(n+1)/2 in a global
@@ -231,7 +246,7 @@ class ModelCost:
         return batch * per_seq
 
     def prefill_bytes(self, input_len: int, batch: int = 1) -> float:
-        return float(self.weight_bytes) + self.kv_bytes_per_token * float(input_len) * batch
+        return self.step_weight_bytes(float(input_len) * batch) + self.kv_bytes_per_token * float(input_len) * batch
 
 
 # bytes per weight of a quantized projection: int4 + a 2-byte scale and a 1-byte zero per group of 128; fp8
@@ -241,8 +256,12 @@ QUANTIZED_WEIGHT_BYTES = {"awq": 0.5 + 3 / 128, "gptq": 0.5 + 3 / 128, "compress
 PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down")
 
 
-def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...]]:
-    """(parameter shapes, per-layer sliding windows) of a decoder config, from its family module."""
+ROUTED_EXPERTS = ("experts_gate_up", "experts_down")
+
+
+def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...], tuple[int, int]]:
+    """(parameter shapes, per-layer sliding windows, (experts, top-k) or (0, 0)) of a decoder config, from
+    its family module."""
     from jaxserve.errors import ModelLoadError
     from jaxserve.models import registry
     try:
@@ -251,7 +270,9 @@ def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...]]:
         raise ValueError(f"no roofline for {cfg.architecture}: {e}") from None
     if not hasattr(family, "decoder_spec"):
         raise ValueError(f"no roofline for {cfg.architecture}: not a decoder family")
-    return family.param_shapes(cfg), tuple(family.decoder_spec(cfg).windows)
+    spec = family.decoder_spec(cfg)
+    moe = (spec.moe.num_experts, spec.moe.top_k) if spec.moe is not None else (0, 0)
+    return family.param_shapes(cfg), tuple(spec.windows), moe
 
 
 def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -260,12 +281,13 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
     (``--quantization``): the projections' storage, the rest stays ``dtype``."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r} for the roofline (known: {', '.join(DTYPE_BYTES)})")
-    shapes, windows = _family_layout(cfg)
+    shapes, windows, (experts, top_k) = _family_layout(cfg)
     sizes = {path: int(np.prod(shape)) for path, shape in _leaves(shapes)}
     params = sum(sizes.values())
     embedding = sizes[("embed",)]
     lm_head = sizes.get(("lm_head",), 0)
     body = params - embedding - lm_head                     # every layer weight (norms, biases too) + final norm
+    routed = sum(n for path, n in sizes.items() if len(path) == 3 and path[2] in ROUTED_EXPERTS)
     head = lm_head or embedding                             # tied: the embedding table is the head
     kv_bytes = DTYPE_BYTES[kv_dtype or dtype]
     d = cfg.head_dim
@@ -274,11 +296,13 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
         projections = sum(n for path, n in sizes.items()
                           if len(path) == 3 and path[0] == "layers" and path[2] in PROJECTIONS)
         weight_bytes -= int(projections * (DTYPE_BYTES[dtype] - QUANTIZED_WEIGHT_BYTES[quantization]))
-    return ModelCost(params=params, body_matmul_params=body, lm_head_params=head,
+    active = body - routed + (routed * top_k // experts if experts else 0)   # what one token multiplies
+    return ModelCost(params=params, body_matmul_params=active, lm_head_params=head,
                      weight_bytes=weight_bytes,
                      kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
                      attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d, dtype=dtype,
-                     layer_windows=windows)
+                     layer_windows=windows, routed_expert_bytes=routed * DTYPE_BYTES[dtype],
+                     num_experts=experts, top_k=top_k)
 
 
 def _leaves(shapes: dict, prefix: tuple = ()):
@@ -303,7 +327,7 @@ def decode_steps_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: flo
     ctx = input_len + 1 + np.arange(num_steps, dtype=np.float64)       # context each step attends over
     keys = batch * cost.keys(ctx)                                      # per step, all layers, all sequences
     flops = batch * 2.0 * (cost.body_matmul_params + cost.lm_head_params) + cost.attn_flops_per_pair * keys
-    nbytes = cost.weight_bytes + cost.kv_bytes_per_token * keys
+    nbytes = cost.step_weight_bytes(batch) + cost.kv_bytes_per_token * keys
     return float(np.sum(np.maximum(flops / hw.flops(cost.dtype), nbytes / hw.bandwidth)))
 
 

@@ -198,3 +198,16 @@ def test_metrics_export_expert_load():
     assert 'jaxserve:moe_expert_tokens_total{expert="0",model_name="m"} 4.0' in text
     assert 'jaxserve:moe_expert_tokens_total{expert="3",model_name="m"} 1.0' in text
     assert 'jaxserve:moe_expert_balancedness{model_name="m"} 0.5' in text   # (1 + 1) / (3 + 1)
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_moe_bench_configs_share_one_engine(model):
+    """The H200 MoE configs validate, name an MoE model, and a model's latency and throughput configs have
+    the same engine section (``run_h200.sh moe`` loads and compiles each model once)."""
+    from benchmarks.config import engine_kwargs, load_config
+    from benchmarks.models import resolve_model
+
+    latency, offline = (load_config(f"h200-{model}-{kind}") for kind in ("latency-bs1", "throughput"))
+    assert (latency["mode"], offline["mode"]) == ("latency", "throughput")
+    assert engine_kwargs(latency) == engine_kwargs(offline)
+    assert "num_experts" in resolve_model(latency)[0].extra_dict

@@ -16,8 +16,10 @@
 #             per-family settings of family_sets below); all five take ~11 minutes cold, so split them over two
 #             calls: FAMILIES="qwen3-8b gemma-2-9b gemma-3-12b", then FAMILIES="phi-4 command-r-35b"
 #   gemma2-long  h200-gemma2-9b-long-prompts (200 x 8064 / 128: the sliding-window layers at long context)
+#   moe       h200-qwen3-30b-a3b-latency-bs1 + -throughput in one process, then the two h200-mixtral-8x7b configs
+#             in another (93 GB of weights: JAX may take 95 % of HBM); ~7-8 minutes on a cold host
 # Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|startup|embed|gpucheck|stepdiag|tp2|carcheck|
-#        families|families-throughput|gemma2-long ...]
+#        families|families-throughput|gemma2-long|moe ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
 # old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
@@ -217,8 +219,12 @@ for step in "${STEPS[@]}"; do
     families)  families latency h200-family-latency-bs1 "${FAMILY_LIMIT_S:-200}" ;;
     families-throughput) families throughput h200-family-throughput "${FAMILY_THROUGHPUT_LIMIT_S:-240}" ;;
     gemma2-long) bench "${GEMMA2_LONG_LIMIT_S:-300}" gemma2-long --config h200-gemma2-9b-long-prompts --no-plots ;;
+    moe)       bench "${MOE_QWEN3_LIMIT_S:-230}" moe-qwen3-30b-a3b --config h200-qwen3-30b-a3b-latency-bs1 \
+                 --config h200-qwen3-30b-a3b-throughput --no-plots
+               XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 bench "${MOE_MIXTRAL_LIMIT_S:-250}" moe-mixtral-8x7b \
+                 --config h200-mixtral-8x7b-latency-bs1 --config h200-mixtral-8x7b-throughput --no-plots ;;
     *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, embed, gpucheck, stepdiag, tp2, carcheck," \
-         "families, families-throughput, gemma2-long)" >&2; exit 2 ;;
+         "families, families-throughput, gemma2-long, moe)" >&2; exit 2 ;;
   esac
 done
 

@@ -83,6 +83,28 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 
 @dataclasses.dataclass(slots=True)
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer, summed over steps (``tokens [L_moe, E]``), and per
+    step and layer the busiest expert's count and the mean count, summed: over a window, their ratio
+    mean / max is vLLM's EPLB "balancedness" (1 when every expert gets the same tokens). The counts come from
+    the step's forward itself, copied to the host beside its sampled tokens."""
+    tokens: np.ndarray
+    max_sum: float = 0.0
+    mean_sum: float = 0.0
+
+    def add(self, counts: np.ndarray) -> None:
+        """One step's ``[L_moe, E]`` counts (a multi-step dispatch: ``[steps, L_moe, E]``)."""
+        self.tokens += counts if counts.ndim == 2 else counts.sum(axis=0)
+        self.max_sum += float(counts.max(axis=-1).sum())
+        self.mean_sum += float(counts.sum()) / counts.shape[-1]
+
+    def snapshot(self) -> dict:
+        return {"moe_layers": self.tokens.shape[0], "moe_expert_tokens_total": self.tokens.sum(axis=0).tolist(),
+                "moe_max_expert_tokens_total": self.max_sum, "moe_mean_expert_tokens_total": self.mean_sum,
+                "moe_expert_balancedness": self.mean_sum / self.max_sum if self.max_sum else 1.0}
+
+
+@dataclasses.dataclass(slots=True)
 class RunnerStats:
     steps: int = 0
     host_ms: float = 0.0        # building inputs + dispatch, summed
@@ -90,15 +112,25 @@ class RunnerStats:
     tokens: int = 0
     # steps by tokens computed: [i] counts steps of at most ITERATION_TOKEN_BUCKETS[i] tokens (the last: more)
     token_buckets: list = dataclasses.field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    expert_load: ExpertLoad | None = None       # MoE models
 
     def snapshot(self) -> dict:
         n = max(self.steps, 1)
         return {"steps": self.steps, "host_ms_per_step": self.host_ms / n,
                 "device_ms_per_step": self.device_ms / n, "tokens_per_step": self.tokens / n,
-                "iteration_tokens": (ITERATION_TOKEN_BUCKETS, tuple(self.token_buckets), self.tokens)}
+                "iteration_tokens": (ITERATION_TOKEN_BUCKETS, tuple(self.token_buckets), self.tokens),
+                **(self.expert_load.snapshot() if self.expert_load is not None else {})}
 
 
-def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, layout, decode_only=False):
+def _moe_layers(model) -> tuple[int, int] | None:
+    """(MoE layers, experts) of a mixture-of-experts decoder, else None."""
+    spec = getattr(model.family, "decoder_spec", None)
+    moe = spec(model.config).moe if spec is not None else None
+    return (sum(moe.layers), moe.num_experts) if moe is not None else None
+
+
+def _forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, *, layout,
+                decode_only=False):
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only)
@@ -107,10 +139,12 @@ def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, l
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
     # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
-    hidden, kv_caches = family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend)
+    hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
+                                                              attn_backend=backend) if expert_load else \
+        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend), None)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
-    return kv_caches, logits
+    return (kv_caches, logits, load) if expert_load else (kv_caches, logits)
 
 
 def _sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=None, *, layout):
@@ -122,8 +156,8 @@ def _sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=
     return out, padded
 
 
-def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_logprobs, filtering, params,
-                    kv_caches, ints, prev_tokens, s_ints, s_floats, *, layout, s_layout):
+def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_logprobs, filtering, moe_layers,
+                    params, kv_caches, ints, prev_tokens, s_ints, s_floats, *, layout, s_layout):
     """Multi-step decoding: ``num_steps`` iterations of forward → sample → feed the token back, as one
     device-side loop (XLA's while loop with a known trip count: no host round trip between iterations).
 
@@ -131,7 +165,8 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_l
     that it repeats its last position with its K/V write sent to the null block (PAD_SLOT), so an early
     finisher never writes outside the blocks the scheduler gave it. Returns the cache, a SamplerOutput whose
     arrays have a leading [num_steps] axis (ids, and the logprobs when ``num_logprobs`` asks for them) and
-    each row's last real token (padded to ``max_rows``: what the next step's placeholders read)."""
+    each row's last real token (padded to ``max_rows``: what the next step's placeholders read); for an MoE
+    model (``moe_layers``: (layers, experts)) each iteration's expert load too, ``[num_steps, L_moe, E]``."""
     x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=True)
     prev_index = x["prev_index"]
@@ -144,27 +179,33 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_l
     positions0, logits_idx = x["positions"], x["logits_idx"]
 
     def body(i, carry):
-        kv, ids, outs = carry
+        kv, ids, outs, loads = carry
         advance = jnp.minimum(i, limit - 1)                  # [R]
         pos = positions0 + advance[tok_row]
         slot = md.block_tables[tok_row, pos // block_size] * block_size + pos % block_size
         slot = jnp.where(real & (i < limit[tok_row]), slot, PAD_SLOT)
         step_md = dataclasses.replace(md, slot_mapping=slot, seq_lens=md.seq_lens + advance)  # padding: +0
-        hidden, kv = family.forward(params, kv, ids, pos, step_md, cfg, attn_backend=backend)
+        hidden, kv, load = family.forward_with_expert_load(params, kv, ids, pos, step_md, cfg,
+                                                           attn_backend=backend) if moe_layers else \
+            (*family.forward(params, kv, ids, pos, step_md, cfg, attn_backend=backend), None)
+        if moe_layers:
+            loads = loads.at[i].set(load)
         logits = gather_logits(family.compute_logits(params, hidden[logits_idx], cfg))
         step_meta = dataclasses.replace(meta, key_counter=meta.key_counter + i.astype(jnp.uint32))
         out = sampler_mod.sample(logits, step_meta, num_logprobs=num_logprobs, filtering=filtering)
         outs = jax.tree.map(lambda acc, x: acc.at[i].set(x), outs, out)
-        return kv, ids.at[:R].set(out.token_ids), outs
+        return kv, ids.at[:R].set(out.token_ids), outs, loads
 
     k = num_logprobs
     outs0 = sampler_mod.SamplerOutput(
         jnp.zeros((num_steps, R), jnp.int32), jnp.zeros((num_steps, R), jnp.float32),
         jnp.zeros((num_steps, R), jnp.int32), jnp.zeros((num_steps, R, k), jnp.int32),
         jnp.zeros((num_steps, R, k), jnp.float32))
-    kv_caches, _, outs = jax.lax.fori_loop(0, num_steps, body, (kv_caches, ids, outs0))
+    loads0 = jnp.zeros((num_steps, *moe_layers), jnp.int32) if moe_layers else None
+    kv_caches, _, outs, loads = jax.lax.fori_loop(0, num_steps, body, (kv_caches, ids, outs0, loads0))
     last = outs.token_ids[limit - 1, jnp.arange(R)]
-    return kv_caches, outs, jnp.zeros(max_rows, jnp.int32).at[:R].set(last)
+    padded = jnp.zeros(max_rows, jnp.int32).at[:R].set(last)
+    return (kv_caches, outs, padded, loads) if moe_layers else (kv_caches, outs, padded)
 
 
 def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index, step_limit=None):
@@ -191,6 +232,7 @@ class ForwardStep:
     num_tokens: int
     num_rows: int
     t_host: float                    # host ms spent on it so far
+    expert_load: jax.Array | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -202,6 +244,7 @@ class PendingStep:
     logprobs_k: dict[str, int]       # request id -> number of top logprobs wanted
     num_tokens: int
     steps: dict[str, int] | None = None   # multi-step: request id -> iterations it ran (out: [steps, R] ids)
+    expert_load: jax.Array | None = None  # MoE: tokens per expert per layer, [L_moe, E] ([steps, ...] multi-step)
 
 
 class ModelRunner:
@@ -226,6 +269,9 @@ class ModelRunner:
         self.max_logprobs = config.max_logprobs
         self.vocab_size = self.cfg.vocab_size
         self.stats = RunnerStats()
+        self.moe_layers = _moe_layers(model)       # (MoE layers, experts): the step returns its expert load
+        if self.moe_layers:
+            self.stats.expert_load = ExpertLoad(np.zeros(self.moe_layers, np.int64))
         self.kv_dtype = kernel_ops.kv_cache_dtype(config.cache.kv_cache_dtype,
                                                   jax.tree_util.tree_leaves(model.params)[0].dtype)
         self.num_blocks = self._num_kv_blocks()
@@ -238,12 +284,14 @@ class ModelRunner:
             from jaxserve.parallel import kv_cache_sharding, replicated
             rep = replicated(mesh)
             kv_sh = kv_cache_sharding(mesh, self.cfg)
-            fwd_out = {"out_shardings": (kv_sh, rep)}
+            load_out = (rep,) if self.moe_layers else ()
+            fwd_out = {"out_shardings": (kv_sh, rep, *load_out)}
             samp_out = {"out_shardings": rep}
-            loop_out = {"out_shardings": (kv_sh, rep, rep)}
+            loop_out = {"out_shardings": (kv_sh, rep, rep, *load_out)}
         self._replicated = rep
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
-        self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend), mesh),
+        self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend,
+                                                  self.moe_layers is not None), mesh),
                                 donate_argnums=(1,), static_argnames=("layout", "decode_only"), **fwd_out)
         # Steps whose requests all decode one token get their own variant of the small buckets under the
         # Pallas backends: the attention runs its decode launch alone (no prefill tile slots, the decode
@@ -268,7 +316,7 @@ class ModelRunner:
             self._decode_loops = {
                 (nl, f): jax.jit(bind_mesh(partial(_decode_loop_fn, model.family, self.cfg, self.backend,
                                                    self.max_num_seqs, self.block_size, self.num_scheduler_steps,
-                                                   nl, f), mesh),
+                                                   nl, f, self.moe_layers), mesh),
                                  donate_argnums=(1,), static_argnames=("layout", "s_layout"), **loop_out)
                 for nl in (0, self.max_logprobs) for f in filter_modes}
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
@@ -506,12 +554,13 @@ class ModelRunner:
             limit = np.ones(R, np.int32)
             limit[:len(scheduled)] = [s.num_steps for s in scheduled]
         f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit)
-        logits = None
+        logits = load = None
         if limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
             fwd = self.variants.get(("forward", T, md.decode_only)) or \
                 self.variants.need(("forward", T, md.decode_only), f"a step of {T} tokens")
-            self.kv_caches, logits = fwd(self.model.params, self.kv_caches, f_ints, prev_tokens)
+            self.kv_caches, logits, *load = fwd(self.model.params, self.kv_caches, f_ints, prev_tokens)
+            load = self._copy_load(load)
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
         # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
         # row filters with top-k/top-p
@@ -530,15 +579,26 @@ class ModelRunner:
         key = (self.max_logprobs if lp_k else 0, filtering)
         if limit is None:
             return ForwardStep(logits, s_ints, s_floats, s_layout, key, rows, lp_k, int(md.query_start_loc[-1]), R,
-                               (time.perf_counter() - t0) * 1e3)
+                               (time.perf_counter() - t0) * 1e3, load)
         # the scheduler gave each entry ``num_steps``: the loop's rows run that many
         loop_key = ("decode-loop", T, *key, s_layout)
         loop = self.variants.get(loop_key) or self.variants.need(loop_key, f"a multi-step decode of {T} tokens")
-        self.kv_caches, out, padded = loop(self.model.params, self.kv_caches, f_ints, prev_tokens, s_ints, s_floats)
+        self.kv_caches, out, padded, *load = loop(self.model.params, self.kv_caches, f_ints, prev_tokens, s_ints,
+                                                  s_floats)
+        load = self._copy_load(load)
         self._step_count += self.num_scheduler_steps
         n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
-        return PendingStep(out, padded, rows, lp_k, n_tok, steps)
+        return PendingStep(out, padded, rows, lp_k, n_tok, steps, load)
+
+    @staticmethod
+    def _copy_load(load: list) -> jax.Array | None:
+        """The step's expert load (MoE), its copy to the host started now: ``collect`` then finds it there
+        and waits on nothing but the sampled tokens."""
+        if not load:
+            return None
+        load[0].copy_to_host_async()
+        return load[0]
 
     def dispatch_sample(self, step: ForwardStep, bitmask: np.ndarray | None = None) -> PendingStep:
         """Launch the sampler of a dispatched forward; ``bitmask`` ([rows, bitmask_width] int32, structured
@@ -552,7 +612,7 @@ class ModelRunner:
             out, padded = exe(step.logits, step.s_ints, step.s_floats, bitmask)
         self._step_count += 1
         self.stats.host_ms += step.t_host + (time.perf_counter() - t0) * 1e3
-        return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None)
+        return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None, step.expert_load)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
@@ -563,6 +623,8 @@ class ModelRunner:
         if pending.logprobs_k:
             lp = (np.asarray(out.logprobs), np.asarray(out.ranks), np.asarray(out.topk_ids),
                   np.asarray(out.topk_logprobs))
+        if pending.expert_load is not None:
+            self.stats.expert_load.add(np.asarray(pending.expert_load))
         self._account(pending, t0)
         rows, steps = pending.rows, pending.steps
 

@@ -155,8 +155,9 @@ class DecoderLayer(nnx.Module):
         gate_up = linear(h, _w(self.gate_up))
         return ACTIVATIONS[self.spec.activation](gate_up[:, 0]) * gate_up[:, 1]
 
-    def moe_mlp(self, h: jax.Array, valid: jax.Array) -> jax.Array:
-        """The whole MoE MLP (all-reduced under a mesh): router, top-k experts, combine, shared expert."""
+    def moe_mlp(self, h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The whole MoE MLP (all-reduced under a mesh): router, top-k experts, combine, shared expert; and
+        the tokens routed to each expert ``[E]``."""
         names = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down", "shared_gate")
         weights = {n: _w(getattr(self, n)) for n in names if hasattr(self, n)}
         return moe.moe_mlp(h, weights, self.spec.moe, ACTIVATIONS[self.spec.activation], valid)
@@ -183,7 +184,7 @@ class DecoderModel(nnx.Module):
         layers = list(self.layers)
         next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
         h = self.norm(x, _w(layers[0].attn_norm), eps)
-        new_caches = []
+        new_caches, expert_load = [], []
         for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches):
             attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
             new_caches.append(kv_cache)
@@ -199,12 +200,15 @@ class DecoderModel(nnx.Module):
                 h = self.norm(x, next_norm, eps)
             elif layer.is_moe:
                 x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
-                x = x + layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
+                mlp, load = layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
+                x = x + mlp
+                expert_load.append(load)
                 h = self.norm(x, next_norm, eps)
             else:
                 x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
                 x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm)
-        return h, new_caches
+        # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
+        return h, new_caches, jnp.stack(expert_load) if expert_load else None
 
     def _add_norm(self, x, w, residual, norm_weight):
         """``s = residual + x @ w`` (row-parallel) and the next norm of ``s``; fused with TP's all-reduce
@@ -274,6 +278,14 @@ class DecoderFamily:
     def forward(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
                 md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference"):
         """One ragged step: ``input_ids``/``positions`` ``[T]`` int32 → ``(hidden [T, hidden_size], kv_caches)``."""
+        hidden, kv_caches, _ = self.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
+                                                             attn_backend=attn_backend)
+        return hidden, kv_caches
+
+    def forward_with_expert_load(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
+                                 md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference"):
+        """``forward`` and the tokens routed to each expert of each MoE layer ``[L_moe, E]`` int32 (None for a
+        dense model): the engine's expert-load statistics, from the step itself."""
         graphdef, _ = self.abstract(cfg)
         model = nnx.merge(graphdef, _to_internal(params))
         return model(kv_caches, input_ids, positions, md, attn_backend)

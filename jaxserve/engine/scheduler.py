@@ -39,7 +39,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start_pos: int                  # == request.num_computed_tokens when scheduled
-    block_ids: list[int]            # the whole block table after allocation (a snapshot)
+    # the whole block table after allocation: the KV cache manager's own list (read it in this step; it only
+    # grows, and the runner's persistent rows copy just what it gained)
+    block_ids: list[int]
     samples: bool = True            # the chunk ends at the last known token: the step yields a token
     # multi-step decoding: a decode run for num_steps iterations in one dispatch computes positions
     # start_pos .. start_pos + num_steps - 1 and samples num_steps tokens (slots are allocated for all of them)
@@ -151,7 +153,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = len(req._all_token_ids) - req.num_computed_tokens
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
                 continue
@@ -239,7 +241,7 @@ class Scheduler:
         for s, k in zip(scheduled, ks):
             if k > 1 and kv.allocate_slots(s.request, k) is not None:
                 s.num_steps = k
-                s.block_ids = kv.block_ids(s.request.request_id)
+                s.block_ids = kv.live_block_ids(s.request.request_id)
                 longest = max(longest, k)
         if longest < n:     # the pool gave no entry all n: single steps (the blocks stay for those steps)
             for s in scheduled:
@@ -254,9 +256,8 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(request=req, num_new_tokens=num_new, start_pos=start,
-                                block_ids=self.kv_cache_manager.block_ids(req.request_id),
-                                samples=start + num_new == req.num_tokens)
+        return ScheduledRequest(req, num_new, start, self.kv_cache_manager.live_block_ids(req.request_id),
+                                start + num_new == len(req._all_token_ids))
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
@@ -276,6 +277,7 @@ class Scheduler:
         requests, running_status = self.requests, RequestStatus.RUNNING
         kv = self.kv_cache_manager
         cache_blocks = kv.cache_blocks if kv.enable_prefix_caching else None
+        num_cached, bs = kv.num_cached_blocks, kv.block_size
         capped = None
         for entry in scheduler_output.scheduled:
             req = entry.request
@@ -301,8 +303,11 @@ class Scheduler:
                     capped.append(req)
             req.num_computed_tokens = end
             if cache_blocks is not None:
-                # only blocks of known tokens: placeholders are filled when the output processor reads them
-                cache_blocks(req, min(end, len(req._all_token_ids) - req.num_placeholders))
+                # only blocks of known tokens: placeholders are filled when the output processor reads them;
+                # a decode inside a block fills none (checked here: once per request per step)
+                known = min(end, len(req._all_token_ids) - req.num_placeholders)
+                if known // bs > num_cached.get(req.request_id, 0):
+                    cache_blocks(req, known)
         if capped:
             for req in capped:
                 self.capped[req.request_id] = req

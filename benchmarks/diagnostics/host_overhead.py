@@ -22,7 +22,8 @@ runner's ``stats.device_ms``, the wait inside ``collect``). ``sync`` drives ``LL
 ``--engine core`` is the engine core's own per-step work in this process, without its sockets: an
 ``LLMEngine(core_outputs=True)`` driven by ``EngineCoreLoop.step_and_send`` (step, stats, msgpack encoding of
 the EngineCoreOutputs; the bytes go nowhere), sync mode only (a core has no output kinds of its own to
-stream). ``core host`` = its host ms/step plus ``stats_send`` (stats + encoding + send). With ``--profile FILE``
+stream). ``core host`` = its host ms/step plus ``stats_send`` (stats + encoding + send); ``core_host_cpu`` is the
+engine thread's CPU time per step (``time.thread_time``), the figure least moved by a loaded machine. With ``--profile FILE``
 one more run of the first engine given is cProfiled over its steady-state steps and a table of the functions
 by own time per step (ms) is printed (cProfile's overhead inflates every figure: compare its rows with each
 other, and the untimed tables before and after a change).
@@ -148,15 +149,16 @@ class PhaseTimer:
         dev0 = st.device_ms
         so = self.eng.structured_output
         wait0 = getattr(so, "mask_wait_ms", 0.0)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         outs = self._step()
         wall = time.perf_counter() - t0
+        cpu = time.thread_time() - c0
         self.cur["mask"] = self.cur.get("mask", 0.0) + (getattr(so, "mask_wait_ms", 0.0) - wait0) / 1e3
         if self._is_steady:
             c = self.cur
             dev = (st.device_ms - dev0) / 1e3
             rec = {
-                "wall": wall, "device_wait": dev, "host": wall - dev,
+                "wall": wall, "device_wait": dev, "host": wall - dev, "host_cpu": cpu,
                 "schedule": c.get("schedule", 0.0),
                 "prepare": c.get("prepare", 0.0),
                 "sampling_metadata": c.get("sampling_metadata", 0.0),
@@ -340,9 +342,9 @@ def run_core(eng, prompts, kind, output_len, profile=None) -> dict:
         on = prof is not None and n_steady > 0
         if on:
             prof.enable()
-        t1 = time.perf_counter()
+        c1, t1 = time.thread_time(), time.perf_counter()
         loop.step_and_send()
-        dt = time.perf_counter() - t1
+        dt, cpu = time.perf_counter() - t1, time.thread_time() - c1
         if on:
             prof.disable()
             profiled += 1
@@ -350,6 +352,7 @@ def run_core(eng, prompts, kind, output_len, profile=None) -> dict:
             rec = timer.steady[-1]
             rec["stats_send"] = dt - rec["wall"]
             rec["core_host"] = rec["host"] + rec["stats_send"]
+            rec["core_host_cpu"] = cpu          # this thread's CPU time: what other processes' load leaves out
     dt = time.perf_counter() - t0
     del eng.step
     if prof is not None:
@@ -538,14 +541,16 @@ def main(argv=None) -> int:
         print("(in-process engine; ms per steady-state step, medians; host = wall - device_wait)")
     core_rows = [r for r in rows if r["engine"] == "core"]
     if core_rows:
-        cols = ["core_host", "host", "stats_send", "wall", *PHASES]
+        cols = ["core_host_cpu", "core_host", "host", "stats_send", "wall", *PHASES]
         print("\n| sampling | " + " | ".join(cols) + " | bytes/step | out tok/s |")
         print("|" + "---|" * (len(cols) + 3))
         for r in core_rows:
             print(f"| {r['sampling']} | " + " | ".join(f"{r[c]:.2f}" for c in cols)
                   + f" | {r['bytes_per_step']} | {r['output_tok_s']:.0f} |")
         print("(the engine core's step loop in this process, no sockets; ms per steady-state step, medians; host = "
-              "step() wall - device_wait; stats_send = stats + msgpack encoding; core_host = host + stats_send)")
+              "step() wall - device_wait; stats_send = stats + msgpack encoding; core_host = host + stats_send; "
+              "core_host_cpu = the engine thread's CPU time per step (time.thread_time: the other threads, "
+              "XLA's CPU device among them, and other processes left out; a wait that spins counts))")
     split_rows = [r for r in rows if r["engine"] == "split"]
     if split_rows:
         cols = ["host", "loop_host", "wall", "device_wait", "front"]

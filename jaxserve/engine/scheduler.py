@@ -104,6 +104,7 @@ class Scheduler:
         self.capped: dict[str, Request] = {}
         self._finished_ids: list[str] = []           # since the last schedule()
         self.num_scoring = 0                         # unfinished requests that asked for prompt logprobs
+        self.num_penalized = 0                       # unfinished requests with a presence/frequency/repetition penalty
         self.num_preemptions = 0                     # total, for stats
 
     # -- queue ----------------------------------------------------------------------------------------
@@ -119,6 +120,8 @@ class Scheduler:
         self.waiting.append(request)
         if _scores_prompt(request):
             self.num_scoring += 1
+        if request.uses_penalties:
+            self.num_penalized += 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -160,7 +163,8 @@ class Scheduler:
             if num_new > budget and not self._may_chunk(num_new):
                 i += 1                  # chunked prefill off: wait for a step with room for all of it
                 continue
-            num_new = min(num_new, budget)
+            if num_new > budget:
+                num_new = budget
             while kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -305,7 +309,9 @@ class Scheduler:
             if cache_blocks is not None:
                 # only blocks of known tokens: placeholders are filled when the output processor reads them;
                 # a decode inside a block fills none (checked here: once per request per step)
-                known = min(end, len(req._all_token_ids) - req.num_placeholders)
+                known = len(req._all_token_ids) - req.num_placeholders
+                if end < known:
+                    known = end
                 if known // bs > num_cached.get(req.request_id, 0):
                     cache_blocks(req, known)
         if capped:
@@ -353,6 +359,8 @@ class Scheduler:
         del self.requests[req.request_id]
         if _scores_prompt(req):
             self.num_scoring -= 1
+        if req.uses_penalties:
+            self.num_penalized -= 1
         self._finished_ids.append(req.request_id)
         req.metrics.finished_time = now
 

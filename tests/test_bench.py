@@ -682,6 +682,44 @@ def test_profile_summary_reads_a_cpu_trace(tmp_path):
     assert "PjitFunction" in ps.format_summary(s, title="cpu")
 
 
+def test_step_diag_cuts_a_forward_into_layers():
+    """step_diag --layer-kernels: a traced forward's kernels, cut at each layer's K/V write, give one layer's
+    kernels (windows that span two forwards dropped), their mean us, and the idle time between them."""
+    from benchmarks.diagnostics.step_diag import layer_windows
+
+    layer = ["gemm", "rope", "paged_kv_write", "decode", "combine", "gemm", "add", "norm"]
+    names = (["embed"] + layer * 3 + ["lm_head"]) * 2
+    events, t = [], 0
+    for n in names:
+        events.append((t, t + 2000, n))       # 2 us kernels, 1 us apart
+        t += 3000
+    w = layer_windows(events, 3)
+    assert w["windows"] == 4 and len(w["layer_kinds"]) == 1 and w["kernels_per_layer"] == len(layer)
+    assert w["layer_kinds"][0]["kernels"] == [(g, 2.0) for g in layer[2:] + layer[:2]]
+    assert w["layer_busy_us"] == 2.0 * len(layer) and w["layer_gap_us"] == 1.0 * len(layer)
+    assert layer_windows(events[:5], 3)["kernels_per_layer"] is None
+
+
+def test_step_diag_layer_kernels_runs_on_cpu(capsys):
+    """The --layer-kernels child (one narrowed model, the reference attention): compiles and times a forward."""
+    import argparse
+
+    from benchmarks.diagnostics.step_diag import layer_child
+
+    a = argparse.Namespace(models=["gemma-2-9b"], layers=2, context=20, dtype="float32", replays=1,
+                           max_model_len=64, smoke=True, hlo_dir=None, tag="new-default")
+    layer_child(a)
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
+    r = json.loads(line[len("RESULT "):])
+    assert r["model"] == "gemma-2-9b" and r["forward_ms"] > 0 and r["hlo_fusions"] > 0
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.diagnostics.step_diag import hlo_kernel_ops
+    hlo = jax.jit(lambda x: jnp.sin(x) * 2 + x.sum()).lower(jnp.ones((8, 128))).compile().as_text()
+    assert any("sine" in what for what in hlo_kernel_ops(hlo).values()), hlo_kernel_ops(hlo)
+
+
 def test_step_diag_flag_sets_parse():
     """Every XLA flag set step_diag offers is known to this jax's XLA (a typo would cost a GPU run: the
     process aborts with "Unknown flag in XLA_FLAGS"). All sets at once, in one CPU process."""

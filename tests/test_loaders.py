@@ -124,6 +124,20 @@ def test_dummy_load_by_name(tmp_path, monkeypatch):
     assert m.tokenizer.encode("Hello world") == [19556, 905]      # the embedded SmolLM2 tokenizer
 
 
+def test_dummy_fill_is_uniform_std_002_and_seeded():
+    from jaxserve.models.layers import decoder
+    fill = decoder._dummy_init_fn("normal", (256, 3, 512), jnp.dtype(jnp.float32), None)
+    a = np.asarray(fill(decoder._leaf_seed(0, 1)))
+    assert abs(a.std() - decoder.DUMMY_STD) < 5e-4 and abs(a.mean()) < 5e-4
+    assert np.abs(a).max() <= decoder.DUMMY_STD * 3 ** 0.5
+    assert len(np.unique(a)) > a.size * 0.98        # each its own 24-bit draw (~1 % meet by chance)
+    assert np.array_equal(a, np.asarray(fill(decoder._leaf_seed(0, 1))))  # the same seed, the same weights
+    b = np.asarray(fill(decoder._leaf_seed(0, 2)))                        # another leaf: unrelated values
+    assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.01
+    rows = a.reshape(-1, 512)
+    assert abs(np.corrcoef(rows[0], rows[1])[0, 1]) < 0.2 and abs(np.corrcoef(rows[:, 0], rows[:, 1])[0, 1]) < 0.2
+
+
 def test_dummy_load_format_for_a_folder():
     m = load_model(TINY_QWEN2, load_format="dummy", dtype="float32")
     assert m.load_format == "dummy" and m.params["layers"][0]["q_bias"].shape == (64,)

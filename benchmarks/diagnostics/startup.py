@@ -250,6 +250,7 @@ def run_parity(a) -> dict:
         every = runner.buckets if name == "every bucket" else every
         runner.wait_compiled()
         runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
         del llm, runner
         gc.collect()                   # the first engine's weights and KV cache go before the second's
     out = {"buckets": list(every), "prompts": []}

@@ -138,6 +138,26 @@ def test_dummy_fill_is_uniform_std_002_and_seeded():
     assert abs(np.corrcoef(rows[0], rows[1])[0, 1]) < 0.2 and abs(np.corrcoef(rows[:, 0], rows[:, 1])[0, 1]) < 0.2
 
 
+def test_dummy_fill_is_the_same_in_any_sharding():
+    # fake devices need XLA_FLAGS before JAX starts: a child process with two of them
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jaxserve.models.layers import decoder
+        mesh = jax.make_mesh((2,), ("tp",))
+        seed = decoder._leaf_seed(0, 5)
+        one = decoder._dummy_init_fn("normal", (6, 4, 8), jnp.dtype(jnp.bfloat16), None)(seed)
+        for spec in (P(None, None, "tp"), P("tp")):
+            split = decoder._dummy_init_fn("normal", (6, 4, 8), jnp.dtype(jnp.bfloat16), NamedSharding(mesh, spec))(seed)
+            assert split.sharding.spec == spec and len(split.addressable_shards) == 2
+            assert np.array_equal(np.asarray(split), np.asarray(one))
+        print("ok")
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_dummy_load_format_for_a_folder():
     m = load_model(TINY_QWEN2, load_format="dummy", dtype="float32")
     assert m.load_format == "dummy" and m.params["layers"][0]["q_bias"].shape == (64,)

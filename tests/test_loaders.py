@@ -146,9 +146,10 @@ def test_dummy_fill_is_the_same_in_any_sharding():
         from jaxserve.models.layers import decoder
         mesh = jax.make_mesh((2,), ("tp",))
         seed = decoder._leaf_seed(0, 5)
-        one = decoder._dummy_init_fn("normal", (6, 4, 8), jnp.dtype(jnp.bfloat16), None)(seed)
+        fill = lambda sharding: decoder._dummy_init_fn("normal", (6, 4, 8), jnp.dtype(jnp.bfloat16), sharding)
+        one = fill(None)(seed)
         for spec in (P(None, None, "tp"), P("tp")):
-            split = decoder._dummy_init_fn("normal", (6, 4, 8), jnp.dtype(jnp.bfloat16), NamedSharding(mesh, spec))(seed)
+            split = fill(NamedSharding(mesh, spec))(seed)
             assert split.sharding.spec == spec and len(split.addressable_shards) == 2
             assert np.array_equal(np.asarray(split), np.asarray(one))
         print("ok")

@@ -10,8 +10,8 @@
                bucket (milliseconds more per step) — what a step does while its bucket compiles
     dummy      `--load-format dummy` weights of ``--model``: seconds and seconds per GB of the fill (first call
                with its compiles, then again), against ``jax.random.normal`` over the same shapes
-    parity     greedy tokens of the same prompts with every bucket compiled against only the smallest and
-               largest (steps padded up), in one process: the same ids, or where they part and the top-2
+    parity     greedy tokens of the same prompts with each step in its own bucket against only the smallest and
+               largest compiled (steps padded up), in one process: the same ids, or where they part and the top-2
                logprob gap there (random weights give near-ties that a different program's rounding flips)
 
 Every run is a fresh process with a fresh cache folder under a temporary directory. CPU time (user + sys of
@@ -236,22 +236,29 @@ def run_dummy(a) -> dict:
 
 
 def run_parity(a) -> dict:
+    import jax
+
     from jaxserve import LLM, SamplingParams
+    from jaxserve.config import EngineConfig
+    from jaxserve.runner.model_runner import token_buckets
 
     kw = dict(use_tqdm_on_load=False, max_model_len=1024)
     if a.model:
         kw.update(model=a.model, load_format=a.load_format or "auto")
     prompts = [a.prompt, "Once upon a time in a land far away there lived a king who had three daughters and"]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, logprobs=2, ignore_eos=True)
+    sched = EngineConfig().resolved(jax.default_backend()).scheduler
+    default = token_buckets(sched.max_num_batched_tokens)
+    # the buckets these short prompts' steps use (every one up to 64 tokens) and the largest: each step in
+    # its own bucket, against only the smallest and largest compiled (every prefill padded to the largest)
+    every = tuple(b for b in default if b <= 64) + (default[-1],)
     runs = {}
-    for name in ("every bucket", "smallest and largest"):
-        llm = LLM(**kw) if name == "every bucket" else LLM(token_buckets=(every[0], every[-1]), **kw)
-        runner = llm.engine.runner
-        every = runner.buckets if name == "every bucket" else every
-        runner.wait_compiled()
+    for name, buckets in (("every bucket", every), ("smallest and largest", (every[0], every[-1]))):
+        llm = LLM(token_buckets=buckets, **kw)
+        llm.wait_compiled()
         runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         llm.shutdown()
-        del llm, runner
+        del llm
         gc.collect()                   # the first engine's weights and KV cache go before the second's
     out = {"buckets": list(every), "prompts": []}
     for i, p in enumerate(prompts):

@@ -745,6 +745,25 @@ class ModelRunner:
         self.variants.submit(rest, priority=1)
         return time.perf_counter() - t0
 
+    def warmup_for(self, prompt_lens: list[int]) -> float:
+        """A one-shot run that knows its prompts (``jaxserve generate``): compile, concurrently, what its
+        steps will run — the first step's prefill bucket and the decode bucket of its requests, each with
+        its sampler — and nothing else (no background compiles to outlive the run). A step that needs
+        another bucket pads up to one of these or compiles it then. Returns the seconds it blocked."""
+        t0 = time.perf_counter()
+        if not prompt_lens:
+            return 0.0
+        base_f = False if self.static_sampling else None
+        n = min(len(prompt_lens), self.max_num_seqs)
+        prefill = self.bucket_for(min(sum(prompt_lens[:n]), self.max_num_tokens))
+        decode = self.bucket_for(min(n, self.max_num_tokens))
+        keys = [("sample", 0, base_f, False, self._sampler_layout(self.num_reqs_for(T))) for T in (prefill, decode)]
+        keys += [("forward", prefill, False), ("forward", decode, self.uniform_decode)]
+        if self._decode_loops:
+            keys.append(("decode-loop", decode, 0, base_f, self._sampler_layout(self.num_reqs_for(decode))))
+        self.variants.compile_now(keys)
+        return time.perf_counter() - t0
+
     def stop_background_compiles(self, wait: bool = False) -> None:
         """Drop the queued background compiles (a one-shot run); a variant a step needs still compiles.
         ``wait``: also for the compiles in progress, after which no compile thread holds this runner."""

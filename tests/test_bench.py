@@ -91,6 +91,41 @@ def test_family_param_counts_match_the_published_sizes(name, params, tied):
     assert c.kv_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
 
 
+@pytest.mark.parametrize("name, params, active, experts, top_k", [
+    ("qwen3-30b-a3b", 30_532_122_624, 3.35e9, 128, 8),      # model card: 30.5 B, 3.3 B activated
+    ("mixtral-8x7b", 46_702_792_704, 12.88e9, 8, 2),        # 46.7 B, 12.9 B active
+    ("qwen2-moe-a2.7b", 14_315_784_192, 2.69e9, 60, 4),     # 14.3 B, 2.7 B activated (the shared expert dense)
+])
+def test_moe_steps_read_only_the_experts_their_tokens_touch(name, params, active, experts, top_k):
+    cfg = _dummy_config(name)
+    c = roofline.model_cost(cfg)
+    embed = cfg.vocab_size * cfg.hidden_size
+    assert c.params == params and c.active_params == pytest.approx(active, rel=2e-3)
+    routed = c.expert_params * (1 - top_k / experts)              # the experts one token skips
+    assert c.body_matmul_params == params - 2 * embed - routed
+    assert c.weight_bytes == 2 * (params - embed - routed)        # batch 1: exactly top_k experts per layer
+    assert c.step_weight_bytes(1) == c.weight_bytes
+    for b in (4, 16, 64):                                         # b tokens: E·(1 − (1 − k/E)^b) experts
+        touched = 1 - (1 - top_k / experts) ** b
+        assert c.step_weight_bytes(b) == pytest.approx(2 * (params - embed - c.expert_params * (1 - touched)))
+    assert c.step_weight_bytes(100_000) == pytest.approx(2 * (params - embed))     # every expert
+    assert c.decode_bytes(128, batch=16) == pytest.approx(c.step_weight_bytes(16) + 16 * c.kv_read_bytes(128))
+    assert c.prefill_bytes(1024) == pytest.approx(2 * (params - embed) + 1024 * c.kv_bytes_per_token)
+    # FLOPs count the active experts only, at every batch
+    assert c.decode_flops(0, batch=16) == 16 * 2 * (c.active_params - embed)
+    t = roofline.decode_steps_bound(c, H200, batch=4, input_len=128, num_steps=1)
+    assert t == pytest.approx(max(c.decode_bytes(129, 4) / H200.bandwidth,
+                                  c.decode_flops(129, 4) / H200.flops("bfloat16")))
+
+
+def test_qwen3_30b_a3b_batch1_bound_is_its_active_weights():
+    c = roofline.model_cost(_dummy_config("qwen3-30b-a3b"))
+    assert c.weight_bytes / 1e9 == pytest.approx(6.08, abs=0.01)        # of 60.4 GB stored
+    steps = 256
+    # ~1.33 ms a step
+    assert steps / roofline.decode_steps_bound(c, H200, 1, 128, steps) == pytest.approx(753, rel=0.01)
+
+
 def test_sliding_window_layers_read_at_most_their_window():
     g2, g3 = roofline.model_cost(_dummy_config("gemma-2-9b")), roofline.model_cost(_dummy_config("gemma-3-12b"))
     assert g2.layer_windows == (4096, None) * 21

@@ -222,7 +222,7 @@ def _worker() -> dict:
     from jaxserve import parallel
     from jaxserve.models import loader, registry
     from jaxserve.models.configs import model_config_from_hf
-    from jaxserve.models.layers.decoder import _dummy_init_fn, _is_shape
+    from jaxserve.models.layers.decoder import _dummy_init_fn, _is_shape, _leaf_seed
 
     assert jax.device_count() == 2
     mesh = parallel.make_mesh(2)
@@ -241,7 +241,7 @@ def _worker() -> dict:
     for shape, kind, sharding in zip(shapes, inits, shardings):
         if (kind, shape, sharding) in generators or kind != "normal":
             continue
-        text = _dummy_init_fn(kind, shape, jnp.dtype("bfloat16"), sharding).lower(jax.random.key(0)).compile().as_text()
+        text = _dummy_init_fn(kind, shape, jnp.dtype("bfloat16"), sharding).lower(_leaf_seed(0, 0)).compile().as_text()
         largest = max(int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"\w+\[([\d,]+)\]", text))
         generators[(kind, shape, sharding)] = {"shape": list(shape), "elements": int(np.prod(shape)),
                                                "shard": int(np.prod(sharding.shard_shape(shape))),

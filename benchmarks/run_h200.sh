@@ -11,6 +11,12 @@
 #   startup   serve llama-3.1-8b dummy until /health 200 and a first completion, fresh compile cache then warm
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
+#   x2-70b, x2-more, x2-extra (2 GPUs; issue 36), one device call each, most important first; x2: all three.
+#             x2-70b: Llama-3.1-70B TP=2 batch 1 + offline (one process), then its serve sweep (the warm start-up:
+#             the server log's "ready in" line); x2-more: Qwen3-32B offline TP=2 then TP=1, Mixtral-8x7B EP=2 then
+#             TP=2 (batch 1 + offline each); x2-extra: Llama-3.1-70B fp8 batch 1 on one GPU (also runs with one),
+#             then the 70B TP=2 serve start-up, cold and warm. TP=2 runs a process per GPU (X2_BACKEND=mp, the
+#             custom all-reduce; uni: one process drives both; an mp engine that never starts is retried as uni)
 #   families  batch-1 latency of each decoder family (h200-family-latency-bs1, one process per model) for the
 #             configs/models names in $FAMILIES (default: qwen3-8b gemma-2-9b gemma-3-12b phi-4 command-r-35b;
 #             ~8-9 minutes on a cold host: each model loads and compiles its 3 forwards in ~1-2 minutes)
@@ -143,6 +149,48 @@ for name in ("h200-llama8b-latency-bs1", "h200-llama8b-throughput"):
 EOF
 }
 
+X2_BACKEND=${X2_BACKEND:-mp}
+
+x2_steps() {   # x2_steps 70b|more|extra: issue 36's two-GPU measurements (the header says what each runs)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # NVLink multicast off
+  local be=(--set "engine.distributed_executor_backend=$X2_BACKEND") log
+  case $1 in
+    70b)
+      needs_2_gpus x2-70b || return 0
+      local pair=(--config h200x2-llama70b-tp2-latency-bs1 --config h200x2-llama70b-tp2-throughput --no-plots)
+      bench "${X2_70B_LIMIT_S:-400}" x2-llama70b "${pair[@]}" "${be[@]}"
+      if [ "$X2_BACKEND" = mp ] && ! grep -q "^\[bench\] engine up in" "$RESULTS/x2-llama70b.log"; then
+        X2_BACKEND=uni; be=(--set engine.distributed_executor_backend=uni)
+        echo "x2-70b: the engine with a process per GPU did not start; again with one process (uni)" >> "$SUMMARY"
+        bench "${X2_70B_LIMIT_S:-400}" x2-llama70b-uni "${pair[@]}" "${be[@]}"
+      fi
+      grep -hs "^\[bench\] engine up in" "$RESULTS"/x2-llama70b.log "$RESULTS"/x2-llama70b-uni.log | sed 's/^\[bench\]/x2-70b offline:/' >> "$SUMMARY"
+      bench "${X2_SERVE_LIMIT_S:-180}" x2-llama70b-serve --config h200x2-llama70b-tp2-serve "${be[@]}" --no-plots
+      for log in "$RESULTS"/*-h200x2-llama70b-tp2-serve*/server.log; do
+        [ -f "$log" ] && grep -o "load [0-9.]* s, warm-up.*ready in [0-9.]* s" "$log" | sed 's/^/x2-70b serve start-up (warm cache): /' >> "$SUMMARY"
+      done ;;
+    more)
+      needs_2_gpus x2-more || return 0
+      bench "${X2_QWEN_LIMIT_S:-120}" x2-qwen3-32b-tp2 --config h200x2-qwen3-32b-tp2-throughput "${be[@]}" --no-plots
+      CUDA_VISIBLE_DEVICES=0 bench "${X2_QWEN_LIMIT_S:-120}" x2-qwen3-32b-tp1 --config h200x2-qwen3-32b-tp2-throughput \
+        --set engine.tensor_parallel_size=1 --set engine.distributed_executor_backend=uni \
+        --set name=h200-qwen3-32b-throughput --no-plots
+      local split
+      for split in ep2 tp2; do
+        bench "${X2_MIXTRAL_LIMIT_S:-170}" "x2-mixtral-8x7b-$split" --config "h200x2-mixtral-8x7b-$split-latency-bs1" \
+          --config "h200x2-mixtral-8x7b-$split-throughput" --no-plots
+      done ;;
+    extra)
+      if [ "${NGPU:-0}" -lt 1 ]; then echo "x2-extra: skipped, needs a GPU" | tee -a "$SUMMARY"; return 0; fi
+      CUDA_VISIBLE_DEVICES=0 bench "${X2_FP8_LIMIT_S:-240}" x2-llama70b-fp8 --config h200-llama70b-fp8-latency-bs1 --no-plots
+      needs_2_gpus x2-startup || return 0
+      diag "${X2_STARTUP_LIMIT_S:-330}" x2-startup '^(cold|warm):|Error' benchmarks/diagnostics/startup.py serve \
+        --model llama-3.1-70b --load-format dummy --out "$RESULTS/startup_h200x2_llama70b_tp2.json" \
+        --flags --dtype bfloat16 --tensor-parallel-size 2 --distributed-executor-backend "$X2_BACKEND" \
+        --max-model-len 4096 --max-num-seqs 128 --max-num-batched-tokens 2048 --token-buckets 4 128 2048 ;;
+  esac
+}
+
 split_ab() {   # split_ab decode|serve: one config with the engine core in-process (old) and in its own process (new)
   local what=$1 cfg
   if [ "$what" = decode ]; then
@@ -220,6 +268,8 @@ for step in "${STEPS[@]}"; do
                  diag "${CARCHECK_ENGINE_S:-200}" "carcheck-$dt" '^\||^#|Error' \
                    benchmarks/diagnostics/custom_allreduce_probe.py --engine llama-3.2-1b --dtype "$dt"
                done ;;
+    x2)        x2_steps 70b; x2_steps more; x2_steps extra ;;
+    x2-70b|x2-more|x2-extra) x2_steps "${step#x2-}" ;;
     families)  families latency h200-family-latency-bs1 "${FAMILY_LIMIT_S:-200}" ;;
     families-throughput) families throughput h200-family-throughput "${FAMILY_THROUGHPUT_LIMIT_S:-240}" ;;
     gemma2-long) bench "${GEMMA2_LONG_LIMIT_S:-300}" gemma2-long --config h200-gemma2-9b-long-prompts --no-plots ;;

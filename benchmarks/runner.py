@@ -55,8 +55,8 @@ class EngineCache:
             self.key, self.load_s = key, time.perf_counter() - t
             t = time.perf_counter()
             done = self.llm.wait_compiled(timeout=COMPILE_WAIT_S)   # measure the steady state, not compiles
-            print(f"[bench] background compiles {'done' if done else 'NOT done'} after "
-                  f"{time.perf_counter() - t:.1f} s", flush=True)
+            print(f"[bench] engine up in {self.load_s:.1f} s (load + warm-up compiles); background compiles "
+                  f"{'done' if done else 'NOT done'} after {time.perf_counter() - t:.1f} s more", flush=True)
         return self.llm
 
     def close(self):
@@ -181,8 +181,10 @@ def prepare_main(run: Run, out_root: str | None) -> None:
     """Environment, hardware limits and the model's roofline counts (initialises JAX)."""
     from benchmarks.envinfo import environment
     from benchmarks.models import kv_dtype, weight_dtype
-    # serve mode: the server process needs the accelerator; this process must not initialise it
-    run.env = environment(run.argv, devices_in_subprocess=run.cfg["mode"] == "serve")
+    # serve mode: the server process needs the accelerator; this process must not initialise it. Nor may an
+    # engine with a process per device (mp): it joins jax.distributed, which must come before JAX starts
+    spans_processes = run.cfg["engine"].get("distributed_executor_backend") == "mp"
+    run.env = environment(run.argv, devices_in_subprocess=run.cfg["mode"] == "serve" or spans_processes)
     tp = int(run.cfg["engine"].get("tensor_parallel_size") or 1)
     run.hw = roofline.resolve_hardware(run.cfg["hardware"], run.env["device_kind"], run.env["platform"], tp)
     mismatch = roofline.hardware_mismatch(run.cfg["hardware"], run.env["device_kind"], run.env["platform"])

@@ -602,17 +602,6 @@ def load_weights(cfg: ModelConfig, family: ModuleType, get: Callable[[str], np.n
     return params
 
 
-def quantize_params(params: dict, quant, sharding_tree, dtype) -> dict:
-    """The projections of a float weight pytree (random weights) quantized on the device by ``quant``."""
-    for i, layer in enumerate(params["layers"]):
-        for name in list(layer):
-            path = ("layers", i, name)
-            if quant_loading.is_linear(path):
-                sharding = _tree_get(sharding_tree, path) if sharding_tree is not None else None
-                layer[name] = quant_loading.quantize_leaf(quant, path, layer[name], sharding, dtype)
-    return params
-
-
 def _build_cast(build, dtype, *ws):
     return build(*ws).astype(dtype)
 
@@ -797,14 +786,22 @@ def _dummy_quantization(quantization: str | None):
 
 
 def _dummy_params(cfg, family, dtype, seed, mesh, quant) -> dict:
-    params = family.init_dummy_params(cfg, dtype, seed=seed, mesh=mesh)
+    """Random weights; with ``quant``, each projection quantized as soon as it is made (a 70B model's bf16
+    weights, 141 GB, never exist at once: its fp8 copy fits one H200)."""
     if quant is None:
-        return params
+        return family.init_dummy_params(cfg, dtype, seed=seed, mesh=mesh)
     shardings = None
     if mesh is not None:
         from jaxserve.parallel import param_shardings  # noqa: PLC0415
         shardings = param_shardings(family.param_partition_specs(cfg), mesh, cfg)
-    return quantize_params(params, quant, shardings, dtype)
+
+    def quantize(path, w):
+        if not quant_loading.is_linear(path):
+            return w
+        sharding = _tree_get(shardings, path) if shardings is not None else None
+        return quant_loading.quantize_leaf(quant, path, w, sharding, dtype)
+
+    return family.init_dummy_params(cfg, dtype, seed=seed, mesh=mesh, transform=quantize)
 
 
 def _float_only(quantization: str | None, what: str) -> None:

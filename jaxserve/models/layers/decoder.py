@@ -303,19 +303,26 @@ class DecoderFamily:
             logits = jnp.tanh(logits / spec.final_soft_cap) * spec.final_soft_cap
         return logits
 
-    def init_dummy_params(self, cfg: ModelConfig, dtype, *, seed: int = 0, mesh=None) -> dict:
+    def init_dummy_params(self, cfg: ModelConfig, dtype, *, seed: int = 0, mesh=None,
+                          transform: Callable[[tuple, jax.Array], object] | None = None) -> dict:
         """Random weights of the right shapes (uniform with std 0.02; norms the identity), each made on
-        device where it lives, in its own sharding: no host buffer, no transfer."""
+        device where it lives, in its own sharding: no host buffer, no transfer. ``transform(path, weight)``
+        (e.g. quantization) runs on each as it is made, so the float weights never all exist at once (a 70B
+        model's bf16 copy does not fit one GPU)."""
         shapes = self.param_shapes(cfg)
-        leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_shape)
+        keyed, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
+        paths = [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp) for kp, _ in keyed]
+        leaves = [shape for _, shape in keyed]
         inits = jax.tree.leaves(self.param_inits(cfg))
         if mesh is not None:
             from jaxserve.parallel import param_shardings  # noqa: PLC0415  (whole kv heads when tp > kv heads)
             sharding_leaves = jax.tree.leaves(param_shardings(self.param_partition_specs(cfg), mesh, cfg))
         else:
             sharding_leaves = [None] * len(leaves)
-        out = [_dummy_init_fn(kind, shape, jnp.dtype(dtype), sharding)(_leaf_seed(seed, i))
-               for i, (shape, kind, sharding) in enumerate(zip(leaves, inits, sharding_leaves))]
+        out = []
+        for i, (path, shape, kind, sharding) in enumerate(zip(paths, leaves, inits, sharding_leaves)):
+            w = _dummy_init_fn(kind, shape, jnp.dtype(dtype), sharding)(_leaf_seed(seed, i))
+            out.append(w if transform is None else transform(path, w))
         return jax.tree.unflatten(treedef, out)
 
 

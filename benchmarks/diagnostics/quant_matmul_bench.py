@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks.diagnostics.timing import back_to_back_seconds
 from jaxserve.kernels import int4_matmul_pallas as k4
 from jaxserve.quantization import online
 from jaxserve.quantization.weights import _fp8_matmul
@@ -29,15 +28,8 @@ GROUP = 128
 
 
 def time_us(fn, *args, iters: int = 50) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / iters)
-    return best * 1e6
+    """Microseconds per call: the best of 5 repeats of ``iters`` back-to-back calls."""
+    return min(back_to_back_seconds(fn, *args, iters=iters, repeats=5)) * 1e6
 
 
 def weights(k: int, n: int):

@@ -11,6 +11,10 @@ Conventions:
 - K/V reads are per layer: a layer with a sliding window of w reads at most w cached tokens of a sequence
   (the paged kernels skip the blocks before the window), a global layer all of them. A step writes the K/V of
   each of its tokens into every layer (prefill bytes count that write).
+- Mixture-of-experts layers: a token multiplies only its top_k of a layer's E routed experts, so a step of b
+  tokens reads the experts they touch: with independent, uniform routing E·(1 − (1 − k/E)^b) distinct experts
+  per layer (exactly k at b = 1, nearly all E from b ≈ 4E/k on); shared experts and the router are dense
+  weights, read whole. Real routing is skewed, which touches fewer experts: the count is the uniform bound.
 - FLOPs: 2 per multiplied weight per token (the embedding gather multiplies nothing; the LM head runs only
   for tokens that are sampled: one per prefill sequence, one per decode token) plus attention:
   QK^T and PV are 4·heads·head_dim FLOPs per (query, key) pair per layer; causal prefill of n tokens has
@@ -170,17 +174,47 @@ def resolve_hardware(setting: str, device_kind: str, platform: str, num_devices:
 class ModelCost:
     """FLOP and byte counts of one decoder model at one weight / KV dtype."""
     params: int                        # all parameters
-    body_matmul_params: int            # weights every token multiplies (not the embedding gather, not the head)
+    body_matmul_params: int            # weights one token multiplies (not the embedding gather, not the head;
+                                       # of an MoE layer's routed experts its top_k)
     lm_head_params: int                # the output projection (tied or not), multiplied for sampled tokens
-    weight_bytes: int                  # the weights one step reads, in the weight dtype (no untied embedding)
+    weight_bytes: int                  # the weights a one-token step reads, in the weight dtype (no untied
+                                       # embedding; of an MoE layer's routed experts top_k): step_weight_bytes
     kv_bytes_per_token: int            # K + V of one token over all layers (what a step writes per token)
     attn_flops_per_pair: int           # QK^T + PV FLOPs for one (query, key) pair over all layers
     dtype: str
     layer_windows: tuple[int | None, ...] = ()   # per layer: its sliding window, None = global (all layers if empty)
+    expert_params: int = 0             # every routed expert of every MoE layer (shared experts are dense)
+    num_experts: int = 0               # routed experts per MoE layer (0: a dense model)
+    experts_per_token: int = 0         # top_k
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_windows) or 1
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: every weight but the routed experts it is not sent to (the figure MoE
+        model cards quote as "activated", e.g. Qwen3-30B-A3B's 3.3 B)."""
+        return self.params - self.expert_params + self._active_expert_params
+
+    @property
+    def _active_expert_params(self) -> int:
+        return self.expert_params // self.num_experts * self.experts_per_token if self.num_experts else 0
+
+    def experts_touched(self, tokens: float) -> float:
+        """Expected share of an MoE layer's routed experts that ``tokens`` tokens send rows to (uniform,
+        independent routing): 1 − (1 − k/E)^tokens; exactly k/E for one token."""
+        if not self.num_experts:
+            return 0.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(float(tokens), 1.0)
+
+    def step_weight_bytes(self, tokens: float) -> float:
+        """Weight bytes one step of ``tokens`` tokens reads: the dense weights whole, the routed experts its
+        tokens touch (``experts_touched``). A dense model's is ``weight_bytes`` at every size."""
+        if not self.num_experts:
+            return float(self.weight_bytes)
+        extra = self.experts_touched(tokens) - self.experts_per_token / self.num_experts
+        return float(self.weight_bytes) + self.expert_params * DTYPE_BYTES[self.dtype] * extra
 
     def keys(self, context_lens) -> np.ndarray:
         """Keys one new token attends over at each context length (any shape), averaged over the layers (so
@@ -209,7 +243,8 @@ class ModelCost:
             + self.attn_flops_per_pair * self._total_keys(context_lens, batch)
 
     def decode_bytes(self, context_lens: np.ndarray | float, batch: int = 1) -> float:
-        return float(self.weight_bytes) + self.kv_read_bytes(context_lens, batch)
+        tokens = np.size(context_lens) if np.ndim(context_lens) else batch
+        return self.step_weight_bytes(tokens) + self.kv_read_bytes(context_lens, batch)
 
     def prefill_pairs(self, input_len: float) -> float:
         """Causal (query, key) pairs of one prompt over all layers, in units of one layer: n(n+1)/2 in a global
@@ -231,7 +266,8 @@ class ModelCost:
         return batch * per_seq
 
     def prefill_bytes(self, input_len: int, batch: int = 1) -> float:
-        return float(self.weight_bytes) + self.kv_bytes_per_token * float(input_len) * batch
+        tokens = float(input_len) * batch
+        return self.step_weight_bytes(tokens) + self.kv_bytes_per_token * tokens
 
 
 # bytes per weight of a quantized projection: int4 + a 2-byte scale and a 1-byte zero per group of 128; fp8
@@ -239,6 +275,7 @@ class ModelCost:
 QUANTIZED_WEIGHT_BYTES = {"awq": 0.5 + 3 / 128, "gptq": 0.5 + 3 / 128, "compressed-tensors": 0.5 + 3 / 128,
                           "fp8": 1.0}
 PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down")
+EXPERTS = ("experts_gate_up", "experts_down")           # an MoE layer's routed experts (models/layers/moe.py)
 
 
 def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...]]:
@@ -269,6 +306,10 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
     head = lm_head or embedding                             # tied: the embedding table is the head
     kv_bytes = DTYPE_BYTES[kv_dtype or dtype]
     d = cfg.head_dim
+    experts = sum(n for path, n in sizes.items() if len(path) == 3 and path[0] == "layers" and path[2] in EXPERTS)
+    num_experts, top_k = _routing(cfg) if experts else (0, 0)
+    inactive = experts - (experts // num_experts * top_k if experts else 0)   # routed experts a token skips
+    body -= inactive
     weight_bytes = (body + head) * DTYPE_BYTES[dtype]
     if quantization in QUANTIZED_WEIGHT_BYTES:
         projections = sum(n for path, n in sizes.items()
@@ -278,7 +319,14 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
                      weight_bytes=weight_bytes,
                      kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
                      attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d, dtype=dtype,
-                     layer_windows=windows)
+                     layer_windows=windows, expert_params=experts, num_experts=num_experts,
+                     experts_per_token=top_k)
+
+
+def _routing(cfg) -> tuple[int, int]:
+    """(routed experts per MoE layer, top_k) from the config's HF fields."""
+    extra = cfg.extra_dict
+    return int(extra["num_experts"]), int(extra["num_experts_per_tok"])
 
 
 def _leaves(shapes: dict, prefix: tuple = ()):
@@ -303,7 +351,7 @@ def decode_steps_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: flo
     ctx = input_len + 1 + np.arange(num_steps, dtype=np.float64)       # context each step attends over
     keys = batch * cost.keys(ctx)                                      # per step, all layers, all sequences
     flops = batch * 2.0 * (cost.body_matmul_params + cost.lm_head_params) + cost.attn_flops_per_pair * keys
-    nbytes = cost.weight_bytes + cost.kv_bytes_per_token * keys
+    nbytes = cost.step_weight_bytes(batch) + cost.kv_bytes_per_token * keys
     return float(np.sum(np.maximum(flops / hw.flops(cost.dtype), nbytes / hw.bandwidth)))
 
 

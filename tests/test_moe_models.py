@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.models.loader import load_model
 from tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
-                         engine_with_preemption, load_tiny, params_equal)
+                         engine_with_preemption, golden, hf_logits, load_tiny, params_equal)
 
 MOE = ["tiny-mixtral", "tiny-qwen2moe", "tiny-qwen3moe"]
 
@@ -105,3 +105,22 @@ def test_moe_orbax_round_trip(tmp_path):
     restored, original = load_model(str(tmp_path / "ckpt")), load_model(source, dtype="float32")
     assert restored.load_format == "orbax" and restored.config == original.config
     assert params_equal(restored.params, original.params)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "tiny-qwen3moe" else pytest.mark.slow) for n in MOE])
+def test_moe_rows_path_matches_hf(name, monkeypatch):
+    """The GPU default's sort-free decode path (``rows``, the Pallas kernel interpreted here): a 16-token
+    prefill step takes it, then HF's greedy continuation decoded twice in one batch."""
+    monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "rows")
+    model = load_model(os.path.join(FIXTURES, name), dtype="float32")
+    model.family.decoder_spec.cache_clear()          # specs are cached per config: forget the other runs'
+    try:
+        _rows_path_matches_hf(name, model)
+    finally:
+        model.family.decoder_spec.cache_clear()
+
+
+def _rows_path_matches_hf(name, model):
+    assert model.family.decoder_spec(model.config).moe.rows_path_max_tokens == 16
+    check_logits_match_hf(name, model, golden(name), hf_logits(name))
+    check_greedy_matches_hf(name, model, golden(name))

@@ -80,6 +80,16 @@ def _w(variable: nnx.Variable) -> jax.Array:
     return variable.get_value()
 
 
+def effective_window(window: int | None, md: AttentionMetadata, k_cache: jax.Array) -> int | None:
+    """The sliding window a layer's attention needs: ``None`` (global) when the window covers every position a
+    request of this step can reach (its block table's span), since it then masks no key. Gemma 2's 4096-token
+    windows served at ``max_model_len <= 4096`` run the global kernel on every layer: one attention variant,
+    no window arithmetic. The K pages are ``[blocks, kv_heads, block_size, head_dim]``."""
+    if window is not None and window >= md.block_tables.shape[1] * k_cache.shape[2]:
+        return None
+    return window
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, spec: DecoderSpec, index: int):
         h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -124,7 +134,7 @@ class DecoderLayer(nnx.Module):
         k_cache, v_cache = kv_cache
         attn, k_cache, v_cache = tp_attention.write_kv_and_attend(
             q, k, v, k_cache, v_cache, md, sm_scale=spec.sm_scale, soft_cap=spec.attn_soft_cap,
-            sliding_window=spec.windows[self.index], backend=backend)
+            sliding_window=effective_window(spec.windows[self.index], md, k_cache), backend=backend)
         return attn.reshape(t, hq * d), (k_cache, v_cache)
 
     def _qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -14,6 +14,13 @@ rows times their weights (in float32). Assignments this device does not compute 
 expert parallelism the experts another device owns — sort after the last group, where the grouped GEMM gives
 zeros and an implementation that skips them spends nothing.
 
+Decode-sized steps (at most ``MoESpec.rows_path_max_tokens`` tokens, a static bucket size) skip the sort:
+the (token, slot) rows go in token order to ``ragged_dot.expert_rows_matmul``, one kernel tile per distinct
+expert gathering that expert's rows (at most one per token), and come back in token order; an unowned row
+(padding, another device's expert) belongs to no tile. Both paths read each selected expert's weights once;
+the rows path saves the sort, the group count, the tile plan's prefix sums and the scatter back (a handful
+of small launches per layer, which at batch 1 are a large share of the step), at an ``(T·k)²`` plan.
+
 Parallelism over the ``"tp"`` mesh axis (the weights' ``out_sharding`` says which, ``expert_partition``):
 - tensor parallel (default): every device holds every expert's ``intermediate / tp`` slice, like a dense MLP
   (gate/up column-parallel, down row-parallel); each device's combine is a partial sum, all-reduced.
@@ -53,6 +60,7 @@ class MoESpec:
     layers: tuple[bool, ...] = ()              # per layer: MoE (True) or the dense MLP
     expert_parallel: bool = False
     grouped_gemm: str = "ragged_dot"           # kernels.ragged_dot implementation
+    rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
 
 
 def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bool,
@@ -62,23 +70,36 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
     extra = cfg.extra_dict
     step, dense = int(extra.get("decoder_sparse_step") or 1), set(extra.get("mlp_only_layers") or ())
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
+    impl, rows_path = _grouped_gemm()
     return MoESpec(num_experts=int(extra["num_experts"]), top_k=int(extra["num_experts_per_tok"]),
                    intermediate_size=int(extra["moe_intermediate_size"]), renormalize=renormalize,
                    weights_in_hidden_dtype=weights_in_hidden_dtype,
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
-                   expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=_grouped_gemm())
+                   expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=impl,
+                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0)
 
 
-def _grouped_gemm() -> str:
-    """The grouped GEMM the MoE layers run. On a GPU the Pallas kernel: ``lax.ragged_dot`` lowers to a dense
-    padded product there (measured on an H200 at 256 tokens: 2,276 us against the kernel's 322 us for
-    Qwen3-30B-A3B's gate/up; 2026-12-01-h200-moe-grouped-gemm.md)."""
+ROWS = "rows"      # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and the sort-free rows path at decode sizes
+
+
+def _grouped_gemm() -> tuple[str, bool]:
+    """(the grouped GEMM the MoE layers run, whether decode-sized steps take the sort-free rows path).
+    ``auto`` is ``rows`` on a GPU (``lax.ragged_dot`` lowers to a dense padded product there: measured on an
+    H200 at 256 tokens 2,276 us against the Pallas kernel's 322 us for Qwen3-30B-A3B's gate/up;
+    2026-12-01-h200-moe-grouped-gemm.md) and ``ragged_dot`` elsewhere. A named implementation runs at every
+    size (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "ragged_dot"
+        impl = ROWS if jax.default_backend() == "gpu" else "ragged_dot"
+    if impl == ROWS:
+        return "pallas", True
     if impl not in ragged_dot.IMPLEMENTATIONS:
-        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of {', '.join(ragged_dot.IMPLEMENTATIONS)}")
-    return impl
+        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {ROWS}, "
+                         f"{', '.join(ragged_dot.IMPLEMENTATIONS)}")
+    return impl, False
+
+
+ROWS_PATH_MAX_TOKENS = 16    # one 16-row kernel tile holds an expert's rows; the plan is (16·k)² compares
 
 
 def with_expert_parallel(cfg: ModelConfig, enable: bool) -> ModelConfig:
@@ -157,19 +178,24 @@ def routed_experts(h, ids, weights, gate_up, down, spec: MoESpec, activation: Ca
 def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: Callable) -> jax.Array:
     """This device's experts ``offset .. offset + E_local`` (see the module NOTE)."""
     t, k = ids.shape
-    local_experts = gate_up.shape[0]
+    local_experts, hidden = gate_up.shape[:2]
     local = ids - offset
     mine = (local >= 0) & (local < local_experts)
     key = jnp.where(mine, local, local_experts).reshape(-1)
+    weights = jnp.where(mine, weights, 0)
+    if t <= spec.rows_path_max_tokens:        # decode sizes: (token, slot) rows as they are, no sort
+        rows = jnp.repeat(h, k, axis=0)                                            # [T * k, hidden]
+        y = ragged_dot.expert_rows_matmul(rows, gate_up.reshape(local_experts, hidden, -1), key, t)
+        y = y.reshape(t * k, 2, -1)
+        y = ragged_dot.expert_rows_matmul(activation(y[:, 0]) * y[:, 1], down, key, t).reshape(t, k, hidden)
+        return jnp.einsum("tk,tkh->th", weights, y, preferred_element_type=jnp.float32).astype(h.dtype)
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
     rows = jnp.take(h, order // k, axis=0)                                         # [T * k, hidden]
-    hidden = gate_up.shape[1]
     y = ragged_dot.grouped_matmul(rows, gate_up.reshape(local_experts, hidden, -1), group_sizes, spec.grouped_gemm)
     y = y.reshape(t * k, 2, -1)
     y = ragged_dot.grouped_matmul(activation(y[:, 0]) * y[:, 1], down, group_sizes, spec.grouped_gemm)
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, hidden)                   # back to token order
-    weights = jnp.where(mine, weights, 0)
     return jnp.einsum("tk,tkh->th", weights, y, preferred_element_type=jnp.float32).astype(h.dtype)
 
 

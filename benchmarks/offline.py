@@ -22,6 +22,8 @@ class StepStats:
     """The engine's host-ms / device-ms per step over one measured window (raw runner counters diffed)."""
 
     COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+    # MoE models: per step and layer, the busiest expert's tokens and the mean, summed (the runner's ExpertLoad)
+    EXPERT_LOAD = ("moe_max_expert_tokens_total", "moe_mean_expert_tokens_total")
 
     # engine.stats() raw totals: the in-process engine's and the engine core's (a split engine) alike
     TOTALS = {"steps": "steps", "host_ms": "runner_host_ms_total", "device_ms": "device_ms_total",
@@ -38,6 +40,9 @@ class StepStats:
             return None
         raw = {k: float(counters.get(key) or 0.0) for k, key in self.TOTALS.items()}
         raw.update({k: float(counters.get(k) or 0.0) for k in self.COUNTERS})
+        if counters.get("moe_layers"):
+            raw.update({k: float(counters[k]) for k in self.EXPERT_LOAD}, moe_layers=float(counters["moe_layers"]))
+            raw["moe_expert_tokens"] = np.asarray(counters["moe_expert_tokens_total"], np.float64)
         return raw
 
     def window(self) -> dict | None:
@@ -51,7 +56,23 @@ class StepStats:
         return {"steps": int(d["steps"]), "host_ms_per_step": d["host_ms"] / n,
                 "device_ms_per_step": d["device_ms"] / n, "tokens_per_step": d["tokens"] / n,
                 "engine_host_ms_per_step": (d["step_ms"] - d["device_ms"]) / n,
-                **{k: int(d[k]) for k in self.COUNTERS}}
+                **{k: int(d[k]) for k in self.COUNTERS}, **self._expert_load(d, n, end.get("moe_layers"))}
+
+    @staticmethod
+    def _expert_load(d: dict, steps: float, layers: float | None) -> dict:
+        """An MoE model's expert load over the window: per step and layer the mean and the busiest expert's
+        tokens, their ratio (imbalance, max / mean; vLLM's balancedness is its inverse) and the busiest
+        expert's share of all routed tokens over the window against an even share (1 / experts)."""
+        if not layers or not d["moe_mean_expert_tokens_total"]:
+            return {}
+        per = steps * layers
+        tokens = d["moe_expert_tokens"]
+        return {"expert_load": {
+            "moe_layers": int(layers), "num_experts": len(tokens),
+            "mean_expert_tokens_per_step": d["moe_mean_expert_tokens_total"] / per,
+            "max_expert_tokens_per_step": d["moe_max_expert_tokens_total"] / per,
+            "imbalance": d["moe_max_expert_tokens_total"] / d["moe_mean_expert_tokens_total"],
+            "busiest_expert_share": float(tokens.max() / tokens.sum()), "even_share": 1.0 / len(tokens)}}
 
 
 def run_throughput(run) -> None:
@@ -135,6 +156,14 @@ def _steps_table(run, steps: dict | None) -> None:
                                 [[steps["steps"], steps["host_ms_per_step"], steps["device_ms_per_step"],
                                   steps["engine_host_ms_per_step"], steps["tokens_per_step"],
                                   steps["prefix_cache_hits"], steps["num_preemptions"]]]))
+    load = (steps or {}).get("expert_load")
+    if load:
+        run.tables.append(Table("Expert load (measured window; per step and MoE layer)",
+                                ["MoE layers", "experts", "mean tokens/expert", "max tokens/expert",
+                                 "imbalance (max / mean)", "busiest expert's share", "even share"],
+                                [[load["moe_layers"], load["num_experts"], load["mean_expert_tokens_per_step"],
+                                  load["max_expert_tokens_per_step"], load["imbalance"],
+                                  load["busiest_expert_share"], load["even_share"]]]))
 
 
 def _workload(run, n: int):

@@ -134,6 +134,7 @@ class _EngineStatsCollector:
                 buckets.append((bound, cumulative))
             h.add_metric([self.model_name], buckets, float(total))
             yield h
+        yield from self._expert_load(stats)
         if self.prefix == "vllm:":     # vLLM V0's names, which its Grafana dashboard still queries
             for name, keys in (("gpu_cache_usage_perc", GAUGES["kv_cache_usage_perc"]),
                                ("gpu_prefix_cache_hit_rate", ("prefix_cache_hit_rate",))):
@@ -147,6 +148,23 @@ class _EngineStatsCollector:
                                      labels=["model_name", "num_gpu_blocks", "block_size"])
             info.add_metric([self.model_name, str(stats["num_kv_blocks"]), str(self.block_size)], 1.0)
             yield info
+
+
+    def _expert_load(self, stats: dict[str, Any]):
+        """MoE models: tokens routed to each expert (summed over the MoE layers) and the routing's
+        balancedness, mean / max tokens per expert per step and layer (vLLM's EPLB measure; 1 = even)."""
+        tokens = stats.get("moe_expert_tokens_total")
+        if not tokens:
+            return
+        c = CounterMetricFamily(f"{self.prefix}moe_expert_tokens", "tokens routed to each expert, summed over "
+                                "the MoE layers", labels=["model_name", "expert"])
+        for expert, n in enumerate(tokens):
+            c.add_metric([self.model_name, str(expert)], float(n))
+        yield c
+        g = GaugeMetricFamily(f"{self.prefix}moe_expert_balancedness", "mean over max tokens per expert per step "
+                              "and MoE layer, since start (1: every expert equally loaded)", labels=["model_name"])
+        g.add_metric([self.model_name], float(stats.get("moe_expert_balancedness", 1.0)))
+        yield g
 
 
 class ServerMetrics:

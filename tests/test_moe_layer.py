@@ -151,7 +151,7 @@ def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
                                    shared_intermediate_size=24)
     w = _weights(spec)
     h = jnp.asarray(np.random.default_rng(1).standard_normal((6, 32)), jnp.float32)
-    out = moe_mlp(h, w, spec, jax.nn.silu)
+    out, _ = moe_mlp(h, w, spec, jax.nn.silu)
     np.testing.assert_allclose(np.asarray(out), _dense_reference(h, w, spec), atol=1e-4, rtol=1e-4)
 
 
@@ -168,9 +168,11 @@ def test_padding_tokens_reach_no_expert(impl):
     w = _weights(spec)
     h = jnp.asarray(np.random.default_rng(2).standard_normal((4, 32)), jnp.float32)
     valid = jnp.asarray([True, True, False, False])
-    out = np.asarray(moe_mlp(h, w, spec, jax.nn.silu, valid))
+    out, load = moe_mlp(h, w, spec, jax.nn.silu, valid)
+    out = np.asarray(out)
     assert not out[2:].any()
     np.testing.assert_allclose(out[:2], _dense_reference(h[:2], w, spec), atol=1e-4, rtol=1e-4)
+    assert int(np.asarray(load).sum()) == 2 * spec.top_k, "padding tokens must not count in the expert load"
 
 
 def test_rows_path_runs_only_at_decode_sizes():
@@ -180,10 +182,22 @@ def test_rows_path_runs_only_at_decode_sizes():
     w = _weights(spec, seed=4)
     for t in (16, 17):
         h = jnp.asarray(np.random.default_rng(t).standard_normal((t, 32)), jnp.float32)
-        out = moe_mlp(h, w, spec, jax.nn.silu)
+        out, _ = moe_mlp(h, w, spec, jax.nn.silu)
         np.testing.assert_allclose(np.asarray(out), _dense_reference(h, w, spec), atol=1e-4, rtol=1e-4)
     lowered = {t: moe_mlp.lower(jnp.zeros((t, 32)), w, spec, jax.nn.silu).as_text() for t in (16, 17)}
     assert "stablehlo.sort" not in lowered[16] and "stablehlo.sort" in lowered[17]
+
+
+def test_expert_load_counts_each_tokens_top_k():
+    """The load histogram against numpy's: every real token once per expert among its top-k."""
+    w = _weights(SPEC)
+    h = jnp.asarray(np.random.default_rng(4).standard_normal((9, 32)), jnp.float32)
+    valid = np.arange(9) < 7
+    _, load = moe_mlp(h, w, SPEC, jax.nn.silu, jnp.asarray(valid))
+    logits = np.asarray(h, np.float64) @ np.asarray(w["router"], np.float64)
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :SPEC.top_k][valid]
+    np.testing.assert_array_equal(np.asarray(load), np.bincount(top.reshape(-1), minlength=SPEC.num_experts))
+    assert load.dtype == jnp.int32
 
 
 def test_layers_follow_hf_sparse_step_and_mlp_only_layers():

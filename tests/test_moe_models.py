@@ -6,11 +6,13 @@ decoded twice in one batch, and through the engine with prefix caching, chunked 
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 import pytest
 
+from jaxserve import LLM, SamplingParams
 from jaxserve.models.loader import load_model
 from tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
                          engine_with_preemption, golden, hf_logits, load_tiny, params_equal)
@@ -124,3 +126,75 @@ def _rows_path_matches_hf(name, model):
     assert model.family.decoder_spec(model.config).moe.rows_path_max_tokens == 16
     check_logits_match_hf(name, model, golden(name), hf_logits(name))
     check_greedy_matches_hf(name, model, golden(name))
+
+
+@pytest.mark.parametrize("name,scheduler_steps", [("tiny-mixtral", 1), ("tiny-qwen3moe", 1), ("tiny-mixtral", 4)])
+def test_engine_expert_load_matches_hf_routing(name, scheduler_steps):
+    """The engine's expert-load statistics after generating HF's greedy continuation (8-token prefill
+    chunks; multi-step decoding too) equal HF's own routing of that sequence, per layer and expert
+    (tests/make_moe_fixtures.py writes expert_load.json from HF's router logits)."""
+    gold = golden(name)
+    with open(os.path.join(FIXTURES, name, "expert_load.json")) as f:
+        hf = json.load(f)
+    llm = LLM(os.path.join(FIXTURES, name), dtype="float32", max_model_len=64, block_size=4,
+              max_num_batched_tokens=8, max_num_seqs=2, num_scheduler_steps=scheduler_steps,
+              compilation_cache_dir="", use_tqdm_on_load=False)
+    params = SamplingParams(temperature=0, max_tokens=len(gold["greedy_ids"]), ignore_eos=True)
+    out = llm.generate([gold["prompt_ids"]], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == gold["greedy_ids"]
+    want = np.asarray(hf["tokens_per_expert"])
+    np.testing.assert_array_equal(llm.engine.runner.stats.expert_load.tokens, want)
+    stats = llm.engine.stats()
+    k = llm.engine.model_config.extra_dict["num_experts_per_tok"]
+    assert stats["moe_layers"] == want.shape[0] and stats["moe_expert_tokens_total"] == want.sum(axis=0).tolist()
+    assert stats["moe_mean_expert_tokens_total"] == pytest.approx(want.shape[0] * hf["num_tokens"] * k / want.shape[1])
+    assert 0 < stats["moe_expert_balancedness"] <= 1
+    assert stats["moe_max_expert_tokens_total"] >= stats["moe_mean_expert_tokens_total"]
+
+
+def test_roofline_counts_active_experts():
+    """A batch-1 step reads attention and its top-k experts (Mixtral-8x7B: ~25.5 GB of 93, the issue's
+    ~25.8 GB estimate); a large batch reaches every expert; FLOPs per token count k of E experts."""
+    from benchmarks import roofline
+    from benchmarks.models import named_model_hf_config
+    from jaxserve.models.configs import model_config_from_hf
+
+    c = roofline.model_cost(model_config_from_hf(named_model_hf_config("mixtral-8x7b")))
+    assert (c.num_experts, c.experts_per_token) == (8, 2)
+    assert c.step_weight_bytes(1) / 1e9 == pytest.approx(25.50, abs=0.01)
+    assert c.weight_bytes == c.step_weight_bytes(1)                  # the batch-1 read
+    assert c.step_weight_bytes(4096) - c.step_weight_bytes(1) == pytest.approx(2 * c.expert_params * 6 / 8)
+    assert c.body_matmul_params == pytest.approx(c.params - 2 * 32000 * 4096 - c.expert_params * 6 / 8,
+                                                 rel=1e-6)
+    assert c.decode_bytes(100.0, batch=1) == pytest.approx(c.step_weight_bytes(1) + c.kv_read_bytes(100.0))
+
+
+def test_metrics_export_expert_load():
+    """/metrics: tokens per expert (summed over layers) as a counter labelled by expert, and balancedness."""
+    from jaxserve.runner.model_runner import ExpertLoad
+    from server.metrics import ServerMetrics
+
+    load = ExpertLoad(np.zeros((2, 4), np.int64))
+    load.add(np.array([[3, 1, 0, 0], [1, 1, 1, 1]]))
+
+    class Engine:
+        def stats(self):
+            return {"num_running": 0, **load.snapshot()}
+
+    text = ServerMetrics(Engine(), "m").render().decode()
+    assert 'jaxserve:moe_expert_tokens_total{expert="0",model_name="m"} 4.0' in text
+    assert 'jaxserve:moe_expert_tokens_total{expert="3",model_name="m"} 1.0' in text
+    assert 'jaxserve:moe_expert_balancedness{model_name="m"} 0.5' in text   # (1 + 1) / (3 + 1)
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_moe_bench_configs_share_one_engine(model):
+    """The H200 MoE configs validate, name an MoE model, and a model's latency and throughput configs have
+    the same engine section (``run_h200.sh moe`` loads and compiles each model once)."""
+    from benchmarks.config import engine_kwargs, load_config
+    from benchmarks.models import resolve_model
+
+    latency, offline = (load_config(f"h200-{model}-{kind}") for kind in ("latency-bs1", "throughput"))
+    assert (latency["mode"], offline["mode"]) == ("latency", "throughput")
+    assert engine_kwargs(latency) == engine_kwargs(offline)
+    assert "num_experts" in resolve_model(latency)[0].extra_dict

@@ -48,7 +48,7 @@ GGUF_FREQ_FACTORS = "freq_factors"
 # GGUF ``general.architecture`` → the HF architecture name the registry knows (read here), and the
 # architectures whose GGUF metadata the loader turns into an HF config first (``loader.gguf_hf_config``).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-GGUF_HF_CONFIG_ARCHITECTURES = ("gemma2", "gemma3", "qwen3", "phi3", "command-r")
+GGUF_HF_CONFIG_ARCHITECTURES = ("gemma2", "gemma3", "qwen3", "phi3", "command-r", "qwen2moe", "qwen3moe")
 
 
 def _freeze(value: Any) -> Any:

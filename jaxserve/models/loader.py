@@ -227,9 +227,20 @@ _GEMMA_GGUF_NAMES = [(r"\.post_attention_layernorm\.", ".post_attention_norm."),
                      (r"\.post_feedforward_layernorm\.", ".post_ffw_norm.")]
 # Phi-3 keeps HF's fused projections: attn_qkv is qkv_proj, ffn_up the gate-then-up gate_up_proj
 _PHI3_GGUF_NAMES = [(r"\.self_attn\.qkv_proj\.", ".attn_qkv."), (r"\.mlp\.gate_up_proj\.", ".ffn_up.")]
+# Qwen2-MoE / Qwen3-MoE: the router, Qwen2-MoE's shared expert and its gate (its per-expert tensors are slices
+# of one stacked tensor per projection: GGUF_EXPERT below)
+_MOE_GGUF_NAMES = [(r"\.mlp\.gate\.", ".ffn_gate_inp."), (r"\.mlp\.shared_expert_gate\.", ".ffn_gate_inp_shexp."),
+                   (r"\.mlp\.shared_expert\.gate_proj\.", ".ffn_gate_shexp."),
+                   (r"\.mlp\.shared_expert\.up_proj\.", ".ffn_up_shexp."),
+                   (r"\.mlp\.shared_expert\.down_proj\.", ".ffn_down_shexp.")]
 GGUF_TENSOR_NAMES = {"gemma3": _GEMMA_GGUF_NAMES + _QK_NORM_GGUF_NAMES + _GGUF_NAMES,
                      "gemma2": _GEMMA_GGUF_NAMES + _GGUF_NAMES, "qwen3": _QK_NORM_GGUF_NAMES + _GGUF_NAMES,
-                     "phi3": _PHI3_GGUF_NAMES + _GGUF_NAMES, "command-r": _GGUF_NAMES}
+                     "phi3": _PHI3_GGUF_NAMES + _GGUF_NAMES, "command-r": _GGUF_NAMES,
+                     "qwen2moe": _MOE_GGUF_NAMES + _GGUF_NAMES,
+                     "qwen3moe": _MOE_GGUF_NAMES + _QK_NORM_GGUF_NAMES + _GGUF_NAMES}
+# HF's per-expert tensor "model.layers.<i>.mlp.experts.<e>.<p>_proj.weight" is row e of llama.cpp's stacked
+# "blk.<i>.ffn_<p>_exps.weight" ([E, out, in], HF's Linear layout per expert)
+GGUF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str:
@@ -258,7 +269,7 @@ def _gguf_getter(reader, path: str, cfg: ModelConfig) -> Callable[[str], np.ndar
     """``get(hf_name)``: the GGUF tensor dequantized to float32, in HF layout and HF values. llama.cpp's
     converters change two things that are undone here: Llama's q/k rows are permuted for its RoPE, and
     Gemma's norm weights are stored as ``1 + w`` (its RMSNorm multiplies by the weight itself)."""
-    from gguf.quants import dequantize
+    from jaxserve.models.gguf_file import dequantize  # noqa: PLC0415
 
     tensors = {t.name: t for t in reader.tensors}
     arch = reader.fields["general.architecture"]
@@ -266,15 +277,25 @@ def _gguf_getter(reader, path: str, cfg: ModelConfig) -> Callable[[str], np.ndar
     norm_shift = arch in GGUF_GEMMA_ARCHITECTURES
     fname = os.path.basename(path)
 
-    def get(hf_name: str) -> np.ndarray:
-        name = gguf_name(hf_name, arch)
+    @functools.lru_cache(maxsize=2)     # a layer's stacked experts: gate and up are read alternately
+    def dequantized(name: str, hf_name: str) -> np.ndarray:
         if name not in tensors:
             raise ModelLoadError(f"{fname}: tensor {name} ({hf_name}) not found")
         t = tensors[name]
         try:
-            w = dequantize(t.data, t.tensor_type)
+            return dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{fname}: cannot dequantize tensor {name} ({t.tensor_type.name}): {e}") from None
+
+    def get(hf_name: str) -> np.ndarray:
+        expert = GGUF_EXPERT.match(hf_name)
+        if expert:
+            layer, e, proj = expert.groups()
+            return dequantized(f"blk.{layer}.ffn_{proj}_exps.weight", hf_name)[int(e)]
+        name = gguf_name(hf_name, arch)
+        w = dequantized.__wrapped__(name, hf_name)
+        if name.endswith(".ffn_gate_inp_shexp.weight"):
+            w = w.reshape(1, -1)                    # llama.cpp keeps the shared expert's gate as a vector
         if permute and ".attn_q." in name:
             w = unpermute_rope_rows(w, cfg.num_heads)
         elif permute and ".attn_k." in name:
@@ -417,9 +438,38 @@ def _cohere_config(m: _GGUFMeta, reader) -> dict:
                          "eos_token_id": m.eos_ids("<|END_OF_TURN_TOKEN|>")}
 
 
+def _qwen_moe_config(m: _GGUFMeta, reader) -> dict:
+    """Qwen2-MoE / Qwen3-MoE as transformers reads their GGUF (``expert_count``, ``expert_used_count``), with
+    the expert width llama.cpp stores (``expert_feed_forward_length``; Qwen2-MoE's shared expert:
+    ``expert_shared_feed_forward_length``). Routing weights are renormalised for Qwen3-MoE and not for
+    Qwen2-MoE (llama.cpp's and transformers' GGUF defaults). A layer without stacked experts is a dense MLP
+    (``mlp_only_layers``)."""
+    qwen3 = m.arch == "qwen3moe"
+    experts_ff = int(m.get("expert_feed_forward_length"))
+    if f"{m.arch}.feed_forward_length" not in m.meta:       # only the dense layers use it
+        m = _GGUFMeta({**m.meta, f"{m.arch}.feed_forward_length": experts_ff}, m.tensor_names)
+    c = m.common()
+    layers = c["num_hidden_layers"]
+    c |= {"architectures": ["Qwen3MoeForCausalLM" if qwen3 else "Qwen2MoeForCausalLM"],
+          "model_type": "qwen3_moe" if qwen3 else "qwen2_moe",
+          "rms_norm_eps": m.real("attention.layer_norm_rms_epsilon", 1e-6),
+          "num_experts": int(m.get("expert_count")), "num_experts_per_tok": int(m.get("expert_used_count")),
+          "moe_intermediate_size": experts_ff, "norm_topk_prob": qwen3, "decoder_sparse_step": 1,
+          "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in m.tensor_names],
+          "eos_token_id": m.eos_ids("<|im_end|>")}
+    if not qwen3:
+        shared = m.meta.get("qwen2moe.expert_shared_feed_forward_length")
+        if shared is None and "blk.0.ffn_gate_shexp.weight" in m.tensor_names:
+            shared = next(t.shape[1] for t in reader.tensors if t.name == "blk.0.ffn_gate_shexp.weight")
+        c |= {"shared_expert_intermediate_size": int(shared or 0),
+              "qkv_bias": "blk.0.attn_q.bias" in m.tensor_names}
+    return c
+
+
 # GGUF general.architecture -> the HF config it describes (llama and qwen2: configs.model_config_from_gguf)
 _GGUF_HF_CONFIGS = {"gemma2": _gemma_config, "gemma3": _gemma_config, "qwen3": _qwen3_config,
-                    "phi3": _phi3_config, "command-r": _cohere_config}
+                    "phi3": _phi3_config, "command-r": _cohere_config, "qwen2moe": _qwen_moe_config,
+                    "qwen3moe": _qwen_moe_config}
 
 
 def _gguf_tensor(reader, name: str) -> np.ndarray:
@@ -434,7 +484,12 @@ def gguf_hf_config(meta: dict[str, Any], tensor_names: set[str], reader=None) ->
     architectures ``configs.model_config_from_gguf`` reads (llama, qwen2). The others go through their HF
     config so each family's one config reader applies. ``reader`` (the ``GGUFFile``) supplies the tensors
     some configs live in (Phi-3's LongRoPE factors)."""
-    build = _GGUF_HF_CONFIGS.get(meta.get("general.architecture"))
+    arch = meta.get("general.architecture")
+    if arch == "llama" and meta.get("llama.expert_count"):
+        raise ModelLoadError("this GGUF is a Mixtral-style mixture of experts (llama with expert_count), which "
+                             "transformers does not read from GGUF and jaxserve does not either: load the "
+                             "model's safetensors folder instead")
+    build = _GGUF_HF_CONFIGS.get(arch)
     return None if build is None else build(_GGUFMeta(meta, tensor_names), reader)
 
 
@@ -621,7 +676,7 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
     ``quantization`` (vLLM's ``--quantization``): ``auto`` follows an HF checkpoint's ``quantization_config``;
     random weights take any method's storage (int4 groups of 128 for awq / gptq / compressed-tensors).
     ``enable_expert_parallel``: a mixture-of-experts model's experts sharded over the mesh (``layers.moe``;
-    HF folders and dummy configs).
+    HF folders, GGUF files and dummy configs).
     """
     quantization = quantization or "auto"
     if load_format not in LOAD_FORMATS:
@@ -643,7 +698,7 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
         if load_format not in ("auto", "gguf"):
             raise ModelLoadError(f"{path} is a GGUF file; load_format {load_format!r} does not apply")
         _float_only(quantization, f"{path} is a GGUF file (its weights are dequantized at load)")
-        return load_gguf(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh)
+        return load_gguf(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh, **ep)
     if os.path.isdir(path):
         if load_format == "gguf":
             raise ModelLoadError(f"{path} is a folder; pass the .gguf file itself for load_format gguf")
@@ -689,13 +744,15 @@ def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, 
                        quantization=quant.method if quant is not None else None)
 
 
-def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None) -> LoadedModel:
+def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
+              enable_expert_parallel: bool = False) -> LoadedModel:
     reader = _open_gguf(path)
     meta = reader.metadata()
     tensor_names = {t.name for t in reader.tensors}
     hf = gguf_hf_config(reader.fields, tensor_names, reader)
     cfg = (model_configs.model_config_from_hf(hf) if hf is not None else
            model_configs.model_config_from_gguf(meta, tensor_names, rope_freqs=gguf_rope_freqs(reader)))
+    cfg = with_expert_parallel(cfg, enable_expert_parallel)
     _, family = registry.resolve_architecture(cfg.architecture)
     family.check_config(cfg)
     # GGUF weights are quantized: "auto" means float32 on CPU (fast there), bfloat16 on accelerators.

@@ -39,6 +39,7 @@ from jaxserve.engine.request import PLACEHOLDER
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
 from jaxserve.runner import packing, sampler as sampler_mod
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.step_compiler import StepCompiler
 from jaxserve.sampling_params import SamplingParams
 
@@ -83,6 +84,28 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 
 @dataclasses.dataclass(slots=True)
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer, summed over steps (``tokens [L_moe, E]``), and per
+    step and layer the busiest expert's count and the mean count, summed: over a window, their ratio
+    mean / max is vLLM's EPLB "balancedness" (1 when every expert gets the same tokens). The counts come from
+    the step's forward itself, copied to the host beside its sampled tokens."""
+    tokens: np.ndarray
+    max_sum: float = 0.0
+    mean_sum: float = 0.0
+
+    def add(self, counts: np.ndarray) -> None:
+        """One step's ``[L_moe, E]`` counts (a multi-step dispatch: ``[steps, L_moe, E]``)."""
+        self.tokens += counts if counts.ndim == 2 else counts.sum(axis=0)
+        self.max_sum += float(counts.max(axis=-1).sum())
+        self.mean_sum += float(counts.sum()) / counts.shape[-1]
+
+    def snapshot(self) -> dict:
+        return {"moe_layers": self.tokens.shape[0], "moe_expert_tokens_total": self.tokens.sum(axis=0).tolist(),
+                "moe_max_expert_tokens_total": self.max_sum, "moe_mean_expert_tokens_total": self.mean_sum,
+                "moe_expert_balancedness": self.mean_sum / self.max_sum if self.max_sum else 1.0}
+
+
+@dataclasses.dataclass(slots=True)
 class RunnerStats:
     steps: int = 0
     host_ms: float = 0.0        # building inputs + dispatch, summed
@@ -90,15 +113,25 @@ class RunnerStats:
     tokens: int = 0
     # steps by tokens computed: [i] counts steps of at most ITERATION_TOKEN_BUCKETS[i] tokens (the last: more)
     token_buckets: list = dataclasses.field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    expert_load: ExpertLoad | None = None       # MoE models
 
     def snapshot(self) -> dict:
         n = max(self.steps, 1)
         return {"steps": self.steps, "host_ms_per_step": self.host_ms / n,
                 "device_ms_per_step": self.device_ms / n, "tokens_per_step": self.tokens / n,
-                "iteration_tokens": (ITERATION_TOKEN_BUCKETS, tuple(self.token_buckets), self.tokens)}
+                "iteration_tokens": (ITERATION_TOKEN_BUCKETS, tuple(self.token_buckets), self.tokens),
+                **(self.expert_load.snapshot() if self.expert_load is not None else {})}
 
 
-def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, layout, decode_only=False):
+def _moe_layers(model) -> tuple[int, int] | None:
+    """(MoE layers, experts) of a mixture-of-experts decoder, else None."""
+    spec = getattr(model.family, "decoder_spec", None)
+    moe = spec(model.config).moe if spec is not None else None
+    return (sum(moe.layers), moe.num_experts) if moe is not None else None
+
+
+def _forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, *, layout,
+                decode_only=False):
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only)
@@ -107,10 +140,12 @@ def _forward_fn(family, cfg, backend, params, kv_caches, ints, prev_tokens, *, l
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
     # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
-    hidden, kv_caches = family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend)
+    hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
+                                                              attn_backend=backend) if expert_load else \
+        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend), None)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
-    return kv_caches, logits
+    return (kv_caches, logits, load) if expert_load else (kv_caches, logits)
 
 
 def _sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=None, *, layout):
@@ -122,8 +157,8 @@ def _sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=
     return out, padded
 
 
-def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_logprobs, filtering, params,
-                    kv_caches, ints, prev_tokens, s_ints, s_floats, *, layout, s_layout):
+def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_logprobs, filtering, moe_layers,
+                    params, kv_caches, ints, prev_tokens, s_ints, s_floats, *, layout, s_layout):
     """Multi-step decoding: ``num_steps`` iterations of forward → sample → feed the token back, as one
     device-side loop (XLA's while loop with a known trip count: no host round trip between iterations).
 
@@ -131,7 +166,8 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_l
     that it repeats its last position with its K/V write sent to the null block (PAD_SLOT), so an early
     finisher never writes outside the blocks the scheduler gave it. Returns the cache, a SamplerOutput whose
     arrays have a leading [num_steps] axis (ids, and the logprobs when ``num_logprobs`` asks for them) and
-    each row's last real token (padded to ``max_rows``: what the next step's placeholders read)."""
+    each row's last real token (padded to ``max_rows``: what the next step's placeholders read); for an MoE
+    model (``moe_layers``: (layers, experts)) each iteration's expert load too, ``[num_steps, L_moe, E]``."""
     x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=True)
     prev_index = x["prev_index"]
@@ -144,27 +180,33 @@ def _decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_l
     positions0, logits_idx = x["positions"], x["logits_idx"]
 
     def body(i, carry):
-        kv, ids, outs = carry
+        kv, ids, outs, loads = carry
         advance = jnp.minimum(i, limit - 1)                  # [R]
         pos = positions0 + advance[tok_row]
         slot = md.block_tables[tok_row, pos // block_size] * block_size + pos % block_size
         slot = jnp.where(real & (i < limit[tok_row]), slot, PAD_SLOT)
         step_md = dataclasses.replace(md, slot_mapping=slot, seq_lens=md.seq_lens + advance)  # padding: +0
-        hidden, kv = family.forward(params, kv, ids, pos, step_md, cfg, attn_backend=backend)
+        hidden, kv, load = family.forward_with_expert_load(params, kv, ids, pos, step_md, cfg,
+                                                           attn_backend=backend) if moe_layers else \
+            (*family.forward(params, kv, ids, pos, step_md, cfg, attn_backend=backend), None)
+        if moe_layers:
+            loads = loads.at[i].set(load)
         logits = gather_logits(family.compute_logits(params, hidden[logits_idx], cfg))
         step_meta = dataclasses.replace(meta, key_counter=meta.key_counter + i.astype(jnp.uint32))
         out = sampler_mod.sample(logits, step_meta, num_logprobs=num_logprobs, filtering=filtering)
         outs = jax.tree.map(lambda acc, x: acc.at[i].set(x), outs, out)
-        return kv, ids.at[:R].set(out.token_ids), outs
+        return kv, ids.at[:R].set(out.token_ids), outs, loads
 
     k = num_logprobs
     outs0 = sampler_mod.SamplerOutput(
         jnp.zeros((num_steps, R), jnp.int32), jnp.zeros((num_steps, R), jnp.float32),
         jnp.zeros((num_steps, R), jnp.int32), jnp.zeros((num_steps, R, k), jnp.int32),
         jnp.zeros((num_steps, R, k), jnp.float32))
-    kv_caches, _, outs = jax.lax.fori_loop(0, num_steps, body, (kv_caches, ids, outs0))
+    loads0 = jnp.zeros((num_steps, *moe_layers), jnp.int32) if moe_layers else None
+    kv_caches, _, outs, loads = jax.lax.fori_loop(0, num_steps, body, (kv_caches, ids, outs0, loads0))
     last = outs.token_ids[limit - 1, jnp.arange(R)]
-    return kv_caches, outs, jnp.zeros(max_rows, jnp.int32).at[:R].set(last)
+    padded = jnp.zeros(max_rows, jnp.int32).at[:R].set(last)
+    return (kv_caches, outs, padded, loads) if moe_layers else (kv_caches, outs, padded)
 
 
 def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index, step_limit=None):
@@ -191,6 +233,7 @@ class ForwardStep:
     num_tokens: int
     num_rows: int
     t_host: float                    # host ms spent on it so far
+    expert_load: jax.Array | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -202,6 +245,7 @@ class PendingStep:
     logprobs_k: dict[str, int]       # request id -> number of top logprobs wanted
     num_tokens: int
     steps: dict[str, int] | None = None   # multi-step: request id -> iterations it ran (out: [steps, R] ids)
+    expert_load: jax.Array | None = None  # MoE: tokens per expert per layer, [L_moe, E] ([steps, ...] multi-step)
 
 
 class ModelRunner:
@@ -226,6 +270,9 @@ class ModelRunner:
         self.max_logprobs = config.max_logprobs
         self.vocab_size = self.cfg.vocab_size
         self.stats = RunnerStats()
+        self.moe_layers = _moe_layers(model)       # (MoE layers, experts): the step returns its expert load
+        if self.moe_layers:
+            self.stats.expert_load = ExpertLoad(np.zeros(self.moe_layers, np.int64))
         self.kv_dtype = kernel_ops.kv_cache_dtype(config.cache.kv_cache_dtype,
                                                   jax.tree_util.tree_leaves(model.params)[0].dtype)
         self.num_blocks = self._num_kv_blocks()
@@ -238,12 +285,14 @@ class ModelRunner:
             from jaxserve.parallel import kv_cache_sharding, replicated
             rep = replicated(mesh)
             kv_sh = kv_cache_sharding(mesh, self.cfg)
-            fwd_out = {"out_shardings": (kv_sh, rep)}
+            load_out = (rep,) if self.moe_layers else ()
+            fwd_out = {"out_shardings": (kv_sh, rep, *load_out)}
             samp_out = {"out_shardings": rep}
-            loop_out = {"out_shardings": (kv_sh, rep, rep)}
+            loop_out = {"out_shardings": (kv_sh, rep, rep, *load_out)}
         self._replicated = rep
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
-        self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend), mesh),
+        self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend,
+                                                  self.moe_layers is not None), mesh),
                                 donate_argnums=(1,), static_argnames=("layout", "decode_only"), **fwd_out)
         # Steps whose requests all decode one token get their own variant of the small buckets under the
         # Pallas backends: the attention runs its decode launch alone (no prefill tile slots, the decode
@@ -268,13 +317,14 @@ class ModelRunner:
             self._decode_loops = {
                 (nl, f): jax.jit(bind_mesh(partial(_decode_loop_fn, model.family, self.cfg, self.backend,
                                                    self.max_num_seqs, self.block_size, self.num_scheduler_steps,
-                                                   nl, f), mesh),
+                                                   nl, f, self.moe_layers), mesh),
                                  donate_argnums=(1,), static_argnames=("layout", "s_layout"), **loop_out)
                 for nl in (0, self.max_logprobs) for f in filter_modes}
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
         self._step_count = 0
-        self._row_cache: dict[str, tuple] = {}     # request id -> (params, seed, sampler_mod.SamplingRow)
+        # each request's block-table row and sampling parameters, kept across steps
+        self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size)
         # what the executables are compiled for: shapes, dtypes and shardings only (a background compile must
         # not touch the cache buffers a step is donating meanwhile)
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
@@ -356,8 +406,9 @@ class ModelRunner:
         token (sampled by ``prev``, not yet on the host) is read on device from ``prev``'s output.
         ``pad_to_compiled``: while the step's own bucket is still compiling, pad up to a compiled one.
 
-        Vectorised: one pass over the requests gathers Python lists (tokens, starts, counts, the block
-        tables flattened), numpy does the per-token arithmetic (positions, slots, offsets)."""
+        Vectorised: one pass over the requests gathers Python lists (tokens, starts, counts), the block
+        tables come from the persistent ``input_batch`` rows (only new block ids are copied), numpy does the
+        per-token arithmetic (positions, slots, offsets)."""
         n = len(scheduled)
         counts_list = [s.num_new_tokens for s in scheduled]
         n_tok = sum(counts_list)
@@ -392,20 +443,17 @@ class ModelRunner:
                 pos = (starts - (ends - counts))[tok_row] + np.arange(n_tok, dtype=i32)
             input_ids[:n_tok] = toks
             positions[:n_tok] = pos
-            # block tables: every request's ids in one flat array, scattered into the padded [R, max] table
-            tables_list = [s.block_ids for s in scheduled]
-            lens = np.fromiter([len(b) for b in tables_list], i32, n)
-            block_end = np.cumsum(lens)
-            block_start = block_end - lens
-            flat = np.fromiter(chain.from_iterable(tables_list), i32, int(block_end[-1]))
-            cols = np.arange(flat.shape[0]) - np.repeat(block_start, lens)
-            tables[np.repeat(np.arange(n), lens), cols] = flat
+            # block tables: the requests' persistent rows (brought up to date), gathered into the padded table
+            batch = self.input_batch
+            rows = batch.rows_for(scheduled)
+            lens = batch.sync_block_tables(scheduled, rows)
+            tables[:n] = batch.block_table[rows]
             blk = pos // bs
             if np.any(blk >= lens[tok_row]):
                 bad = int(np.flatnonzero(blk >= lens[tok_row])[0])
                 raise IndexError(f"request {scheduled[int(tok_row[bad])].request.request_id}: position "
                                  f"{int(pos[bad])} is past its block table")
-            slots[:n_tok] = flat[block_start[tok_row] + blk] * bs + pos % bs
+            slots[:n_tok] = tables[tok_row, blk] * bs + pos % bs
             seq_lens[:n] = starts + counts
             qsl[1:n + 1] = ends
             qsl[n + 1:] = n_tok
@@ -445,44 +493,24 @@ class ModelRunner:
         return self._routes.get((T, decode_only), (T, decode_only))
 
     def sampling_metadata(self, scheduled, R: int):
+        """The step's sampling arrays: gathered from the persistent rows, unless some request needs the
+        general path (a penalty's token histories, stop ids min_tokens still blocks)."""
         reqs = [s.request for s in scheduled]
-        fast = self._sampling_rows(reqs)
-        if fast is not None:
-            rows, num_out = fast
-            return sampler_mod.make_sampling_metadata_from_rows(
-                rows, num_out, self.vocab_size, pad_to=R, step=self._step_count, engine_seed=self.config.seed)
+        num_out = np.fromiter([len(r.output_token_ids) for r in reqs], np.int64, len(reqs))
+        batch = self.input_batch
+        rows = batch.rows_for(scheduled)
+        if not batch.needs_general_path(rows, num_out):
+            return batch.sampling_metadata(rows, num_out, R, step=self._step_count, engine_seed=self.config.seed)
         return sampler_mod.make_sampling_metadata(
             [r.sampling_params for r in reqs],
             [r.output_token_ids for r in reqs],
             [r.prompt_token_ids for r in reqs],
-            [len(r.output_token_ids) for r in reqs],
+            num_out.tolist(),
             self.vocab_size, pad_to=R,
             request_ids=[r.request_id for r in reqs],
             request_seeds=[r.sampling_seed for r in reqs],
             step=self._step_count, engine_seed=self.config.seed,
             penalty_width=self.penalty_width)
-
-    def _sampling_rows(self, reqs):
-        """Each request's fixed sampling row (cached per request id, checked against its params object and
-        seed), or None when some request needs the general path: a penalty (history arrays) or stop ids
-        still blocked by min_tokens."""
-        cache = self._row_cache
-        if len(cache) > 4 * self.max_num_seqs:      # finished requests' rows: drop them all now and then
-            cache.clear()
-        rows, num_out = [], []
-        for r in reqs:
-            p, seed = r.sampling_params, r.sampling_seed
-            hit = cache.get(r.request_id)
-            if hit is None or hit[0] is not p or hit[1] != seed:
-                hit = (p, seed, sampler_mod.sampling_row(p, r.request_id, seed, self.vocab_size))
-                cache[r.request_id] = hit
-            row = hit[2]
-            n = len(r.output_token_ids)
-            if row.needs_general_path(n):
-                return None
-            rows.append(row)
-            num_out.append(n)
-        return rows, num_out
 
     # ---------------------------------------------------------------- step
     def dispatch(self, scheduled, prev: PendingStep | None = None) -> PendingStep:
@@ -506,39 +534,48 @@ class ModelRunner:
             limit = np.ones(R, np.int32)
             limit[:len(scheduled)] = [s.num_steps for s in scheduled]
         f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit)
-        logits = None
+        logits = load = None
         if limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
             fwd = self.variants.get(("forward", T, md.decode_only)) or \
                 self.variants.need(("forward", T, md.decode_only), f"a step of {T} tokens")
-            self.kv_caches, logits = fwd(self.model.params, self.kv_caches, f_ints, prev_tokens)
+            self.kv_caches, logits, *load = fwd(self.model.params, self.kv_caches, f_ints, prev_tokens)
+            load = self._copy_load(load)
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
-        # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
-        # row filters with top-k/top-p
-        rows, lp_k = {}, {}
-        filtering = False if self.static_sampling else None
-        vocab = self.vocab_size
-        for i, s in enumerate(scheduled):
-            if s.samples:
-                req = s.request
-                rows[req.request_id] = i
-                p = req.sampling_params
-                if p.logprobs is not None:
-                    lp_k[req.request_id] = p.logprobs
-                if filtering is False and (0 < p.top_k < vocab or p.top_p < 1.0):
-                    filtering = True
+        # the sampling requests' output rows; from their persistent rows the logprobs wanted and (GPU)
+        # whether any row filters with top-k/top-p
+        rows = {s.request.request_id: i for i, s in enumerate(scheduled) if s.samples}
+        batch, lp_k = self.input_batch, {}
+        b_rows = batch.rows_for(scheduled)
+        if len(rows) != len(scheduled):
+            b_rows = b_rows[np.fromiter([s.samples for s in scheduled], bool, len(scheduled))]
+        wanted = batch.num_logprobs[b_rows]
+        if (wanted >= 0).any():
+            lp_k = {rid: int(k) for rid, k in zip(rows, wanted.tolist()) if k >= 0}
+        filtering = bool(batch.filters[b_rows].any()) if self.static_sampling else None
         key = (self.max_logprobs if lp_k else 0, filtering)
         if limit is None:
             return ForwardStep(logits, s_ints, s_floats, s_layout, key, rows, lp_k, int(md.query_start_loc[-1]), R,
-                               (time.perf_counter() - t0) * 1e3)
+                               (time.perf_counter() - t0) * 1e3, load)
         # the scheduler gave each entry ``num_steps``: the loop's rows run that many
         loop_key = ("decode-loop", T, *key, s_layout)
         loop = self.variants.get(loop_key) or self.variants.need(loop_key, f"a multi-step decode of {T} tokens")
-        self.kv_caches, out, padded = loop(self.model.params, self.kv_caches, f_ints, prev_tokens, s_ints, s_floats)
+        self.kv_caches, out, padded, *load = loop(self.model.params, self.kv_caches, f_ints, prev_tokens, s_ints,
+                                                  s_floats)
+        load = self._copy_load(load)
         self._step_count += self.num_scheduler_steps
         n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
-        return PendingStep(out, padded, rows, lp_k, n_tok, steps)
+        return PendingStep(out, padded, rows, lp_k, n_tok, steps, load)
+
+    @staticmethod
+    def _copy_load(load: list) -> jax.Array | None:
+        """The step's expert load (MoE), its copy to the host started now: ``collect`` then finds it there
+        and waits on nothing but the sampled tokens."""
+        if not load:
+            return None
+        load[0].copy_to_host_async()
+        return load[0]
 
     def dispatch_sample(self, step: ForwardStep, bitmask: np.ndarray | None = None) -> PendingStep:
         """Launch the sampler of a dispatched forward; ``bitmask`` ([rows, bitmask_width] int32, structured
@@ -552,7 +589,7 @@ class ModelRunner:
             out, padded = exe(step.logits, step.s_ints, step.s_floats, bitmask)
         self._step_count += 1
         self.stats.host_ms += step.t_host + (time.perf_counter() - t0) * 1e3
-        return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None)
+        return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None, step.expert_load)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
@@ -563,6 +600,8 @@ class ModelRunner:
         if pending.logprobs_k:
             lp = (np.asarray(out.logprobs), np.asarray(out.ranks), np.asarray(out.topk_ids),
                   np.asarray(out.topk_logprobs))
+        if pending.expert_load is not None:
+            self.stats.expert_load.add(np.asarray(pending.expert_load))
         self._account(pending, t0)
         rows, steps = pending.rows, pending.steps
 
@@ -704,6 +743,25 @@ class ModelRunner:
             logger.info("compiled %d step variants in %.1f s; %d more compile in the background", len(first),
                         time.perf_counter() - t0, len(rest))
         self.variants.submit(rest, priority=1)
+        return time.perf_counter() - t0
+
+    def warmup_for(self, prompt_lens: list[int]) -> float:
+        """A one-shot run that knows its prompts (``jaxserve generate``): compile, concurrently, what its
+        steps will run — the first step's prefill bucket and the decode bucket of its requests, each with
+        its sampler — and nothing else (no background compiles to outlive the run). A step that needs
+        another bucket pads up to one of these or compiles it then. Returns the seconds it blocked."""
+        t0 = time.perf_counter()
+        if not prompt_lens:
+            return 0.0
+        base_f = False if self.static_sampling else None
+        n = min(len(prompt_lens), self.max_num_seqs)
+        prefill = self.bucket_for(min(sum(prompt_lens[:n]), self.max_num_tokens))
+        decode = self.bucket_for(min(n, self.max_num_tokens))
+        keys = [("sample", 0, base_f, False, self._sampler_layout(self.num_reqs_for(T))) for T in (prefill, decode)]
+        keys += [("forward", prefill, False), ("forward", decode, self.uniform_decode)]
+        if self._decode_loops:
+            keys.append(("decode-loop", decode, 0, base_f, self._sampler_layout(self.num_reqs_for(decode))))
+        self.variants.compile_now(keys)
         return time.perf_counter() - t0
 
     def stop_background_compiles(self, wait: bool = False) -> None:

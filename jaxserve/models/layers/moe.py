@@ -143,9 +143,11 @@ def route(router_logits: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array
     return weights, ids.astype(jnp.int32)
 
 
-def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable, valid: jax.Array | None = None) -> jax.Array:
+def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
+            valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The MoE MLP of the normed input ``h [T, hidden]`` (``w``: the layer's MoE weights by name);
-    ``valid [T]`` marks real tokens (padding tokens are routed nowhere)."""
+    ``valid [T]`` marks real tokens (padding tokens are routed nowhere). Returns the output and the expert
+    load: tokens routed to each expert ``[E]`` int32 (a caller that drops it costs nothing: XLA removes it)."""
     weights, ids = route(h @ w["router"], spec)
     if spec.weights_in_hidden_dtype:
         weights = weights.astype(h.dtype)
@@ -156,7 +158,14 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable, valid: j
         gate_up = jnp.einsum("th,hci->tci", h, w["shared_gate_up"])
         shared = parallel.row_parallel_matmul(activation(gate_up[:, 0]) * gate_up[:, 1], w["shared_down"])
         out = out + jax.nn.sigmoid(h @ w["shared_gate"]) * shared
-    return out
+    return out, expert_load(ids, spec.num_experts)
+
+
+def expert_load(ids: jax.Array, num_experts: int) -> jax.Array:
+    """Tokens routed to each expert ``[E]`` int32 from the ``[T, k]`` expert ids (an id of ``num_experts``,
+    a padding token's, counts nowhere). Computed from the replicated ids, so under a mesh every device holds
+    the whole histogram."""
+    return jnp.bincount(ids.reshape(-1), length=num_experts + 1)[:num_experts].astype(jnp.int32)
 
 
 def routed_experts(h, ids, weights, gate_up, down, spec: MoESpec, activation: Callable) -> jax.Array:

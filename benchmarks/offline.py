@@ -78,9 +78,7 @@ class StepStats:
 def run_throughput(run) -> None:
     cfg, wl = run.cfg, run.cfg["workload"]
     n = int(wl["num_prompts"])
-    ins = sample_lengths(wl["input_len"], n, run.rng, "input_len")
-    outs = sample_lengths(wl["output_len"], n, run.rng, "output_len")
-    prompts = random_token_prompts(run.rng, ins, run.model_config.vocab_size)
+    ins, outs, prompts = _workload(run, n)
     run.result["workload_shape"] = {"num_prompts": n, "input_len_mean": float(ins.mean()),
                                     "output_len_mean": float(outs.mean())}
     baseline = run.hf_baseline("throughput", prompts, outs.tolist())      # before the engine holds the GPU
@@ -168,6 +166,14 @@ def _steps_table(run, steps: dict | None) -> None:
                                   load["busiest_expert_share"], load["even_share"]]]))
 
 
+def _workload(run, n: int):
+    """``n`` input and output lengths drawn from the workload's specs, and random prompts of those inputs."""
+    wl = run.cfg["workload"]
+    ins = sample_lengths(wl["input_len"], n, run.rng, "input_len")
+    outs = sample_lengths(wl["output_len"], n, run.rng, "output_len")
+    return ins, outs, random_token_prompts(run.rng, ins, run.model_config.vocab_size)
+
+
 def _fresh(run, lengths):
     """New random prompts of the same lengths: a repeated prompt would be served from the prefix cache."""
     return random_token_prompts(run.rng, lengths, run.model_config.vocab_size)
@@ -183,9 +189,7 @@ def run_latency(run) -> None:
     from tqdm.auto import tqdm
     cfg, wl = run.cfg, run.cfg["workload"]
     b = int(wl["batch_size"])
-    ins = sample_lengths(wl["input_len"], b, run.rng, "input_len")
-    outs = sample_lengths(wl["output_len"], b, run.rng, "output_len")
-    prompts = random_token_prompts(run.rng, ins, run.model_config.vocab_size)
+    ins, outs, prompts = _workload(run, b)
     baseline = run.hf_baseline("latency", prompts, outs.tolist())
     llm = run.llm()
     params = _sampling_params(outs, wl, cfg["seed"])

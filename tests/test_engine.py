@@ -4,16 +4,10 @@ import os
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
+from tiny_models import tiny_llm as make_llm
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "models", "tiny-llama3")
-
-
-def make_llm(**kw):
-    opts = dict(dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
-                kv_cache_memory_bytes=1 << 24, compilation_cache_dir="", use_tqdm_on_load=False)
-    opts.update(kw)
-    return LLM(TINY, **opts)
 
 
 @pytest.fixture(scope="module")

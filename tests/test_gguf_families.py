@@ -21,7 +21,7 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models import configs as model_configs
 from jaxserve.models import loader
 from jaxserve.models.loader import SafetensorsFile, load_model
-from test_models import PagedRunner
+from tiny_models import PagedRunner
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.models import resolve_model  # noqa: E402

@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -18,24 +16,12 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models import llama, loader, registry
 from jaxserve.models.configs import model_config_from_hf, read_json
 from jaxserve.models.loader import SafetensorsFile, load_model
+from fake_devices import run_on_fake_devices
+from safetensors_files import write_safetensors
+from tiny_models import params_equal
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "models")
 TINY_QWEN2 = os.path.join(FIXTURES, "tiny-qwen2")
-_ST_NAMES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float16): "F16"}
-
-
-def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-    header, blobs, offset = {}, [], 0
-    for name, arr in tensors.items():
-        data = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little") + head + b"".join(blobs))
 
 
 def tensors_of(folder: str) -> dict[str, np.ndarray]:
@@ -48,10 +34,6 @@ def copy_config(src: str, dst, **overrides) -> None:
     hf.update(overrides)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(hf, f)
-
-
-def leaves_equal(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +51,7 @@ def test_sharded_safetensors_with_index(tmp_path, qwen2_single):
         json.dump({"metadata": {}, "weight_map": {n: fname for fname, part in shards.items() for n in part}}, f)
     copy_config(TINY_QWEN2, tmp_path)
     sharded = load_model(str(tmp_path), dtype="float32")
-    assert leaves_equal(sharded.params, qwen2_single.params)
+    assert params_equal(sharded.params, qwen2_single.params)
     assert sharded.load_format == "safetensors"
 
 
@@ -154,9 +136,7 @@ def test_dummy_fill_is_the_same_in_any_sharding():
             assert np.array_equal(np.asarray(split), np.asarray(one))
         print("ok")
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert run_on_fake_devices(["-c", code], 2, timeout=300).strip() == "ok"
 
 
 def test_dummy_load_format_for_a_folder():
@@ -259,9 +239,7 @@ def test_encoder_architectures_route_to_bert():
 
 # ------------------------------------------------------------------------------------------------- mesh
 MESH_SCRIPT = textwrap.dedent("""
-    import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    import sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     from jaxserve.kernels import ops
@@ -304,10 +282,7 @@ MESH_SCRIPT = textwrap.dedent("""
 def test_mesh_places_weights_with_partition_specs():
     """With a 2-device "tp" mesh (fake CPU devices, in a subprocess) each weight carries its Megatron spec
     and the sharded model computes the same logits."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    res = subprocess.run([sys.executable, "-c", MESH_SCRIPT, TINY_QWEN2], capture_output=True, text=True,
-                         env=env, timeout=300)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+    assert "OK" in run_on_fake_devices(["-c", MESH_SCRIPT, TINY_QWEN2], 2, timeout=300)
 
 
 def test_host_memory_is_one_tensor_at_a_time(tmp_path, monkeypatch):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -22,6 +21,8 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models import registry
 from jaxserve.models.configs import model_config_from_folder, model_config_from_hf, read_json
 from jaxserve.models.loader import DUMMY_CONFIG_DIR
+from fake_devices import fake_device_report
+from tiny_models import engine_with_preemption, params_equal
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "models")
 FAMILIES = ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-cohere"]
@@ -32,16 +33,7 @@ FAMILIES = ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-coher
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("tiny-qwen3", "tiny-cohere") else n
                                   for n in FAMILIES])
 def test_engine_greedy_matches_hf(name):
-    with open(os.path.join(FIXTURES, name, "golden.json")) as f:
-        golden = json.load(f)
-    llm = LLM(os.path.join(FIXTURES, name), dtype="float32", max_model_len=64, block_size=4,
-              max_num_batched_tokens=8, max_num_seqs=4, num_gpu_blocks_override=24, enable_prefix_caching=True,
-              compilation_cache_dir="", use_tqdm_on_load=False)
-    rng = np.random.default_rng(0)
-    others = [rng.integers(3, 250, size=int(n)).tolist() for n in (5, 17, 12)]
-    prompts = [golden["prompt_ids"], others[0], golden["prompt_ids"], others[1], golden["prompt_ids"], others[2]]
-    params = SamplingParams(temperature=0, max_tokens=len(golden["greedy_ids"]), ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm, golden, outs = engine_with_preemption(name)
     stats = llm.engine.scheduler.get_stats()
     assert stats["num_preemptions"] > 0, stats
     for i in (0, 2, 4):
@@ -75,8 +67,6 @@ def test_chat_template_and_eos_ids_come_from_the_checkpoint(tmp_path):
 
 def test_orbax_convert_round_trip(tmp_path):
     """``convert`` keeps a family's config (its extra hyper-parameters included) and weights bit for bit."""
-    import jax
-
     from jaxserve.models import load_model, orbax_io
 
     source = os.path.join(FIXTURES, "tiny-gemma3")
@@ -84,8 +74,7 @@ def test_orbax_convert_round_trip(tmp_path):
     restored, original = load_model(str(tmp_path / "ckpt")), load_model(source, dtype="float32")
     assert restored.load_format == "orbax" and restored.config == original.config
     assert restored.family is original.family
-    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(original.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert params_equal(restored.params, original.params)
 
 
 @pytest.mark.slow
@@ -263,11 +252,7 @@ def _tp_worker() -> dict:
 
 @pytest.fixture(scope="module")
 def tp_report():
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={max(TP_SIZES)}",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, "tp"], env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return fake_device_report([__file__, "tp"], max(TP_SIZES), timeout=1200)
 
 
 @pytest.mark.slow

@@ -5,141 +5,50 @@ block tables drawn from a shuffled pool, a batched prefill then one decode token
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
-import random
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels import ops
-from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.models import llama
 from jaxserve.models.configs import model_config_from_hf
 from jaxserve.models.loader import load_model
+from tiny_models import (FIXTURES, PagedRunner, check_chunked_prefill_matches_hf, check_greedy_matches_hf,
+                         check_logits_match_hf, golden, hf_logits, load_tiny)
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "models")
 TINY = ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-llama-tied", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3",
         "tiny-gemma3-mm", "tiny-phi3", "tiny-cohere"]
-
-
-class PagedRunner:
-    """A minimal host driver over a family's ``forward``: fixed token/request buckets (so each shape compiles
-    once), a paged cache with shuffled block ids, the cache donated to every step."""
-
-    def __init__(self, model, *, max_reqs: int, max_len: int, block_size: int = 4, seed: int = 0):
-        self.model, self.cfg, self.bs, self.max_reqs = model, model.config, block_size, max_reqs
-        self.max_blocks = -(-max_len // block_size)
-        num_blocks = 1 + max_reqs * self.max_blocks
-        pool = list(range(1, num_blocks))               # block 0 is the null block
-        random.Random(seed).shuffle(pool)
-        self.tables = [pool[r * self.max_blocks:(r + 1) * self.max_blocks] for r in range(max_reqs)]
-        self.caches = ops.init_kv_caches(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads,
-                                         self.cfg.head_dim, model.dtype)
-        self._step = jax.jit(functools.partial(_step, family=model.family, cfg=self.cfg), donate_argnums=(1,))
-
-    def step(self, chunks: list[tuple[int, list[int], int]], num_tokens: int, logits_rows: list[int] | None = None):
-        """``chunks``: (request slot, new token ids, start position). Returns float32 logits of the last new
-        token of each chunk (or of ``logits_rows``, flat token indices)."""
-        ids, pos, slots, seq_lens, qsl, tables = [], [], [], [], [0], []
-        for slot, toks, start in chunks:
-            for j, tok in enumerate(toks):
-                p = start + j
-                ids.append(tok)
-                pos.append(p)
-                slots.append(self.tables[slot][p // self.bs] * self.bs + p % self.bs)
-            seq_lens.append(start + len(toks))
-            qsl.append(qsl[-1] + len(toks))
-            tables.append(self.tables[slot])
-        n, r = len(ids), len(chunks)
-        assert n <= num_tokens and r <= self.max_reqs
-        pad_t, pad_r = num_tokens - n, self.max_reqs - r
-        md = AttentionMetadata(
-            slot_mapping=jnp.array(slots + [PAD_SLOT] * pad_t, jnp.int32),
-            block_tables=jnp.array(tables + [[0] * self.max_blocks] * pad_r, jnp.int32),
-            seq_lens=jnp.array(seq_lens + [0] * pad_r, jnp.int32),
-            query_start_loc=jnp.array(qsl + [n] * pad_r, jnp.int32),
-            num_seqs=jnp.array(r, jnp.int32))
-        rows = logits_rows if logits_rows is not None else [q - 1 for q in qsl[1:]] + [0] * pad_r
-        logits, self.caches = self._step(self.model.params, self.caches, jnp.array(ids + [0] * pad_t, jnp.int32),
-                                         jnp.array(pos + [0] * pad_t, jnp.int32), md, jnp.array(rows, jnp.int32))
-        return np.asarray(logits)
-
-    def greedy(self, prompts: list[list[int]], num_new: int, prefill_tokens: int) -> list[list[int]]:
-        """Greedy continuations of several prompts decoded together (one prefill step, then decode steps)."""
-        logits = self.step([(r, p, 0) for r, p in enumerate(prompts)], prefill_tokens)
-        out = [[int(logits[r].argmax())] for r in range(len(prompts))]
-        for _ in range(num_new - 1):
-            chunks = [(r, [out[r][-1]], len(p) + len(out[r]) - 1) for r, p in enumerate(prompts)]
-            logits = self.step(chunks, self.max_reqs)
-            for r in range(len(prompts)):
-                out[r].append(int(logits[r].argmax()))
-        return out
-
-
-def _step(params, caches, ids, pos, md, rows, *, family, cfg):
-    hidden, caches = family.forward(params, caches, ids, pos, md, cfg, attn_backend="reference")
-    return family.compute_logits(params, hidden[rows], cfg), caches
-
-
-def _golden(name):
-    with open(os.path.join(FIXTURES, name, "golden.json")) as f:
-        return json.load(f)
 
 
 # ---------------------------------------------------------------------------------------- tiny families
 @pytest.fixture(scope="module", params=TINY)
 def tiny(request):
-    name = request.param
-    model = load_model(os.path.join(FIXTURES, name), dtype="float32")
-    return name, model, _golden(name), np.load(os.path.join(FIXTURES, name, "logits.npy"))
+    return load_tiny(request.param)
 
 
 def test_tiny_logits_match_hf(tiny):
-    name, model, golden, hf_logits = tiny
-    prompt = golden["prompt_ids"]
-    runner = PagedRunner(model, max_reqs=1, max_len=16)
-    logits = runner.step([(0, prompt, 0)], 16, logits_rows=list(range(len(prompt))))
-    err = np.abs(logits - hf_logits).max()
-    assert err <= 1e-4, f"{name}: max abs logit error {err:.2e} vs HF float32"
+    check_logits_match_hf(*tiny)
 
 
 def test_tiny_chunked_prefill_matches_hf(tiny):
-    """Prefill in two chunks: the second chunk's logits read the first chunk's K/V from the cache."""
-    name, model, golden, hf_logits = tiny
-    prompt = golden["prompt_ids"]
-    runner = PagedRunner(model, max_reqs=1, max_len=16)
-    runner.step([(0, prompt[:6], 0)], 16)
-    logits = runner.step([(0, prompt[6:], 6)], 16, logits_rows=list(range(len(prompt) - 6)))
-    np.testing.assert_allclose(logits, hf_logits[6:], atol=1e-4, rtol=0)
+    check_chunked_prefill_matches_hf(*tiny)
 
 
 def test_tiny_greedy_matches_hf(tiny):
-    """HF's 32-token greedy continuation, decoded twice in one batch (different block placements)."""
-    name, model, golden, _ = tiny
-    prompt, expected = golden["prompt_ids"], golden["greedy_ids"]
-    runner = PagedRunner(model, max_reqs=2, max_len=len(prompt) + len(expected), seed=1)
-    out = runner.greedy([prompt, prompt], len(expected), prefill_tokens=24)
-    assert out[0] == expected, f"{name}: greedy continuation differs from HF"
-    assert out[1] == expected
+    check_greedy_matches_hf(*tiny)
 
 
 def test_tiny_bfloat16_close_to_hf():
     """bfloat16 (the checkpoint's dtype, so dtype=auto) runs and stays close to HF float32."""
     model = load_model(os.path.join(FIXTURES, "tiny-llama3"))
     assert model.dtype == jnp.bfloat16 and model.params["layers"][0]["q"].dtype == jnp.bfloat16
-    golden = _golden("tiny-llama3")
-    hf_logits = np.load(os.path.join(FIXTURES, "tiny-llama3", "logits.npy"))
-    prompt = golden["prompt_ids"]
-    runner = PagedRunner(model, max_reqs=1, max_len=16)
-    logits = runner.step([(0, prompt, 0)], 16, logits_rows=list(range(len(prompt))))
+    hf = hf_logits("tiny-llama3")
+    logits = PagedRunner(model, max_reqs=1, max_len=16).prompt_logits(golden("tiny-llama3")["prompt_ids"])
     assert logits.dtype == np.float32
-    scale = np.abs(hf_logits).max()
-    assert np.abs(logits - hf_logits).max() <= 0.05 * scale
-    assert (logits.argmax(-1) == hf_logits.argmax(-1)).mean() >= 0.8
+    assert np.abs(logits - hf).max() <= 0.05 * np.abs(hf).max()
+    assert (logits.argmax(-1) == hf.argmax(-1)).mean() >= 0.8
 
 
 # -------------------------------------------------------------------------------------------- configs

@@ -21,7 +21,7 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models import loader
 from jaxserve.models.loader import SafetensorsFile, load_model
 from test_gguf_families import _vocab
-from test_models import PagedRunner
+from tiny_models import PagedRunner
 
 gguf = pytest.importorskip("gguf")
 

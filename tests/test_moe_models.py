@@ -14,48 +14,27 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.loader import load_model
-from test_models import PagedRunner
+from tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
+                         engine_with_preemption, golden, hf_logits, load_tiny, params_equal)
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "models")
 MOE = ["tiny-mixtral", "tiny-qwen2moe", "tiny-qwen3moe"]
-
-
-def _golden(name):
-    with open(os.path.join(FIXTURES, name, "golden.json")) as f:
-        return json.load(f)
 
 
 @pytest.fixture(scope="module", params=MOE)
 def tiny(request):
-    name = request.param
-    model = load_model(os.path.join(FIXTURES, name), dtype="float32")
-    return name, model, _golden(name), np.load(os.path.join(FIXTURES, name, "logits.npy"))
+    return load_tiny(request.param)
 
 
 def test_moe_logits_match_hf(tiny):
-    name, model, golden, hf_logits = tiny
-    prompt = golden["prompt_ids"]
-    runner = PagedRunner(model, max_reqs=1, max_len=16)
-    logits = runner.step([(0, prompt, 0)], 16, logits_rows=list(range(len(prompt))))
-    err = np.abs(logits - hf_logits).max()
-    assert err <= 1e-4, f"{name}: max abs logit error {err:.2e} vs HF float32"
+    check_logits_match_hf(*tiny)
 
 
 def test_moe_chunked_prefill_matches_hf(tiny):
-    name, model, golden, hf_logits = tiny
-    prompt = golden["prompt_ids"]
-    runner = PagedRunner(model, max_reqs=1, max_len=16)
-    runner.step([(0, prompt[:6], 0)], 16)
-    logits = runner.step([(0, prompt[6:], 6)], 16, logits_rows=list(range(len(prompt) - 6)))
-    np.testing.assert_allclose(logits, hf_logits[6:], atol=1e-4, rtol=0)
+    check_chunked_prefill_matches_hf(*tiny)
 
 
 def test_moe_greedy_matches_hf(tiny):
-    name, model, golden, _ = tiny
-    prompt, expected = golden["prompt_ids"], golden["greedy_ids"]
-    runner = PagedRunner(model, max_reqs=2, max_len=len(prompt) + len(expected), seed=1)
-    out = runner.greedy([prompt, prompt], len(expected), prefill_tokens=24)
-    assert out[0] == expected and out[1] == expected, f"{name}: greedy continuation differs from HF"
+    check_greedy_matches_hf(*tiny)
 
 
 def test_moe_stacks_experts_at_load(tiny):
@@ -77,15 +56,7 @@ def test_moe_stacks_experts_at_load(tiny):
 def test_moe_engine_greedy_matches_hf(name):
     """Through the engine: the prompt three times among others, prefix caching, 8-token chunks, and a block
     pool small enough that the scheduler preempts."""
-    golden = _golden(name)
-    llm = LLM(os.path.join(FIXTURES, name), dtype="float32", max_model_len=64, block_size=4,
-              max_num_batched_tokens=8, max_num_seqs=4, num_gpu_blocks_override=24, enable_prefix_caching=True,
-              compilation_cache_dir="", use_tqdm_on_load=False)
-    rng = np.random.default_rng(0)
-    others = [rng.integers(3, 250, size=int(n)).tolist() for n in (5, 17, 12)]
-    prompts = [golden["prompt_ids"], others[0], golden["prompt_ids"], others[1], golden["prompt_ids"], others[2]]
-    params = SamplingParams(temperature=0, max_tokens=len(golden["greedy_ids"]), ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm, golden, outs = engine_with_preemption(name)
     assert llm.engine.scheduler.get_stats()["num_preemptions"] > 0
     for i in (0, 2, 4):
         assert outs[i].outputs[0].token_ids == golden["greedy_ids"], f"{name}: copy {i} differs from HF"
@@ -129,16 +100,13 @@ def test_moe_dummy_configs(name, architecture, billions, experts, top_k, renorma
 
 def test_moe_orbax_round_trip(tmp_path):
     """``convert`` keeps the MoE config (expert count, shared expert, dense layers) and the stacked experts."""
-    import jax
-
     from jaxserve.models import orbax_io
 
     source = os.path.join(FIXTURES, "tiny-qwen2moe")
     orbax_io.convert(source, str(tmp_path / "ckpt"), dtype="float32")
     restored, original = load_model(str(tmp_path / "ckpt")), load_model(source, dtype="float32")
     assert restored.load_format == "orbax" and restored.config == original.config
-    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(original.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert params_equal(restored.params, original.params)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "tiny-qwen3moe" else pytest.mark.slow) for n in MOE])
@@ -155,15 +123,9 @@ def test_moe_rows_path_matches_hf(name, monkeypatch):
 
 
 def _rows_path_matches_hf(name, model):
-    golden, hf_logits = _golden(name), np.load(os.path.join(FIXTURES, name, "logits.npy"))
     assert model.family.decoder_spec(model.config).moe.rows_path_max_tokens == 16
-    prompt, expected = golden["prompt_ids"], golden["greedy_ids"]
-    logits = PagedRunner(model, max_reqs=1, max_len=16).step([(0, prompt, 0)], 16,
-                                                              logits_rows=list(range(len(prompt))))
-    assert np.abs(logits - hf_logits).max() <= 1e-4
-    runner = PagedRunner(model, max_reqs=2, max_len=len(prompt) + len(expected), seed=1)
-    out = runner.greedy([prompt, prompt], len(expected), prefill_tokens=24)
-    assert out[0] == expected and out[1] == expected, f"{name}: greedy continuation differs from HF"
+    check_logits_match_hf(name, model, golden(name), hf_logits(name))
+    check_greedy_matches_hf(name, model, golden(name))
 
 
 @pytest.mark.parametrize("name,scheduler_steps", [("tiny-mixtral", 1), ("tiny-qwen3moe", 1), ("tiny-mixtral", 4)])
@@ -171,15 +133,15 @@ def test_engine_expert_load_matches_hf_routing(name, scheduler_steps):
     """The engine's expert-load statistics after generating HF's greedy continuation (8-token prefill
     chunks; multi-step decoding too) equal HF's own routing of that sequence, per layer and expert
     (tests/make_moe_fixtures.py writes expert_load.json from HF's router logits)."""
-    golden = _golden(name)
+    gold = golden(name)
     with open(os.path.join(FIXTURES, name, "expert_load.json")) as f:
         hf = json.load(f)
     llm = LLM(os.path.join(FIXTURES, name), dtype="float32", max_model_len=64, block_size=4,
               max_num_batched_tokens=8, max_num_seqs=2, num_scheduler_steps=scheduler_steps,
               compilation_cache_dir="", use_tqdm_on_load=False)
-    params = SamplingParams(temperature=0, max_tokens=len(golden["greedy_ids"]), ignore_eos=True)
-    out = llm.generate([golden["prompt_ids"]], params, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == golden["greedy_ids"]
+    params = SamplingParams(temperature=0, max_tokens=len(gold["greedy_ids"]), ignore_eos=True)
+    out = llm.generate([gold["prompt_ids"]], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == gold["greedy_ids"]
     want = np.asarray(hf["tokens_per_expert"])
     np.testing.assert_array_equal(llm.engine.runner.stats.expert_load.tokens, want)
     stats = llm.engine.stats()

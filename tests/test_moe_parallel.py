@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from fake_devices import fake_device_report
 
 NUM_DEVICES = 4
 # (fixture, tensor_parallel_size, enable_expert_parallel): Qwen2-MoE has the shared expert and a dense layer
@@ -32,7 +33,7 @@ def _worker() -> dict:
     from jaxserve import parallel
     from jaxserve.models import registry
     from jaxserve.models.loader import load_model
-    from test_models import PagedRunner, _step
+    from tiny_models import PagedRunner, paged_step
 
     assert jax.device_count() == NUM_DEVICES, jax.devices()
 
@@ -43,7 +44,7 @@ def _worker() -> dict:
         runner = PagedRunner(model, max_reqs=2, max_len=len(prompt))
         if mesh is not None:
             runner.caches = jax.device_put(runner.caches, parallel.kv_cache_sharding(mesh, model.config))
-            runner._step = jax.jit(parallel.bind_mesh(functools.partial(_step, family=model.family,
+            runner._step = jax.jit(parallel.bind_mesh(functools.partial(paged_step, family=model.family,
                                                                         cfg=model.config), mesh), donate_argnums=(1,))
         logits = runner.step([(0, prompt, 0)], 16, logits_rows=list(range(len(prompt))))
         return model, logits, logits.argmax(-1).tolist()
@@ -88,11 +89,7 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return fake_device_report([__file__], NUM_DEVICES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{n}-tp{t}-{'ep' if e else 'tp'}" for n, t, e in CASES])

@@ -7,21 +7,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from fake_devices import fake_device_report
+from tiny_models import params_equal
+
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
 TINY = os.path.join(FIXTURES, "tiny-llama3")
-
-
-def _leaves_equal(a, b) -> bool:
-    import jax
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
-                                      for x, y in zip(la, lb))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def test_round_trip_weights_and_logits(converted):
     original = load_model(TINY, dtype="float32")
     restored = load_model(out, load_format="orbax")
     assert restored.load_format == "orbax" and restored.config == original.config
-    assert _leaves_equal(restored.params, original.params)
+    assert params_equal(restored.params, original.params)
     tokens_a, logits_a = GreedyDecoder(original.config, original.params, max_new_tokens=4).generate()
     tokens_b, logits_b = GreedyDecoder(restored.config, restored.params, max_new_tokens=4).generate()
     assert tokens_a == tokens_b
@@ -71,10 +66,10 @@ def test_dtype_at_convert_and_at_load(converted, tmp_path):
     bf16_dir = str(tmp_path / "bf16")
     orbax_io.convert(TINY, bf16_dir, dtype="bfloat16")
     as_bf16 = load_model(bf16_dir)
-    assert _leaves_equal(as_bf16.params, load_model(TINY, dtype="bfloat16").params)
+    assert params_equal(as_bf16.params, load_model(TINY, dtype="bfloat16").params)
     # a float32 checkpoint cast at restore time
     out, _ = converted
-    assert _leaves_equal(load_model(out, dtype="bfloat16").params, as_bf16.params)
+    assert params_equal(load_model(out, dtype="bfloat16").params, as_bf16.params)
     assert as_bf16.dtype == jnp.bfloat16
 
 
@@ -133,7 +128,7 @@ def _sharded_worker(workdir: str) -> dict:
     for tp in (1, 2, 4):
         restored = load_model(out, mesh=make_mesh(tp) if tp > 1 else None)
         layer = restored.params["layers"][0]
-        report[tp] = {"equal": _leaves_equal(restored.params, reference.params),
+        report[tp] = {"equal": params_equal(restored.params, reference.params),
                       "q_devices": len(layer["q"].sharding.device_set),
                       "q_spec": str(getattr(layer["q"].sharding, "spec", None)),
                       "k_spec": str(getattr(layer["k"].sharding, "spec", None)),
@@ -143,12 +138,7 @@ def _sharded_worker(workdir: str) -> dict:
 
 
 def test_sharded_checkpoint_restores_at_any_tp(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = fake_device_report([__file__, str(tmp_path)], 4, timeout=600)
     assert all(report[tp]["equal"] for tp in report)
     assert report["1"]["q_devices"] == 1
     assert report["2"]["q_spec"] == "P(None, 'tp')" and report["2"]["q_shard_shape"] == [64, 32]

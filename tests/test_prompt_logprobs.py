@@ -1,21 +1,15 @@
 """prompt_logprobs through the scheduler: scored chunk by chunk as the prompt prefills, sharing the step's
 budget with other requests' decodes, counted in running/waiting, abortable between chunks."""
-import os
+import functools
 import threading
 
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
+from tiny_models import tiny_llm
 
-TINY = os.path.join(os.path.dirname(__file__), "fixtures", "models", "tiny-llama3")
-
-
-def make_llm(**kw):
-    opts = dict(dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
-                kv_cache_memory_bytes=1 << 24, compilation_cache_dir="", use_tqdm_on_load=False)
-    opts.update(kw)
-    return LLM(TINY, **opts)
+make_llm = functools.partial(tiny_llm, max_num_batched_tokens=16, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,6 @@ flag/checkpoint mismatches are clear errors; online fp8 and dummy quantized weig
 on fake CPU devices: ``test_quant_tensor_parallel.py``."""
 from __future__ import annotations
 
-import json
-import os
-
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -19,6 +15,7 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.kernels import int4_matmul_pallas as int4_kernel
 from jaxserve.models.loader import load_model
 from jaxserve.quantization import Fp8Weight, Int4Weight
+from safetensors_files import write_folder
 from tp_greedy import GreedyDecoder
 
 HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 256,
@@ -28,32 +25,9 @@ HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size"
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_ST = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
-       np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}
 
 
 # ------------------------------------------------------------------------------ writing checkpoints
-def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-    header, blobs, offset = {}, [], 0
-    for name, arr in tensors.items():
-        data = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": _ST[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little") + head + b"".join(blobs))
-
-
-def write_folder(folder, tensors: dict, hf: dict) -> str:
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f)
-    write_safetensors(os.path.join(folder, "model.safetensors"), tensors)
-    return str(folder)
-
-
 def float_model(hf: dict = HF, seed: int = 0) -> dict[str, np.ndarray]:
     """HF-named float32 weights, std 1/sqrt(fan_in) so every layer matters to the logits."""
     rng = np.random.default_rng(seed)

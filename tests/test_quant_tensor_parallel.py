@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
+
+from fake_devices import fake_device_report
 
 NUM_DEVICES = 4
 # hidden 256 at tp=4 leaves 64 input rows per o shard: whole groups of 32/64, not of 128; 128x128 fp8 blocks
@@ -27,7 +27,8 @@ def _worker() -> dict:
     from jaxserve import parallel
     from jaxserve.errors import ModelLoadError
     from jaxserve.models.loader import load_model
-    from test_quant_checkpoints import HF, float_model, fp8_checkpoint, quantized_checkpoint, write_folder
+    from safetensors_files import write_folder
+    from test_quant_checkpoints import HF, float_model, fp8_checkpoint, quantized_checkpoint
     from tp_greedy import GreedyDecoder
 
     assert jax.device_count() == NUM_DEVICES
@@ -43,21 +44,30 @@ def _worker() -> dict:
                                                 HF | {"quantization_config": qc})
     folders["float"] = write_folder(os.path.join(tmp, "float"), float_model(), HF | {"torch_dtype": "float32"})
 
+    # the decoder places float weights itself; it is handed the loader's (already sharded) quantized ones
+    float_params = load_model(folders["float"], dtype="float32").params
+
     def logits(folder, tp, **kw):
         mesh = parallel.make_mesh(tp) if tp > 1 else None
         model = load_model(folder, dtype="float32", mesh=mesh, **kw)
-        # the decoder places float weights itself; hand it the loader's (already sharded) quantized ones
-        float_params = load_model(folders["float"], dtype="float32").params
         dec = GreedyDecoder(model.config, float_params, mesh=mesh, max_new_tokens=2)
         dec.params = model.params
         return model, dec.generate()[1]
 
+    def load_error(folder, tp) -> str:
+        """What loading ``folder`` on a ``tp``-device mesh says ("loaded" when it loads)."""
+        try:
+            load_model(folder, dtype="float32", mesh=parallel.make_mesh(tp))
+            return "loaded"
+        except ModelLoadError as e:
+            return str(e)
+
     report = {}
-    for name, folder in folders.items():
+    for name, sizes in TP_SIZES.items():
         kw = {"quantization": "fp8"} if name == "float" else {}
-        base = logits(folder, 1, **kw)[1]
-        for tp in TP_SIZES.get(name, ()):
-            model, got = logits(folder, tp, **kw)
+        base = logits(folders[name], 1, **kw)[1]
+        for tp in sizes:
+            model, got = logits(folders[name], tp, **kw)
             down = model.params["layers"][0]["down"]
             arrays = [down.weight] if hasattr(down, "weight") else [down.packed, down.scales, down.zeros]
             report[f"{name}/tp{tp}"] = {
@@ -65,37 +75,21 @@ def _worker() -> dict:
                 "down_sharded": all(len({s.index for s in a.addressable_shards}) == tp for a in arrays
                                     if a.shape[0] >= tp),
                 "tp_axis": down.tp_axis}
-    try:
-        load_model(folders["fp8-block"], dtype="float32", mesh=parallel.make_mesh(2))
-        report["split_block"] = "loaded"
-    except ModelLoadError as e:
-        report["split_block"] = str(e)
+    report["split_block"] = load_error(folders["fp8-block"], 2)
     # intermediate 384 = 3 groups of 128: two shards of 192 rows would split a group of the down projection
     tensors, qc, _, _ = quantized_checkpoint("awq", hf=HF | {"intermediate_size": 384})
     folder = write_folder(os.path.join(tmp, "awq-384"), tensors,
                           HF | {"intermediate_size": 384, "quantization_config": qc})
-    try:
-        load_model(folder, dtype="float32", mesh=parallel.make_mesh(2))
-        report["split_group"] = "loaded"
-    except ModelLoadError as e:
-        report["split_group"] = str(e)
+    report["split_group"] = load_error(folder, 2)
     tensors, qc, _, _ = quantized_checkpoint("gptq", symmetric=True, desc_act=True)
     folder = write_folder(os.path.join(tmp, "gptq-act-order"), tensors, HF | {"quantization_config": qc})
-    try:
-        load_model(folder, dtype="float32", mesh=parallel.make_mesh(2))
-        report["act_order"] = "loaded"
-    except ModelLoadError as e:
-        report["act_order"] = str(e)
+    report["act_order"] = load_error(folder, 2)
     return report
 
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return fake_device_report([__file__], NUM_DEVICES)
 
 
 @pytest.mark.parametrize("name,tp", CASES)

@@ -1,13 +1,15 @@
 """Start-up: the step compiler (ahead-of-time executables on threads, first-needed first), the warm-up's
 plan, padding up to a compiled bucket, --enforce-eager, and the persistent cache's thresholds."""
+import functools
 import os
 import threading
 import time
 
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.runner.step_compiler import StepCompiler
+from tiny_models import tiny_llm
 
 TINY = os.path.join(os.path.dirname(__file__), "fixtures", "models", "tiny-llama3")
 
@@ -67,11 +69,8 @@ def test_stop_drops_the_queue_and_a_failed_compile_raises_where_needed():
     assert c.need("never") == "exe-never"       # after stop a needed key still compiles, here
 
 
-def make_llm(**kw):
-    opts = dict(dtype="float32", max_model_len=128, block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
-                kv_cache_memory_bytes=1 << 22, compilation_cache_dir="", use_tqdm_on_load=False)
-    opts.update(kw)
-    return LLM(TINY, **opts)
+make_llm = functools.partial(tiny_llm, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4,
+                             kv_cache_memory_bytes=1 << 22)
 
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 11, 20)]

@@ -169,11 +169,10 @@ def batch(llm):
     work = []
     for i, schema in enumerate(SCHEMAS):
         prompt = chat_prompt(tok, f"Reply with JSON for this schema: {json.dumps(schema)}")
-        so = StructuredOutputsParams(json=schema)
-        work.append(("json", schema, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                            structured_outputs=so)))
-        work.append(("json", schema, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=i,
-                                                            structured_outputs=so)))
+        # every schema once, greedy and sampled in turn (so arrays and objects meet both)
+        sampling = dict(temperature=0.8, seed=i) if i % 2 else dict(temperature=0)
+        work.append(("json", schema, prompt, SamplingParams(max_tokens=MAX_TOKENS, **sampling,
+                                                            structured_outputs=StructuredOutputsParams(json=schema))))
     for rx in REGEXES:
         work.append(("regex", rx, chat_prompt(tok, "Give an example."),
                      SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=1,
@@ -193,7 +192,7 @@ def batch(llm):
 
 def test_every_json_schema_reply_parses_and_validates(batch):
     replies = [(spec, out) for kind, spec, _, out in batch if kind == "json"]
-    assert len(replies) >= 100
+    assert len(replies) == len(SCHEMAS)
     for schema, out in replies:
         assert out.finish_reason == "stop", (schema, out.text)
         value = json.loads(out.text)
@@ -293,7 +292,7 @@ def test_preempted_constrained_requests_keep_their_grammar_state_without_async_s
               "required": ["items"], "additionalProperties": False}
     sp = SamplingParams(max_tokens=80, temperature=0.8, seed=3, structured_outputs=StructuredOutputsParams(json=schema))
     prompts = [f"Request {i}. Please list some colours, red or green, as a JSON object with an items array; "
-               "use at least ten items and nothing else:" for i in range(6)]
+               "use at least ten items and nothing else:" for i in range(4)]
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert llm.engine.stats()["num_preemptions"] > 0
     for o in outs:
@@ -341,15 +340,9 @@ print(json.dumps(out))
 def test_tensor_parallel_2_gives_the_same_constrained_tokens():
     """One process, a 2-device mesh (fake CPU devices, so a subprocess): the mask reaches the replicated
     sampler and the tokens equal TP=1's (the tiny fixture model's ids < 256 include the letters)."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, os.path.join(root, "tests/fixtures/models/tiny-llama3")],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    from fake_devices import fake_device_report
+    from tiny_models import fixture_path
+    out = fake_device_report(["-c", _TP_SCRIPT, fixture_path("tiny-llama3")], 2, timeout=600)
     assert out["1"] == out["2"]
     assert re.fullmatch("[a-z]{3,8}", out["2"][0][0])
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+
+from fake_devices import fake_device_report
 
 NUM_DEVICES = 4
 MAX_NEW_TOKENS = 6
@@ -329,11 +330,7 @@ def _step_args(dec):
 
 # ---------------------------------------------------------------------------------------------- the tests
 def _run_worker(*args: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return fake_device_report([__file__, *args], NUM_DEVICES, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,11 @@ Prints both in TB/s and the lines for configs/hardware/<chip>.yaml.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import time
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # as a script
 
 
 def bytes_moved(nbytes: int, kind: str) -> int:
@@ -23,22 +26,11 @@ def bytes_moved(nbytes: int, kind: str) -> int:
     return {"read": nbytes, "copy": 2 * nbytes}[kind]
 
 
-def time_calls(fn, x, iters: int, repeats: int) -> list[float]:
-    """Seconds per call, one figure per repeat: ``iters`` back-to-back calls, blocked on the last."""
-    fn(x).block_until_ready()                                    # compile + first touch
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(iters):
-            y = fn(x)
-        y.block_until_ready()
-        out.append((time.perf_counter() - t) / iters)
-    return out
-
-
 def measure(gib: float, iters: int, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
+
+    from benchmarks.diagnostics.timing import back_to_back_seconds
 
     cols = 8192
     rows = max(int(gib * 2 ** 30) // (2 * cols), 1)
@@ -51,7 +43,7 @@ def measure(gib: float, iters: int, repeats: int) -> dict:
     }
     results = {}
     for name, (fn, kind) in kernels.items():
-        per_call = time_calls(fn, x, iters, repeats)
+        per_call = back_to_back_seconds(fn, x, iters=iters, repeats=repeats)
         tbps = [bytes_moved(nbytes, kind) / t / 1e12 for t in per_call]
         results[name] = {"kind": kind, "median_tbps": statistics.median(tbps), "min_tbps": min(tbps),
                          "max_tbps": max(tbps), "us_per_call": statistics.median(per_call) * 1e6}

@@ -21,9 +21,7 @@ import dataclasses
 import functools
 import math
 import os
-import statistics
 import sys
-import time
 import traceback
 import warnings
 
@@ -39,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental.pallas.ops.gpu import paged_attention as stock  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
+from benchmarks.diagnostics.timing import chain_seconds  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "tests"))
 import synthetic  # noqa: E402  (tests/synthetic.py: random ragged batches)
@@ -85,17 +84,6 @@ SMOKE = Sizes(hq=4, kvh=2, d=64, bs=16, main_b=2, main_ctx=64, sweep_b=(1, 2), s
 
 def log(*a):
     print(*a, flush=True)
-
-
-def timed(fn, *args, n_iter, reps):
-    """Seconds per call of ``fn`` (a jitted chain of n_iter calls)."""
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) / n_iter
 
 
 def chain(step, n_iter, n_rot):
@@ -157,7 +145,7 @@ def time_decode(S, B, ctx, *, which="ours", cache_dtype=None, k_scale=None, **cf
             v = jnp.swapaxes(v, 2, 3)
         step = ours_decode_step(S, k_scale=k_scale, v_scale=k_scale, **cfg)
     fn = chain(step, S.n_iter, n_rot)
-    t = timed(fn, q, k, v, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
+    t = chain_seconds(fn, q, k, v, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
     return t, kv_bytes(S, B * ctx, jnp.dtype(k.dtype).itemsize) / t / 1e12
 
 
@@ -187,7 +175,7 @@ def time_ragged(S, q_lens, ctx_lens, **cfg):
     q, k, v, md = batch(S, 1, q_lens, ctx_lens, share_prefix=False)
     fn = chain(lambda q, k, v, tables, md: pa.ragged_paged_attention(
         q, k, v, md, sm_scale=S.d ** -0.5, interpret=S.interpret, **cfg), S.n_iter, 1)
-    t = timed(fn, q, k, v, [None], md, n_iter=S.n_iter, reps=S.reps)
+    t = chain_seconds(fn, q, k, v, [None], md, n_iter=S.n_iter, reps=S.reps)
     flops = 4 * S.hq * S.d * attended_pairs(q_lens, ctx_lens)
     return t, flops / t / 1e12
 
@@ -430,7 +418,7 @@ def section_prefill(S, rows):
     for name, f in others.items():
         try:
             fn = jax.jit(lambda q, k, v, f=f: functools.reduce(lambda acc, _: f(acc, k, v), range(S.n_iter), q))
-            t = timed(fn, q, k, v, n_iter=S.n_iter, reps=S.reps)
+            t = chain_seconds(fn, q, k, v, n_iter=S.n_iter, reps=S.reps)
             log(f"| {name} | {t * 1e3:.3f} ms | {flops / t / 1e12:.0f} TFLOP/s |")
             rows.append((f"prefill {B}x{L} causal: {name}", f"{t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s"))
         except Exception as e:

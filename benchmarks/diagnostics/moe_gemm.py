@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # as a script
@@ -45,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
+from benchmarks.diagnostics.timing import chain_seconds  # noqa: E402
 from jaxserve.kernels import ragged_dot  # noqa: E402
 from jaxserve.models.layers import moe  # noqa: E402
 
@@ -118,16 +117,6 @@ def chained(impl, n_iter):
             return x * (1 + acc * 1e-30).astype(x.dtype), acc
         return jax.lax.fori_loop(0, n_iter, body, (lhs, jnp.float32(0)))[1]
     return jax.jit(run)
-
-
-def timed(fn, *args, n_iter, reps):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) / n_iter
 
 
 def check(impl, rhs, rng, top_k) -> str | None:
@@ -213,7 +202,7 @@ def main(argv=None) -> int:
                     row["note"] = "skipped: the gathered weights would not fit"
                 else:
                     try:
-                        s = timed(chained(impl, n_iter), lhs, rhs, pool, n_iter=n_iter, reps=args.reps)
+                        s = chain_seconds(chained(impl, n_iter), lhs, rhs, pool, n_iter=n_iter, reps=args.reps)
                         row |= {"us": s * 1e6, "tbs": nbytes / s / 1e12, "bw": 100 * nbytes / s / read_bw,
                                 "tflops": flops / s / 1e12, "fl": 100 * flops / s / peak}
                     except Exception as e:  # noqa: BLE001

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.diagnostics.timing import back_to_back_seconds
 from jaxserve.kernels import int4_matmul_pallas as k4
 from jaxserve.quantization import online
 from jaxserve.quantization.weights import INT4_KERNEL_MAX_TOKENS, _fp8_matmul
@@ -36,15 +36,7 @@ GROUP = 128
 
 def time_us(fn, args, layers: int, iters: int = 10) -> float:
     """Microseconds per matmul: the best of 3 runs of ``iters`` calls, each call ``layers`` matmuls."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t) / iters)
-    return best / layers * 1e6
+    return min(back_to_back_seconds(fn, *args, iters=iters, repeats=3)) / layers * 1e6
 
 
 def layered(matmul):

@@ -15,7 +15,7 @@ generate: setup
 	$(PY) -m jaxserve generate --chat --prompt "What is the capital of France?" $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -m "not slow and not gpu" $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu" --durations=25 $(ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -q -m "slow" $(ARGS)

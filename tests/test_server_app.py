@@ -397,7 +397,7 @@ def test_openapi_fuzz_no_5xx(server):
 
         @given(case=operation.as_strategy())
         @settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.generate], database=None,
-                  suppress_health_check=list(HealthCheck))
+                  derandomize=True, suppress_health_check=list(HealthCheck))   # the same cases every run
         def check(case):
             if isinstance(case.body, dict) and case.body.get("stream"):
                 case.body["stream"] = False  # keeps each call short; streaming paths are tested above
@@ -407,7 +407,8 @@ def test_openapi_fuzz_no_5xx(server):
                 failures.append((case.method, case.path, case.body, resp.status_code, resp.text[:300]))
         check()
     assert not failures, failures[:3]
-    assert len(calls) > 50 and calls.count(200) >= 10, sorted(set(calls))  # valid bodies reached the engine too
+    # valid bodies reached the engine too
+    assert len(calls) > 50 and calls.count(200) >= 10, sorted((c, calls.count(c)) for c in set(calls))
 
 
 def test_token_ids_checked_against_the_model_vocab_not_the_tokenizer():

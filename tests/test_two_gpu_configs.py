@@ -286,6 +286,7 @@ def report():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow   # one fake-device subprocess compiles every full-size 70B generator (~80 s)
 def test_llama70b_tp2_puts_half_of_the_weights_on_each_gpu(report):
     assert report["total_bytes"] == 2 * 70_553_706_496
     norms = 2 * (2 * 80 + 1) * 8192                              # replicated: on both devices
@@ -293,6 +294,7 @@ def test_llama70b_tp2_puts_half_of_the_weights_on_each_gpu(report):
     assert report["per_device_bytes"] / 1e9 == pytest.approx(70.56, abs=0.01)
 
 
+@pytest.mark.slow   # one fake-device subprocess compiles every full-size 70B generator (~80 s)
 def test_each_device_generates_only_its_half_of_a_weight(report):
     """The compiled random-weight generator of every full-size 70B weight: no array of the per-device program is
     larger than the device's shard (the whole weight is never materialized on one device)."""
@@ -302,6 +304,7 @@ def test_each_device_generates_only_its_half_of_a_weight(report):
         assert g["largest_array"] == g["shard"], g
 
 
+@pytest.mark.slow   # one fake-device subprocess compiles every full-size 70B generator (~80 s)
 def test_scaled_70b_loads_sharded_without_a_host_copy(report):
     s = report["scaled"]
     assert s["as_declared"] and s["leaves"] == 2 * 8 + 3        # 2 layers x (2 norms + 6 matrices), embed, norm, head
@@ -310,6 +313,7 @@ def test_scaled_70b_loads_sharded_without_a_host_copy(report):
     assert s["host_peak_bytes"] < 0.05 * s["bytes"], s          # numpy never holds the weights
 
 
+@pytest.mark.slow   # one fake-device subprocess compiles every full-size 70B generator (~80 s)
 def test_scaled_70b_fp8_weights_are_sharded(report):
     assert all(report["fp8_split"].values()), report["fp8_split"]
 

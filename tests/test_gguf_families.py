@@ -44,6 +44,18 @@ def _vocab(writer, size: int) -> None:
     writer.add_eos_token_id(2)
 
 
+def gguf_writer(path: str, arch, hf: dict):
+    """A GGUFWriter for ``arch`` with the shape keys every decoder family writes, from HF's config.json."""
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    return w
+
+
 def write_gguf(folder: str, path: str) -> None:
     """The fixture in ``folder`` as a float32 GGUF at ``path``, as llama.cpp's convert_hf_to_gguf.py writes."""
     arch = ARCHS[os.path.basename(folder)]
@@ -52,13 +64,7 @@ def write_gguf(folder: str, path: str) -> None:
     rope = hf.get("rope_parameters") or {}
     layers, hidden, heads = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hidden // heads
-    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    w.add_context_length(hf["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(hf["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(hf["num_key_value_heads"])
+    w = gguf_writer(path, arch, hf)
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     if arch == gguf.MODEL_ARCH.COMMAND_R:
         w.add_layer_norm_eps(hf["layer_norm_eps"])

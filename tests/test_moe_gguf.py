@@ -20,7 +20,7 @@ import pytest
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import loader
 from jaxserve.models.loader import SafetensorsFile, load_model
-from test_gguf_families import _vocab
+from test_gguf_families import _vocab, gguf_writer
 from tiny_models import PagedRunner
 
 gguf = pytest.importorskip("gguf")
@@ -33,14 +33,8 @@ def write_moe_gguf(folder: str, path: str) -> None:
     arch = ARCHS[os.path.basename(folder)]
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
-    layers, hidden, heads = hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"]
-    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    w.add_context_length(hf["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(hf["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(hf["num_key_value_heads"])
+    layers = hf["num_hidden_layers"]
+    w = gguf_writer(path, arch, hf)
     w.add_rope_freq_base((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 1e6)))
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     w.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])   # transformers 5 saves Qwen3-MoE's as the latter

@@ -80,6 +80,17 @@ def greedy(n=6):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def assert_runs_compiled_and_matches(llm, eager):
+    """``llm`` generates PROMPTS with what it compiled already (nothing on first use) and gives the tokens of
+    ``eager``, whose steps each run in their own bucket."""
+    runner = llm.engine.runner
+    before = runner.compiled_variants()
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert runner.compiled_variants() == before and runner.variants.on_first_use == []
+    ref = eager.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
 @pytest.fixture(scope="module")
 def eager():
     return make_llm(enforce_eager=True)
@@ -105,12 +116,7 @@ def test_warmup_compiles_the_smallest_and_largest_bucket_first_and_steps_pad_up(
     runner.variants.compile_now(first)            # what the warm-up compiles before the engine answers
     assert runner._compiled_shape(8, False) == (32, False)       # 8 is not compiled: pads up to 32
     assert runner._compiled_shape(4, False) == (4, False)
-    before = runner.compiled_variants()
-    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-    assert runner.compiled_variants() == before and runner.variants.on_first_use == []
-    # the same tokens as steps in their own buckets
-    ref = eager.generate(PROMPTS, greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert_runs_compiled_and_matches(llm, eager)
 
 
 def test_warmup_for_known_prompts_compiles_their_buckets_only(eager):
@@ -120,11 +126,7 @@ def test_warmup_for_known_prompts_compiles_their_buckets_only(eager):
     runner.warmup_for([len(p) for p in PROMPTS])          # 34 tokens: a 32-token step, then 3 decodes
     assert sorted(k[1] for k in runner.variants.keys() if k[0] == "forward") == [4, 32]
     assert runner.variants.pending() == 0                  # nothing left to the background
-    before = runner.compiled_variants()
-    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-    assert runner.compiled_variants() == before and runner.variants.on_first_use == []
-    ref = eager.generate(PROMPTS, greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert_runs_compiled_and_matches(llm, eager)
 
 
 def test_compile_cache_keeps_every_executable(tmp_path):

@@ -11,13 +11,14 @@ Conventions:
 - K/V reads are per layer: a layer with a sliding window of w reads at most w cached tokens of a sequence
   (the paged kernels skip the blocks before the window), a global layer all of them. A step writes the K/V of
   each of its tokens into every layer (prefill bytes count that write).
+- Mixture-of-experts layers: a token multiplies only its top_k of a layer's E routed experts, so a step of b
+  tokens reads the experts they touch: with independent, uniform routing E·(1 − (1 − k/E)^b) distinct experts
+  per layer (exactly k at b = 1, nearly all E from b ≈ 4E/k on); shared experts and the router are dense
+  weights, read whole. Real routing is skewed, which touches fewer experts: the count is the uniform bound.
 - FLOPs: 2 per multiplied weight per token (the embedding gather multiplies nothing; the LM head runs only
   for tokens that are sampled: one per prefill sequence, one per decode token) plus attention:
   QK^T and PV are 4·heads·head_dim FLOPs per (query, key) pair per layer; causal prefill of n tokens has
   n(n+1)/2 pairs in a global layer, fewer in a windowed one (each query sees at most w keys).
-- Mixture-of-experts layers: a token multiplies only its top-k experts' weights (k / E of the routed experts'
-  FLOPs); a step of n tokens reads the experts they are routed to, E·(1 - (1 - k/E)^n) per layer in
-  expectation under even routing (k at batch 1, all of them at large n; a skewed router reads fewer).
 - A step takes at least max(bytes / bandwidth, FLOPs / peak) (the roofline); a workload's bound is the
   sum of its steps' bounds. Tensor parallelism over N chips multiplies both limits by N.
 - A measured figure above its limit means the limit's assumptions are wrong (bytes counted, or a ceiling too
@@ -173,28 +174,47 @@ def resolve_hardware(setting: str, device_kind: str, platform: str, num_devices:
 class ModelCost:
     """FLOP and byte counts of one decoder model at one weight / KV dtype."""
     params: int                        # all parameters
-    body_matmul_params: int            # weights every token multiplies (not the embedding gather, not the head)
+    body_matmul_params: int            # weights one token multiplies (not the embedding gather, not the head;
+                                       # of an MoE layer's routed experts its top_k)
     lm_head_params: int                # the output projection (tied or not), multiplied for sampled tokens
-    weight_bytes: int                  # the weights one step reads, in the weight dtype (no untied embedding)
+    weight_bytes: int                  # the weights a one-token step reads, in the weight dtype (no untied
+                                       # embedding; of an MoE layer's routed experts top_k): step_weight_bytes
     kv_bytes_per_token: int            # K + V of one token over all layers (what a step writes per token)
     attn_flops_per_pair: int           # QK^T + PV FLOPs for one (query, key) pair over all layers
     dtype: str
     layer_windows: tuple[int | None, ...] = ()   # per layer: its sliding window, None = global (all layers if empty)
-    routed_expert_bytes: int = 0       # MoE: the routed experts' weights (within weight_bytes)
-    num_experts: int = 0
-    top_k: int = 0
-
-    def step_weight_bytes(self, tokens: float) -> float:
-        """Weight bytes a step of ``tokens`` tokens reads: all of ``weight_bytes`` but, for an MoE model, the
-        routed experts no token is sent to (expected, under even routing)."""
-        if not self.num_experts:
-            return float(self.weight_bytes)
-        touched = 1.0 - (1.0 - self.top_k / self.num_experts) ** max(float(tokens), 0.0)
-        return float(self.weight_bytes) - self.routed_expert_bytes * (1.0 - touched)
+    expert_params: int = 0             # every routed expert of every MoE layer (shared experts are dense)
+    num_experts: int = 0               # routed experts per MoE layer (0: a dense model)
+    experts_per_token: int = 0         # top_k
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_windows) or 1
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: every weight but the routed experts it is not sent to (the figure MoE
+        model cards quote as "activated", e.g. Qwen3-30B-A3B's 3.3 B)."""
+        return self.params - self.expert_params + self._active_expert_params
+
+    @property
+    def _active_expert_params(self) -> int:
+        return self.expert_params // self.num_experts * self.experts_per_token if self.num_experts else 0
+
+    def experts_touched(self, tokens: float) -> float:
+        """Expected share of an MoE layer's routed experts that ``tokens`` tokens send rows to (uniform,
+        independent routing): 1 − (1 − k/E)^tokens; exactly k/E for one token."""
+        if not self.num_experts:
+            return 0.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(float(tokens), 1.0)
+
+    def step_weight_bytes(self, tokens: float) -> float:
+        """Weight bytes one step of ``tokens`` tokens reads: the dense weights whole, the routed experts its
+        tokens touch (``experts_touched``). A dense model's is ``weight_bytes`` at every size."""
+        if not self.num_experts:
+            return float(self.weight_bytes)
+        extra = self.experts_touched(tokens) - self.experts_per_token / self.num_experts
+        return float(self.weight_bytes) + self.expert_params * DTYPE_BYTES[self.dtype] * extra
 
     def keys(self, context_lens) -> np.ndarray:
         """Keys one new token attends over at each context length (any shape), averaged over the layers (so
@@ -223,8 +243,8 @@ class ModelCost:
             + self.attn_flops_per_pair * self._total_keys(context_lens, batch)
 
     def decode_bytes(self, context_lens: np.ndarray | float, batch: int = 1) -> float:
-        n = np.size(context_lens) if np.ndim(context_lens) else batch
-        return self.step_weight_bytes(n) + self.kv_read_bytes(context_lens, batch)
+        tokens = np.size(context_lens) if np.ndim(context_lens) else batch
+        return self.step_weight_bytes(tokens) + self.kv_read_bytes(context_lens, batch)
 
     def prefill_pairs(self, input_len: float) -> float:
         """Causal (query, key) pairs of one prompt over all layers, in units of one layer: n(n+1)/2 in a global
@@ -246,7 +266,8 @@ class ModelCost:
         return batch * per_seq
 
     def prefill_bytes(self, input_len: int, batch: int = 1) -> float:
-        return self.step_weight_bytes(float(input_len) * batch) + self.kv_bytes_per_token * float(input_len) * batch
+        tokens = float(input_len) * batch
+        return self.step_weight_bytes(tokens) + self.kv_bytes_per_token * tokens
 
 
 # bytes per weight of a quantized projection: int4 + a 2-byte scale and a 1-byte zero per group of 128; fp8
@@ -254,14 +275,11 @@ class ModelCost:
 QUANTIZED_WEIGHT_BYTES = {"awq": 0.5 + 3 / 128, "gptq": 0.5 + 3 / 128, "compressed-tensors": 0.5 + 3 / 128,
                           "fp8": 1.0}
 PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down")
+EXPERTS = ("experts_gate_up", "experts_down")           # an MoE layer's routed experts (models/layers/moe.py)
 
 
-ROUTED_EXPERTS = ("experts_gate_up", "experts_down")
-
-
-def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...], tuple[int, int]]:
-    """(parameter shapes, per-layer sliding windows, (experts, top-k) or (0, 0)) of a decoder config, from
-    its family module."""
+def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...]]:
+    """(parameter shapes, per-layer sliding windows) of a decoder config, from its family module."""
     from jaxserve.errors import ModelLoadError
     from jaxserve.models import registry
     try:
@@ -270,9 +288,7 @@ def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...], tuple[int, int]]:
         raise ValueError(f"no roofline for {cfg.architecture}: {e}") from None
     if not hasattr(family, "decoder_spec"):
         raise ValueError(f"no roofline for {cfg.architecture}: not a decoder family")
-    spec = family.decoder_spec(cfg)
-    moe = (spec.moe.num_experts, spec.moe.top_k) if spec.moe is not None else (0, 0)
-    return family.param_shapes(cfg), tuple(spec.windows), moe
+    return family.param_shapes(cfg), tuple(family.decoder_spec(cfg).windows)
 
 
 def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -281,28 +297,36 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
     (``--quantization``): the projections' storage, the rest stays ``dtype``."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r} for the roofline (known: {', '.join(DTYPE_BYTES)})")
-    shapes, windows, (experts, top_k) = _family_layout(cfg)
+    shapes, windows = _family_layout(cfg)
     sizes = {path: int(np.prod(shape)) for path, shape in _leaves(shapes)}
     params = sum(sizes.values())
     embedding = sizes[("embed",)]
     lm_head = sizes.get(("lm_head",), 0)
     body = params - embedding - lm_head                     # every layer weight (norms, biases too) + final norm
-    routed = sum(n for path, n in sizes.items() if len(path) == 3 and path[2] in ROUTED_EXPERTS)
     head = lm_head or embedding                             # tied: the embedding table is the head
     kv_bytes = DTYPE_BYTES[kv_dtype or dtype]
     d = cfg.head_dim
+    experts = sum(n for path, n in sizes.items() if len(path) == 3 and path[0] == "layers" and path[2] in EXPERTS)
+    num_experts, top_k = _routing(cfg) if experts else (0, 0)
+    inactive = experts - (experts // num_experts * top_k if experts else 0)   # routed experts a token skips
+    body -= inactive
     weight_bytes = (body + head) * DTYPE_BYTES[dtype]
     if quantization in QUANTIZED_WEIGHT_BYTES:
         projections = sum(n for path, n in sizes.items()
                           if len(path) == 3 and path[0] == "layers" and path[2] in PROJECTIONS)
         weight_bytes -= int(projections * (DTYPE_BYTES[dtype] - QUANTIZED_WEIGHT_BYTES[quantization]))
-    active = body - routed + (routed * top_k // experts if experts else 0)   # what one token multiplies
-    return ModelCost(params=params, body_matmul_params=active, lm_head_params=head,
+    return ModelCost(params=params, body_matmul_params=body, lm_head_params=head,
                      weight_bytes=weight_bytes,
                      kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
                      attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d, dtype=dtype,
-                     layer_windows=windows, routed_expert_bytes=routed * DTYPE_BYTES[dtype],
-                     num_experts=experts, top_k=top_k)
+                     layer_windows=windows, expert_params=experts, num_experts=num_experts,
+                     experts_per_token=top_k)
+
+
+def _routing(cfg) -> tuple[int, int]:
+    """(routed experts per MoE layer, top_k) from the config's HF fields."""
+    extra = cfg.extra_dict
+    return int(extra["num_experts"]), int(extra["num_experts_per_tok"])
 
 
 def _leaves(shapes: dict, prefix: tuple = ()):

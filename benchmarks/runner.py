@@ -35,6 +35,9 @@ class _BaselinePhaseDone(Exception):
     """Raised by Run.llm() in the baseline phase: the mode has handed its prompts to the baseline."""
 
 
+COMPILE_WAIT_S = 600.0   # a step variant still compiling after this is a bug worth seeing in the report
+
+
 class EngineCache:
     """One live `jaxserve.LLM` at a time, reused by configs with the same model + engine options."""
 
@@ -50,6 +53,10 @@ class EngineCache:
             t = time.perf_counter()
             self.llm = LLM(**kwargs)
             self.key, self.load_s = key, time.perf_counter() - t
+            t = time.perf_counter()
+            done = self.llm.wait_compiled(timeout=COMPILE_WAIT_S)   # measure the steady state, not compiles
+            print(f"[bench] background compiles {'done' if done else 'NOT done'} after "
+                  f"{time.perf_counter() - t:.1f} s", flush=True)
         return self.llm
 
     def close(self):

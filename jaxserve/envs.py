@@ -70,10 +70,16 @@ _REGISTRY: dict[str, EnvVar] = {
     # tensor parallelism
     "JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM": EnvVar(_flag, "1", "0 = the custom all-reduce does not fuse the "
                                                                "residual add + RMSNorm (A/B runs)"),
+    # quantized weights
+    "JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS": EnvVar(_int("JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS"), "0",
+                                                  "steps of up to this many tokens run fp8 weights as W8A16 (the "
+                                                  "weight converted in the dot, activations stay bf16) instead "
+                                                  "of W8A8 (A/B runs of the decode path)"),
     # mixture of experts
     "JAXSERVE_MOE_GROUPED_GEMM": EnvVar(lambda raw: raw or "auto", "auto",
-                                        "the MoE layers' grouped GEMM: auto (pallas on a GPU, ragged_dot "
-                                        "elsewhere), ragged_dot, gather or pallas (kernels/ragged_dot.py)"),
+                                        "the MoE layers' grouped GEMM: auto (rows on a GPU, ragged_dot "
+                                        "elsewhere), rows (pallas, and steps of <= 16 tokens sort-free), "
+                                        "ragged_dot, gather or pallas (kernels/ragged_dot.py)"),
     # multi-process (read by JAX too)
     "JAX_COORDINATOR_ADDRESS": EnvVar(_text, None, "host:port of process 0 for a multi-process engine"),
     "JAX_NUM_PROCESSES": EnvVar(_int("JAX_NUM_PROCESSES"), None, "processes of a multi-process engine"),

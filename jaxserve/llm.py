@@ -68,12 +68,33 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine core process (a split engine; nothing to do in one process)."""
+        """Stop the engine core process (a split engine), or the background compiles of this process's engine:
+        once they are gone nothing holds its weights and KV cache, and the next engine can claim the memory."""
         if self.multiprocess:
             self.engine.shutdown()
+            return
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None:
+            runner.stop_background_compiles(wait=True)
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the step variants compiling in the background are done (False after ``timeout``
+        seconds): what a benchmark waits for before it measures the compiled steady state. A split engine's
+        core reports its pending count with each step, so this runs one-token steps until it reads 0."""
+        if not self.multiprocess:
+            runner = getattr(self.engine, "runner", None)
+            return True if runner is None else runner.wait_compiled(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        probe = SamplingParams(max_tokens=1, temperature=0.0)
+        while self.engine.stats().get("step_variants_pending", 1):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.generate([[0]], probe, use_tqdm=False)
+            time.sleep(0.2)
+        return True
 
     # ---------------------------------------------------------------- generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -17,6 +17,13 @@ them on the GPU against each other):
 - ``pallas``: a Pallas Triton kernel over row tiles aligned to groups (each group's rows split into tiles of
   ``block_m``, so every tile multiplies by one expert's matrix; a tile plan computed in jnp says which). One
   program per (tile, ``block_n`` columns); tiles past the plan exit at once. Runs in interpret mode on CPU.
+
+``expert_rows_matmul(lhs [m, k], rhs [G, k, n], row_expert [m], max_rows_per_expert)`` -> ``[m, n]``:
+``out[r] = lhs[r] @ rhs[row_expert[r]]`` for rows in any order, a row whose expert is outside ``0 .. G-1``
+zero and free. The same kernel over a plan with one tile per distinct expert, its tile gathering all the
+rows of that expert (at most ``max_rows_per_expert``, the tile height), so each selected expert's weights
+are read once and nothing is sorted, counted or scattered back: the MoE layer passes its (token, slot) rows
+in token order. The plan compares every row with every row (``m²``), so it is for decode-sized ``m``.
 """
 from __future__ import annotations
 
@@ -43,9 +50,17 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl:
     raise ValueError(f"grouped matmul implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
 
 
+def count_ends_at_or_below(ends: jax.Array, x: jax.Array) -> jax.Array:
+    """``searchsorted(ends, x, side="right")`` for a short sorted ``ends``, as one compare-and-count fusion.
+    jnp's default search is a ``while`` loop of log2(len) steps, and a device loop costs a kernel launch (and
+    on GPU a predicate read back by the host) per step: inside every MoE layer of a decode step that was
+    most of the step's time."""
+    return jnp.sum(x[..., None] >= ends, axis=-1, dtype=jnp.int32)
+
+
 def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
     """The group of each of ``m`` sorted rows; ``G`` for rows past the last group."""
-    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32), side="right")
+    return count_ends_at_or_below(jnp.cumsum(group_sizes), jnp.arange(m, dtype=jnp.int32))
 
 
 def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -75,7 +90,7 @@ def tile_plan(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, 
     tile_end = jnp.cumsum(tiles_per_group)
     group_row0 = jnp.cumsum(group_sizes) - group_sizes
     t = jnp.arange(pl.cdiv(m, block_m) + num_groups, dtype=jnp.int32)
-    group = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    group = count_ends_at_or_below(tile_end, t)
     g = jnp.minimum(group, num_groups - 1)
     row0 = group_row0[g] + (t - (tile_end[g] - tiles_per_group[g])) * block_m
     rows = jnp.where(group < num_groups, jnp.minimum(block_m, group_row0[g] + group_sizes[g] - row0), 0)
@@ -93,16 +108,19 @@ def _block(size: int, largest: int) -> int:
 
 
 def _gmm_kernel(group_ref, row0_ref, rows_ref, lhs_ref, rhs_ref, _out_in, out_ref, *, m, k, block_m, block_k,
-                block_n):
+                block_n, gathered):
     t, j = pl.program_id(0), pl.program_id(1)
     num_rows = rows_ref[t]
 
     @pl.when(num_rows > 0)
     def _():
-        g, row0 = group_ref[t], row0_ref[t]
+        g = group_ref[t]
         r = lax.iota(jnp.int32, block_m)
-        # rows past the tile's group read and write row m: a zero row of lhs, a discarded row of out
-        rows = jnp.where(r < num_rows, row0 + r, m)
+        # rows past the tile's own read and write row m: a zero row of lhs, a discarded row of out
+        if gathered:     # row0_ref holds each tile's block_m row indices
+            rows = plgpu.load(row0_ref.at[t * block_m + r])
+        else:            # a run of num_rows rows from row0_ref[t]
+            rows = jnp.where(r < num_rows, row0_ref[t] + r, m)
         cols = j * block_n + lax.iota(jnp.int32, block_n)
 
         def step(kb, acc):
@@ -125,13 +143,54 @@ def _auto_block_m(m: int, num_groups: int) -> int:
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_m: int | None = None,
                           interpret: bool = False) -> jax.Array:
     m, k = lhs.shape
+    block_m = block_m or _auto_block_m(m, rhs.shape[0])
+    plan = tile_plan(group_sizes.astype(jnp.int32), m, block_m)
+    return _tiles_matmul(lhs, rhs, plan, block_m=block_m, block_k=_block(k, 64), block_n=_block(rhs.shape[2], 128),
+                         gathered=False, interpret=interpret)
+
+
+def gather_plan(row_expert: jax.Array, num_groups: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(group, row indices [m * block_m], num_rows)`` of ``expert_rows_matmul``'s tiles: tile r is live when
+    row r is the first row of its expert and holds all that expert's rows, in order; the other slots (and
+    every slot of a dead tile) name row m. Loop-free: an ``[m, m]`` comparison and an ``[m, block_m, m]``
+    selection, nothing sorted."""
+    m = row_expert.shape[0]
+    mine = (row_expert >= 0) & (row_expert < num_groups)
+    same = (row_expert[:, None] == row_expert[None, :]) & mine[:, None] & mine[None, :]
+    before = jnp.arange(m)[None, :] < jnp.arange(m)[:, None]
+    live = mine & ~jnp.any(same & before, axis=1)
+    slot = jnp.cumsum(same, axis=1, dtype=jnp.int32) - 1                           # row j's slot in tile r
+    picks = same[:, None, :] & (slot[:, None, :] == jnp.arange(block_m)[None, :, None])   # [m, block_m, m]
+    index = jnp.where(jnp.any(picks, axis=2), jnp.argmax(picks, axis=2), m).astype(jnp.int32)
+    index = jnp.where(live[:, None], index, m)
+    num_rows = jnp.where(live, jnp.minimum(jnp.sum(same, axis=1, dtype=jnp.int32), block_m), 0)
+    return jnp.where(mine, row_expert, 0).astype(jnp.int32), index.reshape(-1), num_rows
+
+
+@functools.partial(jax.jit, static_argnames=("max_rows_per_expert", "interpret"))
+def expert_rows_matmul(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array, max_rows_per_expert: int, *,
+                       interpret: bool = False) -> jax.Array:
+    """See the module docstring; rows beyond ``max_rows_per_expert`` of one expert would be left out, so the
+    caller must bound it (the MoE layer: each token sends at most one row to an expert, so its token count).
+    Narrow column blocks give a few live tiles enough programs to keep the memory system busy."""
+    m, k = lhs.shape
+    block_m = max(16, 1 << (max_rows_per_expert - 1).bit_length())
+    plan = gather_plan(row_expert.astype(jnp.int32), rhs.shape[0], block_m)
+    return _tiles_matmul(lhs, rhs, plan, block_m=block_m, block_k=_block(k, 128), block_n=_block(rhs.shape[2], 64),
+                         gathered=True, interpret=interpret or jax.default_backend() != "gpu")
+
+
+def _tiles_matmul(lhs, rhs, plan, *, block_m: int, block_k: int, block_n: int, gathered: bool,
+                  interpret: bool) -> jax.Array:
+    """The kernel over a tile plan ``(group, first row or row indices, num_rows)``: rows no tile covers come
+    out zero."""
+    m, k = lhs.shape
     num_groups, _, n = rhs.shape
-    block_m = block_m or _auto_block_m(m, num_groups)
-    block_k, block_n = _block(k, 64), _block(n, 128)
-    group, row0, rows = tile_plan(group_sizes.astype(jnp.int32), m, block_m)
+    group, row0, rows = plan
     lhs_padded = jnp.concatenate([lhs, jnp.zeros((1, k), lhs.dtype)])
     out = pl.pallas_call(
-        functools.partial(_gmm_kernel, m=m, k=k, block_m=block_m, block_k=block_k, block_n=block_n),
+        functools.partial(_gmm_kernel, m=m, k=k, block_m=block_m, block_k=block_k, block_n=block_n,
+                          gathered=gathered),
         grid=(group.shape[0], n // block_n),
         out_shape=jax.ShapeDtypeStruct((m + 1, n), lhs.dtype),
         input_output_aliases={5: 0},          # zeros: rows no tile covers stay zero

@@ -91,6 +91,41 @@ def test_family_param_counts_match_the_published_sizes(name, params, tied):
     assert c.kv_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
 
 
+@pytest.mark.parametrize("name, params, active, experts, top_k", [
+    ("qwen3-30b-a3b", 30_532_122_624, 3.35e9, 128, 8),      # model card: 30.5 B, 3.3 B activated
+    ("mixtral-8x7b", 46_702_792_704, 12.88e9, 8, 2),        # 46.7 B, 12.9 B active
+    ("qwen2-moe-a2.7b", 14_315_784_192, 2.69e9, 60, 4),     # 14.3 B, 2.7 B activated (the shared expert dense)
+])
+def test_moe_steps_read_only_the_experts_their_tokens_touch(name, params, active, experts, top_k):
+    cfg = _dummy_config(name)
+    c = roofline.model_cost(cfg)
+    embed = cfg.vocab_size * cfg.hidden_size
+    assert c.params == params and c.active_params == pytest.approx(active, rel=2e-3)
+    routed = c.expert_params * (1 - top_k / experts)              # the experts one token skips
+    assert c.body_matmul_params == params - 2 * embed - routed
+    assert c.weight_bytes == 2 * (params - embed - routed)        # batch 1: exactly top_k experts per layer
+    assert c.step_weight_bytes(1) == c.weight_bytes
+    for b in (4, 16, 64):                                         # b tokens: E·(1 − (1 − k/E)^b) experts
+        touched = 1 - (1 - top_k / experts) ** b
+        assert c.step_weight_bytes(b) == pytest.approx(2 * (params - embed - c.expert_params * (1 - touched)))
+    assert c.step_weight_bytes(100_000) == pytest.approx(2 * (params - embed))     # every expert
+    assert c.decode_bytes(128, batch=16) == pytest.approx(c.step_weight_bytes(16) + 16 * c.kv_read_bytes(128))
+    assert c.prefill_bytes(1024) == pytest.approx(2 * (params - embed) + 1024 * c.kv_bytes_per_token)
+    # FLOPs count the active experts only, at every batch
+    assert c.decode_flops(0, batch=16) == 16 * 2 * (c.active_params - embed)
+    t = roofline.decode_steps_bound(c, H200, batch=4, input_len=128, num_steps=1)
+    assert t == pytest.approx(max(c.decode_bytes(129, 4) / H200.bandwidth,
+                                  c.decode_flops(129, 4) / H200.flops("bfloat16")))
+
+
+def test_qwen3_30b_a3b_batch1_bound_is_its_active_weights():
+    c = roofline.model_cost(_dummy_config("qwen3-30b-a3b"))
+    assert c.weight_bytes / 1e9 == pytest.approx(6.08, abs=0.01)        # of 60.4 GB stored
+    steps = 256
+    # ~1.33 ms a step
+    assert steps / roofline.decode_steps_bound(c, H200, 1, 128, steps) == pytest.approx(753, rel=0.01)
+
+
 def test_sliding_window_layers_read_at_most_their_window():
     g2, g3 = roofline.model_cost(_dummy_config("gemma-2-9b")), roofline.model_cost(_dummy_config("gemma-3-12b"))
     assert g2.layer_windows == (4096, None) * 21
@@ -680,6 +715,44 @@ def test_profile_summary_reads_a_cpu_trace(tmp_path):
     assert pjit and pjit[0]["count"] >= 1.0 and pjit[0]["us"] > 0      # per call (nested spans count twice)
     assert not any(r["name"].startswith("$profiler.py") for r in s["host"])
     assert "PjitFunction" in ps.format_summary(s, title="cpu")
+
+
+def test_step_diag_cuts_a_forward_into_layers():
+    """step_diag --layer-kernels: a traced forward's kernels, cut at each layer's K/V write, give one layer's
+    kernels (windows that span two forwards dropped), their mean us, and the idle time between them."""
+    from benchmarks.diagnostics.step_diag import layer_windows
+
+    layer = ["gemm", "rope", "paged_kv_write", "decode", "combine", "gemm", "add", "norm"]
+    names = (["embed"] + layer * 3 + ["lm_head"]) * 2
+    events, t = [], 0
+    for n in names:
+        events.append((t, t + 2000, n))       # 2 us kernels, 1 us apart
+        t += 3000
+    w = layer_windows(events, 3)
+    assert w["windows"] == 4 and len(w["layer_kinds"]) == 1 and w["kernels_per_layer"] == len(layer)
+    assert w["layer_kinds"][0]["kernels"] == [(g, 2.0) for g in layer[2:] + layer[:2]]
+    assert w["layer_busy_us"] == 2.0 * len(layer) and w["layer_gap_us"] == 1.0 * len(layer)
+    assert layer_windows(events[:5], 3)["kernels_per_layer"] is None
+
+
+def test_step_diag_layer_kernels_runs_on_cpu(capsys):
+    """The --layer-kernels child (one narrowed model, the reference attention): compiles and times a forward."""
+    import argparse
+
+    from benchmarks.diagnostics.step_diag import layer_child
+
+    a = argparse.Namespace(models=["gemma-2-9b"], layers=2, context=20, dtype="float32", replays=1,
+                           max_model_len=64, smoke=True, hlo_dir=None, tag="new-default")
+    layer_child(a)
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
+    r = json.loads(line[len("RESULT "):])
+    assert r["model"] == "gemma-2-9b" and r["forward_ms"] > 0 and r["hlo_fusions"] > 0
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.diagnostics.step_diag import hlo_kernel_ops
+    hlo = jax.jit(lambda x: jnp.sin(x) * 2 + x.sum()).lower(jnp.ones((8, 128))).compile().as_text()
+    assert any("sine" in what for what in hlo_kernel_ops(hlo).values()), hlo_kernel_ops(hlo)
 
 
 def test_step_diag_flag_sets_parse():

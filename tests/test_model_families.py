@@ -20,7 +20,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import registry
-from jaxserve.models.configs import model_config_from_hf, read_json
+from jaxserve.models.configs import model_config_from_folder, model_config_from_hf, read_json
 from jaxserve.models.loader import DUMMY_CONFIG_DIR
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "models")
@@ -198,6 +198,42 @@ def test_pallas_attention_head_dim_256(soft_cap, window):
     n = int(md.query_start_loc[int(md.num_seqs)])
     assert not np.isnan(out[:n]).any()
     assert np.abs(out[:n] - ref[:n]).max() <= 1e-4 * np.abs(ref[:n]).max()
+
+
+def test_a_window_covering_the_block_table_runs_as_global_attention(monkeypatch):
+    """A sliding window at least as long as a request can reach (block table width x block size) masks no key,
+    so the layer calls the attention as a global one (Gemma 2 served at max_model_len <= 4096); a shorter
+    window stays. Gemma 2's alternating layers, traced at two block-table widths."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.kernels.metadata import AttentionMetadata
+    from jaxserve.models.layers import decoder
+
+    cfg, _, _ = model_config_from_folder(os.path.join(FIXTURES, "tiny-gemma2"))
+    family = registry.resolve_architecture(["Gemma2ForCausalLM"])[1]
+    window = cfg.sliding_window
+    seen = []
+    real = decoder.tp_attention.write_kv_and_attend
+
+    def record(*args, sliding_window=None, **kw):
+        seen.append(sliding_window)
+        return real(*args, sliding_window=sliding_window, **kw)
+
+    monkeypatch.setattr(decoder.tp_attention, "write_kv_and_attend", record)
+    params = family.init_dummy_params(cfg, jnp.float32)
+    block_size = 4
+    for pages, expect in ((window // block_size, None), (window // block_size + 1, window)):
+        caches = [(jnp.zeros((pages + 1, cfg.num_kv_heads, block_size, cfg.head_dim)),) * 2
+                  for _ in range(cfg.num_layers)]
+        md = AttentionMetadata(slot_mapping=jnp.array([4], jnp.int32), block_tables=jnp.ones((1, pages), jnp.int32),
+                               seq_lens=jnp.array([1], jnp.int32), query_start_loc=jnp.array([0, 1], jnp.int32),
+                               num_seqs=jnp.int32(1))
+        seen.clear()
+        jax.eval_shape(lambda p, kv: family.forward(p, kv, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), md,
+                                                    cfg), params, caches)
+        types = cfg.extra_dict["layer_types"]
+        assert seen == [expect if t == "sliding_attention" else None for t in types], (pages, seen)
 
 
 # ------------------------------------------------------------------------------------ tensor parallelism

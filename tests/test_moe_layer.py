@@ -59,6 +59,35 @@ def test_grouped_matmul_matches_reference(impl, groups):
     assert not got[sum(groups):].any(), "rows past the last group must be zero"
 
 
+ROW_EXPERTS = [[3, 0, 3, 7, -1, 3, 8, 0, 5, 5, 1, 8], [2] * 12, [8] * 12, list(range(8)) + [0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("experts", ROW_EXPERTS, ids=["mixed-with-unowned", "one-expert", "none", "one-each"])
+def test_expert_rows_matmul_is_each_rows_own_expert(experts):
+    """Rows in any order, several per expert, ids outside 0..7 (padding, another device's) giving zero."""
+    rng = np.random.default_rng(len(set(experts)))
+    lhs = jnp.asarray(rng.standard_normal((12, 32)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((8, 32, 48)), jnp.float32)
+    got = np.asarray(ragged_dot.expert_rows_matmul(lhs, rhs, jnp.asarray(experts, jnp.int32), 12))
+    for r, e in enumerate(experts):
+        want = np.asarray(lhs[r] @ rhs[e]) if 0 <= e < 8 else np.zeros(48)
+        np.testing.assert_allclose(got[r], want, atol=1e-4, rtol=1e-5)
+
+
+def test_gather_plan_reads_each_expert_once_and_covers_every_row():
+    experts = jnp.asarray([3, 0, 3, 7, 9, 3, 0], jnp.int32)
+    group, index, num_rows = (np.asarray(a) for a in ragged_dot.gather_plan(experts, 8, 16))
+    index = index.reshape(7, 16)
+    live = np.flatnonzero(num_rows)
+    assert sorted(group[live].tolist()) == [0, 3, 7]                       # one live tile per distinct expert
+    for t in live:
+        assert index[t, :num_rows[t]].tolist() == [r for r in range(7) if experts[r] == group[t]]
+        assert (index[t, num_rows[t]:] == 7).all()                          # the rest name the zero row
+    assert (index[num_rows == 0] == 7).all()
+    plan = jax.jit(lambda e: ragged_dot.gather_plan(e, 8, 16)).lower(experts).compile().as_text()
+    assert " while(" not in plan
+
+
 def test_reference_is_each_groups_product():
     rng = np.random.default_rng(0)
     lhs, rhs = jnp.asarray(rng.standard_normal((9, 16))), jnp.asarray(rng.standard_normal((3, 16, 8)))
@@ -113,10 +142,10 @@ def _dense_reference(h, w, spec):
     return out
 
 
-@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS + ("rows",))
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2-shared"])
 def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
-    spec = dataclasses.replace(SPEC, grouped_gemm=impl)
+    spec = _with_impl(SPEC, impl)
     if kind == "qwen2-shared":
         spec = dataclasses.replace(spec, top_k=4, renormalize=False, weights_in_hidden_dtype=True,
                                    shared_intermediate_size=24)
@@ -126,26 +155,54 @@ def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
     np.testing.assert_allclose(np.asarray(out), _dense_reference(h, w, spec), atol=1e-4, rtol=1e-4)
 
 
-def test_padding_tokens_reach_no_expert():
-    w = _weights(SPEC)
+def _with_impl(spec, impl):
+    """``rows``: the sort-free decode path (with the Pallas kernel, interpreted here) at every token count."""
+    if impl == "rows":
+        return dataclasses.replace(spec, grouped_gemm="pallas", rows_path_max_tokens=moe.ROWS_PATH_MAX_TOKENS)
+    return dataclasses.replace(spec, grouped_gemm=impl)
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "rows"])
+def test_padding_tokens_reach_no_expert(impl):
+    spec = _with_impl(SPEC, impl)
+    w = _weights(spec)
     h = jnp.asarray(np.random.default_rng(2).standard_normal((4, 32)), jnp.float32)
     valid = jnp.asarray([True, True, False, False])
-    out, load = moe_mlp(h, w, SPEC, jax.nn.silu, valid)
+    out, ids = moe_mlp(h, w, spec, jax.nn.silu, valid)
     out = np.asarray(out)
     assert not out[2:].any()
-    np.testing.assert_allclose(out[:2], _dense_reference(h[:2], w, SPEC), atol=1e-4, rtol=1e-4)
-    assert int(np.asarray(load).sum()) == 2 * SPEC.top_k, "padding tokens must not count in the expert load"
+    np.testing.assert_allclose(out[:2], _dense_reference(h[:2], w, spec), atol=1e-4, rtol=1e-4)
+    load = moe.expert_load(ids[None], spec.num_experts)
+    assert int(np.asarray(load).sum()) == 2 * spec.top_k, "padding tokens must not count in the expert load"
+
+
+def test_rows_path_runs_only_at_decode_sizes():
+    """16 tokens (one expert may get 16 rows: a full tile) take the rows path, 17 the sorted one; both
+    match the dense loop."""
+    spec = _with_impl(dataclasses.replace(SPEC, num_experts=4), "rows")
+    w = _weights(spec, seed=4)
+    for t in (16, 17):
+        h = jnp.asarray(np.random.default_rng(t).standard_normal((t, 32)), jnp.float32)
+        out, _ = moe_mlp(h, w, spec, jax.nn.silu)
+        np.testing.assert_allclose(np.asarray(out), _dense_reference(h, w, spec), atol=1e-4, rtol=1e-4)
+    lowered = {t: moe_mlp.lower(jnp.zeros((t, 32)), w, spec, jax.nn.silu).as_text() for t in (16, 17)}
+    assert "stablehlo.sort" not in lowered[16] and "stablehlo.sort" in lowered[17]
 
 
 def test_expert_load_counts_each_tokens_top_k():
-    """The load histogram against numpy's: every real token once per expert among its top-k."""
+    """The load histogram of two layers' routing against numpy's: every real token once per expert among its
+    top-k, per layer."""
     w = _weights(SPEC)
-    h = jnp.asarray(np.random.default_rng(4).standard_normal((9, 32)), jnp.float32)
     valid = np.arange(9) < 7
-    _, load = moe_mlp(h, w, SPEC, jax.nn.silu, jnp.asarray(valid))
-    logits = np.asarray(h, np.float64) @ np.asarray(w["router"], np.float64)
-    top = np.argsort(-logits, axis=-1, kind="stable")[:, :SPEC.top_k][valid]
-    np.testing.assert_array_equal(np.asarray(load), np.bincount(top.reshape(-1), minlength=SPEC.num_experts))
+    ids, want = [], []
+    for seed in (4, 5):
+        h = jnp.asarray(np.random.default_rng(seed).standard_normal((9, 32)), jnp.float32)
+        ids.append(moe_mlp(h, w, SPEC, jax.nn.silu, jnp.asarray(valid))[1])
+        logits = np.asarray(h, np.float64) @ np.asarray(w["router"], np.float64)
+        top = np.argsort(-logits, axis=-1, kind="stable")[:, :SPEC.top_k][valid]
+        want.append(np.bincount(top.reshape(-1), minlength=SPEC.num_experts))
+    load = jax.jit(moe.expert_load, static_argnums=1)(jnp.stack(ids), SPEC.num_experts)
+    np.testing.assert_array_equal(np.asarray(load), np.stack(want))
     assert load.dtype == jnp.int32
 
 
@@ -171,3 +228,17 @@ def test_pallas_tiles_larger_than_groups_and_spanning_them():
     got = ragged_dot.grouped_matmul_pallas(lhs, rhs, sizes, block_m=32, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ragged_dot.grouped_matmul_reference(lhs, rhs, sizes)),
                                atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "gather"])
+def test_moe_layer_compiles_to_no_device_loop(impl):
+    """A ``while`` in the step costs a launch (on GPU a host round trip) per iteration, in every MoE layer;
+    the routing, sort and tile plan must be loop-free (the Pallas kernel's own loop runs inside its launch,
+    so the plan is checked on its own)."""
+    spec = dataclasses.replace(SPEC, grouped_gemm=impl)
+    w = _weights(spec)
+    h = jnp.zeros((6, 32), jnp.float32)
+    hlo = moe_mlp.lower(h, w, spec, jax.nn.silu, jnp.ones((6,), bool)).compile().as_text()
+    assert " while(" not in hlo
+    plan = jax.jit(lambda s: ragged_dot.tile_plan(s, 64, 16)).lower(jnp.ones((8,), jnp.int32)).compile().as_text()
+    assert " while(" not in plan

@@ -19,6 +19,9 @@ NUM_DEVICES = 4
 # (fixture, tensor_parallel_size, enable_expert_parallel): Qwen2-MoE has the shared expert and a dense layer
 CASES = [("tiny-mixtral", 2, False), ("tiny-mixtral", 4, True), ("tiny-qwen2moe", 2, True),
          ("tiny-qwen3moe", 4, False)]
+# the same on the GPU default's sort-free decode path (JAXSERVE_MOE_GROUPED_GEMM=rows, Pallas interpreted): a
+# 16-token step takes it (TP needs intermediate / tp a multiple of 16, the kernel's smallest block)
+ROWS_CASES = [("tiny-mixtral", 2, False), ("tiny-qwen3moe", 4, True)]
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
 
 
@@ -27,6 +30,7 @@ def _worker() -> dict:
     import numpy as np
 
     from jaxserve import parallel
+    from jaxserve.models import registry
     from jaxserve.models.loader import load_model
     from test_models import PagedRunner, _step
 
@@ -62,6 +66,18 @@ def _worker() -> dict:
             "local_gate_up": list(layer0["experts_gate_up"].addressable_shards[0].data.shape),
             "experts": model.config.extra_dict["num_experts"],
             "intermediate": model.config.extra_dict["moe_intermediate_size"]}
+    os.environ["JAXSERVE_MOE_GROUPED_GEMM"] = "rows"
+    families = {registry.resolve_architecture(a)[1] for a in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")}
+    for family in families:               # specs are cached per config: the rows path from here on
+        family.decoder_spec.cache_clear()
+    for name, tp, ep in ROWS_CASES:
+        model, logits, tokens = run(name, parallel.make_mesh(tp), ep)
+        assert model.family.decoder_spec(model.config).moe.rows_path_max_tokens > 0
+        report[f"rows/{name}/tp{tp}/ep{int(ep)}"] = {"err": float(np.abs(logits - single[name][0]).max()),
+                                                    "same_tokens": tokens == single[name][1]}
+    del os.environ["JAXSERVE_MOE_GROUPED_GEMM"]
+    for family in families:
+        family.decoder_spec.cache_clear()
     try:
         load_model(os.path.join(FIXTURES, "tiny-mixtral"), dtype="float32", mesh=parallel.make_mesh(3),
                    enable_expert_parallel=True)
@@ -91,6 +107,12 @@ def test_parallel_logits_equal_one_device(report, case):
     else:      # every expert on every device, its intermediate columns split
         assert entry["gate_up_spec"] == "P(None, None, None, 'tp')", entry
         assert entry["local_gate_up"] == [entry["experts"], 64, 2, entry["intermediate"] // tp], entry
+
+
+@pytest.mark.parametrize("case", ROWS_CASES, ids=[f"{n}-tp{t}-{'ep' if e else 'tp'}" for n, t, e in ROWS_CASES])
+def test_rows_path_parallel_logits_equal_one_device(report, case):
+    entry = report["rows/{}/tp{}/ep{}".format(case[0], case[1], int(case[2]))]
+    assert entry["err"] <= 1e-5 and entry["same_tokens"], entry
 
 
 def test_expert_parallel_split_must_divide_the_experts(report):

@@ -2,15 +2,17 @@
 and the reference attention, against HF transformers' golden greedy ids; on a GPU this checks the kernels
 with each family's attention features (soft-capping, sliding windows, q/k norms, partial rotary).
 
-    python benchmarks/diagnostics/family_check.py
+    python benchmarks/diagnostics/family_check.py                          # every family
+    python benchmarks/diagnostics/family_check.py tiny-qwen3 tiny-gemma3   # these (q/k norms)
 """
 import json
 import os
+import sys
 import time
 
 from jaxserve import LLM, SamplingParams
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures", "models")
-for name in ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-cohere", "tiny-llama3"]:
+for name in sys.argv[1:] or ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-cohere", "tiny-llama3"]:
     path = os.path.join(FIX, name)
     gp = os.path.join(path, "golden.json")
     if not os.path.exists(gp):

@@ -3,6 +3,7 @@
     python benchmarks/diagnostics/step_diag.py                          # 1 GPU: Llama-3.1-8B dummy bf16, TP=1, flag sets
     python benchmarks/diagnostics/step_diag.py --tp 1 2                 # 2 GPUs: TP=1 and TP=2
     python benchmarks/diagnostics/step_diag.py --smoke                  # CPU, tiny model, 2 fake devices (checks the script)
+    python benchmarks/diagnostics/step_diag.py --layer-kernels --old-tree .ab-old   # kernels per layer, old vs this tree
 
 Each variant (TP size x ``XLA_FLAGS`` set) runs in a child process and reports:
 - ``e2e tok/s``: single-stream decode through ``LLM.generate`` (one request, ``--prompt-len`` in,
@@ -18,6 +19,14 @@ With ``--profile`` each variant also traces (``jax.profiler``) 10 forward replay
 prints, per forward, GPU time by kernel group and how busy the GPU was, and per engine step the host spans
 (``benchmarks/diagnostics/profile_summary.py``).
 Prints a Markdown table; ``--json`` writes the raw results.
+
+``--layer-kernels [MODEL ...]`` (default: Gemma 2, Gemma 3, Qwen3, Llama 3.1) measures the per-layer fixed cost
+instead, without the engine: each model's real widths with ``--layers`` layers and dummy weights, one batch-1
+decode step (token bucket 4) compiled as the engine compiles it, its forward ms, and on a GPU the traced
+kernels of one layer in launch order (K/V write to K/V write) with their us, the kernels per layer and the idle
+time between them inside the CUDA graph. ``--old-tree DIR`` (a plain checkout of another commit) runs the same
+measurement on that tree's ``jaxserve`` first, in its own process; ``--flags`` adds XLA flag sets. Qwen3 is
+Llama's layer plus a per-head q/k norm, so their difference in kernels per layer is what the q/k norm costs.
 """
 from __future__ import annotations
 
@@ -25,9 +34,12 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
@@ -41,6 +53,12 @@ FLAG_SETS = {
     "no-cmdbuf": "--xla_gpu_enable_command_buffer=",
     # XLA's Triton one-shot all-reduce in place of NCCL
     "coll-kernels": "--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
+    # fewer small kernels per layer? (--layer-kernels): no split-K GEMMs, whose partial sums are a kernel of
+    # their own when a norm reads the projection (Gemma's post-norms); Triton fusions with several outputs;
+    # XLA's loop/reduction fusions as Triton block-level fusions
+    "split-k-1": "--xla_gpu_experimental_force_split_k=1",
+    "triton-multi-output": "--xla_gpu_unsupported_enable_triton_multi_output_fusion=true",
+    "block-level": "--xla_gpu_experimental_enable_fusion_block_level_rewriter=true",
 }
 
 
@@ -158,6 +176,210 @@ def child(a) -> dict:
     return res
 
 
+# ------------------------------------------------------------------------------ --layer-kernels: per-layer kernels
+LAYER_MODELS = ("gemma-2-9b", "gemma-3-12b", "qwen3-8b", "llama-3.1-8b")
+
+
+def layer_child(a) -> None:
+    """Per model: the jitted forward + logits of a batch-1 decode step (token bucket 4, 4 request rows, one real
+    request at ``--context`` tokens, block tables for ``--max-model-len``) at the model's real widths with
+    ``--layers`` layers and dummy weights, as the engine compiles it; its ms per replay, and on a GPU the kernels
+    of 5 traced replays cut into layers at each layer's K/V write."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxserve
+    from jaxserve.kernels import ops
+    from jaxserve.kernels.metadata import AttentionMetadata
+    from jaxserve.models import configs as model_configs
+    from jaxserve.models import registry
+
+    backend = ops.default_backend()
+    dtype = jnp.dtype(a.dtype)
+    T = R = 4
+    bs = 16
+    pages = a.max_model_len // bs
+    for name in a.models:
+        hf = model_configs.read_json(os.path.join(REPO, "configs", "models", f"{name}.json"))
+        hf["num_hidden_layers"] = a.layers
+        hf.pop("layer_types", None)        # rederived for the new layer count (Gemma's sliding_window_pattern)
+        if a.smoke:
+            hf.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, vocab_size=1024)
+        cfg = model_configs.model_config_from_hf(hf)
+        _, family = registry.resolve_architecture(hf["architectures"])
+        params = family.init_dummy_params(cfg, dtype)
+        caches = ops.init_kv_caches(a.layers, pages + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype)
+        n_blocks = -(-a.context // bs)
+        tables = np.zeros((R, pages), np.int32)
+        tables[0, :n_blocks] = np.arange(1, n_blocks + 1)
+        slots = np.zeros(T, np.int32)
+        slots[0] = tables[0, (a.context - 1) // bs] * bs + (a.context - 1) % bs
+        md = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables),
+                               seq_lens=jnp.asarray([a.context, 0, 0, 0], jnp.int32),
+                               query_start_loc=jnp.asarray([0, 1, 1, 1, 1], jnp.int32), num_seqs=jnp.int32(1),
+                               decode_only=backend != "reference")
+        ids = jnp.asarray([7, 0, 0, 0], jnp.int32)
+        pos = jnp.asarray([a.context - 1, 0, 0, 0], jnp.int32)
+
+        def step(params, caches, ids, pos, md):
+            hidden, caches = family.forward(params, caches, ids, pos, md, cfg, attn_backend=backend)
+            return caches, family.compute_logits(params, hidden[jnp.zeros(R, jnp.int32)], cfg)
+
+        fwd = jax.jit(step, donate_argnums=(1,)).lower(params, caches, ids, pos, md).compile()
+        hlo = fwd.as_text()
+        if a.hlo_dir:        # the GPU's fusion decisions, for working out the next fusion without a GPU
+            with open(os.path.join(a.hlo_dir, f"{a.tag}-{name}.hlo.txt"), "w") as fh:
+                fh.write(hlo)
+        caches, logits = fwd(params, caches, ids, pos, md)
+        jax.block_until_ready(logits)
+        t = time.perf_counter()
+        for _ in range(a.replays):
+            caches, logits = fwd(params, caches, ids, pos, md)
+        jax.block_until_ready((caches, logits))
+        res = {"model": name, "layers": a.layers, "jaxserve": os.path.dirname(jaxserve.__file__), "forward_ms": 1e3 * (time.perf_counter() - t) / a.replays,
+               "hlo_fusions": len(re.findall(r"\bfusion\(", hlo)),
+               "hlo_custom_calls": len(re.findall(r"custom-call\(", hlo))}
+        if jax.default_backend() == "gpu":
+            import tempfile
+
+            from jax.profiler import ProfileData
+
+            from benchmarks.diagnostics.profile_summary import kernel_group, latest_xspace
+            with tempfile.TemporaryDirectory() as d:
+                jax.profiler.start_trace(d)
+                for _ in range(5):
+                    caches, logits = fwd(params, caches, ids, pos, md)
+                jax.block_until_ready((caches, logits))
+                jax.profiler.stop_trace()
+                data = ProfileData.from_file(latest_xspace(d))
+                events = sorted((ev.start_ns, ev.end_ns, kernel_group(ev.name), ev.name) for plane in data.planes
+                                if plane.name.startswith("/device:GPU:") for line in plane.lines
+                                if line.name.startswith("Stream") for ev in line.events)
+            res.update(layer_windows(events, a.layers))
+            what = hlo_kernel_ops(hlo)
+            for kind in res.get("layer_kinds", []):
+                kind["ops"] = [what.get(n.replace(".", "_"), "") for n in kind.pop("names")]
+        print("RESULT " + json.dumps(res), flush=True)      # per model: a child cut short keeps the rest
+        del params, caches, logits
+
+
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^=]*?\)|\S+) ([\w\-]+)\(")
+
+
+def hlo_kernel_ops(hlo: str) -> dict:
+    """Optimized HLO text -> ``{kernel name: "kind: op op ..."}`` for each fusion (kernel names are the fusion
+    instruction names with ``.`` as ``_``, as the GPU trace shows them): what a small kernel computes."""
+    ops, calls, comp = {}, {}, None
+    for line in hlo.splitlines():
+        m = _HLO_COMPUTATION.match(line)
+        if m and "=" not in line.split("{")[0]:
+            comp = m.group(1)
+            ops[comp] = []
+            continue
+        m = _HLO_INSTRUCTION.match(line)
+        if not m or comp is None:
+            continue
+        name, opcode = m.groups()
+        if opcode not in ("parameter", "constant", "bitcast", "get-tuple-element", "tuple"):
+            ops[comp].append(opcode)
+        c = re.search(r"kind=(\w+), calls=%?([\w.\-]+)", line)
+        if opcode == "fusion" and c:
+            calls[name.replace(".", "_")] = (c.group(1), c.group(2))
+    return {k: f"{kind}: {' '.join(dict.fromkeys(ops.get(c, [])))}" for k, (kind, c) in calls.items()}
+
+
+def layer_windows(events: list, layers: int) -> dict:
+    """``events`` (start ns, end ns, kernel group[, kernel name]) of whole forwards in time order, cut at each layer's K/V
+    write: the window from one layer's write to the next layer's is one layer's worth of kernels (the end of
+    one, the start of the next); windows across two forwards are dropped. Returns the mean kernels, GPU-busy us
+    and idle us (write start to next write start, less the busy time) per layer, and each distinct window
+    (layers of two kinds, e.g. Gemma's sliding and global ones, give two) as ``[(kernel group, mean us)]``
+    with how many windows had it."""
+    marks = [i for i, (_, _, g) in enumerate(events) if g == "paged_kv_write"]
+    cuts = [(i, j) for n, (i, j) in enumerate(zip(marks, marks[1:])) if n % layers != layers - 1]
+    if not cuts:
+        return {"kernels_per_layer": None, "note": f"{len(marks)} paged_kv_write launches: no layer window"}
+    busy = [sum(e - s for s, e, _ in events[i:j]) / 1e3 for i, j in cuts]
+    span = [(events[j][0] - events[i][0]) / 1e3 for i, j in cuts]
+    by_sig = {}
+    for i, j in cuts:
+        by_sig.setdefault(tuple(g for _, _, g in events[i:j]), []).append(events[i:j])
+    kinds = []
+    for sig, ws in sorted(by_sig.items(), key=lambda kv: -len(kv[1])):
+        us = [sum(e - s for s, e, _ in col) / len(ws) / 1e3 for col in zip(*ws)]
+        kinds.append({"windows": len(ws), "kernels": [(g, round(u, 2)) for g, u in zip(sig, us)],
+                      "names": [ev[3] if len(ev) > 3 else ev[2] for ev in ws[0]]})
+    return {"kernels_per_layer": sum(j - i for i, j in cuts) / len(cuts), "layer_busy_us": sum(busy) / len(cuts),
+            "layer_gap_us": (sum(span) - sum(busy)) / len(cuts), "windows": len(cuts), "layer_kinds": kinds}
+
+
+def layer_main(a) -> int:
+    """One child per (tree, flag set); with ``--old-tree`` the old tree's children first, then this tree's."""
+    if a.hlo_dir:
+        os.makedirs(a.hlo_dir, exist_ok=True)
+    trees = [("new", None)]
+    site = None
+    if a.old_tree:
+        site = tempfile.mkdtemp(prefix="step-diag-old-")
+        # the installed layout (pyproject's package-dir) without pip: kernels/ and server/ inside jaxserve/
+        skip = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(os.path.join(a.old_tree, "jaxserve"), os.path.join(site, "jaxserve"), ignore=skip)
+        for sub in ("kernels", "server"):
+            shutil.copytree(os.path.join(a.old_tree, sub), os.path.join(site, "jaxserve", sub), ignore=skip)
+        trees.insert(0, ("old", site))
+    # one compilation cache for every child: a model whose program the two trees share compiles (and autotunes
+    # its GEMMs) once, so both sides run the same executable and the command fits a few minutes
+    cache = tempfile.mkdtemp(prefix="step-diag-cache-")
+    results = []
+    for (tree, path), fs in [(t, fs) for t in trees for fs in (a.flags or ["default"])]:
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env["XLA_FLAGS"] = " ".join(x for x in (env.get("XLA_FLAGS", ""), FLAG_SETS[fs]) if x)
+        if path:
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (path, REPO, env.get("PYTHONPATH", "")) if x)
+        if a.smoke:
+            env.update(JAX_PLATFORMS="cpu")
+        args = [sys.executable, os.path.abspath(__file__), "--layer-kernels", *a.models, "--layer-child",
+                "--layers", str(a.layers), "--context", str(a.context), "--dtype", a.dtype,
+                "--replays", str(a.replays), "--max-model-len", str(a.max_model_len), "--tag", f"{tree}-{fs}"] \
+            + (["--smoke"] if a.smoke else []) + (["--hlo-dir", os.path.abspath(a.hlo_dir)] if a.hlo_dir else [])
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout,
+                                  cwd=a.old_tree if path else REPO)
+            out, why = proc.stdout, (f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}"
+                                     if proc.returncode else "")
+        except subprocess.TimeoutExpired as e:    # keep the models it finished
+            out, why = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+        got = [json.loads(ln[len("RESULT "):]) for ln in out.splitlines() if ln.startswith("RESULT ")]
+        print(f"  {tree} tree, {fs}: {time.perf_counter() - t0:.0f}s, {len(got)} of {len(a.models)} models"
+              + (f" ({why})" if why else ""), file=sys.stderr, flush=True)
+        results += [dict(r, tree=tree, flags=fs) for r in got]
+    print("| model | tree | XLA flags | kernels / layer | layer busy us | layer gap us | forward ms | HLO fusions | HLO custom calls |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        f = lambda k, fmt="{:.1f}": fmt.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
+        print(f"| {r['model']} ({r['layers']} layers) | {r['tree']} | {r['flags']} | {f('kernels_per_layer')} | "
+              f"{f('layer_busy_us')} | {f('layer_gap_us')} | {f('forward_ms', '{:.3f}')} | {r['hlo_fusions']} | "
+              f"{r['hlo_custom_calls']} |")
+    for r in results:
+        for kind in r.get("layer_kinds", [])[:3]:
+            print(f"\n{r['model']} {r['tree']} {r['flags']}: a layer, K/V write to K/V write, in {kind['windows']} of "
+                  f"{r['windows']} windows (kernel, us, what the HLO fusion computes):")
+            for (g, u), what in zip(kind["kernels"], kind.get("ops") or [""] * len(kind["kernels"])):
+                print(f"    {g:32s} {u:7.2f}  {what[:110]}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    for d in (site, cache):
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
+    return 0 if results else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.1-8b")
@@ -177,10 +399,24 @@ def main(argv=None) -> int:
     p.add_argument("--bucket", type=int, default=None,
                    help="the batch-1 step's token bucket (default: the engine's smallest, MIN_TOKEN_BUCKET)")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--layer-kernels", nargs="*", default=None, metavar="MODEL",
+                   help=f"kernels per layer of a batch-1 decode forward (default models: {' '.join(LAYER_MODELS)})")
+    p.add_argument("--layers", type=int, default=3, help="--layer-kernels: layers of each model")
+    p.add_argument("--context", type=int, default=256, help="--layer-kernels: the request's context")
+    p.add_argument("--old-tree", default=None, help="--layer-kernels: also measure this checkout (first)")
+    p.add_argument("--hlo-dir", default=None, help="--layer-kernels: write each compiled forward's HLO here")
+    p.add_argument("--layer-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--tag", default="new-default", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tp-one", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--flag-set", default="default", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.layer_kernels is not None:
+        a.models = a.layer_kernels or list(LAYER_MODELS)
+        if a.layer_child:
+            layer_child(a)
+            return 0
+        return layer_main(a)
     if a.bucket is None:
         from jaxserve.runner.model_runner import MIN_TOKEN_BUCKET
         a.bucket = MIN_TOKEN_BUCKET

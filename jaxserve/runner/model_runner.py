@@ -768,9 +768,10 @@ class ModelRunner:
         self.variants.submit(rest, priority=1)
         return time.perf_counter() - t0
 
-    def stop_background_compiles(self) -> None:
-        """Drop the queued background compiles (a one-shot run); a variant a step needs still compiles."""
-        self.variants.stop(wait=False)
+    def stop_background_compiles(self, wait: bool = False) -> None:
+        """Drop the queued background compiles (a one-shot run); a variant a step needs still compiles.
+        ``wait``: also for the compiles in progress, after which no compile thread holds this runner."""
+        self.variants.stop(wait=wait)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compiles are done (False on timeout)."""

@@ -80,6 +80,16 @@ def _w(variable: nnx.Variable) -> jax.Array:
     return variable.get_value()
 
 
+def effective_window(window: int | None, md: AttentionMetadata, k_cache: jax.Array) -> int | None:
+    """The sliding window a layer's attention needs: ``None`` (global) when the window covers every position a
+    request of this step can reach (its block table's span), since it then masks no key. Gemma 2's 4096-token
+    windows served at ``max_model_len <= 4096`` run the global kernel on every layer: one attention variant,
+    no window arithmetic. The K pages are ``[blocks, kv_heads, block_size, head_dim]``."""
+    if window is not None and window >= md.block_tables.shape[1] * k_cache.shape[2]:
+        return None
+    return window
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, spec: DecoderSpec, index: int):
         h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -124,7 +134,7 @@ class DecoderLayer(nnx.Module):
         k_cache, v_cache = kv_cache
         attn, k_cache, v_cache = tp_attention.write_kv_and_attend(
             q, k, v, k_cache, v_cache, md, sm_scale=spec.sm_scale, soft_cap=spec.attn_soft_cap,
-            sliding_window=spec.windows[self.index], backend=backend)
+            sliding_window=effective_window(spec.windows[self.index], md, k_cache), backend=backend)
         return attn.reshape(t, hq * d), (k_cache, v_cache)
 
     def _qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -147,7 +157,7 @@ class DecoderLayer(nnx.Module):
 
     def moe_mlp(self, h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The whole MoE MLP (all-reduced under a mesh): router, top-k experts, combine, shared expert; and
-        the tokens routed to each expert ``[E]``."""
+        each token's routed expert ids ``[T, k]``."""
         names = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down", "shared_gate")
         weights = {n: _w(getattr(self, n)) for n in names if hasattr(self, n)}
         return moe.moe_mlp(h, weights, self.spec.moe, ACTIVATIONS[self.spec.activation], valid)
@@ -174,7 +184,7 @@ class DecoderModel(nnx.Module):
         layers = list(self.layers)
         next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
         h = self.norm(x, _w(layers[0].attn_norm), eps)
-        new_caches, expert_load = [], []
+        new_caches, routed = [], []
         for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches):
             attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
             new_caches.append(kv_cache)
@@ -190,15 +200,15 @@ class DecoderModel(nnx.Module):
                 h = self.norm(x, next_norm, eps)
             elif layer.is_moe:
                 x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
-                mlp, load = layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
+                mlp, ids = layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
                 x = x + mlp
-                expert_load.append(load)
+                routed.append(ids)
                 h = self.norm(x, next_norm, eps)
             else:
                 x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
                 x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm)
         # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
-        return h, new_caches, jnp.stack(expert_load) if expert_load else None
+        return h, new_caches, moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
 
     def _add_norm(self, x, w, residual, norm_weight):
         """``s = residual + x @ w`` (row-parallel) and the next norm of ``s``; fused with TP's all-reduce

@@ -14,6 +14,13 @@ rows times their weights (in float32). Assignments this device does not compute 
 expert parallelism the experts another device owns — sort after the last group, where the grouped GEMM gives
 zeros and an implementation that skips them spends nothing.
 
+Decode-sized steps (at most ``MoESpec.rows_path_max_tokens`` tokens, a static bucket size) skip the sort:
+the (token, slot) rows go in token order to ``ragged_dot.expert_rows_matmul``, one kernel tile per distinct
+expert gathering that expert's rows (at most one per token), and come back in token order; an unowned row
+(padding, another device's expert) belongs to no tile. Both paths read each selected expert's weights once;
+the rows path saves the sort, the group count, the tile plan's prefix sums and the scatter back (a handful
+of small launches per layer, which at batch 1 are a large share of the step), at an ``(T·k)²`` plan.
+
 Parallelism over the ``"tp"`` mesh axis (the weights' ``out_sharding`` says which, ``expert_partition``):
 - tensor parallel (default): every device holds every expert's ``intermediate / tp`` slice, like a dense MLP
   (gate/up column-parallel, down row-parallel); each device's combine is a partial sum, all-reduced.
@@ -53,6 +60,7 @@ class MoESpec:
     layers: tuple[bool, ...] = ()              # per layer: MoE (True) or the dense MLP
     expert_parallel: bool = False
     grouped_gemm: str = "ragged_dot"           # kernels.ragged_dot implementation
+    rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
 
 
 def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bool,
@@ -62,23 +70,36 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
     extra = cfg.extra_dict
     step, dense = int(extra.get("decoder_sparse_step") or 1), set(extra.get("mlp_only_layers") or ())
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
+    impl, rows_path = _grouped_gemm()
     return MoESpec(num_experts=int(extra["num_experts"]), top_k=int(extra["num_experts_per_tok"]),
                    intermediate_size=int(extra["moe_intermediate_size"]), renormalize=renormalize,
                    weights_in_hidden_dtype=weights_in_hidden_dtype,
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
-                   expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=_grouped_gemm())
+                   expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=impl,
+                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0)
 
 
-def _grouped_gemm() -> str:
-    """The grouped GEMM the MoE layers run. On a GPU the Pallas kernel: ``lax.ragged_dot`` lowers to a dense
-    padded product there (measured on an H200 at 256 tokens: 2,276 us against the kernel's 322 us for
-    Qwen3-30B-A3B's gate/up; 2026-12-01-h200-moe-grouped-gemm.md)."""
+ROWS = "rows"      # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and the sort-free rows path at decode sizes
+
+
+def _grouped_gemm() -> tuple[str, bool]:
+    """(the grouped GEMM the MoE layers run, whether decode-sized steps take the sort-free rows path).
+    ``auto`` is ``rows`` on a GPU (``lax.ragged_dot`` lowers to a dense padded product there: measured on an
+    H200 at 256 tokens 2,276 us against the Pallas kernel's 322 us for Qwen3-30B-A3B's gate/up;
+    2026-12-01-h200-moe-grouped-gemm.md) and ``ragged_dot`` elsewhere. A named implementation runs at every
+    size (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "ragged_dot"
+        impl = ROWS if jax.default_backend() == "gpu" else "ragged_dot"
+    if impl == ROWS:
+        return "pallas", True
     if impl not in ragged_dot.IMPLEMENTATIONS:
-        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of {', '.join(ragged_dot.IMPLEMENTATIONS)}")
-    return impl
+        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {ROWS}, "
+                         f"{', '.join(ragged_dot.IMPLEMENTATIONS)}")
+    return impl, False
+
+
+ROWS_PATH_MAX_TOKENS = 16    # one 16-row kernel tile holds an expert's rows; the plan is (16·k)² compares
 
 
 def with_expert_parallel(cfg: ModelConfig, enable: bool) -> ModelConfig:
@@ -125,8 +146,8 @@ def route(router_logits: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array
 def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
             valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The MoE MLP of the normed input ``h [T, hidden]`` (``w``: the layer's MoE weights by name);
-    ``valid [T]`` marks real tokens (padding tokens are routed nowhere). Returns the output and the expert
-    load: tokens routed to each expert ``[E]`` int32 (a caller that drops it costs nothing: XLA removes it)."""
+    ``valid [T]`` marks real tokens (padding tokens are routed nowhere). Returns the output and the routed
+    expert ids ``[T, k]`` (a padding token's: ``num_experts``), which ``expert_load`` counts."""
     weights, ids = route(h @ w["router"], spec)
     if spec.weights_in_hidden_dtype:
         weights = weights.astype(h.dtype)
@@ -137,14 +158,18 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
         gate_up = jnp.einsum("th,hci->tci", h, w["shared_gate_up"])
         shared = parallel.row_parallel_matmul(activation(gate_up[:, 0]) * gate_up[:, 1], w["shared_down"])
         out = out + jax.nn.sigmoid(h @ w["shared_gate"]) * shared
-    return out, expert_load(ids, spec.num_experts)
+    return out, ids
 
 
 def expert_load(ids: jax.Array, num_experts: int) -> jax.Array:
-    """Tokens routed to each expert ``[E]`` int32 from the ``[T, k]`` expert ids (an id of ``num_experts``,
-    a padding token's, counts nowhere). Computed from the replicated ids, so under a mesh every device holds
-    the whole histogram."""
-    return jnp.bincount(ids.reshape(-1), length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    """Tokens routed to each expert of each layer ``[L, E]`` int32 from the layers' routed ids ``[L, T, k]``
+    (an id of ``num_experts``, a padding token's, counts nowhere): one histogram for the whole step, not one
+    per layer (a decode step's layers then gain no kernel). From the replicated ids, so under a mesh every
+    device holds all of it; a caller that drops it costs nothing (XLA removes it)."""
+    layers = ids.shape[0]
+    flat = (ids + jnp.arange(layers, dtype=ids.dtype)[:, None, None] * (num_experts + 1)).reshape(-1)
+    counts = jnp.bincount(flat, length=layers * (num_experts + 1)).reshape(layers, num_experts + 1)
+    return counts[:, :num_experts].astype(jnp.int32)
 
 
 def routed_experts(h, ids, weights, gate_up, down, spec: MoESpec, activation: Callable) -> jax.Array:
@@ -166,19 +191,24 @@ def routed_experts(h, ids, weights, gate_up, down, spec: MoESpec, activation: Ca
 def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: Callable) -> jax.Array:
     """This device's experts ``offset .. offset + E_local`` (see the module NOTE)."""
     t, k = ids.shape
-    local_experts = gate_up.shape[0]
+    local_experts, hidden = gate_up.shape[:2]
     local = ids - offset
     mine = (local >= 0) & (local < local_experts)
     key = jnp.where(mine, local, local_experts).reshape(-1)
+    weights = jnp.where(mine, weights, 0)
+    if t <= spec.rows_path_max_tokens:        # decode sizes: (token, slot) rows as they are, no sort
+        rows = jnp.repeat(h, k, axis=0)                                            # [T * k, hidden]
+        y = ragged_dot.expert_rows_matmul(rows, gate_up.reshape(local_experts, hidden, -1), key, t)
+        y = y.reshape(t * k, 2, -1)
+        y = ragged_dot.expert_rows_matmul(activation(y[:, 0]) * y[:, 1], down, key, t).reshape(t, k, hidden)
+        return jnp.einsum("tk,tkh->th", weights, y, preferred_element_type=jnp.float32).astype(h.dtype)
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
     rows = jnp.take(h, order // k, axis=0)                                         # [T * k, hidden]
-    hidden = gate_up.shape[1]
     y = ragged_dot.grouped_matmul(rows, gate_up.reshape(local_experts, hidden, -1), group_sizes, spec.grouped_gemm)
     y = y.reshape(t * k, 2, -1)
     y = ragged_dot.grouped_matmul(activation(y[:, 0]) * y[:, 1], down, group_sizes, spec.grouped_gemm)
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, hidden)                   # back to token order
-    weights = jnp.where(mine, weights, 0)
     return jnp.einsum("tk,tkh->th", weights, y, preferred_element_type=jnp.float32).astype(h.dtype)
 
 

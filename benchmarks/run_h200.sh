@@ -6,6 +6,8 @@
 #   split     the engine core in the caller's process (JAXSERVE_ENABLE_MULTIPROCESSING=0, old) vs its own (=1, new),
 #             interleaved: h200-llama8b-decode old/new, then h200-llama8b-serve-sweep at concurrency 1 and 256 old/new
 #             (warm compile cache: ~8 minutes; split-decode / split-serve: one half each)
+#   hostcore  the engine core's own host ms per step at 256 decodes (host_overhead.py --engine core: the tiny
+#             fixture model, so the GPU's time is small) and its cProfile per-function table (~3 minutes)
 #   startup   serve llama-3.1-8b dummy until /health 200 and a first completion, fresh compile cache then warm
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
@@ -18,7 +20,7 @@
 #   gemma2-long  h200-gemma2-9b-long-prompts (200 x 8064 / 128: the sliding-window layers at long context)
 #   moe       h200-qwen3-30b-a3b-latency-bs1 + -throughput in one process, then the two h200-mixtral-8x7b configs
 #             in another (93 GB of weights: JAX may take 95 % of HBM); ~7-8 minutes on a cold host
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|startup|embed|gpucheck|stepdiag|tp2|carcheck|
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|startup|embed|gpucheck|stepdiag|tp2|carcheck|
 #        families|families-throughput|gemma2-long|moe ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
@@ -191,6 +193,8 @@ for step in "${STEPS[@]}"; do
     split)        split_ab decode; split_ab serve ;;
     split-decode) split_ab decode ;;
     split-serve)  split_ab serve ;;
+    hostcore)     diag "${HOSTCORE_LIMIT_S:-400}" hostcore '^\||^\(|^cProfile|^20[0-9][0-9]-|Error' \
+                    benchmarks/diagnostics/host_overhead.py --engine core --sampling both --profile "${TMPDIR:-/tmp}/host-core.prof" ;;
     offline)   bench "${OFFLINE_LIMIT_S:-300}" offline --config h200-llama8b-latency-bs1 \
                  --config h200-llama8b-throughput --config h200-llama8b-decode ;;
     serve)     bench "${SERVE_LIMIT_S:-240}" serve --config h200-llama8b-serve-sweep ;;
@@ -223,7 +227,7 @@ for step in "${STEPS[@]}"; do
                  --config h200-qwen3-30b-a3b-throughput --no-plots
                XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 bench "${MOE_MIXTRAL_LIMIT_S:-250}" moe-mixtral-8x7b \
                  --config h200-mixtral-8x7b-latency-bs1 --config h200-mixtral-8x7b-throughput --no-plots ;;
-    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, embed, gpucheck, stepdiag, tp2, carcheck," \
+    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, embed, gpucheck, stepdiag, tp2, carcheck," \
          "families, families-throughput, gemma2-long, moe)" >&2; exit 2 ;;
   esac
 done

@@ -189,19 +189,25 @@ def cmd_follow(a) -> int:
 def cmd_generate(a) -> int:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
-    llm = LLM(engine_config=engine_config_from_args(a))
-    # one batch, then exit: the buckets the warm-up left to the background would finish after it (and the exit
-    # would wait for them); its steps pad up to the compiled ones instead
-    stop_compiles = getattr(llm.engine.runner, "stop_background_compiles", None)
-    if stop_compiles is not None:
-        stop_compiles()
+    cfg = engine_config_from_args(a)
+    # one batch, then exit: instead of the serving warm-up (the smallest and largest buckets, the rest in the
+    # background, which would outlive the run), compile exactly the buckets these prompts' steps need
+    one_shot = not (cfg.enforce_eager or cfg.skip_warmup) and _engine_in_this_process(cfg)
+    llm = LLM(engine_config=cfg.replace(skip_warmup=True) if one_shot else cfg)
     prompts = a.prompt or ["What is the capital of France?"]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.sampling_seed, n=a.n)
     if a.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        inputs = [{"prompt": None, "prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])}
+                  for p in prompts]
     else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        inputs = [{"prompt": p, "prompt_token_ids": llm.tokenizer.encode(p)} for p in prompts]
+    runner = getattr(llm.engine, "runner", None)
+    if one_shot and hasattr(runner, "warmup_for"):
+        runner.warmup_for([len(x["prompt_token_ids"]) for x in inputs for _ in range(params.n)])
+    elif hasattr(runner, "stop_background_compiles"):
+        runner.stop_background_compiles()       # they would finish after the run (and the exit would wait)
+    outs = llm.generate(inputs, params, use_tqdm=False)
     for p, out in zip(prompts, outs):
         for o in out.outputs:
             print(f"### prompt: {p!r}" + (f" (completion {o.index})" if len(out.outputs) > 1 else ""))
@@ -211,6 +217,15 @@ def cmd_generate(a) -> int:
     if release_followers is not None:
         release_followers()
     return 0
+
+
+def _engine_in_this_process(cfg: EngineConfig) -> bool:
+    """Whether the engine (its runner) lives in this one process: no engine-core process, no JAX processes
+    following this one (they must compile the same variants the serving warm-up plans)."""
+    from jaxserve.engine.core_client import use_multiprocess
+    par = cfg.parallel
+    return not use_multiprocess(None, default=False, config=cfg) and par.num_processes <= 1 \
+        and not par.distributed_coordinator and par.distributed_executor_backend == "uni"
 
 
 def cmd_serve(a) -> int:

@@ -5,21 +5,38 @@ into at load): ``packed`` int32 ``[K/8, N]`` whose nibble ``j`` (bits ``4j..4j+3
 4-bit value of input row ``8r + j``; ``scales`` ``[K/G, N]`` (float) and ``zeros`` ``[K/G, N]`` (int8, 0..15)
 per group of ``G`` input rows: ``w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``.
 
-Why this layout: packing along K keeps every output column's bytes together (a program streams whole columns
-of its tile) and lets tensor parallelism split K or N at any group boundary. The kernel does not need to
-interleave rows: nibble plane ``j`` of a packed tile holds rows ``j, j + 8, ...``, so it multiplies the
-stride-8 columns ``j, j + 8, ...`` of ``x`` (a strided load of the small activation) and every dot is a plain
-2-D tile product.
+Why this layout: N is the contiguous axis, so a program's tile of ``[bk/8, bn]`` words is ``bk/8`` runs of
+``4 bn`` bytes, each loaded as 16-byte vectors by consecutive threads (coalesced); packing along K keeps
+tensor parallelism free to split K or N at any group boundary. Nibble plane ``j`` of a tile holds input rows
+``j, j + 8, ...``, which meet the stride-8 elements ``j, j + 8, ...`` of ``x`` (a strided load of the small
+activation): no interleaving of the weight in registers.
 
-The kernel: a program owns ``bm`` rows of ``x`` and ``bn`` output columns, and walks its share of K (split
-``split_k`` ways when too few tiles would fill the GPU: decode shapes) in steps of ``bk`` rows that never
-cross a group, so one scale/zero row serves the step. Each step loads ``[bk/8, bn]`` int32 once, unpacks the
-8 nibble planes in registers into the activation dtype and accumulates 8 dots in float32. Triton's dot needs
-16 rows of ``x`` (decode pads to 16: free, the kernel is bound by weight bytes) and a K of at least 16
-(``bk >= 128``): groups of 32 or 64 run through ``int4_matmul_reference`` on the GPU.
+Two kernels; both walk K in steps of ``bk`` rows that never cross a group (one scale/zero row per step) and
+split K over ``split_k`` programs when the output columns alone would not fill the GPU (decode shapes); the
+partial sums are added by XLA.
+
+* ``"fma"`` (one row: batch-1 decode): each program owns ``bn`` columns and keeps a float32 accumulator
+  *as a 2-D tile* ``[bk/8, bn]``, multiply-adding the activation broadcast along the columns into it; the one
+  reduction happens once, at the end. No tensor core, so no padding of ``M`` to 16. Launch it with
+  ``bn = 128 * num_warps``: Triton then gives the ``[1, bn]`` scale / zero rows, the output row and the
+  ``[bk/8, bn]`` weight tile one register layout (4 consecutive words per thread, a thread owning whole
+  columns), so no tile changes layout through shared memory inside the loop (with 4 warps over 128
+  columns the accumulator took the scale row's layout and every step paid a shared-memory round trip).
+  More rows spill: each holds two ``[bk/8, 4]`` tiles per thread.
+* ``"dot"`` (``M`` up to 64): the same dequantized planes, each a ``[16, bk/8] x [bk/8, bn]`` tensor-core dot
+  (Triton's dot needs 16 rows of ``x``, padded, and a K of at least 16: ``bk >= 128``); its cost per weight
+  does not grow with ``M``.
+
+Dequantization costs two instructions per weight, neither a slow int-to-float conversion: a nibble masked in
+place and OR-ed into the mantissa of 2^23 (``MAGIC``) is the float ``2^23 + q * 2^s`` exactly; subtracting
+2^23 leaves ``q 2^s`` (the dot kernel subtracts 2^23 + z 2^s: ``(q - z) 2^s``, the zero point for free), and
+the ``2^-s`` goes into the activation (exact: a power of two). Nibbles 0..4 sit in the 23 mantissa bits as
+stored (``s = 4j``); 5..7 after one shift of the word by 20. The scale (and the fma kernel's zero point, as
+``z sum_k x_k``) is applied once per step and column, not per weight.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,7 +46,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 PACK = 8          # int4 values per int32
-NUM_SMS = 132     # H200: the split-K heuristic aims at a couple of programs per SM
+NUM_SMS = 132     # H200: the split-K heuristic aims at a few programs per SM
+MAGIC = 0x4B000000            # the float32 bits of 2^23
+MAGIC_F = float(2 ** 23)
+FMA_MAX_ROWS = 16             # the "fma" kernel unrolls its rows (correct for any; fast for one)
+DOT_MAX_ROWS = 64
+METHODS = ("fma", "dot")
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
@@ -55,70 +77,174 @@ def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, ze
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def supports(m: int, k: int, n: int, group_size: int, *, interpret: bool = False) -> bool:
-    """Whether ``int4_matmul`` runs this shape (else use the reference)."""
-    bk = _block_k(group_size)
-    if k % bk or _block_n(n) is None:
-        return False
-    return interpret or bk // PACK >= 16
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One launch's options (``benchmarks/diagnostics/quant_matmul_bench.py --tune`` sweeps them)."""
+    method: str = "fma"
+    block_n: int = 128
+    split_k: int | None = None     # None: enough K splits to fill the GPU
+    unroll: int = 1                # K steps whose loads are issued together (memory-level parallelism)
+    num_warps: int = 4
+    num_stages: int = 2
 
 
-def _block_k(group_size: int) -> int:
+def block_k(group_size: int) -> int:
     """K rows per kernel step: the group, or 128-row slices of a larger group (per-channel: G = K)."""
     return 128 if group_size % 128 == 0 else group_size
 
 
-def _block_n(n: int) -> int | None:
-    return next((b for b in (64, 32, 16) if n % b == 0), None)
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
 
 
-def _kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bm, bn, bk, group_size, k_steps):
-    m, n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, cols = pl.ds(m * bm, bm), pl.ds(n * bn, bn)
+def supports(m: int, k: int, n: int, group_size: int, *, interpret: bool = False, method: str | None = None
+             ) -> bool:
+    """Whether ``int4_matmul`` runs this shape (else use the reference)."""
+    method = method or default_config(m, k, n, group_size).method
+    bk = block_k(group_size)
+    if k % bk or not _pow2(bk // PACK) or _fit_block_n(n, 16) is None:
+        return False
+    if method == "fma":
+        return m <= FMA_MAX_ROWS
+    return m <= DOT_MAX_ROWS and (interpret or bk // PACK >= 16)
+
+
+def _fit_block_n(n: int, want: int) -> int | None:
+    return next((b for b in (want, 256, 128, 64, 32, 16) if b <= want and n % b == 0), None)
+
+
+def default_config(m: int, k: int, n: int, group_size: int) -> Config:
+    """The launch the engine uses (why these: ``kernels/README.md``, the int4 section)."""
+    if m == 1:
+        return Config(method="fma", block_n=128, num_warps=1, unroll=1)
+    return Config(method="dot", block_n=128, num_warps=8, unroll=1, num_stages=3)
+
+
+def _split_k(k_blocks: int, tiles: int, num_warps: int, unroll: int) -> int:
+    """K splits for about 16 warps per SM (a decode launch is latency-bound below that), each split keeping at
+    least ``unroll`` K steps."""
+    want = max(1, -(-16 * NUM_SMS // (tiles * num_warps)))
+    return max(d for d in range(1, k_blocks + 1)
+               if d == 1 or (k_blocks % d == 0 and d <= want and (k_blocks // d) % unroll == 0))
+
+
+def _planes(p: jax.Array, z: jax.Array | None) -> list[tuple[jax.Array, float]]:
+    """The 8 nibble planes of a packed int32 tile as float32 ``(q - z) * 2^s`` (exact: ``|q - z| < 16``; ``z``
+    the step's zero-point row, None for 0), each with its ``2^-s``."""
+    out = []
+    hi = lax.shift_right_logical(p, jnp.int32(20))
+    for j in range(PACK):
+        src, s = (p, 4 * j) if j < 5 else (hi, 4 * (j - 5))
+        bits = (src & jnp.int32(15 << s)) | jnp.int32(MAGIC)
+        bias = MAGIC_F if z is None else MAGIC_F + z * float(2 ** s)
+        out.append((lax.bitcast_convert_type(bits, jnp.float32) - bias, 2.0 ** -s))
+    return out
+
+
+def _fma_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, rows, bn, bk, group_size, k_steps, unroll):
+    # x_ref is x flattened: plane j's activations are a 1-D strided load, expanded to the [bk/8, 1] column the
+    # tile broadcasts (Triton keeps a 1-D vector in the tile's row layout: one load per row a thread owns)
+    n, split = pl.program_id(0), pl.program_id(1)
+    k = x_ref.shape[0] // rows
+    cols = pl.ds(n * bn, bn)
     kp = bk // PACK
 
+    def block(k0, p, s, z, accs):
+        # plane-major: each dequantized plane serves every row, then dies. The zero point is applied per step
+        # (``- z * sum x``), not folded into the planes: 8 per-plane zero rows cost this kernel registers
+        ts, xs = [None] * rows, [None] * rows
+        for j, (w, inv) in enumerate(_planes(p, None)):
+            for m in range(rows):
+                xj = x_ref[pl.ds(m * k + k0 + j, kp, stride=PACK)].astype(jnp.float32)[:, None]     # [kp, 1]
+                ts[m] = w * (xj * inv) if j == 0 else ts[m] + w * (xj * inv)
+                xs[m] = xj if j == 0 else xs[m] + xj
+        return [accs[m] + s * (ts[m] - z * xs[m]) for m in range(rows)]
+
+    def step(i, accs):
+        loads = []
+        for u in range(unroll):      # every load of the step first, then the math
+            k0 = ((split * k_steps + i * unroll + u) * bk)
+            g = k0 // group_size
+            loads.append((k0, p_ref[pl.ds(k0 // PACK, kp), cols], s_ref[pl.ds(g, 1), cols].astype(jnp.float32),
+                          z_ref[pl.ds(g, 1), cols].astype(jnp.float32)))
+        accs = list(accs)
+        for ld in loads:
+            accs = block(*ld, accs)
+        return tuple(accs)
+
+    zero = jnp.zeros((kp, bn), jnp.float32)
+    accs = lax.fori_loop(0, k_steps // unroll, step, tuple(zero for _ in range(rows)))
+    for m in range(rows):
+        o_ref[pl.ds(split * rows + m, 1), cols] = jnp.sum(accs[m], axis=0, keepdims=True).astype(o_ref.dtype)
+
+
+def _dot_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bm, bn, bk, group_size, k_steps, unroll):
+    # x is not padded to the row tile (no XLA pad before every call): rows past M read row M - 1 again (their
+    # results are dropped), so every load stays inside x
+    m, n, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    x_rows = jnp.minimum(m * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0), x_ref.shape[0] - 1)
+    x_cols = PACK * lax.broadcasted_iota(jnp.int32, (1, bk // PACK), 1)
+    cols = pl.ds(n * bn, bn)
+    out_rows = pl.ds(split * pl.num_programs(0) * bm + m * bm, bm)
+    kp = bk // PACK
+
+    def block(k0, p, s, z, acc):
+        t = jnp.zeros((bm, bn), jnp.float32)
+        for j, (w, inv) in enumerate(_planes(p, z)):
+            xj = x_ref[x_rows, x_cols + (k0 + j)]
+            t += jnp.dot((xj * inv).astype(x_ref.dtype), w.astype(x_ref.dtype), preferred_element_type=jnp.float32)
+        return acc + s * t
+
     def step(i, acc):
-        k0 = (split * k_steps + i) * bk
-        g = k0 // group_size
-        p = p_ref[pl.ds(k0 // PACK, kp), cols]
-        s = s_ref[pl.ds(g, 1), cols].astype(jnp.float32)
-        z = z_ref[pl.ds(g, 1), cols].astype(jnp.float32)
-        for j in range(PACK):
-            w = ((((p >> (4 * j)) & 15).astype(jnp.float32) - z) * s).astype(x_ref.dtype)
-            xj = x_ref[rows, pl.ds(k0 + j, kp, stride=PACK)]
-            acc += jnp.dot(xj, w, preferred_element_type=jnp.float32)
+        loads = []
+        for u in range(unroll):
+            k0 = (split * k_steps + i * unroll + u) * bk
+            g = k0 // group_size
+            loads.append((k0, p_ref[pl.ds(k0 // PACK, kp), cols], s_ref[pl.ds(g, 1), cols].astype(jnp.float32),
+                          z_ref[pl.ds(g, 1), cols].astype(jnp.float32)))
+        for ld in loads:
+            acc = block(*ld, acc)
         return acc
 
-    acc = lax.fori_loop(0, k_steps, step, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[split, rows, cols] = acc.astype(o_ref.dtype)
+    acc = lax.fori_loop(0, k_steps // unroll, step, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[out_rows, cols] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "block_n", "split_k", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("group_size", "config", "interpret"))
 def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, group_size: int,
-                block_n: int | None = None, split_k: int | None = None, num_warps: int = 4,
-                num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                config: Config | None = None, interpret: bool = False) -> jax.Array:
     """``x [M, K] @ w [K, N]`` for the int4 weight ``(packed, scales, zeros)``; the result in ``x``'s dtype."""
     m, k = x.shape
     n = packed.shape[1]
-    bk = _block_k(group_size)
-    bn = block_n or _block_n(n)
-    assert k % bk == 0 and n % bn == 0 and packed.shape[0] * PACK == k, (x.shape, packed.shape, group_size)
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    mp = -(-m // bm) * bm
+    cfg = config or default_config(m, k, n, group_size)
+    bk = block_k(group_size)
+    bn = _fit_block_n(n, cfg.block_n)
+    assert bn and k % bk == 0 and packed.shape[0] * PACK == k, (x.shape, packed.shape, group_size, cfg)
     k_blocks = k // bk
-    if split_k is None:       # fill the GPU at decode shapes: about two programs per SM
-        tiles = (mp // bm) * (n // bn)
-        want = max(1, -(-2 * NUM_SMS // tiles))
-        split_k = max(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and d <= want)
+    if cfg.method == "fma":
+        bm, mp = m, m
+    else:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        mp = -(-m // bm) * bm
+    tiles = (mp // bm) * (n // bn)
+    unroll = cfg.unroll if k_blocks % cfg.unroll == 0 else 1
+    split_k = cfg.split_k or _split_k(k_blocks, tiles, cfg.num_warps, unroll)
     assert k_blocks % split_k == 0, (k_blocks, split_k)
-    xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
+    k_steps = k_blocks // split_k
+    unroll = unroll if k_steps % unroll == 0 else 1
     out_dtype = x.dtype if split_k == 1 else jnp.float32
+    common = dict(bn=bn, bk=bk, group_size=group_size, k_steps=k_steps, unroll=unroll)
+    if cfg.method == "fma":
+        kernel = functools.partial(_fma_kernel, rows=m, **common)
+        grid = (n // bn, split_k)
+        xp = x.reshape(m * k)
+    else:
+        kernel = functools.partial(_dot_kernel, bm=bm, **common)
+        grid = (mp // bm, n // bn, split_k)
+        xp = x
     out = pl.pallas_call(
-        functools.partial(_kernel, bm=bm, bn=bn, bk=bk, group_size=group_size, k_steps=k_blocks // split_k),
-        grid=(mp // bm, n // bn, split_k),
-        out_shape=jax.ShapeDtypeStruct((split_k, mp, n), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="int4_matmul")(xp, packed, scales, zeros)
-    out = out[0] if split_k == 1 else out.sum(0).astype(x.dtype)
+        kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((split_k * mp, n), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret, name=f"int4_matmul_{cfg.method}")(xp, packed, scales, zeros)
+    out = out if split_k == 1 else out.reshape(split_k, mp, n).sum(0).astype(x.dtype)
     return out[:m]

@@ -190,6 +190,23 @@ def test_engine_expert_load_matches_hf_routing(name, scheduler_steps):
     assert stats["moe_max_expert_tokens_total"] >= stats["moe_mean_expert_tokens_total"]
 
 
+def test_roofline_counts_active_experts():
+    """A batch-1 step reads attention and its top-k experts (Mixtral-8x7B: ~25.5 GB of 93, the issue's
+    ~25.8 GB estimate); a large batch reaches every expert; FLOPs per token count k of E experts."""
+    from benchmarks import roofline
+    from benchmarks.models import named_model_hf_config
+    from jaxserve.models.configs import model_config_from_hf
+
+    c = roofline.model_cost(model_config_from_hf(named_model_hf_config("mixtral-8x7b")))
+    assert (c.num_experts, c.experts_per_token) == (8, 2)
+    assert c.step_weight_bytes(1) / 1e9 == pytest.approx(25.50, abs=0.01)
+    assert c.weight_bytes == c.step_weight_bytes(1)                  # the batch-1 read
+    assert c.step_weight_bytes(4096) - c.step_weight_bytes(1) == pytest.approx(2 * c.expert_params * 6 / 8)
+    assert c.body_matmul_params == pytest.approx(c.params - 2 * 32000 * 4096 - c.expert_params * 6 / 8,
+                                                 rel=1e-6)
+    assert c.decode_bytes(100.0, batch=1) == pytest.approx(c.step_weight_bytes(1) + c.kv_read_bytes(100.0))
+
+
 def test_metrics_export_expert_load():
     """/metrics: tokens per expert (summed over layers) as a counter labelled by expert, and balancedness."""
     from jaxserve.runner.model_runner import ExpertLoad

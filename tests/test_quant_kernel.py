@@ -28,36 +28,73 @@ def test_pack_and_dequantize_are_exact():
     np.testing.assert_array_equal(np.asarray(k4.dequantize_int4(packed, scales, zeros, 64)), w)
 
 
-@pytest.mark.parametrize("m,k,n,group,split_k", [(1, 256, 64, 128, None), (5, 384, 48, 32, 1), (3, 512, 96, 64, 2),
-                                                 (20, 256, 32, 256, None), (33, 1024, 16, 128, 4)])
-def test_kernel_matches_the_reference_in_interpret_mode(m, k, n, group, split_k):
+CASES = [  # m, k, n, group, config
+    (1, 256, 64, 128, k4.Config("fma", block_n=64)),
+    (4, 1024, 64, 128, k4.Config("fma", block_n=32, unroll=2)),             # split K and paired loads
+    (3, 384, 48, 32, k4.Config("fma", block_n=16, split_k=1)),
+    (2, 512, 96, 64, k4.Config("fma", block_n=32, split_k=2, unroll=2)),
+    (7, 256, 32, 256, k4.Config("fma", block_n=32)),                        # per-channel: 128-row slices
+    (1, 256, 64, 128, k4.Config("dot", block_n=64)),
+    (5, 384, 48, 32, k4.Config("dot", block_n=16, split_k=1)),
+    (3, 512, 96, 64, k4.Config("dot", block_n=32, split_k=2)),
+    (20, 256, 32, 256, k4.Config("dot", block_n=32)),
+    (33, 1024, 16, 128, k4.Config("dot", block_n=16, split_k=4, unroll=2)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,group,config", CASES)
+def test_kernel_matches_the_reference_in_interpret_mode(m, k, n, group, config):
     rng = np.random.default_rng(m * 7 + n)
     packed, scales, zeros, w = random_int4(rng, k, n, group)
     x = rng.standard_normal((m, k)).astype(np.float32)
     want = x @ w
-    assert k4.supports(m, k, n, group, interpret=True)
+    assert k4.supports(m, k, n, group, interpret=True, method=config.method)
     got = k4.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros),
-                         group_size=group, split_k=split_k, interpret=True)
+                         group_size=group, config=config, interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
     ref = k4.int4_matmul_reference(jnp.asarray(x), packed, scales, zeros, group)
     np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-4)
 
 
-def test_kernel_bfloat16():
+def test_dequantized_planes_are_exact():
+    """The mantissa trick reads every nibble back exactly, less its zero point, the top nibbles (sign bit
+    included) too."""
+    words = jnp.asarray(np.array([[0x76543210, -0x12345679, -1, 0]], np.int64).astype(np.int32))
+    zeros = np.array([[3.0, 0.0, 15.0, 7.0]], np.float32)
+    got = np.stack([np.asarray(w * inv) for w, inv in k4._planes(words, jnp.asarray(zeros))], axis=-1)  # [1, 4, 8]
+    want = np.asarray(k4.unpack_int4(words)).reshape(8, 4).T - zeros.reshape(4, 1)
+    np.testing.assert_array_equal(got.reshape(4, 8), want)
+
+
+@pytest.mark.parametrize("method", k4.METHODS)
+def test_kernel_bfloat16(method):
     rng = np.random.default_rng(3)
     packed, scales, zeros, w = random_int4(rng, 512, 64, 128)
     x = rng.standard_normal((4, 512)).astype(np.float32)
     got = k4.int4_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scales),
-                         jnp.asarray(zeros), group_size=128, interpret=True)
+                         jnp.asarray(zeros), group_size=128, config=k4.Config(method, block_n=64), interpret=True)
     assert got.dtype == jnp.bfloat16
     want = x @ w
     assert np.abs(np.asarray(got, np.float32) - want).max() < 0.02 * np.abs(want).max()
 
 
+def test_default_launch_in_interpret_mode():
+    rng = np.random.default_rng(5)
+    packed, scales, zeros, w = random_int4(rng, 512, 256, 128)
+    for m in (1, 4, 9):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        got = k4.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros),
+                             group_size=128, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-4)
+
+
 def test_gpu_path_declines_what_triton_cannot_tile():
-    assert not k4.supports(1, 256, 64, 64)           # K steps of 64 rows: plane dots of 8 (< 16)
-    assert not k4.supports(1, 256, 24, 128)          # no block of 16/32/64 columns divides 24
-    assert k4.supports(1, 4096, 14336, 128)
+    assert not k4.supports(16, 256, 64, 64, method="dot")   # K steps of 64 rows: plane dots of 8 (< 16)
+    assert k4.supports(1, 256, 64, 64, method="fma")         # the fma kernel has no dot to feed
+    assert not k4.supports(1, 256, 24, 128)                  # no block of 16+ columns divides 24
+    assert not k4.supports(1, 288, 64, 96)                   # a 96-row group: 12 packed rows, not a power of 2
+    assert not k4.supports(17, 4096, 14336, 128, method="fma")
+    assert k4.supports(1, 4096, 14336, 128) and k4.supports(64, 4096, 14336, 128)
 
 
 def test_fp8_w8a8_matmul_is_the_scaled_fp8_product():

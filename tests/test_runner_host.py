@@ -10,6 +10,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import ScheduledRequest
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.runner import sampler as S
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.engine.request import PLACEHOLDER
 from jaxserve.runner.model_runner import ModelRunner, token_buckets
 from jaxserve.runner.step_compiler import StepCompiler
@@ -27,6 +28,7 @@ def bare_runner(block_size=4, max_model_len=128, max_num_seqs=32, max_tokens=256
     r.uniform_decode = False
     r.variants = StepCompiler(lambda key: None)       # nothing compiled: each step keeps its own bucket
     r._routes, r._routes_at = {}, -1
+    r.input_batch = InputBatch(max_num_seqs, r.max_blocks_per_seq, 256)
     return r
 
 
@@ -169,30 +171,66 @@ def _params(rng, plain):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_sampling_rows_equal_make_sampling_metadata(seed):
+def test_input_batch_sampling_equals_make_sampling_metadata(seed):
+    """The persistent rows give make_sampling_metadata's arrays, over several steps of one batch whose
+    requests come and go (rows reused after the batch runs out of them); a step that needs the general
+    path is recognised exactly when that path builds something the rows cannot."""
     rng = random.Random(seed)
-    V, n = 256, rng.randint(0, 20)
-    R = max(n, 1) + rng.randint(0, 5)
-    plain = seed % 2 == 0
-    params = [_params(rng, plain) for _ in range(n)]
-    ids = [f"q{seed}-{i}" for i in range(n)]
-    req_seeds = [rng.choice([None, rng.randrange(2**31)]) for _ in range(n)]
-    num_out = [rng.randint(3 if plain else 0, 6) for _ in range(n)]
-    rows = [S.sampling_row(p, rid, s, V) for p, rid, s in zip(params, ids, req_seeds)]
-    general = any(r.needs_general_path(k) for r, k in zip(rows, num_out))
-    step = rng.randrange(2**34)
-    ref = S.make_sampling_metadata(params, [[1] * k for k in num_out], [[1]] * n, num_out, V, pad_to=R,
-                                   request_ids=ids, request_seeds=req_seeds, step=step, engine_seed=seed,
-                                   penalty_width=128)
-    assert not (plain and general)
-    if general:
-        # the general path is needed exactly when it builds something the fast path cannot
-        assert ref.output_token_ids.shape[1] or (ref.blocked_token_ids[:n] < V).any()
-        return
-    fast = S.make_sampling_metadata_from_rows(rows, num_out, V, pad_to=R, step=step, engine_seed=seed)
-    for f in ref.__dataclass_fields__:
-        a, b = np.asarray(getattr(ref, f)), np.asarray(getattr(fast, f))
-        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f
+    V, plain = 256, seed % 2 == 0
+    batch = InputBatch(8, 4, V)
+    live: list = []
+    for step in range(6):
+        live = [r for r in live if rng.random() < 0.7]
+        while len(live) < rng.randint(0, 8):
+            p = _params(rng, plain)
+            req = Request(f"q{rng.randrange(12)}", [1], p)       # ids recur: a new Request gets a new row
+            req.sampling_seed = rng.choice([None, rng.randrange(2**31)])
+            live.append(req)
+        live = list({r.request_id: r for r in live}.values())
+        n = len(live)
+        R = max(n, 1) + rng.randint(0, 5)
+        sched = [ScheduledRequest(r, 1, 0, []) for r in live]
+        num_out = np.array([rng.randint(3 if plain else 0, 6) for _ in live], np.int64)
+        rows = batch.rows_for(sched)
+        step_count = rng.randrange(2**34)
+        ref = S.make_sampling_metadata([r.sampling_params for r in live], [[1] * k for k in num_out],
+                                       [[1]] * n, num_out.tolist(), V, pad_to=R,
+                                       request_ids=[r.request_id for r in live],
+                                       request_seeds=[r.sampling_seed for r in live], step=step_count,
+                                       engine_seed=seed, penalty_width=128)
+        general = batch.needs_general_path(rows, num_out)
+        assert not (plain and general)
+        assert general == bool(ref.output_token_ids.shape[1] or (ref.blocked_token_ids[:n] < V).any())
+        if general:
+            continue
+        fast = batch.sampling_metadata(rows, num_out, R, step=step_count, engine_seed=seed)
+        for f in ref.__dataclass_fields__:
+            a, b = np.asarray(getattr(ref, f)), np.asarray(getattr(fast, f))
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f
+
+
+def test_input_batch_block_tables_follow_the_live_lists():
+    """A row copies only what its list gained, starts over for a new list (preemption: a new table), and
+    leaves zeros past a row's blocks when a shorter table replaces a longer one."""
+    batch = InputBatch(2, 6, 256)
+    a, b = Request("a", [1], SamplingParams()), Request("b", [1], SamplingParams())
+    ids_a, ids_b = [3, 4], [7]
+    step = [ScheduledRequest(a, 1, 0, ids_a), ScheduledRequest(b, 1, 0, ids_b)]
+    rows = batch.rows_for(step)
+    assert batch.sync_block_tables(step, rows).tolist() == [2, 1]
+    ids_a.append(5)
+    assert batch.sync_block_tables(step, rows).tolist() == [3, 1]
+    assert batch.block_table[rows].tolist() == [[3, 4, 5, 0, 0, 0], [7, 0, 0, 0, 0, 0]]
+    step = [ScheduledRequest(a, 1, 0, [9]), ScheduledRequest(b, 1, 0, ids_b)]   # a was preempted
+    rows = batch.rows_for(step)
+    assert batch.sync_block_tables(step, rows).tolist() == [1, 1]
+    assert batch.block_table[rows].tolist() == [[9, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0]]
+    for i in range(3):                      # more requests than rows: the batch starts over, same tables
+        c = Request(f"c{i}", [1], SamplingParams())
+        step = [ScheduledRequest(c, 1, 0, [i + 1]), ScheduledRequest(b, 1, 0, ids_b)]
+        rows = batch.rows_for(step)
+        assert batch.sync_block_tables(step, rows).tolist() == [1, 1]
+        assert batch.block_table[rows].tolist() == [[i + 1, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0]]
 
 
 def test_default_buckets_pad_a_single_decode_to_four_tokens():

@@ -114,6 +114,20 @@ def test_warmup_compiles_the_smallest_and_largest_bucket_first_and_steps_pad_up(
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
+def test_warmup_for_known_prompts_compiles_their_buckets_only(eager):
+    # what `jaxserve generate` does: no serving warm-up, then the first prefill's and the decodes' buckets
+    llm = make_llm(skip_warmup=True)
+    runner = llm.engine.runner
+    runner.warmup_for([len(p) for p in PROMPTS])          # 34 tokens: a 32-token step, then 3 decodes
+    assert sorted(k[1] for k in runner.variants.keys() if k[0] == "forward") == [4, 32]
+    assert runner.variants.pending() == 0                  # nothing left to the background
+    before = runner.compiled_variants()
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert runner.compiled_variants() == before and runner.variants.on_first_use == []
+    ref = eager.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
 def test_compile_cache_keeps_every_executable(tmp_path):
     import jax
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/diagnostics/host_overhead.py [--seqs 256] [--input-len 128] [--output-len 120]
         [--layers N] [--vocab N] [--mode sync|async|both] [--sampling greedy|random|both] [--structured]
-        [--stub-device] [--engine inproc|split|both] [--profile FILE]
+        [--stub-device] [--engine inproc|core|split|both] [--profile FILE]
 
 A tiny Llama (tests/fixtures/models/tiny-llama3, or the same shape with --layers N and random weights, so
 the jitted step takes as many argument arrays as a real model) makes the device time negligible, so what
@@ -18,6 +18,15 @@ host ms/step = wall time of ``LLMEngine.step()`` minus the time it blocked waiti
 runner's ``stats.device_ms``, the wait inside ``collect``). ``sync`` drives ``LLMEngine.step()`` as
 ``LLM.generate`` does (FINAL_ONLY outputs); ``async`` goes through ``AsyncLLMEngine`` as the server does
 (DELTA outputs, one asyncio queue per request, consumed by 256 coroutines).
+
+``--engine core`` is the engine core's own per-step work in this process, without its sockets: an
+``LLMEngine(core_outputs=True)`` driven by ``EngineCoreLoop.step_and_send`` (step, stats, msgpack encoding of
+the EngineCoreOutputs; the bytes go nowhere), sync mode only (a core has no output kinds of its own to
+stream). ``core host`` = its host ms/step plus ``stats_send`` (stats + encoding + send); ``core_host_cpu`` is the
+engine thread's CPU time per step (``time.thread_time``), the figure least moved by a loaded machine. With ``--profile FILE``
+one more run of the first engine given is cProfiled over its steady-state steps and a table of the functions
+by own time per step (ms) is printed (cProfile's overhead inflates every figure: compare its rows with each
+other, and the untimed tables before and after a change).
 
 ``--engine split`` runs the same workloads with the engine core in its own process (``multiprocess=True``):
 its host ms/step is measured in the core from the raw totals each step's outputs carry (``step_ms_total``
@@ -84,9 +93,11 @@ class PhaseTimer:
         self._wrap(s, "schedule", "schedule", after=self._check_steady)
         self._wrap(r, "prepare", "prepare")
         self._wrap(r, "sampling_metadata", "sampling_metadata")
-        self._wrap(r, "_forward", "dispatch_jit")
-        self.wrapped.append((r, "_samplers", r._samplers))
-        r._samplers = {k: self._timed(f, "dispatch_jit") for k, f in r._samplers.items()}
+        # the compiled executables a step calls (forward, sampler, decode loop) come from the runner's
+        # StepCompiler: time each call of what it hands out (the jitted functions themselves only lower)
+        v = r.variants
+        for attr in ("get", "need"):
+            self._wrap_result(v, attr, "dispatch_jit")
         # a structured-output step calls the two halves itself; ``dispatch`` calls them too
         self._wrap(r, "dispatch_forward", "dispatch")
         self._wrap(r, "dispatch_sample", "dispatch")
@@ -114,6 +125,16 @@ class PhaseTimer:
         self.wrapped.append((obj, attr, getattr(obj, attr)))
         setattr(obj, attr, self._timed(getattr(obj, attr), name, after))
 
+    def _wrap_result(self, obj, attr, name):
+        """``obj.attr`` returns a callable: time the calls of what it returns."""
+        fn = getattr(obj, attr)
+        self.wrapped.append((obj, attr, fn))
+
+        def wrapper(*a, **k):
+            out = fn(*a, **k)
+            return None if out is None else self._timed(out, name)
+        setattr(obj, attr, wrapper)
+
     def restore(self) -> None:
         """Put the wrapped attributes back, so the next run starts clean."""
         for obj, attr, original in reversed(self.wrapped):
@@ -128,15 +149,16 @@ class PhaseTimer:
         dev0 = st.device_ms
         so = self.eng.structured_output
         wait0 = getattr(so, "mask_wait_ms", 0.0)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         outs = self._step()
         wall = time.perf_counter() - t0
+        cpu = time.thread_time() - c0
         self.cur["mask"] = self.cur.get("mask", 0.0) + (getattr(so, "mask_wait_ms", 0.0) - wait0) / 1e3
         if self._is_steady:
             c = self.cur
             dev = (st.device_ms - dev0) / 1e3
             rec = {
-                "wall": wall, "device_wait": dev, "host": wall - dev,
+                "wall": wall, "device_wait": dev, "host": wall - dev, "host_cpu": cpu,
                 "schedule": c.get("schedule", 0.0),
                 "prepare": c.get("prepare", 0.0),
                 "sampling_metadata": c.get("sampling_metadata", 0.0),
@@ -226,34 +248,31 @@ def run_sync(llm, prompts, kind, output_len, profile=None) -> dict:
     for p in prompts:
         eng.add_request(eng.new_request_id(), p, make_params(kind, output_len, RequestOutputKind.FINAL_ONLY))
     prof = cProfile.Profile() if profile else None
-    n_out = 0
+    n_out = profiled = 0
     t0 = time.perf_counter()
     while eng.has_unfinished_requests():
-        if prof is not None and timer.steady:
+        on = prof is not None and timer.steady
+        if on:
             prof.enable()
         for o in timer.step():
             n_out += len(o.outputs[0].token_ids)
-        if prof is not None:
+        if on:
             prof.disable()
+            profiled += 1
     dt = time.perf_counter() - t0
     if prof is not None:
         prof.dump_stats(profile)
     res = timer.summary()
     res["output_tok_s"] = round(n_out / dt, 1)
+    res["profiled_steps"] = profiled
     timer.restore()
     return res
 
 
-def run_async(llm, prompts, kind, output_len) -> dict:
-    from jaxserve.engine.async_engine import AsyncLLMEngine
+def stream_all(front, prompts, kind, output_len) -> float:
+    """Every prompt as its own DELTA stream through the async front ``front``, all at once (as 256 server
+    clients would); returns output tok/s."""
     from jaxserve.sampling_params import RequestOutputKind
-    eng = llm.engine
-    if STUB_DEVICE:
-        StubDevice(eng.runner)
-    timer = PhaseTimer(eng)
-    timer.want = len(prompts)
-    eng.step = timer.step                           # the loop thread calls eng.step()
-    front = AsyncLLMEngine(eng.config, engine=eng)
 
     async def one(i, p):
         n = 0
@@ -266,13 +285,96 @@ def run_async(llm, prompts, kind, output_len) -> dict:
 
     t0 = time.perf_counter()
     n_out = asyncio.run(main())
-    dt = time.perf_counter() - t0
+    return round(n_out / (time.perf_counter() - t0), 1)
+
+
+def run_async(llm, prompts, kind, output_len) -> dict:
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+    eng = llm.engine
+    if STUB_DEVICE:
+        StubDevice(eng.runner)
+    timer = PhaseTimer(eng)
+    timer.want = len(prompts)
+    eng.step = timer.step                           # the loop thread calls eng.step()
+    front = AsyncLLMEngine(eng.config, engine=eng)
+    tok_s = stream_all(front, prompts, kind, output_len)
     front.shutdown(drain_timeout=1)
     del eng.step
     res = timer.summary()
-    res["output_tok_s"] = round(n_out / dt, 1)
+    res["output_tok_s"] = tok_s
     timer.restore()
     return res
+
+
+class NullOutbox:
+    """The core's output socket for ``--engine core``: counts what would be sent."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def send(self, data, copy=True):
+        self.bytes += len(data)
+
+
+def run_core(eng, prompts, kind, output_len, profile=None) -> dict:
+    """The engine core's per-step work (``EngineCoreLoop.step_and_send``) with no sockets, on an
+    ``LLMEngine(core_outputs=True)`` in this process; ``profile``: cProfile its steady-state steps into
+    this file."""
+    import msgspec
+
+    from jaxserve.engine.core import EngineCoreLoop
+    from jaxserve.sampling_params import RequestOutputKind
+    if STUB_DEVICE:
+        StubDevice(eng.runner)
+    timer = PhaseTimer(eng)
+    timer.want = len(prompts)
+    eng.step = timer.step                           # step_and_send calls eng.step()
+    outbox = NullOutbox()
+    loop = EngineCoreLoop(eng, None, outbox, msgspec.msgpack.Encoder())
+    params = make_params(kind, output_len, RequestOutputKind.FINAL_ONLY)
+    for p in prompts:
+        eng.add_request(eng.new_request_id(), p, params)
+    prof = cProfile.Profile() if profile else None
+    profiled = 0
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        n_steady = len(timer.steady)
+        on = prof is not None and n_steady > 0
+        if on:
+            prof.enable()
+        c1, t1 = time.thread_time(), time.perf_counter()
+        loop.step_and_send()
+        dt, cpu = time.perf_counter() - t1, time.thread_time() - c1
+        if on:
+            prof.disable()
+            profiled += 1
+        if len(timer.steady) > n_steady:        # a steady step: what the loop spent beyond step()
+            rec = timer.steady[-1]
+            rec["stats_send"] = dt - rec["wall"]
+            rec["core_host"] = rec["host"] + rec["stats_send"]
+            rec["core_host_cpu"] = cpu          # this thread's CPU time: what other processes' load leaves out
+    dt = time.perf_counter() - t0
+    del eng.step
+    if prof is not None:
+        prof.dump_stats(profile)
+    res = timer.summary()
+    res["output_tok_s"] = round(timer.want * output_len / dt, 1)
+    res["bytes_per_step"] = round(outbox.bytes / max(1, eng.runner.stats.steps))
+    res["profiled_steps"] = profiled
+    timer.restore()
+    return res
+
+
+def function_table(profile: str, steps: int, top: int = 30) -> str:
+    """The profile's functions by own time: ms per step (own, and with what they call) and calls per step,
+    as a markdown table."""
+    st = pstats.Stats(profile).stats
+    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
+    out = ["| function | own ms/step | cum ms/step | calls/step |", "|---|---|---|---|"]
+    for (path, line, name), (_cc, nc, tt, ct, _callers) in rows:
+        where = name if path == "~" else f"{os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)}:{line}({name})"
+        out.append(f"| `{where}` | {tt * 1e3 / steps:.3f} | {ct * 1e3 / steps:.3f} | {nc / steps:.1f} |")
+    return "\n".join(out)
 
 
 class CoreStepRecorder:
@@ -338,28 +440,15 @@ def run_split_sync(llm, prompts, kind, output_len) -> dict:
 
 def run_split_async(llm, prompts, kind, output_len) -> dict:
     from jaxserve.engine.async_engine import AsyncLLMEngine
-    from jaxserve.sampling_params import RequestOutputKind
     eng = llm.engine
     front = AsyncLLMEngine(eng.config, engine=eng)
     rec = CoreStepRecorder(eng, len(prompts))
-
-    async def one(i, p):
-        n = 0
-        async for out in front.generate(p, make_params(kind, output_len, RequestOutputKind.DELTA), f"a{i}"):
-            n += len(out.outputs[0].token_ids)
-        return n
-
-    async def main():
-        return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-
-    t0 = time.perf_counter()
-    n_out = asyncio.run(main())
-    dt = time.perf_counter() - t0
+    tok_s = stream_all(front, prompts, kind, output_len)
     rec.restore()
     front._stop.set()                       # stop its reader thread; the core stays up for the next run
     front._thread.join()
     eng._reader_thread = None
-    return {**rec.summary(), "output_tok_s": round(n_out / dt, 1)}
+    return {**rec.summary(), "output_tok_s": tok_s}
 
 
 def main(argv=None) -> int:
@@ -373,14 +462,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--mode", choices=("sync", "async", "both"), default="both")
     ap.add_argument("--sampling", choices=("greedy", "random", "both"), default="both")
-    ap.add_argument("--engine", choices=("inproc", "split", "both"), default="both",
-                    help="the engine core in this process, in its own (multiprocess=True), or both")
+    ap.add_argument("--engine", choices=("inproc", "core", "split", "both"), default="both",
+                    help="the engine core in this process (inproc: with its front end; core: the core's own "
+                         "step loop, no sockets), in its own (split: multiprocess=True), or both = inproc + split")
     ap.add_argument("--structured", action="store_true",
                     help="constrain every request to the serving benchmark's JSON schema")
     ap.add_argument("--stub-device", action="store_true",
                     help="run no jitted step: tokens are random (allowed by the mask), their picking counts as device")
     ap.add_argument("--profile", default=None, help="after the table, cProfile the steady-state steps of one "
-                                                   "more sync run into this file and print the top functions")
+                                                   "more sync run (the first in-process engine given: inproc or "
+                                                   "core) into this file and print its functions' ms/step")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     global STRUCTURED, STUB_DEVICE
@@ -400,20 +491,29 @@ def main(argv=None) -> int:
     kinds = ("greedy", "random") if a.sampling == "both" else (a.sampling,)
     engines = ("inproc", "split") if a.engine == "both" else (a.engine,)
     rows = []
-    llm = None
+    llm = core = None
     for engine in engines:
         rng = np.random.default_rng(0)
         if engine == "inproc":
             llm = LLM(folder, use_tqdm_on_load=False, multiprocess=False, **opts)
+            llm.engine.runner.wait_compiled()
             vocab = llm.engine.model_config.vocab_size
+        elif engine == "core":
+            from jaxserve.engine.llm_engine import LLMEngine
+            from jaxserve.llm import engine_config_from_kwargs
+            core = LLMEngine(engine_config_from_kwargs(folder, **opts), progress=False, core_outputs=True)
+            core.runner.wait_compiled()         # the steady state: no background compile competes for the cores
+            vocab = core.model_config.vocab_size
         else:
             split = LLM(folder, use_tqdm_on_load=False, multiprocess=True, **opts)
             vocab = split.engine.model_config.vocab_size
-        for mode in modes:
+        for mode in (("sync",) if engine == "core" else modes):
             for kind in kinds:
                 prompts = [rng.integers(3, vocab, size=a.input_len).tolist() for _ in range(a.seqs)]
                 if engine == "inproc":
                     res = (run_sync if mode == "sync" else run_async)(llm, prompts, kind, a.output_len)
+                elif engine == "core":
+                    res = run_core(core, prompts, kind, a.output_len)
                 elif mode == "sync":
                     res = run_split_sync(split, prompts, kind, a.output_len)
                 else:
@@ -439,6 +539,18 @@ def main(argv=None) -> int:
             print(f"| {r['mode']} | {r['sampling']} | " + " | ".join(f"{r[c]:.2f}" for c in cols)
                   + f" | {r['output_tok_s']:.0f} |")
         print("(in-process engine; ms per steady-state step, medians; host = wall - device_wait)")
+    core_rows = [r for r in rows if r["engine"] == "core"]
+    if core_rows:
+        cols = ["core_host_cpu", "core_host", "host", "stats_send", "wall", *PHASES]
+        print("\n| sampling | " + " | ".join(cols) + " | bytes/step | out tok/s |")
+        print("|" + "---|" * (len(cols) + 3))
+        for r in core_rows:
+            print(f"| {r['sampling']} | " + " | ".join(f"{r[c]:.2f}" for c in cols)
+                  + f" | {r['bytes_per_step']} | {r['output_tok_s']:.0f} |")
+        print("(the engine core's step loop in this process, no sockets; ms per steady-state step, medians; host = "
+              "step() wall - device_wait; stats_send = stats + msgpack encoding; core_host = host + stats_send; "
+              "core_host_cpu = the engine thread's CPU time per step (time.thread_time: the other threads, "
+              "XLA's CPU device among them, and other processes left out; a wait that spins counts))")
     split_rows = [r for r in rows if r["engine"] == "split"]
     if split_rows:
         cols = ["host", "loop_host", "wall", "device_wait", "front"]
@@ -451,11 +563,15 @@ def main(argv=None) -> int:
         print("(engine core in its own process; ms per steady-state step, medians; core host = its step() wall "
               "- device_wait; loop_host adds its messages, encoding, sending; front = the front end's output "
               "processing per step, in the other process)")
-    if a.profile and llm is not None:       # a separate run (cProfile slows the host down): sync, the first sampling kind
+    if a.profile and (llm is not None or core is not None):
+        # a separate run (cProfile slows the host down): sync, the first sampling kind
         prompts = [rng.integers(3, vocab, size=a.input_len).tolist() for _ in range(a.seqs)]
-        run_sync(llm, prompts, kinds[0], a.output_len, profile=a.profile)
-        print()
-        pstats.Stats(a.profile).sort_stats("tottime").print_stats(30)
+        which = "core" if llm is None else "inproc"
+        res = (run_core(core, prompts, kinds[0], a.output_len, profile=a.profile) if which == "core"
+               else run_sync(llm, prompts, kinds[0], a.output_len, profile=a.profile))
+        steps = max(1, res["profiled_steps"])
+        print(f"\ncProfile of {steps} steps ({which}, sync, {kinds[0]}), functions by own time:")
+        print(function_table(a.profile, steps))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": "python " + " ".join([os.path.relpath(__file__, ROOT)]

@@ -1,112 +1,222 @@
-"""Quantized projection matmuls vs bf16 at Llama-3.1-8B's shapes: the int4 W4A16 Pallas kernel, the int4
-dequantize-then-dot path, FP8 W8A8 (XLA's fp8 dot) and the bf16 dot, at decode (M = 1, 4, 16) and prefill
-(M = 256, 2048) sizes. Prints one markdown table: microseconds per call, the weight-read rate in TB/s and its
-share of the read ceiling (configs/hardware/h200.yaml), and the speed-up over bf16; ``--tune`` first sweeps
-the int4 kernel's block_n / split_k / warps / stages at M = 1 (decode) and reports the best per shape.
+"""Quantized projection matmuls vs bf16 at Llama-3.1-8B's shapes: the int4 W4A16 Pallas kernel (the launch the
+engine uses), the int4 dequantize-then-dot path (the engine's prefill path), FP8 W8A8 (XLA's fp8 dot) and the
+bf16 dot, at decode (M = 1, 4, 16, 64) and prefill (M = 256, 2048) sizes; at decode sizes also FP8 as W8A16
+(the weight converted inside XLA's GEMM, no activation quantization).
 
-    python -m benchmarks.diagnostics.quant_matmul_bench [--tune] [--out FILE]
+Each figure is one matmul's share of ``--layers`` matmuls over as many distinct weights inside one jitted
+program, as the model's layers run them: a separate dispatch per matmul would measure the ~40 us launch, and one
+weight reused would be read from L2. Prints a markdown table row by row (a run cut short still says something):
+microseconds per matmul, the weight-read rate in TB/s and its share of the read ceiling
+(configs/hardware/h200.yaml), and the speed-up over bf16. ``--tune`` then sweeps the int4 kernel's launch
+options (``kernels.int4_matmul_pallas.Config``; a handful per shape) at ``--tune-m`` after the table and prints
+each result and the best per shape.
+
+    python -m benchmarks.diagnostics.quant_matmul_bench [--tune] [--tune-m 4,16] [--m 1,4,16] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.kernels import int4_matmul_pallas as k4
 from jaxserve.quantization import online
-from jaxserve.quantization.weights import _fp8_matmul
+from jaxserve.quantization.weights import INT4_KERNEL_MAX_TOKENS, _fp8_matmul
 
 READ_CEILING = 4.60e12          # configs/hardware/h200.yaml read_bandwidth
 # (name, K, N) of one Llama-3.1-8B layer's projections (gate_up fused: N = 2 x 14336)
-SHAPES = [("q/o", 4096, 4096), ("k/v", 4096, 1024), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
-M_SIZES = (1, 4, 16, 256, 2048)
+SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096), "q/o": (4096, 4096), "k/v": (4096, 1024)}
+M_SIZES = (1, 4, 16, 64, 256, 2048)
 GROUP = 128
 
 
-def time_us(fn, *args, iters: int = 50) -> float:
+def time_us(fn, args, layers: int, iters: int = 10) -> float:
+    """Microseconds per matmul: the best of 3 runs of ``iters`` calls, each call ``layers`` matmuls."""
     jax.block_until_ready(fn(*args))
     best = float("inf")
-    for _ in range(5):
+    for _ in range(3):
         t = time.perf_counter()
         for _ in range(iters):
             out = fn(*args)
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - t) / iters)
-    return best * 1e6
+    return best / layers * 1e6
 
 
-def weights(k: int, n: int):
-    w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16) * 0.02
-    return w, online.quantize_int4(w, GROUP, jnp.bfloat16), online.quantize_fp8_per_channel(w)
+def layered(matmul):
+    """One program: every layer's activation times its own weight (distinct activations, so no common work is
+    shared between layers, as none is in the model)."""
+    return jax.jit(lambda xs, ws: [matmul(x, w) for x, w in zip(xs, ws)])
 
 
-def tune(k: int, n: int, q4) -> dict:
-    """The fastest int4 kernel options at M = 1 for this shape (36 compiles)."""
-    best = {}
-    for m in (1,):
-        x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-        results = []
-        for bn, split, warps, stages in itertools.product((32, 64, 128), (None, 2, 8), (2, 4), (2, 4)):
-            if n % bn or (split and (k // 128) % split):
-                continue
-            fn = jax.jit(lambda x, p, s, z, bn=bn, split=split, warps=warps, stages=stages: k4.int4_matmul(
-                x, p, s, z, group_size=GROUP, block_n=bn, split_k=split, num_warps=warps, num_stages=stages))
-            try:
-                results.append((time_us(fn, x, q4.packed, q4.scales, q4.zeros, iters=20), bn, split, warps, stages))
-            except Exception as e:  # noqa: BLE001  (a config Triton cannot compile is skipped, and said)
-                print(f"skip bn={bn} split={split} warps={warps} stages={stages}: {type(e).__name__}", file=sys.stderr)
-        best[m] = min(results)
-    return best
+@dataclasses.dataclass
+class Weights:
+    bf16: list
+    int4: list          # (packed, scales, zeros) per layer
+    fp8: list
+
+    @property
+    def int4_bytes(self) -> int:
+        return sum(a.nbytes for a in self.int4[0])
+
+    @property
+    def fp8_bytes(self) -> int:
+        return self.fp8[0].weight.nbytes + self.fp8[0].scale.nbytes
+
+
+def make_weights(k: int, n: int, layers: int, kinds=("bf16", "int4", "fp8")) -> Weights:
+    out = Weights([], [], [])
+    quant4 = jax.jit(lambda w: online.quantize_int4(w, GROUP, jnp.bfloat16))
+    for layer in range(layers):
+        w = jax.random.normal(jax.random.key(layer), (k, n), jnp.bfloat16) * 0.02
+        if "int4" in kinds:
+            q = quant4(w)
+            out.int4.append((q.packed, q.scales, q.zeros))
+        if "fp8" in kinds:
+            out.fp8.append(online.quantize_fp8_per_channel(w))
+        if "bf16" in kinds:
+            out.bf16.append(w)
+        else:
+            del w
+    return out
+
+
+def activations(m: int, k: int, layers: int) -> list:
+    return [jax.random.normal(jax.random.key(1000 + i), (m, k), jnp.bfloat16) for i in range(layers)]
+
+
+def int4_fn(config: k4.Config | None = None):
+    return layered(lambda x, w: k4.int4_matmul(x, *w, group_size=GROUP, config=config))
+
+
+def tune_configs(m: int, k: int, n: int) -> list[k4.Config]:
+    """About a dozen launches worth trying at this size, the likeliest first: the fma kernel with a block of
+    128 columns per warp (its scale row and weight tile then share one register layout), the dot kernel with
+    8 or 4 warps, each with the split-K heuristic's choice and twice / half of it."""
+    k_blocks = k // k4.block_k(GROUP)
+    R = dataclasses.replace
+
+    def splits(c: k4.Config) -> list[k4.Config]:
+        tiles = n // c.block_n * (1 if c.method == "fma" else -(-m // 16))
+        auto = k4._split_k(k_blocks, tiles, c.num_warps, c.unroll)
+        return [R(c, split_k=auto * 2), R(c, split_k=max(1, auto // 2))]
+
+    fma = k4.Config("fma", block_n=128, num_warps=1)
+    dot = k4.Config("dot", block_n=128, num_warps=8, num_stages=3)
+    if m == 1:
+        cands = [fma, R(fma, block_n=256, num_warps=2), R(fma, block_n=512, num_warps=4), *splits(fma),
+                 R(fma, num_stages=3), dot, R(dot, block_n=64, num_warps=4), *splits(dot)]
+    else:
+        cands = [dot, R(dot, block_n=64, num_warps=4), R(dot, block_n=256), R(dot, unroll=2), R(dot, num_stages=2),
+                 *splits(dot), R(dot, block_n=64, num_warps=4, unroll=2), R(dot, num_warps=4)]
+    seen, out = set(), []
+    for c in cands:
+        if c not in seen and (c.split_k is None or k_blocks % c.split_k == 0) and n % c.block_n == 0:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+def describe(c: k4.Config) -> str:
+    return (f"{c.method} bn={c.block_n} split={c.split_k or 'auto'} unroll={c.unroll} warps={c.num_warps} "
+            f"stages={c.num_stages}")
+
+
+def tune(shapes, ms, layers: int, max_configs: int, emit) -> None:
+    emit("| shape | M | us | TB/s (% read) | launch |")
+    emit("|---|---|---|---|---|")
+    for name in shapes:
+        k, n = SHAPES[name]
+        w = make_weights(k, n, layers, kinds=("int4",))
+        for m in ms:
+            xs = activations(m, k, layers)
+            results = []
+            for cfg in tune_configs(m, k, n)[:max_configs]:
+                try:
+                    us = time_us(int4_fn(cfg), (xs, w.int4), layers)
+                except Exception as e:  # noqa: BLE001  (a launch Triton cannot compile is skipped, and said)
+                    emit(f"| {name} | {m} | skip | | {describe(cfg)}: {type(e).__name__} |")
+                    continue
+                results.append((us, describe(cfg)))
+                rate = w.int4_bytes / us / 1e6
+                emit(f"| {name} | {m} | {us:.1f} | {rate:.2f} ({100e12 * rate / READ_CEILING:.0f} %) | "
+                     f"{describe(cfg)} |")
+            if results:
+                us, what = min(results)
+                emit(f"| **{name}** | **{m}** | **{us:.1f}** | best | {what} |")
+        del w
+
+
+def table(shapes, ms, layers: int, emit) -> None:
+    emit("| shape | M | bf16 us | int4 us (path) | int4 TB/s (% read) | fp8 us | fp8 TB/s (% read) | "
+         "int4 / fp8 speed-up | fp8 W8A16 us |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    bf16 = layered(lambda x, w: x @ w)
+    kernel, dequant = int4_fn(), layered(lambda x, w: k4.int4_matmul_reference(x, *w, GROUP))
+    fp8 = layered(lambda x, w: _fp8_matmul(x, w, w.weight.shape[0]))
+    # the alternative at decode sizes: no activation quantization, the weight's e4m3 -> bf16 convert left for
+    # XLA to fuse into its GEMM, the channel scale on the result
+    fp8_w8a16 = layered(lambda x, w: (jax.lax.dot_general(x, w.weight.astype(x.dtype), (((1,), (1,)), ((), ())),
+                                                          preferred_element_type=jnp.float32) * w.scale
+                                      ).astype(x.dtype))
+    for name in shapes:
+        k, n = SHAPES[name]
+        w = make_weights(k, n, layers)
+        for m in ms:
+            xs = activations(m, k, layers)
+            t_bf16 = time_us(bf16, (xs, w.bf16), layers)
+            use_kernel = m <= INT4_KERNEL_MAX_TOKENS and k4.supports(m, k, n, GROUP)
+            t_4 = time_us(kernel if use_kernel else dequant, (xs, w.int4), layers)
+            t_8 = time_us(fp8, (xs, w.fp8), layers)
+            w8a16 = f"{time_us(fp8_w8a16, (xs, w.fp8), layers):.1f}" if m <= INT4_KERNEL_MAX_TOKENS else "–"
+            note = ""
+            if use_kernel:
+                got = kernel(xs[:1], w.int4[:1])[0].astype(jnp.float32)
+                want = dequant(xs[:1], w.int4[:1])[0].astype(jnp.float32)
+                err = float(jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-9))
+                note = "" if err < 0.02 else f" MISMATCH (relative {err:.3g})"
+            r4, r8 = w.int4_bytes / t_4 / 1e6, w.fp8_bytes / t_8 / 1e6
+            emit(f"| {name} {k}x{n} | {m} | {t_bf16:.1f} | {t_4:.1f} ({'kernel' if use_kernel else 'dequant'}) | "
+                 f"{r4:.2f} ({100e12 * r4 / READ_CEILING:.0f} %) | {t_8:.1f} | {r8:.2f} "
+                 f"({100e12 * r8 / READ_CEILING:.0f} %) | {t_bf16 / t_4:.2f}x / {t_bf16 / t_8:.2f}x | {w8a16} |{note}")
+        del w
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--m", default=",".join(map(str, M_SIZES)), help="token counts of the table")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("--layers", type=int, default=32, help="distinct weights per program (Llama-3.1-8B: 32)")
+    ap.add_argument("--tune", action="store_true", help="then sweep the int4 kernel's launch options")
+    ap.add_argument("--tune-m", default="1,4,16")
+    ap.add_argument("--tune-configs", type=int, default=12, help="launches tried per shape and M")
+    ap.add_argument("--no-table", action="store_true", help="only the sweep")
+    ap.add_argument("--out", default=None, help="also write the output to this file")
     a = ap.parse_args(argv)
-    lines = [f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", ""]
+    shapes = [s for s in a.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
+    lines: list[str] = []
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    emit(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.layers} layers per program, "
+         f"groups of {GROUP}; us per matmul")
+    if not a.no_table:          # the engine's launches first: a run cut short keeps the headline
+        table(shapes, [int(v) for v in a.m.split(",")], a.layers, emit)
+        emit("")
     if a.tune:
-        lines += ["| shape | M | best us | block_n | split_k | warps | stages |", "|---|---|---|---|---|---|---|"]
-        for name, k, n in SHAPES:
-            _, q4, _ = weights(k, n)
-            for m, (us, bn, split, warps, stages) in tune(k, n, q4).items():
-                lines.append(f"| {name} {k}x{n} | {m} | {us:.1f} | {bn} | {split} | {warps} | {stages} |")
-            print("\n".join(lines), flush=True)
-        lines.append("")
-    lines += ["| shape | M | bf16 us | int4 kernel us | int4 TB/s (% read) | int4 dequant+dot us | fp8 us | "
-              "fp8 TB/s (% read) | int4 / fp8 speed-up |", "|---|---|---|---|---|---|---|---|---|"]
-    bf16_dot = jax.jit(lambda x, w: x @ w)
-    kernel = jax.jit(lambda x, p, s, z: k4.int4_matmul(x, p, s, z, group_size=GROUP))
-    dequant = jax.jit(lambda x, p, s, z: k4.int4_matmul_reference(x, p, s, z, GROUP))
-    fp8 = jax.jit(lambda x, w: _fp8_matmul(x, w, w.weight.shape[0]))
-    for name, k, n in SHAPES:
-        w, q4, q8 = weights(k, n)
-        int4_bytes = q4.packed.nbytes + q4.scales.nbytes + q4.zeros.nbytes
-        fp8_bytes = q8.weight.nbytes + q8.scale.nbytes
-        for m in M_SIZES:
-            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            t_bf16 = time_us(bf16_dot, x, w)
-            t_k = time_us(kernel, x, q4.packed, q4.scales, q4.zeros)
-            t_d = time_us(dequant, x, q4.packed, q4.scales, q4.zeros)
-            t_8 = time_us(fp8, x, q8)
-            err = float(jnp.max(jnp.abs(kernel(x, q4.packed, q4.scales, q4.zeros).astype(jnp.float32)
-                                        - dequant(x, q4.packed, q4.scales, q4.zeros).astype(jnp.float32))))
-            rate4, rate8 = int4_bytes / t_k / 1e6, fp8_bytes / t_8 / 1e6
-            lines.append(f"| {name} {k}x{n} | {m} | {t_bf16:.1f} | {t_k:.1f} | {rate4:.2f} "
-                         f"({100 * rate4 / READ_CEILING * 1e12:.0f} %) | {t_d:.1f} | {t_8:.1f} | {rate8:.2f} "
-                         f"({100 * rate8 / READ_CEILING * 1e12:.0f} %) | {t_bf16 / t_k:.2f}x / {t_bf16 / t_8:.2f}x |"
-                         + ("" if err < 0.05 else f" MISMATCH {err:.3g}"))
-            print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
+        tune(shapes, [int(v) for v in a.tune_m.split(",")], a.layers, a.tune_configs, emit)
     if a.out:
         with open(a.out, "w") as f:
-            f.write(text + "\n")
+            f.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -8,17 +8,26 @@
                in its own process so no in-memory cache helps the second), wall seconds of each
     pad        pad or wait: a prompt's own bucket compiled (seconds) against its step run padded to the largest
                bucket (milliseconds more per step) — what a step does while its bucket compiles
+    dummy      `--load-format dummy` weights of ``--model``: seconds and seconds per GB of the fill (first call
+               with its compiles, then again), against ``jax.random.normal`` over the same shapes
+    parity     greedy tokens of the same prompts with each step in its own bucket against only the smallest and
+               largest compiled (steps padded up), in one process: the same ids, or where they part and the top-2
+               logprob gap there (random weights give near-ties that a different program's rounding flips)
 
 Every run is a fresh process with a fresh cache folder under a temporary directory. CPU time (user + sys of
 the child) is reported next to wall time: on a shared machine wall time mostly measures the neighbours.
 
     .venv/bin/python benchmarks/diagnostics/startup.py generate --out benchmarks/results/2026-12-01-cpu-startup.json
     python benchmarks/diagnostics/startup.py serve --model llama-3.1-8b --load-format dummy   # on the GPU host
+    python benchmarks/diagnostics/startup.py dummy --model llama-3.1-8b
+    python benchmarks/diagnostics/startup.py parity --model llama-3.1-8b --load-format dummy
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
 import resource
 import shutil
@@ -195,6 +204,75 @@ def run_pad(a) -> dict:
     return out
 
 
+def run_dummy(a) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models import load_model
+    from jaxserve.runner import compile_cache
+    compile_cache.enable("")        # nothing from an earlier run: the first load pays its compiles
+    model = a.model or "llama-3.2-1b"
+    out = {"model": model}
+    for run in ("first", "again"):
+        t0 = time.perf_counter()
+        m = load_model(model, load_format="dummy")
+        leaves = jax.tree.leaves(m.params)
+        jax.block_until_ready(leaves)
+        out[f"{run}_s"] = round(time.perf_counter() - t0, 3)
+    gb = sum(x.size * x.dtype.itemsize for x in leaves) / 1e9
+    out["gb"] = round(gb, 3)
+    out["again_s_per_gb"] = round(out["again_s"] / gb, 3)
+    shapes = sorted({(x.shape, x.dtype) for x in leaves if x.ndim > 1}, key=str)
+    normal = {s: jax.jit(lambda k, s=s: jax.random.normal(k, s[0], s[1]) * jnp.asarray(0.02, s[1])) for s in shapes}
+    key = jax.random.key(0)
+    for s in shapes:                                   # compiled outside the timing
+        jax.block_until_ready(normal[s](key))
+    t0 = time.perf_counter()                           # one array of each shape (it is slow on a CPU)
+    jax.block_until_ready([normal[s](key) for s in shapes])
+    shapes_gb = sum(math.prod(s[0]) * s[1].itemsize for s in shapes) / 1e9
+    out["jax_random_normal_s_per_gb"] = round((time.perf_counter() - t0) / shapes_gb, 3)
+    print(out, file=sys.stderr)
+    return out
+
+
+def run_parity(a) -> dict:
+    import jax
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.config import EngineConfig
+    from jaxserve.runner.model_runner import token_buckets
+
+    kw = dict(use_tqdm_on_load=False, max_model_len=1024)
+    if a.model:
+        kw.update(model=a.model, load_format=a.load_format or "auto")
+    prompts = [a.prompt, "Once upon a time in a land far away there lived a king who had three daughters and"]
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, logprobs=2, ignore_eos=True)
+    sched = EngineConfig().resolved(jax.default_backend()).scheduler
+    default = token_buckets(sched.max_num_batched_tokens)
+    # the buckets these short prompts' steps use (every one up to 64 tokens) and the largest: each step in
+    # its own bucket, against only the smallest and largest compiled (every prefill padded to the largest)
+    every = tuple(b for b in default if b <= 64) + (default[-1],)
+    runs = {}
+    for name, buckets in (("every bucket", every), ("smallest and largest", (every[0], every[-1]))):
+        llm = LLM(token_buckets=buckets, **kw)
+        llm.wait_compiled()
+        runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+        del llm
+        gc.collect()                   # the first engine's weights and KV cache go before the second's
+    out = {"buckets": list(every), "prompts": []}
+    for i, p in enumerate(prompts):
+        x, y = runs["every bucket"][i], runs["smallest and largest"][i]
+        entry = {"prompt": p, "same_ids": x.token_ids == y.token_ids, "text": [x.text, y.text]}
+        if not entry["same_ids"]:
+            at = next(j for j, (u, v) in enumerate(zip(x.token_ids, y.token_ids)) if u != v)
+            top = sorted(x.logprobs[at].values(), key=lambda lp: -lp.logprob)
+            entry |= {"first_differs_at": at, "top2_logprob_gap_there": round(top[0].logprob - top[1].logprob, 5)}
+        out["prompts"].append(entry)
+    print(out, file=sys.stderr)
+    return out
+
+
 def run_compile(a) -> dict:
     out = []
     for w in (1, a.workers):
@@ -209,7 +287,7 @@ def run_compile(a) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=["generate", "serve", "compile", "pad", "compile-child"])
+    p.add_argument("mode", choices=["generate", "serve", "compile", "pad", "dummy", "parity", "compile-child"])
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
@@ -227,7 +305,8 @@ def main(argv=None) -> int:
     if a.mode == "compile-child":
         compile_child(a.workers, a.model, a.load_format)
         return 0
-    result = {"generate": run_generate, "serve": run_serve, "compile": run_compile, "pad": run_pad}[a.mode](a)
+    result = {"generate": run_generate, "serve": run_serve, "compile": run_compile, "pad": run_pad,
+              "dummy": run_dummy, "parity": run_parity}[a.mode](a)
     result = {"mode": a.mode, "argv": sys.argv, "tree": os.path.relpath(TREE, ROOT), "environment": environment(sys.argv, devices_in_subprocess=True),
               **result}
     text = json.dumps(result, indent=1)

@@ -105,14 +105,20 @@ class EngineCoreLoop:
                 if handled:                     # e.g. the last aborts: the front end's stats show them
                     self.outbox.send(self.encoder.encode(m.EngineCoreOutputs([], eng.stats())))
                 continue
-            outputs = eng.step()
-            stats = eng.stats()
-            stats["core_loop_ms_total"] = self.loop_ms          # up to the previous step
-            self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(outputs, stats)), copy=False)
+            self.step_and_send()
             t1 = time.perf_counter()
             # the loop's whole cost of a step: its messages, the step, encoding and sending its outputs
             self.loop_ms += (t1 - t0) * 1e3
             t0 = t1
+
+    def step_and_send(self) -> None:
+        """One engine step and its EngineCoreOutputs (with the core's stats) to the front end: the loop's
+        per-step work, apart from reading the inbox (``benchmarks/diagnostics/host_overhead.py`` profiles it)."""
+        eng = self.engine
+        outputs = eng.step()
+        stats = eng.stats()
+        stats["core_loop_ms_total"] = self.loop_ms          # up to the previous step
+        self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(outputs, stats)), copy=False)
 
     def add(self, msg: m.EngineCoreRequest) -> None:
         eng = self.engine

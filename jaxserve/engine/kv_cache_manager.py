@@ -183,6 +183,12 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def live_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table, the manager's own list (no copy: a step's inputs read it that step;
+        it only grows until the request frees it, and a new allocation after a free is a new list)."""
+        ids = self.req_to_block_ids.get(request_id)
+        return ids if ids is not None else []
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (physical block ids, a fresh list); empty if it holds none."""
         ids = self.req_to_block_ids.get(request_id)

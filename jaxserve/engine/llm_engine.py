@@ -320,7 +320,8 @@ class LLMEngine(RequestBuilder):
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return []
-        outputs = self._process_in_flight(keep=0) if self._needs_history(scheduled) else []
+        needs_history = self.scheduler.num_penalized and self._needs_history(scheduled)
+        outputs = self._process_in_flight(keep=0) if needs_history else []
         prev = self._in_flight[-1].pending if self._in_flight else None
         constrained = self.structured_output.constrained_rows(scheduled)
         if constrained is None:

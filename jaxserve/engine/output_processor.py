@@ -150,15 +150,28 @@ class OutputProcessor:
             if req.status > preempted:
                 continue
             rid = req.request_id
-            toks, lps = _step_tokens(token_ids, logprobs, rid)
+            toks = token_ids[rid]
             eos_ids = () if req.ignore_eos else req.eos_token_ids
             status = reason = None
-            for j, tok in enumerate(toks):
-                idx = first + j
-                req.set_output_token(idx, tok)
-                status, reason = token_verdict(req, idx + 1, tok, eos_ids, accept)
-                if status is not None:
-                    break
+            if type(toks) is int and not logprobs:
+                # one token, no logprobs (the common step): set_output_token inlined, and token_verdict
+                # only for a token it could end on (a stop id, the length limit, a grammar)
+                idx, j = first, 0
+                req.output_token_ids[idx] = toks
+                req._all_token_ids[len(req.prompt_token_ids) + idx] = toks
+                req.num_placeholders -= 1
+                lps = None
+                if (toks in eos_ids or toks in req.stop_token_ids or idx + 1 >= req.max_output_tokens
+                        or accept is not None):
+                    status, reason = token_verdict(req, idx + 1, toks, eos_ids, accept)
+            else:
+                toks, lps = _step_tokens(token_ids, logprobs, rid)
+                for j, tok in enumerate(toks):
+                    idx = first + j
+                    req.set_output_token(idx, tok)
+                    status, reason = token_verdict(req, idx + 1, tok, eos_ids, accept)
+                    if status is not None:
+                        break
             if status is not None:
                 if len(req.output_token_ids) > idx + 1:
                     req.truncate_output(idx + 1)

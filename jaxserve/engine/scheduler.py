@@ -39,7 +39,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start_pos: int                  # == request.num_computed_tokens when scheduled
-    block_ids: list[int]            # the whole block table after allocation (a snapshot)
+    # the whole block table after allocation: the KV cache manager's own list (read it in this step; it only
+    # grows, and the runner's persistent rows copy just what it gained)
+    block_ids: list[int]
     samples: bool = True            # the chunk ends at the last known token: the step yields a token
     # multi-step decoding: a decode run for num_steps iterations in one dispatch computes positions
     # start_pos .. start_pos + num_steps - 1 and samples num_steps tokens (slots are allocated for all of them)
@@ -102,6 +104,7 @@ class Scheduler:
         self.capped: dict[str, Request] = {}
         self._finished_ids: list[str] = []           # since the last schedule()
         self.num_scoring = 0                         # unfinished requests that asked for prompt logprobs
+        self.num_penalized = 0                       # unfinished requests with a presence/frequency/repetition penalty
         self.num_preemptions = 0                     # total, for stats
 
     # -- queue ----------------------------------------------------------------------------------------
@@ -117,6 +120,8 @@ class Scheduler:
         self.waiting.append(request)
         if _scores_prompt(request):
             self.num_scoring += 1
+        if request.uses_penalties:
+            self.num_penalized += 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -151,14 +156,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = len(req._all_token_ids) - req.num_computed_tokens
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
                 continue
             if num_new > budget and not self._may_chunk(num_new):
                 i += 1                  # chunked prefill off: wait for a step with room for all of it
                 continue
-            num_new = min(num_new, budget)
+            if num_new > budget:
+                num_new = budget
             while kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -239,7 +245,7 @@ class Scheduler:
         for s, k in zip(scheduled, ks):
             if k > 1 and kv.allocate_slots(s.request, k) is not None:
                 s.num_steps = k
-                s.block_ids = kv.block_ids(s.request.request_id)
+                s.block_ids = kv.live_block_ids(s.request.request_id)
                 longest = max(longest, k)
         if longest < n:     # the pool gave no entry all n: single steps (the blocks stay for those steps)
             for s in scheduled:
@@ -254,9 +260,8 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(request=req, num_new_tokens=num_new, start_pos=start,
-                                block_ids=self.kv_cache_manager.block_ids(req.request_id),
-                                samples=start + num_new == req.num_tokens)
+        return ScheduledRequest(req, num_new, start, self.kv_cache_manager.live_block_ids(req.request_id),
+                                start + num_new == len(req._all_token_ids))
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
@@ -276,6 +281,7 @@ class Scheduler:
         requests, running_status = self.requests, RequestStatus.RUNNING
         kv = self.kv_cache_manager
         cache_blocks = kv.cache_blocks if kv.enable_prefix_caching else None
+        num_cached, bs = kv.num_cached_blocks, kv.block_size
         capped = None
         for entry in scheduler_output.scheduled:
             req = entry.request
@@ -301,8 +307,13 @@ class Scheduler:
                     capped.append(req)
             req.num_computed_tokens = end
             if cache_blocks is not None:
-                # only blocks of known tokens: placeholders are filled when the output processor reads them
-                cache_blocks(req, min(end, len(req._all_token_ids) - req.num_placeholders))
+                # only blocks of known tokens: placeholders are filled when the output processor reads them;
+                # a decode inside a block fills none (checked here: once per request per step)
+                known = len(req._all_token_ids) - req.num_placeholders
+                if end < known:
+                    known = end
+                if known // bs > num_cached.get(req.request_id, 0):
+                    cache_blocks(req, known)
         if capped:
             for req in capped:
                 self.capped[req.request_id] = req
@@ -348,6 +359,8 @@ class Scheduler:
         del self.requests[req.request_id]
         if _scores_prompt(req):
             self.num_scoring -= 1
+        if req.uses_penalties:
+            self.num_penalized -= 1
         self._finished_ids.append(req.request_id)
         req.metrics.finished_time = now
 

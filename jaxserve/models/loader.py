@@ -269,7 +269,7 @@ def _gguf_getter(reader, path: str, cfg: ModelConfig) -> Callable[[str], np.ndar
     """``get(hf_name)``: the GGUF tensor dequantized to float32, in HF layout and HF values. llama.cpp's
     converters change two things that are undone here: Llama's q/k rows are permuted for its RoPE, and
     Gemma's norm weights are stored as ``1 + w`` (its RMSNorm multiplies by the weight itself)."""
-    from gguf.quants import dequantize
+    from jaxserve.models.gguf_file import dequantize  # noqa: PLC0415
 
     tensors = {t.name: t for t in reader.tensors}
     arch = reader.fields["general.architecture"]

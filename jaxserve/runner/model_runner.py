@@ -39,6 +39,7 @@ from jaxserve.engine.request import PLACEHOLDER
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
 from jaxserve.runner import packing, sampler as sampler_mod
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.step_compiler import StepCompiler
 from jaxserve.sampling_params import SamplingParams
 
@@ -322,7 +323,8 @@ class ModelRunner:
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
         self._step_count = 0
-        self._row_cache: dict[str, tuple] = {}     # request id -> (params, seed, sampler_mod.SamplingRow)
+        # each request's block-table row and sampling parameters, kept across steps
+        self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size)
         # what the executables are compiled for: shapes, dtypes and shardings only (a background compile must
         # not touch the cache buffers a step is donating meanwhile)
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
@@ -404,8 +406,9 @@ class ModelRunner:
         token (sampled by ``prev``, not yet on the host) is read on device from ``prev``'s output.
         ``pad_to_compiled``: while the step's own bucket is still compiling, pad up to a compiled one.
 
-        Vectorised: one pass over the requests gathers Python lists (tokens, starts, counts, the block
-        tables flattened), numpy does the per-token arithmetic (positions, slots, offsets)."""
+        Vectorised: one pass over the requests gathers Python lists (tokens, starts, counts), the block
+        tables come from the persistent ``input_batch`` rows (only new block ids are copied), numpy does the
+        per-token arithmetic (positions, slots, offsets)."""
         n = len(scheduled)
         counts_list = [s.num_new_tokens for s in scheduled]
         n_tok = sum(counts_list)
@@ -440,20 +443,17 @@ class ModelRunner:
                 pos = (starts - (ends - counts))[tok_row] + np.arange(n_tok, dtype=i32)
             input_ids[:n_tok] = toks
             positions[:n_tok] = pos
-            # block tables: every request's ids in one flat array, scattered into the padded [R, max] table
-            tables_list = [s.block_ids for s in scheduled]
-            lens = np.fromiter([len(b) for b in tables_list], i32, n)
-            block_end = np.cumsum(lens)
-            block_start = block_end - lens
-            flat = np.fromiter(chain.from_iterable(tables_list), i32, int(block_end[-1]))
-            cols = np.arange(flat.shape[0]) - np.repeat(block_start, lens)
-            tables[np.repeat(np.arange(n), lens), cols] = flat
+            # block tables: the requests' persistent rows (brought up to date), gathered into the padded table
+            batch = self.input_batch
+            rows = batch.rows_for(scheduled)
+            lens = batch.sync_block_tables(scheduled, rows)
+            tables[:n] = batch.block_table[rows]
             blk = pos // bs
             if np.any(blk >= lens[tok_row]):
                 bad = int(np.flatnonzero(blk >= lens[tok_row])[0])
                 raise IndexError(f"request {scheduled[int(tok_row[bad])].request.request_id}: position "
                                  f"{int(pos[bad])} is past its block table")
-            slots[:n_tok] = flat[block_start[tok_row] + blk] * bs + pos % bs
+            slots[:n_tok] = tables[tok_row, blk] * bs + pos % bs
             seq_lens[:n] = starts + counts
             qsl[1:n + 1] = ends
             qsl[n + 1:] = n_tok
@@ -493,44 +493,24 @@ class ModelRunner:
         return self._routes.get((T, decode_only), (T, decode_only))
 
     def sampling_metadata(self, scheduled, R: int):
+        """The step's sampling arrays: gathered from the persistent rows, unless some request needs the
+        general path (a penalty's token histories, stop ids min_tokens still blocks)."""
         reqs = [s.request for s in scheduled]
-        fast = self._sampling_rows(reqs)
-        if fast is not None:
-            rows, num_out = fast
-            return sampler_mod.make_sampling_metadata_from_rows(
-                rows, num_out, self.vocab_size, pad_to=R, step=self._step_count, engine_seed=self.config.seed)
+        num_out = np.fromiter([len(r.output_token_ids) for r in reqs], np.int64, len(reqs))
+        batch = self.input_batch
+        rows = batch.rows_for(scheduled)
+        if not batch.needs_general_path(rows, num_out):
+            return batch.sampling_metadata(rows, num_out, R, step=self._step_count, engine_seed=self.config.seed)
         return sampler_mod.make_sampling_metadata(
             [r.sampling_params for r in reqs],
             [r.output_token_ids for r in reqs],
             [r.prompt_token_ids for r in reqs],
-            [len(r.output_token_ids) for r in reqs],
+            num_out.tolist(),
             self.vocab_size, pad_to=R,
             request_ids=[r.request_id for r in reqs],
             request_seeds=[r.sampling_seed for r in reqs],
             step=self._step_count, engine_seed=self.config.seed,
             penalty_width=self.penalty_width)
-
-    def _sampling_rows(self, reqs):
-        """Each request's fixed sampling row (cached per request id, checked against its params object and
-        seed), or None when some request needs the general path: a penalty (history arrays) or stop ids
-        still blocked by min_tokens."""
-        cache = self._row_cache
-        if len(cache) > 4 * self.max_num_seqs:      # finished requests' rows: drop them all now and then
-            cache.clear()
-        rows, num_out = [], []
-        for r in reqs:
-            p, seed = r.sampling_params, r.sampling_seed
-            hit = cache.get(r.request_id)
-            if hit is None or hit[0] is not p or hit[1] != seed:
-                hit = (p, seed, sampler_mod.sampling_row(p, r.request_id, seed, self.vocab_size))
-                cache[r.request_id] = hit
-            row = hit[2]
-            n = len(r.output_token_ids)
-            if row.needs_general_path(n):
-                return None
-            rows.append(row)
-            num_out.append(n)
-        return rows, num_out
 
     # ---------------------------------------------------------------- step
     def dispatch(self, scheduled, prev: PendingStep | None = None) -> PendingStep:
@@ -562,20 +542,17 @@ class ModelRunner:
             self.kv_caches, logits, *load = fwd(self.model.params, self.kv_caches, f_ints, prev_tokens)
             load = self._copy_load(load)
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
-        # one pass over the sampling requests: their output rows, logprobs wanted, and (GPU) whether any
-        # row filters with top-k/top-p
-        rows, lp_k = {}, {}
-        filtering = False if self.static_sampling else None
-        vocab = self.vocab_size
-        for i, s in enumerate(scheduled):
-            if s.samples:
-                req = s.request
-                rows[req.request_id] = i
-                p = req.sampling_params
-                if p.logprobs is not None:
-                    lp_k[req.request_id] = p.logprobs
-                if filtering is False and (0 < p.top_k < vocab or p.top_p < 1.0):
-                    filtering = True
+        # the sampling requests' output rows; from their persistent rows the logprobs wanted and (GPU)
+        # whether any row filters with top-k/top-p
+        rows = {s.request.request_id: i for i, s in enumerate(scheduled) if s.samples}
+        batch, lp_k = self.input_batch, {}
+        b_rows = batch.rows_for(scheduled)
+        if len(rows) != len(scheduled):
+            b_rows = b_rows[np.fromiter([s.samples for s in scheduled], bool, len(scheduled))]
+        wanted = batch.num_logprobs[b_rows]
+        if (wanted >= 0).any():
+            lp_k = {rid: int(k) for rid, k in zip(rows, wanted.tolist()) if k >= 0}
+        filtering = bool(batch.filters[b_rows].any()) if self.static_sampling else None
         key = (self.max_logprobs if lp_k else 0, filtering)
         if limit is None:
             return ForwardStep(logits, s_ints, s_floats, s_layout, key, rows, lp_k, int(md.query_start_loc[-1]), R,
@@ -766,6 +743,25 @@ class ModelRunner:
             logger.info("compiled %d step variants in %.1f s; %d more compile in the background", len(first),
                         time.perf_counter() - t0, len(rest))
         self.variants.submit(rest, priority=1)
+        return time.perf_counter() - t0
+
+    def warmup_for(self, prompt_lens: list[int]) -> float:
+        """A one-shot run that knows its prompts (``jaxserve generate``): compile, concurrently, what its
+        steps will run — the first step's prefill bucket and the decode bucket of its requests, each with
+        its sampler — and nothing else (no background compiles to outlive the run). A step that needs
+        another bucket pads up to one of these or compiles it then. Returns the seconds it blocked."""
+        t0 = time.perf_counter()
+        if not prompt_lens:
+            return 0.0
+        base_f = False if self.static_sampling else None
+        n = min(len(prompt_lens), self.max_num_seqs)
+        prefill = self.bucket_for(min(sum(prompt_lens[:n]), self.max_num_tokens))
+        decode = self.bucket_for(min(n, self.max_num_tokens))
+        keys = [("sample", 0, base_f, False, self._sampler_layout(self.num_reqs_for(T))) for T in (prefill, decode)]
+        keys += [("forward", prefill, False), ("forward", decode, self.uniform_decode)]
+        if self._decode_loops:
+            keys.append(("decode-loop", decode, 0, base_f, self._sampler_layout(self.num_reqs_for(decode))))
+        self.variants.compile_now(keys)
         return time.perf_counter() - t0
 
     def stop_background_compiles(self, wait: bool = False) -> None:

@@ -147,7 +147,7 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
     if request_ids is None:
         request_ids = range(n)
     (temperature, top_p, top_k, min_p, presence, frequency, repetition, seed_keys, seeded, hashes,
-     counters) = _padding_rows(pad_to)
+     counters) = padding_rows(pad_to)
     blocked: list[list[int]] = []
     for i, p in enumerate(params_list):
         temperature[i] = p.temperature
@@ -194,40 +194,7 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
     )
 
 
-class SamplingRow(NamedTuple):
-    """One request's sampling parameters as `make_sampling_metadata` writes them into its row: fixed for
-    the request's life, so the runner builds it once (`sampling_row`) and reuses it every step."""
-    floats: tuple[float, ...]         # temperature, top_p, min_p, presence, frequency, repetition
-    top_k: int                        # 0 = off (also when >= vocab_size)
-    seeded: bool
-    key0: int                         # seed_key_data(seed) (0, 0 when unseeded)
-    key1: int
-    hash: int                         # request_hash(request id) for unseeded rows, else 0
-    min_tokens: int
-    blocks_ids: bool                  # min_tokens would block some stop/eos id below vocab_size
-    uses_penalty: bool
-
-    def needs_general_path(self, num_output_tokens: int) -> bool:
-        """Whether `make_sampling_metadata` must build this step (penalty histories, blocked stop ids)."""
-        return self.uses_penalty or (self.blocks_ids and num_output_tokens < self.min_tokens)
-
-
-def sampling_row(params: SamplingParams, request_id: str | int, request_seed: int | None,
-                 vocab_size: int) -> SamplingRow:
-    seed = params.seed if params.seed is not None else request_seed
-    key = seed_key_data(seed) if seed is not None else (0, 0)
-    return SamplingRow(
-        floats=(params.temperature, params.top_p, params.min_p, params.presence_penalty,
-                params.frequency_penalty, params.repetition_penalty),
-        top_k=params.top_k if 0 < params.top_k < vocab_size else 0,
-        seeded=seed is not None, key0=int(key[0]), key1=int(key[1]),
-        hash=0 if seed is not None else request_hash(request_id),
-        min_tokens=params.min_tokens,
-        blocks_ids=any(t < vocab_size for t in params.all_stop_token_ids),
-        uses_penalty=params.uses_penalties)
-
-
-def _padding_rows(pad_to: int):
+def padding_rows(pad_to: int):
     """The per-row arrays of `SamplingMetadata`, every row greedy with no filter, penalty or seed (the value
     padding rows keep): temperature, top_p, top_k, min_p, presence, frequency, repetition, seed keys,
     seeded, request hash, key counter."""
@@ -235,38 +202,6 @@ def _padding_rows(pad_to: int):
     return (np.zeros(pad_to, f32), np.ones(pad_to, f32), np.zeros(pad_to, np.int32), np.zeros(pad_to, f32),
             np.zeros(pad_to, f32), np.zeros(pad_to, f32), np.ones(pad_to, f32), np.zeros((pad_to, 2), np.uint32),
             np.zeros(pad_to, bool), np.zeros(pad_to, np.uint32), np.zeros(pad_to, np.uint32))
-
-
-def make_sampling_metadata_from_rows(rows: Sequence[SamplingRow], num_output_tokens_list: Sequence[int],
-                                     vocab_size: int, pad_to: int, *, step: int = 0,
-                                     engine_seed: int = 0) -> SamplingMetadata:
-    """`make_sampling_metadata` for a step where no row needs the general path (no penalties, no stop ids
-    blocked by min_tokens; see `SamplingRow.needs_general_path`): the same arrays, built column-wise from
-    cached rows instead of field by field (the runner's hot path)."""
-    n = len(rows)
-    if n > pad_to:
-        raise ValueError(f"{n} requests do not fit the request bucket pad_to={pad_to}")
-    (temperature, top_p, top_k, min_p, presence, frequency, repetition, seed_keys, seeded, hashes,
-     counters) = _padding_rows(pad_to)
-    if n:
-        floats = np.array([r.floats for r in rows], np.float64)
-        temperature[:n], top_p[:n], min_p[:n] = floats[:, 0], floats[:, 1], floats[:, 2]
-        presence[:n], frequency[:n], repetition[:n] = floats[:, 3], floats[:, 4], floats[:, 5]
-        ints = np.array([(r.top_k, r.seeded, r.key0, r.key1, r.hash) for r in rows], np.int64)
-        top_k[:n] = ints[:, 0]
-        seeded[:n] = ints[:, 1] != 0
-        seed_keys[:n] = ints[:, 2:4]
-        hashes[:n] = ints[:, 4]
-        counters[:n] = np.where(seeded[:n], np.asarray(num_output_tokens_list, np.int64), step % (1 << 32))
-    return SamplingMetadata(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-        seed_key_data=seed_keys, seeded=seeded, request_hash=hashes, key_counter=counters,
-        engine_key_data=seed_key_data(engine_seed),
-        output_token_ids=np.full((pad_to, 0), 0, np.int32),
-        prompt_token_ids=np.full((pad_to, 0), 0, np.int32),
-        blocked_token_ids=np.full((pad_to, 8), vocab_size, np.int32),
-    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class StepCompiler:
         self.workers = workers or default_workers()
         self._ready: dict[Hashable, object] = {}
         self._events: dict[Hashable, threading.Event] = {}   # started or queued keys -> done
+        self._num_pending = 0                                 # events not set yet (``pending``: no lock, no pass)
         self._errors: dict[Hashable, BaseException] = {}
         self._queue: list[tuple[int, int, Hashable]] = []    # (priority, order, key): a heap
         self._queued: set[Hashable] = set()
@@ -87,7 +88,9 @@ class StepCompiler:
             mine = ev is None or key in self._queued          # queued, not started: take it over
             if mine:
                 self._queued.discard(key)
-                ev = self._events.setdefault(key, threading.Event())
+                if ev is None:
+                    ev = self._events[key] = threading.Event()
+                    self._num_pending += 1
         if mine:
             self._compile(key, ev)
         else:
@@ -113,14 +116,14 @@ class StepCompiler:
                 if k in self._events:
                     continue
                 self._events[k] = threading.Event()
+                self._num_pending += 1
                 self._queued.add(k)
                 heapq.heappush(self._queue, (priority, next(self._order), k))
             self._start_threads()
 
     def pending(self) -> int:
-        """Keys queued or compiling."""
-        with self._lock:
-            return sum(1 for k, ev in self._events.items() if not ev.is_set())
+        """Keys queued or compiling (a counter: the engine reports it every step)."""
+        return self._num_pending
 
     def wait_all(self, timeout: float | None = None) -> bool:
         """Block until every submitted key is compiled; False on timeout."""
@@ -143,6 +146,7 @@ class StepCompiler:
                 if k in self._queued:
                     self._queued.discard(k)
                     self._events.pop(k).set()       # never compiled: wait_all must not wait for it
+                    self._num_pending -= 1
             self._queue.clear()
             threads = list(self._threads) if wait else []
         for t in threads:
@@ -187,6 +191,8 @@ class StepCompiler:
                 self._ready[key] = exe
                 break
         self.seconds[key] = time.perf_counter() - t0
+        with self._lock:
+            self._num_pending -= 1
         ev.set()
 
 

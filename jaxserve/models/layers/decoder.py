@@ -304,7 +304,8 @@ class DecoderFamily:
         return logits
 
     def init_dummy_params(self, cfg: ModelConfig, dtype, *, seed: int = 0, mesh=None) -> dict:
-        """Random weights (normal, std 0.02; norms the identity) of the right shapes, generated on device."""
+        """Random weights of the right shapes (uniform with std 0.02; norms the identity), each made on
+        device where it lives, in its own sharding: no host buffer, no transfer."""
         shapes = self.param_shapes(cfg)
         leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_shape)
         inits = jax.tree.leaves(self.param_inits(cfg))
@@ -313,17 +314,55 @@ class DecoderFamily:
             sharding_leaves = jax.tree.leaves(param_shardings(self.param_partition_specs(cfg), mesh, cfg))
         else:
             sharding_leaves = [None] * len(leaves)
-        keys = jax.random.split(jax.random.key(seed), len(leaves))
-        out = [_dummy_init_fn(kind, shape, jnp.dtype(dtype), sharding)(key)
-               for shape, kind, sharding, key in zip(leaves, inits, sharding_leaves, keys)]
+        out = [_dummy_init_fn(kind, shape, jnp.dtype(dtype), sharding)(_leaf_seed(seed, i))
+               for i, (shape, kind, sharding) in enumerate(zip(leaves, inits, sharding_leaves))]
         return jax.tree.unflatten(treedef, out)
+
+
+DUMMY_STD = 0.02
+_U32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A 32-bit integer hash (xor-shift / multiply finaliser): neighbouring inputs give unrelated outputs.
+    Works on Python ints and on uint32 arrays alike."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _U32 if isinstance(x, int) else x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _U32 if isinstance(x, int) else x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _leaf_seed(seed: int, index: int) -> jax.Array:
+    return jnp.uint32(_mix32((_mix32(seed & _U32) + index * 0x9E3779B9) & _U32))
 
 
 @functools.lru_cache(maxsize=64)
 def _dummy_init_fn(kind: str, shape: tuple, dtype, sharding):
-    """One jitted generator per (kind, shape, dtype, sharding): a 32-layer model compiles ~8, not ~290."""
+    """One jitted generator per (kind, shape, dtype, sharding), the seed an argument: a 32-layer model
+    compiles ~8 programs, not ~290.
+
+    Why a hash of each element's index and not ``jax.random``: the fill is elementwise on iotas, so XLA
+    writes each shard where it lives at memory speed (threefry plus the normal's inverse erf cost far more
+    per element), and the values do not depend on the sharding: a model split over any mesh holds the
+    same weights."""
     if kind in ("ones", "zeros"):
         fill = jnp.ones if kind == "ones" else jnp.zeros
-        return jax.jit(lambda key: fill(shape, dtype), out_shardings=sharding)
-    return jax.jit(lambda key: jax.random.normal(key, shape, dtype) * jnp.asarray(0.02, dtype),
-                   out_shardings=sharding)
+        return jax.jit(lambda seed: fill(shape, dtype), out_shardings=sharding)
+    half_width = DUMMY_STD * 3 ** 0.5          # uniform(-a, a) has std a / sqrt(3)
+
+    def uniform(seed):
+        if not shape:
+            return jnp.zeros(shape, dtype)
+        # element (..., c) hashes its row (every axis but the last, flattened) with the seed, then its
+        # column: uint32 throughout, so no index overflows for any weight shape
+        row = jnp.zeros(shape, jnp.uint32)
+        stride = 1
+        for axis in range(len(shape) - 2, -1, -1):
+            row = row + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride & _U32)
+            stride *= shape[axis]
+        col = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
+        bits = _mix32(_mix32(row ^ seed) + col * jnp.uint32(0x9E3779B9))
+        u = (bits >> 8).astype(jnp.float32) * (2.0 ** -24)                 # [0, 1), 24 bits
+        return ((2 * u - 1) * half_width).astype(dtype)
+    return jax.jit(uniform, out_shardings=sharding)

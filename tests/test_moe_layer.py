@@ -168,10 +168,11 @@ def test_padding_tokens_reach_no_expert(impl):
     w = _weights(spec)
     h = jnp.asarray(np.random.default_rng(2).standard_normal((4, 32)), jnp.float32)
     valid = jnp.asarray([True, True, False, False])
-    out, load = moe_mlp(h, w, spec, jax.nn.silu, valid)
+    out, ids = moe_mlp(h, w, spec, jax.nn.silu, valid)
     out = np.asarray(out)
     assert not out[2:].any()
     np.testing.assert_allclose(out[:2], _dense_reference(h[:2], w, spec), atol=1e-4, rtol=1e-4)
+    load = moe.expert_load(ids[None], spec.num_experts)
     assert int(np.asarray(load).sum()) == 2 * spec.top_k, "padding tokens must not count in the expert load"
 
 
@@ -189,14 +190,19 @@ def test_rows_path_runs_only_at_decode_sizes():
 
 
 def test_expert_load_counts_each_tokens_top_k():
-    """The load histogram against numpy's: every real token once per expert among its top-k."""
+    """The load histogram of two layers' routing against numpy's: every real token once per expert among its
+    top-k, per layer."""
     w = _weights(SPEC)
-    h = jnp.asarray(np.random.default_rng(4).standard_normal((9, 32)), jnp.float32)
     valid = np.arange(9) < 7
-    _, load = moe_mlp(h, w, SPEC, jax.nn.silu, jnp.asarray(valid))
-    logits = np.asarray(h, np.float64) @ np.asarray(w["router"], np.float64)
-    top = np.argsort(-logits, axis=-1, kind="stable")[:, :SPEC.top_k][valid]
-    np.testing.assert_array_equal(np.asarray(load), np.bincount(top.reshape(-1), minlength=SPEC.num_experts))
+    ids, want = [], []
+    for seed in (4, 5):
+        h = jnp.asarray(np.random.default_rng(seed).standard_normal((9, 32)), jnp.float32)
+        ids.append(moe_mlp(h, w, SPEC, jax.nn.silu, jnp.asarray(valid))[1])
+        logits = np.asarray(h, np.float64) @ np.asarray(w["router"], np.float64)
+        top = np.argsort(-logits, axis=-1, kind="stable")[:, :SPEC.top_k][valid]
+        want.append(np.bincount(top.reshape(-1), minlength=SPEC.num_experts))
+    load = jax.jit(moe.expert_load, static_argnums=1)(jnp.stack(ids), SPEC.num_experts)
+    np.testing.assert_array_equal(np.asarray(load), np.stack(want))
     assert load.dtype == jnp.int32
 
 

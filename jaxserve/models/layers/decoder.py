@@ -157,7 +157,7 @@ class DecoderLayer(nnx.Module):
 
     def moe_mlp(self, h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The whole MoE MLP (all-reduced under a mesh): router, top-k experts, combine, shared expert; and
-        the tokens routed to each expert ``[E]``."""
+        each token's routed expert ids ``[T, k]``."""
         names = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down", "shared_gate")
         weights = {n: _w(getattr(self, n)) for n in names if hasattr(self, n)}
         return moe.moe_mlp(h, weights, self.spec.moe, ACTIVATIONS[self.spec.activation], valid)
@@ -184,7 +184,7 @@ class DecoderModel(nnx.Module):
         layers = list(self.layers)
         next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
         h = self.norm(x, _w(layers[0].attn_norm), eps)
-        new_caches, expert_load = [], []
+        new_caches, routed = [], []
         for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches):
             attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
             new_caches.append(kv_cache)
@@ -200,15 +200,15 @@ class DecoderModel(nnx.Module):
                 h = self.norm(x, next_norm, eps)
             elif layer.is_moe:
                 x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
-                mlp, load = layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
+                mlp, ids = layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
                 x = x + mlp
-                expert_load.append(load)
+                routed.append(ids)
                 h = self.norm(x, next_norm, eps)
             else:
                 x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
                 x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm)
         # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
-        return h, new_caches, jnp.stack(expert_load) if expert_load else None
+        return h, new_caches, moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
 
     def _add_norm(self, x, w, residual, norm_weight):
         """``s = residual + x @ w`` (row-parallel) and the next norm of ``s``; fused with TP's all-reduce

@@ -146,8 +146,8 @@ def route(router_logits: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array
 def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
             valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The MoE MLP of the normed input ``h [T, hidden]`` (``w``: the layer's MoE weights by name);
-    ``valid [T]`` marks real tokens (padding tokens are routed nowhere). Returns the output and the expert
-    load: tokens routed to each expert ``[E]`` int32 (a caller that drops it costs nothing: XLA removes it)."""
+    ``valid [T]`` marks real tokens (padding tokens are routed nowhere). Returns the output and the routed
+    expert ids ``[T, k]`` (a padding token's: ``num_experts``), which ``expert_load`` counts."""
     weights, ids = route(h @ w["router"], spec)
     if spec.weights_in_hidden_dtype:
         weights = weights.astype(h.dtype)
@@ -158,14 +158,18 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
         gate_up = jnp.einsum("th,hci->tci", h, w["shared_gate_up"])
         shared = parallel.row_parallel_matmul(activation(gate_up[:, 0]) * gate_up[:, 1], w["shared_down"])
         out = out + jax.nn.sigmoid(h @ w["shared_gate"]) * shared
-    return out, expert_load(ids, spec.num_experts)
+    return out, ids
 
 
 def expert_load(ids: jax.Array, num_experts: int) -> jax.Array:
-    """Tokens routed to each expert ``[E]`` int32 from the ``[T, k]`` expert ids (an id of ``num_experts``,
-    a padding token's, counts nowhere). Computed from the replicated ids, so under a mesh every device holds
-    the whole histogram."""
-    return jnp.bincount(ids.reshape(-1), length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    """Tokens routed to each expert of each layer ``[L, E]`` int32 from the layers' routed ids ``[L, T, k]``
+    (an id of ``num_experts``, a padding token's, counts nowhere): one histogram for the whole step, not one
+    per layer (a decode step's layers then gain no kernel). From the replicated ids, so under a mesh every
+    device holds all of it; a caller that drops it costs nothing (XLA removes it)."""
+    layers = ids.shape[0]
+    flat = (ids + jnp.arange(layers, dtype=ids.dtype)[:, None, None] * (num_experts + 1)).reshape(-1)
+    counts = jnp.bincount(flat, length=layers * (num_experts + 1)).reshape(layers, num_experts + 1)
+    return counts[:, :num_experts].astype(jnp.int32)
 
 
 def routed_experts(h, ids, weights, gate_up, down, spec: MoESpec, activation: Callable) -> jax.Array:

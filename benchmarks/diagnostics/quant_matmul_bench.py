@@ -158,8 +158,8 @@ def table(shapes, ms, layers: int, emit) -> None:
     bf16 = layered(lambda x, w: x @ w)
     kernel, dequant = int4_fn(), layered(lambda x, w: k4.int4_matmul_reference(x, *w, GROUP))
     fp8 = layered(lambda x, w: _fp8_matmul(x, w, w.weight.shape[0]))
-    # the alternative at decode sizes: no activation quantization, the weight's e4m3 -> bf16 convert left for
-    # XLA to fuse into its GEMM, the channel scale on the result
+    # what JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS switches decode steps to: no activation quantization, the weight's
+    # e4m3 -> bf16 convert left for XLA to fuse into its GEMM, the channel scale on the result
     fp8_w8a16 = layered(lambda x, w: (jax.lax.dot_general(x, w.weight.astype(x.dtype), (((1,), (1,)), ((), ())),
                                                           preferred_element_type=jnp.float32) * w.scale
                                       ).astype(x.dtype))
@@ -174,7 +174,7 @@ def table(shapes, ms, layers: int, emit) -> None:
             t_8 = time_us(fp8, (xs, w.fp8), layers)
             w8a16 = f"{time_us(fp8_w8a16, (xs, w.fp8), layers):.1f}" if m <= INT4_KERNEL_MAX_TOKENS else "–"
             note = ""
-            if use_kernel:
+            if use_kernel and m <= 4:       # one check per kernel (fma at 1 row, dot above): compiles are the cost
                 got = kernel(xs[:1], w.int4[:1])[0].astype(jnp.float32)
                 want = dequant(xs[:1], w.int4[:1])[0].astype(jnp.float32)
                 err = float(jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-9))

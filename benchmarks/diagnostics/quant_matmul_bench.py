@@ -108,8 +108,8 @@ def tune_configs(m: int, k: int, n: int) -> list[k4.Config]:
     fma = k4.Config("fma", block_n=128, num_warps=1)
     dot = k4.Config("dot", block_n=128, num_warps=8, num_stages=3)
     if m == 1:
-        cands = [fma, R(fma, block_n=256, num_warps=2), R(fma, block_n=512, num_warps=4), *splits(fma),
-                 R(fma, num_stages=3), dot, R(dot, block_n=64, num_warps=4), *splits(dot)]
+        cands = [fma, dot, R(fma, block_n=256, num_warps=2), *splits(fma), R(dot, block_n=64, num_warps=4),
+                 R(fma, block_n=512, num_warps=4), R(fma, num_stages=3), *splits(dot)]
     else:
         cands = [dot, R(dot, block_n=64, num_warps=4), R(dot, block_n=256), R(dot, unroll=2), R(dot, num_stages=2),
                  *splits(dot), R(dot, block_n=64, num_warps=4, unroll=2), R(dot, num_warps=4)]

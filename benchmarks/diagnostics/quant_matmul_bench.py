@@ -195,17 +195,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-m", default="1,4,16")
     ap.add_argument("--tune-configs", type=int, default=12, help="launches tried per shape and M")
     ap.add_argument("--no-table", action="store_true", help="only the sweep")
-    ap.add_argument("--out", default=None, help="also write the output to this file")
+    ap.add_argument("--out", default=None, help="also write the output to this file (as it goes)")
     a = ap.parse_args(argv)
     shapes = [s for s in a.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         ap.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
-    lines: list[str] = []
+    out = open(a.out, "w") if a.out else None      # written line by line, like stdout: a cut run keeps its rows
 
     def emit(line: str) -> None:
-        lines.append(line)
         print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
 
     emit(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.layers} layers per program, "
          f"groups of {GROUP}; us per matmul")
@@ -214,9 +216,8 @@ def main(argv=None) -> int:
         emit("")
     if a.tune:
         tune(shapes, [int(v) for v in a.tune_m.split(",")], a.layers, a.tune_configs, emit)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    if out:
+        out.close()
     return 0
 
 

@@ -1,0 +1,112 @@
+"""The decode-only attention launch that also writes the step's K/V (``write_kv``; what ``ops.write_kv_and_attend``
+runs for a decode-only step on the Pallas backends), interpret mode on CPU, against the reference's scatter then
+attention: the same output rows and the same caches (block 0, where the reference's padding tokens land, aside).
+
+Cases cover what the families need: GQA groups, head_dim 256, sliding windows, soft-capping, one split and
+flash-decoding splits (the token's own key in the last split's range), contexts of 1 (the own key alone) and at
+chunk edges, padding tokens and requests, an fp8 cache (quantized on the way in, V pages transposed), and a real
+row whose slot is PAD_SLOT (a multi-step loop's finished row: it writes nothing and reads the cache as it is).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import synthetic
+from jaxserve.kernels import ops
+from jaxserve.kernels import paged_attention_pallas as pa
+from jaxserve.kernels.metadata import PAD_SLOT
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+
+
+def _step(seed, ctx_lens, *, hq, kvh, d, dtype, bs=16, cache=None):
+    rng = np.random.default_rng(seed)
+    q, k_cache, v_cache, md = synthetic.make_batch(rng, [1] * len(ctx_lens), ctx_lens, block_size=bs,
+                                                   num_q_heads=hq, num_kv_heads=kvh, head_dim=d, dtype=dtype,
+                                                   pad_tokens=2, pad_reqs=1)
+    kw = {}
+    if cache == "fp8":
+        scale = jnp.asarray(np.linspace(0.5, 1.5, kvh), jnp.float32)
+        k_cache, v_cache = synthetic.quantize_caches(k_cache, v_cache, jnp.float8_e4m3fn, scale, scale)
+        kw = dict(k_scale=scale, v_scale=scale)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], kvh, d)), dtype) for _ in range(2))
+    return q, new_k, new_v, k_cache, v_cache, dataclasses.replace(md, decode_only=True), kw
+
+
+def _check(q, new_k, new_v, k_cache, v_cache, md, *, tol, **kw):
+    want, wk, wv = ops.write_kv_and_attend(q, new_k, new_v, k_cache, v_cache, md, **kw)
+    got, gk, gv = ops.write_kv_and_attend(q, new_k, new_v, k_cache, v_cache, md, backend="pallas", interpret=True,
+                                          **kw)
+    n = int(md.num_seqs)
+    got, want = np.asarray(got[:n], np.float32), np.asarray(want[:n], np.float32)
+    assert not np.isnan(got).any()
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    assert err <= tol, f"max rel err {err:.2e} > {tol:.0e}"
+    for g, w in ((gk, wk), (gv, wv)):
+        np.testing.assert_array_equal(np.asarray(g[1:].astype(jnp.float32)), np.asarray(w[1:].astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("splits,window,soft_cap", [(1, None, None), (4, None, 50.0), (1, 24, None), (4, 24, 20.0)])
+def test_fused_write_matches_write_then_attend(splits, window, soft_cap):
+    """Contexts of 1, at a 16-key chunk edge (16, 17, 33) and long (130): 8 q heads over 2 kv heads."""
+    step = _step(31 + splits, [1, 16, 17, 33, 130], hq=8, kvh=2, d=64, dtype=jnp.float32)
+    _check(*step[:-1], tol=TOL[jnp.float32], sm_scale=0.125, sliding_window=window, soft_cap=soft_cap,
+           decode_splits=splits, decode_block_k=16)
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_fused_write_head_dim_256_bf16(splits):
+    """Gemma 2's head shape (head_dim 256, groups of 2) in bf16 with its soft cap, one split and eight."""
+    step = _step(41, [5, 70, 200], hq=4, kvh=2, d=256, dtype=jnp.bfloat16)
+    _check(*step[:-1], tol=TOL[jnp.bfloat16], sm_scale=256 ** -0.5, soft_cap=50.0, decode_splits=splits)
+
+
+def test_fused_write_fp8_cache():
+    """An fp8 cache: the kernel quantizes the new K/V (per-head scales) as the reference's write does, stores V
+    down its transposed page's column, and attends to the quantized values; 3 kv heads, split and not."""
+    *step, kw = _step(51, [1, 9, 40, 77], hq=6, kvh=3, d=64, dtype=jnp.bfloat16, cache="fp8")
+    for splits in (1, 4):
+        _check(*step, tol=TOL[jnp.bfloat16], sm_scale=0.125, decode_splits=splits, decode_block_k=16, **kw)
+
+
+def test_pad_slot_row_writes_nothing_and_reads_the_cache():
+    """A real decode row whose slot is PAD_SLOT (multi-step: a finished row repeats its position) attends to the
+    cache as it is, its own position included, like the reference; the other rows write and attend as usual."""
+    q, new_k, new_v, k_cache, v_cache, md, _ = _step(61, [20, 35, 9], hq=4, kvh=2, d=64, dtype=jnp.float32)
+    md = dataclasses.replace(md, slot_mapping=md.slot_mapping.at[1].set(PAD_SLOT))
+    for splits in (1, 4):
+        _check(q, new_k, new_v, k_cache, v_cache, md, tol=TOL[jnp.float32], sm_scale=0.125, decode_splits=splits,
+               decode_block_k=16)
+
+
+def test_write_kv_is_refused_outside_decode_only_steps():
+    q, new_k, new_v, k_cache, v_cache, md, _ = _step(71, [20, 9], hq=4, kvh=2, d=64, dtype=jnp.float32)
+    qkv = jnp.concatenate([q, new_k, new_v], axis=1)
+    with pytest.raises(ValueError, match="decode-only"):
+        pa.ragged_paged_attention(qkv, k_cache, v_cache, dataclasses.replace(md, decode_only=False), sm_scale=0.1,
+                                  num_q_heads=4, write_kv=True, interpret=True)
+    with pytest.raises(ValueError, match="packed"):
+        pa.ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=0.1, write_kv=True, interpret=True)
+
+
+@pytest.mark.parametrize("cache", [None, "fp8"])
+def test_fused_write_lowers_for_cuda(cache):
+    """The fused launch's GPU build (one Triton call for one split, two with the combine) lowers for CUDA here,
+    with no separate K/V write kernel."""
+    *step, kw = _step(81, [40, 9, 300], hq=8, kvh=2, d=128, dtype=jnp.bfloat16, cache=cache)
+
+    def layer(q, new_k, new_v, k_cache, v_cache, md, splits):      # ops.write_kv_and_attend's packed call
+        qkv = jnp.concatenate([q, new_k, new_v], axis=1)
+        return pa.ragged_paged_attention(qkv, k_cache, v_cache, md, sm_scale=0.1, num_q_heads=q.shape[1],
+                                         write_kv=True, decode_splits=splits, **kw)
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    for splits, launches in ((1, 1), (4, 2)):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(layer, static_argnums=6).trace(*step, splits).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == launches
+        assert "paged_kv_write" not in text

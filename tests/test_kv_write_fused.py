@@ -110,3 +110,23 @@ def test_fused_write_lowers_for_cuda(cache):
             text = jax.jit(layer, static_argnums=6).trace(*step, splits).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == launches
         assert "paged_kv_write" not in text
+
+
+def test_model_decode_step_has_no_separate_kv_write(capsys):
+    """step_diag --layer-kernels --lowered: a batch-1 decode step of a (narrowed) Qwen3 traced for the GPU runs
+    two Pallas launches a layer (the decode that writes K/V, and the combine of its splits), none of them
+    paged_kv_write; the GPU trace's layer cut falls on that decode launch."""
+    import argparse
+    import json
+
+    from benchmarks.diagnostics.step_diag import layer_child, layer_windows
+
+    a = argparse.Namespace(models=["qwen3-8b"], layers=2, context=200, dtype="bfloat16", replays=1,
+                           max_model_len=4096, smoke=True, hlo_dir=None, tag="new-default", lowered=True)
+    layer_child(a)
+    res = json.loads(capsys.readouterr().out.split("RESULT ", 1)[1])
+    assert res["pallas_kernels"] == {"ragged_paged_combine": 1.0, "ragged_paged_decode_split_write_kv": 1.0}
+    layer = ["gemm", "rope", "ragged_paged_decode_split_write_kv", "ragged_paged_combine", "gemm", "add"]
+    events = [(3000 * i, 3000 * i + 2000, n) for i, n in enumerate((["embed"] + layer * 3 + ["lm_head"]) * 2)]
+    w = layer_windows(events, 3)
+    assert w["windows"] == 4 and w["kernels_per_layer"] == len(layer)

@@ -69,6 +69,15 @@ def kv_cache_dtype(kv_cache_dtype: str | None, model_dtype) -> jnp.dtype:
     raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
 
 
+def decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """The flash-decoding splits the Pallas decode-only launch picks (default tiles) for ``num_reqs`` request
+    rows and ``num_kv_heads`` kv heads (per device) at contexts up to ``max_seq_len``: whether a step bounded by
+    ``metadata.SHORT_SEQ_LEN`` runs a launch shape of its own is ``decode_splits(.., SHORT_SEQ_LEN)`` against
+    ``decode_splits(.., max_model_len)``."""
+    from . import paged_attention_pallas  # noqa: PLC0415
+    return paged_attention_pallas._pick_splits(num_reqs, num_kv_heads, max_seq_len, 64)
+
+
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")

@@ -427,6 +427,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     default here is triton (the benchmarks' baseline); the engine's ``pallas`` backend passes auto.
     ``decode_only`` (default: ``md.decode_only``): every real request has ``q_len == 1``; only the decode
     launch runs, so no prefill tile slots are scheduled and its shared memory is the decode tile's alone.
+    The flash-decoding split count (``decode_splits`` default) comes from the requests, kv heads and the longest
+    context the step can see: ``md.max_seq_len`` where the host bounds it, else the block tables' span.
     ``write_kv`` (decode-only steps; ``q`` packed as ``[T, num_q_heads + 2 * kv_heads, D]``, K then V behind
     the queries, as ``ops.write_kv_and_attend`` packs them): the decode launch also stores each real token's
     K/V at ``md.slot_mapping`` (``kv_write_pallas.write_kv``'s result, in the same launch, padding tokens
@@ -500,7 +502,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                          or tuple(v_cache.shape) != (nb, kvh, d, bs)):
         raise ValueError(f"an fp8 cache needs V pages [blocks, kv_heads, head_dim, block_size] and key tiles "
                          f"a multiple of block_size; got {v_cache.shape}, block_k {decode_block_k} / {prefill_block_k}")
-    splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)
+    span = P * bs if md.max_seq_len is None else min(P * bs, md.max_seq_len)    # the longest context it can see
+    splits = decode_splits or _pick_splits(R, kvh, span, decode_block_k)
     if splits & (splits - 1):
         raise ValueError(f"decode_splits must be a power of two, got {splits}")
     prefill_kw = dict(group=group, group_pad=group_pad, block_q=block_q, block_k=prefill_block_k,

@@ -17,7 +17,7 @@ import pytest
 import synthetic
 from jaxserve.kernels import ops
 from jaxserve.kernels import paged_attention_pallas as pa
-from jaxserve.kernels.metadata import PAD_SLOT
+from jaxserve.kernels.metadata import PAD_SLOT, SHORT_SEQ_LEN
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
@@ -92,11 +92,19 @@ def test_write_kv_is_refused_outside_decode_only_steps():
         pa.ragged_paged_attention(q, k_cache, v_cache, md, sm_scale=0.1, write_kv=True, interpret=True)
 
 
+def _wide_tables(md, pages=128):
+    """The block tables padded to ``pages`` columns (NULL_BLOCK): a 2048-token span, as at max_model_len 2048."""
+    bt = md.block_tables
+    return dataclasses.replace(md, block_tables=jnp.pad(bt, ((0, 0), (0, pages - bt.shape[1]))))
+
+
 @pytest.mark.parametrize("cache", [None, "fp8"])
 def test_fused_write_lowers_for_cuda(cache):
-    """The fused launch's GPU build (one Triton call for one split, two with the combine) lowers for CUDA here,
-    with no separate K/V write kernel."""
+    """The fused launch's GPU build lowers for CUDA here, with no separate K/V write kernel: over a 2048-token
+    block-table span it splits (the decode, then the combine: two Triton calls); with the host's bound
+    ``max_seq_len`` = SHORT_SEQ_LEN it is one launch, and explicit ``decode_splits`` still win."""
     *step, kw = _step(81, [40, 9, 300], hq=8, kvh=2, d=128, dtype=jnp.bfloat16, cache=cache)
+    md = _wide_tables(step[-1])
 
     def layer(q, new_k, new_v, k_cache, v_cache, md, splits):      # ops.write_kv_and_attend's packed call
         qkv = jnp.concatenate([q, new_k, new_v], axis=1)
@@ -105,28 +113,77 @@ def test_fused_write_lowers_for_cuda(cache):
 
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    for splits, launches in ((1, 1), (4, 2)):
+    short = dataclasses.replace(md, max_seq_len=SHORT_SEQ_LEN)
+    for md_, splits, launches in ((md, None, 2), (short, None, 1), (md, 1, 1), (short, 4, 2)):
         with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(layer, static_argnums=6).trace(*step, splits).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == launches
+            text = jax.jit(layer, static_argnums=6).trace(*step[:-1], md_, splits).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == launches, (md_.max_seq_len, splits)
         assert "paged_kv_write" not in text
 
 
+def test_short_context_bound_gives_the_same_attention():
+    """``max_seq_len`` only shapes the launch: over a 2048-token span a step bounded by SHORT_SEQ_LEN runs one
+    split where the unbounded one runs four, and both match the reference."""
+    step = _step(91, [3, 100, 300], hq=4, kvh=2, d=64, dtype=jnp.float32)
+    md = _wide_tables(step[-2])
+    for bound in (None, SHORT_SEQ_LEN):
+        _check(*step[:-2], dataclasses.replace(md, max_seq_len=bound), tol=TOL[jnp.float32], sm_scale=0.125,
+               decode_block_k=64)
+    assert pa._pick_splits(4, 2, 2048, 64) == 4 and pa._pick_splits(4, 2, SHORT_SEQ_LEN, 64) == 1
+
+
 def test_model_decode_step_has_no_separate_kv_write(capsys):
-    """step_diag --layer-kernels --lowered: a batch-1 decode step of a (narrowed) Qwen3 traced for the GPU runs
-    two Pallas launches a layer (the decode that writes K/V, and the combine of its splits), none of them
-    paged_kv_write; the GPU trace's layer cut falls on that decode launch."""
+    """step_diag --layer-kernels --lowered: a batch-1 decode step of a (narrowed) Qwen3 traced for the GPU runs one
+    Pallas launch a layer at a 200-token context (the runner's short-context variant: the decode that writes
+    K/V) and two at 2048 (that decode split, and the combine), none of them paged_kv_write; the GPU trace's
+    layer cut falls on the decode launch."""
     import argparse
     import json
 
     from benchmarks.diagnostics.step_diag import layer_child, layer_windows
 
-    a = argparse.Namespace(models=["qwen3-8b"], layers=2, context=200, dtype="bfloat16", replays=1,
-                           max_model_len=4096, smoke=True, hlo_dir=None, tag="new-default", lowered=True)
-    layer_child(a)
-    res = json.loads(capsys.readouterr().out.split("RESULT ", 1)[1])
-    assert res["pallas_kernels"] == {"ragged_paged_combine": 1.0, "ragged_paged_decode_split_write_kv": 1.0}
+    for context, want in ((200, {"ragged_paged_decode_write_kv": 1.0}),
+                          (2048, {"ragged_paged_combine": 1.0, "ragged_paged_decode_split_write_kv": 1.0})):
+        a = argparse.Namespace(models=["qwen3-8b"], layers=2, context=context, dtype="bfloat16", replays=1,
+                               max_model_len=4096, smoke=True, hlo_dir=None, tag="new-default", lowered=True)
+        layer_child(a)
+        assert json.loads(capsys.readouterr().out.split("RESULT ", 1)[1])["pallas_kernels"] == want
     layer = ["gemm", "rope", "ragged_paged_decode_split_write_kv", "ragged_paged_combine", "gemm", "add"]
     events = [(3000 * i, 3000 * i + 2000, n) for i, n in enumerate((["embed"] + layer * 3 + ["lm_head"]) * 2)]
     w = layer_windows(events, 3)
     assert w["windows"] == 4 and w["kernels_per_layer"] == len(layer)
+
+
+def test_runner_runs_short_context_decodes_in_their_own_variant(monkeypatch):
+    """The runner plans a decode-only variant bounded by SHORT_SEQ_LEN where it changes the decode launch (fewer
+    splits than at max_model_len), and a decode step within the bound runs it once compiled: the same tokens.
+    (The switch is the Pallas backends'; here it is turned on over the reference attention, which takes the
+    static bound and ignores it, with the bound at 64 tokens and a stand-in split rule, so the routing runs on
+    CPU; the kernel's own rule is checked above.)"""
+    from jaxserve import SamplingParams
+    from jaxserve.runner import model_runner
+    from tiny_models import tiny_llm
+
+    bound = 64
+    monkeypatch.setattr(model_runner, "SHORT_SEQ_LEN", bound)
+    monkeypatch.setattr(model_runner.kernel_ops, "decode_splits", lambda reqs, kvh, n: 1 if n <= bound else 4)
+    llm = tiny_llm(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory_bytes=1 << 22,
+                   token_buckets=(4, 32), enforce_eager=True)
+    runner = llm.engine.runner
+    prompts = [list(range(5, 5 + n)) for n in (3, 11)]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    runner.uniform_decode = runner._short_decode = True
+    _, rest = runner.planned_variants()
+    short = ("forward", 4, True, bound)
+    assert short in rest and ("forward", 32, True, bound) not in rest      # 32 tokens is past max_num_seqs
+    runner.variants.compile_now([("forward", 4, True), short])   # what the warm-up compiles first, then later
+    asked = []
+    get = runner.variants.get
+    runner.variants.get = lambda key: asked.append(key) or get(key)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == want and short in asked
+    asked.clear()                                  # contexts past the bound: the ordinary decode-only variant
+    llm.generate([list(range(5, 5 + bound + 1))], greedy, use_tqdm=False)
+    assert ("forward", 4, True) in asked and short not in asked

@@ -34,6 +34,7 @@ its Pallas launches per layer by kernel name (XLA's own fusions are only decided
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -185,7 +186,8 @@ LAYER_MODELS = ("gemma-2-9b", "gemma-3-12b", "qwen3-8b", "llama-3.1-8b")
 
 def layer_child(a) -> None:
     """Per model: the jitted forward + logits of a batch-1 decode step (token bucket 4, 4 request rows, one real
-    request at ``--context`` tokens, block tables for ``--max-model-len``) at the model's real widths with
+    request at ``--context`` tokens, block tables for ``--max-model-len``; the runner's short-context variant
+    when the context is within ``metadata.SHORT_SEQ_LEN``) at the model's real widths with
     ``--layers`` layers and dummy weights, as the engine compiles it; its ms per replay, and on a GPU the kernels
     of 5 traced replays cut into layers at each layer's K/V write."""
     import jax
@@ -194,6 +196,7 @@ def layer_child(a) -> None:
 
     import jaxserve
     from jaxserve.kernels import ops
+    from jaxserve.kernels import metadata
     from jaxserve.kernels.metadata import AttentionMetadata
     from jaxserve.models import configs as model_configs
     from jaxserve.models import registry
@@ -230,6 +233,9 @@ def layer_child(a) -> None:
                                seq_lens=jnp.asarray([a.context, 0, 0, 0], jnp.int32),
                                query_start_loc=jnp.asarray([0, 1, 1, 1, 1], jnp.int32), num_seqs=jnp.int32(1),
                                decode_only=backend != "reference")
+        bound = getattr(metadata, "SHORT_SEQ_LEN", None)     # a tree without the runner's short-context variant
+        if bound and backend != "reference" and a.context <= bound < a.max_model_len:
+            md = dataclasses.replace(md, max_seq_len=bound)     # the variant the runner runs such a step in
         ids = jnp.asarray([7, 0, 0, 0], jnp.int32)
         pos = jnp.asarray([a.context - 1, 0, 0, 0], jnp.int32)
 

@@ -18,7 +18,10 @@ One launch runs two kinds of tile over one output buffer:
 A step the caller marks ``decode_only`` (every real request has ``q_len == 1``; the engine knows this on the
 host and compiles a variant for it) runs the decode tiles alone: no prefill tile slots, and a program size of
 its own (64-key tiles in 2 warps, 2 programs per SM, so one program's first loads overlap the other's
-streaming), which reads K/V faster than the mixed launch's one-program-per-SM tiles.
+streaming), which reads K/V faster than the mixed launch's one-program-per-SM tiles. That launch can also
+write the step's K/V (``write_kv``): each token's own key and value come from registers, so a batch-1 decode
+layer runs one attention launch and no separate K/V write; where the host bounds the contexts
+(``md.max_seq_len``), the split count comes from that bound rather than the block tables' span.
 
 K/V are read a page-row at a time: token ``pos`` of request ``r`` is row
 ``(block_tables[r, pos // block_size] * kv_heads + h) * block_size + pos % block_size`` of the cache seen as

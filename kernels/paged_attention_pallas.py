@@ -528,7 +528,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                    jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32))
     decode_params = plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages)
 
-    cache_shapes = (jax.ShapeDtypeStruct(ins[7].shape, k_cache.dtype), jax.ShapeDtypeStruct(ins[8].shape, v_cache.dtype))
+    cache_shapes = (jax.ShapeDtypeStruct(ins[7].shape, k_cache.dtype),
+                    jax.ShapeDtypeStruct(ins[8].shape, v_cache.dtype))
 
     def decode_launch(ins_, alias, name):
         """The decode tiles alone: straight into the output (1 split) or the splits' softmax states; with

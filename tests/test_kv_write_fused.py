@@ -1,6 +1,7 @@
 """The decode-only attention launch that also writes the step's K/V (``write_kv``; what ``ops.write_kv_and_attend``
-runs for a decode-only step on the Pallas backends), interpret mode on CPU, against the reference's scatter then
-attention: the same output rows and the same caches (block 0, where the reference's padding tokens land, aside).
+runs for a decode-only step on the Pallas backends), in interpret mode on CPU and compiled on a GPU host, against
+the reference's scatter then attention: the same output rows and the same caches (block 0, where the reference's
+padding tokens land, aside); and the short-context variant the runner runs such steps in (``max_seq_len``).
 
 Cases cover what the families need: GQA groups, head_dim 256, sliding windows, soft-capping, one split and
 flash-decoding splits (the token's own key in the last split's range), contexts of 1 (the own key alone) and at
@@ -20,6 +21,7 @@ from jaxserve.kernels import paged_attention_pallas as pa
 from jaxserve.kernels.metadata import PAD_SLOT, SHORT_SEQ_LEN
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+INTERPRET = jax.default_backend() != "gpu"      # on a GPU host the same checks run the compiled kernels
 
 
 def _step(seed, ctx_lens, *, hq, kvh, d, dtype, bs=16, cache=None):
@@ -38,8 +40,8 @@ def _step(seed, ctx_lens, *, hq, kvh, d, dtype, bs=16, cache=None):
 
 def _check(q, new_k, new_v, k_cache, v_cache, md, *, tol, **kw):
     want, wk, wv = ops.write_kv_and_attend(q, new_k, new_v, k_cache, v_cache, md, **kw)
-    got, gk, gv = ops.write_kv_and_attend(q, new_k, new_v, k_cache, v_cache, md, backend="pallas", interpret=True,
-                                          **kw)
+    got, gk, gv = ops.write_kv_and_attend(q, new_k, new_v, k_cache, v_cache, md, backend="pallas",
+                                          interpret=INTERPRET, **kw)
     n = int(md.num_seqs)
     got, want = np.asarray(got[:n], np.float32), np.asarray(want[:n], np.float32)
     assert not np.isnan(got).any()

@@ -673,7 +673,8 @@ class ModelRunner:
             _, T, decode_only, *bound = key       # ("forward", T, True, SHORT_SEQ_LEN): short-context decodes
             ints, layout = self._forward_inputs(T)
             lowered = self._forward.lower(self._param_specs, self._kv_specs, ints, self._prev_spec,
-                                          layout=layout, decode_only=decode_only, max_seq_len=bound[0] if bound else None)
+                                          layout=layout, decode_only=decode_only,
+                                          max_seq_len=bound[0] if bound else None)
         elif kind == "sample":
             _, num_logprobs, filtering, masked, s_layout = key
             R = s_layout[0].shape[0]

@@ -80,6 +80,7 @@ def child(a) -> dict:
               token_buckets=(a.bucket, a.max_num_batched_tokens), enable_prefix_caching=False, use_tqdm_on_load=False,
               num_scheduler_steps=a.num_scheduler_steps, **kw)
     runner = llm.engine.runner
+    runner.wait_compiled()       # the steady state: the background variants (the short-context decode too) ready
     captured = {}
     variants = runner.variants
     get, need = variants.get, variants.need

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -125,8 +127,32 @@ def _fit_block_n(n: int, want: int) -> int | None:
     return next((b for b in (want, 256, 128, 64, 32, 16) if b <= want and n % b == 0), None)
 
 
-def default_config(m: int, k: int, n: int, group_size: int) -> Config:
-    """The launch the engine uses (why these: ``kernels/README.md``, the int4 section)."""
+# The fastest measured launch per (K, N, M, live rows): written by
+# ``benchmarks/diagnostics/quant_matmul_bench.py --tune --write-launches`` on the GPU it serves on
+LAUNCHES_FILE = pathlib.Path(__file__).with_name("int4_launches.json")
+
+
+def launch_key(k: int, n: int, m: int, live_one: bool = False) -> str:
+    return f"{k}x{n} m={m}" + (" live=1" if live_one else "")
+
+
+@functools.lru_cache(maxsize=1)
+def tuned_launches() -> dict[str, Config]:
+    """``LAUNCHES_FILE``'s entries (none when it is absent): ``{launch_key: Config}``."""
+    if not LAUNCHES_FILE.exists():
+        return {}
+    entries = json.loads(LAUNCHES_FILE.read_text())["launches"]
+    return {e["key"]: Config(**e["config"]) for e in entries}
+
+
+def default_config(m: int, k: int, n: int, group_size: int, live_one: bool = False) -> Config:
+    """The launch the engine uses: the measured best (``tuned_launches``) for this shape, else the launch
+    chosen from the compiled code (``kernels/README.md``, the int4 section). ``live_one``: the step may have
+    one real row (the engine passes the live row count; only the ``gemv`` launch uses it)."""
+    tuned = tuned_launches()
+    cfg = tuned.get(launch_key(k, n, m, live_one)) or tuned.get(launch_key(k, n, m))
+    if cfg is not None:
+        return cfg
     if m == 1:
         return Config(method="fma", block_n=128, num_warps=1, unroll=1)
     return Config(method="dot", block_n=128, num_warps=8, unroll=1, num_stages=3)

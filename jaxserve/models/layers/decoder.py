@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
+from jaxserve.quantization.weights import live_tokens
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 # kernels.ops's write_kv_and_attend, wrapped in shard_map over "tp" when the step runs under a mesh
 from jaxserve.parallel import attention as tp_attention
@@ -185,28 +186,29 @@ class DecoderModel(nnx.Module):
         next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
         h = self.norm(x, _w(layers[0].attn_norm), eps)
         new_caches, routed = [], []
-        for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches):
-            attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
-            new_caches.append(kv_cache)
-            if spec.parallel_block:
-                mlp = row_parallel_linear(layer.gated(h), _w(layer.down))
-                x = (row_parallel_linear(attn, _w(layer.o)) + mlp) + x
-                h = self.norm(x, next_norm, eps)
-            elif spec.sandwich_norms:
-                x = x + self.norm(row_parallel_linear(attn, _w(layer.o)), _w(layer.post_attn_norm), eps)
-                h = self.norm(x, _w(layer.mlp_norm), eps)
-                x = x + self.norm(row_parallel_linear(layer.gated(h), _w(layer.down)),
-                                  _w(layer.post_mlp_norm), eps)
-                h = self.norm(x, next_norm, eps)
-            elif layer.is_moe:
-                x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
-                mlp, ids = layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
-                x = x + mlp
-                routed.append(ids)
-                h = self.norm(x, next_norm, eps)
-            else:
-                x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
-                x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm)
+        with live_tokens(md.query_start_loc[-1]):     # int4 decode computes only the bucket's real rows
+            for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches):
+                attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
+                new_caches.append(kv_cache)
+                if spec.parallel_block:
+                    mlp = row_parallel_linear(layer.gated(h), _w(layer.down))
+                    x = (row_parallel_linear(attn, _w(layer.o)) + mlp) + x
+                    h = self.norm(x, next_norm, eps)
+                elif spec.sandwich_norms:
+                    x = x + self.norm(row_parallel_linear(attn, _w(layer.o)), _w(layer.post_attn_norm), eps)
+                    h = self.norm(x, _w(layer.mlp_norm), eps)
+                    x = x + self.norm(row_parallel_linear(layer.gated(h), _w(layer.down)),
+                                      _w(layer.post_mlp_norm), eps)
+                    h = self.norm(x, next_norm, eps)
+                elif layer.is_moe:
+                    x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
+                    mlp, ids = layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
+                    x = x + mlp
+                    routed.append(ids)
+                    h = self.norm(x, next_norm, eps)
+                else:
+                    x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
+                    x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm)
         # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
         return h, new_caches, moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
 

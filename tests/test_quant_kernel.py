@@ -2,6 +2,8 @@
 random shapes: groups of 32 / 64 / 128 and per-channel, odd M, N tails the block sizes must divide, split-K."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -136,3 +138,18 @@ def test_fp8_w8a8_matmul_is_the_scaled_fp8_product():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     # the activation quantization itself: each row's largest magnitude maps to e4m3's 448
     np.testing.assert_allclose(np.abs(np.asarray(xq, np.float32)).max(1), 448.0)
+
+
+def test_tuned_launches_file_drives_the_default_launch(tmp_path, monkeypatch):
+    from benchmarks.diagnostics import quant_matmul_bench as bench
+    path = tmp_path / "int4_launches.json"
+    gemv = k4.Config("gemv", block_n=256, block_k=64, num_warps=1)
+    bench.write_launches(str(path), [{"key": k4.launch_key(4096, 28672, 4, True), "us": 1.0,
+                                      "config": dataclasses.asdict(gemv)}])
+    monkeypatch.setattr(k4, "LAUNCHES_FILE", path)
+    k4.tuned_launches.cache_clear()
+    try:
+        assert k4.default_config(4, 4096, 28672, 128, live_one=True) == gemv
+        assert k4.default_config(4, 4096, 28672, 128).method == "dot"        # no entry: the heuristic
+    finally:
+        k4.tuned_launches.cache_clear()

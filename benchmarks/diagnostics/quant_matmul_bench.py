@@ -17,9 +17,11 @@ each result and the best per shape.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import pathlib
+import re
 import sys
 
 import jax
@@ -213,6 +215,65 @@ def table(shapes, ms, layers: int, emit) -> None:
         del w
 
 
+NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+               "replica-id", "opt-barrier"}
+
+
+def llama8b_config(layers: int):
+    from jaxserve.config import ModelConfig  # noqa: PLC0415
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_layers=layers, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=4096,
+                       tie_word_embeddings=False)
+
+
+def step_kernels(quant: str, layers: int, tokens: int) -> collections.Counter:
+    """The top-level operations (each a kernel launch on a GPU, bar bitcasts and tuples) of the compiled
+    decode forward of a Llama-3.1-8B-shaped model of ``layers`` layers with ``quant`` projections (bf16, int4,
+    fp8), by HLO opcode. Compiled from abstract weights: nothing is allocated, so it runs on a CPU too."""
+    from jaxserve.kernels import ops  # noqa: PLC0415
+    from jaxserve.kernels.metadata import AttentionMetadata  # noqa: PLC0415
+    from jaxserve.models import llama  # noqa: PLC0415
+    from jaxserve.quantization import loading  # noqa: PLC0415
+    cfg = llama8b_config(layers)
+
+    def transform(path, w):
+        if not loading.is_linear(path) or quant == "bf16":
+            return w
+        return online.quantize_int4(w, GROUP, jnp.bfloat16) if quant == "int4" else online.quantize_fp8_per_channel(w)
+
+    params = jax.eval_shape(lambda: llama.FAMILY.init_dummy_params(cfg, jnp.bfloat16, transform=transform))
+    caches = jax.eval_shape(lambda: ops.init_kv_caches(layers, 64, 16, cfg.num_kv_heads, cfg.head_dim,
+                                                       jnp.bfloat16))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)   # noqa: E731
+    md = AttentionMetadata(slot_mapping=i32(tokens), block_tables=i32(tokens, 16), seq_lens=i32(tokens),
+                           query_start_loc=i32(tokens + 1), num_seqs=i32(), decode_only=True)
+    backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+
+    def step(params, caches, ids, pos, md):
+        return llama.FAMILY.forward(params, caches, ids, pos, md, cfg, attn_backend=backend)
+
+    text = jax.jit(step).lower(params, caches, i32(tokens), i32(tokens), md).compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    out = collections.Counter()
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"=\s*\S+\s+([a-z\-]+)\(", line)
+        if m and m.group(1) not in NOT_KERNELS:
+            out[m.group(1)] += 1
+    return out
+
+
+def layer_kernels(quants: list[str], tokens: int, emit) -> None:
+    """Kernels per decoder layer (a 2-layer step's less a 1-layer step's) of each weight storage."""
+    emit(f"{jax.default_backend()}: kernels per decoder layer of the compiled {tokens}-token decode step")
+    emit("| weights | kernels per layer | by HLO opcode |")
+    emit("|---|---|---|")
+    for quant in quants:
+        d = step_kernels(quant, 2, tokens)
+        d.subtract(step_kernels(quant, 1, tokens))
+        emit(f"| {quant} | {sum(d.values())} | {', '.join(f'{k} {v}' for k, v in d.most_common() if v)} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", default=",".join(map(str, M_SIZES)), help="token counts of the table")
@@ -223,6 +284,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-configs", type=int, default=12, help="launches tried per shape and M")
     ap.add_argument("--no-table", action="store_true", help="only the sweep")
     ap.add_argument("--out", default=None, help="also write the output to this file (as it goes)")
+    ap.add_argument("--layer-kernels", default=None, metavar="WEIGHTS",
+                    help="only count the kernels per decoder layer of the compiled decode step for these weight "
+                         "storages (bf16,int4,fp8; JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS picks fp8's W8A16)")
     ap.add_argument("--write-launches", default=None, metavar="FILE",
                     help=f"write the sweep's best launches for the engine (it reads {k4.LAUNCHES_FILE.name})")
     a = ap.parse_args(argv)
@@ -238,6 +302,9 @@ def main(argv=None) -> int:
             out.write(line + "\n")
             out.flush()
 
+    if a.layer_kernels:
+        layer_kernels(a.layer_kernels.split(","), int(a.m.split(",")[0]), emit)
+        return 0
     emit(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.layers} layers per program, "
          f"groups of {GROUP}; us per matmul")
     tune_first = a.tune and a.write_launches       # then the table times the launches the sweep chose

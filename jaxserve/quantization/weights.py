@@ -109,6 +109,21 @@ class Fp8Weight:
                                    input_scale=None if self.input_scale is None else P())
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Activation:
+    """An activation ``[T, K]`` quantized once, per token, for every fp8 W8A8 projection that reads it (a
+    layer's q, k and v; its gate_up): ``q`` e4m3 and ``scale [T, 1]`` float32, ``x ≈ q * scale``. Made by
+    ``rms_norm_fp8`` inside the norm's own kernels instead of an amax and a cast before each projection."""
+    q: jax.Array
+    scale: jax.Array
+    dtype: object = dataclasses.field(metadata=_static)     # the activation's own dtype: the products' dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+
 QUANTIZED_TYPES = (Int4Weight, Fp8Weight)
 
 
@@ -197,6 +212,35 @@ def quantize_activation_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _to_fp8(x.astype(jnp.float32) / scale), scale
 
 
+def reads_fp8_activations(weights, tokens: int) -> bool:
+    """Whether every one of ``weights`` quantizes its input per token (fp8 W8A8, dynamic scales) in a step of
+    ``tokens`` tokens: then their input can be quantized once, where it is made (``rms_norm_fp8``)."""
+    weight_only = tokens <= (envs.JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS or 0)
+    return bool(weights) and not weight_only and all(
+        isinstance(w, Fp8Weight) and not w.block and w.input_scale is None for w in weights)
+
+
+# the per-token scale from max |w x| inv may sit below max |w bf16(x inv)| by the two bf16 roundings of the
+# norm's output (2^-8 each): scaled up by 2^-6 the quantized row never needs the clip
+_NORM_AMAX_MARGIN = 1.0 + 2.0 ** -6
+
+
+def rms_norm_fp8(x: jax.Array, weight: jax.Array, eps: float) -> Fp8Activation:
+    """``layers.norms.rms_norm(x, weight, eps)`` quantized per token to e4m3, in the norm's kernels: the
+    row's ``max |h|`` is ``inv * max |weight * x|`` (``inv`` = 1 / rms, a positive row scalar), a reduction over
+    ``x`` beside the norm's own sum of squares (one multi-output reduction on a GPU) instead of a second
+    reduction over the norm's output; the cast then reads ``x`` again. HF's rounding is kept: the normed value
+    is cast to ``x``'s dtype before the weight multiply, in ``x``'s dtype."""
+    xf = x.astype(jnp.float32)
+    # one variadic reduction (a single reduce op, so a single kernel on any backend): sum x^2 and max |w x|
+    sq, wx_max = jax.lax.reduce((xf * xf, jnp.abs(weight.astype(jnp.float32) * xf)), (0.0, 0.0),
+                                lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])), (x.ndim - 1,))
+    inv = jax.lax.rsqrt(sq[..., None] / x.shape[-1] + eps)
+    amax = jnp.maximum(wx_max[..., None] * inv * _NORM_AMAX_MARGIN, 1e-12)
+    h = (weight * (xf * inv).astype(x.dtype)).astype(jnp.float32)
+    return Fp8Activation(q=_to_fp8(h * (FP8_MAX / amax)), scale=amax / FP8_MAX, dtype=jnp.dtype(x.dtype))
+
+
 def _to_fp8(x: jax.Array) -> jax.Array:
     return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
@@ -204,9 +248,12 @@ def _to_fp8(x: jax.Array) -> jax.Array:
 _CONTRACT_K = (((1,), (1,)), ((), ()))     # x [T, K] with w [N, K]
 
 
-def _fp8_matmul(x: jax.Array, w: Fp8Weight, n: int) -> jax.Array:
+def _fp8_matmul(x, w: Fp8Weight, n: int) -> jax.Array:
     k = x.shape[-1]
     wt = w.weight.reshape(n, k)
+    if isinstance(x, Fp8Activation):      # quantized where it was made (reads_fp8_activations said so)
+        y = jax.lax.dot_general(x.q, wt, _CONTRACT_K, preferred_element_type=jnp.float32)
+        return (y * x.scale * w.scale.reshape(1, n)).astype(x.dtype)
     if w.block:
         x, wt, s = _after_input(x, wt, w.scale.reshape(w.scale.shape[0], -1))
         s = jnp.repeat(jnp.repeat(s, 128, axis=0)[:k], 128, axis=1)[:, :n]

@@ -42,7 +42,7 @@ from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.parallel import attention as tp_attention
 
 from . import moe
-from .linear import linear, row_parallel_linear, row_parallel_linear_add_rms_norm
+from .linear import linear, normed_input, row_parallel_linear, row_parallel_linear_add_rms_norm
 from .norms import NORMS, inv_rms
 from .rotary import Rotary
 
@@ -118,6 +118,10 @@ class DecoderLayer(nnx.Module):
             self.gate_up = _param((h, 2, i), (None, None, TP))
             self.down = _param((i, h), ROW)
 
+    def attention_readers(self) -> tuple:
+        """The projections that read the attention norm's output (``normed_input``)."""
+        return (_w(self.q), _w(self.k), _w(self.v))
+
     def attention(self, h: jax.Array, cos_sin, kv_cache, md: AttentionMetadata, backend: str):
         """Self-attention of the normed input ``h [T, hidden]`` up to (not including) the o projection:
         ``(attn [T, heads * head_dim], (k_cache, v_cache))``."""
@@ -184,10 +188,11 @@ class DecoderModel(nnx.Module):
         cos_sin = [r.cos_sin(positions, x.dtype) for r in spec.rotaries]
         layers = list(self.layers)
         next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
-        h = self.norm(x, _w(layers[0].attn_norm), eps)
+        readers = [layer.attention_readers() for layer in layers[1:]] + [()]       # lm_head stays float
+        h = normed_input(x, self.norm, _w(layers[0].attn_norm), eps, layers[0].attention_readers())
         new_caches, routed = [], []
         with live_tokens(md.query_start_loc[-1]):     # int4 decode computes only the bucket's real rows
-            for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches):
+            for layer, next_norm, next_readers, kv_cache in zip(layers, next_norms, readers, kv_caches):
                 attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
                 new_caches.append(kv_cache)
                 if spec.parallel_block:
@@ -207,17 +212,17 @@ class DecoderModel(nnx.Module):
                     routed.append(ids)
                     h = self.norm(x, next_norm, eps)
                 else:
-                    x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
-                    x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm)
+                    x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm), (_w(layer.gate_up),))
+                    x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm, next_readers)
         # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
         return h, new_caches, moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
 
-    def _add_norm(self, x, w, residual, norm_weight):
+    def _add_norm(self, x, w, residual, norm_weight, readers=()):
         """``s = residual + x @ w`` (row-parallel) and the next norm of ``s``; fused with TP's all-reduce
-        where the custom all-reduce can (RMSNorm only)."""
+        where the custom all-reduce can (RMSNorm only); quantized once for ``readers`` when they are fp8."""
         if self.spec.norm == "rms":
             return row_parallel_linear_add_rms_norm(x, w, residual, norm_weight, self.cfg.rms_norm_eps,
-                                                    self.norm)
+                                                    self.norm, readers)
         s = residual + row_parallel_linear(x, w)
         return s, self.norm(s, norm_weight, self.cfg.rms_norm_eps)
 

@@ -158,12 +158,18 @@ def default_config(m: int, k: int, n: int, group_size: int, live_one: bool = Fal
     return Config(method="dot", block_n=128, num_warps=8, unroll=1, num_stages=3)
 
 
-def _split_k(k_blocks: int, tiles: int, num_warps: int, unroll: int) -> int:
+def _split_k(k_blocks: int, tiles: int, num_warps: int, unroll: int, min_steps: int = 1) -> int:
     """K splits for about 16 warps per SM (a decode launch is latency-bound below that), each split keeping at
-    least ``unroll`` K steps."""
+    least ``unroll`` and ``min_steps`` K steps."""
     want = max(1, -(-16 * NUM_SMS // (tiles * num_warps)))
     return max(d for d in range(1, k_blocks + 1)
-               if d == 1 or (k_blocks % d == 0 and d <= want and (k_blocks // d) % unroll == 0))
+               if d == 1 or (k_blocks % d == 0 and d <= want and (k_blocks // d) % unroll == 0
+                             and k_blocks // d >= min_steps))
+
+
+# gemv splits keep a loop of this many K steps: with one step per program (q/o at 4096 x 4096 in 64-row
+# steps) ptxas scheduled the straight-line code's loads first and spilled 1.4 KB per thread (SASS, sm_90)
+GEMV_MIN_STEPS = 4
 
 
 def _planes(p: jax.Array, z: jax.Array | None) -> list[tuple[jax.Array, float]]:
@@ -339,7 +345,8 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.A
         mp = -(-m // bm) * bm
     tiles = (mp // bm) * (n // bn)
     unroll = cfg.unroll if k_blocks % cfg.unroll == 0 else 1
-    split_k = cfg.split_k or _split_k(k_blocks, tiles, cfg.num_warps, unroll)
+    split_k = cfg.split_k or _split_k(k_blocks, tiles, cfg.num_warps, unroll,
+                                      GEMV_MIN_STEPS if cfg.method == "gemv" else 1)
     assert k_blocks % split_k == 0, (k_blocks, split_k)
     k_steps = k_blocks // split_k
     unroll = unroll if k_steps % unroll == 0 else 1

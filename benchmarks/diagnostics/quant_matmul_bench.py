@@ -101,7 +101,7 @@ def tune_configs(m: int, k: int, n: int) -> list[k4.Config]:
     def splits(c: k4.Config) -> list[k4.Config]:
         k_blocks = k // k4.step_rows(c, GROUP)
         tiles = n // c.block_n * (1 if c.method != "dot" else -(-m // 16))
-        auto = k4._split_k(k_blocks, tiles, c.num_warps, c.unroll)
+        auto = k4._split_k(k_blocks, tiles, c.num_warps, c.unroll, k4.GEMV_MIN_STEPS if c.method == "gemv" else 1)
         return [R(c, split_k=auto * 2), R(c, split_k=max(1, auto // 2))]
 
     gemv = k4.Config("gemv", block_n=256, block_k=64, num_warps=1)
@@ -111,8 +111,9 @@ def tune_configs(m: int, k: int, n: int) -> list[k4.Config]:
                      R(gemv, block_n=512, num_warps=2), *splits(gemv), R(gemv, unroll=2)]
     if m == 1:
         cands = [*gemv_variants, fma, *splits(fma), dot]
-    elif m <= k4.GEMV_MAX_ROWS:
-        cands = [*gemv_variants, dot, R(dot, block_n=64, num_warps=4), *splits(dot), R(dot, unroll=2)]
+    elif m <= k4.GEMV_MAX_ROWS:        # the dot kernel second: a short sweep still has both kinds
+        cands = [gemv_variants[0], dot, *gemv_variants[1:], R(dot, block_n=64, num_warps=4), *splits(dot),
+                 R(dot, unroll=2)]
     else:
         cands = [dot, R(dot, block_n=64, num_warps=4), R(dot, block_n=256), R(dot, unroll=2), R(dot, num_stages=2),
                  *splits(dot), R(dot, block_n=64, num_warps=4, unroll=2), R(dot, num_warps=4)]
@@ -134,30 +135,35 @@ def describe(c: k4.Config) -> str:
 def tune(shapes, ms, layers: int, max_configs: int, emit) -> list[dict]:
     """Times each launch of ``tune_configs`` (and the gemv ones again with one live row, the engine's batch 1
     in a bucket of more rows); returns the best per (shape, M, live rows) as ``int4_launches.json`` entries."""
-    emit("| shape | M | live rows | us | TB/s (% read) | launch |")
-    emit("|---|---|---|---|---|---|")
+    emit("| shape | M | live rows | us | TB/s (% read) | speed-up over bf16 | launch |")
+    emit("|---|---|---|---|---|---|---|")
     best = []
+    bf16 = layered(lambda x, w: x @ w)
     for name in shapes:
         k, n = SHAPES[name]
-        w = make_weights(k, n, layers, kinds=("int4",))
+        w = make_weights(k, n, layers, kinds=("int4", "bf16"))
         for m in ms:
             xs = activations(m, k, layers)
+            t_bf16 = time_us(bf16, (xs, w.bf16), layers)
+            emit(f"| {name} | {m} | | {t_bf16:.1f} | | 1.00x | bf16 (XLA) |")
             results = {None: [], 1: []}
             for cfg in tune_configs(m, k, n)[:max_configs]:
                 for live in ([None, 1] if cfg.method == "gemv" and m > 1 else [None]):
                     try:
                         us = time_us(int4_fn(cfg, live), (xs, w.int4), layers)
                     except Exception as e:  # noqa: BLE001  (a launch Triton cannot compile is skipped, and said)
-                        emit(f"| {name} | {m} | {live or m} | skip | | {describe(cfg)}: {type(e).__name__} |")
+                        emit(f"| {name} | {m} | {live or m} | skip | | | {describe(cfg)}: {type(e).__name__} |")
                         continue
                     results[live].append((us, describe(cfg), cfg))
                     rate = w.int4_bytes / us / 1e6
                     emit(f"| {name} | {m} | {live or m} | {us:.1f} | {rate:.2f} ({100e12 * rate / READ_CEILING:.0f} %) "
-                         f"| {describe(cfg)} |")
+                         f"| {t_bf16 / us:.2f}x | {describe(cfg)} |")
+            if m > 1:       # a launch without the live-row loop costs its all-rows time at one live row too
+                results[1] += [r for r in results[None] if r[2].method != "gemv"]
             for live, rs in results.items():
-                if rs:
+                if rs and (live is None or m > 1):
                     us, what, cfg = min(rs, key=lambda r: r[0])
-                    emit(f"| **{name}** | **{m}** | **{live or m}** | **{us:.1f}** | best | {what} |")
+                    emit(f"| **{name}** | **{m}** | **{live or m}** | **{us:.1f}** | best | **{t_bf16 / us:.2f}x** | {what} |")
                     best.append({"key": k4.launch_key(k, n, m, live == 1), "us": round(us, 2),
                                  "config": dataclasses.asdict(cfg)})
         del w

@@ -26,6 +26,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.diagnostics.timing import back_to_back_seconds
 from jaxserve.kernels import int4_matmul_pallas as k4
@@ -146,13 +147,22 @@ def tune(shapes, ms, layers: int, max_configs: int, emit) -> list[dict]:
             xs = activations(m, k, layers)
             t_bf16 = time_us(bf16, (xs, w.bf16), layers)
             emit(f"| {name} | {m} | | {t_bf16:.1f} | | 1.00x | bf16 (XLA) |")
+            want = np.asarray(jax.jit(lambda x, p: k4.int4_matmul_reference(x, *p, GROUP))(xs[0], w.int4[0]),
+                              np.float32)
             results = {None: [], 1: []}
             for cfg in tune_configs(m, k, n)[:max_configs]:
                 for live in ([None, 1] if cfg.method == "gemv" and m > 1 else [None]):
+                    fn = int4_fn(cfg, live)
                     try:
-                        us = time_us(int4_fn(cfg, live), (xs, w.int4), layers)
+                        got = np.asarray(fn(xs, w.int4)[0], np.float32)
+                        us = time_us(fn, (xs, w.int4), layers)
                     except Exception as e:  # noqa: BLE001  (a launch Triton cannot compile is skipped, and said)
                         emit(f"| {name} | {m} | {live or m} | skip | | | {describe(cfg)}: {type(e).__name__} |")
+                        continue
+                    rows = live or m            # the padding rows of a one-live-row call come back zero
+                    err = np.abs(got[:rows] - want[:rows]).max() / (np.abs(want).max() + 1e-9)
+                    if err > 0.02 or (rows < m and np.abs(got[rows:]).max() > 0):
+                        emit(f"| {name} | {m} | {live or m} | MISMATCH | | | {describe(cfg)}: relative {err:.3g} |")
                         continue
                     results[live].append((us, describe(cfg), cfg))
                     rate = w.int4_bytes / us / 1e6

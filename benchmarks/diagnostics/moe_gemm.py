@@ -5,11 +5,14 @@ selected experts' weights (kernels/ragged_dot.py), at decode and prefill token c
     python benchmarks/diagnostics/moe_gemm.py --smoke    # tiny sizes on CPU (Pallas in interpret mode)
     python benchmarks/diagnostics/moe_gemm.py --decode --skip-models   # T = 1, 4, 16, 64, 256, + rows / layer
 
-``--decode``: decode token counts, and three more rows per count: ``rows`` (``expert_rows_matmul``, the
-sort-free decode kernel, tokens in token order, at most 16 tokens) and the whole routed-expert part of one MoE
-layer (``moe.routed_experts``: both GEMMs, the activation, the combine, and for ``layer:pallas`` the sort,
-group count, tile plan and scatter back) on the sorted path and, up to 16 tokens, the rows path: the
-layer rows show what the sort costs.
+``--decode``: decode token counts, and more rows per count: ``rows`` (``expert_rows_matmul``, the sort-free
+decode kernel, tokens in token order, at most 16 tokens), the whole routed-expert part of one MoE layer
+(``moe.routed_experts``: both GEMMs, the activation, the combine, and for ``layer:pallas`` the sort, group
+count, tile plan and scatter back) on the sorted path and, up to 16 tokens, the rows path and the fused
+decode kernels (``layer:fused``, ``kernels/fused_moe.py``: two launches for the whole routed part), and the
+fused kernels alone at a few block shapes (``fused[bi, bh, s]``: gate/up's intermediate columns per
+program, down's output columns per program and its splits of the intermediate): the layer rows show what
+the sort and the launches around the GEMMs cost.
 
 The run ends with a model check: the tiny Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints (tests/fixtures/models)
 through the engine with each implementation (``JAXSERVE_MOE_GROUPED_GEMM``, one subprocess each), float32,
@@ -44,7 +47,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
 from benchmarks.diagnostics.timing import chain_seconds  # noqa: E402
-from jaxserve.kernels import ragged_dot  # noqa: E402
+from jaxserve.kernels import fused_moe, ragged_dot  # noqa: E402
 from jaxserve.models.layers import moe  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}   # E, top_k, hidden, inter
@@ -67,7 +70,10 @@ def routings(rng, tokens, experts, top_k, n):
     return group_sizes(routed_ids(rng, tokens, experts, top_k, n), experts)
 
 
-DECODE_ROWS = ("rows", "layer:pallas", "layer:rows")     # --decode's extra rows
+# the fused kernels' block shapes tried beside the default (fused_moe.GPU_BLOCKS): (block_i, block_h, splits)
+FUSED_BLOCKS = ((16, 64, 4), (64, 64, 4), (32, 32, 4), (32, 128, 8))
+DECODE_ROWS = ("rows", "layer:pallas", "layer:rows", "layer:fused") + tuple(
+    f"fused[{bi},{bh},{sp}]" for bi, bh, sp in FUSED_BLOCKS)           # --decode's extra rows
 ROWS_MAX_TOKENS = moe.ROWS_PATH_MAX_TOKENS
 
 
@@ -77,12 +83,22 @@ def one_call(impl):
     ``[E, hidden, n]`` and group sizes otherwise."""
     if impl == "rows":      # each expert gets at most one row per token
         return lambda x, rhs, ids: ragged_dot.expert_rows_matmul(x, rhs, ids.reshape(-1), ids.shape[0])
+    if impl.startswith("fused["):
+        bi, bh, sp = (int(v) for v in impl[len("fused["):-1].split(","))
+
+        def fused(x, rhs, routing):
+            (gate_up, down), (ids, weights) = rhs, routing
+            return fused_moe.fused_moe(x, ids, weights, gate_up, down, jax.nn.silu, block_i=bi, block_h=bh,
+                                       splits=sp).astype(x.dtype)
+        return fused
     if impl.startswith("layer:"):
         def layer(x, rhs, routing):
             (gate_up, down), (ids, weights) = rhs, routing
+            decode = impl in ("layer:rows", "layer:fused")
             spec = moe.MoESpec(num_experts=gate_up.shape[0], top_k=ids.shape[1], intermediate_size=down.shape[1],
                                renormalize=True, layers=(True,), grouped_gemm="pallas",
-                               rows_path_max_tokens=ROWS_MAX_TOKENS if impl == "layer:rows" else 0)
+                               rows_path_max_tokens=ROWS_MAX_TOKENS if decode else 0,
+                               decode_kernel=impl.split(":")[1] if decode else "fused")
             return moe.routed_experts(x, ids, weights, gate_up, down, spec, jax.nn.silu)
         return layer
     return lambda x, rhs, sizes: ragged_dot.grouped_matmul(x, rhs, sizes, impl)
@@ -122,7 +138,7 @@ def chained(impl, n_iter):
 def check(impl, rhs, rng, top_k) -> str | None:
     """The implementation against the reference on 8 tokens; the whole-layer rows are tested on CPU instead
     (tests/test_moe_layer.py)."""
-    if impl.startswith("layer:"):
+    if impl.startswith(("layer:", "fused")):
         return None
     experts, hidden, _ = rhs.shape
     sizes = jnp.asarray(routings(rng, 8, experts, top_k, 1)[0])
@@ -190,14 +206,15 @@ def main(argv=None) -> int:
             gemm_inputs = (jnp.asarray(rng.standard_normal((m, hidden)) * 0.1, dtype), experts_w, jnp.asarray(pool_np))
             for impl in impls:
                 row = {"shape": name, "tokens": tokens, "impl": impl}
-                layer = impl.startswith("layer:")      # both GEMMs: 1.5 x the gate/up weights and FLOPs
+                layer = impl.startswith(("layer:", "fused"))   # both GEMMs: 1.5 x the gate/up weights, FLOPs
                 nbytes, flops = (1.5 * gemm_bytes, 1.5 * gemm_flops) if layer else (gemm_bytes, gemm_flops)
                 lhs, rhs, pool = decode_inputs(impl, rng, experts_w, ids_np, dtype) if impl in DECODE_ROWS \
                     else gemm_inputs
                 if broken[impl]:
                     row["note"] = broken[impl]
-                elif impl in ("rows", "layer:rows") and tokens > ROWS_MAX_TOKENS:
-                    row["note"] = f"the rows path runs at most {ROWS_MAX_TOKENS} tokens"
+                elif (impl in ("rows", "layer:rows", "layer:fused") or impl.startswith("fused")) \
+                        and tokens > ROWS_MAX_TOKENS:
+                    row["note"] = f"the decode kernels run at most {ROWS_MAX_TOKENS} tokens"
                 elif impl == "gather" and m * hidden * n * experts_w.dtype.itemsize > GATHER_MAX_BYTES:
                     row["note"] = "skipped: the gathered weights would not fit"
                 else:
@@ -246,7 +263,7 @@ def run_model_checks() -> None:
     import subprocess
 
     print("\nmodel check (tiny MoE checkpoints, float32, greedy ids vs HF):", flush=True)
-    for impl in ragged_dot.IMPLEMENTATIONS:
+    for impl in ragged_dot.IMPLEMENTATIONS + (moe.ROWS, moe.FUSED):
         env = dict(os.environ, JAXSERVE_MOE_GROUPED_GEMM=impl)
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--model-check"], env=env,
                               capture_output=True, text=True, timeout=900)

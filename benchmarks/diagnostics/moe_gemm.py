@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 import traceback
 
@@ -75,6 +76,11 @@ FUSED_BLOCKS = ((16, 64, 4), (64, 64, 4), (32, 32, 4), (32, 128, 8))
 DECODE_ROWS = ("rows", "layer:pallas", "layer:rows", "layer:fused") + tuple(
     f"fused[{bi},{bh},{sp}]" for bi, bh, sp in FUSED_BLOCKS)           # --decode's extra rows
 ROWS_MAX_TOKENS = moe.ROWS_PATH_MAX_TOKENS
+
+
+def _decode_row(impl) -> bool:
+    """Whether ``impl`` is one of --decode's rows (its inputs in token order, from ``decode_inputs``)."""
+    return impl == "rows" or impl.startswith(("layer:", "fused["))
 
 
 def one_call(impl):
@@ -169,16 +175,24 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-models", action="store_true", help="only the GEMM table")
     ap.add_argument("--decode", action="store_true", help="T = 1, 4, 16, 64, 256 (unless --tokens) and the rows "
                                                            "kernel and whole-layer rows (see the docstring)")
+    ap.add_argument("--impls", default=None, help="comma list of the implementations / rows to time (default all)")
+    ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default both)")
     ap.add_argument("--model-check", action="store_true", help=argparse.SUPPRESS)   # the per-impl subprocess
     args = ap.parse_args(argv)
     if args.model_check:
         model_check()
         return 0
     smoke = args.smoke
-    shapes = SMOKE_SHAPES if smoke else SHAPES
+    shapes = SMOKE_SHAPES if smoke else {n: SHAPES[n] for n in (args.shapes.split(",") if args.shapes else SHAPES)}
     default_tokens = "1,4,16,64,256" if args.decode else "1,16,256,8192"
     token_counts = [int(t) for t in (args.tokens or ("1,16" if smoke else default_tokens)).split(",")]
     impls = ragged_dot.IMPLEMENTATIONS + (DECODE_ROWS if args.decode else ())
+    if args.impls:      # fused[...] names hold commas: split on the commas outside brackets
+        wanted = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.impls)
+        unknown = [w for w in wanted if w not in impls and not re.fullmatch(r"fused\[\d+,\d+,\d+\]", w)]
+        if unknown:
+            ap.error(f"--impls: {', '.join(unknown)} not among {', '.join(impls)} (with --decode)")
+        impls = tuple(wanted)
     n_iter = args.n_iter or (2 if smoke else 20)
     hw = roofline.load_hardware("h200")[0]
     read_bw, peak = hw.read_bandwidth, hw.peak_flops["bfloat16"]
@@ -208,7 +222,7 @@ def main(argv=None) -> int:
                 row = {"shape": name, "tokens": tokens, "impl": impl}
                 layer = impl.startswith(("layer:", "fused"))   # both GEMMs: 1.5 x the gate/up weights, FLOPs
                 nbytes, flops = (1.5 * gemm_bytes, 1.5 * gemm_flops) if layer else (gemm_bytes, gemm_flops)
-                lhs, rhs, pool = decode_inputs(impl, rng, experts_w, ids_np, dtype) if impl in DECODE_ROWS \
+                lhs, rhs, pool = decode_inputs(impl, rng, experts_w, ids_np, dtype) if _decode_row(impl) \
                     else gemm_inputs
                 if broken[impl]:
                     row["note"] = broken[impl]

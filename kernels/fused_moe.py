@@ -13,13 +13,14 @@ others exit at once, so every selected expert's weights are read exactly once.
 
 - ``_gate_up_kernel``, grid ``(T * k, inter / block_i)``: one expert's ``block_i`` intermediate columns of
   gate and up for all token rows, the activation, written as ``act [T * k, 16, inter]`` (the slot's row
-  block; a dead slot's block is never written and never read).
+  block; a dead slot's block is never written and never read). Its first column block also writes what the
+  down kernel needs per slot: the expert it computes (-1: none) and each token's routing weight for it
+  (zero for tokens not routed to it), so the down kernel's loop does no compare-and-reduce.
 - ``_down_kernel``, grid ``(hidden / block_h, splits)``: ``block_h`` output columns over one ``1 / splits``
   share of ``inter``, one flat loop over (slot, k-step) whose loads are masked off for dead slots (one loop,
-  so Triton pipelines the loads across experts); each step's product is scaled by each token's routing
-  weight for that expert (zero for tokens not routed to it) and summed: the weighted combine happens in the
-  kernel. The ``splits`` partial sums come out float32 and the caller's sum over them fuses with the
-  residual add.
+  so Triton pipelines the loads across experts); each step's product times each token's weight is summed:
+  the weighted combine happens in the kernel. The ``splits`` partial sums come out float32 and the
+  caller's sum over them fuses with the residual add.
 
 Numerics follow the unfused layer: products accumulate in float32, gate and up are rounded to the weight
 dtype before the activation, the activation's output is in the weight dtype; the down product stays

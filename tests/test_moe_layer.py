@@ -22,11 +22,13 @@ def _softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_route_is_softmax_then_top_k(renormalize):
-    logits = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
-    weights, ids = moe.route(jnp.asarray(logits), dataclasses.replace(SPEC, top_k=3, renormalize=renormalize))
-    probs = _softmax(logits.astype(np.float64))
+def test_route_is_softmax_then_top_k(renormalize, dtype):
+    """HF's order (float32 softmax over every expert, top-k, renormalise) from logits in the model dtype."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((5, 8)), dtype)
+    weights, ids = moe.route(logits, dataclasses.replace(SPEC, top_k=3, renormalize=renormalize))
+    probs = _softmax(np.asarray(logits.astype(jnp.float32), np.float64))
     want_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :3]
     want = np.take_along_axis(probs, want_ids, -1)
     if renormalize:

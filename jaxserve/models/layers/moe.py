@@ -25,9 +25,9 @@ by one of two kernels (``MoESpec.decode_kernel``):
 An unowned assignment (padding, another device's expert) is computed by neither. Every path reads each
 selected expert's weights once.
 
-Routing as computed: top-k of the float32 logits (softmax is monotone, so the same experts in the same
-order), then the weights from those k logits alone when renormalising (the softmax of the k values equals
-the renormalised top-k probabilities), else ``exp(top - logsumexp(all))``: no softmax over all experts.
+Routing as computed: top-k of the logits (softmax is monotone, so the same experts in the same order), then
+the weights in float32 from those k logits alone when renormalising (the softmax of the k values equals the
+renormalised top-k probabilities), else ``exp(top - logsumexp(all))``: no softmax over all experts.
 
 Parallelism over the ``"tp"`` mesh axis (the weights' ``out_sharding`` says which, ``expert_partition``):
 - tensor parallel (default): every device holds every expert's ``intermediate / tp`` slice, like a dense MLP
@@ -147,13 +147,15 @@ def declare_params(layer, hidden: int, spec: MoESpec, param: Callable) -> None:
 def route(router_logits: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
     """``(weights [T, k] float32, expert ids [T, k] int32)``: the top-k of the softmax over the experts in
     float32, optionally renormalised; computed from the top-k logits (see the module docstring)."""
-    logits = router_logits.astype(jnp.float32)
-    top, ids = lax.top_k(logits, spec.top_k)
+    # top-k in the logits' own dtype (widening to float32 is exact and keeps the order): no [T, E] convert
+    top, ids = lax.top_k(router_logits, spec.top_k)
+    top = top.astype(jnp.float32)
+    shifted = jnp.exp(top - top[:, :1])          # top[:, 0] is the largest logit
     if spec.renormalize:
-        weights = jax.nn.softmax(top, axis=-1)
-    else:     # the largest logit is top[:, 0]
-        weights = jnp.exp(top - top[:, :1]) / jnp.sum(jnp.exp(logits - top[:, :1]), axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
+        total = jnp.sum(shifted, axis=-1, keepdims=True)
+    else:
+        total = jnp.sum(jnp.exp(router_logits.astype(jnp.float32) - top[:, :1]), axis=-1, keepdims=True)
+    return shifted / total, ids.astype(jnp.int32)
 
 
 def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,

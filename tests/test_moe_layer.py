@@ -4,6 +4,7 @@ row), and the whole MoE MLP against a dense every-expert loop, padding tokens ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -296,3 +297,17 @@ def test_fused_moe_lowers_to_triton_for_the_gpu():
                            S((e, hidden, 2, inter), bf16), S((e, inter, hidden), bf16)
                            ).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("__gpu$xla.gpu.triton") == 2
+        # the whole MoE MLP of a decode step: router, top-k, the weights, the two kernels and nothing that
+        # becomes a launch of its own around them (no loop, sort, gather, scatter, concatenation)
+        mp.setattr(fused_moe, "fused_moe", functools.partial(fused_moe.fused_moe, interpret=False))
+        e, k, hidden, inter, t = 128, 8, 2048, 768, 4
+        spec = moe.MoESpec(num_experts=e, top_k=k, intermediate_size=inter, renormalize=True,
+                           weights_in_hidden_dtype=True, layers=(True,), grouped_gemm="pallas",
+                           rows_path_max_tokens=16, decode_kernel="fused")
+        w = {"router": S((hidden, e), bf16), "experts_gate_up": S((e, hidden, 2, inter), bf16),
+             "experts_down": S((e, inter, hidden), bf16)}
+        text = jax.jit(lambda h, w, v: moe.moe_mlp(h, w, spec, jax.nn.silu, v)).trace(
+            S((t, hidden), bf16), w, S((t,), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2
+        for op in ("while", "sort", "gather", "scatter", "concatenate", "dynamic_update_slice"):
+            assert f"stablehlo.{op}" not in text, op

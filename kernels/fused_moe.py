@@ -147,18 +147,21 @@ def _down_kernel(slot_expert_ref, slot_w_ref, act_ref, down_ref, out_ref, *, num
 
 
 # per GPU program: gate/up's intermediate columns; down's output columns and its share of intermediate
-GPU_BLOCKS = {"block_i": 32, "block_h": 64, "splits": 4}
+GPU_BLOCKS = {"block_i": 32, "block_h": 64, "splits": 4, "block_k": 128, "num_stages": 3}
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_i", "block_h", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("activation", "block_i", "block_h", "splits", "block_k", "num_stages",
+                                             "interpret"))
 def fused_moe(h: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
               activation: Callable, *, block_i: int | None = None, block_h: int | None = None,
-              splits: int | None = None, interpret: bool | None = None) -> jax.Array:
+              splits: int | None = None, block_k: int | None = None, num_stages: int | None = None,
+              interpret: bool | None = None) -> jax.Array:
     """See the module docstring. ``block_i``: gate/up's intermediate columns per program; ``block_h`` and
     ``splits``: down's output columns per program and the share of ``inter`` each sums (``hidden / block_h
-    * splits`` programs should fill the GPU). Unset, ``GPU_BLOCKS`` on a GPU and one block per expert when
-    interpreted (the interpreter runs programs one after another). ``interpret``: None compiles the kernels
-    on a GPU and interprets them elsewhere."""
+    * splits`` programs should fill the GPU); ``block_k``: gate/up's hidden rows per loop step (down's is at
+    most 64); ``num_stages``: Triton's software pipeline depth. Unset, ``GPU_BLOCKS`` on a GPU and one block
+    per expert when interpreted (the interpreter runs programs one after another). ``interpret``: None
+    compiles the kernels on a GPU and interprets them elsewhere."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     t, k = ids.shape
@@ -173,10 +176,11 @@ def fused_moe(h: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Arr
     chunk = inter // splits
     num_slots = _pow2(t * k)
     flat_ids, flat_wts = ids.astype(jnp.int32).reshape(-1), weights.reshape(-1)
-    params = plgpu.CompilerParams(num_warps=4, num_stages=3)
+    block_k = _block(hidden, block_k or GPU_BLOCKS["block_k"])
+    params = plgpu.CompilerParams(num_warps=4, num_stages=num_stages or GPU_BLOCKS["num_stages"])
     act, slot_expert, slot_w = pl.pallas_call(
         functools.partial(_gate_up_kernel, tokens=t, top_k=k, num_slots=num_slots, num_experts=num_experts,
-                          hidden=hidden, inter=inter, block_k=_block(hidden, 128), block_i=block_i,
+                          hidden=hidden, inter=inter, block_k=block_k, block_i=block_i,
                           activation=activation),
         grid=(num_slots, inter // block_i),
         out_shape=(jax.ShapeDtypeStruct((num_slots * TILE, inter), h.dtype),

@@ -10,9 +10,9 @@ decode kernel, tokens in token order, at most 16 tokens), the whole routed-exper
 (``moe.routed_experts``: both GEMMs, the activation, the combine, and for ``layer:pallas`` the sort, group
 count, tile plan and scatter back) on the sorted path and, up to 16 tokens, the rows path and the fused
 decode kernels (``layer:fused``, ``kernels/fused_moe.py``: two launches for the whole routed part), and the
-fused kernels alone at a few block shapes (``fused[bi, bh, s]``: gate/up's intermediate columns per
-program, down's output columns per program and its splits of the intermediate): the layer rows show what
-the sort and the launches around the GEMMs cost.
+fused kernels alone at a few block shapes (``fused[bi,bh,s(,bk,stages)]``: gate/up's intermediate columns
+per program, down's output columns per program and its splits of the intermediate, gate/up's rows per loop
+step and the pipeline depth): the layer rows show what the sort and the launches around the GEMMs cost.
 
 The run ends with a model check: the tiny Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints (tests/fixtures/models)
 through the engine with each implementation (``JAXSERVE_MOE_GROUPED_GEMM``, one subprocess each), float32,
@@ -71,10 +71,11 @@ def routings(rng, tokens, experts, top_k, n):
     return group_sizes(routed_ids(rng, tokens, experts, top_k, n), experts)
 
 
-# the fused kernels' block shapes tried beside the default (fused_moe.GPU_BLOCKS): (block_i, block_h, splits)
-FUSED_BLOCKS = ((16, 64, 4), (64, 64, 4), (32, 32, 4), (32, 128, 8))
+# the fused kernels' shapes tried beside the default (fused_moe.GPU_BLOCKS): (block_i, block_h, splits[,
+# block_k, num_stages])
+FUSED_BLOCKS = ((16, 64, 4), (64, 64, 4), (32, 32, 4), (32, 128, 8), (32, 64, 4, 256, 3), (32, 64, 4, 128, 4))
 DECODE_ROWS = ("rows", "layer:pallas", "layer:rows", "layer:fused") + tuple(
-    f"fused[{bi},{bh},{sp}]" for bi, bh, sp in FUSED_BLOCKS)           # --decode's extra rows
+    f"fused[{','.join(map(str, b))}]" for b in FUSED_BLOCKS)           # --decode's extra rows
 ROWS_MAX_TOKENS = moe.ROWS_PATH_MAX_TOKENS
 
 
@@ -90,12 +91,12 @@ def one_call(impl):
     if impl == "rows":      # each expert gets at most one row per token
         return lambda x, rhs, ids: ragged_dot.expert_rows_matmul(x, rhs, ids.reshape(-1), ids.shape[0])
     if impl.startswith("fused["):
-        bi, bh, sp = (int(v) for v in impl[len("fused["):-1].split(","))
+        blocks = dict(zip(("block_i", "block_h", "splits", "block_k", "num_stages"),
+                          (int(v) for v in impl[len("fused["):-1].split(","))))
 
         def fused(x, rhs, routing):
             (gate_up, down), (ids, weights) = rhs, routing
-            return fused_moe.fused_moe(x, ids, weights, gate_up, down, jax.nn.silu, block_i=bi, block_h=bh,
-                                       splits=sp).astype(x.dtype)
+            return fused_moe.fused_moe(x, ids, weights, gate_up, down, jax.nn.silu, **blocks).astype(x.dtype)
         return fused
     if impl.startswith("layer:"):
         def layer(x, rhs, routing):
@@ -183,13 +184,16 @@ def main(argv=None) -> int:
         model_check()
         return 0
     smoke = args.smoke
-    shapes = SMOKE_SHAPES if smoke else {n: SHAPES[n] for n in (args.shapes.split(",") if args.shapes else SHAPES)}
+    names = args.shapes.split(",") if args.shapes else list(SHAPES)
+    if not smoke and set(names) - set(SHAPES):
+        ap.error(f"--shapes: {', '.join(sorted(set(names) - set(SHAPES)))} not among {', '.join(SHAPES)}")
+    shapes = SMOKE_SHAPES if smoke else {n: SHAPES[n] for n in names}
     default_tokens = "1,4,16,64,256" if args.decode else "1,16,256,8192"
     token_counts = [int(t) for t in (args.tokens or ("1,16" if smoke else default_tokens)).split(",")]
     impls = ragged_dot.IMPLEMENTATIONS + (DECODE_ROWS if args.decode else ())
     if args.impls:      # fused[...] names hold commas: split on the commas outside brackets
         wanted = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.impls)
-        unknown = [w for w in wanted if w not in impls and not re.fullmatch(r"fused\[\d+,\d+,\d+\]", w)]
+        unknown = [w for w in wanted if w not in impls and not re.fullmatch(r"fused\[\d+(,\d+){2,4}\]", w)]
         if unknown:
             ap.error(f"--impls: {', '.join(unknown)} not among {', '.join(impls)} (with --decode)")
         impls = tuple(wanted)

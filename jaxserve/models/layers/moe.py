@@ -207,13 +207,15 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
     """This device's experts ``offset .. offset + E_local`` (see the module NOTE)."""
     t, k = ids.shape
     local_experts, hidden = gate_up.shape[:2]
+    if (t <= spec.rows_path_max_tokens and spec.decode_kernel == FUSED
+            and fused_moe.supports(t, hidden, down.shape[1])):
+        # the kernels skip ids outside 0 .. local_experts - 1 themselves: on one device the ids go as they are
+        local = ids if isinstance(offset, int) and offset == 0 else ids - offset
+        return fused_moe.fused_moe(h, local, weights, gate_up, down, activation).astype(h.dtype)
     local = ids - offset
     mine = (local >= 0) & (local < local_experts)
     key = jnp.where(mine, local, local_experts).reshape(-1)
     weights = jnp.where(mine, weights, 0)
-    if (t <= spec.rows_path_max_tokens and spec.decode_kernel == FUSED
-            and fused_moe.supports(t, hidden, down.shape[1])):
-        return fused_moe.fused_moe(h, key.reshape(t, k), weights, gate_up, down, activation).astype(h.dtype)
     if t <= spec.rows_path_max_tokens:        # decode sizes: (token, slot) rows as they are, no sort
         rows = jnp.repeat(h, k, axis=0)                                            # [T * k, hidden]
         y = ragged_dot.expert_rows_matmul(rows, gate_up.reshape(local_experts, hidden, -1), key, t)

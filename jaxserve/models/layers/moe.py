@@ -96,8 +96,9 @@ def _grouped_gemm() -> tuple[str, str]:
     """(the grouped GEMM the MoE layers run, the sort-free kernel decode-sized steps run or "").
     ``auto`` is ``fused`` on a GPU (``lax.ragged_dot`` lowers to a dense padded product there: measured on an
     H200 at 256 tokens 2,276 us against the Pallas kernel's 322 us for Qwen3-30B-A3B's gate/up;
-    2026-12-01-h200-moe-grouped-gemm.md) and ``ragged_dot`` elsewhere. A named implementation runs at every
-    size (A/B runs)."""
+    2026-12-01-h200-moe-grouped-gemm.md; at decode sizes the fused kernels need none of the rows path's
+    plan, row copies or combine) and ``ragged_dot`` elsewhere. A named implementation runs at every size
+    (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
         impl = FUSED if jax.default_backend() == "gpu" else "ragged_dot"

@@ -14,13 +14,14 @@ others exit at once, so every selected expert's weights are read exactly once.
 - ``_gate_up_kernel``, grid ``(T * k, inter / block_i)``: one expert's ``block_i`` intermediate columns of
   gate and up for all token rows, the activation, written as ``act [T * k, 16, inter]`` (the slot's row
   block; a dead slot's block is never written and never read). Its first column block also writes what the
-  down kernel needs per slot: the expert it computes (-1: none) and each token's routing weight for it
-  (zero for tokens not routed to it), so the down kernel's loop does no compare-and-reduce.
+  down kernel needs: the computing slots compacted in slot order (their count, experts and slots: each
+  program counts the computing slots before its own) and each token's routing weight for the slot's
+  expert (zero for tokens not routed to it).
 - ``_down_kernel``, grid ``(hidden / block_h, splits)``: ``block_h`` output columns over one ``1 / splits``
-  share of ``inter``, one flat loop over (slot, k-step) whose loads are masked off for dead slots (one loop,
-  so Triton pipelines the loads across experts); each step's product times each token's weight is summed:
-  the weighted combine happens in the kernel. The ``splits`` partial sums come out float32 and the
-  caller's sum over them fuses with the residual add.
+  share of ``inter``, one flat loop over (computing slot, k-step) (one loop, so Triton pipelines the loads
+  across experts; a padding token's slots cost no iteration); each step's product times each token's
+  weight is summed: the weighted combine happens in the kernel. The ``splits`` partial sums come out
+  float32 and the caller's sum over them fuses with the residual add.
 
 Numerics follow the unfused layer: products accumulate in float32, gate and up are rounded to the weight
 dtype before the activation, the activation's output is in the weight dtype; the down product stays
@@ -85,21 +86,42 @@ def _live(ids_ref, j, num_slots: int, n: int, num_experts: int):
     return e, (j < n) & (e >= 0) & (e < num_experts) & (earlier == 0)
 
 
-def _gate_up_kernel(ids_ref, wts_ref, h_ref, gu_ref, act_ref, slot_expert_ref, slot_w_ref, *, tokens, top_k,
-                    num_slots, num_experts, hidden, inter, block_k, block_i, activation):
+def _first_assignments(ids_ref, num_slots: int, n: int, num_experts: int):
+    """``[num_slots]`` bool: slot i holds a local expert id no earlier slot holds (the slots that compute)."""
+    ids = _slot_ids(ids_ref, num_slots, n)
+    i = lax.iota(jnp.int32, num_slots)
+    earlier_same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+    return (ids >= 0) & (ids < num_experts) & (jnp.sum(earlier_same.astype(jnp.int32), axis=1) == 0)
+
+
+def _gate_up_kernel(ids_ref, wts_ref, h_ref, gu_ref, act_ref, live_count_ref, live_expert_ref, live_slot_ref,
+                    slot_w_ref, *, tokens, top_k, num_slots, num_experts, hidden, inter, block_k, block_i,
+                    activation):
     j, nb = pl.program_id(0), pl.program_id(1)
-    e, live = _live(ids_ref, j, num_slots, ids_ref.shape[0], num_experts)
+    n = ids_ref.shape[0]
+    e, live = _live(ids_ref, j, num_slots, n, num_experts)
     rows = lax.iota(jnp.int32, TILE)
 
     @pl.when(nb == 0)
-    def _():    # what the down kernel reads per slot: its expert (-1: dead) and each token's routing weight
-        slot_expert_ref[j] = jnp.where(live, e, -1)
-        kp = _pow2(top_k)
-        slot = jnp.minimum(rows, tokens - 1)[:, None] * top_k + jnp.minimum(lax.iota(jnp.int32, kp), top_k - 1)[None, :]
-        mine = (rows < tokens)[:, None] & (lax.iota(jnp.int32, kp) < top_k)[None, :]
-        tok_ids = plgpu.load(ids_ref.at[slot], mask=mine, other=-1)                                # [16, kp]
-        tok_wts = plgpu.load(wts_ref.at[slot], mask=mine, other=0).astype(jnp.float32)
-        plgpu.store(slot_w_ref.at[j * TILE + rows], jnp.sum(jnp.where(tok_ids == e, tok_wts, 0.0), axis=1))
+    def _():    # what the down kernel reads: the computing slots in order, their experts, the routing weights
+        first = _first_assignments(ids_ref, num_slots, n, num_experts).astype(jnp.int32)
+        rank = jnp.sum(jnp.where(lax.iota(jnp.int32, num_slots) < j, first, 0))
+
+        @pl.when(j == 0)
+        def _():
+            live_count_ref[0] = jnp.sum(first)
+
+        @pl.when(live)
+        def _():
+            live_expert_ref[rank] = e
+            live_slot_ref[rank] = j
+            kp = _pow2(top_k)
+            slot = (jnp.minimum(rows, tokens - 1)[:, None] * top_k
+                    + jnp.minimum(lax.iota(jnp.int32, kp), top_k - 1)[None, :])
+            mine = (rows < tokens)[:, None] & (lax.iota(jnp.int32, kp) < top_k)[None, :]
+            tok_ids = plgpu.load(ids_ref.at[slot], mask=mine, other=-1)                            # [16, kp]
+            tok_wts = plgpu.load(wts_ref.at[slot], mask=mine, other=0).astype(jnp.float32)
+            plgpu.store(slot_w_ref.at[j * TILE + rows], jnp.sum(jnp.where(tok_ids == e, tok_wts, 0.0), axis=1))
 
     @pl.when(live)
     def _():
@@ -121,28 +143,26 @@ def _gate_up_kernel(ids_ref, wts_ref, h_ref, gu_ref, act_ref, slot_expert_ref, s
         plgpu.store(act_ref.at[(j * TILE + rows)[:, None], cols[None, :]], a.astype(dt))
 
 
-def _down_kernel(slot_expert_ref, slot_w_ref, act_ref, down_ref, out_ref, *, num_slots, inter, block_k, block_h,
-                 chunk):
+def _down_kernel(live_count_ref, live_expert_ref, live_slot_ref, slot_w_ref, act_ref, down_ref, out_ref, *, inter,
+                 block_k, block_h, chunk):
     hb, sp = pl.program_id(0), pl.program_id(1)
     rows = lax.iota(jnp.int32, TILE)
     cols = hb * block_h + lax.iota(jnp.int32, block_h)
     k_steps = chunk // block_k
 
     def step(i, acc):
-        j, kb = lax.div(i, jnp.int32(k_steps)), lax.rem(i, jnp.int32(k_steps))    # i >= 0: no floor fix-up
-        e = slot_expert_ref[j]
-        live = e >= 0
-        w_tok = plgpu.load(slot_w_ref.at[j * TILE + rows], mask=jnp.broadcast_to(live, (TILE,)), other=0)
+        r, kb = lax.div(i, jnp.int32(k_steps)), lax.rem(i, jnp.int32(k_steps))    # i >= 0: no floor fix-up
+        e, j = live_expert_ref[r], live_slot_ref[r]
+        w_tok = plgpu.load(slot_w_ref.at[j * TILE + rows])
         ks = sp * chunk + kb * block_k + lax.iota(jnp.int32, block_k)
-        a = plgpu.load(act_ref.at[(j * TILE + rows)[:, None], ks[None, :]],
-                       mask=jnp.broadcast_to(live, (TILE, block_k)), other=0)
-        w = plgpu.load(down_ref.at[(jnp.maximum(e, 0) * inter + ks)[:, None], cols[None, :]],
-                       mask=jnp.broadcast_to(live, (block_k, block_h)), other=0)
+        a = plgpu.load(act_ref.at[(j * TILE + rows)[:, None], ks[None, :]])
+        w = plgpu.load(down_ref.at[(e * inter + ks)[:, None], cols[None, :]])
         prod = plgpu.dot(a, w, allow_tf32=False)
         # a token not routed to this expert has weight 0 and its row is never added (even if not finite)
         return acc + jnp.where((w_tok != 0)[:, None], w_tok[:, None] * prod, 0.0)
 
-    acc = lax.fori_loop(0, num_slots * k_steps, step, jnp.zeros((TILE, block_h), jnp.float32))
+    # only the computing slots, compacted by the gate/up kernel: no iteration for a padding token's slots
+    acc = lax.fori_loop(0, live_count_ref[0] * k_steps, step, jnp.zeros((TILE, block_h), jnp.float32))
     plgpu.store(out_ref.at[(sp * TILE + rows)[:, None], cols[None, :]], acc)
 
 
@@ -178,21 +198,20 @@ def fused_moe(h: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Arr
     flat_ids, flat_wts = ids.astype(jnp.int32).reshape(-1), weights.reshape(-1)
     block_k = _block(hidden, block_k or GPU_BLOCKS["block_k"])
     params = plgpu.CompilerParams(num_warps=4, num_stages=num_stages or GPU_BLOCKS["num_stages"])
-    act, slot_expert, slot_w = pl.pallas_call(
+    i32 = jnp.int32
+    act, live_count, live_expert, live_slot, slot_w = pl.pallas_call(
         functools.partial(_gate_up_kernel, tokens=t, top_k=k, num_slots=num_slots, num_experts=num_experts,
-                          hidden=hidden, inter=inter, block_k=block_k, block_i=block_i,
-                          activation=activation),
+                          hidden=hidden, inter=inter, block_k=block_k, block_i=block_i, activation=activation),
         grid=(num_slots, inter // block_i),
-        out_shape=(jax.ShapeDtypeStruct((num_slots * TILE, inter), h.dtype),
-                   jax.ShapeDtypeStruct((num_slots,), jnp.int32),
+        out_shape=(jax.ShapeDtypeStruct((num_slots * TILE, inter), h.dtype), jax.ShapeDtypeStruct((1,), i32),
+                   jax.ShapeDtypeStruct((num_slots,), i32), jax.ShapeDtypeStruct((num_slots,), i32),
                    jax.ShapeDtypeStruct((num_slots * TILE,), jnp.float32)),
         compiler_params=params, interpret=interpret, name="fused_moe_gate_up",
     )(flat_ids, flat_wts, h, gate_up.reshape(num_experts * hidden, 2 * inter))
     out = pl.pallas_call(
-        functools.partial(_down_kernel, num_slots=num_slots, inter=inter, block_k=_block(chunk, 64),
-                          block_h=block_h, chunk=chunk),
+        functools.partial(_down_kernel, inter=inter, block_k=_block(chunk, 64), block_h=block_h, chunk=chunk),
         grid=(hidden // block_h, splits),
         out_shape=jax.ShapeDtypeStruct((splits * TILE, hidden), jnp.float32),
         compiler_params=params, interpret=interpret, name="fused_moe_down",
-    )(slot_expert, slot_w, act, down.reshape(num_experts * inter, hidden))
+    )(live_count, live_expert, live_slot, slot_w, act, down.reshape(num_experts * inter, hidden))
     return jnp.sum(out.reshape(splits, TILE, hidden), axis=0)[:t]

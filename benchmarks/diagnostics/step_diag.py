@@ -3,6 +3,7 @@
     python benchmarks/diagnostics/step_diag.py                          # 1 GPU: Llama-3.1-8B dummy bf16, TP=1, flag sets
     python benchmarks/diagnostics/step_diag.py --tp 1 2                 # 2 GPUs: TP=1 and TP=2
     python benchmarks/diagnostics/step_diag.py --smoke                  # CPU, tiny model, 2 fake devices (checks the script)
+    python benchmarks/diagnostics/step_diag.py --smoke --model tests/fixtures/models/tiny-qwen3moe --profile
     python benchmarks/diagnostics/step_diag.py --layer-kernels --old-tree .ab-old   # kernels per layer, old vs this tree
 
 Each variant (TP size x ``XLA_FLAGS`` set) runs in a child process and reports:
@@ -73,7 +74,9 @@ def child(a) -> dict:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
-    model = a.model if not a.smoke else os.path.join(REPO, "tests", "fixtures", "models", "tiny-llama3")
+    # --smoke: tiny-llama3, or the checkpoint directory --model names (e.g. tests/fixtures/models/tiny-qwen3moe)
+    model = a.model if not a.smoke or os.path.isdir(a.model) else os.path.join(REPO, "tests", "fixtures", "models",
+                                                                               "tiny-llama3")
     kw = dict(load_format="dummy") if not a.smoke else {}
     llm = LLM(model, dtype=a.dtype, tensor_parallel_size=a.tp_one, max_model_len=a.max_model_len,
               max_num_seqs=max(16, a.batch), max_num_batched_tokens=a.max_num_batched_tokens,

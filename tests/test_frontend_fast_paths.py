@@ -71,3 +71,70 @@ def test_stream_hands_items_over_in_order_and_survives_a_cancelled_wait():
         assert await got == [1]
         assert [await s.get(), await s.get()] == [2, 3]
     asyncio.run(main())
+
+
+# ---- the front end's output processor: batched window decodes give the outputs one decode at a time gives
+
+from jaxserve.engine.messages import EngineCoreOutput  # noqa: E402
+from jaxserve.engine.output_processor import FrontendOutputProcessor  # noqa: E402
+from jaxserve.engine.request import Request, RequestStatus  # noqa: E402
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from test_detokenizer import load_smollm2_tokenizer  # noqa: E402
+
+LENGTH = int(RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def _run_front(tok, streams, batched: bool, abort_at=None):
+    """Feed each request's ids one per step (the core's EngineCoreOutputs, finishing by length at the
+    end) through a FrontendOutputProcessor; returns every output's fields, step by step."""
+    proc = FrontendOutputProcessor(tok)
+    if not batched:
+        proc._decode_windows = lambda outs: None
+    for rid, (ids, params) in streams.items():
+        proc.add_request(Request(rid, [1, 2, 3], params, eos_token_ids=()))
+    seen, stopped = [], []
+    for step in range(max(len(ids) for ids, _ in streams.values())):
+        if abort_at is not None and step == abort_at[1]:
+            proc.remove(abort_at[0])
+        outs = [EngineCoreOutput(rid, [ids[step]], LENGTH if step == len(ids) - 1 else 0, None,
+                                 [(-0.5, 1, [ids[step], 7], [-0.5, -2.0])] if params.logprobs is not None else None)
+                for rid, (ids, params) in streams.items() if step < len(ids)]
+        results, stopped_here = proc.process_outputs(outs)
+        stopped += stopped_here
+        seen.append([(o.request_id, o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason,
+                      o.outputs[0].stop_reason, o.outputs[0].logprobs, o.finished) for o in results])
+    return seen, stopped
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_smollm2_tokenizer()
+
+
+def test_front_end_batched_decodes_give_the_same_outputs(tok):
+    text = "Hello wörld! 東京 🙂 naïve — the quick brown fox jumps over the lazy dog. END here"
+    ids = tok.encode(text, add_special_tokens=False)
+    delta = RequestOutputKind.DELTA
+    streams = {
+        "plain": (ids, SamplingParams(max_tokens=len(ids), output_kind=delta)),
+        "stop": (ids, SamplingParams(max_tokens=len(ids), stop=["ck br", "END"], output_kind=delta)),
+        "stop-incl": (ids, SamplingParams(max_tokens=len(ids), stop=["🙂 na"], include_stop_str_in_output=True,
+                                          output_kind=delta)),
+        "logprobs": (ids, SamplingParams(max_tokens=len(ids), logprobs=1, output_kind=delta)),
+        "cumulative": (ids[:9], SamplingParams(max_tokens=9, output_kind=RequestOutputKind.CUMULATIVE)),
+        "final": (ids[:7], SamplingParams(max_tokens=7, output_kind=RequestOutputKind.FINAL_ONLY)),
+        "aborted": (ids, SamplingParams(max_tokens=len(ids), output_kind=delta)),
+    }
+    fast, fast_stopped = _run_front(tok, streams, batched=True, abort_at=("aborted", 5))
+    slow, slow_stopped = _run_front(tok, streams, batched=False, abort_at=("aborted", 5))
+    assert fast == slow and fast_stopped == slow_stopped == ["stop-incl", "stop"]
+    by_rid = {}
+    for step in fast:
+        for rid, text_, toks, finish, reason, _lps, _fin in step:
+            by_rid.setdefault(rid, []).append((text_, toks, finish, reason))
+    assert "".join(t for t, *_ in by_rid["plain"]) == tok.decode(ids, skip_special_tokens=True)
+    assert "".join(t for t, *_ in by_rid["stop"]) == text[:text.index("ck br")]
+    assert by_rid["stop"][-1][2:] == ("stop", "ck br")
+    assert "".join(t for t, *_ in by_rid["stop-incl"]) == text[:text.index("🙂 na") + len("🙂 na")]
+    assert len(by_rid["aborted"]) == 5                      # nothing after the abort
+    assert by_rid["final"] == [(tok.decode(ids[:7]), ids[:7], "length", None)]

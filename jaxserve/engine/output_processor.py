@@ -204,18 +204,19 @@ class OutputProcessor:
     def make_output(req: Request, reason: str | None) -> RequestOutput:
         """The request's output now; ``reason``: its finish reason if it just finished, else None."""
         params = req.sampling_params
-        text = req.detokenizer.output_text
+        detok = req.detokenizer
         lps = req.logprobs
         prompt_lps = req.prompt_logprobs
         known = len(req.output_token_ids) - req.num_placeholders    # not the next step's, still in flight
         if params.output_kind is _DELTA:        # only the new part is copied
-            n_tok, n_chr = req.num_sent_tokens, req.num_sent_chars
+            n_tok = req.num_sent_tokens
             toks = req.output_token_ids[n_tok:known]
-            req.num_sent_tokens, req.num_sent_chars = known, len(text)
-            text = text[n_chr:]
+            text = detok.emitted_since(req.num_sent_chars)
+            req.num_sent_tokens, req.num_sent_chars = known, detok.num_emitted
             lps = lps[n_tok:] if lps is not None else None
             req.prompt_logprobs = None          # sent once, with the first delta
         else:
+            text = detok.output_text
             toks = req.output_token_ids[:known]
         cum = req.cumulative_logprob if params.logprobs is not None else None
         comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=cum, logprobs=lps,
@@ -255,6 +256,7 @@ class FrontendOutputProcessor:
         outputs: list[RequestOutput] = []
         stopped_here: list[str] = []
         requests = self.requests
+        self._decode_windows(core_outputs)
         for out in core_outputs:
             req = requests.get(out.request_id)
             if req is None:                     # aborted, or finished by a stop string a step ago
@@ -298,6 +300,30 @@ class FrontendOutputProcessor:
             elif req.sampling_params.output_kind is not _FINAL_ONLY:
                 outputs.append(OutputProcessor.make_output(req, None))
         return outputs, stopped_here
+
+    def _decode_windows(self, core_outputs: list[EngineCoreOutput]) -> None:
+        """Decode the step's one-token windows in one batch per decode function (in practice one call for
+        all requests), each handed to its detokenizer for the update that follows."""
+        groups: dict[int, tuple[Any, list, list]] = {}
+        requests = self.requests
+        for out in core_outputs:
+            if len(out.new_token_ids) != 1:
+                continue
+            req = requests.get(out.request_id)
+            if req is None:
+                continue
+            detok = req.detokenizer
+            window = detok.next_window(out.new_token_ids[0])
+            if window is None:
+                continue
+            group = groups.get(id(detok.batch_decoder))
+            if group is None:
+                group = groups[id(detok.batch_decoder)] = (detok.batch_decoder, [], [])
+            group[1].append(detok)
+            group[2].append(window)
+        for batch_decode, detoks, windows in groups.values():
+            for detok, text in zip(detoks, batch_decode(windows)):
+                detok.set_window_text(text)
 
     def _record_logprobs(self, req: Request, token: int, lp) -> None:
         logprob, rank, top_ids, top_lps = lp

@@ -73,7 +73,7 @@ def test_stream_hands_items_over_in_order_and_survives_a_cancelled_wait():
     asyncio.run(main())
 
 
-# ---- the front end's output processor: batched window decodes give the outputs one decode at a time gives
+# ---- the front end's output processor: DELTA text sliced from the emitted text, checked against full decodes
 
 from jaxserve.engine.messages import EngineCoreOutput  # noqa: E402
 from jaxserve.engine.output_processor import FrontendOutputProcessor  # noqa: E402
@@ -84,12 +84,10 @@ from test_detokenizer import load_smollm2_tokenizer  # noqa: E402
 LENGTH = int(RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
-def _run_front(tok, streams, batched: bool, abort_at=None):
+def _run_front(tok, streams, abort_at=None):
     """Feed each request's ids one per step (the core's EngineCoreOutputs, finishing by length at the
     end) through a FrontendOutputProcessor; returns every output's fields, step by step."""
     proc = FrontendOutputProcessor(tok)
-    if not batched:
-        proc._decode_windows = lambda outs: None
     for rid, (ids, params) in streams.items():
         proc.add_request(Request(rid, [1, 2, 3], params, eos_token_ids=()))
     seen, stopped = [], []
@@ -111,7 +109,7 @@ def tok():
     return load_smollm2_tokenizer()
 
 
-def test_front_end_batched_decodes_give_the_same_outputs(tok):
+def test_front_end_outputs_match_full_decodes(tok):
     text = "Hello wörld! 東京 🙂 naïve — the quick brown fox jumps over the lazy dog. END here"
     ids = tok.encode(text, add_special_tokens=False)
     delta = RequestOutputKind.DELTA
@@ -121,20 +119,29 @@ def test_front_end_batched_decodes_give_the_same_outputs(tok):
         "stop-incl": (ids, SamplingParams(max_tokens=len(ids), stop=["🙂 na"], include_stop_str_in_output=True,
                                           output_kind=delta)),
         "logprobs": (ids, SamplingParams(max_tokens=len(ids), logprobs=1, output_kind=delta)),
-        "cumulative": (ids[:9], SamplingParams(max_tokens=9, output_kind=RequestOutputKind.CUMULATIVE)),
+        "cumulative": (ids, SamplingParams(max_tokens=len(ids), output_kind=RequestOutputKind.CUMULATIVE)),
         "final": (ids[:7], SamplingParams(max_tokens=7, output_kind=RequestOutputKind.FINAL_ONLY)),
         "aborted": (ids, SamplingParams(max_tokens=len(ids), output_kind=delta)),
     }
-    fast, fast_stopped = _run_front(tok, streams, batched=True, abort_at=("aborted", 5))
-    slow, slow_stopped = _run_front(tok, streams, batched=False, abort_at=("aborted", 5))
-    assert fast == slow and fast_stopped == slow_stopped == ["stop-incl", "stop"]
+    seen, stopped = _run_front(tok, streams, abort_at=("aborted", 5))
+    assert stopped == ["stop-incl", "stop"]          # stop strings the front end found: aborted in the core
     by_rid = {}
-    for step in fast:
-        for rid, text_, toks, finish, reason, _lps, _fin in step:
-            by_rid.setdefault(rid, []).append((text_, toks, finish, reason))
-    assert "".join(t for t, *_ in by_rid["plain"]) == tok.decode(ids, skip_special_tokens=True)
+    for step in seen:
+        for rid, text_, toks, finish, reason, lps, _fin in step:
+            by_rid.setdefault(rid, []).append((text_, toks, finish, reason, lps))
+    full = tok.decode(ids, skip_special_tokens=True)
+    assert "".join(t for t, *_ in by_rid["plain"]) == full
+    assert [t for _, ts, *_ in by_rid["plain"] for t in ts] == ids
+    # step by step, the DELTA texts add up to the CUMULATIVE text
+    deltas = [t for t, *_ in by_rid["plain"]]
+    assert [t for t, *_ in by_rid["cumulative"]] == ["".join(deltas[:i + 1]) for i in range(len(deltas))]
+    assert by_rid["plain"][-1][2:4] == by_rid["cumulative"][-1][2:4] == ("length", None)
+    # stop strings across token boundaries: the text ends before (or with) the string; nothing after it
     assert "".join(t for t, *_ in by_rid["stop"]) == text[:text.index("ck br")]
-    assert by_rid["stop"][-1][2:] == ("stop", "ck br")
+    assert by_rid["stop"][-1][2:4] == ("stop", "ck br")
     assert "".join(t for t, *_ in by_rid["stop-incl"]) == text[:text.index("🙂 na") + len("🙂 na")]
+    assert by_rid["stop-incl"][-1][2:4] == ("stop", "🙂 na")
+    assert [len(lps) for *_, lps in by_rid["logprobs"]] == [1] * len(ids)
+    assert "".join(t for t, *_ in by_rid["logprobs"]) == full
     assert len(by_rid["aborted"]) == 5                      # nothing after the abort
-    assert by_rid["final"] == [(tok.decode(ids[:7]), ids[:7], "length", None)]
+    assert by_rid["final"] == [(tok.decode(ids[:7]), ids[:7], "length", None, None)]

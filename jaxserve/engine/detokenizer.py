@@ -85,13 +85,11 @@ class IncrementalDetokenizer:
         # call, instead of a window per step (the same string: the stream's concatenation is the full decode)
         self._deferred = (params.detokenize and not params.stop
                           and params.output_kind is RequestOutputKind.FINAL_ONLY)
-        self._decode_fn = self._single = self.batch_decoder = None
-        self._window_text: str | None = None  # the next window's decode, when a caller decoded it in a batch
+        self._decode_fn = self._single = None
         if params.detokenize:
-            # the decode functions (one ids list; many), and a cache of single-token decodes shared by every
-            # request using them
-            self._decode_fn, self.batch_decoder, self._single = _cached_decoder(
-                tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
+            # the decode function, and a cache of single-token decodes shared by every request using it
+            self._decode_fn, self._single = _cached_decoder(tokenizer, params.skip_special_tokens,
+                                                            params.spaces_between_special_tokens)
 
     @property
     def output_text(self) -> str:
@@ -119,20 +117,6 @@ class IncrementalDetokenizer:
     @property
     def num_emitted(self) -> int:
         return self._num_emitted
-
-    def next_window(self, token_id: int) -> list[int] | None:
-        """The ids ``update((token_id,))`` will decode, for a caller that decodes many requests' windows in
-        one ``batch_decoder`` call and hands each its text (``set_window_text``); None when that update
-        decodes nothing per token (no detokenization, deferred, stopped)."""
-        if self.stop_reason is not None or not self._detokenize or self._deferred:
-            return None
-        window = self.token_ids[self._prefix_offset:]
-        window.append(token_id)
-        return window
-
-    def set_window_text(self, text: str) -> None:
-        """The decode of ``next_window``'s ids: the next update's window decode (then it is forgotten)."""
-        self._window_text = text
 
     @property
     def stopped(self) -> bool:
@@ -179,11 +163,7 @@ class IncrementalDetokenizer:
     def _decode_settled(self) -> None:
         """Extend _text by what the ids since _read_offset add, unless it ends in a split character."""
         prefix_text = self._prefix_text      # the window's first _read_offset - _prefix_offset ids, decoded
-        new_text = self._window_text
-        if new_text is None:
-            new_text = self._decode_fn(self.token_ids[self._prefix_offset:])
-        else:
-            self._window_text = None
+        new_text = self._decode_fn(self.token_ids[self._prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR):
             self._text += new_text[len(prefix_text):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
@@ -222,17 +202,10 @@ class IncrementalDetokenizer:
 
 @functools.lru_cache(maxsize=64)
 def _cached_decoder(tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool):
-    """(decode function, batch decode function, {token id: its decode alone}) per tokenizer and decode
-    options. The batch function decodes a list of id lists in one Rust call when the decode is the Rust
-    tokenizer's (half the cost per window at 256 windows a step), else one call each."""
-    decode = fast_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
-    backend = _plain_backend(tokenizer)
-    if backend is not None:
-        batch = functools.partial(backend.decode_batch, skip_special_tokens=skip_special_tokens)
-    else:
-        def batch(sequences):
-            return [decode(ids) for ids in sequences]
-    return decode, batch, {}
+    """(decode function, {token id: its decode alone}) per tokenizer and decode options. (One call per
+    window, not the Rust ``decode_batch``: that one releases the GIL and runs on rayon's pool, which at 256
+    two-token windows a step cost the front end more CPU and handed the GIL to the event loop mid-step.)"""
+    return fast_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens), {}
 
 
 # ---- logprobs --------------------------------------------------------------------------------------

@@ -256,7 +256,6 @@ class FrontendOutputProcessor:
         outputs: list[RequestOutput] = []
         stopped_here: list[str] = []
         requests = self.requests
-        self._decode_windows(core_outputs)
         for out in core_outputs:
             req = requests.get(out.request_id)
             if req is None:                     # aborted, or finished by a stop string a step ago
@@ -300,30 +299,6 @@ class FrontendOutputProcessor:
             elif req.sampling_params.output_kind is not _FINAL_ONLY:
                 outputs.append(OutputProcessor.make_output(req, None))
         return outputs, stopped_here
-
-    def _decode_windows(self, core_outputs: list[EngineCoreOutput]) -> None:
-        """Decode the step's one-token windows in one batch per decode function (in practice one call for
-        all requests), each handed to its detokenizer for the update that follows."""
-        groups: dict[int, tuple[Any, list, list]] = {}
-        requests = self.requests
-        for out in core_outputs:
-            if len(out.new_token_ids) != 1:
-                continue
-            req = requests.get(out.request_id)
-            if req is None:
-                continue
-            detok = req.detokenizer
-            window = detok.next_window(out.new_token_ids[0])
-            if window is None:
-                continue
-            group = groups.get(id(detok.batch_decoder))
-            if group is None:
-                group = groups[id(detok.batch_decoder)] = (detok.batch_decoder, [], [])
-            group[1].append(detok)
-            group[2].append(window)
-        for batch_decode, detoks, windows in groups.values():
-            for detok, text in zip(detoks, batch_decode(windows)):
-                detok.set_window_text(text)
 
     def _record_logprobs(self, req: Request, token: int, lp) -> None:
         logprob, rank, top_ids, top_lps = lp

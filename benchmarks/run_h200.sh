@@ -9,7 +9,8 @@
 #   hostcore  the engine core's own host ms per step at 256 decodes (host_overhead.py --engine core: the tiny
 #             fixture model, so the GPU's time is small) and its cProfile per-function table (~3 minutes)
 #   frontend  the front end's CPU per generated token at 256 streams against a fake engine core (no GPU used:
-#             frontend_overhead.py on the host's CPU, plain and with stop strings + logprobs; ~1 minute)
+#             frontend_overhead.py on the host's CPU, plain and with stop strings + logprobs; ~1 minute);
+#             FRONTEND_OLD=TREE runs an older tree's first (a plain checkout, as for ab)
 #   startup   serve llama-3.1-8b dummy until /health 200 and a first completion, fresh compile cache then warm
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
@@ -251,10 +252,14 @@ for step in "${STEPS[@]}"; do
     kernels)   bench "${KERNELS_LIMIT_S:-90}" kernels --config h200-kernels ;;
     bandwidth) diag "${BANDWIDTH_LIMIT_S:-60}" bandwidth '^\||^#|_bandwidth|Error' benchmarks/diagnostics/bandwidth.py ;;
     ab)        ab "$AB_OLD" ;;
-    frontend)  diag "${FRONTEND_LIMIT_S:-240}" frontend '^\||^20[0-9][0-9]-|Error' \
-                 benchmarks/diagnostics/frontend_overhead.py --repeat 3
-               diag "${FRONTEND_LIMIT_S:-240}" frontend-stop '^\||^20[0-9][0-9]-|Error' \
-                 benchmarks/diagnostics/frontend_overhead.py --repeat 3 --level server --stop --logprobs 2 ;;
+    frontend)  # FRONTEND_OLD=TREE: the same runs of an older tree first (its own frontend_overhead.py and code)
+               for side in ${FRONTEND_OLD:+old} new; do
+                 tree=.; [ $side = old ] && tree=$(cd "$FRONTEND_OLD" && pwd)
+                 PYTHONPATH=$tree diag "${FRONTEND_LIMIT_S:-240}" "frontend-$side" '^\||^20[0-9][0-9]-|Error' \
+                   "$tree/benchmarks/diagnostics/frontend_overhead.py" --repeat 3
+                 PYTHONPATH=$tree diag "${FRONTEND_LIMIT_S:-240}" "frontend-stop-$side" '^\||^20[0-9][0-9]-|Error' \
+                   "$tree/benchmarks/diagnostics/frontend_overhead.py" --repeat 3 --level server --stop --logprobs 2
+               done ;;
     startup)   diag "${STARTUP_LIMIT_S:-540}" startup '^(cold|warm):|Error' benchmarks/diagnostics/startup.py serve \
                  --model llama-3.1-8b --load-format dummy --out "$RESULTS/startup_h200.json" ;;
     embed)     diag "${EMBED_LIMIT_S:-120}" embed '^\{"batch"' benchmarks/diagnostics/embed_bench.py \

@@ -22,7 +22,8 @@ Levels (each includes the ones before it):
   bytes taken by a minimal ASGI ``send`` (no HTTP parser or socket: uvicorn's part is not in it).
 
 Figure: front-end CPU µs per generated token = (this process's CPU time - the fake core's own CPU) / output
-tokens, over the whole run (every stream admitted at once). ``ms/step`` = µs/token x streams: the front end's
+tokens, over the whole run (every stream admitted at once); ``of it in gc``: the CPU time inside the garbage
+collector's passes (``gc.callbacks``) per token. ``ms/step`` = µs/token x streams: the front end's
 CPU per engine step; above the device's ms per step, one front end bounds the server (on this CPU).
 """
 from __future__ import annotations
@@ -288,15 +289,25 @@ LEVELS = {"processor": run_processor, "async": run_async, "server": run_server}
 
 
 def measure(a, level: str, tokens: list[int], profile: str | None = None) -> dict:
-    from jaxserve.engine.gc_heap import freeze_startup_heap
+    from jaxserve.engine.gc_heap import prepare_gc_for_serving
     eng = make_engine(a, tokens)
     core = eng.client
     prof = cProfile.Profile() if profile else None
     clock = {}
+    thresholds = gc.get_threshold()
+    collector = {"s": 0.0, "full": 0, "t0": 0.0}      # the garbage collector's share: time in collections
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collector["t0"] = time.thread_time()
+        else:
+            collector["s"] += time.thread_time() - collector["t0"]
+            collector["full"] += info["generation"] == 2
 
     def start():
-        freeze_startup_heap()           # as the server does once loaded
+        prepare_gc_for_serving()           # as the server does once loaded
         clock["cpu"], clock["wall"], clock["core"] = time.process_time(), time.perf_counter(), core.own_cpu_s
+        gc.callbacks.append(on_gc)
         if prof is not None:
             prof.enable()
     res = LEVELS[level](a, eng, start)
@@ -304,7 +315,9 @@ def measure(a, level: str, tokens: list[int], profile: str | None = None) -> dic
         prof.disable()
         prof.dump_stats(profile)
     cpu, wall = time.process_time() - clock["cpu"], time.perf_counter() - clock["wall"]
+    gc.callbacks.remove(on_gc)
     gc.unfreeze()                       # the next run starts as this one did
+    gc.set_threshold(*thresholds)
     front_cpu = cpu - (core.own_cpu_s - clock["core"])
     n = res["tokens"]
     want = a.streams * a.output_len
@@ -312,6 +325,7 @@ def measure(a, level: str, tokens: list[int], profile: str | None = None) -> dic
             "us_per_token": round(front_cpu / max(1, n) * 1e6, 2),
             "ms_per_step": round(front_cpu / max(1, n) * 1e3 * a.streams, 2),
             "wall_ms_per_step": round(wall / max(1, core.steps) * 1e3, 2),
+            "gc_us_per_token": round(collector["s"] / max(1, n) * 1e6, 2), "full_collections": collector["full"],
             "core_cpu_s": round(core.own_cpu_s, 3), **{k: v for k, v in res.items() if k != "tokens"}}
 
 
@@ -352,10 +366,10 @@ def main(argv=None) -> int:
     print(f"\n{time.strftime('%Y-%m-%d')} commit {commit}, {platform.machine()} x{os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}, {a.streams} streams x {a.output_len} tokens, step {a.step_ms} ms"
           + (", 2 stop strings" if a.stop else "") + (f", logprobs {a.logprobs}" if a.logprobs is not None else ""))
-    print("| level | µs/token | front ms/step | wall ms/step | steps |\n|---|---|---|---|---|")
+    print("| level | µs/token | of it in gc | front ms/step | wall ms/step | steps |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['level']} | {r['us_per_token']:.2f} | {r['ms_per_step']:.2f} | {r['wall_ms_per_step']:.2f} "
-              f"| {r['steps']} |")
+        print(f"| {r['level']} | {r['us_per_token']:.2f} | {r['gc_us_per_token']:.2f} | {r['ms_per_step']:.2f} "
+              f"| {r['wall_ms_per_step']:.2f} | {r['steps']} |")
     if a.profile:
         res = measure(a, levels[-1], tokens, profile=a.profile)
         print(f"\ncProfile of one {levels[-1]} run ({res['tokens']} tokens), functions by own time:")

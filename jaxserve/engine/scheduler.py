@@ -159,12 +159,24 @@ class Scheduler:
         # 1. Running requests, oldest first. A victim is always popped from the end, which is never a
         #    request already scheduled in this step (those sit before index i).
         i = 0
+        req_to_blocks, req_to_block_ids, bs = kv.req_to_blocks, kv.req_to_block_ids, kv.block_size
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = len(req._all_token_ids) - req.num_computed_tokens
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
                 continue
+            if num_new == 1 and not self.num_scoring:
+                # a decode inside its last block (15 of 16 steps): allocate_slots' and _scheduled's
+                # common case inlined, once per running request per step
+                blocks = req_to_blocks.get(req.request_id)
+                if blocks is not None and req.num_computed_tokens < len(blocks) * bs:
+                    start = req.num_computed_tokens
+                    scheduled.append(ScheduledRequest(req, 1, start, req_to_block_ids[req.request_id],
+                                                      start + 1 == len(req._all_token_ids)))
+                    budget -= 1
+                    i += 1
+                    continue
             cost = self._cost(req, num_new) if self.num_scoring else num_new
             if cost > budget:
                 if not self._may_chunk(cost):

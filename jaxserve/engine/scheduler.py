@@ -20,7 +20,10 @@ A request that asks for prompt logprobs is scheduled like any other (chunked, bu
 abortable); the engine scores each of its prompt chunks after the step that computes it
 (``runner.prompt_logprobs``). It takes no prefix-cache hits, as in vLLM: every prompt position must be
 computed to be scored. Scoring a position is a second forward over it, so a chunk's positions still to be
-scored count twice against the budget (``_cost``). Such a request waits, in place, while the scorer's
+scored count twice against the budget (``_cost``). While other requests are unfinished a scoring chunk takes
+at most ``1 / SCORING_SHARE`` of a step's budget (``_room``): a long prompt scored (twice a prefill's work)
+never holds back the others' prefills and decodes for steps on end; scoring requests alone run at full
+width. Such a request waits, in place, while the scorer's
 executables compile in the background (``scoring_ready``). ``num_scoring`` lets the engine skip that look
 on the steps without one.
 """
@@ -70,6 +73,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+# A request scoring its prompt takes at most this fraction (1/N) of a step's token budget while any other request
+# is unfinished (see the module docstring).
+SCORING_SHARE = 4
 
 
 def _scores_prompt(req: Request) -> bool:
@@ -165,12 +173,12 @@ class Scheduler:
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
                 continue
-            cost = self._cost(req, num_new) if self.num_scoring else num_new
-            if cost > budget:
+            cost, room = (self._cost(req, num_new), self._room(req, budget)) if self.num_scoring else (num_new, budget)
+            if cost > room:
                 if not self._may_chunk(cost):
                     i += 1              # chunked prefill off: wait for a step with room for all of it
                     continue
-                num_new, cost = self._fit(req, num_new, budget)
+                num_new, cost = self._fit(req, num_new, room)
                 if num_new == 0:        # a scored chunk's first token alone costs 2
                     i += 1
                     continue
@@ -199,11 +207,11 @@ class Scheduler:
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(req) if not scores else ([], 0)
             num_new = req.num_tokens - num_hit_tokens
-            cost = self._cost(req, num_new) if scores else num_new
-            if cost > budget:
+            cost, room = (self._cost(req, num_new), self._room(req, budget)) if scores else (num_new, budget)
+            if cost > room:
                 if not self._may_chunk(cost):
                     break
-                num_new, cost = self._fit(req, num_new, budget)
+                num_new, cost = self._fit(req, num_new, room)
                 if num_new == 0:
                     break
             if kv.allocate_slots(req, num_new, computed_blocks) is None:
@@ -280,6 +288,14 @@ class Scheduler:
         first = max(start, req.num_prompt_positions_scored)
         end = min(start + num_new, req.num_prompt_tokens - 1)
         return num_new + max(0, end - first)
+
+    def _room(self, req: Request, budget: int) -> int:
+        """The part of the step's remaining ``budget`` a chunk of ``req`` may take: all of it, except that a
+        request scoring its prompt takes at most ``1 / SCORING_SHARE`` of the step while a request that does
+        not score is unfinished (with chunked prefill off nothing is chunked, so nothing is held back)."""
+        if not self.enable_chunked_prefill or not _scores_prompt(req) or self.num_scoring >= len(self.requests):
+            return budget
+        return min(budget, max(2, self.max_num_batched_tokens // SCORING_SHARE))  # 2: one position, scored
 
     def _fit(self, req: Request, num_new: int, budget: int) -> tuple[int, int]:
         """The longest chunk of at most ``num_new`` tokens whose cost fits ``budget``, and its cost (a scored

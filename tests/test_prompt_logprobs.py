@@ -100,18 +100,20 @@ def test_scoring_compiles_in_the_background_and_never_stalls_the_engine(monkeypa
 
 def test_scored_positions_count_against_the_step_budget():
     """Each position a step scores is a second forward over it: the step's tokens plus its scored positions
-    stay within max_num_batched_tokens (16). While a decode runs beside it the scoring request takes at most
-    1/SCORING_SHARE of each step; alone, it fills the steps."""
+    stay within max_num_batched_tokens (16). While a decode runs beside them the two scoring requests take at
+    most 1/SCORING_SHARE of each step together; alone, they fill the steps."""
     llm = make_llm()
     engine = llm.engine
     engine.add_request("decode", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    engine.add_request("score", PROMPT[:60], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for rid, prompt in (("score", PROMPT[:60]), ("score2", PROMPT[60:120])):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     engine._scorer.compiler.wait_all()
     real_dispatch, steps, scored_positions = engine._scorer.dispatch, [], []
 
     def counting_dispatch(scheduled, kv_caches):
         kv_caches, chunks = real_dispatch(scheduled, kv_caches)
-        scoring = sum(s.num_new_tokens for s in scheduled if s.request_id == "score") + sum(c.count for c in chunks)
+        scoring = sum(s.num_new_tokens for s in scheduled if s.request_id.startswith("score")) + \
+            sum(c.count for c in chunks)
         steps.append((any(s.request_id == "decode" for s in scheduled),
                       sum(s.num_new_tokens for s in scheduled) + sum(c.count for c in chunks), scoring))
         scored_positions.extend(c.count for c in chunks)
@@ -120,13 +122,13 @@ def test_scored_positions_count_against_the_step_budget():
     outs = {}
     while engine.has_unfinished_requests():
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert len(outs["score"].prompt_logprobs) == 60
+    assert len(outs["score"].prompt_logprobs) == len(outs["score2"].prompt_logprobs) == 60
     assert max(spent for _, spent, _ in steps) <= 16, steps                  # never over
     shared = [scoring for with_decode, _, scoring in steps if with_decode]
     alone = [spent for with_decode, spent, _ in steps if not with_decode]
     assert shared and max(shared) <= 16 // SCORING_SHARE, steps              # held to its share beside the decode
     assert alone and max(alone) >= 14, steps                                 # full steps once alone
-    assert sum(scored_positions) == 59                                       # every position scored once
+    assert sum(scored_positions) == 2 * 59                                   # every position scored once
 
 
 def test_a_request_arriving_while_a_long_prompt_is_scored_starts_at_once(llm):

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -395,6 +396,7 @@ def main() -> int:
     else:
         proc, url, startup = start_server(args.server_flags.split())
         pid = proc.pid
+    load_start = os.getloadavg()     # the machine's load: a shared machine slows both phases
     try:
         result = asyncio.run(soak(args, url, pid))
     finally:
@@ -418,7 +420,9 @@ def main() -> int:
     meta = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), "commit": (git_commit()["commit"] or "?")[:7],
             "machine": f"{platform.machine()}, {os.cpu_count()} cores visible, {platform.system()} "
                        f"{platform.release()} (CPU JAX; shared with other jobs)",
-            "command": "python " + " ".join(sys.argv)}
+            "command": "python " + shlex.join(sys.argv),
+            "load": f"{' / '.join(f'{x:.2f}' for x in load_start)} at the start, "
+                    f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} at the end (1 / 5 / 15-min load averages)"}
     print(json.dumps({**meta, **result}, indent=2))
     if args.out:
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
@@ -436,6 +440,7 @@ def render_md(meta: dict, r: dict, args) -> str:
 - date: {meta['date_utc']} UTC
 - commit: {meta['commit']}
 - machine: {meta['machine']}
+- machine load: {meta['load']}
 - model: embedded SmolLM2-135M-Instruct (Q4_1 GGUF), server flags `{args.server_flags if not args.url else 'external server'}`
 - command: `{meta['command']}`
 

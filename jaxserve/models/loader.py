@@ -45,7 +45,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import checkpoint_names
 from jaxserve.models import configs as model_configs
-from jaxserve.models import packaged, registry
+from jaxserve.models import packaged, registry, weight_cache
 from jaxserve.quantization import config as quant_config
 from jaxserve.quantization import loading as quant_loading
 from jaxserve.models.layers.moe import with_expert_parallel
@@ -746,8 +746,15 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
     family.check_config(cfg)
     # GGUF weights are quantized: "auto" means float32 on CPU (fast there), bfloat16 on accelerators.
     jdtype = _resolve_dtype(dtype, jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    params = load_weights(cfg, family, _gguf_getter(reader, path, cfg), jdtype, mesh=mesh,
-                          desc=f"Loading {os.path.basename(path)}", file_of=lambda n: os.path.basename(path))
+    # the converted weights from the last load of this file (one device: a mesh places each shard itself)
+    cache = weight_cache.directory_for(jax.config.jax_compilation_cache_dir) if mesh is None else None
+    structure = jax.tree.structure(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    key = weight_cache.key_text(path, cfg, jdtype, structure) if cache else ""
+    params = weight_cache.load(cache, key, structure)
+    if params is None:
+        params = load_weights(cfg, family, _gguf_getter(reader, path, cfg), jdtype, mesh=mesh,
+                              desc=f"Loading {os.path.basename(path)}", file_of=lambda n: os.path.basename(path))
+        weight_cache.store(cache, key, params, structure)
     tokenizer = gguf_tokenizer(path)
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=meta.get("tokenizer.chat_template"),

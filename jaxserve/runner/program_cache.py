@@ -154,8 +154,14 @@ class ProgramCache:
                 logger.warning("step variant %s is not exportable (%s: %s); it traces on every start",
                                _short(name), type(e).__name__, e)
                 return jitted.lower(*args, **static)
+            try:
+                lowered = jax.jit(exported.call, **jit_kwargs).lower(*args)
+            except Exception as e:              # noqa: BLE001 — its call does not lower: the plain jit
+                logger.warning("step variant %s's exported program does not lower (%s: %s); it traces on "
+                               "every start", _short(name), type(e).__name__, e)
+                return jitted.lower(*args, **static)
             self._write(path, text, exported)
-            return jax.jit(exported.call, **jit_kwargs).lower(*args)
+            return lowered
 
         _register_step_types()                  # before a stored program's trees are read back
         exported = self._read(path, text)

@@ -72,37 +72,44 @@ def child(a) -> dict:
     model = a.model if not a.smoke else os.path.join(REPO, "tests", "fixtures", "models", "tiny-llama3")
     kw = dict(load_format="dummy") if not a.smoke else {}
     llm = LLM(model, dtype=a.dtype, tensor_parallel_size=a.tp_one, max_model_len=a.max_model_len,
-              max_num_seqs=16, max_num_batched_tokens=a.max_num_batched_tokens,
+              max_num_seqs=max(16, a.batch), max_num_batched_tokens=a.max_num_batched_tokens,
               token_buckets=(a.bucket, a.max_num_batched_tokens), enable_prefix_caching=False, use_tqdm_on_load=False,
               num_scheduler_steps=a.num_scheduler_steps, **kw)
     runner = llm.engine.runner
     captured = {}
-    fwd, samplers = runner._forward, dict(runner._samplers)
+    variants = runner.variants
+    get, need = variants.get, variants.need
 
-    def capture_forward(*args, **kw):
-        # the smallest token bucket (the layout's first piece is input_ids [T]), after warm-up steps
-        if kw["layout"][0].shape == (a.bucket,) and "fwd" not in captured and captured.get("seen", 0) >= 2:
-            captured["fwd"] = (tuple(x for i, x in enumerate(args) if i != 1), kw)
-        captured["seen"] = captured.get("seen", 0) + 1
-        return fwd(*args, **kw)
+    def capturing(key, exe):
+        """The step compiler's executable for ``key``, wrapped to keep the arguments of one call: the
+        ``--bucket``-token forward after two warm-up calls, then the sampler call that follows it."""
+        if exe is None or not isinstance(key, tuple):
+            return exe
+        if key[0] == "forward" and key[1] == a.bucket:
+            def f(*args):
+                if "fwd" not in captured and captured.get("seen", 0) >= 2:
+                    captured["fwd"] = (exe, tuple(x for i, x in enumerate(args) if i != 1))
+                captured["seen"] = captured.get("seen", 0) + 1
+                return exe(*args)
+            return f
+        if key[0] == "sample":
+            def g(*args):
+                if "fwd" in captured and "sampler" not in captured:
+                    captured["sampler"] = (exe, args)
+                return exe(*args)
+            return g
+        return exe
 
-    def wrap_sampler(key, f):
-        def g(*args, **kw):
-            if "fwd" in captured and "sampler" not in captured:
-                captured["sampler"] = (key, args, kw)
-            return f(*args, **kw)
-        return g
-
-    runner._forward = capture_forward
-    runner._samplers = {k: wrap_sampler(k, f) for k, f in samplers.items()}
+    variants.get = lambda key: capturing(key, get(key))
+    variants.need = lambda key, why="first use": capturing(key, need(key, why))
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)
 
     def run(n_tokens):
-        prompt = rng.integers(100, min(vocab, 30000), size=a.prompt_len).tolist()
+        prompts = [rng.integers(100, min(vocab, 30000), size=a.prompt_len).tolist() for _ in range(a.batch)]
         sp = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
         t = time.perf_counter()
-        out = llm.generate([prompt], sp, use_tqdm=False)
+        out = llm.generate(prompts, sp, use_tqdm=False)
         return time.perf_counter() - t, len(out[0].outputs[0].token_ids)
 
     run(16)
@@ -112,18 +119,18 @@ def child(a) -> dict:
     full, n = run(a.decode_tokens + 1)
     ms_tok = 1e3 * (full - first) / (n - 1)
     host_ms = (st.host_ms - h0) / max(st.steps - s0, 1)
-    runner._forward, runner._samplers = fwd, samplers
+    variants.get, variants.need = get, need
 
-    res = {"tp": a.tp_one, "flags": a.flag_set, "e2e_tok_s": 1e3 / ms_tok, "ms_per_token": ms_tok,
+    res = {"tp": a.tp_one, "flags": a.flag_set, "e2e_tok_s": a.batch * 1e3 / ms_tok, "ms_per_token": ms_tok,
            "host_ms_per_step": host_ms}
     if "fwd" in captured:
-        (params, *rest), fkw = captured["fwd"]
+        fwd, (params, *rest) = captured["fwd"]
         caches = runner.kv_caches
-        caches, logits = fwd(params, caches, *rest, **fkw)
+        caches, logits, *_ = fwd(params, caches, *rest)
         jax.block_until_ready(logits)
         t = time.perf_counter()
         for _ in range(a.replays):
-            caches, logits = fwd(params, caches, *rest, **fkw)
+            caches, logits, *_ = fwd(params, caches, *rest)
         jax.block_until_ready((caches, logits))
         res["forward_ms"] = 1e3 * (time.perf_counter() - t) / a.replays
         if a.profile:
@@ -133,13 +140,13 @@ def child(a) -> dict:
             with tempfile.TemporaryDirectory() as d:
                 jax.profiler.start_trace(d)
                 for _ in range(10):
-                    caches, logits = fwd(params, caches, *rest, **fkw)
+                    caches, logits, *_ = fwd(params, caches, *rest)
                 jax.block_until_ready((caches, logits))
                 jax.profiler.stop_trace()
                 res["profile_forward"] = summarize(d, per=10)
         runner.kv_caches = caches
         try:
-            hlo = fwd.lower(params, caches, *rest, **fkw).compile().as_text()
+            hlo = fwd.as_text()
             res["hlo"] = {op: len(re.findall(rf"\b{op}(-start)?\(", hlo))
                           for op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")}
             res["hlo"]["custom-call"] = len(re.findall(r"custom-call\(", hlo))
@@ -147,19 +154,17 @@ def child(a) -> dict:
         except Exception as e:  # diagnostics only
             res["hlo_error"] = f"{type(e).__name__}: {e}"[:200]
     if "sampler" in captured:
-        key, args, skw = captured["sampler"]
-        f = samplers[key]
-        jax.block_until_ready(f(*args, **skw))
+        f, args = captured["sampler"]
+        jax.block_until_ready(f(*args))
         t = time.perf_counter()
         for _ in range(a.replays):
-            out = f(*args, **skw)
+            out = f(*args)
         jax.block_until_ready(out)
         res["sampler_ms"] = 1e3 * (time.perf_counter() - t) / a.replays
     if a.profile:
         import tempfile
 
         from benchmarks.diagnostics.profile_summary import summarize
-        runner._forward, runner._samplers = fwd, samplers
         with tempfile.TemporaryDirectory() as d:
             s0 = runner.stats.steps
             jax.profiler.start_trace(d)
@@ -387,6 +392,9 @@ def main(argv=None) -> int:
     p.add_argument("--tp", dest="tps", type=int, nargs="+", default=[1])
     p.add_argument("--flags", nargs="+", default=None, help=f"flag set names ({', '.join(FLAG_SETS)})")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests decoded together (the captured forward is then the --bucket-row decode step: "
+                        "pass --bucket BATCH); e2e tok/s counts all of them, ms/token is per step")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -441,7 +449,7 @@ def main(argv=None) -> int:
                     "--decode-tokens", str(a.decode_tokens), "--replays", str(a.replays),
                     "--max-model-len", str(a.max_model_len), "--max-num-batched-tokens",
                     str(a.max_num_batched_tokens), "--num-scheduler-steps", str(a.num_scheduler_steps),
-                    "--bucket", str(a.bucket)] \
+                    "--bucket", str(a.bucket), "--batch", str(a.batch)] \
                 + (["--smoke"] if a.smoke else []) \
                 + (["--profile"] if a.profile else [])
             t0 = time.perf_counter()

@@ -61,5 +61,6 @@ def test_a_changed_file_or_dtype_is_converted_again_and_a_torn_entry_is_not_used
     os.utime(gguf_path, ns=(os.stat(gguf_path).st_atime_ns, os.stat(gguf_path).st_mtime_ns + 10**9))
     loader.load_gguf(gguf_path, dtype="float32")
     assert len(calls) == 4
+    assert len(os.listdir(cache)) == 2                      # it replaced the float32 entry of the old file
     loader.load_gguf(gguf_path, dtype="float32")
     assert len(calls) == 4

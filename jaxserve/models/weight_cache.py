@@ -6,7 +6,8 @@ in — goes into one file next to the persistent compile cache: a header (the ke
 shape and dtype), then the leaves' bytes, 64-byte aligned. A warm start memory-maps the file and copies
 each leaf to the device. The key is the GGUF file (path, size, modification time, a hash of its first MiB),
 the model config, the dtype, the weights' tree and jaxserve's source (a converter fix invalidates every
-entry). An entry that is missing, stale or torn is rebuilt from the GGUF.
+entry). An entry that is missing, stale or torn is rebuilt from the GGUF; a new entry replaces the older
+ones of the same file and dtype, so the folder holds one copy per model and dtype.
 """
 from __future__ import annotations
 
@@ -37,12 +38,19 @@ def key_text(path: str, cfg, dtype, structure) -> str:
     st = os.stat(path)
     with open(path, "rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()
-    return "\n".join([FORMAT, f"{os.path.realpath(path)} {st.st_size} {st.st_mtime_ns} {head}",
-                      stable_repr(cfg), str(np.dtype(dtype)), str(structure), f"source {source_digest()}"])
+    # the file and the dtype first: they name the entry that a newer one replaces (``_owner``)
+    return "\n".join([FORMAT, os.path.realpath(path), str(np.dtype(dtype)), f"{st.st_size} {st.st_mtime_ns} {head}",
+                      stable_repr(cfg), str(structure), f"source {source_digest()}"])
 
 
 def _file(directory: str, text: str) -> str:
-    return os.path.join(directory, hashlib.sha256(text.encode()).hexdigest() + ".weights")
+    """``<file and dtype>-<whole key>.weights``: the first part names the entries that a new one replaces."""
+    return os.path.join(directory, f"{_owner(text)}-{hashlib.sha256(text.encode()).hexdigest()}.weights")
+
+
+def _owner(text: str) -> str:
+    lines = text.split("\n", 3)
+    return hashlib.sha256("\n".join(lines[1:3]).encode()).hexdigest()[:16]
 
 
 def load(directory: str | None, text: str, structure):
@@ -109,6 +117,10 @@ def store(directory: str | None, text: str, params, structure) -> None:
                 f.write(memoryview(np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)))
             f.truncate(base + off)
         os.replace(tmp, path)
+        # one entry per GGUF file and dtype: the older ones (another version of the file, of jaxserve) go
+        for name in os.listdir(directory):
+            if name.startswith(_owner(text) + "-") and name.endswith(".weights") and name != os.path.basename(path):
+                os.unlink(os.path.join(directory, name))
     except OSError as e:
         logger.warning("cannot store the converted weights in %s (%s)", directory, e)
         try:

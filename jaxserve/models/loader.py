@@ -20,6 +20,7 @@ tensor-parallel split; online fp8 quantizes each float projection on the device 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import importlib.util
@@ -750,12 +751,16 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
     cache = weight_cache.directory_for(jax.config.jax_compilation_cache_dir) if mesh is None else None
     structure = jax.tree.structure(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     key = weight_cache.key_text(path, cfg, jdtype, structure) if cache else ""
-    params = weight_cache.load(cache, key, structure)
-    if params is None:
-        params = load_weights(cfg, family, _gguf_getter(reader, path, cfg), jdtype, mesh=mesh,
-                              desc=f"Loading {os.path.basename(path)}", file_of=lambda n: os.path.basename(path))
-        weight_cache.store(cache, key, params, structure)
-    tokenizer = gguf_tokenizer(path)
+    # the tokenizer (importing transformers: over a second) builds on a thread while the weights load: the
+    # copies and numpy's dequantization release the GIL
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gguf-tokenizer") as pool:
+        tokenizer = pool.submit(gguf_tokenizer, path)
+        params = weight_cache.load(cache, key, structure)
+        if params is None:
+            params = load_weights(cfg, family, _gguf_getter(reader, path, cfg), jdtype, mesh=mesh,
+                                  desc=f"Loading {os.path.basename(path)}", file_of=lambda n: os.path.basename(path))
+            weight_cache.store(cache, key, params, structure)
+        tokenizer = tokenizer.result()
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=meta.get("tokenizer.chat_template"),
                        generation_config=_generation_config(cfg), source=path, dtype=jdtype,

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from api_errors import api_error
 from test_server_fakes import FakeEngine, InProcessServer, next_token
 
 MODEL = "fake-model"
@@ -176,28 +177,21 @@ def test_completions_echo_logprobs_and_stream(client, server, http):
 # ---------------------------------------------------------------------------------------------- errors
 
 
-def _error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]
-
-
 def test_schema_violations_are_400_with_echo(http):
-    e = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                       "max_tokens": "ten"}), 400)
+    e = api_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "max_tokens": "ten"}), 400)
     assert e["param"] == "max_tokens" and '"ten"' in e["message"]
-    e = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400)
+    e = api_error(http.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400)
     assert "messages[0].role" in e["param"] and "robot" in e["message"]
-    e = _error(http.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"}),
-               400)
+    e = api_error(http.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"}),
+                  400)
     assert "invalid JSON" in e["message"]
     long = {"messages": [{"role": "user", "content": "x" * 5000}], "temperature": "hot"}
-    e = _error(http.post("/v1/chat/completions", json=long), 400)
+    e = api_error(http.post("/v1/chat/completions", json=long), 400)
     assert len(e["message"]) < 600  # the echo is capped
-    e = _error(http.post("/v1/completions", json={"prompt": ["a", 1]}), 400)
+    e = api_error(http.post("/v1/completions", json={"prompt": ["a", 1]}), 400)
     assert e["param"] == "prompt"
-    e = _error(http.post("/v1/completions", json={"prompt": [1, 10 ** 6]}), 400)
+    e = api_error(http.post("/v1/completions", json={"prompt": [1, 10 ** 6]}), 400)
     assert "out of range" in e["message"]
 
 
@@ -206,14 +200,14 @@ def test_context_length_and_sampling_errors(client, http):
         client.completions.create(model=MODEL, prompt="x" * 200, max_tokens=100)
     msg = ei.value.body["message"]
     assert "256" in msg and "300" in msg and "200" in msg and "100" in msg
-    e = _error(http.post("/v1/completions", json={"prompt": "x" * 300}), 400)
+    e = api_error(http.post("/v1/completions", json={"prompt": "x" * 300}), 400)
     assert e["code"] == "context_length_exceeded"
-    e = _error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400)
+    e = api_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400)
     assert e["param"] == "max_tokens"  # SamplingParams' ValueError, surfaced with its param
-    e = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                       "logprobs": True, "top_logprobs": 21}), 400)
+    e = api_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "logprobs": True, "top_logprobs": 21}), 400)
     assert e["param"] == "top_logprobs"
-    e = _error(http.post("/v1/completions", json={"prompt": "x", "min_tokens": 20, "max_tokens": 5}), 400)
+    e = api_error(http.post("/v1/completions", json={"prompt": "x", "min_tokens": 20, "max_tokens": 5}), 400)
     assert e["param"] == "min_tokens"
 
 
@@ -221,9 +215,9 @@ def test_unknown_model_404_and_body_limit_413(client, http):
     with pytest.raises(openai.NotFoundError) as ei:
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
     assert ei.value.body["code"] == "model_not_found"
-    e = _error(http.post("/v1/completions", json={"prompt": "x" * 100_000}), 413)
+    e = api_error(http.post("/v1/completions", json={"prompt": "x" * 100_000}), 413)
     assert "65536" in e["message"]
-    _error(http.get("/v1/nothing-here"), 404)
+    api_error(http.get("/v1/nothing-here"), 404)
 
 
 def test_queue_full_is_429(client, server):
@@ -245,9 +239,9 @@ def test_engine_error_mid_stream_then_done(http, client):
 
 
 def test_engine_error_non_stream_500_then_keeps_serving(http, client):
-    e = _error(http.post("/v1/completions", json={"prompt": "FAIL_AT_START", "max_tokens": 3}), 500)
+    e = api_error(http.post("/v1/completions", json={"prompt": "FAIL_AT_START", "max_tokens": 3}), 500)
     assert "scripted engine failure" in e["message"]
-    e = _error(http.post("/v1/completions", json={"prompt": "FAIL_MIDSTREAM", "max_tokens": 9}), 500)
+    e = api_error(http.post("/v1/completions", json={"prompt": "FAIL_MIDSTREAM", "max_tokens": 9}), 500)
     assert client.completions.create(model=MODEL, prompt="fine", max_tokens=3).choices[0].finish_reason == "length"
 
 
@@ -336,11 +330,11 @@ def test_models_tokenize_detokenize_version_health(http, server):
     assert http.post("/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
     t = http.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
     assert t["count"] == len(server.engine.tokenizer.encode("<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"))
-    _error(http.post("/tokenize", json={}), 400)
+    api_error(http.post("/tokenize", json={}), 400)
     assert http.get("/version").json()["version"]
     assert http.get("/health").status_code == 200
     server.engine.healthy = False
-    _error(http.get("/health"), 503)
+    api_error(http.get("/health"), 503)
     assert "openapi" in http.get("/schema/openapi.json").json()
 
 
@@ -370,10 +364,10 @@ def test_auth_and_vllm_metric_prefix():
     srv = InProcessServer(FakeEngine(), api_key="s3cret", metrics_prefix="vllm", served_model_name=["a", "b"])
     try:
         with httpx.Client(base_url=srv.url) as http:
-            e = _error(http.get("/v1/models"), 401)
+            e = api_error(http.get("/v1/models"), 401)
             assert e["code"] == "invalid_api_key"
-            _error(http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
-            _error(http.post("/tokenize", json={"prompt": "x"}), 401)
+            api_error(http.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
+            api_error(http.post("/tokenize", json={"prompt": "x"}), 401)
             assert http.get("/health").status_code == 200
             assert "vllm:num_requests_running" in http.get("/metrics").text
         ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)

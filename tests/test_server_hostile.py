@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from api_errors import api_error
 from test_server_fakes import FakeEngine, InProcessServer
 
 MODEL = "fake-model"
@@ -21,13 +22,6 @@ def server():
     srv.stop()
 
 
-def _error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]
-
-
 def test_deeply_nested_json_is_400_with_one_log_line(http, caplog):
     depth = 3000   # ~6 KB: past msgspec's recursion guard
     nested = b"[" * depth + b"]" * depth
@@ -38,7 +32,7 @@ def test_deeply_nested_json_is_400_with_one_log_line(http, caplog):
     for path, body in bodies.items():
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="jaxserve.server"):
-            e = _error(http.post(path, content=body, headers={"content-type": "application/json"}), 400)
+            e = api_error(http.post(path, content=body, headers={"content-type": "application/json"}), 400)
         assert "nested too deeply" in e["message"] and len(e["message"]) < 600, e
         records = [r for r in caplog.records if r.name == "jaxserve.server"]
         assert len(records) == 1 and records[0].exc_info is None, [r.getMessage() for r in records]
@@ -46,7 +40,7 @@ def test_deeply_nested_json_is_400_with_one_log_line(http, caplog):
 
 
 def test_top_k_below_minus_one_is_400(http, server):
-    e = _error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "top_k": -2}), 400)
+    e = api_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "top_k": -2}), 400)
     assert e["param"] == "top_k" and "-2" in e["message"]
     for off in (-1, 0):   # vLLM's "no top-k filter"
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "top_k": off, "temperature": 1})
@@ -55,9 +49,9 @@ def test_top_k_below_minus_one_is_400(http, server):
 
 
 def test_unknown_model_name_is_not_echoed_unbounded(http):
-    e = _error(http.post("/v1/completions", json={"model": "m" * 50_000, "prompt": "x"}), 404)
+    e = api_error(http.post("/v1/completions", json={"model": "m" * 50_000, "prompt": "x"}), 404)
     assert e["code"] == "model_not_found" and len(e["message"]) < 300 and "50000 chars" in e["message"]
-    e = _error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
+    e = api_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
     assert "`gpt-9`" in e["message"]
 
 
@@ -70,7 +64,7 @@ def test_metrics_content_type_and_head(http):
 
 
 def test_unsupported_method_is_405_with_allow(http):
-    e = _error(http.request("TRACE", "/v1/models"), 405)
+    e = api_error(http.request("TRACE", "/v1/models"), 405)
     assert e["type"] == "invalid_request_error"
     r = http.request("TRACE", "/v1/models")
     assert "GET" in r.headers["allow"]
@@ -82,15 +76,15 @@ HEAVY_TEMPLATE = "{% for i in range(16000) %}{% for j in range(1000) %}{% endfor
 
 def test_request_chat_template_refused_unless_trusted(http):
     msgs = [{"role": "user", "content": "x"}]
-    e = _error(http.post("/v1/chat/completions", json={"messages": msgs, "chat_template": "{{ 'hi' }}"}), 400)
+    e = api_error(http.post("/v1/chat/completions", json={"messages": msgs, "chat_template": "{{ 'hi' }}"}), 400)
     assert e["param"] == "chat_template" and "--trust-request-chat-template" in e["message"]
-    e = _error(http.post("/tokenize", json={"messages": msgs, "chat_template": "{{ 'hi' }}"}), 400)
+    e = api_error(http.post("/tokenize", json={"messages": msgs, "chat_template": "{{ 'hi' }}"}), 400)
     assert e["param"] == "chat_template"
-    e = _error(http.post("/v1/chat/completions", json={"messages": msgs,
-                                                       "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}}), 400)
+    e = api_error(http.post("/v1/chat/completions",
+                            json={"messages": msgs, "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}}), 400)
     assert e["param"] == "chat_template"
-    e = _error(http.post("/v1/chat/completions", json={"messages": msgs, "chat_template_kwargs": {"tokenize": True}}),
-               400)
+    e = api_error(http.post("/v1/chat/completions",
+                            json={"messages": msgs, "chat_template_kwargs": {"tokenize": True}}), 400)
     assert e["param"] == "chat_template_kwargs" and "tokenize" in e["message"]
 
 
@@ -149,7 +143,7 @@ def test_text_too_long_for_any_tokenization_is_400_before_tokenizing(http, serve
                               ("/v1/completions", {"prompt": ["x", huge]}, "prompt"),
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
                               ("/tokenize", {"prompt": huge}, "prompt")):
-        e = _error(http.post(path, json=body), 400)
+        e = api_error(http.post(path, json=body), 400)
         assert e["code"] == "context_length_exceeded" and e["param"] == param and "3600 characters" in e["message"]
     assert calls in ([], [1])              # at most the short "x" of the batch
     assert http.post("/v1/completions", json={"prompt": "hello " * 20, "max_tokens": 1}).status_code == 200
@@ -273,11 +267,11 @@ def test_trusted_request_template_is_bounded_in_time_and_output(monkeypatch):
         body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
         endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
         t0 = time.monotonic()
-        e = _error(httpx.post(srv.url + "/v1/chat/completions", json={**body, "chat_template": endless}, timeout=60),
-                   400)
+        e = api_error(httpx.post(srv.url + "/v1/chat/completions", json={**body, "chat_template": endless},
+                                 timeout=60), 400)
         assert e["param"] == "chat_template" and "1.5 s" in e["message"] and time.monotonic() - t0 < 8
-        e = _error(httpx.post(srv.url + "/v1/chat/completions", timeout=60,
-                              json={**body, "chat_template": "{{ 'hello ' * 2000000 }}"}), 400)
+        e = api_error(httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                                 json={**body, "chat_template": "{{ 'hello ' * 2000000 }}"}), 400)
         assert e["code"] == "context_length_exceeded" and e["param"] == "messages", e
         for _ in range(3):      # the worker threads the timeouts interrupted serve on
             r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
@@ -325,9 +319,9 @@ def test_slow_clients_get_408_and_the_connection_closed(caplog):
 
 
 def test_prompts_times_n_is_capped(http):
-    e = _error(http.post("/v1/completions", json={"prompt": ["a"] * 100, "n": 128, "max_tokens": 1}), 400)
+    e = api_error(http.post("/v1/completions", json={"prompt": ["a"] * 100, "n": 128, "max_tokens": 1}), 400)
     assert "12800 choices" in e["message"] and "--max-request-choices 1024" in e["message"] and e["param"] == "n"
-    e = _error(http.post("/v1/completions", json={"prompt": [[1, 2]] * 9, "n": 128, "max_tokens": 1}), 400)
+    e = api_error(http.post("/v1/completions", json={"prompt": [[1, 2]] * 9, "n": 128, "max_tokens": 1}), 400)
     assert "1152 choices" in e["message"]
 
 
@@ -427,9 +421,9 @@ def test_unknown_request_fields_are_400_naming_each(client, http):
         client.embeddings.create(model=MODEL, input="x", extra_body={"normalize": True})
     assert e.value.body["param"] == "normalize"
     for path, body in (("/tokenize", {"prompt": "x", "bogus": 1}), ("/detokenize", {"tokens": [1], "bogus": 1})):
-        assert _error(http.post(path, json=body), 400)["param"] == "bogus"
-    e = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                       "structured_outputs": {"regex": "a", "bogus": 1}}), 400)
+        assert api_error(http.post(path, json=body), 400)["param"] == "bogus"
+    e = api_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "structured_outputs": {"regex": "a", "bogus": 1}}), 400)
     assert "bogus" in e["message"] and "structured_outputs" in e["message"], e
 
 

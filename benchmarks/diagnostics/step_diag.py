@@ -27,10 +27,14 @@ kernels of one layer in launch order (K/V write to K/V write) with their us, the
 time between them inside the CUDA graph. ``--old-tree DIR`` (a plain checkout of another commit) runs the same
 measurement on that tree's ``jaxserve`` first, in its own process; ``--flags`` adds XLA flag sets. Qwen3 is
 Llama's layer plus a per-head q/k norm, so their difference in kernels per layer is what the q/k norm costs.
+A layer is cut at its K/V write: the ``paged_kv_write`` launch, or the decode launch that writes the K/V itself.
+``--lowered`` (any host, no GPU needed) lowers the same step's GPU build for CUDA instead of running it and counts
+its Pallas launches per layer by kernel name (XLA's own fusions are only decided when a GPU compiles it).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -76,6 +80,7 @@ def child(a) -> dict:
               token_buckets=(a.bucket, a.max_num_batched_tokens), enable_prefix_caching=False, use_tqdm_on_load=False,
               num_scheduler_steps=a.num_scheduler_steps, **kw)
     runner = llm.engine.runner
+    runner.wait_compiled()       # the steady state: the background variants (the short-context decode too) ready
     captured = {}
     variants = runner.variants
     get, need = variants.get, variants.need
@@ -187,7 +192,8 @@ LAYER_MODELS = ("gemma-2-9b", "gemma-3-12b", "qwen3-8b", "llama-3.1-8b")
 
 def layer_child(a) -> None:
     """Per model: the jitted forward + logits of a batch-1 decode step (token bucket 4, 4 request rows, one real
-    request at ``--context`` tokens, block tables for ``--max-model-len``) at the model's real widths with
+    request at ``--context`` tokens, block tables for ``--max-model-len``; the runner's short-context variant
+    when the context is within ``metadata.SHORT_SEQ_LEN``) at the model's real widths with
     ``--layers`` layers and dummy weights, as the engine compiles it; its ms per replay, and on a GPU the kernels
     of 5 traced replays cut into layers at each layer's K/V write."""
     import jax
@@ -196,11 +202,13 @@ def layer_child(a) -> None:
 
     import jaxserve
     from jaxserve.kernels import ops
+    from jaxserve.kernels import metadata
     from jaxserve.kernels.metadata import AttentionMetadata
     from jaxserve.models import configs as model_configs
     from jaxserve.models import registry
 
-    backend = ops.default_backend()
+    lowered = getattr(a, "lowered", False)
+    backend = "pallas" if lowered else ops.default_backend()
     dtype = jnp.dtype(a.dtype)
     T = R = 4
     bs = 16
@@ -214,8 +222,14 @@ def layer_child(a) -> None:
                       head_dim=64, vocab_size=1024)
         cfg = model_configs.model_config_from_hf(hf)
         _, family = registry.resolve_architecture(hf["architectures"])
-        params = family.init_dummy_params(cfg, dtype)
-        caches = ops.init_kv_caches(a.layers, pages + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype)
+        if lowered:          # shapes only: nothing is allocated or run
+            params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), family.param_shapes(cfg),
+                                  is_leaf=lambda x: isinstance(x, tuple))
+            caches = [tuple(jax.ShapeDtypeStruct(s, dtype) for s in ops.kv_cache_shapes(
+                pages + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype)) for _ in range(a.layers)]
+        else:
+            params = family.init_dummy_params(cfg, dtype)
+            caches = ops.init_kv_caches(a.layers, pages + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype)
         n_blocks = -(-a.context // bs)
         tables = np.zeros((R, pages), np.int32)
         tables[0, :n_blocks] = np.arange(1, n_blocks + 1)
@@ -225,6 +239,9 @@ def layer_child(a) -> None:
                                seq_lens=jnp.asarray([a.context, 0, 0, 0], jnp.int32),
                                query_start_loc=jnp.asarray([0, 1, 1, 1, 1], jnp.int32), num_seqs=jnp.int32(1),
                                decode_only=backend != "reference")
+        bound = getattr(metadata, "SHORT_SEQ_LEN", None)     # a tree without the runner's short-context variant
+        if bound and backend != "reference" and a.context <= bound < a.max_model_len:
+            md = dataclasses.replace(md, max_seq_len=bound)     # the variant the runner runs such a step in
         ids = jnp.asarray([7, 0, 0, 0], jnp.int32)
         pos = jnp.asarray([a.context - 1, 0, 0, 0], jnp.int32)
 
@@ -232,6 +249,13 @@ def layer_child(a) -> None:
             hidden, caches = family.forward(params, caches, ids, pos, md, cfg, attn_backend=backend)
             return caches, family.compute_logits(params, hidden[jnp.zeros(R, jnp.int32)], cfg)
 
+        if lowered:
+            launches = pallas_launches(jax.jit(step, donate_argnums=(1,)), params, caches, ids, pos, md)
+            print("RESULT " + json.dumps({
+                "model": name, "layers": a.layers, "jaxserve": os.path.dirname(jaxserve.__file__), "lowered": True,
+                "pallas_per_layer": sum(launches.values()) / a.layers,
+                "pallas_kernels": {k: v / a.layers for k, v in sorted(launches.items())}}), flush=True)
+            continue
         fwd = jax.jit(step, donate_argnums=(1,)).lower(params, caches, ids, pos, md).compile()
         hlo = fwd.as_text()
         if a.hlo_dir:        # the GPU's fusion decisions, for working out the next fusion without a GPU
@@ -270,6 +294,40 @@ def layer_child(a) -> None:
         del params, caches, logits
 
 
+def pallas_launches(fn, *args) -> Counter:
+    """``fn(*args)``'s GPU build traced on this host (not compiled, not run): its Pallas launches by kernel
+    name, each call of a jitted helper counted. The attention backend's GPU check is lifted for the trace:
+    nothing here runs a kernel."""
+    from unittest import mock
+
+    import jax
+
+    from jaxserve.kernels import ops
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with mock.patch.object(ops, "_check_gpu", lambda interpret: None), jax.sharding.use_abstract_mesh(mesh):
+        jaxpr = fn.trace(*args).jaxpr
+    counts = Counter()
+
+    def walk(jp):
+        for eqn in jp.eqns:
+            if eqn.primitive.name == "pallas_call":
+                info = eqn.params.get("name_and_src_info")
+                counts[getattr(info, "name", None) or str(eqn.params.get("name", "pallas_call"))] += 1
+                continue
+            for val in eqn.params.values():     # sub-jaxprs: jit calls, conds, loops, shard_map bodies
+                for sub in val if isinstance(val, (tuple, list)) else (val,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+    walk(jaxpr.jaxpr)
+    return counts
+
+
+# a layer's cut: its K/V write, a launch of its own or inside the decode-only attention launch
+LAYER_MARKS = ("paged_kv_write", "ragged_paged_decode_write_kv", "ragged_paged_decode_split_write_kv")
+
+
 _HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^=]*?\)|\S+) ([\w\-]+)\(")
 
@@ -303,18 +361,20 @@ def layer_windows(events: list, layers: int) -> dict:
     and idle us (write start to next write start, less the busy time) per layer, and each distinct window
     (layers of two kinds, e.g. Gemma's sliding and global ones, give two) as ``[(kernel group, mean us)]``
     with how many windows had it."""
-    marks = [i for i, (_, _, g) in enumerate(events) if g == "paged_kv_write"]
+    groups = {ev[2] for ev in events}
+    mark = next((m for m in LAYER_MARKS if m in groups), LAYER_MARKS[0])
+    marks = [i for i, ev in enumerate(events) if ev[2] == mark]
     cuts = [(i, j) for n, (i, j) in enumerate(zip(marks, marks[1:])) if n % layers != layers - 1]
     if not cuts:
-        return {"kernels_per_layer": None, "note": f"{len(marks)} paged_kv_write launches: no layer window"}
-    busy = [sum(e - s for s, e, _ in events[i:j]) / 1e3 for i, j in cuts]
+        return {"kernels_per_layer": None, "note": f"{len(marks)} {mark} launches: no layer window"}
+    busy = [sum(ev[1] - ev[0] for ev in events[i:j]) / 1e3 for i, j in cuts]
     span = [(events[j][0] - events[i][0]) / 1e3 for i, j in cuts]
     by_sig = {}
     for i, j in cuts:
-        by_sig.setdefault(tuple(g for _, _, g in events[i:j]), []).append(events[i:j])
+        by_sig.setdefault(tuple(ev[2] for ev in events[i:j]), []).append(events[i:j])
     kinds = []
     for sig, ws in sorted(by_sig.items(), key=lambda kv: -len(kv[1])):
-        us = [sum(e - s for s, e, _ in col) / len(ws) / 1e3 for col in zip(*ws)]
+        us = [sum(ev[1] - ev[0] for ev in col) / len(ws) / 1e3 for col in zip(*ws)]
         kinds.append({"windows": len(ws), "kernels": [(g, round(u, 2)) for g, u in zip(sig, us)],
                       "names": [ev[3] if len(ev) > 3 else ev[2] for ev in ws[0]]})
     return {"kernels_per_layer": sum(j - i for i, j in cuts) / len(cuts), "layer_busy_us": sum(busy) / len(cuts),
@@ -350,7 +410,8 @@ def layer_main(a) -> int:
         args = [sys.executable, os.path.abspath(__file__), "--layer-kernels", *a.models, "--layer-child",
                 "--layers", str(a.layers), "--context", str(a.context), "--dtype", a.dtype,
                 "--replays", str(a.replays), "--max-model-len", str(a.max_model_len), "--tag", f"{tree}-{fs}"] \
-            + (["--smoke"] if a.smoke else []) + (["--hlo-dir", os.path.abspath(a.hlo_dir)] if a.hlo_dir else [])
+            + (["--smoke"] if a.smoke else []) + (["--hlo-dir", os.path.abspath(a.hlo_dir)] if a.hlo_dir else []) \
+            + (["--lowered"] if a.lowered else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout,
@@ -363,6 +424,13 @@ def layer_main(a) -> int:
         print(f"  {tree} tree, {fs}: {time.perf_counter() - t0:.0f}s, {len(got)} of {len(a.models)} models"
               + (f" ({why})" if why else ""), file=sys.stderr, flush=True)
         results += [dict(r, tree=tree, flags=fs) for r in got]
+    if a.lowered:
+        print("| model | tree | Pallas launches / layer (GPU build, lowered) | by kernel |")
+        print("|---|---|---|---|")
+        for r in results:
+            kinds = ", ".join(f"{k} {v:g}" for k, v in r["pallas_kernels"].items())
+            print(f"| {r['model']} ({r['layers']} layers) | {r['tree']} | {r['pallas_per_layer']:g} | {kinds} |")
+        return 0 if results else 1
     print("| model | tree | XLA flags | kernels / layer | layer busy us | layer gap us | forward ms | HLO fusions | HLO custom calls |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -413,6 +481,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=256, help="--layer-kernels: the request's context")
     p.add_argument("--old-tree", default=None, help="--layer-kernels: also measure this checkout (first)")
     p.add_argument("--hlo-dir", default=None, help="--layer-kernels: write each compiled forward's HLO here")
+    p.add_argument("--lowered", action="store_true",
+                   help="--layer-kernels: lower the GPU build for CUDA (any host) and count its Pallas launches")
     p.add_argument("--layer-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tag", default="new-default", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

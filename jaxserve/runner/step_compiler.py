@@ -11,19 +11,16 @@ persistent-cache load) runs in C++ without it, so the compiles of independent va
 """
 from __future__ import annotations
 
-import atexit
 import heapq
 import itertools
 import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable, Iterable
 
 logger = logging.getLogger(__name__)
 
-_live: "weakref.WeakSet[StepCompiler]" = weakref.WeakSet()
 # JAX's tracing is not thread-safe (concurrent traces of lax.cond raced on shared state), and it holds the
 # GIL anyway: one trace + lower at a time in the process (anything lowering on a thread takes it); the
 # compiles themselves overlap
@@ -53,7 +50,6 @@ class StepCompiler:
         self._stopping = False
         self.seconds: dict[Hashable, float] = {}             # key -> wall seconds its compile took
         self.on_first_use: list[Hashable] = []               # keys a step had to wait for (``need``)
-        _live.add(self)
 
     # ------------------------------------------------------------------ lookups (hot path)
     def get(self, key: Hashable):
@@ -153,8 +149,13 @@ class StepCompiler:
             t.join()
 
     def _start_threads(self) -> None:
-        while len(self._threads) < min(self.workers, len(self._queue)):
-            t = threading.Thread(target=self._work, name=f"step-compiler-{len(self._threads)}", daemon=True)
+        # not daemon threads: the interpreter joins them before its exit hooks run. At exit
+        # ``weakref.finalize`` fires every live finalizer, and JAX's tracer drops a constant of the trace in
+        # progress through one (a cond branch's closed-over values): a trace still running on a daemon thread
+        # then lowers to a broken program (a KeyError on a jaxpr Var, a shape error). A thread finishes the
+        # compile it is in and takes no other key once the main thread has returned.
+        while len(self._threads) < min(self.workers, len(self._queue)) and _main_thread_running():
+            t = threading.Thread(target=self._work, name=f"step-compiler-{len(self._threads)}")
             self._threads.append(t)
             t.start()
 
@@ -163,7 +164,7 @@ class StepCompiler:
         # thread, so the runner it compiles for (weights, KV cache) can be freed
         while True:
             with self._lock:
-                if self._stopping or not self._queue:
+                if self._stopping or not self._queue or not _main_thread_running():
                     self._threads.remove(threading.current_thread())
                     return
                 _, _, key = heapq.heappop(self._queue)
@@ -181,9 +182,8 @@ class StepCompiler:
                     lowered = self._lower(key)
                 exe = lowered.compile()
             except Exception as e:
-                # a trace on another thread that does not take TRACE_LOCK (a first-called jit elsewhere in
-                # the process) can race this one (seen as a KeyError on a jaxpr Var): one retry; a second
-                # failure is surfaced to whoever needs the key
+                # one retry (JAX does not promise thread-safe tracing, and a trace elsewhere in the process
+                # does not take TRACE_LOCK); a second failure is surfaced to whoever needs the key
                 logger.warning("compiling %s failed (attempt %d): %r", _name(key), attempt, e)
                 if attempt == 2:
                     self._errors[key] = e
@@ -196,15 +196,12 @@ class StepCompiler:
         ev.set()
 
 
+def _main_thread_running() -> bool:
+    return threading.main_thread().is_alive()
+
+
 def _name(key) -> str:
     """A key for a log line, without its (long) layouts."""
     if isinstance(key, tuple):
         return "(" + ", ".join(str(k) for k in key if not isinstance(k, tuple)) + ")"
     return str(key)
-
-
-@atexit.register
-def _stop_all() -> None:
-    # an interpreter that exits while a compile thread runs in XLA can crash in teardown: let them finish
-    for c in list(_live):
-        c.stop()

@@ -38,8 +38,9 @@ from jaxserve.kernels import ops as kernel_ops
 from jaxserve.engine.request import PLACEHOLDER
 from jaxserve.kernels.metadata import PAD_SLOT, SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
-from jaxserve.runner import packing, sampler as sampler_mod
+from jaxserve.runner import packing, program_cache, sampler as sampler_mod
 from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.program_cache import ProgramCache
 from jaxserve.runner.step_compiler import StepCompiler
 from jaxserve.sampling_params import SamplingParams
 
@@ -290,11 +291,14 @@ class ModelRunner:
             samp_out = {"out_shardings": rep}
             loop_out = {"out_shardings": (kv_sh, rep, rep, *load_out)}
         self._replicated = rep
+        # what each kind's jit is given besides its static arguments (a stored program's call gets the same)
+        self._jit_kwargs = {"forward": {"donate_argnums": (1,), **fwd_out}, "sample": samp_out,
+                            "decode-loop": {"donate_argnums": (1,), **loop_out}}
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend,
                                                   self.moe_layers is not None), mesh),
-                                donate_argnums=(1,), static_argnames=("layout", "decode_only", "max_seq_len"),
-                                **fwd_out)
+                                static_argnames=("layout", "decode_only", "max_seq_len"),
+                                **self._jit_kwargs["forward"])
         # Steps whose requests all decode one token get their own variant of the small buckets under the
         # Pallas backends: the attention runs its decode launch alone (no prefill tile slots, the decode
         # tile's shared memory only). The reference has one path for both, so no extra compiles there.
@@ -324,7 +328,7 @@ class ModelRunner:
                 (nl, f): jax.jit(bind_mesh(partial(_decode_loop_fn, model.family, self.cfg, self.backend,
                                                    self.max_num_seqs, self.block_size, self.num_scheduler_steps,
                                                    nl, f, self.moe_layers), mesh),
-                                 donate_argnums=(1,), static_argnames=("layout", "s_layout"), **loop_out)
+                                 static_argnames=("layout", "s_layout"), **self._jit_kwargs["decode-loop"])
                 for nl in (0, self.max_logprobs) for f in filter_modes}
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
@@ -339,6 +343,11 @@ class ModelRunner:
         self._prev_spec = spec(self._no_prev)
         self.enforce_eager = config.enforce_eager or config.skip_warmup
         self.variants = StepCompiler(self._lower_variant)
+        # the variants' exported programs (a warm start lowers them without tracing the model)
+        from jaxserve.parallel import collectives
+        self.programs = ProgramCache(program_cache.directory_for(jax.config.jax_compilation_cache_dir),
+                                     context=f"mesh {mesh!r}; custom all-reduce {collectives._enabled} "
+                                             f"fused norm {collectives.fuses_norm()}")
         # (exact bucket, decode-only) -> the compiled (bucket, decode-only) a step of that size runs in now;
         # rebuilt whenever more executables are ready
         self._routes: dict[tuple[int, bool], tuple[int, bool]] = {}
@@ -667,30 +676,30 @@ class ModelRunner:
         return np.zeros(n_i, np.int32), np.zeros(n_f, np.float32)
 
     def _lower_variant(self, key):
-        """Trace and lower one executable (``StepCompiler`` compiles it): from shapes, not buffers."""
+        """Trace and lower one executable (``StepCompiler`` compiles it): from shapes, not buffers; from its
+        stored program when ``self.programs`` has it."""
         kind = key[0]
         if kind == "forward":
             _, T, decode_only, *bound = key       # ("forward", T, True, SHORT_SEQ_LEN): short-context decodes
             ints, layout = self._forward_inputs(T)
-            lowered = self._forward.lower(self._param_specs, self._kv_specs, ints, self._prev_spec,
-                                          layout=layout, decode_only=decode_only,
-                                          max_seq_len=bound[0] if bound else None)
+            fn, args = self._forward, (self._param_specs, self._kv_specs, ints, self._prev_spec)
+            static = {"layout": layout, "decode_only": decode_only, "max_seq_len": bound[0] if bound else None}
         elif kind == "sample":
             _, num_logprobs, filtering, masked, s_layout = key
             R = s_layout[0].shape[0]
             logits = jax.ShapeDtypeStruct((R, self.vocab_size), jnp.float32, sharding=self._replicated)
             extra = (np.zeros((R, self.bitmask_width), np.int32),) if masked else ()
-            lowered = self._samplers[num_logprobs, filtering].lower(logits, *self._buffers(s_layout), *extra,
-                                                                    layout=s_layout)
+            fn, args = self._samplers[num_logprobs, filtering], (logits, *self._buffers(s_layout), *extra)
+            static = {"layout": s_layout}
         elif kind == "decode-loop":
             _, T, num_logprobs, filtering, s_layout = key
             ints, layout = self._forward_inputs(T, multi_step=True)
-            lowered = self._decode_loops[num_logprobs, filtering].lower(
-                self._param_specs, self._kv_specs, ints, self._prev_spec, *self._buffers(s_layout), layout=layout,
-                s_layout=s_layout)
+            fn = self._decode_loops[num_logprobs, filtering]
+            args = (self._param_specs, self._kv_specs, ints, self._prev_spec, *self._buffers(s_layout))
+            static = {"layout": layout, "s_layout": s_layout}
         else:
             raise KeyError(key)
-        return lowered
+        return self.programs.lower(key, fn, args, static, **self._jit_kwargs[kind])
 
     def _sampler_on_first_use(self, key):
         """A sampler variant no step has needed yet (logprobs, penalties, a bitmask, ...): compiled now for

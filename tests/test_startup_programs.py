@@ -110,3 +110,28 @@ def test_a_warm_start_of_the_engine_lowers_every_variant_from_its_program_with_t
         assert runner.variants.on_first_use == []
         llm.shutdown()
     assert outs[0] == outs[1]
+
+
+def test_quantized_parameters_serialize_in_a_stored_program():
+    """int4 / fp8 weights are dataclass pytrees with static fields: a stored program that takes them must
+    serialize (else a quantized engine never gets a warm start) and come back with the same static fields."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.quantization.weights import Fp8Weight, Int4Weight
+    from jaxserve.runner import program_cache
+
+    program_cache._register_step_types()
+    fp8 = Fp8Weight(weight=jnp.ones((8, 4), jnp.float8_e4m3fn), scale=jnp.ones((4,), jnp.float32),
+                    input_scale=None, block=False, tp_axis=1)
+    int4 = Int4Weight(packed=jnp.zeros((8, 4), jnp.int32), scales=jnp.ones((1, 32), jnp.float32),
+                      zeros=jnp.zeros((1, 32), jnp.float32), perm=None, group_size=8, tp_axis=None)
+
+    def f(a, b):
+        return a.weight.astype(jnp.float32).sum() * a.scale.sum() + b.scales.sum(), (a, b)
+
+    exported = jax.export.export(jax.jit(f))(fp8, int4)
+    back = jax.export.deserialize(exported.serialize())
+    total, (a, b) = back.call(fp8, int4)
+    assert float(total) == float(f(fp8, int4)[0])
+    assert (a.block, a.tp_axis, b.group_size, b.tp_axis) == (False, 1, 8, None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
 import types
@@ -216,8 +217,15 @@ class ProgramCache:
 @functools.lru_cache(maxsize=1)
 def _register_step_types() -> None:
     """The step outputs' own pytree types, named for ``Exported.serialize`` (once per process)."""
+    from jaxserve.quantization.weights import Fp8Weight, Int4Weight
     from jaxserve.runner.sampler import SamplerOutput
     jax.export.register_namedtuple_serialization(SamplerOutput, serialized_name="jaxserve.SamplerOutput")
+    # quantized parameters: dataclass pytrees whose static fields (group size, block, tp axis) are the aux data
+    for cls in (Int4Weight, Fp8Weight):
+        jax.export.register_pytree_node_serialization(
+            cls, serialized_name=f"jaxserve.{cls.__name__}",
+            serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
+            deserialize_auxdata=lambda data: tuple(json.loads(data)))
 
 
 class _StoredLowering:

@@ -8,6 +8,9 @@
 #             (warm compile cache: ~8 minutes; split-decode / split-serve: one half each)
 #   hostcore  the engine core's own host ms per step at 256 decodes (host_overhead.py --engine core: the tiny
 #             fixture model, so the GPU's time is small) and its cProfile per-function table (~3 minutes)
+#   frontend  the front end's CPU per generated token at 256 streams against a fake engine core (no GPU used:
+#             frontend_overhead.py on the host's CPU, plain and with stop strings + logprobs; ~1 minute);
+#             FRONTEND_OLD=TREE runs an older tree's first (a plain checkout, as for ab)
 #   startup   serve llama-3.1-8b dummy until /health 200 and a first completion, fresh compile cache then warm
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
@@ -26,7 +29,7 @@
 #   gemma2-long  h200-gemma2-9b-long-prompts (200 x 8064 / 128: the sliding-window layers at long context)
 #   moe       h200-qwen3-30b-a3b-latency-bs1 + -throughput in one process, then the two h200-mixtral-8x7b configs
 #             in another (93 GB of weights: JAX may take 95 % of HBM); ~7-8 minutes on a cold host
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|startup|embed|gpucheck|stepdiag|tp2|carcheck|
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|frontend|startup|embed|gpucheck|stepdiag|tp2|carcheck|
 #        families|families-throughput|gemma2-long|moe ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
@@ -249,6 +252,14 @@ for step in "${STEPS[@]}"; do
     kernels)   bench "${KERNELS_LIMIT_S:-90}" kernels --config h200-kernels ;;
     bandwidth) diag "${BANDWIDTH_LIMIT_S:-60}" bandwidth '^\||^#|_bandwidth|Error' benchmarks/diagnostics/bandwidth.py ;;
     ab)        ab "$AB_OLD" ;;
+    frontend)  # FRONTEND_OLD=TREE: the same runs of an older tree first (its own frontend_overhead.py and code)
+               for side in ${FRONTEND_OLD:+old} new; do
+                 tree=.; [ $side = old ] && tree=$(cd "$FRONTEND_OLD" && pwd)
+                 PYTHONPATH=$tree diag "${FRONTEND_LIMIT_S:-240}" "frontend-$side" '^\||^20[0-9][0-9]-|Error' \
+                   "$tree/benchmarks/diagnostics/frontend_overhead.py" --repeat 3
+                 PYTHONPATH=$tree diag "${FRONTEND_LIMIT_S:-240}" "frontend-stop-$side" '^\||^20[0-9][0-9]-|Error' \
+                   "$tree/benchmarks/diagnostics/frontend_overhead.py" --repeat 3 --level server --stop --logprobs 2
+               done ;;
     startup)   diag "${STARTUP_LIMIT_S:-540}" startup '^(cold|warm):|Error' benchmarks/diagnostics/startup.py serve \
                  --model llama-3.1-8b --load-format dummy --out "$RESULTS/startup_h200.json" ;;
     embed)     diag "${EMBED_LIMIT_S:-120}" embed '^\{"batch"' benchmarks/diagnostics/embed_bench.py \
@@ -277,7 +288,7 @@ for step in "${STEPS[@]}"; do
                  --config h200-qwen3-30b-a3b-throughput --no-plots
                XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 bench "${MOE_MIXTRAL_LIMIT_S:-250}" moe-mixtral-8x7b \
                  --config h200-mixtral-8x7b-latency-bs1 --config h200-mixtral-8x7b-throughput --no-plots ;;
-    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, embed, gpucheck, stepdiag, tp2, carcheck," \
+    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, frontend, startup, embed, gpucheck, stepdiag, tp2, carcheck," \
          "families, families-throughput, gemma2-long, moe)" >&2; exit 2 ;;
   esac
 done

@@ -77,9 +77,11 @@ _REGISTRY: dict[str, EnvVar] = {
                                                   "of W8A8 (A/B runs of the decode path)"),
     # mixture of experts
     "JAXSERVE_MOE_GROUPED_GEMM": EnvVar(lambda raw: raw or "auto", "auto",
-                                        "the MoE layers' grouped GEMM: auto (rows on a GPU, ragged_dot "
-                                        "elsewhere), rows (pallas, and steps of <= 16 tokens sort-free), "
-                                        "ragged_dot, gather or pallas (kernels/ragged_dot.py)"),
+                                        "the MoE layers' grouped GEMM: auto (fused on a GPU, ragged_dot "
+                                        "elsewhere), fused (pallas, and steps of <= 16 tokens through "
+                                        "kernels/fused_moe.py), rows (pallas, and those steps through the "
+                                        "sort-free rows kernel), ragged_dot, gather or pallas "
+                                        "(kernels/ragged_dot.py)"),
     # multi-process (read by JAX too)
     "JAX_COORDINATOR_ADDRESS": EnvVar(_text, None, "host:port of process 0 for a multi-process engine"),
     "JAX_NUM_PROCESSES": EnvVar(_int("JAX_NUM_PROCESSES"), None, "processes of a multi-process engine"),

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +52,9 @@ NUM_SMS = 132     # H200: the split-K heuristic aims at a few programs per SM
 MAGIC = 0x4B000000            # the float32 bits of 2^23
 MAGIC_F = float(2 ** 23)
 FMA_MAX_ROWS = 16             # the "fma" kernel unrolls its rows (correct for any; fast for one)
+GEMV_MAX_ROWS = 8             # the "gemv" kernel: one multiply-add per weight and row, no spills up to 8 rows
 DOT_MAX_ROWS = 64
-METHODS = ("fma", "dot")
+METHODS = ("fma", "gemv", "dot")
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
@@ -82,6 +85,7 @@ class Config:
     """One launch's options (``benchmarks/diagnostics/quant_matmul_bench.py --tune`` sweeps them)."""
     method: str = "fma"
     block_n: int = 128
+    block_k: int | None = None     # K rows per step (``gemv``: fewer rows, more columns per thread); None: ``block_k``
     split_k: int | None = None     # None: enough K splits to fill the GPU
     unroll: int = 1                # K steps whose loads are issued together (memory-level parallelism)
     num_warps: int = 4
@@ -97,6 +101,14 @@ def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
+def step_rows(config: "Config", group_size: int) -> int:
+    """K rows per kernel step of this launch: ``config.block_k`` when it divides the group, else ``block_k``."""
+    bk = config.block_k
+    if bk and config.method != "dot" and group_size % bk == 0 and _pow2(bk // PACK):
+        return bk
+    return block_k(group_size)
+
+
 def supports(m: int, k: int, n: int, group_size: int, *, interpret: bool = False, method: str | None = None
              ) -> bool:
     """Whether ``int4_matmul`` runs this shape (else use the reference)."""
@@ -106,6 +118,8 @@ def supports(m: int, k: int, n: int, group_size: int, *, interpret: bool = False
         return False
     if method == "fma":
         return m <= FMA_MAX_ROWS
+    if method == "gemv":
+        return m <= GEMV_MAX_ROWS
     return m <= DOT_MAX_ROWS and (interpret or bk // PACK >= 16)
 
 
@@ -113,19 +127,49 @@ def _fit_block_n(n: int, want: int) -> int | None:
     return next((b for b in (want, 256, 128, 64, 32, 16) if b <= want and n % b == 0), None)
 
 
-def default_config(m: int, k: int, n: int, group_size: int) -> Config:
-    """The launch the engine uses (why these: ``kernels/README.md``, the int4 section)."""
+# The fastest measured launch per (K, N, M, live rows): written by
+# ``benchmarks/diagnostics/quant_matmul_bench.py --tune --write-launches`` on the GPU it serves on
+LAUNCHES_FILE = pathlib.Path(__file__).with_name("int4_launches.json")
+
+
+def launch_key(k: int, n: int, m: int, live_one: bool = False) -> str:
+    return f"{k}x{n} m={m}" + (" live=1" if live_one else "")
+
+
+@functools.lru_cache(maxsize=1)
+def tuned_launches() -> dict[str, Config]:
+    """``LAUNCHES_FILE``'s entries (none when it is absent): ``{launch_key: Config}``."""
+    if not LAUNCHES_FILE.exists():
+        return {}
+    entries = json.loads(LAUNCHES_FILE.read_text())["launches"]
+    return {e["key"]: Config(**e["config"]) for e in entries}
+
+
+def default_config(m: int, k: int, n: int, group_size: int, live_one: bool = False) -> Config:
+    """The launch the engine uses: the measured best (``tuned_launches``) for this shape, else the launch
+    chosen from the compiled code (``kernels/README.md``, the int4 section). ``live_one``: the step may have
+    one real row (the engine passes the live row count; only the ``gemv`` launch uses it)."""
+    tuned = tuned_launches()
+    cfg = tuned.get(launch_key(k, n, m, live_one)) or tuned.get(launch_key(k, n, m))
+    if cfg is not None:
+        return cfg
     if m == 1:
         return Config(method="fma", block_n=128, num_warps=1, unroll=1)
     return Config(method="dot", block_n=128, num_warps=8, unroll=1, num_stages=3)
 
 
-def _split_k(k_blocks: int, tiles: int, num_warps: int, unroll: int) -> int:
+def _split_k(k_blocks: int, tiles: int, num_warps: int, unroll: int, min_steps: int = 1) -> int:
     """K splits for about 16 warps per SM (a decode launch is latency-bound below that), each split keeping at
-    least ``unroll`` K steps."""
+    least ``unroll`` and ``min_steps`` K steps."""
     want = max(1, -(-16 * NUM_SMS // (tiles * num_warps)))
     return max(d for d in range(1, k_blocks + 1)
-               if d == 1 or (k_blocks % d == 0 and d <= want and (k_blocks // d) % unroll == 0))
+               if d == 1 or (k_blocks % d == 0 and d <= want and (k_blocks // d) % unroll == 0
+                             and k_blocks // d >= min_steps))
+
+
+# gemv splits keep a loop of this many K steps: with one step per program (q/o at 4096 x 4096 in 64-row
+# steps) ptxas scheduled the straight-line code's loads first and spilled 1.4 KB per thread (SASS, sm_90)
+GEMV_MIN_STEPS = 4
 
 
 def _planes(p: jax.Array, z: jax.Array | None) -> list[tuple[jax.Array, float]]:
@@ -139,6 +183,74 @@ def _planes(p: jax.Array, z: jax.Array | None) -> list[tuple[jax.Array, float]]:
         bias = MAGIC_F if z is None else MAGIC_F + z * float(2 ** s)
         out.append((lax.bitcast_convert_type(bits, jnp.float32) - bias, 2.0 ** -s))
     return out
+
+
+def _exact_planes(p: jax.Array, bias: list[jax.Array]) -> list[jax.Array]:
+    """The 8 nibble planes of a packed int32 tile as float32 ``q - z`` (exact), with no power of two left over:
+    plane ``j``'s nibble, masked in place at bit ``s``, is OR-ed into the mantissa of ``2^(23 - s)``, whose
+    mantissa unit is 1, so the float is ``2^(23 - s) + q``; ``bias[j]`` is ``2^(23 - s) + z``."""
+    out = []
+    hi = lax.shift_right_logical(p, jnp.int32(20))
+    for j in range(PACK):
+        src, s = (p, 4 * j) if j < 5 else (hi, 4 * (j - 5))
+        bits = (src & jnp.int32(15 << s)) | jnp.int32((127 + 23 - s) << 23)
+        out.append(lax.bitcast_convert_type(bits, jnp.float32) - bias[j])
+    return out
+
+
+def _plane_bias(z: jax.Array) -> list[jax.Array]:
+    """``2^(23 - s) + z`` of each plane (``_exact_planes``) for the step's zero-point row ``z [1, bn]``."""
+    return [z + float(2 ** (23 - (4 * j if j < 5 else 4 * (j - 5)))) for j in range(PACK)]
+
+
+def _gemv_kernel(*refs, rows, bn, bk, group_size, k_steps, unroll, with_live):
+    # Like "fma" in layout (a thread owns 4 whole columns per 128 the warp covers), but each packed row of
+    # the step is its own [1, bn] load and each weight meets its activation as a scalar: one multiply-add per
+    # weight and row into a [1, bn] accumulator, so a row costs bn / 32 / warps registers, not a [bk/8, bn]
+    # tile (why "fma" spills at 2+ rows; a tt.reduce over the tile's K axis sums in a tree, 1.4 instructions
+    # per product, and Triton hoists all 8 planes of the tile: spills at one row). The zero point sits in
+    # the planes' bias (no activation sums) and the planes are exact (no 2^-s on the activations).
+    # ``with_live``: the first operand holds how many leading rows of x are real (the rest are a token
+    # bucket's padding); one live row runs a one-row loop and the padding rows' outputs are zeros.
+    live_ref, (x_ref, p_ref, s_ref, z_ref, o_ref) = (refs[0], refs[1:]) if with_live else (None, refs)
+    n, split = pl.program_id(0), pl.program_id(1)
+    k = x_ref.shape[0] // rows
+    cols = pl.ds(n * bn, bn)
+    kp = bk // PACK
+
+    def run(live: int) -> None:
+        def block(k0, words, s, z, accs):
+            bias = _plane_bias(z)
+            ts = [None] * live
+            for r, p in enumerate(words):
+                for j, w in enumerate(_exact_planes(p, bias)):
+                    for m in range(live):
+                        xv = x_ref[m * k + k0 + PACK * r + j].astype(jnp.float32)
+                        ts[m] = w * xv if ts[m] is None else ts[m] + w * xv
+            return [accs[m] + s * ts[m] for m in range(live)]
+
+        def step(i, accs):
+            loads = []
+            for u in range(unroll):
+                k0 = (split * k_steps + i * unroll + u) * bk
+                g = k0 // group_size
+                words = [p_ref[pl.ds(k0 // PACK + r, 1), cols] for r in range(kp)]
+                loads.append((k0, words, s_ref[pl.ds(g, 1), cols].astype(jnp.float32),
+                              z_ref[pl.ds(g, 1), cols].astype(jnp.float32)))
+            accs = list(accs)
+            for ld in loads:
+                accs = block(*ld, accs)
+            return tuple(accs)
+
+        zero = jnp.zeros((1, bn), jnp.float32)
+        accs = lax.fori_loop(0, k_steps // unroll, step, tuple(zero for _ in range(live)))
+        for m in range(rows):
+            o_ref[pl.ds(split * rows + m, 1), cols] = (accs[m] if m < live else zero).astype(o_ref.dtype)
+
+    if live_ref is None or rows == 1:
+        run(rows)
+    else:
+        lax.cond(live_ref[0] <= 1, lambda: run(1), lambda: run(rows))
 
 
 def _fma_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, rows, bn, bk, group_size, k_steps, unroll):
@@ -212,29 +324,42 @@ def _dot_kernel(x_ref, p_ref, s_ref, z_ref, o_ref, *, bm, bn, bk, group_size, k_
 
 @functools.partial(jax.jit, static_argnames=("group_size", "config", "interpret"))
 def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array, *, group_size: int,
-                config: Config | None = None, interpret: bool = False) -> jax.Array:
-    """``x [M, K] @ w [K, N]`` for the int4 weight ``(packed, scales, zeros)``; the result in ``x``'s dtype."""
+                config: Config | None = None, interpret: bool = False, live_rows: jax.Array | None = None
+                ) -> jax.Array:
+    """``x [M, K] @ w [K, N]`` for the int4 weight ``(packed, scales, zeros)``; the result in ``x``'s dtype.
+
+    ``live_rows`` (int32 scalar, the ``gemv`` launch only): x's rows from this one on are padding; the
+    kernel computes one row when only one is live (batch-1 decode in a bucket of 4) and returns zeros for
+    the padding rows."""
     m, k = x.shape
     n = packed.shape[1]
     cfg = config or default_config(m, k, n, group_size)
-    bk = block_k(group_size)
+    bk = step_rows(cfg, group_size)
     bn = _fit_block_n(n, cfg.block_n)
     assert bn and k % bk == 0 and packed.shape[0] * PACK == k, (x.shape, packed.shape, group_size, cfg)
     k_blocks = k // bk
-    if cfg.method == "fma":
+    if cfg.method in ("fma", "gemv"):
         bm, mp = m, m
     else:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         mp = -(-m // bm) * bm
     tiles = (mp // bm) * (n // bn)
     unroll = cfg.unroll if k_blocks % cfg.unroll == 0 else 1
-    split_k = cfg.split_k or _split_k(k_blocks, tiles, cfg.num_warps, unroll)
+    split_k = cfg.split_k or _split_k(k_blocks, tiles, cfg.num_warps, unroll,
+                                      GEMV_MIN_STEPS if cfg.method == "gemv" else 1)
     assert k_blocks % split_k == 0, (k_blocks, split_k)
     k_steps = k_blocks // split_k
     unroll = unroll if k_steps % unroll == 0 else 1
     out_dtype = x.dtype if split_k == 1 else jnp.float32
     common = dict(bn=bn, bk=bk, group_size=group_size, k_steps=k_steps, unroll=unroll)
-    if cfg.method == "fma":
+    operands = ()
+    if cfg.method == "gemv":
+        with_live = live_rows is not None and m > 1
+        kernel = functools.partial(_gemv_kernel, rows=m, with_live=with_live, **common)
+        grid = (n // bn, split_k)
+        xp = x.reshape(m * k)
+        operands = (jnp.asarray(live_rows, jnp.int32).reshape(1),) if with_live else ()
+    elif cfg.method == "fma":
         kernel = functools.partial(_fma_kernel, rows=m, **common)
         grid = (n // bn, split_k)
         xp = x.reshape(m * k)
@@ -245,6 +370,6 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.A
     out = pl.pallas_call(
         kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((split_k * mp, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret, name=f"int4_matmul_{cfg.method}")(xp, packed, scales, zeros)
+        interpret=interpret, name=f"int4_matmul_{cfg.method}")(*operands, xp, packed, scales, zeros)
     out = out if split_k == 1 else out.reshape(split_k, mp, n).sum(0).astype(x.dtype)
     return out[:m]

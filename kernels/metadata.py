@@ -32,3 +32,13 @@ class AttentionMetadata:
     # Pallas backend then launches its decode kernel alone (vLLM's uniform-decode case); the reference
     # ignores it. The caller must be right: a prefill token in such a step is left unwritten.
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # Static: an upper bound on every request's seq_len in this step, known on the host (None: the block
+    # tables' span). A launch-shape hint only: the Pallas decode sizes its flash-decoding splits from it (a
+    # short-context step runs one decode launch, no splits and no combine); any seq_len is still attended
+    # exactly, so a step may run a variant compiled without it. The runner sets it to SHORT_SEQ_LEN or None.
+    max_seq_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+# The runner's bound for short-context decode steps (``AttentionMetadata.max_seq_len``): up to here the decode
+# kernel's own rule (each split at least 512 keys) gives a single split at any batch size.
+SHORT_SEQ_LEN = 512

@@ -69,6 +69,15 @@ def kv_cache_dtype(kv_cache_dtype: str | None, model_dtype) -> jnp.dtype:
     raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
 
 
+def decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """The flash-decoding splits the Pallas decode-only launch picks (default tiles) for ``num_reqs`` request
+    rows and ``num_kv_heads`` kv heads (per device) at contexts up to ``max_seq_len``: whether a step bounded by
+    ``metadata.SHORT_SEQ_LEN`` runs a launch shape of its own is ``decode_splits(.., SHORT_SEQ_LEN)`` against
+    ``decode_splits(.., max_model_len)``."""
+    from . import paged_attention_pallas  # noqa: PLC0415
+    return paged_attention_pallas._pick_splits(num_reqs, num_kv_heads, max_seq_len, 64)
+
+
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
@@ -126,9 +135,10 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
 
     The Pallas backends pack q, k and v into one ``[T, Hq + 2 * kv_heads, D]`` array that both kernels read
     (``kv_write_pallas.write_kv_packed``, ``num_q_heads`` of the attention kernel), so the QKV projection's
-    epilogue (RoPE on q and k) is one XLA fusion instead of three (rope q, rope k, a copy of v). Steps that may
-    take the Mosaic GPU prefill (``pallas-mgpu``, or ``pallas`` at ``MGPU_MIN_TOKENS`` token slots and more)
-    write and attend unpacked.
+    epilogue (RoPE on q and k) is one XLA fusion instead of three (rope q, rope k, a copy of v). A decode-only
+    step (``md.decode_only``) writes in its attention launch (``write_kv`` of the Pallas kernel): one launch
+    per layer fewer, and no program reads a slot it writes. Other steps that may take the Mosaic GPU prefill
+    (``pallas-mgpu``, or ``pallas`` at ``MGPU_MIN_TOKENS`` token slots and more) write and attend unpacked.
     """
     _check_backend(backend)
     packed = False
@@ -139,7 +149,8 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
         kernel = pallas_options["prefill_kernel"]
         # a step that may go to the Mosaic GPU prefill, which TMA-loads the queries alone, stays unpacked:
         # packing would cost a copy of them, and the small fusions it saves are nothing next to such a step
-        packed = not (kernel == "mgpu" or (kernel == "auto" and q.shape[0] >= paged_attention_pallas.MGPU_MIN_TOKENS))
+        packed = md.decode_only or not (
+            kernel == "mgpu" or (kernel == "auto" and q.shape[0] >= paged_attention_pallas.MGPU_MIN_TOKENS))
     if not packed:
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md.slot_mapping, backend=backend, k_scale=k_scale,
                                     v_scale=v_scale, interpret=interpret)
@@ -149,6 +160,10 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
         return out, k_cache, v_cache
     hq = q.shape[1]
     qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
+    if md.decode_only:
+        return paged_attention_pallas.ragged_paged_attention(
+            qkv, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+            k_scale=k_scale, v_scale=v_scale, interpret=interpret, num_q_heads=hq, write_kv=True, **pallas_options)
     k_cache, v_cache = kv_write_pallas.write_kv_packed(k_cache, v_cache, qkv, md.slot_mapping, num_q_heads=hq,
                                                        k_scale=k_scale, v_scale=v_scale, interpret=interpret)
     out = paged_attention_pallas.ragged_paged_attention(

@@ -18,7 +18,10 @@ One launch runs two kinds of tile over one output buffer:
 A step the caller marks ``decode_only`` (every real request has ``q_len == 1``; the engine knows this on the
 host and compiles a variant for it) runs the decode tiles alone: no prefill tile slots, and a program size of
 its own (64-key tiles in 2 warps, 2 programs per SM, so one program's first loads overlap the other's
-streaming), which reads K/V faster than the mixed launch's one-program-per-SM tiles.
+streaming), which reads K/V faster than the mixed launch's one-program-per-SM tiles. That launch can also
+write the step's K/V (``write_kv``): each token's own key and value come from registers, so a batch-1 decode
+layer runs one attention launch and no separate K/V write; where the host bounds the contexts
+(``md.max_seq_len``), the split count comes from that bound rather than the block tables' span.
 
 K/V are read a page-row at a time: token ``pos`` of request ``r`` is row
 ``(block_tables[r, pos // block_size] * kv_heads + h) * block_size + pos % block_size`` of the cache seen as
@@ -50,8 +53,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import prefill_mgpu
-from .metadata import AttentionMetadata
-from .ref_attention import head_scale
+from .metadata import PAD_SLOT, AttentionMetadata
+from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale
 from .ref_attention import v_transposed as v_transposed_dtype
 
 # Finite, so a fully masked chunk gives exp2(MASK - MASK) = 1 instead of NaN; such a row's garbage is
@@ -166,8 +169,9 @@ def _window_lo(first_q_pos, sliding_window, block_k):
 
 
 class _Refs:
-    """The kernel's inputs by name (Pallas passes refs positionally)."""
-    NAMES = ("qsl", "seq_lens", "num_seqs", "bt", "ks", "vs", "q", "k", "v")
+    """The kernel's inputs by name (Pallas passes refs positionally); ``slots`` (the slot mapping) only when
+    the decode launch writes the step's K/V."""
+    NAMES = ("qsl", "seq_lens", "num_seqs", "bt", "ks", "vs", "q", "k", "v", "slots")
 
     def __init__(self, refs):
         for name, ref in zip(self.NAMES, refs):
@@ -228,8 +232,16 @@ def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q
     _store_rows(out_ref, q_rows, out, row_valid)
 
 
-def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stride, dot_dtype, **kw):
-    """Request r's decode token (if q_len == 1) for kv head h over split s of its context."""
+def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stride, dot_dtype, new_kv=None,
+                 **kw):
+    """Request r's decode token (if q_len == 1) for kv head h over split s of its context.
+
+    ``new_kv`` (the decode launch that also writes the step's K/V): ``(kc_ref, vc_ref, num_q_heads)``; the
+    token's own K and V are rows ``num_q_heads + h`` and ``num_q_heads + kv_heads + h`` of its packed q row.
+    The split whose range holds the token's position stores them at ``slots[tok]`` (quantized for fp8) and
+    takes that key from registers instead of the cache (``_own_key``): no program reads a slot this launch
+    writes, so there is no ordering between programs to get wrong. A token whose slot is ``PAD_SLOT`` (a
+    multi-step loop's finished row) writes nothing and attends to the cache as it is."""
     tok = x.qsl[r]
     seq_len = x.seq_lens[r]
     active = (r < x.num_seqs[0]) & (x.qsl[r + 1] - tok == 1) & (seq_len > 0)
@@ -248,7 +260,15 @@ def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stri
     chunk = pl.cdiv(pl.cdiv(hi - lo, num_splits), block_k) * block_k
     my_lo = lo + s * chunk
     my_hi = jnp.maximum(jnp.minimum(my_lo + chunk, hi), my_lo)
-    acc, m, l = _kv_loop(q, q_pos, seq_len - 1, seq_len - 1, r, my_lo, my_hi, x.k, x.v, x.bt, x.ks[h], h=h, **kw)
+    cache_hi = my_hi
+    if new_kv is not None:
+        new_pos = seq_len - 1
+        slot = x.slots[jnp.minimum(tok, x.slots.shape[0] - 1)]     # a padding request's tok may be T
+        own = active & (slot != PAD_SLOT) & (my_lo <= new_pos) & (new_pos < my_hi)
+        cache_hi = jnp.where(own, new_pos, my_hi)
+    acc, m, l = _kv_loop(q, q_pos, seq_len - 1, seq_len - 1, r, my_lo, cache_hi, x.k, x.v, x.bt, x.ks[h], h=h, **kw)
+    if new_kv is not None:
+        acc, m, l = _own_key(x, new_kv, q, acc, m, l, tok, slot, h, own, q_stride=q_stride, **kw)
     if num_splits == 1:                            # normalised rows straight into the output
         (out_ref,) = out_refs
         _store_rows(out_ref, q_rows, acc * (x.vs[h] / jnp.where(l > 0, l, 1.0))[:, None], row_valid)
@@ -261,10 +281,53 @@ def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stri
         plgpu.store(l_ref.at[part_rows], l, mask=keep)
 
 
-def _decode_kernel(*refs, tile_kw, n_in):
-    """``n_in``: 9 inputs, or 10 when the output buffer comes in too (aliased; skipped here)."""
-    x = _Refs(refs[:9])
-    _decode_tile(x, refs[n_in:], pl.program_id(0), pl.program_id(2), pl.program_id(1), **tile_kw)
+def _own_key(x: _Refs, new_kv, q, acc, m, l, tok, slot, h, own, *, q_stride, kv_heads, block_size, sm_scale, soft_cap,
+             v_transposed, **_):
+    """Token ``tok``'s own K/V for kv head h: stored into the caches at its slot and, where ``own``, one more
+    key of the online softmax ``(acc, m, l)``, taken as the cache would give it back (the cache dtype's
+    rounding, or fp8's quantization), so the result is what reading the just-written cache gives."""
+    kc_ref, vc_ref, hq = new_kv
+    d = q.shape[1]
+    one = lax.iota(jnp.int32, 1)
+    src = jnp.where(own, tok * q_stride + hq + h, 0) + one                     # [1]; in bounds when not own
+    cached = []
+    for off, scale_ref, dst in ((0, x.ks, kc_ref), (kv_heads, x.vs, vc_ref)):
+        val = plgpu.load(_rows(x.q, src + off))                                 # [1, D]
+        if dst.dtype == FP8_DTYPE:
+            val = jnp.clip(val.astype(jnp.float32) / scale_ref[h], -FP8_MAX, FP8_MAX)
+        cached.append(val.astype(dst.dtype))
+
+    @pl.when(own)
+    def _():
+        page_row = ((slot // block_size) * kv_heads + h) * block_size + slot % block_size
+        plgpu.store(_rows(kc_ref, page_row + one), cached[0])
+        if v_transposed:                       # V^T pages: the token's values go down column slot % block_size
+            feat = ((slot // block_size) * kv_heads + h) * d + lax.iota(jnp.int32, d)
+            col = jnp.broadcast_to(slot % block_size, (1, d))
+            plgpu.store(vc_ref.at[feat[None, :], col], cached[1])
+        else:
+            plgpu.store(_rows(vc_ref, page_row + one), cached[1])
+
+    k_new, v_new = (c.astype(q.dtype).astype(jnp.float32) for c in cached)    # as _kv_loop reads the cache
+    s = jnp.sum(q.astype(jnp.float32) * k_new, axis=1) * (sm_scale * x.ks[h])  # [M]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(own, s * LOG2E, MASK_VALUE)
+    m_new = jnp.maximum(m, s)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.where(own, jnp.exp2(s - m_new), 0.0)
+    return acc * alpha[:, None] + p[:, None] * v_new, m_new, l * alpha + p
+
+
+def _decode_kernel(*refs, tile_kw, n_in, write_kv):
+    """``n_in``: the inputs (9, or 10 with the slot mapping when ``write_kv``; one more when the output
+    buffer comes in, aliased and skipped here). ``write_kv``: the last two outputs are the K and V caches."""
+    x = _Refs(refs[:10 if write_kv else 9])
+    outs = refs[n_in:]
+    new_kv = None
+    if write_kv:
+        outs, new_kv = outs[:-2], (outs[-2], outs[-1], tile_kw["group"] * tile_kw["kv_heads"])
+    _decode_tile(x, outs, pl.program_id(0), pl.program_id(2), pl.program_id(1), new_kv=new_kv, **tile_kw)
 
 
 def _fused_kernel(*refs, n_prefill, prefill_kw, decode_kw, n_in):
@@ -333,7 +396,7 @@ def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> in
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "soft_cap", "sliding_window", "interpret", "decode_block_k", "decode_splits",
     "decode_warps", "decode_stages", "prefill_block_m", "prefill_block_k", "poison_output", "dot_dtype",
-    "prefill_kernel", "mgpu_block_kv", "mgpu_stages", "decode_only", "num_q_heads"))
+    "prefill_kernel", "mgpu_block_kv", "mgpu_stages", "decode_only", "num_q_heads", "write_kv"))
 def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale=None, v_scale=None, interpret: bool = False,
@@ -342,7 +405,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            prefill_block_m: int = 128, prefill_block_k: int | None = None,
                            poison_output: bool = False, dot_dtype=None, prefill_kernel: str = "triton",
                            mgpu_block_kv: int = 128, mgpu_stages: int = 2, decode_only: bool | None = None,
-                           num_q_heads: int | None = None):
+                           num_q_heads: int | None = None, write_kv: bool = False):
     """Pallas version of ``ref_attention.ragged_paged_attention`` (same arguments, same result).
 
     ``num_q_heads``: the queries are the first ``num_q_heads`` heads of ``q [T, H, D]`` (default: all ``H``);
@@ -367,6 +430,13 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     default here is triton (the benchmarks' baseline); the engine's ``pallas`` backend passes auto.
     ``decode_only`` (default: ``md.decode_only``): every real request has ``q_len == 1``; only the decode
     launch runs, so no prefill tile slots are scheduled and its shared memory is the decode tile's alone.
+    The flash-decoding split count (``decode_splits`` default) comes from the requests, kv heads and the longest
+    context the step can see: ``md.max_seq_len`` where the host bounds it, else the block tables' span.
+    ``write_kv`` (decode-only steps; ``q`` packed as ``[T, num_q_heads + 2 * kv_heads, D]``, K then V behind
+    the queries, as ``ops.write_kv_and_attend`` packs them): the decode launch also stores each real token's
+    K/V at ``md.slot_mapping`` (``kv_write_pallas.write_kv``'s result, in the same launch, padding tokens
+    skipped) and attends to it; returns ``(out, k_cache, v_cache)``. Each token's slot must be its request's
+    position ``seq_len - 1`` (or ``PAD_SLOT``), as the engine's are.
     """
     if prefill_kernel not in ("triton", "mgpu", "auto"):
         raise ValueError(f"prefill_kernel must be triton, mgpu or auto, got {prefill_kernel!r}")
@@ -409,6 +479,9 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
                                                          and q.shape[0] >= MGPU_MIN_TOKENS))
     T, _, d = q.shape
+    if write_kv and not (decode_only and q_stride == hq + 2 * k_cache.shape[1]):
+        raise ValueError(f"write_kv needs a decode-only step and q packed as [T, {hq} + 2 x {k_cache.shape[1]}, D] "
+                         f"(got decode_only={decode_only}, {q_stride} heads)")
     if not v_transposed and v_cache.shape != k_cache.shape:
         raise ValueError(f"a {v_cache.dtype} V cache needs pages shaped like K's {k_cache.shape}, got "
                          f"{v_cache.shape}")
@@ -422,6 +495,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
            md.block_tables.reshape(R * P).astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
            q.reshape(T * q_stride, d), k_cache.reshape(nb * bs * kvh, d),
            v_cache.reshape(nb * kvh * d, bs) if v_transposed else v_cache.reshape(nb * bs * kvh, d))
+    if write_kv:
+        ins += (md.slot_mapping.astype(jnp.int32),)
     common = dict(kv_heads=kvh, block_size=bs, pages_per_seq=P, sm_scale=float(sm_scale),
                   soft_cap=soft_cap, sliding_window=sliding_window, v_transposed=v_transposed)
     block_q = max(1, prefill_block_m // group_pad)
@@ -430,7 +505,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                          or tuple(v_cache.shape) != (nb, kvh, d, bs)):
         raise ValueError(f"an fp8 cache needs V pages [blocks, kv_heads, head_dim, block_size] and key tiles "
                          f"a multiple of block_size; got {v_cache.shape}, block_k {decode_block_k} / {prefill_block_k}")
-    splits = decode_splits or _pick_splits(R, kvh, P * bs, decode_block_k)
+    span = P * bs if md.max_seq_len is None else min(P * bs, md.max_seq_len)    # the longest context it can see
+    splits = decode_splits or _pick_splits(R, kvh, span, decode_block_k)
     if splits & (splits - 1):
         raise ValueError(f"decode_splits must be a power of two, got {splits}")
     prefill_kw = dict(group=group, group_pad=group_pad, block_q=block_q, block_k=prefill_block_k,
@@ -445,19 +521,34 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if poison_output:
         real = jnp.repeat(jnp.arange(T) < qsl[md.num_seqs], hq)
         out = jnp.where(real[:, None], jnp.nan, jnp.zeros((T * hq, d), q.dtype)).astype(q.dtype)
-        first_ins, first_alias = ins + (out,), {9: 0}
+        first_ins, first_alias = ins + (out,), {len(ins): 0}
     out_shape = jax.ShapeDtypeStruct((T * hq, d), q.dtype)
     part_shapes = (jax.ShapeDtypeStruct((splits * R * hq, d), jnp.float32),
                    jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32),
                    jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32))
     decode_params = plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages)
 
+    cache_shapes = (jax.ShapeDtypeStruct(ins[7].shape, k_cache.dtype),
+                    jax.ShapeDtypeStruct(ins[8].shape, v_cache.dtype))
+
     def decode_launch(ins_, alias, name):
-        """The decode tiles alone: straight into the output (1 split) or the splits' softmax states."""
-        return pl.pallas_call(
-            functools.partial(_decode_kernel, tile_kw=decode_kw, n_in=len(ins_)), grid=(R, kvh, splits),
-            out_shape=out_shape if splits == 1 else part_shapes, input_output_aliases=alias,
-            compiler_params=decode_params, interpret=interpret, name=name)(*ins_)
+        """The decode tiles alone: straight into the output (1 split) or the splits' softmax states; with
+        ``write_kv`` the caches too (aliased to their inputs: updated in place)."""
+        shapes = (out_shape,) if splits == 1 else part_shapes
+        if write_kv:
+            alias = {**alias, 7: len(shapes), 8: len(shapes) + 1}
+            shapes += cache_shapes
+        res = pl.pallas_call(
+            functools.partial(_decode_kernel, tile_kw=decode_kw, n_in=len(ins_), write_kv=write_kv),
+            grid=(R, kvh, splits), out_shape=shapes, input_output_aliases=alias,
+            compiler_params=decode_params, interpret=interpret,
+            name=name + ("_write_kv" if write_kv else ""))(*ins_)       # the trace tells the two apart
+        if write_kv:
+            new_caches.extend(res[-2:])
+            res = res[:-2]
+        return res[0] if splits == 1 else tuple(res)
+
+    new_caches = []
 
     parts, out = (), None
     if decode_only:
@@ -465,7 +556,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
             out = decode_launch(first_ins, first_alias, "ragged_paged_decode")
         else:
             parts = decode_launch(ins, {}, "ragged_paged_decode_split")
-            out = first_ins[9] if poison_output else None
+            out = first_ins[len(ins)] if poison_output else None
     elif not use_mgpu:
         res = pl.pallas_call(
             functools.partial(_fused_kernel, n_prefill=n_prefill, prefill_kw=prefill_kw, decode_kw=decode_kw,
@@ -494,4 +585,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
             grid=(R, kvh), out_shape=out_shape, input_output_aliases={7: 0} if outs else {},
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
             name="ragged_paged_combine")(ins[0], ins[1], ins[2], ins[5], *parts, *outs)
-    return out.reshape(T, hq, d)                   # the kernels store q's dtype
+    out = out.reshape(T, hq, d)                    # the kernels store q's dtype
+    if write_kv:
+        return out, new_caches[0].reshape(k_cache.shape), new_caches[1].reshape(v_cache.shape)
+    return out

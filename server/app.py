@@ -252,6 +252,8 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
         return 1
     app = build_app(engine, server_args)
     serving: Serving = app.state.serving
+    from jaxserve.engine.gc_heap import prepare_gc_for_serving
+    prepare_gc_for_serving()           # start-up's objects out of the collector's passes (gc_heap)
     stats = engine.stats()
     facts = engine.facts()
     log.info("loaded %s from %s (%s, %s): max_model_len %d, %s KV blocks of %d tokens; load %.1f s, warm-up "

@@ -12,7 +12,7 @@ from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCom
                        ChatResponseMessage, DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCallOut, Usage,
                        now, random_id)
 from .serving import Choice, Prompt, Serving, race_disconnect
-from .streaming import open_stream, sse
+from .streaming import TextFrame, open_stream, sse
 from .tool_parsers import ToolCallDelta
 from .tool_parsers.choice import ToolPlan, ToolRequestError, plan_tools
 
@@ -107,6 +107,11 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None, prompt_ids=None) -> bytes:
             return sse(ChatCompletionChunk(id=rid, model=model, choices=choices, created=created, usage=usage,
                                            prompt_token_ids=prompt_ids))
+        content_frames: dict[int, TextFrame] = {}  # per choice: its chunk of new content alone
+
+        def content_frame(index: int) -> TextFrame:
+            return TextFrame(lambda text: ChatCompletionChunk(id=rid, model=model, choices=[
+                ChatChunkChoice(index, ChatDelta(content=text), None, None)], created=created))
 
         async def render(outputs: AsyncIterator) -> AsyncIterator[bytes]:
             role = serving.args.response_role
@@ -118,6 +123,13 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
             async for c, comp, _ in outputs:
                 completion_tokens += len(comp.token_ids)
                 parser = parsers[c.index]
+                if (parser is None and comp.text and comp.finish_reason is None and not comp.logprobs
+                        and not continuous and not token_ids):
+                    frame = content_frames.get(c.index)
+                    if frame is None:
+                        frame = content_frames[c.index] = content_frame(c.index)
+                    yield frame(comp.text)
+                    continue
                 delta, finish = ChatDelta(content=comp.text), comp.finish_reason
                 if parser is not None:  # content and tool calls, as far as this output settles them
                     parsed = parser.feed(comp.text, final=finish is not None)

@@ -7,7 +7,7 @@ from .errors import bad_request
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage, now,
                        random_id)
 from .serving import Choice, Prompt, Serving, race_disconnect
-from .streaming import open_stream, sse
+from .streaming import TextFrame, open_stream, sse
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MIN_LOGPROB = -9999.0
@@ -118,6 +118,11 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
             return sse(CompletionResponse(id=rid, model=model, choices=choices, usage=usage, created=created))
+        text_frames: dict[int, TextFrame] = {}     # per choice: its chunk of new text alone
+
+        def text_frame(index: int) -> TextFrame:
+            return TextFrame(lambda text: CompletionResponse(id=rid, model=model, choices=[
+                CompletionChoice(index, text, None, None)], usage=None, created=created))
 
         async def render(outputs: AsyncIterator) -> AsyncIterator[bytes]:
             if req.echo:
@@ -129,6 +134,13 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
             async for c, comp, _ in outputs:
                 completion_tokens += len(comp.token_ids)
                 if not comp.text and comp.finish_reason is None and not comp.logprobs:
+                    continue
+                if comp.finish_reason is None and not comp.logprobs and not continuous and not token_ids:
+                    frame = text_frames.get(c.index)
+                    if frame is None:
+                        frame = text_frames[c.index] = text_frame(c.index)
+                    offsets[c.index] += len(comp.text)
+                    yield frame(comp.text)
                     continue
                 logprobs = None
                 if req.logprobs is not None and comp.logprobs:

@@ -23,6 +23,23 @@ def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+class TextFrame:
+    """``sse(make(text))`` for a chunk whose one varying field is a string (a stream's common chunk: new
+    text, nothing else): the bytes around the text are encoded once, each chunk only encodes its text
+    (msgspec writes a string field the same wherever it sits, so the frames are byte-for-byte the same)."""
+    __slots__ = ("head", "tail")
+    _MARK = "\x00text\x00"
+
+    def __init__(self, make: Callable[[str], Any]):
+        data, mark = sse(make(self._MARK)), msgspec.json.encode(self._MARK)
+        head, found, tail = data.partition(mark)
+        assert found and mark not in tail, "the template's text field must appear once"
+        self.head, self.tail = head, tail
+
+    def __call__(self, text: str) -> bytes:
+        return b"".join((self.head, msgspec.json.encode(text), self.tail))
+
+
 Render = Callable[[AsyncIterator[tuple[Any, Any, Any]]], AsyncIterator[bytes]]
 
 

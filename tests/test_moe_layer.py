@@ -4,13 +4,14 @@ row), and the whole MoE MLP against a dense every-expert loop, padding tokens ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels import ragged_dot
+from jaxserve.kernels import fused_moe, ragged_dot
 from jaxserve.models.layers import moe
 
 moe_mlp = jax.jit(moe.moe_mlp, static_argnums=(2, 3))
@@ -22,11 +23,13 @@ def _softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_route_is_softmax_then_top_k(renormalize):
-    logits = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
-    weights, ids = moe.route(jnp.asarray(logits), dataclasses.replace(SPEC, top_k=3, renormalize=renormalize))
-    probs = _softmax(logits.astype(np.float64))
+def test_route_is_softmax_then_top_k(renormalize, dtype):
+    """HF's order (float32 softmax over every expert, top-k, renormalise) from logits in the model dtype."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((5, 8)), dtype)
+    weights, ids = moe.route(logits, dataclasses.replace(SPEC, top_k=3, renormalize=renormalize))
+    probs = _softmax(np.asarray(logits.astype(jnp.float32), np.float64))
     want_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :3]
     want = np.take_along_axis(probs, want_ids, -1)
     if renormalize:
@@ -142,7 +145,7 @@ def _dense_reference(h, w, spec):
     return out
 
 
-@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS + ("rows",))
+@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS + ("rows", "fused"))
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2-shared"])
 def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
     spec = _with_impl(SPEC, impl)
@@ -156,13 +159,15 @@ def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
 
 
 def _with_impl(spec, impl):
-    """``rows``: the sort-free decode path (with the Pallas kernel, interpreted here) at every token count."""
-    if impl == "rows":
-        return dataclasses.replace(spec, grouped_gemm="pallas", rows_path_max_tokens=moe.ROWS_PATH_MAX_TOKENS)
+    """``rows`` / ``fused``: that sort-free decode kernel (Pallas, interpreted here) up to 16 tokens, the
+    Pallas grouped GEMM above."""
+    if impl in ("rows", "fused"):
+        return dataclasses.replace(spec, grouped_gemm="pallas", rows_path_max_tokens=moe.ROWS_PATH_MAX_TOKENS,
+                                   decode_kernel=impl)
     return dataclasses.replace(spec, grouped_gemm=impl)
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "rows"])
+@pytest.mark.parametrize("impl", ["ragged_dot", "rows", "fused"])
 def test_padding_tokens_reach_no_expert(impl):
     spec = _with_impl(SPEC, impl)
     w = _weights(spec)
@@ -176,10 +181,11 @@ def test_padding_tokens_reach_no_expert(impl):
     assert int(np.asarray(load).sum()) == 2 * spec.top_k, "padding tokens must not count in the expert load"
 
 
-def test_rows_path_runs_only_at_decode_sizes():
-    """16 tokens (one expert may get 16 rows: a full tile) take the rows path, 17 the sorted one; both
+@pytest.mark.parametrize("impl", ["rows", "fused"])
+def test_rows_path_runs_only_at_decode_sizes(impl):
+    """16 tokens (one expert may get 16 rows: a full tile) take the decode kernel, 17 the sorted one; both
     match the dense loop."""
-    spec = _with_impl(dataclasses.replace(SPEC, num_experts=4), "rows")
+    spec = _with_impl(dataclasses.replace(SPEC, num_experts=4), impl)
     w = _weights(spec, seed=4)
     for t in (16, 17):
         h = jnp.asarray(np.random.default_rng(t).standard_normal((t, 32)), jnp.float32)
@@ -242,3 +248,66 @@ def test_moe_layer_compiles_to_no_device_loop(impl):
     assert " while(" not in hlo
     plan = jax.jit(lambda s: ragged_dot.tile_plan(s, 64, 16)).lower(jnp.ones((8,), jnp.int32)).compile().as_text()
     assert " while(" not in plan
+
+
+# (tokens, experts, top_k, ids rule): duplicates across tokens, unowned ids (padding: E, another device's: -1)
+FUSED_CASES = [(1, 8, 2, "random"), (3, 8, 3, "random"), (4, 8, 2, "padding-and-shared"), (16, 4, 2, "random"),
+               (16, 8, 1, "one-expert"), (5, 8, 2, "none")]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=[f"t{c[0]}-e{c[1]}-k{c[2]}-{c[3]}" for c in FUSED_CASES])
+def test_fused_moe_matches_reference(case):
+    """The two fused decode kernels (interpreted) against every expert on every token, masked by the routing:
+    each selected expert once however many tokens share it, unowned ids contributing nothing."""
+    t, e, k, rule = case
+    rng = np.random.default_rng(t * 100 + e + k)
+    hidden, inter = 64, 32
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    if rule == "padding-and-shared":
+        ids[3], ids[2, 0], ids[1, 1] = e, ids[1, 0], -1
+    elif rule == "one-expert":
+        ids[:] = 2
+    elif rule == "none":
+        ids[:] = e
+    h = jnp.asarray(rng.standard_normal((t, hidden)), jnp.float32)
+    gate_up = jnp.asarray(rng.standard_normal((e, hidden, 2, inter)) * 0.2, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((e, inter, hidden)) * 0.2, jnp.float32)
+    weights = jnp.asarray(rng.random((t, k)), jnp.float32)
+    want = np.asarray(fused_moe.fused_moe_reference(h, jnp.asarray(ids), weights, gate_up, down, jax.nn.silu))
+    got = np.asarray(fused_moe.fused_moe(h, jnp.asarray(ids), weights, gate_up, down, jax.nn.silu,
+                                         block_i=16, block_h=16, splits=2))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    if rule == "none":
+        assert not got.any()
+
+
+def test_fused_moe_lowers_to_triton_for_the_gpu():
+    """Both kernels lower to Triton IR at Qwen3-30B-A3B's and Mixtral's widths (no GPU needed to lower, only
+    to compile): a primitive the Triton lowering lacks fails here, not on the GPU."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    S = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: hopper)
+        for e, k, hidden, inter, t in [(128, 8, 2048, 768, 4), (8, 2, 4096, 14336, 1)]:
+            f = jax.jit(lambda *a: fused_moe.fused_moe(*a, jax.nn.silu, interpret=False))
+            text = f.trace(S((t, hidden), bf16), S((t, k), jnp.int32), S((t, k), bf16),
+                           S((e, hidden, 2, inter), bf16), S((e, inter, hidden), bf16)
+                           ).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("__gpu$xla.gpu.triton") == 2
+        # the whole MoE MLP of a decode step: router, top-k, the weights, the two kernels and nothing that
+        # becomes a launch of its own around them (no loop, sort, gather, scatter, concatenation)
+        mp.setattr(fused_moe, "fused_moe", functools.partial(fused_moe.fused_moe, interpret=False))
+        e, k, hidden, inter, t = 128, 8, 2048, 768, 4
+        spec = moe.MoESpec(num_experts=e, top_k=k, intermediate_size=inter, renormalize=True,
+                           weights_in_hidden_dtype=True, layers=(True,), grouped_gemm="pallas",
+                           rows_path_max_tokens=16, decode_kernel="fused")
+        w = {"router": S((hidden, e), bf16), "experts_gate_up": S((e, hidden, 2, inter), bf16),
+             "experts_down": S((e, inter, hidden), bf16)}
+        text = jax.jit(lambda h, w, v: moe.moe_mlp(h, w, spec, jax.nn.silu, v)).trace(
+            S((t, hidden), bf16), w, S((t,), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2
+        for op in ("while", "sort", "gather", "scatter", "concatenate", "dynamic_update_slice"):
+            assert f"stablehlo.{op}" not in text, op

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
+from jaxserve.engine.scheduler import SCORING_SHARE
 from tiny_models import tiny_llm
 
 make_llm = functools.partial(tiny_llm, max_num_batched_tokens=16, max_num_seqs=8)
@@ -99,23 +100,52 @@ def test_scoring_compiles_in_the_background_and_never_stalls_the_engine(monkeypa
 
 def test_scored_positions_count_against_the_step_budget():
     """Each position a step scores is a second forward over it: the step's tokens plus its scored positions
-    stay within max_num_batched_tokens (16), with a decode sharing the steps."""
+    stay within max_num_batched_tokens (16). While a decode runs beside them the two scoring requests take at
+    most 1/SCORING_SHARE of each step together; alone, they fill the steps."""
     llm = make_llm()
     engine = llm.engine
-    engine.add_request("decode", [5, 6, 7], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    engine.add_request("score", PROMPT[:60], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    engine.add_request("decode", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for rid, prompt in (("score", PROMPT[:60]), ("score2", PROMPT[60:120])):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     engine._scorer.compiler.wait_all()
-    real_dispatch, spent, scored_positions = engine._scorer.dispatch, [], []
+    real_dispatch, steps, scored_positions = engine._scorer.dispatch, [], []
 
     def counting_dispatch(scheduled, kv_caches):
         kv_caches, chunks = real_dispatch(scheduled, kv_caches)
-        spent.append(sum(s.num_new_tokens for s in scheduled) + sum(c.count for c in chunks))
+        scoring = sum(s.num_new_tokens for s in scheduled if s.request_id.startswith("score")) + \
+            sum(c.count for c in chunks)
+        steps.append((any(s.request_id == "decode" for s in scheduled),
+                      sum(s.num_new_tokens for s in scheduled) + sum(c.count for c in chunks), scoring))
         scored_positions.extend(c.count for c in chunks)
         return kv_caches, chunks
     engine._scorer.dispatch = counting_dispatch
     outs = {}
     while engine.has_unfinished_requests():
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert len(outs["score"].prompt_logprobs) == 60
-    assert max(spent) <= 16 and max(spent) >= 14, spent     # full steps, never over
-    assert sum(scored_positions) == 59                       # every position scored once
+    assert len(outs["score"].prompt_logprobs) == len(outs["score2"].prompt_logprobs) == 60
+    assert max(spent for _, spent, _ in steps) <= 16, steps                  # never over
+    shared = [scoring for with_decode, _, scoring in steps if with_decode]
+    alone = [spent for with_decode, spent, _ in steps if not with_decode]
+    assert shared and max(shared) <= 16 // SCORING_SHARE, steps              # held to its share beside the decode
+    assert alone and max(alone) >= 14, steps                                 # full steps once alone
+    assert sum(scored_positions) == 2 * 59                                   # every position scored once
+
+
+def test_a_request_arriving_while_a_long_prompt_is_scored_starts_at_once(llm):
+    """A short request that arrives while a long prompt is being scored is prefilled in the next step and
+    gets its first token while the scoring goes on: the scored prompt does not take every step's budget
+    until it is done (what made an echo + logprobs request stall everyone's time to first token)."""
+    engine = llm.engine
+    engine.add_request("score", PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    engine._scorer.compiler.wait_all()
+    engine.step()
+    score = engine.scheduler.get_request("score")
+    engine.add_request("short", PROMPT[:6], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    steps = 0
+    while not any(o.request_id == "short" for o in engine.step()):
+        steps += 1
+        assert steps < 4, "the short request waited for the scored prompt"
+    assert score.num_computed_tokens < len(PROMPT)                           # still scoring
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_manager.usage == 0.0

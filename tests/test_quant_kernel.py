@@ -2,6 +2,8 @@
 random shapes: groups of 32 / 64 / 128 and per-channel, odd M, N tails the block sizes must divide, split-K."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -39,6 +41,11 @@ CASES = [  # m, k, n, group, config
     (3, 512, 96, 64, k4.Config("dot", block_n=32, split_k=2)),
     (20, 256, 32, 256, k4.Config("dot", block_n=32)),
     (33, 1024, 16, 128, k4.Config("dot", block_n=16, split_k=4, unroll=2)),
+    (1, 256, 64, 128, k4.Config("gemv", block_n=64)),
+    (4, 1024, 64, 128, k4.Config("gemv", block_n=32, unroll=2, block_k=64)),   # split K, 64-row steps
+    (3, 384, 48, 32, k4.Config("gemv", block_n=16, split_k=1)),
+    (8, 512, 96, 64, k4.Config("gemv", block_n=32, split_k=2, block_k=32)),
+    (5, 256, 32, 256, k4.Config("gemv", block_n=32, block_k=64)),              # per-channel in 64-row steps
 ]
 
 
@@ -64,6 +71,28 @@ def test_dequantized_planes_are_exact():
     got = np.stack([np.asarray(w * inv) for w, inv in k4._planes(words, jnp.asarray(zeros))], axis=-1)  # [1, 4, 8]
     want = np.asarray(k4.unpack_int4(words)).reshape(8, 4).T - zeros.reshape(4, 1)
     np.testing.assert_array_equal(got.reshape(4, 8), want)
+
+
+def test_exact_planes_are_q_minus_z_with_no_power_of_two():
+    words = jnp.asarray(np.array([[0x76543210, -0x12345679, -1, 0]], np.int64).astype(np.int32))
+    zeros = np.array([[3.0, 0.0, 15.0, 7.0]], np.float32)
+    got = np.stack([np.asarray(w) for w in k4._exact_planes(words, k4._plane_bias(jnp.asarray(zeros)))], -1)
+    want = np.asarray(k4.unpack_int4(words)).reshape(8, 4).T - zeros.reshape(4, 1)
+    np.testing.assert_array_equal(got.reshape(4, 8), want)
+
+
+@pytest.mark.parametrize("live", [1, 3])
+def test_gemv_live_rows_computes_the_live_rows_and_zeros_the_padding(live):
+    rng = np.random.default_rng(11)
+    packed, scales, zeros, w = random_int4(rng, 512, 64, 128)
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    want = x @ w
+    if live == 1:            # one live row runs the one-row loop; the bucket's padding rows come back zero
+        want[1:] = 0
+    got = k4.int4_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(zeros),
+                         group_size=128, config=k4.Config("gemv", block_n=32, block_k=64), interpret=True,
+                         live_rows=jnp.int32(live))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", k4.METHODS)
@@ -109,3 +138,18 @@ def test_fp8_w8a8_matmul_is_the_scaled_fp8_product():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     # the activation quantization itself: each row's largest magnitude maps to e4m3's 448
     np.testing.assert_allclose(np.abs(np.asarray(xq, np.float32)).max(1), 448.0)
+
+
+def test_tuned_launches_file_drives_the_default_launch(tmp_path, monkeypatch):
+    from benchmarks.diagnostics import quant_matmul_bench as bench
+    path = tmp_path / "int4_launches.json"
+    gemv = k4.Config("gemv", block_n=256, block_k=64, num_warps=1)
+    bench.write_launches(str(path), [{"key": k4.launch_key(4096, 28672, 4, True), "us": 1.0,
+                                      "config": dataclasses.asdict(gemv)}])
+    monkeypatch.setattr(k4, "LAUNCHES_FILE", path)
+    k4.tuned_launches.cache_clear()
+    try:
+        assert k4.default_config(4, 4096, 28672, 128, live_one=True) == gemv
+        assert k4.default_config(4, 4096, 28672, 128).method == "dot"        # no entry: the heuristic
+    finally:
+        k4.tuned_launches.cache_clear()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import json
 import os
 import platform
@@ -323,6 +324,7 @@ def run_core(eng, prompts, kind, output_len, profile=None) -> dict:
     import msgspec
 
     from jaxserve.engine.core import EngineCoreLoop
+    from jaxserve.engine.gc_heap import prepare_gc_for_serving
     from jaxserve.sampling_params import RequestOutputKind
     if STUB_DEVICE:
         StubDevice(eng.runner)
@@ -334,6 +336,8 @@ def run_core(eng, prompts, kind, output_len, profile=None) -> dict:
     params = make_params(kind, output_len, RequestOutputKind.FINAL_ONLY)
     for p in prompts:
         eng.add_request(eng.new_request_id(), p, params)
+    thresholds = gc.get_threshold()
+    prepare_gc_for_serving()                           # as the core process does once loaded
     prof = cProfile.Profile() if profile else None
     profiled = 0
     t0 = time.perf_counter()
@@ -354,6 +358,8 @@ def run_core(eng, prompts, kind, output_len, profile=None) -> dict:
             rec["core_host"] = rec["host"] + rec["stats_send"]
             rec["core_host_cpu"] = cpu          # this thread's CPU time: what other processes' load leaves out
     dt = time.perf_counter() - t0
+    gc.unfreeze()
+    gc.set_threshold(*thresholds)
     del eng.step
     if prof is not None:
         prof.dump_stats(profile)

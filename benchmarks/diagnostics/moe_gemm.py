@@ -5,11 +5,14 @@ selected experts' weights (kernels/ragged_dot.py), at decode and prefill token c
     python benchmarks/diagnostics/moe_gemm.py --smoke    # tiny sizes on CPU (Pallas in interpret mode)
     python benchmarks/diagnostics/moe_gemm.py --decode --skip-models   # T = 1, 4, 16, 64, 256, + rows / layer
 
-``--decode``: decode token counts, and three more rows per count: ``rows`` (``expert_rows_matmul``, the
-sort-free decode kernel, tokens in token order, at most 16 tokens) and the whole routed-expert part of one MoE
-layer (``moe.routed_experts``: both GEMMs, the activation, the combine, and for ``layer:pallas`` the sort,
-group count, tile plan and scatter back) on the sorted path and, up to 16 tokens, the rows path: the
-layer rows show what the sort costs.
+``--decode``: decode token counts, and more rows per count: ``rows`` (``expert_rows_matmul``, the sort-free
+decode kernel, tokens in token order, at most 16 tokens), the whole routed-expert part of one MoE layer
+(``moe.routed_experts``: both GEMMs, the activation, the combine, and for ``layer:pallas`` the sort, group
+count, tile plan and scatter back) on the sorted path and, up to 16 tokens, the rows path and the fused
+decode kernels (``layer:fused``, ``kernels/fused_moe.py``: two launches for the whole routed part), and the
+fused kernels alone at a few block shapes (``fused[bi,bh,s(,bk,stages)]``: gate/up's intermediate columns
+per program, down's output columns per program and its splits of the intermediate, gate/up's rows per loop
+step and the pipeline depth): the layer rows show what the sort and the launches around the GEMMs cost.
 
 The run ends with a model check: the tiny Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints (tests/fixtures/models)
 through the engine with each implementation (``JAXSERVE_MOE_GROUPED_GEMM``, one subprocess each), float32,
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 import traceback
 
@@ -44,7 +48,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
 from benchmarks.diagnostics.timing import chain_seconds  # noqa: E402
-from jaxserve.kernels import ragged_dot  # noqa: E402
+from jaxserve.kernels import fused_moe, ragged_dot  # noqa: E402
 from jaxserve.models.layers import moe  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}   # E, top_k, hidden, inter
@@ -67,8 +71,17 @@ def routings(rng, tokens, experts, top_k, n):
     return group_sizes(routed_ids(rng, tokens, experts, top_k, n), experts)
 
 
-DECODE_ROWS = ("rows", "layer:pallas", "layer:rows")     # --decode's extra rows
+# the fused kernels' shapes tried beside the default (fused_moe.GPU_BLOCKS): (block_i, block_h, splits[,
+# block_k, num_stages])
+FUSED_BLOCKS = ((16, 64, 4), (64, 64, 4), (32, 32, 4), (32, 128, 8), (32, 64, 4, 256, 3), (32, 64, 4, 128, 4))
+DECODE_ROWS = ("rows", "layer:pallas", "layer:rows", "layer:fused") + tuple(
+    f"fused[{','.join(map(str, b))}]" for b in FUSED_BLOCKS)           # --decode's extra rows
 ROWS_MAX_TOKENS = moe.ROWS_PATH_MAX_TOKENS
+
+
+def _decode_row(impl) -> bool:
+    """Whether ``impl`` is one of --decode's rows (its inputs in token order, from ``decode_inputs``)."""
+    return impl == "rows" or impl.startswith(("layer:", "fused["))
 
 
 def one_call(impl):
@@ -77,12 +90,22 @@ def one_call(impl):
     ``[E, hidden, n]`` and group sizes otherwise."""
     if impl == "rows":      # each expert gets at most one row per token
         return lambda x, rhs, ids: ragged_dot.expert_rows_matmul(x, rhs, ids.reshape(-1), ids.shape[0])
+    if impl.startswith("fused["):
+        blocks = dict(zip(("block_i", "block_h", "splits", "block_k", "num_stages"),
+                          (int(v) for v in impl[len("fused["):-1].split(","))))
+
+        def fused(x, rhs, routing):
+            (gate_up, down), (ids, weights) = rhs, routing
+            return fused_moe.fused_moe(x, ids, weights, gate_up, down, jax.nn.silu, **blocks).astype(x.dtype)
+        return fused
     if impl.startswith("layer:"):
         def layer(x, rhs, routing):
             (gate_up, down), (ids, weights) = rhs, routing
+            decode = impl in ("layer:rows", "layer:fused")
             spec = moe.MoESpec(num_experts=gate_up.shape[0], top_k=ids.shape[1], intermediate_size=down.shape[1],
                                renormalize=True, layers=(True,), grouped_gemm="pallas",
-                               rows_path_max_tokens=ROWS_MAX_TOKENS if impl == "layer:rows" else 0)
+                               rows_path_max_tokens=ROWS_MAX_TOKENS if decode else 0,
+                               decode_kernel=impl.split(":")[1] if decode else "fused")
             return moe.routed_experts(x, ids, weights, gate_up, down, spec, jax.nn.silu)
         return layer
     return lambda x, rhs, sizes: ragged_dot.grouped_matmul(x, rhs, sizes, impl)
@@ -122,7 +145,7 @@ def chained(impl, n_iter):
 def check(impl, rhs, rng, top_k) -> str | None:
     """The implementation against the reference on 8 tokens; the whole-layer rows are tested on CPU instead
     (tests/test_moe_layer.py)."""
-    if impl.startswith("layer:"):
+    if impl.startswith(("layer:", "fused")):
         return None
     experts, hidden, _ = rhs.shape
     sizes = jnp.asarray(routings(rng, 8, experts, top_k, 1)[0])
@@ -153,16 +176,27 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-models", action="store_true", help="only the GEMM table")
     ap.add_argument("--decode", action="store_true", help="T = 1, 4, 16, 64, 256 (unless --tokens) and the rows "
                                                            "kernel and whole-layer rows (see the docstring)")
+    ap.add_argument("--impls", default=None, help="comma list of the implementations / rows to time (default all)")
+    ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default both)")
     ap.add_argument("--model-check", action="store_true", help=argparse.SUPPRESS)   # the per-impl subprocess
     args = ap.parse_args(argv)
     if args.model_check:
         model_check()
         return 0
     smoke = args.smoke
-    shapes = SMOKE_SHAPES if smoke else SHAPES
+    names = args.shapes.split(",") if args.shapes else list(SHAPES)
+    if not smoke and set(names) - set(SHAPES):
+        ap.error(f"--shapes: {', '.join(sorted(set(names) - set(SHAPES)))} not among {', '.join(SHAPES)}")
+    shapes = SMOKE_SHAPES if smoke else {n: SHAPES[n] for n in names}
     default_tokens = "1,4,16,64,256" if args.decode else "1,16,256,8192"
     token_counts = [int(t) for t in (args.tokens or ("1,16" if smoke else default_tokens)).split(",")]
     impls = ragged_dot.IMPLEMENTATIONS + (DECODE_ROWS if args.decode else ())
+    if args.impls:      # fused[...] names hold commas: split on the commas outside brackets
+        wanted = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.impls)
+        unknown = [w for w in wanted if w not in impls and not re.fullmatch(r"fused\[\d+(,\d+){2,4}\]", w)]
+        if unknown:
+            ap.error(f"--impls: {', '.join(unknown)} not among {', '.join(impls)} (with --decode)")
+        impls = tuple(wanted)
     n_iter = args.n_iter or (2 if smoke else 20)
     hw = roofline.load_hardware("h200")[0]
     read_bw, peak = hw.read_bandwidth, hw.peak_flops["bfloat16"]
@@ -190,14 +224,15 @@ def main(argv=None) -> int:
             gemm_inputs = (jnp.asarray(rng.standard_normal((m, hidden)) * 0.1, dtype), experts_w, jnp.asarray(pool_np))
             for impl in impls:
                 row = {"shape": name, "tokens": tokens, "impl": impl}
-                layer = impl.startswith("layer:")      # both GEMMs: 1.5 x the gate/up weights and FLOPs
+                layer = impl.startswith(("layer:", "fused"))   # both GEMMs: 1.5 x the gate/up weights, FLOPs
                 nbytes, flops = (1.5 * gemm_bytes, 1.5 * gemm_flops) if layer else (gemm_bytes, gemm_flops)
-                lhs, rhs, pool = decode_inputs(impl, rng, experts_w, ids_np, dtype) if impl in DECODE_ROWS \
+                lhs, rhs, pool = decode_inputs(impl, rng, experts_w, ids_np, dtype) if _decode_row(impl) \
                     else gemm_inputs
                 if broken[impl]:
                     row["note"] = broken[impl]
-                elif impl in ("rows", "layer:rows") and tokens > ROWS_MAX_TOKENS:
-                    row["note"] = f"the rows path runs at most {ROWS_MAX_TOKENS} tokens"
+                elif (impl in ("rows", "layer:rows", "layer:fused") or impl.startswith("fused")) \
+                        and tokens > ROWS_MAX_TOKENS:
+                    row["note"] = f"the decode kernels run at most {ROWS_MAX_TOKENS} tokens"
                 elif impl == "gather" and m * hidden * n * experts_w.dtype.itemsize > GATHER_MAX_BYTES:
                     row["note"] = "skipped: the gathered weights would not fit"
                 else:
@@ -246,7 +281,7 @@ def run_model_checks() -> None:
     import subprocess
 
     print("\nmodel check (tiny MoE checkpoints, float32, greedy ids vs HF):", flush=True)
-    for impl in ragged_dot.IMPLEMENTATIONS:
+    for impl in ragged_dot.IMPLEMENTATIONS + (moe.ROWS, moe.FUSED):
         env = dict(os.environ, JAXSERVE_MOE_GROUPED_GEMM=impl)
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--model-check"], env=env,
                               capture_output=True, text=True, timeout=900)

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -142,7 +143,7 @@ async def slow_body(url: str, path: str, headers: dict, timeout: float) -> int:
 
 
 async def hostile_request(client: httpx.AsyncClient, url: str, args, rng: random.Random, tally: Tally) -> None:
-    kind = rng.choice(sorted(HOSTILE))
+    kind = rng.choice(args.hostile_kinds)
     chat_msgs = [{"role": "user", "content": "hello"}]
     if kind == "slow_body":
         status = await slow_body(url, "/v1/completions", dict(client.headers), args.request_timeout)
@@ -273,11 +274,11 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
 
         baseline = None
         if args.hostile_fraction > 0:             # the ordinary load alone first: TTFT's reference (and warm-up)
-            # warm-up: the first scoring request compiles the prompt scorer (every chunk length, once)
-            t_warm = time.monotonic()
-            await client.post("/v1/completions", json={"prompt": " ".join(["word"] * args.scoring_words),
-                                                       "max_tokens": 0, "echo": True, "logprobs": 1})
-            rss["scorer_warmup_s"] = round(time.monotonic() - t_warm, 1)
+            if "scoring" in args.hostile_kinds:   # the first scoring request compiles the prompt scorer (once)
+                t_warm = time.monotonic()
+                await client.post("/v1/completions", json={"prompt": " ".join(["word"] * args.scoring_words),
+                                                           "max_tokens": 0, "echo": True, "logprobs": 1})
+                rss["scorer_warmup_s"] = round(time.monotonic() - t_warm, 1)
             baseline = Tally()
             await phase(args.baseline_requests, 0.0, baseline, None)
             rss["warm"] = rss_mb(server_pid)
@@ -369,6 +370,9 @@ def main() -> int:
     p.add_argument("--hostile-fraction", type=float, default=0.0,
                    help="share of hostile/careless requests (nested JSON, huge prompts, scoring, heavy templates, "
                         "choice bursts, slow bodies); > 0 runs the ordinary load alone first as the TTFT reference")
+    p.add_argument("--hostile-kinds", default=",".join(sorted(HOSTILE)),
+                   help="comma-separated hostile kinds to mix in (default all): one at a time shows which one "
+                        "slows the ordinary requests")
     p.add_argument("--baseline-requests", type=int, default=500, help="with --hostile-fraction: the reference run")
     p.add_argument("--scoring-words", type=int, default=300, help="prompt length of the scoring requests")
     p.add_argument("--max-ttft-ratio", type=float, default=3.0,
@@ -377,6 +381,10 @@ def main() -> int:
                    help="the server's RSS at the end may exceed its warm value by this share at most")
     p.add_argument("--out", default=None, help="write a markdown report here (and .json beside it)")
     args = p.parse_args()
+    args.hostile_kinds = sorted(set(args.hostile_kinds.split(",")))
+    unknown = set(args.hostile_kinds) - set(HOSTILE)
+    if unknown:
+        p.error(f"unknown --hostile-kinds {', '.join(sorted(unknown))}; known: {', '.join(sorted(HOSTILE))}")
     os.makedirs(os.path.join(ROOT, ".pytest_cache"), exist_ok=True)
     proc = None
     startup = None
@@ -388,6 +396,7 @@ def main() -> int:
     else:
         proc, url, startup = start_server(args.server_flags.split())
         pid = proc.pid
+    load_start = os.getloadavg()     # the machine's load: a shared machine slows both phases
     try:
         result = asyncio.run(soak(args, url, pid))
     finally:
@@ -411,7 +420,9 @@ def main() -> int:
     meta = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), "commit": (git_commit()["commit"] or "?")[:7],
             "machine": f"{platform.machine()}, {os.cpu_count()} cores visible, {platform.system()} "
                        f"{platform.release()} (CPU JAX; shared with other jobs)",
-            "command": "python " + " ".join(sys.argv)}
+            "command": "python " + shlex.join(sys.argv),
+            "load": f"{' / '.join(f'{x:.2f}' for x in load_start)} at the start, "
+                    f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} at the end (1 / 5 / 15-min load averages)"}
     print(json.dumps({**meta, **result}, indent=2))
     if args.out:
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
@@ -429,6 +440,7 @@ def render_md(meta: dict, r: dict, args) -> str:
 - date: {meta['date_utc']} UTC
 - commit: {meta['commit']}
 - machine: {meta['machine']}
+- machine load: {meta['load']}
 - model: embedded SmolLM2-135M-Instruct (Q4_1 GGUF), server flags `{args.server_flags if not args.url else 'external server'}`
 - command: `{meta['command']}`
 
@@ -458,7 +470,7 @@ def render_md(meta: dict, r: dict, args) -> str:
 
 Mix: half chat, half completions; 70 % streamed; greedy or temperature 0.8, half seeded; max_tokens 4..{args.max_tokens};
 the cancelled streams ask for {args.max_tokens * 4} tokens with ignore_eos and the client closes the connection after 1-4 events.
-Hostile share {args.hostile_fraction:.0%}: an equal mix of {', '.join(sorted(HOSTILE))}
+Hostile share {args.hostile_fraction:.0%}: an equal mix of {', '.join(args.hostile_kinds)}
 (scoring: echo + logprobs, max_tokens 0, {args.scoring_words} words).
 """
 

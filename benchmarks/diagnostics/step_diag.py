@@ -3,6 +3,7 @@
     python benchmarks/diagnostics/step_diag.py                          # 1 GPU: Llama-3.1-8B dummy bf16, TP=1, flag sets
     python benchmarks/diagnostics/step_diag.py --tp 1 2                 # 2 GPUs: TP=1 and TP=2
     python benchmarks/diagnostics/step_diag.py --smoke                  # CPU, tiny model, 2 fake devices (checks the script)
+    python benchmarks/diagnostics/step_diag.py --smoke --model tests/fixtures/models/tiny-qwen3moe --profile
     python benchmarks/diagnostics/step_diag.py --layer-kernels --old-tree .ab-old   # kernels per layer, old vs this tree
 
 Each variant (TP size x ``XLA_FLAGS`` set) runs in a child process and reports:
@@ -27,10 +28,14 @@ kernels of one layer in launch order (K/V write to K/V write) with their us, the
 time between them inside the CUDA graph. ``--old-tree DIR`` (a plain checkout of another commit) runs the same
 measurement on that tree's ``jaxserve`` first, in its own process; ``--flags`` adds XLA flag sets. Qwen3 is
 Llama's layer plus a per-head q/k norm, so their difference in kernels per layer is what the q/k norm costs.
+A layer is cut at its K/V write: the ``paged_kv_write`` launch, or the decode launch that writes the K/V itself.
+``--lowered`` (any host, no GPU needed) lowers the same step's GPU build for CUDA instead of running it and counts
+its Pallas launches per layer by kernel name (XLA's own fusions are only decided when a GPU compiles it).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -69,40 +74,50 @@ def child(a) -> dict:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
-    model = a.model if not a.smoke else os.path.join(REPO, "tests", "fixtures", "models", "tiny-llama3")
+    # --smoke: tiny-llama3, or the checkpoint directory --model names (e.g. tests/fixtures/models/tiny-qwen3moe)
+    model = a.model if not a.smoke or os.path.isdir(a.model) else os.path.join(REPO, "tests", "fixtures", "models",
+                                                                               "tiny-llama3")
     kw = dict(load_format="dummy") if not a.smoke else {}
     llm = LLM(model, dtype=a.dtype, tensor_parallel_size=a.tp_one, max_model_len=a.max_model_len,
-              max_num_seqs=16, max_num_batched_tokens=a.max_num_batched_tokens,
+              max_num_seqs=max(16, a.batch), max_num_batched_tokens=a.max_num_batched_tokens,
               token_buckets=(a.bucket, a.max_num_batched_tokens), enable_prefix_caching=False, use_tqdm_on_load=False,
               num_scheduler_steps=a.num_scheduler_steps, **kw)
     runner = llm.engine.runner
+    runner.wait_compiled()       # the steady state: the background variants (the short-context decode too) ready
     captured = {}
-    fwd, samplers = runner._forward, dict(runner._samplers)
+    variants = runner.variants
+    get, need = variants.get, variants.need
 
-    def capture_forward(*args, **kw):
-        # the smallest token bucket (the layout's first piece is input_ids [T]), after warm-up steps
-        if kw["layout"][0].shape == (a.bucket,) and "fwd" not in captured and captured.get("seen", 0) >= 2:
-            captured["fwd"] = (tuple(x for i, x in enumerate(args) if i != 1), kw)
-        captured["seen"] = captured.get("seen", 0) + 1
-        return fwd(*args, **kw)
+    def capturing(key, exe):
+        """The step compiler's executable for ``key``, wrapped to keep the arguments of one call: the
+        ``--bucket``-token forward after two warm-up calls, then the sampler call that follows it."""
+        if exe is None or not isinstance(key, tuple):
+            return exe
+        if key[0] == "forward" and key[1] == a.bucket:
+            def f(*args):
+                if "fwd" not in captured and captured.get("seen", 0) >= 2:
+                    captured["fwd"] = (exe, tuple(x for i, x in enumerate(args) if i != 1))
+                captured["seen"] = captured.get("seen", 0) + 1
+                return exe(*args)
+            return f
+        if key[0] == "sample":
+            def g(*args):
+                if "fwd" in captured and "sampler" not in captured:
+                    captured["sampler"] = (exe, args)
+                return exe(*args)
+            return g
+        return exe
 
-    def wrap_sampler(key, f):
-        def g(*args, **kw):
-            if "fwd" in captured and "sampler" not in captured:
-                captured["sampler"] = (key, args, kw)
-            return f(*args, **kw)
-        return g
-
-    runner._forward = capture_forward
-    runner._samplers = {k: wrap_sampler(k, f) for k, f in samplers.items()}
+    variants.get = lambda key: capturing(key, get(key))
+    variants.need = lambda key, why="first use": capturing(key, need(key, why))
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)
 
     def run(n_tokens):
-        prompt = rng.integers(100, min(vocab, 30000), size=a.prompt_len).tolist()
+        prompts = [rng.integers(100, min(vocab, 30000), size=a.prompt_len).tolist() for _ in range(a.batch)]
         sp = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
         t = time.perf_counter()
-        out = llm.generate([prompt], sp, use_tqdm=False)
+        out = llm.generate(prompts, sp, use_tqdm=False)
         return time.perf_counter() - t, len(out[0].outputs[0].token_ids)
 
     run(16)
@@ -112,18 +127,18 @@ def child(a) -> dict:
     full, n = run(a.decode_tokens + 1)
     ms_tok = 1e3 * (full - first) / (n - 1)
     host_ms = (st.host_ms - h0) / max(st.steps - s0, 1)
-    runner._forward, runner._samplers = fwd, samplers
+    variants.get, variants.need = get, need
 
-    res = {"tp": a.tp_one, "flags": a.flag_set, "e2e_tok_s": 1e3 / ms_tok, "ms_per_token": ms_tok,
+    res = {"tp": a.tp_one, "flags": a.flag_set, "e2e_tok_s": a.batch * 1e3 / ms_tok, "ms_per_token": ms_tok,
            "host_ms_per_step": host_ms}
     if "fwd" in captured:
-        (params, *rest), fkw = captured["fwd"]
+        fwd, (params, *rest) = captured["fwd"]
         caches = runner.kv_caches
-        caches, logits = fwd(params, caches, *rest, **fkw)
+        caches, logits, *_ = fwd(params, caches, *rest)
         jax.block_until_ready(logits)
         t = time.perf_counter()
         for _ in range(a.replays):
-            caches, logits = fwd(params, caches, *rest, **fkw)
+            caches, logits, *_ = fwd(params, caches, *rest)
         jax.block_until_ready((caches, logits))
         res["forward_ms"] = 1e3 * (time.perf_counter() - t) / a.replays
         if a.profile:
@@ -133,13 +148,13 @@ def child(a) -> dict:
             with tempfile.TemporaryDirectory() as d:
                 jax.profiler.start_trace(d)
                 for _ in range(10):
-                    caches, logits = fwd(params, caches, *rest, **fkw)
+                    caches, logits, *_ = fwd(params, caches, *rest)
                 jax.block_until_ready((caches, logits))
                 jax.profiler.stop_trace()
                 res["profile_forward"] = summarize(d, per=10)
         runner.kv_caches = caches
         try:
-            hlo = fwd.lower(params, caches, *rest, **fkw).compile().as_text()
+            hlo = fwd.as_text()
             res["hlo"] = {op: len(re.findall(rf"\b{op}(-start)?\(", hlo))
                           for op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")}
             res["hlo"]["custom-call"] = len(re.findall(r"custom-call\(", hlo))
@@ -147,19 +162,17 @@ def child(a) -> dict:
         except Exception as e:  # diagnostics only
             res["hlo_error"] = f"{type(e).__name__}: {e}"[:200]
     if "sampler" in captured:
-        key, args, skw = captured["sampler"]
-        f = samplers[key]
-        jax.block_until_ready(f(*args, **skw))
+        f, args = captured["sampler"]
+        jax.block_until_ready(f(*args))
         t = time.perf_counter()
         for _ in range(a.replays):
-            out = f(*args, **skw)
+            out = f(*args)
         jax.block_until_ready(out)
         res["sampler_ms"] = 1e3 * (time.perf_counter() - t) / a.replays
     if a.profile:
         import tempfile
 
         from benchmarks.diagnostics.profile_summary import summarize
-        runner._forward, runner._samplers = fwd, samplers
         with tempfile.TemporaryDirectory() as d:
             s0 = runner.stats.steps
             jax.profiler.start_trace(d)
@@ -182,7 +195,8 @@ LAYER_MODELS = ("gemma-2-9b", "gemma-3-12b", "qwen3-8b", "llama-3.1-8b")
 
 def layer_child(a) -> None:
     """Per model: the jitted forward + logits of a batch-1 decode step (token bucket 4, 4 request rows, one real
-    request at ``--context`` tokens, block tables for ``--max-model-len``) at the model's real widths with
+    request at ``--context`` tokens, block tables for ``--max-model-len``; the runner's short-context variant
+    when the context is within ``metadata.SHORT_SEQ_LEN``) at the model's real widths with
     ``--layers`` layers and dummy weights, as the engine compiles it; its ms per replay, and on a GPU the kernels
     of 5 traced replays cut into layers at each layer's K/V write."""
     import jax
@@ -191,11 +205,13 @@ def layer_child(a) -> None:
 
     import jaxserve
     from jaxserve.kernels import ops
+    from jaxserve.kernels import metadata
     from jaxserve.kernels.metadata import AttentionMetadata
     from jaxserve.models import configs as model_configs
     from jaxserve.models import registry
 
-    backend = ops.default_backend()
+    lowered = getattr(a, "lowered", False)
+    backend = "pallas" if lowered else ops.default_backend()
     dtype = jnp.dtype(a.dtype)
     T = R = 4
     bs = 16
@@ -209,8 +225,14 @@ def layer_child(a) -> None:
                       head_dim=64, vocab_size=1024)
         cfg = model_configs.model_config_from_hf(hf)
         _, family = registry.resolve_architecture(hf["architectures"])
-        params = family.init_dummy_params(cfg, dtype)
-        caches = ops.init_kv_caches(a.layers, pages + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype)
+        if lowered:          # shapes only: nothing is allocated or run
+            params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), family.param_shapes(cfg),
+                                  is_leaf=lambda x: isinstance(x, tuple))
+            caches = [tuple(jax.ShapeDtypeStruct(s, dtype) for s in ops.kv_cache_shapes(
+                pages + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype)) for _ in range(a.layers)]
+        else:
+            params = family.init_dummy_params(cfg, dtype)
+            caches = ops.init_kv_caches(a.layers, pages + 1, bs, cfg.num_kv_heads, cfg.head_dim, dtype)
         n_blocks = -(-a.context // bs)
         tables = np.zeros((R, pages), np.int32)
         tables[0, :n_blocks] = np.arange(1, n_blocks + 1)
@@ -220,6 +242,9 @@ def layer_child(a) -> None:
                                seq_lens=jnp.asarray([a.context, 0, 0, 0], jnp.int32),
                                query_start_loc=jnp.asarray([0, 1, 1, 1, 1], jnp.int32), num_seqs=jnp.int32(1),
                                decode_only=backend != "reference")
+        bound = getattr(metadata, "SHORT_SEQ_LEN", None)     # a tree without the runner's short-context variant
+        if bound and backend != "reference" and a.context <= bound < a.max_model_len:
+            md = dataclasses.replace(md, max_seq_len=bound)     # the variant the runner runs such a step in
         ids = jnp.asarray([7, 0, 0, 0], jnp.int32)
         pos = jnp.asarray([a.context - 1, 0, 0, 0], jnp.int32)
 
@@ -227,6 +252,13 @@ def layer_child(a) -> None:
             hidden, caches = family.forward(params, caches, ids, pos, md, cfg, attn_backend=backend)
             return caches, family.compute_logits(params, hidden[jnp.zeros(R, jnp.int32)], cfg)
 
+        if lowered:
+            launches = pallas_launches(jax.jit(step, donate_argnums=(1,)), params, caches, ids, pos, md)
+            print("RESULT " + json.dumps({
+                "model": name, "layers": a.layers, "jaxserve": os.path.dirname(jaxserve.__file__), "lowered": True,
+                "pallas_per_layer": sum(launches.values()) / a.layers,
+                "pallas_kernels": {k: v / a.layers for k, v in sorted(launches.items())}}), flush=True)
+            continue
         fwd = jax.jit(step, donate_argnums=(1,)).lower(params, caches, ids, pos, md).compile()
         hlo = fwd.as_text()
         if a.hlo_dir:        # the GPU's fusion decisions, for working out the next fusion without a GPU
@@ -265,6 +297,40 @@ def layer_child(a) -> None:
         del params, caches, logits
 
 
+def pallas_launches(fn, *args) -> Counter:
+    """``fn(*args)``'s GPU build traced on this host (not compiled, not run): its Pallas launches by kernel
+    name, each call of a jitted helper counted. The attention backend's GPU check is lifted for the trace:
+    nothing here runs a kernel."""
+    from unittest import mock
+
+    import jax
+
+    from jaxserve.kernels import ops
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with mock.patch.object(ops, "_check_gpu", lambda interpret: None), jax.sharding.use_abstract_mesh(mesh):
+        jaxpr = fn.trace(*args).jaxpr
+    counts = Counter()
+
+    def walk(jp):
+        for eqn in jp.eqns:
+            if eqn.primitive.name == "pallas_call":
+                info = eqn.params.get("name_and_src_info")
+                counts[getattr(info, "name", None) or str(eqn.params.get("name", "pallas_call"))] += 1
+                continue
+            for val in eqn.params.values():     # sub-jaxprs: jit calls, conds, loops, shard_map bodies
+                for sub in val if isinstance(val, (tuple, list)) else (val,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+    walk(jaxpr.jaxpr)
+    return counts
+
+
+# a layer's cut: its K/V write, a launch of its own or inside the decode-only attention launch
+LAYER_MARKS = ("paged_kv_write", "ragged_paged_decode_write_kv", "ragged_paged_decode_split_write_kv")
+
+
 _HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^=]*?\)|\S+) ([\w\-]+)\(")
 
@@ -298,18 +364,20 @@ def layer_windows(events: list, layers: int) -> dict:
     and idle us (write start to next write start, less the busy time) per layer, and each distinct window
     (layers of two kinds, e.g. Gemma's sliding and global ones, give two) as ``[(kernel group, mean us)]``
     with how many windows had it."""
-    marks = [i for i, (_, _, g) in enumerate(events) if g == "paged_kv_write"]
+    groups = {ev[2] for ev in events}
+    mark = next((m for m in LAYER_MARKS if m in groups), LAYER_MARKS[0])
+    marks = [i for i, ev in enumerate(events) if ev[2] == mark]
     cuts = [(i, j) for n, (i, j) in enumerate(zip(marks, marks[1:])) if n % layers != layers - 1]
     if not cuts:
-        return {"kernels_per_layer": None, "note": f"{len(marks)} paged_kv_write launches: no layer window"}
-    busy = [sum(e - s for s, e, _ in events[i:j]) / 1e3 for i, j in cuts]
+        return {"kernels_per_layer": None, "note": f"{len(marks)} {mark} launches: no layer window"}
+    busy = [sum(ev[1] - ev[0] for ev in events[i:j]) / 1e3 for i, j in cuts]
     span = [(events[j][0] - events[i][0]) / 1e3 for i, j in cuts]
     by_sig = {}
     for i, j in cuts:
-        by_sig.setdefault(tuple(g for _, _, g in events[i:j]), []).append(events[i:j])
+        by_sig.setdefault(tuple(ev[2] for ev in events[i:j]), []).append(events[i:j])
     kinds = []
     for sig, ws in sorted(by_sig.items(), key=lambda kv: -len(kv[1])):
-        us = [sum(e - s for s, e, _ in col) / len(ws) / 1e3 for col in zip(*ws)]
+        us = [sum(ev[1] - ev[0] for ev in col) / len(ws) / 1e3 for col in zip(*ws)]
         kinds.append({"windows": len(ws), "kernels": [(g, round(u, 2)) for g, u in zip(sig, us)],
                       "names": [ev[3] if len(ev) > 3 else ev[2] for ev in ws[0]]})
     return {"kernels_per_layer": sum(j - i for i, j in cuts) / len(cuts), "layer_busy_us": sum(busy) / len(cuts),
@@ -345,7 +413,8 @@ def layer_main(a) -> int:
         args = [sys.executable, os.path.abspath(__file__), "--layer-kernels", *a.models, "--layer-child",
                 "--layers", str(a.layers), "--context", str(a.context), "--dtype", a.dtype,
                 "--replays", str(a.replays), "--max-model-len", str(a.max_model_len), "--tag", f"{tree}-{fs}"] \
-            + (["--smoke"] if a.smoke else []) + (["--hlo-dir", os.path.abspath(a.hlo_dir)] if a.hlo_dir else [])
+            + (["--smoke"] if a.smoke else []) + (["--hlo-dir", os.path.abspath(a.hlo_dir)] if a.hlo_dir else []) \
+            + (["--lowered"] if a.lowered else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=a.child_timeout,
@@ -358,6 +427,13 @@ def layer_main(a) -> int:
         print(f"  {tree} tree, {fs}: {time.perf_counter() - t0:.0f}s, {len(got)} of {len(a.models)} models"
               + (f" ({why})" if why else ""), file=sys.stderr, flush=True)
         results += [dict(r, tree=tree, flags=fs) for r in got]
+    if a.lowered:
+        print("| model | tree | Pallas launches / layer (GPU build, lowered) | by kernel |")
+        print("|---|---|---|---|")
+        for r in results:
+            kinds = ", ".join(f"{k} {v:g}" for k, v in r["pallas_kernels"].items())
+            print(f"| {r['model']} ({r['layers']} layers) | {r['tree']} | {r['pallas_per_layer']:g} | {kinds} |")
+        return 0 if results else 1
     print("| model | tree | XLA flags | kernels / layer | layer busy us | layer gap us | forward ms | HLO fusions | HLO custom calls |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -387,6 +463,9 @@ def main(argv=None) -> int:
     p.add_argument("--tp", dest="tps", type=int, nargs="+", default=[1])
     p.add_argument("--flags", nargs="+", default=None, help=f"flag set names ({', '.join(FLAG_SETS)})")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests decoded together (the captured forward is then the --bucket-row decode step: "
+                        "pass --bucket BATCH); e2e tok/s counts all of them, ms/token is per step")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -405,6 +484,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=256, help="--layer-kernels: the request's context")
     p.add_argument("--old-tree", default=None, help="--layer-kernels: also measure this checkout (first)")
     p.add_argument("--hlo-dir", default=None, help="--layer-kernels: write each compiled forward's HLO here")
+    p.add_argument("--lowered", action="store_true",
+                   help="--layer-kernels: lower the GPU build for CUDA (any host) and count its Pallas launches")
     p.add_argument("--layer-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tag", default="new-default", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -441,7 +522,7 @@ def main(argv=None) -> int:
                     "--decode-tokens", str(a.decode_tokens), "--replays", str(a.replays),
                     "--max-model-len", str(a.max_model_len), "--max-num-batched-tokens",
                     str(a.max_num_batched_tokens), "--num-scheduler-steps", str(a.num_scheduler_steps),
-                    "--bucket", str(a.bucket)] \
+                    "--bucket", str(a.bucket), "--batch", str(a.batch)] \
                 + (["--smoke"] if a.smoke else []) \
                 + (["--profile"] if a.profile else [])
             t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The async front: per-request asyncio queues fed by a background thread.
+"""The async front: per-request output streams fed by a background thread.
 
 The server (and anything async) calls ``generate`` / ``abort`` / ``embed``. In-process (``multiprocess``
 off), the loop thread owns the ``LLMEngine`` and is the only thread that touches the scheduler, so no locks
@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig
@@ -34,23 +35,44 @@ STUCK_AFTER_S = 60.0
 
 
 class _Stream:
-    __slots__ = ("loop", "queue", "finished")
+    """One request's outputs on their way to its consumer: a list the engine thread fills (through the
+    consumer loop's ``call_soon_threadsafe``) and a future the consumer waits on when it is empty. Lighter
+    than an asyncio.Queue (no put/get waiter queues, no per-item future): a step hands each stream its
+    output with one append and, if its consumer waits, one ``set_result``."""
+    __slots__ = ("loop", "items", "waiter", "finished")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
         self.finished = False
 
+    def put_nowait(self, item) -> None:
+        """On the consumer's loop."""
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
     def put(self, item) -> None:
+        """From any thread."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.put_nowait, item)
         except RuntimeError:       # the consumer's loop is closed: nobody is listening any more
             pass
 
+    async def get(self):
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        return self.items.popleft()
+
 
 def _put_all(items) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+    for stream, item in items:
+        stream.put_nowait(item)
 
 
 class AsyncLLMEngine:
@@ -183,7 +205,7 @@ class AsyncLLMEngine:
             self._wake.set()
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     stream.finished = True
                     raise item
@@ -263,7 +285,7 @@ class AsyncLLMEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                batches.setdefault(stream.loop, []).append((stream.queue, out))
+                batches.setdefault(stream.loop, []).append((stream, out))
         for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)

@@ -20,6 +20,7 @@ import time
 import msgspec
 
 from jaxserve.engine import messages as m
+from jaxserve.engine.gc_heap import prepare_gc_for_serving
 from jaxserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def run_engine_core(config, input_address: str, output_address: str, progress: b
     try:
         from jaxserve.engine.llm_engine import LLMEngine
         engine = LLMEngine(config, progress=progress, core_outputs=True)
+        prepare_gc_for_serving()       # the model's and runner's objects out of the collector's passes
         outbox.send(encoder.encode(m.CoreReady(pickle.dumps(engine.facts()))))
         EngineCoreLoop(engine, inbox, outbox, encoder).run()
     except BaseException as e:  # noqa: BLE001 - reported to the front end, then the process ends

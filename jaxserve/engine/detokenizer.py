@@ -107,6 +107,17 @@ class IncrementalDetokenizer:
             self._decode_settled()
         self._num_emitted = max(self._num_emitted, len(self._text) - self._stop_buffer)
 
+    def emitted_since(self, start: int) -> str:
+        """The emitted text from character ``start`` on (a DELTA output's new text, without copying what
+        was sent before)."""
+        if self._deferred and self._read_offset < len(self.token_ids):
+            self._catch_up()
+        return self._text[start:self._num_emitted]
+
+    @property
+    def num_emitted(self) -> int:
+        return self._num_emitted
+
     @property
     def stopped(self) -> bool:
         return self.stop_reason is not None
@@ -191,7 +202,9 @@ class IncrementalDetokenizer:
 
 @functools.lru_cache(maxsize=64)
 def _cached_decoder(tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool):
-    """(decode function, {token id: its decode alone}) per tokenizer and decode options."""
+    """(decode function, {token id: its decode alone}) per tokenizer and decode options. (One call per
+    window, not the Rust ``decode_batch``: that one releases the GIL and runs on rayon's pool, which at 256
+    two-token windows a step cost the front end more CPU and handed the GIL to the event loop mid-step.)"""
     return fast_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens), {}
 
 

@@ -204,18 +204,19 @@ class OutputProcessor:
     def make_output(req: Request, reason: str | None) -> RequestOutput:
         """The request's output now; ``reason``: its finish reason if it just finished, else None."""
         params = req.sampling_params
-        text = req.detokenizer.output_text
+        detok = req.detokenizer
         lps = req.logprobs
         prompt_lps = req.prompt_logprobs
         known = len(req.output_token_ids) - req.num_placeholders    # not the next step's, still in flight
         if params.output_kind is _DELTA:        # only the new part is copied
-            n_tok, n_chr = req.num_sent_tokens, req.num_sent_chars
+            n_tok = req.num_sent_tokens
             toks = req.output_token_ids[n_tok:known]
-            req.num_sent_tokens, req.num_sent_chars = known, len(text)
-            text = text[n_chr:]
+            text = detok.emitted_since(req.num_sent_chars)
+            req.num_sent_tokens, req.num_sent_chars = known, detok.num_emitted
             lps = lps[n_tok:] if lps is not None else None
             req.prompt_logprobs = None          # sent once, with the first delta
         else:
+            text = detok.output_text
             toks = req.output_token_ids[:known]
         cum = req.cumulative_logprob if params.logprobs is not None else None
         comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=cum, logprobs=lps,

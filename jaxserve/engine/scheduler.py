@@ -20,7 +20,11 @@ A request that asks for prompt logprobs is scheduled like any other (chunked, bu
 abortable); the engine scores each of its prompt chunks after the step that computes it
 (``runner.prompt_logprobs``). It takes no prefix-cache hits, as in vLLM: every prompt position must be
 computed to be scored. Scoring a position is a second forward over it, so a chunk's positions still to be
-scored count twice against the budget (``_cost``). Such a request waits, in place, while the scorer's
+scored count twice against the budget (``_cost``). While a request that does not score is unfinished, the
+chunks being scored take at most ``1 / SCORING_SHARE`` of a step's budget together (``_scoring_share``; a
+waiting scoring request that finds no share left keeps its place and the others pass it): long prompts
+scored (twice a prefill's work each) never hold back the others' prefills and decodes for steps on end;
+scoring requests alone run at full width. Such a request waits, in place, while the scorer's
 executables compile in the background (``scoring_ready``). ``num_scoring`` lets the engine skip that look
 on the steps without one.
 """
@@ -70,6 +74,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+# The prompt chunks being scored take at most this fraction (1/N) of a step's token budget, together, while a
+# request that does not score is unfinished (see the module docstring).
+SCORING_SHARE = 4
 
 
 def _scores_prompt(req: Request) -> bool:
@@ -154,23 +163,37 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted_ids: list[str] = []
         scoring_tokens = 0              # of the budget spent: the prompt scorer's forwards
+        share = self._scoring_share() if self.num_scoring else budget   # left to the chunks being scored
         now = time.time()
 
         # 1. Running requests, oldest first. A victim is always popped from the end, which is never a
         #    request already scheduled in this step (those sit before index i).
         i = 0
+        req_to_blocks, req_to_block_ids, bs = kv.req_to_blocks, kv.req_to_block_ids, kv.block_size
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = len(req._all_token_ids) - req.num_computed_tokens
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
                 continue
+            if num_new == 1 and not self.num_scoring:
+                # a decode inside its last block (15 of 16 steps): allocate_slots' and _scheduled's
+                # common case inlined, once per running request per step
+                blocks = req_to_blocks.get(req.request_id)
+                if blocks is not None and req.num_computed_tokens < len(blocks) * bs:
+                    start = req.num_computed_tokens
+                    scheduled.append(ScheduledRequest(req, 1, start, req_to_block_ids[req.request_id],
+                                                      start + 1 == len(req._all_token_ids)))
+                    budget -= 1
+                    i += 1
+                    continue
             cost = self._cost(req, num_new) if self.num_scoring else num_new
-            if cost > budget:
+            room = min(budget, share) if cost > num_new else budget
+            if cost > room:
                 if not self._may_chunk(cost):
                     i += 1              # chunked prefill off: wait for a step with room for all of it
                     continue
-                num_new, cost = self._fit(req, num_new, budget)
+                num_new, cost = self._fit(req, num_new, room)
                 if num_new == 0:        # a scored chunk's first token alone costs 2
                     i += 1
                     continue
@@ -184,6 +207,7 @@ class Scheduler:
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= cost
                 scoring_tokens += cost - num_new
+                share -= cost if cost > num_new else 0
                 i += 1
                 continue
             break                       # req preempted itself: nothing after it is left running
@@ -200,10 +224,14 @@ class Scheduler:
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(req) if not scores else ([], 0)
             num_new = req.num_tokens - num_hit_tokens
             cost = self._cost(req, num_new) if scores else num_new
-            if cost > budget:
+            room = min(budget, share) if cost > num_new else budget
+            if cost > room:
                 if not self._may_chunk(cost):
                     break
-                num_new, cost = self._fit(req, num_new, budget)
+                num_new, cost = self._fit(req, num_new, room)
+                if num_new == 0 and room < budget:   # no scoring share left: it keeps its place, others pass
+                    skipped.append(self.waiting.popleft())
+                    continue
                 if num_new == 0:
                     break
             if kv.allocate_slots(req, num_new, computed_blocks) is None:
@@ -219,6 +247,7 @@ class Scheduler:
             scheduled.append(self._scheduled(req, num_new))
             budget -= cost
             scoring_tokens += cost - num_new
+            share -= cost if cost > num_new else 0
         if skipped:
             self.waiting.extendleft(reversed(skipped))
 
@@ -280,6 +309,14 @@ class Scheduler:
         first = max(start, req.num_prompt_positions_scored)
         end = min(start + num_new, req.num_prompt_tokens - 1)
         return num_new + max(0, end - first)
+
+    def _scoring_share(self) -> int:
+        """The budget this step's chunks being scored may take together: a ``1 / SCORING_SHARE`` of the step
+        while a request that does not score is unfinished, else all of it (with chunked prefill off nothing
+        is chunked, so nothing is held back)."""
+        if not self.enable_chunked_prefill or self.num_scoring >= len(self.requests):
+            return self.max_num_batched_tokens
+        return max(2, self.max_num_batched_tokens // SCORING_SHARE)     # 2: one position, scored
 
     def _fit(self, req: Request, num_new: int, budget: int) -> tuple[int, int]:
         """The longest chunk of at most ``num_new`` tokens whose cost fits ``budget``, and its cost (a scored

@@ -20,6 +20,7 @@ tensor-parallel split; online fp8 quantizes each float projection on the device 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import importlib.util
@@ -45,7 +46,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import checkpoint_names
 from jaxserve.models import configs as model_configs
-from jaxserve.models import packaged, registry
+from jaxserve.models import packaged, registry, weight_cache
 from jaxserve.quantization import config as quant_config
 from jaxserve.quantization import loading as quant_loading
 from jaxserve.models.layers.moe import with_expert_parallel
@@ -746,9 +747,20 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
     family.check_config(cfg)
     # GGUF weights are quantized: "auto" means float32 on CPU (fast there), bfloat16 on accelerators.
     jdtype = _resolve_dtype(dtype, jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    params = load_weights(cfg, family, _gguf_getter(reader, path, cfg), jdtype, mesh=mesh,
-                          desc=f"Loading {os.path.basename(path)}", file_of=lambda n: os.path.basename(path))
-    tokenizer = gguf_tokenizer(path)
+    # the converted weights from the last load of this file (one device: a mesh places each shard itself)
+    cache = weight_cache.directory_for(jax.config.jax_compilation_cache_dir) if mesh is None else None
+    structure = jax.tree.structure(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    key = weight_cache.key_text(path, cfg, jdtype, structure) if cache else ""
+    # the tokenizer (importing transformers: over a second) builds on a thread while the weights load: the
+    # copies and numpy's dequantization release the GIL
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gguf-tokenizer") as pool:
+        tokenizer = pool.submit(gguf_tokenizer, path)
+        params = weight_cache.load(cache, key, structure)
+        if params is None:
+            params = load_weights(cfg, family, _gguf_getter(reader, path, cfg), jdtype, mesh=mesh,
+                                  desc=f"Loading {os.path.basename(path)}", file_of=lambda n: os.path.basename(path))
+            weight_cache.store(cache, key, params, structure)
+        tokenizer = tokenizer.result()
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=meta.get("tokenizer.chat_template"),
                        generation_config=_generation_config(cfg), source=path, dtype=jdtype,

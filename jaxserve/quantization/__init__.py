@@ -7,7 +7,9 @@ kernels: ``kernels/int4_matmul_pallas.py`` on GPUs, XLA's fp8 dot); ``loading`` 
 tensor-parallel shards) for ``models.loader``; ``online`` quantizes float weights on the device.
 """
 from .config import QUANTIZATION_METHODS, QuantConfig, checkpoint_quantization, resolve_quantization
-from .weights import Fp8Weight, Int4Weight, is_quantized, matmul
+from .weights import (Fp8Activation, Fp8Weight, Int4Weight, is_quantized, matmul, reads_fp8_activations,
+                      rms_norm_fp8)
 
 __all__ = ["QUANTIZATION_METHODS", "QuantConfig", "checkpoint_quantization", "resolve_quantization",
-           "Fp8Weight", "Int4Weight", "is_quantized", "matmul"]
+           "Fp8Activation", "Fp8Weight", "Int4Weight", "is_quantized", "matmul", "reads_fp8_activations",
+           "rms_norm_fp8"]

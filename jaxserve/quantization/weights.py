@@ -17,8 +17,10 @@ activation dtype before the dot (W8A16).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,20 @@ FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)
 TP = "tp"
 _static = dict(static=True)
+_tracing = threading.local()     # per thread: steps are traced on the step compiler's threads at once
+
+
+@contextlib.contextmanager
+def live_tokens(count: jax.Array):
+    """While a step is traced: ``count`` (an int32 scalar on the device) of its token rows are real, the rest
+    the token bucket's padding. The int4 kernel's ``gemv`` launch then computes one row when one is real
+    (batch-1 decode runs a bucket of 4) and leaves the padding rows zero."""
+    stack = _tracing.__dict__.setdefault("live_tokens", [])
+    stack.append(count)
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 @jax.tree_util.register_dataclass
@@ -93,6 +109,21 @@ class Fp8Weight:
                                    input_scale=None if self.input_scale is None else P())
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Activation:
+    """An activation ``[T, K]`` quantized once, per token, for every fp8 W8A8 projection that reads it (a
+    layer's q, k and v; its gate_up): ``q`` e4m3 and ``scale [T, 1]`` float32, ``x ≈ q * scale``. Made by
+    ``rms_norm_fp8`` inside the norm's own kernels instead of an amax and a cast before each projection."""
+    q: jax.Array
+    scale: jax.Array
+    dtype: object = dataclasses.field(metadata=_static)     # the activation's own dtype: the products' dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+
 QUANTIZED_TYPES = (Int4Weight, Fp8Weight)
 
 
@@ -114,42 +145,54 @@ def matmul(x: jax.Array, w) -> jax.Array:
     """``x [T, K]`` times the quantized weight ``w [K, *out]`` → ``[T, *out]`` in ``x``'s dtype; summed over
     the devices when ``w`` is row-parallel under a tp mesh."""
     mesh = current_tp_mesh()
+    stack = getattr(_tracing, "live_tokens", None)
+    live = stack[-1] if stack and isinstance(w, Int4Weight) else None
     if mesh is None or w.tp_axis is None:
-        return _local_matmul(x, w)
+        return _local_matmul(x, w, live)
     wspec = w.specs(_spec_on_axis(len(w.shape), w.tp_axis))
     out_ndim = len(w.shape)            # [T, *out]
+    # the live count goes in as a replicated operand (a traced value is not closed over into shard_map)
+    live_in = jnp.zeros((), jnp.int32) if live is None else live
+    with_live = live is not None
     if w.tp_axis == 0:               # row-parallel: x split on K, partial sums reduced
-        def local(xs, ws):
-            return jax.lax.psum(_local_matmul(xs, ws), TP)
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, TP), wspec), out_specs=P(), check_vma=False)(x, w)
+        def local(xs, ws, lv):
+            return jax.lax.psum(_local_matmul(xs, ws, lv if with_live else None), TP)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, TP), wspec, P()), out_specs=P(),
+                             check_vma=False)(x, w, live_in)
     out_spec = P(*([None] * (out_ndim - 1)), TP)
     # check_vma=False: the Pallas kernel's loop carries no varying-manual-axes annotations (parallel/attention.py)
-    return jax.shard_map(_local_matmul, mesh=mesh, in_specs=(P(), wspec), out_specs=out_spec,
-                         check_vma=False)(x, w)
+    return jax.shard_map(lambda xs, ws, lv: _local_matmul(xs, ws, lv if with_live else None), mesh=mesh,
+                         in_specs=(P(), wspec, P()), out_specs=out_spec, check_vma=False)(x, w, live_in)
 
 
 def _spec_on_axis(ndim: int, axis: int) -> P:
     return P(*[TP if i == axis else None for i in range(ndim)])
 
 
-def _local_matmul(x: jax.Array, w) -> jax.Array:
+def _local_matmul(x: jax.Array, w, live: jax.Array | None = None) -> jax.Array:
     out_shape = tuple(w.shape[1:])
     n = math.prod(out_shape)
     if isinstance(w, Int4Weight):
-        y = _int4_matmul(x, w, n)
+        y = _int4_matmul(x, w, n, live)
     else:
         y = _fp8_matmul(x, w, n)
     return y.reshape(x.shape[:-1] + out_shape)
 
 
-def _int4_matmul(x: jax.Array, w: Int4Weight, n: int) -> jax.Array:
+def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) -> jax.Array:
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=1)
     k = x.shape[-1]
     packed, scales, zeros = (a.reshape(a.shape[0], n) for a in (w.packed, w.scales, w.zeros))
-    if (jax.default_backend() == "gpu" and x.shape[0] <= INT4_KERNEL_MAX_TOKENS
-            and int4_kernel.supports(x.shape[0], k, n, w.group_size)):
-        return int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=w.group_size)
+    m = x.shape[0]
+    if (jax.default_backend() == "gpu" and m <= INT4_KERNEL_MAX_TOKENS
+            and int4_kernel.supports(m, k, n, w.group_size)):
+        live = live if live is not None and m > 1 else None
+        cfg = int4_kernel.default_config(m, k, n, w.group_size, live_one=live is not None)
+        if cfg.method != "gemv":
+            live = None
+        return int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=w.group_size, config=cfg,
+                                       live_rows=live)
     x, packed, scales, zeros = _after_input(x, packed, scales, zeros)
     return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size)
 
@@ -169,6 +212,35 @@ def quantize_activation_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _to_fp8(x.astype(jnp.float32) / scale), scale
 
 
+def reads_fp8_activations(weights, tokens: int) -> bool:
+    """Whether every one of ``weights`` quantizes its input per token (fp8 W8A8, dynamic scales) in a step of
+    ``tokens`` tokens: then their input can be quantized once, where it is made (``rms_norm_fp8``)."""
+    weight_only = tokens <= (envs.JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS or 0)
+    return bool(weights) and not weight_only and all(
+        isinstance(w, Fp8Weight) and not w.block and w.input_scale is None for w in weights)
+
+
+# the per-token scale from max |w x| inv may sit below max |w bf16(x inv)| by the two bf16 roundings of the
+# norm's output (2^-8 each): scaled up by 2^-6 the quantized row never needs the clip
+_NORM_AMAX_MARGIN = 1.0 + 2.0 ** -6
+
+
+def rms_norm_fp8(x: jax.Array, weight: jax.Array, eps: float) -> Fp8Activation:
+    """``layers.norms.rms_norm(x, weight, eps)`` quantized per token to e4m3, in the norm's kernels: the
+    row's ``max |h|`` is ``inv * max |weight * x|`` (``inv`` = 1 / rms, a positive row scalar), a reduction over
+    ``x`` beside the norm's own sum of squares (one multi-output reduction on a GPU) instead of a second
+    reduction over the norm's output; the cast then reads ``x`` again. HF's rounding is kept: the normed value
+    is cast to ``x``'s dtype before the weight multiply, in ``x``'s dtype."""
+    xf = x.astype(jnp.float32)
+    # one variadic reduction (a single reduce op, so a single kernel on any backend): sum x^2 and max |w x|
+    sq, wx_max = jax.lax.reduce((xf * xf, jnp.abs(weight.astype(jnp.float32) * xf)), (0.0, 0.0),
+                                lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])), (x.ndim - 1,))
+    inv = jax.lax.rsqrt(sq[..., None] / x.shape[-1] + eps)
+    amax = jnp.maximum(wx_max[..., None] * inv * _NORM_AMAX_MARGIN, 1e-12)
+    h = (weight * (xf * inv).astype(x.dtype)).astype(jnp.float32)
+    return Fp8Activation(q=_to_fp8(h * (FP8_MAX / amax)), scale=amax / FP8_MAX, dtype=jnp.dtype(x.dtype))
+
+
 def _to_fp8(x: jax.Array) -> jax.Array:
     return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
@@ -176,9 +248,12 @@ def _to_fp8(x: jax.Array) -> jax.Array:
 _CONTRACT_K = (((1,), (1,)), ((), ()))     # x [T, K] with w [N, K]
 
 
-def _fp8_matmul(x: jax.Array, w: Fp8Weight, n: int) -> jax.Array:
+def _fp8_matmul(x, w: Fp8Weight, n: int) -> jax.Array:
     k = x.shape[-1]
     wt = w.weight.reshape(n, k)
+    if isinstance(x, Fp8Activation):      # quantized where it was made (reads_fp8_activations said so)
+        y = jax.lax.dot_general(x.q, wt, _CONTRACT_K, preferred_element_type=jnp.float32)
+        return (y * x.scale * w.scale.reshape(1, n)).astype(x.dtype)
     if w.block:
         x, wt, s = _after_input(x, wt, w.scale.reshape(w.scale.shape[0], -1))
         s = jnp.repeat(jnp.repeat(s, 128, axis=0)[:k], 128, axis=1)[:, :n]

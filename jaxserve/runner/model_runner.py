@@ -36,10 +36,11 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.engine.request import PLACEHOLDER
-from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
+from jaxserve.kernels.metadata import PAD_SLOT, SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
-from jaxserve.runner import packing, sampler as sampler_mod
+from jaxserve.runner import packing, program_cache, sampler as sampler_mod
 from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.program_cache import ProgramCache
 from jaxserve.runner.step_compiler import StepCompiler
 from jaxserve.sampling_params import SamplingParams
 
@@ -131,10 +132,10 @@ def _moe_layers(model) -> tuple[int, int] | None:
 
 
 def _forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, *, layout,
-                decode_only=False):
+                decode_only=False, max_seq_len=None):
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
-    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only)
+    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
     input_ids, positions, logits_indices, prev_index = x["input_ids"], x["positions"], x["logits_idx"], \
         x["prev_index"]
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
@@ -290,14 +291,23 @@ class ModelRunner:
             samp_out = {"out_shardings": rep}
             loop_out = {"out_shardings": (kv_sh, rep, rep, *load_out)}
         self._replicated = rep
+        # what each kind's jit is given besides its static arguments (a stored program's call gets the same)
+        self._jit_kwargs = {"forward": {"donate_argnums": (1,), **fwd_out}, "sample": samp_out,
+                            "decode-loop": {"donate_argnums": (1,), **loop_out}}
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self._forward = jax.jit(bind_mesh(partial(_forward_fn, model.family, self.cfg, self.backend,
                                                   self.moe_layers is not None), mesh),
-                                donate_argnums=(1,), static_argnames=("layout", "decode_only"), **fwd_out)
+                                static_argnames=("layout", "decode_only", "max_seq_len"),
+                                **self._jit_kwargs["forward"])
         # Steps whose requests all decode one token get their own variant of the small buckets under the
         # Pallas backends: the attention runs its decode launch alone (no prefill tile slots, the decode
         # tile's shared memory only). The reference has one path for both, so no extra compiles there.
         self.uniform_decode = self.backend != "reference"
+        # Decode-only steps whose contexts are all within SHORT_SEQ_LEN get one more variant where it changes the
+        # attention's launch: one decode launch instead of flash-decoding splits sized for max_model_len and
+        # their combine (the splits a batch-1 step takes at short context cost a launch a layer). Compiled in
+        # the background; until then (or past the bound) a step runs the ordinary decode-only variant.
+        self._short_decode = self.uniform_decode and max_model_len > SHORT_SEQ_LEN
         # On GPU the sampler must not contain XLA conditionals (each one syncs the host with the device), so
         # the host says whether any row filters (top-k/top-p): two static variants. CPU keeps lax.cond.
         self.static_sampling = jax.default_backend() != "cpu"
@@ -318,7 +328,7 @@ class ModelRunner:
                 (nl, f): jax.jit(bind_mesh(partial(_decode_loop_fn, model.family, self.cfg, self.backend,
                                                    self.max_num_seqs, self.block_size, self.num_scheduler_steps,
                                                    nl, f, self.moe_layers), mesh),
-                                 donate_argnums=(1,), static_argnames=("layout", "s_layout"), **loop_out)
+                                 static_argnames=("layout", "s_layout"), **self._jit_kwargs["decode-loop"])
                 for nl in (0, self.max_logprobs) for f in filter_modes}
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
@@ -333,6 +343,11 @@ class ModelRunner:
         self._prev_spec = spec(self._no_prev)
         self.enforce_eager = config.enforce_eager or config.skip_warmup
         self.variants = StepCompiler(self._lower_variant)
+        # the variants' exported programs (a warm start lowers them without tracing the model)
+        from jaxserve.parallel import collectives
+        self.programs = ProgramCache(program_cache.directory_for(jax.config.jax_compilation_cache_dir),
+                                     context=f"mesh {mesh!r}; custom all-reduce {collectives._enabled} "
+                                             f"fused norm {collectives.fuses_norm()}")
         # (exact bucket, decode-only) -> the compiled (bucket, decode-only) a step of that size runs in now;
         # rebuilt whenever more executables are ready
         self._routes: dict[tuple[int, bool], tuple[int, bool]] = {}
@@ -537,7 +552,9 @@ class ModelRunner:
         logits = load = None
         if limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
-            fwd = self.variants.get(("forward", T, md.decode_only)) or \
+            fwd = md.decode_only and self._short_decode and int(md.seq_lens.max(initial=0)) <= SHORT_SEQ_LEN \
+                and self.variants.get(("forward", T, True, SHORT_SEQ_LEN))
+            fwd = fwd or self.variants.get(("forward", T, md.decode_only)) or \
                 self.variants.need(("forward", T, md.decode_only), f"a step of {T} tokens")
             self.kv_caches, logits, *load = fwd(self.model.params, self.kv_caches, f_ints, prev_tokens)
             load = self._copy_load(load)
@@ -659,29 +676,30 @@ class ModelRunner:
         return np.zeros(n_i, np.int32), np.zeros(n_f, np.float32)
 
     def _lower_variant(self, key):
-        """Trace and lower one executable (``StepCompiler`` compiles it): from shapes, not buffers."""
+        """Trace and lower one executable (``StepCompiler`` compiles it): from shapes, not buffers; from its
+        stored program when ``self.programs`` has it."""
         kind = key[0]
         if kind == "forward":
-            _, T, decode_only = key
+            _, T, decode_only, *bound = key       # ("forward", T, True, SHORT_SEQ_LEN): short-context decodes
             ints, layout = self._forward_inputs(T)
-            lowered = self._forward.lower(self._param_specs, self._kv_specs, ints, self._prev_spec,
-                                          layout=layout, decode_only=decode_only)
+            fn, args = self._forward, (self._param_specs, self._kv_specs, ints, self._prev_spec)
+            static = {"layout": layout, "decode_only": decode_only, "max_seq_len": bound[0] if bound else None}
         elif kind == "sample":
             _, num_logprobs, filtering, masked, s_layout = key
             R = s_layout[0].shape[0]
             logits = jax.ShapeDtypeStruct((R, self.vocab_size), jnp.float32, sharding=self._replicated)
             extra = (np.zeros((R, self.bitmask_width), np.int32),) if masked else ()
-            lowered = self._samplers[num_logprobs, filtering].lower(logits, *self._buffers(s_layout), *extra,
-                                                                    layout=s_layout)
+            fn, args = self._samplers[num_logprobs, filtering], (logits, *self._buffers(s_layout), *extra)
+            static = {"layout": s_layout}
         elif kind == "decode-loop":
             _, T, num_logprobs, filtering, s_layout = key
             ints, layout = self._forward_inputs(T, multi_step=True)
-            lowered = self._decode_loops[num_logprobs, filtering].lower(
-                self._param_specs, self._kv_specs, ints, self._prev_spec, *self._buffers(s_layout), layout=layout,
-                s_layout=s_layout)
+            fn = self._decode_loops[num_logprobs, filtering]
+            args = (self._param_specs, self._kv_specs, ints, self._prev_spec, *self._buffers(s_layout))
+            static = {"layout": layout, "s_layout": s_layout}
         else:
             raise KeyError(key)
-        return lowered
+        return self.programs.lower(key, fn, args, static, **self._jit_kwargs[kind])
 
     def _sampler_on_first_use(self, key):
         """A sampler variant no step has needed yet (logprobs, penalties, a bitmask, ...): compiled now for
@@ -717,6 +735,11 @@ class ModelRunner:
             return ks
         first = bucket(self.buckets[0]) + bucket(self.buckets[-1])
         rest = [k for T in self.buckets[1:-1] for k in bucket(T)]
+        if self._short_decode:   # after the rest: a step runs correctly without them, only slower
+            kvh = kv_heads_per_device(self.cfg, tp_size(self.mesh))
+            rest += [("forward", T, True, SHORT_SEQ_LEN) for T in self.buckets if T <= decode_cap and
+                     kernel_ops.decode_splits(self.num_reqs_for(T), kvh, SHORT_SEQ_LEN)
+                     < kernel_ops.decode_splits(self.num_reqs_for(T), kvh, self.max_model_len)]
         if self.static_sampling:
             rest += [("sample", 0, True, False, self._sampler_layout(r)) for r in self._request_counts()]
             if self._decode_loops:

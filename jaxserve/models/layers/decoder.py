@@ -36,12 +36,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
+from jaxserve.quantization.weights import live_tokens
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 # kernels.ops's write_kv_and_attend, wrapped in shard_map over "tp" when the step runs under a mesh
 from jaxserve.parallel import attention as tp_attention
 
 from . import moe
-from .linear import linear, row_parallel_linear, row_parallel_linear_add_rms_norm
+from .linear import linear, normed_input, row_parallel_linear, row_parallel_linear_add_rms_norm
 from .norms import NORMS, inv_rms
 from .rotary import Rotary
 
@@ -117,6 +118,10 @@ class DecoderLayer(nnx.Module):
             self.gate_up = _param((h, 2, i), (None, None, TP))
             self.down = _param((i, h), ROW)
 
+    def attention_readers(self) -> tuple:
+        """The projections that read the attention norm's output (``normed_input``)."""
+        return (_w(self.q), _w(self.k), _w(self.v))
+
     def attention(self, h: jax.Array, cos_sin, kv_cache, md: AttentionMetadata, backend: str):
         """Self-attention of the normed input ``h [T, hidden]`` up to (not including) the o projection:
         ``(attn [T, heads * head_dim], (k_cache, v_cache))``."""
@@ -183,39 +188,41 @@ class DecoderModel(nnx.Module):
         cos_sin = [r.cos_sin(positions, x.dtype) for r in spec.rotaries]
         layers = list(self.layers)
         next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
-        h = self.norm(x, _w(layers[0].attn_norm), eps)
+        readers = [layer.attention_readers() for layer in layers[1:]] + [()]       # lm_head stays float
+        h = normed_input(x, self.norm, _w(layers[0].attn_norm), eps, layers[0].attention_readers())
         new_caches, routed = [], []
-        for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches):
-            attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
-            new_caches.append(kv_cache)
-            if spec.parallel_block:
-                mlp = row_parallel_linear(layer.gated(h), _w(layer.down))
-                x = (row_parallel_linear(attn, _w(layer.o)) + mlp) + x
-                h = self.norm(x, next_norm, eps)
-            elif spec.sandwich_norms:
-                x = x + self.norm(row_parallel_linear(attn, _w(layer.o)), _w(layer.post_attn_norm), eps)
-                h = self.norm(x, _w(layer.mlp_norm), eps)
-                x = x + self.norm(row_parallel_linear(layer.gated(h), _w(layer.down)),
-                                  _w(layer.post_mlp_norm), eps)
-                h = self.norm(x, next_norm, eps)
-            elif layer.is_moe:
-                x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
-                mlp, ids = layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
-                x = x + mlp
-                routed.append(ids)
-                h = self.norm(x, next_norm, eps)
-            else:
-                x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
-                x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm)
+        with live_tokens(md.query_start_loc[-1]):     # int4 decode computes only the bucket's real rows
+            for layer, next_norm, next_readers, kv_cache in zip(layers, next_norms, readers, kv_caches):
+                attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
+                new_caches.append(kv_cache)
+                if spec.parallel_block:
+                    mlp = row_parallel_linear(layer.gated(h), _w(layer.down))
+                    x = (row_parallel_linear(attn, _w(layer.o)) + mlp) + x
+                    h = self.norm(x, next_norm, eps)
+                elif spec.sandwich_norms:
+                    x = x + self.norm(row_parallel_linear(attn, _w(layer.o)), _w(layer.post_attn_norm), eps)
+                    h = self.norm(x, _w(layer.mlp_norm), eps)
+                    x = x + self.norm(row_parallel_linear(layer.gated(h), _w(layer.down)),
+                                      _w(layer.post_mlp_norm), eps)
+                    h = self.norm(x, next_norm, eps)
+                elif layer.is_moe:
+                    x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm))
+                    mlp, ids = layer.moe_mlp(h, md.slot_mapping != PAD_SLOT)
+                    x = x + mlp
+                    routed.append(ids)
+                    h = self.norm(x, next_norm, eps)
+                else:
+                    x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm), (_w(layer.gate_up),))
+                    x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm, next_readers)
         # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
         return h, new_caches, moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
 
-    def _add_norm(self, x, w, residual, norm_weight):
+    def _add_norm(self, x, w, residual, norm_weight, readers=()):
         """``s = residual + x @ w`` (row-parallel) and the next norm of ``s``; fused with TP's all-reduce
-        where the custom all-reduce can (RMSNorm only)."""
+        where the custom all-reduce can (RMSNorm only); quantized once for ``readers`` when they are fp8."""
         if self.spec.norm == "rms":
             return row_parallel_linear_add_rms_norm(x, w, residual, norm_weight, self.cfg.rms_norm_eps,
-                                                    self.norm)
+                                                    self.norm, readers)
         s = residual + row_parallel_linear(x, w)
         return s, self.norm(s, norm_weight, self.cfg.rms_norm_eps)
 

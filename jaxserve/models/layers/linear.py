@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import parallel
-from jaxserve.quantization import is_quantized, matmul
+from jaxserve.quantization import is_quantized, matmul, reads_fp8_activations, rms_norm_fp8
+
+from .norms import rms_norm
 
 
 def linear(x: jax.Array, w) -> jax.Array:
@@ -28,10 +30,19 @@ def row_parallel_linear(x: jax.Array, w) -> jax.Array:
     return parallel.row_parallel_matmul(x, w)
 
 
+def normed_input(x: jax.Array, norm: Callable, norm_weight: jax.Array, eps: float, readers=()):
+    """``norm(x, norm_weight, eps)`` as the projections ``readers`` take it: quantized once, inside the norm's
+    kernels, when they are all fp8 W8A8 (else each would quantize it again before its GEMM)."""
+    if norm is rms_norm and reads_fp8_activations(readers, x.shape[0]):
+        return rms_norm_fp8(x, norm_weight, eps)
+    return norm(x, norm_weight, eps)
+
+
 def row_parallel_linear_add_rms_norm(x: jax.Array, w, residual: jax.Array, norm_weight: jax.Array, eps: float,
-                                     rms_norm: Callable) -> tuple[jax.Array, jax.Array]:
-    """``(s, rms_norm(s))`` with ``s = residual + x @ w`` (the fused TP all-reduce for float weights)."""
+                                     norm: Callable, readers=()) -> tuple[jax.Array, jax.Array]:
+    """``(s, rms_norm(s))`` with ``s = residual + x @ w`` (the fused TP all-reduce for float weights); the norm
+    as ``readers`` take it (``normed_input``)."""
     if is_quantized(w):
         s = residual + matmul(x, w)
-        return s, rms_norm(s, norm_weight, eps)
-    return parallel.row_parallel_matmul_add_rms_norm(x, w, residual, norm_weight, eps, rms_norm)
+        return s, normed_input(s, norm, norm_weight, eps, readers)
+    return parallel.row_parallel_matmul_add_rms_norm(x, w, residual, norm_weight, eps, norm)

@@ -14,12 +14,20 @@ rows times their weights (in float32). Assignments this device does not compute 
 expert parallelism the experts another device owns — sort after the last group, where the grouped GEMM gives
 zeros and an implementation that skips them spends nothing.
 
-Decode-sized steps (at most ``MoESpec.rows_path_max_tokens`` tokens, a static bucket size) skip the sort:
-the (token, slot) rows go in token order to ``ragged_dot.expert_rows_matmul``, one kernel tile per distinct
-expert gathering that expert's rows (at most one per token), and come back in token order; an unowned row
-(padding, another device's expert) belongs to no tile. Both paths read each selected expert's weights once;
-the rows path saves the sort, the group count, the tile plan's prefix sums and the scatter back (a handful
-of small launches per layer, which at batch 1 are a large share of the step), at an ``(T·k)²`` plan.
+Decode-sized steps (at most ``MoESpec.rows_path_max_tokens`` tokens, a static bucket size) skip the sort,
+by one of two kernels (``MoESpec.decode_kernel``):
+- ``fused`` (``kernels/fused_moe.py``): two kernels for the whole routed part, reading the routing ids as
+  they are: gate/up with the activation per selected expert, then down with the weighted combine; no plan,
+  gather, scatter or combine launches around them.
+- ``rows``: the (token, slot) rows go in token order to ``ragged_dot.expert_rows_matmul``, one kernel tile
+  per distinct expert gathering that expert's rows (at most one per token), and come back in token order;
+  an ``(T·k)²`` tile plan in jnp, the activation and the combine between and after the two GEMMs.
+An unowned assignment (padding, another device's expert) is computed by neither. Every path reads each
+selected expert's weights once.
+
+Routing as computed: top-k of the logits (softmax is monotone, so the same experts in the same order), then
+the weights in float32 from those k logits alone when renormalising (the softmax of the k values equals the
+renormalised top-k probabilities), else ``exp(top - logsumexp(all))``: no softmax over all experts.
 
 Parallelism over the ``"tp"`` mesh axis (the weights' ``out_sharding`` says which, ``expert_partition``):
 - tensor parallel (default): every device holds every expert's ``intermediate / tp`` slice, like a dense MLP
@@ -42,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import envs, parallel
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.kernels import ragged_dot
+from jaxserve.kernels import fused_moe, ragged_dot
 
 TP = parallel.TP
 EXPERT_PARALLEL = "enable_expert_parallel"       # the ModelConfig.extra key (vLLM's flag name)
@@ -61,6 +69,7 @@ class MoESpec:
     expert_parallel: bool = False
     grouped_gemm: str = "ragged_dot"           # kernels.ragged_dot implementation
     rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
+    decode_kernel: str = "fused"               # what those steps run: "fused" (fused_moe) or "rows"
 
 
 def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bool,
@@ -70,33 +79,35 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
     extra = cfg.extra_dict
     step, dense = int(extra.get("decoder_sparse_step") or 1), set(extra.get("mlp_only_layers") or ())
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
-    impl, rows_path = _grouped_gemm()
+    impl, decode_kernel = _grouped_gemm()
     return MoESpec(num_experts=int(extra["num_experts"]), top_k=int(extra["num_experts_per_tok"]),
                    intermediate_size=int(extra["moe_intermediate_size"]), renormalize=renormalize,
                    weights_in_hidden_dtype=weights_in_hidden_dtype,
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
                    expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=impl,
-                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0)
+                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if decode_kernel else 0,
+                   decode_kernel=decode_kernel or "fused")
 
 
-ROWS = "rows"      # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and the sort-free rows path at decode sizes
+ROWS, FUSED = "rows", "fused"   # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and a sort-free kernel at decode sizes
 
 
-def _grouped_gemm() -> tuple[str, bool]:
-    """(the grouped GEMM the MoE layers run, whether decode-sized steps take the sort-free rows path).
-    ``auto`` is ``rows`` on a GPU (``lax.ragged_dot`` lowers to a dense padded product there: measured on an
+def _grouped_gemm() -> tuple[str, str]:
+    """(the grouped GEMM the MoE layers run, the sort-free kernel decode-sized steps run or "").
+    ``auto`` is ``fused`` on a GPU (``lax.ragged_dot`` lowers to a dense padded product there: measured on an
     H200 at 256 tokens 2,276 us against the Pallas kernel's 322 us for Qwen3-30B-A3B's gate/up;
-    2026-12-01-h200-moe-grouped-gemm.md) and ``ragged_dot`` elsewhere. A named implementation runs at every
-    size (A/B runs)."""
+    2026-12-01-h200-moe-grouped-gemm.md; at decode sizes the fused kernels need none of the rows path's
+    plan, row copies or combine) and ``ragged_dot`` elsewhere. A named implementation runs at every size
+    (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
-        impl = ROWS if jax.default_backend() == "gpu" else "ragged_dot"
-    if impl == ROWS:
-        return "pallas", True
+        impl = FUSED if jax.default_backend() == "gpu" else "ragged_dot"
+    if impl in (ROWS, FUSED):
+        return "pallas", impl
     if impl not in ragged_dot.IMPLEMENTATIONS:
-        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {ROWS}, "
+        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {FUSED}, {ROWS}, "
                          f"{', '.join(ragged_dot.IMPLEMENTATIONS)}")
-    return impl, False
+    return impl, ""
 
 
 ROWS_PATH_MAX_TOKENS = 16    # one 16-row kernel tile holds an expert's rows; the plan is (16·k)² compares
@@ -135,12 +146,17 @@ def declare_params(layer, hidden: int, spec: MoESpec, param: Callable) -> None:
 
 
 def route(router_logits: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
-    """``(weights [T, k] float32, expert ids [T, k] int32)``: softmax in float32, top-k, optional renorm."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, ids = lax.top_k(probs, spec.top_k)
+    """``(weights [T, k] float32, expert ids [T, k] int32)``: the top-k of the softmax over the experts in
+    float32, optionally renormalised; computed from the top-k logits (see the module docstring)."""
+    # top-k in the logits' own dtype (widening to float32 is exact and keeps the order): no [T, E] convert
+    top, ids = lax.top_k(router_logits, spec.top_k)
+    top = top.astype(jnp.float32)
+    shifted = jnp.exp(top - top[:, :1])          # top[:, 0] is the largest logit
     if spec.renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
+        total = jnp.sum(shifted, axis=-1, keepdims=True)
+    else:
+        total = jnp.sum(jnp.exp(router_logits.astype(jnp.float32) - top[:, :1]), axis=-1, keepdims=True)
+    return shifted / total, ids.astype(jnp.int32)
 
 
 def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
@@ -192,6 +208,11 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
     """This device's experts ``offset .. offset + E_local`` (see the module NOTE)."""
     t, k = ids.shape
     local_experts, hidden = gate_up.shape[:2]
+    if (t <= spec.rows_path_max_tokens and spec.decode_kernel == FUSED
+            and fused_moe.supports(t, hidden, down.shape[1])):
+        # the kernels skip ids outside 0 .. local_experts - 1 themselves: on one device the ids go as they are
+        local = ids if isinstance(offset, int) and offset == 0 else ids - offset
+        return fused_moe.fused_moe(h, local, weights, gate_up, down, activation).astype(h.dtype)
     local = ids - offset
     mine = (local >= 0) & (local < local_experts)
     key = jnp.where(mine, local, local_experts).reshape(-1)

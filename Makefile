@@ -14,14 +14,18 @@ serve: setup
 generate: setup
 	$(PY) -m jaxserve generate --chat --prompt "What is the capital of France?" $(ARGS)
 
+# pytest-xdist workers, each running whole files (a file's module-scoped engines stay in one process): the
+# suite compiles and runs on one core at a time for long stretches, so two workers keep two cores busy
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q -m "not slow and not gpu" --durations=25 $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not gpu" --durations=25 $(ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -q -m "slow" $(ARGS)
 
 test-all: setup
-	$(PY) -m pytest -q -m "not gpu" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" $(ARGS)
 
 bench-smoke: setup
 	$(PY) -m jaxserve bench --config configs/bench/cpu-smoke.yaml

@@ -154,8 +154,10 @@ def _custom_all_reduce_wiring(cases) -> dict:
 
 
 def _pallas_under_shard_map() -> dict:
-    """The Pallas kernel (the GPU default; interpret mode here) inside the shard_map, against the reference:
-    kv heads split (8q/4kv, tp=2) and replicated with one kv head sliced per device (8q/2kv, tp=4)."""
+    """The Pallas kernels (the GPU default; interpret mode here) inside the shard_map, against the reference:
+    kv heads split (8q/4kv, tp=2: the fused write + attention per device) and replicated (8q/2kv, tp=4: every
+    device writes every head, then ``paged_attention`` slices one kv head per device). Each interpreted kernel
+    compiles for seconds, so only the layer's own call (``write_kv_and_attend``) is checked."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -170,12 +172,7 @@ def _pallas_under_shard_map() -> dict:
     for hq, kvh, tp in [(8, 4, 2), (8, 2, 4)]:
         q, k, v, md = synthetic.make_batch(rng, [1, 3, 1], [10, 3, 20], block_size=16, num_q_heads=hq,
                                            num_kv_heads=kvh, head_dim=64, dtype=jnp.float32)
-        ref = ops.paged_attention(q, k, v, md, sm_scale=0.125, backend="reference")
         mesh = parallel.make_mesh(tp)
-        fn = jax.jit(parallel.bind_mesh(lambda *a: parallel.paged_attention(
-            *a, sm_scale=0.125, backend="pallas", interpret=True), mesh))
-        got = fn(*jax.device_put((q, k, v, md), NamedSharding(mesh, P())))
-        out[f"{hq}q{kvh}kv/tp{tp}"] = float(jnp.abs(got - ref).max())
         # the layer's write + attention (q, k, v packed per device; replicated kv heads: write, then attend)
         new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], kvh, 64)), jnp.float32) for _ in range(2))
         want = ops.write_kv_and_attend(q, new_k, new_v, k, v, md, sm_scale=0.125)
@@ -211,9 +208,18 @@ ENGINE_CASES = [("tiny-llama3", 1), ("tiny-llama3", 2), ("tiny-llama3", 4), ("ti
 
 def _engine_worker() -> dict:
     """Greedy tokens through the offline API (scheduler, runner, sampler) at each tensor_parallel_size."""
+    import tempfile
+
+    import jax
+
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
+    # the async and the multi-step engines compile programs the tp=2 engine already compiled: a compile cache
+    # of this run's own (every executable, however quick) serves them
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="tp-engine-xla-"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     report = {}
     for model, tp in ENGINE_CASES:
         llm = LLM(os.path.join(FIXTURES, model), tensor_parallel_size=tp, dtype="float32", max_model_len=128,
@@ -460,7 +466,7 @@ def test_custom_all_reduce_leaves_large_steps_to_psum(report):
 
 
 def test_pallas_kernel_under_shard_map(report):
-    exact = {"8q4kv/tp2", "8q2kv/tp4", "write+attend 8q4kv/tp2", "write+attend 8q2kv/tp4"}
+    exact = {"write+attend 8q4kv/tp2", "write+attend 8q2kv/tp4"}
     fp8 = {f"fp8 per-head scales {b} {c}" for b in ("reference", "pallas") for c in ("8q4kv/tp2", "8q2kv/tp4")}
     assert set(report["pallas"]) == exact | fp8
     assert all(report["pallas"][k] < 1e-5 for k in exact), report["pallas"]

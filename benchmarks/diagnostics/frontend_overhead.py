@@ -36,7 +36,6 @@ import json
 import os
 import pickle
 import platform
-import pstats
 import subprocess
 import sys
 import threading
@@ -49,6 +48,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "smollm2")
+
+from benchmarks.diagnostics.host_overhead import function_table, write_json  # noqa: E402  (ROOT on sys.path)
 
 # What the fake model "writes": ordinary prose, code-ish punctuation and a few non-ASCII characters (which
 # byte-level BPE splits over tokens), cycled; each stream starts at its own offset.
@@ -329,17 +330,6 @@ def measure(a, level: str, tokens: list[int], profile: str | None = None) -> dic
             "core_cpu_s": round(core.own_cpu_s, 3), **{k: v for k, v in res.items() if k != "tokens"}}
 
 
-def function_table(profile: str, tokens: int, top: int = 30) -> str:
-    st = pstats.Stats(profile).stats
-    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
-    out = ["| function | own µs/token | cum µs/token | calls/token |", "|---|---|---|---|"]
-    for (path, line, name), (_cc, nc, tt, ct, _callers) in rows:
-        where = name if path == "~" else (f"{os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)}"
-                                          f":{line}({name})")
-        out.append(f"| `{where}` | {tt * 1e6 / tokens:.2f} | {ct * 1e6 / tokens:.2f} | {nc / tokens:.2f} |")
-    return "\n".join(out)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, default=256)
@@ -373,12 +363,9 @@ def main(argv=None) -> int:
     if a.profile:
         res = measure(a, levels[-1], tokens, profile=a.profile)
         print(f"\ncProfile of one {levels[-1]} run ({res['tokens']} tokens), functions by own time:")
-        print(function_table(a.profile, max(1, res["tokens"])))
+        print(function_table(a.profile, max(1, res["tokens"]), unit="token", time_unit="µs"))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": "python " + " ".join([os.path.relpath(__file__, ROOT)]
-                                                       + (argv if argv is not None else sys.argv[1:])),
-                       "commit": commit, "rows": rows}, f, indent=2)
+        write_json(a.json, __file__, argv, commit, rows)
     return 0
 
 

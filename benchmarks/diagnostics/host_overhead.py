@@ -371,16 +371,25 @@ def run_core(eng, prompts, kind, output_len, profile=None) -> dict:
     return res
 
 
-def function_table(profile: str, steps: int, top: int = 30) -> str:
-    """The profile's functions by own time: ms per step (own, and with what they call) and calls per step,
-    as a markdown table."""
+def function_table(profile: str, per: int, top: int = 30, unit: str = "step", time_unit: str = "ms") -> str:
+    """The profile's functions by own time: ``time_unit`` (ms or µs) per ``unit`` (own, and with what they
+    call) and calls per ``unit``, over ``per`` units, as a markdown table."""
+    scale, digits = {"ms": (1e3, 3), "µs": (1e6, 2)}[time_unit]
     st = pstats.Stats(profile).stats
     rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
-    out = ["| function | own ms/step | cum ms/step | calls/step |", "|---|---|---|---|"]
+    out = [f"| function | own {time_unit}/{unit} | cum {time_unit}/{unit} | calls/{unit} |", "|---|---|---|---|"]
     for (path, line, name), (_cc, nc, tt, ct, _callers) in rows:
         where = name if path == "~" else f"{os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)}:{line}({name})"
-        out.append(f"| `{where}` | {tt * 1e3 / steps:.3f} | {ct * 1e3 / steps:.3f} | {nc / steps:.1f} |")
+        out.append(f"| `{where}` | {tt * scale / per:.{digits}f} | {ct * scale / per:.{digits}f} | {nc / per:.2f} |")
     return "\n".join(out)
+
+
+def write_json(path: str, script: str, argv, commit: str, rows: list) -> None:
+    """The run's rows with the command that made them (``script``'s path from the repository root)."""
+    with open(path, "w") as f:
+        json.dump({"command": "python " + " ".join([os.path.relpath(script, ROOT)]
+                                                   + (argv if argv is not None else sys.argv[1:])),
+                   "commit": commit, "rows": rows}, f, indent=2)
 
 
 class CoreStepRecorder:
@@ -579,10 +588,7 @@ def main(argv=None) -> int:
         print(f"\ncProfile of {steps} steps ({which}, sync, {kinds[0]}), functions by own time:")
         print(function_table(a.profile, steps))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": "python " + " ".join([os.path.relpath(__file__, ROOT)]
-                                                       + (argv if argv is not None else sys.argv[1:])),
-                       "commit": commit, "rows": rows}, f, indent=2)
+        write_json(a.json, __file__, argv, commit, rows)
     return 0
 
 

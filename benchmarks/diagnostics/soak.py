@@ -279,6 +279,8 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
                 await client.post("/v1/completions", json={"prompt": " ".join(["word"] * args.scoring_words),
                                                            "max_tokens": 0, "echo": True, "logprobs": 1})
                 rss["scorer_warmup_s"] = round(time.monotonic() - t_warm, 1)
+            if args.warmup_requests:              # first uses (the step variants' compiles) out of the reference
+                await phase(args.warmup_requests, 0.0, Tally(), None)
             baseline = Tally()
             await phase(args.baseline_requests, 0.0, baseline, None)
             rss["warm"] = rss_mb(server_pid)
@@ -374,6 +376,9 @@ def main() -> int:
                    help="comma-separated hostile kinds to mix in (default all): one at a time shows which one "
                         "slows the ordinary requests")
     p.add_argument("--baseline-requests", type=int, default=500, help="with --hostile-fraction: the reference run")
+    p.add_argument("--warmup-requests", type=int, default=64,
+                   help="with --hostile-fraction: ordinary requests run and not counted before the reference run "
+                        "(its TTFT p99 would otherwise hold the server's first-use compiles)")
     p.add_argument("--scoring-words", type=int, default=300, help="prompt length of the scoring requests")
     p.add_argument("--max-ttft-ratio", type=float, default=3.0,
                    help="with --hostile-fraction: ordinary streams' TTFT p99 may grow this much at most")
@@ -465,7 +470,7 @@ def render_md(meta: dict, r: dict, args) -> str:
 | hostile requests (kind status: count) | {r['hostile'] or 'none'} |
 | hostile requests with a wrong answer | {r['hostile_wrong'] or 'none'} |
 | ordinary streams' TTFT p50 / p99 | {r['ttft_p50_s']} / {r['ttft_p99_s']} s |
-| the same ordinary load alone: TTFT p50 / p99 | {r['baseline_ttft_p50_s']} / {r['baseline_ttft_p99_s']} s |
+| the same ordinary load alone (after {args.warmup_requests} uncounted warm-up requests): TTFT p50 / p99 | {r['baseline_ttft_p50_s']} / {r['baseline_ttft_p99_s']} s |
 | TTFT p99 ratio (limit {args.max_ttft_ratio:g}) | {r['ttft_p99_ratio']} |
 
 Mix: half chat, half completions; 70 % streamed; greedy or temperature 0.8, half seeded; max_tokens 4..{args.max_tokens};

@@ -1,14 +1,23 @@
 """The MoE measurements before they meet a GPU: moe_gemm's ``fused[...]`` row names and the fused kernels' block
-rounding its tuning search relies on, and a non-default block setting still computing the layer."""
+rounding its tuning search relies on, a non-default block setting still computing the layer, and the configs
+run_h200.sh's moe-ab / moe-serve steps run (one engine per variant process)."""
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.config import engine_kwargs, load_config, load_configs
 from benchmarks.diagnostics import moe_gemm
 from jaxserve.kernels import fused_moe
+from jaxserve.llm import engine_config_from_kwargs
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_H200 = (ROOT / "benchmarks" / "run_h200.sh").read_text()
 
 
 @pytest.mark.parametrize("name, blocks", [
@@ -79,3 +88,49 @@ def test_fused_moe_at_other_loop_steps_matches_reference():
     got = np.asarray(fused_moe.fused_moe(h, ids, weights, gate_up, down, jax.nn.silu, block_i=32, block_h=32,
                                          splits=2, block_k=16, down_block_k=16))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- run_h200.sh
+def _function(name: str) -> str:
+    start = RUN_H200.index(f"{name}() {{")
+    return RUN_H200[start:RUN_H200.index("\n}\n", start)]
+
+
+MOE_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")
+
+
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_moe_ab_runs_batch_1_4_16_on_one_engine(model):
+    """moe-ab's --set words make h200-MODEL-latency-bs1's engine the one bs4 and bs16 have, so one process loads
+    and compiles once for the three; each of its variants' engines is a valid LLM(...) option set."""
+    body = _function("moe_ab")
+    sets = re.findall(r'--set "?([\w.]+=[^\s"]+)"?', body)
+    assert any(s.startswith("engine.token_buckets=") for s in sets)
+    fixed = [s for s in sets if "$" not in s]
+    names = [f"h200-{model}-latency-bs{b}" for b in (1, 4, 16)]
+    for nss in (1, 4):
+        cfgs = load_configs(names, fixed + [f"engine.num_scheduler_steps={nss}"])
+        engines = [engine_kwargs(c) for c in cfgs]
+        assert engines[0] == engines[1] == engines[2]
+        assert [c["workload"]["batch_size"] for c in cfgs] == [1, 4, 16]
+        config = engine_config_from_kwargs(**engines[0])
+        assert config.scheduler.num_scheduler_steps == nss
+        # every batch decodes within the sort-free MoE kernels' 16 tokens, in a bucket of its own size or less
+        buckets = config.scheduler.token_buckets
+        assert all(min(b for b in buckets if b >= batch) <= 16 for batch in (1, 4, 16))
+    engine_sets = [s for s in fixed if s.startswith("engine.")]
+    for name in names[1:]:           # no-ops there: the bs4 / bs16 files alone run what moe-ab ran
+        assert load_config(name, engine_sets)["engine"] == load_config(name)["engine"]
+
+
+def test_moe_ab_default_variants_and_the_other_moe_steps_name_real_things():
+    default = re.search(r"MOE_AB_VARIANTS=\$\{MOE_AB_VARIANTS:-([^}]*)\}", RUN_H200).group(1).replace("\\\n", " ")
+    variants = [v.split(":") for v in default.split()]
+    assert {m for m, _, _ in variants} == set(MOE_MODELS)
+    assert {g for _, g, _ in variants} == {"auto", "rows"} and {s for _, _, s in variants} == {"1", "4"}
+    assert len({tuple(v) for v in variants}) == len(variants) == 8
+    assert variants[0] == ["qwen3-30b-a3b", "auto", "1"]           # the table's baseline runs first
+    serve = load_config("h200-qwen3-30b-a3b-serve-sweep")
+    assert serve["mode"] == "serve" and serve["workload"]["sweep"] == {"max_concurrency": [1, 16, 64, 256]}
+    assert "moe-serve) bench" in RUN_H200 and "--config h200-qwen3-30b-a3b-serve-sweep" in RUN_H200
+    assert "benchmarks/diagnostics/moe_gemm.py --tune --skip-models" in RUN_H200

@@ -123,8 +123,10 @@ families() {   # families MODE CONFIG LIMIT_S: CONFIG for each model of $FAMILIE
   done
 }
 
+# the policy questions first: fused or rows at the default single step on both models (Mixtral is device-bound),
+# then multi-step on Qwen3 (launch-bound at batch 1; auto at 4 steps was measured at batch 1 before), then Mixtral
 MOE_AB_VARIANTS=${MOE_AB_VARIANTS:-qwen3-30b-a3b:auto:1 qwen3-30b-a3b:rows:1 mixtral-8x7b:auto:1 mixtral-8x7b:rows:1 \
-qwen3-30b-a3b:auto:4 qwen3-30b-a3b:rows:4 mixtral-8x7b:auto:4 mixtral-8x7b:rows:4}
+qwen3-30b-a3b:rows:4 qwen3-30b-a3b:auto:4 mixtral-8x7b:rows:4 mixtral-8x7b:auto:4}
 
 moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM:STEPS of $MOE_AB_VARIANTS (the header says how)
   local budget=${MOE_AB_BUDGET_S:-510} t0=$SECONDS v model gemm nss left limit s more

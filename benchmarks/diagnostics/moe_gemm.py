@@ -381,7 +381,7 @@ def tune(timer: Timer, hidden: int, inter: int) -> str:
                 bad = timer.verify(row["impl"])      # a faster setting counts only if it computes the layer
                 if bad:
                     row["note"] = bad
-                    print(f"{row['impl']} at {timer.tokens} tokens: {bad}", flush=True)
+                    print(f"tune: {timer.shape}, {timer.tokens} tokens: {row['impl']} not taken: {bad}", flush=True)
                 else:
                     best = row
         current = fused_blocks(best["impl"])

@@ -74,6 +74,36 @@ def test_resolve_blocks_rounds_each_block_to_its_dimension():
         fused_moe.resolve_blocks(2048, 768, block_q=16)
 
 
+class _FakeTimer:
+    """moe_gemm.Timer's interface with made-up µs: a row per fused setting, faster with more warps and bigger
+    block_i; the settings in ``wrong`` fail the reference check."""
+
+    def __init__(self, wrong=()):
+        self.shape, self.tokens, self.best, self.wrong, self.timed = "qwen", 4, None, set(wrong), []
+
+    def __call__(self, impl):
+        self.timed.append(impl)
+        if impl.startswith("layer:"):
+            return {"impl": impl, "us": 100.0}
+        b = moe_gemm.fused_blocks(impl)
+        return {"impl": impl, "us": 100.0 - b["num_warps"] - b["block_i"] / 16}
+
+    def verify(self, impl):
+        return "mismatch" if impl in self.wrong else None
+
+
+def test_tune_keeps_the_fastest_setting_that_computes_the_layer():
+    fastest = fused_moe.resolve_blocks(2048, 768, block_i=128, num_warps=8)
+    timer = _FakeTimer()
+    line = moe_gemm.tune(timer, 2048, 768)
+    assert timer.best["impl"] == moe_gemm.fused_name(fastest) and line.endswith(f"| {timer.best['impl']} |")
+    assert timer.timed[0] == moe_gemm.fused_name(fused_moe.GPU_BLOCKS)       # the search starts at the default
+    # block_i=128 wins its axis but computes wrong: the search goes on from block_i=64
+    timer = _FakeTimer(wrong={moe_gemm.fused_name(fused_moe.resolve_blocks(2048, 768, block_i=128))})
+    moe_gemm.tune(timer, 2048, 768)
+    assert timer.best["impl"] == moe_gemm.fused_name(fused_moe.resolve_blocks(2048, 768, block_i=64, num_warps=8))
+
+
 def test_fused_moe_at_other_loop_steps_matches_reference():
     """Down's rows per loop step (the knob the tuning search adds) and gate/up's, several steps per split:
     the same layer as the reference (interpreted)."""

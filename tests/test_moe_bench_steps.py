@@ -164,3 +164,25 @@ def test_moe_ab_default_variants_and_the_other_moe_steps_name_real_things():
     assert serve["mode"] == "serve" and serve["workload"]["sweep"] == {"max_concurrency": [1, 16, 64, 256]}
     assert "moe-serve) bench" in RUN_H200 and "--config h200-qwen3-30b-a3b-serve-sweep" in RUN_H200
     assert "benchmarks/diagnostics/moe_gemm.py --tune --skip-models" in RUN_H200
+
+
+@pytest.mark.parametrize("blocks", [{"block_i": 128, "block_k": 256, "num_warps": 8, "num_stages": 4},
+                                    {"splits": 1, "down_block_k": 128, "block_h": 256, "block_i": 16}])
+def test_fused_moe_lowers_to_triton_at_the_searched_extremes(blocks):
+    """The tuning search's far ends still lower to the two Triton kernels at both models' widths, with the warps
+    and pipeline depth asked for (compiling needs the GPU; a lowering failure would cost the search its rows)."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: hopper)
+        for e, k, hidden, inter, t in [(128, 8, 2048, 768, 16), (8, 2, 4096, 14336, 1)]:
+            f = jax.jit(lambda *a: fused_moe.fused_moe(*a, jax.nn.silu, interpret=False, **blocks))
+            text = f.trace(S((t, hidden), bf16), S((t, k), jnp.int32), S((t, k), bf16),
+                           S((e, hidden, 2, inter), bf16), S((e, inter, hidden), bf16)
+                           ).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("__gpu$xla.gpu.triton") == 2
+            b = fused_moe.resolve_blocks(hidden, inter, **blocks)
+            warps, stages = f"num_warps = {b['num_warps']} : i32", f"num_stages = {b['num_stages']} : i32"
+            assert text.count(warps) == text.count(stages) == 2

@@ -20,8 +20,9 @@ gate/up's / down's rows per loop step, ``st`` the pipeline depth, ``w`` warps pe
 ``--tune`` (the decode rows at 1, 4, 16 tokens unless --tokens): per shape and token count, ``layer:rows``,
 ``layer:fused`` and a coordinate search over the fused kernels' blocks from ``GPU_BLOCKS`` (``TUNE_AXES``:
 each key's values in turn, keeping the fastest that matches ``fused_moe_reference``; settings that resolve to
-the same kernels run once), a ``tune:`` line with the best setting against both layers as each count finishes, then per shape each count's
-winner timed at the other counts and the one best summed over them (a candidate for that shape's default).
+the same kernels run once), a ``tune:`` line with the best setting against both layers as each count
+finishes, then per shape each count's winner timed at the other counts and the one best summed over them (a
+candidate for that shape's default).
 
 The run ends with a model check: the tiny Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints (tests/fixtures/models)
 through the engine with each implementation (``JAXSERVE_MOE_GROUPED_GEMM``, one subprocess each), float32,
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", action="store_true", help="T = 1, 4, 16, 64, 256 (unless --tokens) and the rows "
                                                            "kernel and whole-layer rows (see the docstring)")
     ap.add_argument("--tune", action="store_true", help="search the fused kernels' blocks at T = 1, 4, 16 (unless "
-                                                         "--tokens) against layer:rows / layer:fused (see the docstring)")
+                    "--tokens) against layer:rows / layer:fused (see the docstring)")
     ap.add_argument("--impls", default=None, help="comma list of the implementations / rows to time (default all)")
     ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default both)")
     ap.add_argument("--model-check", action="store_true", help=argparse.SUPPRESS)   # the per-impl subprocess
@@ -261,7 +262,8 @@ def main(argv=None) -> int:
     if args.tune:       # the summary rows print as they come, "tune: " first (a run cut short keeps them)
         print("\n".join(f"tune: {line}" for line in TUNE_HEADER.splitlines()), flush=True)
     for name, (experts, top_k, hidden, inter) in shapes.items():
-        experts_w = (jax.random.normal(jax.random.key(0), (experts, hidden, 2 * inter), jnp.float32) * 0.02).astype(dtype)
+        n = 2 * inter
+        experts_w = (jax.random.normal(jax.random.key(0), (experts, hidden, n), jnp.float32) * 0.02).astype(dtype)
         broken = {}
         for impl in impls:
             try:

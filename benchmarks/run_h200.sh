@@ -13,6 +13,8 @@
 #             FRONTEND_OLD=TREE runs an older tree's first (a plain checkout, as for ab)
 #   startup   serve llama-3.1-8b dummy until /health 200 and a first completion, fresh compile cache then warm
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
+#   phases    where the steady-state 256-decode step's time goes, llama-3.1-8b dummy (decode_phases.py: host phases,
+#             GPU busy / span per step, cProfile; ~2-3 minutes)
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
 #   x2-70b, x2-more, x2-extra (2 GPUs; issue 36), one device call each, most important first; x2: all three.
 #             x2-70b: Llama-3.1-70B TP=2 batch 1 + offline (one process), then its serve sweep (the warm start-up:
@@ -39,8 +41,8 @@
 #   moe-tune  moe_gemm.py --tune: the fused MoE kernels' blocks searched at 1, 4 and 16 tokens for both shapes,
 #             the best per shape and count against layer:rows (~3 minutes)
 #   moe-serve h200-qwen3-30b-a3b-serve-sweep (concurrency 1 / 16 / 64 / 256, TTFT / TPOT)
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|frontend|startup|embed|gpucheck|stepdiag|tp2|carcheck|
-#        families|families-throughput|gemma2-long|moe ...]
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|frontend|startup|embed|gpucheck|stepdiag|phases|tp2|carcheck|
+#        families|families-throughput|gemma2-long|moe|moe-ab|moe-tune|moe-serve ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
 # old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
@@ -329,6 +331,9 @@ for step in "${STEPS[@]}"; do
                read -r -a fls <<< "${STEPDIAG_FLAGS:-default}"
                diag "${STEPDIAG_LIMIT_S:-420}" stepdiag '!^  tp=' benchmarks/diagnostics/step_diag.py \
                  --tp "${tps[@]}" --flags "${fls[@]}" --profile --json "$RESULTS/step_diag.json" ;;
+    phases)    diag "${PHASES_LIMIT_S:-360}" phases '^\| [^`]|^output tok/s|Error' benchmarks/diagnostics/decode_phases.py \
+                 --model llama-3.1-8b --batch 256 --prompt-len 128 --steps 40 --profile --cprofile \
+                 --json "$RESULTS/decode_phases.json" ;;
     tp2)       needs_2_gpus tp2 || continue
                bench "${TP2_LIMIT_S:-240}" tp2 --config h200-llama8b-latency-bs1 --config h200x2-llama8b-tp2 \
                  --set baseline.hf=false ;;
@@ -352,8 +357,8 @@ for step in "${STEPS[@]}"; do
     moe-tune)  diag "${MOE_TUNE_LIMIT_S:-240}" moe-tune '^(tune:|device:)|Error' \
                  benchmarks/diagnostics/moe_gemm.py --tune --skip-models ;;
     moe-serve) bench "${MOE_SERVE_LIMIT_S:-300}" moe-serve --config h200-qwen3-30b-a3b-serve-sweep --no-plots ;;
-    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, frontend, startup, embed, gpucheck, stepdiag, tp2, carcheck," \
-         "families, families-throughput, gemma2-long, moe)" >&2; exit 2 ;;
+    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, frontend, startup, embed, gpucheck, stepdiag, phases, tp2, carcheck," \
+         "families, families-throughput, gemma2-long, moe, moe-ab, moe-tune, moe-serve)" >&2; exit 2 ;;
   esac
 done
 

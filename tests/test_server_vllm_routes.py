@@ -17,8 +17,7 @@ def server():
     srv.stop()
 
 
-def test_retrieve_model(server, http):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+def test_retrieve_model(client, http):
     for name in ("org/model-a", "b"):       # a served name may hold a slash
         m = client.models.retrieve(name)
         assert (m.id, m.object, m.owned_by) == (name, "model", "jaxserve") and m.created > 0

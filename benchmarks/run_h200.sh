@@ -13,6 +13,8 @@
 #             FRONTEND_OLD=TREE runs an older tree's first (a plain checkout, as for ab)
 #   startup   serve llama-3.1-8b dummy until /health 200 and a first completion, fresh compile cache then warm
 #   embed, gpucheck, stepdiag: the diagnostics of the same names in benchmarks/diagnostics/
+#   phases    where the steady-state 256-decode step's time goes, llama-3.1-8b dummy (decode_phases.py: host phases,
+#             GPU busy / span per step, cProfile; ~2-3 minutes)
 #   tp2, carcheck (2 GPUs): h200x2-llama8b-tp2 next to TP=1; the custom all-reduce against psum and TP=1
 #   x2-70b, x2-more, x2-extra (2 GPUs; issue 36), one device call each, most important first; x2: all three.
 #             x2-70b: Llama-3.1-70B TP=2 batch 1 + offline (one process), then its serve sweep (the warm start-up:
@@ -29,8 +31,18 @@
 #   gemma2-long  h200-gemma2-9b-long-prompts (200 x 8064 / 128: the sliding-window layers at long context)
 #   moe       h200-qwen3-30b-a3b-latency-bs1 + -throughput in one process, then the two h200-mixtral-8x7b configs
 #             in another (93 GB of weights: JAX may take 95 % of HBM); ~7-8 minutes on a cold host
-# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|frontend|startup|embed|gpucheck|stepdiag|tp2|carcheck|
-#        families|families-throughput|gemma2-long|moe ...]
+#   moe-ab    the MoE decode kernels and multi-step decoding at batch 1, 4 and 16 (h200-<model>-latency-bs1 / -bs4 /
+#             -bs16 on one engine sized for them, 128 out, 3 iterations): one runner process per MODEL:GEMM:STEPS of
+#             $MOE_AB_VARIANTS (JAXSERVE_MOE_GROUPED_GEMM auto = fused or rows, engine.num_scheduler_steps), in
+#             that order (default: Qwen3-30B-A3B and Mixtral-8x7B at 1 step, then at 4), each cut at
+#             MOE_AB_LIMIT_S (180), none started with less than MOE_AB_MIN_S (60) of MOE_AB_BUDGET_S (510) left;
+#             ends with one table (output tok/s, decode step ms, against the model's first variant). MOE_AB_SETS:
+#             more --set KEY=VALUE words for every variant
+#   moe-tune  moe_gemm.py --tune: the fused MoE kernels' blocks searched at 1, 4 and 16 tokens for both shapes,
+#             the best per shape and count against layer:rows (~3 minutes)
+#   moe-serve h200-qwen3-30b-a3b-serve-sweep (concurrency 1 / 16 / 64 / 256, TTFT / TPOT)
+# Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|frontend|startup|embed|gpucheck|stepdiag|phases|tp2|carcheck|
+#        families|families-throughput|gemma2-long|moe|moe-ab|moe-tune|moe-serve ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
 # old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
@@ -111,6 +123,56 @@ families() {   # families MODE CONFIG LIMIT_S: CONFIG for each model of $FAMILIE
     for s in $(family_sets "$mode" "$m"); do sets+=(--set "$s"); done
     bench "$limit" "family-$m-$suffix" --config "$config" "${sets[@]}" --no-plots
   done
+}
+
+# the policy questions first: fused or rows at the default single step on both models (Mixtral is device-bound),
+# then multi-step on Qwen3 (launch-bound at batch 1; auto at 4 steps was measured at batch 1 before), then Mixtral
+MOE_AB_VARIANTS=${MOE_AB_VARIANTS:-qwen3-30b-a3b:auto:1 qwen3-30b-a3b:rows:1 mixtral-8x7b:auto:1 mixtral-8x7b:rows:1 \
+qwen3-30b-a3b:rows:4 qwen3-30b-a3b:auto:4 mixtral-8x7b:rows:4 mixtral-8x7b:auto:4}
+
+moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM:STEPS of $MOE_AB_VARIANTS (the header says how)
+  local budget=${MOE_AB_BUDGET_S:-510} t0=$SECONDS v model gemm nss left limit s more
+  # bs1's engine made the one of bs4 / bs16 (no-ops for them); fewer tokens and iterations to fit the call
+  local sets=(--set engine.max_model_len=512 --set engine.max_num_seqs=16 --set "engine.token_buckets=[4,16,2048]"
+              --set workload.output_len=128 --set workload.iters=3 --set workload.prefill_iters=2 --no-plots)
+  read -r -a more <<< "${MOE_AB_SETS:-}"
+  for s in "${more[@]}"; do sets+=(--set "$s"); done
+  for v in $MOE_AB_VARIANTS; do
+    IFS=: read -r model gemm nss <<< "$v"
+    left=$((budget - (SECONDS - t0)))
+    if [ "$left" -lt "${MOE_AB_MIN_S:-60}" ]; then
+      echo "moe-ab $v: skipped, $left s of the step's $budget s left" | tee -a "$SUMMARY"; continue
+    fi
+    limit=${MOE_AB_LIMIT_S:-180}; [ "$left" -lt "$limit" ] && limit=$left
+    ( [ "$model" = mixtral-8x7b ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95   # 93 GB of weights
+      JAXSERVE_MOE_GROUPED_GEMM=$gemm bench "$limit" "moe-ab-$model-$gemm-nss$nss" \
+        --config "h200-$model-latency-bs1" --config "h200-$model-latency-bs4" --config "h200-$model-latency-bs16" \
+        "${sets[@]}" --set "engine.num_scheduler_steps=$nss" --out "$RESULTS/moe-ab/$model-$gemm-nss$nss" )
+  done
+  moe_ab_table | tee -a "$SUMMARY"
+}
+
+moe_ab_table() {   # one row per (model, batch, variant) that finished, against the model's first variant there
+  "$PY" - "$RESULTS/moe-ab" "$MOE_AB_VARIANTS" <<'EOF'
+import glob, json, sys
+root, variants = sys.argv[1], [v.split(":") for v in sys.argv[2].split()]
+print("| model | batch | JAXSERVE_MOE_GROUPED_GEMM, num_scheduler_steps | output tok/s | decode step ms | × first |")
+print("|---|---|---|---|---|---|")
+got = {}                      # (model, batch, gemm, steps) -> (output tok/s, decode step s)
+for model, gemm, nss in variants:
+    for f in glob.glob(f"{root}/{model}-{gemm}-nss{nss}/*/result.json"):
+        j = json.load(open(f)).get("jaxserve") or {}
+        got[model, j.get("batch_size"), gemm, nss] = (j.get("output_tok_per_s"), j.get("decode_step_s"))
+for model in dict.fromkeys(m for m, _, _ in variants):
+    for batch in sorted({b for m, b, _, _ in got if m == model and b is not None}):
+        base = None
+        for _, gemm, nss in (v for v in variants if v[0] == model):
+            if (model, batch, gemm, nss) in got:
+                tok, step = got[model, batch, gemm, nss]
+                base = base or tok
+                ratio = f"{tok / base:.2f}" if base and tok else "-"
+                print(f"| {model} | {batch} | {gemm} {nss} | {tok:.1f} | {step * 1e3:.2f} | {ratio} |")
+EOF
 }
 
 ab() {   # ab OLD_TREE: the two configs at the old tree and at this one, interleaved; prints old / new / ratio
@@ -269,6 +331,9 @@ for step in "${STEPS[@]}"; do
                read -r -a fls <<< "${STEPDIAG_FLAGS:-default}"
                diag "${STEPDIAG_LIMIT_S:-420}" stepdiag '!^  tp=' benchmarks/diagnostics/step_diag.py \
                  --tp "${tps[@]}" --flags "${fls[@]}" --profile --json "$RESULTS/step_diag.json" ;;
+    phases)    diag "${PHASES_LIMIT_S:-360}" phases '^\| [^`]|^output tok/s|Error' benchmarks/diagnostics/decode_phases.py \
+                 --model llama-3.1-8b --batch 256 --prompt-len 128 --steps 40 --profile --cprofile \
+                 --json "$RESULTS/decode_phases.json" ;;
     tp2)       needs_2_gpus tp2 || continue
                bench "${TP2_LIMIT_S:-240}" tp2 --config h200-llama8b-latency-bs1 --config h200x2-llama8b-tp2 \
                  --set baseline.hf=false ;;
@@ -288,8 +353,12 @@ for step in "${STEPS[@]}"; do
                  --config h200-qwen3-30b-a3b-throughput --no-plots
                XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 bench "${MOE_MIXTRAL_LIMIT_S:-250}" moe-mixtral-8x7b \
                  --config h200-mixtral-8x7b-latency-bs1 --config h200-mixtral-8x7b-throughput --no-plots ;;
-    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, frontend, startup, embed, gpucheck, stepdiag, tp2, carcheck," \
-         "families, families-throughput, gemma2-long, moe)" >&2; exit 2 ;;
+    moe-ab)    moe_ab ;;
+    moe-tune)  diag "${MOE_TUNE_LIMIT_S:-240}" moe-tune '^(tune:|device:)|Error' \
+                 benchmarks/diagnostics/moe_gemm.py --tune --skip-models ;;
+    moe-serve) bench "${MOE_SERVE_LIMIT_S:-300}" moe-serve --config h200-qwen3-30b-a3b-serve-sweep --no-plots ;;
+    *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, frontend, startup, embed, gpucheck, stepdiag, phases, tp2, carcheck," \
+         "families, families-throughput, gemma2-long, moe, moe-ab, moe-tune, moe-serve)" >&2; exit 2 ;;
   esac
 done
 

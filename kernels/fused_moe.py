@@ -166,38 +166,57 @@ def _down_kernel(live_count_ref, live_expert_ref, live_slot_ref, slot_w_ref, act
     plgpu.store(out_ref.at[(sp * TILE + rows)[:, None], cols[None, :]], acc)
 
 
-# per GPU program: gate/up's intermediate columns; down's output columns and its share of intermediate
-GPU_BLOCKS = {"block_i": 32, "block_h": 64, "splits": 4, "block_k": 128, "num_stages": 3}
+# per GPU program: gate/up's intermediate columns; down's output columns and its share of intermediate; gate/up's
+# and down's rows per loop step; Triton's pipeline depth and warps (one compiler setting for both kernels)
+GPU_BLOCKS = {"block_i": 32, "block_h": 64, "splits": 4, "block_k": 128, "down_block_k": 64, "num_stages": 3,
+              "num_warps": 4}
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_i", "block_h", "splits", "block_k", "num_stages",
-                                             "interpret"))
+def resolve_blocks(hidden: int, inter: int, *, interpret: bool = False, **given: int | None) -> dict[str, int]:
+    """The block shapes ``fused_moe`` runs for these widths: each of ``GPU_BLOCKS``' keys from ``given`` (None:
+    the default; interpreted, one block per expert), rounded down to a power of two dividing its dimension
+    (``splits``: halved until ``inter`` splits into 16-multiples). Two settings that resolve alike run the
+    same kernels (a tuning sweep skips the repeat)."""
+    unknown = set(given) - set(GPU_BLOCKS)
+    if unknown:
+        raise TypeError(f"fused MoE blocks: unknown {', '.join(sorted(unknown))} (known: {', '.join(GPU_BLOCKS)})")
+    want = {key: given.get(key) or default for key, default in GPU_BLOCKS.items()}
+    if interpret:       # the interpreter runs programs one after another: as few as possible
+        big = max(hidden, inter)
+        want |= {key: given.get(key) or value for key, value in (("block_i", big), ("block_h", big), ("splits", 1))}
+    splits = want["splits"]
+    while splits > 1 and (inter % splits or (inter // splits) % 16):
+        splits //= 2
+    return {"block_i": _block(inter, want["block_i"]), "block_h": _block(hidden, want["block_h"]), "splits": splits,
+            "block_k": _block(hidden, want["block_k"]), "down_block_k": _block(inter // splits, want["down_block_k"]),
+            "num_stages": want["num_stages"], "num_warps": want["num_warps"]}
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "block_i", "block_h", "splits", "block_k", "down_block_k",
+                                             "num_stages", "num_warps", "interpret"))
 def fused_moe(h: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Array, down: jax.Array,
               activation: Callable, *, block_i: int | None = None, block_h: int | None = None,
-              splits: int | None = None, block_k: int | None = None, num_stages: int | None = None,
+              splits: int | None = None, block_k: int | None = None, down_block_k: int | None = None,
+              num_stages: int | None = None, num_warps: int | None = None,
               interpret: bool | None = None) -> jax.Array:
     """See the module docstring. ``block_i``: gate/up's intermediate columns per program; ``block_h`` and
     ``splits``: down's output columns per program and the share of ``inter`` each sums (``hidden / block_h
-    * splits`` programs should fill the GPU); ``block_k``: gate/up's hidden rows per loop step (down's is at
-    most 64); ``num_stages``: Triton's software pipeline depth. Unset, ``GPU_BLOCKS`` on a GPU and one block
-    per expert when interpreted (the interpreter runs programs one after another). ``interpret``: None
-    compiles the kernels on a GPU and interprets them elsewhere."""
+    * splits`` programs should fill the GPU); ``block_k`` / ``down_block_k``: gate/up's hidden rows and down's
+    intermediate rows per loop step; ``num_stages`` / ``num_warps``: Triton's software pipeline depth and
+    warps per program. Unset, ``GPU_BLOCKS`` (``resolve_blocks``). ``interpret``: None compiles the kernels
+    on a GPU and interprets them elsewhere."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     t, k = ids.shape
     num_experts, hidden, _, inter = gate_up.shape
     assert supports(t, hidden, inter), (t, hidden, inter)
-    big = max(hidden, inter)
-    block_i = _block(inter, block_i or (big if interpret else GPU_BLOCKS["block_i"]))
-    block_h = _block(hidden, block_h or (big if interpret else GPU_BLOCKS["block_h"]))
-    splits = splits or (1 if interpret else GPU_BLOCKS["splits"])
-    while splits > 1 and (inter % splits or (inter // splits) % 16):
-        splits //= 2
+    b = resolve_blocks(hidden, inter, interpret=interpret, block_i=block_i, block_h=block_h, splits=splits,
+                       block_k=block_k, down_block_k=down_block_k, num_stages=num_stages, num_warps=num_warps)
+    block_i, block_h, splits, block_k = b["block_i"], b["block_h"], b["splits"], b["block_k"]
     chunk = inter // splits
     num_slots = _pow2(t * k)
     flat_ids, flat_wts = ids.astype(jnp.int32).reshape(-1), weights.reshape(-1)
-    block_k = _block(hidden, block_k or GPU_BLOCKS["block_k"])
-    params = plgpu.CompilerParams(num_warps=4, num_stages=num_stages or GPU_BLOCKS["num_stages"])
+    params = plgpu.CompilerParams(num_warps=b["num_warps"], num_stages=b["num_stages"])
     i32 = jnp.int32
     act, live_count, live_expert, live_slot, slot_w = pl.pallas_call(
         functools.partial(_gate_up_kernel, tokens=t, top_k=k, num_slots=num_slots, num_experts=num_experts,
@@ -209,7 +228,7 @@ def fused_moe(h: jax.Array, ids: jax.Array, weights: jax.Array, gate_up: jax.Arr
         compiler_params=params, interpret=interpret, name="fused_moe_gate_up",
     )(flat_ids, flat_wts, h, gate_up.reshape(num_experts * hidden, 2 * inter))
     out = pl.pallas_call(
-        functools.partial(_down_kernel, inter=inter, block_k=_block(chunk, 64), block_h=block_h, chunk=chunk),
+        functools.partial(_down_kernel, inter=inter, block_k=b["down_block_k"], block_h=block_h, chunk=chunk),
         grid=(hidden // block_h, splits),
         out_shape=jax.ShapeDtypeStruct((splits * TILE, hidden), jnp.float32),
         compiler_params=params, interpret=interpret, name="fused_moe_down",

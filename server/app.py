@@ -254,13 +254,13 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
     serving: Serving = app.state.serving
     from jaxserve.engine.gc_heap import prepare_gc_for_serving
     prepare_gc_for_serving()           # start-up's objects out of the collector's passes (gc_heap)
-    stats = engine.stats()
     facts = engine.facts()
     log.info("loaded %s from %s (%s, %s): max_model_len %d, %s KV blocks of %d tokens; load %.1f s, warm-up "
              "(the first-needed step variants; the others compile in the background) %.1f s, ready in %.1f s; "
              "engine core %s", serving.model_name,
              facts.model_source, facts.load_format, facts.dtype_name, serving.max_model_len,
-             stats.get("num_kv_blocks", "?"), facts.config.cache.block_size, facts.load_seconds,
+             facts.num_kv_blocks if facts.num_kv_blocks is not None else "no", facts.config.cache.block_size,
+             facts.load_seconds,
              facts.warmup_seconds, time.monotonic() - t0,
              f"in its own process (pid {engine.engine.client.process.pid})" if engine.multiprocess
              else "in this process")

@@ -764,6 +764,31 @@ def test_step_diag_flag_sets_parse():
     assert r.returncode == 0 and r.stdout.strip() == "4", r.stderr[-2000:]
 
 
+def test_decode_phases_times_steady_decode_steps_by_phase(tmp_path, capsys):
+    """decode_phases --smoke: every timed step is an 8-row decode step; the phases the engine's step runs are
+    each positive, the timers leave little of the step unaccounted for and, with the residual, add up to the
+    step's wall time; tok/s is the batch over the loop's wall per step; the traced and cProfiled windows run."""
+    from benchmarks.diagnostics import decode_phases
+
+    out = tmp_path / "phases.json"
+    assert decode_phases.main(["--smoke", "--profile", "--cprofile", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["batch"] == 8 and r["steps"] == 6 and r["context"][1] > r["context"][0] >= 16
+    wall = r["wall"]
+    ran = ["schedule", "prepare", "sampling_metadata", "exe:forward", "exe:sample", "dispatch_other",
+           "collect_other", "update_from_output", "postprocess"]
+    assert set(ran) <= set(r["phases"]) and all(r[p] > 0 for p in ran), {p: r.get(p) for p in r["phases"]}
+    assert all(r.get(p, 0.0) >= 0 for p in r["phases"])
+    assert abs(sum(r.get(p, 0.0) for p in r["phases"]) - wall) < 0.02 * wall
+    assert r["step_other"] < 0.5 * wall                 # the timers cover the step
+    assert abs(r["host"] + r["device_wait"] - wall) < 1e-6 * wall + 1e-9
+    assert wall <= r["loop_ms"] < 1.5 * wall + 1.0      # little time between the timed steps
+    assert r["output_tok_s"] == pytest.approx(8 * 1e3 / wall)
+    assert r["profile"]["host"] and r["traced_wall_ms"] > 0 and "| function |" in r["cprofile_table"]
+    table = capsys.readouterr().out
+    assert "| **wall** |" in table and "| exe:forward |" in table and "output tok/s" in table
+
+
 def test_bench_outside_a_source_checkout_says_where_to_run_it(tmp_path, monkeypatch, capsys):
     """An installed package has no benchmarks/ or configs/ beside it: `jaxserve bench` exits 2 with what to do
     instead of an ImportError; in the checkout it reaches the runner (a bad config is its own exit 2)."""

@@ -66,6 +66,14 @@ def test_split_engine_gives_the_in_process_outputs(pair, prompts, params):
         assert any(o.outputs[0].stop_reason in params.stop for o in b), "no stop string was hit: weak test"
 
 
+def test_split_engine_facts_name_the_kv_cache_before_any_step(pair):
+    """The server's start-up line reads the KV block count from the facts: a split core sends it at ready,
+    before any step has carried stats."""
+    inproc, split = pair
+    assert inproc.engine.facts().num_kv_blocks == inproc.engine.runner.num_blocks > 0
+    assert split.engine.facts().num_kv_blocks == inproc.engine.runner.num_blocks
+
+
 def test_split_engine_frees_everything(pair, prompts):
     _, split = pair
     split.generate(prompts, SamplingParams(temperature=0, max_tokens=40, stop=["e"]), use_tqdm=False)

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, per XLA flag set and tensor-parallel size (one fresh process per variant).
+"""Where a batch-1 decode step's time goes, per XLA flag set and tensor-parallel size (one fresh process per variant).
 
     python benchmarks/diagnostics/step_diag.py                          # 1 GPU: Llama-3.1-8B dummy bf16, TP=1, flag sets
     python benchmarks/diagnostics/step_diag.py --tp 1 2                 # 2 GPUs: TP=1 and TP=2
@@ -19,7 +19,8 @@ Each variant (TP size x ``XLA_FLAGS`` set) runs in a child process and reports:
 With ``--profile`` each variant also traces (``jax.profiler``) 10 forward replays and a 16-token decode and
 prints, per forward, GPU time by kernel group and how busy the GPU was, and per engine step the host spans
 (``benchmarks/diagnostics/profile_summary.py``).
-Prints a Markdown table; ``--json`` writes the raw results.
+Prints a Markdown table; ``--json`` writes the raw results. Many requests decoding at once (the steady-state
+N-row decode step, by host phase): ``decode_phases.py``.
 
 ``--layer-kernels [MODEL ...]`` (default: Gemma 2, Gemma 3, Qwen3, Llama 3.1) measures the per-layer fixed cost
 instead, without the engine: each model's real widths with ``--layers`` layers and dummy weights, one batch-1
@@ -72,6 +73,7 @@ def child(a) -> dict:
     import numpy as np
 
     from jaxserve.llm import LLM
+    from jaxserve.runner.model_runner import MIN_TOKEN_BUCKET
     from jaxserve.sampling_params import SamplingParams
 
     # --smoke: tiny-llama3, or the checkpoint directory --model names (e.g. tests/fixtures/models/tiny-qwen3moe)
@@ -79,9 +81,9 @@ def child(a) -> dict:
                                                                                "tiny-llama3")
     kw = dict(load_format="dummy") if not a.smoke else {}
     llm = LLM(model, dtype=a.dtype, tensor_parallel_size=a.tp_one, max_model_len=a.max_model_len,
-              max_num_seqs=max(16, a.batch), max_num_batched_tokens=a.max_num_batched_tokens,
-              token_buckets=(a.bucket, a.max_num_batched_tokens), enable_prefix_caching=False, use_tqdm_on_load=False,
-              num_scheduler_steps=a.num_scheduler_steps, **kw)
+              max_num_seqs=16, max_num_batched_tokens=a.max_num_batched_tokens,
+              token_buckets=(MIN_TOKEN_BUCKET, a.max_num_batched_tokens), enable_prefix_caching=False,
+              use_tqdm_on_load=False, num_scheduler_steps=a.num_scheduler_steps, **kw)
     runner = llm.engine.runner
     runner.wait_compiled()       # the steady state: the background variants (the short-context decode too) ready
     captured = {}
@@ -90,10 +92,11 @@ def child(a) -> dict:
 
     def capturing(key, exe):
         """The step compiler's executable for ``key``, wrapped to keep the arguments of one call: the
-        ``--bucket``-token forward after two warm-up calls, then the sampler call that follows it."""
+        batch-1 decode step's forward (the smallest bucket) after two warm-up calls, then the sampler call
+        that follows it."""
         if exe is None or not isinstance(key, tuple):
             return exe
-        if key[0] == "forward" and key[1] == a.bucket:
+        if key[0] == "forward" and key[1] == MIN_TOKEN_BUCKET:
             def f(*args):
                 if "fwd" not in captured and captured.get("seen", 0) >= 2:
                     captured["fwd"] = (exe, tuple(x for i, x in enumerate(args) if i != 1))
@@ -114,10 +117,10 @@ def child(a) -> dict:
     rng = np.random.default_rng(0)
 
     def run(n_tokens):
-        prompts = [rng.integers(100, min(vocab, 30000), size=a.prompt_len).tolist() for _ in range(a.batch)]
+        prompt = rng.integers(100, min(vocab, 30000), size=a.prompt_len).tolist()
         sp = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
         t = time.perf_counter()
-        out = llm.generate(prompts, sp, use_tqdm=False)
+        out = llm.generate([prompt], sp, use_tqdm=False)
         return time.perf_counter() - t, len(out[0].outputs[0].token_ids)
 
     run(16)
@@ -129,7 +132,7 @@ def child(a) -> dict:
     host_ms = (st.host_ms - h0) / max(st.steps - s0, 1)
     variants.get, variants.need = get, need
 
-    res = {"tp": a.tp_one, "flags": a.flag_set, "e2e_tok_s": a.batch * 1e3 / ms_tok, "ms_per_token": ms_tok,
+    res = {"tp": a.tp_one, "flags": a.flag_set, "e2e_tok_s": 1e3 / ms_tok, "ms_per_token": ms_tok,
            "host_ms_per_step": host_ms}
     if "fwd" in captured:
         fwd, (params, *rest) = captured["fwd"]
@@ -463,9 +466,6 @@ def main(argv=None) -> int:
     p.add_argument("--tp", dest="tps", type=int, nargs="+", default=[1])
     p.add_argument("--flags", nargs="+", default=None, help=f"flag set names ({', '.join(FLAG_SETS)})")
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1,
-                   help="requests decoded together (the captured forward is then the --bucket-row decode step: "
-                        "pass --bucket BATCH); e2e tok/s counts all of them, ms/token is per step")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -475,8 +475,6 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="trace and print GPU kernels / host spans per step")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="multi-step decoding; with --profile the engine trace is then per decoded token")
-    p.add_argument("--bucket", type=int, default=None,
-                   help="the batch-1 step's token bucket (default: the engine's smallest, MIN_TOKEN_BUCKET)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--layer-kernels", nargs="*", default=None, metavar="MODEL",
                    help=f"kernels per layer of a batch-1 decode forward (default models: {' '.join(LAYER_MODELS)})")
@@ -498,15 +496,12 @@ def main(argv=None) -> int:
             layer_child(a)
             return 0
         return layer_main(a)
-    if a.bucket is None:
-        from jaxserve.runner.model_runner import MIN_TOKEN_BUCKET
-        a.bucket = MIN_TOKEN_BUCKET
     if a.child:
         if a.smoke:
             a.dtype, a.decode_tokens, a.replays, a.max_model_len, a.prompt_len = "float32", 8, 3, 256, 16
         print("RESULT " + json.dumps(child(a)), flush=True)
         return 0
-    flag_sets = a.flags or (["default"] if a.smoke else ["default", "no-cmdbuf", "cmdbuf+coll"]
+    flag_sets = a.flags or (["default"] if a.smoke else ["default", "no-cmdbuf"]
                             + (["coll-kernels"] if max(a.tps) > 1 else []))
     results = []
     for tp in a.tps:
@@ -521,8 +516,7 @@ def main(argv=None) -> int:
                     "--model", a.model, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
                     "--decode-tokens", str(a.decode_tokens), "--replays", str(a.replays),
                     "--max-model-len", str(a.max_model_len), "--max-num-batched-tokens",
-                    str(a.max_num_batched_tokens), "--num-scheduler-steps", str(a.num_scheduler_steps),
-                    "--bucket", str(a.bucket), "--batch", str(a.batch)] \
+                    str(a.max_num_batched_tokens), "--num-scheduler-steps", str(a.num_scheduler_steps)] \
                 + (["--smoke"] if a.smoke else []) \
                 + (["--profile"] if a.profile else [])
             t0 = time.perf_counter()

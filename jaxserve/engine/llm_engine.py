@@ -79,6 +79,7 @@ class EngineFacts:
     dtype_name: str
     load_seconds: float
     warmup_seconds: float
+    num_kv_blocks: int | None = None      # None: an embedding model (no KV cache)
 
 
 class RequestBuilder:
@@ -258,7 +259,8 @@ class LLMEngine(RequestBuilder):
             model_source=str(getattr(model, "source", self.config.model)),
             load_format=str(getattr(model, "load_format", self.config.load_format)),
             dtype_name=str(getattr(model.dtype, "__name__", model.dtype)),
-            load_seconds=self.load_seconds, warmup_seconds=self.warmup_seconds)
+            load_seconds=self.load_seconds, warmup_seconds=self.warmup_seconds,
+            num_kv_blocks=self.runner.num_blocks if self.runner is not None else None)
 
     # ---------------------------------------------------------------- requests
     def enqueue(self, req: Request) -> None:

@@ -1,4 +1,4 @@
-"""The OpenAI error envelope as the server tests check it (shared by the fake-engine server tests)."""
+"""The OpenAI error envelope as the server tests check it (on the scripted engine and the real server alike)."""
 from __future__ import annotations
 
 import httpx

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -23,6 +22,7 @@ from benchmarks import config as bcfg  # noqa: E402
 from benchmarks import metrics, roofline, workloads  # noqa: E402
 from benchmarks.metrics import RequestTiming  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
+from test_server_fakes import free_port  # noqa: E402
 
 # Public config.json values.
 LLAMA_31_8B = ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -395,12 +395,6 @@ def test_arrivals_poisson_and_gamma():
 
 
 # ------------------------------------------------------------------ load generator vs a scripted SSE server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ScriptedServer:
     """A raw-ASGI OpenAI-ish server: each completion streams `max_tokens` one-token chunks `gap` s apart
     and a usage chunk; records the peak number of requests in flight. Prompts of [13] get HTTP 400."""
@@ -450,7 +444,7 @@ class ScriptedServer:
 def scripted_server():
     import uvicorn
     app = ScriptedServer(gap=0.02)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

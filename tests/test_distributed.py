@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -84,15 +83,11 @@ def _engine_generate(llm) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(ENGINE_PROMPTS, sp, use_tqdm=False)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
-    port, logs = _free_port(), tmp_path_factory.mktemp("procs")
+    from test_server_fakes import free_port
+
+    port, logs = free_port(), tmp_path_factory.mktemp("procs")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(__file__))
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     # output to files, not pipes: a process blocked on a full pipe stops its heartbeats and the other aborts
@@ -144,8 +139,9 @@ def test_cli_three_processes_smollm2_tp3(tmp_path):
     process prints: process 0 schedules, processes 1 and 2 follow its 8 steps."""
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
+    from test_server_fakes import free_port
 
-    prompt, port = "The capital of France is", _free_port()
+    prompt, port = "The capital of France is", free_port()
     flags = ["--prompt", prompt, "--max-tokens", "8", "--max-model-len", "128", "--max-num-batched-tokens", "64",
              "--max-num-seqs", "4", "--skip-warmup", "--dtype", "float32"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")

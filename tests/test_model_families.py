@@ -22,7 +22,7 @@ from jaxserve.models import registry
 from jaxserve.models.configs import model_config_from_folder, model_config_from_hf, read_json
 from jaxserve.models.loader import DUMMY_CONFIG_DIR
 from fake_devices import fake_device_report
-from tiny_models import engine_with_preemption, params_equal
+from tiny_models import check_orbax_round_trip, engine_with_preemption
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "models")
 FAMILIES = ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-cohere"]
@@ -67,14 +67,7 @@ def test_chat_template_and_eos_ids_come_from_the_checkpoint(tmp_path):
 
 def test_orbax_convert_round_trip(tmp_path):
     """``convert`` keeps a family's config (its extra hyper-parameters included) and weights bit for bit."""
-    from jaxserve.models import load_model, orbax_io
-
-    source = os.path.join(FIXTURES, "tiny-gemma3")
-    orbax_io.convert(source, str(tmp_path / "ckpt"), dtype="float32")
-    restored, original = load_model(str(tmp_path / "ckpt")), load_model(source, dtype="float32")
-    assert restored.load_format == "orbax" and restored.config == original.config
-    assert restored.family is original.family
-    assert params_equal(restored.params, original.params)
+    check_orbax_round_trip("tiny-gemma3", str(tmp_path / "ckpt"))
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.loader import load_model
 from tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
-                         engine_with_preemption, golden, hf_logits, load_tiny, params_equal)
+                         check_orbax_round_trip, engine_with_preemption, golden, hf_logits, load_tiny)
 
 MOE = ["tiny-mixtral", "tiny-qwen2moe", "tiny-qwen3moe"]
 
@@ -100,13 +100,7 @@ def test_moe_dummy_configs(name, architecture, billions, experts, top_k, renorma
 
 def test_moe_orbax_round_trip(tmp_path):
     """``convert`` keeps the MoE config (expert count, shared expert, dense layers) and the stacked experts."""
-    from jaxserve.models import orbax_io
-
-    source = os.path.join(FIXTURES, "tiny-qwen2moe")
-    orbax_io.convert(source, str(tmp_path / "ckpt"), dtype="float32")
-    restored, original = load_model(str(tmp_path / "ckpt")), load_model(source, dtype="float32")
-    assert restored.load_format == "orbax" and restored.config == original.config
-    assert params_equal(restored.params, original.params)
+    check_orbax_round_trip("tiny-qwen2moe", str(tmp_path / "ckpt"))
 
 
 DECODE_CASES = [(n, kernel) for kernel in ("fused", "rows") for n in MOE]

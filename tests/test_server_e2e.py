@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from api_errors import api_error
 from fault_injection_server import FAULT   # the server runs through it: requests holding FAULT fail
 from server_process import MAX_MODEL_LEN, smol_server
 
@@ -141,7 +142,7 @@ def test_errors(client, http, server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
     r = http.post("/v1/chat/completions", json={"messages": CHAT, "temperature": "warm"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert api_error(r, 400)["param"] == "temperature"
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="smol", input="x")
     # an engine failure on a stream: before the 200 (within the header wait) it is an HTTP 500 with an
@@ -153,9 +154,9 @@ def test_errors(client, http, server):
             assert events[-1] == "[DONE]" and "injected engine fault" in events[-2]
         else:
             resp.read()
-            assert resp.status_code == 500 and "injected engine fault" in resp.json()["error"]["message"]
+            assert "injected engine fault" in api_error(resp, 500)["message"]
     r = http.post("/v1/completions", json={"prompt": f"{FAULT} go", "max_tokens": 5})
-    assert r.status_code == 500 and r.json()["error"]["message"]
+    assert api_error(r, 500)["message"]
     assert client.completions.create(model="smol", prompt="ok", max_tokens=2).usage.completion_tokens == 2
 
 

@@ -218,7 +218,7 @@ def test_drain_timeout_ends_open_streams_with_an_error_and_done():
         error = json.loads(events[-2][len("data: "):])["error"]
         assert error["code"] == "draining" and "--drain-timeout" in error["message"]
         assert 0.8 < elapsed < 5, elapsed                       # at the timeout less its grace (0.1 s)
-        assert waiting["r"].status_code == 503 and waiting["r"].json()["error"]["code"] == "draining"
+        assert api_error(waiting["r"], 503)["code"] == "draining"
         assert engine.running == {} and len(engine.aborted) == 2
         assert httpx.get(srv.url + "/health").status_code == 503
     finally:

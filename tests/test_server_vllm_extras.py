@@ -19,11 +19,6 @@ def server():
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-
-
 def tokens(server, **body) -> list[int]:
     return httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
 

@@ -8,6 +8,7 @@ import re
 import pytest
 from pydantic import BaseModel, Field
 
+from api_errors import api_error
 from server_process import smol_server
 
 KEY = "so-key"
@@ -87,6 +88,5 @@ def test_vllm_extra_body_fields(client):
 def test_bad_constraints_answer_400_naming_the_problem(http, body, param, message, stream):
     r = http.post("/v1/chat/completions", json={"model": "smol", "messages": ASK, "max_tokens": 8,
                                                 "stream": stream, **body})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
+    err = api_error(r, 400)
     assert message in err["message"] and (param is None or err["param"] == param), err

@@ -163,3 +163,15 @@ def params_equal(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
                                       for x, y in zip(la, lb))
+
+
+def check_orbax_round_trip(name: str, folder: str) -> None:
+    """``convert`` of the fixture into ``folder`` restores its config (a family's extra hyper-parameters
+    included), its family and its weights bit for bit."""
+    from jaxserve.models import load_model, orbax_io
+
+    orbax_io.convert(fixture_path(name), folder, dtype="float32")
+    restored, original = load_model(folder), load_model(fixture_path(name), dtype="float32")
+    assert restored.load_format == "orbax" and restored.config == original.config
+    assert restored.family is original.family
+    assert params_equal(restored.params, original.params)

@@ -82,6 +82,14 @@ _REGISTRY: dict[str, EnvVar] = {
                                         "kernels/fused_moe.py), rows (pallas, and those steps through the "
                                         "sort-free rows kernel), ragged_dot, gather or pallas "
                                         "(kernels/ragged_dot.py)"),
+    "JAXSERVE_MOE_FUSED_BLOCKS": EnvVar(_text, None,
+                                        "the fused MoE decode kernels' blocks, key=value,... of bi (gate/up's "
+                                        "intermediate columns per program), bh (down's output columns), s "
+                                        "(down's splits of the intermediate), bk / dk (gate/up's / down's rows "
+                                        "per loop step), st (pipeline depth), w (warps per program), e.g. "
+                                        "bi=16,w=8 (the tuning search's setting, benchmarks/diagnostics/"
+                                        "moe_gemm.py --tune); a key left out, or unset: "
+                                        "kernels/fused_moe.py's GPU_BLOCKS"),
     # multi-process (read by JAX too)
     "JAX_COORDINATOR_ADDRESS": EnvVar(_text, None, "host:port of process 0 for a multi-process engine"),
     "JAX_NUM_PROCESSES": EnvVar(_int("JAX_NUM_PROCESSES"), None, "processes of a multi-process engine"),

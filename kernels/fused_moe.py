@@ -172,6 +172,37 @@ GPU_BLOCKS = {"block_i": 32, "block_h": 64, "splits": 4, "block_k": 128, "down_b
               "num_warps": 4}
 
 
+# a block setting's short keys, as in "bi=32,dk=128,w=8" (moe_gemm's fused[...] rows, JAXSERVE_MOE_FUSED_BLOCKS)
+BLOCK_KEYS = {"bi": "block_i", "bh": "block_h", "s": "splits", "bk": "block_k", "dk": "down_block_k",
+              "st": "num_stages", "w": "num_warps"}
+
+
+def parse_blocks(text: str) -> dict[str, int]:
+    """The ``fused_moe`` block arguments of ``key=value,...`` (``BLOCK_KEYS``; a key left out stays at
+    ``GPU_BLOCKS``), in ``GPU_BLOCKS``' order; ValueError names the part that is not one."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(parts):
+        raise ValueError("expected key=value,... (an empty part)")
+    bad = [p for p in parts if "=" not in p]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not key=value")
+    pairs = [tuple(q.strip() for q in p.split("=", 1)) for p in parts]
+    unknown = [k for k, _ in pairs if k not in BLOCK_KEYS]
+    if unknown:
+        raise ValueError(f"unknown key {', '.join(unknown)} (keys: {', '.join(BLOCK_KEYS)})")
+    seen = [k for k, _ in pairs]
+    twice = sorted({k for k in seen if seen.count(k) > 1})
+    if twice:
+        raise ValueError(f"key {', '.join(twice)} given twice")
+    for k, v in pairs:
+        if not (v.isdigit() and int(v) > 0):
+            raise ValueError(f"{k}={v!r}: every value a positive integer")
+        if k == "w" and int(v) & (int(v) - 1):
+            raise ValueError(f"w={v}: Triton's warps per program are a power of two")
+    given = {BLOCK_KEYS[k]: int(v) for k, v in pairs}
+    return {key: given[key] for key in GPU_BLOCKS if key in given}
+
+
 def resolve_blocks(hidden: int, inter: int, *, interpret: bool = False, **given: int | None) -> dict[str, int]:
     """The block shapes ``fused_moe`` runs for these widths: each of ``GPU_BLOCKS``' keys from ``given`` (None:
     the default; interpreted, one block per expert), rounded down to a power of two dividing its dimension

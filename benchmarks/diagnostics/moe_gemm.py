@@ -15,7 +15,8 @@ fused kernels alone at a few block shapes: the layer rows show what the sort and
 GEMMs cost. A block shape is named ``fused[bi,bh,s]`` or ``fused[bi,bh,s,bk,st]`` (positional) or by keys,
 ``fused[bi=32,dk=128,w=8]`` (the others at ``fused_moe.GPU_BLOCKS``): ``bi`` gate/up's intermediate columns per
 program, ``bh`` down's output columns per program, ``s`` down's splits of the intermediate, ``bk`` / ``dk``
-gate/up's / down's rows per loop step, ``st`` the pipeline depth, ``w`` warps per program.
+gate/up's / down's rows per loop step, ``st`` the pipeline depth, ``w`` warps per program. What the brackets of a
+keyed name hold is a ``JAXSERVE_MOE_FUSED_BLOCKS`` value: the engine's MoE layers run those blocks.
 
 ``--tune`` (the decode rows at 1, 4, 16 tokens unless --tokens): per shape and token count, ``layer:rows``,
 ``layer:fused`` and a coordinate search over the fused kernels' blocks from ``GPU_BLOCKS`` (``TUNE_AXES``:
@@ -87,9 +88,7 @@ FUSED_BLOCKS = ((16, 64, 4), (64, 64, 4), (32, 32, 4), (32, 128, 8), (32, 64, 4,
 DECODE_ROWS = ("rows", "layer:pallas", "layer:rows", "layer:fused") + tuple(
     f"fused[{','.join(map(str, b))}]" for b in FUSED_BLOCKS)           # --decode's extra rows
 ROWS_MAX_TOKENS = moe.ROWS_PATH_MAX_TOKENS
-# a fused row's keys (fused[bi=..,dk=..]) and its positional order (fused[bi,bh,s(,bk,st)])
-FUSED_KEYS = {"bi": "block_i", "bh": "block_h", "s": "splits", "bk": "block_k", "dk": "down_block_k",
-              "st": "num_stages", "w": "num_warps"}
+# a fused row's positional order (fused[bi,bh,s(,bk,st)]); by keys, fused_moe.BLOCK_KEYS (fused[bi=..,dk=..])
 FUSED_POSITIONAL = ("block_i", "block_h", "splits", "block_k", "num_stages")
 # --tune's coordinate search, in this order: gate/up's blocks, down's, then the compiler settings both share
 TUNE_AXES = (("block_i", (16, 32, 64, 128)), ("block_k", (64, 128, 256)), ("block_h", (32, 64, 128, 256)),
@@ -108,25 +107,20 @@ def fused_blocks(impl: str) -> dict[str, int]:
     if any(named) and not all(named):
         raise ValueError(f"{impl!r}: all values positional or all key=value, not both")
     if all(named):
-        pairs = [p.split("=", 1) for p in parts]
-        unknown = [k for k, _ in pairs if k not in FUSED_KEYS]
-        if unknown:
-            raise ValueError(f"{impl!r}: unknown key {', '.join(unknown)} (keys: {', '.join(FUSED_KEYS)})")
-        if len({k for k, _ in pairs}) < len(pairs):
-            raise ValueError(f"{impl!r}: a key given twice")
-        items = [(FUSED_KEYS[k], v) for k, v in pairs]
-    elif 3 <= len(parts) <= len(FUSED_POSITIONAL):
-        items = list(zip(FUSED_POSITIONAL, parts))
-    else:
+        try:
+            return fused_moe.parse_blocks(m.group(1))
+        except ValueError as e:
+            raise ValueError(f"{impl!r}: {e}") from None
+    if not 3 <= len(parts) <= len(FUSED_POSITIONAL):
         raise ValueError(f"{impl!r}: 3 to {len(FUSED_POSITIONAL)} positional values (bi,bh,s(,bk,st))")
-    if not all(v.isdigit() and int(v) > 0 for _, v in items):
+    if not all(v.isdigit() and int(v) > 0 for v in parts):
         raise ValueError(f"{impl!r}: every value a positive integer")
-    return {key: int(v) for key, v in items}
+    return {key: int(v) for key, v in zip(FUSED_POSITIONAL, parts)}
 
 
 def fused_name(blocks: dict[str, int]) -> str:
     """The ``fused[key=value,...]`` row of these blocks, every key spelled out (``fused_blocks``' inverse)."""
-    short = {full: key for key, full in FUSED_KEYS.items()}
+    short = {full: key for key, full in fused_moe.BLOCK_KEYS.items()}
     return "fused[" + ",".join(f"{short[k]}={blocks[k]}" for k in fused_moe.GPU_BLOCKS) + "]"
 
 

@@ -18,7 +18,8 @@ Decode-sized steps (at most ``MoESpec.rows_path_max_tokens`` tokens, a static bu
 by one of two kernels (``MoESpec.decode_kernel``):
 - ``fused`` (``kernels/fused_moe.py``): two kernels for the whole routed part, reading the routing ids as
   they are: gate/up with the activation per selected expert, then down with the weighted combine; no plan,
-  gather, scatter or combine launches around them.
+  gather, scatter or combine launches around them. Their blocks: ``JAXSERVE_MOE_FUSED_BLOCKS`` (unset:
+  ``fused_moe.GPU_BLOCKS``), read into ``MoESpec.fused_blocks`` when the model is built.
 - ``rows``: the (token, slot) rows go in token order to ``ragged_dot.expert_rows_matmul``, one kernel tile
   per distinct expert gathering that expert's rows (at most one per token), and come back in token order;
   an ``(T·k)²`` tile plan in jnp, the activation and the combine between and after the two GEMMs.
@@ -40,6 +41,7 @@ Parallelism over the ``"tp"`` mesh axis (the weights' ``out_sharding`` says whic
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 import jax
@@ -52,6 +54,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.kernels import fused_moe, ragged_dot
 
+logger = logging.getLogger(__name__)
 TP = parallel.TP
 EXPERT_PARALLEL = "enable_expert_parallel"       # the ModelConfig.extra key (vLLM's flag name)
 
@@ -70,6 +73,7 @@ class MoESpec:
     grouped_gemm: str = "ragged_dot"           # kernels.ragged_dot implementation
     rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
     decode_kernel: str = "fused"               # what those steps run: "fused" (fused_moe) or "rows"
+    fused_blocks: tuple[tuple[str, int], ...] = ()   # fused_moe's block arguments (none: its GPU_BLOCKS)
 
 
 def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bool,
@@ -80,13 +84,17 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
     step, dense = int(extra.get("decoder_sparse_step") or 1), set(extra.get("mlp_only_layers") or ())
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
     impl, decode_kernel = _grouped_gemm()
+    blocks = _fused_blocks()
+    if blocks and decode_kernel != FUSED:
+        logger.warning("JAXSERVE_MOE_FUSED_BLOCKS is set but the MoE layers run no fused kernels "
+                       "(JAXSERVE_MOE_GROUPED_GEMM=%s on %s)", envs.JAXSERVE_MOE_GROUPED_GEMM, jax.default_backend())
     return MoESpec(num_experts=int(extra["num_experts"]), top_k=int(extra["num_experts_per_tok"]),
                    intermediate_size=int(extra["moe_intermediate_size"]), renormalize=renormalize,
                    weights_in_hidden_dtype=weights_in_hidden_dtype,
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
                    expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=impl,
                    rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if decode_kernel else 0,
-                   decode_kernel=decode_kernel or "fused")
+                   decode_kernel=decode_kernel or "fused", fused_blocks=blocks)
 
 
 ROWS, FUSED = "rows", "fused"   # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and a sort-free kernel at decode sizes
@@ -108,6 +116,18 @@ def _grouped_gemm() -> tuple[str, str]:
         raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {FUSED}, {ROWS}, "
                          f"{', '.join(ragged_dot.IMPLEMENTATIONS)}")
     return impl, ""
+
+
+def _fused_blocks() -> tuple[tuple[str, int], ...]:
+    """The fused decode kernels' blocks that ``JAXSERVE_MOE_FUSED_BLOCKS`` names (unset: none, ``GPU_BLOCKS``),
+    checked when the model's spec is made, so a bad value stops the engine's start rather than a trace."""
+    raw = envs.JAXSERVE_MOE_FUSED_BLOCKS
+    if raw is None:
+        return ()
+    try:
+        return tuple(fused_moe.parse_blocks(raw).items())
+    except ValueError as e:
+        raise ValueError(f"JAXSERVE_MOE_FUSED_BLOCKS={raw!r}: {e}") from None
 
 
 ROWS_PATH_MAX_TOKENS = 16    # one 16-row kernel tile holds an expert's rows; the plan is (16·k)² compares
@@ -212,7 +232,8 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
             and fused_moe.supports(t, hidden, down.shape[1])):
         # the kernels skip ids outside 0 .. local_experts - 1 themselves: on one device the ids go as they are
         local = ids if isinstance(offset, int) and offset == 0 else ids - offset
-        return fused_moe.fused_moe(h, local, weights, gate_up, down, activation).astype(h.dtype)
+        return fused_moe.fused_moe(h, local, weights, gate_up, down, activation,
+                                   **dict(spec.fused_blocks)).astype(h.dtype)
     local = ids - offset
     mine = (local >= 0) & (local < local_experts)
     key = jnp.where(mine, local, local_experts).reshape(-1)

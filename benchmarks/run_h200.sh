@@ -37,9 +37,14 @@
 #             that order (default: Qwen3-30B-A3B and Mixtral-8x7B at 1 step, then at 4), each cut at
 #             MOE_AB_LIMIT_S (180), none started with less than MOE_AB_MIN_S (60) of MOE_AB_BUDGET_S (510) left;
 #             ends with one table (output tok/s, decode step ms, against the model's first variant). MOE_AB_SETS:
-#             more --set KEY=VALUE words for every variant
-#   moe-tune  moe_gemm.py --tune: the fused MoE kernels' blocks searched at 1, 4 and 16 tokens for both shapes,
-#             the best per shape and count against layer:rows (~3 minutes)
+#             more --set KEY=VALUE words for every variant. A variant MODEL:GEMM@BLOCKS:STEPS also sets the fused
+#             kernels' blocks (JAXSERVE_MOE_FUSED_BLOCKS=BLOCKS, moe_gemm's key=value syntax, e.g.
+#             qwen3-30b-a3b:fused@bi=16,w=8:1; without @, GPU_BLOCKS); @tuned takes MODEL's best setting over the
+#             token counts from this run's moe-tune log (skipped without one), so "moe-tune moe-ab" measures the
+#             tuned blocks end to end in one call, e.g. MOE_TUNE_SHAPES=qwen3-30b-a3b MOE_TUNE_LIMIT_S=150
+#             MOE_AB_BUDGET_S=400 MOE_AB_VARIANTS="qwen3-30b-a3b:auto:1 qwen3-30b-a3b:fused@tuned:1"
+#   moe-tune  moe_gemm.py --tune: the fused MoE kernels' blocks searched at 1, 4 and 16 tokens for both shapes
+#             (MOE_TUNE_SHAPES: a comma list of them), the best per shape and count against layer:rows (~3 minutes)
 #   moe-serve h200-qwen3-30b-a3b-serve-sweep (concurrency 1 / 16 / 64 / 256, TTFT / TPOT)
 # Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|frontend|startup|embed|gpucheck|stepdiag|phases|tp2|carcheck|
 #        families|families-throughput|gemma2-long|moe|moe-ab|moe-tune|moe-serve ...]
@@ -130,8 +135,17 @@ families() {   # families MODE CONFIG LIMIT_S: CONFIG for each model of $FAMILIE
 MOE_AB_VARIANTS=${MOE_AB_VARIANTS:-qwen3-30b-a3b:auto:1 qwen3-30b-a3b:rows:1 mixtral-8x7b:auto:1 mixtral-8x7b:rows:1 \
 qwen3-30b-a3b:rows:4 qwen3-30b-a3b:auto:4 mixtral-8x7b:rows:4 mixtral-8x7b:auto:4}
 
-moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM:STEPS of $MOE_AB_VARIANTS (the header says how)
-  local budget=${MOE_AB_BUDGET_S:-510} t0=$SECONDS v model gemm nss left limit s more
+moe_ab_tag() {   # moe_ab_tag GEMM[@BLOCKS]: the variant's folder name part (fused@bi=16,w=8 -> fused-bi16-w8)
+  local tag=${1//@/-}; tag=${tag//,/-}; echo "${tag//=/}"
+}
+
+moe_tuned_blocks() {   # moe_tuned_blocks MODEL: the blocks moe-tune found best for MODEL summed over its counts
+  [ -f "$RESULTS/moe-tune.log" ] || return 0
+  grep -E "^tune: \| $1 \| sum " "$RESULTS/moe-tune.log" | tail -n 1 | sed -nE 's/.*\| fused\[([^]]*)\] \|$/\1/p'
+}
+
+moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM[@BLOCKS]:STEPS of $MOE_AB_VARIANTS (the header says how)
+  local budget=${MOE_AB_BUDGET_S:-510} t0=$SECONDS v model gemm nss left limit s more blocks spec tag ran=()
   # bs1's engine made the one of bs4 / bs16 (no-ops for them); fewer tokens and iterations to fit the call
   local sets=(--set engine.max_model_len=512 --set engine.max_num_seqs=16 --set "engine.token_buckets=[4,16,2048]"
               --set workload.output_len=128 --set workload.iters=3 --set workload.prefill_iters=2 --no-plots)
@@ -139,28 +153,41 @@ moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM:STEPS of $MOE_AB_VARI
   for s in "${more[@]}"; do sets+=(--set "$s"); done
   for v in $MOE_AB_VARIANTS; do
     IFS=: read -r model gemm nss <<< "$v"
+    blocks=""; case $gemm in *@*) blocks=${gemm#*@}; gemm=${gemm%%@*} ;; esac
+    if [ "$blocks" = tuned ]; then
+      blocks=$(moe_tuned_blocks "$model")
+      if [ -z "$blocks" ]; then
+        echo "moe-ab $v: skipped, no moe-tune best for $model in $RESULTS/moe-tune.log" | tee -a "$SUMMARY"; continue
+      fi
+    fi
+    spec=$gemm${blocks:+@$blocks}; tag=$(moe_ab_tag "$spec")
     left=$((budget - (SECONDS - t0)))
     if [ "$left" -lt "${MOE_AB_MIN_S:-60}" ]; then
       echo "moe-ab $v: skipped, $left s of the step's $budget s left" | tee -a "$SUMMARY"; continue
     fi
     limit=${MOE_AB_LIMIT_S:-180}; [ "$left" -lt "$limit" ] && limit=$left
+    ran+=("$model:$spec:$nss")
     ( [ "$model" = mixtral-8x7b ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95   # 93 GB of weights
-      JAXSERVE_MOE_GROUPED_GEMM=$gemm bench "$limit" "moe-ab-$model-$gemm-nss$nss" \
+      JAXSERVE_MOE_GROUPED_GEMM=$gemm JAXSERVE_MOE_FUSED_BLOCKS=$blocks bench "$limit" "moe-ab-$model-$tag-nss$nss" \
         --config "h200-$model-latency-bs1" --config "h200-$model-latency-bs4" --config "h200-$model-latency-bs16" \
-        "${sets[@]}" --set "engine.num_scheduler_steps=$nss" --out "$RESULTS/moe-ab/$model-$gemm-nss$nss" )
+        "${sets[@]}" --set "engine.num_scheduler_steps=$nss" --out "$RESULTS/moe-ab/$model-$tag-nss$nss" )
   done
-  moe_ab_table | tee -a "$SUMMARY"
+  moe_ab_table "${ran[*]}" | tee -a "$SUMMARY"
 }
 
-moe_ab_table() {   # one row per (model, batch, variant) that finished, against the model's first variant there
-  "$PY" - "$RESULTS/moe-ab" "$MOE_AB_VARIANTS" <<'EOF'
+# one row per (model, batch, variant) that finished, against the model's first variant there; the variants as run
+# (an @tuned one with the blocks it resolved to)
+moe_ab_table() {   # moe_ab_table "MODEL:GEMM[@BLOCKS]:STEPS ..."
+  "$PY" - "$RESULTS/moe-ab" "$1" <<'EOF'
 import glob, json, sys
 root, variants = sys.argv[1], [v.split(":") for v in sys.argv[2].split()]
-print("| model | batch | JAXSERVE_MOE_GROUPED_GEMM, num_scheduler_steps | output tok/s | decode step ms | × first |")
+print("| model | batch | JAXSERVE_MOE_GROUPED_GEMM[@JAXSERVE_MOE_FUSED_BLOCKS], num_scheduler_steps | output tok/s "
+      "| decode step ms | × first |")
 print("|---|---|---|---|---|---|")
 got = {}                      # (model, batch, gemm, steps) -> (output tok/s, decode step s)
 for model, gemm, nss in variants:
-    for f in glob.glob(f"{root}/{model}-{gemm}-nss{nss}/*/result.json"):
+    tag = gemm.replace("@", "-").replace(",", "-").replace("=", "")       # as moe_ab_tag
+    for f in glob.glob(f"{root}/{model}-{tag}-nss{nss}/*/result.json"):
         j = json.load(open(f)).get("jaxserve") or {}
         got[model, j.get("batch_size"), gemm, nss] = (j.get("output_tok_per_s"), j.get("decode_step_s"))
 for model in dict.fromkeys(m for m, _, _ in variants):
@@ -355,7 +382,8 @@ for step in "${STEPS[@]}"; do
                  --config h200-mixtral-8x7b-latency-bs1 --config h200-mixtral-8x7b-throughput --no-plots ;;
     moe-ab)    moe_ab ;;
     moe-tune)  diag "${MOE_TUNE_LIMIT_S:-240}" moe-tune '^(tune:|device:)|Error' \
-                 benchmarks/diagnostics/moe_gemm.py --tune --skip-models ;;
+                 benchmarks/diagnostics/moe_gemm.py --tune --skip-models \
+                 ${MOE_TUNE_SHAPES:+--shapes "$MOE_TUNE_SHAPES"} ;;
     moe-serve) bench "${MOE_SERVE_LIMIT_S:-300}" moe-serve --config h200-qwen3-30b-a3b-serve-sweep --no-plots ;;
     *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, frontend, startup, embed, gpucheck, stepdiag, phases, tp2, carcheck," \
          "families, families-throughput, gemma2-long, moe, moe-ab, moe-tune, moe-serve)" >&2; exit 2 ;;

@@ -166,6 +166,64 @@ def test_moe_ab_default_variants_and_the_other_moe_steps_name_real_things():
     assert "benchmarks/diagnostics/moe_gemm.py --tune --skip-models" in RUN_H200
 
 
+def _bash(script: str, results: Path, *functions: str) -> str:
+    """``script`` after run_h200.sh's ``functions``, RESULTS=``results``; its stdout."""
+    import subprocess
+    import sys
+    text = "\n".join(_function(f) + "\n}" for f in functions) + "\n" + script
+    env = {"PATH": "/usr/bin:/bin", "RESULTS": str(results), "PY": sys.executable}
+    return subprocess.run(["bash", "-c", text], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_moe_ab_tuned_blocks_are_moe_tunes_best_over_the_counts(tmp_path):
+    """@tuned reads the moe-tune log's summed row for its model (the per-count rows and the other shape's are
+    not it); its blocks are a JAXSERVE_MOE_FUSED_BLOCKS value the engine parses; no log or row: nothing."""
+    best = fused_moe.resolve_blocks(2048, 768, block_i=16, num_warps=8)
+    other = moe_gemm.fused_name(fused_moe.resolve_blocks(2048, 768, splits=8))
+    rows = [moe_gemm._tune_row("qwen3-30b-a3b", "1", 9, 8, 7, 6, other),
+            moe_gemm._tune_row("qwen3-30b-a3b", "sum 1+4+16", 30, 27, 24, 21, moe_gemm.fused_name(best)),
+            moe_gemm._tune_row("mixtral-8x7b", "sum 1+4+16", 90, 80, 70, 60, other)]
+    assert _bash("moe_tuned_blocks qwen3-30b-a3b", tmp_path, "moe_tuned_blocks") == ""      # no log yet
+    (tmp_path / "moe-tune.log").write_text("\n".join(f"tune: {r}" for r in rows) + "\n" + "\n".join(rows) + "\n")
+    got = _bash("moe_tuned_blocks qwen3-30b-a3b", tmp_path, "moe_tuned_blocks").strip()
+    assert fused_moe.parse_blocks(got) == best
+    assert _bash("moe_tuned_blocks qwen2-57b", tmp_path, "moe_tuned_blocks") == ""
+
+
+def test_moe_ab_table_finds_a_variant_with_blocks(tmp_path):
+    """A MODEL:GEMM@BLOCKS:STEPS variant's results land in a plain folder name (moe_ab_tag) that the table reads."""
+    tag = _bash('moe_ab_tag "fused@bi=16,w=8"', tmp_path, "moe_ab_tag").strip()
+    assert tag == "fused-bi16-w8"
+    for name, tok in (("auto-nss1", 100.0), (f"{tag}-nss1", 125.0)):
+        run = tmp_path / "moe-ab" / f"qwen3-30b-a3b-{name}" / "h200-qwen3-30b-a3b-latency-bs1"
+        run.mkdir(parents=True)
+        (run / "result.json").write_text(
+            f'{{"jaxserve": {{"batch_size": 1, "output_tok_per_s": {tok}, "decode_step_s": 0.008}}}}')
+    table = _bash('moe_ab_table "qwen3-30b-a3b:auto:1 qwen3-30b-a3b:fused@bi=16,w=8:1"', tmp_path, "moe_ab_table")
+    assert "| qwen3-30b-a3b | 1 | auto 1 | 100.0 | 8.00 | 1.00 |" in table
+    assert "| qwen3-30b-a3b | 1 | fused@bi=16,w=8 1 | 125.0 | 8.00 | 1.25 |" in table
+
+
+def test_moe_ab_variants_with_blocks_set_the_engines_variable(tmp_path):
+    """moe_ab with its runner replaced by an echo: a plain variant runs GPU_BLOCKS (the variable empty), @BLOCKS
+    and @tuned (from the moe-tune log) set it, and @tuned without a moe-tune row for its model is skipped."""
+    best = moe_gemm.fused_name(fused_moe.resolve_blocks(2048, 768, block_h=128))
+    row = moe_gemm._tune_row("qwen3-30b-a3b", "sum 1+4", 9, 8, 7, 6, best)
+    (tmp_path / "moe-tune.log").write_text(f"tune: {row}\n")
+    script = ('SUMMARY=$RESULTS/summary.txt\n'
+              'bench() { echo "gemm=$JAXSERVE_MOE_GROUPED_GEMM blocks=$JAXSERVE_MOE_FUSED_BLOCKS name=$2"; }\n'
+              'MOE_AB_VARIANTS="qwen3-30b-a3b:auto:1 qwen3-30b-a3b:fused@bi=16,w=8:4 qwen3-30b-a3b:fused@tuned:1 '
+              'mixtral-8x7b:fused@tuned:1"\nmoe_ab')
+    out = _bash(script, tmp_path, "moe_ab_tag", "moe_tuned_blocks", "moe_ab", "moe_ab_table").splitlines()
+    tuned = best[len("fused["):-1]
+    assert [line for line in out if line.startswith("gemm=")] == [
+        "gemm=auto blocks= name=moe-ab-qwen3-30b-a3b-auto-nss1",
+        "gemm=fused blocks=bi=16,w=8 name=moe-ab-qwen3-30b-a3b-fused-bi16-w8-nss4",
+        f"gemm=fused blocks={tuned} name=moe-ab-qwen3-30b-a3b-fused-{tuned.replace(',', '-').replace('=', '')}-nss1"]
+    assert any(line.startswith("moe-ab mixtral-8x7b:fused@tuned:1: skipped, no moe-tune best") for line in out)
+    assert 'MOE_TUNE_SHAPES:+--shapes "$MOE_TUNE_SHAPES"' in RUN_H200
+
+
 @pytest.mark.parametrize("blocks", [{"block_i": 128, "block_k": 256, "num_warps": 8, "num_stages": 4},
                                     {"splits": 1, "down_block_k": 128, "block_h": 256, "block_i": 16}])
 def test_fused_moe_lowers_to_triton_at_the_searched_extremes(blocks):

@@ -73,7 +73,8 @@ def test_the_variable_reaches_the_kernel_call(monkeypatch):
 
 @pytest.mark.parametrize("value, why", [
     ("bi=32,q=3", "unknown key q"), ("bi=32,bi=16", "key bi given twice"), ("bi=0", "bi='0'"),
-    ("bh=big", "bh='big'"), ("w=3", "w=3: Triton's warps"), ("bi=32,", "an empty part"), ("32", "'32' is not key=value"),
+    ("bh=big", "bh='big'"), ("w=3", "w=3: Triton's warps"), ("bi=32,", "an empty part"),
+    ("32", "'32' is not key=value"),
 ])
 def test_a_malformed_value_is_refused_naming_the_variable_and_key(monkeypatch, value, why):
     with pytest.raises(ValueError, match="^" + re.escape(f"{VAR}={value!r}: ")) as e:

@@ -123,3 +123,12 @@ def test_non_default_blocks_match_hf_on_the_tiny_moe(monkeypatch):
     finally:
         model.family.decoder_spec.cache_clear()
     assert calls and all(c == dict(spec.fused_blocks) for c in calls)
+
+
+def test_a_benchmark_result_records_the_blocks_it_ran(monkeypatch):
+    from benchmarks import envinfo
+
+    monkeypatch.setenv(VAR, "bi=16,w=8")
+    monkeypatch.setenv("JAXSERVE_API_KEY", "secret")
+    env = envinfo.environment([], with_devices=False)["env"]
+    assert env[VAR] == "bi=16,w=8" and "JAXSERVE_API_KEY" not in env

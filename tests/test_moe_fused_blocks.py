@@ -86,12 +86,12 @@ def test_a_malformed_value_stops_the_model_load(monkeypatch):
     """At the engine's start (the model's build makes its spec), not at a trace deep in a kernel."""
     monkeypatch.setenv(VAR, "bi=32,block_q=8")
     from jaxserve.models import qwen3_moe
-    qwen3_moe.FAMILY.decoder_spec.cache_clear()      # specs are cached per config: forget the other runs'
+    qwen3_moe.FAMILY.clear_caches()      # specs are cached per config: forget the other runs'
     try:
         with pytest.raises(ValueError, match=f"{VAR}='bi=32,block_q=8': unknown key block_q"):
             load_model(os.path.join(FIXTURES, "tiny-qwen3moe"), dtype="float32")
     finally:
-        qwen3_moe.FAMILY.decoder_spec.cache_clear()
+        qwen3_moe.FAMILY.clear_caches()
 
 
 def test_two_values_are_two_program_cache_keys(monkeypatch):
@@ -110,7 +110,7 @@ def test_non_default_blocks_match_hf_on_the_tiny_moe(monkeypatch):
     monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "fused")
     monkeypatch.setenv(VAR, "bh=16,bk=16,dk=16,w=8,st=2")
     from jaxserve.models import qwen3_moe
-    qwen3_moe.FAMILY.decoder_spec.cache_clear()
+    qwen3_moe.FAMILY.clear_caches()
     model = load_model(os.path.join(FIXTURES, "tiny-qwen3moe"), dtype="float32")
     calls = _record_fused_calls(monkeypatch)
     try:
@@ -121,7 +121,7 @@ def test_non_default_blocks_match_hf_on_the_tiny_moe(monkeypatch):
         check_logits_match_hf("tiny-qwen3moe", model, golden("tiny-qwen3moe"), hf_logits("tiny-qwen3moe"))
         check_greedy_matches_hf("tiny-qwen3moe", model, golden("tiny-qwen3moe"))
     finally:
-        model.family.decoder_spec.cache_clear()
+        model.family.clear_caches()
     assert calls and all(c == dict(spec.fused_blocks) for c in calls)
 
 

@@ -114,12 +114,12 @@ def test_moe_rows_path_matches_hf(name, kernel, monkeypatch):
     here): a 16-token prefill step takes them, then HF's greedy continuation decoded twice in one batch."""
     monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", kernel)
     model = load_model(os.path.join(FIXTURES, name), dtype="float32")
-    model.family.decoder_spec.cache_clear()          # specs are cached per config: forget the other runs'
+    model.family.clear_caches()          # specs are cached per config: forget the other runs'
     try:
         assert model.family.decoder_spec(model.config).moe.decode_kernel == kernel
         _rows_path_matches_hf(name, model)
     finally:
-        model.family.decoder_spec.cache_clear()
+        model.family.clear_caches()
 
 
 def _rows_path_matches_hf(name, model):

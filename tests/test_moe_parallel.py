@@ -72,14 +72,14 @@ def _worker() -> dict:
     for name, tp, ep, kernel in ROWS_CASES:
         os.environ["JAXSERVE_MOE_GROUPED_GEMM"] = kernel
         for family in families:           # specs are cached per config: this decode kernel from here on
-            family.decoder_spec.cache_clear()
+            family.clear_caches()
         model, logits, tokens = run(name, parallel.make_mesh(tp), ep)
         assert model.family.decoder_spec(model.config).moe.decode_kernel == kernel
         report[f"{kernel}/{name}/tp{tp}/ep{int(ep)}"] = {"err": float(np.abs(logits - single[name][0]).max()),
                                                         "same_tokens": tokens == single[name][1]}
     del os.environ["JAXSERVE_MOE_GROUPED_GEMM"]
     for family in families:
-        family.decoder_spec.cache_clear()
+        family.clear_caches()
     try:
         load_model(os.path.join(FIXTURES, "tiny-mixtral"), dtype="float32", mesh=parallel.make_mesh(3),
                    enable_expert_parallel=True)

@@ -256,6 +256,12 @@ class DecoderFamily:
         self.check_config = check_config
         self.layer_names = layer_names
 
+    def clear_caches(self) -> None:
+        """Forget the specs and abstract models made so far: both read switches from the environment (the MoE
+        kernels and their blocks) when first made, and the abstract model holds its spec."""
+        self.decoder_spec.cache_clear()
+        self.abstract.cache_clear()
+
     def weight_plan(self, cfg: ModelConfig) -> list:
         """``(param path, HF tensor names, build)`` per weight (``checkpoint_names.weight_plan``)."""
         from jaxserve.models import checkpoint_names  # noqa: PLC0415

@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import cProfile
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)        # benchmarks.diagnostics.* when run as a script
 
-from benchmarks.diagnostics.host_overhead import PHASES, TINY, PhaseTimer, function_table, write_json  # noqa: E402
+from benchmarks.diagnostics.host_overhead import (  # noqa: E402
+    PHASES, TINY, PhaseTimer, function_table, short_commit, write_json)
 
 SMOKE = dict(batch=8, prompt_len=16, steps=6, warmup=2, max_model_len=128, token_buckets="8,64",
              profile_steps=3, cprofile_steps=3)
@@ -245,8 +245,7 @@ def main(argv=None) -> int:
               f"functions by own time:")
         print(r["cprofile_table"])
     if a.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=ROOT).stdout.strip()
+        commit = short_commit()
         write_json(a.json, __file__, argv, commit, [r])
     return 0
 

@@ -36,7 +36,6 @@ import json
 import os
 import pickle
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -49,7 +48,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "smollm2")
 
-from benchmarks.diagnostics.host_overhead import function_table, write_json  # noqa: E402  (ROOT on sys.path)
+from benchmarks.diagnostics.host_overhead import (  # noqa: E402  (ROOT on sys.path)
+    function_table, short_commit, write_json)
 
 # What the fake model "writes": ordinary prose, code-ish punctuation and a few non-ASCII characters (which
 # byte-level BPE splits over tokens), cycled; each stream starts at its own offset.
@@ -351,8 +351,7 @@ def main(argv=None) -> int:
         best = min(runs, key=lambda r: r["us_per_token"])
         rows.append(best)
         print(json.dumps(best), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    commit = short_commit()
     print(f"\n{time.strftime('%Y-%m-%d')} commit {commit}, {platform.machine()} x{os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}, {a.streams} streams x {a.output_len} tokens, step {a.step_ms} ms"
           + (", 2 stop strings" if a.stop else "") + (f", logprobs {a.logprobs}" if a.logprobs is not None else ""))

@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import pstats
-import subprocess
 import sys
 import tempfile
 import time
@@ -384,6 +383,12 @@ def function_table(profile: str, per: int, top: int = 30, unit: str = "step", ti
     return "\n".join(out)
 
 
+def short_commit() -> str:
+    """HEAD's abbreviated hash for a run's header and JSON (``envinfo.git_commit``; empty outside a checkout)."""
+    from benchmarks.envinfo import git_commit
+    return (git_commit()["commit"] or "")[:7]
+
+
 def write_json(path: str, script: str, argv, commit: str, rows: list) -> None:
     """The run's rows with the command that made them (``script``'s path from the repository root)."""
     with open(path, "w") as f:
@@ -538,8 +543,7 @@ def main(argv=None) -> int:
                 print(json.dumps(res), flush=True)
         if engine == "split":
             split.shutdown()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
+    commit = short_commit()
     print(f"\n{time.strftime('%Y-%m-%d')} commit {commit}, {platform.machine()} x{os.cpu_count()} CPUs, "
           f"jax {jax.__version__} ({jax.default_backend()}), {a.seqs} seqs, layers {a.layers or 2}, "
           f"vocab {vocab}"

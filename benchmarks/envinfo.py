@@ -51,13 +51,8 @@ def device_info_subprocess() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _switches() -> list[str]:
-    """jaxserve's registered variables (e.g. JAXSERVE_MOE_FUSED_BLOCKS: what the kernels ran), less the secrets."""
-    from jaxserve import envs
-    return [name for name, _, _ in envs.environment_variables() if "API_KEY" not in name]
-
-
 def environment(argv: list[str], with_devices: bool = True, devices_in_subprocess: bool = False) -> dict:
+    from jaxserve import envs      # its registered switches that are set (e.g. JAXSERVE_MOE_FUSED_BLOCKS), no secrets
     env = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m jaxserve bench", *argv]),
@@ -66,7 +61,7 @@ def environment(argv: list[str], with_devices: bool = True, devices_in_subproces
         "jaxserve": _version("jaxserve"), "transformers": _version("transformers"), "torch": _version("torch"),
         **git_commit(),
         "env": {k: os.environ[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                            "CUDA_VISIBLE_DEVICES", *_switches()) if k in os.environ},
+                                            "CUDA_VISIBLE_DEVICES", *envs.non_secret_names()) if k in os.environ},
     }
     if with_devices:
         env.update(device_info_subprocess() if devices_in_subprocess else device_info())

@@ -104,6 +104,12 @@ def environment_variables() -> list[tuple[str, str | None, str]]:
     return [(name, var.default, var.meaning) for name, var in _REGISTRY.items()]
 
 
+def non_secret_names() -> list[str]:
+    """The registered variables whose values may be written down (a result file, a cache key): all but the
+    API keys."""
+    return [name for name in _REGISTRY if "API_KEY" not in name]
+
+
 def __getattr__(name: str):
     var = _REGISTRY.get(name)
     if var is None:

@@ -113,8 +113,7 @@ def _environment() -> str:
     from jaxserve import envs
     devices = jax.devices()
     flags = {name: getattr(jax.config, name, None) for name in _TRACE_FLAGS}
-    switches = {name: getattr(envs, name) for name, _, _ in envs.environment_variables()
-                if "API_KEY" not in name and name not in _PER_RUN}
+    switches = {name: getattr(envs, name) for name in envs.non_secret_names() if name not in _PER_RUN}
     return "\n".join([FORMAT, f"jax {jax.__version__} jaxlib {jaxlib.__version__}",
                       f"{jax.default_backend()} {devices[0].client.platform_version}",
                       f"{len(devices)} x {devices[0].device_kind}, {jax.process_count()} processes",

@@ -3,6 +3,11 @@ import os as _os
 
 __version__ = "0.1.0"
 
+# jaxserve's default XLA flags go into XLA_FLAGS before anything starts JAX's backends (XLA reads them once)
+from jaxserve import xla_flags as _xla_flags  # noqa: E402
+
+_xla_flags.apply()
+
 # kernels/ and server/ are top-level folders of the source tree, installed as jaxserve.kernels and
 # jaxserve.server (pyproject's package-dir). When this package is imported from a source checkout without
 # that mapping (e.g. `python -m benchmarks.runner` run from the repo root), find them beside it.

@@ -2,7 +2,8 @@
 
 Read a variable as an attribute, ``envs.JAXSERVE_NVCC``, at the point of use: each access reads the
 environment again, so a variable set after import (a test, the launcher starting its workers) still counts.
-Nothing else in jaxserve/, kernels/ or server/ reads ``os.environ``; a new switch gets a line here.
+Nothing else in jaxserve/, kernels/ or server/ reads ``os.environ``; a new switch gets a line here. ``write``
+sets one (jaxserve's default XLA flags go into XLA_FLAGS that way, ``jaxserve/xla_flags.py``).
 ``environment_variables()`` lists them (name, default, meaning) for the docs.
 This module imports nothing but the standard library, so the kernels and the CLI can use it before JAX starts.
 """
@@ -90,13 +91,28 @@ _REGISTRY: dict[str, EnvVar] = {
                                         "bi=16,w=8 (the tuning search's setting, benchmarks/diagnostics/"
                                         "moe_gemm.py --tune); a key left out, or unset: "
                                         "kernels/fused_moe.py's GPU_BLOCKS"),
+    # XLA
+    "JAXSERVE_XLA_FLAGS": EnvVar(_flag, "1", "0 = jaxserve adds none of its default XLA flags (jaxserve/xla_flags.py) "
+                                             "to XLA_FLAGS (A/B runs)"),
+    "XLA_FLAGS": EnvVar(_text, None, "XLA's own flags; jaxserve adds each of its defaults (jaxserve/xla_flags.py) "
+                                     "that this does not set, when jaxserve is imported"),
     # multi-process (read by JAX too)
     "JAX_COORDINATOR_ADDRESS": EnvVar(_text, None, "host:port of process 0 for a multi-process engine"),
     "JAX_NUM_PROCESSES": EnvVar(_int("JAX_NUM_PROCESSES"), None, "processes of a multi-process engine"),
     "JAX_PROCESS_ID": EnvVar(_int("JAX_PROCESS_ID"), None, "this process's index in a multi-process engine"),
+    "XLA_PYTHON_CLIENT_MEM_FRACTION": EnvVar(lambda raw: float(raw) if raw else 0.75, "0.75",
+                                             "the share of a GPU's memory JAX's allocator may take (JAX's "
+                                             "variable; the KV cache is sized within it)"),
     "JAX_PLATFORMS": EnvVar(lambda raw: raw or "", "", "JAX's backends; containing cpu, the multi-process "
                                                        "engine uses gloo collectives and no GPU ids"),
 }
+
+
+def write(name: str, value: str) -> None:
+    """Set a registered variable for this process and the processes it starts (jaxserve.xla_flags's defaults)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"{name} is not a registered environment variable")
+    os.environ[name] = value
 
 
 def environment_variables() -> list[tuple[str, str | None, str]]:

@@ -43,3 +43,26 @@ def test_the_product_reads_the_environment_only_through_the_registry():
     text = "\n".join(p.read_text() for p in sources if p.name != "envs.py")
     unused = [name for name, _, _ in envs.environment_variables() if f"envs.{name}" not in text]
     assert not unused, f"registered but never read: {unused}"
+
+
+def test_default_xla_flags_join_xla_flags_unless_set_there(monkeypatch):
+    from jaxserve import xla_flags
+    (name, value), = xla_flags.DEFAULTS.items()
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("JAXSERVE_XLA_FLAGS", raising=False)
+    xla_flags.apply()
+    assert envs.XLA_FLAGS == f"--{name}={value}"
+    xla_flags.apply()                                            # once only
+    assert envs.XLA_FLAGS == f"--{name}={value}"
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to=/tmp/x --{name}=ALWAYS_UPDATE")
+    xla_flags.apply()                                            # the user's own setting wins
+    assert envs.XLA_FLAGS == f"--xla_dump_to=/tmp/x --{name}=ALWAYS_UPDATE"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    xla_flags.apply()
+    assert envs.XLA_FLAGS == f"--xla_dump_to=/tmp/x --{name}={value}"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    monkeypatch.setenv("JAXSERVE_XLA_FLAGS", "0")
+    xla_flags.apply()
+    assert envs.XLA_FLAGS == "--xla_dump_to=/tmp/x"
+    with pytest.raises(KeyError, match="not a registered"):
+        envs.write("JAXSERVE_NO_SUCH_SWITCH", "1")

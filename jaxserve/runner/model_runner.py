@@ -38,7 +38,7 @@ from jaxserve.kernels import ops as kernel_ops
 from jaxserve.engine.request import PLACEHOLDER
 from jaxserve.kernels.metadata import PAD_SLOT, SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
-from jaxserve.runner import packing, program_cache, sampler as sampler_mod
+from jaxserve.runner import device_memory, packing, program_cache, sampler as sampler_mod
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.program_cache import ProgramCache
 from jaxserve.runner.step_compiler import StepCompiler
@@ -373,10 +373,9 @@ class ModelRunner:
         if cc.kv_cache_memory_bytes:
             budget = cc.kv_cache_memory_bytes
         else:
-            stats = jax.local_devices()[0].memory_stats() or {}
-            limit = stats.get("bytes_limit")
-            if limit:
-                in_use = stats.get("bytes_in_use", 0)
+            memory = device_memory.limit_and_use(jax.local_devices()[0])
+            if memory:
+                limit, in_use = memory
                 # leave room for activations/logits of the largest step
                 act = 64 * self.max_num_tokens * max(self.cfg.hidden_size, self.cfg.intermediate_size) \
                     + 8 * self.max_num_seqs * self.vocab_size

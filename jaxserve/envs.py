@@ -78,7 +78,7 @@ _REGISTRY: dict[str, EnvVar] = {
                                                   "of W8A8 (A/B runs of the decode path)"),
     # mixture of experts
     "JAXSERVE_MOE_GROUPED_GEMM": EnvVar(lambda raw: raw or "auto", "auto",
-                                        "the MoE layers' grouped GEMM: auto (fused on a GPU, ragged_dot "
+                                        "the MoE layers' grouped GEMM: auto (rows on a GPU, ragged_dot "
                                         "elsewhere), fused (pallas, and steps of <= 16 tokens through "
                                         "kernels/fused_moe.py), rows (pallas, and those steps through the "
                                         "sort-free rows kernel), ragged_dot, gather or pallas "

@@ -102,14 +102,14 @@ ROWS, FUSED = "rows", "fused"   # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, 
 
 def _grouped_gemm() -> tuple[str, str]:
     """(the grouped GEMM the MoE layers run, the sort-free kernel decode-sized steps run or "").
-    ``auto`` is ``fused`` on a GPU (``lax.ragged_dot`` lowers to a dense padded product there: measured on an
-    H200 at 256 tokens 2,276 us against the Pallas kernel's 322 us for Qwen3-30B-A3B's gate/up;
-    2026-12-01-h200-moe-grouped-gemm.md; at decode sizes the fused kernels need none of the rows path's
-    plan, row copies or combine) and ``ragged_dot`` elsewhere. A named implementation runs at every size
-    (A/B runs)."""
+    ``auto`` is ``rows`` on a GPU and ``ragged_dot`` elsewhere. On a GPU ``lax.ragged_dot`` lowers to a dense
+    padded product (an H200 at 256 tokens: 2,276 us against the Pallas kernel's 322 us for Qwen3-30B-A3B's
+    gate/up, 2026-12-01-h200-moe-grouped-gemm.md). At decode sizes the rows kernel beats the fused kernels
+    end to end: Qwen3-30B-A3B 1.38x at batch 4 and 1.69x at batch 16, 0.97x at batch 1 (benchmarks/results,
+    moe-ab). A named implementation runs at every size (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
-        impl = FUSED if jax.default_backend() == "gpu" else "ragged_dot"
+        impl = ROWS if jax.default_backend() == "gpu" else "ragged_dot"
     if impl in (ROWS, FUSED):
         return "pallas", impl
     if impl not in ragged_dot.IMPLEMENTATIONS:

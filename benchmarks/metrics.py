@@ -34,7 +34,7 @@ class RequestTiming:
     prompt_tokens: int = 0
     output_tokens: int = 0
     start: float = 0.0
-    ttft: float = 0.0                                  # first content chunk - start
+    ttft: float | None = 0.0                           # first content chunk - start; None: no chunk had text
     e2e: float = 0.0                                   # last byte - start
     itl: list[float] = field(default_factory=list)     # gaps between content chunks
     success: bool = False
@@ -43,7 +43,7 @@ class RequestTiming:
     @property
     def tpot(self) -> float | None:
         """Time per output token after the first; None for single-token outputs."""
-        if self.output_tokens <= 1:
+        if self.output_tokens <= 1 or self.ttft is None:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
@@ -57,6 +57,8 @@ def meets_slos(r: RequestTiming, slo_ms: dict[str, float]) -> bool:
         if key not in checks:
             raise ValueError(f"unknown SLO {key!r} (known: {', '.join(checks)})")
         value = checks[key]
+        if key == "ttft_ms" and value is None:         # untimed: cannot be shown within the SLO
+            return False
         if value is not None and value * 1000.0 > float(limit):
             return False
     return True
@@ -81,11 +83,12 @@ def serving_metrics(results: list[RequestTiming], duration_s: float, slo_ms: dic
         errors[r.error[:200]] = errors.get(r.error[:200], 0) + 1
     return {
         "completed": len(ok), "failed": len(failed), "duration_s": duration_s,
+        "untimed": sum(r.ttft is None for r in ok),
         "prompt_tokens": in_tok, "output_tokens": out_tok,
         "request_throughput": len(ok) / dur, "output_throughput": out_tok / dur,
         "total_token_throughput": (in_tok + out_tok) / dur,
         "goodput": len(good) / dur if slo_ms else None, "slo_ms": dict(slo_ms or {}),
-        "ttft_ms": ms([r.ttft for r in ok]),
+        "ttft_ms": ms([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": ms([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": ms([g for r in ok for g in r.itl]),
         "e2el_ms": ms([r.e2e for r in ok]),

@@ -204,7 +204,7 @@ def run_serve(run) -> None:
             m["server_counters"] = counter_delta(before, scrape_counters(base_url, cfg["serve"]["api_key"]))
             m.update({"sweep_value": value, "request_rate": rate, "max_concurrency": conc,
                       "roofline": _limit(run, reqs, conc)})
-            m["ttft_samples_ms"] = [t.ttft * 1e3 for t in timings if t.success]
+            m["ttft_samples_ms"] = [t.ttft * 1e3 for t in timings if t.success and t.ttft is not None]
             m["e2el_samples_ms"] = [t.e2e * 1e3 for t in timings if t.success]
             m["tpot_samples_ms"] = [t.tpot * 1e3 for t in timings if t.success and t.tpot is not None]
             points.append(m)
@@ -260,6 +260,10 @@ def _tables(run, points: list[dict], param: str | None) -> None:
             f"{max(v - 49152, 0):,} of the model's {v:,} ids decode to no text and get no stream chunk, so TTFT "
             f"and ITL (timed on text chunks, as vLLM's bench does) are stretched — TTFT by ~{max(v / 49152 - 1, 0):.1f} "
             "decode steps on average; TPOT and tok/s use the usage token counts and are exact")
+    untimed = {p["sweep_value"]: p["untimed"] for p in points if p.get("untimed")}
+    if untimed:
+        run.notes.append(f"requests that streamed no text at all (every token beyond the tokenizer), per point "
+                         f"{untimed}: completed by their usage counts, left out of TTFT / TPOT / ITL and goodput")
     run.notes.append("prefix-cache hit % and preemptions: the server's /metrics counters over each point "
                      "(hits / queries, in the engine's units)")
     if slo:

@@ -345,6 +345,16 @@ def test_serving_metrics_and_goodput():
         metrics.serving_metrics(rs, 4.0, {"ttfb_ms": 1})
 
 
+def test_a_request_that_streamed_no_text_completes_untimed():
+    """Its tokens (usage) count; its TTFT / TPOT are unknown, so it stays out of them and out of goodput."""
+    untimed = RequestTiming(prompt_tokens=10, output_tokens=11, ttft=None, e2e=1.0, success=True)
+    assert untimed.tpot is None
+    m = metrics.serving_metrics([_timing(0.1, 1.1, 11), untimed], 2.0, slo_ms={"ttft_ms": 300})
+    assert m["completed"] == 2 and m["untimed"] == 1 and m["output_tokens"] == 22
+    assert m["ttft_ms"]["mean"] == pytest.approx(100.0) and m["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert m["goodput"] == pytest.approx(1 / 2)
+
+
 # ---------------------------------------------------------------------------------------------- workloads
 def test_lengths_and_prompts_are_seeded_and_in_range():
     rng = np.random.default_rng(0)

@@ -46,8 +46,15 @@
 #   moe-tune  moe_gemm.py --tune: the fused MoE kernels' blocks searched at 1, 4 and 16 tokens for both shapes
 #             (MOE_TUNE_SHAPES: a comma list of them), the best per shape and count against layer:rows (~3 minutes)
 #   moe-serve h200-qwen3-30b-a3b-serve-sweep (concurrency 1 / 16 / 64 / 256, TTFT / TPOT)
+#   launch-ab the batch-1 step's launch cost: h200-$LAUNCH_AB_MODEL-latency-bs1 (default qwen3-30b-a3b; 128 out,
+#             buckets 4 and 256) under each NAME=XLA_FLAGS of $LAUNCH_AB_VARIANTS, in that order (default: default, a
+#             temp buffer at a fixed address, nocache); NAME nocache also turns the stored step programs off
+#             (engine.compilation_cache_dir empty), NAME old runs LAUNCH_AB_OLD=TREE's jaxserve (a plain checkout,
+#             as for ab); LAUNCH_AB_ROUNDS
+#             rounds (default 2) interleaved, each run cut at LAUNCH_AB_LIMIT_S (150), none started with less than
+#             60 s of LAUNCH_AB_BUDGET_S (540) left; one table (output tok/s, decode step ms, host ms per step)
 # Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|frontend|startup|embed|gpucheck|stepdiag|phases|tp2|carcheck|
-#        families|families-throughput|gemma2-long|moe|moe-ab|moe-tune|moe-serve ...]
+#        families|families-throughput|gemma2-long|moe|moe-ab|moe-tune|moe-serve|launch-ab ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
 # old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
@@ -202,17 +209,18 @@ for model in dict.fromkeys(m for m, _, _ in variants):
 EOF
 }
 
+AB_SITE=${TMPDIR:-/tmp}/ab-site
+install_tree() {   # install_tree SIDE TREE: TREE's packages into $AB_SITE/SIDE (each side runs from its own root)
+  if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$AB_SITE/$1" "$2" \
+       > "$RESULTS/ab-install-$1.log" 2>&1; then
+    echo "installing the $1 tree ($2) failed: $RESULTS/ab-install-$1.log" | tee -a "$SUMMARY"; return 1
+  fi
+}
+
 ab() {   # ab OLD_TREE: the two configs at the old tree and at this one, interleaved; prints old / new / ratio
-  local old=$1 new=$PWD
-  local site=${TMPDIR:-/tmp}/ab-site
+  local old=$1 new=$PWD site=$AB_SITE
   rm -rf "$site"; mkdir -p "$site"
-  for side in old new; do
-    local tree=$new; [ $side = old ] && tree=$old
-    if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site/$side" "$tree" \
-         > "$RESULTS/ab-install-$side.log" 2>&1; then
-      echo "ab: installing the $side tree ($tree) failed: $RESULTS/ab-install-$side.log" | tee -a "$SUMMARY"; return 1
-    fi
-  done
+  install_tree old "$old" && install_tree new "$new" || return 1
   local cfgs=(--config h200-llama8b-latency-bs1 --config h200-llama8b-throughput --set baseline.hf=false --no-plots)
   for rnd in $(seq 1 "${AB_ROUNDS:-2}"); do
     [ "$rnd" -gt 1 ] && cfgs=(--config h200-llama8b-latency-bs1 --set baseline.hf=false --no-plots)  # fits one call
@@ -238,6 +246,50 @@ for name in ("h200-llama8b-latency-bs1", "h200-llama8b-throughput"):
     med = {s: statistics.median(v) if v else float("nan") for s, v in got.items()}
     runs = "; ".join(f"{s}: {', '.join(f'{x:.1f}' for x in v)}" for s, v in got.items())
     print(f"| {name} | {med['old']:.1f} | {med['new']:.1f} | {med['new'] / med['old']:.3f} | {runs} |")
+EOF
+}
+
+LAUNCH_AB_VARIANTS=${LAUNCH_AB_VARIANTS:-default= tempcolor=--xla_gpu_temp_buffer_use_separate_color=true nocache=}
+
+launch_ab() {   # launch_ab: batch 1 of one model under XLA flag sets, without stored programs, at an old tree
+  local model=${LAUNCH_AB_MODEL:-qwen3-30b-a3b} rnd v name flags tree sets left limit
+  local budget=${LAUNCH_AB_BUDGET_S:-540} start=$SECONDS
+  local cfg=(--config "h200-$model-latency-bs1" --set workload.output_len=128 --set workload.iters=3
+             --set workload.prefill_iters=2 --set engine.max_num_batched_tokens=256
+             --set "engine.token_buckets=[4,256]" --set baseline.hf=false --no-plots)
+  local variants=($LAUNCH_AB_VARIANTS)
+  if [[ " ${variants[*]} " == *" old="* ]]; then
+    rm -rf "$AB_SITE"; mkdir -p "$AB_SITE"
+    install_tree old "$(cd "${LAUNCH_AB_OLD:?launch-ab: a variant named old needs LAUNCH_AB_OLD=TREE}" && pwd)" || return 1
+  fi
+  for rnd in $(seq 1 "${LAUNCH_AB_ROUNDS:-2}"); do
+    for v in "${variants[@]}"; do
+      name=${v%%=*}; flags=${v#*=}; tree=$PWD; sets=()
+      [ "$name" = nocache ] && sets=(--set engine.compilation_cache_dir=)
+      [ "$name" = old ] && tree=$(cd "$LAUNCH_AB_OLD" && pwd)
+      left=$((budget - (SECONDS - start)))
+      if [ "$left" -lt 60 ]; then echo "launch-ab round $rnd, $name: skipped, $left s left" | tee -a "$SUMMARY"; continue; fi
+      limit=${LAUNCH_AB_LIMIT_S:-150}; [ "$left" -lt "$limit" ] && limit=$left
+      echo "=== launch-ab round $rnd, $name (XLA_FLAGS='$flags', tree $tree)" | tee -a "$SUMMARY"
+      local t0=$SECONDS
+      (cd "$tree" && if [ "$name" = old ]; then export PYTHONPATH="$AB_SITE/old${PYTHONPATH:+:$PYTHONPATH}"; fi
+       flags="${XLA_FLAGS:-} $flags"; flags=$(echo $flags)   # XLA reads a blank XLA_FLAGS as a file name
+       if [ -n "$flags" ]; then export XLA_FLAGS=$flags; else unset XLA_FLAGS; fi
+       timeout --kill-after=10 "$limit" \
+         "$PY" -m benchmarks.runner --out "$RESULTS/launch-ab/$name-$rnd" "${cfg[@]}" "${sets[@]}") \
+        > "$RESULTS/launch-ab-$name-$rnd.log" 2>&1
+      echo "(exit $?, $((SECONDS - t0)) s)" >> "$SUMMARY"
+    done
+  done
+  "$PY" - "$RESULTS/launch-ab" <<'EOF' | tee -a "$SUMMARY"
+import glob, json, os, sys
+print("| variant-round | output tok/s | decode step ms | host ms/step | device ms/step |\n|---|---|---|---|---|")
+for d in sorted(glob.glob(f"{sys.argv[1]}/*"), key=lambda d: (d.rsplit("-", 1)[1], d)):
+    for f in glob.glob(f"{d}/*/result.json"):
+        j = json.load(open(f))["jaxserve"]; st = j.get("engine_steps") or {}
+        g = lambda k: f"{st[k]:.2f}" if st.get(k) is not None else "-"
+        print(f"| {os.path.basename(d)} | {j['output_tok_per_s']:.1f} | {j['decode_step_s'] * 1e3:.2f} | "
+              f"{g('host_ms_per_step')} | {g('device_ms_per_step')} |")
 EOF
 }
 
@@ -385,8 +437,9 @@ for step in "${STEPS[@]}"; do
                  benchmarks/diagnostics/moe_gemm.py --tune --skip-models \
                  ${MOE_TUNE_SHAPES:+--shapes "$MOE_TUNE_SHAPES"} ;;
     moe-serve) bench "${MOE_SERVE_LIMIT_S:-300}" moe-serve --config h200-qwen3-30b-a3b-serve-sweep --no-plots ;;
+    launch-ab) launch_ab ;;
     *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, frontend, startup, embed, gpucheck, stepdiag, phases, tp2, carcheck," \
-         "families, families-throughput, gemma2-long, moe, moe-ab, moe-tune, moe-serve)" >&2; exit 2 ;;
+         "families, families-throughput, gemma2-long, moe, moe-ab, moe-tune, moe-serve, launch-ab)" >&2; exit 2 ;;
   esac
 done
 

@@ -52,7 +52,7 @@ def device_info_subprocess() -> dict:
 
 
 def environment(argv: list[str], with_devices: bool = True, devices_in_subprocess: bool = False) -> dict:
-    from jaxserve import envs      # its registered switches that are set (e.g. JAXSERVE_MOE_FUSED_BLOCKS), no secrets
+    from jaxserve import envs      # its registered switches that are set (e.g. JAXSERVE_MOE_GROUPED_GEMM), no secrets
     env = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m jaxserve bench", *argv]),

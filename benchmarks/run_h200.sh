@@ -31,20 +31,13 @@
 #   gemma2-long  h200-gemma2-9b-long-prompts (200 x 8064 / 128: the sliding-window layers at long context)
 #   moe       h200-qwen3-30b-a3b-latency-bs1 + -throughput in one process, then the two h200-mixtral-8x7b configs
 #             in another (93 GB of weights: JAX may take 95 % of HBM); ~7-8 minutes on a cold host
-#   moe-ab    the MoE decode kernels and multi-step decoding at batch 1, 4 and 16 (h200-<model>-latency-bs1 / -bs4 /
-#             -bs16 on one engine sized for them, 128 out, 3 iterations): one runner process per MODEL:GEMM:STEPS of
-#             $MOE_AB_VARIANTS (JAXSERVE_MOE_GROUPED_GEMM auto = fused or rows, engine.num_scheduler_steps), in
-#             that order (default: Qwen3-30B-A3B and Mixtral-8x7B at 1 step, then at 4), each cut at
-#             MOE_AB_LIMIT_S (180), none started with less than MOE_AB_MIN_S (60) of MOE_AB_BUDGET_S (510) left;
-#             ends with one table (output tok/s, decode step ms, against the model's first variant). MOE_AB_SETS:
-#             more --set KEY=VALUE words for every variant. A variant MODEL:GEMM@BLOCKS:STEPS also sets the fused
-#             kernels' blocks (JAXSERVE_MOE_FUSED_BLOCKS=BLOCKS, moe_gemm's key=value syntax, e.g.
-#             qwen3-30b-a3b:fused@bi=16,w=8:1; without @, GPU_BLOCKS); @tuned takes MODEL's best setting over the
-#             token counts from this run's moe-tune log (skipped without one), so "moe-tune moe-ab" measures the
-#             tuned blocks end to end in one call, e.g. MOE_TUNE_SHAPES=qwen3-30b-a3b MOE_TUNE_LIMIT_S=150
-#             MOE_AB_BUDGET_S=400 MOE_AB_VARIANTS="qwen3-30b-a3b:auto:1 qwen3-30b-a3b:fused@tuned:1"
-#   moe-tune  moe_gemm.py --tune: the fused MoE kernels' blocks searched at 1, 4 and 16 tokens for both shapes
-#             (MOE_TUNE_SHAPES: a comma list of them), the best per shape and count against layer:rows (~3 minutes)
+#   moe-ab    the MoE kernels and multi-step decoding at batch 1, 4 and 16 (h200-<model>-latency-bs1 / -bs4 / -bs16
+#             on one engine sized for them, 128 out, 3 iterations): one runner process per MODEL:GEMM:STEPS of
+#             $MOE_AB_VARIANTS (JAXSERVE_MOE_GROUPED_GEMM: auto = rows on a GPU, or pallas, ragged_dot, ...;
+#             engine.num_scheduler_steps), in that order (default: Qwen3-30B-A3B and Mixtral-8x7B on auto at 1 step,
+#             then at 4), each cut at MOE_AB_LIMIT_S (180), none started with less than MOE_AB_MIN_S (60) of
+#             MOE_AB_BUDGET_S (510) left; ends with one table (output tok/s, decode step ms, against the model's
+#             first variant). MOE_AB_SETS: more --set KEY=VALUE words for every variant
 #   moe-serve h200-qwen3-30b-a3b-serve-sweep (concurrency 1 / 16 / 64 / 256, TTFT / TPOT)
 #   launch-ab the batch-1 step's launch cost: h200-$LAUNCH_AB_MODEL-latency-bs1 (default qwen3-30b-a3b; 128 out,
 #             buckets 4 and 256) under each NAME=XLA_FLAGS of $LAUNCH_AB_VARIANTS, in that order (default: default, a
@@ -54,7 +47,7 @@
 #             rounds (default 2) interleaved, each run cut at LAUNCH_AB_LIMIT_S (150), none started with less than
 #             60 s of LAUNCH_AB_BUDGET_S (540) left; one table (output tok/s, decode step ms, host ms per step)
 # Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|frontend|startup|embed|gpucheck|stepdiag|phases|tp2|carcheck|
-#        families|families-throughput|gemma2-long|moe|moe-ab|moe-tune|moe-serve|launch-ab ...]
+#        families|families-throughput|gemma2-long|moe|moe-ab|moe-serve|launch-ab ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
 # carried with the device call) and at this tree, each pip-installed into its own folder and run from its own root,
 # old / new, then (AB_ROUNDS, default 2) old / new of the latency config alone, HF off; the compile cache is shared
@@ -137,22 +130,12 @@ families() {   # families MODE CONFIG LIMIT_S: CONFIG for each model of $FAMILIE
   done
 }
 
-# the policy questions first: fused or rows at the default single step on both models (Mixtral is device-bound),
-# then multi-step on Qwen3 (launch-bound at batch 1; auto at 4 steps was measured at batch 1 before), then Mixtral
-MOE_AB_VARIANTS=${MOE_AB_VARIANTS:-qwen3-30b-a3b:auto:1 qwen3-30b-a3b:rows:1 mixtral-8x7b:auto:1 mixtral-8x7b:rows:1 \
-qwen3-30b-a3b:rows:4 qwen3-30b-a3b:auto:4 mixtral-8x7b:rows:4 mixtral-8x7b:auto:4}
+# the default GEMM (auto: rows on a GPU) at a single step on both models (Mixtral is device-bound), then
+# multi-step (Qwen3 is launch-bound at batch 1); name other GEMMs in MOE_AB_VARIANTS to compare them
+MOE_AB_VARIANTS=${MOE_AB_VARIANTS:-qwen3-30b-a3b:auto:1 mixtral-8x7b:auto:1 qwen3-30b-a3b:auto:4 mixtral-8x7b:auto:4}
 
-moe_ab_tag() {   # moe_ab_tag GEMM[@BLOCKS]: the variant's folder name part (fused@bi=16,w=8 -> fused-bi16-w8)
-  local tag=${1//@/-}; tag=${tag//,/-}; echo "${tag//=/}"
-}
-
-moe_tuned_blocks() {   # moe_tuned_blocks MODEL: the blocks moe-tune found best for MODEL summed over its counts
-  [ -f "$RESULTS/moe-tune.log" ] || return 0
-  grep -E "^tune: \| $1 \| sum " "$RESULTS/moe-tune.log" | tail -n 1 | sed -nE 's/.*\| fused\[([^]]*)\] \|$/\1/p'
-}
-
-moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM[@BLOCKS]:STEPS of $MOE_AB_VARIANTS (the header says how)
-  local budget=${MOE_AB_BUDGET_S:-510} t0=$SECONDS v model gemm nss left limit s more blocks spec tag ran=()
+moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM:STEPS of $MOE_AB_VARIANTS (the header says how)
+  local budget=${MOE_AB_BUDGET_S:-510} t0=$SECONDS v model gemm nss left limit s more ran=()
   # bs1's engine made the one of bs4 / bs16 (no-ops for them); fewer tokens and iterations to fit the call
   local sets=(--set engine.max_model_len=512 --set engine.max_num_seqs=16 --set "engine.token_buckets=[4,16,2048]"
               --set workload.output_len=128 --set workload.iters=3 --set workload.prefill_iters=2 --no-plots)
@@ -160,41 +143,31 @@ moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM[@BLOCKS]:STEPS of $MO
   for s in "${more[@]}"; do sets+=(--set "$s"); done
   for v in $MOE_AB_VARIANTS; do
     IFS=: read -r model gemm nss <<< "$v"
-    blocks=""; case $gemm in *@*) blocks=${gemm#*@}; gemm=${gemm%%@*} ;; esac
-    if [ "$blocks" = tuned ]; then
-      blocks=$(moe_tuned_blocks "$model")
-      if [ -z "$blocks" ]; then
-        echo "moe-ab $v: skipped, no moe-tune best for $model in $RESULTS/moe-tune.log" | tee -a "$SUMMARY"; continue
-      fi
-    fi
-    spec=$gemm${blocks:+@$blocks}; tag=$(moe_ab_tag "$spec")
     left=$((budget - (SECONDS - t0)))
     if [ "$left" -lt "${MOE_AB_MIN_S:-60}" ]; then
       echo "moe-ab $v: skipped, $left s of the step's $budget s left" | tee -a "$SUMMARY"; continue
     fi
     limit=${MOE_AB_LIMIT_S:-180}; [ "$left" -lt "$limit" ] && limit=$left
-    ran+=("$model:$spec:$nss")
+    ran+=("$v")
     ( [ "$model" = mixtral-8x7b ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95   # 93 GB of weights
-      JAXSERVE_MOE_GROUPED_GEMM=$gemm JAXSERVE_MOE_FUSED_BLOCKS=$blocks bench "$limit" "moe-ab-$model-$tag-nss$nss" \
+      JAXSERVE_MOE_GROUPED_GEMM=$gemm bench "$limit" "moe-ab-$model-$gemm-nss$nss" \
         --config "h200-$model-latency-bs1" --config "h200-$model-latency-bs4" --config "h200-$model-latency-bs16" \
-        "${sets[@]}" --set "engine.num_scheduler_steps=$nss" --out "$RESULTS/moe-ab/$model-$tag-nss$nss" )
+        "${sets[@]}" --set "engine.num_scheduler_steps=$nss" --out "$RESULTS/moe-ab/$model-$gemm-nss$nss" )
   done
   moe_ab_table "${ran[*]}" | tee -a "$SUMMARY"
 }
 
-# one row per (model, batch, variant) that finished, against the model's first variant there; the variants as run
-# (an @tuned one with the blocks it resolved to)
-moe_ab_table() {   # moe_ab_table "MODEL:GEMM[@BLOCKS]:STEPS ..."
+# one row per (model, batch, variant) that finished, against the model's first variant there
+moe_ab_table() {   # moe_ab_table "MODEL:GEMM:STEPS ..."
   "$PY" - "$RESULTS/moe-ab" "$1" <<'EOF'
 import glob, json, sys
 root, variants = sys.argv[1], [v.split(":") for v in sys.argv[2].split()]
-print("| model | batch | JAXSERVE_MOE_GROUPED_GEMM[@JAXSERVE_MOE_FUSED_BLOCKS], num_scheduler_steps | output tok/s "
+print("| model | batch | JAXSERVE_MOE_GROUPED_GEMM, num_scheduler_steps | output tok/s "
       "| decode step ms | × first |")
 print("|---|---|---|---|---|---|")
 got = {}                      # (model, batch, gemm, steps) -> (output tok/s, decode step s)
 for model, gemm, nss in variants:
-    tag = gemm.replace("@", "-").replace(",", "-").replace("=", "")       # as moe_ab_tag
-    for f in glob.glob(f"{root}/{model}-{tag}-nss{nss}/*/result.json"):
+    for f in glob.glob(f"{root}/{model}-{gemm}-nss{nss}/*/result.json"):
         j = json.load(open(f)).get("jaxserve") or {}
         got[model, j.get("batch_size"), gemm, nss] = (j.get("output_tok_per_s"), j.get("decode_step_s"))
 for model in dict.fromkeys(m for m, _, _ in variants):
@@ -433,13 +406,10 @@ for step in "${STEPS[@]}"; do
                XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 bench "${MOE_MIXTRAL_LIMIT_S:-250}" moe-mixtral-8x7b \
                  --config h200-mixtral-8x7b-latency-bs1 --config h200-mixtral-8x7b-throughput --no-plots ;;
     moe-ab)    moe_ab ;;
-    moe-tune)  diag "${MOE_TUNE_LIMIT_S:-240}" moe-tune '^(tune:|device:)|Error' \
-                 benchmarks/diagnostics/moe_gemm.py --tune --skip-models \
-                 ${MOE_TUNE_SHAPES:+--shapes "$MOE_TUNE_SHAPES"} ;;
     moe-serve) bench "${MOE_SERVE_LIMIT_S:-300}" moe-serve --config h200-qwen3-30b-a3b-serve-sweep --no-plots ;;
     launch-ab) launch_ab ;;
     *) echo "unknown step $step (offline, serve, kernels, bandwidth, ab OLD_TREE, split, split-decode, split-serve, hostcore, frontend, startup, embed, gpucheck, stepdiag, phases, tp2, carcheck," \
-         "families, families-throughput, gemma2-long, moe, moe-ab, moe-tune, moe-serve, launch-ab)" >&2; exit 2 ;;
+         "families, families-throughput, gemma2-long, moe, moe-ab, moe-serve, launch-ab)" >&2; exit 2 ;;
   esac
 done
 

@@ -79,18 +79,9 @@ _REGISTRY: dict[str, EnvVar] = {
     # mixture of experts
     "JAXSERVE_MOE_GROUPED_GEMM": EnvVar(lambda raw: raw or "auto", "auto",
                                         "the MoE layers' grouped GEMM: auto (rows on a GPU, ragged_dot "
-                                        "elsewhere), fused (pallas, and steps of <= 16 tokens through "
-                                        "kernels/fused_moe.py), rows (pallas, and those steps through the "
+                                        "elsewhere), rows (pallas, and steps of <= 16 tokens through the "
                                         "sort-free rows kernel), ragged_dot, gather or pallas "
                                         "(kernels/ragged_dot.py)"),
-    "JAXSERVE_MOE_FUSED_BLOCKS": EnvVar(_text, None,
-                                        "the fused MoE decode kernels' blocks, key=value,... of bi (gate/up's "
-                                        "intermediate columns per program), bh (down's output columns), s "
-                                        "(down's splits of the intermediate), bk / dk (gate/up's / down's rows "
-                                        "per loop step), st (pipeline depth), w (warps per program), e.g. "
-                                        "bi=16,w=8 (the tuning search's setting, benchmarks/diagnostics/"
-                                        "moe_gemm.py --tune); a key left out, or unset: "
-                                        "kernels/fused_moe.py's GPU_BLOCKS"),
     # XLA
     "JAXSERVE_XLA_FLAGS": EnvVar(_flag, "1", "0 = jaxserve adds none of its default XLA flags (jaxserve/xla_flags.py) "
                                              "to XLA_FLAGS (A/B runs)"),

@@ -66,3 +66,22 @@ def test_default_xla_flags_join_xla_flags_unless_set_there(monkeypatch):
     assert envs.XLA_FLAGS == "--xla_dump_to=/tmp/x"
     with pytest.raises(KeyError, match="not a registered"):
         envs.write("JAXSERVE_NO_SUCH_SWITCH", "1")
+
+
+def test_a_switch_a_trace_reads_is_part_of_the_program_cache_key(monkeypatch):
+    """Two values of a registered switch (the MoE grouped GEMM) are two stored-program keys, unset a third."""
+    from jaxserve.runner import program_cache
+    monkeypatch.delenv("JAXSERVE_MOE_GROUPED_GEMM", raising=False)
+    unset = program_cache._environment()
+    monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "rows")
+    rows = program_cache._environment()
+    monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "pallas")
+    assert len({unset, rows, program_cache._environment()}) == 3
+
+
+def test_a_benchmark_result_records_the_switches_set_but_no_secret(monkeypatch):
+    from benchmarks import envinfo
+    monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "rows")
+    monkeypatch.setenv("JAXSERVE_API_KEY", "secret")
+    env = envinfo.environment([], with_devices=False)["env"]
+    assert env["JAXSERVE_MOE_GROUPED_GEMM"] == "rows" and "JAXSERVE_API_KEY" not in env

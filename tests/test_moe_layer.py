@@ -4,14 +4,13 @@ row), and the whole MoE MLP against a dense every-expert loop, padding tokens ro
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels import fused_moe, ragged_dot
+from jaxserve.kernels import ragged_dot
 from jaxserve.models.layers import moe
 
 moe_mlp = jax.jit(moe.moe_mlp, static_argnums=(2, 3))
@@ -145,7 +144,7 @@ def _dense_reference(h, w, spec):
     return out
 
 
-@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS + ("rows", "fused"))
+@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS + ("rows",))
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2-shared"])
 def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
     spec = _with_impl(SPEC, impl)
@@ -159,15 +158,14 @@ def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
 
 
 def _with_impl(spec, impl):
-    """``rows`` / ``fused``: that sort-free decode kernel (Pallas, interpreted here) up to 16 tokens, the
-    Pallas grouped GEMM above."""
-    if impl in ("rows", "fused"):
-        return dataclasses.replace(spec, grouped_gemm="pallas", rows_path_max_tokens=moe.ROWS_PATH_MAX_TOKENS,
-                                   decode_kernel=impl)
+    """``rows``: the sort-free decode kernel (Pallas, interpreted here) up to 16 tokens, the Pallas grouped GEMM
+    above."""
+    if impl == "rows":
+        return dataclasses.replace(spec, grouped_gemm="pallas", rows_path_max_tokens=moe.ROWS_PATH_MAX_TOKENS)
     return dataclasses.replace(spec, grouped_gemm=impl)
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "rows", "fused"])
+@pytest.mark.parametrize("impl", ["ragged_dot", "rows"])
 def test_padding_tokens_reach_no_expert(impl):
     spec = _with_impl(SPEC, impl)
     w = _weights(spec)
@@ -181,11 +179,10 @@ def test_padding_tokens_reach_no_expert(impl):
     assert int(np.asarray(load).sum()) == 2 * spec.top_k, "padding tokens must not count in the expert load"
 
 
-@pytest.mark.parametrize("impl", ["rows", "fused"])
-def test_rows_path_runs_only_at_decode_sizes(impl):
-    """16 tokens (one expert may get 16 rows: a full tile) take the decode kernel, 17 the sorted one; both
+def test_rows_path_runs_only_at_decode_sizes():
+    """16 tokens (one expert may get 16 rows: a full tile) take the rows path, 17 the sorted one; both
     match the dense loop."""
-    spec = _with_impl(dataclasses.replace(SPEC, num_experts=4), impl)
+    spec = _with_impl(dataclasses.replace(SPEC, num_experts=4), "rows")
     w = _weights(spec, seed=4)
     for t in (16, 17):
         h = jnp.asarray(np.random.default_rng(t).standard_normal((t, 32)), jnp.float32)
@@ -225,6 +222,28 @@ def test_layers_follow_hf_sparse_step_and_mlp_only_layers():
                                                      weights_in_hidden_dtype=True).expert_parallel
 
 
+def test_grouped_gemm_switch_picks_the_path_and_refuses_other_names(monkeypatch):
+    """``JAXSERVE_MOE_GROUPED_GEMM``: auto is ``ragged_dot`` off a GPU, ``rows`` the Pallas kernel with the
+    sort-free path at decode sizes, a ragged_dot implementation that alone; any other name stops the spec
+    naming the values it takes."""
+    from jaxserve.config import ModelConfig
+
+    cfg = ModelConfig(architecture="MixtralForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8,
+                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, model_type="mixtral",
+                      extra=(("moe_intermediate_size", 4), ("num_experts", 4), ("num_experts_per_tok", 2)))
+
+    def spec(value):
+        monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", value)
+        s = moe.moe_spec(cfg, renormalize=True, weights_in_hidden_dtype=False)
+        return s.grouped_gemm, s.rows_path_max_tokens
+
+    assert spec("auto") == ("ragged_dot", 0)                      # tests run on CPU
+    assert spec("rows") == ("pallas", moe.ROWS_PATH_MAX_TOKENS)
+    assert spec("gather") == ("gather", 0)
+    with pytest.raises(ValueError, match="JAXSERVE_MOE_GROUPED_GEMM='fused' is not one of auto, rows, ragged_dot"):
+        spec("fused")
+
+
 def test_pallas_tiles_larger_than_groups_and_spanning_them():
     """Tiles of 32 rows over groups of 20, 0, 33 and 7 rows (a group split over tiles, tiles cut short)."""
     rng = np.random.default_rng(3)
@@ -249,65 +268,3 @@ def test_moe_layer_compiles_to_no_device_loop(impl):
     plan = jax.jit(lambda s: ragged_dot.tile_plan(s, 64, 16)).lower(jnp.ones((8,), jnp.int32)).compile().as_text()
     assert " while(" not in plan
 
-
-# (tokens, experts, top_k, ids rule): duplicates across tokens, unowned ids (padding: E, another device's: -1)
-FUSED_CASES = [(1, 8, 2, "random"), (3, 8, 3, "random"), (4, 8, 2, "padding-and-shared"), (16, 4, 2, "random"),
-               (16, 8, 1, "one-expert"), (5, 8, 2, "none")]
-
-
-@pytest.mark.parametrize("case", FUSED_CASES, ids=[f"t{c[0]}-e{c[1]}-k{c[2]}-{c[3]}" for c in FUSED_CASES])
-def test_fused_moe_matches_reference(case):
-    """The two fused decode kernels (interpreted) against every expert on every token, masked by the routing:
-    each selected expert once however many tokens share it, unowned ids contributing nothing."""
-    t, e, k, rule = case
-    rng = np.random.default_rng(t * 100 + e + k)
-    hidden, inter = 64, 32
-    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
-    if rule == "padding-and-shared":
-        ids[3], ids[2, 0], ids[1, 1] = e, ids[1, 0], -1
-    elif rule == "one-expert":
-        ids[:] = 2
-    elif rule == "none":
-        ids[:] = e
-    h = jnp.asarray(rng.standard_normal((t, hidden)), jnp.float32)
-    gate_up = jnp.asarray(rng.standard_normal((e, hidden, 2, inter)) * 0.2, jnp.float32)
-    down = jnp.asarray(rng.standard_normal((e, inter, hidden)) * 0.2, jnp.float32)
-    weights = jnp.asarray(rng.random((t, k)), jnp.float32)
-    want = np.asarray(fused_moe.fused_moe_reference(h, jnp.asarray(ids), weights, gate_up, down, jax.nn.silu))
-    got = np.asarray(fused_moe.fused_moe(h, jnp.asarray(ids), weights, gate_up, down, jax.nn.silu,
-                                         block_i=16, block_h=16, splits=2))
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-    if rule == "none":
-        assert not got.any()
-
-
-def test_fused_moe_lowers_to_triton_for_the_gpu():
-    """Both kernels lower to Triton IR at Qwen3-30B-A3B's and Mixtral's widths (no GPU needed to lower, only
-    to compile): a primitive the Triton lowering lacks fails here, not on the GPU."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
-    S = jax.ShapeDtypeStruct
-    bf16 = jnp.bfloat16
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: hopper)
-        for e, k, hidden, inter, t in [(128, 8, 2048, 768, 4), (8, 2, 4096, 14336, 1)]:
-            f = jax.jit(lambda *a: fused_moe.fused_moe(*a, jax.nn.silu, interpret=False))
-            text = f.trace(S((t, hidden), bf16), S((t, k), jnp.int32), S((t, k), bf16),
-                           S((e, hidden, 2, inter), bf16), S((e, inter, hidden), bf16)
-                           ).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("__gpu$xla.gpu.triton") == 2
-        # the whole MoE MLP of a decode step: router, top-k, the weights, the two kernels and nothing that
-        # becomes a launch of its own around them (no loop, sort, gather, scatter, concatenation)
-        mp.setattr(fused_moe, "fused_moe", functools.partial(fused_moe.fused_moe, interpret=False))
-        e, k, hidden, inter, t = 128, 8, 2048, 768, 4
-        spec = moe.MoESpec(num_experts=e, top_k=k, intermediate_size=inter, renormalize=True,
-                           weights_in_hidden_dtype=True, layers=(True,), grouped_gemm="pallas",
-                           rows_path_max_tokens=16, decode_kernel="fused")
-        w = {"router": S((hidden, e), bf16), "experts_gate_up": S((e, hidden, 2, inter), bf16),
-             "experts_down": S((e, inter, hidden), bf16)}
-        text = jax.jit(lambda h, w, v: moe.moe_mlp(h, w, spec, jax.nn.silu, v)).trace(
-            S((t, hidden), bf16), w, S((t,), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 2
-        for op in ("while", "sort", "gather", "scatter", "concatenate", "dynamic_update_slice"):
-            assert f"stablehlo.{op}" not in text, op

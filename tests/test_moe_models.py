@@ -103,20 +103,14 @@ def test_moe_orbax_round_trip(tmp_path):
     check_orbax_round_trip("tiny-qwen2moe", str(tmp_path / "ckpt"))
 
 
-DECODE_CASES = [(n, kernel) for kernel in ("fused", "rows") for n in MOE]
-
-
-@pytest.mark.parametrize("name,kernel", [pytest.param(n, kern, marks=[] if (n, kern) in (
-    ("tiny-qwen3moe", "fused"), ("tiny-qwen2moe", "fused"), ("tiny-mixtral", "rows")) else pytest.mark.slow)
-    for n, kern in DECODE_CASES])
-def test_moe_rows_path_matches_hf(name, kernel, monkeypatch):
-    """The GPU's sort-free decode kernels (``fused``, the GPU default, and ``rows``; Pallas interpreted
-    here): a 16-token prefill step takes them, then HF's greedy continuation decoded twice in one batch."""
-    monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", kernel)
+@pytest.mark.parametrize("name", MOE)
+def test_moe_rows_path_matches_hf(name, monkeypatch):
+    """The GPU default's sort-free decode path (``rows``, the Pallas kernel interpreted here): a 16-token
+    prefill step takes it, then HF's greedy continuation decoded twice in one batch."""
+    monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "rows")
     model = load_model(os.path.join(FIXTURES, name), dtype="float32")
     model.family.clear_caches()          # specs are cached per config: forget the other runs'
     try:
-        assert model.family.decoder_spec(model.config).moe.decode_kernel == kernel
         _rows_path_matches_hf(name, model)
     finally:
         model.family.clear_caches()

@@ -4,26 +4,12 @@ selected experts' weights (kernels/ragged_dot.py), at decode and prefill token c
     python benchmarks/diagnostics/moe_gemm.py            # the H200 run (a few minutes), prints one table
     python benchmarks/diagnostics/moe_gemm.py --smoke    # tiny sizes on CPU (Pallas in interpret mode)
     python benchmarks/diagnostics/moe_gemm.py --decode --skip-models   # T = 1, 4, 16, 64, 256, + rows / layer
-    python benchmarks/diagnostics/moe_gemm.py --tune --skip-models     # the fused kernels' blocks (~3 minutes)
 
-``--decode``: decode token counts, and more rows per count: ``rows`` (``expert_rows_matmul``, the sort-free
-decode kernel, tokens in token order, at most 16 tokens), the whole routed-expert part of one MoE layer
-(``moe.routed_experts``: both GEMMs, the activation, the combine, and for ``layer:pallas`` the sort, group
-count, tile plan and scatter back) on the sorted path and, up to 16 tokens, the rows path and the fused
-decode kernels (``layer:fused``, ``kernels/fused_moe.py``: two launches for the whole routed part), and the
-fused kernels alone at a few block shapes: the layer rows show what the sort and the launches around the
-GEMMs cost. A block shape is named ``fused[bi,bh,s]`` or ``fused[bi,bh,s,bk,st]`` (positional) or by keys,
-``fused[bi=32,dk=128,w=8]`` (the others at ``fused_moe.GPU_BLOCKS``): ``bi`` gate/up's intermediate columns per
-program, ``bh`` down's output columns per program, ``s`` down's splits of the intermediate, ``bk`` / ``dk``
-gate/up's / down's rows per loop step, ``st`` the pipeline depth, ``w`` warps per program. What the brackets of a
-keyed name hold is a ``JAXSERVE_MOE_FUSED_BLOCKS`` value: the engine's MoE layers run those blocks.
-
-``--tune`` (the decode rows at 1, 4, 16 tokens unless --tokens): per shape and token count, ``layer:rows``,
-``layer:fused`` and a coordinate search over the fused kernels' blocks from ``GPU_BLOCKS`` (``TUNE_AXES``:
-each key's values in turn, keeping the fastest that matches ``fused_moe_reference``; settings that resolve to
-the same kernels run once), a ``tune:`` line with the best setting against both layers as each count
-finishes, then per shape each count's winner timed at the other counts and the one best summed over them (a
-candidate for that shape's default).
+``--decode``: decode token counts, and three more rows per count: ``rows`` (``expert_rows_matmul``, the
+sort-free decode kernel, tokens in token order, at most 16 tokens) and the whole routed-expert part of one MoE
+layer (``moe.routed_experts``: both GEMMs, the activation, the combine, and for ``layer:pallas`` the sort,
+group count, tile plan and scatter back) on the sorted path and, up to 16 tokens, the rows path: the
+layer rows show what the sort costs. ``--impls`` and ``--shapes`` pick the rows and shapes to time.
 
 The run ends with a model check: the tiny Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints (tests/fixtures/models)
 through the engine with each implementation (``JAXSERVE_MOE_GROUPED_GEMM``, one subprocess each), float32,
@@ -45,7 +31,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import sys
 import traceback
 
@@ -59,7 +44,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
 from benchmarks.diagnostics.timing import chain_seconds  # noqa: E402
-from jaxserve.kernels import fused_moe, ragged_dot  # noqa: E402
+from jaxserve.kernels import ragged_dot  # noqa: E402
 from jaxserve.models.layers import moe  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}   # E, top_k, hidden, inter
@@ -82,51 +67,8 @@ def routings(rng, tokens, experts, top_k, n):
     return group_sizes(routed_ids(rng, tokens, experts, top_k, n), experts)
 
 
-# the fused kernels' shapes tried beside the default (fused_moe.GPU_BLOCKS): (block_i, block_h, splits[,
-# block_k, num_stages])
-FUSED_BLOCKS = ((16, 64, 4), (64, 64, 4), (32, 32, 4), (32, 128, 8), (32, 64, 4, 256, 3), (32, 64, 4, 128, 4))
-DECODE_ROWS = ("rows", "layer:pallas", "layer:rows", "layer:fused") + tuple(
-    f"fused[{','.join(map(str, b))}]" for b in FUSED_BLOCKS)           # --decode's extra rows
+DECODE_ROWS = ("rows", "layer:pallas", "layer:rows")     # --decode's extra rows
 ROWS_MAX_TOKENS = moe.ROWS_PATH_MAX_TOKENS
-# a fused row's positional order (fused[bi,bh,s(,bk,st)]); by keys, fused_moe.BLOCK_KEYS (fused[bi=..,dk=..])
-FUSED_POSITIONAL = ("block_i", "block_h", "splits", "block_k", "num_stages")
-# --tune's coordinate search, in this order: gate/up's blocks, down's, then the compiler settings both share
-TUNE_AXES = (("block_i", (16, 32, 64, 128)), ("block_k", (64, 128, 256)), ("block_h", (32, 64, 128, 256)),
-             ("splits", (1, 2, 4, 8)), ("down_block_k", (64, 128)), ("num_stages", (2, 3, 4)),
-             ("num_warps", (4, 8)))
-
-
-def fused_blocks(impl: str) -> dict[str, int]:
-    """The ``fused_moe`` block arguments a ``fused[...]`` row names (see the docstring); ValueError says why
-    a name is not one."""
-    m = re.fullmatch(r"fused\[([^\]]*)\]", impl)
-    parts = [p.strip() for p in m.group(1).split(",")] if m else []
-    if not parts or not all(parts):
-        raise ValueError(f"{impl!r}: expected fused[bi,bh,s(,bk,st)] or fused[key=value,...]")
-    named = ["=" in p for p in parts]
-    if any(named) and not all(named):
-        raise ValueError(f"{impl!r}: all values positional or all key=value, not both")
-    if all(named):
-        try:
-            return fused_moe.parse_blocks(m.group(1))
-        except ValueError as e:
-            raise ValueError(f"{impl!r}: {e}") from None
-    if not 3 <= len(parts) <= len(FUSED_POSITIONAL):
-        raise ValueError(f"{impl!r}: 3 to {len(FUSED_POSITIONAL)} positional values (bi,bh,s(,bk,st))")
-    if not all(v.isdigit() and int(v) > 0 for v in parts):
-        raise ValueError(f"{impl!r}: every value a positive integer")
-    return {key: int(v) for key, v in zip(FUSED_POSITIONAL, parts)}
-
-
-def fused_name(blocks: dict[str, int]) -> str:
-    """The ``fused[key=value,...]`` row of these blocks, every key spelled out (``fused_blocks``' inverse)."""
-    short = {full: key for key, full in fused_moe.BLOCK_KEYS.items()}
-    return "fused[" + ",".join(f"{short[k]}={blocks[k]}" for k in fused_moe.GPU_BLOCKS) + "]"
-
-
-def _decode_row(impl) -> bool:
-    """Whether ``impl`` is one of --decode's rows (its inputs in token order, from ``decode_inputs``)."""
-    return impl == "rows" or impl.startswith(("layer:", "fused["))
 
 
 def one_call(impl):
@@ -135,21 +77,12 @@ def one_call(impl):
     ``[E, hidden, n]`` and group sizes otherwise."""
     if impl == "rows":      # each expert gets at most one row per token
         return lambda x, rhs, ids: ragged_dot.expert_rows_matmul(x, rhs, ids.reshape(-1), ids.shape[0])
-    if impl.startswith("fused["):
-        blocks = fused_blocks(impl)
-
-        def fused(x, rhs, routing):
-            (gate_up, down), (ids, weights) = rhs, routing
-            return fused_moe.fused_moe(x, ids, weights, gate_up, down, jax.nn.silu, **blocks).astype(x.dtype)
-        return fused
     if impl.startswith("layer:"):
         def layer(x, rhs, routing):
             (gate_up, down), (ids, weights) = rhs, routing
-            decode = impl in ("layer:rows", "layer:fused")
             spec = moe.MoESpec(num_experts=gate_up.shape[0], top_k=ids.shape[1], intermediate_size=down.shape[1],
                                renormalize=True, layers=(True,), grouped_gemm="pallas",
-                               rows_path_max_tokens=ROWS_MAX_TOKENS if decode else 0,
-                               decode_kernel=impl.split(":")[1] if decode else "fused")
+                               rows_path_max_tokens=ROWS_MAX_TOKENS if impl == "layer:rows" else 0)
             return moe.routed_experts(x, ids, weights, gate_up, down, spec, jax.nn.silu)
         return layer
     return lambda x, rhs, sizes: ragged_dot.grouped_matmul(x, rhs, sizes, impl)
@@ -189,7 +122,7 @@ def chained(impl, n_iter):
 def check(impl, rhs, rng, top_k) -> str | None:
     """The implementation against the reference on 8 tokens; the whole-layer rows are tested on CPU instead
     (tests/test_moe_layer.py)."""
-    if impl.startswith(("layer:", "fused")):
+    if impl.startswith("layer:"):
         return None
     experts, hidden, _ = rhs.shape
     sizes = jnp.asarray(routings(rng, 8, experts, top_k, 1)[0])
@@ -220,8 +153,6 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-models", action="store_true", help="only the GEMM table")
     ap.add_argument("--decode", action="store_true", help="T = 1, 4, 16, 64, 256 (unless --tokens) and the rows "
                                                            "kernel and whole-layer rows (see the docstring)")
-    ap.add_argument("--tune", action="store_true", help="search the fused kernels' blocks at T = 1, 4, 16 (unless "
-                    "--tokens) against layer:rows / layer:fused (see the docstring)")
     ap.add_argument("--impls", default=None, help="comma list of the implementations / rows to time (default all)")
     ap.add_argument("--shapes", default=None, help=f"comma list of {', '.join(SHAPES)} (default both)")
     ap.add_argument("--model-check", action="store_true", help=argparse.SUPPRESS)   # the per-impl subprocess
@@ -234,27 +165,23 @@ def main(argv=None) -> int:
     if not smoke and set(names) - set(SHAPES):
         ap.error(f"--shapes: {', '.join(sorted(set(names) - set(SHAPES)))} not among {', '.join(SHAPES)}")
     shapes = SMOKE_SHAPES if smoke else {n: SHAPES[n] for n in names}
-    default_tokens = "1,4,16" if args.tune else "1,4,16,64,256" if args.decode else "1,16,256,8192"
+    default_tokens = "1,4,16,64,256" if args.decode else "1,16,256,8192"
     token_counts = [int(t) for t in (args.tokens or ("1,16" if smoke else default_tokens)).split(",")]
-    if args.tune and (args.impls or max(token_counts) > ROWS_MAX_TOKENS):
-        ap.error(f"--tune: times its own rows (no --impls), at most {ROWS_MAX_TOKENS} tokens")
-    impls = ("layer:rows", "layer:fused") if args.tune else \
-        ragged_dot.IMPLEMENTATIONS + (DECODE_ROWS if args.decode else ())
-    if args.impls:      # fused[...] names hold commas: split on the commas outside brackets
-        wanted = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.impls)
-        unknown = [w for w in wanted if w not in impls and not _is_fused(w)]
+    impls = ragged_dot.IMPLEMENTATIONS + (DECODE_ROWS if args.decode else ())
+    if args.impls:
+        wanted = args.impls.split(",")
+        unknown = [w for w in wanted if w not in impls]
         if unknown:
-            ap.error(f"--impls: {', '.join(unknown)} not among {', '.join(impls)} (with --decode) nor a "
-                     "fused[...] row (see the docstring)")
+            ap.error(f"--impls: {', '.join(unknown)} not among {', '.join(impls)}"
+                     + ("" if args.decode else f" (--decode adds {', '.join(DECODE_ROWS)})"))
         impls = tuple(wanted)
     n_iter = args.n_iter or (2 if smoke else 20)
     hw = roofline.load_hardware("h200")[0]
+    read_bw, peak = hw.read_bandwidth, hw.peak_flops["bfloat16"]
     dtype = jnp.float32 if smoke else jnp.bfloat16
     rng = np.random.default_rng(0)
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  n_iter {n_iter}  reps {args.reps}", flush=True)
-    rows, tuned = [], []
-    if args.tune:       # the summary rows print as they come, "tune: " first (a run cut short keeps them)
-        print("\n".join(f"tune: {line}" for line in TUNE_HEADER.splitlines()), flush=True)
+    rows = []
     for name, (experts, top_k, hidden, inter) in shapes.items():
         n = 2 * inter
         experts_w = (jax.random.normal(jax.random.key(0), (experts, hidden, n), jnp.float32) * 0.02).astype(dtype)
@@ -265,150 +192,42 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001  (a lowering failure is a finding, not the end of the run)
                 broken[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 traceback.print_exc(limit=2)
-        timers = {tokens: Timer(name, tokens, experts_w, top_k, rng, dtype, hw, broken, n_iter, args.reps, rows)
-                  for tokens in token_counts}
-        for timer in timers.values():
+        for tokens in token_counts:
+            m = tokens * top_k
+            ids_np = routed_ids(rng, tokens, experts, top_k, POOL)
+            pool_np = group_sizes(ids_np, experts)
+            touched = float(np.mean([(p > 0).sum() for p in pool_np]))
+            gemm_bytes = (touched * hidden * n + m * (hidden + n)) * experts_w.dtype.itemsize
+            gemm_flops = 2.0 * m * hidden * n
+            gemm_inputs = (jnp.asarray(rng.standard_normal((m, hidden)) * 0.1, dtype), experts_w, jnp.asarray(pool_np))
             for impl in impls:
-                timer(impl)
-            if args.tune:
-                tuned.append(tune(timer, hidden, inter))
-        if args.tune:
-            tuned.append(best_across(timers, hidden, inter))
+                row = {"shape": name, "tokens": tokens, "impl": impl}
+                layer = impl.startswith("layer:")      # both GEMMs: 1.5 x the gate/up weights and FLOPs
+                nbytes, flops = (1.5 * gemm_bytes, 1.5 * gemm_flops) if layer else (gemm_bytes, gemm_flops)
+                lhs, rhs, pool = decode_inputs(impl, rng, experts_w, ids_np, dtype) if impl in DECODE_ROWS \
+                    else gemm_inputs
+                if broken[impl]:
+                    row["note"] = broken[impl]
+                elif impl in ("rows", "layer:rows") and tokens > ROWS_MAX_TOKENS:
+                    row["note"] = f"the rows path runs at most {ROWS_MAX_TOKENS} tokens"
+                elif impl == "gather" and m * hidden * n * experts_w.dtype.itemsize > GATHER_MAX_BYTES:
+                    row["note"] = "skipped: the gathered weights would not fit"
+                else:
+                    try:
+                        s = chain_seconds(chained(impl, n_iter), lhs, rhs, pool, n_iter=n_iter, reps=args.reps)
+                        row |= {"us": s * 1e6, "tbs": nbytes / s / 1e12, "bw": 100 * nbytes / s / read_bw,
+                                "tflops": flops / s / 1e12, "fl": 100 * flops / s / peak}
+                    except Exception as e:  # noqa: BLE001
+                        row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                rows.append(row)
+                print(_fmt(row), flush=True)
     print("\n| shape | tokens | impl | µs | TB/s | % read BW | TFLOP/s | % bf16 peak | note |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(_fmt(r))
-    if tuned:
-        print("\n" + TUNE_HEADER)
-        for line in tuned:
-            print(line)
     if not args.skip_models:
         run_model_checks()
     return 0
-
-
-def _is_fused(impl: str) -> bool:
-    try:
-        fused_blocks(impl)
-        return True
-    except ValueError:
-        return False
-
-
-class Timer:
-    """``timer(impl) -> row``: one implementation at one shape and token count (printed and kept in
-    ``rows``); each row is timed once, a repeat returns the first row."""
-
-    def __init__(self, shape, tokens, experts_w, top_k, rng, dtype, hw, broken, n_iter, reps, rows):
-        self.shape, self.tokens, self.experts_w, self.rng, self.dtype = shape, tokens, experts_w, rng, dtype
-        self.hw, self.broken, self.n_iter, self.reps, self.rows = hw, broken, n_iter, reps, rows
-        experts, hidden, n = experts_w.shape
-        m = tokens * top_k
-        self.ids = routed_ids(rng, tokens, experts, top_k, POOL)
-        pool = group_sizes(self.ids, experts)
-        touched = float(np.mean([(p > 0).sum() for p in pool]))
-        self.gemm_bytes = (touched * hidden * n + m * (hidden + n)) * experts_w.dtype.itemsize
-        self.gemm_flops = 2.0 * m * hidden * n
-        self.gather_bytes = m * hidden * n * experts_w.dtype.itemsize
-        self.gemm_inputs = (jnp.asarray(rng.standard_normal((m, hidden)) * 0.1, dtype), experts_w, jnp.asarray(pool))
-        self.done = {}
-        self.best = None          # tune(): the fastest fused row
-
-    def __call__(self, impl: str) -> dict:
-        if impl in self.done:
-            return self.done[impl]
-        tokens = self.tokens
-        row = {"shape": self.shape, "tokens": tokens, "impl": impl}
-        layer = impl.startswith(("layer:", "fused"))   # both GEMMs: 1.5 x the gate/up weights, FLOPs
-        nbytes, flops = (1.5 * self.gemm_bytes, 1.5 * self.gemm_flops) if layer else (self.gemm_bytes, self.gemm_flops)
-        if self.broken.get(impl):
-            row["note"] = self.broken[impl]
-        elif (impl in ("rows", "layer:rows", "layer:fused") or impl.startswith("fused")) and tokens > ROWS_MAX_TOKENS:
-            row["note"] = f"the decode kernels run at most {ROWS_MAX_TOKENS} tokens"
-        elif impl == "gather" and self.gather_bytes > GATHER_MAX_BYTES:
-            row["note"] = "skipped: the gathered weights would not fit"
-        else:
-            lhs, rhs, pool = decode_inputs(impl, self.rng, self.experts_w, self.ids, self.dtype) \
-                if _decode_row(impl) else self.gemm_inputs
-            try:
-                s = chain_seconds(chained(impl, self.n_iter), lhs, rhs, pool, n_iter=self.n_iter, reps=self.reps)
-                read_bw, peak = self.hw.read_bandwidth, self.hw.peak_flops["bfloat16"]
-                row |= {"us": s * 1e6, "tbs": nbytes / s / 1e12, "bw": 100 * nbytes / s / read_bw,
-                        "tflops": flops / s / 1e12, "fl": 100 * flops / s / peak}
-            except Exception as e:  # noqa: BLE001
-                row["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        self.rows.append(row)
-        self.done[impl] = row
-        print(_fmt(row), flush=True)
-        return row
-
-
-    def verify(self, impl: str) -> str | None:
-        """A ``fused[...]`` row's kernels against ``fused_moe_reference`` on this count's first routing: why
-        not, or None where they agree."""
-        experts, hidden, n = self.experts_w.shape
-        _, (gate_up, down), _ = decode_inputs(impl, self.rng, self.experts_w, self.ids, self.dtype)
-        ids = jnp.asarray(self.ids[0])
-        h = jnp.asarray(self.rng.standard_normal((self.tokens, hidden)) * 0.1, self.dtype)
-        weights = jnp.asarray(self.rng.random(ids.shape), jnp.float32)
-        want = np.asarray(fused_moe.fused_moe_reference(h, ids, weights, gate_up, down, jax.nn.silu), np.float32)
-        try:
-            got = np.asarray(fused_moe.fused_moe(h, ids, weights, gate_up, down, jax.nn.silu, **fused_blocks(impl)),
-                             np.float32)
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-9))
-        return None if err < 2e-2 else f"mismatch vs fused_moe_reference: max rel err {err:.3g}"
-
-
-def _us(row: dict) -> float:
-    return row.get("us", float("inf"))
-
-
-def tune(timer: Timer, hidden: int, inter: int) -> str:
-    """The coordinate search over ``TUNE_AXES`` from ``GPU_BLOCKS`` at one shape and token count; prints and
-    returns its summary row (``timer.best``: the winning row)."""
-    current = fused_moe.resolve_blocks(hidden, inter)
-    default = best = timer(fused_name(current))       # GPU_BLOCKS: the engine's setting, checked by the tests
-    for key, values in TUNE_AXES:
-        for value in values:
-            row = timer(fused_name(fused_moe.resolve_blocks(hidden, inter, **(current | {key: value}))))
-            if _us(row) < _us(best):
-                bad = timer.verify(row["impl"])      # a faster setting counts only if it computes the layer
-                if bad:
-                    row["note"] = bad
-                    print(f"tune: {timer.shape}, {timer.tokens} tokens: {row['impl']} not taken: {bad}", flush=True)
-                else:
-                    best = row
-        current = fused_blocks(best["impl"])
-    timer.best = best
-    line = _tune_row(timer.shape, str(timer.tokens), _us(timer("layer:rows")), _us(timer("layer:fused")),
-                     _us(default), _us(best), best["impl"])
-    print(f"tune: {line}", flush=True)
-    return line
-
-
-def best_across(timers: dict[int, Timer], hidden: int, inter: int) -> str:
-    """Each token count's winner timed at the other counts: the one with the least µs summed over them."""
-    winners = list(dict.fromkeys(t.best["impl"] for t in timers.values()))
-    total = {w: sum(_us(t(w)) for t in timers.values()) for w in winners}
-    best = min(winners, key=total.get)
-    default = fused_name(fused_moe.resolve_blocks(hidden, inter))
-    sums = [sum(_us(t(impl)) for t in timers.values()) for impl in ("layer:rows", "layer:fused", default)]
-    line = _tune_row(next(iter(timers.values())).shape, "sum " + "+".join(map(str, timers)), *sums, total[best], best)
-    print(f"tune: {line}", flush=True)
-    return line
-
-
-TUNE_HEADER = ("| shape | tokens | layer:rows µs | layer:fused µs | fused kernels at GPU_BLOCKS µs | best µs | "
-               "best / GPU_BLOCKS | layer:fused with best / layer:rows | best setting |\n"
-               "|---|---|---|---|---|---|---|---|---|")
-
-
-def _tune_row(shape, tokens, rows_us, layer_us, default_us, best_us, best) -> str:
-    """One summary row; "layer:fused with best" is layer:fused less the kernels' gain (an estimate)."""
-    return (f"| {shape} | {tokens} | {rows_us:.1f} | {layer_us:.1f} | {default_us:.1f} | {best_us:.1f} | "
-            f"{best_us / default_us:.2f} | {(layer_us - default_us + best_us) / rows_us:.2f} | {best} |")
 
 
 MOE_FIXTURES = ("tiny-mixtral", "tiny-qwen2moe", "tiny-qwen3moe")
@@ -439,7 +258,7 @@ def run_model_checks() -> None:
     import subprocess
 
     print("\nmodel check (tiny MoE checkpoints, float32, greedy ids vs HF):", flush=True)
-    for impl in ragged_dot.IMPLEMENTATIONS + (moe.ROWS, moe.FUSED):
+    for impl in ragged_dot.IMPLEMENTATIONS + (moe.ROWS,):
         env = dict(os.environ, JAXSERVE_MOE_GROUPED_GEMM=impl)
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--model-check"], env=env,
                               capture_output=True, text=True, timeout=900)

@@ -258,7 +258,7 @@ class DecoderFamily:
 
     def clear_caches(self) -> None:
         """Forget the specs and abstract models made so far: both read switches from the environment (the MoE
-        kernels and their blocks) when first made, and the abstract model holds its spec."""
+        grouped GEMM) when first made, and the abstract model holds its spec."""
         self.decoder_spec.cache_clear()
         self.abstract.cache_clear()
 

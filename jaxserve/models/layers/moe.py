@@ -14,17 +14,12 @@ rows times their weights (in float32). Assignments this device does not compute 
 expert parallelism the experts another device owns — sort after the last group, where the grouped GEMM gives
 zeros and an implementation that skips them spends nothing.
 
-Decode-sized steps (at most ``MoESpec.rows_path_max_tokens`` tokens, a static bucket size) skip the sort,
-by one of two kernels (``MoESpec.decode_kernel``):
-- ``fused`` (``kernels/fused_moe.py``): two kernels for the whole routed part, reading the routing ids as
-  they are: gate/up with the activation per selected expert, then down with the weighted combine; no plan,
-  gather, scatter or combine launches around them. Their blocks: ``JAXSERVE_MOE_FUSED_BLOCKS`` (unset:
-  ``fused_moe.GPU_BLOCKS``), read into ``MoESpec.fused_blocks`` when the model is built.
-- ``rows``: the (token, slot) rows go in token order to ``ragged_dot.expert_rows_matmul``, one kernel tile
-  per distinct expert gathering that expert's rows (at most one per token), and come back in token order;
-  an ``(T·k)²`` tile plan in jnp, the activation and the combine between and after the two GEMMs.
-An unowned assignment (padding, another device's expert) is computed by neither. Every path reads each
-selected expert's weights once.
+Decode-sized steps (at most ``MoESpec.rows_path_max_tokens`` tokens, a static bucket size) skip the sort:
+the (token, slot) rows go in token order to ``ragged_dot.expert_rows_matmul``, one kernel tile per distinct
+expert gathering that expert's rows (at most one per token), and come back in token order; an unowned row
+(padding, another device's expert) belongs to no tile. Both paths read each selected expert's weights once;
+the rows path saves the sort, the group count, the tile plan's prefix sums and the scatter back (a handful
+of small launches per layer, which at batch 1 are a large share of the step), at an ``(T·k)²`` plan.
 
 Routing as computed: top-k of the logits (softmax is monotone, so the same experts in the same order), then
 the weights in float32 from those k logits alone when renormalising (the softmax of the k values equals the
@@ -41,7 +36,6 @@ Parallelism over the ``"tp"`` mesh axis (the weights' ``out_sharding`` says whic
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable
 
 import jax
@@ -52,9 +46,8 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import envs, parallel
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.kernels import fused_moe, ragged_dot
+from jaxserve.kernels import ragged_dot
 
-logger = logging.getLogger(__name__)
 TP = parallel.TP
 EXPERT_PARALLEL = "enable_expert_parallel"       # the ModelConfig.extra key (vLLM's flag name)
 
@@ -72,8 +65,6 @@ class MoESpec:
     expert_parallel: bool = False
     grouped_gemm: str = "ragged_dot"           # kernels.ragged_dot implementation
     rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
-    decode_kernel: str = "fused"               # what those steps run: "fused" (fused_moe) or "rows"
-    fused_blocks: tuple[tuple[str, int], ...] = ()   # fused_moe's block arguments (none: its GPU_BLOCKS)
 
 
 def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bool,
@@ -83,51 +74,33 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
     extra = cfg.extra_dict
     step, dense = int(extra.get("decoder_sparse_step") or 1), set(extra.get("mlp_only_layers") or ())
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
-    impl, decode_kernel = _grouped_gemm()
-    blocks = _fused_blocks()
-    if blocks and decode_kernel != FUSED:
-        logger.warning("JAXSERVE_MOE_FUSED_BLOCKS is set but the MoE layers run no fused kernels "
-                       "(JAXSERVE_MOE_GROUPED_GEMM=%s on %s)", envs.JAXSERVE_MOE_GROUPED_GEMM, jax.default_backend())
+    impl, rows_path = _grouped_gemm()
     return MoESpec(num_experts=int(extra["num_experts"]), top_k=int(extra["num_experts_per_tok"]),
                    intermediate_size=int(extra["moe_intermediate_size"]), renormalize=renormalize,
                    weights_in_hidden_dtype=weights_in_hidden_dtype,
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
                    expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=impl,
-                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if decode_kernel else 0,
-                   decode_kernel=decode_kernel or "fused", fused_blocks=blocks)
+                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0)
 
 
-ROWS, FUSED = "rows", "fused"   # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and a sort-free kernel at decode sizes
+ROWS = "rows"      # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and the sort-free rows path at decode sizes
 
 
-def _grouped_gemm() -> tuple[str, str]:
-    """(the grouped GEMM the MoE layers run, the sort-free kernel decode-sized steps run or "").
+def _grouped_gemm() -> tuple[str, bool]:
+    """(the grouped GEMM the MoE layers run, whether decode-sized steps take the sort-free rows path).
     ``auto`` is ``rows`` on a GPU and ``ragged_dot`` elsewhere. On a GPU ``lax.ragged_dot`` lowers to a dense
     padded product (an H200 at 256 tokens: 2,276 us against the Pallas kernel's 322 us for Qwen3-30B-A3B's
-    gate/up, 2026-12-01-h200-moe-grouped-gemm.md). At decode sizes the rows kernel beats the fused kernels
-    end to end: Qwen3-30B-A3B 1.38x at batch 4 and 1.69x at batch 16, 0.97x at batch 1 (benchmarks/results,
-    moe-ab). A named implementation runs at every size (A/B runs)."""
+    gate/up, 2026-12-01-h200-moe-grouped-gemm.md). A named ragged_dot implementation runs at every size
+    (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
         impl = ROWS if jax.default_backend() == "gpu" else "ragged_dot"
-    if impl in (ROWS, FUSED):
-        return "pallas", impl
+    if impl == ROWS:
+        return "pallas", True
     if impl not in ragged_dot.IMPLEMENTATIONS:
-        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {FUSED}, {ROWS}, "
+        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {ROWS}, "
                          f"{', '.join(ragged_dot.IMPLEMENTATIONS)}")
-    return impl, ""
-
-
-def _fused_blocks() -> tuple[tuple[str, int], ...]:
-    """The fused decode kernels' blocks that ``JAXSERVE_MOE_FUSED_BLOCKS`` names (unset: none, ``GPU_BLOCKS``),
-    checked when the model's spec is made, so a bad value stops the engine's start rather than a trace."""
-    raw = envs.JAXSERVE_MOE_FUSED_BLOCKS
-    if raw is None:
-        return ()
-    try:
-        return tuple(fused_moe.parse_blocks(raw).items())
-    except ValueError as e:
-        raise ValueError(f"JAXSERVE_MOE_FUSED_BLOCKS={raw!r}: {e}") from None
+    return impl, False
 
 
 ROWS_PATH_MAX_TOKENS = 16    # one 16-row kernel tile holds an expert's rows; the plan is (16·k)² compares
@@ -228,12 +201,6 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
     """This device's experts ``offset .. offset + E_local`` (see the module NOTE)."""
     t, k = ids.shape
     local_experts, hidden = gate_up.shape[:2]
-    if (t <= spec.rows_path_max_tokens and spec.decode_kernel == FUSED
-            and fused_moe.supports(t, hidden, down.shape[1])):
-        # the kernels skip ids outside 0 .. local_experts - 1 themselves: on one device the ids go as they are
-        local = ids if isinstance(offset, int) and offset == 0 else ids - offset
-        return fused_moe.fused_moe(h, local, weights, gate_up, down, activation,
-                                   **dict(spec.fused_blocks)).astype(h.dtype)
     local = ids - offset
     mine = (local >= 0) & (local < local_experts)
     key = jnp.where(mine, local, local_experts).reshape(-1)

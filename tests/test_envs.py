@@ -77,6 +77,13 @@ def test_a_switch_a_trace_reads_is_part_of_the_program_cache_key(monkeypatch):
     rows = program_cache._environment()
     monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "pallas")
     assert len({unset, rows, program_cache._environment()}) == 3
+    # XLA's flags and memory share act after export: a stored program stays valid across them
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    pallas = program_cache._environment()
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert program_cache._environment() == pallas
 
 
 def test_a_benchmark_result_records_the_switches_set_but_no_secret(monkeypatch):

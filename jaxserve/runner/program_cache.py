@@ -38,8 +38,10 @@ _TRACE_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_ran
                 "jax_use_shardy_partitioner", "jax_softmax_custom_jvp", "jax_enable_checks",
                 "jax_debug_nans", "jax_debug_infs", "jax_dynamic_shapes")
 
-# environment variables that differ run to run (or process to process) without changing a program
-_PER_RUN = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID")
+# environment variables that differ run to run (or process to process) without changing a program: XLA's flags
+# and memory share act after export (the persistent compile cache keys the flags itself; the KV cache's size is
+# in the inputs' shapes)
+_PER_RUN = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID", "XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def directory_for(compile_cache_dir: str | None) -> str | None:

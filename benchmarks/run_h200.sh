@@ -40,12 +40,12 @@
 #             first variant). MOE_AB_SETS: more --set KEY=VALUE words for every variant
 #   moe-serve h200-qwen3-30b-a3b-serve-sweep (concurrency 1 / 16 / 64 / 256, TTFT / TPOT)
 #   launch-ab the batch-1 step's launch cost: h200-$LAUNCH_AB_MODEL-latency-bs1 (default qwen3-30b-a3b; 128 out,
-#             buckets 4 and 256) under each NAME=XLA_FLAGS of $LAUNCH_AB_VARIANTS, in that order (default: default, a
-#             temp buffer at a fixed address, nocache); NAME nocache also turns the stored step programs off
-#             (engine.compilation_cache_dir empty), NAME old runs LAUNCH_AB_OLD=TREE's jaxserve (a plain checkout,
-#             as for ab); LAUNCH_AB_ROUNDS
-#             rounds (default 2) interleaved, each run cut at LAUNCH_AB_LIMIT_S (150), none started with less than
-#             60 s of LAUNCH_AB_BUDGET_S (540) left; one table (output tok/s, decode step ms, host ms per step)
+#             buckets 4 and 256) under each NAME=XLA_FLAGS of $LAUNCH_AB_VARIANTS, in that order (default: jaxserve's
+#             flags, XLA's own command-buffer update mode, nocache); NAME nocache also turns the stored step programs
+#             off (engine.compilation_cache_dir empty), NAME old runs LAUNCH_AB_OLD=TREE's jaxserve (a plain
+#             checkout, as for ab); LAUNCH_AB_ROUNDS rounds (default 2) interleaved, each run cut at
+#             LAUNCH_AB_LIMIT_S (150), none started with less than 60 s of LAUNCH_AB_BUDGET_S (540) left; one table
+#             (output tok/s, decode step ms, host ms per step)
 # Usage: benchmarks/run_h200.sh [offline|serve|kernels|bandwidth|ab OLD_TREE|split|split-decode|split-serve|hostcore|frontend|startup|embed|gpucheck|stepdiag|phases|tp2|carcheck|
 #        families|families-throughput|gemma2-long|moe|moe-ab|moe-serve|launch-ab ...]
 # ab OLD_TREE: h200-llama8b-latency-bs1 and -throughput at OLD_TREE (a plain checkout of the old commit, e.g. .ab-old/,
@@ -130,12 +130,18 @@ families() {   # families MODE CONFIG LIMIT_S: CONFIG for each model of $FAMILIE
   done
 }
 
+run_limit() {   # run_limit BUDGET START LIMIT MIN: LIMIT, or the seconds left of BUDGET since START if fewer; nothing
+  local left=$(($1 - (SECONDS - $2)))          # (and status 1) when fewer than MIN are left
+  [ "$left" -lt "$4" ] && { echo "$left"; return 1; }
+  [ "$left" -lt "$3" ] && echo "$left" || echo "$3"
+}
+
 # the default GEMM (auto: rows on a GPU) at a single step on both models (Mixtral is device-bound), then
 # multi-step (Qwen3 is launch-bound at batch 1); name other GEMMs in MOE_AB_VARIANTS to compare them
 MOE_AB_VARIANTS=${MOE_AB_VARIANTS:-qwen3-30b-a3b:auto:1 mixtral-8x7b:auto:1 qwen3-30b-a3b:auto:4 mixtral-8x7b:auto:4}
 
 moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM:STEPS of $MOE_AB_VARIANTS (the header says how)
-  local budget=${MOE_AB_BUDGET_S:-510} t0=$SECONDS v model gemm nss left limit s more ran=()
+  local budget=${MOE_AB_BUDGET_S:-510} t0=$SECONDS v model gemm nss limit s more ran=()
   # bs1's engine made the one of bs4 / bs16 (no-ops for them); fewer tokens and iterations to fit the call
   local sets=(--set engine.max_model_len=512 --set engine.max_num_seqs=16 --set "engine.token_buckets=[4,16,2048]"
               --set workload.output_len=128 --set workload.iters=3 --set workload.prefill_iters=2 --no-plots)
@@ -143,11 +149,9 @@ moe_ab() {   # moe_ab: batch 1 / 4 / 16 of each MODEL:GEMM:STEPS of $MOE_AB_VARI
   for s in "${more[@]}"; do sets+=(--set "$s"); done
   for v in $MOE_AB_VARIANTS; do
     IFS=: read -r model gemm nss <<< "$v"
-    left=$((budget - (SECONDS - t0)))
-    if [ "$left" -lt "${MOE_AB_MIN_S:-60}" ]; then
-      echo "moe-ab $v: skipped, $left s of the step's $budget s left" | tee -a "$SUMMARY"; continue
+    if ! limit=$(run_limit "$budget" "$t0" "${MOE_AB_LIMIT_S:-180}" "${MOE_AB_MIN_S:-60}"); then
+      echo "moe-ab $v: skipped, $limit s of the step's $budget s left" | tee -a "$SUMMARY"; continue
     fi
-    limit=${MOE_AB_LIMIT_S:-180}; [ "$left" -lt "$limit" ] && limit=$left
     ran+=("$v")
     ( [ "$model" = mixtral-8x7b ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95   # 93 GB of weights
       JAXSERVE_MOE_GROUPED_GEMM=$gemm bench "$limit" "moe-ab-$model-$gemm-nss$nss" \
@@ -222,10 +226,10 @@ for name in ("h200-llama8b-latency-bs1", "h200-llama8b-throughput"):
 EOF
 }
 
-LAUNCH_AB_VARIANTS=${LAUNCH_AB_VARIANTS:-default= tempcolor=--xla_gpu_temp_buffer_use_separate_color=true nocache=}
+LAUNCH_AB_VARIANTS=${LAUNCH_AB_VARIANTS:-default= always=--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE nocache=}
 
 launch_ab() {   # launch_ab: batch 1 of one model under XLA flag sets, without stored programs, at an old tree
-  local model=${LAUNCH_AB_MODEL:-qwen3-30b-a3b} rnd v name flags tree sets left limit
+  local model=${LAUNCH_AB_MODEL:-qwen3-30b-a3b} rnd v name flags tree sets limit
   local budget=${LAUNCH_AB_BUDGET_S:-540} start=$SECONDS
   local cfg=(--config "h200-$model-latency-bs1" --set workload.output_len=128 --set workload.iters=3
              --set workload.prefill_iters=2 --set engine.max_num_batched_tokens=256
@@ -240,9 +244,9 @@ launch_ab() {   # launch_ab: batch 1 of one model under XLA flag sets, without s
       name=${v%%=*}; flags=${v#*=}; tree=$PWD; sets=()
       [ "$name" = nocache ] && sets=(--set engine.compilation_cache_dir=)
       [ "$name" = old ] && tree=$(cd "$LAUNCH_AB_OLD" && pwd)
-      left=$((budget - (SECONDS - start)))
-      if [ "$left" -lt 60 ]; then echo "launch-ab round $rnd, $name: skipped, $left s left" | tee -a "$SUMMARY"; continue; fi
-      limit=${LAUNCH_AB_LIMIT_S:-150}; [ "$left" -lt "$limit" ] && limit=$left
+      if ! limit=$(run_limit "$budget" "$start" "${LAUNCH_AB_LIMIT_S:-150}" 60); then
+        echo "launch-ab round $rnd, $name: skipped, $limit s left" | tee -a "$SUMMARY"; continue
+      fi
       echo "=== launch-ab round $rnd, $name (XLA_FLAGS='$flags', tree $tree)" | tee -a "$SUMMARY"
       local t0=$SECONDS
       (cd "$tree" && if [ "$name" = old ]; then export PYTHONPATH="$AB_SITE/old${PYTHONPATH:+:$PYTHONPATH}"; fi

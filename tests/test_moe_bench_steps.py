@@ -105,7 +105,7 @@ def test_moe_ab_runs_each_variant_with_its_gemm_and_steps(tmp_path):
     script = ('SUMMARY=$RESULTS/summary.txt\n'
               'bench() { echo "gemm=$JAXSERVE_MOE_GROUPED_GEMM name=$2 out=${*: -1}"; }\n'
               'MOE_AB_VARIANTS="qwen3-30b-a3b:auto:1 mixtral-8x7b:pallas:4"\nmoe_ab')
-    out = _bash(script, tmp_path, "moe_ab", "moe_ab_table").splitlines()
+    out = _bash(script, tmp_path, "run_limit", "moe_ab", "moe_ab_table").splitlines()
     assert [line for line in out if line.startswith("gemm=")] == [
         f"gemm=auto name=moe-ab-qwen3-30b-a3b-auto-nss1 out={tmp_path}/moe-ab/qwen3-30b-a3b-auto-nss1",
         f"gemm=pallas name=moe-ab-mixtral-8x7b-pallas-nss4 out={tmp_path}/moe-ab/mixtral-8x7b-pallas-nss4"]

@@ -2,8 +2,9 @@
 
 The machine's ``nvcc`` (``$JAXSERVE_NVCC``, ``$CUDA_HOME/bin``, ``PATH`` or ``/usr/local/cuda/bin``) builds it for
 the given GPU architecture into a cache folder (``$JAXSERVE_KERNEL_CACHE``, else ``~/.cache/jaxserve/kernels``),
-keyed by the source, the compiler's version, the architecture and XLA's FFI headers. The variables are read
-through ``jaxserve.envs``.
+keyed by the source, the compiler's version, the architecture and XLA's FFI headers. The caller says where
+things are (a ``Toolchain``: jaxserve fills it from its environment registry, ``jaxserve.envs``); kernels/
+itself reads no environment.
 """
 from __future__ import annotations
 
@@ -11,22 +12,24 @@ import hashlib
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
-from jaxserve import envs
 
+@dataclass(frozen=True)
+class Toolchain:
+    """Where the build finds its compiler and keeps its libraries."""
+    cache_dir: Path                 # built libraries, one file per source/compiler/architecture/headers
+    nvcc: str | None = None         # this nvcc, else $cuda_home/bin, PATH, /usr/local/cuda/bin
+    cuda_home: str | None = None
+    arch: str = "native"            # when the caller names no device's architecture
 
-def find_nvcc() -> str | None:
-    cuda_home = envs.CUDA_HOME
-    for cand in (envs.JAXSERVE_NVCC, os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None,
-                 shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
-
-
-def cache_dir() -> Path:
-    return Path(envs.JAXSERVE_KERNEL_CACHE or os.path.join(envs.XDG_CACHE_HOME, "jaxserve", "kernels"))
+    def find_nvcc(self) -> str | None:
+        for cand in (self.nvcc, os.path.join(self.cuda_home, "bin", "nvcc") if self.cuda_home else None,
+                     shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+            if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+                return cand
+        return None
 
 
 def nvcc_command(nvcc: str, source: Path, out: Path, arch: str) -> list[str]:
@@ -35,21 +38,22 @@ def nvcc_command(nvcc: str, source: Path, out: Path, arch: str) -> list[str]:
             "-isystem", jax.ffi.include_dir(), "-o", str(out), str(source)]
 
 
-def build(source: Path, *, arch: str | None = None, error: type[Exception] = RuntimeError) -> Path:
+def build(source: Path, toolchain: Toolchain, *, arch: str | None = None,
+          error: type[Exception] = RuntimeError) -> Path:
     """Compile ``source`` (once per source/compiler/architecture/headers) and return the library's path; raise
     ``error`` with the reason when it cannot."""
     import jax.ffi
-    nvcc = find_nvcc()
+    nvcc = toolchain.find_nvcc()
     if nvcc is None:
         raise error("no nvcc found (set JAXSERVE_NVCC or CUDA_HOME)")
-    arch = arch or envs.JAXSERVE_CUDA_ARCH
+    arch = arch or toolchain.arch
     try:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise error(f"{nvcc} --version failed: {e}") from e
     key = hashlib.sha256(source.read_bytes() + version.encode() + arch.encode()
                          + jax.ffi.include_dir().encode()).hexdigest()[:16]
-    out = cache_dir() / f"{source.stem}-{key}.so"
+    out = Path(toolchain.cache_dir) / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -56,12 +56,12 @@ class CustomAllReduceUnavailable(RuntimeError):
     """The custom all-reduce cannot run here (no nvcc, no GPU, CUDA IPC refused, ...); the message says why."""
 
 
-def build(*, arch: str | None = None) -> Path:
+def build(toolchain: cuda_build.Toolchain, *, arch: str | None = None) -> Path:
     """Compile ``custom_allreduce.cu`` (once per source/compiler/headers) and return the shared library's path."""
-    return cuda_build.build(SOURCE, arch=arch, error=CustomAllReduceUnavailable)
+    return cuda_build.build(SOURCE, toolchain, arch=arch, error=CustomAllReduceUnavailable)
 
 
-def load(arch: str | None = None):
+def load(toolchain: cuda_build.Toolchain, arch: str | None = None):
     """The built library, with its FFI target registered with XLA for CUDA (once per process)."""
     global _lib
     if _lib is None:
@@ -69,7 +69,7 @@ def load(arch: str | None = None):
         import jax.ffi
         if jax.default_backend() != "gpu":
             raise CustomAllReduceUnavailable(f"needs an NVIDIA GPU (backend is {jax.default_backend()!r})")
-        lib = ctypes.CDLL(str(build(arch=arch)))
+        lib = ctypes.CDLL(str(build(toolchain, arch=arch)))
         lib.jaxserve_car_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
                                             ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64]
         lib.jaxserve_car_open.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64]
@@ -80,13 +80,14 @@ def load(arch: str | None = None):
     return _lib
 
 
-def create(device, rank: int, world: int, *, slot_bytes: int = DEFAULT_SLOT_BYTES) -> bytes:
+def create(device, rank: int, world: int, toolchain: cuda_build.Toolchain, *,
+           slot_bytes: int = DEFAULT_SLOT_BYTES) -> bytes:
     """Allocate rank ``rank``'s buffer on ``device`` (a ``jax.Device``) and return its 64-byte CUDA IPC handle,
     for every other rank's ``open_peers``. An earlier set-up's buffers on the device are retired, not freed:
     executables compiled while they were current still hold their addresses."""
     if not 2 <= world <= MAX_RANKS:
         raise CustomAllReduceUnavailable(f"{world} ranks (supported: 2..{MAX_RANKS})")
-    lib = load(arch=cuda_build.device_arch(device))
+    lib = load(toolchain, arch=cuda_build.device_arch(device))
     err = ctypes.create_string_buffer(512)
     handle = ctypes.create_string_buffer(64)
     if lib.jaxserve_car_create(int(device.local_hardware_id), rank, world, slot_bytes, handle, err, len(err)):
@@ -98,18 +99,21 @@ def open_peers(device, handles: list[bytes]) -> None:
     """Map every rank's buffer (``handles`` in rank order, this rank's included) on ``device``."""
     if any(len(h) != 64 for h in handles):
         raise CustomAllReduceUnavailable("bad IPC handle exchange")
-    lib = load()
+    if _lib is None:
+        raise CustomAllReduceUnavailable("create() this rank's buffer before opening its peers'")
+    lib = _lib
     err = ctypes.create_string_buffer(512)
     if lib.jaxserve_car_open(int(device.local_hardware_id), b"".join(handles), err, len(err)):
         raise CustomAllReduceUnavailable(err.value.decode(errors="replace"))
 
 
-def setup(device, rank: int, world: int, exchange, *, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+def setup(device, rank: int, world: int, exchange, toolchain: cuda_build.Toolchain, *,
+          slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
     """``create`` then ``open_peers``, with ``exchange(handle: bytes) -> list[bytes]`` sharing the handles
     (``distributed_exchange`` does it through ``jax.distributed``). Every rank must call it. The engine does
     the same in two agreed rounds instead (``jaxserve.parallel.collectives``), so one rank's failure cannot
     leave the others waiting."""
-    open_peers(device, exchange(create(device, rank, world, slot_bytes=slot_bytes)))
+    open_peers(device, exchange(create(device, rank, world, toolchain, slot_bytes=slot_bytes)))
 
 
 def distributed_exchange(rank: int, world: int, *, tag: str = "jaxserve-car", timeout_ms: int = 120_000):

@@ -24,9 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .metadata import PAD_SLOT
-from .ops import kv_cache_shapes
 from .paged_attention_pallas import _next_pow2, _rows
-from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale, v_transposed
+from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale, kv_cache_shapes, v_transposed
 
 
 def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_ref, vc_ref, *, kvh, bs, stride,
@@ -72,7 +71,7 @@ def _launch(k_cache, v_cache, k_src, v_src, slot_mapping, *, stride, k_off, v_of
     v_flat = (nb * kvh * d, bs) if vt else flat
     if tuple(v_cache.shape) != kv_cache_shapes(nb, bs, kvh, d, v_cache.dtype)[1]:
         raise ValueError(f"V cache shape {v_cache.shape} does not match K's {k_cache.shape} in {v_cache.dtype} "
-                         f"(ops.kv_cache_shapes)")
+                         f"(ref_attention.kv_cache_shapes)")
     kc, vc = pl.pallas_call(
         functools.partial(_write_kernel, kvh=kvh, bs=bs, stride=stride, k_off=k_off, v_off=v_off, v_transposed=vt),
         grid=(T,),

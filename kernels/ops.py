@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from . import ref_attention
+from .ref_attention import kv_cache_shapes  # noqa: F401  (the layout, for the kernels' callers)
 from .metadata import AttentionMetadata
 
 BACKENDS = ("reference", "pallas", "pallas-triton", "pallas-mgpu")
@@ -27,23 +28,6 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32")
 def default_backend() -> str:
     """'pallas' when JAX runs on an NVIDIA GPU, else 'reference'."""
     return "pallas" if jax.default_backend() == "gpu" else "reference"
-
-
-def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of one layer's ``(k_cache, v_cache)`` stored in ``dtype``: head-major pages ``[num_blocks,
-    kv_heads, block_size, head_dim]``, except that an fp8 cache's V pages are transposed, ``[num_blocks,
-    kv_heads, head_dim, block_size]`` (``ref_attention.v_transposed`` says why). When ``head_dim ==
-    block_size`` the two V layouts have the same shape: the dtype alone says which one a cache holds.
-
-    Head-major pages: one head's ``block_size`` rows of a page are one contiguous run (4 KiB in bf16 at d=128,
-    pages of 16), where token-major pages ``[blocks, block, kv_heads, d]`` scatter them ``kv_heads * d``
-    apart; same output, and the decode kernel reads head-major pages faster.
-    """
-    k_shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    if ref_attention.v_transposed(dtype):
-        return k_shape, (num_blocks, num_kv_heads, head_dim, block_size)
-    return k_shape, k_shape
 
 
 def init_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,

@@ -138,3 +138,20 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     m, l, acc = jax.lax.fori_loop(0, n_live, lambda i, carry: chunk(carry, (i, tables[i]))[0], init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(T, hq, d).astype(q.dtype)
+
+
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's ``(k_cache, v_cache)`` stored in ``dtype``: head-major pages ``[num_blocks,
+    kv_heads, block_size, head_dim]``, except that an fp8 cache's V pages are transposed, ``[num_blocks,
+    kv_heads, head_dim, block_size]`` (``v_transposed`` says why). When ``head_dim ==
+    block_size`` the two V layouts have the same shape: the dtype alone says which one a cache holds.
+
+    Head-major pages: one head's ``block_size`` rows of a page are one contiguous run (4 KiB in bf16 at d=128,
+    pages of 16), where token-major pages ``[blocks, block, kv_heads, d]`` scatter them ``kv_heads * d``
+    apart; same output, and the decode kernel reads head-major pages faster.
+    """
+    k_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    if v_transposed(dtype):
+        return k_shape, (num_blocks, num_kv_heads, head_dim, block_size)
+    return k_shape, k_shape

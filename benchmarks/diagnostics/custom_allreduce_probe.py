@@ -123,7 +123,9 @@ def main(argv=None) -> int:
     mesh = jax.make_mesh((jax.device_count(),), ("tp",))
     d = mesh.shape["tp"]
     t0 = time.perf_counter()
-    car.setup(jax.local_devices()[0], jax.process_index(), d, car.distributed_exchange(jax.process_index(), d))
+    from jaxserve.parallel.collectives import kernel_toolchain
+    car.setup(jax.local_devices()[0], jax.process_index(), d, car.distributed_exchange(jax.process_index(), d),
+              kernel_toolchain())
     say(f"# custom_allreduce_probe: jax {jax.__version__}, {d} x {jax.devices()[0].device_kind}, "
         f"{jax.process_count()} processes; build + setup {time.perf_counter() - t0:.1f} s", flush=True)
 

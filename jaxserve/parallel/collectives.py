@@ -23,6 +23,7 @@ takes part in the decision (two rounds through ``jax.distributed``), so either a
 from __future__ import annotations
 
 
+import os
 from typing import Callable
 
 import jax
@@ -74,6 +75,14 @@ def row_parallel_matmul_add_rms_norm(x: jax.Array, w: jax.Array, residual: jax.A
                          check_vma=False)(x, w, residual, norm_weight)
 
 
+def kernel_toolchain():
+    """Where the CUDA kernels are built (``kernels.cuda_build``), from jaxserve's environment registry."""
+    from jaxserve.kernels import cuda_build
+    return cuda_build.Toolchain(
+        cache_dir=envs.JAXSERVE_KERNEL_CACHE or os.path.join(envs.XDG_CACHE_HOME, "jaxserve", "kernels"),
+        nvcc=envs.JAXSERVE_NVCC, cuda_home=envs.CUDA_HOME, arch=envs.JAXSERVE_CUDA_ARCH)
+
+
 def fuses_norm() -> bool:
     """Whether ``row_parallel_matmul_add_rms_norm`` uses the fused kernel in this process."""
     return _enabled and _fuse_norm
@@ -102,7 +111,7 @@ def enable_custom_all_reduce(mesh, *, disable: bool = False) -> str | None:
     tag = f"jaxserve-car-{_generation}"
     reason = None
     try:
-        handle = car.create(device, rank, world)
+        handle = car.create(device, rank, world, kernel_toolchain())
     except Exception as e:  # noqa: BLE001  (any failure here must still reach the other ranks as a "no")
         handle, reason = None, f"{type(e).__name__}: {e}"
     # round 1: every rank's IPC handle, or that it has none; round 2: whether every rank mapped its peers

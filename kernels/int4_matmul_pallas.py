@@ -47,8 +47,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .device_info import num_sms
+
 PACK = 8          # int4 values per int32
-NUM_SMS = 132     # H200: the split-K heuristic aims at a few programs per SM
 MAGIC = 0x4B000000            # the float32 bits of 2^23
 MAGIC_F = float(2 ** 23)
 FMA_MAX_ROWS = 16             # the "fma" kernel unrolls its rows (correct for any; fast for one)
@@ -161,7 +162,7 @@ def default_config(m: int, k: int, n: int, group_size: int, live_one: bool = Fal
 def _split_k(k_blocks: int, tiles: int, num_warps: int, unroll: int, min_steps: int = 1) -> int:
     """K splits for about 16 warps per SM (a decode launch is latency-bound below that), each split keeping at
     least ``unroll`` and ``min_steps`` K steps."""
-    want = max(1, -(-16 * NUM_SMS // (tiles * num_warps)))
+    want = max(1, -(-16 * num_sms() // (tiles * num_warps)))
     return max(d for d in range(1, k_blocks + 1)
                if d == 1 or (k_blocks % d == 0 and d <= want and (k_blocks // d) % unroll == 0
                              and k_blocks // d >= min_steps))

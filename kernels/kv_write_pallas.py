@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .metadata import PAD_SLOT
-from .paged_attention_pallas import _next_pow2, _rows
+from .triton_rows import next_pow2, rows_of
 from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale, kv_cache_shapes, v_transposed
 
 
@@ -37,7 +37,7 @@ def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_re
     t = pl.program_id(0)
     slot = slots_ref[t]
     page_row = (slot // bs) * kvh * bs + slot % bs          # head h's row: page_row + h * bs
-    heads = lax.iota(jnp.int32, _next_pow2(kvh))            # Triton blocks are powers of two: rows >= kvh masked
+    heads = lax.iota(jnp.int32, next_pow2(kvh))            # Triton blocks are powers of two: rows >= kvh masked
 
     @pl.when(slot != PAD_SLOT)
     def _():
@@ -49,7 +49,7 @@ def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_re
         d = k_ref.shape[1]
         keep = jnp.broadcast_to(real[:, None], (heads.shape[0], d))
         for src, off, scale_ref, dst in ((k_ref, k_off, ks_ref, kc_ref), (v_ref, v_off, vs_ref, vc_ref)):
-            x = plgpu.load(_rows(src, t * stride + off + hh))                     # [kvh_pad, D]
+            x = plgpu.load(rows_of(src, t * stride + off + hh))                     # [kvh_pad, D]
             if dst.dtype == FP8_DTYPE:
                 scale = plgpu.load(scale_ref.at[hh])
                 x = jnp.clip(x.astype(jnp.float32) / scale[:, None], -FP8_MAX, FP8_MAX)
@@ -59,7 +59,7 @@ def _write_kernel(slots_ref, ks_ref, vs_ref, k_ref, v_ref, _kc_in, _vc_in, kc_re
                 col = jnp.broadcast_to(jnp.where(real, slot % bs, 0)[:, None], feat_rows.shape)
                 plgpu.store(dst.at[feat_rows, col], x.astype(dst.dtype), mask=keep)
             else:
-                plgpu.store(_rows(dst, dst_rows), x.astype(dst.dtype), mask=keep)
+                plgpu.store(rows_of(dst, dst_rows), x.astype(dst.dtype), mask=keep)
 
 
 def _launch(k_cache, v_cache, k_src, v_src, slot_mapping, *, stride, k_off, v_off, k_scale, v_scale, interpret):

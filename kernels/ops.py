@@ -58,8 +58,8 @@ def decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     rows and ``num_kv_heads`` kv heads (per device) at contexts up to ``max_seq_len``: whether a step bounded by
     ``metadata.SHORT_SEQ_LEN`` runs a launch shape of its own is ``decode_splits(.., SHORT_SEQ_LEN)`` against
     ``decode_splits(.., max_model_len)``."""
-    from . import paged_attention_pallas  # noqa: PLC0415
-    return paged_attention_pallas._pick_splits(num_reqs, num_kv_heads, max_seq_len, 64)
+    from .flash_decoding import pick_splits  # noqa: PLC0415  (keeps Pallas off the CPU import path)
+    return pick_splits(num_reqs, num_kv_heads, max_seq_len, 64)
 
 
 def _check_backend(backend: str) -> None:

@@ -13,7 +13,7 @@ One launch runs two kinds of tile over one output buffer:
   request in-kernel (binary search over ``qsl[r] // block_q + r``), so there is no XLA pre-pass;
 * **decode tiles** take requests with ``q_len == 1``, one per (request, kv head, split): the KV axis is
   split ``num_splits`` ways (flash-decoding) when there are too few (request, head) pairs to fill the
-  chip, and a small second kernel (``_combine_kernel``) merges the splits' softmax states.
+  chip, and a small second kernel (``flash_decoding.combine``) merges the splits' softmax states.
 
 A step the caller marks ``decode_only`` (every real request has ``q_len == 1``; the engine knows this on the
 host and compiles a variant for it) runs the decode tiles alone: no prefill tile slots, and a program size of
@@ -52,7 +52,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import prefill_mgpu
+from . import flash_decoding, prefill_mgpu
+from .device_info import num_sms
+from .triton_rows import next_pow2, rows_of, store_rows
 from .metadata import PAD_SLOT, AttentionMetadata
 from .ref_attention import FP8_DTYPE, FP8_MAX, head_scale
 from .ref_attention import v_transposed as v_transposed_dtype
@@ -62,12 +64,7 @@ from .ref_attention import v_transposed as v_transposed_dtype
 # see a real key are padding rows, which are never stored.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
-NUM_SMS = 132  # H200; only used to pick the decode split count
 MGPU_MIN_TOKENS = 512  # prefill_kernel="auto": token slots from which a step uses the Mosaic GPU prefill
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale, *, h,
@@ -98,13 +95,13 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
             in_range = pos < kv_hi
             ld_mask = jnp.broadcast_to(in_range[:, None], (block_k, d))
             zero = jnp.zeros((), k_ref.dtype)
-            k = plgpu.load(_rows(k_ref, rows), mask=ld_mask, other=zero)      # [BK, D]
+            k = plgpu.load(rows_of(k_ref, rows), mask=ld_mask, other=zero)      # [BK, D]
             if not v_transposed:
-                v = plgpu.load(_rows(v_ref, rows), mask=ld_mask, other=zero)
+                v = plgpu.load(rows_of(v_ref, rows), mask=ld_mask, other=zero)
         else:
-            k = plgpu.load(_rows(k_ref, rows))
+            k = plgpu.load(rows_of(k_ref, rows))
             if not v_transposed:
-                v = plgpu.load(_rows(v_ref, rows))
+                v = plgpu.load(rows_of(v_ref, rows))
         if v_transposed:                                                      # v: V^T [D, BK]
             n_pg = block_k // block_size
             pos_pg = kv_lo + i * block_k + lax.iota(jnp.int32, n_pg) * block_size         # [PT] page starts
@@ -152,15 +149,6 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
     return lax.fori_loop(c_full_hi, n_iter, masked, carry)
 
 
-def _rows(ref, rows):
-    """View of whole rows ``rows [N]`` of a 2-D ref: ``[N, ref.shape[1]]`` (a gather of contiguous rows).
-
-    Spelled as two broadcast index arrays (not rows + slice) so interpret mode can discharge it too.
-    """
-    cols = lax.iota(jnp.int32, ref.shape[1])
-    return ref.at[rows[:, None], cols[None, :]]
-
-
 def _window_lo(first_q_pos, sliding_window, block_k):
     if sliding_window is None:
         return jnp.int32(0)
@@ -176,10 +164,6 @@ class _Refs:
     def __init__(self, refs):
         for name, ref in zip(self.NAMES, refs):
             setattr(self, name, ref)
-
-
-def _store_rows(out_ref, rows, val, valid):
-    plgpu.store(_rows(out_ref, rows), val.astype(out_ref.dtype), mask=jnp.broadcast_to(valid[:, None], val.shape))
 
 
 def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stride, dot_dtype, **kw):
@@ -218,7 +202,7 @@ def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q
     g = i % group_pad
     row_valid = active & (tok < q_end) & (g < group)
     q_rows = tok * num_q_heads + h * group + g
-    q = plgpu.load(_rows(x.q, tok * q_stride + h * group + g),
+    q = plgpu.load(rows_of(x.q, tok * q_stride + h * group + g),
                    mask=jnp.broadcast_to(row_valid[:, None], (i.shape[0], x.q.shape[1])), other=0)
     if dot_dtype is not None:
         q = q.astype(dot_dtype)
@@ -229,7 +213,7 @@ def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q
     kv_lo = jnp.where(active, _window_lo(first_q_pos, kw["sliding_window"], kw["block_k"]), 0)
     acc, _, l = _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, x.k, x.v, x.bt, x.ks[h], h=h, **kw)
     out = acc * (x.vs[h] / jnp.where(l > 0, l, 1.0))[:, None]
-    _store_rows(out_ref, q_rows, out, row_valid)
+    store_rows(out_ref, q_rows, out, row_valid)
 
 
 def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stride, dot_dtype, new_kv=None,
@@ -249,7 +233,7 @@ def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stri
     g = lax.iota(jnp.int32, rows)
     row_valid = active & (g < group)
     q_rows = tok * num_q_heads + h * group + g
-    q = plgpu.load(_rows(x.q, tok * q_stride + h * group + g),
+    q = plgpu.load(rows_of(x.q, tok * q_stride + h * group + g),
                    mask=jnp.broadcast_to(row_valid[:, None], (rows, x.q.shape[1])), other=0)
     if dot_dtype is not None:
         q = q.astype(dot_dtype)
@@ -271,12 +255,12 @@ def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stri
         acc, m, l = _own_key(x, new_kv, q, acc, m, l, tok, slot, h, own, q_stride=q_stride, **kw)
     if num_splits == 1:                            # normalised rows straight into the output
         (out_ref,) = out_refs
-        _store_rows(out_ref, q_rows, acc * (x.vs[h] / jnp.where(l > 0, l, 1.0))[:, None], row_valid)
-    else:                                          # this split's softmax state, merged by _combine_kernel
+        store_rows(out_ref, q_rows, acc * (x.vs[h] / jnp.where(l > 0, l, 1.0))[:, None], row_valid)
+    else:                                          # this split's softmax state, merged by flash_decoding.combine
         o_ref, m_ref, l_ref = out_refs
         part_rows = (s * x.seq_lens.shape[0] + r) * num_q_heads + h * group + g
         keep = g < group
-        _store_rows(o_ref, part_rows, acc, keep)
+        store_rows(o_ref, part_rows, acc, keep)
         plgpu.store(m_ref.at[part_rows], m, mask=keep)
         plgpu.store(l_ref.at[part_rows], l, mask=keep)
 
@@ -292,7 +276,7 @@ def _own_key(x: _Refs, new_kv, q, acc, m, l, tok, slot, h, own, *, q_stride, kv_
     src = jnp.where(own, tok * q_stride + hq + h, 0) + one                     # [1]; in bounds when not own
     cached = []
     for off, scale_ref, dst in ((0, x.ks, kc_ref), (kv_heads, x.vs, vc_ref)):
-        val = plgpu.load(_rows(x.q, src + off))                                 # [1, D]
+        val = plgpu.load(rows_of(x.q, src + off))                                 # [1, D]
         if dst.dtype == FP8_DTYPE:
             val = jnp.clip(val.astype(jnp.float32) / scale_ref[h], -FP8_MAX, FP8_MAX)
         cached.append(val.astype(dst.dtype))
@@ -300,13 +284,13 @@ def _own_key(x: _Refs, new_kv, q, acc, m, l, tok, slot, h, own, *, q_stride, kv_
     @pl.when(own)
     def _():
         page_row = ((slot // block_size) * kv_heads + h) * block_size + slot % block_size
-        plgpu.store(_rows(kc_ref, page_row + one), cached[0])
+        plgpu.store(rows_of(kc_ref, page_row + one), cached[0])
         if v_transposed:                       # V^T pages: the token's values go down column slot % block_size
             feat = ((slot // block_size) * kv_heads + h) * d + lax.iota(jnp.int32, d)
             col = jnp.broadcast_to(slot % block_size, (1, d))
             plgpu.store(vc_ref.at[feat[None, :], col], cached[1])
         else:
-            plgpu.store(_rows(vc_ref, page_row + one), cached[1])
+            plgpu.store(rows_of(vc_ref, page_row + one), cached[1])
 
     k_new, v_new = (c.astype(q.dtype).astype(jnp.float32) for c in cached)    # as _kv_loop reads the cache
     s = jnp.sum(q.astype(jnp.float32) * k_new, axis=1) * (sm_scale * x.ks[h])  # [M]
@@ -349,48 +333,12 @@ def _fused_kernel(*refs, n_prefill, prefill_kw, decode_kw, n_in):
         _decode_tile(x, decode_outs, idx // splits, idx % splits, h, **decode_kw)
 
 
-def _combine_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, vs_ref, o_ref, m_ref, l_ref, *out_refs,
-                    group, group_pad, num_splits, num_q_heads):
-    """Merge the splits' softmax states of request r's decode token for kv head h (flash-decoding).
-    ``out_refs``: the output, after the aliased output buffer when one comes in."""
-    out_ref = out_refs[-1]
-    r, h = pl.program_id(0), pl.program_id(1)
-    tok = qsl_ref[r]
-    seq_len = seq_lens_ref[r]
-    active = (r < num_seqs_ref[0]) & (qsl_ref[r + 1] - tok == 1) & (seq_len > 0)
-    num_reqs = seq_lens_ref.shape[0]
-    d = o_ref.shape[1]
-    s = lax.iota(jnp.int32, num_splits)
-    g = lax.iota(jnp.int32, group_pad)
-    # Padded head slots (g >= group) re-read the last real head: in bounds, never stored.
-    part = (s[:, None] * num_reqs + r) * num_q_heads + h * group + jnp.minimum(g, group - 1)[None, :]
-    m = plgpu.load(m_ref.at[part])                                          # [S, G]
-    l = plgpu.load(l_ref.at[part])
-    cols = lax.iota(jnp.int32, d)
-    o = plgpu.load(o_ref.at[part[:, :, None], cols[None, None, :]])         # [S, G, D]
-    m_all = m.max(axis=0)
-    w = jnp.exp2(m - m_all[None, :])
-    l_all = (w * l).sum(axis=0)
-    acc = (w[:, :, None] * o).sum(axis=0)                                   # [G, D]
-    out = acc * (vs_ref[h] / jnp.where(l_all > 0, l_all, 1.0))[:, None]
-    _store_rows(out_ref, tok * num_q_heads + h * group + g, out, active & (g < group))
-
-
 def _prefill_tokens(md: AttentionMetadata, T: int):
     """[T] bool: token t belongs to a real request with more than one new token."""
     qsl = md.query_start_loc.astype(jnp.int32)
     tok = jnp.arange(T, dtype=jnp.int32)
     r = jnp.clip(jnp.searchsorted(qsl, tok, side="right") - 1, 0, qsl.shape[0] - 2)
     return (tok < qsl[md.num_seqs]) & (qsl[r + 1] - qsl[r] > 1)
-
-
-def _pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> int:
-    """Flash-decoding splits: enough (request, head, split) programs for ~4 waves, each split >= 4 chunks and
-    >= 512 keys (more splits make the combine the cost: 64 splits of 512 keys ran B=1 ctx 32768 in half the
-    time of 128 splits of 256)."""
-    want = max(1, (4 * NUM_SMS) // max(1, num_reqs * kv_heads))
-    cap = max(1, max_ctx // (4 * max(block_k, 128)))
-    return max(1, min(_next_pow2(want), _next_pow2(cap) if cap > 1 else 1))
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -489,7 +437,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if hq % kvh:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({kvh})")
     group = hq // kvh
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     qsl = md.query_start_loc.astype(jnp.int32)
     ins = (qsl, md.seq_lens.astype(jnp.int32), md.num_seqs.reshape(1).astype(jnp.int32),
            md.block_tables.reshape(R * P).astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
@@ -506,7 +454,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         raise ValueError(f"an fp8 cache needs V pages [blocks, kv_heads, head_dim, block_size] and key tiles "
                          f"a multiple of block_size; got {v_cache.shape}, block_k {decode_block_k} / {prefill_block_k}")
     span = P * bs if md.max_seq_len is None else min(P * bs, md.max_seq_len)    # the longest context it can see
-    splits = decode_splits or _pick_splits(R, kvh, span, decode_block_k)
+    splits = decode_splits or flash_decoding.pick_splits(R, kvh, span, decode_block_k)
     if splits & (splits - 1):
         raise ValueError(f"decode_splits must be a power of two, got {splits}")
     prefill_kw = dict(group=group, group_pad=group_pad, block_q=block_q, block_k=prefill_block_k,
@@ -568,7 +516,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         out, parts = res[0], tuple(res[1:])
     else:                                  # Mosaic GPU prefill, then the decode launch into its output
         out = prefill_mgpu.prefill_attention(q_only, k_cache, v_cache, md, sm_scale=float(sm_scale),
-                                             block_kv=mgpu_block_kv, stages=mgpu_stages, num_programs=NUM_SMS,
+                                             block_kv=mgpu_block_kv, stages=mgpu_stages, num_programs=num_sms(),
                                              interpret=interpret).reshape(T * hq, d)
         if poison_output:                  # keep the kernel's prefill rows, the poisoned buffer elsewhere
             out = jnp.where(jnp.repeat(_prefill_tokens(md, T), hq)[:, None], out, first_ins[9])
@@ -579,12 +527,9 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if splits > 1:
         # the combine writes the decode rows into ``out`` (aliased) or, decode-only, allocates the output
         outs = (out,) if out is not None else ()
-        out = pl.pallas_call(
-            functools.partial(_combine_kernel, group=group, group_pad=group_pad, num_splits=splits,
-                              num_q_heads=hq),
-            grid=(R, kvh), out_shape=out_shape, input_output_aliases={7: 0} if outs else {},
-            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-            name="ragged_paged_combine")(ins[0], ins[1], ins[2], ins[5], *parts, *outs)
+        out = flash_decoding.combine(ins[0], ins[1], ins[2], ins[5], parts, outs, out_shape=out_shape,
+                                    grid=(R, kvh), num_splits=splits, group=group, group_pad=group_pad,
+                                    num_q_heads=hq, interpret=interpret)
     out = out.reshape(T, hq, d)                    # the kernels store q's dtype
     if write_kv:
         return out, new_caches[0].reshape(k_cache.shape), new_caches[1].reshape(v_cache.shape)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import synthetic
-from jaxserve.kernels import ops
+from jaxserve.kernels import flash_decoding, ops
 from jaxserve.kernels import paged_attention_pallas as pa
 from jaxserve.kernels.metadata import PAD_SLOT, SHORT_SEQ_LEN
 
@@ -132,7 +132,7 @@ def test_short_context_bound_gives_the_same_attention():
     for bound in (None, SHORT_SEQ_LEN):
         _check(*step[:-2], dataclasses.replace(md, max_seq_len=bound), tol=TOL[jnp.float32], sm_scale=0.125,
                decode_block_k=64)
-    assert pa._pick_splits(4, 2, 2048, 64) == 4 and pa._pick_splits(4, 2, SHORT_SEQ_LEN, 64) == 1
+    assert flash_decoding.pick_splits(4, 2, 2048, 64) == 4 and flash_decoding.pick_splits(4, 2, SHORT_SEQ_LEN, 64) == 1
 
 
 def test_model_decode_step_has_no_separate_kv_write(capsys):

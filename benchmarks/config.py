@@ -171,7 +171,14 @@ def validate(raw: dict) -> dict:
 
 
 def engine_kwargs(cfg: dict) -> dict[str, Any]:
-    """Keyword arguments for jaxserve.LLM(...): model, load_format and the engine section."""
+    """Keyword arguments for jaxserve.LLM(...): model, load_format and the engine section, whose keys must be
+    engine options (jaxserve/config.py declares them: they are the serve flags too)."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.options import options_of, unknown_option
+    known = {o.name for o in options_of(EngineConfig)}
+    for key in cfg["engine"]:
+        if key not in known:
+            raise ConfigError(f"engine: {unknown_option(key, known)}")
     m = cfg["model"]
     kw: dict[str, Any] = {"model": m.get("path") or m.get("name")}
     if m.get("load_format") not in (None, "auto"):

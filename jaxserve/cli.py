@@ -2,137 +2,41 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, StructuredOutputsConfig
-
-
-def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
-    p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
-
-
-def _structured_outputs_config(value: str) -> StructuredOutputsConfig:
-    try:
-        return StructuredOutputsConfig(**json.loads(value))
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(f"--structured-outputs-config: {e}") from None
+from jaxserve.config import FLAG_SPELLINGS, EngineConfig
+from jaxserve.options import add_options, from_namespace, options_of, unknown_option
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", dest="model_flag", default=None,
-                   help="HF folder, GGUF file, or a configs/models name (with --load-format dummy); "
-                        "default: the embedded SmolLM2-135M-Instruct")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy", "orbax"])
-    g.add_argument("-q", "--quantization", default="auto",
-                   choices=["auto", "fp8", "awq", "gptq", "compressed-tensors", "none", "awq_marlin", "gptq_marlin"],
-                   help="how the projections' weights are stored: auto follows config.json's quantization_config; "
-                        "fp8 also quantizes a float checkpoint at load; with --load-format dummy, random weights "
-                        "in that storage")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"])
-    g.add_argument("--chat-template", default=None, help="a Jinja template string or a file holding one")
-    g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "pallas", "pallas-triton", "pallas-mgpu", "reference"],
-                   help="auto: pallas on a GPU, else reference; pallas-triton / pallas-mgpu pin the prefill kernel")
-    g.add_argument("--compilation-cache-dir", default=None,
-                   help="JAX persistent compilation cache (default ~/.cache/jaxserve/xla; '' = off)")
-    g.add_argument("--max-logprobs", type=int, default=20)
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="compile nothing at start-up: each step variant compiles when a step first needs it "
-                        "(vLLM's flag; by default the first-needed buckets compile before serving, the rest in "
-                        "the background)")
-    g.add_argument("--skip-warmup", action="store_true", help="the same as --enforce-eager")
-    _bool_flag(g, "async-scheduling", True, "dispatch step N+1 before reading step N's tokens (host never waits)")
-    g.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
-                   help='JSON, as vLLM\'s: {"backend": "guidance", "disable_any_whitespace": true} (the defaults; '
-                        'false lets JSON outputs hold any whitespace)')
-    c = p.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    c.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    c.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    c.add_argument("--kv-cache-memory", type=int, default=None, dest="kv_cache_memory_bytes",
-                   help="bytes for the KV cache (overrides --gpu-memory-utilization; the way to size it on CPU)")
-    _bool_flag(c, "enable-prefix-caching", True, "automatic prefix caching")
-    c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
-    s = p.add_argument_group("scheduler")
-    s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--max-num-batched-tokens", type=int, default=None)
-    _bool_flag(s, "enable-chunked-prefill", True, "chunked prefill")
-    s.add_argument("--max-waiting-requests", type=int, default=None)
-    s.add_argument("--token-buckets", default=None, nargs="+",
-                   help="padded step sizes to compile, e.g. 4 8 16 64 256 2048 or 4,8,16,64,256 (default: 4, 8, 16, 32, ... up to "
-                        "--max-num-batched-tokens; a batch-1 decode step pads to the smallest)")
-    s.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="decode iterations per dispatch when every scheduled request decodes (a device-side "
-                        "loop; 1 = off). Cuts the host's share of each token: worth it where the host, not "
-                        "the GPU, sets the pace (small batches, tensor parallelism). A step with any request "
-                        "using penalties or a pending min_tokens runs one iteration")
-    d = p.add_argument_group("parallel")
-    d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    d.add_argument("--distributed-coordinator", default=None, help="HOST:PORT of process 0")
-    d.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"],
-                   help="uni: one process drives all tensor-parallel devices; mp: one process per device on this "
-                        "host (workers spawned and stopped by the engine)")
-    d.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="keep XLA's all-reduce for every step; by default steps of up to 1 MiB of activations "
-                        "(128 tokens of a 4096-wide model) use a CUDA one-shot all-reduce when each GPU has its "
-                        "own process (mp executor or --num-processes) and nvcc is there to build it")
-    d.add_argument("--enable-expert-parallel", action="store_true",
-                   help="mixture-of-experts models: shard the experts over the devices (whole experts per "
-                        "device) instead of splitting every expert tensor-parallel like a dense MLP")
-    d.add_argument("--num-processes", type=int, default=1)
-    d.add_argument("--process-id", type=int, default=0)
+    """The engine's flags (declared by EngineConfig and its sections) and ``--config``."""
+    add_options(p, EngineConfig, "engine", FLAG_SPELLINGS)
     p.add_argument("--config", default=None, help="a YAML file of flags (flag names, - or _); flags override it")
 
 
-def _int_list(v):
-    if not v:
-        return None
-    items = v if isinstance(v, (list, tuple)) else [v]
-    return tuple(int(x) for item in items for x in str(item).strip("[]() ").split(",") if x.strip())
-
-
-def _first(v):
-    return v[0] if isinstance(v, (list, tuple)) else v
-
-
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    model = getattr(a, "model", None) or getattr(a, "model_flag", None)
-    template = a.chat_template
-    if template and os.path.isfile(template):
-        with open(template) as f:
-            template = f.read()
-    return EngineConfig(
-        model=model, tokenizer=a.tokenizer, dtype=a.dtype, load_format=a.load_format,
-        quantization=a.quantization,
-        max_model_len=a.max_model_len, seed=a.seed, task=a.task,
-        served_model_name=_first(getattr(a, "served_model_name", None)),
-        chat_template=template, attention_backend=a.attention_backend,
-        compilation_cache_dir=a.compilation_cache_dir, max_logprobs=a.max_logprobs, skip_warmup=a.skip_warmup,
-        enforce_eager=a.enforce_eager,
-        async_scheduling=a.async_scheduling,
-        structured_outputs_config=a.structured_outputs_config or StructuredOutputsConfig(),
-        cache=CacheConfig(block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
-                          num_gpu_blocks_override=a.num_gpu_blocks_override,
-                          kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-                          enable_prefix_caching=a.enable_prefix_caching, kv_cache_dtype=a.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                                  enable_chunked_prefill=a.enable_chunked_prefill,
-                                  max_waiting_requests=a.max_waiting_requests,
-                                  token_buckets=_int_list(a.token_buckets),
-                                  num_scheduler_steps=a.num_scheduler_steps),
-        parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
-                                distributed_coordinator=a.distributed_coordinator,
-                                num_processes=a.num_processes, process_id=a.process_id,
-                                distributed_executor_backend=a.distributed_executor_backend,
-                                disable_custom_all_reduce=a.disable_custom_all_reduce,
-                                enable_expert_parallel=a.enable_expert_parallel))
+    """The EngineConfig of parsed flags; ``serve MODEL`` (the positional) wins over ``--model``."""
+    try:
+        config = from_namespace(EngineConfig, a)
+    except ValueError as e:
+        raise SystemExit(f"jaxserve: {e}") from None          # a value the flags' types let through
+    model_tag = getattr(a, "model_tag", None)
+    return config.replace(model=model_tag) if model_tag else config
+
+
+def _yaml_keys(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """A ``--config`` file's key (a flag's name, - or _, or an option's name) → the argparse dest it sets."""
+    keys = {o.name: o.name for o in options_of(EngineConfig)}     # flagless options too (ns → EngineConfig)
+    for action in parser._actions:
+        if action.dest == argparse.SUPPRESS or not action.option_strings:
+            continue
+        keys[action.dest] = action.dest
+        for flag in action.option_strings:
+            if flag.startswith("--") and not (isinstance(action, argparse.BooleanOptionalAction)
+                                              and flag.startswith("--no-")):
+                keys[flag[2:].replace("-", "_")] = action.dest
+    return keys
 
 
 def _apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str]) -> None:
@@ -147,17 +51,13 @@ def _apply_yaml_config(parser: argparse.ArgumentParser, argv: list[str]) -> None
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
         raise SystemExit(f"{known.config}: expected a mapping of flag names to values")
-    dests = {a.dest: a for a in parser._actions}
+    keys = _yaml_keys(parser)
     defaults = {}
     for k, v in data.items():
-        key = k.replace("-", "_")
-        if key == "model":
-            key = "model_flag" if "model_flag" in dests else key
-        if key == "kv_cache_memory":
-            key = "kv_cache_memory_bytes"
-        if key not in dests:
-            raise SystemExit(f"{known.config}: unknown option {k!r}")
-        defaults[key] = v
+        dest = keys.get(str(k).replace("-", "_"))
+        if dest is None:
+            raise SystemExit(f"{known.config}: {unknown_option(str(k), keys)}")
+        defaults[dest] = v
     parser.set_defaults(**defaults)
 
 
@@ -258,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("model", nargs="?", default=None, help="model to serve (default: embedded SmolLM2)")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="model",
+                   help="model to serve (the same as --model; default: embedded SmolLM2)")
     add_engine_args(s)
     add_server_args(s)
 

@@ -1,9 +1,32 @@
-"""Engine configuration: one source of defaults (vLLM's flag names and values)."""
+"""Engine configuration: one source of defaults (vLLM's flag names and values).
+
+Each option of ``EngineConfig`` and its sections is declared here once (``jaxserve.options``): its default,
+choices and help text make the CLI flag, the ``--config`` YAML key and the ``LLM(...)`` keyword argument."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass, field
+import json
+import os
+from dataclasses import dataclass
 from typing import Any
+
+from jaxserve.options import option, section
+
+# The flags not spelled --option-name: vLLM's short forms and the one name that differs from its field.
+FLAG_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "quantization": ("-q", "--quantization"),
+    "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
+    "kv_cache_memory_bytes": ("--kv-cache-memory",),
+}
+
+# the values the CLI accepts (LLM(...) passes any value on to the part that checks it); tests/test_options.py
+# checks them against the lists of the modules that act on them
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "orbax")
+QUANTIZATIONS = ("auto", "fp8", "awq", "gptq", "compressed-tensors", "none", "awq_marlin", "gptq_marlin")
+ATTENTION_BACKENDS = ("auto", "pallas", "pallas-triton", "pallas-mgpu", "reference")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -46,47 +69,77 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None   # on CPU (no memory stats): bytes for the KV cache
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"               # auto | fp8 (e4m3)
-    cpu_kv_cache_memory_bytes: int = 1 << 30   # default KV budget when the device reports no memory
+    block_size: int = option(16, choices=(8, 16, 32, 64, 128), help="tokens per KV-cache block")
+    gpu_memory_utilization: float = option(
+        0.9, help="share of the device's memory the engine may use (weights, activations and the KV cache)")
+    num_gpu_blocks_override: int | None = option(
+        None, help="this many KV-cache blocks, whatever the memory left (default: as many as fit)")
+    kv_cache_memory_bytes: int | None = option(
+        None, help="bytes for the KV cache (overrides --gpu-memory-utilization; the way to size it on CPU)")
+    enable_prefix_caching: bool = option(True, help="automatic prefix caching")
+    kv_cache_dtype: str = option(
+        "auto", choices=KV_CACHE_DTYPES,
+        help="the cache's storage: auto = the model's dtype; fp8 / fp8_e4m3 = e4m3 (twice the blocks)")
+    cpu_kv_cache_memory_bytes: int = option(
+        1 << 30, flag=False, help="the KV cache's bytes when the device reports no memory (CPU)")
+
+
+def _token_buckets(value: Any) -> tuple[int, ...] | None:
+    """``4 8 16``, ``4,8,16`` or a YAML list → (4, 8, 16)."""
+    if not value:
+        return None
+    items = value if isinstance(value, (list, tuple)) else [value]
+    try:
+        return tuple(int(x) for item in items for x in str(item).strip("[]() ").split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--token-buckets takes integers (4 8 16 or 4,8,16), got {value!r}") from None
 
 
 @dataclass
 class SchedulerConfig:
-    # None = a platform default (resolve()): large on GPU, small on CPU where every bucket compiles slowly
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    max_waiting_requests: int | None = None
-    # padded token counts a step may have (each is one compiled forward); None = 4, 8, 16, 32, ... up
-    # to max_num_batched_tokens (model_runner.MIN_TOKEN_BUCKET). Fewer buckets = a shorter warm-up, more padding.
-    token_buckets: tuple[int, ...] | None = None
-    # vLLM's multi-step scheduling: a step whose requests all decode runs this many decode iterations in one
-    # jitted call (a device-side loop: forward, sample, feed the token back), so the host dispatches once per
-    # num_scheduler_steps tokens. 1 = off. Steps with penalties or a min_tokens still pending run
-    # one iteration.
-    num_scheduler_steps: int = 1
+    # None = a platform default (resolved()): large on GPU, small on CPU where every bucket compiles slowly
+    max_num_seqs: int | None = option(None, help="most requests running at once (default: 256 on GPU, 32 on CPU)")
+    max_num_batched_tokens: int | None = option(
+        None, help="the token budget of one step (default: 8192 on GPU, 256 on CPU)")
+    enable_chunked_prefill: bool = option(True, help="chunked prefill")
+    max_waiting_requests: int | None = option(
+        None, help="answer 429 when this many requests are waiting (default: no limit)")
+    token_buckets: tuple[int, ...] | None = option(
+        None, nargs="+", convert=_token_buckets,
+        help="padded step sizes to compile (each is one compiled forward), e.g. 4 8 16 64 256 2048 or "
+             "4,8,16,64,256 (default: 4, 8, 16, 32, ... up to --max-num-batched-tokens; a batch-1 decode step "
+             "pads to the smallest). Fewer buckets: a shorter warm-up, more padding")
+    num_scheduler_steps: int = option(
+        1, help="decode iterations per dispatch when every scheduled request decodes (vLLM's multi-step "
+                "scheduling: a device-side loop of forward, sample, feed the token back; 1 = off). Cuts the "
+                "host's share of each token: worth it where the host, not the GPU, sets the pace (small "
+                "batches, tensor parallelism). A step with any request using penalties or a pending "
+                "min_tokens runs one iteration")
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
 
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    distributed_coordinator: str | None = None
-    num_processes: int = 1
-    process_id: int = 0
-    # "uni": this process drives every device of the mesh; "mp": one process per device on this host (the
-    # engine spawns tensor_parallel_size - 1 workers that follow process 0's steps; jaxserve/executor/launcher.py)
-    distributed_executor_backend: str = "uni"
-    # the row-parallel layers' all-reduce of small steps through the CUDA one-shot kernel
-    # (jaxserve/parallel/collectives.py) where it can run (GPUs, one process per GPU); True keeps XLA's
-    disable_custom_all_reduce: bool = False
-    # vLLM's --enable-expert-parallel: a mixture-of-experts model's experts sharded over the mesh (whole
-    # experts per device) instead of tensor parallel like a dense MLP (jaxserve/models/layers/moe.py)
-    enable_expert_parallel: bool = False
+    tensor_parallel_size: int = option(1, help="devices each layer's weights are split over")
+    distributed_coordinator: str | None = option(
+        None, metavar="HOST:PORT", help="HOST:PORT of process 0 (several hosts: start one process each)")
+    num_processes: int = option(1, help="JAX processes in all (with --distributed-coordinator)")
+    process_id: int = option(0, help="this process's index among --num-processes")
+    distributed_executor_backend: str = option(
+        "uni", choices=("uni", "mp"),
+        help="uni: one process drives all tensor-parallel devices; mp: one process per device on this host "
+             "(workers spawned and stopped by the engine; jaxserve/executor/launcher.py)")
+    disable_custom_all_reduce: bool = option(
+        False, help="keep XLA's all-reduce for every step; by default steps of up to 1 MiB of activations "
+                    "(128 tokens of a 4096-wide model) use a CUDA one-shot all-reduce "
+                    "(jaxserve/parallel/collectives.py) when each GPU has its own process (mp executor or "
+                    "--num-processes) and nvcc is there to build it")
+    enable_expert_parallel: bool = option(
+        False, help="mixture-of-experts models: shard the experts over the devices (whole experts per "
+                    "device) instead of splitting every expert tensor-parallel like a dense MLP")
 
 
 @dataclass
@@ -103,31 +156,68 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured outputs backend must be 'auto' or 'guidance' (llguidance), "
                              f"got {self.backend!r}")
 
+    @classmethod
+    def from_json(cls, value: str) -> "StructuredOutputsConfig":
+        """The flag's JSON (an argparse type: a bad value is a usage error that says why)."""
+        try:
+            return cls(**json.loads(value))
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(f"--structured-outputs-config: {e}") from None
+
+
+def _text_or_file(value: str) -> str:
+    """A file's text where ``value`` names a file (``--chat-template FILE``), else ``value``."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, (list, tuple)) else value
+
 
 @dataclass
 class EngineConfig:
-    model: str | None = None                   # HF folder, GGUF file or configs/models name; None = SmolLM2
-    tokenizer: str | None = None
-    dtype: str = "auto"                        # auto | float32 | bfloat16 | float16
-    load_format: str = "auto"                  # auto | safetensors | gguf | dummy | orbax
-    quantization: str = "auto"                 # auto (the checkpoint's) | fp8 | awq | gptq | compressed-tensors | none
-    max_model_len: int | None = None
-    seed: int = 0
-    task: str = "auto"                         # auto | generate | embed
-    served_model_name: str | None = None
-    chat_template: str | None = None
-    attention_backend: str = "auto"            # auto | pallas | reference
-    compilation_cache_dir: str | None = None   # None = ~/.cache/jaxserve/xla; "" disables it
-    max_logprobs: int = 20
-    skip_warmup: bool = False                  # the older name of enforce_eager
-    # vLLM's flag: compile nothing ahead; each step variant compiles when a step first needs it
-    enforce_eager: bool = False
-    async_scheduling: bool = True              # dispatch step N+1 before reading step N's tokens
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    # vLLM's name; LLM(structured_outputs_config={...}) takes a dict too
-    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    model: str | None = option(
+        None, help="HF folder, GGUF file, or a configs/models name (with --load-format dummy); default: the "
+                   "embedded SmolLM2-135M-Instruct")
+    tokenizer: str | None = option(None, help="HF folder of the tokenizer (default: the model's)")
+    dtype: str = option("auto", choices=DTYPES, help="the weights' and activations' dtype (auto: the checkpoint's)")
+    load_format: str = option("auto", choices=LOAD_FORMATS,
+                              help="how to read the model (auto: from the path; dummy: random weights)")
+    quantization: str = option(
+        "auto", choices=QUANTIZATIONS,
+        help="how the projections' weights are stored: auto follows config.json's quantization_config; fp8 also "
+             "quantizes a float checkpoint at load; with --load-format dummy, random weights in that storage")
+    max_model_len: int | None = option(None, help="longest prompt + output in tokens (default: the model's)")
+    seed: int = option(0, help="seeds the sampling of requests that give no seed of their own")
+    task: str = option("auto", choices=("auto", "generate", "embed"),
+                       help="what the model serves (auto: embed for an embedding model, else generate)")
+    served_model_name: str | None = option(
+        None, flag=False, convert=_first, help="the model's name in the API (the first of --served-model-name)")
+    chat_template: str | None = option(None, convert=_text_or_file,
+                                       help="a Jinja template string or a file holding one")
+    attention_backend: str = option(
+        "auto", choices=ATTENTION_BACKENDS,
+        help="auto: pallas on a GPU, else reference; pallas-triton / pallas-mgpu pin the prefill kernel")
+    compilation_cache_dir: str | None = option(
+        None, help="JAX persistent compilation cache (default ~/.cache/jaxserve/xla; '' = off)")
+    max_logprobs: int = option(20, help="most logprobs a request may ask for")
+    enforce_eager: bool = option(
+        False, help="compile nothing at start-up: each step variant compiles when a step first needs it (vLLM's "
+                    "flag; by default the first-needed buckets compile before serving, the rest in the background)")
+    skip_warmup: bool = option(False, help="the same as --enforce-eager, and no warm-up of an embedding model")
+    async_scheduling: bool = option(
+        True, help="dispatch step N+1 before reading step N's tokens (host never waits)")
+    cache: CacheConfig = section(CacheConfig, "KV cache")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
+    parallel: ParallelConfig = section(ParallelConfig, "parallel")
+    # LLM(structured_outputs_config={...}) takes a dict too
+    structured_outputs_config: StructuredOutputsConfig = option(
+        default_factory=StructuredOutputsConfig, type=StructuredOutputsConfig.from_json,
+        help='JSON, as vLLM\'s: {"backend": "guidance", "disable_any_whitespace": true} (the defaults; false '
+             'lets JSON outputs hold any whitespace)')
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs_config, dict):
@@ -146,3 +236,4 @@ class EngineConfig:
         if sched.max_num_batched_tokens < sched.max_num_seqs:
             sched.max_num_seqs = sched.max_num_batched_tokens
         return dataclasses.replace(self, scheduler=sched)
+

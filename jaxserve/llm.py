@@ -11,32 +11,16 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.config import EngineConfig
+from jaxserve.options import from_kwargs
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
-_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
-_SCHED_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_PAR_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "parallel"}
-
 
 def engine_config_from_kwargs(model: str | None = None, **kw) -> EngineConfig:
-    """Flat keyword arguments (vLLM's names) → EngineConfig. Unknown names are an error, not ignored."""
-    cache, sched, par, top = {}, {}, {}, {"model": model}
-    for k, v in kw.items():
-        if k in _CACHE_FIELDS:
-            cache[k] = v
-        elif k in _SCHED_FIELDS:
-            sched[k] = v
-        elif k in _PAR_FIELDS:
-            par[k] = v
-        elif k in _ENGINE_FIELDS:
-            top[k] = v
-        else:
-            raise TypeError(f"LLM got an unknown option {k!r}")
-    return EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
-                        parallel=ParallelConfig(**par), **top)
+    """Flat keyword arguments (vLLM's names: ``block_size``, not ``cache.block_size``) → EngineConfig. Unknown
+    names are an error that names them, not ignored."""
+    return from_kwargs(EngineConfig, {"model": model, **kw}, "LLM")
 
 
 def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:

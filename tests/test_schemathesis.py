@@ -26,7 +26,7 @@ EXAMPLES = 15
 
 @pytest.fixture(scope="module")
 def server():
-    srv = InProcessServer(FakeEngine(), max_body_bytes=64 * 1024, max_waiting_requests=None)
+    srv = InProcessServer(FakeEngine(), max_body_bytes=64 * 1024)
     yield srv
     srv.stop()
 

@@ -21,7 +21,7 @@ MODEL = "fake-model"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = InProcessServer(FakeEngine(), max_body_bytes=64 * 1024, max_waiting_requests=None)
+    srv = InProcessServer(FakeEngine(), max_body_bytes=64 * 1024)
     yield srv
     srv.stop()
 

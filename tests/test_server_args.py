@@ -28,9 +28,9 @@ def test_vllm_flag_names(monkeypatch):
               "--drain-timeout", "3", "--allowed-origins", '["http://x"]', "--response-role", "bot")
     s = server_args_from_namespace(a)
     assert (s.host, s.port, s.api_key, s.served_model_name) == ("0.0.0.0", 9001, "k", ["a", "b"])
-    assert (s.max_waiting_requests, s.metrics_prefix, s.max_body_bytes, s.drain_timeout) == (7, "vllm", 1000, 3.0)
+    assert (s.metrics_prefix, s.max_body_bytes, s.drain_timeout) == ("vllm", 1000, 3.0)
     assert s.allowed_origins == ["http://x"] and s.response_role == "bot"
-    cfg = engine_config_from_args(a)  # the shared flags reach the engine too
+    cfg = engine_config_from_args(a)  # the shared flag reaches the engine too; the queue limit is the engine's
     assert cfg.served_model_name == "a" and cfg.scheduler.max_waiting_requests == 7
 
 
@@ -49,7 +49,7 @@ def test_api_key_from_environment(monkeypatch):
     assert server_args_from_namespace(parse("--api-key", "flag")).api_key == "flag"
 
 
-def test_add_server_args_skips_flags_the_cli_already_has():
+def test_add_server_args_leaves_the_engine_flags_to_the_engine():
     p = argparse.ArgumentParser()
     p.add_argument("--max-waiting-requests", type=int, default=3)
     add_server_args(p)  # no argparse conflict

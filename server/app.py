@@ -27,12 +27,15 @@ from .args import ServerArgs
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_embeddings
-from .errors import APIError, bad_request, error_response, exception_handler
+from .engine_runs import ClientDisconnected
+from .errors import APIError, error_response, exception_handler
 from .metrics import CONTENT_TYPE, arrival_middleware
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
-                       VersionResponse)
-from .serving import ClientDisconnected, Serving
+                       DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ErrorResponse, ModelCard, ModelList,
+                       TokenizeRequest, TokenizeResponse, VersionResponse)
+from .serving import Serving
+from .tokenization import detokenize_tokens, tokenize_prompt
+from .validation import check_model
 
 log = logging.getLogger("jaxserve.server")
 
@@ -148,41 +151,27 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
     @get("/v1/models/{model_id:path}", responses=_errors(401, 404))
     async def retrieve_model(model_id: FromPath[str]) -> ModelCard:
         name = model_id.lstrip("/")
-        serving.check_model(name)
+        check_model(serving, name)
         return model_card(name)
 
     @get("/tokenizer_info", responses=_errors(401))
     async def tokenizer_info() -> Response:
-        return _json(tokenizer_config(serving.tokenizer, serving.chat_template))
+        return _json(tokenizer_config(serving.tokenizer, serving.prompts.chat_template))
 
     @post("/tokenize", status_code=200, responses=_errors(400, 401, 404))
     async def tokenize(data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
-        serving.check_model(data.model)
-        if (data.prompt is None) == (data.messages is None):
-            raise bad_request("give exactly one of prompt or messages", "prompt")
-        if data.messages is not None:
-            text = await serving.render_chat(data.messages, add_generation_prompt=data.add_generation_prompt,
-                                             continue_final_message=data.continue_final_message,
-                                             chat_template=data.chat_template,
-                                             chat_template_kwargs=data.chat_template_kwargs)
-            ids = await serving.encode(text, add_special_tokens=bool(data.add_special_tokens), what="messages")
-        else:
-            ids = await serving.encode(data.prompt, add_special_tokens=data.add_special_tokens is not False)
-        strs = serving.tokenizer.convert_ids_to_tokens(ids) if data.return_token_strs else None
-        return TokenizeResponse(len(ids), serving.max_model_len, ids, strs)
+        return await tokenize_prompt(serving, data)
 
     @post("/detokenize", status_code=200, responses=_errors(400, 401, 404))
     async def detokenize(data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:
-        serving.check_model(data.model)
-        serving.check_token_ids(data.tokens, "tokens")
-        return DetokenizeResponse(serving.tokenizer.decode(data.tokens))
+        return detokenize_tokens(serving, data)
 
     # with --api-key the schema says so (a bearer scheme on every route but the open ones)
     auth = dict(security=[{}]) if args.api_key else {}
 
     @get("/health", media_type=MediaType.TEXT, responses=_errors(503), **auth)
     async def health() -> Response:
-        if serving.draining:
+        if serving.runs.draining:
             return error_response(APIError(503, "the server is shutting down", code="draining"))
         if not engine.is_healthy():
             return error_response(APIError(503, "the engine loop is dead or stuck", code="engine_unhealthy"))
@@ -329,10 +318,10 @@ class _DrainingServer:
                     loop.add_signal_handler(sig, self._on_signal, sig)
 
             def _on_signal(self, sig) -> None:
-                if serving.draining:  # a second signal: stop now
+                if serving.runs.draining:  # a second signal: stop now
                     self.force_exit = True
                 else:
-                    serving.start_drain(config.timeout_graceful_shutdown or 0.0)
+                    serving.runs.start_drain(config.timeout_graceful_shutdown or 0.0)
                 log.info("%s: no new connections; finishing in-flight requests (up to %.0f s)",
                          signal.Signals(sig).name, config.timeout_graceful_shutdown or 0)
                 self.should_exit = True

@@ -169,6 +169,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         # max_completion_tokens is the newer OpenAI name; it wins when both are sent
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """Top logprobs per token (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class PromptLogprob(Struct):
     """vLLM's Logprob as its server writes it: one candidate token at one prompt position."""
@@ -292,6 +296,11 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+
+    def scores_prompt(self) -> bool:
+        """echo + logprobs: the prompt's tokens are scored too (prompt logprobs: what lm-eval's loglikelihood
+        tasks send, often with max_tokens=0 = score only); answered whole, not streamed."""
+        return bool(self.echo and self.logprobs is not None)
 
     def prompt_batch(self) -> list[str | list[int]]:
         """The prompts as a list of texts or a list of token-id lists; ValueError if mixed."""

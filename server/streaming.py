@@ -1,17 +1,18 @@
-"""Server-sent events: `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`."""
+"""Answering a generation request: the whole answer once its engine requests finish, or server-sent events as
+outputs arrive (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import anyio
 import msgspec
 from litestar.response import Stream
 
 from .errors import to_api_error
-from .serving import ClientDisconnected, Prompt, Serving, wait_disconnect
+from .engine_runs import Accumulated, ClientDisconnected, EngineRuns, Prompt, race_disconnect, wait_disconnect
 
 log = logging.getLogger("jaxserve.server")
 
@@ -49,14 +50,31 @@ Render = Callable[[AsyncIterator[tuple[Any, Any, Any]]], AsyncIterator[bytes]]
 HEADER_WAIT_S = 0.5
 
 
-async def open_stream(serving: Serving, prompts: list[Prompt], receive, render: Render) -> Stream:
+class Renderer(Protocol):
+    """A request's outputs as its answer: SSE frames as they arrive, or the whole response."""
+
+    def stream(self, outputs: AsyncIterator[tuple[Any, Any, Any]]) -> AsyncIterator[bytes]: ...
+
+    def response(self, accs: list[Accumulated]) -> Any: ...
+
+
+async def submit(runs: EngineRuns, prompts: list[Prompt], receive: Callable[[], Awaitable[dict]],
+                 renderer: Renderer, stream: bool) -> Any:
+    """Run the prompts' engine requests and answer: a stream of ``renderer.stream``'s frames, or
+    ``renderer.response`` once every choice has finished. A client that leaves aborts them."""
+    if stream:
+        return await open_stream(runs, prompts, receive, renderer.stream)
+    return renderer.response(await race_disconnect(receive, runs.collect(prompts)))
+
+
+async def open_stream(runs: EngineRuns, prompts: list[Prompt], receive, render: Render) -> Stream:
     """Submit, wait briefly for the first output (or the client leaving), then stream `render(outputs)`.
 
     `render` turns (choice, CompletionOutput, RequestOutput) items into SSE frames; an exception it lets
     through becomes an error event, and [DONE] always ends the stream. A client disconnect cancels the
-    body, which closes `serving.run`, which aborts the unfinished engine requests.
+    body, which closes `runs.run`, which aborts the unfinished engine requests.
     """
-    outputs = serving.run(prompts)
+    outputs = runs.run(prompts)
     first = asyncio.ensure_future(outputs.__anext__())
     watch = asyncio.ensure_future(wait_disconnect(receive))
     try:
@@ -69,7 +87,7 @@ async def open_stream(serving: Serving, prompts: list[Prompt], receive, render: 
     failed = first.done() and not first.cancelled() and first.exception() is not None \
         and not isinstance(first.exception(), StopAsyncIteration)
     if failed or not first.done() and watch.done():
-        first.cancel()  # cancelling the pending __anext__ closes serving.run, which aborts
+        first.cancel()  # cancelling the pending __anext__ closes runs.run, which aborts
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(BaseException):
                 await first

@@ -156,3 +156,13 @@ def test_no_import_circles():
     found = set(circles)
     assert found - KNOWN_CIRCLES == set(), f"import circles: {[sorted(c) for c in found - KNOWN_CIRCLES]}"
     assert KNOWN_CIRCLES - found == set(), f"fixed: remove from KNOWN_CIRCLES: {[sorted(c) for c in KNOWN_CIRCLES - found]}"
+
+
+def test_only_the_app_imports_the_server_routes():
+    """server/'s own order: the routes (one module each) on top, wired by the app; what they share (request
+    checks, prompts, SamplingParams, engine runs, response rendering, the protocol) sits below and never
+    calls back up into a route."""
+    routes = {f"jaxserve.server.{name}" for name in ("chat", "completions", "embeddings", "tokenization")}
+    bad = sorted((m, t) for m, ts in _graph().items()
+                 if m.startswith("jaxserve.server") and m != "jaxserve.server.app" for t in ts if t in routes)
+    assert not bad, f"a server module imports a route (only server.app may): {bad}"

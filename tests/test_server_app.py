@@ -411,15 +411,15 @@ def test_token_ids_checked_against_the_model_vocab_not_the_tokenizer():
     from types import SimpleNamespace
 
     from jaxserve.server.args import ServerArgs
-    from jaxserve.server.serving import Serving
     from jaxserve.server.errors import APIError
+    from jaxserve.server.serving import Serving
 
     eng = FakeEngine()
     n_tok = len(eng.tokenizer)
     eng.model_config = SimpleNamespace(vocab_size=n_tok + 100)
-    serving = Serving(eng, ServerArgs())
-    serving.check_token_ids([0, n_tok, n_tok + 99], "prompt")
+    prompts = Serving(eng, ServerArgs()).prompts
+    prompts.check_token_ids([0, n_tok, n_tok + 99], "prompt")
     with pytest.raises(APIError) as e:
-        serving.check_token_ids([n_tok + 100], "prompt")
+        prompts.check_token_ids([n_tok + 100], "prompt")
     assert e.value.status == 400 and f"the vocabulary has {n_tok + 100} tokens" in e.value.message
-    assert Serving(FakeEngine(), ServerArgs()).vocab_size == n_tok       # no model_config: the tokenizer's
+    assert Serving(FakeEngine(), ServerArgs()).prompts.vocab_size == n_tok       # no model_config: the tokenizer's

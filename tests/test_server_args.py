@@ -88,7 +88,7 @@ def test_enable_log_requests_logs_each_request_cut_to_max_log_len(caplog):
 
     from jaxserve.sampling_params import SamplingParams
     from server.args import add_server_args, server_args_from_namespace
-    from server.serving import Choice, Prompt, Serving
+    from server.engine_runs import Choice, EngineRuns, Prompt
 
     ns = add_server_args(argparse.ArgumentParser()).parse_args(["--enable-log-requests", "--max-log-len", "5"])
     args = server_args_from_namespace(ns)
@@ -96,8 +96,8 @@ def test_enable_log_requests_logs_each_request_cut_to_max_log_len(caplog):
     prompt = Prompt(token_ids=list(range(10)), text="The capital of France")
     choice = Choice(index=0, request_id="cmpl-1-0", params=SamplingParams(max_tokens=3), tracker=None)
     with caplog.at_level(logging.INFO, logger="jaxserve.server"):
-        Serving.log_request(SimpleNamespace(args=args), prompt, choice)
-        Serving.log_request(SimpleNamespace(args=server_args_from_namespace(
+        EngineRuns.log_request(SimpleNamespace(args=args), prompt, choice)
+        EngineRuns.log_request(SimpleNamespace(args=server_args_from_namespace(
             add_server_args(argparse.ArgumentParser()).parse_args([]))), prompt, choice)
     lines = [r.getMessage() for r in caplog.records if "Received request" in r.getMessage()]
     assert len(lines) == 1

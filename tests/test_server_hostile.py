@@ -92,8 +92,8 @@ def test_trusted_request_template_renders_off_the_event_loop(monkeypatch):
     import threading
     import time
 
-    from jaxserve.server import serving as serving_mod
-    monkeypatch.setattr(serving_mod, "REQUEST_TEMPLATE_TIMEOUT_S", 120.0)   # a loaded machine renders slower
+    from jaxserve.server import prompts as prompts_mod
+    monkeypatch.setattr(prompts_mod, "REQUEST_TEMPLATE_TIMEOUT_S", 120.0)   # a loaded machine renders slower
     srv = InProcessServer(FakeEngine(), trust_request_chat_template=True)
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as http:
@@ -156,7 +156,7 @@ def test_long_texts_tokenize_a_few_at_a_time():
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from jaxserve.server.serving import TOKENIZE_THREADS
+    from jaxserve.server.prompts import TOKENIZE_THREADS
 
     engine = FakeEngine(max_model_len=8192)
     lock, active, peak = threading.Lock(), [0], [0]
@@ -191,7 +191,7 @@ def test_drain_timeout_ends_open_streams_with_an_error_and_done():
 
     engine = FakeEngine(slow_delay=0.05)
     srv = InProcessServer(engine)
-    serving = srv.app.state.serving
+    runs = srv.app.state.serving.runs
     loop = srv.server.servers[0].get_loop()
     try:
         waiting = {}
@@ -211,7 +211,7 @@ def test_drain_timeout_ends_open_streams_with_an_error_and_done():
                 events.append(line)
                 if len(events) == 3:
                     t0 = time.monotonic()
-                    loop.call_soon_threadsafe(serving.start_drain, 1.0)
+                    loop.call_soon_threadsafe(runs.start_drain, 1.0)
         elapsed = time.monotonic() - t0
         t.join(10)
         assert events[-1] == "data: [DONE]"
@@ -259,9 +259,9 @@ def test_trusted_request_template_is_bounded_in_time_and_output(monkeypatch):
     renders past max_model_len's character bound is a 400 before tokenizing."""
     import time
 
-    from jaxserve.server import serving as serving_mod
+    from jaxserve.server import prompts as prompts_mod
 
-    monkeypatch.setattr(serving_mod, "REQUEST_TEMPLATE_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(prompts_mod, "REQUEST_TEMPLATE_TIMEOUT_S", 1.5)
     srv = InProcessServer(FakeEngine(), trust_request_chat_template=True)
     try:
         body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
@@ -271,7 +271,7 @@ def test_trusted_request_template_is_bounded_in_time_and_output(monkeypatch):
                                  timeout=60), 400)
         assert e["param"] == "chat_template" and "1.5 s" in e["message"] and time.monotonic() - t0 < 8
         # the 12 MB render below must not meet the time bound on a loaded machine: only its size is the point
-        monkeypatch.setattr(serving_mod, "REQUEST_TEMPLATE_TIMEOUT_S", 60.0)
+        monkeypatch.setattr(prompts_mod, "REQUEST_TEMPLATE_TIMEOUT_S", 60.0)
         e = api_error(httpx.post(srv.url + "/v1/chat/completions", timeout=60,
                                  json={**body, "chat_template": "{{ 'hello ' * 2000000 }}"}), 400)
         assert e["code"] == "context_length_exceeded" and e["param"] == "messages", e

@@ -1,0 +1,86 @@
+"""The checks a request passes before any work (rendering, tokenizing, the engine): the model name, field
+combinations each route refuses, the request's tools, and admission (prompts x n against the server's limits)."""
+from __future__ import annotations
+
+from .errors import bad_request, model_not_found
+from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields, TokenizeRequest
+from .serving import Serving
+from .tool_parsers.choice import ToolPlan, ToolRequestError, plan_tools
+
+
+def check_model(serving: Serving, name: str | None) -> None:
+    if name is not None and name not in serving.model_names:
+        raise model_not_found(name)
+
+
+def check_capacity(serving: Serving, num_requests: int, param: str = "n") -> None:
+    """Admission for the whole request (prompts x n) before any work: 400 above --max-request-choices
+    or if it can never fit the engine, 429 if not now."""
+    limit = serving.args.max_request_choices
+    if num_requests > limit:
+        raise bad_request(f"this request asks for {num_requests} choices (prompts x n), more than the "
+                          f"server's --max-request-choices {limit}; split it", param)
+    serving.engine.check_admission(num_requests)
+
+
+def check_unstreamed(req: SamplingFields) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is supported without stream only", "prompt_logprobs")
+
+
+def check_chat_request(serving: Serving, req: ChatCompletionRequest) -> ToolPlan:
+    """The request's use of tools (checked), once the request may run."""
+    check_model(serving, req.model)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    check_unstreamed(req)
+    try:
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                          enable_auto_tool_choice=serving.args.enable_auto_tool_choice,
+                          parser_cls=serving.tool_parser_cls)
+    except ToolRequestError as e:
+        raise bad_request(str(e), e.param) from None
+    check_capacity(serving, req.n)
+    return plan
+
+
+def check_completion_request(serving: Serving, req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts (texts or token-id lists), once the request may run."""
+    check_model(serving, req.model)
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+    if req.scores_prompt() and req.stream:
+        raise bad_request("echo with logprobs is supported without stream only", "stream")
+    check_unstreamed(req)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
+    try:
+        batch = req.prompt_batch()
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from e
+    check_capacity(serving, len(batch) * req.n)
+    return batch
+
+
+def check_embedding_request(serving: Serving, req: EmbeddingRequest) -> list[str | list[int]]:
+    """The inputs (texts or token-id lists)."""
+    check_model(serving, req.model)
+    inputs = req.input
+    if isinstance(inputs, str):
+        batch: list = [inputs]
+    elif all(isinstance(x, int) for x in inputs):
+        batch = [list(inputs)]
+    else:
+        batch = list(inputs)
+    if any(isinstance(x, int) for x in batch):
+        raise bad_request("input must be a string, a list of strings, a list of token ids or a list of "
+                          "token-id lists (not a mix)", "input")
+    return batch
+
+
+def check_tokenize_request(serving: Serving, req: TokenizeRequest) -> None:
+    check_model(serving, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")

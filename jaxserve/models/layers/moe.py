@@ -89,9 +89,9 @@ ROWS = "rows"      # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and the sort-
 def _grouped_gemm() -> tuple[str, bool]:
     """(the grouped GEMM the MoE layers run, whether decode-sized steps take the sort-free rows path).
     ``auto`` is ``rows`` on a GPU and ``ragged_dot`` elsewhere. On a GPU ``lax.ragged_dot`` lowers to a dense
-    padded product (an H200 at 256 tokens: 2,276 us against the Pallas kernel's 322 us for Qwen3-30B-A3B's
-    gate/up, 2026-12-01-h200-moe-grouped-gemm.md). A named ragged_dot implementation runs at every size
-    (A/B runs)."""
+    padded product, far slower than the Pallas kernel past a few tokens
+    (benchmarks/results/2026-12-01-h200-moe-grouped-gemm.md). A named ragged_dot implementation runs at every
+    size (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
         impl = ROWS if jax.default_backend() == "gpu" else "ragged_dot"

@@ -20,7 +20,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import registry
 from jaxserve.models.configs import model_config_from_folder, model_config_from_hf, read_json
-from jaxserve.models.loader import DUMMY_CONFIG_DIR
+from jaxserve.models.packaged import DUMMY_CONFIG_DIR
 from fake_devices import fake_device_report
 from tiny_models import check_orbax_round_trip, engine_with_preemption
 
@@ -77,7 +77,7 @@ def test_server_serves_a_family():
     import httpx
     from server_process import ROOT, ServerProcess
 
-    from jaxserve.models.loader import embedded_tokenizer
+    from jaxserve.models.tokenizers import embedded_tokenizer
 
     with open(os.path.join(FIXTURES, "tiny-gemma2", "golden.json")) as f:
         golden = json.load(f)

@@ -69,8 +69,9 @@ class MoESpec:
 
 def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bool,
              shared_intermediate_size: int | None = None) -> MoESpec:
-    """The spec from ``cfg.extra`` (``configs._family_extra`` puts the MoE fields there under HF's names);
-    layer i is MoE unless listed in ``mlp_only_layers`` or off the ``decoder_sparse_step`` stride (HF's rule)."""
+    """The spec from ``cfg.extra`` (a family's ``read_hf`` puts the MoE fields there under HF's names, see
+    ``experts_from_hf``); layer i is MoE unless listed in ``mlp_only_layers`` or off the
+    ``decoder_sparse_step`` stride (HF's rule)."""
     extra = cfg.extra_dict
     step, dense = int(extra.get("decoder_sparse_step") or 1), set(extra.get("mlp_only_layers") or ())
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
@@ -81,6 +82,14 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
                    expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=impl,
                    rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0)
+
+
+def experts_from_hf(hf: dict, extra: dict) -> dict:
+    """A MoE family's ``ModelConfig.extra`` with the expert count under one name whatever the config calls it
+    (Mixtral and transformers 5's Qwen3-MoE say ``num_local_experts``) and each expert's width (Mixtral's
+    experts use ``intermediate_size``)."""
+    return extra | {"num_experts": int(hf.get("num_experts") or hf.get("num_local_experts") or 8),
+                    "moe_intermediate_size": extra.get("moe_intermediate_size", int(hf["intermediate_size"]))}
 
 
 ROWS = "rows"      # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and the sort-free rows path at decode sizes

@@ -125,6 +125,21 @@ def test_shipped_dummy_configs(name, architecture, billions, windows):
         assert spec.rotaries[0].inv_freq != spec.rotaries[1].inv_freq
 
 
+def test_each_name_belongs_to_one_family():
+    """The registry's lookups come from what each family declares: an architecture, a model_type or a GGUF
+    architecture is served by one family, and a model_type's architecture is one of its family's."""
+    families = registry.decoder_families() + registry.encoder_families()
+    for names in ([a for f in families for a in f.architectures],
+                  [t for f in registry.decoder_families() for t in f.model_types],
+                  [g for f in registry.decoder_families() for g in f.gguf]):
+        assert len(names) == len(set(names)), names
+    for family in registry.decoder_families():
+        assert set(family.model_types.values()) <= set(family.architectures), family.architectures
+        assert registry.resolve_architecture(family.architectures[0])[1] is family
+        assert all(registry.family_of_model_type(t) is family for t in family.model_types)
+    assert registry.family_of_model_type("bert") is None and registry.is_encoder("BertModel")
+
+
 def test_gemma3_multimodal_config_serves_its_text_model():
     """A hub Gemma 3 config lists only what differs from transformers' defaults in its text_config; the text
     model read from it is the text-only gemma-3-12b config's."""

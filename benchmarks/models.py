@@ -36,7 +36,7 @@ def named_model_hf_config(name: str) -> dict | None:
 def resolve_model(cfg: dict):
     """(ModelConfig, HF config dict) of the config's model: a configs/models name, an HF folder, a GGUF
     file, or (neither) the embedded SmolLM2 GGUF."""
-    from jaxserve.models.configs import model_config_from_gguf, model_config_from_hf
+    from jaxserve.models.configs import model_config_from_hf
 
     m = cfg["model"]
     target = m.get("path") or m.get("name")
@@ -53,7 +53,7 @@ def resolve_model(cfg: dict):
     if not str(path).endswith(".gguf") or not Path(path).is_file():
         raise ValueError(f"model {path!r}: expected an HF folder, a .gguf file or a configs/models name")
     from jaxserve.models.gguf_file import GGUFFile
-    from jaxserve.models.loader import gguf_hf_config, gguf_rope_freqs
+    from jaxserve.models.gguf_loader import gguf_hf_config, gguf_rope_freqs, model_config_from_gguf
     reader = GGUFFile(path)
     names = {t.name for t in reader.tensors}
     hf = gguf_hf_config(reader.fields, names, reader)      # the architectures read through their HF config

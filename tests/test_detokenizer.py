@@ -21,7 +21,7 @@ def load_smollm2_tokenizer():
     except ImportError:
         # transformers' GGUF reader imports torch, which the serving env lacks: use the engine's loader,
         # which builds the same tokenizer from the GGUF metadata with transformers' converter.
-        from jaxserve.models.loader import embedded_tokenizer
+        from jaxserve.models.tokenizers import embedded_tokenizer
         return embedded_tokenizer()
 
 

@@ -28,7 +28,8 @@ def test_eos_is_the_end_of_turn_token(copy):
 
 def test_copy_matches_the_embedded_gguf(copy):
     from jaxserve.errors import ModelLoadError
-    from jaxserve.models.loader import embedded_model_path, gguf_tokenizer
+    from jaxserve.models.packaged import embedded_model_path
+    from jaxserve.models.tokenizers import gguf_tokenizer
     try:
         gguf = gguf_tokenizer(embedded_model_path())
     except ModelLoadError:

@@ -299,7 +299,7 @@ TINY_LLAMA = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_
 @pytest.fixture(scope="module")
 def tiny_llama():
     from jaxserve.models import llama
-    from jaxserve.models.loader import LoadedModel
+    from jaxserve.models.loaded_model import LoadedModel
     # random weights built on the host (init_dummy_params jits per leaf: slow for a test); std 0.2 so
     # attention is far from uniform and a masking mistake shows
     rng = np.random.default_rng(1)

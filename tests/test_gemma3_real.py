@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxserve.errors import ModelLoadError
-from jaxserve.models import loader, registry
+from jaxserve.models import gguf_loader, registry, tokenizers
+from jaxserve.models.gguf_file import open_gguf
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "fixtures", "models", "gemma3-270m", "golden.json")
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -46,8 +47,8 @@ def comparable(case: dict) -> int:
 
 # ------------------------------------------------------------------------------------- the GGUF side
 def test_gguf_config(gemma3_path):
-    reader = loader._open_gguf(gemma3_path)
-    hf = loader.gguf_hf_config(reader.fields, {t.name for t in reader.tensors})
+    reader = open_gguf(gemma3_path)
+    hf = gguf_loader.gguf_hf_config(reader.fields, {t.name for t in reader.tensors})
     assert hf["architectures"] == [ARCHITECTURE] and hf["model_type"] == "gemma3_text"
     assert (hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"]) == (262144, 640, 2048)
     assert (hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]) \
@@ -60,23 +61,23 @@ def test_gguf_config(gemma3_path):
 
 def test_gguf_tensor_names_cover_the_file(gemma3_path):
     """Every tensor of the file is reached from exactly one HF name, and Gemma's norms lose llama.cpp's +1."""
-    reader = loader._open_gguf(gemma3_path)
+    reader = open_gguf(gemma3_path)
     layer = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
              "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm", "self_attn.q_proj",
              "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
              "mlp.down_proj"]
     hf_names = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{n}.weight" for i in range(18) for n in layer]
-    mapped = [loader.gguf_name(n, "gemma3") for n in hf_names]
+    mapped = [gguf_loader.gguf_name(n, "gemma3") for n in hf_names]
     assert sorted(mapped) == sorted(t.name for t in reader.tensors)
-    get = loader._gguf_getter(reader, gemma3_path, None)
+    get = gguf_loader.gguf_getter(reader, gemma3_path, None)
     raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_norm.weight").data
     np.testing.assert_array_equal(get("model.layers.0.pre_feedforward_layernorm.weight"), raw - 1.0)
     assert get("model.layers.0.self_attn.q_proj.weight").shape == (1024, 640)      # HF [out, in]
 
 
 def test_golden_prompt_ids_are_this_tokenizer(gemma3_path, golden):
-    tok = loader.gguf_tokenizer(gemma3_path)
+    tok = tokenizers.gguf_tokenizer(gemma3_path)
     for case in golden["cases"]:
         assert tok.encode(case["prompt"]) == case["prompt_ids"], case["prompt"]
     japan = golden["cases"][0]
@@ -160,7 +161,7 @@ def test_server_serves_gemma3(gemma3_path, golden):
         k = comparable(case)
         r = client.completions.create(model="gemma3-270m", prompt=case["prompt"], max_tokens=k, temperature=0,
                                       extra_body={"ignore_eos": True})
-        tok = loader.gguf_tokenizer(gemma3_path)
+        tok = tokenizers.gguf_tokenizer(gemma3_path)
         assert r.choices[0].text == tok.decode(case["greedy_ids"][:k], skip_special_tokens=True)
         assert r.usage.prompt_tokens == len(case["prompt_ids"])
     finally:

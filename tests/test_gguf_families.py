@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from jaxserve.errors import ModelLoadError
-from jaxserve.models import configs as model_configs
-from jaxserve.models import loader
-from jaxserve.models.loader import SafetensorsFile, load_model
+from jaxserve.models import gguf_loader, registry
+from jaxserve.models.loader import load_model
+from jaxserve.models.safetensors_loader import SafetensorsFile
 from tiny_models import PagedRunner
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -149,35 +149,36 @@ def test_gguf_config_is_what_llama_cpp_implies():
                 "tokenizer.ggml.tokens": ["<pad>", "<s>", "</s>", "<end_of_turn>", "<|end|>", "<|im_end|>"],
                 **{f"{arch}.{k}": v for k, v in (base | extra).items()}}
 
-    g2 = loader.gguf_hf_config(meta("gemma2", **{"attention.key_length": 32, "attention.sliding_window": 16,
+    g2 = gguf_loader.gguf_hf_config(meta("gemma2", **{"attention.key_length": 32, "attention.sliding_window": 16,
                                                  "attn_logit_softcapping": 50.0}), set())
     assert g2["model_type"] == "gemma2" and g2["layer_types"][:2] == ["sliding_attention", "full_attention"]
     assert g2["query_pre_attn_scalar"] == 16          # the 46-layer (27B) shape: hidden / heads, not head_dim
     assert g2["attn_logit_softcapping"] == 50.0 and g2["final_logit_softcapping"] is None
     assert g2["eos_token_id"] == [2, 3] and g2["tie_word_embeddings"]
-    phi = loader.gguf_hf_config(meta("phi3", **{"rope.dimension_count": 8, "attention.sliding_window": 0}),
+    phi = gguf_loader.gguf_hf_config(meta("phi3", **{"rope.dimension_count": 8, "attention.sliding_window": 0}),
                                 {"output.weight"})
     assert phi["partial_rotary_factor"] == 0.5 and phi["sliding_window"] is None and phi["eos_token_id"] == [2, 4]
     assert phi["rope_scaling"] is None and not phi["tie_word_embeddings"]
     with pytest.raises(ModelLoadError, match="rope_factors_long and rope_factors_short"):
-        loader.gguf_hf_config(meta("phi3"), {"rope_factors_long.weight"})
-    assert loader.gguf_hf_config(meta("qwen3"), set())["eos_token_id"] == [2, 5]
-    cohere = loader.gguf_hf_config(meta("command-r", logit_scale=0.0625,
+        gguf_loader.gguf_hf_config(meta("phi3"), {"rope_factors_long.weight"})
+    assert gguf_loader.gguf_hf_config(meta("qwen3"), set())["eos_token_id"] == [2, 5]
+    cohere = gguf_loader.gguf_hf_config(meta("command-r", logit_scale=0.0625,
                                         **{"attention.layer_norm_epsilon": 1e-5}), set())
     assert cohere["logit_scale"] == 0.0625 and cohere["layer_norm_eps"] == 1e-5
-    assert loader.gguf_hf_config(meta("llama"), set()) is None        # configs.model_config_from_gguf's
-    assert tuple(loader._GGUF_HF_CONFIGS) == model_configs.GGUF_HF_CONFIG_ARCHITECTURES
+    assert gguf_loader.gguf_hf_config(meta("llama"), set()) is None        # llama.model_config_from_gguf's
+    assert registry.gguf_architectures() == ("llama", "qwen2", "gemma2", "gemma3", "qwen3", "phi3", "command-r",
+                                             "qwen2moe", "qwen3moe")
     with pytest.raises(ModelLoadError, match="'mamba' is not supported; supported: llama, qwen2, gemma2"):
-        model_configs.model_config_from_gguf({"general.architecture": "mamba"}, set())
+        gguf_loader.model_config_from_gguf({"general.architecture": "mamba"}, set())
     with pytest.raises(ModelLoadError, match="qwen3.embedding_length"):
-        loader.gguf_hf_config({"general.architecture": "qwen3"}, set())
+        gguf_loader.gguf_hf_config({"general.architecture": "qwen3"}, set())
 
 
 def test_gguf_names_map_the_fused_and_extra_norm_tensors():
-    assert loader.gguf_name("model.layers.3.self_attn.qkv_proj.weight", "phi3") == "blk.3.attn_qkv.weight"
-    assert loader.gguf_name("model.layers.3.mlp.gate_up_proj.weight", "phi3") == "blk.3.ffn_up.weight"
-    assert loader.gguf_name("model.layers.0.self_attn.k_norm.weight", "qwen3") == "blk.0.attn_k_norm.weight"
-    assert loader.gguf_name("model.layers.1.pre_feedforward_layernorm.weight", "gemma2") == "blk.1.ffn_norm.weight"
-    assert loader.gguf_name("model.layers.1.post_attention_layernorm.weight", "gemma2") == \
+    assert gguf_loader.gguf_name("model.layers.3.self_attn.qkv_proj.weight", "phi3") == "blk.3.attn_qkv.weight"
+    assert gguf_loader.gguf_name("model.layers.3.mlp.gate_up_proj.weight", "phi3") == "blk.3.ffn_up.weight"
+    assert gguf_loader.gguf_name("model.layers.0.self_attn.k_norm.weight", "qwen3") == "blk.0.attn_k_norm.weight"
+    assert gguf_loader.gguf_name("model.layers.1.pre_feedforward_layernorm.weight", "gemma2") == "blk.1.ffn_norm.weight"
+    assert gguf_loader.gguf_name("model.layers.1.post_attention_layernorm.weight", "gemma2") == \
         "blk.1.post_attention_norm.weight"
-    assert loader.gguf_name("model.layers.1.input_layernorm.weight", "command-r") == "blk.1.attn_norm.weight"
+    assert gguf_loader.gguf_name("model.layers.1.input_layernorm.weight", "command-r") == "blk.1.attn_norm.weight"

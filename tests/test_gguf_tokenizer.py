@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import gguf_tokenizer as gt
-from jaxserve.models import loader
+from jaxserve.models import packaged, tokenizers
 from jaxserve.models.gguf_file import GGUFFile
 
 SMOLLM2_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "configs", "tokenizers", "smollm2")
@@ -46,13 +46,13 @@ def _gguf(path: str) -> GGUFFile:
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_path):
-    return loader.gguf_tokenizer(gemma3_path)
+    return tokenizers.gguf_tokenizer(gemma3_path)
 
 
 @pytest.fixture(scope="module")
 def smollm2_path():
     try:
-        return loader.embedded_model_path()
+        return packaged.embedded_model_path()
     except ModelLoadError as e:
         pytest.skip(str(e))
 
@@ -129,7 +129,7 @@ def test_smollm2_matches_shipped_tokenizer_json(smollm2_path):
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    ours = loader.gguf_tokenizer(smollm2_path)
+    ours = tokenizers.gguf_tokenizer(smollm2_path)
     shipped = AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER)
     original = AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER)
     original.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
@@ -147,7 +147,7 @@ def test_smollm2_matches_shipped_tokenizer_json(smollm2_path):
 
 
 def test_smollm2_metadata(smollm2_path):
-    tok = loader.gguf_tokenizer(smollm2_path)
+    tok = tokenizers.gguf_tokenizer(smollm2_path)
     fields = _gguf(smollm2_path).fields
     assert (tok.bos_token, tok.bos_token_id) == ("<|im_start|>", 1)
     assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
@@ -238,7 +238,7 @@ def test_llguidance_reads_gguf_tokenizers(gemma3, smollm2_path):
     import llguidance.hf
 
     text = "The capital of Japan is Tokyo.\n  東京 😀 {\"a\": 1}"
-    for tok in (gemma3, loader.gguf_tokenizer(smollm2_path)):
+    for tok in (gemma3, tokenizers.gguf_tokenizer(smollm2_path)):
         ll = llguidance.hf.from_tokenizer(tok)
         ids = tok.encode(text, add_special_tokens=False)
         assert ll.tokenize_str(text) == ids and ll.decode_str(ids) == text

@@ -35,9 +35,7 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("jaxserve.runner.prompt_logprobs", "jaxserve.engine.detokenizer"),
 }
 KNOWN_SYS_PATH = {"jaxserve/cli.py"}
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"jaxserve.models.loader", "jaxserve.models.orbax_io"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from jaxserve.errors import ModelLoadError
-from jaxserve.models import llama, loader, registry
+from jaxserve.models import gguf_loader, hf_weights, llama, packaged, registry
 from jaxserve.models.configs import model_config_from_hf, read_json
-from jaxserve.models.loader import SafetensorsFile, load_model
+from jaxserve.models.loader import load_model
+from jaxserve.models.safetensors_loader import SafetensorsFile, safetensors_getter
 from fake_devices import run_on_fake_devices
 from safetensors_files import write_safetensors
 from tiny_models import params_equal
@@ -74,15 +75,15 @@ def test_gguf_unpermute_inverts_llama_cpp_permute():
     for n_head in (9, 3):
         w = rng.standard_normal((n_head * 64, 576)).astype(np.float32)
         llama_cpp = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        np.testing.assert_array_equal(loader.unpermute_rope_rows(llama_cpp, n_head), w)
-    assert loader.gguf_name("model.layers.3.self_attn.k_proj.weight") == "blk.3.attn_k.weight"
-    assert loader.gguf_name("model.layers.0.post_attention_layernorm.weight") == "blk.0.ffn_norm.weight"
+        np.testing.assert_array_equal(llama.unpermute_rope_rows(llama_cpp, n_head), w)
+    assert gguf_loader.gguf_name("model.layers.3.self_attn.k_proj.weight") == "blk.3.attn_k.weight"
+    assert gguf_loader.gguf_name("model.layers.0.post_attention_layernorm.weight") == "blk.0.ffn_norm.weight"
 
 
 # ------------------------------------------------------------------------------------------------ dummy
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b"])
 def test_dummy_param_shapes_of_shipped_configs(name):
-    cfg = model_config_from_hf(read_json(str(loader.DUMMY_CONFIG_DIR / f"{name}.json")))
+    cfg = model_config_from_hf(read_json(str(packaged.DUMMY_CONFIG_DIR / f"{name}.json")))
     abstract = jax.eval_shape(lambda: llama.FAMILY.init_dummy_params(cfg, jnp.bfloat16))
     expected = llama.FAMILY.param_shapes(cfg)
     assert jax.tree.map(lambda a: a.shape, abstract) == jax.tree.map(tuple, expected, is_leaf=lambda x: isinstance(x, tuple))
@@ -95,7 +96,7 @@ def test_dummy_param_shapes_of_shipped_configs(name):
 def test_dummy_load_by_name(tmp_path, monkeypatch):
     copy_config(os.path.join(FIXTURES, "tiny-llama3"), tmp_path)
     os.rename(tmp_path / "config.json", tmp_path / "tiny-test.json")
-    monkeypatch.setattr(loader, "DUMMY_CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(packaged, "DUMMY_CONFIG_DIR", tmp_path)
     m = load_model("tiny-test")
     assert m.source == "dummy:tiny-test" and m.load_format == "dummy"
     assert m.dtype == jnp.bfloat16                                # the config's torch_dtype
@@ -222,13 +223,13 @@ def test_unknown_model_and_limits(tmp_path):
 
 def test_hf_spec_maps_weight_specs_back_to_hf_layout():
     from jax.sharding import PartitionSpec as P
-    assert loader._hf_spec("t", P(None, "tp")) == P("tp", None)           # column-parallel [in, out]
-    assert loader._hf_spec("t", P("tp", None)) == P(None, "tp")           # row-parallel
-    assert loader._hf_spec("stack_t", P(None, None, "tp")) == P("tp", None)
-    assert loader._hf_spec("same", P("tp", None)) == P("tp", None)
-    assert loader._hf_spec("t", P()) == P(None, None)
+    assert hf_weights._hf_spec("t", P(None, "tp")) == P("tp", None)           # column-parallel [in, out]
+    assert hf_weights._hf_spec("t", P("tp", None)) == P(None, "tp")           # row-parallel
+    assert hf_weights._hf_spec("stack_t", P(None, None, "tp")) == P("tp", None)
+    assert hf_weights._hf_spec("same", P("tp", None)) == P("tp", None)
+    assert hf_weights._hf_spec("t", P()) == P(None, None)
     with pytest.raises(ValueError):
-        loader._hf_spec("stack_t", P(None, "tp", None))
+        hf_weights._hf_spec("stack_t", P(None, "tp", None))
 
 
 def test_encoder_architectures_route_to_bert():
@@ -248,14 +249,14 @@ MESH_SCRIPT = textwrap.dedent("""
     path = sys.argv[1]
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     ref = load_model(path, dtype="float32")
-    import jaxserve.models.loader as loader
+    import jaxserve.models.hf_weights as hf_weights
     real_put, puts = jax.device_put, []
     def put(x, sharding=None, **kw):               # what each HF tensor travels as
         puts.append((x.shape, sharding.spec if sharding is not None else None))
         return real_put(x, sharding, **kw)
-    loader.jax.device_put = put
+    hf_weights.jax.device_put = put
     tp = load_model(path, dtype="float32", mesh=mesh)
-    loader.jax.device_put = real_put
+    hf_weights.jax.device_put = real_put
     # HF layout [out, in]: column-parallel q and gate/up split on out, row-parallel o/down on in; no
     # tensor that the mesh splits ever goes whole to one device
     specs = dict(puts)
@@ -306,7 +307,7 @@ def test_host_memory_is_one_tensor_at_a_time(tmp_path, monkeypatch):
                    p + "mlp.down_proj.weight": (256, 1024)}
     write_safetensors(str(tmp_path / "model.safetensors"),
                       {n: rng.standard_normal(s).astype(ml_dtypes.bfloat16) for n, s in shapes.items()})
-    get, file_of = loader._safetensors_getter(str(tmp_path))
+    get, file_of = safetensors_getter(str(tmp_path))
     numpy_only = [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)]   # robust to other threads
     live: list[int] = []
     real_device_put = jax.device_put
@@ -315,12 +316,12 @@ def test_host_memory_is_one_tensor_at_a_time(tmp_path, monkeypatch):
         live.append(sum(st.size for st in tracemalloc.take_snapshot().filter_traces(numpy_only).statistics("filename")))
         return real_device_put(x, *args, **kwargs)
 
-    monkeypatch.setattr(loader.jax, "device_put", device_put)
+    monkeypatch.setattr(hf_weights.jax, "device_put", device_put)
     for dtype in (jnp.bfloat16, jnp.float32):
         live.clear()
         tracemalloc.start()
         try:
-            params = loader.load_weights(cfg, llama.FAMILY, get, dtype)
+            params = hf_weights.load_weights(cfg, llama.FAMILY, get, dtype)
         finally:
             tracemalloc.stop()
         weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params))

@@ -20,7 +20,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import registry
 from jaxserve.models.configs import model_config_from_folder, model_config_from_hf, read_json
-from jaxserve.models.loader import DUMMY_CONFIG_DIR
+from jaxserve.models.packaged import DUMMY_CONFIG_DIR
 from fake_devices import fake_device_report
 from tiny_models import check_orbax_round_trip, engine_with_preemption
 
@@ -77,7 +77,7 @@ def test_server_serves_a_family():
     import httpx
     from server_process import ROOT, ServerProcess
 
-    from jaxserve.models.loader import embedded_tokenizer
+    from jaxserve.models.tokenizers import embedded_tokenizer
 
     with open(os.path.join(FIXTURES, "tiny-gemma2", "golden.json")) as f:
         golden = json.load(f)
@@ -123,6 +123,21 @@ def test_shipped_dummy_configs(name, architecture, billions, windows):
     if name == "gemma-3-12b":   # five local layers to one global, the local ones on their own RoPE base
         assert spec.windows[:6] == (1024,) * 5 + (None,) and spec.layer_rotary[:6] == (1,) * 5 + (0,)
         assert spec.rotaries[0].inv_freq != spec.rotaries[1].inv_freq
+
+
+def test_each_name_belongs_to_one_family():
+    """The registry's lookups come from what each family declares: an architecture, a model_type or a GGUF
+    architecture is served by one family, and a model_type's architecture is one of its family's."""
+    families = registry.decoder_families() + registry.encoder_families()
+    for names in ([a for f in families for a in f.architectures],
+                  [t for f in registry.decoder_families() for t in f.model_types],
+                  [g for f in registry.decoder_families() for g in f.gguf]):
+        assert len(names) == len(set(names)), names
+    for family in registry.decoder_families():
+        assert set(family.model_types.values()) <= set(family.architectures), family.architectures
+        assert registry.resolve_architecture(family.architectures[0])[1] is family
+        assert all(registry.family_of_model_type(t) is family for t in family.model_types)
+    assert registry.family_of_model_type("bert") is None and registry.is_encoder("BertModel")
 
 
 def test_gemma3_multimodal_config_serves_its_text_model():

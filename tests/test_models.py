@@ -71,7 +71,7 @@ def test_llama3_rope_bands():
 def test_gguf_rope_freqs_equal_llama3_scaling():
     """A Llama 3.1 GGUF stores llama3 scaling as rope_freqs (llama.cpp's convert_hf_to_gguf formula);
     dividing by them gives transformers' llama3 inverse frequencies."""
-    from jaxserve.models.configs import model_config_from_gguf
+    from jaxserve.models.gguf_loader import model_config_from_gguf
 
     meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
             "llama.feed_forward_length": 8, "llama.block_count": 1, "llama.vocab_size": 8,
@@ -118,7 +118,7 @@ def test_rope_variants_match_transformers(case):
 ])
 def test_shipped_dummy_configs(name, expect):
     from jaxserve.models.configs import read_json
-    from jaxserve.models.loader import DUMMY_CONFIG_DIR
+    from jaxserve.models.packaged import DUMMY_CONFIG_DIR
 
     cfg = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / f"{name}.json")))
     for key, value in expect.items():

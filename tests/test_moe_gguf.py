@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from jaxserve.errors import ModelLoadError
-from jaxserve.models import loader
-from jaxserve.models.loader import SafetensorsFile, load_model
+from jaxserve.models import gguf_loader
+from jaxserve.models.loader import load_model
+from jaxserve.models.safetensors_loader import SafetensorsFile
 from test_gguf_families import _vocab, gguf_writer
 from tiny_models import PagedRunner
 
@@ -94,11 +95,11 @@ def test_moe_gguf_loads_what_the_safetensors_give(name, tmp_path):
 
 
 def test_moe_gguf_names_and_mixtral_refused():
-    assert loader.gguf_name("model.layers.2.mlp.gate.weight", "qwen3moe") == "blk.2.ffn_gate_inp.weight"
-    assert loader.gguf_name("model.layers.2.mlp.shared_expert.down_proj.weight", "qwen2moe") == \
+    assert gguf_loader.gguf_name("model.layers.2.mlp.gate.weight", "qwen3moe") == "blk.2.ffn_gate_inp.weight"
+    assert gguf_loader.gguf_name("model.layers.2.mlp.shared_expert.down_proj.weight", "qwen2moe") == \
         "blk.2.ffn_down_shexp.weight"
-    assert loader.gguf_name("model.layers.2.mlp.shared_expert_gate.weight", "qwen2moe") == \
+    assert gguf_loader.gguf_name("model.layers.2.mlp.shared_expert_gate.weight", "qwen2moe") == \
         "blk.2.ffn_gate_inp_shexp.weight"
     meta = {"general.architecture": "llama", "llama.expert_count": 8, "llama.expert_used_count": 2}
     with pytest.raises(ModelLoadError, match="Mixtral-style .* safetensors"):
-        loader.gguf_hf_config(meta, set())
+        gguf_loader.gguf_hf_config(meta, set())

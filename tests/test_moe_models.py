@@ -76,7 +76,7 @@ def test_moe_dummy_configs(name, architecture, billions, experts, top_k, renorma
     from jaxserve.models import registry
     from jaxserve.models.configs import model_config_from_hf, read_json
     from jaxserve.models.layers.moe import with_expert_parallel
-    from jaxserve.models.loader import DUMMY_CONFIG_DIR
+    from jaxserve.models.packaged import DUMMY_CONFIG_DIR
     from jaxserve.parallel import check_tp_compatible
 
     cfg = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / f"{name}.json")))

@@ -297,11 +297,11 @@ def test_gptq_act_order_gate_and_up_must_share_their_permutation(tmp):
 
 
 def test_gguf_and_orbax_take_no_quantization_flag():
-    from jaxserve.models import loader
+    from jaxserve.models.loaded_model import float_only
     with pytest.raises(ModelLoadError, match="GGUF file"):
-        loader._float_only("awq", "x.gguf is a GGUF file (its weights are dequantized at load)")
-    loader._float_only("auto", "anything")
-    loader._float_only("none", "anything")
+        float_only("awq", "x.gguf is a GGUF file (its weights are dequantized at load)")
+    float_only("auto", "anything")
+    float_only("none", "anything")
 
 
 def test_engine_greedy_continuations_match_the_dequantized_model(tmp):
@@ -325,7 +325,7 @@ def test_engine_greedy_continuations_match_the_dequantized_model(tmp):
 def test_roofline_counts_the_quantized_bytes():
     from benchmarks import roofline
     from jaxserve.models.configs import model_config_from_hf
-    from jaxserve.models.loader import DUMMY_CONFIG_DIR
+    from jaxserve.models.packaged import DUMMY_CONFIG_DIR
     from jaxserve.models.configs import read_json
 
     cfg = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / "llama-3.1-8b.json")))

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.models import loader, weight_cache
+from jaxserve.models import gguf_loader, weight_cache
 from test_gguf_families import FIXTURES, write_gguf
 from tiny_models import params_equal
 
@@ -26,20 +26,20 @@ def cache(tmp_path, monkeypatch):
 
 
 def conversions(monkeypatch) -> list:
-    calls, real = [], loader.load_weights
+    calls, real = [], gguf_loader.load_weights
 
     def counting(*args, **kw):
         calls.append(1)
         return real(*args, **kw)
-    monkeypatch.setattr(loader, "load_weights", counting)
+    monkeypatch.setattr(gguf_loader, "load_weights", counting)
     return calls
 
 
 def test_a_second_load_maps_the_converted_weights(gguf_path, cache, monkeypatch):
     calls = conversions(monkeypatch)
-    first = loader.load_gguf(gguf_path, dtype="float32")
+    first = gguf_loader.load_gguf(gguf_path, dtype="float32")
     assert len(calls) == 1 and len(os.listdir(cache)) == 1
-    again = loader.load_gguf(gguf_path, dtype="float32")
+    again = gguf_loader.load_gguf(gguf_path, dtype="float32")
     assert len(calls) == 1                                  # not converted again
     assert params_equal(first.params, again.params)
     assert again.config == first.config
@@ -47,20 +47,20 @@ def test_a_second_load_maps_the_converted_weights(gguf_path, cache, monkeypatch)
 
 def test_a_changed_file_or_dtype_is_converted_again_and_a_torn_entry_is_not_used(gguf_path, cache, monkeypatch):
     calls = conversions(monkeypatch)
-    f32 = loader.load_gguf(gguf_path, dtype="float32")
-    bf16 = loader.load_gguf(gguf_path, dtype="bfloat16")
+    f32 = gguf_loader.load_gguf(gguf_path, dtype="float32")
+    bf16 = gguf_loader.load_gguf(gguf_path, dtype="bfloat16")
     assert len(calls) == 2 and len(os.listdir(cache)) == 2
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16.params))
     # a torn entry (cut short): converted again, and rewritten whole
     for name in os.listdir(cache):
         blob = (cache / name).read_bytes()
         (cache / name).write_bytes(blob[:len(blob) // 2])
-    again = loader.load_gguf(gguf_path, dtype="float32")
+    again = gguf_loader.load_gguf(gguf_path, dtype="float32")
     assert len(calls) == 3 and params_equal(f32.params, again.params)
     # the same file rewritten (another modification time): its entry no longer matches
     os.utime(gguf_path, ns=(os.stat(gguf_path).st_atime_ns, os.stat(gguf_path).st_mtime_ns + 10**9))
-    loader.load_gguf(gguf_path, dtype="float32")
+    gguf_loader.load_gguf(gguf_path, dtype="float32")
     assert len(calls) == 4
     assert len(os.listdir(cache)) == 2                      # it replaced the float32 entry of the old file
-    loader.load_gguf(gguf_path, dtype="float32")
+    gguf_loader.load_gguf(gguf_path, dtype="float32")
     assert len(calls) == 4

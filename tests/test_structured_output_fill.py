@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.engine.request import RequestStatus
 from jaxserve.engine.structured_output import StructuredOutputManager, bitmask_width
-from jaxserve.models.loader import embedded_tokenizer
+from jaxserve.models.tokenizers import embedded_tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
 
 VOCAB = 128256          # the serving benchmark's shape: Llama-3's ids over the SmolLM2 tokenizer

@@ -75,7 +75,7 @@ def test_llguidance_reads_the_embedded_tokenizer_bytes_as_hf_decodes_them():
     import llguidance
 
     from jaxserve.engine.structured_output import llguidance_tokenizer_json
-    from jaxserve.models.loader import embedded_tokenizer
+    from jaxserve.models.tokenizers import embedded_tokenizer
     tok = embedded_tokenizer()
     ll = llguidance.LLTokenizer(llguidance_tokenizer_json(tok), n_vocab=len(tok), eos_token=tok.eos_token_id)
     text = 'The sky is "blue", {"a": 1}\n  héllo wörld 日本'
@@ -306,7 +306,7 @@ def test_manager_with_a_model_vocabulary_wider_than_the_tokenizer():
     from types import SimpleNamespace
 
     from jaxserve.engine.structured_output import StructuredOutputManager
-    from jaxserve.models.loader import embedded_tokenizer
+    from jaxserve.models.tokenizers import embedded_tokenizer
     tok = embedded_tokenizer()
     manager = StructuredOutputManager(tok, 128256, (128001, 128009))
     spec = StructuredOutputsParams(choice=["yes", "no"])
@@ -350,7 +350,7 @@ def test_tensor_parallel_2_gives_the_same_constrained_tokens():
 @pytest.mark.parametrize("disable_any_whitespace", [True, False])
 def test_json_whitespace_follows_disable_any_whitespace(disable_any_whitespace):
     from jaxserve.engine.structured_output import StructuredOutputManager
-    from jaxserve.models.loader import embedded_tokenizer
+    from jaxserve.models.tokenizers import embedded_tokenizer
     tok = embedded_tokenizer()
     manager = StructuredOutputManager(tok, len(tok), (tok.eos_token_id,),
                                       disable_any_whitespace=disable_any_whitespace)

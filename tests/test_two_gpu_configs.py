@@ -193,12 +193,12 @@ def test_fp8_random_weights_are_quantized_as_they_are_made(tmp_path, monkeypatch
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.models import loader
+    from jaxserve.models import loader, packaged
     from jaxserve.quantization import loading as quant_loading
     from jaxserve.quantization.weights import Fp8Weight
 
     (tmp_path / "scaled-70b.json").write_text(json.dumps(_scaled_70b()))
-    monkeypatch.setattr(loader, "DUMMY_CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(packaged, "DUMMY_CONFIG_DIR", tmp_path)
     cfg_shapes = {(1024, 1024), (1024, 128), (1024, 2, 3584), (3584, 1024)}     # q/o, k/v, gate_up, down
     alive, quantize = [], quant_loading.quantize_leaf
 
@@ -220,7 +220,7 @@ def _worker() -> dict:
     import jax.numpy as jnp
 
     from jaxserve import parallel
-    from jaxserve.models import loader, registry
+    from jaxserve.models import dummy_loader, loader, packaged, registry
     from jaxserve.models.configs import model_config_from_hf
     from jaxserve.models.layers.decoder import _dummy_init_fn, _is_shape, _leaf_seed
 
@@ -251,12 +251,12 @@ def _worker() -> dict:
     # a scaled-down 70B through the dummy loader: every weight sharded as declared, no host copy of any
     tmp = tempfile.mkdtemp()
     Path(tmp, "scaled-70b.json").write_text(json.dumps(_scaled_70b()))
-    loader.DUMMY_CONFIG_DIR = Path(tmp)
+    packaged.DUMMY_CONFIG_DIR = Path(tmp)
     model = loader.load_model("scaled-70b", load_format="dummy", dtype="bfloat16", mesh=mesh)
     # the weights again, as load_dummy builds them, with Python's allocations (numpy's included) traced: the
     # tokenizer and imports above are not the weights' business
     tracemalloc.start()
-    rebuilt = loader._dummy_params(model.config, family, jnp.bfloat16, 1, mesh, None)
+    rebuilt = dummy_loader.dummy_params(model.config, family, jnp.bfloat16, 1, mesh, None)
     jax.block_until_ready(jax.tree.leaves(rebuilt))
     host_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()

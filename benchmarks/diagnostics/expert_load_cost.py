@@ -21,7 +21,7 @@ from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.models import registry
 from jaxserve.models.configs import model_config_from_hf, read_json
-from jaxserve.models.loader import DUMMY_CONFIG_DIR
+from jaxserve.models.packaged import DUMMY_CONFIG_DIR
 from jaxserve.runner.model_runner import ExpertLoad
 
 

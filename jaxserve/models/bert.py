@@ -24,6 +24,8 @@ from jaxserve.errors import ModelLoadError
 
 from .pooling import PoolingConfig, read_pooling_config
 
+# the HF architectures this family serves (the module is the registry's record of the family)
+architectures = ("BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForPreTraining")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

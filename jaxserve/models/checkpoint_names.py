@@ -1,8 +1,9 @@
 """HF checkpoint tensor names of the decoder weights, and how each weight is built from them.
 
 A family's ``weight_plan(cfg)`` is a list of ``(param path, HF tensor names, build)``, one per leaf of its
-weight pytree; the loaders (safetensors, GGUF) only supply ``get(hf_name)`` in HF layout. Builds (run on the
-device by ``loader.load_weights``): ``"same"`` (as is), ``"t"`` (an HF Linear ``[out, in]`` → ``[in, out]``),
+weight pytree, from its names per layer weight (``llama.LAYER_NAMES`` is the layout most families extend);
+the loaders (safetensors, GGUF) only supply ``get(hf_name)`` in HF layout. Builds (run on the device by
+``hf_weights.load_weights``): ``"same"`` (as is), ``"t"`` (an HF Linear ``[out, in]`` → ``[in, out]``),
 ``"stack_t"`` (gate and up, each transposed, stacked on axis 1: ``[in, 2, out]``), ``("rows_t", start, stop)``
 (rows ``start:stop`` of a fused projection, transposed: Phi-3's ``qkv_proj``) and ``"fused_gate_up_t"`` (a
 fused ``[2 * out, in]`` gate-then-up projection → ``[in, 2, out]``: Phi-3's ``gate_up_proj``).
@@ -11,24 +12,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-# the Llama layout, which most families keep: weight name → (build, HF names relative to "model.layers.<i>.")
-LLAMA_LAYER = {
-    "attn_norm": ("same", ["input_layernorm.weight"]),
-    "mlp_norm": ("same", ["post_attention_layernorm.weight"]),
-    "q": ("t", ["self_attn.q_proj.weight"]), "k": ("t", ["self_attn.k_proj.weight"]),
-    "v": ("t", ["self_attn.v_proj.weight"]), "o": ("t", ["self_attn.o_proj.weight"]),
-    "gate_up": ("stack_t", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-    "down": ("t", ["mlp.down_proj.weight"]),
-    "q_bias": ("same", ["self_attn.q_proj.bias"]), "k_bias": ("same", ["self_attn.k_proj.bias"]),
-    "v_bias": ("same", ["self_attn.v_proj.bias"]),
-    "q_norm": ("same", ["self_attn.q_norm.weight"]), "k_norm": ("same", ["self_attn.k_norm.weight"]),
-}
+# the weights outside the layers
 TOP = {"embed": ("same", ["model.embed_tokens.weight"]), "final_norm": ("same", ["model.norm.weight"]),
        "lm_head": ("t", ["lm_head.weight"])}
 
 
-def weight_plan(shapes: dict, layer_names: Callable[[int], dict] | dict = LLAMA_LAYER,
-                top: dict = TOP, prefix: str = "model.layers.") -> list[tuple[tuple, list[str], object]]:
+def weight_plan(shapes: dict, layer_names: Callable[[int], dict] | dict, top: dict = TOP,
+                prefix: str = "model.layers.") -> list[tuple[tuple, list[str], object]]:
     """The plan for every leaf of ``shapes`` (a family's ``param_shapes``), in the order of ``top`` and
     ``layer_names``; ``layer_names`` maps a layer weight to ``(build, names relative to "<prefix><i>.")``
     (a dict, or a function of the layer index)."""
@@ -41,7 +31,6 @@ def weight_plan(shapes: dict, layer_names: Callable[[int], dict] | dict = LLAMA_
         plan += [(("layers", i, weight), [pre + n for n in hf], build)
                  for weight, (build, hf) in names.items() if weight in layer]
     return plan
-
 
 
 # Where a multimodal wrapper (Gemma 3's ConditionalGeneration) keeps its text model's tensors: transformers 5
@@ -68,11 +57,3 @@ def moe_layer_names(num_experts: int, block: str, router: str, gate: str, up: st
         "experts_gate_up": ("experts_stack_t", [f"{block}.experts.{e}.{p}.weight" for e in experts for p in (gate, up)]),
         "experts_down": ("experts_t", [f"{block}.experts.{e}.{down}.weight" for e in experts]),
     }
-
-
-# Qwen2-MoE's shared expert and its sigmoid gate (relative to "model.layers.<i>.")
-SHARED_EXPERT = {
-    "shared_gate_up": ("stack_t", ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"]),
-    "shared_down": ("t", ["mlp.shared_expert.down_proj.weight"]),
-    "shared_gate": ("t", ["mlp.shared_expert_gate.weight"]),
-}

@@ -6,25 +6,35 @@ final logits; Gemma 3 norms q and k per head instead and gives its local layers 
 ``Gemma3ForConditionalGeneration`` is served as its text model (the vision tower's weights are not loaded;
 requests are text only).
 
-What a config source must give (``configs.model_config_from_hf`` does; a GGUF reader must too):
+What a config source must give (``read_hf`` does for config.json, ``gguf_hf_config`` for GGUF metadata):
 ``model_type`` ``gemma2`` / ``gemma3_text``, ``hidden_act`` ``gelu_pytorch_tanh``, ``sliding_window``, and in
 ``ModelConfig.extra``: ``layer_types`` (one of ``LAYER_TYPES`` per layer), ``query_pre_attn_scalar``,
 ``attn_logit_softcapping`` / ``final_logit_softcapping`` (None = off), and for Gemma 3 ``local_rope``
-(``(theta, rope_scaling pairs or None)`` of the sliding layers). Norm weights are HF's ``w`` of ``(1 + w)``.
+(``(theta, rope_scaling pairs or None)`` of the sliding layers). Norm weights are HF's ``w`` of ``(1 + w)``
+(llama.cpp stores ``1 + w``).
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.models import checkpoint_names
+from jaxserve.models import llama
+from jaxserve.models.config_fields import family_extra, rope
+from jaxserve.models.gguf_config import GGUFArch, GGUFMeta
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
 from jaxserve.models.layers.rotary import make_rotary
 
+ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                 "Gemma3ForConditionalGeneration")      # its text model (text-only requests)
+# gemma3: the multimodal config whose text config (gemma3_text) is served
+MODEL_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "gemma3": "Gemma3ForConditionalGeneration"}
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
-LAYER_NAMES = {**checkpoint_names.LLAMA_LAYER,
+LAYER_NAMES = {**llama.LAYER_NAMES,
                "post_attn_norm": ("same", ["post_attention_layernorm.weight"]),
                "mlp_norm": ("same", ["pre_feedforward_layernorm.weight"]),
                "post_mlp_norm": ("same", ["post_feedforward_layernorm.weight"])}
@@ -63,4 +73,88 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
         layer_rotary=tuple(1 if gemma3 and is_local else 0 for is_local in local))
 
 
-FAMILY = DecoderFamily(decoder_spec, check_config, LAYER_NAMES)
+# ------------------------------------------------------------------------------------------ HF config
+# HF's values where config.json may omit them
+DEFAULTS = {
+    "gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "sliding_window_pattern": 2},
+    "gemma3_text": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "sliding_window_pattern": 6},
+}
+# top-level fields of a multimodal config that describe the whole model (and win over the text config's)
+WRAPPER_FIELDS = ("architectures", "eos_token_id", "bos_token_id", "torch_dtype", "dtype")
+
+
+def unwrap_hf(hf: dict) -> dict:
+    """Gemma 3's multimodal config → its text config, with transformers' defaults filled in (the hub configs
+    list only what differs from them), under the wrapper's architecture."""
+    if hf.get("model_type") != "gemma3":
+        return hf
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    text = dict(hf.get("text_config") or {})
+    text.pop("model_type", None)
+    full = AutoConfig.for_model("gemma3_text", **text).to_dict()
+    return full | {k: hf[k] for k in WRAPPER_FIELDS if k in hf} | {"model_type": "gemma3_text"}
+
+
+def read_hf(hf: dict, fields: dict) -> dict:
+    """``extra``: the defaults, ``layer_types`` from ``sliding_window_pattern`` when the config lists none,
+    and Gemma 3's local RoPE (transformers 5: ``rope_parameters["sliding_attention"]``; 4: a plain RoPE of
+    base ``rope_local_base_freq``)."""
+    extra = family_extra(hf, DEFAULTS[hf["model_type"]])
+    if not extra.get("layer_types"):
+        pattern = int(hf.get("sliding_window_pattern") or extra["sliding_window_pattern"])
+        extra["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                for i in range(fields["num_layers"])]
+    if hf["model_type"] == "gemma3_text":
+        if "sliding_attention" in (hf.get("rope_parameters") or {}):
+            extra["local_rope"] = rope(hf, "sliding_attention")
+        else:
+            extra["local_rope"] = (float(hf.get("rope_local_base_freq") or 10000.0), None)
+    return fields | {"extra": extra}
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+# llama.cpp's names of Gemma's four norms per layer: post_attention_layernorm is its own tensor there, ffn_norm
+# the pre-MLP one
+GGUF_TENSOR_NAMES = ((r"\.post_attention_layernorm\.", ".post_attention_norm."),
+                     (r"\.pre_feedforward_layernorm\.", ".ffn_norm."),
+                     (r"\.post_feedforward_layernorm\.", ".post_ffw_norm."))
+
+
+def gguf_hf_config(m: GGUFMeta, reader) -> dict:
+    """Gemma 2 / 3: the values llama.cpp does not store are the ones it hard-codes: Gemma 2 alternates
+    sliding-window and global layers and soft-caps as its metadata says; Gemma 3 has five sliding-window layers
+    to one global, local RoPE base 10000 and no soft-capping; queries are scaled by 1/sqrt(head_dim) (the 27B
+    models, 46 and 62 layers: 1/sqrt(hidden/heads)); ``<end_of_turn>`` ends generation as ``<eos>`` does."""
+    c = m.common()
+    layers, gemma3 = c["num_hidden_layers"], m.arch == "gemma3"
+    pattern = 6 if gemma3 else 2
+    big = layers == (62 if gemma3 else 46)
+    c |= {"architectures": ["Gemma3ForCausalLM" if gemma3 else "Gemma2ForCausalLM"],
+          "model_type": "gemma3_text" if gemma3 else "gemma2",
+          "rms_norm_eps": m.real("attention.layer_norm_rms_epsilon", 1e-6),
+          "sliding_window": int(m.get("attention.sliding_window")),
+          "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+          "query_pre_attn_scalar": c["hidden_size"] // c["num_attention_heads"] if big else c["head_dim"],
+          "hidden_activation": "gelu_pytorch_tanh", "eos_token_id": m.eos_ids("<end_of_turn>")}
+    if gemma3:
+        c |= {"rope_theta": m.real("rope.freq_base", 1e6), "rope_local_base_freq": 10000.0,
+              "final_logit_softcapping": None, "attn_logit_softcapping": None}
+    else:
+        c |= {"final_logit_softcapping": m.real("final_logit_softcapping"),
+              "attn_logit_softcapping": m.real("attn_logit_softcapping")}
+    return c
+
+
+def unshift_norm(name: str, w: np.ndarray, cfg: ModelConfig | None) -> np.ndarray:
+    """llama.cpp's Gemma RMSNorm multiplies by the stored weight itself: it stores HF's ``w`` as ``1 + w``."""
+    return w - 1.0 if name.endswith("norm.weight") else w
+
+
+GGUF = {arch: GGUFArch(hf_config=gguf_hf_config, tensor_names=GGUF_TENSOR_NAMES, fix_tensor=unshift_norm)
+        for arch in ("gemma2", "gemma3")}
+
+FAMILY = DecoderFamily(decoder_spec, check_config, LAYER_NAMES, architectures=ARCHITECTURES,
+                       model_types=MODEL_TYPES, read_hf=read_hf, unwrap_hf=unwrap_hf, gguf=GGUF)

@@ -9,6 +9,7 @@ same ``data`` layout as ``GGUFReader`` (numpy shape = GGUF dims reversed, quanti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import struct
 from typing import Any
@@ -152,6 +153,12 @@ class GGUFFile:
                 value = value.tolist() if isinstance(value, np.ndarray) else list(value)
             out[key] = value
         return out
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str) -> GGUFFile:
+    """A memory-mapped ``GGUFFile``, cached: the loader, the config and the tokenizer all read it."""
+    return GGUFFile(path)
 
 
 # ggml block layouts of the two types the embedded SmolLM2 uses (ggml-common.h): bytes per block, values

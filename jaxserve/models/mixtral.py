@@ -1,11 +1,13 @@
 """Mixtral (``MixtralForCausalLM``): the Llama/Mistral block with every MLP a mixture of experts — top-2 of 8
-SiLU-gated experts per token, the two softmax weights renormalised to sum 1 (``layers.moe``)."""
+SiLU-gated experts per token, the two softmax weights renormalised to sum 1 (``layers.moe``). Its GGUF
+(llama.cpp's ``llama`` with ``expert_count``) is refused (``llama.refuse_gguf_experts``)."""
 from __future__ import annotations
 
 import dataclasses
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import checkpoint_names, llama
+from jaxserve.models.config_fields import family_extra
 from jaxserve.models.layers import moe
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
 
@@ -21,9 +23,14 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
 
 
 def layer_names(cfg: ModelConfig) -> dict:
-    return {**checkpoint_names.LLAMA_LAYER,
+    return {**llama.LAYER_NAMES,
             **checkpoint_names.moe_layer_names(cfg.extra_dict["num_experts"], "block_sparse_moe", router="gate",
                                                gate="w1", up="w3", down="w2")}
 
 
-FAMILY = DecoderFamily(decoder_spec, check_config, layer_names)
+def read_hf(hf: dict, fields: dict) -> dict:
+    return fields | {"extra": moe.experts_from_hf(hf, family_extra(hf, {"num_experts_per_tok": 2}))}
+
+
+FAMILY = DecoderFamily(decoder_spec, check_config, layer_names, architectures=("MixtralForCausalLM",),
+                       model_types={"mixtral": "MixtralForCausalLM"}, read_hf=read_hf)

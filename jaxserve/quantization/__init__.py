@@ -4,7 +4,7 @@ projections (``--quantization``, vLLM's names).
 ``config`` reads the flag and the checkpoint's ``quantization_config``; ``int4_formats`` repacks each int4
 format into one layout; ``weights`` holds the quantized weight pytrees and the matmul each runs (the
 kernels: ``kernels/int4_matmul_pallas.py`` on GPUs, XLA's fp8 dot); ``loading`` places them (with their
-tensor-parallel shards) for ``models.loader``; ``online`` quantizes float weights on the device.
+tensor-parallel shards) for ``models.hf_weights``; ``online`` quantizes float weights on the device.
 """
 from .config import QUANTIZATION_METHODS, QuantConfig, checkpoint_quantization, resolve_quantization
 from .weights import (Fp8Activation, Fp8Weight, Int4Weight, is_quantized, matmul, reads_fp8_activations,

@@ -1,6 +1,6 @@
 """Loading the decoder's linear weights of a quantized checkpoint (or quantizing them at load).
 
-``loader.load_weights`` hands each plan entry of a projection (``q``, ``k``, ``v``, ``o``, ``gate_up``,
+``models.hf_weights.load_weights`` hands each plan entry of a projection (``q``, ``k``, ``v``, ``o``, ``gate_up``,
 ``down``) whose module the checkpoint quantizes to ``load_linear``; embeddings, norms and ``lm_head`` stay
 float unless the checkpoint quantizes them (none of the supported formats does by default). Tensor
 parallelism: every array of a weight takes the float weight's spec (``Int4Weight.specs``); a shard must hold

@@ -11,7 +11,7 @@ row-parallel partials.
 On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU steps of
 up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through ``kernels.int4_matmul_pallas`` (dequantization in
 registers), larger ones dequantize and run XLA's GEMM. FP8 per-channel weights run W8A8 as an
-fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on the H200), the per-token activation scale
+fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper GPUs), the per-token activation scale
 and the weight's channel scale applied to the result; 128 × 128 block weights are dequantized to the
 activation dtype before the dot (W8A16).
 """
@@ -33,7 +33,8 @@ from jaxserve.parallel.mesh import current_tp_mesh
 # Steps up to this many tokens (decode, small mixed steps: bound by weight bytes) run the fused int4 kernel;
 # larger ones are bound by compute, where dequantizing once and running XLA's bf16 GEMM does better than
 # re-dequantizing every weight tile per block of x (benchmarks/diagnostics/quant_matmul_bench.py measures
-# both; on an H200 the kernel took 244.7 us at gate_up M = 64 against bf16's 62.2, 69.8 at M = 16)
+# both: a few times this size the kernel is several times slower than the bf16 GEMM;
+# benchmarks/results/2026-12-01-h200-quant-moe-core.md)
 INT4_KERNEL_MAX_TOKENS = 16
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)
@@ -200,8 +201,8 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
 def _after_input(x, *weights):
     """``x`` and ``weights`` through one optimization barrier: a weight dequantized to ``x``'s dtype depends on
     ``x``, so XLA cannot hoist every layer's dequantization to the start of the step and hold all those bf16
-    copies at once (measured: an int4 Llama-3.2-1B forward's temporaries grew from 334 MiB to 2.1 GiB; an 8B
-    one ran out of memory on an H200). One layer's copy at a time is live."""
+    copies at once (without the barrier an int4 forward's temporaries grew several-fold, and an 8B model's
+    ran out of GPU memory). One layer's copy at a time is live."""
     return jax.lax.optimization_barrier((x, *weights))
 
 

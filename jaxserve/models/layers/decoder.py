@@ -246,15 +246,32 @@ def _is_shape(x) -> bool:
 
 
 class DecoderFamily:
-    """A decoder family as the registry holds it: from its ``decoder_spec(cfg) -> DecoderSpec``, its
-    ``check_config`` and its checkpoint names per layer weight (``checkpoint_names.LLAMA_LAYER`` by default; a
-    dict or a function of the config), the functions the loaders and the step call."""
+    """A decoder family as the registry holds it: what it serves and how it reads a model, and from that the
+    functions the loaders and the step call.
+
+    - ``spec(cfg) -> DecoderSpec``, ``check_config(cfg)`` (refuse configs it would get wrong) and
+      ``layer_names``: its checkpoint names per layer weight (``checkpoint_names.weight_plan``; a dict, or a
+      function of the config);
+    - ``architectures``: the HF ``architectures`` names it serves; ``model_types``: the HF ``model_type`` values
+      of its configs, each with the architecture a config.json without an ``architectures`` list means;
+    - ``unwrap_hf(hf) -> hf``: the config the shared reading applies to (a multimodal wrapper's text config);
+      ``read_hf(hf, fields) -> fields``: the ``ModelConfig`` fields after its own quirks, defaults and
+      ``extra`` (``configs.model_config_from_hf`` read the shared ones);
+    - ``gguf``: GGUF ``general.architecture`` → how it reads such a file (``gguf_config.GGUFArch``).
+    """
 
     def __init__(self, spec: Callable[[ModelConfig], DecoderSpec], check_config: Callable[[ModelConfig], None],
-                 layer_names: dict | Callable[[ModelConfig], dict] | None = None):
+                 layer_names: dict | Callable[[ModelConfig], dict], *, architectures: tuple[str, ...],
+                 model_types: dict[str, str], read_hf: Callable[[dict, dict], dict] | None = None,
+                 unwrap_hf: Callable[[dict], dict] | None = None, gguf: dict | None = None):
         self.decoder_spec = functools.lru_cache(maxsize=16)(spec)
         self.check_config = check_config
         self.layer_names = layer_names
+        self.architectures = tuple(architectures)
+        self.model_types = dict(model_types)
+        self.read_hf = read_hf or (lambda hf, fields: fields)
+        self.unwrap_hf = unwrap_hf or (lambda hf: hf)
+        self.gguf = dict(gguf or {})
 
     def clear_caches(self) -> None:
         """Forget the specs and abstract models made so far: both read switches from the environment (the MoE
@@ -266,7 +283,7 @@ class DecoderFamily:
         """``(param path, HF tensor names, build)`` per weight (``checkpoint_names.weight_plan``)."""
         from jaxserve.models import checkpoint_names  # noqa: PLC0415
         names = self.layer_names(cfg) if callable(self.layer_names) else self.layer_names
-        return checkpoint_names.weight_plan(self.param_shapes(cfg), names or checkpoint_names.LLAMA_LAYER)
+        return checkpoint_names.weight_plan(self.param_shapes(cfg), names)
 
     @functools.lru_cache(maxsize=16)  # noqa: B019  (one per family object, which lives as long as its module)
     def abstract(self, cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

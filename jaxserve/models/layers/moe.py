@@ -69,8 +69,9 @@ class MoESpec:
 
 def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bool,
              shared_intermediate_size: int | None = None) -> MoESpec:
-    """The spec from ``cfg.extra`` (``configs._family_extra`` puts the MoE fields there under HF's names);
-    layer i is MoE unless listed in ``mlp_only_layers`` or off the ``decoder_sparse_step`` stride (HF's rule)."""
+    """The spec from ``cfg.extra`` (a family's ``read_hf`` puts the MoE fields there under HF's names, see
+    ``experts_from_hf``); layer i is MoE unless listed in ``mlp_only_layers`` or off the
+    ``decoder_sparse_step`` stride (HF's rule)."""
     extra = cfg.extra_dict
     step, dense = int(extra.get("decoder_sparse_step") or 1), set(extra.get("mlp_only_layers") or ())
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
@@ -83,15 +84,23 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
                    rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0)
 
 
+def experts_from_hf(hf: dict, extra: dict) -> dict:
+    """A MoE family's ``ModelConfig.extra`` with the expert count under one name whatever the config calls it
+    (Mixtral and transformers 5's Qwen3-MoE say ``num_local_experts``) and each expert's width (Mixtral's
+    experts use ``intermediate_size``)."""
+    return extra | {"num_experts": int(hf.get("num_experts") or hf.get("num_local_experts") or 8),
+                    "moe_intermediate_size": extra.get("moe_intermediate_size", int(hf["intermediate_size"]))}
+
+
 ROWS = "rows"      # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and the sort-free rows path at decode sizes
 
 
 def _grouped_gemm() -> tuple[str, bool]:
     """(the grouped GEMM the MoE layers run, whether decode-sized steps take the sort-free rows path).
     ``auto`` is ``rows`` on a GPU and ``ragged_dot`` elsewhere. On a GPU ``lax.ragged_dot`` lowers to a dense
-    padded product (an H200 at 256 tokens: 2,276 us against the Pallas kernel's 322 us for Qwen3-30B-A3B's
-    gate/up, 2026-12-01-h200-moe-grouped-gemm.md). A named ragged_dot implementation runs at every size
-    (A/B runs)."""
+    padded product, far slower than the Pallas kernel past a few tokens
+    (benchmarks/results/2026-12-01-h200-moe-grouped-gemm.md). A named ragged_dot implementation runs at every
+    size (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
         impl = ROWS if jax.default_backend() == "gpu" else "ragged_dot"

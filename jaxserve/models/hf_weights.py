@@ -1,0 +1,142 @@
+"""The weight pytree built from HF-layout tensors, on the device(s): what the safetensors and GGUF loaders share.
+
+Every such source goes through one plan (the family's ``weight_plan``, see ``checkpoint_names``): for each leaf
+of the family's weight pytree, the HF tensor names it is built from and how (as is, transposed to
+``[in, out]``, gate/up transposed and stacked, a fused projection split). A source only supplies
+``get(hf_name) -> np.ndarray`` in HF layout. Tensors go one at a time, host → device *in HF layout* (for
+safetensors straight from the memory-mapped file, no host copy), and the layout change and the cast to the
+target dtype run on the device. With a ``mesh`` each HF tensor is placed with the sharding that its layout
+change maps onto the weight's ``NamedSharding(mesh, spec)`` (from the family's ``param_partition_specs``), so
+every device converts only its own shard and no weight is ever whole on one device (unless its spec
+replicates it).
+
+Why on the device: numpy's transpose of 2-byte elements is a slow strided copy on one core, which made a
+large model's load from safetensors several times slower than restoring the converted layout from orbax.
+
+Quantized checkpoints (``quantization``, vLLM's ``--quantization``): the plan's projections whose modules the
+checkpoint quantizes go through ``jaxserve.quantization.loading`` instead (int4 formats repacked on the host,
+fp8 weights kept output-major), and land in the tree as ``Int4Weight`` / ``Fp8Weight`` leaves with the same
+tensor-parallel split; online fp8 quantizes each float projection on the device as soon as it is built.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.config import ModelConfig
+from jaxserve.errors import ModelLoadError
+from jaxserve.quantization import loading as quant_loading
+
+# How a weight is built from its HF tensors (checkpoint_names says what each build means).
+_BUILDS = {
+    "same": lambda w: w,
+    "t": lambda w: w.T,
+    "stack_t": lambda g, u: jnp.stack([g.T, u.T], axis=1),
+    "fused_gate_up_t": lambda w: w.reshape(2, w.shape[0] // 2, w.shape[1]).transpose(2, 0, 1),
+    # MoE: per-expert HF tensors stacked on a leading expert axis
+    "experts_stack_t": lambda *gu: jnp.stack([jnp.stack([g.T, u.T], axis=1) for g, u in zip(gu[::2], gu[1::2])]),
+    "experts_t": lambda *ws: jnp.stack([w.T for w in ws]),
+}
+
+
+def _build_fn(kind) -> Callable:
+    if isinstance(kind, tuple) and kind[0] == "rows_t":
+        start, stop = kind[1], kind[2]
+        return lambda w: w[start:stop].T
+    return _BUILDS[kind]
+
+
+def _hf_spec(kind, spec):
+    """The sharding spec of each HF-layout input that the build ``kind`` maps onto the weight's ``spec``
+    (fused checkpoint tensors go in replicated: every device slices out its own part)."""
+    spec = tuple(spec)
+    if kind == "same":
+        return P(*spec)
+    if kind == "t":
+        spec = spec + (None,) * (2 - len(spec))
+        return P(spec[1], spec[0])
+    if kind == "stack_t":
+        spec = spec + (None,) * (3 - len(spec))          # [in, 2, out] from [out, in]
+        if spec[1] is not None:
+            raise ValueError(f"gate/up stack axis cannot be sharded ({P(*spec)})")
+        return P(spec[2], spec[0])
+    if kind in ("experts_stack_t", "experts_t") and spec[0] is None:   # experts tensor parallel: [out, in] slices
+        return P(spec[-1], spec[1])
+    return P()              # expert parallel: each expert's tensor goes whole to the devices that own it
+
+
+def tree_get(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def tree_set(tree, path, value):
+    for p in path[:-1]:
+        tree = tree[p]
+    tree[path[-1]] = value
+
+
+def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray], dtype, *,
+                 mesh=None, desc: str = "Loading weights",
+                 file_of: Callable[[str], str] = lambda name: "?", quant=None) -> dict:
+    """Build the family's weight pytree from ``get(hf_name)``, one tensor at a time, onto the device(s):
+    each HF tensor goes to the device(s) as it is, and a jitted build (layout change, cast) runs there.
+    ``quant`` (a ``quantization.QuantConfig``): the projections it covers load quantized
+    (``quantization.loading``), or are quantized once built (online fp8)."""
+    shapes = family.param_shapes(cfg)
+    shardings = None
+    if mesh is not None:
+        from jaxserve.parallel import param_shardings  # noqa: PLC0415
+        # checks the heads split evenly (one clear error before any weight moves) and keeps whole kv
+        # heads on each device when tp > num_kv_heads
+        shardings = param_shardings(family.param_partition_specs(cfg), mesh, cfg)
+    params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    target_dtype = jnp.dtype(dtype)
+    builders: dict = {}
+
+    def build_on_device(kind, raw, to_dtype, sharding):
+        in_sharding = NamedSharding(mesh, _hf_spec(kind, sharding.spec)) if sharding is not None else None
+        key = (kind, sharding, jnp.dtype(to_dtype))
+        if key not in builders:
+            fn = functools.partial(_build_cast, _build_fn(kind), jnp.dtype(to_dtype))
+            builders[key] = jax.jit(fn, out_shardings=sharding) if sharding is not None else jax.jit(fn)
+        return builders[key](*[jax.device_put(_device_ready(r), in_sharding) for r in raw])
+
+    has = getattr(get, "has", lambda name: True)
+    for path, names, kind in tqdm(family.weight_plan(cfg), desc=desc, unit="tensor"):
+        expected = tree_get(shapes, path)
+        sharding = tree_get(shardings, path) if shardings is not None else None
+        quantized = quant is not None and quant_loading.is_linear(path) and all(
+            quant.quantizes(quant_loading.module_of(n)) for n in names)
+        if quantized and not quant.online:
+            tree_set(params, path, quant_loading.load_linear(quant, path, names, kind, tuple(expected), sharding,
+                                                              get, has))
+            continue
+        raw = [get(n) for n in names]
+        built = jax.eval_shape(_build_fn(kind), *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in raw))
+        if tuple(built.shape) != tuple(expected):
+            shapes_str = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(names, raw))
+            raise ModelLoadError(f"{file_of(names[0])}: tensor {shapes_str} does not match the config "
+                                 f"(expected {tuple(expected)} after layout conversion)")
+        built = build_on_device(kind, raw, target_dtype, sharding)
+        if quantized:       # online: the float weight, quantized where it lies
+            built = quant_loading.quantize_leaf(quant, path, built, sharding, target_dtype)
+        tree_set(params, path, built)
+        del raw, built
+    return params
+
+
+def _build_cast(build, dtype, *ws):
+    return build(*ws).astype(dtype)
+
+
+def _device_ready(a: np.ndarray) -> np.ndarray:
+    """C-contiguous for the host-to-device copy (memory-mapped safetensors views already are: no copy)."""
+    return np.ascontiguousarray(a)

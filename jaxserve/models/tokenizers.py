@@ -1,0 +1,48 @@
+"""The tokenizer a model gets: its folder's, the one a GGUF file's vocabulary describes, or the embedded SmolLM2
+one (for dummy models and folders that ship none)."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from jaxserve.errors import ModelLoadError
+from jaxserve.models import packaged
+from jaxserve.models.gguf_file import open_gguf
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_tokenizer(path: str):
+    """The HF fast tokenizer built from the GGUF file's own vocabulary (``gguf_tokenizer.py``)."""
+    from jaxserve.models.gguf_tokenizer import tokenizer_from_gguf  # noqa: PLC0415
+
+    return tokenizer_from_gguf(open_gguf(path).fields)
+
+
+def embedded_tokenizer():
+    """The SmolLM2 tokenizer: from the embedded GGUF when the package is installed, else the copy committed
+    under configs/tokenizers/smollm2 (written from that GGUF), so dummy models need no model package."""
+    try:
+        return gguf_tokenizer(packaged.embedded_model_path())
+    except ModelLoadError:
+        folder = packaged.DUMMY_CONFIG_DIR.parent / "tokenizers" / "smollm2"
+        if not folder.is_dir():
+            raise
+        from transformers import AutoTokenizer  # noqa: PLC0415
+        return AutoTokenizer.from_pretrained(str(folder))
+
+
+def folder_tokenizer(folder: str):
+    has_tokenizer = any(os.path.exists(os.path.join(folder, f))
+                        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if not has_tokenizer:
+        logger.warning("%s ships no tokenizer; using the embedded SmolLM2 tokenizer", folder)
+        return embedded_tokenizer()
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as e:
+        raise ModelLoadError(f"{folder}: cannot load the tokenizer ({type(e).__name__}: {e})") from None

@@ -167,11 +167,10 @@ def test_bench_engine_section_is_checked_and_its_serve_flags_parse_to_the_same_c
 def test_choice_lists_match_the_code_that_acts_on_them():
     from jaxserve import config
     from jaxserve.kernels import ops
-    from jaxserve.models import loader
+    from jaxserve.models import loaded_model
     from jaxserve.quantization import config as quant
     assert set(config.ATTENTION_BACKENDS) == {"auto", *ops.BACKENDS}
-    assert config.LOAD_FORMATS == loader.LOAD_FORMATS
-    assert set(config.DTYPES) - {"auto"} <= set(loader.DTYPES)
+    assert set(config.DTYPES) - {"auto"} <= set(loaded_model.DTYPES)
     assert {quant.canonical_method(q) for q in config.QUANTIZATIONS} == set(quant.QUANTIZATION_METHODS)
     for kv in config.KV_CACHE_DTYPES:
         ops.kv_cache_dtype(kv, "bfloat16")                  # each one is understood

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jaxserve.config import LOAD_FORMATS
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import packaged
 from jaxserve.models.dummy_loader import dummy_config_names, is_dummy_config, load_dummy
@@ -18,7 +19,6 @@ from jaxserve.models.loaded_model import LoadedModel, float_only
 from jaxserve.models.orbax_loader import is_orbax_checkpoint, load_orbax
 from jaxserve.models.safetensors_loader import load_hf_folder
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "orbax")
 
 
 def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str = "auto",

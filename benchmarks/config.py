@@ -8,8 +8,20 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCH_CONFIG_DIR = REPO_ROOT / "configs" / "bench"
+from jaxserve import envs
+
+REPO_ROOT = Path(__file__).resolve().parent.parent      # the source checkout, when benchmarks/ runs from one
+# configs/ (bench/, models/, hardware/): $JAXSERVE_CONFIGS for an installed jaxserve, else the checkout's
+CONFIGS_DIR = Path(envs.JAXSERVE_CONFIGS) if envs.JAXSERVE_CONFIGS else REPO_ROOT / "configs"
+BENCH_CONFIG_DIR = CONFIGS_DIR / "bench"
+
+
+def missing_configs() -> str | None:
+    """Why the benchmark configs cannot be found (None when they can): an installed jaxserve carries no configs/."""
+    if BENCH_CONFIG_DIR.is_dir():
+        return None
+    return (f"jaxserve bench reads its configs from a jaxserve source checkout's configs/ folder (bench/, models/, "
+            f"hardware/); {BENCH_CONFIG_DIR} does not exist: set JAXSERVE_CONFIGS=/path/to/jaxserve/configs")
 
 MODES = ("throughput", "latency", "serve", "kernels")
 

@@ -8,7 +8,7 @@ import contextlib
 import io
 import sys
 
-from benchmarks.report import Table
+from .report import Table
 
 
 class _Tee(io.TextIOBase):
@@ -41,7 +41,7 @@ def summary_rows(text: str) -> list[list[str]]:
 
 
 def run_kernels(run) -> None:
-    from benchmarks.diagnostics import kernels_bench
+    from .diagnostics import kernels_bench
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(_Tee(sys.stdout, buf)):

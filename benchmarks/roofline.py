@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-HARDWARE_DIR = REPO_ROOT / "configs" / "hardware"
+from .config import CONFIGS_DIR
+
+HARDWARE_DIR = CONFIGS_DIR / "hardware"
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1, "int8": 1}
 

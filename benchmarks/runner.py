@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import roofline
-from benchmarks.config import REPO_ROOT, ConfigError, engine_kwargs, load_configs
-from benchmarks.metrics import fmt
-from benchmarks.report import Table, results_dir, write_report
+from . import roofline
+from .config import REPO_ROOT, ConfigError, engine_kwargs, load_configs, missing_configs
+from .metrics import fmt
+from .report import Table, results_dir, write_report
 
 
 class _BaselinePhaseDone(Exception):
@@ -144,11 +144,11 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         print(f"[bench] HF transformers baseline ({', '.join(methods)}, {n} prompts) with {python}", flush=True)
-        proc = subprocess.run([python, "-m", "benchmarks.hf_baseline", str(spec_path), str(out_path)],
-                              cwd=REPO_ROOT, timeout=float(base.get("timeout_s") or 900),
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        # run as a script: the baseline's interpreter needs torch and transformers, not jaxserve
+        proc = subprocess.run([python, str(Path(__file__).with_name("hf_baseline.py")), str(spec_path), str(out_path)],
+                              timeout=float(base.get("timeout_s") or 900), env={**os.environ, "JAX_PLATFORMS": "cpu"})
         if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"benchmarks.hf_baseline exited with {proc.returncode}")
+            raise RuntimeError(f"the HF baseline (benchmarks/hf_baseline.py) exited with {proc.returncode}")
         out = json.loads(out_path.read_text())
     res = dict(out["results"][methods[0]])
     res["all_methods"] = out["results"]
@@ -163,24 +163,24 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
 
 
 # mode -> (module, function), imported when a run of that mode starts
-MODES = {"throughput": ("benchmarks.offline", "run_throughput"), "latency": ("benchmarks.offline", "run_latency"),
-         "serve": ("benchmarks.serve", "run_serve"), "kernels": ("benchmarks.kernels_mode", "run_kernels")}
+MODES = {"throughput": ("offline", "run_throughput"), "latency": ("offline", "run_latency"),
+         "serve": ("serve", "run_serve"), "kernels": ("kernels_mode", "run_kernels")}
 
 
 def run_mode(run) -> None:
     module, fn = MODES[run.cfg["mode"]]
-    getattr(importlib.import_module(module), fn)(run)
+    getattr(importlib.import_module(f".{module}", __package__), fn)(run)
 
 
 def prepare_model(run: Run) -> None:
-    from benchmarks.models import resolve_model
+    from .models import resolve_model
     run.model_config, run.hf_config = resolve_model(run.cfg)
 
 
 def prepare_main(run: Run, out_root: str | None) -> None:
     """Environment, hardware limits and the model's roofline counts (initialises JAX)."""
-    from benchmarks.envinfo import environment
-    from benchmarks.models import kv_dtype, weight_dtype
+    from .envinfo import environment
+    from .models import kv_dtype, weight_dtype
     # serve mode: the server process needs the accelerator; this process must not initialise it. Nor may an
     # engine with a process per device (mp): it joins jax.distributed, which must come before JAX starts
     spans_processes = run.cfg["engine"].get("distributed_executor_backend") == "mp"
@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, argv: list[str]) -> int:
+    if missing_configs():
+        print(f"bench: {missing_configs()}", file=sys.stderr)
+        return 2
     overrides = list(args.overrides)
     if args.no_plots:
         overrides.append("report.plots=false")
@@ -345,7 +348,7 @@ def _run(args, argv: list[str]) -> int:
 def _raw_workload(name_or_path: str) -> dict:
     """The workload keys the file itself sets (defaults excluded): ShareGPT keeps its reply lengths
     unless output_len is given explicitly."""
-    from benchmarks.config import resolve_config_path
+    from .config import resolve_config_path
     import yaml
     try:
         return dict((yaml.safe_load(resolve_config_path(name_or_path).read_text()) or {}).get("workload") or {})

@@ -15,14 +15,12 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks import config as bcfg  # noqa: E402
-from benchmarks import metrics, roofline, workloads  # noqa: E402
-from benchmarks.metrics import RequestTiming  # noqa: E402
-from jaxserve.config import ModelConfig  # noqa: E402
-from test_server_fakes import free_port  # noqa: E402
+from jaxserve.benchmarks import config as bcfg
+from jaxserve.benchmarks import metrics, roofline, workloads
+from jaxserve.benchmarks.metrics import RequestTiming
+from jaxserve.config import ModelConfig
+from test_server_fakes import free_port
 
 # Public config.json values.
 LLAMA_31_8B = ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -156,7 +154,7 @@ def test_sliding_window_layers_read_at_most_their_window():
 
 def test_throughput_roofline_waves_fit_the_kv_cache():
     from types import SimpleNamespace
-    from benchmarks.offline import _kv_capacity_seqs
+    from jaxserve.benchmarks.offline import _kv_capacity_seqs
     llm = SimpleNamespace(engine=SimpleNamespace(kv_manager=SimpleNamespace(block_size=16, num_usable_blocks=1000)))
     assert _kv_capacity_seqs(llm, 1152) == 13            # 72 blocks a sequence
     assert _kv_capacity_seqs(llm, 1153) == 13 and _kv_capacity_seqs(llm, 16) == 1000
@@ -241,7 +239,7 @@ def test_percent_of_a_limit_never_exceeds_100():
 def test_bandwidth_diagnostic_counts_bytes_and_runs_on_cpu(capsys):
     """benchmarks/diagnostics/bandwidth.py: a reduction reads the array once, a copy reads and writes it; a tiny
     run on CPU prints both ceilings and the hardware-file lines."""
-    from benchmarks.diagnostics import bandwidth
+    from jaxserve.benchmarks.diagnostics import bandwidth
     assert bandwidth.bytes_moved(1000, "read") == 1000 and bandwidth.bytes_moved(1000, "copy") == 2000
     assert bandwidth.main(["--gib", "0.01", "--iters", "2", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
@@ -467,7 +465,7 @@ def scripted_server():
 
 
 def test_loadgen_timings_and_concurrency_cap(scripted_server):
-    from benchmarks.loadgen import run_load
+    from jaxserve.benchmarks.loadgen import run_load
     app, url = scripted_server
     reqs = workloads.random_requests(np.random.default_rng(0), 6, 5, 4, 1000)
     app.peak = 0
@@ -485,7 +483,7 @@ def test_loadgen_timings_and_concurrency_cap(scripted_server):
 
 
 def test_loadgen_reports_http_errors(scripted_server):
-    from benchmarks.loadgen import run_load
+    from jaxserve.benchmarks.loadgen import run_load
     _, url = scripted_server
     reqs = [workloads.RequestSpec([13], 1, 3), workloads.RequestSpec([1, 2], 2, 2)]
     timings, _ = asyncio.run(run_load(url, reqs, progress=False))
@@ -494,7 +492,7 @@ def test_loadgen_reports_http_errors(scripted_server):
 
 
 def test_loadgen_poisson_rate_spreads_sends(scripted_server):
-    from benchmarks.loadgen import run_load
+    from jaxserve.benchmarks.loadgen import run_load
     _, url = scripted_server
     reqs = workloads.random_requests(np.random.default_rng(0), 5, 3, 1, 1000)
     timings, duration = asyncio.run(run_load(url, reqs, request_rate=20.0, seed=3, progress=False))
@@ -521,7 +519,7 @@ needs_engine = pytest.mark.skipif(_engine_ready() is not None, reason=str(_engin
 
 
 def _run_main(args: list[str], out: Path) -> dict[str, dict]:
-    from benchmarks.runner import main
+    from jaxserve.benchmarks.runner import main
     assert main([*args, "--out", str(out)]) == 0
     found = {}
     for d in out.iterdir():
@@ -551,7 +549,7 @@ def test_cpu_smoke_throughput_and_latency_end_to_end(tmp_path):
     assert j["engine_steps"]["prefix_cache_queries"] > 0
     assert lat["roofline"]["e2e_bound_s"] < lj["e2e_s"]["mean"]
     assert lat["model"]["params"] == 134_515_008
-    from benchmarks import plots
+    from jaxserve.benchmarks import plots
     if plots.available():
         assert any(p.suffix == ".png" for p in tmp_path.rglob("*.png"))
 
@@ -574,7 +572,7 @@ ORACLE_PYTHON = ROOT / ".venv-oracle" / "bin" / "python"
 @pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason="needs the torch env .venv-oracle (tools/oracle_env.sh)")
 def test_hf_baseline_subprocess_on_a_tiny_shape(tmp_path):
     import subprocess
-    from benchmarks.models import hf_config_from_model_config
+    from jaxserve.benchmarks.models import hf_config_from_model_config
     tiny = ModelConfig("LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16)
     spec = {"hf_config": hf_config_from_model_config(tiny), "dtype": "float32", "device": "cpu",
@@ -591,7 +589,7 @@ def test_hf_baseline_subprocess_on_a_tiny_shape(tmp_path):
 
 # ------------------------------------------------------------------------------------- serve / kernels glue
 def test_sweep_and_prompt_counts():
-    from benchmarks.serve import prompt_counts, sweep_points
+    from jaxserve.benchmarks.serve import prompt_counts, sweep_points
     assert sweep_points({"sweep": None}) == (None, [None])
     assert sweep_points({"sweep": {"request_rate": [1, 2]}}) == ("request_rate", [1, 2])
     with pytest.raises(ValueError, match="workload.sweep"):
@@ -611,14 +609,14 @@ def test_server_flags_use_the_cli_names():
 
 
 def test_kernels_summary_table_is_parsed():
-    from benchmarks.kernels_mode import summary_rows
+    from jaxserve.benchmarks.kernels_mode import summary_rows
     text = "noise\n## summary\n| what | result |\n|---|---|\n| decode B=64 | 3.9 TB/s | 91 % |\n| fp8 | ok |\ntrailer\n"
     assert summary_rows(text) == [["decode B=64", "3.9 TB/s | 91 %"], ["fp8", "ok"]]
     assert summary_rows("no table") == []
 
 
 def test_metrics_scrape_parsing(scripted_server):
-    from benchmarks import serve
+    from jaxserve.benchmarks import serve
     text = ('# HELP x\njaxserve:prefix_cache_queries_total{model_name="m"} 120.0\n'
             'jaxserve:prefix_cache_hits_total{model_name="m"} 90.0\njaxserve:num_preemptions_total{model_name="m"} 2.0\n'
             'jaxserve:num_requests_running{model_name="m"} 1.0\n')
@@ -688,7 +686,7 @@ def test_serve_mode_end_to_end_against_a_base_url(scripted_server, tmp_path):
 
 
 def test_plots_are_optional(tmp_path, monkeypatch):
-    from benchmarks import plots
+    from jaxserve.benchmarks import plots
     if plots.available():
         assert plots.cdf(tmp_path / "a.png", {"x": [1.0, 2.0, 3.0]}, "s", "t") and (tmp_path / "a.png").stat().st_size
     monkeypatch.setitem(sys.modules, "matplotlib", None)          # as if not installed: import fails
@@ -702,7 +700,7 @@ def test_profile_summary_reads_a_cpu_trace(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.diagnostics import profile_summary as ps
+    from jaxserve.benchmarks.diagnostics import profile_summary as ps
 
     assert ps.kernel_group("loop_fusion_12") == "loop_fusion"
     assert ps.kernel_group("input_reduce_fusion.3") == "input_reduce_fusion"
@@ -724,7 +722,7 @@ def test_profile_summary_reads_a_cpu_trace(tmp_path):
 def test_step_diag_cuts_a_forward_into_layers():
     """step_diag --layer-kernels: a traced forward's kernels, cut at each layer's K/V write, give one layer's
     kernels (windows that span two forwards dropped), their mean us, and the idle time between them."""
-    from benchmarks.diagnostics.step_diag import layer_windows
+    from jaxserve.benchmarks.diagnostics.step_diag import layer_windows
 
     layer = ["gemm", "rope", "paged_kv_write", "decode", "combine", "gemm", "add", "norm"]
     names = (["embed"] + layer * 3 + ["lm_head"]) * 2
@@ -743,7 +741,7 @@ def test_step_diag_layer_kernels_runs_on_cpu(capsys):
     """The --layer-kernels child (one narrowed model, the reference attention): compiles and times a forward."""
     import argparse
 
-    from benchmarks.diagnostics.step_diag import layer_child
+    from jaxserve.benchmarks.diagnostics.step_diag import layer_child
 
     a = argparse.Namespace(models=["gemma-2-9b"], layers=2, context=20, dtype="float32", replays=1,
                            max_model_len=64, smoke=True, hlo_dir=None, tag="new-default")
@@ -754,7 +752,7 @@ def test_step_diag_layer_kernels_runs_on_cpu(capsys):
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.diagnostics.step_diag import hlo_kernel_ops
+    from jaxserve.benchmarks.diagnostics.step_diag import hlo_kernel_ops
     hlo = jax.jit(lambda x: jnp.sin(x) * 2 + x.sum()).lower(jnp.ones((8, 128))).compile().as_text()
     assert any("sine" in what for what in hlo_kernel_ops(hlo).values()), hlo_kernel_ops(hlo)
 
@@ -765,7 +763,7 @@ def test_step_diag_flag_sets_parse():
     import subprocess
     import sys
 
-    from benchmarks.diagnostics import step_diag
+    from jaxserve.benchmarks.diagnostics import step_diag
 
     flags = " ".join(v for v in step_diag.FLAG_SETS.values() if v)
     r = subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; print(int(jax.jit(lambda x: x + 1)(jnp.ones(2)).sum()))"],
@@ -778,7 +776,7 @@ def test_decode_phases_times_steady_decode_steps_by_phase(tmp_path, capsys):
     """decode_phases --smoke: every timed step is an 8-row decode step; the phases the engine's step runs are
     each positive, the timers leave little of the step unaccounted for and, with the residual, add up to the
     step's wall time; tok/s is the batch over the loop's wall per step; the traced and cProfiled windows run."""
-    from benchmarks.diagnostics import decode_phases
+    from jaxserve.benchmarks.diagnostics import decode_phases
 
     out = tmp_path / "phases.json"
     assert decode_phases.main(["--smoke", "--profile", "--cprofile", "--json", str(out)]) == 0
@@ -799,14 +797,13 @@ def test_decode_phases_times_steady_decode_steps_by_phase(tmp_path, capsys):
     assert "| **wall** |" in table and "| exe:forward |" in table and "output tok/s" in table
 
 
-def test_bench_outside_a_source_checkout_says_where_to_run_it(tmp_path, monkeypatch, capsys):
-    """An installed package has no benchmarks/ or configs/ beside it: `jaxserve bench` exits 2 with what to do
-    instead of an ImportError; in the checkout it reaches the runner (a bad config is its own exit 2)."""
+def test_bench_without_its_configs_says_where_to_find_them(tmp_path, monkeypatch, capsys):
+    """An installed jaxserve has no configs/ beside benchmarks/: `jaxserve bench` exits 2 naming
+    JAXSERVE_CONFIGS; with them it reaches the runner (a bad config is its own exit 2)."""
     from jaxserve import cli
-    (tmp_path / "jaxserve").mkdir()
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "jaxserve" / "cli.py"))
+    monkeypatch.setattr(bcfg, "BENCH_CONFIG_DIR", tmp_path / "configs" / "bench")
     assert cli.main(["bench", "--config", "x.yaml"]) == 2
-    assert "source checkout" in capsys.readouterr().err
+    assert "JAXSERVE_CONFIGS" in capsys.readouterr().err
     monkeypatch.undo()
     assert cli.main(["bench", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert capsys.readouterr().err.startswith("bench: ")

@@ -1,6 +1,6 @@
 """benchmarks/diagnostics/gpu_check.tie_gap: a float32 variant that leaves the reference path's greedy tokens only where the
 reference had a near-tie (and took the runner-up) passes; any other divergence fails."""
-from benchmarks.diagnostics.gpu_check import TIE_EPS, tie_gap
+from jaxserve.benchmarks.diagnostics.gpu_check import TIE_EPS, tie_gap
 from jaxserve.outputs import Logprob
 
 

@@ -143,7 +143,7 @@ def test_model_decode_step_has_no_separate_kv_write(capsys):
     import argparse
     import json
 
-    from benchmarks.diagnostics.step_diag import layer_child, layer_windows
+    from jaxserve.benchmarks.diagnostics.step_diag import layer_child, layer_windows
 
     for context, want in ((200, {"ragged_paged_decode_write_kv": 1.0}),
                           (2048, {"ragged_paged_combine": 1.0, "ragged_paged_decode_split_write_kv": 1.0})):

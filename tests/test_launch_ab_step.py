@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from benchmarks.config import engine_kwargs, load_configs
+from jaxserve.benchmarks.config import engine_kwargs, load_configs
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.config import engine_kwargs, load_config, load_configs
-from benchmarks.diagnostics import moe_gemm
+from jaxserve.benchmarks.config import engine_kwargs, load_config, load_configs
+from jaxserve.benchmarks.diagnostics import moe_gemm
 from jaxserve.kernels import ragged_dot
 from jaxserve.llm import engine_config_from_kwargs
 

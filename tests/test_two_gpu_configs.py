@@ -22,12 +22,10 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks import config as bcfg  # noqa: E402
-from benchmarks import roofline  # noqa: E402
-from benchmarks.models import resolve_model  # noqa: E402
+from jaxserve.benchmarks import config as bcfg
+from jaxserve.benchmarks import roofline
+from jaxserve.benchmarks.models import resolve_model
 
 MODELS = ROOT / "configs" / "models"
 # issue 36's configs (h200x2-llama8b-tp2 belongs to the tp2 step)

@@ -164,7 +164,7 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
 
 # mode -> (module, function), imported when a run of that mode starts
 MODES = {"throughput": ("offline", "run_throughput"), "latency": ("offline", "run_latency"),
-         "serve": ("serve", "run_serve"), "kernels": ("kernels_mode", "run_kernels")}
+         "serve": ("serve", "run_serve"), "kernels": ("kernel_bench", "run_kernels")}
 
 
 def run_mode(run) -> None:

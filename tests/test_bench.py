@@ -236,17 +236,23 @@ def test_percent_of_a_limit_never_exceeds_100():
     assert len(notes) == 1 and "configs/hardware" in notes[0] and roofline.take_exceeded() == []
 
 
-def test_bandwidth_diagnostic_counts_bytes_and_runs_on_cpu(capsys):
-    """benchmarks/diagnostics/bandwidth.py: a reduction reads the array once, a copy reads and writes it; a tiny
-    run on CPU prints both ceilings and the hardware-file lines."""
-    from jaxserve.benchmarks.diagnostics import bandwidth
-    assert bandwidth.bytes_moved(1000, "read") == 1000 and bandwidth.bytes_moved(1000, "copy") == 2000
-    assert bandwidth.main(["--gib", "0.01", "--iters", "2", "--repeats", "2"]) == 0
+def test_kernel_bench_runs_its_sections_on_cpu(capsys):
+    """The kernel microbenchmark at its smoke sizes on CPU (Pallas interpreted): the bandwidth lines for the
+    hardware files, paged decode against the stock kernel, prefill, the quantized matmuls, the MoE GEMM's
+    implementations (the rows kernel up to 16 tokens only), and one summary; an unknown section stops it."""
+    from jaxserve.benchmarks import kernel_bench
+    assert kernel_bench.main(["--smoke", "--m", "1", "--tokens", "4,17"]) == 0
     out = capsys.readouterr().out
-    assert "| read (sum along rows) |" in out and "| copy (-x) |" in out
-    read = float(out.split("read_bandwidth: ")[1].split()[0])
-    copy = float(out.split("copy_bandwidth: ")[1].split()[0])
-    assert read > 0 and copy > 0
+    assert float(out.split("read_bandwidth: ")[1].split()[0]) > 0
+    assert float(out.split("copy_bandwidth: ")[1].split()[0]) > 0
+    assert "| 2 | 64 |" in out and "| ours (pallas) |" in out and "| tiny 256x256 | 1 |" in out
+    moe = {tuple(c.strip() for c in line.split("|")[2:4]) for line in out.splitlines() if line.startswith("| tiny |")}
+    assert {("4", "rows"), ("4", "pallas"), ("17", "pallas"), ("17", "ragged_dot")} <= moe
+    assert ("17", "rows") not in moe
+    summary = out.split("## summary")[1]
+    assert "| HBM read / copy |" in summary and "FAILED" not in summary
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["--only", "attention,nope"])
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -606,13 +612,6 @@ def test_server_flags_use_the_cli_names():
     flags = bcfg.server_flags(cfg)
     assert flags[flags.index("--kv-cache-memory") + 1] == "1000" and flags[-2:] == ["--api-key", "k"]
     assert flags[0] == "--dtype"                         # no model: the server's default (embedded SmolLM2)
-
-
-def test_kernels_summary_table_is_parsed():
-    from jaxserve.benchmarks.kernels_mode import summary_rows
-    text = "noise\n## summary\n| what | result |\n|---|---|\n| decode B=64 | 3.9 TB/s | 91 % |\n| fp8 | ok |\ntrailer\n"
-    assert summary_rows(text) == [["decode B=64", "3.9 TB/s | 91 %"], ["fp8", "ok"]]
-    assert summary_rows("no table") == []
 
 
 def test_metrics_scrape_parsing(scripted_server):

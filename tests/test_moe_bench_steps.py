@@ -8,27 +8,11 @@ from pathlib import Path
 import pytest
 
 from jaxserve.benchmarks.config import engine_kwargs, load_config, load_configs
-from jaxserve.benchmarks.diagnostics import moe_gemm
 from jaxserve.kernels import ragged_dot
 from jaxserve.llm import engine_config_from_kwargs
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_H200 = (ROOT / "benchmarks" / "run_h200.sh").read_text()
-
-
-def test_moe_gemm_times_the_decode_rows_and_refuses_unknown_ones(capsys):
-    """--decode's rows (the rows kernel alone, the whole layer on the sorted and the rows path) at a decode
-    size on CPU, each checked and timed; 17 tokens are past the rows path; a name it does not time stops it."""
-    assert moe_gemm.main(["--smoke", "--decode", "--skip-models", "--tokens", "4,17", "--reps", "1",
-                          "--impls", "rows,layer:pallas,layer:rows"]) == 0
-    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
-             if line.startswith("| tiny |")]
-    us = {(int(tokens), impl): us for _, tokens, impl, us, *_ in cells}       # shape, tokens, impl, µs, ...
-    assert all(float(us[4, impl]) > 0 for impl in ("rows", "layer:pallas", "layer:rows"))
-    assert float(us[17, "layer:pallas"]) > 0 and us[17, "rows"] == us[17, "layer:rows"] == ""
-    for impls in ("layer:fused", "rows,layer:sorted"):
-        with pytest.raises(SystemExit):
-            moe_gemm.main(["--smoke", "--decode", "--skip-models", "--impls", impls])
 
 
 # ------------------------------------------------------------------------------------------- run_h200.sh

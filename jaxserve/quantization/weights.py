@@ -32,7 +32,7 @@ from jaxserve.parallel.mesh import current_tp_mesh
 
 # Steps up to this many tokens (decode, small mixed steps: bound by weight bytes) run the fused int4 kernel;
 # larger ones are bound by compute, where dequantizing once and running XLA's bf16 GEMM does better than
-# re-dequantizing every weight tile per block of x (benchmarks/diagnostics/quant_matmul_bench.py measures
+# re-dequantizing every weight tile per block of x (benchmarks/kernel_bench.py measures
 # both; on an H200 the kernel took 244.7 us at gate_up M = 64 against bf16's 62.2, 69.8 at M = 16)
 INT4_KERNEL_MAX_TOKENS = 16
 FP8_DTYPE = jnp.float8_e4m3fn

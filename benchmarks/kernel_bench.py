@@ -12,9 +12,8 @@ Sections:
              context sweep, in TB/s of K/V read and % of the read ceiling; an fp8 cache against bf16; causal
              prefill (the engine's kernel choice, the Triton kernel, cuDNN, Mosaic GPU FA3) in TFLOP/s
   quant      int4 W4A16 (the engine's path) and fp8 (W8A8, W8A16) projection matmuls against bf16 at
-             Llama-3.1-8B's shapes, M = 1, 4, 16 rows: us, GB/s of weight read, % of the read ceiling.
-             ``--tune`` sweeps the int4 kernel's launches; ``--write-launches FILE`` stores the best per shape
-             (kernels/int4_launches.json is the table the engine reads)
+             Llama-3.1-8B's shapes, M = 1, 4, 16 rows: us, GB/s of weight read, % of the read ceiling
+             (``benchmarks/int4_launches.py`` tunes the int4 kernel's launches the engine reads)
   moe        the MoE grouped GEMM (one layer's gate/up) at Qwen3-30B-A3B's and Mixtral-8x7B's shapes: every
              ``kernels/ragged_dot.py`` implementation and, up to 16 tokens, the sort-free rows kernel
 
@@ -28,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
-import pathlib
 import statistics
 import sys
 import time
@@ -360,100 +357,6 @@ def quant(b: Bench) -> None:
         del w
 
 
-def _tune_configs(m: int, k: int, n: int) -> list:
-    """The int4 kernel's launches worth trying at this size, the likeliest first: the gemv kernel (64-row
-    steps give a thread 8 columns), the fma kernel at one row and the dot kernel from two, each with the
-    split-K heuristic's choice and twice / half of it."""
-    from jaxserve.kernels import int4_matmul_pallas as k4
-    R = dataclasses.replace
-
-    def splits(c):
-        tiles = n // c.block_n * (1 if c.method != "dot" else -(-m // 16))
-        auto = k4._split_k(k // k4.step_rows(c, INT4_GROUP), tiles, c.num_warps, c.unroll,
-                           k4.GEMV_MIN_STEPS if c.method == "gemv" else 1)
-        return [R(c, split_k=auto * 2), R(c, split_k=max(1, auto // 2))]
-
-    gemv = k4.Config("gemv", block_n=256, block_k=64, num_warps=1)
-    fma = k4.Config("fma", block_n=128, num_warps=1)
-    dot = k4.Config("dot", block_n=128, num_warps=8, num_stages=3)
-    gemvs = [gemv, R(gemv, block_n=128, block_k=None), R(gemv, block_n=128, block_k=32),
-             R(gemv, block_n=512, num_warps=2), *splits(gemv), R(gemv, unroll=2)]
-    if m == 1:
-        cands = [*gemvs, fma, *splits(fma), dot]
-    elif m <= k4.GEMV_MAX_ROWS:
-        cands = [gemvs[0], dot, *gemvs[1:], R(dot, block_n=64, num_warps=4), *splits(dot), R(dot, unroll=2)]
-    else:
-        cands = [dot, R(dot, block_n=64, num_warps=4), R(dot, block_n=256), R(dot, unroll=2), R(dot, num_stages=2),
-                 *splits(dot), R(dot, num_warps=4)]
-    out = []
-    for c in cands:
-        fits = (c.split_k is None or (k // k4.step_rows(c, INT4_GROUP)) % c.split_k == 0) and n % c.block_n == 0
-        if fits and c not in out:
-            out.append(c)
-    return out
-
-
-def tune(b: Bench, ms: list[int], max_configs: int) -> list[dict]:
-    """Times the int4 kernel's launches (``_tune_configs``; the gemv ones also with one live row, the engine's
-    batch 1 in a bucket of more rows), each checked against the reference first; returns the best per (shape,
-    M, live rows) as ``int4_launches.json`` entries."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxserve.kernels import int4_matmul_pallas as k4
-    S = b.S
-    b.emit("\n## int4 launch sweep\n| shape | M | live rows | us | speed-up over bf16 | launch |\n|---|---|---|---|---|---|")
-    best = []
-    for name, k, n in S.projections:
-        w = _weights(k, n, S.layers)
-        packed = [(q.packed, q.scales, q.zeros) for q in w["int4"]]
-        for m in ms:
-            xs = _activations(m, k, S.layers)
-            t_bf16 = _per_matmul_us(_layered(lambda x, w: x @ w), (xs, w["bf16"]), S.layers)
-            want = np.asarray(k4.int4_matmul_reference(xs[0], *packed[0], INT4_GROUP), np.float32)
-            found = {None: [], 1: []}
-            for cfg in _tune_configs(m, k, n)[:max_configs]:
-                for live in ([None, 1] if cfg.method == "gemv" and m > 1 else [None]):
-                    lv = None if live is None else jnp.int32(live)
-                    fn = _layered(lambda x, p, c=cfg, lv=lv: k4.int4_matmul(
-                        x, *p, group_size=INT4_GROUP, config=c, live_rows=lv, interpret=S.interpret))
-                    try:
-                        got = np.asarray(fn(xs, packed)[0], np.float32)
-                        us = _per_matmul_us(fn, (xs, packed), S.layers)
-                    except Exception as e:  # noqa: BLE001  (a launch Triton cannot compile is skipped, and said)
-                        b.emit(f"| {name} | {m} | {live or m} | skip | | {cfg}: {type(e).__name__} |")
-                        continue
-                    rows = live or m
-                    err = np.abs(got[:rows] - want[:rows]).max() / (np.abs(want).max() + 1e-9)
-                    if err > 0.02 or (rows < m and np.abs(got[rows:]).max() > 0):
-                        b.emit(f"| {name} | {m} | {rows} | MISMATCH {err:.3g} | | {cfg} |")
-                        continue
-                    found[live].append((us, cfg))
-                    b.emit(f"| {name} | {m} | {rows} | {us:.1f} | {t_bf16 / us:.2f}x | {cfg} |")
-            if m > 1:       # a launch without the live-row loop costs its all-rows time at one live row too
-                found[1] += [r for r in found[None] if r[1].method != "gemv"]
-            for live, rs in found.items():
-                if rs and (live is None or m > 1):
-                    us, cfg = min(rs, key=lambda r: r[0])
-                    b.emit(f"| **{name}** | **{m}** | **{live or m}** | **{us:.1f}** | **{t_bf16 / us:.2f}x** | best |")
-                    best.append({"key": k4.launch_key(k, n, m, live == 1), "us": round(us, 2),
-                                 "config": dataclasses.asdict(cfg)})
-        del w
-    return best
-
-
-def write_launches(path: str, entries: list[dict]) -> None:
-    """The tuned launches the engine reads (``kernels.int4_matmul_pallas.LAUNCHES_FILE``), merged into the
-    file's entries for other shapes."""
-    import jax
-    file = pathlib.Path(path)
-    old = json.loads(file.read_text())["launches"] if file.exists() else []
-    keys = {e["key"] for e in entries}
-    doc = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "group_size": INT4_GROUP,
-           "launches": sorted([e for e in old if e["key"] not in keys] + entries, key=lambda e: e["key"])}
-    file.write_text(json.dumps(doc, indent=1) + "\n")
-
-
 # ------------------------------------------------------------------------------------------------------ moe
 def moe(b: Bench) -> None:
     import jax
@@ -519,11 +422,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hardware", default="auto", help="ceilings from configs/hardware (auto: the device's kind)")
     ap.add_argument("--m", default=None, help="quant: token counts (default 1,4,16)")
     ap.add_argument("--tokens", default=None, help="moe: token counts (default 1,4,16,256,8192)")
-    ap.add_argument("--tune", action="store_true", help="quant: then sweep the int4 kernel's launches")
-    ap.add_argument("--tune-m", default="1,4,16")
-    ap.add_argument("--tune-configs", type=int, default=12, help="launches tried per shape and M")
-    ap.add_argument("--write-launches", default=None, metavar="FILE",
-                    help="write the sweep's best launches (the engine reads kernels/int4_launches.json)")
     ap.add_argument("--out", default=None, help="also write the output to this file as it goes")
     return ap
 
@@ -552,11 +450,6 @@ def run_sections(a: argparse.Namespace) -> tuple[int, list[tuple[str, str]]]:
             traceback.print_exc()
             failed.append(name)
             b.rows.append((name, f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
-    if a.tune:
-        best = tune(b, [int(v) for v in a.tune_m.split(",")], a.tune_configs)
-        if a.write_launches:
-            write_launches(a.write_launches, best)
-            b.emit(f"wrote {len(best)} launches to {a.write_launches}")
     b.emit("\n## summary\n| what | result |\n|---|---|")
     for what, res in b.rows:
         b.emit(f"| {what} | {res} |")

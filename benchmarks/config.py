@@ -23,7 +23,7 @@ def missing_configs() -> str | None:
     return (f"jaxserve bench reads its configs from a jaxserve source checkout's configs/ folder (bench/, models/, "
             f"hardware/); {BENCH_CONFIG_DIR} does not exist: set JAXSERVE_CONFIGS=/path/to/jaxserve/configs")
 
-MODES = ("throughput", "latency", "serve", "kernels")
+MODES = ("throughput", "latency", "serve", "startup", "kernels")
 
 # Every key a config may have, with its default. `engine` is passed through to LLM(...) / serve flags.
 DEFAULTS: dict[str, Any] = {
@@ -52,6 +52,7 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
               "dataset_path": None, "num_prefixes": 4, "prefix_len": 256, "ignore_eos": True,
               "request_rate": "inf", "burstiness": 1.0, "max_concurrency": None, "warmup_requests": 2,
               "sweep": None, "slo": {}, "structured_fraction": 0.0, "structured_schema": None},
+    "startup": {"prompt": "What is the capital of France?", "max_tokens": 16},
     "kernels": {},
 }
 

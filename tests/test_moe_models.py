@@ -184,7 +184,7 @@ def test_metrics_export_expert_load():
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b"])
 def test_moe_bench_configs_share_one_engine(model):
     """The H200 MoE configs validate, name an MoE model, and a model's latency and throughput configs have
-    the same engine section (``run_h200.sh moe`` loads and compiles each model once)."""
+    the same engine section (the h200-moe suite loads and compiles each model once)."""
     from jaxserve.benchmarks.config import engine_kwargs, load_config
     from jaxserve.benchmarks.models import resolve_model
 

@@ -2,8 +2,8 @@
 
 Conventions:
 - Two memory ceilings per chip: ``read_bandwidth`` (a read-only streaming reduction) and ``copy_bandwidth``
-  (read + write bytes of a device copy), both measured by benchmarks/diagnostics/bandwidth.py. Every step here
-  streams weights and KV and writes little, so its bound uses the read ceiling.
+  (read + write bytes of a device copy), both measured by ``kernel_bench.py --only bandwidth``. Every step
+  here streams weights and KV and writes little, so its bound uses the read ceiling.
 - Weights are counted from the family's own parameter shapes (``param_shapes`` of the module the registry
   resolves), so every family's real layout is in the count: q/k-norms, Gemma's four norms per layer, head_dim
   256, tied or separate LM head. A step reads every weight once except an untied embedding table, of which it

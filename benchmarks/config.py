@@ -20,8 +20,10 @@ def missing_configs() -> str | None:
     """Why the benchmark configs cannot be found (None when they can): an installed jaxserve carries no configs/."""
     if BENCH_CONFIG_DIR.is_dir():
         return None
-    return (f"jaxserve bench reads its configs from a jaxserve source checkout's configs/ folder (bench/, models/, "
-            f"hardware/); {BENCH_CONFIG_DIR} does not exist: set JAXSERVE_CONFIGS=/path/to/jaxserve/configs")
+    where = f"JAXSERVE_CONFIGS={CONFIGS_DIR}" if envs.JAXSERVE_CONFIGS else f"{CONFIGS_DIR} (not a source checkout)"
+    return (f"jaxserve bench reads the configs/ folder of a jaxserve source checkout (bench/, models/, hardware/), "
+            f"and {where} has no bench/: set JAXSERVE_CONFIGS=/path/to/jaxserve/configs")
+
 
 MODES = ("throughput", "latency", "serve", "startup", "kernels")
 

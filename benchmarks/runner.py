@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "new, and print each config's new / old output tok/s")
     p.add_argument("--rounds", type=int, default=2, help="--ab: old / new rounds (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value by dotted key, e.g. --set workload.num_prompts=10 (applies to every --config)")
+                   help="override a config value by dotted key, e.g. --set workload.num_prompts=10 (applies to every "
+                        "--config, and every run of a --suite)")
     p.add_argument("--base-url", default=None, help="serve mode: benchmark a running server instead of starting one")
     p.add_argument("--out", default=os.environ.get("JAXSERVE_BENCH_RESULTS"),
                    help="results root (default: benchmarks/results)")

@@ -511,19 +511,6 @@ def test_loadgen_poisson_rate_spreads_sends(scripted_server):
 
 
 # ------------------------------------------------------------------------------- end to end on the engine
-def _engine_ready() -> str | None:
-    try:
-        from jaxserve.llm import LLM  # noqa: F401
-        from jaxserve.models import load_model  # noqa: F401
-        from jaxserve.engine.llm_engine import LLMEngine  # noqa: F401
-    except ImportError as e:
-        return f"the engine is not built yet ({e})"
-    return None
-
-
-needs_engine = pytest.mark.skipif(_engine_ready() is not None, reason=str(_engine_ready()))
-
-
 def _run_main(args: list[str], out: Path) -> dict[str, dict]:
     from jaxserve.benchmarks.runner import main
     assert main([*args, "--out", str(out)]) == 0
@@ -534,7 +521,6 @@ def _run_main(args: list[str], out: Path) -> dict[str, dict]:
     return found
 
 
-@needs_engine
 def test_cpu_smoke_throughput_and_latency_end_to_end(tmp_path):
     res = _run_main(["--config", "cpu-smoke", "--config", "cpu-smoke-latency"], tmp_path)
     thr = next(r for r in res.values() if r["mode"] == "throughput")
@@ -560,7 +546,6 @@ def test_cpu_smoke_throughput_and_latency_end_to_end(tmp_path):
         assert any(p.suffix == ".png" for p in tmp_path.rglob("*.png"))
 
 
-@needs_engine
 @pytest.mark.slow
 def test_cpu_smoke_serve_against_a_real_server(tmp_path):
     res = _run_main(["--config", "cpu-smoke-serve"], tmp_path)
@@ -640,7 +625,6 @@ def test_set_overrides_across_configs_of_different_modes():
         bcfg.load_configs(["cpu-smoke", "cpu-smoke-latency"], ["workload.num_prompt=3"])
 
 
-@needs_engine
 @pytest.mark.slow
 @pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason="needs the torch env .venv-oracle (tools/oracle_env.sh)")
 def test_hf_baseline_runs_first_on_the_same_prompts(tmp_path):

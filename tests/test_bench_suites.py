@@ -16,8 +16,13 @@ from jaxserve.llm import engine_config_from_kwargs
 
 
 def test_every_shipped_config_is_in_a_suite_and_every_suite_loads(capsys):
-    named = {c for n in suites.suite_names() for r in suites.load_suite(n)["runs"] for c in r["configs"]}
-    assert named == {p.stem for p in BENCH_CONFIG_DIR.glob("*.yaml")}
+    """Each run's configs load with its --set words (the engine options included), and the listing names the
+    suites the device runs need."""
+    runs = [r for n in suites.suite_names() for r in suites.load_suite(n)["runs"]]
+    assert {c for r in runs for c in r["configs"]} == {p.stem for p in BENCH_CONFIG_DIR.glob("*.yaml")}
+    for r in runs:
+        for cfg in load_configs(r["configs"], r["set"]):
+            engine_kwargs(cfg)
     assert runner.main(["--suite"]) == 0
     listing = capsys.readouterr().out
     for name in ("h200-llama8b", "h200-llama8b-ab", "h200-llama8b-throughput", "h200-llama8b-structured",

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from .config import BENCH_CONFIG_DIR, REPO_ROOT, ConfigError, resolve_config_path
+from .report import RESULTS_DIR
 
 SUITE_DIR = BENCH_CONFIG_DIR / "suites"
 RUN_KEYS = {"configs", "set", "env", "gpus", "timeout_s"}
@@ -113,7 +114,7 @@ def run_suite(name: str, overrides: list[str], out: str | None, ab: str | None =
     sides = [("old", Path(ab).resolve()), ("new", REPO_ROOT)] if ab else [("", None)]
     if ab and not (Path(ab) / "benchmarks" / "runner.py").is_file():
         raise ConfigError(f"--ab {ab}: not a jaxserve checkout (no benchmarks/runner.py)")
-    root = Path(out or (REPO_ROOT / "benchmarks" / "results")).resolve()
+    root = Path(out or RESULTS_DIR).resolve()
     summary, failed = [], 0
     for rnd in range(1, (rounds if ab else 1) + 1):
         for side, tree in sides:

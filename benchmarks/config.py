@@ -8,10 +8,24 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCH_CONFIG_DIR = REPO_ROOT / "configs" / "bench"
+from jaxserve import envs
 
-MODES = ("throughput", "latency", "serve", "kernels")
+REPO_ROOT = Path(__file__).resolve().parent.parent      # the source checkout, when benchmarks/ runs from one
+# configs/ (bench/, models/, hardware/): $JAXSERVE_CONFIGS for an installed jaxserve, else the checkout's
+CONFIGS_DIR = Path(envs.JAXSERVE_CONFIGS) if envs.JAXSERVE_CONFIGS else REPO_ROOT / "configs"
+BENCH_CONFIG_DIR = CONFIGS_DIR / "bench"
+
+
+def missing_configs() -> str | None:
+    """Why the benchmark configs cannot be found (None when they can): an installed jaxserve carries no configs/."""
+    if BENCH_CONFIG_DIR.is_dir():
+        return None
+    where = f"JAXSERVE_CONFIGS={CONFIGS_DIR}" if envs.JAXSERVE_CONFIGS else f"{CONFIGS_DIR} (not a source checkout)"
+    return (f"jaxserve bench reads the configs/ folder of a jaxserve source checkout (bench/, models/, hardware/), "
+            f"and {where} has no bench/: set JAXSERVE_CONFIGS=/path/to/jaxserve/configs")
+
+
+MODES = ("throughput", "latency", "serve", "startup", "kernels")
 
 # Every key a config may have, with its default. `engine` is passed through to LLM(...) / serve flags.
 DEFAULTS: dict[str, Any] = {
@@ -40,6 +54,7 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
               "dataset_path": None, "num_prefixes": 4, "prefix_len": 256, "ignore_eos": True,
               "request_rate": "inf", "burstiness": 1.0, "max_concurrency": None, "warmup_requests": 2,
               "sweep": None, "slo": {}, "structured_fraction": 0.0, "structured_schema": None},
+    "startup": {"prompt": "What is the capital of France?", "max_tokens": 16},
     "kernels": {},
 }
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from importlib import metadata
 
-from benchmarks.config import REPO_ROOT
+from .config import REPO_ROOT
 
 
 def _version(pkg: str) -> str | None:

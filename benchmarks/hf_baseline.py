@@ -1,6 +1,6 @@
 """Same-GPU baseline: HF transformers on the same model shape (random weights) and the same prompts.
 
-Runs in its own process (`python -m benchmarks.hf_baseline SPEC.json OUT.json`) so torch and JAX never
+Runs in its own process (`python benchmarks/hf_baseline.py SPEC.json OUT.json`) so torch and JAX never
 share the accelerator's memory; imports neither jax nor jaxserve, so any Python with torch + transformers
 can run it (e.g. the CPU oracle env). The spec comes from the runner: the HF config dict, dtype, device,
 prompts (token ids), output lengths, methods, iterations.
@@ -112,7 +112,7 @@ def run_generate_batch(model, device: str, prompts: list[list[int]], output_lens
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m benchmarks.hf_baseline SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python benchmarks/hf_baseline.py SPEC.json OUT.json", file=sys.stderr)
         return 2
     spec = json.loads(open(argv[0]).read())
     import torch

@@ -15,8 +15,8 @@ import time
 import httpx
 import numpy as np
 
-from benchmarks.metrics import RequestTiming
-from benchmarks.workloads import RequestSpec, arrival_delays
+from .metrics import RequestTiming
+from .workloads import RequestSpec, arrival_delays
 
 
 async def fetch_model_name(client: httpx.AsyncClient, base_url: str) -> str:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.config import REPO_ROOT
+from .config import CONFIGS_DIR
 
-MODELS_DIR = REPO_ROOT / "configs" / "models"
+MODELS_DIR = CONFIGS_DIR / "models"
 
 
 def embedded_gguf_path() -> str:

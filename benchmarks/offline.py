@@ -5,10 +5,10 @@ import time
 
 import numpy as np
 
-from benchmarks import plots, roofline
-from benchmarks.metrics import summarize
-from benchmarks.report import Table
-from benchmarks.workloads import random_token_prompts, sample_lengths
+from . import plots, roofline
+from .metrics import summarize
+from .report import Table
+from .workloads import random_token_prompts, sample_lengths
 
 
 def _sampling_params(output_lens, wl: dict, seed: int):

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from benchmarks.config import REPO_ROOT
-from benchmarks.metrics import fmt
+from .config import REPO_ROOT
+from .metrics import fmt
 
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# a source checkout keeps results beside the code (benchmarks/results/); an installed jaxserve writes to ./bench-results
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results" if (REPO_ROOT / "pyproject.toml").is_file() else Path("bench-results")
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Conventions:
 - Two memory ceilings per chip: ``read_bandwidth`` (a read-only streaming reduction) and ``copy_bandwidth``
-  (read + write bytes of a device copy), both measured by benchmarks/diagnostics/bandwidth.py. Every step here
-  streams weights and KV and writes little, so its bound uses the read ceiling.
+  (read + write bytes of a device copy), both measured by ``kernel_bench.py --only bandwidth``. Every step
+  here streams weights and KV and writes little, so its bound uses the read ceiling.
 - Weights are counted from the family's own parameter shapes (``param_shapes`` of the module the registry
   resolves), so every family's real layout is in the count: q/k-norms, Gemma's four norms per layer, head_dim
   256, tied or separate LM head. A step reads every weight once except an untied embedding table, of which it
@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-HARDWARE_DIR = REPO_ROOT / "configs" / "hardware"
+from .config import CONFIGS_DIR
+
+HARDWARE_DIR = CONFIGS_DIR / "hardware"
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1, "int8": 1}
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import roofline
-from benchmarks.config import REPO_ROOT, ConfigError, engine_kwargs, load_configs
-from benchmarks.metrics import fmt
-from benchmarks.report import Table, results_dir, write_report
+from . import roofline
+from .config import REPO_ROOT, ConfigError, engine_kwargs, load_configs, missing_configs
+from .metrics import fmt
+from .report import Table, results_dir, write_report
 
 
 class _BaselinePhaseDone(Exception):
@@ -144,11 +144,11 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         print(f"[bench] HF transformers baseline ({', '.join(methods)}, {n} prompts) with {python}", flush=True)
-        proc = subprocess.run([python, "-m", "benchmarks.hf_baseline", str(spec_path), str(out_path)],
-                              cwd=REPO_ROOT, timeout=float(base.get("timeout_s") or 900),
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        # run as a script: the baseline's interpreter needs torch and transformers, not jaxserve
+        proc = subprocess.run([python, str(Path(__file__).with_name("hf_baseline.py")), str(spec_path), str(out_path)],
+                              timeout=float(base.get("timeout_s") or 900), env={**os.environ, "JAX_PLATFORMS": "cpu"})
         if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"benchmarks.hf_baseline exited with {proc.returncode}")
+            raise RuntimeError(f"the HF baseline (benchmarks/hf_baseline.py) exited with {proc.returncode}")
         out = json.loads(out_path.read_text())
     res = dict(out["results"][methods[0]])
     res["all_methods"] = out["results"]
@@ -163,28 +163,30 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
 
 
 # mode -> (module, function), imported when a run of that mode starts
-MODES = {"throughput": ("benchmarks.offline", "run_throughput"), "latency": ("benchmarks.offline", "run_latency"),
-         "serve": ("benchmarks.serve", "run_serve"), "kernels": ("benchmarks.kernels_mode", "run_kernels")}
+MODES = {"throughput": ("offline", "run_throughput"), "latency": ("offline", "run_latency"),
+         "serve": ("serve", "run_serve"), "startup": ("startup", "run_startup"),
+         "kernels": ("kernel_bench", "run_kernels")}
+SERVER_MODES = ("serve", "startup")      # a server process of their own: it needs the accelerator first
 
 
 def run_mode(run) -> None:
     module, fn = MODES[run.cfg["mode"]]
-    getattr(importlib.import_module(module), fn)(run)
+    getattr(importlib.import_module(f".{module}", __package__), fn)(run)
 
 
 def prepare_model(run: Run) -> None:
-    from benchmarks.models import resolve_model
+    from .models import resolve_model
     run.model_config, run.hf_config = resolve_model(run.cfg)
 
 
 def prepare_main(run: Run, out_root: str | None) -> None:
     """Environment, hardware limits and the model's roofline counts (initialises JAX)."""
-    from benchmarks.envinfo import environment
-    from benchmarks.models import kv_dtype, weight_dtype
-    # serve mode: the server process needs the accelerator; this process must not initialise it. Nor may an
-    # engine with a process per device (mp): it joins jax.distributed, which must come before JAX starts
+    from .envinfo import environment
+    from .models import kv_dtype, weight_dtype
+    # serve and startup: the server process needs the accelerator; this process must not initialise it. Nor may
+    # an engine with a process per device (mp): it joins jax.distributed, which must come before JAX starts
     spans_processes = run.cfg["engine"].get("distributed_executor_backend") == "mp"
-    run.env = environment(run.argv, devices_in_subprocess=run.cfg["mode"] == "serve" or spans_processes)
+    run.env = environment(run.argv, devices_in_subprocess=run.cfg["mode"] in SERVER_MODES or spans_processes)
     tp = int(run.cfg["engine"].get("tensor_parallel_size") or 1)
     run.hw = roofline.resolve_hardware(run.cfg["hardware"], run.env["device_kind"], run.env["platform"], tp)
     mismatch = roofline.hardware_mismatch(run.cfg["hardware"], run.env["device_kind"], run.env["platform"])
@@ -218,7 +220,7 @@ def finish(run: Run, elapsed: float) -> Path:
 
 
 def summary_line(run: Run) -> str:
-    """One line of headline numbers per config, for run_h200.sh's summary."""
+    """One line of headline numbers per config, for the summary at the end (and a suite's)."""
     line = _summary_line(run)
     roofline.take_exceeded()          # the report's notes already carry them
     return line
@@ -248,6 +250,9 @@ def _summary_line(run: Run) -> str:
                  f"TTFT p50 {fmt(p['ttft_ms']['median'])} ms TPOT p50 {fmt(p['tpot_ms']['median'])} ms"
                  f"{' (' + str(p['failed']) + ' failed)' if p['failed'] else ''}" for p in r["points"]]
         return f"{name} ({r['sweep_param'] or 'one load'}): " + "; ".join(parts)
+    if run.cfg["mode"] == "startup" and j:
+        from .startup import summary
+        return summary(run)
     if run.cfg["mode"] == "kernels" and r.get("summary"):
         return f"{name}: " + "; ".join(f"{what}: {res}" for what, res in r["summary"][:4])
     return f"{name}: done ({run.cfg['mode']})"
@@ -260,10 +265,18 @@ def _bandwidth(bps: float) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxserve bench",
                                 description="Config-driven benchmarks (configs/bench/*.yaml); see benchmarks/README.md")
-    p.add_argument("--config", action="append", required=True,
+    p.add_argument("--config", action="append",
                    help="a configs/bench name or a YAML path (repeat to run several in one process)")
+    p.add_argument("--suite", nargs="?", const="", default=None, metavar="NAME",
+                   help="run a named suite of configs (configs/bench/suites/NAME.yaml), a process per run; "
+                        "without NAME: list the suites")
+    p.add_argument("--ab", default=None, metavar="OLD_TREE",
+                   help="with --suite: also run it at OLD_TREE (a checkout of the old commit), interleaved old / "
+                        "new, and print each config's new / old output tok/s")
+    p.add_argument("--rounds", type=int, default=2, help="--ab: old / new rounds (default 2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value by dotted key, e.g. --set workload.num_prompts=10 (applies to every --config)")
+                   help="override a config value by dotted key, e.g. --set workload.num_prompts=10 (applies to every "
+                        "--config, and every run of a --suite)")
     p.add_argument("--base-url", default=None, help="serve mode: benchmark a running server instead of starting one")
     p.add_argument("--out", default=os.environ.get("JAXSERVE_BENCH_RESULTS"),
                    help="results root (default: benchmarks/results)")
@@ -274,7 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if missing_configs():
+        print(f"bench: {missing_configs()}", file=sys.stderr)
+        return 2
+    if args.suite is not None:
+        return _run_suite(args)
+    if args.ab:
+        parser.error("--ab compares a suite's runs: give --suite NAME")
+    if not args.config:
+        parser.error("give --config NAME (repeatable) or --suite NAME (--suite alone lists the suites)")
     if threading.current_thread() is not threading.main_thread():
         return _run(args, argv)
     # SIGTERM (a time limit) unwinds like Ctrl-C, so a started server is stopped, not orphaned
@@ -285,12 +308,28 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _run_suite(args) -> int:
+    from . import suites
+    if args.config or args.base_url:
+        print("bench: --suite runs its own configs (no --config or --base-url with it)", file=sys.stderr)
+        return 2
+    try:
+        if not args.suite:
+            return suites.list_suites()
+        return suites.run_suite(args.suite, _overrides(args), args.out, ab=args.ab, rounds=args.rounds)
+    except ConfigError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+
+
+def _overrides(args) -> list[str]:
+    """--set words, with --no-plots and --hf-baseline as the settings they stand for."""
+    return args.overrides + (["report.plots=false"] if args.no_plots else []) + \
+        (["baseline.hf=true"] if args.hf_baseline else [])
+
+
 def _run(args, argv: list[str]) -> int:
-    overrides = list(args.overrides)
-    if args.no_plots:
-        overrides.append("report.plots=false")
-    if args.hf_baseline:
-        overrides.append("baseline.hf=true")
+    overrides = _overrides(args)
     try:
         configs = load_configs(args.config, overrides)
     except (ConfigError, ValueError) as e:
@@ -313,9 +352,9 @@ def _run(args, argv: list[str]) -> int:
                 print(f"[bench] {run.cfg['name']}: no HF baseline ({type(e).__name__}: {e})", file=sys.stderr)
             run.phase = "main"
     summaries = []
-    # phase 2: jaxserve. Serve configs first: their server needs the accelerator before this process's
-    # JAX (offline engine, kernels) claims it.
-    runs.sort(key=lambda r: r.cfg["mode"] != "serve")
+    # phase 2: jaxserve. Serve and startup configs first: their server needs the accelerator before this
+    # process's JAX (offline engine, kernels) claims it.
+    runs.sort(key=lambda r: r.cfg["mode"] not in SERVER_MODES)
     for run in runs:
         t0 = time.perf_counter()
         run.rng = np.random.default_rng(run.cfg["seed"])   # same prompts as the baseline phase drew
@@ -345,7 +384,7 @@ def _run(args, argv: list[str]) -> int:
 def _raw_workload(name_or_path: str) -> dict:
     """The workload keys the file itself sets (defaults excluded): ShareGPT keeps its reply lengths
     unless output_len is given explicitly."""
-    from benchmarks.config import resolve_config_path
+    from .config import resolve_config_path
     import yaml
     try:
         return dict((yaml.safe_load(resolve_config_path(name_or_path).read_text()) or {}).get("workload") or {})

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import plots, roofline
-from benchmarks.config import REPO_ROOT, server_flags
-from benchmarks.loadgen import run_load
-from benchmarks.metrics import fmt, serving_metrics
-from benchmarks.report import Table
-from benchmarks.workloads import add_structured_outputs, prefix_requests, random_requests, sharegpt_requests
+from . import plots, roofline
+from .config import REPO_ROOT, server_flags
+from .loadgen import run_load
+from .metrics import fmt, serving_metrics
+from .report import Table
+from .workloads import add_structured_outputs, prefix_requests, random_requests, sharegpt_requests
 
 SWEEP_PARAMS = ("max_concurrency", "request_rate", "structured_fraction")
 

@@ -10,7 +10,7 @@ _xla_flags.apply()
 
 # kernels/ and server/ are top-level folders of the source tree, installed as jaxserve.kernels and
 # jaxserve.server (pyproject's package-dir). When this package is imported from a source checkout without
-# that mapping (e.g. `python -m benchmarks.runner` run from the repo root), find them beside it.
+# that mapping (e.g. `python -m benchmarks.runner` run from a checkout's root), find them beside it.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_root, "kernels", "__init__.py")) and _root not in __path__:
     __path__.append(_root)

@@ -136,18 +136,9 @@ def cmd_serve(a) -> int:
 
 
 def cmd_bench(rest: list[str]) -> int:
-    """The config-driven benchmark of a source checkout (benchmarks/runner.py). Its workloads, model shapes and
-    hardware limits live in the checkout's benchmarks/ and configs/, which a package install does not carry,
-    so an installed jaxserve says where to run it instead of importing half of it."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not all(os.path.isdir(os.path.join(root, d)) for d in ("benchmarks", "configs")):
-        print("jaxserve bench runs the benchmarks of a source checkout (benchmarks/ and configs/ are not "
-              "installed with the package): clone the repository, pip install -e it, and run "
-              "jaxserve bench from there", file=sys.stderr)
-        return 2
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from benchmarks.runner import main as bench_main
+    """The config-driven benchmarks (``jaxserve.benchmarks``, the source tree's benchmarks/); they read the
+    configs/ folder of a source checkout, or ``$JAXSERVE_CONFIGS``."""
+    from jaxserve.benchmarks.runner import main as bench_main
     return bench_main(rest)
 
 

@@ -54,8 +54,9 @@ _REGISTRY: dict[str, EnvVar] = {
                                               "end's (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); unset: its own "
                                               "process for `serve`, the caller's for the offline LLM"),
     # models
-    "JAXSERVE_CONFIGS": EnvVar(_text, None, "folder holding models/ (the model YAML configs) when jaxserve is "
-                                            "installed outside its source checkout"),
+    "JAXSERVE_CONFIGS": EnvVar(_text, None, "folder holding models/, bench/ and hardware/ (the model, benchmark "
+                                            "and hardware configs) when jaxserve is installed outside its source "
+                                            "checkout"),
     # CUDA kernels (the custom all-reduce)
     "JAXSERVE_NVCC": EnvVar(_text, None, "nvcc that builds the CUDA kernels (else $CUDA_HOME/bin, PATH, "
                                          "/usr/local/cuda/bin)"),

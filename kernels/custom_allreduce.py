@@ -29,8 +29,8 @@ executor and for XLA:
 
 The CUDA source is compiled on first use with the machine's ``nvcc`` (``cuda_build``) for the local GPU.
 Without ``nvcc`` or a GPU, ``CustomAllReduceUnavailable`` says why and callers keep XLA's all-reduce. No CPU
-path: tests drive the Python side on CPU, the kernel on the GPU (``benchmarks/diagnostics/gpu_check.py``,
-``benchmarks/diagnostics/custom_allreduce_probe.py``).
+path: tests drive the Python side on CPU; the kernel runs on two GPUs (its probe against psum,
+``custom_allreduce_probe.py``, is in git history).
 """
 from __future__ import annotations
 

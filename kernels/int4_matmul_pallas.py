@@ -83,7 +83,7 @@ def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, ze
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One launch's options (``benchmarks/diagnostics/quant_matmul_bench.py --tune`` sweeps them)."""
+    """One launch's options (``benchmarks/kernel_bench.py --tune`` sweeps them)."""
     method: str = "fma"
     block_n: int = 128
     block_k: int | None = None     # K rows per step (``gemv``: fewer rows, more columns per thread); None: ``block_k``
@@ -129,7 +129,7 @@ def _fit_block_n(n: int, want: int) -> int | None:
 
 
 # The fastest measured launch per (K, N, M, live rows): written by
-# ``benchmarks/diagnostics/quant_matmul_bench.py --tune --write-launches`` on the GPU it serves on
+# ``benchmarks/kernel_bench.py --only quant --tune --write-launches`` on the GPU it serves on
 LAUNCHES_FILE = pathlib.Path(__file__).with_name("int4_launches.json")
 
 

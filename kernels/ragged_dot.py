@@ -6,7 +6,7 @@ past ``sum(group_sizes)`` come out zero: the MoE layer sorts there what this dev
 tokens, another device's experts under expert parallelism), so an implementation that skips them spends
 nothing on them. Products accumulate in float32 and come out in ``lhs.dtype``.
 
-Implementations (``IMPLEMENTATIONS``; the MoE layer takes one by name; benchmarks/diagnostics/moe_gemm.py times
+Implementations (``IMPLEMENTATIONS``; the MoE layer takes one by name; benchmarks/kernel_bench.py times
 them on the GPU against each other):
 
 - ``ragged_dot``: ``jax.lax.ragged_dot``. On CPU (and reportedly on GPU) XLA expands it to a masked product

@@ -15,14 +15,12 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks import config as bcfg  # noqa: E402
-from benchmarks import metrics, roofline, workloads  # noqa: E402
-from benchmarks.metrics import RequestTiming  # noqa: E402
-from jaxserve.config import ModelConfig  # noqa: E402
-from test_server_fakes import free_port  # noqa: E402
+from jaxserve.benchmarks import config as bcfg
+from jaxserve.benchmarks import metrics, roofline, workloads
+from jaxserve.benchmarks.metrics import RequestTiming
+from jaxserve.config import ModelConfig
+from test_server_fakes import free_port
 
 # Public config.json values.
 LLAMA_31_8B = ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -156,7 +154,7 @@ def test_sliding_window_layers_read_at_most_their_window():
 
 def test_throughput_roofline_waves_fit_the_kv_cache():
     from types import SimpleNamespace
-    from benchmarks.offline import _kv_capacity_seqs
+    from jaxserve.benchmarks.offline import _kv_capacity_seqs
     llm = SimpleNamespace(engine=SimpleNamespace(kv_manager=SimpleNamespace(block_size=16, num_usable_blocks=1000)))
     assert _kv_capacity_seqs(llm, 1152) == 13            # 72 blocks a sequence
     assert _kv_capacity_seqs(llm, 1153) == 13 and _kv_capacity_seqs(llm, 16) == 1000
@@ -208,7 +206,7 @@ def test_prefill_is_compute_bound_and_generation_bound_adds_up():
 def test_hardware_files():
     h200, raw = roofline.load_hardware("h200")
     assert h200.copy_bandwidth == 3.35e12 and h200.peak_flops["bfloat16"] == 789e12
-    assert h200.memory_bytes == 141e9 and "bandwidth.py" in h200.bandwidth_source and "measured" in h200.copy_source
+    assert h200.memory_bytes == 141e9 and "--only bandwidth" in h200.bandwidth_source and "measured" in h200.copy_source
     assert h200.bandwidth == h200.read_bandwidth and h200.scaled(2).copy == 2 * h200.copy_bandwidth
     h100, _ = roofline.load_hardware("h100")
     assert "not measured" in h100.bandwidth_source and "not measured" in h100.flops_source["bfloat16"]
@@ -238,17 +236,23 @@ def test_percent_of_a_limit_never_exceeds_100():
     assert len(notes) == 1 and "configs/hardware" in notes[0] and roofline.take_exceeded() == []
 
 
-def test_bandwidth_diagnostic_counts_bytes_and_runs_on_cpu(capsys):
-    """benchmarks/diagnostics/bandwidth.py: a reduction reads the array once, a copy reads and writes it; a tiny
-    run on CPU prints both ceilings and the hardware-file lines."""
-    from benchmarks.diagnostics import bandwidth
-    assert bandwidth.bytes_moved(1000, "read") == 1000 and bandwidth.bytes_moved(1000, "copy") == 2000
-    assert bandwidth.main(["--gib", "0.01", "--iters", "2", "--repeats", "2"]) == 0
+def test_kernel_bench_runs_its_sections_on_cpu(capsys):
+    """The kernel microbenchmark at its smoke sizes on CPU (Pallas interpreted): the bandwidth lines for the
+    hardware files, paged decode against the stock kernel, prefill, the quantized matmuls, the MoE GEMM's
+    implementations (the rows kernel up to 16 tokens only), and one summary; an unknown section stops it."""
+    from jaxserve.benchmarks import kernel_bench
+    assert kernel_bench.main(["--smoke", "--m", "1", "--tokens", "4,17"]) == 0
     out = capsys.readouterr().out
-    assert "| read (sum along rows) |" in out and "| copy (-x) |" in out
-    read = float(out.split("read_bandwidth: ")[1].split()[0])
-    copy = float(out.split("copy_bandwidth: ")[1].split()[0])
-    assert read > 0 and copy > 0
+    assert float(out.split("read_bandwidth: ")[1].split()[0]) > 0
+    assert float(out.split("copy_bandwidth: ")[1].split()[0]) > 0
+    assert "| 2 | 64 |" in out and "| ours (pallas) |" in out and "| tiny 256x256 | 1 |" in out
+    moe = {tuple(c.strip() for c in line.split("|")[2:4]) for line in out.splitlines() if line.startswith("| tiny |")}
+    assert {("4", "rows"), ("4", "pallas"), ("17", "pallas"), ("17", "ragged_dot")} <= moe
+    assert ("17", "rows") not in moe
+    summary = out.split("## summary")[1]
+    assert "| HBM read / copy |" in summary and "FAILED" not in summary
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["--only", "attention,nope"])
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -467,7 +471,7 @@ def scripted_server():
 
 
 def test_loadgen_timings_and_concurrency_cap(scripted_server):
-    from benchmarks.loadgen import run_load
+    from jaxserve.benchmarks.loadgen import run_load
     app, url = scripted_server
     reqs = workloads.random_requests(np.random.default_rng(0), 6, 5, 4, 1000)
     app.peak = 0
@@ -485,7 +489,7 @@ def test_loadgen_timings_and_concurrency_cap(scripted_server):
 
 
 def test_loadgen_reports_http_errors(scripted_server):
-    from benchmarks.loadgen import run_load
+    from jaxserve.benchmarks.loadgen import run_load
     _, url = scripted_server
     reqs = [workloads.RequestSpec([13], 1, 3), workloads.RequestSpec([1, 2], 2, 2)]
     timings, _ = asyncio.run(run_load(url, reqs, progress=False))
@@ -494,7 +498,7 @@ def test_loadgen_reports_http_errors(scripted_server):
 
 
 def test_loadgen_poisson_rate_spreads_sends(scripted_server):
-    from benchmarks.loadgen import run_load
+    from jaxserve.benchmarks.loadgen import run_load
     _, url = scripted_server
     reqs = workloads.random_requests(np.random.default_rng(0), 5, 3, 1, 1000)
     timings, duration = asyncio.run(run_load(url, reqs, request_rate=20.0, seed=3, progress=False))
@@ -507,21 +511,8 @@ def test_loadgen_poisson_rate_spreads_sends(scripted_server):
 
 
 # ------------------------------------------------------------------------------- end to end on the engine
-def _engine_ready() -> str | None:
-    try:
-        from jaxserve.llm import LLM  # noqa: F401
-        from jaxserve.models import load_model  # noqa: F401
-        from jaxserve.engine.llm_engine import LLMEngine  # noqa: F401
-    except ImportError as e:
-        return f"the engine is not built yet ({e})"
-    return None
-
-
-needs_engine = pytest.mark.skipif(_engine_ready() is not None, reason=str(_engine_ready()))
-
-
 def _run_main(args: list[str], out: Path) -> dict[str, dict]:
-    from benchmarks.runner import main
+    from jaxserve.benchmarks.runner import main
     assert main([*args, "--out", str(out)]) == 0
     found = {}
     for d in out.iterdir():
@@ -530,7 +521,6 @@ def _run_main(args: list[str], out: Path) -> dict[str, dict]:
     return found
 
 
-@needs_engine
 def test_cpu_smoke_throughput_and_latency_end_to_end(tmp_path):
     res = _run_main(["--config", "cpu-smoke", "--config", "cpu-smoke-latency"], tmp_path)
     thr = next(r for r in res.values() if r["mode"] == "throughput")
@@ -551,12 +541,11 @@ def test_cpu_smoke_throughput_and_latency_end_to_end(tmp_path):
     assert j["engine_steps"]["prefix_cache_queries"] > 0
     assert lat["roofline"]["e2e_bound_s"] < lj["e2e_s"]["mean"]
     assert lat["model"]["params"] == 134_515_008
-    from benchmarks import plots
+    from jaxserve.benchmarks import plots
     if plots.available():
         assert any(p.suffix == ".png" for p in tmp_path.rglob("*.png"))
 
 
-@needs_engine
 @pytest.mark.slow
 def test_cpu_smoke_serve_against_a_real_server(tmp_path):
     res = _run_main(["--config", "cpu-smoke-serve"], tmp_path)
@@ -574,7 +563,7 @@ ORACLE_PYTHON = ROOT / ".venv-oracle" / "bin" / "python"
 @pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason="needs the torch env .venv-oracle (tools/oracle_env.sh)")
 def test_hf_baseline_subprocess_on_a_tiny_shape(tmp_path):
     import subprocess
-    from benchmarks.models import hf_config_from_model_config
+    from jaxserve.benchmarks.models import hf_config_from_model_config
     tiny = ModelConfig("LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16)
     spec = {"hf_config": hf_config_from_model_config(tiny), "dtype": "float32", "device": "cpu",
@@ -591,7 +580,7 @@ def test_hf_baseline_subprocess_on_a_tiny_shape(tmp_path):
 
 # ------------------------------------------------------------------------------------- serve / kernels glue
 def test_sweep_and_prompt_counts():
-    from benchmarks.serve import prompt_counts, sweep_points
+    from jaxserve.benchmarks.serve import prompt_counts, sweep_points
     assert sweep_points({"sweep": None}) == (None, [None])
     assert sweep_points({"sweep": {"request_rate": [1, 2]}}) == ("request_rate", [1, 2])
     with pytest.raises(ValueError, match="workload.sweep"):
@@ -610,15 +599,8 @@ def test_server_flags_use_the_cli_names():
     assert flags[0] == "--dtype"                         # no model: the server's default (embedded SmolLM2)
 
 
-def test_kernels_summary_table_is_parsed():
-    from benchmarks.kernels_mode import summary_rows
-    text = "noise\n## summary\n| what | result |\n|---|---|\n| decode B=64 | 3.9 TB/s | 91 % |\n| fp8 | ok |\ntrailer\n"
-    assert summary_rows(text) == [["decode B=64", "3.9 TB/s | 91 %"], ["fp8", "ok"]]
-    assert summary_rows("no table") == []
-
-
 def test_metrics_scrape_parsing(scripted_server):
-    from benchmarks import serve
+    from jaxserve.benchmarks import serve
     text = ('# HELP x\njaxserve:prefix_cache_queries_total{model_name="m"} 120.0\n'
             'jaxserve:prefix_cache_hits_total{model_name="m"} 90.0\njaxserve:num_preemptions_total{model_name="m"} 2.0\n'
             'jaxserve:num_requests_running{model_name="m"} 1.0\n')
@@ -643,7 +625,6 @@ def test_set_overrides_across_configs_of_different_modes():
         bcfg.load_configs(["cpu-smoke", "cpu-smoke-latency"], ["workload.num_prompt=3"])
 
 
-@needs_engine
 @pytest.mark.slow
 @pytest.mark.skipif(not ORACLE_PYTHON.exists(), reason="needs the torch env .venv-oracle (tools/oracle_env.sh)")
 def test_hf_baseline_runs_first_on_the_same_prompts(tmp_path):
@@ -688,7 +669,7 @@ def test_serve_mode_end_to_end_against_a_base_url(scripted_server, tmp_path):
 
 
 def test_plots_are_optional(tmp_path, monkeypatch):
-    from benchmarks import plots
+    from jaxserve.benchmarks import plots
     if plots.available():
         assert plots.cdf(tmp_path / "a.png", {"x": [1.0, 2.0, 3.0]}, "s", "t") and (tmp_path / "a.png").stat().st_size
     monkeypatch.setitem(sys.modules, "matplotlib", None)          # as if not installed: import fails
@@ -697,116 +678,13 @@ def test_plots_are_optional(tmp_path, monkeypatch):
     assert not plots.sweep(tmp_path / "c.png", [{"output_throughput": 1}], "p", "t")
 
 
-def test_profile_summary_reads_a_cpu_trace(tmp_path):
-    """benchmarks/diagnostics/profile_summary.py: the trace parser behind step_diag --profile."""
-    import jax
-    import jax.numpy as jnp
-
-    from benchmarks.diagnostics import profile_summary as ps
-
-    assert ps.kernel_group("loop_fusion_12") == "loop_fusion"
-    assert ps.kernel_group("input_reduce_fusion.3") == "input_reduce_fusion"
-    assert ps._intervals_union([(0, 10), (5, 12), (20, 25)]) == 17
-    f = jax.jit(lambda x: jnp.sin(x) @ x)
-    x = f(jnp.ones((64, 64)))
-    jax.profiler.start_trace(str(tmp_path))
-    for _ in range(4):
-        x = f(x)
-    x.block_until_ready()
-    jax.profiler.stop_trace()
-    s = ps.summarize(str(tmp_path), per=4)
-    pjit = [r for r in s["host"] if r["name"].startswith("PjitFunction")]
-    assert pjit and pjit[0]["count"] >= 1.0 and pjit[0]["us"] > 0      # per call (nested spans count twice)
-    assert not any(r["name"].startswith("$profiler.py") for r in s["host"])
-    assert "PjitFunction" in ps.format_summary(s, title="cpu")
-
-
-def test_step_diag_cuts_a_forward_into_layers():
-    """step_diag --layer-kernels: a traced forward's kernels, cut at each layer's K/V write, give one layer's
-    kernels (windows that span two forwards dropped), their mean us, and the idle time between them."""
-    from benchmarks.diagnostics.step_diag import layer_windows
-
-    layer = ["gemm", "rope", "paged_kv_write", "decode", "combine", "gemm", "add", "norm"]
-    names = (["embed"] + layer * 3 + ["lm_head"]) * 2
-    events, t = [], 0
-    for n in names:
-        events.append((t, t + 2000, n))       # 2 us kernels, 1 us apart
-        t += 3000
-    w = layer_windows(events, 3)
-    assert w["windows"] == 4 and len(w["layer_kinds"]) == 1 and w["kernels_per_layer"] == len(layer)
-    assert w["layer_kinds"][0]["kernels"] == [(g, 2.0) for g in layer[2:] + layer[:2]]
-    assert w["layer_busy_us"] == 2.0 * len(layer) and w["layer_gap_us"] == 1.0 * len(layer)
-    assert layer_windows(events[:5], 3)["kernels_per_layer"] is None
-
-
-def test_step_diag_layer_kernels_runs_on_cpu(capsys):
-    """The --layer-kernels child (one narrowed model, the reference attention): compiles and times a forward."""
-    import argparse
-
-    from benchmarks.diagnostics.step_diag import layer_child
-
-    a = argparse.Namespace(models=["gemma-2-9b"], layers=2, context=20, dtype="float32", replays=1,
-                           max_model_len=64, smoke=True, hlo_dir=None, tag="new-default")
-    layer_child(a)
-    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
-    r = json.loads(line[len("RESULT "):])
-    assert r["model"] == "gemma-2-9b" and r["forward_ms"] > 0 and r["hlo_fusions"] > 0
-    import jax
-    import jax.numpy as jnp
-
-    from benchmarks.diagnostics.step_diag import hlo_kernel_ops
-    hlo = jax.jit(lambda x: jnp.sin(x) * 2 + x.sum()).lower(jnp.ones((8, 128))).compile().as_text()
-    assert any("sine" in what for what in hlo_kernel_ops(hlo).values()), hlo_kernel_ops(hlo)
-
-
-def test_step_diag_flag_sets_parse():
-    """Every XLA flag set step_diag offers is known to this jax's XLA (a typo would cost a GPU run: the
-    process aborts with "Unknown flag in XLA_FLAGS"). All sets at once, in one CPU process."""
-    import subprocess
-    import sys
-
-    from benchmarks.diagnostics import step_diag
-
-    flags = " ".join(v for v in step_diag.FLAG_SETS.values() if v)
-    r = subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; print(int(jax.jit(lambda x: x + 1)(jnp.ones(2)).sum()))"],
-                       env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "4", r.stderr[-2000:]
-
-
-def test_decode_phases_times_steady_decode_steps_by_phase(tmp_path, capsys):
-    """decode_phases --smoke: every timed step is an 8-row decode step; the phases the engine's step runs are
-    each positive, the timers leave little of the step unaccounted for and, with the residual, add up to the
-    step's wall time; tok/s is the batch over the loop's wall per step; the traced and cProfiled windows run."""
-    from benchmarks.diagnostics import decode_phases
-
-    out = tmp_path / "phases.json"
-    assert decode_phases.main(["--smoke", "--profile", "--cprofile", "--json", str(out)]) == 0
-    (r,) = json.loads(out.read_text())["rows"]
-    assert r["batch"] == 8 and r["steps"] == 6 and r["context"][1] > r["context"][0] >= 16
-    wall = r["wall"]
-    ran = ["schedule", "prepare", "sampling_metadata", "exe:forward", "exe:sample", "dispatch_other",
-           "collect_other", "update_from_output", "postprocess"]
-    assert set(ran) <= set(r["phases"]) and all(r[p] > 0 for p in ran), {p: r.get(p) for p in r["phases"]}
-    assert all(r.get(p, 0.0) >= 0 for p in r["phases"])
-    assert abs(sum(r.get(p, 0.0) for p in r["phases"]) - wall) < 0.02 * wall
-    assert r["step_other"] < 0.5 * wall                 # the timers cover the step
-    assert abs(r["host"] + r["device_wait"] - wall) < 1e-6 * wall + 1e-9
-    assert wall <= r["loop_ms"] < 1.5 * wall + 1.0      # little time between the timed steps
-    assert r["output_tok_s"] == pytest.approx(8 * 1e3 / wall)
-    assert r["profile"]["host"] and r["traced_wall_ms"] > 0 and "| function |" in r["cprofile_table"]
-    table = capsys.readouterr().out
-    assert "| **wall** |" in table and "| exe:forward |" in table and "output tok/s" in table
-
-
-def test_bench_outside_a_source_checkout_says_where_to_run_it(tmp_path, monkeypatch, capsys):
-    """An installed package has no benchmarks/ or configs/ beside it: `jaxserve bench` exits 2 with what to do
-    instead of an ImportError; in the checkout it reaches the runner (a bad config is its own exit 2)."""
+def test_bench_without_its_configs_says_where_to_find_them(tmp_path, monkeypatch, capsys):
+    """An installed jaxserve has no configs/ beside benchmarks/: `jaxserve bench` exits 2 naming
+    JAXSERVE_CONFIGS; with them it reaches the runner (a bad config is its own exit 2)."""
     from jaxserve import cli
-    (tmp_path / "jaxserve").mkdir()
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "jaxserve" / "cli.py"))
+    monkeypatch.setattr(bcfg, "BENCH_CONFIG_DIR", tmp_path / "configs" / "bench")
     assert cli.main(["bench", "--config", "x.yaml"]) == 2
-    assert "source checkout" in capsys.readouterr().err
+    assert "JAXSERVE_CONFIGS" in capsys.readouterr().err
     monkeypatch.undo()
     assert cli.main(["bench", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert capsys.readouterr().err.startswith("bench: ")

@@ -87,7 +87,7 @@ def test_a_switch_a_trace_reads_is_part_of_the_program_cache_key(monkeypatch):
 
 
 def test_a_benchmark_result_records_the_switches_set_but_no_secret(monkeypatch):
-    from benchmarks import envinfo
+    from jaxserve.benchmarks import envinfo
     monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "rows")
     monkeypatch.setenv("JAXSERVE_API_KEY", "secret")
     env = envinfo.environment([], with_devices=False)["env"]

@@ -23,8 +23,7 @@ from jaxserve.models.loader import load_model
 from jaxserve.models.safetensors_loader import SafetensorsFile
 from tiny_models import PagedRunner
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.models import resolve_model  # noqa: E402
+from jaxserve.benchmarks.models import resolve_model
 
 gguf = pytest.importorskip("gguf")
 

@@ -34,7 +34,7 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("jaxserve.runner.model_runner", "jaxserve.engine.request"),
     ("jaxserve.runner.prompt_logprobs", "jaxserve.engine.detokenizer"),
 }
-KNOWN_SYS_PATH = {"jaxserve/cli.py"}
+KNOWN_SYS_PATH: set[str] = set()
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
@@ -69,10 +69,13 @@ def _imports(mod: str, path: pathlib.Path, mods: dict) -> set[str]:
         for name in names:
             if name.startswith("kernels") or name.startswith("server"):
                 name = "jaxserve." + name
-            while name and name not in mods and name.split(".")[0] in ("jaxserve", "benchmarks"):
+            if name.split(".")[0] == "benchmarks" or name.startswith("jaxserve.benchmarks"):
+                out.add("benchmarks")          # benchmarks/, installed as jaxserve.benchmarks
+                continue
+            while name and name not in mods and name.split(".")[0] == "jaxserve":
                 name = name.rpartition(".")[0]
-            if name.split(".")[0] == "benchmarks" or (name in mods and name != mod):
-                out.add(name or "benchmarks")
+            if name in mods and name != mod:
+                out.add(name)
     return out
 
 

@@ -149,8 +149,8 @@ def test_engine_expert_load_matches_hf_routing(name, scheduler_steps):
 def test_roofline_counts_active_experts():
     """A batch-1 step reads attention and its top-k experts (Mixtral-8x7B: ~25.5 GB of 93, the issue's
     ~25.8 GB estimate); a large batch reaches every expert; FLOPs per token count k of E experts."""
-    from benchmarks import roofline
-    from benchmarks.models import named_model_hf_config
+    from jaxserve.benchmarks import roofline
+    from jaxserve.benchmarks.models import named_model_hf_config
     from jaxserve.models.configs import model_config_from_hf
 
     c = roofline.model_cost(model_config_from_hf(named_model_hf_config("mixtral-8x7b")))
@@ -184,9 +184,9 @@ def test_metrics_export_expert_load():
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "mixtral-8x7b"])
 def test_moe_bench_configs_share_one_engine(model):
     """The H200 MoE configs validate, name an MoE model, and a model's latency and throughput configs have
-    the same engine section (``run_h200.sh moe`` loads and compiles each model once)."""
-    from benchmarks.config import engine_kwargs, load_config
-    from benchmarks.models import resolve_model
+    the same engine section (the h200-moe suite loads and compiles each model once)."""
+    from jaxserve.benchmarks.config import engine_kwargs, load_config
+    from jaxserve.benchmarks.models import resolve_model
 
     latency, offline = (load_config(f"h200-{model}-{kind}") for kind in ("latency-bs1", "throughput"))
     assert (latency["mode"], offline["mode"]) == ("latency", "throughput")

@@ -323,7 +323,7 @@ def test_engine_greedy_continuations_match_the_dequantized_model(tmp):
 
 
 def test_roofline_counts_the_quantized_bytes():
-    from benchmarks import roofline
+    from jaxserve.benchmarks import roofline
     from jaxserve.models.configs import model_config_from_hf
     from jaxserve.models.packaged import DUMMY_CONFIG_DIR
     from jaxserve.models.configs import read_json

@@ -141,7 +141,7 @@ def test_fp8_w8a8_matmul_is_the_scaled_fp8_product():
 
 
 def test_tuned_launches_file_drives_the_default_launch(tmp_path, monkeypatch):
-    from benchmarks.diagnostics import quant_matmul_bench as bench
+    from jaxserve.benchmarks import int4_launches as bench
     path = tmp_path / "int4_launches.json"
     gemv = k4.Config("gemv", block_n=256, block_k=64, num_warps=1)
     bench.write_launches(str(path), [{"key": k4.launch_key(4096, 28672, 4, True), "us": 1.0,

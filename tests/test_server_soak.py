@@ -1,4 +1,4 @@
-"""The hostile soak (issue 32's bar), run by `make test-slow`: `benchmarks/diagnostics/soak.py` starts
+"""The hostile soak, a stress test run by `make test-slow`: `tests/soak.py` starts
 `python -m jaxserve serve` (embedded SmolLM2, CPU) and sends 2,000 requests at concurrency 32 (20 % of the
 streams cancelled mid-stream, 10 % hostile or careless: nested JSON, huge prompts, prompt scoring, heavy
 templates, prompts x n bursts, slow bodies). It passes when there is no 5xx, no hung request, every hostile
@@ -21,7 +21,7 @@ SERVER_FLAGS = ("--max-model-len 512 --max-num-seqs 32 --max-num-batched-tokens 
 @pytest.mark.slow
 def test_hostile_soak(tmp_path):
     out = tmp_path / "soak.md"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "diagnostics", "soak.py"), "--requests", "2000",
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "soak.py"), "--requests", "2000",
            "--concurrency", "32", "--cancel-fraction", "0.2", "--hostile-fraction", "0.1",
            "--baseline-requests", "500", "--time-limit", "3600", "--server-flags", SERVER_FLAGS, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=5400)

@@ -73,9 +73,8 @@ def _worker() -> dict:
 
 def _custom_all_reduce_wiring(cases) -> dict:
     """The row-parallel layers as the custom all-reduce runs them (shard_map: local matmul, then the kernel),
-    with the CUDA kernel stood in for by a psum that records what it was given (the kernel itself needs GPUs:
-    benchmarks/diagnostics/custom_allreduce_probe.py, gpu_check --tp). Greedy tokens and logits against TP=1, the HLO's
-    all-reduces, and which sizes went to the kernel."""
+    with the CUDA kernel stood in for by a psum that records what it was given (the kernel itself needs two
+    GPUs). Greedy tokens and logits against TP=1, the HLO's all-reduces, and which sizes went to the kernel."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -1,6 +1,6 @@
-"""The two-H200 measurements (issue 36) without the GPUs: the 70B / 32B model shapes are the published ones; the
-h200x2-* benchmark configs load, their rooflines compute and what each GPU must hold fits; `run_h200.sh`'s x2
-steps name only configs that exist; and Llama-3.1-70B's random weights build sharded over two devices — each
+"""The two-H200 measurements without the GPUs: the 70B / 32B model shapes are the published ones; the h200x2-*
+benchmark configs load, their rooflines compute and what each GPU must hold fits; the h200x2 suite runs each of
+them on two GPUs (skipped, and said, on fewer); and Llama-3.1-70B's random weights build sharded over two devices — each
 device generates its own half of every weight (the compiled generators hold nothing of a whole weight), the
 halves add up to 70.5 GB a GPU, a scaled-down copy loads sharded through the dummy loader with no host copy,
 and fp8 random weights are quantized one at a time (the 141 GB bf16 copy never exists).
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,15 +21,13 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from benchmarks import config as bcfg  # noqa: E402
-from benchmarks import roofline  # noqa: E402
-from benchmarks.models import resolve_model  # noqa: E402
+from jaxserve.benchmarks import config as bcfg
+from jaxserve.benchmarks import roofline
+from jaxserve.benchmarks.models import resolve_model
 
 MODELS = ROOT / "configs" / "models"
-# issue 36's configs (h200x2-llama8b-tp2 belongs to the tp2 step)
+# the two-GPU configs and the 70B in fp8 on one GPU (h200x2-llama8b-tp2 is the 8B's TP=2 batch 1)
 X2_CONFIGS = [f"h200x2-llama70b-tp2-{m}" for m in ("latency-bs1", "throughput", "serve")] + \
     [f"h200x2-mixtral-8x7b-{split}-{m}" for split in ("ep2", "tp2") for m in ("latency-bs1", "throughput")] + \
     ["h200x2-qwen3-32b-tp2-throughput", "h200-llama70b-fp8-latency-bs1"]
@@ -161,30 +158,28 @@ def test_serve_config_starts_the_server_tensor_parallel():
     assert flags[flags.index("--token-buckets") + 1:][:3] == ["4", "128", "2048"]
 
 
-# ------------------------------------------------------------------------------------------- run_h200.sh
-def _x2_function() -> str:
-    text = (ROOT / "benchmarks" / "run_h200.sh").read_text()
-    return text[text.index("x2_steps() {"):text.index("\n}\n", text.index("x2_steps() {"))]
+# ------------------------------------------------------------------------------------------- the h200x2 suite
+def test_h200x2_suite_runs_every_x2_config_on_two_gpus():
+    from jaxserve.benchmarks import suites
+    runs = suites.load_suite("h200x2")["runs"]
+    assert set(X2_CONFIGS) <= {c for r in runs for c in r["configs"]}
+    for r in runs:
+        tp = {bcfg.load_config(c, r["set"])["engine"].get("tensor_parallel_size", 1) for c in r["configs"]}
+        ep = {bcfg.load_config(c, r["set"])["engine"].get("enable_expert_parallel", False) for c in r["configs"]}
+        two = tp == {2} or ep == {True}
+        assert (r["gpus"] == 2) == two, r
+        assert r["env"].get("NCCL_NVLS_ENABLE") == ("0" if two else None)        # NVLink multicast off
+        assert two or r["env"]["CUDA_VISIBLE_DEVICES"] == "0"
 
 
-def test_run_h200_x2_steps_name_existing_configs():
-    body = _x2_function()
-    names = set(re.findall(r'--config "?([\w.$-]+)"?', body))
-    expanded = {n.replace("$split", s) for n in names for s in ("ep2", "tp2")}
-    assert expanded >= {"h200x2-llama70b-tp2-latency-bs1", "h200x2-llama70b-tp2-serve", "h200-llama70b-fp8-latency-bs1"}
-    for n in expanded:
-        bcfg.resolve_config_path(n)                              # raises naming the known configs
-    assert set(X2_CONFIGS) <= expanded                           # every x2 config is run by some step
-
-
-@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="would run the real benchmarks on this GPU host")
-def test_run_h200_x2_skips_without_gpus(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_h200.sh"), "x2"], env=dict(os.environ, OUT=str(tmp_path)),
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    summary = (tmp_path / "results" / "h200-summary.txt").read_text()
-    for step in ("x2-70b", "x2-more", "x2-extra"):
-        assert f"{step}: skipped" in summary
+def test_h200x2_suite_skips_its_two_gpu_runs_without_them(monkeypatch, capsys):
+    from jaxserve.benchmarks import suites
+    ran = []
+    monkeypatch.setattr(suites, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(suites, "run_once", lambda cmd, *_: ran.append(cmd) or (0, []))
+    assert suites.run_suite("h200x2", [], None) == 0
+    assert [c[c.index("--config") + 1] for c in ran] == ["h200x2-qwen3-32b-tp2-throughput", "h200-llama70b-fp8-latency-bs1"]
+    assert capsys.readouterr().out.count("skipped, needs 2 GPUs (1 visible)") == 6
 
 
 # ------------------------------------------------------------------------------- fp8 random weights, 1 device

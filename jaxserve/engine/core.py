@@ -115,7 +115,7 @@ class EngineCoreLoop:
 
     def step_and_send(self) -> None:
         """One engine step and its EngineCoreOutputs (with the core's stats) to the front end: the loop's
-        per-step work, apart from reading the inbox (``benchmarks/diagnostics/host_overhead.py`` profiles it)."""
+        per-step work, apart from reading the inbox."""
         eng = self.engine
         outputs = eng.step()
         stats = eng.stats()

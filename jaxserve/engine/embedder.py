@@ -29,7 +29,7 @@ from jaxserve.models.pooling import (PoolingConfig, check_dimensions, pool_padde
 
 def default_max_num_batched_tokens() -> int:
     """Token budget of one jitted call. On CPU larger calls do not pay: matmul throughput fell from ~70 to
-    ~40 GFLOP/s between 2048 and 16384 rows here (2 cores; benchmarks/diagnostics/embed_bench.py), so batches stay
+    ~40 GFLOP/s between 2048 and 16384 rows here (2 cores; embed_bench.py, in git history), so batches stay
     small; accelerators want big calls."""
     return 2048 if jax.default_backend() == "cpu" else 16384
 

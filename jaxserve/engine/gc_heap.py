@@ -5,7 +5,7 @@ A loaded engine or server holds hundreds of thousands of long-lived container ob
 tokenizer's Python side, the web framework's routes, the model's pytrees), and at 256 concurrent streams the
 per-step allocations (outputs, chunks, frames) start a young collection every few hundred objects, each
 walking what is young and the per-request state promoted since. Measured with
-``benchmarks/diagnostics/frontend_overhead.py`` (the server level, 256 streams, 2-core CPU): the collector
+``frontend_overhead.py`` (in git history; the server level, 256 streams, 2-core CPU): the collector
 took 13 µs of the front end's CPU per token; with start-up frozen 6.4, and with a young generation of
 10,000 objects as well ~0.6. ``gc.freeze`` moves everything alive now into a permanent generation the
 collector skips (vLLM's server freezes too); objects made later are collected as usual (cycles among them

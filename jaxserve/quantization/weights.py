@@ -32,8 +32,7 @@ from jaxserve.parallel.mesh import current_tp_mesh
 
 # Steps up to this many tokens (decode, small mixed steps: bound by weight bytes) run the fused int4 kernel;
 # larger ones are bound by compute, where dequantizing once and running XLA's bf16 GEMM does better than
-# re-dequantizing every weight tile per block of x (benchmarks/diagnostics/quant_matmul_bench.py measures
-# both: a few times this size the kernel is several times slower than the bf16 GEMM;
+# re-dequantizing every weight tile per block of x (benchmarks/kernel_bench.py measures both:
 # benchmarks/results/2026-12-01-h200-quant-moe-core.md)
 INT4_KERNEL_MAX_TOKENS = 16
 FP8_DTYPE = jnp.float8_e4m3fn

@@ -1,7 +1,7 @@
 """Soak test of the HTTP server over loopback: many requests at high concurrency, ~20 % of the streams
 cancelled mid-stream, then the books are checked.
 
-With --hostile-fraction F a share F of the requests are hostile or careless (issue 32's list): deeply nested
+With --hostile-fraction F a share F of the requests are hostile or careless: deeply nested
 JSON, multi-megabyte prompts, prompt scoring (echo + logprobs over a long prompt), heavy request chat
 templates, prompts x n bursts past the limit, a body sent too slowly; each kind must get its expected answer.
 The same ordinary load first runs alone (--baseline-requests of it), so the report compares the ordinary
@@ -11,8 +11,7 @@ Reports 5xx count, hung requests (no answer within --request-timeout), leaked KV
 /metrics once nothing runs or waits, times the number of blocks) and the server's RSS at start, after
 the first tenth of the load (warm) and at the end. Bounded: --requests and --time-limit; loopback only.
 
-    .venv/bin/python benchmarks/diagnostics/soak.py --requests 2000 --concurrency 64 \\
-        --out benchmarks/results/2026-11-29-cpu-soak.md
+    .venv/bin/python tests/soak.py --requests 2000 --concurrency 64 --out soak.md
 starts `python -m jaxserve serve` itself (embedded SmolLM2, flags from --server-flags); --url uses a
 server that is already running (then RSS is read only if --server-pid is given).
 """
@@ -35,13 +34,19 @@ from collections import Counter
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # as a script
-from benchmarks.envinfo import git_commit  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["Tell me a story about a dragon.", "What is 17 times 23?", "List three fruits.",
            "Explain gravity to a child.", "Write a haiku about the sea.", "Translate 'good morning' to French.",
            "Why is the sky blue?", "Name the planets of the solar system."]
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    return out or "?"
 
 
 # hostile request kinds -> the statuses that are a correct answer
@@ -422,7 +427,7 @@ def main() -> int:
           and not result["hostile_wrong"] and result["running_after"] == 0 and result["waiting_after"] == 0
           and rss_ok and ttft_ok)
     result["verdict"] = "PASS" if ok else "FAIL"
-    meta = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), "commit": (git_commit()["commit"] or "?")[:7],
+    meta = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), "commit": _commit(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores visible, {platform.system()} "
                        f"{platform.release()} (CPU JAX; shared with other jobs)",
             "command": "python " + shlex.join(sys.argv),

@@ -1,0 +1,53 @@
+"""`startup` mode: seconds from `python -m jaxserve serve` to /health answering 200 and to its first completion,
+with a fresh compilation cache (cold), then again on the cache the first start filled (warm)."""
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from .config import server_flags
+from .metrics import fmt
+from .report import Table
+from .serve import running_server
+
+_SERVER_TIMES = re.compile(r"load ([0-9.]+) s, warm-up .*? ([0-9.]+) s, ready in ([0-9.]+) s")
+
+
+def run_startup(run) -> None:
+    cfg, wl = run.cfg, run.cfg["workload"]
+    timeout = float(cfg["serve"]["startup_timeout_s"])
+    starts = {}
+    with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as tmp:
+        for start in ("cold", "warm"):
+            log = run.out_dir / f"server-{start}.log"
+            flags = server_flags(cfg) + ["--compilation-cache-dir", str(Path(tmp) / "xla")]
+            print(f"[bench] {start} start (log: {log})", flush=True)
+            t0 = time.perf_counter()
+            with running_server(flags, log, timeout) as url:
+                health = time.perf_counter() - t0
+                r = httpx.post(f"{url}/v1/completions", timeout=timeout,
+                               json={"prompt": wl["prompt"], "max_tokens": int(wl["max_tokens"]), "temperature": 0})
+                r.raise_for_status()
+                first = time.perf_counter() - t0
+            times = _SERVER_TIMES.search(log.read_text(errors="replace"))
+            starts[start] = {"health_s": health, "first_completion_s": first, "text": r.json()["choices"][0]["text"],
+                             **dict(zip(("load_s", "warmup_s", "ready_s"), map(float, times.groups())) if times else {})}
+    run.result["jaxserve"] = starts
+    run.tables.append(Table("Start-up (seconds from the process start)",
+                            ["start", "/health 200", "first completion", "server: load", "warm-up", "ready"],
+                            [[k, s["health_s"], s["first_completion_s"], s.get("load_s"), s.get("warmup_s"),
+                              s.get("ready_s")] for k, s in starts.items()]))
+    run.notes.append("cold: a fresh compilation cache folder; warm: the same folder again. The server's own "
+                     "load / warm-up / ready seconds are from its log (server-cold.log, server-warm.log)")
+    if starts["cold"]["text"] != starts["warm"]["text"]:
+        run.notes.append("WARNING: the cold and the warm server answered the greedy prompt differently")
+
+
+def summary(run) -> str:
+    s = run.result["jaxserve"]
+    return (f"{run.cfg['name']}: /health cold {fmt(s['cold']['health_s'])} s, warm {fmt(s['warm']['health_s'])} s; "
+            f"first completion {fmt(s['cold']['first_completion_s'])} / {fmt(s['warm']['first_completion_s'])} s")

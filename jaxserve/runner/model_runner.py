@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.kernels import ops as kernel_ops
-from jaxserve.engine.request import PLACEHOLDER
+from jaxserve.runner.step_contract import PLACEHOLDER
 from jaxserve.kernels.metadata import PAD_SLOT, SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
 from jaxserve.runner import device_memory, packing, program_cache, sampler as sampler_mod

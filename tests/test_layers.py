@@ -31,7 +31,6 @@ RANK = {
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("jaxserve.executor.worker", "jaxserve.engine.llm_engine"),
     ("jaxserve.models.weight_cache", "jaxserve.runner.program_cache"),
-    ("jaxserve.runner.prompt_logprobs", "jaxserve.engine.detokenizer"),
 }
 KNOWN_SYS_PATH = {"jaxserve/cli.py"}
 KNOWN_CIRCLES: set[frozenset[str]] = {

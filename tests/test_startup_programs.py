@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runner.program_cache import ProgramCache, stable_repr
+from jaxserve.runner.program_cache import ProgramCache
+from jaxserve.utils.file_store import stable_repr
 from test_startup import PROMPTS, greedy, make_llm
 
 

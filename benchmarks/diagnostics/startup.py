@@ -161,8 +161,8 @@ def compile_child(workers: int, model: str | None, load_format: str | None) -> N
     eng = LLMEngine(EngineConfig(model=model, load_format=load_format or "auto", enforce_eager=True,
                                  compilation_cache_dir=""), progress=False)
     runner = eng.runner
-    first, rest = runner.planned_variants()
-    compiler = StepCompiler(runner._lower_variant, workers=max(workers - 1, 1))
+    first, rest = runner.variants.planned()
+    compiler = StepCompiler(runner.variants.lower, workers=max(workers - 1, 1))
     t0 = time.perf_counter()
     if workers == 1:            # one after the other, on this thread (the warm-up before the thread pool)
         for k in first + rest:
@@ -191,11 +191,11 @@ def run_pad(a) -> dict:
         t0 = time.perf_counter()
         exe = runner.variants.need(("forward", T, False), "pad mode")
         out[f"compile_{T}_s"] = round(time.perf_counter() - t0, 2)
-        ints, _ = runner._forward_inputs(T)
+        ints, _ = runner.variants.padding_inputs(T)
         times = []
         for _ in range(a.rounds + 1):
             t0 = time.perf_counter()
-            runner.kv_caches, logits = exe(runner.model.params, runner.kv_caches, ints, runner._no_prev)
+            runner.kv_caches, logits = exe(runner.model.params, runner.kv_caches, ints, runner.variants.no_prev)
             logits.block_until_ready()
             times.append(time.perf_counter() - t0)
         out[f"step_{T}_ms"] = round(1e3 * float(np.median(times[1:])), 1)

@@ -74,12 +74,14 @@ def sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=N
 
 
 class StepVariants(StepCompiler):
+    """The step's executables by key: a ``StepCompiler`` that knows what each key is and how to lower it."""
+
     def __init__(self, model, config: EngineConfig, shapes: StepShapes, *, backend: str, kv_caches,
                  max_model_len: int, max_blocks_per_seq: int, penalty_width: int, moe_layers, mesh=None):
         super().__init__(self.lower)
         self.cfg, self.shapes, self.mesh = model.config, shapes, mesh
-        self.max_model_len, self.max_blocks_per_seq, self.penalty_width = max_model_len, max_blocks_per_seq, \
-            penalty_width
+        self.max_model_len, self.max_blocks_per_seq = max_model_len, max_blocks_per_seq
+        self.penalty_width = penalty_width
         self.vocab_size = self.cfg.vocab_size
         self.enforce_eager = config.enforce_eager or config.skip_warmup
         max_num_seqs, max_logprobs = shapes.max_num_seqs, config.max_logprobs

@@ -1,10 +1,14 @@
-"""What the engine hands back, shaped like vLLM's outputs (same class and field names).
+"""What the engine hands back, shaped like vLLM's outputs (same class and field names), and the text of logprobs.
 
-Plain slotted dataclasses, no JAX: the server and the offline API read them, the engine fills them.
+Plain slotted dataclasses, no JAX: the server and the offline API read them, the engine fills them (the
+runner's prompt scorer and the output processor both through ``decode_logprobs``).
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -17,6 +21,28 @@ class Logprob:
 
 # One position's candidates: token id -> Logprob (the sampled token plus the top-k), as in vLLM.
 PositionLogprobs = dict[int, Logprob]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def decode_token(tokenizer: Any, token_id: int) -> str:
+    """The text of one token as vLLM shows it in logprobs (`tokenizer.decode([id])`), cached."""
+    return tokenizer.decode([token_id]) or ""
+
+
+def decode_logprobs(tokenizer: Any | None, token_id: int, logprob: float, rank: int,
+                    topk_ids: Sequence[int] = (), topk_logprobs: Sequence[float] = (),
+                    num_logprobs: int | None = None) -> PositionLogprobs:
+    """One position's `{token_id: Logprob}`: the sampled token (with its rank) first, then the top
+    `num_logprobs` (ranks 1..k) from the sampler's top-k row, which may be wider than this request asked
+    (it is the batch's max). `tokenizer=None` leaves `decoded_token` None (detokenize=False)."""
+    k = len(topk_ids) if num_logprobs is None else min(num_logprobs, len(topk_ids))
+    text = (lambda t: decode_token(tokenizer, t)) if tokenizer is not None else (lambda t: None)
+    out = {int(token_id): Logprob(float(logprob), int(rank), text(int(token_id)))}
+    for i in range(k):
+        candidate = int(topk_ids[i])
+        if candidate not in out:
+            out[candidate] = Logprob(float(topk_logprobs[i]), i + 1, text(candidate))
+    return out
 
 
 @dataclass(slots=True)

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from jaxserve.engine.detokenizer import IncrementalDetokenizer, decode_logprobs, decode_token
-from jaxserve.outputs import Logprob
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.outputs import Logprob, decode_logprobs, decode_token
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -65,7 +65,7 @@ def test_prefix_caching_on_off_identical(llm, workload, single_outputs):
 def only_planned_or_asked_for(runner) -> bool:
     """Every executable is a planned one, one a step needed first, or that sampler variant for another
     request count (compiled in the background after its first use)."""
-    planned = {k for ks in runner.planned_variants() for k in ks}
+    planned = {k for ks in runner.variants.planned() for k in ks}
     asked = set(runner.variants.on_first_use)
     modes = {k[1:4] for k in asked if k[0] == "sample"}
     return all(k in planned or k in asked or (k[0] == "sample" and k[1:4] in modes) for k in runner.variants.keys())
@@ -78,7 +78,7 @@ def test_no_recompilation_after_warmup(llm, workload):
     runner = llm.engine.runner
     assert runner.wait_compiled(timeout=600)
     planned = runner.compiled_variants()
-    assert planned == sum(len(k) for k in runner.planned_variants())
+    assert planned == sum(len(k) for k in runner.variants.planned())
     prompts, _ = workload
     params = [SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=6, seed=s, logprobs=lp,
                              presence_penalty=pp, repetition_penalty=rp, ignore_eos=True)
@@ -95,7 +95,8 @@ def test_no_recompilation_after_warmup(llm, workload):
     assert lazy and all(k[0] == "sample" for k in lazy)          # only the samplers these requests need
     assert only_planned_or_asked_for(runner)
     assert run() == after
-    assert runner._forward._cache_size() == 0 and all(f._cache_size() == 0 for f in runner._samplers.values())
+    assert runner.variants.forward._cache_size() == 0 and \
+        all(f._cache_size() == 0 for f in runner.variants.samplers.values())
 
 
 def test_decode_only_variants_cover_every_uniform_decode_step(llm, workload, single_outputs):
@@ -104,7 +105,7 @@ def test_decode_only_variants_cover_every_uniform_decode_step(llm, workload, sin
     reference backend, which ignores the flag: warm-up covers every step of a batched workload (no compile
     after it), and the tokens are unchanged."""
     runner = llm.engine.runner
-    runner.uniform_decode = True
+    runner.shapes.uniform_decode = True
     marks = []
 
     def prepare(*a, _prepare=runner.prepare, **kw):
@@ -125,7 +126,7 @@ def test_decode_only_variants_cover_every_uniform_decode_step(llm, workload, sin
         forwards = [k for k in runner.variants.keys() if k[0] == "forward"]
         assert len(forwards) == len(runner.buckets) + len([b for b in runner.buckets if b <= cap])
     finally:
-        runner.uniform_decode = False
+        runner.shapes.uniform_decode = False
         del runner.prepare
 
 

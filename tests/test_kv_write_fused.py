@@ -218,20 +218,20 @@ def test_runner_runs_short_context_decodes_in_their_own_variant(monkeypatch):
     static bound and ignores it, with the bound at 64 tokens and a stand-in split rule, so the routing runs on
     CPU; the kernel's own rule is checked above.)"""
     from jaxserve import SamplingParams
-    from jaxserve.runner import model_runner
+    from jaxserve.runner import step_variants
     from tiny_models import tiny_llm
 
     bound = 64
-    monkeypatch.setattr(model_runner, "SHORT_SEQ_LEN", bound)
-    monkeypatch.setattr(model_runner.kernel_ops, "decode_splits", lambda reqs, kvh, n: 1 if n <= bound else 4)
+    monkeypatch.setattr(step_variants, "SHORT_SEQ_LEN", bound)
+    monkeypatch.setattr(step_variants.kernel_ops, "decode_splits", lambda reqs, kvh, n: 1 if n <= bound else 4)
     llm = tiny_llm(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory_bytes=1 << 22,
                    token_buckets=(4, 32), enforce_eager=True)
     runner = llm.engine.runner
     prompts = [list(range(5, 5 + n)) for n in (3, 11)]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    runner.uniform_decode = runner._short_decode = True
-    _, rest = runner.planned_variants()
+    runner.shapes.uniform_decode = runner.variants.short_decode = True
+    _, rest = runner.variants.planned()
     short = ("forward", 4, True, bound)
     assert short in rest and ("forward", 32, True, bound) not in rest      # 32 tokens is past max_num_seqs
     runner.variants.compile_now([("forward", 4, True), short])   # what the warm-up compiles first, then later

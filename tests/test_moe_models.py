@@ -165,7 +165,7 @@ def test_roofline_counts_active_experts():
 
 def test_metrics_export_expert_load():
     """/metrics: tokens per expert (summed over layers) as a counter labelled by expert, and balancedness."""
-    from jaxserve.runner.model_runner import ExpertLoad
+    from jaxserve.runner.stats import ExpertLoad
     from server.metrics import ServerMetrics
 
     load = ExpertLoad(np.zeros((2, 4), np.int64))

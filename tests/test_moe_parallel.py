@@ -7,7 +7,6 @@ script) that prints its findings as JSON.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -33,7 +32,7 @@ def _worker() -> dict:
     from jaxserve import parallel
     from jaxserve.models import registry
     from jaxserve.models.loader import load_model
-    from tiny_models import PagedRunner, paged_step
+    from tiny_models import PagedRunner
 
     assert jax.device_count() == NUM_DEVICES, jax.devices()
 
@@ -41,11 +40,7 @@ def _worker() -> dict:
         model = load_model(os.path.join(FIXTURES, name), dtype="float32", mesh=mesh, enable_expert_parallel=ep)
         with open(os.path.join(FIXTURES, name, "golden.json")) as f:
             prompt = json.load(f)["prompt_ids"]
-        runner = PagedRunner(model, max_reqs=2, max_len=len(prompt))
-        if mesh is not None:
-            runner.caches = jax.device_put(runner.caches, parallel.kv_cache_sharding(mesh, model.config))
-            runner._step = jax.jit(parallel.bind_mesh(functools.partial(paged_step, family=model.family,
-                                                                        cfg=model.config), mesh), donate_argnums=(1,))
+        runner = PagedRunner(model, max_reqs=2, max_len=len(prompt), mesh=mesh)
         logits = runner.step([(0, prompt, 0)], 16, logits_rows=list(range(len(prompt))))
         return model, logits, logits.argmax(-1).tolist()
 

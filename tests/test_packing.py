@@ -5,7 +5,7 @@ import numpy as np
 
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.runner import packing, sampler as sampler_mod
-from jaxserve.runner.model_runner import forward_pack
+from jaxserve.runner.step_inputs import forward_pack
 from jaxserve.sampling_params import SamplingParams
 
 

@@ -1,5 +1,6 @@
-"""The runner's host side: vectorised step inputs and cached sampling rows equal the plain per-request
-construction they replaced, on random ragged batches (decodes, prefill chunks, placeholders)."""
+"""The runner's host side (``step_inputs``, called on its own): vectorised step inputs and cached sampling
+rows equal the plain per-request construction they replaced, on random ragged batches (decodes, prefill
+chunks, placeholders)."""
 import random
 import types
 
@@ -11,25 +12,24 @@ from jaxserve.engine.scheduler import ScheduledRequest
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.runner import sampler as S
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.engine.request import PLACEHOLDER
-from jaxserve.runner.model_runner import ModelRunner, token_buckets
-from jaxserve.runner.step_compiler import StepCompiler
+from jaxserve.runner.step_contract import PLACEHOLDER
+from jaxserve.runner.step_inputs import StepShapes, forward_inputs, token_buckets
 from jaxserve.sampling_params import SamplingParams
 
 
-def bare_runner(block_size=4, max_model_len=128, max_num_seqs=32, max_tokens=256):
-    r = object.__new__(ModelRunner)
-    r.block_size = block_size
-    r.max_model_len = max_model_len
-    r.max_blocks_per_seq = -(-max_model_len // block_size)
-    r.max_num_seqs = max_num_seqs
-    r.max_num_tokens = max_tokens
-    r.buckets = token_buckets(max_tokens)
-    r.uniform_decode = False
-    r.variants = StepCompiler(lambda key: None)       # nothing compiled: each step keeps its own bucket
-    r._routes, r._routes_at = {}, -1
-    r.input_batch = InputBatch(max_num_seqs, r.max_blocks_per_seq, 256)
-    return r
+def step_setup(block_size=4, max_model_len=128, max_num_seqs=32, max_tokens=256):
+    """What a step's inputs depend on besides the scheduled entries: the block size, the buckets (each step
+    in its own) and the persistent rows."""
+    max_blocks_per_seq = -(-max_model_len // block_size)
+    return types.SimpleNamespace(
+        block_size=block_size, max_model_len=max_model_len, max_blocks_per_seq=max_blocks_per_seq,
+        max_num_seqs=max_num_seqs, max_num_tokens=max_tokens, shapes=StepShapes(token_buckets(max_tokens), max_num_seqs),
+        input_batch=InputBatch(max_num_seqs, max_blocks_per_seq, 256))
+
+
+def prepare(setup, scheduled, prev=None):
+    return forward_inputs(scheduled, setup.input_batch, setup.block_size, setup.shapes.own,
+                          prev.rows if prev is not None else None)
 
 
 # The per-request loop prepare() was before it was vectorised (commit 65fd2db), kept as the reference.
@@ -37,8 +37,8 @@ def reference_prepare(self, scheduled, prev=None):
     """Host arrays for one step. ``scheduled``: ScheduledRequest list (decodes first). A PLACEHOLDER
     token (sampled by ``prev``, not yet on the host) is read on device from ``prev``'s output."""
     n_tok = sum(s.num_new_tokens for s in scheduled)
-    T = self.bucket_for(n_tok)
-    R = self.num_reqs_for(T)
+    T = self.shapes.bucket_for(n_tok)
+    R = self.shapes.num_reqs_for(T)
     if len(scheduled) > R:
         raise ValueError(f"{len(scheduled)} requests in a step of {T} tokens (max_num_seqs={self.max_num_seqs})")
     bs = self.block_size
@@ -76,13 +76,13 @@ def reference_prepare(self, scheduled, prev=None):
     return T, R, input_ids, positions, md, logits_idx, prev_index
 
 
-def random_batch(rng, runner, n_decodes, n_chunks):
+def random_batch(rng, setup, n_decodes, n_chunks):
     """Requests with random block tables; decodes first, then prefill chunks; some last tokens are
     placeholders (sampled by a step in flight), listed in prev.rows."""
-    bs = runner.block_size
+    bs = setup.block_size
     scheduled, rows = [], {}
     for i in range(n_decodes + n_chunks):
-        total = rng.randint(2, runner.max_model_len - 1)
+        total = rng.randint(2, setup.max_model_len - 1)
         prompt = [rng.randrange(1, 200) for _ in range(total)]
         req = Request(f"r{i}", prompt, SamplingParams())
         if i < n_decodes:
@@ -93,7 +93,7 @@ def random_batch(rng, runner, n_decodes, n_chunks):
         placeholder = start + n == total and rng.random() < 0.5
         if placeholder:
             req.all_token_ids[-1] = PLACEHOLDER
-            rows[req.request_id] = rng.randrange(runner.max_num_seqs)
+            rows[req.request_id] = rng.randrange(setup.max_num_seqs)
         n_blocks = -(-(start + n) // bs)
         blocks = rng.sample(range(1, 4000), n_blocks)
         scheduled.append(ScheduledRequest(req, n, start, blocks, samples=start + n == total))
@@ -116,40 +116,40 @@ def assert_same(a, b):
 @pytest.mark.parametrize("seed", range(30))
 def test_vectorised_prepare_equals_reference(seed):
     rng = random.Random(seed)
-    runner = bare_runner(block_size=rng.choice([1, 4, 16]), max_model_len=128)
-    budget = runner.max_num_tokens
+    setup = step_setup(block_size=rng.choice([1, 4, 16]), max_model_len=128)
+    budget = setup.max_num_tokens
     n_dec = rng.randint(0, 24)
     n_chunk = rng.randint(0 if n_dec else 1, 3)
-    scheduled, prev = random_batch(rng, runner, n_dec, n_chunk)
+    scheduled, prev = random_batch(rng, setup, n_dec, n_chunk)
     while sum(s.num_new_tokens for s in scheduled) > budget:
         scheduled.pop()
-    assert_same(runner.prepare(scheduled, prev), reference_prepare(runner, scheduled, prev))
+    assert_same(prepare(setup, scheduled, prev), reference_prepare(setup, scheduled, prev))
 
 
 def test_prepare_empty_and_placeholder_errors():
-    runner = bare_runner()
-    assert_same(runner.prepare([], None), reference_prepare(runner, [], None))
+    setup = step_setup()
+    assert_same(prepare(setup, [], None), reference_prepare(setup, [], None))
     req = Request("x", [5, 6, PLACEHOLDER], SamplingParams())
     s = [ScheduledRequest(req, 1, 2, [7])]
     with pytest.raises(RuntimeError, match="still on the device"):
-        runner.prepare(s, None)
+        prepare(setup, s, None)
     with pytest.raises(RuntimeError, match="still on the device"):
-        runner.prepare(s, types.SimpleNamespace(rows={"other": 0}))
+        prepare(setup, s, types.SimpleNamespace(rows={"other": 0}))
 
 
 def test_prepare_marks_uniform_decode_steps():
     """Under a Pallas backend a step whose requests all decode one token is marked decode-only (its own
     compiled variant); a step with a prefill chunk, an empty step, and the reference backend are not."""
     rng = random.Random(3)
-    runner = bare_runner()
-    runner.uniform_decode = True
-    decodes, prev = random_batch(rng, runner, 5, 0)
-    assert runner.prepare(decodes, prev)[4].decode_only
-    mixed, prev_mixed = random_batch(rng, runner, 5, 1)
-    assert not runner.prepare(mixed, prev_mixed)[4].decode_only
-    assert not runner.prepare([], None)[4].decode_only
-    runner.uniform_decode = False
-    assert not runner.prepare(decodes, prev)[4].decode_only
+    setup = step_setup()
+    setup.shapes.uniform_decode = True
+    decodes, prev = random_batch(rng, setup, 5, 0)
+    assert prepare(setup, decodes, prev).md.decode_only
+    mixed, prev_mixed = random_batch(rng, setup, 5, 1)
+    assert not prepare(setup, mixed, prev_mixed).md.decode_only
+    assert not prepare(setup, [], None).md.decode_only
+    setup.shapes.uniform_decode = False
+    assert not prepare(setup, decodes, prev).md.decode_only
 
 
 def _params(rng, plain):
@@ -234,10 +234,10 @@ def test_input_batch_block_tables_follow_the_live_lists():
 
 
 def test_default_buckets_pad_a_single_decode_to_four_tokens():
-    """A batch-1 decode step pads to 4 tokens by default (model_runner's MIN_TOKEN_BUCKET: 8 decoded 2 % slower
+    """A batch-1 decode step pads to 4 tokens by default (step_inputs' MIN_TOKEN_BUCKET: 8 decoded 2 % slower
     than 4 and 16 4 % slower than 8 on the H200), batches of 5-8 to 8, and the last bucket is the budget itself."""
-    r = bare_runner(max_tokens=200)
-    assert r.buckets == [4, 8, 16, 32, 64, 128, 200]
+    r = StepShapes(token_buckets(200), 32)
+    assert r.sizes == [4, 8, 16, 32, 64, 128, 200]
     assert r.bucket_for(1) == 4 and r.num_reqs_for(4) == 4
     assert r.bucket_for(5) == 8 and r.num_reqs_for(8) == 8
     assert r.bucket_for(9) == 16 and r.bucket_for(200) == 200

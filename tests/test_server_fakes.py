@@ -77,7 +77,7 @@ class FakeEngine:
     num_kv_blocks: int = 64
 
     def stats(self) -> dict:
-        from jaxserve.runner.model_runner import RunnerStats
+        from jaxserve.runner.stats import RunnerStats
         used = sum(self.running.values())
         steps = RunnerStats(steps=3, tokens=1 + 8 + 100, token_buckets=[1, 1, 0, 0, 0, 1] + [0] * 8)
         return {"num_running": len(self.running), "num_waiting": 0, "kv_cache_usage": used / self.num_kv_blocks,

@@ -110,12 +110,12 @@ def test_enforce_eager_compiles_nothing_ahead_and_each_step_its_own_bucket(eager
 def test_warmup_compiles_the_smallest_and_largest_bucket_first_and_steps_pad_up(eager):
     llm = make_llm(enforce_eager=True)
     runner = llm.engine.runner
-    first, rest = runner.planned_variants()
+    first, rest = runner.variants.planned()
     assert {k[1] for k in first if k[0] == "forward"} == {runner.buckets[0], runner.buckets[-1]}
     assert {k[1] for k in rest if k[0] == "forward"} == set(runner.buckets[1:-1])
     runner.variants.compile_now(first)            # what the warm-up compiles before the engine answers
-    assert runner._compiled_shape(8, False) == (32, False)       # 8 is not compiled: pads up to 32
-    assert runner._compiled_shape(4, False) == (4, False)
+    assert runner.variants.route(8, False) == (32, False)       # 8 is not compiled: pads up to 32
+    assert runner.variants.route(4, False) == (4, False)
     assert_runs_compiled_and_matches(llm, eager)
 
 

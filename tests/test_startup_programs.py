@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runner.program_cache import ProgramCache, stable_repr
+from jaxserve.runner.program_cache import ProgramCache
+from jaxserve.utils.file_store import stable_repr
 from test_startup import PROMPTS, greedy, make_llm
 
 
@@ -100,10 +101,10 @@ def test_a_warm_start_of_the_engine_lowers_every_variant_from_its_program_with_t
     for start in ("cold", "warm"):
         llm = make_llm(skip_warmup=True)
         runner = llm.engine.runner
-        runner.programs = ProgramCache(str(tmp_path), context=runner.programs.context)
+        programs = runner.variants.programs = ProgramCache(str(tmp_path), context=runner.variants.programs.context)
         runner.warmup_for([len(p) for p in PROMPTS])
         n = len(runner.variants)
-        assert (runner.programs.hits, runner.programs.misses) == ((0, n) if start == "cold" else (n, 0))
+        assert (programs.hits, programs.misses) == ((0, n) if start == "cold" else (n, 0))
         kv = jax.tree.leaves(runner.kv_caches)[0]
         outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)])
         assert kv.is_deleted()                               # the stored forward still donates the cache

@@ -57,9 +57,7 @@ def _worker() -> dict:
                 entry["cache_spec"] = str(dec.kv_caches[0][0].sharding.spec)
                 entry["q_spec"] = str(dec.params["layers"][0]["q"].sharding.spec)
                 entry["k_spec"] = str(dec.params["layers"][0]["k"].sharding.spec)
-                args = (dec.params, dec.kv_caches, *_step_args(dec))
-                hlo = dec._step.lower(*args).compile().as_text()
-                entry["collectives"] = _collectives(hlo)
+                entry["collectives"] = _collectives(_step_hlo(dec))
                 entry["weight_shapes"] = sorted({str(list(x.shape)) for x in jax.tree.leaves(params)})
             report[f"{name}/tp{tp}"] = entry
     report["pallas"] = _pallas_under_shard_map()
@@ -114,7 +112,7 @@ def _custom_all_reduce_wiring(cases) -> dict:
                 calls.clear()
                 fused_calls.clear()
                 tokens, logits = dec.generate()
-                hlo = dec._step.lower(dec.params, dec.kv_caches, *_step_args(dec)).compile().as_text()
+                hlo = _step_hlo(dec)
                 out[f"{name}/tp{tp}" + ("/fused" if fuse else "")] = {
                     "tokens": tokens, "logits": logits.tolist(), "calls": list(calls),
                     "fused_calls": list(fused_calls), "collectives": _collectives(hlo)}
@@ -324,13 +322,12 @@ def _smollm2_worker() -> dict:
     return report
 
 
-def _step_args(dec):
-    from jaxserve.kernels.metadata import AttentionMetadata
-    from tp_greedy import shard_step_inputs
-    p = shard_step_inputs(dec.mesh, dec.build_inputs())
-    md = AttentionMetadata(p["slot_mapping"], p["block_tables"], p["seq_lens"], p["query_start_loc"],
-                           p["num_seqs"])
-    return p["input_ids"], p["positions"], md, p["logits_idx"]
+def _step_hlo(dec) -> str:
+    """The decoder's compiled step (for its next inputs), as HLO text."""
+    from tiny_models import shard_step_inputs
+    ints, layout = dec.build_inputs()
+    lowered = dec._step.lower(dec.params, dec.kv_caches, shard_step_inputs(dec.mesh, ints), dec.no_prev, layout=layout)
+    return lowered.compile().as_text()
 
 
 # ---------------------------------------------------------------------------------------------- the tests

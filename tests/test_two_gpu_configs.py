@@ -32,7 +32,7 @@ X2_CONFIGS = [f"h200x2-llama70b-tp2-{m}" for m in ("latency-bs1", "throughput", 
     [f"h200x2-mixtral-8x7b-{split}-{m}" for split in ("ep2", "tp2") for m in ("latency-bs1", "throughput")] + \
     ["h200x2-qwen3-32b-tp2-throughput", "h200-llama70b-fp8-latency-bs1"]
 H200 = roofline.load_hardware("h200")[0]
-# what the engine's KV cache may take on one H200 (model_runner._num_kv_blocks): gpu_memory_utilization 0.9 of
+# what the engine's KV cache may take on one H200 (runner.kv_cache.num_blocks): gpu_memory_utilization 0.9 of
 # JAX's default 75 % of the 143,771 MiB nvidia-smi reports, less the weights and the activation reserve
 H200_ENGINE_BYTES = 0.9 * 0.75 * 143771 * 2 ** 20
 

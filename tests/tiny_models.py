@@ -2,8 +2,8 @@
 
 A fixture folder holds the checkpoint and what HF transformers float32 gave for it (tests/make_model_fixtures.py,
 tests/make_moe_fixtures.py): ``golden.json`` (the prompt ids and their 32-token greedy continuation) and
-``logits.npy`` (the prompt's logits). ``PagedRunner`` drives a family's ``forward`` through a paged KV cache the
-way the engine does; ``engine_with_preemption`` runs the engine under prefix caching, chunked prefill and
+``logits.npy`` (the prompt's logits). ``PagedRunner`` drives a family's ``forward`` through a paged KV cache with
+the runner's own step inputs and forward; ``engine_with_preemption`` runs the engine under prefix caching, chunked prefill and
 preemption at once.
 """
 from __future__ import annotations
@@ -14,13 +14,18 @@ import os
 import random
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels import ops
-from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
+from jaxserve import parallel
+from jaxserve.engine.request import Request
+from jaxserve.engine.scheduler import ScheduledRequest
+from jaxserve.runner import kv_cache, step_inputs
+from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.step_variants import forward_fn
+from jaxserve.sampling_params import SamplingParams
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def fixture_path(name: str) -> str:
@@ -43,46 +48,45 @@ def load_tiny(name: str):
 
 
 class PagedRunner:
-    """A minimal host driver over a family's ``forward``: fixed token/request buckets (so each shape compiles
-    once), a paged cache with shuffled block ids, the cache donated to every step."""
+    """The runner's own step inputs (``step_inputs``) and forward (``step_variants.forward_fn``) driven from a
+    test, returning logits where the engine samples: fixed token/request buckets (so each shape compiles once),
+    a paged cache with shuffled block ids, donated to every step. Under ``mesh`` the params must be placed
+    already; the step inputs go replicated (every process passes the same values)."""
 
-    def __init__(self, model, *, max_reqs: int, max_len: int, block_size: int = 4, seed: int = 0):
-        self.model, self.cfg, self.bs, self.max_reqs = model, model.config, block_size, max_reqs
+    def __init__(self, model, *, max_reqs: int, max_len: int, block_size: int = 4, seed: int = 0, mesh=None):
+        self.family, self.cfg, self.params, self.mesh = model.family, model.config, model.params, mesh
+        self.bs, self.max_reqs = block_size, max_reqs
         self.max_blocks = -(-max_len // block_size)
         num_blocks = 1 + max_reqs * self.max_blocks
         pool = list(range(1, num_blocks))               # block 0 is the null block
         random.Random(seed).shuffle(pool)
         self.tables = [pool[r * self.max_blocks:(r + 1) * self.max_blocks] for r in range(max_reqs)]
-        self.caches = ops.init_kv_caches(self.cfg.num_layers, num_blocks, block_size, self.cfg.num_kv_heads,
-                                         self.cfg.head_dim, model.dtype)
-        self._step = jax.jit(functools.partial(paged_step, family=model.family, cfg=self.cfg), donate_argnums=(1,))
+        self.kv_caches = kv_cache.allocate(self.cfg, num_blocks, block_size, model.dtype, mesh)
+        self.input_batch = InputBatch(max_reqs, self.max_blocks, self.cfg.vocab_size)
+        self._step = jax.jit(parallel.bind_mesh(functools.partial(forward_fn, self.family, self.cfg, "reference", False),
+                                                mesh), static_argnames=("layout",), donate_argnums=(1,))
+        self.no_prev = shard_step_inputs(mesh, np.zeros(max_reqs, np.int32))
+
+    def inputs(self, chunks: list[tuple[int, list[int], int]], num_tokens: int, logits_rows: list[int] | None = None):
+        """The packed forward inputs (int32 buffer, layout) of ``chunks``: (request slot, new token ids, start
+        position), in a step of ``num_tokens`` tokens; logits of the last new token of each chunk (or of
+        ``logits_rows``, flat token indices)."""
+        scheduled = [ScheduledRequest(Request(str(slot), [0] * start + list(toks), GREEDY), len(toks), start,
+                                      self.tables[slot]) for slot, toks, start in chunks]
+        x = step_inputs.forward_inputs(scheduled, self.input_batch, self.bs,
+                                       lambda n, all_decode: (num_tokens, self.max_reqs, False))
+        rows = x.logits_idx if logits_rows is None else np.asarray(logits_rows, np.int32)
+        return step_inputs.forward_pack(x.input_ids, x.positions, x.md, rows, x.prev_index)
+
+    def run(self, ints: np.ndarray, layout) -> jax.Array:
+        """One forward of packed inputs (every process of a mesh, the same inputs): the logits it asks for."""
+        self.kv_caches, logits = self._step(self.params, self.kv_caches, shard_step_inputs(self.mesh, ints),
+                                            self.no_prev, layout=layout)
+        return logits
 
     def step(self, chunks: list[tuple[int, list[int], int]], num_tokens: int, logits_rows: list[int] | None = None):
-        """``chunks``: (request slot, new token ids, start position). Returns float32 logits of the last new
-        token of each chunk (or of ``logits_rows``, flat token indices)."""
-        ids, pos, slots, seq_lens, qsl, tables = [], [], [], [], [0], []
-        for slot, toks, start in chunks:
-            for j, tok in enumerate(toks):
-                p = start + j
-                ids.append(tok)
-                pos.append(p)
-                slots.append(self.tables[slot][p // self.bs] * self.bs + p % self.bs)
-            seq_lens.append(start + len(toks))
-            qsl.append(qsl[-1] + len(toks))
-            tables.append(self.tables[slot])
-        n, r = len(ids), len(chunks)
-        assert n <= num_tokens and r <= self.max_reqs
-        pad_t, pad_r = num_tokens - n, self.max_reqs - r
-        md = AttentionMetadata(
-            slot_mapping=jnp.array(slots + [PAD_SLOT] * pad_t, jnp.int32),
-            block_tables=jnp.array(tables + [[0] * self.max_blocks] * pad_r, jnp.int32),
-            seq_lens=jnp.array(seq_lens + [0] * pad_r, jnp.int32),
-            query_start_loc=jnp.array(qsl + [n] * pad_r, jnp.int32),
-            num_seqs=jnp.array(r, jnp.int32))
-        rows = logits_rows if logits_rows is not None else [q - 1 for q in qsl[1:]] + [0] * pad_r
-        logits, self.caches = self._step(self.model.params, self.caches, jnp.array(ids + [0] * pad_t, jnp.int32),
-                                         jnp.array(pos + [0] * pad_t, jnp.int32), md, jnp.array(rows, jnp.int32))
-        return np.asarray(logits)
+        """``run`` of ``inputs``: float32 logits on the host."""
+        return np.asarray(self.run(*self.inputs(chunks, num_tokens, logits_rows)))
 
     def prompt_logits(self, prompt: list[int], num_tokens: int = 16) -> np.ndarray:
         """Logits of every prompt position, the prompt prefilled in one step into slot 0."""
@@ -100,10 +104,15 @@ class PagedRunner:
         return out
 
 
-def paged_step(params, caches, ids, pos, md, rows, *, family, cfg):
-    """One forward of ``family`` over a ragged batch (reference attention) and the logits of ``rows``."""
-    hidden, caches = family.forward(params, caches, ids, pos, md, cfg, attn_backend="reference")
-    return family.compute_logits(params, hidden[rows], cfg), caches
+def shard_step_inputs(mesh, tree):
+    """Place a step's host inputs replicated on the mesh (None: one device).
+
+    Every process passes the same values (each builds them from the step process 0 sent, see
+    ``jaxserve.executor``), so this works whether the mesh spans one process or several.
+    """
+    if mesh is None:
+        return jax.device_put(tree)
+    return jax.device_put(tree, parallel.replicated(mesh))
 
 
 # ------------------------------------------------------------------ the checks every tiny family passes

@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop strings, and the text of logprobs.
+"""Incremental detokenization with stop strings (the text of logprobs: ``jaxserve.outputs.decode_logprobs``).
 
 The text a stream emits, concatenated, equals `tokenizer.decode(output_ids, skip_special_tokens=...)`:
 each step decodes only a short window of ids (from the start of the previously emitted chunk) and emits
@@ -206,28 +206,3 @@ def _cached_decoder(tokenizer: Any, skip_special_tokens: bool, spaces_between_sp
     window, not the Rust ``decode_batch``: that one releases the GIL and runs on rayon's pool, which at 256
     two-token windows a step cost the front end more CPU and handed the GIL to the event loop mid-step.)"""
     return fast_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens), {}
-
-
-# ---- logprobs --------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1 << 16)
-def decode_token(tokenizer: Any, token_id: int) -> str:
-    """The text of one token as vLLM shows it in logprobs (`tokenizer.decode([id])`), cached."""
-    return tokenizer.decode([token_id]) or ""
-
-
-def decode_logprobs(tokenizer: Any | None, token_id: int, logprob: float, rank: int,
-                    topk_ids: Sequence[int] = (), topk_logprobs: Sequence[float] = (),
-                    num_logprobs: int | None = None) -> dict[int, Any]:
-    """One position's `{token_id: Logprob}`: the sampled token (with its rank) first, then the top
-    `num_logprobs` (ranks 1..k) from the sampler's top-k row, which may be wider than this request asked
-    (it is the batch's max). `tokenizer=None` leaves `decoded_token` None (detokenize=False)."""
-    from jaxserve.outputs import Logprob
-
-    k = len(topk_ids) if num_logprobs is None else min(num_logprobs, len(topk_ids))
-    text = (lambda t: decode_token(tokenizer, t)) if tokenizer is not None else (lambda t: None)
-    out = {int(token_id): Logprob(float(logprob), int(rank), text(int(token_id)))}
-    for i in range(k):
-        candidate = int(topk_ids[i])
-        if candidate not in out:
-            out[candidate] = Logprob(float(topk_logprobs[i]), i + 1, text(candidate))
-    return out

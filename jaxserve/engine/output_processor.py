@@ -31,10 +31,10 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
-from jaxserve.engine.detokenizer import IncrementalDetokenizer, decode_logprobs
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.messages import EngineCoreOutput
 from jaxserve.engine.request import Request, RequestStatus, finish_reason
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, decode_logprobs
 from jaxserve.sampling_params import RequestOutputKind
 
 _STOPPED = RequestStatus.FINISHED_STOPPED

@@ -19,9 +19,7 @@ import time
 from typing import Any, Iterable
 
 from jaxserve.outputs import PositionLogprobs, RequestMetrics
-
-# An output token the host has not seen yet (it is still on the device, feeding the next step).
-PLACEHOLDER = -1
+from jaxserve.runner.step_contract import PLACEHOLDER
 
 
 class RequestStatus(enum.IntEnum):

@@ -37,7 +37,8 @@ from typing import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager
-from jaxserve.engine.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.runner.step_contract import PLACEHOLDER
 
 
 @dataclass(slots=True)

@@ -1,13 +1,14 @@
 """Converted GGUF weights on disk, so that a warm start maps them instead of dequantizing the file again.
 
 A GGUF load dequantizes every tensor on the host and runs a layout/cast jit per weight shape on the device
-(3 s of a 4 s SmolLM2 start on CPU). The result — the family's weight pytree, in the dtype it is served
-in — goes into one file next to the persistent compile cache: a header (the key and each leaf's offset,
-shape and dtype), then the leaves' bytes, 64-byte aligned. A warm start memory-maps the file and copies
-each leaf to the device. The key is the GGUF file (path, size, modification time, a hash of its first MiB),
-the model config, the dtype, the weights' tree and jaxserve's source (a converter fix invalidates every
-entry). An entry that is missing, stale or torn is rebuilt from the GGUF; a new entry replaces the older
-ones of the same file and dtype, so the folder holds one copy per model and dtype.
+(most of a small model's start on CPU). The result — the family's weight pytree, in the dtype it is served
+in — goes into one ``jaxserve.utils.file_store`` entry next to the persistent compile cache: after the
+entry's header (the key), a table of each leaf's offset, shape and dtype, then the leaves' bytes, 64-byte
+aligned. A warm start memory-maps the file and copies each leaf to the device. The key is the GGUF file
+(path, size, modification time, a hash of its first MiB), the model config, the dtype, the weights' tree and
+jaxserve's source (a converter fix invalidates every entry). An entry that is missing, stale or torn is
+rebuilt from the GGUF; a new entry replaces the older ones of the same file and dtype, so the folder holds
+one copy per model and dtype.
 """
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ import os
 import jax
 import numpy as np
 
+from jaxserve.utils import file_store
+
 logger = logging.getLogger(__name__)
 
-FORMAT = "jaxserve-weights-v1"
+FORMAT = "jaxserve-weights-v2"
 _MAGIC = b"JAXSERVE-WEIGHTS\n"
 _ALIGN = 64
 # a larger model's converted copy is not written (an 8B GGUF would leave 16 GB of bf16 in the cache)
@@ -34,13 +37,12 @@ def directory_for(compile_cache_dir: str | None) -> str | None:
 
 def key_text(path: str, cfg, dtype, structure) -> str:
     """What the converted weights depend on (``structure``: the weights' pytree structure)."""
-    from jaxserve.runner.program_cache import source_digest, stable_repr
     st = os.stat(path)
     with open(path, "rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()
     # the file and the dtype first: they name the entry that a newer one replaces (``_owner``)
     return "\n".join([FORMAT, os.path.realpath(path), str(np.dtype(dtype)), f"{st.st_size} {st.st_mtime_ns} {head}",
-                      stable_repr(cfg), str(structure), f"source {source_digest()}"])
+                      file_store.stable_repr(cfg), str(structure), f"source {file_store.source_digest()}"])
 
 
 def _file(directory: str, text: str) -> str:
@@ -59,19 +61,16 @@ def load(directory: str | None, text: str, structure):
         return None
     path = _file(directory, text)
     try:
-        mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    except (OSError, ValueError):
-        return None
-    try:
-        if bytes(mapped[:len(_MAGIC)]) != _MAGIC:
-            raise ValueError("no header")
-        n = int.from_bytes(bytes(mapped[len(_MAGIC):len(_MAGIC) + 8]), "little")
-        start = len(_MAGIC) + 8
-        header = json.loads(bytes(mapped[start:start + n]))
-        if header["key"] != text or len(header["leaves"]) != structure.num_leaves:
-            raise ValueError("another entry's key")
+        entry = file_store.read(path, _MAGIC, text.encode(), mapped=True)
+        if entry is None:
+            return None
+        mapped, start = entry
+        n = int.from_bytes(bytes(mapped[start:start + 8]), "little")
+        table = json.loads(bytes(mapped[start + 8:start + 8 + n]))
+        if len(table) != structure.num_leaves:
+            raise ValueError("another tree's leaves")
         leaves = []
-        for off, shape, dtype in header["leaves"]:
+        for off, shape, dtype in table:
             dt = np.dtype(dtype)
             size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
             if off + size > len(mapped):
@@ -93,37 +92,33 @@ def store(directory: str | None, text: str, params, structure) -> None:
     if directory is None or total > MAX_BYTES or tree != structure:
         return
     path = _file(directory, text)
+    key = text.encode()
     entries, off = [], 0
     for x in leaves:
         entries.append([off, list(x.shape), np.dtype(x.dtype).name])
         off += -(-x.size * x.dtype.itemsize // _ALIGN) * _ALIGN
-    # the leaves start after the header, whose length depends on their offsets: grow the header's slot
+    # the leaves start after the leaf table, whose length depends on their offsets: grow the table's slot
     # until it fits
-    base = 0
+    head, base = len(file_store.header(_MAGIC, key)), 0
     while True:
-        header = json.dumps({"key": text, "leaves": [[o + base, s, d] for o, s, d in entries]}).encode()
-        need = -(-(len(_MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
+        table = json.dumps([[o + base, s, d] for o, s, d in entries]).encode()
+        need = -(-(head + 8 + len(table)) // _ALIGN) * _ALIGN
         if need <= base:
             break
         base = need
-    tmp = f"{path}.{os.getpid()}.partial"
+
+    def payload(f):
+        f.write(len(table).to_bytes(8, "little") + table)
+        f.write(b"\0" * (base - f.tell()))
+        for (o, _, _), x in zip(entries, leaves):
+            f.seek(o + base)
+            f.write(memoryview(np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)))
+        f.truncate(base + off)
     try:
-        os.makedirs(directory, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(_MAGIC + len(header).to_bytes(8, "little") + header)
-            f.write(b"\0" * (base - f.tell()))
-            for (o, _, _), x in zip(entries, leaves):
-                f.seek(o + base)
-                f.write(memoryview(np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)))
-            f.truncate(base + off)
-        os.replace(tmp, path)
+        file_store.write(path, _MAGIC, key, payload)
         # one entry per GGUF file and dtype: the older ones (another version of the file, of jaxserve) go
         for name in os.listdir(directory):
             if name.startswith(_owner(text) + "-") and name.endswith(".weights") and name != os.path.basename(path):
                 os.unlink(os.path.join(directory, name))
     except OSError as e:
         logger.warning("cannot store the converted weights in %s (%s)", directory, e)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass

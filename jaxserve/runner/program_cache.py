@@ -16,16 +16,17 @@ wrapped_iota not found``), and the persistent cache has to stay (it also holds e
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import os
-import types
 
 import jax
 import numpy as np
+
+from jaxserve.utils import file_store
+from jaxserve.utils.file_store import source_digest, stable_repr
 
 logger = logging.getLogger(__name__)
 
@@ -47,54 +48,6 @@ _PER_RUN = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID", "XLA_FLAGS", "XLA_PYTHO
 def directory_for(compile_cache_dir: str | None) -> str | None:
     """The program folder inside the persistent cache's folder (None: no persistent cache, no programs)."""
     return os.path.join(compile_cache_dir, "jaxserve-programs") if compile_cache_dir else None
-
-
-@functools.lru_cache(maxsize=1)
-def source_digest() -> str:
-    """sha256 over jaxserve's Python source (the package and the kernels package it installs): an edit
-    anywhere changes every key, so a program is never reused across code that could trace differently."""
-    import jaxserve
-    import jaxserve.kernels
-    roots = sorted({os.path.dirname(os.path.realpath(m.__file__)) for m in (jaxserve, jaxserve.kernels)})
-    roots = [r for r in roots if not any(r.startswith(o + os.sep) for o in roots)]    # kernels inside jaxserve/
-    h = hashlib.sha256()
-    for root in roots:
-        for folder, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-            for name in sorted(files):
-                if name.endswith(".py"):
-                    path = os.path.join(folder, name)
-                    h.update(os.path.relpath(path, os.path.dirname(root)).encode())
-                    with open(path, "rb") as f:
-                        h.update(f.read())
-    return h.hexdigest()
-
-
-def stable_repr(value) -> str:
-    """A text that is equal exactly when ``value`` is (numpy arrays by their bytes, not numpy's abridged
-    repr; modules and functions by name, not address)."""
-    if isinstance(value, np.ndarray):
-        return f"ndarray({value.dtype},{value.shape},{hashlib.sha256(np.ascontiguousarray(value)).hexdigest()})"
-    if isinstance(value, functools.partial):
-        return (f"partial({stable_repr(value.func)},{stable_repr(value.args)},"
-                f"{stable_repr(sorted(value.keywords.items()))})")
-    if isinstance(value, types.ModuleType):
-        return f"module({value.__name__})"
-    if callable(value) and hasattr(value, "__wrapped__"):          # functools.wraps (bind_mesh, jax.jit)
-        return f"wraps({stable_repr(value.__wrapped__)})"
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
-        return f"fn({value.__module__}.{value.__qualname__})"
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = ",".join(f"{f.name}={stable_repr(getattr(value, f.name))}" for f in dataclasses.fields(value))
-        return f"{type(value).__qualname__}({fields})"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{stable_repr(k)}:{stable_repr(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value).__name__ + "(" + ",".join(stable_repr(v) for v in value) + ")"
-    text = repr(value)
-    if " at 0x" in text and hasattr(value, "__dict__"):        # a plain object (a model family): its state
-        return f"{type(value).__module__}.{type(value).__qualname__}({stable_repr(vars(value))})"
-    return text
 
 
 def _signature(args) -> str:
@@ -182,37 +135,27 @@ class ProgramCache:
     @staticmethod
     def _read(path: str, text: bytes):
         try:
-            with open(path, "rb") as f:
-                blob = f.read()
-        except OSError:
-            return None
-        header = _MAGIC + len(text).to_bytes(8, "little") + text
-        if not blob.startswith(header):         # another key's entry, or a torn or foreign file
+            entry = file_store.read(path, _MAGIC, text)
+        except file_store.StaleEntry:           # another key's entry, or a torn or foreign file
             logger.warning("stored program %s is not this variant's; tracing it again", os.path.basename(path))
             return None
+        if entry is None:
+            return None
+        blob, start = entry
         try:
-            return jax.export.deserialize(bytearray(blob[len(header):]))
+            return jax.export.deserialize(bytearray(memoryview(blob)[start:]))
         except Exception as e:                  # noqa: BLE001
             logger.warning("stored program %s does not load (%s: %s); tracing it again",
                            os.path.basename(path), type(e).__name__, e)
             return None
 
     def _write(self, path: str, text: bytes, exported) -> None:
-        tmp = f"{path}.{os.getpid()}.{id(exported)}.partial"
         try:
             _register_step_types()
             blob = exported.serialize()
-            os.makedirs(self.directory, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(_MAGIC + len(text).to_bytes(8, "little") + text)
-                f.write(blob)
-            os.replace(tmp, path)               # atomic: a concurrent reader sees the old entry or the new one
+            file_store.write(path, _MAGIC, text, lambda f: f.write(blob))
         except Exception as e:                  # noqa: BLE001 — the run goes on; the next start traces again
             logger.warning("cannot store step program %s (%s: %s)", os.path.basename(path), type(e).__name__, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 @functools.lru_cache(maxsize=1)

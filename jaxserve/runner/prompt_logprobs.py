@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.detokenizer import decode_logprobs
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
+from jaxserve.outputs import decode_logprobs
 from jaxserve.parallel import bind_mesh, gather_logits
 from jaxserve.runner.sampler import compute_logprobs
 from jaxserve.runner.step_compiler import StepCompiler

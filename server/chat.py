@@ -7,7 +7,8 @@ from typing import Any
 from .chat_response import ChatRenderer
 from .engine_runs import Prompt
 from .errors import bad_request
-from .protocol import ChatCompletionRequest, random_id
+from .request_types import ChatCompletionRequest
+from .response_types import random_id
 from .sampling import compile_structured_outputs, resolve_max_tokens, sampling_params
 from .serving import Serving
 from .streaming import submit

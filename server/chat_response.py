@@ -6,9 +6,10 @@ from typing import AsyncIterator
 
 from .engine_runs import Accumulated, Prompt
 from .logprobs import chat_logprobs, prompt_logprobs_out
-from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatDelta, ChatResponseMessage, DeltaFunctionCall, DeltaToolCall,
-                       FunctionCallOut, ToolCallOut, Usage, now)
+from .request_types import ChatCompletionRequest
+from .response_types import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
+                             ChatResponseMessage, DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCallOut,
+                             Usage, now)
 from .serving import Serving
 from .streaming import TextFrame, sse
 from .tool_parsers import ToolCallDelta

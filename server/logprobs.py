@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .protocol import ChatLogprobs, ChatLogprobToken, ChatLogprobTop, CompletionLogprobs, PromptLogprob, SamplingFields
+from .request_types import SamplingFields
+from .response_types import ChatLogprobs, ChatLogprobToken, ChatLogprobTop, CompletionLogprobs, PromptLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 

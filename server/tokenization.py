@@ -1,7 +1,8 @@
 """POST /tokenize and /detokenize (vLLM's): a prompt or chat messages to token ids, token ids to text."""
 from __future__ import annotations
 
-from .protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from .request_types import DetokenizeRequest, TokenizeRequest
+from .response_types import DetokenizeResponse, TokenizeResponse
 from .serving import Serving
 from .validation import check_model, check_tokenize_request
 

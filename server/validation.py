@@ -3,7 +3,7 @@ combinations each route refuses, the request's tools, and admission (prompts x n
 from __future__ import annotations
 
 from .errors import bad_request, model_not_found
-from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields, TokenizeRequest
+from .request_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields, TokenizeRequest
 from .serving import Serving
 from .tool_parsers.choice import ToolPlan, ToolRequestError, plan_tools
 

@@ -1,4 +1,6 @@
-"""The request fields a route's type lacks, and what this server makes of them (the 400's message)."""
+"""What this server makes of a request field it does not act on: ignored (it cannot change the output;
+named once in a warning), or a 400 naming it (it would change the output and is not implemented, or it is
+unknown)."""
 from __future__ import annotations
 
 import msgspec
@@ -8,14 +10,21 @@ from .request_types import (ChatCompletionRequest, CompletionRequest, Detokenize
                             TokenizeRequest)
 
 
-# OpenAI's and vLLM's request fields this server knows of and does not implement: named as such in the 400
+# OpenAI's fields that cannot change the output: the request types declare them (typed), the routes ignore
+# them and name each in a warning the first time a request sends it. verbosity is a hint OpenAI's own models
+# read and no chat template does; prediction (predicted outputs) is a latency hint whose output is the same.
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                  "prompt_cache_options", "safety_identifier", "verbosity", "prediction")
+
+# OpenAI's and vLLM's request fields this server knows of and does not implement (each would change the
+# output): named as such in the 400
 NOT_IMPLEMENTED = frozenset({
-    "logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "store", "metadata",
-    "service_tier", "reasoning_effort", "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier",
-    "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "priority",
-    "request_id", "logits_processors", "documents", "mm_processor_kwargs", "cache_salt", "kv_transfer_params",
-    "vllm_xargs", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern", "include_reasoning",
-    "prompt_embeds", "echo", "add_special_tokens", "media_io_kwargs",
+    "logit_bias", "functions", "function_call", "audio", "modalities", "moderation", "reasoning_effort",
+    "web_search_options", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens", "priority", "request_id", "logits_processors", "documents", "mm_processor_kwargs",
+    "cache_salt", "kv_transfer_params", "vllm_xargs", "structural_tag", "guided_decoding_backend",
+    "guided_whitespace_pattern", "include_reasoning", "prompt_embeds", "echo", "add_special_tokens",
+    "media_io_kwargs",
 })
 
 REQUEST_BODIES: dict[str, type[Struct]] = {
@@ -47,5 +56,5 @@ def unknown_fields_message(fields: list[str]) -> str:
     why = (f"; {', '.join(f'`{f}`' for f in known)} {'is' if len(known) == 1 else 'are'} not implemented by this "
            "server" if known else "")
     return (f"Unrecognized request argument{'s' if len(fields) > 1 else ''} supplied: {named}{why}. This server "
-            "answers 400 rather than ignore a field it does not implement: remove "
+            "answers 400 rather than ignore a field that could change the output: remove "
             f"{'it' if len(fields) == 1 else 'them'} from the request.")

@@ -58,7 +58,17 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = 0.0
+    # OpenAI's fields that cannot change the output: accepted (typed, so a bad value is still a 400) and
+    # ignored, each named once in a warning (request_fields.IGNORED_FIELDS)
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
@@ -102,6 +112,12 @@ class ToolCallIn(Struct, kw_only=True):
     function: FunctionCallIn
     id: str | None = None
     type: Literal["function"] = "function"
+
+
+class PredictedOutput(Struct, kw_only=True):
+    """OpenAI's ``prediction`` (predicted outputs): a latency hint, it never changes the output."""
+    type: Literal["content"]
+    content: str | list[TextContentPart]
 
 
 class ChatMessage(Struct, kw_only=True):
@@ -154,6 +170,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    prediction: PredictedOutput | None = None     # ignored (request_fields.IGNORED_FIELDS)
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer OpenAI name; it wins when both are sent

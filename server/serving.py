@@ -25,3 +25,4 @@ class Serving:
         self.prompts = PromptRenderer(engine, args)
         self.runs = EngineRuns(engine, args, self.metrics)
         self.token_names = TokenNames(self.tokenizer)
+        self.ignored_fields_named: set[str] = set()        # each ignored request field is warned of once

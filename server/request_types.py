@@ -224,10 +224,12 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's /tokenize takes either a completion-style `prompt` or chat `messages`."""
+    """vLLM's /tokenize takes either a completion-style `prompt` or chat `messages` (with the `tools` the chat
+    template renders)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

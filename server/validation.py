@@ -10,7 +10,7 @@ from .errors import bad_request, model_not_found
 from .request_fields import IGNORED_FIELDS
 from .request_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields, TokenizeRequest
 from .serving import Serving
-from .tool_parsers.choice import ToolPlan, ToolRequestError, plan_tools
+from .tool_parsers.choice import ToolPlan, ToolRequestError, checked_tools, plan_tools
 
 log = logging.getLogger("jaxserve.server")
 
@@ -99,7 +99,16 @@ def check_embedding_request(serving: Serving, req: EmbeddingRequest) -> list[str
     return batch
 
 
-def check_tokenize_request(serving: Serving, req: TokenizeRequest) -> None:
+def check_tokenize_request(serving: Serving, req: TokenizeRequest) -> list[dict] | None:
+    """The tools to render with the messages (checked as chat's are), or None."""
     check_model(serving, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
+    if not req.tools:
+        return None
+    if req.messages is None:
+        raise bad_request("tools are rendered by the chat template: send them with messages, not prompt", "tools")
+    try:
+        return checked_tools(req.tools)
+    except ToolRequestError as e:
+        raise bad_request(str(e), e.param) from None

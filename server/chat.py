@@ -20,7 +20,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     text = await serving.prompts.render_chat(
         req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        chat_template_kwargs=req.chat_template_kwargs, tools=plan.tools)
+        chat_template_kwargs=req.template_kwargs(), tools=plan.tools)
     # the template already holds BOS and friends: vLLM encodes it without adding special tokens again
     ids = await serving.prompts.encode(text, add_special_tokens=False, what="messages")
     if not ids:

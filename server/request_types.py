@@ -170,11 +170,20 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # a chat template variable (vLLM's); "none" turns thinking off (reasoning.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True      # --reasoning-parser: false drops the thinking part from the answer
     prediction: PredictedOutput | None = None     # ignored (request_fields.IGNORED_FIELDS)
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer OpenAI name; it wins when both are sent
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort (vLLM passes it so)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     def requested_logprobs(self) -> int | None:
         """Top logprobs per token (None: no logprobs)."""

@@ -63,6 +63,9 @@ class ChatResponseMessage(Struct):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCallOut] = field(default_factory=list)
+    # --reasoning-parser: the thinking part, under DeepSeek's name and vLLM's newer one (clients read either)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(Struct):
@@ -108,6 +111,8 @@ class DeltaToolCall(Struct, omit_defaults=True):
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None     # as ChatResponseMessage's
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -305,7 +305,8 @@ def test_required_without_parallel_calls_admits_exactly_one_call():
     def accepts(plan, text: str) -> bool:
         m = manager.compile(plan.structured_outputs()).deep_copy()
         return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
-    one, two = '[{"name":"get_time","parameters":{}}]', '[{"name":"get_time","parameters":{}},{"name":"get_time","parameters":{}}]'
+    call = '{"name":"get_time","parameters":{}}'
+    one, two = f"[{call}]", f"[{call},{call}]"
     single = plan_tools(tools, "required", False, enable_auto_tool_choice=False, parser_cls=None)
     parallel = plan_tools(tools, "required", True, enable_auto_tool_choice=False, parser_cls=None)
     assert accepts(single, one) and not accepts(single, two) and not accepts(single, "[]")

@@ -162,3 +162,13 @@ def test_real_tokenize_with_tools_matches_the_chat_prompt(real, real_client, htt
     r = real_client.chat.completions.create(model="smol", messages=CHAT, tools=[WEATHER_TOOL], tool_choice="none",
                                             max_tokens=1)
     assert r.usage.prompt_tokens == tokens["count"]      # /tokenize counts what chat sends the model
+
+
+def test_real_langchain_chat_openai_with_the_fields_it_sends(real):
+    """LangChain's ChatOpenAI sends service_tier, store and verbosity as request fields when set."""
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+    llm = langchain_openai.ChatOpenAI(base_url=real.url + "/v1", api_key="x", model="smol", max_tokens=8,
+                                      temperature=0, max_retries=0, service_tier="auto", store=True,
+                                      verbosity="low", model_kwargs={"user": "u", "safety_identifier": "s"})
+    assert llm.invoke("Hi").content
+    assert "".join(chunk.content for chunk in llm.stream("Hi"))

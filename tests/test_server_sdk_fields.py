@@ -109,6 +109,22 @@ def test_tokenize_bad_tools_are_400(http, body, param):
     assert e["param"].startswith(param), e
 
 
+def test_the_docs_tool_template_is_the_embedded_one_without_tools():
+    """docs/chat_templates/hermes_tool_use.jinja renders what the embedded SmolLM2's own template does when no
+    tools are sent (docs/tool_calling.md says so)."""
+    import os
+    from jaxserve.models.loader import embedded_tokenizer
+    tok = embedded_tokenizer()
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "chat_templates", "hermes_tool_use.jinja")) as f:
+        template = f.read()
+    for messages in (CHAT, [{"role": "system", "content": "Be brief."}] + CHAT,
+                     CHAT + [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]):
+        for gen in (True, False):
+            assert tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                           add_generation_prompt=gen) == \
+                tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+
 # -- the real server (embedded SmolLM2 on CPU, the tool-aware template from docs/) ---------------------------
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,10 @@ from .embeddings import create_embeddings
 from .engine_runs import ClientDisconnected
 from .errors import APIError, error_response, exception_handler
 from .metrics import CONTENT_TYPE, arrival_middleware
-from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, ErrorResponse, ModelCard, ModelList,
-                       TokenizeRequest, TokenizeResponse, VersionResponse)
+from .request_types import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                            TokenizeRequest)
+from .response_types import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse, ModelCard,
+                             ModelList, TokenizeResponse, VersionResponse)
 from .serving import Serving
 from .tokenization import detokenize_tokens, tokenize_prompt
 from .validation import check_model

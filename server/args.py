@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from jaxserve import envs
 from jaxserve.options import add_options, from_namespace, option
 
+from .reasoning import REASONING_PARSERS
+
 
 def _json_list(value: str) -> list[str]:
     try:
@@ -71,6 +73,11 @@ class ServerArgs:
         metavar="NAME")
     tool_parser_plugin: str | None = _tools(
         None, "a Python file whose @register_tool_parser classes become --tool-call-parser names", metavar="FILE")
+    reasoning_parser: str | None = option(
+        None, choices=tuple(REASONING_PARSERS), metavar="NAME", group="reasoning",
+        help="split a thinking model's output at </think> into message.reasoning_content and content (chat, "
+             "streamed as delta.reasoning_content): deepseek_r1 (DeepSeek-R1 and its distills, QwQ), qwen3 "
+             "(Qwen3; a tool call inside the thinking part also ends it)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

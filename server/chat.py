@@ -7,7 +7,8 @@ from typing import Any
 from .chat_response import ChatRenderer
 from .engine_runs import Prompt
 from .errors import bad_request
-from .protocol import ChatCompletionRequest, random_id
+from .request_types import ChatCompletionRequest
+from .response_types import random_id
 from .sampling import compile_structured_outputs, resolve_max_tokens, sampling_params
 from .serving import Serving
 from .streaming import submit
@@ -19,7 +20,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     text = await serving.prompts.render_chat(
         req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        chat_template_kwargs=req.chat_template_kwargs, tools=plan.tools)
+        chat_template_kwargs=req.template_kwargs(), tools=plan.tools)
     # the template already holds BOS and friends: vLLM encodes it without adding special tokens again
     ids = await serving.prompts.encode(text, add_special_tokens=False, what="messages")
     if not ids:

@@ -1,14 +1,17 @@
 """A chat request's outputs as its answer: the whole ChatCompletionResponse, or SSE chunks as outputs arrive
-(content, the tool calls the tool plan's parser reads from the text, logprobs, usage)."""
+(the thinking part a --reasoning-parser splits off, content, the tool calls the tool plan's parser reads from
+the content, logprobs, usage)."""
 from __future__ import annotations
 
 from typing import AsyncIterator
 
 from .engine_runs import Accumulated, Prompt
 from .logprobs import chat_logprobs, prompt_logprobs_out
-from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, ChatDelta, ChatResponseMessage, DeltaFunctionCall, DeltaToolCall,
-                       FunctionCallOut, ToolCallOut, Usage, now)
+from .reasoning import ThinkingParser, thinking_off
+from .request_types import ChatCompletionRequest
+from .response_types import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
+                             ChatResponseMessage, DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCallOut,
+                             Usage, now)
 from .serving import Serving
 from .streaming import TextFrame, sse
 from .tool_parsers import ToolCallDelta
@@ -43,6 +46,18 @@ class ChatRenderer:
         self.token_str = serving.token_names.token_str
         self.token_ids = bool(req.return_token_ids)
         self.created = now()
+        self.include_reasoning = req.include_reasoning
+        thinking = serving.reasoning_parser_cls
+        if thinking is not None and (
+                thinking_off(req.chat_template_kwargs, req.reasoning_effort)
+                or any(c.params.structured_outputs is not None for c in prompt.choices)
+                or thinking.prompt_closes_thinking(prompt.text or "")):
+            thinking = None           # no thinking part in this answer (reasoning.py says when)
+        self.thinking_cls: type[ThinkingParser] | None = thinking
+
+    def new_thinking_parser(self) -> ThinkingParser | None:
+        """A fresh reasoning parser for one generated choice (None: the output has no thinking part)."""
+        return self.thinking_cls() if self.thinking_cls is not None else None
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None, prompt_ids=None) -> bytes:
         return sse(ChatCompletionChunk(id=self.request_id, model=self.model, choices=choices, created=self.created,
@@ -64,26 +79,35 @@ class ChatRenderer:
                     prompt_ids=self.prompt_ids if token_ids else None)
         completion_tokens = 0
         parsers = [plan.new_parser() for _ in range(req.n)]
+        thinkers = [self.new_thinking_parser() for _ in range(req.n)]
         called = [False] * req.n
         async for c, comp, _ in outputs:
             completion_tokens += len(comp.token_ids)
-            parser = parsers[c.index]
-            if (parser is None and comp.text and comp.finish_reason is None and not comp.logprobs
-                    and not continuous and not token_ids):
+            parser, thinker = parsers[c.index], thinkers[c.index]
+            if (parser is None and thinker is None and comp.text and comp.finish_reason is None
+                    and not comp.logprobs and not continuous and not token_ids):
                 frame = content_frames.get(c.index)
                 if frame is None:
                     frame = content_frames[c.index] = self._content_frame(c.index)
                 yield frame(comp.text)
                 continue
-            delta, finish = ChatDelta(content=comp.text), comp.finish_reason
+            text, reasoning, finish = comp.text, None, comp.finish_reason
+            if thinker is not None:   # the thinking part first; the rest is content
+                split = thinker.feed(text, final=finish is not None)
+                text, reasoning = split.content, (split.reasoning or None) if self.include_reasoning else None
+                if not thinker.thinking:
+                    thinkers[c.index] = None
+            calls = None
             if parser is not None:  # content and tool calls, as far as this output settles them
-                parsed = parser.feed(comp.text, final=finish is not None)
-                calls = [delta_tool_call(d) for d in parsed.tool_calls if plan.parallel or d.index == 0]
+                parsed = parser.feed(text, final=finish is not None)
+                calls = [delta_tool_call(d) for d in parsed.tool_calls if plan.parallel or d.index == 0] or None
                 called[c.index] |= bool(calls)
-                delta = ChatDelta(content=parsed.content or (None if calls else ""), tool_calls=calls or None)
+                text = parsed.content
                 finish = tool_finish_reason(finish, called[c.index])
-            if not delta.content and not delta.tool_calls and finish is None and not comp.logprobs:
-                continue  # tokens held back while a stop string (or a tool-call marker) may still match
+            delta = ChatDelta(content=text or (None if calls or reasoning else ""), reasoning_content=reasoning,
+                              reasoning=reasoning, tool_calls=calls)
+            if not delta.content and not reasoning and not calls and finish is None and not comp.logprobs:
+                continue  # tokens held back while a stop string (or a tool-call or think marker) may still match
             logprobs = (chat_logprobs(comp.token_ids, comp.logprobs, top_k, name)
                         if num_logprobs is not None and comp.logprobs else None)
             usage = (Usage(num_prompt_tokens, completion_tokens, num_prompt_tokens + completion_tokens)
@@ -100,13 +124,20 @@ class ChatRenderer:
             logprobs = (chat_logprobs(acc.token_ids, acc.logprobs, self.top_k, self.name)
                         if self.num_logprobs is not None else None)
             content: str | None = "".join(acc.text)
+            reasoning = None
+            thinker = self.new_thinking_parser()
+            if thinker is not None:
+                split = thinker.feed(content, final=True)
+                content = split.content or None       # vLLM's: null when nothing follows the thinking part
+                reasoning = (split.reasoning or None) if self.include_reasoning else None
             calls = []
             parser = plan.new_parser()
-            if parser is not None:
+            if parser is not None and content is not None:
                 extracted = parser.extract(content)
                 content, calls = extracted.content, extracted.tool_calls[:None if plan.parallel else 1]
             message = ChatResponseMessage(self.role, content, tool_calls=[
-                ToolCallOut(call.id, FunctionCallOut(call.name, call.arguments)) for call in calls])
+                ToolCallOut(call.id, FunctionCallOut(call.name, call.arguments)) for call in calls],
+                reasoning_content=reasoning, reasoning=reasoning)
             choices.append(ChatChoice(i, message, logprobs, tool_finish_reason(acc.finish_reason, bool(calls)),
                                       acc.stop_reason, acc.token_ids if token_ids else None))
         num_prompt_tokens = len(self.prompt_ids)

@@ -6,7 +6,8 @@ from typing import Any, AsyncIterator
 
 from .engine_runs import Accumulated, Prompt
 from .logprobs import completion_logprobs, prompt_logprobs_out, prompt_then_completion
-from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage, now
+from .request_types import CompletionRequest
+from .response_types import CompletionChoice, CompletionResponse, Usage, now
 from .serving import Serving
 from .streaming import TextFrame, sse
 

@@ -7,7 +7,8 @@ from typing import Any
 from .completion_response import CompletionRenderer
 from .engine_runs import Prompt
 from .errors import bad_request
-from .protocol import CompletionRequest, random_id
+from .request_types import CompletionRequest
+from .response_types import random_id
 from .sampling import compile_structured_outputs, resolve_max_tokens, sampling_params
 from .serving import Serving
 from .streaming import submit

@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from .request_types import EmbeddingRequest
+from .response_types import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from .serving import Serving
 from .validation import check_embedding_request
 

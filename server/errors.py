@@ -14,7 +14,8 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from jaxserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
-from .protocol import ErrorInfo, ErrorResponse, unknown_fields, unknown_fields_message
+from .request_fields import unknown_fields, unknown_fields_message
+from .response_types import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("jaxserve.server")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .protocol import ChatLogprobs, ChatLogprobToken, ChatLogprobTop, CompletionLogprobs, PromptLogprob, SamplingFields
+from .request_types import SamplingFields
+from .response_types import ChatLogprobs, ChatLogprobToken, ChatLogprobTop, CompletionLogprobs, PromptLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -35,7 +36,19 @@ class TokenNames:
         return self.token_str
 
 
+def top_logprobs_dict(pos: dict, chosen_id: int, top_k: int, name: TokenNamer) -> dict[str, float]:
+    """A completions position's ``top_logprobs`` (vLLM's rule): the ``top_k`` most likely tokens, and the chosen
+    one when it is not among them (a sampled token outside the top k; with ``logprobs: 0``, only it)."""
+    tops = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_k]
+    chosen = pos.get(chosen_id)
+    if chosen is not None and all(t != chosen_id for t, _ in tops):
+        tops.append((chosen_id, chosen))
+    return {name(t, lp.decoded_token): max(lp.logprob, MIN_LOGPROB) for t, lp in tops}
+
+
 def chat_logprobs(token_ids: list[int], positions: list[dict], top_k: int, name: TokenNamer) -> ChatLogprobs:
+    """OpenAI's chat logprobs: each token's logprob and its ``top_k`` most likely alternatives (exactly those,
+    most likely first; the chosen token is among them only when it is one of the top k)."""
     content = []
     for tid, pos in zip(token_ids, positions):
         chosen = pos.get(tid)
@@ -58,9 +71,7 @@ def completion_logprobs(token_ids: list[int], positions: list[dict], top_k: int,
         tok = name(tid, chosen.decoded_token if chosen else None)
         out.tokens.append(tok)
         out.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else MIN_LOGPROB)
-        tops = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_k]
-        out.top_logprobs.append({name(i, lp.decoded_token): max(lp.logprob, MIN_LOGPROB)
-                                 for i, lp in tops} if top_k else None)
+        out.top_logprobs.append(top_logprobs_dict(pos, tid, top_k, name))
         out.text_offset.append(offset)
         offset += len(tok)
     return out
@@ -78,9 +89,7 @@ def prompt_then_completion(prompt_ids: list[int], prompt_lps: list, top_k: int, 
         tok = name(tid, chosen.decoded_token if chosen else None)
         out.tokens.append(tok)
         out.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else None)
-        tops = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:top_k] if pos else []
-        out.top_logprobs.append({name(t, lp.decoded_token): max(lp.logprob, MIN_LOGPROB)
-                                 for t, lp in tops} if pos and top_k else None)
+        out.top_logprobs.append(top_logprobs_dict(pos, tid, top_k, name) if pos else None)
         out.text_offset.append(offset)
         offset += len(tok)
     out.tokens += completion.tokens

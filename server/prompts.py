@@ -11,7 +11,7 @@ import anyio
 
 from .args import ServerArgs
 from .errors import APIError, bad_request
-from .protocol import ChatMessage
+from .request_types import ChatMessage
 from .tool_parsers.choice import ToolRequestError, template_messages
 
 T = TypeVar("T")

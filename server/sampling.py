@@ -13,7 +13,7 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams, Structur
 
 from .engine_runs import Prompt
 from .errors import APIError, bad_request
-from .protocol import SamplingFields, StructuredOutputs
+from .request_types import SamplingFields, StructuredOutputs
 from .serving import Serving
 from .tool_parsers.choice import ToolPlan
 

@@ -9,6 +9,7 @@ from .engine_runs import EngineRuns
 from .logprobs import TokenNames
 from .metrics import ServerMetrics
 from .prompts import PromptRenderer
+from .reasoning import REASONING_PARSERS
 
 
 class Serving:
@@ -22,6 +23,9 @@ class Serving:
         self.max_logprobs = int(getattr(engine, "max_logprobs", None) or 20)
         self.metrics = ServerMetrics(engine, self.model_name, args.metrics_prefix)
         self.tool_parser_cls = resolve_tool_parser(args)   # --tool-call-parser (None: no auto tool choice)
+        # --reasoning-parser (None: no thinking part is split off)
+        self.reasoning_parser_cls = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
         self.prompts = PromptRenderer(engine, args)
         self.runs = EngineRuns(engine, args, self.metrics)
         self.token_names = TokenNames(self.tokenizer)
+        self.ignored_fields_named: set[str] = set()        # each ignored request field is warned of once

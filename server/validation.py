@@ -1,16 +1,32 @@
 """The checks a request passes before any work (rendering, tokenizing, the engine): the model name, field
-combinations each route refuses, the request's tools, and admission (prompts x n against the server's limits)."""
+combinations each route refuses, the request's tools, admission (prompts x n against the server's limits),
+and the warning that names an ignored field."""
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from .errors import bad_request, model_not_found
-from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields, TokenizeRequest
+from .request_fields import IGNORED_FIELDS
+from .request_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields, TokenizeRequest
 from .serving import Serving
-from .tool_parsers.choice import ToolPlan, ToolRequestError, plan_tools
+from .tool_parsers.choice import ToolPlan, ToolRequestError, checked_tools, plan_tools
+
+log = logging.getLogger("jaxserve.server")
 
 
 def check_model(serving: Serving, name: str | None) -> None:
     if name is not None and name not in serving.model_names:
         raise model_not_found(name)
+
+
+def warn_ignored_fields(serving: Serving, req: Any) -> None:
+    """One warning per ignored field name (request_fields.IGNORED_FIELDS), the first time a request sends it."""
+    for name in IGNORED_FIELDS:
+        if getattr(req, name, None) is not None and name not in serving.ignored_fields_named:
+            serving.ignored_fields_named.add(name)
+            log.warning("a request sent `%s`, which this server accepts and ignores (it cannot change the output); "
+                        "this is said once per field", name)
 
 
 def check_capacity(serving: Serving, num_requests: int, param: str = "n") -> None:
@@ -31,6 +47,7 @@ def check_unstreamed(req: SamplingFields) -> None:
 def check_chat_request(serving: Serving, req: ChatCompletionRequest) -> ToolPlan:
     """The request's use of tools (checked), once the request may run."""
     check_model(serving, req.model)
+    warn_ignored_fields(serving, req)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     check_unstreamed(req)
@@ -47,6 +64,7 @@ def check_chat_request(serving: Serving, req: ChatCompletionRequest) -> ToolPlan
 def check_completion_request(serving: Serving, req: CompletionRequest) -> list[str | list[int]]:
     """The request's prompts (texts or token-id lists), once the request may run."""
     check_model(serving, req.model)
+    warn_ignored_fields(serving, req)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -67,6 +85,7 @@ def check_completion_request(serving: Serving, req: CompletionRequest) -> list[s
 def check_embedding_request(serving: Serving, req: EmbeddingRequest) -> list[str | list[int]]:
     """The inputs (texts or token-id lists)."""
     check_model(serving, req.model)
+    warn_ignored_fields(serving, req)
     inputs = req.input
     if isinstance(inputs, str):
         batch: list = [inputs]
@@ -80,7 +99,16 @@ def check_embedding_request(serving: Serving, req: EmbeddingRequest) -> list[str
     return batch
 
 
-def check_tokenize_request(serving: Serving, req: TokenizeRequest) -> None:
+def check_tokenize_request(serving: Serving, req: TokenizeRequest) -> list[dict] | None:
+    """The tools to render with the messages (checked as chat's are), or None."""
     check_model(serving, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
+    if not req.tools:
+        return None
+    if req.messages is None:
+        raise bad_request("tools are rendered by the chat template: send them with messages, not prompt", "tools")
+    try:
+        return checked_tools(req.tools)
+    except ToolRequestError as e:
+        raise bad_request(str(e), e.param) from None

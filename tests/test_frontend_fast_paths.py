@@ -7,7 +7,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from jaxserve.engine.async_engine import _put_all, _Stream
 from server.metrics import ITL_BUCKETS, _PerTokenCollector, _Tally
-from server.protocol import ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice, CompletionResponse
+from server.response_types import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice,
+                                   CompletionResponse)
 from server.streaming import TextFrame, sse
 
 TEXTS = ["", "hello", " world", 'quote " and \\ backslash', "line\nbreak\t", "naïve café 東京 🙂", "\x00\x1f",

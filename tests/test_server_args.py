@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.cli import build_parser, engine_config_from_args
 from jaxserve.server.args import ServerArgs, add_server_args, server_args_from_namespace
-from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.server.request_types import ChatCompletionRequest, CompletionRequest
 
 
 def parse(*argv: str) -> argparse.Namespace:

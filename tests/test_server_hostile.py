@@ -407,9 +407,9 @@ def test_vllm_dashboard_series_under_the_vllm_prefix():
 
 
 def test_unknown_request_fields_are_400_naming_each(client, http):
-    """No field is accepted and ignored: every top-level field a request type lacks is named in one 400
-    (through the openai SDK's extra_body, as clients send them), OpenAI's and vLLM's fields this server
-    does not implement say so, and a nested unknown key names its path."""
+    """No field that could change the output is accepted and ignored: every top-level field a request type
+    lacks is named in one 400 (through the openai SDK's extra_body, as clients send them), OpenAI's and vLLM's
+    fields this server does not implement say so, and a nested unknown key names its path."""
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                        extra_body={"frobnicate": 1, "use_beam_search": True})

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import openai
 import pytest
 
@@ -37,6 +38,8 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 # no additionalProperties: false, a constrained small model may wander into made-up properties until max_tokens
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+DATE_TOOL = {"type": "function", "function": {"name": "get_date", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
 TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
@@ -288,6 +291,62 @@ def test_required_choice_constrains_to_an_array_of_calls():
         srv.stop()
 
 
+def test_required_without_parallel_calls_admits_exactly_one_call():
+    """The grammar the server builds for tool_choice "required" with parallel_tool_calls false: one call,
+    neither none nor two."""
+    from jaxserve.engine.structured_output import StructuredOutputManager
+    from jaxserve.models.loader import embedded_tokenizer
+    from jaxserve.server.request_types import ChatTool
+    from jaxserve.server.tool_parsers.choice import plan_tools
+    tok = embedded_tokenizer()
+    manager = StructuredOutputManager(tok, len(tok), (tok.eos_token_id,))
+    tools = msgspec.convert([WEATHER_TOOL, TIME_TOOL], list[ChatTool])
+
+    def accepts(plan, text: str) -> bool:
+        m = manager.compile(plan.structured_outputs()).deep_copy()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+    call = '{"name":"get_time","parameters":{}}'
+    one, two = f"[{call}]", f"[{call},{call}]"
+    single = plan_tools(tools, "required", False, enable_auto_tool_choice=False, parser_cls=None)
+    parallel = plan_tools(tools, "required", True, enable_auto_tool_choice=False, parser_cls=None)
+    assert accepts(single, one) and not accepts(single, two) and not accepts(single, "[]")
+    assert accepts(parallel, one) and accepts(parallel, two) and not accepts(parallel, "[]")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice, reply, want", [
+    ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Pa"}}]',
+     [("get_time", "{}"), ("get_weather", '{"city": "Pa')]),
+    (NAMED, '{"city": "Paris", "unit": "C"}', [("get_weather", '{"city": "Pa')]),
+])
+def test_a_call_cut_off_by_max_tokens_is_reported_alike_for_named_and_required(choice, reply, want, stream):
+    """tool_calls with the arguments written so far, finish_reason "length", no content: whether the
+    choice is named or required, streamed or not."""
+    engine = ScriptedEngine(default_reply=reply)
+    srv, client = make_server(engine)
+    max_tokens = len(reply.encode()) - len(reply.rsplit("Pa", 1)[1].encode())     # cut right after "Pa"
+    try:
+        kw = dict(model="fake-model", messages=ask("x"), tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice,
+                  max_tokens=max_tokens)
+        if stream:       # (the SDK's stream helper raises on "length"; the chunks are read as they come)
+            calls, content, finish = {}, "", None
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+                for d in delta.tool_calls or []:
+                    name, args = calls.get(d.index, (d.function.name, ""))
+                    calls[d.index] = (name, args + (d.function.arguments or ""))
+            got = [calls[i] for i in sorted(calls)]
+        else:
+            r = client.chat.completions.create(**kw)
+            msg, finish = r.choices[0].message, r.choices[0].finish_reason
+            got, content = [(c.function.name, c.function.arguments) for c in msg.tool_calls], msg.content
+        assert got == want and finish == "length" and not content
+    finally:
+        srv.stop()
+
+
 # -- launcher flags -------------------------------------------------------------------------------------
 
 def serve_flags(*flags: str) -> subprocess.CompletedProcess:
@@ -405,6 +464,25 @@ def test_real_sdk_parse_with_a_pydantic_tool(real_client):
                                            max_tokens=64, temperature=0)
     (call,) = r.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_real_required_without_parallel_calls_makes_one_call(real_client):
+    for seed in range(3):
+        r = real_client.chat.completions.create(model="smol", messages=ask("What time and date is it?"),
+                                                tools=[TIME_TOOL, DATE_TOOL], tool_choice="required",
+                                                parallel_tool_calls=False, max_tokens=64, temperature=1.0, seed=seed)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name in ("get_time", "get_date") and json.loads(call.function.arguments) == {}
+        assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_real_required_cut_off_reports_the_partial_call(real_client):
+    r = real_client.chat.completions.create(model="smol", messages=ask("What is the weather in Paris?"),
+                                            tools=[WEATHER_TOOL], tool_choice="required", max_tokens=12,
+                                            temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "length"
+    assert '{"city":"'.startswith(call.function.arguments[:9]) and not r.choices[0].message.content
 
 
 def test_real_required_sampled_calls_validate(real_client):

@@ -240,6 +240,29 @@ def test_required_choice_array(size):
         [("get_weather", {"city": "Paris"}), ("get_time", {})]
 
 
+@pytest.mark.parametrize("size", DELTA_SIZES)
+@pytest.mark.parametrize("text, want", [
+    ('[{"name": "get_weather", "parameters": {"city": "Par', [("get_weather", '{"city": "Par')]),
+    ('[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"ci',
+     [("get_time", "{}"), ("get_weather", '{"ci')]),
+    ('[{"name": "get_weather", "parameters": ', [("get_weather", "")]),
+])
+def test_required_choice_cut_off_reports_the_partial_call_as_named_does(text, want, size):
+    """max_tokens cut the array: the complete calls, then the cut one with the arguments written so far
+    (a named choice's cut-off output is its partial arguments, read the same way)."""
+    content, calls = stream(RequiredToolChoiceParser(), text, size)
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == want
+    name, partial_args = want[-1]
+    _, named = stream(NamedToolChoiceParser(name), partial_args, size)
+    assert [(c["name"], c["arguments"]) for c in named] == [want[-1]]
+
+
+@pytest.mark.parametrize("text", ["[", '[{"name": "get_w', "[1, 2"])
+def test_required_choice_cut_before_a_call_is_named_is_content(text):
+    extracted = RequiredToolChoiceParser().extract(text)
+    assert extracted.tool_calls == [] and extracted.content == text
+
+
 # -- plugins ----------------------------------------------------------------------------------------
 
 def test_plugin_file_registers_a_parser(tmp_path):

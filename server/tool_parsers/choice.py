@@ -125,13 +125,9 @@ class ToolPlan:
         return StructuredOutputsParams(json=schema)
 
 
-def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, *,
-               enable_auto_tool_choice: bool, parser_cls: type | None) -> ToolPlan:
-    """Check a request's tools and tool_choice; ToolRequestError names the field at fault."""
-    if not tools:
-        if tool_choice is not None and tool_choice != "none":
-            raise ToolRequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
-        return ToolPlan("none", None)
+def checked_tools(tools: list[Any]) -> list[dict]:
+    """A request's tools, checked (names unique and not empty, parameters a JSON schema), as the plain dicts
+    chat templates and parsers read; ToolRequestError names the field at fault."""
     names: set[str] = set()
     for i, t in enumerate(tools):
         name = t.function.name
@@ -144,7 +140,18 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
         if params is not None and (problem := schema_problem(params, "parameters")):
             raise ToolRequestError(f"tool {name!r}: parameters is not a valid JSON schema: {problem}",
                                    f"tools[{i}].function.parameters")
-    dicts = tool_dicts(tools)
+    return tool_dicts(tools)
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, *,
+               enable_auto_tool_choice: bool, parser_cls: type | None) -> ToolPlan:
+    """Check a request's tools and tool_choice; ToolRequestError names the field at fault."""
+    if not tools:
+        if tool_choice is not None and tool_choice != "none":
+            raise ToolRequestError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        return ToolPlan("none", None)
+    dicts = checked_tools(tools)
+    names = {t["function"]["name"] for t in dicts}
     parallel = parallel_tool_calls is not False
     choice = "auto" if tool_choice is None else tool_choice   # OpenAI's default once tools are sent
     if choice == "none":

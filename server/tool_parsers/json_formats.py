@@ -150,9 +150,43 @@ class MistralToolParser(ToolParser):
         return None if args is None else Block([PartialCall(name.group(), args, True)], got[1])
 
 
+# the opening of a call in the array tool_choice="required" writes, up to where its arguments start
+_REQUIRED_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*')
+
+
+def cut_off_calls(text: str, body: int) -> list[PartialCall]:
+    """The calls of a JSON array of calls that max_tokens cut off: each complete one, then the one it cut
+    with the arguments text written so far (as a named choice reports its cut-off arguments). A call cut
+    before its arguments began is not reported."""
+    calls: list[PartialCall] = []
+    i = skip_ws(text, body) + 1                 # after the '['
+    while True:
+        i = skip_ws(text, i)
+        if i == len(text) or text[i] != "{":
+            return calls
+        end = value_end(text, i)
+        if end is None:                         # the call max_tokens cut
+            head = _REQUIRED_CALL_HEAD.match(text, i)
+            if head is not None:
+                calls.append(PartialCall(json.loads(head.group(1)), text[head.end():]))
+            return calls
+        try:
+            call = json_call(json.loads(text[i:end]), ("parameters", "arguments"))
+        except json.JSONDecodeError:
+            return calls
+        if call is None:
+            return calls
+        calls.append(call)
+        i = skip_ws(text, end)
+        if not text.startswith(",", i):
+            return calls
+        i += 1
+
+
 class RequiredToolChoiceParser(ToolParser):
     """What tool_choice="required" makes the model write (a constrained JSON array of
-    {"name": ..., "parameters": {...}}): the whole output is one block."""
+    {"name": ..., "parameters": {...}}): the whole output is one block. An array max_tokens cut off is
+    read as far as it goes (``cut_off_calls``) once the output is final."""
     name = "required"
 
     def find_start(self, text: str, pos: int) -> tuple[int, int] | int:
@@ -164,9 +198,14 @@ class RequiredToolChoiceParser(ToolParser):
         return (0, j) if text[j] == "[" else len(text)
 
     def read_block(self, text: str, body: int, final: bool) -> Block | None:
-        got = read_json(text, body, final, self.scans)
-        if got is None or got == _INCOMPLETE:
-            return None if got is None else Block()
+        got = read_json(text, body, final=False, cache=self.scans)
+        if got == _INCOMPLETE:
+            if not final:
+                return Block()
+            calls = cut_off_calls(text, body)
+            return Block(calls, len(text)) if calls else None
+        if got is None:
+            return None
         items, end = got
         calls = [json_call(x, ("parameters", "arguments")) for x in items] if isinstance(items, list) else [None]
         return None if not calls or any(c is None for c in calls) else Block(calls, end)

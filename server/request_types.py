@@ -1,28 +1,16 @@
-"""The OpenAI wire format (plus vLLM's extra sampling fields) as msgspec Structs.
+"""The OpenAI request bodies (plus vLLM's extra fields) as msgspec Structs.
 
 A request field this server does not implement is a 400 naming it (``forbid_unknown_fields`` on each request
-body; ``unknown_fields`` lists them all for the message), never accepted and ignored. Responses always carry
-every field the OpenAI SDK models declare, with explicit nulls, so clients never guess.
+body; ``request_fields`` lists them all for the message), never silently dropped.
 """
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
-import msgspec
-from msgspec import Meta, Struct, field
+from msgspec import Meta, Struct
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -70,7 +58,17 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = 0.0
+    # OpenAI's fields that cannot change the output: accepted (typed, so a bad value is still a 400) and
+    # ignored, each named once in a warning (request_fields.IGNORED_FIELDS)
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
@@ -94,6 +92,8 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     guided_grammar: str | None = None
 
 
+
+
 # ---------------------------------------------------------------------------------------------------
 # chat completions
 
@@ -112,6 +112,12 @@ class ToolCallIn(Struct, kw_only=True):
     function: FunctionCallIn
     id: str | None = None
     type: Literal["function"] = "function"
+
+
+class PredictedOutput(Struct, kw_only=True):
+    """OpenAI's ``prediction`` (predicted outputs): a latency hint, it never changes the output."""
+    type: Literal["content"]
+    content: str | list[TextContentPart]
 
 
 class ChatMessage(Struct, kw_only=True):
@@ -164,123 +170,25 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # a chat template variable (vLLM's); "none" turns thinking off (reasoning.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True      # --reasoning-parser: false drops the thinking part from the answer
+    prediction: PredictedOutput | None = None     # ignored (request_fields.IGNORED_FIELDS)
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer OpenAI name; it wins when both are sent
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort (vLLM passes it so)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+
     def requested_logprobs(self) -> int | None:
         """Top logprobs per token (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-
-class PromptLogprob(Struct):
-    """vLLM's Logprob as its server writes it: one candidate token at one prompt position."""
-    logprob: float
-    rank: int | None
-    decoded_token: str | None
-
-
-# vLLM's prompt_logprobs: per prompt position, None for the first, else {token id: PromptLogprob}
-PromptLogprobs = list[dict[int, PromptLogprob] | None]
-
-
-class ChatLogprobTop(Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatLogprobToken(ChatLogprobTop):
-    top_logprobs: list[ChatLogprobTop]
-
-
-class ChatLogprobs(Struct):
-    content: list[ChatLogprobToken] | None
-
-
-class FunctionCallOut(Struct):
-    name: str
-    arguments: str           # a JSON object as text
-
-
-class ToolCallOut(Struct):
-    id: str
-    function: FunctionCallOut
-    type: str = "function"
-
-
-class ChatResponseMessage(Struct):
-    role: str
-    content: str | None
-    refusal: None = None
-    tool_calls: list[ToolCallOut] = field(default_factory=list)
-
-
-class ChatChoice(Struct):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None          # return_token_ids
-
-
-class Usage(Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletionResponse(Struct):
-    id: str
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    created: int = field(default_factory=now)
-    object: str = "chat.completion"
-    system_fingerprint: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None   # return_token_ids
-
-
-class DeltaFunctionCall(Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(Struct, omit_defaults=True):
-    """A streamed piece of a tool call: the first has id, type and name; later ones argument text."""
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class ChatDelta(Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(Struct):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None          # return_token_ids: this chunk's tokens
-
-
-class ChatCompletionChunk(Struct):
-    id: str
-    model: str
-    choices: list[ChatChunkChoice]
-    created: int
-    object: str = "chat.completion.chunk"
-    system_fingerprint: str | None = None
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None   # return_token_ids: in the first chunk
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -319,58 +227,18 @@ class CompletionRequest(SamplingFields, kw_only=True):
                          "or a list of token-id lists (not a mix)")
 
 
-class CompletionLogprobs(Struct):
-    text_offset: list[int] = field(default_factory=list)
-    token_logprobs: list[float | None] = field(default_factory=list)
-    tokens: list[str] = field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
-
-
-class CompletionChoice(Struct):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None   # return_token_ids (in a stream: its first chunk)
-    token_ids: list[int] | None = None          # return_token_ids (in a stream: this chunk's)
-
-
-class CompletionResponse(Struct):
-    id: str
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None
-    created: int = field(default_factory=now)
-    object: str = "text_completion"
-    system_fingerprint: str | None = None
-
 
 # ---------------------------------------------------------------------------------------------------
-# models, tokenize, embeddings, version, errors
-
-
-class ModelCard(Struct):
-    id: str
-    created: int
-    max_model_len: int
-    object: str = "model"
-    owned_by: str = "jaxserve"
-    root: str | None = None
-    parent: str | None = None
-
-
-class ModelList(Struct):
-    data: list[ModelCard]
-    object: str = "list"
+# tokenize, embeddings
 
 
 class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's /tokenize takes either a completion-style `prompt` or chat `messages`."""
+    """vLLM's /tokenize takes either a completion-style `prompt` or chat `messages` (with the `tools` the chat
+    template renders)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -379,11 +247,6 @@ class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     return_token_strs: bool = False
 
 
-class TokenizeResponse(Struct):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -391,8 +254,6 @@ class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
 
 
-class DetokenizeResponse(Struct):
-    prompt: str
 
 
 class EmbeddingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -403,85 +264,3 @@ class EmbeddingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the first N tokens (-1 = the model's limit)
 
-
-class EmbeddingData(Struct):
-    index: int
-    embedding: list[float] | str
-    object: str = "embedding"
-
-
-class EmbeddingUsage(Struct):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(Struct):
-    model: str
-    data: list[EmbeddingData]
-    usage: EmbeddingUsage
-    object: str = "list"
-    id: str = field(default_factory=lambda: random_id("embd"))
-    created: int = field(default_factory=now)
-
-
-class VersionResponse(Struct):
-    version: str
-
-
-class ErrorInfo(Struct):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(Struct):
-    error: ErrorInfo
-
-
-
-# ---------------------------------------------------------------------------------------------------
-# request fields this server does not implement
-
-
-# OpenAI's and vLLM's request fields this server knows of and does not implement: named as such in the 400
-NOT_IMPLEMENTED = frozenset({
-    "logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "store", "metadata",
-    "service_tier", "reasoning_effort", "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier",
-    "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "priority",
-    "request_id", "logits_processors", "documents", "mm_processor_kwargs", "cache_salt", "kv_transfer_params",
-    "vllm_xargs", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern", "include_reasoning",
-    "prompt_embeds", "echo", "add_special_tokens", "media_io_kwargs",
-})
-
-REQUEST_BODIES: dict[str, type[Struct]] = {
-    "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-    "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
-}
-
-
-def unknown_fields(path: str, body: bytes | None) -> list[str]:
-    """The top-level fields of a JSON ``body`` sent to ``path`` that its request type lacks (empty when the
-    body is no JSON object or the path takes none)."""
-    cls = REQUEST_BODIES.get(path)
-    if cls is None or not body:
-        return []
-    try:
-        obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        return []
-    if not isinstance(obj, dict):
-        return []
-    known = set(cls.__struct_fields__)
-    return [k for k in obj if k not in known]
-
-
-def unknown_fields_message(fields: list[str]) -> str:
-    """OpenAI's "Unrecognized request argument supplied" for each field, with what this server makes of it."""
-    named = ", ".join(f"`{f[:100]}`" for f in fields[:20]) + (f" and {len(fields) - 20} more" if len(fields) > 20 else "")
-    known = [f for f in fields if f in NOT_IMPLEMENTED]
-    why = (f"; {', '.join(f'`{f}`' for f in known)} {'is' if len(known) == 1 else 'are'} not implemented by this "
-           "server" if known else "")
-    return (f"Unrecognized request argument{'s' if len(fields) > 1 else ''} supplied: {named}{why}. This server "
-            "answers 400 rather than ignore a field it does not implement: remove "
-            f"{'it' if len(fields) == 1 else 'them'} from the request.")

@@ -104,13 +104,13 @@ def test_a_cancelled_asker_drops_a_queued_compile_but_not_anothers(make):
 
 
 def test_an_over_budget_compile_is_refused_at_the_deadline_and_its_worker_replaced(make):
-    compiler, fake = make(FakeCompile(gate=False), workers=1, compile_timeout_s=0.2)
+    compiler, fake = make(FakeCompile(gate=False), workers=1, compile_timeout_s=1.0)
     slow = StructuredOutputsParams(regex="slow")
     t = time.perf_counter()
     with pytest.raises(InvalidRequestError) as e:
         compiler.compile(slow)
-    assert 0.15 < time.perf_counter() - t < 2.0
-    assert "compile_timeout_s=0.2" in e.value.message and "--structured-outputs-config" in e.value.message
+    assert 0.9 < time.perf_counter() - t < 5.0
+    assert "compile_timeout_s=1.0" in e.value.message and "--structured-outputs-config" in e.value.message
     assert e.value.param == "regex"
     with pytest.raises(InvalidRequestError, match="compile_timeout_s"):       # cached: no second compile
         compiler.compile(slow)
@@ -149,6 +149,62 @@ def test_the_size_checks_refuse_before_the_queue(make):
     with pytest.raises(InvalidRequestError, match="max_choice_options"):
         future.result()
     assert not fake2.calls
+
+
+def test_a_schema_too_deep_to_encode_is_refused_by_its_future(make):
+    compiler, fake = make()
+    schema: dict = {}
+    for _ in range(5000):
+        schema = {"a": schema}
+    with pytest.raises(InvalidRequestError, match="max_json_schema_depth"):
+        compiler.submit(StructuredOutputsParams(json=schema)).result(5)
+    assert not fake.calls
+
+
+class RandomCompile:
+    """Sleeps a random while (some compiles past the budget), fails some keys."""
+
+    def __init__(self, seed: int):
+        import random
+        self.rng, self.lock, self.calls = random.Random(seed), threading.Lock(), 0
+
+    def __call__(self, params):
+        with self.lock:
+            self.calls += 1
+            pause = self.rng.choice([0.0, 0.001, 0.01, 0.08])
+        time.sleep(pause)
+        if params.spec.endswith("7}"):
+            raise InvalidRequestError("seven", param="regex")
+        return SimpleNamespace(nbytes=500)
+
+
+def test_random_askers_cancels_and_timeouts_leave_nothing_behind(make):
+    import random
+    compiler, fake = make(RandomCompile(0), workers=2, compile_timeout_s=0.05, grammar_cache_bytes=4000)
+    rng = random.Random(1)
+    futures = []
+
+    def ask(i):
+        f = compiler.submit(regex(rng.randrange(40)))
+        if rng.random() < 0.3:
+            f.cancel()
+        return f
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = list(pool.map(ask, range(400)))
+    for f in futures:
+        if not f.cancelled():
+            try:
+                f.result(10)
+            except InvalidRequestError as e:
+                assert "seven" in e.message or "compile_timeout_s" in e.message
+    deadline = time.monotonic() + 10
+    while (compiler._running or compiler._abandoned) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = compiler.stats()
+    assert not compiler._jobs and not compiler._queue and not compiler._running and compiler._abandoned == 0
+    assert len(compiler._threads) == 2 and stats["cache_bytes"] <= 4000
+    assert stats["compilations"] == fake.calls <= 400
 
 
 def test_a_compiler_that_keeps_verdicts_only():

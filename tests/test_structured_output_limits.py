@@ -203,7 +203,7 @@ def test_a_json_schema_embedded_in_a_lark_grammar_is_checked():
 ], ids=["ref-root", "required-self", "mutual-min-items", "all-of-self", "any-of-all-infinite", "false"])
 def test_a_schema_with_no_finite_instance_is_refused(schema):
     e = refusal(schema)
-    assert "no finite instance" in e.message
+    assert "has no finite instance" in e.message
 
 
 @pytest.mark.parametrize("schema", [
@@ -253,3 +253,14 @@ def test_checks_of_a_megabyte_schema_take_well_under_a_second():
     t = time.perf_counter()
     check_constraint(params, LIMITS)
     assert time.perf_counter() - t < 1.0
+
+
+def test_a_schema_nested_past_the_json_encoder_is_a_depth_refusal():
+    from jaxserve.engine.structured_output.limits import constraint_spec
+    schema: dict = {}
+    for _ in range(5000):
+        schema = {"a": schema}
+    e = refusal(StructuredOutputsParams(json=schema))
+    assert "max_json_schema_depth" in e.message
+    with pytest.raises(InvalidRequestError, match="max_json_schema_depth"):
+        constraint_spec(StructuredOutputsParams(json=schema))

@@ -31,7 +31,7 @@ from jaxserve.errors import InvalidRequestError
 
 from .grammar import excerpt, release_free_heap
 from .limits import NOUN_OF_KIND, PARAM_OF_KIND, StructuredOutputsLimits, check_constraint, \
-    check_constraint_size, over_limit
+    check_constraint_size, constraint_spec, over_limit
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ class GrammarCompiler:
         """A future of the constraint's compiled grammar (this asker's own: cancelling it drops only its
         interest). Fails with InvalidRequestError: over a limit, not compiling, over the time budget."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        key = (params.kind, params.spec)
         try:
+            key = (params.kind, constraint_spec(params))
             check_constraint_size(params.kind, key[1], params.choice, self.limits)
         except InvalidRequestError as e:
             future.set_exception(e)
@@ -141,7 +141,7 @@ class GrammarCompiler:
         """The cached compiled grammar, None if the constraint is not (yet) compiled; raises its cached
         InvalidRequestError. Compiles nothing."""
         with self._lock:
-            entry = self._cache.get((params.kind, params.spec))
+            entry = self._cache.get((params.kind, constraint_spec(params)))
         if entry is None:
             return None
         if entry.error is not None:
@@ -151,7 +151,7 @@ class GrammarCompiler:
     def ready(self, params) -> bool:
         """Whether the constraint's verdict is cached (``get`` answers without waiting)."""
         with self._lock:
-            return (params.kind, params.spec) in self._cache
+            return (params.kind, constraint_spec(params)) in self._cache
 
     def _on_waiter_done(self, job: _Job, future: concurrent.futures.Future) -> None:
         if not future.cancelled():
@@ -210,7 +210,7 @@ class GrammarCompiler:
                 self._watch.notify()
             value, error = None, None
             try:
-                check_constraint(job.params, self.limits)
+                check_constraint(job.params, self.limits, job.key[1])
                 value = self._compile_fn(job.params)
             except InvalidRequestError as e:
                 error = e

@@ -7,8 +7,8 @@ key that raises it. The defaults admit far more than OpenAI's Structured Outputs
 and ``$ref`` chains deep enough to exhaust a compiler thread's stack, and lists large enough to hold a worker
 for seconds or a cache for gigabytes.
 
-The checks are linear in the constraint's size, iterative (no Python recursion on the request's nesting),
-and stop at the first limit exceeded.
+The checks are linear in the constraint's size, stop at the first limit exceeded, and recurse no deeper than
+the depth limit (the walks that follow the request's nesting are iterative).
 """
 from __future__ import annotations
 
@@ -91,6 +91,18 @@ def over_limit(what: str, value: Any, limit: str, limits: StructuredOutputsLimit
 
 
 # ---------------------------------------------------------------------------------------------- constraints
+def constraint_spec(params) -> str:
+    """``params.spec`` (the constraint as one string: the cache's key), or the depth refusal for a schema
+    nested deeper than the JSON encoder goes."""
+    try:
+        return params.spec
+    except RecursionError:
+        raise InvalidRequestError(
+            f"the JSON schema's nesting depth exceeds max_json_schema_depth (it is deeper than JSON encoding "
+            f"goes); the server's {CONFIG_FLAG} '{{\"max_json_schema_depth\": ...}}' sets the limit",
+            param=PARAM_OF_KIND[params.kind]) from None
+
+
 def check_constraint_size(kind: str, spec: str, choice: list | None, limits: StructuredOutputsLimits) -> None:
     """The O(1) checks: the constraint's size and a choice list's length."""
     param = PARAM_OF_KIND[kind]
@@ -102,10 +114,11 @@ def check_constraint_size(kind: str, spec: str, choice: list | None, limits: Str
             raise over_limit(f"the {NOUN_OF_KIND[kind]}'s size in bytes", size, "max_constraint_bytes", limits, param)
 
 
-def check_constraint(params, limits: StructuredOutputsLimits) -> None:
-    """All the checks of a ``StructuredOutputsParams`` (raises InvalidRequestError naming the limit)."""
+def check_constraint(params, limits: StructuredOutputsLimits, spec: str | None = None) -> None:
+    """All the checks of a ``StructuredOutputsParams`` (raises InvalidRequestError naming the limit);
+    ``spec``: its ``spec``, where the caller has it already."""
     kind = params.kind
-    check_constraint_size(kind, params.spec, params.choice, limits)
+    check_constraint_size(kind, constraint_spec(params) if spec is None else spec, params.choice, limits)
     if kind == "json":
         check_json_schema(params.json, limits)
     elif kind == "grammar":
@@ -147,8 +160,8 @@ def check_json_schema(schema: Any, limits: StructuredOutputsLimits, *, param: st
     _check_depth_through_refs(schema, targets, limits, param)
     if not _has_finite_instance(schema, targets):
         raise InvalidRequestError(
-            "the JSON schema has no finite instance: every value it admits contains itself without end "
-            "(a $ref cycle through required properties, minItems or allOf with no way out)", param=param)
+            "the JSON schema has no finite instance: a part every value needs is false or an empty enum, or "
+            "a $ref cycle through required properties, minItems or allOf has no way out", param=param)
 
 
 def _walk(schema: Any, limits: StructuredOutputsLimits, param: str) -> set[str]:

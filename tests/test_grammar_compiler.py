@@ -116,14 +116,12 @@ def test_an_over_budget_compile_is_refused_at_the_deadline_and_its_worker_replac
         compiler.compile(slow)
     fake.gate.set()     # (the replacement worker runs the next one at once; the abandoned one finishes too)
     assert compiler.compile(regex(5)).spec == regex(5).spec
-    for _ in range(500):
-        if compiler.get(slow) is not None:
-            break
+    deadline = time.monotonic() + 10
+    while (compiler.get(slow) is None or compiler._abandoned) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert compiler.get(slow).spec == "slow"                # the finished compile replaced the refusal
     stats = compiler.stats()
     assert stats["timeouts"] == 1 and stats["compilations"] == 2 and fake.calls.count("slow") == 1
-    time.sleep(0.05)
     assert len(compiler._threads) == 1 and compiler._abandoned == 0
 
 
@@ -433,3 +431,38 @@ def test_a_token_outside_the_grammar_is_a_failure_too(manager, tok):
     finished = [manager.accept(ended.request_id, t) for t in tok.encode("yes", add_special_tokens=False)]
     assert finished[-1] is True and manager.take_failure(ended.request_id) is None    # ended, not failed
     manager.remove(ended.request_id)
+
+
+# ---------------------------------------------------------------------------------------------- the core's side
+def test_the_engine_core_never_waits_for_a_compile(tok):
+    """enqueue -> start_request: a compiled grammar gives the request its matcher at once; an uncompiled one
+    leaves it waiting (WAITING_FOR_FSM) until take_compiled hands it back, ready or refused; removing a
+    waiting request drops its interest, and a compile nobody waits for any more never runs."""
+    m = StructuredOutputManager(tok, len(tok), (tok.eos_token_id,), compile_workers=1)
+    try:
+        warm = StructuredOutputsParams(choice=["yes", "no"])
+        m.compile(warm)
+        assert m.start_request(constrained("r-warm", warm)) is True
+        assert m.constrained_rows([SimpleNamespace(samples=1, request=SimpleNamespace(request_id="r-warm"))])
+
+        slow = [StructuredOutputsParams(choice=[f"option {k} number {i}" for i in range(10_000)]) for k in range(2)]
+        a, b = constrained("r-a", slow[0]), constrained("r-b", slow[1])
+        refused = constrained("r-bad", StructuredOutputsParams(json={"$ref": "#"}))
+        assert [m.start_request(r) for r in (a, b, refused)] == [False, False, False]
+        assert m.num_waiting == 3
+        m.remove("r-b")                                   # aborted while it waits behind r-a's compile
+        got_ready, got_refused = [], []
+        deadline = time.monotonic() + 30
+        while (m.num_waiting or not got_ready) and time.monotonic() < deadline:
+            ready, bad = m.take_compiled()
+            got_ready += ready
+            got_refused += bad
+            time.sleep(0.01)
+        assert got_ready == [a] and [r for r, _ in got_refused] == [refused]
+        assert "no finite instance" in got_refused[0][1]
+        assert m.constrained_rows([SimpleNamespace(samples=1, request=a)]) == [(0, "r-a")]
+        stats = m.compiler.stats()
+        assert stats["cancelled"] == 1 and not m.compiler.ready(slow[1])
+        assert all(name.startswith(WORKER_PREFIX) for name in stats["compile_threads"])
+    finally:
+        m.compiler.close()

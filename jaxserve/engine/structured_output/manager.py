@@ -71,6 +71,8 @@ class StructuredOutputManager:
         self._matchers: dict[str, object] = {}     # request id -> llguidance.LLMatcher
         self._grammars: dict[str, CompiledGrammar] = {}     # request id -> its compiled template
         self._failures: dict[str, str] = {}        # request id -> why its matcher failed
+        # request id -> (request, future of its grammar), for requests waiting for their compile
+        self._waiting: dict[str, tuple[object, concurrent.futures.Future]] = {}
         # request id -> (token, must finish) from the last ``advance``, for the output processor's ``accept``
         self._advanced: dict[str, tuple[int, bool]] = {}
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None   # runs ``start_fill``'s fills
@@ -115,8 +117,48 @@ class StructuredOutputManager:
             self._matchers[request.request_id] = matcher
             self._grammars[request.request_id] = grammar
 
+    def start_request(self, request) -> bool:
+        """The engine core's enqueue of a constrained request: submit its constraint and, when the grammar is
+        compiled already, give it its matcher (True: it can be scheduled now). False: it waits (the engine
+        marks it WAITING_FOR_FSM, outside the scheduler's queue) until ``take_compiled`` hands it back; the
+        step loop never waits for a compile."""
+        future = self.submit(request.sampling_params.structured_outputs)
+        if future.done() and future.exception() is None:
+            self.add_request(request, future.result())
+            return True
+        self._waiting[request.request_id] = (request, future)
+        return False
+
+    def take_compiled(self) -> tuple[list, list]:
+        """The waiting requests whose compile has finished, in the order they came: (those now holding their
+        matchers, ready to schedule; (request, message) of those refused, to finish with an error)."""
+        if not self._waiting:
+            return [], []
+        ready, refused = [], []
+        for rid, (request, future) in list(self._waiting.items()):
+            if not future.done():
+                continue
+            del self._waiting[rid]
+            error = future.exception()
+            if error is None:
+                self.add_request(request, future.result())
+                ready.append(request)
+            else:
+                refused.append((request, getattr(error, "message", str(error))))
+        return ready, refused
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their grammar (``start_request`` answered False)."""
+        return len(self._waiting)
+
     def remove(self, request_id: str) -> None:
-        """Drop a finished or aborted request's matcher (and its failure: read ``take_failure`` first)."""
+        """Drop a finished or aborted request's matcher (and its failure: read ``take_failure`` first); a
+        request still waiting for its grammar gives up its interest in the compile, which is dropped if no
+        other request waits for it and it has not started."""
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
+            waiting[1].cancel()
         self._matchers.pop(request_id, None)
         self._grammars.pop(request_id, None)
         self._failures.pop(request_id, None)
@@ -128,7 +170,8 @@ class StructuredOutputManager:
 
     @property
     def has_requests(self) -> bool:
-        return bool(self._matchers)
+        """Whether any request holds a matcher or waits for its grammar (``remove`` has work to do)."""
+        return bool(self._matchers) or bool(self._waiting)
 
     def advance(self, sampled, token_ids) -> None:
         """Advance the matchers of a read step's constrained requests by their tokens, all in one pass before

@@ -40,6 +40,7 @@ WORKER_PREFIX = "jaxserve-grammar"
 STACK_PER_RULE = 16 << 10
 STACK_PER_SCHEMA_LEVEL = 16 << 10
 MIN_STACK_BYTES = 256 << 20
+MIN_FALLBACK_STACK_BYTES = 32 << 20     # above what the default limits' deepest chains use
 # freed grammar bytes after which the allocator is asked to hand free pages back
 TRIM_AFTER_BYTES = 32 << 20
 _VERDICT_BYTES = 1 << 10
@@ -175,15 +176,27 @@ class GrammarCompiler:
             self._watchdog.start()
 
     def _spawn(self) -> threading.Thread:
+        """A worker thread with the large stack; where the system will not map that much (strict memory
+        overcommit), half as much, down to what the default limits need."""
+        name = f"{WORKER_PREFIX}-{next(self._names)}"
         with _stack_size_lock:
-            previous = threading.stack_size(self.stack_bytes)
+            previous = threading.stack_size()
             try:
-                thread = threading.Thread(target=self._work_loop, name=f"{WORKER_PREFIX}-{next(self._names)}",
-                                          daemon=True)
-                thread.start()
+                while True:
+                    threading.stack_size(self.stack_bytes)
+                    thread = threading.Thread(target=self._work_loop, name=name, daemon=True)
+                    try:
+                        thread.start()
+                        return thread
+                    except RuntimeError:
+                        if self.stack_bytes // 2 < MIN_FALLBACK_STACK_BYTES:
+                            raise
+                        self.stack_bytes //= 2
+                        logger.warning("could not start a grammar worker thread with its stack; trying %d MiB "
+                                       "(deep grammar chains near the limits may overflow it)",
+                                       self.stack_bytes >> 20)
             finally:
                 threading.stack_size(previous)
-        return thread
 
     def _work_loop(self) -> None:
         name = threading.current_thread().name

@@ -1,15 +1,17 @@
-"""Structured outputs: compile a request's constraint with llguidance, keep its matcher, fill its token mask.
+"""The structured-output manager: one matcher per constrained request, the per-step token mask, and the
+verdict of each sampled token.
 
-The engine touches this module at three places:
+The engine touches it at three places:
 
-- ``validate`` / ``compile``: the constraint is compiled before the request is accepted (the server awaits
-  ``compile`` on a worker thread before it answers, offline ``add_request`` compiles in place), so a bad
-  schema, regex or grammar is a 400 / ``ValueError`` and a request enters the scheduler with its grammar
-  ready. Compiled grammars are cached by (kind, spec): a repeated schema costs one ``deep_copy``.
+- ``submit`` / ``compile``: the constraint is compiled by the manager's ``GrammarCompiler`` (worker threads,
+  once per distinct constraint, cached): the front end awaits ``submit``'s future before it accepts the
+  request, so a bad or over-limit schema, regex or grammar is a 400 / ``ValueError``; ``add_request`` gives
+  the request its own copy of the compiled template.
 - ``advance`` / ``accept``: after a step's tokens are read, each constrained request's matcher consumes its
   token (``advance``: all of them in one pass, before the output processor runs; ``accept`` answers the
   output processor from that pass, or consumes the token itself when no pass ran); a grammar that has ended
-  finishes the request (``stop``, as EOS would).
+  finishes the request (``stop``, as EOS would); a matcher that failed (a grammar past the parser's limits)
+  finishes it too, and ``take_failure`` says why.
 - ``constrained_rows`` / ``start_fill``: a step with constrained rows gets a ``[rows, ceil(vocab/32)]``
   int32 bitmask (bit ``t % 32`` of word ``t // 32`` = token ``t`` allowed), filled by llguidance's thread
   pool; the sampler sets the logits of disallowed tokens to -inf. A step with no constrained row sees
@@ -24,7 +26,6 @@ waits for the mask.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import threading
@@ -34,11 +35,11 @@ import numpy as np
 
 from jaxserve.errors import InvalidRequestError
 
-logger = logging.getLogger(__name__)
+from .compiler import GrammarCompiler
+from .grammar import CompiledGrammar, GrammarBuilder, describe_runtime_error
+from .limits import StructuredOutputsLimits
 
-# Compiled grammars kept (least recently used dropped first); a template matcher is small next to its
-# tokenizer, which all of them share.
-GRAMMAR_CACHE_SIZE = 512
+logger = logging.getLogger(__name__)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -46,25 +47,32 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 class StructuredOutputManager:
-    """Per-engine: the llguidance tokenizer (built on first use: ~1 s), the compiled-grammar cache, one
-    matcher per running constrained request, and the time spent filling masks.
+    """Per-engine: the grammar compiler (its llguidance tokenizer, workers and cache), one matcher per
+    running constrained request, the failures of matchers, and the time spent filling masks.
 
     ``vocab_size``: max(the model's vocab_size, len(tokenizer)) (some tokenizers are one longer than the
     config; llguidance needs every id the model can emit). ``disable_any_whitespace`` (vLLM's name): JSON
     uses compact separators and no free whitespace, so a model cannot loop on whitespace until max_tokens;
-    False allows any JSON whitespace between tokens."""
+    False allows any JSON whitespace between tokens. ``limits``: what a constraint may ask of the compiler
+    (``StructuredOutputsLimits``). ``retain=False``: the compiler keeps verdicts only (a front end that
+    validates constraints for an engine core in another process)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, *, disable_any_whitespace: bool = True):
-        self.hf_tokenizer = tokenizer
-        self.vocab_size = max(int(vocab_size), len(tokenizer))
-        self.eos_token_ids = [int(t) for t in eos_token_ids]
-        self.disable_any_whitespace = disable_any_whitespace
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, *, disable_any_whitespace: bool = True,
+                 limits: StructuredOutputsLimits | None = None, compile_workers: int = 2, retain: bool = True):
+        self.builder = GrammarBuilder(tokenizer, vocab_size, eos_token_ids,
+                                      disable_any_whitespace=disable_any_whitespace, limits=limits)
+        self.limits = self.builder.limits
+        self.compiler = GrammarCompiler(self.builder.compile, self.limits, prepare=self.builder.tokenizer,
+                                        workers=compile_workers, retain=retain)
+        self.vocab_size = self.builder.vocab_size
         self.unsupported_reason: str | None = None  # set by the engine where the mask cannot reach the device
         self._lock = threading.Lock()
-        self._ll_tokenizer = None
         self._executor = self._llnp = None
-        self._cache: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
         self._matchers: dict[str, object] = {}     # request id -> llguidance.LLMatcher
+        self._grammars: dict[str, CompiledGrammar] = {}     # request id -> its compiled template
+        self._failures: dict[str, str] = {}        # request id -> why its matcher failed
+        # request id -> (request, future of its grammar), for requests waiting for their compile
+        self._waiting: dict[str, tuple[object, concurrent.futures.Future]] = {}
         # request id -> (token, must finish) from the last ``advance``, for the output processor's ``accept``
         self._advanced: dict[str, tuple[int, bool]] = {}
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None   # runs ``start_fill``'s fills
@@ -74,81 +82,96 @@ class StructuredOutputManager:
         self.mask_wait_ms = 0.0     # the engine's wait for a started fill (what the step pays for it)
 
     # ---------------------------------------------------------------- compile
-    def _tokenizer(self):
-        with self._lock:
-            if self._ll_tokenizer is None:
-                import llguidance
-                # llguidance takes EOS ids from the tokenizer's own range only (dummy weights served with
-                # another model's tokenizer have the config's EOS past it: the tokenizer's EOS stands in)
-                eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)] \
-                    or self.hf_tokenizer.eos_token_id
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    llguidance_tokenizer_json(self.hf_tokenizer), n_vocab=self.vocab_size, eos_token=eos)
-                self._executor = llguidance.LLExecutor()
-                import llguidance.numpy
-                self._llnp = llguidance.numpy
-            return self._ll_tokenizer
-
-    def _grammar(self, params) -> str:
-        """llguidance's grammar text for a StructuredOutputsParams."""
-        import llguidance
-        kind = params.kind
-        if kind in ("json", "json_object"):
-            schema = params.json if kind == "json" else {"type": "object"}
-            options = {"whitespace_flexible": not self.disable_any_whitespace}
-            try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-            except ValueError as e:
-                raise InvalidRequestError(f"invalid JSON schema: {e}", param="json_schema") from None
-        if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(params.regex)
-        if kind == "choice":
-            return llguidance.grammar_from("choice", params.choice)
-        try:
-            return llguidance.grammar_from("grammar", params.grammar)
-        except ValueError as e:
-            raise InvalidRequestError(f"invalid grammar: {e}", param="grammar") from None
+    def submit(self, params) -> concurrent.futures.Future:
+        """A future of the constraint's ``CompiledGrammar``, compiled on the compiler's workers (cached;
+        concurrent askers share one compile; cancelling the future drops this asker's interest). Fails with
+        InvalidRequestError naming the problem: a limit exceeded, an invalid schema, a schema keyword
+        llguidance cannot enforce, a regex or grammar that does not compile, the compile's time budget."""
+        if self.unsupported_reason is not None:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_exception(InvalidRequestError(
+                f"structured outputs are not available: {self.unsupported_reason}", param="structured_outputs"))
+            return future
+        return self.compiler.submit(params)
 
     def compile(self, params):
-        """The compiled template matcher of a constraint (cached by kind and spec; thread-safe). Raises
-        InvalidRequestError naming the problem: an invalid schema, a schema keyword llguidance cannot
-        enforce, a regex or grammar that does not compile."""
-        if self.unsupported_reason is not None:
-            raise InvalidRequestError(f"structured outputs are not available: {self.unsupported_reason}",
-                                      param="structured_outputs")
-        key = (params.kind, params.spec)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        import llguidance
-        tokenizer = self._tokenizer()
-        matcher = llguidance.LLMatcher(tokenizer, self._grammar(params), log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(_describe_error(params.kind, matcher.get_error()),
-                                      param=_PARAM_OF_KIND[params.kind])
-        with self._lock:
-            self._cache[key] = matcher
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return matcher
+        """The compiled template matcher of a constraint (waits for ``submit``'s future; thread-safe). Raises
+        InvalidRequestError as ``submit``'s future does."""
+        return self.submit(params).result().matcher
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request) -> None:
-        """Give a constrained request its own matcher (a copy of the compiled template)."""
+    def add_request(self, request, grammar: CompiledGrammar | None = None) -> None:
+        """Give a constrained request its own matcher, a copy of its compiled template: ``grammar`` (what its
+        ``submit`` future gave), else the constraint is compiled now and waited for."""
         params = request.sampling_params.structured_outputs
-        if params is not None:
-            template = self.compile(params)
-            with self._lock:
-                self._matchers[request.request_id] = template.deep_copy()
+        if params is None:
+            return
+        if grammar is None:
+            grammar = self.submit(params).result()
+        if self._executor is None:
+            import llguidance
+            import llguidance.numpy
+            self._executor, self._llnp = llguidance.LLExecutor(), llguidance.numpy
+        matcher = grammar.matcher.deep_copy()
+        with self._lock:
+            self._matchers[request.request_id] = matcher
+            self._grammars[request.request_id] = grammar
+
+    def start_request(self, request) -> bool:
+        """The engine core's enqueue of a constrained request: submit its constraint and, when the grammar is
+        compiled already, give it its matcher (True: it can be scheduled now). False: it waits (the engine
+        marks it WAITING_FOR_FSM, outside the scheduler's queue) until ``take_compiled`` hands it back; the
+        step loop never waits for a compile."""
+        future = self.submit(request.sampling_params.structured_outputs)
+        if future.done() and future.exception() is None:
+            self.add_request(request, future.result())
+            return True
+        self._waiting[request.request_id] = (request, future)
+        return False
+
+    def take_compiled(self) -> tuple[list, list]:
+        """The waiting requests whose compile has finished, in the order they came: (those now holding their
+        matchers, ready to schedule; (request, message) of those refused, to finish with an error)."""
+        if not self._waiting:
+            return [], []
+        ready, refused = [], []
+        for rid, (request, future) in list(self._waiting.items()):
+            if not future.done():
+                continue
+            del self._waiting[rid]
+            error = future.exception()
+            if error is None:
+                self.add_request(request, future.result())
+                ready.append(request)
+            else:
+                refused.append((request, getattr(error, "message", str(error))))
+        return ready, refused
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their grammar (``start_request`` answered False)."""
+        return len(self._waiting)
 
     def remove(self, request_id: str) -> None:
+        """Drop a finished or aborted request's matcher (and its failure: read ``take_failure`` first); a
+        request still waiting for its grammar gives up its interest in the compile, which is dropped if no
+        other request waits for it and it has not started."""
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
+            waiting[1].cancel()
         self._matchers.pop(request_id, None)
+        self._grammars.pop(request_id, None)
+        self._failures.pop(request_id, None)
+
+    def take_failure(self, request_id: str) -> str | None:
+        """Why the request's matcher failed, once (a message for the client), or None: ``accept`` answered
+        "finish" because its grammar ended. A failed request ends with an error, never as "stop"."""
+        return self._failures.pop(request_id, None)
 
     @property
     def has_requests(self) -> bool:
-        return bool(self._matchers)
+        """Whether any request holds a matcher or waits for its grammar (``remove`` has work to do)."""
+        return bool(self._matchers) or bool(self._waiting)
 
     def advance(self, sampled, token_ids) -> None:
         """Advance the matchers of a read step's constrained requests by their tokens, all in one pass before
@@ -179,13 +202,23 @@ class StructuredOutputManager:
         m = self._matchers.get(request_id)
         return m is not None and self._consume(request_id, m, token_id)
 
-    @staticmethod
-    def _consume(request_id: str, m, token_id: int) -> bool:
-        if not m.consume_token(token_id):
-            logger.warning("request %s: token %d is outside its grammar (%s); finishing it", request_id, token_id,
-                           m.get_error())
-            return True
-        return m.is_stopped()
+    def _consume(self, request_id: str, m, token_id: int) -> bool:
+        if m.consume_token(token_id):
+            if not m.is_stopped():
+                return False
+            if not m.is_error():
+                return True
+        self._fail(request_id, m, token_id)
+        return True
+
+    def _fail(self, request_id: str, m, token_id: int) -> None:
+        """Record and log (one line, the grammar cut short) a matcher that failed: a token outside the
+        grammar, or a grammar past the parser's limits (after which the mask allows only EOS)."""
+        limit, message = describe_runtime_error(m.get_error())
+        self._failures[request_id] = message
+        grammar = self._grammars.get(request_id)
+        logger.warning("request %s: structured output failed at token %d (%s): %s; its constraint: %r",
+                       request_id, token_id, limit, message, grammar.excerpt if grammar is not None else None)
 
     # ---------------------------------------------------------------- masks
     def constrained_rows(self, scheduled) -> list[tuple[int, str]] | None:
@@ -272,58 +305,3 @@ class PendingMask:
             self._manager.mask_wait_ms += (time.perf_counter() - t0) * 1e3
             self._future = None
         return self._mask
-
-
-def llguidance_tokenizer_json(tokenizer) -> str:
-    """The HF fast tokenizer's ``tokenizer.json`` as llguidance reads it (what ``llguidance.hf.from_tokenizer``
-    passes, without padding or truncation), with one repair: a byte-level BPE (ByteLevel pre-tokenizer) whose
-    decoder is a Sequence that also holds sentencepiece steps (ByteFallback, Replace "▁": what GGUF
-    conversions write) gets the plain ByteLevel decoder. llguidance reads the token bytes from the decoder's
-    shape, and took such a vocabulary's "Ġ" as a literal character instead of a space."""
-    import copy
-    import json
-
-    backend = copy.copy(getattr(tokenizer, "backend_tokenizer", None))
-    if backend is None:
-        raise InvalidRequestError("structured outputs need a fast (Rust) Hugging Face tokenizer",
-                                  param="structured_outputs")
-    backend.no_padding()
-    backend.no_truncation()
-    spec = json.loads(backend.to_str())
-
-    def byte_level(node) -> dict | None:
-        if not isinstance(node, dict):
-            return None
-        if node.get("type") == "ByteLevel":
-            return node
-        for child in node.get("pretokenizers", node.get("decoders", [])) or []:
-            found = byte_level(child)
-            if found is not None:
-                return found
-        return None
-
-    decoder = spec.get("decoder")
-    if byte_level(spec.get("pre_tokenizer")) is not None and isinstance(decoder, dict) \
-            and decoder.get("type") == "Sequence":
-        level = byte_level(decoder)
-        if level is not None:
-            spec["decoder"] = level
-    return json.dumps(spec)
-
-
-_PARAM_OF_KIND = {"json": "json_schema", "json_object": "response_format", "regex": "regex", "choice": "choice",
-                  "grammar": "grammar"}
-
-
-def _describe_error(kind: str, error: str) -> str:
-    """llguidance's compile error as a message that says which constraint it is about."""
-    error = error.strip()
-    if kind in ("json", "json_object"):
-        if "Unimplemented" in error or "unsupported" in error.lower():
-            return f"the JSON schema uses a feature structured outputs cannot enforce: {error}"
-        return f"invalid JSON schema: {error}"
-    if kind == "regex":
-        return f"the regex does not compile: {error}"
-    if kind == "choice":
-        return f"invalid choice list: {error}"
-    return f"the grammar does not compile: {error}"

@@ -175,12 +175,14 @@ def _is_follower() -> bool:
 
 
 def cmd_follow(a) -> int:
-    """A process other than 0 under jax.distributed: build the same engine (same weights, same warm-up),
-    then launch every step process 0 sends until it stops (jaxserve.executor.distributed)."""
-    from jaxserve.engine.llm_engine import LLMEngine
+    """A process other than 0 under jax.distributed: build the same model and runner (same weights, same
+    warm-up), then launch every step process 0 sends until it stops (jaxserve.executor.distributed)."""
     from jaxserve.executor import follow_runner
-    engine = LLMEngine(engine_config_from_args(a), progress=False)
-    steps = follow_runner(engine.runner)
+    from jaxserve.executor.model_executor import ModelExecutor
+    executor = ModelExecutor(engine_config_from_args(a))
+    executor.build_runner()
+    executor.warm_up(progress=False)
+    steps = follow_runner(executor.runner)
     print(f"process {a.process_id}: followed {steps} steps", file=sys.stderr)
     return 0
 

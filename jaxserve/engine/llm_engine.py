@@ -28,7 +28,7 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
-from jaxserve.runner.model_runner import ModelRunner, resolve_attention_backend
+from jaxserve.runner.model_runner import resolve_attention_backend
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -160,40 +160,13 @@ class LLMEngine(RequestBuilder):
     def __init__(self, config: EngineConfig, *, progress: bool = True, core_outputs: bool = False):
         import jax
 
-        from jaxserve.models import load_model
-        from jaxserve.runner import compile_cache
-
-        from jaxserve.executor import launcher
-        # --distributed-executor-backend mp: spawn the per-device workers and join jax.distributed before
-        # anything below starts a JAX backend
-        self._workers = launcher.maybe_start(config)
-        compile_cache.enable(config.compilation_cache_dir)
-        config = config.resolved(jax.default_backend())
-        self.config = config
-        t0 = time.perf_counter()
-        mesh = None
-        if config.parallel.tensor_parallel_size > 1:
-            from jaxserve.parallel import collectives, enable_custom_all_reduce, make_mesh
-            mesh = make_mesh(config.parallel.tensor_parallel_size)
-            # every process, before the first trace: the row-parallel layers pick their all-reduce at trace time
-            why_not = enable_custom_all_reduce(mesh, disable=config.parallel.disable_custom_all_reduce)
-            self.custom_all_reduce = why_not is None
-            fused = " (fused with the residual add and RMSNorm)" if collectives.fuses_norm() else ""
-            logger.info("tensor parallelism %d: %s", config.parallel.tensor_parallel_size,
-                     f"CUDA one-shot all-reduce for steps up to 1 MiB{fused}" if why_not is None
-                     else f"XLA's all-reduce ({why_not})")
-        else:
-            self.custom_all_reduce = False
-        self.mesh = mesh
-        self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                max_model_len=config.max_model_len, mesh=mesh, quantization=config.quantization,
-                                enable_expert_parallel=config.parallel.enable_expert_parallel)
-        self.load_seconds = time.perf_counter() - t0
+        from jaxserve.executor.model_executor import ModelExecutor
+        self.executor = ModelExecutor(config)
+        config = self.config = self.executor.config
+        self.mesh, self.model = self.executor.mesh, self.executor.model
+        self.load_seconds = self.executor.load_seconds
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer
-        if config.tokenizer:                # --tokenizer: another HF tokenizer folder for this model
-            from transformers import AutoTokenizer
-            self.tokenizer = self.model.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.chat_template = config.chat_template or self.model.chat_template
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
@@ -226,23 +199,16 @@ class LLMEngine(RequestBuilder):
                 self.embedder.warmup(progress=progress)
         else:
             self.max_model_len = self.model.max_model_len     # the loader checked it against the model
-            self.runner = ModelRunner(self.model, config, self.max_model_len, mesh=mesh)
+            self.runner = self.executor.build_runner()
             self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                              config.cache.enable_prefix_caching, self.max_model_len)
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
-            if not config.skip_warmup:
-                self.runner.warmup(progress=progress)
+            self.executor.warm_up(progress=progress)
             if self._multi_process and jax.process_index() == 0:
-                # the other processes run follow_runner: each step is sent to them before it launches
-                from jaxserve.executor import BroadcastingRunner
-                channel = self._workers.step_channel() if self._workers is not None else None
-                self.runner = BroadcastingRunner(self.runner, channel)
                 # the processes follow the steps process 0 sends, and a step carries no bitmask
                 self.structured_output.unsupported_reason = (
                     "the model is spread over several processes (--num-processes / "
                     "--distributed-executor-backend mp); run it in one process (-tp over its local GPUs)")
-                if self._workers is not None:
-                    self._workers.set_release(self.runner.stop)
         self.warmup_seconds = time.perf_counter() - t0
 
     @property

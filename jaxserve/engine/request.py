@@ -33,7 +33,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4     # EOS, a stop token id, or a stop string
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
-    FINISHED_IGNORED = 7     # rejected without running (reported like vLLM: finish_reason "length")
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -44,7 +43,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_IGNORED: "length",
 }
 
 

@@ -204,7 +204,7 @@ def cmd_generate(a) -> int:
                   for p in prompts]
     else:
         inputs = [{"prompt": p, "prompt_token_ids": llm.tokenizer.encode(p)} for p in prompts]
-    runner = getattr(llm.engine, "runner", None)
+    runner = getattr(llm.engine.core, "runner", None)        # (None: the core runs in its own process)
     if one_shot and hasattr(runner, "warmup_for"):
         runner.warmup_for([len(x["prompt_token_ids"]) for x in inputs for _ in range(params.n)])
     elif hasattr(runner, "stop_background_compiles"):
@@ -215,7 +215,7 @@ def cmd_generate(a) -> int:
             print(f"### prompt: {p!r}" + (f" (completion {o.index})" if len(out.outputs) > 1 else ""))
             print(o.text.strip() if a.chat else o.text)
             print(f"### finish_reason={o.finish_reason} tokens={len(o.token_ids)}", file=sys.stderr)
-    release_followers = getattr(getattr(llm.engine, "runner", None), "stop", None)    # BroadcastingRunner
+    release_followers = getattr(getattr(llm.engine.core, "runner", None), "stop", None)    # BroadcastingRunner
     if release_followers is not None:
         release_followers()
     return 0

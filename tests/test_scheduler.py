@@ -5,8 +5,8 @@ the request's block table (like write_kv) and reads the whole context back throu
 paged attention), checking it equals the request's tokens. So a wrong block table, a prefix-cache hit on
 a block with other content, or a shared block overwritten after eviction all fail loudly. Its "model"
 samples a token that is a function of the context it read, so outputs are checkable after preemptions.
-Each step runs as the engine runs it: schedule, the device, ``update_from_output`` (placeholders), then the
-output processor reads the tokens, decides which requests finished, and the scheduler frees them.
+Each step runs as the engine core runs it: schedule, the device, ``update_from_output`` (placeholders), then
+``apply_sampled_tokens`` reads the tokens and decides which requests finished, and the scheduler frees them.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.core_outputs import apply_sampled_tokens
 from jaxserve.engine.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -75,33 +75,21 @@ def params(max_tokens=None, min_tokens=0, ignore_eos=False, stop_token_ids=(), l
                           output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-PROCESSOR = OutputProcessor(tokenizer=None)
-
-
-class EngineScheduler(Scheduler):
-    """A Scheduler whose requests get their output state on the way in, as the engine's ``enqueue`` does."""
-
-    def add_request(self, request: Request) -> None:
-        if request.sampling_params is not None:
-            PROCESSOR.add_request(request)
-        super().add_request(request)
-
-
 def make(num_blocks=64, block_size=4, max_model_len=64, budget=32, max_seqs=8, chunked=True, caching=True,
          steps=1):
     kv = KVCacheManager(num_blocks, block_size, caching, max_model_len)
-    sched = EngineScheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                             enable_chunked_prefill=chunked, num_scheduler_steps=steps),
                             CacheConfig(block_size=block_size, enable_prefix_caching=caching), kv, max_model_len)
     return sched, kv, FakeDevice(kv)
 
 
 def read_tokens(sched, out, sampled) -> list[Request]:
-    """The output processor reads a step whose placeholders are counted (the only ones: steps here are read
-    before the next is scheduled) and the scheduler frees what it says finished. Returns those requests."""
+    """The core reads a step whose placeholders are counted (the only ones: steps here are read before the
+    next is scheduled) and the scheduler frees what it says finished. Returns those requests."""
     entries = [(e.request, e.request.num_output_tokens - e.request.num_placeholders) for e in out.scheduled
                if e.samples and e.request.status == RequestStatus.RUNNING]
-    _, finished = PROCESSOR.process_outputs(entries, sampled, None)
+    _, finished = apply_sampled_tokens(entries, sampled, None)
     return [r for status, ids in finished.items() for r in sched.finish_requests(ids, status)]
 
 
@@ -566,7 +554,7 @@ def test_finish_requests_frees_wherever_the_request_is():
 
 def test_a_request_at_its_length_limit_gets_no_more_steps_until_it_is_read():
     """Its last token is a placeholder: the scheduler stops giving it steps (and never preempts it) but
-    does not finish it; the output processor does when it reads the token."""
+    does not finish it; the core does when it reads the token."""
     sched, kv, dev = make()
     a = Request("a", [1, 2, 3], params(max_tokens=2))
     sched.add_request(a)
@@ -591,8 +579,8 @@ def test_eos_finishes_and_tokens_after_a_stop_are_dropped():
     finished = read_tokens(sched, out, {"a": [9, EOS, 11, 12]})
     assert finished == [a] and a.output_token_ids[1:] == [9, EOS] and a.num_placeholders == 0
     assert a.finish_reason == "stop" and a.stop_reason is None
-    m = a.metrics
-    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    m = a.metrics                       # (the core's: the front end stamps the last token's time)
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
 
 def test_waiting_for_fsm_is_passed_over_and_keeps_its_place():

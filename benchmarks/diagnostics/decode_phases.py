@@ -104,7 +104,7 @@ def make_llm(a):
 
 
 def mean_context(eng) -> float:
-    s = eng.scheduler
+    s = eng.core.scheduler
     lens = [s.get_request(rid).num_tokens for rid in s.request_ids()]
     return float(np.mean(lens)) if lens else 0.0
 
@@ -146,7 +146,7 @@ def measure(a) -> dict:
     t_load = time.perf_counter()
     llm = make_llm(a)
     eng = llm.engine
-    eng.runner.wait_compiled()        # the steady state: no background compile competes with the steps
+    eng.core.runner.wait_compiled()        # the steady state: no background compile competes with the steps
     load_s = time.perf_counter() - t_load
     vocab = eng.model_config.vocab_size
     rng = np.random.default_rng(0)
@@ -168,7 +168,7 @@ def measure(a) -> dict:
         timer.step()
     res = {"model": "tiny-llama3" if a.smoke else a.model, "backend": jax.default_backend(), "batch": a.batch,
            "prompt_len": a.prompt_len, "num_scheduler_steps": nss, "steps": a.steps, "token_buckets":
-           list(eng.runner.buckets), "load_s": round(load_s, 1), "steps_to_steady": n + 1}
+           list(eng.core.runner.buckets), "load_s": round(load_s, 1), "steps_to_steady": n + 1}
     w = window(timer, a.steps)
     res.update(w, output_tok_s=a.batch * nss * 1e3 / w["wall"])
     if a.profile:
@@ -181,7 +181,7 @@ def measure(a) -> dict:
         res["cprofile_wall_ms"] = window(timer, a.cprofile_steps, around=prof)["wall"]
         res["cprofile_table"] = function_table(prof, a.cprofile_steps, top=a.top)
     timer.restore()
-    eng.abort_request(list(eng.scheduler.request_ids()))
+    eng.abort_request(eng.request_ids())
     llm.shutdown()
     res["phases"] = phase_names([w])
     return res

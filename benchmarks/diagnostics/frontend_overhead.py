@@ -6,14 +6,14 @@
 With the engine core in its own process, everything that needs text runs in the front end: decoding the
 core's per-step messages, incremental detokenization, stop strings, RequestOutputs, the hand-over to the
 asyncio streams, and (the server) OpenAI chunks, msgspec JSON and SSE. This measures that CPU without a
-model: ``FakeCoreClient`` stands where ``EngineCoreClient`` stands (the same messages, msgpack-encoded and
+model: ``FakeCoreClient`` stands where ``core_client.MPClient`` stands (the same messages, msgpack-encoded and
 decoded as the sockets would carry them) and answers one step every ``--step-ms`` (a device at that many ms
 per step) with one token per running request, read from a fixed English text as the SmolLM2 tokenizer
 spells it (real detokenization work: multi-token words, spaces, punctuation), finishing each request by
 length at ``--output-len`` as the core would.
 
 Levels (each includes the ones before it):
-- ``processor``: ``MultiprocessLLMEngine.step`` in a loop (decode the message, ``FrontendOutputProcessor``,
+- ``processor``: ``LLMEngine.step`` in a loop (decode the message, the front end's ``OutputProcessor``,
   DELTA RequestOutputs), as the async front's reader thread runs it;
 - ``async``: ``AsyncLLMEngine`` (its reader thread, the hand-over to the event loop) with one coroutine per
   stream consuming ``generate``;
@@ -63,9 +63,19 @@ TEXT = (
 PROMPT_LEN = 512
 
 
-class FakeCoreClient:
-    """``EngineCoreClient``'s interface (send / recv / is_alive / close / dead_reason / facts) over a core
-    that samples from a script: the same messages through msgpack, no process, no model.
+def _fake_core_client_class():
+    from jaxserve.engine.core_client import MPClient
+
+    class FakeCoreClient(_FakeCore, MPClient):        # the fake transport under MPClient's reading
+        def __init__(self, facts, tokens, step_s, logprobs=None):
+            _FakeCore.__init__(self, facts, tokens, step_s, logprobs)
+            self._start_reading(facts)
+    return FakeCoreClient
+
+
+class _FakeCore:
+    """``MPClient``'s transport (send / recv / is_alive / close / dead_reason) over a core that samples from
+    a script: the same messages through msgpack, no process, no model.
 
     ``own_cpu_s``: the CPU this object spends being the core (building and encoding its outputs), which the
     figure leaves out; decoding them is the front end's and counts."""
@@ -132,7 +142,8 @@ class FakeCoreClient:
                     lps = [(-0.5, 1, [tok] + [toks[(st[1] + i) % n_toks] for i in range(1, k)],
                             [-0.5 - 0.1 * i for i in range(k)])]
                 outs.append(m.EngineCoreOutput(rid, [tok], self.length_capped if finished else 0, None, lps,
-                                               **({"first_scheduled_time": time.time()} if st[1] == 1 else {})))
+                                               **({"first_scheduled_time": time.time(), "first_token_time": time.time()}
+                                                  if st[1] == 1 else {})))
                 if finished:
                     done.append(rid)
             for rid in done:
@@ -154,11 +165,12 @@ class FakeCoreClient:
 
 
 def make_engine(a, tokens):
-    """A ``MultiprocessLLMEngine`` whose core is a ``FakeCoreClient``."""
+    """An ``LLMEngine`` whose core (``multiprocess``) is a ``FakeCoreClient``."""
     from transformers import AutoTokenizer
 
     from jaxserve.engine import core_client
-    from jaxserve.engine.llm_engine import EngineFacts
+    from jaxserve.engine.core import EngineFacts
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.llm import engine_config_from_kwargs
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     config = engine_config_from_kwargs("fake-model", tokenizer=TOKENIZER, max_model_len=PROMPT_LEN + a.output_len + 64,
@@ -168,12 +180,12 @@ def make_engine(a, tokens):
                         is_embedding=False, multi_process=False, structured_unsupported_reason=None,
                         model_source="fake", load_format="fake", dtype_name="none", load_seconds=0.0,
                         warmup_seconds=0.0)
-    real = core_client.EngineCoreClient
-    core_client.EngineCoreClient = lambda *_a, **_k: FakeCoreClient(facts, tokens, a.step_ms / 1e3, a.logprobs)
+    real, fake = core_client.MPClient, _fake_core_client_class()
+    core_client.MPClient = lambda *_a, **_k: fake(facts, tokens, a.step_ms / 1e3, a.logprobs)
     try:
-        return core_client.MultiprocessLLMEngine(config, progress=False)
+        return LLMEngine(config, progress=False, multiprocess=True)
     finally:
-        core_client.EngineCoreClient = real
+        core_client.MPClient = real
 
 
 def sampling_params(a):

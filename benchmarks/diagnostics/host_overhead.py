@@ -20,7 +20,7 @@ runner's ``stats.device_ms``, the wait inside ``collect``). ``sync`` drives ``LL
 (DELTA outputs, one asyncio queue per request, consumed by 256 coroutines).
 
 ``--engine core`` is the engine core's own per-step work in this process, without its sockets: an
-``LLMEngine(core_outputs=True)`` driven by ``EngineCoreLoop.step_and_send`` (step, stats, msgpack encoding of
+``EngineCore`` driven by ``EngineCoreLoop.step_and_send`` (step, stats, msgpack encoding of
 the EngineCoreOutputs; the bytes go nowhere), sync mode only (a core has no output kinds of its own to
 stream). ``core host`` = its host ms/step plus ``stats_send`` (stats + encoding + send); ``core_host_cpu`` is the
 engine thread's CPU time per step (``time.thread_time``), the figure least moved by a loaded machine. With ``--profile FILE``
@@ -89,7 +89,9 @@ class PhaseTimer:
         self.want = 0
         self._step = eng.step
         self.wrapped: list[tuple[object, str, object]] = []     # (object, attribute, original): for restore
-        r, s = eng.runner, eng.scheduler
+        # an LLMEngine with its core in this process, or an EngineCore
+        core = self.core = eng.core if getattr(eng, "core", None) is not None else eng
+        r, s = core.runner, core.scheduler
         self._wrap(s, "schedule", "schedule", after=self._check_steady)
         self._wrap(r, "prepare", "prepare")
         self._wrap(r, "sampling_metadata", "sampling_metadata")
@@ -103,7 +105,9 @@ class PhaseTimer:
         self._wrap(r, "dispatch_sample", "dispatch")
         self._wrap(r, "collect", "collect")
         self._wrap(s, "update_from_output", "update_from_output")
-        self._wrap(eng.output_processor, "process_outputs", "postprocess")
+        self._wrap(core, "_process_read", "postprocess")
+        if hasattr(eng, "output_processor"):
+            self._wrap(eng.output_processor, "process_outputs", "postprocess")
         # the mask: filled in place (fill_bitmask), or started on a worker (start_fill) and waited for
         self.mask_calls = [a for a in ("fill_bitmask", "start_fill") if hasattr(eng.structured_output, a)]
         for a in self.mask_calls:
@@ -141,10 +145,11 @@ class PhaseTimer:
             setattr(obj, attr, original)
 
     def _check_steady(self, sched):
-        self._is_steady = (len(sched.scheduled) == self.want and sched.num_decodes == self.want)
+        self._is_steady = (len(sched.scheduled) == self.want
+                           and all(e.num_new_tokens == 1 for e in sched.scheduled))
 
     def step(self):
-        st = self.eng.runner.stats
+        st = self.core.runner.stats
         self.cur = {}
         dev0 = st.device_ms
         so = self.eng.structured_output
@@ -242,7 +247,7 @@ def run_sync(llm, prompts, kind, output_len, profile=None) -> dict:
     from jaxserve.sampling_params import RequestOutputKind
     eng = llm.engine
     if STUB_DEVICE:
-        StubDevice(eng.runner)
+        StubDevice(eng.core.runner)
     timer = PhaseTimer(eng)
     timer.want = len(prompts)
     for p in prompts:
@@ -292,7 +297,7 @@ def run_async(llm, prompts, kind, output_len) -> dict:
     from jaxserve.engine.async_engine import AsyncLLMEngine
     eng = llm.engine
     if STUB_DEVICE:
-        StubDevice(eng.runner)
+        StubDevice(eng.core.runner)
     timer = PhaseTimer(eng)
     timer.want = len(prompts)
     eng.step = timer.step                           # the loop thread calls eng.step()
@@ -318,11 +323,11 @@ class NullOutbox:
 
 def run_core(eng, prompts, kind, output_len, profile=None) -> dict:
     """The engine core's per-step work (``EngineCoreLoop.step_and_send``) with no sockets, on an
-    ``LLMEngine(core_outputs=True)`` in this process; ``profile``: cProfile its steady-state steps into
+    ``EngineCore`` in this process; ``profile``: cProfile its steady-state steps into
     this file."""
     import msgspec
 
-    from jaxserve.engine.core import EngineCoreLoop
+    from jaxserve.engine.core_process import EngineCoreLoop
     from jaxserve.engine.gc_heap import prepare_gc_for_serving
     from jaxserve.sampling_params import RequestOutputKind
     if STUB_DEVICE:
@@ -333,8 +338,8 @@ def run_core(eng, prompts, kind, output_len, profile=None) -> dict:
     outbox = NullOutbox()
     loop = EngineCoreLoop(eng, None, outbox, msgspec.msgpack.Encoder())
     params = make_params(kind, output_len, RequestOutputKind.FINAL_ONLY)
-    for p in prompts:
-        eng.add_request(eng.new_request_id(), p, params)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"core-{time.monotonic_ns()}-{i}", p, params, time.time(), i)
     thresholds = gc.get_threshold()
     prepare_gc_for_serving()                           # as the core process does once loaded
     prof = cProfile.Profile() if profile else None
@@ -467,7 +472,6 @@ def run_split_async(llm, prompts, kind, output_len) -> dict:
     rec.restore()
     front._stop.set()                       # stop its reader thread; the core stays up for the next run
     front._thread.join()
-    eng._reader_thread = None
     return {**rec.summary(), "output_tok_s": tok_s}
 
 
@@ -516,12 +520,12 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         if engine == "inproc":
             llm = LLM(folder, use_tqdm_on_load=False, multiprocess=False, **opts)
-            llm.engine.runner.wait_compiled()
+            llm.engine.core.runner.wait_compiled()
             vocab = llm.engine.model_config.vocab_size
         elif engine == "core":
-            from jaxserve.engine.llm_engine import LLMEngine
+            from jaxserve.engine.core import EngineCore
             from jaxserve.llm import engine_config_from_kwargs
-            core = LLMEngine(engine_config_from_kwargs(folder, **opts), progress=False, core_outputs=True)
+            core = EngineCore(engine_config_from_kwargs(folder, **opts), progress=False)
             core.runner.wait_compiled()         # the steady state: no background compile competes for the cores
             vocab = core.model_config.vocab_size
         else:

@@ -156,9 +156,9 @@ def run_serve(a) -> dict:
 def compile_child(workers: int, model: str | None, load_format: str | None) -> None:
     """In a fresh process: the engine without its warm-up, then every planned variant, timed."""
     from jaxserve.config import EngineConfig
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.core import EngineCore
     from jaxserve.runner.step_compiler import StepCompiler
-    eng = LLMEngine(EngineConfig(model=model, load_format=load_format or "auto", enforce_eager=True,
+    eng = EngineCore(EngineConfig(model=model, load_format=load_format or "auto", enforce_eager=True,
                                  compilation_cache_dir=""), progress=False)
     runner = eng.runner
     first, rest = runner.planned_variants()
@@ -178,8 +178,8 @@ def run_pad(a) -> dict:
     import numpy as np
 
     from jaxserve.config import EngineConfig
-    from jaxserve.engine.llm_engine import LLMEngine
-    eng = LLMEngine(EngineConfig(model=a.model, load_format=a.load_format or "auto", enforce_eager=True,
+    from jaxserve.engine.core import EngineCore
+    eng = EngineCore(EngineConfig(model=a.model, load_format=a.load_format or "auto", enforce_eager=True,
                                  compilation_cache_dir=""), progress=False)
     runner = eng.runner
     text = eng.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,

@@ -12,8 +12,9 @@ is preempted (blocks freed, requeued at the front, recomputed later from its pro
 
 The scheduler never decides that a request is finished: ``update_from_output`` counts the tokens a
 dispatched step samples as placeholders, and a request whose placeholders reach its length limit gets no
-more steps (it waits, holding its blocks, in ``capped``); the output processor reads the tokens, decides
-(EOS, stop ids and strings, length) and the engine frees what it names with ``finish_requests``.
+more steps (it waits, holding its blocks, in ``capped``); ``core_outputs.apply_sampled_tokens`` reads the
+tokens, decides (EOS, stop ids, length) and the engine core frees what it names with ``finish_requests``
+(a stop string, found by the front end, comes as an abort).
 Admission (prompt length, queue limits) is the engine's, checked before ``add_request``.
 
 A request that asks for prompt logprobs is scheduled like any other (chunked, budgeted, preemptible,

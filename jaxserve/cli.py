@@ -75,12 +75,14 @@ def _is_follower() -> bool:
 
 
 def cmd_follow(a) -> int:
-    """A process other than 0 under jax.distributed: build the same engine (same weights, same warm-up),
-    then launch every step process 0 sends until it stops (jaxserve.executor.distributed)."""
-    from jaxserve.engine.llm_engine import LLMEngine
+    """A process other than 0 under jax.distributed: build the same model and runner (same weights, same
+    warm-up), then launch every step process 0 sends until it stops (jaxserve.executor.distributed)."""
     from jaxserve.executor import follow_runner
-    engine = LLMEngine(engine_config_from_args(a), progress=False)
-    steps = follow_runner(engine.runner)
+    from jaxserve.executor.model_executor import ModelExecutor
+    executor = ModelExecutor(engine_config_from_args(a))
+    executor.build_runner()
+    executor.warm_up(progress=False)
+    steps = follow_runner(executor.runner)
     print(f"process {a.process_id}: followed {steps} steps", file=sys.stderr)
     return 0
 
@@ -102,7 +104,7 @@ def cmd_generate(a) -> int:
                   for p in prompts]
     else:
         inputs = [{"prompt": p, "prompt_token_ids": llm.tokenizer.encode(p)} for p in prompts]
-    runner = getattr(llm.engine, "runner", None)
+    runner = getattr(llm.engine.core, "runner", None)        # (None: the core runs in its own process)
     if one_shot and hasattr(runner, "warmup_for"):
         runner.warmup_for([len(x["prompt_token_ids"]) for x in inputs for _ in range(params.n)])
     elif hasattr(runner, "stop_background_compiles"):
@@ -113,7 +115,7 @@ def cmd_generate(a) -> int:
             print(f"### prompt: {p!r}" + (f" (completion {o.index})" if len(out.outputs) > 1 else ""))
             print(o.text.strip() if a.chat else o.text)
             print(f"### finish_reason={o.finish_reason} tokens={len(o.token_ids)}", file=sys.stderr)
-    release_followers = getattr(getattr(llm.engine, "runner", None), "stop", None)    # BroadcastingRunner
+    release_followers = getattr(getattr(llm.engine.core, "runner", None), "stop", None)    # BroadcastingRunner
     if release_followers is not None:
         release_followers()
     return 0

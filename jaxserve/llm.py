@@ -43,42 +43,25 @@ def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
 class LLM:
     def __init__(self, model: str | None = None, *, use_tqdm_on_load: bool = True,
                  engine_config: EngineConfig | None = None, multiprocess: bool | None = None, **kwargs: Any):
-        from jaxserve.engine.core_client import MultiprocessLLMEngine, use_multiprocess
+        from jaxserve.engine.core_client import use_multiprocess
         from jaxserve.engine.llm_engine import LLMEngine
         config = engine_config or engine_config_from_kwargs(model, **kwargs)
-        self.multiprocess = use_multiprocess(multiprocess, default=False, config=config)
-        engine_class = MultiprocessLLMEngine if self.multiprocess else LLMEngine
-        self.engine = engine_class(config, progress=use_tqdm_on_load)
+        self.engine = LLMEngine(config, progress=use_tqdm_on_load,
+                                multiprocess=use_multiprocess(multiprocess, default=False, config=config))
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine core process (a split engine), or the background compiles of this process's engine:
-        once they are gone nothing holds its weights and KV cache, and the next engine can claim the memory."""
-        if self.multiprocess:
-            self.engine.shutdown()
-            return
-        runner = getattr(self.engine, "runner", None)
-        if runner is not None:
-            runner.stop_background_compiles(wait=True)
+        """Stop the engine core (its process, or this process's background compiles): once it is gone nothing
+        holds its weights and KV cache, and the next engine can claim the memory."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the step variants compiling in the background are done (False after ``timeout``
-        seconds): what a benchmark waits for before it measures the compiled steady state. A split engine's
-        core reports its pending count with each step, so this runs one-token steps until it reads 0."""
-        if not self.multiprocess:
-            runner = getattr(self.engine, "runner", None)
-            return True if runner is None else runner.wait_compiled(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        probe = SamplingParams(max_tokens=1, temperature=0.0)
-        while self.engine.stats().get("step_variants_pending", 1):
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            self.generate([[0]], probe, use_tqdm=False)
-            time.sleep(0.2)
-        return True
+        seconds): what a benchmark waits for before it measures the compiled steady state."""
+        return self.engine.wait_compiled(timeout)
 
     # ---------------------------------------------------------------- generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -92,7 +75,7 @@ class LLM:
             raise ValueError(f"{len(params_list)} sampling params for {len(items)} prompts")
         eng = self.engine
         order: list[tuple[str, int]] = []        # (parent id, n)
-        batch = []                               # a split engine's requests, sent at once
+        batch = []                               # every request, queued at once
         for (text, ids), params in zip(items, params_list):
             if ids is None:
                 ids = self.tokenizer.encode(text)
@@ -103,12 +86,8 @@ class LLM:
                 if params.n > 1 and params.seed is not None:
                     child.seed = params.seed + i
                 rid = f"{parent}" if params.n == 1 else f"{parent}_{i}"
-                if self.multiprocess:
-                    batch.append(eng.make_request(rid, ids, child, prompt=text))
-                else:
-                    eng.add_request(rid, ids, child, prompt=text)
-        if batch:
-            eng.enqueue_many(batch)
+                batch.append(eng.make_request(rid, ids, child, prompt=text))
+        eng.add_requests(batch)
         finals = self._run(sum(n for _, n in order), use_tqdm)
         results = []
         for parent, n in order:
@@ -142,7 +121,7 @@ class LLM:
                         bar.update(1)
         except BaseException:
             # Ctrl-C: free what this call queued
-            eng.abort_request(eng.request_ids() if self.multiprocess else list(eng.scheduler.request_ids()))
+            eng.abort_request(eng.request_ids())
             raise
         finally:
             bar.close()
@@ -173,13 +152,12 @@ class LLM:
     def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
               use_tqdm: bool = False):
         from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput
-        embedder = getattr(self.engine, "embedder", None)
-        if embedder is None:
+        if not self.engine.is_embedding:
             raise ValueError("the loaded model does not support embeddings (load an embedding model, or a "
                              "decoder with task='embed')")
         items = _normalize_prompts(prompts)
         ids = [i if i is not None else self.tokenizer.encode(t) for t, i in items]
-        vecs = embedder.embed(ids, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions)
+        vecs = self.engine.embed(ids, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions)
         return [EmbeddingRequestOutput(request_id=str(k), outputs=EmbeddingOutput(embedding=list(map(float, v))),
                                        prompt_token_ids=i, finished=True)
                 for k, (i, v) in enumerate(zip(ids, vecs))]

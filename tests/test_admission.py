@@ -24,7 +24,6 @@ class IdleEngine:
     def __init__(self, max_num_seqs, max_waiting_requests):
         self.config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                              max_waiting_requests=max_waiting_requests))
-        self.runner = None
         self.running = 0
 
     def stats(self):
@@ -32,6 +31,9 @@ class IdleEngine:
 
     def has_unfinished_requests(self):
         return False
+
+    def shutdown(self):
+        pass
 
 
 @pytest.fixture

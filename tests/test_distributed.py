@@ -47,9 +47,9 @@ def _process_main(process_id: int, port: int) -> None:
     # process 1 has room for fewer KV blocks (12 of 4 KiB each, against the 17 process 0 could use): both
     # must size the sharded cache alike, to the smaller count
     llm = _engine_llm(tensor_parallel_size=2, kv_bytes=(1 << 20) if process_id == 0 else 12 * 4096)
-    report = report | {"num_kv_blocks": llm.engine.runner.num_blocks}
+    report = report | {"num_kv_blocks": llm.engine.core.runner.num_blocks}
     if executor.is_driver():
-        assert isinstance(llm.engine.runner, executor.BroadcastingRunner)
+        assert isinstance(llm.engine.core.runner, executor.BroadcastingRunner)
         from jaxserve.errors import InvalidRequestError
         from jaxserve.sampling_params import SamplingParams
         try:    # an extra computation only process 0 would launch: refused, not a hang
@@ -58,10 +58,10 @@ def _process_main(process_id: int, port: int) -> None:
         except InvalidRequestError as e:
             report["prompt_logprobs_error"] = str(e)
         report["engine_tokens"] = _engine_generate(llm)
-        llm.engine.runner.stop()
-        report["engine_steps_sent"] = llm.engine.runner.channel.steps_sent
+        llm.engine.core.runner.stop()
+        report["engine_steps_sent"] = llm.engine.core.runner.channel.steps_sent
     else:
-        report["engine_followed"] = executor.follow_runner(llm.engine.runner)
+        report["engine_followed"] = executor.follow_runner(llm.engine.core.runner)
     print(json.dumps(report), flush=True)
     jax.distributed.shutdown()
 

@@ -39,12 +39,12 @@ def test_batched_equals_single_with_preemption(workload, single_outputs):
     # a pool far too small for 36 requests at once: the scheduler must preempt and recompute
     small = make_llm(num_gpu_blocks_override=80)
     outs = small.generate(prompts, [greedy(m) for m in max_tokens], use_tqdm=False)
-    assert small.engine.scheduler.get_stats()["num_preemptions"] > 0
+    assert small.engine.core.scheduler.get_stats()["num_preemptions"] > 0
     for o, ref, m in zip(outs, single_outputs, max_tokens):
         assert len(o.outputs[0].token_ids) == m
         assert o.outputs[0].token_ids == ref
         assert o.outputs[0].finish_reason == "length"
-    assert small.engine.kv_manager.usage == 0.0
+    assert small.engine.core.kv_manager.usage == 0.0
 
 
 def test_prefix_caching_on_off_identical(llm, workload, single_outputs):
@@ -75,7 +75,7 @@ def test_no_recompilation_after_warmup(llm, workload):
     """Once the planned variants are compiled, a workload compiles only the sampler variants its requests
     ask for (logprobs, penalties: on first use, then for every request count), and running it again
     compiles nothing: every step runs an executable compiled ahead, never jit's own."""
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     assert runner.wait_compiled(timeout=600)
     planned = runner.compiled_variants()
     assert planned == sum(len(k) for k in runner.variants.planned())
@@ -104,7 +104,7 @@ def test_decode_only_variants_cover_every_uniform_decode_step(llm, workload, sin
     step can land in and marks such steps (the attention then runs its decode launch alone). Here with the
     reference backend, which ignores the flag: warm-up covers every step of a batched workload (no compile
     after it), and the tokens are unchanged."""
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     runner.shapes.uniform_decode = True
     marks = []
 
@@ -137,10 +137,10 @@ def test_abort_frees_everything(llm, workload):
         eng.add_request(f"abort-{i}", p, greedy(50))
     for _ in range(3):
         eng.step()
-    assert eng.kv_manager.usage > 0
+    assert eng.core.kv_manager.usage > 0
     eng.abort_request([f"abort-{i}" for i in range(10)])
     assert not eng.has_unfinished_requests()
-    assert eng.kv_manager.usage == 0.0
+    assert eng.core.kv_manager.usage == 0.0
 
 
 def test_delta_and_cumulative_outputs_add_up_to_the_final_one(llm, workload, single_outputs):
@@ -208,7 +208,7 @@ def test_async_and_sync_scheduling_agree_on_early_stops(llm, workload, single_ou
         expected = ref[:ref.index(stop) + 1]
         assert x.outputs[0].token_ids == y.outputs[0].token_ids == expected
         assert x.outputs[0].finish_reason == "stop" and x.outputs[0].stop_reason == stop
-    assert llm.engine.kv_manager.usage == 0.0 and sync.engine.kv_manager.usage == 0.0
+    assert llm.engine.core.kv_manager.usage == 0.0 and sync.engine.core.kv_manager.usage == 0.0
 
 
 def test_prompt_logprobs_match_hf_logits(llm):
@@ -238,8 +238,8 @@ MULTI_WARM = {}         # the multi-step engine's compiled variants right after 
 @pytest.fixture(scope="module")
 def multi():
     m = make_llm(num_scheduler_steps=4)
-    assert m.engine.runner.wait_compiled(timeout=600)
-    MULTI_WARM["variants"] = m.engine.runner.compiled_variants()
+    assert m.engine.core.runner.wait_compiled(timeout=600)
+    MULTI_WARM["variants"] = m.engine.core.runner.compiled_variants()
     return m
 
 
@@ -247,7 +247,7 @@ class StepCounts:
     """Records each scheduled step's num_steps (the scheduler's output) while in a `with` block."""
 
     def __init__(self, llm):
-        self.sched, self.num_steps = llm.engine.scheduler, []
+        self.sched, self.num_steps = llm.engine.core.scheduler, []
 
     def __enter__(self):
         orig = self.sched.schedule
@@ -273,12 +273,12 @@ def test_multi_step_greedy_matches_single_step(llm, multi, workload, single_outp
     params = [greedy(m) for m in max_tokens]
     counts = []
     for eng in (llm, multi):
-        stats = eng.engine.runner.stats
+        stats = eng.engine.core.runner.stats
         steps0 = stats.steps
         with StepCounts(eng) as rec:
             outs = eng.generate(prompts, params, use_tqdm=False)
         counts.append(stats.steps - steps0)
-        assert eng.engine.kv_manager.usage == 0.0
+        assert eng.engine.core.kv_manager.usage == 0.0
         for o, ref, m in zip(outs, single_outputs, max_tokens):
             assert o.outputs[0].token_ids == ref and len(ref) == m
             assert o.outputs[0].finish_reason == "length"
@@ -287,10 +287,10 @@ def test_multi_step_greedy_matches_single_step(llm, multi, workload, single_outp
     # (most of this workload's steps mix prefill chunks with decodes: those run one step)
     assert multi_steps < single and multi_steps < sum(max_tokens), counts
     # a lone request: prefill, then one dispatch per 4 tokens
-    steps0 = multi.engine.runner.stats.steps
+    steps0 = multi.engine.core.runner.stats.steps
     out = multi.generate([prompts[0]], greedy(17), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == llm.generate([prompts[0]], greedy(17), use_tqdm=False)[0].outputs[0].token_ids
-    assert multi.engine.runner.stats.steps - steps0 == 1 + 4
+    assert multi.engine.core.runner.stats.steps - steps0 == 1 + 4
 
 
 def test_multi_step_early_stops_match_single_step(llm, multi, workload, single_outputs):
@@ -314,7 +314,7 @@ def test_multi_step_early_stops_match_single_step(llm, multi, workload, single_o
         if x.outputs[0].stop_reason == stop:
             assert x.outputs[0].token_ids == ref[:ref.index(stop) + 1]
     assert stopped >= n // 2
-    assert multi.engine.kv_manager.usage == 0.0
+    assert multi.engine.core.kv_manager.usage == 0.0
 
     # stop strings: text taken from the middle of each single-step output
     full = llm.generate(prompts[:n], [greedy(m) for m in max_tokens[:n]], use_tqdm=False)
@@ -330,7 +330,7 @@ def test_multi_step_early_stops_match_single_step(llm, multi, workload, single_o
         assert (x.text, x.token_ids, x.finish_reason, x.stop_reason) == (y.text, y.token_ids, y.finish_reason,
                                                                             y.stop_reason)
         assert x.finish_reason == "stop" and x.stop_reason == s and s not in x.text and len(x.token_ids) < m
-    assert multi.engine.kv_manager.usage == 0.0
+    assert multi.engine.core.kv_manager.usage == 0.0
 
 
 def test_multi_step_seeded_sampling_matches_single_step(llm, multi, workload):
@@ -348,7 +348,7 @@ def test_multi_step_seeded_sampling_matches_single_step(llm, multi, workload):
 
 
 def test_multi_step_no_recompilation_after_warmup(multi, workload):
-    runner = multi.engine.runner
+    runner = multi.engine.core.runner
     # since the warm-up (in the tests before this one too) only the variants some request first needed
     assert runner.wait_compiled(timeout=600)
     assert runner.compiled_variants() >= MULTI_WARM["variants"] and only_planned_or_asked_for(runner)
@@ -386,7 +386,7 @@ def test_multi_step_prefix_caching_stays_correct(llm, multi):
     # the last loop's tokens is a hit. Caching blocks with placeholders would lose the hits after them.
     assert out.num_cached_tokens >= (len(p) + len(first) - 4) // 4 * 4 > len(p)
     assert out.outputs[0].token_ids == llm.generate([follow], greedy(12), use_tqdm=False)[0].outputs[0].token_ids
-    assert multi.engine.kv_manager.usage == 0.0
+    assert multi.engine.core.kv_manager.usage == 0.0
 
 
 def test_request_preempted_while_its_stop_token_is_in_flight_finishes(llm, workload, single_outputs):
@@ -399,7 +399,7 @@ def test_request_preempted_while_its_stop_token_is_in_flight_finishes(llm, workl
     prompts, _ = workload
     p, ref = prompts[0], single_outputs[0]
     k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])      # a token first sampled at output k
-    eng, sched = llm.engine, llm.engine.scheduler
+    eng, sched = llm.engine, llm.engine.core.scheduler
     assert not eng.has_unfinished_requests()
     eng.add_request("pre-stop", p, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[ref[k]]))
     orig = sched.schedule
@@ -431,7 +431,7 @@ def test_request_preempted_while_its_stop_token_is_in_flight_finishes(llm, workl
     assert final.outputs[0].token_ids == ref[:k + 1] and final.outputs[0].finish_reason == "stop"
     assert preempted[0].status == RequestStatus.FINISHED_STOPPED
     assert sched.get_request("pre-stop") is None and not eng.has_unfinished_requests()
-    assert eng.kv_manager.usage == 0.0
+    assert eng.core.kv_manager.usage == 0.0
 
 
 def test_stop_string_on_the_last_allowed_token_reports_stop(llm, multi, workload):
@@ -484,7 +484,7 @@ def test_fp8_kv_cache_tracks_the_full_precision_cache(llm, workload):
     import jax.numpy as jnp
     from jaxserve.kernels import ops
     fp8 = make_llm(kv_cache_dtype="fp8")
-    runner = fp8.engine.runner
+    runner = fp8.engine.core.runner
     k, v = runner.kv_caches[0]
     cfg = runner.cfg
     assert k.dtype == v.dtype == jnp.float8_e4m3fn

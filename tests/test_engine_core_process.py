@@ -70,8 +70,8 @@ def test_split_engine_facts_name_the_kv_cache_before_any_step(pair):
     """The server's start-up line reads the KV block count from the facts: a split core sends it at ready,
     before any step has carried stats."""
     inproc, split = pair
-    assert inproc.engine.facts().num_kv_blocks == inproc.engine.runner.num_blocks > 0
-    assert split.engine.facts().num_kv_blocks == inproc.engine.runner.num_blocks
+    assert inproc.engine.facts().num_kv_blocks == inproc.engine.core.runner.num_blocks > 0
+    assert split.engine.facts().num_kv_blocks == inproc.engine.core.runner.num_blocks
 
 
 def test_split_engine_frees_everything(pair, prompts):

@@ -77,7 +77,7 @@ def test_stream_hands_items_over_in_order_and_survives_a_cancelled_wait():
 # ---- the front end's output processor: DELTA text sliced from the emitted text, checked against full decodes
 
 from jaxserve.engine.messages import EngineCoreOutput  # noqa: E402
-from jaxserve.engine.output_processor import FrontendOutputProcessor  # noqa: E402
+from jaxserve.engine.output_processor import OutputProcessor  # noqa: E402
 from jaxserve.engine.request import Request, RequestStatus  # noqa: E402
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from test_detokenizer import load_smollm2_tokenizer  # noqa: E402
@@ -87,8 +87,8 @@ LENGTH = int(RequestStatus.FINISHED_LENGTH_CAPPED)
 
 def _run_front(tok, streams, abort_at=None):
     """Feed each request's ids one per step (the core's EngineCoreOutputs, finishing by length at the
-    end) through a FrontendOutputProcessor; returns every output's fields, step by step."""
-    proc = FrontendOutputProcessor(tok)
+    end) through the front end's OutputProcessor; returns every output's fields, step by step."""
+    proc = OutputProcessor(tok)
     for rid, (ids, params) in streams.items():
         proc.add_request(Request(rid, [1, 2, 3], params, eos_token_ids=()))
     seen, stopped = [], []

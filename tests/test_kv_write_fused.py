@@ -226,7 +226,7 @@ def test_runner_runs_short_context_decodes_in_their_own_variant(monkeypatch):
     monkeypatch.setattr(step_variants.kernel_ops, "decode_splits", lambda reqs, kvh, n: 1 if n <= bound else 4)
     llm = tiny_llm(max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory_bytes=1 << 22,
                    token_buckets=(4, 32), enforce_eager=True)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     prompts = [list(range(5, 5 + n)) for n in (3, 11)]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]

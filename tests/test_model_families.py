@@ -34,11 +34,11 @@ FAMILIES = ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-coher
                                   for n in FAMILIES])
 def test_engine_greedy_matches_hf(name):
     llm, golden, outs = engine_with_preemption(name)
-    stats = llm.engine.scheduler.get_stats()
+    stats = llm.engine.core.scheduler.get_stats()
     assert stats["num_preemptions"] > 0, stats
     for i in (0, 2, 4):
         assert outs[i].outputs[0].token_ids == golden["greedy_ids"], f"{name}: copy {i} differs from HF"
-    assert llm.engine.kv_manager.usage == 0.0
+    assert llm.engine.core.kv_manager.usage == 0.0
 
 
 GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
@@ -62,7 +62,7 @@ def test_chat_template_and_eos_ids_come_from_the_checkpoint(tmp_path):
               kv_cache_memory_bytes=1 << 22, skip_warmup=True, compilation_cache_dir="", use_tqdm_on_load=False)
     ids = llm.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert llm.get_tokenizer().decode(ids) == "<|im_start|><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
-    assert llm.engine.model.generation_config["eos_token_id"] == [2, 7]
+    assert llm.engine.core.model.generation_config["eos_token_id"] == [2, 7]
 
 
 def test_orbax_convert_round_trip(tmp_path):
@@ -253,7 +253,7 @@ def _tp_worker() -> dict:
             params = SamplingParams(temperature=0, max_tokens=len(golden["greedy_ids"]), ignore_eos=True)
             out = llm.generate([golden["prompt_ids"]], params, use_tqdm=False)[0].outputs[0].token_ids
             report[f"{name}/tp{tp}"] = list(out) == golden["greedy_ids"]
-            report[f"{name}/tp{tp}/q_spec"] = str(llm.engine.model.params["layers"][0]["q"].sharding.spec)
+            report[f"{name}/tp{tp}/q_spec"] = str(llm.engine.core.model.params["layers"][0]["q"].sharding.spec)
             del llm
     return report
 

@@ -57,7 +57,7 @@ def test_moe_engine_greedy_matches_hf(name):
     """Through the engine: the prompt three times among others, prefix caching, 8-token chunks, and a block
     pool small enough that the scheduler preempts."""
     llm, golden, outs = engine_with_preemption(name)
-    assert llm.engine.scheduler.get_stats()["num_preemptions"] > 0
+    assert llm.engine.core.scheduler.get_stats()["num_preemptions"] > 0
     for i in (0, 2, 4):
         assert outs[i].outputs[0].token_ids == golden["greedy_ids"], f"{name}: copy {i} differs from HF"
 
@@ -137,7 +137,7 @@ def test_engine_expert_load_matches_hf_routing(name, scheduler_steps):
     out = llm.generate([gold["prompt_ids"]], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == gold["greedy_ids"]
     want = np.asarray(hf["tokens_per_expert"])
-    np.testing.assert_array_equal(llm.engine.runner.stats.expert_load.tokens, want)
+    np.testing.assert_array_equal(llm.engine.core.runner.stats.expert_load.tokens, want)
     stats = llm.engine.stats()
     k = llm.engine.model_config.extra_dict["num_experts_per_tok"]
     assert stats["moe_layers"] == want.shape[0] and stats["moe_expert_tokens_total"] == want.sum(axis=0).tolist()

@@ -1,7 +1,9 @@
-"""The output processor: the one place that decides a request is finished (EOS, stop ids, min_tokens, length,
-stop strings) and assembles its outputs (DELTA / CUMULATIVE / FINAL_ONLY, logprobs, prompt logprobs)."""
+"""The output path: the core's ``apply_sampled_tokens``, the one place that decides a request is finished (EOS,
+stop ids, min_tokens, length), then the front end's ``OutputProcessor``, which matches stop strings and assembles
+the outputs (DELTA / CUMULATIVE / FINAL_ONLY, logprobs, prompt logprobs)."""
 import pytest
 
+from jaxserve.engine.core_outputs import apply_sampled_tokens
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.outputs import Logprob
@@ -21,22 +23,27 @@ def params(**kw):
     return SamplingParams(**{"detokenize": False, "max_tokens": None, "output_kind": RequestOutputKind.FINAL_ONLY, **kw})
 
 
-def running(processor, p, eos=(EOS,), prompt=(1, 2, 3), max_model_len=100, rid="r"):
-    """A request as the scheduler leaves it: queued (length limit lowered to max_model_len) and running."""
+def running(front, p, eos=(EOS,), prompt=(1, 2, 3), max_model_len=100, rid="r"):
+    """The core's request as the scheduler leaves it: queued (length limit lowered to max_model_len) and
+    running; its front-end twin goes to ``front``."""
     r = Request(rid, list(prompt), p, eos_token_ids=eos)
     r.max_output_tokens = min(r.max_output_tokens, max_model_len - r.num_prompt_tokens)
     r.status = RequestStatus.RUNNING
-    processor.add_request(r)
+    front.add_request(Request(rid, list(prompt), p, eos_token_ids=eos))
     return r
 
 
-def read(processor, r, tokens, logprobs=None, next_in_flight=0):
+def read(front, r, tokens, logprobs=None, next_in_flight=0):
     """Dispatch ``tokens`` as one (multi-)step of placeholders, then (async scheduling) ``next_in_flight``
-    placeholders of the next step, then read the first step."""
+    placeholders of the next step, then read the first step: the core applies its tokens, the front end
+    renders the core's outputs. Returns (RequestOutputs, the core's finished requests by status, the ids
+    a stop string ended in the front end)."""
     first = r.num_output_tokens - r.num_placeholders
     r.append_placeholders(len(tokens) - r.num_placeholders + next_in_flight)
-    return processor.process_outputs([(r, first)], {r.request_id: list(tokens)},
-                                     {r.request_id: logprobs} if logprobs else None)
+    core_outputs, finished = apply_sampled_tokens([(r, first)], {r.request_id: list(tokens)},
+                                                  {r.request_id: logprobs} if logprobs else None)
+    outputs, stopped_here = front.process_outputs(core_outputs)
+    return outputs, finished, stopped_here
 
 
 @pytest.mark.parametrize("case", [
@@ -58,9 +65,9 @@ def read(processor, r, tokens, logprobs=None, next_in_flight=0):
 ])
 def test_the_stop_decision(case):
     p, eos, tokens, max_model_len, status, stop_reason, kept = case
-    proc = OutputProcessor(tokenizer=None)
-    r = running(proc, p, eos=eos, max_model_len=max_model_len)
-    outputs, finished = read(proc, r, tokens)
+    front = OutputProcessor(tokenizer=None)
+    r = running(front, p, eos=eos, max_model_len=max_model_len)
+    outputs, finished, _ = read(front, r, tokens)
     assert finished == ({status: ["r"]} if status else {})
     assert r.output_token_ids == tokens[:kept] and r.num_placeholders == 0 and r.stop_reason == stop_reason
     assert r.status == RequestStatus.RUNNING                # the scheduler sets it when it frees the request
@@ -73,30 +80,32 @@ def test_the_stop_decision(case):
 
 
 def test_finished_or_aborted_requests_are_skipped():
-    proc = OutputProcessor(tokenizer=None)
-    r = running(proc, params())
+    r = running(OutputProcessor(tokenizer=None), params())
     r.append_placeholders(1)
     r.status = RequestStatus.FINISHED_ABORTED
-    assert proc.process_outputs([(r, 0)], {"r": 5}, None) == ([], {})
+    assert apply_sampled_tokens([(r, 0)], {"r": 5}, None) == ([], {})
     assert r.output_token_ids == [PLACEHOLDER]
 
 
 def test_stop_string_finishes_and_cuts_the_text(tok):
-    proc = OutputProcessor(tok)
+    front = OutputProcessor(tok)
     ids = tok.encode("Hello world! The quick brown fox")
-    r = running(proc, SamplingParams(max_tokens=50, stop=["quick"], output_kind=RequestOutputKind.DELTA), eos=())
-    texts, finished = [], {}
+    r = running(front, SamplingParams(max_tokens=50, stop=["quick"], output_kind=RequestOutputKind.DELTA), eos=())
+    texts, stopped = [], []
     for i, t in enumerate(ids):
-        outputs, finished = read(proc, r, [t])
+        outputs, finished, stopped = read(front, r, [t])
         texts += [o.outputs[0].text for o in outputs]
-        if finished:
+        if stopped:
             break
-    assert finished == {STOPPED: ["r"]} and r.stop_reason == "quick"
+    # the front end finished it (the core, which cannot see text, is told to abort it)
+    assert finished == {} and stopped == ["r"] and not front.has_unfinished_requests()
+    assert (outputs[-1].outputs[0].finish_reason, outputs[-1].outputs[0].stop_reason) == ("stop", "quick")
     assert "".join(texts) == "Hello world! The "
     # a stop string on the token that also reaches max_tokens reports stop
-    r = running(proc, SamplingParams(max_tokens=len(ids), stop=["fox"]), eos=(), rid="s")
-    _, finished = read(proc, r, ids)
-    assert finished == {STOPPED: ["s"]} and r.stop_reason == "fox"
+    r = running(front, SamplingParams(max_tokens=len(ids), stop=["fox"]), eos=(), rid="s")
+    (out,), finished, stopped = read(front, r, ids)
+    assert finished == {LENGTH: ["s"]} and stopped == []            # the core ended it by length
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", "fox")
 
 
 def test_delta_cumulative_and_logprobs(tok):
@@ -124,3 +133,5 @@ def test_delta_cumulative_and_logprobs(tok):
     assert all(o.finished == (i == len(ids) - 1) for i, o in enumerate(delta))
     assert [o.outputs[0].token_ids for o in cumulative] == [ids[:i + 1] for i in range(len(ids))]
     assert final[0].outputs[0].finish_reason == "length"
+    m = delta[-1].metrics               # the front end's: the core stamps the first token, the front end the rest
+    assert m.first_token_time <= m.last_token_time <= m.finished_time

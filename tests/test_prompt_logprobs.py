@@ -49,8 +49,8 @@ def test_scoring_shares_the_step_and_is_counted_and_abortable(llm):
     for _ in range(3):
         engine.step()
     engine.add_request("score", PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    assert engine.scheduler.num_scoring == 1
-    score = engine.scheduler.get_request("score")
+    assert engine.core.scheduler.num_scoring == 1
+    score = engine.core.scheduler.get_request("score")
     decoded = []
     for _ in range(4):
         outs = engine.step()
@@ -58,12 +58,12 @@ def test_scoring_shares_the_step_and_is_counted_and_abortable(llm):
     assert 0 < score.num_computed_tokens < len(PROMPT)           # still prefilling, chunk by chunk
     assert 0 < score.num_prompt_positions_scored <= score.num_computed_tokens
     assert len(decoded) >= 3                                      # the decode was not stalled
-    assert engine.scheduler.get_stats()["num_running"] == 2
+    assert engine.core.scheduler.get_stats()["num_running"] == 2
     engine.abort_request("score")
-    assert engine.scheduler.num_scoring == 0 and engine.scheduler.get_request("score") is None
+    assert engine.core.scheduler.num_scoring == 0 and engine.core.scheduler.get_request("score") is None
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv_manager.usage == 0.0
+    assert engine.core.kv_manager.usage == 0.0
 
 
 def test_scoring_compiles_in_the_background_and_never_stalls_the_engine(monkeypatch):
@@ -87,15 +87,15 @@ def test_scoring_compiles_in_the_background_and_never_stalls_the_engine(monkeypa
     decoded = 0
     for _ in range(5):
         decoded += sum(o.request_id == "decode" for o in engine.step())
-    score = engine.scheduler.get_request("score")
+    score = engine.core.scheduler.get_request("score")
     assert decoded >= 4 and score.num_computed_tokens == 0
-    assert engine.scheduler.get_stats()["num_waiting"] == 1 and engine.stats()["step_variants_pending"] >= 1
+    assert engine.core.scheduler.get_stats()["num_waiting"] == 1 and engine.stats()["step_variants_pending"] >= 1
     release.set()
     outs = {}
     while engine.has_unfinished_requests():
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert len(outs["score"].prompt_logprobs) == 40 and engine._scorer.compiler.on_first_use == []
-    assert engine.runner.variants.on_first_use == []
+    assert len(outs["score"].prompt_logprobs) == 40 and engine.core._scorer.compiler.on_first_use == []
+    assert engine.core.runner.variants.on_first_use == []
 
 
 def test_scored_positions_count_against_the_step_budget():
@@ -107,8 +107,8 @@ def test_scored_positions_count_against_the_step_budget():
     engine.add_request("decode", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for rid, prompt in (("score", PROMPT[:60]), ("score2", PROMPT[60:120])):
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    engine._scorer.compiler.wait_all()
-    real_dispatch, steps, scored_positions = engine._scorer.dispatch, [], []
+    engine.core._scorer.compiler.wait_all()
+    real_dispatch, steps, scored_positions = engine.core._scorer.dispatch, [], []
 
     def counting_dispatch(scheduled, kv_caches):
         kv_caches, chunks = real_dispatch(scheduled, kv_caches)
@@ -118,7 +118,7 @@ def test_scored_positions_count_against_the_step_budget():
                       sum(s.num_new_tokens for s in scheduled) + sum(c.count for c in chunks), scoring))
         scored_positions.extend(c.count for c in chunks)
         return kv_caches, chunks
-    engine._scorer.dispatch = counting_dispatch
+    engine.core._scorer.dispatch = counting_dispatch
     outs = {}
     while engine.has_unfinished_requests():
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
@@ -137,9 +137,9 @@ def test_a_request_arriving_while_a_long_prompt_is_scored_starts_at_once(llm):
     until it is done (what made an echo + logprobs request stall everyone's time to first token)."""
     engine = llm.engine
     engine.add_request("score", PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
-    engine._scorer.compiler.wait_all()
+    engine.core._scorer.compiler.wait_all()
     engine.step()
-    score = engine.scheduler.get_request("score")
+    score = engine.core.scheduler.get_request("score")
     engine.add_request("short", PROMPT[:6], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     steps = 0
     while not any(o.request_id == "short" for o in engine.step()):
@@ -148,4 +148,4 @@ def test_a_request_arriving_while_a_long_prompt_is_scored_starts_at_once(llm):
     assert score.num_computed_tokens < len(PROMPT)                           # still scoring
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv_manager.usage == 0.0
+    assert engine.core.kv_manager.usage == 0.0

@@ -316,7 +316,7 @@ def test_engine_greedy_continuations_match_the_dequantized_model(tmp):
     for folder in folders:
         llm = LLM(folder, dtype="float32", max_model_len=64, max_num_batched_tokens=32, max_num_seqs=2,
                   kv_cache_memory_bytes=1 << 21, skip_warmup=True, compilation_cache_dir="", use_tqdm_on_load=False)
-        assert llm.engine.model.quantization == (None if folder.endswith("float") else "gptq")
+        assert llm.engine.core.model.quantization == (None if folder.endswith("float") else "gptq")
         res = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
         outs.append([r.outputs[0].token_ids for r in res])
     assert outs[0] == outs[1]

@@ -5,8 +5,8 @@ the request's block table (like write_kv) and reads the whole context back throu
 paged attention), checking it equals the request's tokens. So a wrong block table, a prefix-cache hit on
 a block with other content, or a shared block overwritten after eviction all fail loudly. Its "model"
 samples a token that is a function of the context it read, so outputs are checkable after preemptions.
-Each step runs as the engine runs it: schedule, the device, ``update_from_output`` (placeholders), then the
-output processor reads the tokens, decides which requests finished, and the scheduler frees them.
+Each step runs as the engine core runs it: schedule, the device, ``update_from_output`` (placeholders), then
+``apply_sampled_tokens`` reads the tokens and decides which requests finished, and the scheduler frees them.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.core_outputs import apply_sampled_tokens
 from jaxserve.engine.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -75,33 +75,21 @@ def params(max_tokens=None, min_tokens=0, ignore_eos=False, stop_token_ids=(), l
                           output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-PROCESSOR = OutputProcessor(tokenizer=None)
-
-
-class EngineScheduler(Scheduler):
-    """A Scheduler whose requests get their output state on the way in, as the engine's ``enqueue`` does."""
-
-    def add_request(self, request: Request) -> None:
-        if request.sampling_params is not None:
-            PROCESSOR.add_request(request)
-        super().add_request(request)
-
-
 def make(num_blocks=64, block_size=4, max_model_len=64, budget=32, max_seqs=8, chunked=True, caching=True,
          steps=1):
     kv = KVCacheManager(num_blocks, block_size, caching, max_model_len)
-    sched = EngineScheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                             enable_chunked_prefill=chunked, num_scheduler_steps=steps),
                             CacheConfig(block_size=block_size, enable_prefix_caching=caching), kv, max_model_len)
     return sched, kv, FakeDevice(kv)
 
 
 def read_tokens(sched, out, sampled) -> list[Request]:
-    """The output processor reads a step whose placeholders are counted (the only ones: steps here are read
-    before the next is scheduled) and the scheduler frees what it says finished. Returns those requests."""
+    """The core reads a step whose placeholders are counted (the only ones: steps here are read before the
+    next is scheduled) and the scheduler frees what it says finished. Returns those requests."""
     entries = [(e.request, e.request.num_output_tokens - e.request.num_placeholders) for e in out.scheduled
                if e.samples and e.request.status == RequestStatus.RUNNING]
-    _, finished = PROCESSOR.process_outputs(entries, sampled, None)
+    _, finished = apply_sampled_tokens(entries, sampled, None)
     return [r for status, ids in finished.items() for r in sched.finish_requests(ids, status)]
 
 
@@ -109,6 +97,12 @@ def apply(sched, out, sampled) -> list[Request]:
     """The engine's half of a step after the device: count its placeholders, then read its tokens."""
     sched.update_from_output(out)
     return read_tokens(sched, out, sampled)
+
+
+def preempted_since(sched, num_preemptions) -> list[str]:
+    """The requests preempted since the scheduler counted ``num_preemptions``, in order (each re-enters the
+    waiting queue at the front)."""
+    return [r.request_id for r in reversed(list(sched.waiting)[:sched.num_preemptions - num_preemptions])]
 
 
 def step(sched, dev, eos_at=None):
@@ -196,12 +190,12 @@ def test_chunked_prefill_decodes_first_and_samples_only_at_the_end():
     out, _ = step(sched, dev)
     assert [(e.request_id, e.start_pos, e.num_new_tokens, e.samples) for e in out.scheduled] == [
         ("a", 32, 8, True), ("b", 0, 8, False)]
-    assert out.total_num_scheduled_tokens == 16 and out.num_decodes == 0
+    assert sum(e.num_new_tokens for e in out.scheduled) == 16 and 1 not in [e.num_new_tokens for e in out.scheduled]
     out, _ = step(sched, dev)
     # a decodes (first), b finishes its prompt in the same step
     assert [(e.request_id, e.start_pos, e.num_new_tokens, e.samples) for e in out.scheduled] == [
         ("a", 40, 1, True), ("b", 8, 2, True)]
-    assert out.num_decodes == 1
+    assert [e.num_new_tokens for e in out.scheduled].count(1) == 1
     run_to_completion(sched, dev)
     assert kv.num_free_blocks == kv.num_usable_blocks
 
@@ -228,8 +222,7 @@ def test_max_num_seqs_caps_the_batch():
     assert [r.request_id for r in finished] == ["0", "1"]
     out, _ = step(sched, dev)
     assert [e.request_id for e in out.scheduled] == ["2", "3"]
-    assert out.finished_ids == ["0", "1"]                      # reported once, at the next schedule
-    assert step(sched, dev)[0].finished_ids == []
+    assert sched.get_request("0") is None and sched.get_request("1") is None
 
 
 # --------------------------------------------------------------------------------------- prefix caching
@@ -277,11 +270,13 @@ def test_preemption_requeues_the_newest_and_keeps_its_outputs():
     for _ in range(200):
         if not sched.has_unfinished_requests():
             break
-        out, _ = step(sched, dev)
-        preempted += out.preempted_ids
-        if out.preempted_ids:
+        before = sched.num_preemptions
+        step(sched, dev)
+        victims = preempted_since(sched, before)
+        preempted += victims
+        if victims:
             victim = sched.waiting[0]
-            assert victim.request_id == out.preempted_ids[-1] and victim.status == RequestStatus.PREEMPTED
+            assert victim.request_id == victims[-1] and victim.status == RequestStatus.PREEMPTED
             assert victim.num_computed_tokens == 0 and kv.block_ids(victim.request_id) == []
             assert victim.num_output_tokens > 0                 # kept, recomputed later
     assert preempted and preempted[0] == "2"                      # the newest goes first
@@ -317,7 +312,7 @@ def test_a_running_request_preempts_itself_when_alone_it_cannot_grow():
     out, _ = step(sched, dev)
     assert [e.request_id for e in out.scheduled] == ["a", "b"]          # 4 blocks: pool full
     out, _ = step(sched, dev)                                            # both need a 3rd block
-    assert out.preempted_ids == ["b"] and [e.request_id for e in out.scheduled] == ["a"]
+    assert preempted_since(sched, 0) == ["b"] and [e.request_id for e in out.scheduled] == ["a"]
     finished = run_to_completion(sched, dev)
     assert {r.request_id for r in finished} == {"a", "b"}
 
@@ -466,7 +461,7 @@ def test_multi_step_lookahead_never_preempts():
     prefill(sched, dev, a, b)
     assert kv.num_free_blocks == 1
     out = sched.schedule()
-    assert out.preempted_ids == [] and out.num_steps == 4
+    assert sched.num_preemptions == 0 and out.num_steps == 4
     assert [(e.request_id, e.num_steps) for e in out.scheduled] == [("a", 4), ("b", 1)]
     assert kv.num_free_blocks == 0 and len(kv.block_ids("b")) == 1
     apply(sched, out, dev.execute(out))
@@ -480,7 +475,7 @@ def test_multi_step_lookahead_never_preempts():
     prefill(sched, dev, Request("a", [1, 2, 3], params(max_tokens=4)), Request("b", [4, 5, 6], params(max_tokens=4)))
     assert kv.num_free_blocks == 0
     out = sched.schedule()
-    assert out.preempted_ids == [] and out.num_steps == 1 and [e.num_steps for e in out.scheduled] == [1, 1]
+    assert sched.num_preemptions == 0 and out.num_steps == 1 and [e.num_steps for e in out.scheduled] == [1, 1]
 
 
 def test_multi_step_gives_the_same_tokens_in_fewer_steps():
@@ -525,7 +520,7 @@ def test_abort_at_any_point_frees_everything():
     aborted = sched.abort_requests(["a", "b", "unknown"])
     assert aborted == [a, b] and a.finish_reason == "abort" and b.finish_reason == "abort"
     assert not sched.has_unfinished_requests() and kv.num_free_blocks == kv.num_usable_blocks
-    assert sorted(sched.schedule().finished_ids) == ["a", "b"]
+    assert sched.schedule().scheduled == []
 
 
 def test_abort_between_schedule_and_update_is_ignored_by_update():
@@ -559,7 +554,7 @@ def test_finish_requests_frees_wherever_the_request_is():
 
 def test_a_request_at_its_length_limit_gets_no_more_steps_until_it_is_read():
     """Its last token is a placeholder: the scheduler stops giving it steps (and never preempts it) but
-    does not finish it; the output processor does when it reads the token."""
+    does not finish it; the core does when it reads the token."""
     sched, kv, dev = make()
     a = Request("a", [1, 2, 3], params(max_tokens=2))
     sched.add_request(a)
@@ -584,8 +579,8 @@ def test_eos_finishes_and_tokens_after_a_stop_are_dropped():
     finished = read_tokens(sched, out, {"a": [9, EOS, 11, 12]})
     assert finished == [a] and a.output_token_ids[1:] == [9, EOS] and a.num_placeholders == 0
     assert a.finish_reason == "stop" and a.stop_reason is None
-    m = a.metrics
-    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    m = a.metrics                       # (the core's: the front end stamps the last token's time)
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
 
 def test_waiting_for_fsm_is_passed_over_and_keeps_its_place():
@@ -626,7 +621,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.budget, self.max_seqs = budget, max_seqs
         self.added: dict[str, Request] = {}
         self.finished: set[str] = set()
-        self.reported_finished: set[str] = set()
         self.next_id = 0
         self.shared_prefix = [7] * max_model_len        # so requests share cached blocks
 
@@ -646,10 +640,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(eos_for=st.integers(0, 10))
     def step(self, eos_for):
+        before = self.sched.num_preemptions
         out = self.sched.schedule()
         self.check_schedule(out)
         eos_at = {f"r{eos_for}": 1}
-        if out.preempted_ids:
+        if self.sched.num_preemptions > before:
             event("preempted")
         if out.num_steps > 1:
             event("multi-step")
@@ -674,11 +669,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def check_schedule(self, out: SchedulerOutput):
         sched, kv = self.sched, self.kv
-        assert out.total_num_scheduled_tokens == sum(e.num_new_tokens for e in out.scheduled) <= self.budget
+        assert sum(e.num_new_tokens for e in out.scheduled) <= self.budget
         assert len(out.scheduled) <= self.max_seqs and sched.num_running <= self.max_seqs
         assert len({e.request_id for e in out.scheduled}) == len(out.scheduled)
         sizes = [e.num_new_tokens for e in out.scheduled]
-        assert sizes[:out.num_decodes] == [1] * out.num_decodes and 1 not in sizes[out.num_decodes:]
+        num_decodes = sizes.count(1)
+        assert sizes[:num_decodes] == [1] * num_decodes                # decodes first
         for e in out.scheduled:
             r = e.request
             assert r.status == RequestStatus.RUNNING and e.start_pos == r.num_computed_tokens
@@ -697,12 +693,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert r.max_tokens is None or r.num_output_tokens + e.num_steps <= r.max_tokens
         assert out.num_steps in (1, sched.num_scheduler_steps)
         if out.num_steps > 1:
-            assert out.num_decodes == len(out.scheduled) and max(e.num_steps for e in out.scheduled) > 1
-        for rid in out.preempted_ids:
-            assert rid not in {e.request_id for e in out.scheduled}
-        for rid in out.finished_ids:
-            assert rid in self.finished and rid not in self.reported_finished
-            self.reported_finished.add(rid)
+            assert num_decodes == len(out.scheduled) and max(e.num_steps for e in out.scheduled) > 1
+        scheduled_ids = {e.request_id for e in out.scheduled}
+        assert not any(r.request_id in scheduled_ids for r in sched.waiting)     # the preempted among them
         self.check_blocks()
 
     @invariant()

@@ -83,7 +83,7 @@ def greedy(n=6):
 def assert_runs_compiled_and_matches(llm, eager):
     """``llm`` generates PROMPTS with what it compiled already (nothing on first use) and gives the tokens of
     ``eager``, whose steps each run in their own bucket."""
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     before = runner.compiled_variants()
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert runner.compiled_variants() == before and runner.variants.on_first_use == []
@@ -97,7 +97,7 @@ def eager():
 
 
 def test_enforce_eager_compiles_nothing_ahead_and_each_step_its_own_bucket(eager):
-    runner = eager.engine.runner
+    runner = eager.engine.core.runner
     assert runner.compiled_variants() == 0 and runner.variants.pending() == 0
     outs = eager.generate(PROMPTS, greedy(), use_tqdm=False)
     forwards = sorted(k[1] for k in runner.variants.keys() if k[0] == "forward")
@@ -109,7 +109,7 @@ def test_enforce_eager_compiles_nothing_ahead_and_each_step_its_own_bucket(eager
 
 def test_warmup_compiles_the_smallest_and_largest_bucket_first_and_steps_pad_up(eager):
     llm = make_llm(enforce_eager=True)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     first, rest = runner.variants.planned()
     assert {k[1] for k in first if k[0] == "forward"} == {runner.buckets[0], runner.buckets[-1]}
     assert {k[1] for k in rest if k[0] == "forward"} == set(runner.buckets[1:-1])
@@ -122,7 +122,7 @@ def test_warmup_compiles_the_smallest_and_largest_bucket_first_and_steps_pad_up(
 def test_warmup_for_known_prompts_compiles_their_buckets_only(eager):
     # what `jaxserve generate` does: no serving warm-up, then the first prefill's and the decodes' buckets
     llm = make_llm(skip_warmup=True)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     runner.warmup_for([len(p) for p in PROMPTS])          # 34 tokens: a 32-token step, then 3 decodes
     assert sorted(k[1] for k in runner.variants.keys() if k[0] == "forward") == [4, 32]
     assert runner.variants.pending() == 0                  # nothing left to the background
@@ -169,7 +169,7 @@ def test_compiler_retries_a_failed_lowering_once_then_surfaces_the_error():
 def test_wait_compiled_then_shutdown_leaves_no_compile_thread_holding_the_engine():
     # a benchmark measures after the background compiles, and the next engine claims memory this one let go
     llm = make_llm(token_buckets=[4, 8, 32])
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     assert llm.wait_compiled(timeout=300)
     assert runner.variants.pending() == 0 and runner.compiled_variants() > 0
     llm.shutdown()

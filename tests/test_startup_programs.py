@@ -100,7 +100,7 @@ def test_a_warm_start_of_the_engine_lowers_every_variant_from_its_program_with_t
     outs = []
     for start in ("cold", "warm"):
         llm = make_llm(skip_warmup=True)
-        runner = llm.engine.runner
+        runner = llm.engine.core.runner
         programs = runner.variants.programs = ProgramCache(str(tmp_path), context=runner.variants.programs.context)
         runner.warmup_for([len(p) for p in PROMPTS])
         n = len(runner.variants)

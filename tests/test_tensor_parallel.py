@@ -225,7 +225,7 @@ def _engine_worker() -> dict:
         outs = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS,
                                                            ignore_eos=True), use_tqdm=False)
         report[f"{model}/tp{tp}"] = [list(o.outputs[0].token_ids) for o in outs]
-        k = llm.engine.model.params["layers"][0]["k"]
+        k = llm.engine.core.model.params["layers"][0]["k"]
         report[f"{model}/tp{tp}/k_spec"] = str(getattr(k.sharding, "spec", None))
         del llm
     report["async/tp2"] = _async_engine_tokens("tiny-llama3", 2)
@@ -243,7 +243,7 @@ def _multistep_warm_engine(model: str, tp: int) -> dict:
     llm = LLM(os.path.join(FIXTURES, model), tensor_parallel_size=tp, dtype="float32", max_model_len=128,
               max_num_batched_tokens=64, max_num_seqs=4, token_buckets=[16, 64], kv_cache_memory_bytes=1 << 22,
               num_scheduler_steps=4, skip_warmup=False, compilation_cache_dir="", use_tqdm_on_load=False)
-    runner, sched = llm.engine.runner, llm.engine.scheduler
+    runner, sched = llm.engine.core.runner, llm.engine.core.scheduler
     num_steps, schedule = [], sched.schedule
 
     def recording_schedule():
@@ -266,7 +266,7 @@ def _multistep_warm_engine(model: str, tp: int) -> dict:
     llm.generate(ENGINE_PROMPTS, mixed, use_tqdm=False)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "variants": [before, after_greedy, after_mixed,
                                                                                  runner.compiled_variants()],
-            "num_steps": num_steps, "kv_usage": llm.engine.kv_manager.usage}
+            "num_steps": num_steps, "kv_usage": llm.engine.core.kv_manager.usage}
 
 
 def _async_engine_tokens(model: str, tp: int) -> list[list[int]]:

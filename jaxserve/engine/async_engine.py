@@ -1,10 +1,10 @@
 """The async front: per-request output streams fed by a background thread.
 
-The server (and anything async) calls ``generate`` / ``abort`` / ``embed``. In-process (``multiprocess``
-off), the loop thread owns the ``LLMEngine`` and is the only thread that touches the scheduler, so no locks
-guard engine state: requests and aborts cross over through thread-safe queues. Split (the engine core in
-its own process, ``MultiprocessLLMEngine``), requests and aborts go straight to the core's socket from the
-caller, and the thread reads the core's per-step outputs, detokenizes them and hands them out. Either way
+The server (and anything async) calls ``generate`` / ``abort`` / ``embed``. With the engine core in this
+process (``multiprocess`` off), the loop thread owns the ``LLMEngine`` and is the only thread that touches
+it, so no locks guard engine state: requests and aborts cross over through thread-safe queues. With the core
+in its own process, requests and aborts go straight to the core's socket from the caller, and the thread
+reads the core's per-step outputs, renders them and hands them out. Either way
 outputs come back with ``call_soon_threadsafe``, one call per consumer loop per step.
 A request is validated and admitted (``check_admission``: the one place --max-waiting-requests is read)
 on the caller's side, before it crosses over, so the caller gets the error.
@@ -23,7 +23,7 @@ from collections import deque
 from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.llm_engine import EngineClient, LLMEngine
 from jaxserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -76,17 +76,13 @@ def _put_all(items) -> None:
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, *, progress: bool = True, engine: LLMEngine | None = None,
+    def __init__(self, config: EngineConfig, *, progress: bool = True, engine: EngineClient | None = None,
                  multiprocess: bool | None = None):
-        from jaxserve.engine.core_client import MultiprocessLLMEngine, use_multiprocess
+        from jaxserve.engine.core_client import use_multiprocess
         self.multiprocess = (getattr(engine, "multiprocess", False) if engine is not None
                              else use_multiprocess(multiprocess, default=False, config=config))
-        if engine is not None:
-            self.engine = engine
-        elif self.multiprocess:
-            self.engine = MultiprocessLLMEngine(config, progress=progress)
-        else:
-            self.engine = LLMEngine(config, progress=progress)
+        self.engine = engine if engine is not None else LLMEngine(config, progress=progress,
+                                                                  multiprocess=self.multiprocess)
         self.config = self.engine.config
         self.on_dead = None                   # called once (from the engine thread) when the engine dies
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -101,8 +97,6 @@ class AsyncLLMEngine:
         self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._read_core if self.multiprocess else self._loop,
                                         name="jaxserve-engine", daemon=True)
-        if self.multiprocess:
-            self.engine._reader_thread = self._thread
         self._thread.start()
 
     # ---------------------------------------------------------------- facts the server needs
@@ -144,7 +138,7 @@ class AsyncLLMEngine:
 
     def num_waiting(self) -> int:
         if self.multiprocess:   # sent to the core but not in its stats yet count as waiting
-            ahead = len(self.engine.output_processor.requests) - self._stats.get("num_running", 0)
+            ahead = self.engine.num_unfinished_requests() - self._stats.get("num_running", 0)
             return max(self._stats.get("num_waiting", 0), ahead)
         return self._stats.get("num_waiting", 0) + self._pending
 
@@ -173,8 +167,8 @@ class AsyncLLMEngine:
             return False
         if self.multiprocess:
             eng = self.engine
-            return eng.client.is_alive() and (not eng.has_unfinished_requests()
-                                              or time.monotonic() - eng.last_output_time < STUCK_AFTER_S)
+            return eng.is_core_alive() and (not eng.has_unfinished_requests()
+                                            or time.monotonic() - eng.last_output_time < STUCK_AFTER_S)
         busy = self._busy_since
         return busy is None or time.monotonic() - busy < STUCK_AFTER_S
 
@@ -194,7 +188,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         if self.multiprocess:
             try:
-                self.engine.enqueue(req)
+                self.engine.add_requests([req])
             except BaseException:
                 self._streams.pop(request_id, None)
                 raise
@@ -234,10 +228,9 @@ class AsyncLLMEngine:
         self._wake.set()
 
     async def embed(self, prompt_token_ids_list: list[list[int]], **kw):
-        embedder = getattr(self.engine, "embedder", None)
-        if embedder is None:
+        if not self.engine.is_embedding:
             raise InvalidRequestError("the loaded model does not support embeddings", param="model")
-        return await asyncio.to_thread(embedder.embed, prompt_token_ids_list, **kw)
+        return await asyncio.to_thread(self.engine.embed, prompt_token_ids_list, **kw)
 
     # ---------------------------------------------------------------- lifecycle
     def shutdown(self, drain_timeout: float = 30.0) -> None:
@@ -249,12 +242,7 @@ class AsyncLLMEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
-        if self.multiprocess:
-            self.engine.shutdown()
-            return
-        stop_followers = getattr(self.engine.runner, "stop", None)   # BroadcastingRunner (jax.distributed)
-        if stop_followers is not None:
-            stop_followers()
+        self.engine.shutdown()
 
     # ---------------------------------------------------------------- the loop thread
     def _drain_inbox(self) -> None:
@@ -272,7 +260,7 @@ class AsyncLLMEngine:
                 if stream is None:           # aborted before it was added
                     continue
                 try:
-                    eng.enqueue(req)
+                    eng.add_requests([req])
                 except Exception as e:       # noqa: BLE001 - reported to that request only
                     stream.put(e)
             else:
@@ -312,7 +300,7 @@ class AsyncLLMEngine:
             self._die(e, EngineDeadError(f"the engine loop died: {e!r}"))
 
     def _read_core(self) -> None:
-        """The split engine's thread: the core's outputs → RequestOutputs → the streams."""
+        """The thread of an engine whose core runs in its own process: its outputs → the streams."""
         eng = self.engine
         try:
             while not self._stop.is_set():

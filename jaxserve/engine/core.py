@@ -1,171 +1,298 @@
-"""The engine core process: an ``LLMEngine`` without text (``core_outputs=True``) in a busy loop.
+"""The engine core: requests in, ``step()`` = schedule → dispatch → process the previous step's outputs →
+``EngineCoreOutput``s out.
 
-    messages in (add / abort / embed / shutdown) → step() → EngineCoreOutputs out → repeat
-
-The loop reads every message waiting before each step, so an abort reaches the scheduler within one step;
-with nothing to run it blocks on the input socket. Its sockets: PULL for what the front end sends, PUSH for
-what it answers (``jaxserve.engine.core_client`` holds the other ends). It answers ``CoreReady`` (the
-``EngineFacts``) once the model is loaded and warm, ``CoreFailed`` if loading or a step raises (then it
-exits 1), and exits when its front end goes away (its parent process ends) or sends ``Shutdown``.
+Single-threaded, and without text: the front end (``llm_engine.LLMEngine``) validates requests, detokenizes,
+matches stop strings and renders RequestOutputs. The core runs in the front end's process
+(``core_client.InprocClient``: the offline ``LLM`` by default) or in its own (``core_process``, behind
+``core_client.MPClient``: the server by default). The roles, in vLLM v1's shape: the scheduler picks each
+step's tokens and counts the tokens a dispatched step will sample as placeholders; the runner (built by the
+``ModelExecutor``) dispatches steps; ``core_outputs.apply_sampled_tokens`` reads their tokens and alone
+decides that a request is finished (and why), which the scheduler then frees.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
-import pickle
-import signal
-import sys
 import time
+from collections import deque
 
-import msgspec
-
-from jaxserve.engine import messages as m
-from jaxserve.engine.gc_heap import prepare_gc_for_serving
+from jaxserve.config import EngineConfig
+from jaxserve.engine.core_outputs import apply_sampled_tokens
+from jaxserve.engine.embedder import Embedder, is_embedding_model
+from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.messages import EngineCoreOutput
 from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.structured_output import StructuredOutputManager
+from jaxserve.errors import InvalidRequestError
+from jaxserve.executor.model_executor import ModelExecutor
+from jaxserve.runner.model_runner import resolve_attention_backend
+from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# With requests unfinished the loop only polls its input; idle, it waits this long between checks of its
-# parent (a front end that died without a Shutdown).
-IDLE_POLL_MS = 500
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"     # the embedded default model
 
 
-def run_engine_core(config, input_address: str, output_address: str, progress: bool) -> None:
-    """The process's body: load the engine, say so, serve until Shutdown."""
-    import zmq
+@dataclasses.dataclass
+class EngineFacts:
+    """What a front end knows of a loaded engine: enough to validate requests and to (de)tokenize without
+    the model (the engine core process sends it once, when it is ready)."""
+    config: EngineConfig                  # resolved for the backend
+    tokenizer: object
+    model_config: object
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+    is_embedding: bool
+    multi_process: bool                   # the model spans several JAX processes
+    structured_unsupported_reason: str | None
+    model_source: str
+    load_format: str
+    dtype_name: str
+    load_seconds: float
+    warmup_seconds: float
+    num_kv_blocks: int | None = None      # None: an embedding model (no KV cache)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # SIGTERM / Ctrl-C go to the front end, which drains and then sends Shutdown; the core keeps stepping
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ctx = zmq.Context(io_threads=1)
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_address)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 2000)
-    outbox.connect(output_address)
-    encoder = msgspec.msgpack.Encoder()
-    try:
-        from jaxserve.engine.llm_engine import LLMEngine
-        engine = LLMEngine(config, progress=progress, core_outputs=True)
-        prepare_gc_for_serving()       # the model's and runner's objects out of the collector's passes
-        outbox.send(encoder.encode(m.CoreReady(pickle.dumps(engine.facts()))))
-        EngineCoreLoop(engine, inbox, outbox, encoder).run()
-    except BaseException as e:  # noqa: BLE001 - reported to the front end, then the process ends
-        logger.exception("engine core failed")
-        try:
-            try:
-                exc = pickle.dumps(e)
-            except Exception:  # noqa: BLE001 - not picklable: the text is enough
-                exc = None
-            outbox.send(encoder.encode(m.CoreFailed(f"{type(e).__name__}: {e}", exc)))
-        finally:
-            outbox.close(linger=2000)
-            inbox.close(linger=0)
-            ctx.term()
-        sys.exit(1)
-    outbox.close(linger=2000)
-    inbox.close(linger=0)
-    ctx.term()
+    @property
+    def served_model_name(self) -> str:
+        # vLLM's rule: the --served-model-name, else the model argument as given
+        return self.config.served_model_name or self.config.model or DEFAULT_SERVED_NAME
 
 
-class EngineCoreLoop:
-    def __init__(self, engine, inbox, outbox, encoder):
-        self.engine = engine
-        self.inbox = inbox
-        self.outbox = outbox
-        self.encoder = encoder
-        self.decoder = msgspec.msgpack.Decoder(m.ToCore)
-        self.parent = os.getppid()
-        self.running = True
-        self.loop_ms = 0.0                  # wall time of the iterations that stepped, summed
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    """A dispatched step whose tokens are not read yet."""
+    pending: object                               # runner.PendingStep
+    sampled: list[tuple[Request, int]]            # (request, index of its first placeholder of this step)
+    scored: list = dataclasses.field(default_factory=list)   # prompt_logprobs chunks scored after the step
 
-    def run(self) -> None:
-        import zmq
-        eng, inbox = self.engine, self.inbox
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, progress: bool = True):
+        self.executor = ModelExecutor(config)
+        config = self.config = self.executor.config
+        self.model = self.executor.model
+        self.model_config = self.model.config
+        self.tokenizer = self.model.tokenizer
+        self.chat_template = config.chat_template or self.model.chat_template
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+            disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace)
+        # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
+        self._in_flight: deque[_InFlight] = deque()
+        self._lookahead = 1 if config.async_scheduling else 0
+        self._scorer = None
+        self._step_ms = 0.0                       # wall time inside step(), summed (host + device waits)
+        self.multi_process = self.executor.multi_process
+        self.embedder = self.runner = self.scheduler = self.kv_manager = None
         t0 = time.perf_counter()
-        while self.running:
-            if not eng.has_unfinished_requests():
-                # idle: block for the next message (waking now and then to notice a parent that died)
-                if not inbox.poll(IDLE_POLL_MS):
-                    if os.getppid() != self.parent:
-                        logger.info("the front end is gone; the engine core exits")
-                        return
-                    continue
-                t0 = time.perf_counter()
-            handled = 0
-            while True:                         # everything waiting, before the step
-                try:
-                    raw = inbox.recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self.handle(self.decoder.decode(raw.buffer))
-                handled += 1
-            if not self.running:
-                return
-            if not eng.has_unfinished_requests():
-                if handled:                     # e.g. the last aborts: the front end's stats show them
-                    self.outbox.send(self.encoder.encode(m.EngineCoreOutputs([], eng.stats())))
-                continue
-            self.step_and_send()
-            t1 = time.perf_counter()
-            # the loop's whole cost of a step: its messages, the step, encoding and sending its outputs
-            self.loop_ms += (t1 - t0) * 1e3
-            t0 = t1
+        if is_embedding_model(self.model, config.task):
+            if self.multi_process:
+                raise ValueError("embedding models run in a single process (no --num-processes / "
+                                 "--distributed-executor-backend mp)")
+            # an embedding engine: no KV cache, no scheduler; requests go straight to the bucketed Embedder
+            self.embedder = Embedder(self.model, attn_backend=resolve_attention_backend(config.attention_backend),
+                                     block_size=config.cache.block_size, max_length=config.max_model_len,
+                                     model_name=config.served_model_name)
+            self.max_model_len = self.embedder.max_length
+            if not config.skip_warmup:
+                self.embedder.warmup(progress=progress)
+        else:
+            self.max_model_len = self.model.max_model_len     # the loader checked it against the model
+            self.runner = self.executor.build_runner()
+            self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                             config.cache.enable_prefix_caching, self.max_model_len)
+            self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
+            self.executor.warm_up(progress=progress)
+            if self.multi_process:
+                # the processes follow the steps process 0 sends, and a step carries no bitmask
+                self.structured_output.unsupported_reason = (
+                    "the model is spread over several processes (--num-processes / "
+                    "--distributed-executor-backend mp); run it in one process (-tp over its local GPUs)")
+        self.warmup_seconds = time.perf_counter() - t0
 
-    def step_and_send(self) -> None:
-        """One engine step and its EngineCoreOutputs (with the core's stats) to the front end: the loop's
-        per-step work, apart from reading the inbox."""
-        eng = self.engine
-        outputs = eng.step()
-        stats = eng.stats()
-        stats["core_loop_ms_total"] = self.loop_ms          # up to the previous step
-        self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(outputs, stats)), copy=False)
+    def facts(self) -> EngineFacts:
+        model = self.model
+        return EngineFacts(
+            config=self.config, tokenizer=self.tokenizer, model_config=self.model_config,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, chat_template=self.chat_template,
+            is_embedding=self.embedder is not None, multi_process=self.multi_process,
+            structured_unsupported_reason=self.structured_output.unsupported_reason,
+            model_source=str(getattr(model, "source", self.config.model)),
+            load_format=str(getattr(model, "load_format", self.config.load_format)),
+            dtype_name=str(getattr(model.dtype, "__name__", model.dtype)),
+            load_seconds=self.executor.load_seconds, warmup_seconds=self.warmup_seconds,
+            num_kv_blocks=self.runner.num_blocks if self.runner is not None else None)
 
-    def add(self, msg: m.EngineCoreRequest) -> None:
-        eng = self.engine
-        params = pickle.loads(msg.sampling_params)
-        req = Request(msg.request_id, msg.prompt_token_ids, params, eos_token_ids=eng.eos_token_ids,
-                      arrival_time=msg.arrival_time)
-        req.sampling_seed = msg.sampling_seed
-        try:
-            eng.enqueue(req)
-        except Exception:  # noqa: BLE001 - the front end validated it; end that request, keep serving
-            logger.exception("request %s could not be queued; it ends as aborted", msg.request_id)
-            self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(
-                [m.EngineCoreOutput(msg.request_id, [], int(RequestStatus.FINISHED_ABORTED))])))
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float, sampling_seed: int) -> None:
+        """Queue a request the front end validated (``LLMEngine.make_request``); ``params`` are its own
+        copy. Raises InvalidRequestError if its id is in use."""
+        if self.scheduler.get_request(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                      arrival_time=arrival_time, sampling_seed=sampling_seed)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]    # the first position has no logprob; the rest come chunk by chunk
+            if self._scorer is None:
+                self._make_scorer()
+        self.scheduler.add_request(req)
+        self.structured_output.add_request(req)    # a constrained request gets its own grammar matcher
 
-    def handle(self, msg) -> None:
-        eng = self.engine
-        if isinstance(msg, m.EngineCoreRequest):
-            self.add(msg)
-        elif isinstance(msg, m.AddRequests):
-            for r in msg.requests:
-                self.add(r)
-        elif isinstance(msg, m.AbortRequests):
-            eng.abort_request(msg.request_ids)
-        elif isinstance(msg, m.EmbedCall):
-            t0 = time.perf_counter()
-            try:
-                vecs = eng.embedder.embed(msg.prompt_token_ids, truncate_prompt_tokens=msg.truncate_prompt_tokens,
-                                          dimensions=msg.dimensions)
-                reply = m.EmbedResult(msg.call_id, embeddings=pickle.dumps(vecs))
-            except Exception as e:  # noqa: BLE001 - the caller's error
-                reply = m.EmbedResult(msg.call_id, error=pickle.dumps(e))
-            logger.debug("embedded %d inputs in %.1f ms", len(msg.prompt_token_ids), 1e3 * (time.perf_counter() - t0))
-            self.outbox.send(self.encoder.encode(reply))
-        elif isinstance(msg, m.Shutdown):
-            self.running = False
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if self.scheduler is None:          # an embedding engine queues nothing
+            return
+        self.scheduler.abort_requests(request_ids)
+        for rid in request_ids:
+            self.structured_output.remove(rid)
 
+    def has_unfinished_requests(self) -> bool:
+        # a step in flight whose requests all finished or were aborted needs no more steps
+        return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[EngineCoreOutput]:
+        """schedule → dispatch → process the previous step's outputs → return them.
 
-def main(argv: list[str]) -> None:
-    """``python -m jaxserve.engine.core CONFIG_PICKLE INPUT_ADDRESS OUTPUT_ADDRESS`` (EngineCoreClient runs it)."""
-    config_path, input_address, output_address = argv
-    with open(config_path, "rb") as f:
-        config, progress = pickle.load(f)
-    run_engine_core(config, input_address, output_address, progress)
+        With async scheduling (the default) the host never waits for the device between steps: step N+1 is
+        dispatched before step N's tokens are read, and reading them overlaps step N+1 on the device. The
+        scheduler counts each token a dispatched step samples as a PLACEHOLDER (positions, blocks and the
+        length limit need only the count); the token itself goes from step N's output to step N+1's input on
+        the device, and ``apply_sampled_tokens`` fills it in when step N is read. A request that stopped at
+        step N has computed one token too many in N+1 (up to num_steps with multi-step): it is dropped.
+        Without async scheduling each step is read before step() returns.
+        """
+        t0 = time.perf_counter()
+        if not self.scheduler.scoring_ready:
+            self._wait_for_scorer()
+        scheduler_output = self.scheduler.schedule()
+        outputs = self._dispatch(scheduler_output) if scheduler_output.scheduled else []
+        outputs += self._process_in_flight(keep=self._lookahead if scheduler_output.scheduled else 0)
+        self._step_ms += (time.perf_counter() - t0) * 1e3
+        return outputs
 
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Send the scheduled step to the device and let the scheduler count its tokens. Returns the outputs
+        of the steps it had to read first: penalties need the real token history on the host before the step
+        goes, a step with structured-output rows its previous tokens in the matchers before its sampler."""
+        scheduled = scheduler_output.scheduled
+        outputs = self._process_in_flight(keep=0) if self._needs_history(scheduled) else []
+        prev = self._in_flight[-1].pending if self._in_flight else None
+        constrained = self.structured_output.constrained_rows(scheduled)
+        if constrained is None:
+            pending = self.runner.dispatch(scheduled, prev)
+        else:
+            pending = self.runner.dispatch_forward(scheduled, prev)
+        scored = self._score_prompt_chunks(scheduled) if self.scheduler.num_scoring else []
+        self.scheduler.update_from_output(scheduler_output)
+        running = RequestStatus.RUNNING
+        sampled = [(s.request, len(s.request.output_token_ids) - s.num_steps)
+                   for s in scheduled if s.samples and s.request.status == running]
+        if constrained is not None:
+            pending = self._sample_constrained(pending, constrained, outputs)
+        self._in_flight.append(_InFlight(pending, sampled, scored))
+        return outputs
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    def _needs_history(self, scheduled) -> bool:
+        """Whether a scheduled request needs its previous token on the host before dispatch (penalties)."""
+        return bool(self.scheduler.num_penalized) and any(s.request.uses_penalties for s in scheduled)
+
+    def _sample_constrained(self, forward, constrained, outputs: list[EngineCoreOutput]):
+        """The second half of a step with constrained rows, whose forward the device is running: read the
+        step in flight (appending its outputs to ``outputs``), its tokens advance the matchers, those rows'
+        bitmask fills on a worker thread while its outputs are made, and the sampler follows with the mask.
+        (A step with none is one ``runner.dispatch``: today's program, no extra host work.)"""
+        so, mask = self.structured_output, None
+        while self._in_flight:                  # (one step at most with async scheduling)
+            step, result = self._read(self._in_flight.popleft())
+            so.advance(step.sampled, result.token_ids)
+            if not self._in_flight:             # the matchers are current: fill while the outputs are made
+                mask = so.start_fill(constrained, forward.num_rows)
+            outputs += self._process_read(step, result)
+        mask = mask or so.start_fill(constrained, forward.num_rows)
+        return self.runner.dispatch_sample(forward, mask.result())
+
+    def _process_in_flight(self, keep: int) -> list[EngineCoreOutput]:
+        """Read the dispatched steps' tokens, oldest first, leaving the newest ``keep`` on the device."""
+        outputs: list[EngineCoreOutput] = []
+        while len(self._in_flight) > keep:
+            outputs += self._process_read(*self._read(self._in_flight.popleft()))
+        return outputs
+
+    def _read(self, step: _InFlight):
+        """The step with its sampled tokens (waits for the device)."""
+        return step, self.runner.collect(step.pending)
+
+    def _process_read(self, step: _InFlight, result) -> list[EngineCoreOutput]:
+        """Apply a read step's tokens (which decides the requests that finished); the scheduler frees those."""
+        if step.scored:
+            self._scorer.collect(step.scored, self.tokenizer, self.config.max_logprobs)
+        so = self.structured_output
+        outputs, finished = apply_sampled_tokens(step.sampled, result.token_ids, result.logprobs,
+                                                 so.accept if so.has_requests else None)
+        for status, request_ids in finished.items():
+            self.scheduler.finish_requests(request_ids, status)
+            if so.has_requests:
+                for rid in request_ids:
+                    so.remove(rid)
+        return outputs
+
+    # ---------------------------------------------------------------- prompt logprobs
+    def _make_scorer(self) -> None:
+        """vLLM's prompt_logprobs (``runner.prompt_logprobs``), made for the first request that asks: its
+        executables compile in the background while scoring requests wait in the queue."""
+        from jaxserve.runner.prompt_logprobs import PromptLogprobsScorer
+        self._scorer = PromptLogprobsScorer(self.model, self.runner.kv_caches, attn_backend=self.runner.backend,
+                                            max_blocks_per_seq=self.runner.max_blocks_per_seq,
+                                            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+                                            max_logprobs=self.config.max_logprobs, mesh=self.executor.mesh,
+                                            background=not self.runner.enforce_eager)
+        self.scheduler.scoring_ready = self._scorer.ready()
+
+    def _wait_for_scorer(self) -> None:
+        """Let the scheduler take scoring requests once the scorer is compiled. A step with nothing else to
+        run waits a little for it rather than spinning (the compiles want the cores and the GIL)."""
+        if not self._scorer.ready() and not self._in_flight and \
+                self.scheduler.num_running == 0 and self.scheduler.num_waiting <= self.scheduler.num_scoring:
+            self._scorer.compiler.wait_all(timeout=0.02)
+        self.scheduler.scoring_ready = self._scorer.ready()
+
+    def _score_prompt_chunks(self, scheduled) -> list:
+        """Score the prompt chunks this step computes (``runner.prompt_logprobs``)."""
+        self.runner.kv_caches, scored = self._scorer.dispatch(scheduled, self.runner.kv_caches)
+        return scored
+
+    # ---------------------------------------------------------------- stats and lifecycle
+    def stats(self) -> dict:
+        if self.scheduler is None:
+            return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+        s = dict(self.scheduler.get_stats())
+        rs = self.runner.stats
+        s.update(rs.snapshot())
+        # raw totals, so a benchmark can diff a window: host ms/step = (step_ms - device_ms) / steps
+        s.update(step_ms_total=self._step_ms, runner_host_ms_total=rs.host_ms, device_ms_total=rs.device_ms,
+                 tokens_total=rs.tokens)
+        s["num_kv_blocks"] = self.runner.num_blocks
+        variants = getattr(self.runner, "variants", None)
+        if variants is not None:                # background compiles not done yet (the prompt scorer's too)
+            s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0)
+        s.update(self.structured_output.stats())
+        return s
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the step variants compiling in the background are done (False after ``timeout``)."""
+        return True if self.runner is None else self.runner.wait_compiled(timeout)
+
+    def shutdown(self) -> None:
+        """Release the processes following this one's steps, and stop the background compiles: once they
+        are gone nothing holds the weights and KV cache, and the next engine can claim the memory."""
+        if self.runner is None:
+            return
+        release_followers = getattr(self.runner, "stop", None)     # BroadcastingRunner (jax.distributed)
+        if release_followers is not None:
+            release_followers()
+        self.runner.stop_background_compiles(wait=True)

@@ -1,17 +1,17 @@
-"""The front end of a split engine: the engine core in its own process (``jaxserve.engine.core``), and here
-everything that needs text.
+"""How the front end (``llm_engine.LLMEngine``) reaches its engine core: in this process (``InprocClient``)
+or in its own (``MPClient``), behind the same calls:
 
-``EngineCoreClient`` starts the core process and holds the sockets (PUSH requests to it, PULL its outputs;
-msgpack over ZMQ ipc). ``MultiprocessLLMEngine`` has the in-process ``LLMEngine``'s interface for the offline
-``LLM`` and the async front: it validates and builds requests (``RequestBuilder``, with the facts the core
-sent), keeps each request's front-end state, and turns the core's per-step outputs into RequestOutputs
-(``FrontendOutputProcessor``: detokenization, stop strings, logprob text). A stop string found here aborts the
-request in the core.
+    add_requests(front-end Requests)   abort_requests(ids)   get_outputs(timeout) -> EngineCoreOutputs
+    embed(...)   wait_compiled(timeout)   stats()   is_alive()   shutdown()
 
-Threads: ``enqueue`` / ``abort_request`` may be called from any thread (the request socket has a lock);
-``step`` (the only reader of the output socket) from one thread at a time.
+plus ``facts`` (the loaded engine's ``EngineFacts``) and ``structured_output`` (the manager the front end
+validates constraints with: in this process the core's own, whose compiled grammars the core then reuses).
 
-If the core process dies, ``step`` raises EngineDeadError within ``DEATH_CHECK_S``.
+``MPClient`` starts the core process (``jaxserve.engine.core_process``) and holds its sockets (PUSH requests
+to it, PULL its outputs; msgpack over ZMQ ipc). ``add_requests`` / ``abort_requests`` may be called from any
+thread (the request socket has a lock); one thread at a time reads the output socket (``get_outputs``, or
+``embed`` waiting for its answer when no other thread reads). If the core process dies, a reader gets
+EngineDeadError within ``DEATH_CHECK_S``.
 """
 from __future__ import annotations
 
@@ -23,26 +23,74 @@ import shutil
 import tempfile
 import threading
 import time
-import weakref
+from collections import deque
 
 import msgspec
-import numpy as np
 
 from jaxserve.engine import messages as m
-from jaxserve.engine.llm_engine import EngineFacts, RequestBuilder
-from jaxserve.engine.output_processor import FrontendOutputProcessor
-from jaxserve.engine.request import Request
+from jaxserve.engine.core import EngineCore, EngineFacts
 from jaxserve.engine.structured_output import StructuredOutputManager
-from jaxserve.errors import EngineDeadError, InvalidRequestError
-from jaxserve.outputs import RequestOutput
+from jaxserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 DEATH_CHECK_S = 0.2          # how often a waiting reader checks that the core process is alive
 
 
-class EngineCoreClient:
+class InprocClient:
+    """The engine core in this process: each call is the core's, on the caller's thread."""
+
+    multiprocess = False
+
+    def __init__(self, config, *, progress: bool = True):
+        self.core = EngineCore(config, progress=progress)
+        self.facts: EngineFacts = self.core.facts()
+        self.structured_output = self.core.structured_output
+        self.last_output_time = time.monotonic()
+
+    def add_requests(self, reqs) -> None:
+        """Queue them all, or (one raised) none."""
+        added = []
+        try:
+            for req in reqs:
+                self.core.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                      req.arrival_time, req.sampling_seed)
+                added.append(req.request_id)
+        except BaseException:
+            self.core.abort_requests(added)
+            raise
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_outputs(self, timeout_s: float | None = None) -> list[m.EngineCoreOutput]:
+        """One core step's outputs."""
+        outputs = self.core.step()
+        self.last_output_time = time.monotonic()
+        return outputs
+
+    def embed(self, prompt_token_ids_list, *, truncate_prompt_tokens=None, dimensions=None):
+        return self.core.embedder.embed(prompt_token_ids_list, truncate_prompt_tokens=truncate_prompt_tokens,
+                                        dimensions=dimensions)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        return self.core.wait_compiled(timeout)
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def is_alive(self) -> bool:
+        return True
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.core.shutdown()
+
+
+class MPClient:
     """The engine core process and its two sockets."""
+
+    multiprocess = True
+    core = None                     # (it lives in the other process)
 
     def __init__(self, config, *, progress: bool = True, startup_timeout_s: float | None = None):
         import subprocess
@@ -70,8 +118,26 @@ class EngineCoreClient:
         with open(config_path, "wb") as f:
             pickle.dump((config, progress), f)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.engine.core", config_path, self.input_address, self.output_address])
-        self.facts: EngineFacts = self._wait_ready(startup_timeout_s)
+            [sys.executable, "-m", "jaxserve.engine.core_process", config_path, self.input_address,
+             self.output_address])
+        self._start_reading(self._wait_ready(startup_timeout_s))
+
+    def _start_reading(self, facts: EngineFacts) -> None:
+        """The front end's side of a ready core: its facts, the manager the front end validates constraints
+        with (the core compiles its own matchers), and the state of reading its outputs."""
+        self.facts = facts
+        self.structured_output = StructuredOutputManager(
+            facts.tokenizer, facts.model_config.vocab_size, facts.eos_token_ids,
+            disable_any_whitespace=facts.config.structured_outputs_config.disable_any_whitespace)
+        self.structured_output.unsupported_reason = facts.structured_unsupported_reason
+        self._read_lock = threading.Lock()          # one reader of the output socket at a time
+        self._ready: deque[m.EngineCoreOutputs] = deque()     # read, not handed out yet
+        self._stats: dict = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+        self._embed_ids = itertools.count()
+        self._embed_results: dict[int, m.EmbedResult] = {}
+        self._embed_cv = threading.Condition()
+        self._probe_ids = itertools.count()
+        self.last_output_time = time.monotonic()
 
     def _wait_ready(self, timeout_s: float | None) -> EngineFacts:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -89,6 +155,90 @@ class EngineCoreClient:
                 self.close()
                 raise TimeoutError(f"the engine core was not ready after {timeout_s} s")
 
+    # ---------------------------------------------------------------- requests
+    def add_requests(self, reqs) -> None:
+        """Send validated front-end Requests in one message: the core queues them all before its next step."""
+        msgs = [m.EngineCoreRequest(req.request_id, req.prompt_token_ids, pickle.dumps(req.sampling_params),
+                                    req.arrival_time, req.sampling_seed) for req in reqs]
+        self.send(msgs[0] if len(msgs) == 1 else m.AddRequests(msgs))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_reason is None:
+            self.send(m.AbortRequests(request_ids))
+
+    # ---------------------------------------------------------------- outputs
+    def get_outputs(self, timeout_s: float | None = None) -> list[m.EngineCoreOutput]:
+        """The outputs of the core's next step that has some (waits for them; [] after ``timeout_s``)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._ready:
+            wait = DEATH_CHECK_S if deadline is None else min(DEATH_CHECK_S, max(0.0, deadline - time.monotonic()))
+            with self._read_lock:
+                self._read(wait)
+            if not self._ready and deadline is not None and time.monotonic() >= deadline:
+                return []
+        return self._ready.popleft().outputs
+
+    def _read(self, timeout_s: float):
+        """Read one message (or none after ``timeout_s``): a step's outputs are kept for ``get_outputs`` (the
+        core's stats they carry taken now), an embedding result goes to its waiting caller. Returns it."""
+        msg = self.recv(timeout_s)
+        if isinstance(msg, m.EngineCoreOutputs):
+            self.last_output_time = time.monotonic()
+            if msg.stats is not None:
+                self._stats = msg.stats
+            if msg.outputs:
+                self._ready.append(msg)
+        elif isinstance(msg, m.EmbedResult):
+            with self._embed_cv:
+                self._embed_results[msg.call_id] = msg
+                self._embed_cv.notify_all()
+        return msg
+
+    def embed(self, prompt_token_ids_list, *, truncate_prompt_tokens=None, dimensions=None):
+        """Embeddings computed in the core (blocking; from any thread)."""
+        call_id = next(self._embed_ids)
+        self.send(m.EmbedCall(call_id, [list(p) for p in prompt_token_ids_list], truncate_prompt_tokens,
+                              dimensions))
+        while True:
+            with self._embed_cv:
+                result = self._embed_results.pop(call_id, None)
+            if result is not None:
+                if result.error is not None:
+                    raise pickle.loads(result.error)
+                return pickle.loads(result.embeddings)
+            if not self.is_alive():
+                raise EngineDeadError(self.dead_reason or "the engine core process is gone")
+            if self._read_lock.acquire(blocking=False):     # nobody else reads: read here
+                try:
+                    self._read(DEATH_CHECK_S)
+                finally:
+                    self._read_lock.release()
+            else:
+                with self._embed_cv:
+                    if call_id not in self._embed_results:
+                        self._embed_cv.wait(DEATH_CHECK_S)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Until the core's background compiles are done (False after ``timeout`` seconds). The core reports
+        its pending count with each step, so this runs one-token probe requests (which the front end never
+        sees) until it reads 0. Call it while no other thread reads the outputs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        probe = pickle.dumps(_probe_params())
+        while self._stats.get("step_variants_pending", 1):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            rid = f"compile-probe-{next(self._probe_ids)}"
+            self.send(m.EngineCoreRequest(rid, [0], probe, time.time(), 0))
+            with self._read_lock:
+                while not _finishes(self._read(DEATH_CHECK_S), rid):
+                    pass
+            time.sleep(0.2)
+        return True
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    # ---------------------------------------------------------------- the process and its sockets
     def send(self, msg) -> None:
         data = self._encoder.encode(msg)
         with self._send_lock:
@@ -127,6 +277,9 @@ class EngineCoreClient:
         except subprocess.TimeoutExpired:
             return False
 
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.close(timeout_s)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop, wait up to ``timeout_s``, then kill it; close the sockets."""
         if self._ctx.closed:
@@ -146,143 +299,20 @@ class EngineCoreClient:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class _EmbedderProxy:
-    def __init__(self, engine: "MultiprocessLLMEngine"):
-        self._engine = engine
-
-    def embed(self, prompt_token_ids_list, *, truncate_prompt_tokens=None, dimensions=None):
-        return self._engine.embed(prompt_token_ids_list, truncate_prompt_tokens=truncate_prompt_tokens,
-                                  dimensions=dimensions)
+def _probe_params():
+    from jaxserve.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=1, temperature=0.0)
 
 
-class MultiprocessLLMEngine(RequestBuilder):
-    """The front end of a split engine, with LLMEngine's interface (``step`` returns RequestOutputs)."""
+def _finishes(msg, request_id: str) -> bool:
+    """Whether ``msg`` is a step's outputs that finish ``request_id``."""
+    return isinstance(msg, m.EngineCoreOutputs) and any(
+        o.request_id == request_id and o.finish_status for o in msg.outputs)
 
-    multiprocess = True
 
-    def __init__(self, config, *, progress: bool = True):
-        self.client = EngineCoreClient(config, progress=progress)
-        weakref.finalize(self, self.client.close)      # an LLM dropped without shutdown() stops its core
-        facts = self._facts = self.client.facts
-        self.config = facts.config
-        self.tokenizer = facts.tokenizer
-        self.model_config = facts.model_config
-        self.max_model_len = facts.max_model_len
-        self.eos_token_ids = facts.eos_token_ids
-        self.chat_template = facts.chat_template
-        self.is_embedding = facts.is_embedding
-        self.load_seconds, self.warmup_seconds = facts.load_seconds, facts.warmup_seconds
-        self._multi_process = facts.multi_process
-        # validates and compiles constraints for the front end (the core compiles its own matchers)
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            disable_any_whitespace=self.config.structured_outputs_config.disable_any_whitespace)
-        self.structured_output.unsupported_reason = facts.structured_unsupported_reason
-        self.output_processor = FrontendOutputProcessor(self.tokenizer)
-        self._seed_rng = np.random.default_rng(self.config.seed)
-        self._ids = itertools.count()
-        self._stats: dict = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
-        self._embed_ids = itertools.count()
-        self._embed_results: dict[int, m.EmbedResult] = {}
-        self._embed_cv = threading.Condition()
-        self._reader_thread: threading.Thread | None = None     # set by a front that reads in a thread
-        self.last_output_time = time.monotonic()
-
-    def facts(self) -> EngineFacts:
-        return self._facts
-
-    @property
-    def embedder(self):
-        return _EmbedderProxy(self) if self.is_embedding else None
-
-    # ---------------------------------------------------------------- requests
-    def enqueue(self, req: Request) -> None:
-        """Register the request's front-end state and send it to the core (any thread)."""
-        self.enqueue_many([req])
-
-    def enqueue_many(self, reqs: list[Request]) -> None:
-        """Register several requests and send them in one message: the core queues them all before its
-        next step."""
-        procs = self.output_processor
-        for i, req in enumerate(reqs):
-            if req.request_id in procs.requests or any(r.request_id == req.request_id for r in reqs[:i]):
-                raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
-        msgs = [m.EngineCoreRequest(req.request_id, req.prompt_token_ids, pickle.dumps(req.sampling_params),
-                                    req.arrival_time, req.sampling_seed) for req in reqs]
-        for req in reqs:
-            procs.add_request(req)
-        try:
-            self.client.send(msgs[0] if len(msgs) == 1 else m.AddRequests(msgs))
-        except BaseException:
-            for req in reqs:
-                procs.remove(req.request_id)
-            raise
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
-                    arrival_time: float | None = None) -> None:
-        self.enqueue(self.make_request(request_id, prompt_token_ids, params, prompt, arrival_time))
-
-    def abort_request(self, request_ids) -> None:
-        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in request_ids:
-            self.output_processor.remove(rid)
-        if request_ids and self.client.dead_reason is None:
-            self.client.send(m.AbortRequests(request_ids))
-
-    def request_ids(self) -> list[str]:
-        return list(self.output_processor.requests)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
-
-    # ---------------------------------------------------------------- outputs
-    def step(self, timeout_s: float | None = None) -> list[RequestOutput]:
-        """The RequestOutputs of the core's next step (waits for it; [] after ``timeout_s``)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            wait = DEATH_CHECK_S if deadline is None else min(DEATH_CHECK_S, max(0.0, deadline - time.monotonic()))
-            msg = self.client.recv(wait)
-            if isinstance(msg, m.EngineCoreOutputs):
-                self.last_output_time = time.monotonic()
-                if msg.stats is not None:
-                    self._stats = msg.stats
-                outputs, stopped_here = self.output_processor.process_outputs(msg.outputs)
-                if stopped_here:
-                    self.client.send(m.AbortRequests(stopped_here))
-                return outputs
-            if isinstance(msg, m.EmbedResult):
-                with self._embed_cv:
-                    self._embed_results[msg.call_id] = msg
-                    self._embed_cv.notify_all()
-                continue
-            if msg is None and deadline is not None and time.monotonic() >= deadline:
-                return []
-
-    def embed(self, prompt_token_ids_list, *, truncate_prompt_tokens=None, dimensions=None):
-        """Embeddings computed in the core (blocking; from any thread when another thread runs ``step``)."""
-        call_id = next(self._embed_ids)
-        self.client.send(m.EmbedCall(call_id, [list(p) for p in prompt_token_ids_list], truncate_prompt_tokens,
-                                     dimensions))
-        while True:
-            with self._embed_cv:
-                result = self._embed_results.pop(call_id, None)
-                if result is None and self._reader_thread is not None:
-                    self._embed_cv.wait(DEATH_CHECK_S)
-                    result = self._embed_results.pop(call_id, None)
-            if result is not None:
-                if result.error is not None:
-                    raise pickle.loads(result.error)
-                return pickle.loads(result.embeddings)
-            if not self.client.is_alive():
-                raise EngineDeadError(self.client.dead_reason or "the engine core process is gone")
-            if self._reader_thread is None:
-                self.step(timeout_s=DEATH_CHECK_S)
-
-    def stats(self) -> dict:
-        return dict(self._stats)
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        self.client.close(timeout_s)
+def make_core_client(config, *, multiprocess: bool, progress: bool = True):
+    """The engine core for a front end: in its own process, or in this one."""
+    return MPClient(config, progress=progress) if multiprocess else InprocClient(config, progress=progress)
 
 
 def use_multiprocess(explicit: bool | None, default: bool, config=None) -> bool:

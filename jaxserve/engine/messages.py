@@ -3,8 +3,10 @@
 Front end → core: ``EngineCoreRequest`` (a validated request; ``AddRequests``: several), ``AbortRequests``, ``EmbedCall``, ``Shutdown``.
 Core → front end: ``EngineCoreOutputs`` (one per step: each request's new token ids, finish status, raw
 logprobs, and the core's stats), ``EmbedResult``, ``CoreReady`` (once, after load and warm-up), ``CoreFailed``.
-No text crosses: the front end detokenizes, matches stop strings and builds the RequestOutputs. Structs are
-``array_like`` (encoded as msgpack arrays, not maps) and tagged, so one decoder reads any message of a side.
+No text crosses: the front end detokenizes, matches stop strings and builds the RequestOutputs (the
+in-process engine hands the same ``EngineCoreOutput``s from its core to its front end, unencoded). Structs
+are ``array_like`` (encoded as msgpack arrays, not maps) and tagged, so one decoder reads any message of a
+side.
 
 The sampling parameters travel pickled (a dataclass with derived, non-init fields; once per request, not per
 step); so do the facts of ``CoreReady`` (the tokenizer, the model config: once per process).
@@ -49,7 +51,8 @@ class Shutdown(msgspec.Struct, array_like=True, tag=True, gc=False):
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's news from one step. ``finish_status``: a finished RequestStatus value (0 = running);
     ``stop_reason``: the stop token id (None for EOS); ``logprobs``: one RawLogprobs per new token, when the
-    request asked for them; the rest are sent once, with the request's first output."""
+    request asked for them; the rest are sent once, with the request's first output (which alone has a
+    ``first_token_time``)."""
     request_id: str
     new_token_ids: list[int]
     finish_status: int = 0
@@ -57,6 +60,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     logprobs: list[RawLogprobs] | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None
     # the prompt's logprobs (the core's scorer decodes them): per position None or {token id: (logprob,
     # rank, text)}
     prompt_logprobs: list[dict[int, tuple[float, int | None, str | None]] | None] | None = None

@@ -1,8 +1,10 @@
 """One sequence being generated: its tokens, its progress through the KV cache, its status, its output state.
 
 A `Request` is one sequence (the front ends fan a SamplingParams with n > 1 out into n requests) and the one
-object that holds everything the engine knows about it: the scheduler's view (tokens, computed tokens,
-placeholders, status) and the output processor's (detokenizer, logprobs, what was already returned).
+object that holds what one half of the engine knows about it. The engine core's holds the scheduler's view
+(tokens, computed tokens, placeholders, status) and what it has sent to the front end; the front end's (built
+at the engine boundary, ``LLMEngine.make_request``) holds the output tokens the core sent, the detokenizer,
+logprobs and what was already returned.
 
 The scheduler/runner/processor contract for tokens the host has not seen yet: when a step is dispatched the
 scheduler appends one ``PLACEHOLDER`` per token the step will sample (``num_placeholders`` counts them); the
@@ -20,6 +22,7 @@ from typing import Any, Iterable
 
 from jaxserve.outputs import PositionLogprobs, RequestMetrics
 from jaxserve.runner.step_contract import PLACEHOLDER
+from jaxserve.sampling_params import RequestOutputKind
 
 
 class RequestStatus(enum.IntEnum):
@@ -31,7 +34,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4     # EOS, a stop token id, or a stop string
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
-    FINISHED_IGNORED = 7     # rejected without running (reported like vLLM: finish_reason "length")
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -42,7 +44,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_IGNORED: "length",
 }
 
 
@@ -57,8 +58,8 @@ class Request:
         "cache_salt", "prompt", "max_tokens", "max_output_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
         "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_placeholders", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed", "uses_penalties",
-        "num_prompt_positions_scored",
-        # output state (the output processor's)
+        "num_prompt_positions_scored", "defer_outputs",
+        # output state (the front end's; the core's sends prompt_logprobs and counts num_sent_tokens)
         "detokenizer", "cumulative_logprob", "logprobs", "prompt_logprobs", "num_sent_tokens", "num_sent_chars",
     )
 
@@ -117,10 +118,15 @@ class Request:
         # The seed the runner folds into this request's PRNG key (the engine fills it: the request's
         # own seed, or one drawn from the engine's generator).
         self.sampling_seed = sampling_seed
+        # The core sends this request's tokens only when it finishes: its front end shows nothing before
+        # (FINAL_ONLY output, no stop strings to match, no logprobs).
+        self.defer_outputs = (getattr(sampling_params, "output_kind", None) is RequestOutputKind.FINAL_ONLY
+                              and not getattr(sampling_params, "stop", None)
+                              and getattr(sampling_params, "logprobs", None) is None)
 
-        # The output processor's state: the incremental detokenizer (None until the processor adopts the
+        # The output state: the incremental detokenizer (None until the front end's processor adopts the
         # request), the sampled tokens' logprobs and their sum, the prompt's logprobs when asked, and how much
-        # of the tokens and text a DELTA output has already returned.
+        # of the tokens (in the core: sent to the front end) and text a DELTA output has already returned.
         self.detokenizer = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[PositionLogprobs] | None = \

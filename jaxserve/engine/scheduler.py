@@ -12,8 +12,9 @@ is preempted (blocks freed, requeued at the front, recomputed later from its pro
 
 The scheduler never decides that a request is finished: ``update_from_output`` counts the tokens a
 dispatched step samples as placeholders, and a request whose placeholders reach its length limit gets no
-more steps (it waits, holding its blocks, in ``capped``); the output processor reads the tokens, decides
-(EOS, stop ids and strings, length) and the engine frees what it names with ``finish_requests``.
+more steps (it waits, holding its blocks, in ``capped``); ``core_outputs.apply_sampled_tokens`` reads the
+tokens, decides (EOS, stop ids, length) and the engine core frees what it names with ``finish_requests``
+(a stop string, found by the front end, comes as an abort).
 Admission (prompt length, queue limits) is the engine's, checked before ``add_request``.
 
 A request that asks for prompt logprobs is scheduled like any other (chunked, budgeted, preemptible,
@@ -64,12 +65,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     # Entries with one new token (decodes) first, then multi-token prefill chunks.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)    # preempted during this schedule()
-    # Requests that finished (any way: stop, length, abort) since the previous schedule() call:
-    # the runner may drop its per-request state for them.
-    finished_ids: list[str] = field(default_factory=list)
-    total_num_scheduled_tokens: int = 0
-    num_decodes: int = 0            # scheduled[:num_decodes] have num_new_tokens == 1
     num_steps: int = 1              # > 1: a multi-step decode (every entry decodes, for up to this many steps)
 
     @property
@@ -115,7 +110,6 @@ class Scheduler:
         # Running requests whose last token (by length) is dispatched: no more steps, and never preempted;
         # they keep their blocks until the output processor has read that token and the engine finishes them.
         self.capped: dict[str, Request] = {}
-        self._finished_ids: list[str] = []           # since the last schedule()
         self.num_scoring = 0                         # unfinished requests that asked for prompt logprobs
         self.scoring_ready = True                    # False while the engine's prompt scorer compiles
         self.num_penalized = 0                       # unfinished requests with a presence/frequency/repetition penalty
@@ -162,8 +156,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted_ids: list[str] = []
-        scoring_tokens = 0              # of the budget spent: the prompt scorer's forwards
+        preempted = False
         share = self._scoring_share() if self.num_scoring else budget   # left to the chunks being scored
         now = time.time()
 
@@ -201,13 +194,12 @@ class Scheduler:
             while kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted_ids.append(victim.request_id)
+                preempted = True
                 if victim is req:
                     break
             else:
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= cost
-                scoring_tokens += cost - num_new
                 share -= cost if cost > num_new else 0
                 i += 1
                 continue
@@ -216,7 +208,7 @@ class Scheduler:
         # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone). A request
         #    whose grammar is still compiling keeps its place and is passed over.
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted_ids:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             scores = self.num_scoring and _scores_prompt(req)
             if req.status == RequestStatus.WAITING_FOR_FSM or (scores and not self.scoring_ready):
@@ -247,7 +239,6 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
             budget -= cost
-            scoring_tokens += cost - num_new
             share -= cost if cost > num_new else 0
         if skipped:
             self.waiting.extendleft(reversed(skipped))
@@ -259,10 +250,7 @@ class Scheduler:
         num_steps = 1
         if self.num_scheduler_steps > 1 and scheduled and len(decodes) == len(scheduled):
             num_steps = self._plan_steps(scheduled)
-        finished_ids, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted_ids, finished_ids=finished_ids,
-                               total_num_scheduled_tokens=self.max_num_batched_tokens - budget - scoring_tokens,
-                               num_decodes=len(decodes), num_steps=num_steps)
+        return SchedulerOutput(scheduled=scheduled, num_steps=num_steps)
 
     def _plan_steps(self, scheduled: list[ScheduledRequest]) -> int:
         """Multi-step decoding for an all-decode step: give each entry up to num_scheduler_steps steps
@@ -442,7 +430,6 @@ class Scheduler:
             self.num_scoring -= 1
         if req.uses_penalties:
             self.num_penalized -= 1
-        self._finished_ids.append(req.request_id)
         req.metrics.finished_time = now
 
     # -- stats ----------------------------------------------------------------------------------------

@@ -8,14 +8,15 @@ loop: receive, launch the same step, repeat, until process 0 calls ``channel.sto
 Step outputs (sampled tokens) come out replicated, so process 0 reads its local copy and the followers
 never read theirs.
 
-With the engine (every process builds the same ``LLMEngine``; warm-up runs everywhere in the same order)::
+With the engine, every process builds the same ``ModelExecutor`` (warm-up runs everywhere in the same
+order); process 0's ``build_runner`` wraps its runner, the other processes follow it::
 
     if jax.process_count() > 1:
         if is_driver():
-            engine.runner = BroadcastingRunner(engine.runner)   # process 0: scheduler + server as usual;
-            ...                                                 # engine.runner.stop() at shutdown
+            runner = BroadcastingRunner(runner)     # process 0: the engine core's scheduler + server as usual;
+            ...                                     # runner.stop() at shutdown
         else:
-            follow_runner(engine.runner)                        # the others: no scheduler, no server
+            follow_runner(runner)                   # the others (worker.py, the CLI): no scheduler, no server
 
 What travels is the scheduler's decision (the ``ScheduledRequest`` list, and whether the step reads the
 previous step's on-device tokens), not padded arrays: ``ModelRunner.prepare`` and the sampling metadata

@@ -2,8 +2,8 @@
 
     python -m jaxserve.executor.worker CONFIG.pkl COORDINATOR NUM_PROCESSES PROCESS_ID STEP_PORT
 
-Joins ``jax.distributed``, builds the same engine as process 0 (same weights, same warm-up) and launches every
-step process 0 sends until it says stop.
+Joins ``jax.distributed``, builds the same model and runner as process 0 (``ModelExecutor``: same weights, same
+warm-up) and launches every step process 0 sends until it says stop.
 """
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ def main(argv=None) -> int:
     from jaxserve.executor import distributed, launcher
     receiver = distributed.SocketReceiver(int(port), i)       # process 0 accepts before jax.distributed
     distributed.initialize(coordinator, n, i, local_device_ids=launcher.local_device_ids(i))
-    from jaxserve.engine.llm_engine import LLMEngine
-    engine = LLMEngine(config, progress=False)
-    steps = distributed.follow_runner(engine.runner, distributed.StepChannel(transport=receiver))
+    from jaxserve.executor.model_executor import ModelExecutor
+    executor = ModelExecutor(config)
+    executor.build_runner()
+    executor.warm_up(progress=False)
+    steps = distributed.follow_runner(executor.runner, distributed.StepChannel(transport=receiver))
     print(f"worker {i}: followed {steps} steps", file=sys.stderr)
     return 0
 

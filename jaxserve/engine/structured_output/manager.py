@@ -176,7 +176,7 @@ class StructuredOutputManager:
     def advance(self, sampled, token_ids) -> None:
         """Advance the matchers of a read step's constrained requests by their tokens, all in one pass before
         the output processor reads the step (so the next mask can fill while it does). ``sampled`` and
-        ``token_ids`` are what ``OutputProcessor.process_outputs`` gets; its ``accept`` calls then answer
+        ``token_ids`` are what ``core_outputs.apply_sampled_tokens`` gets; its ``accept`` calls then answer
         from this pass. A finished or aborted request is skipped, as the output processor skips it."""
         from jaxserve.engine.request import RequestStatus
         preempted = RequestStatus.PREEMPTED

@@ -29,7 +29,7 @@ from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.model_runner import ModelRunner, resolve_attention_backend
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class RequestBuilder:
             raise InvalidRequestError("prompt_logprobs is not available when the model is spread over several "
                                       "processes (--num-processes / --distributed-executor-backend mp)",
                                       param="prompt_logprobs")
+        check_token_ids(params, self.model_config.vocab_size)              # logit_bias, allowed_token_ids
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)    # cached; raises naming the problem
 
@@ -147,6 +148,7 @@ class RequestBuilder:
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(self.eos_token_ids)},
                                              self.eos_token_ids[0] if self.eos_token_ids else None)
+        params.update_from_tokenizer(self.tokenizer)                   # bad_words as token sequences
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                       arrival_time=arrival_time or time.time(), prompt=prompt)
         req.sampling_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31 - 1))

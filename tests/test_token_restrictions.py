@@ -76,3 +76,27 @@ def test_plain_steps_run_the_programs_they_ran_before(llm):
     before = runner.compiled_variants()
     run(llm, prompts, greedy())
     assert runner.compiled_variants() == before
+
+
+def test_multi_step_decoding_applies_them_every_iteration(llm):
+    """--num-scheduler-steps: bias, allowed ids and one-token bad words are fixed for a request's life, so its
+    decode loop applies them at each iteration; a multi-token bad word runs single steps (it reads the output)."""
+    multi = make_llm(num_scheduler_steps=4)
+    sched, steps = multi.engine.scheduler, []
+    schedule = sched.schedule
+
+    def counting():
+        out = schedule()
+        steps.append(out.num_steps)
+        return out
+    sched.schedule = counting
+    prompts = [[5, 6, 7], [9, 10], [40, 41, 42, 43]]
+    sampled = dict(temperature=1.0, max_tokens=24, ignore_eos=True, allowed_token_ids=[ONE, TWO, 50])
+    params = [greedy(logit_bias={ONE: 2.0, TWO: 1.5}), SamplingParams(seed=3, **sampled),
+              SamplingParams(seed=4, bad_words=["2"], **sampled)]
+    assert run(multi, prompts, params) == run(llm, prompts, params)
+    assert max(steps) == 4
+    steps.clear()
+    two_tokens = SamplingParams(seed=4, bad_words=["12"], **sampled)
+    assert run(multi, prompts[:1], two_tokens) == run(llm, prompts[:1], two_tokens)
+    assert max(steps) == 1

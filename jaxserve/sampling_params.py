@@ -41,6 +41,12 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _shown(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (a request may send a long list)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def _token_id(key: Any) -> int | None:
     """A logit_bias key as a token id: an int >= 0 or its decimal string ("42"); None otherwise."""
     if _is_int(key):
@@ -194,26 +200,27 @@ class SamplingParams:
         allowed_token_ids and bad_words as lists. Raises naming the field and the offending entry."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}")
+                raise ValueError(f"logit_bias must be a map of token id to bias, got {_shown(self.logit_bias)}")
             bias: dict[int, float] = {}
             for token, value in self.logit_bias.items():
                 tid = _token_id(token)
                 if tid is None:
-                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {_shown(token)}")
                 if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token "
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {_shown(value)} for token "
                                      f"{tid}")
                 bias[tid] = float(value)
             self.logit_bias = bias
         ids = self.allowed_token_ids
         if ids is not None:
             if not isinstance(ids, (list, tuple)) or not ids or any(not _is_int(t) or t < 0 for t in ids):
-                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got {ids!r}")
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+                                 f"got {_shown(ids)}")
             self.allowed_token_ids = list(dict.fromkeys(ids))
         words = self.bad_words
         if words is not None:
             if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.lstrip() for w in words):
-                raise ValueError(f"bad_words must be a list of words (non-blank strings), got {words!r}")
+                raise ValueError(f"bad_words must be a list of words (non-blank strings), got {_shown(words)}")
             self.bad_words = list(words)
 
     def _verify(self) -> None:

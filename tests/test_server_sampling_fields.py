@@ -24,7 +24,8 @@ def bos_tokenizer():
     from tokenizers.processors import TemplateProcessing
     tok = byte_tokenizer()
     bos = tok.convert_tokens_to_ids("<|endoftext|>")
-    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                       special_tokens=[("<|endoftext|>", bos)])
     return tok
 
 

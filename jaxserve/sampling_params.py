@@ -18,6 +18,7 @@ import numpy as np
 _SAMPLING_EPS = 1e-5
 _MIN_TEMPERATURE = 1e-2
 MAX_N = 1024
+MAX_LOGIT_BIAS = 100.0      # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 class SamplingType(enum.IntEnum):
@@ -38,6 +39,21 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (a request may send a long list)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _token_id(key: Any) -> int | None:
+    """A logit_bias key as a token id: an int >= 0 or its decimal string ("42"); None otherwise."""
+    if _is_int(key):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.strip().isdecimal():
+        return int(key)
+    return None
 
 
 @dataclass
@@ -112,6 +128,11 @@ class SamplingParams:
 
     `top_k` 0 or -1 and `top_p` 1 and `min_p` 0 mean "off"; `temperature` 0 means greedy (then top-k/p
     and min-p are reset to off, as in vLLM). `seed` makes a request reproducible whatever batch it runs in.
+
+    Token restrictions, applied on the device before sampling (``jaxserve.runner.sampler``): `logit_bias`
+    ({token id: bias in [-100, 100]} added to the logits), `allowed_token_ids` (only these may be sampled),
+    `bad_words` (words never generated: the engine tokenizes each with and without a leading space, as vLLM;
+    a one-token word is always blocked, a longer one's last token when the output ends with the rest).
     """
     n: int = 1
     presence_penalty: float = 0.0
@@ -136,9 +157,13 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    # Set by the engine (update_from_generation_config), not by users.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Set by the engine (update_from_generation_config, update_from_tokenizer), not by users.
     eos_token_id: int | None = field(default=None, init=False, repr=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.seed == -1:   # the OpenAI-style "no seed"
@@ -159,6 +184,7 @@ class SamplingParams:
             self.prompt_logprobs = 1
         if self.top_k == -1:
             self.top_k = 0
+        self._normalise_token_restrictions()
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change an argmax, so turn them off (keeps the sampler on its fast path).
@@ -169,6 +195,34 @@ class SamplingParams:
         self._all_stop_token_ids.update(self.stop_token_ids)
 
     # ---- validation -------------------------------------------------------------------------------
+    def _normalise_token_restrictions(self) -> None:
+        """logit_bias keys as ints (OpenAI sends them as strings, vLLM takes both) and values as floats;
+        allowed_token_ids and bad_words as lists. Raises naming the field and the offending entry."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id to bias, got {_shown(self.logit_bias)}")
+            bias: dict[int, float] = {}
+            for token, value in self.logit_bias.items():
+                tid = _token_id(token)
+                if tid is None:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {_shown(token)}")
+                if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {_shown(value)} for token "
+                                     f"{tid}")
+                bias[tid] = float(value)
+            self.logit_bias = bias
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids or any(not _is_int(t) or t < 0 for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+                                 f"got {_shown(ids)}")
+            self.allowed_token_ids = list(dict.fromkeys(ids))
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.lstrip() for w in words):
+                raise ValueError(f"bad_words must be a list of words (non-blank strings), got {_shown(words)}")
+            self.bad_words = list(words)
+
     def _verify(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -242,6 +296,22 @@ class SamplingParams:
                     or f32(self.repetition_penalty) != 1)
 
     @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the request's real output tokens on the host: a penalty, or a bad word of
+        several tokens (its last token is blocked only after the others)."""
+        return self.uses_penalties or any(len(w) > 1 for w in self._bad_words_token_ids or ())
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad_words change which tokens the sampler may draw."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """The token sequences bad_words stands for (after update_from_tokenizer; vLLM's name)."""
+        return self._bad_words_token_ids
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         """stop_token_ids plus the model's eos ids (after update_from_generation_config): the ids that
         min_tokens keeps the sampler from producing. Includes eos even with ignore_eos, as in vLLM."""
@@ -273,6 +343,25 @@ class SamplingParams:
             if not self.ignore_eos:
                 self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(eos_ids)]))
 
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize bad_words as vLLM does: each word without a leading space, and with one when that
+        spells it with a different first token and as many tokens (the word inside a text)."""
+        if not self.bad_words:
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            word = word.lstrip()
+            bare = list(tokenizer.encode(word, add_special_tokens=False))
+            if not bare:
+                from jaxserve.errors import InvalidRequestError
+                raise InvalidRequestError(f"bad_words entries must spell at least one token, got {word!r}",
+                                          param="bad_words")
+            sequences.append(bare)
+            spaced = list(tokenizer.encode(" " + word, add_special_tokens=False))
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        self._bad_words_token_ids = sequences
+
     def clone(self) -> "SamplingParams":
         """A copy the engine can mutate (update_from_generation_config) without touching the caller's."""
         import copy
@@ -295,3 +384,15 @@ def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -
         if wanted > vocab_size:
             raise InvalidRequestError(f"{name} must be <= the vocabulary size {vocab_size}, got {value}",
                                       param=name)
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Called by the engine before a request enters the queue: logit_bias and allowed_token_ids name tokens
+    of the model's vocabulary. Raises InvalidRequestError naming the field and the ids outside it."""
+    from jaxserve.errors import InvalidRequestError
+
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        bad = [t for t in ids or () if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{name} has token ids outside the vocabulary (size {vocab_size}): "
+                                      f"{bad[:10]}{' ...' if len(bad) > 10 else ''}", param=name)

@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +113,23 @@ def auth_middleware(api_key: str):
     return factory
 
 
+def request_id_middleware(app: ASGIApp) -> ASGIApp:
+    """--enable-request-id-headers (vLLM's): every response carries X-Request-Id, the request's own header
+    or a new random one."""
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        rid = next((v for k, v in scope["headers"] if k == b"x-request-id"), None) or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+            await send(message)
+        await app(scope, receive, send_with_id)
+    return middleware
+
+
 def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
     """The OpenAI-compatible app on top of an AsyncLLMEngine-like `engine` (see docs/design.md)."""
     args = server_args or ServerArgs()
@@ -129,13 +147,15 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
           responses={200: ResponseSpec(ChatCompletionResponse, description="a completion, or SSE chunks when "
                                        "stream=true"), **_errors(400, 401, 404, 413, 429, 500)})
     async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
-        return await run(request, create_chat_completion(serving, data, request.receive))
+        return await run(request, create_chat_completion(serving, data, request.receive,
+                                                         request.headers.get("x-request-id")))
 
     @post("/v1/completions", status_code=200, operation_class=StreamableOperation,
           responses={200: ResponseSpec(CompletionResponse, description="a completion, or SSE chunks when "
                                        "stream=true"), **_errors(400, 401, 404, 413, 429, 500)})
     async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response:
-        return await run(request, create_completion(serving, data, request.receive))
+        return await run(request, create_completion(serving, data, request.receive,
+                                                    request.headers.get("x-request-id")))
 
     @post("/v1/embeddings", status_code=200, responses=_errors(400, 401, 404, 413))
     async def embeddings(data: JSONBody[EmbeddingRequest]) -> Response:
@@ -192,7 +212,8 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
         return Response(content=None, headers={"content-type": CONTENT_TYPE})
 
     # the arrival stamp first: time to first token counts from the request's arrival (metrics)
-    middleware = [arrival_middleware, *([auth_middleware(args.api_key)] if args.api_key else [])]
+    middleware = [arrival_middleware, *([request_id_middleware] if args.enable_request_id_headers else []),
+                  *([auth_middleware(args.api_key)] if args.api_key else [])]
     cors = None
     if args.allowed_origins:
         cors = CORSConfig(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,

@@ -60,6 +60,8 @@ class ServerArgs:
     enable_tokenizer_info_endpoint: bool = option(
         False, help="serve GET /tokenizer_info (the tokenizer's config and chat template, as vLLM does; "
                     "lm-eval's local-completions tokenizer backend reads it)")
+    enable_request_id_headers: bool = option(
+        False, help="answer every request with an X-Request-Id header: the request's own, else a new one (vLLM's)")
     enable_log_requests: bool = option(
         False, help="log each request: its prompt (cut to --max-log-len), sampling parameters and prompt token ids")
     max_log_len: int | None = option(

@@ -8,28 +8,29 @@ from .chat_response import ChatRenderer
 from .engine_runs import Prompt
 from .errors import bad_request
 from .request_types import ChatCompletionRequest
-from .response_types import random_id
+from .response_types import response_ids
 from .sampling import compile_structured_outputs, resolve_max_tokens, sampling_params
 from .serving import Serving
 from .streaming import submit
 from .validation import check_chat_request
 
 
-async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, receive) -> Any:
+async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, receive,
+                                 header_request_id: str | None = None) -> Any:
     plan = check_chat_request(serving, req)
     text = await serving.prompts.render_chat(
         req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        chat_template_kwargs=req.template_kwargs(), tools=plan.tools)
-    # the template already holds BOS and friends: vLLM encodes it without adding special tokens again
-    ids = await serving.prompts.encode(text, add_special_tokens=False, what="messages")
+        chat_template_kwargs=req.template_kwargs(), tools=plan.tools, documents=req.documents)
+    # the template already holds BOS and friends: vLLM encodes it without adding special tokens unless asked
+    ids = await serving.prompts.encode(text, add_special_tokens=req.add_special_tokens, what="messages")
     if not ids:
         raise bad_request("the messages rendered to an empty prompt", "messages")
     prompt = Prompt(ids, text)
     max_tokens = resolve_max_tokens(serving, len(ids), req.requested_max_tokens(), "messages")
     params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(), tools=plan)
-    request_id = random_id("chatcmpl")
-    serving.runs.add_choices(prompt, params, request_id)
+    request_id, engine_id = response_ids("chatcmpl", header_request_id, req.request_id)
+    serving.runs.add_choices(prompt, params, engine_id)
     await compile_structured_outputs(serving, [prompt])
     renderer = ChatRenderer(serving, req, plan, prompt, request_id)
     return await submit(serving.runs, [prompt], receive, renderer, req.stream)

@@ -29,6 +29,17 @@ def tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
+def echoed_content(req: ChatCompletionRequest, response_role: str) -> str | None:
+    """With ``echo`` (vLLM's rule): the content the reply starts with, the last message's, when that message
+    has the reply's role (the response role, or with add_generation_prompt false the last message's own);
+    None without echo."""
+    if not req.echo:
+        return None
+    last = req.messages[-1]
+    role = response_role if req.add_generation_prompt else last.role
+    return last.text() if last.role == role else ""
+
+
 class ChatRenderer:
     """Renders one chat request's outputs (``stream`` or ``response``)."""
 
@@ -54,6 +65,7 @@ class ChatRenderer:
                 or thinking.prompt_closes_thinking(prompt.text or "")):
             thinking = None           # no thinking part in this answer (reasoning.py says when)
         self.thinking_cls: type[ThinkingParser] | None = thinking
+        self.echo = echoed_content(req, self.role)
 
     def new_thinking_parser(self) -> ThinkingParser | None:
         """A fresh reasoning parser for one generated choice (None: the output has no thinking part)."""
@@ -77,6 +89,9 @@ class ChatRenderer:
         content_frames: dict[int, TextFrame] = {}  # per choice: its chunk of new content alone
         yield chunk([ChatChunkChoice(i, ChatDelta(role=self.role, content=""), None, None) for i in range(req.n)],
                     prompt_ids=self.prompt_ids if token_ids else None)
+        if self.echo:
+            for i in range(req.n):
+                yield chunk([ChatChunkChoice(i, ChatDelta(content=self.echo), None, None)])
         completion_tokens = 0
         parsers = [plan.new_parser() for _ in range(req.n)]
         thinkers = [self.new_thinking_parser() for _ in range(req.n)]
@@ -135,6 +150,8 @@ class ChatRenderer:
             if parser is not None and content is not None:
                 extracted = parser.extract(content)
                 content, calls = extracted.content, extracted.tool_calls[:None if plan.parallel else 1]
+            if self.echo is not None:
+                content = self.echo + (content or "")
             message = ChatResponseMessage(self.role, content, tool_calls=[
                 ToolCallOut(call.id, FunctionCallOut(call.name, call.arguments)) for call in calls],
                 reasoning_content=reasoning, reasoning=reasoning)

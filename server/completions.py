@@ -8,7 +8,7 @@ from .completion_response import CompletionRenderer
 from .engine_runs import Prompt
 from .errors import bad_request
 from .request_types import CompletionRequest
-from .response_types import random_id
+from .response_types import response_ids
 from .sampling import compile_structured_outputs, resolve_max_tokens, sampling_params
 from .serving import Serving
 from .streaming import submit
@@ -17,13 +17,14 @@ from .validation import check_completion_request
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
-async def create_completion(serving: Serving, req: CompletionRequest, receive) -> Any:
+async def create_completion(serving: Serving, req: CompletionRequest, receive,
+                            header_request_id: str | None = None) -> Any:
     batch = check_completion_request(serving, req)
     requested = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     echo_only = req.echo and requested == 0      # the engine still samples one token; it is not returned
     if echo_only:
         requested = 1
-    request_id = random_id("cmpl")
+    request_id, engine_id = response_ids("cmpl", header_request_id, req.request_id)
     prompts: list[Prompt] = []
     for p_idx, p in enumerate(batch):
         if isinstance(p, str):
@@ -38,7 +39,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
         max_tokens = resolve_max_tokens(serving, len(ids), requested, "prompt")
         params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.logprobs,
                                  score_prompt=req.scores_prompt())
-        serving.runs.add_choices(prompt, params, request_id, first_index=p_idx * req.n)
+        serving.runs.add_choices(prompt, params, engine_id, first_index=p_idx * req.n)
         prompts.append(prompt)
     await compile_structured_outputs(serving, prompts)
     renderer = CompletionRenderer(serving, req, prompts, request_id, echo_only)

@@ -123,7 +123,8 @@ class PromptRenderer:
 
     async def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
-                          chat_template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> str:
+                          chat_template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None,
+                          documents: list[dict[str, str]] | None = None) -> str:
         kwargs = dict(chat_template_kwargs or {})
         if not self.trust_request_chat_template and (chat_template is not None or "chat_template" in kwargs):
             raise bad_request("a request's chat_template is refused: it is a program run on the server; the "
@@ -145,6 +146,8 @@ class PromptRenderer:
             raise bad_request(str(e), e.param) from None
         if tools is not None:
             kwargs["tools"] = tools
+        if documents is not None:
+            kwargs["documents"] = documents
         size = sum(len(c["content"]) for c in conversation)
         self.check_prompt_chars(size, "messages")      # the rendered prompt holds every message
 

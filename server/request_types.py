@@ -11,6 +11,10 @@ from msgspec import Meta, Struct
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
+MAX_REQUEST_ID_CHARS = 512
+LogitBias = Annotated[dict[str, float], Meta(extra_json_schema={
+    "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 300,
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -58,6 +62,8 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = 0.0
+    # token id (JSON keys are strings) -> bias: SamplingParams checks both, naming a bad entry; the schema says so
+    logit_bias: LogitBias | None = None
     # OpenAI's fields that cannot change the output: accepted (typed, so a bad value is still a 400) and
     # ignored, each named once in a warning (request_fields.IGNORED_FIELDS)
     user: str | None = None
@@ -70,6 +76,10 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     safety_identifier: str | None = None
     verbosity: str | None = None
     # vLLM's extras
+    # the response id's tail (an X-Request-Id header wins), as vLLM: "chatcmpl-{request_id}", "cmpl-{request_id}"
+    request_id: Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)] | None = None
+    allowed_token_ids: Annotated[list[NonNegInt], Meta(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Meta(pattern=r"\S")]] | None = None     # a word is never blank
     top_k: int | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
@@ -168,6 +178,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: NonNegInt | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the chat template holds BOS and friends, so none are added to the rendered prompt unless asked
+    add_special_tokens: bool = False
+    echo: bool = False            # the reply starts with the last message's content when it has the reply's role
+    documents: list[dict[str, str]] | None = None    # passed to the chat template (RAG templates read them)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # a chat template variable (vLLM's); "none" turns thinking off (reasoning.py)

@@ -14,6 +14,18 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def response_ids(prefix: str, header: str | None, field: str | None) -> tuple[str, str]:
+    """A response's id and the base of its engine request ids. vLLM's id: ``{prefix}-{X-Request-Id}``, else
+    ``{prefix}-{request_id}`` (the body's field), else a random one. A client's id need not be unique, the
+    engine's must: its engine ids carry a random suffix (vLLM's internal ids do too)."""
+    given = header or field
+    if not given:
+        rid = random_id(prefix)
+        return rid, rid
+    rid = f"{prefix}-{given}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
+
+
 def now() -> int:
     return int(time.time())
 

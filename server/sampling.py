@@ -17,6 +17,8 @@ from .request_types import SamplingFields, StructuredOutputs
 from .serving import Serving
 from .tool_parsers.choice import ToolPlan
 
+MAX_LOGIT_BIAS_TOKENS = 300     # OpenAI's limit on logit_bias entries
+
 
 def structured_outputs_from_request(req: SamplingFields) -> StructuredOutputsParams | None:
     """The request's constraint from ``response_format``, ``structured_outputs`` or a ``guided_*`` field
@@ -100,6 +102,9 @@ def choice_params(serving: Serving, req: SamplingFields, *, max_tokens: int, cho
     if req.prompt_logprobs is not None and req.prompt_logprobs > serving.max_logprobs:
         raise bad_request(f"at most {serving.max_logprobs} prompt logprobs per token are supported, got "
                           f"{req.prompt_logprobs}", "prompt_logprobs")
+    if req.logit_bias is not None and len(req.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(req.logit_bias)}",
+                          "logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kw: dict[str, Any] = dict(
         n=1,
@@ -123,6 +128,9 @@ def choice_params(serving: Serving, req: SamplingFields, *, max_tokens: int, cho
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=structured_outputs_from_request(req),
+        logit_bias=req.logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
     )
     if req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",

@@ -165,6 +165,9 @@ def _params(rng, plain):
         kw[rng.choice(["presence_penalty", "frequency_penalty"])] = 0.5
     if rng.random() < 0.1:
         kw["repetition_penalty"] = 1.2
+    if rng.random() < 0.1:
+        t = rng.randrange(256)
+        kw.update(rng.choice([{"logit_bias": {t: 1.0}}, {"allowed_token_ids": [t]}]))
     p = SamplingParams(**kw)
     p.update_from_generation_config({"eos_token_id": [2]}, 2)
     return p
@@ -200,7 +203,8 @@ def test_input_batch_sampling_equals_make_sampling_metadata(seed):
                                        engine_seed=seed, penalty_width=128)
         general = batch.needs_general_path(rows, num_out)
         assert not (plain and general)
-        assert general == bool(ref.output_token_ids.shape[1] or (ref.blocked_token_ids[:n] < V).any())
+        assert general == bool(ref.output_token_ids.shape[1] or (ref.blocked_token_ids[:n] < V).any()
+                               or ref.logit_bias_ids is not None or ref.allowed_token_ids is not None)
         if general:
             continue
         fast = batch.sampling_metadata(rows, num_out, R, step=step_count, engine_seed=seed)

@@ -1,4 +1,6 @@
 """On-device sampler against numpy references of vLLM's formulas, exact supports and empirical frequencies."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -328,3 +330,148 @@ def test_static_filter_modes_equal_dynamic_sampling():
     for params, mode in ((filtered, True), (plain, False)):
         m = S.make_sampling_metadata(params, [[]] * R, [[1]] * R, [0] * R, V, pad_to=R)
         assert np.array_equal(S.sample(logits, m, filtering=None).token_ids, S.sample(logits, m, filtering=mode).token_ids)
+
+
+# ---- logit_bias, allowed_token_ids, bad words ---------------------------------------------------------
+processed_jit = jax.jit(S.processed_logits)
+
+
+def ref_processed(logits, params, outputs, prompts, num_out):
+    """vLLM v1's order, in numpy: allowed_token_ids, bad words, min_tokens, logit_bias, penalties."""
+    out = logits.astype(np.float64).copy()
+    for i, p in enumerate(params):
+        row = out[i]
+        if p.allowed_token_ids:
+            keep = np.zeros(row.size, bool)
+            keep[p.allowed_token_ids] = True
+            row[~keep] = -np.inf
+        for word in p.bad_words_token_ids or ():
+            if len(word) == 1 or outputs[i][len(outputs[i]) - len(word) + 1:] == word[:-1] \
+                    and len(outputs[i]) >= len(word) - 1:
+                row[word[-1]] = -np.inf
+        if num_out[i] < p.min_tokens:
+            row[sorted(p.all_stop_token_ids)] = -np.inf
+        for t, b in (p.logit_bias or {}).items():
+            row[t] += b
+    pen = ref_penalties(out, outputs, prompts, [p.presence_penalty for p in params],
+                        [p.frequency_penalty for p in params], [p.repetition_penalty for p in params])
+    return pen
+
+
+def restricted(bad=None, **kw):
+    """SamplingParams whose bad words are given as token sequences (what update_from_tokenizer makes)."""
+    p = SamplingParams(bad_words=["w"] * bool(bad), **kw)
+    p._bad_words_token_ids = bad
+    p.update_from_generation_config({}, eos_token_id=2)
+    return p
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_restrictions_match_vllms_order_in_numpy(logits, seed):
+    rng = np.random.default_rng(seed)
+    params, outputs = [], []
+    for i in range(R - 1):
+        out = rng.integers(0, V, size=int(rng.integers(0, 6))).tolist()
+        kw = {}
+        if rng.random() < 0.5:
+            kw["logit_bias"] = {int(t): float(rng.uniform(-100, 100)) for t in rng.choice(V, int(rng.integers(1, 20)))}
+        if rng.random() < 0.4:
+            kw["allowed_token_ids"] = rng.choice(V, int(rng.integers(1, 40)), replace=False).tolist()
+        if rng.random() < 0.5:
+            kw["repetition_penalty"] = float(rng.uniform(0.5, 2))
+            kw["frequency_penalty"] = float(rng.uniform(-2, 2))
+        bad = None
+        if rng.random() < 0.6:      # one-token words, and words whose prefix the output ends with (or not)
+            bad = [[int(rng.integers(V))], out[-1:] + [int(rng.integers(V))], [V - 1, 5, 6], out[-2:] + [9]]
+            bad = [w for w in bad if w]
+        params.append(restricted(bad, min_tokens=int(rng.integers(0, 3)), **kw))
+        outputs.append(out)
+    prompts = [rng.integers(0, V, size=5).tolist() for _ in params]
+    num_out = [len(o) for o in outputs]
+    m = meta_for(params, outputs=outputs, prompts=prompts, num_out=num_out)
+    got = np.asarray(processed_jit(logits, m))
+    ref = ref_processed(logits[:R - 1], params, outputs, prompts, num_out)
+    np.testing.assert_array_equal(np.isinf(got[:R - 1]), np.isinf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(got[:R - 1][finite], ref[finite], rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(got[R - 1], logits[R - 1])          # the padding row is untouched
+    greedy = [dataclasses.replace(p, temperature=0) for p in params]
+    for g, p in zip(greedy, params):
+        g._bad_words_token_ids = p._bad_words_token_ids
+        g.update_from_generation_config({}, eos_token_id=2)
+    out = sample_jit(logits, meta_for(greedy, outputs=outputs, prompts=prompts, num_out=num_out))
+    np.testing.assert_array_equal(np.asarray(out.token_ids)[:R - 1], ref.argmax(1))
+
+
+def test_greedy_with_a_plus_100_bias_emits_that_token_and_logprobs_stay_raw(logits):
+    low = logits.argmin(1)
+    params = [SamplingParams(temperature=0, logit_bias={int(t): 100}) for t in low[:4]] + \
+        [SamplingParams(temperature=0, logit_bias={int(logits[4].argmax()): -100})]
+    out = sample_jit(logits, meta_for(params), num_logprobs=2)
+    assert np.asarray(out.token_ids)[:4].tolist() == low[:4].tolist()
+    assert int(out.token_ids[4]) == int(np.argsort(-logits[4])[1])     # the top token pushed below the second
+    raw = np_log_softmax(logits.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(out.logprob)[:4], raw[np.arange(4), low[:4]], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.rank)[:4], np.full(4, V))     # vLLM's raw logprobs and ranks
+
+
+def test_random_rows_sample_only_allowed_and_never_bad_tokens(logits):
+    allowed = [3, 17, 40]
+    rows = [SamplingParams(temperature=1.5, allowed_token_ids=allowed, seed=i) for i in range(R // 2)] + \
+        [restricted([[int(t)] for t in np.argsort(-logits[i])[:5]], temperature=1.0, seed=i) for i in range(R // 2)]
+    seen = set()
+    for step in range(30):
+        m = meta_for(rows, num_out=[step] * R)
+        toks = np.asarray(sample_jit(logits, m).token_ids)
+        seen |= set(toks[:R // 2].tolist())
+        for i in range(R // 2):
+            assert toks[R // 2 + i] not in np.argsort(-logits[i])[:5]
+    assert seen == set(allowed)
+
+
+def test_bad_word_rule_on_the_host():
+    words = [[5], [7, 8], [1, 2, 3]]
+    assert S.blocked_by_bad_words(words, []) == [5]
+    assert S.blocked_by_bad_words(words, [9, 7]) == [5, 8]
+    assert S.blocked_by_bad_words(words, np.array([1, 2], np.int32)) == [5, 3]
+    assert S.blocked_by_bad_words(words, [2]) == [5]                  # the prefix must be the output's tail
+    p = restricted([[5], [7, 8]], min_tokens=2, stop_token_ids=[6])
+    m = meta_for([p], outputs=[[7]], num_out=[1])
+    assert sorted(m.blocked_token_ids[0][m.blocked_token_ids[0] < V].tolist()) == [2, 5, 6, 8]
+
+
+# the packed layout of a sampling step at R=4 before logit_bias / allowed_token_ids / bad words existed
+PLAIN_LAYOUT_R4 = (
+    ("temperature", (4,), "f32"), ("top_p", (4,), "f32"), ("top_k", (4,), "i32"), ("min_p", (4,), "f32"),
+    ("presence_penalty", (4,), "f32"), ("frequency_penalty", (4,), "f32"), ("repetition_penalty", (4,), "f32"),
+    ("seed_key_data", (4, 2), "u32"), ("seeded", (4,), "bool"), ("request_hash", (4,), "u32"),
+    ("key_counter", (4,), "u32"), ("engine_key_data", (2,), "u32"), ("output_token_ids", (4, 0), "i32"),
+    ("prompt_token_ids", (4, 0), "i32"), ("blocked_token_ids", (4, 8), "i32"))
+
+
+def test_a_step_without_token_restrictions_keeps_its_layout_hence_its_program():
+    """The sampler variant's key holds the packed layout: a step whose rows use none of the new fields packs
+    exactly as before they existed (no empty pieces), so it runs the same compiled program; one that uses
+    them adds power-of-two-wide pieces."""
+    from jaxserve.runner import packing
+    from jaxserve.runner.input_batch import InputBatch
+    from jaxserve.engine.request import Request
+    from jaxserve.engine.scheduler import ScheduledRequest
+
+    def layout(params, **kw):
+        return packing.pack(packing.fields(meta_for(params, pad_to=4, **kw)))[2]
+    plain = [SamplingParams(temperature=0.7, top_k=5, min_tokens=2, stop_token_ids=[3]), SamplingParams(seed=1)]
+    assert tuple(tuple(p) for p in layout(plain)) == PLAIN_LAYOUT_R4
+    batch = InputBatch(4, 2, V)
+    sched = [ScheduledRequest(Request(f"r{i}", [1], p), 1, 0, []) for i, p in enumerate(plain)]
+    fast = batch.sampling_metadata(batch.rows_for(sched), np.array([3, 3]), 4, step=0, engine_seed=0)
+    assert tuple(tuple(p) for p in packing.pack(packing.fields(fast))[2]) == PLAIN_LAYOUT_R4
+    used = layout([SamplingParams(logit_bias={1: 2.0, 3: -1.0}), SamplingParams(allowed_token_ids=list(range(20)))])
+    assert tuple(used[:15]) == PLAIN_LAYOUT_R4
+    assert [tuple(p) for p in used[15:]] == [("allowed_token_ids", (4, 32), "i32"), ("logit_bias_ids", (4, 16), "i32"),
+                                              ("logit_bias_values", (4, 16), "f32")]
+    bad = layout([restricted([[4], [5]])])                           # bad words share the blocked ids' 8
+    assert tuple(tuple(p) for p in bad) == PLAIN_LAYOUT_R4
+    # a restricted row always takes the general path (the persistent rows hold no lists)
+    rows = batch.rows_for([ScheduledRequest(Request("b", [1], SamplingParams(logit_bias={1: 1.0})), 1, 0, [])])
+    assert batch.needs_general_path(rows, np.array([5]))

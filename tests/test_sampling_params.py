@@ -2,7 +2,7 @@
 import pytest
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams, SamplingType, check_logprobs
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, SamplingType, check_logprobs, check_token_ids
 
 
 def test_defaults_match_vllm():
@@ -66,6 +66,19 @@ def test_greedy_turns_filters_off_and_tiny_temperature_is_clamped():
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be None, an integer >= 1, or -1"),
     (dict(output_kind="delta"), "output_kind must be a RequestOutputKind"),
     (dict(n=3, temperature=0), "n must be 1 when temperature is 0 (greedy sampling), got 3"),
+    (dict(logit_bias=[(1, 2.0)]), "logit_bias must be a map of token id to bias"),
+    (dict(logit_bias={"a": 1}), "logit_bias keys must be token ids (integers >= 0), got 'a'"),
+    (dict(logit_bias={-3: 1}), "logit_bias keys must be token ids (integers >= 0), got -3"),
+    (dict(logit_bias={"1.5": 1}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={5: 101}), "logit_bias values must be numbers in [-100, 100], got 101 for token 5"),
+    (dict(logit_bias={"5": float("nan")}), "logit_bias values must be numbers in [-100, 100], got nan for token 5"),
+    (dict(logit_bias={5: "1"}), "logit_bias values must be numbers in [-100, 100]"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list of token ids (integers >= 0), got []"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(allowed_token_ids="12"), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(bad_words="word"), "bad_words must be a list of words (non-blank strings), got 'word'"),
+    (dict(bad_words=["ok", " "]), "bad_words must be a list of words (non-blank strings)"),
+    (dict(bad_words=[3]), "bad_words must be a list of words"),
 ])
 def test_validation_errors_name_the_field_and_range(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -111,3 +124,41 @@ def test_check_logprobs():
     check_logprobs(SamplingParams(logprobs=-1), max_logprobs=-1, vocab_size=100)
     with pytest.raises(InvalidRequestError, match="vocabulary size 100"):
         check_logprobs(SamplingParams(logprobs=101), max_logprobs=-1, vocab_size=100)
+
+
+def test_token_restrictions_normalise_as_vllm():
+    p = SamplingParams(logit_bias={"12": 5, 7: -100, "0": 100.0}, allowed_token_ids=(4, 2, 4), bad_words=("x",))
+    assert p.logit_bias == {12: 5.0, 7: -100.0, 0: 100.0} and all(type(v) is float for v in p.logit_bias.values())
+    assert p.allowed_token_ids == [4, 2] and p.bad_words == ["x"] and p.restricts_tokens
+    assert not SamplingParams(logit_bias={}, bad_words=[]).restricts_tokens
+    assert SamplingParams().bad_words_token_ids is None
+
+
+def test_bad_words_tokenize_with_and_without_a_leading_space_as_vllm():
+    from jaxserve.models.tokenizers import embedded_tokenizer
+    tok = embedded_tokenizer()
+
+    def enc(text):
+        return tok.encode(text, add_special_tokens=False)
+    p = SamplingParams(bad_words=["hello world", "  hello", "12"])
+    p.update_from_tokenizer(tok)
+    # "hello world" and " hello world" differ in their first token: both; "12" and " 12" differ in length
+    expected = [enc("hello world"), enc(" hello world"), enc("hello"), enc(" hello"), enc("12")]
+    assert len(enc(" 12")) != len(enc("12")) and p.bad_words_token_ids == expected
+    assert p.needs_token_history                              # multi-token words read the output so far
+    one = SamplingParams(bad_words=["hello"])
+    one.update_from_tokenizer(tok)
+    assert one.bad_words_token_ids == [enc("hello"), enc(" hello")] and not one.needs_token_history
+    assert SamplingParams(repetition_penalty=1.1).needs_token_history
+    assert p.clone().bad_words_token_ids == expected          # the engine's copy (pickled to the core) keeps them
+
+
+def test_check_token_ids_against_the_vocabulary():
+    check_token_ids(SamplingParams(logit_bias={99: 1}, allowed_token_ids=[0, 99]), vocab_size=100)
+    with pytest.raises(InvalidRequestError, match=r"logit_bias has token ids outside the vocabulary \(size 100\): "
+                                                  r"\[100, 500\]") as info:
+        check_token_ids(SamplingParams(logit_bias={100: 1, 3: 1, 500: 2}), vocab_size=100)
+    assert info.value.param == "logit_bias"
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids has token ids outside") as info:
+        check_token_ids(SamplingParams(allowed_token_ids=[1, 100]), vocab_size=100)
+    assert info.value.param == "allowed_token_ids"

@@ -417,8 +417,8 @@ def test_unknown_request_fields_are_400_naming_each(client, http):
     assert err["param"] == "frobnicate" and err["code"] == "unknown_parameter", err
     assert "`frobnicate`, `use_beam_search`" in err["message"] and "`use_beam_search` is not implemented" in err["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias={"5": 1.0})
-    assert e.value.body["param"] == "logit_bias" and "not implemented" in e.value.body["message"]
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"logits_processors": ["m.P"]})
+    assert e.value.body["param"] == "logits_processors" and "not implemented" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model=MODEL, input="x", extra_body={"normalize": True})
     assert e.value.body["param"] == "normalize"

@@ -27,7 +27,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request
 from jaxserve.errors import InvalidRequestError
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, check_token_ids
 
 
 class EngineClient(Protocol):
@@ -119,6 +119,7 @@ class RequestBuilder:
             raise InvalidRequestError("prompt_logprobs is not available when the model is spread over several "
                                       "processes (--num-processes / --distributed-executor-backend mp)",
                                       param="prompt_logprobs")
+        check_token_ids(params, facts.model_config.vocab_size)             # logit_bias, allowed_token_ids
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)    # cached; raises naming the problem
 
@@ -139,6 +140,7 @@ class RequestBuilder:
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(eos_token_ids)},
                                              eos_token_ids[0] if eos_token_ids else None)
+        params.update_from_tokenizer(self.facts.tokenizer)              # bad_words as token sequences
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=eos_token_ids,
                       arrival_time=arrival_time or time.time(), prompt=prompt)
         req.sampling_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31 - 1))

@@ -94,8 +94,8 @@ class Request:
         self.min_tokens: int = getattr(sampling_params, "min_tokens", 0) or 0
         self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
         self.stop_token_ids = frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
-        # presence/frequency/repetition penalties: sampling needs the real token history on the host
-        self.uses_penalties = bool(getattr(sampling_params, "uses_penalties", False))
+        # penalties and multi-token bad words: sampling needs the real token history on the host
+        self.uses_penalties = bool(getattr(sampling_params, "needs_token_history", False))
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

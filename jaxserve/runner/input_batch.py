@@ -44,7 +44,7 @@ class InputBatch:
         self.request_hash = np.zeros(cap, np.uint32)
         self.min_tokens = np.zeros(cap, np.int64)
         self.blocks_ids = np.zeros(cap, bool)       # min_tokens would block a stop / eos id below vocab_size
-        self.uses_penalty = np.zeros(cap, bool)
+        self.general = np.zeros(cap, bool)          # a penalty or a token restriction: the general path always
         self.filters = np.zeros(cap, bool)          # top-k or top-p filters the row
         self.num_logprobs = np.full(cap, -1, np.int32)   # -1: no logprobs asked
 
@@ -88,7 +88,7 @@ class InputBatch:
         self.request_hash[row] = 0 if seed is not None else sampler_mod.request_hash(req.request_id)
         self.min_tokens[row] = p.min_tokens
         self.blocks_ids[row] = any(t < vocab for t in p.all_stop_token_ids)
-        self.uses_penalty[row] = p.uses_penalties
+        self.general[row] = p.uses_penalties or p.restricts_tokens
         self.filters[row] = 0 < p.top_k < vocab or p.top_p < 1.0
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self._mirrors[row] = None
@@ -114,9 +114,9 @@ class InputBatch:
 
     # ------------------------------------------------------------------ sampling
     def needs_general_path(self, rows: np.ndarray, num_output_tokens: np.ndarray) -> bool:
-        """Whether some row needs ``sampler.make_sampling_metadata``: a penalty (the token histories) or
-        stop ids min_tokens still blocks."""
-        return bool(self.uses_penalty[rows].any()
+        """Whether some row needs ``sampler.make_sampling_metadata``: a penalty (the token histories), a
+        token restriction (logit_bias, allowed_token_ids, bad_words) or stop ids min_tokens still blocks."""
+        return bool(self.general[rows].any()
                     or (self.blocks_ids[rows] & (num_output_tokens < self.min_tokens[rows])).any())
 
     def sampling_metadata(self, rows: np.ndarray, num_output_tokens: np.ndarray, pad_to: int, *, step: int,

@@ -90,8 +90,11 @@ def unpack(ints: jax.Array, floats: jax.Array | None, layout: Layout) -> dict[st
 
 
 def fields(obj) -> dict[str, Any]:
-    """A dataclass pytree's array fields by name (for ``pack``); static fields are not arrays and stay out."""
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if not f.metadata.get("static")}
+    """A dataclass pytree's array fields by name (for ``pack``); static fields are not arrays and stay out,
+    and so do optional ones left None (the layout, hence the compiled program, is that of a step without
+    them; ``unpack``'s dict then lacks them and the dataclass's default None comes back)."""
+    return {f.name: v for f in dataclasses.fields(obj)
+            if not f.metadata.get("static") and (v := getattr(obj, f.name)) is not None}
 
 
 def prefixed(prefix: str, d: dict[str, Any]) -> dict[str, Any]:

@@ -1,14 +1,19 @@
 """On-device sampling: batched, per-request parameters as arrays, jit-friendly (no host round trip).
 
-Order (vLLM's): the structured-output bitmask (tokens outside a request's grammar → -inf) → penalties
-(repetition, then frequency/presence) → min_tokens (stop ids masked) → greedy argmax, or: temperature → top-k
-→ top-p → min-p → an inverse-CDF draw with a per-request key. Logprobs are those of the logits after the bitmask
-and before the rest (vLLM's default `raw_logprobs`, and its masked distribution for constrained requests).
+Order (vLLM v1's ``Sampler``): the structured-output bitmask (tokens outside a request's grammar → -inf; vLLM
+applies it to the logits before its sampler) → logprobs taken here (vLLM's default `raw_logprobs`) →
+allowed_token_ids (-inf elsewhere) → bad words and min_tokens (their ids -inf) → logit_bias (added) →
+penalties (repetition, then frequency/presence) → greedy argmax, or: temperature → top-k → top-p → min-p → an
+inverse-CDF draw with a per-request key. The blocked ids (bad words, min_tokens) are masked after the
+penalties here: an -inf logit stays -inf through the bias and every penalty, so the result is vLLM's order's.
 
-Shapes are static per (rows, penalty-history width, blocked-ids width). The penalty id arrays have width 0
-(no work) unless some request in the batch uses a penalty; then `penalty_width` (the runner passes its
-max_model_len bucket: one extra compiled variant) or else a power-of-two bucket of the longest history.
-The min_tokens ids are 8 wide (wider only for a request with more stop ids) and cost an R*8 scatter.
+Shapes are static per (rows, penalty-history width, blocked-ids width, and the widths of the optional id
+arrays). The penalty id arrays have width 0 (no work) unless some request in the batch uses a penalty; then
+`penalty_width` (the runner passes its max_model_len bucket: one extra compiled variant) or else a power-of-two
+bucket of the longest history. The blocked ids are 8 wide (wider only for a request with more stop ids and
+bad words this step) and cost an R*8 scatter. allowed_token_ids and logit_bias are absent (None: not in the
+packed layout, so a step without them runs exactly the program it ran before they existed) unless some row of
+the step uses them; then a power-of-two bucket of the longest list: one scatter each.
 
 Cost notes (benchmarks/sampler_bench.py on a shared 2-core CPU; R=64, V=49152, best of 10): the draw itself
 5 ms by inverse CDF vs 202 ms by Gumbel-max (threefry noise for R*V floats); top_k=50 + top_p=0.9 through 256
@@ -59,7 +64,11 @@ class SamplingMetadata:
     engine_key_data: jax.Array      # [2] u32: PRNGKey(engine_seed)
     output_token_ids: jax.Array     # [R, Lo] i32: ids generated so far (frequency/presence/repetition)
     prompt_token_ids: jax.Array     # [R, Lp] i32: prompt ids (repetition penalty only)
-    blocked_token_ids: jax.Array    # [R, S] i32: stop/eos ids masked while min_tokens is not reached
+    blocked_token_ids: jax.Array    # [R, S] i32: masked this step: bad words, and stop/eos ids below min_tokens
+    # Optional: None unless some row of the step uses them (then absent from the packed layout).
+    allowed_token_ids: jax.Array | None = None    # [R, A] i32: a row with ids may sample only those
+    logit_bias_ids: jax.Array | None = None       # [R, B] i32
+    logit_bias_values: jax.Array | None = None    # [R, B] f32: added to the logits of logit_bias_ids
 
     @property
     def num_rows(self) -> int:
@@ -116,6 +125,20 @@ def _pad_ids(rows: Sequence[Sequence[int]], num_rows: int, width: int, fill: int
     return out
 
 
+def blocked_by_bad_words(bad_words_token_ids: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The tokens vLLM's bad-words rule blocks next: a one-token word always; a longer word's last token when
+    the output so far ends with the word's other tokens."""
+    out: list[int] = []
+    if isinstance(output, np.ndarray):
+        output = output.tolist()
+    n = len(output)
+    for word in bad_words_token_ids:
+        k = len(word) - 1
+        if k == 0 or (k <= n and list(output[n - k:]) == list(word[:k])):
+            out.append(word[-1])
+    return out
+
+
 def make_sampling_metadata(params_list: Sequence[SamplingParams],
                            output_token_ids_list: Sequence[Sequence[int]],
                            prompt_token_ids_list: Sequence[Sequence[int]],
@@ -140,6 +163,8 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
     ~50 ns a token (20 ms for 256 rows of 1200 ids), arrays are a memcpy (0.1 ms): cache them per request.
     `penalty_width` fixes the width of the output/prompt id arrays whenever a penalty is in use (the engine
     passes its max_model_len bucket), so penalties add one compiled variant, not one per history length.
+    A row's bad words (``params.bad_words_token_ids``, after the engine tokenized them) are matched against
+    its output ids here; its allowed_token_ids and logit_bias fill the optional arrays.
     """
     n = len(params_list)
     if n > pad_to:
@@ -149,6 +174,8 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
     (temperature, top_p, top_k, min_p, presence, frequency, repetition, seed_keys, seeded, hashes,
      counters) = padding_rows(pad_to)
     blocked: list[list[int]] = []
+    allowed: dict[int, list[int]] = {}
+    bias: dict[int, dict[int, float]] = {}
     for i, p in enumerate(params_list):
         temperature[i] = p.temperature
         top_p[i] = p.top_p
@@ -169,6 +196,13 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
             blocked.append(sorted(t for t in p.all_stop_token_ids if t < vocab_size))
         else:
             blocked.append([])
+        if p.bad_words:
+            words = blocked_by_bad_words(p.bad_words_token_ids or (), output_token_ids_list[i])
+            blocked[i] = sorted({*blocked[i], *(t for t in words if t < vocab_size)})
+        if p.allowed_token_ids:
+            allowed[i] = p.allowed_token_ids
+        if p.logit_bias:
+            bias[i] = p.logit_bias
 
     uses_output = bool(np.any(presence[:n] != 0) or np.any(frequency[:n] != 0) or np.any(repetition[:n] != 1))
     uses_prompt = bool(np.any(repetition[:n] != 1))
@@ -183,6 +217,16 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
             else 0
     # fixed at 8 unless a request has more stop ids (then the next power of two: a rare extra compile)
     blocked_width = max(8, length_bucket(max((len(b) for b in blocked), default=0), minimum=8))
+    optional = {}
+    if allowed:
+        rows = [allowed.get(i, ()) for i in range(n)]
+        optional["allowed_token_ids"] = _pad_ids(rows, pad_to, length_bucket(max(map(len, rows))), vocab_size)
+    if bias:
+        width = length_bucket(max(map(len, bias.values())))
+        optional["logit_bias_ids"] = _pad_ids([list(bias.get(i, ())) for i in range(n)], pad_to, width, vocab_size)
+        values = optional["logit_bias_values"] = np.zeros((pad_to, width), np.float32)
+        for i, b in bias.items():
+            values[i, :len(b)] = list(b.values())
     return SamplingMetadata(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
@@ -191,6 +235,7 @@ def make_sampling_metadata(params_list: Sequence[SamplingParams],
         output_token_ids=_pad_ids(output_token_ids_list if out_width else [], pad_to, out_width, vocab_size),
         prompt_token_ids=_pad_ids(prompt_token_ids_list if prompt_width else [], pad_to, prompt_width, vocab_size),
         blocked_token_ids=_pad_ids(blocked, pad_to, blocked_width, vocab_size),
+        **optional,
     )
 
 
@@ -211,6 +256,20 @@ def _token_mask(ids: jax.Array, vocab_size: int) -> jax.Array:
     """[R, L] ids (vocab_size = padding) -> [R, V] bool, True where the id occurs."""
     rows = jnp.arange(ids.shape[0])[:, None]
     return jnp.zeros((ids.shape[0], vocab_size), bool).at[rows, ids].set(True, mode="drop")
+
+
+def apply_allowed_token_ids(logits: jax.Array, allowed_ids: jax.Array) -> jax.Array:
+    """-inf outside each row's allowed ids ([R, A], vocab_size = padding); a row of padding only (no
+    allowed_token_ids: a list is never empty) keeps every token."""
+    vocab = logits.shape[1]
+    restricted = jnp.any(allowed_ids < vocab, axis=1)
+    return jnp.where(restricted[:, None] & ~_token_mask(allowed_ids, vocab), _NEG_INF, logits)
+
+
+def apply_logit_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """Add each row's bias values to the logits of its ids ([R, B]; padding ids are dropped)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits + jnp.zeros_like(logits).at[rows, ids].add(values, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -343,6 +402,20 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, _NEG_INF)
 
 
+def processed_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """The logits greedy takes the argmax of and temperature scales (float32, after any bitmask): allowed
+    token ids, logit bias, penalties, then the blocked ids (bad words, min_tokens; see the module doc)."""
+    x = logits
+    if meta.allowed_token_ids is not None:
+        x = apply_allowed_token_ids(x, meta.allowed_token_ids)
+    if meta.logit_bias_ids is not None:
+        x = apply_logit_bias(x, meta.logit_bias_ids, meta.logit_bias_values)
+    x = apply_penalties(x, meta)
+    if meta.blocked_token_ids.shape[1]:
+        x = jnp.where(_token_mask(meta.blocked_token_ids, x.shape[1]), _NEG_INF, x)
+    return x
+
+
 def sample(logits: jax.Array, meta: SamplingMetadata, *, num_logprobs: int = 0,
            max_candidates: int = DEFAULT_MAX_CANDIDATES, filtering: bool | None = None,
            bitmask: jax.Array | None = None) -> SamplerOutput:
@@ -361,10 +434,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, *, num_logprobs: int = 0,
     if bitmask is not None:
         logits = apply_token_bitmask(logits, bitmask)
     raw_logprobs = jax.nn.log_softmax(logits, axis=1)
-    vocab = logits.shape[1]
-    x = apply_penalties(logits, meta)
-    if meta.blocked_token_ids.shape[1]:
-        x = jnp.where(_token_mask(meta.blocked_token_ids, vocab), _NEG_INF, x)
+    x = processed_logits(logits, meta)
     greedy_ids = jnp.argmax(x, axis=1).astype(jnp.int32)
     is_greedy = meta.temperature <= 0.0
 

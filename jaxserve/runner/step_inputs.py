@@ -170,7 +170,8 @@ def step_limits(scheduled, R: int) -> np.ndarray:
 def sampling_inputs(scheduled, batch: InputBatch, R: int, *, vocab_size: int, penalty_width: int, step: int,
                     engine_seed: int) -> sampler_mod.SamplingMetadata:
     """The step's sampling arrays: gathered from the persistent rows, unless some request needs the
-    general path (a penalty's token histories, stop ids min_tokens still blocks)."""
+    general path (a penalty's token histories, logit_bias / allowed_token_ids / bad_words, stop ids
+    min_tokens still blocks)."""
     reqs = [s.request for s in scheduled]
     num_out = np.fromiter([len(r.output_token_ids) for r in reqs], np.int64, len(reqs))
     rows = batch.rows_for(scheduled)

@@ -20,7 +20,7 @@ IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key
 # output): named as such in the 400
 NOT_IMPLEMENTED = frozenset({
     "logit_bias", "functions", "function_call", "audio", "modalities", "moderation",
-    "web_search_options", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
+    "web_search_options", "allowed_token_ids", "bad_words",
     "truncate_prompt_tokens", "priority", "request_id", "logits_processors", "documents", "mm_processor_kwargs",
     "cache_salt", "kv_transfer_params", "vllm_xargs", "structural_tag", "guided_decoding_backend",
     "guided_whitespace_pattern", "prompt_embeds", "echo", "add_special_tokens",

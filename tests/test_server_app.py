@@ -390,7 +390,7 @@ def test_openapi_fuzz_no_5xx(server):
         operation = op.ok()
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.generate], database=None,
+        @settings(max_examples=20, deadline=None, phases=[Phase.explicit, Phase.generate], database=None,
                   derandomize=True, suppress_health_check=list(HealthCheck))   # the same cases every run
         def check(case):
             if isinstance(case.body, dict) and case.body.get("stream"):

@@ -14,6 +14,7 @@ from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, Sampli
 
 from .errors import bad_request
 from .request_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .sampling import check_logprobs
 from .serving import Serving
 from .tool_parsers.choice import ToolPlan
 
@@ -112,9 +113,7 @@ def beam_search_run(serving: Serving, req: ChatCompletionRequest | CompletionReq
     if unsupported:
         raise bad_request(f"use_beam_search does not combine with {unsupported[0]}: a beam search ranks every "
                           "token the model offers and ends a beam at EOS or max_tokens only", unsupported[0])
-    if logprobs is not None and logprobs > serving.max_logprobs:
-        raise bad_request(f"at most {serving.max_logprobs} logprobs per token are supported, got {logprobs}",
-                          "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
+    check_logprobs(serving, req, logprobs)
     eos = serving.engine.facts().eos_token_ids
     try:
         check_beam_width(req.n, eos, serving.max_logprobs)

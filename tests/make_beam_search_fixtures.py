@@ -16,9 +16,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from make_model_fixtures import smollm2_path  # noqa: E402
+from make_model_fixtures import load_smollm2, smollm2_path, smollm2_prompt_ids  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "beam_search_golden.json")
 
@@ -37,18 +36,11 @@ CASES = [
 
 @torch.no_grad()
 def main() -> None:
-    folder, fname = smollm2_path()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    tok, model = load_smollm2()
     eos = model.generation_config.eos_token_id
     cases = []
     for kind, prompt, width, penalty, max_new in CASES:
-        if kind == "chat":
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"]
-        else:
-            ids = tok(prompt)["input_ids"]
+        ids = smollm2_prompt_ids(tok, kind, prompt)
         out = model.generate(torch.tensor([list(ids)]), num_beams=width, length_penalty=penalty,
                              max_new_tokens=max_new, do_sample=False, num_return_sequences=width,
                              eos_token_id=eos, pad_token_id=eos, output_scores=True, return_dict_in_generate=True)
@@ -63,7 +55,7 @@ def main() -> None:
         print(kind, repr(prompt), f"width {width} penalty {penalty}:",
               *(f"\n  {b['score']:.4f} {b['text']!r}" for b in beams))
     with open(OUT, "w") as f:
-        json.dump({"gguf": fname, "eos_token_id": eos, "cases": cases,
+        json.dump({"gguf": smollm2_path()[1], "eos_token_id": eos, "cases": cases,
                    "transformers": __import__("transformers").__version__, "torch": torch.__version__}, f, indent=1)
 
 

@@ -72,6 +72,12 @@ def test_chat_beams_and_the_stream_say_the_same(client):
     assert streamed == texts and finish == ["length", "length"]
 
 
+def test_echo_prepends_the_prompt_to_every_beam(client):
+    kw = dict(model=MODEL, prompt="hello", n=2, max_tokens=3, extra_body={"use_beam_search": True})
+    plain, echoed = client.completions.create(**kw), client.completions.create(echo=True, **kw)
+    assert [c.text for c in echoed.choices] == ["hello" + c.text for c in plain.choices]
+
+
 def test_a_prompt_batch_searches_each_prompt(client):
     r = client.completions.create(model=MODEL, prompt=["ab", "xyz"], n=2, max_tokens=3,
                                   extra_body={"use_beam_search": True})

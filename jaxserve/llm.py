@@ -11,10 +11,11 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+from jaxserve.beam_search import BeamSearchOutput, beam_search_offline
 from jaxserve.config import EngineConfig
 from jaxserve.options import from_kwargs
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 def engine_config_from_kwargs(model: str | None = None, **kw) -> EngineConfig:
@@ -127,6 +128,19 @@ class LLM:
             bar.close()
         return finals
 
+    # ---------------------------------------------------------------- beam search
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: each prompt (a string, token ids, or a ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}`` dict) beam-searched with ``params``; its best ``beam_width`` beams, best
+        first, each with the prompt's and the generated tokens and their text. The steps run through
+        ``generate`` (jaxserve/beam_search.py says how); ``use_tqdm`` draws no bar."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported")
+        items = [ids if ids is not None else self.tokenizer.encode(text) for text, ids in _normalize_prompts(prompts)]
+        return beam_search_offline(self.generate, self.tokenizer, self.engine.facts(), items, params,
+                                   concurrency_limit)
+
     # ---------------------------------------------------------------- chat
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -163,4 +177,5 @@ class LLM:
                 for k, (i, v) in enumerate(zip(ids, vecs))]
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "engine_config_from_kwargs"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams",
+           "engine_config_from_kwargs"]

@@ -396,3 +396,28 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
         if bad:
             raise InvalidRequestError(f"{name} has token ids outside the vocabulary (size {vocab_size}): "
                                       f"{bad[:10]}{' ...' if len(bad) > 10 else ''}", param=name)
+
+
+@dataclass
+class BeamSearchParams:
+    """How to beam-search the output of a prompt (vLLM's ``BeamSearchParams``, same names and defaults):
+    ``beam_width`` beams, at most ``max_tokens`` generated tokens each; a beam's score is its summed logprob
+    over its generated length (EOS counted) to the power ``length_penalty`` (> 0 favours longer beams, < 0
+    shorter ones). ``temperature`` only picks the token each one-token step samples, which beam search does
+    not use; ``include_stop_str_in_output`` keeps a finished beam's EOS in the server's ``token_ids``."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be a number in [0, 2], got {self.temperature!r}")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .beam_search import beam_search_run
 from .chat_response import ChatRenderer
 from .engine_runs import Prompt
 from .errors import bad_request
@@ -28,7 +29,12 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         raise bad_request("the messages rendered to an empty prompt", "messages")
     prompt = Prompt(ids, text)
     max_tokens = resolve_max_tokens(serving, len(ids), req.requested_max_tokens(), "messages")
-    params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(), tools=plan)
+    prompt.beam_search = beam_search_run(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(),
+                                         tools=plan)
+    if prompt.beam_search is not None:
+        params = [prompt.beam_search.choice_params()] * req.n
+    else:
+        params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(), tools=plan)
     request_id, engine_id = response_ids("chatcmpl", header_request_id, req.request_id)
     serving.runs.add_choices(prompt, params, engine_id)
     await compile_structured_outputs(serving, [prompt])

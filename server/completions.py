@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .beam_search import beam_search_run
 from .completion_response import CompletionRenderer
 from .engine_runs import Prompt
 from .errors import bad_request
@@ -37,8 +38,12 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive,
             raise bad_request("the prompt is empty: give at least one token", "prompt")
         prompt = Prompt(ids, text)
         max_tokens = resolve_max_tokens(serving, len(ids), requested, "prompt")
-        params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                 score_prompt=req.scores_prompt())
+        prompt.beam_search = beam_search_run(serving, req, max_tokens=max_tokens, logprobs=req.logprobs)
+        if prompt.beam_search is not None:
+            params = [prompt.beam_search.choice_params()] * req.n
+        else:
+            params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                     score_prompt=req.scores_prompt())
         serving.runs.add_choices(prompt, params, engine_id, first_index=p_idx * req.n)
         prompts.append(prompt)
     await compile_structured_outputs(serving, prompts)

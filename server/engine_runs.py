@@ -65,7 +65,9 @@ class Choice:
     params: SamplingParams
     tracker: RequestTracker
     finished: bool = False
-    failed: bool = False      # the engine raised for it (never accepted, or failed): nothing to abort
+    # nothing to abort: the engine raised for it (never accepted, or failed), or it is a beam search's choice
+    # the search never answered (the search aborts its own step requests)
+    failed: bool = False
 
 
 @dataclass(slots=True)
@@ -73,6 +75,7 @@ class Prompt:
     token_ids: list[int]
     text: str | None = None  # the text when the user sent text (for echo / the engine's logs)
     choices: list[Choice] = field(default_factory=list)
+    beam_search: Any = None  # a BeamSearchRun (server/beam_search.py): the choices are its best beams
 
 
 class EngineRuns:
@@ -142,7 +145,9 @@ class EngineRuns:
         as outputs arrive. However the consumer stops (finish, error, disconnect, cancel), every engine
         request that has not finished is aborted before this returns, so its KV blocks are freed."""
         work = [(p, c) for p in prompts for c in p.choices]
-        source = self._single(*work[0]) if len(work) == 1 else self._merged(work)
+        streams = [s for p in prompts for s in ([self._beams(p)] if p.beam_search is not None
+                                                else [self._single(p, c) for c in p.choices])]
+        source = streams[0] if len(streams) == 1 else self._merged(streams)
         try:
             while True:
                 try:
@@ -182,7 +187,8 @@ class EngineRuns:
                  c.params, ids)
 
     async def _single(self, p: Prompt, c: Choice) -> AsyncIterator[tuple[Choice, Any]]:
-        """n = 1, one prompt (the common case): the engine's stream as is, no extra task or queue hop."""
+        """One choice's engine request: the engine's stream as is (alone, the common case: no extra task or
+        queue hop)."""
         self.log_request(p, c)
         gen = self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text)
         try:
@@ -194,40 +200,51 @@ class EngineRuns:
         finally:
             await gen.aclose()
 
-    async def _merged(self, work: list[tuple[Prompt, Choice]]) -> AsyncIterator[tuple[Choice, Any]]:
-        """Several engine requests as one stream, in arrival order: a pump task per request."""
+    async def _beams(self, p: Prompt) -> AsyncIterator[tuple[Choice, Any]]:
+        """A beam search's choices, each whole once the search ends."""
+        self.log_request(p, p.choices[0])
+        sent: set[int] = set()
+        try:
+            async for c, out in p.beam_search.stream(self.engine, p):
+                sent.add(c.index)
+                yield c, out
+        finally:
+            for c in p.choices:
+                if c.index not in sent:
+                    self._failed(c)
+
+    async def _merged(self, streams: list[AsyncIterator[tuple[Choice, Any]]]) -> AsyncIterator[tuple[Choice, Any]]:
+        """Several streams (``_single``'s, ``_beams``') as one, in arrival order: a pump task per stream."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(p: Prompt, c: Choice) -> None:
-            self.log_request(p, c)
+        async def pump(stream: AsyncIterator[tuple[Choice, Any]]) -> None:
             try:
-                async for out in self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text):
-                    await queue.put((c, out, None))
+                async for item in stream:
+                    await queue.put((item, None))
             except Exception as e:  # forwarded to the consumer
-                self._failed(c)
-                await queue.put((c, None, e))
+                await queue.put((None, e))
             else:
-                await queue.put((c, None, StopAsyncIteration()))
+                await queue.put((None, StopAsyncIteration()))
 
-        tasks = [asyncio.ensure_future(pump(p, c)) for p, c in work]
+        tasks = [asyncio.ensure_future(pump(s)) for s in streams]
         try:
             remaining = len(tasks)
             while remaining:
-                c, out, exc = await queue.get()
+                item, exc = await queue.get()
                 if isinstance(exc, StopAsyncIteration):
                     remaining -= 1
                 elif exc is not None:
                     raise exc
                 else:
-                    yield c, out
+                    yield item
         finally:
-            for t in tasks:  # cancelling a pump closes its generate(), which aborts in the engine
+            for t in tasks:  # cancelling a pump closes its stream's generate(), which aborts in the engine
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
     @staticmethod
     def _failed(c: Choice) -> None:
-        """The engine raised for this request (never accepted, or failed): it holds nothing to abort."""
+        """This choice holds nothing to abort (``Choice.failed``)."""
         c.failed = True
         c.tracker.on_finish("abort")
 

@@ -93,6 +93,10 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:{id}"
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # beam search (server/beam_search.py): the n choices are the n best beams; a beam's score is its summed
+    # logprob over its generated length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

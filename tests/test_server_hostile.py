@@ -412,10 +412,11 @@ def test_unknown_request_fields_are_400_naming_each(client, http):
     fields this server does not implement say so, and a nested unknown key names its path."""
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
-                                       extra_body={"frobnicate": 1, "use_beam_search": True})
+                                       extra_body={"frobnicate": 1, "kv_transfer_params": {}})
     err = e.value.body
     assert err["param"] == "frobnicate" and err["code"] == "unknown_parameter", err
-    assert "`frobnicate`, `use_beam_search`" in err["message"] and "`use_beam_search` is not implemented" in err["message"]
+    assert "`frobnicate`, `kv_transfer_params`" in err["message"] \
+        and "`kv_transfer_params` is not implemented" in err["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"logits_processors": ["m.P"]})
     assert e.value.body["param"] == "logits_processors" and "not implemented" in e.value.body["message"]

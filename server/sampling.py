@@ -29,14 +29,17 @@ def structured_outputs_from_request(req: SamplingFields) -> StructuredOutputsPar
         if rf.json_schema is None or rf.json_schema.schema is None:
             raise bad_request("response_format of type json_schema needs json_schema.schema (the JSON schema)",
                               "response_format")
-        found.append(("response_format", {"json": rf.json_schema.schema}))
+        found.append(("response_format", {"json": rf.json_schema.schema,
+                                          "disable_additional_properties": rf.json_schema.strict is True}))
     so = req.structured_outputs
     if so is not None:
-        given = {name: getattr(so, name) for name in StructuredOutputs.__struct_fields__
+        given = {name: getattr(so, name) for name in StructuredOutputs.CONSTRAINTS
                  if getattr(so, name) is not None and getattr(so, name) is not False}
         if len(given) != 1:
             raise bad_request("structured_outputs must set exactly one of json, regex, choice, grammar, "
                               f"json_object; got {', '.join(given) or 'none'}", "structured_outputs")
+        if so.disable_additional_properties:
+            given["disable_additional_properties"] = True
         found.append(("structured_outputs", given))
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):

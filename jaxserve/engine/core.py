@@ -80,7 +80,8 @@ class EngineCore:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace)
+            disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace,
+            disable_additional_properties=config.structured_outputs_config.disable_additional_properties)
         # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
         self._in_flight: deque[_InFlight] = deque()
         self._lookahead = 1 if config.async_scheduling else 0

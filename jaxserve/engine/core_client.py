@@ -128,7 +128,8 @@ class MPClient:
         self.facts = facts
         self.structured_output = StructuredOutputManager(
             facts.tokenizer, facts.model_config.vocab_size, facts.eos_token_ids,
-            disable_any_whitespace=facts.config.structured_outputs_config.disable_any_whitespace)
+            disable_any_whitespace=facts.config.structured_outputs_config.disable_any_whitespace,
+            disable_additional_properties=facts.config.structured_outputs_config.disable_additional_properties)
         self.structured_output.unsupported_reason = facts.structured_unsupported_reason
         self._read_lock = threading.Lock()          # one reader of the output socket at a time
         self._ready: deque[m.EngineCoreOutputs] = deque()     # read, not handed out yet

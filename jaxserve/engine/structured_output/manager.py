@@ -53,14 +53,17 @@ class StructuredOutputManager:
     ``vocab_size``: max(the model's vocab_size, len(tokenizer)) (some tokenizers are one longer than the
     config; llguidance needs every id the model can emit). ``disable_any_whitespace`` (vLLM's name): JSON
     uses compact separators and no free whitespace, so a model cannot loop on whitespace until max_tokens;
-    False allows any JSON whitespace between tokens. ``limits``: what a constraint may ask of the compiler
+    False allows any JSON whitespace between tokens. ``disable_additional_properties`` (vLLM's name): a JSON
+    schema's objects allow no undeclared keys unless they say so (off: only where the request asks). ``limits``: what a constraint may ask of the compiler
     (``StructuredOutputsLimits``). ``retain=False``: the compiler keeps verdicts only (a front end that
     validates constraints for an engine core in another process)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, *, disable_any_whitespace: bool = True,
-                 limits: StructuredOutputsLimits | None = None, compile_workers: int = 2, retain: bool = True):
+                 disable_additional_properties: bool = True, limits: StructuredOutputsLimits | None = None,
+                 compile_workers: int = 2, retain: bool = True):
         self.builder = GrammarBuilder(tokenizer, vocab_size, eos_token_ids,
-                                      disable_any_whitespace=disable_any_whitespace, limits=limits)
+                                      disable_any_whitespace=disable_any_whitespace,
+                                      disable_additional_properties=disable_additional_properties, limits=limits)
         self.limits = self.builder.limits
         self.compiler = GrammarCompiler(self.builder.compile, self.limits, prepare=self.builder.tokenizer,
                                         workers=compile_workers, retain=retain)

@@ -6,6 +6,7 @@ from typing import Any
 
 from .chat_response import ChatRenderer
 from .engine_runs import Prompt
+from .reasoning import answer_thinking
 from .errors import bad_request
 from .request_types import ChatCompletionRequest
 from .response_types import random_id
@@ -27,7 +28,9 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         raise bad_request("the messages rendered to an empty prompt", "messages")
     prompt = Prompt(ids, text)
     max_tokens = resolve_max_tokens(serving, len(ids), req.requested_max_tokens(), "messages")
-    params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(), tools=plan)
+    thinks = answer_thinking(serving.reasoning_parser_cls, req.chat_template_kwargs, req.reasoning_effort, text)
+    params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(), tools=plan,
+                             reasoning_end=serving.reasoning_end_token_ids if thinks else None)
     request_id = random_id("chatcmpl")
     serving.runs.add_choices(prompt, params, request_id)
     await compile_structured_outputs(serving, [prompt])

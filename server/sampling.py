@@ -78,11 +78,13 @@ def resolve_max_tokens(serving: Serving, num_prompt_tokens: int, requested: int 
 
 
 def sampling_params(serving: Serving, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    tools: ToolPlan | None = None, score_prompt: bool = False) -> list[SamplingParams]:
+                    tools: ToolPlan | None = None, score_prompt: bool = False,
+                    reasoning_end: list[int] | None = None) -> list[SamplingParams]:
     """One prompt's SamplingParams, one per choice (``req.n``; choice i samples with ``seed + i``).
     ``logprobs``: top logprobs per token (None: none); ``tools``: a chat request's tool plan, whose
     constraint replaces the request's own; ``score_prompt``: echo + logprobs, which scores the prompt's
-    tokens with at least ``logprobs`` alternatives."""
+    tokens with at least ``logprobs`` alternatives; ``reasoning_end``: the end-of-thinking marker's token ids
+    of an answer that thinks first (its constraint holds after them)."""
     constraint = tools.structured_outputs() if tools is not None else None
     out = []
     for i in range(req.n):
@@ -91,6 +93,9 @@ def sampling_params(serving: Serving, req: SamplingFields, *, max_tokens: int, l
             params.prompt_logprobs = max(logprobs, params.prompt_logprobs or 0)
         if tools is not None:
             params = apply_tool_plan(params, tools, constraint)
+        if reasoning_end and params.structured_outputs is not None:
+            params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                            reasoning_end_token_ids=list(reasoning_end))
         out.append(params)
     return out
 

@@ -104,6 +104,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = option(True, help="chunked prefill")
     max_waiting_requests: int | None = option(
         None, help="answer 429 when this many requests are waiting (default: no limit)")
+    scheduling_policy: str = option(
+        "fcfs", choices=("fcfs", "priority"),
+        help="fcfs: waiting requests in arrival order; priority: by each request's priority (lower first, ties "
+             "by arrival), and a preemption takes the lowest-priority running request (vLLM's)")
     token_buckets: tuple[int, ...] | None = option(
         None, nargs="+", convert=_token_buckets,
         help="padded step sizes to compile (each is one compiled forward), e.g. 4 8 16 64 256 2048 or "

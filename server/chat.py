@@ -26,7 +26,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     ids = await serving.prompts.encode(text, add_special_tokens=False, what="messages")
     if not ids:
         raise bad_request("the messages rendered to an empty prompt", "messages")
-    prompt = Prompt(ids, text)
+    prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt)
     max_tokens = resolve_max_tokens(serving, len(ids), req.requested_max_tokens(), "messages")
     thinks = answer_thinking(serving.reasoning_parser_cls, req.chat_template_kwargs, req.reasoning_effort, text)
     params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(), tools=plan,

@@ -73,6 +73,13 @@ class Prompt:
     token_ids: list[int]
     text: str | None = None  # the text when the user sent text (for echo / the engine's logs)
     choices: list[Choice] = field(default_factory=list)
+    priority: int = 0                   # the request's (--scheduling-policy priority)
+    cache_salt: str | None = None       # the request's prefix-cache namespace
+
+    def generate(self, engine: Any, c: Choice) -> AsyncIterator[Any]:
+        """The engine's output stream of one of this prompt's choices."""
+        return engine.generate(self.token_ids, c.params, c.request_id, prompt=self.text, priority=self.priority,
+                               cache_salt=self.cache_salt)
 
 
 class EngineRuns:
@@ -184,7 +191,7 @@ class EngineRuns:
     async def _single(self, p: Prompt, c: Choice) -> AsyncIterator[tuple[Choice, Any]]:
         """n = 1, one prompt (the common case): the engine's stream as is, no extra task or queue hop."""
         self.log_request(p, c)
-        gen = self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text)
+        gen = p.generate(self.engine, c)
         try:
             async for out in gen:
                 yield c, out
@@ -201,7 +208,7 @@ class EngineRuns:
         async def pump(p: Prompt, c: Choice) -> None:
             self.log_request(p, c)
             try:
-                async for out in self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text):
+                async for out in p.generate(self.engine, c):
                     await queue.put((c, out, None))
             except Exception as e:  # forwarded to the consumer
                 self._failed(c)

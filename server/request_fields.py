@@ -21,8 +21,8 @@ IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key
 NOT_IMPLEMENTED = frozenset({
     "logit_bias", "functions", "function_call", "audio", "modalities", "moderation",
     "web_search_options", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
-    "truncate_prompt_tokens", "priority", "request_id", "logits_processors", "documents", "mm_processor_kwargs",
-    "cache_salt", "kv_transfer_params", "vllm_xargs", "structural_tag", "guided_decoding_backend",
+    "truncate_prompt_tokens", "request_id", "logits_processors", "documents", "mm_processor_kwargs",
+    "kv_transfer_params", "vllm_xargs", "structural_tag", "guided_decoding_backend",
     "guided_whitespace_pattern", "prompt_embeds", "echo", "add_special_tokens",
     "media_io_kwargs",
 })

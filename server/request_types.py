@@ -88,6 +88,10 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:{id}"
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # lower first under --scheduling-policy priority (any other value is a 400 under fcfs, as vLLM's)
+    priority: int = 0
+    # the request's prefix-cache namespace: requests with different salts never share cached blocks
+    cache_salt: str | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -55,7 +55,8 @@ class ScriptedEngine(FakeEngine):
     chat_template: str = TOOLS_TEMPLATE
     max_model_len: int = 4096
 
-    async def generate(self, prompt_token_ids, sampling_params, request_id: str, prompt=None):
+    async def generate(self, prompt_token_ids, sampling_params, request_id: str, prompt=None, *, priority=0,
+                       cache_salt=None):
         text = prompt or self.tokenizer.decode(prompt_token_ids)
         self.params_seen[request_id] = sampling_params
         self.prompts_seen[request_id] = text

@@ -130,13 +130,15 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float, sampling_seed: int) -> None:
+                    arrival_time: float, sampling_seed: int, *, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
         """Queue a request the front end validated (``LLMEngine.make_request``); ``params`` are its own
         copy. Raises InvalidRequestError if its id is in use."""
         if self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                      arrival_time=arrival_time, sampling_seed=sampling_seed)
+                      arrival_time=arrival_time, sampling_seed=sampling_seed, priority=priority,
+                      cache_salt=cache_salt)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]    # the first position has no logprob; the rest come chunk by chunk
             if self._scorer is None:

@@ -125,7 +125,8 @@ class EngineCoreLoop:
     def add(self, msg: m.EngineCoreRequest) -> None:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, pickle.loads(msg.sampling_params),
-                                    msg.arrival_time, msg.sampling_seed)
+                                    msg.arrival_time, msg.sampling_seed, priority=msg.priority,
+                                    cache_salt=msg.cache_salt)
         except Exception:  # noqa: BLE001 - the front end validated it; end that request, keep serving
             logger.exception("request %s could not be queued; it ends as aborted", msg.request_id)
             self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(

@@ -102,8 +102,9 @@ class EngineCore:
             if not config.skip_warmup:
                 self.embedder.warmup(progress=progress)
         else:
-            self.max_model_len = self.model.max_model_len     # the loader checked it against the model
             self.runner = self.executor.build_runner()
+            # the loader checked it against the model, the runner against the KV cache
+            self.max_model_len = self.model.max_model_len
             self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                              config.cache.enable_prefix_caching, self.max_model_len)
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)

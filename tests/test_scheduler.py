@@ -265,6 +265,13 @@ def test_preemption_requeues_the_newest_and_keeps_its_outputs():
     # 8 usable blocks of 4 = 32 tokens; 3 requests of 8 prompt tokens growing to 8 + 10.
     sched, kv, dev = make(num_blocks=9, block_size=4, max_model_len=32, budget=64, caching=False)
     reqs = [Request(str(i), [i + 1] * 8, params(max_tokens=10)) for i in range(3)]
+    preempted = run_preempting(sched, kv, dev, reqs)
+    assert preempted and preempted[0] == "2"                      # the newest goes first
+    assert sched.get_stats()["num_preemptions"] == len(preempted)
+
+
+def run_preempting(sched, kv, dev, reqs) -> list[str]:
+    """Run the requests (each 8 prompt tokens growing by 10) to the end; the ids preempted, in order."""
     for r in reqs:
         sched.add_request(r)
     preempted = []
@@ -273,19 +280,17 @@ def test_preemption_requeues_the_newest_and_keeps_its_outputs():
             break
         before = sched.num_preemptions
         step(sched, dev)
-        victims = preempted_since(sched, before)
+        victims = [r.request_id for r in sched.waiting if r.status == RequestStatus.PREEMPTED
+                   and r.num_computed_tokens == 0][:sched.num_preemptions - before]
         preempted += victims
-        if victims:
-            victim = sched.waiting[0]
-            assert victim.request_id == victims[-1] and victim.status == RequestStatus.PREEMPTED
-            assert victim.num_computed_tokens == 0 and kv.block_ids(victim.request_id) == []
-            assert victim.num_output_tokens > 0                 # kept, recomputed later
-    assert preempted and preempted[0] == "2"                      # the newest goes first
-    assert sched.get_stats()["num_preemptions"] == len(preempted)
+        for victim in victims:
+            req = sched.get_request(victim)
+            assert kv.block_ids(victim) == [] and req.num_output_tokens > 0     # kept, recomputed later
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert r.output_token_ids == expected_outputs(r.prompt_token_ids, 10)
     assert kv.num_free_blocks == kv.num_usable_blocks
+    return preempted
 
 
 def test_preempted_request_recomputes_prompt_plus_outputs():
@@ -345,20 +350,8 @@ def test_priority_preemption_takes_the_lowest_priority_running_request():
     sched, kv, dev = make(num_blocks=9, block_size=4, max_model_len=32, budget=64, caching=False, policy="priority")
     reqs = [Request(str(i), [i + 1] * 8, params(max_tokens=10), arrival_time=float(i), priority=p)
             for i, p in enumerate((2, 0, 1))]
-    for r in reqs:
-        sched.add_request(r)
-    preempted = []
-    for _ in range(200):
-        if not sched.has_unfinished_requests():
-            break
-        before = sched.num_preemptions
-        step(sched, dev)
-        preempted += [r.request_id for r in sched.waiting if r.num_preemptions][:sched.num_preemptions - before]
+    preempted = run_preempting(sched, kv, dev, reqs)
     assert preempted and preempted[0] == "0"                      # priority 2: the lowest
-    for r in reqs:
-        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
-        assert r.output_token_ids == expected_outputs(r.prompt_token_ids, 10)
-    assert kv.num_free_blocks == kv.num_usable_blocks
 
 
 def test_priority_queue_answers_the_schedulers_deque_calls():

@@ -82,8 +82,8 @@ def test_offline_priority_and_cache_salt():
     params = SamplingParams(max_tokens=2, temperature=0)
     try:
         llm.generate([{"prompt_token_ids": ids, "cache_salt": "a"}], params, use_tqdm=False)
-        b, a = llm.generate([{"prompt_token_ids": ids, "cache_salt": "b"}, {"prompt_token_ids": ids, "cache_salt": "a"}],
-                            params, use_tqdm=False)
+        b, a = llm.generate([{"prompt_token_ids": ids, "cache_salt": salt} for salt in ("b", "a")], params,
+                            use_tqdm=False)
         assert b.num_cached_tokens == 0 and a.num_cached_tokens == 48
         with pytest.raises(ValueError, match="scheduling-policy priority"):
             llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, priority=[1])

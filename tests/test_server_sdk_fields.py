@@ -196,4 +196,5 @@ def test_real_priority_needs_the_priority_policy(real, http):
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
         err = api_error(http.post(real.url + path, json={"model": "smol", "max_tokens": 2, "priority": 1, **base}), 400)
         assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"], err
-        assert http.post(real.url + path, json={"model": "smol", "max_tokens": 2, "priority": 0, **base}).status_code == 200
+        ok = http.post(real.url + path, json={"model": "smol", "max_tokens": 2, "priority": 0, **base})
+        assert ok.status_code == 200

@@ -57,9 +57,10 @@ class StructuredOutputManager:
     config; llguidance needs every id the model can emit). ``disable_any_whitespace`` (vLLM's name): JSON
     uses compact separators and no free whitespace, so a model cannot loop on whitespace until max_tokens;
     False allows any JSON whitespace between tokens. ``disable_additional_properties`` (vLLM's name): a JSON
-    schema's objects allow no undeclared keys unless they say so (off: only where the request asks). ``limits``: what a constraint may ask of the compiler
-    (``StructuredOutputsLimits``). ``retain=False``: the compiler keeps verdicts only (a front end that
-    validates constraints for an engine core in another process)."""
+    schema's objects allow no undeclared keys unless they say so (off: only where the request asks).
+    ``limits``: what a constraint may ask of the compiler (``StructuredOutputsLimits``). ``retain=False``: the
+    compiler keeps verdicts only (a front end that validates constraints for an engine core in another
+    process)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, *, disable_any_whitespace: bool = True,
                  disable_additional_properties: bool = True, limits: StructuredOutputsLimits | None = None,

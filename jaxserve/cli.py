@@ -89,13 +89,18 @@ def cmd_follow(a) -> int:
 
 # ---------------------------------------------------------------- subcommands
 def cmd_generate(a) -> int:
+    from jaxserve.errors import ModelLoadError
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
     cfg = engine_config_from_args(a)
     # one batch, then exit: instead of the serving warm-up (the smallest and largest buckets, the rest in the
     # background, which would outlive the run), compile exactly the buckets these prompts' steps need
     one_shot = not (cfg.enforce_eager or cfg.skip_warmup) and _engine_in_this_process(cfg)
-    llm = LLM(engine_config=cfg.replace(skip_warmup=True) if one_shot else cfg)
+    try:
+        llm = LLM(engine_config=cfg.replace(skip_warmup=True) if one_shot else cfg)
+    except ModelLoadError as e:
+        print(f"jaxserve generate: {e}", file=sys.stderr)
+        return 1
     prompts = a.prompt or ["What is the capital of France?"]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.sampling_seed, n=a.n)

@@ -104,6 +104,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = option(True, help="chunked prefill")
     max_waiting_requests: int | None = option(
         None, help="answer 429 when this many requests are waiting (default: no limit)")
+    scheduling_policy: str = option(
+        "fcfs", choices=("fcfs", "priority"),
+        help="fcfs: waiting requests in arrival order; priority: by each request's priority (lower first, ties "
+             "by arrival), and a preemption takes the lowest-priority running request (vLLM's)")
     token_buckets: tuple[int, ...] | None = option(
         None, nargs="+", convert=_token_buckets,
         help="padded step sizes to compile (each is one compiled forward), e.g. 4 8 16 64 256 2048 or "
@@ -146,10 +150,15 @@ class ParallelConfig:
 class StructuredOutputsConfig:
     """vLLM's ``--structured-outputs-config``. ``disable_any_whitespace`` (default True here; vLLM's is
     False): JSON is generated with compact separators and no free whitespace, so a model cannot loop on
-    whitespace until max_tokens; False allows any JSON whitespace between tokens. ``backend``: llguidance
-    is the one backend ("auto" and "guidance" both name it)."""
+    whitespace until max_tokens; False allows any JSON whitespace between tokens.
+    ``disable_additional_properties`` (default True here; vLLM's xgrammar backend is strict too): a JSON
+    schema's objects (``response_format``, ``structured_outputs.json``, named and required tool calls) allow
+    no keys they do not declare unless they set ``additionalProperties``; False leaves them open except where
+    the request says ``strict: true``. ``backend``: llguidance is the one backend ("auto" and "guidance"
+    both name it)."""
     backend: str = "auto"
     disable_any_whitespace: bool = True
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "guidance"):
@@ -216,8 +225,10 @@ class EngineConfig:
     # LLM(structured_outputs_config={...}) takes a dict too
     structured_outputs_config: StructuredOutputsConfig = option(
         default_factory=StructuredOutputsConfig, type=StructuredOutputsConfig.from_json,
-        help='JSON, as vLLM\'s: {"backend": "guidance", "disable_any_whitespace": true} (the defaults; false '
-             'lets JSON outputs hold any whitespace)')
+        help='JSON, as vLLM\'s: {"backend": "guidance", "disable_any_whitespace": true, '
+             '"disable_additional_properties": true} (the defaults; disable_any_whitespace false lets JSON outputs '
+             'hold any whitespace; disable_additional_properties false lets a JSON schema\'s objects hold keys '
+             'they do not declare unless the request says strict)')
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs_config, dict):

@@ -24,8 +24,9 @@ def engine_config_from_kwargs(model: str | None = None, **kw) -> EngineConfig:
     return from_kwargs(EngineConfig, {"model": model, **kw}, "LLM")
 
 
-def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
-    """str | list[str] | list[int] | list[list[int]] | dicts → [(text, token_ids)]."""
+def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None, str | None]]:
+    """str | list[str] | list[int] | list[list[int]] | dicts → [(text, token_ids, cache_salt)] (a dict's
+    ``cache_salt``, vLLM's: its prefix-cache namespace)."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     elif prompts and isinstance(prompts[0], int):
@@ -33,11 +34,11 @@ def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
     out = []
     for p in prompts:
         if isinstance(p, str):
-            out.append((p, None))
+            out.append((p, None, None))
         elif isinstance(p, dict):
-            out.append((p.get("prompt"), p.get("prompt_token_ids")))
+            out.append((p.get("prompt"), p.get("prompt_token_ids"), p.get("cache_salt")))
         else:
-            out.append((None, list(p)))
+            out.append((None, list(p), None))
     return out
 
 
@@ -66,7 +67,8 @@ class LLM:
 
     # ---------------------------------------------------------------- generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """``priority`` (vLLM's): one per prompt, lower first, with ``scheduling_policy="priority"``."""
         items = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -74,10 +76,13 @@ class LLM:
             else [sampling_params] * len(items)
         if len(params_list) != len(items):
             raise ValueError(f"{len(params_list)} sampling params for {len(items)} prompts")
+        priorities = [0] * len(items) if priority is None else list(priority)
+        if len(priorities) != len(items):
+            raise ValueError(f"{len(priorities)} priorities for {len(items)} prompts")
         eng = self.engine
         order: list[tuple[str, int]] = []        # (parent id, n)
         batch = []                               # every request, queued at once
-        for (text, ids), params in zip(items, params_list):
+        for (text, ids, salt), params, prio in zip(items, params_list, priorities):
             if ids is None:
                 ids = self.tokenizer.encode(text)
             parent = eng.new_request_id()
@@ -87,7 +92,7 @@ class LLM:
                 if params.n > 1 and params.seed is not None:
                     child.seed = params.seed + i
                 rid = f"{parent}" if params.n == 1 else f"{parent}_{i}"
-                batch.append(eng.make_request(rid, ids, child, prompt=text))
+                batch.append(eng.make_request(rid, ids, child, prompt=text, priority=prio, cache_salt=salt))
         eng.add_requests(batch)
         finals = self._run(sum(n for _, n in order), use_tqdm)
         results = []
@@ -170,7 +175,7 @@ class LLM:
             raise ValueError("the loaded model does not support embeddings (load an embedding model, or a "
                              "decoder with task='embed')")
         items = _normalize_prompts(prompts)
-        ids = [i if i is not None else self.tokenizer.encode(t) for t, i in items]
+        ids = [i if i is not None else self.tokenizer.encode(t) for t, i, _ in items]
         vecs = self.engine.embed(ids, truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions)
         return [EmbeddingRequestOutput(request_id=str(k), outputs=EmbeddingOutput(embedding=list(map(float, v))),
                                        prompt_token_ids=i, finished=True)

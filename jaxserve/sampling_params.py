@@ -66,6 +66,13 @@ class StructuredOutputsParams:
     - ``grammar``: a Lark grammar (llguidance's dialect) or a GBNF / EBNF grammar;
     - ``json_object``: ``True``: the output is one JSON object (any keys).
 
+    ``disable_additional_properties`` (vLLM's name): ``True`` closes the JSON schema's objects (no keys they do
+    not declare, unless they set ``additionalProperties``) whatever the engine's default (its
+    ``--structured-outputs-config`` key of the same name; the default here is closed).
+    ``reasoning_end_token_ids``: the token ids of a thinking model's end-of-thinking marker (``</think>``):
+    the constraint holds only after the output contains them (the thinking part before is free); None: from
+    the first token.
+
     The engine enforces it with a token mask per step (``jaxserve.engine.structured_output``); the grammar
     is compiled when the request is accepted, so a bad one is a ``ValueError`` (HTTP 400) naming the problem.
     """
@@ -74,6 +81,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_additional_properties: bool = False
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -100,6 +109,15 @@ class StructuredOutputsParams:
             if any(not isinstance(c, str) for c in self.choice):
                 raise ValueError(f"structured_outputs.choice must hold strings only, got {self.choice!r}")
             self.choice = list(self.choice)
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError("structured_outputs.disable_additional_properties must be a boolean, "
+                             f"got {self.disable_additional_properties!r}")
+        marker = self.reasoning_end_token_ids
+        if marker is not None:
+            if not isinstance(marker, (list, tuple)) or not marker or any(not _is_int(t) or t < 0 for t in marker):
+                raise ValueError("structured_outputs.reasoning_end_token_ids must be a non-empty list of token ids, "
+                                 f"got {marker!r}")
+            self.reasoning_end_token_ids = list(marker)
 
     @property
     def kind(self) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 from .beam_search import beam_search_run
 from .chat_response import ChatRenderer
 from .engine_runs import Prompt
+from .reasoning import answer_thinking
 from .errors import bad_request
 from .request_types import ChatCompletionRequest
 from .response_types import response_ids
@@ -27,14 +28,16 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
     ids = await serving.prompts.encode(text, add_special_tokens=req.add_special_tokens, what="messages")
     if not ids:
         raise bad_request("the messages rendered to an empty prompt", "messages")
-    prompt = Prompt(ids, text)
+    prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt)
     max_tokens = resolve_max_tokens(serving, len(ids), req.requested_max_tokens(), "messages")
     prompt.beam_search = beam_search_run(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(),
                                          tools=plan)
     if prompt.beam_search is not None:
         params = [prompt.beam_search.choice_params()] * req.n
     else:
-        params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(), tools=plan)
+        thinks = answer_thinking(serving.reasoning_parser_cls, req.chat_template_kwargs, req.reasoning_effort, text)
+        params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(),
+                                 tools=plan, reasoning_end=serving.reasoning_end_token_ids if thinks else None)
     request_id, engine_id = response_ids("chatcmpl", header_request_id, req.request_id)
     serving.runs.add_choices(prompt, params, engine_id)
     await compile_structured_outputs(serving, [prompt])

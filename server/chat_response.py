@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 from .engine_runs import Accumulated, Prompt
 from .logprobs import chat_logprobs, prompt_logprobs_out
-from .reasoning import ThinkingParser, thinking_off
+from .reasoning import ThinkingParser, answer_thinking
 from .request_types import ChatCompletionRequest
 from .response_types import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
                              ChatResponseMessage, DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCallOut,
@@ -58,13 +58,9 @@ class ChatRenderer:
         self.token_ids = bool(req.return_token_ids)
         self.created = now()
         self.include_reasoning = req.include_reasoning
-        thinking = serving.reasoning_parser_cls
-        if thinking is not None and (
-                thinking_off(req.chat_template_kwargs, req.reasoning_effort)
-                or any(c.params.structured_outputs is not None for c in prompt.choices)
-                or thinking.prompt_closes_thinking(prompt.text or "")):
-            thinking = None           # no thinking part in this answer (reasoning.py says when)
-        self.thinking_cls: type[ThinkingParser] | None = thinking
+        # None: no thinking part in this answer (reasoning.py says when)
+        self.thinking_cls: type[ThinkingParser] | None = answer_thinking(
+            serving.reasoning_parser_cls, req.chat_template_kwargs, req.reasoning_effort, prompt.text)
         self.echo = echoed_content(req, self.role)
 
     def new_thinking_parser(self) -> ThinkingParser | None:

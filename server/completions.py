@@ -36,7 +36,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive,
             ids, text = p, None
         if not ids:
             raise bad_request("the prompt is empty: give at least one token", "prompt")
-        prompt = Prompt(ids, text)
+        prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt)
         max_tokens = resolve_max_tokens(serving, len(ids), requested, "prompt")
         prompt.beam_search = beam_search_run(serving, req, max_tokens=max_tokens, logprobs=req.logprobs)
         if prompt.beam_search is not None:

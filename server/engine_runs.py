@@ -76,6 +76,13 @@ class Prompt:
     text: str | None = None  # the text when the user sent text (for echo / the engine's logs)
     choices: list[Choice] = field(default_factory=list)
     beam_search: Any = None  # a BeamSearchRun (server/beam_search.py): the choices are its best beams
+    priority: int = 0                   # the request's (--scheduling-policy priority)
+    cache_salt: str | None = None       # the request's prefix-cache namespace
+
+    def generate(self, engine: Any, c: Choice) -> AsyncIterator[Any]:
+        """The engine's output stream of one of this prompt's choices."""
+        return engine.generate(self.token_ids, c.params, c.request_id, prompt=self.text, priority=self.priority,
+                               cache_salt=self.cache_salt)
 
 
 class EngineRuns:
@@ -190,7 +197,7 @@ class EngineRuns:
         """One choice's engine request: the engine's stream as is (alone, the common case: no extra task or
         queue hop)."""
         self.log_request(p, c)
-        gen = self.engine.generate(p.token_ids, c.params, c.request_id, prompt=p.text)
+        gen = p.generate(self.engine, c)
         try:
             async for out in gen:
                 yield c, out

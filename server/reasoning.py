@@ -5,11 +5,13 @@ NOTE (the rule, vLLM's): the output is thinking up to the end marker ``</think>`
 ``<think>`` that opens the output is dropped (templates such as DeepSeek-R1's and Qwen3.5's put it in the
 prompt, older ones let the model write it); an output with no end marker is all thinking (max_tokens cut
 it). There is no thinking part when the prompt already closed it (its last think marker is ``</think>``:
-Qwen3's template with ``enable_thinking: false`` writes an empty ``<think></think>``), when the request
+Qwen3's template with ``enable_thinking: false`` writes an empty ``<think></think>``) or when the request
 turns thinking off (``chat_template_kwargs`` ``enable_thinking`` or ``thinking`` false, ``reasoning_effort``
-"none"), or when the output is constrained (a named or required tool choice, a response format: the
-grammar holds from the first token, so the model has no room to think). A streamed delta that ends in what
-may become the end marker holds that tail back, so any delta size gives the same split as the whole text.
+"none"). A constrained output (a named or required tool choice, a response format) holds after the thinking
+part, as vLLM's does: the request's constraint carries the end marker's token ids and the engine starts its
+grammar once the output holds them (``StructuredOutputsParams.reasoning_end_token_ids``). A streamed delta
+that ends in what may become the end marker holds that tail back, so any delta size gives the same split as
+the whole text.
 """
 from __future__ import annotations
 
@@ -98,6 +100,16 @@ class Qwen3ThinkingParser(ThinkingParser):
 
 
 REASONING_PARSERS: dict[str, type[ThinkingParser]] = {"deepseek_r1": ThinkingParser, "qwen3": Qwen3ThinkingParser}
+
+
+def answer_thinking(parser_cls: type[ThinkingParser] | None, chat_template_kwargs: dict[str, Any] | None,
+                    reasoning_effort: str | None, prompt: str | None) -> type[ThinkingParser] | None:
+    """The reasoning parser of an answer to this chat prompt, None when it has no thinking part (the server
+    has no parser, the request turned thinking off, or the prompt closed it)."""
+    if parser_cls is None or thinking_off(chat_template_kwargs, reasoning_effort) \
+            or parser_cls.prompt_closes_thinking(prompt or ""):
+        return None
+    return parser_cls
 
 
 def thinking_off(chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> bool:

@@ -5,7 +5,7 @@ body; ``request_fields`` lists them all for the message), never silently dropped
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta, Struct
 
@@ -27,7 +27,8 @@ class StreamOptions(Struct, kw_only=True):
 
 
 class JsonSchemaFormat(Struct, kw_only=True):
-    """OpenAI's ``response_format.json_schema``."""
+    """OpenAI's ``response_format.json_schema`` (``strict`` true: its objects are closed whatever the server's
+    default, ``--structured-outputs-config`` ``disable_additional_properties``)."""
     name: str | None = None
     description: str | None = None
     schema: dict[str, Any] | None = None
@@ -41,12 +42,16 @@ class ResponseFormat(Struct, kw_only=True):
 
 
 class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's ``structured_outputs`` extra body: exactly one constraint (unknown keys are a 400, not ignored)."""
+    """vLLM's ``structured_outputs`` extra body: exactly one constraint (unknown keys are a 400, not ignored),
+    and ``disable_additional_properties`` (true: the JSON schema's objects are closed whatever the server's
+    default)."""
+    CONSTRAINTS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_additional_properties: bool | None = None
 
 
 class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -97,6 +102,10 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     # logprob over its generated length ** length_penalty
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # lower first under --scheduling-policy priority (any other value is a 400 under fcfs, as vLLM's)
+    priority: int = 0
+    # the request's prefix-cache namespace: requests with different salts never share cached blocks
+    cache_salt: str | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -153,7 +162,8 @@ class FunctionDefinition(Struct, kw_only=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None     # a JSON schema
-    # strict: the schema is enforced where the output is constrained (named and required tool_choice)
+    # the schema is enforced where the output is constrained (named and required tool_choice); strict true
+    # closes its objects (no undeclared keys) whatever the server's default
     strict: bool | None = None
 
 

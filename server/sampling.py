@@ -31,14 +31,17 @@ def structured_outputs_from_request(req: SamplingFields) -> StructuredOutputsPar
         if rf.json_schema is None or rf.json_schema.schema is None:
             raise bad_request("response_format of type json_schema needs json_schema.schema (the JSON schema)",
                               "response_format")
-        found.append(("response_format", {"json": rf.json_schema.schema}))
+        found.append(("response_format", {"json": rf.json_schema.schema,
+                                          "disable_additional_properties": rf.json_schema.strict is True}))
     so = req.structured_outputs
     if so is not None:
-        given = {name: getattr(so, name) for name in StructuredOutputs.__struct_fields__
+        given = {name: getattr(so, name) for name in StructuredOutputs.CONSTRAINTS
                  if getattr(so, name) is not None and getattr(so, name) is not False}
         if len(given) != 1:
             raise bad_request("structured_outputs must set exactly one of json, regex, choice, grammar, "
                               f"json_object; got {', '.join(given) or 'none'}", "structured_outputs")
+        if so.disable_additional_properties:
+            given["disable_additional_properties"] = True
         found.append(("structured_outputs", given))
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):
@@ -77,11 +80,13 @@ def resolve_max_tokens(serving: Serving, num_prompt_tokens: int, requested: int 
 
 
 def sampling_params(serving: Serving, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    tools: ToolPlan | None = None, score_prompt: bool = False) -> list[SamplingParams]:
+                    tools: ToolPlan | None = None, score_prompt: bool = False,
+                    reasoning_end: list[int] | None = None) -> list[SamplingParams]:
     """One prompt's SamplingParams, one per choice (``req.n``; choice i samples with ``seed + i``).
     ``logprobs``: top logprobs per token (None: none); ``tools``: a chat request's tool plan, whose
     constraint replaces the request's own; ``score_prompt``: echo + logprobs, which scores the prompt's
-    tokens with at least ``logprobs`` alternatives."""
+    tokens with at least ``logprobs`` alternatives; ``reasoning_end``: the end-of-thinking marker's token ids
+    of an answer that thinks first (its constraint holds after them)."""
     constraint = tools.structured_outputs() if tools is not None else None
     out = []
     for i in range(req.n):
@@ -90,6 +95,9 @@ def sampling_params(serving: Serving, req: SamplingFields, *, max_tokens: int, l
             params.prompt_logprobs = max(logprobs, params.prompt_logprobs or 0)
         if tools is not None:
             params = apply_tool_plan(params, tools, constraint)
+        if reasoning_end and params.structured_outputs is not None:
+            params.structured_outputs = dataclasses.replace(params.structured_outputs,
+                                                            reasoning_end_token_ids=list(reasoning_end))
         out.append(params)
     return out
 

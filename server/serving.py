@@ -25,6 +25,9 @@ class Serving:
         self.tool_parser_cls = resolve_tool_parser(args)   # --tool-call-parser (None: no auto tool choice)
         # --reasoning-parser (None: no thinking part is split off)
         self.reasoning_parser_cls = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
+        # its end marker's token ids: a constrained answer's grammar starts after them
+        self.reasoning_end_token_ids: list[int] | None = list(self.tokenizer.encode(
+            self.reasoning_parser_cls.end, add_special_tokens=False)) if self.reasoning_parser_cls else None
         self.prompts = PromptRenderer(engine, args)
         self.runs = EngineRuns(engine, args, self.metrics)
         self.token_names = TokenNames(self.tokenizer)

@@ -166,3 +166,26 @@ def test_server_serves_gemma3(gemma3_path, golden):
         assert r.usage.prompt_tokens == len(case["prompt_ids"])
     finally:
         srv.stop()
+
+
+@needs_family
+def test_serve_with_default_flags_fits_the_context_to_the_cpu_kv_cache(gemma3_path):
+    """`python -m jaxserve serve gemma3-270m` as the README shows it: the model's 32768 tokens do not fit the 1 GiB
+    CPU KV cache, so the server serves the longest context that does, says so in one log line, and answers."""
+    import openai
+    from server_process import ROOT, ServerProcess
+
+    srv = ServerProcess("gemma3-270m", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        (card,) = client.models.list().data
+        assert 8192 <= card.max_model_len < 32768 and card.max_model_len % 16 == 0
+        r = client.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=4,
+                                      temperature=0)
+        assert r.choices[0].text and r.usage.completion_tokens == 4
+        log = srv.tail(200_000)
+        assert log.count(f"max_model_len {card.max_model_len}: the model's 32768 tokens do not fit") == 1
+        assert "Traceback" not in log
+    finally:
+        srv.stop()
+

@@ -173,18 +173,33 @@ def test_tool_calls_are_read_after_the_thinking_part(thinking, tokens_per_output
         engine.tokens_per_output = 1
 
 
-def test_a_constrained_answer_has_no_thinking_part(thinking):
-    """A named tool choice's grammar holds from the first token: the whole output is the call."""
+@pytest.mark.parametrize("tokens_per_output", [1, 3, 0])
+def test_a_constrained_answer_thinks_first(thinking, tokens_per_output):
+    """A named tool choice or a response format holds after the thinking part (vLLM's rule): the constraint
+    carries the end marker's token ids, where the engine starts its grammar; the answer splits as any other."""
     engine, client, _ = thinking
-    engine.default_reply = '{"city": "Paris"}'
+    engine.default_reply, engine.tokens_per_output = 'Paris, then.</think>\n{"city": "Paris"}', tokens_per_output
+    named = dict(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}}
     try:
-        r = client.chat.completions.create(model="fake-model", messages=ASK, tools=[WEATHER_TOOL], max_tokens=99,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        r = client.chat.completions.create(model="fake-model", messages=ASK, max_tokens=99, **named)
+        (call,) = r.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        assert r.choices[0].message.model_extra["reasoning_content"] == "Paris, then."
+        marker = engine.params_seen[r.id + "-0"].structured_outputs.reasoning_end_token_ids
+        assert marker == list(b"</think>")          # the fake tokenizer spells bytes
+        reasoning, content, calls, finish = streamed(client, model="fake-model", messages=ASK, max_tokens=99, **named)
+        assert reasoning == "Paris, then." and [json.loads(a) for _, a in calls.values()] == [{"city": "Paris"}]
+        r = client.chat.completions.create(model="fake-model", messages=ASK, max_tokens=99, **schema)
+        assert json.loads(r.choices[0].message.content) == {"city": "Paris"}
+        assert r.choices[0].message.model_extra["reasoning_content"] == "Paris, then."
+        # thinking off: the constraint holds from the first token, and carries no marker
+        r = client.chat.completions.create(model="fake-model", messages=ASK, max_tokens=99, reasoning_effort="none",
+                                           **schema)
+        assert engine.params_seen[r.id + "-0"].structured_outputs.reasoning_end_token_ids is None
     finally:
-        engine.default_reply = REPLY
-    (call,) = r.choices[0].message.tool_calls
-    assert json.loads(call.function.arguments) == {"city": "Paris"}
-    assert r.choices[0].message.model_extra["reasoning_content"] is None
+        engine.default_reply, engine.tokens_per_output = REPLY, 1
 
 
 @pytest.mark.parametrize("field, value", [("include_reasoning", "no"), ("include_reasoning", [True]),

@@ -76,10 +76,11 @@ def params(max_tokens=None, min_tokens=0, ignore_eos=False, stop_token_ids=(), l
 
 
 def make(num_blocks=64, block_size=4, max_model_len=64, budget=32, max_seqs=8, chunked=True, caching=True,
-         steps=1):
+         steps=1, policy="fcfs"):
     kv = KVCacheManager(num_blocks, block_size, caching, max_model_len)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                            enable_chunked_prefill=chunked, num_scheduler_steps=steps),
+                                            enable_chunked_prefill=chunked, num_scheduler_steps=steps,
+                                            scheduling_policy=policy),
                             CacheConfig(block_size=block_size, enable_prefix_caching=caching), kv, max_model_len)
     return sched, kv, FakeDevice(kv)
 
@@ -264,6 +265,13 @@ def test_preemption_requeues_the_newest_and_keeps_its_outputs():
     # 8 usable blocks of 4 = 32 tokens; 3 requests of 8 prompt tokens growing to 8 + 10.
     sched, kv, dev = make(num_blocks=9, block_size=4, max_model_len=32, budget=64, caching=False)
     reqs = [Request(str(i), [i + 1] * 8, params(max_tokens=10)) for i in range(3)]
+    preempted = run_preempting(sched, kv, dev, reqs)
+    assert preempted and preempted[0] == "2"                      # the newest goes first
+    assert sched.get_stats()["num_preemptions"] == len(preempted)
+
+
+def run_preempting(sched, kv, dev, reqs) -> list[str]:
+    """Run the requests (each 8 prompt tokens growing by 10) to the end; the ids preempted, in order."""
     for r in reqs:
         sched.add_request(r)
     preempted = []
@@ -272,19 +280,17 @@ def test_preemption_requeues_the_newest_and_keeps_its_outputs():
             break
         before = sched.num_preemptions
         step(sched, dev)
-        victims = preempted_since(sched, before)
+        victims = [r.request_id for r in sched.waiting if r.status == RequestStatus.PREEMPTED
+                   and r.num_computed_tokens == 0][:sched.num_preemptions - before]
         preempted += victims
-        if victims:
-            victim = sched.waiting[0]
-            assert victim.request_id == victims[-1] and victim.status == RequestStatus.PREEMPTED
-            assert victim.num_computed_tokens == 0 and kv.block_ids(victim.request_id) == []
-            assert victim.num_output_tokens > 0                 # kept, recomputed later
-    assert preempted and preempted[0] == "2"                      # the newest goes first
-    assert sched.get_stats()["num_preemptions"] == len(preempted)
+        for victim in victims:
+            req = sched.get_request(victim)
+            assert kv.block_ids(victim) == [] and req.num_output_tokens > 0     # kept, recomputed later
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert r.output_token_ids == expected_outputs(r.prompt_token_ids, 10)
     assert kv.num_free_blocks == kv.num_usable_blocks
+    return preempted
 
 
 def test_preempted_request_recomputes_prompt_plus_outputs():
@@ -315,6 +321,52 @@ def test_a_running_request_preempts_itself_when_alone_it_cannot_grow():
     assert preempted_since(sched, 0) == ["b"] and [e.request_id for e in out.scheduled] == ["a"]
     finished = run_to_completion(sched, dev)
     assert {r.request_id for r in finished} == {"a", "b"}
+
+
+# ------------------------------------------------------------------------------ priority scheduling
+def test_priority_policy_admits_lower_values_first_ties_by_arrival():
+    sched, kv, dev = make(max_seqs=1, policy="priority")
+    for rid, prio, t in (("a", 5, 1.0), ("b", 0, 2.0), ("c", 0, 3.0), ("d", -1, 4.0), ("e", 0, 2.5)):
+        sched.add_request(Request(rid, [1, 2, 3], params(max_tokens=2), arrival_time=t, priority=prio))
+    order = []
+    for _ in range(50):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = step(sched, dev)
+        order += [e.request_id for e in out.scheduled if e.start_pos == 0]
+    assert order == ["d", "b", "e", "c", "a"]
+
+
+def test_fcfs_ignores_priority():
+    sched, kv, dev = make(max_seqs=1)
+    for rid, prio in (("a", 5), ("b", 0)):
+        sched.add_request(Request(rid, [1, 2, 3], params(max_tokens=2), priority=prio))
+    out, _ = step(sched, dev)
+    assert [e.request_id for e in out.scheduled] == ["a"]
+
+
+def test_priority_preemption_takes_the_lowest_priority_running_request():
+    # the setup of test_preemption_requeues_the_newest_and_keeps_its_outputs, where FCFS takes "2" first
+    sched, kv, dev = make(num_blocks=9, block_size=4, max_model_len=32, budget=64, caching=False, policy="priority")
+    reqs = [Request(str(i), [i + 1] * 8, params(max_tokens=10), arrival_time=float(i), priority=p)
+            for i, p in enumerate((2, 0, 1))]
+    preempted = run_preempting(sched, kv, dev, reqs)
+    assert preempted and preempted[0] == "0"                      # priority 2: the lowest
+
+
+def test_priority_queue_answers_the_schedulers_deque_calls():
+    from jaxserve.engine.request_queue import PriorityRequestQueue, waiting_queue
+    q = PriorityRequestQueue()
+    a, b, c = (Request(r, [1], arrival_time=t, priority=p) for r, p, t in (("a", 1, 0.0), ("b", 0, 1.0), ("c", 1, 0.5)))
+    for r in (a, b, c):
+        q.append(r)
+    assert q[0] is b and len(q) == 3 and [r.request_id for r in q] == ["b", "a", "c"]
+    q.remove(a)
+    assert [q.popleft().request_id for _ in range(2)] == ["b", "c"] and not q
+    q.extendleft(reversed([c, a]))
+    assert q.popleft() is a
+    with pytest.raises(ValueError, match="scheduling-policy"):
+        waiting_queue("lifo")
 
 
 # ------------------------------------------------------------------------------ multi-step decoding

@@ -101,7 +101,8 @@ class FakeEngine:
     async def embed(self, token_lists, **kw):
         raise InvalidRequestError("the loaded model does not support embeddings", param="model")
 
-    async def generate(self, prompt_token_ids, sampling_params: SamplingParams, request_id: str, prompt=None):
+    async def generate(self, prompt_token_ids, sampling_params: SamplingParams, request_id: str, prompt=None, *,
+                       priority: int = 0, cache_salt: str | None = None):
         assert sampling_params.output_kind is RequestOutputKind.DELTA
         if self.max_waiting is not None and len(self.running) >= self.max_waiting:
             raise QueueFullError(f"{len(self.running)} requests are running (fake limit {self.max_waiting})")

@@ -188,3 +188,13 @@ def test_real_langchain_chat_openai_with_the_fields_it_sends(real):
                                       verbosity="low", model_kwargs={"user": "u", "safety_identifier": "s"})
     assert llm.invoke("Hi").content
     assert "".join(chunk.content for chunk in llm.stream("Hi"))
+
+
+def test_real_priority_needs_the_priority_policy(real, http):
+    """Under the default FCFS policy a nonzero priority is a 400 naming it (vLLM's rule); 0 is the default."""
+    for path, base in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        err = api_error(http.post(real.url + path, json={"model": "smol", "max_tokens": 2, "priority": 1, **base}), 400)
+        assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"], err
+        ok = http.post(real.url + path, json={"model": "smol", "max_tokens": 2, "priority": 0, **base})
+        assert ok.status_code == 200

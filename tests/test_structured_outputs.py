@@ -361,3 +361,56 @@ def test_json_whitespace_follows_disable_any_whitespace(disable_any_whitespace):
         return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
     assert accepts('{"a":1}')
     assert accepts('{ "a": 1 }') is not disable_any_whitespace
+
+
+# ---------------------------------------------------------------------------------------------------
+# a thinking model's constraint holds after its end-of-thinking marker
+# ---------------------------------------------------------------------------------------------------
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+
+
+def test_the_manager_starts_a_matcher_after_the_marker_unmasked_and_unconsumed_before():
+    from types import SimpleNamespace
+
+    from jaxserve.engine.structured_output import StructuredOutputManager
+    from jaxserve.models.tokenizers import embedded_tokenizer
+    tok = embedded_tokenizer()
+    manager = StructuredOutputManager(tok, len(tok), (tok.eos_token_id,))
+    marker = tok.encode("</think>", add_special_tokens=False)
+    assert len(marker) == 3                         # several tokens in this vocabulary
+    spec = StructuredOutputsParams(json=CITY, reasoning_end_token_ids=marker)
+    req = SimpleNamespace(request_id="r", sampling_params=SamplingParams(structured_outputs=spec))
+    manager.add_request(req)
+    rows = [(0, "r")]
+    thought = tok.encode("Not JSON at all </ think> </", add_special_tokens=False)    # marker parts, not the marker
+    for t in thought + marker:
+        assert (manager.fill_bitmask(rows, 1) == -1).all()          # thinking: every token allowed
+        assert manager.accept("r", t) is False
+    mask = manager.fill_bitmask(rows, 1)
+    answer = tok.encode('{"city":"Paris"}', add_special_tokens=False)
+    first = answer[0]
+    assert (mask[0, first // 32] >> (first % 32)) & 1 and not (mask == -1).all()      # the grammar from here
+    assert [manager.accept("r", t) for t in answer] == [False] * (len(answer) - 1) + [True]   # the grammar ends
+    assert manager.take_failure("r") is None
+
+
+def test_the_grammar_starts_after_the_marker_in_the_engine(llm):
+    """The real model's greedy output up to a marker taken from it is the same with the constraint (unmasked
+    before); after it the reply follows the grammar. A marker the output never holds leaves it unconstrained."""
+    prompt = chat_prompt(llm.get_tokenizer(), "Tell me about Paris.")
+    free = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0].outputs[0]
+    ids = free.token_ids
+    for k in (1, 2):
+        end = next(i for i in range(3, len(ids)) if ids[i + 1 - k:i + 1] not in
+                   [ids[j + 1 - k:j + 1] for j in range(k - 1, i)]) + 1     # the marker's first occurrence ends here
+        marker = ids[end - k:end]
+        spec = StructuredOutputsParams(json=CITY, reasoning_end_token_ids=marker)
+        out = llm.generate([prompt], SamplingParams(max_tokens=64, temperature=0, structured_outputs=spec),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[:end] == ids[:end] and out.finish_reason == "stop"
+        answer = json.loads(llm.get_tokenizer().decode(out.token_ids[end:]))
+        jsonschema.validate(answer, CITY)
+    never = StructuredOutputsParams(json=CITY, reasoning_end_token_ids=[ids[0], ids[0], ids[0], ids[0]])
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, structured_outputs=never),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids

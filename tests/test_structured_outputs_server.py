@@ -90,3 +90,33 @@ def test_bad_constraints_answer_400_naming_the_problem(http, body, param, messag
                                                 "stream": stream, **body})
     err = api_error(r, 400)
     assert message in err["message"] and (param is None or err["param"] == param), err
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    zip: str = Field(pattern=r"^\d{5}$")
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=20)
+    address: Address
+    tags: list[Address] = Field(max_length=2)
+
+
+@pytest.mark.parametrize("field", ["response_format", "guided_json"])
+def test_a_plain_pydantic_schema_gets_only_its_declared_keys(client, field):
+    """model_json_schema() leaves additionalProperties unset at every level ($defs included): the server's
+    strict default closes them all: the reply validates and holds no key the models do not declare."""
+    schema = Person.model_json_schema()
+    assert "additionalProperties" not in json.dumps(schema)
+    body = ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}}
+            if field == "response_format" else {"extra_body": {"guided_json": schema}})
+    for seed in range(2):
+        r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "A person as JSON."}],
+                                           max_tokens=128, temperature=1.0, seed=seed, **body)
+        assert r.choices[0].finish_reason == "stop"
+        person = json.loads(r.choices[0].message.content)
+        Person.model_validate(person)
+        assert set(person) <= set(Person.model_fields)
+        for address in [person["address"], *person.get("tags", [])]:
+            assert set(address) <= set(Address.model_fields)

@@ -55,7 +55,8 @@ class ScriptedEngine(FakeEngine):
     chat_template: str = TOOLS_TEMPLATE
     max_model_len: int = 4096
 
-    async def generate(self, prompt_token_ids, sampling_params, request_id: str, prompt=None):
+    async def generate(self, prompt_token_ids, sampling_params, request_id: str, prompt=None, *, priority=0,
+                       cache_salt=None):
         text = prompt or self.tokenizer.decode(prompt_token_ids)
         self.params_seen[request_id] = sampling_params
         self.prompts_seen[request_id] = text
@@ -521,3 +522,54 @@ def test_real_langchain_with_structured_output_function_calling(real):
                                       temperature=0, max_retries=0)
     out = llm.with_structured_output(Weather, method="function_calling").invoke("Paris is 18 degrees today.")
     assert isinstance(out, Weather)
+
+
+# -- strict schemas (the server's default): the tools below leave additionalProperties unset -----------------
+
+OPEN_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city"]}}}
+OPEN_TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+OPEN_DATE = {"type": "function", "function": {"name": "get_date", "parameters": {"type": "object", "properties": {}}}}
+DECLARED = {"get_weather": {"city", "unit"}, "get_time": set(), "get_date": set()}
+
+
+@pytest.mark.parametrize("choice, tools, parallel", [
+    (NAMED, [OPEN_WEATHER], True),
+    ("required", [OPEN_WEATHER, OPEN_TIME], True),
+    ("required", [OPEN_TIME, OPEN_DATE], False),        # the issue's case: keys repeated until max_tokens
+])
+def test_real_constrained_calls_hold_only_declared_keys(real_client, choice, tools, parallel):
+    for seed in range(3):
+        r = real_client.chat.completions.create(
+            model="smol", messages=ask("What is the weather in Paris, and the time and date?"), tools=tools,
+            tool_choice=choice, parallel_tool_calls=parallel, max_tokens=96, temperature=1.0, seed=seed)
+        calls = r.choices[0].message.tool_calls
+        assert calls and r.choices[0].finish_reason == "tool_calls" and (parallel or len(calls) == 1)
+        for call in calls:
+            assert set(json.loads(call.function.arguments)) <= DECLARED[call.function.name], call
+
+
+@pytest.mark.parametrize("strict", [True, None])
+def test_real_langchain_agent_loop_of_two_tool_turns(real, strict):
+    """bind_tools -> call the Python function with the arguments -> ToolMessage -> invoke, twice: an undeclared
+    argument would be an unexpected keyword."""
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    def get_weather(city: str, unit: str = "C") -> str:
+        """Current weather of a city."""
+        return weather(city, unit)
+
+    llm = langchain_openai.ChatOpenAI(base_url=real.url + "/v1", api_key="x", model="smol", max_tokens=64,
+                                      temperature=1.0, max_retries=0, seed=1)
+    agent = llm.bind_tools([get_weather], tool_choice="get_weather", strict=strict)
+    messages = [HumanMessage("What is the weather in Paris, then in Rome?")]
+    for _ in range(2):
+        reply = agent.invoke(messages)
+        assert reply.tool_calls
+        messages.append(reply)
+        for call in reply.tool_calls:
+            messages.append(ToolMessage(get_weather(**call["args"]), tool_call_id=call["id"]))
+    assert isinstance(llm.invoke(messages).content, str)

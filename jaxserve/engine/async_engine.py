@@ -174,7 +174,8 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------------- requests
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"the engine died: {self._dead}")
         if not self._accepting:
@@ -182,7 +183,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         req = self.engine.make_request(request_id, prompt_token_ids, sampling_params, prompt, time.time(),
-                                       strict_length=True)
+                                       strict_length=True, priority=priority, cache_salt=cache_salt)
         self.check_admission(1)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream

@@ -80,7 +80,8 @@ class EngineCore:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace)
+            disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace,
+            disable_additional_properties=config.structured_outputs_config.disable_additional_properties)
         # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
         self._in_flight: deque[_InFlight] = deque()
         self._lookahead = 1 if config.async_scheduling else 0
@@ -101,8 +102,9 @@ class EngineCore:
             if not config.skip_warmup:
                 self.embedder.warmup(progress=progress)
         else:
-            self.max_model_len = self.model.max_model_len     # the loader checked it against the model
             self.runner = self.executor.build_runner()
+            # the loader checked it against the model, the runner against the KV cache
+            self.max_model_len = self.model.max_model_len
             self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                              config.cache.enable_prefix_caching, self.max_model_len)
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
@@ -129,13 +131,15 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float, sampling_seed: int) -> None:
+                    arrival_time: float, sampling_seed: int, *, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
         """Queue a request the front end validated (``LLMEngine.make_request``); ``params`` are its own
         copy. Raises InvalidRequestError if its id is in use."""
         if self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                      arrival_time=arrival_time, sampling_seed=sampling_seed)
+                      arrival_time=arrival_time, sampling_seed=sampling_seed, priority=priority,
+                      cache_salt=cache_salt)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]    # the first position has no logprob; the rest come chunk by chunk
             if self._scorer is None:

@@ -54,7 +54,8 @@ class InprocClient:
         try:
             for req in reqs:
                 self.core.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                      req.arrival_time, req.sampling_seed)
+                                      req.arrival_time, req.sampling_seed, priority=req.priority,
+                                      cache_salt=req.cache_salt)
                 added.append(req.request_id)
         except BaseException:
             self.core.abort_requests(added)
@@ -128,7 +129,8 @@ class MPClient:
         self.facts = facts
         self.structured_output = StructuredOutputManager(
             facts.tokenizer, facts.model_config.vocab_size, facts.eos_token_ids,
-            disable_any_whitespace=facts.config.structured_outputs_config.disable_any_whitespace)
+            disable_any_whitespace=facts.config.structured_outputs_config.disable_any_whitespace,
+            disable_additional_properties=facts.config.structured_outputs_config.disable_additional_properties)
         self.structured_output.unsupported_reason = facts.structured_unsupported_reason
         self._read_lock = threading.Lock()          # one reader of the output socket at a time
         self._ready: deque[m.EngineCoreOutputs] = deque()     # read, not handed out yet
@@ -159,7 +161,8 @@ class MPClient:
     def add_requests(self, reqs) -> None:
         """Send validated front-end Requests in one message: the core queues them all before its next step."""
         msgs = [m.EngineCoreRequest(req.request_id, req.prompt_token_ids, pickle.dumps(req.sampling_params),
-                                    req.arrival_time, req.sampling_seed) for req in reqs]
+                                    req.arrival_time, req.sampling_seed, req.priority, req.cache_salt)
+                for req in reqs]
         self.send(msgs[0] if len(msgs) == 1 else m.AddRequests(msgs))
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -22,6 +22,7 @@ import msgspec
 from jaxserve.engine import messages as m
 from jaxserve.engine.gc_heap import prepare_gc_for_serving
 from jaxserve.engine.request import RequestStatus
+from jaxserve.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,10 @@ def run_engine_core(config, input_address: str, output_address: str, progress: b
         outbox.send(encoder.encode(m.CoreReady(pickle.dumps(engine.facts()))))
         EngineCoreLoop(engine, inbox, outbox, encoder).run()
     except BaseException as e:  # noqa: BLE001 - reported to the front end, then the process ends
-        logger.exception("engine core failed")
+        if isinstance(e, ModelLoadError):       # the user's to act on: the front end prints it, in one line
+            logger.debug("engine core failed: %s", e)
+        else:
+            logger.exception("engine core failed")
         try:
             try:
                 exc = pickle.dumps(e)
@@ -125,7 +129,8 @@ class EngineCoreLoop:
     def add(self, msg: m.EngineCoreRequest) -> None:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, pickle.loads(msg.sampling_params),
-                                    msg.arrival_time, msg.sampling_seed)
+                                    msg.arrival_time, msg.sampling_seed, priority=msg.priority,
+                                    cache_salt=msg.cache_salt)
         except Exception:  # noqa: BLE001 - the front end validated it; end that request, keep serving
             logger.exception("request %s could not be queued; it ends as aborted", msg.request_id)
             self.outbox.send(self.encoder.encode(m.EngineCoreOutputs(

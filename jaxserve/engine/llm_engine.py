@@ -47,7 +47,7 @@ class EngineClient(Protocol):
     def new_request_id(self) -> str: ...
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
-                     strict_length: bool = False) -> Request: ...
+                     strict_length: bool = False, priority: int = 0, cache_salt: str | None = None) -> Request: ...
     def add_requests(self, reqs: list[Request]) -> None: ...
     def abort_request(self, request_ids: str | list[str]) -> None: ...
     def step(self, timeout_s: float | None = None) -> list[RequestOutput]: ...
@@ -86,9 +86,11 @@ class RequestBuilder:
         self.structured_output = structured_output
         self._seed_rng = np.random.default_rng(facts.config.seed)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, *, strict_length: bool = True) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, *, strict_length: bool = True,
+                 priority: int = 0, cache_salt: str | None = None) -> None:
         """Reject what can never run, with a message a user can act on. ``strict_length``: prompt + max_tokens
-        must fit max_model_len (the server's rule); off, generation just stops at max_model_len (offline)."""
+        must fit max_model_len (the server's rule); off, generation just stops at max_model_len (offline).
+        ``priority`` needs ``--scheduling-policy priority``; ``cache_salt`` is a non-empty string (vLLM's)."""
         facts = self.facts
         if facts.is_embedding:
             raise InvalidRequestError(
@@ -120,15 +122,24 @@ class RequestBuilder:
                                       "processes (--num-processes / --distributed-executor-backend mp)",
                                       param="prompt_logprobs")
         check_token_ids(params, facts.model_config.vocab_size)             # logit_bias, allowed_token_ids
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
+        if priority != 0 and facts.config.scheduler.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority is {priority}, but priority scheduling is not enabled: start the "
+                                      "server with --scheduling-policy priority", param="priority")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}", param="cache_salt")
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)    # cached; raises naming the problem
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
-                     strict_length: bool = False) -> Request:
+                     strict_length: bool = False, priority: int = 0, cache_salt: str | None = None) -> Request:
         """Truncate the prompt as asked, validate (``validate``), and build the Request with its own copy of
         the parameters (which knows the model's eos ids: the sampler blocks them below min_tokens) and its
-        sampling seed. Raises InvalidRequestError; queues nothing (``LLMEngine.add_requests`` does)."""
+        sampling seed. ``priority``: its place under ``--scheduling-policy priority`` (lower first);
+        ``cache_salt``: its prefix-cache namespace (two salts never share blocks). Raises InvalidRequestError;
+        queues nothing (``LLMEngine.add_requests`` does)."""
         prompt_token_ids = list(prompt_token_ids)
         eos_token_ids = self.facts.eos_token_ids
         keep = params.truncate_prompt_tokens
@@ -136,13 +147,15 @@ class RequestBuilder:
             keep = self.facts.max_model_len
         if keep is not None and len(prompt_token_ids) > keep:
             prompt_token_ids = prompt_token_ids[-keep:]
-        self.validate(prompt_token_ids, params, strict_length=strict_length)
+        self.validate(prompt_token_ids, params, strict_length=strict_length, priority=priority,
+                      cache_salt=cache_salt)
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(eos_token_ids)},
                                              eos_token_ids[0] if eos_token_ids else None)
         params.update_from_tokenizer(self.facts.tokenizer)              # bad_words as token sequences
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=eos_token_ids,
-                      arrival_time=arrival_time or time.time(), prompt=prompt)
+                      arrival_time=arrival_time or time.time(), prompt=prompt, priority=priority,
+                      cache_salt=cache_salt)
         req.sampling_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31 - 1))
         return req
 
@@ -180,10 +193,10 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
-                     strict_length: bool = False) -> Request:
+                     strict_length: bool = False, priority: int = 0, cache_salt: str | None = None) -> Request:
         """Validate a request and build its Request (``RequestBuilder.make_request``); queues nothing."""
         return self.builder.make_request(request_id, prompt_token_ids, params, prompt, arrival_time,
-                                         strict_length=strict_length)
+                                         strict_length=strict_length, priority=priority, cache_salt=cache_salt)
 
     def add_requests(self, reqs: list[Request]) -> None:
         """Queue Requests from ``make_request``: the front end keeps their output state, the core gets them
@@ -202,9 +215,11 @@ class LLMEngine:
             raise
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, arrival_time: float | None = None, *, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
         """Validate and queue one request (offline rules: generation stops at max_model_len)."""
-        self.add_requests([self.make_request(request_id, prompt_token_ids, params, prompt, arrival_time)])
+        self.add_requests([self.make_request(request_id, prompt_token_ids, params, prompt, arrival_time,
+                                             priority=priority, cache_salt=cache_salt)])
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -25,6 +25,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True, gc=False):
     sampling_params: bytes            # pickle of the SamplingParams the front end validated
     arrival_time: float
     sampling_seed: int
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class AddRequests(msgspec.Struct, array_like=True, tag=True, gc=False):

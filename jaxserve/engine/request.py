@@ -54,7 +54,7 @@ def finish_reason(status: RequestStatus) -> str | None:
 
 class Request:
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "priority",
         "cache_salt", "prompt", "max_tokens", "max_output_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
         "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_placeholders", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed", "uses_penalties",
@@ -73,6 +73,7 @@ class Request:
         cache_salt: str | None = None,
         prompt: str | None = None,
         sampling_seed: int | None = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -86,6 +87,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids) | ({sp_eos} if isinstance(sp_eos, int) else set())
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt          # separates prefix-cache namespaces (e.g. per tenant)
+        self.priority = priority              # --scheduling-policy priority: lower values are scheduled first
         self.prompt = prompt
         self.max_tokens: int | None = getattr(sampling_params, "max_tokens", None)
         # The output length at which the request is finished by length: max_tokens, and the room max_model_len

@@ -2,13 +2,16 @@
 
 One token budget per step (max_num_batched_tokens) and a cap on running sequences (max_num_seqs).
 Running requests go first (a decode token each, or the next chunk of a prompt still prefilling), then
-waiting requests in FCFS order, chunked to the budget that is left (chunked prefill). There are no
-separate prefill and decode phases: the step is one ragged batch.
+waiting requests in FCFS order (``--scheduling-policy priority``: by priority, then arrival), chunked to the
+budget that is left (chunked prefill). There are no separate prefill and decode phases: the step is one
+ragged batch.
 
 A request's next tokens are ``all_token_ids[num_computed_tokens:num_tokens]``. The step samples a token
 for it only when its chunk reaches num_tokens (``ScheduledRequest.samples``): a prefill chunk that
-stops short yields no token. When the pool runs dry for a running request, the newest running request
-is preempted (blocks freed, requeued at the front, recomputed later from its prompt + outputs so far).
+stops short yields no token. When the pool runs dry for a running request, the last running request is
+preempted (blocks freed, requeued, recomputed later from its prompt + outputs so far): the newest under FCFS;
+under the priority policy the running list is kept in priority order, so the last is the lowest priority
+(latest arrival among equals), vLLM's victim.
 
 The scheduler never decides that a request is finished: ``update_from_output`` counts the tokens a
 dispatched step samples as placeholders, and a request whose placeholders reach its length limit gets no
@@ -31,14 +34,15 @@ on the steps without one.
 """
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.request_queue import priority_key, waiting_queue
 from jaxserve.runner.step_contract import PLACEHOLDER
 
 
@@ -105,8 +109,12 @@ class Scheduler:
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
 
         self.requests: dict[str, Request] = {}       # every unfinished request, by id
-        self.waiting: deque[Request] = deque()       # FCFS; preempted requests re-enter at the front
-        self.running: list[Request] = []             # admission order: the last one is the newest
+        # FCFS (preempted requests re-enter at the front), or by priority under that policy
+        self.waiting = waiting_queue(scheduler_config.scheduling_policy)
+        # admission order (the last one is the newest), or priority order under that policy: the last one is
+        # the victim of a preemption
+        self.running: list[Request] = []
+        self.by_priority = scheduler_config.scheduling_policy == "priority"
         # Running requests whose last token (by length) is dispatched: no more steps, and never preempted;
         # they keep their blocks until the output processor has read that token and the engine finishes them.
         self.capped: dict[str, Request] = {}
@@ -236,7 +244,10 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            self.running.append(req)
+            if self.by_priority:
+                bisect.insort(self.running, req, key=priority_key)
+            else:
+                self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
             budget -= cost
             share -= cost if cost > num_new else 0

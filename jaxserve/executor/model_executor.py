@@ -62,10 +62,12 @@ class ModelExecutor:
         self.runner = None
 
     def build_runner(self):
-        """The decoder's runner, its KV cache sized (not warmed up yet: ``warm_up``). On process 0 of a
+        """The decoder's runner, its KV cache sized (not warmed up yet: ``warm_up``); the model's max_model_len
+        becomes the runner's (lower where a model default does not fit the cache). On process 0 of a
         multi-process engine it comes wrapped in a ``BroadcastingRunner``."""
         from jaxserve.runner.model_runner import ModelRunner
         runner = ModelRunner(self.model, self.config, self.model.max_model_len, mesh=self.mesh)
+        self.model.max_model_len = runner.max_model_len
         if self.multi_process and jax.process_index() == 0:
             # the other processes run follow_runner: each step is sent to them before it launches
             from jaxserve.executor.distributed import BroadcastingRunner

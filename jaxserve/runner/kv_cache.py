@@ -1,7 +1,8 @@
-"""The paged KV cache's layout and size: its dtype, how many blocks fit in the memory left for it, and the
-arrays themselves (per layer, split over "tp" by kv heads under a mesh)."""
+"""The paged KV cache's layout and size: its dtype, how many blocks fit in the memory left for it, the
+longest sequence they hold, and the arrays themselves (per layer, split over "tp" by kv heads under a mesh)."""
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -9,9 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.errors import ModelLoadError
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.parallel import kv_heads_per_device, tp_size
 from jaxserve.runner import device_memory
+
+logger = logging.getLogger(__name__)
 
 
 def kv_dtype(config: EngineConfig, params):
@@ -25,16 +29,36 @@ def bytes_per_block(cfg, block_size: int, dtype, mesh=None) -> int:
     return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def num_blocks(cfg, config: EngineConfig, max_model_len: int, dtype, mesh=None) -> int:
-    """How many blocks the cache gets: the override, else the KV budget (``--kv-cache-memory``, or the
-    device's memory share less what is in use and the largest step's activations) over a block's bytes, at
-    most what max_num_seqs requests of max_model_len can use, the same on every process."""
+def fit(cfg, config: EngineConfig, max_model_len: int, dtype, mesh=None) -> tuple[int, int]:
+    """(the cache's blocks, the longest sequence served). ``max_model_len`` is the model's (the loader's);
+    where one request of it does not fit the blocks, a model default (no ``--max-model-len``) becomes the
+    longest that does, said in one log line, and an explicit ``--max-model-len`` is a ModelLoadError naming
+    both numbers and the flags that change them."""
+    block_size = config.cache.block_size
+    n, budget = budget_blocks(cfg, config, dtype, mesh)
+    fits = (n - 1) * block_size          # block 0 is the null block
+    if fits < max_model_len:
+        where = f"{n} blocks of {block_size} tokens" + (f" in {budget / 2**20:.0f} MiB" if budget else "")
+        if config.max_model_len is not None or fits < block_size:
+            raise ModelLoadError(
+                f"--max-model-len {max_model_len} does not fit the KV cache: {where} hold {max(fits, 0)} tokens for "
+                f"one request; lower --max-model-len to {max(fits, 0)} or less, or give the cache more memory "
+                "(--kv-cache-memory, --gpu-memory-utilization)")
+        logger.warning("max_model_len %d: the model's %d tokens do not fit the KV cache (%s); --max-model-len or "
+                       "--kv-cache-memory / --gpu-memory-utilization change it", fits, max_model_len, where)
+        max_model_len = fits
+    # never more blocks than can ever be used at once
+    return min(n, config.scheduler.max_num_seqs * math.ceil(max_model_len / block_size) + 1), max_model_len
+
+
+def budget_blocks(cfg, config: EngineConfig, dtype, mesh=None) -> tuple[int, int | None]:
+    """(how many blocks the KV budget holds, the budget in bytes): the override, else the budget
+    (``--kv-cache-memory``, or the device's memory share less what is in use and the largest step's
+    activations) over a block's bytes; the same on every process (the smallest)."""
     cc, sc = config.cache, config.scheduler
     if cc.num_gpu_blocks_override:
-        return int(cc.num_gpu_blocks_override)
-    block_size = cc.block_size
-    max_blocks_per_seq = math.ceil(max_model_len / block_size)
-    per_block = bytes_per_block(cfg, block_size, dtype, mesh)
+        return int(cc.num_gpu_blocks_override), None
+    per_block = bytes_per_block(cfg, cc.block_size, dtype, mesh)
     if cc.kv_cache_memory_bytes:
         budget = cc.kv_cache_memory_bytes
     else:
@@ -47,20 +71,13 @@ def num_blocks(cfg, config: EngineConfig, max_model_len: int, dtype, mesh=None) 
             budget = int(limit * cc.gpu_memory_utilization) - in_use - act
         else:
             budget = cc.cpu_kv_cache_memory_bytes
-    n = int(budget // per_block)
-    # never more blocks than can ever be used at once
-    n = min(n, sc.max_num_seqs * max_blocks_per_seq + 1)
+    n = max(int(budget // per_block), 0)
     if jax.process_count() > 1:
         # every process sizes the cache from its own device's free memory; the sharded cache needs one
         # shape everywhere, so all take the smallest
         from jax.experimental import multihost_utils
-        n = int(np.min(multihost_utils.process_allgather(np.int32(n))))
-    if n < max_blocks_per_seq + 1:
-        raise ValueError(
-            f"KV cache too small: {n} blocks of {block_size} tokens fit in {budget / 2**20:.0f} MiB, "
-            f"one request of max_model_len={max_model_len} needs {max_blocks_per_seq}; "
-            "raise --gpu-memory-utilization / --kv-cache-memory or lower --max-model-len")
-    return n
+        n = int(np.min(multihost_utils.process_allgather(np.int32(min(n, np.iinfo(np.int32).max)))))
+    return n, int(budget)
 
 
 def allocate(cfg, num_blocks: int, block_size: int, dtype, mesh=None):

@@ -79,6 +79,9 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig, max_model_len: int, mesh=None):
         self.model, self.cfg, self.config, self.mesh = model, model.config, config, mesh
         self.block_size = config.cache.block_size
+        # the longest sequence the KV cache holds: the model's, or less where it does not fit (kv_cache.fit)
+        dtype = kv_cache.kv_dtype(config, model.params)
+        self.num_blocks, max_model_len = kv_cache.fit(model.config, config, max_model_len, dtype, mesh)
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         sc = config.scheduler
@@ -97,8 +100,6 @@ class ModelRunner:
         self.vocab_size = self.cfg.vocab_size
         self.moe_layers = moe_layers(model)       # (MoE layers, experts): the step returns its expert load
         self.stats = runner_stats(self.moe_layers)
-        dtype = kv_cache.kv_dtype(config, model.params)
-        self.num_blocks = kv_cache.num_blocks(self.cfg, config, max_model_len, dtype, mesh)
         self.kv_caches = kv_cache.allocate(self.cfg, self.num_blocks, self.block_size, dtype, mesh)
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)

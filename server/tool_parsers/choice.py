@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.engine.structured_output.json_schema import relocate_refs
 from jaxserve.sampling_params import StructuredOutputsParams
 
 from .engine import ToolParser
@@ -101,28 +102,41 @@ class ToolPlan:
 
     def constraint_schema(self) -> dict | None:
         """The JSON schema the output must follow: the named tool's parameters, or for `required` an
-        array of one or more {"name": <a tool>, "parameters": <its schema>}."""
+        array of one or more {"name": <a tool>, "parameters": <its schema>} (each tool's local `$ref`s
+        pointing where its parameters now live)."""
         by_name = {t["function"]["name"]: t["function"]["parameters"] for t in self.tools or []}
         if self.mode == "named":
             return by_name[self.function_name]
         if self.mode == "required":
-            alternatives = [{"type": "object", "properties": {"name": {"type": "string", "const": name},
-                                                              "parameters": params},
-                             "required": ["name", "parameters"], "additionalProperties": False}
-                            for name, params in by_name.items()]
+            one = len(by_name) == 1
+            alternatives = [
+                {"type": "object", "properties": {
+                    "name": {"type": "string", "const": name},
+                    "parameters": relocate_refs(params, "/items" + ("" if one else f"/anyOf/{i}")
+                                                + "/properties/parameters")},
+                 "required": ["name", "parameters"], "additionalProperties": False}
+                for i, (name, params) in enumerate(by_name.items())]
             schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                      "items": alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}}
+                                      "items": alternatives[0] if one else {"anyOf": alternatives}}
             if not self.parallel:
                 schema["maxItems"] = 1
             return schema
         return None
+
+    def strict(self) -> bool:
+        """Whether a constrained tool says `strict: true` (its objects are then closed whatever the server's
+        default; for `required`, any strict tool closes them all)."""
+        tools = [t["function"] for t in self.tools or []]
+        if self.mode == "named":
+            tools = [f for f in tools if f["name"] == self.function_name]
+        return any(f.get("strict") is True for f in tools)
 
     def structured_outputs(self) -> Any:
         """The structured-outputs constraint for named / required choices (None for none / auto)."""
         schema = self.constraint_schema()
         if schema is None:
             return None
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, disable_additional_properties=self.strict())
 
 
 def checked_tools(tools: list[Any]) -> list[dict]:

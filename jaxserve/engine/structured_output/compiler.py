@@ -31,7 +31,7 @@ from jaxserve.errors import InvalidRequestError
 
 from .grammar import excerpt, release_free_heap
 from .limits import NOUN_OF_KIND, PARAM_OF_KIND, StructuredOutputsLimits, check_constraint, \
-    check_constraint_size, constraint_spec, over_limit
+    check_constraint_size, constraint_key, over_limit
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class _Entry:
 
 @dataclasses.dataclass(eq=False, slots=True)
 class _Job:
-    key: tuple[str, str]
+    key: tuple
     params: Any
     waiters: list = dataclasses.field(default_factory=list)
     taken: bool = False                 # a worker took it off the queue
@@ -87,8 +87,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)        # workers wait for jobs
         self._watch = threading.Condition(self._lock)       # the watchdog waits for deadlines
-        self._cache: collections.OrderedDict[tuple[str, str], _Entry] = collections.OrderedDict()
-        self._jobs: dict[tuple[str, str], _Job] = {}        # queued or running, by key
+        self._cache: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
+        self._jobs: dict[tuple, _Job] = {}        # queued or running, by key
         self._queue: collections.deque[_Job] = collections.deque()
         self._running: set[_Job] = set()
         self._threads: list[threading.Thread] = []
@@ -108,7 +108,7 @@ class GrammarCompiler:
         interest). Fails with InvalidRequestError: over a limit, not compiling, over the time budget."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            key = (params.kind, constraint_spec(params))
+            key = constraint_key(params)
             check_constraint_size(params.kind, key[1], params.choice, self.limits)
         except InvalidRequestError as e:
             future.set_exception(e)
@@ -142,7 +142,7 @@ class GrammarCompiler:
         """The cached compiled grammar, None if the constraint is not (yet) compiled; raises its cached
         InvalidRequestError. Compiles nothing."""
         with self._lock:
-            entry = self._cache.get((params.kind, constraint_spec(params)))
+            entry = self._cache.get(constraint_key(params))
         if entry is None:
             return None
         if entry.error is not None:
@@ -152,7 +152,7 @@ class GrammarCompiler:
     def ready(self, params) -> bool:
         """Whether the constraint's verdict is cached (``get`` answers without waiting)."""
         with self._lock:
-            return (params.kind, constraint_spec(params)) in self._cache
+            return constraint_key(params) in self._cache
 
     def _on_waiter_done(self, job: _Job, future: concurrent.futures.Future) -> None:
         if not future.cancelled():
@@ -257,7 +257,7 @@ class GrammarCompiler:
             release_free_heap()
         return job.replaced
 
-    def _entry(self, key: tuple[str, str], value, error: InvalidRequestError | None) -> _Entry:
+    def _entry(self, key: tuple, value, error: InvalidRequestError | None) -> _Entry:
         """A cache entry and its bytes: the compiled grammar's (a verdict's is small) and its key's text."""
         kept = value if self.retain and error is None else None
         return _Entry(kept, error, len(key[1]) + (kept.nbytes if kept is not None else _VERDICT_BYTES))

@@ -9,6 +9,7 @@ import threading
 
 from jaxserve.errors import InvalidRequestError
 
+from .json_schema import close_objects
 from .limits import NOUN_OF_KIND, PARAM_OF_KIND, StructuredOutputsLimits
 
 EXCERPT_CHARS = 300      # how much of a grammar a log line or an error message quotes
@@ -30,14 +31,17 @@ class GrammarBuilder:
 
     ``vocab_size``: max(the model's vocab_size, len(tokenizer)) (some tokenizers are one longer than the
     config; llguidance needs every id the model can emit). ``disable_any_whitespace`` (vLLM's name): JSON
-    uses compact separators and no free whitespace, so a model cannot loop on whitespace until max_tokens."""
+    uses compact separators and no free whitespace, so a model cannot loop on whitespace until max_tokens.
+    ``disable_additional_properties`` (vLLM's name): a JSON schema's objects allow no undeclared keys unless
+    they say so (``json_schema.close_objects``); off, only a constraint that asks for it is closed."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, *, disable_any_whitespace: bool = True,
-                 limits: StructuredOutputsLimits | None = None):
+                 disable_additional_properties: bool = True, limits: StructuredOutputsLimits | None = None):
         self.hf_tokenizer = tokenizer
         self.vocab_size = max(int(vocab_size), len(tokenizer))
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.disable_any_whitespace = disable_any_whitespace
+        self.disable_additional_properties = disable_additional_properties
         self.limits = limits or StructuredOutputsLimits()
         self._lock = threading.Lock()
         self._ll_tokenizer = None
@@ -65,7 +69,10 @@ class GrammarBuilder:
         if kind in ("json", "json_object"):
             # as JSON text (not the dict): llguidance's parser refuses a document nested past its recursion
             # limit, where converting the dict would recurse on the thread's stack; key order is kept
-            schema = json.dumps(params.json) if kind == "json" else '{"type": "object"}'
+            schema = params.json
+            if kind == "json" and (self.disable_additional_properties or params.disable_additional_properties):
+                schema = close_objects(schema)
+            schema = json.dumps(schema) if kind == "json" else '{"type": "object"}'
             options = {"whitespace_flexible": not self.disable_any_whitespace}
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)

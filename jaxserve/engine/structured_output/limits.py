@@ -103,6 +103,13 @@ def constraint_spec(params) -> str:
             param=PARAM_OF_KIND[params.kind]) from None
 
 
+def constraint_key(params) -> tuple:
+    """The compiled-grammar cache's key of a constraint: its kind, ``constraint_spec`` and whether it asked
+    for closed objects (``disable_additional_properties``: another grammar where the engine's default is
+    open). The end-of-thinking marker is not part of the grammar."""
+    return params.kind, constraint_spec(params), bool(getattr(params, "disable_additional_properties", False))
+
+
 def check_constraint_size(kind: str, spec: str, choice: list | None, limits: StructuredOutputsLimits) -> None:
     """The O(1) checks: the constraint's size and a choice list's length."""
     param = PARAM_OF_KIND[kind]

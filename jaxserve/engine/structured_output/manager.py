@@ -16,6 +16,9 @@ The engine touches it at three places:
   int32 bitmask (bit ``t % 32`` of word ``t // 32`` = token ``t`` allowed), filled by llguidance's thread
   pool; the sampler sets the logits of disallowed tokens to -inf. A step with no constrained row sees
   ``None`` and runs the unmasked program.
+- a thinking model's request (``reasoning_end_token_ids``): its matcher starts after the output holds the
+  end-of-thinking marker; until then its tokens are neither consumed nor masked (its row stays a
+  constrained row, all allowed: the token that completes the marker may be the one still in flight).
 
 NOTE: the mask of step N+1 depends on the token of step N. With async scheduling the engine therefore
 dispatches step N+1's forward, reads step N's tokens, advances the matchers by them, starts the mask fill
@@ -53,14 +56,18 @@ class StructuredOutputManager:
     ``vocab_size``: max(the model's vocab_size, len(tokenizer)) (some tokenizers are one longer than the
     config; llguidance needs every id the model can emit). ``disable_any_whitespace`` (vLLM's name): JSON
     uses compact separators and no free whitespace, so a model cannot loop on whitespace until max_tokens;
-    False allows any JSON whitespace between tokens. ``limits``: what a constraint may ask of the compiler
-    (``StructuredOutputsLimits``). ``retain=False``: the compiler keeps verdicts only (a front end that
-    validates constraints for an engine core in another process)."""
+    False allows any JSON whitespace between tokens. ``disable_additional_properties`` (vLLM's name): a JSON
+    schema's objects allow no undeclared keys unless they say so (off: only where the request asks).
+    ``limits``: what a constraint may ask of the compiler (``StructuredOutputsLimits``). ``retain=False``: the
+    compiler keeps verdicts only (a front end that validates constraints for an engine core in another
+    process)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, *, disable_any_whitespace: bool = True,
-                 limits: StructuredOutputsLimits | None = None, compile_workers: int = 2, retain: bool = True):
+                 disable_additional_properties: bool = True, limits: StructuredOutputsLimits | None = None,
+                 compile_workers: int = 2, retain: bool = True):
         self.builder = GrammarBuilder(tokenizer, vocab_size, eos_token_ids,
-                                      disable_any_whitespace=disable_any_whitespace, limits=limits)
+                                      disable_any_whitespace=disable_any_whitespace,
+                                      disable_additional_properties=disable_additional_properties, limits=limits)
         self.limits = self.builder.limits
         self.compiler = GrammarCompiler(self.builder.compile, self.limits, prepare=self.builder.tokenizer,
                                         workers=compile_workers, retain=retain)
@@ -71,6 +78,7 @@ class StructuredOutputManager:
         self._matchers: dict[str, object] = {}     # request id -> llguidance.LLMatcher
         self._grammars: dict[str, CompiledGrammar] = {}     # request id -> its compiled template
         self._failures: dict[str, str] = {}        # request id -> why its matcher failed
+        self._thinking: dict[str, ThinkingGate] = {}    # request id -> its marker, until the output holds it
         # request id -> (request, future of its grammar), for requests waiting for their compile
         self._waiting: dict[str, tuple[object, concurrent.futures.Future]] = {}
         # request id -> (token, must finish) from the last ``advance``, for the output processor's ``accept``
@@ -116,6 +124,8 @@ class StructuredOutputManager:
         with self._lock:
             self._matchers[request.request_id] = matcher
             self._grammars[request.request_id] = grammar
+            if params.reasoning_end_token_ids:
+                self._thinking[request.request_id] = ThinkingGate(params.reasoning_end_token_ids)
 
     def start_request(self, request) -> bool:
         """The engine core's enqueue of a constrained request: submit its constraint and, when the grammar is
@@ -162,6 +172,7 @@ class StructuredOutputManager:
         self._matchers.pop(request_id, None)
         self._grammars.pop(request_id, None)
         self._failures.pop(request_id, None)
+        self._thinking.pop(request_id, None)
 
     def take_failure(self, request_id: str) -> str | None:
         """Why the request's matcher failed, once (a message for the client), or None: ``accept`` answered
@@ -180,13 +191,17 @@ class StructuredOutputManager:
         from this pass. A finished or aborted request is skipped, as the output processor skips it."""
         from jaxserve.engine.request import RequestStatus
         preempted = RequestStatus.PREEMPTED
-        matchers, advanced = self._matchers, {}
+        matchers, thinking, advanced = self._matchers, self._thinking, {}
         for req, _ in sampled:
             m = matchers.get(req.request_id)
             if m is None or req.status > preempted:
                 continue
             tok = token_ids[req.request_id]
             if type(tok) is not int:    # a multi-step dispatch never holds a constrained row: ``accept`` copes
+                continue
+            if thinking and req.request_id in thinking:
+                self._think(req.request_id, tok)
+                advanced[req.request_id] = (tok, False)
                 continue
             advanced[req.request_id] = (tok, self._consume(req.request_id, m, tok))
         self._advanced = advanced
@@ -195,12 +210,22 @@ class StructuredOutputManager:
         """Whether a constrained request must finish now that its matcher has the sampled token: its grammar
         has ended (only EOS could follow) or the token was not allowed (which the mask prevents; a token
         outside the grammar can only come from a caller that bypassed it). The token was consumed by the
-        last ``advance``, else it is consumed now."""
+        last ``advance``, else it is consumed now; a request still thinking consumes none."""
         hit = self._advanced.pop(request_id, None)
         if hit is not None and hit[0] == token_id:
             return hit[1]
         m = self._matchers.get(request_id)
-        return m is not None and self._consume(request_id, m, token_id)
+        if m is None:
+            return False
+        if self._thinking and request_id in self._thinking:
+            self._think(request_id, token_id)
+            return False
+        return self._consume(request_id, m, token_id)
+
+    def _think(self, request_id: str, token_id: int) -> None:
+        """A thinking request's token: its matcher starts after the one that completes the marker."""
+        if self._thinking[request_id].completed_by(token_id):
+            del self._thinking[request_id]
 
     def _consume(self, request_id: str, m, token_id: int) -> bool:
         if m.consume_token(token_id):
@@ -264,9 +289,10 @@ class StructuredOutputManager:
         return np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32)
 
     def _pairs(self, rows: list[tuple[int, str]]) -> list[tuple[object, int]]:
-        """(matcher, row) of the rows whose request still has one (a request finished meanwhile has none)."""
-        matchers = self._matchers
-        return [(m, i) for i, rid in rows if (m := matchers.get(rid)) is not None]
+        """(matcher, row) of the rows whose request still has one (a request finished meanwhile has none) and
+        is past its thinking part (a thinking row stays all allowed)."""
+        matchers, thinking = self._matchers, self._thinking
+        return [(m, i) for i, rid in rows if (m := matchers.get(rid)) is not None and rid not in thinking]
 
     def _fill(self, pairs: list[tuple[object, int]], mask: np.ndarray, started: threading.Event | None = None):
         t0 = time.perf_counter()
@@ -286,6 +312,21 @@ class StructuredOutputManager:
                 "structured_rows_per_step": self.mask_rows / n, "structured_mask_ms_per_step": self.mask_ms / n,
                 "structured_mask_wait_ms": self.mask_wait_ms,
                 "structured_mask_wait_ms_per_step": self.mask_wait_ms / n}
+
+
+class ThinkingGate:
+    """The end-of-thinking marker (token ids) a request's output has not held yet, and its last tokens."""
+
+    __slots__ = ("marker", "tail")
+
+    def __init__(self, marker) -> None:
+        self.marker = tuple(marker)
+        self.tail: tuple[int, ...] = ()
+
+    def completed_by(self, token_id: int) -> bool:
+        """Whether this next output token completes the marker."""
+        self.tail = (*self.tail, token_id)[-len(self.marker):]
+        return self.tail == self.marker
 
 
 class PendingMask:

@@ -233,7 +233,7 @@ def test_the_worker_stack_grows_with_the_limits():
 # ---------------------------------------------------------------------------------------------- llguidance
 @pytest.fixture(scope="module")
 def tok():
-    from jaxserve.models.loader import embedded_tokenizer
+    from jaxserve.models.tokenizers import embedded_tokenizer
     return embedded_tokenizer()
 
 

@@ -113,7 +113,7 @@ def test_the_docs_tool_template_is_the_embedded_one_without_tools():
     """docs/chat_templates/hermes_tool_use.jinja renders what the embedded SmolLM2's own template does when no
     tools are sent (docs/tool_calling.md says so)."""
     import os
-    from jaxserve.models.loader import embedded_tokenizer
+    from jaxserve.models.tokenizers import embedded_tokenizer
     tok = embedded_tokenizer()
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "chat_templates", "hermes_tool_use.jinja")) as f:
         template = f.read()

@@ -295,7 +295,7 @@ def test_required_without_parallel_calls_admits_exactly_one_call():
     """The grammar the server builds for tool_choice "required" with parallel_tool_calls false: one call,
     neither none nor two."""
     from jaxserve.engine.structured_output import StructuredOutputManager
-    from jaxserve.models.loader import embedded_tokenizer
+    from jaxserve.models.tokenizers import embedded_tokenizer
     from jaxserve.server.request_types import ChatTool
     from jaxserve.server.tool_parsers.choice import plan_tools
     tok = embedded_tokenizer()

@@ -47,7 +47,7 @@ class EngineClient(Protocol):
     def new_request_id(self) -> str: ...
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
-                     strict_length: bool = False) -> Request: ...
+                     strict_length: bool = False, wait_for_grammar: bool = True) -> Request: ...
     def add_requests(self, reqs: list[Request]) -> None: ...
     def abort_request(self, request_ids: str | list[str]) -> None: ...
     def step(self, timeout_s: float | None = None) -> list[RequestOutput]: ...
@@ -86,9 +86,13 @@ class RequestBuilder:
         self.structured_output = structured_output
         self._seed_rng = np.random.default_rng(facts.config.seed)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, *, strict_length: bool = True) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, *, strict_length: bool = True,
+                 wait_for_grammar: bool = True) -> None:
         """Reject what can never run, with a message a user can act on. ``strict_length``: prompt + max_tokens
-        must fit max_model_len (the server's rule); off, generation just stops at max_model_len (offline)."""
+        must fit max_model_len (the server's rule); off, generation just stops at max_model_len (offline).
+        ``wait_for_grammar``: a constraint is compiled (on the grammar workers) and this thread waits for its
+        verdict; off, only its cheap checks run here (the server awaited the verdict already; otherwise the
+        engine core refuses the request with an error output)."""
         facts = self.facts
         if facts.is_embedding:
             raise InvalidRequestError(
@@ -119,12 +123,12 @@ class RequestBuilder:
             raise InvalidRequestError("prompt_logprobs is not available when the model is spread over several "
                                       "processes (--num-processes / --distributed-executor-backend mp)",
                                       param="prompt_logprobs")
-        if params.structured_outputs is not None:
-            self.structured_output.compile(params.structured_outputs)    # cached; raises naming the problem
+        if params.structured_outputs is not None:     # cached; raises naming the problem
+            self.structured_output.validate(params.structured_outputs, wait=wait_for_grammar)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
-                     strict_length: bool = False) -> Request:
+                     strict_length: bool = False, wait_for_grammar: bool = True) -> Request:
         """Truncate the prompt as asked, validate (``validate``), and build the Request with its own copy of
         the parameters (which knows the model's eos ids: the sampler blocks them below min_tokens) and its
         sampling seed. Raises InvalidRequestError; queues nothing (``LLMEngine.add_requests`` does)."""
@@ -135,7 +139,7 @@ class RequestBuilder:
             keep = self.facts.max_model_len
         if keep is not None and len(prompt_token_ids) > keep:
             prompt_token_ids = prompt_token_ids[-keep:]
-        self.validate(prompt_token_ids, params, strict_length=strict_length)
+        self.validate(prompt_token_ids, params, strict_length=strict_length, wait_for_grammar=wait_for_grammar)
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(eos_token_ids)},
                                              eos_token_ids[0] if eos_token_ids else None)
@@ -178,10 +182,10 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
-                     strict_length: bool = False) -> Request:
+                     strict_length: bool = False, wait_for_grammar: bool = True) -> Request:
         """Validate a request and build its Request (``RequestBuilder.make_request``); queues nothing."""
         return self.builder.make_request(request_id, prompt_token_ids, params, prompt, arrival_time,
-                                         strict_length=strict_length)
+                                         strict_length=strict_length, wait_for_grammar=wait_for_grammar)
 
     def add_requests(self, reqs: list[Request]) -> None:
         """Queue Requests from ``make_request``: the front end keeps their output state, the core gets them
@@ -235,7 +239,10 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- state and lifecycle
     def stats(self) -> dict:
-        return self.client.stats()
+        s = self.client.stats()
+        if self.multiprocess:       # the verdicts this front end compiled (the core reports its own compiles)
+            s["structured_verdict_compilations"] = self.structured_output.compiler.compilations
+        return s
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the step variants compiling in the background are done (False after ``timeout``

@@ -9,7 +9,7 @@ from .engine_runs import Prompt
 from .errors import bad_request
 from .request_types import ChatCompletionRequest
 from .response_types import random_id
-from .sampling import compile_structured_outputs, resolve_max_tokens, sampling_params
+from .sampling import compile_structured_outputs, request_constraint, resolve_max_tokens, sampling_params
 from .serving import Serving
 from .streaming import submit
 from .validation import check_chat_request
@@ -27,9 +27,10 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         raise bad_request("the messages rendered to an empty prompt", "messages")
     prompt = Prompt(ids, text)
     max_tokens = resolve_max_tokens(serving, len(ids), req.requested_max_tokens(), "messages")
-    params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(), tools=plan)
+    params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(),
+                             constraint=request_constraint(req, plan), tools=plan)
     request_id = random_id("chatcmpl")
     serving.runs.add_choices(prompt, params, request_id)
-    await compile_structured_outputs(serving, [prompt])
+    await compile_structured_outputs(serving, [prompt], receive)
     renderer = ChatRenderer(serving, req, plan, prompt, request_id)
     return await submit(serving.runs, [prompt], receive, renderer, req.stream)

@@ -9,7 +9,7 @@ from .engine_runs import Prompt
 from .errors import bad_request
 from .request_types import CompletionRequest
 from .response_types import random_id
-from .sampling import compile_structured_outputs, resolve_max_tokens, sampling_params
+from .sampling import compile_structured_outputs, request_constraint, resolve_max_tokens, sampling_params
 from .serving import Serving
 from .streaming import submit
 from .validation import check_completion_request
@@ -24,6 +24,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
     if echo_only:
         requested = 1
     request_id = random_id("cmpl")
+    constraint = request_constraint(req)
     prompts: list[Prompt] = []
     for p_idx, p in enumerate(batch):
         if isinstance(p, str):
@@ -36,10 +37,10 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive) -
             raise bad_request("the prompt is empty: give at least one token", "prompt")
         prompt = Prompt(ids, text)
         max_tokens = resolve_max_tokens(serving, len(ids), requested, "prompt")
-        params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.logprobs,
+        params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.logprobs, constraint=constraint,
                                  score_prompt=req.scores_prompt())
         serving.runs.add_choices(prompt, params, request_id, first_index=p_idx * req.n)
         prompts.append(prompt)
-    await compile_structured_outputs(serving, prompts)
+    await compile_structured_outputs(serving, prompts, receive)
     renderer = CompletionRenderer(serving, req, prompts, request_id, echo_only)
     return await submit(serving.runs, prompts, receive, renderer, req.stream)

@@ -102,6 +102,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = option(
         None, help="the token budget of one step (default: 8192 on GPU, 256 on CPU)")
     enable_chunked_prefill: bool = option(True, help="chunked prefill")
+    long_prefill_token_threshold: int | None = option(
+        None, help="with chunked prefill, a prompt with more tokens than this left to compute is a long prefill: "
+                   "while decodes or shorter prompts wait, long prefills share this many tokens of a step (plus "
+                   "what the others leave), so a long prompt delays nobody by more than a few steps (vLLM's "
+                   "flag; default: half of --max-num-batched-tokens; 0 = off)")
     max_waiting_requests: int | None = option(
         None, help="answer 429 when this many requests are waiting (default: no limit)")
     token_buckets: tuple[int, ...] | None = option(
@@ -119,6 +124,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
 
 
 @dataclass

@@ -103,6 +103,7 @@ def test_a_matcher_that_fails_while_generating_ends_with_an_error_not_stop(engin
     add(engine, "wide", wide, max_tokens=8)
     out = run(engine)["wide"].outputs[0]
     assert out.finish_reason == "error" and "max_parser_row_items" in out.stop_reason, out
+    assert out.token_ids == [] and out.text == ""      # the token its matcher failed on is not kept
     assert engine.core.scheduler.get_request("wide") is None and not engine.structured_output.has_requests
 
 

@@ -10,7 +10,8 @@ For each request the step sampled for, token by token (a multi-step dispatch bri
   leaves);
 - a structured-output grammar that reaches its end finishes the request there (status stop), like a stop
   token (its matcher accepts each token as it is filled in); a matcher that failed (a grammar past the
-  parser's limits) finishes it with an error (status error, stop_reason the message), never as a stop;
+  parser's limits) finishes it with an error (status error, stop_reason the message), never as a stop, and
+  without the token it failed on;
 - after a stop, drop the tokens the device computed past it (async scheduling and multi-step dispatch the
   next step before this one is read).
 Stop strings need the text: the front end matches them and aborts the request in the core. The engine core
@@ -108,8 +109,9 @@ def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict
         if first == 0:
             req.metrics.first_token_time = now
         if status is not None:
-            if len(req.output_token_ids) > idx + 1:
-                req.truncate_output(idx + 1)            # drop tokens computed after the stop
+            keep = idx if status is _ERROR else idx + 1     # (not the token a failed matcher could not take)
+            if len(req.output_token_ids) > keep:
+                req.truncate_output(keep)               # drop tokens computed after the stop
             req.stop_reason = reason
             finished.setdefault(status, []).append(rid)
         elif req.defer_outputs:

@@ -296,6 +296,9 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
                 await client.post("/v1/completions", json={"prompt": " ".join(["word"] * args.scoring_words),
                                                            "max_tokens": 0, "echo": True, "logprobs": 1})
                 rss["scorer_warmup_s"] = round(time.monotonic() - t_warm, 1)
+            if set(args.hostile_kinds) & set(GRAMMAR_HOSTILE):   # the grammar machinery (its tokenizers) first
+                path, body, _ = grammar_request("json_schema", random.Random(0))
+                await client.post(path, json=body)
             if args.warmup_requests:              # first uses (the step variants' compiles) out of the reference
                 await phase(args.warmup_requests, 0.0, Tally(), None)
             baseline = Tally()

@@ -102,6 +102,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = option(
         None, help="the token budget of one step (default: 8192 on GPU, 256 on CPU)")
     enable_chunked_prefill: bool = option(True, help="chunked prefill")
+    long_prefill_token_threshold: int | None = option(
+        None, help="with chunked prefill, a prompt with more tokens than this left to compute is a long prefill: "
+                   "while decodes or shorter prompts wait, long prefills share this many tokens of a step (plus "
+                   "what the others leave), so a long prompt delays nobody by more than a few steps (vLLM's "
+                   "flag; default: half of --max-num-batched-tokens; 0 = off)")
     max_waiting_requests: int | None = option(
         None, help="answer 429 when this many requests are waiting (default: no limit)")
     scheduling_policy: str = option(
@@ -123,6 +128,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
 
 
 @dataclass
@@ -146,16 +153,72 @@ class ParallelConfig:
                     "device) instead of splitting every expert tensor-parallel like a dense MLP")
 
 
-@dataclass
-class StructuredOutputsConfig:
-    """vLLM's ``--structured-outputs-config``. ``disable_any_whitespace`` (default True here; vLLM's is
-    False): JSON is generated with compact separators and no free whitespace, so a model cannot loop on
-    whitespace until max_tokens; False allows any JSON whitespace between tokens.
-    ``disable_additional_properties`` (default True here; vLLM's xgrammar backend is strict too): a JSON
-    schema's objects (``response_format``, ``structured_outputs.json``, named and required tool calls) allow
-    no keys they do not declare unless they set ``additionalProperties``; False leaves them open except where
-    the request says ``strict: true``. ``backend``: llguidance is the one backend ("auto" and "guidance"
-    both name it)."""
+@dataclass(frozen=True)
+class StructuredOutputsLimits:
+    """What one request's constraint may ask of the grammar compiler (each a key of
+    ``--structured-outputs-config``; ``jaxserve.engine.structured_output.limits`` checks them).
+
+    - ``max_constraint_bytes``: the constraint's text in UTF-8 bytes (a JSON schema as compact JSON, a
+      grammar, a regex, a choice list as JSON).
+    - ``max_json_schema_depth``: how deep a JSON schema nests, counting every JSON object and array of the
+      schema document and reading each ``$ref`` as if its definition were written in place (a definition
+      that refers back to itself counts once). OpenAI's 10 levels of nested objects are about 30 here.
+    - ``max_json_schema_properties``: properties declared in a JSON schema, all objects together (OpenAI's).
+    - ``max_json_enum_values``: ``enum`` entries in a JSON schema, all enums together.
+    - ``max_choice_options``: strings of a ``choice`` constraint.
+    - ``max_grammar_rules``: rule and terminal definitions of a grammar (Lark or GBNF).
+    - ``max_tools``: tools of one chat request (OpenAI's).
+    - ``max_tool_parameters``: properties of one tool's ``parameters`` schema.
+    - ``max_parser_row_items``: llguidance's ``max_items_in_row``, the most items one row of the Earley
+      parser may hold while it generates. An object with optional properties needs about four items per
+      optional property in one row, so this also bounds optional properties per object (checked before the
+      compile); a grammar that reaches it anyway ends its request with an error. Raising it admits larger
+      objects at the cost of slower mask steps for such requests.
+    - ``compile_timeout_s``: a grammar's compile time budget in seconds; over it the request is refused.
+    - ``grammar_cache_bytes``: memory kept for compiled grammars (least recently used dropped first).
+    """
+    max_constraint_bytes: int = 1 << 20
+    max_json_schema_depth: int = 128
+    max_json_schema_properties: int = 5000
+    max_json_enum_values: int = 10_000
+    max_choice_options: int = 10_000
+    max_grammar_rules: int = 5000
+    max_tools: int = 128
+    max_tool_parameters: int = 500
+    max_parser_row_items: int = 2000
+    compile_timeout_s: float = 10.0
+    grammar_cache_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(StructuredOutputsLimits):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"structured-outputs limit {f.name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "StructuredOutputsLimits":
+        """The limits an object's same-named attributes set (a ``StructuredOutputsConfig``, a namespace);
+        the defaults for those it lacks."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if hasattr(config, f.name)})
+
+    @property
+    def max_optional_properties(self) -> int:
+        """Optional properties one object may declare: each takes about four parser items in the row that
+        chooses the next key, beside a few of the object's own."""
+        return max((self.max_parser_row_items - 8) // 4, 1)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig(StructuredOutputsLimits):
+    """vLLM's ``--structured-outputs-config``: its keys flat in one JSON object, the limits
+    (``StructuredOutputsLimits``) beside ``backend`` and ``disable_any_whitespace``.
+    ``disable_any_whitespace`` (default True here; vLLM's is False): JSON is generated with compact separators
+    and no free whitespace, so a model cannot loop on whitespace until max_tokens; False allows any JSON
+    whitespace between tokens. ``disable_additional_properties`` (default True here; vLLM's xgrammar backend is
+    strict too): a JSON schema's objects (``response_format``, ``structured_outputs.json``, named and required
+    tool calls) allow no keys they do not declare unless they set ``additionalProperties``; False leaves them
+    open except where the request says ``strict: true``. ``backend``: llguidance is the one backend ("auto" and
+    "guidance" both name it)."""
     backend: str = "auto"
     disable_any_whitespace: bool = True
     disable_additional_properties: bool = True
@@ -164,6 +227,7 @@ class StructuredOutputsConfig:
         if self.backend not in ("auto", "guidance"):
             raise ValueError(f"structured outputs backend must be 'auto' or 'guidance' (llguidance), "
                              f"got {self.backend!r}")
+        super().__post_init__()
 
     @classmethod
     def from_json(cls, value: str) -> "StructuredOutputsConfig":
@@ -228,7 +292,8 @@ class EngineConfig:
         help='JSON, as vLLM\'s: {"backend": "guidance", "disable_any_whitespace": true, '
              '"disable_additional_properties": true} (the defaults; disable_any_whitespace false lets JSON outputs '
              'hold any whitespace; disable_additional_properties false lets a JSON schema\'s objects hold keys '
-             'they do not declare unless the request says strict)')
+             'they do not declare unless the request says strict), and the limits on a request\'s constraint, '
+             'e.g. {"max_choice_options": 20000, "compile_timeout_s": 30} (server/README.md lists them)')
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs_config, dict):

@@ -75,8 +75,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None          # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None      # the stop token id or stop string that ended it; None for EOS
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | "error" | None while running
+    # the stop token id or stop string that ended it (None for EOS); with "error", what went wrong
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

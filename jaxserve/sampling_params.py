@@ -56,6 +56,21 @@ def _token_id(key: Any) -> int | None:
     return None
 
 
+SEED_LIMIT = 1 << 64
+
+
+def check_seed(seed: Any, n: int = 1) -> None:
+    """A request's seed: an integer in [0, 2^64) (-1 or None: no seed); with n > 1 choice i samples with
+    seed + i, so seed + n - 1 must stay below 2^64. Raises ValueError naming the field."""
+    if seed is None or seed == -1 and _is_int(seed):
+        return
+    if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an integer in [0, 2^64) (or -1 / null for none), got {seed!r}")
+    if seed + n > SEED_LIMIT:
+        raise ValueError(f"seed + n must be at most 2^64 (choice i samples with seed + i), got seed {seed} "
+                         f"and n {n}")
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of
@@ -266,8 +281,7 @@ class SamplingParams:
             raise bad("top_k", "an integer >= 1, or 0 or -1 to consider all tokens")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1] (0 = off)")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "an integer or None")
+        check_seed(self.seed, self.n)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 (or None for up to max_model_len)")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -280,6 +294,12 @@ class SamplingParams:
                 raise bad(name, "None, an integer >= 0, or -1 for the whole vocabulary")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        for i, s in enumerate(self.stop):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:     # a lone surrogate ("\ud800"): no text the model writes holds it
+                raise ValueError(f"stop[{i}] holds a lone surrogate ({s[e.start]!r} at {e.start}): a stop string "
+                                 "must be valid Unicode text") from None
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True; set detokenize=True or remove stop")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

@@ -11,7 +11,7 @@ from .reasoning import answer_thinking
 from .errors import bad_request
 from .request_types import ChatCompletionRequest
 from .response_types import response_ids
-from .sampling import compile_structured_outputs, resolve_max_tokens, sampling_params
+from .sampling import compile_structured_outputs, request_constraint, resolve_max_tokens, sampling_params
 from .serving import Serving
 from .streaming import submit
 from .validation import check_chat_request
@@ -36,10 +36,11 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         params = [prompt.beam_search.choice_params()] * req.n
     else:
         thinks = answer_thinking(serving.reasoning_parser_cls, req.chat_template_kwargs, req.reasoning_effort, text)
+        constraint = request_constraint(req, plan, serving.reasoning_end_token_ids if thinks else None)
         params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(),
-                                 tools=plan, reasoning_end=serving.reasoning_end_token_ids if thinks else None)
+                                 constraint=constraint, tools=plan)
     request_id, engine_id = response_ids("chatcmpl", header_request_id, req.request_id)
     serving.runs.add_choices(prompt, params, engine_id)
-    await compile_structured_outputs(serving, [prompt])
+    await compile_structured_outputs(serving, [prompt], receive)
     renderer = ChatRenderer(serving, req, plan, prompt, request_id)
     return await submit(serving.runs, [prompt], receive, renderer, req.stream)

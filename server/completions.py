@@ -10,7 +10,7 @@ from .engine_runs import Prompt
 from .errors import bad_request
 from .request_types import CompletionRequest
 from .response_types import response_ids
-from .sampling import compile_structured_outputs, resolve_max_tokens, sampling_params
+from .sampling import compile_structured_outputs, request_constraint, resolve_max_tokens, sampling_params
 from .serving import Serving
 from .streaming import submit
 from .validation import check_completion_request
@@ -26,6 +26,7 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive,
     if echo_only:
         requested = 1
     request_id, engine_id = response_ids("cmpl", header_request_id, req.request_id)
+    constraint = request_constraint(req)
     prompts: list[Prompt] = []
     for p_idx, p in enumerate(batch):
         if isinstance(p, str):
@@ -43,9 +44,9 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive,
             params = [prompt.beam_search.choice_params()] * req.n
         else:
             params = sampling_params(serving, req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                     score_prompt=req.scores_prompt())
+                                     constraint=constraint, score_prompt=req.scores_prompt())
         serving.runs.add_choices(prompt, params, engine_id, first_index=p_idx * req.n)
         prompts.append(prompt)
-    await compile_structured_outputs(serving, prompts)
+    await compile_structured_outputs(serving, prompts, receive)
     renderer = CompletionRenderer(serving, req, prompts, request_id, echo_only)
     return await submit(serving.runs, prompts, receive, renderer, req.stream)

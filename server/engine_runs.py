@@ -14,7 +14,7 @@ import anyio
 from jaxserve.sampling_params import SamplingParams
 
 from .args import ServerArgs
-from .errors import APIError
+from .errors import APIError, bad_request
 from .metrics import RequestTracker, ServerMetrics
 
 log = logging.getLogger("jaxserve.server")
@@ -150,7 +150,9 @@ class EngineRuns:
     async def run(self, prompts: list[Prompt]) -> AsyncIterator[tuple[Choice, Any, Any]]:
         """Run every choice of every prompt in the engine; yield (choice, CompletionOutput, RequestOutput)
         as outputs arrive. However the consumer stops (finish, error, disconnect, cancel), every engine
-        request that has not finished is aborted before this returns, so its KV blocks are freed."""
+        request that has not finished is aborted before this returns, so its KV blocks are freed. A choice
+        that ends with finish_reason "error" (its constraint refused or its matcher failed; stop_reason says
+        why) before any token raises a 400: the response's status when it has not started."""
         work = [(p, c) for p in prompts for c in p.choices]
         streams = [s for p in prompts for s in ([self._beams(p)] if p.beam_search is not None
                                                 else [self._single(p, c) for c in p.choices])]
@@ -166,6 +168,8 @@ class EngineRuns:
                 if out.finished or comp.finish_reason is not None:
                     c.finished = True
                     c.tracker.on_finish(comp.finish_reason, getattr(out, "metrics", None))
+                    if comp.finish_reason == "error" and not c.tracker.num_generated:
+                        raise bad_request(str(comp.stop_reason or "the request's output constraint failed"))
                 yield c, comp, out
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled stream must still clean up

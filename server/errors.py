@@ -6,6 +6,7 @@ here, so no path returns Litestar's default body or a bare traceback.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import msgspec
@@ -72,6 +73,21 @@ def _echo(data: bytes | None) -> str:
     return text if len(text) <= ECHO_LIMIT else text[:ECHO_LIMIT] + f"... ({len(text)} chars)"
 
 
+# a \uXXXX escape of a UTF-16 surrogate without its pair (not itself escaped): no Unicode text holds one, and
+# msgspec reports it as truncated input
+_LONE_SURROGATE = re.compile(rb"(?<!\\)\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})(?<!\\)\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate_message(body: bytes | None) -> str | None:
+    """The 400's message for a JSON body that escapes a lone surrogate (e.g. in a stop string), else None."""
+    m = _LONE_SURROGATE.search(body) if body else None
+    if m is None:
+        return None
+    return (f"invalid JSON body: it holds a lone UTF-16 surrogate, {m.group().decode()} at byte {m.start()}: "
+            "strings must be valid Unicode text (a surrogate escape needs its pair)")
+
+
 def _validation_message(exc: ValidationException) -> tuple[str, str | None]:
     """msgspec's message says what and where (`Expected int, got str - at $.max_tokens`); keep it."""
     details: list[str] = []
@@ -134,8 +150,11 @@ def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Respon
         body = request._connection_state.body  # cached by Litestar when it read the body
         body = body if isinstance(body, bytes) else None
         unknown = unknown_fields(request.url.path, body) if "unknown field" in err.message else []
+        surrogate = None if isinstance(exc, ValidationException) else lone_surrogate_message(body)
         if unknown:       # every field the request type lacks, not only the first msgspec met
             err = APIError(400, unknown_fields_message(unknown), param=unknown[0], code="unknown_parameter")
+        elif surrogate is not None:
+            err = APIError(400, surrogate)
         else:
             prefix = "" if isinstance(exc, ValidationException) else "invalid JSON body: "
             err.message = f"{prefix}{err.message}. Input: {_echo(body)}"

@@ -67,6 +67,8 @@ GAUGES = {
     "kv_cache_usage_perc": ("kv_cache_usage_perc", "kv_cache_usage", "gpu_cache_usage_perc"),
     # step variants queued or compiling in the background (the server answers before all are compiled)
     "step_variants_pending": ("step_variants_pending",),
+    # the engine's compiled grammars kept for reuse (bounded by --structured-outputs-config grammar_cache_bytes)
+    "structured_output_grammar_cache_bytes": ("structured_grammar_cache_bytes",),
 }
 ENGINE_COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries",),
@@ -77,6 +79,12 @@ ENGINE_COUNTERS = {
     "structured_output_mask_steps": ("structured_steps",),
     "structured_output_mask_ms": ("structured_mask_ms",),
     "structured_output_mask_wait_ms": ("structured_mask_wait_ms",),
+    # grammars compiled by the engine (once per distinct constraint while cached), those compiled on a thread
+    # other than a grammar worker (0: never on the step loop), and the verdicts a front end whose engine
+    # core runs in its own process compiled before accepting requests
+    "structured_output_compilations": ("structured_compilations",),
+    "structured_output_compilations_off_workers": ("structured_compilations_off_workers",),
+    "structured_output_verdict_compilations": ("structured_verdict_compilations",),
 }
 
 

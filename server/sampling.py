@@ -3,15 +3,14 @@ fields, the output constraint (``response_format``, ``structured_outputs``, ``gu
 plan needs), and that constraint compiled before the response starts."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
-import anyio
-
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, check_seed
 
-from .engine_runs import Prompt
+from .engine_runs import Prompt, race_disconnect
 from .errors import APIError, bad_request
 from .request_types import SamplingFields, StructuredOutputs
 from .serving import Serving
@@ -79,25 +78,44 @@ def resolve_max_tokens(serving: Serving, num_prompt_tokens: int, requested: int 
     return requested
 
 
+def request_constraint(req: SamplingFields, tools: ToolPlan | None = None,
+                       reasoning_end: list[int] | None = None) -> StructuredOutputsParams | None:
+    """The request's output constraint, built once for all its prompts and choices: the one a tool plan's
+    named or required tool_choice needs, else the request's own (both is a 400). ``reasoning_end``: the
+    end-of-thinking marker's token ids of an answer that thinks first (the constraint holds after them)."""
+    own = structured_outputs_from_request(req)
+    planned = tools.structured_outputs() if tools is not None else None
+    if planned is not None and own is not None:
+        raise bad_request(f"tool_choice {tools.mode!r} constrains the output to tool calls; it cannot be combined "
+                          "with another output constraint (response_format / structured_outputs)", "tool_choice")
+    constraint = planned if planned is not None else own
+    if constraint is not None and reasoning_end:
+        constraint = dataclasses.replace(constraint, reasoning_end_token_ids=list(reasoning_end))
+    return constraint
+
+
 def sampling_params(serving: Serving, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    tools: ToolPlan | None = None, score_prompt: bool = False,
-                    reasoning_end: list[int] | None = None) -> list[SamplingParams]:
+                    constraint: StructuredOutputsParams | None, tools: ToolPlan | None = None,
+                    score_prompt: bool = False) -> list[SamplingParams]:
     """One prompt's SamplingParams, one per choice (``req.n``; choice i samples with ``seed + i``).
-    ``logprobs``: top logprobs per token (None: none); ``tools``: a chat request's tool plan, whose
-    constraint replaces the request's own; ``score_prompt``: echo + logprobs, which scores the prompt's
-    tokens with at least ``logprobs`` alternatives; ``reasoning_end``: the end-of-thinking marker's token ids
-    of an answer that thinks first (its constraint holds after them)."""
-    constraint = tools.structured_outputs() if tools is not None else None
+    ``logprobs``: top logprobs per token (None: none); ``constraint``: ``request_constraint``'s;
+    ``tools``: a chat request's tool plan; ``score_prompt``: echo + logprobs, which scores the prompt's
+    tokens with at least ``logprobs`` alternatives. The prompt is scored once, by the first choice (the
+    others share its prompt: the response carries its logprobs once)."""
+    try:
+        check_seed(req.seed, req.n)
+    except ValueError as e:
+        raise bad_request(str(e), "seed") from None
     out = []
     for i in range(req.n):
-        params = choice_params(serving, req, max_tokens=max_tokens, choice_index=i, logprobs=logprobs)
-        if score_prompt and params.prompt_logprobs != -1:
+        params = choice_params(serving, req, max_tokens=max_tokens, choice_index=i, logprobs=logprobs,
+                               constraint=constraint)
+        if i > 0:
+            params.prompt_logprobs = None
+        elif score_prompt and params.prompt_logprobs != -1:
             params.prompt_logprobs = max(logprobs, params.prompt_logprobs or 0)
-        if tools is not None:
-            params = apply_tool_plan(params, tools, constraint)
-        if reasoning_end and params.structured_outputs is not None:
-            params.structured_outputs = dataclasses.replace(params.structured_outputs,
-                                                            reasoning_end_token_ids=list(reasoning_end))
+        if tools is not None and tools.needs_special_tokens:    # markers such as [TOOL_CALLS] are special tokens
+            params.skip_special_tokens = False
         out.append(params)
     return out
 
@@ -110,7 +128,7 @@ def check_logprobs(serving: Serving, req: SamplingFields, logprobs: int | None) 
 
 
 def choice_params(serving: Serving, req: SamplingFields, *, max_tokens: int, choice_index: int,
-                  logprobs: int | None) -> SamplingParams:
+                  logprobs: int | None, constraint: StructuredOutputsParams | None) -> SamplingParams:
     check_logprobs(serving, req, logprobs)
     if req.prompt_logprobs is not None and req.prompt_logprobs > serving.max_logprobs:
         raise bad_request(f"at most {serving.max_logprobs} prompt logprobs per token are supported, got "
@@ -128,7 +146,7 @@ def choice_params(serving: Serving, req: SamplingFields, *, max_tokens: int, cho
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=None if req.seed is None else req.seed + choice_index,
+        seed=None if req.seed is None or req.seed == -1 else req.seed + choice_index,
         stop=stop,
         stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -140,7 +158,7 @@ def choice_params(serving: Serving, req: SamplingFields, *, max_tokens: int, cho
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         output_kind=RequestOutputKind.DELTA,
-        structured_outputs=structured_outputs_from_request(req),
+        structured_outputs=constraint,
         logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
@@ -155,28 +173,21 @@ def choice_params(serving: Serving, req: SamplingFields, *, max_tokens: int, cho
         raise bad_request(str(e), param if param.isidentifier() else None) from e
 
 
-def apply_tool_plan(params: SamplingParams, plan: ToolPlan, constraint: Any) -> SamplingParams:
-    if plan.needs_special_tokens:  # markers such as [TOOL_CALLS] are special tokens
-        params.skip_special_tokens = False
-    if constraint is None:
-        return params
-    if getattr(params, "structured_outputs", None) is not None:
-        raise bad_request(f"tool_choice {plan.mode!r} constrains the output to tool calls; it cannot be combined "
-                          "with another output constraint (response_format / structured_outputs)", "tool_choice")
-    return dataclasses.replace(params, structured_outputs=constraint)
-
-
-async def compile_structured_outputs(serving: Serving, prompts: list[Prompt]) -> None:
-    """Compile each choice's constraint on a worker thread (the engine caches it), so a schema, regex or
-    grammar that does not compile is a 400 before any response header, and the engine thread never
-    compiles."""
+async def compile_structured_outputs(serving: Serving, prompts: list[Prompt], receive) -> None:
+    """Await the verdict on the request's constraint (compiled on the grammar workers, once per distinct
+    constraint), so a schema, regex or grammar that does not compile or exceeds a limit is a 400 before any
+    response header. A client that leaves meanwhile gives up its interest: a compile nobody else waits for
+    is dropped before it starts."""
     manager = getattr(serving.engine, "structured_output", None)
     specs = {id(c.params.structured_outputs): c.params.structured_outputs
              for p in prompts for c in p.choices if c.params.structured_outputs is not None}
     if manager is None or not specs:
         return
-    for spec in specs.values():
-        try:
-            await anyio.to_thread.run_sync(manager.compile, spec)
-        except InvalidRequestError as e:
-            raise bad_request(e.message, e.param) from None
+    futures = [asyncio.wrap_future(manager.submit(spec)) for spec in specs.values()]
+    try:
+        await race_disconnect(receive, asyncio.gather(*futures))
+    except InvalidRequestError as e:
+        raise bad_request(e.message, e.param) from None
+    finally:
+        for f in futures:               # (wrapped: cancelling one cancels this asker's compile future)
+            f.cancel()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.config import StructuredOutputsLimits
+
 from .args import ServerArgs, resolve_tool_parser
 from .engine_runs import EngineRuns
 from .logprobs import TokenNames
@@ -21,6 +23,9 @@ class Serving:
         self.model_names: list[str] = list(args.served_model_name or [engine.served_model_name])
         self.model_name = self.model_names[0]
         self.max_logprobs = int(getattr(engine, "max_logprobs", None) or 20)
+        # the engine's limits on a request's constraint and tools (--structured-outputs-config)
+        manager = getattr(engine, "structured_output", None)
+        self.structured_limits = manager.limits if manager is not None else StructuredOutputsLimits()
         self.metrics = ServerMetrics(engine, self.model_name, args.metrics_prefix)
         self.tool_parser_cls = resolve_tool_parser(args)   # --tool-call-parser (None: no auto tool choice)
         # --reasoning-parser (None: no thinking part is split off)

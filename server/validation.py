@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from jaxserve.engine.structured_output import check_tools
+from jaxserve.errors import InvalidRequestError
+
 from .errors import bad_request, model_not_found
 from .request_fields import IGNORED_FIELDS
 from .request_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, SamplingFields, TokenizeRequest
@@ -52,10 +55,11 @@ def check_chat_request(serving: Serving, req: ChatCompletionRequest) -> ToolPlan
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     check_unstreamed(req)
     try:
+        check_tools(req.tools, serving.structured_limits)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                           enable_auto_tool_choice=serving.args.enable_auto_tool_choice,
                           parser_cls=serving.tool_parser_cls)
-    except ToolRequestError as e:
+    except (ToolRequestError, InvalidRequestError) as e:
         raise bad_request(str(e), e.param) from None
     check_capacity(serving, req.n)
     return plan

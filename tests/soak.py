@@ -3,7 +3,9 @@ cancelled mid-stream, then the books are checked.
 
 With --hostile-fraction F a share F of the requests are hostile or careless: deeply nested
 JSON, multi-megabyte prompts, prompt scoring (echo + logprobs over a long prompt), heavy request chat
-templates, prompts x n bursts past the limit, a body sent too slowly; each kind must get its expected answer.
+templates, prompts x n bursts past the limit, a body sent too slowly, and the structured-output kinds of
+tests/soak_grammars.py (hostile constraints, and constrained requests whose outputs must follow their
+constraint); each kind must get its expected answer.
 The same ordinary load first runs alone (--baseline-requests of it), so the report compares the ordinary
 streams' TTFT p99 with and without the hostile mix (it must stay within --max-ttft-ratio).
 
@@ -34,6 +36,8 @@ from collections import Counter
 
 import httpx
 
+from soak_grammars import GRAMMAR_HOSTILE, grammar_request
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["Tell me a story about a dragon.", "What is 17 times 23?", "List three fruits.",
            "Explain gravity to a child.", "Write a haiku about the sea.", "Translate 'good morning' to French.",
@@ -57,6 +61,7 @@ HOSTILE = {
     "heavy_template": {200, 400},
     "choices_burst": {400},
     "slow_body": {408},
+    **GRAMMAR_HOSTILE,
 }
 HEAVY_TEMPLATE = ("{% for i in range(20000) %}{% for j in range(100) %}{% endfor %}{% endfor %}"
                   "{{ messages[0].content }}")
@@ -123,6 +128,7 @@ class Tally:
         self.ttft: list[float] = []               # ordinary, uncancelled streams: seconds to the first event
         self.hostile = Counter()                  # "kind status" -> count
         self.hostile_wrong: list[str] = []
+        self.invalid_constrained: list[str] = []   # constrained outputs that do not follow their constraint
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -153,7 +159,13 @@ async def hostile_request(client: httpx.AsyncClient, url: str, args, rng: random
     if kind == "slow_body":
         status = await slow_body(url, "/v1/completions", dict(client.headers), args.request_timeout)
     else:
-        if kind == "nested_json":
+        if kind in GRAMMAR_HOSTILE:
+            path, body, check = grammar_request(kind, rng)
+            r = await client.post(path, json=body)
+            problem = check(r.json()) if r.status_code == 200 else None
+            if problem is not None:
+                tally.invalid_constrained.append(f"{kind}: {problem}")
+        elif kind == "nested_json":
             depth = 3000
             r = await client.post("/v1/completions", content=b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}",
                                   headers={"content-type": "application/json"})
@@ -284,6 +296,9 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
                 await client.post("/v1/completions", json={"prompt": " ".join(["word"] * args.scoring_words),
                                                            "max_tokens": 0, "echo": True, "logprobs": 1})
                 rss["scorer_warmup_s"] = round(time.monotonic() - t_warm, 1)
+            if set(args.hostile_kinds) & set(GRAMMAR_HOSTILE):   # the grammar machinery (its tokenizers) first
+                path, body, _ = grammar_request("json_schema", random.Random(0))
+                await client.post(path, json=body)
             if args.warmup_requests:              # first uses (the step variants' compiles) out of the reference
                 await phase(args.warmup_requests, 0.0, Tally(), None)
             baseline = Tally()
@@ -321,6 +336,7 @@ async def soak(args, url: str, server_pid: int | None) -> dict:
         "generation_tokens": m.get("jaxserve:generation_tokens_total"),
         "health_after": health, "rss_mb": rss, "errors_sample": tally.errors[:5],
         "hostile": dict(sorted(tally.hostile.items())), "hostile_wrong": tally.hostile_wrong[:10],
+        "invalid_constrained": tally.invalid_constrained[:10],
         "ttft_p50_s": _round(percentile(tally.ttft, 50)), "ttft_p99_s": _round(ttft_p99),
         "baseline_ttft_p50_s": _round(percentile(baseline.ttft, 50)) if baseline is not None else None,
         "baseline_ttft_p99_s": _round(base_p99),
@@ -424,7 +440,8 @@ def main() -> int:
     ttft_ok = result["ttft_p99_ratio"] is None or result["ttft_p99_ratio"] <= args.max_ttft_ratio
     ok = (result["num_5xx"] == 0 and result["hung"] == 0 and result["leaked_blocks"] in (0, None)
           and result["kv_usage_after"] == 0 and not result["outcomes"].get("stream_ended_without_done")
-          and not result["hostile_wrong"] and result["running_after"] == 0 and result["waiting_after"] == 0
+          and not result["hostile_wrong"] and not result["invalid_constrained"]
+          and result["running_after"] == 0 and result["waiting_after"] == 0
           and rss_ok and ttft_ok)
     result["verdict"] = "PASS" if ok else "FAIL"
     meta = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"), "commit": _commit(),
@@ -474,6 +491,7 @@ def render_md(meta: dict, r: dict, args) -> str:
 | server exit code after SIGTERM | {r['server_exit_code_after_sigterm']} |
 | hostile requests (kind status: count) | {r['hostile'] or 'none'} |
 | hostile requests with a wrong answer | {r['hostile_wrong'] or 'none'} |
+| constrained outputs that break their constraint | {r['invalid_constrained'] or 'none'} |
 | ordinary streams' TTFT p50 / p99 | {r['ttft_p50_s']} / {r['ttft_p99_s']} s |
 | the same ordinary load alone (after {args.warmup_requests} uncounted warm-up requests): TTFT p50 / p99 | {r['baseline_ttft_p50_s']} / {r['baseline_ttft_p99_s']} s |
 | TTFT p99 ratio (limit {args.max_ttft_ratio:g}) | {r['ttft_p99_ratio']} |

@@ -562,7 +562,7 @@ def test_multi_step_gives_the_same_tokens_in_fewer_steps():
 
 # ------------------------------------------------------------------------------------- abort and finish
 def test_abort_at_any_point_frees_everything():
-    sched, kv, dev = make(budget=8)
+    sched, kv, dev = make(budget=8, max_seqs=1)
     a = Request("a", list(range(1, 21)), params(max_tokens=5))
     b = Request("b", [3, 4], params(max_tokens=5))
     sched.add_request(a)

@@ -7,6 +7,7 @@ No tests here: test_server_app.py imports this module.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -57,7 +58,8 @@ def next_token(prev: int, step: int, seed: int | None) -> int:
 class FakeEngine:
     """AsyncLLMEngine's interface. Prompts steer it: 'FAIL_AT_START' raises before any output,
     'FAIL_MIDSTREAM' raises after two tokens, 'SLOW' waits `slow_delay` per token, 'LATE' waits
-    `late_first_token` before its first token."""
+    `late_first_token` before its first token, 'GRAMMAR_FAILS_AT_<k>' ends with finish_reason "error" (a
+    failed grammar matcher) after k tokens."""
     max_model_len: int = 256
     served_model_name: str = "fake-model"
     token_delay: float = 0.0
@@ -124,6 +126,13 @@ class FakeEngine:
                     return
                 if "FAIL_MIDSTREAM" in text and step == 2:
                     raise RuntimeError("scripted failure mid-stream")
+                fails_at = re.search(r"GRAMMAR_FAILS_AT_(\d+)", text)
+                if fails_at is not None and step == int(fails_at.group(1)):
+                    self.running.pop(request_id, None)
+                    yield RequestOutput(request_id, prompt, list(prompt_token_ids), None, [CompletionOutput(
+                        0, "", [], None, None, "error", "the constraint is too complex for the grammar parser")],
+                        True, metrics)
+                    return
                 tok = next_token(prev, step, sampling_params.seed)
                 prev, step = tok, step + 1
                 finish = "length" if step >= sampling_params.max_tokens else None

@@ -182,8 +182,10 @@ class AsyncLLMEngine:
             raise EngineDeadError("the server is shutting down")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+        # (never waits for a grammar here, on the event loop: the server awaited its verdict)
         req = self.engine.make_request(request_id, prompt_token_ids, sampling_params, prompt, time.time(),
-                                       strict_length=True, priority=priority, cache_salt=cache_salt)
+                                       strict_length=True, priority=priority, cache_salt=cache_salt,
+                                       wait_for_grammar=False)
         self.check_admission(1)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream

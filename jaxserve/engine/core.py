@@ -32,6 +32,8 @@ from jaxserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"     # the embedded default model
+# how long a step with nothing to run but requests waiting for their grammar waits for a compile
+FSM_IDLE_WAIT_S = 0.02
 
 
 @dataclasses.dataclass
@@ -81,7 +83,8 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
             disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace,
-            disable_additional_properties=config.structured_outputs_config.disable_additional_properties)
+            disable_additional_properties=config.structured_outputs_config.disable_additional_properties,
+            limits=config.structured_outputs_config)
         # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
         self._in_flight: deque[_InFlight] = deque()
         self._lookahead = 1 if config.async_scheduling else 0
@@ -134,8 +137,10 @@ class EngineCore:
                     arrival_time: float, sampling_seed: int, *, priority: int = 0,
                     cache_salt: str | None = None) -> None:
         """Queue a request the front end validated (``LLMEngine.make_request``); ``params`` are its own
-        copy. Raises InvalidRequestError if its id is in use."""
-        if self.scheduler.get_request(request_id) is not None:
+        copy. A constrained request whose grammar is not compiled yet waits apart (WAITING_FOR_FSM, no
+        batch slot) until ``step`` finds it compiled. Raises InvalidRequestError if its id is in use."""
+        so = self.structured_output
+        if self.scheduler.get_request(request_id) is not None or so.is_waiting(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                       arrival_time=arrival_time, sampling_seed=sampling_seed, priority=priority,
@@ -144,8 +149,10 @@ class EngineCore:
             req.prompt_logprobs = [None]    # the first position has no logprob; the rest come chunk by chunk
             if self._scorer is None:
                 self._make_scorer()
+        if params.structured_outputs is not None and not so.start_request(req):
+            req.status = RequestStatus.WAITING_FOR_FSM
+            return
         self.scheduler.add_request(req)
-        self.structured_output.add_request(req)    # a constrained request gets its own grammar matcher
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if self.scheduler is None:          # an embedding engine queues nothing
@@ -156,7 +163,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         # a step in flight whose requests all finished or were aborted needs no more steps
-        return self.scheduler is not None and self.scheduler.has_unfinished_requests()
+        return self.scheduler is not None and (self.scheduler.has_unfinished_requests()
+                                               or self.structured_output.num_waiting > 0)
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[EngineCoreOutput]:
@@ -171,12 +179,31 @@ class EngineCore:
         Without async scheduling each step is read before step() returns.
         """
         t0 = time.perf_counter()
+        outputs = self._admit_compiled() if self.structured_output.num_waiting else []
         if not self.scheduler.scoring_ready:
             self._wait_for_scorer()
         scheduler_output = self.scheduler.schedule()
-        outputs = self._dispatch(scheduler_output) if scheduler_output.scheduled else []
+        if scheduler_output.scheduled:
+            outputs += self._dispatch(scheduler_output)
         outputs += self._process_in_flight(keep=self._lookahead if scheduler_output.scheduled else 0)
         self._step_ms += (time.perf_counter() - t0) * 1e3
+        return outputs
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar is compiled now; end those whose constraint was refused (an
+        error, with the compiler's message). With nothing else to run, wait a little for a compile rather
+        than spin (the compile wants the cores)."""
+        so = self.structured_output
+        if not self.scheduler.has_unfinished_requests() and not self._in_flight:
+            so.wait_for_compile(FSM_IDLE_WAIT_S)
+        ready, refused = so.take_compiled()
+        for req in ready:
+            req.status = RequestStatus.WAITING
+            self.scheduler.add_request(req)
+        outputs = []
+        for req, message in refused:
+            req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, message
+            outputs.append(EngineCoreOutput(req.request_id, [], int(RequestStatus.FINISHED_ERROR), message))
         return outputs
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
@@ -237,7 +264,7 @@ class EngineCore:
             self._scorer.collect(step.scored, self.tokenizer, self.config.max_logprobs)
         so = self.structured_output
         outputs, finished = apply_sampled_tokens(step.sampled, result.token_ids, result.logprobs,
-                                                 so.accept if so.has_requests else None)
+                                                 so if so.has_requests else None)
         for status, request_ids in finished.items():
             self.scheduler.finish_requests(request_ids, status)
             if so.has_requests:
@@ -275,6 +302,7 @@ class EngineCore:
         if self.scheduler is None:
             return {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
         s = dict(self.scheduler.get_stats())
+        s["num_waiting"] += self.structured_output.num_waiting      # (those waiting for their grammar)
         rs = self.runner.stats
         s.update(rs.snapshot())
         # raw totals, so a benchmark can diff a window: host ms/step = (step_ms - device_ms) / steps

@@ -125,12 +125,14 @@ class MPClient:
 
     def _start_reading(self, facts: EngineFacts) -> None:
         """The front end's side of a ready core: its facts, the manager the front end validates constraints
-        with (the core compiles its own matchers), and the state of reading its outputs."""
+        with (it keeps verdicts only: the core compiles its own matchers), and the state of reading its
+        outputs."""
         self.facts = facts
         self.structured_output = StructuredOutputManager(
             facts.tokenizer, facts.model_config.vocab_size, facts.eos_token_ids,
             disable_any_whitespace=facts.config.structured_outputs_config.disable_any_whitespace,
-            disable_additional_properties=facts.config.structured_outputs_config.disable_additional_properties)
+            disable_additional_properties=facts.config.structured_outputs_config.disable_additional_properties,
+            limits=facts.config.structured_outputs_config, retain=False)
         self.structured_output.unsupported_reason = facts.structured_unsupported_reason
         self._read_lock = threading.Lock()          # one reader of the output socket at a time
         self._ready: deque[m.EngineCoreOutputs] = deque()     # read, not handed out yet

@@ -9,7 +9,9 @@ For each request the step sampled for, token by token (a multi-step dispatch bri
 - else finish by length when the outputs reach ``max_output_tokens`` (max_tokens, or what max_model_len
   leaves);
 - a structured-output grammar that reaches its end finishes the request there (status stop), like a stop
-  token (its matcher accepts each token as it is filled in);
+  token (its matcher accepts each token as it is filled in); a matcher that failed (a grammar past the
+  parser's limits) finishes it with an error (status error, stop_reason the message), never as a stop, and
+  without the token it failed on;
 - after a stop, drop the tokens the device computed past it (async scheduling and multi-step dispatch the
   next step before this one is read).
 Stop strings need the text: the front end matches them and aborts the request in the core. The engine core
@@ -27,7 +29,7 @@ fills the token inline and asks ``token_verdict`` only about a token the request
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from jaxserve.engine.messages import EngineCoreOutput
 from jaxserve.engine.request import Request, RequestStatus
@@ -35,19 +37,25 @@ from jaxserve.engine.request import Request, RequestStatus
 _PREEMPTED = RequestStatus.PREEMPTED
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+_ERROR = RequestStatus.FINISHED_ERROR
 
 
-def token_verdict(req: Request, num_output: int, tok: int, eos_ids, accept) -> tuple:
+def token_verdict(req: Request, num_output: int, tok: int, eos_ids, grammars) -> tuple:
     """(status, stop reason) after ``req``'s ``num_output``-th output token ``tok``, or (None, None): EOS or
     a stop id from ``min_tokens`` on (a stop on the token that also reaches the limit wins), else the length
-    limit; a structured-output grammar that ended (``accept``) stops like EOS."""
+    limit; a structured-output grammar that ended (``grammars.accept``) stops like EOS, one whose matcher
+    failed (``grammars.take_failure``) ends with an error."""
     status = reason = None
     if num_output >= req.min_tokens and (tok in eos_ids or tok in req.stop_token_ids):
         status, reason = _STOPPED, (None if tok in eos_ids else tok)
     elif num_output >= req.max_output_tokens:
         status = _LENGTH_CAPPED
-    if accept is not None and accept(req.request_id, tok) and status is not _STOPPED:
-        status, reason = _STOPPED, None
+    if grammars is not None and grammars.accept(req.request_id, tok):
+        failure = grammars.take_failure(req.request_id)
+        if failure is not None:
+            status, reason = _ERROR, failure
+        elif status is not _STOPPED:
+            status, reason = _STOPPED, None
     return status, reason
 
 
@@ -59,13 +67,13 @@ def _step_tokens(toks, lps) -> tuple:
 
 
 def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict[str, Any],
-                         logprobs: dict[str, Any] | None, accept: Callable[[str, int], bool] | None = None
+                         logprobs: dict[str, Any] | None, grammars=None
                          ) -> tuple[list[EngineCoreOutput], dict[RequestStatus, list[str]]]:
     """Apply one read step. ``sampled``: (request, index of its first placeholder of this step) for each
     request the step sampled for; ``token_ids[request_id]``: the token it sampled (a list after a multi-step
     dispatch); ``logprobs[request_id]``: (logprob, rank, top ids, top logprobs) (a list of them after
-    multi-step) for requests that asked for logprobs; ``accept``: the structured-output matchers' (None when
-    no request is constrained).
+    multi-step) for requests that asked for logprobs; ``grammars``: the ``StructuredOutputManager`` whose
+    matchers judge the constrained requests' tokens (None when no request is constrained).
 
     Returns the outputs for the front end and the requests that finished now, by status (their
     ``stop_reason`` is set); requests already finished or aborted are skipped."""
@@ -86,14 +94,14 @@ def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict
             req._all_token_ids[len(req.prompt_token_ids) + idx] = toks
             req.num_placeholders -= 1
             if (toks in eos_ids or toks in req.stop_token_ids or idx + 1 >= req.max_output_tokens
-                    or accept is not None):
-                status, reason = token_verdict(req, idx + 1, toks, eos_ids, accept)
+                    or grammars is not None):
+                status, reason = token_verdict(req, idx + 1, toks, eos_ids, grammars)
         else:
             toks, lps = _step_tokens(toks, logprobs.get(rid) if logprobs else None)
             for j, tok in enumerate(toks):
                 idx = first + j
                 req.set_output_token(idx, tok)
-                status, reason = token_verdict(req, idx + 1, tok, eos_ids, accept)
+                status, reason = token_verdict(req, idx + 1, tok, eos_ids, grammars)
                 if status is not None:
                     break
             if lps is not None:
@@ -101,8 +109,9 @@ def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict
         if first == 0:
             req.metrics.first_token_time = now
         if status is not None:
-            if len(req.output_token_ids) > idx + 1:
-                req.truncate_output(idx + 1)            # drop tokens computed after the stop
+            keep = idx if status is _ERROR else idx + 1     # (not the token a failed matcher could not take)
+            if len(req.output_token_ids) > keep:
+                req.truncate_output(keep)               # drop tokens computed after the stop
             req.stop_reason = reason
             finished.setdefault(status, []).append(rid)
         elif req.defer_outputs:

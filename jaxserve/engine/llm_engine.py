@@ -47,7 +47,8 @@ class EngineClient(Protocol):
     def new_request_id(self) -> str: ...
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
-                     strict_length: bool = False, priority: int = 0, cache_salt: str | None = None) -> Request: ...
+                     strict_length: bool = False, priority: int = 0, cache_salt: str | None = None,
+                     wait_for_grammar: bool = True) -> Request: ...
     def add_requests(self, reqs: list[Request]) -> None: ...
     def abort_request(self, request_ids: str | list[str]) -> None: ...
     def step(self, timeout_s: float | None = None) -> list[RequestOutput]: ...
@@ -87,10 +88,13 @@ class RequestBuilder:
         self._seed_rng = np.random.default_rng(facts.config.seed)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, *, strict_length: bool = True,
-                 priority: int = 0, cache_salt: str | None = None) -> None:
+                 priority: int = 0, cache_salt: str | None = None, wait_for_grammar: bool = True) -> None:
         """Reject what can never run, with a message a user can act on. ``strict_length``: prompt + max_tokens
         must fit max_model_len (the server's rule); off, generation just stops at max_model_len (offline).
-        ``priority`` needs ``--scheduling-policy priority``; ``cache_salt`` is a non-empty string (vLLM's)."""
+        ``priority`` needs ``--scheduling-policy priority``; ``cache_salt`` is a non-empty string (vLLM's).
+        ``wait_for_grammar``: a constraint is compiled (on the grammar workers) and this thread waits for its
+        verdict; off, only its cheap checks run here (the server awaited the verdict already; otherwise the
+        engine core refuses the request with an error output)."""
         facts = self.facts
         if facts.is_embedding:
             raise InvalidRequestError(
@@ -129,12 +133,13 @@ class RequestBuilder:
                                       "server with --scheduling-policy priority", param="priority")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}", param="cache_salt")
-        if params.structured_outputs is not None:
-            self.structured_output.compile(params.structured_outputs)    # cached; raises naming the problem
+        if params.structured_outputs is not None:     # cached; raises naming the problem
+            self.structured_output.validate(params.structured_outputs, wait=wait_for_grammar)
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
-                     strict_length: bool = False, priority: int = 0, cache_salt: str | None = None) -> Request:
+                     strict_length: bool = False, priority: int = 0, cache_salt: str | None = None,
+                     wait_for_grammar: bool = True) -> Request:
         """Truncate the prompt as asked, validate (``validate``), and build the Request with its own copy of
         the parameters (which knows the model's eos ids: the sampler blocks them below min_tokens) and its
         sampling seed. ``priority``: its place under ``--scheduling-policy priority`` (lower first);
@@ -148,7 +153,7 @@ class RequestBuilder:
         if keep is not None and len(prompt_token_ids) > keep:
             prompt_token_ids = prompt_token_ids[-keep:]
         self.validate(prompt_token_ids, params, strict_length=strict_length, priority=priority,
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, wait_for_grammar=wait_for_grammar)
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(eos_token_ids)},
                                              eos_token_ids[0] if eos_token_ids else None)
@@ -193,10 +198,12 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
-                     strict_length: bool = False, priority: int = 0, cache_salt: str | None = None) -> Request:
+                     strict_length: bool = False, priority: int = 0, cache_salt: str | None = None,
+                     wait_for_grammar: bool = True) -> Request:
         """Validate a request and build its Request (``RequestBuilder.make_request``); queues nothing."""
         return self.builder.make_request(request_id, prompt_token_ids, params, prompt, arrival_time,
-                                         strict_length=strict_length, priority=priority, cache_salt=cache_salt)
+                                         strict_length=strict_length, priority=priority, cache_salt=cache_salt,
+                                         wait_for_grammar=wait_for_grammar)
 
     def add_requests(self, reqs: list[Request]) -> None:
         """Queue Requests from ``make_request``: the front end keeps their output state, the core gets them
@@ -252,7 +259,10 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- state and lifecycle
     def stats(self) -> dict:
-        return self.client.stats()
+        s = self.client.stats()
+        if self.multiprocess:       # the verdicts this front end compiled (the core reports its own compiles)
+            s["structured_verdict_compilations"] = self.structured_output.compiler.compilations
+        return s
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the step variants compiling in the background are done (False after ``timeout``

@@ -52,13 +52,13 @@ class Shutdown(msgspec.Struct, array_like=True, tag=True, gc=False):
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's news from one step. ``finish_status``: a finished RequestStatus value (0 = running);
-    ``stop_reason``: the stop token id (None for EOS); ``logprobs``: one RawLogprobs per new token, when the
+    ``stop_reason``: the stop token id (None for EOS), or with FINISHED_ERROR the message; ``logprobs``: one RawLogprobs per new token, when the
     request asked for them; the rest are sent once, with the request's first output (which alone has a
     ``first_token_time``)."""
     request_id: str
     new_token_ids: list[int]
     finish_status: int = 0
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     logprobs: list[RawLogprobs] | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None

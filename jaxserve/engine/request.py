@@ -27,13 +27,14 @@ from jaxserve.sampling_params import RequestOutputKind
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    WAITING_FOR_FSM = 1      # structured output: its grammar is still compiling; the scheduler skips it
+    WAITING_FOR_FSM = 1      # structured output: its grammar is still compiling (the engine core holds it apart)
     RUNNING = 2
     PREEMPTED = 3            # back in the waiting queue, will recompute its prompt + outputs so far
     # Everything after PREEMPTED is finished.
     FINISHED_STOPPED = 4     # EOS, a stop token id, or a stop string
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7       # its constraint was refused or failed (stop_reason: the message)
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -44,11 +45,12 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
 def finish_reason(status: RequestStatus) -> str | None:
-    """"stop" | "length" | "abort" for a finished status, else None (OpenAI's and vLLM's names)."""
+    """"stop" | "length" | "abort" | "error" for a finished status, else None (OpenAI's and vLLM's names)."""
     return _FINISH_REASONS.get(status)
 
 
@@ -181,7 +183,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop" | "length" | "abort", or None while the request is not finished."""
+        """"stop" | "length" | "abort" | "error", or None while the request is not finished."""
         return _FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:

@@ -6,6 +6,13 @@ waiting requests in FCFS order (``--scheduling-policy priority``: by priority, t
 budget that is left (chunked prefill). There are no separate prefill and decode phases: the step is one
 ragged batch.
 
+NOTE (fair prefill): a prompt with more than ``long_prefill_token_threshold`` tokens left to compute is a long
+prefill. While a request that is not one wants the step (a decode, a shorter prompt), the long prefills'
+chunks take at most that many tokens of the step together (``_long_share``; a waiting long prompt that finds
+no share left keeps its place and the others pass it), and after the waiting requests had their turn the
+chunks that share cut get what budget is left (``_top_up``): a long prompt never holds back the others for
+more than a step or two, and the step stays full. Long prompts alone run at full width.
+
 A request's next tokens are ``all_token_ids[num_computed_tokens:num_tokens]``. The step samples a token
 for it only when its chunk reaches num_tokens (``ScheduledRequest.samples``): a prefill chunk that
 stops short yields no token. When the pool runs dry for a running request, the last running request is
@@ -107,6 +114,10 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
+        # a long prefill has more tokens than this left to compute (0: none is; see the module's NOTE)
+        threshold = scheduler_config.long_prefill_token_threshold
+        self.long_prefill_threshold = 0 if not self.enable_chunked_prefill else (
+            self.max_num_batched_tokens // 2 if threshold is None else threshold)
 
         self.requests: dict[str, Request] = {}       # every unfinished request, by id
         # FCFS (preempted requests re-enter at the front), or by priority under that policy
@@ -166,6 +177,9 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = False
         share = self._scoring_share() if self.num_scoring else budget   # left to the chunks being scored
+        long_threshold = self.long_prefill_threshold
+        long_share = None               # left to the long prefills' chunks (computed when one comes)
+        cut: list[ScheduledRequest] = []     # long prefill chunks the long share cut short
         now = time.time()
 
         # 1. Running requests, oldest first. A victim is always popped from the end, which is never a
@@ -191,6 +205,11 @@ class Scheduler:
                     continue
             cost = self._cost(req, num_new) if self.num_scoring else num_new
             room = min(budget, share) if cost > num_new else budget
+            is_long = num_new > long_threshold > 0
+            if is_long:
+                if long_share is None:
+                    long_share = self._long_share()
+                room = min(room, long_share)
             if cost > room:
                 if not self._may_chunk(cost):
                     i += 1              # chunked prefill off: wait for a step with room for all of it
@@ -209,6 +228,9 @@ class Scheduler:
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= cost
                 share -= cost if cost > num_new else 0
+                if is_long:
+                    long_share -= num_new
+                    cut.append(scheduled[-1])
                 i += 1
                 continue
             break                       # req preempted itself: nothing after it is left running
@@ -226,11 +248,16 @@ class Scheduler:
             num_new = req.num_tokens - num_hit_tokens
             cost = self._cost(req, num_new) if scores else num_new
             room = min(budget, share) if cost > num_new else budget
+            is_long = num_new > long_threshold > 0
+            if is_long:
+                if long_share is None:
+                    long_share = self._long_share()
+                room = min(room, long_share)
             if cost > room:
                 if not self._may_chunk(cost):
                     break
                 num_new, cost = self._fit(req, num_new, room)
-                if num_new == 0 and room < budget:   # no scoring share left: it keeps its place, others pass
+                if num_new == 0 and room < budget:   # no scoring or long share left: it keeps its place
                     skipped.append(self.waiting.popleft())
                     continue
                 if num_new == 0:
@@ -251,8 +278,13 @@ class Scheduler:
             scheduled.append(self._scheduled(req, num_new))
             budget -= cost
             share -= cost if cost > num_new else 0
+            if is_long:
+                long_share -= num_new
+                cut.append(scheduled[-1])
         if skipped:
             self.waiting.extendleft(reversed(skipped))
+        if cut and budget > 0:
+            self._top_up(cut, budget)
 
         # Decodes first, then prefill chunks (stable: FCFS within each group).
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
@@ -332,6 +364,33 @@ class Scheduler:
             else:
                 hi = mid - 1
         return lo, self._cost(req, lo)
+
+    def _long_share(self) -> int:
+        """The tokens this step's long prefill chunks may take together: ``long_prefill_threshold`` while a
+        request that is not a long prefill wants the step (a decode, a shorter prompt), else all of it.
+        Looked at once per step that has a long prefill (a step of hundreds of tokens at least)."""
+        threshold = self.long_prefill_threshold
+        if any(len(r._all_token_ids) - r.num_computed_tokens <= threshold for r in self.running) \
+                or any(len(r._all_token_ids) <= threshold for r in self.waiting):
+            return threshold
+        return self.max_num_batched_tokens
+
+    def _top_up(self, cut: list[ScheduledRequest], budget: int) -> None:
+        """Give the budget the step left to the long prefill chunks the long share cut short, oldest first
+        (the others had their turn; a chunk being scored keeps its size). Preempts nothing: a chunk the pool
+        cannot extend keeps its size."""
+        kv = self.kv_cache_manager
+        for s in cut:
+            req = s.request
+            extra = min(len(req._all_token_ids) - s.start_pos - s.num_new_tokens, budget)
+            if extra <= 0 or _scores_prompt(req) or kv.allocate_slots(req, s.num_new_tokens + extra) is None:
+                continue
+            s.num_new_tokens += extra
+            s.block_ids = kv.live_block_ids(req.request_id)
+            s.samples = s.start_pos + s.num_new_tokens == len(req._all_token_ids)
+            budget -= extra
+            if budget <= 0:
+                return
 
     def _may_chunk(self, num_new: int) -> bool:
         # With chunked prefill off, a sequence that could never fit a whole step (a preempted request

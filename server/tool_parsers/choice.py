@@ -3,6 +3,7 @@ choices, and the parser that reads each choice's output (vLLM's semantics and me
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "nul
 _SUBSCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 _SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions")
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")       # OpenAI's rule for a function's name
 
 
 class ToolRequestError(ValueError):
@@ -140,13 +142,18 @@ class ToolPlan:
 
 
 def checked_tools(tools: list[Any]) -> list[dict]:
-    """A request's tools, checked (names unique and not empty, parameters a JSON schema), as the plain dicts
-    chat templates and parsers read; ToolRequestError names the field at fault."""
+    """A request's tools, checked (names unique and of OpenAI's pattern, parameters a JSON schema), as the
+    plain dicts chat templates and parsers read; ToolRequestError names the field at fault."""
     names: set[str] = set()
     for i, t in enumerate(tools):
         name = t.function.name
         if not name:
             raise ToolRequestError("a tool's function name must not be empty", f"tools[{i}].function.name")
+        if not TOOL_NAME.fullmatch(name):
+            shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name)} characters)"
+            raise ToolRequestError(f"tools[{i}].function.name {shown!r} must match ^[a-zA-Z0-9_-]{{1,64}}$ "
+                                   "(letters, digits, underscores and dashes, at most 64)",
+                                   f"tools[{i}].function.name")
         if name in names:
             raise ToolRequestError(f"two tools are named {name!r}", f"tools[{i}].function.name")
         names.add(name)
@@ -184,20 +191,26 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
 
 def template_messages(messages: list[Any]) -> list[dict]:
     """Chat messages as the dicts chat templates read: assistant tool calls with their arguments parsed
-    to objects (templates such as Qwen3-Coder's iterate over them), tool results with tool_call_id."""
+    to objects (templates such as Qwen3-Coder's iterate over them), tool results with tool_call_id (which
+    a tool message must have, as OpenAI says)."""
     out = []
     for i, m in enumerate(messages):
+        if m.role == "tool" and not m.tool_call_id:
+            raise ToolRequestError(f"messages[{i}]: a message of role 'tool' needs the tool_call_id of the call "
+                                   "it answers", f"messages[{i}].tool_call_id")
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.name is not None:
             d["name"] = m.name
         if m.tool_calls:
             calls = []
             for j, call in enumerate(m.tool_calls):
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
                 try:
                     args = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
-                except json.JSONDecodeError as e:
-                    raise ToolRequestError(f"the arguments of tool call {j} are not JSON: {e}",
-                                           f"messages[{i}].tool_calls[{j}].function.arguments") from None
+                except (json.JSONDecodeError, RecursionError) as e:
+                    raise ToolRequestError(f"{where} is not JSON: {e}", where) from None
+                if not isinstance(args, dict):
+                    raise ToolRequestError(f"{where} must be a JSON object, got {type(args).__name__}", where)
                 entry: dict[str, Any] = {"type": "function", "function": {"name": call.function.name,
                                                                           "arguments": args}}
                 if call.id is not None:

@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -44,6 +45,7 @@ MIN_FALLBACK_STACK_BYTES = 32 << 20     # above what the default limits' deepest
 # freed grammar bytes after which the allocator is asked to hand free pages back
 TRIM_AFTER_BYTES = 32 << 20
 _VERDICT_BYTES = 1 << 10
+WORKER_NICE = 10        # the workers' nice value: compiles are background work beside serving
 
 _stack_size_lock = threading.Lock()     # threading.stack_size is process-wide
 
@@ -200,6 +202,7 @@ class GrammarCompiler:
 
     def _work_loop(self) -> None:
         name = threading.current_thread().name
+        _lower_priority()
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
@@ -337,6 +340,15 @@ class GrammarCompiler:
             self._watch.notify_all()
         for future in queued:
             future.cancel()
+
+
+def _lower_priority() -> None:
+    """Give the calling worker thread a lower CPU priority (Linux: a thread's own nice value), so that a long
+    compile yields the cores to the event loop and the engine's step loop when they are short."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+    except (AttributeError, OSError):     # not Linux, or not allowed: the default priority
+        pass
 
 
 def _copy(error: InvalidRequestError) -> InvalidRequestError:

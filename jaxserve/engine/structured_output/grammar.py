@@ -9,8 +9,9 @@ import threading
 
 from jaxserve.errors import InvalidRequestError
 
+from .gbnf import gbnf_to_lark, is_gbnf
 from .json_schema import close_objects
-from .limits import NOUN_OF_KIND, PARAM_OF_KIND, StructuredOutputsLimits
+from .limits import NOUN_OF_KIND, PARAM_OF_KIND, StructuredOutputsLimits, over_limit
 
 EXCERPT_CHARS = 300      # how much of a grammar a log line or an error message quotes
 
@@ -86,8 +87,16 @@ class GrammarBuilder:
             # limit for large lists)
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice))
+        text = params.grammar
+        if is_gbnf(text):           # converted in a child process (gbnf.py says why)
+            try:
+                text = gbnf_to_lark(text, self.limits.compile_timeout_s)
+            except TimeoutError:
+                budget = self.limits.compile_timeout_s
+                raise over_limit("the grammar's compile time in seconds", f"more than {budget:g}",
+                                 "compile_timeout_s", self.limits, "grammar") from None
         try:
-            return llguidance.grammar_from("grammar", params.grammar)
+            return llguidance.LLMatcher.grammar_from_lark(text)
         except ValueError as e:
             raise InvalidRequestError(f"invalid grammar: {e}", param="grammar") from None
         except RecursionError:

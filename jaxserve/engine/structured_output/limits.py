@@ -1,22 +1,22 @@
 """Limits on a request's constraint, checked before any grammar is compiled.
 
-Each limit is a key of ``--structured-outputs-config`` (beside ``disable_any_whitespace``); a constraint over
-one is refused with an ``InvalidRequestError`` (HTTP 400) that names the limit, the request's value and the
-key that raises it. The defaults admit far more than OpenAI's Structured Outputs does (5,000 properties,
-10 levels of nested objects, 1,000 enum values) and stop the shapes that would take the server down: rule
-and ``$ref`` chains deep enough to exhaust a compiler thread's stack, and lists large enough to hold a worker
-for seconds or a cache for gigabytes.
+Each limit (``jaxserve.config.StructuredOutputsLimits``) is a key of ``--structured-outputs-config`` (beside
+``disable_any_whitespace``); a constraint over one is refused with an ``InvalidRequestError`` (HTTP 400) that
+names the limit, the request's value and the key that raises it. The defaults admit far more than OpenAI's
+Structured Outputs does (5,000 properties, 10 levels of nested objects, 1,000 enum values) and stop the
+shapes that would take the server down: rule and ``$ref`` chains deep enough to exhaust a compiler thread's
+stack, and lists large enough to hold a worker for seconds or a cache for gigabytes.
 
 The checks are linear in the constraint's size, stop at the first limit exceeded, and recurse no deeper than
 the depth limit (the walks that follow the request's nesting are iterative).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from typing import Any, Iterable
 
+from jaxserve.config import StructuredOutputsLimits
 from jaxserve.errors import InvalidRequestError
 
 CONFIG_FLAG = "--structured-outputs-config"
@@ -26,60 +26,6 @@ PARAM_OF_KIND = {"json": "json_schema", "json_object": "response_format", "regex
                  "grammar": "grammar"}
 NOUN_OF_KIND = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice list",
                 "grammar": "grammar"}
-
-
-@dataclasses.dataclass(frozen=True)
-class StructuredOutputsLimits:
-    """What one request's constraint may ask of the grammar compiler.
-
-    - ``max_constraint_bytes``: the constraint's text in UTF-8 bytes (a JSON schema as compact JSON, a
-      grammar, a regex, a choice list as JSON).
-    - ``max_json_schema_depth``: how deep a JSON schema nests, counting every JSON object and array of the
-      schema document and reading each ``$ref`` as if its definition were written in place (a definition
-      that refers back to itself counts once). OpenAI's 10 levels of nested objects are about 30 here.
-    - ``max_json_schema_properties``: properties declared in a JSON schema, all objects together (OpenAI's).
-    - ``max_json_enum_values``: ``enum`` entries in a JSON schema, all enums together.
-    - ``max_choice_options``: strings of a ``choice`` constraint.
-    - ``max_grammar_rules``: rule and terminal definitions of a grammar (Lark or GBNF).
-    - ``max_tools``: tools of one chat request (OpenAI's).
-    - ``max_tool_parameters``: properties of one tool's ``parameters`` schema.
-    - ``max_parser_row_items``: llguidance's ``max_items_in_row``, the most items one row of the Earley
-      parser may hold while it generates. An object with optional properties needs about four items per
-      optional property in one row, so this also bounds optional properties per object (checked before the
-      compile); a grammar that reaches it anyway ends its request with an error. Raising it admits larger
-      objects at the cost of slower mask steps for such requests.
-    - ``compile_timeout_s``: a grammar's compile time budget in seconds; over it the request is refused.
-    - ``grammar_cache_bytes``: memory kept for compiled grammars (least recently used dropped first).
-    """
-    max_constraint_bytes: int = 1 << 20
-    max_json_schema_depth: int = 128
-    max_json_schema_properties: int = 5000
-    max_json_enum_values: int = 10_000
-    max_choice_options: int = 10_000
-    max_grammar_rules: int = 5000
-    max_tools: int = 128
-    max_tool_parameters: int = 500
-    max_parser_row_items: int = 2000
-    compile_timeout_s: float = 10.0
-    grammar_cache_bytes: int = 256 << 20
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"structured-outputs limit {f.name} must be a positive number, got {value!r}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> "StructuredOutputsLimits":
-        """The limits an object's same-named attributes set (a ``StructuredOutputsConfig``, a namespace);
-        the defaults for those it lacks."""
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if hasattr(config, f.name)})
-
-    @property
-    def max_optional_properties(self) -> int:
-        """Optional properties one object may declare: each takes about four parser items in the row that
-        chooses the next key, beside a few of the object's own."""
-        return max((self.max_parser_row_items - 8) // 4, 1)
 
 
 def over_limit(what: str, value: Any, limit: str, limits: StructuredOutputsLimits, param: str | None):

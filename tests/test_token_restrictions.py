@@ -71,7 +71,7 @@ def test_plain_steps_run_the_programs_they_ran_before(llm):
     prompts = [[5, 6, 7], [9, 10]]
     run(llm, prompts, greedy())
     run(llm, prompts, [greedy(logit_bias={ONE: 3.0}), greedy(allowed_token_ids=[TWO], bad_words=["12"])])
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     runner.wait_compiled(timeout=600)
     before = runner.compiled_variants()
     run(llm, prompts, greedy())
@@ -82,7 +82,7 @@ def test_multi_step_decoding_applies_them_every_iteration(llm):
     """--num-scheduler-steps: bias, allowed ids and one-token bad words are fixed for a request's life, so its
     decode loop applies them at each iteration; a multi-token bad word runs single steps (it reads the output)."""
     multi = make_llm(num_scheduler_steps=4)
-    sched, steps = multi.engine.scheduler, []
+    sched, steps = multi.engine.core.scheduler, []
     schedule = sched.schedule
 
     def counting():

@@ -41,6 +41,15 @@ def init_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_hea
     return [tuple(map(zeros, shapes)) for _ in range(num_layers)]
 
 
+def load_kernels(backend: str) -> None:
+    """Load the kernels ``backend`` may run, before any compiled step is read back from a cache: a cached
+    executable that calls a Mosaic GPU kernel needs that runtime's symbols in the process, and they are
+    registered when the kernel's module is imported, which a cache hit (no trace) would otherwise never do."""
+    _check_backend(backend)
+    if backend != "reference" and jax.default_backend() == "gpu":
+        from . import paged_attention_pallas  # noqa: F401, PLC0415
+
+
 def kv_cache_dtype(kv_cache_dtype: str | None, model_dtype) -> jnp.dtype:
     """The cache's storage dtype for ``--kv-cache-dtype``: ``auto`` (or None) = the model's dtype, ``fp8`` /
     ``fp8_e4m3`` = e4m3, or a float dtype by name."""

@@ -318,3 +318,24 @@ def test_moe_checkpoint_matches_hf_with_each_grouped_gemm(name, impl):
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["got"] == [r["want"]] * 3
 
+
+
+_WARM_START = """
+import sys
+from jaxserve import LLM, SamplingParams
+llm = LLM(None, max_model_len=2048, max_num_batched_tokens=1024, token_buckets=[4, 1024],
+          compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
+llm.generate(["x " * 700], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+"""
+
+
+@on_gpu
+def test_a_warm_start_reads_the_mosaic_gpu_steps_back_from_the_cache(tmp_path):
+    """A cached step that calls the Mosaic GPU prefill kernel loads in a new process (its runtime's symbols are
+    there before the cache is read) instead of failing to load and being traced and compiled again."""
+    runs = [subprocess.run([sys.executable, "-c", _WARM_START, str(tmp_path)], capture_output=True, text=True,
+                           timeout=600, env=os.environ | {"JAX_PLATFORMS": "cuda"}) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "tracing it again" not in runs[1].stderr and "Failed to lookup host symbol" not in runs[1].stderr, \
+        runs[1].stderr[-3000:]

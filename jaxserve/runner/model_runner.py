@@ -89,6 +89,7 @@ class ModelRunner:
         self.buckets = sorted({min(int(b), self.max_num_tokens) for b in sc.token_buckets} | {self.max_num_tokens}) \
             if sc.token_buckets else token_buckets(self.max_num_tokens)
         self.backend = resolve_attention_backend(config.attention_backend)
+        kernel_ops.load_kernels(self.backend)
         if jax.default_backend() == "gpu" and self.buckets[0] < MIN_TOKEN_BUCKET:
             logger.warning("token bucket %d is below %d: a bucket of 1 decoded ~10x slower than 8 on the H200 (XLA "
                            "lowers one-row matmuls as multiply + reduce fusions); 2 is not measured in the engine",

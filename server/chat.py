@@ -26,6 +26,7 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         chat_template_kwargs=req.template_kwargs(), tools=plan.tools, documents=req.documents)
     # the template already holds BOS and friends: vLLM encodes it without adding special tokens unless asked
     ids = await serving.prompts.encode(text, add_special_tokens=req.add_special_tokens, what="messages")
+    ids = serving.prompts.truncate(ids, req.truncate_prompt_tokens)
     if not ids:
         raise bad_request("the messages rendered to an empty prompt", "messages")
     prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt)

@@ -37,6 +37,9 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive,
             ids, text = p, None
         if not ids:
             raise bad_request("the prompt is empty: give at least one token", "prompt")
+        kept = serving.prompts.truncate(ids, req.truncate_prompt_tokens)
+        if len(kept) < len(ids):
+            ids, text = kept, None          # echo renders the tokens the model saw
         prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt)
         max_tokens = resolve_max_tokens(serving, len(ids), requested, "prompt")
         prompt.beam_search = beam_search_run(serving, req, max_tokens=max_tokens, logprobs=req.logprobs)

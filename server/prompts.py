@@ -173,6 +173,19 @@ class PromptRenderer:
         self.check_prompt_chars(len(text), "messages")     # a template can make a prompt of any size
         return text
 
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: up to max_model_len)."""
+        if keep is None:
+            return ids
+        if isinstance(keep, bool) or keep == 0 or keep < -1:
+            raise bad_request("truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len",
+                              "truncate_prompt_tokens")
+        if keep > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens {keep} is over max_model_len {self.max_model_len}",
+                              "truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size
         bad = [t for t in ids if t < 0 or t >= vocab]

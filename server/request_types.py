@@ -106,6 +106,8 @@ class SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     priority: int = 0
     # the request's prefix-cache namespace: requests with different salts never share cached blocks
     cache_salt: str | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: up to max_model_len), before anything else reads it
+    truncate_prompt_tokens: int | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -72,6 +72,27 @@ def test_fields_that_would_change_the_output_stay_400(client):
         assert e.value.body["param"] == field and "not implemented" in e.value.body["message"], e.value.body
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, server, http):
+    """vLLM's truncate_prompt_tokens: the engine gets the prompt's last N tokens, usage counts them, echo shows
+    them; -1 keeps up to max_model_len; 0, < -1 and more than max_model_len are 400s."""
+    tok = server.engine.tokenizer
+    text = "one two three four five six seven eight"
+    ids = tok.encode(text)
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=2, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert server.engine.prompts_seen[r.id + "-0"] == ids[-3:] and r.usage.prompt_tokens == 3
+    assert r.choices[0].text.startswith(tok.decode(ids[-3:]))
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": -1})
+    assert server.engine.prompts_seen[r.id + "-0"] == ids
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                       extra_body={"truncate_prompt_tokens": 2})
+    assert len(server.engine.prompts_seen[c.id + "-0"]) == 2 and c.usage.prompt_tokens == 2
+    for bad in (0, -2, server.engine.max_model_len + 1):
+        e = api_error(http.post("/v1/completions", json={"prompt": text, "max_tokens": 1,
+                                                         "truncate_prompt_tokens": bad}), 400)
+        assert e["param"] == "truncate_prompt_tokens", e
+
+
 # -- logprobs ------------------------------------------------------------------------------------------------
 
 def test_completions_top_logprobs_hold_the_chosen_token(client):

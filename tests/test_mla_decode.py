@@ -55,7 +55,7 @@ def rel_err(out, ref, md):
 
 
 def check(seed, q_lens, ctx_lens, *, heads, rank, rope, bs, dtype=jnp.float32, fp8_scale=None, tol=None,
-          decode_only=False, pad_tokens=3, **kw):
+          decode_only=False, pad_tokens=3, interpret=True, **kw):
     qn, qr, latent, md = make_step(seed, q_lens, ctx_lens, heads=heads, rank=rank, rope=rope, bs=bs, dtype=dtype,
                                    pad_tokens=pad_tokens, decode_only=decode_only)
     if fp8_scale is not None:
@@ -63,14 +63,15 @@ def check(seed, q_lens, ctx_lens, *, heads, rank, rope, bs, dtype=jnp.float32, f
         kw["kv_scale"] = jnp.float32(fp8_scale)
     sm_scale = (rank + rope) ** -0.5
     ref = mla_reference(qn, qr, latent, md, sm_scale=sm_scale, kv_scale=kw.get("kv_scale"))
-    out = mla.mla_paged_attention(qn, qr, latent, md, sm_scale=sm_scale, interpret=True, poison_output=True, **kw)
+    kw["interpret"] = interpret
+    out = mla.mla_paged_attention(qn, qr, latent, md, sm_scale=sm_scale, poison_output=True, **kw)
     assert out.shape == qn.shape and out.dtype == qn.dtype
     n_real = int(md.query_start_loc[int(md.num_seqs)])
     assert not np.asarray(out[n_real:], np.float32).any(), "padding tokens' rows must stay zero"
     err = rel_err(out, ref, md)
     assert err <= (tol or TOL[dtype]), f"max rel err {err:.2e}"
     # the engine's call: no buffer passed in, real rows the same
-    plain = mla.mla_paged_attention(qn, qr, latent, md, sm_scale=sm_scale, interpret=True, **kw)
+    plain = mla.mla_paged_attention(qn, qr, latent, md, sm_scale=sm_scale, **kw)
     np.testing.assert_array_equal(np.asarray(plain[:n_real], np.float32), np.asarray(out[:n_real], np.float32))
 
 
@@ -156,3 +157,16 @@ def test_lowers_for_cuda(heads, fp8, decode_only, splits):
     with jax.sharding.use_abstract_mesh(mesh):
         text = step.trace(qn, qr, latent, md).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == (1 if splits == 1 else 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (JAX_PLATFORMS=cuda pytest -m gpu)")
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_matches_the_reference_on_the_gpu(heads, fp8, decode_only):
+    """The compiled kernel at DeepSeek's shape on the default launch (its own split count) and with splits."""
+    q_lens, ctx_lens = ([1] * 6, [700, 33, 1, 300, 17, 2049]) if decode_only else ([1, 37, 1, 130], [700, 37, 1, 300])
+    for splits in (None, 4):
+        check(heads, q_lens, ctx_lens, heads=heads, rank=512, rope=64, bs=16, dtype=jnp.bfloat16,
+              fp8_scale=0.05 if fp8 else None, decode_only=decode_only, num_splits=splits, interpret=False)

@@ -26,9 +26,9 @@ def _launches(heads: int, width: int, quick: bool) -> list[dict]:
         return [dict(block_k=16, num_stages=2), dict(num_splits=2)]
     block_hs = [bh for bh in (16, 32, 64) if bh <= max(16, heads)]
     out = []
-    for bh, bk, warps, stages in itertools.product(block_hs, (16, 32, 64), (4, 8), (2, 3, 4)):
-        if (bh == 64 and warps == 4) or (bh == 16 and warps == 8):
-            continue              # a [64, R] f32 accumulator spills at 4 warps; 8 warps idle on 16 rows
+    for bh, bk, warps, stages in itertools.product(block_hs, (16, 32, 64), (2, 4, 8), (2, 3, 4)):
+        if warps * 8 < bh or warps * 8 > 2 * bh:
+            continue              # 4 to 8 heads a warp: the [bh, R] f32 accumulator (64 heads at 4 warps spill)
         if 2 * width * (stages * bk + bh) > SHARED_MEMORY:
             continue
         out.append(dict(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages))

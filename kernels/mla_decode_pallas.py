@@ -208,7 +208,8 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
     ``dot_dtype`` the MMA operand dtype (default q's, f16 over an fp8 cache). ``decode_only`` (default
     ``md.decode_only``): every real request has one new token, so token slot t is request t (no search).
     The split count defaults from the contexts the step can see (``md.max_seq_len`` where set, else the block
-    tables' span). ``poison_output`` (tests): real tokens' rows start NaN, padding rows zero.
+    tables' span). Padding tokens' rows are left unwritten (every op after attention is row-wise, as for
+    ``paged_attention_pallas``); ``poison_output`` (tests) passes in a buffer, real rows NaN, padding rows zero.
     """
     T, H, R = q_nope_latent.shape
     P = q_rope.shape[-1]

@@ -121,6 +121,25 @@ def test_deepseek_shape():
           pad_tokens=1, num_splits=2)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_shapes(seed):
+    """Drawn at random: R, P, heads (any count from 1), page size, up to 5 requests of random context, decode
+    or a chunk, split count (the default included), keys per step, and a host bound on the contexts."""
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(1, 6))
+    ctx = rng.integers(1, 260, n)
+    decode = bool(rng.integers(2))
+    q_lens = [1 if decode else int(rng.integers(1, min(c, 12) + 1)) for c in ctx]
+    launch = dict(num_splits=[None, 1, 2, 8][int(rng.integers(4))], block_k=int(rng.choice([16, 32])))
+    qn, qr, latent, md = make_step(seed, q_lens, ctx, heads=int(rng.integers(1, 41)), rank=int(rng.choice([128, 256])),
+                                   rope=int(rng.choice([32, 64])), bs=int(rng.choice([8, 16, 32])),
+                                   dtype=jnp.float32, decode_only=decode)
+    md = dataclasses.replace(md, max_seq_len=int(ctx.max()) if rng.integers(2) else None)
+    ref = mla_reference(qn, qr, latent, md, sm_scale=0.07)
+    out = mla.mla_paged_attention(qn, qr, latent, md, sm_scale=0.07, interpret=True, poison_output=True, **launch)
+    assert rel_err(out, ref, md) <= 1e-4, (q_lens, ctx.tolist(), qn.shape, qr.shape, latent.shape, launch)
+
+
 def test_rejects_mismatched_shapes():
     qn, qr, latent, md = make_step(0, [1], [5], heads=16, rank=128, rope=32, bs=16, dtype=jnp.float32)
     with pytest.raises(ValueError, match="kv_lora_rank"):

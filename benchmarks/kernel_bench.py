@@ -14,6 +14,8 @@ Sections:
   quant      int4 W4A16 (the engine's path) and fp8 (W8A8, W8A16) projection matmuls against bf16 at
              Llama-3.1-8B's shapes, M = 1, 4, 16 rows: us, GB/s of weight read, % of the read ceiling
              (``benchmarks/int4_launches.py`` tunes the int4 kernel's launches the engine reads)
+  mla        paged MLA decode (``mla_kernel_bench``): DeepSeek's latent cache at B = 64, ctx 4096, 16 and 128
+             heads, bf16 and fp8, in GB/s and % of the read ceiling and of the roofline; a launch sweep
   moe        the MoE grouped GEMM (one layer's gate/up) at Qwen3-30B-A3B's and Mixtral-8x7B's shapes: every
              ``kernels/ragged_dot.py`` implementation and, up to 16 tokens, the sort-free rows kernel
 
@@ -35,7 +37,7 @@ import time
 
 import numpy as np
 
-SECTIONS = ("bandwidth", "attention", "quant", "moe")
+SECTIONS = ("bandwidth", "attention", "quant", "moe", "mla")
 LLAMA8B_PROJECTIONS = (("gate_up", 4096, 28672), ("down", 14336, 4096), ("q/o", 4096, 4096), ("k/v", 4096, 1024))
 INT4_GROUP = 128
 
@@ -55,6 +57,9 @@ class Sizes:
     layers: int = 32
     moe_shapes: tuple = (("qwen3-30b-a3b", 128, 8, 2048, 768), ("mixtral-8x7b", 8, 2, 4096, 14336))
     moe_tokens: tuple = (1, 4, 16, 256, 8192)
+    mla_shape: tuple = (512, 64, 16)               # MLA: kv_lora_rank, rope dim, block size (DeepSeek V2/V3)
+    mla_batch: tuple = (64, 4096)                  # requests x context
+    mla_heads: tuple = (16, 128)
     n_iter: int = 16
     reps: int = 5
     interpret: bool = False
@@ -62,7 +67,8 @@ class Sizes:
 
 SMOKE = Sizes(gib=0.01, heads=(4, 2, 64, 16), decode_b=(2,), decode_ctx=(64,), fp8_cases=((2, 64),),
               prefill=(2, 32), pool_bytes=1 << 20, projections=(("tiny", 256, 256),), quant_m=(1, 4), layers=2,
-              moe_shapes=(("tiny", 8, 2, 64, 32),), moe_tokens=(1, 4), n_iter=2, reps=1, interpret=True)
+              moe_shapes=(("tiny", 8, 2, 64, 32),), moe_tokens=(1, 4), mla_shape=(32, 16, 8), mla_batch=(2, 40),
+              mla_heads=(4,), n_iter=2, reps=1, interpret=True)
 
 
 class Bench:
@@ -444,7 +450,11 @@ def run_sections(a: argparse.Namespace) -> tuple[int, list[tuple[str, str]]]:
     failed = []
     for name in sections:
         try:
-            {"bandwidth": bandwidth, "attention": attention, "quant": quant, "moe": moe}[name](b)
+            if name == "mla":
+                from .mla_kernel_bench import mla
+                mla(b)
+            else:
+                {"bandwidth": bandwidth, "attention": attention, "quant": quant, "moe": moe}[name](b)
         except Exception as e:  # noqa: BLE001  (one section failing leaves the others' figures)
             import traceback
             traceback.print_exc()

@@ -239,7 +239,7 @@ def test_percent_of_a_limit_never_exceeds_100():
 def test_kernel_bench_runs_its_sections_on_cpu(capsys):
     """The kernel microbenchmark at its smoke sizes on CPU (Pallas interpreted): the bandwidth lines for the
     hardware files, paged decode against the stock kernel, prefill, the quantized matmuls, the MoE GEMM's
-    implementations (the rows kernel up to 16 tokens only), and one summary; an unknown section stops it."""
+    implementations (the rows kernel up to 16 tokens only), the MLA decode, and one summary; an unknown section stops it."""
     from jaxserve.benchmarks import kernel_bench
     assert kernel_bench.main(["--smoke", "--m", "1", "--tokens", "4,17"]) == 0
     out = capsys.readouterr().out
@@ -251,6 +251,7 @@ def test_kernel_bench_runs_its_sections_on_cpu(capsys):
     assert ("17", "rows") not in moe
     summary = out.split("## summary")[1]
     assert "| HBM read / copy |" in summary and "FAILED" not in summary
+    assert "| MLA decode B=2 ctx=40 H=4 float8_e4m3fn | default" in summary
     with pytest.raises(SystemExit):
         kernel_bench.main(["--only", "attention,nope"])
 

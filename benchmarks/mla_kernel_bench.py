@@ -1,0 +1,117 @@
+"""``kernel_bench``'s ``mla`` section: the paged MLA decode kernel (``kernels/mla_decode_pallas.py``).
+
+B decode requests at one context length over a latent page cache (R + P values a token), DeepSeek's shape
+(R 512, P 64, block size 16) at H = 16 heads (V2-Lite; memory-bound) and 128 (V3; compute-bound at bf16: a key
+costs 2 H (2R + P) FLOPs against (R + P) cache elements, 240 FLOP a byte at H = 128 against the H200's ~170).
+Each case reports the latent read rate (GB/s, % of the read ceiling), TFLOP/s, and % of its roofline
+max(bytes / read ceiling, FLOPs / bf16 peak); then a sweep of the launch options, fastest first, whose best
+row the summary names next to the default launch's.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from .kernel_bench import Bench, chain_seconds
+
+
+SHARED_MEMORY = 227 << 10          # an H100 / H200 block's shared memory limit
+
+
+def _launches(heads: int, width: int, quick: bool) -> list[dict]:
+    """The launch options swept at ``heads`` (bf16 latent rows ``width`` wide): heads per program, keys per
+    step, warps, stages (those whose key tiles and query tile fit in shared memory), then split counts."""
+    if quick:
+        return [dict(block_k=16, num_stages=2), dict(num_splits=2)]
+    block_hs = [bh for bh in (16, 32, 64) if bh <= max(16, heads)]
+    out = []
+    for bh, bk, warps, stages in itertools.product(block_hs, (16, 32, 64), (2, 4, 8), (2, 3, 4)):
+        if warps * 8 < bh or warps * 8 > 2 * bh:
+            continue              # 4 to 8 heads a warp: the [bh, R] f32 accumulator (64 heads at 4 warps spill)
+        if 2 * width * (stages * bk + bh) > SHARED_MEMORY:
+            continue
+        out.append(dict(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages))
+    return out + [dict(num_splits=s) for s in (1, 2, 4, 8)]
+
+
+def _label(launch: dict) -> str:
+    return ", ".join(f"{k.replace('num_', '')}={v}" for k, v in launch.items()) or "default"
+
+
+def _timer(S, B: int, ctx: int, heads: int, cache_dtype):
+    """A function launch-options -> seconds per call of one decode step: B requests at ``ctx`` tokens, pages
+    drawn at random from a pool of at least ``pool_bytes``, a few block tables in rotation (no L2 repeats)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.kernels.metadata import AttentionMetadata
+    from jaxserve.kernels.mla_decode_pallas import mla_paged_attention
+    R, P, bs = S.mla_shape
+    dtype = jnp.dtype(cache_dtype)
+    pages = -(-ctx // bs)
+    need = B * pages
+    pool = max(need, S.pool_bytes // (bs * (R + P) * dtype.itemsize)) + 1
+    n_rot = max(1, min(S.n_iter, pool // need))
+    rng = np.random.default_rng(0)
+    tables = jnp.asarray(np.stack([rng.choice(pool - 1, need, replace=False).reshape(B, pages) + 1
+                                   for _ in range(n_rot)]), jnp.int32)
+    key = jax.random.key(0)
+    latent = jax.random.normal(key, (pool, bs, R + P), jnp.bfloat16).astype(dtype)
+    q_dtype = jnp.float32 if S.interpret else jnp.bfloat16
+    qn = jax.random.normal(jax.random.fold_in(key, 1), (B, heads, R), q_dtype)
+    qr = jax.random.normal(jax.random.fold_in(key, 2), (B, heads, P), q_dtype)
+    seq_lens = jnp.full((B,), ctx, jnp.int32)
+    scale = jnp.float32(0.5) if dtype.itemsize == 1 else None
+
+    def seconds(launch: dict) -> float:
+        def run(qn, qr, latent, tables, seq_lens):
+            for i in range(S.n_iter):                        # each call's output is the next call's query
+                md = AttentionMetadata(slot_mapping=jnp.zeros((B,), jnp.int32), block_tables=tables[i % n_rot],
+                                       seq_lens=seq_lens, query_start_loc=jnp.arange(B + 1, dtype=jnp.int32),
+                                       num_seqs=jnp.int32(B), decode_only=True)
+                qn = mla_paged_attention(qn, qr, latent, md, sm_scale=(R + P) ** -0.5, kv_scale=scale,
+                                         interpret=S.interpret, **launch)
+            return qn
+        return chain_seconds(jax.jit(run), qn, qr, latent, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
+    return seconds
+
+
+def mla(b: Bench) -> None:
+    import jax.numpy as jnp
+    S = b.S
+    R, P, bs = S.mla_shape
+    B, ctx = S.mla_batch
+    b.emit(f"\n## paged MLA decode (absorbed; latent R={R} + P={P}, block {bs}), B={B} ctx={ctx}: the default "
+           "launch, then the launch sweep (bf16 cache)\n"
+           "| heads | cache | launch | us | GB/s | % read | TFLOP/s | % roofline |\n|---|---|---|---|---|---|---|---|")
+    for heads in S.mla_heads:
+        for cache in ("bfloat16", "float8_e4m3fn"):
+            itemsize = jnp.dtype(cache).itemsize
+            nbytes = B * ctx * (R + P) * itemsize
+            flops = 2.0 * B * ctx * heads * (2 * R + P)
+            bound = max(nbytes / b.read_bw, flops / b.peak)
+            seconds = _timer(S, B, ctx, heads, cache)
+            launches = [{}] + (_launches(heads, R + P, S.interpret) if cache == "bfloat16" else [])
+            timed = []
+            for launch in launches:
+                try:
+                    t = seconds(launch)
+                except Exception as e:  # noqa: BLE001  (a launch that does not compile is said, not fatal)
+                    b.emit(f"| {heads} | {cache} | {_label(launch)} | {type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:120] if str(e) else ''} |")
+                    continue
+                timed.append((t, launch))
+                b.emit(f"| {heads} | {cache} | {_label(launch)} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | "
+                       f"{b.read_pct(nbytes / t):.0f} | {flops / t / 1e12:.0f} | {100 * bound / t:.0f} |")
+            if not timed:
+                b.rows.append((f"MLA decode H={heads} {cache}", "FAILED: no launch compiled"))
+                continue
+            t0 = next((t for t, launch in timed if not launch), None)
+            t_best, best = min(timed, key=lambda x: x[0])
+            res = (f"default {t0 * 1e6:.1f} us, {nbytes / t0 / 1e9:.0f} GB/s ({b.read_pct(nbytes / t0):.0f} % of "
+                   f"read, {100 * bound / t0:.0f} % of roofline)" if t0 else "default FAILED")
+            if best:
+                res += (f"; best {_label(best)}: {t_best * 1e6:.1f} us, {nbytes / t_best / 1e9:.0f} GB/s "
+                        f"({b.read_pct(nbytes / t_best):.0f} % of read)")
+            b.rows.append((f"MLA decode B={B} ctx={ctx} H={heads} {cache}", res))

@@ -71,6 +71,9 @@ def check_seed(seed: Any, n: int = 1) -> None:
                          f"and n {n}")
 
 
+_TEXT_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")     # the constraints given as a value
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of
@@ -79,7 +82,10 @@ class StructuredOutputsParams:
     - ``regex``: the output matches the regular expression (Rust ``regex`` syntax, anchored at both ends);
     - ``choice``: the output is exactly one of these strings;
     - ``grammar``: a Lark grammar (llguidance's dialect) or a GBNF / EBNF grammar;
-    - ``json_object``: ``True``: the output is one JSON object (any keys).
+    - ``json_object``: ``True``: the output is one JSON object (any keys);
+    - ``structural_tag``: free text in which segments that start with a trigger follow their JSON schemas
+      (vLLM's, xgrammar's first format: ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``,
+      a dict or its JSON text; ``jaxserve.engine.structured_output.structural_tag``).
 
     ``disable_additional_properties`` (vLLM's name): ``True`` closes the JSON schema's objects (no keys they do
     not declare, unless they set ``additionalProperties``) whatever the engine's default (its
@@ -96,16 +102,25 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_additional_properties: bool = False
     reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in _TEXT_KINDS if getattr(self, name) is not None]
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
-            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
-                             f"got {', '.join(given) if given else 'none'}")
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
+                             f"structural_tag; got {', '.join(given) if given else 'none'}")
+        if isinstance(self.structural_tag, str):
+            try:
+                self.structural_tag = json.loads(self.structural_tag)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
+            raise ValueError("structured_outputs.structural_tag must be an object with structures and triggers, "
+                             f"got {self.structural_tag!r:.80}")
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -136,8 +151,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
-        for name in ("json", "regex", "choice", "grammar"):
+        """Which constraint: "json", "regex", "choice", "grammar", "structural_tag" or "json_object"."""
+        for name in _TEXT_KINDS:
             if getattr(self, name) is not None:
                 return name
         return "json_object"
@@ -146,8 +161,8 @@ class StructuredOutputsParams:
     def spec(self) -> str:
         """The constraint as one canonical string (with ``kind``: the key of the compiled-grammar cache)."""
         kind = self.kind
-        if kind == "json":
-            return json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        if kind in ("json", "structural_tag"):
+            return json.dumps(getattr(self, kind), sort_keys=True, separators=(",", ":"))
         if kind == "choice":
             return json.dumps(self.choice)
         if kind == "json_object":

@@ -21,7 +21,7 @@ IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key
 NOT_IMPLEMENTED = frozenset({
     "functions", "function_call", "audio", "modalities", "moderation", "web_search_options",
     "logits_processors", "mm_processor_kwargs",
-    "kv_transfer_params", "vllm_xargs", "structural_tag", "guided_decoding_backend",
+    "kv_transfer_params", "vllm_xargs", "guided_decoding_backend",
     "guided_whitespace_pattern", "prompt_embeds",
     "media_io_kwargs",
 })

@@ -36,21 +36,25 @@ class JsonSchemaFormat(Struct, kw_only=True):
 
 
 class ResponseFormat(Struct, kw_only=True):
-    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON schema."""
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON schema; vLLM's
+    ``structural_tag`` (free text whose segments that start with a trigger follow their schemas)."""
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None      # structural_tag: [{begin, schema, end}]
+    triggers: list[str] | None = None                   # structural_tag
 
 
 class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's ``structured_outputs`` extra body: exactly one constraint (unknown keys are a 400, not ignored),
     and ``disable_additional_properties`` (true: the JSON schema's objects are closed whatever the server's
     default)."""
-    CONSTRAINTS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+    CONSTRAINTS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
     disable_additional_properties: bool | None = None
 
 

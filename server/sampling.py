@@ -32,13 +32,15 @@ def structured_outputs_from_request(req: SamplingFields) -> StructuredOutputsPar
                               "response_format")
         found.append(("response_format", {"json": rf.json_schema.schema,
                                           "disable_additional_properties": rf.json_schema.strict is True}))
+    elif rf is not None and rf.type == "structural_tag":
+        found.append(("response_format", {"structural_tag": {"structures": rf.structures, "triggers": rf.triggers}}))
     so = req.structured_outputs
     if so is not None:
         given = {name: getattr(so, name) for name in StructuredOutputs.CONSTRAINTS
                  if getattr(so, name) is not None and getattr(so, name) is not False}
         if len(given) != 1:
             raise bad_request("structured_outputs must set exactly one of json, regex, choice, grammar, "
-                              f"json_object; got {', '.join(given) or 'none'}", "structured_outputs")
+                              f"json_object, structural_tag; got {', '.join(given) or 'none'}", "structured_outputs")
         if so.disable_additional_properties:
             given["disable_additional_properties"] = True
         found.append(("structured_outputs", given))
@@ -85,6 +87,8 @@ def request_constraint(req: SamplingFields, tools: ToolPlan | None = None,
     end-of-thinking marker's token ids of an answer that thinks first (the constraint holds after them)."""
     own = structured_outputs_from_request(req)
     planned = tools.structured_outputs() if tools is not None else None
+    if planned is not None and own is not None and tools.mode == "auto":
+        planned = None              # auto's calls go unconstrained where the request constrains the text
     if planned is not None and own is not None:
         raise bad_request(f"tool_choice {tools.mode!r} constrains the output to tool calls; it cannot be combined "
                           "with another output constraint (response_format / structured_outputs)", "tool_choice")

@@ -26,6 +26,7 @@ class Serving:
         # the engine's limits on a request's constraint and tools (--structured-outputs-config)
         manager = getattr(engine, "structured_output", None)
         self.structured_limits = manager.limits if manager is not None else StructuredOutputsLimits()
+        self.closes_objects = manager.builder.disable_additional_properties if manager is not None else True
         self.metrics = ServerMetrics(engine, self.model_name, args.metrics_prefix)
         self.tool_parser_cls = resolve_tool_parser(args)   # --tool-call-parser (None: no auto tool choice)
         # --reasoning-parser (None: no thinking part is split off)

@@ -58,7 +58,7 @@ def check_chat_request(serving: Serving, req: ChatCompletionRequest) -> ToolPlan
         check_tools(req.tools, serving.structured_limits)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                           enable_auto_tool_choice=serving.args.enable_auto_tool_choice,
-                          parser_cls=serving.tool_parser_cls)
+                          parser_cls=serving.tool_parser_cls, closed_by_default=serving.closes_objects)
     except (ToolRequestError, InvalidRequestError) as e:
         raise bad_request(str(e), e.param) from None
     check_capacity(serving, req.n)

@@ -5,6 +5,7 @@ fails while generating end the request with finish_reason "error"."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -40,13 +41,16 @@ def add(engine, rid, constraint=None, max_tokens=4):
     engine.add_requests([engine.make_request(rid, PROMPT, params(constraint, max_tokens), wait_for_grammar=False)])
 
 
-def run(engine, max_steps=2000) -> dict:
+def run(engine, timeout_s=300) -> dict:
     """Step until nothing is unfinished; each request's final output."""
-    finals = {}
-    for _ in range(max_steps):
+    finals, deadline = {}, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         if not engine.has_unfinished_requests():
             return finals
-        for out in engine.step():
+        outs = engine.step()
+        if not outs:
+            time.sleep(0.01)            # a grammar compiles on a worker
+        for out in outs:
             if out.finished:
                 finals[out.request_id] = out
     raise AssertionError("the engine did not finish its requests")
@@ -58,10 +62,12 @@ def test_a_request_waits_for_its_grammar_apart_while_the_others_run(engine):
     add(engine, "plain")
     assert engine.core.scheduler.get_request("slow") is None and so.is_waiting("slow")   # no batch slot
     finished_order = []
-    for _ in range(2000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
+    deadline = time.monotonic() + 300          # the grammar compiles on a worker meanwhile: bounded in time, not steps
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        outs = engine.step()
+        if not outs:
+            time.sleep(0.01)
+        for out in outs:
             if out.finished:
                 finished_order.append(out.request_id)
                 assert out.outputs[0].finish_reason == "length", out

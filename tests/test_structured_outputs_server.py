@@ -71,6 +71,13 @@ def test_vllm_extra_body_fields(client):
     r = client.chat.completions.create(model="smol", messages=ASK, max_tokens=64, temperature=0,
                                        extra_body={"guided_json": STRICT_CITY})
     City.model_validate_json(r.choices[0].message.content)
+    # a structural tag: free text until the trigger (the model's own answer starts "The city"), then the rest of
+    # the structure's begin, a JSON string of at most 12 characters and its end; then free text again
+    tag = {"type": "structural_tag", "triggers": ["The city"], "structures": [
+        {"begin": "The city of ", "schema": {"type": "string", "maxLength": 12}, "end": "."}]}
+    for fmt in ({"response_format": tag}, {"structured_outputs": {"structural_tag": json.dumps(tag)}}):
+        r = client.chat.completions.create(model="smol", messages=ASK, max_tokens=40, temperature=0, extra_body=fmt)
+        assert re.match(r'The city of "[^"]{0,12}"\.', r.choices[0].message.content), r.choices[0].message.content
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -83,6 +90,12 @@ def test_vllm_extra_body_fields(client):
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"regexp": "a"}}, None, "regexp"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<b>"],
+                          "structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}]}},
+     "structural_tag", "starts with none of the triggers"),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs", "not valid JSON"),
+    ({"structured_outputs": {"structural_tag": {"triggers": ["<a>"], "structures": [
+        {"begin": "<a>", "schema": {"type": "nope"}, "end": "</a>"}]}}}, "structural_tag", "does not compile"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_constraints_answer_400_naming_the_problem(http, body, param, message, stream):

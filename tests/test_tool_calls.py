@@ -314,6 +314,44 @@ def test_required_without_parallel_calls_admits_exactly_one_call():
     assert accepts(parallel, one) and accepts(parallel, two) and not accepts(parallel, "[]")
 
 
+def test_auto_calls_are_held_to_their_tools_schemas():
+    """tool_choice "auto" with the hermes format: the server's structural tag leaves the text free, and a call the
+    model starts must name a declared tool and give only its declared keys (objects closed by default); with
+    objects open by default and no strict tool, auto stays unconstrained."""
+    from jaxserve.engine.structured_output import StructuredOutputManager
+    from jaxserve.models.tokenizers import embedded_tokenizer
+    from jaxserve.server.request_types import ChatTool
+    from jaxserve.server.tool_parsers import get_tool_parser
+    from jaxserve.server.tool_parsers.choice import plan_tools
+    tok = embedded_tokenizer()
+    manager = StructuredOutputManager(tok, len(tok), (tok.eos_token_id,))
+    tools = msgspec.convert([WEATHER_TOOL, TIME_TOOL], list[ChatTool])
+    hermes = get_tool_parser("hermes")
+    plan = plan_tools(tools, "auto", True, enable_auto_tool_choice=True, parser_cls=hermes)
+    constraint = plan.structured_outputs()
+    assert constraint.kind == "structural_tag"
+
+    def accepts(text: str) -> bool:
+        m = manager.compile(constraint).deep_copy()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
+    assert accepts("It is sunny, I think.")
+    assert accepts("Let me check.\n" + call) and accepts(call + "\n" + call + " Done.")
+    assert not accepts(call.replace('"Paris"}', '"Paris","country":"FR"}'))         # an undeclared key
+    assert not accepts(call.replace("get_weather", "get_wether"))                      # an undeclared tool
+    assert not accepts(call.replace('{"city":"Paris"}', '{}'))                         # a required key missing
+    open_plan = plan_tools(tools, "auto", True, enable_auto_tool_choice=True, parser_cls=hermes,
+                           closed_by_default=False)
+    assert open_plan.structured_outputs() is None
+    strict = msgspec.convert([{**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "strict": True}}],
+                             list[ChatTool])
+    strict_plan = plan_tools(strict, "auto", True, enable_auto_tool_choice=True, parser_cls=hermes,
+                             closed_by_default=False)
+    assert strict_plan.structured_outputs().disable_additional_properties is True
+    assert plan_tools(tools, "auto", True, enable_auto_tool_choice=True,
+                      parser_cls=get_tool_parser("pythonic")).structured_outputs() is None   # no tag: parsed only
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice, reply, want", [
     ("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Pa"}}]',

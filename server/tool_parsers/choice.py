@@ -87,6 +87,9 @@ class ToolPlan:
     function_name: str | None = None  # the named choice
     parser_cls: type | None = None    # auto: the server's --tool-call-parser
     parallel: bool = True
+    # auto: the server closes JSON schemas' objects by default (--structured-outputs-config
+    # disable_additional_properties), so the calls the model starts are held to their tools' schemas
+    closed_by_default: bool = True
 
     def new_parser(self) -> ToolParser | None:
         """A fresh parser for one generated choice (None: the output is plain content)."""
@@ -134,7 +137,14 @@ class ToolPlan:
         return any(f.get("strict") is True for f in tools)
 
     def structured_outputs(self) -> Any:
-        """The structured-outputs constraint for named / required choices (None for none / auto)."""
+        """The structured-outputs constraint: named / required choices' JSON schema; for auto, where the tool
+        parser's format has one and objects are closed (the server's default or a strict tool), a structural
+        tag that leaves the text free and holds each call to a declared tool and its schema; else None."""
+        if self.mode == "auto":
+            tag = self.parser_cls.structural_tag(self.tools or [])
+            if tag is None or not (self.closed_by_default or self.strict()):
+                return None
+            return StructuredOutputsParams(structural_tag=tag, disable_additional_properties=self.strict())
         schema = self.constraint_schema()
         if schema is None:
             return None
@@ -165,7 +175,7 @@ def checked_tools(tools: list[Any]) -> list[dict]:
 
 
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, *,
-               enable_auto_tool_choice: bool, parser_cls: type | None) -> ToolPlan:
+               enable_auto_tool_choice: bool, parser_cls: type | None, closed_by_default: bool = True) -> ToolPlan:
     """Check a request's tools and tool_choice; ToolRequestError names the field at fault."""
     if not tools:
         if tool_choice is not None and tool_choice != "none":
@@ -180,7 +190,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
     if choice == "auto":
         if not enable_auto_tool_choice or parser_cls is None:
             raise ToolRequestError(AUTO_NEEDS_FLAGS, "tool_choice")
-        return ToolPlan("auto", dicts, parser_cls=parser_cls, parallel=parallel)
+        return ToolPlan("auto", dicts, parser_cls=parser_cls, parallel=parallel, closed_by_default=closed_by_default)
     if choice == "required":
         return ToolPlan("required", dicts, parallel=parallel)
     name = choice.function.name

@@ -110,6 +110,13 @@ class ToolParser:
     # runs with skip_special_tokens=False, or the markers would never reach the text.
     needs_special_tokens = False
 
+    @classmethod
+    def structural_tag(cls, tools: list[dict]) -> dict | None:
+        """The format's calls as a structural tag (``jaxserve.engine.structured_output.structural_tag``): under
+        ``tool_choice: "auto"`` the text stays free and each call the model starts must name a tool and give
+        arguments of its schema. None (the default): the format's calls are parsed, not constrained."""
+        return None
+
     def __init__(self, tools: list[dict] | None = None):
         self.tools = {t["function"]["name"]: t["function"] for t in (tools or [])}
         self.text = ""

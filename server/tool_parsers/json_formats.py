@@ -61,6 +61,14 @@ class HermesToolParser(ToolParser):
     start_markers = ("<tool_call>",)
     end_marker = "</tool_call>"
 
+    @classmethod
+    def structural_tag(cls, tools: list[dict]) -> dict | None:
+        # the layout the Hermes / Qwen chat templates show the model
+        return {"triggers": ["<tool_call>"], "structures": [
+            {"begin": '<tool_call>\n{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
+             "schema": f.get("parameters") or {"type": "object"}, "end": "}\n</tool_call>"}
+            for f in (t["function"] for t in tools)]}
+
     def read_block(self, text: str, body: int, final: bool) -> Block | None:
         got = read_json(text, body, final, self.scans)
         if got is None or got == _INCOMPLETE:

@@ -11,6 +11,7 @@ from jaxserve.errors import InvalidRequestError
 
 from .gbnf import gbnf_to_lark, is_gbnf
 from .json_schema import close_objects
+from .structural_tag import parse_structural_tag, structural_tag_lark
 from .limits import NOUN_OF_KIND, PARAM_OF_KIND, StructuredOutputsLimits, over_limit
 
 EXCERPT_CHARS = 300      # how much of a grammar a log line or an error message quotes
@@ -87,6 +88,16 @@ class GrammarBuilder:
             # limit for large lists)
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice))
+        if kind == "structural_tag":
+            close = self.disable_additional_properties or params.disable_additional_properties
+            try:
+                tag = parse_structural_tag(params.structural_tag)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), param="structural_tag") from None
+            if close:
+                tag["structures"] = [{**s, "schema": close_objects(s["schema"])} for s in tag["structures"]]
+            return llguidance.LLMatcher.grammar_from_lark(structural_tag_lark(
+                tag, whitespace_flexible=not self.disable_any_whitespace))
         text = params.grammar
         if is_gbnf(text):           # converted in a child process (gbnf.py says why)
             try:
@@ -179,6 +190,8 @@ def describe_compile_error(kind: str, error: str) -> str:
         return f"the regex does not compile: {error}"
     if kind == "choice":
         return f"invalid choice list: {error}"
+    if kind == "structural_tag":
+        return f"the structural tag does not compile: {error}"
     return f"the grammar does not compile: {error}"
 
 

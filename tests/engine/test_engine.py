@@ -6,14 +6,10 @@ import pytest
 
 from jaxserve import SamplingParams
 from support import FIXTURES
+from support.goldens import load_golden
 from support.tiny_models import tiny_llm as make_llm
 
 TINY = os.path.join(FIXTURES, "models", "tiny-llama3")
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return make_llm()
 
 
 @pytest.fixture(scope="module")
@@ -214,9 +210,7 @@ def test_async_and_sync_scheduling_agree_on_early_stops(llm, workload, single_ou
 
 def test_prompt_logprobs_match_hf_logits(llm):
     """prompt_logprobs (an extra prefill) = log_softmax of HF's float32 logits at each prompt position."""
-    import json
-    with open(os.path.join(TINY, "golden.json")) as f:
-        prompt = json.load(f)["prompt_ids"]
+    prompt = load_golden(os.path.join(TINY, "golden.json"))["prompt_ids"]
     hf = np.load(os.path.join(TINY, "logits.npy"))
     ref = hf - np.log(np.exp(hf - hf.max(1, keepdims=True)).sum(1, keepdims=True)) - hf.max(1, keepdims=True)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]

@@ -80,7 +80,6 @@ from jaxserve.engine.messages import EngineCoreOutput  # noqa: E402
 from jaxserve.engine.output_processor import OutputProcessor  # noqa: E402
 from jaxserve.engine.request import Request, RequestStatus  # noqa: E402
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from test_detokenizer import load_smollm2_tokenizer  # noqa: E402
 
 LENGTH = int(RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -103,11 +102,6 @@ def _run_front(tok, streams, abort_at=None):
         seen.append([(o.request_id, o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason,
                       o.outputs[0].stop_reason, o.outputs[0].logprobs, o.finished) for o in results])
     return seen, stopped
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_smollm2_tokenizer()
 
 
 def test_front_end_outputs_match_full_decodes(tok):

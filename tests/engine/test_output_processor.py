@@ -8,15 +8,9 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from test_detokenizer import load_smollm2_tokenizer
 
 EOS = 0
 STOPPED, LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_smollm2_tokenizer()
 
 
 def params(**kw):

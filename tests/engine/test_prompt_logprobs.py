@@ -10,12 +10,8 @@ from jaxserve import SamplingParams
 from jaxserve.engine.scheduler import SCORING_SHARE
 from support.tiny_models import tiny_llm
 
-make_llm = functools.partial(tiny_llm, max_num_batched_tokens=16, max_num_seqs=8)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return make_llm()
+LLM_ARGS = dict(max_num_batched_tokens=16, max_num_seqs=8)
+make_llm = functools.partial(tiny_llm, **LLM_ARGS)
 
 
 PROMPT = np.random.default_rng(3).integers(1, 250, size=150).tolist()

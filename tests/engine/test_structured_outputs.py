@@ -157,9 +157,7 @@ def chat_prompt(tokenizer, text: str) -> str:
                                          add_generation_prompt=True)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(None, **ENGINE)
+LLM_ARGS = dict(model=None, **ENGINE)
 
 
 @pytest.fixture(scope="module")

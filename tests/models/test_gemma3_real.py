@@ -6,7 +6,7 @@ Gemma 3 family in jaxserve's registry and skip without it.
 """
 from __future__ import annotations
 
-import json
+import functools
 import os
 
 import numpy as np
@@ -16,6 +16,7 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models import gguf_loader, registry, tokenizers
 from jaxserve.models.gguf_file import open_gguf
 from support import FIXTURES
+from support.llms import packaged_model_or_skip
 
 GOLDEN = os.path.join(FIXTURES, "models", "gemma3-270m", "golden.json")
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -31,12 +32,6 @@ def _has_family() -> bool:
 
 
 needs_family = pytest.mark.skipif(not _has_family(), reason=f"{ARCHITECTURE} is not in jaxserve's registry")
-
-
-@pytest.fixture(scope="module")
-def golden():
-    with open(GOLDEN) as f:
-        return json.load(f)
 
 
 def comparable(case: dict) -> int:
@@ -95,13 +90,9 @@ def _greedy(llm, cases: list[dict], n: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.fixture(scope="module")
-def llm(gemma3_path):
-    from jaxserve import LLM
-
-    # a small engine: few warm-up buckets (loading and compiling are most of the fast test's time)
-    return LLM(gemma3_path, dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4,
-               use_tqdm_on_load=False)
+# a small engine: few warm-up buckets (loading and compiling are most of the fast test's time)
+LLM_ARGS = dict(model=functools.partial(packaged_model_or_skip, "gemma3-270m"), dtype="float32", max_model_len=128,
+                max_num_batched_tokens=32, max_num_seqs=4, use_tqdm_on_load=False)
 
 
 FAST_TOKENS = 12       # the fast test's share of the 32 golden tokens (each costs ~0.3 s on a CPU core)

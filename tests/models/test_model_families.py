@@ -23,6 +23,7 @@ from jaxserve.models.configs import model_config_from_folder, model_config_from_
 from jaxserve.models.packaged import DUMMY_CONFIG_DIR
 import support
 from support.fake_devices import fake_device_report
+from support.goldens import load_golden
 from support.tiny_models import check_orbax_round_trip, engine_with_preemption
 
 FIXTURES = os.path.join(support.FIXTURES, "models")
@@ -30,7 +31,7 @@ FAMILIES = ["tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-coher
 
 
 # the windowed and LongRoPE families in the default run; Qwen3 and Command-R (whose paged greedy decoding
-# tests/test_models.py checks) with the slow tests
+# tests/models/test_models.py checks) with the slow tests
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("tiny-qwen3", "tiny-cohere") else n
                                   for n in FAMILIES])
 def test_engine_greedy_matches_hf(name):
@@ -80,8 +81,7 @@ def test_server_serves_a_family():
 
     from jaxserve.models.tokenizers import embedded_tokenizer
 
-    with open(os.path.join(FIXTURES, "tiny-gemma2", "golden.json")) as f:
-        golden = json.load(f)
+    golden = load_golden(os.path.join(FIXTURES, "tiny-gemma2", "golden.json"))
     srv = ServerProcess(os.path.join(FIXTURES, "tiny-gemma2"), "--dtype", "float32", "--max-model-len", "64",
                         "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--served-model-name", "gemma",
                         "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
@@ -245,8 +245,7 @@ def _tp_worker() -> dict:
     assert jax.device_count() == max(TP_SIZES), jax.devices()
     report = {}
     for name in FAMILIES:
-        with open(os.path.join(FIXTURES, name, "golden.json")) as f:
-            golden = json.load(f)
+        golden = load_golden(os.path.join(FIXTURES, name, "golden.json"))
         for tp in TP_SIZES:
             llm = LLM(os.path.join(FIXTURES, name), tensor_parallel_size=tp, dtype="float32", max_model_len=64,
                       max_num_batched_tokens=16, max_num_seqs=2, kv_cache_memory_bytes=1 << 22, skip_warmup=True,

@@ -17,7 +17,9 @@ import pytest
 
 from support import FIXTURES
 from support.api_errors import api_error
-from support.server_fakes import FakeEngine, InProcessServer
+from support.server_fakes import FakeEngine
+from support.servers import scripted, serving
+from support.servers import smol as smol_spec
 
 MODEL = "fake-model"
 EOS = 256            # the byte tokenizer's <|endoftext|>
@@ -31,11 +33,7 @@ class BeamFakeEngine(FakeEngine):
         return SimpleNamespace(eos_token_ids=(EOS,))
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = InProcessServer(BeamFakeEngine())
-    yield srv
-    srv.stop()
+SERVER = scripted(BeamFakeEngine)
 
 
 # -- the scripted engine ------------------------------------------------------------------------------------
@@ -147,17 +145,8 @@ def test_a_client_leaving_mid_search_ends_it(server):
 # -- the real SmolLM2 server against HF ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def golden():
-    with open(GOLDEN) as f:
-        return json.load(f)
-
-
-@pytest.fixture(scope="module")
 def smol():
-    from support.server_process import smol_server
-    srv = smol_server("--dtype", "float32")
-    yield srv
-    srv.stop()
+    yield from serving(smol_spec("--dtype", "float32"))
 
 
 @pytest.fixture(scope="module")

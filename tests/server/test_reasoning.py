@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from support.api_errors import api_error
+from support.servers import serving, smol
 from jaxserve.server.reasoning import REASONING_PARSERS, Qwen3ThinkingParser, ThinkingParser
 from test_tool_calls import TIME_TOOL, WEATHER_TOOL, ScriptedEngine, make_server
 
@@ -241,17 +241,9 @@ REAL_TEMPLATE = THINK_TEMPLATE.replace("{% if tools %}Tools:{% for t in tools %}
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    from support.server_process import smol_server
     template = tmp_path_factory.mktemp("templates") / "think.jinja"
     template.write_text(REAL_TEMPLATE)
-    srv = smol_server("--reasoning-parser", "deepseek_r1", "--chat-template", str(template))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def real_client(real):
-    return openai.OpenAI(base_url=real.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    yield from serving(smol("--reasoning-parser", "deepseek_r1", "--chat-template", str(template)))
 
 
 def completion_of_the_chat_prompt(real, real_client, **template_kwargs) -> str:

@@ -19,16 +19,12 @@ import schemathesis
 from schemathesis.checks import positive_data_acceptance
 from hypothesis import HealthCheck, given, settings
 
-from support.server_fakes import FakeEngine, InProcessServer
+from support.servers import scripted
 
 EXAMPLES = 15
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = InProcessServer(FakeEngine(), max_body_bytes=64 * 1024)
-    yield srv
-    srv.stop()
+SERVER = scripted(max_body_bytes=64 * 1024)
 
 
 def _operations(url: str) -> dict:

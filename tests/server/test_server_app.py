@@ -15,15 +15,12 @@ import pytest
 
 from support.api_errors import api_error
 from support.server_fakes import FakeEngine, InProcessServer, next_token
+from support.servers import scripted
 
 MODEL = "fake-model"
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = InProcessServer(FakeEngine(), max_body_bytes=64 * 1024)
-    yield srv
-    srv.stop()
+SERVER = scripted(max_body_bytes=64 * 1024)
 
 
 @pytest.fixture(autouse=True)

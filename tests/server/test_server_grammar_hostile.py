@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from support.api_errors import api_error
-from support.server_process import smol_server
+from support.servers import smol
 from soak import read_metrics, rss_mb
 
 CONFIG = {"compile_timeout_s": 5, "grammar_cache_bytes": 32 << 20}
@@ -28,13 +28,7 @@ RSS_BOUND_MB = 150          # growth over 200 distinct 5,000-option choices (unb
 ASK = [{"role": "user", "content": "Answer."}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = smol_server("--structured-outputs-config", json.dumps(CONFIG))
-    yield srv
-    alive = srv.proc.poll() is None
-    srv.stop()
-    assert alive, "the server died during the suite:\n" + srv.tail()
+SERVER = smol("--structured-outputs-config", json.dumps(CONFIG), must_survive=True)
 
 
 class OrdinaryLoad:

@@ -11,15 +11,12 @@ import pytest
 
 from support.api_errors import api_error
 from support.server_fakes import FakeEngine, InProcessServer
+from support.servers import scripted
 
 MODEL = "fake-model"
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = InProcessServer(FakeEngine())
-    yield srv
-    srv.stop()
+SERVER = scripted()
 
 
 def test_deeply_nested_json_is_400_with_one_log_line(http, caplog):

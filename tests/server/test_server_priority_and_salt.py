@@ -9,17 +9,13 @@ import time
 import pytest
 
 from support.api_errors import api_error
-from support.server_process import smol_server
+from support.servers import smol
 
 PROMPT = ("Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
           "who repaired every clock in the valley and never once asked to be paid for his work.")
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = smol_server("--scheduling-policy", "priority")
-    yield srv
-    srv.stop()
+SERVER = smol("--scheduling-policy", "priority")
 
 
 def prefix_cache_hits(http) -> float:

@@ -8,14 +8,10 @@ import json
 import pytest
 
 from support.api_errors import api_error
-from support.server_fakes import FakeEngine, InProcessServer
+from support.servers import scripted
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = InProcessServer(FakeEngine())
-    yield srv
-    srv.stop()
+SERVER = scripted()
 
 
 def chat(http, messages=None, **kw):

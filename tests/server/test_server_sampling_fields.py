@@ -12,6 +12,7 @@ import pytest
 
 from support.api_errors import api_error
 from support.server_fakes import CHATML, FakeEngine, InProcessServer, byte_tokenizer
+from support.servers import scripted, smol
 
 MODEL = "fake-model"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -29,11 +30,7 @@ def bos_tokenizer():
     return tok
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = InProcessServer(FakeEngine(tokenizer=bos_tokenizer(), chat_template=DOCS_TEMPLATE))
-    yield srv
-    srv.stop()
+SERVER = scripted(lambda: FakeEngine(tokenizer=bos_tokenizer(), chat_template=DOCS_TEMPLATE))
 
 
 def seen(server, response_id: str):
@@ -159,17 +156,7 @@ def test_request_id_headers_echo_the_request_id():
 
 # -- the real server (embedded SmolLM2 on CPU): each field changes the output as vLLM's does -------------------
 
-@pytest.fixture(scope="module")
-def real():
-    from support.server_process import smol_server
-    srv = smol_server()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def real_client(real):
-    return openai.OpenAI(base_url=real.url + "/v1", api_key="x", max_retries=0, timeout=300)
+REAL_SERVER = smol()
 
 
 def token_ids(real, text: str) -> list[int]:

@@ -11,7 +11,8 @@ import openai
 import pytest
 
 from support.api_errors import api_error
-from support.server_fakes import FakeEngine, InProcessServer
+from support.server_fakes import FakeEngine
+from support.servers import scripted, smol
 
 MODEL = "fake-model"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -29,11 +30,7 @@ KWARGS_TEMPLATE = ("{% if greeting is defined %}[{{ greeting }}]{% endif %}"
                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = InProcessServer(FakeEngine(chat_template=KWARGS_TEMPLATE))
-    yield srv
-    srv.stop()
+SERVER = scripted(lambda: FakeEngine(chat_template=KWARGS_TEMPLATE))
 
 
 def ignored_warnings(records) -> list[str]:
@@ -127,17 +124,7 @@ def test_the_docs_tool_template_is_the_embedded_one_without_tools():
 
 # -- the real server (embedded SmolLM2 on CPU, the tool-aware template from docs/) ---------------------------
 
-@pytest.fixture(scope="module")
-def real():
-    from support.server_process import smol_server
-    srv = smol_server("--chat-template", "docs/chat_templates/hermes_tool_use.jinja")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def real_client(real):
-    return openai.OpenAI(base_url=real.url + "/v1", api_key="x", max_retries=0, timeout=300)
+REAL_SERVER = smol("--chat-template", "docs/chat_templates/hermes_tool_use.jinja")
 
 
 def test_real_ignored_fields_are_accepted_and_logged_once(real, real_client):

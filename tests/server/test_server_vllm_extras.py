@@ -6,17 +6,14 @@ import httpx
 import openai
 import pytest
 
-from support.server_fakes import FakeEngine, InProcessServer, fake_prompt_logprobs
+from support.server_fakes import fake_prompt_logprobs
+from support.servers import scripted
 
 MODEL = "fake-model"
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = InProcessServer(FakeEngine())
-    yield srv
-    srv.stop()
+SERVER = scripted()
 
 
 def tokens(server, **body) -> list[int]:

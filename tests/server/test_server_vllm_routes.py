@@ -8,13 +8,10 @@ import pytest
 
 from support.api_errors import api_error
 from support.server_fakes import CHATML, FakeEngine, InProcessServer
+from support.servers import scripted
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = InProcessServer(FakeEngine(), served_model_name=["org/model-a", "b"], enable_tokenizer_info_endpoint=True)
-    yield srv
-    srv.stop()
+SERVER = scripted(served_model_name=["org/model-a", "b"], enable_tokenizer_info_endpoint=True)
 
 
 def test_retrieve_model(client, http):

@@ -9,7 +9,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from support.api_errors import api_error
-from support.server_process import smol_server
+from support.servers import smol
 
 KEY = "so-key"
 
@@ -20,11 +20,7 @@ class City(BaseModel):
     population_millions: int = Field(ge=0, le=50)
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = smol_server("--api-key", KEY)
-    yield srv
-    srv.stop()
+SERVER = smol("--api-key", KEY)
 
 
 ASK = [{"role": "user", "content": "Name a large city as JSON."}]

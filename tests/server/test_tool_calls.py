@@ -17,6 +17,7 @@ import pytest
 
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from support.server_fakes import FakeEngine, InProcessServer
+from support.servers import smol
 
 
 # A Qwen-style template that renders tools, assistant tool calls (arguments as objects) and tool results.
@@ -375,18 +376,8 @@ def test_launcher_tool_flags(tmp_path):
 
 # -- the real server (embedded SmolLM2 on CPU) ----------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def real():
-    from support.server_process import smol_server
-    srv = smol_server("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                      "--trust-request-chat-template")   # the tests send their own tools template
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def real_client(real):
-    return openai.OpenAI(base_url=real.url + "/v1", api_key="x", max_retries=0, timeout=300)
+REAL_SERVER = smol("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                   "--trust-request-chat-template")   # the tests send their own tools template
 
 
 def check_calls_valid(calls, tools=(WEATHER_TOOL,)) -> None:

@@ -1,8 +1,8 @@
 """A scripted stand-in for AsyncLLMEngine (same interface, docs/design.md "Async front") and an
 in-process uvicorn fixture, so the server's protocol, error and cancellation paths are tested in
-milliseconds and deterministically. The real engine is driven by tests/test_server_e2e.py.
+milliseconds and deterministically. The real engine is driven by tests/server/test_server_e2e.py.
 
-No tests here: test_server_app.py imports this module.
+No tests here: the server tests import this module (and support/servers.py builds their ``server`` on it).
 """
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ preemption at once.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import random
 
@@ -25,6 +24,7 @@ from jaxserve.runner.step_variants import forward_fn
 from jaxserve.sampling_params import SamplingParams
 
 import support
+from support.goldens import load_golden
 
 FIXTURES = os.path.join(support.FIXTURES, "models")
 GREEDY = SamplingParams(temperature=0.0)
@@ -35,8 +35,7 @@ def fixture_path(name: str) -> str:
 
 
 def golden(name: str) -> dict:
-    with open(os.path.join(FIXTURES, name, "golden.json")) as f:
-        return json.load(f)
+    return load_golden(os.path.join(FIXTURES, name, "golden.json"))
 
 
 def hf_logits(name: str) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Marked ``gpu`` and skipped unless JAX runs on a GPU (conftest makes JAX_PLATFORMS default to cpu); on a GPU host:
 
-    JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/test_gpu.py
+    JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_gpu.py
 
 - the Pallas attention kernels (decode, the decode-only launch, the Mosaic GPU prefill, the K/V write, the packed
   write + attention) against the pure-jnp reference, bf16 / f32 / fp8 caches, soft-capping and windows;

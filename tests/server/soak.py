@@ -4,7 +4,7 @@ cancelled mid-stream, then the books are checked.
 With --hostile-fraction F a share F of the requests are hostile or careless: deeply nested
 JSON, multi-megabyte prompts, prompt scoring (echo + logprobs over a long prompt), heavy request chat
 templates, prompts x n bursts past the limit, a body sent too slowly, and the structured-output kinds of
-tests/soak_grammars.py (hostile constraints, and constrained requests whose outputs must follow their
+tests/server/soak_grammars.py (hostile constraints, and constrained requests whose outputs must follow their
 constraint); each kind must get its expected answer.
 The same ordinary load first runs alone (--baseline-requests of it), so the report compares the ordinary
 streams' TTFT p99 with and without the hostile mix (it must stay within --max-ttft-ratio).
@@ -13,7 +13,7 @@ Reports 5xx count, hung requests (no answer within --request-timeout), leaked KV
 /metrics once nothing runs or waits, times the number of blocks) and the server's RSS at start, after
 the first tenth of the load (warm) and at the end. Bounded: --requests and --time-limit; loopback only.
 
-    .venv/bin/python tests/soak.py --requests 2000 --concurrency 64 --out soak.md
+    .venv/bin/python tests/server/soak.py --requests 2000 --concurrency 64 --out soak.md
 starts `python -m jaxserve serve` itself (embedded SmolLM2, flags from --server-flags); --url uses a
 server that is already running (then RSS is read only if --server-pid is given).
 """

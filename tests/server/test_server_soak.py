@@ -1,4 +1,4 @@
-"""The hostile soaks, stress tests run by `make test-slow`: `tests/soak.py` starts `python -m jaxserve serve`
+"""The hostile soaks, stress tests run by `make test-slow`: `tests/server/soak.py` starts `python -m jaxserve serve`
 (embedded SmolLM2, CPU) and mixes hostile requests into an ordinary load (20 % of the streams cancelled
 mid-stream). They pass when there is no 5xx, no hung request, every hostile request got its expected answer,
 nothing runs, waits or holds a KV block at the end, the server's RSS ends within 20 % of its warm value and the
@@ -6,7 +6,7 @@ ordinary streams' TTFT p99 is within 3x the same load alone.
 
 - test_hostile_soak: 2,000 requests at concurrency 32, 10 % hostile or careless (nested JSON, huge prompts,
   prompt scoring, heavy templates, prompts x n bursts, slow bodies);
-- test_grammar_hostile_soak: 800 requests at concurrency 16, 25 % structured-output kinds (tests/soak_grammars.py:
+- test_grammar_hostile_soak: 800 requests at concurrency 16, 25 % structured-output kinds (tests/server/soak_grammars.py:
   deep rule chains and $ref chains, wide schemas and tools, huge choices, grammars past the parser's runtime
   limits, seeds past 2^64, and constrained requests whose every output must follow its constraint), for
   several minutes on a 2-core CPU.

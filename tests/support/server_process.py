@@ -1,4 +1,4 @@
-"""`python -m jaxserve serve` in a subprocess on a loopback port (through tests/fault_injection_server.py), for
+"""`python -m jaxserve serve` in a subprocess on a loopback port (through tests/support/fault_injection_server.py), for
 the tests that drive the real server; ``smol_server`` is the small embedded-SmolLM2 server most of them share."""
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ Timing: every figure waits for the device and leaves the first call (its compile
 jitted chain of ``n_iter`` dependent calls (each call's output feeds the next; the block tables or the routing
 rotate so L2 serves no repeat), the median of ``reps`` runs. Bandwidth and the matmuls: calls dispatched back to
 back, the matmuls ``--layers`` distinct weights per program as a model's layers read them. Kernel correctness is
-the tests' job (interpret mode on CPU, tests/test_gpu.py on a GPU). The run ends with ``| what | result |``.
+the tests' job (interpret mode on CPU, tests/kernels/test_gpu.py on a GPU). The run ends with ``| what | result |``.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ FLAG_SPELLINGS: dict[str, tuple[str, ...]] = {
     "kv_cache_memory_bytes": ("--kv-cache-memory",),
 }
 
-# the values the CLI accepts (LLM(...) passes any value on to the part that checks it); tests/test_options.py
+# the values the CLI accepts (LLM(...) passes any value on to the part that checks it); tests/llm/test_options.py
 # checks them against the lists of the modules that act on them
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "orbax")

@@ -1,4 +1,6 @@
-"""Shared test setup: CPU JAX, no model hub, a persistent compilation cache so reruns are fast."""
+"""Shared test setup: CPU JAX, no model hub, a persistent compilation cache so reruns are fast; and the fixtures
+several test folders use, each set up by a module attribute (``LLM_ARGS``, ``GOLDEN``). A folder's own fixtures
+live in its conftest.py, the helpers behind them in tests/support/."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -13,32 +15,21 @@ jax.config.update("jax_compilation_cache_dir",
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-# -- fixtures over a test module's `server` (an InProcessServer or a ServerProcess) -----------------------------
-import httpx  # noqa: E402
 import pytest  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def http(server):
-    """An httpx client of the module's server, with its API key when it has one."""
-    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
-    with httpx.Client(base_url=server.url, headers=headers, timeout=300) as c:
-        yield c
+from support.goldens import load_golden  # noqa: E402
+from support.llms import module_llm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    """The openai SDK on the module's server."""
-    import openai
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key or "none", max_retries=0, timeout=300)
+def llm(request):
+    """The module's offline ``LLM``, built from its ``LLM_ARGS`` (support/llms.py; none: the tiny Llama 3)."""
+    return module_llm(getattr(request.module, "LLM_ARGS", None))
 
 
 @pytest.fixture(scope="module")
-def gemma3_path():
-    """The packaged Gemma 3 270M GGUF (skips where its packages are not installed)."""
-    from jaxserve.errors import ModelLoadError
-    from jaxserve.models import packaged
-    try:
-        return packaged.packaged_gguf_path("gemma3-270m")
-    except ModelLoadError as e:
-        pytest.skip(str(e))
+def golden(request):
+    """The module's golden data: the JSON file its ``GOLDEN`` names (under tests/fixtures), or what ``GOLDEN()``
+    returns."""
+    source = request.module.GOLDEN
+    return source() if callable(source) else load_golden(source)

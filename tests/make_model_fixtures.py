@@ -1,4 +1,4 @@
-"""Golden fixtures from HF transformers (the oracle) for tests/test_models.py and tests/test_loaders.py.
+"""Golden fixtures from HF transformers (the oracle) for tests/models/test_models.py and tests/models/test_loaders.py.
 
 Run with the oracle env (torch + transformers):  .venv-oracle/bin/python tests/make_model_fixtures.py
 
@@ -144,7 +144,7 @@ def make_tiny(name: str, cls, config) -> None:
     print(f"{name}: seed {seed}, min greedy margin {margin:.4f}, {continuation[:8]}...")
 
 
-# RoPE variants checked against transformers' own inverse frequencies (tests/test_models.py)
+# RoPE variants checked against transformers' own inverse frequencies (tests/models/test_models.py)
 ROPE_CASES = {
     "yarn": (LlamaConfig, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                            "rope_theta": 10000.0}),

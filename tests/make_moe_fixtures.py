@@ -1,4 +1,4 @@
-"""Golden fixtures of the mixture-of-experts families (tests/test_moe_models.py), made the way
+"""Golden fixtures of the mixture-of-experts families (tests/models/test_moe_models.py), made the way
 tests/make_model_fixtures.py makes the dense ones (its ``make_tiny``: random bf16-exact weights, HF reading the
 saved folder in float32, a greedy path without near-ties).
 

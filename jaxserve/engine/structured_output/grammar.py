@@ -131,7 +131,7 @@ class GrammarBuilder:
 # A compiled grammar's heap, bounded from above by its llguidance grammar text: a constant (the tokenizer-
 # sized tables every matcher holds) plus bytes per text byte, for the most compact kind (a choice list: one
 # terminal) and for any other (JSON schemas with many optional properties are the least compact measured).
-# tests/test_grammar_compiler.py measures the allocator's in-use bytes against it.
+# tests/engine/test_grammar_compiler.py measures the allocator's in-use bytes against it.
 GRAMMAR_BASE_BYTES = 192 << 10
 BYTES_PER_TEXT_BYTE = {"choice": 16}
 BYTES_PER_TEXT_BYTE_OTHER = 192

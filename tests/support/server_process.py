@@ -1,0 +1,67 @@
+"""`python -m jaxserve serve` in a subprocess on a loopback port (through tests/support/fault_injection_server.py), for
+the tests that drive the real server; ``smol_server`` is the small embedded-SmolLM2 server most of them share."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from support import ROOT, TESTS
+from support.server_fakes import free_port
+
+MAX_MODEL_LEN = 512
+
+
+class ServerProcess:
+    def __init__(self, *flags: str, env: dict | None = None, startup_timeout: float = 600):
+        self.port = free_port()
+        self.api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, os.path.join(TESTS, "support", "fault_injection_server.py"), "serve", "--host",
+               "127.0.0.1", "--port", str(self.port), *flags]
+        self.log_path = os.path.join(ROOT, ".pytest_cache", f"server-{self.port}.log")
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not ready after {startup_timeout} s:\n{self.tail()}")
+            time.sleep(0.5)
+
+    def tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def smol_server(*flags: str) -> ServerProcess:
+    """The embedded SmolLM2 on CPU, served as "smol" with a small token budget (warm-up compiles a few buckets)
+    and the tests' compilation cache, so every server with these engine flags reuses the same programs."""
+    return ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens",
+                         "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--served-model-name",
+                         "smol", *flags)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import synthetic
+from support import synthetic
 from jaxserve.kernels import mla_decode_pallas as mla
 from jaxserve.kernels.ref_attention import FP8_DTYPE, FP8_MAX
 

@@ -1,0 +1,106 @@
+"""The DeepSeek family (V2 with q LoRA and group-limited routing, V2-Lite without q LoRA and with YaRN, V3 with
+sigmoid + bias node-limited routing) against HF transformers float32, on the tiny random checkpoints of
+tests/make_deepseek_fixtures.py: the prompt's logits within 1e-4 through the paged latent cache, prefill in two
+chunks, HF's 32-token greedy continuation decoded twice in one batch, and through the engine with prefix caching,
+chunked prefill and preemption; the config's two RoPE spellings; the latent cache's layout and size.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxserve.models.loader import load_model
+from tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
+                         engine_with_preemption, load_tiny)
+
+DEEPSEEK = ["tiny-deepseek-v2", "tiny-deepseek-v2-lite", "tiny-deepseek-v3"]
+
+
+@pytest.fixture(scope="module", params=DEEPSEEK)
+def tiny(request):
+    return load_tiny(request.param)
+
+
+def test_deepseek_logits_match_hf(tiny):
+    check_logits_match_hf(*tiny)
+
+
+def test_deepseek_chunked_prefill_matches_hf(tiny):
+    check_chunked_prefill_matches_hf(*tiny)
+
+
+def test_deepseek_greedy_matches_hf(tiny):
+    check_greedy_matches_hf(*tiny)
+
+
+def test_deepseek_reads_its_config(tiny):
+    """MLA and routing as each checkpoint says; the cache is one latent row of kv_lora_rank + rope dims."""
+    name, model, _, _ = tiny
+    cfg, family = model.config, model.family
+    spec = family.decoder_spec(cfg)
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 32 + 8)
+    assert family.kv_cache_shapes(cfg, 7, 4, np.float32) == ((7, 4, 40),)
+    assert spec.moe.layers == (False, True, True) and spec.moe.shared_expert_gate is False
+    expected = {"tiny-deepseek-v2": ("deepseek_v2", 4, 2, 1.5, 32), "tiny-deepseek-v2-lite": ("deepseek_v2", 1, 1, 1.0, None),
+                "tiny-deepseek-v3": ("deepseek_v3", 4, 2, 2.5, 32)}[name]
+    assert (spec.moe.router, spec.moe.num_groups, spec.moe.topk_groups, spec.moe.routed_scaling_factor,
+            spec.mla.q_lora_rank) == expected
+    layer1 = model.params["layers"][1]
+    assert layer1["experts_gate_up"].shape == (spec.moe.num_experts, 64, 2, 16)
+    assert ("router_bias" in layer1) == (name == "tiny-deepseek-v3")
+    assert ("q_a" in layer1) == (name != "tiny-deepseek-v2-lite")
+
+
+def test_deepseek_yarn_scales_softmax_and_rotary():
+    """V2-Lite's YaRN: the softmax scale times mscale(4, 0.707)^2 and the rotary's attention factor
+    mscale(4, 1) / mscale(4, 0.707), as transformers computes them."""
+    import math
+    model = load_model(os.path.join(FIXTURES, "tiny-deepseek-v2-lite"), dtype="float32")
+    spec = model.family.decoder_spec(model.config)
+    m = lambda s, k: 0.1 * k * math.log(s) + 1.0  # noqa: E731
+    assert spec.sm_scale == pytest.approx(24 ** -0.5 * m(4, 0.707) ** 2)
+    assert spec.rotaries[0].attention_factor == pytest.approx(m(4, 1.0) / m(4, 0.707))
+    assert spec.rotaries[0].interleaved
+
+
+def test_deepseek_old_rope_spelling(tmp_path):
+    """A config.json in transformers 4's form (``rope_theta`` + ``rope_scaling`` with ``type``) reads as the
+    transformers 5 one (``rope_parameters``)."""
+    src = os.path.join(FIXTURES, "tiny-deepseek-v2-lite")
+    folder = tmp_path / "old"
+    shutil.copytree(src, folder)
+    with open(folder / "config.json") as f:
+        hf = json.load(f)
+    params = hf.pop("rope_parameters")
+    hf["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    hf["rope_scaling"] = params
+    with open(folder / "config.json", "w") as f:
+        json.dump(hf, f)
+    from jaxserve.models.configs import model_config_from_folder
+    assert model_config_from_folder(str(folder))[0] == model_config_from_folder(src)[0]
+
+
+def test_deepseek_skips_mtp_layers(caplog):
+    """V3's checkpoint carries a multi-token-prediction layer past the last one: not read, said once."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.deepseek"):
+        model = load_model(os.path.join(FIXTURES, "tiny-deepseek-v3"), dtype="float32")
+    assert len(model.params["layers"]) == 3
+    assert [r.message for r in caplog.records if "multi-token-prediction" in r.message] == [
+        "1 multi-token-prediction layer(s) of this checkpoint are not loaded"]
+
+
+@pytest.mark.parametrize("name", [DEEPSEEK[0], pytest.param(DEEPSEEK[1], marks=pytest.mark.slow),
+                                  pytest.param(DEEPSEEK[2], marks=pytest.mark.slow)])
+def test_deepseek_engine_greedy_matches_hf(name):
+    """Through the engine: the prompt three times among others, prefix caching, 8-token chunks, and a block
+    pool small enough that the scheduler preempts."""
+    llm, golden, outs = engine_with_preemption(name)
+    assert llm.engine.core.scheduler.get_stats()["num_preemptions"] > 0
+    for i in (0, 2, 4):
+        assert outs[i].outputs[0].token_ids == golden["greedy_ids"], f"{name}: copy {i} differs from HF"

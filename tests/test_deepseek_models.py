@@ -104,3 +104,57 @@ def test_deepseek_engine_greedy_matches_hf(name):
     assert llm.engine.core.scheduler.get_stats()["num_preemptions"] > 0
     for i in (0, 2, 4):
         assert outs[i].outputs[0].token_ids == golden["greedy_ids"], f"{name}: copy {i} differs from HF"
+
+
+def _fp8_folder(folder, src: str, quantized, float_modules=()) -> dict:
+    """``src``'s checkpoint with the 2-D tensors ``quantized(name)`` picks in e4m3 and a ``weight_scale_inv``
+    (one partial 128 x 128 block each at these sizes), the official FP8 layout; returns the dequantized
+    float tensors."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    tensors = {k: v.astype(np.float32) for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    ref = dict(tensors)
+    fp8_max = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    for name, w in list(tensors.items()):
+        if w.ndim == 2 and quantized(name):
+            scale = np.float32(np.abs(w).max() / fp8_max)
+            tensors[name] = (w / scale).astype(ml_dtypes.float8_e4m3fn)
+            tensors[name.replace(".weight", ".weight_scale_inv")] = np.full((1, 1), scale, np.float32)
+            ref[name] = tensors[name].astype(np.float32) * scale
+    with open(os.path.join(src, "config.json")) as f:
+        hf = json.load(f)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "modules_to_not_convert": ["lm_head", "re:model.layers.0.mlp.*", *float_modules]}
+    os.makedirs(folder)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf | {"quantization_config": qc}, f)
+    return ref
+
+
+def test_deepseek_fp8_block_checkpoint(tmp_path):
+    """The official FP8 layout (e4m3 ``[out, in]`` tensors with ``weight_scale_inv`` blocks; router, norms,
+    embeddings and lm_head in bf16): the routed and shared experts and ``kv_b`` are dequantized at load, so the
+    logits equal the dequantized float model's; MLA's q/kv_a projections and ``o`` load as fp8 weights."""
+    from safetensors.numpy import save_file
+
+    from jaxserve.quantization.weights import Fp8Weight
+    from tiny_models import PagedRunner
+
+    src = os.path.join(FIXTURES, "tiny-deepseek-v3")
+    ref = _fp8_folder(str(tmp_path / "fp8"), src, lambda n: "experts" in n or "kv_b_proj" in n,
+                      ["re:.*self_attn.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)"])
+    os.makedirs(tmp_path / "float")
+    save_file(ref, str(tmp_path / "float" / "model.safetensors"))
+    shutil.copy(os.path.join(src, "config.json"), tmp_path / "float")
+    fp8 = load_model(str(tmp_path / "fp8"), dtype="float32")
+    assert fp8.params["layers"][1]["experts_gate_up"].dtype == np.float32
+    prompt = json.load(open(os.path.join(src, "golden.json")))["prompt_ids"]
+    got, want = (PagedRunner(m, max_reqs=1, max_len=16).prompt_logits(prompt)
+                 for m in (fp8, load_model(str(tmp_path / "float"), dtype="float32")))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    _fp8_folder(str(tmp_path / "all"), src, lambda n: ("self_attn." in n and "layernorm" not in n) or "experts" in n)
+    layer1 = load_model(str(tmp_path / "all"), dtype="float32").params["layers"][1]
+    assert all(isinstance(layer1[n], Fp8Weight) for n in ("q_a", "q_b", "kv_a", "o"))
+    assert not isinstance(layer1["kv_b"], Fp8Weight) and len(prompt) == 10

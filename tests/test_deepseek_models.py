@@ -158,3 +158,44 @@ def test_deepseek_fp8_block_checkpoint(tmp_path):
     layer1 = load_model(str(tmp_path / "all"), dtype="float32").params["layers"][1]
     assert all(isinstance(layer1[n], Fp8Weight) for n in ("q_a", "q_b", "kv_a", "o"))
     assert not isinstance(layer1["kv_b"], Fp8Weight) and len(prompt) == 10
+
+
+@pytest.mark.parametrize("name,architecture,billions,latent", [
+    ("deepseek-v2-lite", "DeepseekV2ForCausalLM", 15.71, 576), ("deepseek-v3-6l", "DeepseekV3ForCausalLM", 38.13, 576)])
+def test_deepseek_dummy_configs(name, architecture, billions, latent):
+    """The public shapes: parameter counts, the 576-value latent row (a block of 16 tokens over all layers is
+    ``16 * 576 * layers`` values), expert parallelism over 8 devices."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models import registry
+    from jaxserve.models.configs import model_config_from_hf, read_json
+    from jaxserve.models.layers.moe import with_expert_parallel
+    from jaxserve.models.packaged import DUMMY_CONFIG_DIR
+    from jaxserve.parallel import check_tp_compatible
+    from jaxserve.runner import kv_cache
+
+    cfg = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / f"{name}.json")))
+    arch, family = registry.resolve_architecture(cfg.architecture)
+    family.check_config(cfg)
+    shapes = jax.tree.leaves(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    assert arch == architecture
+    assert sum(int(np.prod(s)) for s in shapes) / 1e9 == pytest.approx(billions, abs=0.01)
+    assert family.kv_cache_shapes(cfg, 2, 16, jnp.bfloat16) == ((2, 16, latent),)
+    assert kv_cache.bytes_per_block(cfg, 16, jnp.bfloat16) == cfg.num_layers * 16 * latent * 2
+    check_tp_compatible(with_expert_parallel(cfg, True), 8)
+
+
+def test_deepseek_bench_configs():
+    """The H200 DeepSeek configs validate and name DeepSeek models; the suite lists them."""
+    from jaxserve.benchmarks.config import load_config
+    from jaxserve.benchmarks.models import resolve_model
+    from jaxserve.benchmarks.suites import load_suite
+
+    suite = load_suite("h200-deepseek")
+    names = [c for run in suite["runs"] for c in run["configs"]]
+    for name in names:
+        config = load_config(name)
+        if config["mode"] != "kernels":
+            assert resolve_model(config)[0].architecture.startswith("Deepseek")
+    assert len(names) == 7

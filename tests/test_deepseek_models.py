@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.models.loader import load_model
 from tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
-                         engine_with_preemption, load_tiny)
+                         check_orbax_round_trip, engine_with_preemption, load_tiny)
 
 DEEPSEEK = ["tiny-deepseek-v2", "tiny-deepseek-v2-lite", "tiny-deepseek-v3"]
 
@@ -199,3 +199,8 @@ def test_deepseek_bench_configs():
         if config["mode"] != "kernels":
             assert resolve_model(config)[0].architecture.startswith("Deepseek")
     assert len(names) == 7
+
+
+def test_deepseek_orbax_round_trip(tmp_path):
+    """``convert`` keeps the MLA and routing config (q LoRA, groups, router bias) and the stacked experts."""
+    check_orbax_round_trip("tiny-deepseek-v3", str(tmp_path / "ckpt"))

@@ -10,6 +10,8 @@ An fp8 cache (``kv_cache_dtype="fp8"``, e4m3) takes ``k_scale``/``v_scale`` (sca
 None = 1.0) in both ``write_kv`` and ``paged_attention``; pass the same scales to both. Its V pages are stored
 transposed (``kv_cache_shapes``; ``init_kv_caches`` makes the caches); the reference and the Triton kernels read and write that layout (the Mosaic
 GPU prefill takes no fp8 cache: such steps keep their prefill tokens on the Triton tiles).
+Multi-head latent attention (DeepSeek) has its own cache, one latent row per token (``mla_ref``), and its own
+calls: ``write_latent``, ``mla_attention`` and ``write_latent_and_attend``.
 """
 from __future__ import annotations
 

@@ -10,13 +10,15 @@ An fp8 cache (``kv_cache_dtype="fp8"``, e4m3) takes ``k_scale``/``v_scale`` (sca
 None = 1.0) in both ``write_kv`` and ``paged_attention``; pass the same scales to both. Its V pages are stored
 transposed (``kv_cache_shapes``; ``init_kv_caches`` makes the caches); the reference and the Triton kernels read and write that layout (the Mosaic
 GPU prefill takes no fp8 cache: such steps keep their prefill tokens on the Triton tiles).
+Multi-head latent attention (DeepSeek) has its own cache, one latent row per token (``mla_ref``), and its own
+calls: ``write_latent``, ``mla_attention`` and ``write_latent_and_attend``.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from . import ref_attention
+from . import mla_ref, ref_attention
 from .ref_attention import kv_cache_shapes  # noqa: F401  (the layout, for the kernels' callers)
 from .metadata import AttentionMetadata
 
@@ -163,3 +165,56 @@ def write_kv_and_attend(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_
         qkv, k_cache, v_cache, md, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         k_scale=k_scale, v_scale=v_scale, interpret=interpret, num_q_heads=hq, **pallas_options)
     return out, k_cache, v_cache
+
+
+# ------------------------------------------------------------------ multi-head latent attention (DeepSeek)
+def write_latent(latent_cache, latent, slot_mapping, *, backend: str = "reference", scale=None):
+    """Store the step's latent rows ``[T, kv_lora_rank + rope_dim]`` at ``slot_mapping`` (``mla_ref``'s
+    layout; fp8 divides by the per-tensor ``scale``). One XLA scatter on every backend: a row is one
+    contiguous run of the page, which the scatter writes at copy speed."""
+    _check_backend(backend)
+    return mla_ref.write_latent(latent_cache, latent, slot_mapping, scale=scale)
+
+
+def _mla_pallas():
+    """The Pallas MLA kernel module, or None while it is not part of the tree."""
+    try:
+        from . import mla_decode_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
+    except ImportError:
+        return None
+    return mla_decode_pallas
+
+
+def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *, sm_scale: float,
+                  kv_lora_rank: int, backend: str = "reference", scale=None, interpret: bool = False,
+                  **pallas_options):
+    """Absorbed MLA over the paged latent cache: ``[T, H, R]`` latent outputs (``mla_ref`` has the semantics).
+
+    ``reference``: ``mla_ref``. The Pallas backends: ``mla_decode_pallas.mla_paged_attention`` (same
+    signature) for decode-only steps, and for mixed steps too when that module says it takes them
+    (``SUPPORTS_PREFILL``); otherwise, and while the module is absent, the reference (XLA on the GPU)."""
+    _check_backend(backend)
+    kernel = None
+    if backend != "reference":
+        _check_gpu(interpret)
+        kernel = _mla_pallas()
+        if kernel is not None and not (md.decode_only or getattr(kernel, "SUPPORTS_PREFILL", False)):
+            kernel = None
+    if kernel is None:
+        return mla_ref.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
+                                           kv_lora_rank=kv_lora_rank, scale=scale)
+    if scale is not None:
+        pallas_options["scale"] = scale
+    return kernel.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
+                                      kv_lora_rank=kv_lora_rank, interpret=interpret, **pallas_options)
+
+
+def write_latent_and_attend(q_nope_latent, q_rope, latent, latent_cache, md: AttentionMetadata, *,
+                            sm_scale: float, kv_lora_rank: int, backend: str = "reference", scale=None,
+                            **kernel_kwargs):
+    """``write_latent`` of the step's rows, then ``mla_attention`` (which sees them): what an MLA layer does.
+    Returns ``(latent out [T, H, R], latent_cache)``."""
+    latent_cache = write_latent(latent_cache, latent, md.slot_mapping, backend=backend, scale=scale)
+    out = mla_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
+                        backend=backend, scale=scale, **kernel_kwargs)
+    return out, latent_cache

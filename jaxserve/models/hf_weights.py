@@ -120,6 +120,8 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
                                                               get, has))
             continue
         raw = [get(n) for n in names]
+        if quant is not None and quant.weights == "fp8" and not quant.online:
+            raw = quant_loading.dequantize_fp8_tensors(names, raw, get, has)
         built = jax.eval_shape(_build_fn(kind), *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in raw))
         if tuple(built.shape) != tuple(expected):
             shapes_str = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(names, raw))

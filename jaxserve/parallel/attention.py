@@ -150,3 +150,23 @@ def _kv_specs(num_kv_heads: int, tp: int) -> tuple[P, P]:
     if tp % num_kv_heads:
         raise ValueError(f"{num_kv_heads} kv heads and tensor_parallel_size={tp}: one must divide the other")
     return P(), P()
+
+
+def write_latent_and_attend(q_nope_latent, q_rope, latent, latent_cache, md: AttentionMetadata, *,
+                            sm_scale: float, kv_lora_rank: int, backend: str = "reference", **kernel_kwargs):
+    """``kernels.ops.write_latent_and_attend`` (an MLA layer's latent write then attention). Under a tp mesh
+    the latent cache is replicated and the heads are split (vLLM's choice): every device writes the same
+    rows into its full copy and attends with its own ``H / tp`` heads. The latent is one row per token for
+    all heads, so it cannot be split by heads; splitting it by feature would need an all-reduce of the scores
+    inside every attention. Replication costs each device the whole cache (``kv_lora_rank + rope_dim``
+    values per token and layer), the price of no communication in attention."""
+    kernel = functools.partial(ops.write_latent_and_attend, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
+                               backend=backend, **kernel_kwargs)
+    mesh = current_tp_mesh()
+    if mesh is None:
+        return kernel(q_nope_latent, q_rope, latent, latent_cache, md)
+    if q_nope_latent.shape[1] % mesh.shape[TP]:
+        raise ValueError(f"{q_nope_latent.shape[1]} attention heads are not divisible by "
+                         f"tensor_parallel_size={mesh.shape[TP]}")
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(HEADS, HEADS, P(), P(), P()), out_specs=(HEADS, P()),
+                         check_vma=False)(q_nope_latent, q_rope, latent, latent_cache, md)

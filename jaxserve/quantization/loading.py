@@ -23,7 +23,8 @@ from . import int4_formats, online
 from .config import FP8_BLOCK, QuantConfig
 from .weights import FP8_DTYPE, Fp8Weight, Int4Weight, with_tp_axis
 
-LINEAR_WEIGHTS = ("q", "k", "v", "o", "gate_up", "down")
+# the decoder's projections (and MLA's q LoRA and kv_a, which ``layers.linear`` multiplies like them)
+LINEAR_WEIGHTS = ("q", "k", "v", "o", "gate_up", "down", "q_a", "q_b", "kv_a")
 
 
 def is_linear(path: tuple) -> bool:
@@ -212,6 +213,26 @@ def _build_fp8(kind, raws: list[np.ndarray], sharding) -> jax.Array:
     mesh = sharding.mesh
     placed = [jax.device_put(np.ascontiguousarray(r), NamedSharding(mesh, in_spec)) for r in raws]
     return jax.jit(build, out_shardings=NamedSharding(mesh, out_spec))(*placed)
+
+
+def dequantize_fp8_tensors(names: list[str], raws: list[np.ndarray], get, has) -> list[np.ndarray]:
+    """The float32 values of fp8 checkpoint tensors that no fp8 matmul reads (DeepSeek's stacked experts and
+    ``kv_b_proj``, whose halves the latent attention absorbs): each ``[out, in]`` e4m3 tensor times its
+    ``weight_scale_inv`` (128 x 128 blocks, the last ones partial) or per-tensor / per-channel
+    ``weight_scale``. Float tensors pass through."""
+    out = []
+    for name, raw in zip(names, raws):
+        if raw.dtype != ml_dtypes.float8_e4m3fn:
+            out.append(raw)
+            continue
+        n, k = raw.shape
+        scale, block = _fp8_scale(None, module_of(name), get, has, n, k)
+        if block:
+            scale = np.repeat(np.repeat(scale.T, FP8_BLOCK, 0), FP8_BLOCK, 1)[:n, :k]
+        else:
+            scale = scale[:, None]
+        out.append(raw.astype(np.float32) * scale)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- online

@@ -1,5 +1,7 @@
 """The paged KV cache's layout and size: its dtype, how many blocks fit in the memory left for it, the
-longest sequence they hold, and the arrays themselves (per layer, split over "tp" by kv heads under a mesh)."""
+longest sequence they hold, and the arrays themselves. The model's family says each layer's cache arrays
+(``DecoderFamily.kv_cache_shapes``: K and V pages, or one latent page with MLA); under a mesh K/V are split over
+"tp" by kv heads, a latent cache is replicated."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +14,9 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.kernels import ops as kernel_ops
-from jaxserve.parallel import kv_heads_per_device, tp_size
+from jaxserve.models import registry
+from jaxserve.parallel import tp_size
+from jaxserve.parallel.mesh import kv_heads_sharded
 from jaxserve.runner import device_memory
 
 logger = logging.getLogger(__name__)
@@ -23,10 +27,17 @@ def kv_dtype(config: EngineConfig, params):
     return kernel_ops.kv_cache_dtype(config.cache.kv_cache_dtype, jax.tree_util.tree_leaves(params)[0].dtype)
 
 
+def layer_shapes(cfg, num_blocks: int, block_size: int, dtype) -> tuple[tuple[int, ...], ...]:
+    """The shapes of one layer's cache arrays, as the model's family lays them out."""
+    _, family = registry.resolve_architecture(cfg.architecture)
+    return family.kv_cache_shapes(cfg, num_blocks, block_size, dtype)
+
+
 def bytes_per_block(cfg, block_size: int, dtype, mesh=None) -> int:
-    """Bytes one block takes on each device (the cache is split over "tp" by kv heads)."""
-    heads = kv_heads_per_device(cfg, tp_size(mesh))
-    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    """Bytes one block takes on each device (split over "tp" where the kv heads are)."""
+    per_layer = sum(math.prod(shape[1:]) for shape in layer_shapes(cfg, 1, block_size, dtype))
+    split = tp_size(mesh) if kv_heads_sharded(cfg, tp_size(mesh)) else 1
+    return cfg.num_layers * per_layer * jnp.dtype(dtype).itemsize // split
 
 
 def fit(cfg, config: EngineConfig, max_model_len: int, dtype, mesh=None) -> tuple[int, int]:
@@ -86,5 +97,8 @@ def allocate(cfg, num_blocks: int, block_size: int, dtype, mesh=None):
     if mesh is not None:
         from jaxserve.parallel import kv_cache_sharding
         sharding = kv_cache_sharding(mesh, cfg)
-    return kernel_ops.init_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
-                                     sharding=sharding)
+    shapes = layer_shapes(cfg, num_blocks, block_size, dtype)
+
+    def zeros(shape):
+        return jnp.zeros(shape, dtype) if sharding is None else jnp.zeros(shape, dtype, device=sharding)
+    return [tuple(map(zeros, shapes)) for _ in range(cfg.num_layers)]

@@ -37,11 +37,12 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
 from jaxserve.quantization.weights import live_tokens
+from jaxserve.kernels import mla_ref, ops as kernel_ops
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 # kernels.ops's write_kv_and_attend, wrapped in shard_map over "tp" when the step runs under a mesh
 from jaxserve.parallel import attention as tp_attention
 
-from . import moe
+from . import mla, moe
 from .linear import linear, normed_input, row_parallel_linear, row_parallel_linear_add_rms_norm
 from .norms import NORMS, inv_rms
 from .rotary import Rotary
@@ -69,6 +70,7 @@ class DecoderSpec:
     rotaries: tuple[Rotary, ...] = ()          # the distinct RoPE tables
     layer_rotary: tuple[int, ...] = ()         # per layer: index into ``rotaries``
     moe: moe.MoESpec | None = None             # mixture-of-experts MLPs (on the layers it lists)
+    mla: mla.MLASpec | None = None             # DeepSeek's latent attention instead of q/k/v (every layer)
 
 
 def _param(shape: tuple[int, ...], sharding: tuple, init: str = "normal") -> nnx.Param:
@@ -99,13 +101,17 @@ class DecoderLayer(nnx.Module):
         self.cfg, self.spec, self.index = cfg, spec, index
         self.norm = NORMS[spec.norm]
         self.attn_norm = _param((h,), REPLICATED, norm_init)
-        self.q, self.k, self.v = _param((h, q_out), COLUMN), _param((h, kv_out), COLUMN), _param((h, kv_out), COLUMN)
+        if spec.mla is not None:
+            mla.declare_params(self, h, cfg.num_heads, spec.mla, _param)
+        else:
+            self.q, self.k = _param((h, q_out), COLUMN), _param((h, kv_out), COLUMN)
+            self.v = _param((h, kv_out), COLUMN)
+            self.o = _param((q_out, h), ROW)
         if spec.attention_bias:
             self.q_bias, self.k_bias, self.v_bias = (_param((q_out,), COLUMN_BIAS), _param((kv_out,), COLUMN_BIAS),
                                                      _param((kv_out,), COLUMN_BIAS))
         if spec.qk_norm:
             self.q_norm, self.k_norm = _param((d,), REPLICATED, norm_init), _param((d,), REPLICATED, norm_init)
-        self.o = _param((q_out, h), ROW)
         if not spec.parallel_block:
             self.mlp_norm = _param((h,), REPLICATED, norm_init)
         if spec.sandwich_norms:
@@ -120,7 +126,12 @@ class DecoderLayer(nnx.Module):
 
     def attention_readers(self) -> tuple:
         """The projections that read the attention norm's output (``normed_input``)."""
+        if self.spec.mla is not None:
+            return mla.readers(self._weights(("q", "q_a", "kv_a")), self.spec.mla)
         return (_w(self.q), _w(self.k), _w(self.v))
+
+    def _weights(self, names) -> dict:
+        return {n: _w(getattr(self, n)) for n in names if hasattr(self, n)}
 
     def attention(self, h: jax.Array, cos_sin, kv_cache, md: AttentionMetadata, backend: str):
         """Self-attention of the normed input ``h [T, hidden]`` up to (not including) the o projection:
@@ -128,6 +139,10 @@ class DecoderLayer(nnx.Module):
         cfg, spec = self.cfg, self.spec
         t, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rotary = spec.rotaries[spec.layer_rotary[self.index]]
+        if spec.mla is not None:
+            weights = self._weights(("q", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b"))
+            return mla.attention(h, weights, spec.mla, hq, rotary, cos_sin[spec.layer_rotary[self.index]], kv_cache,
+                                 md, sm_scale=spec.sm_scale, backend=backend)
         cos, sin = cos_sin[spec.layer_rotary[self.index]]
         q, k, v = linear(h, _w(self.q)), linear(h, _w(self.k)), linear(h, _w(self.v))
         if spec.attention_bias:
@@ -163,9 +178,9 @@ class DecoderLayer(nnx.Module):
     def moe_mlp(self, h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The whole MoE MLP (all-reduced under a mesh): router, top-k experts, combine, shared expert; and
         each token's routed expert ids ``[T, k]``."""
-        names = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down", "shared_gate")
-        weights = {n: _w(getattr(self, n)) for n in names if hasattr(self, n)}
-        return moe.moe_mlp(h, weights, self.spec.moe, ACTIVATIONS[self.spec.activation], valid)
+        names = ("router", "router_bias", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down",
+                 "shared_gate")
+        return moe.moe_mlp(h, self._weights(names), self.spec.moe, ACTIVATIONS[self.spec.activation], valid)
 
 
 class DecoderModel(nnx.Module):
@@ -304,6 +319,16 @@ class DecoderFamily:
 
     def param_inits(self, cfg: ModelConfig) -> dict:
         return self._metadata(cfg, lambda v: v.get_metadata()["init"])
+
+    def kv_cache_shapes(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> tuple[tuple[int, ...], ...]:
+        """The shapes of one layer's cache arrays: K and V pages (``kernels.ops.kv_cache_shapes``), or with
+        latent attention one latent page (``kernels.mla_ref``). The runner allocates and sizes the cache from
+        these, whatever the layout."""
+        spec = self.decoder_spec(cfg)
+        if spec.mla is not None:
+            return (mla_ref.latent_cache_shape(num_blocks, block_size, spec.mla.kv_lora_rank,
+                                               spec.mla.qk_rope_head_dim),)
+        return kernel_ops.kv_cache_shapes(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
 
     def forward(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
                 md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference"):

@@ -48,6 +48,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.kernels import ragged_dot
 
+from . import moe_routing
+
 TP = parallel.TP
 EXPERT_PARALLEL = "enable_expert_parallel"       # the ModelConfig.extra key (vLLM's flag name)
 
@@ -65,6 +67,12 @@ class MoESpec:
     expert_parallel: bool = False
     grouped_gemm: str = "ragged_dot"           # kernels.ragged_dot implementation
     rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
+    # DeepSeekMoE (``moe_routing``): its router, an ungated shared expert, the routed weights' scale
+    router: str = "softmax"                    # "softmax" (route below) or a moe_routing.ROUTERS key
+    num_groups: int = 1                        # expert groups for group-limited / node-limited top-k
+    topk_groups: int = 1                       # groups a token's experts may come from
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True            # Qwen2-MoE's sigmoid gate on the shared expert
 
 
 def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bool,
@@ -138,13 +146,16 @@ def declare_params(layer, hidden: int, spec: MoESpec, param: Callable) -> None:
     gate_up, down = expert_partition(spec)
     e, i = spec.num_experts, spec.intermediate_size
     layer.router = param((hidden, e), ())
+    if spec.router in moe_routing.BIASED:
+        layer.router_bias = param((e,), (), "zeros")
     layer.experts_gate_up = param((e, hidden, 2, i), gate_up)
     layer.experts_down = param((e, i, hidden), down)
     if spec.shared_intermediate_size:
         si = spec.shared_intermediate_size
         layer.shared_gate_up = param((hidden, 2, si), (None, None, TP))
         layer.shared_down = param((si, hidden), (TP, None))
-        layer.shared_gate = param((hidden, 1), ())
+        if spec.shared_expert_gate:
+            layer.shared_gate = param((hidden, 1), ())
 
 
 def route(router_logits: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
@@ -166,7 +177,10 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
     """The MoE MLP of the normed input ``h [T, hidden]`` (``w``: the layer's MoE weights by name);
     ``valid [T]`` marks real tokens (padding tokens are routed nowhere). Returns the output and the routed
     expert ids ``[T, k]`` (a padding token's: ``num_experts``), which ``expert_load`` counts."""
-    weights, ids = route(h @ w["router"], spec)
+    if spec.router == "softmax":
+        weights, ids = route(h @ w["router"], spec)
+    else:
+        weights, ids = moe_routing.route(h, w["router"], w.get("router_bias"), spec)
     if spec.weights_in_hidden_dtype:
         weights = weights.astype(h.dtype)
     if valid is not None:
@@ -175,7 +189,7 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
     if spec.shared_intermediate_size:
         gate_up = jnp.einsum("th,hci->tci", h, w["shared_gate_up"])
         shared = parallel.row_parallel_matmul(activation(gate_up[:, 0]) * gate_up[:, 1], w["shared_down"])
-        out = out + jax.nn.sigmoid(h @ w["shared_gate"]) * shared
+        out = out + (jax.nn.sigmoid(h @ w["shared_gate"]) * shared if spec.shared_expert_gate else shared)
     return out, ids
 
 

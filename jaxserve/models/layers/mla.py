@@ -1,0 +1,103 @@
+"""Multi-head latent attention (DeepSeek V2 / V3): one more attention kind of ``layers.decoder``; a layer whose
+``DecoderSpec.mla`` is set declares these weights instead of q/k/v.
+
+Per token the layer caches one latent row, ``c_kv`` (``kv_lora_rank`` values, after ``kv_a_layernorm``) and the
+rotated shared key ``k_rope`` (``qk_rope_head_dim``), in a paged cache of its own
+(``kernels.mla_ref``: ``[num_blocks, block_size, R + P]``, the family's ``kv_cache_shapes``).
+
+Every step runs absorbed (prefill chunks and decodes alike): ``kv_b_proj`` is split into its key half ``W_UK``
+and value half ``W_UV``; the queries' no-rope part is projected into the latent space (``q_nope · W_UK``), the
+attention runs over the latent pages (``kernels.ops.mla_attention``), and its latent output is projected back
+with ``W_UV`` before ``o_proj``. The alternative for prefill, decompressing K/V per chunk for the GQA prefill
+kernel, would have to decompress every cached page a chunk attends to (the prefix and the earlier chunks live in
+the cache as latents) and pad V to the key width; which is faster on the GPU is still to be measured.
+
+Weights (``[in, out]``): ``q`` (no q LoRA) or ``q_a`` → ``q_a_norm`` → ``q_b``; ``kv_a`` (``kv_a_proj_with_mqa``),
+``kv_a_norm``, ``kv_b``; ``o``. Under tensor parallelism ``q``/``q_b``/``kv_b`` are column-parallel (whole
+heads per device), ``o`` row-parallel, ``q_a``/``kv_a`` and the norms replicated, and so is the latent cache
+(``parallel.attention.write_latent_and_attend`` says why).
+
+Numerics as HF transformers: q/kv LoRA norms with eps 1e-6 (their modules' default, not ``rms_norm_eps``); the
+rotary part interleaved or not as the config says; the softmax scale ``qk_head_dim ** -0.5`` times YaRN's
+``mscale(factor, mscale_all_dim) ** 2``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.parallel import attention as tp_attention
+
+from .linear import linear
+from .norms import rms_norm
+from .rotary import Rotary
+
+TP = "tp"
+COLUMN, ROW = (None, TP), (TP, None)
+LORA_NORM_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class MLASpec:
+    """The latent attention's shapes (hashable: part of ``DecoderSpec``)."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Values cached per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def declare_params(layer, hidden: int, num_heads: int, spec: MLASpec, param: Callable) -> None:
+    """The attention weights of one decoder layer, declared on it (flat, like the layer's other weights)."""
+    if spec.q_lora_rank:
+        layer.q_a = param((hidden, spec.q_lora_rank), ())
+        layer.q_a_norm = param((spec.q_lora_rank,), (), "ones")
+        layer.q_b = param((spec.q_lora_rank, num_heads * spec.qk_head_dim), COLUMN)
+    else:
+        layer.q = param((hidden, num_heads * spec.qk_head_dim), COLUMN)
+    layer.kv_a = param((hidden, spec.latent_width), ())
+    layer.kv_a_norm = param((spec.kv_lora_rank,), (), "ones")
+    layer.kv_b = param((spec.kv_lora_rank, num_heads * (spec.qk_nope_head_dim + spec.v_head_dim)), COLUMN)
+    layer.o = param((num_heads * spec.v_head_dim, hidden), ROW)
+
+
+def readers(w: dict, spec: MLASpec) -> tuple:
+    """The projections that read the attention norm's output."""
+    return (w["q_a"] if spec.q_lora_rank else w["q"], w["kv_a"])
+
+
+def attention(h: jax.Array, w: dict, spec: MLASpec, num_heads: int, rotary: Rotary, cos_sin, cache: tuple,
+              md: AttentionMetadata, *, sm_scale: float, backend: str) -> tuple[jax.Array, tuple]:
+    """MLA of the normed input ``h [T, hidden]`` up to (not including) ``o``: ``(attn [T, heads * v_head_dim],
+    (latent_cache,))``; ``w`` the layer's weights by name."""
+    t, heads, r, dn = h.shape[0], num_heads, spec.kv_lora_rank, spec.qk_nope_head_dim
+    cos, sin = cos_sin
+    if spec.q_lora_rank:
+        q = linear(rms_norm(linear(h, w["q_a"]), w["q_a_norm"], LORA_NORM_EPS), w["q_b"])
+    else:
+        q = linear(h, w["q"])
+    q = q.reshape(t, heads, spec.qk_head_dim)
+    q_nope, q_rope = q[..., :dn], rotary.apply(q[..., dn:], cos, sin)
+    kv = linear(h, w["kv_a"])
+    c_kv = rms_norm(kv[:, :r], w["kv_a_norm"], LORA_NORM_EPS)
+    k_rope = rotary.apply(kv[:, None, r:], cos, sin)[:, 0]
+    kv_b = w["kv_b"].reshape(r, heads, dn + spec.v_head_dim)
+    q_latent = jnp.einsum("thd,rhd->thr", q_nope, kv_b[..., :dn])
+    latent = jnp.concatenate([c_kv, k_rope], axis=-1)
+    out, latent_cache = tp_attention.write_latent_and_attend(q_latent, q_rope, latent, cache[0], md,
+                                                             sm_scale=sm_scale, kv_lora_rank=r, backend=backend)
+    attn = jnp.einsum("thr,rhv->thv", out, kv_b[..., dn:])
+    return attn.reshape(t, heads * spec.v_head_dim), (latent_cache,)

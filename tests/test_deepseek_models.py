@@ -1,0 +1,206 @@
+"""The DeepSeek family (V2 with q LoRA and group-limited routing, V2-Lite without q LoRA and with YaRN, V3 with
+sigmoid + bias node-limited routing) against HF transformers float32, on the tiny random checkpoints of
+tests/make_deepseek_fixtures.py: the prompt's logits within 1e-4 through the paged latent cache, prefill in two
+chunks, HF's 32-token greedy continuation decoded twice in one batch, and through the engine with prefix caching,
+chunked prefill and preemption; the config's two RoPE spellings; the latent cache's layout and size.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxserve.models.loader import load_model
+from tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
+                         check_orbax_round_trip, engine_with_preemption, load_tiny)
+
+DEEPSEEK = ["tiny-deepseek-v2", "tiny-deepseek-v2-lite", "tiny-deepseek-v3"]
+
+
+@pytest.fixture(scope="module", params=DEEPSEEK)
+def tiny(request):
+    return load_tiny(request.param)
+
+
+def test_deepseek_logits_match_hf(tiny):
+    check_logits_match_hf(*tiny)
+
+
+def test_deepseek_chunked_prefill_matches_hf(tiny):
+    check_chunked_prefill_matches_hf(*tiny)
+
+
+def test_deepseek_greedy_matches_hf(tiny):
+    check_greedy_matches_hf(*tiny)
+
+
+def test_deepseek_reads_its_config(tiny):
+    """MLA and routing as each checkpoint says; the cache is one latent row of kv_lora_rank + rope dims."""
+    name, model, _, _ = tiny
+    cfg, family = model.config, model.family
+    spec = family.decoder_spec(cfg)
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 32 + 8)
+    assert family.kv_cache_shapes(cfg, 7, 4, np.float32) == ((7, 4, 40),)
+    assert spec.moe.layers == (False, True, True) and spec.moe.shared_expert_gate is False
+    expected = {"tiny-deepseek-v2": ("deepseek_v2", 4, 2, 1.5, 32), "tiny-deepseek-v2-lite": ("deepseek_v2", 1, 1, 1.0, None),
+                "tiny-deepseek-v3": ("deepseek_v3", 4, 2, 2.5, 32)}[name]
+    assert (spec.moe.router, spec.moe.num_groups, spec.moe.topk_groups, spec.moe.routed_scaling_factor,
+            spec.mla.q_lora_rank) == expected
+    layer1 = model.params["layers"][1]
+    assert layer1["experts_gate_up"].shape == (spec.moe.num_experts, 64, 2, 16)
+    assert ("router_bias" in layer1) == (name == "tiny-deepseek-v3")
+    assert ("q_a" in layer1) == (name != "tiny-deepseek-v2-lite")
+
+
+def test_deepseek_yarn_scales_softmax_and_rotary():
+    """V2-Lite's YaRN: the softmax scale times mscale(4, 0.707)^2 and the rotary's attention factor
+    mscale(4, 1) / mscale(4, 0.707), as transformers computes them."""
+    import math
+    model = load_model(os.path.join(FIXTURES, "tiny-deepseek-v2-lite"), dtype="float32")
+    spec = model.family.decoder_spec(model.config)
+    m = lambda s, k: 0.1 * k * math.log(s) + 1.0  # noqa: E731
+    assert spec.sm_scale == pytest.approx(24 ** -0.5 * m(4, 0.707) ** 2)
+    assert spec.rotaries[0].attention_factor == pytest.approx(m(4, 1.0) / m(4, 0.707))
+    assert spec.rotaries[0].interleaved
+
+
+def test_deepseek_old_rope_spelling(tmp_path):
+    """A config.json in transformers 4's form (``rope_theta`` + ``rope_scaling`` with ``type``) reads as the
+    transformers 5 one (``rope_parameters``)."""
+    src = os.path.join(FIXTURES, "tiny-deepseek-v2-lite")
+    folder = tmp_path / "old"
+    shutil.copytree(src, folder)
+    with open(folder / "config.json") as f:
+        hf = json.load(f)
+    params = hf.pop("rope_parameters")
+    hf["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    hf["rope_scaling"] = params
+    with open(folder / "config.json", "w") as f:
+        json.dump(hf, f)
+    from jaxserve.models.configs import model_config_from_folder
+    assert model_config_from_folder(str(folder))[0] == model_config_from_folder(src)[0]
+
+
+def test_deepseek_skips_mtp_layers(caplog):
+    """V3's checkpoint carries a multi-token-prediction layer past the last one: not read, said once."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.deepseek"):
+        model = load_model(os.path.join(FIXTURES, "tiny-deepseek-v3"), dtype="float32")
+    assert len(model.params["layers"]) == 3
+    assert [r.message for r in caplog.records if "multi-token-prediction" in r.message] == [
+        "1 multi-token-prediction layer(s) of this checkpoint are not loaded"]
+
+
+@pytest.mark.parametrize("name", [DEEPSEEK[0], pytest.param(DEEPSEEK[1], marks=pytest.mark.slow),
+                                  pytest.param(DEEPSEEK[2], marks=pytest.mark.slow)])
+def test_deepseek_engine_greedy_matches_hf(name):
+    """Through the engine: the prompt three times among others, prefix caching, 8-token chunks, and a block
+    pool small enough that the scheduler preempts."""
+    llm, golden, outs = engine_with_preemption(name)
+    assert llm.engine.core.scheduler.get_stats()["num_preemptions"] > 0
+    for i in (0, 2, 4):
+        assert outs[i].outputs[0].token_ids == golden["greedy_ids"], f"{name}: copy {i} differs from HF"
+
+
+def _fp8_folder(folder, src: str, quantized, float_modules=()) -> dict:
+    """``src``'s checkpoint with the 2-D tensors ``quantized(name)`` picks in e4m3 and a ``weight_scale_inv``
+    (one partial 128 x 128 block each at these sizes), the official FP8 layout; returns the dequantized
+    float tensors."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    tensors = {k: v.astype(np.float32) for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    ref = dict(tensors)
+    fp8_max = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    for name, w in list(tensors.items()):
+        if w.ndim == 2 and quantized(name):
+            scale = np.float32(np.abs(w).max() / fp8_max)
+            tensors[name] = (w / scale).astype(ml_dtypes.float8_e4m3fn)
+            tensors[name.replace(".weight", ".weight_scale_inv")] = np.full((1, 1), scale, np.float32)
+            ref[name] = tensors[name].astype(np.float32) * scale
+    with open(os.path.join(src, "config.json")) as f:
+        hf = json.load(f)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "modules_to_not_convert": ["lm_head", "re:model.layers.0.mlp.*", *float_modules]}
+    os.makedirs(folder)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf | {"quantization_config": qc}, f)
+    return ref
+
+
+def test_deepseek_fp8_block_checkpoint(tmp_path):
+    """The official FP8 layout (e4m3 ``[out, in]`` tensors with ``weight_scale_inv`` blocks; router, norms,
+    embeddings and lm_head in bf16): the routed and shared experts and ``kv_b`` are dequantized at load, so the
+    logits equal the dequantized float model's; MLA's q/kv_a projections and ``o`` load as fp8 weights."""
+    from safetensors.numpy import save_file
+
+    from jaxserve.quantization.weights import Fp8Weight
+    from tiny_models import PagedRunner
+
+    src = os.path.join(FIXTURES, "tiny-deepseek-v3")
+    ref = _fp8_folder(str(tmp_path / "fp8"), src, lambda n: "experts" in n or "kv_b_proj" in n,
+                      ["re:.*self_attn.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)"])
+    os.makedirs(tmp_path / "float")
+    save_file(ref, str(tmp_path / "float" / "model.safetensors"))
+    shutil.copy(os.path.join(src, "config.json"), tmp_path / "float")
+    fp8 = load_model(str(tmp_path / "fp8"), dtype="float32")
+    assert fp8.params["layers"][1]["experts_gate_up"].dtype == np.float32
+    prompt = json.load(open(os.path.join(src, "golden.json")))["prompt_ids"]
+    got, want = (PagedRunner(m, max_reqs=1, max_len=16).prompt_logits(prompt)
+                 for m in (fp8, load_model(str(tmp_path / "float"), dtype="float32")))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    _fp8_folder(str(tmp_path / "all"), src, lambda n: ("self_attn." in n and "layernorm" not in n) or "experts" in n)
+    layer1 = load_model(str(tmp_path / "all"), dtype="float32").params["layers"][1]
+    assert all(isinstance(layer1[n], Fp8Weight) for n in ("q_a", "q_b", "kv_a", "o"))
+    assert not isinstance(layer1["kv_b"], Fp8Weight) and len(prompt) == 10
+
+
+@pytest.mark.parametrize("name,architecture,billions,latent", [
+    ("deepseek-v2-lite", "DeepseekV2ForCausalLM", 15.71, 576), ("deepseek-v3-6l", "DeepseekV3ForCausalLM", 38.13, 576)])
+def test_deepseek_dummy_configs(name, architecture, billions, latent):
+    """The public shapes: parameter counts, the 576-value latent row (a block of 16 tokens over all layers is
+    ``16 * 576 * layers`` values), expert parallelism over 8 devices."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models import registry
+    from jaxserve.models.configs import model_config_from_hf, read_json
+    from jaxserve.models.layers.moe import with_expert_parallel
+    from jaxserve.models.packaged import DUMMY_CONFIG_DIR
+    from jaxserve.parallel import check_tp_compatible
+    from jaxserve.runner import kv_cache
+
+    cfg = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / f"{name}.json")))
+    arch, family = registry.resolve_architecture(cfg.architecture)
+    family.check_config(cfg)
+    shapes = jax.tree.leaves(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    assert arch == architecture
+    assert sum(int(np.prod(s)) for s in shapes) / 1e9 == pytest.approx(billions, abs=0.01)
+    assert family.kv_cache_shapes(cfg, 2, 16, jnp.bfloat16) == ((2, 16, latent),)
+    assert kv_cache.bytes_per_block(cfg, 16, jnp.bfloat16) == cfg.num_layers * 16 * latent * 2
+    check_tp_compatible(with_expert_parallel(cfg, True), 8)
+
+
+def test_deepseek_bench_configs():
+    """The H200 DeepSeek configs validate and name DeepSeek models; the suite lists them."""
+    from jaxserve.benchmarks.config import load_config
+    from jaxserve.benchmarks.models import resolve_model
+    from jaxserve.benchmarks.suites import load_suite
+
+    suite = load_suite("h200-deepseek")
+    names = [c for run in suite["runs"] for c in run["configs"]]
+    for name in names:
+        config = load_config(name)
+        if config["mode"] != "kernels":
+            assert resolve_model(config)[0].architecture.startswith("Deepseek")
+    assert len(names) == 7
+
+
+def test_deepseek_orbax_round_trip(tmp_path):
+    """``convert`` keeps the MLA and routing config (q LoRA, groups, router bias) and the stacked experts."""
+    check_orbax_round_trip("tiny-deepseek-v3", str(tmp_path / "ckpt"))

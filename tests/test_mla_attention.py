@@ -1,0 +1,120 @@
+"""The reference MLA attention (kernels/mla_ref.py, absorbed over the paged latent cache) against a naive
+decompressed attention: K and V expanded per head from the latents (``c_kv · W_UK`` with the shared rotary key,
+``c_kv · W_UV``), causal softmax attention per request, on random ragged steps (decodes, prefill chunks over a
+cached prefix, odd lengths, many pages, padding); the latent write; the fp8 latent cache; the ops dispatch."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels import mla_ref, ops
+from jaxserve.kernels.ref_attention import token_layout
+from synthetic import make_batch
+
+
+def latent_batch(rng, q_lens, ctx_lens, *, heads, rank, rope, block_size, pad_tokens=0, pad_reqs=0):
+    """A random step over a random latent cache ``[num_blocks, block_size, rank + rope]``: (q_nope, q_rope, cache,
+    md, W_UK, W_UV) with 16-wide no-rope query heads and 12-wide value heads."""
+    q, k, _, md = make_batch(rng, q_lens, ctx_lens, block_size=block_size, num_q_heads=heads, num_kv_heads=1,
+                             head_dim=rank + rope, dtype=jnp.float32, pad_tokens=pad_tokens, pad_reqs=pad_reqs)
+    cache = k[:, 0]                                         # [num_blocks, block_size, rank + rope]
+    w_uk = jnp.asarray(rng.standard_normal((rank, heads, 16), np.float32) / np.sqrt(rank))
+    w_uv = jnp.asarray(rng.standard_normal((rank, heads, 12), np.float32) / np.sqrt(rank))
+    q_nope = jnp.asarray(rng.standard_normal((q.shape[0], heads, 16), np.float32))
+    return q_nope, q[..., rank:], cache, md, w_uk, w_uv
+
+
+def naive_decompressed(q_nope, q_rope, cache, md, w_uk, w_uv, sm_scale):
+    """Per token: its request's context rows gathered, K/V decompressed per head, causal softmax (numpy)."""
+    q_nope, q_rope, cache, w_uk, w_uv = (np.asarray(x, np.float64) for x in (q_nope, q_rope, cache, w_uk, w_uv))
+    rank, bs = w_uk.shape[0], cache.shape[1]
+    req, qpos, valid = (np.asarray(x) for x in token_layout(md, q_nope.shape[0]))
+    tables = np.asarray(md.block_tables)
+    out = np.zeros((q_nope.shape[0], q_nope.shape[1], w_uv.shape[2]))
+    for t in range(q_nope.shape[0]):
+        if not valid[t]:
+            continue
+        pos = np.arange(qpos[t] + 1)
+        rows = cache[tables[req[t], pos // bs], pos % bs]                      # [ctx, rank + rope]
+        k = np.concatenate([np.einsum("cr,rhd->hcd", rows[:, :rank], w_uk),
+                            np.broadcast_to(rows[None, :, rank:], (w_uk.shape[1], len(pos), rows.shape[1] - rank))],
+                           axis=-1)
+        v = np.einsum("cr,rhd->hcd", rows[:, :rank], w_uv)
+        q = np.concatenate([q_nope[t], q_rope[t]], axis=-1)                     # [H, dn + rope]
+        s = np.einsum("hd,hcd->hc", q, k) * sm_scale
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[t] = np.einsum("hc,hcd->hd", p / p.sum(-1, keepdims=True), v)
+    return out
+
+
+def absorbed(q_nope, q_rope, cache, md, w_uk, w_uv, sm_scale, **kwargs):
+    q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+    out = mla_ref.mla_paged_attention(q_latent, q_rope, cache, md, sm_scale=sm_scale, kv_lora_rank=w_uk.shape[0],
+                                      **kwargs)
+    return np.asarray(jnp.einsum("thr,rhv->thv", out, w_uv))
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,heads,rank,rope,block_size,pages_per_step", [
+    ([1, 1, 1], [1, 17, 40], 4, 32, 8, 4, 8),                  # decodes, odd lengths
+    ([5, 1, 9], [5, 33, 70], 8, 64, 16, 16, 2),                # a fresh prompt, a decode, a chunk over a prefix
+    ([3, 7], [29, 7], 2, 128, 32, 8, 3),                       # many pages, chunks that end mid-page
+])
+def test_mla_reference_matches_decompressed_attention(q_lens, ctx_lens, heads, rank, rope, block_size,
+                                                      pages_per_step):
+    rng = np.random.default_rng(sum(ctx_lens))
+    batch = latent_batch(rng, q_lens, ctx_lens, heads=heads, rank=rank, rope=rope, block_size=block_size,
+                         pad_tokens=3, pad_reqs=1)
+    scale = (16 + rope) ** -0.5
+    got = absorbed(*batch, scale, pages_per_step=pages_per_step)
+    want = naive_decompressed(*batch, scale)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    assert not got[sum(q_lens):].any()                          # padding tokens give zeros
+
+
+def test_write_latent_then_attend_sees_the_step():
+    """``write_latent_and_attend`` stores the step's rows at their slots first (padding goes to the null
+    block), so a fresh prompt attends to itself."""
+    rng = np.random.default_rng(0)
+    q_nope, q_rope, cache, md, w_uk, w_uv = latent_batch(rng, [6, 1], [6, 9], heads=2, rank=32, rope=8,
+                                                         block_size=4, pad_tokens=2)
+    latent = jnp.asarray(rng.standard_normal((q_nope.shape[0], 40), np.float32))
+    q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+    out, new_cache = ops.write_latent_and_attend(q_latent, q_rope, latent, cache, md, sm_scale=0.2, kv_lora_rank=32)
+    slots = np.asarray(md.slot_mapping)[:7]
+    flat = np.asarray(new_cache).reshape(-1, 40)
+    np.testing.assert_array_equal(flat[slots], np.asarray(latent)[:7])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(mla_ref.mla_paged_attention(
+        q_latent, q_rope, new_cache, md, sm_scale=0.2, kv_lora_rank=32)), rtol=0, atol=0)
+
+
+def test_fp8_latent_cache():
+    """An e4m3 latent cache stores ``x / scale`` saturated; attention dequantizes with the same scale and
+    stays close to the float cache's result."""
+    rng = np.random.default_rng(1)
+    q_nope, q_rope, cache, md, w_uk, w_uv = latent_batch(rng, [1, 4], [23, 12], heads=4, rank=32, rope=8,
+                                                         block_size=8)
+    scale = 0.05
+    fp8 = mla_ref.quantize_latent(cache, jnp.float8_e4m3fn, scale)
+    assert fp8.dtype == jnp.float8_e4m3fn
+    written = mla_ref.write_latent(jnp.zeros_like(fp8), cache[1, :2] * 1000, jnp.asarray([8, 9]), scale=scale)
+    assert float(jnp.abs(written.astype(jnp.float32)).max()) == 448.0          # saturated, not inf
+    want = absorbed(q_nope, q_rope, cache, md, w_uk, w_uv, 0.3)
+    got = absorbed(q_nope, q_rope, fp8, md, w_uk, w_uv, 0.3, scale=scale)
+    np.testing.assert_allclose(got, want, atol=0.1, rtol=0.1)
+
+
+def test_mla_dispatch():
+    """The reference backend is mla_ref; the Pallas backends need a GPU (or interpret); an unknown backend
+    is refused."""
+    rng = np.random.default_rng(2)
+    q_nope, q_rope, cache, md, w_uk, _ = latent_batch(rng, [1], [5], heads=2, rank=32, rope=8, block_size=4)
+    q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+    out = ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=32)
+    assert out.shape == q_latent.shape
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=32, backend="flash")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+            ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=32, backend="pallas")

@@ -176,37 +176,26 @@ def write_latent(latent_cache, latent, slot_mapping, *, backend: str = "referenc
     return mla_ref.write_latent(latent_cache, latent, slot_mapping, scale=scale)
 
 
-def _mla_pallas():
-    """The Pallas MLA kernel module, or None while it is not part of the tree."""
-    try:
-        from . import mla_decode_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
-    except ImportError:
-        return None
-    return mla_decode_pallas
-
-
 def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *, sm_scale: float,
                   kv_lora_rank: int, backend: str = "reference", scale=None, interpret: bool = False,
                   **pallas_options):
     """Absorbed MLA over the paged latent cache: ``[T, H, R]`` latent outputs (``mla_ref`` has the semantics).
 
-    ``reference``: ``mla_ref``. The Pallas backends: ``mla_decode_pallas.mla_paged_attention`` (same
-    signature) for decode-only steps, and for mixed steps too when that module says it takes them
-    (``SUPPORTS_PREFILL``); otherwise, and while the module is absent, the reference (XLA on the GPU)."""
+    ``reference``: ``mla_ref``. The Pallas backends: steps whose requests all decode one token run
+    ``mla_decode_pallas.mla_paged_attention`` (one page load serves a group of heads); steps with prefill
+    chunks run the reference under XLA (the kernel takes them only one token a program, re-reading the
+    context for each)."""
     _check_backend(backend)
-    kernel = None
-    if backend != "reference":
-        _check_gpu(interpret)
-        kernel = _mla_pallas()
-        if kernel is not None and not (md.decode_only or getattr(kernel, "SUPPORTS_PREFILL", False)):
-            kernel = None
-    if kernel is None:
+    if backend == "reference" or not md.decode_only:
+        if backend != "reference":
+            _check_gpu(interpret)
         return mla_ref.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                            kv_lora_rank=kv_lora_rank, scale=scale)
-    if scale is not None:
-        pallas_options["scale"] = scale
-    return kernel.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
-                                      kv_lora_rank=kv_lora_rank, interpret=interpret, **pallas_options)
+    _check_gpu(interpret)
+    from . import mla_decode_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
+    return mla_decode_pallas.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
+                                                 kv_lora_rank=kv_lora_rank, kv_scale=scale, interpret=interpret,
+                                                 **pallas_options)
 
 
 def write_latent_and_attend(q_nope_latent, q_rope, latent, latent_cache, md: AttentionMetadata, *,

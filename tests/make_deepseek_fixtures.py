@@ -1,4 +1,4 @@
-"""Golden fixtures of the DeepSeek family (tests/test_deepseek_models.py), made the way
+"""Golden fixtures of the DeepSeek family (tests/models/test_deepseek_models.py), made the way
 tests/make_model_fixtures.py makes the others (``make_tiny``: random bf16-exact weights, HF reading the saved
 folder in float32, a greedy path without near-ties).
 

@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.kernels import mla_ref, ops
 from jaxserve.kernels.ref_attention import token_layout
-from synthetic import make_batch
+from support.synthetic import make_batch
 
 
 def latent_batch(rng, q_lens, ctx_lens, *, heads, rank, rope, block_size, pad_tokens=0, pad_reqs=0):
@@ -118,3 +118,24 @@ def test_mla_dispatch():
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
             ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=32, backend="pallas")
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_the_pallas_backends_run_the_decode_kernel_on_decode_steps(decode_only):
+    """A decode-only step under the Pallas backends runs mla_decode_pallas (interpreted here), a step with a
+    prefill chunk the reference; both agree with the reference backend, an fp8 cache's scale included."""
+    import dataclasses
+    rng = np.random.default_rng(3)
+    q_lens = [1, 1, 1] if decode_only else [1, 3]
+    ctx = [9, 17, 30] if decode_only else [9, 17]
+    q_nope, q_rope, cache, md, w_uk, _ = latent_batch(rng, q_lens, ctx, heads=4, rank=32, rope=16, block_size=8)
+    md = dataclasses.replace(md, decode_only=decode_only)
+    q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+    scale = jnp.float32(0.5)
+    fp8 = mla_ref.quantize_latent(cache, jnp.float8_e4m3fn, scale)
+    for c, s in ((cache, None), (fp8, scale)):
+        want = ops.mla_attention(q_latent, q_rope, c, md, sm_scale=0.2, kv_lora_rank=32, scale=s)
+        got = ops.mla_attention(q_latent, q_rope, c, md, sm_scale=0.2, kv_lora_rank=32, scale=s, backend="pallas",
+                                interpret=True)
+        n = int(md.query_start_loc[int(md.num_seqs)])
+        np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=2e-3, rtol=2e-3)

@@ -14,12 +14,13 @@ import sys
 
 import pytest
 
-from fake_devices import fake_device_report
+import support
+from support.fake_devices import fake_device_report
 
 NUM_DEVICES = 2
 CASES = [("tiny-deepseek-v2", False), ("tiny-deepseek-v2", True), ("tiny-deepseek-v2-lite", False),
          ("tiny-deepseek-v3", True)]
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
+FIXTURES = os.path.join(support.FIXTURES, "models")
 
 
 def _worker() -> dict:
@@ -28,7 +29,7 @@ def _worker() -> dict:
 
     from jaxserve import parallel
     from jaxserve.models.loader import load_model
-    from tiny_models import PagedRunner
+    from support.tiny_models import PagedRunner
 
     assert jax.device_count() == NUM_DEVICES, jax.devices()
     report = {}
@@ -73,5 +74,5 @@ def test_deepseek_parallel_matches_hf(report, case):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, support.TESTS)
     print(json.dumps(_worker()))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models.loader import load_model
-from tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
+from support.tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
                          check_orbax_round_trip, engine_with_preemption, load_tiny)
 
 DEEPSEEK = ["tiny-deepseek-v2", "tiny-deepseek-v2-lite", "tiny-deepseek-v3"]
@@ -140,7 +140,7 @@ def test_deepseek_fp8_block_checkpoint(tmp_path):
     from safetensors.numpy import save_file
 
     from jaxserve.quantization.weights import Fp8Weight
-    from tiny_models import PagedRunner
+    from support.tiny_models import PagedRunner
 
     src = os.path.join(FIXTURES, "tiny-deepseek-v3")
     ref = _fp8_folder(str(tmp_path / "fp8"), src, lambda n: "experts" in n or "kv_b_proj" in n,

@@ -17,10 +17,10 @@ from jaxserve.errors import ModelLoadError
 @functools.cache
 def decoder_families() -> tuple[Any, ...]:
     """Every decoder family's ``DecoderFamily``."""
-    from jaxserve.models import cohere, gemma, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe  # noqa: PLC0415
+    from jaxserve.models import cohere, gemma, llama, llava, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe  # noqa: PLC0415
 
     return (llama.FAMILY, gemma.FAMILY, qwen3.FAMILY, phi3.FAMILY, cohere.FAMILY, mixtral.FAMILY,
-            qwen2_moe.FAMILY, qwen3_moe.FAMILY)
+            qwen2_moe.FAMILY, qwen3_moe.FAMILY, llava.FAMILY)
 
 
 @functools.cache

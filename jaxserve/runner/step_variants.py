@@ -46,8 +46,8 @@ from jaxserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, *, layout,
-               decode_only=False, max_seq_len=None):
+def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_embeds=None,
+               mm_rows=None, *, layout, decode_only=False, max_seq_len=None):
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
@@ -56,9 +56,11 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
     # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
+    # a multimodal step (its own executables): image embeddings over their token rows
+    mm = {} if mm_embeds is None else {"mm_embeds": mm_embeds, "mm_rows": mm_rows}
     hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
-                                                              attn_backend=backend) if expert_load else \
-        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend), None)
+                                                              attn_backend=backend, **mm) if expert_load else \
+        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **mm), None)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
     return (kv_caches, logits, load) if expert_load else (kv_caches, logits)

@@ -180,11 +180,13 @@ class DecoderModel(nnx.Module):
             self.lm_head = _param((h, cfg.vocab_size), COLUMN)
 
     def __call__(self, kv_caches: list, input_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
-                 backend: str):
+                 backend: str, mm_embeds: jax.Array | None = None, mm_rows: jax.Array | None = None):
         spec, eps = self.spec, self.cfg.rms_norm_eps
         x = jnp.take(_w(self.embed), input_ids, axis=0)
         if spec.embed_scale is not None:
             x = x * jnp.asarray(spec.embed_scale, x.dtype)
+        if mm_embeds is not None:       # image embeddings over their token rows (padding rows point past T)
+            x = x.at[mm_rows].set(mm_embeds.astype(x.dtype), mode="drop")
         cos_sin = [r.cos_sin(positions, x.dtype) for r in spec.rotaries]
         layers = list(self.layers)
         next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
@@ -306,19 +308,24 @@ class DecoderFamily:
         return self._metadata(cfg, lambda v: v.get_metadata()["init"])
 
     def forward(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
-                md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference"):
-        """One ragged step: ``input_ids``/``positions`` ``[T]`` int32 → ``(hidden [T, hidden_size], kv_caches)``."""
+                md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference", mm_embeds=None,
+                mm_rows=None):
+        """One ragged step: ``input_ids``/``positions`` ``[T]`` int32 → ``(hidden [T, hidden_size], kv_caches)``.
+        ``mm_embeds [E, hidden]`` / ``mm_rows [E]``: image embeddings and the token rows they replace (a
+        multimodal step; rows ``>= T`` are padding)."""
         hidden, kv_caches, _ = self.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
-                                                             attn_backend=attn_backend)
+                                                             attn_backend=attn_backend, mm_embeds=mm_embeds,
+                                                             mm_rows=mm_rows)
         return hidden, kv_caches
 
     def forward_with_expert_load(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
-                                 md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference"):
+                                 md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference",
+                                 mm_embeds=None, mm_rows=None):
         """``forward`` and the tokens routed to each expert of each MoE layer ``[L_moe, E]`` int32 (None for a
         dense model): the engine's expert-load statistics, from the step itself."""
         graphdef, _ = self.abstract(cfg)
         model = nnx.merge(graphdef, _to_internal(params))
-        return model(kv_caches, input_ids, positions, md, attn_backend)
+        return model(kv_caches, input_ids, positions, md, attn_backend, mm_embeds, mm_rows)
 
     def compute_logits(self, params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
         """``hidden [N, hidden_size]`` → logits ``[N, vocab]`` in float32 (float32 accumulation)."""

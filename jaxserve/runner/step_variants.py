@@ -10,6 +10,8 @@ Multi-step decoding adds a third executable per decode bucket (``multi_step``).
 
 A variant's key:
 - ``("forward", T, decode_only[, SHORT_SEQ_LEN])``: the forward over a bucket of T tokens;
+- ``("forward-mm", T, E)``: the forward of a step with image tokens (E: their padded count), compiled on
+  first use; a step without image tokens runs the plain forward;
 - ``("sample", num_logprobs, filtering, masked, s_layout)``: the sampler for ``s_layout``'s request count;
 - ``("decode-loop", T, num_logprobs, filtering, s_layout)``: a multi-step decode.
 
@@ -46,8 +48,8 @@ from jaxserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_embeds=None,
-               mm_rows=None, *, layout, decode_only=False, max_seq_len=None):
+def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
+               mm_index=None, *, layout, decode_only=False, max_seq_len=None):
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
@@ -56,8 +58,9 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
     # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
-    # a multimodal step (its own executables): image embeddings over their token rows
-    mm = {} if mm_embeds is None else {"mm_embeds": mm_embeds, "mm_rows": mm_rows}
+    # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
+    # token rows (``mm_index``: [token rows, slab rows], ``encoder_cache.EncoderCache.gather``)
+    mm = {} if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0]}
     hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
                                                               attn_backend=backend, **mm) if expert_load else \
         (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **mm), None)
@@ -101,7 +104,8 @@ class StepVariants(StepCompiler):
             loop_out = {"out_shardings": (kv_sh, rep, rep, *load_out)}
         self.replicated = rep
         # what each kind's jit is given besides its static arguments (a stored program's call gets the same)
-        self._jit_kwargs = {"forward": {"donate_argnums": (1,), **fwd_out}, "sample": samp_out,
+        self._jit_kwargs = {"forward": {"donate_argnums": (1,), **fwd_out},
+                            "forward-mm": {"donate_argnums": (1,), **fwd_out}, "sample": samp_out,
                             "decode-loop": {"donate_argnums": (1,), **loop_out}}
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None),
@@ -152,6 +156,7 @@ class StepVariants(StepCompiler):
         # rebuilt whenever more executables are ready
         self._routes: dict[tuple[int, bool], tuple[int, bool]] = {}
         self._routes_at = -1
+        self._mm_slab_spec: dict = {}        # ("forward-mm", T, E) -> the encoder slab's shape it reads
 
     # ---------------------------------------------------------------- which executable a step runs
     def shape_for(self, num_tokens: int, all_decode: bool) -> tuple[int, int, bool]:
@@ -186,6 +191,14 @@ class StepVariants(StepCompiler):
             and self.get(("forward", T, True, SHORT_SEQ_LEN))
         return fwd or self.get(("forward", T, md.decode_only)) or \
             self.need(("forward", T, md.decode_only), f"a step of {T} tokens")
+
+    def forward_mm_for(self, T: int, E: int, slab):
+        """The forward of a step of bucket ``T`` with ``E`` (padded) image-token rows (compiled now if need be)."""
+        key = ("forward-mm", T, E)
+        if key not in self._mm_slab_spec:
+            self._mm_slab_spec[key] = jax.ShapeDtypeStruct(slab.shape, slab.dtype,
+                                                           sharding=getattr(slab, "sharding", None))
+        return self.get(key) or self.need(key, f"a step of {T} tokens with {E} image tokens")
 
     def sampler_for(self, key):
         """A sampler variant; one no step has needed yet (logprobs, penalties, a bitmask, ...) is compiled now
@@ -233,6 +246,13 @@ class StepVariants(StepCompiler):
             ints, layout = self.padding_inputs(T)
             fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec)
             static = {"layout": layout, "decode_only": decode_only, "max_seq_len": bound[0] if bound else None}
+        elif kind == "forward-mm":
+            _, T, E = key
+            ints, layout = self.padding_inputs(T)
+            index = jax.ShapeDtypeStruct((2, E), jnp.int32)
+            fn = self.forward
+            args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec[key], index)
+            static = {"layout": layout, "decode_only": False, "max_seq_len": None}
         elif kind == "sample":
             _, num_logprobs, filtering, masked, s_layout = key
             R = s_layout[0].shape[0]

@@ -231,14 +231,15 @@ class DecoderModel(nnx.Module):
 
 # ----------------------------------------------------------------------------------- the family interface
 def _to_external(pure: dict) -> dict:
-    """nnx's pure dict (layers keyed 0..n-1) → the weight pytree (layers as a list)."""
-    out = dict(pure)
+    """nnx's pure dict (layers keyed 0..n-1) → the weight pytree (layers as a list; a sub-model's too, e.g. a
+    vision tower's: stored programs take only string-keyed dicts)."""
+    out = {k: _to_external(v) if isinstance(v, dict) and "layers" in v else v for k, v in pure.items()}
     out["layers"] = [pure["layers"][i] for i in range(len(pure["layers"]))]
     return out
 
 
 def _to_internal(params: dict) -> dict:
-    out = dict(params)
+    out = {k: _to_internal(v) if isinstance(v, dict) and "layers" in v else v for k, v in params.items()}
     out["layers"] = dict(enumerate(params["layers"]))
     return out
 

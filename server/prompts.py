@@ -8,6 +8,7 @@ from functools import partial
 from typing import Any, Callable, TypeVar
 
 import anyio
+import msgspec
 
 from jaxserve.errors import InvalidRequestError
 from jaxserve.multimodal.chat import image_conversation, template_reads_parts
@@ -118,7 +119,7 @@ class PromptRenderer:
         """The conversation with its image parts (``multimodal.chat``): what a vision model's template reads."""
         if not (self.reads_parts or any(m.num_images() for m in messages)):
             return conversation
-        raw = [dict(c, content=m.content) if isinstance(m.content, list) else c
+        raw = [dict(c, content=msgspec.to_builtins(m.content)) if isinstance(m.content, list) else c
                for c, m in zip(conversation, messages)]
         try:
             out, urls = image_conversation(raw, template, self.images.placeholder, self.images.limit)

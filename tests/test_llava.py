@@ -111,7 +111,8 @@ def test_batched_with_text_only_requests(llm):
     expect = [CASES["text_only"]] + raw + [CASES["text_only"]]
     assert [list(o.outputs[0].token_ids) for o in outs] == [c["greedy_ids"] for c in expect]
     stats = llm.engine.stats()
-    assert stats["images_total"] >= 1 and stats["encoder_ms_total"] > 0
+    assert stats["request_images_total"] >= 2 and stats["requests_with_images_total"] >= 2
+    assert stats["images_encoded_total"] >= 1 and stats["encoder_seconds_total"] > 0
 
 
 def test_prefix_cache_same_image_shares_and_other_image_does_not():

@@ -92,6 +92,7 @@ class EngineCore:
         self._lookahead = 1 if config.async_scheduling else 0
         self._scorer = None
         self._step_ms = 0.0                       # wall time inside step(), summed (host + device waits)
+        self._images = [0, 0]                     # images in requests, requests with images (stats)
         self.multi_process = self.executor.multi_process
         self.embedder = self.runner = self.scheduler = self.kv_manager = self.encoder_cache = None
         t0 = time.perf_counter()
@@ -152,6 +153,9 @@ class EngineCore:
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                       arrival_time=arrival_time, sampling_seed=sampling_seed, priority=priority,
                       cache_salt=cache_salt, mm_features=mm_features)
+        if mm_features:
+            self._images[0] += len(mm_features)
+            self._images[1] += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]    # the first position has no logprob; the rest come chunk by chunk
             if self._scorer is None:
@@ -327,8 +331,8 @@ class EngineCore:
             s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0)
         s.update(self.structured_output.stats())
         if self.encoder_cache is not None:
-            enc = self.runner.encoder
-            s.update(self.encoder_cache.stats(), encoder_ms_total=enc.encode_ms, images_total=enc.num_images)
+            s.update(self.encoder_cache.stats(), encoder_seconds_total=self.runner.encoder.encode_ms / 1e3,
+                     request_images_total=self._images[0], requests_with_images_total=self._images[1])
         return s
 
     def wait_compiled(self, timeout: float | None = None) -> bool:

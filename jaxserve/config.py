@@ -144,6 +144,16 @@ class SchedulerConfig:
             raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
 
 
+def _names(value: Any, flag: str) -> tuple[str, ...] | None:
+    """``a b`` / ``a,b`` / a YAML list → ("a", "b")."""
+    if not value:
+        return None
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(x, str) for x in items):
+        raise ValueError(f"{flag} takes names, got {value!r}")
+    return tuple(x.strip() for item in items for x in item.split(",") if x.strip())
+
+
 def _json_dict(value: Any) -> dict:
     """A JSON object (``'{"image": 2}'``), or a dict already (LLM keyword arguments, YAML)."""
     if isinstance(value, dict):
@@ -169,7 +179,8 @@ class MultiModalConfig:
     allowed_local_media_path: str | None = option(
         None, help="file:// image URLs are read only under this folder (default: refused)")
     allowed_media_domains: tuple[str, ...] | None = option(
-        None, nargs="+", help="http(s) image URLs only from these host names (default: any)")
+        None, nargs="+", convert=lambda v: _names(v, "--allowed-media-domains"),
+        help="http(s) image URLs only from these host names, e.g. a.com b.org or a.com,b.org (default: any)")
     media_fetch_timeout: float = option(10.0, help="seconds an http(s) image URL may take to fetch")
     max_image_pixels: int = option(64 * 1024 * 1024,
                                    help="largest image accepted, in pixels (checked before it is decoded)")

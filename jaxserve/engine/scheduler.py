@@ -80,8 +80,7 @@ class SchedulerOutput:
     # Entries with one new token (decodes) first, then multi-token prefill chunks.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_steps: int = 1              # > 1: a multi-step decode (every entry decodes, for up to this many steps)
-    # requests with images whose prompt chunks this step computes (None: none): their images are released
-    # once computed (``update_from_output``)
+    # requests with images whose prompt chunks this step computes (their images released once computed), or None
     mm_requests: list[Request] | None = None
 
     @property
@@ -204,8 +203,8 @@ class Scheduler:
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
                 continue
-            if num_new == 1 and not self.num_scoring and not (
-                    enc is not None and req.mm_features is not None and req.num_computed_tokens < req.num_prompt_tokens):
+            if num_new == 1 and not self.num_scoring and (enc is None or req.mm_features is None
+                                                          or req.num_computed_tokens >= req.num_prompt_tokens):
                 # a decode inside its last block (15 of 16 steps): allocate_slots' and _scheduled's
                 # common case inlined, once per running request per step
                 blocks = req_to_blocks.get(req.request_id)
@@ -416,7 +415,8 @@ class Scheduler:
             req = s.request
             extra = min(len(req._all_token_ids) - s.start_pos - s.num_new_tokens, budget)
             # (a prompt with images keeps its chunk: a longer one may reach an image not scheduled to encode)
-            if extra <= 0 or _scores_prompt(req) or req.mm_features is not None or kv.allocate_slots(req, s.num_new_tokens + extra) is None:
+            if extra <= 0 or _scores_prompt(req) or req.mm_features is not None \
+                    or kv.allocate_slots(req, s.num_new_tokens + extra) is None:
                 continue
             s.num_new_tokens += extra
             s.block_ids = kv.live_block_ids(req.request_id)

@@ -98,7 +98,8 @@ class LLM:
         batch = []                               # every request, queued at once
         for (text, ids, salt), params, prio, images in zip(items, params_list, priorities, _images(prompts)):
             if ids is None:
-                ids = self.tokenizer.encode(text)
+                ids = eng.images.encode(text, True) if images and eng.images.splits_placeholder else \
+                    self.tokenizer.encode(text)
             features = None
             if images or (eng.facts().is_multimodal and eng.images.processing.count_placeholders(ids)):
                 ids, features = eng.images.process(ids, images)
@@ -181,8 +182,15 @@ class LLM:
                 imgs = self.engine.images
                 c, urls = image_conversation(c, template, imgs.placeholder if vision else "", imgs.limit)
                 images = [imgs.load(u) for u in urls]
-            ids = self.apply_chat_template(c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
+            if images and self.engine.images.splits_placeholder:
+                text = self.tokenizer.apply_chat_template(c, chat_template=template, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt,
+                                                          **(chat_template_kwargs or {}))
+                ids = self.engine.images.encode(text, False)
+            else:
+                ids = self.apply_chat_template(c, chat_template=chat_template,
+                                               add_generation_prompt=add_generation_prompt,
+                                               **(chat_template_kwargs or {}))
             prompts.append({"prompt": None, "prompt_token_ids": ids, "multi_modal_data": {"image": images}})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -27,11 +27,15 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         chat_template_kwargs=req.template_kwargs(), tools=plan.tools, documents=req.documents,
         image_urls=image_urls)
     # the template already holds BOS and friends: vLLM encodes it without adding special tokens unless asked
-    ids = await serving.prompts.encode(text, add_special_tokens=req.add_special_tokens, what="messages")
+    images = serving.prompts.images
+    if image_urls and images.splits_placeholder:
+        ids = images.encode(text, req.add_special_tokens)
+    else:
+        ids = await serving.prompts.encode(text, add_special_tokens=req.add_special_tokens, what="messages")
     if not ids:
         raise bad_request("the messages rendered to an empty prompt", "messages")
     features = None
-    if serving.prompts.images is not None and (image_urls or serving.prompts.images.processing.image_token_id in ids):
+    if images is not None and (image_urls or images.processing.image_token_id in ids):
         ids, features = await serving.prompts.prepare_images(ids, image_urls)
     prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt, mm_features=features)
     max_tokens = resolve_max_tokens(serving, len(ids), req.requested_max_tokens(), "messages")

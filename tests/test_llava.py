@@ -98,6 +98,16 @@ def test_greedy_matches_hf(llm, name):
     assert list(out.outputs[0].token_ids) == CASES[name]["greedy_ids"]
 
 
+def test_tokenizing_around_the_placeholder_equals_the_tokenizer(llm):
+    """What a dummy model served with another model's tokenizer does (split the text at each placeholder)
+    gives the ids of a tokenizer that has the placeholder as a special token."""
+    images = llm.engine.images
+    assert not images.splits_placeholder
+    for case in CASES.values():
+        text = case["prompt"]
+        assert images.encode(text, False) == llm.tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_batched_with_text_only_requests(llm):
     """Image prompts and text prompts in one batch: each as alone."""
     from jaxserve.sampling_params import SamplingParams

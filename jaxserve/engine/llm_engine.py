@@ -150,6 +150,9 @@ class RequestBuilder:
         if not facts.is_multimodal:
             raise InvalidRequestError(f"the model {facts.served_model_name} does not take images (a text-only "
                                       "model): send text content only", param="messages")
+        if facts.multi_process:
+            raise InvalidRequestError("images are not supported when the model is spread over several processes "
+                                      "(--num-processes / --distributed-executor-backend mp)", param="messages")
         budget, _ = facts.config.scheduler.encoder_limits()
         for f in features:
             if f.length > budget:
@@ -230,6 +233,23 @@ class MultiModalInputs:
 
     def load(self, url: str) -> Any:
         return load_image_url(url, self.media)
+
+    @functools.cached_property
+    def splits_placeholder(self) -> bool:
+        """The tokenizer does not spell the placeholder as the image token (random weights served with another
+        model's tokenizer): prompts with images are tokenized around the placeholder (``encode``)."""
+        p = self.processing
+        return self.facts.tokenizer.encode(p.image_token, add_special_tokens=False) != [p.image_token_id]
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``text`` tokenized with each placeholder as the image token, as a tokenizer that has it as a special
+        token does (it splits the text there)."""
+        p, tok = self.processing, self.facts.tokenizer
+        first, *rest = text.split(p.image_token)
+        ids = list(tok.encode(first, add_special_tokens=add_special_tokens))
+        for piece in rest:
+            ids += [p.image_token_id, *tok.encode(piece, add_special_tokens=False)]
+        return ids
 
     def process(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], list]:
         """(the prompt with its image tokens expanded, the images' features)."""

@@ -289,12 +289,11 @@ class Scheduler:
                     enc.release_all(req)
                     break
                 cost = self._cost(req, num_new) if scores else num_new
+                mm_requests = (mm_requests or []) + [req]     # (harmless if it does not run: nothing computed)
             if kv.allocate_slots(req, num_new, computed_blocks) is None:
                 if encode is not None:
                     enc.cancel(req, encode)
                 break
-            if encode is not None:
-                mm_requests = (mm_requests or []) + [req]
             self.waiting.popleft()
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit_tokens

@@ -28,6 +28,14 @@ def _read(folder: str | None, name: str) -> dict:
         return json.load(f)
 
 
+def _thaw(value: Any) -> Any:
+    """A dict that ``ModelConfig.extra`` froze into ``((key, value), ...)`` pairs, as a dict again."""
+    if isinstance(value, tuple) and value and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                                  for p in value):
+        return {k: _thaw(v) for k, v in value}
+    return value
+
+
 def _pil_image_processor(config: dict, kwargs: dict) -> Any:
     import transformers  # noqa: PLC0415  (only multimodal models pay for the import)
 
@@ -60,7 +68,7 @@ class ImageProcessing:
     def from_folder(cls, folder: str | None, model_extra: dict, processor_kwargs: dict | None = None):
         proc = _read(folder, "processor_config.json")
         image_config = _read(folder, "preprocessor_config.json") or proc.get("image_processor") \
-            or dict(model_extra.get("image_processor") or {})
+            or _thaw(model_extra.get("image_processor") or ())
         if not image_config:
             raise ModelLoadError(f"{folder}: no preprocessor_config.json (the image processor's settings)")
         patch = int(proc.get("patch_size") or model_extra.get("patch_size") or 14)

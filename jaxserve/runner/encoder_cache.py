@@ -8,9 +8,10 @@ image the scheduler admits always finds rows here; evicted hashes come back thro
 ``encode(features)`` runs the family's ``encode_images`` over the step's new images, batched across
 requests by pixel shape (the patch count) into batch buckets of powers of two, and writes each image's
 rows into the slab in the same jitted call (the slab is donated: updated in place). ``gather(scheduled)``
-gives the decoder step its ``[2, E]`` index (token row, slab row) for the image tokens of the step's
-chunks, padded to a bucket of E (padding rows point past the step's tokens and are dropped): the step
-reads the embeddings from the slab itself, so no per-step device op builds them.
+gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the step's
+chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
+image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
+device op builds them.
 """
 from __future__ import annotations
 
@@ -23,20 +24,11 @@ import numpy as np
 
 from jaxserve.multimodal.inputs import overlapping
 
-MIN_MM_BUCKET = 16
 
 
 def _encode_and_store(family, cfg, params, slab, pixel_values, dst):
     emb = family.encode_images(params, pixel_values, cfg)               # [B, N, hidden]
     return slab.at[dst].set(emb.reshape(-1, emb.shape[-1]).astype(slab.dtype), mode="drop")
-
-
-def mm_bucket(n: int, num_tokens: int) -> int:
-    """The padded image-row count of a step with ``n`` image rows in ``num_tokens`` token rows."""
-    b = MIN_MM_BUCKET
-    while b < n:
-        b *= 2
-    return min(b, num_tokens)
 
 
 class EncoderCache:
@@ -56,6 +48,26 @@ class EncoderCache:
         self._free = list(range(capacity - 1, -1, -1))
         self.num_images = 0
         self.encode_ms = 0.0              # host time of the encoder dispatches (the device runs them async)
+
+    def warmup(self) -> float:
+        """Compile the encoder's batch buckets at the tower's own image size (the size a fixed-resolution
+        processor gives every image); other pixel shapes compile on first use. Returns the seconds taken."""
+        t0 = time.perf_counter()
+        size = dict(self.cfg.extra_dict.get("vision") or ()).get("image_size")
+        if size:
+            b = 1
+            while b <= self.max_batch:
+                pixels = np.zeros((b, 3, size, size), np.float32)
+                self.slab = self._step(self.params, self.slab, pixels, np.full(b * self._tokens_per_image(size),
+                                                                                 self.capacity, np.int32))
+                b *= 2
+            jax.block_until_ready(self.slab)
+        return time.perf_counter() - t0
+
+    def _tokens_per_image(self, size: int) -> int:
+        out = jax.eval_shape(lambda p, x: self.family.encode_images(p, x, self.cfg), self.params,
+                             jax.ShapeDtypeStruct((1, 3, size, size), np.float32))
+        return out.shape[1]
 
     def free(self, hashes: list[str]) -> None:
         for h in hashes:
@@ -110,8 +122,7 @@ class EncoderCache:
         if not dst:
             return None
         d, s_ = np.concatenate(dst), np.concatenate(src)
-        e = mm_bucket(len(d), num_tokens)
-        index = np.empty((2, e), np.int32)
+        index = np.empty((2, num_tokens), np.int32)
         index[0], index[1] = num_tokens, 0
         index[0, :len(d)], index[1, :len(d)] = d, s_
         return index

@@ -103,15 +103,16 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate(self.cfg, self.num_blocks, self.block_size, dtype, mesh)
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
-        self.variants = StepVariants(model, config, self.shapes, backend=self.backend, kv_caches=self.kv_caches,
-                                     max_model_len=max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
-                                     penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh)
-        self.enforce_eager = self.variants.enforce_eager
         # a vision model: the encoder step and its cache (``encoder_cache``)
         self.encoder = None
         if hasattr(model.family, "encode_images"):
             from jaxserve.runner.encoder_cache import EncoderCache  # noqa: PLC0415
             self.encoder = EncoderCache(model, sc.encoder_limits()[1], max_batch=8, mesh=mesh)
+        self.variants = StepVariants(model, config, self.shapes, backend=self.backend, kv_caches=self.kv_caches,
+                                     max_model_len=max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
+                                     penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh,
+                                     mm_slab=self.encoder.slab if self.encoder is not None else None)
+        self.enforce_eager = self.variants.enforce_eager
         self._step_count = 0
         # each request's block-table row and sampling parameters, kept across steps
         self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size)
@@ -154,9 +155,8 @@ class ModelRunner:
         logits = load = None
         mm_index = self._encode_images(scheduled, T) if mm else None
         if mm_index is not None:
-            enc = self.encoder
-            self.kv_caches, logits, *load = v.forward_mm_for(T, mm_index.shape[1], enc.slab)(
-                self.model.params, self.kv_caches, f_ints, prev_tokens, enc.slab, mm_index)
+            self.kv_caches, logits, *load = v.forward_mm_for(T)(self.model.params, self.kv_caches, f_ints,
+                                                                prev_tokens, self.encoder.slab, mm_index)
             load = self._copy_load(load)
         elif limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
@@ -243,7 +243,11 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- compiling (``step_variants``)
     def warmup(self, progress: bool = True, background: bool | None = None) -> float:
-        return self.variants.warmup(progress, background)
+        """Compile the step variants (``StepVariants.warmup``) and a vision model's encoder batches."""
+        seconds = self.variants.warmup(progress, background)
+        if self.encoder is not None and not self.enforce_eager:
+            seconds += self.encoder.warmup()
+        return seconds
 
     def warmup_for(self, prompt_lens: list[int]) -> float:
         return self.variants.warmup_for(prompt_lens)

@@ -10,8 +10,9 @@ Multi-step decoding adds a third executable per decode bucket (``multi_step``).
 
 A variant's key:
 - ``("forward", T, decode_only[, SHORT_SEQ_LEN])``: the forward over a bucket of T tokens;
-- ``("forward-mm", T, E)``: the forward of a step with image tokens (E: their padded count), compiled on
-  first use; a step without image tokens runs the plain forward;
+- ``("forward-mm", T)``: a vision model's forward of a step with image tokens (their embeddings gathered
+  from the encoder cache's slab over up to T rows), compiled in the background after the text variants; a
+  step without image tokens runs the plain forward;
 - ``("sample", num_logprobs, filtering, masked, s_layout)``: the sampler for ``s_layout``'s request count;
 - ``("decode-loop", T, num_logprobs, filtering, s_layout)``: a multi-step decode.
 
@@ -82,7 +83,8 @@ class StepVariants(StepCompiler):
     """The step's executables by key: a ``StepCompiler`` that knows what each key is and how to lower it."""
 
     def __init__(self, model, config: EngineConfig, shapes: StepShapes, *, backend: str, kv_caches,
-                 max_model_len: int, max_blocks_per_seq: int, penalty_width: int, moe_layers, mesh=None):
+                 max_model_len: int, max_blocks_per_seq: int, penalty_width: int, moe_layers, mesh=None,
+                 mm_slab=None):
         super().__init__(self.lower)
         self.cfg, self.shapes, self.mesh = model.config, shapes, mesh
         self.max_model_len, self.max_blocks_per_seq = max_model_len, max_blocks_per_seq
@@ -156,7 +158,8 @@ class StepVariants(StepCompiler):
         # rebuilt whenever more executables are ready
         self._routes: dict[tuple[int, bool], tuple[int, bool]] = {}
         self._routes_at = -1
-        self._mm_slab_spec: dict = {}        # ("forward-mm", T, E) -> the encoder slab's shape it reads
+        # a vision model's encoder slab, as the forward-mm variants read it (None: a text model)
+        self._mm_slab_spec = None if mm_slab is None else spec(mm_slab)
 
     # ---------------------------------------------------------------- which executable a step runs
     def shape_for(self, num_tokens: int, all_decode: bool) -> tuple[int, int, bool]:
@@ -192,13 +195,10 @@ class StepVariants(StepCompiler):
         return fwd or self.get(("forward", T, md.decode_only)) or \
             self.need(("forward", T, md.decode_only), f"a step of {T} tokens")
 
-    def forward_mm_for(self, T: int, E: int, slab):
-        """The forward of a step of bucket ``T`` with ``E`` (padded) image-token rows (compiled now if need be)."""
-        key = ("forward-mm", T, E)
-        if key not in self._mm_slab_spec:
-            self._mm_slab_spec[key] = jax.ShapeDtypeStruct(slab.shape, slab.dtype,
-                                                           sharding=getattr(slab, "sharding", None))
-        return self.get(key) or self.need(key, f"a step of {T} tokens with {E} image tokens")
+    def forward_mm_for(self, T: int):
+        """The forward of a step of bucket ``T`` with image tokens (compiled now if need be)."""
+        key = ("forward-mm", T)
+        return self.get(key) or self.need(key, f"a step of {T} tokens with image tokens")
 
     def sampler_for(self, key):
         """A sampler variant; one no step has needed yet (logprobs, penalties, a bitmask, ...) is compiled now
@@ -247,11 +247,11 @@ class StepVariants(StepCompiler):
             fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec)
             static = {"layout": layout, "decode_only": decode_only, "max_seq_len": bound[0] if bound else None}
         elif kind == "forward-mm":
-            _, T, E = key
+            _, T = key
             ints, layout = self.padding_inputs(T)
-            index = jax.ShapeDtypeStruct((2, E), jnp.int32)
+            index = jax.ShapeDtypeStruct((2, T), jnp.int32)
             fn = self.forward
-            args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec[key], index)
+            args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec, index)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}
         elif kind == "sample":
             _, num_logprobs, filtering, masked, s_layout = key
@@ -300,6 +300,8 @@ class StepVariants(StepCompiler):
             rest += [("forward", T, True, SHORT_SEQ_LEN) for T in s.sizes if T <= decode_cap and
                      kernel_ops.decode_splits(s.num_reqs_for(T), kvh, SHORT_SEQ_LEN)
                      < kernel_ops.decode_splits(s.num_reqs_for(T), kvh, self.max_model_len)]
+        if self._mm_slab_spec is not None:      # a vision model: its image steps, after the text ones
+            rest += [("forward-mm", T) for T in s.sizes]
         if self.static_sampling:
             rest += [("sample", 0, True, False, self._sampler_layout(r)) for r in self._request_counts()]
             if self.decode_loops:

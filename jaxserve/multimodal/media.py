@@ -86,15 +86,33 @@ def _data_url_bytes(url: str, param: str) -> bytes:
         raise InvalidRequestError(f"the data URL's base64 payload is broken ({e})", param=param) from None
 
 
-def _fetch(url: str, limits: MediaLimits, param: str) -> bytes:
+def _check_domain(url: str, limits: MediaLimits, param: str) -> None:
     host = (urllib.parse.urlparse(url).hostname or "").lower()
     if limits.allowed_domains is not None and host not in limits.allowed_domains:
         raise InvalidRequestError(f"the image URL's domain {host!r} is not allowed (--allowed-media-domains)",
                                   param=param)
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an allowed domain (a redirect must not escape --allowed-media-domains)."""
+
+    def __init__(self, limits: MediaLimits, param: str):
+        self.limits, self.param = limits, param
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        _check_domain(newurl, self.limits, self.param)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _fetch(url: str, limits: MediaLimits, param: str) -> bytes:
+    _check_domain(url, limits, param)
+    opener = urllib.request.build_opener(_CheckedRedirects(limits, param))
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "jaxserve"}),
-                                    timeout=limits.fetch_timeout_s) as resp:
+        with opener.open(urllib.request.Request(url, headers={"User-Agent": "jaxserve"}),
+                         timeout=limits.fetch_timeout_s) as resp:
             data = resp.read(limits.max_bytes + 1)
+    except InvalidRequestError:
+        raise
     except urllib.error.HTTPError as e:
         raise InvalidRequestError(f"fetching the image URL failed: HTTP {e.code}", param=param) from None
     except Exception as e:      # unreachable host, refused connection, timeout, bad TLS

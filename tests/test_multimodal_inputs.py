@@ -31,14 +31,13 @@ def _with_header_size(png: bytes, width: int, height: int) -> bytes:
     return png[:16] + bytes(ihdr) + crc + png[33:]
 
 
-def test_a_bomb_is_refused_from_its_header_before_decoding(monkeypatch):
-    decoded = []
-    monkeypatch.setattr(Image.Image, "load", lambda self: decoded.append(1))
+def test_a_bomb_is_refused_from_its_header_before_decoding():
+    """The header claims a huge image whose data (a 4x4 image's) would fail to decode: the refusal names the
+    pixels, so the header's size was checked before any decoding."""
     for side in (10_000, 100_000):       # over our limit; over PIL's own bomb limit too
         bomb = _with_header_size(_png(), side, side)
         with pytest.raises(InvalidRequestError, match="pixel limit|pixels, more than"):
             decode_image(bomb, MediaLimits(max_pixels=1 << 24))
-    assert not decoded
 
 
 def test_data_urls_and_schemes(tmp_path):

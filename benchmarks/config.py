@@ -53,7 +53,8 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "serve": {"dataset": "random", "num_prompts": 100, "input_len": 128, "output_len": 128,
               "dataset_path": None, "num_prefixes": 4, "prefix_len": 256, "ignore_eos": True,
               "request_rate": "inf", "burstiness": 1.0, "max_concurrency": None, "warmup_requests": 2,
-              "sweep": None, "slo": {}, "structured_fraction": 0.0, "structured_schema": None},
+              "sweep": None, "slo": {}, "structured_fraction": 0.0, "structured_schema": None,
+              "image_size": 448},      # dataset images: one random image_size² image per chat request
     "startup": {"prompt": "What is the capital of France?", "max_tokens": 16},
     "kernels": {},
 }

@@ -30,13 +30,17 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
             **(extra or {})}
+    route = "/v1/completions"
+    if "messages" in body:          # a chat request (images): the same stream, chat's route and deltas
+        del body["prompt"]
+        route = "/v1/chat/completions"
     rt = RequestTiming(prompt_tokens=req.prompt_len)
     rt.start = time.perf_counter()
     last = rt.start
     chunks = 0
     usage = None
     try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{base_url}{route}", json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 rt.error = f"HTTP {resp.status_code}: {text[:300]}"
@@ -54,7 +58,9 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
                 if event.get("usage"):
                     usage = event["usage"]
                 choices = event.get("choices") or []
-                if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
+                # (a chat stream's first chunk carries the role only: not a token)
+                if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
+                                or ("delta" not in choices[0] and choices[0].get("finish_reason") is None)):
                     now = time.perf_counter()
                     if chunks == 0:
                         rt.ttft = now - rt.start

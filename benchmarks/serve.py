@@ -24,7 +24,7 @@ from .config import REPO_ROOT, server_flags
 from .loadgen import run_load
 from .metrics import fmt, serving_metrics
 from .report import Table
-from .workloads import add_structured_outputs, prefix_requests, random_requests, sharegpt_requests
+from .workloads import add_structured_outputs, image_requests, prefix_requests, random_requests, sharegpt_requests
 
 SWEEP_PARAMS = ("max_concurrency", "request_rate", "structured_fraction")
 
@@ -103,6 +103,8 @@ def counter_delta(before: dict, after: dict) -> dict:
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     q = d.get("prefix_cache_queries")
     d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0.0) / q if q else None
+    images = d.get("images_encoded")
+    d["encoder_ms_per_image"] = d.get("encoder_seconds", 0.0) * 1e3 / images if images else None
     masked = d.get("structured_output_mask_steps")
     d["structured_mask_ms_per_step"] = d.get("structured_output_mask_ms", 0.0) / masked if masked else None
     d["structured_mask_wait_ms_per_step"] = d.get("structured_output_mask_wait_ms", 0.0) / masked if masked else None
@@ -129,13 +131,15 @@ def _dataset_requests(run, rng, num_prompts: int):
     if kind == "prefix":
         return prefix_requests(rng, num_prompts, int(wl["num_prefixes"]), int(wl["prefix_len"]),
                                wl["input_len"], wl["output_len"], vocab)
+    if kind == "images":
+        return image_requests(rng, num_prompts, int(wl["image_size"]), wl["input_len"], wl["output_len"])
     if kind == "sharegpt":
         if not wl.get("dataset_path"):
             raise ValueError("workload.dataset is sharegpt but workload.dataset_path is not set")
         out = wl["output_len"] if "output_len" in run.raw_workload else None
         return sharegpt_requests(rng, wl["dataset_path"], num_prompts, out, tokenizer=run.tokenizer(),
                                  max_len=run.cfg["engine"].get("max_model_len"))
-    raise ValueError(f"workload.dataset is {kind!r}; expected random, sharegpt or prefix")
+    raise ValueError(f"workload.dataset is {kind!r}; expected random, sharegpt, prefix or images")
 
 
 def sweep_points(wl: dict) -> tuple[str | None, list]:

@@ -142,6 +142,36 @@ def sharegpt_requests(rng, path: str, num_prompts: int, output_len=None, tokeniz
     return reqs
 
 
+WORDS = ["the", "a", "picture", "shows", "what", "is", "in", "it"]     # one token each in common vocabularies
+
+
+def random_image_url(rng: np.random.Generator, size: int) -> str:
+    """A PNG data URL of ``size`` x ``size`` random pixels (every request's image its own: no encoder reuse)."""
+    import base64  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    from PIL import Image  # noqa: PLC0415
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB").save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_requests(rng, num_prompts: int, image_size: int, input_len, output_len) -> list[RequestSpec]:
+    """Chat requests of one random ``image_size``² image and about ``input_len`` text tokens each (a word per
+    token); ``prompt_len`` counts the text only (the server's usage says the whole prompt)."""
+    text_lens = sample_lengths(input_len, num_prompts, rng, "input_len")
+    out_lens = sample_lengths(output_len, num_prompts, rng, "output_len")
+    reqs = []
+    for n_text, n_out in zip(text_lens, out_lens):
+        text = " ".join(rng.choice(WORDS, size=int(n_text)))
+        messages = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": random_image_url(rng, image_size)}},
+            {"type": "text", "text": text}]}]
+        reqs.append(RequestSpec(text, int(n_text), int(n_out), {"messages": messages}))
+    return reqs
+
+
 def arrival_delays(rng, num: int, request_rate: float, burstiness: float = 1.0) -> np.ndarray:
     """Gaps between request sends: gamma(shape=burstiness, mean=1/rate) (burstiness 1 = Poisson);
     rate inf sends everything at once."""

@@ -125,11 +125,65 @@ class SchedulerConfig:
                 "batches, tensor parallelism). A step with any request using penalties or a pending "
                 "min_tokens runs one iteration")
 
+    max_num_encoder_input_tokens: int | None = option(
+        None, help="image tokens the vision encoder may compute in one step (vLLM's encoder budget, beside the "
+                   "token budget; default: --max-num-batched-tokens, at least one image's)")
+    encoder_cache_size: int | None = option(
+        None, help="image tokens whose encoder outputs stay on the device until their prompts are prefilled "
+                   "(and for later requests with the same image; default: the encoder budget)")
+
+    def encoder_limits(self) -> tuple[int, int]:
+        """(image tokens encoded per step, image tokens cached) of a resolved config."""
+        budget = self.max_num_encoder_input_tokens or self.max_num_batched_tokens
+        return budget, max(self.encoder_cache_size or budget, budget)
+
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
+
+
+def _names(value: Any, flag: str) -> tuple[str, ...] | None:
+    """``a b`` / ``a,b`` / a YAML list → ("a", "b")."""
+    if not value:
+        return None
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(x, str) for x in items):
+        raise ValueError(f"{flag} takes names, got {value!r}")
+    return tuple(x.strip() for item in items for x in item.split(",") if x.strip())
+
+
+def _json_dict(value: Any) -> dict:
+    """A JSON object (``'{"image": 2}'``), or a dict already (LLM keyword arguments, YAML)."""
+    if isinstance(value, dict):
+        return dict(value)
+    try:
+        out = json.loads(value)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"expected a JSON object, got {value!r} ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"expected a JSON object, got {value!r}")
+    return out
+
+
+@dataclass
+class MultiModalConfig:
+    limit_mm_per_prompt: dict = option(
+        default_factory=dict, type=_json_dict,
+        help='most items of each modality in one prompt, as vLLM\'s JSON: \'{"image": 4}\' (default: 8 images '
+             'for a vision model)')
+    mm_processor_kwargs: dict = option(
+        default_factory=dict, type=_json_dict,
+        help="JSON keyword arguments for the model's image processor (e.g. Qwen's min_pixels / max_pixels)")
+    allowed_local_media_path: str | None = option(
+        None, help="file:// image URLs are read only under this folder (default: refused)")
+    allowed_media_domains: tuple[str, ...] | None = option(
+        None, nargs="+", convert=lambda v: _names(v, "--allowed-media-domains"),
+        help="http(s) image URLs only from these host names, e.g. a.com b.org or a.com,b.org (default: any)")
+    media_fetch_timeout: float = option(10.0, help="seconds an http(s) image URL may take to fetch")
+    max_image_pixels: int = option(64 * 1024 * 1024,
+                                   help="largest image accepted, in pixels (checked before it is decoded)")
 
 
 @dataclass
@@ -286,6 +340,7 @@ class EngineConfig:
     cache: CacheConfig = section(CacheConfig, "KV cache")
     scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
     parallel: ParallelConfig = section(ParallelConfig, "parallel")
+    multimodal: MultiModalConfig = section(MultiModalConfig, "images")
     # LLM(structured_outputs_config={...}) takes a dict too
     structured_outputs_config: StructuredOutputsConfig = option(
         default_factory=StructuredOutputsConfig, type=StructuredOutputsConfig.from_json,

@@ -42,6 +42,20 @@ def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None, str 
     return out
 
 
+def _images(prompts) -> list[list]:
+    """Each prompt's images (``{"prompt": ..., "multi_modal_data": {"image": PIL.Image | [...]}}``, vLLM's)."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif prompts and isinstance(prompts[0], int):
+        return [[]]
+    out = []
+    for p in prompts:
+        data = p.get("multi_modal_data") if isinstance(p, dict) else None
+        image = (data or {}).get("image")
+        out.append([] if image is None else list(image) if isinstance(image, (list, tuple)) else [image])
+    return out
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, use_tqdm_on_load: bool = True,
                  engine_config: EngineConfig | None = None, multiprocess: bool | None = None, **kwargs: Any):
@@ -82,9 +96,13 @@ class LLM:
         eng = self.engine
         order: list[tuple[str, int]] = []        # (parent id, n)
         batch = []                               # every request, queued at once
-        for (text, ids, salt), params, prio in zip(items, params_list, priorities):
+        for (text, ids, salt), params, prio, images in zip(items, params_list, priorities, _images(prompts)):
             if ids is None:
-                ids = self.tokenizer.encode(text)
+                ids = eng.images.encode(text, True) if images and eng.images.splits_placeholder else \
+                    self.tokenizer.encode(text)
+            features = None
+            if images or (eng.facts().is_multimodal and eng.images.processing.count_placeholders(ids)):
+                ids, features = eng.images.process(ids, images)
             parent = eng.new_request_id()
             order.append((parent, params.n))
             for i in range(params.n):
@@ -92,7 +110,8 @@ class LLM:
                 if params.n > 1 and params.seed is not None:
                     child.seed = params.seed + i
                 rid = f"{parent}" if params.n == 1 else f"{parent}_{i}"
-                batch.append(eng.make_request(rid, ids, child, prompt=text, priority=prio, cache_salt=salt))
+                batch.append(eng.make_request(rid, ids, child, prompt=text, priority=prio, cache_salt=salt,
+                                              mm_features=features))
         eng.add_requests(batch)
         finals = self._run(sum(n for _, n in order), use_tqdm)
         results = []
@@ -150,12 +169,30 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Chat ``messages`` (one conversation, or a list of them); content parts of type ``image_url`` (data:,
+        http(s):, file: URLs, as the server takes them) put images in the prompt."""
+        from jaxserve.multimodal.chat import has_image_parts, image_conversation, template_reads_parts
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, chat_template=chat_template,
-                                            add_generation_prompt=add_generation_prompt,
-                                            **(chat_template_kwargs or {})) for c in conversations]
-        return self.generate([{"prompt": None, "prompt_token_ids": ids} for ids in prompts], sampling_params,
-                             use_tqdm=use_tqdm)
+        template = chat_template or self.engine.chat_template
+        vision = self.engine.facts().is_multimodal and template_reads_parts(template)
+        prompts = []
+        for c in conversations:
+            images = []
+            if vision or has_image_parts(c):
+                imgs = self.engine.images
+                c, urls = image_conversation(c, template, imgs.placeholder if vision else "", imgs.limit)
+                images = [imgs.load(u) for u in urls]
+            if images and self.engine.images.splits_placeholder:
+                text = self.tokenizer.apply_chat_template(c, chat_template=template, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt,
+                                                          **(chat_template_kwargs or {}))
+                ids = self.engine.images.encode(text, False)
+            else:
+                ids = self.apply_chat_template(c, chat_template=chat_template,
+                                               add_generation_prompt=add_generation_prompt,
+                                               **(chat_template_kwargs or {}))
+            prompts.append({"prompt": None, "prompt_token_ids": ids, "multi_modal_data": {"image": images}})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, conversation, *, chat_template: str | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> list[int]:

@@ -20,16 +20,29 @@ from .validation import check_chat_request
 async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, receive,
                                  header_request_id: str | None = None) -> Any:
     plan = check_chat_request(serving, req)
+    image_urls: list[str] = []
     text = await serving.prompts.render_chat(
         req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        chat_template_kwargs=req.template_kwargs(), tools=plan.tools, documents=req.documents)
+        chat_template_kwargs=req.template_kwargs(), tools=plan.tools, documents=req.documents,
+        image_urls=image_urls)
     # the template already holds BOS and friends: vLLM encodes it without adding special tokens unless asked
-    ids = await serving.prompts.encode(text, add_special_tokens=req.add_special_tokens, what="messages")
-    ids = serving.prompts.truncate(ids, req.truncate_prompt_tokens)
+    images = serving.prompts.images
+    if image_urls and images.splits_placeholder:
+        ids = images.encode(text, req.add_special_tokens)
+    else:
+        ids = await serving.prompts.encode(text, add_special_tokens=req.add_special_tokens, what="messages")
     if not ids:
         raise bad_request("the messages rendered to an empty prompt", "messages")
-    prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt)
+    features = None
+    if images is not None and (image_urls or images.processing.image_token_id in ids):
+        ids, features = await serving.prompts.prepare_images(ids, image_urls)
+    kept = serving.prompts.truncate(ids, req.truncate_prompt_tokens)
+    if features and len(kept) < len(ids):
+        raise bad_request("truncate_prompt_tokens cannot shorten a prompt with images (their token positions "
+                          "would move): send fewer messages instead", "truncate_prompt_tokens")
+    ids = kept
+    prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt, mm_features=features)
     max_tokens = resolve_max_tokens(serving, len(ids), req.requested_max_tokens(), "messages")
     prompt.beam_search = beam_search_run(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(),
                                          tools=plan)

@@ -78,9 +78,13 @@ class Prompt:
     beam_search: Any = None  # a BeamSearchRun (server/beam_search.py): the choices are its best beams
     priority: int = 0                   # the request's (--scheduling-policy priority)
     cache_salt: str | None = None       # the request's prefix-cache namespace
+    mm_features: list | None = None     # its images, processed (multimodal.ImageFeature)
 
     def generate(self, engine: Any, c: Choice) -> AsyncIterator[Any]:
         """The engine's output stream of one of this prompt's choices."""
+        if self.mm_features:
+            return engine.generate(self.token_ids, c.params, c.request_id, prompt=self.text, priority=self.priority,
+                                   cache_salt=self.cache_salt, mm_features=self.mm_features)
         return engine.generate(self.token_ids, c.params, c.request_id, prompt=self.text, priority=self.priority,
                                cache_salt=self.cache_salt)
 

@@ -85,6 +85,13 @@ ENGINE_COUNTERS = {
     "structured_output_compilations": ("structured_compilations",),
     "structured_output_compilations_off_workers": ("structured_compilations_off_workers",),
     "structured_output_verdict_compilations": ("structured_verdict_compilations",),
+    # images: in the requests (images per request = images / requests_with_images), encoded by the vision
+    # encoder and found in its cache, and the encoder's time (host time of its dispatches)
+    "images": ("request_images_total",),
+    "requests_with_images": ("requests_with_images_total",),
+    "images_encoded": ("images_encoded_total",),
+    "images_reused": ("images_reused_total",),
+    "encoder_seconds": ("encoder_seconds_total",),
 }
 
 

@@ -8,6 +8,10 @@ from functools import partial
 from typing import Any, Callable, TypeVar
 
 import anyio
+import msgspec
+
+from jaxserve.errors import InvalidRequestError
+from jaxserve.multimodal.chat import image_conversation, template_reads_parts
 
 from .args import ServerArgs
 from .errors import APIError, bad_request
@@ -19,6 +23,8 @@ THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread h
 # Long texts tokenize on worker threads, this many at once: a tokenizer's working memory is a multiple of
 # its input, so the bound on concurrent tokenization is a bound on that memory.
 TOKENIZE_THREADS = 4
+# Images are fetched, decoded and preprocessed on worker threads, this many at once (bounded memory).
+MEDIA_THREADS = 4
 # A request's own chat template (--trust-request-chat-template) is a program: it may run this long.
 REQUEST_TEMPLATE_TIMEOUT_S = 5.0
 # apply_chat_template's own arguments: chat_template_kwargs may not override them
@@ -86,6 +92,42 @@ class PromptRenderer:
         per_token = longest_token_chars(self.tokenizer)
         self.max_prompt_chars: int | None = per_token * self.max_model_len if per_token else None
         self._tokenize_limiter: anyio.CapacityLimiter | None = None
+        self._media_limiter: anyio.CapacityLimiter | None = None
+        # a vision model's image handling (the engine front end's), None for a text model: its chat requests
+        # render as today
+        facts = getattr(engine, "facts", None)
+        self.images = engine.images if facts is not None and facts().is_multimodal else None
+        self.reads_parts = self.images is not None and template_reads_parts(self.chat_template)
+        if self.images is not None:
+            self.images.processing      # made now, at start-up, not by the first request on the event loop
+
+    async def prepare_images(self, ids: list[int], urls: list[str]) -> tuple[list[int], list]:
+        """Fetch and decode the images (worker threads, ``MEDIA_THREADS`` at once), then preprocess them and
+        expand the prompt's placeholders (a worker thread): never on the event loop."""
+        if self._media_limiter is None:
+            self._media_limiter = anyio.CapacityLimiter(MEDIA_THREADS)
+        try:
+            images = []
+            for url in urls:
+                images.append(await anyio.to_thread.run_sync(self.images.load, url, limiter=self._media_limiter))
+            return await anyio.to_thread.run_sync(self.images.process, ids, images, limiter=self._media_limiter)
+        except InvalidRequestError as e:
+            raise bad_request(str(e), "messages") from None
+
+    def _with_images(self, conversation: list[dict], messages: list[ChatMessage], template: str,
+                     image_urls: list[str] | None) -> list[dict]:
+        """The conversation with its image parts (``multimodal.chat``): what a vision model's template reads."""
+        if not (self.reads_parts or any(m.num_images() for m in messages)):
+            return conversation
+        raw = [dict(c, content=msgspec.to_builtins(m.content)) if isinstance(m.content, list) else c
+               for c, m in zip(conversation, messages)]
+        try:
+            out, urls = image_conversation(raw, template, self.images.placeholder, self.images.limit)
+        except InvalidRequestError as e:
+            raise bad_request(str(e), e.param or "messages") from None
+        if image_urls is not None:
+            image_urls.extend(urls)
+        return out
 
     async def _maybe_thread(self, size: int, fn: Callable[..., T], *args: Any,
                             limiter: anyio.CapacityLimiter | None = None) -> T:
@@ -124,7 +166,9 @@ class PromptRenderer:
     async def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
                           chat_template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None,
-                          documents: list[dict[str, str]] | None = None) -> str:
+                          documents: list[dict[str, str]] | None = None, image_urls: list[str] | None = None) -> str:
+        """The rendered prompt. Image parts (a vision model) render as the model's placeholders; their URLs
+        are appended to ``image_urls`` in prompt order when it is given."""
         kwargs = dict(chat_template_kwargs or {})
         if not self.trust_request_chat_template and (chat_template is not None or "chat_template" in kwargs):
             raise bad_request("a request's chat_template is refused: it is a program run on the server; the "
@@ -144,11 +188,17 @@ class PromptRenderer:
             conversation = template_messages(messages)
         except ToolRequestError as e:
             raise bad_request(str(e), e.param) from None
+        if self.images is not None:
+            conversation = self._with_images(conversation, messages, template, image_urls)
+        elif any(m.num_images() for m in messages):
+            raise bad_request("the model does not take images (a text-only model): send text content only",
+                              "messages")
         if tools is not None:
             kwargs["tools"] = tools
         if documents is not None:
             kwargs["documents"] = documents
-        size = sum(len(c["content"]) for c in conversation)
+        size = sum(len(c["content"]) if isinstance(c["content"], str) else
+                   sum(len(p.get("text", "")) for p in c["content"]) for c in conversation)
         self.check_prompt_chars(size, "messages")      # the rendered prompt holds every message
 
         def render() -> str:

@@ -131,6 +131,15 @@ class TextContentPart(Struct, tag="text", tag_field="type"):
     text: str
 
 
+class ImageURL(Struct, kw_only=True):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None     # accepted, as OpenAI's; the model's processing decides
+
+
+class ImageURLContentPart(Struct, tag="image_url", tag_field="type"):
+    image_url: ImageURL
+
+
 class FunctionCallIn(Struct, kw_only=True):
     name: str
     arguments: str = "{}"    # a JSON object as text, as the model returned it
@@ -151,7 +160,7 @@ class PredictedOutput(Struct, kw_only=True):
 
 class ChatMessage(Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | ImageURLContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None    # assistant turns that called tools
     tool_call_id: str | None = None               # role "tool": the call this result answers
@@ -161,7 +170,11 @@ class ChatMessage(Struct, kw_only=True):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
+
+    def num_images(self) -> int:
+        return 0 if not isinstance(self.content, list) else \
+            sum(isinstance(part, ImageURLContentPart) for part in self.content)
 
 
 class FunctionDefinition(Struct, kw_only=True):

@@ -19,6 +19,7 @@ from collections import deque
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core_outputs import apply_sampled_tokens
 from jaxserve.engine.embedder import Embedder, is_embedding_model
+from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.messages import EngineCoreOutput
 from jaxserve.engine.request import Request, RequestStatus
@@ -55,6 +56,7 @@ class EngineFacts:
     load_seconds: float
     warmup_seconds: float
     num_kv_blocks: int | None = None      # None: an embedding model (no KV cache)
+    is_multimodal: bool = False           # the model takes images (its family has a vision encoder)
 
     @property
     def served_model_name(self) -> str:
@@ -90,8 +92,9 @@ class EngineCore:
         self._lookahead = 1 if config.async_scheduling else 0
         self._scorer = None
         self._step_ms = 0.0                       # wall time inside step(), summed (host + device waits)
+        self._images = [0, 0]                     # images in requests, requests with images (stats)
         self.multi_process = self.executor.multi_process
-        self.embedder = self.runner = self.scheduler = self.kv_manager = None
+        self.embedder = self.runner = self.scheduler = self.kv_manager = self.encoder_cache = None
         t0 = time.perf_counter()
         if is_embedding_model(self.model, config.task):
             if self.multi_process:
@@ -110,7 +113,11 @@ class EngineCore:
             self.max_model_len = self.model.max_model_len
             self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                              config.cache.enable_prefix_caching, self.max_model_len)
-            self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len)
+            self.encoder_cache = None
+            if self.runner.encoder is not None:
+                self.encoder_cache = EncoderCacheManager(*config.scheduler.encoder_limits())
+            self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len,
+                                       self.encoder_cache)
             self.executor.warm_up(progress=progress)
             if self.multi_process:
                 # the processes follow the steps process 0 sends, and a step carries no bitmask
@@ -130,12 +137,13 @@ class EngineCore:
             load_format=str(getattr(model, "load_format", self.config.load_format)),
             dtype_name=str(getattr(model.dtype, "__name__", model.dtype)),
             load_seconds=self.executor.load_seconds, warmup_seconds=self.warmup_seconds,
-            num_kv_blocks=self.runner.num_blocks if self.runner is not None else None)
+            num_kv_blocks=self.runner.num_blocks if self.runner is not None else None,
+            is_multimodal=self.runner is not None and self.runner.encoder is not None)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float, sampling_seed: int, *, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, mm_features: list | None = None) -> None:
         """Queue a request the front end validated (``LLMEngine.make_request``); ``params`` are its own
         copy. A constrained request whose grammar is not compiled yet waits apart (WAITING_FOR_FSM, no
         batch slot) until ``step`` finds it compiled. Raises InvalidRequestError if its id is in use."""
@@ -144,7 +152,10 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                       arrival_time=arrival_time, sampling_seed=sampling_seed, priority=priority,
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, mm_features=mm_features)
+        if mm_features:
+            self._images[0] += len(mm_features)
+            self._images[1] += 1
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]    # the first position has no logprob; the rest come chunk by chunk
             if self._scorer is None:
@@ -214,10 +225,16 @@ class EngineCore:
         outputs = self._process_in_flight(keep=0) if self._needs_history(scheduled) else []
         prev = self._in_flight[-1].pending if self._in_flight else None
         constrained = self.structured_output.constrained_rows(scheduled)
+        mm = scheduler_output.mm_requests is not None
+        if mm:
+            freed = self.encoder_cache.take_freed()
+            if freed:
+                self.runner.free_encoder_outputs(freed)
         if constrained is None:
-            pending = self.runner.dispatch(scheduled, prev)
+            pending = self.runner.dispatch(scheduled, prev, mm=mm) if mm else self.runner.dispatch(scheduled, prev)
         else:
-            pending = self.runner.dispatch_forward(scheduled, prev)
+            pending = self.runner.dispatch_forward(scheduled, prev, mm=mm) if mm else \
+                self.runner.dispatch_forward(scheduled, prev)
         scored = self._score_prompt_chunks(scheduled) if self.scheduler.num_scoring else []
         self.scheduler.update_from_output(scheduler_output)
         running = RequestStatus.RUNNING
@@ -313,6 +330,9 @@ class EngineCore:
         if variants is not None:                # background compiles not done yet (the prompt scorer's too)
             s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0)
         s.update(self.structured_output.stats())
+        if self.encoder_cache is not None:
+            s.update(self.encoder_cache.stats(), encoder_seconds_total=self.runner.encoder.encode_ms / 1e3,
+                     request_images_total=self._images[0], requests_with_images_total=self._images[1])
         return s
 
     def wait_compiled(self, timeout: float | None = None) -> bool:

@@ -55,7 +55,7 @@ class InprocClient:
             for req in reqs:
                 self.core.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
                                       req.arrival_time, req.sampling_seed, priority=req.priority,
-                                      cache_salt=req.cache_salt)
+                                      cache_salt=req.cache_salt, mm_features=req.mm_features)
                 added.append(req.request_id)
         except BaseException:
             self.core.abort_requests(added)
@@ -163,7 +163,8 @@ class MPClient:
     def add_requests(self, reqs) -> None:
         """Send validated front-end Requests in one message: the core queues them all before its next step."""
         msgs = [m.EngineCoreRequest(req.request_id, req.prompt_token_ids, pickle.dumps(req.sampling_params),
-                                    req.arrival_time, req.sampling_seed, req.priority, req.cache_salt)
+                                    req.arrival_time, req.sampling_seed, req.priority, req.cache_salt,
+                                    pickle.dumps(req.mm_features) if req.mm_features else None)
                 for req in reqs]
         self.send(msgs[0] if len(msgs) == 1 else m.AddRequests(msgs))
 

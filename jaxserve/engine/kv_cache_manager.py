@@ -75,10 +75,16 @@ class KVCacheManager:
         hashes = req.block_hashes
         tokens = req.all_token_ids
         bs = self.block_size
+        features = req.mm_features
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[-1] if hashes else None
             # The salt joins the first block's hash, and through the chain every later block's.
             extra = req.cache_salt if i == 0 else None
+            if features is not None:
+                # a block's image tokens are one id: the images it overlaps (by content hash) tell it apart
+                images = tuple(f.hash for f in features if f.offset < (i + 1) * bs and f.offset + f.length > i * bs)
+                if images:
+                    extra = (extra, images)
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:

@@ -13,7 +13,10 @@ any thread and ``step`` from one thread at a time; in this process, all from the
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import os
+import threading
 import time
 import weakref
 from typing import Any, Protocol, Sequence
@@ -26,8 +29,13 @@ from jaxserve.engine.core_client import make_core_client
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request
 from jaxserve.errors import InvalidRequestError
+from jaxserve.multimodal.media import MediaLimits, load_image_url
+from jaxserve.multimodal.processing import ImageProcessing
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, check_token_ids
+
+
+DEFAULT_IMAGE_LIMIT = 8      # images in one prompt without --limit-mm-per-prompt
 
 
 class EngineClient(Protocol):
@@ -136,10 +144,25 @@ class RequestBuilder:
         if params.structured_outputs is not None:     # cached; raises naming the problem
             self.structured_output.validate(params.structured_outputs, wait=wait_for_grammar)
 
+    def validate_images(self, features: list) -> None:
+        """An image needs a vision model, and tokens that fit one step's encoder budget."""
+        facts = self.facts
+        if not facts.is_multimodal:
+            raise InvalidRequestError(f"the model {facts.served_model_name} does not take images (a text-only "
+                                      "model): send text content only", param="messages")
+        if facts.multi_process:
+            raise InvalidRequestError("images are not supported when the model is spread over several processes "
+                                      "(--num-processes / --distributed-executor-backend mp)", param="messages")
+        budget, _ = facts.config.scheduler.encoder_limits()
+        for f in features:
+            if f.length > budget:
+                raise InvalidRequestError(f"an image takes {f.length} tokens, more than the encoder budget of "
+                                          f"{budget} (--max-num-encoder-input-tokens)", param="messages")
+
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
                      strict_length: bool = False, priority: int = 0, cache_salt: str | None = None,
-                     wait_for_grammar: bool = True) -> Request:
+                     wait_for_grammar: bool = True, mm_features: list | None = None) -> Request:
         """Truncate the prompt as asked, validate (``validate``), and build the Request with its own copy of
         the parameters (which knows the model's eos ids: the sampler blocks them below min_tokens) and its
         sampling seed. ``priority``: its place under ``--scheduling-policy priority`` (lower first);
@@ -151,18 +174,87 @@ class RequestBuilder:
         if keep == -1:                      # vLLM: -1 = keep up to max_model_len tokens (the last ones)
             keep = self.facts.max_model_len
         if keep is not None and len(prompt_token_ids) > keep:
+            if mm_features:
+                raise InvalidRequestError("truncate_prompt_tokens cannot cut a prompt with images",
+                                          param="truncate_prompt_tokens")
             prompt_token_ids = prompt_token_ids[-keep:]
         self.validate(prompt_token_ids, params, strict_length=strict_length, priority=priority,
                       cache_salt=cache_salt, wait_for_grammar=wait_for_grammar)
+        if mm_features:
+            self.validate_images(mm_features)
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(eos_token_ids)},
                                              eos_token_ids[0] if eos_token_ids else None)
         params.update_from_tokenizer(self.facts.tokenizer)              # bad_words as token sequences
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=eos_token_ids,
                       arrival_time=arrival_time or time.time(), prompt=prompt, priority=priority,
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, mm_features=mm_features)
         req.sampling_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31 - 1))
         return req
+
+
+class MultiModalInputs:
+    """Images as a request brings them, through to ``ImageFeature``s: the model's image processing (made on
+    first use), the limits of ``--limit-mm-per-prompt`` and the media flags. Blocking: the server calls
+    ``load`` and ``process`` on worker threads."""
+
+    def __init__(self, facts: EngineFacts):
+        mm = facts.config.multimodal
+        self.facts = facts
+        self.limit = int(mm.limit_mm_per_prompt.get("image", DEFAULT_IMAGE_LIMIT)) if facts.is_multimodal else 0
+        self.media = MediaLimits(max_pixels=mm.max_image_pixels, fetch_timeout_s=mm.media_fetch_timeout,
+                                 allowed_domains=tuple(d.lower() for d in mm.allowed_media_domains)
+                                 if mm.allowed_media_domains else None,
+                                 allowed_local_path=mm.allowed_local_media_path)
+        self._processing = None
+        self._lock = threading.Lock()
+
+    @property
+    def processing(self) -> ImageProcessing:
+        with self._lock:
+            if self._processing is None:
+                facts = self.facts
+                folder = facts.model_source if os.path.isdir(facts.model_source) else None
+                self._processing = ImageProcessing.from_folder(folder, facts.model_config.extra_dict,
+                                                               facts.config.multimodal.mm_processor_kwargs)
+            return self._processing
+
+    @property
+    def placeholder(self) -> str:
+        return self.processing.image_token
+
+    def check_count(self, n: int) -> None:
+        if n and not self.facts.is_multimodal:
+            raise InvalidRequestError(f"the model {self.facts.served_model_name} does not take images (a text-only "
+                                      "model): send text content only", param="messages")
+        if n > self.limit:
+            raise InvalidRequestError(f"the prompt has {n} images, more than the limit of {self.limit} "
+                                      "(--limit-mm-per-prompt)", param="messages")
+
+    def load(self, url: str) -> Any:
+        return load_image_url(url, self.media)
+
+    @functools.cached_property
+    def splits_placeholder(self) -> bool:
+        """The tokenizer does not spell the placeholder as the image token (random weights served with another
+        model's tokenizer): prompts with images are tokenized around the placeholder (``encode``)."""
+        p = self.processing
+        return self.facts.tokenizer.encode(p.image_token, add_special_tokens=False) != [p.image_token_id]
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``text`` tokenized with each placeholder as the image token, as a tokenizer that has it as a special
+        token does (it splits the text there)."""
+        p, tok = self.processing, self.facts.tokenizer
+        first, *rest = text.split(p.image_token)
+        ids = list(tok.encode(first, add_special_tokens=add_special_tokens))
+        for piece in rest:
+            ids += [p.image_token_id, *tok.encode(piece, add_special_tokens=False)]
+        return ids
+
+    def process(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], list]:
+        """(the prompt with its image tokens expanded, the images' features)."""
+        self.check_count(len(images))
+        return self.processing.process(prompt_token_ids, images)
 
 
 class LLMEngine:
@@ -199,11 +291,18 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
                      strict_length: bool = False, priority: int = 0, cache_salt: str | None = None,
-                     wait_for_grammar: bool = True) -> Request:
-        """Validate a request and build its Request (``RequestBuilder.make_request``); queues nothing."""
+                     wait_for_grammar: bool = True, mm_features: list | None = None) -> Request:
+        """Validate a request and build its Request (``RequestBuilder.make_request``); queues nothing.
+        ``mm_features``: the prompt's images, processed (``multimodal.ImageProcessing.process``)."""
         return self.builder.make_request(request_id, prompt_token_ids, params, prompt, arrival_time,
                                          strict_length=strict_length, priority=priority, cache_salt=cache_salt,
-                                         wait_for_grammar=wait_for_grammar)
+                                         wait_for_grammar=wait_for_grammar, mm_features=mm_features)
+
+    # ---------------------------------------------------------------- images
+    @functools.cached_property
+    def images(self) -> MultiModalInputs:
+        """The front end's image handling (loading within limits, preprocessing, placeholder expansion)."""
+        return MultiModalInputs(self._facts)
 
     def add_requests(self, reqs: list[Request]) -> None:
         """Queue Requests from ``make_request``: the front end keeps their output state, the core gets them

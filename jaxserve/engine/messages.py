@@ -27,6 +27,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True, gc=False):
     sampling_seed: int
     priority: int = 0
     cache_salt: str | None = None
+    mm_features: bytes | None = None  # pickle of the prompt's ImageFeatures (pixel arrays included)
 
 
 class AddRequests(msgspec.Struct, array_like=True, tag=True, gc=False):

@@ -60,7 +60,7 @@ class Request:
         "cache_salt", "prompt", "max_tokens", "max_output_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
         "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_placeholders", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed", "uses_penalties",
-        "num_prompt_positions_scored", "defer_outputs",
+        "num_prompt_positions_scored", "defer_outputs", "mm_features",
         # output state (the front end's; the core's sends prompt_logprobs and counts num_sent_tokens)
         "detokenizer", "cumulative_logprob", "logprobs", "prompt_logprobs", "num_sent_tokens", "num_sent_chars",
     )
@@ -76,6 +76,7 @@ class Request:
         prompt: str | None = None,
         sampling_seed: int | None = None,
         priority: int = 0,
+        mm_features: list | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -91,6 +92,8 @@ class Request:
         self.cache_salt = cache_salt          # separates prefix-cache namespaces (e.g. per tenant)
         self.priority = priority              # --scheduling-policy priority: lower values are scheduled first
         self.prompt = prompt
+        # the prompt's images (multimodal.ImageFeature, in prompt order), None for a text prompt
+        self.mm_features = mm_features or None
         self.max_tokens: int | None = getattr(sampling_params, "max_tokens", None)
         # The output length at which the request is finished by length: max_tokens, and the room max_model_len
         # leaves (the scheduler lowers it to that when the request is queued).

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_queue import priority_key, waiting_queue
@@ -66,6 +67,8 @@ class ScheduledRequest:
     # multi-step decoding: a decode run for num_steps iterations in one dispatch computes positions
     # start_pos .. start_pos + num_steps - 1 and samples num_steps tokens (slots are allocated for all of them)
     num_steps: int = 1
+    # the images (multimodal.ImageFeature) whose encoder outputs this step computes for this chunk
+    encoder_inputs: list | None = None
 
     @property
     def request_id(self) -> str:
@@ -77,6 +80,8 @@ class SchedulerOutput:
     # Entries with one new token (decodes) first, then multi-token prefill chunks.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_steps: int = 1              # > 1: a multi-step decode (every entry decodes, for up to this many steps)
+    # requests with images whose prompt chunks this step computes (their images released once computed), or None
+    mm_requests: list[Request] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -94,7 +99,8 @@ def _scores_prompt(req: Request) -> bool:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 kv_cache_manager: KVCacheManager, max_model_len: int):
+                 kv_cache_manager: KVCacheManager, max_model_len: int,
+                 encoder_cache: EncoderCacheManager | None = None):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(f"block_size mismatch: cache config says {cache_config.block_size}, "
                              f"the KV cache manager has {kv_cache_manager.block_size}")
@@ -109,6 +115,8 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager
+        # a vision model's encoder budget and cache (None: a text model; see encoder_cache_manager's NOTE)
+        self.encoder_cache = encoder_cache
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -181,6 +189,9 @@ class Scheduler:
         long_share = None               # left to the long prefills' chunks (computed when one comes)
         cut: list[ScheduledRequest] = []     # long prefill chunks the long share cut short
         now = time.time()
+        enc = self.encoder_cache
+        enc_budget = enc.budget if enc is not None else 0
+        mm_requests: list[Request] | None = None
 
         # 1. Running requests, oldest first. A victim is always popped from the end, which is never a
         #    request already scheduled in this step (those sit before index i).
@@ -192,7 +203,8 @@ class Scheduler:
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
                 continue
-            if num_new == 1 and not self.num_scoring:
+            if num_new == 1 and not self.num_scoring and (enc is None or req.mm_features is None
+                                                          or req.num_computed_tokens >= req.num_prompt_tokens):
                 # a decode inside its last block (15 of 16 steps): allocate_slots' and _scheduled's
                 # common case inlined, once per running request per step
                 blocks = req_to_blocks.get(req.request_id)
@@ -218,6 +230,14 @@ class Scheduler:
                 if num_new == 0:        # a scored chunk's first token alone costs 2
                     i += 1
                     continue
+            encode = None
+            if req.mm_features is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                num_new, encode, enc_budget = enc.schedule(req, req.num_computed_tokens, num_new, enc_budget)
+                if num_new <= 0:        # its next image waits for encoder budget or cache room
+                    i += 1
+                    continue
+                cost = self._cost(req, num_new) if self.num_scoring else num_new
+                mm_requests = (mm_requests or []) + [req]
             while kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -225,7 +245,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(self._scheduled(req, num_new))
+                scheduled.append(self._scheduled(req, num_new, encode))
                 budget -= cost
                 share -= cost if cost > num_new else 0
                 if is_long:
@@ -262,7 +282,17 @@ class Scheduler:
                     continue
                 if num_new == 0:
                     break
+            encode = None
+            if req.mm_features is not None:
+                num_new, encode, enc_budget = enc.schedule(req, num_hit_tokens, num_new, enc_budget)
+                if num_new <= 0:        # its first image waits for encoder budget or cache room
+                    enc.release_all(req)
+                    break
+                cost = self._cost(req, num_new) if scores else num_new
+                mm_requests = (mm_requests or []) + [req]     # (harmless if it does not run: nothing computed)
             if kv.allocate_slots(req, num_new, computed_blocks) is None:
+                if encode is not None:
+                    enc.cancel(req, encode)
                 break
             self.waiting.popleft()
             if req.num_preemptions == 0:
@@ -275,7 +305,7 @@ class Scheduler:
                 bisect.insort(self.running, req, key=priority_key)
             else:
                 self.running.append(req)
-            scheduled.append(self._scheduled(req, num_new))
+            scheduled.append(self._scheduled(req, num_new, encode))
             budget -= cost
             share -= cost if cost > num_new else 0
             if is_long:
@@ -293,7 +323,7 @@ class Scheduler:
         num_steps = 1
         if self.num_scheduler_steps > 1 and scheduled and len(decodes) == len(scheduled):
             num_steps = self._plan_steps(scheduled)
-        return SchedulerOutput(scheduled=scheduled, num_steps=num_steps)
+        return SchedulerOutput(scheduled=scheduled, num_steps=num_steps, mm_requests=mm_requests)
 
     def _plan_steps(self, scheduled: list[ScheduledRequest]) -> int:
         """Multi-step decoding for an all-decode step: give each entry up to num_scheduler_steps steps
@@ -383,7 +413,9 @@ class Scheduler:
         for s in cut:
             req = s.request
             extra = min(len(req._all_token_ids) - s.start_pos - s.num_new_tokens, budget)
-            if extra <= 0 or _scores_prompt(req) or kv.allocate_slots(req, s.num_new_tokens + extra) is None:
+            # (a prompt with images keeps its chunk: a longer one may reach an image not scheduled to encode)
+            if extra <= 0 or _scores_prompt(req) or req.mm_features is not None \
+                    or kv.allocate_slots(req, s.num_new_tokens + extra) is None:
                 continue
             s.num_new_tokens += extra
             s.block_ids = kv.live_block_ids(req.request_id)
@@ -397,13 +429,15 @@ class Scheduler:
         # recomputing prompt + outputs) is still chunked rather than left waiting forever.
         return self.enable_chunked_prefill or num_new > self.max_num_batched_tokens
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, num_new: int, encode: list | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(req, num_new, start, self.kv_cache_manager.live_block_ids(req.request_id),
-                                start + num_new == len(req._all_token_ids))
+                                start + num_new == len(req._all_token_ids), encoder_inputs=encode or None)
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        if req.mm_features is not None and self.encoder_cache is not None:
+            self.encoder_cache.release_all(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -457,6 +491,9 @@ class Scheduler:
             for req in capped:
                 self.capped[req.request_id] = req
             self.running = [r for r in self.running if r.request_id not in self.capped]
+        if scheduler_output.mm_requests:
+            for req in scheduler_output.mm_requests:
+                self.encoder_cache.release_computed(req)
 
     # -- finishing ------------------------------------------------------------------------------------
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
@@ -495,6 +532,8 @@ class Scheduler:
         if kv.enable_prefix_caching and req.num_computed_tokens:
             kv.cache_blocks(req, min(req.num_computed_tokens, len(req._all_token_ids) - req.num_placeholders))
         kv.free(req)
+        if req.mm_features is not None and self.encoder_cache is not None:
+            self.encoder_cache.release_all(req)
         del self.requests[req.request_id]
         if _scores_prompt(req):
             self.num_scoring -= 1

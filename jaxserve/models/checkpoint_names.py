@@ -36,7 +36,10 @@ def weight_plan(shapes: dict, layer_names: Callable[[int], dict] | dict, top: di
 # Where a multimodal wrapper (Gemma 3's ConditionalGeneration) keeps its text model's tensors: transformers 5
 # saves "model.language_model.<...>", the hub's original checkpoints have "language_model.model.<...>".
 _WRAPPED = ((r"model.", ("model.language_model.", "language_model.model.")),
-            (r"lm_head.", ("language_model.lm_head.",)))
+            (r"lm_head.", ("language_model.lm_head.",)),
+            # a LLaVA-style wrapper's vision tower and projector: top level or under "model." (transformers 5)
+            (r"vision_tower.", ("model.vision_tower.",)),
+            (r"multi_modal_projector.", ("model.multi_modal_projector.",)))
 
 
 def wrapped_names(hf_name: str) -> tuple[str, ...]:

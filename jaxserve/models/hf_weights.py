@@ -42,6 +42,8 @@ _BUILDS = {
     # MoE: per-expert HF tensors stacked on a leading expert axis
     "experts_stack_t": lambda *gu: jnp.stack([jnp.stack([g.T, u.T], axis=1) for g, u in zip(gu[::2], gu[1::2])]),
     "experts_t": lambda *ws: jnp.stack([w.T for w in ws]),
+    # a ViT's patch embedding: a conv [out, C, p, p] → the matmul over patches flattened channel-major
+    "patch_t": lambda w: w.reshape(w.shape[0], -1).T,
 }
 
 

@@ -17,11 +17,11 @@ from jaxserve.errors import ModelLoadError
 @functools.cache
 def decoder_families() -> tuple[Any, ...]:
     """Every decoder family's ``DecoderFamily``."""
-    from jaxserve.models import (cohere, deepseek, gemma, llama, mixtral, phi3, qwen2_moe, qwen3,  # noqa: PLC0415
-                                 qwen3_moe)
+    from jaxserve.models import (cohere, deepseek, gemma, llama, llava, mixtral, phi3, qwen2_moe,  # noqa: PLC0415
+                                 qwen3, qwen3_moe)
 
     return (llama.FAMILY, gemma.FAMILY, qwen3.FAMILY, phi3.FAMILY, cohere.FAMILY, mixtral.FAMILY,
-            qwen2_moe.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY)
+            qwen2_moe.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY, llava.FAMILY)
 
 
 @functools.cache

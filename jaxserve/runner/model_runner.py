@@ -104,9 +104,15 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate(self.cfg, self.num_blocks, self.block_size, dtype, mesh)
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
+        # a vision model: the encoder step and its cache (``encoder_cache``)
+        self.encoder = None
+        if hasattr(model.family, "encode_images"):
+            from jaxserve.runner.encoder_cache import EncoderCache  # noqa: PLC0415
+            self.encoder = EncoderCache(model, sc.encoder_limits()[1], max_batch=8, mesh=mesh)
         self.variants = StepVariants(model, config, self.shapes, backend=self.backend, kv_caches=self.kv_caches,
                                      max_model_len=max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
-                                     penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh)
+                                     penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh,
+                                     mm_slab=self.encoder.slab if self.encoder is not None else None)
         self.enforce_eager = self.variants.enforce_eager
         self._step_count = 0
         # each request's block-table row and sampling parameters, kept across steps
@@ -124,12 +130,14 @@ class ModelRunner:
                                           prev.rows if prev is not None else None)
 
     # ---------------------------------------------------------------- step
-    def dispatch(self, scheduled, prev: PendingStep | None = None) -> PendingStep:
-        """Build the inputs and launch the step; returns at once (JAX dispatches asynchronously)."""
-        step = self.dispatch_forward(scheduled, prev)
+    def dispatch(self, scheduled, prev: PendingStep | None = None, *, mm: bool = False) -> PendingStep:
+        """Build the inputs and launch the step; returns at once (JAX dispatches asynchronously). ``mm``: some
+        chunk of the step holds image tokens (its new images are encoded first)."""
+        step = self.dispatch_forward(scheduled, prev, mm=mm)
         return step if isinstance(step, PendingStep) else self.dispatch_sample(step)
 
-    def dispatch_forward(self, scheduled, prev: PendingStep | None = None) -> ForwardStep | PendingStep:
+    def dispatch_forward(self, scheduled, prev: PendingStep | None = None, *,
+                         mm: bool = False) -> ForwardStep | PendingStep:
         """Launch the step's forward; the sampler follows with ``dispatch_sample`` (structured outputs fill
         their bitmask in between). A multi-step decode runs forward and sampler in one loop: it comes back
         as a PendingStep at once."""
@@ -146,7 +154,12 @@ class ModelRunner:
         limit = step_inputs.step_limits(scheduled, R) if multi else None
         f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit)
         logits = load = None
-        if limit is None:   # the forward first: the device starts on it while the host finishes the step
+        mm_index = self._encode_images(scheduled, T) if mm else None
+        if mm_index is not None:
+            self.kv_caches, logits, *load = v.forward_mm_for(T)(self.model.params, self.kv_caches, f_ints,
+                                                                prev_tokens, self.encoder.slab, mm_index)
+            load = self._copy_load(load)
+        elif limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
             self.kv_caches, logits, *load = v.forward_for(T, md)(self.model.params, self.kv_caches, f_ints,
                                                                  prev_tokens)
@@ -167,6 +180,17 @@ class ModelRunner:
         n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, rows, lp_k, n_tok, steps, load)
+
+    def _encode_images(self, scheduled, T: int) -> np.ndarray | None:
+        """Encode the step's new images into the encoder cache; the decoder's image-row index (or None)."""
+        new = [f for s in scheduled if s.encoder_inputs for f in s.encoder_inputs]
+        if new:
+            self.encoder.encode(new)
+        return self.encoder.gather(scheduled, T)
+
+    def free_encoder_outputs(self, hashes: list[str]) -> None:
+        """Drop the encoder outputs the scheduler evicted."""
+        self.encoder.free(hashes)
 
     @staticmethod
     def _copy_load(load: list) -> jax.Array | None:
@@ -220,7 +244,11 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- compiling (``step_variants``)
     def warmup(self, progress: bool = True, background: bool | None = None) -> float:
-        return self.variants.warmup(progress, background)
+        """Compile the step variants (``StepVariants.warmup``) and a vision model's encoder batches."""
+        seconds = self.variants.warmup(progress, background)
+        if self.encoder is not None and not self.enforce_eager:
+            seconds += self.encoder.warmup()
+        return seconds
 
     def warmup_for(self, prompt_lens: list[int]) -> float:
         return self.variants.warmup_for(prompt_lens)

@@ -10,6 +10,9 @@ Multi-step decoding adds a third executable per decode bucket (``multi_step``).
 
 A variant's key:
 - ``("forward", T, decode_only[, SHORT_SEQ_LEN])``: the forward over a bucket of T tokens;
+- ``("forward-mm", T)``: a vision model's forward of a step with image tokens (their embeddings gathered
+  from the encoder cache's slab over up to T rows), compiled in the background after the text variants; a
+  step without image tokens runs the plain forward;
 - ``("sample", num_logprobs, filtering, masked, s_layout)``: the sampler for ``s_layout``'s request count;
 - ``("decode-loop", T, num_logprobs, filtering, s_layout)``: a multi-step decode.
 
@@ -46,8 +49,8 @@ from jaxserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, *, layout,
-               decode_only=False, max_seq_len=None):
+def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
+               mm_index=None, *, layout, decode_only=False, max_seq_len=None):
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
@@ -56,9 +59,12 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
     # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
+    # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
+    # token rows (``mm_index``: [token rows, slab rows], ``encoder_cache.EncoderCache.gather``)
+    mm = {} if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0]}
     hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
-                                                              attn_backend=backend) if expert_load else \
-        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend), None)
+                                                              attn_backend=backend, **mm) if expert_load else \
+        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **mm), None)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
     return (kv_caches, logits, load) if expert_load else (kv_caches, logits)
@@ -77,7 +83,8 @@ class StepVariants(StepCompiler):
     """The step's executables by key: a ``StepCompiler`` that knows what each key is and how to lower it."""
 
     def __init__(self, model, config: EngineConfig, shapes: StepShapes, *, backend: str, kv_caches,
-                 max_model_len: int, max_blocks_per_seq: int, penalty_width: int, moe_layers, mesh=None):
+                 max_model_len: int, max_blocks_per_seq: int, penalty_width: int, moe_layers, mesh=None,
+                 mm_slab=None):
         super().__init__(self.lower)
         self.cfg, self.shapes, self.mesh = model.config, shapes, mesh
         self.max_model_len, self.max_blocks_per_seq = max_model_len, max_blocks_per_seq
@@ -99,7 +106,8 @@ class StepVariants(StepCompiler):
             loop_out = {"out_shardings": (kv_sh, rep, rep, *load_out)}
         self.replicated = rep
         # what each kind's jit is given besides its static arguments (a stored program's call gets the same)
-        self._jit_kwargs = {"forward": {"donate_argnums": (1,), **fwd_out}, "sample": samp_out,
+        self._jit_kwargs = {"forward": {"donate_argnums": (1,), **fwd_out},
+                            "forward-mm": {"donate_argnums": (1,), **fwd_out}, "sample": samp_out,
                             "decode-loop": {"donate_argnums": (1,), **loop_out}}
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None),
@@ -150,6 +158,8 @@ class StepVariants(StepCompiler):
         # rebuilt whenever more executables are ready
         self._routes: dict[tuple[int, bool], tuple[int, bool]] = {}
         self._routes_at = -1
+        # a vision model's encoder slab, as the forward-mm variants read it (None: a text model)
+        self._mm_slab_spec = None if mm_slab is None else spec(mm_slab)
 
     # ---------------------------------------------------------------- which executable a step runs
     def shape_for(self, num_tokens: int, all_decode: bool) -> tuple[int, int, bool]:
@@ -184,6 +194,11 @@ class StepVariants(StepCompiler):
             and self.get(("forward", T, True, SHORT_SEQ_LEN))
         return fwd or self.get(("forward", T, md.decode_only)) or \
             self.need(("forward", T, md.decode_only), f"a step of {T} tokens")
+
+    def forward_mm_for(self, T: int):
+        """The forward of a step of bucket ``T`` with image tokens (compiled now if need be)."""
+        key = ("forward-mm", T)
+        return self.get(key) or self.need(key, f"a step of {T} tokens with image tokens")
 
     def sampler_for(self, key):
         """A sampler variant; one no step has needed yet (logprobs, penalties, a bitmask, ...) is compiled now
@@ -231,6 +246,13 @@ class StepVariants(StepCompiler):
             ints, layout = self.padding_inputs(T)
             fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec)
             static = {"layout": layout, "decode_only": decode_only, "max_seq_len": bound[0] if bound else None}
+        elif kind == "forward-mm":
+            _, T = key
+            ints, layout = self.padding_inputs(T)
+            index = jax.ShapeDtypeStruct((2, T), jnp.int32)
+            fn = self.forward
+            args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec, index)
+            static = {"layout": layout, "decode_only": False, "max_seq_len": None}
         elif kind == "sample":
             _, num_logprobs, filtering, masked, s_layout = key
             R = s_layout[0].shape[0]
@@ -278,6 +300,8 @@ class StepVariants(StepCompiler):
             rest += [("forward", T, True, SHORT_SEQ_LEN) for T in s.sizes if T <= decode_cap and
                      kernel_ops.decode_splits(s.num_reqs_for(T), kvh, SHORT_SEQ_LEN)
                      < kernel_ops.decode_splits(s.num_reqs_for(T), kvh, self.max_model_len)]
+        if self._mm_slab_spec is not None:      # a vision model: its image steps, after the text ones
+            rest += [("forward-mm", T) for T in s.sizes]
         if self.static_sampling:
             rest += [("sample", 0, True, False, self._sampler_layout(r)) for r in self._request_counts()]
             if self.decode_loops:

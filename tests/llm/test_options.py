@@ -93,6 +93,10 @@ def _other_value(o):
         return ['{"disable_any_whitespace": false}'], type(default)(disable_any_whitespace=False)
     if o.name == "distributed_coordinator":
         return ["h:1"], "h:1"
+    if o.name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+        return ['{"image": 2}'], {"image": 2}
+    if o.name == "allowed_media_domains":
+        return ["a.com,b.org"], ("a.com", "b.org")
     for scalar in (int, float, str):
         if o.hint in (scalar, scalar | None):
             value = scalar(3) if scalar is not str else "x"
@@ -110,7 +114,7 @@ def test_each_flag_yaml_key_and_keyword_reach_the_field(o, tmp_path):
     assert field_value(from_flag, o.name) == value
     assert field_value(engine_config_from_kwargs(**{o.name: value}), o.name) == value
     path = tmp_path / "c.yaml"
-    yaml_value = words[0] if o.name == "structured_outputs_config" else value
+    yaml_value = words[0] if o.name in ("structured_outputs_config", "allowed_media_domains") else value
     for key in {o.name, o.name.replace("_", "-"), flag.removeprefix("--no-").removeprefix("--")}:
         path.write_text(yaml.safe_dump({key: list(yaml_value) if isinstance(yaml_value, tuple) else yaml_value}))
         a = parse_with_yaml(["generate", "--config", str(path)])

@@ -195,11 +195,13 @@ class DecoderModel(nnx.Module):
             self.lm_head = _param((h, cfg.vocab_size), COLUMN)
 
     def __call__(self, kv_caches: list, input_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
-                 backend: str):
+                 backend: str, mm_embeds: jax.Array | None = None, mm_rows: jax.Array | None = None):
         spec, eps = self.spec, self.cfg.rms_norm_eps
         x = jnp.take(_w(self.embed), input_ids, axis=0)
         if spec.embed_scale is not None:
             x = x * jnp.asarray(spec.embed_scale, x.dtype)
+        if mm_embeds is not None:       # image embeddings over their token rows (padding rows point past T)
+            x = x.at[mm_rows].set(mm_embeds.astype(x.dtype), mode="drop")
         cos_sin = [r.cos_sin(positions, x.dtype) for r in spec.rotaries]
         layers = list(self.layers)
         next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
@@ -244,14 +246,15 @@ class DecoderModel(nnx.Module):
 
 # ----------------------------------------------------------------------------------- the family interface
 def _to_external(pure: dict) -> dict:
-    """nnx's pure dict (layers keyed 0..n-1) → the weight pytree (layers as a list)."""
-    out = dict(pure)
+    """nnx's pure dict (layers keyed 0..n-1) → the weight pytree (layers as a list; a sub-model's too, e.g. a
+    vision tower's: stored programs take only string-keyed dicts)."""
+    out = {k: _to_external(v) if isinstance(v, dict) and "layers" in v else v for k, v in pure.items()}
     out["layers"] = [pure["layers"][i] for i in range(len(pure["layers"]))]
     return out
 
 
 def _to_internal(params: dict) -> dict:
-    out = dict(params)
+    out = {k: _to_internal(v) if isinstance(v, dict) and "layers" in v else v for k, v in params.items()}
     out["layers"] = dict(enumerate(params["layers"]))
     return out
 
@@ -331,19 +334,24 @@ class DecoderFamily:
         return kernel_ops.kv_cache_shapes(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
 
     def forward(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
-                md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference"):
-        """One ragged step: ``input_ids``/``positions`` ``[T]`` int32 → ``(hidden [T, hidden_size], kv_caches)``."""
+                md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference", mm_embeds=None,
+                mm_rows=None):
+        """One ragged step: ``input_ids``/``positions`` ``[T]`` int32 → ``(hidden [T, hidden_size], kv_caches)``.
+        ``mm_embeds [E, hidden]`` / ``mm_rows [E]``: image embeddings and the token rows they replace (a
+        multimodal step; rows ``>= T`` are padding)."""
         hidden, kv_caches, _ = self.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
-                                                             attn_backend=attn_backend)
+                                                             attn_backend=attn_backend, mm_embeds=mm_embeds,
+                                                             mm_rows=mm_rows)
         return hidden, kv_caches
 
     def forward_with_expert_load(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
-                                 md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference"):
+                                 md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference",
+                                 mm_embeds=None, mm_rows=None):
         """``forward`` and the tokens routed to each expert of each MoE layer ``[L_moe, E]`` int32 (None for a
         dense model): the engine's expert-load statistics, from the step itself."""
         graphdef, _ = self.abstract(cfg)
         model = nnx.merge(graphdef, _to_internal(params))
-        return model(kv_caches, input_ids, positions, md, attn_backend)
+        return model(kv_caches, input_ids, positions, md, attn_backend, mm_embeds, mm_rows)
 
     def compute_logits(self, params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
         """``hidden [N, hidden_size]`` → logits ``[N, vocab]`` in float32 (float32 accumulation)."""

@@ -1,0 +1,122 @@
+"""Images → the model's inputs, with transformers' own image processors (their PIL backends: no torch).
+
+``ImageProcessing.from_folder`` reads the checkpoint's ``preprocessor_config.json`` (or the
+``image_processor`` of ``processor_config.json``, transformers 5's layout; a dummy model: the defaults its
+family puts in ``ModelConfig.extra["image_processor"]``) and the placeholder facts of
+``processor_config.json`` (image token, patch size, extra tokens). ``process`` expands each image token of a
+prompt into the image's N tokens, as HF's processor does (it replaces the placeholder text by N copies
+before tokenizing; the placeholder is one special token, so expanding ids gives the same ids), and returns
+one ``ImageFeature`` per image. Blocking, CPU-bound: the server runs it on worker threads.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from jaxserve.errors import InvalidRequestError, ModelLoadError
+from jaxserve.multimodal.inputs import ImageFeature, image_hash
+
+
+def _read(folder: str | None, name: str) -> dict:
+    path = os.path.join(folder, name) if folder else None
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _thaw(value: Any) -> Any:
+    """A dict that ``ModelConfig.extra`` froze into ``((key, value), ...)`` pairs, as a dict again."""
+    if isinstance(value, tuple) and value and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                                  for p in value):
+        return {k: _thaw(v) for k, v in value}
+    return value
+
+
+def _pil_image_processor(config: dict, kwargs: dict) -> Any:
+    import transformers  # noqa: PLC0415  (only multimodal models pay for the import)
+
+    config = dict(config)
+    kind = config.pop("image_processor_type", None) or "CLIPImageProcessor"
+    config.pop("processor_class", None)
+    kind = kind.removesuffix("Fast")
+    cls = getattr(transformers, kind + "Pil", None) or getattr(transformers, kind, None)
+    if cls is None:
+        raise ModelLoadError(f"image processor {kind!r} is not available in transformers "
+                             f"{transformers.__version__} without torch")
+    return cls(**(config | kwargs))
+
+
+class ImageProcessing:
+    """One model's image preprocessing and placeholder expansion (LLaVA's rule: ``(H / patch) * (W / patch)
+    + extra_tokens`` image tokens for pixel values of ``H x W``; a family with another rule passes
+    ``num_tokens``)."""
+
+    def __init__(self, image_processor: Any, image_token: str, image_token_id: int, patch_size: int,
+                 extra_tokens: int = 0, processor_kwargs: dict | None = None, num_tokens=None):
+        self.image_processor = image_processor
+        self.image_token, self.image_token_id = image_token, image_token_id
+        self.patch_size, self.extra_tokens = patch_size, extra_tokens
+        self.processor_kwargs = dict(processor_kwargs or {})
+        self._kwargs_key = json.dumps(self.processor_kwargs, sort_keys=True, default=str)
+        self._num_tokens = num_tokens
+
+    @classmethod
+    def from_folder(cls, folder: str | None, model_extra: dict, processor_kwargs: dict | None = None):
+        proc = _read(folder, "processor_config.json")
+        image_config = _read(folder, "preprocessor_config.json") or proc.get("image_processor") \
+            or _thaw(model_extra.get("image_processor") or ())
+        if not image_config:
+            raise ModelLoadError(f"{folder}: no preprocessor_config.json (the image processor's settings)")
+        patch = int(proc.get("patch_size") or model_extra.get("patch_size") or 14)
+        strategy = proc.get("vision_feature_select_strategy") or model_extra.get("vision_feature_select_strategy")
+        additional = int(proc.get("num_additional_image_tokens", model_extra.get("num_additional_image_tokens", 1)))
+        extra_tokens = additional - (1 if strategy == "default" else 0)
+        kwargs = dict(processor_kwargs or {})
+        try:
+            processor = _pil_image_processor(image_config, kwargs)
+        except TypeError as e:
+            raise ModelLoadError(f"--mm-processor-kwargs: {e}") from None
+        return cls(processor, proc.get("image_token") or model_extra.get("image_token", "<image>"),
+                   int(model_extra["image_token_id"]), patch, extra_tokens, kwargs)
+
+    def num_tokens(self, pixel_values: np.ndarray, extra: dict) -> int:
+        if self._num_tokens is not None:
+            return self._num_tokens(pixel_values, extra)
+        h, w = pixel_values.shape[-2:]
+        return (h // self.patch_size) * (w // self.patch_size) + self.extra_tokens
+
+    def process_image(self, image) -> tuple[np.ndarray, dict, str]:
+        """(pixel values of one image, the family's extra arrays, its content hash)."""
+        pixels = np.asarray(image)
+        digest = image_hash(pixels, image.mode, self._kwargs_key)
+        out = self.image_processor(images=[image], return_tensors="np")
+        pixel_values = np.asarray(out["pixel_values"][0], np.float32)
+        extra = {k: np.asarray(v[0]) for k, v in out.items() if k != "pixel_values"}
+        return pixel_values, extra, digest
+
+    def count_placeholders(self, prompt_token_ids: list[int]) -> int:
+        return sum(1 for t in prompt_token_ids if t == self.image_token_id)
+
+    def process(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], list[ImageFeature]]:
+        """The prompt with each image token expanded, and the images' features (in prompt order)."""
+        n_placeholders = self.count_placeholders(prompt_token_ids)
+        if n_placeholders != len(images):
+            raise InvalidRequestError(
+                f"the prompt has {n_placeholders} image placeholder(s) ({self.image_token}) but {len(images)} "
+                "image(s) were given", param="multi_modal_data")
+        out: list[int] = []
+        features: list[ImageFeature] = []
+        it = iter(images)
+        for t in prompt_token_ids:
+            if t != self.image_token_id:
+                out.append(t)
+                continue
+            pixel_values, extra, digest = self.process_image(next(it))
+            n = self.num_tokens(pixel_values, extra)
+            features.append(ImageFeature(digest, len(out), n, pixel_values, extra))
+            out.extend([self.image_token_id] * n)
+        return out, features

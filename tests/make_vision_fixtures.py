@@ -1,0 +1,147 @@
+"""Golden fixtures of a tiny random LLaVA-1.5 (CLIP ViT + MLP projector + Llama) from HF transformers.
+
+Run with the oracle env (torch + torchvision + transformers):
+    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py
+
+Writes tests/fixtures/models/tiny-llava/: config.json, model.safetensors (bfloat16, read back as float32 by
+the oracle), preprocessor_config.json and processor_config.json (CLIP image processing at 56x56, 14-pixel
+patches: 16 image tokens per image), a byte-level tokenizer with ``<image>`` and LLaVA's chat template, the
+test images (PNG, made from fixed seeds), and golden.json: per case its prompt (chat messages or raw text),
+the ids HF's processor expands it to (chat prompts without added special tokens), HF's greedy continuation (no eos stop) and the smallest top-1/top-2
+margin on that path; logits.npy: HF float32 logits of the first case's prompt.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,  # noqa: E402
+                          LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models", "tiny-llava")
+GREEDY_TOKENS = 20
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+# llava-hf/llava-1.5-7b-hf's template: each message's images first, then its text
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
+    "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+IMAGES = {"red.png": (64, 48, 1), "noise.png": (40, 80, 2), "tall.png": (30, 90, 3)}   # (width, height, seed)
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level: one token per byte (ids 5..260), the specials first (<image> = 4)."""
+    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    for ch in sorted(byte_chars):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", additional_special_tokens=["<image>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_images() -> dict[str, Image.Image]:
+    out = {}
+    for name, (w, h, seed) in IMAGES.items():
+        rng = np.random.default_rng(seed)
+        out[name] = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+        out[name].save(os.path.join(OUT, name))
+    return out
+
+
+def cases(images: dict) -> list[dict]:
+    red, noise, tall = images["red.png"], images["noise.png"], images["tall.png"]
+    img = {"type": "image"}
+    return [
+        {"name": "one_image", "messages": [{"role": "user", "content": [img, {"type": "text", "text": "What?"}]}],
+         "images": ["red.png"]},
+        {"name": "two_images", "messages": [{"role": "user", "content": [
+            img, img, {"type": "text", "text": "Compare them."}]}], "images": ["red.png", "noise.png"]},
+        {"name": "text_around", "raw": "USER: look at <image> and tell me ASSISTANT:", "images": ["tall.png"]},
+        {"name": "two_turns", "messages": [
+            {"role": "user", "content": [img, {"type": "text", "text": "Describe it."}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Colours."}]},
+            {"role": "user", "content": [{"type": "text", "text": "More?"}]}], "images": ["noise.png"]},
+        {"name": "raw_placeholder", "raw": "<image>\nA photo of", "images": ["noise.png"]},
+        {"name": "text_only", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
+         "images": []},
+    ], (red, noise, tall)
+
+
+@torch.no_grad()
+def greedy(model, inputs, n: int) -> tuple[list[int], float, np.ndarray]:
+    ids = inputs["input_ids"]
+    out = model.generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=3)
+    margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    logits = model(**inputs).logits[0].float().numpy()
+    return out.sequences[0, ids.shape[1]:].tolist(), min(margins), logits
+
+
+@torch.no_grad()
+def main() -> None:
+    torch.set_num_threads(2)
+    os.makedirs(OUT, exist_ok=True)
+    tokenizer = make_tokenizer()
+    vocab = len(tokenizer)
+    text = LlamaConfig(vocab_size=vocab + 11, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                       initializer_range=0.08)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=56, patch_size=14, projection_dim=32, hidden_act="quick_gelu",
+                              initializer_range=0.08)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=4, projector_hidden_act="gelu",
+                         vision_feature_layer=-2, vision_feature_select_strategy="default",
+                         image_seq_length=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    for p in model.parameters():          # stored as bfloat16: the float32 model holds exactly those values
+        p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    model.to(torch.bfloat16).save_pretrained(OUT, safe_serialization=True)
+    model = LlavaForConditionalGeneration.from_pretrained(OUT, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+    # the PIL backend, which jaxserve runs (no torch in the server); the torchvision one resizes differently
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                               vision_feature_select_strategy="default", chat_template=CHAT_TEMPLATE,
+                               num_additional_image_tokens=1)
+    processor.save_pretrained(OUT)
+    with open(os.path.join(OUT, "processor_config.json")) as f:      # as a hub checkpoint names it
+        saved = json.load(f)
+    saved["image_processor"]["image_processor_type"] = "CLIPImageProcessor"
+    with open(os.path.join(OUT, "processor_config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+    tokenizer.save_pretrained(OUT)
+    images = make_images()
+    golden = []
+    for i, case in enumerate(cases(images)[0]):
+        prompt = case["raw"] if "raw" in case else processor.apply_chat_template(case["messages"],
+                                                                                  add_generation_prompt=True)
+        imgs = [images[n] for n in case["images"]] or None
+        # raw prompts get the tokenizer's BOS (LLM.generate's encode); a chat template holds what it wants
+        # (jaxserve's and vLLM's chat default: add_special_tokens false)
+        inputs = processor(text=prompt, images=imgs, return_tensors="pt", add_special_tokens="raw" in case)
+        ids, margin, logits = greedy(model, inputs, GREEDY_TOKENS)
+        if i == 0:
+            np.save(os.path.join(OUT, "logits.npy"), logits.astype(np.float32))
+        golden.append({**case, "prompt": prompt, "prompt_ids": inputs["input_ids"][0].tolist(), "greedy_ids": ids,
+                       "min_margin": round(margin, 5)})
+        print(f"{case['name']}: {inputs['input_ids'].shape[1]} prompt tokens, margin {margin:.4f}, {ids[:6]}")
+    with open(os.path.join(OUT, "golden.json"), "w") as f:
+        json.dump(golden, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""LLaVA-1.5 end to end against HF transformers (tests/make_vision_fixtures.py: a tiny random checkpoint, its
+images and HF's float32 outputs): the prompt's logits within 1e-4, and HF's greedy continuation through the
+engine for one image, two images, text around an image, a two-turn chat with an earlier image, a raw prompt
+with the placeholder, batched with text-only requests, under the prefix cache, with chunked prefill and an
+encoder budget splitting the work, and at tensor parallelism 2 on fake CPU devices."""
+from __future__ import annotations
+
+import base64
+import copy
+import functools
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from support.fake_devices import fake_device_report
+from support.tiny_models import PagedRunner, fixture_path, golden, hf_logits
+
+NAME = "tiny-llava"
+FOLDER = fixture_path(NAME)
+GREEDY = 20
+CASES = {c["name"]: c for c in golden(NAME)}
+
+
+def image(name: str) -> Image.Image:
+    return Image.open(os.path.join(FOLDER, name))
+
+
+def data_url(name: str) -> str:
+    with open(os.path.join(FOLDER, name), "rb") as f:
+        return "data:image/png;base64," + base64.b64encode(f.read()).decode()
+
+
+def openai_messages(case: dict) -> list[dict]:
+    """The case's messages with its images as OpenAI image_url parts (data URLs)."""
+    msgs, names = copy.deepcopy(case["messages"]), iter(case["images"])
+    for m in msgs:
+        m["content"] = [{"type": "image_url", "image_url": {"url": data_url(next(names))}}
+                        if p["type"] == "image" else p for p in m["content"]]
+    return msgs
+
+
+def make_llm(**kw):
+    from jaxserve.llm import LLM
+    opts = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                use_tqdm_on_load=False) | kw
+    return LLM(FOLDER, **opts)
+
+
+def run_case(llm, case: dict):
+    from jaxserve.sampling_params import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
+    if "raw" in case:
+        return llm.generate({"prompt": case["prompt"],
+                             "multi_modal_data": {"image": [image(n) for n in case["images"]]}}, sp, use_tqdm=False)[0]
+    return llm.chat(openai_messages(case), sp, use_tqdm=False)[0]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = make_llm()
+    yield engine
+    engine.shutdown()
+
+
+def test_logits_match_hf():
+    """The first case's prompt prefilled in one step, its image embedded by the encoder: logits within 1e-4."""
+    from jaxserve.models.loader import load_model
+    from jaxserve.multimodal.processing import ImageProcessing
+    from jaxserve.runner.step_variants import forward_fn
+    model = load_model(FOLDER, dtype="float32")
+    case = CASES["one_image"]
+    proc = ImageProcessing.from_folder(FOLDER, model.config.extra_dict)
+    ids, feats = proc.process(model.tokenizer.encode(case["prompt"], add_special_tokens=False),
+                              [image(n).convert("RGB") for n in case["images"]])
+    assert ids == case["prompt_ids"]
+    emb = model.family.encode_images(model.params, np.stack([f.pixel_values for f in feats]), model.config)
+    slab = np.asarray(emb).reshape(-1, model.config.hidden_size)
+    index = np.stack([np.concatenate([np.arange(f.offset, f.end) for f in feats]), np.arange(len(slab))])
+    runner = PagedRunner(model, max_reqs=1, max_len=64)
+    ints, layout = runner.inputs([(0, ids, 0)], 64, logits_rows=list(range(len(ids))))
+    step = jax.jit(functools.partial(forward_fn, model.family, model.config, "reference", False),
+                   static_argnames=("layout",))
+    _, logits = step(model.params, runner.kv_caches, ints, runner.no_prev, slab, index.astype(np.int32),
+                     layout=layout)
+    err = np.abs(np.asarray(logits) - hf_logits(NAME)).max()
+    assert err <= 1e-4, f"max abs logit error {err:.2e} vs HF float32"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_matches_hf(llm, name):
+    out = run_case(llm, CASES[name])
+    assert out.prompt_token_ids == CASES[name]["prompt_ids"]
+    assert list(out.outputs[0].token_ids) == CASES[name]["greedy_ids"]
+
+
+def test_image_requests_compile_nothing_after_the_warm_up(llm):
+    """The image step variants compile in the background and the encoder's batches at start-up: once they
+    are done, image requests (one image, two images) run without compiling."""
+    runner = llm.engine.core.runner
+    assert llm.wait_compiled(timeout=600)
+    before = (runner.compiled_variants(), runner.encoder._step._cache_size())
+    for name in ("one_image", "two_images"):
+        run_case(llm, CASES[name])
+    assert (runner.compiled_variants(), runner.encoder._step._cache_size()) == before
+
+
+def test_tokenizing_around_the_placeholder_equals_the_tokenizer(llm):
+    """What a dummy model served with another model's tokenizer does (split the text at each placeholder)
+    gives the ids of a tokenizer that has the placeholder as a special token."""
+    images = llm.engine.images
+    assert not images.splits_placeholder
+    for case in CASES.values():
+        text = case["prompt"]
+        assert images.encode(text, False) == llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_batched_with_text_only_requests(llm):
+    """Image prompts and text prompts in one batch: each as alone."""
+    from jaxserve.sampling_params import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
+    text_ids = CASES["text_only"]["prompt_ids"]
+    raw = [CASES["text_around"], CASES["raw_placeholder"]]
+    prompts = [{"prompt_token_ids": text_ids}] + [
+        {"prompt": c["prompt"], "multi_modal_data": {"image": [image(n) for n in c["images"]]}} for c in raw] + \
+        [{"prompt_token_ids": text_ids}]
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    expect = [CASES["text_only"]] + raw + [CASES["text_only"]]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [c["greedy_ids"] for c in expect]
+    stats = llm.engine.stats()
+    assert stats["request_images_total"] >= 2 and stats["requests_with_images_total"] >= 2
+    assert stats["images_encoded_total"] >= 1 and stats["encoder_seconds_total"] > 0
+
+
+def test_prefix_cache_same_image_shares_and_other_image_does_not():
+    """Block hashes include the images a block overlaps: the same image reuses the prompt's blocks, another
+    image with the same text shares only the blocks before it."""
+    from jaxserve.sampling_params import SamplingParams
+    engine = make_llm(block_size=8, enable_prefix_caching=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
+    case = CASES["text_around"]          # 53 tokens; the image's 16 tokens start at 15
+
+    def run(img: str):
+        return engine.generate({"prompt": case["prompt"], "multi_modal_data": {"image": [image(img)]}}, sp,
+                               use_tqdm=False)[0]
+    first, again, other = run("tall.png"), run("tall.png"), run("red.png")
+    assert list(first.outputs[0].token_ids) == list(again.outputs[0].token_ids) == case["greedy_ids"]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 48
+    assert other.num_cached_tokens == 8          # the block before the image: text only
+    assert list(other.outputs[0].token_ids) != case["greedy_ids"]
+    engine.shutdown()
+
+
+def test_chunked_prefill_and_encoder_budget_split_the_images():
+    """A step budget of 8 tokens splits each image's 16 tokens over steps; an encoder budget of one image
+    encodes the second image of a prompt in a later step. The outputs stay HF's."""
+    engine = make_llm(max_num_batched_tokens=8, max_num_seqs=4, max_num_encoder_input_tokens=16,
+                      encoder_cache_size=32)
+    for name in ("two_images", "one_image"):
+        out = run_case(engine, CASES[name])
+        assert list(out.outputs[0].token_ids) == CASES[name]["greedy_ids"], name
+    engine.shutdown()
+
+
+def test_image_hashes_and_encoder_cache_accounting():
+    from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
+    from jaxserve.engine.request import Request
+    from jaxserve.multimodal.inputs import ImageFeature
+    enc = EncoderCacheManager(budget=16, capacity=32)
+    a, b = (ImageFeature(h, 4, 16, np.zeros(1)) for h in ("a", "b"))
+    r1, r2 = Request("1", [0] * 30, None, mm_features=[a]), Request("2", [0] * 30, None, mm_features=[b])
+    assert enc.schedule(r1, 0, 10, 16)[:2] == (10, [a])           # the chunk ends inside the image
+    assert enc.schedule(r2, 0, 10, 0)[:2] == (4, [])              # no budget left: cut before the image
+    assert enc.schedule(r2, 0, 10, 16)[:2] == (10, [b])
+    r1.num_computed_tokens = 20
+    enc.release_computed(r1)
+    c = ImageFeature("c", 0, 16, np.zeros(1))
+    r3 = Request("3", [0] * 20, None, mm_features=[c])
+    assert enc.schedule(r3, 0, 20, 16)[:2] == (20, [c]) and enc.take_freed() == ["a"]   # evicts the unheld
+
+
+# ------------------------------------------------------------------------------- tensor parallelism
+def _tp_worker() -> dict:
+    import jax as jax_
+    assert jax_.device_count() == 2
+    engine = make_llm(tensor_parallel_size=2, skip_warmup=True, compilation_cache_dir="")
+    report = {name: list(run_case(engine, CASES[name]).outputs[0].token_ids)
+              for name in ("one_image", "two_images", "raw_placeholder")}
+    wq = engine.engine.core.model.params["vision"]["layers"][0]["wq"]
+    report["wq_spec"] = str(wq.sharding.spec)
+    return report
+
+
+def test_tensor_parallel_2_matches_hf():
+    report = fake_device_report([os.path.abspath(__file__), "--tp-worker"], 2)
+    for name in ("one_image", "two_images", "raw_placeholder"):
+        assert report[name] == CASES[name]["greedy_ids"], name
+    assert "tp" in report["wq_spec"]             # the encoder is sharded like the decoder
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--tp-worker"]:
+    print(json.dumps(_tp_worker()))

@@ -60,6 +60,7 @@ class Sizes:
     mla_shape: tuple = (512, 64, 16)               # MLA: kv_lora_rank, rope dim, block size (DeepSeek V2/V3)
     mla_batch: tuple = (64, 4096)                  # requests x context
     mla_heads: tuple = (16, 128)
+    mla_sweep: bool = True                         # MLA: also sweep the launch options (bf16 cache)
     n_iter: int = 16
     reps: int = 5
     interpret: bool = False
@@ -429,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--m", default=None, help="quant: token counts (default 1,4,16)")
     ap.add_argument("--tokens", default=None, help="moe: token counts (default 1,4,16,256,8192)")
     ap.add_argument("--out", default=None, help="also write the output to this file as it goes")
+    ap.add_argument("--no-sweep", action="store_true", help="mla: time the default launch only")
     return ap
 
 
@@ -445,6 +447,8 @@ def run_sections(a: argparse.Namespace) -> tuple[int, list[tuple[str, str]]]:
         sizes = dataclasses.replace(sizes, quant_m=tuple(int(v) for v in a.m.split(",")))
     if a.tokens:
         sizes = dataclasses.replace(sizes, moe_tokens=tuple(int(v) for v in a.tokens.split(",")))
+    if a.no_sweep:
+        sizes = dataclasses.replace(sizes, mla_sweep=False)
     out = open(a.out, "w") if a.out else None
     b = Bench(sizes, a.hardware, out)
     failed = []

@@ -92,7 +92,7 @@ def mla(b: Bench) -> None:
             flops = 2.0 * B * ctx * heads * (2 * R + P)
             bound = max(nbytes / b.read_bw, flops / b.peak)
             seconds = _timer(S, B, ctx, heads, cache)
-            launches = [{}] + (_launches(heads, R + P, S.interpret) if cache == "bfloat16" else [])
+            launches = [{}] + (_launches(heads, R + P, S.interpret) if cache == "bfloat16" and S.mla_sweep else [])
             timed = []
             for launch in launches:
                 try:

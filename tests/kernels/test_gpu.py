@@ -323,8 +323,8 @@ def test_moe_checkpoint_matches_hf_with_each_grouped_gemm(name, impl):
 _WARM_START = """
 import sys
 from jaxserve import LLM, SamplingParams
-llm = LLM(None, max_model_len=2048, max_num_batched_tokens=1024, token_buckets=[4, 1024],
-          compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
+llm = LLM("llama-3.2-1b", load_format="dummy", max_model_len=2048, max_num_batched_tokens=1024,
+          token_buckets=[4, 1024], compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
 llm.generate(["x " * 700], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
 """
 

@@ -1,29 +1,13 @@
 """The kernel microbenchmark: the device figures the kernels are judged by, on one device.
 
-    python -m jaxserve.benchmarks.kernel_bench                        # every section at the H200 sizes
-    python -m jaxserve.benchmarks.kernel_bench --only attention,quant
-    python -m jaxserve.benchmarks.kernel_bench --smoke                # tiny sizes on CPU (Pallas interpreted)
+    python -m jaxserve.benchmarks.kernel_bench [--only attention,quant] [--smoke: tiny, on CPU, interpreted]
     jaxserve bench --config h200-kernels                              # the same as a config (``kernels.args``)
 
-Sections:
-  bandwidth  the memory ceilings of configs/hardware/*.yaml: HBM read (a jitted sum over a large bf16 array,
-             the better of two reduction layouts) and copy (``-x``: read + write bytes)
-  attention  paged decode (the engine's decode-only launch) against the stock Pallas kernel over a batch x
-             context sweep, in TB/s of K/V read and % of the read ceiling; an fp8 cache against bf16; causal
-             prefill (the engine's kernel choice, the Triton kernel, cuDNN, Mosaic GPU FA3) in TFLOP/s
-  quant      int4 W4A16 (the engine's path) and fp8 (W8A8, W8A16) projection matmuls against bf16 at
-             Llama-3.1-8B's shapes, M = 1, 4, 16 rows: us, GB/s of weight read, % of the read ceiling
-             (``benchmarks/int4_launches.py`` tunes the int4 kernel's launches the engine reads)
-  mla        paged MLA decode (``mla_kernel_bench``): DeepSeek's latent cache at B = 64, ctx 4096, 16 and 128
-             heads, bf16 and fp8, in GB/s and % of the read ceiling and of the roofline; a launch sweep
-  moe        the MoE grouped GEMM (one layer's gate/up) at Qwen3-30B-A3B's and Mixtral-8x7B's shapes: every
-             ``kernels/ragged_dot.py`` implementation and, up to 16 tokens, the sort-free rows kernel
+Sections (``--only``; benchmarks/README.md's table says what each measures): bandwidth (the read and copy
+ceilings of configs/hardware), attention (paged decode, fp8 cache, causal prefill), quant (int4 / fp8 projection
+matmuls; ``int4_launches.py`` tunes the int4 launches), mla (paged MLA decode), moe (the grouped GEMMs).
 
-Timing: every figure waits for the device and leaves the first call (its compiles) out. Attention and MoE: one
-jitted chain of ``n_iter`` dependent calls (each call's output feeds the next; the block tables or the routing
-rotate so L2 serves no repeat), the median of ``reps`` runs. Bandwidth and the matmuls: calls dispatched back to
-back, the matmuls ``--layers`` distinct weights per program as a model's layers read them. Kernel correctness is
-the tests' job (interpret mode on CPU, tests/kernels/test_gpu.py on a GPU). The run ends with ``| what | result |``.
+Timing (benchmarks/README.md): device-waited, compiles left out, chained calls with rotating inputs (no L2 repeat).
 """
 from __future__ import annotations
 

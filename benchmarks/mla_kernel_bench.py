@@ -1,12 +1,7 @@
-"""``kernel_bench``'s ``mla`` section: the paged MLA decode kernel (``kernels/mla_decode_pallas.py``).
-
-B decode requests at one context length over a latent page cache (R + P values a token), DeepSeek's shape
-(R 512, P 64, block size 16) at H = 16 heads (V2-Lite; memory-bound) and 128 (V3; compute-bound at bf16: a key
-costs 2 H (2R + P) FLOPs against (R + P) cache elements, 240 FLOP a byte at H = 128 against the H200's ~170).
-Each case reports the latent read rate (GB/s, % of the read ceiling), TFLOP/s, and % of its roofline
-max(bytes / read ceiling, FLOPs / bf16 peak); then a sweep of the launch options, fastest first, whose best
-row the summary names next to the default launch's.
-"""
+"""``kernel_bench``'s ``mla`` section: the paged MLA decode kernel (``kernels/mla_decode_pallas.py``) on B decode
+requests at one context over DeepSeek's latent pages (R 512 + P 64, block 16), at H = 16 heads (V2-Lite,
+memory-bound) and 128 (V3, compute-bound at bf16: 2 H (2R + P) FLOPs a key). Each case: GB/s, % of the read
+ceiling, TFLOP/s, % of the roofline max(bytes / read, FLOPs / peak); then the launch sweep's rows."""
 from __future__ import annotations
 
 import itertools
@@ -15,13 +10,12 @@ import numpy as np
 
 from .kernel_bench import Bench, chain_seconds
 
-
 SHARED_MEMORY = 227 << 10          # an H100 / H200 block's shared memory limit
 
 
 def _launches(heads: int, width: int, quick: bool) -> list[dict]:
-    """The launch options swept at ``heads`` (bf16 latent rows ``width`` wide): heads per program, keys per
-    step, warps, stages (those whose key tiles and query tile fit in shared memory), then split counts."""
+    """The launches swept at ``heads`` (bf16 rows ``width`` wide): heads a program, keys a step, warps, stages
+    (where the tiles fit in shared memory), then split counts."""
     if quick:
         return [dict(block_k=16, num_stages=2), dict(num_splits=2)]
     block_hs = [bh for bh in (16, 32, 64) if bh <= max(16, heads)]
@@ -40,8 +34,7 @@ def _label(launch: dict) -> str:
 
 
 def _timer(S, B: int, ctx: int, heads: int, cache_dtype):
-    """A function launch-options -> seconds per call of one decode step: B requests at ``ctx`` tokens, pages
-    drawn at random from a pool of at least ``pool_bytes``, a few block tables in rotation (no L2 repeats)."""
+    """launch options -> seconds a decode step of B requests at ``ctx`` (random pages, rotating tables)."""
     import jax
     import jax.numpy as jnp
 

@@ -62,17 +62,6 @@ def sample_lengths(spec, n: int, rng: np.random.Generator, what: str) -> np.ndar
     return np.maximum(out.astype(np.int64), 1)
 
 
-def mean_length(spec) -> float:
-    """The expected value of a length spec (for roofline bounds)."""
-    if not isinstance(spec, dict):
-        return float(spec)
-    if spec["dist"] == "uniform":
-        return (float(spec["min"]) + float(spec["max"])) / 2
-    if spec["dist"] == "normal":
-        return float(spec["mean"])
-    return float(np.mean(spec["values"]))
-
-
 def token_id_range(vocab_size: int) -> tuple[int, int]:
     """Ids for random prompts: clear of the special tokens most vocabularies keep at either end."""
     margin = 1000 if vocab_size > 8000 else vocab_size // 8

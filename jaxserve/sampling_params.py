@@ -113,21 +113,17 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
                              f"structural_tag; got {', '.join(given) if given else 'none'}")
-        if isinstance(self.structural_tag, str):
-            try:
-                self.structural_tag = json.loads(self.structural_tag)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
-        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
-            raise ValueError("structured_outputs.structural_tag must be an object with structures and triggers, "
-                             f"got {self.structural_tag!r:.80}")
-        if isinstance(self.json, str):
-            try:
-                self.json = json.loads(self.json)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-        if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {self.json!r}")
+        for name, types, what in (("json", (dict, bool), "a JSON schema (an object)"),
+                                  ("structural_tag", (dict,), "an object with structures and triggers")):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.{name} is not valid JSON: {e}") from None
+                setattr(self, name, value)
+            if value is not None and not isinstance(value, types):
+                raise ValueError(f"structured_outputs.{name} must be {what}, got {value!r:.80}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

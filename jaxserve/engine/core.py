@@ -23,7 +23,8 @@ from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.messages import EngineCoreOutput
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import InvalidRequestError
 from jaxserve.executor.model_executor import ModelExecutor

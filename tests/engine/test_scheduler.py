@@ -20,7 +20,8 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from jaxserve.engine.core_outputs import apply_sampled_tokens
 from jaxserve.engine.request import PLACEHOLDER, Request, RequestStatus
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 VOCAB = 50

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import ScheduledRequest
+from jaxserve.engine.scheduler_output import ScheduledRequest
 from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.runner import sampler as S
 from jaxserve.runner.input_batch import InputBatch

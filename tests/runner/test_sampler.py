@@ -456,7 +456,7 @@ def test_a_step_without_token_restrictions_keeps_its_layout_hence_its_program():
     from jaxserve.runner import packing
     from jaxserve.runner.input_batch import InputBatch
     from jaxserve.engine.request import Request
-    from jaxserve.engine.scheduler import ScheduledRequest
+    from jaxserve.engine.scheduler_output import ScheduledRequest
 
     def layout(params, **kw):
         return packing.pack(packing.fields(meta_for(params, pad_to=4, **kw)))[2]

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxserve import parallel
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import ScheduledRequest
+from jaxserve.engine.scheduler_output import ScheduledRequest
 from jaxserve.runner import kv_cache, step_inputs
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.step_variants import forward_fn

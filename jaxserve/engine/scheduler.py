@@ -115,8 +115,7 @@ class Scheduler:
         assert 0 < request.num_prompt_tokens <= self.max_model_len, request
         # the output length at which it stops by length: max_tokens, or what max_model_len leaves
         request.max_output_tokens = min(request.max_output_tokens, self.max_model_len - request.num_prompt_tokens)
-        if request.status != RequestStatus.WAITING_FOR_FSM:
-            request.status = RequestStatus.WAITING
+        request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if _scores_prompt(request):
@@ -221,13 +220,13 @@ class Scheduler:
                 continue
             break                       # req preempted itself: nothing after it is left running
 
-        # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone). A request
-        #    whose grammar is still compiling keeps its place and is passed over.
+        # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone). (A request whose
+        #    grammar is still compiling is not here yet: the engine core holds it apart, WAITING_FOR_FSM.)
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             scores = self.num_scoring and _scores_prompt(req)
-            if req.status == RequestStatus.WAITING_FOR_FSM or (scores and not self.scoring_ready):
+            if scores and not self.scoring_ready:
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(req) if not scores else ([], 0)

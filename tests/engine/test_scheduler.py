@@ -636,20 +636,6 @@ def test_eos_finishes_and_tokens_after_a_stop_are_dropped():
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
 
-def test_waiting_for_fsm_is_passed_over_and_keeps_its_place():
-    sched, kv, dev = make()
-    a = Request("a", [1, 2, 3], params(max_tokens=3))
-    a.status = RequestStatus.WAITING_FOR_FSM
-    b = Request("b", [4, 5], params(max_tokens=3))
-    sched.add_request(a)
-    sched.add_request(b)
-    out, _ = step(sched, dev)
-    assert [e.request_id for e in out.scheduled] == ["b"] and list(sched.waiting) == [a]
-    a.status = RequestStatus.WAITING                   # its grammar compiled
-    out, _ = step(sched, dev)
-    assert [e.request_id for e in out.scheduled] == ["b", "a"]
-
-
 def test_stale_output_is_refused():
     sched, kv, dev = make()
     sched.add_request(Request("a", [1, 2, 3], params(max_tokens=50)))

@@ -67,7 +67,9 @@ BYTES_PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * 4        # K and V, float32
 def fit(max_model_len, explicit, kv_bytes=None, override=None, max_num_seqs=4):
     from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from jaxserve.runner import kv_cache
-    cfg = types.SimpleNamespace(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    from jaxserve.config import ModelConfig
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=HEADS * HEAD_DIM, intermediate_size=32,
+                      num_layers=LAYERS, num_heads=HEADS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
     config = EngineConfig(max_model_len=max_model_len if explicit else None,
                           cache=CacheConfig(block_size=16, kv_cache_memory_bytes=kv_bytes,
                                             num_gpu_blocks_override=override),

@@ -30,7 +30,7 @@ class BeamFakeEngine(FakeEngine):
     """The scripted engine with the EngineFacts a beam search reads (its EOS ids)."""
 
     def facts(self):
-        return SimpleNamespace(eos_token_ids=(EOS,))
+        return SimpleNamespace(eos_token_ids=(EOS,), is_multimodal=False)
 
 
 SERVER = scripted(BeamFakeEngine)

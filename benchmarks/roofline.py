@@ -152,8 +152,8 @@ def hardware_mismatch(setting: str, device_kind: str, platform: str) -> str | No
     if setting in (None, "", "auto"):
         return None
     _, raw = load_hardware(setting)
-    patterns = raw.get("device_kind_patterns", [])
-    if any(p.lower() in (device_kind if platform != "cpu" else "cpu").lower() for p in patterns):
+    if any(p.lower() in (device_kind if platform != "cpu" else "cpu").lower()
+           for p in raw.get("device_kind_patterns", [])):
         return None
     return (f"WARNING: limits are from hardware {setting!r} ({raw['name']}) but the device is {device_kind!r}: "
             f"the % of limit figures do not describe this machine (use --set hardware=auto)")
@@ -199,11 +199,8 @@ class ModelCost:
     def active_params(self) -> int:
         """Parameters one token uses: every weight but the routed experts it is not sent to (the figure MoE
         model cards quote as "activated", e.g. Qwen3-30B-A3B's 3.3 B)."""
-        return self.params - self.expert_params + self._active_expert_params
-
-    @property
-    def _active_expert_params(self) -> int:
-        return self.expert_params // self.num_experts * self.experts_per_token if self.num_experts else 0
+        routed = self.expert_params // self.num_experts * self.experts_per_token if self.num_experts else 0
+        return self.params - self.expert_params + routed
 
     def experts_touched(self, tokens: float) -> float:
         """Expected share of an MoE layer's routed experts that ``tokens`` tokens send rows to (uniform,
@@ -225,16 +222,12 @@ class ModelCost:
         ``* kv_bytes_per_token`` is its K/V read and ``* attn_flops_per_pair`` its attention FLOPs): a windowed
         layer sees at most its window."""
         ctx = np.asarray(context_lens, dtype=np.float64)
-        if not self.layer_windows:
-            return ctx
-        per_layer = [ctx if w is None else np.minimum(ctx, float(w)) for w in self.layer_windows]
-        return np.sum(per_layer, axis=0) / self.num_layers
+        per_layer = [ctx if w is None else np.minimum(ctx, float(w)) for w in self.layer_windows or (None,)]
+        return np.sum(per_layer, axis=0) / len(per_layer)
 
     def _total_keys(self, context_lens, batch: int) -> float:
         """Keys read by one decode step, summed over the sequences (in units of one all-layer token)."""
-        if np.ndim(context_lens):
-            return float(np.sum(self.keys(context_lens)))
-        return float(self.keys(context_lens)) * batch
+        return float(np.sum(self.keys(context_lens))) * (1 if np.ndim(context_lens) else batch)
 
     def kv_read_bytes(self, context_lens, batch: int = 1) -> float:
         """K/V bytes one decode step reads for sequences at ``context_lens`` (an array, or one length for
@@ -249,6 +242,10 @@ class ModelCost:
     def decode_bytes(self, context_lens: np.ndarray | float, batch: int = 1) -> float:
         tokens = np.size(context_lens) if np.ndim(context_lens) else batch
         return self.step_weight_bytes(tokens) + self.kv_read_bytes(context_lens, batch)
+
+    def tokens_held(self, cache_bytes: float, block_size: int = 16) -> int:
+        """Tokens a KV cache of ``cache_bytes`` holds, in whole blocks of ``block_size`` (as the engine sizes it)."""
+        return int(cache_bytes // (self.kv_bytes_per_token * block_size)) * block_size
 
     def prefill_pairs(self, input_len: float) -> float:
         """Causal (query, key) pairs of one prompt over all layers, in units of one layer: n(n+1)/2 in a global
@@ -340,11 +337,6 @@ def _leaves(shapes: dict, prefix: tuple = ()):
             yield from _leaves(value, prefix + (key,))
 
 
-def step_time(flops: float, nbytes: float, hw: Hardware, dtype: str) -> float:
-    """The roofline time of one step: whichever of compute and memory traffic takes longer."""
-    return max(flops / hw.flops(dtype), nbytes / hw.bandwidth)
-
-
 def decode_steps_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: float, num_steps: int) -> float:
     """Seconds for `num_steps` decode steps of `batch` sequences starting at context `input_len`."""
     if num_steps <= 0 or batch <= 0:
@@ -357,17 +349,17 @@ def decode_steps_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: flo
 
 
 def prefill_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: float) -> float:
-    return step_time(cost.prefill_flops(input_len, batch), cost.prefill_bytes(input_len, batch), hw, cost.dtype)
+    """The roofline time of one prefill step: whichever of compute and memory traffic takes longer."""
+    return max(cost.prefill_flops(input_len, batch) / hw.flops(cost.dtype),
+               cost.prefill_bytes(input_len, batch) / hw.bandwidth)
 
 
 def generation_bound(cost: ModelCost, hw: Hardware, num_prompts: int, input_len: float, output_len: float,
                      max_batch: int) -> dict[str, float]:
     """Ideal time for N requests (mean lengths) run in waves of `max_batch`: prefill each wave (its first
     token comes from the prefill), then output_len - 1 decode steps. Returns seconds and tok/s limits."""
-    waves, left, prefill_s, decode_s = [], num_prompts, 0.0, 0.0
-    while left > 0:
-        waves.append(min(max_batch, left))
-        left -= waves[-1]
+    waves = [min(max_batch, num_prompts - i) for i in range(0, num_prompts, max_batch)]
+    prefill_s = decode_s = 0.0
     out_steps = max(int(round(output_len)) - 1, 0)
     for b in waves:
         prefill_s += prefill_bound(cost, hw, b, input_len)
@@ -406,3 +398,25 @@ def take_exceeded() -> list[str]:
     out = list(_exceeded)
     _exceeded.clear()
     return out
+
+
+def cache_capacity(models: list[str], cache_gib: float):
+    """A ``report.Table`` (``python -m jaxserve.benchmarks.roofline GIB NAME ...`` prints it): per configs/models
+    name its params / active, layers, and with a bf16 then an fp8 cache its bytes a token, the tokens GIB hold."""
+    from jaxserve.models.configs import model_config_from_hf
+
+    from .models import named_model_hf_config
+    from .report import Table
+    t = Table(f"KV cache per token and tokens held in {cache_gib:g} GiB (computed)", ["model", "params / active B",
+              "layers", "bytes / token (bf16)", "tokens (bf16)", "bytes / token (fp8)", "tokens (fp8)"])
+    for name in models:
+        cfg = model_config_from_hf(named_model_hf_config(name))
+        costs = [model_cost(cfg, kv_dtype=kv) for kv in ("bfloat16", "fp8")]
+        t.rows.append([name, f"{costs[0].params / 1e9:.1f} / {costs[0].active_params / 1e9:.1f}", cfg.num_layers]
+                      + [x for c in costs for x in (c.kv_bytes_per_token, c.tokens_held(cache_gib * 2 ** 30))])
+    return t
+
+
+if __name__ == "__main__":
+    import sys
+    print(cache_capacity(sys.argv[2:], float(sys.argv[1])).markdown())

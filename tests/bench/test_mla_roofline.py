@@ -76,3 +76,26 @@ def test_deepseek_v3_6l_counts():
     assert c.step_weight_bytes(64) == pytest.approx(2 * (params - embed - 3 * routed * expert * (1 - touched)))
     t = roofline.decode_steps_bound(c, H200, batch=1, input_len=128, num_steps=1)
     assert t == pytest.approx((2 * (active - embed) + 129 * 6_912) / H200.bandwidth)
+
+
+def test_cache_capacity_against_gqa():
+    """Cache bytes per token and the tokens a budget holds: the roofline's count is the engine's block size
+    (``runner.kv_cache.bytes_per_block``), and at 100 GiB the latent cache holds several times the tokens of
+    GQA models of similar size."""
+    import jax.numpy as jnp
+
+    from jaxserve.runner import kv_cache
+    for name in ("deepseek-v2-lite", "deepseek-v3-6l", "qwen3-30b-a3b", "llama-3.1-8b"):
+        cfg = _config(name)
+        for kv, dtype in (("bfloat16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+            per_token = roofline.model_cost(cfg, kv_dtype=kv).kv_bytes_per_token
+            assert kv_cache.bytes_per_block(cfg, 16, dtype) == 16 * per_token
+    c = roofline.model_cost(_config("deepseek-v2-lite"))
+    assert c.tokens_held(100 * 2 ** 30) == 100 * 2 ** 30 // (16 * 31_104) * 16 == 3_452_096
+    assert c.tokens_held(16 * 31_104 - 1) == 0 and c.tokens_held(16 * 31_104) == 16
+    table = roofline.cache_capacity(["deepseek-v2-lite", "qwen3-30b-a3b", "llama-3.1-8b"], 100)
+    rows = {r[0]: r for r in table.rows}
+    assert rows["deepseek-v2-lite"][1:] == ["15.7 / 2.7", 27, 31_104, 3_452_096, 15_552, 6_904_192]
+    assert rows["qwen3-30b-a3b"][3:] == [2 * 48 * 4 * 128 * 2, 1_092_256, 2 * 48 * 4 * 128, 2_184_528]
+    assert rows["llama-3.1-8b"][3:5] == [131_072, 819_200]             # 100 GiB / 128 KiB
+    assert "| deepseek-v2-lite | 15.7 / 2.7 | 27 | 31,104 | 3,452,096 |" in table.markdown()

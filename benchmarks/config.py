@@ -149,12 +149,8 @@ def load_configs(names: list[str], overrides: list[str]) -> list[dict]:
     out = []
     for n, mode in zip(names, modes):
         mine = WORKLOAD_DEFAULTS.get(mode, {})
-        keep = []
-        for item in overrides:
-            keys, _ = parse_set(item)
-            if keys[0] == "workload" and len(keys) > 1 and keys[1] not in mine and keys[1] in used:
-                continue
-            keep.append(item)
+        keep = [item for item, (keys, _) in ((i, parse_set(i)) for i in overrides)
+                if not (keys[0] == "workload" and len(keys) > 1 and keys[1] not in mine and keys[1] in used)]
         out.append(load_config(n, keep))
     return out
 

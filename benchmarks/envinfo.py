@@ -42,8 +42,7 @@ def device_info_subprocess() -> dict:
     """The same, asked of a child process, so this one never claims accelerator memory (the serve mode's
     server needs it all)."""
     import json
-    code = ("import jax, json; d = jax.devices(); print(json.dumps({'platform': d[0].platform, "
-            "'device_kind': d[0].device_kind, 'device_count': len(d), 'jax_backend': jax.default_backend()}))")
+    code = "import json; from jaxserve.benchmarks.envinfo import device_info; print(json.dumps(device_info()))"
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     if out.returncode != 0:

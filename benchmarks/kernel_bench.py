@@ -427,12 +427,9 @@ def run_sections(a: argparse.Namespace) -> tuple[int, list[tuple[str, str]]]:
     if a.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sizes = SMOKE if a.smoke else Sizes()
-    if a.m:
-        sizes = dataclasses.replace(sizes, quant_m=tuple(int(v) for v in a.m.split(",")))
-    if a.tokens:
-        sizes = dataclasses.replace(sizes, moe_tokens=tuple(int(v) for v in a.tokens.split(",")))
-    if a.no_sweep:
-        sizes = dataclasses.replace(sizes, mla_sweep=False)
+    sizes = dataclasses.replace(sizes, quant_m=tuple(int(v) for v in (a.m or "").split(",") if v) or sizes.quant_m,
+                                moe_tokens=tuple(int(v) for v in (a.tokens or "").split(",") if v) or sizes.moe_tokens,
+                                mla_sweep=sizes.mla_sweep and not a.no_sweep)
     out = open(a.out, "w") if a.out else None
     b = Bench(sizes, a.hardware, out)
     failed = []
@@ -473,9 +470,8 @@ def run_kernels(run) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    a = ap.parse_args(argv)
     try:
-        return run_sections(a)[0]
+        return run_sections(ap.parse_args(argv))[0]
     except ValueError as e:
         ap.error(str(e))
 

@@ -24,12 +24,10 @@ def embedded_gguf_path() -> str:
 
 def named_model_hf_config(name: str) -> dict | None:
     """The HF config.json values of a configs/models entry (NAME.json, NAME.yaml or NAME/config.json)."""
-    for cand in (MODELS_DIR / f"{name}.json", MODELS_DIR / name / "config.json"):
+    for cand in (MODELS_DIR / f"{name}.json", MODELS_DIR / name / "config.json", MODELS_DIR / f"{name}.yaml",
+                 MODELS_DIR / f"{name}.yml"):
         if cand.is_file():
-            return json.loads(cand.read_text())
-    for cand in (MODELS_DIR / f"{name}.yaml", MODELS_DIR / f"{name}.yml"):
-        if cand.is_file():
-            return yaml.safe_load(cand.read_text())
+            return json.loads(cand.read_text()) if cand.suffix == ".json" else yaml.safe_load(cand.read_text())
     return None
 
 

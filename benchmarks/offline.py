@@ -10,6 +10,8 @@ from .metrics import summarize
 from .report import Table
 from .workloads import random_token_prompts, sample_lengths
 
+HF_RATIO_NOTE = "jaxserve / HF > 1 means jaxserve is faster (for times: HF's time / jaxserve's)"
+
 
 def _sampling_params(output_lens, wl: dict, seed: int):
     from jaxserve import SamplingParams
@@ -128,9 +130,7 @@ def run_throughput(run) -> None:
     run.notes.append(f"roofline: {n} requests in waves of {max_batch} (max_num_seqs), each wave's prefill "
                      f"against compute then {int(round(outs.mean())) - 1} decode steps against "
                      f"max(bandwidth, compute); {run.limits_note()}")
-    if baseline:
-        run.notes.append(baseline.get("note", ""))
-        run.notes.append("jaxserve / HF > 1 means jaxserve is faster (for times: HF's time / jaxserve's)")
+    run.notes += [baseline.get("note", ""), HF_RATIO_NOTE] if baseline else []
     if run.cfg["report"]["plots"]:
         labels = ["output tok/s", "total tok/s"]
         plots.bars_vs_limit(run.out_dir / "throughput_vs_roofline.png", labels,
@@ -249,9 +249,7 @@ def run_latency(run) -> None:
     _steps_table(run, step_window)
     run.notes.append("decode step = (e2e mean - prefill-only mean) / (output_len - 1); its bytes = weights + "
                      f"KV of {b} sequences at their mean context ({mid_ctx:.0f}); {run.limits_note()}")
-    if baseline:
-        run.notes.append(baseline.get("note", ""))
-        run.notes.append("jaxserve / HF > 1 means jaxserve is faster (for times: HF's time / jaxserve's)")
+    run.notes += [baseline.get("note", ""), HF_RATIO_NOTE] if baseline else []
     if cfg["report"]["plots"]:
         series = {"jaxserve e2e": e2e}
         if baseline and baseline.get("e2e_samples_s"):

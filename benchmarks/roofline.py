@@ -10,7 +10,8 @@ Conventions:
   gathers only its T rows (negligible: T * hidden elements); a tied table is read whole, as the LM head.
 - K/V reads are per layer: a layer with a sliding window of w reads at most w cached tokens of a sequence
   (the paged kernels skip the blocks before the window), a global layer all of them. A step writes the K/V of
-  each of its tokens into every layer (prefill bytes count that write).
+  each of its tokens into every layer (prefill bytes count that write). Multi-head latent attention (DeepSeek)
+  caches one latent row of R + P values (``kv_lora_rank + qk_rope_head_dim``) per token and layer instead.
 - Mixture-of-experts layers: a token multiplies only its top_k of a layer's E routed experts, so a step of b
   tokens reads the experts they touch: with independent, uniform routing E·(1 − (1 − k/E)^b) distinct experts
   per layer (exactly k at b = 1, nearly all E from b ≈ 4E/k on); shared experts and the router are dense
@@ -18,7 +19,9 @@ Conventions:
 - FLOPs: 2 per multiplied weight per token (the embedding gather multiplies nothing; the LM head runs only
   for tokens that are sampled: one per prefill sequence, one per decode token) plus attention:
   QK^T and PV are 4·heads·head_dim FLOPs per (query, key) pair per layer; causal prefill of n tokens has
-  n(n+1)/2 pairs in a global layer, fewer in a windowed one (each query sees at most w keys).
+  n(n+1)/2 pairs in a global layer, fewer in a windowed one (each query sees at most w keys). MLA runs
+  absorbed: 2·heads·(2R + P) per pair (QK^T over the R latent and P rotary values, PV over the R latent ones);
+  its kv_b projection into and out of the latent space is a weight, multiplied once per token.
 - A step takes at least max(bytes / bandwidth, FLOPs / peak) (the roofline); a workload's bound is the
   sum of its steps' bounds. Tensor parallelism over N chips multiplies both limits by N.
 - A measured figure above its limit means the limit's assumptions are wrong (bytes counted, or a ceiling too
@@ -149,8 +152,8 @@ def hardware_mismatch(setting: str, device_kind: str, platform: str) -> str | No
     if setting in (None, "", "auto"):
         return None
     _, raw = load_hardware(setting)
-    patterns = raw.get("device_kind_patterns", [])
-    if any(p.lower() in (device_kind if platform != "cpu" else "cpu").lower() for p in patterns):
+    if any(p.lower() in (device_kind if platform != "cpu" else "cpu").lower()
+           for p in raw.get("device_kind_patterns", [])):
         return None
     return (f"WARNING: limits are from hardware {setting!r} ({raw['name']}) but the device is {device_kind!r}: "
             f"the % of limit figures do not describe this machine (use --set hardware=auto)")
@@ -180,7 +183,7 @@ class ModelCost:
     lm_head_params: int                # the output projection (tied or not), multiplied for sampled tokens
     weight_bytes: int                  # the weights a one-token step reads, in the weight dtype (no untied
                                        # embedding; of an MoE layer's routed experts top_k): step_weight_bytes
-    kv_bytes_per_token: int            # K + V of one token over all layers (what a step writes per token)
+    kv_bytes_per_token: int            # K + V (MLA: the latent row) of one token over all layers, as cached
     attn_flops_per_pair: int           # QK^T + PV FLOPs for one (query, key) pair over all layers
     dtype: str
     layer_windows: tuple[int | None, ...] = ()   # per layer: its sliding window, None = global (all layers if empty)
@@ -196,11 +199,8 @@ class ModelCost:
     def active_params(self) -> int:
         """Parameters one token uses: every weight but the routed experts it is not sent to (the figure MoE
         model cards quote as "activated", e.g. Qwen3-30B-A3B's 3.3 B)."""
-        return self.params - self.expert_params + self._active_expert_params
-
-    @property
-    def _active_expert_params(self) -> int:
-        return self.expert_params // self.num_experts * self.experts_per_token if self.num_experts else 0
+        routed = self.expert_params // self.num_experts * self.experts_per_token if self.num_experts else 0
+        return self.params - self.expert_params + routed
 
     def experts_touched(self, tokens: float) -> float:
         """Expected share of an MoE layer's routed experts that ``tokens`` tokens send rows to (uniform,
@@ -222,16 +222,12 @@ class ModelCost:
         ``* kv_bytes_per_token`` is its K/V read and ``* attn_flops_per_pair`` its attention FLOPs): a windowed
         layer sees at most its window."""
         ctx = np.asarray(context_lens, dtype=np.float64)
-        if not self.layer_windows:
-            return ctx
-        per_layer = [ctx if w is None else np.minimum(ctx, float(w)) for w in self.layer_windows]
-        return np.sum(per_layer, axis=0) / self.num_layers
+        per_layer = [ctx if w is None else np.minimum(ctx, float(w)) for w in self.layer_windows or (None,)]
+        return np.sum(per_layer, axis=0) / len(per_layer)
 
     def _total_keys(self, context_lens, batch: int) -> float:
         """Keys read by one decode step, summed over the sequences (in units of one all-layer token)."""
-        if np.ndim(context_lens):
-            return float(np.sum(self.keys(context_lens)))
-        return float(self.keys(context_lens)) * batch
+        return float(np.sum(self.keys(context_lens))) * (1 if np.ndim(context_lens) else batch)
 
     def kv_read_bytes(self, context_lens, batch: int = 1) -> float:
         """K/V bytes one decode step reads for sequences at ``context_lens`` (an array, or one length for
@@ -246,6 +242,10 @@ class ModelCost:
     def decode_bytes(self, context_lens: np.ndarray | float, batch: int = 1) -> float:
         tokens = np.size(context_lens) if np.ndim(context_lens) else batch
         return self.step_weight_bytes(tokens) + self.kv_read_bytes(context_lens, batch)
+
+    def tokens_held(self, cache_bytes: float, block_size: int = 16) -> int:
+        """Tokens a KV cache of ``cache_bytes`` holds, in whole blocks of ``block_size`` (as the engine sizes it)."""
+        return int(cache_bytes // (self.kv_bytes_per_token * block_size)) * block_size
 
     def prefill_pairs(self, input_len: float) -> float:
         """Causal (query, key) pairs of one prompt over all layers, in units of one layer: n(n+1)/2 in a global
@@ -275,12 +275,12 @@ class ModelCost:
 # + a float32 scale per output channel (negligible)
 QUANTIZED_WEIGHT_BYTES = {"awq": 0.5 + 3 / 128, "gptq": 0.5 + 3 / 128, "compressed-tensors": 0.5 + 3 / 128,
                           "fp8": 1.0}
-PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down")
+PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down", "q_a", "q_b", "kv_a")   # quantization.loading.LINEAR_WEIGHTS
 EXPERTS = ("experts_gate_up", "experts_down")           # an MoE layer's routed experts (models/layers/moe.py)
 
 
-def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...]]:
-    """(parameter shapes, per-layer sliding windows) of a decoder config, from its family module."""
+def _family_layout(cfg) -> tuple[dict, Any]:
+    """(parameter shapes, ``layers.decoder.DecoderSpec``) of a decoder config, from its family module."""
     from jaxserve.errors import ModelLoadError
     from jaxserve.models import registry
     try:
@@ -289,7 +289,7 @@ def _family_layout(cfg) -> tuple[dict, tuple[int | None, ...]]:
         raise ValueError(f"no roofline for {cfg.architecture}: {e}") from None
     if not hasattr(family, "decoder_spec"):
         raise ValueError(f"no roofline for {cfg.architecture}: not a decoder family")
-    return family.param_shapes(cfg), tuple(family.decoder_spec(cfg).windows)
+    return family.param_shapes(cfg), family.decoder_spec(cfg)
 
 
 def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -298,17 +298,20 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
     (``--quantization``): the projections' storage, the rest stays ``dtype``."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r} for the roofline (known: {', '.join(DTYPE_BYTES)})")
-    shapes, windows = _family_layout(cfg)
+    shapes, spec = _family_layout(cfg)
     sizes = {path: int(np.prod(shape)) for path, shape in _leaves(shapes)}
     params = sum(sizes.values())
-    embedding = sizes[("embed",)]
-    lm_head = sizes.get(("lm_head",), 0)
+    embedding, lm_head = sizes[("embed",)], sizes.get(("lm_head",), 0)
     body = params - embedding - lm_head                     # every layer weight (norms, biases too) + final norm
     head = lm_head or embedding                             # tied: the embedding table is the head
-    kv_bytes = DTYPE_BYTES[kv_dtype or dtype]
-    d = cfg.head_dim
+    if spec.mla:                                            # one latent row per token and layer, absorbed
+        kv_values, pair_flops = spec.mla.latent_width, 2 * cfg.num_heads * (2 * spec.mla.kv_lora_rank
+                                                                            + spec.mla.qk_rope_head_dim)
+    else:
+        kv_values, pair_flops = 2 * cfg.num_kv_heads * cfg.head_dim, 4 * cfg.num_heads * cfg.head_dim
     experts = sum(n for path, n in sizes.items() if len(path) == 3 and path[0] == "layers" and path[2] in EXPERTS)
-    num_experts, top_k = _routing(cfg) if experts else (0, 0)
+    extra = cfg.extra_dict                                  # the MoE fields under HF's names
+    num_experts, top_k = (int(extra["num_experts"]), int(extra["num_experts_per_tok"])) if experts else (0, 0)
     inactive = experts - (experts // num_experts * top_k if experts else 0)   # routed experts a token skips
     body -= inactive
     weight_bytes = (body + head) * DTYPE_BYTES[dtype]
@@ -318,16 +321,10 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
         weight_bytes -= int(projections * (DTYPE_BYTES[dtype] - QUANTIZED_WEIGHT_BYTES[quantization]))
     return ModelCost(params=params, body_matmul_params=body, lm_head_params=head,
                      weight_bytes=weight_bytes,
-                     kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes,
-                     attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d, dtype=dtype,
-                     layer_windows=windows, expert_params=experts, num_experts=num_experts,
+                     kv_bytes_per_token=cfg.num_layers * kv_values * DTYPE_BYTES[kv_dtype or dtype],
+                     attn_flops_per_pair=cfg.num_layers * pair_flops, dtype=dtype,
+                     layer_windows=tuple(spec.windows), expert_params=experts, num_experts=num_experts,
                      experts_per_token=top_k)
-
-
-def _routing(cfg) -> tuple[int, int]:
-    """(routed experts per MoE layer, top_k) from the config's HF fields."""
-    extra = cfg.extra_dict
-    return int(extra["num_experts"]), int(extra["num_experts_per_tok"])
 
 
 def _leaves(shapes: dict, prefix: tuple = ()):
@@ -338,11 +335,6 @@ def _leaves(shapes: dict, prefix: tuple = ()):
             yield prefix + (key,), value
         else:
             yield from _leaves(value, prefix + (key,))
-
-
-def step_time(flops: float, nbytes: float, hw: Hardware, dtype: str) -> float:
-    """The roofline time of one step: whichever of compute and memory traffic takes longer."""
-    return max(flops / hw.flops(dtype), nbytes / hw.bandwidth)
 
 
 def decode_steps_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: float, num_steps: int) -> float:
@@ -357,17 +349,17 @@ def decode_steps_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: flo
 
 
 def prefill_bound(cost: ModelCost, hw: Hardware, batch: int, input_len: float) -> float:
-    return step_time(cost.prefill_flops(input_len, batch), cost.prefill_bytes(input_len, batch), hw, cost.dtype)
+    """The roofline time of one prefill step: whichever of compute and memory traffic takes longer."""
+    return max(cost.prefill_flops(input_len, batch) / hw.flops(cost.dtype),
+               cost.prefill_bytes(input_len, batch) / hw.bandwidth)
 
 
 def generation_bound(cost: ModelCost, hw: Hardware, num_prompts: int, input_len: float, output_len: float,
                      max_batch: int) -> dict[str, float]:
     """Ideal time for N requests (mean lengths) run in waves of `max_batch`: prefill each wave (its first
     token comes from the prefill), then output_len - 1 decode steps. Returns seconds and tok/s limits."""
-    waves, left, prefill_s, decode_s = [], num_prompts, 0.0, 0.0
-    while left > 0:
-        waves.append(min(max_batch, left))
-        left -= waves[-1]
+    waves = [min(max_batch, num_prompts - i) for i in range(0, num_prompts, max_batch)]
+    prefill_s = decode_s = 0.0
     out_steps = max(int(round(output_len)) - 1, 0)
     for b in waves:
         prefill_s += prefill_bound(cost, hw, b, input_len)
@@ -406,3 +398,25 @@ def take_exceeded() -> list[str]:
     out = list(_exceeded)
     _exceeded.clear()
     return out
+
+
+def cache_capacity(models: list[str], cache_gib: float):
+    """A ``report.Table`` (``python -m jaxserve.benchmarks.roofline GIB NAME ...`` prints it): per configs/models
+    name its params / active, layers, and with a bf16 then an fp8 cache its bytes a token, the tokens GIB hold."""
+    from jaxserve.models.configs import model_config_from_hf
+
+    from .models import named_model_hf_config
+    from .report import Table
+    t = Table(f"KV cache per token and tokens held in {cache_gib:g} GiB (computed)", ["model", "params / active B",
+              "layers", "bytes / token (bf16)", "tokens (bf16)", "bytes / token (fp8)", "tokens (fp8)"])
+    for name in models:
+        cfg = model_config_from_hf(named_model_hf_config(name))
+        costs = [model_cost(cfg, kv_dtype=kv) for kv in ("bfloat16", "fp8")]
+        t.rows.append([name, f"{costs[0].params / 1e9:.1f} / {costs[0].active_params / 1e9:.1f}", cfg.num_layers]
+                      + [x for c in costs for x in (c.kv_bytes_per_token, c.tokens_held(cache_gib * 2 ** 30))])
+    return t
+
+
+if __name__ == "__main__":
+    import sys
+    print(cache_capacity(sys.argv[2:], float(sys.argv[1])).markdown())

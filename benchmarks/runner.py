@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from . import roofline
-from .config import REPO_ROOT, ConfigError, engine_kwargs, load_configs, missing_configs
+from .config import REPO_ROOT, ConfigError, engine_kwargs, load_configs, missing_configs, resolve_config_path
 from .metrics import fmt
 from .report import Table, results_dir, write_report
 
@@ -384,7 +384,6 @@ def _run(args, argv: list[str]) -> int:
 def _raw_workload(name_or_path: str) -> dict:
     """The workload keys the file itself sets (defaults excluded): ShareGPT keeps its reply lengths
     unless output_len is given explicitly."""
-    from .config import resolve_config_path
     import yaml
     try:
         return dict((yaml.safe_load(resolve_config_path(name_or_path).read_text()) or {}).get("workload") or {})

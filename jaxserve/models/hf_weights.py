@@ -101,6 +101,7 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
         shardings = param_shardings(family.param_partition_specs(cfg), mesh, cfg)
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     target_dtype = jnp.dtype(dtype)
+    dtypes = family.param_dtypes(cfg, target_dtype)             # a few weights keep a dtype of their own
     builders: dict = {}
 
     def build_on_device(kind, raw, to_dtype, sharding):
@@ -129,7 +130,7 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
             shapes_str = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(names, raw))
             raise ModelLoadError(f"{file_of(names[0])}: tensor {shapes_str} does not match the config "
                                  f"(expected {tuple(expected)} after layout conversion)")
-        built = build_on_device(kind, raw, target_dtype, sharding)
+        built = build_on_device(kind, raw, tree_get(dtypes, path), sharding)
         if quantized:       # online: the float weight, quantized where it lies
             built = quant_loading.quantize_leaf(quant, path, built, sharding, target_dtype)
         tree_set(params, path, built)

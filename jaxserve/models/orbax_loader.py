@@ -54,8 +54,8 @@ def load_orbax(path: str, *, dtype: str | Any = "auto", max_model_len: int | Non
     else:
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda _: one, shapes, is_leaf=is_shape)
-    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, jdtype, sharding=sh), shapes, shardings,
-                          is_leaf=is_shape)
+    target = jax.tree.map(lambda s, sh, dt: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, shardings,
+                          family.param_dtypes(cfg, jdtype), is_leaf=is_shape)
     checkpointer = ocp.StandardCheckpointer()
     try:
         params = checkpointer.restore(os.path.join(os.path.abspath(path), PARAMS_DIR), target)

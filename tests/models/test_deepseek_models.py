@@ -204,3 +204,38 @@ def test_deepseek_bench_configs():
 def test_deepseek_orbax_round_trip(tmp_path):
     """``convert`` keeps the MLA and routing config (q LoRA, groups, router bias) and the stacked experts."""
     check_orbax_round_trip("tiny-deepseek-v3", str(tmp_path / "ckpt"))
+
+
+def test_deepseek_v3_router_bias_stays_float32(tmp_path):
+    """V3's ``e_score_correction_bias`` stays float32 in a bf16 model, as transformers keeps it
+    (``_keep_in_fp32_modules_strict``; the official checkpoints store it in F32): rounded to bf16 it would move the
+    experts whose biased scores differ by less than its rounding. From safetensors, from an orbax round trip and
+    in dummy weights alike; every other weight is bf16."""
+    import jax.numpy as jnp
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.models import orbax_io
+
+    src, folder = os.path.join(FIXTURES, "tiny-deepseek-v3"), tmp_path / "f32-bias"
+    tensors = {k: v.astype(np.float32) for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    bias = tensors[name] + np.float32(1e-4) * np.arange(1, tensors[name].size + 1, dtype=np.float32)
+    assert not np.array_equal(bias.astype(ml_dtypes.bfloat16).astype(np.float32), bias)    # bf16 would round it
+    tensors[name] = bias
+    shutil.copytree(src, folder)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+    def check(params):
+        leaves = {jnp.dtype(x.dtype) for layer in params["layers"] for n, x in layer.items()
+                  if n != "router_bias"}
+        assert leaves == {jnp.dtype(jnp.bfloat16)} and params["layers"][1]["router_bias"].dtype == jnp.float32
+
+    model = load_model(str(folder), dtype="bfloat16")
+    check(model.params)
+    np.testing.assert_array_equal(np.asarray(model.params["layers"][1]["router_bias"]), bias)
+    orbax_io.convert(str(folder), str(tmp_path / "ckpt"), dtype="bfloat16")
+    restored = load_model(str(tmp_path / "ckpt"))
+    check(restored.params)
+    np.testing.assert_array_equal(np.asarray(restored.params["layers"][1]["router_bias"]), bias)
+    check(model.family.init_dummy_params(model.config, jnp.bfloat16))

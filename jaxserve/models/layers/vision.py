@@ -75,15 +75,31 @@ def _qkv(layer, h: jax.Array, heads: int) -> tuple[jax.Array, jax.Array, jax.Arr
                  for w in ("wq", "wk", "wv"))
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: np.ndarray | None = None) -> jax.Array:
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Bidirectional attention ``[B, N, heads * head_dim]``: scores and softmax in float32 (as HF's eager
-    path); ``mask [N, N]`` (True: may attend), None: all."""
+    path)."""
     b, n, heads, hd = q.shape
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
-    if mask is not None:
-        scores = jnp.where(jnp.asarray(mask), scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, heads * hd)
+
+
+def _attend_windows(q: jax.Array, k: jax.Array, v: jax.Array, windows: tuple) -> jax.Array:
+    """Attention within windows of consecutive rows: ``windows`` = (``gather [W, S]``: each window's rows,
+    padded with N; ``valid [W, S]``; ``back [N]``: each row's place in the flattened windows). Costs
+    ``N * S``, not ``N * N``."""
+    gather, valid, back = windows
+    b, n, heads, hd = q.shape
+
+    def blocks(t):
+        return jnp.concatenate([t, jnp.zeros((b, 1, heads, hd), t.dtype)], axis=1)[:, gather]
+
+    qw, kw, vw = blocks(q), blocks(k), blocks(v)                    # [B, W, S, heads, hd]
+    scores = jnp.einsum("bwqhd,bwkhd->bwhqk", qw, kw, preferred_element_type=jnp.float32) * hd ** -0.5
+    scores = jnp.where(jnp.asarray(valid)[None, :, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bwhqk,bwkhd->bwqhd", probs, vw).reshape(b, -1, heads * hd)
+    return out[:, back]
 
 
 class VisionLayer(nnx.Module):
@@ -186,8 +202,8 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class GatedVisionLayer(nnx.Module):
-    """Qwen2.5-VL's ViT block: RMSNorm, attention with the 2-D rotary (the whole image, or windows through
-    ``mask``), RMSNorm, a SwiGLU MLP with biases."""
+    """Qwen2.5-VL's ViT block: RMSNorm, attention with the 2-D rotary (the whole image, or within the
+    ``windows`` of ``_attend_windows``), RMSNorm, a SwiGLU MLP with biases."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, eps: float = 1e-6):
         d, i = hidden_size, intermediate_size
@@ -200,11 +216,13 @@ class GatedVisionLayer(nnx.Module):
         self.gate_bias, self.up_bias = _param((i,), COLUMN_BIAS, "zeros"), _param((i,), COLUMN_BIAS, "zeros")
         self.down, self.down_bias = _param((i, d), ROW), _param((d,), REPLICATED, "zeros")
 
-    def __call__(self, x: jax.Array, cos: np.ndarray, sin: np.ndarray, mask: np.ndarray | None) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: np.ndarray, sin: np.ndarray, windows: tuple | None) -> jax.Array:
         h = rms_norm(x, _w(self.norm1), self.eps)
         q, k, v = _qkv(self, h, self.num_heads)
         cos, sin = jnp.asarray(cos), jnp.asarray(sin)
-        x = x + _attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask) @ _w(self.wo) + _w(self.wo_bias)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        attn = _attend(q, k, v) if windows is None else _attend_windows(q, k, v, windows)
+        x = x + attn @ _w(self.wo) + _w(self.wo_bias)
         h = rms_norm(x, _w(self.norm2), self.eps)
         h = jax.nn.silu(h @ _w(self.gate) + _w(self.gate_bias)) * (h @ _w(self.up) + _w(self.up_bias))
         return x + h @ _w(self.down) + _w(self.down_bias)

@@ -111,6 +111,21 @@ def test_logits_match_hf():
     assert err <= 1e-4, f"max abs logit error {err:.2e} vs HF float32"
 
 
+def test_images_of_one_size_encode_as_a_batch():
+    """Two images of one size in one encoder batch (padding images included: a batch bucket of 4) give
+    each image's tokens alone."""
+    from jaxserve.models.loader import load_model
+    model = load_model(FOLDER, dtype="float32")
+    _, feats = processed(model, CASES["one_image"])
+    a = feats[0].pixel_values
+    b = a[:, ::-1, :].copy()
+    batch = np.stack([a, b, np.zeros_like(a), np.zeros_like(a)])
+    together = np.asarray(model.family.encode_images(model.params, batch, model.config))
+    for i, px in enumerate((a, b)):
+        alone = np.asarray(model.family.encode_images(model.params, px[None], model.config))[0]
+        np.testing.assert_allclose(together[i], alone, atol=1e-5)
+
+
 def test_pixels_round_trip_the_processors_patches():
     """The encoder's image ``[C, H, W]`` is the processor's flattened patches rearranged, losslessly."""
     from transformers import Qwen2VLImageProcessorPil
@@ -212,3 +227,24 @@ def test_mm_processor_kwargs_max_pixels():
     n_image = sum(1 for t in out.prompt_token_ids if t == 5)
     assert n_image == grid[1] * grid[2] // 4 < 24 and len(out.outputs[0].token_ids) == GREEDY
     engine.shutdown()
+
+
+def test_transformers5_tensor_names_load_the_same(tmp_path):
+    """A checkpoint saved with the text model under ``model.language_model.`` and the tower under
+    ``model.visual.`` loads the same weights."""
+    import shutil
+
+    from safetensors.flax import load_file, save_file
+
+    from jaxserve.models.loader import load_model
+    for f in os.listdir(FOLDER):
+        if f != "model.safetensors":
+            shutil.copy(os.path.join(FOLDER, f), tmp_path / f)
+    renamed = {}
+    for k, v in load_file(os.path.join(FOLDER, "model.safetensors")).items():
+        k = "model." + k if k.startswith("visual.") else k.replace("model.", "model.language_model.", 1)
+        renamed[k] = v
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    a, b = load_model(FOLDER, dtype="float32"), load_model(str(tmp_path), dtype="float32")
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -1,7 +1,8 @@
-"""Golden fixtures of a tiny random LLaVA-1.5 (CLIP ViT + MLP projector + Llama) from HF transformers.
+"""Golden fixtures of tiny random vision-language models from HF transformers: LLaVA-1.5 (CLIP ViT + MLP
+projector + Llama) and Qwen2.5-VL (``make_qwen_vl_fixtures``).
 
-Run with the oracle env (torch + torchvision + transformers):
-    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py
+Run with the oracle env (torch + torchvision + transformers); an argument picks one family:
+    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl]
 
 Writes tests/fixtures/models/tiny-llava/: config.json, model.safetensors (bfloat16, read back as float32 by
 the oracle), preprocessor_config.json and processor_config.json (CLIP image processing at 56x56, 14-pixel
@@ -36,18 +37,19 @@ CHAT_TEMPLATE = (
 IMAGES = {"red.png": (64, 48, 1), "noise.png": (40, 80, 2), "tall.png": (30, 90, 3)}   # (width, height, seed)
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level: one token per byte (ids 5..260), the specials first (<image> = 4)."""
+def make_tokenizer(specials=tuple(SPECIALS), *, bos="<s>", eos="</s>", unk="<unk>", pad="<pad>",
+                   additional=("<image>",), chat_template=CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Byte-level: one token per byte, the specials first (LLaVA's: ids 0..4, <image> = 4; bytes 5..260)."""
     byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab = {t: i for i, t in enumerate(specials)}
     for ch in sorted(byte_chars):
         vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", additional_special_tokens=["<image>"])
-    fast.chat_template = CHAT_TEMPLATE
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token=unk,
+                                   pad_token=pad, additional_special_tokens=list(additional))
+    fast.chat_template = chat_template
     return fast
 
 
@@ -144,4 +146,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    which = sys.argv[1:] or ["llava", "qwen2_5_vl"]
+    if "llava" in which:
+        main()
+    if "qwen2_5_vl" in which:
+        from make_qwen_vl_fixtures import main as qwen_main  # noqa: PLC0415
+
+        qwen_main()

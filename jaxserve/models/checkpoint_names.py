@@ -39,7 +39,8 @@ _WRAPPED = ((r"model.", ("model.language_model.", "language_model.model.")),
             (r"lm_head.", ("language_model.lm_head.",)),
             # a LLaVA-style wrapper's vision tower and projector: top level or under "model." (transformers 5)
             (r"vision_tower.", ("model.vision_tower.",)),
-            (r"multi_modal_projector.", ("model.multi_modal_projector.",)))
+            (r"multi_modal_projector.", ("model.multi_modal_projector.",)),
+            (r"visual.", ("model.visual.",)))          # Qwen2.5-VL's vision tower
 
 
 def wrapped_names(hf_name: str) -> tuple[str, ...]:

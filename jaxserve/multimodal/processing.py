@@ -50,6 +50,17 @@ def _pil_image_processor(config: dict, kwargs: dict) -> Any:
     return cls(**(config | kwargs))
 
 
+def patches_to_image(patches: np.ndarray, grid_thw: np.ndarray, processor) -> np.ndarray:
+    """A Qwen2-VL processor's flattened patches of one still image (``[h * w, C * frames * p * p]`` in
+    ``merge x merge`` block order, the frames copies of the image) as the resized image ``[C, h * p, w * p]``
+    float32: the encoder's pixel shape then says the image's grid, and images of one size batch together."""
+    _, h, w = (int(g) for g in np.asarray(grid_thw).reshape(3))
+    p, m, tp = processor.patch_size, processor.merge_size, processor.temporal_patch_size
+    c = patches.shape[-1] // (tp * p * p)
+    x = np.asarray(patches, np.float32).reshape(h // m, w // m, m, m, c, tp, p, p)[:, :, :, :, :, 0]
+    return np.ascontiguousarray(x.transpose(4, 0, 2, 5, 1, 3, 6).reshape(c, h * p, w * p))
+
+
 class ImageProcessing:
     """One model's image preprocessing and placeholder expansion (LLaVA's rule: ``(H / patch) * (W / patch)
     + extra_tokens`` image tokens for pixel values of ``H x W``; a family with another rule passes
@@ -94,9 +105,11 @@ class ImageProcessing:
         pixels = np.asarray(image)
         digest = image_hash(pixels, image.mode, self._kwargs_key)
         out = self.image_processor(images=[image], return_tensors="np")
-        pixel_values = np.asarray(out["pixel_values"][0], np.float32)
         extra = {k: np.asarray(v[0]) for k, v in out.items() if k != "pixel_values"}
-        return pixel_values, extra, digest
+        if "image_grid_thw" in out:     # Qwen2-VL's processors: the image's patches, flattened
+            return patches_to_image(out["pixel_values"], extra["image_grid_thw"], self.image_processor), \
+                extra, digest
+        return np.asarray(out["pixel_values"][0], np.float32), extra, digest
 
     def count_placeholders(self, prompt_token_ids: list[int]) -> int:
         return sum(1 for t in prompt_token_ids if t == self.image_token_id)

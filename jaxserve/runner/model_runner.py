@@ -115,6 +115,8 @@ class ModelRunner:
                                      mm_slab=self.encoder.slab if self.encoder is not None else None)
         self.enforce_eager = self.variants.enforce_eager
         self._step_count = 0
+        # an M-RoPE family's 3-D positions (None: the positions stay 1-D)
+        self.mrope = getattr(model.family, "mrope_positions", None)
         # each request's block-table row and sampling parameters, kept across steps
         self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size)
 
@@ -127,7 +129,7 @@ class ModelRunner:
         while the step's own bucket is still compiling, pad up to a compiled one."""
         return step_inputs.forward_inputs(scheduled, self.input_batch, self.block_size,
                                           self.variants.shape_for if pad_to_compiled else self.shapes.own,
-                                          prev.rows if prev is not None else None)
+                                          prev.rows if prev is not None else None, self.mrope)
 
     # ---------------------------------------------------------------- step
     def dispatch(self, scheduled, prev: PendingStep | None = None, *, mm: bool = False) -> PendingStep:

@@ -38,7 +38,9 @@ def decode_loop_fn(family, cfg, backend, max_rows, block_size, num_steps, num_lo
         kv, ids, outs, loads = carry
         advance = jnp.minimum(i, limit - 1)                  # [R]
         pos = positions0 + advance[tok_row]
-        slot = md.block_tables[tok_row, pos // block_size] * block_size + pos % block_size
+        # an M-RoPE model's rows [3, T] are rotary positions: the KV slot goes by the sequence index
+        seq_pos = pos if pos.ndim == 1 else md.seq_lens[tok_row] - 1 + advance[tok_row]
+        slot = md.block_tables[tok_row, seq_pos // block_size] * block_size + seq_pos % block_size
         slot = jnp.where(real & (i < limit[tok_row]), slot, PAD_SLOT)
         step_md = dataclasses.replace(md, slot_mapping=slot, seq_lens=md.seq_lens + advance)  # padding: +0
         hidden, kv, load = family.forward_with_expert_load(params, kv, ids, pos, step_md, cfg,

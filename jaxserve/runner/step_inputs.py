@@ -69,7 +69,7 @@ class ForwardInputs(NamedTuple):
     T: int
     R: int
     input_ids: np.ndarray            # [T]
-    positions: np.ndarray            # [T]
+    positions: np.ndarray            # [T]; [3, T] for an M-RoPE model
     md: AttentionMetadata            # slots [T], block tables [R, max_blocks_per_seq], lens [R], starts [R + 1]
     logits_idx: np.ndarray           # [R]: each request's last token
     prev_index: np.ndarray           # [T]: the row of the step in flight's output holding the token, else -1
@@ -82,9 +82,11 @@ def _empty(T: int, R: int, max_blocks_per_seq: int) -> tuple[np.ndarray, ...]:
             np.zeros(R, i32), np.zeros(R + 1, i32), np.zeros(R, i32), np.full(T, -1, i32))
 
 
-def padding(T: int, R: int, max_blocks_per_seq: int) -> ForwardInputs:
-    """A step of bucket ``T`` with no request (the warm-up's inputs)."""
+def padding(T: int, R: int, max_blocks_per_seq: int, mrope: bool = False) -> ForwardInputs:
+    """A step of bucket ``T`` with no request (the warm-up's inputs); ``mrope``: 3-D positions."""
     input_ids, positions, slots, tables, seq_lens, qsl, logits_idx, prev_index = _empty(T, R, max_blocks_per_seq)
+    if mrope:
+        positions = np.zeros((3, T), np.int32)
     md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
                            num_seqs=np.int32(0))
     return ForwardInputs(T, R, input_ids, positions, md, logits_idx, prev_index)
@@ -92,10 +94,11 @@ def padding(T: int, R: int, max_blocks_per_seq: int) -> ForwardInputs:
 
 def forward_inputs(scheduled, batch: InputBatch, block_size: int,
                    shape: Callable[[int, bool], tuple[int, int, bool]],
-                   prev_rows: dict[str, int] | None = None) -> ForwardInputs:
+                   prev_rows: dict[str, int] | None = None, mrope: Callable | None = None) -> ForwardInputs:
     """The forward's host arrays for ``scheduled`` (decodes first). ``shape(num_tokens, all_decode)`` gives
     (T, R, decode-only): ``StepShapes.own``, or the runner's compiled shape. ``prev_rows``: request id -> row
-    of the step in flight's output, for the requests whose last token it samples (PLACEHOLDER here)."""
+    of the step in flight's output, for the requests whose last token it samples (PLACEHOLDER here).
+    ``mrope``: an M-RoPE family's ``mrope_positions(positions, features)``: positions become ``[3, T]``."""
     n = len(scheduled)
     counts_list = [s.num_new_tokens for s in scheduled]
     n_tok = sum(counts_list)
@@ -145,9 +148,22 @@ def forward_inputs(scheduled, batch: InputBatch, block_size: int,
             last = ends[waiting] - 1
             prev_index[last] = src
             input_ids[last] = 0
+    if mrope is not None:
+        positions = _mrope_rows(positions, scheduled, counts_list, mrope)
     md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
                            num_seqs=np.int32(n), decode_only=decode_only)
     return ForwardInputs(T, R, input_ids, positions, md, logits_idx, prev_index)
+
+
+def _mrope_rows(positions: np.ndarray, scheduled, counts: list[int], mrope: Callable) -> np.ndarray:
+    """``[3, T]`` positions: three equal rows, except the tokens of requests with images (their own rows)."""
+    out = np.broadcast_to(positions, (3, positions.shape[0])).copy()
+    start = 0
+    for s, count in zip(scheduled, counts):
+        if s.request.mm_features:
+            out[:, start:start + count] = mrope(positions[start:start + count], s.request.mm_features)
+        start += count
+    return out
 
 
 def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index, step_limit=None):

@@ -88,6 +88,7 @@ class StepVariants(StepCompiler):
         super().__init__(self.lower)
         self.cfg, self.shapes, self.mesh = model.config, shapes, mesh
         self.max_model_len, self.max_blocks_per_seq = max_model_len, max_blocks_per_seq
+        self.mrope = hasattr(model.family, "mrope_positions")       # the step's positions are [3, T]
         self.penalty_width = penalty_width
         self.vocab_size = self.cfg.vocab_size
         self.enforce_eager = config.enforce_eager or config.skip_warmup
@@ -218,7 +219,8 @@ class StepVariants(StepCompiler):
     def padding_inputs(self, T: int, multi_step: bool = False):
         """A step of bucket ``T``'s packed forward inputs (padding only) and their layout."""
         R = self.shapes.num_reqs_for(T)
-        _, _, *x = step_inputs.padding(T, R, self.max_blocks_per_seq)
+        _, _, *x = step_inputs.padding(T, R, self.max_blocks_per_seq,
+                                       mrope=self.mrope)
         return step_inputs.forward_pack(*x, np.ones(R, np.int32) if multi_step else None)
 
     def _sampler_layout(self, R: int, penalized: bool = False) -> packing.Layout:

@@ -68,14 +68,17 @@ class PagedRunner:
                                                 mesh), static_argnames=("layout",), donate_argnums=(1,))
         self.no_prev = shard_step_inputs(mesh, np.zeros(max_reqs, np.int32))
 
-    def inputs(self, chunks: list[tuple[int, list[int], int]], num_tokens: int, logits_rows: list[int] | None = None):
+    def inputs(self, chunks: list[tuple[int, list[int], int]], num_tokens: int, logits_rows: list[int] | None = None,
+               mm_features: list | None = None):
         """The packed forward inputs (int32 buffer, layout) of ``chunks``: (request slot, new token ids, start
         position), in a step of ``num_tokens`` tokens; logits of the last new token of each chunk (or of
-        ``logits_rows``, flat token indices)."""
-        scheduled = [ScheduledRequest(Request(str(slot), [0] * start + list(toks), GREEDY), len(toks), start,
-                                      self.tables[slot]) for slot, toks, start in chunks]
+        ``logits_rows``, flat token indices). ``mm_features``: the images of every chunk's request (an M-RoPE
+        model's positions read them)."""
+        scheduled = [ScheduledRequest(Request(str(slot), [0] * start + list(toks), GREEDY, mm_features=mm_features),
+                                      len(toks), start, self.tables[slot]) for slot, toks, start in chunks]
         x = step_inputs.forward_inputs(scheduled, self.input_batch, self.bs,
-                                       lambda n, all_decode: (num_tokens, self.max_reqs, False))
+                                       lambda n, all_decode: (num_tokens, self.max_reqs, False),
+                                       mrope=getattr(self.family, "mrope_positions", None))
         rows = x.logits_idx if logits_rows is None else np.asarray(logits_rows, np.int32)
         return step_inputs.forward_pack(x.input_ids, x.positions, x.md, rows, x.prev_index)
 

@@ -34,11 +34,17 @@ class Rotary:
     interleaved: bool = False                  # Command-R pairs (2i, 2i+1) instead of (i, i + d/2)
     long_inv_freq: tuple[float, ...] | None = None   # LongRoPE: used by tokens at or past ``switch_position``
     switch_position: int | None = None
+    # M-RoPE (Qwen2-VL): frequencies split in sections that rotate by the (temporal, height, width) rows of
+    # positions ``[3, T]``; three equal rows (or 1-D positions) are plain RoPE
+    mrope_section: tuple[int, ...] | None = None
 
     def cos_sin(self, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
         """cos/sin ``[T, 1, rotary_dim]``: angles in float32, cast to the compute dtype."""
         inv = jnp.asarray(np.asarray(self.inv_freq, np.float32))
-        if self.long_inv_freq is not None:
+        if positions.ndim == 2:         # M-RoPE: frequency j turns with row section(j) of the positions
+            row = np.repeat(np.arange(len(self.mrope_section)), self.mrope_section)
+            freqs = positions.astype(jnp.float32)[row].T * inv[None, :]
+        elif self.long_inv_freq is not None:
             long_inv = jnp.asarray(np.asarray(self.long_inv_freq, np.float32))
             inv = jnp.where((positions >= self.switch_position)[:, None], long_inv[None, :], inv[None, :])
             freqs = positions.astype(jnp.float32)[:, None] * inv

@@ -144,9 +144,13 @@ class RequestBuilder:
         if params.structured_outputs is not None:     # cached; raises naming the problem
             self.structured_output.validate(params.structured_outputs, wait=wait_for_grammar)
 
-    def validate_images(self, features: list) -> None:
-        """An image needs a vision model, and tokens that fit one step's encoder budget."""
+    def validate_images(self, features: list, params: SamplingParams) -> None:
+        """An image needs a vision model, and tokens that fit one step's encoder budget; its prompt is not
+        scored (the scoring forward has no image embeddings: it would score other inputs than the model's)."""
         facts = self.facts
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported for prompts with images",
+                                      param="prompt_logprobs")
         if not facts.is_multimodal:
             raise InvalidRequestError(f"the model {facts.served_model_name} does not take images (a text-only "
                                       "model): send text content only", param="messages")
@@ -181,7 +185,7 @@ class RequestBuilder:
         self.validate(prompt_token_ids, params, strict_length=strict_length, priority=priority,
                       cache_salt=cache_salt, wait_for_grammar=wait_for_grammar)
         if mm_features:
-            self.validate_images(mm_features)
+            self.validate_images(mm_features, params)
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(eos_token_ids)},
                                              eos_token_ids[0] if eos_token_ids else None)

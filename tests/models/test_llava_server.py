@@ -134,6 +134,15 @@ def test_bad_images_are_400_naming_the_problem(http, media_server, kind, words):
     assert ok.status_code == 200
 
 
+def test_fields_the_image_path_cannot_honour_are_400(http):
+    """prompt_logprobs (the scoring forward has no image embeddings) and truncate_prompt_tokens (positions would
+    move) are refused for a prompt with images, not answered wrongly."""
+    for field, value in (("prompt_logprobs", 1), ("truncate_prompt_tokens", 4)):
+        body = {"model": "llava", "max_tokens": 2, "messages": openai_messages(CASES["one_image"]), field: value}
+        err = api_error(http.post("/v1/chat/completions", json=body), 400)
+        assert err["param"] == field, err
+
+
 def test_metrics_count_images(http):
     text = http.get("/metrics").text
     assert "jaxserve:images_total" in text and "jaxserve:encoder_seconds_total" in text

@@ -5,8 +5,6 @@ with the placeholder, batched with text-only requests, under the prefix cache, w
 encoder budget splitting the work, and at tensor parallelism 2 on fake CPU devices."""
 from __future__ import annotations
 
-import base64
-import copy
 import functools
 import json
 import os
@@ -15,40 +13,15 @@ import sys
 import jax
 import numpy as np
 import pytest
-from PIL import Image
 
 from support.fake_devices import fake_device_report
-from support.tiny_models import PagedRunner, fixture_path, golden, hf_logits
+from support.tiny_models import PagedRunner, hf_logits
+from support.vision import GREEDY, VisionFixture
 
 NAME = "tiny-llava"
-FOLDER = fixture_path(NAME)
-GREEDY = 20
-CASES = {c["name"]: c for c in golden(NAME)}
-
-
-def image(name: str) -> Image.Image:
-    return Image.open(os.path.join(FOLDER, name))
-
-
-def data_url(name: str) -> str:
-    with open(os.path.join(FOLDER, name), "rb") as f:
-        return "data:image/png;base64," + base64.b64encode(f.read()).decode()
-
-
-def openai_messages(case: dict) -> list[dict]:
-    """The case's messages with its images as OpenAI image_url parts (data URLs)."""
-    msgs, names = copy.deepcopy(case["messages"]), iter(case["images"])
-    for m in msgs:
-        m["content"] = [{"type": "image_url", "image_url": {"url": data_url(next(names))}}
-                        if p["type"] == "image" else p for p in m["content"]]
-    return msgs
-
-
-def make_llm(**kw):
-    from jaxserve.llm import LLM
-    opts = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-                use_tqdm_on_load=False) | kw
-    return LLM(FOLDER, **opts)
+VISION = VisionFixture(NAME, max_num_batched_tokens=64)
+FOLDER, CASES = VISION.folder, VISION.cases
+image, data_url, openai_messages, make_llm = VISION.image, VISION.data_url, VISION.openai_messages, VISION.make_llm
 
 
 def run_case(llm, case: dict):

@@ -1,4 +1,4 @@
-"""The structured-output kinds of tests/server/soak.py's hostile mix (issue 46): each kind's request, the statuses that
+"""The structured-output kinds of tests/server/soak.py's hostile mix: each kind's request, the statuses that
 are a correct answer, and a check of what a constrained request generated (None: valid).
 
 Hostile: a deep GBNF rule chain (compiled off the loop or refused by its time budget), $defs 2,000 deep,

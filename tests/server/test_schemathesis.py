@@ -1,6 +1,6 @@
 """Property-based API testing with schemathesis: every operation of the server's own OpenAPI schema
 (``GET /schema/openapi.json``) gets generated requests, valid and invalid, against the in-process server over
-the scripted engine (test_server_fakes.FakeEngine), and every response is checked with all of schemathesis'
+the scripted engine (support/server_fakes.FakeEngine), and every response is checked with all of schemathesis'
 checks but one: no 5xx, status codes, content types, headers and bodies the schema declares, invalid requests
 refused. A small example budget per operation keeps it to seconds.
 

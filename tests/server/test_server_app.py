@@ -1,5 +1,5 @@
 """The server over real HTTP (uvicorn on loopback, in-process) against a scripted engine
-(test_server_fakes.FakeEngine): wire format, request -> SamplingParams mapping, every error path,
+(support/server_fakes.FakeEngine): wire format, request -> SamplingParams mapping, every error path,
 disconnect -> abort, auth, metrics, and a schemathesis fuzz of the OpenAPI schema (no 5xx).
 The real engine behind the real CLI is in test_server_e2e.py."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Hostile constraints through the real server (embedded SmolLM2, CPU, the engine core in its own process):
-each crash, stall and truncation case of issue 46, scaled to run in seconds, answers its 400 or error while a
+each crash, stall and truncation case a hostile client found, scaled to run in seconds, answers its 400 or error while a
 stream of ordinary requests keeps answering and /health answers 200 within a second; grammar compilations are
 counted (one per distinct grammar in each process, none off the grammar workers); the RSS after 200 distinct
 large grammars stays within a bound; the server is alive after all of it.

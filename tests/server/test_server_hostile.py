@@ -1,5 +1,5 @@
 """Hostile and careless clients against the in-process server on the scripted engine
-(test_server_fakes): inputs that must be a 4xx in OpenAI's error shape, never a 500 or a stall, and the
+(support/server_fakes.py): inputs that must be a 4xx in OpenAI's error shape, never a 500 or a stall, and the
 HTTP details (methods, headers) that proxies, browsers and scrapers depend on."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The request checks of issue 46 on the scripted engine (test_server_fakes): seeds, tool names and tool
+"""The request checks on the scripted engine (support/server_fakes.py): seeds, tool names and tool
 limits, message shapes, stop strings with lone surrogates, the prompt's logprobs sent once with n > 1, and a
 constraint that fails in the engine (finish_reason "error", or a 400 before any token)."""
 from __future__ import annotations

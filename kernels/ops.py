@@ -186,12 +186,11 @@ def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *,
     chunks run the reference under XLA (the kernel takes them only one token a program, re-reading the
     context for each)."""
     _check_backend(backend)
+    if backend != "reference":
+        _check_gpu(interpret)
     if backend == "reference" or not md.decode_only:
-        if backend != "reference":
-            _check_gpu(interpret)
         return mla_ref.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                            kv_lora_rank=kv_lora_rank, scale=scale)
-    _check_gpu(interpret)
     from . import mla_decode_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
     return mla_decode_pallas.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                                  kv_lora_rank=kv_lora_rank, kv_scale=scale, interpret=interpret,

@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 import anyio
 import msgspec
 
+from jaxserve.engine.llm_engine import truncate_prompt
 from jaxserve.errors import InvalidRequestError
 from jaxserve.multimodal.chat import image_conversation, template_reads_parts
 
@@ -233,8 +234,7 @@ class PromptRenderer:
         if keep > self.max_model_len:
             raise bad_request(f"truncate_prompt_tokens {keep} is over max_model_len {self.max_model_len}",
                               "truncate_prompt_tokens")
-        keep = self.max_model_len if keep == -1 else keep
-        return ids[-keep:] if len(ids) > keep else ids
+        return truncate_prompt(ids, keep, self.max_model_len)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size

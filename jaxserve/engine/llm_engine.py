@@ -70,6 +70,14 @@ class EngineClient(Protocol):
     def shutdown(self) -> None: ...
 
 
+def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: up to max_model_len; None:
+    the whole prompt)."""
+    if keep == -1:
+        keep = max_model_len
+    return prompt_token_ids[-keep:] if keep is not None and len(prompt_token_ids) > keep else prompt_token_ids
+
+
 def validate_prompt_length(prompt_token_ids: Sequence[int] | int, max_tokens: int | None,
                            max_model_len: int) -> None:
     """Reject a prompt that is empty or longer than max_model_len, or (when max_tokens is given) one that
@@ -174,14 +182,11 @@ class RequestBuilder:
         queues nothing (``LLMEngine.add_requests`` does)."""
         prompt_token_ids = list(prompt_token_ids)
         eos_token_ids = self.facts.eos_token_ids
-        keep = params.truncate_prompt_tokens
-        if keep == -1:                      # vLLM: -1 = keep up to max_model_len tokens (the last ones)
-            keep = self.facts.max_model_len
-        if keep is not None and len(prompt_token_ids) > keep:
-            if mm_features:
-                raise InvalidRequestError("truncate_prompt_tokens cannot cut a prompt with images",
-                                          param="truncate_prompt_tokens")
-            prompt_token_ids = prompt_token_ids[-keep:]
+        kept = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.facts.max_model_len)
+        if mm_features and len(kept) < len(prompt_token_ids):
+            raise InvalidRequestError("truncate_prompt_tokens cannot cut a prompt with images",
+                                      param="truncate_prompt_tokens")
+        prompt_token_ids = kept
         self.validate(prompt_token_ids, params, strict_length=strict_length, priority=priority,
                       cache_salt=cache_salt, wait_for_grammar=wait_for_grammar)
         if mm_features:

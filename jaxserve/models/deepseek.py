@@ -53,7 +53,7 @@ ATTENTION_NAMES = {
     "q": ("t", ["self_attn.q_proj.weight"]), "q_a": ("t", ["self_attn.q_a_proj.weight"]),
     "q_a_norm": ("same", ["self_attn.q_a_layernorm.weight"]), "q_b": ("t", ["self_attn.q_b_proj.weight"]),
     "kv_a": ("t", ["self_attn.kv_a_proj_with_mqa.weight"]),
-    "kv_a_norm": ("same", ["self_attn.kv_a_layernorm.weight"]), "kv_b": ("t", ["self_attn.kv_b_proj.weight"]),
+    "kv_a_norm": ("same", ["self_attn.kv_a_layernorm.weight"]),
 }
 SHARED_EXPERTS = {
     "shared_gate_up": ("stack_t", ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"]),
@@ -135,10 +135,14 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
 
 
 def layer_names(cfg: ModelConfig) -> dict:
-    """Llama's norms and dense MLP, MLA's projections, the routed experts (``mlp.experts.<e>.*``), the shared
+    """Llama's norms and dense MLP, MLA's projections (``kv_b_proj`` split into ``uk`` and ``uv``), the routed experts (``mlp.experts.<e>.*``), the shared
     experts and V3's router bias."""
     dense = {k: llama.LAYER_NAMES[k] for k in ("attn_norm", "mlp_norm", "o", "gate_up", "down")}
-    return {**dense, **ATTENTION_NAMES, **SHARED_EXPERTS,
+    spec = mla_spec(cfg)
+    split = (cfg.num_heads, spec.qk_nope_head_dim)
+    kv_b = {"uk": (("mla_uk", *split), ["self_attn.kv_b_proj.weight"]),
+            "uv": (("mla_uv", *split), ["self_attn.kv_b_proj.weight"])}
+    return {**dense, **ATTENTION_NAMES, **kv_b, **SHARED_EXPERTS,
             **checkpoint_names.moe_layer_names(cfg.extra_dict["num_experts"], "mlp", router="gate",
                                                gate="gate_proj", up="up_proj", down="down_proj")}
 

@@ -51,6 +51,13 @@ def _build_fn(kind) -> Callable:
     if isinstance(kind, tuple) and kind[0] == "rows_t":
         start, stop = kind[1], kind[2]
         return lambda w: w[start:stop].T
+    if isinstance(kind, tuple) and kind[0] in ("mla_uk", "mla_uv"):
+        heads, nope = kind[1], kind[2]        # kv_b_proj [heads * (nope + v), R], by head: key rows, value rows
+
+        def split(w):
+            w = w.reshape(heads, -1, w.shape[1])
+            return w[:, :nope] if kind[0] == "mla_uk" else w[:, nope:].transpose(0, 2, 1)
+        return split
     return _BUILDS[kind]
 
 

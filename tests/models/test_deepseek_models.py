@@ -135,7 +135,7 @@ def _fp8_folder(folder, src: str, quantized, float_modules=()) -> dict:
 
 def test_deepseek_fp8_block_checkpoint(tmp_path):
     """The official FP8 layout (e4m3 ``[out, in]`` tensors with ``weight_scale_inv`` blocks; router, norms,
-    embeddings and lm_head in bf16): the routed and shared experts and ``kv_b`` are dequantized at load, so the
+    embeddings and lm_head in bf16): the routed and shared experts and ``kv_b`` (``uk``/``uv``) are dequantized at load, so the
     logits equal the dequantized float model's; MLA's q/kv_a projections and ``o`` load as fp8 weights."""
     from safetensors.numpy import save_file
 
@@ -157,7 +157,7 @@ def test_deepseek_fp8_block_checkpoint(tmp_path):
     _fp8_folder(str(tmp_path / "all"), src, lambda n: ("self_attn." in n and "layernorm" not in n) or "experts" in n)
     layer1 = load_model(str(tmp_path / "all"), dtype="float32").params["layers"][1]
     assert all(isinstance(layer1[n], Fp8Weight) for n in ("q_a", "q_b", "kv_a", "o"))
-    assert not isinstance(layer1["kv_b"], Fp8Weight) and len(prompt) == 10
+    assert not isinstance(layer1["uk"], Fp8Weight) and not isinstance(layer1["uv"], Fp8Weight) and len(prompt) == 10
 
 
 @pytest.mark.parametrize("name,architecture,billions,latent", [

@@ -50,7 +50,7 @@ def _worker() -> dict:
             "cache_spec": str(runner.kv_caches[0][0].sharding.spec),
             "local_cache": list(runner.kv_caches[0][0].addressable_shards[0].data.shape),
             "cache": list(runner.kv_caches[0][0].shape),
-            "kv_b_local": list(layer1["kv_b"].addressable_shards[0].data.shape), "kv_b": list(layer1["kv_b"].shape),
+            "uk_local": list(layer1["uk"].addressable_shards[0].data.shape), "uk": list(layer1["uk"].shape),
             "kv_a_spec": str(layer1["kv_a"].sharding.spec),
             "experts_local": layer1["experts_down"].addressable_shards[0].data.shape[0],
             "experts": layer1["experts_down"].shape[0]}
@@ -68,7 +68,7 @@ def test_deepseek_parallel_matches_hf(report, case):
     entry = report[f"{name}/ep{int(ep)}"]
     assert entry["hf_err"] <= 1e-4 and entry["greedy"], entry
     assert entry["cache_spec"] == "P()" and entry["local_cache"] == entry["cache"], entry  # replicated
-    assert entry["kv_b_local"] == [entry["kv_b"][0], entry["kv_b"][1] // NUM_DEVICES], entry         # heads split
+    assert entry["uk_local"] == [entry["uk"][0] // NUM_DEVICES, *entry["uk"][1:]], entry         # heads split
     assert entry["kv_a_spec"] == "P()", entry
     assert entry["experts_local"] == (entry["experts"] // NUM_DEVICES if ep else entry["experts"]), entry
 

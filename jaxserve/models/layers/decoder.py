@@ -142,7 +142,7 @@ class DecoderLayer(nnx.Module):
         t, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rotary = spec.rotaries[spec.layer_rotary[self.index]]
         if spec.mla is not None:
-            weights = self._weights(("q", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b"))
+            weights = self._weights(("q", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "uk", "uv"))
             return mla.attention(h, weights, spec.mla, hq, rotary, cos_sin[spec.layer_rotary[self.index]], kv_cache,
                                  md, sm_scale=spec.sm_scale, backend=backend)
         cos, sin = cos_sin[spec.layer_rotary[self.index]]

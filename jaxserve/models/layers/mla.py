@@ -5,16 +5,18 @@ Per token the layer caches one latent row, ``c_kv`` (``kv_lora_rank`` values, af
 rotated shared key ``k_rope`` (``qk_rope_head_dim``), in a paged cache of its own
 (``kernels.mla_ref``: ``[num_blocks, block_size, R + P]``, the family's ``kv_cache_shapes``).
 
-Every step runs absorbed (prefill chunks and decodes alike): ``kv_b_proj`` is split into its key half ``W_UK``
-and value half ``W_UV``; the queries' no-rope part is projected into the latent space (``q_nope · W_UK``), the
+Every step runs absorbed (prefill chunks and decodes alike): ``kv_b_proj`` is split at load into its key half
+``uk [heads, qk_nope_head_dim, R]`` and value half ``uv [heads, R, v_head_dim]``, head-major so that both
+absorptions are batched matmuls over whole weights (slicing one ``kv_b`` per step copied both halves every
+step); the queries' no-rope part is projected into the latent space (``q_nope · W_UK``), the
 attention runs over the latent pages (``kernels.ops.mla_attention``), and its latent output is projected back
 with ``W_UV`` before ``o_proj``. The alternative for prefill, decompressing K/V per chunk for the GQA prefill
 kernel, would have to decompress every cached page a chunk attends to (the prefix and the earlier chunks live in
 the cache as latents) and pad V to the key width; which is faster on the GPU is still to be measured.
 
 Weights (``[in, out]``): ``q`` (no q LoRA) or ``q_a`` → ``q_a_norm`` → ``q_b``; ``kv_a`` (``kv_a_proj_with_mqa``),
-``kv_a_norm``, ``kv_b``; ``o``. Under tensor parallelism ``q``/``q_b``/``kv_b`` are column-parallel (whole
-heads per device), ``o`` row-parallel, ``q_a``/``kv_a`` and the norms replicated, and so is the latent cache
+``kv_a_norm``, ``uk`` / ``uv`` (``kv_b_proj``'s halves); ``o``. Under tensor parallelism ``q``/``q_b``/``uk``/``uv``
+are split by heads (whole heads per device), ``o`` row-parallel, ``q_a``/``kv_a`` and the norms replicated, and so is the latent cache
 (``parallel.attention.write_latent_and_attend`` says why).
 
 Numerics as HF transformers: q/kv LoRA norms with eps 1e-6 (their modules' default, not ``rms_norm_eps``); the
@@ -37,7 +39,7 @@ from .norms import rms_norm
 from .rotary import Rotary
 
 TP = "tp"
-COLUMN, ROW = (None, TP), (TP, None)
+COLUMN, ROW, HEADS = (None, TP), (TP, None), (TP, None, None)
 LORA_NORM_EPS = 1e-6
 
 
@@ -70,7 +72,8 @@ def declare_params(layer, hidden: int, num_heads: int, spec: MLASpec, param: Cal
         layer.q = param((hidden, num_heads * spec.qk_head_dim), COLUMN)
     layer.kv_a = param((hidden, spec.latent_width), ())
     layer.kv_a_norm = param((spec.kv_lora_rank,), (), "ones")
-    layer.kv_b = param((spec.kv_lora_rank, num_heads * (spec.qk_nope_head_dim + spec.v_head_dim)), COLUMN)
+    layer.uk = param((num_heads, spec.qk_nope_head_dim, spec.kv_lora_rank), HEADS)
+    layer.uv = param((num_heads, spec.kv_lora_rank, spec.v_head_dim), HEADS)
     layer.o = param((num_heads * spec.v_head_dim, hidden), ROW)
 
 
@@ -94,10 +97,9 @@ def attention(h: jax.Array, w: dict, spec: MLASpec, num_heads: int, rotary: Rota
     kv = linear(h, w["kv_a"])
     c_kv = rms_norm(kv[:, :r], w["kv_a_norm"], LORA_NORM_EPS)
     k_rope = rotary.apply(kv[:, None, r:], cos, sin)[:, 0]
-    kv_b = w["kv_b"].reshape(r, heads, dn + spec.v_head_dim)
-    q_latent = jnp.einsum("thd,rhd->thr", q_nope, kv_b[..., :dn])
+    q_latent = jnp.einsum("thd,hdr->thr", q_nope, w["uk"])
     latent = jnp.concatenate([c_kv, k_rope], axis=-1)
     out, latent_cache = tp_attention.write_latent_and_attend(q_latent, q_rope, latent, cache[0], md,
                                                              sm_scale=sm_scale, kv_lora_rank=r, backend=backend)
-    attn = jnp.einsum("thr,rhv->thv", out, kv_b[..., dn:])
+    attn = jnp.einsum("thr,hrv->thv", out, w["uv"])
     return attn.reshape(t, heads * spec.v_head_dim), (latent_cache,)

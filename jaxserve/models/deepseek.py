@@ -135,8 +135,8 @@ def decoder_spec(cfg: ModelConfig) -> DecoderSpec:
 
 
 def layer_names(cfg: ModelConfig) -> dict:
-    """Llama's norms and dense MLP, MLA's projections (``kv_b_proj`` split into ``uk`` and ``uv``), the routed experts (``mlp.experts.<e>.*``), the shared
-    experts and V3's router bias."""
+    """Llama's norms and dense MLP, MLA's projections (``kv_b_proj`` split into ``uk`` and ``uv``), the routed
+    experts (``mlp.experts.<e>.*``), the shared experts and V3's router bias."""
     dense = {k: llama.LAYER_NAMES[k] for k in ("attn_norm", "mlp_norm", "o", "gate_up", "down")}
     spec = mla_spec(cfg)
     split = (cfg.num_heads, spec.qk_nope_head_dim)

@@ -135,8 +135,8 @@ def _fp8_folder(folder, src: str, quantized, float_modules=()) -> dict:
 
 def test_deepseek_fp8_block_checkpoint(tmp_path):
     """The official FP8 layout (e4m3 ``[out, in]`` tensors with ``weight_scale_inv`` blocks; router, norms,
-    embeddings and lm_head in bf16): the routed and shared experts and ``kv_b`` (``uk``/``uv``) are dequantized at load, so the
-    logits equal the dequantized float model's; MLA's q/kv_a projections and ``o`` load as fp8 weights."""
+    embeddings and lm_head in bf16): the routed and shared experts and ``kv_b`` (``uk``/``uv``) are dequantized at
+    load, so the logits equal the dequantized float model's; MLA's q/kv_a projections and ``o`` load as fp8 weights."""
     from safetensors.numpy import save_file
 
     from jaxserve.quantization.weights import Fp8Weight

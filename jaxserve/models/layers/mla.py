@@ -15,9 +15,9 @@ kernel, would have to decompress every cached page a chunk attends to (the prefi
 the cache as latents) and pad V to the key width; which is faster on the GPU is still to be measured.
 
 Weights (``[in, out]``): ``q`` (no q LoRA) or ``q_a`` → ``q_a_norm`` → ``q_b``; ``kv_a`` (``kv_a_proj_with_mqa``),
-``kv_a_norm``, ``uk`` / ``uv`` (``kv_b_proj``'s halves); ``o``. Under tensor parallelism ``q``/``q_b``/``uk``/``uv``
-are split by heads (whole heads per device), ``o`` row-parallel, ``q_a``/``kv_a`` and the norms replicated, and so is the latent cache
-(``parallel.attention.write_latent_and_attend`` says why).
+``kv_a_norm``, ``uk`` / ``uv`` (``kv_b_proj``'s halves); ``o``. Under tensor parallelism ``q``/``q_b``/``uk``/
+``uv`` are split by heads (whole heads per device), ``o`` row-parallel, ``q_a``/``kv_a`` and the norms
+replicated, and so is the latent cache (``parallel.attention.write_latent_and_attend`` says why).
 
 Numerics as HF transformers: q/kv LoRA norms with eps 1e-6 (their modules' default, not ``rms_norm_eps``); the
 rotary part interleaved or not as the config says; the softmax scale ``qk_head_dim ** -0.5`` times YaRN's

@@ -147,14 +147,14 @@ def random_image_url(rng: np.random.Generator, size: int) -> str:
 
 
 def image_requests(rng, num_prompts: int, image_size: int, input_len, output_len) -> list[RequestSpec]:
-    """Chat requests of one random ``image_size``² image and about ``input_len`` text tokens each (a word per
-    token); ``prompt_len`` counts the text only (the server's usage says the whole prompt)."""
+    """Chat requests of one random ``image_size``² image and ~``input_len`` text tokens (``prompt_len``, a word a
+    token), after a system message that keeps a stand-in tokenizer's default one (ids past the vocab) out."""
     text_lens = sample_lengths(input_len, num_prompts, rng, "input_len")
     out_lens = sample_lengths(output_len, num_prompts, rng, "output_len")
     reqs = []
     for n_text, n_out in zip(text_lens, out_lens):
         text = " ".join(rng.choice(WORDS, size=int(n_text)))
-        messages = [{"role": "user", "content": [
+        messages = [{"role": "system", "content": "what is in the picture"}, {"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": random_image_url(rng, image_size)}},
             {"type": "text", "text": text}]}]
         reqs.append(RequestSpec(text, int(n_text), int(n_out), {"messages": messages}))

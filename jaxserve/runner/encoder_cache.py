@@ -77,7 +77,8 @@ class EncoderCache:
 
     def warmup(self) -> float:
         """Compile the encoder's batch buckets at the tower's own image size (the size a fixed-resolution
-        processor gives every image); other pixel shapes compile on first use. Returns the seconds taken."""
+        processor gives every image); other pixel shapes, and a packing family's patch buckets, compile on
+        first use. Returns the seconds taken."""
         t0 = time.perf_counter()
         size = dict(self.cfg.extra_dict.get("vision") or ()).get("image_size")
         if size:

@@ -127,20 +127,26 @@ def encoder(model, min_patches: int, max_batch: int = 4):
     return EncoderCache(model, capacity=2048, max_batch=max_batch, min_patches=min_patches)
 
 
+@pytest.mark.parametrize("query_block", [None, 64])
 @pytest.mark.parametrize("name", NAMES)
-def test_bucketed_encoder_equals_the_unpadded_one(name):
-    """Images of many sizes encoded together (several to a row, rows batched, padding rows and patches):
-    each image's slab rows equal its unpadded encoding within 1e-5."""
+def test_bucketed_encoder_equals_the_unpadded_one(name, query_block, monkeypatch):
+    """Images of many sizes encoded together (several to a row, rows batched, padding rows and patches; full
+    attention in one piece or in blocks of 64 queries): each image's slab rows equal its unpadded encoding
+    (in one piece) within 1e-5."""
+    from jaxserve.models.layers import qwen_vision
     model = load(name)
-    cache = encoder(model, min_patches=256)
     feats = features(SIZES)
+    alone = [np.asarray(model.family.encode_images(model.params, f.pixel_values[None], model.config))[0]
+             for f in feats]
+    if query_block:
+        monkeypatch.setattr(qwen_vision, "QUERY_BLOCK", query_block)
+    cache = encoder(model, min_patches=256)
     cache.encode(feats)
     rows = cache.bucket_rows(feats)
     assert any(len(r) > 1 for rs in rows.values() for r in rs)       # images share a row
     slab = np.asarray(cache.slab)
-    for f in feats:
-        alone = np.asarray(model.family.encode_images(model.params, f.pixel_values[None], model.config))[0]
-        np.testing.assert_allclose(slab[cache.rows[f.hash]], alone, atol=1e-5, rtol=0)
+    for f, expect in zip(feats, alone):
+        np.testing.assert_allclose(slab[cache.rows[f.hash]], expect, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -14,8 +14,9 @@ per image size). Within a row each image takes consecutive slots: its merge bloc
 row-major, blocks row-major within one), every window padded to ``unit`` slots, so window attention is a
 reshape of the row into windows of ``unit`` patches; without windows a merge block is the unit. Each patch
 carries its image's segment id (padding: -1): attention is masked to equal segment ids (within the image, as
-HF's ``cu_seqlens``; pads only see pads), so padding never reaches an image's rows. The merged tokens come
-back in the packed order; ``pack`` says where each image's tokens (row-major) are.
+HF's ``cu_seqlens``; pads only see pads), so padding never reaches an image's rows; full attention over a
+long row runs in blocks of queries (scores ``block x N``, not ``N x N``). The merged tokens come back in the
+packed order; ``pack`` says where each image's tokens (row-major) are.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ from flax import nnx
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
 from .norms import rms_norm
 from .vision import _attend, _fc_mlp, _qkv, layer_norm
+
+
+QUERY_BLOCK = 4096       # full attention over a longer row runs in query blocks of at most this many patches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,12 +138,21 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, span: int | None) -> jax.Array:
-    """Attention among patches of one segment: over the whole row (``span`` None: ``N x N`` scores) or within
-    consecutive spans of ``span`` patches (windows: ``N x span``)."""
+    """Attention among patches of one segment: over the whole row (``span`` None) or within consecutive spans
+    of ``span`` patches (windows: ``N x span`` scores). A row longer than ``QUERY_BLOCK`` attends in blocks of
+    queries, one after another (``block x N`` scores at a time, not ``N x N``)."""
     r, n, heads, hd = q.shape
     if span is not None:
         q, k, v = (t.reshape(r * n // span, span, heads, hd) for t in (q, k, v))
         seg = seg.reshape(r * n // span, span)
+    elif n > QUERY_BLOCK:
+        block = n
+        while block > QUERY_BLOCK and block % 2 == 0:       # n is unit * 2**k: a block divides it
+            block //= 2
+        qs = q.reshape(r, n // block, block, heads, hd).swapaxes(0, 1)
+        segs = seg.reshape(r, n // block, block).swapaxes(0, 1)
+        out = jax.lax.map(lambda a: _attend(a[0], k, v, a[1][:, :, None] == seg[:, None, :]), (qs, segs))
+        return out.swapaxes(0, 1).reshape(r, n, heads * hd)
     out = _attend(q, k, v, seg[:, :, None] == seg[:, None, :])
     return out.reshape(r, n, heads * hd)
 

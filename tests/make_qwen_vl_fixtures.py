@@ -1,8 +1,9 @@
 """Golden fixtures of a tiny random Qwen2.5-VL (its ViT with window attention + patch merger, a Qwen2 text model
-with M-RoPE) from HF transformers; run through tests/make_vision_fixtures.py with the oracle env:
-    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py qwen2_5_vl
+with M-RoPE) and of a tiny random Qwen2-VL (its ViT: LayerNorm, a quick-GELU MLP, full attention in every block,
+a LayerNorm before the merger) from HF transformers; run through tests/make_vision_fixtures.py with the oracle env:
+    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py qwen2_5_vl qwen2_vl
 
-Writes tests/fixtures/models/tiny-qwen2.5-vl/: config.json, model.safetensors (bfloat16, read back as float32),
+Writes tests/fixtures/models/tiny-qwen2.5-vl/ (and tiny-qwen2-vl/): config.json, model.safetensors (bfloat16, read back as float32),
 the processor's configs (Qwen2-VL image processing, PIL backend, at most 64 merged tokens per image), a
 byte-level tokenizer with Qwen's special tokens and a Qwen2-VL chat template, the test images (three sizes:
 windows padded and not), golden.json (per case: prompt, HF's expanded ids, image grids, HF's greedy
@@ -18,9 +19,21 @@ import torch
 from make_vision_fixtures import GREEDY_TOKENS, make_tokenizer
 from PIL import Image
 from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
-                          Qwen2VLImageProcessorPil, Qwen2VLVideoProcessor)
+                          Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen2VLProcessor,
+                          Qwen2VLVideoProcessor)
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models", "tiny-qwen2.5-vl")
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models")
+# per variant: (folder, config class, model class, processor class, its vision config)
+VARIANTS = {
+    "qwen2_5_vl": ("tiny-qwen2.5-vl", Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                   dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=14,
+                        spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2, window_size=56,
+                        out_hidden_size=64, fullatt_block_indexes=[1, 3], initializer_range=0.08)),
+    "qwen2_vl": ("tiny-qwen2-vl", Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor,
+                 dict(depth=3, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, hidden_act="quick_gelu",
+                      in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                      initializer_range=0.08)),
+}
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>")
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = 5, 6, 3, 4
@@ -38,12 +51,12 @@ IMAGES = {"wide.png": (170, 110, 4), "small.png": (64, 48, 5), "tall.png": (60, 
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 64
 
 
-def make_images() -> dict[str, Image.Image]:
+def make_images(out_dir: str) -> dict[str, Image.Image]:
     out = {}
     for name, (w, h, seed) in IMAGES.items():
         rng = np.random.default_rng(seed)
         out[name] = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
-        out[name].save(os.path.join(OUT, name))
+        out[name].save(os.path.join(out_dir, name))
     return out
 
 
@@ -77,9 +90,11 @@ def greedy(model, inputs, n: int) -> tuple[list[int], float, np.ndarray]:
 
 
 @torch.no_grad()
-def main() -> None:
+def main(variant: str = "qwen2_5_vl") -> None:
+    folder, config_cls, model_cls, processor_cls, vision = VARIANTS[variant]
+    out_dir = os.path.join(FIXTURES, folder)
     torch.set_num_threads(2)
-    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(out_dir, exist_ok=True)
     tokenizer = make_tokenizer(SPECIALS, bos=None, eos="<|im_end|>", unk="<|endoftext|>", pad="<|endoftext|>",
                                additional=SPECIALS[1:], chat_template=CHAT_TEMPLATE)
     vocab = len(tokenizer)
@@ -87,30 +102,26 @@ def main() -> None:
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                 bos_token_id=None, eos_token_id=2, pad_token_id=0, initializer_range=0.08)
-    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2, window_size=56,
-                  out_hidden_size=64, fullatt_block_indexes=[1, 3], initializer_range=0.08)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
                               video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_ID,
                               vision_end_token_id=VISION_END_ID, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = model_cls(config).eval()
     for p in model.parameters():          # stored as bfloat16: the float32 model holds exactly those values
         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    model.to(torch.bfloat16).save_pretrained(OUT, safe_serialization=True)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(OUT, dtype=torch.float32,
-                                                               attn_implementation="eager").eval()
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    model = model_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
     image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                    video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(OUT)
-    with open(os.path.join(OUT, "processor_config.json")) as f:      # as a hub checkpoint names it
+    processor = processor_cls(image_processor=image_processor, tokenizer=tokenizer,
+                              video_processor=Qwen2VLVideoProcessor(), chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "processor_config.json")) as f:      # as a hub checkpoint names it
         saved = json.load(f)
     saved["image_processor"]["image_processor_type"] = "Qwen2VLImageProcessor"
-    with open(os.path.join(OUT, "processor_config.json"), "w") as f:
+    with open(os.path.join(out_dir, "processor_config.json"), "w") as f:
         json.dump(saved, f, indent=2)
-    tokenizer.save_pretrained(OUT)
-    images = make_images()
+    tokenizer.save_pretrained(out_dir)
+    images = make_images(out_dir)
     golden = []
     for i, case in enumerate(cases()):
         prompt = case["raw"] if "raw" in case else processor.apply_chat_template(case["messages"],
@@ -119,11 +130,11 @@ def main() -> None:
         inputs = processor(text=prompt, images=imgs, return_tensors="pt", add_special_tokens=False)
         ids, margin, logits = greedy(model, inputs, GREEDY_TOKENS)
         if i == 0:
-            np.save(os.path.join(OUT, "logits.npy"), logits.astype(np.float32))
+            np.save(os.path.join(out_dir, "logits.npy"), logits.astype(np.float32))
         grids = inputs["image_grid_thw"].tolist() if "image_grid_thw" in inputs else []
         golden.append({**case, "prompt": prompt, "prompt_ids": inputs["input_ids"][0].tolist(), "grids": grids,
                        "greedy_ids": ids, "min_margin": round(margin, 5)})
         print(f"{case['name']}: {inputs['input_ids'].shape[1]} prompt tokens, grids {grids}, "
               f"margin {margin:.4f}, {ids[:6]}")
-    with open(os.path.join(OUT, "golden.json"), "w") as f:
+    with open(os.path.join(out_dir, "golden.json"), "w") as f:
         json.dump(golden, f, indent=1)

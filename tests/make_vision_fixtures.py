@@ -1,8 +1,8 @@
 """Golden fixtures of tiny random vision-language models from HF transformers: LLaVA-1.5 (CLIP ViT + MLP
-projector + Llama) and Qwen2.5-VL (``make_qwen_vl_fixtures``).
+projector + Llama), Qwen2.5-VL and Qwen2-VL (``make_qwen_vl_fixtures``).
 
 Run with the oracle env (torch + torchvision + transformers); an argument picks one family:
-    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl]
+    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl | qwen2_vl]
 
 Writes tests/fixtures/models/tiny-llava/: config.json, model.safetensors (bfloat16, read back as float32 by
 the oracle), preprocessor_config.json and processor_config.json (CLIP image processing at 56x56, 14-pixel
@@ -148,10 +148,11 @@ def main() -> None:
 if __name__ == "__main__":
     import sys
 
-    which = sys.argv[1:] or ["llava", "qwen2_5_vl"]
+    which = sys.argv[1:] or ["llava", "qwen2_5_vl", "qwen2_vl"]
     if "llava" in which:
         main()
-    if "qwen2_5_vl" in which:
-        from make_qwen_vl_fixtures import main as qwen_main  # noqa: PLC0415
+    for variant in ("qwen2_5_vl", "qwen2_vl"):
+        if variant in which:
+            from make_qwen_vl_fixtures import main as qwen_main  # noqa: PLC0415
 
-        qwen_main()
+            qwen_main(variant)

@@ -5,9 +5,14 @@ its rows: an image's embeddings take ``length`` rows (anywhere: no fragmentation
 hash. The engine's ``EncoderCacheManager`` decides what is kept and evicted with the same capacity, so an
 image the scheduler admits always finds rows here; evicted hashes come back through ``free``.
 
-``encode(features)`` runs the family's ``encode_images`` over the step's new images, batched across
-requests by pixel shape (the patch count) into batch buckets of powers of two, and writes each image's
-rows into the slab in the same jitted call (the slab is donated: updated in place). ``gather(scheduled)``
+``encode(features)`` runs the family's encoder over the step's new images, batched across requests, and
+writes each image's rows into the slab in the same jitted call (the slab is donated: updated in place;
+padding writes a scratch row). A family of fixed-size images (``encode_images``: LLaVA) is batched by pixel
+shape into batch buckets of powers of two. A family of any image size (``pack_images`` / ``encode_packed``:
+Qwen-VL) is bucketed by patch count: each image goes to the smallest bucket of ``unit * 2**k`` patches (at
+least ``min_patches``) that holds it, images of one bucket share rows where they fit (first fit; the tower
+masks attention to each image's own patches), rows are batched in powers of two, so the compiled encoder
+programs are bounded by the bucket and batch counts, not the image sizes. ``gather(scheduled)``
 gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the step's
 chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
@@ -26,14 +31,34 @@ from jaxserve.multimodal.inputs import overlapping
 
 
 
-def _encode_and_store(family, cfg, params, slab, pixel_values, dst):
-    emb = family.encode_images(params, pixel_values, cfg)               # [B, N, hidden]
+MIN_PATCH_BUCKET = 256            # the smallest patch bucket of a packed encoder (64 tokens at a 2x2 merge)
+
+
+def _encode_and_store(encode, cfg, params, slab, inputs, dst):
+    emb = encode(params, inputs, cfg)                                   # [B, N, hidden]
     return slab.at[dst].set(emb.reshape(-1, emb.shape[-1]).astype(slab.dtype), mode="drop")
 
 
+def patch_bucket(patches: int, unit: int, floor: int) -> int:
+    """The smallest ``unit * 2**k`` at least ``floor`` that holds ``patches``."""
+    bucket = unit * -(-floor // unit)
+    while bucket < patches:
+        bucket *= 2
+    return bucket
+
+
+def _pow2(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
 class EncoderCache:
-    def __init__(self, model, capacity: int, max_batch: int, mesh=None):
+    def __init__(self, model, capacity: int, max_batch: int, mesh=None, min_patches: int = MIN_PATCH_BUCKET):
         self.family, self.cfg, self.params = model.family, model.config, model.params
+        self.packed = hasattr(self.family, "encode_packed")
+        self.min_patches = min_patches
         self.capacity, self.max_batch = capacity, max_batch
         rep = None
         if mesh is not None:
@@ -42,7 +67,8 @@ class EncoderCache:
         dtype = jax.tree.leaves(model.params)[0].dtype
         shape = (capacity + 1, model.config.hidden_size)     # + a scratch row that padding images write
         self.slab = jnp.zeros(shape, dtype) if rep is None else jnp.zeros(shape, dtype, device=rep)
-        self._step = jax.jit(partial(_encode_and_store, self.family, self.cfg), donate_argnums=(1,),
+        encode = self.family.encode_packed if self.packed else self.family.encode_images
+        self._step = jax.jit(partial(_encode_and_store, encode, self.cfg), donate_argnums=(1,),
                              **({"out_shardings": rep} if rep is not None else {}))
         self.rows: dict[str, np.ndarray] = {}
         self._free = list(range(capacity - 1, -1, -1))
@@ -51,7 +77,8 @@ class EncoderCache:
 
     def warmup(self) -> float:
         """Compile the encoder's batch buckets at the tower's own image size (the size a fixed-resolution
-        processor gives every image); other pixel shapes compile on first use. Returns the seconds taken."""
+        processor gives every image); other pixel shapes, and a packing family's patch buckets, compile on
+        first use. Returns the seconds taken."""
         t0 = time.perf_counter()
         size = dict(self.cfg.extra_dict.get("vision") or ()).get("image_size")
         if size:
@@ -76,35 +103,73 @@ class EncoderCache:
                 self._free.extend(rows.tolist())
 
     def encode(self, features: list) -> None:
-        """Encode the images not cached yet, batched by pixel shape, each written to its rows of the slab."""
+        """Encode the images not cached yet, each written to its rows of the slab."""
         t0 = time.perf_counter()
-        groups: dict[tuple, list] = {}
+        new: dict[str, object] = {}
         for f in features:
-            if f.hash not in self.rows and all(f.hash != g.hash for g in groups.get(f.pixel_values.shape, ())):
+            if f.hash not in self.rows:
+                new.setdefault(f.hash, f)
+        if self.packed:
+            self._encode_packed(list(new.values()))
+        else:
+            groups: dict[tuple, list] = {}
+            for f in new.values():
                 groups.setdefault(f.pixel_values.shape, []).append(f)
-        for shape, items in groups.items():
-            for i in range(0, len(items), self.max_batch):
-                self._encode_batch(shape, items[i:i + self.max_batch])
+            for shape, items in groups.items():
+                for i in range(0, len(items), self.max_batch):
+                    self._encode_batch(shape, items[i:i + self.max_batch])
         self.encode_ms += (time.perf_counter() - t0) * 1e3
 
+    def _take_rows(self, f) -> np.ndarray:
+        if len(self._free) < f.length:
+            raise RuntimeError("the encoder cache is full (the scheduler's encoder cache manager admitted "
+                               "more image tokens than its capacity)")
+        rows = np.asarray([self._free.pop() for _ in range(f.length)], np.int32)
+        self.rows[f.hash] = rows
+        return rows
+
     def _encode_batch(self, shape: tuple, items: list) -> None:
-        b = 1
-        while b < len(items):
-            b *= 2
+        b = _pow2(len(items))
         pixels = np.zeros((b, *shape), np.float32)
         n = items[0].length
         dst = np.full((b, n), self.capacity, np.int32)       # padding images write the scratch row
         for j, f in enumerate(items):
             if f.length != n:
                 raise ValueError(f"images of one pixel shape with {f.length} and {n} tokens")
-            if len(self._free) < n:
-                raise RuntimeError("the encoder cache is full (the scheduler's encoder cache manager admitted "
-                                   "more image tokens than its capacity)")
-            rows = np.asarray([self._free.pop() for _ in range(n)], np.int32)
-            self.rows[f.hash] = rows
-            pixels[j], dst[j] = f.pixel_values, rows
+            pixels[j], dst[j] = f.pixel_values, self._take_rows(f)
         self.slab = self._step(self.params, self.slab, pixels, dst.reshape(-1))
         self.num_images += len(items)
+
+    def bucket_rows(self, features: list) -> dict[int, list[list]]:
+        """The images by patch bucket, packed first-fit into rows of it."""
+        unit = self.family.patch_unit(self.cfg)
+        rows: dict[int, list[list]] = {}
+        for f in features:
+            n = self.family.packed_patches(self.cfg, f.pixel_values.shape)
+            bucket = patch_bucket(n, unit, self.min_patches)
+            for row in rows.setdefault(bucket, []):
+                if row[0] + n <= bucket:
+                    row[0] += n
+                    row.append(f)
+                    break
+            else:
+                rows[bucket].append([n, f])
+        return {b: [row[1:] for row in rs] for b, rs in rows.items()}
+
+    def _encode_packed(self, features: list) -> None:
+        for bucket, rows in self.bucket_rows(features).items():
+            for i in range(0, len(rows), self.max_batch):
+                batch = rows[i:i + self.max_batch]
+                b = _pow2(len(batch))
+                inputs, tokens, num_out = self.family.pack_images(
+                    self.cfg, [[f.pixel_values for f in r] for r in batch], b, bucket)
+                dst = np.full(num_out, self.capacity, np.int32)     # padding tokens write the scratch row
+                for f, slots in zip((f for r in batch for f in r), tokens):
+                    if len(slots) != f.length:
+                        raise ValueError(f"an image of {len(slots)} tokens with {f.length} placeholders")
+                    dst[slots] = self._take_rows(f)
+                self.slab = self._step(self.params, self.slab, inputs, dst)
+                self.num_images += sum(len(r) for r in batch)
 
     def gather(self, scheduled, num_tokens: int) -> np.ndarray | None:
         """``[2, E]`` int32: the step's image-token rows and their slab rows (None: the step has none)."""

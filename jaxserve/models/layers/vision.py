@@ -1,6 +1,5 @@
 """Vision transformers as ``flax.nnx`` modules: the ViT blocks CLIP and SigLIP share, and the MLP projector
-that maps their features into a text model's embedding space; Qwen2.5-VL's blocks (RMSNorm, SwiGLU, 2-D
-rotary, attention within windows or the whole image) and its 2x2 patch merger.
+that maps their features into a text model's embedding space (Qwen's tower: ``qwen_vision``).
 
 A ``VisionSpec`` (hashable, from a family's vision config) says what differs: CLIP has a class token and a
 LayerNorm before the blocks and quick-GELU MLPs; SigLIP has neither, a tanh-GELU and a LayerNorm after the
@@ -23,10 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import numpy as np
-
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
-from .norms import rms_norm
 
 VISION_ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
@@ -75,31 +71,21 @@ def _qkv(layer, h: jax.Array, heads: int) -> tuple[jax.Array, jax.Array, jax.Arr
                  for w in ("wq", "wk", "wv"))
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Bidirectional attention ``[B, N, heads * head_dim]``: scores and softmax in float32 (as HF's eager
-    path)."""
+    path); ``mask [B, N, N]``: which keys each query sees (every query at least itself)."""
     b, n, heads, hd = q.shape
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
+    if mask is not None:
+        scores = jnp.where(mask[:, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, heads * hd)
 
 
-def _attend_windows(q: jax.Array, k: jax.Array, v: jax.Array, windows: tuple) -> jax.Array:
-    """Attention within windows of consecutive rows: ``windows`` = (``gather [W, S]``: each window's rows,
-    padded with N; ``valid [W, S]``; ``back [N]``: each row's place in the flattened windows). Costs
-    ``N * S``, not ``N * N``."""
-    gather, valid, back = windows
-    b, n, heads, hd = q.shape
-
-    def blocks(t):
-        return jnp.concatenate([t, jnp.zeros((b, 1, heads, hd), t.dtype)], axis=1)[:, gather]
-
-    qw, kw, vw = blocks(q), blocks(k), blocks(v)                    # [B, W, S, heads, hd]
-    scores = jnp.einsum("bwqhd,bwkhd->bwhqk", qw, kw, preferred_element_type=jnp.float32) * hd ** -0.5
-    scores = jnp.where(jnp.asarray(valid)[None, :, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bwhqk,bwkhd->bwqhd", probs, vw).reshape(b, -1, heads * hd)
-    return out[:, back]
+def _fc_mlp(layer, h: jax.Array, activation: str) -> jax.Array:
+    """``fc2(act(fc1(h)))`` with biases: a module's ``fc1`` / ``fc2`` weights."""
+    h = VISION_ACTIVATIONS[activation](h @ _w(layer.fc1) + _w(layer.fc1_bias))
+    return h @ _w(layer.fc2) + _w(layer.fc2_bias)
 
 
 class VisionLayer(nnx.Module):
@@ -122,8 +108,7 @@ class VisionLayer(nnx.Module):
         q, k, v = _qkv(self, h, spec.num_heads)
         x = x + _attend(q, k, v) @ _w(self.wo) + _w(self.wo_bias)
         h = layer_norm(x, _w(self.norm2), _w(self.norm2_bias), spec.eps)
-        h = VISION_ACTIVATIONS[spec.activation](h @ _w(self.fc1) + _w(self.fc1_bias))
-        return x + h @ _w(self.fc2) + _w(self.fc2_bias)
+        return x + _fc_mlp(self, h, spec.activation)
 
 
 class VisionTransformer(nnx.Module):
@@ -177,73 +162,6 @@ class Projector(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         h = VISION_ACTIVATIONS[self.activation](x @ _w(self.linear_1) + _w(self.linear_1_bias))
         return h @ _w(self.linear_2) + _w(self.linear_2_bias)
-
-
-def axial_rotary(grid_h: int, grid_w: int, head_dim: int, theta: float, merge: int) -> tuple[np.ndarray, ...]:
-    """Qwen2-VL's 2-D rotary of a ``grid_h x grid_w`` patch grid, patches in ``merge x merge`` block order (the
-    patch merger's): cos/sin ``[N, head_dim]`` float32, the first quarter of the frequencies turned by the
-    patch's row, the second by its column, the halves repeated (rotate-half style)."""
-    dim = head_dim // 2
-    inv = (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(np.float32)
-    hpos, wpos = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
-    block = (grid_h // merge, merge, grid_w // merge, merge)
-    hpos, wpos = (p.reshape(block).transpose(0, 2, 1, 3).reshape(-1) for p in (hpos, wpos))
-    freqs = np.concatenate([hpos[:, None] * inv, wpos[:, None] * inv], axis=-1).astype(np.float32)
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb), np.sin(emb)
-
-
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE in float32 (HF's vision rotary), cast back to ``x``'s dtype."""
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
-
-
-class GatedVisionLayer(nnx.Module):
-    """Qwen2.5-VL's ViT block: RMSNorm, attention with the 2-D rotary (the whole image, or within the
-    ``windows`` of ``_attend_windows``), RMSNorm, a SwiGLU MLP with biases."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, eps: float = 1e-6):
-        d, i = hidden_size, intermediate_size
-        self.num_heads, self.eps = num_heads, eps
-        self.norm1, self.norm2 = _param((d,), REPLICATED, "ones"), _param((d,), REPLICATED, "ones")
-        self.wq, self.wk, self.wv = (_param((d, d), COLUMN) for _ in range(3))
-        self.wq_bias, self.wk_bias, self.wv_bias = (_param((d,), COLUMN_BIAS, "zeros") for _ in range(3))
-        self.wo, self.wo_bias = _param((d, d), ROW), _param((d,), REPLICATED, "zeros")
-        self.gate, self.up = _param((d, i), COLUMN), _param((d, i), COLUMN)
-        self.gate_bias, self.up_bias = _param((i,), COLUMN_BIAS, "zeros"), _param((i,), COLUMN_BIAS, "zeros")
-        self.down, self.down_bias = _param((i, d), ROW), _param((d,), REPLICATED, "zeros")
-
-    def __call__(self, x: jax.Array, cos: np.ndarray, sin: np.ndarray, windows: tuple | None) -> jax.Array:
-        h = rms_norm(x, _w(self.norm1), self.eps)
-        q, k, v = _qkv(self, h, self.num_heads)
-        cos, sin = jnp.asarray(cos), jnp.asarray(sin)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        attn = _attend(q, k, v) if windows is None else _attend_windows(q, k, v, windows)
-        x = x + attn @ _w(self.wo) + _w(self.wo_bias)
-        h = rms_norm(x, _w(self.norm2), self.eps)
-        h = jax.nn.silu(h @ _w(self.gate) + _w(self.gate_bias)) * (h @ _w(self.up) + _w(self.up_bias))
-        return x + h @ _w(self.down) + _w(self.down_bias)
-
-
-class PatchMerger(nnx.Module):
-    """Qwen2.5-VL's merger: RMSNorm, then each ``merge x merge`` block of patch features (consecutive rows)
-    concatenated through ``fc2(gelu(fc1(.)))`` into one token of the text model's width."""
-
-    def __init__(self, vision_size: int, text_size: int, merge: int, eps: float = 1e-6):
-        m = vision_size * merge * merge
-        self.merge, self.eps = merge, eps
-        self.norm = _param((vision_size,), REPLICATED, "ones")
-        self.fc1, self.fc1_bias = _param((m, m), COLUMN), _param((m,), COLUMN_BIAS, "zeros")
-        self.fc2, self.fc2_bias = _param((m, text_size), ROW), _param((text_size,), REPLICATED, "zeros")
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        b, n, d = x.shape
-        h = rms_norm(x, _w(self.norm), self.eps).reshape(b, n // self.merge ** 2, d * self.merge ** 2)
-        h = VISION_ACTIVATIONS["gelu"](h @ _w(self.fc1) + _w(self.fc1_bias))
-        return h @ _w(self.fc2) + _w(self.fc2_bias)
 
 
 def vision_layer_names(prefix: str) -> dict:

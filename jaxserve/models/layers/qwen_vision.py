@@ -1,0 +1,240 @@
+"""The vision tower of Qwen2-VL and Qwen2.5-VL as ``flax.nnx`` modules, and the host packing of images into its
+input, bucketed by patch count.
+
+One tower, the two generations' differences as ``QwenVisionSpec`` choices: Qwen2-VL's blocks have LayerNorms
+(with bias) and an ``fc2(act(fc1(.)))`` MLP and attend over the whole image in every block, its merger a
+LayerNorm; Qwen2.5-VL's have RMSNorms and a SwiGLU MLP with biases, attend within windows of ``window x
+window`` merge blocks except at ``full_blocks``, its merger an RMSNorm. Both: the 3-D patch embedding (a
+still image is its own second frame), the 2-D rotary of each patch's row and column, the merger mapping each
+``merge x merge`` block of patches to one text token.
+
+Packing (``pack``): the images of one encoder call are laid out along rows of ``bucket`` patches (a size from
+a small set: the runner's ``EncoderCache`` picks powers of two, so the tower compiles once per bucket, not
+per image size). Within a row each image takes consecutive slots: its merge blocks in window order (windows
+row-major, blocks row-major within one), every window padded to ``unit`` slots, so window attention is a
+reshape of the row into windows of ``unit`` patches; without windows a merge block is the unit. Each patch
+carries its image's segment id (padding: -1): attention is masked to equal segment ids (within the image, as
+HF's ``cu_seqlens``; pads only see pads), so padding never reaches an image's rows; full attention over a
+long row runs in blocks of queries (scores ``block x N``, not ``N x N``). The merged tokens come back in the
+packed order; ``pack`` says where each image's tokens (row-major) are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
+from .norms import rms_norm
+from .vision import _attend, _fc_mlp, _qkv, layer_norm
+
+
+QUERY_BLOCK = 4096       # full attention over a longer row runs in query blocks of at most this many patches
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVisionSpec:
+    hidden_size: int                 # the ViT's width
+    intermediate_size: int
+    num_heads: int
+    depth: int
+    in_channels: int
+    patch_size: int
+    merge: int                       # spatial_merge_size
+    temporal_patch_size: int
+    out_hidden_size: int             # the text model's width (the merger's output)
+    rope_theta: float
+    norm: str                        # "layer" (Qwen2-VL) | "rms" (Qwen2.5-VL)
+    mlp: str                         # "fc" (Qwen2-VL: fc2(act(fc1))) | "gated" (Qwen2.5-VL: SwiGLU)
+    activation: str
+    window: int = 0                  # window side in merge blocks; 0: full attention in every block
+    full_blocks: tuple[int, ...] = ()    # blocks with full attention when windowed
+    eps: float = 1e-6
+
+    @property
+    def unit(self) -> int:
+        """Patches of one window (a merge block without windows): the granularity of the packed layout."""
+        return max(self.window, 1) ** 2 * self.merge ** 2
+
+    def windowed(self, block: int) -> bool:
+        return self.window > 0 and block not in self.full_blocks
+
+    def patches(self, pixel_shape: tuple) -> int:
+        """Packed patches of an image of ``[C, H, W]`` pixels (its partial windows padded)."""
+        return image_layout(pixel_shape[-2] // self.patch_size, pixel_shape[-1] // self.patch_size, self.merge,
+                            max(self.window, 1))[2] * self.merge ** 2
+
+
+@functools.lru_cache(maxsize=256)
+def image_layout(grid_h: int, grid_w: int, merge: int, window: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Of a ``grid_h x grid_w`` patch grid with windows of ``window`` merge blocks a side: (its merge blocks
+    (row-major indices) in window order; each one's slot in the padded layout, in merge blocks; the slots)."""
+    lh, lw = grid_h // merge, grid_w // merge
+    r, c = np.divmod(np.arange(lh * lw), lw)
+    wid = (r // window) * -(-lw // window) + c // window
+    order = np.argsort(wid, kind="stable")
+    first = np.searchsorted(wid[order], wid[order])           # each block's window's first place in order
+    slot = wid[order] * window * window + np.arange(lh * lw) - first
+    return order, slot, int(-(-lh // window) * -(-lw // window) * window * window)
+
+
+def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, bucket: int) \
+        -> tuple[tuple[np.ndarray, ...], list[np.ndarray], int]:
+    """Images ``[C, H, W]`` (``rows``: the images of each row, at most ``bucket`` packed patches a row) as the
+    tower's input ``(patches [R, bucket, C*p*p], positions [R, bucket, 2], segments [R, bucket])`` of
+    ``num_rows`` rows; per image (in ``rows`` order) the flat indices of its merged tokens (row-major) among
+    the tower's outputs; their number, ``R * bucket / merge**2``."""
+    p, m, win = spec.patch_size, spec.merge, max(spec.window, 1)
+    mm, per_row = m * m, bucket // (m * m)
+    c = spec.in_channels
+    patches = np.zeros((num_rows, bucket // mm, mm, c * p * p), np.float32)
+    pos = np.zeros((num_rows, bucket // mm, mm, 2), np.int32)
+    seg = np.full((num_rows, bucket // mm, mm), -1, np.int32)
+    tokens = []
+    for r, images in enumerate(rows):
+        at = 0                                                  # in merge blocks
+        for k, px in enumerate(images):
+            gh, gw = px.shape[-2] // p, px.shape[-1] // p
+            lh, lw = gh // m, gw // m
+            order, slot, size = image_layout(gh, gw, m, win)
+            if at + size > per_row:
+                raise ValueError(f"images of {at * mm + size * mm} packed patches in a row of {bucket}")
+            blocks = np.asarray(px, np.float32).reshape(c, lh, m, p, lw, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+            patches[r, at + slot] = blocks.reshape(lh * lw, mm, c * p * p)[order]
+            hw = np.stack(np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij"), -1)      # [gh, gw, 2]
+            hw = hw.reshape(lh, m, lw, m, 2).transpose(0, 2, 1, 3, 4).reshape(lh * lw, mm, 2)
+            pos[r, at + slot] = hw[order]
+            seg[r, at + slot] = k
+            flat = np.empty(lh * lw, np.int64)
+            flat[order] = r * per_row + at + slot
+            tokens.append(flat)
+            at += size
+    shape = (num_rows, bucket)
+    return (patches.reshape(*shape, -1), pos.reshape(*shape, 2), seg.reshape(shape)), tokens, num_rows * per_row
+
+
+def axial_rotary(pos: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """The 2-D rotary of patches at ``pos [..., 2]`` (row, column): cos/sin ``[..., head_dim]`` float32, the
+    first quarter of the frequencies turned by the row, the second by the column, the halves repeated
+    (rotate-half style), as HF's ``VisionRotaryEmbedding``."""
+    dim = head_dim // 2
+    inv = (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))).astype(np.float32)
+    pos = pos.astype(jnp.float32)
+    freqs = jnp.concatenate([pos[..., :1] * inv, pos[..., 1:] * inv], axis=-1)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of ``x [R, N, heads, hd]`` in float32 (HF's vision rotary), cast back to its dtype."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+
+
+def _attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, span: int | None) -> jax.Array:
+    """Attention among patches of one segment: over the whole row (``span`` None) or within consecutive spans
+    of ``span`` patches (windows: ``N x span`` scores). A row longer than ``QUERY_BLOCK`` attends in blocks of
+    queries, one after another (``block x N`` scores at a time, not ``N x N``)."""
+    r, n, heads, hd = q.shape
+    if span is not None:
+        q, k, v = (t.reshape(r * n // span, span, heads, hd) for t in (q, k, v))
+        seg = seg.reshape(r * n // span, span)
+    elif n > QUERY_BLOCK:
+        block = n
+        while block > QUERY_BLOCK and block % 2 == 0:       # n is unit * 2**k: a block divides it
+            block //= 2
+        qs = q.reshape(r, n // block, block, heads, hd).swapaxes(0, 1)
+        segs = seg.reshape(r, n // block, block).swapaxes(0, 1)
+        out = jax.lax.map(lambda a: _attend(a[0], k, v, a[1][:, :, None] == seg[:, None, :]), (qs, segs))
+        return out.swapaxes(0, 1).reshape(r, n, heads * hd)
+    out = _attend(q, k, v, seg[:, :, None] == seg[:, None, :])
+    return out.reshape(r, n, heads * hd)
+
+
+class QwenVisionLayer(nnx.Module):
+    """One ViT block: norm, attention with the 2-D rotary, norm, MLP (the spec's kinds)."""
+
+    def __init__(self, spec: QwenVisionSpec):
+        d, i = spec.hidden_size, spec.intermediate_size
+        self.spec = spec
+        self.norm1, self.norm2 = _param((d,), REPLICATED, "ones"), _param((d,), REPLICATED, "ones")
+        if spec.norm == "layer":
+            self.norm1_bias, self.norm2_bias = _param((d,), REPLICATED, "zeros"), _param((d,), REPLICATED, "zeros")
+        self.wq, self.wk, self.wv = (_param((d, d), COLUMN) for _ in range(3))
+        self.wq_bias, self.wk_bias, self.wv_bias = (_param((d,), COLUMN_BIAS, "zeros") for _ in range(3))
+        self.wo, self.wo_bias = _param((d, d), ROW), _param((d,), REPLICATED, "zeros")
+        if spec.mlp == "gated":
+            self.gate, self.up = _param((d, i), COLUMN), _param((d, i), COLUMN)
+            self.gate_bias, self.up_bias = _param((i,), COLUMN_BIAS, "zeros"), _param((i,), COLUMN_BIAS, "zeros")
+            self.down, self.down_bias = _param((i, d), ROW), _param((d,), REPLICATED, "zeros")
+        else:
+            self.fc1, self.fc1_bias = _param((d, i), COLUMN), _param((i,), COLUMN_BIAS, "zeros")
+            self.fc2, self.fc2_bias = _param((i, d), ROW), _param((d,), REPLICATED, "zeros")
+
+    def _norm(self, x: jax.Array, which: str) -> jax.Array:
+        if self.spec.norm == "layer":
+            return layer_norm(x, _w(getattr(self, which)), _w(getattr(self, which + "_bias")), self.spec.eps)
+        return rms_norm(x, _w(getattr(self, which)), self.spec.eps)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, seg: jax.Array, span: int | None):
+        spec = self.spec
+        q, k, v = _qkv(self, self._norm(x, "norm1"), spec.num_heads)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        x = x + _attend_segments(q, k, v, seg, span) @ _w(self.wo) + _w(self.wo_bias)
+        h = self._norm(x, "norm2")
+        if spec.mlp == "fc":
+            return x + _fc_mlp(self, h, spec.activation)
+        h = jax.nn.silu(h @ _w(self.gate) + _w(self.gate_bias)) * (h @ _w(self.up) + _w(self.up_bias))
+        return x + h @ _w(self.down) + _w(self.down_bias)
+
+
+class PatchMerger(nnx.Module):
+    """The merger: a norm (the spec's kind), then each ``merge x merge`` block of patch features (consecutive
+    rows) concatenated through ``fc2(gelu(fc1(.)))`` into one token of the text model's width."""
+
+    def __init__(self, spec: QwenVisionSpec):
+        m = spec.hidden_size * spec.merge ** 2
+        self.spec = spec
+        self.norm = _param((spec.hidden_size,), REPLICATED, "ones")
+        if spec.norm == "layer":
+            self.norm_bias = _param((spec.hidden_size,), REPLICATED, "zeros")
+        self.fc1, self.fc1_bias = _param((m, m), COLUMN), _param((m,), COLUMN_BIAS, "zeros")
+        self.fc2, self.fc2_bias = _param((m, spec.out_hidden_size), ROW), \
+            _param((spec.out_hidden_size,), REPLICATED, "zeros")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        spec = self.spec
+        r, n, d = x.shape
+        h = layer_norm(x, _w(self.norm), _w(self.norm_bias), spec.eps) if spec.norm == "layer" \
+            else rms_norm(x, _w(self.norm), spec.eps)
+        return _fc_mlp(self, h.reshape(r, n // spec.merge ** 2, d * spec.merge ** 2), "gelu")
+
+
+class QwenVisionTower(nnx.Module):
+    def __init__(self, spec: QwenVisionSpec):
+        p = spec.patch_size
+        self.spec = spec
+        self.patch_embed = _param((spec.in_channels * spec.temporal_patch_size * p * p, spec.hidden_size),
+                                  REPLICATED)
+        self.layers = nnx.List([QwenVisionLayer(spec) for _ in range(spec.depth)])
+        self.merger = PatchMerger(spec)
+
+    def __call__(self, patches: jax.Array, pos: jax.Array, seg: jax.Array) -> jax.Array:
+        """``pack``'s arrays → merged tokens ``[R, bucket / merge**2, out_hidden_size]`` in the packed order."""
+        spec = self.spec
+        w = _w(self.patch_embed)
+        r, n, _ = patches.shape
+        # each patch flattened (C, frame, row, col) as the 3-D convolution reads it, both frames the image
+        x = patches.astype(w.dtype).reshape(r, n, spec.in_channels, 1, -1)
+        x = jnp.broadcast_to(x, (r, n, spec.in_channels, spec.temporal_patch_size, x.shape[-1]))
+        x = x.reshape(r, n, -1) @ w
+        cos, sin = axial_rotary(pos, spec.hidden_size // spec.num_heads, spec.rope_theta)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, seg, spec.unit if spec.windowed(i) else None)
+        return self.merger(x)

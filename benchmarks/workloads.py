@@ -153,7 +153,7 @@ def image_requests(rng, num_prompts: int, image_size: int, input_len, output_len
     out_lens = sample_lengths(output_len, num_prompts, rng, "output_len")
     reqs = []
     for n_text, n_out in zip(text_lens, out_lens):
-        text = " ".join(rng.choice(WORDS, size=int(n_text)))
+        text = "".join(" " + w for w in rng.choice(WORDS, size=int(n_text)))   # every word space-led: one token
         messages = [{"role": "system", "content": "what is in the picture"}, {"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": random_image_url(rng, image_size)}},
             {"type": "text", "text": text}]}]

@@ -689,3 +689,19 @@ def test_bench_without_its_configs_says_where_to_find_them(tmp_path, monkeypatch
     monkeypatch.undo()
     assert cli.main(["bench", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert capsys.readouterr().err.startswith("bench: ")
+
+
+def test_image_requests_stay_in_a_small_vocab():
+    """Random-weight vision models are served with the embedded SmolLM2 tokenizer and its chat template: the image
+    workload's rendered chats must tokenize below LLaVA-7B's 32,064 ids (its default system prompt and a line-led
+    word did not), and a word a token."""
+    from jaxserve.models.tokenizers import embedded_tokenizer
+    tok = embedded_tokenizer()
+    for req in workloads.image_requests(np.random.default_rng(0), 20, 32, 24, 8):
+        system, user = req.extra["messages"]
+        text = user["content"][1]["text"]
+        chat = [system, {"role": "user", "content": "<image>\n" + text}]
+        rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ids = [i for piece in rendered.split("<image>") for i in tok.encode(piece, add_special_tokens=False)]
+        assert max(ids) < 32064, rendered
+        assert len(tok.encode(text, add_special_tokens=False)) == req.prompt_len

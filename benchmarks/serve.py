@@ -81,11 +81,12 @@ def _tail(path: Path, n: int = 15) -> str:
 
 
 _COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions|structured_output_mask_steps"
-                      r"|structured_output_mask_ms|structured_output_mask_wait_ms|step_variants_pending)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+                      r"|structured_output_mask_ms|structured_output_mask_wait_ms|step_variants_pending|images_encoded"
+                      r"|encoder_seconds)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float]:
-    """Prefix-cache queries/hits and preemptions from the server's /metrics (empty if it has none)."""
+    """The counters ``_COUNTER`` names, from the server's /metrics (empty if it has none)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10.0, headers=headers).text
@@ -112,8 +113,7 @@ def counter_delta(before: dict, after: dict) -> dict:
 
 
 def build_requests(run, num_prompts: int, seed_offset: int = 0, structured_fraction: float | None = None):
-    """The workload's requests from its dataset (random | sharegpt | prefix), ``structured_fraction`` of
-    them (default workload.structured_fraction) with a JSON-schema constraint."""
+    """The dataset's requests, ``structured_fraction`` (default the workload's) with a JSON-schema constraint."""
     import numpy as np
     wl = run.cfg["workload"]
     rng = np.random.default_rng(run.cfg["seed"] + seed_offset)

@@ -1,0 +1,109 @@
+"""W4A16 decode GEMM for 1..16 rows: CUDA (``int4_gemv.cu``) as an XLA FFI call, on ``int4_matmul_pallas``'s layout.
+
+Why: a decode step reads every weight once, so an int4 projection should take a quarter of bf16's time; the
+Pallas Triton kernels (``int4_matmul_pallas``) stay far from the read ceiling (kernels/README.md). This kernel
+streams the packed words with 16-byte loads (a warp reads 4 runs of 128 contiguous bytes), turns nibbles into
+bf16 pairs with one ``lop3`` and one bf16x2 subtraction (the zero point inside it, exactly), multiplies on the
+tensor cores (m16n8k16, float32 accumulation, the M rows padded inside the mma, not in memory) and applies the
+group scale once per step and column in float32. The packed layout needs no repack: the K labels inside an mma
+are chosen so each thread's fragment is its own word's nibbles, and the activations are paired to match
+(``int4_gemv.cu`` says how).
+
+Launch: one block of 8 warps per 32 output columns, its warps splitting K; ``splits`` > 1 also splits K across
+blocks (short-and-wide shapes would leave SMs idle), the last block of a column tile adding the float32
+partials in split order (deterministic) through a per-device arrival counter. ``default_splits`` fills the
+GPU with whole waves of blocks.
+
+Limits: bf16 activations, 1..16 rows, K and the group size multiples of 32, N a multiple of 8 (``supports``);
+scales bf16, f16 or f32; zero points always applied (symmetric formats store 8). Built with the machine's
+``nvcc`` on first use (``cuda_build``); ``Int4GemvUnavailable`` says why it cannot run.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+from pathlib import Path
+
+import numpy as np
+
+from . import cuda_build
+
+SOURCE = Path(__file__).with_name("int4_gemv.cu")
+TARGET = "jaxserve_int4_gemv"
+MAX_ROWS = 16
+STEP_K = 32                     # K rows per warp step (as in the .cu)
+BLOCK_COLS = 32                 # output columns per block
+WARPS = 8                       # warps per block, each taking every 8th step of the block's K range
+BLOCKS_PER_SM = 2               # resident blocks of 256 threads at <= 128 registers
+SLOTS = 16                      # counter regions: consecutive calls use different ones
+SLOT_TILES = 4096               # column tiles per region
+
+_lib = None
+_slots = itertools.count()
+
+
+class Int4GemvUnavailable(RuntimeError):
+    """The FFI kernel cannot run here (no nvcc, no GPU, the build failed, ...); the message says why."""
+
+
+def build(toolchain: cuda_build.Toolchain, *, arch: str | None = None) -> Path:
+    """Compile ``int4_gemv.cu`` (once per source/compiler/architecture/headers); the shared library's path."""
+    return cuda_build.build(SOURCE, toolchain, arch=arch, error=Int4GemvUnavailable)
+
+
+def load(toolchain: cuda_build.Toolchain):
+    """Build the library for this process's GPUs, register its FFI target and set up every local GPU's split-K
+    counters (once per process); raise ``Int4GemvUnavailable`` when it cannot."""
+    global _lib
+    if _lib is None:
+        import jax
+        import jax.ffi
+        if jax.default_backend() != "gpu":
+            raise Int4GemvUnavailable(f"needs an NVIDIA GPU (backend is {jax.default_backend()!r})")
+        devices = jax.local_devices()
+        lib = ctypes.CDLL(str(build(toolchain, arch=cuda_build.device_arch(devices[0]))))
+        lib.jaxserve_int4_gemv_init.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint64]
+        err = ctypes.create_string_buffer(512)
+        for d in devices:
+            if lib.jaxserve_int4_gemv_init(int(d.local_hardware_id), err, len(err)):
+                raise Int4GemvUnavailable(err.value.decode(errors="replace"))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveInt4Gemv), platform="CUDA")
+        _lib = lib
+    return _lib
+
+
+def supports(m: int, k: int, n: int, group_size: int, dtype) -> bool:
+    """Whether ``int4_gemv`` takes ``x [m, k]`` of ``dtype`` and a ``[k, n]`` weight with groups of ``group_size``."""
+    return (np.dtype(dtype).name == "bfloat16" and 1 <= m <= MAX_ROWS and k % STEP_K == 0 and n % 8 == 0
+            and group_size % STEP_K == 0 and k % group_size == 0 and -(-n // BLOCK_COLS) <= SLOT_TILES)
+
+
+def default_splits(k: int, n: int, sms: int) -> int:
+    """K splits across blocks: the fewest that fill ``sms`` SMs with waves of resident blocks at least 90 % full
+    (the best fill when none is), each warp keeping at least one step per split."""
+    tiles = -(-n // BLOCK_COLS)
+    slots = BLOCKS_PER_SM * sms
+    limit = max(1, k // STEP_K // WARPS)
+
+    def fill(s: int) -> float:
+        blocks = tiles * s
+        return blocks / (-(-blocks // slots) * slots)
+    candidates = [s for s in range(1, limit + 1) if tiles * s >= slots] or [limit]
+    good = [s for s in candidates if fill(s) >= 0.9]
+    return good[0] if good else max(candidates, key=lambda s: (fill(s), -s))
+
+
+def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None):
+    """``x [M, K] @ w [K, N]`` for the int4 weight ``(packed, scales, zeros)`` (``int4_matmul_pallas``'s layout),
+    bf16 out; ``load`` must have run in this process. ``splits``: K splits across blocks (None: the default)."""
+    import jax
+    import jax.numpy as jnp
+    from .device_info import num_sms
+    m, k = x.shape
+    n = packed.shape[1]
+    splits = int(splits or default_splits(k, n, num_sms()))
+    partials = jax.ShapeDtypeStruct((splits * m * n if splits > 1 else 1,), jnp.float32)
+    out, _ = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(
+        x, packed, scales, zeros, group_size=np.int64(group_size), splits=np.int64(splits),
+        slot=np.int64(next(_slots) % SLOTS))
+    return out

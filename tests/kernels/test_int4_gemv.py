@@ -1,0 +1,133 @@
+"""The CUDA int4 GEMV (``kernels/int4_gemv.{cu,py}``) on CPU: its launch arithmetic, its fragment mapping
+emulated lane by lane in numpy against the reference (the mma's K labels, the activation pairing, the output
+placement), and that the .cu compiles with this machine's nvcc for Hopper. The kernel itself runs in
+``test_int4_gemv_gpu.py``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.kernels import cuda_build, int4_gemv
+from jaxserve.quantization import int4_formats
+
+MAGIC = 0x43004300
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 → bf16 bit patterns (round to nearest even), as uint32."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+
+
+def _halves(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A bf16x2 register's (low, high) elements as float32."""
+    return (((v & 0xFFFF) << 16).astype(np.uint32).view(np.float32),
+            (v & 0xFFFF0000).astype(np.uint32).view(np.float32))
+
+
+def _pack_halves(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return (lo.astype(np.float32).view(np.uint32) >> 16) | (hi.astype(np.float32).view(np.uint32) & 0xFFFF0000)
+
+
+def _dequant(q: np.ndarray, shift: int, zz: np.ndarray) -> np.ndarray:
+    """``sub_bf16x2(lop3((q >> shift) & 0x000f000f | MAGIC), zz)`` (exact: small integers)."""
+    lo, hi = _halves(((q >> shift) & 0x000F000F) | MAGIC)
+    zlo, zhi = _halves(zz)
+    return _pack_halves(lo - zlo, hi - zhi)
+
+
+def _mma(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
+    """m16n8k16 from the 32 lanes' fragments (PTX ISA layout) → each lane's 4 C values ``[32, 4]``."""
+    lane = np.arange(32)
+    g, c = lane // 4, lane % 4
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for reg, (row, col) in enumerate([(0, 0), (8, 0), (0, 8), (8, 8)]):
+        lo, hi = _halves(a[reg])
+        A[g + row, 2 * c + col], A[g + row, 2 * c + col + 1] = lo, hi
+    for reg, row in enumerate([0, 8]):
+        lo, hi = _halves(b[reg])
+        B[2 * c + row, g], B[2 * c + row + 1, g] = lo, hi
+    C = A @ B
+    return np.stack([C[g, 2 * c], C[g, 2 * c + 1], C[g + 8, 2 * c], C[g + 8, 2 * c + 1]], axis=1)
+
+
+def _emulate(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group: int) -> np.ndarray:
+    """What ``int4_gemv.cu`` computes, one warp step and column tile at a time (the order of the sums aside)."""
+    m, k = x.shape
+    n = packed.shape[1]
+    xb = np.zeros((16, k), np.uint32)
+    xb[:m] = _bf16_bits(x)
+    words = packed.view(np.uint32)
+    lane = np.arange(32)
+    g, c = lane // 4, lane % 4
+    out = np.zeros((16, n + 32), np.float64)
+    for n0 in range(0, n, 32):
+        wcol, scol = n0 + 4 * g, n0 + 8 * c
+        acc = np.zeros((32, 4, 4))
+        for s in range(k // 32):
+            r, grp = 4 * s + c, s * 32 // group
+
+            def x_words(rows):        # the lane's 16-byte load of x[row, 8r .. 8r + 7]: 4 words of 2 bf16
+                return [xb[rows, 8 * r + 2 * q] | (xb[rows, 8 * r + 2 * q + 1] << 16) for q in range(4)]
+            xa, xh = x_words(g), x_words(g + 8)
+
+            def pair(w, lo, hi, sel):   # __byte_perm 0x5410 (low halves) / 0x7632 (high halves)
+                return ((w[lo] & 0xFFFF) | (w[hi] << 16)) if sel == 0 else ((w[lo] >> 16) | (w[hi] & 0xFFFF0000))
+            a_first = [pair(xa, 0, 2, 0), pair(xh, 0, 2, 0), pair(xa, 0, 2, 1), pair(xh, 0, 2, 1)]
+            a_second = [pair(xa, 1, 3, 0), pair(xh, 1, 3, 0), pair(xa, 1, 3, 1), pair(xh, 1, 3, 1)]
+            sc = np.stack([np.where(scol + j < n, scales[grp, np.minimum(scol + j, n - 1)], 0) for j in range(8)], 1)
+            for i in range(4):
+                col = wcol + i
+                valid = col < n
+                q = np.where(valid, words[r, np.minimum(col, n - 1)], 0).astype(np.uint32)
+                z = np.where(valid, zeros[grp, np.minimum(col, n - 1)], 0).astype(np.uint32)
+                zz = MAGIC | z | (z << 16)
+                b = [_dequant(q, sh, zz) for sh in (0, 4, 8, 12)]
+                t = _mma(a_first, b[:2]) + _mma(a_second, b[2:])
+                acc[:, i] += t * np.stack([sc[:, i], sc[:, 4 + i], sc[:, i], sc[:, 4 + i]], 1)
+        for idx in range(512):       # output_place
+            j, ln = idx >> 5, idx & 31
+            tile, e = j >> 2, j & 3
+            row = (ln >> 2) + (8 if e >= 2 else 0)
+            out[row, n0 + 8 * (ln & 3) + 4 * (e & 1) + tile] = acc[ln, tile, e]
+    return out[:m, :n]
+
+
+@pytest.mark.parametrize("m,k,n,group", [(1, 64, 32, 32), (3, 256, 40, 64), (16, 128, 72, 128), (9, 96, 8, 32)])
+def test_the_fragment_mapping_computes_the_product(m, k, n, group):
+    rng = np.random.default_rng(m + k + n)
+    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    scales = (rng.random((k // group, n)) * 0.02 + 0.001).astype(np.float32)
+    zeros = rng.integers(0, 16, (k // group, n)).astype(np.int8)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    xr = _halves(_bf16_bits(x))[0]                  # x as the kernel sees it (bf16)
+    w = (q.astype(np.float64) - np.repeat(zeros, group, 0)) * np.repeat(scales.astype(np.float64), group, 0)
+    got = _emulate(x, int4_formats.pack(q), scales, zeros.astype(np.uint8), group)
+    np.testing.assert_allclose(got, xr.astype(np.float64) @ w, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("m,k,n,group,ok", [
+    (1, 4096, 4096, 128, True), (16, 4096, 6144, 32, True), (17, 4096, 4096, 128, False),
+    (4, 4096, 4100, 128, False), (4, 4112, 4096, 16, False), (4, 4096, 4096, 4096, True)])
+def test_supports(m, k, n, group, ok):
+    import ml_dtypes
+    assert int4_gemv.supports(m, k, n, group, ml_dtypes.bfloat16) is ok
+    assert not int4_gemv.supports(m, k, n, group, np.float32)
+
+
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (256, 64), (64, 8)])
+def test_default_splits_fill_the_gpu(k, n):
+    splits = int4_gemv.default_splits(k, n, 132)
+    assert 1 <= splits <= max(1, k // int4_gemv.STEP_K // int4_gemv.WARPS)
+    blocks = -(-n // int4_gemv.BLOCK_COLS) * splits
+    if k // int4_gemv.STEP_K >= 64 and n >= 4096:       # the 8B projections: nearly whole waves
+        slots = int4_gemv.BLOCKS_PER_SM * 132
+        assert blocks >= slots and blocks / (-(-blocks // slots) * slots) >= 0.9
+
+
+def test_the_cuda_source_compiles_for_hopper(tmp_path):
+    toolchain = cuda_build.Toolchain(cache_dir=tmp_path)
+    if toolchain.find_nvcc() is None:
+        pytest.skip("no nvcc on this machine")
+    lib = int4_gemv.build(toolchain, arch="sm_90a")
+    assert lib.exists() and lib.stat().st_size > 0

@@ -40,7 +40,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kTiles = 4;          // n-tiles of 8 columns per warp
 constexpr int kCols = 8 * kTiles;  // columns per block
 constexpr int kStepK = 32;         // input rows per warp step (4 packed rows)
-constexpr int kUnroll = 4;         // steps whose loads are issued before their math
+constexpr int kChunk = 4;          // consecutive steps a warp loads before their math (16 packed rows)
 constexpr int kMaxRows = 16;
 constexpr int kMaxDevices = 16;
 constexpr int kSlots = 16;         // counter regions, so calls that may overlap use different counters
@@ -82,28 +82,24 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 8 consecutive scales as float32
-template <typename S> struct Scales;
-template <> struct Scales<__nv_bfloat16> {
-  __device__ static void load(const __nv_bfloat16* p, float (&s)[8]) {
+// a pair of 16-bit scales as float32
+__device__ __forceinline__ float2 to_float2(uint32_t w, __nv_bfloat16) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+__device__ __forceinline__ float2 to_float2(uint32_t w, __half) {
+  __half2 h;
+  memcpy(&h, &w, 4);
+  return __half22float2(h);
+}
+
+// 8 consecutive scales as float32 (bf16 / f16: one 16-byte load)
+template <typename S> struct Scales {
+  __device__ static void load(const S* p, float (&s)[8]) {
     const uint4 v = load_cached(p);
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      s[2 * i] = __uint_as_float(w[i] << 16);
-      s[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-};
-template <> struct Scales<__half> {
-  __device__ static void load(const __half* p, float (&s)[8]) {
-    const uint4 v = load_cached(p);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __half2 h;
-      memcpy(&h, &w[i], 4);
-      const float2 f = __half22float2(h);
+      const float2 f = to_float2(w[i], S{});
       s[2 * i] = f.x;
       s[2 * i + 1] = f.y;
     }
@@ -127,11 +123,14 @@ __device__ __forceinline__ void output_place(int idx, int n0, int& row, int& col
   col = n0 + 8 * (lane & 3) + 4 * (e & 1) + tile;
 }
 
-template <typename S, bool kTall>  // kTall: more than 8 rows (the mma's rows 8..15 are used)
-__global__ void __launch_bounds__(kThreads) int4_gemv_kernel(
+// kTall: more than 8 rows (the mma's rows 8..15 are used). kGroupSteps: consecutive steps of a chunk that share
+// one group (gcd(kChunk, group / 32)): their products are summed before the one scale multiply.
+template <typename S, bool kTall, int kGroupSteps>
+__global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ packed, const S* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ partials,
     unsigned* __restrict__ counters, int m, int k, int n, int group, int splits) {
+  constexpr int kGroups = kChunk / kGroupSteps;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int n0 = blockIdx.x * kCols, split = blockIdx.y;
@@ -140,62 +139,78 @@ __global__ void __launch_bounds__(kThreads) int4_gemv_kernel(
   const bool wvalid = wcol < n, svalid = scol < n;
   const bool row_lo = g < m, row_hi = kTall && g + 8 < m;
   const int ksteps = k / kStepK;
-  const int lo = static_cast<int>(static_cast<int64_t>(split) * ksteps / splits);
-  const int hi = static_cast<int>(static_cast<int64_t>(split + 1) * ksteps / splits);
+  const int chunks = (ksteps + kChunk - 1) / kChunk;
+  const int lo = kChunk * static_cast<int>(static_cast<int64_t>(split) * chunks / splits);
+  const int hi = min(ksteps, kChunk * static_cast<int>(static_cast<int64_t>(split + 1) * chunks / splits));
 
   float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  for (int s0 = lo + warp; s0 < hi; s0 += kWarps * kUnroll) {
-    uint4 w[kUnroll], xa[kUnroll], xb[kUnroll];
-    uint32_t zw[kUnroll];
-    float sc[kUnroll][8];
+  for (int s0 = lo + warp * kChunk; s0 < hi; s0 += kWarps * kChunk) {
+    // every load of the chunk first: kChunk consecutive steps (16 packed rows), one scale/zero row per group
+    uint4 w[kChunk], xa[kChunk], xb[kChunk];
+    uint32_t zw[kGroups];
+    float sc[kGroups][8];
+    const uint4 zero4 = make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int s = s0 + u * kWarps;
+    for (int u = 0; u < kChunk; ++u) {
+      const int s = s0 + u;
       const bool live = s < hi;
       const int r = 4 * s + c;
-      const int grp = s * kStepK / group;
-      const uint4 zero4 = make_uint4(0, 0, 0, 0);
       w[u] = live && wvalid ? load_stream(packed + static_cast<size_t>(r) * n + wcol) : zero4;
       xa[u] = live && row_lo ? load_cached(x + static_cast<size_t>(g) * k + 8 * r) : zero4;
       xb[u] = live && row_hi ? load_cached(x + static_cast<size_t>(g + 8) * k + 8 * r) : zero4;
-      zw[u] = live && wvalid ? __ldg(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(grp) * n + wcol))
+    }
+#pragma unroll
+    for (int q = 0; q < kGroups; ++q) {
+      const int s = s0 + q * kGroupSteps;
+      const bool live = s < hi;
+      const int grp = s * kStepK / group;
+      zw[q] = live && wvalid ? __ldg(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(grp) * n + wcol))
                              : 0u;
       if (live && svalid) {
-        Scales<S>::load(scales + static_cast<size_t>(grp) * n + scol, sc[u]);
+        Scales<S>::load(scales + static_cast<size_t>(grp) * n + scol, sc[q]);
       } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sc[u][i] = 0.f;
+        for (int i = 0; i < 8; ++i) sc[q][i] = 0.f;
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (s0 + u * kWarps >= hi) break;   // uniform across the warp
-      // A fragments of the two k16 halves: (x[8r + j], x[8r + j + 4]) pairs
-      const uint32_t a0 = __byte_perm(xa[u].x, xa[u].z, 0x5410), a2 = __byte_perm(xa[u].x, xa[u].z, 0x7632);
-      const uint32_t a1 = __byte_perm(xb[u].x, xb[u].z, 0x5410), a3 = __byte_perm(xb[u].x, xb[u].z, 0x7632);
-      const uint32_t e0 = __byte_perm(xa[u].y, xa[u].w, 0x5410), e2 = __byte_perm(xa[u].y, xa[u].w, 0x7632);
-      const uint32_t e1 = __byte_perm(xb[u].y, xb[u].w, 0x5410), e3 = __byte_perm(xb[u].y, xb[u].w, 0x7632);
-      const uint32_t words[kTiles] = {w[u].x, w[u].y, w[u].z, w[u].w};
+    for (int q = 0; q < kGroups; ++q) {
+      uint32_t zz[kTiles];   // bf16x2 (128 + z, 128 + z) of each n-tile's column: one byte permute
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) zz[i] = __byte_perm(zw[q], 0x43434343u, 0x4040u | (0x101u * i));
+      float t[kTiles][4];
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) t[i][0] = t[i][1] = t[i][2] = t[i][3] = 0.f;
+#pragma unroll
+      for (int v = 0; v < kGroupSteps; ++v) {
+        const int u = q * kGroupSteps + v;
+        // A fragments of the two k16 halves: (x[8r + j], x[8r + j + 4]) pairs (zeros past the range: no-ops)
+        const uint32_t a0 = __byte_perm(xa[u].x, xa[u].z, 0x5410), a2 = __byte_perm(xa[u].x, xa[u].z, 0x7632);
+        const uint32_t a1 = __byte_perm(xb[u].x, xb[u].z, 0x5410), a3 = __byte_perm(xb[u].x, xb[u].z, 0x7632);
+        const uint32_t e0 = __byte_perm(xa[u].y, xa[u].w, 0x5410), e2 = __byte_perm(xa[u].y, xa[u].w, 0x7632);
+        const uint32_t e1 = __byte_perm(xb[u].y, xb[u].w, 0x5410), e3 = __byte_perm(xb[u].y, xb[u].w, 0x7632);
+        const uint32_t words[kTiles] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const uint32_t wq = words[i];
+          const uint32_t b04 = sub_bf16x2(nibbles_to_bf16x2(wq), zz[i]);
+          const uint32_t b15 = sub_bf16x2(nibbles_to_bf16x2(wq >> 4), zz[i]);
+          const uint32_t b26 = sub_bf16x2(nibbles_to_bf16x2(wq >> 8), zz[i]);
+          const uint32_t b37 = sub_bf16x2(nibbles_to_bf16x2(wq >> 12), zz[i]);
+          mma_bf16(t[i], a0, a1, a2, a3, b04, b15);
+          mma_bf16(t[i], e0, e1, e2, e3, b26, b37);
+        }
+      }
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
-        const uint32_t z = (zw[u] >> (8 * i)) & 0xffu;
-        const uint32_t zz = kMagic | z | (z << 16);        // bf16x2 (128 + z, 128 + z)
-        const uint32_t q = words[i];
-        const uint32_t b04 = sub_bf16x2(nibbles_to_bf16x2(q), zz);
-        const uint32_t b15 = sub_bf16x2(nibbles_to_bf16x2(q >> 4), zz);
-        const uint32_t b26 = sub_bf16x2(nibbles_to_bf16x2(q >> 8), zz);
-        const uint32_t b37 = sub_bf16x2(nibbles_to_bf16x2(q >> 12), zz);
-        float t[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_bf16(t, a0, a1, a2, a3, b04, b15);
-        mma_bf16(t, e0, e1, e2, e3, b26, b37);
-        acc[i][0] = fmaf(sc[u][i], t[0], acc[i][0]);
-        acc[i][1] = fmaf(sc[u][4 + i], t[1], acc[i][1]);
+        acc[i][0] = fmaf(sc[q][i], t[i][0], acc[i][0]);
+        acc[i][1] = fmaf(sc[q][4 + i], t[i][1], acc[i][1]);
         if (kTall) {
-          acc[i][2] = fmaf(sc[u][i], t[2], acc[i][2]);
-          acc[i][3] = fmaf(sc[u][4 + i], t[3], acc[i][3]);
+          acc[i][2] = fmaf(sc[q][i], t[i][2], acc[i][2]);
+          acc[i][3] = fmaf(sc[q][4 + i], t[i][3], acc[i][3]);
         }
       }
     }
@@ -255,25 +270,32 @@ __global__ void __launch_bounds__(kThreads) int4_gemv_kernel(
   if (threadIdx.x == 0) *counter = 0;   // ready for the next call
 }
 
-template <typename S, bool kTall>
+template <typename S, bool kTall, int kGroupSteps>
 void launch(cudaStream_t stream, dim3 grid, const void* x, const void* packed, const void* scales,
             const void* zeros, void* out, void* partials, unsigned* counters, int m, int k, int n, int group,
             int splits) {
-  int4_gemv_kernel<S, kTall><<<grid, kThreads, 0, stream>>>(
+  int4_gemv_kernel<S, kTall, kGroupSteps><<<grid, kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<const uint32_t*>(packed), static_cast<const S*>(scales),
       static_cast<const uint8_t*>(zeros), static_cast<__nv_bfloat16*>(out), static_cast<float*>(partials),
       counters, m, k, n, group, splits);
 }
 
+// the kernel instance for this call's rows and group: (tall, steps sharing a group in a chunk)
 template <typename S>
-void launch_rows(bool tall, cudaStream_t stream, dim3 grid, const void* x, const void* packed,
-                 const void* scales, const void* zeros, void* out, void* partials, unsigned* counters, int m,
-                 int k, int n, int group, int splits) {
+void launch_for(bool tall, int group_steps, cudaStream_t stream, dim3 grid, const void* x, const void* packed,
+                const void* scales, const void* zeros, void* out, void* partials, unsigned* counters, int m,
+                int k, int n, int group, int splits) {
+#define JAXSERVE_INT4_LAUNCH(T, G) \
+  launch<S, T, G>(stream, grid, x, packed, scales, zeros, out, partials, counters, m, k, n, group, splits)
+  const int gs = group_steps % kChunk == 0 ? kChunk : group_steps % 2 == 0 ? 2 : 1;   // gcd(kChunk, group / 32)
   if (tall) {
-    launch<S, true>(stream, grid, x, packed, scales, zeros, out, partials, counters, m, k, n, group, splits);
+    if (gs == kChunk) JAXSERVE_INT4_LAUNCH(true, kChunk); else if (gs == 2) JAXSERVE_INT4_LAUNCH(true, 2);
+    else JAXSERVE_INT4_LAUNCH(true, 1);
   } else {
-    launch<S, false>(stream, grid, x, packed, scales, zeros, out, partials, counters, m, k, n, group, splits);
+    if (gs == kChunk) JAXSERVE_INT4_LAUNCH(false, kChunk); else if (gs == 2) JAXSERVE_INT4_LAUNCH(false, 2);
+    else JAXSERVE_INT4_LAUNCH(false, 1);
   }
+#undef JAXSERVE_INT4_LAUNCH
 }
 
 ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer packed,
@@ -300,7 +322,7 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                                        "N of 8)");
   }
   const int64_t tiles = (n + kCols - 1) / kCols;
-  if (splits < 1 || splits > k / kStepK || slot < 0 || slot >= kSlots ||
+  if (splits < 1 || splits > (k / kStepK + kChunk - 1) / kChunk || slot < 0 || slot >= kSlots ||
       (splits > 1 && (tiles > kSlotTiles ||
                       partials->element_count() < static_cast<size_t>(splits * m * n)))) {
     return ffi::Error::InvalidArgument(name + "bad splits/slot or partials buffer");
@@ -308,21 +330,22 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
   unsigned* counters = g_counters[device] + slot * kSlotTiles;
   const bool tall = m > 8;
+  const int gsteps = static_cast<int>(group_size / kStepK);
   const int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
   const int gi = static_cast<int>(group_size), si = static_cast<int>(splits);
   switch (scales.element_type()) {
     case ffi::DataType::BF16:
-      launch_rows<__nv_bfloat16>(tall, stream, grid, x.untyped_data(), packed.untyped_data(),
+      launch_for<__nv_bfloat16>(tall, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(),
                                  scales.untyped_data(), zeros.untyped_data(), out->untyped_data(),
                                  partials->untyped_data(), counters, mi, ki, ni, gi, si);
       break;
     case ffi::DataType::F16:
-      launch_rows<__half>(tall, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
+      launch_for<__half>(tall, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
                           zeros.untyped_data(), out->untyped_data(), partials->untyped_data(), counters, mi, ki,
                           ni, gi, si);
       break;
     case ffi::DataType::F32:
-      launch_rows<float>(tall, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
+      launch_for<float>(tall, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
                          zeros.untyped_data(), out->untyped_data(), partials->untyped_data(), counters, mi, ki,
                          ni, gi, si);
       break;

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +33,15 @@ SOURCE = Path(__file__).with_name("int4_gemv.cu")
 TARGET = "jaxserve_int4_gemv"
 MAX_ROWS = 16
 STEP_K = 32                     # K rows per warp step (as in the .cu)
+CHUNK = 4                       # consecutive steps a warp loads at once; blocks split K in whole chunks
 BLOCK_COLS = 32                 # output columns per block
-WARPS = 8                       # warps per block, each taking every 8th step of the block's K range
+WARPS = 8                       # warps per block, each taking every 8th chunk of the block's K range
 BLOCKS_PER_SM = 2               # resident blocks of 256 threads at <= 128 registers
 SLOTS = 16                      # counter regions: consecutive calls use different ones
 SLOT_TILES = 4096               # column tiles per region
 
 _lib = None
+_load_lock = threading.Lock()      # steps are traced on several threads at once
 _slots = itertools.count()
 
 
@@ -55,21 +58,30 @@ def load(toolchain: cuda_build.Toolchain):
     """Build the library for this process's GPUs, register its FFI target and set up every local GPU's split-K
     counters (once per process); raise ``Int4GemvUnavailable`` when it cannot."""
     global _lib
-    if _lib is None:
-        import jax
-        import jax.ffi
-        if jax.default_backend() != "gpu":
-            raise Int4GemvUnavailable(f"needs an NVIDIA GPU (backend is {jax.default_backend()!r})")
-        devices = jax.local_devices()
-        lib = ctypes.CDLL(str(build(toolchain, arch=cuda_build.device_arch(devices[0]))))
-        lib.jaxserve_int4_gemv_init.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint64]
-        err = ctypes.create_string_buffer(512)
-        for d in devices:
-            if lib.jaxserve_int4_gemv_init(int(d.local_hardware_id), err, len(err)):
-                raise Int4GemvUnavailable(err.value.decode(errors="replace"))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveInt4Gemv), platform="CUDA")
-        _lib = lib
+    with _load_lock:
+        if _lib is None:
+            _lib = _load(toolchain)
     return _lib
+
+
+def _load(toolchain: cuda_build.Toolchain):
+    import jax
+    import jax.ffi
+    if jax.default_backend() != "gpu":
+        raise Int4GemvUnavailable(f"needs an NVIDIA GPU (backend is {jax.default_backend()!r})")
+    devices = jax.local_devices()
+    path = build(toolchain, arch=cuda_build.device_arch(devices[0]))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise Int4GemvUnavailable(f"cannot load {path}: {e}") from e
+    lib.jaxserve_int4_gemv_init.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint64]
+    err = ctypes.create_string_buffer(512)
+    for d in devices:
+        if lib.jaxserve_int4_gemv_init(int(d.local_hardware_id), err, len(err)):
+            raise Int4GemvUnavailable(err.value.decode(errors="replace"))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveInt4Gemv), platform="CUDA")
+    return lib
 
 
 def supports(m: int, k: int, n: int, group_size: int, dtype) -> bool:
@@ -80,10 +92,10 @@ def supports(m: int, k: int, n: int, group_size: int, dtype) -> bool:
 
 def default_splits(k: int, n: int, sms: int) -> int:
     """K splits across blocks: the fewest that fill ``sms`` SMs with waves of resident blocks at least 90 % full
-    (the best fill when none is), each warp keeping at least one step per split."""
+    (the best fill when none is), each warp keeping at least one chunk per split."""
     tiles = -(-n // BLOCK_COLS)
     slots = BLOCKS_PER_SM * sms
-    limit = max(1, k // STEP_K // WARPS)
+    limit = max(1, max_splits(k) // WARPS)
 
     def fill(s: int) -> float:
         blocks = tiles * s
@@ -91,6 +103,11 @@ def default_splits(k: int, n: int, sms: int) -> int:
     candidates = [s for s in range(1, limit + 1) if tiles * s >= slots] or [limit]
     good = [s for s in candidates if fill(s) >= 0.9]
     return good[0] if good else max(candidates, key=lambda s: (fill(s), -s))
+
+
+def max_splits(k: int) -> int:
+    """The most K splits a ``[k, n]`` weight takes (one chunk each)."""
+    return -(-(k // STEP_K) // CHUNK)
 
 
 def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None):

@@ -9,8 +9,9 @@ matmul can run the local product in ``shard_map`` (a Pallas call cannot be parti
 row-parallel partials.
 
 On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU steps of
-up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through ``kernels.int4_matmul_pallas`` (dequantization in
-registers), larger ones dequantize and run XLA's GEMM. FP8 per-channel weights run W8A8 as an
+up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through the CUDA GEMV ``kernels.int4_gemv`` (an XLA FFI call, built
+with the host's nvcc on first use), or ``kernels.int4_matmul_pallas`` where that cannot run (no nvcc, not bf16,
+``JAXSERVE_INT4_FFI_GEMV=0``), both dequantizing in registers; larger steps dequantize and run XLA's GEMM. FP8 per-channel weights run W8A8 as an
 fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper GPUs), the per-token activation scale
 and the weight's channel scale applied to the result; 128 × 128 block weights are dequantized to the
 activation dtype before the dot (W8A16).
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 import math
 import threading
 
@@ -27,8 +30,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import envs
+from jaxserve.kernels import int4_gemv
 from jaxserve.kernels import int4_matmul_pallas as int4_kernel
+from jaxserve.parallel.collectives import kernel_toolchain
 from jaxserve.parallel.mesh import current_tp_mesh
+
+logger = logging.getLogger(__name__)
 
 # Steps up to this many tokens (decode, small mixed steps: bound by weight bytes) run the fused int4 kernel;
 # larger ones are bound by compute, where dequantizing once and running XLA's bf16 GEMM does better than
@@ -185,8 +192,10 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
     k = x.shape[-1]
     packed, scales, zeros = (a.reshape(a.shape[0], n) for a in (w.packed, w.scales, w.zeros))
     m = x.shape[0]
-    if (jax.default_backend() == "gpu" and m <= INT4_KERNEL_MAX_TOKENS
-            and int4_kernel.supports(m, k, n, w.group_size)):
+    kernel = int4_step_kernel(m, k, n, w.group_size, x.dtype) if jax.default_backend() == "gpu" else None
+    if kernel == "ffi":
+        return int4_gemv.int4_gemv(x, packed, scales, zeros, group_size=w.group_size)
+    if kernel == "pallas":
         live = live if live is not None and m > 1 else None
         cfg = int4_kernel.default_config(m, k, n, w.group_size, live_one=live is not None)
         if cfg.method != "gemv":
@@ -195,6 +204,27 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
                                        live_rows=live)
     x, packed, scales, zeros = _after_input(x, packed, scales, zeros)
     return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size)
+
+
+def int4_step_kernel(m: int, k: int, n: int, group_size: int, dtype) -> str | None:
+    """The kernel a GPU runs an int4 product of ``m`` tokens with: ``"ffi"`` (the CUDA GEMV), ``"pallas"``, or
+    None (dequantize, then XLA's GEMM)."""
+    if m > INT4_KERNEL_MAX_TOKENS:
+        return None
+    if envs.JAXSERVE_INT4_FFI_GEMV and int4_gemv.supports(m, k, n, group_size, dtype) and int4_gemv_ready():
+        return "ffi"
+    return "pallas" if int4_kernel.supports(m, k, n, group_size) else None
+
+
+@functools.lru_cache(maxsize=1)
+def int4_gemv_ready() -> bool:
+    """Whether the CUDA GEMV is built and registered in this process (tried once; one log line when not)."""
+    try:
+        int4_gemv.load(kernel_toolchain())
+    except int4_gemv.Int4GemvUnavailable as e:
+        logger.warning("int4 decode steps run the Pallas kernel: the CUDA GEMV is unavailable (%s)", e)
+        return False
+    return True
 
 
 def _after_input(x, *weights):

@@ -36,6 +36,15 @@ def _dequant(q: np.ndarray, shift: int, zz: np.ndarray) -> np.ndarray:
     return _pack_halves(lo - zlo, hi - zhi)
 
 
+def _byte_perm(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
+    """CUDA's ``__byte_perm(a, b, sel)``: result byte i is byte ``(sel >> 4i) & 7`` of ``b:a``."""
+    both = (np.asarray(b, np.uint64) << 32) | np.asarray(a, np.uint64)
+    out = np.zeros(np.shape(both), np.uint64)
+    for i in range(4):
+        out |= ((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i)
+    return out.astype(np.uint32)
+
+
 def _mma(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
     """m16n8k16 from the 32 lanes' fragments (PTX ISA layout) → each lane's 4 C values ``[32, 4]``."""
     lane = np.arange(32)
@@ -71,8 +80,8 @@ def _emulate(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, zeros: np.nd
                 return [xb[rows, 8 * r + 2 * q] | (xb[rows, 8 * r + 2 * q + 1] << 16) for q in range(4)]
             xa, xh = x_words(g), x_words(g + 8)
 
-            def pair(w, lo, hi, sel):   # __byte_perm 0x5410 (low halves) / 0x7632 (high halves)
-                return ((w[lo] & 0xFFFF) | (w[hi] << 16)) if sel == 0 else ((w[lo] >> 16) | (w[hi] & 0xFFFF0000))
+            def pair(w, lo, hi, sel):   # (low halves) / (high halves) of two words
+                return _byte_perm(w[lo], w[hi], 0x5410 if sel == 0 else 0x7632)
             a_first = [pair(xa, 0, 2, 0), pair(xh, 0, 2, 0), pair(xa, 0, 2, 1), pair(xh, 0, 2, 1)]
             a_second = [pair(xa, 1, 3, 0), pair(xh, 1, 3, 0), pair(xa, 1, 3, 1), pair(xh, 1, 3, 1)]
             sc = np.stack([np.where(scol + j < n, scales[grp, np.minimum(scol + j, n - 1)], 0) for j in range(8)], 1)
@@ -80,8 +89,11 @@ def _emulate(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, zeros: np.nd
                 col = wcol + i
                 valid = col < n
                 q = np.where(valid, words[r, np.minimum(col, n - 1)], 0).astype(np.uint32)
-                z = np.where(valid, zeros[grp, np.minimum(col, n - 1)], 0).astype(np.uint32)
-                zz = MAGIC | z | (z << 16)
+                zw = np.zeros(32, np.uint32)       # the lane's 4 zero points, one byte each
+                for j in range(4):
+                    cj = wcol + j
+                    zw |= np.where(cj < n, zeros[grp, np.minimum(cj, n - 1)], 0).astype(np.uint32) << (8 * j)
+                zz = _byte_perm(zw, np.full(32, 0x43434343, np.uint32), 0x4040 | (0x101 * i))
                 b = [_dequant(q, sh, zz) for sh in (0, 4, 8, 12)]
                 t = _mma(a_first, b[:2]) + _mma(a_second, b[2:])
                 acc[:, i] += t * np.stack([sc[:, i], sc[:, 4 + i], sc[:, i], sc[:, 4 + i]], 1)
@@ -106,6 +118,23 @@ def test_the_fragment_mapping_computes_the_product(m, k, n, group):
     np.testing.assert_allclose(got, xr.astype(np.float64) @ w, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("k", [96, 480, 4096, 14336])
+@pytest.mark.parametrize("splits", [1, 3, 4, 7])
+def test_blocks_and_warps_cover_every_step_once(k, splits):
+    """The .cu's K ranges: split ``b`` of ``splits`` takes whole chunks, warp ``w`` every ``WARPS``-th chunk."""
+    steps, chunk = k // int4_gemv.STEP_K, int4_gemv.CHUNK
+    if splits > int4_gemv.max_splits(k):
+        pytest.skip("more splits than chunks")
+    chunks = -(-steps // chunk)
+    seen = []
+    for b in range(splits):
+        lo, hi = chunk * (b * chunks // splits), min(steps, chunk * ((b + 1) * chunks // splits))
+        for w in range(int4_gemv.WARPS):
+            for s0 in range(lo + w * chunk, hi, int4_gemv.WARPS * chunk):
+                seen += [s for s in range(s0, s0 + chunk) if s < hi]
+    assert sorted(seen) == list(range(steps))
+
+
 @pytest.mark.parametrize("m,k,n,group,ok", [
     (1, 4096, 4096, 128, True), (16, 4096, 6144, 32, True), (17, 4096, 4096, 128, False),
     (4, 4096, 4100, 128, False), (4, 4112, 4096, 16, False), (4, 4096, 4096, 4096, True)])
@@ -118,7 +147,7 @@ def test_supports(m, k, n, group, ok):
 @pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (256, 64), (64, 8)])
 def test_default_splits_fill_the_gpu(k, n):
     splits = int4_gemv.default_splits(k, n, 132)
-    assert 1 <= splits <= max(1, k // int4_gemv.STEP_K // int4_gemv.WARPS)
+    assert 1 <= splits <= max(1, int4_gemv.max_splits(k) // int4_gemv.WARPS)
     blocks = -(-n // int4_gemv.BLOCK_COLS) * splits
     if k // int4_gemv.STEP_K >= 64 and n >= 4096:       # the 8B projections: nearly whole waves
         slots = int4_gemv.BLOCKS_PER_SM * 132

@@ -1,0 +1,89 @@
+"""The CUDA int4 GEMV (``kernels/int4_gemv.cu``) on an NVIDIA GPU against an exact product and the jnp reference:
+random shapes with K and N tails (K not a multiple of the blocks' K ranges, N not of the 32-column tiles),
+groups of 32 / 64 / 128, zero points random or the symmetric 8, scales bf16 / f16 / f32, M = 1, 3, 16, K split
+across blocks or not; and the engine's int4 matmul taking it. Marked ``gpu``; on a GPU host with nvcc:
+
+    JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_int4_gemv_gpu.py
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels import int4_gemv, int4_matmul_pallas as k4
+from jaxserve.quantization import int4_formats
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu",
+                                 reason="needs an NVIDIA GPU (JAX_PLATFORMS=cuda pytest -m gpu)")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    from jaxserve.parallel.collectives import kernel_toolchain
+    try:
+        int4_gemv.load(kernel_toolchain())
+    except int4_gemv.Int4GemvUnavailable as e:
+        pytest.skip(f"the CUDA GEMV cannot run here: {e}")
+
+
+def _weight(rng, k, n, group, scale_dtype, symmetric):
+    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    scales = (rng.random((k // group, n)) * 0.02 + 0.001).astype(scale_dtype)
+    zeros = (np.full((k // group, n), 8) if symmetric else rng.integers(0, 16, (k // group, n))).astype(np.int8)
+    w = (q.astype(np.float64) - np.repeat(zeros, group, 0)) * np.repeat(scales.astype(np.float64), group, 0)
+    return (jnp.asarray(int4_formats.pack(q)), jnp.asarray(scales), jnp.asarray(zeros)), w
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / (np.linalg.norm(want) + 1e-30))
+
+
+CASES = [  # k, n, group: K and N tails
+    (4096, 4096, 128), (480, 200, 32), (448, 72, 64), (1152, 1000, 128), (14336, 264, 128), (96, 8, 32),
+]
+
+
+@pytest.mark.parametrize("k,n,group", CASES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_matches_the_exact_product_and_the_reference(k, n, group, m, symmetric):
+    rng = np.random.default_rng(k + n + m + symmetric)
+    scale_dtype = (np.float16, jnp.bfloat16, np.float32)[(k + m) % 3]
+    args, w = _weight(rng, k, n, group, scale_dtype, symmetric)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    exact = np.asarray(x, np.float64) @ w
+    for splits in (None, 1, 3):
+        if splits and splits > int4_gemv.max_splits(k):
+            continue
+        got = jax.jit(lambda x, *a, s=splits: int4_gemv.int4_gemv(x, *a, group_size=group, splits=s))(x, *args)
+        assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+        assert _rel_err(got, exact) < 4e-3, (splits, _rel_err(got, exact))
+        assert _rel_err(got, k4.int4_matmul_reference(x, *args, group)) < 1e-2
+
+
+def test_repeated_calls_in_one_program_are_deterministic():
+    """Split-K calls back to back (each last block resets its counters for the next call) give the same bits."""
+    rng = np.random.default_rng(0)
+    args, _ = _weight(rng, 4096, 6144, 128, jnp.bfloat16, False)
+    x = jnp.asarray(rng.standard_normal((4, 4096)), jnp.bfloat16)
+    f = jax.jit(lambda x, *a: [int4_gemv.int4_gemv(x, *a, group_size=128, splits=4) for _ in range(20)])
+    outs = [np.asarray(o, np.float32) for o in f(x, *args) + f(x, *args)]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_the_engine_matmul_runs_it(m):
+    from jaxserve.quantization import online, weights
+    k, n, group = 4096, 4096, 128
+    w = online.quantize_int4(jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16) * 0.02, group, jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    assert weights.int4_step_kernel(m, k, n, group, x.dtype) == "ffi"
+    f = jax.jit(weights.matmul)
+    assert int4_gemv.TARGET in f.lower(x, w).as_text()
+    want = k4.int4_matmul_reference(x, w.packed, w.scales, w.zeros, group)
+    assert _rel_err(f(x, w), want) < 1e-2

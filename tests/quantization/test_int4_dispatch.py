@@ -1,0 +1,66 @@
+"""Which kernel a GPU runs an int4 product with (``weights.int4_step_kernel``): the CUDA FFI GEMV for bf16 steps of
+up to 16 tokens, the Pallas kernel where the GEMV cannot run (no nvcc: one log line) or is switched off
+(``JAXSERVE_INT4_FFI_GEMV=0``), XLA's GEMM above 16 tokens. CPU keeps the jnp reference."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels import cuda_build, int4_gemv
+from jaxserve.quantization import online, weights
+
+
+@pytest.fixture
+def ready(monkeypatch):
+    """The GEMV as if built and registered (``weights.int4_gemv_ready`` is cached per process)."""
+    weights.int4_gemv_ready.cache_clear()
+    monkeypatch.setattr(int4_gemv, "load", lambda toolchain: object())
+    yield
+    weights.int4_gemv_ready.cache_clear()
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_bf16_decode_steps_take_the_ffi_gemv(ready, m):
+    assert weights.int4_step_kernel(m, 4096, 6144, 128, jnp.bfloat16) == "ffi"
+
+
+def test_the_other_steps_keep_their_kernels(ready):
+    assert weights.int4_step_kernel(17, 4096, 4096, 128, jnp.bfloat16) is None        # XLA's GEMM
+    assert weights.int4_step_kernel(4, 4096, 4096, 128, jnp.float32) == "pallas"       # the GEMV is bf16 only
+    assert weights.int4_step_kernel(4, 4096, 4100, 128, jnp.bfloat16) is None          # neither takes N % 8 != 0
+
+
+def test_the_switch_forces_the_pallas_kernel(ready, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_INT4_FFI_GEMV", "0")
+    assert weights.int4_step_kernel(1, 4096, 4096, 128, jnp.bfloat16) == "pallas"
+
+
+def test_no_nvcc_falls_back_to_pallas_with_one_log_line(monkeypatch, caplog, tmp_path):
+    weights.int4_gemv_ready.cache_clear()
+    monkeypatch.setattr(cuda_build.Toolchain, "find_nvcc", lambda self: None)
+    monkeypatch.setattr(int4_gemv, "_lib", None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # load() gets as far as the build
+    monkeypatch.setattr(jax, "local_devices", lambda: [object()])
+    monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    try:
+        with caplog.at_level(logging.WARNING, logger=weights.__name__):
+            kinds = [weights.int4_step_kernel(1, 4096, 4096, 128, jnp.bfloat16) for _ in range(3)]
+    finally:
+        weights.int4_gemv_ready.cache_clear()
+    assert kinds == ["pallas"] * 3
+    lines = [r.getMessage() for r in caplog.records if "CUDA GEMV is unavailable" in r.getMessage()]
+    assert len(lines) == 1 and "no nvcc found" in lines[0]
+
+
+def test_cpu_keeps_the_reference(ready):
+    w = online.quantize_int4(jax.random.normal(jax.random.key(0), (256, 64), jnp.float32) * 0.02, 64,
+                             jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (2, 256), jnp.bfloat16)
+    hlo = jax.jit(weights.matmul).lower(x, w).as_text()
+    assert int4_gemv.TARGET not in hlo
+    want = weights.int4_kernel.int4_matmul_reference(x, w.packed, w.scales, w.zeros, 64)
+    np.testing.assert_array_equal(np.asarray(weights.matmul(x, w), np.float32), np.asarray(want, np.float32))

@@ -40,7 +40,8 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kTiles = 4;          // n-tiles of 8 columns per warp
 constexpr int kCols = 8 * kTiles;  // columns per block
 constexpr int kStepK = 32;         // input rows per warp step (4 packed rows)
-constexpr int kChunk = 4;          // consecutive steps a warp loads before their math (16 packed rows)
+constexpr int kMinChunk = 4;       // consecutive steps a warp loads before their math (16 packed rows) ...
+constexpr int kMaxChunk = 8;       // ... or 32 packed rows (up to 8 rows of x and groups of 128 or more)
 constexpr int kMaxRows = 16;
 constexpr int kMaxDevices = 16;
 constexpr int kSlots = 16;         // counter regions, so calls that may overlap use different counters
@@ -82,36 +83,30 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// a pair of 16-bit scales as float32
-__device__ __forceinline__ float2 to_float2(uint32_t w, __nv_bfloat16) {
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+// 8 consecutive scales, kept as loaded (bf16 / f16: one 16-byte load, 4 registers) and read one at a time
+__device__ __forceinline__ float scale_at(const uint32_t (&w)[4], int j, __nv_bfloat16) {
+  return __uint_as_float(j & 1 ? w[j >> 1] & 0xffff0000u : w[j >> 1] << 16);
 }
-__device__ __forceinline__ float2 to_float2(uint32_t w, __half) {
-  __half2 h;
-  memcpy(&h, &w, 4);
-  return __half22float2(h);
+__device__ __forceinline__ float scale_at(const uint32_t (&w)[4], int j, __half) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(w[j >> 1] >> (16 * (j & 1)))));
 }
 
-// 8 consecutive scales as float32 (bf16 / f16: one 16-byte load)
 template <typename S> struct Scales {
-  __device__ static void load(const S* p, float (&s)[8]) {
+  static constexpr int kWords = 4;
+  __device__ static void load(const S* p, uint32_t (&w)[kWords]) {
     const uint4 v = load_cached(p);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = to_float2(w[i], S{});
-      s[2 * i] = f.x;
-      s[2 * i + 1] = f.y;
-    }
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
   }
+  __device__ static float at(const uint32_t (&w)[kWords], int j) { return scale_at(w, j, S{}); }
 };
 template <> struct Scales<float> {
-  __device__ static void load(const float* p, float (&s)[8]) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-    s[0] = a.x; s[1] = a.y; s[2] = a.z; s[3] = a.w;
-    s[4] = b.x; s[5] = b.y; s[6] = b.z; s[7] = b.w;
+  static constexpr int kWords = 8;
+  __device__ static void load(const float* p, uint32_t (&w)[kWords]) {
+    const uint4 a = load_cached(p), b = load_cached(p + 4);
+    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+    w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
   }
+  __device__ static float at(const uint32_t (&w)[kWords], int j) { return __uint_as_float(w[j]); }
 };
 
 // The output element a thread's reduced value `idx` (0 .. 16 * 32) stands for: `idx / 32` = 4 * n-tile + C
@@ -123,9 +118,10 @@ __device__ __forceinline__ void output_place(int idx, int n0, int& row, int& col
   col = n0 + 8 * (lane & 3) + 4 * (e & 1) + tile;
 }
 
-// kTall: more than 8 rows (the mma's rows 8..15 are used). kGroupSteps: consecutive steps of a chunk that share
-// one group (gcd(kChunk, group / 32)): their products are summed before the one scale multiply.
-template <typename S, bool kTall, int kGroupSteps>
+// kTall: more than 8 rows (the mma's rows 8..15 are used). kChunk: consecutive steps a warp loads at once.
+// kGroupSteps: consecutive steps of a chunk that share one group (gcd(kChunk, group / 32)): their products are
+// summed before the one scale multiply.
+template <typename S, bool kTall, int kChunk, int kGroupSteps>
 __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ packed, const S* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ partials,
@@ -142,38 +138,44 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
   const int chunks = (ksteps + kChunk - 1) / kChunk;
   const int lo = kChunk * static_cast<int>(static_cast<int64_t>(split) * chunks / splits);
   const int hi = min(ksteps, kChunk * static_cast<int>(static_cast<int64_t>(split + 1) * chunks / splits));
+  const int gsteps = group / kStepK;
+  const int gshift = (gsteps & (gsteps - 1)) == 0 ? __ffs(gsteps) - 1 : -1;   // a power of two: shift, not divide
 
   float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  for (int s0 = lo + warp * kChunk; s0 < hi; s0 += kWarps * kChunk) {
-    // every load of the chunk first: kChunk consecutive steps (16 packed rows), one scale/zero row per group
+  // pointers at the warp's first chunk, advanced by whole iterations (no per-load index arithmetic)
+  const int first = lo + warp * kChunk;
+  const uint32_t* wp = packed + static_cast<size_t>(4 * first + c) * n + wcol;
+  const __nv_bfloat16* xp = x + static_cast<size_t>(g) * k + 8 * (4 * first + c);
+  const size_t w_step = static_cast<size_t>(4) * n;                     // one step: 4 packed rows
+  const size_t w_iter = static_cast<size_t>(kWarps * kChunk) * w_step;
+  const size_t x_hi = static_cast<size_t>(8) * k;                       // row g + 8
+  for (int s0 = first; s0 < hi; s0 += kWarps * kChunk, wp += w_iter, xp += kWarps * kChunk * kStepK) {
+    // every load of the chunk first: kChunk consecutive steps (4 packed rows each), one scale/zero row per group
     uint4 w[kChunk], xa[kChunk], xb[kChunk];
     uint32_t zw[kGroups];
-    float sc[kGroups][8];
+    uint32_t sc[kGroups][Scales<S>::kWords];
     const uint4 zero4 = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < kChunk; ++u) {
-      const int s = s0 + u;
-      const bool live = s < hi;
-      const int r = 4 * s + c;
-      w[u] = live && wvalid ? load_stream(packed + static_cast<size_t>(r) * n + wcol) : zero4;
-      xa[u] = live && row_lo ? load_cached(x + static_cast<size_t>(g) * k + 8 * r) : zero4;
-      xb[u] = live && row_hi ? load_cached(x + static_cast<size_t>(g + 8) * k + 8 * r) : zero4;
+      const bool live = s0 + u < hi;
+      w[u] = live && wvalid ? load_stream(wp + u * w_step) : zero4;
+      xa[u] = live && row_lo ? load_cached(xp + u * kStepK) : zero4;
+      xb[u] = live && row_hi ? load_cached(xp + x_hi + u * kStepK) : zero4;
     }
 #pragma unroll
     for (int q = 0; q < kGroups; ++q) {
       const int s = s0 + q * kGroupSteps;
       const bool live = s < hi;
-      const int grp = s * kStepK / group;
-      zw[q] = live && wvalid ? __ldg(reinterpret_cast<const uint32_t*>(zeros + static_cast<size_t>(grp) * n + wcol))
-                             : 0u;
+      const size_t row = static_cast<size_t>(gshift >= 0 ? s >> gshift : s / gsteps) * n;
+      zw[q] = live && wvalid ? __ldg(reinterpret_cast<const uint32_t*>(zeros + row + wcol)) : 0u;
       if (live && svalid) {
-        Scales<S>::load(scales + static_cast<size_t>(grp) * n + scol, sc[q]);
+        Scales<S>::load(scales + row + scol, sc[q]);
       } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sc[q][i] = 0.f;
+        for (int i = 0; i < Scales<S>::kWords; ++i) sc[q][i] = 0u;
       }
     }
 #pragma unroll
@@ -206,11 +208,12 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
       }
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
-        acc[i][0] = fmaf(sc[q][i], t[i][0], acc[i][0]);
-        acc[i][1] = fmaf(sc[q][4 + i], t[i][1], acc[i][1]);
+        const float s_lo = Scales<S>::at(sc[q], i), s_hi = Scales<S>::at(sc[q], 4 + i);
+        acc[i][0] = fmaf(s_lo, t[i][0], acc[i][0]);
+        acc[i][1] = fmaf(s_hi, t[i][1], acc[i][1]);
         if (kTall) {
-          acc[i][2] = fmaf(sc[q][i], t[i][2], acc[i][2]);
-          acc[i][3] = fmaf(sc[q][4 + i], t[i][3], acc[i][3]);
+          acc[i][2] = fmaf(s_lo, t[i][2], acc[i][2]);
+          acc[i][3] = fmaf(s_hi, t[i][3], acc[i][3]);
         }
       }
     }
@@ -270,30 +273,31 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
   if (threadIdx.x == 0) *counter = 0;   // ready for the next call
 }
 
-template <typename S, bool kTall, int kGroupSteps>
+template <typename S, bool kTall, int kChunk, int kGroupSteps>
 void launch(cudaStream_t stream, dim3 grid, const void* x, const void* packed, const void* scales,
             const void* zeros, void* out, void* partials, unsigned* counters, int m, int k, int n, int group,
             int splits) {
-  int4_gemv_kernel<S, kTall, kGroupSteps><<<grid, kThreads, 0, stream>>>(
+  int4_gemv_kernel<S, kTall, kChunk, kGroupSteps><<<grid, kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<const uint32_t*>(packed), static_cast<const S*>(scales),
       static_cast<const uint8_t*>(zeros), static_cast<__nv_bfloat16*>(out), static_cast<float*>(partials),
       counters, m, k, n, group, splits);
 }
 
-// the kernel instance for this call's rows and group: (tall, steps sharing a group in a chunk)
+// The kernel instance for this call's rows and group: 8-step chunks where registers allow (up to 8 rows, groups
+// of 128 rows or more), else 4; the steps sharing a group, gcd(chunk, group / 32).
 template <typename S>
 void launch_for(bool tall, int group_steps, cudaStream_t stream, dim3 grid, const void* x, const void* packed,
                 const void* scales, const void* zeros, void* out, void* partials, unsigned* counters, int m,
                 int k, int n, int group, int splits) {
-#define JAXSERVE_INT4_LAUNCH(T, G) \
-  launch<S, T, G>(stream, grid, x, packed, scales, zeros, out, partials, counters, m, k, n, group, splits)
-  const int gs = group_steps % kChunk == 0 ? kChunk : group_steps % 2 == 0 ? 2 : 1;   // gcd(kChunk, group / 32)
+#define JAXSERVE_INT4_LAUNCH(T, C, G) \
+  launch<S, T, C, G>(stream, grid, x, packed, scales, zeros, out, partials, counters, m, k, n, group, splits)
+  const int pow2 = group_steps & -group_steps;   // the largest power of two dividing group / 32
   if (tall) {
-    if (gs == kChunk) JAXSERVE_INT4_LAUNCH(true, kChunk); else if (gs == 2) JAXSERVE_INT4_LAUNCH(true, 2);
-    else JAXSERVE_INT4_LAUNCH(true, 1);
+    if (pow2 >= 4) JAXSERVE_INT4_LAUNCH(true, kMinChunk, 4); else if (pow2 == 2) JAXSERVE_INT4_LAUNCH(true, kMinChunk, 2);
+    else JAXSERVE_INT4_LAUNCH(true, kMinChunk, 1);
   } else {
-    if (gs == kChunk) JAXSERVE_INT4_LAUNCH(false, kChunk); else if (gs == 2) JAXSERVE_INT4_LAUNCH(false, 2);
-    else JAXSERVE_INT4_LAUNCH(false, 1);
+    if (pow2 >= 8) JAXSERVE_INT4_LAUNCH(false, kMaxChunk, 8); else if (pow2 == 4) JAXSERVE_INT4_LAUNCH(false, kMaxChunk, 4);
+    else if (pow2 == 2) JAXSERVE_INT4_LAUNCH(false, kMinChunk, 2); else JAXSERVE_INT4_LAUNCH(false, kMinChunk, 1);
   }
 #undef JAXSERVE_INT4_LAUNCH
 }
@@ -322,7 +326,7 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                                        "N of 8)");
   }
   const int64_t tiles = (n + kCols - 1) / kCols;
-  if (splits < 1 || splits > (k / kStepK + kChunk - 1) / kChunk || slot < 0 || slot >= kSlots ||
+  if (splits < 1 || splits > k / kStepK || slot < 0 || slot >= kSlots ||
       (splits > 1 && (tiles > kSlotTiles ||
                       partials->element_count() < static_cast<size_t>(splits * m * n)))) {
     return ffi::Error::InvalidArgument(name + "bad splits/slot or partials buffer");

@@ -5,18 +5,18 @@
 // Each warp owns 32 output columns and walks K in steps of 32 rows (4 packed rows). A step is one 16-byte load
 // per thread: lane (g = lane / 4, c = lane % 4) reads packed row 4s + c, columns n0 + 4g .. n0 + 4g + 3 (a
 // warp reads 4 runs of 128 contiguous bytes). The multiply runs on the tensor cores, m16n8k16 bf16 with float32
-// accumulation, four n-tiles of 8 columns (n-tile i holds the thread's i-th column) and two k16 halves:
-//   * B (weights): the thread's word holds 8 consecutive input rows of one column. A K index inside an mma is
-//     only a label, so the 16 labels of an mma are given to real rows such that each thread's fragment comes
-//     from its own word: label 2c, 2c+1 (b0) = real rows 8r + {0, 4}, label 2c+8, 2c+9 (b1) = 8r + {1, 5} in
-//     the first half, 8r + {2, 6} and 8r + {3, 7} in the second (r = 4s + c).
+// accumulation, with the weights as the 16-row A operand and x as the 8-column B operand (y^T = w^T x^T: up to
+// 8 rows of x fill the mma, none padded; 9..16 rows take a second mma). Per step, mma j (0, 1) covers columns
+// n0 + 4g + 2j (its A row g) and n0 + 4g + 2j + 1 (row g + 8), in two k16 halves:
+//   * K labels: a K index inside an mma is only a label, so the 16 labels are given to real rows such that each
+//     thread's fragment comes from its own words: labels 2c, 2c+1 = real rows 8r + {0, 4}, labels 2c+8, 2c+9 =
+//     8r + {1, 5} in the first half, 8r + {2, 6} and 8r + {3, 7} in the second (r = 4s + c).
 //   * Dequantization: lop3 puts nibbles j and j + 4 into the mantissas of two bf16 128.0s (128 + q exactly),
 //     one bf16x2 subtraction of 128 + z leaves q - z exactly: no int-to-float conversion.
-//   * A (activations): lane's fragment for rows g and g + 8 is the same real rows of x, one 16-byte load of
-//     x[row, 8r .. 8r + 7] per row, paired by byte permutes.
-//   * C: the thread holds columns n0 + 8c + i and n0 + 8c + 4 + i of n-tile i; each step's product is scaled
-//     there in float32 by the group's scale (8 consecutive scales: one 16-byte load), so the scale is applied
-//     once per column and step, not per weight.
+//   * B (activations): lane's fragment is x row g at the same real rows, one 16-byte load of x[g, 8r .. 8r + 7]
+//     paired by byte permutes.
+//   * C: the thread holds rows 2c, 2c + 1 of its columns 2j and 2j + 1; the products of the steps sharing a
+//     group are scaled there once in float32 (the thread's 4 scales: one 8-byte load), not per weight.
 // The block's warps split its K range; their sums meet in shared memory. A launch with `splits` > 1 also
 // splits K across blocks: each writes float32 partials, and the last block of a column tile (a per-device
 // arrival counter it resets for the next call) adds them in split order and writes the output, so the result
@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -37,8 +38,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kTiles = 4;          // n-tiles of 8 columns per warp
-constexpr int kCols = 8 * kTiles;  // columns per block
+constexpr int kCols = 32;          // columns per block (and per warp)
 constexpr int kStepK = 32;         // input rows per warp step (4 packed rows)
 constexpr int kMinChunk = 4;       // consecutive steps a warp loads before their math (16 packed rows) ...
 constexpr int kMaxChunk = 8;       // ... or 32 packed rows (up to 8 rows of x and groups of 128 or more)
@@ -83,44 +83,41 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 8 consecutive scales, kept as loaded (bf16 / f16: one 16-byte load, 4 registers) and read one at a time
-__device__ __forceinline__ float scale_at(const uint32_t (&w)[4], int j, __nv_bfloat16) {
+// The thread's 4 consecutive scales, kept as loaded (bf16 / f16: one 8-byte load, 2 registers) and read one
+// at a time
+__device__ __forceinline__ float scale_at(const uint32_t (&w)[2], int j, __nv_bfloat16) {
   return __uint_as_float(j & 1 ? w[j >> 1] & 0xffff0000u : w[j >> 1] << 16);
 }
-__device__ __forceinline__ float scale_at(const uint32_t (&w)[4], int j, __half) {
+__device__ __forceinline__ float scale_at(const uint32_t (&w)[2], int j, __half) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(w[j >> 1] >> (16 * (j & 1)))));
 }
 
 template <typename S> struct Scales {
-  static constexpr int kWords = 4;
+  static constexpr int kWords = 2;
   __device__ static void load(const S* p, uint32_t (&w)[kWords]) {
-    const uint4 v = load_cached(p);
-    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x; w[1] = v.y;
   }
   __device__ static float at(const uint32_t (&w)[kWords], int j) { return scale_at(w, j, S{}); }
 };
 template <> struct Scales<float> {
-  static constexpr int kWords = 8;
+  static constexpr int kWords = 4;
   __device__ static void load(const float* p, uint32_t (&w)[kWords]) {
-    const uint4 a = load_cached(p), b = load_cached(p + 4);
-    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
-    w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    const uint4 v = load_cached(p);
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
   }
   __device__ static float at(const uint32_t (&w)[kWords], int j) { return __uint_as_float(w[j]); }
 };
 
-// The output element a thread's reduced value `idx` (0 .. 16 * 32) stands for: `idx / 32` = 4 * n-tile + C
-// register, `idx % 32` = the lane that held it.
+// The output element of a thread's reduced value `idx` (0 .. 16 * 32): `idx / 32` = 8 * mma j + 4 * row block
+// + C register, `idx % 32` = the lane that held it.
 __device__ __forceinline__ void output_place(int idx, int n0, int& row, int& col) {
-  const int j = idx >> 5, lane = idx & 31;
-  const int tile = j >> 2, e = j & 3;
-  row = (lane >> 2) + (e >= 2 ? 8 : 0);
-  col = n0 + 8 * (lane & 3) + 4 * (e & 1) + tile;
+  const int v = idx >> 5, lane = idx & 31;
+  const int j = v >> 3, block = (v >> 2) & 1, e = v & 3;
+  row = 2 * (lane & 3) + (e & 1) + 8 * block;
+  col = n0 + 4 * (lane >> 2) + 2 * j + (e >> 1);
 }
 
-// kTall: more than 8 rows (the mma's rows 8..15 are used). kChunk: consecutive steps a warp loads at once.
-// kGroupSteps: consecutive steps of a chunk that share one group (gcd(kChunk, group / 32)): their products are
-// summed before the one scale multiply.
 template <typename S, bool kTall, int kChunk, int kGroupSteps>
 __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ packed, const S* __restrict__ scales,
@@ -130,10 +127,7 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int n0 = blockIdx.x * kCols, split = blockIdx.y;
-  const int wcol = n0 + 4 * g;   // the thread's 4 weight columns (B)
-  const int scol = n0 + 8 * c;   // the thread's 8 output columns (C)
-  const bool wvalid = wcol < n, svalid = scol < n;
-  const bool row_lo = g < m, row_hi = kTall && g + 8 < m;
+  const int wcol = n0 + 4 * g;   // the thread's 4 columns (n % 8 == 0: all 4 or none inside)
   const int ksteps = k / kStepK;
   const int chunks = (ksteps + kChunk - 1) / kChunk;
   const int lo = kChunk * static_cast<int>(static_cast<int64_t>(split) * chunks / splits);
@@ -141,38 +135,43 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
   const int gsteps = group / kStepK;
   const int gshift = (gsteps & (gsteps - 1)) == 0 ? __ffs(gsteps) - 1 : -1;   // a power of two: shift, not divide
 
-  float acc[kTiles][4];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  constexpr int kBlocks = kTall ? 2 : 1;   // 8-row blocks of x
+  float acc[2][2][4] = {};                  // [mma j][row block][C register]
 
-  // pointers at the warp's first chunk, advanced by whole iterations (no per-load index arithmetic)
+  // Columns past N (the last tile) and rows of x past M read a valid column / row instead: their products
+  // land in outputs that are never written. Pointers at the warp's first chunk, advanced by whole iterations.
+  const int wcol_in = min(wcol, n - 4);
   const int first = lo + warp * kChunk;
-  const uint32_t* wp = packed + static_cast<size_t>(4 * first + c) * n + wcol;
-  const __nv_bfloat16* xp = x + static_cast<size_t>(g) * k + 8 * (4 * first + c);
+  const uint32_t* wp = packed + static_cast<size_t>(4 * first + c) * n + wcol_in;
+  const __nv_bfloat16* xpa = x + static_cast<size_t>(min(g, m - 1)) * k + 8 * (4 * first + c);
+  const __nv_bfloat16* xpb = x + static_cast<size_t>(min(g + 8, m - 1)) * k + 8 * (4 * first + c);
   const size_t w_step = static_cast<size_t>(4) * n;                     // one step: 4 packed rows
   const size_t w_iter = static_cast<size_t>(kWarps * kChunk) * w_step;
-  const size_t x_hi = static_cast<size_t>(8) * k;                       // row g + 8
-  for (int s0 = first; s0 < hi; s0 += kWarps * kChunk, wp += w_iter, xp += kWarps * kChunk * kStepK) {
-    // every load of the chunk first: kChunk consecutive steps (4 packed rows each), one scale/zero row per group
+  constexpr int x_iter = kWarps * kChunk * kStepK;
+  for (int s0 = first; s0 < hi; s0 += kWarps * kChunk, wp += w_iter, xpa += x_iter, xpb += x_iter) {
+   // a whole chunk loads unpredicated; the last one of a range zeroes the activations of its steps past `hi`
+   // (their products vanish) and skips their scale rows
+   auto run_chunk = [&](auto whole) {
+    constexpr bool kWhole = decltype(whole)::value;
     uint4 w[kChunk], xa[kChunk], xb[kChunk];
     uint32_t zw[kGroups];
     uint32_t sc[kGroups][Scales<S>::kWords];
     const uint4 zero4 = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < kChunk; ++u) {
-      const bool live = s0 + u < hi;
-      w[u] = live && wvalid ? load_stream(wp + u * w_step) : zero4;
-      xa[u] = live && row_lo ? load_cached(xp + u * kStepK) : zero4;
-      xb[u] = live && row_hi ? load_cached(xp + x_hi + u * kStepK) : zero4;
+      const bool live = kWhole || s0 + u < hi;
+      w[u] = live ? load_stream(wp + u * w_step) : zero4;
+      xa[u] = live ? load_cached(xpa + u * kStepK) : zero4;
+      xb[u] = kTall && live ? load_cached(xpb + u * kStepK) : zero4;
     }
 #pragma unroll
     for (int q = 0; q < kGroups; ++q) {
       const int s = s0 + q * kGroupSteps;
-      const bool live = s < hi;
+      const bool live = kWhole || s < hi;
       const size_t row = static_cast<size_t>(gshift >= 0 ? s >> gshift : s / gsteps) * n;
-      zw[q] = live && wvalid ? __ldg(reinterpret_cast<const uint32_t*>(zeros + row + wcol)) : 0u;
-      if (live && svalid) {
-        Scales<S>::load(scales + row + scol, sc[q]);
+      zw[q] = live ? __ldg(reinterpret_cast<const uint32_t*>(zeros + row + wcol_in)) : 0u;
+      if (live) {
+        Scales<S>::load(scales + row + wcol_in, sc[q]);
       } else {
 #pragma unroll
         for (int i = 0; i < Scales<S>::kWords; ++i) sc[q][i] = 0u;
@@ -180,54 +179,73 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
     }
 #pragma unroll
     for (int q = 0; q < kGroups; ++q) {
-      uint32_t zz[kTiles];   // bf16x2 (128 + z, 128 + z) of each n-tile's column: one byte permute
+      uint32_t zz[4];   // bf16x2 (128 + z, 128 + z) of each of the thread's columns: one byte permute
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i) zz[i] = __byte_perm(zw[q], 0x43434343u, 0x4040u | (0x101u * i));
-      float t[kTiles][4];
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i) t[i][0] = t[i][1] = t[i][2] = t[i][3] = 0.f;
+      for (int i = 0; i < 4; ++i) zz[i] = __byte_perm(zw[q], 0x43434343u, 0x4040u | (0x101u * i));
+      float t[2][2][4] = {};
 #pragma unroll
       for (int v = 0; v < kGroupSteps; ++v) {
         const int u = q * kGroupSteps + v;
-        // A fragments of the two k16 halves: (x[8r + j], x[8r + j + 4]) pairs (zeros past the range: no-ops)
-        const uint32_t a0 = __byte_perm(xa[u].x, xa[u].z, 0x5410), a2 = __byte_perm(xa[u].x, xa[u].z, 0x7632);
-        const uint32_t a1 = __byte_perm(xb[u].x, xb[u].z, 0x5410), a3 = __byte_perm(xb[u].x, xb[u].z, 0x7632);
-        const uint32_t e0 = __byte_perm(xa[u].y, xa[u].w, 0x5410), e2 = __byte_perm(xa[u].y, xa[u].w, 0x7632);
-        const uint32_t e1 = __byte_perm(xb[u].y, xb[u].w, 0x5410), e3 = __byte_perm(xb[u].y, xb[u].w, 0x7632);
-        const uint32_t words[kTiles] = {w[u].x, w[u].y, w[u].z, w[u].w};
+        // B fragments of x's two row blocks, both k16 halves: (x[8r + p], x[8r + p + 4]) pairs (zeros past the
+        // range: no-ops)
+        uint32_t b[2][4];
+        const uint4 xs[2] = {xa[u], xb[u]};
 #pragma unroll
-        for (int i = 0; i < kTiles; ++i) {
-          const uint32_t wq = words[i];
-          const uint32_t b04 = sub_bf16x2(nibbles_to_bf16x2(wq), zz[i]);
-          const uint32_t b15 = sub_bf16x2(nibbles_to_bf16x2(wq >> 4), zz[i]);
-          const uint32_t b26 = sub_bf16x2(nibbles_to_bf16x2(wq >> 8), zz[i]);
-          const uint32_t b37 = sub_bf16x2(nibbles_to_bf16x2(wq >> 12), zz[i]);
-          mma_bf16(t[i], a0, a1, a2, a3, b04, b15);
-          mma_bf16(t[i], e0, e1, e2, e3, b26, b37);
+        for (int blk = 0; blk < kBlocks; ++blk) {
+          b[blk][0] = __byte_perm(xs[blk].x, xs[blk].z, 0x5410);
+          b[blk][1] = __byte_perm(xs[blk].x, xs[blk].z, 0x7632);
+          b[blk][2] = __byte_perm(xs[blk].y, xs[blk].w, 0x5410);
+          b[blk][3] = __byte_perm(xs[blk].y, xs[blk].w, 0x7632);
+        }
+        // A: the 4 columns' nibble pairs (p, p + 4) as exact bf16 q - z
+        const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+        uint32_t d[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+          for (int pr = 0; pr < 4; ++pr) d[i][pr] = sub_bf16x2(nibbles_to_bf16x2(words[i] >> (4 * pr)), zz[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int blk = 0; blk < kBlocks; ++blk) {
+            mma_bf16(t[j][blk], d[2 * j][0], d[2 * j + 1][0], d[2 * j][1], d[2 * j + 1][1], b[blk][0], b[blk][1]);
+            mma_bf16(t[j][blk], d[2 * j][2], d[2 * j + 1][2], d[2 * j][3], d[2 * j + 1][3], b[blk][2], b[blk][3]);
+          }
         }
       }
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-        const float s_lo = Scales<S>::at(sc[q], i), s_hi = Scales<S>::at(sc[q], 4 + i);
-        acc[i][0] = fmaf(s_lo, t[i][0], acc[i][0]);
-        acc[i][1] = fmaf(s_hi, t[i][1], acc[i][1]);
-        if (kTall) {
-          acc[i][2] = fmaf(s_lo, t[i][2], acc[i][2]);
-          acc[i][3] = fmaf(s_hi, t[i][3], acc[i][3]);
+      for (int j = 0; j < 2; ++j) {
+        const float s_even = Scales<S>::at(sc[q], 2 * j), s_odd = Scales<S>::at(sc[q], 2 * j + 1);
+#pragma unroll
+        for (int blk = 0; blk < kBlocks; ++blk) {
+          acc[j][blk][0] = fmaf(s_even, t[j][blk][0], acc[j][blk][0]);
+          acc[j][blk][1] = fmaf(s_even, t[j][blk][1], acc[j][blk][1]);
+          acc[j][blk][2] = fmaf(s_odd, t[j][blk][2], acc[j][blk][2]);
+          acc[j][blk][3] = fmaf(s_odd, t[j][blk][3], acc[j][blk][3]);
         }
       }
     }
+   };
+   if (s0 + kChunk <= hi) {
+     run_chunk(std::true_type{});
+   } else {
+     run_chunk(std::false_type{});
+   }
   }
 
   // the block's warps: sum through shared memory ([value][warp][lane]: conflict-free rows)
-  __shared__ float red[kTiles * 4][kWarps][32];
+  __shared__ float red[16][kWarps][32];
 #pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
+  for (int j = 0; j < 2; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) red[4 * i + e][warp][lane] = acc[i][e];
+    for (int blk = 0; blk < 2; ++blk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[8 * j + 4 * blk + e][warp][lane] = acc[j][blk][e];
+    }
   }
   __syncthreads();
-  constexpr int kValues = kTiles * 4 * 32;
+  constexpr int kValues = 16 * 32;
   float sum[kValues / kThreads];
 #pragma unroll
   for (int v = 0; v < kValues / kThreads; ++v) {
@@ -283,28 +301,46 @@ void launch(cudaStream_t stream, dim3 grid, const void* x, const void* packed, c
       counters, m, k, n, group, splits);
 }
 
-// The kernel instance for this call's rows and group: 8-step chunks where registers allow (up to 8 rows, groups
-// of 128 rows or more), else 4; the steps sharing a group, gcd(chunk, group / 32).
-template <typename S>
-void launch_for(bool tall, int group_steps, cudaStream_t stream, dim3 grid, const void* x, const void* packed,
-                const void* scales, const void* zeros, void* out, void* partials, unsigned* counters, int m,
-                int k, int n, int group, int splits) {
-#define JAXSERVE_INT4_LAUNCH(T, C, G) \
-  launch<S, T, C, G>(stream, grid, x, packed, scales, zeros, out, partials, counters, m, k, n, group, splits)
-  const int pow2 = group_steps & -group_steps;   // the largest power of two dividing group / 32
-  if (tall) {
-    if (pow2 >= 4) JAXSERVE_INT4_LAUNCH(true, kMinChunk, 4); else if (pow2 == 2) JAXSERVE_INT4_LAUNCH(true, kMinChunk, 2);
-    else JAXSERVE_INT4_LAUNCH(true, kMinChunk, 1);
+#define JAXSERVE_INT4_ARGS stream, grid, x, packed, scales, zeros, out, partials, counters, m, k, n, group, splits
+
+// The steps of a chunk sharing a group: gcd(kChunk, group / 32), from `pow2`, the largest power of two dividing
+// group / 32 (a chunk of 8 runs only for groups of 128 rows or more)
+template <typename S, bool kTall, int kChunk>
+void launch_chunk(int pow2, cudaStream_t stream, dim3 grid, const void* x, const void* packed,
+                  const void* scales, const void* zeros, void* out, void* partials, unsigned* counters, int m,
+                  int k, int n, int group, int splits) {
+  if (pow2 >= kChunk) {
+    launch<S, kTall, kChunk, kChunk>(JAXSERVE_INT4_ARGS);
+  } else if constexpr (kChunk == kMaxChunk) {
+    launch<S, kTall, kChunk, kMinChunk>(JAXSERVE_INT4_ARGS);
+  } else if (pow2 == 2) {
+    launch<S, kTall, kChunk, 2>(JAXSERVE_INT4_ARGS);
   } else {
-    if (pow2 >= 8) JAXSERVE_INT4_LAUNCH(false, kMaxChunk, 8); else if (pow2 == 4) JAXSERVE_INT4_LAUNCH(false, kMaxChunk, 4);
-    else if (pow2 == 2) JAXSERVE_INT4_LAUNCH(false, kMinChunk, 2); else JAXSERVE_INT4_LAUNCH(false, kMinChunk, 1);
+    launch<S, kTall, kChunk, 1>(JAXSERVE_INT4_ARGS);
   }
-#undef JAXSERVE_INT4_LAUNCH
 }
+
+// The kernel instance for this call: chunks of 8 steps where asked for and registers allow (up to 8 rows, groups
+// of 128 rows or more), else 4
+template <typename S>
+void launch_for(bool tall, int chunk, int group_steps, cudaStream_t stream, dim3 grid, const void* x,
+                const void* packed, const void* scales, const void* zeros, void* out, void* partials,
+                unsigned* counters, int m, int k, int n, int group, int splits) {
+  const int pow2 = group_steps & -group_steps;
+  if (tall) {
+    launch_chunk<S, true, kMinChunk>(pow2, JAXSERVE_INT4_ARGS);
+  } else if (chunk == kMaxChunk && pow2 >= kMinChunk) {
+    launch_chunk<S, false, kMaxChunk>(pow2, JAXSERVE_INT4_ARGS);
+  } else {
+    launch_chunk<S, false, kMinChunk>(pow2, JAXSERVE_INT4_ARGS);
+  }
+}
+#undef JAXSERVE_INT4_ARGS
 
 ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer packed,
                         ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> partials, int64_t group_size, int64_t splits, int64_t slot) {
+                        ffi::Result<ffi::AnyBuffer> partials, int64_t group_size, int64_t splits, int64_t chunk,
+                        int64_t slot) {
   const std::string name = "jaxserve int4 gemv: ";
   if (device < 0 || device >= kMaxDevices || g_counters[device] == nullptr) {
     return ffi::Error::InvalidArgument(name + "not initialized on CUDA device " + std::to_string(device));
@@ -326,30 +362,30 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                                        "N of 8)");
   }
   const int64_t tiles = (n + kCols - 1) / kCols;
-  if (splits < 1 || splits > k / kStepK || slot < 0 || slot >= kSlots ||
+  if (splits < 1 || splits > k / kStepK || (chunk != kMinChunk && chunk != kMaxChunk) || slot < 0 || slot >= kSlots ||
       (splits > 1 && (tiles > kSlotTiles ||
                       partials->element_count() < static_cast<size_t>(splits * m * n)))) {
-    return ffi::Error::InvalidArgument(name + "bad splits/slot or partials buffer");
+    return ffi::Error::InvalidArgument(name + "bad splits/chunk/slot or partials buffer");
   }
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
   unsigned* counters = g_counters[device] + slot * kSlotTiles;
   const bool tall = m > 8;
-  const int gsteps = static_cast<int>(group_size / kStepK);
+  const int gsteps = static_cast<int>(group_size / kStepK), ci = static_cast<int>(chunk);
   const int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
   const int gi = static_cast<int>(group_size), si = static_cast<int>(splits);
   switch (scales.element_type()) {
     case ffi::DataType::BF16:
-      launch_for<__nv_bfloat16>(tall, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(),
+      launch_for<__nv_bfloat16>(tall, ci, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(),
                                  scales.untyped_data(), zeros.untyped_data(), out->untyped_data(),
                                  partials->untyped_data(), counters, mi, ki, ni, gi, si);
       break;
     case ffi::DataType::F16:
-      launch_for<__half>(tall, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
+      launch_for<__half>(tall, ci, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
                           zeros.untyped_data(), out->untyped_data(), partials->untyped_data(), counters, mi, ki,
                           ni, gi, si);
       break;
     case ffi::DataType::F32:
-      launch_for<float>(tall, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
+      launch_for<float>(tall, ci, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
                          zeros.untyped_data(), out->untyped_data(), partials->untyped_data(), counters, mi, ki,
                          ni, gi, si);
       break;
@@ -375,6 +411,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Gemv, Int4GemvImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("chunk")
                                   .Attr<int64_t>("slot"),
                               {ffi::Traits::kCmdBufferCompatible});
 

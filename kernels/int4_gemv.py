@@ -11,8 +11,9 @@ are chosen so each thread's fragment is its own word's nibbles, and the activati
 
 Launch: one block of 8 warps per 32 output columns, its warps splitting K; ``splits`` > 1 also splits K across
 blocks (short-and-wide shapes would leave SMs idle), the last block of a column tile adding the float32
-partials in split order (deterministic) through a per-device arrival counter. ``default_splits`` fills the
-GPU with whole waves of blocks.
+partials in split order (deterministic) through a per-device arrival counter. A warp loads a chunk of 4 or 8
+K steps (32 rows each) before their math; ``default_launch`` picks the chunk and the splits that fill the GPU
+with whole waves of blocks whose warps all have work.
 
 Limits: bf16 activations, 1..16 rows, K and the group size multiples of 32, N a multiple of 8 (``supports``);
 scales bf16, f16 or f32; zero points always applied (symmetric formats store 8). Built with the machine's
@@ -33,7 +34,7 @@ SOURCE = Path(__file__).with_name("int4_gemv.cu")
 TARGET = "jaxserve_int4_gemv"
 MAX_ROWS = 16
 STEP_K = 32                     # K rows per warp step (as in the .cu)
-CHUNK = 4                       # consecutive steps a warp loads at once; blocks split K in whole chunks
+CHUNKS = (4, 8)                 # consecutive steps a warp loads at once (8: up to 8 rows, groups of >= 128)
 BLOCK_COLS = 32                 # output columns per block
 WARPS = 8                       # warps per block, each taking every 8th chunk of the block's K range
 BLOCKS_PER_SM = 2               # resident blocks of 256 threads at <= 128 registers
@@ -90,37 +91,57 @@ def supports(m: int, k: int, n: int, group_size: int, dtype) -> bool:
             and group_size % STEP_K == 0 and k % group_size == 0 and -(-n // BLOCK_COLS) <= SLOT_TILES)
 
 
-def default_splits(k: int, n: int, sms: int) -> int:
-    """K splits across blocks: the fewest that fill ``sms`` SMs with waves of resident blocks at least 90 % full
-    (the best fill when none is), each warp keeping at least one chunk per split."""
-    tiles = -(-n // BLOCK_COLS)
+def chunk_steps(m: int, group_size: int, chunk: int) -> int:
+    """The steps per warp load the kernel runs when asked for ``chunk``: 8 only up to 8 rows and for groups of
+    128 rows or more (else its registers spill), 4 otherwise (as the .cu's ``launch_for``)."""
+    g = group_size // STEP_K
+    return 8 if chunk == 8 and m <= 8 and (g & -g) >= 4 else 4
+
+
+def max_splits(k: int, chunk: int = 4) -> int:
+    """The most K splits a ``[k, n]`` weight takes with one chunk of ``chunk`` steps each."""
+    return -(-(k // STEP_K) // chunk)
+
+
+def fill(k: int, n: int, sms: int, chunk: int, splits: int) -> float:
+    """How full the launch keeps the GPU: the waves of resident blocks it fills (1.0: whole waves), times the
+    share of a block's warps that have a chunk of K to load."""
+    blocks = -(-n // BLOCK_COLS) * splits
     slots = BLOCKS_PER_SM * sms
-    limit = max(1, max_splits(k) // WARPS)
-
-    def fill(s: int) -> float:
-        blocks = tiles * s
-        return blocks / (-(-blocks // slots) * slots)
-    candidates = [s for s in range(1, limit + 1) if tiles * s >= slots] or [limit]
-    good = [s for s in candidates if fill(s) >= 0.9]
-    return good[0] if good else max(candidates, key=lambda s: (fill(s), -s))
+    busy = min(1.0, max_splits(k, chunk) / splits / WARPS)
+    return blocks / (-(-blocks // slots) * slots) * busy
 
 
-def max_splits(k: int) -> int:
-    """The most K splits a ``[k, n]`` weight takes (one chunk each)."""
-    return -(-(k // STEP_K) // CHUNK)
+def default_launch(m: int, k: int, n: int, group_size: int, sms: int) -> tuple[int, int]:
+    """``(chunk, splits)``: over the chunk sizes this call can run, the fewest K splits whose blocks fill at
+    least one wave of ``sms`` SMs at least 90 % (``fill``); the fullest launch where none does, the larger
+    chunk on a tie (more bytes in flight per warp)."""
+    best = None
+    for chunk in sorted({chunk_steps(m, group_size, c) for c in CHUNKS}, reverse=True):
+        tiles = -(-n // BLOCK_COLS)
+        options = [s for s in range(1, max_splits(k, chunk) + 1) if tiles * s >= BLOCKS_PER_SM * sms] or [1]
+        good = [s for s in options if fill(k, n, sms, chunk, s) >= 0.9]
+        splits = good[0] if good else max(options, key=lambda s: (fill(k, n, sms, chunk, s), -s))
+        score = fill(k, n, sms, chunk, splits)
+        if best is None or score > best[0] + 1e-9:
+            best = (score, chunk, splits)
+    return best[1], best[2]
 
 
-def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None):
+def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None, chunk: int | None = None):
     """``x [M, K] @ w [K, N]`` for the int4 weight ``(packed, scales, zeros)`` (``int4_matmul_pallas``'s layout),
-    bf16 out; ``load`` must have run in this process. ``splits``: K splits across blocks (None: the default)."""
+    bf16 out; ``load`` must have run in this process. ``splits`` (K splits across blocks) and ``chunk`` (steps
+    per warp load, 4 or 8): None for ``default_launch``'s."""
     import jax
     import jax.numpy as jnp
     from .device_info import num_sms
     m, k = x.shape
     n = packed.shape[1]
-    splits = int(splits or default_splits(k, n, num_sms()))
+    auto_chunk, auto_splits = default_launch(m, k, n, group_size, num_sms())
+    chunk = chunk_steps(m, group_size, chunk or auto_chunk)
+    splits = int(splits or (auto_splits if chunk == auto_chunk else max(1, min(auto_splits, max_splits(k, chunk)))))
     partials = jax.ShapeDtypeStruct((splits * m * n if splits > 1 else 1,), jnp.float32)
     out, _ = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(
-        x, packed, scales, zeros, group_size=np.int64(group_size), splits=np.int64(splits),
+        x, packed, scales, zeros, group_size=np.int64(group_size), splits=np.int64(splits), chunk=np.int64(chunk),
         slot=np.int64(next(_slots) % SLOTS))
     return out

@@ -11,10 +11,10 @@ row-parallel partials.
 On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU steps of
 up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through the CUDA GEMV ``kernels.int4_gemv`` (an XLA FFI call, built
 with the host's nvcc on first use), or ``kernels.int4_matmul_pallas`` where that cannot run (no nvcc, not bf16,
-``JAXSERVE_INT4_FFI_GEMV=0``), both dequantizing in registers; larger steps dequantize and run XLA's GEMM. FP8 per-channel weights run W8A8 as an
-fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper GPUs), the per-token activation scale
-and the weight's channel scale applied to the result; 128 × 128 block weights are dequantized to the
-activation dtype before the dot (W8A16).
+``JAXSERVE_INT4_FFI_GEMV=0``), both dequantizing in registers; larger steps dequantize and run XLA's GEMM.
+FP8 per-channel weights run W8A8 as an fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper
+GPUs), the per-token activation scale and the weight's channel scale applied to the result; 128 × 128 block
+weights are dequantized to the activation dtype before the dot (W8A16).
 """
 from __future__ import annotations
 

@@ -61,51 +61,49 @@ def _mma(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
 
 
 def _emulate(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group: int) -> np.ndarray:
-    """What ``int4_gemv.cu`` computes, one warp step and column tile at a time (the order of the sums aside)."""
+    """What ``int4_gemv.cu`` computes, one warp step and column tile at a time (the order of the sums aside):
+    the weights are the mma's A operand (rows g / g + 8 = the lane's columns 2j / 2j + 1), x its B operand."""
     m, k = x.shape
     n = packed.shape[1]
-    xb = np.zeros((16, k), np.uint32)
-    xb[:m] = _bf16_bits(x)
+    xbits = _bf16_bits(x)
     words = packed.view(np.uint32)
     lane = np.arange(32)
     g, c = lane // 4, lane % 4
     out = np.zeros((16, n + 32), np.float64)
     for n0 in range(0, n, 32):
-        wcol, scol = n0 + 4 * g, n0 + 8 * c
-        acc = np.zeros((32, 4, 4))
+        wcol = np.minimum(n0 + 4 * g, n - 4)        # columns past N read a valid one (never written)
+        acc = np.zeros((32, 2, 2, 4))               # [lane, mma j, row block, C register]
         for s in range(k // 32):
             r, grp = 4 * s + c, s * 32 // group
 
             def x_words(rows):        # the lane's 16-byte load of x[row, 8r .. 8r + 7]: 4 words of 2 bf16
-                return [xb[rows, 8 * r + 2 * q] | (xb[rows, 8 * r + 2 * q + 1] << 16) for q in range(4)]
-            xa, xh = x_words(g), x_words(g + 8)
-
-            def pair(w, lo, hi, sel):   # (low halves) / (high halves) of two words
-                return _byte_perm(w[lo], w[hi], 0x5410 if sel == 0 else 0x7632)
-            a_first = [pair(xa, 0, 2, 0), pair(xh, 0, 2, 0), pair(xa, 0, 2, 1), pair(xh, 0, 2, 1)]
-            a_second = [pair(xa, 1, 3, 0), pair(xh, 1, 3, 0), pair(xa, 1, 3, 1), pair(xh, 1, 3, 1)]
-            sc = np.stack([np.where(scol + j < n, scales[grp, np.minimum(scol + j, n - 1)], 0) for j in range(8)], 1)
+                rows = np.minimum(rows, m - 1)      # rows past M read a valid one (never written)
+                return [xbits[rows, 8 * r + 2 * q] | (xbits[rows, 8 * r + 2 * q + 1] << 16) for q in range(4)]
+            b = [[_byte_perm(xw[lo], xw[hi], sel) for lo, hi in ((0, 2), (1, 3)) for sel in (0x5410, 0x7632)]
+                 for xw in (x_words(g), x_words(g + 8))]
+            zw = np.zeros(32, np.uint32)            # the lane's 4 zero points, one byte each
             for i in range(4):
-                col = wcol + i
-                valid = col < n
-                q = np.where(valid, words[r, np.minimum(col, n - 1)], 0).astype(np.uint32)
-                zw = np.zeros(32, np.uint32)       # the lane's 4 zero points, one byte each
-                for j in range(4):
-                    cj = wcol + j
-                    zw |= np.where(cj < n, zeros[grp, np.minimum(cj, n - 1)], 0).astype(np.uint32) << (8 * j)
+                zw |= zeros[grp, wcol + i].astype(np.uint32) << (8 * i)
+            sc = np.stack([scales[grp, wcol + i] for i in range(4)], 1)
+            d = []
+            for i in range(4):
                 zz = _byte_perm(zw, np.full(32, 0x43434343, np.uint32), 0x4040 | (0x101 * i))
-                b = [_dequant(q, sh, zz) for sh in (0, 4, 8, 12)]
-                t = _mma(a_first, b[:2]) + _mma(a_second, b[2:])
-                acc[:, i] += t * np.stack([sc[:, i], sc[:, 4 + i], sc[:, i], sc[:, 4 + i]], 1)
+                d.append([_dequant(words[r, wcol + i], 4 * p, zz) for p in range(4)])
+            for j in range(2):
+                for blk in range(2):
+                    t = (_mma([d[2 * j][0], d[2 * j + 1][0], d[2 * j][1], d[2 * j + 1][1]], b[blk][:2])
+                         + _mma([d[2 * j][2], d[2 * j + 1][2], d[2 * j][3], d[2 * j + 1][3]], b[blk][2:]))
+                    acc[:, j, blk] += t * np.stack([sc[:, 2 * j], sc[:, 2 * j], sc[:, 2 * j + 1], sc[:, 2 * j + 1]], 1)
         for idx in range(512):       # output_place
-            j, ln = idx >> 5, idx & 31
-            tile, e = j >> 2, j & 3
-            row = (ln >> 2) + (8 if e >= 2 else 0)
-            out[row, n0 + 8 * (ln & 3) + 4 * (e & 1) + tile] = acc[ln, tile, e]
+            v, ln = idx >> 5, idx & 31
+            j, blk, e = v >> 3, (v >> 2) & 1, v & 3
+            row = 2 * (ln & 3) + (e & 1) + 8 * blk
+            out[row, n0 + 4 * (ln >> 2) + 2 * j + (e >> 1)] = acc[ln, j, blk, e]
     return out[:m, :n]
 
 
-@pytest.mark.parametrize("m,k,n,group", [(1, 64, 32, 32), (3, 256, 40, 64), (16, 128, 72, 128), (9, 96, 8, 32)])
+@pytest.mark.parametrize("m,k,n,group", [(1, 64, 32, 32), (3, 256, 40, 64), (16, 128, 72, 128), (9, 96, 8, 32),
+                                         (8, 64, 16, 64)])
 def test_the_fragment_mapping_computes_the_product(m, k, n, group):
     rng = np.random.default_rng(m + k + n)
     q = rng.integers(0, 16, (k, n)).astype(np.uint8)
@@ -120,11 +118,11 @@ def test_the_fragment_mapping_computes_the_product(m, k, n, group):
 
 @pytest.mark.parametrize("k", [96, 480, 4096, 14336])
 @pytest.mark.parametrize("splits", [1, 3, 4, 7])
-def test_blocks_and_warps_cover_every_step_once(k, splits):
-    """The .cu's K ranges: split ``b`` of ``splits`` takes whole chunks, warp ``w`` every ``WARPS``-th chunk."""
-    steps, chunk = k // int4_gemv.STEP_K, int4_gemv.CHUNK
-    if splits > int4_gemv.max_splits(k):
-        pytest.skip("more splits than chunks")
+@pytest.mark.parametrize("chunk", int4_gemv.CHUNKS)
+def test_blocks_and_warps_cover_every_step_once(k, splits, chunk):
+    """The .cu's K ranges: split ``b`` of ``splits`` takes whole chunks (none when there are fewer chunks than
+    splits), warp ``w`` every ``WARPS``-th chunk of them."""
+    steps = k // int4_gemv.STEP_K
     chunks = -(-steps // chunk)
     seen = []
     for b in range(splits):
@@ -145,13 +143,19 @@ def test_supports(m, k, n, group, ok):
 
 
 @pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (256, 64), (64, 8)])
-def test_default_splits_fill_the_gpu(k, n):
-    splits = int4_gemv.default_splits(k, n, 132)
-    assert 1 <= splits <= max(1, int4_gemv.max_splits(k) // int4_gemv.WARPS)
-    blocks = -(-n // int4_gemv.BLOCK_COLS) * splits
-    if k // int4_gemv.STEP_K >= 64 and n >= 4096:       # the 8B projections: nearly whole waves
-        slots = int4_gemv.BLOCKS_PER_SM * 132
-        assert blocks >= slots and blocks / (-(-blocks // slots) * slots) >= 0.9
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_the_default_launch_fills_the_gpu(k, n, m):
+    chunk, splits = int4_gemv.default_launch(m, k, n, 128, 132)
+    assert chunk == int4_gemv.chunk_steps(m, 128, chunk) and (chunk == 4 or m <= 8)
+    assert 1 <= splits <= int4_gemv.max_splits(k, chunk)
+    if n >= 4096:       # the 8B projections: nearly whole waves of blocks, every warp with work
+        assert int4_gemv.fill(k, n, 132, chunk, splits) >= 0.9
+
+
+def test_chunks_of_8_only_where_registers_allow():
+    assert int4_gemv.chunk_steps(8, 128, 8) == 8 and int4_gemv.chunk_steps(8, 4096, 8) == 8
+    assert int4_gemv.chunk_steps(9, 128, 8) == 4 and int4_gemv.chunk_steps(1, 64, 8) == 4
+    assert int4_gemv.chunk_steps(1, 128, 4) == 4
 
 
 def test_the_cuda_source_compiles_for_hopper(tmp_path):

@@ -1,7 +1,8 @@
 """The CUDA int4 GEMV (``kernels/int4_gemv.cu``) on an NVIDIA GPU against an exact product and the jnp reference:
 random shapes with K and N tails (K not a multiple of the blocks' K ranges, N not of the 32-column tiles),
-groups of 32 / 64 / 128, zero points random or the symmetric 8, scales bf16 / f16 / f32, M = 1, 3, 16, K split
-across blocks or not; and the engine's int4 matmul taking it. Marked ``gpu``; on a GPU host with nvcc:
+groups of 32 / 64 / 128, zero points random or the symmetric 8, scales bf16 / f16 / f32, M = 1, 3, 16, chunks
+of 4 and 8 steps, K split across blocks or not (more splits than chunks too); and the engine's int4 matmul
+taking it. Marked ``gpu``; on a GPU host with nvcc:
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_int4_gemv_gpu.py
 """
@@ -56,12 +57,11 @@ def test_matches_the_exact_product_and_the_reference(k, n, group, m, symmetric):
     args, w = _weight(rng, k, n, group, scale_dtype, symmetric)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     exact = np.asarray(x, np.float64) @ w
-    for splits in (None, 1, 3):
-        if splits and splits > int4_gemv.max_splits(k):
-            continue
-        got = jax.jit(lambda x, *a, s=splits: int4_gemv.int4_gemv(x, *a, group_size=group, splits=s))(x, *args)
+    for chunk, splits in ((None, None), (4, 1), (4, 3), (8, 1), (8, 2), (8, 5)):
+        f = jax.jit(lambda x, *a, s=splits, c=chunk: int4_gemv.int4_gemv(x, *a, group_size=group, splits=s, chunk=c))
+        got = f(x, *args)
         assert got.shape == (m, n) and got.dtype == jnp.bfloat16
-        assert _rel_err(got, exact) < 4e-3, (splits, _rel_err(got, exact))
+        assert _rel_err(got, exact) < 4e-3, (chunk, splits, _rel_err(got, exact))
         assert _rel_err(got, k4.int4_matmul_reference(x, *args, group)) < 1e-2
 
 
@@ -70,7 +70,7 @@ def test_repeated_calls_in_one_program_are_deterministic():
     rng = np.random.default_rng(0)
     args, _ = _weight(rng, 4096, 6144, 128, jnp.bfloat16, False)
     x = jnp.asarray(rng.standard_normal((4, 4096)), jnp.bfloat16)
-    f = jax.jit(lambda x, *a: [int4_gemv.int4_gemv(x, *a, group_size=128, splits=4) for _ in range(20)])
+    f = jax.jit(lambda x, *a: [int4_gemv.int4_gemv(x, *a, group_size=128, splits=4, chunk=8) for _ in range(20)])
     outs = [np.asarray(o, np.float32) for o in f(x, *args) + f(x, *args)]
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])

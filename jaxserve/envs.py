@@ -75,7 +75,7 @@ _REGISTRY: dict[str, EnvVar] = {
     # quantized weights
     "JAXSERVE_INT4_FFI_GEMV": EnvVar(_flag, "1", "0 = int4 steps of <= 16 tokens run the Pallas kernel "
                                                  "(kernels/int4_matmul_pallas.py) instead of the CUDA FFI GEMV "
-                                                 "(kernels/int4_gemv.cu) on a GPU with nvcc (A/B runs)"),
+                                                 "(kernels/quant_gemv.cu) on a GPU with nvcc (A/B runs)"),
     "JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS": EnvVar(_int("JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS"), "0",
                                                   "steps of up to this many tokens run fp8 weights as W8A16 (the "
                                                   "weight converted in the dot, activations stay bf16) instead "

@@ -9,7 +9,7 @@ matmul can run the local product in ``shard_map`` (a Pallas call cannot be parti
 row-parallel partials.
 
 On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU steps of
-up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through the CUDA GEMV ``kernels.int4_gemv`` (an XLA FFI call, built
+up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through the CUDA GEMV ``kernels.quant_gemv`` (an XLA FFI call, built
 with the host's nvcc on first use), or ``kernels.int4_matmul_pallas`` where that cannot run (no nvcc, not bf16,
 ``JAXSERVE_INT4_FFI_GEMV=0``), both dequantizing in registers; larger steps dequantize and run XLA's GEMM.
 FP8 per-channel weights run W8A8 as an fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import envs
-from jaxserve.kernels import int4_gemv
+from jaxserve.kernels import quant_gemv
 from jaxserve.kernels import int4_matmul_pallas as int4_kernel
 from jaxserve.parallel.collectives import kernel_toolchain
 from jaxserve.parallel.mesh import current_tp_mesh
@@ -194,7 +194,7 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
     m = x.shape[0]
     kernel = int4_step_kernel(m, k, n, w.group_size, x.dtype) if jax.default_backend() == "gpu" else None
     if kernel == "ffi":
-        return int4_gemv.int4_gemv(x, packed, scales, zeros, group_size=w.group_size)
+        return quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=w.group_size)
     if kernel == "pallas":
         live = live if live is not None and m > 1 else None
         cfg = int4_kernel.default_config(m, k, n, w.group_size, live_one=live is not None)
@@ -211,17 +211,17 @@ def int4_step_kernel(m: int, k: int, n: int, group_size: int, dtype) -> str | No
     None (dequantize, then XLA's GEMM)."""
     if m > INT4_KERNEL_MAX_TOKENS:
         return None
-    if envs.JAXSERVE_INT4_FFI_GEMV and int4_gemv.supports(m, k, n, group_size, dtype) and int4_gemv_ready():
+    if envs.JAXSERVE_INT4_FFI_GEMV and quant_gemv.supports(m, k, n, group_size, dtype) and quant_gemv_ready():
         return "ffi"
     return "pallas" if int4_kernel.supports(m, k, n, group_size) else None
 
 
 @functools.lru_cache(maxsize=1)
-def int4_gemv_ready() -> bool:
+def quant_gemv_ready() -> bool:
     """Whether the CUDA GEMV is built and registered in this process (tried once; one log line when not)."""
     try:
-        int4_gemv.load(kernel_toolchain())
-    except int4_gemv.Int4GemvUnavailable as e:
+        quant_gemv.load(kernel_toolchain())
+    except quant_gemv.QuantGemvUnavailable as e:
         logger.warning("int4 decode steps run the Pallas kernel: the CUDA GEMV is unavailable (%s)", e)
         return False
     return True

@@ -10,17 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels import cuda_build, int4_gemv
+from jaxserve.kernels import cuda_build, quant_gemv
 from jaxserve.quantization import online, weights
 
 
 @pytest.fixture
 def ready(monkeypatch):
-    """The GEMV as if built and registered (``weights.int4_gemv_ready`` is cached per process)."""
-    weights.int4_gemv_ready.cache_clear()
-    monkeypatch.setattr(int4_gemv, "load", lambda toolchain: object())
+    """The GEMV as if built and registered (``weights.quant_gemv_ready`` is cached per process)."""
+    weights.quant_gemv_ready.cache_clear()
+    monkeypatch.setattr(quant_gemv, "load", lambda toolchain: object())
     yield
-    weights.int4_gemv_ready.cache_clear()
+    weights.quant_gemv_ready.cache_clear()
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
@@ -40,9 +40,9 @@ def test_the_switch_forces_the_pallas_kernel(ready, monkeypatch):
 
 
 def test_no_nvcc_falls_back_to_pallas_with_one_log_line(monkeypatch, caplog, tmp_path):
-    weights.int4_gemv_ready.cache_clear()
+    weights.quant_gemv_ready.cache_clear()
     monkeypatch.setattr(cuda_build.Toolchain, "find_nvcc", lambda self: None)
-    monkeypatch.setattr(int4_gemv, "_lib", None)
+    monkeypatch.setattr(quant_gemv, "_lib", None)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # load() gets as far as the build
     monkeypatch.setattr(jax, "local_devices", lambda: [object()])
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
@@ -50,7 +50,7 @@ def test_no_nvcc_falls_back_to_pallas_with_one_log_line(monkeypatch, caplog, tmp
         with caplog.at_level(logging.WARNING, logger=weights.__name__):
             kinds = [weights.int4_step_kernel(1, 4096, 4096, 128, jnp.bfloat16) for _ in range(3)]
     finally:
-        weights.int4_gemv_ready.cache_clear()
+        weights.quant_gemv_ready.cache_clear()
     assert kinds == ["pallas"] * 3
     lines = [r.getMessage() for r in caplog.records if "CUDA GEMV is unavailable" in r.getMessage()]
     assert len(lines) == 1 and "no nvcc found" in lines[0]
@@ -61,6 +61,6 @@ def test_cpu_keeps_the_reference(ready):
                              jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (2, 256), jnp.bfloat16)
     hlo = jax.jit(weights.matmul).lower(x, w).as_text()
-    assert int4_gemv.TARGET not in hlo
+    assert quant_gemv.TARGET_INT4 not in hlo
     want = weights.int4_kernel.int4_matmul_reference(x, w.packed, w.scales, w.zeros, 64)
     np.testing.assert_array_equal(np.asarray(weights.matmul(x, w), np.float32), np.asarray(want, np.float32))

@@ -1,4 +1,4 @@
-"""The CUDA int4 GEMV (``kernels/int4_gemv.cu``) on an NVIDIA GPU against an exact product and the jnp reference:
+"""The CUDA int4 GEMV (``kernels/quant_gemv.cu``) on an NVIDIA GPU against an exact product and the jnp reference:
 random shapes with K and N tails (K not a multiple of the blocks' K ranges, N not of the 32-column tiles),
 groups of 32 / 64 / 128, zero points random or the symmetric 8, scales bf16 / f16 / f32, M = 1, 3, 16, chunks
 of 4 and 8 steps, K split across blocks or not (more splits than chunks too); and the engine's int4 matmul
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels import int4_gemv, int4_matmul_pallas as k4
+from jaxserve.kernels import int4_matmul_pallas as k4, quant_gemv
 from jaxserve.quantization import int4_formats
 
 pytestmark = [pytest.mark.gpu,
@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.gpu,
 def built():
     from jaxserve.parallel.collectives import kernel_toolchain
     try:
-        int4_gemv.load(kernel_toolchain())
-    except int4_gemv.Int4GemvUnavailable as e:
+        quant_gemv.load(kernel_toolchain())
+    except quant_gemv.QuantGemvUnavailable as e:
         pytest.skip(f"the CUDA GEMV cannot run here: {e}")
 
 
@@ -58,7 +58,7 @@ def test_matches_the_exact_product_and_the_reference(k, n, group, m, symmetric):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     exact = np.asarray(x, np.float64) @ w
     for chunk, splits in ((None, None), (4, 1), (4, 3), (8, 1), (8, 2), (8, 5)):
-        f = jax.jit(lambda x, *a, s=splits, c=chunk: int4_gemv.int4_gemv(x, *a, group_size=group, splits=s, chunk=c))
+        f = jax.jit(lambda x, *a, s=splits, c=chunk: quant_gemv.int4_gemv(x, *a, group_size=group, splits=s, chunk=c))
         got = f(x, *args)
         assert got.shape == (m, n) and got.dtype == jnp.bfloat16
         assert _rel_err(got, exact) < 4e-3, (chunk, splits, _rel_err(got, exact))
@@ -70,7 +70,7 @@ def test_repeated_calls_in_one_program_are_deterministic():
     rng = np.random.default_rng(0)
     args, _ = _weight(rng, 4096, 6144, 128, jnp.bfloat16, False)
     x = jnp.asarray(rng.standard_normal((4, 4096)), jnp.bfloat16)
-    f = jax.jit(lambda x, *a: [int4_gemv.int4_gemv(x, *a, group_size=128, splits=4, chunk=8) for _ in range(20)])
+    f = jax.jit(lambda x, *a: [quant_gemv.int4_gemv(x, *a, group_size=128, splits=4, chunk=8) for _ in range(20)])
     outs = [np.asarray(o, np.float32) for o in f(x, *args) + f(x, *args)]
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
@@ -84,6 +84,6 @@ def test_the_engine_matmul_runs_it(m):
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     assert weights.int4_step_kernel(m, k, n, group, x.dtype) == "ffi"
     f = jax.jit(weights.matmul)
-    assert int4_gemv.TARGET in f.lower(x, w).as_text()
+    assert quant_gemv.TARGET_INT4 in f.lower(x, w).as_text()
     want = k4.int4_matmul_reference(x, w.packed, w.scales, w.zeros, group)
     assert _rel_err(f(x, w), want) < 1e-2

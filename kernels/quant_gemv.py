@@ -1,4 +1,4 @@
-"""W4A16 decode GEMM for 1..16 rows: CUDA (``int4_gemv.cu``) as an XLA FFI call, on ``int4_matmul_pallas``'s layout.
+"""W4A16 decode GEMM for 1..16 rows: CUDA (``quant_gemv.cu``) as an XLA FFI call, on ``int4_matmul_pallas``'s layout.
 
 Why: a decode step reads every weight once, so an int4 projection should take a quarter of bf16's time; the
 Pallas Triton kernels (``int4_matmul_pallas``) stay far from the read ceiling (kernels/README.md). This kernel
@@ -7,7 +7,7 @@ bf16 pairs with one ``lop3`` and one bf16x2 subtraction (the zero point inside i
 tensor cores (m16n8k16, float32 accumulation, the M rows padded inside the mma, not in memory) and applies the
 group scale once per step and column in float32. The packed layout needs no repack: the K labels inside an mma
 are chosen so each thread's fragment is its own word's nibbles, and the activations are paired to match
-(``int4_gemv.cu`` says how).
+(``quant_gemv.cu`` says how).
 
 Launch: one block of 8 warps per 32 output columns, its warps splitting K; ``splits`` > 1 also splits K across
 blocks (short-and-wide shapes would leave SMs idle), the last block of a column tile adding the float32
@@ -17,7 +17,7 @@ with whole waves of blocks whose warps all have work.
 
 Limits: bf16 activations, 1..16 rows, K and the group size multiples of 32, N a multiple of 8 (``supports``);
 scales bf16, f16 or f32; zero points always applied (symmetric formats store 8). Built with the machine's
-``nvcc`` on first use (``cuda_build``); ``Int4GemvUnavailable`` says why it cannot run.
+``nvcc`` on first use (``cuda_build``); ``QuantGemvUnavailable`` says why it cannot run.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import numpy as np
 
 from . import cuda_build
 
-SOURCE = Path(__file__).with_name("int4_gemv.cu")
-TARGET = "jaxserve_int4_gemv"
+SOURCE = Path(__file__).with_name("quant_gemv.cu")
+TARGET_INT4 = "jaxserve_int4_gemv"
 MAX_ROWS = 16
 STEP_K = 32                     # K rows per warp step (as in the .cu)
 CHUNKS = (4, 8)                 # consecutive steps a warp loads at once (8: up to 8 rows, groups of >= 128)
@@ -46,18 +46,18 @@ _load_lock = threading.Lock()      # steps are traced on several threads at once
 _slots = itertools.count()
 
 
-class Int4GemvUnavailable(RuntimeError):
+class QuantGemvUnavailable(RuntimeError):
     """The FFI kernel cannot run here (no nvcc, no GPU, the build failed, ...); the message says why."""
 
 
 def build(toolchain: cuda_build.Toolchain, *, arch: str | None = None) -> Path:
-    """Compile ``int4_gemv.cu`` (once per source/compiler/architecture/headers); the shared library's path."""
-    return cuda_build.build(SOURCE, toolchain, arch=arch, error=Int4GemvUnavailable)
+    """Compile ``quant_gemv.cu`` (once per source/compiler/architecture/headers); the shared library's path."""
+    return cuda_build.build(SOURCE, toolchain, arch=arch, error=QuantGemvUnavailable)
 
 
 def load(toolchain: cuda_build.Toolchain):
     """Build the library for this process's GPUs, register its FFI target and set up every local GPU's split-K
-    counters (once per process); raise ``Int4GemvUnavailable`` when it cannot."""
+    counters (once per process); raise ``QuantGemvUnavailable`` when it cannot."""
     global _lib
     with _load_lock:
         if _lib is None:
@@ -69,19 +69,19 @@ def _load(toolchain: cuda_build.Toolchain):
     import jax
     import jax.ffi
     if jax.default_backend() != "gpu":
-        raise Int4GemvUnavailable(f"needs an NVIDIA GPU (backend is {jax.default_backend()!r})")
+        raise QuantGemvUnavailable(f"needs an NVIDIA GPU (backend is {jax.default_backend()!r})")
     devices = jax.local_devices()
     path = build(toolchain, arch=cuda_build.device_arch(devices[0]))
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        raise Int4GemvUnavailable(f"cannot load {path}: {e}") from e
-    lib.jaxserve_int4_gemv_init.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint64]
+        raise QuantGemvUnavailable(f"cannot load {path}: {e}") from e
+    lib.jaxserve_quant_gemv_init.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint64]
     err = ctypes.create_string_buffer(512)
     for d in devices:
-        if lib.jaxserve_int4_gemv_init(int(d.local_hardware_id), err, len(err)):
-            raise Int4GemvUnavailable(err.value.decode(errors="replace"))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveInt4Gemv), platform="CUDA")
+        if lib.jaxserve_quant_gemv_init(int(d.local_hardware_id), err, len(err)):
+            raise QuantGemvUnavailable(err.value.decode(errors="replace"))
+    jax.ffi.register_ffi_target(TARGET_INT4, jax.ffi.pycapsule(lib.JaxserveInt4Gemv), platform="CUDA")
     return lib
 
 
@@ -141,7 +141,7 @@ def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None =
     chunk = chunk_steps(m, group_size, chunk or auto_chunk)
     splits = int(splits or (auto_splits if chunk == auto_chunk else max(1, min(auto_splits, max_splits(k, chunk)))))
     partials = jax.ShapeDtypeStruct((splits * m * n if splits > 1 else 1,), jnp.float32)
-    out, _ = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(
+    out, _ = jax.ffi.ffi_call(TARGET_INT4, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(
         x, packed, scales, zeros, group_size=np.int64(group_size), splits=np.int64(splits), chunk=np.int64(chunk),
         slot=np.int64(next(_slots) % SLOTS))
     return out

@@ -1,4 +1,4 @@
-"""The CUDA int4 GEMV (``kernels/int4_gemv.{cu,py}``) on CPU: its launch arithmetic, its fragment mapping
+"""The CUDA int4 GEMV (``kernels/quant_gemv.{cu,py}``) on CPU: its launch arithmetic, its fragment mapping
 emulated lane by lane in numpy against the reference (the mma's K labels, the activation pairing, the output
 placement), and that the .cu compiles with this machine's nvcc for Hopper. The kernel itself runs in
 ``test_int4_gemv_gpu.py``."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.kernels import cuda_build, int4_gemv
+from jaxserve.kernels import cuda_build, quant_gemv
 from jaxserve.quantization import int4_formats
 
 MAGIC = 0x43004300
@@ -61,7 +61,7 @@ def _mma(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
 
 
 def _emulate(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group: int) -> np.ndarray:
-    """What ``int4_gemv.cu`` computes, one warp step and column tile at a time (the order of the sums aside):
+    """What ``quant_gemv.cu`` computes, one warp step and column tile at a time (the order of the sums aside):
     the weights are the mma's A operand (rows g / g + 8 = the lane's columns 2j / 2j + 1), x its B operand."""
     m, k = x.shape
     n = packed.shape[1]
@@ -118,17 +118,17 @@ def test_the_fragment_mapping_computes_the_product(m, k, n, group):
 
 @pytest.mark.parametrize("k", [96, 480, 4096, 14336])
 @pytest.mark.parametrize("splits", [1, 3, 4, 7])
-@pytest.mark.parametrize("chunk", int4_gemv.CHUNKS)
+@pytest.mark.parametrize("chunk", quant_gemv.CHUNKS)
 def test_blocks_and_warps_cover_every_step_once(k, splits, chunk):
     """The .cu's K ranges: split ``b`` of ``splits`` takes whole chunks (none when there are fewer chunks than
     splits), warp ``w`` every ``WARPS``-th chunk of them."""
-    steps = k // int4_gemv.STEP_K
+    steps = k // quant_gemv.STEP_K
     chunks = -(-steps // chunk)
     seen = []
     for b in range(splits):
         lo, hi = chunk * (b * chunks // splits), min(steps, chunk * ((b + 1) * chunks // splits))
-        for w in range(int4_gemv.WARPS):
-            for s0 in range(lo + w * chunk, hi, int4_gemv.WARPS * chunk):
+        for w in range(quant_gemv.WARPS):
+            for s0 in range(lo + w * chunk, hi, quant_gemv.WARPS * chunk):
                 seen += [s for s in range(s0, s0 + chunk) if s < hi]
     assert sorted(seen) == list(range(steps))
 
@@ -138,29 +138,29 @@ def test_blocks_and_warps_cover_every_step_once(k, splits, chunk):
     (4, 4096, 4100, 128, False), (4, 4112, 4096, 16, False), (4, 4096, 4096, 4096, True)])
 def test_supports(m, k, n, group, ok):
     import ml_dtypes
-    assert int4_gemv.supports(m, k, n, group, ml_dtypes.bfloat16) is ok
-    assert not int4_gemv.supports(m, k, n, group, np.float32)
+    assert quant_gemv.supports(m, k, n, group, ml_dtypes.bfloat16) is ok
+    assert not quant_gemv.supports(m, k, n, group, np.float32)
 
 
 @pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (256, 64), (64, 8)])
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_the_default_launch_fills_the_gpu(k, n, m):
-    chunk, splits = int4_gemv.default_launch(m, k, n, 128, 132)
-    assert chunk == int4_gemv.chunk_steps(m, 128, chunk) and (chunk == 4 or m <= 8)
-    assert 1 <= splits <= int4_gemv.max_splits(k, chunk)
+    chunk, splits = quant_gemv.default_launch(m, k, n, 128, 132)
+    assert chunk == quant_gemv.chunk_steps(m, 128, chunk) and (chunk == 4 or m <= 8)
+    assert 1 <= splits <= quant_gemv.max_splits(k, chunk)
     if n >= 4096:       # the 8B projections: nearly whole waves of blocks, every warp with work
-        assert int4_gemv.fill(k, n, 132, chunk, splits) >= 0.9
+        assert quant_gemv.fill(k, n, 132, chunk, splits) >= 0.9
 
 
 def test_chunks_of_8_only_where_registers_allow():
-    assert int4_gemv.chunk_steps(8, 128, 8) == 8 and int4_gemv.chunk_steps(8, 4096, 8) == 8
-    assert int4_gemv.chunk_steps(9, 128, 8) == 4 and int4_gemv.chunk_steps(1, 64, 8) == 4
-    assert int4_gemv.chunk_steps(1, 128, 4) == 4
+    assert quant_gemv.chunk_steps(8, 128, 8) == 8 and quant_gemv.chunk_steps(8, 4096, 8) == 8
+    assert quant_gemv.chunk_steps(9, 128, 8) == 4 and quant_gemv.chunk_steps(1, 64, 8) == 4
+    assert quant_gemv.chunk_steps(1, 128, 4) == 4
 
 
 def test_the_cuda_source_compiles_for_hopper(tmp_path):
     toolchain = cuda_build.Toolchain(cache_dir=tmp_path)
     if toolchain.find_nvcc() is None:
         pytest.skip("no nvcc on this machine")
-    lib = int4_gemv.build(toolchain, arch="sm_90a")
+    lib = quant_gemv.build(toolchain, arch="sm_90a")
     assert lib.exists() and lib.stat().st_size > 0

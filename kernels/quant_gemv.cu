@@ -1,6 +1,6 @@
 // W4A16 decode GEMM for 1..16 rows as an XLA FFI custom call: y[M, N] = x[M, K] @ w[K, N], with w the int4
 // layout of int4_matmul_pallas.py (packed int32 [K/8, N], nibble j of row r = input row 8r + j; scales and
-// int8 zero points [K/G, N]). Built and loaded by int4_gemv.py, which says why and how it is used.
+// int8 zero points [K/G, N]). Built and loaded by quant_gemv.py, which says why and how it is used.
 //
 // Each warp owns 32 output columns and walks K in steps of 32 rows (4 packed rows). A step is one 16-byte load
 // per thread: lane (g = lane / 4, c = lane % 4) reads packed row 4s + c, columns n0 + 4g .. n0 + 4g + 3 (a
@@ -419,7 +419,7 @@ extern "C" {
 
 // The split-K arrival counters of `device` (zeroed; each call's last block resets its own). Call once per
 // device before the first call; 0 on success, else 1 with the reason in `err`.
-int jaxserve_int4_gemv_init(int device, char* err, uint64_t err_len) {
+int jaxserve_quant_gemv_init(int device, char* err, uint64_t err_len) {
   auto fail = [&](const char* what, cudaError_t e) {
     snprintf(err, err_len, "%s: %s", what, e == cudaSuccess ? "bad argument" : cudaGetErrorString(e));
     return 1;

@@ -14,7 +14,8 @@ with the host's nvcc on first use), or ``kernels.int4_matmul_pallas`` where that
 ``JAXSERVE_INT4_FFI_GEMV=0``), both dequantizing in registers; larger steps dequantize and run XLA's GEMM.
 FP8 per-channel weights run W8A8 as an fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper
 GPUs), the per-token activation scale and the weight's channel scale applied to the result; 128 × 128 block
-weights are dequantized to the activation dtype before the dot (W8A16).
+weights are dequantized to the activation dtype before the dot (W8A16). With ``JAXSERVE_FP8_FFI_GEMV`` steps of
+up to 16 tokens run both kinds weight-only through the CUDA GEMV ``kernels.quant_gemv.fp8_gemv``.
 """
 from __future__ import annotations
 
@@ -218,11 +219,12 @@ def int4_step_kernel(m: int, k: int, n: int, group_size: int, dtype) -> str | No
 
 @functools.lru_cache(maxsize=1)
 def quant_gemv_ready() -> bool:
-    """Whether the CUDA GEMV is built and registered in this process (tried once; one log line when not)."""
+    """Whether the CUDA GEMVs are built and registered in this process (tried once; one log line when not)."""
     try:
         quant_gemv.load(kernel_toolchain())
     except quant_gemv.QuantGemvUnavailable as e:
-        logger.warning("int4 decode steps run the Pallas kernel: the CUDA GEMV is unavailable (%s)", e)
+        logger.warning("int4 decode steps run the Pallas kernel (fp8 ones XLA's dot): the CUDA GEMV is "
+                       "unavailable (%s)", e)
         return False
     return True
 
@@ -242,10 +244,17 @@ def quantize_activation_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _to_fp8(x.astype(jnp.float32) / scale), scale
 
 
+def fp8_step_uses_gemv(tokens: int) -> bool:
+    """Whether fp8 weights run weight-only through the CUDA GEMV in a step of ``tokens`` tokens
+    (``JAXSERVE_FP8_FFI_GEMV``, a GPU whose nvcc built it; each weight still checks its shape)."""
+    return (bool(envs.JAXSERVE_FP8_FFI_GEMV) and tokens <= quant_gemv.MAX_ROWS and jax.default_backend() == "gpu"
+            and quant_gemv_ready())
+
+
 def reads_fp8_activations(weights, tokens: int) -> bool:
     """Whether every one of ``weights`` quantizes its input per token (fp8 W8A8, dynamic scales) in a step of
     ``tokens`` tokens: then their input can be quantized once, where it is made (``rms_norm_fp8``)."""
-    weight_only = tokens <= (envs.JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS or 0)
+    weight_only = tokens <= (envs.JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS or 0) or fp8_step_uses_gemv(tokens)
     return bool(weights) and not weight_only and all(
         isinstance(w, Fp8Weight) and not w.block and w.input_scale is None for w in weights)
 
@@ -284,6 +293,10 @@ def _fp8_matmul(x, w: Fp8Weight, n: int) -> jax.Array:
     if isinstance(x, Fp8Activation):      # quantized where it was made (reads_fp8_activations said so)
         y = jax.lax.dot_general(x.q, wt, _CONTRACT_K, preferred_element_type=jnp.float32)
         return (y * x.scale * w.scale.reshape(1, n)).astype(x.dtype)
+    if fp8_step_uses_gemv(x.shape[0]) and quant_gemv.supports_fp8(x.shape[0], k, n, x.dtype):
+        scale = w.scale.reshape(w.scale.shape[0], -1) if w.block else w.scale.reshape(n)
+        if not w.block or scale.shape == (-(-k // 128), -(-n // 128)):
+            return quant_gemv.fp8_gemv(x, wt, scale)
     if w.block:
         x, wt, s = _after_input(x, wt, w.scale.reshape(w.scale.shape[0], -1))
         s = jnp.repeat(jnp.repeat(s, 128, axis=0)[:k], 128, axis=1)[:, :n]

@@ -116,6 +116,60 @@ def test_the_fragment_mapping_computes_the_product(m, k, n, group):
     np.testing.assert_allclose(got, xr.astype(np.float64) @ w, rtol=1e-9, atol=1e-9)
 
 
+def _emulate_fp8(x: np.ndarray, w8: np.ndarray, scale: np.ndarray, block: bool) -> np.ndarray:
+    """What ``fp8_gemv.cuh`` computes per 64-row step and 32-row tile (the order of the sums aside): lane (g, c)
+    loads 16 bytes at k0 + 16c of rows n0 + g, + 8, + 16, + 24; mma q of a tile takes bytes 4q .. 4q + 3."""
+    import ml_dtypes
+    m, k = x.shape
+    n = w8.shape[0]
+    xbits = _bf16_bits(x)
+    wbits = _bf16_bits(w8.view(ml_dtypes.float8_e4m3fn).astype(np.float32))   # e4m3 -> bf16 is exact
+    lane = np.arange(32)
+    g, c = lane // 4, lane % 4
+    out = np.zeros((16, n + 32), np.float64)
+    for n0 in range(0, n, 32):
+        rows = [np.minimum(n0 + 8 * i + g, n - 1) for i in range(4)]
+        acc = np.zeros((32, 2, 2, 4))
+        for k0 in range(0, k, 64):
+            s = scale[k0 // 128, n0 // 128] if block else 1.0
+            for tile in range(2):
+                for q in range(4):
+                    kk = k0 + 16 * c + 4 * q
+                    a = [wbits[rows[2 * tile], kk] | (wbits[rows[2 * tile], kk + 1] << 16),
+                         wbits[rows[2 * tile + 1], kk] | (wbits[rows[2 * tile + 1], kk + 1] << 16),
+                         wbits[rows[2 * tile], kk + 2] | (wbits[rows[2 * tile], kk + 3] << 16),
+                         wbits[rows[2 * tile + 1], kk + 2] | (wbits[rows[2 * tile + 1], kk + 3] << 16)]
+                    for blk in range(2):
+                        xr = np.minimum(g + 8 * blk, m - 1)
+                        b = [xbits[xr, kk] | (xbits[xr, kk + 1] << 16), xbits[xr, kk + 2] | (xbits[xr, kk + 3] << 16)]
+                        acc[:, tile, blk] += s * _mma(a, b)
+        for idx in range(512):       # Fp8Columns
+            v, ln = idx >> 5, idx & 31
+            tile, blk, e = v >> 3, (v >> 2) & 1, v & 3
+            row = 2 * (ln & 3) + (e & 1) + 8 * blk
+            col = n0 + 16 * tile + (ln >> 2) + 8 * (e >> 1)
+            out[row, col] = acc[ln, tile, blk, e] * (1.0 if block else scale[min(col, n - 1)])
+    return out[:m, :n]
+
+
+@pytest.mark.parametrize("m,k,n,block", [(1, 128, 32, False), (3, 192, 40, True), (16, 128, 72, False),
+                                         (9, 256, 136, True)])
+def test_the_fp8_fragment_mapping_computes_the_product(m, k, n, block):
+    import ml_dtypes
+    rng = np.random.default_rng(m + k + n)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w8 = w.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    scale = (rng.random((-(-k // 128), -(-n // 128)) if block else n) * 0.02 + 0.001).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    xr = _halves(_bf16_bits(x))[0].astype(np.float64)
+    wf = w8.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    if block:
+        wf = wf * np.repeat(np.repeat(scale, 128, 0)[:k], 128, 1)[:, :n].T
+    else:
+        wf = wf * scale[:, None]
+    np.testing.assert_allclose(_emulate_fp8(x, w8, scale, block), xr @ wf.T, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("k", [96, 480, 4096, 14336])
 @pytest.mark.parametrize("splits", [1, 3, 4, 7])
 @pytest.mark.parametrize("chunk", quant_gemv.CHUNKS)
@@ -131,6 +185,14 @@ def test_blocks_and_warps_cover_every_step_once(k, splits, chunk):
             for s0 in range(lo + w * chunk, hi, quant_gemv.WARPS * chunk):
                 seen += [s for s in range(s0, s0 + chunk) if s < hi]
     assert sorted(seen) == list(range(steps))
+
+
+@pytest.mark.parametrize("m,k,n,ok", [(1, 4096, 4096, True), (16, 7168, 2112, True), (17, 4096, 4096, False),
+                                      (4, 4096, 4100, False), (4, 4160, 4096, True), (4, 4128, 4096, False)])
+def test_supports_fp8(m, k, n, ok):
+    import ml_dtypes
+    assert quant_gemv.supports_fp8(m, k, n, ml_dtypes.bfloat16) is ok
+    assert not quant_gemv.supports_fp8(m, k, n, np.float16)
 
 
 @pytest.mark.parametrize("m,k,n,group,ok", [

@@ -1,8 +1,10 @@
-"""The CUDA int4 GEMV (``kernels/quant_gemv.cu``) on an NVIDIA GPU against an exact product and the jnp reference:
+"""The CUDA quantized GEMVs (``kernels/quant_gemv.cu``) on an NVIDIA GPU against exact products and the jnp
+references. int4:
 random shapes with K and N tails (K not a multiple of the blocks' K ranges, N not of the 32-column tiles),
 groups of 32 / 64 / 128, zero points random or the symmetric 8, scales bf16 / f16 / f32, M = 1, 3, 16, chunks
-of 4 and 8 steps, K split across blocks or not (more splits than chunks too); and the engine's int4 matmul
-taking it. Marked ``gpu``; on a GPU host with nvcc:
+of 4 and 8 steps, K split across blocks or not (more splits than chunks too); the engine's int4 matmul taking
+it. fp8 (e4m3, W8A16): channel and 128 x 128-block scales, K a multiple of 64 but not of 128, N tails, M = 1,
+3, 16; the engine's fp8 matmul taking it with ``JAXSERVE_FP8_FFI_GEMV=1``. Marked ``gpu``; on a GPU host with nvcc:
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_int4_gemv_gpu.py
 """
@@ -87,3 +89,41 @@ def test_the_engine_matmul_runs_it(m):
     assert quant_gemv.TARGET_INT4 in f.lower(x, w).as_text()
     want = k4.int4_matmul_reference(x, w.packed, w.scales, w.zeros, group)
     assert _rel_err(f(x, w), want) < 1e-2
+
+
+FP8_CASES = [(4096, 4096), (448, 200), (1152, 1000), (14336, 264), (64, 8)]     # k, n: K and N tails
+
+
+@pytest.mark.parametrize("k,n", FP8_CASES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("block", [False, True])
+def test_fp8_matches_the_exact_product(k, n, m, block):
+    rng = np.random.default_rng(k + n + m + block)
+    w8 = jnp.asarray(rng.standard_normal((n, k)) * 8, jnp.float8_e4m3fn)
+    shape = (-(-k // 128), -(-n // 128)) if block else (n,)
+    scale = jnp.asarray(rng.random(shape) * 0.02 + 0.001, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    wf = np.asarray(w8, np.float64)
+    s = np.asarray(scale, np.float64)
+    wf = wf * (np.repeat(np.repeat(s, 128, 0)[:k], 128, 1)[:, :n].T if block else s[:, None])
+    exact = np.asarray(x, np.float64) @ wf.T
+    for splits in (None, 1, 3):
+        if splits and splits > k // quant_gemv.FP8_STEP_K:
+            continue
+        got = jax.jit(lambda x, w, sc, s=splits: quant_gemv.fp8_gemv(x, w, sc, splits=s))(x, w8, scale)
+        assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+        assert _rel_err(got, exact) < 4e-3, (splits, _rel_err(got, exact))
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_the_engine_fp8_matmul_runs_it_when_switched_on(m, monkeypatch):
+    from jaxserve.quantization import online, weights
+    monkeypatch.setenv("JAXSERVE_FP8_FFI_GEMV", "1")
+    k, n = 4096, 4096
+    w = online.quantize_fp8_per_channel(jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16) * 0.02)
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    assert weights.fp8_step_uses_gemv(m)
+    f = jax.jit(weights.matmul)
+    assert quant_gemv.TARGET_FP8 in f.lower(x, w).as_text()
+    want = np.asarray(x, np.float64) @ (np.asarray(w.weight, np.float64) * np.asarray(w.scale)[:, None]).T
+    assert _rel_err(f(x, w), want) < 4e-3

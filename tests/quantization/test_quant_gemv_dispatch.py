@@ -1,6 +1,8 @@
-"""Which kernel a GPU runs an int4 product with (``weights.int4_step_kernel``): the CUDA FFI GEMV for bf16 steps of
-up to 16 tokens, the Pallas kernel where the GEMV cannot run (no nvcc: one log line) or is switched off
-(``JAXSERVE_INT4_FFI_GEMV=0``), XLA's GEMM above 16 tokens. CPU keeps the jnp reference."""
+"""Which kernel a GPU runs a quantized product with. int4 (``weights.int4_step_kernel``): the CUDA FFI GEMV for
+bf16 steps of up to 16 tokens, the Pallas kernel where the GEMV cannot run (no nvcc: one log line) or is
+switched off (``JAXSERVE_INT4_FFI_GEMV=0``), XLA's GEMM above 16 tokens. fp8 (``weights.fp8_step_uses_gemv``):
+the CUDA GEMV, weight-only, only with ``JAXSERVE_FP8_FFI_GEMV=1``, and then the norm does not quantize the
+activations for it. CPU keeps the jnp reference."""
 from __future__ import annotations
 
 import logging
@@ -64,3 +66,20 @@ def test_cpu_keeps_the_reference(ready):
     assert quant_gemv.TARGET_INT4 not in hlo
     want = weights.int4_kernel.int4_matmul_reference(x, w.packed, w.scales, w.zeros, 64)
     np.testing.assert_array_equal(np.asarray(weights.matmul(x, w), np.float32), np.asarray(want, np.float32))
+
+
+def test_fp8_takes_the_gemv_only_when_switched_on(ready, monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    w8 = online.quantize_fp8_per_channel(jax.random.normal(jax.random.key(0), (256, 64), jnp.float32))
+    assert not weights.fp8_step_uses_gemv(4)
+    assert weights.reads_fp8_activations([w8], 4)                    # W8A8, as before
+    monkeypatch.setenv("JAXSERVE_FP8_FFI_GEMV", "1")
+    assert weights.fp8_step_uses_gemv(1) and weights.fp8_step_uses_gemv(16)
+    assert not weights.fp8_step_uses_gemv(17)
+    assert not weights.reads_fp8_activations([w8], 4)                # weight-only: bf16 activations
+    assert weights.reads_fp8_activations([w8], 64)
+
+
+def test_fp8_switch_does_nothing_on_cpu(ready, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_FP8_FFI_GEMV", "1")
+    assert not weights.fp8_step_uses_gemv(4)

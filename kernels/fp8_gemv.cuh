@@ -55,7 +55,9 @@ __global__ void __launch_bounds__(kThreads, 2) fp8_gemv_kernel(
   const int first = lo + warp * kFp8Chunk;
   const uint8_t* wp[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) wp[i] = w + static_cast<size_t>(min(n0 + 8 * i + g, n - 1)) * k + kFp8StepK * first + 16 * c;
+  for (int i = 0; i < 4; ++i) {
+    wp[i] = w + static_cast<size_t>(min(n0 + 8 * i + g, n - 1)) * k + kFp8StepK * first + 16 * c;
+  }
   const __nv_bfloat16* xpa = x + static_cast<size_t>(min(g, m - 1)) * k + kFp8StepK * first + 16 * c;
   const __nv_bfloat16* xpb = x + static_cast<size_t>(min(g + 8, m - 1)) * k + kFp8StepK * first + 16 * c;
   constexpr int kIter = kWarps * kFp8Chunk * kFp8StepK;

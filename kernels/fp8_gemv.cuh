@@ -11,6 +11,8 @@
 // 128-row chunk in float32; channel scales once, on the result.
 #pragma once
 
+#include <cuda_fp8.h>
+
 #include "gemv_common.cuh"
 
 namespace {
@@ -24,12 +26,9 @@ struct Fp8Columns {    // tile t's A rows g, g + 8 = weight rows n0 + 16t + g, n
   }
 };
 
-// two e4m3 values (low byte first) as a bf16x2, exactly
+// two e4m3 values (the low 16 bits, low byte first) as a bf16x2, exactly
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t v) {
-  uint32_t h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<unsigned short>(v)));
-  __half2 h2;
-  memcpy(&h2, &h, 4);
+  const __half2 h2 = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3));
   const float2 f = __half22float2(h2);
   const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
   uint32_t r;

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import envs
-from jaxserve.kernels import quant_gemv
 from jaxserve.kernels import int4_matmul_pallas as int4_kernel
+from jaxserve.kernels import quant_gemv
 from jaxserve.parallel.collectives import kernel_toolchain
 from jaxserve.parallel.mesh import current_tp_mesh
 

@@ -73,6 +73,13 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM": EnvVar(_flag, "1", "0 = the custom all-reduce does not fuse the "
                                                                "residual add + RMSNorm (A/B runs)"),
     # quantized weights
+    "JAXSERVE_INT4_FFI_GEMV": EnvVar(_flag, "1", "0 = int4 steps of <= 16 tokens run the Pallas kernel "
+                                                 "(kernels/int4_matmul_pallas.py) instead of the CUDA FFI GEMV "
+                                                 "(kernels/quant_gemv.cu) on a GPU with nvcc (A/B runs)"),
+    "JAXSERVE_FP8_FFI_GEMV": EnvVar(lambda raw: bool(raw) and _flag(raw), "0",
+                                    "1 = fp8 weights of steps of <= 16 bf16 tokens run weight-only (W8A16) through "
+                                    "the CUDA FFI GEMV (kernels/fp8_gemv.cuh) on a GPU with nvcc, per-channel and "
+                                    "128x128-block scales alike (A/B runs)"),
     "JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS": EnvVar(_int("JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS"), "0",
                                                   "steps of up to this many tokens run fp8 weights as W8A16 (the "
                                                   "weight converted in the dot, activations stay bf16) instead "

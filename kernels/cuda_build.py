@@ -1,10 +1,11 @@
-"""Compile a CUDA source of ``kernels/`` into a shared library on first use (the custom all-reduce).
+"""Compile a CUDA source of ``kernels/`` into a shared library on first use (the custom all-reduce, the
+quantized decode GEMMs).
 
 The machine's ``nvcc`` (``$JAXSERVE_NVCC``, ``$CUDA_HOME/bin``, ``PATH`` or ``/usr/local/cuda/bin``) builds it for
 the given GPU architecture into a cache folder (``$JAXSERVE_KERNEL_CACHE``, else ``~/.cache/jaxserve/kernels``),
-keyed by the source, the compiler's version, the architecture and XLA's FFI headers. The caller says where
-things are (a ``Toolchain``: jaxserve fills it from its environment registry, ``jaxserve.envs``); kernels/
-itself reads no environment.
+keyed by the source and the ``.cuh`` headers beside it, the compiler's version, the architecture and XLA's FFI
+headers. The caller says where things are (a ``Toolchain``: jaxserve fills it from its environment registry,
+``jaxserve.envs``); kernels/ itself reads no environment.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def build(source: Path, toolchain: Toolchain, *, arch: str | None = None,
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise error(f"{nvcc} --version failed: {e}") from e
-    key = hashlib.sha256(source.read_bytes() + version.encode() + arch.encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.cuh")))   # what the source may include
+    key = hashlib.sha256(source.read_bytes() + headers + version.encode() + arch.encode()
                          + jax.ffi.include_dir().encode()).hexdigest()[:16]
     out = Path(toolchain.cache_dir) / f"{source.stem}-{key}.so"
     if out.exists():

@@ -9,16 +9,20 @@ matmul can run the local product in ``shard_map`` (a Pallas call cannot be parti
 row-parallel partials.
 
 On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU steps of
-up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through ``kernels.int4_matmul_pallas`` (dequantization in
-registers), larger ones dequantize and run XLA's GEMM. FP8 per-channel weights run W8A8 as an
-fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper GPUs), the per-token activation scale
-and the weight's channel scale applied to the result; 128 × 128 block weights are dequantized to the
-activation dtype before the dot (W8A16).
+up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through the CUDA GEMV ``kernels.quant_gemv`` (an XLA FFI call, built
+with the host's nvcc on first use), or ``kernels.int4_matmul_pallas`` where that cannot run (no nvcc, not bf16,
+``JAXSERVE_INT4_FFI_GEMV=0``), both dequantizing in registers; larger steps dequantize and run XLA's GEMM.
+FP8 per-channel weights run W8A8 as an fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper
+GPUs), the per-token activation scale and the weight's channel scale applied to the result; 128 × 128 block
+weights are dequantized to the activation dtype before the dot (W8A16). With ``JAXSERVE_FP8_FFI_GEMV`` steps of
+up to 16 tokens run both kinds weight-only through the CUDA GEMV ``kernels.quant_gemv.fp8_gemv``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 import math
 import threading
 
@@ -28,7 +32,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import envs
 from jaxserve.kernels import int4_matmul_pallas as int4_kernel
+from jaxserve.kernels import quant_gemv
+from jaxserve.parallel.collectives import kernel_toolchain
 from jaxserve.parallel.mesh import current_tp_mesh
+
+logger = logging.getLogger(__name__)
 
 # Steps up to this many tokens (decode, small mixed steps: bound by weight bytes) run the fused int4 kernel;
 # larger ones are bound by compute, where dequantizing once and running XLA's bf16 GEMM does better than
@@ -185,8 +193,10 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
     k = x.shape[-1]
     packed, scales, zeros = (a.reshape(a.shape[0], n) for a in (w.packed, w.scales, w.zeros))
     m = x.shape[0]
-    if (jax.default_backend() == "gpu" and m <= INT4_KERNEL_MAX_TOKENS
-            and int4_kernel.supports(m, k, n, w.group_size)):
+    kernel = int4_step_kernel(m, k, n, w.group_size, x.dtype) if jax.default_backend() == "gpu" else None
+    if kernel == "ffi":
+        return quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=w.group_size)
+    if kernel == "pallas":
         live = live if live is not None and m > 1 else None
         cfg = int4_kernel.default_config(m, k, n, w.group_size, live_one=live is not None)
         if cfg.method != "gemv":
@@ -195,6 +205,28 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
                                        live_rows=live)
     x, packed, scales, zeros = _after_input(x, packed, scales, zeros)
     return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size)
+
+
+def int4_step_kernel(m: int, k: int, n: int, group_size: int, dtype) -> str | None:
+    """The kernel a GPU runs an int4 product of ``m`` tokens with: ``"ffi"`` (the CUDA GEMV), ``"pallas"``, or
+    None (dequantize, then XLA's GEMM)."""
+    if m > INT4_KERNEL_MAX_TOKENS:
+        return None
+    if envs.JAXSERVE_INT4_FFI_GEMV and quant_gemv.supports(m, k, n, group_size, dtype) and quant_gemv_ready():
+        return "ffi"
+    return "pallas" if int4_kernel.supports(m, k, n, group_size) else None
+
+
+@functools.lru_cache(maxsize=1)
+def quant_gemv_ready() -> bool:
+    """Whether the CUDA GEMVs are built and registered in this process (tried once; one log line when not)."""
+    try:
+        quant_gemv.load(kernel_toolchain())
+    except quant_gemv.QuantGemvUnavailable as e:
+        logger.warning("int4 decode steps run the Pallas kernel (fp8 ones XLA's dot): the CUDA GEMV is "
+                       "unavailable (%s)", e)
+        return False
+    return True
 
 
 def _after_input(x, *weights):
@@ -212,10 +244,17 @@ def quantize_activation_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _to_fp8(x.astype(jnp.float32) / scale), scale
 
 
+def fp8_step_uses_gemv(tokens: int) -> bool:
+    """Whether fp8 weights run weight-only through the CUDA GEMV in a step of ``tokens`` tokens
+    (``JAXSERVE_FP8_FFI_GEMV``, a GPU whose nvcc built it; each weight still checks its shape)."""
+    return (bool(envs.JAXSERVE_FP8_FFI_GEMV) and tokens <= quant_gemv.MAX_ROWS and jax.default_backend() == "gpu"
+            and quant_gemv_ready())
+
+
 def reads_fp8_activations(weights, tokens: int) -> bool:
     """Whether every one of ``weights`` quantizes its input per token (fp8 W8A8, dynamic scales) in a step of
     ``tokens`` tokens: then their input can be quantized once, where it is made (``rms_norm_fp8``)."""
-    weight_only = tokens <= (envs.JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS or 0)
+    weight_only = tokens <= (envs.JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS or 0) or fp8_step_uses_gemv(tokens)
     return bool(weights) and not weight_only and all(
         isinstance(w, Fp8Weight) and not w.block and w.input_scale is None for w in weights)
 
@@ -254,6 +293,10 @@ def _fp8_matmul(x, w: Fp8Weight, n: int) -> jax.Array:
     if isinstance(x, Fp8Activation):      # quantized where it was made (reads_fp8_activations said so)
         y = jax.lax.dot_general(x.q, wt, _CONTRACT_K, preferred_element_type=jnp.float32)
         return (y * x.scale * w.scale.reshape(1, n)).astype(x.dtype)
+    if fp8_step_uses_gemv(x.shape[0]) and quant_gemv.supports_fp8(x.shape[0], k, n, x.dtype):
+        scale = w.scale.reshape(w.scale.shape[0], -1) if w.block else w.scale.reshape(n)
+        if not w.block or scale.shape == (-(-k // 128), -(-n // 128)):
+            return quant_gemv.fp8_gemv(x, wt, scale)
     if w.block:
         x, wt, s = _after_input(x, wt, w.scale.reshape(w.scale.shape[0], -1))
         s = jnp.repeat(jnp.repeat(s, 128, axis=0)[:k], 128, axis=1)[:, :n]

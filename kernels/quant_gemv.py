@@ -1,0 +1,184 @@
+"""Quantized decode GEMMs for 1..16 rows in CUDA (``quant_gemv.cu``) as XLA FFI calls: int4 W4A16 on
+``int4_matmul_pallas``'s layout (``int4_gemv``) and fp8 e4m3 weight-only W8A16 on ``Fp8Weight``'s (``fp8_gemv``).
+
+Why: a decode step reads every weight once, so an int4 projection should take a quarter of bf16's time and an
+fp8 one half; the Pallas Triton int4 kernels stay far from the read ceiling (kernels/README.md). Both kernels
+stream the weights with 16-byte loads, convert them in registers without int-to-float instructions where the
+format allows (int4: one ``lop3`` and one bf16x2 subtraction per nibble pair, the zero point inside it,
+exactly; e4m3: exact through f16 and f32), multiply on the bf16 tensor cores with the weights as the mma's A
+operand (m16n8k16, float32 accumulation: up to 8 rows of x fill it, none padded in memory) and apply scales in
+float32 once per group (int4) or 128-row block / channel (fp8). Neither layout needs a repack: the K labels
+inside an mma are chosen so each lane's fragment is its own loaded bytes (``int4_gemv.cuh``, ``fp8_gemv.cuh``).
+
+Launch: one block of 8 warps per 32 output columns, its warps splitting K; ``splits`` > 1 also splits K across
+blocks (short-and-wide shapes would leave SMs idle), the last block of a column tile adding the float32
+partials in split order (deterministic) through a per-device arrival counter. An int4 warp loads a chunk of 4
+or 8 K steps (32 rows each) before their math; ``default_launch`` picks the chunk and the splits that fill the
+GPU with whole waves of blocks whose warps all have work.
+
+Limits: bf16 activations, 1..16 rows, N a multiple of 8; int4: K and the group size multiples of 32, scales
+bf16, f16 or f32, zero points always applied (symmetric formats store 8) (``supports``); fp8: K a multiple of
+64, float32 scales (``supports_fp8``). Built with the machine's ``nvcc`` on first use (``cuda_build``);
+``QuantGemvUnavailable`` says why it cannot run.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from . import cuda_build
+
+SOURCE = Path(__file__).with_name("quant_gemv.cu")
+TARGET_INT4 = "jaxserve_int4_gemv"
+TARGET_FP8 = "jaxserve_fp8_gemv"
+MAX_ROWS = 16
+STEP_K = 32                     # K rows per warp step (as in the .cu)
+FP8_STEP_K = 64                 # the fp8 kernel's, in chunks of 2 steps (128 rows: one block-scale row)
+CHUNKS = (4, 8)                 # consecutive steps a warp loads at once (8: up to 8 rows, groups of >= 128)
+BLOCK_COLS = 32                 # output columns per block
+WARPS = 8                       # warps per block, each taking every 8th chunk of the block's K range
+BLOCKS_PER_SM = 2               # resident blocks of 256 threads at <= 128 registers
+SLOTS = 16                      # counter regions: consecutive calls use different ones
+SLOT_TILES = 4096               # column tiles per region
+
+_lib = None
+_load_lock = threading.Lock()      # steps are traced on several threads at once
+_slots = itertools.count()
+
+
+class QuantGemvUnavailable(RuntimeError):
+    """The FFI kernel cannot run here (no nvcc, no GPU, the build failed, ...); the message says why."""
+
+
+def build(toolchain: cuda_build.Toolchain, *, arch: str | None = None) -> Path:
+    """Compile ``quant_gemv.cu`` (once per source/compiler/architecture/headers); the shared library's path."""
+    return cuda_build.build(SOURCE, toolchain, arch=arch, error=QuantGemvUnavailable)
+
+
+def load(toolchain: cuda_build.Toolchain):
+    """Build the library for this process's GPUs, register its FFI target and set up every local GPU's split-K
+    counters (once per process); raise ``QuantGemvUnavailable`` when it cannot."""
+    global _lib
+    with _load_lock:
+        if _lib is None:
+            _lib = _load(toolchain)
+    return _lib
+
+
+def _load(toolchain: cuda_build.Toolchain):
+    import jax
+    import jax.ffi
+    if jax.default_backend() != "gpu":
+        raise QuantGemvUnavailable(f"needs an NVIDIA GPU (backend is {jax.default_backend()!r})")
+    devices = jax.local_devices()
+    path = build(toolchain, arch=cuda_build.device_arch(devices[0]))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise QuantGemvUnavailable(f"cannot load {path}: {e}") from e
+    lib.jaxserve_quant_gemv_init.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint64]
+    err = ctypes.create_string_buffer(512)
+    for d in devices:
+        if lib.jaxserve_quant_gemv_init(int(d.local_hardware_id), err, len(err)):
+            raise QuantGemvUnavailable(err.value.decode(errors="replace"))
+    jax.ffi.register_ffi_target(TARGET_INT4, jax.ffi.pycapsule(lib.JaxserveInt4Gemv), platform="CUDA")
+    jax.ffi.register_ffi_target(TARGET_FP8, jax.ffi.pycapsule(lib.JaxserveFp8Gemv), platform="CUDA")
+    return lib
+
+
+def supports(m: int, k: int, n: int, group_size: int, dtype) -> bool:
+    """Whether ``int4_gemv`` takes ``x [m, k]`` of ``dtype`` and a ``[k, n]`` weight with groups of ``group_size``."""
+    return (np.dtype(dtype).name == "bfloat16" and 1 <= m <= MAX_ROWS and k % STEP_K == 0 and n % 8 == 0
+            and group_size % STEP_K == 0 and k % group_size == 0 and -(-n // BLOCK_COLS) <= SLOT_TILES)
+
+
+def supports_fp8(m: int, k: int, n: int, dtype) -> bool:
+    """Whether ``fp8_gemv`` takes ``x [m, k]`` of ``dtype`` and an e4m3 ``[n, k]`` weight."""
+    return (np.dtype(dtype).name == "bfloat16" and 1 <= m <= MAX_ROWS and k % FP8_STEP_K == 0 and n % 8 == 0
+            and -(-n // BLOCK_COLS) <= SLOT_TILES)
+
+
+def default_fp8_splits(k: int, n: int, sms: int) -> int:
+    """``fp8_gemv``'s K splits: the fewest whose blocks fill whole waves at least 90 % (``fill`` with the fp8
+    kernel's 2-step chunks), the fullest launch where none does."""
+    steps = k // FP8_STEP_K
+    tiles = -(-n // BLOCK_COLS)
+    options = [s for s in range(1, max_splits(k // 2, 2) + 1) if tiles * s >= BLOCKS_PER_SM * sms] or [1]
+    good = [s for s in options if fill(steps * STEP_K, n, sms, 2, s) >= 0.9]
+    return good[0] if good else max(options, key=lambda s: (fill(steps * STEP_K, n, sms, 2, s), -s))
+
+
+def chunk_steps(m: int, group_size: int, chunk: int) -> int:
+    """The steps per warp load the kernel runs when asked for ``chunk``: 8 only up to 8 rows and for groups of
+    128 rows or more (else its registers spill), 4 otherwise (as the .cu's ``launch_for``)."""
+    g = group_size // STEP_K
+    return 8 if chunk == 8 and m <= 8 and (g & -g) >= 4 else 4
+
+
+def max_splits(k: int, chunk: int = 4) -> int:
+    """The most K splits a ``[k, n]`` weight takes with one chunk of ``chunk`` steps each."""
+    return -(-(k // STEP_K) // chunk)
+
+
+def fill(k: int, n: int, sms: int, chunk: int, splits: int) -> float:
+    """How full the launch keeps the GPU: the waves of resident blocks it fills (1.0: whole waves), times the
+    share of a block's warps that have a chunk of K to load."""
+    blocks = -(-n // BLOCK_COLS) * splits
+    slots = BLOCKS_PER_SM * sms
+    busy = min(1.0, max_splits(k, chunk) / splits / WARPS)
+    return blocks / (-(-blocks // slots) * slots) * busy
+
+
+def default_launch(m: int, k: int, n: int, group_size: int, sms: int) -> tuple[int, int]:
+    """``(chunk, splits)``: over the chunk sizes this call can run, the fewest K splits whose blocks fill at
+    least one wave of ``sms`` SMs at least 90 % (``fill``); the fullest launch where none does, the larger
+    chunk on a tie (more bytes in flight per warp)."""
+    best = None
+    for chunk in sorted({chunk_steps(m, group_size, c) for c in CHUNKS}, reverse=True):
+        tiles = -(-n // BLOCK_COLS)
+        options = [s for s in range(1, max_splits(k, chunk) + 1) if tiles * s >= BLOCKS_PER_SM * sms] or [1]
+        good = [s for s in options if fill(k, n, sms, chunk, s) >= 0.9]
+        splits = good[0] if good else max(options, key=lambda s: (fill(k, n, sms, chunk, s), -s))
+        score = fill(k, n, sms, chunk, splits)
+        if best is None or score > best[0] + 1e-9:
+            best = (score, chunk, splits)
+    return best[1], best[2]
+
+
+def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None, chunk: int | None = None):
+    """``x [M, K] @ w [K, N]`` for the int4 weight ``(packed, scales, zeros)`` (``int4_matmul_pallas``'s layout),
+    bf16 out; ``load`` must have run in this process. ``splits`` (K splits across blocks) and ``chunk`` (steps
+    per warp load, 4 or 8): None for ``default_launch``'s."""
+    import jax
+    import jax.numpy as jnp
+    from .device_info import num_sms
+    m, k = x.shape
+    n = packed.shape[1]
+    auto_chunk, auto_splits = default_launch(m, k, n, group_size, num_sms())
+    chunk = chunk_steps(m, group_size, chunk or auto_chunk)
+    splits = int(splits or (auto_splits if chunk == auto_chunk else max(1, min(auto_splits, max_splits(k, chunk)))))
+    partials = jax.ShapeDtypeStruct((splits * m * n if splits > 1 else 1,), jnp.float32)
+    out, _ = jax.ffi.ffi_call(TARGET_INT4, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(
+        x, packed, scales, zeros, group_size=np.int64(group_size), splits=np.int64(splits), chunk=np.int64(chunk),
+        slot=np.int64(next(_slots) % SLOTS))
+    return out
+
+
+def fp8_gemv(x, weight, scale, *, splits: int | None = None):
+    """``x [M, K] @ w`` for the e4m3 weight ``weight [N, K]`` (output-major, as ``Fp8Weight`` stores it) with float32
+    ``scale`` per output channel ``[N]`` or per 128 x 128 block ``[ceil(K/128), ceil(N/128)]``, bf16 out, the
+    activations unquantized (W8A16); ``load`` must have run in this process."""
+    import jax
+    import jax.numpy as jnp
+    from .device_info import num_sms
+    m, k = x.shape
+    n = weight.shape[0]
+    splits = int(splits or default_fp8_splits(k, n, num_sms()))
+    partials = jax.ShapeDtypeStruct((splits * m * n if splits > 1 else 1,), jnp.float32)
+    out, _ = jax.ffi.ffi_call(TARGET_FP8, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(
+        x, weight, scale.astype(jnp.float32), splits=np.int64(splits), slot=np.int64(next(_slots) % SLOTS))
+    return out

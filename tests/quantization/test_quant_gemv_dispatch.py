@@ -1,6 +1,7 @@
-"""Which kernel a GPU runs a quantized product with. int4 (``weights.int4_step_kernel``): the CUDA FFI GEMV for
-bf16 steps of up to 16 tokens, the Pallas kernel where the GEMV cannot run (no nvcc: one log line) or is
-switched off (``JAXSERVE_INT4_FFI_GEMV=0``), XLA's GEMM above 16 tokens. fp8 (``weights.fp8_step_uses_gemv``):
+"""Which kernel a GPU runs a quantized product with. int4 (``weights.int4_step_kernel``): with
+``JAXSERVE_INT4_FFI_GEMV=1`` the CUDA FFI GEMV for bf16 steps of up to 16 tokens, else (the default until it is
+timed on the GPU) or where the GEMV cannot run (no nvcc: one log line) the Pallas kernel; XLA's GEMM above 16
+tokens. fp8 (``weights.fp8_step_uses_gemv``):
 the CUDA GEMV, weight-only, only with ``JAXSERVE_FP8_FFI_GEMV=1``, and then the norm does not quantize the
 activations for it. CPU keeps the jnp reference."""
 from __future__ import annotations
@@ -18,8 +19,9 @@ from jaxserve.quantization import online, weights
 
 @pytest.fixture
 def ready(monkeypatch):
-    """The GEMV as if built and registered (``weights.quant_gemv_ready`` is cached per process)."""
+    """The GEMV as if built and registered (``weights.quant_gemv_ready`` is cached per process), and on."""
     weights.quant_gemv_ready.cache_clear()
+    monkeypatch.setenv("JAXSERVE_INT4_FFI_GEMV", "1")
     monkeypatch.setattr(quant_gemv, "load", lambda toolchain: object())
     yield
     weights.quant_gemv_ready.cache_clear()
@@ -36,8 +38,9 @@ def test_the_other_steps_keep_their_kernels(ready):
     assert weights.int4_step_kernel(4, 4096, 4100, 128, jnp.bfloat16) is None          # neither takes N % 8 != 0
 
 
-def test_the_switch_forces_the_pallas_kernel(ready, monkeypatch):
-    monkeypatch.setenv("JAXSERVE_INT4_FFI_GEMV", "0")
+@pytest.mark.parametrize("value", ["0", ""])
+def test_the_switch_off_or_unset_keeps_the_pallas_kernel(ready, monkeypatch, value):
+    monkeypatch.setenv("JAXSERVE_INT4_FFI_GEMV", value)
     assert weights.int4_step_kernel(1, 4096, 4096, 128, jnp.bfloat16) == "pallas"
 
 
@@ -48,6 +51,7 @@ def test_no_nvcc_falls_back_to_pallas_with_one_log_line(monkeypatch, caplog, tmp
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")      # load() gets as far as the build
     monkeypatch.setattr(jax, "local_devices", lambda: [object()])
     monkeypatch.setenv("JAXSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("JAXSERVE_INT4_FFI_GEMV", "1")
     try:
         with caplog.at_level(logging.WARNING, logger=weights.__name__):
             kinds = [weights.int4_step_kernel(1, 4096, 4096, 128, jnp.bfloat16) for _ in range(3)]

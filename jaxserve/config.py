@@ -184,9 +184,6 @@ class MultiModalConfig:
     media_fetch_timeout: float = option(10.0, help="seconds an http(s) image URL may take to fetch")
     max_image_pixels: int = option(64 * 1024 * 1024,
                                    help="largest image accepted, in pixels (checked before it is decoded)")
-    mm_processor_workers: int = option(
-        0, help="server: load and preprocess images in this many worker processes (0: threads of the server's "
-                "process, which the GIL keeps from scaling with the host's cores)")
 
 
 @dataclass

@@ -13,9 +13,6 @@ class InvalidRequestError(JaxServeError, ValueError):
         self.message = message
         self.param = param
 
-    def __reduce__(self):           # from a worker process with its param (pickling keeps only ``args``)
-        return type(self), (self.message, self.param)
-
 
 class QueueFullError(JaxServeError):
     """The waiting queue is at --max-waiting-requests (HTTP 429)."""

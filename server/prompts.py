@@ -2,11 +2,8 @@
 few at once), and the bounds a prompt must meet before it costs work (characters, token ids)."""
 from __future__ import annotations
 
-import asyncio
 import ctypes
-import logging
 import threading
-from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from typing import Any, Callable, TypeVar
 
@@ -21,8 +18,6 @@ from .args import ServerArgs
 from .errors import APIError, bad_request
 from .request_types import ChatMessage
 from .tool_parsers.choice import ToolRequestError, template_messages
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread hop costs
@@ -106,22 +101,13 @@ class PromptRenderer:
         self.reads_parts = self.images is not None and template_reads_parts(self.chat_template)
         if self.images is not None:
             self.images.processing      # made now, at start-up, not by the first request on the event loop
-            self.images.workers         # and the worker processes started (--mm-processor-workers)
 
     async def prepare_images(self, ids: list[int], urls: list[str]) -> tuple[list[int], list]:
-        """Fetch and decode the images, then preprocess them and expand the prompt's placeholders: in the worker
-        processes of ``--mm-processor-workers``, else on worker threads (``MEDIA_THREADS`` at once); never on
-        the event loop."""
+        """Fetch and decode the images (worker threads, ``MEDIA_THREADS`` at once), then preprocess them and
+        expand the prompt's placeholders (a worker thread): never on the event loop."""
         if self._media_limiter is None:
             self._media_limiter = anyio.CapacityLimiter(MEDIA_THREADS)
         try:
-            if self.images.workers is not None:
-                self.images.check_count(len(urls))
-                try:
-                    return await asyncio.wrap_future(self.images.workers.submit(ids, urls))
-                except BrokenProcessPool:       # a worker died (killed, out of memory): new ones, this one here
-                    logger.exception("an image worker process died; starting new ones")
-                    self.images.restart_workers()
             images = []
             for url in urls:
                 images.append(await anyio.to_thread.run_sync(self.images.load, url, limiter=self._media_limiter))

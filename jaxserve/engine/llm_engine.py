@@ -31,7 +31,6 @@ from jaxserve.engine.request import Request
 from jaxserve.errors import InvalidRequestError
 from jaxserve.multimodal.media import MediaLimits, load_image_url
 from jaxserve.multimodal.processing import ImageProcessing
-from jaxserve.multimodal.workers import ImageWorkers
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, check_token_ids
 
@@ -245,22 +244,6 @@ class MultiModalInputs:
         return load_image_url(url, self.media)
 
     @functools.cached_property
-    def workers(self) -> ImageWorkers | None:
-        """The worker processes that load and preprocess images (``--mm-processor-workers``), started on first
-        use; None: the caller's threads do it."""
-        n = self.facts.config.multimodal.mm_processor_workers
-        return ImageWorkers(n, self.processing, self.media) if n > 0 and self.facts.is_multimodal else None
-
-    def restart_workers(self) -> None:
-        """A new pool in place of one whose process died (the next ``workers`` access starts it)."""
-        self.shutdown()
-        self.__dict__.pop("workers", None)
-
-    def shutdown(self) -> None:
-        if self.__dict__.get("workers") is not None:
-            self.workers.shutdown()
-
-    @functools.cached_property
     def splits_placeholder(self) -> bool:
         """The tokenizer does not spell the placeholder as the image token (random weights served with another
         model's tokenizer): prompts with images are tokenized around the placeholder (``encode``)."""
@@ -406,5 +389,3 @@ class LLMEngine:
         """Stop the core: its process, or in this process its background compiles and the processes that
         follow its steps (nothing then holds the weights and KV cache: the next engine can claim them)."""
         self.client.shutdown(timeout_s)
-        if "images" in self.__dict__:
-            self.images.shutdown()

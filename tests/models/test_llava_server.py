@@ -1,7 +1,6 @@
 """Images through the real server (`jaxserve serve` of the tiny LLaVA, CPU) with the openai SDK: HF's greedy
-continuation for chat requests with data-URL, http-URL and file-URL images (prepared in the
-``--mm-processor-workers`` processes), and every bad input a 400 in OpenAI's shape naming the problem while the
-other requests keep answering. A text-only model refuses an
+continuation for chat requests with data-URL, http-URL and file-URL images, and every bad input a 400 in
+OpenAI's shape naming the problem while the other requests keep answering. A text-only model refuses an
 image part (the scripted engine)."""
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def server():
                         "--max-num-batched-tokens", "64", "--served-model-name", "llava",
                         "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
                         "--limit-mm-per-prompt", f'{{"image": {LIMIT}}}', "--max-image-pixels", "1000000",
-                        "--allowed-local-media-path", FOLDER, "--allowed-media-domains", "127.0.0.1",
-                        "--mm-processor-workers", "2")     # images in worker processes here (Qwen's: threads)
+                        "--allowed-local-media-path", FOLDER, "--allowed-media-domains", "127.0.0.1")
     yield srv
     srv.stop()
 
@@ -158,16 +156,3 @@ def test_text_only_model_refuses_an_image_part():
         assert "does not take images" in api_error(r, 400)["message"]
     finally:
         srv.stop()
-
-
-def test_images_are_prepared_in_worker_processes(server, client):
-    """``--mm-processor-workers 2``: the server's children include the two image workers, spawned at start
-    (their command lines name multiprocessing's spawn entry point), beside the engine core."""
-    chat(client, openai_messages(CASES["one_image"]))
-    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
-        children = f.read().split()
-    spawned = 0
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            spawned += b"spawn_main" in f.read()
-    assert spawned >= 2, children

@@ -166,10 +166,15 @@ class RequestBuilder:
             raise InvalidRequestError("images are not supported when the model is spread over several processes "
                                       "(--num-processes / --distributed-executor-backend mp)", param="messages")
         budget, _ = facts.config.scheduler.encoder_limits()
+        step_budget = facts.config.scheduler.max_num_batched_tokens
         for f in features:
             if f.length > budget:
                 raise InvalidRequestError(f"an image takes {f.length} tokens, more than the encoder budget of "
                                           f"{budget} (--max-num-encoder-input-tokens)", param="messages")
+            if facts.whole_images and step_budget is not None and f.length > step_budget:
+                raise InvalidRequestError(f"an image takes {f.length} tokens, more than one step's budget of "
+                                          f"{step_budget} (--max-num-batched-tokens); this model computes an "
+                                          "image's tokens in one step", param="messages")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
@@ -225,7 +230,8 @@ class MultiModalInputs:
                 facts = self.facts
                 folder = facts.model_source if os.path.isdir(facts.model_source) else None
                 self._processing = ImageProcessing.from_folder(folder, facts.model_config.extra_dict,
-                                                               facts.config.multimodal.mm_processor_kwargs)
+                                                               facts.config.multimodal.mm_processor_kwargs,
+                                                               facts.tokenizer)
             return self._processing
 
     @property

@@ -6,7 +6,12 @@ family puts in ``ModelConfig.extra["image_processor"]``) and the placeholder fac
 ``processor_config.json`` (image token, patch size, extra tokens). ``process`` expands each image token of a
 prompt into the image's N tokens, as HF's processor does (it replaces the placeholder text by N copies
 before tokenizing; the placeholder is one special token, so expanding ids gives the same ids), and returns
-one ``ImageFeature`` per image. Blocking, CPU-bound: the server runs it on worker threads.
+one ``ImageFeature`` per image. A family whose image run has text around it (Gemma 3: ``"\n\n<start_of_image>"``
+before ``mm_tokens_per_image`` soft tokens, ``"<end_of_image>\n\n"`` after) names that text in
+``ModelConfig.extra["image_wrap"]`` and the run's token in ``"image_fill_token_id"``; a newline the wrap adds
+next to a prompt's newline token merges into one token where the vocabulary has the longer run (as the
+tokenizer would have made it from HF's expanded text; vLLM's rule). Blocking, CPU-bound: the server runs it
+on worker threads.
 """
 from __future__ import annotations
 
@@ -67,16 +72,22 @@ class ImageProcessing:
     ``num_tokens``)."""
 
     def __init__(self, image_processor: Any, image_token: str, image_token_id: int, patch_size: int,
-                 extra_tokens: int = 0, processor_kwargs: dict | None = None, num_tokens=None):
+                 extra_tokens: int = 0, processor_kwargs: dict | None = None, num_tokens=None,
+                 wrap: tuple[list[int], list[int]] = ([], []), fill_token_id: int | None = None,
+                 merges: dict | None = None):
         self.image_processor = image_processor
         self.image_token, self.image_token_id = image_token, image_token_id
+        # the placeholder's replacement: ``wrap[0]``, the image's tokens (``fill_token_id``), ``wrap[1]``
+        self.wrap, self.merges = wrap, dict(merges or {})
+        self.fill_token_id = image_token_id if fill_token_id is None else fill_token_id
         self.patch_size, self.extra_tokens = patch_size, extra_tokens
         self.processor_kwargs = dict(processor_kwargs or {})
         self._kwargs_key = json.dumps(self.processor_kwargs, sort_keys=True, default=str)
         self._num_tokens = num_tokens
 
     @classmethod
-    def from_folder(cls, folder: str | None, model_extra: dict, processor_kwargs: dict | None = None):
+    def from_folder(cls, folder: str | None, model_extra: dict, processor_kwargs: dict | None = None,
+                    tokenizer: Any = None):
         proc = _read(folder, "processor_config.json")
         image_config = _read(folder, "preprocessor_config.json") or proc.get("image_processor") \
             or _thaw(model_extra.get("image_processor") or ())
@@ -87,12 +98,19 @@ class ImageProcessing:
         additional = int(proc.get("num_additional_image_tokens", model_extra.get("num_additional_image_tokens", 1)))
         extra_tokens = additional - (1 if strategy == "default" else 0)
         kwargs = dict(processor_kwargs or {})
+        if (image_config | kwargs).get("do_pan_and_scan"):
+            raise InvalidRequestError("pan-and-scan (do_pan_and_scan) is not supported: serve without it",
+                                      param="mm_processor_kwargs")
         try:
             processor = _pil_image_processor(image_config, kwargs)
         except TypeError as e:
             raise ModelLoadError(f"--mm-processor-kwargs: {e}") from None
+        wrap = _thaw(model_extra.get("image_wrap")) or ()
+        wrap_ids = tuple(list(tokenizer.encode(t, add_special_tokens=False)) for t in wrap) if wrap else ([], [])
         return cls(processor, proc.get("image_token") or model_extra.get("image_token", "<image>"),
-                   int(model_extra["image_token_id"]), patch, extra_tokens, kwargs)
+                   int(model_extra["image_token_id"]), patch, extra_tokens, kwargs, wrap=wrap_ids,
+                   fill_token_id=model_extra.get("image_fill_token_id"),
+                   merges=newline_merges(tokenizer) if wrap else None)
 
     def num_tokens(self, pixel_values: np.ndarray, extra: dict) -> int:
         if self._num_tokens is not None:
@@ -124,12 +142,35 @@ class ImageProcessing:
         out: list[int] = []
         features: list[ImageFeature] = []
         it = iter(images)
+        before, after = self.wrap
+        wrapped = False
         for t in prompt_token_ids:
             if t != self.image_token_id:
-                out.append(t)
+                _extend(out, [t], self.merges if wrapped else {})
+                wrapped = False
                 continue
             pixel_values, extra, digest = self.process_image(next(it))
             n = self.num_tokens(pixel_values, extra)
+            _extend(out, before, self.merges)
             features.append(ImageFeature(digest, len(out), n, pixel_values, extra))
-            out.extend([self.image_token_id] * n)
+            out.extend([self.fill_token_id] * n)
+            out.extend(after)
+            wrapped = bool(after)
         return out, features
+
+
+def _extend(out: list[int], ids: list[int], merges: dict) -> None:
+    """``out += ids``, the junction's two tokens merged where ``merges`` says."""
+    if ids and out and (out[-1], ids[0]) in merges:
+        out[-1] = merges[out[-1], ids[0]]
+        ids = ids[1:]
+    out.extend(ids)
+
+
+def newline_merges(tokenizer: Any) -> dict:
+    """``{(a, b): ab}`` of the newline-run tokens ("\n", "\n\n", "\n\n\n", "\n\n\n\n") a tokenizer has:
+    two adjacent runs its tokenizer would have made one token (Gemma's SentencePiece vocabulary has them)."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    ids = {n: vocab.get("\n" * n) for n in range(1, 5)}
+    return {(ids[a], ids[b]): ids[a + b] for a in range(1, 4) for b in range(1, 4)
+            if a + b <= 4 and None not in (ids[a], ids[b], ids[a + b])}

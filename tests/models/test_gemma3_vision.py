@@ -1,0 +1,191 @@
+"""Gemma 3 as a vision model end to end against HF transformers (tests/make_gemma3_vision_fixtures.py: a tiny
+random checkpoint whose sliding window is shorter than an image, its images and HF's float32 outputs): the
+prompt's logits within 1e-4 (bidirectional attention among an image's tokens), HF's greedy continuation
+through the engine for one image, two images, text around an image, a two-turn chat with an earlier image, a
+raw prompt with the placeholder, batched with text-only requests, under the prefix cache (the same image, a
+hit that ends inside an image, another image), with chunked prefill keeping each image whole, and at tensor
+parallelism 2 on fake CPU devices; the processor's placeholder expansion; pan-and-scan refused."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from support.fake_devices import fake_device_report
+from support.tiny_models import PagedRunner, hf_logits
+from support.vision import GREEDY, VisionFixture
+
+NAME = "tiny-gemma3-vision"
+VISION = VisionFixture(NAME, max_num_batched_tokens=64)
+FOLDER, CASES = VISION.folder, VISION.cases
+image, openai_messages, make_llm = VISION.image, VISION.openai_messages, VISION.make_llm
+
+
+def run_case(llm, case: dict, img_names=None):
+    from jaxserve.sampling_params import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
+    if "raw" in case:
+        imgs = [image(n) for n in (img_names or case["images"])]
+        return llm.generate({"prompt": case["prompt"], "multi_modal_data": {"image": imgs}}, sp, use_tqdm=False)[0]
+    return llm.chat(openai_messages(case), sp, use_tqdm=False)[0]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = make_llm()
+    yield engine
+    engine.shutdown()
+
+
+def test_logits_match_hf():
+    """The first case's prompt prefilled in one step, its image's tokens attending to each other: logits within
+    1e-4 of HF's (causal image attention is far off: the limit row is what makes them match)."""
+    from jaxserve.models.loader import load_model
+    from jaxserve.multimodal.processing import ImageProcessing
+    from jaxserve.runner.step_variants import forward_fn
+    model = load_model(FOLDER, dtype="float32")
+    case = CASES["one_image"]
+    proc = ImageProcessing.from_folder(FOLDER, model.config.extra_dict, tokenizer=model.tokenizer)
+    ids, feats = proc.process(model.tokenizer.encode(case["prompt"], add_special_tokens=False),
+                              [image(n).convert("RGB") for n in case["images"]])
+    assert ids == case["prompt_ids"]
+    emb = model.family.encode_images(model.params, np.stack([f.pixel_values for f in feats]), model.config)
+    slab = np.asarray(emb).reshape(-1, model.config.hidden_size)
+    T = 64
+    index = np.full((3, T), -1, np.int32)
+    index[0], index[1] = T, 0
+    rows = np.concatenate([np.arange(f.offset, f.end) for f in feats])
+    index[0, :len(rows)], index[1, :len(rows)] = rows, np.arange(len(slab))
+    for f in feats:
+        index[2, f.offset:f.end] = f.end - 1
+    runner = PagedRunner(model, max_reqs=1, max_len=T)
+    ints, layout = runner.inputs([(0, ids, 0)], T, logits_rows=list(range(len(ids))))
+    step = jax.jit(functools.partial(forward_fn, model.family, model.config, "reference", False),
+                   static_argnames=("layout",))
+    errs = []
+    for idx in (index, index[:2]):
+        _, logits = step(model.params, runner.kv_caches, ints, runner.no_prev, slab, idx, layout=layout)
+        errs.append(np.abs(np.asarray(logits) - hf_logits(NAME)).max())
+    assert errs[0] <= 1e-4, f"max abs logit error {errs[0]:.2e} vs HF float32"
+    assert errs[1] > 1e-2                          # causal image attention: not HF's model
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "same_start_other_end"])
+def test_greedy_matches_hf(llm, name):
+    out = run_case(llm, CASES[name])
+    assert out.prompt_token_ids == CASES[name]["prompt_ids"]
+    assert list(out.outputs[0].token_ids) == CASES[name]["greedy_ids"]
+
+
+def test_batched_with_text_only_requests(llm):
+    """Image prompts and text prompts in one batch: each as alone."""
+    from jaxserve.sampling_params import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
+    text_ids = CASES["text_only"]["prompt_ids"]
+    raw = [CASES["text_around"], CASES["raw_placeholder"]]
+    prompts = [{"prompt_token_ids": text_ids}] + [
+        {"prompt": c["prompt"], "multi_modal_data": {"image": [image(n) for n in c["images"]]}} for c in raw] + \
+        [{"prompt_token_ids": text_ids}]
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    expect = [CASES["text_only"]] + raw + [CASES["text_only"]]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [c["greedy_ids"] for c in expect]
+
+
+def test_prefix_cache_same_image_a_hit_inside_an_image_and_another_image():
+    """8-token blocks; text_around's image spans [11, 27). The same prompt again reuses 40 tokens; a prompt
+    that shares its first 24 tokens hits 24, ending inside the image: its remaining image tokens attend to
+    the cached ones and to each other, and the cached ones were computed seeing the whole image (a step
+    never ends inside an image), so the output is still HF's. Another image shares only the block before it."""
+    engine = make_llm(block_size=8, enable_prefix_caching=True)
+    case, other_end = CASES["text_around"], CASES["same_start_other_end"]
+    first, again = run_case(engine, case), run_case(engine, case)
+    assert list(first.outputs[0].token_ids) == list(again.outputs[0].token_ids) == case["greedy_ids"]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 40
+    mid = run_case(engine, other_end)
+    assert mid.num_cached_tokens == 24 and list(mid.outputs[0].token_ids) == other_end["greedy_ids"]
+    other = run_case(engine, case, ["wide.png"])
+    assert other.num_cached_tokens == 8 and list(other.outputs[0].token_ids) != case["greedy_ids"]
+    engine.shutdown()
+
+
+def test_chunked_prefill_keeps_each_image_in_one_step():
+    """A 24-token step budget: two_images' chunks stop before each image (a chunk may not end inside one;
+    the runner asserts it) and the outputs stay HF's; an image larger than a step is refused up front."""
+    from jaxserve.errors import InvalidRequestError
+    engine = make_llm(max_num_batched_tokens=24, max_num_seqs=4)
+    assert engine.engine.core.encoder_cache.whole_images      # forced on for this family
+    for name in ("two_images", "one_image"):
+        out = run_case(engine, CASES[name])
+        assert list(out.outputs[0].token_ids) == CASES[name]["greedy_ids"], name
+    engine.shutdown()
+    small = make_llm(max_num_batched_tokens=8, max_num_seqs=4, max_num_encoder_input_tokens=16,
+                     skip_warmup=True)
+    with pytest.raises(InvalidRequestError, match="one step's budget"):
+        run_case(small, CASES["one_image"])
+    small.shutdown()
+
+
+def test_whole_image_scheduling():
+    from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
+    from jaxserve.engine.request import Request
+    from jaxserve.multimodal.inputs import ImageFeature
+    enc = EncoderCacheManager(budget=32, capacity=64, whole_images=True)
+    a, b = ImageFeature("a", 4, 16, np.zeros(1)), ImageFeature("b", 24, 4, np.zeros(1))
+    r = Request("1", [0] * 40, None, mm_features=[a, b])
+    assert enc.schedule(r, 0, 10, 32)[:2] == (4, [])          # would end inside a: stops before it
+    assert enc.schedule(r, 0, 26, 32)[:2] == (24, [a])        # a whole, b not: stops before b
+    assert enc.schedule(r, 8, 10, 32)[:2] == (0, [])          # starts inside a (a prefix hit), cannot finish it
+    assert enc.schedule(r, 8, 20, 32)[:2] == (20, [b])        # a's rest and b whole
+    assert EncoderCacheManager(32, 64).schedule(Request("2", [0] * 40, None, mm_features=[a]), 0, 10, 32)[0] == 10
+
+
+def test_placeholder_expansion_and_refusals():
+    """The processor's expansion of <start_of_image> (newline runs merged as Gemma's vocabulary has them);
+    pan-and-scan is refused with a 400."""
+    from jaxserve.errors import InvalidRequestError
+    from jaxserve.models.configs import model_config_from_folder
+    from jaxserve.multimodal.processing import ImageProcessing, newline_merges
+
+    class Vocab:                      # "\n" .. "\n\n\n\n" as Gemma's SentencePiece vocabulary spells them
+        def get_vocab(self):
+            return {"\n": 107, "\n\n": 108, "\n\n\n": 109, "\n\n\n\n": 110}
+
+    assert newline_merges(Vocab()) == {(107, 107): 108, (107, 108): 109, (108, 107): 109, (107, 109): 110,
+                                       (108, 108): 110, (109, 107): 110}
+    cfg, _, _ = model_config_from_folder(FOLDER)
+    proc = ImageProcessing(None, "<start_of_image>", 4, 14, wrap=([108, 4], [5, 108]), fill_token_id=6,
+                           merges=newline_merges(Vocab()))
+    proc.process_image = lambda img: (np.zeros((3, 56, 56), np.float32), {}, "h")
+    ids, feats = proc.process([2, 107, 4, 107, 9], [None])
+    assert ids == [2, 109, 4] + [6] * 16 + [5, 109, 9] and (feats[0].offset, feats[0].length) == (3, 16)
+    with pytest.raises(InvalidRequestError, match="pan-and-scan"):
+        ImageProcessing.from_folder(FOLDER, cfg.extra_dict, {"do_pan_and_scan": True})
+
+
+# ------------------------------------------------------------------------------- tensor parallelism
+def _tp_worker() -> dict:
+    import jax as jax_
+    assert jax_.device_count() == 2
+    engine = make_llm(tensor_parallel_size=2, skip_warmup=True, compilation_cache_dir="")
+    report = {name: list(run_case(engine, CASES[name]).outputs[0].token_ids)
+              for name in ("one_image", "two_images", "raw_placeholder")}
+    wq = engine.engine.core.model.params["vision"]["layers"][0]["wq"]
+    report["wq_spec"] = str(wq.sharding.spec)
+    return report
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_hf():
+    report = fake_device_report([os.path.abspath(__file__), "--tp-worker"], 2)
+    for name in ("one_image", "two_images", "raw_placeholder"):
+        assert report[name] == CASES[name]["greedy_ids"], name
+    assert "tp" in report["wq_spec"]             # the encoder is sharded like the decoder
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--tp-worker"]:
+    print(json.dumps(_tp_worker()))

@@ -12,14 +12,12 @@ mask's AND of window and image block.
 """
 from __future__ import annotations
 
-import json
 import os
 
-import numpy as np
 import torch
 from make_model_fixtures import randomize
-from make_vision_fixtures import GREEDY_TOKENS, make_tokenizer
-from PIL import Image
+from make_vision_fixtures import chat_cases, greedy_without_eos, make_images, make_tokenizer, save_processor, \
+    write_golden
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models", "tiny-gemma3-vision")
@@ -37,44 +35,17 @@ CHAT_TEMPLATE = (
 IMAGES = {"wide.png": (90, 50, 7), "small.png": (30, 40, 8), "square.png": (64, 64, 9)}   # (width, height, seed)
 
 
-def make_images() -> dict[str, Image.Image]:
-    out = {}
-    for name, (w, h, seed) in IMAGES.items():
-        rng = np.random.default_rng(seed)
-        out[name] = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
-        out[name].save(os.path.join(OUT, name))
-    return out
-
-
 def cases() -> list[dict]:
-    img = {"type": "image"}
+    chat = chat_cases("wide.png", ("small.png", "square.png"), "small.png")
     return [
-        {"name": "one_image", "messages": [{"role": "user", "content": [img, {"type": "text", "text": "What?"}]}],
-         "images": ["wide.png"]},
-        {"name": "two_images", "messages": [{"role": "user", "content": [
-            img, {"type": "text", "text": "and"}, img, {"type": "text", "text": "Compare."}]}],
-         "images": ["small.png", "square.png"]},
+        chat["one_image"], chat["two_images"],
         {"name": "text_around", "raw": "look at <start_of_image> and tell me:", "images": ["square.png"]},
-        {"name": "two_turns", "messages": [
-            {"role": "user", "content": [img, {"type": "text", "text": "Describe it."}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "Colours."}]},
-            {"role": "user", "content": [{"type": "text", "text": "More?"}]}], "images": ["small.png"]},
+        chat["two_turns"],
         {"name": "raw_placeholder", "raw": "<start_of_image>A photo of", "images": ["wide.png"]},
-        {"name": "text_only", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
-         "images": []},
+        chat["text_only"],
         # text_around's first 24 tokens (8-token blocks: a prefix hit that ends inside the image), then other text
         {"name": "same_start_other_end", "raw": "look at <start_of_image>so, what is it?", "images": ["square.png"]},
     ]
-
-
-@torch.no_grad()
-def greedy(model, inputs, n: int) -> tuple[list[int], float, np.ndarray]:
-    ids = inputs["input_ids"]
-    out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    logits = model(**inputs).logits[0].float().numpy()
-    return out.sequences[0, ids.shape[1]:].tolist(), min(margins), logits
 
 
 @torch.no_grad()
@@ -109,29 +80,9 @@ def main() -> None:
                                               image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=16,
                                 chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(OUT)
-    with open(os.path.join(OUT, "processor_config.json")) as f:      # as a hub checkpoint names it
-        saved = json.load(f)
-    saved["image_processor"]["image_processor_type"] = "Gemma3ImageProcessor"
-    with open(os.path.join(OUT, "processor_config.json"), "w") as f:
-        json.dump(saved, f, indent=2)
-    tokenizer.save_pretrained(OUT)
-    images = make_images()
-    golden = []
-    for i, case in enumerate(cases()):
-        prompt = case["raw"] if "raw" in case else processor.apply_chat_template(case["messages"],
-                                                                                  add_generation_prompt=True)
-        imgs = [images[n] for n in case["images"]] or None
-        # raw prompts get the tokenizer's BOS (LLM.generate's encode); a chat template holds what it wants
-        inputs = processor(text=prompt, images=imgs, return_tensors="pt", add_special_tokens="raw" in case)
-        ids, margin, logits = greedy(model, inputs, GREEDY_TOKENS)
-        if i == 0:
-            np.save(os.path.join(OUT, "logits.npy"), logits.astype(np.float32))
-        golden.append({**case, "prompt": prompt, "prompt_ids": inputs["input_ids"][0].tolist(), "greedy_ids": ids,
-                       "min_margin": round(margin, 5)})
-        print(f"{case['name']}: {inputs['input_ids'].shape[1]} prompt tokens, margin {margin:.4f}, {ids[:6]}")
-    with open(os.path.join(OUT, "golden.json"), "w") as f:
-        json.dump(golden, f, indent=1)
+    save_processor(processor, tokenizer, OUT, "Gemma3ImageProcessor")
+    images = make_images(IMAGES, OUT)
+    write_golden(OUT, model, processor, cases(), images, greedy_without_eos)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request
 from jaxserve.errors import InvalidRequestError
 from jaxserve.multimodal.media import MediaLimits, load_image_url
-from jaxserve.multimodal.processing import ImageProcessing
+from jaxserve.multimodal.processing import ImageProcessing, encode_around
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, check_token_ids
 
@@ -259,12 +259,8 @@ class MultiModalInputs:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """``text`` tokenized with each placeholder as the image token, as a tokenizer that has it as a special
         token does (it splits the text there)."""
-        p, tok = self.processing, self.facts.tokenizer
-        first, *rest = text.split(p.image_token)
-        ids = list(tok.encode(first, add_special_tokens=add_special_tokens))
-        for piece in rest:
-            ids += [p.image_token_id, *tok.encode(piece, add_special_tokens=False)]
-        return ids
+        p = self.processing
+        return encode_around(self.facts.tokenizer, text, p.image_token, p.image_token_id, add_special_tokens)
 
     def process(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], list]:
         """(the prompt with its image tokens expanded, the images' features)."""

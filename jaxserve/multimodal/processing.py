@@ -105,10 +105,11 @@ class ImageProcessing:
             processor = _pil_image_processor(image_config, kwargs)
         except TypeError as e:
             raise ModelLoadError(f"--mm-processor-kwargs: {e}") from None
+        image_token, image_token_id = proc.get("image_token") or model_extra.get("image_token", "<image>"), \
+            int(model_extra["image_token_id"])
         wrap = _thaw(model_extra.get("image_wrap")) or ()
-        wrap_ids = tuple(list(tokenizer.encode(t, add_special_tokens=False)) for t in wrap) if wrap else ([], [])
-        return cls(processor, proc.get("image_token") or model_extra.get("image_token", "<image>"),
-                   int(model_extra["image_token_id"]), patch, extra_tokens, kwargs, wrap=wrap_ids,
+        wrap_ids = tuple(encode_around(tokenizer, t, image_token, image_token_id) for t in wrap) if wrap else ([], [])
+        return cls(processor, image_token, image_token_id, patch, extra_tokens, kwargs, wrap=wrap_ids,
                    fill_token_id=model_extra.get("image_fill_token_id"),
                    merges=newline_merges(tokenizer) if wrap else None)
 
@@ -157,6 +158,18 @@ class ImageProcessing:
             out.extend(after)
             wrapped = bool(after)
         return out, features
+
+
+def encode_around(tokenizer: Any, text: str, placeholder: str, placeholder_id: int,
+                  add_special_tokens: bool = False) -> list[int]:
+    """``text`` tokenized with each ``placeholder`` as ``placeholder_id``, as a tokenizer that has it as a
+    special token does (it splits the text there): the same ids from a tokenizer that lacks it (random
+    weights served with another model's tokenizer)."""
+    first, *rest = text.split(placeholder)
+    ids = list(tokenizer.encode(first, add_special_tokens=add_special_tokens))
+    for piece in rest:
+        ids += [placeholder_id, *tokenizer.encode(piece, add_special_tokens=False)]
+    return ids
 
 
 def _extend(out: list[int], ids: list[int], merges: dict) -> None:

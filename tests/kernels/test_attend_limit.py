@@ -105,3 +105,23 @@ def test_the_limit_is_an_input_only_where_given():
     with pytest.raises(ValueError, match="decode_only"):
         pa.ragged_paged_attention(q, k, v, dataclasses.replace(with_limit, decode_only=True), sm_scale=0.125,
                                   interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (JAX_PLATFORMS=cuda pytest -m gpu)")
+def test_gpu_steps_with_a_limit_take_the_triton_prefill():
+    """On the GPU, a large bf16 step (the "pallas" backend's auto prefill would take the Mosaic GPU kernel,
+    which has no attend limit) with an image span: the Triton prefill tiles' rows, as the reference's."""
+    rng = np.random.default_rng(7)
+    q, k, v, md = synthetic.make_batch(rng, [1, 600, 1], [90, 700, 30], block_size=16, num_q_heads=8,
+                                       num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16, pad_tokens=5,
+                                       pad_reqs=1)
+    limit = np.full(q.shape[0], -1, np.int32)
+    limit[1 + 200:1 + 456] = 100 + 455          # a 256-token image at positions 300..555 of request 1
+    md = dataclasses.replace(md, attend_limit=jnp.asarray(limit))
+    new = jnp.asarray(rng.standard_normal((q.shape[0], 2, 128)), jnp.bfloat16)
+    ref, _, _ = ops.write_kv_and_attend(q, new, new, k, v, md, sm_scale=128 ** -0.5, backend="reference")
+    out, _, _ = ops.write_kv_and_attend(q, new, new, k, v, md, sm_scale=128 ** -0.5, backend="pallas")
+    n = int(md.query_start_loc[int(md.num_seqs)])
+    r, o = np.asarray(ref, np.float32)[:n], np.asarray(out, np.float32)[:n]
+    assert float(np.abs(o - r).max() / np.abs(r).max()) <= 2e-2

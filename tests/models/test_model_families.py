@@ -108,6 +108,7 @@ def test_server_serves_a_family():
     ("phi-4", "Phi3ForCausalLM", 14.66, {None}),
     ("command-r-35b", "CohereForCausalLM", 34.98, {None}),
     ("qwen2.5-vl-7b", "Qwen2_5_VLForConditionalGeneration", 8.29, {None}),
+    ("gemma-3-4b-vision", "Gemma3ForConditionalGeneration", 4.30, {1024, None}),
 ])
 def test_shipped_dummy_configs(name, architecture, billions, windows):
     import jax

@@ -61,6 +61,12 @@ def test_greedy_matches_hf(llm, name):
     assert list(out.outputs[0].token_ids) == CASES[name]["greedy_ids"]
 
 
+def test_image_requests_compile_nothing_after_the_warm_up(llm):
+    """The image step variants (their index with the attend limit row) compile in the background, the
+    encoder's batches at start-up."""
+    VISION.check_no_compiles_after_warmup(llm)
+
+
 def test_batched_with_text_only_requests(llm):
     """Image prompts and text prompts in one batch: each as alone."""
     VISION.check_batched_with_text_only(llm, ("text_around", "raw_placeholder"))

@@ -53,12 +53,7 @@ def test_greedy_matches_hf(llm, name):
 def test_image_requests_compile_nothing_after_the_warm_up(llm):
     """The image step variants compile in the background and the encoder's batches at start-up: once they
     are done, image requests (one image, two images) run without compiling."""
-    runner = llm.engine.core.runner
-    assert llm.wait_compiled(timeout=600)
-    before = (runner.compiled_variants(), runner.encoder._step._cache_size())
-    for name in ("one_image", "two_images"):
-        run_case(llm, CASES[name])
-    assert (runner.compiled_variants(), runner.encoder._step._cache_size()) == before
+    VISION.check_no_compiles_after_warmup(llm)
 
 
 def test_tokenizing_around_the_placeholder_equals_the_tokenizer(llm):

@@ -47,6 +47,16 @@ class VisionFixture:
                                 use_tqdm=False)[0]
         return llm.chat(self.openai_messages(case), sp, use_tqdm=False)[0]
 
+    def check_no_compiles_after_warmup(self, llm) -> None:
+        """Once the background compiles are done, image requests (one image, two images) compile nothing: no
+        step variant, no encoder batch."""
+        runner = llm.engine.core.runner
+        assert llm.wait_compiled(timeout=600)
+        before = (runner.compiled_variants(), runner.encoder._step._cache_size())
+        for name in ("one_image", "two_images"):
+            self.run_case(llm, self.cases[name])
+        assert (runner.compiled_variants(), runner.encoder._step._cache_size()) == before
+
     def check_batched_with_text_only(self, llm, raw_cases: tuple[str, ...]) -> None:
         """Raw image prompts and a text-only prompt (before and after them) in one batch: each as alone."""
         from jaxserve.sampling_params import SamplingParams

@@ -180,10 +180,9 @@ def _extend(out: list[int], ids: list[int], merges: dict) -> None:
     out.extend(ids)
 
 
-def newline_merges(tokenizer: Any) -> dict:
-    """``{(a, b): ab}`` of the newline-run tokens ("\n", "\n\n", "\n\n\n", "\n\n\n\n") a tokenizer has:
-    two adjacent runs its tokenizer would have made one token (Gemma's SentencePiece vocabulary has them)."""
+def newline_merges(tokenizer: Any, longest: int = 31) -> dict:
+    """``{(a, b): ab}`` of the newline-run tokens ("\n" up to ``longest`` newlines) a tokenizer has: two
+    adjacent runs its tokenizer would have made one token (Gemma's SentencePiece vocabulary has them)."""
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    ids = {n: vocab.get("\n" * n) for n in range(1, 5)}
-    return {(ids[a], ids[b]): ids[a + b] for a in range(1, 4) for b in range(1, 4)
-            if a + b <= 4 and None not in (ids[a], ids[b], ids[a + b])}
+    ids = {n: vocab["\n" * n] for n in range(1, longest + 1) if "\n" * n in vocab}
+    return {(ids[a], ids[b]): ids[a + b] for a in ids for b in ids if a + b in ids}

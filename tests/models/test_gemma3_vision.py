@@ -120,25 +120,39 @@ def test_whole_image_scheduling():
     assert EncoderCacheManager(32, 64).schedule(Request("2", [0] * 40, None, mm_features=[a]), 0, 10, 32)[0] == 10
 
 
-def test_placeholder_expansion_and_refusals():
-    """The processor's expansion of <start_of_image> (newline runs merged as Gemma's vocabulary has them);
-    pan-and-scan is refused with a 400."""
+@pytest.mark.parametrize("prompt", [
+    "<start_of_turn>user\n<start_of_image>Describe this.<end_of_turn>\n<start_of_turn>model\n",
+    "look at <start_of_image> and tell me", "<start_of_image>\n\nHi", "a\n\n<start_of_image>\nb",
+    "x <start_of_image><start_of_image> y", "a\n\n\n<start_of_image>\n\n\nb", "text.<start_of_image>Next"])
+def test_expansion_tokenizes_as_gemma_tokenizes_hfs_expanded_text(prompt):
+    """Gemma's own tokenizer (the packaged Gemma 3 270M's): expanding the ids of ``prompt`` gives the ids of
+    the text HF's processor expands (newline runs next to the wrap merged as the tokenizer merges them). The
+    image's soft tokens stand in as another special token (this vocabulary stops before them)."""
+    from jaxserve.models.gguf_file import GGUFFile
+    from jaxserve.models.gguf_tokenizer import tokenizer_from_gguf
+    from jaxserve.multimodal.processing import ImageProcessing, encode_around, newline_merges
+    from support.llms import packaged_model_or_skip
+    tok = _gemma_tokenizer(packaged_model_or_skip("gemma3-270m"), GGUFFile, tokenizer_from_gguf)
+    boi, eoi, stand_in, stand_in_id = "<start_of_image>", "<end_of_image>", "<start_of_turn>", 105
+    wrap = tuple(encode_around(tok, t, boi, 255999) for t in ("\n\n" + boi, eoi + "\n\n"))
+    proc = ImageProcessing(None, boi, 255999, 14, wrap=wrap, fill_token_id=stand_in_id, merges=newline_merges(tok))
+    proc.process_image = lambda img: (np.zeros((3, 56, 56), np.float32), {}, "h")       # 16 tokens
+    ids, feats = proc.process(tok.encode(prompt, add_special_tokens=False), [None] * prompt.count(boi))
+    hf_text = prompt.replace(boi, "\n\n" + boi + stand_in * 16 + eoi + "\n\n")
+    assert ids == tok.encode(hf_text, add_special_tokens=False)
+    assert all(ids[f.offset:f.end] == [stand_in_id] * 16 and ids[f.offset - 1] == 255999 for f in feats)
+
+
+@functools.lru_cache(maxsize=1)
+def _gemma_tokenizer(path, gguf_file, tokenizer_from_gguf):
+    return tokenizer_from_gguf(gguf_file(path).fields)
+
+
+def test_pan_and_scan_is_refused():
     from jaxserve.errors import InvalidRequestError
     from jaxserve.models.configs import model_config_from_folder
-    from jaxserve.multimodal.processing import ImageProcessing, newline_merges
-
-    class Vocab:                      # "\n" .. "\n\n\n\n" as Gemma's SentencePiece vocabulary spells them
-        def get_vocab(self):
-            return {"\n": 107, "\n\n": 108, "\n\n\n": 109, "\n\n\n\n": 110}
-
-    assert newline_merges(Vocab()) == {(107, 107): 108, (107, 108): 109, (108, 107): 109, (107, 109): 110,
-                                       (108, 108): 110, (109, 107): 110}
+    from jaxserve.multimodal.processing import ImageProcessing
     cfg, _, _ = model_config_from_folder(FOLDER)
-    proc = ImageProcessing(None, "<start_of_image>", 4, 14, wrap=([108, 4], [5, 108]), fill_token_id=6,
-                           merges=newline_merges(Vocab()))
-    proc.process_image = lambda img: (np.zeros((3, 56, 56), np.float32), {}, "h")
-    ids, feats = proc.process([2, 107, 4, 107, 9], [None])
-    assert ids == [2, 109, 4] + [6] * 16 + [5, 109, 9] and (feats[0].offset, feats[0].length) == (3, 16)
     with pytest.raises(InvalidRequestError, match="pan-and-scan"):
         ImageProcessing.from_folder(FOLDER, cfg.extra_dict, {"do_pan_and_scan": True})
 

@@ -45,6 +45,9 @@ def cases() -> list[dict]:
         chat["text_only"],
         # text_around's first 24 tokens (8-token blocks: a prefix hit that ends inside the image), then other text
         {"name": "same_start_other_end", "raw": "look at <start_of_image>so, what is it?", "images": ["square.png"]},
+        # pan-and-scan: the wide image and its two crops (45x50 each), each 16 tokens
+        dict(chat["one_image"], name="pan_and_scan",
+             processor_kwargs={"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 20}),
     ]
 
 

@@ -107,7 +107,7 @@ def save_processor(processor, tokenizer, folder: str, image_processor_type: str)
 
 def write_golden(folder: str, model, processor, case_list: list[dict], images: dict, greedy) -> None:
     """golden.json (per case: prompt, HF's expanded ids, ``greedy(model, inputs, n)``'s continuation and smallest
-    margin) and logits.npy (the first case's logits)."""
+    margin) and logits.npy (the first case's logits); a case's ``processor_kwargs`` go to its processor call."""
     golden = []
     for i, case in enumerate(case_list):
         prompt = case["raw"] if "raw" in case else processor.apply_chat_template(case["messages"],
@@ -115,7 +115,8 @@ def write_golden(folder: str, model, processor, case_list: list[dict], images: d
         imgs = [images[n] for n in case["images"]] or None
         # raw prompts get the tokenizer's BOS (LLM.generate's encode); a chat template holds what it wants
         # (jaxserve's and vLLM's chat default: add_special_tokens false)
-        inputs = processor(text=prompt, images=imgs, return_tensors="pt", add_special_tokens="raw" in case)
+        inputs = processor(text=prompt, images=imgs, return_tensors="pt", add_special_tokens="raw" in case,
+                           **case.get("processor_kwargs", {}))
         ids, margin, logits = greedy(model, inputs, GREEDY_TOKENS)
         if i == 0:
             np.save(os.path.join(folder, "logits.npy"), logits.astype(np.float32))

@@ -17,7 +17,9 @@ per-token attend limit (``AttentionMetadata.attend_limit``: the image span's las
 
 Prompts: the chat template prints ``<start_of_image>`` (``boi``) per image; the processor replaces it with
 ``"\\n\\n<start_of_image>" + mm_tokens_per_image x <image_soft_token> + "<end_of_image>\\n\\n"``
-(``multimodal.processing``, ``image_wrap``). Pan-and-scan (crops of a wide image) is refused.
+(``multimodal.processing``, ``image_wrap``). Pan-and-scan (``--mm-processor-kwargs '{"do_pan_and_scan":
+true}'``: a wide or tall image also cut into crops, each its own 256 tokens) as the processor does it:
+"Here is the original image ... and here are some crops to help you see better ..." (``image_crops_text``).
 
 Config: ``config.json`` wraps a ``text_config`` (read as ``gemma3_text``) and a ``vision_config``
 (``siglip_vision_model``) with ``mm_tokens_per_image`` and the boi / eoi / image token ids; checkpoint
@@ -43,7 +45,11 @@ from jaxserve.models.layers.vision import VISION_ACTIVATIONS, VISION_KEYS, Visio
 
 ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 MODEL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration"}
-BOI, EOI, IMAGE_SOFT_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+BOI, EOI = "<start_of_image>", "<end_of_image>"
+# Gemma3Processor's text around an image and its pan-and-scan crops, and its pan-and-scan call defaults
+CROPS_TEXT = ["Here is the original image ", " and here are some crops to help you see better ", " "]
+PAN_AND_SCAN_DEFAULTS = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
+                         "pan_and_scan_min_ratio_to_activate": 1.2}
 
 
 def unwrap_hf(hf: dict) -> dict:
@@ -75,7 +81,8 @@ def read_hf(hf: dict, fields: dict) -> dict:
     # ``patch_size``: pixels per image token side, so ImageProcessing counts mm_tokens_per_image tokens
     fields["extra"] = dict(fields["extra"]) | facts | {
         "image_processor": processor, "image_token": BOI, "patch_size": size // side,
-        "num_additional_image_tokens": 0, "image_wrap": ["\n\n" + BOI, EOI + "\n\n"]}
+        "num_additional_image_tokens": 0, "image_wrap": ["\n\n" + BOI, EOI + "\n\n"],
+        "image_crops_text": CROPS_TEXT, "image_processor_call_defaults": PAN_AND_SCAN_DEFAULTS}
     return fields
 
 

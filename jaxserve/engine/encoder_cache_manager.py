@@ -67,6 +67,16 @@ class EncoderCacheManager:
             self.num_encoded += 1
         return num_new, to_encode, budget
 
+    def whole_image_room(self, req: Request, start: int) -> int:
+        """With ``whole_images``: the tokens from ``start`` to the end of the first image not computed by then,
+        which a chunk holding any of it must reach (the scheduler lets it pass the long-prefill share, else a
+        long image would wait for as long as decodes run); 0 otherwise."""
+        if self.whole_images:
+            for f in req.mm_features:
+                if f.offset + f.length > start:
+                    return f.offset + f.length - start
+        return 0
+
     def cancel(self, req: Request, encoded: list) -> None:
         """Give back what ``schedule`` took for a chunk that is not dispatched: the outputs it was to
         encode are forgotten (never made), the others released."""

@@ -128,6 +128,10 @@ class SchedulerConfig:
     max_num_encoder_input_tokens: int | None = option(
         None, help="image tokens the vision encoder may compute in one step (vLLM's encoder budget, beside the "
                    "token budget; default: --max-num-batched-tokens, at least one image's)")
+    disable_chunked_mm_input: bool = option(
+        False, help="never split an image's tokens over two steps: a chunk stops before an image it cannot take "
+                    "whole (vLLM's flag; always on for models whose image tokens attend to each other both ways, "
+                    "Gemma 3)")
     encoder_cache_size: int | None = option(
         None, help="image tokens whose encoder outputs stay on the device until their prompts are prefilled "
                    "(and for later requests with the same image; default: the encoder budget)")

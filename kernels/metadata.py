@@ -28,6 +28,10 @@ class AttentionMetadata:
     seq_lens: jax.Array          # [R] int32: context length of each request after this step (0 = padding)
     query_start_loc: jax.Array   # [R + 1] int32: cumulative new-token offsets into the flat token axis
     num_seqs: jax.Array          # [] int32: number of real requests (<= R)
+    # [T] int32, or None (causal only, and no such input in the step's program): a token also attends to its
+    # request's keys up to this position where it is past the token's own (bidirectional attention among one
+    # image's tokens, Gemma 3: the image span's last position; -1 elsewhere). Sliding windows still apply.
+    attend_limit: jax.Array | None = None
     # Static (part of the jit cache key, not an array): every real request has exactly one new token. The
     # Pallas backend then launches its decode kernel alone (vLLM's uniform-decode case); the reference
     # ignores it. The caller must be right: a prefill token in such a step is left unwritten.

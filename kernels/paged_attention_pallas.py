@@ -68,11 +68,13 @@ MGPU_MIN_TOKENS = 512  # prefill_kernel="auto": token slots from which a step us
 
 
 def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, bt_ref, k_scale, *, h,
-             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, v_transposed):
+             kv_heads, block_size, pages_per_seq, block_k, sm_scale, soft_cap, sliding_window, v_transposed,
+             q_lim=None):
     """Online softmax of tile ``q [M, D]`` over the request's keys ``[kv_lo, kv_hi)`` in steps of block_k.
 
     ``q_pos [M]`` are the rows' absolute positions, ``first_q_pos``/``last_q_pos`` those of the tile's
-    first and last real token. Chunks that no mask can touch for any row (below the first row's diagonal,
+    first and last real token; ``q_lim [M]`` (``md.attend_limit``): each row's last visible key where it is
+    past ``q_pos`` (the window still counts from ``q_pos``). Chunks that no mask can touch for any row (below the first row's diagonal,
     inside the last row's window, below kv_hi) run without masks; the rest (window edge, diagonal, ragged
     end) with them. Returns the unnormalised accumulator ``[M, D]`` f32 and running max / sum ``[M]``
     (base 2). The caches are ``[num_blocks, kv_heads, block_size, D]`` (a page's rows of one head are
@@ -123,7 +125,7 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = s * LOG2E
         if masked:
-            mask = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+            mask = (pos[None, :] <= (q_pos if q_lim is None else q_lim)[:, None]) & in_range[None, :]
             if sliding_window is not None:
                 mask &= pos[None, :] > q_pos[:, None] - sliding_window
             s = jnp.where(mask, s, MASK_VALUE)
@@ -161,9 +163,10 @@ class _Refs:
     the decode launch writes the step's K/V."""
     NAMES = ("qsl", "seq_lens", "num_seqs", "bt", "ks", "vs", "q", "k", "v", "slots")
 
-    def __init__(self, refs):
+    def __init__(self, refs, limit=None):
         for name, ref in zip(self.NAMES, refs):
             setattr(self, name, ref)
+        self.limit = limit           # md.attend_limit [T] (prefill tiles), or None
 
 
 def _prefill_tile(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q_stride, dot_dtype, **kw):
@@ -209,9 +212,14 @@ def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q
     q_pos = seq_len - (q_end - tok)
     first_q_pos = seq_len - (q_end - start)
     last_q_pos = seq_len - (q_end - jnp.minimum(start + block_q, q_end)) - 1
-    kv_hi = jnp.where(active, last_q_pos + 1, 0)
+    q_lim, last_key = None, last_q_pos
+    if x.limit is not None:      # rows inside an image span see up to its end: the tile reads that far
+        q_lim = jnp.maximum(q_pos, x.limit[jnp.minimum(tok, x.limit.shape[0] - 1)])
+        last_key = jnp.maximum(last_q_pos, jnp.max(jnp.where(row_valid, q_lim, 0)))
+    kv_hi = jnp.where(active, last_key + 1, 0)
     kv_lo = jnp.where(active, _window_lo(first_q_pos, kw["sliding_window"], kw["block_k"]), 0)
-    acc, _, l = _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, x.k, x.v, x.bt, x.ks[h], h=h, **kw)
+    acc, _, l = _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, x.k, x.v, x.bt, x.ks[h], h=h,
+                         q_lim=q_lim, **kw)
     out = acc * (x.vs[h] / jnp.where(l > 0, l, 1.0))[:, None]
     store_rows(out_ref, q_rows, out, row_valid)
 
@@ -314,10 +322,11 @@ def _decode_kernel(*refs, tile_kw, n_in, write_kv):
     _decode_tile(x, outs, pl.program_id(0), pl.program_id(2), pl.program_id(1), new_kv=new_kv, **tile_kw)
 
 
-def _fused_kernel(*refs, n_prefill, prefill_kw, decode_kw, n_in):
+def _fused_kernel(*refs, n_prefill, prefill_kw, decode_kw, n_in, limited):
     """Prefill tiles first (the long ones start early), then (request, split) decode tiles.
-    ``n_in``: 9 inputs, or 10 when the output buffer also comes in (aliased; poisoned for tests)."""
-    x = _Refs(refs[:9])
+    ``n_in``: 9 inputs (10 with ``md.attend_limit``: ``limited``), one more when the output buffer also comes
+    in (aliased; poisoned for tests)."""
+    x = _Refs(refs[:9], refs[9] if limited else None)
     out_ref = refs[n_in]
     pid, h = pl.program_id(0), pl.program_id(1)
     splits = decode_kw["num_splits"]
@@ -424,7 +433,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     mgpu_ok = not v_transposed and tile_dot is None and prefill_mgpu.supported(
         q_only, k_cache, soft_cap=soft_cap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
         block_kv=mgpu_block_kv, stages=mgpu_stages)
-    use_mgpu = mgpu_ok and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
+    limited = md.attend_limit is not None     # the Mosaic GPU prefill has no attend limit: Triton tiles
+    use_mgpu = mgpu_ok and not limited and (prefill_kernel == "mgpu" or (prefill_kernel == "auto" and not interpret
                                                          and q.shape[0] >= MGPU_MIN_TOKENS))
     T, _, d = q.shape
     if write_kv and not (decode_only and q_stride == hq + 2 * k_cache.shape[1]):
@@ -445,6 +455,10 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
            v_cache.reshape(nb * kvh * d, bs) if v_transposed else v_cache.reshape(nb * bs * kvh, d))
     if write_kv:
         ins += (md.slot_mapping.astype(jnp.int32),)
+    if limited:       # the rows of a request with q_len 1 never need it (an image's last token sees itself)
+        if decode_only:
+            raise ValueError("md.attend_limit needs prefill tiles: the step cannot be decode_only")
+        ins += (md.attend_limit.astype(jnp.int32),)
     common = dict(kv_heads=kvh, block_size=bs, pages_per_seq=P, sm_scale=float(sm_scale),
                   soft_cap=soft_cap, sliding_window=sliding_window, v_transposed=v_transposed)
     block_q = max(1, prefill_block_m // group_pad)
@@ -508,7 +522,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     elif not use_mgpu:
         res = pl.pallas_call(
             functools.partial(_fused_kernel, n_prefill=n_prefill, prefill_kw=prefill_kw, decode_kw=decode_kw,
-                              n_in=len(first_ins)),
+                              n_in=len(first_ins), limited=limited),
             grid=(n_prefill + R * splits, kvh),
             out_shape=(out_shape,) + (part_shapes if splits > 1 else ()),
             input_output_aliases=first_alias, compiler_params=decode_params, interpret=interpret,

@@ -90,7 +90,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
                            k_scale=None, v_scale=None, pages_per_step: int = 8):
     """Attention of ``q [T, q_heads, head_dim]`` over each token's request context in the paged cache.
 
-    Causal within the step's new tokens; GQA by grouping q heads over kv heads. Computed in float32 with
+    Causal within the step's new tokens (and up to ``md.attend_limit`` where it is further); GQA by grouping
+    q heads over kv heads. Computed in float32 with
     an online softmax over chunks of ``pages_per_step`` pages, so memory stays ``O(T * chunk)``.
     Padding tokens return zeros. ``k_scale``/``v_scale`` dequantize an fp8 cache (see ``write_kv``).
     """
@@ -105,6 +106,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
 
     req, qpos, valid = token_layout(md, T)
     klen = jnp.where(valid, md.seq_lens[req], 0)                          # [T]
+    qlim = qpos if md.attend_limit is None else jnp.maximum(qpos, md.attend_limit)   # last key each token sees
     qg = q.astype(jnp.float32).reshape(T, kvh, g, d) * sm_scale
     offs = jnp.arange(c * bs, dtype=jnp.int32)
 
@@ -118,7 +120,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kpos = i * c * bs + offs                                           # [c*bs]
-        mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < klen[:, None])
+        mask = (kpos[None, :] <= qlim[:, None]) & (kpos[None, :] < klen[:, None])
         if sliding_window is not None:
             mask &= kpos[None, :] > qpos[:, None] - sliding_window
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)

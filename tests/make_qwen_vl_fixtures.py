@@ -16,8 +16,8 @@ import os
 
 import numpy as np
 import torch
-from make_vision_fixtures import GREEDY_TOKENS, make_tokenizer
-from PIL import Image
+from make_vision_fixtures import GREEDY_TOKENS, chat_cases, greedy_without_eos as greedy, make_images, \
+    make_tokenizer
 from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
                           Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen2VLProcessor,
                           Qwen2VLVideoProcessor)
@@ -51,42 +51,12 @@ IMAGES = {"wide.png": (170, 110, 4), "small.png": (64, 48, 5), "tall.png": (60, 
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 64
 
 
-def make_images(out_dir: str) -> dict[str, Image.Image]:
-    out = {}
-    for name, (w, h, seed) in IMAGES.items():
-        rng = np.random.default_rng(seed)
-        out[name] = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
-        out[name].save(os.path.join(out_dir, name))
-    return out
-
-
 def cases() -> list[dict]:
-    img = {"type": "image"}
-    return [
-        {"name": "one_image", "messages": [{"role": "user", "content": [img, {"type": "text", "text": "What?"}]}],
-         "images": ["wide.png"]},
-        {"name": "two_images", "messages": [{"role": "user", "content": [
-            img, {"type": "text", "text": "and"}, img, {"type": "text", "text": "Compare."}]}],
-         "images": ["small.png", "tall.png"]},
-        {"name": "text_around", "raw": "look at <|vision_start|><|image_pad|><|vision_end|> and tell me:",
-         "images": ["tall.png"]},
-        {"name": "two_turns", "messages": [
-            {"role": "user", "content": [img, {"type": "text", "text": "Describe it."}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "Colours."}]},
-            {"role": "user", "content": [{"type": "text", "text": "More?"}]}], "images": ["small.png"]},
-        {"name": "text_only", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
-         "images": []},
-    ]
-
-
-@torch.no_grad()
-def greedy(model, inputs, n: int) -> tuple[list[int], float, np.ndarray]:
-    ids = inputs["input_ids"]
-    out = model.generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-    logits = model(**inputs).logits[0].float().numpy()
-    return out.sequences[0, ids.shape[1]:].tolist(), min(margins), logits
+    chat = chat_cases("wide.png", ("small.png", "tall.png"), "small.png")
+    return [chat["one_image"], chat["two_images"],
+            {"name": "text_around", "raw": "look at <|vision_start|><|image_pad|><|vision_end|> and tell me:",
+             "images": ["tall.png"]},
+            chat["two_turns"], chat["text_only"]]
 
 
 @torch.no_grad()
@@ -121,7 +91,7 @@ def main(variant: str = "qwen2_5_vl") -> None:
     with open(os.path.join(out_dir, "processor_config.json"), "w") as f:
         json.dump(saved, f, indent=2)
     tokenizer.save_pretrained(out_dir)
-    images = make_images(out_dir)
+    images = make_images(IMAGES, out_dir)
     golden = []
     for i, case in enumerate(cases()):
         prompt = case["raw"] if "raw" in case else processor.apply_chat_template(case["messages"],

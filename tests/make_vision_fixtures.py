@@ -1,8 +1,9 @@
 """Golden fixtures of tiny random vision-language models from HF transformers: LLaVA-1.5 (CLIP ViT + MLP
-projector + Llama), Qwen2.5-VL and Qwen2-VL (``make_qwen_vl_fixtures``).
+projector + Llama), Qwen2.5-VL and Qwen2-VL (``make_qwen_vl_fixtures``) and Gemma 3
+(``make_gemma3_vision_fixtures``).
 
 Run with the oracle env (torch + torchvision + transformers); an argument picks one family:
-    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl | qwen2_vl]
+    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl | qwen2_vl | gemma3]
 
 Writes tests/fixtures/models/tiny-llava/: config.json, model.safetensors (bfloat16, read back as float32 by
 the oracle), preprocessor_config.json and processor_config.json (CLIP image processing at 56x56, 14-pixel
@@ -53,13 +54,78 @@ def make_tokenizer(specials=tuple(SPECIALS), *, bos="<s>", eos="</s>", unk="<unk
     return fast
 
 
-def make_images() -> dict[str, Image.Image]:
+def chat_cases(one: str, two: tuple[str, str], earlier: str) -> dict[str, dict]:
+    """The chat cases a family with interleaved image parts is tested on, by name: one image, two images
+    with text between, a two-turn chat with an image in the first turn, text only."""
+    img = {"type": "image"}
+    return {
+        "one_image": {"name": "one_image", "messages": [
+            {"role": "user", "content": [img, {"type": "text", "text": "What?"}]}], "images": [one]},
+        "two_images": {"name": "two_images", "messages": [{"role": "user", "content": [
+            img, {"type": "text", "text": "and"}, img, {"type": "text", "text": "Compare."}]}], "images": list(two)},
+        "two_turns": {"name": "two_turns", "messages": [
+            {"role": "user", "content": [img, {"type": "text", "text": "Describe it."}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Colours."}]},
+            {"role": "user", "content": [{"type": "text", "text": "More?"}]}], "images": [earlier]},
+        "text_only": {"name": "text_only", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hi there"}]}], "images": []},
+    }
+
+
+def make_images(images: dict = IMAGES, folder: str = OUT) -> dict[str, Image.Image]:
+    """Random RGB images ``{name: (width, height, seed)}``, saved as PNG in ``folder``."""
     out = {}
-    for name, (w, h, seed) in IMAGES.items():
+    for name, (w, h, seed) in images.items():
         rng = np.random.default_rng(seed)
         out[name] = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
-        out[name].save(os.path.join(OUT, name))
+        out[name].save(os.path.join(folder, name))
     return out
+
+
+@torch.no_grad()
+def greedy_without_eos(model, inputs, n: int) -> tuple[list[int], float, np.ndarray]:
+    """HF's greedy continuation of ``inputs`` over ``n`` tokens (no eos stop), the smallest top-1/top-2 margin
+    on it, and the prompt's float32 logits."""
+    ids = inputs["input_ids"]
+    out = model.generate(**inputs, max_new_tokens=n, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+    logits = model(**inputs).logits[0].float().numpy()
+    return out.sequences[0, ids.shape[1]:].tolist(), min(margins), logits
+
+
+def save_processor(processor, tokenizer, folder: str, image_processor_type: str) -> None:
+    """The processor's and tokenizer's files, ``processor_config.json`` naming the image processor as a hub
+    checkpoint does."""
+    processor.save_pretrained(folder)
+    with open(os.path.join(folder, "processor_config.json")) as f:
+        saved = json.load(f)
+    saved["image_processor"]["image_processor_type"] = image_processor_type
+    with open(os.path.join(folder, "processor_config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+    tokenizer.save_pretrained(folder)
+
+
+def write_golden(folder: str, model, processor, case_list: list[dict], images: dict, greedy) -> None:
+    """golden.json (per case: prompt, HF's expanded ids, ``greedy(model, inputs, n)``'s continuation and smallest
+    margin) and logits.npy (the first case's logits); a case's ``processor_kwargs`` go to its processor call."""
+    golden = []
+    for i, case in enumerate(case_list):
+        prompt = case["raw"] if "raw" in case else processor.apply_chat_template(case["messages"],
+                                                                                  add_generation_prompt=True)
+        imgs = [images[n] for n in case["images"]] or None
+        # raw prompts get the tokenizer's BOS (LLM.generate's encode); a chat template holds what it wants
+        # (jaxserve's and vLLM's chat default: add_special_tokens false)
+        inputs = processor(text=prompt, images=imgs, return_tensors="pt", add_special_tokens="raw" in case,
+                           **case.get("processor_kwargs", {}))
+        ids, margin, logits = greedy(model, inputs, GREEDY_TOKENS)
+        if i == 0:
+            np.save(os.path.join(folder, "logits.npy"), logits.astype(np.float32))
+        golden.append({**case, "prompt": prompt, "prompt_ids": inputs["input_ids"][0].tolist(), "greedy_ids": ids,
+                       "min_margin": round(margin, 5)})
+        print(f"{case['name']}: {inputs['input_ids'].shape[1]} prompt tokens, margin {margin:.4f}, {ids[:6]}")
+    with open(os.path.join(folder, "golden.json"), "w") as f:
+        json.dump(golden, f, indent=1)
 
 
 def cases(images: dict) -> list[dict]:
@@ -119,36 +185,15 @@ def main() -> None:
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
                                vision_feature_select_strategy="default", chat_template=CHAT_TEMPLATE,
                                num_additional_image_tokens=1)
-    processor.save_pretrained(OUT)
-    with open(os.path.join(OUT, "processor_config.json")) as f:      # as a hub checkpoint names it
-        saved = json.load(f)
-    saved["image_processor"]["image_processor_type"] = "CLIPImageProcessor"
-    with open(os.path.join(OUT, "processor_config.json"), "w") as f:
-        json.dump(saved, f, indent=2)
-    tokenizer.save_pretrained(OUT)
+    save_processor(processor, tokenizer, OUT, "CLIPImageProcessor")
     images = make_images()
-    golden = []
-    for i, case in enumerate(cases(images)[0]):
-        prompt = case["raw"] if "raw" in case else processor.apply_chat_template(case["messages"],
-                                                                                  add_generation_prompt=True)
-        imgs = [images[n] for n in case["images"]] or None
-        # raw prompts get the tokenizer's BOS (LLM.generate's encode); a chat template holds what it wants
-        # (jaxserve's and vLLM's chat default: add_special_tokens false)
-        inputs = processor(text=prompt, images=imgs, return_tensors="pt", add_special_tokens="raw" in case)
-        ids, margin, logits = greedy(model, inputs, GREEDY_TOKENS)
-        if i == 0:
-            np.save(os.path.join(OUT, "logits.npy"), logits.astype(np.float32))
-        golden.append({**case, "prompt": prompt, "prompt_ids": inputs["input_ids"][0].tolist(), "greedy_ids": ids,
-                       "min_margin": round(margin, 5)})
-        print(f"{case['name']}: {inputs['input_ids'].shape[1]} prompt tokens, margin {margin:.4f}, {ids[:6]}")
-    with open(os.path.join(OUT, "golden.json"), "w") as f:
-        json.dump(golden, f, indent=1)
+    write_golden(OUT, model, processor, cases(images)[0], images, greedy)
 
 
 if __name__ == "__main__":
     import sys
 
-    which = sys.argv[1:] or ["llava", "qwen2_5_vl", "qwen2_vl"]
+    which = sys.argv[1:] or ["llava", "qwen2_5_vl", "qwen2_vl", "gemma3"]
     if "llava" in which:
         main()
     for variant in ("qwen2_5_vl", "qwen2_vl"):
@@ -156,3 +201,7 @@ if __name__ == "__main__":
             from make_qwen_vl_fixtures import main as qwen_main  # noqa: PLC0415
 
             qwen_main(variant)
+    if "gemma3" in which:
+        from make_gemma3_vision_fixtures import main as gemma3_main  # noqa: PLC0415
+
+        gemma3_main()

@@ -58,6 +58,7 @@ class EngineFacts:
     warmup_seconds: float
     num_kv_blocks: int | None = None      # None: an embedding model (no KV cache)
     is_multimodal: bool = False           # the model takes images (its family has a vision encoder)
+    whole_images: bool = False            # a step computes an image's tokens all together (whole_images)
 
     @property
     def served_model_name(self) -> str:
@@ -81,6 +82,9 @@ class EngineCore:
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer
         self.chat_template = config.chat_template or self.model.chat_template
+        # an image's tokens in one step: asked for, or needed (they attend to each other both ways)
+        self.whole_images = config.scheduler.disable_chunked_mm_input or \
+            getattr(self.model.family, "bidirectional_images", False)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.structured_output = StructuredOutputManager(
@@ -116,7 +120,8 @@ class EngineCore:
                                              config.cache.enable_prefix_caching, self.max_model_len)
             self.encoder_cache = None
             if self.runner.encoder is not None:
-                self.encoder_cache = EncoderCacheManager(*config.scheduler.encoder_limits())
+                self.encoder_cache = EncoderCacheManager(*config.scheduler.encoder_limits(),
+                                                         whole_images=self.whole_images)
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len,
                                        self.encoder_cache)
             self.executor.warm_up(progress=progress)
@@ -139,7 +144,8 @@ class EngineCore:
             dtype_name=str(getattr(model.dtype, "__name__", model.dtype)),
             load_seconds=self.executor.load_seconds, warmup_seconds=self.warmup_seconds,
             num_kv_blocks=self.runner.num_blocks if self.runner is not None else None,
-            is_multimodal=self.runner is not None and self.runner.encoder is not None)
+            is_multimodal=self.runner is not None and self.runner.encoder is not None,
+            whole_images=self.whole_images)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -5,7 +5,10 @@ NOTE (encoder scheduling): an image's encoder output must exist no later than th
 first image token. When a step's chunk of a prompt reaches an image whose output is not cached, the image
 is encoded in that step if its tokens fit both the step's encoder budget (``max_num_encoder_input_tokens``)
 and the cache (``encoder_cache_size``, evicting outputs no request holds); otherwise the chunk stops just
-before the image, which waits for a later step. A chunk may end inside an image: its output stays cached
+before the image, which waits for a later step. A chunk may end inside an image (unless ``whole_images``:
+``--disable-chunked-mm-input``, forced on where an image's tokens attend to each other both ways, so the
+step computing them holds the image's remaining tokens all: the chunk stops before an image it cannot take
+to its end). Its output stays cached
 (held by the request) until the request's computed tokens pass the image's last token, then stays on as
 unreferenced (another request with the same image takes it without encoding) until space is needed.
 Evicted hashes are reported to the runner, which drops their device arrays (``take_freed``).
@@ -18,9 +21,10 @@ from jaxserve.engine.request import Request
 
 
 class EncoderCacheManager:
-    def __init__(self, budget: int, capacity: int):
+    def __init__(self, budget: int, capacity: int, whole_images: bool = False):
         self.budget = budget                         # image tokens encoded per step
         self.capacity = capacity                     # image tokens cached
+        self.whole_images = whole_images             # a chunk never ends inside an image
         self.used = 0
         self.cached: dict[str, int] = {}             # hash -> image tokens, for every output on the device
         self.holders: dict[str, set[str]] = {}       # hash -> ids of the requests that still need it
@@ -44,6 +48,8 @@ class EncoderCacheManager:
                 break
             if f.offset + f.length <= start:
                 continue
+            if self.whole_images and f.offset + f.length > end:     # (a prefix hit may start inside it)
+                return max(f.offset - start, 0), to_encode, budget
             held = self.holders.get(f.hash)
             if held is not None:                     # on the device (or encoded earlier in this step)
                 if rid not in held:
@@ -60,6 +66,16 @@ class EncoderCacheManager:
             to_encode.append(f)
             self.num_encoded += 1
         return num_new, to_encode, budget
+
+    def whole_image_room(self, req: Request, start: int) -> int:
+        """With ``whole_images``: the tokens from ``start`` to the end of the first image not computed by then,
+        which a chunk holding any of it must reach (the scheduler lets it pass the long-prefill share, else a
+        long image would wait for as long as decodes run); 0 otherwise."""
+        if self.whole_images:
+            for f in req.mm_features:
+                if f.offset + f.length > start:
+                    return f.offset + f.length - start
+        return 0
 
     def cancel(self, req: Request, encoded: list) -> None:
         """Give back what ``schedule`` took for a chunk that is not dispatched: the outputs it was to

@@ -30,7 +30,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request
 from jaxserve.errors import InvalidRequestError
 from jaxserve.multimodal.media import MediaLimits, load_image_url
-from jaxserve.multimodal.processing import ImageProcessing
+from jaxserve.multimodal.processing import ImageProcessing, encode_around
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, check_token_ids
 
@@ -166,10 +166,15 @@ class RequestBuilder:
             raise InvalidRequestError("images are not supported when the model is spread over several processes "
                                       "(--num-processes / --distributed-executor-backend mp)", param="messages")
         budget, _ = facts.config.scheduler.encoder_limits()
+        step_budget = facts.config.scheduler.max_num_batched_tokens
         for f in features:
             if f.length > budget:
                 raise InvalidRequestError(f"an image takes {f.length} tokens, more than the encoder budget of "
                                           f"{budget} (--max-num-encoder-input-tokens)", param="messages")
+            if facts.whole_images and step_budget is not None and f.length > step_budget:
+                raise InvalidRequestError(f"an image takes {f.length} tokens, more than one step's budget of "
+                                          f"{step_budget} (--max-num-batched-tokens); this model computes an "
+                                          "image's tokens in one step", param="messages")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
@@ -225,7 +230,8 @@ class MultiModalInputs:
                 facts = self.facts
                 folder = facts.model_source if os.path.isdir(facts.model_source) else None
                 self._processing = ImageProcessing.from_folder(folder, facts.model_config.extra_dict,
-                                                               facts.config.multimodal.mm_processor_kwargs)
+                                                               facts.config.multimodal.mm_processor_kwargs,
+                                                               facts.tokenizer)
             return self._processing
 
     @property
@@ -253,12 +259,8 @@ class MultiModalInputs:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """``text`` tokenized with each placeholder as the image token, as a tokenizer that has it as a special
         token does (it splits the text there)."""
-        p, tok = self.processing, self.facts.tokenizer
-        first, *rest = text.split(p.image_token)
-        ids = list(tok.encode(first, add_special_tokens=add_special_tokens))
-        for piece in rest:
-            ids += [p.image_token_id, *tok.encode(piece, add_special_tokens=False)]
-        return ids
+        p = self.processing
+        return encode_around(self.facts.tokenizer, text, p.image_token, p.image_token_id, add_special_tokens)
 
     def process(self, prompt_token_ids: list[int], images: list) -> tuple[list[int], list]:
         """(the prompt with its image tokens expanded, the images' features)."""

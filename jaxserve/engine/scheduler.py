@@ -187,6 +187,8 @@ class Scheduler:
                 if long_share is None:
                     long_share = self._long_share()
                 room = min(room, long_share)
+                if req.mm_features is not None:     # (an image taken whole may pass the long share)
+                    room = min(budget, max(room, enc.whole_image_room(req, req.num_computed_tokens)))
             if cost > room:
                 if not self._may_chunk(cost):
                     i += 1              # chunked prefill off: wait for a step with room for all of it
@@ -214,7 +216,7 @@ class Scheduler:
                 budget -= cost
                 share -= cost if cost > num_new else 0
                 if is_long:
-                    long_share -= num_new
+                    long_share = max(long_share - num_new, 0)
                     cut.append(scheduled[-1])
                 i += 1
                 continue
@@ -238,6 +240,8 @@ class Scheduler:
                 if long_share is None:
                     long_share = self._long_share()
                 room = min(room, long_share)
+                if req.mm_features is not None:
+                    room = min(budget, max(room, enc.whole_image_room(req, num_hit_tokens)))
             if cost > room:
                 if not self._may_chunk(cost):
                     break
@@ -274,7 +278,7 @@ class Scheduler:
             budget -= cost
             share -= cost if cost > num_new else 0
             if is_long:
-                long_share -= num_new
+                long_share = max(long_share - num_new, 0)
                 cut.append(scheduled[-1])
         if skipped:
             self.waiting.extendleft(reversed(skipped))

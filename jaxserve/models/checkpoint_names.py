@@ -39,8 +39,10 @@ def weight_plan(shapes: dict, layer_names: Callable[[int], dict] | dict, top: di
 # saves "model.language_model.<...>", the hub's original checkpoints have "language_model.model.<...>".
 _WRAPPED = ((r"model.", ("model.language_model.", "language_model.model.")),
             (r"lm_head.", ("language_model.lm_head.",)),
-            # a LLaVA-style wrapper's vision tower and projector: top level or under "model." (transformers 5)
-            (r"vision_tower.", ("model.vision_tower.",)),
+            # a LLaVA-style wrapper's vision tower and projector: top level or under "model." (transformers 5);
+            # the hub's original checkpoints keep a CLIP / SigLIP tower's tensors under its "vision_model."
+            (r"vision_tower.", ("model.vision_tower.", "vision_tower.vision_model.",
+                                "model.vision_tower.vision_model.")),
             (r"multi_modal_projector.", ("model.multi_modal_projector.",)),
             (r"visual.", ("model.visual.",)))          # Qwen2.5-VL's vision tower
 

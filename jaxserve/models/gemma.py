@@ -3,8 +3,7 @@ gated MLP, embeddings scaled by ``sqrt(hidden_size)``, tied lm_head, attention s
 ``query_pre_attn_scalar ** -0.5``, sliding-window layers interleaved with global ones (``layer_types``:
 Gemma 2 alternates, Gemma 3 has five local to one global). Gemma 2 soft-caps the attention logits and the
 final logits; Gemma 3 norms q and k per head instead and gives its local layers their own RoPE base.
-``Gemma3ForConditionalGeneration`` is served as its text model (the vision tower's weights are not loaded;
-requests are text only).
+``Gemma3ForConditionalGeneration`` (its vision tower and projector) is ``gemma3_vision``'s, on this decoder.
 
 What a config source must give (``read_hf`` does for config.json, ``gguf_hf_config`` for GGUF metadata):
 ``model_type`` ``gemma2`` / ``gemma3_text``, ``hidden_act`` ``gelu_pytorch_tanh``, ``sliding_window``, and in
@@ -27,11 +26,8 @@ from jaxserve.models.gguf_config import GGUFArch, GGUFMeta
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
 from jaxserve.models.layers.rotary import make_rotary
 
-ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                 "Gemma3ForConditionalGeneration")      # its text model (text-only requests)
-# gemma3: the multimodal config whose text config (gemma3_text) is served
-MODEL_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               "gemma3": "Gemma3ForConditionalGeneration"}
+ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MODEL_TYPES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 LAYER_NAMES = {**llama.LAYER_NAMES,
@@ -87,7 +83,7 @@ WRAPPER_FIELDS = ("architectures", "eos_token_id", "bos_token_id", "torch_dtype"
 
 def unwrap_hf(hf: dict) -> dict:
     """Gemma 3's multimodal config → its text config, with transformers' defaults filled in (the hub configs
-    list only what differs from them), under the wrapper's architecture."""
+    list only what differs from them), under the wrapper's architecture (``gemma3_vision`` adds the rest)."""
     if hf.get("model_type") != "gemma3":
         return hf
     from transformers import AutoConfig  # noqa: PLC0415
@@ -157,4 +153,4 @@ GGUF = {arch: GGUFArch(hf_config=gguf_hf_config, tensor_names=GGUF_TENSOR_NAMES,
         for arch in ("gemma2", "gemma3")}
 
 FAMILY = DecoderFamily(decoder_spec, check_config, LAYER_NAMES, architectures=ARCHITECTURES,
-                       model_types=MODEL_TYPES, read_hf=read_hf, unwrap_hf=unwrap_hf, gguf=GGUF)
+                       model_types=MODEL_TYPES, read_hf=read_hf, gguf=GGUF)

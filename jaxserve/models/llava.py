@@ -25,14 +25,12 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import llama
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderModel, DecoderSpec, _to_internal
-from jaxserve.models.layers.vision import VISION_ACTIVATIONS, Projector, VisionSpec, VisionTransformer, \
-    vision_layer_names
+from jaxserve.models.layers.vision import VISION_ACTIVATIONS, VISION_KEYS, Projector, VisionSpec, \
+    VisionTransformer, tower_weight_plan
 
 ARCHITECTURES = ("LlavaForConditionalGeneration",)
 MODEL_TYPES = {"llava": "LlavaForConditionalGeneration"}
 WRAPPER_FIELDS = ("architectures", "torch_dtype", "dtype")
-VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
-               "patch_size", "num_channels", "layer_norm_eps", "hidden_act")
 OPENAI_CLIP_MEAN, OPENAI_CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
 
@@ -95,10 +93,7 @@ def check_config(cfg: ModelConfig) -> None:
 def vision_spec(cfg: ModelConfig) -> VisionSpec:
     v, layer = dict(cfg.extra_dict["vision"]), cfg.extra_dict["vision_feature_layer"]
     n = int(v["num_hidden_layers"])
-    return VisionSpec(hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"], num_layers=n,
-                      num_heads=v["num_attention_heads"], image_size=v["image_size"], patch_size=v["patch_size"],
-                      num_channels=v["num_channels"], eps=v["layer_norm_eps"], activation=v["hidden_act"],
-                      num_layers_run=n + layer + 1 if layer < 0 else layer)
+    return VisionSpec.from_hf(v, num_layers_run=n + layer + 1 if layer < 0 else layer)
 
 
 class LlavaModel(DecoderModel):
@@ -126,16 +121,7 @@ class LlavaFamily(DecoderFamily):
         return nnx.split(nnx.eval_shape(lambda: LlavaModel(cfg, self.decoder_spec(cfg), vision_spec(cfg))))
 
     def weight_plan(self, cfg: ModelConfig) -> list:
-        plan = super().weight_plan(cfg)
-        vt, vspec = "vision_tower.", vision_spec(cfg)
-        plan += [(("vision", "patch_embed"), [vt + "embeddings.patch_embedding.weight"], "patch_t"),
-                 (("vision", "class_embed"), [vt + "embeddings.class_embedding"], "same"),
-                 (("vision", "pos_embed"), [vt + "embeddings.position_embedding.weight"], "same"),
-                 (("vision", "pre_norm"), [vt + "pre_layrnorm.weight"], "same"),
-                 (("vision", "pre_norm_bias"), [vt + "pre_layrnorm.bias"], "same")]
-        for i in range(vspec.num_layers):
-            names = vision_layer_names(f"{vt}encoder.layers.{i}.")
-            plan += [(("vision", "layers", i, w), hf, build) for w, (build, hf) in names.items()]
+        plan = super().weight_plan(cfg) + tower_weight_plan(vision_spec(cfg), "vision_tower.")
         for j in (1, 2):
             plan += [(("projector", f"linear_{j}"), [f"multi_modal_projector.linear_{j}.weight"], "t"),
                      (("projector", f"linear_{j}_bias"), [f"multi_modal_projector.linear_{j}.bias"], "same")]

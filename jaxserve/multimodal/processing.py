@@ -6,7 +6,14 @@ family puts in ``ModelConfig.extra["image_processor"]``) and the placeholder fac
 ``processor_config.json`` (image token, patch size, extra tokens). ``process`` expands each image token of a
 prompt into the image's N tokens, as HF's processor does (it replaces the placeholder text by N copies
 before tokenizing; the placeholder is one special token, so expanding ids gives the same ids), and returns
-one ``ImageFeature`` per image. Blocking, CPU-bound: the server runs it on worker threads.
+one ``ImageFeature`` per image. A family whose image run has text around it (Gemma 3: ``"\n\n<start_of_image>"``
+before ``mm_tokens_per_image`` soft tokens, ``"<end_of_image>\n\n"`` after) names that text in
+``ModelConfig.extra["image_wrap"]`` and the run's token in ``"image_fill_token_id"``; a newline the wrap adds
+next to a prompt's newline token merges into one token where the vocabulary has the longer run (as the
+tokenizer would have made it from HF's expanded text; vLLM's rule). An image the processor also cuts into
+crops (Gemma 3's pan-and-scan) becomes one feature per picture, in the text ``"image_crops_text"`` puts
+around them; ``"image_processor_call_defaults"``: what the HF processor passes where the image processor's
+config leaves a setting unset. Blocking, CPU-bound: the server runs it on worker threads.
 """
 from __future__ import annotations
 
@@ -67,16 +74,24 @@ class ImageProcessing:
     ``num_tokens``)."""
 
     def __init__(self, image_processor: Any, image_token: str, image_token_id: int, patch_size: int,
-                 extra_tokens: int = 0, processor_kwargs: dict | None = None, num_tokens=None):
+                 extra_tokens: int = 0, processor_kwargs: dict | None = None, num_tokens=None,
+                 wrap: tuple[list[int], list[int]] = ([], []), fill_token_id: int | None = None,
+                 merges: dict | None = None, crops=None):
         self.image_processor = image_processor
         self.image_token, self.image_token_id = image_token, image_token_id
+        # the placeholder's replacement: ``wrap[0]``, the image's tokens (``fill_token_id``), ``wrap[1]``; an
+        # image the processor cut into crops (pan-and-scan): ``crops(k)``, the ids of the text around the
+        # original and its k crops, an image's tokens going after each placeholder id in it
+        self.wrap, self.merges, self.crops = wrap, dict(merges or {}), crops
+        self.fill_token_id = image_token_id if fill_token_id is None else fill_token_id
         self.patch_size, self.extra_tokens = patch_size, extra_tokens
         self.processor_kwargs = dict(processor_kwargs or {})
         self._kwargs_key = json.dumps(self.processor_kwargs, sort_keys=True, default=str)
         self._num_tokens = num_tokens
 
     @classmethod
-    def from_folder(cls, folder: str | None, model_extra: dict, processor_kwargs: dict | None = None):
+    def from_folder(cls, folder: str | None, model_extra: dict, processor_kwargs: dict | None = None,
+                    tokenizer: Any = None):
         proc = _read(folder, "processor_config.json")
         image_config = _read(folder, "preprocessor_config.json") or proc.get("image_processor") \
             or _thaw(model_extra.get("image_processor") or ())
@@ -87,12 +102,28 @@ class ImageProcessing:
         additional = int(proc.get("num_additional_image_tokens", model_extra.get("num_additional_image_tokens", 1)))
         extra_tokens = additional - (1 if strategy == "default" else 0)
         kwargs = dict(processor_kwargs or {})
+        # the processor's call defaults (Gemma 3's pan-and-scan sizes) where its config leaves them unset
+        image_config = (_thaw(model_extra.get("image_processor_call_defaults")) or {}) | \
+            {k: v for k, v in image_config.items() if v is not None}
         try:
             processor = _pil_image_processor(image_config, kwargs)
         except TypeError as e:
             raise ModelLoadError(f"--mm-processor-kwargs: {e}") from None
-        return cls(processor, proc.get("image_token") or model_extra.get("image_token", "<image>"),
-                   int(model_extra["image_token_id"]), patch, extra_tokens, kwargs)
+        image_token, image_token_id = proc.get("image_token") or model_extra.get("image_token", "<image>"), \
+            int(model_extra["image_token_id"])
+        wrap = _thaw(model_extra.get("image_wrap")) or ()
+        wrap_ids = tuple(encode_around(tokenizer, t, image_token, image_token_id) for t in wrap) if wrap else ([], [])
+        crops = None
+        if model_extra.get("image_crops_text"):
+            intro, middle, sep = _thaw(model_extra["image_crops_text"])
+            full = "".join(wrap)
+
+            def crops(k: int) -> list[int]:
+                return encode_around(tokenizer, intro + full + middle + sep.join([full] * k), image_token,
+                                     image_token_id)
+        return cls(processor, image_token, image_token_id, patch, extra_tokens, kwargs, wrap=wrap_ids,
+                   fill_token_id=model_extra.get("image_fill_token_id"),
+                   merges=newline_merges(tokenizer) if wrap else None, crops=crops)
 
     def num_tokens(self, pixel_values: np.ndarray, extra: dict) -> int:
         if self._num_tokens is not None:
@@ -100,16 +131,18 @@ class ImageProcessing:
         h, w = pixel_values.shape[-2:]
         return (h // self.patch_size) * (w // self.patch_size) + self.extra_tokens
 
-    def process_image(self, image) -> tuple[np.ndarray, dict, str]:
-        """(pixel values of one image, the family's extra arrays, its content hash)."""
+    def process_image(self, image) -> list[tuple[np.ndarray, dict, str]]:
+        """[(pixel values, the family's extra arrays, content hash)] of one image: the image, then its crops
+        where the processor cuts some (pan-and-scan)."""
         pixels = np.asarray(image)
         digest = image_hash(pixels, image.mode, self._kwargs_key)
         out = self.image_processor(images=[image], return_tensors="np")
         extra = {k: np.asarray(v[0]) for k, v in out.items() if k != "pixel_values"}
         if "image_grid_thw" in out:     # Qwen2-VL's processors: the image's patches, flattened
-            return patches_to_image(out["pixel_values"], extra["image_grid_thw"], self.image_processor), \
-                extra, digest
-        return np.asarray(out["pixel_values"][0], np.float32), extra, digest
+            return [(patches_to_image(out["pixel_values"], extra["image_grid_thw"], self.image_processor),
+                     extra, digest)]
+        return [(np.asarray(pv, np.float32), extra, digest if i == 0 else f"{digest}-crop{i}")
+                for i, pv in enumerate(out["pixel_values"])]
 
     def count_placeholders(self, prompt_token_ids: list[int]) -> int:
         return sum(1 for t in prompt_token_ids if t == self.image_token_id)
@@ -124,12 +157,61 @@ class ImageProcessing:
         out: list[int] = []
         features: list[ImageFeature] = []
         it = iter(images)
+        wrapped = False
         for t in prompt_token_ids:
             if t != self.image_token_id:
-                out.append(t)
+                _extend(out, [t], self.merges if wrapped else {})
+                wrapped = False
                 continue
-            pixel_values, extra, digest = self.process_image(next(it))
-            n = self.num_tokens(pixel_values, extra)
-            features.append(ImageFeature(digest, len(out), n, pixel_values, extra))
-            out.extend([self.image_token_id] * n)
+            items = self.process_image(next(it))
+            if len(items) > 1 and self.crops is None:
+                raise InvalidRequestError("this model's prompts have no place for an image's crops: serve "
+                                          "without pan-and-scan", param="mm_processor_kwargs")
+            template = self._template(len(items) - 1)
+            _extend(out, template[:1] if template[0] is not None else [], self.merges)
+            slots = iter(items)
+            for tok in template[1:] if template[0] is not None else template:
+                if tok is not None:
+                    out.append(tok)
+                    continue
+                pixel_values, extra, digest = next(slots)
+                n = self.num_tokens(pixel_values, extra)
+                features.append(ImageFeature(digest, len(out), n, pixel_values, extra))
+                out.extend([self.fill_token_id] * n)
+            wrapped = template[-1] is not None
         return out, features
+
+    def _template(self, num_crops: int) -> list:
+        """The placeholder's replacement ids, None where an image's tokens go."""
+        if not num_crops:
+            return [*self.wrap[0], None, *self.wrap[1]]
+        ids = self.crops(num_crops)
+        return [x for t in ids for x in ((t, None) if t == self.image_token_id else (t,))]
+
+
+def encode_around(tokenizer: Any, text: str, placeholder: str, placeholder_id: int,
+                  add_special_tokens: bool = False) -> list[int]:
+    """``text`` tokenized with each ``placeholder`` as ``placeholder_id``, as a tokenizer that has it as a
+    special token does (it splits the text there): the same ids from a tokenizer that lacks it (random
+    weights served with another model's tokenizer)."""
+    first, *rest = text.split(placeholder)
+    ids = list(tokenizer.encode(first, add_special_tokens=add_special_tokens))
+    for piece in rest:
+        ids += [placeholder_id, *tokenizer.encode(piece, add_special_tokens=False)]
+    return ids
+
+
+def _extend(out: list[int], ids: list[int], merges: dict) -> None:
+    """``out += ids``, the junction's two tokens merged where ``merges`` says."""
+    if ids and out and (out[-1], ids[0]) in merges:
+        out[-1] = merges[out[-1], ids[0]]
+        ids = ids[1:]
+    out.extend(ids)
+
+
+def newline_merges(tokenizer: Any, longest: int = 31) -> dict:
+    """``{(a, b): ab}`` of the newline-run tokens ("\n" up to ``longest`` newlines) a tokenizer has: two
+    adjacent runs its tokenizer would have made one token (Gemma's SentencePiece vocabulary has them)."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    ids = {n: vocab["\n" * n] for n in range(1, longest + 1) if "\n" * n in vocab}
+    return {(ids[a], ids[b]): ids[a + b] for a in ids for b in ids if a + b in ids}

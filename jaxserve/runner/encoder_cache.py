@@ -16,7 +16,9 @@ programs are bounded by the bucket and batch counts, not the image sizes. ``gath
 gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the step's
 chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
-device op builds them.
+device op builds them. A family whose image tokens attend to each other both ways (``bidirectional_images``)
+gets a third row: each token row's attend limit (``AttentionMetadata.attend_limit``: its image's last
+position, -1 outside images; the scheduler keeps an image's remaining tokens in one chunk).
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ class EncoderCache:
         encode = self.family.encode_packed if self.packed else self.family.encode_images
         self._step = jax.jit(partial(_encode_and_store, encode, self.cfg), donate_argnums=(1,),
                              **({"out_shardings": rep} if rep is not None else {}))
+        self.bidirectional = getattr(self.family, "bidirectional_images", False)
         self.rows: dict[str, np.ndarray] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self.num_images = 0
@@ -172,8 +175,9 @@ class EncoderCache:
                 self.num_images += sum(len(r) for r in batch)
 
     def gather(self, scheduled, num_tokens: int) -> np.ndarray | None:
-        """``[2, E]`` int32: the step's image-token rows and their slab rows (None: the step has none)."""
-        dst, src = [], []
+        """``[2, T]`` int32: the step's image-token rows and their slab rows, padded (None: the step has none);
+        ``[3, T]`` with the attend limits (``bidirectional``)."""
+        dst, src, limit = [], [], []
         row0 = 0
         for s in scheduled:
             feats = s.request.mm_features
@@ -183,11 +187,17 @@ class EncoderCache:
                     a, b = max(start, f.offset), min(end, f.end)
                     dst.append(np.arange(row0 + a - start, row0 + b - start, dtype=np.int32))
                     src.append(self.rows[f.hash][a - f.offset:b - f.offset])
+                    if self.bidirectional:
+                        assert b == f.end, "an image's tokens split over steps (--disable-chunked-mm-input)"
+                        limit.append(np.full(b - a, f.end - 1, np.int32))
             row0 += s.num_new_tokens
         if not dst:
             return None
         d, s_ = np.concatenate(dst), np.concatenate(src)
-        index = np.empty((2, num_tokens), np.int32)
+        index = np.empty((3 if self.bidirectional else 2, num_tokens), np.int32)
         index[0], index[1] = num_tokens, 0
         index[0, :len(d)], index[1, :len(d)] = d, s_
+        if self.bidirectional:
+            index[2] = -1
+            index[2, d] = np.concatenate(limit)
         return index

@@ -27,6 +27,7 @@ variant on first use. A variant is lowered from its stored program (``program_ca
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -60,8 +61,11 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
     # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
-    # token rows (``mm_index``: [token rows, slab rows], ``encoder_cache.EncoderCache.gather``)
+    # token rows (``mm_index``: [token rows, slab rows(, each token's attend limit)],
+    # ``encoder_cache.EncoderCache.gather``; the third row: a family whose image tokens attend both ways)
     mm = {} if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0]}
+    if mm_index is not None and mm_index.shape[0] == 3:
+        md = dataclasses.replace(md, attend_limit=mm_index[2])
     hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
                                                               attn_backend=backend, **mm) if expert_load else \
         (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **mm), None)
@@ -89,6 +93,8 @@ class StepVariants(StepCompiler):
         self.cfg, self.shapes, self.mesh = model.config, shapes, mesh
         self.max_model_len, self.max_blocks_per_seq = max_model_len, max_blocks_per_seq
         self.mrope = hasattr(model.family, "mrope_positions")       # the step's positions are [3, T]
+        # image steps carry each token's attend limit (``encoder_cache.EncoderCache.gather``)
+        self.bidirectional_images = getattr(model.family, "bidirectional_images", False)
         self.penalty_width = penalty_width
         self.vocab_size = self.cfg.vocab_size
         self.enforce_eager = config.enforce_eager or config.skip_warmup
@@ -251,7 +257,7 @@ class StepVariants(StepCompiler):
         elif kind == "forward-mm":
             _, T = key
             ints, layout = self.padding_inputs(T)
-            index = jax.ShapeDtypeStruct((2, T), jnp.int32)
+            index = jax.ShapeDtypeStruct((3 if self.bidirectional_images else 2, T), jnp.int32)
             fn = self.forward
             args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec, index)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}

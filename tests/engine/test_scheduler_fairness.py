@@ -99,3 +99,31 @@ def test_threshold_zero_keeps_the_old_order():
     step(sched, dev)
     sched.add_request(Request("short", prompt(3, 2), params(max_tokens=2)))
     assert chunks(step(sched, dev)[0]) == {"long": BUDGET}            # the running prefill takes the step
+
+
+def test_an_image_taken_whole_passes_the_long_share_beside_decodes():
+    """A model whose image tokens attend both ways computes each image in one step: an image longer than the
+    long-prefill share (8 of 16) still gets its chunk while decodes keep running, instead of waiting for them
+    to end; the decodes keep a token every step."""
+    import numpy as np
+
+    from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
+    from jaxserve.multimodal.inputs import ImageFeature
+    kv = KVCacheManager(128, 4, True, 256)
+    enc = EncoderCacheManager(16, 64, whole_images=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=BUDGET),
+                      CacheConfig(block_size=4, enable_prefix_caching=True), kv, 256, enc)
+    dev = FakeDevice(kv)
+    decoders = [Request(f"d{i}", prompt(2, 4 + i), params(max_tokens=30)) for i in range(2)]
+    for r in decoders:
+        sched.add_request(r)
+    step(sched, dev)
+    image = ImageFeature("img", 5, 12, np.zeros(1))
+    req = Request("img", prompt(30, 9), params(max_tokens=2), mm_features=[image])
+    sched.add_request(req)
+    sizes = []
+    for _ in range(4):
+        out, _ = step(sched, dev)
+        sizes.append(chunks(out).get("img"))
+        assert chunks(out)["d0"] == 1 and chunks(out)["d1"] == 1
+    assert sizes[:2] == [5, 12] and req.num_computed_tokens >= image.end     # up to the image, then all of it

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 
 import jax
 import numpy as np
 import pytest
 
-from support.fake_devices import fake_device_report
 from support.tiny_models import PagedRunner, hf_logits
-from support.vision import GREEDY, VisionFixture
+from support.vision import GREEDY, VisionFixture, llm_fixture
 
 NAME = "tiny-llava"
 VISION = VisionFixture(NAME, max_num_batched_tokens=64)
@@ -24,35 +22,16 @@ FOLDER, CASES = VISION.folder, VISION.cases
 image, data_url, openai_messages, make_llm = VISION.image, VISION.data_url, VISION.openai_messages, VISION.make_llm
 
 
-def run_case(llm, case: dict):
-    from jaxserve.sampling_params import SamplingParams
-    sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
-    if "raw" in case:
-        return llm.generate({"prompt": case["prompt"],
-                             "multi_modal_data": {"image": [image(n) for n in case["images"]]}}, sp, use_tqdm=False)[0]
-    return llm.chat(openai_messages(case), sp, use_tqdm=False)[0]
+run_case = VISION.run_case
 
 
-@pytest.fixture(scope="module")
-def llm():
-    engine = make_llm()
-    yield engine
-    engine.shutdown()
+llm = llm_fixture(VISION)
 
 
 def test_logits_match_hf():
     """The first case's prompt prefilled in one step, its image embedded by the encoder: logits within 1e-4."""
-    from jaxserve.models.loader import load_model
-    from jaxserve.multimodal.processing import ImageProcessing
     from jaxserve.runner.step_variants import forward_fn
-    model = load_model(FOLDER, dtype="float32")
-    case = CASES["one_image"]
-    proc = ImageProcessing.from_folder(FOLDER, model.config.extra_dict)
-    ids, feats = proc.process(model.tokenizer.encode(case["prompt"], add_special_tokens=False),
-                              [image(n).convert("RGB") for n in case["images"]])
-    assert ids == case["prompt_ids"]
-    emb = model.family.encode_images(model.params, np.stack([f.pixel_values for f in feats]), model.config)
-    slab = np.asarray(emb).reshape(-1, model.config.hidden_size)
+    model, ids, feats, slab = VISION.embedded_first_case()
     index = np.stack([np.concatenate([np.arange(f.offset, f.end) for f in feats]), np.arange(len(slab))])
     runner = PagedRunner(model, max_reqs=1, max_len=64)
     ints, layout = runner.inputs([(0, ids, 0)], 64, logits_rows=list(range(len(ids))))
@@ -74,12 +53,7 @@ def test_greedy_matches_hf(llm, name):
 def test_image_requests_compile_nothing_after_the_warm_up(llm):
     """The image step variants compile in the background and the encoder's batches at start-up: once they
     are done, image requests (one image, two images) run without compiling."""
-    runner = llm.engine.core.runner
-    assert llm.wait_compiled(timeout=600)
-    before = (runner.compiled_variants(), runner.encoder._step._cache_size())
-    for name in ("one_image", "two_images"):
-        run_case(llm, CASES[name])
-    assert (runner.compiled_variants(), runner.encoder._step._cache_size()) == before
+    VISION.check_no_compiles_after_warmup(llm)
 
 
 def test_tokenizing_around_the_placeholder_equals_the_tokenizer(llm):
@@ -94,16 +68,7 @@ def test_tokenizing_around_the_placeholder_equals_the_tokenizer(llm):
 
 def test_batched_with_text_only_requests(llm):
     """Image prompts and text prompts in one batch: each as alone."""
-    from jaxserve.sampling_params import SamplingParams
-    sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
-    text_ids = CASES["text_only"]["prompt_ids"]
-    raw = [CASES["text_around"], CASES["raw_placeholder"]]
-    prompts = [{"prompt_token_ids": text_ids}] + [
-        {"prompt": c["prompt"], "multi_modal_data": {"image": [image(n) for n in c["images"]]}} for c in raw] + \
-        [{"prompt_token_ids": text_ids}]
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    expect = [CASES["text_only"]] + raw + [CASES["text_only"]]
-    assert [list(o.outputs[0].token_ids) for o in outs] == [c["greedy_ids"] for c in expect]
+    VISION.check_batched_with_text_only(llm, ("text_around", "raw_placeholder"))
     stats = llm.engine.stats()
     assert stats["request_images_total"] >= 2 and stats["requests_with_images_total"] >= 2
     assert stats["images_encoded_total"] >= 1 and stats["encoder_seconds_total"] > 0
@@ -157,23 +122,12 @@ def test_image_hashes_and_encoder_cache_accounting():
 
 
 # ------------------------------------------------------------------------------- tensor parallelism
-def _tp_worker() -> dict:
-    import jax as jax_
-    assert jax_.device_count() == 2
-    engine = make_llm(tensor_parallel_size=2, skip_warmup=True, compilation_cache_dir="")
-    report = {name: list(run_case(engine, CASES[name]).outputs[0].token_ids)
-              for name in ("one_image", "two_images", "raw_placeholder")}
-    wq = engine.engine.core.model.params["vision"]["layers"][0]["wq"]
-    report["wq_spec"] = str(wq.sharding.spec)
-    return report
+TP_CASES = ("one_image", "two_images", "raw_placeholder")
 
 
 def test_tensor_parallel_2_matches_hf():
-    report = fake_device_report([os.path.abspath(__file__), "--tp-worker"], 2)
-    for name in ("one_image", "two_images", "raw_placeholder"):
-        assert report[name] == CASES[name]["greedy_ids"], name
-    assert "tp" in report["wq_spec"]             # the encoder is sharded like the decoder
+    VISION.check_tensor_parallel(__file__, TP_CASES)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--tp-worker"]:
-    print(json.dumps(_tp_worker()))
+    print(json.dumps(VISION.tp_report(TP_CASES)))

@@ -109,6 +109,7 @@ def test_server_serves_a_family():
     ("command-r-35b", "CohereForCausalLM", 34.98, {None}),
     ("qwen2.5-vl-7b", "Qwen2_5_VLForConditionalGeneration", 8.29, {None}),
     ("qwen2-vl-7b", "Qwen2VLForConditionalGeneration", 8.29, {None}),
+    ("gemma-3-4b-vision", "Gemma3ForConditionalGeneration", 4.30, {1024, None}),
 ])
 def test_shipped_dummy_configs(name, architecture, billions, windows):
     import jax
@@ -145,18 +146,27 @@ def test_each_name_belongs_to_one_family():
 
 def test_gemma3_multimodal_config_serves_its_text_model():
     """A hub Gemma 3 config lists only what differs from transformers' defaults in its text_config; the text
-    model read from it is the text-only gemma-3-12b config's."""
+    model read from it is the text-only gemma-3-12b config's, with its SigLIP tower beside it."""
     hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
            "text_config": {"hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
                            "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
                            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
-           "vision_config": {"model_type": "siglip_vision_model"}}
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}
     cfg = model_config_from_hf(hub)
     text_only = model_config_from_hf(read_json(str(DUMMY_CONFIG_DIR / "gemma-3-12b.json")))
     _, family = registry.resolve_architecture(cfg.architecture)
     assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.eos_token_ids == (1, 106)
     assert family.decoder_spec(cfg) == family.decoder_spec(text_only)
-    assert family.param_shapes(cfg) == family.param_shapes(text_only)
+    _, text_family = registry.resolve_architecture(text_only.architecture)
+    shapes = family.param_shapes(cfg)
+    assert {k: v for k, v in shapes.items() if k not in ("vision", "projector")} == \
+        text_family.param_shapes(text_only)
+    # the vision model: SigLIP-So400m at 896 pixels, 4096 patches pooled to 256 tokens
+    assert shapes["vision"]["pos_embed"] == (4096, 1152) and shapes["projector"]["proj"] == (1152, 3840)
+    assert cfg.extra_dict["mm_tokens_per_image"] == 256 and family.bidirectional_images
+    family.check_config(cfg)
 
 
 @pytest.mark.parametrize("name,change,field", [

@@ -6,6 +6,8 @@ import base64
 import copy
 import os
 
+import numpy as np
+import pytest
 from PIL import Image
 
 from support.tiny_models import fixture_path, golden
@@ -34,8 +36,86 @@ class VisionFixture:
                             if p["type"] == "image" else p for p in m["content"]]
         return msgs
 
+    def run_case(self, llm, case: dict, image_names: list[str] | None = None):
+        """A golden case through an offline LLM, greedy over ``GREEDY`` tokens: a raw prompt with its images
+        (``image_names`` instead, if given), or the case's chat messages with data URLs."""
+        from jaxserve.sampling_params import SamplingParams
+        sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
+        if "raw" in case:
+            images = [self.image(n) for n in (image_names or case["images"])]
+            return llm.generate({"prompt": case["prompt"], "multi_modal_data": {"image": images}}, sp,
+                                use_tqdm=False)[0]
+        return llm.chat(self.openai_messages(case), sp, use_tqdm=False)[0]
+
+    def check_no_compiles_after_warmup(self, llm) -> None:
+        """Once the background compiles are done, image requests (one image, two images) compile nothing: no
+        step variant, no encoder batch."""
+        runner = llm.engine.core.runner
+        assert llm.wait_compiled(timeout=600)
+        before = (runner.compiled_variants(), runner.encoder._step._cache_size())
+        for name in ("one_image", "two_images"):
+            self.run_case(llm, self.cases[name])
+        assert (runner.compiled_variants(), runner.encoder._step._cache_size()) == before
+
+    def check_batched_with_text_only(self, llm, raw_cases: tuple[str, ...]) -> None:
+        """Raw image prompts and a text-only prompt (before and after them) in one batch: each as alone."""
+        from jaxserve.sampling_params import SamplingParams
+        sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
+        text_ids = self.cases["text_only"]["prompt_ids"]
+        raw = [self.cases[n] for n in raw_cases]
+        prompts = [{"prompt_token_ids": text_ids}] + [
+            {"prompt": c["prompt"], "multi_modal_data": {"image": [self.image(n) for n in c["images"]]}}
+            for c in raw] + [{"prompt_token_ids": text_ids}]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        expect = [self.cases["text_only"]] + raw + [self.cases["text_only"]]
+        assert [list(o.outputs[0].token_ids) for o in outs] == [c["greedy_ids"] for c in expect]
+
+    def embedded_first_case(self):
+        """(the model in float32, the first case's expanded ids, its image features, their embeddings
+        ``[images * tokens, hidden]``), the ids checked against HF's processor's."""
+        from jaxserve.models.loader import load_model
+        from jaxserve.multimodal.processing import ImageProcessing
+        model = load_model(self.folder, dtype="float32")
+        case = self.cases["one_image"]
+        proc = ImageProcessing.from_folder(self.folder, model.config.extra_dict, tokenizer=model.tokenizer)
+        ids, feats = proc.process(model.tokenizer.encode(case["prompt"], add_special_tokens=False),
+                                  [self.image(n).convert("RGB") for n in case["images"]])
+        assert ids == case["prompt_ids"]
+        emb = model.family.encode_images(model.params, np.stack([f.pixel_values for f in feats]), model.config)
+        return model, ids, feats, np.asarray(emb).reshape(-1, model.config.hidden_size)
+
+    def tp_report(self, names: tuple[str, ...]) -> dict:
+        """In a process of 2 fake devices: each case's greedy ids at tensor parallelism 2, and the sharding of
+        the vision tower's first q projection."""
+        import jax
+        assert jax.device_count() == 2
+        engine = self.make_llm(tensor_parallel_size=2, skip_warmup=True, compilation_cache_dir="")
+        report = {name: list(self.run_case(engine, self.cases[name]).outputs[0].token_ids) for name in names}
+        wq = engine.engine.core.model.params["vision"]["layers"][0]["wq"]
+        report["wq_spec"] = str(wq.sharding.spec)
+        return report
+
+    def check_tensor_parallel(self, test_file: str, names: tuple[str, ...]) -> None:
+        """``test_file --tp-worker`` (which prints ``tp_report``) on 2 fake CPU devices: HF's greedy ids, and a
+        vision tower sharded like the decoder."""
+        from support.fake_devices import fake_device_report
+        report = fake_device_report([os.path.abspath(test_file), "--tp-worker"], 2)
+        for name in names:
+            assert report[name] == self.cases[name]["greedy_ids"], name
+        assert "tp" in report["wq_spec"]
+
     def make_llm(self, **kw):
         from jaxserve.llm import LLM
         opts = dict(dtype="float32", max_model_len=256, max_num_seqs=8,
                     max_num_batched_tokens=self.max_num_batched_tokens, use_tqdm_on_load=False) | kw
         return LLM(self.folder, **opts)
+
+
+def llm_fixture(vision: VisionFixture):
+    """A module-scoped pytest fixture: ``vision``'s offline LLM, shut down after the module."""
+    @pytest.fixture(scope="module")
+    def llm():
+        engine = vision.make_llm()
+        yield engine
+        engine.shutdown()
+    return llm

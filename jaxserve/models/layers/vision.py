@@ -24,6 +24,9 @@ from flax import nnx
 
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
 
+# what a family keeps of an HF CLIP / SigLIP vision config (``VisionSpec.from_hf``)
+VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+               "patch_size", "num_channels", "layer_norm_eps", "hidden_act")
 VISION_ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
@@ -44,9 +47,18 @@ class VisionSpec:
     eps: float = 1e-5
     activation: str = "quick_gelu"
     class_token: bool = True         # CLIP: a class embedding before the patches
+    patch_bias: bool = False         # SigLIP: the patch convolution has a bias
     pre_norm: bool = True            # CLIP's ``pre_layrnorm``
     post_norm: bool = False          # SigLIP's ``post_layernorm`` on the features
     num_layers_run: int | None = None   # blocks run (the feature layer's); None: all
+
+    @classmethod
+    def from_hf(cls, v: dict, **kw) -> "VisionSpec":
+        """Of an HF CLIP / SigLIP vision config (``VISION_KEYS`` of it); ``kw``: what the family sets."""
+        return cls(hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+                   num_layers=int(v["num_hidden_layers"]), num_heads=v["num_attention_heads"],
+                   image_size=v["image_size"], patch_size=v["patch_size"], num_channels=v["num_channels"],
+                   eps=v["layer_norm_eps"], activation=v["hidden_act"], **kw)
 
     @property
     def num_patches(self) -> int:
@@ -116,6 +128,8 @@ class VisionTransformer(nnx.Module):
         d, p = spec.hidden_size, spec.patch_size
         self.spec = spec
         self.patch_embed = _param((spec.num_channels * p * p, d), REPLICATED)
+        if spec.patch_bias:
+            self.patch_bias = _param((d,), REPLICATED, "zeros")
         if spec.class_token:
             self.class_embed = _param((d,), REPLICATED)
         self.pos_embed = _param((spec.num_positions, d), REPLICATED)
@@ -135,6 +149,8 @@ class VisionTransformer(nnx.Module):
         patches = pixel_values.astype(w.dtype).reshape(b, c, hgt // p, p, wid // p, p)
         patches = patches.transpose(0, 2, 4, 1, 3, 5).reshape(b, (hgt // p) * (wid // p), c * p * p)
         x = patches @ w
+        if spec.patch_bias:
+            x = x + _w(self.patch_bias)
         if spec.class_token:
             cls = jnp.broadcast_to(_w(self.class_embed).astype(x.dtype), (b, 1, x.shape[-1]))
             x = jnp.concatenate([cls, x], axis=1)
@@ -162,6 +178,26 @@ class Projector(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         h = VISION_ACTIVATIONS[self.activation](x @ _w(self.linear_1) + _w(self.linear_1_bias))
         return h @ _w(self.linear_2) + _w(self.linear_2_bias)
+
+
+def tower_weight_plan(spec: VisionSpec, prefix: str) -> list:
+    """The ``weight_plan`` entries of a ``VisionTransformer`` at ``("vision", ...)`` from HF CLIP / SigLIP
+    tensor names under ``prefix`` (its ``embeddings.`` / ``encoder.`` / norms)."""
+    names = [("patch_embed", "embeddings.patch_embedding.weight", "patch_t"),
+             ("pos_embed", "embeddings.position_embedding.weight", "same")]
+    if spec.patch_bias:
+        names.append(("patch_bias", "embeddings.patch_embedding.bias", "same"))
+    if spec.class_token:
+        names.append(("class_embed", "embeddings.class_embedding", "same"))
+    if spec.pre_norm:
+        names += [("pre_norm", "pre_layrnorm.weight", "same"), ("pre_norm_bias", "pre_layrnorm.bias", "same")]
+    if spec.post_norm:
+        names += [("post_norm", "post_layernorm.weight", "same"), ("post_norm_bias", "post_layernorm.bias", "same")]
+    plan = [(("vision", ours), [prefix + theirs], build) for ours, theirs, build in names]
+    for i in range(spec.num_layers):
+        layer = vision_layer_names(f"{prefix}encoder.layers.{i}.")
+        plan += [(("vision", "layers", i, w), hf, build) for w, (build, hf) in layer.items()]
+    return plan
 
 
 def vision_layer_names(prefix: str) -> dict:

@@ -480,7 +480,8 @@ def test_loadgen_timings_and_concurrency_cap(scripted_server):
     assert app.peak == 2                                           # the cap is reached and never exceeded
     assert all(t.success and t.output_tokens == 4 and t.prompt_tokens == 5 for t in timings)
     assert all(len(t.itl) == 3 for t in timings)
-    assert min(g for t in timings for g in t.itl) >= 0.015         # the server's 20 ms gaps
+    gaps = sorted(g for t in timings for g in t.itl)                # the server's 20 ms gaps (a late read
+    assert gaps[len(gaps) // 2] >= 0.015                            # can shorten one on a loaded machine)
     assert all(t.ttft >= 0.015 and t.e2e >= t.ttft + 0.045 for t in timings)
     assert duration >= 3 * 4 * 0.02                                # 6 requests, 2 at a time, 80 ms each
     body = app.bodies[-1]

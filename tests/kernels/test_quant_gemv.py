@@ -220,6 +220,7 @@ def test_chunks_of_8_only_where_registers_allow():
     assert quant_gemv.chunk_steps(1, 128, 4) == 4
 
 
+@pytest.mark.slow     # nvcc takes about a minute: make test-slow
 def test_the_cuda_source_compiles_for_hopper(tmp_path):
     toolchain = cuda_build.Toolchain(cache_dir=tmp_path)
     if toolchain.find_nvcc() is None:

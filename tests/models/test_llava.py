@@ -125,6 +125,7 @@ def test_image_hashes_and_encoder_cache_accounting():
 TP_CASES = ("one_image", "two_images", "raw_placeholder")
 
 
+@pytest.mark.slow     # a fake-device TP run: make test-slow
 def test_tensor_parallel_2_matches_hf():
     VISION.check_tensor_parallel(__file__, TP_CASES)
 

@@ -249,6 +249,7 @@ def _tp_worker(name: str) -> dict:
     return report
 
 
+@pytest.mark.slow     # fake-device TP runs: make test-slow
 def test_tensor_parallel_2_matches_hf(vl):
     report = fake_device_report([os.path.abspath(__file__), "--tp-worker", vl.name], 2)
     for case in TP_CASES:

@@ -17,6 +17,8 @@ import pytest
 import support
 from support.fake_devices import fake_device_report
 
+pytestmark = pytest.mark.slow     # fake-device TP/EP runs: make test-slow
+
 NUM_DEVICES = 2
 CASES = [("tiny-deepseek-v2", False), ("tiny-deepseek-v2", True), ("tiny-deepseek-v2-lite", False),
          ("tiny-deepseek-v3", True)]

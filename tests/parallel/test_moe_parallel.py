@@ -16,6 +16,8 @@ import pytest
 import support
 from support.fake_devices import fake_device_report
 
+pytestmark = pytest.mark.slow     # fake-device TP/EP runs: make test-slow
+
 NUM_DEVICES = 4
 # (fixture, tensor_parallel_size, enable_expert_parallel): Qwen2-MoE has the shared expert and a dense layer
 CASES = [("tiny-mixtral", 2, False), ("tiny-mixtral", 4, True), ("tiny-qwen2moe", 2, True),

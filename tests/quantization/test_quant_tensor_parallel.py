@@ -13,6 +13,8 @@ import pytest
 
 from support.fake_devices import fake_device_report
 
+pytestmark = pytest.mark.slow     # fake-device TP runs: make test-slow
+
 NUM_DEVICES = 4
 # hidden 256 at tp=4 leaves 64 input rows per o shard: whole groups of 32/64, not of 128; 128x128 fp8 blocks
 # do not fit this model's 128 kv columns split two ways (an error below)

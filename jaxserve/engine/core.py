@@ -30,6 +30,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.executor.model_executor import ModelExecutor
 from jaxserve.runner.model_runner import resolve_attention_backend
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.utils import startup_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class EngineFacts:
     warmup_seconds: float
     num_kv_blocks: int | None = None      # None: an embedding model (no KV cache)
     is_multimodal: bool = False           # the model takes images (its family has a vision encoder)
+    startup_phases: tuple = ()            # the core process's start-up timeline: (phase, seconds, detail)
 
     @property
     def served_model_name(self) -> str:
@@ -139,7 +141,8 @@ class EngineCore:
             dtype_name=str(getattr(model.dtype, "__name__", model.dtype)),
             load_seconds=self.executor.load_seconds, warmup_seconds=self.warmup_seconds,
             num_kv_blocks=self.runner.num_blocks if self.runner is not None else None,
-            is_multimodal=self.runner is not None and self.runner.encoder is not None)
+            is_multimodal=self.runner is not None and self.runner.encoder is not None,
+            startup_phases=tuple(startup_timeline.timeline()))
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

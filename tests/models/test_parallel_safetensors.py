@@ -1,0 +1,112 @@
+"""A sharded safetensors checkpoint read by the loader's threads (``hf_weights.load_weights(threads=N)``,
+JAXSERVE_LOAD_THREADS): the same weights as one tensor at a time, a bounded host footprint, and a truncated
+shard or a tensor of the wrong shape stopping the load with one line that names the file and the tensor."""
+import json
+import os
+import tracemalloc
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxserve.errors import ModelLoadError
+from jaxserve.models.loader import load_model
+
+from support.safetensors_files import write_safetensors
+from support.tiny_models import params_equal
+
+HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
+      "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 6,
+      "vocab_size": 2048, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+      "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+SHARDS = 4
+
+
+def llama_tensors(hf: dict) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    h, i, v, d = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], hf["head_dim"]
+    kv = hf["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+    return {n: rng.standard_normal(s, np.float32).astype(ml_dtypes.bfloat16) for n, s in shapes.items()}
+
+
+def write_sharded(folder, hf: dict = HF, tensors: dict | None = None) -> list[str]:
+    """The checkpoint in SHARDS files with its index, as HF writes a large model; the files' names."""
+    tensors = llama_tensors(HF) if tensors is None else tensors
+    names = list(tensors)
+    files = [f"model-{k + 1:05d}-of-{SHARDS:05d}.safetensors" for k in range(SHARDS)]
+    weight_map = {n: files[j * SHARDS // len(names)] for j, n in enumerate(names)}
+    for fname in files:
+        write_safetensors(str(folder / fname), {n: tensors[n] for n in names if weight_map[n] == fname})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(hf))
+    return files
+
+
+def load_with_threads(folder, threads: int, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_LOAD_THREADS", str(threads))
+    return load_model(str(folder), dtype="bfloat16")
+
+
+def test_threads_load_the_same_weights_as_one_at_a_time(tmp_path, monkeypatch):
+    write_sharded(tmp_path)
+    serial = load_with_threads(tmp_path, 0, monkeypatch)
+    parallel = load_with_threads(tmp_path, 4, monkeypatch)
+    assert params_equal(parallel.params, serial.params)
+    tensors = llama_tensors(HF)
+    np.testing.assert_array_equal(np.asarray(parallel.params["layers"][5]["down"]),
+                                  tensors["model.layers.5.mlp.down_proj.weight"].T)
+
+
+def test_the_host_holds_a_bounded_number_of_tensors(tmp_path, monkeypatch):
+    write_sharded(tmp_path)
+    load_with_threads(tmp_path, 4, monkeypatch)          # compiles the builds, imports the tokenizer
+    tracemalloc.start()
+    model = load_with_threads(tmp_path, 4, monkeypatch)
+    jax.block_until_ready(model.params)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    total = sum(a.nbytes for a in jax.tree.leaves(model.params))
+    largest = max(a.nbytes for a in llama_tensors(HF).values())
+    # the tensors go from the memory-mapped files to the device: numpy copies none of them (threads x 2 in
+    # flight would be the bound if it did)
+    assert peak < largest < total / 8, (peak, largest, total)
+
+
+def test_a_truncated_shard_names_its_file_and_tensor(tmp_path, monkeypatch):
+    files = write_sharded(tmp_path)
+    path = tmp_path / files[2]
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])                     # a download cut short
+    with pytest.raises(ModelLoadError) as e:
+        load_with_threads(tmp_path, 4, monkeypatch)
+    msg = str(e.value)
+    assert msg.startswith(f"{files[2]}: corrupt safetensors file: tensor model.layers.") and "\n" not in msg, msg
+
+
+def test_a_missing_shard_names_its_file_and_a_tensor_in_it(tmp_path, monkeypatch):
+    files = write_sharded(tmp_path)
+    os.remove(tmp_path / files[3])
+    with pytest.raises(ModelLoadError) as e:
+        load_with_threads(tmp_path, 4, monkeypatch)
+    msg = str(e.value)
+    assert msg.startswith(f"{files[3]}: file not found") and "the index lists tensor " in msg and "\n" not in msg
+
+
+def test_a_shape_mismatch_names_its_file_and_tensor(tmp_path, monkeypatch):
+    tensors = llama_tensors(HF)
+    tensors["model.layers.2.self_attn.k_proj.weight"] = tensors["model.layers.2.self_attn.k_proj.weight"][:32]
+    files = write_sharded(tmp_path, tensors=tensors)
+    with pytest.raises(ModelLoadError) as e:
+        load_with_threads(tmp_path, 4, monkeypatch)
+    msg = str(e.value)
+    assert msg.split(":")[0] in files and "model.layers.2.self_attn.k_proj.weight (32, 512)" in msg, msg
+    assert "\n" not in msg

@@ -109,7 +109,8 @@ class EngineCore:
                                      model_name=config.served_model_name)
             self.max_model_len = self.embedder.max_length
             if not config.skip_warmup:
-                self.embedder.warmup(progress=progress)
+                with startup_timeline.phase("warm-up"):
+                    self.embedder.warmup(progress=progress)
         else:
             self.runner = self.executor.build_runner()
             # the loader checked it against the model, the runner against the KV cache

@@ -1,8 +1,10 @@
 """A sharded safetensors checkpoint read by the loader's threads (``hf_weights.load_weights(threads=N)``,
-JAXSERVE_LOAD_THREADS): the same weights as one tensor at a time, a bounded host footprint, and a truncated
-shard or a tensor of the wrong shape stopping the load with one line that names the file and the tensor."""
+JAXSERVE_LOAD_THREADS): the same weights as one tensor at a time, in their shardings under tensor
+parallelism, a bounded host footprint, and a truncated or missing shard or a tensor of the wrong shape
+stopping the load with one line that names the file and the tensor."""
 import json
 import os
+import textwrap
 import tracemalloc
 
 import jax
@@ -13,6 +15,7 @@ import pytest
 from jaxserve.errors import ModelLoadError
 from jaxserve.models.loader import load_model
 
+from support.fake_devices import run_on_fake_devices
 from support.safetensors_files import write_safetensors
 from support.tiny_models import params_equal
 
@@ -110,3 +113,25 @@ def test_a_shape_mismatch_names_its_file_and_tensor(tmp_path, monkeypatch):
     msg = str(e.value)
     assert msg.split(":")[0] in files and "model.layers.2.self_attn.k_proj.weight (32, 512)" in msg, msg
     assert "\n" not in msg
+
+
+def test_threads_place_each_weight_in_its_sharding_under_tp2(tmp_path):
+    write_sharded(tmp_path)
+    code = textwrap.dedent("""
+        import os, sys
+        import jax, numpy as np
+        from jaxserve import parallel
+        from jaxserve.models.loader import load_model
+        mesh = parallel.make_mesh(2)
+        loads = {}
+        for threads in ("0", "4"):
+            os.environ["JAXSERVE_LOAD_THREADS"] = threads
+            loads[threads] = load_model(sys.argv[1], dtype="bfloat16", mesh=mesh)
+        m = loads["4"]
+        want = jax.tree.leaves(parallel.param_shardings(m.family.param_partition_specs(m.config), mesh, m.config))
+        got, serial = jax.tree.leaves(m.params), jax.tree.leaves(loads["0"].params)
+        assert all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(got, want))
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, serial))
+        print("ok")
+    """)
+    assert run_on_fake_devices(["-c", code, str(tmp_path)], 2, timeout=600).strip().splitlines()[-1] == "ok"

@@ -8,7 +8,6 @@ import textwrap
 import tracemalloc
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -16,42 +15,8 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models.loader import load_model
 
 from support.fake_devices import run_on_fake_devices
-from support.safetensors_files import write_safetensors
+from support.safetensors_files import SHARDED_LLAMA as HF, llama_tensors, write_sharded
 from support.tiny_models import params_equal
-
-HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
-      "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 6,
-      "vocab_size": 2048, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-      "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
-SHARDS = 4
-
-
-def llama_tensors(hf: dict) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    h, i, v, d = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], hf["head_dim"]
-    kv = hf["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for n in range(hf["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}
-    return {n: rng.standard_normal(s, np.float32).astype(ml_dtypes.bfloat16) for n, s in shapes.items()}
-
-
-def write_sharded(folder, hf: dict = HF, tensors: dict | None = None) -> list[str]:
-    """The checkpoint in SHARDS files with its index, as HF writes a large model; the files' names."""
-    tensors = llama_tensors(HF) if tensors is None else tensors
-    names = list(tensors)
-    files = [f"model-{k + 1:05d}-of-{SHARDS:05d}.safetensors" for k in range(SHARDS)]
-    weight_map = {n: files[j * SHARDS // len(names)] for j, n in enumerate(names)}
-    for fname in files:
-        write_safetensors(str(folder / fname), {n: tensors[n] for n in names if weight_map[n] == fname})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps(hf))
-    return files
 
 
 def load_with_threads(folder, threads: int, monkeypatch):

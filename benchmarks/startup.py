@@ -9,13 +9,12 @@ from pathlib import Path
 
 import httpx
 
+from jaxserve.utils import startup_timeline
+
 from .config import server_flags
 from .metrics import fmt
 from .report import Table
 from .serve import running_server
-
-_SERVER_TIMES = re.compile(r"load ([0-9.]+) s, warm-up .*? ([0-9.]+) s, ready in ([0-9.]+) s")
-
 
 def run_startup(run) -> None:
     cfg, wl = run.cfg, run.cfg["workload"]
@@ -33,16 +32,17 @@ def run_startup(run) -> None:
                                json={"prompt": wl["prompt"], "max_tokens": int(wl["max_tokens"]), "temperature": 0})
                 r.raise_for_status()
                 first = time.perf_counter() - t0
-            times = _SERVER_TIMES.search(log.read_text(errors="replace"))
-            starts[start] = {"health_s": health, "first_completion_s": first, "text": r.json()["choices"][0]["text"],
-                             **dict(zip(("load_s", "warmup_s", "ready_s"), map(float, times.groups())) if times else {})}
+            starts[start] = {"health_s": health, "first_completion_s": first, "text": r.json()["choices"][0]["text"]}
+            phases = starts[start]["phases_s"] = {}     # the server's start-up timeline (both processes log it)
+            for name, seconds in re.findall(startup_timeline.LINE, log.read_text(errors="replace")):
+                phases[name] = phases.get(name, 0.0) + float(seconds)
     run.result["jaxserve"] = starts
+    rows = [[k, s["health_s"], s["first_completion_s"], *map(s["phases_s"].get, startup_timeline.PHASES)]
+            for k, s in starts.items()]
     run.tables.append(Table("Start-up (seconds from the process start)",
-                            ["start", "/health 200", "first completion", "server: load", "warm-up", "ready"],
-                            [[k, s["health_s"], s["first_completion_s"], s.get("load_s"), s.get("warmup_s"),
-                              s.get("ready_s")] for k, s in starts.items()]))
-    run.notes.append("cold: a fresh compilation cache folder; warm: the same folder again. The server's own "
-                     "load / warm-up / ready seconds are from its log (server-cold.log, server-warm.log)")
+                            ["start", "/health 200", "first completion", *startup_timeline.PHASES], rows))
+    run.notes.append("cold: a fresh compilation cache folder; warm: the same folder again. The phases are the "
+                     "server's start-up timeline from its log (server-cold.log, server-warm.log)")
     if starts["cold"]["text"] != starts["warm"]["text"]:
         run.notes.append("WARNING: the cold and the warm server answered the greedy prompt differently")
 

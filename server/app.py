@@ -249,8 +249,10 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
 
     from jaxserve.engine.async_engine import AsyncLLMEngine
     from jaxserve.engine.core_client import use_multiprocess
+    from jaxserve.utils import startup_timeline
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    startup_timeline.record_imports()
     # bind before the (minutes-long) load so a busy port fails at once; listen() comes with uvicorn
     sock = _bind(server_args.host, server_args.port)
     t0 = time.monotonic()
@@ -275,6 +277,7 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
              facts.warmup_seconds, time.monotonic() - t0,
              f"in its own process (pid {engine.engine.client.process.pid})" if engine.multiprocess
              else "in this process")
+    log.info("start-up timeline: %s", startup_timeline.summary())
 
     from .http_protocol import timed_http_protocol
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, loop="uvloop",

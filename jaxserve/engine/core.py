@@ -30,6 +30,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.executor.model_executor import ModelExecutor
 from jaxserve.runner.model_runner import resolve_attention_backend
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.utils import startup_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class EngineFacts:
     num_kv_blocks: int | None = None      # None: an embedding model (no KV cache)
     is_multimodal: bool = False           # the model takes images (its family has a vision encoder)
     whole_images: bool = False            # a step computes an image's tokens all together (whole_images)
+    startup_phases: tuple = ()            # the core process's start-up timeline: (phase, seconds, detail)
 
     @property
     def served_model_name(self) -> str:
@@ -111,7 +113,8 @@ class EngineCore:
                                      model_name=config.served_model_name)
             self.max_model_len = self.embedder.max_length
             if not config.skip_warmup:
-                self.embedder.warmup(progress=progress)
+                with startup_timeline.phase("warm-up"):
+                    self.embedder.warmup(progress=progress)
         else:
             self.runner = self.executor.build_runner()
             # the loader checked it against the model, the runner against the KV cache
@@ -145,7 +148,7 @@ class EngineCore:
             load_seconds=self.executor.load_seconds, warmup_seconds=self.warmup_seconds,
             num_kv_blocks=self.runner.num_blocks if self.runner is not None else None,
             is_multimodal=self.runner is not None and self.runner.encoder is not None,
-            whole_images=self.whole_images)
+            whole_images=self.whole_images, startup_phases=tuple(startup_timeline.timeline()))
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

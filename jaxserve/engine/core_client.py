@@ -31,6 +31,7 @@ from jaxserve.engine import messages as m
 from jaxserve.engine.core import EngineCore, EngineFacts
 from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import EngineDeadError
+from jaxserve.utils import startup_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +119,15 @@ class MPClient:
         config_path = os.path.join(self._dir, "config.pickle")
         with open(config_path, "wb") as f:
             pickle.dump((config, progress), f)
+        t0 = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.engine.core_process", config_path, self.input_address,
              self.output_address])
-        self._start_reading(self._wait_ready(startup_timeout_s))
+        facts = self._wait_ready(startup_timeout_s)
+        startup_timeline.add_from_another_process(facts.startup_phases)
+        startup_timeline.record("engine-core hand-shake", max(0.0, time.perf_counter() - t0 - sum(
+            seconds for _, seconds, _ in facts.startup_phases)))
+        self._start_reading(facts)
 
     def _start_reading(self, facts: EngineFacts) -> None:
         """The front end's side of a ready core: its facts, the manager the front end validates constraints

@@ -48,6 +48,8 @@ def run_engine_core(config, input_address: str, output_address: str, progress: b
     encoder = msgspec.msgpack.Encoder()
     try:
         from jaxserve.engine.core import EngineCore
+        from jaxserve.utils import startup_timeline
+        startup_timeline.record_imports()
         engine = EngineCore(config, progress=progress)
         prepare_gc_for_serving()       # the model's and runner's objects out of the collector's passes
         outbox.send(encoder.encode(m.CoreReady(pickle.dumps(engine.facts()))))

@@ -17,6 +17,7 @@ import jax
 
 from jaxserve.config import EngineConfig
 from jaxserve.executor import launcher
+from jaxserve.utils import startup_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ def make_tp_mesh(config: EngineConfig):
     return mesh, why_not is None
 
 
+def tree_nbytes(tree) -> int:
+    return sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(tree))
+
+
 class ModelExecutor:
     """The loaded model, its mesh and (after ``build_runner``) its runner; ``config`` is resolved for the
     backend. ``workers``: the ``mp`` executor's worker processes that process 0 started, or None."""
@@ -48,17 +53,23 @@ class ModelExecutor:
         # anything below starts a JAX backend
         self.workers = launcher.maybe_start(config)
         compile_cache.enable(config.compilation_cache_dir)
-        config = self.config = config.resolved(jax.default_backend())
-        self.multi_process = jax.process_count() > 1
         t0 = time.perf_counter()
-        self.mesh, self.custom_all_reduce = make_tp_mesh(config)
-        self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                max_model_len=config.max_model_len, mesh=self.mesh, quantization=config.quantization,
-                                enable_expert_parallel=config.parallel.enable_expert_parallel)
+        with startup_timeline.phase("device init"):
+            config = self.config = config.resolved(jax.default_backend())
+            self.multi_process = jax.process_count() > 1
+            self.mesh, self.custom_all_reduce = make_tp_mesh(config)
+        with startup_timeline.phase("weights") as weights:
+            self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
+                                    max_model_len=config.max_model_len, mesh=self.mesh,
+                                    quantization=config.quantization,
+                                    enable_expert_parallel=config.parallel.enable_expert_parallel)
+            # the weights' seconds are the device's too: wait for the last fill or copy (warm-up would)
+            weights.nbytes = tree_nbytes(jax.block_until_ready(self.model.params))
         self.load_seconds = time.perf_counter() - t0
         if config.tokenizer:                # --tokenizer: another HF tokenizer folder for this model
             from transformers import AutoTokenizer
-            self.model.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+            with startup_timeline.phase("config/tokenizer"):
+                self.model.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.runner = None
 
     def build_runner(self):
@@ -66,7 +77,9 @@ class ModelExecutor:
         becomes the runner's (lower where a model default does not fit the cache). On process 0 of a
         multi-process engine it comes wrapped in a ``BroadcastingRunner``."""
         from jaxserve.runner.model_runner import ModelRunner
-        runner = ModelRunner(self.model, self.config, self.model.max_model_len, mesh=self.mesh)
+        with startup_timeline.phase("KV cache") as kv:
+            runner = ModelRunner(self.model, self.config, self.model.max_model_len, mesh=self.mesh)
+            kv.nbytes = tree_nbytes(jax.block_until_ready(runner.kv_caches))
         self.model.max_model_len = runner.max_model_len
         if self.multi_process and jax.process_index() == 0:
             # the other processes run follow_runner: each step is sent to them before it launches
@@ -81,4 +94,5 @@ class ModelExecutor:
     def warm_up(self, *, progress: bool = True) -> None:
         """Compile the runner's planned steps (every process alike, in the same order), unless skip_warmup."""
         if not self.config.skip_warmup:
-            self.runner.warmup(progress=progress)
+            with startup_timeline.phase("warm-up"):
+                self.runner.warmup(progress=progress)

@@ -3,6 +3,8 @@ folder's config, in float or in any quantization method's storage, each weight m
 lives (``DecoderFamily.init_dummy_params``). The tokenizer is the embedded SmolLM2 one."""
 from __future__ import annotations
 
+import concurrent.futures
+
 import jax.numpy as jnp
 
 from jaxserve.errors import ModelLoadError
@@ -35,8 +37,11 @@ def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: 
     family.check_config(cfg)
     jdtype = resolve_dtype(dtype, config_dtype(hf, jnp.bfloat16))
     quant = dummy_quantization(quantization)
-    params = dummy_params(cfg, family, jdtype, seed, mesh, quant)
-    tokenizer = embedded_tokenizer()
+    # the tokenizer (importing transformers: seconds) builds on a thread while the device fills the weights
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dummy-tokenizer") as pool:
+        tokenizer = pool.submit(embedded_tokenizer)
+        params = dummy_params(cfg, family, jdtype, seed, mesh, quant)
+        tokenizer = tokenizer.result()
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        generation_config=generation_config(cfg), source=f"dummy:{name}", dtype=jdtype,

@@ -3,9 +3,9 @@
 Every such source goes through one plan (the family's ``weight_plan``, see ``checkpoint_names``): for each leaf
 of the family's weight pytree, the HF tensor names it is built from and how (as is, transposed to
 ``[in, out]``, gate/up transposed and stacked, a fused projection split). A source only supplies
-``get(hf_name) -> np.ndarray`` in HF layout. Tensors go one at a time, host → device *in HF layout* (for
-safetensors straight from the memory-mapped file, no host copy), and the layout change and the cast to the
-target dtype run on the device. With a ``mesh`` each HF tensor is placed with the sharding that its layout
+``get(hf_name) -> np.ndarray`` in HF layout. Tensors go host → device *in HF layout* (for safetensors straight
+from the memory-mapped file, no host copy; a few threads read and copy the next tensors while the weights
+before them are built), and the layout change and the cast to the target dtype run on the device. With a ``mesh`` each HF tensor is placed with the sharding that its layout
 change maps onto the weight's ``NamedSharding(mesh, spec)`` (from the family's ``param_partition_specs``), so
 every device converts only its own shard and no weight is ever whole on one device (unless its spec
 replicates it).
@@ -20,7 +20,11 @@ tensor-parallel split; online fp8 quantizes each float projection on the device 
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import contextlib
 import functools
+import itertools
 from typing import Any, Callable
 
 import jax
@@ -94,11 +98,13 @@ def tree_set(tree, path, value):
 
 def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray], dtype, *,
                  mesh=None, desc: str = "Loading weights",
-                 file_of: Callable[[str], str] = lambda name: "?", quant=None) -> dict:
-    """Build the family's weight pytree from ``get(hf_name)``, one tensor at a time, onto the device(s):
-    each HF tensor goes to the device(s) as it is, and a jitted build (layout change, cast) runs there.
-    ``quant`` (a ``quantization.QuantConfig``): the projections it covers load quantized
-    (``quantization.loading``), or are quantized once built (online fp8)."""
+                 file_of: Callable[[str], str] = lambda name: "?", quant=None, threads: int = 0) -> dict:
+    """Build the family's weight pytree from ``get(hf_name)`` onto the device(s): each HF tensor goes to the
+    device(s) as it is, and a jitted build (layout change, cast) runs there. ``threads`` > 0: that many
+    threads read and copy the next tensors (at most two each ahead of the build, so the host holds a bounded
+    number of tensors) while this one builds, in a single-process engine; ``get`` must then be thread-safe. The weights and the first
+    error are the same as one at a time. ``quant`` (a ``quantization.QuantConfig``): the projections it
+    covers load quantized (``quantization.loading``), or are quantized once built (online fp8)."""
     shapes = family.param_shapes(cfg)
     shardings = None
     if mesh is not None:
@@ -110,25 +116,19 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
     target_dtype = jnp.dtype(dtype)
     dtypes = family.param_dtypes(cfg, target_dtype)             # a few weights keep a dtype of their own
     builders: dict = {}
-
-    def build_on_device(kind, raw, to_dtype, sharding):
-        in_sharding = NamedSharding(mesh, _hf_spec(kind, sharding.spec)) if sharding is not None else None
-        key = (kind, sharding, jnp.dtype(to_dtype))
-        if key not in builders:
-            fn = functools.partial(_build_cast, _build_fn(kind), jnp.dtype(to_dtype))
-            builders[key] = jax.jit(fn, out_shardings=sharding) if sharding is not None else jax.jit(fn)
-        return builders[key](*[jax.device_put(_device_ready(r), in_sharding) for r in raw])
-
     has = getattr(get, "has", lambda name: True)
-    for path, names, kind in tqdm(family.weight_plan(cfg), desc=desc, unit="tensor"):
+
+    def is_quantized(path, names) -> bool:
+        return quant is not None and quant_loading.is_linear(path) and all(
+            quant.quantizes(quant_loading.module_of(n)) for n in names)
+
+    def fetch(path, names, kind):
+        """One plan entry read and copied to its device(s): (True, the finished quantized weight) or (False,
+        its HF tensors placed in the sharding its build reads)."""
         expected = tree_get(shapes, path)
         sharding = tree_get(shardings, path) if shardings is not None else None
-        quantized = quant is not None and quant_loading.is_linear(path) and all(
-            quant.quantizes(quant_loading.module_of(n)) for n in names)
-        if quantized and not quant.online:
-            tree_set(params, path, quant_loading.load_linear(quant, path, names, kind, tuple(expected), sharding,
-                                                              get, has))
-            continue
+        if is_quantized(path, names) and not quant.online:
+            return True, quant_loading.load_linear(quant, path, names, kind, tuple(expected), sharding, get, has)
         raw = [get(n) for n in names]
         if quant is not None and quant.weights == "fp8" and not quant.online:
             raw = quant_loading.dequantize_fp8_tensors(names, raw, get, has)
@@ -137,12 +137,56 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
             shapes_str = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(names, raw))
             raise ModelLoadError(f"{file_of(names[0])}: tensor {shapes_str} does not match the config "
                                  f"(expected {tuple(expected)} after layout conversion)")
-        built = build_on_device(kind, raw, tree_get(dtypes, path), sharding)
-        if quantized:       # online: the float weight, quantized where it lies
-            built = quant_loading.quantize_leaf(quant, path, built, sharding, target_dtype)
-        tree_set(params, path, built)
-        del raw, built
+        in_sharding = NamedSharding(mesh, _hf_spec(kind, sharding.spec)) if sharding is not None else None
+        return False, [jax.device_put(_device_ready(r), in_sharding) for r in raw]
+
+    def build_on_device(kind, placed, to_dtype, sharding):
+        key = (kind, sharding, jnp.dtype(to_dtype))
+        if key not in builders:
+            fn = functools.partial(_build_cast, _build_fn(kind), jnp.dtype(to_dtype))
+            builders[key] = jax.jit(fn, out_shardings=sharding) if sharding is not None else jax.jit(fn)
+        return builders[key](*placed)
+
+    plan = family.weight_plan(cfg)
+    if jax.process_count() > 1:
+        threads = 0     # a put onto a mesh over several processes is a collective: every process's in one order
+    with contextlib.closing(_fetched_in_order(fetch, plan, threads)) as fetched:
+        for (path, names, kind), (done, value) in tqdm(fetched, total=len(plan), desc=desc, unit="tensor"):
+            if not done:
+                sharding = tree_get(shardings, path) if shardings is not None else None
+                value = build_on_device(kind, value, tree_get(dtypes, path), sharding)
+                if is_quantized(path, names):       # online: the float weight, quantized where it lies
+                    value = quant_loading.quantize_leaf(quant, path, value, sharding, target_dtype)
+            tree_set(params, path, value)
+            del value
     return params
+
+
+def _fetched_in_order(fetch: Callable, plan: list, threads: int):
+    """``(entry, fetch(*entry))`` for each plan entry, in plan order; with ``threads``, fetched by a pool that
+    keeps at most two entries per thread ahead of the caller, each one's copies finished on its thread."""
+    if threads <= 0:
+        for entry in plan:
+            yield entry, fetch(*entry)
+        return
+
+    def fetch_ready(entry):
+        return jax.block_until_ready(fetch(*entry))
+
+    pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="weight-reader")
+    entries = iter(plan)
+    ahead = collections.deque((e, pool.submit(fetch_ready, e)) for e in itertools.islice(entries, 2 * threads))
+    try:
+        while ahead:
+            entry, future = ahead.popleft()
+            result = future.result()
+            following = next(entries, None)
+            if following is not None:
+                ahead.append((following, pool.submit(fetch_ready, following)))
+            yield entry, result
+            del result
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _build_cast(build, dtype, *ws):

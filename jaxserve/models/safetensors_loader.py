@@ -3,9 +3,11 @@ tokenizer files. Decoder weights go through the family's plan (``hf_weights.load
 checkpoints through ``jaxserve.quantization``; an encoder family loads its folder itself."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxserve import envs
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import checkpoint_names, dummy_loader, registry
 from jaxserve.models import configs as model_configs
@@ -81,6 +84,7 @@ def safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Callab
             raise ModelLoadError(f"{folder}: no *.safetensors files (other checkpoint formats are not supported)")
         weight_map = {t: fname for fname in files for t in SafetensorsFile(os.path.join(folder, fname)).names()}
     opened: dict[str, SafetensorsFile] = {}
+    opening = threading.Lock()          # the loader's reader threads share the opened files
 
     def stored_name(hf_name: str) -> str:
         """``hf_name`` as the checkpoint spells it (a multimodal one nests the text model's tensors)."""
@@ -99,8 +103,12 @@ def safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Callab
         fname = weight_map.get(hf_name)
         if fname is None:
             raise ModelLoadError(f"{folder}: tensor {hf_name} not found in the checkpoint")
-        if fname not in opened:
-            opened[fname] = SafetensorsFile(os.path.join(folder, fname))
+        with opening:
+            if fname not in opened:
+                path = os.path.join(folder, fname)
+                if not os.path.exists(path):
+                    raise ModelLoadError(f"{fname}: file not found ({path}); the index lists tensor {hf_name} in it")
+                opened[fname] = SafetensorsFile(path)
         if hf_name not in opened[fname].header:
             raise ModelLoadError(f"{fname}: tensor {hf_name} not found (the index lists it in this file)")
         return opened[fname].get(hf_name)
@@ -128,13 +136,17 @@ def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, 
     cfg, hf, gen = model_configs.model_config_from_folder(folder)
     cfg = with_expert_parallel(cfg, enable_expert_parallel)
     family.check_config(cfg)
-    if dummy:
-        params = dummy_loader.dummy_params(cfg, family, jdtype, seed, mesh, quant)
-    else:
-        get, file_of = safetensors_getter(folder)
-        params = load_weights(cfg, family, get, jdtype, mesh=mesh, file_of=file_of, quant=quant,
-                              desc=f"Loading {os.path.basename(os.path.normpath(folder))}")
-    tokenizer = folder_tokenizer(folder)
+    # the tokenizer (importing transformers: seconds) builds on a thread while the weights load
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folder-tokenizer") as pool:
+        tokenizer = pool.submit(folder_tokenizer, folder)
+        if dummy:
+            params = dummy_loader.dummy_params(cfg, family, jdtype, seed, mesh, quant)
+        else:
+            get, file_of = safetensors_getter(folder)
+            params = load_weights(cfg, family, get, jdtype, mesh=mesh, file_of=file_of, quant=quant,
+                                  desc=f"Loading {os.path.basename(os.path.normpath(folder))}",
+                                  threads=envs.JAXSERVE_LOAD_THREADS)
+        tokenizer = tokenizer.result()
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        generation_config=generation_config(cfg, gen), source=folder, dtype=jdtype,

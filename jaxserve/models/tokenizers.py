@@ -9,10 +9,12 @@ import os
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import packaged
 from jaxserve.models.gguf_file import open_gguf
+from jaxserve.utils.startup_timeline import phase
 
 logger = logging.getLogger(__name__)
 
 
+@phase("config/tokenizer")
 @functools.lru_cache(maxsize=4)
 def gguf_tokenizer(path: str):
     """The HF fast tokenizer built from the GGUF file's own vocabulary (``gguf_tokenizer.py``)."""
@@ -21,6 +23,7 @@ def gguf_tokenizer(path: str):
     return tokenizer_from_gguf(open_gguf(path).fields)
 
 
+@phase("config/tokenizer")
 def embedded_tokenizer():
     """The SmolLM2 tokenizer: from the embedded GGUF when the package is installed, else the copy committed
     under configs/tokenizers/smollm2 (written from that GGUF), so dummy models need no model package."""
@@ -34,6 +37,7 @@ def embedded_tokenizer():
         return AutoTokenizer.from_pretrained(str(folder))
 
 
+@phase("config/tokenizer")
 def folder_tokenizer(folder: str):
     has_tokenizer = any(os.path.exists(os.path.join(folder, f))
                         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))

@@ -24,13 +24,26 @@ def core_pid(srv: ServerProcess) -> int:
     return int(found.group(1))
 
 
+def startup_phases(srv: ServerProcess) -> list[str]:
+    """The start-up timeline's phases in the server's log (jaxserve/utils/startup_timeline.py)."""
+    from jaxserve.utils.startup_timeline import LINE
+    log = srv.tail(1 << 20)
+    assert "start-up timeline: imports" in log
+    return [name for name, _ in re.findall(LINE, log)]
+
+
 def test_one_process_and_split_servers_give_the_same_completions():
     split = ServerProcess(*FLAGS)
     try:
         assert core_pid(split)
+        # both processes log their imports; the front end its wait for the core beyond the core's phases
+        assert sorted(startup_phases(split)) == sorted(["imports", "imports", "device init", "config/tokenizer",
+                                                        "weights", "KV cache", "warm-up", "engine-core hand-shake"])
         one = ServerProcess(*FLAGS, env={"JAXSERVE_ENABLE_MULTIPROCESSING": "0"})
         try:
             assert "engine core in this process" in one.tail(1 << 20)
+            assert sorted(startup_phases(one)) == sorted(["imports", "device init", "config/tokenizer", "weights",
+                                                          "KV cache", "warm-up"])
             a = openai.OpenAI(base_url=split.url + "/v1", api_key="none", max_retries=0, timeout=300)
             b = openai.OpenAI(base_url=one.url + "/v1", api_key="none", max_retries=0, timeout=300)
             for kw in (dict(prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}),

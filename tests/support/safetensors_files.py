@@ -1,9 +1,10 @@
-"""Writing small safetensors checkpoints in tests: the tensors, and a folder with its HF config."""
+"""Writing small safetensors checkpoints in tests: the tensors, a folder with its HF config, and a sharded\nLlama checkpoint with its index."""
 from __future__ import annotations
 
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -20,3 +21,41 @@ def write_folder(folder, tensors: dict[str, np.ndarray], hf: dict) -> str:
         json.dump(hf, f)
     write_safetensors(os.path.join(folder, "model.safetensors"), tensors)
     return str(folder)
+
+
+# a Llama of a few tens of MB in bf16, its largest tensor a small share of it, written in SHARDS files
+SHARDED_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+                 "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                 "num_hidden_layers": 6, "vocab_size": 2048, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+                 "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                 "bos_token_id": 1, "eos_token_id": 2}
+SHARDS = 4
+
+
+def llama_tensors(hf: dict) -> dict[str, np.ndarray]:
+    """Random bf16 tensors of a Llama checkpoint of ``hf``'s shape, by HF name (seeded: the same each call)."""
+    rng = np.random.default_rng(0)
+    h, i, v, d = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], hf["head_dim"]
+    kv = hf["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+    return {n: rng.standard_normal(s, np.float32).astype(ml_dtypes.bfloat16) for n, s in shapes.items()}
+
+
+def write_sharded(folder, hf: dict = SHARDED_LLAMA, tensors: dict | None = None) -> list[str]:
+    """The checkpoint in SHARDS files with its index, as HF writes a large model; the files' names."""
+    tensors = llama_tensors(hf) if tensors is None else tensors
+    names = list(tensors)
+    files = [f"model-{k + 1:05d}-of-{SHARDS:05d}.safetensors" for k in range(SHARDS)]
+    weight_map = {n: files[j * SHARDS // len(names)] for j, n in enumerate(names)}
+    for fname in files:
+        write_safetensors(str(folder / fname), {n: tensors[n] for n in names if weight_map[n] == fname})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(hf))
+    return files

@@ -31,6 +31,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -411,8 +412,9 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def _leaf_seed(seed: int, index: int) -> jax.Array:
-    return jnp.uint32(_mix32((_mix32(seed & _U32) + index * 0x9E3779B9) & _U32))
+def _leaf_seed(seed: int, index: int) -> np.uint32:
+    """A host scalar: it rides along with the fill's dispatch (a device scalar per weight is a device op each)."""
+    return np.uint32(_mix32((_mix32(seed & _U32) + index * 0x9E3779B9) & _U32))
 
 
 @functools.lru_cache(maxsize=64)

@@ -143,7 +143,8 @@ def test_startup_mode_times_a_cold_and_a_warm_start(tmp_path, monkeypatch):
     @contextlib.contextmanager
     def fake_server(flags, log_path, timeout_s):
         started.append(flags)
-        log_path.write_text("loaded m: load 1.5 s, warm-up (the first-needed step variants) 2.0 s, ready in 3.6 s;\n")
+        log_path.write_text("INFO start-up weights: 1.50 s (16.0 GB, 10.7 GB/s)\nINFO start-up warm-up: 2.00 s\n"
+                            "INFO start-up engine-core hand-shake: 0.10 s\n")
         yield "http://127.0.0.1:1"
 
     class Answer:
@@ -158,6 +159,7 @@ def test_startup_mode_times_a_cold_and_a_warm_start(tmp_path, monkeypatch):
     assert runner.main(["--config", "cpu-smoke-startup", "--out", str(tmp_path)]) == 0
     (result,) = [json.loads(p.read_text()) for p in tmp_path.glob("*/result.json")]
     cold, warm = result["jaxserve"]["cold"], result["jaxserve"]["warm"]
-    assert cold["health_s"] <= cold["first_completion_s"] and cold["ready_s"] == 3.6 and warm["load_s"] == 1.5
+    assert cold["health_s"] <= cold["first_completion_s"] and cold["phases_s"]["warm-up"] == 2.0
+    assert warm["phases_s"]["weights"] == 1.5 and warm["phases_s"]["engine-core hand-shake"] == 0.1
     cache = [f[f.index("--compilation-cache-dir") + 1] for f in started]
     assert cache[0] == cache[1] and started[0][:2] == ["--dtype", "float32"]

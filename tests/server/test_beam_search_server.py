@@ -9,7 +9,6 @@ import os
 import re
 import socket
 import time
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -17,23 +16,15 @@ import pytest
 
 from support import FIXTURES
 from support.api_errors import api_error
-from support.server_fakes import FakeEngine
+from support.server_fakes import EOS_ID as EOS, FakeEngine
 from support.servers import scripted, serving
 from support.servers import smol as smol_spec
 
 MODEL = "fake-model"
-EOS = 256            # the byte tokenizer's <|endoftext|>
 GOLDEN = os.path.join(FIXTURES, "beam_search_golden.json")
 
 
-class BeamFakeEngine(FakeEngine):
-    """The scripted engine with the EngineFacts a beam search reads (its EOS ids)."""
-
-    def facts(self):
-        return SimpleNamespace(eos_token_ids=(EOS,), is_multimodal=False)
-
-
-SERVER = scripted(BeamFakeEngine)
+SERVER = scripted(FakeEngine)
 
 
 # -- the scripted engine ------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from jaxserve.errors import InvalidRequestError, QueueFullError
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -20,6 +21,9 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+EOS_ID = 256         # the byte tokenizer's <|endoftext|>
 
 
 def byte_tokenizer():
@@ -77,6 +81,11 @@ class FakeEngine:
     aborted: list = field(default_factory=list)
     finished: list = field(default_factory=list)
     num_kv_blocks: int = 64
+
+    def facts(self):
+        """The EngineFacts the front end reads of a scripted engine: a beam search's EOS ids (the byte tokenizer's
+        <|endoftext|>), no images."""
+        return SimpleNamespace(eos_token_ids=(EOS_ID,), is_multimodal=False)
 
     def stats(self) -> dict:
         from jaxserve.runner.stats import RunnerStats

@@ -74,8 +74,8 @@ def _kv_loop(q, q_pos, first_q_pos, last_q_pos, r, kv_lo, kv_hi, k_ref, v_ref, b
 
     ``q_pos [M]`` are the rows' absolute positions, ``first_q_pos``/``last_q_pos`` those of the tile's
     first and last real token; ``q_lim [M]`` (``md.attend_limit``): each row's last visible key where it is
-    past ``q_pos`` (the window still counts from ``q_pos``). Chunks that no mask can touch for any row (below the first row's diagonal,
-    inside the last row's window, below kv_hi) run without masks; the rest (window edge, diagonal, ragged
+    past ``q_pos`` (the window still counts from ``q_pos``). Chunks that no mask can touch for any row (below
+    the first row's diagonal, inside the last row's window, below kv_hi) run without masks; the rest (window edge, diagonal, ragged
     end) with them. Returns the unnormalised accumulator ``[M, D]`` f32 and running max / sum ``[M]``
     (base 2). The caches are ``[num_blocks, kv_heads, block_size, D]`` (a page's rows of one head are
     contiguous). ``v_transposed`` (fp8 caches): V pages are

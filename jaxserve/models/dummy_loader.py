@@ -3,8 +3,6 @@ folder's config, in float or in any quantization method's storage, each weight m
 lives (``DecoderFamily.init_dummy_params``). The tokenizer is the embedded SmolLM2 one."""
 from __future__ import annotations
 
-import concurrent.futures
-
 import jax.numpy as jnp
 
 from jaxserve.errors import ModelLoadError
@@ -14,7 +12,7 @@ from jaxserve.models.hf_weights import tree_get
 from jaxserve.models.layers.moe import with_expert_parallel
 from jaxserve.models.loaded_model import (LoadedModel, config_dtype, generation_config, resolve_dtype,
                                           resolve_max_model_len)
-from jaxserve.models.tokenizers import embedded_tokenizer
+from jaxserve.models.tokenizers import embedded_tokenizer, with_tokenizer
 from jaxserve.quantization import config as quant_config
 from jaxserve.quantization import loading as quant_loading
 
@@ -37,11 +35,8 @@ def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: 
     family.check_config(cfg)
     jdtype = resolve_dtype(dtype, config_dtype(hf, jnp.bfloat16))
     quant = dummy_quantization(quantization)
-    # the tokenizer (importing transformers: seconds) builds on a thread while the device fills the weights
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dummy-tokenizer") as pool:
-        tokenizer = pool.submit(embedded_tokenizer)
-        params = dummy_params(cfg, family, jdtype, seed, mesh, quant)
-        tokenizer = tokenizer.result()
+    params, tokenizer = with_tokenizer(embedded_tokenizer,
+                                       lambda: dummy_params(cfg, family, jdtype, seed, mesh, quant))
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        generation_config=generation_config(cfg), source=f"dummy:{name}", dtype=jdtype,

@@ -5,8 +5,8 @@ of the family's weight pytree, the HF tensor names it is built from and how (as 
 ``[in, out]``, gate/up transposed and stacked, a fused projection split). A source only supplies
 ``get(hf_name) -> np.ndarray`` in HF layout. Tensors go host → device *in HF layout* (for safetensors straight
 from the memory-mapped file, no host copy; a few threads read and copy the next tensors while the weights
-before them are built), and the layout change and the cast to the target dtype run on the device. With a ``mesh`` each HF tensor is placed with the sharding that its layout
-change maps onto the weight's ``NamedSharding(mesh, spec)`` (from the family's ``param_partition_specs``), so
+before them are built), and the layout change and the cast to the target dtype run on the device. With a
+``mesh`` each HF tensor is placed with the sharding that its layout change maps onto the weight's ``NamedSharding(mesh, spec)`` (from the family's ``param_partition_specs``), so
 every device converts only its own shard and no weight is ever whole on one device (unless its spec
 replicates it).
 
@@ -102,8 +102,8 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
     """Build the family's weight pytree from ``get(hf_name)`` onto the device(s): each HF tensor goes to the
     device(s) as it is, and a jitted build (layout change, cast) runs there. ``threads`` > 0: that many
     threads read and copy the next tensors (at most two each ahead of the build, so the host holds a bounded
-    number of tensors) while this one builds, in a single-process engine; ``get`` must then be thread-safe. The weights and the first
-    error are the same as one at a time. ``quant`` (a ``quantization.QuantConfig``): the projections it
+    number of tensors) while this one builds, in a single-process engine; ``get`` must then be thread-safe.
+    The weights and the first error are the same as one at a time. ``quant`` (a ``quantization.QuantConfig``): the projections it
     covers load quantized (``quantization.loading``), or are quantized once built (online fp8)."""
     shapes = family.param_shapes(cfg)
     shardings = None

@@ -3,7 +3,6 @@ tokenizer files. Decoder weights go through the family's plan (``hf_weights.load
 checkpoints through ``jaxserve.quantization``; an encoder family loads its folder itself."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import struct
@@ -23,7 +22,7 @@ from jaxserve.models.hf_weights import load_weights
 from jaxserve.models.layers.moe import with_expert_parallel
 from jaxserve.models.loaded_model import (LoadedModel, config_dtype, float_only, generation_config, resolve_dtype,
                                           resolve_max_model_len)
-from jaxserve.models.tokenizers import folder_tokenizer
+from jaxserve.models.tokenizers import folder_tokenizer, with_tokenizer
 from jaxserve.quantization import config as quant_config
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -136,17 +135,16 @@ def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, 
     cfg, hf, gen = model_configs.model_config_from_folder(folder)
     cfg = with_expert_parallel(cfg, enable_expert_parallel)
     family.check_config(cfg)
-    # the tokenizer (importing transformers: seconds) builds on a thread while the weights load
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folder-tokenizer") as pool:
-        tokenizer = pool.submit(folder_tokenizer, folder)
+
+    def load():
         if dummy:
-            params = dummy_loader.dummy_params(cfg, family, jdtype, seed, mesh, quant)
-        else:
-            get, file_of = safetensors_getter(folder)
-            params = load_weights(cfg, family, get, jdtype, mesh=mesh, file_of=file_of, quant=quant,
-                                  desc=f"Loading {os.path.basename(os.path.normpath(folder))}",
-                                  threads=envs.JAXSERVE_LOAD_THREADS)
-        tokenizer = tokenizer.result()
+            return dummy_loader.dummy_params(cfg, family, jdtype, seed, mesh, quant)
+        get, file_of = safetensors_getter(folder)
+        return load_weights(cfg, family, get, jdtype, mesh=mesh, file_of=file_of, quant=quant,
+                            desc=f"Loading {os.path.basename(os.path.normpath(folder))}",
+                            threads=envs.JAXSERVE_LOAD_THREADS)
+
+    params, tokenizer = with_tokenizer(lambda: folder_tokenizer(folder), load)
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=getattr(tokenizer, "chat_template", None),
                        generation_config=generation_config(cfg, gen), source=folder, dtype=jdtype,

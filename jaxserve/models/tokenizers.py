@@ -2,9 +2,11 @@
 one (for dummy models and folders that ship none)."""
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import os
+from typing import Any, Callable, TypeVar
 
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import packaged
@@ -12,6 +14,15 @@ from jaxserve.models.gguf_file import open_gguf
 from jaxserve.utils.startup_timeline import phase
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def with_tokenizer(make_tokenizer: Callable[[], Any], load: Callable[[], T]) -> tuple[T, Any]:
+    """``(load(), make_tokenizer())``, the tokenizer built on a thread while ``load`` runs (importing
+    transformers takes seconds; the weights' load is device and disk work)."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        tokenizer = pool.submit(make_tokenizer)
+        return load(), tokenizer.result()
 
 
 @phase("config/tokenizer")

@@ -50,10 +50,7 @@ def patch_bucket(patches: int, unit: int, floor: int) -> int:
 
 
 def _pow2(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class EncoderCache:

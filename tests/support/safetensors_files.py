@@ -1,4 +1,5 @@
-"""Writing small safetensors checkpoints in tests: the tensors, a folder with its HF config, and a sharded\nLlama checkpoint with its index."""
+"""Writing small safetensors checkpoints in tests: the tensors, a folder with its HF config, and a sharded
+Llama checkpoint with its index."""
 from __future__ import annotations
 
 import json

@@ -84,7 +84,7 @@ template <typename S, bool kTall, int kChunk, int kGroupSteps>
 __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ packed, const S* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ partials,
-    unsigned* __restrict__ counters, int m, int k, int n, int group, int splits, bool tiled) {
+    unsigned* __restrict__ counters, int m, int k, int n, int group, int splits) {
   constexpr int kGroups = kChunk / kGroupSteps;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
@@ -103,15 +103,10 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
   // land in outputs that are never written. Pointers at the warp's first chunk, advanced by whole iterations.
   const int wcol_in = min(wcol, n - 4);
   const int first = lo + warp * kChunk;
-  // tiled: packed [tiles, K/8 * 32], a column tile's packed rows contiguous (a warp's step reads 512
-  // consecutive bytes; padded columns past N read zeros)
-  const size_t w_row = tiled ? kCols : static_cast<size_t>(n);
-  const uint32_t* wp = tiled ? packed + static_cast<size_t>(blockIdx.x) * (k / 8) * kCols +
-                                   static_cast<size_t>(4 * first + c) * kCols + 4 * g
-                             : packed + static_cast<size_t>(4 * first + c) * n + wcol_in;
+  const uint32_t* wp = packed + static_cast<size_t>(4 * first + c) * n + wcol_in;
   const __nv_bfloat16* xpa = x + static_cast<size_t>(min(g, m - 1)) * k + 8 * (4 * first + c);
   const __nv_bfloat16* xpb = x + static_cast<size_t>(min(g + 8, m - 1)) * k + 8 * (4 * first + c);
-  const size_t w_step = 4 * w_row;                                       // one step: 4 packed rows
+  const size_t w_step = static_cast<size_t>(4) * n;                     // one step: 4 packed rows
   const size_t w_iter = static_cast<size_t>(kWarps * kChunk) * w_step;
   constexpr int x_iter = kWarps * kChunk * kStepK;
   for (int s0 = first; s0 < hi; s0 += kWarps * kChunk, wp += w_iter, xpa += x_iter, xpb += x_iter) {
@@ -207,21 +202,21 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
 template <typename S, bool kTall, int kChunk, int kGroupSteps>
 void launch(cudaStream_t stream, dim3 grid, const void* x, const void* packed, const void* scales,
             const void* zeros, void* out, void* partials, unsigned* counters, int m, int k, int n, int group,
-            int splits, bool tiled) {
+            int splits) {
   int4_gemv_kernel<S, kTall, kChunk, kGroupSteps><<<grid, kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<const uint32_t*>(packed), static_cast<const S*>(scales),
       static_cast<const uint8_t*>(zeros), static_cast<__nv_bfloat16*>(out), static_cast<float*>(partials),
-      counters, m, k, n, group, splits, tiled);
+      counters, m, k, n, group, splits);
 }
 
-#define JAXSERVE_INT4_ARGS stream, grid, x, packed, scales, zeros, out, partials, counters, m, k, n, group, splits, tiled
+#define JAXSERVE_INT4_ARGS stream, grid, x, packed, scales, zeros, out, partials, counters, m, k, n, group, splits
 
 // The steps of a chunk sharing a group: gcd(kChunk, group / 32), from `pow2`, the largest power of two dividing
 // group / 32 (a chunk of 8 runs only for groups of 128 rows or more)
 template <typename S, bool kTall, int kChunk>
 void launch_chunk(int pow2, cudaStream_t stream, dim3 grid, const void* x, const void* packed,
                   const void* scales, const void* zeros, void* out, void* partials, unsigned* counters, int m,
-                  int k, int n, int group, int splits, bool tiled) {
+                  int k, int n, int group, int splits) {
   if (pow2 >= kChunk) {
     launch<S, kTall, kChunk, kChunk>(JAXSERVE_INT4_ARGS);
   } else if constexpr (kChunk == kMaxChunk) {
@@ -238,7 +233,7 @@ void launch_chunk(int pow2, cudaStream_t stream, dim3 grid, const void* x, const
 template <typename S>
 void launch_for(bool tall, int chunk, int group_steps, cudaStream_t stream, dim3 grid, const void* x,
                 const void* packed, const void* scales, const void* zeros, void* out, void* partials,
-                unsigned* counters, int m, int k, int n, int group, int splits, bool tiled) {
+                unsigned* counters, int m, int k, int n, int group, int splits) {
   const int pow2 = group_steps & -group_steps;
   if (tall) {
     launch_chunk<S, true, kMinChunk>(pow2, JAXSERVE_INT4_ARGS);
@@ -253,7 +248,7 @@ void launch_for(bool tall, int chunk, int group_steps, cudaStream_t stream, dim3
 ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer packed,
                         ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::AnyBuffer> partials, int64_t group_size, int64_t splits, int64_t chunk,
-                        int64_t slot, int64_t tiled) {
+                        int64_t slot) {
   const std::string name = "jaxserve int4 gemv: ";
   if (device < 0 || device >= kMaxDevices || g_counters[device] == nullptr) {
     return ffi::Error::InvalidArgument(name + "not initialized on CUDA device " + std::to_string(device));
@@ -262,15 +257,13 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   if (xd.size() != 2 || pd.size() != 2 || sd.size() != 2 || zd.size() != 2) {
     return ffi::Error::InvalidArgument(name + "x, packed, scales and zeros must be 2-D");
   }
-  const int64_t m = xd[0], k = xd[1], n = sd[1];
+  const int64_t m = xd[0], k = xd[1], n = pd[1];
   if (x.element_type() != ffi::DataType::BF16 || out->element_type() != ffi::DataType::BF16 ||
       packed.element_type() != ffi::DataType::S32 ||
       (zeros.element_type() != ffi::DataType::S8 && zeros.element_type() != ffi::DataType::U8)) {
     return ffi::Error::InvalidArgument(name + "x and the output bf16, packed int32, zeros int8");
   }
-  const bool packed_ok = tiled ? pd[0] == (n + kCols - 1) / kCols && pd[1] == k / 8 * kCols
-                               : pd[0] * 8 == k && pd[1] == n;
-  if (m < 1 || m > kMaxRows || k % kStepK || n % 8 || !packed_ok || group_size < kStepK ||
+  if (m < 1 || m > kMaxRows || k % kStepK || n % 8 || pd[0] * 8 != k || group_size < kStepK ||
       group_size % kStepK || k % group_size || sd[0] != k / group_size || sd[1] != n || zd[0] != sd[0] ||
       zd[1] != n) {
     return ffi::Error::InvalidArgument(name + "unsupported shapes (M <= 16, K and the group multiples of 32, "
@@ -292,17 +285,17 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
     case ffi::DataType::BF16:
       launch_for<__nv_bfloat16>(tall, ci, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(),
                                  scales.untyped_data(), zeros.untyped_data(), out->untyped_data(),
-                                 partials->untyped_data(), counters, mi, ki, ni, gi, si, tiled != 0);
+                                 partials->untyped_data(), counters, mi, ki, ni, gi, si);
       break;
     case ffi::DataType::F16:
       launch_for<__half>(tall, ci, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
                           zeros.untyped_data(), out->untyped_data(), partials->untyped_data(), counters, mi, ki,
-                          ni, gi, si, tiled != 0);
+                          ni, gi, si);
       break;
     case ffi::DataType::F32:
       launch_for<float>(tall, ci, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
                          zeros.untyped_data(), out->untyped_data(), partials->untyped_data(), counters, mi, ki,
-                         ni, gi, si, tiled != 0);
+                         ni, gi, si);
       break;
     default:
       return ffi::Error::InvalidArgument(name + "scales must be bf16, f16 or f32");

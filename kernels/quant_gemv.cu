@@ -19,8 +19,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Gemv, Int4GemvImpl,
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("splits")
                                   .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("slot")
-                                  .Attr<int64_t>("tiled"),
+                                  .Attr<int64_t>("slot"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8Gemv, Fp8GemvImpl,

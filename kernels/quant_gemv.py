@@ -149,40 +149,22 @@ def default_launch(m: int, k: int, n: int, group_size: int, sms: int) -> tuple[i
     return best[1], best[2]
 
 
-def tile_packed(packed):
-    """``int4_matmul_pallas``'s packed ``[K/8, N]`` as the kernel's tiled layout ``[ceil(N/32), K/8 * 32]``: each
-    32-column tile's packed rows contiguous (zero columns pad the last tile)."""
-    import jax.numpy as jnp
-    rows, n = packed.shape
-    tiles = -(-n // BLOCK_COLS)
-    padded = jnp.pad(packed, ((0, 0), (0, tiles * BLOCK_COLS - n)))
-    return padded.reshape(rows, tiles, BLOCK_COLS).transpose(1, 0, 2).reshape(tiles, rows * BLOCK_COLS)
-
-
-def untile_packed(tiled, n: int):
-    """``tile_packed``'s inverse: the ``[K/8, N]`` packed weight."""
-    tiles, width = tiled.shape
-    rows = width // BLOCK_COLS
-    return tiled.reshape(tiles, rows, BLOCK_COLS).transpose(1, 0, 2).reshape(rows, tiles * BLOCK_COLS)[:, :n]
-
-
-def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None, chunk: int | None = None,
-              tiled: bool = False):
-    """``x [M, K] @ w [K, N]`` for the int4 weight ``(packed, scales, zeros)`` (``int4_matmul_pallas``'s layout,
-    or ``tile_packed``'s with ``tiled``), bf16 out; ``load`` must have run in this process. ``splits`` (K splits
-    across blocks) and ``chunk`` (steps per warp load, 4 or 8): None for ``default_launch``'s."""
+def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None, chunk: int | None = None):
+    """``x [M, K] @ w [K, N]`` for the int4 weight ``(packed, scales, zeros)`` (``int4_matmul_pallas``'s layout),
+    bf16 out; ``load`` must have run in this process. ``splits`` (K splits across blocks) and ``chunk`` (steps
+    per warp load, 4 or 8): None for ``default_launch``'s."""
     import jax
     import jax.numpy as jnp
     from .device_info import num_sms
     m, k = x.shape
-    n = scales.shape[1]
+    n = packed.shape[1]
     auto_chunk, auto_splits = default_launch(m, k, n, group_size, num_sms())
     chunk = chunk_steps(m, group_size, chunk or auto_chunk)
     splits = int(splits or (auto_splits if chunk == auto_chunk else max(1, min(auto_splits, max_splits(k, chunk)))))
     partials = jax.ShapeDtypeStruct((splits * m * n if splits > 1 else 1,), jnp.float32)
     out, _ = jax.ffi.ffi_call(TARGET_INT4, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(
         x, packed, scales, zeros, group_size=np.int64(group_size), splits=np.int64(splits), chunk=np.int64(chunk),
-        slot=np.int64(next(_slots) % SLOTS), tiled=np.int64(bool(tiled)))
+        slot=np.int64(next(_slots) % SLOTS))
     return out
 
 

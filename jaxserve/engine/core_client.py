@@ -31,7 +31,7 @@ from jaxserve.engine import messages as m
 from jaxserve.engine.core import EngineCore, EngineFacts
 from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import EngineDeadError
-from jaxserve.utils import import_ahead, startup_timeline
+from jaxserve.utils import startup_imports, startup_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class MPClient:
             [sys.executable, "-m", "jaxserve.engine.core_process", config_path, self.input_address,
              self.output_address])
         # unpickling the core's tokenizer imports its library: import it now, while the core loads
-        import_ahead.start_tokenizer_imports()
+        startup_imports.start_tokenizer_imports()
         facts = self._wait_ready(startup_timeout_s)
         startup_timeline.add_from_another_process(facts.startup_phases)
         self._start_reading(facts)
@@ -161,7 +161,7 @@ class MPClient:
                 self.close()
                 raise
             if isinstance(msg, m.CoreReady):
-                import_ahead.wait_tokenizer_imports()      # the facts' tokenizer needs that library
+                startup_imports.wait_tokenizer_imports()      # the facts' tokenizer needs that library
                 return pickle.loads(msg.facts)
             if msg is not None:
                 raise RuntimeError(f"the engine core sent {type(msg).__name__} before it was ready")

@@ -173,4 +173,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from jaxserve.utils.startup_imports import hide_torch
+    hide_torch()            # this process runs JAX only: its tokenizer need not import torch
     main(sys.argv[1:])

@@ -9,7 +9,7 @@ wait for a core process beyond the core's own wall time: its interpreter, the pi
 A phase opened inside another one on the same thread is not counted in its parent's seconds, so the phases
 of a thread add up to its wall time. A phase that ends on another thread than the main one runs beside the
 others (``config/tokenizer``: the tokenizer built while the weights load; ``tokenizer imports``: its library
-imported ahead, ``import_ahead``): its line says ``overlapped`` and the summary's total leaves it out. The
+imported ahead, ``startup_imports``): its line says ``overlapped`` and the summary's total leaves it out. The
 start-up benchmark (``benchmarks/startup.py``) reads the lines from the server's log; ``LINE`` is their
 pattern.
 """

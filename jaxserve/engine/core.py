@@ -61,6 +61,7 @@ class EngineFacts:
     is_multimodal: bool = False           # the model takes images (its family has a vision encoder)
     whole_images: bool = False            # a step computes an image's tokens all together (whole_images)
     startup_phases: tuple = ()            # the core process's start-up timeline: (phase, seconds, detail)
+    startup_seconds: float | None = None  # the core process's wall seconds from its start to these facts
 
     @property
     def served_model_name(self) -> str:
@@ -148,7 +149,8 @@ class EngineCore:
             load_seconds=self.executor.load_seconds, warmup_seconds=self.warmup_seconds,
             num_kv_blocks=self.runner.num_blocks if self.runner is not None else None,
             is_multimodal=self.runner is not None and self.runner.encoder is not None,
-            whole_images=self.whole_images, startup_phases=tuple(startup_timeline.timeline()))
+            whole_images=self.whole_images, startup_phases=tuple(startup_timeline.timeline()),
+            startup_seconds=startup_timeline.seconds_since_process_start())
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

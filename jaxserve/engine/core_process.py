@@ -51,8 +51,9 @@ def run_engine_core(config, input_address: str, output_address: str, progress: b
         from jaxserve.utils import startup_timeline
         startup_timeline.record_imports()
         engine = EngineCore(config, progress=progress)
-        prepare_gc_for_serving()       # the model's and runner's objects out of the collector's passes
         outbox.send(encoder.encode(m.CoreReady(pickle.dumps(engine.facts()))))
+        # the model's and runner's objects out of the collector's passes, while the front end reads the facts
+        prepare_gc_for_serving()
         EngineCoreLoop(engine, inbox, outbox, encoder).run()
     except BaseException as e:  # noqa: BLE001 - reported to the front end, then the process ends
         if isinstance(e, ModelLoadError):       # the user's to act on: the front end prints it, in one line
@@ -172,4 +173,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from jaxserve.utils.startup_imports import hide_torch
+    hide_torch()            # this process runs JAX only: its tokenizer need not import torch
     main(sys.argv[1:])

@@ -29,4 +29,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxserve.utils.startup_imports import hide_torch
+    hide_torch()            # this process runs JAX only: its tokenizer need not import torch
     sys.exit(main())

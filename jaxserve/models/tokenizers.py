@@ -8,6 +8,8 @@ import logging
 import os
 from typing import Any, Callable, TypeVar
 
+import jax
+
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import packaged
 from jaxserve.models.gguf_file import open_gguf
@@ -19,10 +21,14 @@ T = TypeVar("T")
 
 def with_tokenizer(make_tokenizer: Callable[[], Any], load: Callable[[], T]) -> tuple[T, Any]:
     """``(load(), make_tokenizer())``, the tokenizer built on a thread while ``load`` runs (importing
-    transformers takes seconds; the weights' load is device and disk work)."""
+    transformers takes seconds; the weights' load is device and disk work). ``load``'s arrays are ready
+    before the wait for the tokenizer starts, so the timeline's ``weights`` are the weights' own seconds and
+    ``tokenizer wait`` what the tokenizer adds."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         tokenizer = pool.submit(make_tokenizer)
-        return load(), tokenizer.result()
+        loaded = jax.block_until_ready(load())
+        with phase("tokenizer wait"):
+            return loaded, tokenizer.result()
 
 
 @phase("config/tokenizer")

@@ -2,13 +2,16 @@
 phase (``start-up PHASE: SECONDS s (DETAIL)``), kept in this process's ``timeline()`` too.
 
 The phases, in order: ``imports`` (interpreter start to the engine code loaded; the engine-core process logs
-its own), ``device init`` (the JAX backend and the mesh), ``config/tokenizer``, ``weights`` (bytes and GB/s),
-``KV cache`` (sizing and allocating it), ``warm-up`` (the first-needed compiles) and ``engine-core
-hand-shake`` (the front end's wait for a core process beyond the core's own phases: its interpreter, the
-pickled facts). A phase opened inside another one on the same thread is not counted in its parent's seconds,
-so the phases add up to the wall time (a phase on another thread, e.g. a tokenizer built while
-the weights load, overlaps). The start-up benchmark (``benchmarks/startup.py``) reads the lines
-from the server's log; ``LINE`` is their pattern.
+its own), ``device init`` (the JAX backend and the mesh), ``weights`` (bytes and GB/s; the device's fills or
+copies included), ``tokenizer wait`` (the load's wait for the tokenizer built beside it), ``KV cache`` (sizing
+and allocating it), ``warm-up`` (the first-needed compiles) and ``engine-core hand-shake`` (the front end's
+wait for a core process beyond the core's own wall time: its interpreter, the pickled facts, reading them).
+A phase opened inside another one on the same thread is not counted in its parent's seconds, so the phases
+of a thread add up to its wall time. A phase that ends on another thread than the main one runs beside the
+others (``config/tokenizer``: the tokenizer built while the weights load; ``tokenizer imports``: its library
+imported ahead, ``startup_imports``): its line says ``overlapped`` and the summary's total leaves it out. The
+start-up benchmark (``benchmarks/startup.py``) reads the lines from the server's log; ``LINE`` is their
+pattern.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ import time
 
 logger = logging.getLogger("jaxserve.startup")
 
-PHASES = ("imports", "device init", "config/tokenizer", "weights", "KV cache", "warm-up", "engine-core hand-shake")
+PHASES = ("imports", "device init", "tokenizer imports", "config/tokenizer", "weights", "tokenizer wait", "KV cache",
+          "warm-up", "engine-core hand-shake")
+OVERLAPPED = "overlapped"     # the detail of a phase that ran beside the main thread's
 LINE = r"start-up ([a-zA-Z/ -]+): ([0-9.]+) s"
 
 _recorded: list[tuple[str, float, str]] = []
@@ -60,7 +65,10 @@ def phase(name: str):
     if stack:
         stack[-1].nested_s += total
     seconds = total - p.nested_s
-    record(name, seconds, "" if p.nbytes is None else rate(p.nbytes, seconds))
+    details = [] if p.nbytes is None else [rate(p.nbytes, seconds)]
+    if threading.current_thread() is not threading.main_thread():
+        details.append(OVERLAPPED)
+    record(name, seconds, "; ".join(details))
 
 
 def rate(nbytes: int, seconds: float) -> str:
@@ -78,10 +86,15 @@ def add_from_another_process(phases) -> None:
     _recorded.extend(tuple(p) for p in phases)
 
 
+def is_overlapped(detail: str) -> bool:
+    return detail.endswith(OVERLAPPED)
+
+
 def summary() -> str:
-    """One line of every phase of this start-up, with their sum."""
-    return ", ".join(f"{name} {s:.1f} s" for name, s, _ in _recorded) + \
-        f"; total {sum(s for _, s, _ in _recorded):.1f} s"
+    """One line of every phase of this start-up, with the sum of those that did not overlap others."""
+    return ", ".join(f"{name} {s:.1f} s" + (f" ({OVERLAPPED})" if is_overlapped(d) else "")
+                     for name, s, d in _recorded) + \
+        f"; total {sum(s for _, s, d in _recorded if not is_overlapped(d)):.1f} s"
 
 
 def seconds_since_process_start() -> float | None:

@@ -2,6 +2,7 @@
 counted twice, and the phases an offline LLM's start-up logs."""
 import logging
 import re
+import threading
 import time
 
 from jaxserve.utils import startup_timeline
@@ -51,3 +52,19 @@ def test_an_offline_llm_logs_every_engine_phase(caplog):
         assert len(lines.get(name, ())) == 1, caplog.text
     assert re.search(r"\([0-9.]+ GB, [0-9.]+ GB/s\)", lines["weights"][0])
     assert startup_timeline.seconds_since_process_start() > 0
+
+
+def test_a_phase_on_another_thread_is_overlapped_and_not_in_the_total(caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve.startup")
+    total_before = startup_timeline.summary().rpartition("; ")[2]
+
+    def build():
+        with startup_timeline.phase("config/tokenizer"):
+            time.sleep(0.25)
+    side = threading.Thread(target=build)
+    side.start()
+    side.join()
+    assert phase_lines(caplog.text)["config/tokenizer"][0].endswith("(overlapped)")
+    summary = startup_timeline.summary()
+    assert re.search(r"config/tokenizer 0\.[23] s \(overlapped\); total", summary)
+    assert summary.rpartition("; ")[2] == total_before

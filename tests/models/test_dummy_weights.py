@@ -76,3 +76,28 @@ def test_dummy_weights_are_made_sharded_on_the_devices(tmp_path):
     # no weight crosses from the host: nothing bigger than a scalar is put, and numpy never holds a weight
     assert r["largest_put"] <= 1, r
     assert r["host_peak_bytes"] < 0.25 * r["largest_leaf_bytes"], r
+
+
+# sha256 (first 16 hex digits) of every leaf's bytes at seed 0, float and fp8: the fill is integer hashing and
+# exactly rounded float steps, so any process, cache state or backend makes these same bits
+SEED0_DIGESTS = {None: "326bc62b629f0bab", "fp8": "a732f39da899ab17"}
+
+
+def test_dummy_weights_are_the_same_bits_in_every_process():
+    import hashlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.models import configs as model_configs
+    from jaxserve.models import dummy_loader, registry
+
+    cfg = model_configs.model_config_from_hf(CONFIG)
+    _, family = registry.resolve_architecture(CONFIG["architectures"])
+    for method, want in SEED0_DIGESTS.items():
+        params = dummy_loader.dummy_params(cfg, family, jnp.bfloat16, 0, None, dummy_loader.dummy_quantization(method))
+        digest = hashlib.sha256()
+        for leaf in jax.tree.leaves(params):
+            digest.update(np.asarray(leaf).tobytes())
+        assert digest.hexdigest()[:16] == want, method

@@ -66,7 +66,7 @@ def _scores_prompt(req: Request) -> bool:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
-                 encoder_cache: EncoderCacheManager | None = None):
+                 encoder_cache: EncoderCacheManager | None = None, lora=None):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(f"block_size mismatch: cache config says {cache_config.block_size}, "
                              f"the KV cache manager has {kv_cache_manager.block_size}")
@@ -83,6 +83,8 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         # a vision model's encoder budget and cache (None: a text model; see encoder_cache_manager's NOTE)
         self.encoder_cache = encoder_cache
+        # LoRA: the adapter slots (engine.lora_manager.LoRAManager; None: LoRA off)
+        self.lora = lora
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -259,9 +261,16 @@ class Scheduler:
                     break
                 cost = self._cost(req, num_new) if scores else num_new
                 mm_requests = (mm_requests or []) + [req]     # (harmless if it does not run: nothing computed)
+            if req.lora_request is not None and not self.lora.acquire(req):   # no adapter slot: it waits
+                if encode is not None:
+                    enc.cancel(req, encode)
+                skipped.append(self.waiting.popleft())
+                continue
             if kv.allocate_slots(req, num_new, computed_blocks) is None:
                 if encode is not None:
                     enc.cancel(req, encode)
+                if req.lora_slot:
+                    self.lora.release(req)
                 break
             self.waiting.popleft()
             if req.num_preemptions == 0:
@@ -405,6 +414,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        if req.lora_slot:
+            self.lora.release(req)
         if req.mm_features is not None and self.encoder_cache is not None:
             self.encoder_cache.release_all(req)
         req.status = RequestStatus.PREEMPTED
@@ -503,6 +514,8 @@ class Scheduler:
         kv.free(req)
         if req.mm_features is not None and self.encoder_cache is not None:
             self.encoder_cache.release_all(req)
+        if req.lora_slot:
+            self.lora.release(req)
         del self.requests[req.request_id]
         if _scores_prompt(req):
             self.num_scoring -= 1

@@ -97,6 +97,10 @@ def check_supported(model, config) -> None:
         # the hook for adapters over AWQ / GPTQ / FP8: the deltas read the float activations beside the
         # quantized matmul; fp8 W8A8 hands the projections quantized activations, which they must not take
         raise ValueError("LoRA adapters over a quantized base model are not supported yet: serve the float model")
+    if config.parallel.num_processes > 1 or config.parallel.distributed_executor_backend == "mp":
+        # the other processes follow the steps process 0 sends; slot writes are not among them
+        raise ValueError("--enable-lora runs in one process (no --num-processes / --distributed-executor-backend "
+                         "mp): tensor parallelism over the local devices works with -tp")
     if config.scheduler.num_scheduler_steps > 1:
         raise ValueError("--enable-lora does not combine with --num-scheduler-steps > 1 (the multi-step decode "
                          "loop has no adapter inputs)")

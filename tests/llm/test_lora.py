@@ -125,3 +125,43 @@ def test_manager_slots_lru_and_pins(llm):
     assert mgr.acquire(a2) and a2.lora_slot == 2
     assert [s for s, _ in writes] == [1, 2, 1, 2] and len(mgr.host) == 2
     assert mgr.adapter_names([a2, c, _Req(None)]) == "attn-r8,mlp-r16"
+
+
+_TP_SCRIPT = r'''
+import json, sys
+from jaxserve.llm import LLM
+from jaxserve.lora import LoRARequest
+from jaxserve.sampling_params import SamplingParams
+from support.lora import adapter_names, adapter_path, lora_golden
+g = lora_golden()
+llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", max_model_len=128, max_num_batched_tokens=64,
+          max_num_seqs=16, kv_cache_memory_bytes=1 << 22, skip_warmup=True, compilation_cache_dir="",
+          use_tqdm_on_load=False, enable_lora=True, max_loras=3)
+stacks = llm.engine.core.runner.lora.stacks[0]
+specs = {k: list(v.sharding.spec) + [None] * (v.ndim - len(v.sharding.spec)) for k, v in stacks.items()}
+prompts, loras = [], []
+for p in g["prompts"]:
+    for i, name in enumerate([None, *adapter_names()]):
+        prompts.append({"prompt_token_ids": p})
+        loras.append(None if name is None else LoRARequest(name, i, adapter_path(name)))
+sp = SamplingParams(temperature=0, max_tokens=g["max_tokens"], ignore_eos=True)
+outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
+print(json.dumps({"specs": specs, "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+'''
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_gives_the_same_tokens():
+    """A 2-device mesh (fake CPU devices, so a subprocess): B sharded like its base weight's output on the
+    column projections, A like its input on the row ones; every request of a mixed batch gets HF + peft's."""
+    from support.fake_devices import fake_device_report
+    from support.tiny_models import fixture_path
+    out = fake_device_report(["-c", _TP_SCRIPT, fixture_path("tiny-llama3")], 2, timeout=600)
+    g = lora_golden()
+    want = [g["base"][j] if name is None else g["adapters"][name][j]
+            for j in range(len(g["prompts"])) for name in [None, *adapter_names()]]
+    assert out["tokens"] == want
+    specs = out["specs"]
+    assert specs["q_b"] == [None, None, "tp"] and specs["q_a"] == [None, None, None]
+    assert specs["o_a"] == [None, "tp", None] and specs["o_b"] == [None, None, None]
+    assert specs["gate_up_b"] == [None, None, None, "tp"] and specs["down_a"] == [None, "tp", None]

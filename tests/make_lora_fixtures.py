@@ -1,4 +1,5 @@
-"""LoRA fixtures from HF transformers + peft (the oracle) for tests/llm/test_lora.py and tests/server/test_lora_server.py.
+"""LoRA fixtures from HF transformers + peft (the oracle) for tests/llm/test_lora.py and
+tests/server/test_lora_server.py.
 
 Run with the oracle env (torch + transformers + peft):  .venv-oracle/bin/python tests/make_lora_fixtures.py
 

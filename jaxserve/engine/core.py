@@ -359,9 +359,8 @@ class EngineCore:
             s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0)
         s.update(self.structured_output.stats())
         if self.lora is not None:       # vLLM's lora_requests_info labels
-            s.update(lora_running=self.lora.adapter_names(self.scheduler.running),
-                     lora_waiting=self.lora.adapter_names(self.scheduler.waiting),
-                     max_loras=self.config.lora.max_loras)
+            s.update(lora_running=self.lora.running_names(), max_loras=self.config.lora.max_loras,
+                     lora_waiting=self.lora.waiting_names(self.scheduler.waiting))
         if self.encoder_cache is not None:
             s.update(self.encoder_cache.stats(), encoder_seconds_total=self.runner.encoder.encode_ms / 1e3,
                      request_images_total=self._images[0], requests_with_images_total=self._images[1])

@@ -12,9 +12,13 @@ evicted is read again from its folder when next needed.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 
 from jaxserve.lora import LoRAAdapter, LoRARequest, read_adapter
+
+
+WAITING_SCAN_S = 0.5
 
 
 class LoRAManager:
@@ -27,7 +31,8 @@ class LoRAManager:
         self.slot_of: dict[int, int] = {}
         self.recency: OrderedDict[int, None] = OrderedDict()          # resident adapter ids, least recent first
         self.pins: Counter[int] = Counter()                           # adapter id -> running requests
-        self.names: dict[int, str] = {}
+        self.names: dict[int, str] = {}                               # adapter id -> name
+        self._waiting, self._waiting_at = "", -WAITING_SCAN_S
 
     def read(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter read and checked (``AdapterError`` if it cannot be served), from the host cache."""
@@ -85,6 +90,15 @@ class LoRAManager:
             self.recency.pop(old.lora_int_id, None)
             self.slots[slot] = None
 
-    def adapter_names(self, requests) -> str:
-        """The adapters of ``requests`` as one comma-joined string (vLLM's ``lora_requests_info`` labels)."""
-        return ",".join(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+    def running_names(self) -> str:
+        """The adapters running requests use, comma-joined (vLLM's ``lora_requests_info`` label)."""
+        return ",".join(sorted(self.names[key] for key in self.pins))
+
+    def waiting_names(self, waiting) -> str:
+        """The adapters of the ``waiting`` requests, comma-joined; a scan of the queue at most every
+        ``WAITING_SCAN_S`` (the engine reports stats every step)."""
+        now = time.monotonic()
+        if now - self._waiting_at >= WAITING_SCAN_S:
+            self._waiting_at = now
+            self._waiting = ",".join(sorted({r.lora_request.lora_name for r in waiting if r.lora_request is not None}))
+        return self._waiting

@@ -124,7 +124,8 @@ def test_manager_slots_lru_and_pins(llm):
     mgr.release(b)
     assert mgr.acquire(a2) and a2.lora_slot == 2
     assert [s for s, _ in writes] == [1, 2, 1, 2] and len(mgr.host) == 2
-    assert mgr.adapter_names([a2, c, _Req(None)]) == "attn-r8,mlp-r16"
+    assert mgr.running_names() == "attn-r8,mlp-r16"
+    assert mgr.waiting_names([a, _Req(None)]) == "attn-r8"
 
 
 _TP_SCRIPT = r'''

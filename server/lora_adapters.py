@@ -69,6 +69,13 @@ class LoRAAdapters:
     def resolve(self, model: str | None) -> LoRARequest | None:
         return self.by_name.get(model) if model is not None else None
 
+    def for_request(self, req: Any) -> LoRARequest | None:
+        """The adapter a generation request's ``model`` names (None: the base model)."""
+        lora = self.resolve(req.model)
+        if lora is not None and req.use_beam_search:
+            raise bad_request("use_beam_search is not supported with a LoRA adapter", "use_beam_search")
+        return lora
+
     def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         """Check the adapter (raises ``AdapterError`` / ``ValueError``) and serve it as ``name``."""
         if name in self.by_name or name in self.base_names:

@@ -3,9 +3,10 @@
 NOTE (slots): ``max_loras`` device slots (``jaxserve.lora.slots``; slot 0 is the base model's zeros). A
 request with an adapter is admitted only when ``acquire`` finds it a slot: the slot that already holds its
 adapter, else an empty one, else the least recently used slot no running request pins (its adapter is
-overwritten: a device update, never a recompile). Otherwise the request stays waiting and the scheduler
-passes on to the next one (queued, never refused); it gets a slot when a running request of another adapter
-finishes. A running request pins its slot until it finishes or is preempted.
+overwritten: a device update, never a recompile). Otherwise the request stays waiting (queued, never
+refused) and so do the adapter requests behind it, while requests without an adapter pass; it gets a slot once
+the running requests of some adapter have finished. A running request pins its slot until it finishes or is
+preempted.
 
 Host cache: read adapters (``jaxserve.lora.read_adapter``), the ``max_cpu_loras`` most recently used; one
 evicted is read again from its folder when next needed.
@@ -38,7 +39,7 @@ class LoRAManager:
         """The adapter read and checked (``AdapterError`` if it cannot be served), from the host cache."""
         key = lora.lora_int_id
         adapter = self.host.get(key)
-        if adapter is None or adapter.path != lora.lora_path:
+        if adapter is None:
             adapter = read_adapter(lora.lora_path, self.model_config, self.max_lora_rank)
             self.host[key] = adapter
             while len(self.host) > self.max_cpu_loras:
@@ -53,8 +54,8 @@ class LoRAManager:
         lora = req.lora_request
         key = lora.lora_int_id
         slot = self.slot_of.get(key)
-        if slot is None or self.slots[slot].lora_path != lora.lora_path:
-            slot = slot or self._free_slot()
+        if slot is None:
+            slot = self._free_slot()
             if slot is None:
                 return False
             self._evict(slot)

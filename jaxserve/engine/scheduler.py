@@ -227,6 +227,7 @@ class Scheduler:
         # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone). (A request whose
         #    grammar is still compiling is not here yet: the engine core holds it apart, WAITING_FOR_FSM.)
         skipped: list[Request] = []
+        lora_blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             scores = self.num_scoring and _scores_prompt(req)
@@ -261,7 +262,10 @@ class Scheduler:
                     break
                 cost = self._cost(req, num_new) if scores else num_new
                 mm_requests = (mm_requests or []) + [req]     # (harmless if it does not run: nothing computed)
-            if req.lora_request is not None and not self.lora.acquire(req):   # no adapter slot: it waits
+            # no adapter slot: it waits, and so do the adapter requests behind it (FCFS: they would keep their
+            # adapters' slots pinned and it might never get one)
+            if req.lora_request is not None and (lora_blocked or not self.lora.acquire(req)):
+                lora_blocked = True
                 if encode is not None:
                     enc.cancel(req, encode)
                 skipped.append(self.waiting.popleft())

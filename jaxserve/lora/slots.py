@@ -90,9 +90,9 @@ def check_supported(model, config) -> None:
     from jaxserve.quantization import is_quantized  # noqa: PLC0415
 
     family = model.family
-    if not getattr(family, "supports_lora", lambda cfg: False)(model.config):
+    if not getattr(family, "supports_lora", lambda cfg: False)(model.config) or hasattr(family, "encode_images"):
         raise ValueError(f"LoRA adapters are not supported for {model.config.architecture} (jaxserve serves them "
-                         "on Llama-style decoders: Llama, Mistral, Qwen2, Qwen3)")
+                         "on Llama-style text decoders: Llama, Mistral, Qwen2, Qwen3)")
     if any(is_quantized(w) for layer in model.params["layers"] for w in layer.values()):
         # the hook for adapters over AWQ / GPTQ / FP8: the deltas read the float activations beside the
         # quantized matmul; fp8 W8A8 hands the projections quantized activations, which they must not take

@@ -66,12 +66,12 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
     # token rows (``mm_index``: [token rows, slab rows(, each token's attend limit)],
     # ``encoder_cache.EncoderCache.gather``; the third row: a family whose image tokens attend both ways)
-    mm = lora if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0], **lora}
+    extra = lora if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0], **lora}
     if mm_index is not None and mm_index.shape[0] == 3:
         md = dataclasses.replace(md, attend_limit=mm_index[2])
     hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
-                                                              attn_backend=backend, **mm) if expert_load else \
-        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **mm), None)
+                                                              attn_backend=backend, **extra) if expert_load else \
+        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra), None)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
     return (kv_caches, logits, load) if expert_load else (kv_caches, logits)

@@ -166,3 +166,19 @@ def test_tensor_parallel_2_gives_the_same_tokens():
     assert specs["q_b"] == [None, None, "tp"] and specs["q_a"] == [None, None, None]
     assert specs["o_a"] == [None, "tp", None] and specs["o_b"] == [None, None, None]
     assert specs["gate_up_b"] == [None, None, None, "tp"] and specs["down_a"] == [None, "tp", None]
+
+
+def test_adapter_requests_queue_behind_one_waiting_for_a_slot(llm):
+    """Two slots, three adapters: the third adapter's request waits, and so does a later request of a resident
+    adapter (FCFS: it would keep that slot pinned), while a base-model request passes."""
+    core = llm.engine.core
+    names = [*adapter_names(), "attn-r8", None]
+    for i, name in enumerate(names):
+        core.add_request(f"q{i}", [5, 6, 7, 8], greedy(), 0.0, 0, lora_request=lora(name) if name else None)
+    try:
+        scheduled = [s.request.request_id for s in core.scheduler.schedule().scheduled]
+        assert sorted(scheduled) == ["q0", "q1", "q4"]
+        assert [r.request_id for r in core.scheduler.waiting] == ["q2", "q3"]
+    finally:
+        core.abort_requests([f"q{i}" for i in range(len(names))])
+    assert not core.lora.pins

@@ -182,3 +182,13 @@ def test_adapter_requests_queue_behind_one_waiting_for_a_slot(llm):
     finally:
         core.abort_requests([f"q{i}" for i in range(len(names))])
     assert not core.lora.pins
+
+
+def test_with_lora_off_the_step_carries_nothing_of_it(llm):
+    """--enable-lora off: the runner has no slots, the step's weights and packed inputs are today's."""
+    from support.tiny_models import tiny_llm
+    plain = tiny_llm(skip_warmup=True).engine.core.runner
+    assert plain.lora is None and plain.step_params is plain.model.params
+    assert "lora_slot" not in {p.name for p in plain.variants.padding_inputs(8)[1]}
+    lora_runner = llm.engine.core.runner
+    assert "lora_slot" in {p.name for p in lora_runner.variants.padding_inputs(8)[1]}

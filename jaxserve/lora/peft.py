@@ -120,3 +120,26 @@ def read_adapter(path: str, cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter
                                f"do not fit the model's projection ({n_in} -> {n_out}) at rank {rank}")
         layers[layer][target] = (np.ascontiguousarray(ab["A"].T), np.ascontiguousarray(ab["B"].T) * scaling)
     return LoRAAdapter(path=path, rank=rank, scaling=scaling, layers=layers)
+
+
+def write_random_adapter(folder: str, cfg: ModelConfig, rank: int, *, seed: int = 0, alpha: float | None = None,
+                         targets: tuple[str, ...] = tuple(TARGETS), std: float = 0.02) -> str:
+    """A PEFT adapter folder of random weights for ``cfg`` (every layer, ``targets`` as PEFT names): what a
+    benchmark serves when it needs adapters of a model's shape and no trained ones. Returns ``folder``."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    rng, shapes = np.random.default_rng(seed), projection_shapes(cfg)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module in targets:
+            n_in, n_out = shapes[TARGETS[module]]
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, n_in)) * std).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((n_out, rank)) * std).astype(np.float32)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha or rank, "target_modules": list(targets),
+                   "bias": "none", "task_type": "CAUSAL_LM"}, f, indent=2)
+    return folder

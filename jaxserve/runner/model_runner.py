@@ -79,6 +79,14 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig, max_model_len: int, mesh=None):
         self.model, self.cfg, self.config, self.mesh = model, model.config, config, mesh
         self.block_size = config.cache.block_size
+        # LoRA adapters' device slots (``jaxserve.lora.slots``): beside the weights as the step's params["lora"];
+        # made before the KV cache is sized, which counts the device memory in use
+        self.lora = None
+        if config.lora.enable_lora:
+            from jaxserve.lora.slots import LoRASlots, check_supported  # noqa: PLC0415
+            check_supported(model, config)
+            self.lora = LoRASlots(model.config, model.params, config.lora.max_loras, config.lora.max_lora_rank,
+                                  model.dtype, mesh)
         # the longest sequence the KV cache holds: the model's, or less where it does not fit (kv_cache.fit)
         dtype = kv_cache.kv_dtype(config, model.params)
         self.num_blocks, max_model_len = kv_cache.fit(model.config, config, max_model_len, dtype, mesh)
@@ -109,13 +117,6 @@ class ModelRunner:
         if hasattr(model.family, "encode_images"):
             from jaxserve.runner.encoder_cache import EncoderCache  # noqa: PLC0415
             self.encoder = EncoderCache(model, sc.encoder_limits()[1], max_batch=8, mesh=mesh)
-        # LoRA adapters' device slots (``jaxserve.lora.slots``): beside the weights as the step's params["lora"]
-        self.lora = None
-        if config.lora.enable_lora:
-            from jaxserve.lora.slots import LoRASlots, check_supported  # noqa: PLC0415
-            check_supported(model, config)
-            self.lora = LoRASlots(model.config, model.params, config.lora.max_loras, config.lora.max_lora_rank,
-                                  model.dtype, mesh)
         self.variants = StepVariants(model, config, self.shapes, backend=self.backend, kv_caches=self.kv_caches,
                                      max_model_len=max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
                                      penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh,

@@ -185,10 +185,25 @@ def test_adapter_requests_queue_behind_one_waiting_for_a_slot(llm):
 
 
 def test_with_lora_off_the_step_carries_nothing_of_it(llm):
-    """--enable-lora off: the runner has no slots, the step's weights and packed inputs are today's."""
+    """--enable-lora off: the runner has no slots, the step's weights and packed inputs are today's; a request
+naming an adapter is refused."""
     from support.tiny_models import tiny_llm
-    plain = tiny_llm(skip_warmup=True).engine.core.runner
+    plain_llm = tiny_llm(skip_warmup=True)
+    plain = plain_llm.engine.core.runner
     assert plain.lora is None and plain.step_params is plain.model.params
     assert "lora_slot" not in {p.name for p in plain.variants.padding_inputs(8)[1]}
+    with pytest.raises(InvalidRequestError, match="start the engine with --enable-lora"):
+        plain_llm.generate([[5, 6]], greedy(), use_tqdm=False, lora_request=lora("attn-r8"))
     lora_runner = llm.engine.core.runner
     assert "lora_slot" in {p.name for p in lora_runner.variants.padding_inputs(8)[1]}
+
+
+def test_a_random_adapter_folder_reads_back(llm, tmp_path):
+    """``write_random_adapter`` (what a benchmark serves): a PEFT folder the engine reads and runs."""
+    from jaxserve.lora.peft import write_random_adapter
+    cfg = llm.engine.model_config
+    folder = write_random_adapter(str(tmp_path / "rand"), cfg, 8, seed=3, std=0.3)
+    a = read_adapter(folder, cfg, 16)
+    assert a.rank == 8 and a.targets == {"q", "k", "v", "o", "gate", "up", "down"}
+    out = run(llm, lora_golden()["prompts"][:1], LoRARequest("rand", 77, folder))
+    assert out != lora_golden()["base"][:1]

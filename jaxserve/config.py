@@ -191,6 +191,24 @@ class MultiModalConfig:
 
 
 @dataclass
+class LoRAConfig:
+    enable_lora: bool = option(
+        False, help="serve LoRA adapters over the base model (PEFT folders: --lora-modules, requests naming one, "
+                    "LLM.generate(lora_request=...)); off, the compiled step has no LoRA in it")
+    max_loras: int = option(1, help="adapters resident on the device at once (one batch may mix them all); a "
+                                    "request whose adapter finds no free slot waits for one")
+    max_lora_rank: int = option(16, help="largest adapter rank served (the device slots are this wide)")
+    max_cpu_loras: int | None = option(None, help="adapters kept read in host memory (default: --max-loras)")
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"--max-loras and --max-lora-rank must be positive, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras {self.max_loras}")
+
+
+@dataclass
 class ParallelConfig:
     tensor_parallel_size: int = option(1, help="devices each layer's weights are split over")
     distributed_coordinator: str | None = option(
@@ -345,6 +363,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
     parallel: ParallelConfig = section(ParallelConfig, "parallel")
     multimodal: MultiModalConfig = section(MultiModalConfig, "images")
+    lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
     # LLM(structured_outputs_config={...}) takes a dict too
     structured_outputs_config: StructuredOutputsConfig = option(
         default_factory=StructuredOutputsConfig, type=StructuredOutputsConfig.from_json,

@@ -48,6 +48,9 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_API_KEY": EnvVar(_text, None, "API key the server requires ('Authorization: Bearer KEY') when "
                                             "--api-key is not given"),
     "VLLM_API_KEY": EnvVar(_text, None, "read as JAXSERVE_API_KEY when that is unset (vLLM's name)"),
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(lambda raw: (raw or "").lower() in ("1", "true"), None,
+                                               "1 or true = with --enable-lora the server serves POST "
+                                               "/v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's)"),
     # engine
     "JAXSERVE_ENABLE_MULTIPROCESSING": EnvVar(_optional_flag, None,
                                               "1 = the engine core runs in its own process, 0 = in the front "

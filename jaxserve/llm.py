@@ -81,8 +81,11 @@ class LLM:
 
     # ---------------------------------------------------------------- generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """``priority`` (vLLM's): one per prompt, lower first, with ``scheduling_policy="priority"``."""
+                 use_tqdm: bool = True, lora_request=None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """``lora_request`` (vLLM's): a ``LoRARequest`` for every prompt, or a list with one per prompt (None:
+        the base model), with ``enable_lora=True``. ``priority`` (vLLM's): one per prompt, lower first, with
+        ``scheduling_policy="priority"``."""
         items = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -93,10 +96,14 @@ class LLM:
         priorities = [0] * len(items) if priority is None else list(priority)
         if len(priorities) != len(items):
             raise ValueError(f"{len(priorities)} priorities for {len(items)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(items)
+        if len(loras) != len(items):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(items)} prompts")
         eng = self.engine
         order: list[tuple[str, int]] = []        # (parent id, n)
         batch = []                               # every request, queued at once
-        for (text, ids, salt), params, prio, images in zip(items, params_list, priorities, _images(prompts)):
+        for (text, ids, salt), params, prio, images, lora in zip(items, params_list, priorities, _images(prompts),
+                                                                 loras):
             if ids is None:
                 ids = eng.images.encode(text, True) if images and eng.images.splits_placeholder else \
                     self.tokenizer.encode(text)
@@ -111,7 +118,7 @@ class LLM:
                     child.seed = params.seed + i
                 rid = f"{parent}" if params.n == 1 else f"{parent}_{i}"
                 batch.append(eng.make_request(rid, ids, child, prompt=text, priority=prio, cache_salt=salt,
-                                              mm_features=features))
+                                              mm_features=features, lora_request=lora))
         eng.add_requests(batch)
         finals = self._run(sum(n for _, n in order), use_tqdm)
         results = []

@@ -29,6 +29,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_embeddings
 from .engine_runs import ClientDisconnected
+from .lora_adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from .errors import APIError, error_response, exception_handler
 from .metrics import CONTENT_TYPE, arrival_middleware
 from .request_types import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -164,16 +165,22 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
     def model_card(name: str) -> ModelCard:
         return ModelCard(id=name, created=created, max_model_len=serving.max_model_len, root=serving.model_names[0])
 
+    def adapter_card(name: str) -> ModelCard:
+        lora = serving.loras.resolve(name)
+        return ModelCard(id=name, created=created, max_model_len=serving.max_model_len, root=lora.lora_path,
+                         parent=lora.base_model_name)
+
     @get("/v1/models")
     async def models() -> ModelList:
-        return ModelList([model_card(name) for name in serving.model_names])
+        return ModelList([model_card(name) for name in serving.model_names] +
+                         [adapter_card(name) for name in serving.loras.by_name])
 
     # `path`: served names are often "org/name"; OpenAI's retrieve-model route
     @get("/v1/models/{model_id:path}", responses=_errors(401, 404))
     async def retrieve_model(model_id: FromPath[str]) -> ModelCard:
         name = model_id.lstrip("/")
         check_model(serving, name)
-        return model_card(name)
+        return model_card(name) if name in serving.model_names else adapter_card(name)
 
     @get("/tokenizer_info", responses=_errors(401))
     async def tokenizer_info() -> Response:
@@ -186,6 +193,14 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
     @post("/detokenize", status_code=200, responses=_errors(400, 401, 404))
     async def detokenize(data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:
         return detokenize_tokens(serving, data)
+
+    @post("/v1/load_lora_adapter", status_code=200, media_type=MediaType.TEXT, responses=_errors(400, 401))
+    async def load_lora_adapter(data: JSONBody[LoadLoRAAdapterRequest]) -> str:
+        return await serving.loras.load(data.lora_name, data.lora_path)
+
+    @post("/v1/unload_lora_adapter", status_code=200, media_type=MediaType.TEXT, responses=_errors(400, 401, 404))
+    async def unload_lora_adapter(data: JSONBody[UnloadLoRAAdapterRequest]) -> str:
+        return serving.loras.unload(data.lora_name)
 
     # with --api-key the schema says so (a bearer scheme on every route but the open ones)
     auth = dict(security=[{}]) if args.api_key else {}
@@ -221,7 +236,8 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
     app = Litestar(
         route_handlers=[chat_completions, completions, embeddings, models, tokenize, detokenize, health, version,
                         metrics, metrics_head, retrieve_model,
-                        *([tokenizer_info] if args.enable_tokenizer_info_endpoint else [])],
+                        *([tokenizer_info] if args.enable_tokenizer_info_endpoint else []),
+                        *([load_lora_adapter, unload_lora_adapter] if serving.loras.runtime_updates else [])],
         exception_handlers={Exception: exception_handler, HTTPException: exception_handler},
         middleware=middleware,
         cors_config=cors,

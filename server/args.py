@@ -75,6 +75,10 @@ class ServerArgs:
         metavar="NAME")
     tool_parser_plugin: str | None = _tools(
         None, "a Python file whose @register_tool_parser classes become --tool-call-parser names", metavar="FILE")
+    lora_modules: list[str] | None = option(
+        None, nargs="+", metavar="NAME=PATH", group="LoRA adapters",
+        help="LoRA adapters served by name with --enable-lora: name=path, or vLLM's JSON form "
+             '\'{"name": "a", "path": "/p", "base_model_name": "m"}\' (requests name one as their model)')
     reasoning_parser: str | None = option(
         None, choices=tuple(REASONING_PARSERS), metavar="NAME", group="reasoning",
         help="split a thinking model's output at </think> into message.reasoning_content and content (chat, "

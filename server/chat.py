@@ -42,7 +42,8 @@ async def create_chat_completion(serving: Serving, req: ChatCompletionRequest, r
         raise bad_request("truncate_prompt_tokens cannot shorten a prompt with images (their token positions "
                           "would move): send fewer messages instead", "truncate_prompt_tokens")
     ids = kept
-    prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt, mm_features=features)
+    prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt, mm_features=features,
+                    lora_request=serving.loras.for_request(req))
     max_tokens = resolve_max_tokens(serving, len(ids), req.requested_max_tokens(), "messages")
     prompt.beam_search = beam_search_run(serving, req, max_tokens=max_tokens, logprobs=req.requested_logprobs(),
                                          tools=plan)

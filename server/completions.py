@@ -40,7 +40,8 @@ async def create_completion(serving: Serving, req: CompletionRequest, receive,
         kept = serving.prompts.truncate(ids, req.truncate_prompt_tokens)
         if len(kept) < len(ids):
             ids, text = kept, None          # echo renders the tokens the model saw
-        prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt)
+        prompt = Prompt(ids, text, priority=req.priority, cache_salt=req.cache_salt,
+                        lora_request=serving.loras.for_request(req))
         max_tokens = resolve_max_tokens(serving, len(ids), requested, "prompt")
         prompt.beam_search = beam_search_run(serving, req, max_tokens=max_tokens, logprobs=req.logprobs)
         if prompt.beam_search is not None:

@@ -79,14 +79,15 @@ class Prompt:
     priority: int = 0                   # the request's (--scheduling-policy priority)
     cache_salt: str | None = None       # the request's prefix-cache namespace
     mm_features: list | None = None     # its images, processed (multimodal.ImageFeature)
+    lora_request: Any = None            # the LoRA adapter its model names (jaxserve.lora.LoRARequest)
 
     def generate(self, engine: Any, c: Choice) -> AsyncIterator[Any]:
         """The engine's output stream of one of this prompt's choices."""
-        if self.mm_features:
-            return engine.generate(self.token_ids, c.params, c.request_id, prompt=self.text, priority=self.priority,
-                                   cache_salt=self.cache_salt, mm_features=self.mm_features)
+        extra = {"mm_features": self.mm_features} if self.mm_features else {}
+        if self.lora_request is not None:
+            extra["lora_request"] = self.lora_request
         return engine.generate(self.token_ids, c.params, c.request_id, prompt=self.text, priority=self.priority,
-                               cache_salt=self.cache_salt)
+                               cache_salt=self.cache_salt, **extra)
 
 
 class EngineRuns:

@@ -175,6 +175,11 @@ class _EngineStatsCollector:
                                      labels=["model_name", "num_gpu_blocks", "block_size"])
             info.add_metric([self.model_name, str(stats["num_kv_blocks"]), str(self.block_size)], 1.0)
             yield info
+        if "lora_running" in stats:       # vLLM's: the adapters of running and waiting requests, as labels
+            lora = GaugeMetricFamily(f"{self.prefix}lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora.add_metric([str(stats["max_loras"]), stats["lora_waiting"], stats["lora_running"]], time.time())
+            yield lora
 
 
     def _expert_load(self, stats: dict[str, Any]):

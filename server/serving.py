@@ -9,6 +9,7 @@ from jaxserve.config import StructuredOutputsLimits
 from .args import ServerArgs, resolve_tool_parser
 from .engine_runs import EngineRuns
 from .logprobs import TokenNames
+from .lora_adapters import LoRAAdapters
 from .metrics import ServerMetrics
 from .prompts import PromptRenderer
 from .reasoning import REASONING_PARSERS
@@ -38,3 +39,4 @@ class Serving:
         self.runs = EngineRuns(engine, args, self.metrics)
         self.token_names = TokenNames(self.tokenizer)
         self.ignored_fields_named: set[str] = set()        # each ignored request field is warned of once
+        self.loras = LoRAAdapters(engine, self.model_names, args.lora_modules)   # adapters served by name

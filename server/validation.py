@@ -19,7 +19,7 @@ log = logging.getLogger("jaxserve.server")
 
 
 def check_model(serving: Serving, name: str | None) -> None:
-    if name is not None and name not in serving.model_names:
+    if name is not None and name not in serving.model_names and serving.loras.resolve(name) is None:
         raise model_not_found(name)
 
 

@@ -180,7 +180,7 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str,
                        prompt: str | None = None, *, priority: int = 0, cache_salt: str | None = None,
-                       mm_features: list | None = None) -> AsyncIterator[RequestOutput]:
+                       mm_features: list | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"the engine died: {self._dead}")
         if not self._accepting:
@@ -190,7 +190,7 @@ class AsyncLLMEngine:
         # (never waits for a grammar here, on the event loop: the server awaited its verdict)
         req = self.engine.make_request(request_id, prompt_token_ids, sampling_params, prompt, time.time(),
                                        strict_length=True, priority=priority, cache_salt=cache_salt,
-                                       wait_for_grammar=False, mm_features=mm_features)
+                                       wait_for_grammar=False, mm_features=mm_features, lora_request=lora_request)
         self.check_admission(1)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream

@@ -21,6 +21,7 @@ from jaxserve.engine.core_outputs import apply_sampled_tokens
 from jaxserve.engine.embedder import Embedder, is_embedding_model
 from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.lora_manager import LoRAManager
 from jaxserve.engine.messages import EngineCoreOutput
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
@@ -28,6 +29,7 @@ from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import InvalidRequestError
 from jaxserve.executor.model_executor import ModelExecutor
+from jaxserve.lora.peft import AdapterError
 from jaxserve.runner.model_runner import resolve_attention_backend
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.utils import startup_timeline
@@ -102,7 +104,7 @@ class EngineCore:
         self._step_ms = 0.0                       # wall time inside step(), summed (host + device waits)
         self._images = [0, 0]                     # images in requests, requests with images (stats)
         self.multi_process = self.executor.multi_process
-        self.embedder = self.runner = self.scheduler = self.kv_manager = self.encoder_cache = None
+        self.embedder = self.runner = self.scheduler = self.kv_manager = self.encoder_cache = self.lora = None
         t0 = time.perf_counter()
         if is_embedding_model(self.model, config.task):
             if self.multi_process:
@@ -126,8 +128,13 @@ class EngineCore:
             if self.runner.encoder is not None:
                 self.encoder_cache = EncoderCacheManager(*config.scheduler.encoder_limits(),
                                                          whole_images=self.whole_images)
+            self.lora = None              # LoRA adapters' slots (--enable-lora)
+            if config.lora.enable_lora:
+                lc = config.lora
+                self.lora = LoRAManager(self.runner.write_lora_slot, self.model_config, lc.max_loras,
+                                        lc.max_lora_rank, lc.max_cpu_loras)
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len,
-                                       self.encoder_cache)
+                                       self.encoder_cache, self.lora)
             self.executor.warm_up(progress=progress)
             if self.multi_process:
                 # the processes follow the steps process 0 sends, and a step carries no bitmask
@@ -155,7 +162,7 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float, sampling_seed: int, *, priority: int = 0,
-                    cache_salt: str | None = None, mm_features: list | None = None) -> None:
+                    cache_salt: str | None = None, mm_features: list | None = None, lora_request=None) -> None:
         """Queue a request the front end validated (``LLMEngine.make_request``); ``params`` are its own
         copy. A constrained request whose grammar is not compiled yet waits apart (WAITING_FOR_FSM, no
         batch slot) until ``step`` finds it compiled. Raises InvalidRequestError if its id is in use."""
@@ -164,7 +171,9 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                       arrival_time=arrival_time, sampling_seed=sampling_seed, priority=priority,
-                      cache_salt=cache_salt, mm_features=mm_features)
+                      cache_salt=cache_salt, mm_features=mm_features, lora_request=lora_request)
+        if lora_request is not None:
+            self._check_lora(lora_request, params)
         if mm_features:
             self._images[0] += len(mm_features)
             self._images[1] += 1
@@ -176,6 +185,15 @@ class EngineCore:
             req.status = RequestStatus.WAITING_FOR_FSM
             return
         self.scheduler.add_request(req)
+
+    def _check_lora(self, lora_request, params: SamplingParams) -> None:
+        """The adapter can serve this request: LoRA is on and its folder reads (kept in the host cache)."""
+        if self.lora is None or params.prompt_logprobs is not None:    # (the front end refused these)
+            raise InvalidRequestError("LoRA is not enabled, or the request asks for prompt_logprobs", param="model")
+        try:
+            self.lora.read(lora_request)
+        except AdapterError as e:
+            raise InvalidRequestError(str(e), param="model") from None
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if self.scheduler is None:          # an embedding engine queues nothing
@@ -342,6 +360,9 @@ class EngineCore:
         if variants is not None:                # background compiles not done yet (the prompt scorer's too)
             s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0)
         s.update(self.structured_output.stats())
+        if self.lora is not None:       # vLLM's lora_requests_info labels
+            s.update(lora_running=self.lora.running_names(), max_loras=self.config.lora.max_loras,
+                     lora_waiting=self.lora.waiting_names(self.scheduler.waiting))
         if self.encoder_cache is not None:
             s.update(self.encoder_cache.stats(), encoder_seconds_total=self.runner.encoder.encode_ms / 1e3,
                      request_images_total=self._images[0], requests_with_images_total=self._images[1])

@@ -35,6 +35,12 @@ from jaxserve.utils import startup_imports, startup_timeline
 
 logger = logging.getLogger(__name__)
 
+
+def _lora_fields(lora) -> tuple[str, int, str] | None:
+    """A LoRARequest as the core message carries it."""
+    return None if lora is None else (lora.lora_name, lora.lora_int_id, lora.lora_path)
+
+
 DEATH_CHECK_S = 0.2          # how often a waiting reader checks that the core process is alive
 
 
@@ -56,7 +62,8 @@ class InprocClient:
             for req in reqs:
                 self.core.add_request(req.request_id, req.prompt_token_ids, req.sampling_params,
                                       req.arrival_time, req.sampling_seed, priority=req.priority,
-                                      cache_salt=req.cache_salt, mm_features=req.mm_features)
+                                      cache_salt=req.cache_salt, mm_features=req.mm_features,
+                                      lora_request=req.lora_request)
                 added.append(req.request_id)
         except BaseException:
             self.core.abort_requests(added)
@@ -174,7 +181,8 @@ class MPClient:
         """Send validated front-end Requests in one message: the core queues them all before its next step."""
         msgs = [m.EngineCoreRequest(req.request_id, req.prompt_token_ids, pickle.dumps(req.sampling_params),
                                     req.arrival_time, req.sampling_seed, req.priority, req.cache_salt,
-                                    pickle.dumps(req.mm_features) if req.mm_features else None)
+                                    pickle.dumps(req.mm_features) if req.mm_features else None,
+                                    _lora_fields(req.lora_request))
                 for req in reqs]
         self.send(msgs[0] if len(msgs) == 1 else m.AddRequests(msgs))
 

@@ -80,6 +80,8 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             # The salt joins the first block's hash, and through the chain every later block's.
             extra = req.cache_salt if i == 0 else None
+            if i == 0 and req.lora_request is not None:     # an adapter's K/V are its own
+                extra = (extra, "lora", req.lora_request.lora_int_id, req.lora_request.lora_path)
             if features is not None:
                 # a block's image tokens are one id: the images it overlaps (by content hash) tell it apart
                 images = tuple(f.hash for f in features if f.offset < (i + 1) * bs and f.offset + f.length > i * bs)

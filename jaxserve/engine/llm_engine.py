@@ -56,7 +56,7 @@ class EngineClient(Protocol):
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
                      strict_length: bool = False, priority: int = 0, cache_salt: str | None = None,
-                     wait_for_grammar: bool = True) -> Request: ...
+                     wait_for_grammar: bool = True, lora_request=None) -> Request: ...
     def add_requests(self, reqs: list[Request]) -> None: ...
     def abort_request(self, request_ids: str | list[str]) -> None: ...
     def step(self, timeout_s: float | None = None) -> list[RequestOutput]: ...
@@ -176,10 +176,20 @@ class RequestBuilder:
                                           f"{step_budget} (--max-num-batched-tokens); this model computes an "
                                           "image's tokens in one step", param="messages")
 
+    def validate_lora(self, lora_request, params: SamplingParams) -> None:
+        """A request may name an adapter only with LoRA on, and is then not scored (the prompt scorer runs the
+        base model). Its folder is checked where it is read (the engine core; the server when it registers)."""
+        if not self.facts.config.lora.enable_lora:
+            raise InvalidRequestError(f"the request names LoRA adapter {lora_request.lora_name!r}, but LoRA is not "
+                                      "enabled: start the engine with --enable-lora", param="model")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported with a LoRA adapter", param="prompt_logprobs")
+
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
                      strict_length: bool = False, priority: int = 0, cache_salt: str | None = None,
-                     wait_for_grammar: bool = True, mm_features: list | None = None) -> Request:
+                     wait_for_grammar: bool = True, mm_features: list | None = None,
+                     lora_request=None) -> Request:
         """Truncate the prompt as asked, validate (``validate``), and build the Request with its own copy of
         the parameters (which knows the model's eos ids: the sampler blocks them below min_tokens) and its
         sampling seed. ``priority``: its place under ``--scheduling-policy priority`` (lower first);
@@ -196,13 +206,15 @@ class RequestBuilder:
                       cache_salt=cache_salt, wait_for_grammar=wait_for_grammar)
         if mm_features:
             self.validate_images(mm_features, params)
+        if lora_request is not None:
+            self.validate_lora(lora_request, params)
         params = params.clone()
         params.update_from_generation_config({"eos_token_id": list(eos_token_ids)},
                                              eos_token_ids[0] if eos_token_ids else None)
         params.update_from_tokenizer(self.facts.tokenizer)              # bad_words as token sequences
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=eos_token_ids,
                       arrival_time=arrival_time or time.time(), prompt=prompt, priority=priority,
-                      cache_salt=cache_salt, mm_features=mm_features)
+                      cache_salt=cache_salt, mm_features=mm_features, lora_request=lora_request)
         req.sampling_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31 - 1))
         return req
 
@@ -302,12 +314,15 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prompt: str | None = None, arrival_time: float | None = None, *,
                      strict_length: bool = False, priority: int = 0, cache_salt: str | None = None,
-                     wait_for_grammar: bool = True, mm_features: list | None = None) -> Request:
+                     wait_for_grammar: bool = True, mm_features: list | None = None,
+                     lora_request=None) -> Request:
         """Validate a request and build its Request (``RequestBuilder.make_request``); queues nothing.
-        ``mm_features``: the prompt's images, processed (``multimodal.ImageProcessing.process``)."""
+        ``mm_features``: the prompt's images, processed (``multimodal.ImageProcessing.process``);
+        ``lora_request``: its adapter (``jaxserve.lora.LoRARequest``)."""
         return self.builder.make_request(request_id, prompt_token_ids, params, prompt, arrival_time,
                                          strict_length=strict_length, priority=priority, cache_salt=cache_salt,
-                                         wait_for_grammar=wait_for_grammar, mm_features=mm_features)
+                                         wait_for_grammar=wait_for_grammar, mm_features=mm_features,
+                                         lora_request=lora_request)
 
     # ---------------------------------------------------------------- images
     @functools.cached_property

@@ -28,6 +28,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True, gc=False):
     priority: int = 0
     cache_salt: str | None = None
     mm_features: bytes | None = None  # pickle of the prompt's ImageFeatures (pixel arrays included)
+    lora_request: tuple[str, int, str] | None = None   # its LoRA adapter: (name, id, path)
 
 
 class AddRequests(msgspec.Struct, array_like=True, tag=True, gc=False):

@@ -60,7 +60,7 @@ class Request:
         "cache_salt", "prompt", "max_tokens", "max_output_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
         "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_placeholders", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed", "uses_penalties",
-        "num_prompt_positions_scored", "defer_outputs", "mm_features",
+        "num_prompt_positions_scored", "defer_outputs", "mm_features", "lora_request", "lora_slot",
         # output state (the front end's; the core's sends prompt_logprobs and counts num_sent_tokens)
         "detokenizer", "cumulative_logprob", "logprobs", "prompt_logprobs", "num_sent_tokens", "num_sent_chars",
     )
@@ -77,6 +77,7 @@ class Request:
         sampling_seed: int | None = None,
         priority: int = 0,
         mm_features: list | None = None,
+        lora_request: Any = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -94,6 +95,10 @@ class Request:
         self.prompt = prompt
         # the prompt's images (multimodal.ImageFeature, in prompt order), None for a text prompt
         self.mm_features = mm_features or None
+        # its LoRA adapter (jaxserve.lora.LoRARequest; None: the base model) and the device slot that holds it
+        # while the request runs (0: none; the engine's LoRAManager sets it)
+        self.lora_request = lora_request
+        self.lora_slot = 0
         self.max_tokens: int | None = getattr(sampling_params, "max_tokens", None)
         # The output length at which the request is finished by length: max_tokens, and the room max_model_len
         # leaves (the scheduler lowers it to that when the request is queued).

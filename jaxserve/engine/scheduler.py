@@ -66,7 +66,7 @@ def _scores_prompt(req: Request) -> bool:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
-                 encoder_cache: EncoderCacheManager | None = None):
+                 encoder_cache: EncoderCacheManager | None = None, lora=None):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(f"block_size mismatch: cache config says {cache_config.block_size}, "
                              f"the KV cache manager has {kv_cache_manager.block_size}")
@@ -83,6 +83,8 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         # a vision model's encoder budget and cache (None: a text model; see encoder_cache_manager's NOTE)
         self.encoder_cache = encoder_cache
+        # LoRA: the adapter slots (engine.lora_manager.LoRAManager; None: LoRA off)
+        self.lora = lora
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -225,6 +227,7 @@ class Scheduler:
         # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone). (A request whose
         #    grammar is still compiling is not here yet: the engine core holds it apart, WAITING_FOR_FSM.)
         skipped: list[Request] = []
+        lora_blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             scores = self.num_scoring and _scores_prompt(req)
@@ -259,9 +262,19 @@ class Scheduler:
                     break
                 cost = self._cost(req, num_new) if scores else num_new
                 mm_requests = (mm_requests or []) + [req]     # (harmless if it does not run: nothing computed)
+            # no adapter slot: it waits, and so do the adapter requests behind it (FCFS: they would keep their
+            # adapters' slots pinned and it might never get one)
+            if req.lora_request is not None and (lora_blocked or not self.lora.acquire(req)):
+                lora_blocked = True
+                if encode is not None:
+                    enc.cancel(req, encode)
+                skipped.append(self.waiting.popleft())
+                continue
             if kv.allocate_slots(req, num_new, computed_blocks) is None:
                 if encode is not None:
                     enc.cancel(req, encode)
+                if req.lora_slot:
+                    self.lora.release(req)
                 break
             self.waiting.popleft()
             if req.num_preemptions == 0:
@@ -405,6 +418,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        if req.lora_slot:
+            self.lora.release(req)
         if req.mm_features is not None and self.encoder_cache is not None:
             self.encoder_cache.release_all(req)
         req.status = RequestStatus.PREEMPTED
@@ -503,6 +518,8 @@ class Scheduler:
         kv.free(req)
         if req.mm_features is not None and self.encoder_cache is not None:
             self.encoder_cache.release_all(req)
+        if req.lora_slot:
+            self.lora.release(req)
         del self.requests[req.request_id]
         if _scores_prompt(req):
             self.num_scoring -= 1

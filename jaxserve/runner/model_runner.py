@@ -79,6 +79,14 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig, max_model_len: int, mesh=None):
         self.model, self.cfg, self.config, self.mesh = model, model.config, config, mesh
         self.block_size = config.cache.block_size
+        # LoRA adapters' device slots (``jaxserve.lora.slots``): beside the weights as the step's params["lora"];
+        # made before the KV cache is sized, which counts the device memory in use
+        self.lora = None
+        if config.lora.enable_lora:
+            from jaxserve.lora.slots import LoRASlots, check_supported  # noqa: PLC0415
+            check_supported(model, config)
+            self.lora = LoRASlots(model.config, model.params, config.lora.max_loras, config.lora.max_lora_rank,
+                                  model.dtype, mesh)
         # the longest sequence the KV cache holds: the model's, or less where it does not fit (kv_cache.fit)
         dtype = kv_cache.kv_dtype(config, model.params)
         self.num_blocks, max_model_len = kv_cache.fit(model.config, config, max_model_len, dtype, mesh)
@@ -112,13 +120,24 @@ class ModelRunner:
         self.variants = StepVariants(model, config, self.shapes, backend=self.backend, kv_caches=self.kv_caches,
                                      max_model_len=max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
                                      penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh,
-                                     mm_slab=self.encoder.slab if self.encoder is not None else None)
+                                     mm_slab=self.encoder.slab if self.encoder is not None else None,
+                                     params=self.step_params)
         self.enforce_eager = self.variants.enforce_eager
         self._step_count = 0
         # an M-RoPE family's 3-D positions (None: the positions stay 1-D)
         self.mrope = getattr(model.family, "mrope_positions", None)
         # each request's block-table row and sampling parameters, kept across steps
         self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size)
+
+    @property
+    def step_params(self) -> dict:
+        """The forward's weights: the model's, with LoRA on the adapter slots beside them."""
+        params = self.model.params
+        return params if self.lora is None else {**params, "lora": self.lora.stacks}
+
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Put a read adapter (``jaxserve.lora.LoRAAdapter``; None: zeros) in device slot ``slot``."""
+        self.lora.write(slot, adapter)
 
     def bucket_for(self, num_tokens: int) -> int:
         return self.shapes.bucket_for(num_tokens)
@@ -154,16 +173,17 @@ class ModelRunner:
                                             engine_seed=self.config.seed)
         prev_tokens = prev.tokens if prev is not None else v.no_prev
         limit = step_inputs.step_limits(scheduled, R) if multi else None
-        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit)
+        lora = step_inputs.lora_slots(scheduled, T) if self.lora is not None else None
+        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit, lora)
         logits = load = None
         mm_index = self._encode_images(scheduled, T) if mm else None
         if mm_index is not None:
-            self.kv_caches, logits, *load = v.forward_mm_for(T)(self.model.params, self.kv_caches, f_ints,
+            self.kv_caches, logits, *load = v.forward_mm_for(T)(self.step_params, self.kv_caches, f_ints,
                                                                 prev_tokens, self.encoder.slab, mm_index)
             load = self._copy_load(load)
         elif limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
-            self.kv_caches, logits, *load = v.forward_for(T, md)(self.model.params, self.kv_caches, f_ints,
+            self.kv_caches, logits, *load = v.forward_for(T, md)(self.step_params, self.kv_caches, f_ints,
                                                                  prev_tokens)
             load = self._copy_load(load)
         s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))

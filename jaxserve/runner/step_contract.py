@@ -27,6 +27,7 @@ class StepRequest(Protocol):
     output_token_ids: list[int]
     sampling_params: SamplingParams
     sampling_seed: int | None        # folded into the request's PRNG key when its params carry no seed
+    lora_slot: int                   # the device slot of its LoRA adapter (0: none); read with LoRA on
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -166,14 +166,27 @@ def _mrope_rows(positions: np.ndarray, scheduled, counts: list[int], mrope: Call
     return out
 
 
-def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index, step_limit=None):
+def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index, step_limit=None,
+                 lora_slot=None):
     """The forward's host inputs as one int32 buffer and its (static) layout; ``step_limit`` [R] (each row's
-    iterations) for the multi-step decode loop."""
+    iterations) for the multi-step decode loop; ``lora_slot`` [T] (each token's adapter slot) with LoRA on."""
     extra = {} if step_limit is None else {"step_limit": step_limit}
+    if lora_slot is not None:
+        extra["lora_slot"] = lora_slot
     ints, _, layout = packing.pack({
         "input_ids": input_ids, "positions": positions, "logits_idx": logits_idx, "prev_index": prev_index,
         **extra, **packing.prefixed("md.", packing.fields(md))})
     return ints, layout
+
+
+def lora_slots(scheduled, T: int) -> np.ndarray:
+    """Each token's adapter slot ``[T]`` (0: the base model, and padding), from its request's ``lora_slot``."""
+    out = np.zeros(T, np.int32)
+    slots = [s.request.lora_slot for s in scheduled]
+    if any(slots):
+        n_tok = sum(s.num_new_tokens for s in scheduled)
+        out[:n_tok] = np.repeat(np.asarray(slots, np.int32), [s.num_new_tokens for s in scheduled])
+    return out
 
 
 def step_limits(scheduled, R: int) -> np.ndarray:

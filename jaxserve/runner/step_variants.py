@@ -54,6 +54,9 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
                mm_index=None, *, layout, decode_only=False, max_seq_len=None):
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
+    # LoRA on: the adapter slots ride beside the weights, each token's slot in the inputs
+    lora = {} if "lora" not in params else {"lora": (params["lora"], x["lora_slot"])}
+    params = {k: v for k, v in params.items() if k != "lora"} if lora else params
     md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
     input_ids, positions, logits_indices, prev_index = x["input_ids"], x["positions"], x["logits_idx"], \
         x["prev_index"]
@@ -63,12 +66,12 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
     # token rows (``mm_index``: [token rows, slab rows(, each token's attend limit)],
     # ``encoder_cache.EncoderCache.gather``; the third row: a family whose image tokens attend both ways)
-    mm = {} if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0]}
+    extra = lora if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0], **lora}
     if mm_index is not None and mm_index.shape[0] == 3:
         md = dataclasses.replace(md, attend_limit=mm_index[2])
     hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
-                                                              attn_backend=backend, **mm) if expert_load else \
-        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **mm), None)
+                                                              attn_backend=backend, **extra) if expert_load else \
+        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra), None)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
     return (kv_caches, logits, load) if expert_load else (kv_caches, logits)
@@ -88,7 +91,7 @@ class StepVariants(StepCompiler):
 
     def __init__(self, model, config: EngineConfig, shapes: StepShapes, *, backend: str, kv_caches,
                  max_model_len: int, max_blocks_per_seq: int, penalty_width: int, moe_layers, mesh=None,
-                 mm_slab=None):
+                 mm_slab=None, params=None):
         super().__init__(self.lower)
         self.cfg, self.shapes, self.mesh = model.config, shapes, mesh
         self.max_model_len, self.max_blocks_per_seq = max_model_len, max_blocks_per_seq
@@ -153,7 +156,9 @@ class StepVariants(StepCompiler):
         # what the executables are compiled for: shapes, dtypes and shardings only (a background compile must
         # not touch the cache buffers a step is donating meanwhile)
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
-        self._param_specs = jax.tree.map(spec, model.params)
+        # ``params``: the step's weights (the model's, and with LoRA the adapter slots beside them)
+        self._param_specs = jax.tree.map(spec, model.params if params is None else params)
+        self.lora = params is not None and "lora" in params
         self._kv_specs = jax.tree.map(spec, kv_caches)
         self._prev_spec = spec(self.no_prev)
         # the variants' exported programs (a warm start lowers them without tracing the model)
@@ -227,7 +232,8 @@ class StepVariants(StepCompiler):
         R = self.shapes.num_reqs_for(T)
         _, _, *x = step_inputs.padding(T, R, self.max_blocks_per_seq,
                                        mrope=self.mrope)
-        return step_inputs.forward_pack(*x, np.ones(R, np.int32) if multi_step else None)
+        return step_inputs.forward_pack(*x, np.ones(R, np.int32) if multi_step else None,
+                                        np.zeros(T, np.int32) if self.lora else None)
 
     def _sampler_layout(self, R: int, penalized: bool = False) -> packing.Layout:
         """The packed sampling metadata's layout for ``R`` rows: what every step without penalties ships

@@ -18,7 +18,7 @@ RANK = {
     "config": 1, "options": 1, "envs": 1, "errors": 1, "sampling_params": 1, "outputs": 1, "xla_flags": 1,
     "utils": 1, "multimodal": 1,
     "quantization": 2, "parallel": 2,
-    "models": 3,
+    "models": 3, "lora": 3,
     "runner": 4,
     "executor": 5,
     "engine": 6,

@@ -44,6 +44,7 @@ from jaxserve.kernels.metadata import PAD_SLOT, AttentionMetadata
 from jaxserve.parallel import attention as tp_attention
 
 from . import mla, moe
+from .lora import LoRABatch, lora_batch
 from .linear import linear, normed_input, row_parallel_linear, row_parallel_linear_add_rms_norm
 from .norms import NORMS, inv_rms
 from .rotary import Rotary
@@ -136,9 +137,10 @@ class DecoderLayer(nnx.Module):
     def _weights(self, names) -> dict:
         return {n: _w(getattr(self, n)) for n in names if hasattr(self, n)}
 
-    def attention(self, h: jax.Array, cos_sin, kv_cache, md: AttentionMetadata, backend: str):
+    def attention(self, h: jax.Array, cos_sin, kv_cache, md: AttentionMetadata, backend: str,
+                  lora: LoRABatch | None = None):
         """Self-attention of the normed input ``h [T, hidden]`` up to (not including) the o projection:
-        ``(attn [T, heads * head_dim], (k_cache, v_cache))``."""
+        ``(attn [T, heads * head_dim], (k_cache, v_cache))``; ``lora``: the step's adapters' q/k/v deltas."""
         cfg, spec = self.cfg, self.spec
         t, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rotary = spec.rotaries[spec.layer_rotary[self.index]]
@@ -148,6 +150,9 @@ class DecoderLayer(nnx.Module):
                                  md, sm_scale=spec.sm_scale, backend=backend)
         cos, sin = cos_sin[spec.layer_rotary[self.index]]
         q, k, v = linear(h, _w(self.q)), linear(h, _w(self.k)), linear(h, _w(self.v))
+        if lora is not None:
+            i = self.index
+            q, k, v = q + lora.delta(i, "q", h), k + lora.delta(i, "k", h), v + lora.delta(i, "v", h)
         if spec.attention_bias:
             q, k, v = q + _w(self.q_bias), k + _w(self.k_bias), v + _w(self.v_bias)
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
@@ -173,9 +178,11 @@ class DecoderLayer(nnx.Module):
         inv = inv_rms(jnp.concatenate([q, k], axis=1), eps)
         return self.norm(q, _w(self.q_norm), eps, inv[:, :hq]), self.norm(k, _w(self.k_norm), eps, inv[:, hq:])
 
-    def gated(self, h: jax.Array) -> jax.Array:
+    def gated(self, h: jax.Array, lora: LoRABatch | None = None) -> jax.Array:
         """The gated MLP up to (not including) the down projection: ``act(h @ gate) * (h @ up)``."""
         gate_up = linear(h, _w(self.gate_up))
+        if lora is not None:
+            gate_up = gate_up + lora.delta(self.index, "gate_up", h)
         return ACTIVATIONS[self.spec.activation](gate_up[:, 0]) * gate_up[:, 1]
 
     def moe_mlp(self, h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -198,9 +205,12 @@ class DecoderModel(nnx.Module):
             self.lm_head = _param((h, cfg.vocab_size), COLUMN)
 
     def __call__(self, kv_caches: list, input_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
-                 backend: str, mm_embeds: jax.Array | None = None, mm_rows: jax.Array | None = None):
+                 backend: str, mm_embeds: jax.Array | None = None, mm_rows: jax.Array | None = None,
+                 lora: tuple | None = None):
         spec, eps = self.spec, self.cfg.rms_norm_eps
         x = jnp.take(_w(self.embed), input_ids, axis=0)
+        # LoRA (the plain pre-norm block only: ``supports_lora``): (slot stacks, each token's slot)
+        lora = lora_batch(*lora, x.dtype) if lora is not None else None
         if spec.embed_scale is not None:
             x = x * jnp.asarray(spec.embed_scale, x.dtype)
         if mm_embeds is not None:       # image embeddings over their token rows (padding rows point past T)
@@ -213,7 +223,7 @@ class DecoderModel(nnx.Module):
         new_caches, routed = [], []
         with live_tokens(md.query_start_loc[-1]):     # int4 decode computes only the bucket's real rows
             for layer, next_norm, next_readers, kv_cache in zip(layers, next_norms, readers, kv_caches):
-                attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend)
+                attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend, lora)
                 new_caches.append(kv_cache)
                 if spec.parallel_block:
                     mlp = row_parallel_linear(layer.gated(h), _w(layer.down))
@@ -231,9 +241,15 @@ class DecoderModel(nnx.Module):
                     x = x + mlp
                     routed.append(ids)
                     h = self.norm(x, next_norm, eps)
-                else:
+                elif lora is None:
                     x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm), (_w(layer.gate_up),))
                     x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm, next_readers)
+                else:   # the row-parallel deltas join the residual, so the fused add + norm stays one call
+                    x, h = self._add_norm(attn, _w(layer.o), x + lora.delta(layer.index, "o", attn),
+                                          _w(layer.mlp_norm), (_w(layer.gate_up),))
+                    g = layer.gated(h, lora)
+                    x, h = self._add_norm(g, _w(layer.down), x + lora.delta(layer.index, "down", g), next_norm,
+                                          next_readers)
         # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
         return h, new_caches, moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
 
@@ -341,25 +357,32 @@ class DecoderFamily:
                                                spec.mla.qk_rope_head_dim),)
         return kernel_ops.kv_cache_shapes(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
 
+    def supports_lora(self, cfg: ModelConfig) -> bool:
+        """LoRA adapters apply to this family's models: the plain pre-norm block with q/k/v attention and a
+        dense gated MLP (Llama, Mistral, Qwen2/3)."""
+        spec = self.decoder_spec(cfg)
+        return not (spec.parallel_block or spec.sandwich_norms or spec.moe is not None or spec.mla is not None)
+
     def forward(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
                 md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference", mm_embeds=None,
-                mm_rows=None):
+                mm_rows=None, lora=None):
         """One ragged step: ``input_ids``/``positions`` ``[T]`` int32 → ``(hidden [T, hidden_size], kv_caches)``.
         ``mm_embeds [E, hidden]`` / ``mm_rows [E]``: image embeddings and the token rows they replace (a
-        multimodal step; rows ``>= T`` are padding)."""
+        multimodal step; rows ``>= T`` are padding). ``lora``: (the adapter slots' stacks, each token's slot
+        ``[T]``), ``jaxserve.lora.slots``."""
         hidden, kv_caches, _ = self.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
                                                              attn_backend=attn_backend, mm_embeds=mm_embeds,
-                                                             mm_rows=mm_rows)
+                                                             mm_rows=mm_rows, lora=lora)
         return hidden, kv_caches
 
     def forward_with_expert_load(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
                                  md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference",
-                                 mm_embeds=None, mm_rows=None):
+                                 mm_embeds=None, mm_rows=None, lora=None):
         """``forward`` and the tokens routed to each expert of each MoE layer ``[L_moe, E]`` int32 (None for a
         dense model): the engine's expert-load statistics, from the step itself."""
         graphdef, _ = self.abstract(cfg)
         model = nnx.merge(graphdef, _to_internal(params))
-        return model(kv_caches, input_ids, positions, md, attn_backend, mm_embeds, mm_rows)
+        return model(kv_caches, input_ids, positions, md, attn_backend, mm_embeds, mm_rows, lora)
 
     def compute_logits(self, params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
         """``hidden [N, hidden_size]`` → logits ``[N, vocab]`` in float32 (float32 accumulation)."""

@@ -161,6 +161,7 @@ def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None =
     auto_chunk, auto_splits = default_launch(m, k, n, group_size, num_sms())
     chunk = chunk_steps(m, group_size, chunk or auto_chunk)
     splits = int(splits or (auto_splits if chunk == auto_chunk else max(1, min(auto_splits, max_splits(k, chunk)))))
+    splits = min(splits, k // STEP_K)     # the kernel takes at most one K step per split
     partials = jax.ShapeDtypeStruct((splits * m * n if splits > 1 else 1,), jnp.float32)
     out, _ = jax.ffi.ffi_call(TARGET_INT4, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(
         x, packed, scales, zeros, group_size=np.int64(group_size), splits=np.int64(splits), chunk=np.int64(chunk),

@@ -63,8 +63,12 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
     # token rows (``mm_index``: [token rows, slab rows(, each token's attend limit)],
     # ``encoder_cache.EncoderCache.gather``; the third row: a family whose image tokens attend both ways)
-    mm = {} if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0]}
-    if mm_index is not None and mm_index.shape[0] == 3:
+    if getattr(family, "cross_attention", False):
+        # cross-attention (Mllama): the slab is the K/V pool, the index each token's [slot, keys, row on]
+        mm = {} if mm_slab is None else {"cross": (mm_slab, mm_index)}
+    else:
+        mm = {} if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0]}
+    if mm_index is not None and mm_index.shape[0] == 3 and "cross" not in mm:
         md = dataclasses.replace(md, attend_limit=mm_index[2])
     hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
                                                               attn_backend=backend, **mm) if expert_load else \

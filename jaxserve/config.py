@@ -135,6 +135,11 @@ class SchedulerConfig:
     encoder_cache_size: int | None = option(
         None, help="image tokens whose encoder outputs stay on the device until their prompts are prefilled "
                    "(and for later requests with the same image; default: the encoder budget)")
+    cross_attention_slots: int | None = option(
+        None, help="images whose cross-attention keys and values stay on the device, for models that attend to "
+                   "an image through cross-attention layers (Llama 3.2 Vision): one slot per image, held until "
+                   "its requests finish; a request with an image waits for a free slot (default: "
+                   "--max-num-seqs, at most 8)")
 
     def encoder_limits(self) -> tuple[int, int]:
         """(image tokens encoded per step, image tokens cached) of a resolved config."""

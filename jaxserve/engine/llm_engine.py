@@ -118,11 +118,11 @@ class RequestBuilder:
                 "not text generation", param="model")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < facts.model_config.vocab_size]
+        # (Mllama's <|image|> is an input embedding past the output vocabulary)
+        vocab = facts.model_config.extra_dict.get("input_vocab_size") or facts.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (size {facts.model_config.vocab_size})",
-                param="prompt")
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="prompt")
         validate_prompt_length(len(prompt_token_ids), params.max_tokens if strict_length else None,
                                facts.max_model_len)
         sched = facts.config.scheduler
@@ -245,6 +245,10 @@ class MultiModalInputs:
         if n > self.limit:
             raise InvalidRequestError(f"the prompt has {n} images, more than the limit of {self.limit} "
                                       "(--limit-mm-per-prompt)", param="messages")
+        most = self.facts.model_config.extra_dict.get("max_images_per_prompt")
+        if most is not None and n > most:
+            raise InvalidRequestError(f"the prompt has {n} images, but {self.facts.model_config.architecture} "
+                                      f"takes at most {most} image per prompt", param="messages")
 
     def load(self, url: str) -> Any:
         return load_image_url(url, self.media)

@@ -91,7 +91,8 @@ def read_hf(hf: dict, fields: dict) -> dict:
     fields = dict(fields, num_layers=fields["num_layers"] - len(facts["cross_attention_layers"]))
     fields["extra"] = dict(fields["extra"]) | facts | {
         "image_processor": processor, "image_token": IMAGE_TOKEN, "image_tokens_per_image": 1,
-        "max_images_per_prompt": 1, "num_hidden_layers": int(hf["num_hidden_layers"])}
+        "max_images_per_prompt": 1, "num_hidden_layers": int(hf["num_hidden_layers"]),
+        "input_vocab_size": fields["vocab_size"] + EXTRA_EMBEDDINGS}
     return fields
 
 

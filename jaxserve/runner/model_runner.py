@@ -106,7 +106,15 @@ class ModelRunner:
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
         # a vision model: the encoder step and its cache (``encoder_cache``)
         self.encoder = None
-        if hasattr(model.family, "encode_images"):
+        # a cross-attention family (Mllama): every step with an image request reads its slot of the cache
+        self.cross_attention = getattr(model.family, "cross_attention", False)
+        if self.cross_attention:
+            from jaxserve.runner.cross_attention_cache import DEFAULT_SLOTS, CrossAttentionCache  # noqa: PLC0415
+            if sc.num_scheduler_steps > 1:
+                raise ValueError("--num-scheduler-steps > 1 is not supported for cross-attention models")
+            self.encoder = CrossAttentionCache(model, sc.cross_attention_slots or min(sc.max_num_seqs, DEFAULT_SLOTS),
+                                               max_batch=8, mesh=mesh)
+        elif hasattr(model.family, "encode_images"):
             from jaxserve.runner.encoder_cache import EncoderCache  # noqa: PLC0415
             self.encoder = EncoderCache(model, sc.encoder_limits()[1], max_batch=8, mesh=mesh)
         self.variants = StepVariants(model, config, self.shapes, backend=self.backend, kv_caches=self.kv_caches,
@@ -156,7 +164,7 @@ class ModelRunner:
         limit = step_inputs.step_limits(scheduled, R) if multi else None
         f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit)
         logits = load = None
-        mm_index = self._encode_images(scheduled, T) if mm else None
+        mm_index = self._encode_images(scheduled, T) if mm or self.cross_attention else None
         if mm_index is not None:
             self.kv_caches, logits, *load = v.forward_mm_for(T)(self.model.params, self.kv_caches, f_ints,
                                                                 prev_tokens, self.encoder.slab, mm_index)

@@ -1,0 +1,53 @@
+"""Llama 3.2 Vision through the real server (`jaxserve serve` of the tiny checkpoint, CPU) with the openai SDK:
+HF's greedy continuation for chat requests with data-URL images (one image, an earlier turn's image) and text
+only; two images in one prompt (more than the model takes) a 400 naming it while the server keeps answering."""
+from __future__ import annotations
+
+import os
+
+import httpx
+import openai
+import pytest
+
+from support.api_errors import api_error
+from support.server_process import ROOT, ServerProcess
+from support.vision import GREEDY
+from test_mllama import CASES, FOLDER, VISION
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(FOLDER, "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
+                        "--max-num-batched-tokens", "64", "--served-model-name", "mllama",
+                        "--limit-mm-per-prompt", '{"image": 2}',
+                        "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["one_image", "one_image_other", "two_turns", "text_only"])
+def test_sdk_chat_with_data_urls_matches_hf(client, name):
+    from transformers import AutoTokenizer
+    r = client.chat.completions.create(model="mllama", messages=VISION.openai_messages(CASES[name]),
+                                       max_tokens=GREEDY, temperature=0, extra_body={"ignore_eos": True})
+    want = AutoTokenizer.from_pretrained(FOLDER).decode(CASES[name]["greedy_ids"], skip_special_tokens=True)
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(CASES[name]["prompt_ids"])
+
+
+def test_two_images_are_a_400_naming_the_limit(server):
+    url = VISION.data_url("wide.png")
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}] * 2 +
+             [{"type": "text", "text": "Compare."}]}]
+    with httpx.Client(base_url=server.url, timeout=300) as http:
+        err = api_error(http.post("/v1/chat/completions", json={"model": "mllama", "messages": msgs,
+                                                                "max_tokens": 4}), 400)
+        assert "at most 1 image per prompt" in err["message"], err
+        ok = http.post("/v1/chat/completions", json={"model": "mllama", "max_tokens": 2,
+                                                     "messages": VISION.openai_messages(CASES["one_image"])})
+        assert ok.status_code == 200

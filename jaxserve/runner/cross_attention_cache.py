@@ -5,7 +5,8 @@ of a request with that image until the request finishes.
 The pool is two arrays (K, V) ``[cross layers, slots + 1, keys per image, kv_heads, head_dim]`` (the last slot a
 scratch that padding images write), allocated once: ``--cross-attention-slots`` slots (default: ``max_num_seqs``,
 at most ``DEFAULT_SLOTS``); one slot holds ``max_num_tiles * num_patches`` keys of each cross layer (Llama 3.2
-11B: 8 layers x 4,100 keys x 8 heads x 128, K and V, in bf16: 134 MiB a slot). Slots are keyed by the image's
+11B: 8 layers x 6,404 keys x 8 heads x 128, K and V, in bf16: 200 MiB a slot). The runner allocates it
+before the paged KV cache, which is then sized from the device memory left. Slots are keyed by the image's
 content hash: two requests with one image share its slot. The engine's ``EncoderCacheManager`` (``whole_request``:
 an image is held from the request's first step to its end, one slot per image) decides what is kept and
 evicted with the same capacity, so a request with an image waits in the queue until a slot is free, and

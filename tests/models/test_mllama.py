@@ -54,9 +54,7 @@ def test_logits_match_hf():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_matches_hf(llm, name):
-    out = run_case(llm, CASES[name])
-    assert out.prompt_token_ids == CASES[name]["prompt_ids"]
-    assert list(out.outputs[0].token_ids) == CASES[name]["greedy_ids"]
+    VISION.check_greedy(llm, name)
 
 
 def test_batched_with_text_only_requests(llm):
@@ -67,12 +65,9 @@ def test_batched_with_text_only_requests(llm):
 
 
 def test_image_requests_compile_nothing_after_the_warm_up(llm):
-    runner = llm.engine.core.runner
-    assert llm.wait_compiled(timeout=600)
-    before = (runner.compiled_variants(), runner.encoder._step._cache_size())
-    for name in ("one_image", "text_around", "text_only"):
-        run_case(llm, CASES[name])
-    assert (runner.compiled_variants(), runner.encoder._step._cache_size()) == before
+    """The image step variants compile in the background and the encoder's batches at start-up: once they
+    are done, image and text requests run without compiling."""
+    VISION.check_no_compiles_after_warmup(llm, ("one_image", "text_around", "text_only"))
 
 
 def test_more_images_than_supported_is_a_400(llm):

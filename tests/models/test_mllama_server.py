@@ -11,7 +11,6 @@ import pytest
 
 from support.api_errors import api_error
 from support.server_process import ROOT, ServerProcess
-from support.vision import GREEDY
 from test_mllama import CASES, FOLDER, VISION
 
 
@@ -32,12 +31,7 @@ def client(server):
 
 @pytest.mark.parametrize("name", ["one_image", "one_image_other", "two_turns", "text_only"])
 def test_sdk_chat_with_data_urls_matches_hf(client, name):
-    from transformers import AutoTokenizer
-    r = client.chat.completions.create(model="mllama", messages=VISION.openai_messages(CASES[name]),
-                                       max_tokens=GREEDY, temperature=0, extra_body={"ignore_eos": True})
-    want = AutoTokenizer.from_pretrained(FOLDER).decode(CASES[name]["greedy_ids"], skip_special_tokens=True)
-    assert r.choices[0].message.content == want
-    assert r.usage.prompt_tokens == len(CASES[name]["prompt_ids"])
+    VISION.check_sdk_chat(client, "mllama", name)
 
 
 def test_two_images_are_a_400_naming_the_limit(server):

@@ -113,6 +113,34 @@ def test_requests_wait_for_a_cross_attention_slot():
     engine.shutdown()
 
 
+def test_text_only_steps_run_the_text_program(llm, monkeypatch):
+    """A text request to the model costs what it costs a text model: its steps never take the image variant
+    (its cross layers are skipped); an image request's steps, decodes included, all do."""
+    runner = llm.engine.core.runner
+    calls = []
+    real = runner.variants.forward_mm_for
+    monkeypatch.setattr(runner.variants, "forward_mm_for", lambda T: calls.append(T) or real(T))
+    VISION.check_greedy(llm, "text_only")
+    assert calls == []
+    VISION.check_greedy(llm, "raw_placeholder")
+    assert len(calls) >= GREEDY
+
+
+def test_encoder_cache_manager_holds_an_image_for_the_whole_request():
+    from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
+    from jaxserve.engine.request import Request
+    from jaxserve.multimodal.inputs import ImageFeature
+    enc = EncoderCacheManager(budget=1, capacity=1, whole_request=True)
+    a, b = ImageFeature("a", 9, 1, np.zeros(1)), ImageFeature("b", 9, 1, np.zeros(1))
+    r1, r2 = Request("1", [0] * 30, None, mm_features=[a]), Request("2", [0] * 30, None, mm_features=[b])
+    assert enc.schedule(r1, 0, 4, 1)[:2] == (4, [a])        # encoded before the chunk that ends before it
+    r1.num_computed_tokens = 30
+    enc.release_computed(r1)                                  # still held: decodes read it
+    assert enc.schedule(r2, 0, 16, 1)[:2] == (0, [])          # no free slot: the request waits
+    enc.release_all(r1)                                       # finished
+    assert enc.schedule(r2, 20, 8, 1)[:2] == (8, [b]) and enc.take_freed() == ["a"]   # a prefix hit past it
+
+
 # ------------------------------------------------------------------------------- tensor parallelism
 TP_CASES = ("one_image", "text_around", "raw_placeholder")
 

@@ -149,6 +149,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.cross_attention_slots is not None and self.cross_attention_slots < 1:
+            raise ValueError(f"--cross-attention-slots must be >= 1, got {self.cross_attention_slots}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
 

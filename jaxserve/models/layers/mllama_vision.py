@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
-from .vision import VISION_ACTIVATIONS, _attend, _fc_mlp, layer_norm
+from .vision import _attend, _fc_mlp, layer_norm
 
 EDGE_NORM_EPS = 1e-5                 # layernorm_pre / layernorm_post: torch's LayerNorm default
 
@@ -189,5 +189,3 @@ def _layer_names(prefix: str, gated: bool) -> dict:
         names |= {"gate_attn": ("same", "gate_attn"), "gate_ffn": ("same", "gate_ffn")}
     return {k: (build, [prefix + v]) for k, (build, v) in names.items()}
 
-
-__all__ = ["MllamaVisionSpec", "MllamaVisionTower", "tower_weight_plan", "VISION_ACTIVATIONS"]

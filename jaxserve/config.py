@@ -141,6 +141,11 @@ class SchedulerConfig:
                    "its requests finish; a request with an image waits for a free slot (default: "
                    "--max-num-seqs, at most 8)")
 
+    def cross_attention_slot_count(self) -> int:
+        """The cross-attention cache's slots of a resolved config: ``--cross-attention-slots``, else
+        ``max_num_seqs`` up to 8."""
+        return self.cross_attention_slots or min(self.max_num_seqs, 8)
+
     def encoder_limits(self) -> tuple[int, int]:
         """(image tokens encoded per step, image tokens cached) of a resolved config."""
         budget = self.max_num_encoder_input_tokens or self.max_num_batched_tokens

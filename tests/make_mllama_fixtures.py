@@ -46,6 +46,15 @@ def cases() -> list[dict]:
         chat["two_turns"],
         {"name": "raw_placeholder", "raw": "<|image|><|begin_of_text|>A photo of", "images": ["square.png"]},
         chat["text_only"],
+        chat["two_images"],
+        # consecutive images: HF gives both the text after them
+        {"name": "two_images_together", "messages": [{"role": "user", "content": [
+            {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare them."}]}],
+         "images": ["wide.png", "square.png"]},
+        # one image twice: one cross-attention slot, its keys counted twice where both are seen
+        {"name": "same_image_twice", "messages": [{"role": "user", "content": [
+            {"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same?"}]}],
+         "images": ["tall.png", "tall.png"]},
     ]
 
 

@@ -216,8 +216,10 @@ class MultiModalInputs:
         mm = facts.config.multimodal
         self.facts = facts
         self.limit = int(mm.limit_mm_per_prompt.get("image", DEFAULT_IMAGE_LIMIT)) if facts.is_multimodal else 0
-        # what the model itself takes (Mllama: one image a prompt), whatever the flag allows
+        # what the model itself takes (Mllama: its index's images, each a cross-attention slot), whatever the flag
         self.model_limit = facts.model_config.extra_dict.get("max_images_per_prompt") if facts.is_multimodal else None
+        if self.model_limit is not None:
+            self.model_limit = min(self.model_limit, facts.config.scheduler.cross_attention_slot_count())
         self.media = MediaLimits(max_pixels=mm.max_image_pixels, fetch_timeout_s=mm.media_fetch_timeout,
                                  allowed_domains=tuple(d.lower() for d in mm.allowed_media_domains)
                                  if mm.allowed_media_domains else None,
@@ -249,7 +251,8 @@ class MultiModalInputs:
                                       "(--limit-mm-per-prompt)", param="messages")
         if self.model_limit is not None and n > self.model_limit:
             raise InvalidRequestError(f"the prompt has {n} images, but {self.facts.model_config.architecture} "
-                                      f"takes at most {self.model_limit} image per prompt", param="messages")
+                                      f"takes at most {self.model_limit} per prompt (its images' cross-attention "
+                                      "keys; --cross-attention-slots)", param="messages")
 
     def load(self, url: str) -> Any:
         return load_image_url(url, self.media)

@@ -11,12 +11,14 @@ have paged K/V (``ModelConfig.num_layers`` counts those; ``extra["cross_attentio
 
 A cross layer, per token (HF's ``MllamaCrossAttentionDecoderLayer`` with its masks):
 ``x += tanh(attn_gate) * o(attend(q_norm(q(norm(x))), K, V))``, then
-``x += tanh(mlp_gate) * row_on * mlp(norm(x))``. The step gives each token ``[slot, visible keys, row_on]``
-(``cross_index``): a token at or after its prompt's image sees the real tiles' keys (``num_tiles *
-num_patches``) and ``row_on = 1``; a token before it is HF's fully masked row: its mask is zeroed, so it sees
-every key, padding tiles included, and only its MLP is dropped (``row_on = 0``); a request without an image
-(``slot = -1``) skips the layer, as HF skips cross layers without cross-attention states. A step with no
-image request runs the plain forward: the cross layers cost nothing there.
+``x += tanh(mlp_gate) * row_on * mlp(norm(x))``. The step gives each token a mode and, per image of its
+prompt, the image's slot and the keys it sees (``cross_index_rows``; ``runner.cross_attention_cache.gather``):
+a token from an image's placeholder on sees the real tiles' keys (``num_tiles * num_patches``) of that image
+(and of the images right after it: HF's consecutive images share the text after them), until the next
+image's placeholder (mode 1); a token before the first image is HF's fully masked row: its mask is zeroed, so
+it sees every key of every image, padding tiles included, and only its MLP is dropped (mode 0); a request
+without an image (mode -1) skips the layer, as HF skips cross layers without cross-attention states. A step
+with no image request runs the plain forward: the cross layers cost nothing there.
 
 Config: ``config.json`` wraps a ``text_config`` (``mllama_text_model``) and a ``vision_config``
 (``mllama_vision_model``) with ``image_token_index``; checkpoint names: the text model's under
@@ -46,6 +48,7 @@ MODEL_TYPES = {"mllama": "MllamaForConditionalGeneration"}
 WRAPPER_FIELDS = ("architectures", "torch_dtype", "dtype")
 IMAGE_TOKEN = "<|image|>"
 EXTRA_EMBEDDINGS = 8                 # embed_tokens rows past the vocab (<|image|> is the first)
+MAX_IMAGES = 4                       # images a prompt may hold (the step's cross-attention index has a row pair each)
 VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_global_layers", "attention_heads",
                "image_size", "patch_size", "max_num_tiles", "supported_aspect_ratios", "intermediate_layers_indices",
                "num_channels", "norm_eps", "hidden_act", "vision_output_dim")
@@ -91,7 +94,7 @@ def read_hf(hf: dict, fields: dict) -> dict:
     fields = dict(fields, num_layers=fields["num_layers"] - len(facts["cross_attention_layers"]))
     fields["extra"] = dict(fields["extra"]) | facts | {
         "image_processor": processor, "image_token": IMAGE_TOKEN, "image_tokens_per_image": 1,
-        "max_images_per_prompt": 1, "num_hidden_layers": int(hf["num_hidden_layers"]),
+        "max_images_per_prompt": MAX_IMAGES, "num_hidden_layers": int(hf["num_hidden_layers"]),
         "input_vocab_size": fields["vocab_size"] + EXTRA_EMBEDDINGS}
     return fields
 
@@ -122,22 +125,41 @@ def layer_order(cfg: ModelConfig) -> tuple[bool, ...]:
     return tuple(i in cross for i in range(cfg.extra_dict["num_hidden_layers"]))
 
 
-def cross_attend(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, index: jax.Array) -> jax.Array:
-    """Each token's attention over its slot's keys: ``q [T, hq, d]``, pools ``[slots, N, kvh, d]``, ``index
-    [3, T]`` (slot, visible keys, _) → ``[T, hq, d]``; a row without a slot gets zeros. One slot at a time,
-    so the scores stay ``[T, hq, N]`` whatever the pool's size."""
-    t, hq, d = q.shape
-    slots, n, hkv, _ = k_pool.shape
-    qg = q.reshape(t, hkv, hq // hkv, d)
-    visible = jnp.arange(n)[None, :] < index[1][:, None]                      # [T, N]
+def cross_index_rows(cfg: ModelConfig) -> int:
+    """Rows of a step's cross-attention index: the mode, then per image of a prompt its slot and keys seen."""
+    return 1 + 2 * int(cfg.extra_dict["max_images_per_prompt"])
 
-    def one(s, out):
+
+def cross_attend(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slots: jax.Array,
+                 visible: jax.Array) -> jax.Array:
+    """Each token's attention over the keys of its images: ``q [T, hq, d]``, pools ``[slots + 1, N, kvh, d]``
+    (the last a scratch slot), ``slots`` / ``visible`` ``[images, T]`` (each image's slot, and how many of its
+    keys the token sees: 0 none) → ``[T, hq, d]`` (zeros for a row that sees none). One slot at a time with
+    an online softmax, so the scores stay ``[T, hq, N]`` whatever the pool's size; an image a prompt holds
+    twice counts twice (its keys' weights doubled, as HF's concatenated states have them)."""
+    t, hq, d = q.shape
+    n, hkv = k_pool.shape[1], k_pool.shape[2]
+    qg = q.reshape(t, hkv, hq // hkv, d)
+    pos = jnp.arange(n)
+
+    def one(s, carry):
+        m, total, acc = carry
+        match = (slots == s) & (visible > 0)
+        seen = jnp.max(jnp.where(match, visible, 0), axis=0)                              # [T]
+        copies = jnp.maximum(match.sum(axis=0), 1).astype(jnp.float32)
         scores = jnp.einsum("tkgd,nkd->tkgn", qg, k_pool[s], preferred_element_type=jnp.float32) * d ** -0.5
-        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        attn = jnp.einsum("tkgn,nkd->tkgd", probs, v_pool[s]).reshape(t, hq, d)
-        return jnp.where((index[0] == s)[:, None, None], attn, out)
-    return jax.lax.fori_loop(0, slots, one, jnp.zeros_like(q))
+        scores = jnp.where((pos[None, :] < seen[:, None])[:, None, None], scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(scores - base[..., None]) * copies[:, None, None, None]
+        scale = jnp.exp(m - base)
+        acc = acc * scale[..., None] + jnp.einsum("tkgn,nkd->tkgd", p, v_pool[s].astype(jnp.float32))
+        return m_new, total * scale + p.sum(axis=-1), acc
+    shape = (t, hkv, hq // hkv)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, d), jnp.float32))
+    _, total, acc = jax.lax.fori_loop(0, k_pool.shape[0] - 1, one, init)
+    return (acc / jnp.where(total > 0, total, 1.0)[..., None]).reshape(t, hq, d).astype(q.dtype)
 
 
 class CrossAttentionLayer(nnx.Module):
@@ -168,13 +190,15 @@ class CrossAttentionLayer(nnx.Module):
         eps, t = cfg.rms_norm_eps, x.shape[0]
         h = rms_norm(x, _w(self.attn_norm), eps)
         q = rms_norm((h @ _w(self.q)).reshape(t, cfg.num_heads, cfg.head_dim), _w(self.q_norm), eps)
-        attn = row_parallel_linear(cross_attend(q, k_pool, v_pool, index).reshape(t, -1), _w(self.o))
+        m = (index.shape[0] - 1) // 2
+        attn = cross_attend(q, k_pool, v_pool, index[1:1 + m], index[1 + m:])
+        attn = row_parallel_linear(attn.reshape(t, -1), _w(self.o))
         active = (index[0] >= 0)[:, None]
         x = jnp.where(active, x + jnp.tanh(_w(self.attn_gate)).astype(x.dtype) * attn, x)
         h = rms_norm(x, _w(self.mlp_norm), eps)
         gate_up = linear(h, _w(self.gate_up))
         mlp = row_parallel_linear(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], _w(self.down))
-        mlp = mlp * index[2][:, None].astype(mlp.dtype)
+        mlp = mlp * (index[0] == 1)[:, None].astype(mlp.dtype)
         return jnp.where(active, x + jnp.tanh(_w(self.mlp_gate)).astype(x.dtype) * mlp, x)
 
 
@@ -252,6 +276,9 @@ class MllamaFamily(DecoderFamily):
         """(cross layers, keys per image, kv heads, head dim): one slot of the cross-attention cache."""
         return sum(layer_order(cfg)), vision_spec(cfg).tokens_per_image, cfg.num_kv_heads, cfg.head_dim
 
+    def cross_index_rows(self, cfg: ModelConfig) -> int:
+        return cross_index_rows(cfg)
+
     def encode_cross_kv(self, params: dict, pixel_values, ar_ids, ar_mask, cfg: ModelConfig):
         graphdef, _ = self.abstract(cfg)
         return nnx.merge(graphdef, _to_internal(params)).encode_cross_kv(pixel_values, ar_ids, ar_mask)
@@ -259,7 +286,8 @@ class MllamaFamily(DecoderFamily):
     def forward_with_expert_load(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
                                  md, cfg: ModelConfig, *, attn_backend: str = "reference", mm_embeds=None,
                                  mm_rows=None, cross=None):
-        """The step; ``cross``: ``((K pool, V pool), index [3, T])`` when some request of it has an image."""
+        """The step; ``cross``: ``((K pool, V pool), index [cross_index_rows, T])`` when some request of it
+        has an image."""
         graphdef, _ = self.abstract(cfg)
         return nnx.merge(graphdef, _to_internal(params))(kv_caches, input_ids, positions, md, attn_backend, cross)
 

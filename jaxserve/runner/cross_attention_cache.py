@@ -4,7 +4,7 @@ of a request with that image until the request finishes.
 
 The pool is two arrays (K, V) ``[cross layers, slots + 1, keys per image, kv_heads, head_dim]`` (the last slot a
 scratch that padding images write), allocated once: ``--cross-attention-slots`` slots (default: ``max_num_seqs``,
-at most ``DEFAULT_SLOTS``); one slot holds ``max_num_tiles * num_patches`` keys of each cross layer (Llama 3.2
+at most 8); one slot holds ``max_num_tiles * num_patches`` keys of each cross layer (Llama 3.2
 11B: 8 layers x 6,404 keys x 8 heads x 128, K and V, in bf16: 200 MiB a slot). The runner allocates it
 before the paged KV cache, which is then sized from the device memory left. Slots are keyed by the image's
 content hash: two requests with one image share its slot. The engine's ``EncoderCacheManager`` (``whole_request``:
@@ -14,10 +14,12 @@ evicted hashes come back through ``free``.
 
 ``encode(features)`` runs the tower and each cross layer's k/v projections over the step's new images,
 batched in powers of two, and writes their slots in the same jitted call (the pool is donated).
-``gather(scheduled, T)`` gives a step with any image request its ``[3, T]`` index: per token row its slot
-(-1: a request without an image, whose rows skip the cross layers), the keys it sees (the image's real
-tiles from its image token on; every key before it, HF's fully masked rows) and whether its cross MLP
-counts (1 from the image token on). A step without image requests gets None: the plain forward.
+``gather(scheduled, T)`` gives a step with any image request its index ``[1 + 2 * max images, T]``: per
+token row its mode (-1: a request without an image, whose rows skip the cross layers; 0: before the
+prompt's first image, HF's fully masked row, which sees every key of every image and drops its cross MLP;
+1: after an image), then each image's slot and the keys of it the token sees (HF's ``cross_attention_mask``:
+the image's real tiles from its placeholder to the next image's, consecutive images sharing the text after
+them, decode tokens as the prompt's last). A step without image requests gets None: the plain forward.
 """
 from __future__ import annotations
 
@@ -30,9 +32,6 @@ import numpy as np
 
 from jaxserve.runner.encoder_cache import _pow2
 
-DEFAULT_SLOTS = 8
-
-
 def _encode_and_store(family, cfg, params, pool, pixel_values, ar_ids, ar_mask, dst):
     k, v = family.encode_cross_kv(params, pixel_values, ar_ids, ar_mask, cfg)       # [L, B, N, kvh, d]
     return pool[0].at[:, dst].set(k.astype(pool[0].dtype)), pool[1].at[:, dst].set(v.astype(pool[1].dtype))
@@ -42,6 +41,7 @@ class CrossAttentionCache:
     def __init__(self, model, num_slots: int, max_batch: int, mesh=None):
         self.family, self.cfg, self.params = model.family, model.config, model.params
         self.capacity, self.max_batch = num_slots, max_batch
+        self.max_images = (self.family.cross_index_rows(self.cfg) - 1) // 2
         layers, self.num_keys, kv_heads, head_dim = self.family.cross_kv_shape(self.cfg)
         vision = dict(self.cfg.extra_dict["vision"])
         self.tiles, self.tile_size = int(vision["max_num_tiles"]), int(vision["image_size"])
@@ -111,21 +111,35 @@ class CrossAttentionCache:
         self.encode_ms += (time.perf_counter() - t0) * 1e3
 
     def gather(self, scheduled, num_tokens: int) -> np.ndarray | None:
-        """``[3, T]`` int32 (slot, keys seen, cross MLP on) per token row, or None: no request of the step has
-        an image."""
+        """The step's cross-attention index (int32, module docstring), or None: no request of it has an
+        image."""
         index = None
         row0 = 0
         for s in scheduled:
             feats = s.request.mm_features
             if feats:
                 if index is None:
-                    index = np.zeros((3, num_tokens), np.int32)
+                    index = np.zeros((1 + 2 * self.max_images, num_tokens), np.int32)
                     index[0] = -1
-                f = feats[0]
                 rows = slice(row0, row0 + s.num_new_tokens)
-                after = np.arange(s.start_pos, s.start_pos + s.num_new_tokens) >= f.offset
-                index[0, rows] = self.slots[f.hash]
-                index[1, rows] = np.where(after, self.visible[f.hash], self.num_keys)
-                index[2, rows] = after
+                last = s.request.num_prompt_tokens - 1
+                pos = np.minimum(np.arange(s.start_pos, s.start_pos + s.num_new_tokens), last)
+                before = pos < feats[0].offset
+                index[0, rows] = ~before
+                for i, (f, end) in enumerate(zip(feats, attended_until(feats, last + 1))):
+                    seen = (pos >= f.offset) & (pos < end)
+                    index[1 + i, rows] = self.slots[f.hash]
+                    index[1 + self.max_images + i, rows] = np.where(before, self.num_keys,
+                                                                    np.where(seen, self.visible[f.hash], 0))
             row0 += s.num_new_tokens
         return index
+
+
+def attended_until(features: list, prompt_len: int) -> list[int]:
+    """Where each image's text ends (HF's ``get_cross_attention_token_mask``): at the next image's placeholder
+    or the prompt's end; an image right before the next one shares that one's text."""
+    ends = [f.offset for f in features[1:]] + [prompt_len]
+    for i in range(len(features) - 2, -1, -1):
+        if ends[i] == features[i].offset + 1:
+            ends[i] = ends[i + 1]
+    return ends

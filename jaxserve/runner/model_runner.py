@@ -85,11 +85,10 @@ class ModelRunner:
         # allocated first so that the KV cache is sized from the memory left after it
         self.cross_attention = getattr(model.family, "cross_attention", False)
         if self.cross_attention:
-            from jaxserve.runner.cross_attention_cache import DEFAULT_SLOTS, CrossAttentionCache  # noqa: PLC0415
+            from jaxserve.runner.cross_attention_cache import CrossAttentionCache  # noqa: PLC0415
             if sc.num_scheduler_steps > 1:
                 raise ValueError("--num-scheduler-steps > 1 is not supported for cross-attention models")
-            self.encoder = CrossAttentionCache(model, sc.cross_attention_slots or min(sc.max_num_seqs, DEFAULT_SLOTS),
-                                               max_batch=8, mesh=mesh)
+            self.encoder = CrossAttentionCache(model, sc.cross_attention_slot_count(), max_batch=8, mesh=mesh)
         # the longest sequence the KV cache holds: the model's, or less where it does not fit (kv_cache.fit)
         dtype = kv_cache.kv_dtype(config, model.params)
         self.num_blocks, max_model_len = kv_cache.fit(model.config, config, max_model_len, dtype, mesh)

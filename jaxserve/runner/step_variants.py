@@ -171,7 +171,7 @@ class StepVariants(StepCompiler):
         self._routes_at = -1
         # a vision model's encoder slab, as the forward-mm variants read it (None: a text model)
         self._mm_slab_spec = None if mm_slab is None else jax.tree.map(spec, mm_slab)
-        self.cross_attention = getattr(model.family, "cross_attention", False)
+        self.family, self.cross_attention = model.family, getattr(model.family, "cross_attention", False)
 
     # ---------------------------------------------------------------- which executable a step runs
     def shape_for(self, num_tokens: int, all_decode: bool) -> tuple[int, int, bool]:
@@ -262,7 +262,9 @@ class StepVariants(StepCompiler):
         elif kind == "forward-mm":
             _, T = key
             ints, layout = self.padding_inputs(T)
-            index = jax.ShapeDtypeStruct((3 if self.bidirectional_images or self.cross_attention else 2, T), jnp.int32)
+            rows = self.family.cross_index_rows(self.cfg) if self.cross_attention else \
+                3 if self.bidirectional_images else 2
+            index = jax.ShapeDtypeStruct((rows, T), jnp.int32)
             fn = self.forward
             args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec, index)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}

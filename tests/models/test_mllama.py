@@ -1,8 +1,8 @@
 """Llama 3.2 Vision (Mllama) end to end against HF transformers (tests/make_mllama_fixtures.py: a tiny random
 checkpoint, its images and HF's float32 outputs): the prompt's logits within 1e-4, and HF's greedy
-continuation through the engine for one image (two tiles, and one tile beside a padding tile), text before
-and after an image, a two-turn chat with an earlier image, a raw prompt with the placeholder, text only,
-batched together, under the prefix cache, with more image requests than cross-attention slots (they wait),
+continuation through the engine for one image (two tiles, and one tile beside a padding tile), two images
+(text between them; side by side), text before and after an image, a two-turn chat with an earlier image, a
+raw prompt with the placeholder, text only, batched together, under the prefix cache, with more image requests than cross-attention slots (they wait),
 and at tensor parallelism 2 on fake CPU devices."""
 from __future__ import annotations
 
@@ -37,14 +37,16 @@ def test_logits_match_hf():
     ids, (f,) = proc.process(model.tokenizer.encode(case["prompt"], add_special_tokens=False),
                              [image(n).convert("RGB") for n in case["images"]])
     assert ids == case["prompt_ids"] and f.length == 1
-    pool = model.family.encode_cross_kv(model.params, f.pixel_values, f.extra["aspect_ratio_ids"].reshape(1),
-                                        f.extra["aspect_ratio_mask"].reshape(1, -1), model.config)
+    kv = model.family.encode_cross_kv(model.params, f.pixel_values, f.extra["aspect_ratio_ids"].reshape(1),
+                                      f.extra["aspect_ratio_mask"].reshape(1, -1), model.config)
+    pool = tuple(np.concatenate([np.asarray(x), np.zeros_like(x)], axis=1) for x in kv)   # + the scratch slot
     runner = PagedRunner(model, max_reqs=1, max_len=64)
     ints, layout = runner.inputs([(0, ids, 0)], 64, logits_rows=list(range(len(ids))))
     after = np.arange(len(ids)) >= f.offset
-    index = np.zeros((3, 64), np.int32)
+    index = np.zeros((model.family.cross_index_rows(model.config), 64), np.int32)    # image 0 in slot 0
     index[0] = -1
-    index[:, :len(ids)] = [np.zeros(len(ids)), np.where(after, 2 * 5, pool[0].shape[2]), after]
+    index[0, :len(ids)] = after
+    index[5, :len(ids)] = np.where(after, 2 * 5, pool[0].shape[2])     # two tiles of 5 keys; before: all
     step = jax.jit(functools.partial(forward_fn, model.family, model.config, "reference", False),
                    static_argnames=("layout",))
     _, logits = step(model.params, runner.kv_caches, ints, runner.no_prev, pool, index, layout=layout)
@@ -73,9 +75,9 @@ def test_image_requests_compile_nothing_after_the_warm_up(llm):
 def test_more_images_than_supported_is_a_400(llm):
     from jaxserve.errors import InvalidRequestError
     from jaxserve.sampling_params import SamplingParams
-    prompt = "<|begin_of_text|><|image|><|image|>Two?"
-    with pytest.raises(InvalidRequestError, match="at most 1 image per prompt"):
-        llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image("wide.png"), image("tall.png")]}},
+    prompt = "<|begin_of_text|>" + "<|image|>" * 5 + "Five?"
+    with pytest.raises(InvalidRequestError, match="takes at most 4 per prompt"):
+        llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image("wide.png")] * 5}},
                      SamplingParams(max_tokens=2), use_tqdm=False)
 
 

@@ -62,7 +62,10 @@ class EncoderCacheManager:
                     self.num_reused += f.offset >= start
                 continue
             if f.length > budget or not self._make_room(f.length):
-                return 0 if self.whole_request else f.offset - start, to_encode, budget
+                if self.whole_request:      # all of the request's images or none: forget what this call took
+                    self._forget(to_encode)
+                    return 0, [], budget + sum(g.length for g in to_encode)
+                return f.offset - start, to_encode, budget
             self.cached[f.hash] = f.length
             self.used += f.length
             self.holders[f.hash] = {rid}
@@ -84,11 +87,14 @@ class EncoderCacheManager:
     def cancel(self, req: Request, encoded: list) -> None:
         """Give back what ``schedule`` took for a chunk that is not dispatched: the outputs it was to
         encode are forgotten (never made), the others released."""
+        self._forget(encoded)
+        self.release_all(req)
+
+    def _forget(self, encoded: list) -> None:
         for f in encoded:
             self.num_encoded -= 1
             self.holders.pop(f.hash, None)
             self.used -= self.cached.pop(f.hash)
-        self.release_all(req)
 
     def release_computed(self, req: Request) -> None:
         """Release the images whose tokens ``req`` has all computed (``whole_request``: none before its end)."""

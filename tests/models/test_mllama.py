@@ -99,17 +99,17 @@ def test_prefix_cache_same_image_shares_and_other_image_does_not():
 
 
 def test_requests_wait_for_a_cross_attention_slot():
-    """One slot, three image requests with different images and a text one: each image request waits for
-    the slot (none fails), and every output is HF's."""
-    engine = make_llm(cross_attention_slots=1, max_num_batched_tokens=16)
-    names = ("one_image", "one_image_other", "raw_placeholder", "text_only")
+    """Two slots, image requests with four different images (one of them holding two) and a text one: each
+    image request waits for its slots (none fails), and every output is HF's."""
+    engine = make_llm(cross_attention_slots=2, max_num_batched_tokens=16)
+    names = ("one_image", "two_images", "one_image_other", "raw_placeholder", "text_only")
     from jaxserve.sampling_params import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=GREEDY, ignore_eos=True)
     prompts = []
     for n in names:
         c = CASES[n]
         prompts.append({"prompt_token_ids": c["prompt_ids"]} if not c["images"] else
-                       {"prompt_token_ids": c["prompt_ids"], "multi_modal_data": {"image": [image(c["images"][0])]}})
+                       {"prompt_token_ids": c["prompt_ids"], "multi_modal_data": {"image": list(map(image, c["images"]))}})
     outs = engine.generate(prompts, sp, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [CASES[n]["greedy_ids"] for n in names]
     engine.shutdown()
@@ -141,6 +141,15 @@ def test_encoder_cache_manager_holds_an_image_for_the_whole_request():
     assert enc.schedule(r2, 0, 16, 1)[:2] == (0, [])          # no free slot: the request waits
     enc.release_all(r1)                                       # finished
     assert enc.schedule(r2, 20, 8, 1)[:2] == (8, [b]) and enc.take_freed() == ["a"]   # a prefix hit past it
+    # two slots, one held: a request with two images takes neither until both fit
+    enc = EncoderCacheManager(budget=2, capacity=2, whole_request=True)
+    c, d = ImageFeature("c", 3, 1, np.zeros(1)), ImageFeature("d", 5, 1, np.zeros(1))
+    r3 = Request("3", [0] * 30, None, mm_features=[c, d])
+    assert enc.schedule(r1, 0, 30, 2)[:2] == (30, [a])
+    assert enc.schedule(r3, 0, 30, 1) == (0, [], 1) and "c" not in enc.cached
+    enc.release_all(r3)
+    enc.release_all(r1)
+    assert enc.schedule(r3, 0, 30, 2)[:2] == (30, [c, d]) and enc.take_freed() == ["a"]
 
 
 # ------------------------------------------------------------------------------- tensor parallelism

@@ -135,6 +135,16 @@ class SchedulerConfig:
     encoder_cache_size: int | None = option(
         None, help="image tokens whose encoder outputs stay on the device until their prompts are prefilled "
                    "(and for later requests with the same image; default: the encoder budget)")
+    cross_attention_slots: int | None = option(
+        None, help="images whose cross-attention keys and values stay on the device, for models that attend to "
+                   "an image through cross-attention layers (Llama 3.2 Vision): one slot per image, held until "
+                   "its requests finish; a request with an image waits for a free slot (default: "
+                   "--max-num-seqs, at most 8)")
+
+    def cross_attention_slot_count(self) -> int:
+        """The cross-attention cache's slots of a resolved config: ``--cross-attention-slots``, else
+        ``max_num_seqs`` up to 8."""
+        return self.cross_attention_slots or min(self.max_num_seqs, 8)
 
     def encoder_limits(self) -> tuple[int, int]:
         """(image tokens encoded per step, image tokens cached) of a resolved config."""
@@ -144,6 +154,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.cross_attention_slots is not None and self.cross_attention_slots < 1:
+            raise ValueError(f"--cross-attention-slots must be >= 1, got {self.cross_attention_slots}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
 

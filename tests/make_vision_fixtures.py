@@ -1,9 +1,9 @@
 """Golden fixtures of tiny random vision-language models from HF transformers: LLaVA-1.5 (CLIP ViT + MLP
 projector + Llama), Qwen2.5-VL and Qwen2-VL (``make_qwen_vl_fixtures``) and Gemma 3
-(``make_gemma3_vision_fixtures``).
+(``make_gemma3_vision_fixtures``) and Llama 3.2 Vision (``make_mllama_fixtures``).
 
 Run with the oracle env (torch + torchvision + transformers); an argument picks one family:
-    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl | qwen2_vl | gemma3]
+    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl | qwen2_vl | gemma3 | mllama]
 
 Writes tests/fixtures/models/tiny-llava/: config.json, model.safetensors (bfloat16, read back as float32 by
 the oracle), preprocessor_config.json and processor_config.json (CLIP image processing at 56x56, 14-pixel
@@ -193,7 +193,7 @@ def main() -> None:
 if __name__ == "__main__":
     import sys
 
-    which = sys.argv[1:] or ["llava", "qwen2_5_vl", "qwen2_vl", "gemma3"]
+    which = sys.argv[1:] or ["llava", "qwen2_5_vl", "qwen2_vl", "gemma3", "mllama"]
     if "llava" in which:
         main()
     for variant in ("qwen2_5_vl", "qwen2_vl"):
@@ -205,3 +205,7 @@ if __name__ == "__main__":
         from make_gemma3_vision_fixtures import main as gemma3_main  # noqa: PLC0415
 
         gemma3_main()
+    if "mllama" in which:
+        from make_mllama_fixtures import main as mllama_main  # noqa: PLC0415
+
+        mllama_main()

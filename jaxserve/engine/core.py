@@ -122,12 +122,16 @@ class EngineCore:
             self.runner = self.executor.build_runner()
             # the loader checked it against the model, the runner against the KV cache
             self.max_model_len = self.model.max_model_len
+            cross_attention = getattr(self.runner, "cross_attention", False)
             self.kv_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                             config.cache.enable_prefix_caching, self.max_model_len)
+                                             config.cache.enable_prefix_caching, self.max_model_len,
+                                             images_key_every_block=cross_attention)
             self.encoder_cache = None
             if self.runner.encoder is not None:
-                self.encoder_cache = EncoderCacheManager(*config.scheduler.encoder_limits(),
-                                                         whole_images=self.whole_images)
+                # a cross-attention model's cache counts images (slots), not image tokens
+                limits = getattr(self.runner.encoder, "scheduler_limits", config.scheduler.encoder_limits)()
+                self.encoder_cache = EncoderCacheManager(*limits, whole_images=self.whole_images,
+                                                         whole_request=cross_attention)
             self.lora = None              # LoRA adapters' slots (--enable-lora)
             if config.lora.enable_lora:
                 lc = config.lora

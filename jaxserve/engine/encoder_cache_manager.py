@@ -12,6 +12,9 @@ to its end). Its output stays cached
 (held by the request) until the request's computed tokens pass the image's last token, then stays on as
 unreferenced (another request with the same image takes it without encoding) until space is needed.
 Evicted hashes are reported to the runner, which drops their device arrays (``take_freed``).
+With ``whole_request`` (cross-attention models, Mllama: every token of a request with an image reads it) an
+image is needed from the request's first chunk to its end: it is encoded before the first chunk runs
+(which waits for room otherwise) and held until the request finishes, is preempted or aborted.
 """
 from __future__ import annotations
 
@@ -21,10 +24,11 @@ from jaxserve.engine.request import Request
 
 
 class EncoderCacheManager:
-    def __init__(self, budget: int, capacity: int, whole_images: bool = False):
+    def __init__(self, budget: int, capacity: int, whole_images: bool = False, whole_request: bool = False):
         self.budget = budget                         # image tokens encoded per step
         self.capacity = capacity                     # image tokens cached
         self.whole_images = whole_images             # a chunk never ends inside an image
+        self.whole_request = whole_request           # an image is needed by every chunk of its request
         self.used = 0
         self.cached: dict[str, int] = {}             # hash -> image tokens, for every output on the device
         self.holders: dict[str, set[str]] = {}       # hash -> ids of the requests that still need it
@@ -44,9 +48,9 @@ class EncoderCacheManager:
         to_encode = []
         rid, end = req.request_id, start + num_new
         for f in req.mm_features:
-            if f.offset >= end:
+            if not self.whole_request and f.offset >= end:
                 break
-            if f.offset + f.length <= start:
+            if not self.whole_request and f.offset + f.length <= start:
                 continue
             if self.whole_images and f.offset + f.length > end:     # (a prefix hit may start inside it)
                 return max(f.offset - start, 0), to_encode, budget
@@ -58,6 +62,9 @@ class EncoderCacheManager:
                     self.num_reused += f.offset >= start
                 continue
             if f.length > budget or not self._make_room(f.length):
+                if self.whole_request:      # all of the request's images or none: forget what this call took
+                    self._forget(to_encode)
+                    return 0, [], budget + sum(g.length for g in to_encode)
                 return f.offset - start, to_encode, budget
             self.cached[f.hash] = f.length
             self.used += f.length
@@ -80,14 +87,19 @@ class EncoderCacheManager:
     def cancel(self, req: Request, encoded: list) -> None:
         """Give back what ``schedule`` took for a chunk that is not dispatched: the outputs it was to
         encode are forgotten (never made), the others released."""
+        self._forget(encoded)
+        self.release_all(req)
+
+    def _forget(self, encoded: list) -> None:
         for f in encoded:
             self.num_encoded -= 1
             self.holders.pop(f.hash, None)
             self.used -= self.cached.pop(f.hash)
-        self.release_all(req)
 
     def release_computed(self, req: Request) -> None:
-        """Release the images whose tokens ``req`` has all computed."""
+        """Release the images whose tokens ``req`` has all computed (``whole_request``: none before its end)."""
+        if self.whole_request:
+            return
         done = req.num_computed_tokens
         for f in req.mm_features:
             if f.offset + f.length <= done:

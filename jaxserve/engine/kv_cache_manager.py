@@ -32,12 +32,15 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, images_key_every_block: bool = False):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len = max_model_len
+        # every token of a prompt with images depends on them (cross-attention models): the first block's
+        # hash holds them all, and through the chain every later block's
+        self.images_key_every_block = images_key_every_block
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         if max_model_len is not None and self.num_usable_blocks * block_size < max_model_len:
             # Otherwise one long request could never fit, even alone, and would wait forever.
@@ -84,7 +87,8 @@ class KVCacheManager:
                 extra = (extra, "lora", req.lora_request.lora_int_id, req.lora_request.lora_path)
             if features is not None:
                 # a block's image tokens are one id: the images it overlaps (by content hash) tell it apart
-                images = tuple(f.hash for f in features if f.offset < (i + 1) * bs and f.offset + f.length > i * bs)
+                images = tuple(f.hash for f in features if f.offset < (i + 1) * bs and f.offset + f.length > i * bs
+                               or i == 0 and self.images_key_every_block)
                 if images:
                     extra = (extra, images)
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))

@@ -118,11 +118,11 @@ class RequestBuilder:
                 "not text generation", param="model")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < facts.model_config.vocab_size]
+        # (Mllama's <|image|> is an input embedding past the output vocabulary)
+        vocab = facts.model_config.extra_dict.get("input_vocab_size") or facts.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (size {facts.model_config.vocab_size})",
-                param="prompt")
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="prompt")
         validate_prompt_length(len(prompt_token_ids), params.max_tokens if strict_length else None,
                                facts.max_model_len)
         sched = facts.config.scheduler
@@ -228,6 +228,10 @@ class MultiModalInputs:
         mm = facts.config.multimodal
         self.facts = facts
         self.limit = int(mm.limit_mm_per_prompt.get("image", DEFAULT_IMAGE_LIMIT)) if facts.is_multimodal else 0
+        # what the model itself takes (Mllama: its index's images, each a cross-attention slot), whatever the flag
+        self.model_limit = facts.model_config.extra_dict.get("max_images_per_prompt") if facts.is_multimodal else None
+        if self.model_limit is not None:
+            self.model_limit = min(self.model_limit, facts.config.scheduler.cross_attention_slot_count())
         self.media = MediaLimits(max_pixels=mm.max_image_pixels, fetch_timeout_s=mm.media_fetch_timeout,
                                  allowed_domains=tuple(d.lower() for d in mm.allowed_media_domains)
                                  if mm.allowed_media_domains else None,
@@ -257,6 +261,10 @@ class MultiModalInputs:
         if n > self.limit:
             raise InvalidRequestError(f"the prompt has {n} images, more than the limit of {self.limit} "
                                       "(--limit-mm-per-prompt)", param="messages")
+        if self.model_limit is not None and n > self.model_limit:
+            raise InvalidRequestError(f"the prompt has {n} images, but {self.facts.model_config.architecture} "
+                                      f"takes at most {self.model_limit} per prompt (its images' cross-attention "
+                                      "keys; --cross-attention-slots)", param="messages")
 
     def load(self, url: str) -> Any:
         return load_image_url(url, self.media)

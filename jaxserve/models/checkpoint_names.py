@@ -44,7 +44,8 @@ _WRAPPED = ((r"model.", ("model.language_model.", "language_model.model.")),
             (r"vision_tower.", ("model.vision_tower.", "vision_tower.vision_model.",
                                 "model.vision_tower.vision_model.")),
             (r"multi_modal_projector.", ("model.multi_modal_projector.",)),
-            (r"visual.", ("model.visual.",)))          # Qwen2.5-VL's vision tower
+            (r"visual.", ("model.visual.",)),          # Qwen2.5-VL's vision tower
+            (r"vision_model.", ("model.vision_model.",)))   # Llama 3.2 Vision's
 
 
 def wrapped_names(hf_name: str) -> tuple[str, ...]:

@@ -121,7 +121,9 @@ class ImageProcessing:
             def crops(k: int) -> list[int]:
                 return encode_around(tokenizer, intro + full + middle + sep.join([full] * k), image_token,
                                      image_token_id)
+        fixed = model_extra.get("image_tokens_per_image")    # Mllama: the placeholder stays one token
         return cls(processor, image_token, image_token_id, patch, extra_tokens, kwargs, wrap=wrap_ids,
+                   num_tokens=(lambda pv, ex: fixed) if fixed else None,
                    fill_token_id=model_extra.get("image_fill_token_id"),
                    merges=newline_merges(tokenizer) if wrap else None, crops=crops)
 

@@ -79,6 +79,16 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig, max_model_len: int, mesh=None):
         self.model, self.cfg, self.config, self.mesh = model, model.config, config, mesh
         self.block_size = config.cache.block_size
+        sc = config.scheduler
+        self.encoder = None
+        # a cross-attention family (Mllama): every step with an image request reads its slot of the cache,
+        # allocated first so that the KV cache is sized from the memory left after it
+        self.cross_attention = getattr(model.family, "cross_attention", False)
+        if self.cross_attention:
+            from jaxserve.runner.cross_attention_cache import CrossAttentionCache  # noqa: PLC0415
+            if sc.num_scheduler_steps > 1:
+                raise ValueError("--num-scheduler-steps > 1 is not supported for cross-attention models")
+            self.encoder = CrossAttentionCache(model, sc.cross_attention_slot_count(), max_batch=8, mesh=mesh)
         # LoRA adapters' device slots (``jaxserve.lora.slots``): beside the weights as the step's params["lora"];
         # made before the KV cache is sized, which counts the device memory in use
         self.lora = None
@@ -92,7 +102,6 @@ class ModelRunner:
         self.num_blocks, max_model_len = kv_cache.fit(model.config, config, max_model_len, dtype, mesh)
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        sc = config.scheduler
         self.max_num_seqs, self.max_num_tokens = sc.max_num_seqs, sc.max_num_batched_tokens
         self.buckets = sorted({min(int(b), self.max_num_tokens) for b in sc.token_buckets} | {self.max_num_tokens}) \
             if sc.token_buckets else token_buckets(self.max_num_tokens)
@@ -112,9 +121,8 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate(self.cfg, self.num_blocks, self.block_size, dtype, mesh)
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
-        # a vision model: the encoder step and its cache (``encoder_cache``)
-        self.encoder = None
-        if hasattr(model.family, "encode_images"):
+        # a vision model: the encoder step and its cache (``encoder_cache``; a cross-attention one's is above)
+        if not self.cross_attention and hasattr(model.family, "encode_images"):
             from jaxserve.runner.encoder_cache import EncoderCache  # noqa: PLC0415
             self.encoder = EncoderCache(model, sc.encoder_limits()[1], max_batch=8, mesh=mesh)
         self.variants = StepVariants(model, config, self.shapes, backend=self.backend, kv_caches=self.kv_caches,
@@ -176,7 +184,7 @@ class ModelRunner:
         lora = step_inputs.lora_slots(scheduled, T) if self.lora is not None else None
         f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit, lora)
         logits = load = None
-        mm_index = self._encode_images(scheduled, T) if mm else None
+        mm_index = self._encode_images(scheduled, T) if mm or self.cross_attention else None
         if mm_index is not None:
             self.kv_caches, logits, *load = v.forward_mm_for(T)(self.step_params, self.kv_caches, f_ints,
                                                                 prev_tokens, self.encoder.slab, mm_index)

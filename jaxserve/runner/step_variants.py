@@ -66,8 +66,12 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
     # token rows (``mm_index``: [token rows, slab rows(, each token's attend limit)],
     # ``encoder_cache.EncoderCache.gather``; the third row: a family whose image tokens attend both ways)
-    extra = lora if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0], **lora}
-    if mm_index is not None and mm_index.shape[0] == 3:
+    if getattr(family, "cross_attention", False):
+        # cross-attention (Mllama): the slab is the K/V pool, the index each token's [slot, keys, row on]
+        extra = lora if mm_slab is None else {"cross": (mm_slab, mm_index), **lora}
+    else:
+        extra = lora if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0], **lora}
+    if mm_index is not None and mm_index.shape[0] == 3 and "cross" not in extra:
         md = dataclasses.replace(md, attend_limit=mm_index[2])
     hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
                                                               attn_backend=backend, **extra) if expert_load else \
@@ -171,7 +175,8 @@ class StepVariants(StepCompiler):
         self._routes: dict[tuple[int, bool], tuple[int, bool]] = {}
         self._routes_at = -1
         # a vision model's encoder slab, as the forward-mm variants read it (None: a text model)
-        self._mm_slab_spec = None if mm_slab is None else spec(mm_slab)
+        self._mm_slab_spec = None if mm_slab is None else jax.tree.map(spec, mm_slab)
+        self.family, self.cross_attention = model.family, getattr(model.family, "cross_attention", False)
 
     # ---------------------------------------------------------------- which executable a step runs
     def shape_for(self, num_tokens: int, all_decode: bool) -> tuple[int, int, bool]:
@@ -263,7 +268,9 @@ class StepVariants(StepCompiler):
         elif kind == "forward-mm":
             _, T = key
             ints, layout = self.padding_inputs(T)
-            index = jax.ShapeDtypeStruct((3 if self.bidirectional_images else 2, T), jnp.int32)
+            rows = self.family.cross_index_rows(self.cfg) if self.cross_attention else \
+                3 if self.bidirectional_images else 2
+            index = jax.ShapeDtypeStruct((rows, T), jnp.int32)
             fn = self.forward
             args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec, index)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}

@@ -81,7 +81,8 @@ def test_image_limits_of_text_and_vision_models():
     with pytest.raises(InvalidRequestError, match="does not take images"):
         text.check_count(1)
     text.check_count(0)
-    vision = MultiModalInputs(types.SimpleNamespace(config=config, is_multimodal=True, served_model_name="m"))
+    vision = MultiModalInputs(types.SimpleNamespace(config=config, is_multimodal=True, served_model_name="m",
+                                                    model_config=types.SimpleNamespace(extra_dict={})))
     vision.check_count(1)
     with pytest.raises(InvalidRequestError, match="limit of 1"):
         vision.check_count(2)

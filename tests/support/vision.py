@@ -47,13 +47,30 @@ class VisionFixture:
                                 use_tqdm=False)[0]
         return llm.chat(self.openai_messages(case), sp, use_tqdm=False)[0]
 
-    def check_no_compiles_after_warmup(self, llm) -> None:
+    def check_greedy(self, llm, name: str) -> None:
+        """The case's prompt ids and greedy continuation are HF's."""
+        out = self.run_case(llm, self.cases[name])
+        assert out.prompt_token_ids == self.cases[name]["prompt_ids"]
+        assert list(out.outputs[0].token_ids) == self.cases[name]["greedy_ids"]
+
+    def check_sdk_chat(self, client, model: str, name: str) -> None:
+        """The case's chat through the server with the openai SDK (data URLs): HF's greedy text and prompt
+        length."""
+        from transformers import AutoTokenizer
+        case = self.cases[name]
+        r = client.chat.completions.create(model=model, messages=self.openai_messages(case), max_tokens=GREEDY,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        want = AutoTokenizer.from_pretrained(self.folder).decode(case["greedy_ids"], skip_special_tokens=True)
+        assert r.choices[0].message.content == want
+        assert r.usage.prompt_tokens == len(case["prompt_ids"])
+
+    def check_no_compiles_after_warmup(self, llm, names: tuple[str, ...] = ("one_image", "two_images")) -> None:
         """Once the background compiles are done, image requests (one image, two images) compile nothing: no
         step variant, no encoder batch."""
         runner = llm.engine.core.runner
         assert llm.wait_compiled(timeout=600)
         before = (runner.compiled_variants(), runner.encoder._step._cache_size())
-        for name in ("one_image", "two_images"):
+        for name in names:
             self.run_case(llm, self.cases[name])
         assert (runner.compiled_variants(), runner.encoder._step._cache_size()) == before
 

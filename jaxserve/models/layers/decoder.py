@@ -264,17 +264,27 @@ class DecoderModel(nnx.Module):
 
 
 # ----------------------------------------------------------------------------------- the family interface
+# the nnx.List attributes of the models (nnx's pure dict keys their items 0..n-1)
+_LISTS = ("layers", "global_layers", "cross_layers")
+
+
 def _to_external(pure: dict) -> dict:
     """nnx's pure dict (layers keyed 0..n-1) → the weight pytree (layers as a list; a sub-model's too, e.g. a
     vision tower's: stored programs take only string-keyed dicts)."""
-    out = {k: _to_external(v) if isinstance(v, dict) and "layers" in v else v for k, v in pure.items()}
-    out["layers"] = [pure["layers"][i] for i in range(len(pure["layers"]))]
+    out = {k: _to_external(v) if isinstance(v, dict) and any(n in v for n in _LISTS) else v
+           for k, v in pure.items()}
+    for n in _LISTS:
+        if n in pure:
+            out[n] = [pure[n][i] for i in range(len(pure[n]))]
     return out
 
 
 def _to_internal(params: dict) -> dict:
-    out = {k: _to_internal(v) if isinstance(v, dict) and "layers" in v else v for k, v in params.items()}
-    out["layers"] = dict(enumerate(params["layers"]))
+    out = {k: _to_internal(v) if isinstance(v, dict) and any(n in v for n in _LISTS) else v
+           for k, v in params.items()}
+    for n in _LISTS:
+        if n in params:
+            out[n] = dict(enumerate(params[n]))
     return out
 
 

@@ -3,7 +3,10 @@
 The weight layout (``jaxserve.quantization``'s ``Int4Weight``, which every int4 checkpoint format is repacked
 into at load): ``packed`` int32 ``[K/8, N]`` whose nibble ``j`` (bits ``4j..4j+3``) of row ``r`` is the unsigned
 4-bit value of input row ``8r + j``; ``scales`` ``[K/G, N]`` (float) and ``zeros`` ``[K/G, N]`` (int8, 0..15)
-per group of ``G`` input rows: ``w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``.
+per group of ``G`` input rows: ``w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``. An optional
+float ``mins [K/G, N]`` (GGUF's Q4_1 and Q4_K, stored without zero points: ``zeros`` None in the reference, a
+zero array for the kernels) is subtracted after the scale: ``w[k, n] -= mins[k // G, n]``; the kernels leave
+it out and ``group_mins_product`` gives ``x``'s group sums times ``mins`` to subtract afterwards.
 
 Why this layout: N is the contiguous axis, so a program's tile of ``[bk/8, bn]`` words is ``bk/8`` runs of
 ``4 bn`` bytes, each loaded as 16-byte vectors by consecutive threads (coalesced); packing along K keeps
@@ -65,20 +68,33 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     return q.reshape((packed.shape[0] * PACK,) + packed.shape[1:])
 
 
-def dequantize_int4(packed: jax.Array, scales: jax.Array, zeros: jax.Array, group_size: int,
-                    dtype=jnp.float32) -> jax.Array:
-    """The float weight ``[K, ...]``: ``(q - zero) * scale`` in float32, then cast to ``dtype``."""
+def dequantize_int4(packed: jax.Array, scales: jax.Array, zeros: jax.Array | None, group_size: int,
+                    dtype=jnp.float32, mins: jax.Array | None = None) -> jax.Array:
+    """The float weight ``[K, ...]``: ``(q - zero) * scale - min`` in float32 (``zeros`` None: no zero point,
+    ``mins`` None: no min), then cast to ``dtype``."""
     q = unpack_int4(packed).astype(jnp.float32)
     s = jnp.repeat(scales.astype(jnp.float32), group_size, axis=0)
-    z = jnp.repeat(zeros.astype(jnp.float32), group_size, axis=0)
-    return ((q - z) * s).astype(dtype)
+    if zeros is not None:
+        q = q - jnp.repeat(zeros.astype(jnp.float32), group_size, axis=0)
+    w = q * s
+    if mins is not None:
+        w = w - jnp.repeat(mins.astype(jnp.float32), group_size, axis=0)
+    return w.astype(dtype)
 
 
-def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
-                          group_size: int) -> jax.Array:
+def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array | None,
+                          group_size: int, mins: jax.Array | None = None) -> jax.Array:
     """``x [M, K] @ w [K, N]`` with ``w`` dequantized to ``x``'s dtype first; float32 accumulation."""
-    w = dequantize_int4(packed, scales, zeros, group_size, x.dtype)
+    w = dequantize_int4(packed, scales, zeros, group_size, x.dtype, mins)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def group_mins_product(x: jax.Array, mins: jax.Array, group_size: int) -> jax.Array:
+    """``x [M, K]``'s sums over each group of ``group_size`` inputs times ``mins [K/G, N]``, float32 ``[M, N]``:
+    what a weight's per-group mins take from ``x @ w`` (``sum_k x_k (q_k s - m) = s sum_k x_k q_k - m sum_k
+    x_k`` within a group)."""
+    sums = x.astype(jnp.float32).reshape(x.shape[0], -1, group_size).sum(-1)
+    return jnp.dot(sums, mins.astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

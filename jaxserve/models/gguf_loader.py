@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp's format): the config from the metadata, the weights dequantized on the host into HF
 layout and values, then the family's plan (``hf_weights.load_weights``), the tokenizer from the file's own
-vocabulary. The family that reads the file's ``general.architecture`` (``registry.gguf_architecture``) says how:
+vocabulary. The projections of a 4-bit type (Q4_0, Q4_1, Q4_K) skip the dequantization: their blocks are
+repacked into int4 weights exactly (``quantization.gguf_formats``) unless ``--quantization none``. The family that reads the file's ``general.architecture`` (``registry.gguf_architecture``) says how:
 its config reader, its tensor names beyond the shared ones, and what the converter changed in a tensor.
 
 The converted weights of the last load of a file are kept on disk (``weight_cache``), so a warm start maps
@@ -8,8 +9,10 @@ them instead of dequantizing again.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
+import logging
 import os
 import re
 from typing import Any, Callable
@@ -28,6 +31,10 @@ from jaxserve.models.hf_weights import load_weights
 from jaxserve.models.layers.moe import with_expert_parallel
 from jaxserve.models.loaded_model import LoadedModel, generation_config, resolve_dtype, resolve_max_model_len
 from jaxserve.models.tokenizers import gguf_tokenizer
+from jaxserve.quantization import gguf_formats, loading as quant_loading
+from jaxserve.quantization.config import gguf_quantization
+
+logger = logging.getLogger(__name__)
 
 # HF tensor name -> llama.cpp's, in order: the names every architecture shares (a family's own go first)
 TENSOR_NAMES = ((r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "output_norm."),
@@ -59,7 +66,9 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
 def gguf_getter(reader, path: str, cfg: ModelConfig | None) -> Callable[[str], np.ndarray]:
     """``get(hf_name)``: the GGUF tensor dequantized to float32, in HF layout and HF values (the family's
     ``fix_tensor`` undoes what llama.cpp's converter changed: Llama's q/k rows permuted for its RoPE,
-    Gemma's norm weights stored as ``1 + w``)."""
+    Gemma's norm weights stored as ``1 + w``). ``get.gguf_rows(hf_name)``: a 2-D tensor's quantized rows
+    as stored, its type and its HF shape ``[out, in]`` (``quantization.gguf_formats``); the fix applies to
+    the rows too, which holds for the fixes of projections (row permutations)."""
     tensors = {t.name: t for t in reader.tensors}
     arch = reader.fields["general.architecture"]
     spec = registry.gguf_architecture(arch)
@@ -85,7 +94,37 @@ def gguf_getter(reader, path: str, cfg: ModelConfig | None) -> Callable[[str], n
         w = dequantized.__wrapped__(name, hf_name)
         return fix(name, w, cfg) if fix is not None else w
 
+    def gguf_rows(hf_name: str) -> tuple[np.ndarray, Any, tuple[int, int]]:
+        t = tensors[gguf_name(hf_name, arch)]
+        rows = fix(t.name, t.data, cfg) if fix is not None else t.data
+        return rows, t.tensor_type, (t.shape[1], t.shape[0])
+
+    get.gguf_rows = gguf_rows
     return get
+
+
+def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...], str]:
+    """The projections' modules that load dequantized (their GGUF type has no int4 form, or a fused weight's
+    modules differ in type), and the one log line that says which types stay int4 and which were
+    dequantized."""
+    arch = reader.fields["general.architecture"]
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    kept, dequantized, float_modules = collections.Counter(), collections.Counter(), []
+    for path, names, _ in family.weight_plan(cfg):
+        if not quant_loading.is_linear(path):
+            continue
+        found = [types.get(gguf_name(n, arch)) for n in names]
+        if None not in found and len(set(found)) == 1 and gguf_formats.kept(found[0]):
+            kept.update(t.name for t in found)
+        else:
+            dequantized.update(t.name for t in found if t is not None)
+            float_modules += [quant_loading.module_of(n) for n in names]
+
+    def listed(counts):
+        return ", ".join(f"{n} {c}" for n, c in sorted(counts.items())) or "none"
+    line = (f"{os.path.basename(reader.path)}: projections kept as int4: {listed(kept)}; dequantized (no exact "
+            f"int4 form): {listed(dequantized)}; embeddings, norms and lm_head dequantized")
+    return tuple(float_modules), line
 
 
 def gguf_rope_freqs(reader) -> np.ndarray | None:
@@ -118,8 +157,10 @@ def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_fr
     return spec.model_config(meta, tensor_names, rope_freqs)
 
 
-def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
+def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None, quantization: str | None = "auto",
               enable_expert_parallel: bool = False) -> LoadedModel:
+    """``quantization``: ``auto`` / ``gguf`` keep the projections of a 4-bit type as int4 (one log line names
+    the types kept and dequantized), ``none`` dequantizes every tensor (``config.gguf_quantization``)."""
     reader = open_gguf(path)
     meta = reader.metadata()
     tensor_names = {t.name for t in reader.tensors}
@@ -131,8 +172,14 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
     family.check_config(cfg)
     # GGUF weights are quantized: "auto" means float32 on CPU (fast there), bfloat16 on accelerators.
     jdtype = resolve_dtype(dtype, jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    # the converted weights from the last load of this file (one device: a mesh places each shard itself)
-    cache = weight_cache.directory_for(jax.config.jax_compilation_cache_dir) if mesh is None else None
+    float_modules, kept_line = gguf_float_modules(reader, cfg, family)
+    quant = gguf_quantization(quantization, os.path.basename(path), float_modules)
+    logger.info(kept_line if quant is not None else f"{os.path.basename(path)}: every tensor dequantized "
+                                                     f"(--quantization none)")
+    # the converted weights from the last load of this file (one device: a mesh places each shard itself);
+    # a tree with int4 leaves is not cached (its load repacks the file's own blocks: no dequantization)
+    cache = (weight_cache.directory_for(jax.config.jax_compilation_cache_dir)
+             if mesh is None and quant is None else None)
     structure = jax.tree.structure(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     key = weight_cache.key_text(path, cfg, jdtype, structure) if cache else ""
     # the tokenizer (importing transformers: over a second) builds on a thread while the weights load: the
@@ -141,11 +188,12 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
         tokenizer = pool.submit(gguf_tokenizer, path)
         params = weight_cache.load(cache, key, structure)
         if params is None:
-            params = load_weights(cfg, family, gguf_getter(reader, path, cfg), jdtype, mesh=mesh,
+            params = load_weights(cfg, family, gguf_getter(reader, path, cfg), jdtype, mesh=mesh, quant=quant,
                                   desc=f"Loading {os.path.basename(path)}", file_of=lambda n: os.path.basename(path))
             weight_cache.store(cache, key, params, structure)
         tokenizer = tokenizer.result()
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=meta.get("tokenizer.chat_template"),
                        generation_config=generation_config(cfg), source=path, dtype=jdtype,
-                       max_model_len=resolve_max_model_len(cfg, max_model_len), load_format="gguf")
+                       max_model_len=resolve_max_model_len(cfg, max_model_len), load_format="gguf",
+                       quantization=None if quant is None else quant.method)

@@ -50,8 +50,7 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
     if os.path.isfile(path) and path.endswith(".gguf"):
         if load_format not in ("auto", "gguf"):
             raise ModelLoadError(f"{path} is a GGUF file; load_format {load_format!r} does not apply")
-        float_only(quantization, f"{path} is a GGUF file (its weights are dequantized at load)")
-        return load_gguf(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh, **ep)
+        return load_gguf(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh, quantization=quantization, **ep)
     if os.path.isdir(path):
         if load_format == "gguf":
             raise ModelLoadError(f"{path} is a folder; pass the .gguf file itself for load_format gguf")

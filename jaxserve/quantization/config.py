@@ -3,7 +3,8 @@
 ``auto`` (the default) follows the checkpoint; ``none`` insists on an unquantized one; a method names what
 the checkpoint must hold, except ``fp8`` on an unquantized checkpoint, which quantizes it at load (vLLM's
 online fp8: per-channel weights, dynamic per-token activations). Any other disagreement is an error that
-says what the checkpoint is, so a wrong flag never silently loads garbage.
+says what the checkpoint is, so a wrong flag never silently loads garbage. A GGUF file (``gguf_quantization``)
+keeps its 4-bit projections as int4 under ``auto`` and ``gguf``; ``none`` dequantizes every tensor.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from jaxserve.errors import ModelLoadError
 
-QUANTIZATION_METHODS = ("auto", "fp8", "awq", "gptq", "compressed-tensors", "none")
+QUANTIZATION_METHODS = ("auto", "fp8", "awq", "gptq", "compressed-tensors", "gguf", "none")
 # vLLM's kernel-specific spellings of the same checkpoint formats
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
 INT4_GROUP_DEFAULT = 128     # the group of dummy int4 weights (the formats' common default)
@@ -84,6 +85,19 @@ def resolve_quantization(requested: str | None, hf_config: dict | None, source: 
         raise ModelLoadError(f"{source} is quantized with {stored!r}, which is not supported (supported: "
                              f"awq, gptq, fp8, compressed-tensors)")
     return parse(qc, source)
+
+
+def gguf_quantization(requested: str | None, source: str, float_modules: tuple[str, ...]) -> QuantConfig | None:
+    """How a GGUF file's projections load: ``auto`` / ``gguf`` keep those of a 4-bit type as int4
+    (``gguf_formats``; ``float_modules``: the projections' modules whose type has no int4 form, dequantized);
+    ``none``: None, every tensor dequantized to the float dtype."""
+    requested = canonical_method(requested)
+    if requested == "none":
+        return None
+    if requested not in ("auto", "gguf"):
+        raise ModelLoadError(f"--quantization {requested}: {source} is a GGUF file; pass auto or gguf (its 4-bit "
+                             f"weights kept as int4) or none (every weight dequantized)")
+    return QuantConfig(method="gguf", weights="int4", group_size=32, ignore=float_modules)
 
 
 def checkpoint_quantization(method: str) -> QuantConfig:

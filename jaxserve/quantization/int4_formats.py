@@ -3,7 +3,10 @@
 Each reader returns a module's weight as unsigned 4-bit values ``q [K, N]`` in the model's ``[in, out]``
 layout, with per-group ``scales [K/G, N]`` (the checkpoint's float dtype, unchanged) and integer ``zeros
 [K/G, N]`` such that ``w = (q - zeros) * scales``, and ``perm`` when GPTQ's act-order stores the input
-channels out of group order. ``combine`` then applies the weight plan's build (stack gate and up, slice a
+channels out of group order. GGUF's 4-bit types (``gguf_formats``) add a float ``mins [K/G, N]`` per group, and
+its k-quants two-level scales: ``scales`` and ``mins`` as 6-bit integers times per-super-block
+``super_scales`` / ``super_mins [K/S, N]``, so ``w = (q - zeros) * scales * super_scales - mins * super_mins``
+(each factor broadcast over its rows). ``combine`` then applies the weight plan's build (stack gate and up, slice a
 fused projection) and ``pack`` packs ``q`` along K into ``kernels/int4_matmul_pallas.py``'s layout.
 
 The formats' packing rules, as their quantizers write them:
@@ -34,9 +37,22 @@ PACK = 8
 class Int4Parts:
     q: np.ndarray                  # uint8 [K, *out], 0..15
     scales: np.ndarray             # [K/G, *out] float
-    zeros: np.ndarray              # int8 [K/G, *out], 0..15
+    zeros: np.ndarray | None       # int8 [K/G, *out], 0..15; None: 0 (GGUF's types with mins)
     perm: np.ndarray | None        # int32 [K] or None
     group_size: int
+    mins: np.ndarray | None = None           # [K/G, *out]: subtracted after the scale (GGUF Q4_1, Q4_K)
+    super_scales: np.ndarray | None = None   # [K/S, *out]: a factor of S/G groups' scales (GGUF k-quants)
+    super_mins: np.ndarray | None = None     # [K/S, *out]: the same for their mins
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The per-output-column arrays (``[in-ish, *out]``), by field name: what a build stacks or slices."""
+        names = ("q", "scales", "zeros", "mins", "super_scales", "super_mins")
+        return {f: getattr(self, f) for f in names if getattr(self, f) is not None}
+
+    def with_arrays(self, fn: Callable[..., np.ndarray], *others: "Int4Parts") -> "Int4Parts":
+        """These parts with ``fn(a, *the same array of others)`` for each per-column array."""
+        return dataclasses.replace(self, **{f: fn(a, *(o.arrays()[f] for o in others))
+                                            for f, a in self.arrays().items()})
 
 
 def _unpack_last(packed: np.ndarray, order=tuple(range(PACK))) -> np.ndarray:
@@ -143,23 +159,34 @@ def combine(parts: list[Int4Parts], kind, name: str) -> Int4Parts:
                                                          and not np.array_equal(gate.perm, up.perm)):
             raise ModelLoadError(f"{name}: gate_proj and up_proj have different act-order permutations "
                                  f"(g_idx); their fused projection needs one")
-        return Int4Parts(*(np.stack([a, b], axis=1) for a, b in
-                           ((gate.q, up.q), (gate.scales, up.scales), (gate.zeros, up.zeros))),
-                         gate.perm, gate.group_size)
+        if gate.arrays().keys() != up.arrays().keys() or any(
+                a.shape[0] != b.shape[0] for a, b in zip(gate.arrays().values(), up.arrays().values())):
+            raise ModelLoadError(f"{name}: gate_proj and up_proj are stored in different int4 forms")
+        return gate.with_arrays(lambda a, b: np.stack([a, b], axis=1), up)
     p = parts[0]
     if isinstance(kind, tuple) and kind[0] == "rows_t":
         cols = slice(kind[1], kind[2])
-        return Int4Parts(p.q[:, cols], p.scales[:, cols], p.zeros[:, cols], p.perm, p.group_size)
+        return p.with_arrays(lambda a: a[:, cols])
     if kind == "fused_gate_up_t":
-        def split(a):
-            return a.reshape(a.shape[0], 2, a.shape[1] // 2)
-        return Int4Parts(split(p.q), split(p.scales), split(p.zeros), p.perm, p.group_size)
+        return p.with_arrays(lambda a: a.reshape(a.shape[0], 2, a.shape[1] // 2))
     raise ModelLoadError(f"{name}: build {kind!r} has no int4 form")
+
+
+def group_factor(a: np.ndarray, super_factor: np.ndarray | None) -> np.ndarray:
+    """Per-group ``scales`` (or ``mins``) as float32, times their super-block factor when there is one (exact:
+    a 6-bit integer times a float16 fits float32's mantissa)."""
+    a = a.astype(np.float32)
+    if super_factor is None:
+        return a
+    return a * np.repeat(super_factor.astype(np.float32), a.shape[0] // super_factor.shape[0], axis=0)
 
 
 def dequantize(parts: Int4Parts) -> np.ndarray:
     """The float32 weight ``[K, *out]`` the parts stand for (rows in ``perm`` order when there is one)."""
     g = parts.group_size
-    s = np.repeat(parts.scales.astype(np.float32), g, axis=0)
-    z = np.repeat(parts.zeros.astype(np.float32), g, axis=0)
-    return (parts.q.astype(np.float32) - z) * s
+    s = np.repeat(group_factor(parts.scales, parts.super_scales), g, axis=0)
+    q = parts.q.astype(np.float32)
+    w = (q if parts.zeros is None else q - np.repeat(parts.zeros.astype(np.float32), g, axis=0)) * s
+    if parts.mins is not None:
+        w -= np.repeat(group_factor(parts.mins, parts.super_mins), g, axis=0)
+    return w

@@ -69,23 +69,46 @@ def live_tokens(count: jax.Array):
 class Int4Weight:
     """W4A16 (``kernels/int4_matmul_pallas.py`` says the layout): ``packed [K/8, *out]`` int32,
     ``scales [K/G, *out]``, ``zeros [K/G, *out]`` int8; ``perm [K]`` (GPTQ act-order: the input channels in
-    group order, ``x[:, perm]`` feeds the weight's rows) or None."""
+    group order, ``x[:, perm]`` feeds the weight's rows) or None. GGUF's Q4_1 and Q4_K have ``mins [K/G,
+    *out]`` instead of zero points (``w = q * scales - mins``, ``zeros`` None); Q4_K keeps its two-level scales: ``scales`` and ``mins`` are
+    6-bit integers and ``super_scales`` / ``super_mins [K/S, *out]`` (float16, one per super-block of S
+    inputs) their factors (``group_scales``, ``group_mins``)."""
     packed: jax.Array
     scales: jax.Array
-    zeros: jax.Array
+    zeros: jax.Array | None
     perm: jax.Array | None
     group_size: int = dataclasses.field(metadata=_static)
     tp_axis: int | None = dataclasses.field(default=None, metadata=_static)
+    mins: jax.Array | None = None
+    super_scales: jax.Array | None = None
+    super_mins: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.packed.shape[0] * int4_kernel.PACK,) + tuple(self.packed.shape[1:])
 
+    def group_scales(self) -> jax.Array:
+        """Each group's scale (float32 when it has a super-block factor, else as stored)."""
+        return _times_super(self.scales, self.super_scales)
+
+    def group_mins(self) -> jax.Array | None:
+        return None if self.mins is None else _times_super(self.mins, self.super_mins)
+
     def specs(self, spec: P) -> "Int4Weight":
         """The PartitionSpec of each array when the float weight's spec is ``spec`` (``tp_axis`` is set
         from the same spec: ``with_tp_axis``)."""
-        return dataclasses.replace(self, packed=spec, scales=spec, zeros=spec,
-                                   perm=None if self.perm is None else P())
+        def opt(a):
+            return None if a is None else spec
+        return dataclasses.replace(self, packed=spec, scales=spec, zeros=opt(self.zeros),
+                                   perm=None if self.perm is None else P(), mins=opt(self.mins),
+                                   super_scales=opt(self.super_scales), super_mins=opt(self.super_mins))
+
+
+def _times_super(a: jax.Array, factor: jax.Array | None) -> jax.Array:
+    """Per-group values times their super-block factor (float32: exact for 6-bit integers and float16 factors)."""
+    if factor is None:
+        return a
+    return a.astype(jnp.float32) * jnp.repeat(factor.astype(jnp.float32), a.shape[0] // factor.shape[0], axis=0)
 
 
 @jax.tree_util.register_dataclass
@@ -192,20 +215,28 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=1)
     k = x.shape[-1]
-    packed, scales, zeros = (a.reshape(a.shape[0], n) for a in (w.packed, w.scales, w.zeros))
+    packed, scales, zeros, mins = (None if a is None else a.reshape(a.shape[0], n)
+                                   for a in (w.packed, w.group_scales(), w.zeros, w.group_mins()))
     m = x.shape[0]
     kernel = int4_step_kernel(m, k, n, w.group_size, x.dtype) if jax.default_backend() == "gpu" else None
+    if kernel is None:
+        x, packed, scales, zeros, mins = _after_input(x, packed, scales, zeros, mins)
+        return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size, mins)
+    if zeros is None:           # the kernels always apply a zero point
+        zeros = jnp.zeros(scales.shape, jnp.int8)
     if kernel == "ffi":
-        return quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=w.group_size)
-    if kernel == "pallas":
+        y = quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=w.group_size)
+    else:
         live = live if live is not None and m > 1 else None
         cfg = int4_kernel.default_config(m, k, n, w.group_size, live_one=live is not None)
         if cfg.method != "gemv":
             live = None
-        return int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=w.group_size, config=cfg,
-                                       live_rows=live)
-    x, packed, scales, zeros = _after_input(x, packed, scales, zeros)
-    return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size)
+        y = int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=w.group_size, config=cfg,
+                                    live_rows=live)
+    if mins is None:
+        return y
+    term = int4_kernel.group_mins_product(x, mins, w.group_size)
+    return (y.astype(jnp.float32) - term).astype(x.dtype)
 
 
 def int4_step_kernel(m: int, k: int, n: int, group_size: int, dtype) -> str | None:

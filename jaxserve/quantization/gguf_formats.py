@@ -58,7 +58,7 @@ def read_gguf(rows: np.ndarray, tensor_type, shape: tuple[int, int], name: str) 
     ``Int4Parts`` in the model's ``[K, N]`` layout; ``shape`` is HF's ``[N, K]``."""
     qtype = int(tensor_type)
     if qtype not in KEPT_TYPES:
-        raise ModelLoadError(f"{name}: GGUF type {tensor_type} has no int4 form")
+        raise ModelLoadError(f"{name}: GGUF type {getattr(tensor_type, 'name', tensor_type)} has no int4 form")
     n, k = shape
     nbytes, nvals = _BLOCK_BYTES[qtype], _BLOCK_VALUES[qtype]
     blocks = np.asarray(rows).view(np.uint8).reshape(n, k // nvals, nbytes)

@@ -163,6 +163,32 @@ def is_quantized(w) -> bool:
     return isinstance(w, QUANTIZED_TYPES)
 
 
+def bytes_by_storage(tree) -> dict[str, tuple[int, int]]:
+    """The weight tree's device bytes and weight count by storage: ``int4`` and ``fp8`` (every array of the
+    quantized weights, scales included), each float dtype by name."""
+    out: dict[str, tuple[int, int]] = {}
+    for leaf in jax.tree.leaves(tree, is_leaf=is_quantized):
+        if isinstance(leaf, Int4Weight):
+            kind = "int4"
+        elif isinstance(leaf, Fp8Weight):
+            kind = "fp8"
+        else:
+            kind = jnp.dtype(leaf.dtype).name
+        nbytes = sum(a.nbytes for a in jax.tree.leaves(leaf))
+        total, count = out.get(kind, (0, 0))
+        out[kind] = (total + nbytes, count + math.prod(leaf.shape))
+    return out
+
+
+def describe_bytes(tree) -> str:
+    """``bytes_by_storage`` as one phrase: ``int4 0.06 GB (5.00 bits/weight), float32 0.12 GB``."""
+    parts = []
+    for kind, (nbytes, count) in sorted(bytes_by_storage(tree).items(), key=lambda kv: -kv[1][0]):
+        bits = f" ({8 * nbytes / count:.2f} bits/weight)" if kind in ("int4", "fp8") and count else ""
+        parts.append(f"{kind} {nbytes / 1e9:.3f} GB{bits}")
+    return ", ".join(parts)
+
+
 def with_tp_axis(w, spec: P):
     """``w`` marked with the axis that ``spec`` splits over ``"tp"`` (None: replicated)."""
     return dataclasses.replace(w, tp_axis=_tp_axis(spec))

@@ -2,7 +2,8 @@
 phase (``start-up PHASE: SECONDS s (DETAIL)``), kept in this process's ``timeline()`` too.
 
 The phases, in order: ``imports`` (interpreter start to the engine code loaded; the engine-core process logs
-its own), ``device init`` (the JAX backend and the mesh), ``config/tokenizer``, ``weights`` (bytes and GB/s),
+its own), ``device init`` (the JAX backend and the mesh), ``config/tokenizer``, ``weights`` (bytes and GB/s, then the
+bytes by storage: int4 / fp8 with their bits per weight, float dtypes),
 ``KV cache`` (sizing and allocating it), ``warm-up`` (the first-needed compiles) and ``engine-core
 hand-shake`` (the front end's wait for a core process beyond the core's own phases: its interpreter, the
 pickled facts). A phase opened inside another one on the same thread is not counted in its parent's seconds,
@@ -28,12 +29,13 @@ _open = threading.local()
 
 
 class _Phase:
-    """An open phase: set ``nbytes`` to log its size and rate."""
+    """An open phase: set ``nbytes`` to log its size and rate, ``detail`` to add a phrase after them."""
 
     def __init__(self, name: str):
         self.name = name
         self.nested_s = 0.0
         self.nbytes: int | None = None
+        self.detail = ""
 
 
 def record(name: str, seconds: float, detail: str = "") -> None:
@@ -60,7 +62,7 @@ def phase(name: str):
     if stack:
         stack[-1].nested_s += total
     seconds = total - p.nested_s
-    record(name, seconds, "" if p.nbytes is None else rate(p.nbytes, seconds))
+    record(name, seconds, "; ".join(d for d in ("" if p.nbytes is None else rate(p.nbytes, seconds), p.detail) if d))
 
 
 def rate(nbytes: int, seconds: float) -> str:

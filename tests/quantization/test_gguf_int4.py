@@ -1,0 +1,146 @@
+"""GGUF's 4-bit projections kept as int4 (``quantization.gguf_formats``): random Q4_0 / Q4_1 / Q4_K blocks of odd
+shapes dequantize to exactly the gguf package's values, in numpy and in the jnp reference; the kernels plus the
+per-group mins' correction (the GPU path, interpret mode) equal the reference; the embedded SmolLM2 (Q4_1) and
+Gemma 3 270M Q4_K_M give the dequantized path's greedy tokens and report their device bytes."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+
+from jaxserve.errors import ModelLoadError
+from jaxserve.kernels import int4_matmul_pallas as k4
+from jaxserve.quantization import gguf_formats, int4_formats, weights
+from jaxserve.quantization.config import gguf_quantization
+from jaxserve.quantization.weights import Int4Weight, bytes_by_storage, describe_bytes
+from support.llms import packaged_model_or_skip
+
+
+def random_rows(rng, qtype, n: int, k: int) -> np.ndarray:
+    """``n`` rows of ``k`` values of ``qtype``: random bytes, each block's float16 fields finite."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    f16 = 1 if qtype == T.Q4_0 else 2                       # d; Q4_1 d, m; Q4_K d, dmin
+    fields = rng.normal(0, 0.05, (n, k // block, f16)).astype(np.float16)
+    blocks[..., :2 * f16] = fields.view(np.uint8).reshape(n, k // block, 2 * f16)
+    return blocks.reshape(n, -1)
+
+
+def int4_weight(parts: int4_formats.Int4Parts) -> Int4Weight:
+    return jax.tree.map(jnp.asarray, Int4Weight(
+        packed=int4_formats.pack(parts.q), scales=parts.scales, zeros=parts.zeros, perm=None,
+        group_size=parts.group_size, mins=parts.mins, super_scales=parts.super_scales, super_mins=parts.super_mins))
+
+
+def dequantized(w: Int4Weight) -> np.ndarray:
+    return np.asarray(k4.dequantize_int4(w.packed, w.group_scales(), w.zeros, w.group_size, mins=w.group_mins()))
+
+
+SHAPES = [(T.Q4_0, 37, 96), (T.Q4_0, 5, 32), (T.Q4_1, 37, 160), (T.Q4_1, 1, 64), (T.Q4_K, 37, 768),
+          (T.Q4_K, 3, 256)]
+
+
+@pytest.mark.parametrize("qtype,n,k", SHAPES)
+def test_repacked_blocks_are_the_gguf_values_exactly(qtype, n, k):
+    rows = random_rows(np.random.default_rng(n * k), qtype, n, k)
+    want = gguf_dequantize(rows, qtype)                                  # [N, K], HF layout
+    parts = gguf_formats.read_gguf(rows, qtype, (n, k), "w")
+    np.testing.assert_array_equal(int4_formats.dequantize(parts).T, want)
+    np.testing.assert_array_equal(dequantized(int4_weight(parts)).T, want)
+
+
+def test_only_the_4_bit_types_are_kept():
+    assert {T(t).name for t in gguf_formats.KEPT_TYPES} == {"Q4_0", "Q4_1", "Q4_K"}
+    assert not any(gguf_formats.kept(t) for t in (T.Q5_0, T.Q5_K, T.Q6_K, T.Q8_0, T.F16, T.IQ4_NL))
+    with pytest.raises(ModelLoadError, match="Q6_K has no int4 form"):
+        gguf_formats.read_gguf(np.zeros((1, 210), np.uint8), T.Q6_K, (1, 256), "w")
+
+
+def test_gate_and_up_stack_with_their_mins_and_super_scales():
+    rng = np.random.default_rng(1)
+    gate, up = (gguf_formats.read_gguf(random_rows(rng, T.Q4_K, 24, 512), T.Q4_K, (24, 512), p) for p in "gu")
+    both = int4_formats.combine([gate, up], "stack_t", "gate_up")
+    assert both.q.shape == (512, 2, 24) and both.super_mins.shape == (2, 2, 24) and both.zeros is None
+    np.testing.assert_array_equal(int4_formats.dequantize(both),
+                                  np.stack([int4_formats.dequantize(gate), int4_formats.dequantize(up)], 1))
+    q40 = gguf_formats.read_gguf(random_rows(rng, T.Q4_0, 24, 512), T.Q4_0, (24, 512), "u")
+    with pytest.raises(ModelLoadError, match="different int4 forms"):
+        int4_formats.combine([gate, q40], "stack_t", "gate_up")
+
+
+@pytest.mark.parametrize("qtype,method,m", [(T.Q4_K, "fma", 1), (T.Q4_K, "gemv", 3), (T.Q4_1, "dot", 5),
+                                            (T.Q4_0, "fma", 2)])
+def test_gpu_path_kernels_and_the_mins_correction_equal_the_reference(monkeypatch, qtype, method, m):
+    """``weights.matmul`` as a GPU runs it (the Pallas kernel, here in interpret mode, then ``x``'s group sums
+    times the mins subtracted) against ``x`` times the dequantized weight."""
+    rng = np.random.default_rng(m)
+    n, k = 48, 512
+    w = int4_weight(gguf_formats.read_gguf(random_rows(rng, qtype, n, k), qtype, (n, k), "w"))
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    want = np.asarray(x) @ dequantized(w)
+    monkeypatch.setattr(weights.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(weights, "int4_step_kernel", lambda *a: "pallas")
+    monkeypatch.setattr(weights.int4_kernel, "default_config", lambda *a, **kw: k4.Config(method, block_n=16))
+    monkeypatch.setattr(weights.int4_kernel, "int4_matmul", functools.partial(k4.int4_matmul, interpret=True))
+    got = np.asarray(weights.matmul(x, w))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_the_flag_picks_the_path():
+    assert gguf_quantization("none", "m.gguf", ()) is None
+    for flag in ("auto", "gguf", None):
+        q = gguf_quantization(flag, "m.gguf", ("model.layers.0.mlp.down_proj",))
+        assert (q.method, q.weights) == ("gguf", "int4")
+        assert not q.quantizes("model.layers.0.mlp.down_proj") and q.quantizes("model.layers.0.mlp.up_proj")
+    with pytest.raises(ModelLoadError, match="is a GGUF file; pass auto or gguf"):
+        gguf_quantization("awq", "m.gguf", ())
+
+
+def test_bytes_by_storage_count_every_array_of_a_quantized_weight():
+    rows = random_rows(np.random.default_rng(2), T.Q4_K, 64, 512)
+    tree = {"w": int4_weight(gguf_formats.read_gguf(rows, T.Q4_K, (64, 512), "w")), "norm": jnp.ones(64)}
+    # 4-bit values, 6-bit scales and mins as bytes per 32, two float16 factors per 256
+    assert bytes_by_storage(tree) == {"int4": (512 * 64 * 4.625 / 8, 512 * 64), "float32": (256, 64)}
+    assert describe_bytes(tree) == "int4 0.000 GB (4.62 bits/weight), float32 0.000 GB"
+
+
+# ------------------------------------------------------------------------------------------- models
+PROMPTS = [[1, 504, 3575, 282, 4649, 314], [2, 818, 5279, 529, 6056, 563]]
+TOKENS = 6
+
+
+def _greedy_and_bytes(model, quantization: str) -> tuple[list, dict, object]:
+    from jaxserve import LLM, SamplingParams
+    llm = LLM(model, quantization=quantization, dtype="float32", max_model_len=64, max_num_batched_tokens=32,
+              max_num_seqs=2, kv_cache_memory_bytes=1 << 22, skip_warmup=True, use_tqdm_on_load=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    model = llm.engine.core.model
+    return [list(o.outputs[0].token_ids) for o in outs], bytes_by_storage(model.params), model
+
+
+@pytest.mark.parametrize("name,bits,kept,dequantized", [
+    (None, 5.0, "Q4_1 210", "none"),                                        # the embedded SmolLM2: all Q4_1
+    ("gemma3-270m", 4.625, "Q4_K 27", "Q5_0 81, Q6_K 9, Q8_0 9"),           # Q4_K_M: o and half the downs Q4_K
+])
+def test_gguf_model_keeps_its_4_bit_projections_and_greedy_tokens(caplog, name, bits, kept, dequantized):
+    model = packaged_model_or_skip(name) if name else None
+    with caplog.at_level(logging.INFO, logger="jaxserve.models.gguf_loader"):
+        tokens, storage, loaded = _greedy_and_bytes(model, "auto")
+    lines = [r.getMessage() for r in caplog.records if "kept as int4" in r.getMessage()]
+    assert len(lines) == 1 and f"kept as int4: {kept}; dequantized (no exact int4 form): {dequantized};" in lines[0]
+    assert loaded.quantization == "gguf"
+    int4_bytes, int4_weights = storage["int4"]
+    assert 8 * int4_bytes / int4_weights == bits
+    float_tokens, float_storage, _ = _greedy_and_bytes(model, "none")
+    assert "int4" not in float_storage
+    # the int4 reference dequantizes to the float path's weights exactly (float32 on CPU): the same tokens
+    assert tokens == float_tokens
+    saved = float_storage["float32"][0] - storage["float32"][0]
+    assert saved > 6 * int4_bytes                # float32 weights take 32 bits, these about 5

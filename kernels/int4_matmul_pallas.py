@@ -6,7 +6,9 @@ into at load): ``packed`` int32 ``[K/8, N]`` whose nibble ``j`` (bits ``4j..4j+3
 per group of ``G`` input rows: ``w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``. An optional
 float ``mins [K/G, N]`` (GGUF's Q4_1 and Q4_K, stored without zero points: ``zeros`` None in the reference, a
 zero array for the kernels) is subtracted after the scale: ``w[k, n] -= mins[k // G, n]``; the kernels leave
-it out and ``group_mins_product`` gives ``x``'s group sums times ``mins`` to subtract afterwards.
+it out and ``group_mins_product`` gives ``x``'s group sums times ``mins`` to subtract afterwards. A wide
+weight (GGUF's 5- to 8-bit types: ``q = low + 16 high - offset``) runs as two products on this layout, the
+high plane's with ``16 * scales`` and the zero point ``offset / 16``.
 
 Why this layout: N is the contiguous axis, so a program's tile of ``[bk/8, bn]`` words is ``bk/8`` runs of
 ``4 bn`` bytes, each loaded as 16-byte vectors by consecutive threads (coalesced); packing along K keeps
@@ -69,10 +71,14 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 def dequantize_int4(packed: jax.Array, scales: jax.Array, zeros: jax.Array | None, group_size: int,
-                    dtype=jnp.float32, mins: jax.Array | None = None) -> jax.Array:
+                    dtype=jnp.float32, mins: jax.Array | None = None, high: jax.Array | None = None,
+                    offset: int = 0) -> jax.Array:
     """The float weight ``[K, ...]``: ``(q - zero) * scale - min`` in float32 (``zeros`` None: no zero point,
-    ``mins`` None: no min), then cast to ``dtype``."""
+    ``mins`` None: no min), then cast to ``dtype``. ``high``: a second plane packed like ``packed`` holding
+    each value's high nibble (``q = low + 16 high - offset``: up to 8 bits, GGUF's Q5 to Q8 types)."""
     q = unpack_int4(packed).astype(jnp.float32)
+    if high is not None:
+        q = q + 16.0 * unpack_int4(high).astype(jnp.float32) - float(offset)
     s = jnp.repeat(scales.astype(jnp.float32), group_size, axis=0)
     if zeros is not None:
         q = q - jnp.repeat(zeros.astype(jnp.float32), group_size, axis=0)
@@ -83,9 +89,10 @@ def dequantize_int4(packed: jax.Array, scales: jax.Array, zeros: jax.Array | Non
 
 
 def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array | None,
-                          group_size: int, mins: jax.Array | None = None) -> jax.Array:
+                          group_size: int, mins: jax.Array | None = None, high: jax.Array | None = None,
+                          offset: int = 0) -> jax.Array:
     """``x [M, K] @ w [K, N]`` with ``w`` dequantized to ``x``'s dtype first; float32 accumulation."""
-    w = dequantize_int4(packed, scales, zeros, group_size, x.dtype, mins)
+    w = dequantize_int4(packed, scales, zeros, group_size, x.dtype, mins, high, offset)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 

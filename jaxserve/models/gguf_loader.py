@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format): the config from the metadata, the weights dequantized on the host into HF
 layout and values, then the family's plan (``hf_weights.load_weights``), the tokenizer from the file's own
-vocabulary. The projections of a 4-bit type (Q4_0, Q4_1, Q4_K) skip the dequantization: their blocks are
-repacked into int4 weights exactly (``quantization.gguf_formats``) unless ``--quantization none``. The family that reads the file's ``general.architecture`` (``registry.gguf_architecture``) says how:
+vocabulary. The projections of the common types (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) skip the
+dequantization: their blocks are repacked exactly into the int4 layout (``quantization.gguf_formats``) unless
+``--quantization none``. The family that reads the file's ``general.architecture`` (``registry.gguf_architecture``) says how:
 its config reader, its tensor names beyond the shared ones, and what the converter changed in a tensor.
 
 The converted weights of the last load of a file are kept on disk (``weight_cache``), so a warm start maps
@@ -104,9 +105,9 @@ def gguf_getter(reader, path: str, cfg: ModelConfig | None) -> Callable[[str], n
 
 
 def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...], str]:
-    """The projections' modules that load dequantized (their GGUF type has no int4 form, or a fused weight's
-    modules differ in type), and the one log line that says which types stay int4 and which were
-    dequantized."""
+    """The projections' modules that load dequantized (their GGUF type has no exact form in the int4 layout, or
+    a fused weight's modules differ in type), and the one log line that says which types stay quantized and
+    which were dequantized."""
     arch = reader.fields["general.architecture"]
     types = {t.name: t.tensor_type for t in reader.tensors}
     kept, dequantized, float_modules = collections.Counter(), collections.Counter(), []
@@ -122,8 +123,8 @@ def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...
 
     def listed(counts):
         return ", ".join(f"{n} {c}" for n, c in sorted(counts.items())) or "none"
-    line = (f"{os.path.basename(reader.path)}: projections kept as int4: {listed(kept)}; dequantized (no exact "
-            f"int4 form): {listed(dequantized)}; embeddings, norms and lm_head dequantized")
+    line = (f"{os.path.basename(reader.path)}: projections kept quantized: {listed(kept)}; dequantized: "
+            f"{listed(dequantized)}; embeddings, norms and lm_head dequantized")
     return tuple(float_modules), line
 
 
@@ -159,8 +160,8 @@ def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_fr
 
 def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None, quantization: str | None = "auto",
               enable_expert_parallel: bool = False) -> LoadedModel:
-    """``quantization``: ``auto`` / ``gguf`` keep the projections of a 4-bit type as int4 (one log line names
-    the types kept and dequantized), ``none`` dequantizes every tensor (``config.gguf_quantization``)."""
+    """``quantization``: ``auto`` / ``gguf`` keep the projections of the types ``gguf_formats`` repacks (one log
+    line names the types kept and dequantized), ``none`` dequantizes every tensor (``config.gguf_quantization``)."""
     reader = open_gguf(path)
     meta = reader.metadata()
     tensor_names = {t.name for t in reader.tensors}

@@ -4,7 +4,8 @@
 the checkpoint must hold, except ``fp8`` on an unquantized checkpoint, which quantizes it at load (vLLM's
 online fp8: per-channel weights, dynamic per-token activations). Any other disagreement is an error that
 says what the checkpoint is, so a wrong flag never silently loads garbage. A GGUF file (``gguf_quantization``)
-keeps its 4-bit projections as int4 under ``auto`` and ``gguf``; ``none`` dequantizes every tensor.
+keeps its projections quantized (in the int4 layout) under ``auto`` and ``gguf``; ``none`` dequantizes every
+tensor.
 """
 from __future__ import annotations
 
@@ -88,15 +89,15 @@ def resolve_quantization(requested: str | None, hf_config: dict | None, source: 
 
 
 def gguf_quantization(requested: str | None, source: str, float_modules: tuple[str, ...]) -> QuantConfig | None:
-    """How a GGUF file's projections load: ``auto`` / ``gguf`` keep those of a 4-bit type as int4
-    (``gguf_formats``; ``float_modules``: the projections' modules whose type has no int4 form, dequantized);
-    ``none``: None, every tensor dequantized to the float dtype."""
+    """How a GGUF file's projections load: ``auto`` / ``gguf`` keep them in the int4 layout (``gguf_formats``;
+    ``float_modules``: the projections' modules whose type has no exact form there, dequantized); ``none``:
+    None, every tensor dequantized to the float dtype."""
     requested = canonical_method(requested)
     if requested == "none":
         return None
     if requested not in ("auto", "gguf"):
-        raise ModelLoadError(f"--quantization {requested}: {source} is a GGUF file; pass auto or gguf (its 4-bit "
-                             f"weights kept as int4) or none (every weight dequantized)")
+        raise ModelLoadError(f"--quantization {requested}: {source} is a GGUF file; pass auto or gguf (its "
+                             f"quantized weights kept so) or none (every weight dequantized)")
     return QuantConfig(method="gguf", weights="int4", group_size=32, ignore=float_modules)
 
 

@@ -1,17 +1,28 @@
-"""GGUF (llama.cpp) 4-bit tensors → ``int4_formats.Int4Parts``, exactly, in numpy at load.
+"""GGUF (llama.cpp) quantized tensors → ``int4_formats.Int4Parts``, exactly, in numpy at load.
 
 A GGUF linear weight is stored ``[N, K]`` (a row per output feature), each row a run of blocks along K. The
-types kept quantized, with the values llama.cpp (and ``gguf.quants``) dequantize them to:
+types kept quantized, with the values llama.cpp (and ``gguf.quants``) dequantize them to; ``q`` is the
+unsigned integer a block stores per value, ``d`` / ``dmin`` / ``m`` float16, ``sc`` / ``mn`` small integers:
 
-* Q4_0, blocks of 32: ``d`` f16, 16 bytes of nibbles (low nibbles values 0..15, high 16..31);
-  ``w = d (q - 8)``: int4 with zero point 8, ``scales = d``.
-* Q4_1, blocks of 32: ``d``, ``m`` f16, the same nibbles; ``w = d q + m``: zero point 0, ``mins = -m``.
-* Q4_K, super-blocks of 256: ``d``, ``dmin`` f16, 12 bytes of 6-bit scales and mins for its eight sub-blocks
-  of 32, 128 bytes of nibbles (bytes ``32c..32c+31``: low nibbles sub-block ``2c``, high ``2c + 1``);
-  ``w = d sc q - dmin m``: no zero point, ``scales = sc`` times ``super_scales = d``, ``mins = m`` times
-  ``super_mins = dmin``. The products are exact in float32 (6 bits times 11), as llama.cpp's own.
+* 4-bit (``int4``):
+  Q4_0 (32): ``w = d (q - 8)``: zero point 8, ``scales = d``.
+  Q4_1 (32): ``w = d q + m``: no zero point (``zeros`` None), ``mins = -m``.
+  Q4_K (256 = 8 x 32): ``w = d sc q - dmin mn``: ``scales = sc`` times ``super_scales = d``, ``mins = mn``
+  times ``super_mins = dmin``.
+* 5- to 8-bit, as two int4 planes (``wide``: low nibble in ``q``'s packing, high nibble beside it) and a
+  static ``offset``:
+  Q8_0 (32): ``w = d q_signed = d (q - 128)``.  Q5_0 (32): ``w = d (q - 16)``.  Q5_1 (32): ``w = d q + m``.
+  Q5_K (256 = 8 x 32): as Q4_K with 5-bit ``q``.  Q6_K (256 = 16 x 16): ``w = d sc (q - 32)`` with signed
+  8-bit ``sc`` per 16 values (groups of 16).
 
-Every other type (Q5_*, Q6_K, Q8_0, the IQ types, ...) has no exact int4 form: the loader dequantizes it.
+A 6- or 8-bit integer times a float16 fits float32's 24-bit mantissa, so every product above is exact, as
+llama.cpp's own; the repacked weight dequantizes to the same float32 values bit for bit. Every other type
+(IQ*, Q2_K, Q3_K, TQ*, ...) has no exact form here: the loader dequantizes it.
+
+Block layouts (ggml-common.h): nibbles come in runs of bytes whose low nibbles are the run's first values and
+high nibbles the next ones (runs of 16 bytes in Q4_0/Q4_1/Q5_0/Q5_1, 32 in Q4_K/Q5_K, 64 in Q6_K's low
+bits); a 5-bit type's fifth bits are a bit plane (Q5_0/Q5_1: bit ``i`` of a uint32 for value ``i``; Q5_K:
+bit ``j`` of byte ``l`` for value ``32 j + l``); Q6_K's top two bits four to a byte.
 """
 from __future__ import annotations
 
@@ -21,15 +32,17 @@ from jaxserve.errors import ModelLoadError
 
 from .int4_formats import Int4Parts
 
-Q4_0, Q4_1, Q4_K = 2, 3, 12            # GGMLQuantizationType values
-KEPT_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q4_K: "Q4_K"}
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q4_K: 144}
-_BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q4_K: 256}
-GROUP = 32
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14    # GGMLQuantizationType values
+KEPT_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_0: "Q5_0", Q5_1: "Q5_1", Q5_K: "Q5_K",
+              Q6_K: "Q6_K", Q8_0: "Q8_0"}
+WIDE_TYPES = (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)        # more than 4 bits: two int4 planes
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+_BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
+_OFFSET = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32}
 
 
 def kept(tensor_type) -> bool:
-    """Whether a GGUF tensor of ``tensor_type`` (``GGMLQuantizationType`` or its int) loads as int4."""
+    """Whether a GGUF tensor of ``tensor_type`` (``GGMLQuantizationType`` or its int) loads quantized."""
     return int(tensor_type) in KEPT_TYPES
 
 
@@ -44,13 +57,49 @@ def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
     return np.concatenate([runs & 15, runs >> 4], axis=-2).reshape(qs.shape[:-1] + (-1,))
 
 
+def _bit_planes(qh: np.ndarray, planes: int, bits: int) -> np.ndarray:
+    """``[..., B]`` bytes → ``[..., planes * B]``: plane ``j`` (bits ``bits j ..``) of every byte, plane by plane."""
+    shifts = (bits * np.arange(planes, dtype=np.uint8)).reshape(planes, 1)
+    return ((qh[..., None, :] >> shifts) & ((1 << bits) - 1)).reshape(qh.shape[:-1] + (-1,))
+
+
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 bytes per super-block ``[..., 12]`` → 6-bit ``(scales, mins)`` ``[..., 8]`` (ggml's
+    """Q4_K's / Q5_K's 12 bytes per super-block ``[..., 12]`` → 6-bit ``(scales, mins)`` ``[..., 8]`` (ggml's
     ``get_scale_min_k4``)."""
     d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sc = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=-1)
     mn = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=-1)
     return sc, mn
+
+
+def _decode(b: np.ndarray, qtype: int) -> dict:
+    """Blocks ``[N, K/B, bytes]`` → ``q`` ``[N, K/B, B]`` (uint8) and the type's scales, mins and factors."""
+    if qtype in (Q4_0, Q4_1):
+        start = 2 if qtype == Q4_0 else 4
+        out = dict(q=_nibbles(b[..., start:], 16), scales=_f16(b, 0)[..., None])
+        if qtype == Q4_1:
+            out["mins"] = -_f16(b, 2)[..., None]
+        return out
+    if qtype in (Q5_0, Q5_1):
+        start = 2 if qtype == Q5_0 else 4
+        high = np.unpackbits(b[..., start:start + 4], axis=-1, bitorder="little")      # bit i: value i
+        out = dict(q=_nibbles(b[..., start + 4:], 16) | (high << 4), scales=_f16(b, 0)[..., None])
+        if qtype == Q5_1:
+            out["mins"] = -_f16(b, 2)[..., None]
+        return out
+    if qtype == Q8_0:
+        return dict(q=b[..., 2:] ^ np.uint8(128), scales=_f16(b, 0)[..., None])       # int8 + 128, as bits
+    if qtype in (Q4_K, Q5_K):
+        sc, mn = _k_scales(b[..., 4:16])
+        if qtype == Q4_K:
+            q = _nibbles(b[..., 16:], 32)
+        else:
+            q = _nibbles(b[..., 48:], 32) | (_bit_planes(b[..., 16:48], 8, 1) << 4)
+        return dict(q=q, scales=sc, mins=mn, super_scales=_f16(b, 0)[..., None], super_mins=_f16(b, 2)[..., None])
+    assert qtype == Q6_K
+    low = _nibbles(b[..., :128], 64)
+    high = _bit_planes(b[..., 128:192].reshape(b.shape[:-1] + (2, 32)), 4, 2).reshape(low.shape)
+    return dict(q=low | (high << 4), scales=b[..., 192:208].view(np.int8), super_scales=_f16(b, 208)[..., None])
 
 
 def read_gguf(rows: np.ndarray, tensor_type, shape: tuple[int, int], name: str) -> Int4Parts:
@@ -60,24 +109,12 @@ def read_gguf(rows: np.ndarray, tensor_type, shape: tuple[int, int], name: str) 
     if qtype not in KEPT_TYPES:
         raise ModelLoadError(f"{name}: GGUF type {getattr(tensor_type, 'name', tensor_type)} has no int4 form")
     n, k = shape
-    nbytes, nvals = _BLOCK_BYTES[qtype], _BLOCK_VALUES[qtype]
-    blocks = np.asarray(rows).view(np.uint8).reshape(n, k // nvals, nbytes)
-    super_scales = super_mins = mins = None
-    if qtype == Q4_K:
-        q = _nibbles(blocks[..., 16:], 32).reshape(n, k)
-        sc, mn = _k_scales(blocks[..., 4:16])                       # [N, K/256, 8]
-        scales, mins = sc.reshape(n, k // GROUP), mn.reshape(n, k // GROUP)
-        super_scales, super_mins = _f16(blocks, 0), _f16(blocks, 2)
-    else:
-        start = 2 if qtype == Q4_0 else 4
-        q = _nibbles(blocks[..., start:], 16).reshape(n, k)
-        scales = _f16(blocks, 0)
-        if qtype == Q4_1:
-            mins = -_f16(blocks, 2)
-    # Q4_1 and Q4_K have no zero point (their mins stand in for it): no zeros array
-    zeros = np.full((k // GROUP, n), 8, np.int8) if qtype == Q4_0 else None
-
-    def t(a):
-        return None if a is None else np.ascontiguousarray(a.T)
-    return Int4Parts(q=t(q), scales=t(scales), zeros=zeros, perm=None,
-                     group_size=GROUP, mins=t(mins), super_scales=t(super_scales), super_mins=t(super_mins))
+    blocks = np.asarray(rows).view(np.uint8).reshape(n, k // _BLOCK_VALUES[qtype], _BLOCK_BYTES[qtype])
+    parts = _decode(blocks, qtype)
+    group = k // (parts["scales"].size // n)
+    arrays = {f: np.ascontiguousarray(a.reshape(n, -1).T) for f, a in parts.items()}
+    offset = _OFFSET.get(qtype, 0)
+    wide = qtype in WIDE_TYPES
+    # the narrow types' zero point as the int4 layout's zeros; the wide ones' as the static offset
+    zeros = None if wide or not offset else np.full((k // group, n), offset, np.int8)
+    return Int4Parts(zeros=zeros, perm=None, group_size=group, offset=offset if wide else 0, wide=wide, **arrays)

@@ -3,10 +3,11 @@
 Each reader returns a module's weight as unsigned 4-bit values ``q [K, N]`` in the model's ``[in, out]``
 layout, with per-group ``scales [K/G, N]`` (the checkpoint's float dtype, unchanged) and integer ``zeros
 [K/G, N]`` such that ``w = (q - zeros) * scales``, and ``perm`` when GPTQ's act-order stores the input
-channels out of group order. GGUF's 4-bit types (``gguf_formats``) add a float ``mins [K/G, N]`` per group, and
-its k-quants two-level scales: ``scales`` and ``mins`` as 6-bit integers times per-super-block
+channels out of group order. GGUF's types (``gguf_formats``) add a float ``mins [K/G, N]`` per group, and
+its k-quants two-level scales: ``scales`` and ``mins`` as small integers times per-super-block
 ``super_scales`` / ``super_mins [K/S, N]``, so ``w = (q - zeros) * scales * super_scales - mins * super_mins``
-(each factor broadcast over its rows). ``combine`` then applies the weight plan's build (stack gate and up, slice a
+(each factor broadcast over its rows); its 5- to 8-bit types are ``wide``: ``q`` up to 255 less a static
+``offset``, packed as two int4 planes (low and high nibbles). ``combine`` then applies the weight plan's build (stack gate and up, slice a
 fused projection) and ``pack`` packs ``q`` along K into ``kernels/int4_matmul_pallas.py``'s layout.
 
 The formats' packing rules, as their quantizers write them:
@@ -35,7 +36,7 @@ PACK = 8
 
 @dataclasses.dataclass
 class Int4Parts:
-    q: np.ndarray                  # uint8 [K, *out], 0..15
+    q: np.ndarray                  # uint8 [K, *out], 0..15 (0..255 when ``wide``)
     scales: np.ndarray             # [K/G, *out] float
     zeros: np.ndarray | None       # int8 [K/G, *out], 0..15; None: 0 (GGUF's types with mins)
     perm: np.ndarray | None        # int32 [K] or None
@@ -43,6 +44,8 @@ class Int4Parts:
     mins: np.ndarray | None = None           # [K/G, *out]: subtracted after the scale (GGUF Q4_1, Q4_K)
     super_scales: np.ndarray | None = None   # [K/S, *out]: a factor of S/G groups' scales (GGUF k-quants)
     super_mins: np.ndarray | None = None     # [K/S, *out]: the same for their mins
+    offset: int = 0                          # subtracted from every q (the zero point of a wide weight)
+    wide: bool = False                       # q holds up to 8 bits: packed as two int4 planes (GGUF Q5-Q8)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-output-column arrays (``[in-ish, *out]``), by field name: what a build stacks or slices."""
@@ -159,7 +162,7 @@ def combine(parts: list[Int4Parts], kind, name: str) -> Int4Parts:
                                                          and not np.array_equal(gate.perm, up.perm)):
             raise ModelLoadError(f"{name}: gate_proj and up_proj have different act-order permutations "
                                  f"(g_idx); their fused projection needs one")
-        if gate.arrays().keys() != up.arrays().keys() or any(
+        if (gate.wide, gate.offset) != (up.wide, up.offset) or gate.arrays().keys() != up.arrays().keys() or any(
                 a.shape[0] != b.shape[0] for a, b in zip(gate.arrays().values(), up.arrays().values())):
             raise ModelLoadError(f"{name}: gate_proj and up_proj are stored in different int4 forms")
         return gate.with_arrays(lambda a, b: np.stack([a, b], axis=1), up)
@@ -182,10 +185,11 @@ def group_factor(a: np.ndarray, super_factor: np.ndarray | None) -> np.ndarray:
 
 
 def dequantize(parts: Int4Parts) -> np.ndarray:
-    """The float32 weight ``[K, *out]`` the parts stand for (rows in ``perm`` order when there is one)."""
+    """The float32 weight ``[K, *out]`` the parts stand for (rows in ``perm`` order when there is one):
+    ``(q - offset - zeros) * scales - mins``, the scales and mins times their super-block factors."""
     g = parts.group_size
     s = np.repeat(group_factor(parts.scales, parts.super_scales), g, axis=0)
-    q = parts.q.astype(np.float32)
+    q = parts.q.astype(np.float32) - np.float32(parts.offset)
     w = (q if parts.zeros is None else q - np.repeat(parts.zeros.astype(np.float32), g, axis=0)) * s
     if parts.mins is not None:
         w -= np.repeat(group_factor(parts.mins, parts.super_mins), g, axis=0)

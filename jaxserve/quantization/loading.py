@@ -96,9 +96,10 @@ def load_linear(q: QuantConfig, path: tuple, names: list[str], kind, expected: t
             raise ModelLoadError(f"{name}: GPTQ act-order (desc_act) weights of a row-parallel projection cannot "
                                  f"be split with tensor_parallel_size={tp} (the input permutation crosses the "
                                  f"shards); use tensor_parallel_size=1")
-        weight = Int4Weight(packed=int4_formats.pack(whole.q), scales=whole.scales, zeros=whole.zeros,
+        weight = Int4Weight(packed=int4_formats.pack(whole.q & 15), scales=whole.scales, zeros=whole.zeros,
                             perm=whole.perm, group_size=whole.group_size, mins=whole.mins,
-                            super_scales=whole.super_scales, super_mins=whole.super_mins)
+                            super_scales=whole.super_scales, super_mins=whole.super_mins,
+                            high=int4_formats.pack(whole.q >> 4) if whole.wide else None, offset=whole.offset)
         return _place(weight, sharding)
     return _load_fp8(q, name, prefixes, kind, expected, sharding, get, has)
 

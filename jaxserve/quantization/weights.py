@@ -72,7 +72,9 @@ class Int4Weight:
     group order, ``x[:, perm]`` feeds the weight's rows) or None. GGUF's Q4_1 and Q4_K have ``mins [K/G,
     *out]`` instead of zero points (``w = q * scales - mins``, ``zeros`` None); Q4_K keeps its two-level scales: ``scales`` and ``mins`` are
     6-bit integers and ``super_scales`` / ``super_mins [K/S, *out]`` (float16, one per super-block of S
-    inputs) their factors (``group_scales``, ``group_mins``)."""
+    inputs) their factors (``group_scales``, ``group_mins``). GGUF's 5- to 8-bit types are wide: ``high``
+    (packed like ``packed``) holds each value's high nibble, ``w = (low + 16 high - offset) * scales - mins``
+    (``offset`` static, ``zeros`` None)."""
     packed: jax.Array
     scales: jax.Array
     zeros: jax.Array | None
@@ -82,6 +84,8 @@ class Int4Weight:
     mins: jax.Array | None = None
     super_scales: jax.Array | None = None
     super_mins: jax.Array | None = None
+    high: jax.Array | None = None
+    offset: int = dataclasses.field(default=0, metadata=_static)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -101,7 +105,8 @@ class Int4Weight:
             return None if a is None else spec
         return dataclasses.replace(self, packed=spec, scales=spec, zeros=opt(self.zeros),
                                    perm=None if self.perm is None else P(), mins=opt(self.mins),
-                                   super_scales=opt(self.super_scales), super_mins=opt(self.super_mins))
+                                   super_scales=opt(self.super_scales), super_mins=opt(self.super_mins),
+                                   high=opt(self.high))
 
 
 def _times_super(a: jax.Array, factor: jax.Array | None) -> jax.Array:
@@ -164,12 +169,13 @@ def is_quantized(w) -> bool:
 
 
 def bytes_by_storage(tree) -> dict[str, tuple[int, int]]:
-    """The weight tree's device bytes and weight count by storage: ``int4`` and ``fp8`` (every array of the
-    quantized weights, scales included), each float dtype by name."""
+    """The weight tree's device bytes and weight count by storage: ``int4``, ``int8`` (wide int4 weights: GGUF's
+    5- to 8-bit types) and ``fp8`` (every array of the quantized weights, scales included), each float dtype
+    by name."""
     out: dict[str, tuple[int, int]] = {}
     for leaf in jax.tree.leaves(tree, is_leaf=is_quantized):
         if isinstance(leaf, Int4Weight):
-            kind = "int4"
+            kind = "int4" if leaf.high is None else "int8"       # a wide weight: two int4 planes
         elif isinstance(leaf, Fp8Weight):
             kind = "fp8"
         else:
@@ -184,7 +190,7 @@ def describe_bytes(tree) -> str:
     """``bytes_by_storage`` as one phrase: ``int4 0.06 GB (5.00 bits/weight), float32 0.12 GB``."""
     parts = []
     for kind, (nbytes, count) in sorted(bytes_by_storage(tree).items(), key=lambda kv: -kv[1][0]):
-        bits = f" ({8 * nbytes / count:.2f} bits/weight)" if kind in ("int4", "fp8") and count else ""
+        bits = f" ({8 * nbytes / count:.2f} bits/weight)" if kind in ("int4", "int8", "fp8") and count else ""
         parts.append(f"{kind} {nbytes / 1e9:.3f} GB{bits}")
     return ", ".join(parts)
 
@@ -241,28 +247,37 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=1)
     k = x.shape[-1]
-    packed, scales, zeros, mins = (None if a is None else a.reshape(a.shape[0], n)
-                                   for a in (w.packed, w.group_scales(), w.zeros, w.group_mins()))
+    packed, high, scales, zeros, mins = (None if a is None else a.reshape(a.shape[0], n)
+                                         for a in (w.packed, w.high, w.group_scales(), w.zeros, w.group_mins()))
     m = x.shape[0]
     kernel = int4_step_kernel(m, k, n, w.group_size, x.dtype) if jax.default_backend() == "gpu" else None
     if kernel is None:
-        x, packed, scales, zeros, mins = _after_input(x, packed, scales, zeros, mins)
-        return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size, mins)
-    if zeros is None:           # the kernels always apply a zero point
-        zeros = jnp.zeros(scales.shape, jnp.int8)
+        x, packed, high, scales, zeros, mins = _after_input(x, packed, high, scales, zeros, mins)
+        return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size, mins, high, w.offset)
+    # the kernels always apply a zero point; a wide weight is its low plane's product plus its high plane's
+    # (16 times the scales, the offset over 16: exact for GGUF's offsets 16, 32 and 128)
+    planes = [(packed, scales, jnp.zeros(scales.shape, jnp.int8) if zeros is None else zeros)]
+    if high is not None:
+        planes = [(packed, scales, jnp.zeros(scales.shape, jnp.int8)),
+                  (high, scales.astype(jnp.float32) * 16, jnp.full(scales.shape, w.offset // 16, jnp.int8))]
+    ys = [_int4_kernel(kernel, x, p, s, z, w.group_size, live) for p, s, z in planes]
+    if len(ys) == 1 and mins is None:
+        return ys[0]
+    y = sum(a.astype(jnp.float32) for a in ys)
+    if mins is not None:
+        y = y - int4_kernel.group_mins_product(x, mins, w.group_size)
+    return y.astype(x.dtype)
+
+
+def _int4_kernel(kernel: str, x, packed, scales, zeros, group_size: int, live) -> jax.Array:
     if kernel == "ffi":
-        y = quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=w.group_size)
-    else:
-        live = live if live is not None and m > 1 else None
-        cfg = int4_kernel.default_config(m, k, n, w.group_size, live_one=live is not None)
-        if cfg.method != "gemv":
-            live = None
-        y = int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=w.group_size, config=cfg,
-                                    live_rows=live)
-    if mins is None:
-        return y
-    term = int4_kernel.group_mins_product(x, mins, w.group_size)
-    return (y.astype(jnp.float32) - term).astype(x.dtype)
+        return quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=group_size)
+    m, k, n = x.shape[0], x.shape[1], packed.shape[1]
+    live = live if live is not None and m > 1 else None
+    cfg = int4_kernel.default_config(m, k, n, group_size, live_one=live is not None)
+    if cfg.method != "gemv":
+        live = None
+    return int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=group_size, config=cfg, live_rows=live)
 
 
 def int4_step_kernel(m: int, k: int, n: int, group_size: int, dtype) -> str | None:

@@ -9,8 +9,8 @@ unsigned integer a block stores per value, ``d`` / ``dmin`` / ``m`` float16, ``s
   Q4_1 (32): ``w = d q + m``: no zero point (``zeros`` None), ``mins = -m``.
   Q4_K (256 = 8 x 32): ``w = d sc q - dmin mn``: ``scales = sc`` times ``super_scales = d``, ``mins = mn``
   times ``super_mins = dmin``.
-* 5- to 8-bit, as two int4 planes (``wide``: low nibble in ``q``'s packing, high nibble beside it) and a
-  static ``offset``:
+* 5- to 8-bit, with a static ``offset`` and each value's bits above the low four in a second plane of
+  ``high_bits`` bits per value (1 for the Q5 types, 2 for Q6_K, 4 for Q8_0):
   Q8_0 (32): ``w = d q_signed = d (q - 128)``.  Q5_0 (32): ``w = d (q - 16)``.  Q5_1 (32): ``w = d q + m``.
   Q5_K (256 = 8 x 32): as Q4_K with 5-bit ``q``.  Q6_K (256 = 16 x 16): ``w = d sc (q - 32)`` with signed
   8-bit ``sc`` per 16 values (groups of 16).
@@ -35,7 +35,7 @@ from .int4_formats import Int4Parts
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14    # GGMLQuantizationType values
 KEPT_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_0: "Q5_0", Q5_1: "Q5_1", Q5_K: "Q5_K",
               Q6_K: "Q6_K", Q8_0: "Q8_0"}
-WIDE_TYPES = (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)        # more than 4 bits: two int4 planes
+HIGH_BITS = {Q5_0: 1, Q5_1: 1, Q5_K: 1, Q6_K: 2, Q8_0: 4}      # bits of each value above the low four
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 _BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
 _OFFSET = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32}
@@ -114,7 +114,8 @@ def read_gguf(rows: np.ndarray, tensor_type, shape: tuple[int, int], name: str) 
     group = k // (parts["scales"].size // n)
     arrays = {f: np.ascontiguousarray(a.reshape(n, -1).T) for f, a in parts.items()}
     offset = _OFFSET.get(qtype, 0)
-    wide = qtype in WIDE_TYPES
-    # the narrow types' zero point as the int4 layout's zeros; the wide ones' as the static offset
-    zeros = None if wide or not offset else np.full((k // group, n), offset, np.int8)
-    return Int4Parts(zeros=zeros, perm=None, group_size=group, offset=offset if wide else 0, wide=wide, **arrays)
+    high_bits = HIGH_BITS.get(qtype, 0)
+    # a 4-bit type's zero point as the int4 layout's zeros; a wider one's as the static offset
+    zeros = None if high_bits or not offset else np.full((k // group, n), offset, np.int8)
+    return Int4Parts(zeros=zeros, perm=None, group_size=group, offset=offset if high_bits else 0,
+                     high_bits=high_bits, **arrays)

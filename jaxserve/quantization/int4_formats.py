@@ -6,9 +6,10 @@ layout, with per-group ``scales [K/G, N]`` (the checkpoint's float dtype, unchan
 channels out of group order. GGUF's types (``gguf_formats``) add a float ``mins [K/G, N]`` per group, and
 its k-quants two-level scales: ``scales`` and ``mins`` as small integers times per-super-block
 ``super_scales`` / ``super_mins [K/S, N]``, so ``w = (q - zeros) * scales * super_scales - mins * super_mins``
-(each factor broadcast over its rows); its 5- to 8-bit types are ``wide``: ``q`` up to 255 less a static
-``offset``, packed as two int4 planes (low and high nibbles). ``combine`` then applies the weight plan's build (stack gate and up, slice a
-fused projection) and ``pack`` packs ``q`` along K into ``kernels/int4_matmul_pallas.py``'s layout.
+(each factor broadcast over its rows); its 5- to 8-bit types: ``q`` up to 255 less a static ``offset``, its
+low nibble packed as usual and the bits above (``high_bits`` of them) in a second plane. ``combine`` then
+applies the weight plan's build (stack gate and up, slice a fused projection) and ``pack`` packs ``q`` along K
+into ``kernels/int4_matmul_pallas.py``'s layout.
 
 The formats' packing rules, as their quantizers write them:
 * AWQ (GEMM): ``qweight [K, N/8]`` int32 packs 8 output columns per word in the order 0, 2, 4, 6, 1, 3, 5, 7
@@ -36,7 +37,7 @@ PACK = 8
 
 @dataclasses.dataclass
 class Int4Parts:
-    q: np.ndarray                  # uint8 [K, *out], 0..15 (0..255 when ``wide``)
+    q: np.ndarray                  # uint8 [K, *out], 0..15 (up to 0..255 with ``high_bits``)
     scales: np.ndarray             # [K/G, *out] float
     zeros: np.ndarray | None       # int8 [K/G, *out], 0..15; None: 0 (GGUF's types with mins)
     perm: np.ndarray | None        # int32 [K] or None
@@ -44,8 +45,8 @@ class Int4Parts:
     mins: np.ndarray | None = None           # [K/G, *out]: subtracted after the scale (GGUF Q4_1, Q4_K)
     super_scales: np.ndarray | None = None   # [K/S, *out]: a factor of S/G groups' scales (GGUF k-quants)
     super_mins: np.ndarray | None = None     # [K/S, *out]: the same for their mins
-    offset: int = 0                          # subtracted from every q (the zero point of a wide weight)
-    wide: bool = False                       # q holds up to 8 bits: packed as two int4 planes (GGUF Q5-Q8)
+    offset: int = 0                          # subtracted from every q (the zero point of GGUF's Q5-Q8 types)
+    high_bits: int = 0                       # bits of q above the low four (1, 2 or 4: GGUF's Q5, Q6_K, Q8_0)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-output-column arrays (``[in-ish, *out]``), by field name: what a build stacks or slices."""
@@ -72,15 +73,16 @@ def _unpack_first(packed: np.ndarray) -> np.ndarray:
     return np.moveaxis(_unpack_last(np.moveaxis(packed, 0, -1)), -1, 0)
 
 
-def pack(q: np.ndarray) -> np.ndarray:
-    """uint8 ``[K, ...]`` (0..15) → int32 ``[K/8, ...]``, nibble ``j`` of row ``r`` = row ``8r + j``."""
-    k = q.shape[0]
-    if k % PACK:
-        raise ModelLoadError(f"int4 weight with {k} input rows (not a multiple of 8)")
-    planes = q.reshape((k // PACK, PACK) + q.shape[1:]).astype(np.uint32)
-    out = np.zeros((k // PACK,) + q.shape[1:], np.uint32)
-    for j in range(PACK):
-        out |= planes[:, j] << np.uint32(4 * j)
+def pack(q: np.ndarray, bits: int = 4) -> np.ndarray:
+    """uint8 ``[K, ...]`` (0..15) → int32 ``[K/8, ...]``, nibble ``j`` of row ``r`` = row ``8r + j``; with
+    ``bits`` (1, 2, 4) per value, ``32 / bits`` rows to a word the same way."""
+    k, per = q.shape[0], 32 // bits
+    if k % per:
+        raise ModelLoadError(f"int4 weight with {k} input rows (not a multiple of {per})")
+    planes = q.reshape((k // per, per) + q.shape[1:]).astype(np.uint32)
+    out = np.zeros((k // per,) + q.shape[1:], np.uint32)
+    for j in range(per):
+        out |= planes[:, j] << np.uint32(bits * j)
     return out.view(np.int32)
 
 
@@ -162,8 +164,8 @@ def combine(parts: list[Int4Parts], kind, name: str) -> Int4Parts:
                                                          and not np.array_equal(gate.perm, up.perm)):
             raise ModelLoadError(f"{name}: gate_proj and up_proj have different act-order permutations "
                                  f"(g_idx); their fused projection needs one")
-        if (gate.wide, gate.offset) != (up.wide, up.offset) or gate.arrays().keys() != up.arrays().keys() or any(
-                a.shape[0] != b.shape[0] for a, b in zip(gate.arrays().values(), up.arrays().values())):
+        forms = [(p.high_bits, p.offset, {f: a.shape[0] for f, a in p.arrays().items()}) for p in parts]
+        if forms[0] != forms[1]:
             raise ModelLoadError(f"{name}: gate_proj and up_proj are stored in different int4 forms")
         return gate.with_arrays(lambda a, b: np.stack([a, b], axis=1), up)
     p = parts[0]

@@ -99,7 +99,8 @@ def load_linear(q: QuantConfig, path: tuple, names: list[str], kind, expected: t
         weight = Int4Weight(packed=int4_formats.pack(whole.q & 15), scales=whole.scales, zeros=whole.zeros,
                             perm=whole.perm, group_size=whole.group_size, mins=whole.mins,
                             super_scales=whole.super_scales, super_mins=whole.super_mins,
-                            high=int4_formats.pack(whole.q >> 4) if whole.wide else None, offset=whole.offset)
+                            high=int4_formats.pack(whole.q >> 4, whole.high_bits) if whole.high_bits else None,
+                            offset=whole.offset, high_bits=whole.high_bits or 4)
         return _place(weight, sharding)
     return _load_fp8(q, name, prefixes, kind, expected, sharding, get, has)
 

@@ -72,9 +72,10 @@ class Int4Weight:
     group order, ``x[:, perm]`` feeds the weight's rows) or None. GGUF's Q4_1 and Q4_K have ``mins [K/G,
     *out]`` instead of zero points (``w = q * scales - mins``, ``zeros`` None); Q4_K keeps its two-level scales: ``scales`` and ``mins`` are
     6-bit integers and ``super_scales`` / ``super_mins [K/S, *out]`` (float16, one per super-block of S
-    inputs) their factors (``group_scales``, ``group_mins``). GGUF's 5- to 8-bit types are wide: ``high``
-    (packed like ``packed``) holds each value's high nibble, ``w = (low + 16 high - offset) * scales - mins``
-    (``offset`` static, ``zeros`` None)."""
+    inputs) their factors (``group_scales``, ``group_mins``). GGUF's 5- to 8-bit types add ``high [K *
+    high_bits / 32, *out]`` int32, each value's bits above the low four (``high_bits`` of them, packed along K
+    like ``packed``), and ``w = (low + 16 high - offset) * scales - mins`` (``offset`` static, ``zeros``
+    None)."""
     packed: jax.Array
     scales: jax.Array
     zeros: jax.Array | None
@@ -86,6 +87,7 @@ class Int4Weight:
     super_mins: jax.Array | None = None
     high: jax.Array | None = None
     offset: int = dataclasses.field(default=0, metadata=_static)
+    high_bits: int = dataclasses.field(default=4, metadata=_static)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -169,13 +171,13 @@ def is_quantized(w) -> bool:
 
 
 def bytes_by_storage(tree) -> dict[str, tuple[int, int]]:
-    """The weight tree's device bytes and weight count by storage: ``int4``, ``int8`` (wide int4 weights: GGUF's
-    5- to 8-bit types) and ``fp8`` (every array of the quantized weights, scales included), each float dtype
-    by name."""
+    """The weight tree's device bytes and weight count by storage: ``int4``, ``int5`` / ``int6`` / ``int8``
+    (int4 weights with a high plane: GGUF's 5- to 8-bit types) and ``fp8`` (every array of the quantized
+    weights, scales included), each float dtype by name."""
     out: dict[str, tuple[int, int]] = {}
     for leaf in jax.tree.leaves(tree, is_leaf=is_quantized):
         if isinstance(leaf, Int4Weight):
-            kind = "int4" if leaf.high is None else "int8"       # a wide weight: two int4 planes
+            kind = "int4" if leaf.high is None else f"int{4 + leaf.high_bits}"
         elif isinstance(leaf, Fp8Weight):
             kind = "fp8"
         else:
@@ -190,7 +192,7 @@ def describe_bytes(tree) -> str:
     """``bytes_by_storage`` as one phrase: ``int4 0.06 GB (5.00 bits/weight), float32 0.12 GB``."""
     parts = []
     for kind, (nbytes, count) in sorted(bytes_by_storage(tree).items(), key=lambda kv: -kv[1][0]):
-        bits = f" ({8 * nbytes / count:.2f} bits/weight)" if kind in ("int4", "int8", "fp8") and count else ""
+        bits = f" ({8 * nbytes / count:.2f} bits/weight)" if kind.startswith(("int", "fp8")) and count else ""
         parts.append(f"{kind} {nbytes / 1e9:.3f} GB{bits}")
     return ", ".join(parts)
 
@@ -253,13 +255,15 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
     kernel = int4_step_kernel(m, k, n, w.group_size, x.dtype) if jax.default_backend() == "gpu" else None
     if kernel is None:
         x, packed, high, scales, zeros, mins = _after_input(x, packed, high, scales, zeros, mins)
-        return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size, mins, high, w.offset)
+        return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size, mins, high, w.offset,
+                                                 w.high_bits)
     # the kernels always apply a zero point; a wide weight is its low plane's product plus its high plane's
     # (16 times the scales, the offset over 16: exact for GGUF's offsets 16, 32 and 128)
     planes = [(packed, scales, jnp.zeros(scales.shape, jnp.int8) if zeros is None else zeros)]
-    if high is not None:
+    if high is not None:        # the high bits widened to nibbles for the kernels (a copy per call)
+        nibbles = int4_kernel.pack_int4(int4_kernel.unpack_bits(high, w.high_bits))
         planes = [(packed, scales, jnp.zeros(scales.shape, jnp.int8)),
-                  (high, scales.astype(jnp.float32) * 16, jnp.full(scales.shape, w.offset // 16, jnp.int8))]
+                  (nibbles, scales.astype(jnp.float32) * 16, jnp.full(scales.shape, w.offset // 16, jnp.int8))]
     ys = [_int4_kernel(kernel, x, p, s, z, w.group_size, live) for p, s, z in planes]
     if len(ys) == 1 and mins is None:
         return ys[0]

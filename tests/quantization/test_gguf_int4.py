@@ -39,12 +39,13 @@ def int4_weight(parts: int4_formats.Int4Parts) -> Int4Weight:
     return jax.tree.map(jnp.asarray, Int4Weight(
         packed=int4_formats.pack(parts.q & 15), scales=parts.scales, zeros=parts.zeros, perm=None,
         group_size=parts.group_size, mins=parts.mins, super_scales=parts.super_scales, super_mins=parts.super_mins,
-        high=int4_formats.pack(parts.q >> 4) if parts.wide else None, offset=parts.offset))
+        high=int4_formats.pack(parts.q >> 4, parts.high_bits) if parts.high_bits else None, offset=parts.offset,
+        high_bits=parts.high_bits or 4))
 
 
 def dequantized(w: Int4Weight) -> np.ndarray:
     return np.asarray(k4.dequantize_int4(w.packed, w.group_scales(), w.zeros, w.group_size, mins=w.group_mins(),
-                                         high=w.high, offset=w.offset))
+                                         high=w.high, offset=w.offset, high_bits=w.high_bits))
 
 
 SHAPES = [(T.Q4_0, 37, 96), (T.Q4_0, 5, 32), (T.Q4_1, 37, 160), (T.Q4_1, 1, 64), (T.Q4_K, 37, 768),
@@ -117,9 +118,11 @@ def test_bytes_by_storage_count_every_array_of_a_quantized_weight():
     # 4-bit values, 6-bit scales and mins as bytes per 32, two float16 factors per 256
     assert bytes_by_storage(tree) == {"int4": (512 * 64 * 4.625 / 8, 512 * 64), "float32": (256, 64)}
     assert describe_bytes(tree) == "int4 0.000 GB (4.62 bits/weight), float32 0.000 GB"
-    rows = random_rows(np.random.default_rng(3), T.Q8_0, 64, 512)      # two planes and a float16 scale per 32
-    wide = int4_weight(gguf_formats.read_gguf(rows, T.Q8_0, (64, 512), "w"))
-    assert bytes_by_storage({"w": wide}) == {"int8": (512 * 64 * 8.5 / 8, 512 * 64)}
+    # a high plane of 4, 1 or 2 bits and a float16 scale per 32 (Q6_K: an int8 scale per 16, a float16 per 256)
+    for qtype, kind, bits in ((T.Q8_0, "int8", 8.5), (T.Q5_0, "int5", 5.5), (T.Q6_K, "int6", 6.5625)):
+        rows = random_rows(np.random.default_rng(3), qtype, 64, 512)
+        wide = int4_weight(gguf_formats.read_gguf(rows, qtype, (64, 512), "w"))
+        assert bytes_by_storage({"w": wide}) == {kind: (512 * 64 * bits / 8, 512 * 64)}
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -140,7 +143,7 @@ def _greedy_and_bytes(model, quantization: str) -> tuple[list, dict, object]:
 @pytest.mark.parametrize("name,kept,bits", [
     (None, "Q4_1 210", 5.0),                                        # the embedded SmolLM2: every projection Q4_1
     # Gemma 3 270M Q4_K_M: llama.cpp falls back to Q5_0 where a row of 640 cannot hold 256-value super-blocks
-    ("gemma3-270m", "Q4_K 27, Q5_0 81, Q6_K 9, Q8_0 9", 7.5),
+    ("gemma3-270m", "Q4_K 27, Q5_0 81, Q6_K 9, Q8_0 9", 5.46),
 ])
 def test_gguf_model_keeps_its_projections_quantized_with_the_same_greedy_tokens(caplog, name, kept, bits):
     model = packaged_model_or_skip(name) if name else None
@@ -149,7 +152,7 @@ def test_gguf_model_keeps_its_projections_quantized_with_the_same_greedy_tokens(
     lines = [r.getMessage() for r in caplog.records if "projections kept quantized" in r.getMessage()]
     assert len(lines) == 1 and f"projections kept quantized: {kept}; dequantized: none;" in lines[0], lines
     assert loaded.quantization == "gguf"
-    quantized = [storage[kind] for kind in ("int4", "int8") if kind in storage]
+    quantized = [v for kind, v in storage.items() if kind.startswith("int")]
     nbytes, count = map(sum, zip(*quantized))
     assert 8 * nbytes / count == pytest.approx(bits, abs=0.05)
     float_tokens, float_storage, _ = _greedy_and_bytes(model, "none")

@@ -2,8 +2,9 @@
 layout and values, then the family's plan (``hf_weights.load_weights``), the tokenizer from the file's own
 vocabulary. The projections of the common types (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) skip the
 dequantization: their blocks are repacked exactly into the int4 layout (``quantization.gguf_formats``) unless
-``--quantization none``. The family that reads the file's ``general.architecture`` (``registry.gguf_architecture``) says how:
-its config reader, its tensor names beyond the shared ones, and what the converter changed in a tensor.
+``--quantization none``. The family that reads the file's ``general.architecture``
+(``registry.gguf_architecture``) says how: its config reader, its tensor names beyond the shared ones, and
+what the converter changed in a tensor.
 
 The converted weights of the last load of a file are kept on disk (``weight_cache``), so a warm start maps
 them instead of dequantizing again.
@@ -104,10 +105,10 @@ def gguf_getter(reader, path: str, cfg: ModelConfig | None) -> Callable[[str], n
     return get
 
 
-def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...], str]:
+def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...], int, str]:
     """The projections' modules that load dequantized (their GGUF type has no exact form in the int4 layout, or
-    a fused weight's modules differ in type), and the one log line that says which types stay quantized and
-    which were dequantized."""
+    a fused weight's modules differ in type), how many tensors stay quantized, and the one log line that says
+    which types stay quantized and which were dequantized."""
     arch = reader.fields["general.architecture"]
     types = {t.name: t.tensor_type for t in reader.tensors}
     kept, dequantized, float_modules = collections.Counter(), collections.Counter(), []
@@ -124,8 +125,8 @@ def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...
     def listed(counts):
         return ", ".join(f"{n} {c}" for n, c in sorted(counts.items())) or "none"
     line = (f"{os.path.basename(reader.path)}: projections kept quantized: {listed(kept)}; dequantized: "
-            f"{listed(dequantized)}; embeddings, norms and lm_head dequantized")
-    return tuple(float_modules), line
+            f"{listed(dequantized)}; the other tensors (embeddings, norms, lm_head, experts) dequantized")
+    return tuple(float_modules), sum(kept.values()), line
 
 
 def gguf_rope_freqs(reader) -> np.ndarray | None:
@@ -173,10 +174,14 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None, quantiz
     family.check_config(cfg)
     # GGUF weights are quantized: "auto" means float32 on CPU (fast there), bfloat16 on accelerators.
     jdtype = resolve_dtype(dtype, jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    float_modules, kept_line = gguf_float_modules(reader, cfg, family)
+    float_modules, kept, kept_line = gguf_float_modules(reader, cfg, family)
     quant = gguf_quantization(quantization, os.path.basename(path), float_modules)
-    logger.info(kept_line if quant is not None else f"{os.path.basename(path)}: every tensor dequantized "
-                                                     f"(--quantization none)")
+    if quant is None:
+        logger.info("%s: every tensor dequantized (--quantization none)", os.path.basename(path))
+    elif kept:
+        logger.info(kept_line)
+    else:           # a float file: nothing to keep, the float path (and its weight cache) as before
+        quant = None
     # the converted weights from the last load of this file (one device: a mesh places each shard itself);
     # a tree with int4 leaves is not cached (its load repacks the file's own blocks: no dequantization)
     cache = (weight_cache.directory_for(jax.config.jax_compilation_cache_dir)

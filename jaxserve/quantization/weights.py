@@ -70,9 +70,9 @@ class Int4Weight:
     """W4A16 (``kernels/int4_matmul_pallas.py`` says the layout): ``packed [K/8, *out]`` int32,
     ``scales [K/G, *out]``, ``zeros [K/G, *out]`` int8; ``perm [K]`` (GPTQ act-order: the input channels in
     group order, ``x[:, perm]`` feeds the weight's rows) or None. GGUF's Q4_1 and Q4_K have ``mins [K/G,
-    *out]`` instead of zero points (``w = q * scales - mins``, ``zeros`` None); Q4_K keeps its two-level scales: ``scales`` and ``mins`` are
-    6-bit integers and ``super_scales`` / ``super_mins [K/S, *out]`` (float16, one per super-block of S
-    inputs) their factors (``group_scales``, ``group_mins``). GGUF's 5- to 8-bit types add ``high [K *
+    *out]`` instead of zero points (``w = q * scales - mins``, ``zeros`` None); the k-quants keep their
+    two-level scales: ``scales`` and ``mins`` are small integers and ``super_scales`` / ``super_mins [K/S,
+    *out]`` (float16, one per super-block of S inputs) their factors (``group_scales``, ``group_mins``). GGUF's 5- to 8-bit types add ``high [K *
     high_bits / 32, *out]`` int32, each value's bits above the low four (``high_bits`` of them, packed along K
     like ``packed``), and ``w = (low + 16 high - offset) * scales - mins`` (``offset`` static, ``zeros``
     None)."""

@@ -160,3 +160,17 @@ def test_gguf_model_keeps_its_projections_quantized_with_the_same_greedy_tokens(
     # the reference dequantizes to the float path's weights exactly (float32 on CPU): the same tokens
     assert tokens == float_tokens
     assert float_storage["float32"][0] - storage["float32"][0] == 4 * count       # the projections' float32 bytes
+
+
+def test_a_gguf_weight_serializes_in_a_stored_program():
+    """A stored step program takes the weights as inputs: the new arrays (None or not) and static fields
+    (offset, high_bits) come back the same."""
+    from jaxserve.runner import program_cache
+    program_cache._register_step_types()
+    rows = random_rows(np.random.default_rng(4), T.Q6_K, 16, 256)
+    w = int4_weight(gguf_formats.read_gguf(rows, T.Q6_K, (16, 256), "w"))
+    exported = jax.export.export(jax.jit(lambda a: (a.group_scales().sum(), a)))(w)
+    total, back = jax.export.deserialize(exported.serialize()).call(w)
+    assert float(total) == pytest.approx(float(w.group_scales().sum()), rel=1e-5)
+    assert (back.offset, back.high_bits, back.group_size, back.zeros, back.mins) == (32, 2, 16, None, None)
+    np.testing.assert_array_equal(np.asarray(back.high), np.asarray(w.high))

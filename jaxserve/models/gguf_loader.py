@@ -29,7 +29,7 @@ from jaxserve.models import registry, weight_cache
 from jaxserve.models.configs import model_config_from_hf
 from jaxserve.models.gguf_config import GGUFMeta, gguf_tensor
 from jaxserve.models.gguf_file import dequantize, open_gguf
-from jaxserve.models.hf_weights import load_weights
+from jaxserve.models.hf_weights import load_weights, tree_set
 from jaxserve.models.layers.moe import with_expert_parallel
 from jaxserve.models.loaded_model import LoadedModel, generation_config, resolve_dtype, resolve_max_model_len
 from jaxserve.models.tokenizers import gguf_tokenizer
@@ -105,19 +105,20 @@ def gguf_getter(reader, path: str, cfg: ModelConfig | None) -> Callable[[str], n
     return get
 
 
-def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...], int, str]:
+def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...], dict, str]:
     """The projections' modules that load dequantized (their GGUF type has no exact form in the int4 layout, or
-    a fused weight's modules differ in type), how many tensors stay quantized, and the one log line that says
-    which types stay quantized and which were dequantized."""
+    a fused weight's modules differ in type), the type of each weight that stays quantized (by its path), and
+    the one log line that says which types stay quantized and which were dequantized."""
     arch = reader.fields["general.architecture"]
     types = {t.name: t.tensor_type for t in reader.tensors}
-    kept, dequantized, float_modules = collections.Counter(), collections.Counter(), []
+    kept, dequantized, float_modules, kept_paths = collections.Counter(), collections.Counter(), [], {}
     for path, names, _ in family.weight_plan(cfg):
         if not quant_loading.is_linear(path):
             continue
         found = [types.get(gguf_name(n, arch)) for n in names]
         if None not in found and len(set(found)) == 1 and gguf_formats.kept(found[0]):
             kept.update(t.name for t in found)
+            kept_paths[path] = found[0]
         else:
             dequantized.update(t.name for t in found if t is not None)
             float_modules += [quant_loading.module_of(n) for n in names]
@@ -126,7 +127,16 @@ def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...
         return ", ".join(f"{n} {c}" for n, c in sorted(counts.items())) or "none"
     line = (f"{os.path.basename(reader.path)}: projections kept quantized: {listed(kept)}; dequantized: "
             f"{listed(dequantized)}; the other tensors (embeddings, norms, lm_head, experts) dequantized")
-    return tuple(float_modules), sum(kept.values()), line
+    return tuple(float_modules), kept_paths, line
+
+
+def gguf_structure(family, cfg: ModelConfig, kept: dict):
+    """The weight tree's structure, the ``kept`` weights (path → GGUF type) as their int4 weights: what the
+    weight cache keys and rebuilds a warm start's tree with."""
+    tree = family.param_shapes(cfg)
+    for path, tensor_type in kept.items():
+        tree_set(tree, path, quant_loading.int4_weight(gguf_formats.form(tensor_type)))
+    return jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def gguf_rope_freqs(reader) -> np.ndarray | None:
@@ -180,13 +190,12 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None, quantiz
         logger.info("%s: every tensor dequantized (--quantization none)", os.path.basename(path))
     elif kept:
         logger.info(kept_line)
-    else:           # a float file: nothing to keep, the float path (and its weight cache) as before
+    else:           # a float file: nothing to keep, the float path as before
         quant = None
     # the converted weights from the last load of this file (one device: a mesh places each shard itself);
-    # a tree with int4 leaves is not cached (its load repacks the file's own blocks: no dequantization)
-    cache = (weight_cache.directory_for(jax.config.jax_compilation_cache_dir)
-             if mesh is None and quant is None else None)
-    structure = jax.tree.structure(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    # the structure (with the kept weights' int4 fields) is part of the key
+    cache = weight_cache.directory_for(jax.config.jax_compilation_cache_dir) if mesh is None else None
+    structure = gguf_structure(family, cfg, kept if quant is not None else {})
     key = weight_cache.key_text(path, cfg, jdtype, structure) if cache else ""
     # the tokenizer (importing transformers: over a second) builds on a thread while the weights load: the
     # copies and numpy's dequantization release the GIL

@@ -102,6 +102,13 @@ def _decode(b: np.ndarray, qtype: int) -> dict:
     return dict(q=low | (high << 4), scales=b[..., 192:208].view(np.int8), super_scales=_f16(b, 208)[..., None])
 
 
+def form(tensor_type) -> Int4Parts:
+    """One zero block of ``tensor_type`` read as parts: which arrays and static fields its weights have (the
+    weight tree's structure, known before any tensor is read)."""
+    qtype = int(tensor_type)
+    return read_gguf(np.zeros((1, _BLOCK_BYTES[qtype]), np.uint8), qtype, (1, _BLOCK_VALUES[qtype]), "form")
+
+
 def read_gguf(rows: np.ndarray, tensor_type, shape: tuple[int, int], name: str) -> Int4Parts:
     """A GGUF tensor's rows (``GGUFTensor.data``: uint8 ``[N, K / block * block bytes]``) of a kept type →
     ``Int4Parts`` in the model's ``[K, N]`` layout; ``shape`` is HF's ``[N, K]``."""

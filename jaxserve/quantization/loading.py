@@ -96,13 +96,17 @@ def load_linear(q: QuantConfig, path: tuple, names: list[str], kind, expected: t
             raise ModelLoadError(f"{name}: GPTQ act-order (desc_act) weights of a row-parallel projection cannot "
                                  f"be split with tensor_parallel_size={tp} (the input permutation crosses the "
                                  f"shards); use tensor_parallel_size=1")
-        weight = Int4Weight(packed=int4_formats.pack(whole.q & 15), scales=whole.scales, zeros=whole.zeros,
-                            perm=whole.perm, group_size=whole.group_size, mins=whole.mins,
-                            super_scales=whole.super_scales, super_mins=whole.super_mins,
-                            high=int4_formats.pack(whole.q >> 4, whole.high_bits) if whole.high_bits else None,
-                            offset=whole.offset, high_bits=whole.high_bits or 4)
-        return _place(weight, sharding)
+        return _place(int4_weight(whole), sharding)
     return _load_fp8(q, name, prefixes, kind, expected, sharding, get, has)
+
+
+def int4_weight(whole: int4_formats.Int4Parts) -> Int4Weight:
+    """The ``Int4Weight`` (numpy leaves) of one weight's parts: ``q`` packed (its high bits in their own plane)."""
+    return Int4Weight(packed=int4_formats.pack(whole.q & 15), scales=whole.scales, zeros=whole.zeros,
+                      perm=whole.perm, group_size=whole.group_size, mins=whole.mins,
+                      super_scales=whole.super_scales, super_mins=whole.super_mins,
+                      high=int4_formats.pack(whole.q >> 4, whole.high_bits) if whole.high_bits else None,
+                      offset=whole.offset, high_bits=whole.high_bits or 4)
 
 
 def _read_int4(q: QuantConfig, prefix: str, get, has) -> int4_formats.Int4Parts:

@@ -174,3 +174,22 @@ def test_a_gguf_weight_serializes_in_a_stored_program():
     assert float(total) == pytest.approx(float(w.group_scales().sum()), rel=1e-5)
     assert (back.offset, back.high_bits, back.group_size, back.zeros, back.mins) == (32, 2, 16, None, None)
     np.testing.assert_array_equal(np.asarray(back.high), np.asarray(w.high))
+
+
+def test_a_warm_start_maps_the_repacked_weights(tmp_path, monkeypatch):
+    """The weight cache keeps the quantized tree too (its key has the int4 fields): a second load of the
+    embedded SmolLM2 repacks nothing and gives the same weights; ``none`` is another entry."""
+    from jaxserve.models import gguf_loader, packaged, weight_cache
+    from support.tiny_models import params_equal
+
+    folder = tmp_path / "weights"
+    monkeypatch.setattr(weight_cache, "directory_for", lambda compile_cache_dir: str(folder))
+    calls, real = [], gguf_loader.load_weights
+    monkeypatch.setattr(gguf_loader, "load_weights", lambda *a, **kw: calls.append(kw.get("quant")) or real(*a, **kw))
+    path = packaged.embedded_model_path()
+    first = gguf_loader.load_gguf(path, dtype="float32")
+    again = gguf_loader.load_gguf(path, dtype="float32")
+    assert len(calls) == 1 and calls[0].method == "gguf"
+    assert isinstance(again.params["layers"][0]["q"], Int4Weight) and params_equal(first.params, again.params)
+    gguf_loader.load_gguf(path, dtype="float32", quantization="none")
+    assert len(calls) == 2 and calls[1] is None

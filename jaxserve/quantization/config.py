@@ -19,6 +19,7 @@ QUANTIZATION_METHODS = ("auto", "fp8", "awq", "gptq", "compressed-tensors", "ggu
 # vLLM's kernel-specific spellings of the same checkpoint formats
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
 INT4_GROUP_DEFAULT = 128     # the group of dummy int4 weights (the formats' common default)
+GGUF_GROUP = 32              # GGUF's blocks (its k-quants' sub-blocks)
 FP8_BLOCK = 128
 
 
@@ -98,14 +99,15 @@ def gguf_quantization(requested: str | None, source: str, float_modules: tuple[s
     if requested not in ("auto", "gguf"):
         raise ModelLoadError(f"--quantization {requested}: {source} is a GGUF file; pass auto or gguf (its "
                              f"quantized weights kept so) or none (every weight dequantized)")
-    return QuantConfig(method="gguf", weights="int4", group_size=32, ignore=float_modules)
+    return QuantConfig(method="gguf", weights="int4", group_size=GGUF_GROUP, ignore=float_modules)
 
 
 def checkpoint_quantization(method: str) -> QuantConfig:
     """The QuantConfig of random weights in ``method``'s storage (``--load-format dummy --quantization X``)."""
     if method in ("fp8",):
         return QuantConfig(method="fp8", weights="fp8", fp8_scales="channel", online=True)
-    return QuantConfig(method=method, weights="int4", group_size=INT4_GROUP_DEFAULT, online=True)
+    group = GGUF_GROUP if method == "gguf" else INT4_GROUP_DEFAULT
+    return QuantConfig(method=method, weights="int4", group_size=group, online=True)
 
 
 def _bits(qc: dict, source: str, key: str = "bits") -> None:

@@ -110,6 +110,9 @@ def test_the_flag_picks_the_path():
         assert not q.quantizes("model.layers.0.mlp.down_proj") and q.quantizes("model.layers.0.mlp.up_proj")
     with pytest.raises(ModelLoadError, match="is a GGUF file; pass auto or gguf"):
         gguf_quantization("awq", "m.gguf", ())
+    from jaxserve.models import load_model
+    with pytest.raises(ModelLoadError, match="--quantization fp8: SmolLM2-135M-Instruct.Q4_1.gguf is a GGUF file"):
+        load_model(None, quantization="fp8")
 
 
 def test_bytes_by_storage_count_every_array_of_a_quantized_weight():

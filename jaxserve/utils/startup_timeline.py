@@ -2,8 +2,8 @@
 phase (``start-up PHASE: SECONDS s (DETAIL)``), kept in this process's ``timeline()`` too.
 
 The phases, in order: ``imports`` (interpreter start to the engine code loaded; the engine-core process logs
-its own), ``device init`` (the JAX backend and the mesh), ``config/tokenizer``, ``weights`` (bytes and GB/s, then the
-bytes by storage: int4 / fp8 with their bits per weight, float dtypes),
+its own), ``device init`` (the JAX backend and the mesh), ``config/tokenizer``, ``weights`` (bytes and GB/s, then
+``by storage:`` int4 / fp8 with their bits per weight, float dtypes),
 ``KV cache`` (sizing and allocating it), ``warm-up`` (the first-needed compiles) and ``engine-core
 hand-shake`` (the front end's wait for a core process beyond the core's own phases: its interpreter, the
 pickled facts). A phase opened inside another one on the same thread is not counted in its parent's seconds,
@@ -29,18 +29,19 @@ _open = threading.local()
 
 
 class _Phase:
-    """An open phase: set ``nbytes`` to log its size and rate, ``detail`` to add a phrase after them."""
+    """An open phase: set ``nbytes`` to log its size and rate, ``note`` to add a phrase after them."""
 
     def __init__(self, name: str):
         self.name = name
         self.nested_s = 0.0
         self.nbytes: int | None = None
-        self.detail = ""
+        self.note = ""
 
 
-def record(name: str, seconds: float, detail: str = "") -> None:
+def record(name: str, seconds: float, detail: str = "", note: str = "") -> None:
+    """Log a phase: ``start-up NAME: SECONDS s (DETAIL), NOTE`` (``note`` is in the log line only)."""
     _recorded.append((name, seconds, detail))
-    logger.info("start-up %s: %.2f s%s", name, seconds, f" ({detail})" if detail else "")
+    logger.info("start-up %s: %.2f s%s%s", name, seconds, f" ({detail})" if detail else "", f", {note}" if note else "")
 
 
 @contextlib.contextmanager
@@ -62,7 +63,7 @@ def phase(name: str):
     if stack:
         stack[-1].nested_s += total
     seconds = total - p.nested_s
-    record(name, seconds, "; ".join(d for d in ("" if p.nbytes is None else rate(p.nbytes, seconds), p.detail) if d))
+    record(name, seconds, "" if p.nbytes is None else rate(p.nbytes, seconds), p.note)
 
 
 def rate(nbytes: int, seconds: float) -> str:

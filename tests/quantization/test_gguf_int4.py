@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -150,10 +151,13 @@ def _greedy_and_bytes(model, quantization: str) -> tuple[list, dict, object]:
 ])
 def test_gguf_model_keeps_its_projections_quantized_with_the_same_greedy_tokens(caplog, name, kept, bits):
     model = packaged_model_or_skip(name) if name else None
-    with caplog.at_level(logging.INFO, logger="jaxserve.models.gguf_loader"):
+    with caplog.at_level(logging.INFO):
         tokens, storage, loaded = _greedy_and_bytes(model, "auto")
     lines = [r.getMessage() for r in caplog.records if "projections kept quantized" in r.getMessage()]
     assert len(lines) == 1 and f"projections kept quantized: {kept}; dequantized: none;" in lines[0], lines
+    (weights_line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up weights")]
+    assert re.search(r"GB/s\), by storage: float32 [0-9.]+ GB, .*int4 [0-9.]+ GB \((4\.62|5\.00) bits/weight\)",
+                     weights_line), weights_line
     assert loaded.quantization == "gguf"
     quantized = [v for kind, v in storage.items() if kind.startswith("int")]
     nbytes, count = map(sum, zip(*quantized))

@@ -200,3 +200,29 @@ def test_a_warm_start_maps_the_repacked_weights(tmp_path, monkeypatch):
     assert isinstance(again.params["layers"][0]["q"], Int4Weight) and params_equal(first.params, again.params)
     gguf_loader.load_gguf(path, dtype="float32", quantization="none")
     assert len(calls) == 2 and calls[1] is None
+
+
+_TP_CHECK = """
+import json
+from jaxserve import LLM, SamplingParams
+out = {}
+for tp in (1, 2):
+    llm = LLM("gemma3-270m", tensor_parallel_size=tp, dtype="float32", max_model_len=64, max_num_batched_tokens=32,
+              max_num_seqs=2, kv_cache_memory_bytes=1 << 22, skip_warmup=True, use_tqdm_on_load=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in %r],
+                        SamplingParams(max_tokens=%d, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    out[tp] = [list(o.outputs[0].token_ids) for o in outs]
+    o = llm.engine.core.model.params["layers"][0]["o"]
+    out["o_spec"] = str(o.super_scales.sharding.spec) if tp == 2 else None
+    llm.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_gemma3_q4_k_m_at_tp2_gives_tp1s_greedy_tokens():
+    """Row-parallel Q4_K projections split their packed rows, scales, mins and super-blocks alike (fake devices)."""
+    from support.fake_devices import fake_device_report
+    packaged_model_or_skip("gemma3-270m")
+    report = fake_device_report(["-c", _TP_CHECK % (PROMPTS, TOKENS)], 2)
+    assert report["1"] == report["2"] and report["o_spec"] == "P('tp', None)"

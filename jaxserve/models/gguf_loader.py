@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format): the config from the metadata, the weights dequantized on the host into HF
 layout and values, then the family's plan (``hf_weights.load_weights``), the tokenizer from the file's own
-vocabulary. The projections of the common types (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) skip the
+vocabulary. The projections of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K) skip the
 dequantization: their blocks are repacked exactly into the int4 layout (``quantization.gguf_formats``) unless
 ``--quantization none``. The family that reads the file's ``general.architecture``
 (``registry.gguf_architecture``) says how: its config reader, its tensor names beyond the shared ones, and

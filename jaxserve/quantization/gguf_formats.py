@@ -4,11 +4,13 @@ A GGUF linear weight is stored ``[N, K]`` (a row per output feature), each row a
 types kept quantized, with the values llama.cpp (and ``gguf.quants``) dequantize them to; ``q`` is the
 unsigned integer a block stores per value, ``d`` / ``dmin`` / ``m`` float16, ``sc`` / ``mn`` small integers:
 
-* 4-bit (``int4``):
+* up to 4 bits (``int4``):
   Q4_0 (32): ``w = d (q - 8)``: zero point 8, ``scales = d``.
   Q4_1 (32): ``w = d q + m``: no zero point (``zeros`` None), ``mins = -m``.
   Q4_K (256 = 8 x 32): ``w = d sc q - dmin mn``: ``scales = sc`` times ``super_scales = d``, ``mins = mn``
-  times ``super_mins = dmin``.
+  times ``super_mins = dmin``. Q2_K (256 = 16 x 16): the same with 2-bit ``q`` and 4-bit ``sc``, ``mn``.
+  Q3_K (256 = 16 x 16): ``w = d sc (q - 4)``, 3-bit ``q`` (its third bit the block's mask bit), signed 6-bit
+  ``sc``: zero point 4.
 * 5- to 8-bit, with a static ``offset`` and each value's bits above the low four in a second plane of
   ``high_bits`` bits per value (1 for the Q5 types, 2 for Q6_K, 4 for Q8_0):
   Q8_0 (32): ``w = d q_signed = d (q - 128)``.  Q5_0 (32): ``w = d (q - 16)``.  Q5_1 (32): ``w = d q + m``.
@@ -17,7 +19,7 @@ unsigned integer a block stores per value, ``d`` / ``dmin`` / ``m`` float16, ``s
 
 A 6- or 8-bit integer times a float16 fits float32's 24-bit mantissa, so every product above is exact, as
 llama.cpp's own; the repacked weight dequantizes to the same float32 values bit for bit. Every other type
-(IQ*, Q2_K, Q3_K, TQ*, ...) has no exact form here: the loader dequantizes it.
+(the IQ types' codebooks, TQ*, MXFP4, ...) has no exact form here: the loader dequantizes it.
 
 Block layouts (ggml-common.h): nibbles come in runs of bytes whose low nibbles are the run's first values and
 high nibbles the next ones (runs of 16 bytes in Q4_0/Q4_1/Q5_0/Q5_1, 32 in Q4_K/Q5_K, 64 in Q6_K's low
@@ -32,13 +34,15 @@ from jaxserve.errors import ModelLoadError
 
 from .int4_formats import Int4Parts
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14    # GGMLQuantizationType values
-KEPT_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_0: "Q5_0", Q5_1: "Q5_1", Q5_K: "Q5_K",
-              Q6_K: "Q6_K", Q8_0: "Q8_0"}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14   # GGML types
+KEPT_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_0: "Q5_0", Q5_1: "Q5_1",
+              Q5_K: "Q5_K", Q6_K: "Q6_K", Q8_0: "Q8_0"}
 HIGH_BITS = {Q5_0: 1, Q5_1: 1, Q5_K: 1, Q6_K: 2, Q8_0: 4}      # bits of each value above the low four
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176, Q6_K: 210}
-_BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
-_OFFSET = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32}
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176,
+                Q6_K: 210}
+_BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q2_K: 256, Q3_K: 256, Q4_K: 256, Q5_K: 256,
+                 Q6_K: 256}
+_OFFSET = {Q4_0: 8, Q3_K: 4, Q5_0: 16, Q8_0: 128, Q6_K: 32}
 
 
 def kept(tensor_type) -> bool:
@@ -96,6 +100,15 @@ def _decode(b: np.ndarray, qtype: int) -> dict:
         else:
             q = _nibbles(b[..., 48:], 32) | (_bit_planes(b[..., 16:48], 8, 1) << 4)
         return dict(q=q, scales=sc, mins=mn, super_scales=_f16(b, 0)[..., None], super_mins=_f16(b, 2)[..., None])
+    if qtype == Q2_K:           # 2-bit q four to a byte; 4-bit scale (low nibble) and min (high) per 16
+        q = _bit_planes(b[..., 16:80].reshape(b.shape[:-1] + (2, 32)), 4, 2).reshape(b.shape[:-1] + (256,))
+        return dict(q=q, scales=b[..., :16] & 15, mins=b[..., :16] >> 4, super_scales=_f16(b, 80)[..., None],
+                    super_mins=_f16(b, 82)[..., None])
+    if qtype == Q3_K:           # 2 low bits and a mask bit (ggml: value - 4 unless set); signed 6-bit scales per 16
+        low = _bit_planes(b[..., 32:96].reshape(b.shape[:-1] + (2, 32)), 4, 2).reshape(b.shape[:-1] + (256,))
+        sc = _nibbles(b[..., 96:104], 8) | (_bit_planes(b[..., 104:108], 4, 2) << 4)
+        return dict(q=low | (_bit_planes(b[..., :32], 8, 1) << 2), scales=sc.astype(np.int8) - np.int8(32),
+                    super_scales=_f16(b, 108)[..., None])
     assert qtype == Q6_K
     low = _nibbles(b[..., :128], 64)
     high = _bit_planes(b[..., 128:192].reshape(b.shape[:-1] + (2, 32)), 4, 2).reshape(low.shape)

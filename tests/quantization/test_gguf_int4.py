@@ -28,9 +28,9 @@ def random_rows(rng, qtype, n: int, k: int) -> np.ndarray:
     """``n`` rows of ``k`` values of ``qtype``: random bytes, each block's float16 fields finite."""
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    # the float16 fields: d (and m or dmin) first; Q6_K's d last
-    f16 = 1 if qtype in (T.Q4_0, T.Q5_0, T.Q8_0, T.Q6_K) else 2
-    start = size - 2 if qtype == T.Q6_K else 0
+    # the float16 fields: d (and m or dmin) first; Q2_K's, Q3_K's and Q6_K's last
+    f16 = 1 if qtype in (T.Q4_0, T.Q5_0, T.Q8_0, T.Q3_K, T.Q6_K) else 2
+    start = size - 2 * f16 if qtype in (T.Q2_K, T.Q3_K, T.Q6_K) else 0
     fields = rng.normal(0, 0.05, (n, k // block, f16)).astype(np.float16)
     blocks[..., start:start + 2 * f16] = fields.view(np.uint8).reshape(n, k // block, 2 * f16)
     return blocks.reshape(n, -1)
@@ -51,7 +51,7 @@ def dequantized(w: Int4Weight) -> np.ndarray:
 
 SHAPES = [(T.Q4_0, 37, 96), (T.Q4_0, 5, 32), (T.Q4_1, 37, 160), (T.Q4_1, 1, 64), (T.Q4_K, 37, 768),
           (T.Q4_K, 3, 256), (T.Q5_0, 37, 96), (T.Q5_1, 7, 64), (T.Q8_0, 37, 160), (T.Q8_0, 1, 32), (T.Q5_K, 37, 512),
-          (T.Q6_K, 37, 512), (T.Q6_K, 2, 256)]
+          (T.Q6_K, 37, 512), (T.Q6_K, 2, 256), (T.Q2_K, 37, 512), (T.Q3_K, 37, 512), (T.Q3_K, 1, 256)]
 
 
 @pytest.mark.parametrize("qtype,n,k", SHAPES)
@@ -64,11 +64,11 @@ def test_repacked_blocks_are_the_gguf_values_exactly(qtype, n, k):
 
 
 def test_the_kept_types():
-    assert {T(t).name for t in gguf_formats.KEPT_TYPES} == {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K",
-                                                            "Q8_0"}
-    assert not any(gguf_formats.kept(t) for t in (T.Q2_K, T.Q3_K, T.F16, T.F32, T.IQ4_NL, T.IQ4_XS, T.TQ1_0))
-    with pytest.raises(ModelLoadError, match="Q3_K has no int4 form"):
-        gguf_formats.read_gguf(np.zeros((1, 110), np.uint8), T.Q3_K, (1, 256), "w")
+    assert {T(t).name for t in gguf_formats.KEPT_TYPES} == {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1",
+                                                            "Q5_K", "Q6_K", "Q8_0"}
+    assert not any(gguf_formats.kept(t) for t in (T.F16, T.F32, T.BF16, T.IQ4_NL, T.IQ4_XS, T.IQ2_XXS, T.TQ1_0))
+    with pytest.raises(ModelLoadError, match="IQ4_NL has no int4 form"):
+        gguf_formats.read_gguf(np.zeros((1, 18), np.uint8), T.IQ4_NL, (1, 32), "w")
 
 
 def test_gate_and_up_stack_with_their_mins_and_super_scales():
@@ -86,7 +86,8 @@ def test_gate_and_up_stack_with_their_mins_and_super_scales():
 
 @pytest.mark.parametrize("qtype,method,m", [(T.Q4_K, "fma", 1), (T.Q4_K, "gemv", 3), (T.Q4_1, "dot", 5),
                                             (T.Q4_0, "fma", 2), (T.Q8_0, "gemv", 2), (T.Q5_K, "dot", 3),
-                                            (T.Q6_K, "fma", 1), (T.Q5_0, "fma", 1)])
+                                            (T.Q6_K, "fma", 1), (T.Q5_0, "fma", 1), (T.Q3_K, "gemv", 2),
+                                            (T.Q2_K, "fma", 1)])
 def test_gpu_path_kernels_and_the_mins_correction_equal_the_reference(monkeypatch, qtype, method, m):
     """``weights.matmul`` as a GPU runs it (the Pallas kernel, here in interpret mode, on each int4 plane, then
     ``x``'s group sums times the mins subtracted) against ``x`` times the dequantized weight."""

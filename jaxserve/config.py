@@ -24,7 +24,7 @@ FLAG_SPELLINGS: dict[str, tuple[str, ...]] = {
 # checks them against the lists of the modules that act on them
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "orbax")
-QUANTIZATIONS = ("auto", "fp8", "awq", "gptq", "compressed-tensors", "none", "awq_marlin", "gptq_marlin")
+QUANTIZATIONS = ("auto", "fp8", "awq", "gptq", "compressed-tensors", "gguf", "none", "awq_marlin", "gptq_marlin")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas-triton", "pallas-mgpu", "reference")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -349,8 +349,9 @@ class EngineConfig:
                               help="how to read the model (auto: from the path; dummy: random weights)")
     quantization: str = option(
         "auto", choices=QUANTIZATIONS,
-        help="how the projections' weights are stored: auto follows config.json's quantization_config; fp8 also "
-             "quantizes a float checkpoint at load; with --load-format dummy, random weights in that storage")
+        help="how the projections' weights are stored: auto follows config.json's quantization_config (a GGUF "
+             "file's 4-bit weights stay int4; none dequantizes them); fp8 also quantizes a float checkpoint at "
+             "load; with --load-format dummy, random weights in that storage")
     max_model_len: int | None = option(None, help="longest prompt + output in tokens (default: the model's)")
     seed: int = option(0, help="seeds the sampling of requests that give no seed of their own")
     task: str = option("auto", choices=("auto", "generate", "embed"),

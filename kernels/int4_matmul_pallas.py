@@ -3,7 +3,13 @@
 The weight layout (``jaxserve.quantization``'s ``Int4Weight``, which every int4 checkpoint format is repacked
 into at load): ``packed`` int32 ``[K/8, N]`` whose nibble ``j`` (bits ``4j..4j+3``) of row ``r`` is the unsigned
 4-bit value of input row ``8r + j``; ``scales`` ``[K/G, N]`` (float) and ``zeros`` ``[K/G, N]`` (int8, 0..15)
-per group of ``G`` input rows: ``w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``.
+per group of ``G`` input rows: ``w[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``. An optional
+float ``mins [K/G, N]`` (GGUF's Q4_1 and Q4_K, stored without zero points: ``zeros`` None in the reference, a
+zero array for the kernels) is subtracted after the scale: ``w[k, n] -= mins[k // G, n]``; the kernels leave
+it out and ``group_mins_product`` gives ``x``'s group sums times ``mins`` to subtract afterwards. A weight
+with a high plane (GGUF's 5- to 8-bit types: ``q = low + 16 high - offset``, ``high`` 1, 2 or 4 bits a value,
+``unpack_bits``) runs as two products on this layout, the high plane widened to nibbles (``pack_int4``) with
+``16 * scales`` and the zero point ``offset / 16``.
 
 Why this layout: N is the contiguous axis, so a program's tile of ``[bk/8, bn]`` words is ``bk/8`` runs of
 ``4 bn`` bytes, each loaded as 16-byte vectors by consecutive threads (coalesced); packing along K keeps
@@ -60,25 +66,57 @@ METHODS = ("fma", "gemv", "dot")
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
     """``[K/8, ...]`` int32 → ``[K, ...]`` int32 values 0..15 (row ``8r + j`` from nibble ``j`` of row ``r``)."""
-    shifts = (4 * jnp.arange(PACK, dtype=jnp.int32)).reshape((1, PACK) + (1,) * (packed.ndim - 1))
-    q = (packed[:, None] >> shifts) & 15
-    return q.reshape((packed.shape[0] * PACK,) + packed.shape[1:])
+    return unpack_bits(packed, 4)
 
 
-def dequantize_int4(packed: jax.Array, scales: jax.Array, zeros: jax.Array, group_size: int,
-                    dtype=jnp.float32) -> jax.Array:
-    """The float weight ``[K, ...]``: ``(q - zero) * scale`` in float32, then cast to ``dtype``."""
+def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
+    """``[K bits/32, ...]`` int32 → ``[K, ...]`` int32 values: row ``(32/bits) r + j`` from bits
+    ``bits j ..`` of row ``r`` (``bits`` 1, 2 or 4)."""
+    per = 32 // bits
+    shifts = (bits * jnp.arange(per, dtype=jnp.int32)).reshape((1, per) + (1,) * (packed.ndim - 1))
+    q = lax.shift_right_logical(packed[:, None], shifts) & ((1 << bits) - 1)
+    return q.reshape((packed.shape[0] * per,) + packed.shape[1:])
+
+
+def pack_int4(q: jax.Array) -> jax.Array:
+    """``unpack_int4``'s inverse: ``[K, ...]`` int32 values 0..15 → ``[K/8, ...]`` int32."""
+    shifts = (4 * jnp.arange(PACK, dtype=jnp.int32)).reshape((1, PACK) + (1,) * (q.ndim - 1))
+    planes = q.reshape((q.shape[0] // PACK, PACK) + q.shape[1:]) << shifts
+    return jnp.sum(planes, axis=1, dtype=jnp.int32)       # disjoint bits: the sum is their OR
+
+
+def dequantize_int4(packed: jax.Array, scales: jax.Array, zeros: jax.Array | None, group_size: int,
+                    dtype=jnp.float32, mins: jax.Array | None = None, high: jax.Array | None = None,
+                    offset: int = 0, high_bits: int = 4) -> jax.Array:
+    """The float weight ``[K, ...]``: ``(q - zero) * scale - min`` in float32 (``zeros`` None: no zero point,
+    ``mins`` None: no min), then cast to ``dtype``. ``high``: each value's bits above the low four, packed
+    ``high_bits`` to a value (``q = low + 16 high - offset``: up to 8 bits, GGUF's Q5 to Q8 types)."""
     q = unpack_int4(packed).astype(jnp.float32)
+    if high is not None:
+        q = q + 16.0 * unpack_bits(high, high_bits).astype(jnp.float32) - float(offset)
     s = jnp.repeat(scales.astype(jnp.float32), group_size, axis=0)
-    z = jnp.repeat(zeros.astype(jnp.float32), group_size, axis=0)
-    return ((q - z) * s).astype(dtype)
+    if zeros is not None:
+        q = q - jnp.repeat(zeros.astype(jnp.float32), group_size, axis=0)
+    w = q * s
+    if mins is not None:
+        w = w - jnp.repeat(mins.astype(jnp.float32), group_size, axis=0)
+    return w.astype(dtype)
 
 
-def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array,
-                          group_size: int) -> jax.Array:
+def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array, zeros: jax.Array | None,
+                          group_size: int, mins: jax.Array | None = None, high: jax.Array | None = None,
+                          offset: int = 0, high_bits: int = 4) -> jax.Array:
     """``x [M, K] @ w [K, N]`` with ``w`` dequantized to ``x``'s dtype first; float32 accumulation."""
-    w = dequantize_int4(packed, scales, zeros, group_size, x.dtype)
+    w = dequantize_int4(packed, scales, zeros, group_size, x.dtype, mins, high, offset, high_bits)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def group_mins_product(x: jax.Array, mins: jax.Array, group_size: int) -> jax.Array:
+    """``x [M, K]``'s sums over each group of ``group_size`` inputs times ``mins [K/G, N]``, float32 ``[M, N]``:
+    what a weight's per-group mins take from ``x @ w`` (``sum_k x_k (q_k s - m) = s sum_k x_k q_k - m sum_k
+    x_k`` within a group)."""
+    sums = x.astype(jnp.float32).reshape(x.shape[0], -1, group_size).sum(-1)
+    return jnp.dot(sums, mins.astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

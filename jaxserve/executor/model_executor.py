@@ -47,6 +47,7 @@ class ModelExecutor:
 
     def __init__(self, config: EngineConfig):
         from jaxserve.models import load_model
+        from jaxserve.quantization import describe_bytes
         from jaxserve.runner import compile_cache
 
         # --distributed-executor-backend mp: spawn the per-device workers and join jax.distributed before
@@ -65,6 +66,7 @@ class ModelExecutor:
                                     enable_expert_parallel=config.parallel.enable_expert_parallel)
             # the weights' seconds are the device's too: wait for the last fill or copy (warm-up would)
             weights.nbytes = tree_nbytes(jax.block_until_ready(self.model.params))
+            weights.note = "by storage: " + describe_bytes(self.model.params)
         self.load_seconds = time.perf_counter() - t0
         if config.tokenizer:                # --tokenizer: another HF tokenizer folder for this model
             from transformers import AutoTokenizer

@@ -1,15 +1,20 @@
 """GGUF files (llama.cpp's format): the config from the metadata, the weights dequantized on the host into HF
 layout and values, then the family's plan (``hf_weights.load_weights``), the tokenizer from the file's own
-vocabulary. The family that reads the file's ``general.architecture`` (``registry.gguf_architecture``) says how:
-its config reader, its tensor names beyond the shared ones, and what the converter changed in a tensor.
+vocabulary. The projections of the common types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K) skip the
+dequantization: their blocks are repacked exactly into the int4 layout (``quantization.gguf_formats``) unless
+``--quantization none``. The family that reads the file's ``general.architecture``
+(``registry.gguf_architecture``) says how: its config reader, its tensor names beyond the shared ones, and
+what the converter changed in a tensor.
 
 The converted weights of the last load of a file are kept on disk (``weight_cache``), so a warm start maps
 them instead of dequantizing again.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
+import logging
 import os
 import re
 from typing import Any, Callable
@@ -24,10 +29,14 @@ from jaxserve.models import registry, weight_cache
 from jaxserve.models.configs import model_config_from_hf
 from jaxserve.models.gguf_config import GGUFMeta, gguf_tensor
 from jaxserve.models.gguf_file import dequantize, open_gguf
-from jaxserve.models.hf_weights import load_weights
+from jaxserve.models.hf_weights import load_weights, tree_set
 from jaxserve.models.layers.moe import with_expert_parallel
 from jaxserve.models.loaded_model import LoadedModel, generation_config, resolve_dtype, resolve_max_model_len
 from jaxserve.models.tokenizers import gguf_tokenizer
+from jaxserve.quantization import gguf_formats, loading as quant_loading
+from jaxserve.quantization.config import gguf_quantization
+
+logger = logging.getLogger(__name__)
 
 # HF tensor name -> llama.cpp's, in order: the names every architecture shares (a family's own go first)
 TENSOR_NAMES = ((r"^model\.embed_tokens\.", "token_embd."), (r"^model\.norm\.", "output_norm."),
@@ -59,7 +68,9 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
 def gguf_getter(reader, path: str, cfg: ModelConfig | None) -> Callable[[str], np.ndarray]:
     """``get(hf_name)``: the GGUF tensor dequantized to float32, in HF layout and HF values (the family's
     ``fix_tensor`` undoes what llama.cpp's converter changed: Llama's q/k rows permuted for its RoPE,
-    Gemma's norm weights stored as ``1 + w``)."""
+    Gemma's norm weights stored as ``1 + w``). ``get.gguf_rows(hf_name)``: a 2-D tensor's quantized rows
+    as stored, its type and its HF shape ``[out, in]`` (``quantization.gguf_formats``); the fix applies to
+    the rows too, which holds for the fixes of projections (row permutations)."""
     tensors = {t.name: t for t in reader.tensors}
     arch = reader.fields["general.architecture"]
     spec = registry.gguf_architecture(arch)
@@ -85,7 +96,47 @@ def gguf_getter(reader, path: str, cfg: ModelConfig | None) -> Callable[[str], n
         w = dequantized.__wrapped__(name, hf_name)
         return fix(name, w, cfg) if fix is not None else w
 
+    def gguf_rows(hf_name: str) -> tuple[np.ndarray, Any, tuple[int, int]]:
+        t = tensors[gguf_name(hf_name, arch)]
+        rows = fix(t.name, t.data, cfg) if fix is not None else t.data
+        return rows, t.tensor_type, (t.shape[1], t.shape[0])
+
+    get.gguf_rows = gguf_rows
     return get
+
+
+def gguf_float_modules(reader, cfg: ModelConfig, family) -> tuple[tuple[str, ...], dict, str]:
+    """The projections' modules that load dequantized (their GGUF type has no exact form in the int4 layout, or
+    a fused weight's modules differ in type), the type of each weight that stays quantized (by its path), and
+    the one log line that says which types stay quantized and which were dequantized."""
+    arch = reader.fields["general.architecture"]
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    kept, dequantized, float_modules, kept_paths = collections.Counter(), collections.Counter(), [], {}
+    for path, names, _ in family.weight_plan(cfg):
+        if not quant_loading.is_linear(path):
+            continue
+        found = [types.get(gguf_name(n, arch)) for n in names]
+        if None not in found and len(set(found)) == 1 and gguf_formats.kept(found[0]):
+            kept.update(t.name for t in found)
+            kept_paths[path] = found[0]
+        else:
+            dequantized.update(t.name for t in found if t is not None)
+            float_modules += [quant_loading.module_of(n) for n in names]
+
+    def listed(counts):
+        return ", ".join(f"{n} {c}" for n, c in sorted(counts.items())) or "none"
+    line = (f"{os.path.basename(reader.path)}: projections kept quantized: {listed(kept)}; dequantized: "
+            f"{listed(dequantized)}; the other tensors (embeddings, norms, lm_head, experts) dequantized")
+    return tuple(float_modules), kept_paths, line
+
+
+def gguf_structure(family, cfg: ModelConfig, kept: dict):
+    """The weight tree's structure, the ``kept`` weights (path → GGUF type) as their int4 weights: what the
+    weight cache keys and rebuilds a warm start's tree with."""
+    tree = family.param_shapes(cfg)
+    for path, tensor_type in kept.items():
+        tree_set(tree, path, quant_loading.int4_weight(gguf_formats.form(tensor_type)))
+    return jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def gguf_rope_freqs(reader) -> np.ndarray | None:
@@ -118,8 +169,10 @@ def model_config_from_gguf(meta: dict[str, Any], tensor_names: set[str], rope_fr
     return spec.model_config(meta, tensor_names, rope_freqs)
 
 
-def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
+def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None, quantization: str | None = "auto",
               enable_expert_parallel: bool = False) -> LoadedModel:
+    """``quantization``: ``auto`` / ``gguf`` keep the projections of the types ``gguf_formats`` repacks (one log
+    line names the types kept and dequantized), ``none`` dequantizes every tensor (``config.gguf_quantization``)."""
     reader = open_gguf(path)
     meta = reader.metadata()
     tensor_names = {t.name for t in reader.tensors}
@@ -131,9 +184,18 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
     family.check_config(cfg)
     # GGUF weights are quantized: "auto" means float32 on CPU (fast there), bfloat16 on accelerators.
     jdtype = resolve_dtype(dtype, jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    # the converted weights from the last load of this file (one device: a mesh places each shard itself)
+    float_modules, kept, kept_line = gguf_float_modules(reader, cfg, family)
+    quant = gguf_quantization(quantization, os.path.basename(path), float_modules)
+    if quant is None:
+        logger.info("%s: every tensor dequantized (--quantization none)", os.path.basename(path))
+    elif kept:
+        logger.info(kept_line)
+    else:           # a float file: nothing to keep, the float path as before
+        quant = None
+    # the converted weights from the last load of this file (one device: a mesh places each shard itself);
+    # the structure (with the kept weights' int4 fields) is part of the key
     cache = weight_cache.directory_for(jax.config.jax_compilation_cache_dir) if mesh is None else None
-    structure = jax.tree.structure(family.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    structure = gguf_structure(family, cfg, kept if quant is not None else {})
     key = weight_cache.key_text(path, cfg, jdtype, structure) if cache else ""
     # the tokenizer (importing transformers: over a second) builds on a thread while the weights load: the
     # copies and numpy's dequantization release the GIL
@@ -141,11 +203,12 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None,
         tokenizer = pool.submit(gguf_tokenizer, path)
         params = weight_cache.load(cache, key, structure)
         if params is None:
-            params = load_weights(cfg, family, gguf_getter(reader, path, cfg), jdtype, mesh=mesh,
+            params = load_weights(cfg, family, gguf_getter(reader, path, cfg), jdtype, mesh=mesh, quant=quant,
                                   desc=f"Loading {os.path.basename(path)}", file_of=lambda n: os.path.basename(path))
             weight_cache.store(cache, key, params, structure)
         tokenizer = tokenizer.result()
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,
                        chat_template=meta.get("tokenizer.chat_template"),
                        generation_config=generation_config(cfg), source=path, dtype=jdtype,
-                       max_model_len=resolve_max_model_len(cfg, max_model_len), load_format="gguf")
+                       max_model_len=resolve_max_model_len(cfg, max_model_len), load_format="gguf",
+                       quantization=None if quant is None else quant.method)

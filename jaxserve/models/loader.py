@@ -21,6 +21,16 @@ from jaxserve.models.safetensors_loader import load_hf_folder
 
 
 
+def model_path(model: str | None) -> str:
+    """The file or folder ``model`` names: the embedded SmolLM2 GGUF (None), a packaged model's GGUF, or the
+    (user-expanded) path itself."""
+    if model is None:
+        return packaged.embedded_model_path()
+    if packaged.is_packaged_model(model):
+        return packaged.packaged_gguf_path(model)
+    return os.path.expanduser(model)
+
+
 def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str = "auto",
                max_model_len: int | None = None, mesh=None, seed: int = 0,
                quantization: str | None = "auto", enable_expert_parallel: bool = False) -> LoadedModel:
@@ -35,12 +45,7 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
     quantization = quantization or "auto"
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
-    if model is None:
-        path = packaged.embedded_model_path()
-    elif packaged.is_packaged_model(model):
-        path = packaged.packaged_gguf_path(model)
-    else:
-        path = os.path.expanduser(model)
+    path = model_path(model)
     ep = {"enable_expert_parallel": True} if enable_expert_parallel else {}
     if load_format == "orbax" or (load_format == "auto" and is_orbax_checkpoint(path)):
         float_only(quantization, f"{path} is an orbax checkpoint (float weights)")
@@ -50,8 +55,7 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
     if os.path.isfile(path) and path.endswith(".gguf"):
         if load_format not in ("auto", "gguf"):
             raise ModelLoadError(f"{path} is a GGUF file; load_format {load_format!r} does not apply")
-        float_only(quantization, f"{path} is a GGUF file (its weights are dequantized at load)")
-        return load_gguf(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh, **ep)
+        return load_gguf(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh, quantization=quantization, **ep)
     if os.path.isdir(path):
         if load_format == "gguf":
             raise ModelLoadError(f"{path} is a folder; pass the .gguf file itself for load_format gguf")

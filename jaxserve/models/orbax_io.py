@@ -26,13 +26,15 @@ def convert(model: str | None, output_dir: str, dtype: str = "auto", tensor_para
             load_format: str = "auto") -> dict:
     """Load ``model`` (sharded over ``tensor_parallel_size`` devices, so it never sits whole on one) and
     write it as an orbax checkpoint in ``output_dir``. Returns a summary (paths, sizes, seconds)."""
-    from jaxserve.models.loader import load_model
+    from jaxserve.models.loader import load_model, model_path
     from jaxserve.parallel import make_mesh
 
     _check_output_dir(output_dir)
     mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
     t0 = time.perf_counter()
-    loaded = load_model(model, dtype=dtype, load_format=load_format, mesh=mesh)
+    # orbax stores float weights: a GGUF's are dequantized (its default keeps them quantized)
+    quantization = "none" if model_path(model).endswith(".gguf") else "auto"
+    loaded = load_model(model, dtype=dtype, load_format=load_format, mesh=mesh, quantization=quantization)
     load_s = time.perf_counter() - t0
     summary = save(loaded, output_dir)
     return summary | {"load_seconds": load_s}

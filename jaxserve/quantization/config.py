@@ -3,7 +3,9 @@
 ``auto`` (the default) follows the checkpoint; ``none`` insists on an unquantized one; a method names what
 the checkpoint must hold, except ``fp8`` on an unquantized checkpoint, which quantizes it at load (vLLM's
 online fp8: per-channel weights, dynamic per-token activations). Any other disagreement is an error that
-says what the checkpoint is, so a wrong flag never silently loads garbage.
+says what the checkpoint is, so a wrong flag never silently loads garbage. A GGUF file (``gguf_quantization``)
+keeps its projections quantized (in the int4 layout) under ``auto`` and ``gguf``; ``none`` dequantizes every
+tensor.
 """
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from typing import Any
 
 from jaxserve.errors import ModelLoadError
 
-QUANTIZATION_METHODS = ("auto", "fp8", "awq", "gptq", "compressed-tensors", "none")
+QUANTIZATION_METHODS = ("auto", "fp8", "awq", "gptq", "compressed-tensors", "gguf", "none")
 # vLLM's kernel-specific spellings of the same checkpoint formats
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
 INT4_GROUP_DEFAULT = 128     # the group of dummy int4 weights (the formats' common default)
+GGUF_GROUP = 32              # GGUF's blocks (its k-quants' sub-blocks)
 FP8_BLOCK = 128
 
 
@@ -86,11 +89,25 @@ def resolve_quantization(requested: str | None, hf_config: dict | None, source: 
     return parse(qc, source)
 
 
+def gguf_quantization(requested: str | None, source: str, float_modules: tuple[str, ...]) -> QuantConfig | None:
+    """How a GGUF file's projections load: ``auto`` / ``gguf`` keep them in the int4 layout (``gguf_formats``;
+    ``float_modules``: the projections' modules whose type has no exact form there, dequantized); ``none``:
+    None, every tensor dequantized to the float dtype."""
+    requested = canonical_method(requested)
+    if requested == "none":
+        return None
+    if requested not in ("auto", "gguf"):
+        raise ModelLoadError(f"--quantization {requested}: {source} is a GGUF file; pass auto or gguf (its "
+                             f"quantized weights kept so) or none (every weight dequantized)")
+    return QuantConfig(method="gguf", weights="int4", group_size=GGUF_GROUP, ignore=float_modules)
+
+
 def checkpoint_quantization(method: str) -> QuantConfig:
     """The QuantConfig of random weights in ``method``'s storage (``--load-format dummy --quantization X``)."""
     if method in ("fp8",):
         return QuantConfig(method="fp8", weights="fp8", fp8_scales="channel", online=True)
-    return QuantConfig(method=method, weights="int4", group_size=INT4_GROUP_DEFAULT, online=True)
+    group = GGUF_GROUP if method == "gguf" else INT4_GROUP_DEFAULT
+    return QuantConfig(method=method, weights="int4", group_size=group, online=True)
 
 
 def _bits(qc: dict, source: str, key: str = "bits") -> None:

@@ -3,8 +3,13 @@
 Each reader returns a module's weight as unsigned 4-bit values ``q [K, N]`` in the model's ``[in, out]``
 layout, with per-group ``scales [K/G, N]`` (the checkpoint's float dtype, unchanged) and integer ``zeros
 [K/G, N]`` such that ``w = (q - zeros) * scales``, and ``perm`` when GPTQ's act-order stores the input
-channels out of group order. ``combine`` then applies the weight plan's build (stack gate and up, slice a
-fused projection) and ``pack`` packs ``q`` along K into ``kernels/int4_matmul_pallas.py``'s layout.
+channels out of group order. GGUF's types (``gguf_formats``) add a float ``mins [K/G, N]`` per group, and
+its k-quants two-level scales: ``scales`` and ``mins`` as small integers times per-super-block
+``super_scales`` / ``super_mins [K/S, N]``, so ``w = (q - zeros) * scales * super_scales - mins * super_mins``
+(each factor broadcast over its rows); its 5- to 8-bit types: ``q`` up to 255 less a static ``offset``, its
+low nibble packed as usual and the bits above (``high_bits`` of them) in a second plane. ``combine`` then
+applies the weight plan's build (stack gate and up, slice a fused projection) and ``pack`` packs ``q`` along K
+into ``kernels/int4_matmul_pallas.py``'s layout.
 
 The formats' packing rules, as their quantizers write them:
 * AWQ (GEMM): ``qweight [K, N/8]`` int32 packs 8 output columns per word in the order 0, 2, 4, 6, 1, 3, 5, 7
@@ -32,11 +37,26 @@ PACK = 8
 
 @dataclasses.dataclass
 class Int4Parts:
-    q: np.ndarray                  # uint8 [K, *out], 0..15
+    q: np.ndarray                  # uint8 [K, *out], 0..15 (up to 0..255 with ``high_bits``)
     scales: np.ndarray             # [K/G, *out] float
-    zeros: np.ndarray              # int8 [K/G, *out], 0..15
+    zeros: np.ndarray | None       # int8 [K/G, *out], 0..15; None: 0 (GGUF's types with mins)
     perm: np.ndarray | None        # int32 [K] or None
     group_size: int
+    mins: np.ndarray | None = None           # [K/G, *out]: subtracted after the scale (GGUF Q4_1, Q4_K)
+    super_scales: np.ndarray | None = None   # [K/S, *out]: a factor of S/G groups' scales (GGUF k-quants)
+    super_mins: np.ndarray | None = None     # [K/S, *out]: the same for their mins
+    offset: int = 0                          # subtracted from every q (the zero point of GGUF's Q5-Q8 types)
+    high_bits: int = 0                       # bits of q above the low four (1, 2 or 4: GGUF's Q5, Q6_K, Q8_0)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The per-output-column arrays (``[in-ish, *out]``), by field name: what a build stacks or slices."""
+        names = ("q", "scales", "zeros", "mins", "super_scales", "super_mins")
+        return {f: getattr(self, f) for f in names if getattr(self, f) is not None}
+
+    def with_arrays(self, fn: Callable[..., np.ndarray], *others: "Int4Parts") -> "Int4Parts":
+        """These parts with ``fn(a, *the same array of others)`` for each per-column array."""
+        return dataclasses.replace(self, **{f: fn(a, *(o.arrays()[f] for o in others))
+                                            for f, a in self.arrays().items()})
 
 
 def _unpack_last(packed: np.ndarray, order=tuple(range(PACK))) -> np.ndarray:
@@ -53,15 +73,16 @@ def _unpack_first(packed: np.ndarray) -> np.ndarray:
     return np.moveaxis(_unpack_last(np.moveaxis(packed, 0, -1)), -1, 0)
 
 
-def pack(q: np.ndarray) -> np.ndarray:
-    """uint8 ``[K, ...]`` (0..15) → int32 ``[K/8, ...]``, nibble ``j`` of row ``r`` = row ``8r + j``."""
-    k = q.shape[0]
-    if k % PACK:
-        raise ModelLoadError(f"int4 weight with {k} input rows (not a multiple of 8)")
-    planes = q.reshape((k // PACK, PACK) + q.shape[1:]).astype(np.uint32)
-    out = np.zeros((k // PACK,) + q.shape[1:], np.uint32)
-    for j in range(PACK):
-        out |= planes[:, j] << np.uint32(4 * j)
+def pack(q: np.ndarray, bits: int = 4) -> np.ndarray:
+    """uint8 ``[K, ...]`` (0..15) → int32 ``[K/8, ...]``, nibble ``j`` of row ``r`` = row ``8r + j``; with
+    ``bits`` (1, 2, 4) per value, ``32 / bits`` rows to a word the same way."""
+    k, per = q.shape[0], 32 // bits
+    if k % per:
+        raise ModelLoadError(f"int4 weight with {k} input rows (not a multiple of {per})")
+    planes = q.reshape((k // per, per) + q.shape[1:]).astype(np.uint32)
+    out = np.zeros((k // per,) + q.shape[1:], np.uint32)
+    for j in range(per):
+        out |= planes[:, j] << np.uint32(bits * j)
     return out.view(np.int32)
 
 
@@ -143,23 +164,35 @@ def combine(parts: list[Int4Parts], kind, name: str) -> Int4Parts:
                                                          and not np.array_equal(gate.perm, up.perm)):
             raise ModelLoadError(f"{name}: gate_proj and up_proj have different act-order permutations "
                                  f"(g_idx); their fused projection needs one")
-        return Int4Parts(*(np.stack([a, b], axis=1) for a, b in
-                           ((gate.q, up.q), (gate.scales, up.scales), (gate.zeros, up.zeros))),
-                         gate.perm, gate.group_size)
+        forms = [(p.high_bits, p.offset, {f: a.shape[0] for f, a in p.arrays().items()}) for p in parts]
+        if forms[0] != forms[1]:
+            raise ModelLoadError(f"{name}: gate_proj and up_proj are stored in different int4 forms")
+        return gate.with_arrays(lambda a, b: np.stack([a, b], axis=1), up)
     p = parts[0]
     if isinstance(kind, tuple) and kind[0] == "rows_t":
         cols = slice(kind[1], kind[2])
-        return Int4Parts(p.q[:, cols], p.scales[:, cols], p.zeros[:, cols], p.perm, p.group_size)
+        return p.with_arrays(lambda a: a[:, cols])
     if kind == "fused_gate_up_t":
-        def split(a):
-            return a.reshape(a.shape[0], 2, a.shape[1] // 2)
-        return Int4Parts(split(p.q), split(p.scales), split(p.zeros), p.perm, p.group_size)
+        return p.with_arrays(lambda a: a.reshape(a.shape[0], 2, a.shape[1] // 2))
     raise ModelLoadError(f"{name}: build {kind!r} has no int4 form")
 
 
+def group_factor(a: np.ndarray, super_factor: np.ndarray | None) -> np.ndarray:
+    """Per-group ``scales`` (or ``mins``) as float32, times their super-block factor when there is one (exact:
+    a 6-bit integer times a float16 fits float32's mantissa)."""
+    a = a.astype(np.float32)
+    if super_factor is None:
+        return a
+    return a * np.repeat(super_factor.astype(np.float32), a.shape[0] // super_factor.shape[0], axis=0)
+
+
 def dequantize(parts: Int4Parts) -> np.ndarray:
-    """The float32 weight ``[K, *out]`` the parts stand for (rows in ``perm`` order when there is one)."""
+    """The float32 weight ``[K, *out]`` the parts stand for (rows in ``perm`` order when there is one):
+    ``(q - offset - zeros) * scales - mins``, the scales and mins times their super-block factors."""
     g = parts.group_size
-    s = np.repeat(parts.scales.astype(np.float32), g, axis=0)
-    z = np.repeat(parts.zeros.astype(np.float32), g, axis=0)
-    return (parts.q.astype(np.float32) - z) * s
+    s = np.repeat(group_factor(parts.scales, parts.super_scales), g, axis=0)
+    q = parts.q.astype(np.float32) - np.float32(parts.offset)
+    w = (q if parts.zeros is None else q - np.repeat(parts.zeros.astype(np.float32), g, axis=0)) * s
+    if parts.mins is not None:
+        w -= np.repeat(group_factor(parts.mins, parts.super_mins), g, axis=0)
+    return w

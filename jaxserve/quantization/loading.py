@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.errors import ModelLoadError
 
-from . import int4_formats, online
+from . import gguf_formats, int4_formats, online
 from .config import FP8_BLOCK, QuantConfig
 from .weights import FP8_DTYPE, Fp8Weight, Int4Weight, with_tp_axis
 
@@ -87,19 +87,31 @@ def load_linear(q: QuantConfig, path: tuple, names: list[str], kind, expected: t
         if tuple(whole.q.shape) != tuple(expected):
             raise ModelLoadError(f"{prefixes[0]}: int4 weight of shape {tuple(whole.q.shape)} (in, out) does not "
                                  f"match the config (expected {tuple(expected)})")
+        if whole.super_scales is not None:          # a row-parallel shard holds whole super-blocks
+            check_shards(name, expected, sharding, expected[0] // whole.super_scales.shape[0],
+                         "quantization super-blocks", input_only=True)
         check_shards(name, expected, sharding, whole.group_size, "quantization groups", input_only=True)
         tp, axis = _tp_and_axis(sharding)
         if whole.perm is not None and axis == 0 and tp > 1:
             raise ModelLoadError(f"{name}: GPTQ act-order (desc_act) weights of a row-parallel projection cannot "
                                  f"be split with tensor_parallel_size={tp} (the input permutation crosses the "
                                  f"shards); use tensor_parallel_size=1")
-        weight = Int4Weight(packed=int4_formats.pack(whole.q), scales=whole.scales, zeros=whole.zeros,
-                            perm=whole.perm, group_size=whole.group_size)
-        return _place(weight, sharding)
+        return _place(int4_weight(whole), sharding)
     return _load_fp8(q, name, prefixes, kind, expected, sharding, get, has)
 
 
+def int4_weight(whole: int4_formats.Int4Parts) -> Int4Weight:
+    """The ``Int4Weight`` (numpy leaves) of one weight's parts: ``q`` packed (its high bits in their own plane)."""
+    return Int4Weight(packed=int4_formats.pack(whole.q & 15), scales=whole.scales, zeros=whole.zeros,
+                      perm=whole.perm, group_size=whole.group_size, mins=whole.mins,
+                      super_scales=whole.super_scales, super_mins=whole.super_mins,
+                      high=int4_formats.pack(whole.q >> 4, whole.high_bits) if whole.high_bits else None,
+                      offset=whole.offset, high_bits=whole.high_bits or 4)
+
+
 def _read_int4(q: QuantConfig, prefix: str, get, has) -> int4_formats.Int4Parts:
+    if q.method == "gguf":          # the getter of a GGUF file also hands over a tensor's quantized rows
+        return gguf_formats.read_gguf(*get.gguf_rows(f"{prefix}.weight"), name=prefix)
     if q.method == "awq":
         return int4_formats.read_awq(get, prefix, q.group_size)
     if q.method == "gptq":

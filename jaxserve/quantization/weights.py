@@ -69,23 +69,53 @@ def live_tokens(count: jax.Array):
 class Int4Weight:
     """W4A16 (``kernels/int4_matmul_pallas.py`` says the layout): ``packed [K/8, *out]`` int32,
     ``scales [K/G, *out]``, ``zeros [K/G, *out]`` int8; ``perm [K]`` (GPTQ act-order: the input channels in
-    group order, ``x[:, perm]`` feeds the weight's rows) or None."""
+    group order, ``x[:, perm]`` feeds the weight's rows) or None. GGUF's Q4_1 and Q4_K have ``mins [K/G,
+    *out]`` instead of zero points (``w = q * scales - mins``, ``zeros`` None); the k-quants keep their
+    two-level scales: ``scales`` and ``mins`` are small integers and ``super_scales`` / ``super_mins [K/S,
+    *out]`` (float16, one per super-block of S inputs) their factors (``group_scales``, ``group_mins``). GGUF's 5- to 8-bit types add ``high [K *
+    high_bits / 32, *out]`` int32, each value's bits above the low four (``high_bits`` of them, packed along K
+    like ``packed``), and ``w = (low + 16 high - offset) * scales - mins`` (``offset`` static, ``zeros``
+    None)."""
     packed: jax.Array
     scales: jax.Array
-    zeros: jax.Array
+    zeros: jax.Array | None
     perm: jax.Array | None
     group_size: int = dataclasses.field(metadata=_static)
     tp_axis: int | None = dataclasses.field(default=None, metadata=_static)
+    mins: jax.Array | None = None
+    super_scales: jax.Array | None = None
+    super_mins: jax.Array | None = None
+    high: jax.Array | None = None
+    offset: int = dataclasses.field(default=0, metadata=_static)
+    high_bits: int = dataclasses.field(default=4, metadata=_static)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.packed.shape[0] * int4_kernel.PACK,) + tuple(self.packed.shape[1:])
 
+    def group_scales(self) -> jax.Array:
+        """Each group's scale (float32 when it has a super-block factor, else as stored)."""
+        return _times_super(self.scales, self.super_scales)
+
+    def group_mins(self) -> jax.Array | None:
+        return None if self.mins is None else _times_super(self.mins, self.super_mins)
+
     def specs(self, spec: P) -> "Int4Weight":
         """The PartitionSpec of each array when the float weight's spec is ``spec`` (``tp_axis`` is set
         from the same spec: ``with_tp_axis``)."""
-        return dataclasses.replace(self, packed=spec, scales=spec, zeros=spec,
-                                   perm=None if self.perm is None else P())
+        def opt(a):
+            return None if a is None else spec
+        return dataclasses.replace(self, packed=spec, scales=spec, zeros=opt(self.zeros),
+                                   perm=None if self.perm is None else P(), mins=opt(self.mins),
+                                   super_scales=opt(self.super_scales), super_mins=opt(self.super_mins),
+                                   high=opt(self.high))
+
+
+def _times_super(a: jax.Array, factor: jax.Array | None) -> jax.Array:
+    """Per-group values times their super-block factor (float32: exact for 6-bit integers and float16 factors)."""
+    if factor is None:
+        return a
+    return a.astype(jnp.float32) * jnp.repeat(factor.astype(jnp.float32), a.shape[0] // factor.shape[0], axis=0)
 
 
 @jax.tree_util.register_dataclass
@@ -140,6 +170,33 @@ def is_quantized(w) -> bool:
     return isinstance(w, QUANTIZED_TYPES)
 
 
+def bytes_by_storage(tree) -> dict[str, tuple[int, int]]:
+    """The weight tree's device bytes and weight count by storage: ``int4``, ``int5`` / ``int6`` / ``int8``
+    (int4 weights with a high plane: GGUF's 5- to 8-bit types) and ``fp8`` (every array of the quantized
+    weights, scales included), each float dtype by name."""
+    out: dict[str, tuple[int, int]] = {}
+    for leaf in jax.tree.leaves(tree, is_leaf=is_quantized):
+        if isinstance(leaf, Int4Weight):
+            kind = "int4" if leaf.high is None else f"int{4 + leaf.high_bits}"
+        elif isinstance(leaf, Fp8Weight):
+            kind = "fp8"
+        else:
+            kind = jnp.dtype(leaf.dtype).name
+        nbytes = sum(a.nbytes for a in jax.tree.leaves(leaf))
+        total, count = out.get(kind, (0, 0))
+        out[kind] = (total + nbytes, count + math.prod(leaf.shape))
+    return out
+
+
+def describe_bytes(tree) -> str:
+    """``bytes_by_storage`` as one phrase: ``int4 0.06 GB (5.00 bits/weight), float32 0.12 GB``."""
+    parts = []
+    for kind, (nbytes, count) in sorted(bytes_by_storage(tree).items(), key=lambda kv: -kv[1][0]):
+        bits = f" ({8 * nbytes / count:.2f} bits/weight)" if kind.startswith(("int", "fp8")) and count else ""
+        parts.append(f"{kind} {nbytes / 1e9:.3f} GB{bits}")
+    return ", ".join(parts)
+
+
 def with_tp_axis(w, spec: P):
     """``w`` marked with the axis that ``spec`` splits over ``"tp"`` (None: replicated)."""
     return dataclasses.replace(w, tp_axis=_tp_axis(spec))
@@ -192,20 +249,39 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=1)
     k = x.shape[-1]
-    packed, scales, zeros = (a.reshape(a.shape[0], n) for a in (w.packed, w.scales, w.zeros))
+    packed, high, scales, zeros, mins = (None if a is None else a.reshape(a.shape[0], n)
+                                         for a in (w.packed, w.high, w.group_scales(), w.zeros, w.group_mins()))
     m = x.shape[0]
     kernel = int4_step_kernel(m, k, n, w.group_size, x.dtype) if jax.default_backend() == "gpu" else None
+    if kernel is None:
+        x, packed, high, scales, zeros, mins = _after_input(x, packed, high, scales, zeros, mins)
+        return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size, mins, high, w.offset,
+                                                 w.high_bits)
+    # the kernels always apply a zero point; a wide weight is its low plane's product plus its high plane's
+    # (16 times the scales, the offset over 16: exact for GGUF's offsets 16, 32 and 128)
+    planes = [(packed, scales, jnp.zeros(scales.shape, jnp.int8) if zeros is None else zeros)]
+    if high is not None:        # the high bits widened to nibbles for the kernels (a copy per call)
+        nibbles = int4_kernel.pack_int4(int4_kernel.unpack_bits(high, w.high_bits))
+        planes = [(packed, scales, jnp.zeros(scales.shape, jnp.int8)),
+                  (nibbles, scales.astype(jnp.float32) * 16, jnp.full(scales.shape, w.offset // 16, jnp.int8))]
+    ys = [_int4_kernel(kernel, x, p, s, z, w.group_size, live) for p, s, z in planes]
+    if len(ys) == 1 and mins is None:
+        return ys[0]
+    y = sum(a.astype(jnp.float32) for a in ys)
+    if mins is not None:
+        y = y - int4_kernel.group_mins_product(x, mins, w.group_size)
+    return y.astype(x.dtype)
+
+
+def _int4_kernel(kernel: str, x, packed, scales, zeros, group_size: int, live) -> jax.Array:
     if kernel == "ffi":
-        return quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=w.group_size)
-    if kernel == "pallas":
-        live = live if live is not None and m > 1 else None
-        cfg = int4_kernel.default_config(m, k, n, w.group_size, live_one=live is not None)
-        if cfg.method != "gemv":
-            live = None
-        return int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=w.group_size, config=cfg,
-                                       live_rows=live)
-    x, packed, scales, zeros = _after_input(x, packed, scales, zeros)
-    return int4_kernel.int4_matmul_reference(x, packed, scales, zeros, w.group_size)
+        return quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=group_size)
+    m, k, n = x.shape[0], x.shape[1], packed.shape[1]
+    live = live if live is not None and m > 1 else None
+    cfg = int4_kernel.default_config(m, k, n, group_size, live_one=live is not None)
+    if cfg.method != "gemv":
+        live = None
+    return int4_kernel.int4_matmul(x, packed, scales, zeros, group_size=group_size, config=cfg, live_rows=live)
 
 
 def int4_step_kernel(m: int, k: int, n: int, group_size: int, dtype) -> str | None:

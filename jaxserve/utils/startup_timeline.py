@@ -1,17 +1,17 @@
 """The start-up timeline: where the seconds between a process start and a ready engine go, one INFO line per
 phase (``start-up PHASE: SECONDS s (DETAIL)``), kept in this process's ``timeline()`` too.
 
-The phases, in order: ``imports`` (interpreter start to the engine code loaded; the engine-core process logs
-its own), ``device init`` (the JAX backend and the mesh), ``weights`` (bytes and GB/s; the device's fills or
-copies included), ``tokenizer wait`` (the load's wait for the tokenizer built beside it), ``KV cache`` (sizing
-and allocating it), ``warm-up`` (the first-needed compiles) and ``engine-core hand-shake`` (the front end's
-wait for a core process beyond the core's own wall time: its interpreter, the pickled facts, reading them).
-A phase opened inside another one on the same thread is not counted in its parent's seconds, so the phases
-of a thread add up to its wall time. A phase that ends on another thread than the main one runs beside the
-others (``config/tokenizer``: the tokenizer built while the weights load; ``tokenizer imports``: its library
-imported ahead, ``startup_imports``): its line says ``overlapped`` and the summary's total leaves it out. The
-start-up benchmark (``benchmarks/startup.py``) reads the lines from the server's log; ``LINE`` is their
-pattern.
+The phases, in order: ``imports`` (interpreter start to the engine code loaded; the engine-core process logs its
+own), ``device init`` (the JAX backend and the mesh), ``weights`` (bytes and GB/s; the device's fills or copies
+included; then ``by storage:`` int4 / fp8 with their bits per weight, float dtypes), ``tokenizer wait`` (the load's
+wait for the tokenizer built beside it), ``KV cache`` (sizing and allocating it), ``warm-up`` (the first-needed
+compiles) and ``engine-core hand-shake`` (the front end's wait for a core process beyond the core's own wall time:
+its interpreter, the pickled facts, reading them). A phase opened inside another one on the same thread is not
+counted in its parent's seconds, so the phases of a thread add up to its wall time. A phase that ends on another
+thread than the main one runs beside the others (``config/tokenizer``: the tokenizer built while the weights load;
+``tokenizer imports``: its library imported ahead, ``startup_imports``): its line says ``overlapped`` and the
+summary's total leaves it out. The start-up benchmark (``benchmarks/startup.py``) reads the lines from the server's
+log; ``LINE`` is their pattern.
 """
 from __future__ import annotations
 
@@ -33,17 +33,19 @@ _open = threading.local()
 
 
 class _Phase:
-    """An open phase: set ``nbytes`` to log its size and rate."""
+    """An open phase: set ``nbytes`` to log its size and rate, ``note`` to add a phrase after them."""
 
     def __init__(self, name: str):
         self.name = name
         self.nested_s = 0.0
         self.nbytes: int | None = None
+        self.note = ""
 
 
-def record(name: str, seconds: float, detail: str = "") -> None:
+def record(name: str, seconds: float, detail: str = "", note: str = "") -> None:
+    """Log a phase: ``start-up NAME: SECONDS s (DETAIL), NOTE`` (``note`` is in the log line only)."""
     _recorded.append((name, seconds, detail))
-    logger.info("start-up %s: %.2f s%s", name, seconds, f" ({detail})" if detail else "")
+    logger.info("start-up %s: %.2f s%s%s", name, seconds, f" ({detail})" if detail else "", f", {note}" if note else "")
 
 
 @contextlib.contextmanager
@@ -68,7 +70,7 @@ def phase(name: str):
     details = [] if p.nbytes is None else [rate(p.nbytes, seconds)]
     if threading.current_thread() is not threading.main_thread():
         details.append(OVERLAPPED)
-    record(name, seconds, "; ".join(details))
+    record(name, seconds, "; ".join(details), p.note)
 
 
 def rate(nbytes: int, seconds: float) -> str:

@@ -25,7 +25,7 @@ def missing_configs() -> str | None:
             f"and {where} has no bench/: set JAXSERVE_CONFIGS=/path/to/jaxserve/configs")
 
 
-MODES = ("throughput", "latency", "serve", "startup", "kernels")
+MODES = ("throughput", "latency", "serve", "startup", "kernels", "lora")
 
 # Every key a config may have, with its default. `engine` is passed through to LLM(...) / serve flags.
 DEFAULTS: dict[str, Any] = {
@@ -57,6 +57,8 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
               "image_size": 448},      # dataset images: one random image_size² image per chat request
     "startup": {"prompt": "What is the capital of France?", "max_tokens": 16},
     "kernels": {},
+    "lora": {"batch_sizes": [1, 64], "adapters": [0, 1, 4, 16], "rank": 16, "input_len": 128, "output_len": 128,
+             "ignore_eos": True, "temperature": 0.0, "warmup_iters": 1, "iters": 3, "prefill_iters": 2, "load_iters": 3},
 }
 
 

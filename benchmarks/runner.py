@@ -165,7 +165,7 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
 # mode -> (module, function), imported when a run of that mode starts
 MODES = {"throughput": ("offline", "run_throughput"), "latency": ("offline", "run_latency"),
          "serve": ("serve", "run_serve"), "startup": ("startup", "run_startup"),
-         "kernels": ("kernel_bench", "run_kernels")}
+         "kernels": ("kernel_bench", "run_kernels"), "lora": ("lora", "run_lora")}
 SERVER_MODES = ("serve", "startup")      # a server process of their own: it needs the accelerator first
 
 
@@ -250,9 +250,8 @@ def _summary_line(run: Run) -> str:
                  f"TTFT p50 {fmt(p['ttft_ms']['median'])} ms TPOT p50 {fmt(p['tpot_ms']['median'])} ms"
                  f"{' (' + str(p['failed']) + ' failed)' if p['failed'] else ''}" for p in r["points"]]
         return f"{name} ({r['sweep_param'] or 'one load'}): " + "; ".join(parts)
-    if run.cfg["mode"] == "startup" and j:
-        from .startup import summary
-        return summary(run)
+    if run.cfg["mode"] in ("startup", "lora") and j:
+        return importlib.import_module(f".{MODES[run.cfg['mode']][0]}", __package__).summary(run)
     if run.cfg["mode"] == "kernels" and r.get("summary"):
         return f"{name}: " + "; ".join(f"{what}: {res}" for what, res in r["summary"][:4])
     return f"{name}: done ({run.cfg['mode']})"

@@ -69,8 +69,7 @@ class StepStats:
             return {}
         per = steps * layers
         tokens = d["moe_expert_tokens"]
-        return {"expert_load": {
-            "moe_layers": int(layers), "num_experts": len(tokens),
+        return {"expert_load": {"moe_layers": int(layers), "num_experts": len(tokens),
             "mean_expert_tokens_per_step": d["moe_mean_expert_tokens_total"] / per,
             "max_expert_tokens_per_step": d["moe_max_expert_tokens_total"] / per,
             "imbalance": d["moe_max_expert_tokens_total"] / d["moe_mean_expert_tokens_total"],
@@ -186,8 +185,8 @@ def _timed(llm, prompts, params, lora=None) -> float:
 
 
 def timed_batches(run, llm, ins, outs, prompts, lora=None) -> tuple[list, list, dict | None, float]:
-    """The latency measurement of one batch (``lora``: its adapters): (e2e seconds of each timed run, seconds of
-    each prefill-only run, the engine's step window over the timed runs, the decode step's seconds)."""
+    """One batch's latency runs (``lora``: its adapters): (e2e seconds per timed run, seconds per prefill-only run,
+    the step window, the decode step's seconds)."""
     from tqdm.auto import tqdm
     wl, b = run.cfg["workload"], len(prompts)
     params = _sampling_params(outs, wl, run.cfg["seed"])

@@ -24,4 +24,4 @@ def test_cpu_smoke_lora_end_to_end(tmp_path, capsys):
     assert load["count"] == 1 and load["read_s"] > 0 and load["write_s"] > 0 and load["mb"] > 0
     md = (folder / "result.md").read_text()
     assert "| 2 | 2 | 2 |" in md and "base (no LoRA)" in md and "Adapter load (rank 4" in md
-    assert "cpu-smoke-lora: decode step with n adapters / base batch 1: 0 → ×" in capsys.readouterr().out
+    assert "cpu-smoke-lora: decode step / base: batch 1 0 adapters ×" in capsys.readouterr().out

@@ -95,3 +95,28 @@ def test_the_slot_stacks_shard_like_a_quantized_base_weight():
     assert tuple(_sharding(mesh, gate_up, a=False).spec) == (None, None, None, "tp")
     assert tuple(_sharding(mesh, gate_up, a=True).spec) == (None, None, None)
     assert tuple(_sharding(mesh, down, a=True).spec) == (None, "tp", None)
+
+
+_TP_SCRIPT = r'''
+import json, sys
+from jaxserve.llm import LLM
+from jaxserve.lora import LoRARequest
+from jaxserve.sampling_params import SamplingParams
+from support.tp_greedy import PROMPTS
+llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", max_model_len=64, max_num_batched_tokens=32,
+          max_num_seqs=4, kv_cache_memory_bytes=1 << 21, skip_warmup=True, compilation_cache_dir="",
+          use_tqdm_on_load=False, enable_lora=True, max_loras=1, max_lora_rank=int(sys.argv[3]))
+sp = SamplingParams(max_tokens=int(sys.argv[4]), temperature=0.0, ignore_eos=True)
+outs = llm.generate(PROMPTS, sp, use_tqdm=False, lora_request=LoRARequest("rand", 1, sys.argv[2]))
+print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+'''
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_int4_base_with_an_adapter(tmp, adapter):
+    """TP=2 on fake CPU devices: the stacks split like the int4 weights (``tp_axis``), the merged model's tokens."""
+    from support.fake_devices import fake_device_report
+    tensors, qc, ref, _ = quantized_checkpoint("awq")
+    folder = write_folder(tmp / "awq-tp", tensors, HF | {"quantization_config": qc})
+    out = fake_device_report(["-c", _TP_SCRIPT, folder, adapter, str(RANK), str(NEW_TOKENS)], 2, timeout=600)
+    assert out == merged_reference(tmp, "awq-tp", ref, adapter)[0]

@@ -25,24 +25,18 @@ def missing_configs() -> str | None:
             f"and {where} has no bench/: set JAXSERVE_CONFIGS=/path/to/jaxserve/configs")
 
 
-MODES = ("throughput", "latency", "serve", "startup", "kernels")
+MODES = ("throughput", "latency", "serve", "startup", "kernels", "lora")
 
 # Every key a config may have, with its default. `engine` is passed through to LLM(...) / serve flags.
 DEFAULTS: dict[str, Any] = {
-    "name": None,
-    "description": "",
-    "mode": None,
-    "seed": 0,
+    "name": None, "description": "", "mode": None, "seed": 0,
     "hardware": "auto",             # auto | a configs/hardware name | a YAML path
-    "model": {"name": None, "path": None, "load_format": "auto"},
-    "engine": {},
-    "workload": {},
+    "model": {"name": None, "path": None, "load_format": "auto"}, "engine": {}, "workload": {},
     "baseline": {"hf": False, "methods": None, "num_prompts": None, "iters": None, "python": None,
                  "device": "auto", "timeout_s": 900},
     "serve": {"base_url": None, "api_key": None, "server_args": [], "startup_timeout_s": 900,
               "request_timeout_s": 600},
-    "kernels": {"args": []},
-    "report": {"plots": True},
+    "kernels": {"args": []}, "report": {"plots": True},
 }
 
 WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -57,6 +51,9 @@ WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
               "image_size": 448},      # dataset images: one random image_size² image per chat request
     "startup": {"prompt": "What is the capital of France?", "max_tokens": 16},
     "kernels": {},
+    "lora": {"batch_sizes": [1, 64], "adapters": [0, 1, 4, 16], "rank": 16, "input_len": 128, "output_len": 128,
+             "ignore_eos": True, "temperature": 0.0, "warmup_iters": 1, "iters": 3, "prefill_iters": 2,
+             "load_iters": 3},
 }
 
 

@@ -25,9 +25,8 @@ def git_commit() -> dict:
                                   timeout=10).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             return ""
-    commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"commit": commit or None, "dirty": dirty}
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def device_info() -> dict:
@@ -52,16 +51,14 @@ def device_info_subprocess() -> dict:
 
 def environment(argv: list[str], with_devices: bool = True, devices_in_subprocess: bool = False) -> dict:
     from jaxserve import envs      # its registered switches that are set (e.g. JAXSERVE_MOE_GROUPED_GEMM), no secrets
-    env = {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m jaxserve bench", *argv]),
-        "python": sys.version.split()[0], "host": platform.node(), "cpu_count": os.cpu_count(),
-        "jax": _version("jax"), "jaxlib": _version("jaxlib"), "flax": _version("flax"),
-        "jaxserve": _version("jaxserve"), "transformers": _version("transformers"), "torch": _version("torch"),
-        **git_commit(),
-        "env": {k: os.environ[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                            "CUDA_VISIBLE_DEVICES", *envs.non_secret_names()) if k in os.environ},
-    }
+    env = {"date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["python -m jaxserve bench", *argv]),
+           "python": sys.version.split()[0], "host": platform.node(), "cpu_count": os.cpu_count(),
+           "jax": _version("jax"), "jaxlib": _version("jaxlib"), "flax": _version("flax"),
+           "jaxserve": _version("jaxserve"), "transformers": _version("transformers"), "torch": _version("torch"),
+           **git_commit(), "env": {k: os.environ[k] for k in ("XLA_FLAGS", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                                              "CUDA_VISIBLE_DEVICES", *envs.non_secret_names())
+                                   if k in os.environ}}
     if with_devices:
         env.update(device_info_subprocess() if devices_in_subprocess else device_info())
     return env

@@ -28,19 +28,13 @@ def _percentiles(values: list[float]) -> dict:
             "p99": float(np.percentile(a, 99)), "max": float(a.max())}
 
 
-def _value(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def run(args) -> dict:
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.llm import engine_config_from_kwargs
     from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
-    options = {k: _value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    from .config import parse_set
+    options = {".".join(keys): value for keys, value in map(parse_set, args.set)}
     config = engine_config_from_kwargs(args.model, max_model_len=args.long_len + 64, **options)
     engine = LLMEngine(config, progress=False)
     engine.wait_compiled()
@@ -50,9 +44,8 @@ def run(args) -> dict:
     def prompt(n: int) -> list[int]:
         return rng.integers(200, vocab - 200, n).tolist()
 
-    long_params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-    short_params = SamplingParams(max_tokens=args.short_out, temperature=0.0, ignore_eos=True,
-                                  output_kind=RequestOutputKind.DELTA)
+    long_params, short_params = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                output_kind=RequestOutputKind.DELTA) for n in (2, args.short_out))
     ids = iter(range(1 << 30))
     live: dict[str, dict] = {}          # request id -> kind, arrival (s, step), first token (s, step)
     done: list[dict] = []
@@ -102,7 +95,7 @@ def main(argv=None) -> None:
     p.add_argument("--short-every", type=int, default=4, help="steps between short arrivals")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     p.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
-                   help="an engine option (LLM keyword), value read as JSON where it parses")
+                   help="an engine option (LLM keyword), the value read as YAML (as bench --set reads it)")
     p.add_argument("--out", help="append the result as a JSON line to this file")
     args = p.parse_args(argv)
     result = run(args)

@@ -121,8 +121,7 @@ def main(argv: list[str]) -> int:
     model, device = build_model(spec)
     load_s = time.perf_counter() - t0
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": device,
-           "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
-           "load_s": load_s}
+           "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu", "load_s": load_s}
     results = {}
     prompts, outs = spec["prompts"], spec["output_lens"]
     for method in spec["methods"]:

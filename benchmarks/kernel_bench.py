@@ -3,10 +3,7 @@
     python -m jaxserve.benchmarks.kernel_bench [--only attention,quant] [--smoke: tiny, on CPU, interpreted]
     jaxserve bench --config h200-kernels                              # the same as a config (``kernels.args``)
 
-Sections (``--only``; benchmarks/README.md's table says what each measures): bandwidth (the read and copy
-ceilings of configs/hardware), attention (paged decode, fp8 cache, causal prefill), quant (int4 / fp8 projection
-matmuls; ``int4_launches.py`` tunes the int4 launches), mla (paged MLA decode), moe (the grouped GEMMs).
-
+Sections (``--only``: bandwidth, attention, quant, mla, moe) and what each measures: benchmarks/README.md's table.
 Timing (benchmarks/README.md): device-waited, compiles left out, chained calls with rotating inputs (no L2 repeat).
 """
 from __future__ import annotations
@@ -20,6 +17,8 @@ import sys
 import time
 
 import numpy as np
+
+from . import roofline
 
 SECTIONS = ("bandwidth", "attention", "quant", "moe", "mla")
 LLAMA8B_PROJECTIONS = (("gate_up", 4096, 28672), ("down", 14336, 4096), ("q/o", 4096, 4096), ("k/v", 4096, 1024))
@@ -61,8 +60,6 @@ class Bench:
 
     def __init__(self, sizes: Sizes, hardware: str, out=None):
         import jax
-
-        from . import roofline
         dev = jax.devices()[0]
         self.S, self.out, self.rows = sizes, out, []
         self.hw = roofline.resolve_hardware(hardware, dev.device_kind, dev.platform)
@@ -78,7 +75,6 @@ class Bench:
             self.out.flush()
 
     def read_pct(self, bytes_per_s: float) -> float:
-        from . import roofline
         return roofline.percent(bytes_per_s, self.read_bw, "kernel read rate")
 
 

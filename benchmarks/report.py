@@ -56,15 +56,13 @@ def _jsonable(x):
     return x
 
 
-def write_report(out_dir: Path, cfg: dict, env: dict, result: dict, tables: list[Table],
-                 notes: list[str]) -> Path:
+def write_report(out_dir: Path, cfg: dict, env: dict, result: dict, tables: list[Table], notes: list[str]) -> Path:
     """result.json (everything), result.md (the tables), config.yaml (the exact config run)."""
     (out_dir / "config.yaml").write_text(yaml.safe_dump(_jsonable(cfg), sort_keys=False))
     payload = {"name": cfg["name"], "mode": cfg["mode"], "config": cfg, "environment": env, **result}
     (out_dir / "result.json").write_text(json.dumps(_jsonable(payload), indent=2) + "\n")
     plots = sorted(p.name for p in out_dir.glob("*.png"))
-    md = [f"# {cfg['name']} ({cfg['mode']})", "",
-          f"{cfg.get('description') or ''}".strip(), "",
+    md = [f"# {cfg['name']} ({cfg['mode']})", "", f"{cfg.get('description') or ''}".strip(), "",
           f"- date: {env.get('date_utc')}  ",
           f"- commit: `{env.get('commit')}`{' (dirty tree)' if env.get('dirty') else ''}  ",
           f"- device: {env.get('device_kind', '?')} × {env.get('device_count', '?')} "

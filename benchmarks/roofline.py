@@ -1,32 +1,7 @@
-"""How far from the limit: per-chip limits (configs/hardware/*.yaml) and per-model FLOP/byte counts.
-
-Conventions:
-- Two memory ceilings per chip: ``read_bandwidth`` (a read-only streaming reduction) and ``copy_bandwidth``
-  (read + write bytes of a device copy), both measured by ``kernel_bench.py --only bandwidth``. Every step
-  here streams weights and KV and writes little, so its bound uses the read ceiling.
-- Weights are counted from the family's own parameter shapes (``param_shapes`` of the module the registry
-  resolves), so every family's real layout is in the count: q/k-norms, Gemma's four norms per layer, head_dim
-  256, tied or separate LM head. A step reads every weight once except an untied embedding table, of which it
-  gathers only its T rows (negligible: T * hidden elements); a tied table is read whole, as the LM head.
-- K/V reads are per layer: a layer with a sliding window of w reads at most w cached tokens of a sequence
-  (the paged kernels skip the blocks before the window), a global layer all of them. A step writes the K/V of
-  each of its tokens into every layer (prefill bytes count that write). Multi-head latent attention (DeepSeek)
-  caches one latent row of R + P values (``kv_lora_rank + qk_rope_head_dim``) per token and layer instead.
-- Mixture-of-experts layers: a token multiplies only its top_k of a layer's E routed experts, so a step of b
-  tokens reads the experts they touch: with independent, uniform routing E·(1 − (1 − k/E)^b) distinct experts
-  per layer (exactly k at b = 1, nearly all E from b ≈ 4E/k on); shared experts and the router are dense
-  weights, read whole. Real routing is skewed, which touches fewer experts: the count is the uniform bound.
-- FLOPs: 2 per multiplied weight per token (the embedding gather multiplies nothing; the LM head runs only
-  for tokens that are sampled: one per prefill sequence, one per decode token) plus attention:
-  QK^T and PV are 4·heads·head_dim FLOPs per (query, key) pair per layer; causal prefill of n tokens has
-  n(n+1)/2 pairs in a global layer, fewer in a windowed one (each query sees at most w keys). MLA runs
-  absorbed: 2·heads·(2R + P) per pair (QK^T over the R latent and P rotary values, PV over the R latent ones);
-  its kv_b projection into and out of the latent space is a weight, multiplied once per token.
-- A step takes at least max(bytes / bandwidth, FLOPs / peak) (the roofline); a workload's bound is the
-  sum of its steps' bounds. Tensor parallelism over N chips multiplies both limits by N.
-- A measured figure above its limit means the limit's assumptions are wrong (bytes counted, or a ceiling too
-  low): ``percent`` then warns, reports 100 and keeps the message for the report's notes.
-"""
+"""How far from the limit: per-chip limits (configs/hardware/*.yaml) and per-model FLOP/byte counts, from the
+family's own parameter shapes. The conventions (the two memory ceilings, what a step reads and computes, sliding
+windows, MLA, MoE experts touched, waves, tensor parallelism, the 100 % cap) are benchmarks/README.md's "How far
+from the limit"."""
 from __future__ import annotations
 
 import functools
@@ -319,8 +294,7 @@ def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
         projections = sum(n for path, n in sizes.items()
                           if len(path) == 3 and path[0] == "layers" and path[2] in PROJECTIONS)
         weight_bytes -= int(projections * (DTYPE_BYTES[dtype] - QUANTIZED_WEIGHT_BYTES[quantization]))
-    return ModelCost(params=params, body_matmul_params=body, lm_head_params=head,
-                     weight_bytes=weight_bytes,
+    return ModelCost(params=params, body_matmul_params=body, lm_head_params=head, weight_bytes=weight_bytes,
                      kv_bytes_per_token=cfg.num_layers * kv_values * DTYPE_BYTES[kv_dtype or dtype],
                      attn_flops_per_pair=cfg.num_layers * pair_flops, dtype=dtype,
                      layer_windows=tuple(spec.windows), expert_params=experts, num_experts=num_experts,

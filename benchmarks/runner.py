@@ -1,7 +1,7 @@
 """`python -m jaxserve bench --config NAME [--config NAME ...] [--set key=value ...]` (or
 `python -m benchmarks.runner ...` from the repo root).
 
-Each config runs one mode (throughput | latency | serve | kernels) and writes
+Each config runs one mode (throughput | latency | serve | startup | kernels | lora) and writes
 benchmarks/results/<date>-<name>/ (result.json, result.md, config.yaml, PNGs). Several configs in one
 call share one loaded engine when their model and engine options match (load + warm-up once), and
 every HF baseline runs first, in its own process, before JAX takes the accelerator.
@@ -96,9 +96,8 @@ class Run:
         return self.engines.get(engine_kwargs(self.cfg))
 
     def tokenizer(self):
-        """A tokenizer for ShareGPT lengths: the live engine's, else an HF folder's, else None (≈ words)."""
-        if self.engines.llm is not None:
-            return self.engines.llm.get_tokenizer()
+        """A tokenizer for ShareGPT lengths (serve mode: no engine in this process): an HF folder's, else None
+        (≈ words)."""
         path = self.cfg["model"].get("path")
         if path and Path(path).is_dir():
             from transformers import AutoTokenizer
@@ -165,7 +164,7 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
 # mode -> (module, function), imported when a run of that mode starts
 MODES = {"throughput": ("offline", "run_throughput"), "latency": ("offline", "run_latency"),
          "serve": ("serve", "run_serve"), "startup": ("startup", "run_startup"),
-         "kernels": ("kernel_bench", "run_kernels")}
+         "kernels": ("kernel_bench", "run_kernels"), "lora": ("lora", "run_lora")}
 SERVER_MODES = ("serve", "startup")      # a server process of their own: it needs the accelerator first
 
 
@@ -221,12 +220,6 @@ def finish(run: Run, elapsed: float) -> Path:
 
 def summary_line(run: Run) -> str:
     """One line of headline numbers per config, for the summary at the end (and a suite's)."""
-    line = _summary_line(run)
-    roofline.take_exceeded()          # the report's notes already carry them
-    return line
-
-
-def _summary_line(run: Run) -> str:
     r, name = run.result, run.cfg["name"]
     j = r.get("jaxserve") or {}
     hf = run.baseline_result if run.baseline_result and "error" not in run.baseline_result else None
@@ -238,10 +231,11 @@ def _summary_line(run: Run) -> str:
             s += f"; HF {hf['method']} {fmt(hf['output_tok_per_s'])} → ×{j['output_tok_per_s'] / hf['output_tok_per_s']:.2f}"
         return s
     if run.cfg["mode"] == "latency" and j:
-        ro = r["roofline"]
+        ro, bps = r["roofline"], r["roofline"]["achieved_bandwidth_Bps"]
         s = (f"{name}: e2e mean {j['e2e_s']['mean']:.3f} s ({fmt(roofline.percent(ro['e2e_bound_s'], j['e2e_s']['mean']))}% "
              f"of limit), {fmt(j['output_tok_per_s'])} output tok/s, decode step {j['decode_step_s'] * 1e3:.2f} ms = "
-             f"{_bandwidth(ro['achieved_bandwidth_Bps'])} ({fmt(roofline.percent(ro['achieved_bandwidth_Bps'], run.hw.bandwidth))}%)")
+             f"{f'{bps / 1e12:.2f} TB/s' if bps >= 1e11 else f'{bps / 1e9:.2f} GB/s'} "
+             f"({fmt(roofline.percent(bps, run.hw.bandwidth))}%)")
         if hf and hf.get("e2e_s"):
             s += f"; HF generate {hf['output_tok_per_s']:.1f} tok/s → ×{hf['e2e_s']['mean'] / j['e2e_s']['mean']:.2f}"
         return s
@@ -250,16 +244,11 @@ def _summary_line(run: Run) -> str:
                  f"TTFT p50 {fmt(p['ttft_ms']['median'])} ms TPOT p50 {fmt(p['tpot_ms']['median'])} ms"
                  f"{' (' + str(p['failed']) + ' failed)' if p['failed'] else ''}" for p in r["points"]]
         return f"{name} ({r['sweep_param'] or 'one load'}): " + "; ".join(parts)
-    if run.cfg["mode"] == "startup" and j:
-        from .startup import summary
-        return summary(run)
+    if run.cfg["mode"] in ("startup", "lora") and j:
+        return importlib.import_module(f".{MODES[run.cfg['mode']][0]}", __package__).summary(run)
     if run.cfg["mode"] == "kernels" and r.get("summary"):
         return f"{name}: " + "; ".join(f"{what}: {res}" for what, res in r["summary"][:4])
     return f"{name}: done ({run.cfg['mode']})"
-
-
-def _bandwidth(bps: float) -> str:
-    return f"{bps / 1e12:.2f} TB/s" if bps >= 1e11 else f"{bps / 1e9:.2f} GB/s"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,6 +356,7 @@ def _run(args, argv: list[str]) -> int:
             md = finish(run, time.perf_counter() - t0)
             print(md.read_text(), flush=True)
             summaries.append(summary_line(run))
+            roofline.take_exceeded()          # its figures warn again; the report's notes already carry them
         except Exception as e:                         # one config failing does not stop the others
             failures += 1
             traceback.print_exc()

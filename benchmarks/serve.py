@@ -94,8 +94,7 @@ def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, floa
         return {}
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = _COUNTER.match(line.strip())
-        if m:
+        if m := _COUNTER.match(line.strip()):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
@@ -190,12 +189,8 @@ def run_serve(run) -> None:
                 time.sleep(2.0)
         points = []
         for i, value in enumerate(values):
-            rate = float(wl["request_rate"])
-            conc = wl["max_concurrency"]
-            if param == "request_rate":
-                rate = float(value)
-            elif param == "max_concurrency":
-                conc = int(value)
+            rate = float(value if param == "request_rate" else wl["request_rate"])
+            conc = int(value) if param == "max_concurrency" else wl["max_concurrency"]
             fraction = float(value) if param == "structured_fraction" else None
             reqs = build_requests(run, counts[i], seed_offset=i, structured_fraction=fraction)
             label = f"{param}={value}" if param else "requests"

@@ -1,15 +1,7 @@
-"""Named suites: `jaxserve bench --suite NAME` runs a list of configs, `--suite` alone lists the suites.
-
-A suite is configs/bench/suites/NAME.yaml: a description and ``runs``, each one `jaxserve bench` process in
-order (configs given together share one loaded engine when their engine options match). A run is a list of
-config names, or a mapping with ``configs`` and optionally ``set`` (``--set`` words), ``env`` (variables for
-that process), ``gpus`` (skipped, and said, where fewer are visible) and ``timeout_s`` (SIGTERM after it: the
-run's finished configs keep their results). ``--set`` given with ``--suite`` applies to every run.
-
-``--ab OLD_TREE`` runs the suite at OLD_TREE (a checkout of the old commit) and at this tree, interleaved
-old / new for ``--rounds`` rounds on the same host, each side from its own root as `python -m
-benchmarks.runner`, and ends with each config's median output tok/s, old and new, and new / old.
-"""
+"""Named suites: `jaxserve bench --suite NAME` runs a list of configs, `--suite` alone lists the suites;
+``--ab OLD_TREE`` runs a suite at an old checkout and at this tree, interleaved. A suite is
+configs/bench/suites/NAME.yaml (``runs``: each one `jaxserve bench` process); its keys and ``--ab``:
+benchmarks/README.md, "Suites"."""
 from __future__ import annotations
 
 import glob

@@ -7,6 +7,10 @@ A smaller rank fills the first ``r`` columns of A and rows of B (the rest zero, 
 projection the adapter does not target is zero. gate and up share the fused ``gate_up`` stack at rank ``2R``:
 gate's A and B in the first ``R``, up's in the second, each B writing only its half of ``[2, inter]``.
 
+A quantized base (AWQ / GPTQ int4, FP8) keeps its packed weights; the stacks stay in the activation dtype and
+the deltas read the float activations beside the quantized matmul (``layers.decoder``: with LoRA on, the
+norms hand fp8 W8A8 projections float activations, which each quantizes for its own GEMM).
+
 Tensor parallelism: each stack is sharded as its base weight is. B's output axes like the base weight's
 (q/k/v/gate_up split on their outputs), A's input axis like the base weight's input (o and down split on
 theirs); the other factor is replicated, and the partial sums of a row projection's shrink are summed by
@@ -20,6 +24,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.quantization import is_quantized
+from jaxserve.quantization.weights import TP
 from .peft import LoRAAdapter, projection_shapes
 
 
@@ -37,11 +43,15 @@ def stack_shapes(cfg: ModelConfig, num_slots: int, rank: int) -> dict[str, tuple
 
 def _sharding(mesh, base_weight, a: bool):
     """A stack's sharding from its base weight's ``[in, *out]`` spec: A ``[S, in, r]`` takes the input axis's,
-    B ``[S, r, *out]`` the output axes'."""
+    B ``[S, r, *out]`` the output axes'. A quantized base weight says which logical axis it splits
+    (``tp_axis``)."""
     if mesh is None:
         return None
-    spec = getattr(base_weight.sharding, "spec", None)
-    spec = tuple(spec or ()) + (None,) * (base_weight.ndim - len(tuple(spec or ())))
+    if is_quantized(base_weight):
+        spec = tuple(TP if i == base_weight.tp_axis else None for i in range(len(base_weight.shape)))
+    else:
+        spec = tuple(getattr(base_weight.sharding, "spec", None) or ())
+        spec += (None,) * (base_weight.ndim - len(spec))
     return NamedSharding(mesh, P(None, spec[0], None) if a else P(None, None, *spec[1:]))
 
 
@@ -87,16 +97,10 @@ class LoRASlots:
 
 def check_supported(model, config) -> None:
     """Refuse, with the reason, a LoRA engine this implementation would get wrong (``model``: a LoadedModel)."""
-    from jaxserve.quantization import is_quantized  # noqa: PLC0415
-
     family = model.family
     if not getattr(family, "supports_lora", lambda cfg: False)(model.config) or hasattr(family, "encode_images"):
         raise ValueError(f"LoRA adapters are not supported for {model.config.architecture} (jaxserve serves them "
                          "on Llama-style text decoders: Llama, Mistral, Qwen2, Qwen3)")
-    if any(is_quantized(w) for layer in model.params["layers"] for w in layer.values()):
-        # the hook for adapters over AWQ / GPTQ / FP8: the deltas read the float activations beside the
-        # quantized matmul; fp8 W8A8 hands the projections quantized activations, which they must not take
-        raise ValueError("LoRA adapters over a quantized base model are not supported yet: serve the float model")
     if config.parallel.num_processes > 1 or config.parallel.distributed_executor_backend == "mp":
         # the other processes follow the steps process 0 sends; slot writes are not among them
         raise ValueError("--enable-lora runs in one process (no --num-processes / --distributed-executor-backend "

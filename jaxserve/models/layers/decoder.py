@@ -218,11 +218,13 @@ class DecoderModel(nnx.Module):
         cos_sin = [r.cos_sin(positions, x.dtype) for r in spec.rotaries]
         layers = list(self.layers)
         next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
-        readers = [layer.attention_readers() for layer in layers[1:]] + [()]       # lm_head stays float
-        h = normed_input(x, self.norm, _w(layers[0].attn_norm), eps, layers[0].attention_readers())
+        # the projections each norm's output feeds (fp8 W8A8 ones take it quantized); with LoRA none: the
+        # adapters' shrink reads the float activations, and each fp8 projection quantizes its own input
+        readers = [() if lora is not None else layer.attention_readers() for layer in layers] + [()]
+        h = normed_input(x, self.norm, _w(layers[0].attn_norm), eps, readers[0])
         new_caches, routed = [], []
         with live_tokens(md.query_start_loc[-1]):     # int4 decode computes only the bucket's real rows
-            for layer, next_norm, next_readers, kv_cache in zip(layers, next_norms, readers, kv_caches):
+            for layer, next_norm, next_readers, kv_cache in zip(layers, next_norms, readers[1:], kv_caches):
                 attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend, lora)
                 new_caches.append(kv_cache)
                 if spec.parallel_block:
@@ -246,7 +248,7 @@ class DecoderModel(nnx.Module):
                     x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm, next_readers)
                 else:   # the row-parallel deltas join the residual, so the fused add + norm stays one call
                     x, h = self._add_norm(attn, _w(layer.o), x + lora.delta(layer.index, "o", attn),
-                                          _w(layer.mlp_norm), (_w(layer.gate_up),))
+                                          _w(layer.mlp_norm))
                     g = layer.gated(h, lora)
                     x, h = self._add_norm(g, _w(layer.down), x + lora.delta(layer.index, "down", g), next_norm,
                                           next_readers)

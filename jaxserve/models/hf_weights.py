@@ -4,8 +4,9 @@ Every such source goes through one plan (the family's ``weight_plan``, see ``che
 of the family's weight pytree, the HF tensor names it is built from and how (as is, transposed to
 ``[in, out]``, gate/up transposed and stacked, a fused projection split). A source only supplies
 ``get(hf_name) -> np.ndarray`` in HF layout. Tensors go host → device *in HF layout* (for safetensors straight
-from the memory-mapped file, no host copy; a few threads read and copy the next tensors while the weights
-before them are built), and the layout change and the cast to the target dtype run on the device. With a
+from the memory-mapped file, no host copy, and its pages unmapped once built (``get.release``): the host holds
+about the tensors in flight; a few threads read and copy the next tensors while the weights before them are
+built), and the layout change and the cast to the target dtype run on the device. With a
 ``mesh`` each HF tensor is placed with the sharding that its layout change maps onto the weight's ``NamedSharding(mesh, spec)`` (from the family's ``param_partition_specs``), so
 every device converts only its own shard and no weight is ever whole on one device (unless its spec
 replicates it).
@@ -117,6 +118,7 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
     dtypes = family.param_dtypes(cfg, target_dtype)             # a few weights keep a dtype of their own
     builders: dict = {}
     has = getattr(get, "has", lambda name: True)
+    release = getattr(get, "release", None)    # a memory-mapped source: unmap what a finished copy read
 
     def is_quantized(path, names) -> bool:
         return quant is not None and quant_loading.is_linear(path) and all(
@@ -157,6 +159,10 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
                 value = build_on_device(kind, value, tree_get(dtypes, path), sharding)
                 if is_quantized(path, names):       # online: the float weight, quantized where it lies
                     value = quant_loading.quantize_leaf(quant, path, value, sharding, target_dtype)
+            if release is not None:     # once built: a CPU backend's copy may read the mapped pages until then
+                jax.block_until_ready(value)
+                for name in names:
+                    release(name)
             tree_set(params, path, value)
             del value
     return params

@@ -4,6 +4,7 @@ checkpoints through ``jaxserve.quantization``; an encoder family loads its folde
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import threading
@@ -32,7 +33,8 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": m
 
 
 class SafetensorsFile:
-    """A memory-mapped safetensors file: ``get(name)`` is a zero-copy numpy view."""
+    """A memory-mapped safetensors file: ``get(name)`` is a zero-copy numpy view; ``release(name)`` lets go of
+    the pages a finished copy read."""
 
     def __init__(self, path: str):
         self.path = path
@@ -59,7 +61,11 @@ class SafetensorsFile:
             if end > data_len or end - start != expect:
                 raise ModelLoadError(f"{name}: corrupt safetensors file: tensor {tname} data "
                                      f"[{start}:{end}] does not fit the file or its shape {info['shape']}")
-        self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if data_len else None
+        self._start = 8 + n                     # the data's offset in the file
+        self._map = None
+        if data_len:
+            with open(path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
     def names(self) -> list[str]:
         return list(self.header)
@@ -67,7 +73,20 @@ class SafetensorsFile:
     def get(self, tname: str) -> np.ndarray:
         info = self.header[tname]
         start, end = info["data_offsets"]
-        return self._data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+        dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+        if end == start:
+            return np.empty(info["shape"], dtype)
+        return np.frombuffer(self._map, dtype, (end - start) // dtype.itemsize, self._start + start).reshape(
+            info["shape"])
+
+    def release(self, tname: str) -> None:
+        """Unmap the tensor's pages from this process once its copies are done (the page cache keeps them; a
+        later read maps them again): without it every page a load read stays in the process's resident set,
+        the whole checkpoint by the end of the load."""
+        start, end = self.header[tname]["data_offsets"]
+        first = (self._start + start) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, first, self._start + end - first)
 
 
 def safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Callable[[str], str]]:
@@ -112,7 +131,15 @@ def safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Callab
             raise ModelLoadError(f"{fname}: tensor {hf_name} not found (the index lists it in this file)")
         return opened[fname].get(hf_name)
 
+    def release(hf_name: str) -> None:
+        hf_name = stored_name(hf_name)
+        with opening:
+            file = opened.get(weight_map.get(hf_name))
+        if file is not None:
+            file.release(hf_name)
+
     get.has = has      # quantized checkpoints: which optional tensors (g_idx, zero points) a module has
+    get.release = release
     return get, file_of
 
 

@@ -1,7 +1,7 @@
 """A sharded safetensors checkpoint read by the loader's threads (``hf_weights.load_weights(threads=N)``,
 JAXSERVE_LOAD_THREADS): the same weights as one tensor at a time, in their shardings under tensor
-parallelism, a bounded host footprint, and a truncated or missing shard or a tensor of the wrong shape
-stopping the load with one line that names the file and the tensor."""
+parallelism, a bounded host footprint (numpy copies, and the process's peak RSS), and a truncated or missing
+shard or a tensor of the wrong shape stopping the load with one line that names the file and the tensor."""
 import json
 import os
 import textwrap
@@ -16,6 +16,10 @@ from jaxserve.models.loader import load_model
 
 from support.fake_devices import run_on_fake_devices
 from support.safetensors_files import SHARDED_LLAMA as HF, llama_tensors, write_sharded
+
+# SHARDED_LLAMA scaled up to a few hundred MB, in shards of about 70 MB
+LARGER = dict(HF, hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_hidden_layers=8,
+              vocab_size=8192)
 from support.tiny_models import params_equal
 
 
@@ -47,6 +51,43 @@ def test_the_host_holds_a_bounded_number_of_tensors(tmp_path, monkeypatch):
     # the tensors go from the memory-mapped files to the device: numpy copies none of them (threads x 2 in
     # flight would be the bound if it did)
     assert peak < largest < total / 8, (peak, largest, total)
+
+
+def test_peak_rss_stays_under_the_weights_and_one_shard(tmp_path, monkeypatch):
+    """A second load in a fresh process (the first compiled the builds and built the tokenizer), its peak
+    resident set (VmHWM, reset before it) against the RSS before it: on a CPU backend the weights themselves
+    are host memory, so the bound is their bytes, plus about one shard for what is in flight, plus a margin.
+    Every page of the memory-mapped shards that a load read used to stay mapped until its end: the whole
+    checkpoint on top of the weights."""
+    files = write_sharded(tmp_path, LARGER)
+    largest_shard = max(os.path.getsize(tmp_path / f) for f in files)
+    code = textwrap.dedent("""
+        import gc, json, sys
+        import jax
+        from jaxserve.models.loader import load_model
+
+        def status(key):
+            return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+
+        jax.block_until_ready(load_model(sys.argv[1], dtype="bfloat16").params)
+        gc.collect()
+        try:
+            open("/proc/self/clear_refs", "w").write("5")        # VmHWM from here on
+        except OSError:
+            print(json.dumps(None))
+            sys.exit()
+        before = status("VmRSS")
+        params = jax.block_until_ready(load_model(sys.argv[1], dtype="bfloat16").params)
+        print(json.dumps({"before": before, "peak": status("VmHWM"),
+                          "weights": sum(a.nbytes for a in jax.tree.leaves(params))}))
+    """)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 16))   # freed arrays go back to the system at once
+    monkeypatch.setenv("JAXSERVE_LOAD_THREADS", "8")
+    rss = json.loads(run_on_fake_devices(["-c", code, str(tmp_path)], 1, timeout=600).strip().splitlines()[-1])
+    if rss is None:
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    grown, bound = rss["peak"] - rss["before"], rss["weights"] + largest_shard + (64 << 20)
+    assert grown < bound, f"peak RSS grew {grown / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB ({rss})"
 
 
 def test_a_truncated_shard_names_its_file_and_tensor(tmp_path, monkeypatch):

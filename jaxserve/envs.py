@@ -97,7 +97,8 @@ _REGISTRY: dict[str, EnvVar] = {
     # XLA
     "JAXSERVE_LOAD_THREADS": EnvVar(lambda raw: _int("JAXSERVE_LOAD_THREADS")(raw or "8"), "8",
                                     "threads that read a safetensors checkpoint's tensors and copy them to the "
-                                    "devices ahead of the weights being built (0: one tensor at a time)"),
+                                    "devices ahead of the weights being built (0: one tensor at a time); an "
+                                    "orbax restore keeps as many weights' bytes in flight"),
     "JAXSERVE_XLA_FLAGS": EnvVar(_flag, "1", "0 = jaxserve adds none of its default XLA flags (jaxserve/xla_flags.py) "
                                              "to XLA_FLAGS (A/B runs)"),
     "XLA_FLAGS": EnvVar(_text, None, "XLA's own flags; jaxserve adds each of its defaults (jaxserve/xla_flags.py) "

@@ -7,19 +7,23 @@ Layout of a converted folder::
     DIR/tokenizer.json, ...        the tokenizer (save_pretrained), so the folder is self-contained
 
 The stored arrays carry no sharding, so a checkpoint written at one tensor_parallel_size restores at any other
-(the restore names each weight's target ``NamedSharding``; tensorstore reads only the slices a device owns).
-The weights are stored exactly as the step consumes them, so a load converts nothing.
+(the restore names each weight's target ``NamedSharding``; tensorstore reads only the slices a device owns,
+each read once and placed on the devices that hold it). The weights are stored exactly as the step consumes
+them, so a load converts nothing. Reads run in parallel under a bound on the bytes read and not yet placed
+(``in_flight_bytes``), so the host never holds the whole model.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve import envs
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import registry
@@ -56,7 +60,13 @@ def load_orbax(path: str, *, dtype: str | Any = "auto", max_model_len: int | Non
         shardings = jax.tree.map(lambda _: one, shapes, is_leaf=is_shape)
     target = jax.tree.map(lambda s, sh, dt: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, shardings,
                           family.param_dtypes(cfg, jdtype), is_leaf=is_shape)
-    checkpointer = ocp.StandardCheckpointer()
+    stored = family.param_dtypes(cfg, jnp.dtype(meta["dtype"]).type)
+    # a read's bytes are the larger of the stored and the loaded dtype's (tensorstore casts as it reads)
+    read_size = lambda s, a, b: math.prod(s) * max(jnp.dtype(a).itemsize, jnp.dtype(b).itemsize)  # noqa: E731
+    sizes = jax.tree.leaves(jax.tree.map(read_size, shapes, stored, family.param_dtypes(cfg, jdtype),
+                                         is_leaf=is_shape))
+    in_flight = in_flight_bytes(sizes, envs.JAXSERVE_LOAD_THREADS)
+    checkpointer = ocp.StandardCheckpointer(restore_concurrent_gb=in_flight / 1e9)   # orbax takes a float here
     try:
         params = checkpointer.restore(os.path.join(os.path.abspath(path), PARAMS_DIR), target)
     except Exception as e:  # orbax raises several types for a damaged or mismatched checkpoint
@@ -69,6 +79,13 @@ def load_orbax(path: str, *, dtype: str | Any = "auto", max_model_len: int | Non
                        chat_template=meta.get("chat_template"),
                        generation_config=meta.get("generation_config") or {}, source=path,
                        dtype=jdtype, max_model_len=resolve_max_model_len(cfg, limit), load_format="orbax")
+
+
+def in_flight_bytes(sizes: list[int], threads: int) -> int:
+    """Orbax's bound on the bytes read and not yet placed, from the weights' read sizes: the largest weight and
+    two average ones per reader thread beside it, as the safetensors loader's threads keep two weights each
+    in flight (``threads`` 0: about one weight at a time)."""
+    return max(sizes) + 2 * threads * sum(sizes) // len(sizes) + 1     # orbax refuses a read of the whole bound
 
 
 def read_metadata(path: str) -> dict:

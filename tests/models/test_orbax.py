@@ -44,6 +44,28 @@ def test_round_trip_weights_and_logits(converted):
     assert summary["bytes"] == sum(x.nbytes for x in __import__("jax").tree.leaves(original.params))
 
 
+def test_parallel_reads_restore_the_same_weights_as_one_at_a_time(converted, monkeypatch):
+    """JAXSERVE_LOAD_THREADS sets orbax's bound on the bytes read and not yet placed: 0 reads about one
+    weight at a time, 8 many at once; the weights are bit-identical."""
+    import orbax.checkpoint as ocp
+    from jaxserve.models import load_model
+
+    out, _ = converted
+    bounds, real = [], ocp.StandardCheckpointer
+
+    def recording(**kw):
+        bounds.append(kw["restore_concurrent_gb"])
+        return real(**kw)
+    monkeypatch.setattr(ocp, "StandardCheckpointer", recording)
+    loads = {}
+    for threads in (0, 8):
+        monkeypatch.setenv("JAXSERVE_LOAD_THREADS", str(threads))
+        loads[threads] = load_model(out, dtype="bfloat16")     # stored float32: a read is the float32 bytes
+    assert params_equal(loads[0].params, loads[8].params)
+    largest = 256 * 64 * 4                                      # the float32 embedding
+    assert bounds[0] * 1e9 == pytest.approx(largest + 1) and bounds[1] > 2 * bounds[0]
+
+
 def test_folder_is_self_contained_and_auto_detected(converted):
     from jaxserve.models import load_model
     from jaxserve.models.orbax_io import MARKER

@@ -76,10 +76,9 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM": EnvVar(_flag, "1", "0 = the custom all-reduce does not fuse the "
                                                                "residual add + RMSNorm (A/B runs)"),
     # quantized weights
-    "JAXSERVE_INT4_FFI_GEMV": EnvVar(lambda raw: bool(raw) and _flag(raw), "0",
-                                     "1 = int4 steps of <= 16 tokens run the CUDA FFI GEMV (kernels/quant_gemv.cu) "
-                                     "instead of the Pallas kernel (kernels/int4_matmul_pallas.py) on a GPU with "
-                                     "nvcc (off until it is checked and timed on the GPU)"),
+    "JAXSERVE_INT4_FFI_GEMV": EnvVar(lambda raw: bool(raw) and _flag(raw), "1",
+                                     "int4 steps of <= 16 tokens run the CUDA FFI GEMV (kernels/quant_gemv.cu) on "
+                                     "a GPU with nvcc; 0 = the Pallas kernel (kernels/int4_matmul_pallas.py)"),
     "JAXSERVE_FP8_FFI_GEMV": EnvVar(lambda raw: bool(raw) and _flag(raw), "0",
                                     "1 = fp8 weights of steps of <= 16 bf16 tokens run weight-only (W8A16) through "
                                     "the CUDA FFI GEMV (kernels/fp8_gemv.cuh) on a GPU with nvcc, per-channel and "

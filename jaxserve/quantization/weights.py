@@ -9,10 +9,10 @@ matmul can run the local product in ``shard_map`` (a Pallas call cannot be parti
 row-parallel partials.
 
 On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU steps of
-up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through ``kernels.int4_matmul_pallas``, or with
-``JAXSERVE_INT4_FFI_GEMV=1`` through the CUDA GEMV ``kernels.quant_gemv`` (an XLA FFI call, built with the host's
-nvcc on first use; not yet checked or timed on a GPU, hence off) where it can run (nvcc, bf16), both
-dequantizing in registers; larger steps dequantize and run XLA's GEMM.
+up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through the CUDA GEMV ``kernels.quant_gemv`` (an XLA FFI call, built
+with the host's nvcc on first use) where it can run (nvcc, bf16), else (or with ``JAXSERVE_INT4_FFI_GEMV=0``)
+through ``kernels.int4_matmul_pallas``, both dequantizing in registers; larger steps dequantize and run XLA's
+GEMM.
 FP8 per-channel weights run W8A8 as an fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper
 GPUs), the per-token activation scale and the weight's channel scale applied to the result; 128 × 128 block
 weights are dequantized to the activation dtype before the dot (W8A16). With ``JAXSERVE_FP8_FFI_GEMV`` steps of

@@ -3,7 +3,7 @@ references. int4:
 random shapes with K and N tails (K not a multiple of the blocks' K ranges, N not of the 32-column tiles),
 groups of 32 / 64 / 128, zero points random or the symmetric 8, scales bf16 / f16 / f32, M = 1, 3, 16, chunks
 of 4 and 8 steps, K split across blocks or not (more splits than chunks too); the engine's int4 matmul taking
-it. fp8 (e4m3, W8A16): channel and 128 x 128-block scales, K a multiple of 64 but not of 128, N tails, M = 1,
+it with ``JAXSERVE_INT4_FFI_GEMV=1``. fp8 (e4m3, W8A16): channel and 128 x 128-block scales, K a multiple of 64 but not of 128, N tails, M = 1,
 3, 16; the engine's fp8 matmul taking it with ``JAXSERVE_FP8_FFI_GEMV=1``. Marked ``gpu``; on a GPU host with nvcc:
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_int4_gemv_gpu.py
@@ -79,8 +79,9 @@ def test_repeated_calls_in_one_program_are_deterministic():
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_the_engine_matmul_runs_it(m):
+def test_the_engine_matmul_runs_it_when_switched_on(m, monkeypatch):
     from jaxserve.quantization import online, weights
+    monkeypatch.setenv("JAXSERVE_INT4_FFI_GEMV", "1")
     k, n, group = 4096, 4096, 128
     w = online.quantize_int4(jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16) * 0.02, group, jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)

@@ -1,7 +1,6 @@
-"""Which kernel a GPU runs a quantized product with. int4 (``weights.int4_step_kernel``): with
-``JAXSERVE_INT4_FFI_GEMV=1`` the CUDA FFI GEMV for bf16 steps of up to 16 tokens, else (the default until it is
-timed on the GPU) or where the GEMV cannot run (no nvcc: one log line) the Pallas kernel; XLA's GEMM above 16
-tokens. fp8 (``weights.fp8_step_uses_gemv``):
+"""Which kernel a GPU runs a quantized product with. int4 (``weights.int4_step_kernel``): by default the CUDA
+FFI GEMV for bf16 steps of up to 16 tokens; with ``JAXSERVE_INT4_FFI_GEMV=0`` or where the GEMV cannot run (no
+nvcc: one log line) the Pallas kernel; XLA's GEMM above 16 tokens. fp8 (``weights.fp8_step_uses_gemv``):
 the CUDA GEMV, weight-only, only with ``JAXSERVE_FP8_FFI_GEMV=1``, and then the norm does not quantize the
 activations for it. CPU keeps the jnp reference."""
 from __future__ import annotations
@@ -19,9 +18,9 @@ from jaxserve.quantization import online, weights
 
 @pytest.fixture
 def ready(monkeypatch):
-    """The GEMV as if built and registered (``weights.quant_gemv_ready`` is cached per process), and on."""
+    """The GEMV as if built and registered (``weights.quant_gemv_ready`` is cached per process), the switch unset."""
     weights.quant_gemv_ready.cache_clear()
-    monkeypatch.setenv("JAXSERVE_INT4_FFI_GEMV", "1")
+    monkeypatch.delenv("JAXSERVE_INT4_FFI_GEMV", raising=False)
     monkeypatch.setattr(quant_gemv, "load", lambda toolchain: object())
     yield
     weights.quant_gemv_ready.cache_clear()
@@ -39,7 +38,7 @@ def test_the_other_steps_keep_their_kernels(ready):
 
 
 @pytest.mark.parametrize("value", ["0", ""])
-def test_the_switch_off_or_unset_keeps_the_pallas_kernel(ready, monkeypatch, value):
+def test_the_switch_off_keeps_the_pallas_kernel(ready, monkeypatch, value):
     monkeypatch.setenv("JAXSERVE_INT4_FFI_GEMV", value)
     assert weights.int4_step_kernel(1, 4096, 4096, 128, jnp.bfloat16) == "pallas"
 

@@ -76,7 +76,7 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM": EnvVar(_flag, "1", "0 = the custom all-reduce does not fuse the "
                                                                "residual add + RMSNorm (A/B runs)"),
     # quantized weights
-    "JAXSERVE_INT4_FFI_GEMV": EnvVar(lambda raw: bool(raw) and _flag(raw), "1",
+    "JAXSERVE_INT4_FFI_GEMV": EnvVar(lambda raw: raw is None or (bool(raw) and _flag(raw)), "1",
                                      "int4 steps of <= 16 tokens run the CUDA FFI GEMV (kernels/quant_gemv.cu) on "
                                      "a GPU with nvcc; 0 = the Pallas kernel (kernels/int4_matmul_pallas.py)"),
     "JAXSERVE_FP8_FFI_GEMV": EnvVar(lambda raw: bool(raw) and _flag(raw), "0",

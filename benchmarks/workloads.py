@@ -118,11 +118,9 @@ def sharegpt_requests(rng, path: str, num_prompts: int, output_len=None, tokeniz
         reqs.append(RequestSpec(prompt, plen, olen))
         if len(reqs) == num_prompts:
             break
-    if len(reqs) < num_prompts:            # small files: cycle so the request count is what was asked
-        reqs = [reqs[i % len(reqs)] for i in range(num_prompts)] if reqs else reqs
     if not reqs:
         raise ValueError(f"{path}: no conversation fits max_model_len={max_len}")
-    return reqs
+    return [reqs[i % len(reqs)] for i in range(max(num_prompts, len(reqs)))]   # small files: cycled to the count
 
 
 WORDS = ["the", "a", "picture", "shows", "what", "is", "in", "it"]     # one token each in common vocabularies
@@ -159,5 +157,4 @@ def arrival_delays(rng, num: int, request_rate: float, burstiness: float = 1.0) 
         return np.zeros(num)
     if burstiness <= 0:
         raise ValueError("workload.burstiness must be > 0 (1 = Poisson; < 1 burstier; > 1 more regular)")
-    theta = 1.0 / (request_rate * burstiness)
-    return rng.gamma(shape=burstiness, scale=theta, size=num)
+    return rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num)

@@ -134,22 +134,14 @@ def load_configs(names: list[str], overrides: list[str]) -> list[dict]:
     together with a throughput one); a key no given config uses is still an error."""
     if len(names) == 1:
         return [load_config(names[0], overrides)]
-    modes = []
-    for n in names:
-        raw = yaml.safe_load(resolve_config_path(n).read_text()) or {}
-        for item in overrides:
-            keys, value = parse_set(item)
-            if keys == ["mode"]:
-                raw["mode"] = value
-        modes.append(raw.get("mode"))
+    set_mode = [value for keys, value in map(parse_set, overrides) if keys == ["mode"]]
+    modes = [set_mode[-1] if set_mode else (yaml.safe_load(resolve_config_path(n).read_text()) or {}).get("mode")
+             for n in names]
     used = {k for m in modes if m in WORKLOAD_DEFAULTS for k in WORKLOAD_DEFAULTS[m]}
-    out = []
-    for n, mode in zip(names, modes):
-        mine = WORKLOAD_DEFAULTS.get(mode, {})
-        keep = [item for item, (keys, _) in ((i, parse_set(i)) for i in overrides)
-                if not (keys[0] == "workload" and len(keys) > 1 and keys[1] not in mine and keys[1] in used)]
-        out.append(load_config(n, keep))
-    return out
+    return [load_config(n, [item for item, (keys, _) in ((i, parse_set(i)) for i in overrides)
+                            if not (keys[0] == "workload" and len(keys) > 1 and keys[1] in used
+                                    and keys[1] not in WORKLOAD_DEFAULTS.get(mode, {}))])
+            for n, mode in zip(names, modes)]
 
 
 def validate(raw: dict) -> dict:

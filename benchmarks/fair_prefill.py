@@ -40,10 +40,6 @@ def run(args) -> dict:
     engine.wait_compiled()
     rng = np.random.default_rng(0)
     vocab = engine.model_config.vocab_size
-
-    def prompt(n: int) -> list[int]:
-        return rng.integers(200, vocab - 200, n).tolist()
-
     long_params, short_params = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
                                                 output_kind=RequestOutputKind.DELTA) for n in (2, args.short_out))
     ids = iter(range(1 << 30))
@@ -52,7 +48,7 @@ def run(args) -> dict:
 
     def add(kind: str, n: int, params, step: int) -> None:
         rid = f"{kind}-{next(ids)}"
-        engine.add_request(rid, prompt(n), params)
+        engine.add_request(rid, rng.integers(200, vocab - 200, n).tolist(), params)
         live[rid] = {"kind": kind, "t0": time.perf_counter(), "s0": step}
 
     step, t_end = 0, time.perf_counter() + args.duration

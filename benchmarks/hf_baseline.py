@@ -1,14 +1,7 @@
-"""Same-GPU baseline: HF transformers on the same model shape (random weights) and the same prompts.
-
-Runs in its own process (`python benchmarks/hf_baseline.py SPEC.json OUT.json`) so torch and JAX never
-share the accelerator's memory; imports neither jax nor jaxserve, so any Python with torch + transformers
-can run it (e.g. the CPU oracle env). The spec comes from the runner: the HF config dict, dtype, device,
-prompts (token ids), output lengths, methods, iterations.
-
-Methods: `generate_batch` (transformers' continuous batching, `paged|sdpa` attention) and `generate`
-(plain batched `generate`, sdpa attention, left padding). eos is disabled so every request produces
-exactly its output length, like jaxserve's ignore_eos.
-"""
+"""Same-GPU baseline: HF transformers on the same model shape (random weights) and the same prompts, run by the
+runner as `python benchmarks/hf_baseline.py SPEC.json OUT.json` (benchmarks/README.md's "Same-GPU baseline"): it
+imports neither jax nor jaxserve, so any Python with torch + transformers runs it. eos is disabled so every request
+produces exactly its output length, like jaxserve's ignore_eos."""
 from __future__ import annotations
 
 import json
@@ -31,14 +24,10 @@ def build_model(spec: dict):
 
     hf = dict(spec["hf_config"])
     model_type = hf.pop("model_type", "llama")
-    for k in ("architectures", "torch_dtype", "dtype", "transformers_version"):
-        hf.pop(k, None)
-    hf = {k: v for k, v in hf.items() if not k.startswith("_")}     # notes such as configs/models' _source
-    hf["eos_token_id"] = None                  # ignore_eos: every request runs to its output length
-    config = AutoConfig.for_model(model_type, **{k: v for k, v in hf.items() if v is not None})
-    device = spec["device"]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    drop = ("architectures", "torch_dtype", "dtype", "transformers_version", "eos_token_id")   # eos: ignore_eos
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in hf.items()       # _x: notes such as _source
+                                                 if v is not None and k not in drop and not k.startswith("_")})
+    device = spec["device"] if spec["device"] != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[spec["dtype"]]
     torch.manual_seed(spec.get("seed", 0))
     with torch.device(device):                 # random init straight on the device: fast for 8B shapes

@@ -78,31 +78,45 @@ class Bench:
         return roofline.percent(bytes_per_s, self.read_bw, "kernel read rate")
 
 
-def chain_seconds(fn, *args, n_iter: int, reps: int) -> float:
-    """Seconds per step of ``fn``, a jitted chain of ``n_iter`` dependent steps: the median of ``reps`` calls."""
-    import jax
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) / n_iter
-
-
-def back_to_back_seconds(fn, *args, iters: int, repeats: int) -> list[float]:
-    """Seconds per call of ``fn``, one figure per repeat of ``iters`` calls dispatched back to back (launch
-    gaps hide behind the previous call), blocked on the last."""
+def call_seconds(fn, *args, calls: int = 1, repeats: int) -> list[float]:
+    """Seconds per call of ``fn``, one figure per repeat of ``calls`` calls dispatched back to back (launch gaps
+    hide behind the previous call), blocked on the last; the first call (its compile) untimed."""
     import jax
     jax.block_until_ready(fn(*args))
     out = []
     for _ in range(repeats):
         t = time.perf_counter()
-        for _ in range(iters):
+        for _ in range(calls):
             y = fn(*args)
         jax.block_until_ready(y)
-        out.append((time.perf_counter() - t) / iters)
+        out.append((time.perf_counter() - t) / calls)
     return out
+
+
+def chain_seconds(fn, *args, n_iter: int, reps: int) -> float:
+    """Seconds per step of ``fn``, a jitted chain of ``n_iter`` dependent steps: the median of ``reps`` calls."""
+    return statistics.median(call_seconds(fn, *args, repeats=reps)) / n_iter
+
+
+def rotating_tables(S: Sizes, B: int, pages: int, page_bytes: int):
+    """(block tables [n_rot, B, pages], pool pages): B requests' pages drawn at random from a pool of at least
+    ``S.pool_bytes`` (page 0 left out), a few tables in rotation."""
+    import jax.numpy as jnp
+    pool = max(B * pages, S.pool_bytes // page_bytes) + 1
+    rng = np.random.default_rng(0)
+    return jnp.asarray(np.stack([rng.choice(pool - 1, B * pages, replace=False).reshape(B, pages) + 1
+                                 for _ in range(max(1, min(S.n_iter, pool // (B * pages))))]), jnp.int32), pool
+
+
+def decode_metadata(table, seq_lens):
+    """The decode-only launch's metadata: one new token for each of ``seq_lens``' requests."""
+    import jax.numpy as jnp
+
+    from jaxserve.kernels.metadata import AttentionMetadata
+    B = seq_lens.shape[0]
+    return AttentionMetadata(slot_mapping=jnp.zeros((B,), jnp.int32), block_tables=table, seq_lens=seq_lens,
+                             query_start_loc=jnp.arange(B + 1, dtype=jnp.int32), num_seqs=jnp.int32(B),
+                             decode_only=True)
 
 
 # ------------------------------------------------------------------------------------------------ bandwidth
@@ -118,7 +132,7 @@ def bandwidth(b: Bench) -> None:
            "| kernel | us per call | TB/s median | min | max |\n|---|---|---|---|---|")
     median = {}
     for name, (fn, passes) in kernels.items():
-        per_call = back_to_back_seconds(jax.jit(fn), x, iters=40, repeats=7)
+        per_call = call_seconds(jax.jit(fn), x, calls=40, repeats=7)
         tbps = [passes * x.nbytes / t / 1e12 for t in per_call]
         median[name] = statistics.median(tbps)
         b.emit(f"| {name} | {statistics.median(per_call) * 1e6:.1f} | {median[name]:.3f} | {min(tbps):.3f} | "
@@ -167,35 +181,28 @@ def _kv_bytes(S: Sizes, tokens: int, itemsize: int) -> int:
     return tokens * S.heads[1] * S.heads[2] * 2 * itemsize
 
 
-def _chain(step, n_iter: int, n_rot: int):
-    """jit(q, k, v, tables, *rest) -> q after n_iter steps, step i reading block table i % n_rot."""
+def chain(step, n_iter: int):
+    """jit(q, k, v, tables, *rest) -> q after n_iter steps, step i reading block table i % len(tables)."""
     import jax
 
     def run(q, k, v, tables, *rest):
         for i in range(n_iter):
-            q = step(q, k, v, tables[i % n_rot], *rest)
+            q = step(q, k, v, tables[i % len(tables)], *rest)
         return q
     return jax.jit(run)
 
 
 def _time_decode(S: Sizes, B: int, ctx: int, which: str, cache_dtype=None) -> tuple[float, float]:
-    """(seconds, bytes/s of K+V read) of one decode step: B requests at context ``ctx``, their pages drawn at
-    random from a pool of at least ``pool_bytes``, a few block tables in rotation."""
+    """(seconds, bytes/s of K+V read) of one decode step: B requests at context ``ctx`` (``rotating_tables``)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as stock
 
     from jaxserve.kernels import ops
-    from jaxserve.kernels.metadata import AttentionMetadata
     hq, kvh, d, bs = S.heads
     dtype = jnp.dtype(cache_dtype or jnp.bfloat16)
     pages = -(-ctx // bs)
-    need = B * pages
-    pool = max(need, S.pool_bytes // (bs * kvh * d * 2 * dtype.itemsize)) + 1
-    n_rot = max(1, min(S.n_iter, pool // need))
-    rng = np.random.default_rng(0)
-    tables = jnp.asarray(np.stack([rng.choice(pool - 1, need, replace=False).reshape(B, pages) + 1
-                                   for _ in range(n_rot)]), jnp.int32)
+    tables, pool = rotating_tables(S, B, pages, bs * kvh * d * 2 * dtype.itemsize)
     k_shape, v_shape = ops.kv_cache_shapes(pool, bs, kvh, d, dtype)
     key = jax.random.key(0)
     k = jax.random.normal(key, k_shape, jnp.bfloat16).astype(dtype)
@@ -212,12 +219,9 @@ def _time_decode(S: Sizes, B: int, ctx: int, which: str, cache_dtype=None) -> tu
                                          interpret=S.interpret)
     else:
         def step(q, k, v, table, seq_lens):
-            md = AttentionMetadata(slot_mapping=jnp.zeros((B,), jnp.int32), block_tables=table, seq_lens=seq_lens,
-                                   query_start_loc=jnp.arange(B + 1, dtype=jnp.int32), num_seqs=jnp.int32(B),
-                                   decode_only=True)
-            return ops.paged_attention(q, k, v, md, sm_scale=d ** -0.5, backend="pallas", k_scale=scale,
-                                       v_scale=scale, interpret=S.interpret)
-    t = chain_seconds(_chain(step, S.n_iter, n_rot), q, k, v, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
+            return ops.paged_attention(q, k, v, decode_metadata(table, seq_lens), sm_scale=d ** -0.5,
+                                       backend="pallas", k_scale=scale, v_scale=scale, interpret=S.interpret)
+    t = chain_seconds(chain(step, S.n_iter), q, k, v, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
     return t, _kv_bytes(S, B * ctx, dtype.itemsize) / t
 
 
@@ -246,8 +250,8 @@ def _time_prefill(S: Sizes, n: int, L: int) -> dict[str, float]:
     out = {}
     backends = {"ours (pallas)": "pallas", "ours (pallas-triton)": "pallas-triton"}
     for name, backend in backends.items():
-        fn = _chain(lambda q, k, v, _, md, be=backend: ops.paged_attention(
-            q, k, v, md, sm_scale=d ** -0.5, backend=be, interpret=S.interpret), S.n_iter, 1)
+        fn = chain(lambda q, k, v, _, md, be=backend: ops.paged_attention(
+            q, k, v, md, sm_scale=d ** -0.5, backend=be, interpret=S.interpret), S.n_iter)
         out[name] = chain_seconds(fn, q, k, v, [None], md, n_iter=S.n_iter, reps=S.reps)
     dense = {"xla (dot_product_attention)": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)}
     if not S.interpret:
@@ -282,7 +286,7 @@ def _layered(matmul):
 
 
 def _per_matmul_us(fn, args, layers: int) -> float:
-    return min(back_to_back_seconds(fn, *args, iters=10, repeats=3)) / layers * 1e6
+    return min(call_seconds(fn, *args, calls=10, repeats=3)) / layers * 1e6
 
 
 def _activations(m: int, k: int, layers: int) -> list:

@@ -1,11 +1,7 @@
-"""Async load generator: streamed `/v1/completions` over httpx, Poisson/gamma arrivals, a concurrency cap.
-
-Timing follows vLLM's `bench serve`: TTFT = first chunk with text; ITL = gaps between later chunks with
-text; E2E = request start to the end of the stream; output tokens from the final usage chunk
-(`stream_options.include_usage`), else the number of text chunks. A stream whose tokens all decode to no text
-(random weights whose vocabulary the serving tokenizer does not cover) completes by its usage count with its
-TTFT untimed (None); vLLM's bench, which never meets such a model, counts it failed.
-"""
+"""Async load generator: streamed `/v1/completions` over httpx, Poisson/gamma arrivals, a concurrency cap. Timing
+follows vLLM's `bench serve` (TTFT: the first chunk with text; ITL: gaps between later ones; output tokens: the usage
+chunk's, else the text chunks). A stream whose tokens all decode to no text (random weights beyond the serving
+tokenizer's vocabulary) completes by its usage count, TTFT untimed (None); vLLM's bench counts it failed."""
 from __future__ import annotations
 
 import asyncio
@@ -19,21 +15,14 @@ from .metrics import RequestTiming
 from .workloads import RequestSpec, arrival_delays
 
 
-async def fetch_model_name(client: httpx.AsyncClient, base_url: str) -> str:
-    r = await client.get(f"{base_url}/v1/models")
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
-
-
 async def stream_completion(client: httpx.AsyncClient, base_url: str, model: str, req: RequestSpec,
                             ignore_eos: bool, extra: dict | None = None) -> RequestTiming:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
             **(extra or {})}
-    route = "/v1/completions"
     if "messages" in body:          # a chat request (images): the same stream, chat's route and deltas
         del body["prompt"]
-        route = "/v1/chat/completions"
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     rt = RequestTiming(prompt_tokens=req.prompt_len)
     rt.start = last = time.perf_counter()
     chunks, usage = 0, None
@@ -96,7 +85,9 @@ async def run_load(base_url: str, requests: list[RequestSpec], *, request_rate: 
     bar = tqdm(total=len(requests), desc=desc, disable=not progress, dynamic_ncols=True)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits,
                                  headers=headers) as client:
-        model = model or await fetch_model_name(client, base_url)
+        if model is None:
+            (r := await client.get(f"{base_url}/v1/models")).raise_for_status()
+            model = r.json()["data"][0]["id"]
 
         async def one(req: RequestSpec) -> RequestTiming:
             async with sem:

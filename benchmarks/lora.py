@@ -1,10 +1,5 @@
-"""`lora` mode: the decode step with LoRA adapters in the batch against the base model alone, and adapter load time.
-
-Random rank-``rank`` PEFT adapters on all seven projections (``write_random_adapter``, a temporary folder). Per
-count of ``adapters`` an engine with ``--enable-lora`` (``--max-loras`` the count, unless the engine section sets
-it; ``--max-lora-rank`` ``rank``), the adapters spread round-robin over each batch of ``batch_sizes`` (a count above
-the batch is skipped); the base: the same options without LoRA. A point is the latency mode's decode step. Load:
-reading a folder into host arrays, then writing it into a device slot (``load_iters`` adapters, medians)."""
+"""`lora` mode: the decode step with LoRA adapters in the batch against the base model alone, and adapter load time
+(benchmarks/README.md's "lora")."""
 from __future__ import annotations
 
 import os

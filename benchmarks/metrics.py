@@ -1,6 +1,7 @@
 """Latency statistics and serving metrics (vLLM's `bench serve` definitions), pure functions of timings."""
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 
@@ -12,13 +13,9 @@ PERCENTILES = (10, 25, 50, 75, 90, 99)
 def summarize(values, percentiles=PERCENTILES) -> dict[str, float]:
     """mean, std, min, max, median and p<q> of a list of numbers (NaNs when empty)."""
     arr = np.asarray(list(values), dtype=np.float64)
-    if not arr.size:
-        nan = float("nan")
-        return {"count": 0, "mean": nan, "std": nan, "min": nan, "max": nan, "median": nan,
-                **{f"p{q}": nan for q in percentiles}}
-    return {"count": int(arr.size), "mean": float(arr.mean()), "std": float(arr.std()), "min": float(arr.min()),
-            "max": float(arr.max()), "median": float(np.median(arr)),
-            **{f"p{q}": float(np.percentile(arr, q)) for q in percentiles}}
+    stat = (lambda f, *a: float(f(arr, *a))) if arr.size else (lambda f, *a: float("nan"))
+    return {"count": int(arr.size), "mean": stat(np.mean), "std": stat(np.std), "min": stat(np.min),
+            "max": stat(np.max), "median": stat(np.median), **{f"p{q}": stat(np.percentile, q) for q in percentiles}}
 
 
 @dataclass
@@ -71,9 +68,7 @@ def serving_metrics(results: list[RequestTiming], duration_s: float, slo_ms: dic
         return {k: s[k] for k in ("mean", "median", "std", *[f"p{q}" for q in percentiles])}
 
     good = [r for r in ok if meets_slos(r, slo_ms or {})] if slo_ms else ok
-    errors: dict[str, int] = {}
-    for r in failed:
-        errors[r.error[:200]] = errors.get(r.error[:200], 0) + 1
+    errors = dict(collections.Counter(r.error[:200] for r in failed))
     return {"completed": len(ok), "failed": len(failed), "duration_s": duration_s,
             "untimed": sum(r.ttft is None for r in ok), "prompt_tokens": in_tok, "output_tokens": out_tok,
             "request_throughput": len(ok) / dur, "output_throughput": out_tok / dur,

@@ -1,14 +1,10 @@
-"""``kernel_bench``'s ``mla`` section: the paged MLA decode kernel (``kernels/mla_decode_pallas.py``) on B decode
-requests at one context over DeepSeek's latent pages (R 512 + P 64, block 16), at H = 16 heads (V2-Lite,
-memory-bound) and 128 (V3, compute-bound at bf16: 2 H (2R + P) FLOPs a key). Each case: GB/s, % of the read
-ceiling, TFLOP/s, % of the roofline max(bytes / read, FLOPs / peak); then the launch sweep's rows."""
+"""``kernel_bench``'s ``mla`` section: the paged MLA decode kernel (``kernels/mla_decode_pallas.py``) at DeepSeek's
+latent shape, its default launch then its launch sweep (benchmarks/README.md's kernel table)."""
 from __future__ import annotations
 
 import itertools
 
-import numpy as np
-
-from .kernel_bench import Bench, chain_seconds
+from .kernel_bench import Bench, chain, chain_seconds, decode_metadata, rotating_tables
 
 SHARED_MEMORY = 227 << 10          # an H100 / H200 block's shared memory limit
 
@@ -38,17 +34,10 @@ def _timer(S, B: int, ctx: int, heads: int, cache_dtype):
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.kernels.metadata import AttentionMetadata
     from jaxserve.kernels.mla_decode_pallas import mla_paged_attention
     R, P, bs = S.mla_shape
     dtype = jnp.dtype(cache_dtype)
-    pages = -(-ctx // bs)
-    need = B * pages
-    pool = max(need, S.pool_bytes // (bs * (R + P) * dtype.itemsize)) + 1
-    n_rot = max(1, min(S.n_iter, pool // need))
-    rng = np.random.default_rng(0)
-    tables = jnp.asarray(np.stack([rng.choice(pool - 1, need, replace=False).reshape(B, pages) + 1
-                                   for _ in range(n_rot)]), jnp.int32)
+    tables, pool = rotating_tables(S, B, -(-ctx // bs), bs * (R + P) * dtype.itemsize)
     key = jax.random.key(0)
     latent = jax.random.normal(key, (pool, bs, R + P), jnp.bfloat16).astype(dtype)
     q_dtype = jnp.float32 if S.interpret else jnp.bfloat16
@@ -57,16 +46,11 @@ def _timer(S, B: int, ctx: int, heads: int, cache_dtype):
     seq_lens = jnp.full((B,), ctx, jnp.int32)
     scale = jnp.float32(0.5) if dtype.itemsize == 1 else None
 
-    def seconds(launch: dict) -> float:
-        def run(qn, qr, latent, tables, seq_lens):
-            for i in range(S.n_iter):                        # each call's output is the next call's query
-                md = AttentionMetadata(slot_mapping=jnp.zeros((B,), jnp.int32), block_tables=tables[i % n_rot],
-                                       seq_lens=seq_lens, query_start_loc=jnp.arange(B + 1, dtype=jnp.int32),
-                                       num_seqs=jnp.int32(B), decode_only=True)
-                qn = mla_paged_attention(qn, qr, latent, md, sm_scale=(R + P) ** -0.5, kv_scale=scale,
-                                         interpret=S.interpret, **launch)
-            return qn
-        return chain_seconds(jax.jit(run), qn, qr, latent, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
+    def seconds(launch: dict) -> float:          # each call's output is the next call's query
+        fn = chain(lambda qn, qr, latent, table, seq_lens: mla_paged_attention(
+            qn, qr, latent, decode_metadata(table, seq_lens), sm_scale=(R + P) ** -0.5, kv_scale=scale,
+            interpret=S.interpret, **launch), S.n_iter)
+        return chain_seconds(fn, qn, qr, latent, tables, seq_lens, n_iter=S.n_iter, reps=S.reps)
     return seconds
 
 
@@ -80,8 +64,7 @@ def mla(b: Bench) -> None:
            "| heads | cache | launch | us | GB/s | % read | TFLOP/s | % roofline |\n|---|---|---|---|---|---|---|---|")
     for heads in S.mla_heads:
         for cache in ("bfloat16", "float8_e4m3fn"):
-            itemsize = jnp.dtype(cache).itemsize
-            nbytes = B * ctx * (R + P) * itemsize
+            nbytes = B * ctx * (R + P) * jnp.dtype(cache).itemsize
             flops = 2.0 * B * ctx * heads * (2 * R + P)
             bound = max(nbytes / b.read_bw, flops / b.peak)
             seconds = _timer(S, B, ctx, heads, cache)

@@ -32,8 +32,7 @@ class StepStats:
               "tokens": "tokens_total", "step_ms": "step_ms_total"}
 
     def __init__(self, llm):
-        engine = getattr(llm, "engine", None)
-        self.engine_stats = getattr(engine, "stats", None)
+        self.engine_stats = getattr(getattr(llm, "engine", None), "stats", None)
         self.start = self._raw()
 
     def _raw(self):
@@ -88,8 +87,8 @@ def run_throughput(run) -> None:
     warm = int(wl.get("warmup_prompts") or 0)
     if warm:   # first-touch effects (allocator, lazy compiles) stay out of the timed run; other prompts,
         # so the prefix cache holds none of the timed ones
-        warm_prompts = random_token_prompts(np.random.default_rng(cfg["seed"] + 1), ins[:warm], run.model_config.vocab_size)
-        llm.generate(warm_prompts, _sampling_params([min(8, int(o)) for o in outs[:warm]], wl, 0), use_tqdm=False)
+        llm.generate(_fresh(run, ins[:warm], np.random.default_rng(cfg["seed"] + 1)),
+                     _sampling_params([min(8, int(o)) for o in outs[:warm]], wl, 0), use_tqdm=False)
     steps = StepStats(llm)
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=True)
@@ -112,18 +111,13 @@ def run_throughput(run) -> None:
         max_batch = kv_seqs
     bound = roofline.generation_bound(run.cost, run.hw, n, float(ins.mean()), float(outs.mean()), max_batch)
     run.result["roofline"] = {**bound, "max_batch": max_batch}
-    t = Table("Throughput (offline)", ["metric", "jaxserve", "roofline limit", "% of limit"]
-              + (["HF", "jaxserve / HF"] if baseline else []))
+    t, add = _vs_limit("Throughput (offline)", baseline)
     for key, label, limit in (("requests_per_s", "requests/s", bound["requests_s"]),
                               ("output_tok_per_s", "output tok/s", bound["output_tok_s"]),
                               ("total_tok_per_s", "total tok/s", bound["total_tok_s"])):
-        row = [label, m[key], limit, roofline.percent(m[key], limit, label)]
-        if baseline:
-            hf = baseline.get(key)
-            row += [hf, (m[key] / hf) if hf else None]
-        t.rows.append(row)
-    t.rows.append(["elapsed s", elapsed, bound["seconds"], roofline.percent(bound["seconds"], elapsed, "elapsed s")]
-                  + ([baseline.get("elapsed_s"), None] if baseline else []))
+        add(label, m[key], limit, roofline.percent(m[key], limit, label), (baseline or {}).get(key), True)
+    add("elapsed s", elapsed, bound["seconds"], roofline.percent(bound["seconds"], elapsed, "elapsed s"),
+        (baseline or {}).get("elapsed_s"), None)
     run.tables.append(t)
     _steps_table(run, m["engine_steps"])
     run.notes.append(f"roofline: {n} requests in waves of {max_batch} (max_num_seqs), each wave's prefill "
@@ -131,10 +125,21 @@ def run_throughput(run) -> None:
                      f"max(bandwidth, compute); {run.limits_note()}")
     run.notes += [baseline.get("note", ""), HF_RATIO_NOTE] if baseline else []
     if run.cfg["report"]["plots"]:
-        labels = ["output tok/s", "total tok/s"]
-        plots.bars_vs_limit(run.out_dir / "throughput_vs_roofline.png", labels,
+        plots.bars_vs_limit(run.out_dir / "throughput_vs_roofline.png", ["output tok/s", "total tok/s"],
                             [m["output_tok_per_s"], m["total_tok_per_s"]],
                             [bound["output_tok_s"], bound["total_tok_s"]], "tok/s", f"{cfg['name']}: measured vs limit")
+
+
+def _vs_limit(title: str, baseline: dict | None):
+    """(table, add): measured figures against their limits, with an HF baseline its figure and jaxserve / HF
+    beside them (``higher_better``: jaxserve / HF, False: HF / jaxserve for times, None: no ratio)."""
+    t = Table(title, ["metric", "jaxserve", "roofline limit", "% of limit"]
+              + (["HF", "jaxserve / HF"] if baseline else []))
+
+    def add(label, value, limit, pct, hf=None, higher_better=False):
+        ratio = (value / hf if higher_better else hf / value) if hf and (value or higher_better) else None
+        t.rows.append([label, value, limit, pct] + ([hf, None if higher_better is None else ratio] if baseline else []))
+    return t, add
 
 
 def _kv_capacity_seqs(llm, seq_len: int) -> int | None:
@@ -143,26 +148,24 @@ def _kv_capacity_seqs(llm, seq_len: int) -> int | None:
     kv = getattr(getattr(llm, "engine", None), "kv_manager", None)
     if kv is None:
         return None
-    per_seq = -(-seq_len // kv.block_size)
-    return max(int(kv.num_usable_blocks) // per_seq, 1)
+    return max(int(kv.num_usable_blocks) // -(-seq_len // kv.block_size), 1)
+
+
+STEP_COLUMNS = {"steps": "steps", "host_ms_per_step": "host ms/step", "device_ms_per_step": "device ms/step",
+                "engine_host_ms_per_step": "engine host ms/step", "tokens_per_step": "tokens/step",
+                "prefix_cache_hits": "prefix-cache hits", "num_preemptions": "preemptions"}
+LOAD_COLUMNS = {"moe_layers": "MoE layers", "num_experts": "experts",
+                "mean_expert_tokens_per_step": "mean tokens/expert", "max_expert_tokens_per_step": "max tokens/expert",
+                "imbalance": "imbalance (max / mean)", "busiest_expert_share": "busiest expert's share",
+                "even_share": "even share"}
 
 
 def _steps_table(run, steps: dict | None) -> None:
-    if steps and steps["steps"]:
-        run.tables.append(Table("Engine steps (measured window)", ["steps", "host ms/step", "device ms/step",
-                                                                   "engine host ms/step", "tokens/step",
-                                                                   "prefix-cache hits", "preemptions"],
-                                [[steps["steps"], steps["host_ms_per_step"], steps["device_ms_per_step"],
-                                  steps["engine_host_ms_per_step"], steps["tokens_per_step"],
-                                  steps["prefix_cache_hits"], steps["num_preemptions"]]]))
-    load = (steps or {}).get("expert_load")
-    if load:
-        run.tables.append(Table("Expert load (measured window; per step and MoE layer)",
-                                ["MoE layers", "experts", "mean tokens/expert", "max tokens/expert",
-                                 "imbalance (max / mean)", "busiest expert's share", "even share"],
-                                [[load["moe_layers"], load["num_experts"], load["mean_expert_tokens_per_step"],
-                                  load["max_expert_tokens_per_step"], load["imbalance"],
-                                  load["busiest_expert_share"], load["even_share"]]]))
+    for title, d, columns in (("Engine steps (measured window)", steps if steps and steps["steps"] else None,
+                               STEP_COLUMNS), ("Expert load (measured window; per step and MoE layer)",
+                                               (steps or {}).get("expert_load"), LOAD_COLUMNS)):
+        if d:
+            run.tables.append(Table(title, list(columns.values()), [[d[k] for k in columns]]))
 
 
 def _workload(run, n: int):
@@ -170,12 +173,12 @@ def _workload(run, n: int):
     wl = run.cfg["workload"]
     ins = sample_lengths(wl["input_len"], n, run.rng, "input_len")
     outs = sample_lengths(wl["output_len"], n, run.rng, "output_len")
-    return ins, outs, random_token_prompts(run.rng, ins, run.model_config.vocab_size)
+    return ins, outs, _fresh(run, ins)
 
 
-def _fresh(run, lengths):
+def _fresh(run, lengths, rng=None):
     """New random prompts of the same lengths: a repeated prompt would be served from the prefix cache."""
-    return random_token_prompts(run.rng, lengths, run.model_config.vocab_size)
+    return random_token_prompts(rng or run.rng, lengths, run.model_config.vocab_size)
 
 
 def _timed(llm, prompts, params, lora=None) -> float:
@@ -232,15 +235,7 @@ def run_latency(run) -> None:
          "prefill_achieved_flops": cost.prefill_flops(in_mean, b) / s_pre["mean"] if prefill else float("nan")}
     run.result["roofline"] = r
 
-    t = Table(f"Latency: batch {b}, {in_mean:g} in / {out_mean:g} out, {len(e2e)} iterations",
-              ["metric", "jaxserve", "roofline limit", "% of limit"] + (["HF", "jaxserve / HF"] if baseline else []))
-
-    def add(label, value, limit, pct, hf=None, higher_better=False):
-        row = [label, value, limit, pct]
-        if baseline:
-            row += [hf, (value / hf if higher_better else hf / value) if hf and value else None]
-        t.rows.append(row)
-
+    t, add = _vs_limit(f"Latency: batch {b}, {in_mean:g} in / {out_mean:g} out, {len(e2e)} iterations", baseline)
     hf_e2e = (baseline or {}).get("e2e_s", {})
     add("e2e mean s", s_e2e["mean"], r["e2e_bound_s"], roofline.percent(r["e2e_bound_s"], s_e2e["mean"], "e2e mean s"), hf_e2e.get("mean"))
     for q in (10, 25, 50, 75, 90, 99):

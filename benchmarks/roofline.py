@@ -1,15 +1,12 @@
 """How far from the limit: per-chip limits (configs/hardware/*.yaml) and per-model FLOP/byte counts, from the
-family's own parameter shapes. The conventions (the two memory ceilings, what a step reads and computes, sliding
-windows, MLA, MoE experts touched, waves, tensor parallelism, the 100 % cap) are benchmarks/README.md's "How far
-from the limit"."""
+family's own parameter shapes; the conventions are benchmarks/README.md's "How far from the limit"."""
 from __future__ import annotations
 
 import functools
 import os
 import time
 import warnings
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +48,7 @@ class Hardware:
         return self.copy_bandwidth * self.num_devices
 
     def scaled(self, num_devices: int) -> "Hardware":
-        return dataclasses.replace(self, num_devices=num_devices)
+        return replace(self, num_devices=num_devices)
 
     def describe(self, dtype: str) -> dict[str, Any]:
         return {"name": self.name, "num_devices": self.num_devices,
@@ -70,9 +67,8 @@ def load_hardware(name_or_path: str) -> tuple[Hardware, dict]:
         known = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
         raise ValueError(f"hardware {name_or_path!r} not found (known: {known}, or a path to a YAML file)")
     raw = yaml.safe_load(path.read_text())
-    for key in ("name", "read_bandwidth", "peak_flops"):
-        if key not in raw:
-            raise ValueError(f"hardware file {path} has no {key!r}")
+    if missing := [key for key in ("name", "read_bandwidth", "peak_flops") if key not in raw]:
+        raise ValueError(f"hardware file {path} has no {missing[0]!r}")
     hw = Hardware(name=raw["name"], read_bandwidth=float(raw["read_bandwidth"]),
                   peak_flops={k: float(v) for k, v in raw["peak_flops"].items()},
                   memory_bytes=float(raw.get("memory_bytes", 0)),
@@ -82,13 +78,17 @@ def load_hardware(name_or_path: str) -> tuple[Hardware, dict]:
     return hw, raw
 
 
+def _describes(raw: dict, device_kind: str, platform: str) -> bool:
+    kind = (device_kind if platform != "cpu" else "cpu").lower()
+    return any(p.lower() in kind for p in raw.get("device_kind_patterns", []))
+
+
 def detect_hardware_name(device_kind: str, platform: str) -> str:
     """The configs/hardware file whose device_kind_patterns match this device (cpu for the host)."""
     if platform == "cpu":
         return "cpu"
     for path in sorted(HARDWARE_DIR.glob("*.yaml")):
-        raw = yaml.safe_load(path.read_text())
-        if any(p.lower() in device_kind.lower() for p in raw.get("device_kind_patterns", [])):
+        if _describes(yaml.safe_load(path.read_text()), device_kind, platform):
             return path.stem
     raise ValueError(f"no configs/hardware file matches device {device_kind!r}; add one or set hardware: NAME")
 
@@ -97,29 +97,25 @@ def detect_hardware_name(device_kind: str, platform: str) -> str:
 def measure_host_limits(seconds: float = 1.0) -> tuple[float, float, float]:
     """(read bandwidth, copy bandwidth bytes/s, float32 matmul FLOP/s) of this host, best of a few short runs
     (once per process). Read: a numpy sum; copy: read + write bytes of a numpy copy."""
-    a = np.ones(64 * 1024 * 1024 // 8, dtype=np.float64)     # 64 MiB: well past the caches
-    b = np.empty_like(a)
-    best_read = best_bw = 0.0
-    t_end = time.perf_counter() + seconds / 2
-    while time.perf_counter() < t_end:
-        t = time.perf_counter()
-        np.copyto(b, a)
-        best_bw = max(best_bw, 2 * a.nbytes / (time.perf_counter() - t))   # read + write
-        t = time.perf_counter()
-        a.sum()
-        best_read = max(best_read, a.nbytes / (time.perf_counter() - t))
     import jax
     import jax.numpy as jnp
-    n = 1024
-    x = jnp.ones((n, n), jnp.float32)
+
+    def best_rates(seconds: float, *runs) -> list[float]:
+        """Each of ``runs`` ((call, work) pairs, called in turn) at its best work a second over ``seconds``."""
+        best, t_end = [0.0] * len(runs), time.perf_counter() + seconds
+        while time.perf_counter() < t_end:
+            for i, (call, work) in enumerate(runs):
+                t = time.perf_counter()
+                call()
+                best[i] = max(best[i], work / (time.perf_counter() - t))
+        return best
+    a = np.ones(64 * 1024 * 1024 // 8, dtype=np.float64)     # 64 MiB: well past the caches
+    b = np.empty_like(a)
+    copy, read = best_rates(seconds / 2, (lambda: np.copyto(b, a), 2 * a.nbytes), (a.sum, a.nbytes))  # copy: r + w
+    x = jnp.ones((1024, 1024), jnp.float32)
     mm = jax.jit(lambda x: x @ x)
     mm(x).block_until_ready()
-    best_fl, t_end = 0.0, time.perf_counter() + seconds / 2
-    while time.perf_counter() < t_end:
-        t = time.perf_counter()
-        mm(x).block_until_ready()
-        best_fl = max(best_fl, 2 * n ** 3 / (time.perf_counter() - t))
-    return best_read, best_bw, best_fl
+    return read, copy, best_rates(seconds / 2, (lambda: mm(x).block_until_ready(), 2 * 1024 ** 3))[0]
 
 
 def hardware_mismatch(setting: str, device_kind: str, platform: str) -> str | None:
@@ -127,8 +123,7 @@ def hardware_mismatch(setting: str, device_kind: str, platform: str) -> str | No
     if setting in (None, "", "auto"):
         return None
     _, raw = load_hardware(setting)
-    if any(p.lower() in (device_kind if platform != "cpu" else "cpu").lower()
-           for p in raw.get("device_kind_patterns", [])):
+    if _describes(raw, device_kind, platform):
         return None
     return (f"WARNING: limits are from hardware {setting!r} ({raw['name']}) but the device is {device_kind!r}: "
             f"the % of limit figures do not describe this machine (use --set hardware=auto)")
@@ -165,10 +160,6 @@ class ModelCost:
     expert_params: int = 0             # every routed expert of every MoE layer (shared experts are dense)
     num_experts: int = 0               # routed experts per MoE layer (0: a dense model)
     experts_per_token: int = 0         # top_k
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_windows) or 1
 
     @property
     def active_params(self) -> int:
@@ -226,20 +217,15 @@ class ModelCost:
         """Causal (query, key) pairs of one prompt over all layers, in units of one layer: n(n+1)/2 in a global
         layer; w(w+1)/2 + (n - w)·w in one with window w < n."""
         n = float(input_len)
-        pairs = []
-        for w in self.layer_windows or (None,):
-            if w is None or n <= w:
-                pairs.append(n * (n + 1) / 2)
-            else:
-                pairs.append(w * (w + 1) / 2 + (n - w) * w)
+        pairs = [n * (n + 1) / 2 if w is None or n <= w else w * (w + 1) / 2 + (n - w) * w
+                 for w in self.layer_windows or (None,)]
         return sum(pairs) / len(pairs)
 
     def prefill_flops(self, input_len: int, batch: int = 1) -> float:
         """FLOPs to prefill `batch` prompts of `input_len` tokens (causal, logits for the last token only)."""
         n = float(input_len)
-        per_seq = 2.0 * self.body_matmul_params * n + 2.0 * self.lm_head_params \
-            + self.attn_flops_per_pair * self.prefill_pairs(n)
-        return batch * per_seq
+        return batch * (2.0 * self.body_matmul_params * n + 2.0 * self.lm_head_params
+                        + self.attn_flops_per_pair * self.prefill_pairs(n))
 
     def prefill_bytes(self, input_len: int, batch: int = 1) -> float:
         tokens = float(input_len) * batch
@@ -254,8 +240,12 @@ PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down", "q_a", "q_b", "kv_a")   # 
 EXPERTS = ("experts_gate_up", "experts_down")           # an MoE layer's routed experts (models/layers/moe.py)
 
 
-def _family_layout(cfg) -> tuple[dict, Any]:
-    """(parameter shapes, ``layers.decoder.DecoderSpec``) of a decoder config, from its family module."""
+def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
+               quantization: str | None = None) -> ModelCost:
+    """Counts for a decoder ``jaxserve.config.ModelConfig`` of any registered family; ``quantization``
+    (``--quantization``): the projections' storage, the rest stays ``dtype``."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} for the roofline (known: {', '.join(DTYPE_BYTES)})")
     from jaxserve.errors import ModelLoadError
     from jaxserve.models import registry
     try:
@@ -264,16 +254,7 @@ def _family_layout(cfg) -> tuple[dict, Any]:
         raise ValueError(f"no roofline for {cfg.architecture}: {e}") from None
     if not hasattr(family, "decoder_spec"):
         raise ValueError(f"no roofline for {cfg.architecture}: not a decoder family")
-    return family.param_shapes(cfg), family.decoder_spec(cfg)
-
-
-def model_cost(cfg, dtype: str = "bfloat16", kv_dtype: str | None = None,
-               quantization: str | None = None) -> ModelCost:
-    """Counts for a decoder ``jaxserve.config.ModelConfig`` of any registered family; ``quantization``
-    (``--quantization``): the projections' storage, the rest stays ``dtype``."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r} for the roofline (known: {', '.join(DTYPE_BYTES)})")
-    shapes, spec = _family_layout(cfg)
+    shapes, spec = family.param_shapes(cfg), family.decoder_spec(cfg)
     sizes = {path: int(np.prod(shape)) for path, shape in _leaves(shapes)}
     params = sum(sizes.values())
     embedding, lm_head = sizes[("embed",)], sizes.get(("lm_head",), 0)
@@ -339,10 +320,10 @@ def generation_bound(cost: ModelCost, hw: Hardware, num_prompts: int, input_len:
         prefill_s += prefill_bound(cost, hw, b, input_len)
         decode_s += decode_steps_bound(cost, hw, b, input_len, out_steps)
     total = prefill_s + decode_s
+    rate = num_prompts / total if total else float("inf")            # requests a second
     return {"seconds": total, "prefill_seconds": prefill_s, "decode_seconds": decode_s,
-            "output_tok_s": num_prompts * output_len / total if total else float("inf"),
-            "total_tok_s": num_prompts * (input_len + output_len) / total if total else float("inf"),
-            "requests_s": num_prompts / total if total else float("inf"), "batch": float(max(waves or [0]))}
+            "output_tok_s": rate * output_len, "total_tok_s": rate * (input_len + output_len),
+            "requests_s": rate, "batch": float(max(waves or [0]))}
 
 
 class RooflineExceeded(UserWarning):

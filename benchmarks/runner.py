@@ -1,11 +1,6 @@
-"""`python -m jaxserve bench --config NAME [--config NAME ...] [--set key=value ...]` (or
-`python -m benchmarks.runner ...` from the repo root).
-
-Each config runs one mode (throughput | latency | serve | startup | kernels | lora) and writes
-benchmarks/results/<date>-<name>/ (result.json, result.md, config.yaml, PNGs). Several configs in one
-call share one loaded engine when their model and engine options match (load + warm-up once), and
-every HF baseline runs first, in its own process, before JAX takes the accelerator.
-"""
+"""`python -m jaxserve bench --config NAME [--config NAME ...] [--set key=value ...]` (`python -m benchmarks.runner`
+from the repo root): each config runs its mode and writes benchmarks/results/<date>-<name>/; configs given together
+share one engine when their options match, every HF baseline first (benchmarks/README.md)."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +23,7 @@ import numpy as np
 from . import roofline
 from .config import REPO_ROOT, ConfigError, engine_kwargs, load_configs, missing_configs, resolve_config_path
 from .metrics import fmt
+from .models import kv_dtype, resolve_model, weight_dtype
 from .report import Table, results_dir, write_report
 
 
@@ -132,9 +128,7 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
     python = base.get("python") or sys.executable
     if "/" in python and not Path(python).is_absolute():
         python = str(REPO_ROOT / python)          # a path relative to the repo, e.g. .venv-oracle/bin/python
-    dtype = run.cfg["engine"].get("dtype") or "auto"
-    if dtype == "auto":
-        dtype = "float32" if base.get("device") == "cpu" else "bfloat16"
+    dtype = weight_dtype(run.cfg, "cpu" if base.get("device") == "cpu" else "gpu")
     spec = {"hf_config": run.hf_config, "dtype": dtype, "device": base.get("device", "auto"),
             "prompts": prompts[:n], "output_lens": output_lens[:n], "methods": methods, "seed": run.cfg["seed"],
             "iters": int(base.get("iters") or run.cfg["workload"].get("iters", 3)),
@@ -149,9 +143,7 @@ def run_hf_subprocess(run: Run, kind: str, prompts: list[list[int]], output_lens
         if proc.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"the HF baseline (benchmarks/hf_baseline.py) exited with {proc.returncode}")
         out = json.loads(out_path.read_text())
-    res = dict(out["results"][methods[0]])
-    res["all_methods"] = out["results"]
-    res["environment"] = out["environment"]
+    res = {**out["results"][methods[0]], "all_methods": out["results"], "environment": out["environment"]}
     subset = f" on the first {n} of {len(prompts)} prompts" if n < len(prompts) else ""
     res["note"] = (f"HF baseline: transformers {out['environment']['transformers']} / torch "
                    f"{out['environment']['torch']} {methods[0]}"
@@ -174,14 +166,12 @@ def run_mode(run) -> None:
 
 
 def prepare_model(run: Run) -> None:
-    from .models import resolve_model
     run.model_config, run.hf_config = resolve_model(run.cfg)
 
 
 def prepare_main(run: Run, out_root: str | None) -> None:
     """Environment, hardware limits and the model's roofline counts (initialises JAX)."""
     from .envinfo import environment
-    from .models import kv_dtype, weight_dtype
     # serve and startup: the server process needs the accelerator; this process must not initialise it. Nor may
     # an engine with a process per device (mp): it joins jax.distributed, which must come before JAX starts
     spans_processes = run.cfg["engine"].get("distributed_executor_backend") == "mp"

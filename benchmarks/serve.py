@@ -1,8 +1,5 @@
-"""`serve` mode: start `python -m jaxserve serve` (or target --base-url) and drive it with the load generator.
-
-A `workload.sweep` ({max_concurrency: [...]} or {request_rate: [...]}) runs the load once per value
-against the same server and draws throughput vs latency.
-"""
+"""`serve` mode: start `python -m jaxserve serve` (or target --base-url) and drive it with the load generator, once
+per value of a `workload.sweep` (benchmarks/README.md's "serve")."""
 from __future__ import annotations
 
 import asyncio
@@ -29,17 +26,13 @@ from .workloads import add_structured_outputs, image_requests, prefix_requests, 
 SWEEP_PARAMS = ("max_concurrency", "request_rate", "structured_fraction")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(args: list[str], log_path: Path, timeout_s: float, env: dict | None = None):
     """`python -m jaxserve serve ARGS --host 127.0.0.1 --port P` until /health answers 200; yields the base
     URL; SIGTERM (then SIGKILL) on exit. A server that dies or never gets ready is one clear error."""
-    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:            # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "jaxserve", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
     base_url = f"http://127.0.0.1:{port}"
     log = open(log_path, "w")
@@ -203,9 +196,8 @@ def run_serve(run) -> None:
             m["server_counters"] = counter_delta(before, scrape_counters(base_url, cfg["serve"]["api_key"]))
             m.update({"sweep_value": value, "request_rate": rate, "max_concurrency": conc,
                       "roofline": _limit(run, reqs, conc)})
-            m["ttft_samples_ms"] = [t.ttft * 1e3 for t in timings if t.success and t.ttft is not None]
-            m["e2el_samples_ms"] = [t.e2e * 1e3 for t in timings if t.success]
-            m["tpot_samples_ms"] = [t.tpot * 1e3 for t in timings if t.success and t.tpot is not None]
+            m.update({f"{k}_samples_ms": [v * 1e3 for t in timings if t.success and (v := getattr(t, a)) is not None]
+                      for k, a in (("ttft", "ttft"), ("e2el", "e2e"), ("tpot", "tpot"))})
             points.append(m)
             # kept as it goes: a run cut short by a time limit still leaves the points it finished
             (run.out_dir / "points_partial.json").write_text(json.dumps(
@@ -223,10 +215,9 @@ def run_serve(run) -> None:
 def _limit(run, reqs, conc) -> dict:
     """The roofline for this point: the same requests at the concurrency the load allows."""
     n = len(reqs)
-    in_mean = sum(r.prompt_len for r in reqs) / n
-    out_mean = sum(r.output_len for r in reqs) / n
     batch = min(n, int(conc or n), int(run.cfg["engine"].get("max_num_seqs") or 256))
-    return roofline.generation_bound(run.cost, run.hw, n, in_mean, out_mean, batch)
+    return roofline.generation_bound(run.cost, run.hw, n, sum(r.prompt_len for r in reqs) / n,
+                                     sum(r.output_len for r in reqs) / n, batch)
 
 
 def _tables(run, points: list[dict], param: str | None) -> None:

@@ -50,8 +50,7 @@ def load_suite(name: str) -> dict:
 def list_suites() -> int:
     for name in suite_names():
         s = load_suite(name)
-        configs = [c for r in s["runs"] for c in r["configs"]]
-        n, runs = len(configs), len(s["runs"])
+        n, runs = sum(len(r["configs"]) for r in s["runs"]), len(s["runs"])
         print(f"{name:34s} {s['description']} ({n} config{'s' * (n != 1)}, {runs} run{'s' * (runs != 1)})")
         for r in s["runs"]:
             extra = "".join(f" --set {w}" for w in r["set"]) + (f" [{r['gpus']} GPUs]" if r["gpus"] > 1 else "")
@@ -81,8 +80,8 @@ def run_once(cmd: list[str], env: dict, cwd: Path, timeout_s: float | None) -> t
     proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **{k: str(v) for k, v in env.items()}},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     # SIGTERM at the limit: the runner unwinds on it (a started server is stopped, finished configs are kept)
-    timer = threading.Timer(timeout_s, proc.terminate) if timeout_s else None
-    if timer:
+    timer = threading.Timer(timeout_s or 0, proc.terminate)
+    if timeout_s:
         timer.start()
     lines = []
     for line in proc.stdout:
@@ -93,9 +92,8 @@ def run_once(cmd: list[str], env: dict, cwd: Path, timeout_s: float | None) -> t
     except subprocess.TimeoutExpired:
         proc.kill()
         rc = proc.wait()
-    timed_out = timer is not None and timer.finished.is_set()       # set once it fired (cancel comes after)
-    if timer:
-        timer.cancel()
+    timed_out = timer.finished.is_set()       # set once it fired (cancel, which sets it too, comes after)
+    timer.cancel()
     summary = lines[lines.index("== summary ==") + 1:] if "== summary ==" in lines else []
     return rc, summary + ([f"TIMED OUT after {timeout_s:.0f} s"] if timed_out else [])
 

@@ -3,6 +3,8 @@ images. Everything is drawn from one numpy Generator seeded by the config's `see
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,11 +89,8 @@ def prefix_requests(rng, num_prompts: int, num_prefixes: int, prefix_len: int, i
     suffix_lens = sample_lengths(input_len, num_prompts, rng, "input_len")
     outs = sample_lengths(output_len, num_prompts, rng, "output_len")
     which = rng.integers(0, len(prefixes), size=num_prompts)
-    reqs = []
-    for i in range(num_prompts):
-        p = prefixes[which[i]] + rng.integers(lo, hi, size=int(suffix_lens[i])).tolist()
-        reqs.append(RequestSpec(p, len(p), int(outs[i])))
-    return reqs
+    prompts = [prefixes[which[i]] + rng.integers(lo, hi, size=int(suffix_lens[i])).tolist() for i in range(num_prompts)]
+    return [RequestSpec(p, len(p), int(o)) for p, o in zip(prompts, outs)]
 
 
 def sharegpt_requests(rng, path: str, num_prompts: int, output_len=None, tokenizer=None,
@@ -102,12 +101,9 @@ def sharegpt_requests(rng, path: str, num_prompts: int, output_len=None, tokeniz
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"workload.dataset_path {path!r}: file not found (a ShareGPT-format JSON)")
-    data = json.loads(p.read_text())
-    pairs = []
-    for item in data:
-        conv = item.get("conversations") or item.get("conversation") or []
-        if len(conv) >= 2 and conv[0].get("value") and conv[1].get("value"):
-            pairs.append((conv[0]["value"], conv[1]["value"]))
+    convs = [item.get("conversations") or item.get("conversation") or [] for item in json.loads(p.read_text())]
+    pairs = [(c[0]["value"], c[1]["value"]) for c in convs
+             if len(c) >= 2 and c[0].get("value") and c[1].get("value")]
     if not pairs:
         raise ValueError(f"{path}: no conversations with a prompt and a reply (ShareGPT format expected)")
     order = rng.permutation(len(pairs))
@@ -122,11 +118,9 @@ def sharegpt_requests(rng, path: str, num_prompts: int, output_len=None, tokeniz
         reqs.append(RequestSpec(prompt, plen, olen))
         if len(reqs) == num_prompts:
             break
-    if len(reqs) < num_prompts:            # small files: cycle so the request count is what was asked
-        reqs = [reqs[i % len(reqs)] for i in range(num_prompts)] if reqs else reqs
     if not reqs:
         raise ValueError(f"{path}: no conversation fits max_model_len={max_len}")
-    return reqs
+    return [reqs[i % len(reqs)] for i in range(max(num_prompts, len(reqs)))]   # small files: cycled to the count
 
 
 WORDS = ["the", "a", "picture", "shows", "what", "is", "in", "it"]     # one token each in common vocabularies
@@ -135,11 +129,7 @@ WORDS = ["the", "a", "picture", "shows", "what", "is", "in", "it"]     # one tok
 def random_image_url(rng: np.random.Generator, size: int) -> str:
     """A JPEG data URL of ``size`` x ``size`` random pixels (every request's image its own: no encoder reuse), as
     vLLM's benchmark sends its random images (a noise PNG is ~4 MB at 1024² and ~40 ms to decode)."""
-    import base64  # noqa: PLC0415
-    import io  # noqa: PLC0415
-
     from PIL import Image  # noqa: PLC0415
-
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB").save(buf, "JPEG")
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -167,5 +157,4 @@ def arrival_delays(rng, num: int, request_rate: float, burstiness: float = 1.0) 
         return np.zeros(num)
     if burstiness <= 0:
         raise ValueError("workload.burstiness must be > 0 (1 = Poisson; < 1 burstier; > 1 more regular)")
-    theta = 1.0 / (request_rate * burstiness)
-    return rng.gamma(shape=burstiness, scale=theta, size=num)
+    return rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num)

@@ -66,3 +66,21 @@ def moe_layer_names(num_experts: int, block: str, router: str, gate: str, up: st
         "experts_gate_up": ("experts_stack_t", [f"{block}.experts.{e}.{p}.weight" for e in experts for p in (gate, up)]),
         "experts_down": ("experts_t", [f"{block}.experts.{e}.{down}.weight" for e in experts]),
     }
+
+
+def hf_shapes(plan: list, shapes: dict) -> dict[str, tuple[int, ...]]:
+    """Each HF tensor of a ``weight_plan`` with its shape, from the weights' ``shapes`` (the family's
+    ``param_shapes``): what a checkpoint of that shape holds. The builds with a layout of their own (a fused
+    projection's rows, MLA's split) are not inverted."""
+    hf = {}
+    for path, names, build in plan:
+        s = shapes
+        for p in path:
+            s = s[p]
+        layouts = {"same": lambda: [s], "t": lambda: [s[::-1]], "stack_t": lambda: [(s[2], s[0])] * 2,
+                   "experts_stack_t": lambda: [(s[3], s[1])] * len(names),
+                   "experts_t": lambda: [(s[2], s[1])] * len(names)}
+        if not isinstance(build, str) or build not in layouts:
+            raise ValueError(f"no HF layout for {'.'.join(map(str, path))}'s build {build!r}")
+        hf.update(zip(names, map(tuple, layouts[build]())))
+    return hf

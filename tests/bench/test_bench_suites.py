@@ -1,6 +1,6 @@
 """`jaxserve bench --suite`: the shipped suites name every config and load, a suite runs each of its runs as one
 bench process (its --set words, environment, GPU count and time limit), --ab runs two trees interleaved and
-compares them, and the startup mode times a server's cold and warm start."""
+compares them, and the startup mode times a server's cold and warm start (also from a checkpoint it writes)."""
 from __future__ import annotations
 
 import contextlib
@@ -134,17 +134,16 @@ def test_moe_suite_gives_mixtral_more_memory_and_runs_the_serve_sweep():
     assert serve["mode"] == "serve" and serve["workload"]["sweep"] == {"max_concurrency": [1, 16, 64, 256]}
 
 
-def test_startup_mode_times_a_cold_and_a_warm_start(tmp_path, monkeypatch):
-    """Two server starts on one fresh compilation cache folder: the seconds to /health and to the first
-    completion, the server's own load / warm-up / ready seconds from its log."""
+@pytest.fixture
+def fake_server(monkeypatch):
+    """The startup mode's server and its completion faked: each start calls ``starts[0](flags, log_path)``
+    (the test's stand-in, which writes the server's log), then answers " Paris"."""
     from jaxserve.benchmarks import startup
-    started = []
+    starts = []
 
     @contextlib.contextmanager
-    def fake_server(flags, log_path, timeout_s):
-        started.append(flags)
-        log_path.write_text("INFO start-up weights: 1.50 s (16.0 GB, 10.7 GB/s)\nINFO start-up warm-up: 2.00 s\n"
-                            "INFO start-up engine-core hand-shake: 0.10 s\n")
+    def server(flags, log_path, timeout_s):
+        starts[0](flags, log_path)
         yield "http://127.0.0.1:1"
 
     class Answer:
@@ -154,8 +153,21 @@ def test_startup_mode_times_a_cold_and_a_warm_start(tmp_path, monkeypatch):
         def json(self):
             return {"choices": [{"text": " Paris"}]}
 
-    monkeypatch.setattr(startup, "running_server", fake_server)
+    monkeypatch.setattr(startup, "running_server", server)
     monkeypatch.setattr(startup.httpx, "post", lambda *a, **k: Answer())
+    return starts
+
+
+def test_startup_mode_times_a_cold_and_a_warm_start(tmp_path, fake_server):
+    """Two server starts on one fresh compilation cache folder: the seconds to /health and to the first
+    completion, the server's own load / warm-up / ready seconds from its log."""
+    started = []
+
+    def start(flags, log_path):
+        started.append(flags)
+        log_path.write_text("INFO start-up weights: 1.50 s (16.0 GB, 10.7 GB/s)\nINFO start-up warm-up: 2.00 s\n"
+                            "INFO start-up engine-core hand-shake: 0.10 s\n")
+    fake_server.append(start)
     assert runner.main(["--config", "cpu-smoke-startup", "--out", str(tmp_path)]) == 0
     (result,) = [json.loads(p.read_text()) for p in tmp_path.glob("*/result.json")]
     cold, warm = result["jaxserve"]["cold"], result["jaxserve"]["warm"]
@@ -163,3 +175,34 @@ def test_startup_mode_times_a_cold_and_a_warm_start(tmp_path, monkeypatch):
     assert warm["phases_s"]["weights"] == 1.5 and warm["phases_s"]["engine-core hand-shake"] == 0.1
     cache = [f[f.index("--compilation-cache-dir") + 1] for f in started]
     assert cache[0] == cache[1] and started[0][:2] == ["--dtype", "float32"]
+
+
+def test_startup_mode_loads_a_checkpoint_it_wrote_to_the_disk(tmp_path, fake_server, capsys):
+    """`model.write_checkpoint`: a random safetensors checkpoint of the model's shape on the disk (sharded, with
+    its index, config and tokenizer) that loads, the disk's read rates, the server started on the folder, its
+    weights phase against the disk; the folder removed afterwards."""
+    import jax
+
+    from jaxserve.models.loader import load_model
+    started = []
+
+    def start(flags, log_path):
+        folder = Path(flags[0])
+        started.append(sorted(p.name for p in folder.iterdir()))
+        jax.block_until_ready(load_model(str(folder)).params)                 # the folder loads
+        log_path.write_text("INFO start-up weights: 0.01 s (0.01 GB, 1.0 GB/s)\n")
+    fake_server.append(start)
+    out, disk_dir = tmp_path / "out", tmp_path / "disk"
+    assert runner.main(["--config", "cpu-smoke-safetensors-load", "--out", str(out), "--no-plots",
+                        "--set", f"model.path={Path(__file__).parents[1] / 'fixtures/models/tiny-llama3'}",
+                        "--set", f"model.write_checkpoint.dir={disk_dir}"]) == 0
+    (result,) = [json.loads(p.read_text()) for p in out.glob("*/result.json")]
+    shards = [f"model-0000{k}-of-00004.safetensors" for k in (1, 2, 3, 4)]
+    assert started[0] == started[1] and set(shards + ["config.json", "model.safetensors.index.json",
+                                                      "tokenizer.json"]) <= set(started[0])
+    disk, cold = result["disk"], result["jaxserve"]["cold"]
+    assert disk["files"] == 4 and min(disk["cold_one_stream_GBps"], disk["page_cache_GBps"]) > 0
+    assert cold["weights_GBps"] == pytest.approx(disk["GB"] / 0.01)
+    assert cold["weights_of_disk"] == pytest.approx(cold["weights_GBps"] / disk["disk_GBps"])
+    assert list(disk_dir.iterdir()) == []                          # the checkpoint is removed
+    assert "% of the disk's read" in capsys.readouterr().out.split("== summary ==")[-1]

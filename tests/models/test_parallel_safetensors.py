@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve.errors import ModelLoadError
 from jaxserve.models.loader import load_model
+from jaxserve.models.random_checkpoint import write_random_checkpoint
 
 from support.fake_devices import run_on_fake_devices
 from support.safetensors_files import SHARDED_LLAMA as HF, llama_tensors, write_sharded
@@ -59,8 +60,7 @@ def test_peak_rss_stays_under_the_weights_and_one_shard(tmp_path, monkeypatch):
     are host memory, so the bound is their bytes, plus about one shard for what is in flight, plus a margin.
     Every page of the memory-mapped shards that a load read used to stay mapped until its end: the whole
     checkpoint on top of the weights."""
-    files = write_sharded(tmp_path, LARGER)
-    largest_shard = max(os.path.getsize(tmp_path / f) for f in files)
+    largest_shard = max(map(os.path.getsize, write_random_checkpoint(str(tmp_path), LARGER, shards=4)))
     code = textwrap.dedent("""
         import gc, json, sys
         import jax

@@ -35,17 +35,11 @@ SHARDS = 4
 
 def llama_tensors(hf: dict) -> dict[str, np.ndarray]:
     """Random bf16 tensors of a Llama checkpoint of ``hf``'s shape, by HF name (seeded: the same each call)."""
+    from jaxserve.models import checkpoint_names, registry
+    from jaxserve.models.configs import model_config_from_hf
+    cfg, family = model_config_from_hf(hf), registry.resolve_architecture(hf["architectures"])[1]
+    shapes = checkpoint_names.hf_shapes(family.weight_plan(cfg), family.param_shapes(cfg))
     rng = np.random.default_rng(0)
-    h, i, v, d = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], hf["head_dim"]
-    kv = hf["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for n in range(hf["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}
     return {n: rng.standard_normal(s, np.float32).astype(ml_dtypes.bfloat16) for n, s in shapes.items()}
 
 

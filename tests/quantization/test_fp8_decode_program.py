@@ -1,7 +1,8 @@
 """The fp8 W8A8 decode step's program (random fp8 weights, as ``--load-format dummy --quantization fp8`` makes
 them): each projection is one fp8 x fp8 dot over the weight as stored, ``[N, K]`` with K contracted on both
 operands (the "TN" layout cuBLASLt's fp8 GEMM takes as is), and nothing else reads an fp8 weight (gate_up's
-reshape aside, which is free): no per-step transpose, copy or upcast of a weight."""
+reshape aside, which is free): no per-step transpose, copy or upcast of a weight. The activations are quantized
+once per norm (``rms_norm_fp8``) or, with ``JAXSERVE_FP8_NORM_QUANT=0``, before each projection."""
 from __future__ import annotations
 
 import re
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxserve import envs
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import ops
 from jaxserve.kernels.metadata import AttentionMetadata
@@ -21,9 +23,11 @@ LAYERS = 2
 PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down")
 
 
-@pytest.fixture(scope="module")
-def decode_program() -> str:
-    """The lowered StableHLO of a 4-token decode step of a two-layer Llama with fp8 weights."""
+@pytest.fixture(params=["1", "0"], ids=["norm-quant", "per-projection-quant"])
+def decode_program(request, monkeypatch) -> str:
+    """The lowered StableHLO of a 4-token decode step of a two-layer Llama with fp8 weights (under each setting
+    of ``JAXSERVE_FP8_NORM_QUANT``, which stays set for the test)."""
+    monkeypatch.setenv("JAXSERVE_FP8_NORM_QUANT", request.param)
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=LAYERS,
                       num_heads=4, num_kv_heads=2, head_dim=64)
     family = llama.FAMILY
@@ -65,3 +69,11 @@ def test_every_fp8_weight_is_read_only_by_fp8_dots_contracting_its_minor_dim(dec
         operands = re.search(r": \((tensor<[^>]+>), (tensor<[^>]+>)\)", line).groups()
         assert all(t.endswith("xf8E4M3FN>") for t in operands), f"not an fp8 x fp8 dot: {line.strip()}"
     assert dots == LAYERS * len(PROJECTIONS)
+
+
+def test_activations_are_quantized_once_per_norm_or_per_projection(decode_program):
+    casts = len(re.findall(r"stablehlo\.convert %\w+ : \(tensor<[0-9x]+xf32>\) -> tensor<[0-9x]+xf8E4M3FN>",
+                           decode_program))
+    # per layer: the attention norm (q, k, v) and the MLP norm (gate_up) once each, o's and down's inputs
+    per_layer = 4 if envs.JAXSERVE_FP8_NORM_QUANT else len(PROJECTIONS)
+    assert casts == LAYERS * per_layer

@@ -83,6 +83,9 @@ _REGISTRY: dict[str, EnvVar] = {
                                     "1 = fp8 weights of steps of <= 16 bf16 tokens run weight-only (W8A16) through "
                                     "the CUDA FFI GEMV (kernels/fp8_gemv.cuh) on a GPU with nvcc, per-channel and "
                                     "128x128-block scales alike (A/B runs)"),
+    "JAXSERVE_FP8_NORM_QUANT": EnvVar(_flag, "1", "0 = each fp8 W8A8 projection quantizes its own input (an amax "
+                                                  "and a cast before its GEMM) instead of the RMSNorm before it "
+                                                  "quantizing it once (quantization.rms_norm_fp8; A/B runs)"),
     "JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS": EnvVar(_int("JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS"), "0",
                                                   "steps of up to this many tokens run fp8 weights as W8A16 (the "
                                                   "weight converted in the dot, activations stay bf16) instead "

@@ -28,6 +28,7 @@ def run_lora(run) -> None:
         folders = [write_random_adapter(os.path.join(tmp, f"a{i}"), run.model_config, rank, seed=i)
                    for i in range(max(counts + [int(wl["load_iters"])]))]
         for n, engine in engines:
+            llm = None              # the last engine's only other reference: let it go before the next loads
             llm = run.engines.get(engine)
             if n is not None and "adapter_load" not in run.result:
                 run.result["adapter_load"] = _load_times(llm, folders[:int(wl["load_iters"])], rank)

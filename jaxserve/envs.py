@@ -51,6 +51,9 @@ _REGISTRY: dict[str, EnvVar] = {
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": EnvVar(lambda raw: (raw or "").lower() in ("1", "true"), None,
                                                "1 or true = with --enable-lora the server serves POST "
                                                "/v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's)"),
+    "VLLM_MEDIA_LOADING_THREAD_COUNT": EnvVar(lambda raw: max(1, int(raw)) if raw else 8, "8",
+                                              "images fetched, decoded and preprocessed at once, each on a "
+                                              "worker thread (vLLM's; bounds their memory)"),
     # engine
     "JAXSERVE_ENABLE_MULTIPROCESSING": EnvVar(_optional_flag, None,
                                               "1 = the engine core runs in its own process, 0 = in the front "

@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 import anyio
 import msgspec
 
+from jaxserve import envs
 from jaxserve.engine.llm_engine import truncate_prompt
 from jaxserve.errors import InvalidRequestError
 from jaxserve.multimodal.chat import image_conversation, template_reads_parts
@@ -24,8 +25,6 @@ THREAD_THRESHOLD_CHARS = 4096  # shorter prompts tokenize faster than a thread h
 # Long texts tokenize on worker threads, this many at once: a tokenizer's working memory is a multiple of
 # its input, so the bound on concurrent tokenization is a bound on that memory.
 TOKENIZE_THREADS = 4
-# Images are fetched, decoded and preprocessed on worker threads, this many at once (bounded memory).
-MEDIA_THREADS = 4
 # A request's own chat template (--trust-request-chat-template) is a program: it may run this long.
 REQUEST_TEMPLATE_TIMEOUT_S = 5.0
 # apply_chat_template's own arguments: chat_template_kwargs may not override them
@@ -103,10 +102,10 @@ class PromptRenderer:
             self.images.processing      # made now, at start-up, not by the first request on the event loop
 
     async def prepare_images(self, ids: list[int], urls: list[str]) -> tuple[list[int], list]:
-        """Fetch and decode the images (worker threads, ``MEDIA_THREADS`` at once), then preprocess them and
-        expand the prompt's placeholders (a worker thread): never on the event loop."""
+        """Fetch and decode the images (worker threads, ``VLLM_MEDIA_LOADING_THREAD_COUNT`` at once), then
+        preprocess them and expand the prompt's placeholders (a worker thread): never on the event loop."""
         if self._media_limiter is None:
-            self._media_limiter = anyio.CapacityLimiter(MEDIA_THREADS)
+            self._media_limiter = anyio.CapacityLimiter(envs.VLLM_MEDIA_LOADING_THREAD_COUNT)
         try:
             images = []
             for url in urls:

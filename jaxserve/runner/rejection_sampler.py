@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxserve.runner import sampler as sampler_mod
+from jaxserve.runner import packing, sampler as sampler_mod
 from jaxserve.runner.sampler import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -37,6 +37,15 @@ class SpecOutput(NamedTuple):
     rank: jax.Array            # [R] i32
     topk_ids: jax.Array        # [R, k] i32
     topk_logprobs: jax.Array   # [R, k] f32
+
+    # the names the runner reads (``sampler.SamplerOutput``'s)
+    @property
+    def logprobs(self) -> jax.Array:
+        return self.logprob
+
+    @property
+    def ranks(self) -> jax.Array:
+        return self.rank
 
 
 def per_position(meta: SamplingMetadata, width: int) -> SamplingMetadata:
@@ -112,3 +121,12 @@ def rejection_sample(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.A
     at_final = raw_logprobs.reshape(R, width, vocab)[jnp.arange(R), num_accepted]
     return SpecOutput(tokens, (num_accepted + 1).astype(jnp.int32),
                       *sampler_mod.compute_logprobs(at_final, final, num_logprobs))
+
+
+def spec_sample_fn(num_logprobs, filtering, logits, ints, floats, bitmask=None, *, layout):
+    """The speculative step's sampler (a jitted variant): the sampling metadata, ``draft_ids`` and
+    ``num_drafts`` arrive packed in one int32 and one float32 buffer (``packing``)."""
+    x = packing.unpack(ints, floats, layout)
+    drafts, num_drafts = x.pop("draft_ids"), x.pop("num_drafts")
+    return rejection_sample(logits, SamplingMetadata(**x), drafts, num_drafts, num_logprobs=num_logprobs,
+                            filtering=filtering, bitmask=bitmask)

@@ -26,7 +26,7 @@ from jaxserve.engine.messages import EngineCoreOutput
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_output import SchedulerOutput
-from jaxserve.engine.speculator import make_speculator
+from jaxserve.engine.speculator import load_draft, make_speculator
 from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import InvalidRequestError
 from jaxserve.executor.model_executor import ModelExecutor
@@ -121,6 +121,7 @@ class EngineCore:
                 with startup_timeline.phase("warm-up"):
                     self.embedder.warmup(progress=progress)
         else:
+            draft = load_draft(self.executor, config)
             self.runner = self.executor.build_runner()
             # the loader checked it against the model, the runner against the KV cache
             self.max_model_len = self.model.max_model_len
@@ -142,9 +143,11 @@ class EngineCore:
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len,
                                        self.encoder_cache, self.lora)
             if config.speculative_config is not None:
-                self.speculator = make_speculator(self, config)
+                self.speculator = make_speculator(self, config, draft)
                 self._lookahead = 0
             self.executor.warm_up(progress=progress)
+            if draft is not None and not config.skip_warmup:
+                draft.warmup(progress=progress)
             if self.multi_process:
                 # the processes follow the steps process 0 sends, and a step carries no bitmask
                 self.structured_output.unsupported_reason = (

@@ -88,9 +88,19 @@ class Speculator:
                 "spec_decode_propose_ms": self.propose_ms}
 
 
-def make_speculator(core, config) -> Speculator:
-    """The engine core's speculator for ``config.speculative_config``; a combination it cannot serve exactly is
-    refused here, with what to change."""
+def load_draft(executor, config):
+    """A ``draft_model`` speculator's proposer (its weights and KV cache: made before the target's KV cache is
+    sized from the memory left), else None."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from jaxserve.engine.draft_proposer import DraftProposer  # noqa: PLC0415
+    return DraftProposer(executor, config)
+
+
+def make_speculator(core, config, draft=None) -> Speculator:
+    """The engine core's speculator for ``config.speculative_config`` (``draft``: ``load_draft``'s); a
+    combination it cannot serve exactly is refused here, with what to change."""
     spec = config.speculative_config
     unsupported = [why for bad, why in (
         (core.multi_process, "a model spread over several processes"),
@@ -100,8 +110,4 @@ def make_speculator(core, config) -> Speculator:
     ) if bad]
     if unsupported:
         raise ValueError(f"--speculative-config is not supported with {unsupported[0]}; drop one of the two")
-    draft = None
-    if spec.method == "draft_model":
-        from jaxserve.engine.draft_proposer import DraftProposer  # noqa: PLC0415
-        draft = DraftProposer(core, config)
     return Speculator(spec, draft)

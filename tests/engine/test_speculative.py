@@ -1,12 +1,15 @@
 """Speculative decoding (``--speculative-config``) end to end on the tiny Llama: greedy output token-identical to
 the engine without it (batched, prefix cache on, preemption forced), acceptance counted, rows that must not
 speculate (penalties, logprobs, structured outputs) unchanged, seeded sampling reproducible, and what is refused."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
+from jaxserve.engine.draft_proposer import check_same_tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
-from support.tiny_models import tiny_llm
+from support.tiny_models import fixture_path, tiny_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -90,3 +93,37 @@ def test_unsupported_combinations_are_refused():
         tiny_llm(speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="unknown keys"):
         tiny_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
+
+
+def _draft(name, k=3):
+    return {"method": "draft_model", "model": fixture_path(name), "num_speculative_tokens": k}
+
+
+def test_draft_model_set_to_the_target_accepts_every_token(llm, prompts):
+    """The mechanism's ceiling: the draft is the target itself, so every draft is accepted (a prompt longer than
+    the draft's token budget catches up over several rounds)."""
+    params = [greedy(12 + i) for i in range(6)]
+    ref = _tokens(llm.generate(prompts[:6], params, use_tqdm=False))
+    spec = tiny_llm(speculative_config=_draft("tiny-llama3"), max_num_batched_tokens=32)
+    assert _tokens(spec.generate(prompts[:6], params, use_tqdm=False)) == ref
+    stats = spec.engine.core.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 20
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+
+
+def test_another_draft_model_keeps_greedy_output_with_preemption(llm, prompts):
+    lengths = [8 + 3 * (i % 7) for i in range(len(prompts))]
+    ref = _tokens(llm.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False))
+    spec = tiny_llm(speculative_config=_draft("tiny-llama-tied", k=2), num_gpu_blocks_override=70)
+    assert _tokens(spec.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)) == ref
+    assert spec.engine.core.scheduler.num_preemptions > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    class Model:
+        def __init__(self, vocab, tokens):
+            self.config = SimpleNamespace(vocab_size=vocab)
+            self.tokenizer = SimpleNamespace(get_vocab=lambda: tokens)
+    check_same_tokenizer(Model(8, {"a": 0}), Model(8, {"a": 0}), "same")
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+        check_same_tokenizer(Model(8, {"a": 0}), Model(8, {"b": 0}), "other")

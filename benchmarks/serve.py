@@ -82,7 +82,7 @@ def _tail(path: Path, n: int = 15) -> str:
 
 _COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions|structured_output_mask_steps"
                       r"|structured_output_mask_ms|structured_output_mask_wait_ms|step_variants_pending|images_encoded"
-                      r"|encoder_seconds)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+                      r"|encoder_seconds|spec_decode_num_\w+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float]:
@@ -108,6 +108,7 @@ def counter_delta(before: dict, after: dict) -> dict:
     masked = d.get("structured_output_mask_steps")
     d["structured_mask_ms_per_step"] = d.get("structured_output_mask_ms", 0.0) / masked if masked else None
     d["structured_mask_wait_ms_per_step"] = d.get("structured_output_mask_wait_ms", 0.0) / masked if masked else None
+    d["spec_acceptance_rate"] = d.get("spec_decode_num_accepted_tokens", 0.0) / t if (t := d.get("spec_decode_num_draft_tokens")) else None
     return d
 
 
@@ -203,9 +204,8 @@ def run_serve(run) -> None:
             m["server_counters"] = counter_delta(before, scrape_counters(base_url, cfg["serve"]["api_key"]))
             m.update({"sweep_value": value, "request_rate": rate, "max_concurrency": conc,
                       "roofline": _limit(run, reqs, conc)})
-            m["ttft_samples_ms"] = [t.ttft * 1e3 for t in timings if t.success and t.ttft is not None]
-            m["e2el_samples_ms"] = [t.e2e * 1e3 for t in timings if t.success]
-            m["tpot_samples_ms"] = [t.tpot * 1e3 for t in timings if t.success and t.tpot is not None]
+            for key, a in (("ttft", "ttft"), ("e2el", "e2e"), ("tpot", "tpot")):
+                m[f"{key}_samples_ms"] = [getattr(t, a) * 1e3 for t in timings if t.success and getattr(t, a) is not None]
             points.append(m)
             # kept as it goes: a run cut short by a time limit still leaves the points it finished
             (run.out_dir / "points_partial.json").write_text(json.dumps(
@@ -265,6 +265,9 @@ def _tables(run, points: list[dict], param: str | None) -> None:
                          f"{untimed}: completed by their usage counts, left out of TTFT / TPOT / ITL and goodput")
     run.notes.append("prefix-cache hit % and preemptions: the server's /metrics counters over each point "
                      "(hits / queries, in the engine's units)")
+    for c, v in ((p["server_counters"], p["sweep_value"]) for p in points if p["server_counters"].get("spec_decode_num_drafts")):
+        run.notes.append(f"speculative decoding at {v}: {c['spec_decode_num_accepted_tokens']:.0f} of {c['spec_decode_num_draft_tokens']:.0f} draft "
+                         f"tokens accepted ({100 * c['spec_acceptance_rate']:.1f} %), {c['spec_decode_num_accepted_tokens'] / c['spec_decode_num_drafts']:.2f} per draft")
     if slo:
         run.notes.append(f"goodput = successful requests within every SLO {run.cfg['workload']['slo']} per second")
     run.notes.append("limit output tok/s: the same requests in waves of min(concurrency, max_num_seqs), "

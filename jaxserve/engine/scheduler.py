@@ -20,6 +20,12 @@ preempted (blocks freed, requeued, recomputed later from its prompt + outputs so
 under the priority policy the running list is kept in priority order, so the last is the lowest priority
 (latest arrival among equals), vLLM's victim.
 
+Speculative decoding (``engine.speculator``): a running request whose ``spec_token_ids`` the speculator set
+before this schedule is scheduled with as many of them as the budget leaves room for after its own token
+(``ScheduledRequest.spec_token_ids``, KV slots for all of them); ``update_from_output`` counts a placeholder
+for each token the step may emit (drafts + 1) and never caps such a request: the step is read before the next
+schedule, and ``apply_sampled_tokens`` rolls back the drafts it rejected.
+
 The scheduler never decides that a request is finished: ``update_from_output`` counts the tokens a
 dispatched step samples as placeholders, and a request whose placeholders reach its length limit gets no
 more steps (it waits, holding its blocks, in ``capped``); ``core_outputs.apply_sampled_tokens`` reads the
@@ -48,6 +54,7 @@ from typing import Iterable
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.multi_step_plan import plan_steps
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_queue import priority_key, waiting_queue
 from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -311,44 +318,9 @@ class Scheduler:
             scheduled = decodes + [s for s in scheduled if s.num_new_tokens != 1]
         num_steps = 1
         if self.num_scheduler_steps > 1 and scheduled and len(decodes) == len(scheduled):
-            num_steps = self._plan_steps(scheduled)
+            num_steps = plan_steps(scheduled, self.kv_cache_manager, self.num_scheduler_steps)
         return SchedulerOutput(scheduled=scheduled, num_steps=num_steps, mm_requests=mm_requests,
                                num_draft_tokens=num_drafts)
-
-    def _plan_steps(self, scheduled: list[ScheduledRequest]) -> int:
-        """Multi-step decoding for an all-decode step: give each entry up to num_scheduler_steps steps
-        (fewer where max_tokens or max_model_len comes first) and allocate their slots now. Returns the
-        step count (1 when some request needs the host between tokens: penalties read the history,
-        min_tokens still masks stop ids, a structured output's mask follows each token; logprobs come back
-        per iteration).
-
-        A request that cannot get the extra blocks runs one step; nothing is preempted for lookahead. A
-        request that stops early (EOS, stop string) wastes the rest of its steps; the output processor drops
-        their tokens."""
-        for s in scheduled:
-            req = s.request
-            if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens \
-                    or getattr(req.sampling_params, "structured_outputs", None) is not None:
-                # (a one-token prompt chunk that stops short of the end samples nothing; a structured
-                # output's mask needs each previous token on the host)
-                return 1
-        kv, n = self.kv_cache_manager, self.num_scheduler_steps
-        ks = [min(n, s.request.max_output_tokens - len(s.request.output_token_ids)) for s in scheduled]
-        # The loop always runs n iterations (a device-computed trip count would sync the host every
-        # iteration): when no entry can use them all (every request near its end), single steps waste nothing.
-        if max(ks) < n:
-            return 1
-        longest = 1
-        for s, k in zip(scheduled, ks):
-            if k > 1 and kv.allocate_slots(s.request, k) is not None:
-                s.num_steps = k
-                s.block_ids = kv.live_block_ids(s.request.request_id)
-                longest = max(longest, k)
-        if longest < n:     # the pool gave no entry all n: single steps (the blocks stay for those steps)
-            for s in scheduled:
-                s.num_steps = 1
-            return 1
-        return n
 
     @staticmethod
     def _cost(req: Request, num_new: int) -> int:

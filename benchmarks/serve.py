@@ -266,7 +266,7 @@ def _tables(run, points: list[dict], param: str | None) -> None:
     run.notes.append("prefix-cache hit % and preemptions: the server's /metrics counters over each point "
                      "(hits / queries, in the engine's units)")
     for c, v in ((p["server_counters"], p["sweep_value"]) for p in points if p["server_counters"].get("spec_decode_num_drafts")):
-        run.notes.append(f"speculative decoding at {v}: {c['spec_decode_num_accepted_tokens']:.0f} of {c['spec_decode_num_draft_tokens']:.0f} draft "
+        run.notes.append(f"speculative decoding{'' if v is None else f' at {v}'}: {c['spec_decode_num_accepted_tokens']:.0f} of {c['spec_decode_num_draft_tokens']:.0f} draft "
                          f"tokens accepted ({100 * c['spec_acceptance_rate']:.1f} %), {c['spec_decode_num_accepted_tokens'] / c['spec_decode_num_drafts']:.2f} per draft")
     if slo:
         run.notes.append(f"goodput = successful requests within every SLO {run.cfg['workload']['slo']} per second")

@@ -300,11 +300,12 @@ class EngineCore:
             num_rows = self.runner.shapes.own(sum(s.num_new_tokens for s in scheduled), False)[1]
             mask = self.structured_output.start_fill(constrained, num_rows).result()
         pending = self.runner.dispatch_spec(scheduled, mask)
+        scored = self._score_prompt_chunks(scheduled) if self.scheduler.num_scoring else []
         self.scheduler.update_from_output(scheduler_output)
         running = RequestStatus.RUNNING
         sampled = [(s.request, len(s.request.output_token_ids) - 1 - len(s.spec_token_ids or ()))
                    for s in scheduled if s.samples and s.request.status == running]
-        self._in_flight.append(_InFlight(pending, sampled, []))
+        self._in_flight.append(_InFlight(pending, sampled, scored))
         return []
 
     def _needs_history(self, scheduled) -> bool:
@@ -392,7 +393,8 @@ class EngineCore:
         s["num_kv_blocks"] = self.runner.num_blocks
         variants = getattr(self.runner, "variants", None)
         if variants is not None:                # background compiles not done yet (the prompt scorer's too)
-            s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0)
+            s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0) + \
+                (self._draft_runner().variants.pending() if self._draft_runner() is not None else 0)
         s.update(self.structured_output.stats())
         if self.speculator is not None:
             s.update(self.speculator.stats())
@@ -406,7 +408,14 @@ class EngineCore:
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the step variants compiling in the background are done (False after ``timeout``)."""
-        return True if self.runner is None else self.runner.wait_compiled(timeout)
+        draft = self._draft_runner()
+        return True if self.runner is None else self.runner.wait_compiled(timeout) and \
+            (draft is None or draft.wait_compiled(timeout))
+
+    def _draft_runner(self):
+        """The draft model's runner (``--speculative-config`` with method draft_model), else None."""
+        draft = self.speculator.draft if self.speculator is not None else None
+        return draft.runner if draft is not None else None
 
     def shutdown(self) -> None:
         """Release the processes following this one's steps, and stop the background compiles: once they
@@ -417,3 +426,5 @@ class EngineCore:
         if release_followers is not None:
             release_followers()
         self.runner.stop_background_compiles(wait=True)
+        if self._draft_runner() is not None:
+            self._draft_runner().stop_background_compiles(wait=True)

@@ -33,19 +33,12 @@ _NEG_INF = float("-inf")
 class SpecOutput(NamedTuple):
     token_ids: jax.Array       # [R, K + 1] i32: the accepted drafts, then the drawn token; -1 past it
     num_tokens: jax.Array      # [R] i32: tokens emitted per row (accepted drafts + 1)
-    logprob: jax.Array         # [R] f32: raw logprob of the last emitted token (rows without drafts ask for these)
-    rank: jax.Array            # [R] i32
+    # the last emitted token's raw logprob and rank, and the top logprobs there (rows without drafts ask for
+    # these; named as the runner reads ``sampler.SamplerOutput``'s)
+    logprobs: jax.Array        # [R] f32
+    ranks: jax.Array           # [R] i32
     topk_ids: jax.Array        # [R, k] i32
     topk_logprobs: jax.Array   # [R, k] f32
-
-    # the names the runner reads (``sampler.SamplerOutput``'s)
-    @property
-    def logprobs(self) -> jax.Array:
-        return self.logprob
-
-    @property
-    def ranks(self) -> jax.Array:
-        return self.rank
 
 
 def per_position(meta: SamplingMetadata, width: int) -> SamplingMetadata:

@@ -119,13 +119,10 @@ def forward_inputs(scheduled, batch: InputBatch, block_size: int,
             toks = [s.request.all_token_ids[s.start_pos] for s in scheduled]
             pos = starts
             tok_row = np.arange(n, dtype=i32)
-        elif spec_width:
-            toks = list(chain.from_iterable(_with_drafts(s) for s in scheduled))
-            tok_row = np.repeat(np.arange(n, dtype=i32), counts)
-            pos = (starts - (ends - counts))[tok_row] + np.arange(n_tok, dtype=i32)
         else:
-            toks = list(chain.from_iterable(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens]
-                                            for s in scheduled))
+            toks = list(chain.from_iterable(_with_drafts(s) for s in scheduled)) if spec_width else \
+                list(chain.from_iterable(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens]
+                                         for s in scheduled))
             tok_row = np.repeat(np.arange(n, dtype=i32), counts)
             pos = (starts - (ends - counts))[tok_row] + np.arange(n_tok, dtype=i32)
         input_ids[:n_tok] = toks

@@ -77,6 +77,11 @@ def test_rows_that_do_not_speculate_are_unchanged(llm, spec_llm, prompts):
     for a, b in zip(want[1].outputs[0].logprobs, got[1].outputs[0].logprobs):
         assert a.keys() == b.keys()
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    # a prompt scored (prompt_logprobs) while others speculate
+    scored = [greedy(12), greedy(6, prompt_logprobs=1)]
+    want, got = (m.generate([p, prompts[0]], scored, use_tqdm=False) for m in (llm, spec_llm))
+    assert _tokens(got) == _tokens(want)
+    assert [sorted(d) if d else d for d in got[1].prompt_logprobs] == [sorted(d) if d else d for d in want[1].prompt_logprobs]
 
 
 def test_seeded_sampling_is_reproducible(spec_llm, prompts):

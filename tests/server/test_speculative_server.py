@@ -1,5 +1,7 @@
 """The server with n-gram speculation (embedded SmolLM2, CPU) through the openai SDK: a stream's multi-token
-deltas join to the non-streamed text, stop strings and seeded sampling hold, and /metrics counts drafts."""
+deltas join to the non-streamed text, stop strings and seeded sampling hold, and /metrics counts drafts.
+(Slow: a server of its own, and its speculative step variants compiled; the metrics' names and labels are
+also checked on the scripted engine, test_server_app.)"""
 from __future__ import annotations
 
 import json
@@ -8,6 +10,8 @@ import httpx
 import pytest
 
 from support.servers import smol
+
+pytestmark = pytest.mark.slow
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SERVER = smol("--speculative-config", json.dumps(SPEC))

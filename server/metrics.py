@@ -96,6 +96,8 @@ ENGINE_COUNTERS = {
     "spec_decode_num_drafts": ("spec_decode_num_drafts",),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
     "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    # (jaxserve's own) host milliseconds the speculator spent proposing drafts
+    "spec_decode_propose_ms": ("spec_decode_propose_ms",),
 }
 
 

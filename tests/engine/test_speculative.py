@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.engine.draft_proposer import check_same_tokenizer
-from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.sampling_params import BeamSearchParams, StructuredOutputsParams
 from support.tiny_models import fixture_path, tiny_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -82,6 +82,13 @@ def test_rows_that_do_not_speculate_are_unchanged(llm, spec_llm, prompts):
     want, got = (m.generate([p, prompts[0]], scored, use_tqdm=False) for m in (llm, spec_llm))
     assert _tokens(got) == _tokens(want)
     assert [sorted(d) if d else d for d in got[1].prompt_logprobs] == [sorted(d) if d else d for d in want[1].prompt_logprobs]
+
+
+def test_beam_search_runs_unchanged(llm, spec_llm, prompts):
+    """Beam search's steps ask for logprobs: its rows never speculate, so its beams are the plain engine's."""
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    want, got = (m.beam_search([prompts[-1]], params) for m in (llm, spec_llm))
+    assert [b.tokens for b in got[0].sequences] == [b.tokens for b in want[0].sequences]
 
 
 def test_seeded_sampling_is_reproducible(spec_llm, prompts):

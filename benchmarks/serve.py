@@ -108,7 +108,6 @@ def counter_delta(before: dict, after: dict) -> dict:
     masked = d.get("structured_output_mask_steps")
     d["structured_mask_ms_per_step"] = d.get("structured_output_mask_ms", 0.0) / masked if masked else None
     d["structured_mask_wait_ms_per_step"] = d.get("structured_output_mask_wait_ms", 0.0) / masked if masked else None
-    d["spec_acceptance_rate"] = d.get("spec_decode_num_accepted_tokens", 0.0) / t if (t := d.get("spec_decode_num_draft_tokens")) else None
     return d
 
 
@@ -265,9 +264,10 @@ def _tables(run, points: list[dict], param: str | None) -> None:
                          f"{untimed}: completed by their usage counts, left out of TTFT / TPOT / ITL and goodput")
     run.notes.append("prefix-cache hit % and preemptions: the server's /metrics counters over each point "
                      "(hits / queries, in the engine's units)")
-    for c, v in ((p["server_counters"], p["sweep_value"]) for p in points if p["server_counters"].get("spec_decode_num_drafts")):
-        run.notes.append(f"speculative decoding{'' if v is None else f' at {v}'}: {c['spec_decode_num_accepted_tokens']:.0f} of {c['spec_decode_num_draft_tokens']:.0f} draft "
-                         f"tokens accepted ({100 * c['spec_acceptance_rate']:.1f} %), {c['spec_decode_num_accepted_tokens'] / c['spec_decode_num_drafts']:.2f} per draft")
+    for v, c in ((p["sweep_value"], p["server_counters"]) for p in points if p["server_counters"].get("spec_decode_num_drafts")):
+        acc, drafted, runs = (c[f"spec_decode_num_{k}"] for k in ("accepted_tokens", "draft_tokens", "drafts"))
+        run.notes.append(f"speculative decoding{'' if v is None else f' at {v}'}: {acc:.0f} of {drafted:.0f} draft tokens "
+                         f"accepted ({100 * acc / drafted:.1f} %), {acc / runs:.2f} per draft")
     if slo:
         run.notes.append(f"goodput = successful requests within every SLO {run.cfg['workload']['slo']} per second")
     run.notes.append("limit output tok/s: the same requests in waves of min(concurrency, max_num_seqs), "

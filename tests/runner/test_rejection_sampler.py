@@ -51,23 +51,30 @@ def test_a_row_without_drafts_samples_as_the_ordinary_sampler():
     assert counts.tolist() == [1] and toks[0, 0] == int(plain.token_ids[0])
 
 
-@pytest.mark.parametrize("draft", [0, 3])
-def test_emitted_tokens_follow_the_target_distribution(draft):
-    """χ² over many seeds: the first emitted token ~ p_0 (a likely draft 0 and an unlikely draft 3), and given
-    an accepted first draft, the second emitted token ~ p_1."""
+@pytest.mark.parametrize("draft,temperature,top_k", [(0, 1.0, 0), (3, 1.0, 0), (1, 0.7, 4)])
+def test_emitted_tokens_follow_the_target_distribution(draft, temperature, top_k):
+    """χ² over many seeds: the first emitted token ~ p_0 (a likely draft, an unlikely one, one top-k may drop),
+    and given an accepted first draft, the second emitted token ~ p_1; p as the sampler filters it."""
     K, n = 2, 4000
     rng = np.random.default_rng(2)
     base = rng.normal(size=(K + 1, V)).astype(np.float32)
     base[0, 0] += 1.5
     logits = np.tile(base, (n, 1))
-    params = [SamplingParams(temperature=1.0, seed=s) for s in range(n)]
+    params = [SamplingParams(temperature=temperature, top_k=top_k, seed=s) for s in range(n)]
     drafts = np.tile(np.array([[draft, 5]]), (n, 1))
     toks, counts = _run(logits, params, drafts, [K] * n)
-    p = np.exp(base - base.max(axis=1, keepdims=True))
+    x = base / temperature
+    if top_k:
+        x = np.where(x >= np.sort(x, axis=1)[:, -top_k][:, None], x, -np.inf)
+    p = np.exp(x - x.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
     for pos, rows in ((0, np.ones(n, bool)), (1, toks[:, 0] == draft)):
+        if rows.sum() < 200:
+            continue                                        # a draft top-k dropped is never accepted
         seen = np.bincount(toks[rows, pos], minlength=V)
-        expected = p[pos] * rows.sum()
-        chi2 = float(((seen - expected) ** 2 / expected).sum())
-        assert chi2 < 24.3, (pos, chi2, seen, expected.round(1))      # 7 degrees of freedom, p = 0.001
+        kept = p[pos] > 0
+        assert seen[~kept].sum() == 0
+        expected = p[pos][kept] * rows.sum()
+        chi2 = float(((seen[kept] - expected) ** 2 / expected).sum())
+        assert chi2 < 24.3, (pos, chi2, seen, expected.round(1))      # <= 7 degrees of freedom, p = 0.001
     assert counts.min() >= 1 and counts.max() <= K + 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,6 @@ def server_flags(cfg: dict) -> list[str]:
             args.append(flag if value else "--no-" + key.replace("_", "-"))
         elif isinstance(value, (list, tuple)):
             args += [flag, *map(str, value)]
-        else:
-            args += [flag, str(value)]
+        else:   # a dict (speculative_config, limit_mm_per_prompt) as the JSON its flag takes
+            args += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return args + [str(a) for a in cfg["serve"]["server_args"]]

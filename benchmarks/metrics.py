@@ -33,9 +33,7 @@ class RequestTiming:
     @property
     def tpot(self) -> float | None:
         """Time per output token after the first; None for single-token outputs."""
-        if self.output_tokens <= 1 or self.ttft is None:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+        return None if self.output_tokens <= 1 or self.ttft is None else (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
 def meets_slos(r: RequestTiming, slo_ms: dict[str, float]) -> bool:

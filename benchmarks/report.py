@@ -51,9 +51,7 @@ def _jsonable(x):
     if isinstance(x, (np.floating, float)):
         x = float(x)
         return None if math.isnan(x) else (str(x) if math.isinf(x) else x)
-    if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    return x
+    return _jsonable(x.tolist()) if isinstance(x, np.ndarray) else x
 
 
 def write_report(out_dir: Path, cfg: dict, env: dict, result: dict, tables: list[Table], notes: list[str]) -> Path:

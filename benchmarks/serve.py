@@ -75,7 +75,7 @@ def _tail(path: Path, n: int = 15) -> str:
 
 _COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions|structured_output_mask_steps"
                       r"|structured_output_mask_ms|structured_output_mask_wait_ms|step_variants_pending|images_encoded"
-                      r"|encoder_seconds)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+                      r"|encoder_seconds|spec_decode_\w+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float]:
@@ -256,6 +256,10 @@ def _tables(run, points: list[dict], param: str | None) -> None:
                          f"{untimed}: completed by their usage counts, left out of TTFT / TPOT / ITL and goodput")
     run.notes.append("prefix-cache hit % and preemptions: the server's /metrics counters over each point "
                      "(hits / queries, in the engine's units)")
+    for v, c in ((p["sweep_value"], p["server_counters"]) for p in points if p["server_counters"].get("spec_decode_num_drafts")):
+        acc, drafted, runs = (c[f"spec_decode_num_{k}"] for k in ("accepted_tokens", "draft_tokens", "drafts"))
+        run.notes.append(f"speculative decoding{'' if v is None else f' at {v}'}: {acc:.0f} of {drafted:.0f} draft tokens "
+                         f"accepted ({100 * acc / drafted:.1f} %), {acc / runs:.2f} per draft")
     if slo:
         run.notes.append(f"goodput = successful requests within every SLO {run.cfg['workload']['slo']} per second")
     run.notes.append("limit output tok/s: the same requests in waves of min(concurrency, max_num_seqs), "

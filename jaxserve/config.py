@@ -326,6 +326,67 @@ class StructuredOutputsConfig(StructuredOutputsLimits):
             raise argparse.ArgumentTypeError(f"--structured-outputs-config: {e}") from None
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config``: ``method`` proposes ``num_speculative_tokens`` tokens per request and
+    step, which the target verifies in one step (``jaxserve.engine.speculator``). ``ngram``: prompt lookup, the
+    tokens after the latest earlier occurrence of the sequence's last ``prompt_lookup_min`` ..
+    ``prompt_lookup_max`` tokens (the longest that occurs; both default to 5, or to each other when one is
+    given, as vLLM). ``draft_model``: a smaller ``model`` sharing the target's tokenizer, run greedily."""
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        method = self.method or ("draft_model" if self.model else None)
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                             f"{self.method!r}")
+        object.__setattr__(self, "method", method)
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {k!r}")
+        if method == "ngram":
+            if self.model is not None:
+                raise ValueError("the ngram method takes no model (draft_model does)")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
+                                 f"got {lo!r} and {hi!r}")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        elif not self.model:
+            raise ValueError("the draft_model method needs a model (a path or configs/models name)")
+
+    @classmethod
+    def coerce(cls, value: Any) -> "SpeculativeConfig | None":
+        """A config from a JSON object's text, a dict (LLM keyword arguments, YAML) or a config; None stays None."""
+        if value is None or isinstance(value, cls):
+            return value
+        fields = _json_dict(value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"speculative config: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**fields)
+
+    @classmethod
+    def from_json(cls, value: str) -> "SpeculativeConfig":
+        """The flag's JSON (an argparse type: a bad value is a usage error that says why)."""
+        try:
+            return cls.coerce(value)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(f"--speculative-config: {e}") from None
+
+
 def _text_or_file(value: str) -> str:
     """A file's text where ``value`` names a file (``--chat-template FILE``), else ``value``."""
     if os.path.isfile(value):
@@ -386,9 +447,17 @@ class EngineConfig:
              'they do not declare unless the request says strict), and the limits on a request\'s constraint, '
              'e.g. {"max_choice_options": 20000, "compile_timeout_s": 30} (server/README.md lists them)')
 
+    speculative_config: SpeculativeConfig | None = option(
+        None, type=SpeculativeConfig.from_json, convert=SpeculativeConfig.coerce,
+        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup) or {"method": "draft_model", '
+             '"model": PATH, "num_speculative_tokens": 4} (a smaller model with the same tokenizer); each step '
+             'verifies the proposed tokens in one forward. Steps then run synchronously (no async scheduling)')
+
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs_config, dict):
             self.structured_outputs_config = StructuredOutputsConfig(**self.structured_outputs_config)
+        self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

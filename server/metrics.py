@@ -92,6 +92,12 @@ ENGINE_COUNTERS = {
     "images_encoded": ("images_encoded_total",),
     "images_reused": ("images_reused_total",),
     "encoder_seconds": ("encoder_seconds_total",),
+    # speculative decoding (vLLM's names): requests' draft runs verified, their tokens, the tokens accepted
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    # (jaxserve's own) host milliseconds the speculator spent proposing drafts
+    "spec_decode_propose_ms": ("spec_decode_propose_ms",),
 }
 
 
@@ -162,6 +168,13 @@ class _EngineStatsCollector:
             h.add_metric([self.model_name], buckets, float(total))
             yield h
         yield from self._expert_load(stats)
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos")
+        if per_pos is not None:     # vLLM's: drafts accepted at each position
+            c = CounterMetricFamily(f"{self.prefix}spec_decode_num_accepted_tokens_per_pos",
+                                    "speculative tokens accepted at each position", labels=["model_name", "position"])
+            for pos, n in enumerate(per_pos):
+                c.add_metric([self.model_name, str(pos)], float(n))
+            yield c
         if self.prefix == "vllm:":     # vLLM V0's names, which its Grafana dashboard still queries
             for name, keys in (("gpu_cache_usage_perc", GAUGES["kv_cache_usage_perc"]),
                                ("gpu_prefix_cache_hit_rate", ("prefix_cache_hit_rate",))):

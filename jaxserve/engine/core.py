@@ -26,6 +26,7 @@ from jaxserve.engine.messages import EngineCoreOutput
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_output import SchedulerOutput
+from jaxserve.engine.speculator import load_draft, make_speculator
 from jaxserve.engine.structured_output import StructuredOutputManager
 from jaxserve.errors import InvalidRequestError
 from jaxserve.executor.model_executor import ModelExecutor
@@ -100,6 +101,7 @@ class EngineCore:
         # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
         self._in_flight: deque[_InFlight] = deque()
         self._lookahead = 1 if config.async_scheduling else 0
+        self.speculator = None            # --speculative-config (``speculator``): steps then run synchronously
         self._scorer = None
         self._step_ms = 0.0                       # wall time inside step(), summed (host + device waits)
         self._images = [0, 0]                     # images in requests, requests with images (stats)
@@ -119,6 +121,7 @@ class EngineCore:
                 with startup_timeline.phase("warm-up"):
                     self.embedder.warmup(progress=progress)
         else:
+            draft = load_draft(self.executor, config)
             self.runner = self.executor.build_runner()
             # the loader checked it against the model, the runner against the KV cache
             self.max_model_len = self.model.max_model_len
@@ -139,7 +142,12 @@ class EngineCore:
                                         lc.max_lora_rank, lc.max_cpu_loras)
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len,
                                        self.encoder_cache, self.lora)
+            if config.speculative_config is not None:
+                self.speculator = make_speculator(self, config, draft)
+                self._lookahead = 0
             self.executor.warm_up(progress=progress)
+            if draft is not None and not config.skip_warmup:
+                draft.warmup(progress=progress)
             if self.multi_process:
                 # the processes follow the steps process 0 sends, and a step carries no bitmask
                 self.structured_output.unsupported_reason = (
@@ -227,6 +235,8 @@ class EngineCore:
         outputs = self._admit_compiled() if self.structured_output.num_waiting else []
         if not self.scheduler.scoring_ready:
             self._wait_for_scorer()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
             outputs += self._dispatch(scheduler_output)
@@ -264,6 +274,8 @@ class EngineCore:
             freed = self.encoder_cache.take_freed()
             if freed:
                 self.runner.free_encoder_outputs(freed)
+        if scheduler_output.num_draft_tokens:
+            return outputs + self._dispatch_spec(scheduler_output, constrained)
         if constrained is None:
             pending = self.runner.dispatch(scheduled, prev, mm=mm) if mm else self.runner.dispatch(scheduled, prev)
         else:
@@ -278,6 +290,23 @@ class EngineCore:
             pending = self._sample_constrained(pending, constrained, outputs)
         self._in_flight.append(_InFlight(pending, sampled, scored))
         return outputs
+
+    def _dispatch_spec(self, scheduler_output: SchedulerOutput, constrained) -> list[EngineCoreOutput]:
+        """Dispatch a step that verifies draft tokens (``speculator``; no step is in flight: these run
+        synchronously), with a bitmask when some row is constrained (a constrained row has no drafts)."""
+        scheduled = scheduler_output.scheduled
+        mask = None
+        if constrained is not None:
+            num_rows = self.runner.shapes.own(sum(s.num_new_tokens for s in scheduled), False)[1]
+            mask = self.structured_output.start_fill(constrained, num_rows).result()
+        pending = self.runner.dispatch_spec(scheduled, mask)
+        scored = self._score_prompt_chunks(scheduled) if self.scheduler.num_scoring else []
+        self.scheduler.update_from_output(scheduler_output)
+        running = RequestStatus.RUNNING
+        sampled = [(s.request, len(s.request.output_token_ids) - 1 - len(s.spec_token_ids or ()))
+                   for s in scheduled if s.samples and s.request.status == running]
+        self._in_flight.append(_InFlight(pending, sampled, scored))
+        return []
 
     def _needs_history(self, scheduled) -> bool:
         """Whether a scheduled request needs its previous token on the host before dispatch (penalties)."""
@@ -315,7 +344,9 @@ class EngineCore:
             self._scorer.collect(step.scored, self.tokenizer, self.config.max_logprobs)
         so = self.structured_output
         outputs, finished = apply_sampled_tokens(step.sampled, result.token_ids, result.logprobs,
-                                                 so if so.has_requests else None)
+                                                 so if so.has_requests else None, result.spec)
+        if result.spec:
+            self.speculator.record(result.spec)
         for status, request_ids in finished.items():
             self.scheduler.finish_requests(request_ids, status)
             if so.has_requests:
@@ -362,8 +393,11 @@ class EngineCore:
         s["num_kv_blocks"] = self.runner.num_blocks
         variants = getattr(self.runner, "variants", None)
         if variants is not None:                # background compiles not done yet (the prompt scorer's too)
-            s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0)
+            s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0) + \
+                (self._draft_runner().variants.pending() if self._draft_runner() is not None else 0)
         s.update(self.structured_output.stats())
+        if self.speculator is not None:
+            s.update(self.speculator.stats())
         if self.lora is not None:       # vLLM's lora_requests_info labels
             s.update(lora_running=self.lora.running_names(), max_loras=self.config.lora.max_loras,
                      lora_waiting=self.lora.waiting_names(self.scheduler.waiting))
@@ -374,7 +408,14 @@ class EngineCore:
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the step variants compiling in the background are done (False after ``timeout``)."""
-        return True if self.runner is None else self.runner.wait_compiled(timeout)
+        draft = self._draft_runner()
+        return True if self.runner is None else self.runner.wait_compiled(timeout) and \
+            (draft is None or draft.wait_compiled(timeout))
+
+    def _draft_runner(self):
+        """The draft model's runner (``--speculative-config`` with method draft_model), else None."""
+        draft = self.speculator.draft if self.speculator is not None else None
+        return draft.runner if draft is not None else None
 
     def shutdown(self) -> None:
         """Release the processes following this one's steps, and stop the background compiles: once they
@@ -385,3 +426,5 @@ class EngineCore:
         if release_followers is not None:
             release_followers()
         self.runner.stop_background_compiles(wait=True)
+        if self._draft_runner() is not None:
+            self._draft_runner().stop_background_compiles(wait=True)

@@ -13,7 +13,10 @@ For each request the step sampled for, token by token (a multi-step dispatch bri
   parser's limits) finishes it with an error (status error, stop_reason the message), never as a stop, and
   without the token it failed on;
 - after a stop, drop the tokens the device computed past it (async scheduling and multi-step dispatch the
-  next step before this one is read).
+  next step before this one is read);
+- a speculative step brings the accepted drafts and one more token: its placeholders past them are dropped
+  and the request's computed tokens rolled back to its known ones (the rejected drafts' K/V are overwritten
+  later; the prefix cache only ever takes blocks of known, computed tokens).
 Stop strings need the text: the front end matches them and aborts the request in the core. The engine core
 frees what this returns as finished (``Scheduler.finish_requests``).
 
@@ -67,13 +70,14 @@ def _step_tokens(toks, lps) -> tuple:
 
 
 def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict[str, Any],
-                         logprobs: dict[str, Any] | None, grammars=None
+                         logprobs: dict[str, Any] | None, grammars=None, spec: dict[str, tuple] | None = None
                          ) -> tuple[list[EngineCoreOutput], dict[RequestStatus, list[str]]]:
     """Apply one read step. ``sampled``: (request, index of its first placeholder of this step) for each
     request the step sampled for; ``token_ids[request_id]``: the token it sampled (a list after a multi-step
     dispatch); ``logprobs[request_id]``: (logprob, rank, top ids, top logprobs) (a list of them after
     multi-step) for requests that asked for logprobs; ``grammars``: the ``StructuredOutputManager`` whose
-    matchers judge the constrained requests' tokens (None when no request is constrained).
+    matchers judge the constrained requests' tokens (None when no request is constrained); ``spec``: after a
+    speculative step, request id -> (drafts verified, drafts accepted) for the requests that had drafts.
 
     Returns the outputs for the front end and the requests that finished now, by status (their
     ``stop_reason`` is set); requests already finished or aborted are skipped."""
@@ -106,6 +110,8 @@ def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict
                     break
             if lps is not None:
                 lps = list(lps[:j + 1])
+            if spec is not None and rid in spec:
+                _roll_back(req, first + len(toks), spec[rid])
         if first == 0:
             req.metrics.first_token_time = now
         if status is not None:
@@ -125,6 +131,17 @@ def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict
         req.num_sent_tokens = known
         outputs.append(out)
     return outputs, finished
+
+
+def _roll_back(req: Request, end: int, verified: tuple[int, int]) -> None:
+    """A speculative step gave ``req`` its tokens up to output index ``end``: drop the placeholders of the
+    drafts it rejected and the computed positions they held (synchronous steps: none come after them)."""
+    num_drafts, num_accepted = verified
+    rejected = num_drafts - num_accepted
+    if rejected:
+        req.num_computed_tokens -= rejected
+        if len(req.output_token_ids) > end:
+            req.truncate_output(end)
 
 
 def _first_output(req: Request, out: EngineCoreOutput) -> None:

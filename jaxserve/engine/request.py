@@ -60,7 +60,7 @@ class Request:
         "cache_salt", "prompt", "max_tokens", "max_output_tokens", "min_tokens", "ignore_eos", "stop_token_ids",
         "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_placeholders", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed", "uses_penalties",
-        "num_prompt_positions_scored", "defer_outputs", "mm_features", "lora_request", "lora_slot",
+        "num_prompt_positions_scored", "defer_outputs", "mm_features", "lora_request", "lora_slot", "spec_token_ids",
         # output state (the front end's; the core's sends prompt_logprobs and counts num_sent_tokens)
         "detokenizer", "cumulative_logprob", "logprobs", "prompt_logprobs", "num_sent_tokens", "num_sent_chars",
     )
@@ -119,6 +119,9 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache when first scheduled (RequestOutput.num_cached_tokens).
         self.num_cached_tokens = 0
+        # speculative decoding: the tokens proposed to follow its last token this step (the engine's speculator
+        # sets them before each schedule; the scheduler takes what the budget allows), or None
+        self.spec_token_ids: list[int] | None = None
         self.num_preemptions = 0
         # prompt_logprobs: prompt positions whose scoring is dispatched (kept across preemptions: a recomputed
         # prompt is not scored twice)

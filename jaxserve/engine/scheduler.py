@@ -20,6 +20,12 @@ preempted (blocks freed, requeued, recomputed later from its prompt + outputs so
 under the priority policy the running list is kept in priority order, so the last is the lowest priority
 (latest arrival among equals), vLLM's victim.
 
+Speculative decoding (``engine.speculator``): a running request whose ``spec_token_ids`` the speculator set
+before this schedule is scheduled with as many of them as the budget leaves room for after its own token
+(``ScheduledRequest.spec_token_ids``, KV slots for all of them); ``update_from_output`` counts a placeholder
+for each token the step may emit (drafts + 1) and never caps such a request: the step is read before the next
+schedule, and ``apply_sampled_tokens`` rolls back the drafts it rejected.
+
 The scheduler never decides that a request is finished: ``update_from_output`` counts the tokens a
 dispatched step samples as placeholders, and a request whose placeholders reach its length limit gets no
 more steps (it waits, holding its blocks, in ``capped``); ``core_outputs.apply_sampled_tokens`` reads the
@@ -48,6 +54,7 @@ from typing import Iterable
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.multi_step_plan import plan_steps
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_queue import priority_key, waiting_queue
 from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -159,6 +166,7 @@ class Scheduler:
         enc = self.encoder_cache
         enc_budget = enc.budget if enc is not None else 0
         mm_requests: list[Request] | None = None
+        num_drafts = 0
 
         # 1. Running requests, oldest first. A victim is always popped from the end, which is never a
         #    request already scheduled in this step (those sit before index i).
@@ -170,8 +178,8 @@ class Scheduler:
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
                 continue
-            if num_new == 1 and not self.num_scoring and (enc is None or req.mm_features is None
-                                                          or req.num_computed_tokens >= req.num_prompt_tokens):
+            if num_new == 1 and not self.num_scoring and not req.spec_token_ids and (
+                    enc is None or req.mm_features is None or req.num_computed_tokens >= req.num_prompt_tokens):
                 # a decode inside its last block (15 of 16 steps): allocate_slots' and _scheduled's
                 # common case inlined, once per running request per step
                 blocks = req_to_blocks.get(req.request_id)
@@ -207,6 +215,11 @@ class Scheduler:
                     continue
                 cost = self._cost(req, num_new) if self.num_scoring else num_new
                 mm_requests = (mm_requests or []) + [req]
+            drafts = req.spec_token_ids
+            if drafts:                  # speculation: the draft tokens the budget leaves room for, verified too
+                drafts = drafts[:budget - cost]
+                num_new += len(drafts)
+                cost += len(drafts)
             while kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -214,7 +227,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(self._scheduled(req, num_new, encode))
+                scheduled.append(self._scheduled(req, num_new, encode, drafts or None))
+                num_drafts += len(drafts) if drafts else 0
                 budget -= cost
                 share -= cost if cost > num_new else 0
                 if is_long:
@@ -304,43 +318,9 @@ class Scheduler:
             scheduled = decodes + [s for s in scheduled if s.num_new_tokens != 1]
         num_steps = 1
         if self.num_scheduler_steps > 1 and scheduled and len(decodes) == len(scheduled):
-            num_steps = self._plan_steps(scheduled)
-        return SchedulerOutput(scheduled=scheduled, num_steps=num_steps, mm_requests=mm_requests)
-
-    def _plan_steps(self, scheduled: list[ScheduledRequest]) -> int:
-        """Multi-step decoding for an all-decode step: give each entry up to num_scheduler_steps steps
-        (fewer where max_tokens or max_model_len comes first) and allocate their slots now. Returns the
-        step count (1 when some request needs the host between tokens: penalties read the history,
-        min_tokens still masks stop ids, a structured output's mask follows each token; logprobs come back
-        per iteration).
-
-        A request that cannot get the extra blocks runs one step; nothing is preempted for lookahead. A
-        request that stops early (EOS, stop string) wastes the rest of its steps; the output processor drops
-        their tokens."""
-        for s in scheduled:
-            req = s.request
-            if not s.samples or req.uses_penalties or len(req.output_token_ids) < req.min_tokens \
-                    or getattr(req.sampling_params, "structured_outputs", None) is not None:
-                # (a one-token prompt chunk that stops short of the end samples nothing; a structured
-                # output's mask needs each previous token on the host)
-                return 1
-        kv, n = self.kv_cache_manager, self.num_scheduler_steps
-        ks = [min(n, s.request.max_output_tokens - len(s.request.output_token_ids)) for s in scheduled]
-        # The loop always runs n iterations (a device-computed trip count would sync the host every
-        # iteration): when no entry can use them all (every request near its end), single steps waste nothing.
-        if max(ks) < n:
-            return 1
-        longest = 1
-        for s, k in zip(scheduled, ks):
-            if k > 1 and kv.allocate_slots(s.request, k) is not None:
-                s.num_steps = k
-                s.block_ids = kv.live_block_ids(s.request.request_id)
-                longest = max(longest, k)
-        if longest < n:     # the pool gave no entry all n: single steps (the blocks stay for those steps)
-            for s in scheduled:
-                s.num_steps = 1
-            return 1
-        return n
+            num_steps = plan_steps(scheduled, self.kv_cache_manager, self.num_scheduler_steps)
+        return SchedulerOutput(scheduled=scheduled, num_steps=num_steps, mm_requests=mm_requests,
+                               num_draft_tokens=num_drafts)
 
     @staticmethod
     def _cost(req: Request, num_new: int) -> int:
@@ -411,10 +391,13 @@ class Scheduler:
         # recomputing prompt + outputs) is still chunked rather than left waiting forever.
         return self.enable_chunked_prefill or num_new > self.max_num_batched_tokens
 
-    def _scheduled(self, req: Request, num_new: int, encode: list | None = None) -> ScheduledRequest:
+    def _scheduled(self, req: Request, num_new: int, encode: list | None = None,
+                   drafts: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
+        known = num_new - len(drafts) if drafts else num_new
         return ScheduledRequest(req, num_new, start, self.kv_cache_manager.live_block_ids(req.request_id),
-                                start + num_new == len(req._all_token_ids), encoder_inputs=encode or None)
+                                start + known == len(req._all_token_ids), encoder_inputs=encode or None,
+                                spec_token_ids=drafts)
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
@@ -424,6 +407,7 @@ class Scheduler:
             self.encoder_cache.release_all(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -451,14 +435,20 @@ class Scheduler:
             end = entry.start_pos + entry.num_new_tokens
             if entry.samples:
                 n = entry.num_steps
-                if n == 1:              # req.append_placeholders(1), inlined: once per decode per step
+                drafts = entry.spec_token_ids
+                if n == 1 and drafts is None:   # req.append_placeholders(1), inlined: once per decode per step
                     req.output_token_ids.append(PLACEHOLDER)
                     req._all_token_ids.append(PLACEHOLDER)
                     req.num_placeholders += 1
+                elif drafts is not None:
+                    # up to len(drafts) + 1 tokens; the ones not accepted are rolled back when the step is read
+                    # (``core_outputs.apply_sampled_tokens``), which also finishes it by length: never capped
+                    req.append_placeholders(len(drafts) + 1)
+                    n = 0
                 else:
                     req.append_placeholders(n)
                     end += n - 1        # the loop computed one more position per token after the first
-                if len(req.output_token_ids) >= req.max_output_tokens:
+                if n and len(req.output_token_ids) >= req.max_output_tokens:
                     if capped is None:
                         capped = []
                     capped.append(req)

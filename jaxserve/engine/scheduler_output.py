@@ -22,6 +22,9 @@ class ScheduledRequest:
     num_steps: int = 1
     # the images (multimodal.ImageFeature) whose encoder outputs this step computes for this chunk
     encoder_inputs: list | None = None
+    # speculative decoding: the draft tokens this step verifies after the request's last known token (counted
+    # in num_new_tokens; the step samples up to len + 1 tokens for it), or None
+    spec_token_ids: list[int] | None = None
 
     @property
     def request_id(self) -> str:
@@ -35,6 +38,7 @@ class SchedulerOutput:
     num_steps: int = 1              # > 1: a multi-step decode (every entry decodes, for up to this many steps)
     # requests with images whose prompt chunks this step computes (their images released once computed), or None
     mm_requests: list[Request] | None = None
+    num_draft_tokens: int = 0       # draft tokens the step verifies, all entries together (0: no speculation)
 
     @property
     def is_empty(self) -> bool:

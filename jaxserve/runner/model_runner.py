@@ -5,8 +5,10 @@
 tokens. A token the step in flight samples feeds the next step on the device (``prev``), so step N+1 is
 dispatched before step N is read. A structured-output step splits the dispatch in two: ``dispatch_forward``,
 then the host fills the bitmask while the forward runs, then ``dispatch_sample``. A multi-step decode
-(``multi_step``) runs forward and sampler in one loop. The KV cache (``kv_cache``) is donated to every step
-and updated in place.
+(``multi_step``) runs forward and sampler in one loop. A speculative step (``dispatch_spec``) verifies each
+request's draft tokens: its forward returns logits at K + 1 positions per request and the rejection sampler
+(``rejection_sampler``) returns the accepted tokens. The KV cache (``kv_cache``) is donated to every step and
+updated in place.
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ class StepResult:
     token_ids: dict[str, int] | dict[str, list[int]]
     # logprob, rank, top ids, top logprobs (a list of them per request after a multi-step dispatch)
     logprobs: dict[str, tuple[float, int, list[int], list[float]]] | dict[str, list[tuple]]
+    # a speculative step: request id -> (draft tokens verified, drafts accepted) for the requests with drafts
+    # (their token_ids are lists: the accepted drafts, then one drawn token)
+    spec: dict[str, tuple[int, int]] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,6 +78,7 @@ class PendingStep:
     num_tokens: int
     steps: dict[str, int] | None = None   # multi-step: request id -> iterations it ran (out: [steps, R] ids)
     expert_load: jax.Array | None = None  # MoE: tokens per expert per layer, [L_moe, E] ([steps, ...] multi-step)
+    drafts: dict[str, int] | None = None  # a speculative step: request id -> its draft tokens (out: SpecOutput)
 
 
 class ModelRunner:
@@ -211,6 +217,34 @@ class ModelRunner:
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, rows, lp_k, n_tok, steps, load)
 
+    def dispatch_spec(self, scheduled, bitmask: np.ndarray | None = None) -> PendingStep:
+        """Launch a speculative step: each entry's known token and ``spec_token_ids`` through the forward,
+        the rejection sampler on its logits at K + 1 positions (``bitmask``: structured outputs, as
+        ``dispatch_sample``). Runs synchronously with the host: no step is in flight when it is dispatched."""
+        t0 = time.perf_counter()
+        v = self.variants
+        width = v.spec_width
+        T, R, input_ids, positions, md, logits_idx, prev_index = step_inputs.forward_inputs(
+            scheduled, self.input_batch, self.block_size, self.shapes.own, None, self.mrope, spec_width=width)
+        smeta = step_inputs.sampling_inputs(scheduled, self.input_batch, R, vocab_size=self.vocab_size,
+                                            penalty_width=self.penalty_width, step=self._step_count,
+                                            engine_seed=self.config.seed)
+        lora = step_inputs.lora_slots(scheduled, T) if self.lora is not None else None
+        f_ints, _ = forward_pack(input_ids, positions, md, logits_idx, prev_index, None, lora)
+        self.kv_caches, logits, *load = v.forward_spec_for(T)(self.step_params, self.kv_caches, f_ints, v.no_prev)
+        drafts, counts = step_inputs.draft_arrays(scheduled, R, width - 1)
+        s_ints, s_floats, s_layout = packing.pack({**packing.fields(smeta), "draft_ids": drafts,
+                                                   "num_drafts": counts})
+        rows, lp_k, filtering = step_inputs.sampled_rows(scheduled, self.input_batch, v.static_sampling)
+        exe = v.sampler_for(("spec-sample", self.config.max_logprobs if lp_k else 0, filtering,
+                             bitmask is not None, s_layout))
+        out = exe(logits, s_ints, s_floats) if bitmask is None else exe(logits, s_ints, s_floats, bitmask)
+        self._step_count += 1
+        self.stats.host_ms += (time.perf_counter() - t0) * 1e3
+        spec = {s.request.request_id: len(s.spec_token_ids) for s in scheduled if s.spec_token_ids}
+        return PendingStep(out, out.token_ids, rows, lp_k, int(md.query_start_loc[-1]), None,
+                           self._copy_load(load), spec)
+
     def _encode_images(self, scheduled, T: int) -> np.ndarray | None:
         """Encode the step's new images into the encoder cache; the decoder's image-row index (or None)."""
         new = [f for s in scheduled if s.encoder_inputs for f in s.encoder_inputs]
@@ -257,6 +291,8 @@ class ModelRunner:
             self.stats.expert_load.add(np.asarray(pending.expert_load))
         self.stats.count_step(pending.num_tokens, (time.perf_counter() - t0) * 1e3)
         rows, steps = pending.rows, pending.steps
+        if pending.drafts is not None:
+            return self._spec_result(pending, token_ids, lp)
 
         def entry(at, k):   # (logprob, rank, top ids, top logprobs) at a row, or (iteration, row)
             return float(lp[0][at]), int(lp[1][at]), lp[2][at][:k].tolist(), lp[3][at][:k].tolist()
@@ -270,6 +306,25 @@ class ModelRunner:
             res = StepResult({rid: toks[i][:steps[rid]] for rid, i in rows.items()}, {})
             for rid, k in pending.logprobs_k.items():
                 res.logprobs[rid] = [entry((j, rows[rid]), k) for j in range(steps[rid])]
+        return res
+
+    @staticmethod
+    def _spec_result(pending: PendingStep, token_ids: np.ndarray, lp) -> StepResult:
+        """A speculative step's result: a list of tokens for each request with drafts, a token for the others
+        (whose logprobs, when asked, are those of the token drawn)."""
+        counts = np.asarray(pending.out.num_tokens).tolist()
+        toks = token_ids.tolist()
+        res = StepResult({}, {}, {})
+        for rid, i in pending.rows.items():
+            d = pending.drafts.get(rid)
+            if d:
+                res.token_ids[rid] = toks[i][:counts[i]]
+                res.spec[rid] = (d, counts[i] - 1)
+            else:
+                res.token_ids[rid] = toks[i][0]
+        for rid, k in pending.logprobs_k.items():
+            i = pending.rows[rid]
+            res.logprobs[rid] = float(lp[0][i]), int(lp[1][i]), lp[2][i][:k].tolist(), lp[3][i][:k].tolist()
         return res
 
     # ---------------------------------------------------------------- compiling (``step_variants``)

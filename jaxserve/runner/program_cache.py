@@ -162,8 +162,10 @@ class ProgramCache:
 def _register_step_types() -> None:
     """The step outputs' own pytree types, named for ``Exported.serialize`` (once per process)."""
     from jaxserve.quantization.weights import Fp8Weight, Int4Weight
+    from jaxserve.runner.rejection_sampler import SpecOutput
     from jaxserve.runner.sampler import SamplerOutput
     jax.export.register_namedtuple_serialization(SamplerOutput, serialized_name="jaxserve.SamplerOutput")
+    jax.export.register_namedtuple_serialization(SpecOutput, serialized_name="jaxserve.SpecOutput")
     # quantized parameters: dataclass pytrees whose static fields (group size, block, tp axis) are the aux data
     for cls in (Int4Weight, Fp8Weight):
         jax.export.register_pytree_node_serialization(

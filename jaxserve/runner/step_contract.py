@@ -51,3 +51,4 @@ class ScheduledEntry(Protocol):
     block_ids: list[int]             # the whole block table: a live list that only grows while the request runs
     samples: bool                    # the chunk reaches the last known token: the step samples one for it
     num_steps: int                   # > 1: a multi-step decode that samples this many tokens in one dispatch
+    spec_token_ids: list[int] | None  # draft tokens after its known ones (a speculative step), or None

@@ -94,11 +94,14 @@ def padding(T: int, R: int, max_blocks_per_seq: int, mrope: bool = False) -> For
 
 def forward_inputs(scheduled, batch: InputBatch, block_size: int,
                    shape: Callable[[int, bool], tuple[int, int, bool]],
-                   prev_rows: dict[str, int] | None = None, mrope: Callable | None = None) -> ForwardInputs:
+                   prev_rows: dict[str, int] | None = None, mrope: Callable | None = None,
+                   spec_width: int = 0) -> ForwardInputs:
     """The forward's host arrays for ``scheduled`` (decodes first). ``shape(num_tokens, all_decode)`` gives
     (T, R, decode-only): ``StepShapes.own``, or the runner's compiled shape. ``prev_rows``: request id -> row
     of the step in flight's output, for the requests whose last token it samples (PLACEHOLDER here).
-    ``mrope``: an M-RoPE family's ``mrope_positions(positions, features)``: positions become ``[3, T]``."""
+    ``mrope``: an M-RoPE family's ``mrope_positions(positions, features)``: positions become ``[3, T]``.
+    ``spec_width``: a speculative step of K + 1 positions per request: each entry's ``spec_token_ids`` follow
+    its tokens, and ``logits_idx`` is ``[R * (K + 1)]`` (``spec_logits_rows``)."""
     n = len(scheduled)
     counts_list = [s.num_new_tokens for s in scheduled]
     n_tok = sum(counts_list)
@@ -117,8 +120,9 @@ def forward_inputs(scheduled, batch: InputBatch, block_size: int,
             pos = starts
             tok_row = np.arange(n, dtype=i32)
         else:
-            toks = list(chain.from_iterable(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens]
-                                            for s in scheduled))
+            toks = list(chain.from_iterable(_with_drafts(s) for s in scheduled)) if spec_width else \
+                list(chain.from_iterable(s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens]
+                                         for s in scheduled))
             tok_row = np.repeat(np.arange(n, dtype=i32), counts)
             pos = (starts - (ends - counts))[tok_row] + np.arange(n_tok, dtype=i32)
         input_ids[:n_tok] = toks
@@ -137,6 +141,8 @@ def forward_inputs(scheduled, batch: InputBatch, block_size: int,
         qsl[1:n + 1] = ends
         qsl[n + 1:] = n_tok
         logits_idx[:n] = ends - 1
+        if spec_width:
+            logits_idx = spec_logits_rows(scheduled, ends, R, spec_width)
         # placeholders: the last token of a chunk sampled by the step in flight
         waiting = np.flatnonzero(input_ids[ends - 1] == PLACEHOLDER)
         if waiting.size:
@@ -153,6 +159,33 @@ def forward_inputs(scheduled, batch: InputBatch, block_size: int,
     md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
                            num_seqs=np.int32(n), decode_only=decode_only)
     return ForwardInputs(T, R, input_ids, positions, md, logits_idx, prev_index)
+
+
+def _with_drafts(s) -> list[int]:
+    """An entry's tokens: its known ones, then its draft tokens (``spec_token_ids``)."""
+    drafts = s.spec_token_ids or ()
+    return s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens - len(drafts)] + list(drafts)
+
+
+def spec_logits_rows(scheduled, ends: np.ndarray, R: int, width: int) -> np.ndarray:
+    """``[R * width]``: row r's logits positions j = 0 .. width - 1: its last known token, then each draft; the
+    positions past its d drafts repeat its last token (padding rows: token 0)."""
+    out = np.zeros((R, width), np.int32)
+    n = len(scheduled)
+    d = np.fromiter([len(s.spec_token_ids or ()) for s in scheduled], np.int32, n)
+    out[:n] = (ends - 1 - d)[:, None] + np.minimum(np.arange(width, dtype=np.int32)[None, :], d[:, None])
+    return out.reshape(-1)
+
+
+def draft_arrays(scheduled, R: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A speculative step's drafts ``[R, k]`` (0-padded) and their counts ``[R]``."""
+    drafts, counts = np.zeros((R, k), np.int32), np.zeros(R, np.int32)
+    for i, s in enumerate(scheduled):
+        spec = s.spec_token_ids
+        if spec:
+            drafts[i, :len(spec)] = spec
+            counts[i] = len(spec)
+    return drafts, counts
 
 
 def _mrope_rows(positions: np.ndarray, scheduled, counts: list[int], mrope: Callable) -> np.ndarray:

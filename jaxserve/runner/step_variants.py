@@ -14,7 +14,11 @@ A variant's key:
   from the encoder cache's slab over up to T rows), compiled in the background after the text variants; a
   step without image tokens runs the plain forward;
 - ``("sample", num_logprobs, filtering, masked, s_layout)``: the sampler for ``s_layout``'s request count;
-- ``("decode-loop", T, num_logprobs, filtering, s_layout)``: a multi-step decode.
+- ``("decode-loop", T, num_logprobs, filtering, s_layout)``: a multi-step decode;
+- speculative decoding: ``("forward-spec", T, width)``, the forward returning logits at ``width`` (K + 1)
+  positions per request, and ``("spec-sample", num_logprobs, filtering, masked, s_layout)``, the rejection
+  sampler (``rejection_sampler``); compiled in the background after the others (a step compiles its own on
+  first use before then).
 
 Compiling (``StepCompiler``, which this class is): every executable is compiled ahead of time and called
 directly, so a step never compiles silently. ``warmup`` compiles what the first steps need (the smallest
@@ -43,6 +47,7 @@ from jaxserve.kernels.metadata import SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
 from jaxserve.runner import packing, program_cache, sampler as sampler_mod, step_inputs
 from jaxserve.runner.multi_step import decode_loop_fn
+from jaxserve.runner.rejection_sampler import spec_sample_fn
 from jaxserve.runner.step_compiler import StepCompiler
 from jaxserve.runner.step_inputs import StepShapes
 from jaxserve.sampling_params import SamplingParams
@@ -122,6 +127,7 @@ class StepVariants(StepCompiler):
         # what each kind's jit is given besides its static arguments (a stored program's call gets the same)
         self._jit_kwargs = {"forward": {"donate_argnums": (1,), **fwd_out},
                             "forward-mm": {"donate_argnums": (1,), **fwd_out}, "sample": samp_out,
+                            "forward-spec": {"donate_argnums": (1,), **fwd_out}, "spec-sample": samp_out,
                             "decode-loop": {"donate_argnums": (1,), **loop_out}}
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None),
@@ -139,6 +145,12 @@ class StepVariants(StepCompiler):
         self.samplers = {(nl, f): jax.jit(partial(sample_fn, nl, max_num_seqs, f), static_argnames=("layout",),
                                           **samp_out)
                          for nl in (0, max_logprobs) for f in filter_modes}
+        # speculative decoding (--speculative-config): the K + 1 positions each request verifies per step
+        spec = config.speculative_config
+        self.spec_width = spec.num_speculative_tokens + 1 if spec is not None else 0
+        self.spec_samplers = {(nl, f): jax.jit(partial(spec_sample_fn, nl, f), static_argnames=("layout",),
+                                               **samp_out)
+                              for nl in (0, max_logprobs) for f in filter_modes} if spec is not None else {}
         # a structured-output step passes its bitmask to the same jitted samplers: a separate executable
         # (another input signature), so a step without constrained rows runs exactly the unmasked program
         tokenizer = getattr(model, "tokenizer", None)
@@ -217,6 +229,11 @@ class StepVariants(StepCompiler):
         key = ("forward-mm", T)
         return self.get(key) or self.need(key, f"a step of {T} tokens with image tokens")
 
+    def forward_spec_for(self, T: int):
+        """The speculative forward of bucket ``T`` (compiled now if need be)."""
+        key = ("forward-spec", T, self.spec_width)
+        return self.get(key) or self.need(key, f"a speculative step of {T} tokens")
+
     def sampler_for(self, key):
         """A sampler variant; one no step has needed yet (logprobs, penalties, a bitmask, ...) is compiled now
         for this request count (the step waits), then for the other request counts in the background."""
@@ -227,16 +244,19 @@ class StepVariants(StepCompiler):
         exe = self.need(key, "the first step that needs it")
         if not self.enforce_eager:
             R = s_layout[0].shape[0]
-            self.submit([("sample", num_logprobs, filtering, masked, _with_rows(s_layout, R, r))
+            self.submit([(key[0], num_logprobs, filtering, masked, _with_rows(s_layout, R, r))
                          for r in self._request_counts() if r != R], priority=2)
         return exe
 
     # ---------------------------------------------------------------- lowering
-    def padding_inputs(self, T: int, multi_step: bool = False):
-        """A step of bucket ``T``'s packed forward inputs (padding only) and their layout."""
+    def padding_inputs(self, T: int, multi_step: bool = False, spec_width: int = 0):
+        """A step of bucket ``T``'s packed forward inputs (padding only) and their layout (``spec_width``: a
+        speculative step's, logits at that many positions per request)."""
         R = self.shapes.num_reqs_for(T)
         _, _, *x = step_inputs.padding(T, R, self.max_blocks_per_seq,
                                        mrope=self.mrope)
+        if spec_width:
+            x[3] = np.zeros(R * spec_width, np.int32)
         return step_inputs.forward_pack(*x, np.ones(R, np.int32) if multi_step else None,
                                         np.zeros(T, np.int32) if self.lora else None)
 
@@ -248,6 +268,14 @@ class StepVariants(StepCompiler):
             plist, [[]] * len(plist), [[0]] * len(plist), [0] * len(plist), self.vocab_size, pad_to=R,
             request_seeds=[0] * len(plist), penalty_width=self.penalty_width)
         return packing.pack(packing.fields(smeta))[2]
+
+    def _spec_layout(self, R: int) -> packing.Layout:
+        """The speculative sampler's packed layout for ``R`` rows (no penalties): the sampling metadata, then
+        the drafts and their counts."""
+        smeta = sampler_mod.make_sampling_metadata([], [], [], [], self.vocab_size, pad_to=R,
+                                                   penalty_width=self.penalty_width)
+        drafts, counts = step_inputs.draft_arrays([], R, self.spec_width - 1)
+        return packing.pack({**packing.fields(smeta), "draft_ids": drafts, "num_drafts": counts})[2]
 
     @staticmethod
     def _buffers(layout: packing.Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -274,12 +302,19 @@ class StepVariants(StepCompiler):
             fn = self.forward
             args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec, index)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}
-        elif kind == "sample":
+        elif kind == "forward-spec":
+            _, T, width = key
+            ints, layout = self.padding_inputs(T, spec_width=width)
+            fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec)
+            static = {"layout": layout, "decode_only": False, "max_seq_len": None}
+        elif kind in ("sample", "spec-sample"):
             _, num_logprobs, filtering, masked, s_layout = key
             R = s_layout[0].shape[0]
-            logits = jax.ShapeDtypeStruct((R, self.vocab_size), jnp.float32, sharding=self.replicated)
+            rows = R * self.spec_width if kind == "spec-sample" else R
+            logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32, sharding=self.replicated)
             extra = (np.zeros((R, self.bitmask_width), np.int32),) if masked else ()
-            fn, args = self.samplers[num_logprobs, filtering], (logits, *self._buffers(s_layout), *extra)
+            samplers = self.spec_samplers if kind == "spec-sample" else self.samplers
+            fn, args = samplers[num_logprobs, filtering], (logits, *self._buffers(s_layout), *extra)
             static = {"layout": s_layout}
         elif kind == "decode-loop":
             _, T, num_logprobs, filtering, s_layout = key
@@ -323,6 +358,10 @@ class StepVariants(StepCompiler):
                      < kernel_ops.decode_splits(s.num_reqs_for(T), kvh, self.max_model_len)]
         if self._mm_slab_spec is not None:      # a vision model: its image steps, after the text ones
             rest += [("forward-mm", T) for T in s.sizes]
+        if self.spec_width:     # speculative steps' decode buckets and samplers
+            rest += [k for T in s.sizes if T <= s.bucket_for(min(s.max_num_seqs * self.spec_width, s.sizes[-1]))
+                     for k in (("forward-spec", T, self.spec_width),
+                               ("spec-sample", 0, base_f, False, self._spec_layout(s.num_reqs_for(T))))]
         if self.static_sampling:
             rest += [("sample", 0, True, False, self._sampler_layout(r)) for r in self._request_counts()]
             if self.decode_loops:

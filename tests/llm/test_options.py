@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 import yaml
 
 from benchmarks import config as bcfg
 from jaxserve import cli
-from jaxserve.config import FLAG_SPELLINGS, EngineConfig
+from jaxserve.config import FLAG_SPELLINGS, EngineConfig, SpeculativeConfig
 from jaxserve.llm import engine_config_from_kwargs
 from jaxserve.options import flag_names, options_of
 from jaxserve.server.args import ServerArgs, server_args_from_namespace
@@ -91,6 +92,8 @@ def _other_value(o):
         return ["4,8", "32"], (4, 8, 32)
     if o.name == "structured_outputs_config":
         return ['{"disable_any_whitespace": false}'], type(default)(disable_any_whitespace=False)
+    if o.name == "speculative_config":
+        return ['{"method": "ngram", "num_speculative_tokens": 2}'], SpeculativeConfig("ngram", 2)
     if o.name == "distributed_coordinator":
         return ["h:1"], "h:1"
     if o.name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
@@ -114,7 +117,8 @@ def test_each_flag_yaml_key_and_keyword_reach_the_field(o, tmp_path):
     assert field_value(from_flag, o.name) == value
     assert field_value(engine_config_from_kwargs(**{o.name: value}), o.name) == value
     path = tmp_path / "c.yaml"
-    yaml_value = words[0] if o.name in ("structured_outputs_config", "allowed_media_domains") else value
+    yaml_value = words[0] if o.name in ("structured_outputs_config", "allowed_media_domains") else \
+        json.loads(words[0]) if o.name == "speculative_config" else value     # (a YAML mapping)
     for key in {o.name, o.name.replace("_", "-"), flag.removeprefix("--no-").removeprefix("--")}:
         path.write_text(yaml.safe_dump({key: list(yaml_value) if isinstance(yaml_value, tuple) else yaml_value}))
         a = parse_with_yaml(["generate", "--config", str(path)])
@@ -178,3 +182,12 @@ def test_choice_lists_match_the_code_that_acts_on_them():
     assert {quant.canonical_method(q) for q in config.QUANTIZATIONS} == set(quant.QUANTIZATION_METHODS)
     for kv in config.KV_CACHE_DTYPES:
         ops.kv_cache_dtype(kv, "bfloat16")                  # each one is understood
+
+
+def test_speculative_config_flag_errors_say_why():
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "--speculative-config", '{"method": "medusa"}'])
+    spec = engine_config_from_kwargs(speculative_config={"model": "tiny", "num_speculative_tokens": 3})
+    assert spec.speculative_config.method == "draft_model"
+    lookup = SpeculativeConfig("ngram", 4, prompt_lookup_max=3)
+    assert (lookup.prompt_lookup_min, lookup.prompt_lookup_max) == (3, 3)

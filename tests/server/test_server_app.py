@@ -349,6 +349,9 @@ def test_metrics(http, client):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert lines[f"jaxserve:{name}{lbl}"] == 0.0
     assert lines[f"jaxserve:prefix_cache_queries_total{lbl}"] == 10
+    assert lines[f"jaxserve:spec_decode_num_drafts_total{lbl}"] == 5
+    assert lines[f"jaxserve:spec_decode_num_accepted_tokens_total{lbl}"] == 9
+    assert lines['jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="fake-model",position="2"}'] == 1
     assert 'jaxserve:cache_config_info{block_size="",model_name="fake-model",num_gpu_blocks="64"}' in lines
     assert lines[f"jaxserve:generation_tokens_total{lbl}"] >= 4
     assert lines['jaxserve:request_success_total{finished_reason="length",model_name="fake-model"}'] >= 1

@@ -93,7 +93,9 @@ class FakeEngine:
         steps = RunnerStats(steps=3, tokens=1 + 8 + 100, token_buckets=[1, 1, 0, 0, 0, 1] + [0] * 8)
         return {"num_running": len(self.running), "num_waiting": 0, "kv_cache_usage": used / self.num_kv_blocks,
                 "prefix_cache_queries": 10, "prefix_cache_hits": 4, "prefix_cache_hit_rate": 0.4,
-                "num_preemptions": 0, "num_kv_blocks": self.num_kv_blocks, **steps.snapshot()}
+                "num_preemptions": 0, "num_kv_blocks": self.num_kv_blocks, **steps.snapshot(),
+                "spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 15, "spec_decode_num_accepted_tokens": 9,
+                "spec_decode_num_accepted_tokens_per_pos": [5, 3, 1]}
 
     def num_waiting(self) -> int:
         return 0

@@ -1,0 +1,132 @@
+"""Speculative decoding's engine side: which requests speculate, their draft tokens before each schedule, and
+the acceptance counters (vLLM's ``spec_decode_*``).
+
+NOTE (the design): before each ``schedule()`` the speculator proposes up to K tokens to follow each running
+request's last token (``Request.spec_token_ids``; the ``ngram`` proposer looks them up in the request's own
+prompt + outputs on the host, ``draft_model`` runs a smaller model K steps greedily); the scheduler verifies
+as many as the token budget leaves room for in the same ragged step (1 + d tokens, KV slots for all of
+them); the runner's rejection sampler returns the accepted drafts and one more token; the one function that
+applies sampled tokens rolls back the rejected ones. Speculating steps run synchronously: each is read
+before the next is scheduled (the proposer needs the tokens; async scheduling is off while
+``--speculative-config`` is set).
+
+A request speculates when its next token follows from the logits alone, the same at every position:
+no penalties or bad words (their history would include the drafts), no logprobs, no pending ``min_tokens``,
+no structured output (its grammar would have to follow each draft: such a request decodes one token a step,
+as without speculation), and room left under its length limit.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.request import Request
+from jaxserve.runner.ngram_proposer import propose_ngram
+
+
+def speculates(req: Request) -> bool:
+    """Whether ``req`` may take draft tokens at all (see the module's NOTE; length and min_tokens aside)."""
+    p = req.sampling_params
+    return not (req.uses_penalties or p.restricts_tokens or p.logprobs is not None
+                or p.structured_outputs is not None)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, draft=None):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.draft = draft                    # a draft-model proposer (``method: draft_model``), else None
+        self.num_drafts = 0                   # requests' verified drafts (one per request and step with drafts)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k  # drafts accepted at each position 0 .. K - 1
+        self.propose_ms = 0.0                 # host time spent proposing
+        # ngram: each request's tokens as a numpy array, extended by the tokens it gained since (converting the
+        # whole list every step cost ten times the lookup): request id -> (request, buffer, tokens in it)
+        self._arrays: dict[str, tuple[Request, np.ndarray, int]] = {}
+
+    def propose(self, running: list[Request]) -> None:
+        """Set each running request's ``spec_token_ids`` for the next schedule (None where it takes none)."""
+        t0 = time.perf_counter()
+        wanted: list[tuple[Request, int]] = []
+        for req in running:
+            req.spec_token_ids = None
+            num_out = len(req.output_token_ids)
+            room = min(self.k, req.max_output_tokens - num_out - 1)
+            if room <= 0 or req.num_computed_tokens != len(req._all_token_ids) - 1 or num_out < req.min_tokens \
+                    or not speculates(req):
+                continue
+            wanted.append((req, room))
+        if wanted:
+            if self.draft is not None:
+                for (req, room), drafts in zip(wanted, self.draft.propose(wanted)):
+                    req.spec_token_ids = drafts[:room] or None
+            else:
+                c = self.config
+                for req, room in wanted:
+                    req.spec_token_ids = propose_ngram(self._tokens(req), c.prompt_lookup_min,
+                                                       c.prompt_lookup_max, room) or None
+                if len(self._arrays) > 2 * len(running) + 16:      # drop the finished requests' arrays
+                    live = {req.request_id for req in running}
+                    self._arrays = {rid: e for rid, e in self._arrays.items() if rid in live}
+        self.propose_ms += (time.perf_counter() - t0) * 1e3
+
+    def _tokens(self, req: Request) -> np.ndarray:
+        """``req``'s tokens (all known: the proposer runs between synchronous steps) as a numpy array."""
+        tokens, n = req._all_token_ids, len(req._all_token_ids)
+        entry = self._arrays.get(req.request_id)
+        if entry is None or entry[0] is not req or entry[2] > n:
+            buf, m = np.empty(max(64, 2 * n), np.int64), 0
+        else:
+            _, buf, m = entry
+            if n > buf.shape[0]:
+                buf = np.concatenate([buf[:m], np.empty(max(n, 2 * m), np.int64)])
+        buf[m:n] = tokens[m:n]
+        self._arrays[req.request_id] = (req, buf, n)
+        return buf[:n]
+
+    def record(self, spec: dict[str, tuple[int, int]] | None) -> None:
+        """Count a read step's verified drafts: request id -> (drafts, accepted)."""
+        if not spec:
+            return
+        per_pos = self.accepted_per_pos
+        for num_drafts, num_accepted in spec.values():
+            self.num_drafts += 1
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += num_accepted
+            for j in range(num_accepted):
+                per_pos[j] += 1
+
+    def stats(self) -> dict:
+        """vLLM's counter names (totals since start), and the host milliseconds spent proposing."""
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_decode_propose_ms": self.propose_ms}
+
+
+def load_draft(executor, config):
+    """A ``draft_model`` speculator's proposer (its weights and KV cache: made before the target's KV cache is
+    sized from the memory left), else None."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from jaxserve.engine.draft_proposer import DraftProposer  # noqa: PLC0415
+    return DraftProposer(executor, config)
+
+
+def make_speculator(core, config, draft=None) -> Speculator:
+    """The engine core's speculator for ``config.speculative_config`` (``draft``: ``load_draft``'s); a
+    combination it cannot serve exactly is refused here, with what to change."""
+    spec = config.speculative_config
+    unsupported = [why for bad, why in (
+        (core.multi_process, "a model spread over several processes"),
+        (config.scheduler.num_scheduler_steps > 1, "--num-scheduler-steps > 1"),
+        (core.runner.encoder is not None, "a vision model"),
+        (getattr(core.runner, "mrope", None) is not None, "M-RoPE positions"),
+    ) if bad]
+    if unsupported:
+        raise ValueError(f"--speculative-config is not supported with {unsupported[0]}; drop one of the two")
+    return Speculator(spec, draft)

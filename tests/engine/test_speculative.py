@@ -1,0 +1,142 @@
+"""Speculative decoding (``--speculative-config``) end to end on the tiny Llama: greedy output token-identical to
+the engine without it (batched, prefix cache on, preemption forced), acceptance counted, rows that must not
+speculate (penalties, logprobs, structured outputs) unchanged, seeded sampling reproducible, and what is refused."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.engine.draft_proposer import check_same_tokenizer
+from jaxserve.sampling_params import BeamSearchParams, StructuredOutputsParams
+from support.tiny_models import fixture_path, tiny_llm
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    # a pool too small for the batch below: the scheduler preempts and recomputes
+    return tiny_llm(speculative_config=NGRAM, num_gpu_blocks_override=70)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    out = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(3, 60, size=14)]
+    out += [[5, 6, 7, 8] * 5, list(range(10, 30)) * 2]       # prompts the lookup finds its way in
+    return out
+
+
+def greedy(m=24, **kw):
+    return SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, **kw)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_matches_without_speculation_batched_with_preemption(llm, spec_llm, prompts):
+    lengths = [8 + 3 * (i % 7) for i in range(len(prompts))]
+    ref = _tokens(llm.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False))
+    core = spec_llm.engine.core
+    outs = spec_llm.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)
+    assert _tokens(outs) == ref
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    stats = core.stats()
+    assert core.scheduler.num_preemptions > 0
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == stats["spec_decode_num_accepted_tokens"] and per_pos == sorted(per_pos, reverse=True)
+    assert core.kv_manager.usage == 0.0
+    # the prefix cache took the finished requests' blocks: the same prompts again hit it and match
+    again = spec_llm.generate(prompts[-2:], [greedy(m) for m in lengths[-2:]], use_tqdm=False)
+    assert _tokens(again) == ref[-2:] and all(o.num_cached_tokens > 0 for o in again)
+
+
+def test_stop_ids_and_min_tokens_see_accepted_tokens_only(llm, spec_llm, prompts):
+    p = prompts[-1]
+    plain = _tokens(llm.generate([p], greedy(30), use_tqdm=False))[0]
+    stop = plain[12]
+    for params in (greedy(30, stop_token_ids=[stop]), greedy(30, stop_token_ids=[stop], min_tokens=14)):
+        want = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        got = spec_llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+
+
+def test_rows_that_do_not_speculate_are_unchanged(llm, spec_llm, prompts):
+    p = prompts[-2]
+    params = [greedy(16, presence_penalty=0.5, frequency_penalty=0.3), greedy(16, logprobs=2), greedy(16),
+              SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{8}"))]
+    want = llm.generate([p] * 4, params, use_tqdm=False)
+    got = spec_llm.generate([p] * 4, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(want)
+    # the constrained row shared a step with drafts: the masked rejection sampler ran
+    assert any(k[0] == "spec-sample" and k[3] for k in spec_llm.engine.core.runner.variants.keys())
+    for a, b in zip(want[1].outputs[0].logprobs, got[1].outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    # a prompt scored (prompt_logprobs) while others speculate
+    scored = [greedy(12), greedy(6, prompt_logprobs=1)]
+    want, got = (m.generate([p, prompts[0]], scored, use_tqdm=False) for m in (llm, spec_llm))
+    assert _tokens(got) == _tokens(want)
+    keys = lambda out: [sorted(d) if d else d for d in out.prompt_logprobs]  # noqa: E731
+    assert keys(got[1]) == keys(want[1])
+
+
+def test_beam_search_runs_unchanged(llm, spec_llm, prompts):
+    """Beam search's steps ask for logprobs: its rows never speculate, so its beams are the plain engine's."""
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    want, got = (m.beam_search([prompts[-1]], params) for m in (llm, spec_llm))
+    assert [b.tokens for b in got[0].sequences] == [b.tokens for b in want[0].sequences]
+
+
+def test_seeded_sampling_is_reproducible(spec_llm, prompts):
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seed=s, ignore_eos=True) for s in range(4)]
+    first = _tokens(spec_llm.generate(prompts[-2:] * 2, params, use_tqdm=False))
+    again = _tokens(spec_llm.generate(prompts[-2:] * 2, params, use_tqdm=False))
+    assert first == again and len({tuple(t) for t in first}) > 1
+
+
+def test_unsupported_combinations_are_refused():
+    with pytest.raises(ValueError, match="num-scheduler-steps"):
+        tiny_llm(speculative_config=NGRAM, num_scheduler_steps=4)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        tiny_llm(speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="unknown keys"):
+        tiny_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
+
+
+def _draft(name, k=3):
+    return {"method": "draft_model", "model": fixture_path(name), "num_speculative_tokens": k}
+
+
+def test_draft_model_set_to_the_target_accepts_every_token(llm, prompts):
+    """The mechanism's ceiling: the draft is the target itself, so every draft is accepted (a prompt longer than
+    the draft's token budget catches up over several rounds)."""
+    params = [greedy(12 + i) for i in range(6)]
+    ref = _tokens(llm.generate(prompts[:6], params, use_tqdm=False))
+    spec = tiny_llm(speculative_config=_draft("tiny-llama3"), max_num_batched_tokens=32)
+    assert _tokens(spec.generate(prompts[:6], params, use_tqdm=False)) == ref
+    stats = spec.engine.core.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 20
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+
+
+def test_another_draft_model_keeps_greedy_output_with_preemption(llm, prompts):
+    lengths = [8 + 3 * (i % 7) for i in range(len(prompts))]
+    ref = _tokens(llm.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False))
+    spec = tiny_llm(speculative_config=_draft("tiny-llama-tied", k=2), num_gpu_blocks_override=70)
+    assert _tokens(spec.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)) == ref
+    assert spec.engine.core.scheduler.num_preemptions > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    class Model:
+        def __init__(self, vocab, tokens):
+            self.config = SimpleNamespace(vocab_size=vocab)
+            self.tokenizer = SimpleNamespace(get_vocab=lambda: tokens)
+    check_same_tokenizer(Model(8, {"a": 0}), Model(8, {"a": 0}), "same")
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+        check_same_tokenizer(Model(8, {"a": 0}), Model(8, {"b": 0}), "other")

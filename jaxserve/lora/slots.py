@@ -1,20 +1,22 @@
-"""The adapters' device slots: per layer and target projection a stack ``A [S, in, R]`` / ``B [S, R, *out]``
-of ``S = max_loras + 1`` slots at rank ``R = max_lora_rank`` (``jaxserve.models.layers.lora`` multiplies
-through them). Slot 0 stays zero ("no adapter"). Writing an adapter into a slot is one jitted update of the
-stacks (donated, the slot index an argument): the step executables never change.
+"""The adapters' device slots: per layer and target a stack ``A [in, S, w]`` / ``B [S, w, *out]`` of
+``S = max_loras + 1`` slots at rank ``R = max_lora_rank`` (``jaxserve.models.layers.lora`` multiplies through
+them and says why they are laid out so). Slot 0 stays zero ("no adapter"). Writing an adapter into a slot is
+one jitted update of the stacks (donated, the slot index an argument): the step executables never change.
 
-A smaller rank fills the first ``r`` columns of A and rows of B (the rest zero, which adds nothing); a
-projection the adapter does not target is zero. gate and up share the fused ``gate_up`` stack at rank ``2R``:
-gate's A and B in the first ``R``, up's in the second, each B writing only its half of ``[2, inter]``.
+A smaller rank fills the first ``r`` of its ``R`` columns of A and rows of B (the rest zero, which adds
+nothing); a projection the adapter does not target is zero. Stacks shared by several projections give each
+its own ``R`` of the width ``w``: gate and up the fused ``gate_up`` (``2R``; each B writes only its half of
+``[2, inter]``), q, k and v ``qkv_a`` (``3R``), their B blocks zero outside their own rows and, without a
+mesh, side by side in ``qkv_b`` along the output.
 
 A quantized base (AWQ / GPTQ int4, FP8) keeps its packed weights; the stacks stay in the activation dtype and
 the deltas read the float activations beside the quantized matmul (``layers.decoder``: with LoRA on, the
 norms hand fp8 W8A8 projections float activations, which each quantizes for its own GEMM).
 
 Tensor parallelism: each stack is sharded as its base weight is. B's output axes like the base weight's
-(q/k/v/gate_up split on their outputs), A's input axis like the base weight's input (o and down split on
-theirs); the other factor is replicated, and the partial sums of a row projection's shrink are summed by
-XLA's partitioner.
+(q/k/v/gate_up split on their outputs, which is why q, k, v keep their own B under a mesh), A's input axis
+like the base weight's input (o and down split on theirs); the other factor is replicated, and the partial
+sums of a row projection's shrink are summed by XLA's partitioner.
 """
 from __future__ import annotations
 
@@ -28,22 +30,35 @@ from jaxserve.quantization import is_quantized
 from jaxserve.quantization.weights import TP
 from .peft import LoRAAdapter, projection_shapes
 
+QKV = ("q", "k", "v")
 
-def stack_shapes(cfg: ModelConfig, num_slots: int, rank: int) -> dict[str, tuple[int, ...]]:
-    """One layer's stacks: ``{"<target>_a": shape, "<target>_b": shape}``."""
-    p = projection_shapes(cfg)
-    i = cfg.intermediate_size
-    out = {}
-    for t in ("q", "k", "v", "o", "down"):
+
+def stack_shapes(cfg: ModelConfig, num_slots: int, rank: int, merge_qkv: bool = True) -> dict[str, tuple[int, ...]]:
+    """One layer's stacks: ``{"<target>_a": shape, "<target>_b": shape}``; ``merge_qkv``: q, k and v's B
+    side by side in one ``qkv_b`` (else ``q_b``, ``k_b``, ``v_b``)."""
+    S, R, p = num_slots, rank, projection_shapes(cfg)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    out = {"qkv_a": (h, S, 3 * R)}
+    if merge_qkv:
+        out["qkv_b"] = (S, 3 * R, sum(p[t][1] for t in QKV))
+    else:
+        out.update({f"{t}_b": (S, 3 * R, p[t][1]) for t in QKV})
+    for t in ("o", "down"):
         n_in, n_out = p[t]
-        out[f"{t}_a"], out[f"{t}_b"] = (num_slots, n_in, rank), (num_slots, rank, n_out)
-    out["gate_up_a"], out["gate_up_b"] = (num_slots, cfg.hidden_size, 2 * rank), (num_slots, 2 * rank, 2, i)
+        out[f"{t}_a"], out[f"{t}_b"] = (n_in, S, R), (S, R, n_out)
+    out["gate_up_a"], out["gate_up_b"] = (h, S, 2 * R), (S, 2 * R, 2, i)
     return out
 
 
+def _base_weight(layer: dict, key: str):
+    """The base weight whose sharding a stack follows (q's for the shared qkv_a and the merged qkv_b)."""
+    name = key.rpartition("_")[0]
+    return layer["q" if name == "qkv" else name]
+
+
 def _sharding(mesh, base_weight, a: bool):
-    """A stack's sharding from its base weight's ``[in, *out]`` spec: A ``[S, in, r]`` takes the input axis's,
-    B ``[S, r, *out]`` the output axes'. A quantized base weight says which logical axis it splits
+    """A stack's sharding from its base weight's ``[in, *out]`` spec: A ``[in, S, w]`` takes the input axis's,
+    B ``[S, w, *out]`` the output axes'. A quantized base weight says which logical axis it splits
     (``tp_axis``)."""
     if mesh is None:
         return None
@@ -52,12 +67,13 @@ def _sharding(mesh, base_weight, a: bool):
     else:
         spec = tuple(getattr(base_weight.sharding, "spec", None) or ())
         spec += (None,) * (base_weight.ndim - len(spec))
-    return NamedSharding(mesh, P(None, spec[0], None) if a else P(None, None, *spec[1:]))
+    return NamedSharding(mesh, P(spec[0], None, None) if a else P(None, None, *spec[1:]))
 
 
 def _write(stacks, slot, values):
-    return [{k: s.at[slot].set(values[i][k].astype(s.dtype)) for k, s in layer.items()}
-            for i, layer in enumerate(stacks)]
+    """Each stack's ``slot``: A's second axis, B's first."""
+    return [{k: (s.at[:, slot] if k.endswith("_a") else s.at[slot]).set(values[i][k].astype(s.dtype))
+             for k, s in layer.items()} for i, layer in enumerate(stacks)]
 
 
 class LoRASlots:
@@ -65,8 +81,10 @@ class LoRASlots:
 
     def __init__(self, cfg: ModelConfig, params: dict, max_loras: int, max_rank: int, dtype, mesh=None):
         self.cfg, self.num_slots, self.rank, self.dtype = cfg, max_loras + 1, max_rank, jnp.dtype(dtype)
-        shapes = stack_shapes(cfg, self.num_slots, max_rank)
-        self.shardings = [{k: _sharding(mesh, layer[k.rpartition("_")[0]], k.endswith("_a")) for k in shapes}
+        # a merged qkv_b's output axis would not split as the three base weights' do
+        self.merge_qkv = mesh is None
+        shapes = stack_shapes(cfg, self.num_slots, max_rank, self.merge_qkv)
+        self.shardings = [{k: _sharding(mesh, _base_weight(layer, k), k.endswith("_a")) for k in shapes}
                           for layer in params["layers"]]
         self.stacks = [{k: jnp.zeros(shape, self.dtype, device=sh[k]) for k, shape in shapes.items()}
                        for sh in self.shardings]
@@ -80,11 +98,22 @@ class LoRASlots:
         self.stacks = self._write(self.stacks, np.int32(slot), values)
 
     def _layer_values(self, layer: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
-        R, shapes = self.rank, stack_shapes(self.cfg, 1, self.rank)
-        out = {k: np.zeros(shape[1:], np.float32) for k, shape in shapes.items()}
+        """One slot's part of each stack (A ``[in, w]``, B ``[w, *out]``) for one layer of an adapter."""
+        R, shapes = self.rank, stack_shapes(self.cfg, 1, self.rank, self.merge_qkv)
+        out = {k: np.zeros(shape[:1] + shape[2:] if k.endswith("_a") else shape[1:], np.float32)
+               for k, shape in shapes.items()}
+        q_k_v_out = np.cumsum([0] + [projection_shapes(self.cfg)[t][1] for t in QKV])
         for t, (a, b) in layer.items():
             r = a.shape[1]
-            if t in ("gate", "up"):
+            if t in QKV:
+                j = QKV.index(t)
+                rows = slice(j * R, j * R + r)
+                out["qkv_a"][:, rows] = a
+                if self.merge_qkv:
+                    out["qkv_b"][rows, q_k_v_out[j]:q_k_v_out[j + 1]] = b
+                else:
+                    out[f"{t}_b"][rows] = b
+            elif t in ("gate", "up"):
                 half = 0 if t == "gate" else 1
                 out["gate_up_a"][:, half * R:half * R + r] = a
                 out["gate_up_b"][half * R:half * R + r, half, :] = b
@@ -92,7 +121,6 @@ class LoRASlots:
                 out[f"{t}_a"][:, :r] = a
                 out[f"{t}_b"][:r] = b
         return out
-
 
 
 def check_supported(model, config) -> None:

@@ -163,9 +163,9 @@ def test_tensor_parallel_2_gives_the_same_tokens():
             for j in range(len(g["prompts"])) for name in [None, *adapter_names()]]
     assert out["tokens"] == want
     specs = out["specs"]
-    assert specs["q_b"] == [None, None, "tp"] and specs["q_a"] == [None, None, None]
-    assert specs["o_a"] == [None, "tp", None] and specs["o_b"] == [None, None, None]
-    assert specs["gate_up_b"] == [None, None, None, "tp"] and specs["down_a"] == [None, "tp", None]
+    assert specs["q_b"] == specs["k_b"] == [None, None, "tp"] and specs["qkv_a"] == [None, None, None]
+    assert specs["o_a"] == ["tp", None, None] and specs["o_b"] == [None, None, None]
+    assert specs["gate_up_b"] == [None, None, None, "tp"] and specs["down_a"] == ["tp", None, None]
 
 
 def test_adapter_requests_queue_behind_one_waiting_for_a_slot(llm):

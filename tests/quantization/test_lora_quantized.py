@@ -94,7 +94,7 @@ def test_the_slot_stacks_shard_like_a_quantized_base_weight():
     down = Int4Weight(packed[:, 0], packed[:, 0], packed[:, 0], None, group_size=128, tp_axis=0)
     assert tuple(_sharding(mesh, gate_up, a=False).spec) == (None, None, None, "tp")
     assert tuple(_sharding(mesh, gate_up, a=True).spec) == (None, None, None)
-    assert tuple(_sharding(mesh, down, a=True).spec) == (None, "tp", None)
+    assert tuple(_sharding(mesh, down, a=True).spec) == ("tp", None, None)
 
 
 _TP_SCRIPT = r'''

@@ -151,8 +151,7 @@ class DecoderLayer(nnx.Module):
         cos, sin = cos_sin[spec.layer_rotary[self.index]]
         q, k, v = linear(h, _w(self.q)), linear(h, _w(self.k)), linear(h, _w(self.v))
         if lora is not None:
-            i = self.index
-            q, k, v = q + lora.delta(i, "q", h), k + lora.delta(i, "k", h), v + lora.delta(i, "v", h)
+            q, k, v = lora.add_qkv(self.index, h, q, k, v)
         if spec.attention_bias:
             q, k, v = q + _w(self.q_bias), k + _w(self.k_bias), v + _w(self.v_bias)
         q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)

@@ -54,11 +54,11 @@ def test_loading_and_swapping_adapters_compiles_nothing(llm):
     runner = llm.engine.core.runner
     run(llm, g["prompts"][:1], lora("attn-r8"))
     runner.wait_compiled(timeout=600)
-    before = runner.compiled_variants()
+    before, writes = runner.compiled_variants(), runner.lora._write._cache_size()   # (shared across engines)
     for name in adapter_names():              # three adapters through two slots: each swap writes a slot
         assert run(llm, g["prompts"][:1], lora(name)) == g["adapters"][name][:1]
     assert runner.compiled_variants() == before
-    assert runner.lora._write._cache_size() == 1
+    assert runner.lora._write._cache_size() == writes
 
 
 def test_two_adapters_never_share_prefix_cache_blocks(llm):

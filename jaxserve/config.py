@@ -17,6 +17,7 @@ from jaxserve.options import option, section
 FLAG_SPELLINGS: dict[str, tuple[str, ...]] = {
     "quantization": ("-q", "--quantization"),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
+    "pipeline_parallel_size": ("--pipeline-parallel-size", "-pp"),
     "kv_cache_memory_bytes": ("--kv-cache-memory",),
 }
 
@@ -223,6 +224,12 @@ class LoRAConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = option(1, help="devices each layer's weights are split over")
+    pipeline_parallel_size: int = option(
+        1, help="pipeline stages: the layers split into this many contiguous groups, each on its own "
+                "tensor_parallel_size devices (JAXSERVE_PP_LAYER_PARTITION sets the split)")
+    pipeline_batch_queue: bool = option(
+        True, help="with pipeline stages: keep up to pipeline_parallel_size steps of disjoint requests in "
+                   "flight so the stages work at once (vLLM's batch queue); off: one step at a time")
     distributed_coordinator: str | None = option(
         None, metavar="HOST:PORT", help="HOST:PORT of process 0 (several hosts: start one process each)")
     num_processes: int = option(1, help="JAX processes in all (with --distributed-coordinator)")

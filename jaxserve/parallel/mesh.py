@@ -150,13 +150,17 @@ def param_shardings(specs: Any, mesh: Mesh, cfg=None) -> Any:
 
     With ``cfg`` given, checks the heads split evenly and replicates k/v projections when tp > kv heads.
     """
-    tp = tp_size(mesh)
+    from .pipeline import placement     # inside ``pipeline.placing``: each weight on its stage's mesh
+    tp, stages = tp_size(mesh), placement()
+    if stages is not None:
+        stages = stages.for_layers(cfg.num_layers)
     if cfg is not None:
         check_tp_compatible(cfg, tp)
 
     def one(path, spec):
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
         if cfg is not None:
-            spec = adjust_spec_for_tp(jax.tree_util.keystr(path, simple=True, separator="."), spec, cfg, tp)
-        return NamedSharding(mesh, spec)
+            spec = adjust_spec_for_tp(name, spec, cfg, tp)
+        return NamedSharding(mesh if stages is None else stages.mesh_of(name), spec)
 
     return jax.tree_util.tree_map_with_path(one, specs, is_leaf=lambda x: isinstance(x, P))

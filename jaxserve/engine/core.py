@@ -100,6 +100,11 @@ class EngineCore:
         # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
         self._in_flight: deque[_InFlight] = deque()
         self._lookahead = 1 if config.async_scheduling else 0
+        # pipeline stages' batch queue: up to one step per stage in flight, of disjoint requests (the scheduler
+        # skips those with a token in flight), so no step reads another's tokens on the device
+        par = config.parallel
+        self._batch_queue = par.pipeline_parallel_size if par.pipeline_parallel_size > 1 and \
+            par.pipeline_batch_queue and config.async_scheduling else 0
         self._scorer = None
         self._step_ms = 0.0                       # wall time inside step(), summed (host + device waits)
         self._images = [0, 0]                     # images in requests, requests with images (stats)
@@ -139,6 +144,8 @@ class EngineCore:
                                         lc.max_lora_rank, lc.max_cpu_loras)
             self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_manager, self.max_model_len,
                                        self.encoder_cache, self.lora)
+            if self._batch_queue:
+                self.scheduler.num_batches = self._lookahead = self._batch_queue
             self.executor.warm_up(progress=progress)
             if self.multi_process:
                 # the processes follow the steps process 0 sends, and a step carries no bitmask
@@ -230,7 +237,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
             outputs += self._dispatch(scheduler_output)
-        outputs += self._process_in_flight(keep=self._lookahead if scheduler_output.scheduled else 0)
+        # nothing scheduled: read the oldest step (all of them when only one may be in flight)
+        outputs += self._process_in_flight(keep=self._lookahead if scheduler_output.scheduled else
+                                           max(len(self._in_flight) - 1, 0))
         self._step_ms += (time.perf_counter() - t0) * 1e3
         return outputs
 
@@ -257,7 +266,7 @@ class EngineCore:
         goes, a step with structured-output rows its previous tokens in the matchers before its sampler."""
         scheduled = scheduler_output.scheduled
         outputs = self._process_in_flight(keep=0) if self._needs_history(scheduled) else []
-        prev = self._in_flight[-1].pending if self._in_flight else None
+        prev = self._in_flight[-1].pending if self._in_flight and not self._batch_queue else None
         constrained = self.structured_output.constrained_rows(scheduled)
         mm = scheduler_output.mm_requests is not None
         if mm:

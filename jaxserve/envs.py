@@ -77,7 +77,8 @@ _REGISTRY: dict[str, EnvVar] = {
                                                                "residual add + RMSNorm (A/B runs)"),
     "JAXSERVE_PP_LAYER_PARTITION": EnvVar(_text, None, "layers per pipeline stage, comma-separated (e.g. "
                                                        "\"5,4,4,3\"; vLLM's VLLM_PP_LAYER_PARTITION); unset: "
-                                                       "as even as they divide, the first stages one more"),
+                                                       "as even as they divide, the layers left over on the "
+                                                       "stages just before the last"),
     # quantized weights
     "JAXSERVE_INT4_FFI_GEMV": EnvVar(lambda raw: bool(raw) and _flag(raw), "0",
                                      "1 = int4 steps of <= 16 tokens run the CUDA FFI GEMV (kernels/quant_gemv.cu) "

@@ -29,8 +29,9 @@ _PLACING: contextvars.ContextVar["StageMeshes | None"] = contextvars.ContextVar(
 
 
 def layer_partition(num_layers: int, num_stages: int, override: str | None = None) -> list[int]:
-    """Layers per stage: ``override`` ("a,b,c", ``JAXSERVE_PP_LAYER_PARTITION``), else as even as they divide
-    with the stages before the last one layer more (vLLM's rule: the last one also runs the head)."""
+    """Layers per stage: ``override`` ("a,b,c", ``JAXSERVE_PP_LAYER_PARTITION``), else as even as they divide,
+    the layers left over one each on the stages just before the last (vLLM's rule: the last one also runs
+    the head, the first the embedding)."""
     override = envs.JAXSERVE_PP_LAYER_PARTITION if override is None else override
     if override:
         try:

@@ -43,9 +43,6 @@ def make_stages(config: EngineConfig):
     pp = config.parallel.pipeline_parallel_size
     if pp <= 1:
         return None
-    if jax.process_count() > 1:
-        raise ValueError("--pipeline-parallel-size runs in one process for now (all stages' devices visible to "
-                         "it); drop --num-processes / --distributed-executor-backend mp")
     from jaxserve.parallel.pipeline import make_stage_meshes
     stages = make_stage_meshes(pp, config.parallel.tensor_parallel_size)
     logger.info("pipeline parallelism %d × tensor parallelism %d over %d devices", pp,

@@ -95,6 +95,9 @@ class ModelRunner:
             stages = stages.for_layers(model.config.num_layers)
             mesh = stages.meshes[-1]
         self.model, self.cfg, self.config, self.mesh, self.stages = model, model.config, config, mesh, stages
+        # stages over several processes: the sampled tokens go to the first stage's devices, process 0's, where
+        # the scheduler reads them (the last stage's may be another process's)
+        self._to_driver = stages.replicated(0) if stages is not None and jax.process_count() > 1 else None
         self.block_size = config.cache.block_size
         sc = config.scheduler
         self.encoder = None
@@ -259,6 +262,8 @@ class ModelRunner:
             out, padded = exe(step.logits, step.s_ints, step.s_floats)
         else:
             out, padded = exe(step.logits, step.s_ints, step.s_floats, bitmask)
+        if self._to_driver is not None:
+            out, padded = jax.device_put((out, padded), self._to_driver)
         self._step_count += 1
         self.stats.host_ms += step.t_host + (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None, step.expert_load)

@@ -160,5 +160,29 @@ def test_smollm2_pipeline_matches_transformers(slow_report, pp):
     assert smol[f"pp{pp}"] == smol["golden"]
 
 
+_TWO_PROCESSES = """
+import json, sys
+from support.tiny_models import engine_with_preemption
+llm, gold, outs = engine_with_preemption(sys.argv[1], pipeline_parallel_size=2, distributed_executor_backend="mp",
+                                         skip_warmup=True)
+print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "golden": gold["greedy_ids"],
+                  "preemptions": llm.engine.core.scheduler.num_preemptions}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen3moe"])
+def test_two_processes_pipeline_matches_hf(name):
+    """PP=2 over two processes (``--distributed-executor-backend mp``: a spawned worker, ``jax.distributed``,
+    one CPU device each): the stages hand on their hidden states with JAX's cross-host transfers."""
+    from support.fake_devices import run_on_fake_devices
+
+    out = run_on_fake_devices(["-c", _TWO_PROCESSES, name], 1, timeout=600)
+    entry = json.loads(out.strip().splitlines()[-1])
+    for i in (0, 2, 4):
+        assert entry["tokens"][i] == entry["golden"]
+    assert entry["preemptions"] > 0
+
+
 if __name__ == "__main__":
     print(json.dumps(_worker(sys.argv[1])))

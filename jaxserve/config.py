@@ -235,9 +235,11 @@ class ParallelConfig:
     num_processes: int = option(1, help="JAX processes in all (with --distributed-coordinator)")
     process_id: int = option(0, help="this process's index among --num-processes")
     distributed_executor_backend: str = option(
-        "uni", choices=("uni", "mp"),
-        help="uni: one process drives all tensor-parallel devices; mp: one process per device on this host "
-             "(workers spawned and stopped by the engine; jaxserve/executor/launcher.py)")
+        "uni", choices=("uni", "mp", "ray"),
+        help="uni: one process drives all devices; mp: one process per device on this host (workers spawned "
+             "and stopped by the engine; jaxserve/executor/launcher.py); ray: one process per pipeline stage, "
+             "each on its own node of the running Ray cluster (pip install 'jaxserve[ray]'; "
+             "jaxserve/executor/ray_workers.py)")
     disable_custom_all_reduce: bool = option(
         False, help="keep XLA's all-reduce for every step; by default steps of up to 1 MiB of activations "
                     "(128 tokens of a 4096-wide model) use a CUDA one-shot all-reduce "

@@ -118,6 +118,9 @@ def maybe_start(config) -> LocalWorkers | None:
     joined a multi-process run yet (workers themselves arrive here already initialised)."""
     import jax
     par = config.parallel
+    if par.distributed_executor_backend == "ray" and not jax.distributed.is_initialized():
+        from .ray_workers import RayWorkers       # the workers on a Ray cluster instead of this host
+        return RayWorkers(config)
     if par.distributed_executor_backend != "mp" or par.tensor_parallel_size * par.pipeline_parallel_size <= 1 \
             or jax.distributed.is_initialized():
         return None

@@ -136,7 +136,15 @@ class RayWorkers:
         import ray
         self._stopping.set()
         release, self._release = self._release, None
-        if release is not None and self.lost is None:
+        if self.lost is None and ray.wait(self.calls, num_returns=len(self.calls), timeout=0)[0]:
+            self.lost = "a pipeline stage's worker process is gone"
+        if self.lost is not None:
+            # jax.distributed's shutdown (this hook's or JAX's own at exit) would wait for the lost process
+            logger.error("%s: exiting without jax.distributed's shutdown", self.lost)
+            self.kill()
+            logging.shutdown()
+            os._exit(1)
+        if release is not None:
             try:
                 release()
                 # the released workers wait in jax.distributed's shutdown barrier for this process: join it

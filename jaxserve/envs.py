@@ -111,6 +111,8 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAX_COORDINATOR_ADDRESS": EnvVar(_text, None, "host:port of process 0 for a multi-process engine"),
     "JAX_NUM_PROCESSES": EnvVar(_int("JAX_NUM_PROCESSES"), None, "processes of a multi-process engine"),
     "JAX_PROCESS_ID": EnvVar(_int("JAX_PROCESS_ID"), None, "this process's index in a multi-process engine"),
+    "RAY_ADDRESS": EnvVar(_text, None, "the Ray cluster --distributed-executor-backend ray joins (Ray's variable; "
+                                       "unset: the cluster this node is part of)"),
     "XLA_PYTHON_CLIENT_MEM_FRACTION": EnvVar(lambda raw: float(raw) if raw else 0.75, "0.75",
                                              "the share of a GPU's memory JAX's allocator may take (JAX's "
                                              "variable; the KV cache is sized within it)"),

@@ -18,10 +18,13 @@ A worker that dies (its actor, its node) ends its Ray call with an error; a watc
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 import threading
 import time
+
+from jaxserve import envs
 
 from . import distributed
 
@@ -35,12 +38,9 @@ class StageWorker:
     """A Ray actor: one JAX process of the engine (stage ``process_id``)."""
 
     def run(self, config, coordinator: str, num_processes: int, process_id: int) -> int:
-        distributed.initialize(coordinator, num_processes, process_id)
-        from jaxserve.executor.model_executor import ModelExecutor
-        executor = ModelExecutor(config)
-        executor.build_runner()
-        executor.warm_up(progress=False)
-        steps = distributed.follow_runner(executor.runner)
+        # the worker module by name, as the mp executor starts it (it builds the executor that starts us)
+        steps = importlib.import_module("jaxserve.executor.worker").follow(config, coordinator, num_processes,
+                                                                            process_id)
         # every process leaves jax.distributed together (process 0 at its exit); this actor then ends
         import jax
         jax.distributed.shutdown()
@@ -61,8 +61,8 @@ class RayWorkers:
             raise ValueError("--distributed-executor-backend ray places one process per pipeline stage: give "
                              "--pipeline-parallel-size 2 or more (tensor parallelism alone runs in one process)")
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
-        on_cpu = "cpu" in (os.environ.get("JAX_PLATFORMS") or "").split(",")
+            ray.init(address=envs.RAY_ADDRESS or "auto", log_to_driver=False)
+        on_cpu = "cpu" in envs.JAX_PLATFORMS.split(",")
         bundle = {"CPU": 1} if on_cpu else {"CPU": 1, "GPU": tp}
         self.group = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_SPREAD")
         try:
@@ -81,7 +81,7 @@ class RayWorkers:
         others = [b for b in sorted(nodes) if b != mine[0]]
         host = ray.util.get_node_ip_address()
         self.coordinator = f"{host}:{_free_port(host)}"
-        env = {k: v for k in ("JAX_PLATFORMS", "JAXSERVE_PP_LAYER_PARTITION") if (v := os.environ.get(k))}
+        env = {k: v for k in ("JAX_PLATFORMS", "JAXSERVE_PP_LAYER_PARTITION") if (v := getattr(envs, k))}
         if on_cpu:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={tp}"
         actor = ray.remote(StageWorker)

@@ -12,21 +12,17 @@ another stage's layers.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import re
 from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from jaxserve import envs
 
-from .mesh import TP
-
-_PLACING: contextvars.ContextVar["StageMeshes | None"] = contextvars.ContextVar("pp_placing", default=None)
-
+from .mesh import STAGE_PLACEMENT, check_device_count, make_mesh
 
 def layer_partition(num_layers: int, num_stages: int, override: str | None = None) -> list[int]:
     """Layers per stage: ``override`` ("a,b,c", ``JAXSERVE_PP_LAYER_PARTITION``), else as even as they divide,
@@ -98,32 +94,19 @@ class StageMeshes:
 def make_stage_meshes(num_stages: int, tensor_parallel_size: int,
                       devices: Sequence[jax.Device] | None = None) -> StageMeshes:
     """Stage ``k`` over devices ``k·T .. (k+1)·T - 1`` of ``jax.devices()`` (no layers assigned yet)."""
-    devices = list(jax.devices() if devices is None else devices)
-    need = num_stages * tensor_parallel_size
-    if len(devices) < need:
-        kind = devices[0].platform if devices else "device"
-        raise ValueError(
-            f"pipeline_parallel_size={num_stages} × tensor_parallel_size={tensor_parallel_size} needs {need} "
-            f"devices, but only {len(devices)} {kind} device(s) are visible"
-            + (" (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)"
-               if kind == "cpu" else ""))
-    meshes = tuple(Mesh(np.array(devices[k * tensor_parallel_size:(k + 1) * tensor_parallel_size]), (TP,),
-                        axis_types=(AxisType.Auto,)) for k in range(num_stages))
-    return StageMeshes(meshes)
+    devices, t = list(jax.devices() if devices is None else devices), tensor_parallel_size
+    check_device_count(f"pipeline_parallel_size={num_stages} × tensor_parallel_size={t}", num_stages * t, devices)
+    return StageMeshes(tuple(make_mesh(t, devices[k * t:(k + 1) * t]) for k in range(num_stages)))
 
 
 @contextlib.contextmanager
 def placing(stages: StageMeshes | None):
     """Inside: ``param_shardings`` puts each weight on its stage's mesh (the loaders need no other change)."""
-    token = _PLACING.set(stages)
+    token = STAGE_PLACEMENT.set(stages)
     try:
         yield
     finally:
-        _PLACING.reset(token)
-
-
-def placement() -> StageMeshes | None:
-    return _PLACING.get()
+        STAGE_PLACEMENT.reset(token)
 
 
 def stage_params(params: dict, start: int, end: int, num_layers: int, tied_embed=None) -> dict:

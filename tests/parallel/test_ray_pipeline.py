@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from support.server_process import MAX_MODEL_LEN, ServerProcess
+from support.server_process import MAX_MODEL_LEN, ServerProcess, stream_lines
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -69,16 +69,9 @@ def test_ray_pipeline_server_matches_one_process_and_fails_fast(ray_cluster):
         results: dict[int, list] = {}
 
         def stream(i):
-            lines = results[i] = []
             body = {"model": "smol", "prompt": f"Write a long story {i}", "max_tokens": 400, "stream": True,
                     "ignore_eos": True}
-            try:
-                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-                    for line in r.iter_lines():
-                        if line:
-                            lines.append(line)
-            except httpx.HTTPError as e:
-                lines.append(f"transport error {e!r}")
+            stream_lines(srv.url, body, results.setdefault(i, []))
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
         for t in threads:

@@ -112,9 +112,9 @@ class EngineCore:
         self.embedder = self.runner = self.scheduler = self.kv_manager = self.encoder_cache = self.lora = None
         t0 = time.perf_counter()
         if is_embedding_model(self.model, config.task):
-            if self.multi_process:
-                raise ValueError("embedding models run in a single process (no --num-processes / "
-                                 "--distributed-executor-backend mp)")
+            if self.multi_process or config.parallel.pipeline_parallel_size > 1:
+                raise ValueError("embedding models run in a single process, in one stage (no --num-processes / "
+                                 "--distributed-executor-backend mp / --pipeline-parallel-size)")
             # an embedding engine: no KV cache, no scheduler; requests go straight to the bucketed Embedder
             self.embedder = Embedder(self.model, attn_backend=resolve_attention_backend(config.attention_backend),
                                      block_size=config.cache.block_size, max_length=config.max_model_len,

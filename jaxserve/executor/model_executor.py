@@ -1,7 +1,8 @@
 """The model on its devices, built from an ``EngineConfig``: what every process of an engine builds alike.
 
-``ModelExecutor(config)`` starts the ``mp`` executor's workers when the config asks for them (before anything
-starts a JAX backend), turns on the compile cache, builds the tensor-parallel mesh and loads the model;
+``ModelExecutor(config)`` starts the ``mp`` executor's workers, or the ``ray`` executor's, when the config asks
+for them (before anything starts a JAX backend), turns on the compile cache, builds the tensor-parallel mesh (or
+the pipeline stages' meshes, each weight loading onto its own stage's) and loads the model;
 ``build_runner`` builds the decoder's ``ModelRunner`` (its KV cache sized) and ``warm_up`` compiles its steps.
 On process 0 of a
 multi-process engine the runner sends each step to the other processes before it launches it

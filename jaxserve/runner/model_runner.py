@@ -78,7 +78,9 @@ class PendingStep:
 def check_pipeline_supported(model, config: EngineConfig) -> None:
     """Refuse what pipeline stages do not run, with the flag to change."""
     family = model.family
+    spec = getattr(config, "speculative_config", None)
     why = ("LoRA adapters (--enable-lora)" if config.lora.enable_lora else
+           "speculative decoding (--speculative-config)" if spec is not None and getattr(spec, "method", None) else
            "multi-step decoding (--num-scheduler-steps > 1)" if config.scheduler.num_scheduler_steps > 1 else
            "a vision model" if hasattr(family, "encode_images") or getattr(family, "cross_attention", False) else
            "this model family" if not hasattr(family, "abstract_stage") else None)

@@ -17,6 +17,7 @@ from jaxserve.options import option, section
 FLAG_SPELLINGS: dict[str, tuple[str, ...]] = {
     "quantization": ("-q", "--quantization"),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
+    "pipeline_parallel_size": ("--pipeline-parallel-size", "-pp"),
     "kv_cache_memory_bytes": ("--kv-cache-memory",),
 }
 
@@ -223,14 +224,22 @@ class LoRAConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = option(1, help="devices each layer's weights are split over")
+    pipeline_parallel_size: int = option(
+        1, help="pipeline stages: the layers split into this many contiguous groups, each on its own "
+                "tensor_parallel_size devices (JAXSERVE_PP_LAYER_PARTITION sets the split)")
+    pipeline_batch_queue: bool = option(
+        True, help="with pipeline stages: keep up to pipeline_parallel_size steps of disjoint requests in "
+                   "flight so the stages work at once (vLLM's batch queue); off: one step at a time")
     distributed_coordinator: str | None = option(
         None, metavar="HOST:PORT", help="HOST:PORT of process 0 (several hosts: start one process each)")
     num_processes: int = option(1, help="JAX processes in all (with --distributed-coordinator)")
     process_id: int = option(0, help="this process's index among --num-processes")
     distributed_executor_backend: str = option(
-        "uni", choices=("uni", "mp"),
-        help="uni: one process drives all tensor-parallel devices; mp: one process per device on this host "
-             "(workers spawned and stopped by the engine; jaxserve/executor/launcher.py)")
+        "uni", choices=("uni", "mp", "ray"),
+        help="uni: one process drives all devices; mp: one process per device on this host (workers spawned "
+             "and stopped by the engine; jaxserve/executor/launcher.py); ray: one process per pipeline stage, "
+             "each on its own node of the running Ray cluster (pip install 'jaxserve[ray]'; "
+             "jaxserve/executor/ray_workers.py)")
     disable_custom_all_reduce: bool = option(
         False, help="keep XLA's all-reduce for every step; by default steps of up to 1 MiB of activations "
                     "(128 tokens of a 4096-wide model) use a CUDA one-shot all-reduce "

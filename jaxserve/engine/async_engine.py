@@ -95,6 +95,10 @@ class AsyncLLMEngine:
         self._stats = self.engine.stats()
         self._pending = 0                     # submitted, not yet in the scheduler (both threads change it)
         self._pending_lock = threading.Lock()
+        # workers Ray placed (executor.ray_workers): a lost one fails the requests at once, not a stuck step
+        workers = getattr(getattr(getattr(self.engine, "core", None), "executor", None), "workers", None)
+        if hasattr(workers, "on_worker_lost"):
+            workers.on_worker_lost = lambda why: self._die(RuntimeError(why), EngineDeadError(why))
         self._thread = threading.Thread(target=self._read_core if self.multiprocess else self._loop,
                                         name="jaxserve-engine", daemon=True)
         self._thread.start()

@@ -102,6 +102,11 @@ class EngineCore:
         self._in_flight: deque[_InFlight] = deque()
         self._lookahead = 1 if config.async_scheduling else 0
         self.speculator = None            # --speculative-config (``speculator``): steps then run synchronously
+        # pipeline stages' batch queue: up to one step per stage in flight, of disjoint requests (the scheduler
+        # skips those with a token in flight), so no step reads another's tokens on the device
+        par = config.parallel
+        self._batch_queue = par.pipeline_parallel_size if par.pipeline_parallel_size > 1 and \
+            par.pipeline_batch_queue and config.async_scheduling else 0
         self._scorer = None
         self._step_ms = 0.0                       # wall time inside step(), summed (host + device waits)
         self._images = [0, 0]                     # images in requests, requests with images (stats)
@@ -109,9 +114,9 @@ class EngineCore:
         self.embedder = self.runner = self.scheduler = self.kv_manager = self.encoder_cache = self.lora = None
         t0 = time.perf_counter()
         if is_embedding_model(self.model, config.task):
-            if self.multi_process:
-                raise ValueError("embedding models run in a single process (no --num-processes / "
-                                 "--distributed-executor-backend mp)")
+            if self.multi_process or config.parallel.pipeline_parallel_size > 1:
+                raise ValueError("embedding models run in a single process, in one stage (no --num-processes / "
+                                 "--distributed-executor-backend mp / --pipeline-parallel-size)")
             # an embedding engine: no KV cache, no scheduler; requests go straight to the bucketed Embedder
             self.embedder = Embedder(self.model, attn_backend=resolve_attention_backend(config.attention_backend),
                                      block_size=config.cache.block_size, max_length=config.max_model_len,
@@ -145,6 +150,8 @@ class EngineCore:
             if config.speculative_config is not None:
                 self.speculator = make_speculator(self, config, draft)
                 self._lookahead = 0
+            if self._batch_queue:
+                self.scheduler.num_batches = self._lookahead = self._batch_queue
             self.executor.warm_up(progress=progress)
             if draft is not None and not config.skip_warmup:
                 draft.warmup(progress=progress)
@@ -240,7 +247,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
             outputs += self._dispatch(scheduler_output)
-        outputs += self._process_in_flight(keep=self._lookahead if scheduler_output.scheduled else 0)
+        # nothing scheduled: read the oldest step (all of them when only one may be in flight)
+        outputs += self._process_in_flight(keep=self._lookahead if scheduler_output.scheduled else
+                                           max(len(self._in_flight) - 1, 0))
         self._step_ms += (time.perf_counter() - t0) * 1e3
         return outputs
 
@@ -267,7 +276,7 @@ class EngineCore:
         goes, a step with structured-output rows its previous tokens in the matchers before its sampler."""
         scheduled = scheduler_output.scheduled
         outputs = self._process_in_flight(keep=0) if self._needs_history(scheduled) else []
-        prev = self._in_flight[-1].pending if self._in_flight else None
+        prev = self._in_flight[-1].pending if self._in_flight and not self._batch_queue else None
         constrained = self.structured_output.constrained_rows(scheduled)
         mm = scheduler_output.mm_requests is not None
         if mm:

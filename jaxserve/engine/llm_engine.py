@@ -141,6 +141,9 @@ class RequestBuilder:
             raise InvalidRequestError("prompt_logprobs is not available when the model is spread over several "
                                       "processes (--num-processes / --distributed-executor-backend mp)",
                                       param="prompt_logprobs")
+        if params.prompt_logprobs is not None and facts.config.parallel.pipeline_parallel_size > 1:
+            raise InvalidRequestError("prompt_logprobs is not available with pipeline stages "
+                                      "(--pipeline-parallel-size)", param="prompt_logprobs")
         check_token_ids(params, facts.model_config.vocab_size)             # logit_bias, allowed_token_ids
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")

@@ -32,6 +32,8 @@ more steps (it waits, holding its blocks, in ``capped``); ``core_outputs.apply_s
 tokens, decides (EOS, stop ids, length) and the engine core frees what it names with ``finish_requests``
 (a stop string, found by the front end, comes as an abort).
 Admission (prompt length, queue limits) is the engine's, checked before ``add_request``.
+Pipeline stages' batch queue (``num_batches`` > 1 steps in flight): a step takes no request with a token in
+flight and at most its share of the requests, so the steps in flight hold disjoint requests.
 
 A request that asks for prompt logprobs is scheduled like any other (chunked, budgeted, preemptible,
 abortable); the engine scores each of its prompt chunks after the step that computes it
@@ -116,6 +118,7 @@ class Scheduler:
         self.scoring_ready = True                    # False while the engine's prompt scorer compiles
         self.num_penalized = 0                       # unfinished requests with a presence/frequency/repetition penalty
         self.num_preemptions = 0                     # total, for stats
+        self.num_batches = 1                         # steps of disjoint requests in flight (pipeline stages)
 
     # -- queue ----------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -172,8 +175,12 @@ class Scheduler:
         #    request already scheduled in this step (those sit before index i).
         i = 0
         req_to_blocks, req_to_block_ids, bs = kv.req_to_blocks, kv.req_to_block_ids, kv.block_size
+        seats = -(-(len(self.running) + len(self.waiting)) // self.num_batches) if self.num_batches > 1 else 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if seats and (req.num_placeholders or len(scheduled) >= seats):     # in flight, or another batch's
+                i += 1
+                continue
             num_new = len(req._all_token_ids) - req.num_computed_tokens
             if num_new <= 0:            # nothing to compute (cannot happen via update_from_output)
                 i += 1
@@ -242,10 +249,11 @@ class Scheduler:
         #    grammar is still compiling is not here yet: the engine core holds it apart, WAITING_FOR_FSM.)
         skipped: list[Request] = []
         lora_blocked = False
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and \
+                (not seats or len(scheduled) < seats):
             req = self.waiting[0]
             scores = self.num_scoring and _scores_prompt(req)
-            if scores and not self.scoring_ready:
+            if (scores and not self.scoring_ready) or (seats and req.num_placeholders):   # (preempted in flight)
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(req) if not scores else ([], 0)

@@ -74,9 +74,28 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise ValueError(f"process_id {process_id} is out of range for num_processes={num_processes}")
     if "cpu" in (envs.JAX_PLATFORMS or "cpu").split(","):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator and not jax.config.values.get("jax_cross_host_transfer_socket_address"):
+        # pipeline stages on other processes: ``jax.device_put`` between them is a cross-host transfer, served
+        # from this address (the interface the coordinator is reached through, a free port)
+        jax.config.update("jax_cross_host_transfer_socket_address", transfer_address(coordinator))
     jax.distributed.initialize(coordinator, num_processes, process_id, local_device_ids=local_device_ids,
                                initialization_timeout=initialization_timeout)
     return True
+
+
+def transfer_address(coordinator: str) -> str:
+    """``HOST:PORT`` for this process's cross-host transfers: the local address of the route to the
+    coordinator (127.0.0.1 for a local one) and a port free now."""
+    host, _, port = coordinator.rpartition(":")
+    if host in ("127.0.0.1", "localhost", "::1", ""):
+        local = "127.0.0.1"
+    else:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:     # no packet is sent
+            probe.connect((host, int(port)))
+            local = probe.getsockname()[0]
+    with socket.socket() as s:
+        s.bind((local, 0))
+        return f"{local}:{s.getsockname()[1]}"
 
 
 def is_driver() -> bool:

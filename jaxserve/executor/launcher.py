@@ -1,7 +1,7 @@
 """``--distributed-executor-backend mp``: one process per device on this host, started by the engine itself.
 
 Process 0 (the one the user started: the server, ``LLM``, the CLI) writes its engine config to a temporary
-file, spawns ``tensor_parallel_size - 1`` workers (``python -m jaxserve.executor.worker``), and all of them
+file, spawns ``tensor_parallel_size × pipeline_parallel_size - 1`` workers (``python -m jaxserve.executor.worker``), and all of them
 join ``jax.distributed`` through a coordinator on a free localhost port; on a GPU process i sees only local
 device i. From there it is the multi-process mode of ``distributed.py``: process 0 schedules and sends each
 step, the workers build the same engine and follow. Each process dispatches only its own device's share of
@@ -47,7 +47,7 @@ class LocalWorkers:
     """The spawned worker processes of an ``mp`` engine (process 0's handle on them)."""
 
     def __init__(self, config, *, timeout_s: float = 120.0):
-        n = config.parallel.tensor_parallel_size
+        n = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
         self.coordinator = f"127.0.0.1:{_free_port()}"
         fd, self.config_path = tempfile.mkstemp(prefix="jaxserve-engine-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
@@ -118,7 +118,11 @@ def maybe_start(config) -> LocalWorkers | None:
     joined a multi-process run yet (workers themselves arrive here already initialised)."""
     import jax
     par = config.parallel
-    if par.distributed_executor_backend != "mp" or par.tensor_parallel_size <= 1 or jax.distributed.is_initialized():
+    if par.distributed_executor_backend == "ray" and not jax.distributed.is_initialized():
+        from .ray_workers import RayWorkers       # the workers on a Ray cluster instead of this host
+        return RayWorkers(config)
+    if par.distributed_executor_backend != "mp" or par.tensor_parallel_size * par.pipeline_parallel_size <= 1 \
+            or jax.distributed.is_initialized():
         return None
     if par.distributed_coordinator or par.num_processes > 1:
         raise ValueError("--distributed-executor-backend mp starts its own processes; do not combine it with "

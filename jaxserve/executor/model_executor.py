@@ -1,7 +1,8 @@
 """The model on its devices, built from an ``EngineConfig``: what every process of an engine builds alike.
 
-``ModelExecutor(config)`` starts the ``mp`` executor's workers when the config asks for them (before anything
-starts a JAX backend), turns on the compile cache, builds the tensor-parallel mesh and loads the model;
+``ModelExecutor(config)`` starts the ``mp`` executor's workers, or the ``ray`` executor's, when the config asks
+for them (before anything starts a JAX backend), turns on the compile cache, builds the tensor-parallel mesh (or
+the pipeline stages' meshes, each weight loading onto its own stage's) and loads the model;
 ``build_runner`` builds the decoder's ``ModelRunner`` (its KV cache sized) and ``warm_up`` compiles its steps.
 On process 0 of a
 multi-process engine the runner sends each step to the other processes before it launches it
@@ -37,6 +38,19 @@ def make_tp_mesh(config: EngineConfig):
     return mesh, why_not is None
 
 
+def make_stages(config: EngineConfig):
+    """The pipeline stages' meshes (``parallel.pipeline``; None for one stage). Each stage's tensor-parallel
+    all-reduce is XLA's (the CUDA one-shot all-reduce is set up for one mesh)."""
+    pp = config.parallel.pipeline_parallel_size
+    if pp <= 1:
+        return None
+    from jaxserve.parallel.pipeline import make_stage_meshes
+    stages = make_stage_meshes(pp, config.parallel.tensor_parallel_size)
+    logger.info("pipeline parallelism %d × tensor parallelism %d over %d devices", pp,
+                config.parallel.tensor_parallel_size, pp * config.parallel.tensor_parallel_size)
+    return stages
+
+
 def tree_nbytes(tree) -> int:
     return sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(tree))
 
@@ -58,12 +72,17 @@ class ModelExecutor:
         with startup_timeline.phase("device init"):
             config = self.config = config.resolved(jax.default_backend())
             self.multi_process = jax.process_count() > 1
-            self.mesh, self.custom_all_reduce = make_tp_mesh(config)
+            self.stages = make_stages(config)
+            self.mesh, self.custom_all_reduce = make_tp_mesh(config) if self.stages is None else (None, False)
+        # with pipeline stages each weight loads onto its own stage's mesh (``parallel.pipeline.placing``)
+        from jaxserve.parallel.pipeline import placing
+        load_mesh = self.mesh if self.stages is None else self.stages.meshes[0]
         with startup_timeline.phase("weights") as weights:
-            self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                                    max_model_len=config.max_model_len, mesh=self.mesh,
-                                    quantization=config.quantization,
-                                    enable_expert_parallel=config.parallel.enable_expert_parallel)
+            with placing(self.stages):
+                self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
+                                        max_model_len=config.max_model_len, mesh=load_mesh,
+                                        quantization=config.quantization,
+                                        enable_expert_parallel=config.parallel.enable_expert_parallel)
             # the weights' seconds are the device's too: wait for the last fill or copy (warm-up would)
             weights.nbytes = tree_nbytes(jax.block_until_ready(self.model.params))
             weights.note = "by storage: " + describe_bytes(self.model.params)
@@ -80,7 +99,8 @@ class ModelExecutor:
         multi-process engine it comes wrapped in a ``BroadcastingRunner``."""
         from jaxserve.runner.model_runner import ModelRunner
         with startup_timeline.phase("KV cache") as kv:
-            runner = ModelRunner(self.model, self.config, self.model.max_model_len, mesh=self.mesh)
+            runner = ModelRunner(self.model, self.config, self.model.max_model_len, mesh=self.mesh,
+                                 stages=self.stages)
             kv.nbytes = tree_nbytes(jax.block_until_ready(runner.kv_caches))
         self.model.max_model_len = runner.max_model_len
         if self.multi_process and jax.process_index() == 0:

@@ -139,7 +139,7 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
             shapes_str = ", ".join(f"{n} {tuple(r.shape)}" for n, r in zip(names, raw))
             raise ModelLoadError(f"{file_of(names[0])}: tensor {shapes_str} does not match the config "
                                  f"(expected {tuple(expected)} after layout conversion)")
-        in_sharding = NamedSharding(mesh, _hf_spec(kind, sharding.spec)) if sharding is not None else None
+        in_sharding = NamedSharding(sharding.mesh, _hf_spec(kind, sharding.spec)) if sharding is not None else None
         return False, [jax.device_put(_device_ready(r), in_sharding) for r in raw]
 
     def build_on_device(kind, placed, to_dtype, sharding):

@@ -11,6 +11,7 @@ simpler here and costs cache memory only in that rare case (8B-class models have
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Sequence
 
 import jax
@@ -18,6 +19,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 TP = "tp"
+# the pipeline stages (``pipeline.StageMeshes``) weights load onto while ``pipeline.placing`` is on, else None
+STAGE_PLACEMENT: contextvars.ContextVar = contextvars.ContextVar("stage_placement", default=None)
 
 
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -30,14 +33,18 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     devices = list(jax.devices() if devices is None else devices)
-    if len(devices) < tensor_parallel_size:
+    check_device_count(f"tensor_parallel_size={tensor_parallel_size}", tensor_parallel_size, devices)
+    return Mesh(np.array(devices[:tensor_parallel_size]), (TP,), axis_types=(AxisType.Auto,))
+
+
+def check_device_count(what: str, need: int, devices: Sequence[jax.Device]) -> None:
+    """Raise, saying how to get more, when ``devices`` are fewer than ``need``."""
+    if len(devices) < need:
         kind = devices[0].platform if devices else "device"
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} devices, but only "
-            f"{len(devices)} {kind} device(s) are visible"
+            f"{what} needs {need} devices, but only {len(devices)} {kind} device(s) are visible"
             + (" (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)"
                if kind == "cpu" else ""))
-    return Mesh(np.array(devices[:tensor_parallel_size]), (TP,), axis_types=(AxisType.Auto,))
 
 
 def tp_size(mesh: Mesh | None) -> int:
@@ -150,13 +157,16 @@ def param_shardings(specs: Any, mesh: Mesh, cfg=None) -> Any:
 
     With ``cfg`` given, checks the heads split evenly and replicates k/v projections when tp > kv heads.
     """
-    tp = tp_size(mesh)
+    tp, stages = tp_size(mesh), STAGE_PLACEMENT.get()   # inside ``pipeline.placing``: on its stage's mesh
+    if stages is not None:
+        stages = stages.for_layers(cfg.num_layers)
     if cfg is not None:
         check_tp_compatible(cfg, tp)
 
     def one(path, spec):
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
         if cfg is not None:
-            spec = adjust_spec_for_tp(jax.tree_util.keystr(path, simple=True, separator="."), spec, cfg, tp)
-        return NamedSharding(mesh, spec)
+            spec = adjust_spec_for_tp(name, spec, cfg, tp)
+        return NamedSharding(mesh if stages is None else stages.mesh_of(name), spec)
 
     return jax.tree_util.tree_map_with_path(one, specs, is_leaf=lambda x: isinstance(x, P))

@@ -33,20 +33,22 @@ def layer_shapes(cfg, num_blocks: int, block_size: int, dtype) -> tuple[tuple[in
     return family.kv_cache_shapes(cfg, num_blocks, block_size, dtype)
 
 
-def bytes_per_block(cfg, block_size: int, dtype, mesh=None) -> int:
-    """Bytes one block takes on each device (split over "tp" where the kv heads are)."""
+def bytes_per_block(cfg, block_size: int, dtype, mesh=None, num_layers: int | None = None) -> int:
+    """Bytes one block takes on each device (split over "tp" where the kv heads are; ``num_layers``: the
+    layers a device holds, the largest pipeline stage's)."""
     per_layer = sum(math.prod(shape[1:]) for shape in layer_shapes(cfg, 1, block_size, dtype))
     split = tp_size(mesh) if kv_heads_sharded(cfg, tp_size(mesh)) else 1
-    return cfg.num_layers * per_layer * jnp.dtype(dtype).itemsize // split
+    return (num_layers or cfg.num_layers) * per_layer * jnp.dtype(dtype).itemsize // split
 
 
-def fit(cfg, config: EngineConfig, max_model_len: int, dtype, mesh=None) -> tuple[int, int]:
+def fit(cfg, config: EngineConfig, max_model_len: int, dtype, mesh=None,
+        num_layers: int | None = None) -> tuple[int, int]:
     """(the cache's blocks, the longest sequence served). ``max_model_len`` is the model's (the loader's);
     where one request of it does not fit the blocks, a model default (no ``--max-model-len``) becomes the
     longest that does, said in one log line, and an explicit ``--max-model-len`` is a ModelLoadError naming
     both numbers and the flags that change them."""
     block_size = config.cache.block_size
-    n, budget = budget_blocks(cfg, config, dtype, mesh)
+    n, budget = budget_blocks(cfg, config, dtype, mesh, num_layers)
     fits = (n - 1) * block_size          # block 0 is the null block
     if fits < max_model_len:
         where = f"{n} blocks of {block_size} tokens" + (f" in {budget / 2**20:.0f} MiB" if budget else "")
@@ -62,14 +64,14 @@ def fit(cfg, config: EngineConfig, max_model_len: int, dtype, mesh=None) -> tupl
     return min(n, config.scheduler.max_num_seqs * math.ceil(max_model_len / block_size) + 1), max_model_len
 
 
-def budget_blocks(cfg, config: EngineConfig, dtype, mesh=None) -> tuple[int, int | None]:
+def budget_blocks(cfg, config: EngineConfig, dtype, mesh=None, num_layers: int | None = None) -> tuple[int, int | None]:
     """(how many blocks the KV budget holds, the budget in bytes): the override, else the budget
     (``--kv-cache-memory``, or the device's memory share less what is in use and the largest step's
     activations) over a block's bytes; the same on every process (the smallest)."""
     cc, sc = config.cache, config.scheduler
     if cc.num_gpu_blocks_override:
         return int(cc.num_gpu_blocks_override), None
-    per_block = bytes_per_block(cfg, cc.block_size, dtype, mesh)
+    per_block = bytes_per_block(cfg, cc.block_size, dtype, mesh, num_layers)
     if cc.kv_cache_memory_bytes:
         budget = cc.kv_cache_memory_bytes
     else:
@@ -91,14 +93,14 @@ def budget_blocks(cfg, config: EngineConfig, dtype, mesh=None) -> tuple[int, int
     return n, int(budget)
 
 
-def allocate(cfg, num_blocks: int, block_size: int, dtype, mesh=None):
-    """The per-layer caches, zeroed (under a mesh: placed with the cache's sharding)."""
-    sharding = None
-    if mesh is not None:
-        from jaxserve.parallel import kv_cache_sharding
-        sharding = kv_cache_sharding(mesh, cfg)
+def allocate(cfg, num_blocks: int, block_size: int, dtype, mesh=None, stages=None):
+    """The per-layer caches, zeroed (under a mesh: placed with the cache's sharding; with pipeline
+    ``stages``, each layer's on its stage's mesh)."""
+    from jaxserve.parallel import kv_cache_sharding
+    meshes = [mesh] * cfg.num_layers if stages is None else \
+        [m for m, (a, b) in zip(stages.meshes, stages.for_layers(cfg.num_layers).bounds) for _ in range(a, b)]
     shapes = layer_shapes(cfg, num_blocks, block_size, dtype)
 
-    def zeros(shape):
-        return jnp.zeros(shape, dtype) if sharding is None else jnp.zeros(shape, dtype, device=sharding)
-    return [tuple(map(zeros, shapes)) for _ in range(cfg.num_layers)]
+    def zeros(shape, mesh):
+        return jnp.zeros(shape, dtype) if mesh is None else jnp.zeros(shape, dtype, device=kv_cache_sharding(mesh, cfg))
+    return [tuple(zeros(shape, m) for shape in shapes) for m in meshes]

@@ -81,9 +81,31 @@ class PendingStep:
     drafts: dict[str, int] | None = None  # a speculative step: request id -> its draft tokens (out: SpecOutput)
 
 
+def check_pipeline_supported(model, config: EngineConfig) -> None:
+    """Refuse what pipeline stages do not run, with the flag to change."""
+    family = model.family
+    spec = getattr(config, "speculative_config", None)
+    why = ("LoRA adapters (--enable-lora)" if config.lora.enable_lora else
+           "speculative decoding (--speculative-config)" if spec is not None and getattr(spec, "method", None) else
+           "multi-step decoding (--num-scheduler-steps > 1)" if config.scheduler.num_scheduler_steps > 1 else
+           "a vision model" if hasattr(family, "encode_images") or getattr(family, "cross_attention", False) else
+           "this model family" if not hasattr(family, "abstract_stage") else None)
+    if why:
+        raise ValueError(f"--pipeline-parallel-size {config.parallel.pipeline_parallel_size} does not support {why}; "
+                         "use --tensor-parallel-size alone")
+
+
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig, max_model_len: int, mesh=None):
-        self.model, self.cfg, self.config, self.mesh = model, model.config, config, mesh
+    def __init__(self, model, config: EngineConfig, max_model_len: int, mesh=None, stages=None):
+        """``stages``: pipeline stages (``parallel.pipeline.StageMeshes``); ``mesh`` is then the last one's."""
+        if stages is not None:
+            check_pipeline_supported(model, config)
+            stages = stages.for_layers(model.config.num_layers)
+            mesh = stages.meshes[-1]
+        self.model, self.cfg, self.config, self.mesh, self.stages = model, model.config, config, mesh, stages
+        # stages over several processes: the sampled tokens go to the first stage's devices, process 0's, where
+        # the scheduler reads them (the last stage's may be another process's)
+        self._to_driver = stages.replicated(0) if stages is not None and jax.process_count() > 1 else None
         self.block_size = config.cache.block_size
         sc = config.scheduler
         self.encoder = None
@@ -105,7 +127,8 @@ class ModelRunner:
                                   model.dtype, mesh)
         # the longest sequence the KV cache holds: the model's, or less where it does not fit (kv_cache.fit)
         dtype = kv_cache.kv_dtype(config, model.params)
-        self.num_blocks, max_model_len = kv_cache.fit(model.config, config, max_model_len, dtype, mesh)
+        stage_layers = max(b - a for a, b in stages.bounds) if stages is not None else None
+        self.num_blocks, max_model_len = kv_cache.fit(model.config, config, max_model_len, dtype, mesh, stage_layers)
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.max_num_seqs, self.max_num_tokens = sc.max_num_seqs, sc.max_num_batched_tokens
@@ -122,9 +145,10 @@ class ModelRunner:
         # tile's shared memory only). The reference has one path for both, so no extra compiles there.
         self.shapes = StepShapes(self.buckets, self.max_num_seqs, uniform_decode=self.backend != "reference")
         self.vocab_size = self.cfg.vocab_size
-        self.moe_layers = moe_layers(model)       # (MoE layers, experts): the step returns its expert load
+        # (MoE layers, experts): the step returns its expert load (not counted over pipeline stages)
+        self.moe_layers = moe_layers(model) if stages is None else None
         self.stats = runner_stats(self.moe_layers)
-        self.kv_caches = kv_cache.allocate(self.cfg, self.num_blocks, self.block_size, dtype, mesh)
+        self.kv_caches = kv_cache.allocate(self.cfg, self.num_blocks, self.block_size, dtype, mesh, stages)
         # penalties ship output/prompt ids at one fixed width (max_model_len rounded up to a power of two)
         self.penalty_width = sampler_mod.length_bucket(max_model_len)
         # a vision model: the encoder step and its cache (``encoder_cache``; a cross-attention one's is above)
@@ -135,7 +159,7 @@ class ModelRunner:
                                      max_model_len=max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
                                      penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh,
                                      mm_slab=self.encoder.slab if self.encoder is not None else None,
-                                     params=self.step_params)
+                                     params=self.step_params, stages=stages)
         self.enforce_eager = self.variants.enforce_eager
         self._step_count = 0
         # an M-RoPE family's 3-D positions (None: the positions stay 1-D)
@@ -274,6 +298,8 @@ class ModelRunner:
             out, padded = exe(step.logits, step.s_ints, step.s_floats)
         else:
             out, padded = exe(step.logits, step.s_ints, step.s_floats, bitmask)
+        if self._to_driver is not None:
+            out, padded = jax.device_put((out, padded), self._to_driver)
         self._step_count += 1
         self.stats.host_ms += step.t_host + (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None, step.expert_load)

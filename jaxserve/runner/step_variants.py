@@ -56,9 +56,15 @@ logger = logging.getLogger(__name__)
 
 
 def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
-               mm_index=None, *, layout, decode_only=False, max_seq_len=None):
+               mm_index=None, *, layout, decode_only=False, max_seq_len=None, stage=None):
+    """The step's forward: ``(kv_caches, logits[, expert load])``. ``stage`` (first layer, end): one pipeline
+    stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it takes, and
+    before the last it returns that stream instead of logits."""
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
+    if stage is not None:
+        return _stage_forward(family, cfg, backend, params, kv_caches, x, prev_tokens, decode_only, max_seq_len,
+                              stage)
     # LoRA on: the adapter slots ride beside the weights, each token's slot in the inputs
     lora = {} if "lora" not in params else {"lora": (params["lora"], x["lora_slot"])}
     params = {k: v for k, v in params.items() if k != "lora"} if lora else params
@@ -86,6 +92,20 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     return (kv_caches, logits, load) if expert_load else (kv_caches, logits)
 
 
+def _stage_forward(family, cfg, backend, params, kv_caches, x, carry, decode_only, max_seq_len, stage):
+    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
+    first, last = stage[0] == 0, stage[1] == cfg.num_layers
+    input_ids = x["input_ids"]
+    if first:     # as in forward_fn: the previous step's tokens resolve the placeholders on the device
+        input_ids = jnp.where(x["prev_index"] >= 0, carry[jnp.maximum(x["prev_index"], 0)], input_ids)
+    hidden, kv_caches, _ = family.forward_with_expert_load(params, kv_caches, input_ids, x["positions"], md, cfg,
+                                                           attn_backend=backend, stage=stage,
+                                                           hidden_in=None if first else carry)
+    if not last:
+        return kv_caches, hidden
+    return kv_caches, gather_logits(family.compute_logits(params, hidden[x["logits_idx"]], cfg))
+
+
 def sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=None, *, layout):
     sampling_meta = sampler_mod.SamplingMetadata(**packing.unpack(ints, floats, layout))
     out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs, filtering=filtering,
@@ -100,7 +120,7 @@ class StepVariants(StepCompiler):
 
     def __init__(self, model, config: EngineConfig, shapes: StepShapes, *, backend: str, kv_caches,
                  max_model_len: int, max_blocks_per_seq: int, penalty_width: int, moe_layers, mesh=None,
-                 mm_slab=None, params=None):
+                 mm_slab=None, params=None, stages=None):
         super().__init__(self.lower)
         self.cfg, self.shapes, self.mesh = model.config, shapes, mesh
         self.max_model_len, self.max_blocks_per_seq = max_model_len, max_blocks_per_seq
@@ -159,6 +179,13 @@ class StepVariants(StepCompiler):
         # mesh spanning processes would first check every process holds the same value)
         self.no_prev = jnp.zeros(max_num_seqs, jnp.int32) if rep is None else \
             jnp.zeros(max_num_seqs, jnp.int32, device=rep)
+        # pipeline stages (``runner.pipeline``): a forward key compiles one program per stage; ``mesh`` is the
+        # last stage's, where the logits and so the samplers are
+        self.pipeline = None
+        if stages is not None:
+            from jaxserve.runner.pipeline import PipelinePlan  # noqa: PLC0415
+            self.pipeline = PipelinePlan(model, stages, forward_fn, backend)
+            self.no_prev = jnp.zeros(max_num_seqs, jnp.int32, device=self.pipeline.stages.replicated(0))
         # multi-step decoding (--num-scheduler-steps): one decode loop per (token bucket, logprobs, filter mode)
         self.num_scheduler_steps = config.scheduler.num_scheduler_steps
         self.decode_loops = {}
@@ -293,6 +320,8 @@ class StepVariants(StepCompiler):
             ints, layout = self.padding_inputs(T)
             fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec)
             static = {"layout": layout, "decode_only": decode_only, "max_seq_len": bound[0] if bound else None}
+            if self.pipeline is not None:
+                return self.pipeline.lower(self._param_specs, self._kv_specs, ints, self._prev_spec, static)
         elif kind == "forward-mm":
             _, T = key
             ints, layout = self.padding_inputs(T)

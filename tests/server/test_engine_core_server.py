@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from support.server_process import MAX_MODEL_LEN, ROOT, ServerProcess
+from support.server_process import MAX_MODEL_LEN, ROOT, ServerProcess, stream_lines
 
 FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
          "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--served-model-name", "smol")
@@ -74,16 +74,9 @@ def test_a_killed_core_errors_every_stream_and_the_server_exits_1():
         results: dict[int, list] = {}
 
         def stream(i):
-            lines = results[i] = []                  # filled as chunks arrive
             body = {"model": "smol", "prompt": f"Write a long story {i}", "max_tokens": 400, "stream": True,
                     "ignore_eos": True}
-            try:
-                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-                    for line in r.iter_lines():
-                        if line:
-                            lines.append(line)
-            except httpx.HTTPError as e:
-                lines.append(f"transport error {e!r}")
+            stream_lines(srv.url, body, results.setdefault(i, []))     # filled as chunks arrive
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for t in threads:

@@ -65,3 +65,15 @@ def smol_server(*flags: str) -> ServerProcess:
     return ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens",
                          "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--served-model-name",
                          "smol", *flags)
+
+
+def stream_lines(url: str, body: dict, lines: list, timeout: float = 60) -> None:
+    """POST a streamed /v1/completions ``body``, appending each SSE line to ``lines`` as it comes (a transport
+    error as its last one): for the tests that kill part of a server mid-stream."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+    except httpx.HTTPError as e:
+        lines.append(f"transport error {e!r}")

@@ -144,16 +144,17 @@ def check_greedy_matches_hf(name, model, golden, hf_logits=None) -> None:
     assert out[0] == expected and out[1] == expected, f"{name}: greedy continuation differs from HF"
 
 
-def engine_with_preemption(name: str):
+def engine_with_preemption(name: str, **overrides):
     """The engine (``LLM``, float32) on HF's prompt three times among three others: prefix caching on (the
     copies share the prompt's blocks), 8-token prefill chunks, and a block pool too small for the batch, so
-    the scheduler preempts and recomputes. Returns (llm, golden, outputs); copies are outputs 0, 2 and 4."""
+    the scheduler preempts and recomputes. Returns (llm, golden, outputs); copies are outputs 0, 2 and 4.
+    Keyword arguments are the ``LLM``'s (e.g. parallelism)."""
     from jaxserve import LLM, SamplingParams
 
     gold = golden(name)
     llm = LLM(fixture_path(name), dtype="float32", max_model_len=64, block_size=4,
               max_num_batched_tokens=8, max_num_seqs=4, num_gpu_blocks_override=24, enable_prefix_caching=True,
-              compilation_cache_dir="", use_tqdm_on_load=False)
+              compilation_cache_dir="", use_tqdm_on_load=False, **overrides)
     rng = np.random.default_rng(0)
     others = [rng.integers(3, 250, size=int(n)).tolist() for n in (5, 17, 12)]
     prompts = [gold["prompt_ids"], others[0], gold["prompt_ids"], others[1], gold["prompt_ids"], others[2]]

@@ -193,30 +193,42 @@ class DecoderLayer(nnx.Module):
 
 
 class DecoderModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, spec: DecoderSpec):
+    """The decoder, or with ``stage=(start, end)`` a pipeline stage of it: layers ``start .. end - 1``, the
+    embedding when it is the first, the final norm (and head) when it is the last."""
+
+    def __init__(self, cfg: ModelConfig, spec: DecoderSpec, stage: tuple[int, int] | None = None):
         h = cfg.hidden_size
         self.cfg, self.spec = cfg, spec
+        start, end = stage or (0, cfg.num_layers)
+        self.first, self.last = start == 0, end == cfg.num_layers
         self.norm = NORMS[spec.norm]
-        self.embed = _param((cfg.vocab_size, h), VOCAB)
-        self.layers = nnx.List([DecoderLayer(cfg, spec, i) for i in range(cfg.num_layers)])
-        self.final_norm = _param((h,), REPLICATED, "zeros" if spec.norm == "offset_rms" else "ones")
-        if not cfg.tie_word_embeddings:
-            self.lm_head = _param((h, cfg.vocab_size), COLUMN)
+        if self.first or (self.last and cfg.tie_word_embeddings):
+            self.embed = _param((cfg.vocab_size, h), VOCAB)
+        self.layers = nnx.List([DecoderLayer(cfg, spec, i) for i in range(start, end)])
+        if self.last:
+            self.final_norm = _param((h,), REPLICATED, "zeros" if spec.norm == "offset_rms" else "ones")
+            if not cfg.tie_word_embeddings:
+                self.lm_head = _param((h, cfg.vocab_size), COLUMN)
 
     def __call__(self, kv_caches: list, input_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
                  backend: str, mm_embeds: jax.Array | None = None, mm_rows: jax.Array | None = None,
-                 lora: tuple | None = None):
+                 lora: tuple | None = None, hidden_in: jax.Array | None = None):
+        """``(h, kv_caches, expert load)``: h the final norm's output, or on a stage before the last the
+        residual stream its successor takes as ``hidden_in``."""
         spec, eps = self.spec, self.cfg.rms_norm_eps
-        x = jnp.take(_w(self.embed), input_ids, axis=0)
+        x = jnp.take(_w(self.embed), input_ids, axis=0) if self.first else hidden_in
         # LoRA (the plain pre-norm block only: ``supports_lora``): (slot stacks, each token's slot)
         lora = lora_batch(*lora, x.dtype) if lora is not None else None
-        if spec.embed_scale is not None:
+        if spec.embed_scale is not None and self.first:
             x = x * jnp.asarray(spec.embed_scale, x.dtype)
         if mm_embeds is not None:       # image embeddings over their token rows (padding rows point past T)
             x = x.at[mm_rows].set(mm_embeds.astype(x.dtype), mode="drop")
         cos_sin = [r.cos_sin(positions, x.dtype) for r in spec.rotaries]
         layers = list(self.layers)
-        next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [_w(self.final_norm)]
+        # a stage before the last hands on x, not the next norm's output (that norm's weight is the next
+        # stage's): its last layer normalizes with its own first norm weight, a result nobody reads
+        last_norm = _w(self.final_norm) if self.last else _w(layers[0].attn_norm)
+        next_norms = [_w(layer.attn_norm) for layer in layers[1:]] + [last_norm]
         # the projections each norm's output feeds (fp8 W8A8 ones take it quantized); with LoRA none: the
         # adapters' shrink reads the float activations, and each fp8 projection quantizes its own input
         readers = [() if lora is not None else layer.attention_readers() for layer in layers] + [()]
@@ -252,7 +264,7 @@ class DecoderModel(nnx.Module):
                     x, h = self._add_norm(g, _w(layer.down), x + lora.delta(layer.index, "down", g), next_norm,
                                           next_readers)
         # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
-        return h, new_caches, moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
+        return h if self.last else x, new_caches, moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
 
     def _add_norm(self, x, w, residual, norm_weight, readers=()):
         """``s = residual + x @ w`` (row-parallel) and the next norm of ``s``; fused with TP's all-reduce
@@ -326,6 +338,7 @@ class DecoderFamily:
         grouped GEMM) when first made, and the abstract model holds its spec."""
         self.decoder_spec.cache_clear()
         self.abstract.cache_clear()
+        self.abstract_stage.cache_clear()
 
     def weight_plan(self, cfg: ModelConfig) -> list:
         """``(param path, HF tensor names, build)`` per weight (``checkpoint_names.weight_plan``)."""
@@ -337,6 +350,11 @@ class DecoderFamily:
     def abstract(self, cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
         """(graph definition, abstract state) of the model of ``cfg``: no weight is allocated."""
         return nnx.split(nnx.eval_shape(lambda: DecoderModel(cfg, self.decoder_spec(cfg))))
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019
+    def abstract_stage(self, cfg: ModelConfig, stage: tuple[int, int]) -> nnx.GraphDef:
+        """The graph definition of pipeline stage ``stage`` = (first layer, end) of ``cfg``'s model."""
+        return nnx.split(nnx.eval_shape(lambda: DecoderModel(cfg, self.decoder_spec(cfg), stage)))[0]
 
     def _metadata(self, cfg: ModelConfig, fn: Callable[[nnx.Variable], object]) -> dict:
         _, state = self.abstract(cfg)
@@ -388,12 +406,14 @@ class DecoderFamily:
 
     def forward_with_expert_load(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
                                  md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference",
-                                 mm_embeds=None, mm_rows=None, lora=None):
+                                 mm_embeds=None, mm_rows=None, lora=None, stage=None, hidden_in=None):
         """``forward`` and the tokens routed to each expert of each MoE layer ``[L_moe, E]`` int32 (None for a
-        dense model): the engine's expert-load statistics, from the step itself."""
-        graphdef, _ = self.abstract(cfg)
+        dense model): the engine's expert-load statistics, from the step itself. ``stage``: (first layer,
+        end) of a pipeline stage, ``params``/``kv_caches`` its own (``parallel.pipeline.stage_params``); one
+        after the first takes the residual stream as ``hidden_in`` and one before the last returns it."""
+        graphdef = self.abstract(cfg)[0] if stage is None else self.abstract_stage(cfg, stage)
         model = nnx.merge(graphdef, _to_internal(params))
-        return model(kv_caches, input_ids, positions, md, attn_backend, mm_embeds, mm_rows, lora)
+        return model(kv_caches, input_ids, positions, md, attn_backend, mm_embeds, mm_rows, lora, hidden_in)
 
     def compute_logits(self, params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
         """``hidden [N, hidden_size]`` → logits ``[N, vocab]`` in float32 (float32 accumulation)."""

@@ -8,14 +8,13 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from support.server_process import MAX_MODEL_LEN, ServerProcess, stream_lines
+from support.server_process import MAX_MODEL_LEN, ServerProcess, start_long_streams
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -66,19 +65,7 @@ def test_ray_pipeline_server_matches_one_process_and_fails_fast(ray_cluster):
                  for p in PROMPTS]
         assert texts == _one_process_texts()
 
-        results: dict[int, list] = {}
-
-        def stream(i):
-            body = {"model": "smol", "prompt": f"Write a long story {i}", "max_tokens": 400, "stream": True,
-                    "ignore_eos": True}
-            stream_lines(srv.url, body, results.setdefault(i, []))
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 120
-        while min((len(results.get(i, [])) for i in range(2)), default=0) == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)                         # every stream has its first chunks
+        threads, results = start_long_streams(srv.url, 2, wait_s=120)
         for pid in _stage_worker_pids():
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()

@@ -5,14 +5,12 @@ import json
 import os
 import re
 import signal
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from support.server_process import MAX_MODEL_LEN, ROOT, ServerProcess, stream_lines
+from support.server_process import MAX_MODEL_LEN, ROOT, ServerProcess, start_long_streams
 
 FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
          "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--served-model-name", "smol")
@@ -71,19 +69,7 @@ def test_a_killed_core_errors_every_stream_and_the_server_exits_1():
     srv = ServerProcess(*FLAGS)
     try:
         pid = core_pid(srv)
-        results: dict[int, list] = {}
-
-        def stream(i):
-            body = {"model": "smol", "prompt": f"Write a long story {i}", "max_tokens": 400, "stream": True,
-                    "ignore_eos": True}
-            stream_lines(srv.url, body, results.setdefault(i, []))     # filled as chunks arrive
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while min((len(results.get(i, [])) for i in range(4)), default=0) == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)                         # every stream has its first chunks
+        threads, results = start_long_streams(srv.url, 4, wait_s=60)
         os.kill(pid, signal.SIGKILL)
         for t in threads:
             t.join(60)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -77,3 +78,22 @@ def stream_lines(url: str, body: dict, lines: list, timeout: float = 60) -> None
                     lines.append(line)
     except httpx.HTTPError as e:
         lines.append(f"transport error {e!r}")
+
+
+def start_long_streams(url: str, n: int, wait_s: float) -> tuple[list[threading.Thread], dict[int, list]]:
+    """``n`` long streamed completions on threads, returned once each has its first chunks (or after
+    ``wait_s``): ``(threads, {i: SSE lines so far})``, for the tests that then kill part of the server."""
+    results: dict[int, list] = {}
+
+    def stream(i):
+        body = {"model": "smol", "prompt": f"Write a long story {i}", "max_tokens": 400, "stream": True,
+                "ignore_eos": True}
+        stream_lines(url, body, results.setdefault(i, []))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + wait_s
+    while min((len(results.get(i, [])) for i in range(n)), default=0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return threads, results

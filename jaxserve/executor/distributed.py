@@ -93,9 +93,14 @@ def transfer_address(coordinator: str) -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:     # no packet is sent
             probe.connect((host, int(port)))
             local = probe.getsockname()[0]
+    return f"{local}:{free_port(local)}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now."""
     with socket.socket() as s:
-        s.bind((local, 0))
-        return f"{local}:{s.getsockname()[1]}"
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def is_driver() -> bool:

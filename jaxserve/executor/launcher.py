@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,12 +24,6 @@ import tempfile
 from jaxserve import envs
 
 from . import distributed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _on_cpu() -> bool:
@@ -48,7 +41,7 @@ class LocalWorkers:
 
     def __init__(self, config, *, timeout_s: float = 120.0):
         n = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
-        self.coordinator = f"127.0.0.1:{_free_port()}"
+        self.coordinator = f"127.0.0.1:{distributed.free_port()}"
         fd, self.config_path = tempfile.mkstemp(prefix="jaxserve-engine-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(config, f, pickle.HIGHEST_PROTOCOL)

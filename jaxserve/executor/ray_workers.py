@@ -80,7 +80,7 @@ class RayWorkers:
                                "Ray cluster that has one stage's devices free")
         others = [b for b in sorted(nodes) if b != mine[0]]
         host = ray.util.get_node_ip_address()
-        self.coordinator = f"{host}:{_free_port(host)}"
+        self.coordinator = f"{host}:{distributed.free_port(host)}"
         env = {k: v for k in ("JAX_PLATFORMS", "JAXSERVE_PP_LAYER_PARTITION") if (v := getattr(envs, k))}
         if on_cpu:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={tp}"
@@ -165,10 +165,3 @@ class RayWorkers:
             ray.kill(a, no_restart=True)
         if actors:
             ray.util.remove_placement_group(self.group)
-
-
-def _free_port(host: str) -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

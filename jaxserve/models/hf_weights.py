@@ -152,6 +152,12 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
     plan = family.weight_plan(cfg)
     if jax.process_count() > 1:
         threads = 0     # a put onto a mesh over several processes is a collective: every process's in one order
+    def release_built(value, names):
+        jax.block_until_ready(value)        # a CPU backend's copy may read the mapped pages until it is built
+        for name in names:
+            release(name)
+
+    built = None        # the weight before: its pages are released once the next one is dispatched (no sync)
     with contextlib.closing(_fetched_in_order(fetch, plan, threads)) as fetched:
         for (path, names, kind), (done, value) in tqdm(fetched, total=len(plan), desc=desc, unit="tensor"):
             if not done:
@@ -159,12 +165,14 @@ def load_weights(cfg: ModelConfig, family: Any, get: Callable[[str], np.ndarray]
                 value = build_on_device(kind, value, tree_get(dtypes, path), sharding)
                 if is_quantized(path, names):       # online: the float weight, quantized where it lies
                     value = quant_loading.quantize_leaf(quant, path, value, sharding, target_dtype)
-            if release is not None:     # once built: a CPU backend's copy may read the mapped pages until then
-                jax.block_until_ready(value)
-                for name in names:
-                    release(name)
+            if release is not None:
+                if built is not None:
+                    release_built(*built)
+                built = (value, names)
             tree_set(params, path, value)
             del value
+    if built is not None:
+        release_built(*built)
     return params
 
 

@@ -23,12 +23,15 @@ class StagedForward:
 
     def __init__(self, exes: list, plan: "PipelinePlan"):
         self.exes, self.plan = exes, plan
+        self._params, self._split = None, None     # the weights never change under stages: split them once
 
     def __call__(self, params, kv_caches, ints, prev_tokens):
         plan = self.plan
+        if params is not self._params:
+            self._params, self._split = params, plan.split(params)
         carry = jax.device_put(prev_tokens, plan.stages.replicated(0))
         new_caches = []
-        for k, (exe, p, kv) in enumerate(zip(self.exes, plan.split(params), plan.split_kv(kv_caches))):
+        for k, (exe, p, kv) in enumerate(zip(self.exes, self._split, plan.split_kv(kv_caches))):
             kv, carry = exe(p, kv, ints, carry)
             new_caches += kv
             if k + 1 < len(self.exes):
@@ -50,7 +53,7 @@ class PipelinePlan:
     """The stages of one model: their jitted forwards (``forward_fn`` with ``stage``), how the weights and the
     cache split over them, and (tied embeddings) the last stage's copy of the embedding."""
 
-    def __init__(self, model, stages: StageMeshes, forward_fn, backend: str, kv_dtype=None):
+    def __init__(self, model, stages: StageMeshes, forward_fn, backend: str):
         cfg = model.config
         self.stages = stages = stages.for_layers(cfg.num_layers)
         self.num_layers = cfg.num_layers

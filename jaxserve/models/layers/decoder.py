@@ -264,7 +264,8 @@ class DecoderModel(nnx.Module):
                     x, h = self._add_norm(g, _w(layer.down), x + lora.delta(layer.index, "down", g), next_norm,
                                           next_readers)
         # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
-        return h if self.last else x, new_caches, moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
+        load = moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
+        return h if self.last else x, new_caches, load
 
     def _add_norm(self, x, w, residual, norm_weight, readers=()):
         """``s = residual + x @ w`` (row-parallel) and the next norm of ``s``; fused with TP's all-reduce

@@ -146,5 +146,6 @@ class DraftProposer:
         while keep < min(seq.num_computed_tokens, len(tokens)) and fed[keep] == tokens[keep]:
             keep += 1
         seq.num_computed_tokens = min(seq.num_computed_tokens, keep)
-        seq.all_token_ids = fed = list(tokens)
+        del fed[keep:]                      # the prefix kept never changes: only the tail is copied
+        fed += tokens[keep:]
         seq.num_known = len(fed)

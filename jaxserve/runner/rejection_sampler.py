@@ -66,7 +66,6 @@ def rejection_sample(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.A
     if bitmask is not None:
         logits = sampler_mod.apply_token_bitmask(logits, jnp.repeat(bitmask, width, axis=0))
     flat = per_position(meta, width)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=1)
     x = sampler_mod.processed_logits(logits, flat)
     greedy_ids = jnp.argmax(x, axis=1).astype(jnp.int32).reshape(R, width)
     is_greedy = meta.temperature <= 0.0
@@ -111,7 +110,8 @@ def rejection_sample(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.A
     a = num_accepted[:, None]
     padded_drafts = jnp.concatenate([draft_ids, jnp.zeros((R, 1), jnp.int32)], axis=1)
     tokens = jnp.where(cols < a, padded_drafts, jnp.where(cols == a, final[:, None], -1)).astype(jnp.int32)
-    at_final = raw_logprobs.reshape(R, width, vocab)[jnp.arange(R), num_accepted]
+    # the logprobs of the rows that give a token only (one of each request's K + 1)
+    at_final = jax.nn.log_softmax(logits.reshape(R, width, vocab)[jnp.arange(R), num_accepted], axis=1)
     return SpecOutput(tokens, (num_accepted + 1).astype(jnp.int32),
                       *sampler_mod.compute_logprobs(at_final, final, num_logprobs))
 

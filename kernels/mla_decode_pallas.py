@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .device_info import num_sms
-from .metadata import AttentionMetadata
+from .metadata import SHORT_SEQ_LEN, AttentionMetadata
 from .triton_rows import next_pow2, rows_of, store_rows
 
 # Finite (as in paged_attention_pallas): an all-masked step gives exp2(0) = 1 garbage that the first real
@@ -171,7 +171,11 @@ def _combine_kernel(qsl_ref, num_seqs_ref, scale_ref, o_ref, m_ref, l_ref, *out_
 
 def pick_splits(programs: int, max_ctx: int, block_k: int, programs_per_sm: int) -> int:
     """KV splits (a power of two) so that ``programs`` (token, head group) programs times the splits fill
-    the SMs' program slots about once, each split keeping at least ``MIN_SPLIT_KEYS`` keys and 2 steps."""
+    the SMs' program slots about once, each split keeping at least ``MIN_SPLIT_KEYS`` keys and 2 steps. A
+    step bounded by the runner's short-context bound runs one launch (``metadata.SHORT_SEQ_LEN``'s contract):
+    there a split saves less than the combine's launch costs."""
+    if max_ctx <= SHORT_SEQ_LEN:
+        return 1
     want = max(1, (programs_per_sm * num_sms()) // max(1, programs))
     want = 1 << (want.bit_length() - 1)                                  # round down: no half-empty last wave
     cap = max(1, max_ctx // max(MIN_SPLIT_KEYS, 2 * block_k))
@@ -182,8 +186,10 @@ def default_tiles(num_heads: int, fp8: bool) -> dict:
     """Launch defaults by head count: ``block_h`` heads per program (at most 64: a ``[64, 512]`` f32
     accumulator is 128 registers a thread at 8 warps), keys per step, warps, pipeline stages."""
     block_h = min(64, max(16, next_pow2(num_heads)))
-    if block_h <= 16:     # memory-bound: 90 KiB of shared memory (bf16), so two programs share an SM
-        return dict(block_h=block_h, block_k=32, num_warps=4, num_stages=3 if fp8 else 2)
+    if block_h <= 16:     # memory-bound: a third stage in flight beats two programs sharing an SM
+        return dict(block_h=block_h, block_k=32, num_warps=4, num_stages=3)
+    if block_h == 64 and not fp8:   # the sweep's best (kernel_bench --only mla): longer key steps, two stages
+        return dict(block_h=block_h, block_k=64, num_warps=8, num_stages=2)
     return dict(block_h=block_h, block_k=32, num_warps=4 if block_h <= 32 else 8, num_stages=4 if fp8 else 3)
 
 

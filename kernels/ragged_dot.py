@@ -152,18 +152,20 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
 def gather_plan(row_expert: jax.Array, num_groups: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(group, row indices [m * block_m], num_rows)`` of ``expert_rows_matmul``'s tiles: tile r is live when
     row r is the first row of its expert and holds all that expert's rows, in order; the other slots (and
-    every slot of a dead tile) name row m. Loop-free: an ``[m, m]`` comparison and an ``[m, block_m, m]``
-    selection, nothing sorted."""
+    every slot of a dead tile) name row m. Loop-free and scan-free, two reductions: an ``[m, m]`` comparison
+    gives each row its rank among its expert's rows and each expert's row count (sums over one axis, which XLA
+    fuses into one kernel), an ``[m, block_m, m]`` selection each tile's rows (a min)."""
     m = row_expert.shape[0]
     mine = (row_expert >= 0) & (row_expert < num_groups)
-    same = (row_expert[:, None] == row_expert[None, :]) & mine[:, None] & mine[None, :]
-    before = jnp.arange(m)[None, :] < jnp.arange(m)[:, None]
-    live = mine & ~jnp.any(same & before, axis=1)
-    slot = jnp.cumsum(same, axis=1, dtype=jnp.int32) - 1                           # row j's slot in tile r
-    picks = same[:, None, :] & (slot[:, None, :] == jnp.arange(block_m)[None, :, None])   # [m, block_m, m]
-    index = jnp.where(jnp.any(picks, axis=2), jnp.argmax(picks, axis=2), m).astype(jnp.int32)
+    same = (row_expert[:, None] == row_expert[None, :]) & mine[:, None] & mine[None, :]     # symmetric
+    rows = jnp.arange(m, dtype=jnp.int32)
+    rank = jnp.sum(same & (rows[:, None] < rows[None, :]), axis=0, dtype=jnp.int32)   # earlier rows of its expert
+    count = jnp.sum(same, axis=0, dtype=jnp.int32)
+    live = mine & (rank == 0)
+    picks = same[:, None, :] & (rank[None, None, :] == jnp.arange(block_m, dtype=jnp.int32)[None, :, None])
+    index = jnp.min(jnp.where(picks, rows[None, None, :], m), axis=2)                 # [m, block_m]
     index = jnp.where(live[:, None], index, m)
-    num_rows = jnp.where(live, jnp.minimum(jnp.sum(same, axis=1, dtype=jnp.int32), block_m), 0)
+    num_rows = jnp.where(live, jnp.minimum(count, block_m), 0)
     return jnp.where(mine, row_expert, 0).astype(jnp.int32), index.reshape(-1), num_rows
 
 

@@ -158,6 +158,8 @@ def test_split_count_fills_the_chip():
     assert mla.pick_splits(128, 4096, 32, programs_per_sm=1) == 1       # 64 tokens x 2 groups of 64 heads
     assert mla.pick_splits(1, 4096, 32, programs_per_sm=2) == 16        # capped at 256 keys a split
     assert mla.pick_splits(1, 300, 32, programs_per_sm=2) == 1
+    assert mla.pick_splits(1, 512, 32, programs_per_sm=2) == 1        # the runner's short-context bound
+    assert mla.pick_splits(1, 513, 32, programs_per_sm=2) == 2
 
 
 @pytest.mark.parametrize("heads,fp8,decode_only,splits", [(128, False, True, 1), (16, False, True, 4),

@@ -233,7 +233,7 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
         y = ragged_dot.expert_rows_matmul(rows, gate_up.reshape(local_experts, hidden, -1), key, t)
         y = y.reshape(t * k, 2, -1)
         y = ragged_dot.expert_rows_matmul(activation(y[:, 0]) * y[:, 1], down, key, t).reshape(t, k, hidden)
-        return jnp.einsum("tk,tkh->th", weights, y, preferred_element_type=jnp.float32).astype(h.dtype)
+        return _combine(weights, y, h.dtype)
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
     rows = jnp.take(h, order // k, axis=0)                                         # [T * k, hidden]
@@ -241,7 +241,13 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
     y = y.reshape(t * k, 2, -1)
     y = ragged_dot.grouped_matmul(activation(y[:, 0]) * y[:, 1], down, group_sizes, spec.grouped_gemm)
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, hidden)                   # back to token order
-    return jnp.einsum("tk,tkh->th", weights, y, preferred_element_type=jnp.float32).astype(h.dtype)
+    return _combine(weights, y, h.dtype)
+
+
+def _combine(weights: jax.Array, y: jax.Array, dtype) -> jax.Array:
+    """Each token's ``sum_k weights[t, k] * y[t, k]`` in float32: a multiply and a sum over the k rows, which
+    XLA fuses with the widening and the residual add (a batched dot of depth k is a matmul launch of its own)."""
+    return jnp.sum(weights[..., None].astype(jnp.float32) * y.astype(jnp.float32), axis=1).astype(dtype)
 
 
 def check_config(cfg: ModelConfig) -> None:

@@ -1,7 +1,8 @@
 """DeepSeekMoE's routers, as HF transformers computes them (``layers.moe`` runs the experts they pick).
 
-Both take the router logits in float32 (the hidden state and the router weight widened first) and return
-``(weights [T, k] float32, expert ids [T, k] int32)``, the weights already times ``routed_scaling_factor``:
+Both take the router logits in float32 (float32 products and sums of the hidden state and the router weight)
+and return ``(weights [T, k] float32, expert ids [T, k] int32)``, the weights already times
+``routed_scaling_factor``:
 
 - ``deepseek_v2``: softmax scores; ``greedy`` is their top-k; ``group_limited_greedy`` (``num_groups > 1``)
   first keeps the ``topk_groups`` groups with the largest best score and zeroes the other groups' scores.
@@ -23,29 +24,47 @@ ROUTERS = ("deepseek_v2", "deepseek_v3")
 BIASED = ("deepseek_v3",)          # routers with a per-expert correction bias (a weight of the layer)
 
 
-def _keep_groups(group_scores: jax.Array, topk_groups: int, experts_per_group: int) -> jax.Array:
-    """``[T, E]`` bool: the experts of each token's ``topk_groups`` best groups (``group_scores [T, G]``)."""
+def _keep_groups(group_scores: jax.Array, topk_groups: int) -> jax.Array:
+    """``[T, G]`` bool: each token's ``topk_groups`` best groups (``group_scores [T, G]``). One comparison per
+    chosen group, elementwise, so it fuses with the masking that reads it (a one-hot sum is a reduction)."""
     _, groups = lax.top_k(group_scores, topk_groups)
-    keep = jnp.sum(jax.nn.one_hot(groups, group_scores.shape[1], dtype=jnp.int32), axis=1) > 0
-    return jnp.repeat(keep, experts_per_group, axis=1)
+    every = lax.broadcasted_iota(jnp.int32, group_scores.shape, 1)
+    keep = groups[:, :1] == every
+    for j in range(1, topk_groups):
+        keep = keep | (groups[:, j:j + 1] == every)
+    return keep
+
+
+def _mask_groups(x: jax.Array, keep: jax.Array, fill: float) -> jax.Array:
+    """``x [T, E]`` with the experts of the groups ``keep [T, G]`` leaves out set to ``fill``."""
+    t, e = x.shape
+    g = keep.shape[1]
+    return jnp.where(keep[:, :, None], x.reshape(t, g, e // g), fill).reshape(t, e)
 
 
 def route(h: jax.Array, router: jax.Array, bias: jax.Array | None, spec) -> tuple[jax.Array, jax.Array]:
     """The routing of ``h [T, hidden]`` by ``router [hidden, E]`` (``spec``: a ``moe.MoESpec``)."""
-    logits = jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    # float32 products and sums of the inputs as they are: bf16 products are exact in float32, so this is
+    # HF's widen-then-multiply without a float32 copy of the hidden state and the router weight each step
+    logits = jnp.dot(h, router, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     t, e = logits.shape
     g = spec.num_groups
     if spec.router == "deepseek_v2":
-        scores = jax.nn.softmax(logits, axis=-1)
+        # softmax is monotone: the group maxima and the top-k of the logits pick what the scores' would, and
+        # the chosen weights are their softmax values, exp(top - max) / sum(exp(logits - max))
+        choice = logits
         if g > 1:
-            keep = _keep_groups(scores.reshape(t, g, e // g).max(-1), spec.topk_groups, e // g)
-            scores = jnp.where(keep, scores, 0.0)
-        weights, ids = lax.top_k(scores, spec.top_k)
+            choice = _mask_groups(logits, _keep_groups(logits.reshape(t, g, e // g).max(-1), spec.topk_groups),
+                                  -jnp.inf)
+        top, ids = lax.top_k(choice, spec.top_k)
+        biggest = top[:, :1]            # the best group is always kept, so this is the largest logit
+        weights = jnp.exp(top - biggest) / jnp.sum(jnp.exp(logits - biggest), axis=-1, keepdims=True)
     elif spec.router == "deepseek_v3":
         scores = jax.nn.sigmoid(logits)
         choice = scores + bias.astype(jnp.float32)
-        group_scores = lax.top_k(choice.reshape(t, g, e // g), 2)[0].sum(-1)
-        choice = jnp.where(_keep_groups(group_scores, spec.topk_groups, e // g), choice, -jnp.inf)
+        if g > 1:
+            best2 = lax.top_k(choice.reshape(t, g, e // g), 2)[0]
+            choice = _mask_groups(choice, _keep_groups(best2[..., 0] + best2[..., 1], spec.topk_groups), -jnp.inf)
         _, ids = lax.top_k(choice, spec.top_k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
         if spec.renormalize:

@@ -2,11 +2,11 @@
 with a 2x2 patch merger (``layers.qwen_vision``: the two generations' blocks as spec choices) and a Qwen2 text
 model (``llama``'s decoder) with M-RoPE.
 
-Vision tower: the image processor's patches (``multimodal.processing`` hands them over as the resized image
-``[C, H, W]``, H and W multiples of ``patch * merge``) packed by ``pack_images`` into rows of a bucket of
-patches (the runner's ``EncoderCache`` picks the bucket: one compiled program per bucket, whatever the image
-sizes), through ``encode_packed``; the tokens of an image of ``H x W`` pixels, ``(H / 28) * (W / 28)`` of them
-(``num_tokens``), come back where ``pack_images`` says. ``encode_images`` encodes images of one size unpadded.
+Vision tower: the image processor's patches (``multimodal.processing`` hands them over by merge block,
+``[lh, lw, merge**2 * C * p * p]`` in the tower's dtype: ``qwen_vision.image_blocks``' layout) packed by
+``pack_images`` into rows of a bucket of patches (the runner's ``EncoderCache`` picks the bucket: one compiled
+program per bucket, whatever the image sizes), through ``encode_packed``; the image's ``lh * lw`` tokens come
+back where ``pack_images`` says. ``encode_images`` encodes images of one grid unpadded.
 
 M-RoPE: the text model's rotary frequencies are split in ``mrope_section`` parts turned by the temporal,
 height and width rows of 3-D positions (``mrope_positions``: text tokens on the diagonal, an image's tokens at
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import numpy as np
@@ -152,9 +153,25 @@ class QwenVLModel(DecoderModel):
         self.vision = QwenVisionTower(vision_spec(cfg))
 
 
+def _text_shift(features: list) -> int:
+    """What text after all of ``features`` adds to its sequence index: each image advances the positions by
+    its grid's longer side in merged tokens instead of its token count."""
+    shift = 0
+    for f in features:
+        _, h, w = (int(g) for g in np.asarray(f.extra["image_grid_thw"]).reshape(3))
+        merge = round(math.sqrt(h * w / f.length))
+        shift += max(h // merge, w // merge) - f.length
+    return shift
+
+
 def mrope_positions(pos: np.ndarray, features: list) -> np.ndarray:
     """The 3-D positions ``[3, n]`` int32 of one request's tokens at sequence indices ``pos [n]`` (HF's
-    ``get_rope_index``): ``features`` are its images (offset, length, ``image_grid_thw``) in prompt order."""
+    ``get_rope_index``): ``features`` are its images (offset, length, ``image_grid_thw``) in prompt order.
+    Tokens past the last image (every decode step's) are their index plus one shift: that path stays in
+    Python scalars, as it runs for each such request every step."""
+    last = features[-1]
+    if pos[0] >= last.offset + last.length:         # a request's tokens of a step are consecutive
+        return np.broadcast_to((pos + _text_shift(features)).astype(np.int32), (3, len(pos)))
     offs = np.fromiter((f.offset for f in features), np.int64, len(features))
     lens = np.fromiter((f.length for f in features), np.int64, len(features))
     grids = np.stack([np.asarray(f.extra["image_grid_thw"]).reshape(3) for f in features]).astype(np.int64)
@@ -210,7 +227,7 @@ class QwenVLFamily(DecoderFamily):
         return plan
 
     def packed_patches(self, cfg: ModelConfig, pixel_shape: tuple) -> int:
-        """The patches an image of ``[C, H, W]`` pixels takes in ``pack_images``' rows."""
+        """The patches an image of pixel payload ``[lh, lw, ...]`` takes in ``pack_images``' rows."""
         return vision_spec(cfg).patches(pixel_shape)
 
     def patch_unit(self, cfg: ModelConfig) -> int:
@@ -218,8 +235,8 @@ class QwenVLFamily(DecoderFamily):
         return vision_spec(cfg).unit
 
     def pack_images(self, cfg: ModelConfig, rows: list, num_rows: int, bucket: int) -> tuple:
-        """Host: images ``[C, H, W]`` (the images of each row) as ``encode_packed``'s input of ``num_rows``
-        rows of ``bucket`` patches, each image's token indices in its output, their number
+        """Host: pixel payloads ``[lh, lw, ...]`` (the images of each row) as ``encode_packed``'s input of
+        ``num_rows`` rows of ``bucket`` patches, each image's token indices in its output, their number
         (``qwen_vision.pack``)."""
         return pack(vision_spec(cfg), rows, num_rows, bucket)
 
@@ -229,11 +246,11 @@ class QwenVLFamily(DecoderFamily):
         return nnx.merge(graphdef, _to_internal(params)).vision(*inputs)
 
     def encode_images(self, params: dict, pixel_values: np.ndarray, cfg: ModelConfig) -> jax.Array:
-        """Host ``pixel_values [B, C, H, W]`` (one size, each image a row of its own, unpadded) → image
+        """Host pixel payloads ``[B, lh, lw, ...]`` (one grid, each image a row of its own, unpadded) → image
         embeddings ``[B, tokens per image, hidden_size]``."""
         b = len(pixel_values)
         inputs, tokens, _ = self.pack_images(cfg, [[px] for px in pixel_values], b,
-                                          self.packed_patches(cfg, pixel_values.shape))
+                                          self.packed_patches(cfg, pixel_values.shape[1:]))
         out = self.encode_packed(params, inputs, cfg)
         return out.reshape(-1, out.shape[-1])[np.stack(tokens)]
 

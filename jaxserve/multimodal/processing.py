@@ -57,27 +57,30 @@ def _pil_image_processor(config: dict, kwargs: dict) -> Any:
     return cls(**(config | kwargs))
 
 
-def patches_to_image(patches: np.ndarray, grid_thw: np.ndarray, processor) -> np.ndarray:
-    """A Qwen2-VL processor's flattened patches of one still image (``[h * w, C * frames * p * p]`` in
-    ``merge x merge`` block order, the frames copies of the image) as the resized image ``[C, h * p, w * p]``
-    float32: the encoder's pixel shape then says the image's grid, and images of one size batch together."""
+def patch_blocks(patches: np.ndarray, grid_thw: np.ndarray, processor, dtype=np.float32) -> np.ndarray:
+    """A Qwen2-VL processor's flattened patches of one still image (``[h * w, C * frames * p * p]``, each
+    ``merge x merge`` block's patches consecutive, the frames copies of the image) as the tower's pixel
+    payload ``[h / merge, w / merge, merge**2 * C * p * p]`` in ``dtype`` (the tower's: it would cast them
+    on the device): one frame, the processor's order kept, so the engine core packs the image with one
+    gather of whole blocks and the shape says the grid."""
     _, h, w = (int(g) for g in np.asarray(grid_thw).reshape(3))
     p, m, tp = processor.patch_size, processor.merge_size, processor.temporal_patch_size
     c = patches.shape[-1] // (tp * p * p)
-    x = np.asarray(patches, np.float32).reshape(h // m, w // m, m, m, c, tp, p, p)[:, :, :, :, :, 0]
-    return np.ascontiguousarray(x.transpose(4, 0, 2, 5, 1, 3, 6).reshape(c, h * p, w * p))
+    frame = np.asarray(patches).reshape(h // m, w // m, m * m, c, tp, p * p)[:, :, :, :, 0]
+    return frame.astype(dtype).reshape(h // m, w // m, -1)
 
 
 class ImageProcessing:
     """One model's image preprocessing and placeholder expansion (LLaVA's rule: ``(H / patch) * (W / patch)
     + extra_tokens`` image tokens for pixel values of ``H x W``; a family with another rule passes
-    ``num_tokens``)."""
+    ``num_tokens``; Qwen2-VL's processors: one token per merge block of the image's grid). ``pixel_dtype``:
+    what Qwen2-VL's pixel payloads are stored in (the model's dtype where it is a 16-bit float)."""
 
     def __init__(self, image_processor: Any, image_token: str, image_token_id: int, patch_size: int,
                  extra_tokens: int = 0, processor_kwargs: dict | None = None, num_tokens=None,
                  wrap: tuple[list[int], list[int]] = ([], []), fill_token_id: int | None = None,
-                 merges: dict | None = None, crops=None):
-        self.image_processor = image_processor
+                 merges: dict | None = None, crops=None, pixel_dtype=np.float32):
+        self.image_processor, self.pixel_dtype = image_processor, pixel_dtype
         self.image_token, self.image_token_id = image_token, image_token_id
         # the placeholder's replacement: ``wrap[0]``, the image's tokens (``fill_token_id``), ``wrap[1]``; an
         # image the processor cut into crops (pan-and-scan): ``crops(k)``, the ids of the text around the
@@ -91,7 +94,7 @@ class ImageProcessing:
 
     @classmethod
     def from_folder(cls, folder: str | None, model_extra: dict, processor_kwargs: dict | None = None,
-                    tokenizer: Any = None):
+                    tokenizer: Any = None, dtype: str | None = None):
         proc = _read(folder, "processor_config.json")
         image_config = _read(folder, "preprocessor_config.json") or proc.get("image_processor") \
             or _thaw(model_extra.get("image_processor") or ())
@@ -125,11 +128,14 @@ class ImageProcessing:
         return cls(processor, image_token, image_token_id, patch, extra_tokens, kwargs, wrap=wrap_ids,
                    num_tokens=(lambda pv, ex: fixed) if fixed else None,
                    fill_token_id=model_extra.get("image_fill_token_id"),
-                   merges=newline_merges(tokenizer) if wrap else None, crops=crops)
+                   merges=newline_merges(tokenizer) if wrap else None, crops=crops,
+                   pixel_dtype=_pixel_dtype(dtype))
 
     def num_tokens(self, pixel_values: np.ndarray, extra: dict) -> int:
         if self._num_tokens is not None:
             return self._num_tokens(pixel_values, extra)
+        if "image_grid_thw" in extra:
+            return int(np.prod(extra["image_grid_thw"])) // self.image_processor.merge_size ** 2
         h, w = pixel_values.shape[-2:]
         return (h // self.patch_size) * (w // self.patch_size) + self.extra_tokens
 
@@ -141,8 +147,8 @@ class ImageProcessing:
         out = self.image_processor(images=[image], return_tensors="np")
         extra = {k: np.asarray(v[0]) for k, v in out.items() if k != "pixel_values"}
         if "image_grid_thw" in out:     # Qwen2-VL's processors: the image's patches, flattened
-            return [(patches_to_image(out["pixel_values"], extra["image_grid_thw"], self.image_processor),
-                     extra, digest)]
+            return [(patch_blocks(out["pixel_values"], extra["image_grid_thw"], self.image_processor,
+                                  self.pixel_dtype), extra, digest)]
         return [(np.asarray(pv, np.float32), extra, digest if i == 0 else f"{digest}-crop{i}")
                 for i, pv in enumerate(out["pixel_values"])]
 
@@ -189,6 +195,15 @@ class ImageProcessing:
             return [*self.wrap[0], None, *self.wrap[1]]
         ids = self.crops(num_crops)
         return [x for t in ids for x in ((t, None) if t == self.image_token_id else (t,))]
+
+
+def _pixel_dtype(name: str | None):
+    """The payload dtype of a model of dtype ``name``: a 16-bit float as itself (the tower computes in it),
+    float32 otherwise."""
+    if name in ("bfloat16", "float16"):
+        import ml_dtypes  # noqa: PLC0415  (jax's dependency)
+        return np.float16 if name == "float16" else ml_dtypes.bfloat16
+    return np.float32
 
 
 def encode_around(tokenizer: Any, text: str, placeholder: str, placeholder_id: int,

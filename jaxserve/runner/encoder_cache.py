@@ -124,7 +124,9 @@ class EncoderCache:
         if len(self._free) < f.length:
             raise RuntimeError("the encoder cache is full (the scheduler's encoder cache manager admitted "
                                "more image tokens than its capacity)")
-        rows = np.asarray([self._free.pop() for _ in range(f.length)], np.int32)
+        tail = len(self._free) - f.length                  # the free list's last rows, popped (last first)
+        rows = np.asarray(self._free[tail:][::-1], np.int32)
+        del self._free[tail:]
         self.rows[f.hash] = rows
         return rows
 

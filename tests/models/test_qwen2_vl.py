@@ -116,10 +116,13 @@ SIZES = [(28, 28), (56, 28), (28, 84), (56, 56), (84, 56), (112, 84), (56, 140),
 
 
 def features(sizes, seed: int = 0) -> list:
+    """Random images of ``sizes`` as pixel payloads (the processor's patch order, by merge block)."""
+    from jaxserve.models.layers.qwen_vision import image_blocks
     from jaxserve.multimodal.inputs import ImageFeature
     rng = np.random.default_rng(seed)
     return [ImageFeature(f"img{seed}-{i}", 0, (h // 28) * (w // 28),
-                         rng.standard_normal((3, h, w)).astype(np.float32)) for i, (h, w) in enumerate(sizes)]
+                         image_blocks(rng.standard_normal((3, h, w)).astype(np.float32), 14, 2))
+            for i, (h, w) in enumerate(sizes)]
 
 
 def encoder(model, min_patches: int, max_batch: int = 4):
@@ -157,7 +160,8 @@ def test_encoder_compiles_once_per_bucket(name):
     model = load(name)
     cache = encoder(model, min_patches=16, max_batch=1)
     unit = model.family.patch_unit(model.config)
-    buckets = {patch_bucket(model.family.packed_patches(model.config, (3, h, w)), unit, 16) for h, w in SIZES}
+    buckets = {patch_bucket(model.family.packed_patches(model.config, (h // 28, w // 28)), unit, 16)
+               for h, w in SIZES}
     for f in features(SIZES):
         cache.encode([f])
     assert cache._step._cache_size() == len(buckets) < len(SIZES)
@@ -176,19 +180,63 @@ def test_mrope_positions_as_hf():
                                         [0, 1, 2, 2, 2, 3, 3, 3, 5, 6, 6, 7, 7, 8, 9],
                                         [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7, 6, 7, 8, 9]])
     np.testing.assert_array_equal(mrope_positions(np.array([20]), feats), [[15], [15], [15]])
+    full = mrope_positions(np.arange(40), feats)     # the general path, over the images
+    for start in (13, 14, 27):                       # tokens past the last image only: the decode path
+        np.testing.assert_array_equal(mrope_positions(np.arange(start, 40), feats), full[:, start:])
 
 
-def test_pixels_round_trip_the_processors_patches():
-    """The encoder's image ``[C, H, W]`` is the processor's flattened patches rearranged, losslessly."""
+def test_payload_is_the_processors_patches_by_merge_block():
+    """The tower's pixel payload made from the processor's flattened patches (``patch_blocks``, the front end)
+    is the image's merge blocks as ``image_blocks`` lays them out, for grids of odd block counts too."""
     from transformers import Qwen2VLImageProcessorPil
 
-    from jaxserve.multimodal.processing import patches_to_image
+    from jaxserve.models.layers.qwen_vision import image_blocks
+    from jaxserve.multimodal.processing import patch_blocks
     proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 64)
-    out = proc(images=[FIXTURES[NAMES[0]].image("wide.png").convert("RGB")], return_tensors="np")
-    pixels = patches_to_image(out["pixel_values"], out["image_grid_thw"][0], proc)
-    assert pixels.shape == (3, 112, 168)
-    again, gh, gw = proc.patchify(pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
-    np.testing.assert_array_equal(again, out["pixel_values"])
+    rng = np.random.default_rng(0)
+    for h, w in ((112, 168), (28, 84), (140, 196)):
+        image = rng.standard_normal((3, h, w)).astype(np.float32)
+        patches, gh, gw = proc.patchify(image, patch_size=14, merge_size=2, temporal_patch_size=2)
+        payload = patch_blocks(patches, np.array([1, gh, gw]), proc)
+        assert payload.shape == (h // 28, w // 28, 4 * 3 * 14 * 14) and payload.dtype == np.float32
+        np.testing.assert_array_equal(payload, image_blocks(image, 14, 2))
+
+
+def test_bfloat16_payload_encodes_as_float32_pixels():
+    """A bfloat16 model's payload sent in bfloat16 (what the front end makes for it) encodes exactly as the
+    float32 payload the tower casts on the device."""
+    import ml_dtypes
+
+    from jaxserve.models.loader import load_model
+    from jaxserve.multimodal.processing import ImageProcessing
+    vl = FIXTURES[NAMES[0]]
+    model = load_model(vl.folder, dtype="bfloat16")
+    image = vl.image("wide.png").convert("RGB")
+    proc16 = ImageProcessing.from_folder(vl.folder, model.config.extra_dict, dtype="bfloat16")
+    px16 = proc16.process_image(image)[0][0]
+    px32 = ImageProcessing.from_folder(vl.folder, model.config.extra_dict).process_image(image)[0][0]
+    assert px16.dtype == ml_dtypes.bfloat16 and px32.dtype == np.float32
+    np.testing.assert_array_equal(px16, px32.astype(ml_dtypes.bfloat16))
+    a, b = (np.asarray(model.family.encode_images(model.params, px[None], model.config)) for px in (px16, px32))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_bfloat16_engine_sends_bfloat16_pixels():
+    """A bfloat16 engine's front end makes bfloat16 payloads; its greedy ids are those of float32 payloads
+    (another content key, so the second request encodes its image again)."""
+    import ml_dtypes
+    vl = FIXTURES[NAMES[0]]
+    engine = vl.make_llm(dtype="bfloat16")
+    proc = engine.engine.images.processing
+    assert proc.pixel_dtype == ml_dtypes.bfloat16
+    case = vl.cases["one_image"]
+    first = run_case(vl, engine, case)
+    proc.pixel_dtype, proc._kwargs_key = np.float32, proc._kwargs_key + "|float32 pixels"
+    again = run_case(vl, engine, case)
+    assert first.prompt_token_ids == case["prompt_ids"]
+    assert list(first.outputs[0].token_ids) == list(again.outputs[0].token_ids)
+    assert len(first.outputs[0].token_ids) == GREEDY
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

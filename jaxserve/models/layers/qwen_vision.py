@@ -16,7 +16,9 @@ reshape of the row into windows of ``unit`` patches; without windows a merge blo
 carries its image's segment id (padding: -1): attention is masked to equal segment ids (within the image, as
 HF's ``cu_seqlens``; pads only see pads), so padding never reaches an image's rows; full attention over a
 long row runs in blocks of queries (scores ``block x N``, not ``N x N``). The merged tokens come back in the
-packed order; ``pack`` says where each image's tokens (row-major) are.
+packed order; ``pack`` says where each image's tokens (row-major) are. An image arrives as the front end made
+it (``image_blocks``' layout: the processor's patch order, merge blocks row-major, in the tower's dtype), so
+packing it is one gather of whole merge blocks into its slots, by index arrays cached per grid size.
 """
 from __future__ import annotations
 
@@ -64,57 +66,89 @@ class QwenVisionSpec:
         return self.window > 0 and block not in self.full_blocks
 
     def patches(self, pixel_shape: tuple) -> int:
-        """Packed patches of an image of ``[C, H, W]`` pixels (its partial windows padded)."""
-        return image_layout(pixel_shape[-2] // self.patch_size, pixel_shape[-1] // self.patch_size, self.merge,
-                            max(self.window, 1))[2] * self.merge ** 2
+        """Packed patches of an image whose payload is ``[lh, lw, ...]`` merge blocks (its partial windows
+        padded)."""
+        return image_layout(pixel_shape[0] * self.merge, pixel_shape[1] * self.merge, self.merge,
+                            max(self.window, 1)).size * self.merge ** 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageLayout:
+    """Where the merge blocks of a ``grid_h x grid_w`` patch grid go in the packed layout of windows of
+    ``window`` merge blocks a side (windows row-major, blocks row-major within one, partial windows padded)."""
+    src: np.ndarray          # [size] each slot's merge block (row-major index; a pad slot: 0, zeroed after)
+    pads: np.ndarray         # the pad slots
+    rank: np.ndarray         # [lh * lw] each merge block's slot
+    pos: np.ndarray          # [size, merge**2, 2] each slot's patches' (row, column); pads 0
+    valid: np.ndarray        # [size] bool: the slot holds a block
+    size: int                # slots, in merge blocks
 
 
 @functools.lru_cache(maxsize=256)
-def image_layout(grid_h: int, grid_w: int, merge: int, window: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Of a ``grid_h x grid_w`` patch grid with windows of ``window`` merge blocks a side: (its merge blocks
-    (row-major indices) in window order; each one's slot in the padded layout, in merge blocks; the slots)."""
+def image_layout(grid_h: int, grid_w: int, merge: int, window: int) -> ImageLayout:
+    """The ``ImageLayout`` of one grid size (cached: images of a size share it; its arrays are read-only)."""
     lh, lw = grid_h // merge, grid_w // merge
     r, c = np.divmod(np.arange(lh * lw), lw)
     wid = (r // window) * -(-lw // window) + c // window
-    order = np.argsort(wid, kind="stable")
+    order = np.argsort(wid, kind="stable")                  # the blocks in window order
     first = np.searchsorted(wid[order], wid[order])           # each block's window's first place in order
     slot = wid[order] * window * window + np.arange(lh * lw) - first
-    return order, slot, int(-(-lh // window) * -(-lw // window) * window * window)
+    size = int(-(-lh // window) * -(-lw // window) * window * window)
+    src, rank, valid = np.zeros(size, np.intp), np.empty(lh * lw, np.intp), np.zeros(size, bool)
+    src[slot], rank[order], valid[slot] = order, slot, True
+    hw = np.stack(np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij"), -1)      # [gh, gw, 2]
+    hw = hw.reshape(lh, merge, lw, merge, 2).transpose(0, 2, 1, 3, 4).reshape(lh * lw, merge * merge, 2)
+    pos = np.where(valid[:, None, None], hw[src], 0).astype(np.int32)
+    layout = ImageLayout(src, np.flatnonzero(~valid), rank, pos, valid, size)
+    for a in (layout.src, layout.pads, layout.rank, layout.pos, layout.valid):
+        a.flags.writeable = False
+    return layout
+
+
+def image_blocks(image: np.ndarray, patch: int, merge: int) -> np.ndarray:
+    """An image ``[C, H, W]`` as the tower's pixel payload ``[H / (patch * merge), W / (patch * merge),
+    merge**2 * C * patch**2]``: its merge blocks row-major, each block's patches row-major, a patch
+    flattened (C, row, column) — the Qwen2-VL processor's patch order, one frame."""
+    c, h, w = image.shape
+    lh, lw = h // (patch * merge), w // (patch * merge)
+    x = image.reshape(c, lh, merge, patch, lw, merge, patch).transpose(1, 4, 2, 5, 0, 3, 6)
+    return np.ascontiguousarray(x).reshape(lh, lw, -1)
 
 
 def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, bucket: int) \
         -> tuple[tuple[np.ndarray, ...], list[np.ndarray], int]:
-    """Images ``[C, H, W]`` (``rows``: the images of each row, at most ``bucket`` packed patches a row) as the
-    tower's input ``(patches [R, bucket, C*p*p], positions [R, bucket, 2], segments [R, bucket])`` of
-    ``num_rows`` rows; per image (in ``rows`` order) the flat indices of its merged tokens (row-major) among
-    the tower's outputs; their number, ``R * bucket / merge**2``."""
-    p, m, win = spec.patch_size, spec.merge, max(spec.window, 1)
+    """Images as pixel payloads ``[lh, lw, merge**2 * C * p * p]`` (``image_blocks``' layout; ``rows``: the
+    images of each row, at most ``bucket`` packed patches a row) as the tower's input ``(patches [R, bucket,
+    C*p*p] in the payloads' dtype, positions [R, bucket, 2], segments [R, bucket])`` of ``num_rows`` rows;
+    per image (in ``rows`` order) the flat indices of its merged tokens (row-major) among the tower's
+    outputs; their number, ``R * bucket / merge**2``. An image is one gather of its blocks into its slots
+    (the layout of each grid size is cached), so this is a copy of the pixels, not a re-patchify."""
+    m, win = spec.merge, max(spec.window, 1)
     mm, per_row = m * m, bucket // (m * m)
-    c = spec.in_channels
-    patches = np.zeros((num_rows, bucket // mm, mm, c * p * p), np.float32)
-    pos = np.zeros((num_rows, bucket // mm, mm, 2), np.int32)
-    seg = np.full((num_rows, bucket // mm, mm), -1, np.int32)
+    dtype = np.result_type(*(px.dtype for images in rows for px in images)) if any(rows) else np.float32
+    patches = np.empty((num_rows, per_row, mm * spec.in_channels * spec.patch_size ** 2), dtype)
+    pos = np.zeros((num_rows, per_row, mm, 2), np.int32)
+    seg = np.full((num_rows, per_row), -1, np.int32)
     tokens = []
     for r, images in enumerate(rows):
         at = 0                                                  # in merge blocks
         for k, px in enumerate(images):
-            gh, gw = px.shape[-2] // p, px.shape[-1] // p
-            lh, lw = gh // m, gw // m
-            order, slot, size = image_layout(gh, gw, m, win)
-            if at + size > per_row:
-                raise ValueError(f"images of {at * mm + size * mm} packed patches in a row of {bucket}")
-            blocks = np.asarray(px, np.float32).reshape(c, lh, m, p, lw, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-            patches[r, at + slot] = blocks.reshape(lh * lw, mm, c * p * p)[order]
-            hw = np.stack(np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij"), -1)      # [gh, gw, 2]
-            hw = hw.reshape(lh, m, lw, m, 2).transpose(0, 2, 1, 3, 4).reshape(lh * lw, mm, 2)
-            pos[r, at + slot] = hw[order]
-            seg[r, at + slot] = k
-            flat = np.empty(lh * lw, np.int64)
-            flat[order] = r * per_row + at + slot
-            tokens.append(flat)
-            at += size
-    shape = (num_rows, bucket)
-    return (patches.reshape(*shape, -1), pos.reshape(*shape, 2), seg.reshape(shape)), tokens, num_rows * per_row
+            lh, lw = px.shape[:2]
+            lay = image_layout(lh * m, lw * m, m, win)
+            if at + lay.size > per_row:
+                raise ValueError(f"images of {(at + lay.size) * mm} packed patches in a row of {bucket}")
+            dest = patches[r, at:at + lay.size]
+            np.take(px.reshape(lh * lw, -1).astype(dtype, copy=False), lay.src, axis=0, out=dest, mode="clip")
+            dest[lay.pads] = 0
+            pos[r, at:at + lay.size] = lay.pos
+            seg[r, at:at + lay.size][lay.valid] = k
+            tokens.append(r * per_row + at + lay.rank)
+            at += lay.size
+        patches[r, at:] = 0
+    patches[len(rows):] = 0
+    shape = (num_rows, per_row * mm)
+    return (patches.reshape(*shape, -1), pos.reshape(*shape, 2), np.repeat(seg, mm, axis=1)), tokens, \
+        num_rows * per_row
 
 
 def axial_rotary(pos: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

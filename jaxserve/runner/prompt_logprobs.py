@@ -37,7 +37,10 @@ MIN_BUCKET = 16
 
 def _score_fn(family, cfg, backend, k, params, kv_caches, ids, positions, targets, md):
     S = ids.shape[0]
-    hidden, kv_caches = family.forward(params, kv_caches, ids, positions, md, cfg, attn_backend=backend)
+    # a LoRA engine's weights (folded ones hold the adapters' A columns): the base model, slot 0 throughout
+    lora = {} if "lora" not in params else {"lora": (params["lora"], jnp.zeros(S, jnp.int32))}
+    params = {k: v for k, v in params.items() if k != "lora"}
+    hidden, kv_caches = family.forward(params, kv_caches, ids, positions, md, cfg, attn_backend=backend, **lora)
 
     def chunk(args):
         h, t = args
@@ -65,8 +68,12 @@ def wants_scoring(req) -> bool:
 
 class PromptLogprobsScorer:
     def __init__(self, model, kv_caches, *, attn_backend: str, max_blocks_per_seq: int,
-                 max_num_batched_tokens: int, max_logprobs: int, mesh=None, background: bool = True):
+                 max_num_batched_tokens: int, max_logprobs: int, mesh=None, background: bool = True,
+                 params=None):
+        """``params``: the current step weights when called (a LoRA engine's: ``ModelRunner.step_params``);
+        by default the model's."""
         self.model = model
+        self.params = params or (lambda: model.params)
         self.cfg = model.config
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_bucket = self.bucket(max(1, max_num_batched_tokens // 2))
@@ -80,7 +87,7 @@ class PromptLogprobsScorer:
         # compiled for shapes, dtypes and shardings only: a background compile must not touch the cache
         # buffers the steps are donating meanwhile
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))  # noqa: E731
-        self._param_specs = jax.tree.map(spec, model.params)
+        self._param_specs = jax.tree.map(spec, self.params())
         self._kv_specs = jax.tree.map(spec, kv_caches)
         self.compiler = StepCompiler(self._lower)
         if background:
@@ -131,7 +138,7 @@ class PromptLogprobsScorer:
         S = inputs[0].shape[0]
         assert S <= self.max_bucket, (S, self.max_bucket)      # the scheduler budgets scored positions twice
         exe = self.compiler.get(S) or self.compiler.need(S, f"prompt scoring of {end - first} positions")
-        return exe(self.model.params, kv_caches, *inputs)
+        return exe(self.params(), kv_caches, *inputs)
 
     def _inputs(self, prompt: list[int], first: int, end: int, block_ids: list[int]):
         """(ids, positions, targets, metadata) of prompt positions first .. end - 1, padded to their bucket."""

@@ -81,6 +81,18 @@ def test_bad_adapters_are_request_errors(llm, tmp_path):
     assert run(llm, lora_golden()["prompts"][:1], lora("attn-r8")) == lora_golden()["adapters"]["attn-r8"][:1]
 
 
+def test_a_base_request_scores_its_prompt_on_the_lora_engine(llm):
+    """prompt_logprobs without an adapter run the base model over the LoRA engine's weights (folded ones hold
+    the adapters' A columns): the golden base continuation scores rank 1 at each of its positions."""
+    g = lora_golden()
+    assert llm.engine.core.runner.lora.folded
+    prompt, continuation = g["prompts"][0], g["base"][0]
+    out = llm.generate([{"prompt_token_ids": prompt + continuation}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)
+    scored = out[0].prompt_logprobs[len(prompt):]
+    assert [lp[tok].rank for lp, tok in zip(scored, continuation)] == [1] * len(continuation)
+
+
 def _copy_with_config(tmp_path, name: str, **changes) -> str:
     folder = tmp_path / name
     shutil.copytree(adapter_path(name), folder)

@@ -13,7 +13,8 @@ can tell a kv projection by its name (``parallel.mesh.adjust_spec_for_tp``).
 Layout: matmul weights are ``[in, out]`` so the step never transposes; ``gate_up`` is the gated MLP's input
 projection ``[hidden, 2, intermediate]`` (gate then up), fused along its own axis so tensor parallelism still
 shards ``intermediate``; q/k/v stay separate (under GQA a fused column split would not line up with head
-shards; Phi-3's fused checkpoint tensors are split at load).
+shards; Phi-3's fused checkpoint tensors are split at load). With LoRA adapters folded (``layers.lora``), q, o,
+gate_up and down are ``[in, out + S * w]`` instead: their adapter slots' A columns appended (gate_up flat).
 
 The step: ``forward`` merges the graph definition (static, cached per config) with the weight pytree it was
 given and runs the model: layers unrolled in Python, each writing its K/V into its paged cache (the caches
@@ -181,7 +182,7 @@ class DecoderLayer(nnx.Module):
         """The gated MLP up to (not including) the down projection: ``act(h @ gate) * (h @ up)``."""
         gate_up = linear(h, _w(self.gate_up))
         if lora is not None:
-            gate_up = gate_up + lora.delta(self.index, "gate_up", h)
+            gate_up = lora.add(self.index, "gate_up", h, gate_up)
         return ACTIVATIONS[self.spec.activation](gate_up[:, 0]) * gate_up[:, 1]
 
     def moe_mlp(self, h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -257,6 +258,11 @@ class DecoderModel(nnx.Module):
                 elif lora is None:
                     x, h = self._add_norm(attn, _w(layer.o), x, _w(layer.mlp_norm), (_w(layer.gate_up),))
                     x, h = self._add_norm(layer.gated(h), _w(layer.down), x, next_norm, next_readers)
+                elif lora.folded:   # no mesh: o's and down's weights are W_ext (x @ W_ext holds the shrink)
+                    x = x + lora.add(layer.index, "o", attn, linear(attn, _w(layer.o)))
+                    g = layer.gated(self.norm(x, _w(layer.mlp_norm), eps), lora)
+                    x = x + lora.add(layer.index, "down", g, linear(g, _w(layer.down)))
+                    h = self.norm(x, next_norm, eps)
                 else:   # the row-parallel deltas join the residual, so the fused add + norm stays one call
                     x, h = self._add_norm(attn, _w(layer.o), x + lora.delta(layer.index, "o", attn),
                                           _w(layer.mlp_norm))

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 
+from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core_outputs import apply_sampled_tokens
 from jaxserve.engine.embedder import Embedder, is_embedding_model
@@ -101,7 +102,7 @@ class EngineCore:
         # dispatched steps, oldest first; with async scheduling one stays on the device between step() calls
         self._in_flight: deque[_InFlight] = deque()
         self._lookahead = 1 if config.async_scheduling else 0
-        self.speculator = None            # --speculative-config (``speculator``): steps then run synchronously
+        self.speculator = None            # --speculative-config (``speculator``)
         # pipeline stages' batch queue: up to one step per stage in flight, of disjoint requests (the scheduler
         # skips those with a token in flight), so no step reads another's tokens on the device
         par = config.parallel
@@ -149,7 +150,11 @@ class EngineCore:
                                        self.encoder_cache, self.lora)
             if config.speculative_config is not None:
                 self.speculator = make_speculator(self, config, draft)
-                self._lookahead = 0
+                # a draft model proposes from the tokens read: synchronous steps; n-gram ones overlap the host
+                # with the device only when asked (JAXSERVE_SPEC_ASYNC: its drafts are a step stale)
+                if draft is not None or not envs.JAXSERVE_SPEC_ASYNC:
+                    self._lookahead = 0
+                self.scheduler.async_drafts = self._lookahead > 0
             if self._batch_queue:
                 self.scheduler.num_batches = self._lookahead = self._batch_queue
             self.executor.warm_up(progress=progress)
@@ -243,6 +248,10 @@ class EngineCore:
         if not self.scheduler.scoring_ready:
             self._wait_for_scorer()
         if self.speculator is not None:
+            if self._in_flight and (self.scheduler.num_penalized or self.structured_output.has_requests):
+                # a step that reads its predecessor before dispatch (penalties, structured outputs) would
+                # find its entries placed past drafts that step rejects: read it first
+                outputs += self._process_in_flight(keep=0)
             self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
@@ -283,39 +292,22 @@ class EngineCore:
             freed = self.encoder_cache.take_freed()
             if freed:
                 self.runner.free_encoder_outputs(freed)
-        if scheduler_output.num_draft_tokens:
-            return outputs + self._dispatch_spec(scheduler_output, constrained)
-        if constrained is None:
-            pending = self.runner.dispatch(scheduled, prev, mm=mm) if mm else self.runner.dispatch(scheduled, prev)
-        else:
-            pending = self.runner.dispatch_forward(scheduled, prev, mm=mm) if mm else \
-                self.runner.dispatch_forward(scheduled, prev)
+        dispatch = self.runner.dispatch if constrained is None else self.runner.dispatch_forward
+        # some entry verifies draft tokens (``speculator``), or follows a step in flight that verified some
+        spec = scheduler_output.num_draft_tokens > 0 or (prev is not None and bool(prev.drafts))
+        # (keywords only where used: a BroadcastingRunner, which serves neither, takes none)
+        pending = dispatch(scheduled, prev, mm=mm, spec=spec) if mm or spec else dispatch(scheduled, prev)
         scored = self._score_prompt_chunks(scheduled) if self.scheduler.num_scoring else []
-        self.scheduler.update_from_output(scheduler_output)
         running = RequestStatus.RUNNING
-        sampled = [(s.request, len(s.request.output_token_ids) - s.num_steps)
+        # each sampling entry's first placeholder of this step: the outputs it has before the scheduler counts
+        # the step's (one, num_steps multi-step, or 1 + its drafts speculating)
+        sampled = [(s.request, len(s.request.output_token_ids))
                    for s in scheduled if s.samples and s.request.status == running]
+        self.scheduler.update_from_output(scheduler_output)
         if constrained is not None:
             pending = self._sample_constrained(pending, constrained, outputs)
         self._in_flight.append(_InFlight(pending, sampled, scored))
         return outputs
-
-    def _dispatch_spec(self, scheduler_output: SchedulerOutput, constrained) -> list[EngineCoreOutput]:
-        """Dispatch a step that verifies draft tokens (``speculator``; no step is in flight: these run
-        synchronously), with a bitmask when some row is constrained (a constrained row has no drafts)."""
-        scheduled = scheduler_output.scheduled
-        mask = None
-        if constrained is not None:
-            num_rows = self.runner.shapes.own(sum(s.num_new_tokens for s in scheduled), False)[1]
-            mask = self.structured_output.start_fill(constrained, num_rows).result()
-        pending = self.runner.dispatch_spec(scheduled, mask)
-        scored = self._score_prompt_chunks(scheduled) if self.scheduler.num_scoring else []
-        self.scheduler.update_from_output(scheduler_output)
-        running = RequestStatus.RUNNING
-        sampled = [(s.request, len(s.request.output_token_ids) - 1 - len(s.spec_token_ids or ()))
-                   for s in scheduled if s.samples and s.request.status == running]
-        self._in_flight.append(_InFlight(pending, sampled, scored))
-        return []
 
     def _needs_history(self, scheduled) -> bool:
         """Whether a scheduled request needs its previous token on the host before dispatch (penalties)."""
@@ -354,14 +346,29 @@ class EngineCore:
         so = self.structured_output
         outputs, finished = apply_sampled_tokens(step.sampled, result.token_ids, result.logprobs,
                                                  so if so.has_requests else None, result.spec)
-        if result.spec:
-            self.speculator.record(result.spec)
         for status, request_ids in finished.items():
             self.scheduler.finish_requests(request_ids, status)
             if so.has_requests:
                 for rid in request_ids:
                     so.remove(rid)
+        if result.spec:
+            self.speculator.record(result.spec)
+            self._after_roll_back(result.spec)
         return outputs
+
+    def _after_roll_back(self, spec: dict[str, tuple[int, int]]) -> None:
+        """A read speculative step rolled back its rejected drafts: the steps in flight after it, placed past
+        them, take their tokens from indices as many lower; a request capped on them runs again."""
+        rolled = {rid: d - a for rid, (d, a) in spec.items() if d > a}
+        if not rolled:
+            return
+        for later in self._in_flight:
+            later.sampled = [(r, f - rolled.get(r.request_id, 0)) for r, f in later.sampled]
+        capped = self.scheduler.capped
+        for rid in rolled:
+            req = capped.get(rid)
+            if req is not None and len(req.output_token_ids) < req.max_output_tokens:
+                self.scheduler.uncap(req)
 
     # ---------------------------------------------------------------- prompt logprobs
     def _make_scorer(self) -> None:
@@ -372,7 +379,8 @@ class EngineCore:
                                             max_blocks_per_seq=self.runner.max_blocks_per_seq,
                                             max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
                                             max_logprobs=self.config.max_logprobs, mesh=self.executor.mesh,
-                                            background=not self.runner.enforce_eager)
+                                            background=not self.runner.enforce_eager,
+                                            params=lambda: self.runner.step_params)
         self.scheduler.scoring_ready = self._scorer.ready()
 
     def _wait_for_scorer(self) -> None:

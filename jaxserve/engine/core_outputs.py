@@ -15,8 +15,9 @@ For each request the step sampled for, token by token (a multi-step dispatch bri
 - after a stop, drop the tokens the device computed past it (async scheduling and multi-step dispatch the
   next step before this one is read);
 - a speculative step brings the accepted drafts and one more token: its placeholders past them are dropped
-  and the request's computed tokens rolled back to its known ones (the rejected drafts' K/V are overwritten
-  later; the prefix cache only ever takes blocks of known, computed tokens).
+  and the request's computed tokens rolled back by as many (the rejected drafts' K/V are overwritten
+  later; the prefix cache only ever takes blocks of known, computed tokens); the engine core moves the
+  indices of the step in flight after it back too.
 Stop strings need the text: the front end matches them and aborts the request in the core. The engine core
 frees what this returns as finished (``Scheduler.finish_requests``).
 
@@ -70,14 +71,15 @@ def _step_tokens(toks, lps) -> tuple:
 
 
 def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict[str, Any],
-                         logprobs: dict[str, Any] | None, grammars=None, spec: dict[str, tuple] | None = None
+                         logprobs: dict[str, Any] | None, grammars=None, spec: dict | None = None
                          ) -> tuple[list[EngineCoreOutput], dict[RequestStatus, list[str]]]:
     """Apply one read step. ``sampled``: (request, index of its first placeholder of this step) for each
     request the step sampled for; ``token_ids[request_id]``: the token it sampled (a list after a multi-step
     dispatch); ``logprobs[request_id]``: (logprob, rank, top ids, top logprobs) (a list of them after
     multi-step) for requests that asked for logprobs; ``grammars``: the ``StructuredOutputManager`` whose
-    matchers judge the constrained requests' tokens (None when no request is constrained); ``spec``: after a
-    speculative step, request id -> (drafts verified, drafts accepted) for the requests that had drafts.
+    matchers judge the constrained requests' tokens (None when no request is constrained). A request that
+    verified drafts (``spec``: request id -> (drafts, accepted); its token_ids are then a list: the accepted
+    drafts and one more) has its rejected drafts rolled back.
 
     Returns the outputs for the front end and the requests that finished now, by status (their
     ``stop_reason`` is set); requests already finished or aborted are skipped."""
@@ -111,7 +113,7 @@ def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict
             if lps is not None:
                 lps = list(lps[:j + 1])
             if spec is not None and rid in spec:
-                _roll_back(req, first + len(toks), spec[rid])
+                _roll_back(req, first + len(toks), first + spec[rid][0] + 1, spec[rid][0])
         if first == 0:
             req.metrics.first_token_time = now
         if status is not None:
@@ -133,15 +135,16 @@ def apply_sampled_tokens(sampled: Iterable[tuple[Request, int]], token_ids: dict
     return outputs, finished
 
 
-def _roll_back(req: Request, end: int, verified: tuple[int, int]) -> None:
-    """A speculative step gave ``req`` its tokens up to output index ``end``: drop the placeholders of the
-    drafts it rejected and the computed positions they held (synchronous steps: none come after them)."""
-    num_drafts, num_accepted = verified
-    rejected = num_drafts - num_accepted
+def _roll_back(req: Request, end: int, placed: int, num_drafts: int) -> None:
+    """A speculative step that placed ``req``'s outputs up to index ``placed`` gave it its tokens up to
+    ``end``: drop the placeholders between (the drafts it rejected; a later step in flight, placed after them,
+    moved back on the device by as many) and the computed positions they held."""
+    req.num_drafts_in_flight -= num_drafts
+    rejected = placed - end
     if rejected:
-        req.num_computed_tokens -= rejected
-        if len(req.output_token_ids) > end:
-            req.truncate_output(end)
+        req.drop_outputs(end, placed)
+        if req.status is RequestStatus.RUNNING:     # (a preempted one computes from 0 again)
+            req.num_computed_tokens -= rejected
 
 
 def _first_output(req: Request, out: EngineCoreOutput) -> None:

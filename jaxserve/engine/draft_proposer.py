@@ -1,6 +1,6 @@
 """The draft-model proposer (``--speculative-config '{"method": "draft_model", "model": ...}'``): a second, smaller
-model sharing the target's tokenizer, with its own runner and KV cache, run greedily to propose each request's
-draft tokens.
+model sharing the target's tokenizer, with its own runner and KV cache on the target's mesh (sharded over "tp"
+as the target is), run greedily, without LoRA adapters, to propose each request's draft tokens.
 
 A round (one per engine step): each request's draft sequence catches up on the tokens the draft has not
 computed (its prompt the first time; after a verification, the accepted tokens and the target's next one; the

@@ -61,6 +61,7 @@ class Request:
         "status", "stop_reason", "output_token_ids", "_all_token_ids", "num_placeholders", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "metrics", "sampling_seed", "uses_penalties",
         "num_prompt_positions_scored", "defer_outputs", "mm_features", "lora_request", "lora_slot", "spec_token_ids",
+        "num_drafts_in_flight",
         # output state (the front end's; the core's sends prompt_logprobs and counts num_sent_tokens)
         "detokenizer", "cumulative_logprob", "logprobs", "prompt_logprobs", "num_sent_tokens", "num_sent_chars",
     )
@@ -113,7 +114,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
-        # Trailing output tokens that are still PLACEHOLDER (dispatched, not read back yet).
+        # Trailing output tokens that are still PLACEHOLDER (dispatched, not read back yet; a verified draft's
+        # holds the draft).
         self.num_placeholders = 0
         # Tokens whose K/V are in the cache (prefix-cache hits included); reset to 0 on preemption.
         self.num_computed_tokens = 0
@@ -122,6 +124,9 @@ class Request:
         # speculative decoding: the tokens proposed to follow its last token this step (the engine's speculator
         # sets them before each schedule; the scheduler takes what the budget allows), or None
         self.spec_token_ids: list[int] | None = None
+        # draft tokens of its dispatched steps not read yet: placeholders (holding the drafts) that may be
+        # rolled back (async scheduling places its next step as if they were all accepted)
+        self.num_drafts_in_flight = 0
         self.num_preemptions = 0
         # prompt_logprobs: prompt positions whose scoring is dispatched (kept across preemptions: a recomputed
         # prompt is not scored twice)
@@ -183,10 +188,15 @@ class Request:
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past ``num_output_tokens`` (computed after a stop the host saw late)."""
-        dropped = len(self.output_token_ids) - num_output_tokens
-        del self.output_token_ids[num_output_tokens:]
-        del self._all_token_ids[self.num_prompt_tokens + num_output_tokens:]
-        self.num_placeholders = max(0, self.num_placeholders - dropped)
+        self.drop_outputs(num_output_tokens, len(self.output_token_ids))
+
+    def drop_outputs(self, start: int, end: int) -> None:
+        """Drop output tokens ``[start, end)``: placeholders past a stop, or drafts a speculative step
+        rejected (a later step's placeholders may follow them)."""
+        p = self.num_prompt_tokens
+        del self.output_token_ids[start:end]
+        del self._all_token_ids[p + start:p + end]
+        self.num_placeholders = max(0, self.num_placeholders - (end - start))
 
     # -- status -------------------------------------------------------------------------------------
     def is_finished(self) -> bool:

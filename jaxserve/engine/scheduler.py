@@ -6,12 +6,8 @@ waiting requests in FCFS order (``--scheduling-policy priority``: by priority, t
 budget that is left (chunked prefill). There are no separate prefill and decode phases: the step is one
 ragged batch.
 
-NOTE (fair prefill): a prompt with more than ``long_prefill_token_threshold`` tokens left to compute is a long
-prefill. While a request that is not one wants the step (a decode, a shorter prompt), the long prefills'
-chunks take at most that many tokens of the step together (``_long_share``; a waiting long prompt that finds
-no share left keeps its place and the others pass it), and after the waiting requests had their turn the
-chunks that share cut get what budget is left (``_top_up``): a long prompt never holds back the others for
-more than a step or two, and the step stays full. Long prompts alone run at full width.
+Fair prefill (long prompts sharing the step with the others) and the share of prompts being scored:
+``prefill_shares``.
 
 A request's next tokens are ``all_token_ids[num_computed_tokens:num_tokens]``. The step samples a token
 for it only when its chunk reaches num_tokens (``ScheduledRequest.samples``): a prefill chunk that
@@ -23,8 +19,11 @@ under the priority policy the running list is kept in priority order, so the las
 Speculative decoding (``engine.speculator``): a running request whose ``spec_token_ids`` the speculator set
 before this schedule is scheduled with as many of them as the budget leaves room for after its own token
 (``ScheduledRequest.spec_token_ids``, KV slots for all of them); ``update_from_output`` counts a placeholder
-for each token the step may emit (drafts + 1) and never caps such a request: the step is read before the next
-schedule, and ``apply_sampled_tokens`` rolls back the drafts it rejected.
+for each token the step may emit (drafts + 1; the drafts' hold the drafts) and ``apply_sampled_tokens`` rolls
+back the drafts it rejected. With async scheduling the next step is placed as if all were accepted (its forward
+moves it back on the device, ``step_variants.shift_back``): a request whose placed tokens reach its limit is
+capped until the read rolls them back (``uncap``), and a preempted one is not readmitted before its drafts
+are read.
 
 The scheduler never decides that a request is finished: ``update_from_output`` counts the tokens a
 dispatched step samples as placeholders, and a request whose placeholders reach its length limit gets no
@@ -35,17 +34,9 @@ Admission (prompt length, queue limits) is the engine's, checked before ``add_re
 Pipeline stages' batch queue (``num_batches`` > 1 steps in flight): a step takes no request with a token in
 flight and at most its share of the requests, so the steps in flight hold disjoint requests.
 
-A request that asks for prompt logprobs is scheduled like any other (chunked, budgeted, preemptible,
-abortable); the engine scores each of its prompt chunks after the step that computes it
-(``runner.prompt_logprobs``). It takes no prefix-cache hits, as in vLLM: every prompt position must be
-computed to be scored. Scoring a position is a second forward over it, so a chunk's positions still to be
-scored count twice against the budget (``_cost``). While a request that does not score is unfinished, the
-chunks being scored take at most ``1 / SCORING_SHARE`` of a step's budget together (``_scoring_share``; a
-waiting scoring request that finds no share left keeps its place and the others pass it): long prompts
-scored (twice a prefill's work each) never hold back the others' prefills and decodes for steps on end;
-scoring requests alone run at full width. Such a request waits, in place, while the scorer's
-executables compile in the background (``scoring_ready``). ``num_scoring`` lets the engine skip that look
-on the steps without one.
+A request that asks for prompt logprobs is scheduled like any other, its chunks costed and shared as
+``scoring_budget`` says; such a request waits, in place, while the scorer's executables compile in the
+background (``scoring_ready``). ``num_scoring`` lets the engine skip that look on the steps without one.
 """
 from __future__ import annotations
 
@@ -57,22 +48,16 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
 from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.multi_step_plan import plan_steps
+from jaxserve.engine.prefill_shares import PrefillShares
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_queue import priority_key, waiting_queue
 from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.engine.scoring_budget import chunk_cost, fit_chunk, scores_prompt
 from jaxserve.runner.step_contract import PLACEHOLDER
 
 
-# The prompt chunks being scored take at most this fraction (1/N) of a step's token budget, together, while a
-# request that does not score is unfinished (see the module docstring).
-SCORING_SHARE = 4
 
-
-def _scores_prompt(req: Request) -> bool:
-    return getattr(req.sampling_params, "prompt_logprobs", None) is not None
-
-
-class Scheduler:
+class Scheduler(PrefillShares):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_cache_manager: KVCacheManager, max_model_len: int,
                  encoder_cache: EncoderCacheManager | None = None, lora=None):
@@ -104,6 +89,9 @@ class Scheduler:
         self.long_prefill_threshold = 0 if not self.enable_chunked_prefill else (
             self.max_num_batched_tokens // 2 if threshold is None else threshold)
 
+        # async scheduling with speculation: a request whose placed drafts reach its limit is capped until
+        # the read rolls them back (``uncap``) or finishes it
+        self.async_drafts = False
         self.requests: dict[str, Request] = {}       # every unfinished request, by id
         # FCFS (preempted requests re-enter at the front), or by priority under that policy
         self.waiting = waiting_queue(scheduler_config.scheduling_policy)
@@ -130,7 +118,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        if _scores_prompt(request):
+        if scores_prompt(request):
             self.num_scoring += 1
         if request.uses_penalties:
             self.num_penalized += 1
@@ -197,7 +185,7 @@ class Scheduler:
                     budget -= 1
                     i += 1
                     continue
-            cost = self._cost(req, num_new) if self.num_scoring else num_new
+            cost = chunk_cost(req, num_new) if self.num_scoring else num_new
             room = min(budget, share) if cost > num_new else budget
             is_long = num_new > long_threshold > 0
             if is_long:
@@ -210,7 +198,7 @@ class Scheduler:
                 if not self._may_chunk(cost):
                     i += 1              # chunked prefill off: wait for a step with room for all of it
                     continue
-                num_new, cost = self._fit(req, num_new, room)
+                num_new, cost = fit_chunk(req, num_new, room)
                 if num_new == 0:        # a scored chunk's first token alone costs 2
                     i += 1
                     continue
@@ -220,7 +208,7 @@ class Scheduler:
                 if num_new <= 0:        # its next image waits for encoder budget or cache room
                     i += 1
                     continue
-                cost = self._cost(req, num_new) if self.num_scoring else num_new
+                cost = chunk_cost(req, num_new) if self.num_scoring else num_new
                 mm_requests = (mm_requests or []) + [req]
             drafts = req.spec_token_ids
             if drafts:                  # speculation: the draft tokens the budget leaves room for, verified too
@@ -252,13 +240,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and \
                 (not seats or len(scheduled) < seats):
             req = self.waiting[0]
-            scores = self.num_scoring and _scores_prompt(req)
-            if (scores and not self.scoring_ready) or (seats and req.num_placeholders):   # (preempted in flight)
+            scores = self.num_scoring and scores_prompt(req)
+            # (preempted in flight: under the batch queue, or with drafts it may roll back)
+            if (scores and not self.scoring_ready) or (seats and req.num_placeholders) or req.num_drafts_in_flight:
                 skipped.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(req) if not scores else ([], 0)
             num_new = req.num_tokens - num_hit_tokens
-            cost = self._cost(req, num_new) if scores else num_new
+            cost = chunk_cost(req, num_new) if scores else num_new
             room = min(budget, share) if cost > num_new else budget
             is_long = num_new > long_threshold > 0
             if is_long:
@@ -270,7 +259,7 @@ class Scheduler:
             if cost > room:
                 if not self._may_chunk(cost):
                     break
-                num_new, cost = self._fit(req, num_new, room)
+                num_new, cost = fit_chunk(req, num_new, room)
                 if num_new == 0 and room < budget:   # no scoring or long share left: it keeps its place
                     skipped.append(self.waiting.popleft())
                     continue
@@ -282,7 +271,7 @@ class Scheduler:
                 if num_new <= 0:        # its first image waits for encoder budget or cache room
                     enc.release_all(req)
                     break
-                cost = self._cost(req, num_new) if scores else num_new
+                cost = chunk_cost(req, num_new) if scores else num_new
                 mm_requests = (mm_requests or []) + [req]     # (harmless if it does not run: nothing computed)
             # no adapter slot: it waits, and so do the adapter requests behind it (FCFS: they would keep their
             # adapters' slots pinned and it might never get one)
@@ -330,75 +319,6 @@ class Scheduler:
         return SchedulerOutput(scheduled=scheduled, num_steps=num_steps, mm_requests=mm_requests,
                                num_draft_tokens=num_drafts)
 
-    @staticmethod
-    def _cost(req: Request, num_new: int) -> int:
-        """Budget tokens of a chunk of ``num_new`` tokens from ``req.num_computed_tokens`` on: its tokens, and
-        once more each prompt position in it still to be scored (position p scores prompt token p + 1, so the
-        last prompt position scores nothing; positions scored before a preemption are not scored again)."""
-        if not _scores_prompt(req):
-            return num_new
-        start = req.num_computed_tokens
-        first = max(start, req.num_prompt_positions_scored)
-        end = min(start + num_new, req.num_prompt_tokens - 1)
-        return num_new + max(0, end - first)
-
-    def _scoring_share(self) -> int:
-        """The budget this step's chunks being scored may take together: a ``1 / SCORING_SHARE`` of the step
-        while a request that does not score is unfinished, else all of it (with chunked prefill off nothing
-        is chunked, so nothing is held back)."""
-        if not self.enable_chunked_prefill or self.num_scoring >= len(self.requests):
-            return self.max_num_batched_tokens
-        return max(2, self.max_num_batched_tokens // SCORING_SHARE)     # 2: one position, scored
-
-    def _fit(self, req: Request, num_new: int, budget: int) -> tuple[int, int]:
-        """The longest chunk of at most ``num_new`` tokens whose cost fits ``budget``, and its cost (a scored
-        chunk costs up to twice its length: the cost grows with the length, so a bisection finds it)."""
-        n = min(num_new, budget)
-        if not _scores_prompt(req):
-            return n, n
-        lo, hi = 0, n
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._cost(req, mid) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo, self._cost(req, lo)
-
-    def _long_share(self) -> int:
-        """The tokens this step's long prefill chunks may take together: ``long_prefill_threshold`` while a
-        request that is not a long prefill wants the step (a decode, a shorter prompt), else all of it.
-        Looked at once per step that has a long prefill (a step of hundreds of tokens at least)."""
-        threshold = self.long_prefill_threshold
-        if any(len(r._all_token_ids) - r.num_computed_tokens <= threshold for r in self.running) \
-                or any(len(r._all_token_ids) <= threshold for r in self.waiting):
-            return threshold
-        return self.max_num_batched_tokens
-
-    def _top_up(self, cut: list[ScheduledRequest], budget: int) -> None:
-        """Give the budget the step left to the long prefill chunks the long share cut short, oldest first
-        (the others had their turn; a chunk being scored keeps its size). Preempts nothing: a chunk the pool
-        cannot extend keeps its size."""
-        kv = self.kv_cache_manager
-        for s in cut:
-            req = s.request
-            extra = min(len(req._all_token_ids) - s.start_pos - s.num_new_tokens, budget)
-            # (a prompt with images keeps its chunk: a longer one may reach an image not scheduled to encode)
-            if extra <= 0 or _scores_prompt(req) or req.mm_features is not None \
-                    or kv.allocate_slots(req, s.num_new_tokens + extra) is None:
-                continue
-            s.num_new_tokens += extra
-            s.block_ids = kv.live_block_ids(req.request_id)
-            s.samples = s.start_pos + s.num_new_tokens == len(req._all_token_ids)
-            budget -= extra
-            if budget <= 0:
-                return
-
-    def _may_chunk(self, num_new: int) -> bool:
-        # With chunked prefill off, a sequence that could never fit a whole step (a preempted request
-        # recomputing prompt + outputs) is still chunked rather than left waiting forever.
-        return self.enable_chunked_prefill or num_new > self.max_num_batched_tokens
-
     def _scheduled(self, req: Request, num_new: int, encode: list | None = None,
                    drafts: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -444,22 +364,32 @@ class Scheduler:
             if entry.samples:
                 n = entry.num_steps
                 drafts = entry.spec_token_ids
-                if n == 1 and drafts is None:   # req.append_placeholders(1), inlined: once per decode per step
-                    req.output_token_ids.append(PLACEHOLDER)
-                    req._all_token_ids.append(PLACEHOLDER)
-                    req.num_placeholders += 1
-                elif drafts is not None:
+                if drafts is not None:
                     # up to len(drafts) + 1 tokens; the ones not accepted are rolled back when the step is read
-                    # (``core_outputs.apply_sampled_tokens``), which also finishes it by length: never capped
-                    req.append_placeholders(len(drafts) + 1)
-                    n = 0
+                    # (``core_outputs.apply_sampled_tokens``); the drafts stand in for them meanwhile (the
+                    # proposer's history for the next step, placed as if all were accepted)
+                    req.output_token_ids += drafts
+                    req._all_token_ids += drafts
+                    req.append_placeholders(1)
+                    req.num_placeholders += len(drafts)
+                    req.num_drafts_in_flight += len(drafts)
+                    # (steps read before the next schedule need no cap: the read rolls back or finishes it)
+                    if self.async_drafts and len(req.output_token_ids) >= req.max_output_tokens:
+                        if capped is None:
+                            capped = []
+                        capped.append(req)      # (``uncap``: rolled back below its limit)
                 else:
-                    req.append_placeholders(n)
-                    end += n - 1        # the loop computed one more position per token after the first
-                if n and len(req.output_token_ids) >= req.max_output_tokens:
-                    if capped is None:
-                        capped = []
-                    capped.append(req)
+                    if n == 1:          # req.append_placeholders(1), inlined: once per decode per step
+                        req.output_token_ids.append(PLACEHOLDER)
+                        req._all_token_ids.append(PLACEHOLDER)
+                        req.num_placeholders += 1
+                    else:
+                        req.append_placeholders(n)
+                        end += n - 1    # the loop computed one more position per token after the first
+                    if len(req.output_token_ids) >= req.max_output_tokens:
+                        if capped is None:
+                            capped = []
+                        capped.append(req)
             req.num_computed_tokens = end
             if cache_blocks is not None:
                 # only blocks of known tokens: placeholders are filled when the output processor reads them;
@@ -476,6 +406,15 @@ class Scheduler:
         if scheduler_output.mm_requests:
             for req in scheduler_output.mm_requests:
                 self.encoder_cache.release_computed(req)
+
+    def uncap(self, req: Request) -> None:
+        """``req``, capped on drafts a read step rolled back, runs again (its placeholders are below its
+        limit now)."""
+        if self.capped.pop(req.request_id, None) is not None:
+            if self.by_priority:
+                bisect.insort(self.running, req, key=priority_key)
+            else:
+                self.running.append(req)
 
     # -- finishing ------------------------------------------------------------------------------------
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
@@ -519,7 +458,7 @@ class Scheduler:
         if req.lora_slot:
             self.lora.release(req)
         del self.requests[req.request_id]
-        if _scores_prompt(req):
+        if scores_prompt(req):
             self.num_scoring -= 1
         if req.uses_penalties:
             self.num_penalized -= 1

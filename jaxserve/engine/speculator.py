@@ -10,6 +10,10 @@ applies sampled tokens rolls back the rejected ones. Speculating steps run synch
 before the next is scheduled (the proposer needs the tokens; async scheduling is off while
 ``--speculative-config`` is set).
 
+Under tensor parallelism a draft model runs on the target's mesh (its weights and KV cache sharded over "tp"
+as the target's; it must divide as the target does). With LoRA the draft proposes from its base weights and
+the target verifies with each request's adapter: greedy output is the adapter's.
+
 A request speculates when its next token follows from the logits alone, the same at every position:
 no penalties or bad words (their history would include the drafts), no logprobs, no pending ``min_tokens``,
 no structured output (its grammar would have to follow each draft: such a request decodes one token a step,
@@ -43,8 +47,9 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # drafts accepted at each position 0 .. K - 1
         self.propose_ms = 0.0                 # host time spent proposing
-        # ngram: each request's tokens as a numpy array, extended by the tokens it gained since (converting the
-        # whole list every step cost ten times the lookup): request id -> (request, buffer, tokens in it)
+        # ngram: each proposing request's tokens as a numpy array, extended by the tokens it gained since
+        # (converting the whole list every step cost ten times the lookup): request id -> (request, buffer,
+        # tokens in it), of the requests that proposed last round
         self._arrays: dict[str, tuple[Request, np.ndarray, int]] = {}
 
     def propose(self, running: list[Request]) -> None:
@@ -55,8 +60,9 @@ class Speculator:
             req.spec_token_ids = None
             num_out = len(req.output_token_ids)
             room = min(self.k, req.max_output_tokens - num_out - 1)
-            if room <= 0 or req.num_computed_tokens != len(req._all_token_ids) - 1 or num_out < req.min_tokens \
-                    or not speculates(req):
+            # (its drafts in flight may all be rejected: the outputs it surely has must reach min_tokens)
+            if room <= 0 or req.num_computed_tokens != len(req._all_token_ids) - 1 \
+                    or num_out - req.num_drafts_in_flight < req.min_tokens or not speculates(req):
                 continue
             wanted.append((req, room))
         if wanted:
@@ -64,17 +70,21 @@ class Speculator:
                 for (req, room), drafts in zip(wanted, self.draft.propose(wanted)):
                     req.spec_token_ids = drafts[:room] or None
             else:
-                c = self.config
+                c, arrays = self.config, {}
                 for req, room in wanted:
-                    req.spec_token_ids = propose_ngram(self._tokens(req), c.prompt_lookup_min,
-                                                       c.prompt_lookup_max, room) or None
-                if len(self._arrays) > 2 * len(running) + 16:      # drop the finished requests' arrays
-                    live = {req.request_id for req in running}
-                    self._arrays = {rid: e for rid, e in self._arrays.items() if rid in live}
+                    tokens = self._tokens(req, arrays)
+                    if req.num_placeholders:    # its last token is on the device: guessed, then the drafts
+                        drafts = propose_ngram(tokens[:-1], c.prompt_lookup_min, c.prompt_lookup_max, room + 1)[1:]
+                    else:
+                        drafts = propose_ngram(tokens, c.prompt_lookup_min, c.prompt_lookup_max, room)
+                    req.spec_token_ids = drafts or None
+                self._arrays = arrays       # (the requests that did not propose now drop theirs)
         self.propose_ms += (time.perf_counter() - t0) * 1e3
 
-    def _tokens(self, req: Request) -> np.ndarray:
-        """``req``'s tokens (all known: the proposer runs between synchronous steps) as a numpy array."""
+    def _tokens(self, req: Request, arrays: dict) -> np.ndarray:
+        """``req``'s tokens as a numpy array (with async scheduling its drafts in flight stand where they
+        would be accepted, its last token a placeholder), its buffer extended from the previous round's known
+        tokens (placeholders change when read) and kept in ``arrays``."""
         tokens, n = req._all_token_ids, len(req._all_token_ids)
         entry = self._arrays.get(req.request_id)
         if entry is None or entry[0] is not req or entry[2] > n:
@@ -84,7 +94,7 @@ class Speculator:
             if n > buf.shape[0]:
                 buf = np.concatenate([buf[:m], np.empty(max(n, 2 * m), np.int64)])
         buf[m:n] = tokens[m:n]
-        self._arrays[req.request_id] = (req, buf, n)
+        arrays[req.request_id] = (req, buf, n - req.num_placeholders)
         return buf[:n]
 
     def record(self, spec: dict[str, tuple[int, int]] | None) -> None:

@@ -5,10 +5,10 @@
 tokens. A token the step in flight samples feeds the next step on the device (``prev``), so step N+1 is
 dispatched before step N is read. A structured-output step splits the dispatch in two: ``dispatch_forward``,
 then the host fills the bitmask while the forward runs, then ``dispatch_sample``. A multi-step decode
-(``multi_step``) runs forward and sampler in one loop. A speculative step (``dispatch_spec``) verifies each
-request's draft tokens: its forward returns logits at K + 1 positions per request and the rejection sampler
-(``rejection_sampler``) returns the accepted tokens. The KV cache (``kv_cache``) is donated to every step and
-updated in place.
+(``multi_step``) runs forward and sampler in one loop. A speculative step (``spec=True``) is a plain step that
+also verifies each request's draft tokens: its forward returns logits at K + 1 positions per request and
+the rejection sampler (``rejection_sampler``) returns the accepted tokens. The KV cache (``kv_cache``) is
+donated to every step and updated in place.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import math
 import time
+from functools import partial
 
 import jax
 import numpy as np
@@ -66,6 +67,8 @@ class ForwardStep:
     num_rows: int
     t_host: float                    # host ms spent on it so far
     expert_load: jax.Array | None = None
+    drafts: dict[str, int] | None = None   # a speculative step: request id -> its draft tokens
+    prev_rejected: jax.Array | None = None  # a speculative step: the previous step's rejected drafts per row
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,6 +82,7 @@ class PendingStep:
     steps: dict[str, int] | None = None   # multi-step: request id -> iterations it ran (out: [steps, R] ids)
     expert_load: jax.Array | None = None  # MoE: tokens per expert per layer, [L_moe, E] ([steps, ...] multi-step)
     drafts: dict[str, int] | None = None  # a speculative step: request id -> its draft tokens (out: SpecOutput)
+    rejected: jax.Array | None = None     # a speculative step: [max_num_seqs] drafts each row rejected
 
 
 def check_pipeline_supported(model, config: EngineConfig) -> None:
@@ -180,39 +184,52 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return self.shapes.bucket_for(num_tokens)
 
-    def prepare(self, scheduled, prev: PendingStep | None = None, *,
-                pad_to_compiled: bool = True) -> step_inputs.ForwardInputs:
+    def prepare(self, scheduled, prev: PendingStep | None = None, *, pad_to_compiled: bool = True,
+                spec_width: int = 0) -> step_inputs.ForwardInputs:
         """The forward's host arrays for ``scheduled`` (``step_inputs.forward_inputs``). ``pad_to_compiled``:
-        while the step's own bucket is still compiling, pad up to a compiled one."""
-        return step_inputs.forward_inputs(scheduled, self.input_batch, self.block_size,
-                                          self.variants.shape_for if pad_to_compiled else self.shapes.own,
-                                          prev.rows if prev is not None else None, self.mrope)
+        while the step's own bucket is still compiling, pad up to a compiled one. ``spec_width``: a
+        speculative step's K + 1 logits positions per request."""
+        shape = self.shapes.own if not pad_to_compiled else \
+            partial(self.variants.shape_for, spec=True) if spec_width else self.variants.shape_for
+        return step_inputs.forward_inputs(scheduled, self.input_batch, self.block_size, shape,
+                                          prev.rows if prev is not None else None, self.mrope, spec_width)
 
     # ---------------------------------------------------------------- step
-    def dispatch(self, scheduled, prev: PendingStep | None = None, *, mm: bool = False) -> PendingStep:
+    def dispatch(self, scheduled, prev: PendingStep | None = None, *, mm: bool = False,
+                 spec: bool = False) -> PendingStep:
         """Build the inputs and launch the step; returns at once (JAX dispatches asynchronously). ``mm``: some
-        chunk of the step holds image tokens (its new images are encoded first)."""
-        step = self.dispatch_forward(scheduled, prev, mm=mm)
+        chunk of the step holds image tokens (its new images are encoded first). ``spec``: some entry has
+        draft tokens (``spec_token_ids``) to verify."""
+        step = self.dispatch_forward(scheduled, prev, mm=mm, spec=spec)
         return step if isinstance(step, PendingStep) else self.dispatch_sample(step)
 
-    def dispatch_forward(self, scheduled, prev: PendingStep | None = None, *,
-                         mm: bool = False) -> ForwardStep | PendingStep:
+    def dispatch_forward(self, scheduled, prev: PendingStep | None = None, *, mm: bool = False,
+                         spec: bool = False) -> ForwardStep | PendingStep:
         """Launch the step's forward; the sampler follows with ``dispatch_sample`` (structured outputs fill
         their bitmask in between). A multi-step decode runs forward and sampler in one loop: it comes back
-        as a PendingStep at once."""
+        as a PendingStep at once. ``spec``: a speculative step: the forward's logits at K + 1 positions per
+        request, the rejection sampler after it."""
         t0 = time.perf_counter()
         v = self.variants
         multi = bool(v.decode_loops) and any(s.num_steps > 1 for s in scheduled)
+        width = v.spec_width if spec else 0
         # a multi-step decode runs in its own bucket's loop (compiled on first use if need be)
         T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev,
-                                                                              pad_to_compiled=not multi)
+                                                                              pad_to_compiled=not multi,
+                                                                              spec_width=width)
         smeta = step_inputs.sampling_inputs(scheduled, self.input_batch, R, vocab_size=self.vocab_size,
                                             penalty_width=self.penalty_width, step=self._step_count,
                                             engine_seed=self.config.seed)
         prev_tokens = prev.tokens if prev is not None else v.no_prev
         limit = step_inputs.step_limits(scheduled, R) if multi else None
         lora = step_inputs.lora_slots(scheduled, T) if self.lora is not None else None
-        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit, lora)
+        shift = prev_rejected = None
+        if width:       # rows placed as if the step in flight accepted all their drafts (async scheduling)
+            shift_row = step_inputs.shift_rows(scheduled, R, prev.rows if prev is not None else None,
+                                               prev.drafts if prev is not None else None)
+            shift = {"shift_row": shift_row}
+            prev_rejected = prev.rejected if prev is not None and prev.rejected is not None else v.no_prev
+        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit, lora, shift)
         logits = load = None
         mm_index = self._encode_images(scheduled, T) if mm or self.cross_attention else None
         if mm_index is not None:
@@ -221,15 +238,24 @@ class ModelRunner:
             load = self._copy_load(load)
         elif limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
-            self.kv_caches, logits, *load = v.forward_for(T, md)(self.step_params, self.kv_caches, f_ints,
-                                                                 prev_tokens)
+            if width:
+                self.kv_caches, logits, *load = v.forward_spec_for(T)(self.step_params, self.kv_caches, f_ints,
+                                                                      prev_tokens, None, None, prev_rejected)
+            else:
+                self.kv_caches, logits, *load = v.forward_for(T, md)(self.step_params, self.kv_caches, f_ints,
+                                                                     prev_tokens)
             load = self._copy_load(load)
-        s_ints, s_floats, s_layout = packing.pack(packing.fields(smeta))
+        s_fields, drafts = packing.fields(smeta), None
+        if width:       # the rejection sampler's extra inputs: each row's drafts and their count
+            s_fields["draft_ids"], s_fields["num_drafts"] = step_inputs.draft_arrays(scheduled, R, width - 1)
+            s_fields["shift_row"] = shift["shift_row"]
+            drafts = {s.request.request_id: len(s.spec_token_ids) for s in scheduled if s.spec_token_ids}
+        s_ints, s_floats, s_layout = packing.pack(s_fields)
         rows, lp_k, filtering = step_inputs.sampled_rows(scheduled, self.input_batch, v.static_sampling)
         key = (self.config.max_logprobs if lp_k else 0, filtering)
         if limit is None:
             return ForwardStep(logits, s_ints, s_floats, s_layout, key, rows, lp_k, int(md.query_start_loc[-1]), R,
-                               (time.perf_counter() - t0) * 1e3, load)
+                               (time.perf_counter() - t0) * 1e3, load, drafts, prev_rejected)
         # the scheduler gave each entry ``num_steps``: the loop's rows run that many
         loop_key = ("decode-loop", T, *key, s_layout)
         loop = v.get(loop_key) or v.need(loop_key, f"a multi-step decode of {T} tokens")
@@ -240,34 +266,6 @@ class ModelRunner:
         n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, rows, lp_k, n_tok, steps, load)
-
-    def dispatch_spec(self, scheduled, bitmask: np.ndarray | None = None) -> PendingStep:
-        """Launch a speculative step: each entry's known token and ``spec_token_ids`` through the forward,
-        the rejection sampler on its logits at K + 1 positions (``bitmask``: structured outputs, as
-        ``dispatch_sample``). Runs synchronously with the host: no step is in flight when it is dispatched."""
-        t0 = time.perf_counter()
-        v = self.variants
-        width = v.spec_width
-        T, R, input_ids, positions, md, logits_idx, prev_index = step_inputs.forward_inputs(
-            scheduled, self.input_batch, self.block_size, self.shapes.own, None, self.mrope, spec_width=width)
-        smeta = step_inputs.sampling_inputs(scheduled, self.input_batch, R, vocab_size=self.vocab_size,
-                                            penalty_width=self.penalty_width, step=self._step_count,
-                                            engine_seed=self.config.seed)
-        lora = step_inputs.lora_slots(scheduled, T) if self.lora is not None else None
-        f_ints, _ = forward_pack(input_ids, positions, md, logits_idx, prev_index, None, lora)
-        self.kv_caches, logits, *load = v.forward_spec_for(T)(self.step_params, self.kv_caches, f_ints, v.no_prev)
-        drafts, counts = step_inputs.draft_arrays(scheduled, R, width - 1)
-        s_ints, s_floats, s_layout = packing.pack({**packing.fields(smeta), "draft_ids": drafts,
-                                                   "num_drafts": counts})
-        rows, lp_k, filtering = step_inputs.sampled_rows(scheduled, self.input_batch, v.static_sampling)
-        exe = v.sampler_for(("spec-sample", self.config.max_logprobs if lp_k else 0, filtering,
-                             bitmask is not None, s_layout))
-        out = exe(logits, s_ints, s_floats) if bitmask is None else exe(logits, s_ints, s_floats, bitmask)
-        self._step_count += 1
-        self.stats.host_ms += (time.perf_counter() - t0) * 1e3
-        spec = {s.request.request_id: len(s.spec_token_ids) for s in scheduled if s.spec_token_ids}
-        return PendingStep(out, out.token_ids, rows, lp_k, int(md.query_start_loc[-1]), None,
-                           self._copy_load(load), spec)
 
     def _encode_images(self, scheduled, T: int) -> np.ndarray | None:
         """Encode the step's new images into the encoder cache; the decoder's image-row index (or None)."""
@@ -293,8 +291,12 @@ class ModelRunner:
         """Launch the sampler of a dispatched forward; ``bitmask`` ([rows, bitmask_width] int32, structured
         outputs) selects the masked sampler variant."""
         t0 = time.perf_counter()
-        exe = self.variants.sampler_for(("sample", *step.key, bitmask is not None, step.s_layout))
-        if bitmask is None:
+        kind = "sample" if step.drafts is None else "spec-sample"
+        exe = self.variants.sampler_for((kind, *step.key, bitmask is not None, step.s_layout))
+        rejected = None
+        if step.drafts is not None:
+            out, padded, rejected = exe(step.logits, step.s_ints, step.s_floats, bitmask, step.prev_rejected)
+        elif bitmask is None:
             out, padded = exe(step.logits, step.s_ints, step.s_floats)
         else:
             out, padded = exe(step.logits, step.s_ints, step.s_floats, bitmask)
@@ -302,7 +304,8 @@ class ModelRunner:
             out, padded = jax.device_put((out, padded), self._to_driver)
         self._step_count += 1
         self.stats.host_ms += step.t_host + (time.perf_counter() - t0) * 1e3
-        return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None, step.expert_load)
+        return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None, step.expert_load,
+                           step.drafts, rejected)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""

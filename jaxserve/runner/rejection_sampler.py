@@ -75,14 +75,7 @@ def rejection_sample(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.A
     drafts_at = jnp.concatenate([jnp.where(real, draft_ids, -1), jnp.full((R, 1), -1, jnp.int32)], axis=1)
 
     def random_path(x):
-        t = jnp.where(flat.temperature > 0.0, flat.temperature, 1.0)
-        x = x / t[:, None]
-        if filtering is None:
-            x = sampler_mod.apply_top_k_top_p(x, flat.top_k, flat.top_p, max_candidates=max_candidates)
-        elif filtering:
-            x = sampler_mod.apply_top_k_top_p(x, flat.top_k, flat.top_p, max_candidates=max_candidates,
-                                              branchless=True)
-        x = sampler_mod.apply_min_p(x, flat.min_p)
+        x = sampler_mod.filtered_logits(x, flat, filtering, max_candidates)
         keys = sampler_mod.row_keys(flat)
         lp = jax.nn.log_softmax(x, axis=1).reshape(R, width, vocab)
         p_draft = jnp.exp(jnp.take_along_axis(lp[:, :K], jnp.maximum(draft_ids, 0)[..., None], axis=2)[..., 0])
@@ -116,10 +109,22 @@ def rejection_sample(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.A
                       *sampler_mod.compute_logprobs(at_final, final, num_logprobs))
 
 
-def spec_sample_fn(num_logprobs, filtering, logits, ints, floats, bitmask=None, *, layout):
-    """The speculative step's sampler (a jitted variant): the sampling metadata, ``draft_ids`` and
-    ``num_drafts`` arrive packed in one int32 and one float32 buffer (``packing``)."""
+def spec_sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=None, prev_rejected=None, *,
+                   layout):
+    """The speculative step's sampler (a jitted variant): the sampling metadata, ``draft_ids``, ``num_drafts``
+    and ``shift_row`` arrive packed in one int32 and one float32 buffer (``packing``). A row its forward moved
+    back (``step_variants.shift_back``: the drafts ``prev_rejected`` [max_rows] counts) draws (seeded) with
+    the key counter of its true output count, as the synchronous step would. Returns its output and, padded to
+    ``max_rows``, each row's last emitted token (as ``step_variants.sample_fn``) and its rejected drafts."""
     x = packing.unpack(ints, floats, layout)
-    drafts, num_drafts = x.pop("draft_ids"), x.pop("num_drafts")
-    return rejection_sample(logits, SamplingMetadata(**x), drafts, num_drafts, num_logprobs=num_logprobs,
-                            filtering=filtering, bitmask=bitmask)
+    drafts, num_drafts, shift_row = x.pop("draft_ids"), x.pop("num_drafts"), x.pop("shift_row")
+    if prev_rejected is not None:
+        shift = jnp.where((shift_row >= 0) & x["seeded"], prev_rejected[jnp.maximum(shift_row, 0)], 0)
+        x["key_counter"] = x["key_counter"] - shift.astype(x["key_counter"].dtype)
+    out = rejection_sample(logits, SamplingMetadata(**x), drafts, num_drafts, num_logprobs=num_logprobs,
+                           filtering=filtering, bitmask=bitmask)
+    last = jnp.take_along_axis(out.token_ids, (out.num_tokens - 1)[:, None], axis=1)[:, 0]
+    rejected = num_drafts - (out.num_tokens - 1)
+    R = last.shape[0]
+    return (out, jnp.zeros(max_rows, jnp.int32).at[:R].set(last),
+            jnp.zeros(max_rows, jnp.int32).at[:R].set(rejected.astype(jnp.int32)))

@@ -416,6 +416,18 @@ def processed_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return x
 
 
+def filtered_logits(x: jax.Array, meta: SamplingMetadata, filtering: bool | None,
+                    max_candidates: int = DEFAULT_MAX_CANDIDATES) -> jax.Array:
+    """What a random row draws from: ``processed_logits`` over the temperature (greedy rows: 1), then top-k /
+    top-p and min-p (-inf where they remove). ``filtering``: as ``sample``'s."""
+    x = x / jnp.where(meta.temperature > 0.0, meta.temperature, 1.0)[:, None]
+    if filtering is None:
+        x = apply_top_k_top_p(x, meta.top_k, meta.top_p, max_candidates=max_candidates)
+    elif filtering:
+        x = apply_top_k_top_p(x, meta.top_k, meta.top_p, max_candidates=max_candidates, branchless=True)
+    return apply_min_p(x, meta.min_p)
+
+
 def sample(logits: jax.Array, meta: SamplingMetadata, *, num_logprobs: int = 0,
            max_candidates: int = DEFAULT_MAX_CANDIDATES, filtering: bool | None = None,
            bitmask: jax.Array | None = None) -> SamplerOutput:
@@ -439,13 +451,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, *, num_logprobs: int = 0,
     is_greedy = meta.temperature <= 0.0
 
     def random_ids(x):
-        x = x / jnp.where(is_greedy, 1.0, meta.temperature)[:, None]
-        if filtering is None:
-            x = apply_top_k_top_p(x, meta.top_k, meta.top_p, max_candidates=max_candidates)
-        elif filtering:
-            x = apply_top_k_top_p(x, meta.top_k, meta.top_p, max_candidates=max_candidates, branchless=True)
-        x = apply_min_p(x, meta.min_p)
-        return sample_inverse_cdf(x, row_keys(meta))
+        return sample_inverse_cdf(filtered_logits(x, meta, filtering, max_candidates), row_keys(meta))
 
     if filtering is None:
         sampled = jax.lax.cond(jnp.all(is_greedy), lambda x: greedy_ids, random_ids, x)

@@ -141,17 +141,20 @@ def forward_inputs(scheduled, batch: InputBatch, block_size: int,
         qsl[1:n + 1] = ends
         qsl[n + 1:] = n_tok
         logits_idx[:n] = ends - 1
+        last_known = ends - 1
         if spec_width:
-            logits_idx = spec_logits_rows(scheduled, ends, R, spec_width)
-        # placeholders: the last token of a chunk sampled by the step in flight
-        waiting = np.flatnonzero(input_ids[ends - 1] == PLACEHOLDER)
+            d = np.fromiter([len(s.spec_token_ids or ()) for s in scheduled], i32, n)
+            last_known = ends - 1 - d
+            logits_idx = spec_logits_rows(d, last_known, R, spec_width)
+        # placeholders: the last known token of a chunk (its drafts follow it), sampled by the step in flight
+        waiting = np.flatnonzero(input_ids[last_known] == PLACEHOLDER)
         if waiting.size:
             try:
                 src = [(prev_rows or {})[scheduled[i].request.request_id] for i in waiting.tolist()]
             except KeyError as e:
                 raise RuntimeError(f"request {e.args[0]}: its last token is still on the device but "
                                    "no step in flight sampled it") from None
-            last = ends[waiting] - 1
+            last = last_known[waiting]
             prev_index[last] = src
             input_ids[last] = 0
     if mrope is not None:
@@ -167,14 +170,27 @@ def _with_drafts(s) -> list[int]:
     return s.request.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens - len(drafts)] + list(drafts)
 
 
-def spec_logits_rows(scheduled, ends: np.ndarray, R: int, width: int) -> np.ndarray:
-    """``[R * width]``: row r's logits positions j = 0 .. width - 1: its last known token, then each draft; the
-    positions past its d drafts repeat its last token (padding rows: token 0)."""
+def spec_logits_rows(d: np.ndarray, last_known: np.ndarray, R: int, width: int) -> np.ndarray:
+    """``[R * width]``: row r's logits positions j = 0 .. width - 1: its last known token (``last_known``), then
+    each of its ``d`` drafts; the positions past them repeat its last token (padding rows: token 0)."""
     out = np.zeros((R, width), np.int32)
-    n = len(scheduled)
-    d = np.fromiter([len(s.spec_token_ids or ()) for s in scheduled], np.int32, n)
-    out[:n] = (ends - 1 - d)[:, None] + np.minimum(np.arange(width, dtype=np.int32)[None, :], d[:, None])
+    n = d.shape[0]
+    out[:n] = last_known[:, None] + np.minimum(np.arange(width, dtype=np.int32)[None, :], d[:, None])
     return out.reshape(-1)
+
+
+def shift_rows(scheduled, R: int, prev_rows: dict[str, int] | None, prev_drafts: dict[str, int] | None
+               ) -> np.ndarray:
+    """A speculative step's ``[R]`` shift sources (async scheduling): for each request whose previous step,
+    still in flight, verified drafts, that step's output row (its rejected count moves this step's tokens back
+    on the device: the host placed them as if every draft were accepted), else -1."""
+    out = np.full(R, -1, np.int32)
+    if prev_drafts:
+        for i, s in enumerate(scheduled):
+            rid = s.request.request_id
+            if rid in prev_drafts:
+                out[i] = prev_rows[rid]
+    return out
 
 
 def draft_arrays(scheduled, R: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -200,12 +216,15 @@ def _mrope_rows(positions: np.ndarray, scheduled, counts: list[int], mrope: Call
 
 
 def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index, step_limit=None,
-                 lora_slot=None):
+                 lora_slot=None, shift: dict | None = None):
     """The forward's host inputs as one int32 buffer and its (static) layout; ``step_limit`` [R] (each row's
-    iterations) for the multi-step decode loop; ``lora_slot`` [T] (each token's adapter slot) with LoRA on."""
+    iterations) for the multi-step decode loop; ``lora_slot`` [T] (each token's adapter slot) with LoRA on;
+    ``shift``: a speculative step's ``{"shift_row": [R]}`` (``shift_rows``)."""
     extra = {} if step_limit is None else {"step_limit": step_limit}
     if lora_slot is not None:
         extra["lora_slot"] = lora_slot
+    if shift is not None:
+        extra.update(shift)
     ints, _, layout = packing.pack({
         "input_ids": input_ids, "positions": positions, "logits_idx": logits_idx, "prev_index": prev_index,
         **extra, **packing.prefixed("md.", packing.fields(md))})

@@ -17,8 +17,8 @@ A variant's key:
 - ``("decode-loop", T, num_logprobs, filtering, s_layout)``: a multi-step decode;
 - speculative decoding: ``("forward-spec", T, width)``, the forward returning logits at ``width`` (K + 1)
   positions per request, and ``("spec-sample", num_logprobs, filtering, masked, s_layout)``, the rejection
-  sampler (``rejection_sampler``); compiled in the background after the others (a step compiles its own on
-  first use before then).
+  sampler (``rejection_sampler``); compiled in the background after the others (a speculative step pads up
+  to a compiled one, as a plain step does, and compiles its own only when none is).
 
 Compiling (``StepCompiler``, which this class is): every executable is compiled ahead of time and called
 directly, so a step never compiles silently. ``warmup`` compiles what the first steps need (the smallest
@@ -56,7 +56,8 @@ logger = logging.getLogger(__name__)
 
 
 def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
-               mm_index=None, *, layout, decode_only=False, max_seq_len=None, stage=None):
+               mm_index=None, prev_rejected=None, *, layout, decode_only=False, max_seq_len=None, stage=None,
+               block_size=0):
     """The step's forward: ``(kv_caches, logits[, expert load])``. ``stage`` (first layer, end): one pipeline
     stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it takes, and
     before the last it returns that stream instead of logits."""
@@ -74,6 +75,8 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
     # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
+    if prev_rejected is not None:       # a speculative step after one still in flight (``shift_back``)
+        positions, md = shift_back(x["shift_row"], block_size, prev_rejected, positions, md)
     # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
     # token rows (``mm_index``: [token rows, slab rows(, each token's attend limit)],
     # ``encoder_cache.EncoderCache.gather``; the third row: a family whose image tokens attend both ways)
@@ -90,6 +93,28 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
     return (kv_caches, logits, load) if expert_load else (kv_caches, logits)
+
+
+def row_shift(shift_row, prev_rejected):
+    """Each row's shift: the drafts its previous step (in flight when this one was placed) rejected."""
+    return jnp.where(shift_row >= 0, prev_rejected[jnp.maximum(shift_row, 0)], 0)
+
+
+def shift_back(shift_row, block_size, prev_rejected, positions, md: AttentionMetadata):
+    """Async scheduling with speculation: the host placed a request's tokens as if every draft of its previous
+    step were accepted; they move back by the drafts that step rejected (``row_shift``), with their sequence
+    length and KV slots (the block table is the request's: the slots stay inside its blocks)."""
+    shift = row_shift(shift_row, prev_rejected)
+    R, T = shift.shape[0], positions.shape[0]
+    qsl = md.query_start_loc
+    t = jnp.arange(T, dtype=jnp.int32)
+    row = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right"), R - 1)
+    tok_shift = jnp.where(t < qsl[-1], shift[row], 0)
+    pos = positions - tok_shift
+    slots = md.block_tables[row, pos // block_size] * block_size + pos % block_size
+    md = dataclasses.replace(md, seq_lens=md.seq_lens - shift,
+                             slot_mapping=jnp.where(tok_shift > 0, slots, md.slot_mapping))
+    return pos, md
 
 
 def _stage_forward(family, cfg, backend, params, kv_caches, x, carry, decode_only, max_seq_len, stage):
@@ -150,7 +175,8 @@ class StepVariants(StepCompiler):
                             "forward-spec": {"donate_argnums": (1,), **fwd_out}, "spec-sample": samp_out,
                             "decode-loop": {"donate_argnums": (1,), **loop_out}}
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
-        self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None),
+        self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None,
+                                                 block_size=config.cache.block_size),
                                          mesh), static_argnames=("layout", "decode_only", "max_seq_len"),
                                **self._jit_kwargs["forward"])
         # Decode-only steps whose contexts are all within SHORT_SEQ_LEN get one more variant where it changes the
@@ -168,8 +194,8 @@ class StepVariants(StepCompiler):
         # speculative decoding (--speculative-config): the K + 1 positions each request verifies per step
         spec = config.speculative_config
         self.spec_width = spec.num_speculative_tokens + 1 if spec is not None else 0
-        self.spec_samplers = {(nl, f): jax.jit(partial(spec_sample_fn, nl, f), static_argnames=("layout",),
-                                               **samp_out)
+        self.spec_samplers = {(nl, f): jax.jit(partial(spec_sample_fn, nl, max_num_seqs, f),
+                                               static_argnames=("layout",), **samp_out)
                               for nl in (0, max_logprobs) for f in filter_modes} if spec is not None else {}
         # a structured-output step passes its bitmask to the same jitted samplers: a separate executable
         # (another input signature), so a step without constrained rows runs exactly the unmasked program
@@ -218,16 +244,18 @@ class StepVariants(StepCompiler):
         self.family, self.cross_attention = model.family, getattr(model.family, "cross_attention", False)
 
     # ---------------------------------------------------------------- which executable a step runs
-    def shape_for(self, num_tokens: int, all_decode: bool) -> tuple[int, int, bool]:
-        """A step's compiled shape (T, R, decode-only): ``StepShapes.own``, routed to a compiled variant."""
+    def shape_for(self, num_tokens: int, all_decode: bool, spec: bool = False) -> tuple[int, int, bool]:
+        """A step's compiled shape (T, R, decode-only): ``StepShapes.own``, routed to a compiled variant
+        (``spec``: a speculative step's forward, never decode-only)."""
         s = self.shapes
-        T, decode_only = self.route(s.bucket_for(num_tokens), s.uniform_decode and all_decode)
+        T, decode_only = self.route(s.bucket_for(num_tokens), s.uniform_decode and all_decode and not spec, spec)
         return T, s.num_reqs_for(T), decode_only
 
-    def route(self, T: int, decode_only: bool) -> tuple[int, bool]:
+    def route(self, T: int, decode_only: bool, spec: bool = False) -> tuple[int, bool]:
         """The compiled forward a step of bucket ``T`` runs in: its own, else (during start-up) the next
-        larger compiled bucket, the decode-only variant where there is one. Nothing compiled at or above
-        ``T`` (``--enforce-eager``): its own, which the step then compiles."""
+        larger compiled bucket, the decode-only variant where there is one (``spec``: of the speculative
+        forwards). Nothing compiled at or above ``T`` (``--enforce-eager``): its own, which the step then
+        compiles."""
         if self._routes_at != len(self):
             self._routes_at = len(self)
             self._routes = {}
@@ -241,7 +269,11 @@ class StepVariants(StepCompiler):
                         if ("forward", c, False) in self:
                             self._routes[b, dec] = (c, False)
                             break
-        return self._routes.get((T, decode_only), (T, decode_only))
+                spec_c = next((c for c in sizes if c >= b and ("forward-spec", c, self.spec_width) in self),
+                              None) if self.spec_width else None
+                if spec_c is not None:
+                    self._routes[b, "spec"] = (spec_c, False)
+        return self._routes.get((T, "spec" if spec else decode_only), (T, decode_only))
 
     def forward_for(self, T: int, md: AttentionMetadata):
         """The forward a step of bucket ``T`` runs: the short-context decode variant when the step's contexts
@@ -282,10 +314,12 @@ class StepVariants(StepCompiler):
         R = self.shapes.num_reqs_for(T)
         _, _, *x = step_inputs.padding(T, R, self.max_blocks_per_seq,
                                        mrope=self.mrope)
+        shift = None
         if spec_width:
             x[3] = np.zeros(R * spec_width, np.int32)
+            shift = {"shift_row": np.full(R, -1, np.int32)}
         return step_inputs.forward_pack(*x, np.ones(R, np.int32) if multi_step else None,
-                                        np.zeros(T, np.int32) if self.lora else None)
+                                        np.zeros(T, np.int32) if self.lora else None, shift)
 
     def _sampler_layout(self, R: int, penalized: bool = False) -> packing.Layout:
         """The packed sampling metadata's layout for ``R`` rows: what every step without penalties ships
@@ -302,7 +336,8 @@ class StepVariants(StepCompiler):
         smeta = sampler_mod.make_sampling_metadata([], [], [], [], self.vocab_size, pad_to=R,
                                                    penalty_width=self.penalty_width)
         drafts, counts = step_inputs.draft_arrays([], R, self.spec_width - 1)
-        return packing.pack({**packing.fields(smeta), "draft_ids": drafts, "num_drafts": counts})[2]
+        return packing.pack({**packing.fields(smeta), "draft_ids": drafts, "num_drafts": counts,
+                             "shift_row": np.full(R, -1, np.int32)})[2]
 
     @staticmethod
     def _buffers(layout: packing.Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -334,7 +369,8 @@ class StepVariants(StepCompiler):
         elif kind == "forward-spec":
             _, T, width = key
             ints, layout = self.padding_inputs(T, spec_width=width)
-            fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec)
+            fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec, None, None,
+                                      self._prev_spec)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}
         elif kind in ("sample", "spec-sample"):
             _, num_logprobs, filtering, masked, s_layout = key
@@ -342,6 +378,8 @@ class StepVariants(StepCompiler):
             rows = R * self.spec_width if kind == "spec-sample" else R
             logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32, sharding=self.replicated)
             extra = (np.zeros((R, self.bitmask_width), np.int32),) if masked else ()
+            if kind == "spec-sample":       # (the bitmask, or None; the previous step's rejected counts)
+                extra = (extra[0] if masked else None, self._prev_spec)
             samplers = self.spec_samplers if kind == "spec-sample" else self.samplers
             fn, args = samplers[num_logprobs, filtering], (logits, *self._buffers(s_layout), *extra)
             static = {"layout": s_layout}
@@ -387,10 +425,10 @@ class StepVariants(StepCompiler):
                      < kernel_ops.decode_splits(s.num_reqs_for(T), kvh, self.max_model_len)]
         if self._mm_slab_spec is not None:      # a vision model: its image steps, after the text ones
             rest += [("forward-mm", T) for T in s.sizes]
-        if self.spec_width:     # speculative steps' decode buckets and samplers
-            rest += [k for T in s.sizes if T <= s.bucket_for(min(s.max_num_seqs * self.spec_width, s.sizes[-1]))
-                     for k in (("forward-spec", T, self.spec_width),
-                               ("spec-sample", 0, base_f, False, self._spec_layout(s.num_reqs_for(T))))]
+        if self.spec_width:     # speculative steps' buckets and samplers (one pads up to a compiled one)
+            rest += [k for T in s.sizes for k in (
+                ("forward-spec", T, self.spec_width),
+                ("spec-sample", 0, base_f, False, self._spec_layout(s.num_reqs_for(T))))]
         if self.static_sampling:
             rest += [("sample", 0, True, False, self._sampler_layout(r)) for r in self._request_counts()]
             if self.decode_loops:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.engine.scheduler import SCORING_SHARE
+from jaxserve.engine.scoring_budget import SCORING_SHARE
 from support.tiny_models import tiny_llm
 
 LLM_ARGS = dict(max_num_batched_tokens=16, max_num_seqs=8)

@@ -1,6 +1,7 @@
 """Speculative decoding (``--speculative-config``) end to end on the tiny Llama: greedy output token-identical to
-the engine without it (batched, prefix cache on, preemption forced), acceptance counted, rows that must not
-speculate (penalties, logprobs, structured outputs) unchanged, seeded sampling reproducible, and what is refused."""
+the engine without it (batched, prefix cache on, preemption forced; with LoRA adapters), acceptance counted, rows
+that must not speculate (penalties, logprobs, structured outputs) unchanged, seeded sampling reproducible, and
+what is refused."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -8,16 +9,21 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.engine.draft_proposer import check_same_tokenizer
+from jaxserve.lora import LoRARequest
 from jaxserve.sampling_params import BeamSearchParams, StructuredOutputsParams
+from support.lora import adapter_names, adapter_path, lora_golden
 from support.tiny_models import fixture_path, tiny_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.fixture(scope="module")
-def spec_llm():
-    # a pool too small for the batch below: the scheduler preempts and recomputes
-    return tiny_llm(speculative_config=NGRAM, num_gpu_blocks_override=70)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def spec_llm(request):
+    # a pool too small for the batch below: the scheduler preempts and recomputes; async scheduling places each
+    # step as if the step in flight accepted all its drafts (moved back on the device)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXSERVE_SPEC_ASYNC", "1" if request.param else "0")
+        return tiny_llm(speculative_config=NGRAM, num_gpu_blocks_override=70, async_scheduling=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +32,10 @@ def prompts():
     out = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(3, 60, size=14)]
     out += [[5, 6, 7, 8] * 5, list(range(10, 30)) * 2]       # prompts the lookup finds its way in
     return out
+
+
+def _draft(name, k=3):
+    return {"method": "draft_model", "model": fixture_path(name), "num_speculative_tokens": k}
 
 
 def greedy(m=24, **kw):
@@ -50,7 +60,9 @@ def test_greedy_matches_without_speculation_batched_with_preemption(llm, spec_ll
     per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
     assert sum(per_pos) == stats["spec_decode_num_accepted_tokens"] and per_pos == sorted(per_pos, reverse=True)
     assert core.kv_manager.usage == 0.0
+    assert core._lookahead == int(core.config.async_scheduling)
     # the prefix cache took the finished requests' blocks: the same prompts again hit it and match
+    spec_llm.generate(prompts[-2:], [greedy(m) for m in lengths[-2:]], use_tqdm=False)
     again = spec_llm.generate(prompts[-2:], [greedy(m) for m in lengths[-2:]], use_tqdm=False)
     assert _tokens(again) == ref[-2:] and all(o.num_cached_tokens > 0 for o in again)
 
@@ -99,6 +111,39 @@ def test_seeded_sampling_is_reproducible(spec_llm, prompts):
     assert first == again and len({tuple(t) for t in first}) > 1
 
 
+def test_a_speculative_step_pads_up_to_a_compiled_bucket(llm, prompts):
+    """As a plain step: while its own bucket is not compiled, a speculative step runs in a larger compiled one."""
+    spec = tiny_llm(speculative_config=NGRAM, enforce_eager=True)
+    variants = spec.engine.core.runner.variants
+    largest = variants.shapes.sizes[-1]
+    rows = variants.shapes.num_reqs_for(largest)
+    variants.compile_now([("forward-spec", largest, variants.spec_width),
+                          ("spec-sample", 0, None, False, variants._spec_layout(rows))])
+    params = [greedy(12) for _ in prompts[-2:]]
+    assert _tokens(spec.generate(prompts[-2:], params, use_tqdm=False)) == \
+        _tokens(llm.generate(prompts[-2:], params, use_tqdm=False))
+    assert spec.engine.core.stats()["spec_decode_num_drafts"] > 0
+    assert {k[1] for k in variants.keys() if k[0] == "forward-spec"} == {largest}
+
+
+@pytest.mark.parametrize("spec", [NGRAM, _draft("tiny-llama3")], ids=["ngram", "draft_model"])
+def test_lora_adapters_are_verified_by_the_target(spec):
+    """LoRA with speculation: the draft proposes without adapters, the target verifies with each request's
+    adapter, so greedy output is HF + peft's for every adapter (a batch mixing them and the base model)."""
+    g = lora_golden()
+    prompts, loras, want = [], [], []
+    for j, p in enumerate(g["prompts"]):
+        for i, name in enumerate([None, *adapter_names()]):
+            prompts.append({"prompt_token_ids": p})
+            loras.append(None if name is None else LoRARequest(name, i, adapter_path(name)))
+            want.append(g["base"][j] if name is None else g["adapters"][name][j])
+    llm = tiny_llm(speculative_config=spec, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2)
+    outs = llm.generate(prompts, greedy(g["max_tokens"]), use_tqdm=False, lora_request=loras)
+    assert _tokens(outs) == want
+    stats = llm.engine.core.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
 def test_unsupported_combinations_are_refused():
     with pytest.raises(ValueError, match="num-scheduler-steps"):
         tiny_llm(speculative_config=NGRAM, num_scheduler_steps=4)
@@ -106,10 +151,6 @@ def test_unsupported_combinations_are_refused():
         tiny_llm(speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="unknown keys"):
         tiny_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
-
-
-def _draft(name, k=3):
-    return {"method": "draft_model", "model": fixture_path(name), "num_speculative_tokens": k}
 
 
 def test_draft_model_set_to_the_target_accepts_every_token(llm, prompts):

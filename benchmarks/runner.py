@@ -172,12 +172,12 @@ def prepare_model(run: Run) -> None:
 def prepare_main(run: Run, out_root: str | None) -> None:
     """Environment, hardware limits and the model's roofline counts (initialises JAX)."""
     from .envinfo import environment
-    # serve and startup: the server process needs the accelerator; this process must not initialise it. Nor may
-    # an engine with a process per device (mp): it joins jax.distributed, which must come before JAX starts
-    spans_processes = run.cfg["engine"].get("distributed_executor_backend") == "mp"
+    # this process must not initialise the devices the server (serve, startup), an mp engine or replicas own
+    eng = run.cfg["engine"]
+    spans_processes = eng.get("distributed_executor_backend") == "mp" or int(eng.get("data_parallel_size") or 1) > 1
     run.env = environment(run.argv, devices_in_subprocess=run.cfg["mode"] in SERVER_MODES or spans_processes)
-    tp = int(run.cfg["engine"].get("tensor_parallel_size") or 1)
-    run.hw = roofline.resolve_hardware(run.cfg["hardware"], run.env["device_kind"], run.env["platform"], tp)
+    devices = int(eng.get("tensor_parallel_size") or 1) * int(eng.get("data_parallel_size") or 1)
+    run.hw = roofline.resolve_hardware(run.cfg["hardware"], run.env["device_kind"], run.env["platform"], devices)
     mismatch = roofline.hardware_mismatch(run.cfg["hardware"], run.env["device_kind"], run.env["platform"])
     if mismatch:
         print(f"[bench] {mismatch}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ FLAG_SPELLINGS: dict[str, tuple[str, ...]] = {
     "quantization": ("-q", "--quantization"),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
     "pipeline_parallel_size": ("--pipeline-parallel-size", "-pp"),
+    "data_parallel_size": ("--data-parallel-size", "-dp"),
     "kv_cache_memory_bytes": ("--kv-cache-memory",),
 }
 
@@ -248,6 +249,30 @@ class ParallelConfig:
     enable_expert_parallel: bool = option(
         False, help="mixture-of-experts models: shard the experts over the devices (whole experts per "
                     "device) instead of splitting every expert tensor-parallel like a dense MLP")
+    data_parallel_size: int = option(
+        1, help="engine replicas behind one front end, each in its own process on its own "
+                "tensor_parallel_size devices (data_parallel_size x tensor_parallel_size in all); requests go "
+                "to the least loaded replica, or the one holding their prefix (jaxserve/engine/dp_client.py)")
+
+    def __post_init__(self) -> None:
+        """Refuse, saying what to change, what data-parallel replicas cannot be combined with."""
+        n = self.data_parallel_size
+        if n < 1:
+            raise ValueError(f"--data-parallel-size is {n}: give 1 or more replicas")
+        if n == 1:
+            return
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("data-parallel replicas with pipeline stages are not supported: use "
+                             "--data-parallel-size 1 or --pipeline-parallel-size 1")
+        if self.distributed_executor_backend != "uni" or self.num_processes > 1 or self.distributed_coordinator:
+            raise ValueError("each data-parallel replica is one JAX process on this host (Ray placement of "
+                             "replicas is not wired): drop --distributed-executor-backend "
+                             f"{self.distributed_executor_backend} / --num-processes / --distributed-coordinator, "
+                             "or use --data-parallel-size 1")
+        if self.enable_expert_parallel:
+            raise ValueError("expert parallelism across data-parallel replicas (vLLM's DP attention with "
+                             "--enable-expert-parallel) is not supported: drop --enable-expert-parallel (each "
+                             "replica then holds every expert) or use --data-parallel-size 1")
 
 
 @dataclass(frozen=True)

@@ -24,3 +24,11 @@ class EngineDeadError(JaxServeError):
 
 class ModelLoadError(JaxServeError):
     """A model could not be loaded: missing file, bad shape, corrupt checkpoint, unsupported architecture."""
+
+
+class ReplicaLostError(EngineDeadError):
+    """A data-parallel replica died: the requests it held (``request_ids``) failed; the other replicas serve on."""
+
+    def __init__(self, message: str, request_ids: list[str]):
+        super().__init__(message)
+        self.request_ids = list(request_ids)

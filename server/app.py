@@ -260,7 +260,9 @@ def build_app(engine: Any, server_args: ServerArgs | None = None) -> Litestar:
 def run_server(engine_config: Any, server_args: ServerArgs) -> int:
     """Load the engine, serve until SIGTERM/SIGINT, drain in-flight requests, exit 0. The engine core runs in
     its own process (JAXSERVE_ENABLE_MULTIPROCESSING=0: in this one); if it dies, every in-flight request gets
-    an error, /health answers 503, and the server stops and exits 1 (a supervisor restarts it)."""
+    an error, /health answers 503, and the server stops and exits 1 (a supervisor restarts it). With
+data-parallel replicas, one that dies fails only its requests and /health answers 503 while the others serve
+on; the server exits 1 once none is left."""
     import uvicorn
 
     from jaxserve.engine.async_engine import AsyncLLMEngine
@@ -291,8 +293,7 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
              facts.num_kv_blocks if facts.num_kv_blocks is not None else "no", facts.config.cache.block_size,
              facts.load_seconds,
              facts.warmup_seconds, time.monotonic() - t0,
-             f"in its own process (pid {engine.engine.client.process.pid})" if engine.multiprocess
-             else "in this process")
+             _core_processes(engine.engine.client) if engine.multiprocess else "in this process")
     log.info("start-up timeline: %s", startup_timeline.summary())
 
     from .http_protocol import timed_http_protocol
@@ -317,6 +318,13 @@ def run_server(engine_config: Any, server_args: ServerArgs) -> int:
     engine.shutdown(drain_timeout=min(server_args.drain_timeout, 5.0))
     log.info("bye")
     return 0
+
+
+def _core_processes(client: Any) -> str:
+    replicas = getattr(client, "replicas", None)        # data-parallel replicas (engine.dp_client)
+    if replicas is None:
+        return f"in its own process (pid {client.process.pid})"
+    return f"in {len(replicas)} data-parallel replica processes (pids {', '.join(str(r.process.pid) for r in replicas)})"
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -146,15 +146,21 @@ class _EngineStatsCollector:
                               "server fails every request and exits; restart it)", labels=["model_name"])
         d.add_metric([self.model_name], 1.0 if dead else 0.0)
         yield d
+        # data-parallel replicas: a series per replica, labelled engine="i" as vLLM's (a figure only the front
+        # end keeps, on the series with engine="")
+        replicas = stats.get("replicas")
+        labels = ["model_name"] if replicas is None else ["model_name", "engine"]
         for name, keys in GAUGES.items():
-            g = GaugeMetricFamily(f"{self.prefix}{name}", name.replace("_", " "), labels=["model_name"])
-            v = None if dead else _pick(stats, keys)
-            g.add_metric([self.model_name], 0.0 if v is None else v)
+            g = GaugeMetricFamily(f"{self.prefix}{name}", name.replace("_", " "), labels=labels)
+            for values, s in self._rows(stats, replicas, keys):
+                v = None if dead else _pick(s, keys)
+                g.add_metric(values, 0.0 if v is None else v)
             yield g
         for name, keys in ENGINE_COUNTERS.items():
-            c = CounterMetricFamily(f"{self.prefix}{name}", name.replace("_", " "), labels=["model_name"])
-            v = _pick(stats, keys)
-            c.add_metric([self.model_name], 0.0 if v is None else v)
+            c = CounterMetricFamily(f"{self.prefix}{name}", name.replace("_", " "), labels=labels)
+            for values, s in self._rows(stats, replicas, keys):
+                v = _pick(s, keys)
+                c.add_metric(values, 0.0 if v is None else v)
             yield c
         hist = stats.get("iteration_tokens")
         if hist is not None:    # (bounds, per-bucket step counts with one more for "above", tokens summed)
@@ -194,6 +200,14 @@ class _EngineStatsCollector:
             lora.add_metric([str(stats["max_loras"]), stats["lora_waiting"], stats["lora_running"]], time.time())
             yield lora
 
+
+    def _rows(self, stats: dict[str, Any], replicas: list[dict] | None, keys: tuple[str, ...]):
+        """(label values, stats) of each series of a figure: the engine's, or each replica's."""
+        if replicas is None:
+            return [([self.model_name], stats)]
+        if all(_pick(r, keys) is None for r in replicas):
+            return [([self.model_name, ""], stats)]
+        return [([self.model_name, str(i)], r) for i, r in enumerate(replicas)]
 
     def _expert_load(self, stats: dict[str, Any]):
         """MoE models: tokens routed to each expert (summed over the MoE layers) and the routing's

@@ -10,7 +10,9 @@ A request is validated and admitted (``check_admission``: the one place --max-wa
 on the caller's side, before it crosses over, so the caller gets the error.
 
 If the engine dies (the loop raises, or the core process exits), every waiting request gets an
-EngineDeadError, ``is_healthy`` turns False, and ``on_dead`` (if set) is called once, from the thread.
+EngineDeadError, ``is_healthy`` turns False, and ``on_dead`` (if set) is called once, from the thread. If one
+of several data-parallel replicas dies, only its requests get the error (``ReplicaLostError``) and
+``is_healthy`` turns False; the others serve on.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import EngineClient, LLMEngine
-from jaxserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from jaxserve.errors import EngineDeadError, InvalidRequestError, QueueFullError, ReplicaLostError
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -155,7 +157,7 @@ class AsyncLLMEngine:
         limit = sched.max_waiting_requests
         if limit is None:
             return
-        max_seqs = sched.max_num_seqs
+        max_seqs = sched.max_num_seqs * self.config.parallel.data_parallel_size     # (each replica's seats)
         if num_requests > max_seqs + limit:
             raise InvalidRequestError(
                 f"the request needs {num_requests} sequences (prompts x n), more than this server ever holds: "
@@ -316,7 +318,14 @@ class AsyncLLMEngine:
         eng = self.engine
         try:
             while not self._stop.is_set():
-                outputs = eng.step(timeout_s=0.1)
+                try:
+                    outputs = eng.step(timeout_s=0.1)
+                except ReplicaLostError as e:       # one data-parallel replica died: its requests fail now
+                    for rid in e.request_ids:
+                        stream = self._streams.get(rid)
+                        if stream is not None:
+                            stream.put(e)
+                    continue
                 if outputs:
                     self._publish(outputs)
                 self._stats = eng.stats()

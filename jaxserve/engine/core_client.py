@@ -101,7 +101,9 @@ class MPClient:
     multiprocess = True
     core = None                     # (it lives in the other process)
 
-    def __init__(self, config, *, progress: bool = True, startup_timeout_s: float | None = None):
+    def __init__(self, config, *, progress: bool = True, startup_timeout_s: float | None = None,
+                 env: dict[str, str] | None = None):
+        """``env``: variables the core process gets beside this one's (a data-parallel replica's devices)."""
         import subprocess
         import sys
 
@@ -129,7 +131,7 @@ class MPClient:
         t0 = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.engine.core_process", config_path, self.input_address,
-             self.output_address])
+             self.output_address], env=None if env is None else {**os.environ, **env})
         # unpickling the core's tokenizer imports its library: import it now, while the core loads
         startup_imports.start_tokenizer_imports()
         facts = self._wait_ready(startup_timeout_s)
@@ -304,16 +306,21 @@ class MPClient:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self.close(timeout_s)
 
+    def request_shutdown(self) -> None:
+        """Ask the core to stop (without waiting: a core already gone has no socket to take it)."""
+        import zmq
+        try:
+            with self._send_lock:
+                self._requests.send(self._encoder.encode(m.Shutdown()), zmq.NOBLOCK)
+        except Exception:  # noqa: BLE001 - stopping anyway
+            pass
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop, wait up to ``timeout_s``, then kill it; close the sockets."""
         if self._ctx.closed:
             return
         if self.process.poll() is None:
-            try:
-                with self._send_lock:
-                    self._requests.send(self._encoder.encode(m.Shutdown()))
-            except Exception:  # noqa: BLE001 - stopping anyway
-                pass
+            self.request_shutdown()
             if not self._join(timeout_s):
                 self.process.kill()
                 self._join(5)
@@ -334,16 +341,21 @@ def _finishes(msg, request_id: str) -> bool:
         o.request_id == request_id and o.finish_status for o in msg.outputs)
 
 
-def make_core_client(config, *, multiprocess: bool, progress: bool = True):
-    """The engine core for a front end: in its own process, or in this one."""
-    return MPClient(config, progress=progress) if multiprocess else InprocClient(config, progress=progress)
+def data_parallel_size(config) -> int:
+    return getattr(getattr(config, "parallel", None), "data_parallel_size", 1)
 
 
 def use_multiprocess(explicit: bool | None, default: bool, config=None) -> bool:
     """Whether a front end runs the engine core in its own process: ``explicit`` if given, else
     JAXSERVE_ENABLE_MULTIPROCESSING if set, else ``default``; never for an engine spread over several JAX
-    processes (``config.parallel``: those processes follow the one that schedules)."""
+    processes (``config.parallel``: those processes follow the one that schedules); always for data-parallel
+    replicas (``dp_client``: a core process each)."""
     from jaxserve import envs
+    if data_parallel_size(config) > 1:
+        if explicit is False or (explicit is None and envs.JAXSERVE_ENABLE_MULTIPROCESSING is False):
+            raise ValueError("data-parallel replicas each run in their own process: drop multiprocess=False / "
+                             "JAXSERVE_ENABLE_MULTIPROCESSING=0, or use --data-parallel-size 1")
+        return True
     if explicit is None:
         env = envs.JAXSERVE_ENABLE_MULTIPROCESSING
         wanted = default if env is None else env

@@ -25,10 +25,11 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineFacts
-from jaxserve.engine.core_client import make_core_client
+from jaxserve.engine.core_client import InprocClient, MPClient, data_parallel_size
+from jaxserve.engine.dp_client import DPClient
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request import Request
-from jaxserve.errors import InvalidRequestError
+from jaxserve.errors import InvalidRequestError, ReplicaLostError
 from jaxserve.multimodal.media import MediaLimits, load_image_url
 from jaxserve.multimodal.processing import ImageProcessing, encode_around
 from jaxserve.outputs import RequestOutput
@@ -250,7 +251,7 @@ class MultiModalInputs:
                 folder = facts.model_source if os.path.isdir(facts.model_source) else None
                 self._processing = ImageProcessing.from_folder(folder, facts.model_config.extra_dict,
                                                                facts.config.multimodal.mm_processor_kwargs,
-                                                               facts.tokenizer)
+                                                               facts.tokenizer, dtype=facts.dtype_name)
             return self._processing
 
     @property
@@ -293,10 +294,13 @@ class MultiModalInputs:
 
 class LLMEngine:
     """The ``EngineClient``: a front end over an engine core in this process (``multiprocess=False``; ``core``
-    is that ``EngineCore``, with its scheduler and runner) or in its own (``core`` is None)."""
+    is that ``EngineCore``, with its scheduler and runner), in its own (``core`` is None), or in one process per
+    data-parallel replica (``config.parallel.data_parallel_size`` > 1: ``dp_client.DPClient``)."""
 
     def __init__(self, config: EngineConfig, *, progress: bool = True, multiprocess: bool = False):
-        self.client = make_core_client(config, multiprocess=multiprocess, progress=progress)
+        self.client = (DPClient(config, progress=progress) if data_parallel_size(config) > 1
+                       else MPClient(config, progress=progress) if multiprocess
+                       else InprocClient(config, progress=progress))
         self.multiprocess = multiprocess
         self.core = self.client.core
         if multiprocess:                # an LLM dropped without shutdown() stops its core process
@@ -382,8 +386,15 @@ class LLMEngine:
     # ---------------------------------------------------------------- outputs
     def step(self, timeout_s: float | None = None) -> list[RequestOutput]:
         """The RequestOutputs of the core's next step: in this process the core runs it now; in its own this
-        waits for it ([] after ``timeout_s``)."""
-        outputs, stopped_here = self.output_processor.process_outputs(self.client.get_outputs(timeout_s))
+        waits for it ([] after ``timeout_s``). Raises ReplicaLostError (the requests of a data-parallel replica
+        that died, forgotten here) and EngineDeadError."""
+        try:
+            core_outputs = self.client.get_outputs(timeout_s)
+        except ReplicaLostError as e:   # a data-parallel replica died: its requests end here, with the error
+            for rid in e.request_ids:
+                self.output_processor.remove(rid)
+            raise
+        outputs, stopped_here = self.output_processor.process_outputs(core_outputs)
         if stopped_here:                # stop strings the core cannot see: it still runs those requests
             self.client.abort_requests(stopped_here)
         return outputs

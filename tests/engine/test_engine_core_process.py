@@ -3,7 +3,6 @@ stop strings through the front end, a killed core fails every request instead of
 cancellations leaves nothing running, waiting or allocated."""
 import asyncio
 import os
-import random
 import time
 
 import numpy as np
@@ -13,8 +12,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.errors import EngineDeadError
 from jaxserve.llm import engine_config_from_kwargs
-from jaxserve.sampling_params import RequestOutputKind
 from support import FIXTURES
+from support.async_streams import delta, soak, stream
 
 TINY = os.path.join(FIXTURES, "models", "tiny-llama3")
 OPTS = dict(dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
@@ -99,24 +98,6 @@ def fronts():
     split.shutdown(drain_timeout=1)
 
 
-async def stream(front, rid, prompt, params, stop_after=None):
-    """Concatenated DELTA text and tokens, the finish reason; ``stop_after``: leave after that many chunks."""
-    text, toks, reason, n = "", [], None, 0
-    async for out in front.generate(prompt, params, rid):
-        o = out.outputs[0]
-        text += o.text
-        toks += o.token_ids
-        reason = o.finish_reason
-        n += 1
-        if stop_after is not None and n >= stop_after:
-            break
-    return text, toks, reason
-
-
-def delta(**kw):
-    return SamplingParams(output_kind=RequestOutputKind.DELTA, **kw)
-
-
 def test_async_streams_match_and_aborts_reach_the_core(fronts, prompts):
     inproc, split = fronts
     params = [delta(temperature=0, max_tokens=30, stop=[" t", "e"]), delta(temperature=0.7, seed=11, max_tokens=25),
@@ -135,46 +116,6 @@ def test_async_streams_match_and_aborts_reach_the_core(fronts, prompts):
     stats = split.stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0
     assert split.is_healthy()
-
-
-def soak(front, num_requests: int, cancel_fraction: float, seed: int = 0):
-    rng = random.Random(seed)
-
-    async def one(i):
-        prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(2, 60))]
-        params = delta(temperature=rng.choice([0, 0.8]), max_tokens=rng.randrange(1, 40),
-                       stop=[" t"] if i % 5 == 0 else None)
-        if rng.random() < cancel_fraction:
-            task = asyncio.ensure_future(stream(front, f"k{seed}-{i}", prompt, params))
-            await asyncio.sleep(rng.random() * 0.05)
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            return None
-        return await stream(front, f"k{seed}-{i}", prompt, params)
-
-    async def main():
-        sem = asyncio.Semaphore(64)
-
-        async def limited(i):
-            async with sem:
-                return await one(i)
-        return await asyncio.gather(*(limited(i) for i in range(num_requests)))
-
-    results = asyncio.run(main())
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        s = front.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_cache_usage"] == 0.0:
-            break
-        time.sleep(0.05)
-    s = front.stats()
-    assert (s["num_running"], s["num_waiting"], s["kv_cache_usage"]) == (0, 0, 0.0), s
-    assert not front.engine.output_processor.requests
-    assert all(r is None or r[2] in ("stop", "length") for r in results)
-    return results
 
 
 def test_soak_with_cancellations_leaves_nothing_behind(fronts):

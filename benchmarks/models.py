@@ -25,14 +25,16 @@ def resolve_model(cfg: dict):
     """(ModelConfig, HF config dict) of the config's model: a configs/models name, an HF folder, a GGUF
     file, or (neither) the embedded SmolLM2 GGUF."""
     from jaxserve.models.configs import model_config_from_hf
-    from jaxserve.models.packaged import embedded_model_path
+    from jaxserve.models.packaged import embedded_model_path, is_packaged_model, packaged_gguf_path
 
     m = cfg["model"]
     target = m.get("path") or m.get("name")
+    if is_packaged_model(target):           # a packaged GGUF by its short name (gemma3-270m)
+        target = packaged_gguf_path(target)
     if target and Path(target).is_dir():
         hf = json.loads((Path(target) / "config.json").read_text())
         return model_config_from_hf(hf), hf
-    if m.get("name") and not Path(m["name"]).exists():
+    if m.get("name") and not Path(target).exists():
         hf = named_model_hf_config(m["name"])
         if hf is None:
             known = ", ".join(sorted(p.stem for p in MODELS_DIR.iterdir())) if MODELS_DIR.is_dir() else "none"

@@ -12,9 +12,10 @@ shape into batch buckets of powers of two. A family of any image size (``pack_im
 Qwen-VL) is bucketed by patch count: each image goes to the smallest bucket that holds it (at least
 ``min_patches``) of a ladder of ``unit * m * 2**k`` patches, ``m`` in 4..7 (``patch_bucket``: steps of at most
 1.25x, so under a fifth of a bucket is padding), images of one bucket share rows where they fit (first fit;
-the tower masks attention to each image's own patches), rows are batched in powers of two, so the compiled
-encoder programs are bounded by the bucket and batch counts, not the image sizes: four buckets per doubling
-from ``min_patches`` to the largest image, times ``log2(max_batch) + 1``. ``gather(scheduled)``
+the tower masks attention to each image's own patches), rows are batched in 1, 2, 3, 4, 6, 8, ... rows
+(``row_batch``), so the compiled encoder programs are bounded by the bucket and batch counts, not the image
+sizes: four buckets per doubling from ``min_patches`` to the largest image, times the row batches up to
+``max_batch``. ``gather(scheduled)``
 gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the step's
 chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
@@ -58,6 +59,16 @@ def patch_bucket(patches: int, unit: int, floor: int) -> int:
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def row_batch(n: int) -> int:
+    """The rows a packed encoder call of ``n`` rows computes: 1, 2, 3, then ``2**k`` or ``1.5 * 2**k`` (a row
+    is a whole bucket of compute, so padding rows cost at most a third of the call past the third row, not
+    up to half)."""
+    if n <= 3:
+        return max(n, 1)
+    p = _pow2(n)
+    return p * 3 // 4 if n <= p * 3 // 4 else p
 
 
 class EncoderCache:
@@ -169,7 +180,7 @@ class EncoderCache:
         for bucket, rows in self.bucket_rows(features).items():
             for i in range(0, len(rows), self.max_batch):
                 batch = rows[i:i + self.max_batch]
-                b = _pow2(len(batch))
+                b = row_batch(len(batch))
                 inputs, tokens, num_out = self.family.pack_images(
                     self.cfg, [[f.pixel_values for f in r] for r in batch], b, bucket)
                 dst = np.full(num_out, self.capacity, np.int32)     # padding tokens write the scratch row

@@ -1,11 +1,12 @@
 """The packed encoder's patch-bucket ladder (``encoder_cache.patch_bucket``): it holds the image, it is a
 multiple of the unit, at least the floor, monotone in the patch count, pads under a fifth of a bucket past
-its first steps, and the buckets an image size range can meet are four per doubling."""
+its first steps, and the buckets an image size range can meet are four per doubling; the row batches
+(``row_batch``) pad at most a third."""
 from __future__ import annotations
 
 import pytest
 
-from jaxserve.runner.encoder_cache import BUCKET_STEPS, patch_bucket
+from jaxserve.runner.encoder_cache import BUCKET_STEPS, patch_bucket, row_batch
 
 
 @pytest.mark.parametrize("unit, floor", [(64, 256), (4, 256), (64, 16), (16, 1), (100, 300)])
@@ -32,3 +33,10 @@ def test_ladder_of_a_unit_of_64():
 def test_buckets_per_doubling():
     """Images of up to 65,536 patches (Qwen2-VL's default max_pixels) meet 4 * log2(65536 / 256) + 1 buckets."""
     assert len({patch_bucket(n, 64, 256) for n in range(1, 65_537)}) == 4 * 8 + 1
+
+
+def test_row_batches():
+    """1, 2, 3, then powers of two and their halfway points: padding rows are at most a third past three."""
+    assert [row_batch(n) for n in range(1, 18)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24]
+    for n in range(4, 200):
+        assert n <= row_batch(n) < n * 3 / 2 and row_batch(n) >= row_batch(n - 1)

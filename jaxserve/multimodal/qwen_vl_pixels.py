@@ -10,6 +10,8 @@ processor's own operations on the 256 byte values, so it is exact rather than cl
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 _PROCESSORS = ("Qwen2VLImageProcessorPil", "Qwen2VLImageProcessor")
@@ -21,7 +23,8 @@ class QwenVLPixels:
     settings this does not cover: the caller runs the processor)."""
 
     def __init__(self, processor):
-        self.min_pixels, self.max_pixels = processor.size.shortest_edge, processor.size.longest_edge
+        self.min_pixels, self.max_pixels = processor.size["shortest_edge"], processor.size["longest_edge"]
+        self.smart_resize = sys.modules[type(processor).__module__].smart_resize      # the processor's own
         self.patch, self.merge = int(processor.patch_size), int(processor.merge_size)
         self.resample = int(processor.resample)
         # HF's rescale (float64, then float32) and normalize (float32) of each byte value, per channel
@@ -45,10 +48,8 @@ class QwenVLPixels:
 
     def __call__(self, image, dtype) -> tuple[np.ndarray, dict]:
         """``image``: a PIL image in mode RGB."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # noqa: PLC0415
-
         p, m = self.patch, self.merge
-        h, w = smart_resize(image.height, image.width, factor=p * m, min_pixels=self.min_pixels,
+        h, w = self.smart_resize(image.height, image.width, factor=p * m, min_pixels=self.min_pixels,
                             max_pixels=self.max_pixels)
         pixels = np.asarray(image.resize((w, h), resample=self.resample))              # [h, w, 3] uint8
         lh, lw = h // (p * m), w // (p * m)

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxserve.errors import InvalidRequestError, ModelLoadError
 from jaxserve.multimodal.inputs import ImageFeature, image_hash
+from jaxserve.multimodal.qwen_vl_pixels import QwenVLPixels
 
 
 def _read(folder: str | None, name: str) -> dict:
@@ -81,6 +82,7 @@ class ImageProcessing:
                  wrap: tuple[list[int], list[int]] = ([], []), fill_token_id: int | None = None,
                  merges: dict | None = None, crops=None, pixel_dtype=np.float32):
         self.image_processor, self.pixel_dtype = image_processor, pixel_dtype
+        self._qwen_vl = QwenVLPixels.of(image_processor)     # Qwen2-VL's processor, its output made directly
         self.image_token, self.image_token_id = image_token, image_token_id
         # the placeholder's replacement: ``wrap[0]``, the image's tokens (``fill_token_id``), ``wrap[1]``; an
         # image the processor cut into crops (pan-and-scan): ``crops(k)``, the ids of the text around the
@@ -144,6 +146,9 @@ class ImageProcessing:
         where the processor cuts some (pan-and-scan)."""
         pixels = np.asarray(image)
         digest = image_hash(pixels, image.mode, self._kwargs_key)
+        if self._qwen_vl is not None and getattr(image, "mode", None) == "RGB":
+            payload, extra = self._qwen_vl(image, self.pixel_dtype)
+            return [(payload, extra, digest)]
         out = self.image_processor(images=[image], return_tensors="np")
         extra = {k: np.asarray(v[0]) for k, v in out.items() if k != "pixel_values"}
         if "image_grid_thw" in out:     # Qwen2-VL's processors: the image's patches, flattened

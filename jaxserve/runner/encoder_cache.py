@@ -9,10 +9,13 @@ image the scheduler admits always finds rows here; evicted hashes come back thro
 writes each image's rows into the slab in the same jitted call (the slab is donated: updated in place;
 padding writes a scratch row). A family of fixed-size images (``encode_images``: LLaVA) is batched by pixel
 shape into batch buckets of powers of two. A family of any image size (``pack_images`` / ``encode_packed``:
-Qwen-VL) is bucketed by patch count: each image goes to the smallest bucket of ``unit * 2**k`` patches (at
-least ``min_patches``) that holds it, images of one bucket share rows where they fit (first fit; the tower
-masks attention to each image's own patches), rows are batched in powers of two, so the compiled encoder
-programs are bounded by the bucket and batch counts, not the image sizes. ``gather(scheduled)``
+Qwen-VL) is bucketed by patch count: each image goes to the smallest bucket that holds it (at least
+``min_patches``) of a ladder of ``unit * m * 2**k`` patches, ``m`` in 4..7 (``patch_bucket``: steps of at most
+1.25x, so under a fifth of a bucket is padding), images of one bucket share rows where they fit (first fit;
+the tower masks attention to each image's own patches), rows are batched in 1, 2, 3, 4, 6, 8, ... rows
+(``row_batch``), so the compiled encoder programs are bounded by the bucket and batch counts, not the image
+sizes: four buckets per doubling from ``min_patches`` to the largest image, times the row batches up to
+``max_batch``. ``gather(scheduled)``
 gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the step's
 chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
@@ -34,6 +37,7 @@ from jaxserve.multimodal.inputs import overlapping
 
 
 MIN_PATCH_BUCKET = 256            # the smallest patch bucket of a packed encoder (64 tokens at a 2x2 merge)
+BUCKET_STEPS = (4, 5, 6, 7)       # a doubling of patch buckets in quarters (of ``unit * 2**k``)
 
 
 def _encode_and_store(encode, cfg, params, slab, inputs, dst):
@@ -42,15 +46,29 @@ def _encode_and_store(encode, cfg, params, slab, inputs, dst):
 
 
 def patch_bucket(patches: int, unit: int, floor: int) -> int:
-    """The smallest ``unit * 2**k`` at least ``floor`` that holds ``patches``."""
-    bucket = unit * -(-floor // unit)
-    while bucket < patches:
-        bucket *= 2
-    return bucket
+    """The smallest bucket of the ladder that holds ``patches`` (and ``floor``): ``unit * n`` patches, ``n`` in
+    1, 2, 3, then ``m * 2**k`` for ``m`` in ``BUCKET_STEPS`` (4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...): each
+    step at most 1.25x the one before, so padding is under a fifth of a bucket past the third unit, and
+    ``len(BUCKET_STEPS)`` buckets per doubling of the largest image bound the compiled programs."""
+    n = -(-max(patches, floor, 1) // unit)
+    if n <= BUCKET_STEPS[0]:
+        return unit * n
+    k = (n - 1).bit_length() - BUCKET_STEPS[0].bit_length()      # n in (4 * 2**k, 8 * 2**k]: 4 << (k + 1) holds it
+    return unit * next(m << j for j in (k, k + 1) for m in BUCKET_STEPS if m << j >= n)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def row_batch(n: int) -> int:
+    """The rows a packed encoder call of ``n`` rows computes: 1, 2, 3, then ``2**k`` or ``1.5 * 2**k`` (a row
+    is a whole bucket of compute, so padding rows cost at most a third of the call past the third row, not
+    up to half)."""
+    if n <= 3:
+        return max(n, 1)
+    p = _pow2(n)
+    return p * 3 // 4 if n <= p * 3 // 4 else p
 
 
 class EncoderCache:
@@ -162,7 +180,7 @@ class EncoderCache:
         for bucket, rows in self.bucket_rows(features).items():
             for i in range(0, len(rows), self.max_batch):
                 batch = rows[i:i + self.max_batch]
-                b = _pow2(len(batch))
+                b = row_batch(len(batch))
                 inputs, tokens, num_out = self.family.pack_images(
                     self.cfg, [[f.pixel_values for f in r] for r in batch], b, bucket)
                 dst = np.full(num_out, self.capacity, np.int32)     # padding tokens write the scratch row

@@ -143,7 +143,7 @@ def test_bucketed_encoder_equals_the_unpadded_one(name, query_block, monkeypatch
              for f in feats]
     if query_block:
         monkeypatch.setattr(qwen_vision, "QUERY_BLOCK", query_block)
-    cache = encoder(model, min_patches=256)
+    cache = encoder(model, min_patches=256, max_batch=5)           # 5 rows: a batch of 6, one padding
     cache.encode(feats)
     rows = cache.bucket_rows(feats)
     assert any(len(r) > 1 for rs in rows.values() for r in rs)       # images share a row

@@ -1,7 +1,8 @@
 """``qwen_vision.pack`` (one gather of the front end's merge blocks per image, layouts cached per grid) pinned
-against the packing it replaced (a re-patchify of each image ``[C, H, W]`` in the engine core), kept here as
-the reference: equal patches, positions, segments and token indices for odd grids, partial windows, several
-images to a row and padding rows, in float32 and bfloat16."""
+against a re-patchify of each image ``[C, H, W]`` into the slots its layout gives: equal patches, positions,
+segments, windows and token indices for odd grids, partial windows, several images to a row and padding rows,
+in float32 and bfloat16. The layout itself (``image_layout``): every block in one slot, each window's blocks
+consecutive inside one span of ``window**2`` slots, the partial windows sharing spans (first fit)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -11,42 +12,41 @@ import pytest
 from jaxserve.models.layers.qwen_vision import QwenVisionSpec, image_blocks, image_layout, pack
 
 
-def reference_layout(grid_h: int, grid_w: int, merge: int, window: int):
-    lh, lw = grid_h // merge, grid_w // merge
+def window_ids(lh: int, lw: int, window: int) -> np.ndarray:
+    """Each merge block's window (windows row-major over the grid, as HF's ``get_window_index``)."""
     r, c = np.divmod(np.arange(lh * lw), lw)
-    wid = (r // window) * -(-lw // window) + c // window
-    order = np.argsort(wid, kind="stable")
-    first = np.searchsorted(wid[order], wid[order])
-    slot = wid[order] * window * window + np.arange(lh * lw) - first
-    return order, slot, int(-(-lh // window) * -(-lw // window) * window * window)
+    return (r // window) * -(-lw // window) + c // window
 
 
 def reference_pack(spec: QwenVisionSpec, rows: list, num_rows: int, bucket: int):
-    """The packing of images ``[C, H, W]`` before the payload became the processor's blocks."""
+    """Images ``[C, H, W]`` re-patchified into the slots of their layouts."""
     p, m, win = spec.patch_size, spec.merge, max(spec.window, 1)
     mm, per_row, c = m * m, bucket // (m * m), spec.in_channels
     patches = np.zeros((num_rows, bucket // mm, mm, c * p * p), np.float32)
     pos = np.zeros((num_rows, bucket // mm, mm, 2), np.int32)
     seg = np.full((num_rows, bucket // mm, mm), -1, np.int32)
+    wid = np.full((num_rows, bucket // mm, mm), -1, np.int32)
     tokens = []
     for r, images in enumerate(rows):
-        at = 0
+        at = windows = 0
         for k, px in enumerate(images):
             gh, gw = px.shape[-2] // p, px.shape[-1] // p
             lh, lw = gh // m, gw // m
-            order, slot, size = reference_layout(gh, gw, m, win)
+            lay = image_layout(gh, gw, m, win)
+            slot = lay.rank
             blocks = np.asarray(px, np.float32).reshape(c, lh, m, p, lw, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-            patches[r, at + slot] = blocks.reshape(lh * lw, mm, c * p * p)[order]
+            patches[r, at + slot] = blocks.reshape(lh * lw, mm, c * p * p)
             hw = np.stack(np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij"), -1)
             hw = hw.reshape(lh, m, lw, m, 2).transpose(0, 2, 1, 3, 4).reshape(lh * lw, mm, 2)
-            pos[r, at + slot] = hw[order]
+            pos[r, at + slot] = hw
             seg[r, at + slot] = k
-            flat = np.empty(lh * lw, np.int64)
-            flat[order] = r * per_row + at + slot
-            tokens.append(flat)
-            at += size
+            ids = window_ids(lh, lw, win)
+            wid[r, at + slot] = (ids + windows)[:, None]
+            tokens.append(r * per_row + at + slot)
+            at, windows = at + lay.size, windows + ids.max() + 1
     shape = (num_rows, bucket)
-    return (patches.reshape(*shape, -1), pos.reshape(*shape, 2), seg.reshape(shape)), tokens, num_rows * per_row
+    return (patches.reshape(*shape, -1), pos.reshape(*shape, 2), seg.reshape(shape), wid.reshape(shape)), \
+        tokens, num_rows * per_row
 
 
 def spec(window: int) -> QwenVisionSpec:
@@ -73,13 +73,38 @@ def test_pack_equals_the_repatchifying_pack(window, dtype):
     got, tokens, n = pack(s, payloads, num_rows, bucket)
     assert n == want_n and got[0].dtype == dtype
     np.testing.assert_array_equal(got[0], want[0].astype(dtype))
-    np.testing.assert_array_equal(got[1], want[1])
-    np.testing.assert_array_equal(got[2], want[2])
+    for a, b in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(a, b)
     for a, b in zip(tokens, want_tokens, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("window", [1, 2, 3, 4])
+@pytest.mark.parametrize("lh, lw", [(1, 1), (5, 7), (9, 2), (8, 8), (37, 37), (13, 30)])
+def test_layout_keeps_windows_whole_in_shared_spans(lh, lw, window):
+    lay = image_layout(lh * 2, lw * 2, 2, window)
+    span = window * window
+    assert lay.size % span == 0 and lay.valid.sum() == lh * lw == len(set(lay.rank.tolist()))
+    np.testing.assert_array_equal(lay.src[lay.rank], np.arange(lh * lw))
+    np.testing.assert_array_equal(lay.win[lay.rank], window_ids(lh, lw, window))
+    assert (lay.win[lay.pads] == -1).all() and lay.num_windows == window_ids(lh, lw, window).max() + 1
+    used = np.zeros(lay.size // span, int)
+    for w in range(lay.num_windows):
+        slots = lay.rank[window_ids(lh, lw, window) == w]            # the window's blocks, row-major
+        assert len(set((slots // span).tolist())) == 1               # one span
+        np.testing.assert_array_equal(slots, slots[0] + np.arange(len(slots)))     # consecutive, in order
+        used[slots[0] // span] += len(slots)
+    partial = np.sort(used[used < span])
+    assert len(partial) < 2 or partial[0] + partial[1] > span        # first fit: no two partial spans merge
+
+
+def test_layout_of_a_1036_pixel_square_pads_one_span():
+    """74 x 74 patches (a 1024-pixel square resized): 81 whole windows and 19 edge ones in 5 spans."""
+    lay = image_layout(74, 74, 2, 4)
+    assert lay.size == 86 * 16 and lay.size * 4 - 74 * 74 == 28
+
+
 def test_layout_arrays_are_cached_and_read_only():
     a = image_layout(10, 14, 2, 4)
-    assert image_layout(10, 14, 2, 4) is a and not a.src.flags.writeable
-    assert a.size == 2 * 2 * 16 and a.valid.sum() == 35 and len(a.pads) == a.size - 35
+    assert image_layout(10, 14, 2, 4) is a and not a.src.flags.writeable and not a.win.flags.writeable
+    assert a.size == 3 * 16 and a.valid.sum() == 35 and len(a.pads) == a.size - 35

@@ -9,16 +9,18 @@ still image is its own second frame), the 2-D rotary of each patch's row and col
 ``merge x merge`` block of patches to one text token.
 
 Packing (``pack``): the images of one encoder call are laid out along rows of ``bucket`` patches (a size from
-a small set: the runner's ``EncoderCache`` picks powers of two, so the tower compiles once per bucket, not
-per image size). Within a row each image takes consecutive slots: its merge blocks in window order (windows
-row-major, blocks row-major within one), every window padded to ``unit`` slots, so window attention is a
-reshape of the row into windows of ``unit`` patches; without windows a merge block is the unit. Each patch
-carries its image's segment id (padding: -1): attention is masked to equal segment ids (within the image, as
-HF's ``cu_seqlens``; pads only see pads), so padding never reaches an image's rows; full attention over a
-long row runs in blocks of queries (scores ``block x N``, not ``N x N``). The merged tokens come back in the
-packed order; ``pack`` says where each image's tokens (row-major) are. An image arrives as the front end made
-it (``image_blocks``' layout: the processor's patch order, merge blocks row-major, in the tower's dtype), so
-packing it is one gather of whole merge blocks into its slots, by index arrays cached per grid size.
+a small set: the runner's ``EncoderCache`` picks it from a ladder of about 1.2x steps, so the tower compiles
+once per bucket, not per image size). Within a row each image takes consecutive spans of ``unit`` patches
+(one window): each whole window a span, the partial windows of its right and bottom edges several to a span
+(``ImageLayout``), so window attention is a reshape of the row into spans of ``unit`` patches masked to equal
+window ids and an image pads at most its last few spans; without windows a merge block is the unit. Each
+patch carries its image's segment id and its window's id (padding: -1): attention is masked to equal ids
+(within the image or the window, as HF's ``cu_seqlens`` and ``cu_window_seqlens``; pads only see pads), so
+padding never reaches an image's rows; full attention over a long row runs in blocks of queries (scores
+``block x N``, not ``N x N``). The merged tokens come back in the packed order; ``pack`` says where each
+image's tokens (row-major) are. An image arrives as the front end made it (``image_blocks``' layout: the
+processor's patch order, merge blocks row-major, in the tower's dtype), so packing it is one gather of whole
+merge blocks into its slots, by index arrays cached per grid size.
 """
 from __future__ import annotations
 
@@ -74,14 +76,40 @@ class QwenVisionSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ImageLayout:
-    """Where the merge blocks of a ``grid_h x grid_w`` patch grid go in the packed layout of windows of
-    ``window`` merge blocks a side (windows row-major, blocks row-major within one, partial windows padded)."""
+    """Where the merge blocks of a ``grid_h x grid_w`` patch grid go in the packed layout: spans of ``window**2``
+    slots (merge blocks), each whole window in a span of its own (windows row-major, blocks row-major within
+    one), the partial windows of the right and bottom edges packed several to a span (first fit, largest
+    first), a span's leftover slots padding."""
     src: np.ndarray          # [size] each slot's merge block (row-major index; a pad slot: 0, zeroed after)
     pads: np.ndarray         # the pad slots
     rank: np.ndarray         # [lh * lw] each merge block's slot
     pos: np.ndarray          # [size, merge**2, 2] each slot's patches' (row, column); pads 0
     valid: np.ndarray        # [size] bool: the slot holds a block
-    size: int                # slots, in merge blocks
+    win: np.ndarray          # [size] each slot's window (0 .. num_windows - 1); pads -1
+    num_windows: int
+    size: int                # slots, in merge blocks: a multiple of window**2
+
+
+def _window_spans(sizes: np.ndarray, span: int) -> tuple[np.ndarray, int]:
+    """Each window's first slot when windows of ``sizes`` blocks are laid in spans of ``span`` slots: the whole
+    windows a span each in order, then the partial ones (an image's right and bottom edges) first fit, largest
+    first, so no window crosses a span; and the slots the spans take."""
+    whole = sizes == span
+    start = np.empty(len(sizes), np.intp)
+    start[whole] = np.arange(int(whole.sum())) * span
+    spans = int(whole.sum())
+    free: list[list[int]] = []                       # [span, slots used] of the spans with room left
+    for w in np.flatnonzero(~whole)[np.argsort(-sizes[~whole], kind="stable")]:
+        n = int(sizes[w])
+        for f in free:
+            if f[1] + n <= span:
+                start[w], f[1] = f[0] * span + f[1], f[1] + n
+                break
+        else:
+            start[w] = spans * span
+            free.append([spans, n])
+            spans += 1
+    return start, spans * span
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,15 +120,17 @@ def image_layout(grid_h: int, grid_w: int, merge: int, window: int) -> ImageLayo
     wid = (r // window) * -(-lw // window) + c // window
     order = np.argsort(wid, kind="stable")                  # the blocks in window order
     first = np.searchsorted(wid[order], wid[order])           # each block's window's first place in order
-    slot = wid[order] * window * window + np.arange(lh * lw) - first
-    size = int(-(-lh // window) * -(-lw // window) * window * window)
+    sizes = np.bincount(wid)
+    start, size = _window_spans(sizes, window * window)
+    slot = start[wid[order]] + np.arange(lh * lw) - first
     src, rank, valid = np.zeros(size, np.intp), np.empty(lh * lw, np.intp), np.zeros(size, bool)
-    src[slot], rank[order], valid[slot] = order, slot, True
+    win = np.full(size, -1, np.int32)
+    src[slot], rank[order], valid[slot], win[slot] = order, slot, True, wid[order]
     hw = np.stack(np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij"), -1)      # [gh, gw, 2]
     hw = hw.reshape(lh, merge, lw, merge, 2).transpose(0, 2, 1, 3, 4).reshape(lh * lw, merge * merge, 2)
     pos = np.where(valid[:, None, None], hw[src], 0).astype(np.int32)
-    layout = ImageLayout(src, np.flatnonzero(~valid), rank, pos, valid, size)
-    for a in (layout.src, layout.pads, layout.rank, layout.pos, layout.valid):
+    layout = ImageLayout(src, np.flatnonzero(~valid), rank, pos, valid, win, len(sizes), size)
+    for a in (layout.src, layout.pads, layout.rank, layout.pos, layout.valid, layout.win):
         a.flags.writeable = False
     return layout
 
@@ -119,19 +149,21 @@ def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, buck
         -> tuple[tuple[np.ndarray, ...], list[np.ndarray], int]:
     """Images as pixel payloads ``[lh, lw, merge**2 * C * p * p]`` (``image_blocks``' layout; ``rows``: the
     images of each row, at most ``bucket`` packed patches a row) as the tower's input ``(patches [R, bucket,
-    C*p*p] in the payloads' dtype, positions [R, bucket, 2], segments [R, bucket])`` of ``num_rows`` rows;
-    per image (in ``rows`` order) the flat indices of its merged tokens (row-major) among the tower's
-    outputs; their number, ``R * bucket / merge**2``. An image is one gather of its blocks into its slots
-    (the layout of each grid size is cached), so this is a copy of the pixels, not a re-patchify."""
+    C*p*p] in the payloads' dtype, positions [R, bucket, 2], segments [R, bucket], windows [R, bucket])`` of
+    ``num_rows`` rows (segment: the image in its row, window: the window in its row; pads -1); per image (in
+    ``rows`` order) the flat indices of its merged tokens (row-major) among the tower's outputs; their number,
+    ``R * bucket / merge**2``. An image is one gather of its blocks into its slots (the layout of each grid
+    size is cached), so this is a copy of the pixels, not a re-patchify."""
     m, win = spec.merge, max(spec.window, 1)
     mm, per_row = m * m, bucket // (m * m)
     dtype = np.result_type(*(px.dtype for images in rows for px in images)) if any(rows) else np.float32
     patches = np.empty((num_rows, per_row, mm * spec.in_channels * spec.patch_size ** 2), dtype)
     pos = np.zeros((num_rows, per_row, mm, 2), np.int32)
     seg = np.full((num_rows, per_row), -1, np.int32)
+    wid = np.full((num_rows, per_row), -1, np.int32)
     tokens = []
     for r, images in enumerate(rows):
-        at = 0                                                  # in merge blocks
+        at, windows = 0, 0                                      # at: in merge blocks
         for k, px in enumerate(images):
             lh, lw = px.shape[:2]
             lay = image_layout(lh * m, lw * m, m, win)
@@ -142,13 +174,14 @@ def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, buck
             dest[lay.pads] = 0
             pos[r, at:at + lay.size] = lay.pos
             seg[r, at:at + lay.size][lay.valid] = k
+            wid[r, at:at + lay.size][lay.valid] = lay.win[lay.valid] + windows
             tokens.append(r * per_row + at + lay.rank)
-            at += lay.size
+            at, windows = at + lay.size, windows + lay.num_windows
         patches[r, at:] = 0
     patches[len(rows):] = 0
     shape = (num_rows, per_row * mm)
-    return (patches.reshape(*shape, -1), pos.reshape(*shape, 2), np.repeat(seg, mm, axis=1)), tokens, \
-        num_rows * per_row
+    return (patches.reshape(*shape, -1), pos.reshape(*shape, 2), np.repeat(seg, mm, axis=1),
+            np.repeat(wid, mm, axis=1)), tokens, num_rows * per_row
 
 
 def axial_rotary(pos: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -171,18 +204,22 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
+def _query_block(n: int) -> int:
+    """The largest divisor of ``n`` of at most ``QUERY_BLOCK`` (a row of ``n`` patches attends in such blocks)."""
+    return next(d for d in range(min(n, QUERY_BLOCK), 0, -1) if n % d == 0)
+
+
 def _attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, span: int | None) -> jax.Array:
-    """Attention among patches of one segment: over the whole row (``span`` None) or within consecutive spans
-    of ``span`` patches (windows: ``N x span`` scores). A row longer than ``QUERY_BLOCK`` attends in blocks of
-    queries, one after another (``block x N`` scores at a time, not ``N x N``)."""
+    """Attention among patches of one id ``seg``: over the whole row (``span`` None: ids are images) or within
+    consecutive spans of ``span`` patches (``N x span`` scores: ids are windows, several to a span). A row
+    longer than ``QUERY_BLOCK`` attends in blocks of queries, one after another (``block x N`` scores at a
+    time, not ``N x N``)."""
     r, n, heads, hd = q.shape
     if span is not None:
         q, k, v = (t.reshape(r * n // span, span, heads, hd) for t in (q, k, v))
         seg = seg.reshape(r * n // span, span)
     elif n > QUERY_BLOCK:
-        block = n
-        while block > QUERY_BLOCK and block % 2 == 0:       # n is unit * 2**k: a block divides it
-            block //= 2
+        block = _query_block(n)
         qs = q.reshape(r, n // block, block, heads, hd).swapaxes(0, 1)
         segs = seg.reshape(r, n // block, block).swapaxes(0, 1)
         out = jax.lax.map(lambda a: _attend(a[0], k, v, a[1][:, :, None] == seg[:, None, :]), (qs, segs))
@@ -217,6 +254,7 @@ class QwenVisionLayer(nnx.Module):
         return rms_norm(x, _w(getattr(self, which)), self.spec.eps)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, seg: jax.Array, span: int | None):
+        """``seg``: each patch's image (full attention, ``span`` None) or window (``span`` patches a span)."""
         spec = self.spec
         q, k, v = _qkv(self, self._norm(x, "norm1"), spec.num_heads)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -259,7 +297,7 @@ class QwenVisionTower(nnx.Module):
         self.layers = nnx.List([QwenVisionLayer(spec) for _ in range(spec.depth)])
         self.merger = PatchMerger(spec)
 
-    def __call__(self, patches: jax.Array, pos: jax.Array, seg: jax.Array) -> jax.Array:
+    def __call__(self, patches: jax.Array, pos: jax.Array, seg: jax.Array, win: jax.Array) -> jax.Array:
         """``pack``'s arrays → merged tokens ``[R, bucket / merge**2, out_hidden_size]`` in the packed order."""
         spec = self.spec
         w = _w(self.patch_embed)
@@ -270,5 +308,5 @@ class QwenVisionTower(nnx.Module):
         x = x.reshape(r, n, -1) @ w
         cos, sin = axial_rotary(pos, spec.hidden_size // spec.num_heads, spec.rope_theta)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, seg, spec.unit if spec.windowed(i) else None)
+            x = layer(x, cos, sin, win, spec.unit) if spec.windowed(i) else layer(x, cos, sin, seg, None)
         return self.merger(x)

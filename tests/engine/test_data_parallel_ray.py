@@ -1,0 +1,68 @@
+"""``--data-parallel-size 2 --distributed-executor-backend ray`` on a local Ray cluster of two one-CPU nodes
+(``ray.cluster_utils.Cluster`` on 127.0.0.1; tiny Llama, CPU): each replica's engine core runs in its own
+actor, one per node, on sockets it bound on its node's address; greedy outputs equal one engine's; killing one
+replica's actor fails its in-flight streams (not the other's) at once and the engine reports itself unhealthy,
+while the replica left serves on."""
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from test_data_parallel import DP_OPTS, TINY, killed_replica_fails_its_streams  # noqa: E402
+from test_engine_core_process import OPTS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray._private.ray_constants as ray_constants
+    from ray.cluster_utils import Cluster
+
+    # Ray maps 127.0.0.1 to the host's network address unless told the cluster is this host's alone (the nodes
+    # below listen on the loopback address only): the nodes read the variable, this process the constant
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes(timeout=120)
+    patch.setenv("RAY_ADDRESS", cluster.address)
+    yield cluster
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def dp(ray_cluster):
+    llm = LLM(TINY, data_parallel_size=2, distributed_executor_backend="ray", use_tqdm_on_load=False, **DP_OPTS)
+    yield llm
+    llm.shutdown()
+
+
+def test_replicas_run_in_actors_on_both_nodes_and_match_one_engine(dp):
+    from ray.util.placement_group import placement_group_table
+
+    placement = dp.engine.client.placement
+    assert all(c.input_address.startswith("tcp://127.0.0.1:") and c.output_address.startswith("tcp://127.0.0.1:")
+               for c in placement.cores)
+    assert len(set(placement_group_table(placement.group)["bundles_to_node_id"].values())) == 2
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + 2 * i)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    one = LLM(TINY, use_tqdm_on_load=False, **OPTS)
+    expected = [[o.token_ids for o in x.outputs] for x in one.generate(prompts, params, use_tqdm=False)]
+    one.shutdown()
+    got = dp.generate(prompts, params, use_tqdm=False)
+    assert [[o.token_ids for o in x.outputs] for x in got] == expected
+    per = dp.engine.stats()["replicas"]
+    assert all(r["tokens_total"] > 0 for r in per), "one replica did all the work"
+
+
+def test_a_killed_replica_actor_fails_its_streams_and_the_other_serves_on(dp):
+    front = AsyncLLMEngine(dp.engine.config, engine=dp.engine)
+    try:
+        killed_replica_fails_its_streams(front, lambda client: ray.kill(client.placement.actors[0], no_restart=True))
+    finally:
+        front.shutdown(drain_timeout=0)

@@ -6,8 +6,11 @@
     get_outputs    ← one zmq poll over every live replica's output socket; their steps' outputs merged
 
 Devices: replica i sees the CUDA devices [i*k, (i+1)*k) of those visible (k = tensor_parallel_size), through
-CUDA_VISIBLE_DEVICES; on CPU every replica runs on the host. Each replica is the ordinary engine core with
-its own KV cache and prefix cache; requests never move between replicas.
+CUDA_VISIBLE_DEVICES; on CPU every replica runs on the host. With ``--distributed-executor-backend ray`` each
+replica's core runs instead in a Ray actor on whichever node of the cluster has its k devices free
+(``executor.ray_replicas``); its ``MPClient`` connects to the sockets the actor bound, the same messages either
+way. Each replica is the ordinary engine core with its own KV cache and prefix cache; requests never move
+between replicas.
 
 A replica that dies is reported, not restarted: ``get_outputs`` raises ``ReplicaLostError`` naming the
 requests it held (the front end fails those at once), ``is_alive`` turns False (the server's /health answers

@@ -12,6 +12,8 @@ from jaxserve.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from test_data_parallel import DP_OPTS, TINY, killed_replica_fails_its_streams  # noqa: E402
 from test_engine_core_process import OPTS  # noqa: E402
 
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -36,25 +38,44 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
+def prompts():
+    return [[(7 * i + j) % 250 + 1 for j in range(3 + 2 * i)] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def expected(prompts):
+    one = LLM(TINY, use_tqdm_on_load=False, **OPTS)
+    try:
+        return [[o.token_ids for o in x.outputs] for x in one.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        one.shutdown()
+
+
+def test_replicas_with_tensor_parallelism_inside(ray_cluster, prompts, expected):
+    # (first: the cluster's two CPUs then go to the replicas of the fixture below)
+    llm = LLM(TINY, data_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray",
+              use_tqdm_on_load=False, **DP_OPTS)
+    try:
+        assert [[o.token_ids for o in x.outputs] for x in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
 def dp(ray_cluster):
     llm = LLM(TINY, data_parallel_size=2, distributed_executor_backend="ray", use_tqdm_on_load=False, **DP_OPTS)
     yield llm
     llm.shutdown()
 
 
-def test_replicas_run_in_actors_on_both_nodes_and_match_one_engine(dp):
+def test_replicas_run_in_actors_on_both_nodes_and_match_one_engine(dp, prompts, expected):
     from ray.util.placement_group import placement_group_table
 
     placement = dp.engine.client.placement
     assert all(c.input_address.startswith("tcp://127.0.0.1:") and c.output_address.startswith("tcp://127.0.0.1:")
                for c in placement.cores)
     assert len(set(placement_group_table(placement.group)["bundles_to_node_id"].values())) == 2
-    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + 2 * i)] for i in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=12)
-    one = LLM(TINY, use_tqdm_on_load=False, **OPTS)
-    expected = [[o.token_ids for o in x.outputs] for x in one.generate(prompts, params, use_tqdm=False)]
-    one.shutdown()
-    got = dp.generate(prompts, params, use_tqdm=False)
+    got = dp.generate(prompts, GREEDY, use_tqdm=False)
     assert [[o.token_ids for o in x.outputs] for x in got] == expected
     per = dp.engine.stats()["replicas"]
     assert all(r["tokens_total"] > 0 for r in per), "one replica did all the work"

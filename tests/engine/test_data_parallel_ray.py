@@ -9,6 +9,7 @@ ray = pytest.importorskip("ray")
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from support.ray_cluster import local_ray_cluster  # noqa: E402
 from test_data_parallel import DP_OPTS, TINY, killed_replica_fails_its_streams  # noqa: E402
 from test_engine_core_process import OPTS  # noqa: E402
 
@@ -17,24 +18,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray._private.ray_constants as ray_constants
-    from ray.cluster_utils import Cluster
-
-    # Ray maps 127.0.0.1 to the host's network address unless told the cluster is this host's alone (the nodes
-    # below listen on the loopback address only): the nodes read the variable, this process the constant
-    patch = pytest.MonkeyPatch()
-    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
-                                                            "include_dashboard": False})
-    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    cluster.wait_for_nodes(timeout=120)
-    patch.setenv("RAY_ADDRESS", cluster.address)
-    yield cluster
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster.shutdown()
-    patch.undo()
+    with local_ray_cluster(2, join_here=True) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

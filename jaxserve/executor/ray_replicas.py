@@ -35,7 +35,11 @@ KILLED = -9                 # the exit code a core reads as when its actor or no
 
 def join_cluster() -> None:
     """Join the Ray cluster (``RAY_ADDRESS``, else the one this node is part of), once per process."""
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("--distributed-executor-backend ray needs Ray on every node: pip install "
+                          "'jaxserve[ray]'") from None
     if not ray.is_initialized():
         ray.init(address=envs.RAY_ADDRESS or "auto", log_to_driver=False)
 
@@ -143,8 +147,9 @@ class RayReplicas:
         bundle = {"CPU": 1} if cpu else {"CPU": 1, "GPU": tensor_parallel_size}
         self.group = reserve([dict(bundle) for _ in range(num_replicas)], "PACK", timeout_s,
                              f"{num_replicas} data-parallel replicas of {bundle} each")
-        # the front end's engine settings (JAXSERVE_*, JAX_*) travel with the actors, as they do to local cores
-        env = {k: v for k, v in os.environ.items() if k.startswith(("JAXSERVE_", "JAX_"))}
+        # the front end's engine settings (JAXSERVE_*, JAX_*, XLA_*) travel with the actors, as they do to local
+        # cores; Ray sets each actor's CUDA_VISIBLE_DEVICES to its bundle's GPUs
+        env = {k: v for k, v in os.environ.items() if k.startswith(("JAXSERVE_", "JAX_", "XLA_"))}
         if cpu:
             env["XLA_FLAGS"] = " ".join(filter(None, (envs.XLA_FLAGS,
                                                       f"--xla_force_host_platform_device_count={tensor_parallel_size}")))

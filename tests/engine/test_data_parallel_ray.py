@@ -46,6 +46,15 @@ def test_replicas_with_tensor_parallelism_inside(ray_cluster, prompts, expected)
         llm.shutdown()
 
 
+def test_replicas_the_cluster_has_no_room_for_are_refused_with_what_was_asked(ray_cluster):
+    from ray.util.placement_group import placement_group_table
+
+    from jaxserve.executor.ray_replicas import RayReplicas
+    with pytest.raises(RuntimeError, match=r"no room for 3 data-parallel replicas of \{'CPU': 1\} each"):
+        RayReplicas(3, 1, timeout_s=2)
+    assert all(g["state"] == "REMOVED" for g in placement_group_table().values())     # nothing left reserved
+
+
 @pytest.fixture(scope="module")
 def dp(ray_cluster):
     llm = LLM(TINY, data_parallel_size=2, distributed_executor_backend="ray", use_tqdm_on_load=False, **DP_OPTS)

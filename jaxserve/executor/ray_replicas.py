@@ -117,6 +117,9 @@ class RayCoreProcess:
         import ray
         if self.returncode is not None:
             return self.returncode
+        if not ray.is_initialized():            # this process left the cluster (at exit): its actors went with it
+            self.returncode = KILLED
+            return self.returncode
         done, _ = ray.wait([self.call], num_returns=1, timeout=timeout)
         if not done:
             if raise_timeout:
@@ -132,7 +135,8 @@ class RayCoreProcess:
 
     def kill(self) -> None:
         import ray
-        ray.kill(self.actor, no_restart=True)
+        if ray.is_initialized():
+            ray.kill(self.actor, no_restart=True)
 
 
 class RayReplicas:
@@ -171,6 +175,8 @@ class RayReplicas:
         """Kill what is left of the actors and free the placement group (after the cores were told to stop)."""
         import ray
         actors, self.actors = self.actors, []
+        if not ray.is_initialized():            # this process left the cluster (at exit): they went with it
+            return
         for a in actors:
             try:
                 ray.kill(a, no_restart=True)

@@ -238,9 +238,10 @@ class ParallelConfig:
     distributed_executor_backend: str = option(
         "uni", choices=("uni", "mp", "ray"),
         help="uni: one process drives all devices; mp: one process per device on this host (workers spawned "
-             "and stopped by the engine; jaxserve/executor/launcher.py); ray: one process per pipeline stage, "
-             "each on its own node of the running Ray cluster (pip install 'jaxserve[ray]'; "
-             "jaxserve/executor/ray_workers.py)")
+             "and stopped by the engine; jaxserve/executor/launcher.py); ray: on the running Ray cluster "
+             "(pip install 'jaxserve[ray]'; RAY_ADDRESS names it), one process per pipeline stage, each on its own "
+             "node (jaxserve/executor/ray_workers.py), or with --data-parallel-size one Ray actor per replica, "
+             "on whichever nodes have its devices free (jaxserve/executor/ray_replicas.py)")
     disable_custom_all_reduce: bool = option(
         False, help="keep XLA's all-reduce for every step; by default steps of up to 1 MiB of activations "
                     "(128 tokens of a 4096-wide model) use a CUDA one-shot all-reduce "
@@ -251,8 +252,10 @@ class ParallelConfig:
                     "device) instead of splitting every expert tensor-parallel like a dense MLP")
     data_parallel_size: int = option(
         1, help="engine replicas behind one front end, each in its own process on its own "
-                "tensor_parallel_size devices (data_parallel_size x tensor_parallel_size in all); requests go "
-                "to the least loaded replica, or the one holding their prefix (jaxserve/engine/dp_client.py)")
+                "tensor_parallel_size devices (data_parallel_size x tensor_parallel_size in all): on this host, "
+                "or with --distributed-executor-backend ray in Ray actors on the cluster's nodes (ray start on each "
+                "node, then serve on one of them with RAY_ADDRESS=HEAD_IP:6379); requests go to the least loaded "
+                "replica, or the one holding their prefix (jaxserve/engine/dp_client.py)")
 
     def __post_init__(self) -> None:
         """Refuse, saying what to change, what data-parallel replicas cannot be combined with."""
@@ -264,10 +267,10 @@ class ParallelConfig:
         if self.pipeline_parallel_size > 1:
             raise ValueError("data-parallel replicas with pipeline stages are not supported: use "
                              "--data-parallel-size 1 or --pipeline-parallel-size 1")
-        if self.distributed_executor_backend != "uni" or self.num_processes > 1 or self.distributed_coordinator:
-            raise ValueError("each data-parallel replica is one JAX process on this host (Ray placement of "
-                             "replicas is not wired): drop --distributed-executor-backend "
-                             f"{self.distributed_executor_backend} / --num-processes / --distributed-coordinator, "
+        if self.distributed_executor_backend == "mp" or self.num_processes > 1 or self.distributed_coordinator:
+            raise ValueError("each data-parallel replica is one JAX process, on this host or (with "
+                             "--distributed-executor-backend ray) in a Ray actor on the cluster's nodes: drop "
+                             "--distributed-executor-backend mp / --num-processes / --distributed-coordinator, "
                              "or use --data-parallel-size 1")
         if self.enable_expert_parallel:
             raise ValueError("expert parallelism across data-parallel replicas (vLLM's DP attention with "

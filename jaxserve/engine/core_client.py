@@ -102,36 +102,46 @@ class MPClient:
     core = None                     # (it lives in the other process)
 
     def __init__(self, config, *, progress: bool = True, startup_timeout_s: float | None = None,
-                 env: dict[str, str] | None = None):
-        """``env``: variables the core process gets beside this one's (a data-parallel replica's devices)."""
+                 env: dict[str, str] | None = None, remote=None):
+        """``env``: variables the core process gets beside this one's (a data-parallel replica's devices).
+        ``remote``: a core placed elsewhere that bound its own sockets (``executor.ray_replicas.RayCoreProcess``:
+        a data-parallel replica on a Ray cluster): connect to them and start it, instead of a process here."""
         import subprocess
         import sys
 
         import zmq
 
-        self._dir = tempfile.mkdtemp(prefix="jaxserve-core-")
-        self.input_address = f"ipc://{os.path.join(self._dir, 'in')}"
-        self.output_address = f"ipc://{os.path.join(self._dir, 'out')}"
         self._ctx = zmq.Context(io_threads=1)
         self._requests = self._ctx.socket(zmq.PUSH)
         self._requests.setsockopt(zmq.LINGER, 0)
-        self._requests.bind(self.input_address)
         self._outputs = self._ctx.socket(zmq.PULL)
         self._outputs.setsockopt(zmq.LINGER, 0)
-        self._outputs.bind(self.output_address)
         self._send_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(m.FromCore)
         self.dead_reason: str | None = None
-        # a fresh interpreter (not multiprocessing's spawn, which re-imports the caller's __main__: a script
-        # without a main guard would start a second engine); the config travels as a pickle file
-        config_path = os.path.join(self._dir, "config.pickle")
-        with open(config_path, "wb") as f:
-            pickle.dump((config, progress), f)
         t0 = time.perf_counter()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.engine.core_process", config_path, self.input_address,
-             self.output_address], env=None if env is None else {**os.environ, **env})
+        if remote is not None:
+            from jaxserve.engine.core_process import serve_engine_core
+            self._dir = None
+            self.input_address, self.output_address = remote.input_address, remote.output_address
+            self._requests.connect(self.input_address)
+            self._outputs.connect(self.output_address)
+            self.process = remote.start(serve_engine_core, config, progress)
+        else:
+            self._dir = tempfile.mkdtemp(prefix="jaxserve-core-")
+            self.input_address = f"ipc://{os.path.join(self._dir, 'in')}"
+            self.output_address = f"ipc://{os.path.join(self._dir, 'out')}"
+            self._requests.bind(self.input_address)
+            self._outputs.bind(self.output_address)
+            # a fresh interpreter (not multiprocessing's spawn, which re-imports the caller's __main__: a script
+            # without a main guard would start a second engine); the config travels as a pickle file
+            config_path = os.path.join(self._dir, "config.pickle")
+            with open(config_path, "wb") as f:
+                pickle.dump((config, progress), f)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "jaxserve.engine.core_process", config_path, self.input_address,
+                 self.output_address], env=None if env is None else {**os.environ, **env})
         # unpickling the core's tokenizer imports its library: import it now, while the core loads
         startup_imports.start_tokenizer_imports()
         facts = self._wait_ready(startup_timeout_s)
@@ -203,6 +213,30 @@ class MPClient:
             if not self._ready and deadline is not None and time.monotonic() >= deadline:
                 return []
         return self._ready.popleft().outputs
+
+    @property
+    def output_socket(self):
+        """The socket the core's outputs arrive on (to poll several cores' at once: ``dp_client``)."""
+        return self._outputs
+
+    def read_available(self) -> bool:
+        """Read every message the core has sent, without waiting (False, reading nothing: another thread reads
+        now). Raises EngineDeadError (or the core's load error) if the core died."""
+        if not self._read_lock.acquire(blocking=False):
+            return False
+        try:
+            while self._read(0) is not None:
+                pass
+        finally:
+            self._read_lock.release()
+        return True
+
+    def take_outputs(self) -> list[m.EngineCoreOutput]:
+        """The outputs of every step read and not handed out yet (``get_outputs`` without waiting)."""
+        outputs = []
+        while self._ready:
+            outputs += self._ready.popleft().outputs
+        return outputs
 
     def _read(self, timeout_s: float):
         """Read one message (or none after ``timeout_s``): a step's outputs are kept for ``get_outputs`` (the
@@ -327,7 +361,8 @@ class MPClient:
         self._requests.close(0)
         self._outputs.close(0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _probe_params():

@@ -33,10 +33,9 @@ IDLE_POLL_MS = 500
 
 
 def run_engine_core(config, input_address: str, output_address: str, progress: bool) -> None:
-    """The process's body: load the engine, say so, serve until Shutdown."""
+    """The process's body: connect to the front end's sockets, serve until Shutdown (exit 1 if the core failed)."""
     import zmq
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # SIGTERM / Ctrl-C go to the front end, which drains and then sends Shutdown; the core keeps stepping
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -46,6 +45,15 @@ def run_engine_core(config, input_address: str, output_address: str, progress: b
     outbox = ctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(output_address)
+    if serve_engine_core(config, ctx, inbox, outbox, progress):
+        sys.exit(1)
+
+
+def serve_engine_core(config, ctx, inbox, outbox, progress: bool) -> int:
+    """Load the engine, say so on ``outbox``, serve what ``inbox`` brings until Shutdown; then close the
+    sockets and ``ctx``. Returns 0, or 1 after reporting ``CoreFailed``. (Its own process runs it through
+    ``run_engine_core``; a data-parallel replica's Ray actor on sockets it bound itself.)"""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     encoder = msgspec.msgpack.Encoder()
     try:
         from jaxserve.engine.core import EngineCore
@@ -71,10 +79,11 @@ def run_engine_core(config, input_address: str, output_address: str, progress: b
             outbox.close(linger=2000)
             inbox.close(linger=0)
             ctx.term()
-        sys.exit(1)
+        return 1
     outbox.close(linger=2000)
     inbox.close(linger=0)
     ctx.term()
+    return 0
 
 
 class EngineCoreLoop:

@@ -6,8 +6,11 @@
     get_outputs    ← one zmq poll over every live replica's output socket; their steps' outputs merged
 
 Devices: replica i sees the CUDA devices [i*k, (i+1)*k) of those visible (k = tensor_parallel_size), through
-CUDA_VISIBLE_DEVICES; on CPU every replica runs on the host. Each replica is the ordinary engine core with
-its own KV cache and prefix cache; requests never move between replicas.
+CUDA_VISIBLE_DEVICES; on CPU every replica runs on the host. With ``--distributed-executor-backend ray`` each
+replica's core runs instead in a Ray actor on whichever node of the cluster has its k devices free
+(``executor.ray_replicas``); its ``MPClient`` connects to the sockets the actor bound, the same messages either
+way. Each replica is the ordinary engine core with its own KV cache and prefix cache; requests never move
+between replicas.
 
 A replica that dies is reported, not restarted: ``get_outputs`` raises ``ReplicaLostError`` naming the
 requests it held (the front end fails those at once), ``is_alive`` turns False (the server's /health answers
@@ -16,6 +19,7 @@ raises ``EngineDeadError``, as a single core's death does.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -81,6 +85,7 @@ class DPClient:
     def __init__(self, config, *, progress: bool = True):
         import zmq
 
+        self.placement = None            # with --distributed-executor-backend ray: the replicas' actors
         self.replicas: list[MPClient] = self._start(config, progress)
         first = self.replicas[0]
         self.facts = first.facts
@@ -92,23 +97,32 @@ class DPClient:
         self._lost: deque[ReplicaLostError] = deque()
         self._poller = zmq.Poller()
         for rep in self.replicas:
-            self._poller.register(rep._outputs, zmq.POLLIN)
+            self._poller.register(rep.output_socket, zmq.POLLIN)
         self._next_death_check = 0.0
 
-    @staticmethod
-    def _start(config, progress: bool) -> list[MPClient]:
-        """Start every replica at once (they load and compile side by side); if one fails, stop the others."""
-        devices = replica_devices(config, envs.CUDA_VISIBLE_DEVICES)
-        started: list = [None] * len(devices)
+    def _start(self, config, progress: bool) -> list[MPClient]:
+        """Start every replica at once (they load and compile side by side); if one fails, stop the others.
+        On this host: a core process each on its devices; with Ray: a core in each replica's actor."""
+        par = config.parallel
+        n = par.data_parallel_size
+        if par.distributed_executor_backend == "ray":
+            from jaxserve.executor.ray_replicas import RayReplicas
+            self.placement = RayReplicas(n, par.tensor_parallel_size)
+            # each replica is the ordinary one-process engine (its backend is the placement, not its executor)
+            config = config.replace(parallel=dataclasses.replace(par, distributed_executor_backend="uni"))
+            kwargs = [{"remote": core} for core in self.placement.cores]
+        else:
+            kwargs = [{"env": None if d is None else {"CUDA_VISIBLE_DEVICES": d}}
+                      for d in replica_devices(config, envs.CUDA_VISIBLE_DEVICES)]
+        started: list = [None] * n
 
         def start(i: int) -> None:
-            env = None if devices[i] is None else {"CUDA_VISIBLE_DEVICES": devices[i]}
             try:
-                started[i] = MPClient(config, progress=progress and i == 0, env=env)
+                started[i] = MPClient(config, progress=progress and i == 0, **kwargs[i])
             except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
                 started[i] = e
 
-        threads = [threading.Thread(target=start, args=(i,), name=f"jaxserve-dp-start-{i}") for i in range(len(devices))]
+        threads = [threading.Thread(target=start, args=(i,), name=f"jaxserve-dp-start-{i}") for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:
@@ -118,9 +132,10 @@ class DPClient:
             for r in started:
                 if isinstance(r, MPClient):
                     r.close()
+            if self.placement is not None:
+                self.placement.shutdown()
             raise failed[0]
-        logger.info("%d data-parallel replicas started (pids %s)", len(started),
-                    ", ".join(str(r.process.pid) for r in started))
+        logger.info("%d data-parallel replicas started (pids %s)", n, ", ".join(str(r.process.pid) for r in started))
         return started
 
     # ---------------------------------------------------------------- requests
@@ -182,28 +197,23 @@ class DPClient:
             if check_all:
                 self._next_death_check = time.monotonic() + DEATH_CHECK_S
             for i, rep in enumerate(self.replicas):
-                if self.router.alive[i] and (rep._outputs in readable or check_all):
+                if self.router.alive[i] and (rep.output_socket in readable or check_all):
                     self._read_all(i)
 
     def _read_all(self, replica: int) -> None:
-        """Read what the replica has sent (into its MPClient's queue); note its death."""
+        """Read what the replica has sent (into its MPClient's queue; nothing while an embed call reads it);
+        note its death."""
         rep = self.replicas[replica]
-        if not rep._read_lock.acquire(blocking=False):    # an embed call reads it now
-            return
         try:
-            while rep._read(0) is not None:
-                pass
+            rep.read_available()
         except Exception as e:  # noqa: BLE001 - EngineDeadError, or the error it failed with
             self._replica_died(replica, str(e))
-        finally:
-            rep._read_lock.release()
-        self.router.kv_usage[replica] = rep._stats.get("kv_cache_usage", 0.0)
+        self.router.kv_usage[replica] = rep.stats().get("kv_cache_usage", 0.0)
 
     def _take_ready(self) -> list:
         outputs = []
         for rep in self.replicas:
-            while rep._ready:
-                outputs += rep._ready.popleft().outputs
+            outputs += rep.take_outputs()
         if outputs:
             finished = [o.request_id for o in outputs if o.finish_status]
             if finished:
@@ -246,7 +256,7 @@ class DPClient:
         gauges 0)."""
         per = []
         for i, rep in enumerate(self.replicas):
-            s = dict(rep._stats)
+            s = rep.stats()
             if not self.router.alive[i]:
                 s.update(dict.fromkeys(_GAUGES, 0), dead=True)
             per.append(s)
@@ -274,3 +284,5 @@ class DPClient:
                 rep.request_shutdown()
         for rep in self.replicas:
             rep.close(timeout_s)
+        if self.placement is not None:
+            self.placement.shutdown()

@@ -27,6 +27,7 @@ import time
 from jaxserve import envs
 
 from . import distributed
+from .ray_replicas import cpu_only, join_cluster, reserve
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class RayWorkers:
 
     def __init__(self, config, *, timeout_s: float = PLACEMENT_TIMEOUT_S):
         import ray
-        from ray.util.placement_group import placement_group, placement_group_table
+        from ray.util.placement_group import placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         par = config.parallel
@@ -60,17 +61,11 @@ class RayWorkers:
         if n < 2:
             raise ValueError("--distributed-executor-backend ray places one process per pipeline stage: give "
                              "--pipeline-parallel-size 2 or more (tensor parallelism alone runs in one process)")
-        if not ray.is_initialized():
-            ray.init(address=envs.RAY_ADDRESS or "auto", log_to_driver=False)
-        on_cpu = "cpu" in envs.JAX_PLATFORMS.split(",")
+        join_cluster()
+        on_cpu = cpu_only()
         bundle = {"CPU": 1} if on_cpu else {"CPU": 1, "GPU": tp}
-        self.group = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_SPREAD")
-        try:
-            ray.get(self.group.ready(), timeout=timeout_s)
-        except Exception:
-            ray.util.remove_placement_group(self.group)
-            raise RuntimeError(f"the Ray cluster has no room for {n} pipeline stages of {bundle} each, one per "
-                               f"node, within {timeout_s:.0f} s (ray status lists its nodes)") from None
+        self.group = reserve([dict(bundle) for _ in range(n)], "STRICT_SPREAD", timeout_s,
+                             f"{n} pipeline stages of {bundle} each, one per node")
         here = ray.get_runtime_context().get_node_id()
         nodes = placement_group_table(self.group)["bundles_to_node_id"]
         mine = [b for b, node in nodes.items() if node == here]

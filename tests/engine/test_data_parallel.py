@@ -88,7 +88,8 @@ def test_stats_aggregate_across_replicas():
 # ---------------------------------------------------------------- refusals and devices
 @pytest.mark.parametrize("kw, match", [
     (dict(pipeline_parallel_size=2), "pipeline"),
-    (dict(distributed_executor_backend="ray"), "Ray placement"),
+    (dict(distributed_executor_backend="mp"), "backend mp"),
+    (dict(num_processes=2, distributed_coordinator="127.0.0.1:1234"), "one JAX process"),
     (dict(enable_expert_parallel=True), "expert"),
     (dict(data_parallel_size=0), "1 or more"),
 ])
@@ -172,6 +173,13 @@ def test_long_soak_with_cancellations_leaves_both_replicas_empty(front):
 
 
 def test_a_killed_replica_fails_its_streams_and_the_other_serves_on(front):
+    killed_replica_fails_its_streams(front, lambda client: client.replicas[0].process.kill())
+
+
+def killed_replica_fails_its_streams(front, kill) -> None:
+    """``kill(client)`` ends replica 0 while both replicas stream: its streams fail with ReplicaLostError at
+    once, the other's finish, the engine reports itself unhealthy (not dead) and the live replica takes new
+    requests."""
     dead = []
     front.on_dead = lambda: dead.append(True)
     client = front.engine.client
@@ -183,7 +191,7 @@ def test_a_killed_replica_fails_its_streams_and_the_other_serves_on(front):
         while not all(r["num_running"] for r in front.stats()["replicas"]):
             await asyncio.sleep(0.01)
         on_killed = {rid for rid, r in client.router.owner.items() if r == 0}
-        client.replicas[0].process.kill()
+        kill(client)
         results = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), timeout=60)
         return on_killed, results
 

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from support.ray_cluster import LOOPBACK_ENV, local_ray_cluster
 from support.server_process import MAX_MODEL_LEN, ServerProcess, start_long_streams
 
 pytest.importorskip("ray")
@@ -27,14 +28,8 @@ PROMPTS = ["The capital of France is", "Write a story about a cat"]
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
-                                                            "include_dashboard": False})
-    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    cluster.wait_for_nodes(timeout=120)
-    yield cluster
-    cluster.shutdown()
+    with local_ray_cluster(2) as cluster:
+        yield cluster
 
 
 def _stage_worker_pids() -> list[int]:
@@ -55,7 +50,7 @@ def _one_process_texts() -> list[str]:
 def test_ray_pipeline_server_matches_one_process_and_fails_fast(ray_cluster):
     # the driver joins the cluster on the loopback address its nodes use (Ray otherwise maps 127.0.0.1 to the
     # host's network address), with one CPU device per JAX process
-    env = {"RAY_ADDRESS": ray_cluster.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "JAX_PLATFORMS": "cpu",
+    env = {"RAY_ADDRESS": ray_cluster.address, **LOOPBACK_ENV, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     srv = ServerProcess(*FLAGS, env=env, startup_timeout=400)
     try:

@@ -62,33 +62,41 @@ def test_metrics_label_each_replicas_figures():
 def test_two_replicas_serve_the_sdk_and_a_killed_one_fails_only_its_streams():
     srv = smol_server("--data-parallel-size", "2")
     try:
-        pids = replica_pids(srv)
-        texts = complete_all(srv.url)
-        assert all(texts)
-        scrape = httpx.get(srv.url + "/metrics").text
-        assert set(metric(scrape, "num_requests_running")) == {"0", "1"}
-        queries = metric(scrape, "prefix_cache_queries_total")
-        assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values()), queries   # both took some
-        threads, results = start_long_streams(srv.url, 6, wait_s=60)
-        os.kill(pids[0], signal.SIGKILL)
-        for t in threads:
-            t.join(60)
-            assert not t.is_alive(), "a stream hung after its replica died"
-        failed = 0
-        for i, lines in results.items():
-            assert lines[-1] == "data: [DONE]", (i, lines[-3:])
-            last = json.loads(lines[-2][len("data: "):])
-            if "error" in last:
-                failed += 1
-                assert "data-parallel replica 0 died" in last["error"]["message"], last
-            else:
-                assert last["choices"][0]["finish_reason"] == "length", last
-        assert 0 < failed < 6, "the streams did not fail with their replica (or all of them did)"
-        assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
-        assert complete_all(srv.url) == texts           # the replica left serves on, with the same outputs
-        assert metric(httpx.get(srv.url + "/metrics").text, "num_requests_running")["0"] == 0
+        serves_and_survives_a_killed_replica(srv)
     finally:
         srv.stop()
+
+
+def serves_and_survives_a_killed_replica(srv) -> list[str]:
+    """Both replicas of ``srv`` serve the SDK's greedy completions (returned) and label their /metrics; then
+    replica 0's process is killed mid-stream: its streams end with an error chunk and [DONE], the other's
+    finish, /health answers 503 and the replica left serves the same completions."""
+    pids = replica_pids(srv)
+    texts = complete_all(srv.url)
+    assert all(texts)
+    scrape = httpx.get(srv.url + "/metrics").text
+    assert set(metric(scrape, "num_requests_running")) == {"0", "1"}
+    queries = metric(scrape, "prefix_cache_queries_total")
+    assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values()), queries   # both took some
+    threads, results = start_long_streams(srv.url, 6, wait_s=60)
+    os.kill(pids[0], signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a stream hung after its replica died"
+    failed = 0
+    for i, lines in results.items():
+        assert lines[-1] == "data: [DONE]", (i, lines[-3:])
+        last = json.loads(lines[-2][len("data: "):])
+        if "error" in last:
+            failed += 1
+            assert "data-parallel replica 0 died" in last["error"]["message"], last
+        else:
+            assert last["choices"][0]["finish_reason"] == "length", last
+    assert 0 < failed < 6, "the streams did not fail with their replica (or all of them did)"
+    assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+    assert complete_all(srv.url) == texts           # the replica left serves on, with the same outputs
+    assert metric(httpx.get(srv.url + "/metrics").text, "num_requests_running")["0"] == 0
+    return texts
 
 
 @pytest.mark.slow

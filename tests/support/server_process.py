@@ -60,12 +60,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def smol_server(*flags: str) -> ServerProcess:
+def smol_server(*flags: str, env: dict | None = None) -> ServerProcess:
     """The embedded SmolLM2 on CPU, served as "smol" with a small token budget (warm-up compiles a few buckets)
     and the tests' compilation cache, so every server with these engine flags reuses the same programs."""
     return ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens",
                          "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--served-model-name",
-                         "smol", *flags)
+                         "smol", *flags, env=env)
 
 
 def stream_lines(url: str, body: dict, lines: list, timeout: float = 60) -> None:

@@ -360,7 +360,12 @@ class StructuredOutputsConfig(StructuredOutputsLimits):
             raise argparse.ArgumentTypeError(f"--structured-outputs-config: {e}") from None
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+# vLLM's methods not served here, each with what it is (refused by name)
+UNSUPPORTED_SPECULATIVE_METHODS = {
+    "eagle3": "EAGLE-3 heads (auxiliary hidden states of three target layers, a vocabulary map of their own)",
+    "deepseek_mtp": "DeepSeek's multi-token-prediction layers", "medusa": "Medusa heads",
+    "mlp_speculator": "MLP speculators"}
 
 
 @dataclass(frozen=True)
@@ -369,7 +374,9 @@ class SpeculativeConfig:
     step, which the target verifies in one step (``jaxserve.engine.speculator``). ``ngram``: prompt lookup, the
     tokens after the latest earlier occurrence of the sequence's last ``prompt_lookup_min`` ..
     ``prompt_lookup_max`` tokens (the longest that occurs; both default to 5, or to each other when one is
-    given, as vLLM). ``draft_model``: a smaller ``model`` sharing the target's tokenizer, run greedily."""
+    given, as vLLM). ``draft_model``: a smaller ``model`` sharing the target's tokenizer, run greedily.
+    ``eagle``: an EAGLE-1 head's folder as ``model`` (``models.eagle``), run greedily on the target's hidden
+    states."""
     method: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
@@ -378,6 +385,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         method = self.method or ("draft_model" if self.model else None)
+        if method in UNSUPPORTED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {method!r} ({UNSUPPORTED_SPECULATIVE_METHODS[method]}) is not "
+                             f"supported; supported: {', '.join(SPECULATIVE_METHODS)}")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                              f"{self.method!r}")
@@ -398,7 +408,8 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
         elif not self.model:
-            raise ValueError("the draft_model method needs a model (a path or configs/models name)")
+            raise ValueError(f"the {method} method needs a model (" + ("the EAGLE head's folder)" if method == "eagle"
+                             else "a path or configs/models name)"))
 
     @classmethod
     def coerce(cls, value: Any) -> "SpeculativeConfig | None":

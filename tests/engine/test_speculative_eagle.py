@@ -1,0 +1,163 @@
+"""EAGLE speculation (``{"method": "eagle", "model": HEAD}``) on the tiny Llama, with heads made here (no
+trained head is at hand): a random head keeps greedy output token-identical to the engine without
+speculation (batched, prefix cache on, preemption forced); a head that echoes the target's hidden state
+proves the hidden-state plumbing (its every draft is the target's greedy token at the previous position,
+i.e. the request's last token, which only the right rows give); bad configs are refused by name."""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxserve import SamplingParams
+from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.speculator import load_draft
+from jaxserve.errors import ModelLoadError
+from jaxserve.models import load_model
+from support.tiny_models import fixture_path, tiny_llm
+
+TARGET = "tiny-llama3"
+
+
+def _target_config() -> dict:
+    with open(f"{fixture_path(TARGET)}/config.json") as f:
+        return json.load(f)
+
+
+def make_head(folder, *, echo: bool = False, bias: bool = False, seed: int = 0, **config) -> str:
+    """An EAGLE head's folder for the tiny Llama: one Llama layer and ``fc``, random (std 0.1); ``echo``: fc
+    passes the hidden state through and the layer adds nothing (o and down zero), so the head's output is
+    its input hidden state."""
+    hf = {**_target_config(), "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"], **config}
+    if bias:
+        hf["bias"] = True
+    h, i = hf["hidden_size"], hf["intermediate_size"]
+    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    pre = "layers.0."
+    t = {"fc.weight": w(h, 2 * h), pre + "self_attn.q_proj.weight": w(q, h), pre + "self_attn.k_proj.weight": w(kv, h),
+         pre + "self_attn.v_proj.weight": w(kv, h), pre + "self_attn.o_proj.weight": w(h, q),
+         pre + "mlp.gate_proj.weight": w(i, h), pre + "mlp.up_proj.weight": w(i, h),
+         pre + "mlp.down_proj.weight": w(h, i), pre + "post_attention_layernorm.weight": np.ones(h, np.float32)}
+    if bias:
+        t["fc.bias"] = w(h)
+    if echo:
+        t["fc.weight"] = np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1).astype(np.float32)
+        t[pre + "self_attn.o_proj.weight"][:] = 0
+        t[pre + "mlp.down_proj.weight"][:] = 0
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf))
+    save_file(t, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def eagle(path, k=3):
+    return {"method": "eagle", "model": path, "num_speculative_tokens": k}
+
+
+def greedy(m=24):
+    return SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    return {"random": make_head(root / "random", bias=True), "echo": make_head(root / "echo", echo=True)}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    out = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(3, 60, size=14)]
+    return out + [[5, 6, 7, 8] * 5, list(range(10, 30)) * 2]
+
+
+def test_greedy_matches_without_speculation_batched_with_preemption(llm, heads, prompts):
+    lengths = [8 + 3 * (i % 7) for i in range(len(prompts))]
+    ref = _tokens(llm.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False))
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["random"]), num_gpu_blocks_override=70)
+    core = spec.engine.core
+    assert _tokens(spec.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)) == ref
+    stats = core.stats()
+    assert core.scheduler.num_preemptions > 0
+    assert stats["spec_decode_num_drafts"] > 0
+    assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
+    assert core.kv_manager.usage == 0.0
+    # the prefix cache holds the finished requests' blocks: again, a hit, the same tokens
+    again = spec.generate(prompts[-2:], [greedy(m) for m in lengths[-2:]], use_tqdm=False)
+    assert _tokens(again) == ref[-2:] and all(o.num_cached_tokens > 0 for o in again)
+    # the head's blocks went back with its requests
+    assert not core.speculator.draft.seqs
+
+
+def test_a_head_echoing_the_target_hidden_state_drafts_the_last_token(llm, heads, prompts):
+    """The echo head's logits are the target's lm_head over the hidden state it is given: its first draft is the
+    target's greedy token at the position before the last (the request's last token, once it has outputs)
+    only if the target's row for that position arrives, and the later drafts repeat it only if the head's own
+    output row does. A prompt longer than the token budget catches up over several steps."""
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["echo"]), max_num_batched_tokens=32)
+    draft = spec.engine.core.speculator.draft
+    seen = []
+    propose = draft.propose
+
+    def recording(wanted):
+        out = propose(wanted)
+        # (a request whose prompt's last token is still to compute proposes too: the target's greedy token
+        # there is not that prompt token)
+        seen.extend((req._all_token_ids[-1], d) for (req, _), d in zip(wanted, out) if d and req.output_token_ids)
+        return out
+    draft.propose = recording
+    params = [greedy(12 + i) for i in range(6)]
+    ref = _tokens(llm.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False))
+    assert _tokens(spec.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False)) == ref
+    assert len(seen) > 20 and any(len(d) == 3 for _, d in seen)
+    assert all(d == [last] * len(d) for last, d in seen)
+
+
+def test_seeded_sampling_is_reproducible(heads, prompts):
+    """The same drafts, the same seeded samples (no prefix cache: a request that hits it proposes nothing, and
+    a seeded sample depends on the drafts it verifies)."""
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["random"]), enable_prefix_caching=False)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seed=s, ignore_eos=True) for s in range(4)]
+    first = _tokens(spec.generate(prompts[-2:] * 2, params, use_tqdm=False))
+    assert first == _tokens(spec.generate(prompts[-2:] * 2, params, use_tqdm=False))
+    assert len({tuple(t) for t in first}) > 1
+
+
+def test_dummy_head_weights_run(heads, prompts):
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["random"]), load_format="dummy")
+    outs = spec.generate(prompts[:3], greedy(10), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+    assert spec.engine.core.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_bad_configs_are_refused(tmp_path, heads):
+    with pytest.raises(ValueError, match="eagle3"):
+        tiny_llm(TARGET, speculative_config={"method": "eagle3", "model": heads["random"], "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="deepseek_mtp"):
+        tiny_llm(TARGET, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="EAGLE head's folder"):
+        tiny_llm(TARGET, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    wide = make_head(tmp_path / "wide", hidden_size=96, num_attention_heads=6)
+    with pytest.raises(Exception, match="hidden_size is 96 and the target's 64"):
+        tiny_llm(TARGET, speculative_config=eagle(wide))
+    with pytest.raises(Exception, match="not a folder"):
+        tiny_llm(TARGET, speculative_config=eagle(str(tmp_path / "missing")))
+    served = make_head(tmp_path / "served", architectures=["EagleLlamaForCausalLM"])
+    with pytest.raises(ModelLoadError, match="EAGLE draft head"):     # a head is not a model to serve
+        load_model(served)
+
+
+def test_tensor_parallel_is_refused_before_loading(heads):
+    config = SimpleNamespace(speculative_config=SpeculativeConfig.coerce(eagle(heads["random"])),
+                             parallel=SimpleNamespace(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="eagle is not supported with --tensor-parallel-size 2"):
+        load_draft(None, config)

@@ -1,6 +1,6 @@
-"""The EAGLE proposer (``--speculative-config '{"method": "eagle", "model": HEAD}'``): a draft head
-(``models.eagle``) that reads the target's hidden states, with its own runner and KV cache
-(``DraftProposer``'s), run greedily.
+"""The EAGLE proposer (``--speculative-config '{"method": "eagle", "model": HEAD}'``, and ``deepseek_mtp``: a
+DeepSeek target's multi-token-prediction layer as the head): a draft head (``models.eagle``) that reads the
+target's hidden states, with its own runner and KV cache (``DraftProposer``'s), run greedily.
 
 The head's position ``i`` takes the token at ``i + 1`` and the target's hidden state at ``i`` (vLLM's
 layout: the positions are the target's). A round (before each schedule): the head catches up on the rows of
@@ -27,9 +27,13 @@ class EagleProposer(DraftProposer):
     every_step = True
 
     def __init__(self, executor, config):
-        from jaxserve.models.eagle_loader import load_eagle_head  # noqa: PLC0415
+        from jaxserve.models.eagle_loader import load_eagle_head, load_mtp_head  # noqa: PLC0415
         spec = config.speculative_config
-        head = load_eagle_head(spec.model, executor.model, load_format=config.load_format, seed=config.seed)
+        if spec.method == "deepseek_mtp":
+            head = load_mtp_head(spec.model or config.model, executor.model, load_format=config.load_format,
+                                 seed=config.seed)
+        else:
+            head = load_eagle_head(spec.model, executor.model, load_format=config.load_format, seed=config.seed)
         super().__init__(executor, config, head)
         self.executor = executor
         self._seen = None           # the target step last read (``HiddenRows``)

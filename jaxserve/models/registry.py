@@ -22,7 +22,7 @@ def decoder_families() -> tuple[Any, ...]:
 
     return (llama.FAMILY, gemma.FAMILY, qwen3.FAMILY, phi3.FAMILY, cohere.FAMILY, mixtral.FAMILY,
             qwen2_moe.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY, llava.FAMILY, qwen2_vl.FAMILY,
-            gemma3_vision.FAMILY, mllama.FAMILY, eagle.FAMILY)
+            gemma3_vision.FAMILY, mllama.FAMILY, eagle.FAMILY, eagle.MTP_FAMILY)
 
 
 @functools.cache

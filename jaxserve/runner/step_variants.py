@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import HIDDEN_STATE_METHODS, EngineConfig
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.kernels.metadata import SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
@@ -168,7 +168,7 @@ class StepVariants(StepCompiler):
         # and the head's take theirs as an input, padded to the largest bucket (one shape whatever the bucket)
         self.hidden_in = getattr(model.family, "takes_hidden", False)
         self.hidden_rows = shapes.sizes[-1] if self.hidden_in or \
-            getattr(config.speculative_config, "method", None) == "eagle" else 0
+            getattr(config.speculative_config, "method", None) in HIDDEN_STATE_METHODS else 0
         # Under a mesh every step output has a declared sharding (the cache's own, the rest replicated), and
         # the executables are compiled for the same shardings in: a step fed what an earlier step returned
         # runs the executable compiled ahead (one called with other shardings raises: never a recompile).

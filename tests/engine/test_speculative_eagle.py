@@ -15,6 +15,7 @@ from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.speculator import load_draft
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import load_model
+from support.speculation import greedy, record_drafts, token_ids as _tokens
 from support.tiny_models import fixture_path, tiny_llm
 
 TARGET = "tiny-llama3"
@@ -59,14 +60,6 @@ def eagle(path, k=3):
     return {"method": "eagle", "model": path, "num_speculative_tokens": k}
 
 
-def greedy(m=24):
-    return SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
-
-
-def _tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
@@ -104,17 +97,7 @@ def test_a_head_echoing_the_target_hidden_state_drafts_the_last_token(llm, heads
     only if the target's row for that position arrives, and the later drafts repeat it only if the head's own
     output row does. A prompt longer than the token budget catches up over several steps."""
     spec = tiny_llm(TARGET, speculative_config=eagle(heads["echo"]), max_num_batched_tokens=32)
-    draft = spec.engine.core.speculator.draft
-    seen = []
-    propose = draft.propose
-
-    def recording(wanted):
-        out = propose(wanted)
-        # (a request whose prompt's last token is still to compute proposes too: the target's greedy token
-        # there is not that prompt token)
-        seen.extend((req._all_token_ids[-1], d) for (req, _), d in zip(wanted, out) if d and req.output_token_ids)
-        return out
-    draft.propose = recording
+    seen = record_drafts(spec)
     params = [greedy(12 + i) for i in range(6)]
     ref = _tokens(llm.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False))
     assert _tokens(spec.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False)) == ref
@@ -142,7 +125,7 @@ def test_dummy_head_weights_run(heads, prompts):
 def test_bad_configs_are_refused(tmp_path, heads):
     with pytest.raises(ValueError, match="eagle3"):
         tiny_llm(TARGET, speculative_config={"method": "eagle3", "model": heads["random"], "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="deepseek_mtp"):
+    with pytest.raises(ModelLoadError, match="deepseek_mtp needs a DeepSeek"):
         tiny_llm(TARGET, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="EAGLE head's folder"):
         tiny_llm(TARGET, speculative_config={"method": "eagle", "num_speculative_tokens": 2})

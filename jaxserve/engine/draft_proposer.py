@@ -28,7 +28,8 @@ class _DraftSeq:
     """A request as the draft runner sees it (``step_contract.StepRequest``): the tokens whose K/V the draft
     computed, then the ones it is fed."""
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "sampling_seed",
-                 "lora_slot", "mm_features", "all_token_ids", "num_computed_tokens", "num_known")
+                 "lora_slot", "mm_features", "all_token_ids", "num_computed_tokens", "num_known", "block_hashes",
+                 "cache_salt", "lora_request")
 
     def __init__(self, req):
         self.request_id = req.request_id
@@ -38,6 +39,9 @@ class _DraftSeq:
         self.all_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_known = 0          # leading tokens that are the request's own (verified), not drafts
+        # a draft pool with a prefix cache (EAGLE's): the prefix-cache key (``KVCacheManager``)
+        self.block_hashes: list = []
+        self.cache_salt, self.lora_request = None, None
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +63,9 @@ class DraftProposer:
     # head reads each target step's hidden states)
     every_step = False
 
-    def __init__(self, executor, config, model=None):
-        """``model``: the draft, already loaded (an EAGLE head), else ``config``'s speculative model."""
+    def __init__(self, executor, config, model=None, prefix_caching: bool = False):
+        """``model``: the draft, already loaded (an EAGLE head), else ``config``'s speculative model;
+        ``prefix_caching``: the draft's blocks enter a prefix cache of their own (the proposer keys them)."""
         from jaxserve.config import LoRAConfig
         from jaxserve.models import load_model
         from jaxserve.runner.model_runner import ModelRunner
@@ -78,7 +83,7 @@ class DraftProposer:
             model=spec.model, tokenizer=None, speculative_config=None, lora=LoRAConfig(),
             cache=dataclasses.replace(config.cache, enable_prefix_caching=False, num_gpu_blocks_override=blocks))
         self.runner = ModelRunner(self.model, draft_config, max_len, mesh=executor.mesh)
-        self.kv = KVCacheManager(self.runner.num_blocks, bs, False, self.runner.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, bs, prefix_caching, self.runner.max_model_len)
         self.budget = self.runner.max_num_tokens
         self.seqs: dict[str, _DraftSeq] = {}
 

@@ -12,9 +12,11 @@ draft at each proposing request's last verified position, then K - 1 one-token s
 draft and the head's own output hidden state at it. The drafts' K/V are recomputed from the target's hidden
 states in the next round.
 
-A request whose positions the head did not see (a prefix-cache hit: the target computed no hidden state for
-them; a step that ran without the head) has no head K/V there and proposes nothing until it is recomputed
-from its start (preemption); a request that stops running frees its head blocks.
+The head's blocks enter a prefix cache of its own (with ``--enable-prefix-caching``), keyed by the tokens
+they depend on: a request the target finds in its prefix cache finds the head's K/V of those positions
+there too, when the head computed them (the target's hidden states of cached positions do not exist). A
+request whose positions the head has no K/V of proposes nothing until it is recomputed from its start
+(preemption); a request that stops running frees its head blocks.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ class EagleProposer(DraftProposer):
                                  seed=config.seed)
         else:
             head = load_eagle_head(spec.model, executor.model, load_format=config.load_format, seed=config.seed)
-        super().__init__(executor, config, head)
+        super().__init__(executor, config, head, prefix_caching=config.cache.enable_prefix_caching)
         self.executor = executor
         self._seen = None           # the target step last read (``HiddenRows``)
         self._reqs: dict[str, object] = {}
@@ -53,34 +55,52 @@ class EagleProposer(DraftProposer):
         first, index, rooms = [], [], {}
         for req, row0, start, num_rows in last.rows:
             rid = req.request_id
-            seq = self.seqs.get(rid)
-            if seq is None and start == 0 and req.status == RequestStatus.RUNNING:
-                seq = self.seqs[rid] = _DraftSeq(req)
-                self._reqs[rid] = req
-            if seq is None or start > seq.num_known:
-                continue            # positions before ``start`` the head never saw
             tokens = req._all_token_ids
             end = min(start + num_rows, len(tokens) - 1)      # the positions whose next token is verified
-            if end <= start:
-                continue
+            seq = self.seqs.get(rid)
+            hits = None
+            if seq is None and req.status == RequestStatus.RUNNING and end > start:
+                seq, hits = self._new_seq(req, start, end)
+            if seq is None or start > seq.num_known or end <= start:
+                continue            # positions before ``start`` the head has no K/V of
             samples = rid in want and end == len(tokens) - 1
             room = want[rid] if samples else 1
-            seq.num_computed_tokens = start
-            del seq.all_token_ids[start:]
-            seq.all_token_ids += tokens[start + 1:end + 1]
-            if self.kv.allocate_slots(seq, end - start + room - 1) is None:
+            first_pos = max(start, len(hits) * self.kv.block_size) if hits else start
+            seq.num_computed_tokens = 0 if hits else first_pos
+            del seq.all_token_ids[first_pos:]
+            seq.all_token_ids += tokens[first_pos + 1:end + 1]
+            if self.kv.allocate_slots(seq, end - first_pos + room - 1, hits) is None:
                 self._free(rid)
                 del self._reqs[rid]
                 continue
-            seq.num_known = end
-            first.append(ScheduledRequest(seq, end - start, start, self.kv.live_block_ids(rid), samples))
-            index += range(row0, row0 + end - start)
+            seq.num_computed_tokens, seq.num_known = first_pos, end
+            first.append(ScheduledRequest(seq, end - first_pos, first_pos, self.kv.live_block_ids(rid), samples))
+            index += range(row0 + first_pos - start, row0 + end - start)
             if samples:
                 rooms[rid] = room
         if not first:
             return [[] for _ in wanted]
         drafts = self._run_round(first, rooms, (last.hidden, index))
+        for s in first:         # the blocks whose K/V came from the target's hidden states (not the drafts')
+            self.kv.cache_blocks(s.request, s.request.num_known)
         return [drafts.get(req.request_id, []) for req, _ in wanted]
+
+    def _new_seq(self, req, start: int, end: int) -> tuple[_DraftSeq | None, list]:
+        """A request new to the head: its sequence and the head's cached blocks of its prefix before ``end``
+        (the head computes from there), or None where the target starts past them (a prefix-cache hit of the
+        target's alone). A block's K/V depend on the request's tokens up to the one after it, and on the
+        target's hidden states (its first token and adapter, in the key's salt)."""
+        seq = _DraftSeq(req)
+        seq.cache_salt, seq.lora_request = (req.cache_salt, req._all_token_ids[0]), req.lora_request
+        seq.all_token_ids = req._all_token_ids[1:]
+        hits, _ = self.kv.get_computed_blocks(seq)
+        hits = hits[:(end - 1) // self.kv.block_size]
+        num_hit = len(hits) * self.kv.block_size
+        if num_hit < start:
+            return None, []
+        seq.num_known = num_hit
+        self.seqs[req.request_id], self._reqs[req.request_id] = seq, req
+        return seq, hits
 
     def _dispatch_next(self, step: list[ScheduledRequest], prev, last_row: dict[str, int]):
         """The next draft step: each request's previous draft and the head's hidden state at its row."""

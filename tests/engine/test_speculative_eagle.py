@@ -3,57 +3,20 @@ trained head is at hand): a random head keeps greedy output token-identical to t
 speculation (batched, prefix cache on, preemption forced); a head that echoes the target's hidden state
 proves the hidden-state plumbing (its every draft is the target's greedy token at the previous position,
 i.e. the request's last token, which only the right rows give); bad configs are refused by name."""
-import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from jaxserve import SamplingParams
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.speculator import load_draft
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import load_model
-from support.speculation import greedy, record_drafts, token_ids as _tokens
-from support.tiny_models import fixture_path, tiny_llm
+from support.speculation import greedy, make_eagle_head as make_head, record_drafts, token_ids as _tokens
+from support.tiny_models import tiny_llm
 
 TARGET = "tiny-llama3"
-
-
-def _target_config() -> dict:
-    with open(f"{fixture_path(TARGET)}/config.json") as f:
-        return json.load(f)
-
-
-def make_head(folder, *, echo: bool = False, bias: bool = False, seed: int = 0, **config) -> str:
-    """An EAGLE head's folder for the tiny Llama: one Llama layer and ``fc``, random (std 0.1); ``echo``: fc
-    passes the hidden state through and the layer adds nothing (o and down zero), so the head's output is
-    its input hidden state."""
-    hf = {**_target_config(), "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"], **config}
-    if bias:
-        hf["bias"] = True
-    h, i = hf["hidden_size"], hf["intermediate_size"]
-    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
-    rng = np.random.default_rng(seed)
-
-    def w(*shape):
-        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
-    pre = "layers.0."
-    t = {"fc.weight": w(h, 2 * h), pre + "self_attn.q_proj.weight": w(q, h), pre + "self_attn.k_proj.weight": w(kv, h),
-         pre + "self_attn.v_proj.weight": w(kv, h), pre + "self_attn.o_proj.weight": w(h, q),
-         pre + "mlp.gate_proj.weight": w(i, h), pre + "mlp.up_proj.weight": w(i, h),
-         pre + "mlp.down_proj.weight": w(h, i), pre + "post_attention_layernorm.weight": np.ones(h, np.float32)}
-    if bias:
-        t["fc.bias"] = w(h)
-    if echo:
-        t["fc.weight"] = np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1).astype(np.float32)
-        t[pre + "self_attn.o_proj.weight"][:] = 0
-        t[pre + "mlp.down_proj.weight"][:] = 0
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf))
-    save_file(t, str(folder / "model.safetensors"))
-    return str(folder)
 
 
 def eagle(path, k=3):

@@ -21,6 +21,9 @@ from jaxserve.models.safetensors_loader import safetensors_getter
 def head_config(hf: dict, target_cfg: ModelConfig, fc_bias: bool) -> ModelConfig:
     """The head's ``ModelConfig`` from its Llama config.json, refused where it cannot share the target's
     embedding and lm_head."""
+    if hf.get("add_para_norm"):
+        raise ModelLoadError("EAGLE head with add_para_norm (HASS: norms of the embedding and hidden state before "
+                             "fc) is not supported")
     cfg = model_configs.model_config_from_hf({**hf, "architectures": ["LlamaForCausalLM"]})
     for field in ("hidden_size", "vocab_size"):
         if getattr(cfg, field) != getattr(target_cfg, field):

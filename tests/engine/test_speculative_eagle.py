@@ -103,6 +103,8 @@ def test_bad_configs_are_refused(tmp_path, heads):
     wide = make_head(tmp_path / "wide", hidden_size=96, num_attention_heads=6)
     with pytest.raises(Exception, match="hidden_size is 96 and the target's 64"):
         tiny_llm(TARGET, speculative_config=eagle(wide))
+    with pytest.raises(ModelLoadError, match="add_para_norm"):
+        tiny_llm(TARGET, speculative_config=eagle(make_head(tmp_path / "hass", add_para_norm=True)))
     with pytest.raises(Exception, match="not a folder"):
         tiny_llm(TARGET, speculative_config=eagle(str(tmp_path / "missing")))
     served = make_head(tmp_path / "served", architectures=["EagleLlamaForCausalLM"])

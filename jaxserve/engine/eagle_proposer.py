@@ -40,6 +40,7 @@ class EagleProposer(DraftProposer):
         self.executor = executor
         self._seen = None           # the target step last read (``HiddenRows``)
         self._reqs: dict[str, object] = {}
+        self._lost: dict[str, object] = {}     # running requests the head has no K/V of (until they stop)
 
     def propose(self, wanted: list[tuple[object, int]]) -> list[list[int]]:
         """Catch the head up on the target's latest step; up to ``room`` greedy drafts for each (request,
@@ -47,6 +48,7 @@ class EagleProposer(DraftProposer):
         for rid in [rid for rid, req in self._reqs.items() if req.status != RequestStatus.RUNNING]:
             self._free(rid)
             del self._reqs[rid]
+        self._lost = {rid: req for rid, req in self._lost.items() if req.status == RequestStatus.RUNNING}
         last = self.executor.runner.last_hidden
         if last is None or last is self._seen:
             return [[] for _ in wanted]
@@ -59,7 +61,7 @@ class EagleProposer(DraftProposer):
             end = min(start + num_rows, len(tokens) - 1)      # the positions whose next token is verified
             seq = self.seqs.get(rid)
             hits = None
-            if seq is None and req.status == RequestStatus.RUNNING and end > start:
+            if seq is None and req.status == RequestStatus.RUNNING and end > start and rid not in self._lost:
                 seq, hits = self._new_seq(req, start, end)
             if seq is None or start > seq.num_known or end <= start:
                 continue            # positions before ``start`` the head has no K/V of
@@ -97,6 +99,7 @@ class EagleProposer(DraftProposer):
         hits = hits[:(end - 1) // self.kv.block_size]
         num_hit = len(hits) * self.kv.block_size
         if num_hit < start:
+            self._lost[req.request_id] = req
             return None, []
         seq.num_known = num_hit
         self.seqs[req.request_id], self._reqs[req.request_id] = seq, req

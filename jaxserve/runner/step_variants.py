@@ -60,10 +60,9 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
                stage=None, block_size=0, hidden_rows=0):
     """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``. ``stage`` (first layer, end): one
     pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it
-    takes, and before the last it returns that stream instead of logits. ``hidden_rows``: the step also returns
-    every token row's hidden state (what the model's logits are computed from), padded to that many rows, for
-    an EAGLE head (``engine.eagle_proposer``); ``hidden_src``: an EAGLE head's step takes each token's input
-    hidden state as ``hidden_src[hidden_index]`` (a previous step's ``hidden``), on the device."""
+    takes, and before the last it returns that stream instead of logits. ``hidden_rows``: also every row's
+    hidden state (the logits'), padded to that many rows; ``hidden_src``: an EAGLE head's step, each token's
+    input hidden state is ``hidden_src[hidden_index]`` (a previous step's ``hidden``; ``engine.eagle_proposer``)."""
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     if stage is not None:
@@ -337,11 +336,6 @@ class StepVariants(StepCompiler):
                                         np.zeros(T, np.int32) if self.lora else None, shift,
                                         np.zeros(T, np.int32) if self.hidden_in else None)
 
-    def hidden_args(self) -> tuple:
-        """The forward's trailing arguments on an EAGLE head (the mm slab and index, the previous step's
-        rejected drafts: none; the hidden states it gathers from), else none."""
-        return (None, None, None, self._hidden_spec) if self.hidden_in else ()
-
     def _sampler_layout(self, R: int, penalized: bool = False) -> packing.Layout:
         """The packed sampling metadata's layout for ``R`` rows: what every step without penalties ships
         (``penalized``: some row uses a penalty: the history arrays at ``penalty_width``)."""
@@ -374,7 +368,9 @@ class StepVariants(StepCompiler):
         if kind == "forward":
             _, T, decode_only, *bound = key       # ("forward", T, True, SHORT_SEQ_LEN): short-context decodes
             ints, layout = self.padding_inputs(T)
-            fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec, *self.hidden_args())
+            # (an EAGLE head's: no mm slab, index or rejected drafts; the hidden states it gathers from)
+            hidden = (None, None, None, self._hidden_spec) if self.hidden_in else ()
+            fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec, *hidden)
             static = {"layout": layout, "decode_only": decode_only, "max_seq_len": bound[0] if bound else None}
             if self.pipeline is not None:
                 return self.pipeline.lower(self._param_specs, self._kv_specs, ints, self._prev_spec, static)

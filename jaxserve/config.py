@@ -363,7 +363,13 @@ class StructuredOutputsConfig(StructuredOutputsLimits):
             raise argparse.ArgumentTypeError(f"--structured-outputs-config: {e}") from None
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "deepseek_mtp")
+# the methods whose proposer reads the target's hidden states (its steps return them)
+HIDDEN_STATE_METHODS = ("eagle", "deepseek_mtp")
+# vLLM's methods not served here, each with what it is (refused by name)
+UNSUPPORTED_SPECULATIVE_METHODS = {
+    "eagle3": "EAGLE-3 heads (auxiliary hidden states of three target layers, a vocabulary map of their own)",
+    "medusa": "Medusa heads", "mlp_speculator": "MLP speculators"}
 
 
 @dataclass(frozen=True)
@@ -372,7 +378,10 @@ class SpeculativeConfig:
     step, which the target verifies in one step (``jaxserve.engine.speculator``). ``ngram``: prompt lookup, the
     tokens after the latest earlier occurrence of the sequence's last ``prompt_lookup_min`` ..
     ``prompt_lookup_max`` tokens (the longest that occurs; both default to 5, or to each other when one is
-    given, as vLLM). ``draft_model``: a smaller ``model`` sharing the target's tokenizer, run greedily."""
+    given, as vLLM). ``draft_model``: a smaller ``model`` sharing the target's tokenizer, run greedily.
+    ``eagle``: an EAGLE-1 head's folder as ``model`` (``models.eagle``), run greedily on the target's hidden
+    states; ``deepseek_mtp``: a DeepSeek target's own multi-token-prediction layer, likewise (``model``: the
+    target's folder, its default)."""
     method: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
@@ -381,6 +390,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         method = self.method or ("draft_model" if self.model else None)
+        if method in UNSUPPORTED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {method!r} ({UNSUPPORTED_SPECULATIVE_METHODS[method]}) is not "
+                             f"supported; supported: {', '.join(SPECULATIVE_METHODS)}")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                              f"{self.method!r}")
@@ -400,8 +412,9 @@ class SpeculativeConfig:
                                  f"got {lo!r} and {hi!r}")
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
-        elif not self.model:
-            raise ValueError("the draft_model method needs a model (a path or configs/models name)")
+        elif not self.model and method != "deepseek_mtp":
+            raise ValueError(f"the {method} method needs a model (" + ("the EAGLE head's folder)" if method == "eagle"
+                             else "a path or configs/models name)"))
 
     @classmethod
     def coerce(cls, value: Any) -> "SpeculativeConfig | None":

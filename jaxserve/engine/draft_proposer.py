@@ -13,6 +13,7 @@ request that stops speculating (finished, preempted) frees its draft blocks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from jaxserve.engine.kv_cache_manager import KVCacheManager
@@ -27,7 +28,8 @@ class _DraftSeq:
     """A request as the draft runner sees it (``step_contract.StepRequest``): the tokens whose K/V the draft
     computed, then the ones it is fed."""
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "sampling_seed",
-                 "lora_slot", "mm_features", "all_token_ids", "num_computed_tokens", "num_known")
+                 "lora_slot", "mm_features", "all_token_ids", "num_computed_tokens", "num_known", "block_hashes",
+                 "cache_salt", "lora_request")
 
     def __init__(self, req):
         self.request_id = req.request_id
@@ -37,6 +39,9 @@ class _DraftSeq:
         self.all_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_known = 0          # leading tokens that are the request's own (verified), not drafts
+        # a draft pool with a prefix cache (EAGLE's): the prefix-cache key (``KVCacheManager``)
+        self.block_hashes: list = []
+        self.cache_salt, self.lora_request = None, None
 
     @property
     def num_tokens(self) -> int:
@@ -54,23 +59,31 @@ def check_same_tokenizer(target, draft, name: str) -> None:
 
 
 class DraftProposer:
-    def __init__(self, executor, config):
+    # whether ``propose`` must see every engine step, even one with no request to propose for (EAGLE: its
+    # head reads each target step's hidden states)
+    every_step = False
+
+    def __init__(self, executor, config, model=None, prefix_caching: bool = False):
+        """``model``: the draft, already loaded (an EAGLE head), else ``config``'s speculative model;
+        ``prefix_caching``: the draft's blocks enter a prefix cache of their own (the proposer keys them)."""
         from jaxserve.config import LoRAConfig
         from jaxserve.models import load_model
         from jaxserve.runner.model_runner import ModelRunner
         spec = config.speculative_config
         target = executor.model
         max_len = target.max_model_len
-        self.model = load_model(spec.model, dtype=config.dtype, load_format=config.load_format,
-                                max_model_len=max_len, mesh=executor.mesh)
-        check_same_tokenizer(target, self.model, spec.model)
+        if model is None:
+            model = load_model(spec.model, dtype=config.dtype, load_format=config.load_format,
+                               max_model_len=max_len, mesh=executor.mesh)
+            check_same_tokenizer(target, model, spec.model)
+        self.model = model
         bs = config.cache.block_size
         blocks = config.scheduler.max_num_seqs * math.ceil(max_len / bs) + 1
         draft_config = config.replace(
             model=spec.model, tokenizer=None, speculative_config=None, lora=LoRAConfig(),
             cache=dataclasses.replace(config.cache, enable_prefix_caching=False, num_gpu_blocks_override=blocks))
         self.runner = ModelRunner(self.model, draft_config, max_len, mesh=executor.mesh)
-        self.kv = KVCacheManager(self.runner.num_blocks, bs, False, self.runner.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, bs, prefix_caching, self.runner.max_model_len)
         self.budget = self.runner.max_num_tokens
         self.seqs: dict[str, _DraftSeq] = {}
 
@@ -106,25 +119,41 @@ class DraftProposer:
                 rooms[seq.request_id] = room
         if not first:
             return [[] for _ in wanted]
-        pendings = [self.runner.dispatch(first)]
+        drafts = self._run_round(first, rooms)
+        for rid, toks in drafts.items():       # the drafts fed back (all but the last) hold their K/V now
+            seq = self.seqs[rid]
+            seq.all_token_ids[seq.num_known:] = toks[:-1]
+        return [drafts.get(req.request_id, []) for req, _ in wanted]
+
+    def _run_round(self, first: list[ScheduledRequest], rooms: dict[str, int],
+                   hidden: tuple | None = None) -> dict[str, list[int]]:
+        """Dispatch ``first`` (``hidden``: an EAGLE head's inputs, ``ModelRunner.dispatch``), then one-token
+        steps each feeding the previous drafts on the device until each request has ``rooms`` of them; read
+        them once at the end: request id -> its drafts."""
+        pendings = [self.runner.dispatch(first, hidden=hidden) if hidden is not None else self.runner.dispatch(first)]
         self._advance(first)
         live = [s.request for s in first if s.samples]
+        # each request's row in the step before (its last token's): where an EAGLE head's next input is
+        ends = itertools.accumulate(s.num_new_tokens for s in first)
+        last_row = {s.request.request_id: end - 1 for s, end in zip(first, ends)}
         for i in range(1, max(rooms.values(), default=1)):
             live = [seq for seq in live if rooms[seq.request_id] > i]
             if not live:
                 break
             step = [ScheduledRequest(seq, 1, seq.num_computed_tokens, self.kv.live_block_ids(seq.request_id))
                     for seq in live]
-            pendings.append(self.runner.dispatch(step, pendings[-1]))
+            pendings.append(self._dispatch_next(step, pendings[-1], last_row))
+            last_row = {seq.request_id: j for j, seq in enumerate(live)}
             self._advance(step)
         drafts: dict[str, list[int]] = {rid: [] for rid in rooms}
         for pending in pendings:
             for rid, tok in self.runner.collect(pending).token_ids.items():
                 drafts[rid].append(tok)
-        for rid, toks in drafts.items():       # the drafts fed back (all but the last) hold their K/V now
-            seq = self.seqs[rid]
-            seq.all_token_ids[seq.num_known:] = toks[:-1]
-        return [drafts.get(req.request_id, []) for req, _ in wanted]
+        return drafts
+
+    def _dispatch_next(self, step: list[ScheduledRequest], prev, last_row: dict[str, int]):
+        """A one-token step fed the drafts ``prev`` sampled (``last_row``: each request's row in it)."""
+        return self.runner.dispatch(step, prev)
 
     @staticmethod
     def _advance(step: list[ScheduledRequest]) -> None:

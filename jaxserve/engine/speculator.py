@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from jaxserve.config import SpeculativeConfig
+from jaxserve.config import HIDDEN_STATE_METHODS, SpeculativeConfig
 from jaxserve.engine.request import Request
 from jaxserve.runner.ngram_proposer import propose_ngram
 
@@ -65,7 +65,7 @@ class Speculator:
                     or num_out - req.num_drafts_in_flight < req.min_tokens or not speculates(req):
                 continue
             wanted.append((req, room))
-        if wanted:
+        if wanted or (self.draft is not None and self.draft.every_step):
             if self.draft is not None:
                 for (req, room), drafts in zip(wanted, self.draft.propose(wanted)):
                     req.spec_token_ids = drafts[:room] or None
@@ -118,11 +118,18 @@ class Speculator:
 
 
 def load_draft(executor, config):
-    """A ``draft_model`` speculator's proposer (its weights and KV cache: made before the target's KV cache is
-    sized from the memory left), else None."""
+    """A ``draft_model``, ``eagle`` or ``deepseek_mtp`` speculator's proposer (its weights and KV cache: made before the target's
+    KV cache is sized from the memory left), else None."""
     spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method not in ("draft_model", *HIDDEN_STATE_METHODS):
         return None
+    if spec.method in HIDDEN_STATE_METHODS:
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1:
+            raise ValueError(f"--speculative-config method {spec.method} is not supported with "
+                             f"--tensor-parallel-size {tp}; use ngram or draft_model, or one device")
+        from jaxserve.engine.eagle_proposer import EagleProposer  # noqa: PLC0415
+        return EagleProposer(executor, config)
     from jaxserve.engine.draft_proposer import DraftProposer  # noqa: PLC0415
     return DraftProposer(executor, config)
 

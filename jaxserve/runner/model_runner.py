@@ -69,6 +69,7 @@ class ForwardStep:
     expert_load: jax.Array | None = None
     drafts: dict[str, int] | None = None   # a speculative step: request id -> its draft tokens
     prev_rejected: jax.Array | None = None  # a speculative step: the previous step's rejected drafts per row
+    hidden: jax.Array | None = None         # EAGLE: every token row's hidden state (``StepVariants.hidden_rows``)
 
 
 @dataclasses.dataclass(slots=True)
@@ -83,6 +84,15 @@ class PendingStep:
     expert_load: jax.Array | None = None  # MoE: tokens per expert per layer, [L_moe, E] ([steps, ...] multi-step)
     drafts: dict[str, int] | None = None  # a speculative step: request id -> its draft tokens (out: SpecOutput)
     rejected: jax.Array | None = None     # a speculative step: [max_num_seqs] drafts each row rejected
+    hidden: jax.Array | None = None       # EAGLE: every token row's hidden state, padded (on the device)
+
+
+@dataclasses.dataclass(slots=True)
+class HiddenRows:
+    """An EAGLE target's latest step: its token rows' hidden states (on the device) and where each request's
+    rows are: (request, first row, first position, rows)."""
+    hidden: jax.Array
+    rows: list[tuple[object, int, int, int]]
 
 
 def check_pipeline_supported(model, config: EngineConfig) -> None:
@@ -170,6 +180,9 @@ class ModelRunner:
         self.mrope = getattr(model.family, "mrope_positions", None)
         # each request's block-table row and sampling parameters, kept across steps
         self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.vocab_size)
+        # an EAGLE target (``StepVariants.hidden_rows``): its latest step's hidden states, which the proposer
+        # reads (None until a step ran, and on every other runner)
+        self.last_hidden: HiddenRows | None = None
 
     @property
     def step_params(self) -> dict:
@@ -196,15 +209,16 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- step
     def dispatch(self, scheduled, prev: PendingStep | None = None, *, mm: bool = False,
-                 spec: bool = False) -> PendingStep:
+                 spec: bool = False, hidden: tuple | None = None) -> PendingStep:
         """Build the inputs and launch the step; returns at once (JAX dispatches asynchronously). ``mm``: some
         chunk of the step holds image tokens (its new images are encoded first). ``spec``: some entry has
-        draft tokens (``spec_token_ids``) to verify."""
-        step = self.dispatch_forward(scheduled, prev, mm=mm, spec=spec)
+        draft tokens (``spec_token_ids``) to verify. ``hidden``: an EAGLE head's step, (the hidden states it
+        reads, on the device; the row of them each of its tokens takes)."""
+        step = self.dispatch_forward(scheduled, prev, mm=mm, spec=spec, hidden=hidden)
         return step if isinstance(step, PendingStep) else self.dispatch_sample(step)
 
     def dispatch_forward(self, scheduled, prev: PendingStep | None = None, *, mm: bool = False,
-                         spec: bool = False) -> ForwardStep | PendingStep:
+                         spec: bool = False, hidden: tuple | None = None) -> ForwardStep | PendingStep:
         """Launch the step's forward; the sampler follows with ``dispatch_sample`` (structured outputs fill
         their bitmask in between). A multi-step decode runs forward and sampler in one loop: it comes back
         as a PendingStep at once. ``spec``: a speculative step: the forward's logits at K + 1 positions per
@@ -229,8 +243,14 @@ class ModelRunner:
                                                prev.drafts if prev is not None else None)
             shift = {"shift_row": shift_row}
             prev_rejected = prev.rejected if prev is not None and prev.rejected is not None else v.no_prev
-        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit, lora, shift)
-        logits = load = None
+        hidden_args, hidden_index = (), None
+        if v.hidden_in:
+            hidden_index = np.zeros(T, np.int32)
+            hidden_index[:len(hidden[1])] = hidden[1]
+            hidden_args = (None, None, None, hidden[0])
+        f_ints, f_layout = forward_pack(input_ids, positions, md, logits_idx, prev_index, limit, lora, shift,
+                                        hidden_index)
+        logits = load = out_hidden = None
         mm_index = self._encode_images(scheduled, T) if mm or self.cross_attention else None
         if mm_index is not None:
             self.kv_caches, logits, *load = v.forward_mm_for(T)(self.step_params, self.kv_caches, f_ints,
@@ -243,7 +263,10 @@ class ModelRunner:
                                                                       prev_tokens, None, None, prev_rejected)
             else:
                 self.kv_caches, logits, *load = v.forward_for(T, md)(self.step_params, self.kv_caches, f_ints,
-                                                                     prev_tokens)
+                                                                     prev_tokens, *hidden_args)
+            if v.hidden_rows:
+                out_hidden, *load = load
+                self._record_hidden(scheduled, out_hidden)
             load = self._copy_load(load)
         s_fields, drafts = packing.fields(smeta), None
         if width:       # the rejection sampler's extra inputs: each row's drafts and their count
@@ -255,7 +278,7 @@ class ModelRunner:
         key = (self.config.max_logprobs if lp_k else 0, filtering)
         if limit is None:
             return ForwardStep(logits, s_ints, s_floats, s_layout, key, rows, lp_k, int(md.query_start_loc[-1]), R,
-                               (time.perf_counter() - t0) * 1e3, load, drafts, prev_rejected)
+                               (time.perf_counter() - t0) * 1e3, load, drafts, prev_rejected, out_hidden)
         # the scheduler gave each entry ``num_steps``: the loop's rows run that many
         loop_key = ("decode-loop", T, *key, s_layout)
         loop = v.get(loop_key) or v.need(loop_key, f"a multi-step decode of {T} tokens")
@@ -266,6 +289,14 @@ class ModelRunner:
         n_tok, steps = int(limit[:len(scheduled)].sum()), {s.request.request_id: s.num_steps for s in scheduled}
         self.stats.host_ms += (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, rows, lp_k, n_tok, steps, load)
+
+    def _record_hidden(self, scheduled, hidden: jax.Array) -> None:
+        """An EAGLE target's step: keep its hidden states and each request's rows (``last_hidden``)."""
+        rows, row = [], 0
+        for s in scheduled:
+            rows.append((s.request, row, s.start_pos, s.num_new_tokens))
+            row += s.num_new_tokens
+        self.last_hidden = HiddenRows(hidden, rows)
 
     def _encode_images(self, scheduled, T: int) -> np.ndarray | None:
         """Encode the step's new images into the encoder cache; the decoder's image-row index (or None)."""
@@ -305,7 +336,7 @@ class ModelRunner:
         self._step_count += 1
         self.stats.host_ms += step.t_host + (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None, step.expert_load,
-                           step.drafts, rejected)
+                           step.drafts, rejected, step.hidden)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""

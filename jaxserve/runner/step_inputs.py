@@ -216,15 +216,18 @@ def _mrope_rows(positions: np.ndarray, scheduled, counts: list[int], mrope: Call
 
 
 def forward_pack(input_ids, positions, md: AttentionMetadata, logits_idx, prev_index, step_limit=None,
-                 lora_slot=None, shift: dict | None = None):
+                 lora_slot=None, shift: dict | None = None, hidden_index=None):
     """The forward's host inputs as one int32 buffer and its (static) layout; ``step_limit`` [R] (each row's
     iterations) for the multi-step decode loop; ``lora_slot`` [T] (each token's adapter slot) with LoRA on;
-    ``shift``: a speculative step's ``{"shift_row": [R]}`` (``shift_rows``)."""
+    ``shift``: a speculative step's ``{"shift_row": [R]}`` (``shift_rows``); ``hidden_index`` [T]: an EAGLE
+    head's step, the row of its hidden-state source each token takes."""
     extra = {} if step_limit is None else {"step_limit": step_limit}
     if lora_slot is not None:
         extra["lora_slot"] = lora_slot
     if shift is not None:
         extra.update(shift)
+    if hidden_index is not None:
+        extra["hidden_index"] = hidden_index
     ints, _, layout = packing.pack({
         "input_ids": input_ids, "positions": positions, "logits_idx": logits_idx, "prev_index": prev_index,
         **extra, **packing.prefixed("md.", packing.fields(md))})

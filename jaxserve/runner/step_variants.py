@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import HIDDEN_STATE_METHODS, EngineConfig
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.kernels.metadata import SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
@@ -56,11 +56,13 @@ logger = logging.getLogger(__name__)
 
 
 def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
-               mm_index=None, prev_rejected=None, *, layout, decode_only=False, max_seq_len=None, stage=None,
-               block_size=0):
-    """The step's forward: ``(kv_caches, logits[, expert load])``. ``stage`` (first layer, end): one pipeline
-    stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it takes, and
-    before the last it returns that stream instead of logits."""
+               mm_index=None, prev_rejected=None, hidden_src=None, *, layout, decode_only=False, max_seq_len=None,
+               stage=None, block_size=0, hidden_rows=0):
+    """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``. ``stage`` (first layer, end): one
+    pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it
+    takes, and before the last it returns that stream instead of logits. ``hidden_rows``: also every row's
+    hidden state (the logits'), padded to that many rows; ``hidden_src``: an EAGLE head's step, each token's
+    input hidden state is ``hidden_src[hidden_index]`` (a previous step's ``hidden``; ``engine.eagle_proposer``)."""
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     if stage is not None:
@@ -85,6 +87,8 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
         extra = lora if mm_slab is None else {"cross": (mm_slab, mm_index), **lora}
     else:
         extra = lora if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0], **lora}
+    if hidden_src is not None:
+        extra = {**extra, "hidden_in": hidden_src[x["hidden_index"]]}
     if mm_index is not None and mm_index.shape[0] == 3 and "cross" not in extra:
         md = dataclasses.replace(md, attend_limit=mm_index[2])
     hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
@@ -92,7 +96,10 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
         (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra), None)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
-    return (kv_caches, logits, load) if expert_load else (kv_caches, logits)
+    out = (kv_caches, logits)
+    if hidden_rows:
+        out += (jnp.pad(hidden, ((0, hidden_rows - hidden.shape[0]), (0, 0))),)
+    return (*out, load) if expert_load else out
 
 
 def row_shift(shift_row, prev_rejected):
@@ -156,6 +163,11 @@ class StepVariants(StepCompiler):
         self.vocab_size = self.cfg.vocab_size
         self.enforce_eager = config.enforce_eager or config.skip_warmup
         max_num_seqs, max_logprobs = shapes.max_num_seqs, config.max_logprobs
+        # EAGLE (``engine.eagle_proposer``): the target's forwards also return every token row's hidden state
+        # and the head's take theirs as an input, padded to the largest bucket (one shape whatever the bucket)
+        self.hidden_in = getattr(model.family, "takes_hidden", False)
+        self.hidden_rows = shapes.sizes[-1] if self.hidden_in or \
+            getattr(config.speculative_config, "method", None) in HIDDEN_STATE_METHODS else 0
         # Under a mesh every step output has a declared sharding (the cache's own, the rest replicated), and
         # the executables are compiled for the same shardings in: a step fed what an earlier step returned
         # runs the executable compiled ahead (one called with other shardings raises: never a recompile).
@@ -165,7 +177,7 @@ class StepVariants(StepCompiler):
             rep = replicated(mesh)
             kv_sh = kv_cache_sharding(mesh, self.cfg)
             load_out = (rep,) if moe_layers else ()
-            fwd_out = {"out_shardings": (kv_sh, rep, *load_out)}
+            fwd_out = {"out_shardings": (kv_sh, rep, *((rep,) if self.hidden_rows else ()), *load_out)}
             samp_out = {"out_shardings": rep}
             loop_out = {"out_shardings": (kv_sh, rep, rep, *load_out)}
         self.replicated = rep
@@ -176,7 +188,7 @@ class StepVariants(StepCompiler):
                             "decode-loop": {"donate_argnums": (1,), **loop_out}}
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None,
-                                                 block_size=config.cache.block_size),
+                                                 block_size=config.cache.block_size, hidden_rows=self.hidden_rows),
                                          mesh), static_argnames=("layout", "decode_only", "max_seq_len"),
                                **self._jit_kwargs["forward"])
         # Decode-only steps whose contexts are all within SHORT_SEQ_LEN get one more variant where it changes the
@@ -230,6 +242,8 @@ class StepVariants(StepCompiler):
         self.lora = params is not None and "lora" in params
         self._kv_specs = jax.tree.map(spec, kv_caches)
         self._prev_spec = spec(self.no_prev)
+        self._hidden_spec = jax.ShapeDtypeStruct((self.hidden_rows, self.cfg.hidden_size), model.dtype,
+                                                 sharding=rep) if self.hidden_in else None
         # the variants' exported programs (a warm start lowers them without tracing the model)
         from jaxserve.parallel import collectives
         self.programs = program_cache.ProgramCache(
@@ -319,7 +333,8 @@ class StepVariants(StepCompiler):
             x[3] = np.zeros(R * spec_width, np.int32)
             shift = {"shift_row": np.full(R, -1, np.int32)}
         return step_inputs.forward_pack(*x, np.ones(R, np.int32) if multi_step else None,
-                                        np.zeros(T, np.int32) if self.lora else None, shift)
+                                        np.zeros(T, np.int32) if self.lora else None, shift,
+                                        np.zeros(T, np.int32) if self.hidden_in else None)
 
     def _sampler_layout(self, R: int, penalized: bool = False) -> packing.Layout:
         """The packed sampling metadata's layout for ``R`` rows: what every step without penalties ships
@@ -353,7 +368,9 @@ class StepVariants(StepCompiler):
         if kind == "forward":
             _, T, decode_only, *bound = key       # ("forward", T, True, SHORT_SEQ_LEN): short-context decodes
             ints, layout = self.padding_inputs(T)
-            fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec)
+            # (an EAGLE head's: no mm slab, index or rejected drafts; the hidden states it gathers from)
+            hidden = (None, None, None, self._hidden_spec) if self.hidden_in else ()
+            fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec, *hidden)
             static = {"layout": layout, "decode_only": decode_only, "max_seq_len": bound[0] if bound else None}
             if self.pipeline is not None:
                 return self.pipeline.lower(self._param_specs, self._kv_specs, ints, self._prev_spec, static)

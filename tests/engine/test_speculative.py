@@ -12,6 +12,7 @@ from jaxserve.engine.draft_proposer import check_same_tokenizer
 from jaxserve.lora import LoRARequest
 from jaxserve.sampling_params import BeamSearchParams, StructuredOutputsParams
 from support.lora import adapter_names, adapter_path, lora_golden
+from support.speculation import make_eagle_head
 from support.tiny_models import fixture_path, tiny_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -126,10 +127,13 @@ def test_a_speculative_step_pads_up_to_a_compiled_bucket(llm, prompts):
     assert {k[1] for k in variants.keys() if k[0] == "forward-spec"} == {largest}
 
 
-@pytest.mark.parametrize("spec", [NGRAM, _draft("tiny-llama3")], ids=["ngram", "draft_model"])
-def test_lora_adapters_are_verified_by_the_target(spec):
-    """LoRA with speculation: the draft proposes without adapters, the target verifies with each request's
-    adapter, so greedy output is HF + peft's for every adapter (a batch mixing them and the base model)."""
+@pytest.mark.parametrize("spec", [NGRAM, _draft("tiny-llama3"), "eagle"], ids=["ngram", "draft_model", "eagle"])
+def test_lora_adapters_are_verified_by_the_target(spec, tmp_path):
+    """LoRA with speculation: the draft proposes without adapters (an EAGLE head from the adapted target's
+    hidden states), the target verifies with each request's adapter, so greedy output is HF + peft's for every
+    adapter (a batch mixing them and the base model)."""
+    if spec == "eagle":
+        spec = {"method": "eagle", "model": make_eagle_head(tmp_path / "head"), "num_speculative_tokens": 3}
     g = lora_golden()
     prompts, loras, want = [], [], []
     for j, p in enumerate(g["prompts"]):

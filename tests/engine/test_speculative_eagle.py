@@ -1,0 +1,119 @@
+"""EAGLE speculation (``{"method": "eagle", "model": HEAD}``) on the tiny Llama, with heads made here (no
+trained head is at hand): a random head keeps greedy output token-identical to the engine without
+speculation (batched, prefix cache on, preemption forced); a head that echoes the target's hidden state
+proves the hidden-state plumbing (its every draft is the target's greedy token at the previous position,
+i.e. the request's last token, which only the right rows give); bad configs are refused by name."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.speculator import load_draft
+from jaxserve.errors import ModelLoadError
+from jaxserve.models import load_model
+from support.speculation import greedy, make_eagle_head as make_head, record_drafts, token_ids as _tokens
+from support.tiny_models import tiny_llm
+
+TARGET = "tiny-llama3"
+
+
+def eagle(path, k=3):
+    return {"method": "eagle", "model": path, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    return {"random": make_head(root / "random", bias=True), "echo": make_head(root / "echo", echo=True)}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    out = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(3, 60, size=14)]
+    return out + [[5, 6, 7, 8] * 5, list(range(10, 30)) * 2]
+
+
+def test_greedy_matches_without_speculation_batched_with_preemption(llm, heads, prompts):
+    lengths = [8 + 3 * (i % 7) for i in range(len(prompts))]
+    ref = _tokens(llm.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False))
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["random"]), num_gpu_blocks_override=70)
+    core = spec.engine.core
+    assert _tokens(spec.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)) == ref
+    stats = core.stats()
+    assert core.scheduler.num_preemptions > 0
+    assert stats["spec_decode_num_drafts"] > 0
+    assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
+    assert core.kv_manager.usage == 0.0
+    # the prefix cache holds the finished requests' blocks, the head's its own: again, a hit, the same tokens,
+    # and drafts from the head's cached K/V
+    drafts = stats["spec_decode_num_drafts"]
+    again = spec.generate(prompts[-2:], [greedy(m) for m in lengths[-2:]], use_tqdm=False)
+    assert _tokens(again) == ref[-2:] and all(o.num_cached_tokens > 0 for o in again)
+    assert core.stats()["spec_decode_num_drafts"] >= drafts + 2 * 3
+    # the head's blocks go back with its requests (a finished one's at the next round)
+    assert set(core.speculator.draft.seqs) <= {o.request_id for o in again}
+
+
+def test_a_head_echoing_the_target_hidden_state_drafts_the_last_token(llm, heads, prompts):
+    """The echo head's logits are the target's lm_head over the hidden state it is given: its first draft is the
+    target's greedy token at the position before the last (the request's last token, once it has outputs)
+    only if the target's row for that position arrives, and the later drafts repeat it only if the head's own
+    output row does. A prompt longer than the token budget catches up over several steps; run again, the
+    prompts hit the prefix caches and the head starts from its cached blocks."""
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["echo"]), max_num_batched_tokens=32)
+    seen = record_drafts(spec)
+    params = [greedy(12 + i) for i in range(6)]
+    ref = _tokens(llm.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False))
+    assert _tokens(spec.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False)) == ref
+    assert len(seen) > 20 and any(len(d) == 3 for _, d in seen)
+    assert all(d == [last] * len(d) for last, d in seen)
+    first = len(seen)
+    again = spec.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False)
+    assert _tokens(again) == ref and sum(o.num_cached_tokens > 0 for o in again) >= 4
+    assert len(seen) > first + 20 and all(d == [last] * len(d) for last, d in seen)
+
+
+def test_seeded_sampling_is_reproducible(heads, prompts):
+    """The same drafts, the same seeded samples (no prefix cache: a request that hits it proposes nothing, and
+    a seeded sample depends on the drafts it verifies)."""
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["random"]), enable_prefix_caching=False)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seed=s, ignore_eos=True) for s in range(4)]
+    first = _tokens(spec.generate(prompts[-2:] * 2, params, use_tqdm=False))
+    assert first == _tokens(spec.generate(prompts[-2:] * 2, params, use_tqdm=False))
+    assert len({tuple(t) for t in first}) > 1
+
+
+def test_dummy_head_weights_run(heads, prompts):
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["random"]), load_format="dummy")
+    outs = spec.generate(prompts[:3], greedy(10), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+    assert spec.engine.core.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_bad_configs_are_refused(tmp_path, heads):
+    with pytest.raises(ValueError, match="eagle3"):
+        tiny_llm(TARGET, speculative_config={"method": "eagle3", "model": heads["random"], "num_speculative_tokens": 2})
+    with pytest.raises(ModelLoadError, match="deepseek_mtp needs a DeepSeek"):
+        tiny_llm(TARGET, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="EAGLE head's folder"):
+        tiny_llm(TARGET, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    wide = make_head(tmp_path / "wide", hidden_size=96, num_attention_heads=6)
+    with pytest.raises(Exception, match="hidden_size is 96 and the target's 64"):
+        tiny_llm(TARGET, speculative_config=eagle(wide))
+    with pytest.raises(ModelLoadError, match="add_para_norm"):
+        tiny_llm(TARGET, speculative_config=eagle(make_head(tmp_path / "hass", add_para_norm=True)))
+    with pytest.raises(Exception, match="not a folder"):
+        tiny_llm(TARGET, speculative_config=eagle(str(tmp_path / "missing")))
+    served = make_head(tmp_path / "served", architectures=["EagleLlamaForCausalLM"])
+    with pytest.raises(ModelLoadError, match="EAGLE draft head"):     # a head is not a model to serve
+        load_model(served)
+
+
+def test_tensor_parallel_is_refused_before_loading(heads):
+    config = SimpleNamespace(speculative_config=SpeculativeConfig.coerce(eagle(heads["random"])),
+                             parallel=SimpleNamespace(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="eagle is not supported with --tensor-parallel-size 2"):
+        load_draft(None, config)

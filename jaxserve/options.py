@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import difflib
 import types
 import typing
@@ -155,3 +156,16 @@ def from_kwargs(cls: type, kwargs: Mapping[str, Any], caller: str) -> Any:
         if name not in known:
             raise TypeError(f"{caller} got an {unknown_option(name, known)}")
     return _build(cls, kwargs)
+
+
+def json_dict(value: Any) -> dict:
+    """A JSON object (``'{"image": 2}'``), or a dict already (LLM keyword arguments, YAML)."""
+    if isinstance(value, dict):
+        return dict(value)
+    try:
+        out = json.loads(value)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"expected a JSON object, got {value!r} ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"expected a JSON object, got {value!r}")
+    return out

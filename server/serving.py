@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.config import StructuredOutputsLimits
+from jaxserve.config_decoding import StructuredOutputsLimits
 
 from .args import ServerArgs, resolve_tool_parser
 from .engine_runs import EngineRuns

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from jaxserve.config import HIDDEN_STATE_METHODS, SpeculativeConfig
+from jaxserve.config_decoding import HIDDEN_STATE_METHODS, SpeculativeConfig
 from jaxserve.engine.request import Request
 from jaxserve.runner.ngram_proposer import propose_ngram
 

@@ -16,7 +16,8 @@ code's rule; every released model has stride 1) are dense; the others route to `
 ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts (one ungated MLP of that many widths).
 
 Checkpoint: HF's per-expert tensors, stacked at load; the multi-token-prediction layers
-(``num_nextn_predict_layers``, stored as layers past ``num_hidden_layers``) are not read.
+(``num_nextn_predict_layers``, stored as layers past ``num_hidden_layers``) are not part of the target model:
+``--speculative-config '{"method": "deepseek_mtp"}'`` loads the first as its draft head (``models.eagle``).
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def read_hf(hf: dict, fields: dict) -> dict:
     extra |= {"num_experts": int(extra.pop("n_routed_experts")),
               "shared_expert_intermediate_size": int(extra["moe_intermediate_size"]) * int(extra["n_shared_experts"])}
     if extra["num_nextn_predict_layers"]:
-        logger.info("%d multi-token-prediction layer(s) of this checkpoint are not loaded",
+        logger.info("%d multi-token-prediction layer(s) of this checkpoint are not part of the model (the "
+                    "speculative method deepseek_mtp loads them as its draft head)",
                     int(extra["num_nextn_predict_layers"]))
     return fields | {"num_kv_heads": 1, "head_dim": int(extra["kv_lora_rank"]) + int(extra["qk_rope_head_dim"]),
                      "extra": extra}

@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import HIDDEN_STATE_METHODS, EngineConfig
+from jaxserve.config import EngineConfig
+from jaxserve.config_decoding import HIDDEN_STATE_METHODS
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.kernels.metadata import SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size

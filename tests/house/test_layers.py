@@ -15,7 +15,7 @@ PACKAGES = {"jaxserve": "jaxserve", "kernels": "jaxserve.kernels", "server": "ja
 RANK = {
     "kernels": 0,
     # the shared base: plain data and settings every layer may read
-    "config": 1, "options": 1, "envs": 1, "errors": 1, "sampling_params": 1, "outputs": 1, "xla_flags": 1,
+    "config": 1, "config_decoding": 1, "options": 1, "envs": 1, "errors": 1, "sampling_params": 1, "outputs": 1, "xla_flags": 1,
     "utils": 1, "multimodal": 1,
     "quantization": 2, "parallel": 2,
     "models": 3, "lora": 3,

@@ -1,6 +1,6 @@
 """Limits on a request's constraint, checked before any grammar is compiled.
 
-Each limit (``jaxserve.config.StructuredOutputsLimits``) is a key of ``--structured-outputs-config`` (beside
+Each limit (``jaxserve.config_decoding.StructuredOutputsLimits``) is a key of ``--structured-outputs-config`` (beside
 ``disable_any_whitespace``); a constraint over one is refused with an ``InvalidRequestError`` (HTTP 400) that
 names the limit, the request's value and the key that raises it. The defaults admit far more than OpenAI's
 Structured Outputs does (5,000 properties, 10 levels of nested objects, 1,000 enum values) and stop the
@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any, Iterable
 
-from jaxserve.config import StructuredOutputsLimits
+from jaxserve.config_decoding import StructuredOutputsLimits
 from jaxserve.errors import InvalidRequestError
 
 from .structural_tag import parse_structural_tag, structural_tag_schemas

@@ -23,7 +23,8 @@ them on the GPU against each other):
 zero and free. The same kernel over a plan with one tile per distinct expert, its tile gathering all the
 rows of that expert (at most ``max_rows_per_expert``, the tile height), so each selected expert's weights
 are read once and nothing is sorted, counted or scattered back: the MoE layer passes its (token, slot) rows
-in token order. The plan compares every row with every row (``m²``), so it is for decode-sized ``m``.
+in token order. The plan compares every row with every row (``m²``), so it is for decode-sized ``m``;
+``expert_rows_plan`` makes it once for several products of the same rows.
 """
 from __future__ import annotations
 
@@ -152,15 +153,17 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
 def gather_plan(row_expert: jax.Array, num_groups: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(group, row indices [m * block_m], num_rows)`` of ``expert_rows_matmul``'s tiles: tile r is live when
     row r is the first row of its expert and holds all that expert's rows, in order; the other slots (and
-    every slot of a dead tile) name row m. Loop-free and scan-free, two reductions: an ``[m, m]`` comparison
-    gives each row its rank among its expert's rows and each expert's row count (sums over one axis, which XLA
-    fuses into one kernel), an ``[m, block_m, m]`` selection each tile's rows (a min)."""
+    every slot of a dead tile) name row m. Loop-free and scan-free, two reductions: one sum over an ``[m, m]``
+    comparison gives each row its rank among its expert's rows and each expert's row count (packed as
+    ``rank * (m + 1) + count``), an ``[m, block_m, m]`` selection each tile's rows (a min)."""
     m = row_expert.shape[0]
     mine = (row_expert >= 0) & (row_expert < num_groups)
-    same = (row_expert[:, None] == row_expert[None, :]) & mine[:, None] & mine[None, :]     # symmetric
+    same = (row_expert[:, None] == row_expert[None, :]) & mine[None, :]       # symmetric: equal ids share mine
     rows = jnp.arange(m, dtype=jnp.int32)
-    rank = jnp.sum(same & (rows[:, None] < rows[None, :]), axis=0, dtype=jnp.int32)   # earlier rows of its expert
-    count = jnp.sum(same, axis=0, dtype=jnp.int32)
+    # each row of the expert counts 1, each earlier one m + 1 more
+    packed = jnp.sum(jnp.where(same, jnp.where(rows[:, None] < rows[None, :], m + 2, 1), 0), axis=0,
+                     dtype=jnp.int32)
+    rank, count = lax.div(packed, m + 1), lax.rem(packed, m + 1)
     live = mine & (rank == 0)
     picks = same[:, None, :] & (rank[None, None, :] == jnp.arange(block_m, dtype=jnp.int32)[None, :, None])
     index = jnp.min(jnp.where(picks, rows[None, None, :], m), axis=2)                 # [m, block_m]
@@ -169,17 +172,30 @@ def gather_plan(row_expert: jax.Array, num_groups: int, block_m: int) -> tuple[j
     return jnp.where(mine, row_expert, 0).astype(jnp.int32), index.reshape(-1), num_rows
 
 
+def expert_rows_plan(row_expert: jax.Array, num_groups: int, max_rows_per_expert: int) -> tuple:
+    """``expert_rows_matmul``'s tile plan for rows ``row_expert [m]`` over ``num_groups`` experts: a caller
+    that multiplies the same rows twice (the MoE's gate/up, then down) computes it once and passes it to both."""
+    return gather_plan(row_expert.astype(jnp.int32), num_groups, _rows_block(max_rows_per_expert))
+
+
+def _rows_block(max_rows_per_expert: int) -> int:
+    return max(16, 1 << (max_rows_per_expert - 1).bit_length())
+
+
 @functools.partial(jax.jit, static_argnames=("max_rows_per_expert", "interpret"))
-def expert_rows_matmul(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array, max_rows_per_expert: int, *,
-                       interpret: bool = False) -> jax.Array:
+def expert_rows_matmul(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array | None, max_rows_per_expert: int, *,
+                       plan: tuple | None = None, interpret: bool = False) -> jax.Array:
     """See the module docstring; rows beyond ``max_rows_per_expert`` of one expert would be left out, so the
     caller must bound it (the MoE layer: each token sends at most one row to an expert, so its token count).
-    Narrow column blocks give a few live tiles enough programs to keep the memory system busy."""
-    m, k = lhs.shape
-    block_m = max(16, 1 << (max_rows_per_expert - 1).bit_length())
-    plan = gather_plan(row_expert.astype(jnp.int32), rhs.shape[0], block_m)
-    return _tiles_matmul(lhs, rhs, plan, block_m=block_m, block_k=_block(k, 128), block_n=_block(rhs.shape[2], 64),
-                         gathered=True, interpret=interpret or jax.default_backend() != "gpu")
+    ``plan``: ``expert_rows_plan(row_expert, G, max_rows_per_expert)`` made once for several products of the
+    same rows (``row_expert`` is then unused). Narrow column blocks give a few live tiles enough programs to
+    keep the memory system busy."""
+    if plan is None:
+        plan = expert_rows_plan(row_expert, rhs.shape[0], max_rows_per_expert)
+    k = lhs.shape[1]
+    return _tiles_matmul(lhs, rhs, plan, block_m=_rows_block(max_rows_per_expert), block_k=_block(k, 128),
+                         block_n=_block(rhs.shape[2], 64), gathered=True,
+                         interpret=interpret or jax.default_backend() != "gpu")
 
 
 def _tiles_matmul(lhs, rhs, plan, *, block_m: int, block_k: int, block_n: int, gathered: bool,

@@ -224,15 +224,22 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
     """This device's experts ``offset .. offset + E_local`` (see the module NOTE)."""
     t, k = ids.shape
     local_experts, hidden = gate_up.shape[:2]
-    local = ids - offset
-    mine = (local >= 0) & (local < local_experts)
-    key = jnp.where(mine, local, local_experts).reshape(-1)
-    weights = jnp.where(mine, weights, 0)
+    if isinstance(offset, int) and offset == 0 and local_experts == spec.num_experts:
+        # every expert is here: the ids are already the keys (a padding token's, num_experts, is owned by
+        # no tile and its rows come out zero)
+        key = ids.reshape(-1)
+    else:
+        local = ids - offset
+        mine = (local >= 0) & (local < local_experts)
+        key = jnp.where(mine, local, local_experts).reshape(-1)
+        weights = jnp.where(mine, weights, 0)
     if t <= spec.rows_path_max_tokens:        # decode sizes: (token, slot) rows as they are, no sort
         rows = jnp.repeat(h, k, axis=0)                                            # [T * k, hidden]
-        y = ragged_dot.expert_rows_matmul(rows, gate_up.reshape(local_experts, hidden, -1), key, t)
+        plan = ragged_dot.expert_rows_plan(key, local_experts, t)                  # one plan for both products
+        y = ragged_dot.expert_rows_matmul(rows, gate_up.reshape(local_experts, hidden, -1), None, t, plan=plan)
         y = y.reshape(t * k, 2, -1)
-        y = ragged_dot.expert_rows_matmul(activation(y[:, 0]) * y[:, 1], down, key, t).reshape(t, k, hidden)
+        y = ragged_dot.expert_rows_matmul(activation(y[:, 0]) * y[:, 1], down, None, t, plan=plan)
+        y = y.reshape(t, k, hidden)
         return _combine(weights, y, h.dtype)
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)

@@ -25,14 +25,11 @@ BIASED = ("deepseek_v3",)          # routers with a per-expert correction bias (
 
 
 def _keep_groups(group_scores: jax.Array, topk_groups: int) -> jax.Array:
-    """``[T, G]`` bool: each token's ``topk_groups`` best groups (``group_scores [T, G]``). One comparison per
-    chosen group, elementwise, so it fuses with the masking that reads it (a one-hot sum is a reduction)."""
-    _, groups = lax.top_k(group_scores, topk_groups)
-    every = lax.broadcasted_iota(jnp.int32, group_scores.shape, 1)
-    keep = groups[:, :1] == every
-    for j in range(1, topk_groups):
-        keep = keep | (groups[:, j:j + 1] == every)
-    return keep
+    """``[T, G]`` bool: each token's ``topk_groups`` best groups (``group_scores [T, G]``): those scoring at
+    least the ``topk_groups``-th best, one comparison that fuses with the masking that reads it. A tie at that
+    score keeps every tied group (top-k's own order among ties is arbitrary, torch's included)."""
+    kth = lax.top_k(group_scores, topk_groups)[0][:, topk_groups - 1:]
+    return group_scores >= kth
 
 
 def _mask_groups(x: jax.Array, keep: jax.Array, fill: float) -> jax.Array:
@@ -66,9 +63,12 @@ def route(h: jax.Array, router: jax.Array, bias: jax.Array | None, spec) -> tupl
             best2 = lax.top_k(choice.reshape(t, g, e // g), 2)[0]
             choice = _mask_groups(choice, _keep_groups(best2[..., 0] + best2[..., 1], spec.topk_groups), -jnp.inf)
         _, ids = lax.top_k(choice, spec.top_k)
-        weights = jnp.take_along_axis(scores, ids, axis=1)
+        # top-k's ids are in bounds: a bare gather, no clamping or negative-index wrap
+        weights = jnp.take_along_axis(scores, ids, axis=1, mode="promise_in_bounds", wrap_negative_indices=False)
         if spec.renormalize:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     else:
         raise ValueError(f"unknown MoE router {spec.router!r}; one of softmax, {', '.join(ROUTERS)}")
-    return weights * spec.routed_scaling_factor, ids.astype(jnp.int32)
+    if spec.routed_scaling_factor != 1.0:          # V2-Lite's is 1: no multiply
+        weights = weights * spec.routed_scaling_factor
+    return weights, ids.astype(jnp.int32)

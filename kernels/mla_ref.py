@@ -34,10 +34,13 @@ def quantize_latent(x, cache_dtype, scale=None):
 
 
 def write_latent(latent_cache, latent, slot_mapping, *, scale=None):
-    """Scatter the step's latent rows ``[T, R + P]`` into their slots (run on a donated cache: in place)."""
-    bs = latent_cache.shape[1]
-    return latent_cache.at[slot_mapping // bs, slot_mapping % bs].set(
-        quantize_latent(latent, latent_cache.dtype, scale))
+    """Scatter the step's latent rows ``[T, R + P]`` into their slots (run on a donated cache: in place). The
+    cache is seen as ``[num_blocks * block_size, R + P]`` rows, so a slot is the row index as it is (no block /
+    offset split in every layer); a slot out of range is dropped, not wrapped."""
+    nb, bs, width = latent_cache.shape
+    rows = latent_cache.reshape(nb * bs, width).at[slot_mapping].set(
+        quantize_latent(latent, latent_cache.dtype, scale), wrap_negative_indices=False)
+    return rows.reshape(latent_cache.shape)
 
 
 def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *, sm_scale: float,

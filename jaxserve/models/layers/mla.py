@@ -31,6 +31,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve import parallel
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.parallel import attention as tp_attention
 
@@ -93,11 +94,16 @@ def attention(h: jax.Array, w: dict, spec: MLASpec, num_heads: int, rotary: Rota
     else:
         q = linear(h, w["q"])
     q = q.reshape(t, heads, spec.qk_head_dim)
-    q_nope, q_rope = q[..., :dn], rotary.apply(q[..., dn:], cos, sin)
     kv = linear(h, w["kv_a"])
     c_kv = rms_norm(kv[:, :r], w["kv_a_norm"], LORA_NORM_EPS)
-    k_rope = rotary.apply(kv[:, None, r:], cos, sin)[:, 0]
-    q_latent = jnp.einsum("thd,hdr->thr", q_nope, w["uk"])
+    if parallel.current_tp_mesh() is None:
+        # the shared key as head ``heads`` beside the queries: one rotation for both. Under a mesh q is split
+        # on heads and the join would reshard it, so each is rotated alone.
+        rope = rotary.apply(jnp.concatenate([q[..., dn:], kv[:, None, r:]], axis=1), cos, sin)
+        q_rope, k_rope = rope[:, :heads], rope[:, heads]
+    else:
+        q_rope, k_rope = rotary.apply(q[..., dn:], cos, sin), rotary.apply(kv[:, None, r:], cos, sin)[:, 0]
+    q_latent = jnp.einsum("thd,hdr->thr", q[..., :dn], w["uk"])
     latent = jnp.concatenate([c_kv, k_rope], axis=-1)
     out, latent_cache = tp_attention.write_latent_and_attend(q_latent, q_rope, latent, cache[0], md,
                                                              sm_scale=sm_scale, kv_lora_rank=r, backend=backend)

@@ -86,13 +86,15 @@ def test_deepseek_old_rope_spelling(tmp_path):
 
 
 def test_deepseek_skips_mtp_layers(caplog):
-    """V3's checkpoint carries a multi-token-prediction layer past the last one: not read, said once."""
+    """V3's checkpoint carries a multi-token-prediction layer past the last one: not part of the target model
+    (the deepseek_mtp draft head reads it), said once."""
     import logging
     with caplog.at_level(logging.INFO, logger="jaxserve.models.deepseek"):
         model = load_model(os.path.join(FIXTURES, "tiny-deepseek-v3"), dtype="float32")
     assert len(model.params["layers"]) == 3
     assert [r.message for r in caplog.records if "multi-token-prediction" in r.message] == [
-        "1 multi-token-prediction layer(s) of this checkpoint are not loaded"]
+        "1 multi-token-prediction layer(s) of this checkpoint are not part of the model (the speculative method "
+        "deepseek_mtp loads them as its draft head)"]
 
 
 @pytest.mark.parametrize("name", [DEEPSEEK[0], pytest.param(DEEPSEEK[1], marks=pytest.mark.slow),

@@ -117,7 +117,7 @@ def _gmm_kernel(group_ref, row0_ref, rows_ref, lhs_ref, rhs_ref, _out_in, out_re
     def _():
         g = group_ref[t]
         r = lax.iota(jnp.int32, block_m)
-        # rows past the tile's own read and write row m: a zero row of lhs, a discarded row of out
+        # rows past the tile's own name row m: read as zeros (a masked load), written to a discarded row of out
         if gathered:     # row0_ref holds each tile's block_m row indices
             rows = plgpu.load(row0_ref.at[t * block_m + r])
         else:            # a run of num_rows rows from row0_ref[t]
@@ -126,7 +126,8 @@ def _gmm_kernel(group_ref, row0_ref, rows_ref, lhs_ref, rhs_ref, _out_in, out_re
 
         def step(kb, acc):
             ks = kb * block_k + lax.iota(jnp.int32, block_k)
-            x = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]])                       # [bm, bk]
+            x = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]], other=0,
+                           mask=jnp.broadcast_to((rows < m)[:, None], (block_m, block_k)))     # [bm, bk]
             w = plgpu.load(rhs_ref.at[(g * k + ks)[:, None], cols[None, :]])            # [bk, bn]
             return acc + plgpu.dot(x, w, allow_tf32=False)
 
@@ -205,7 +206,6 @@ def _tiles_matmul(lhs, rhs, plan, *, block_m: int, block_k: int, block_n: int, g
     m, k = lhs.shape
     num_groups, _, n = rhs.shape
     group, row0, rows = plan
-    lhs_padded = jnp.concatenate([lhs, jnp.zeros((1, k), lhs.dtype)])
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, m=m, k=k, block_m=block_m, block_k=block_k, block_n=block_n,
                           gathered=gathered),
@@ -214,5 +214,5 @@ def _tiles_matmul(lhs, rhs, plan, *, block_m: int, block_k: int, block_n: int, g
         input_output_aliases={5: 0},          # zeros: rows no tile covers stay zero
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret, name="moe_grouped_matmul",
-    )(group, row0, rows, lhs_padded, rhs.reshape(num_groups * k, n), jnp.zeros((m + 1, n), lhs.dtype))
+    )(group, row0, rows, lhs, rhs.reshape(num_groups * k, n), jnp.zeros((m + 1, n), lhs.dtype))
     return out[:m]

@@ -1,6 +1,6 @@
-"""The DeepSeek decode step's size: the HLO ops one MoE layer adds to the batch-1 decode step, as the GPU build
-lowers it (Pallas MLA decode and the sort-free MoE rows path, lowered for CUDA here on CPU), pinned so that a
-change adding ops to every layer shows. On the GPU each layer's small ops become launches of their own, a large
+"""The DeepSeek decode step's size: the HLO ops one MoE (or dense) layer adds to the batch-1 decode step, as the
+GPU build lowers it (Pallas MLA decode and the sort-free MoE rows path, lowered for CUDA here on CPU), pinned so
+that a change adding ops to every layer shows. On the GPU each layer's small ops become launches of their own, a large
 share of a batch-1 step (benchmarks/results/2026-12-03-h200-deepseek-v2-lite-step.md).
 
 The count is of the module before optimization (``lower().as_text()``), every call expanded at its call site,
@@ -30,8 +30,10 @@ TRITON = "__gpu$xla.gpu.triton"
 LAUNCHES = {"reduce", "reduce-window", "scan", "sort", "topk", "dot", "gather", "scatter", "while", TRITON}
 FREE = {"broadcast", "reshape"}       # views XLA folds into their users
 # per MoE layer: (ops but FREE ones, LAUNCHES ops); config, its first MoE layer
-PINS = {"deepseek-v2-lite": (179, 24), "deepseek-v3-6l": (217, 30)}
+PINS = {"deepseek-v2-lite": (114, 20), "deepseek-v3-6l": (135, 25)}
 FIRST_MOE = {"deepseek-v2-lite": 1, "deepseek-v3-6l": 3}
+# per dense layer of deepseek-v3-6l (its first three are dense): the same two pins
+DENSE_PINS = (73, 14)
 NOT_COUNTED = {"parameter", "constant", "tuple", "get-tuple-element", "Sharding"}   # the last: the mesh's notes
 
 
@@ -105,5 +107,16 @@ def test_moe_layer_ops_in_the_decode_step(name, monkeypatch):
     # one MLA decode launch (no split-K combine within SHORT_SEQ_LEN), the routed gate/up and down
     assert layer[TRITON] == 3, summary
     assert layer["scatter"] == 1 and "sort" not in layer, summary      # the latent write; top-k as top_k
+    assert sum(n for op, n in layer.items() if op in LAUNCHES) <= launches, summary
+    assert sum(n for op, n in layer.items() if op not in FREE) <= ops, summary
+
+
+def test_dense_layer_ops_in_the_decode_step(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    without, with_one = (op_counts(decode_step_hlo("deepseek-v3-6l", n)) for n in (1, 2))
+    layer = with_one - without
+    ops, launches = DENSE_PINS
+    summary = sorted(layer.items(), key=lambda kv: -kv[1])
+    assert layer[TRITON] == 1 and layer["scatter"] == 1, summary        # the MLA decode; the latent write
     assert sum(n for op, n in layer.items() if op in LAUNCHES) <= launches, summary
     assert sum(n for op, n in layer.items() if op not in FREE) <= ops, summary

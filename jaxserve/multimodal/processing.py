@@ -109,6 +109,9 @@ class ImageProcessing:
         additional = int(proc.get("num_additional_image_tokens", model_extra.get("num_additional_image_tokens", 1)))
         extra_tokens = additional - (1 if strategy == "default" else 0)
         kwargs = dict(processor_kwargs or {})
+        if "image_grid_pinpoints" in image_config:      # LLaVA-NeXT's, frozen into tuples in ModelConfig.extra
+            image_config = dict(image_config) | {
+                "image_grid_pinpoints": [[int(h), int(w)] for h, w in image_config["image_grid_pinpoints"]]}
         # the processor's call defaults (Gemma 3's pan-and-scan sizes) where its config leaves them unset
         image_config = (_thaw(model_extra.get("image_processor_call_defaults")) or {}) | \
             {k: v for k, v in image_config.items() if v is not None}

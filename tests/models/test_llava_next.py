@@ -132,3 +132,23 @@ def test_chunked_prefill_and_encoder_budget_split_the_images():
         out = run_case(engine, CASES[name])
         assert list(out.outputs[0].token_ids) == CASES[name]["greedy_ids"], name
     engine.shutdown()
+
+
+def test_processing_without_processor_files_is_the_checkpoints():
+    """A checkpoint without its processor files (dummy weights) gets LLaVA-NeXT's processing from config.json:
+    the same tiles, sizes and expanded ids as the fixture's processor_config.json."""
+    from jaxserve.models.configs import model_config_from_folder
+    from jaxserve.multimodal.processing import ImageProcessing
+    from transformers import AutoTokenizer
+    extra = model_config_from_folder(FOLDER)[0].extra_dict
+    tok = AutoTokenizer.from_pretrained(FOLDER)
+    case = CASES["two_images"]
+    prompt = tok.encode(case["prompt"], add_special_tokens=False)
+    imgs = [image(n).convert("RGB") for n in case["images"]]
+    ids, feats = ImageProcessing.from_folder(FOLDER, extra, tokenizer=tok).process(prompt, imgs)
+    ids_d, feats_d = ImageProcessing.from_folder(None, extra, tokenizer=tok).process(prompt, imgs)
+    assert ids == ids_d == case["prompt_ids"]
+    for f, g in zip(feats, feats_d):
+        assert f.pixel_values.shape == g.pixel_values.shape and np.array_equal(f.extra["image_sizes"],
+                                                                              g.extra["image_sizes"])
+        np.testing.assert_allclose(f.pixel_values, g.pixel_values, atol=1e-6)

@@ -8,30 +8,26 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 from support.tiny_models import PagedRunner, hf_logits
-from support.vision import VisionFixture
+from support.vision import VisionFixture, llm_fixture
 
 NAME = "tiny-llava-next"
-VISION = VisionFixture(NAME, max_num_batched_tokens=64)
+# steps of 64 tokens (an image's 56 to 88 tokens span steps), an encoder budget of two images
+VISION = VisionFixture(NAME, max_num_batched_tokens=64, max_num_encoder_input_tokens=176)
 FOLDER, CASES = VISION.folder, VISION.cases
 run_case, image = VISION.run_case, VISION.image
 PINPOINTS = [(28, 56), (56, 28), (56, 56), (84, 28), (28, 84)]
 TILE, PATCH = 28, 7
 SIZES = [(h, w) for h, w in itertools.product((1, 5, 27, 28, 30, 48, 64, 90, 333, 1000), repeat=2)]
 
-
-
-@pytest.fixture(scope="module")
-def llm():
-    """Steps of 64 tokens (an image's 56 to 88 tokens span steps), an encoder budget of two images."""
-    engine = VISION.make_llm(max_num_encoder_input_tokens=176)
-    yield engine
-    engine.shutdown()
+llm = llm_fixture(VISION)
 
 
 def _hf_packing(size, num_tiles_hw, p):
@@ -152,3 +148,15 @@ def test_processing_without_processor_files_is_the_checkpoints():
         assert f.pixel_values.shape == g.pixel_values.shape and np.array_equal(f.extra["image_sizes"],
                                                                               g.extra["image_sizes"])
         np.testing.assert_allclose(f.pixel_values, g.pixel_values, atol=1e-6)
+
+
+TP_CASES = ("one_image", "two_images")
+
+
+@pytest.mark.slow     # a fake-device TP run: make test-slow
+def test_tensor_parallel_2_matches_hf():
+    VISION.check_tensor_parallel(__file__, TP_CASES)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--tp-worker"]:
+    print(json.dumps(VISION.tp_report(TP_CASES)))

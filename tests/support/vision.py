@@ -16,10 +16,11 @@ GREEDY = 20          # the golden continuations' length
 
 
 class VisionFixture:
-    def __init__(self, name: str, max_num_batched_tokens: int):
+    def __init__(self, name: str, max_num_batched_tokens: int, **llm_kwargs):
         self.name, self.folder = name, fixture_path(name)
         self.cases = {c["name"]: c for c in golden(name)}
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.llm_kwargs = llm_kwargs          # what every offline LLM of the fixture gets besides
 
     def image(self, name: str) -> Image.Image:
         return Image.open(os.path.join(self.folder, name))
@@ -124,7 +125,8 @@ class VisionFixture:
     def make_llm(self, **kw):
         from jaxserve.llm import LLM
         opts = dict(dtype="float32", max_model_len=256, max_num_seqs=8,
-                    max_num_batched_tokens=self.max_num_batched_tokens, use_tqdm_on_load=False) | kw
+                    max_num_batched_tokens=self.max_num_batched_tokens, use_tqdm_on_load=False)
+        opts |= self.llm_kwargs | kw
         return LLM(self.folder, **opts)
 
 

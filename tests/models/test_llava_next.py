@@ -6,16 +6,13 @@ raw prompt, batched with text-only requests, under chunked prefill; the encoder 
 count at start-up and nothing per image size."""
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import sys
 
-import jax
 import numpy as np
 import pytest
 
-from support.tiny_models import PagedRunner, hf_logits
 from support.vision import VisionFixture, llm_fixture
 
 NAME = "tiny-llava-next"
@@ -77,7 +74,6 @@ def test_logits_match_hf():
     ``image_slots``: logits within 1e-4 of HF float32."""
     from jaxserve.models.loader import load_model
     from jaxserve.multimodal.processing import ImageProcessing
-    from jaxserve.runner.step_variants import forward_fn
     model = load_model(FOLDER, dtype="float32")
     case = CASES["one_image"]
     proc = ImageProcessing.from_folder(FOLDER, model.config.extra_dict, tokenizer=model.tokenizer)
@@ -88,15 +84,8 @@ def test_logits_match_hf():
     out = np.asarray(model.family.encode_images(model.params, f.pixel_values[None], model.config))[0]
     n_out, slots = model.family.image_slots(model.config, f)
     assert out.shape[0] == n_out
-    slab = out[slots]
-    index = np.stack([np.arange(f.offset, f.end), np.arange(f.length)]).astype(np.int32)
-    runner = PagedRunner(model, max_reqs=1, max_len=128)
-    ints, layout = runner.inputs([(0, ids, 0)], 128, logits_rows=list(range(len(ids))))
-    step = jax.jit(functools.partial(forward_fn, model.family, model.config, "reference", False),
-                   static_argnames=("layout",))
-    _, logits = step(model.params, runner.kv_caches, ints, runner.no_prev, slab, index, layout=layout)
-    err = np.abs(np.asarray(logits)[:len(ids)] - hf_logits(NAME)).max()
-    assert err <= 1e-4, f"max abs logit error {err:.2e} vs HF float32"
+    index = np.stack([np.arange(f.offset, f.end), np.arange(f.length)])
+    VISION.check_prefill_logits(model, ids, out[slots], index, max_len=128)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -4,6 +4,7 @@ projector + Llama), Qwen2.5-VL and Qwen2-VL (``make_qwen_vl_fixtures``) and Gemm
 
 Run with the oracle env (torch + torchvision + transformers); an argument picks one family:
     /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl | qwen2_vl | gemma3 | mllama]
+(LLaVA-NeXT's: tests/make_llava_next_fixtures.py)
 
 Writes tests/fixtures/models/tiny-llava/: config.json, model.safetensors (bfloat16, read back as float32 by
 the oracle), preprocessor_config.json and processor_config.json (CLIP image processing at 56x56, 14-pixel
@@ -157,19 +158,25 @@ def greedy(model, inputs, n: int) -> tuple[list[int], float, np.ndarray]:
     return out.sequences[0, ids.shape[1]:].tolist(), min(margins), logits
 
 
+def tiny_llava_configs(vocab: int, image_size: int, patch_size: int,
+                       max_positions: int) -> tuple[LlamaConfig, CLIPVisionConfig]:
+    """The tiny LLaVA's text and vision configs (LLaVA-NeXT's fixture shares them)."""
+    text = LlamaConfig(vocab_size=vocab + 11, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                       initializer_range=0.08)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=image_size, patch_size=patch_size, projection_dim=32,
+                              hidden_act="quick_gelu", initializer_range=0.08)
+    return text, vision
+
+
 @torch.no_grad()
 def main() -> None:
     torch.set_num_threads(2)
     os.makedirs(OUT, exist_ok=True)
     tokenizer = make_tokenizer()
-    vocab = len(tokenizer)
-    text = LlamaConfig(vocab_size=vocab + 11, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-                       initializer_range=0.08)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                              image_size=56, patch_size=14, projection_dim=32, hidden_act="quick_gelu",
-                              initializer_range=0.08)
+    text, vision = tiny_llava_configs(len(tokenizer), 56, 14, 512)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=4, projector_hidden_act="gelu",
                          vision_feature_layer=-2, vision_feature_select_strategy="default",
                          image_seq_length=16, tie_word_embeddings=False)

@@ -44,6 +44,7 @@ _WRAPPED = ((r"model.", ("model.language_model.", "language_model.model.")),
             (r"vision_tower.", ("model.vision_tower.", "vision_tower.vision_model.",
                                 "model.vision_tower.vision_model.")),
             (r"multi_modal_projector.", ("model.multi_modal_projector.",)),
+            (r"image_newline", ("model.image_newline",)),     # LLaVA-NeXT's
             (r"visual.", ("model.visual.",)),          # Qwen2.5-VL's vision tower
             (r"vision_model.", ("model.vision_model.",)))   # Llama 3.2 Vision's
 

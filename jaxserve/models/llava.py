@@ -37,7 +37,7 @@ OPENAI_CLIP_MEAN, OPENAI_CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.2686
 def unwrap_hf(hf: dict) -> dict:
     """The text config (transformers' defaults filled in) under the wrapper's architecture, with the vision
     facts under ``"_llava"`` for ``read_hf``."""
-    if hf.get("model_type") != "llava":
+    if hf.get("model_type") not in ("llava", "llava_next"):
         return hf
     from transformers import AutoConfig  # noqa: PLC0415
 
@@ -52,6 +52,9 @@ def unwrap_hf(hf: dict) -> dict:
              "vision_feature_layer": hf.get("vision_feature_layer", -2),
              "vision_feature_select_strategy": hf.get("vision_feature_select_strategy", "default"),
              "projector_bias": bool(hf.get("multimodal_projector_bias", True))}
+    if hf.get("model_type") == "llava_next":      # its anyres tiles (llava_next.py)
+        facts["image_grid_pinpoints"] = [[int(h), int(w)] for h, w in hf.get("image_grid_pinpoints") or
+                                         [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]]
     full = AutoConfig.for_model(text_type, **text).to_dict()
     return full | {k: hf[k] for k in WRAPPER_FIELDS if k in hf} | {"model_type": text_type, "_llava": facts}
 
@@ -60,7 +63,7 @@ def read_hf(hf: dict, fields: dict) -> dict:
     facts = hf.get("_llava")
     fields = llama.read_hf(hf, fields)
     if facts is None:
-        raise ModelLoadError("a LlavaForConditionalGeneration config needs text_config and vision_config")
+        raise ModelLoadError("a LLaVA config needs text_config and vision_config")
     v = facts["vision"]
     size = int(v["image_size"])
     # CLIP's processing at the tower's resolution: what a checkpoint without preprocessor_config.json gets

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.errors import InvalidRequestError, ModelLoadError
+from jaxserve.multimodal import anyres
 from jaxserve.multimodal.inputs import ImageFeature, image_hash
 from jaxserve.multimodal.qwen_vl_pixels import QwenVLPixels
 
@@ -74,7 +75,8 @@ def patch_blocks(patches: np.ndarray, grid_thw: np.ndarray, processor, dtype=np.
 class ImageProcessing:
     """One model's image preprocessing and placeholder expansion (LLaVA's rule: ``(H / patch) * (W / patch)
     + extra_tokens`` image tokens for pixel values of ``H x W``; a family with another rule passes
-    ``num_tokens``; Qwen2-VL's processors: one token per merge block of the image's grid). ``pixel_dtype``:
+    ``num_tokens``; Qwen2-VL's processors: one token per merge block of the image's grid; LLaVA-NeXT's: the
+    base tile's and the cropped tile grid's, ``multimodal.anyres``). ``pixel_dtype``:
     what Qwen2-VL's pixel payloads are stored in (the model's dtype where it is a 16-bit float)."""
 
     def __init__(self, image_processor: Any, image_token: str, image_token_id: int, patch_size: int,
@@ -107,6 +109,9 @@ class ImageProcessing:
         additional = int(proc.get("num_additional_image_tokens", model_extra.get("num_additional_image_tokens", 1)))
         extra_tokens = additional - (1 if strategy == "default" else 0)
         kwargs = dict(processor_kwargs or {})
+        if "image_grid_pinpoints" in image_config:      # LLaVA-NeXT's, frozen into tuples in ModelConfig.extra
+            image_config = dict(image_config) | {
+                "image_grid_pinpoints": [[int(h), int(w)] for h, w in image_config["image_grid_pinpoints"]]}
         # the processor's call defaults (Gemma 3's pan-and-scan sizes) where its config leaves them unset
         image_config = (_thaw(model_extra.get("image_processor_call_defaults")) or {}) | \
             {k: v for k, v in image_config.items() if v is not None}
@@ -138,6 +143,10 @@ class ImageProcessing:
             return self._num_tokens(pixel_values, extra)
         if "image_grid_thw" in extra:
             return int(np.prod(extra["image_grid_thw"])) // self.image_processor.merge_size ** 2
+        if "image_sizes" in extra:      # LLaVA-NeXT's anyres tiles: the image's size picks its grid
+            size = tuple(int(s) for s in np.asarray(extra["image_sizes"]).reshape(2))
+            return anyres.num_image_tokens(size, self.image_processor.image_grid_pinpoints,
+                                           pixel_values.shape[-1], self.patch_size) + self.extra_tokens
         h, w = pixel_values.shape[-2:]
         return (h // self.patch_size) * (w // self.patch_size) + self.extra_tokens
 

@@ -8,8 +8,10 @@ image the scheduler admits always finds rows here; evicted hashes come back thro
 ``encode(features)`` runs the family's encoder over the step's new images, batched across requests, and
 writes each image's rows into the slab in the same jitted call (the slab is donated: updated in place;
 padding writes a scratch row). A family of fixed-size images (``encode_images``: LLaVA) is batched by pixel
-shape into batch buckets of powers of two. A family of any image size (``pack_images`` / ``encode_packed``:
-Qwen-VL) is bucketed by patch count: each image goes to the smallest bucket that holds it (at least
+shape into batch buckets of powers of two (a family with ``image_slots``, LLaVA-NeXT, says which rows of its
+encoder's output are an image's tokens: the others write the scratch row; ``warmup_pixel_shapes``, which
+shapes to compile at start-up). A family of any image size (``pack_images`` / ``encode_packed``: Qwen-VL) is
+bucketed by patch count: each image goes to the smallest bucket that holds it (at least
 ``min_patches``) of a ladder of ``unit * m * 2**k`` patches, ``m`` in 4..7 (``patch_bucket``: steps of at most
 1.25x, so under a fifth of a bucket is padding), images of one bucket share rows where they fit (first fit;
 the tower masks attention to each image's own patches), rows are batched in 1, 2, 3, 4, 6, 8, ... rows
@@ -99,19 +101,21 @@ class EncoderCache:
         first use. Returns the seconds taken."""
         t0 = time.perf_counter()
         size = dict(self.cfg.extra_dict.get("vision") or ()).get("image_size")
-        if size:
+        shapes = self.family.warmup_pixel_shapes(self.cfg) if hasattr(self.family, "warmup_pixel_shapes") \
+            else [(3, size, size)] if size else []
+        for shape in shapes:
             b = 1
             while b <= self.max_batch:
-                pixels = np.zeros((b, 3, size, size), np.float32)
-                self.slab = self._step(self.params, self.slab, pixels, np.full(b * self._tokens_per_image(size),
+                pixels = np.zeros((b, *shape), np.float32)
+                self.slab = self._step(self.params, self.slab, pixels, np.full(b * self._tokens_per_image(shape),
                                                                                  self.capacity, np.int32))
                 b *= 2
-            jax.block_until_ready(self.slab)
+        jax.block_until_ready(self.slab)
         return time.perf_counter() - t0
 
-    def _tokens_per_image(self, size: int) -> int:
+    def _tokens_per_image(self, shape: tuple) -> int:
         out = jax.eval_shape(lambda p, x: self.family.encode_images(p, x, self.cfg), self.params,
-                             jax.ShapeDtypeStruct((1, 3, size, size), np.float32))
+                             jax.ShapeDtypeStruct((1, *shape), np.float32))
         return out.shape[1]
 
     def free(self, hashes: list[str]) -> None:
@@ -151,12 +155,17 @@ class EncoderCache:
     def _encode_batch(self, shape: tuple, items: list) -> None:
         b = _pow2(len(items))
         pixels = np.zeros((b, *shape), np.float32)
-        n = items[0].length
-        dst = np.full((b, n), self.capacity, np.int32)       # padding images write the scratch row
-        for j, f in enumerate(items):
-            if f.length != n:
-                raise ValueError(f"images of one pixel shape with {f.length} and {n} tokens")
-            pixels[j], dst[j] = f.pixel_values, self._take_rows(f)
+        # each image's encoder rows: all of them, in order; or (``image_slots``: LLaVA-NeXT's anyres images)
+        # the rows its tokens are, of an output of a size the pixel shape fixes
+        slots = [self.family.image_slots(self.cfg, f) if hasattr(self.family, "image_slots")
+                 else (f.length, slice(None)) for f in items]
+        n = slots[0][0]
+        dst = np.full((b, n), self.capacity, np.int32)       # padding images and unused rows write the scratch row
+        for j, (f, (n_j, rows)) in enumerate(zip(items, slots)):
+            if n_j != n:
+                raise ValueError(f"images of one pixel shape with {n_j} and {n} encoder rows")
+            pixels[j] = f.pixel_values
+            dst[j, rows] = self._take_rows(f)
         self.slab = self._step(self.params, self.slab, pixels, dst.reshape(-1))
         self.num_images += len(items)
 

@@ -5,15 +5,12 @@ with the placeholder, batched with text-only requests, under the prefix cache, w
 encoder budget splitting the work, and at tensor parallelism 2 on fake CPU devices."""
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
-import jax
 import numpy as np
 import pytest
 
-from support.tiny_models import PagedRunner, hf_logits
 from support.vision import GREEDY, VisionFixture, llm_fixture
 
 NAME = "tiny-llava"
@@ -30,17 +27,9 @@ llm = llm_fixture(VISION)
 
 def test_logits_match_hf():
     """The first case's prompt prefilled in one step, its image embedded by the encoder: logits within 1e-4."""
-    from jaxserve.runner.step_variants import forward_fn
     model, ids, feats, slab = VISION.embedded_first_case()
     index = np.stack([np.concatenate([np.arange(f.offset, f.end) for f in feats]), np.arange(len(slab))])
-    runner = PagedRunner(model, max_reqs=1, max_len=64)
-    ints, layout = runner.inputs([(0, ids, 0)], 64, logits_rows=list(range(len(ids))))
-    step = jax.jit(functools.partial(forward_fn, model.family, model.config, "reference", False),
-                   static_argnames=("layout",))
-    _, logits = step(model.params, runner.kv_caches, ints, runner.no_prev, slab, index.astype(np.int32),
-                     layout=layout)
-    err = np.abs(np.asarray(logits) - hf_logits(NAME)).max()
-    assert err <= 1e-4, f"max abs logit error {err:.2e} vs HF float32"
+    VISION.check_prefill_logits(model, ids, slab, index, max_len=64)
 
 
 @pytest.mark.parametrize("name", list(CASES))

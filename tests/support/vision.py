@@ -10,16 +10,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from support.tiny_models import fixture_path, golden
+from support.tiny_models import PagedRunner, fixture_path, golden, hf_logits
 
 GREEDY = 20          # the golden continuations' length
 
 
 class VisionFixture:
-    def __init__(self, name: str, max_num_batched_tokens: int):
+    def __init__(self, name: str, max_num_batched_tokens: int, **llm_kwargs):
         self.name, self.folder = name, fixture_path(name)
         self.cases = {c["name"]: c for c in golden(name)}
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.llm_kwargs = llm_kwargs          # what every offline LLM of the fixture gets besides
 
     def image(self, name: str) -> Image.Image:
         return Image.open(os.path.join(self.folder, name))
@@ -101,6 +102,23 @@ class VisionFixture:
         emb = model.family.encode_images(model.params, np.stack([f.pixel_values for f in feats]), model.config)
         return model, ids, feats, np.asarray(emb).reshape(-1, model.config.hidden_size)
 
+    def check_prefill_logits(self, model, ids: list[int], mm_inputs, index: np.ndarray, max_len: int) -> None:
+        """``ids`` prefilled in one step (the runner's inputs and forward, a paged cache of ``max_len``
+        tokens) with the image operands ``mm_inputs`` at ``index``: logits within 1e-4 of HF float32's."""
+        import functools
+
+        import jax
+
+        from jaxserve.runner.step_variants import forward_fn
+        runner = PagedRunner(model, max_reqs=1, max_len=max_len)
+        ints, layout = runner.inputs([(0, ids, 0)], max_len, logits_rows=list(range(len(ids))))
+        step = jax.jit(functools.partial(forward_fn, model.family, model.config, "reference", False),
+                       static_argnames=("layout",))
+        _, logits = step(model.params, runner.kv_caches, ints, runner.no_prev, mm_inputs, index.astype(np.int32),
+                         layout=layout)
+        err = np.abs(np.asarray(logits)[:len(ids)] - hf_logits(self.name)).max()
+        assert err <= 1e-4, f"max abs logit error {err:.2e} vs HF float32"
+
     def tp_report(self, names: tuple[str, ...]) -> dict:
         """In a process of 2 fake devices: each case's greedy ids at tensor parallelism 2, and the sharding of
         the vision tower's first q projection."""
@@ -124,7 +142,8 @@ class VisionFixture:
     def make_llm(self, **kw):
         from jaxserve.llm import LLM
         opts = dict(dtype="float32", max_model_len=256, max_num_seqs=8,
-                    max_num_batched_tokens=self.max_num_batched_tokens, use_tqdm_on_load=False) | kw
+                    max_num_batched_tokens=self.max_num_batched_tokens, use_tqdm_on_load=False)
+        opts |= self.llm_kwargs | kw
         return LLM(self.folder, **opts)
 
 

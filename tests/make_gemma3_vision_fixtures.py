@@ -1,6 +1,6 @@
 """Golden fixtures of a tiny random Gemma 3 vision model (SigLIP + pooled projector + Gemma 3 text model with
 bidirectional attention among an image's tokens) from HF transformers; run with the oracle env:
-    /work/main/.venv-oracle/bin/python tests/make_gemma3_vision_fixtures.py
+    .venv-oracle/bin/python tests/make_gemma3_vision_fixtures.py
 
 Writes tests/fixtures/models/tiny-gemma3-vision/: config.json, model.safetensors (bfloat16, read back as
 float32), the processor's configs (Gemma 3 image processing, PIL backend, 56x56 pixels, 7-pixel patches

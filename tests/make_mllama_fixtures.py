@@ -1,7 +1,7 @@
 """Golden fixtures of a tiny random Llama 3.2 Vision model (``MllamaForConditionalGeneration``: a tiled ViT with
 a local and a gated global transformer, a projector, and a Llama text model with gated cross-attention layers)
 from HF transformers; run with the oracle env:
-    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py mllama
+    .venv-oracle/bin/python tests/make_vision_fixtures.py mllama
 
 Writes tests/fixtures/models/tiny-mllama/: config.json, model.safetensors (bfloat16, read back as float32),
 the processor's configs (Mllama image processing, PIL backend, 28x28 tiles, up to 2 tiles per image: a wide

@@ -1,7 +1,7 @@
 """Golden fixtures of a tiny random Qwen2.5-VL (its ViT with window attention + patch merger, a Qwen2 text model
 with M-RoPE) and of a tiny random Qwen2-VL (its ViT: LayerNorm, a quick-GELU MLP, full attention in every block,
 a LayerNorm before the merger) from HF transformers; run through tests/make_vision_fixtures.py with the oracle env:
-    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py qwen2_5_vl qwen2_vl
+    .venv-oracle/bin/python tests/make_vision_fixtures.py qwen2_5_vl qwen2_vl
 
 Writes tests/fixtures/models/tiny-qwen2.5-vl/ (and tiny-qwen2-vl/): config.json, model.safetensors (bfloat16, read back as float32),
 the processor's configs (Qwen2-VL image processing, PIL backend, at most 64 merged tokens per image), a

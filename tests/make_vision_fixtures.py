@@ -3,7 +3,7 @@ projector + Llama), Qwen2.5-VL and Qwen2-VL (``make_qwen_vl_fixtures``) and Gemm
 (``make_gemma3_vision_fixtures``) and Llama 3.2 Vision (``make_mllama_fixtures``).
 
 Run with the oracle env (torch + torchvision + transformers); an argument picks one family:
-    /work/main/.venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl | qwen2_vl | gemma3 | mllama]
+    .venv-oracle/bin/python tests/make_vision_fixtures.py [llava | qwen2_5_vl | qwen2_vl | gemma3 | mllama]
 (LLaVA-NeXT's: tests/make_llava_next_fixtures.py)
 
 Writes tests/fixtures/models/tiny-llava/: config.json, model.safetensors (bfloat16, read back as float32 by

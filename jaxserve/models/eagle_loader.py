@@ -80,6 +80,9 @@ def eagle3_config(hf: dict, target_cfg: ModelConfig, *, first_layer: str = "midl
                   has_lm_head: bool = True, has_embed: bool = False) -> ModelConfig:
     """An EAGLE-3 head's ``ModelConfig`` from its Llama config.json (``first_layer``: its checkpoint's prefix
     of layer 0; ``has_*``: which of its own it has), refused where it cannot read the target's hidden states."""
+    if "transformer_layer_config" in hf or "speculators_config" in hf:
+        raise ModelLoadError("EAGLE-3 head in the speculators format (transformer_layer_config) is not supported: "
+                             "give the head's original checkpoint (a Llama config.json with draft_vocab_size)")
     eagle_config = hf.get("eagle_config") or {}
     if not eagle_config.get("use_aux_hidden_state", True):
         raise ModelLoadError("EAGLE-3 head with use_aux_hidden_state false (no fc over the target's auxiliary "

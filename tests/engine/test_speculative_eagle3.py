@@ -87,6 +87,21 @@ def test_a_draft_vocabulary_subset_drafts_only_its_tokens(llm, heads, prompts, s
     assert any(last not in allowed for last, _ in seen)
 
 
+def test_no_step_compiles_on_first_use(heads, prompts):
+    """The head's catch-up steps (the target's streams, through fc) and its draft steps (its own output) run
+    the same executables, compiled ahead like the target's."""
+    spec = tiny_llm(TARGET, speculative_config=eagle3_spec(heads["random"]), max_num_batched_tokens=32)
+    core = spec.engine.core
+    runners = [core.runner, core.speculator.draft.runner]
+    assert all(r.wait_compiled(timeout=600) for r in runners)
+    before = [r.compiled_variants() for r in runners]
+    assert min(before) > 0
+    spec.generate(prompts[:6], greedy(12), use_tqdm=False)
+    assert [r.compiled_variants() for r in runners] == before
+    assert [r.variants.on_first_use for r in runners] == [[], []]
+    assert core.stats()["spec_decode_num_drafts"] > 0
+
+
 def test_dummy_head_weights_run(heads, prompts):
     spec = tiny_llm(TARGET, speculative_config=eagle3_spec(heads["random"]), load_format="dummy")
     outs = spec.generate(prompts[:3], greedy(10), use_tqdm=False)
@@ -114,6 +129,8 @@ def test_bad_configs_are_refused(tmp_path, heads):
         eagle3_config({**hf, "draft_vocab_size": 300}, cfg)
     with pytest.raises(ModelLoadError, match="no lm_head.weight"):
         eagle3_config({**hf, "draft_vocab_size": 100}, cfg, has_lm_head=False)
+    with pytest.raises(ModelLoadError, match="speculators format"):
+        eagle3_config({"transformer_layer_config": hf, "speculators_config": {}}, cfg)
     with pytest.raises(ModelLoadError, match="use_aux_hidden_state"):
         eagle3_config({**hf, "eagle_config": {"use_aux_hidden_state": False}}, cfg)
     with pytest.raises(ModelLoadError, match="outside the target's 256 tokens"):

@@ -87,6 +87,19 @@ def test_a_draft_vocabulary_subset_drafts_only_its_tokens(llm, heads, prompts, s
     assert any(last not in allowed for last, _ in seen)
 
 
+def test_a_head_without_lm_head_shares_the_tied_targets(tmp_path, prompts):
+    """On a target that ties its lm_head to its embedding, an echo head with no lm_head of its own drafts the
+    last token through the target's embedding."""
+    tied = "tiny-llama-tied"
+    head = make_head(tmp_path / "tied", echo=True, lm_head=False, target=tied)
+    spec = tiny_llm(tied, speculative_config=eagle3_spec(head))
+    seen = record_drafts(spec)
+    ref = _tokens(tiny_llm(tied).generate(prompts[:4], greedy(12), use_tqdm=False))
+    assert _tokens(spec.generate(prompts[:4], greedy(12), use_tqdm=False)) == ref
+    assert "lm_head" not in spec.engine.core.speculator.draft.model.params
+    assert len(seen) > 5 and all(d == [last] * len(d) for last, d in seen)
+
+
 def test_no_step_compiles_on_first_use(heads, prompts):
     """The head's catch-up steps (the target's streams, through fc) and its draft steps (its own output) run
     the same executables, compiled ahead like the target's."""

@@ -93,7 +93,7 @@ def make_eagle_head(folder, *, echo: bool = False, bias: bool = False, seed: int
 
 
 def make_eagle3_head(folder, *, echo: bool = False, draft_ids=None, d2t: bool = True, layer0: str = "midlayer.",
-                     embed: bool = False, seed: int = 0, target: str = "tiny-llama3", aux_layers=(0, 1, 2),
+                     embed: bool = False, lm_head: bool = True, seed: int = 0, target: str = "tiny-llama3", aux_layers=(0, 1, 2),
                      **config) -> str:
     """An EAGLE-3 head's folder for a tiny Llama fixture (``target``): one layer, ``fc`` over its auxiliary layers
     ``aux_layers``, random (std 0.1). ``draft_ids``: the target ids of its draft vocabulary, in its order
@@ -102,7 +102,7 @@ def make_eagle3_head(folder, *, echo: bool = False, draft_ids=None, d2t: bool = 
     nothing (o and down zero), and its norm and lm_head are the target's (rows ``draft_ids``): its logits at a
     target row are the target's there, over the draft vocabulary, and at its own rows the same again.
     ``layer0``: its checkpoint's prefix of layer 0 (``midlayer.`` or ``layers.0.``); ``embed``: an embedding of
-    its own (random), else the target's."""
+    its own (random), else the target's; ``lm_head`` False: none, the target's (over the target's vocabulary)."""
     hf = {**_target_config(target), "num_hidden_layers": 1, "architectures": ["LlamaForCausalLMEagle3"],
           "eagle_aux_hidden_state_layer_ids": list(aux_layers), **config}
     h, i = hf["hidden_size"], hf["intermediate_size"]
@@ -135,7 +135,10 @@ def make_eagle3_head(folder, *, echo: bool = False, draft_ids=None, d2t: bool = 
         t[layer0 + "self_attn.o_proj.weight"][:] = 0
         t[layer0 + "mlp.down_proj.weight"][:] = 0
         t["norm.weight"] = np.asarray(get("model.norm.weight"), np.float32)
-        t["lm_head.weight"] = np.asarray(get("lm_head.weight"), np.float32)[ids]
+        if lm_head:
+            t["lm_head.weight"] = np.asarray(get("lm_head.weight"), np.float32)[ids]
+    if not lm_head:
+        del t["lm_head.weight"]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf))
     save_file(t, str(folder / "model.safetensors"))

@@ -68,11 +68,13 @@ def aux_layer_ids(head_path: str, target_cfg: ModelConfig) -> tuple[int, ...]:
     ``eagle_aux_hidden_state_layer_ids``, else vLLM's default for the target's depth."""
     hf = model_configs.read_json(os.path.join(os.path.expanduser(head_path), "config.json"))
     n = target_cfg.num_layers
-    ids = hf.get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3)
+    ids = hf.get("eagle_aux_hidden_state_layer_ids")
+    given = "" if ids else " (vLLM's default for the target's depth: set them in the head's config.json)"
+    ids = ids or (2, n // 2, n - 3)
     if not (isinstance(ids, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
             and len(set(ids)) == eagle3.NUM_AUX_LAYERS and all(0 <= i <= n for i in ids)):
-        raise ModelLoadError(f"EAGLE-3 head: eagle_aux_hidden_state_layer_ids {ids!r} must be {eagle3.NUM_AUX_LAYERS} "
-                             f"distinct layer indices from 0 to the target's {n} layers")
+        raise ModelLoadError(f"EAGLE-3 head: eagle_aux_hidden_state_layer_ids {ids!r}{given} must be "
+                             f"{eagle3.NUM_AUX_LAYERS} distinct layer indices from 0 to the target's {n} layers")
     return tuple(sorted(ids))
 
 

@@ -132,6 +132,8 @@ def test_bad_configs_are_refused(tmp_path, heads):
         with pytest.raises(ModelLoadError, match="eagle_aux_hidden_state_layer_ids"):
             aux_layer_ids(bad, cfg)
     assert aux_layer_ids(make_head(tmp_path / "order", aux_layers=(2, 0, 1)), cfg) == (0, 1, 2)
+    with pytest.raises(ModelLoadError, match=r"\(2, 1, -1\) \(vLLM's default"):     # too shallow a target for it
+        aux_layer_ids(make_head(tmp_path / "default", aux_layers=()), cfg)
     hf = {"hidden_size": 64, "vocab_size": VOCAB, "num_hidden_layers": 1, "num_attention_heads": 4,
           "head_dim": 16, "num_key_value_heads": 2, "intermediate_size": 96, "rms_norm_eps": 1e-5}
     with pytest.raises(ModelLoadError, match="hidden_size is 96 and the target's 64"):

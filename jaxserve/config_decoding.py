@@ -96,13 +96,11 @@ class StructuredOutputsConfig(StructuredOutputsLimits):
             raise argparse.ArgumentTypeError(f"--structured-outputs-config: {e}") from None
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "deepseek_mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "deepseek_mtp")
 # the methods whose proposer reads the target's hidden states (its steps return them)
-HIDDEN_STATE_METHODS = ("eagle", "deepseek_mtp")
+HIDDEN_STATE_METHODS = ("eagle", "eagle3", "deepseek_mtp")
 # vLLM's methods not served here, each with what it is (refused by name)
-UNSUPPORTED_SPECULATIVE_METHODS = {
-    "eagle3": "EAGLE-3 heads (auxiliary hidden states of three target layers, a vocabulary map of their own)",
-    "medusa": "Medusa heads", "mlp_speculator": "MLP speculators"}
+UNSUPPORTED_SPECULATIVE_METHODS = {"medusa": "Medusa heads", "mlp_speculator": "MLP speculators"}
 
 
 @dataclass(frozen=True)
@@ -113,8 +111,9 @@ class SpeculativeConfig:
     ``prompt_lookup_max`` tokens (the longest that occurs; both default to 5, or to each other when one is
     given, as vLLM). ``draft_model``: a smaller ``model`` sharing the target's tokenizer, run greedily.
     ``eagle``: an EAGLE-1 head's folder as ``model`` (``models.eagle``), run greedily on the target's hidden
-    states; ``deepseek_mtp``: a DeepSeek target's own multi-token-prediction layer, likewise (``model``: the
-    target's folder, its default)."""
+    states; ``eagle3``: an EAGLE-3 head's folder (``models.eagle3``), likewise on the hidden states of three
+    of the target's layers; ``deepseek_mtp``: a DeepSeek target's own multi-token-prediction layer, likewise
+    (``model``: the target's folder, its default)."""
     method: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
@@ -146,8 +145,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
         elif not self.model and method != "deepseek_mtp":
-            raise ValueError(f"the {method} method needs a model (" + ("the EAGLE head's folder)" if method == "eagle"
-                             else "a path or configs/models name)"))
+            raise ValueError(f"the {method} method needs a model (" + (
+                "the EAGLE head's folder)" if method == "eagle" else "the EAGLE-3 head's folder)"
+                if method == "eagle3" else "a path or configs/models name)"))
 
     @classmethod
     def coerce(cls, value: Any) -> "SpeculativeConfig | None":

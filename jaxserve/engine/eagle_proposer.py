@@ -1,6 +1,8 @@
-"""The EAGLE proposer (``--speculative-config '{"method": "eagle", "model": HEAD}'``, and ``deepseek_mtp``: a
-DeepSeek target's multi-token-prediction layer as the head): a draft head (``models.eagle``) that reads the
-target's hidden states, with its own runner and KV cache (``DraftProposer``'s), run greedily.
+"""The EAGLE proposer (``--speculative-config '{"method": "eagle", "model": HEAD}'``, ``eagle3`` (an EAGLE-3
+head, ``models.eagle3``: the target's hidden states are three of its layers' residual streams) and
+``deepseek_mtp``: a DeepSeek target's multi-token-prediction layer as the head): a draft head
+(``models.eagle``) that reads the target's hidden states, with its own runner and KV cache
+(``DraftProposer``'s), run greedily.
 
 The head's position ``i`` takes the token at ``i + 1`` and the target's hidden state at ``i`` (vLLM's
 layout: the positions are the target's). A round (before each schedule): the head catches up on the rows of
@@ -29,11 +31,13 @@ class EagleProposer(DraftProposer):
     every_step = True
 
     def __init__(self, executor, config):
-        from jaxserve.models.eagle_loader import load_eagle_head, load_mtp_head  # noqa: PLC0415
+        from jaxserve.models.eagle_loader import load_eagle3_head, load_eagle_head, load_mtp_head  # noqa: PLC0415
         spec = config.speculative_config
         if spec.method == "deepseek_mtp":
             head = load_mtp_head(spec.model or config.model, executor.model, load_format=config.load_format,
                                  seed=config.seed)
+        elif spec.method == "eagle3":
+            head = load_eagle3_head(spec.model, executor.model, load_format=config.load_format, seed=config.seed)
         else:
             head = load_eagle_head(spec.model, executor.model, load_format=config.load_format, seed=config.seed)
         super().__init__(executor, config, head, prefix_caching=config.cache.enable_prefix_caching)
@@ -106,5 +110,9 @@ class EagleProposer(DraftProposer):
         return seq, hits
 
     def _dispatch_next(self, step: list[ScheduledRequest], prev, last_row: dict[str, int]):
-        """The next draft step: each request's previous draft and the head's hidden state at its row."""
-        return self.runner.dispatch(step, prev, hidden=(prev.hidden, [last_row[s.request_id] for s in step]))
+        """The next draft step: each request's previous draft and the head's hidden state at its row (an
+        EAGLE-3 head's marked as its own, ``~row``: it is not the target's, which its ``fc`` reads)."""
+        rows = [last_row[s.request_id] for s in step]
+        if getattr(self.model.family, "marks_own_hidden", False):
+            rows = [~r for r in rows]
+        return self.runner.dispatch(step, prev, hidden=(prev.hidden, rows))

@@ -104,6 +104,10 @@ class EagleFamily(DecoderFamily):
     def supports_lora(self, cfg: ModelConfig) -> bool:
         return False
 
+    def hidden_width(self, cfg: ModelConfig) -> int:
+        """The width of the hidden states it reads (the target's hidden size)."""
+        return cfg.hidden_size
+
     def forward(self, *args, **kwargs):
         return self.forward_with_expert_load(*args, **kwargs)[:2]
 

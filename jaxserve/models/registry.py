@@ -17,12 +17,12 @@ from jaxserve.errors import ModelLoadError
 @functools.cache
 def decoder_families() -> tuple[Any, ...]:
     """Every decoder family's ``DecoderFamily``."""
-    from jaxserve.models import (cohere, deepseek, eagle, gemma, gemma3_vision, llama, llava,  # noqa: PLC0415
-                                 llava_next, mixtral, mllama, phi3, qwen2_moe, qwen2_vl, qwen3, qwen3_moe)
+    from jaxserve.models import (cohere, deepseek, eagle, eagle3, gemma, gemma3_vision, llama,  # noqa: PLC0415
+                                 llava, llava_next, mixtral, mllama, phi3, qwen2_moe, qwen2_vl, qwen3, qwen3_moe)
 
     return (llama.FAMILY, gemma.FAMILY, qwen3.FAMILY, phi3.FAMILY, cohere.FAMILY, mixtral.FAMILY,
             qwen2_moe.FAMILY, qwen3_moe.FAMILY, deepseek.FAMILY, llava.FAMILY, llava_next.FAMILY,
-            qwen2_vl.FAMILY, gemma3_vision.FAMILY, mllama.FAMILY, eagle.FAMILY, eagle.MTP_FAMILY)
+            qwen2_vl.FAMILY, gemma3_vision.FAMILY, mllama.FAMILY, eagle.FAMILY, eagle.MTP_FAMILY, eagle3.FAMILY)
 
 
 @functools.cache

@@ -45,10 +45,12 @@ from jaxserve.config import EngineConfig
 from jaxserve.config_decoding import HIDDEN_STATE_METHODS
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.kernels.metadata import SHORT_SEQ_LEN, AttentionMetadata
+from jaxserve.models.eagle_loader import aux_layer_ids
 from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
 from jaxserve.runner import packing, program_cache, sampler as sampler_mod, step_inputs
 from jaxserve.runner.multi_step import decode_loop_fn
 from jaxserve.runner.rejection_sampler import spec_sample_fn
+from jaxserve.runner.spec_shift import shift_back
 from jaxserve.runner.step_compiler import StepCompiler
 from jaxserve.runner.step_inputs import StepShapes
 from jaxserve.sampling_params import SamplingParams
@@ -58,12 +60,14 @@ logger = logging.getLogger(__name__)
 
 def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
                mm_index=None, prev_rejected=None, hidden_src=None, *, layout, decode_only=False, max_seq_len=None,
-               stage=None, block_size=0, hidden_rows=0):
+               stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
     """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``. ``stage`` (first layer, end): one
     pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it
     takes, and before the last it returns that stream instead of logits. ``hidden_rows``: also every row's
-    hidden state (the logits'), padded to that many rows; ``hidden_src``: an EAGLE head's step, each token's
-    input hidden state is ``hidden_src[hidden_index]`` (a previous step's ``hidden``; ``engine.eagle_proposer``)."""
+    hidden state (the logits'; ``aux_layers``: the residual streams entering those layers, side by side, an
+    EAGLE-3 target's), padded to that many rows and ``hidden_width`` columns; ``hidden_src``: an EAGLE head's
+    step, each token's input hidden state is ``hidden_src[hidden_index]`` (a previous step's ``hidden``;
+    ``engine.eagle_proposer``; an EAGLE-3 head's own rows are marked by ``~row``)."""
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     if stage is not None:
@@ -89,40 +93,28 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     else:
         extra = lora if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0], **lora}
     if hidden_src is not None:
-        extra = {**extra, "hidden_in": hidden_src[x["hidden_index"]]}
+        index = x["hidden_index"]
+        if getattr(family, "marks_own_hidden", False):
+            extra = {**extra, "hidden_own": index < 0}
+            index = jnp.where(index < 0, ~index, index)
+        extra = {**extra, "hidden_in": hidden_src[index]}
     if mm_index is not None and mm_index.shape[0] == 3 and "cross" not in extra:
         md = dataclasses.replace(md, attend_limit=mm_index[2])
-    hidden, kv_caches, load = family.forward_with_expert_load(params, kv_caches, input_ids, positions, md, cfg,
-                                                              attn_backend=backend, **extra) if expert_load else \
-        (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra), None)
+    fed = None
+    if aux_layers:
+        hidden, kv_caches, load, fed = family.forward_with_expert_load(
+            params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, aux_layers=aux_layers, **extra)
+    else:
+        hidden, kv_caches, load = family.forward_with_expert_load(
+            params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra) if expert_load else \
+            (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra), None)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
     logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
     out = (kv_caches, logits)
     if hidden_rows:
-        out += (jnp.pad(hidden, ((0, hidden_rows - hidden.shape[0]), (0, 0))),)
+        fed = hidden if fed is None else fed
+        out += (jnp.pad(fed, ((0, hidden_rows - fed.shape[0]), (0, hidden_width - fed.shape[1]))),)
     return (*out, load) if expert_load else out
-
-
-def row_shift(shift_row, prev_rejected):
-    """Each row's shift: the drafts its previous step (in flight when this one was placed) rejected."""
-    return jnp.where(shift_row >= 0, prev_rejected[jnp.maximum(shift_row, 0)], 0)
-
-
-def shift_back(shift_row, block_size, prev_rejected, positions, md: AttentionMetadata):
-    """Async scheduling with speculation: the host placed a request's tokens as if every draft of its previous
-    step were accepted; they move back by the drafts that step rejected (``row_shift``), with their sequence
-    length and KV slots (the block table is the request's: the slots stay inside its blocks)."""
-    shift = row_shift(shift_row, prev_rejected)
-    R, T = shift.shape[0], positions.shape[0]
-    qsl = md.query_start_loc
-    t = jnp.arange(T, dtype=jnp.int32)
-    row = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right"), R - 1)
-    tok_shift = jnp.where(t < qsl[-1], shift[row], 0)
-    pos = positions - tok_shift
-    slots = md.block_tables[row, pos // block_size] * block_size + pos % block_size
-    md = dataclasses.replace(md, seq_lens=md.seq_lens - shift,
-                             slot_mapping=jnp.where(tok_shift > 0, slots, md.slot_mapping))
-    return pos, md
 
 
 def _stage_forward(family, cfg, backend, params, kv_caches, x, carry, decode_only, max_seq_len, stage):
@@ -167,8 +159,12 @@ class StepVariants(StepCompiler):
         # EAGLE (``engine.eagle_proposer``): the target's forwards also return every token row's hidden state
         # and the head's take theirs as an input, padded to the largest bucket (one shape whatever the bucket)
         self.hidden_in = getattr(model.family, "takes_hidden", False)
-        self.hidden_rows = shapes.sizes[-1] if self.hidden_in or \
-            getattr(config.speculative_config, "method", None) in HIDDEN_STATE_METHODS else 0
+        method = getattr(config.speculative_config, "method", None)
+        self.hidden_rows = shapes.sizes[-1] if self.hidden_in or method in HIDDEN_STATE_METHODS else 0
+        # EAGLE-3: the target's are its auxiliary layers' residual streams side by side, and its head's as wide
+        self.aux_layers = aux_layer_ids(config.speculative_config.model, self.cfg) if method == "eagle3" else ()
+        self.hidden_width = model.family.hidden_width(self.cfg) if self.hidden_in else \
+            max(len(self.aux_layers), 1) * self.cfg.hidden_size
         # Under a mesh every step output has a declared sharding (the cache's own, the rest replicated), and
         # the executables are compiled for the same shardings in: a step fed what an earlier step returned
         # runs the executable compiled ahead (one called with other shardings raises: never a recompile).
@@ -189,7 +185,8 @@ class StepVariants(StepCompiler):
                             "decode-loop": {"donate_argnums": (1,), **loop_out}}
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
         self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None,
-                                                 block_size=config.cache.block_size, hidden_rows=self.hidden_rows),
+                                                 block_size=config.cache.block_size, hidden_rows=self.hidden_rows,
+                                                 hidden_width=self.hidden_width, aux_layers=self.aux_layers),
                                          mesh), static_argnames=("layout", "decode_only", "max_seq_len"),
                                **self._jit_kwargs["forward"])
         # Decode-only steps whose contexts are all within SHORT_SEQ_LEN get one more variant where it changes the
@@ -243,7 +240,7 @@ class StepVariants(StepCompiler):
         self.lora = params is not None and "lora" in params
         self._kv_specs = jax.tree.map(spec, kv_caches)
         self._prev_spec = spec(self.no_prev)
-        self._hidden_spec = jax.ShapeDtypeStruct((self.hidden_rows, self.cfg.hidden_size), model.dtype,
+        self._hidden_spec = jax.ShapeDtypeStruct((self.hidden_rows, self.hidden_width), model.dtype,
                                                  sharding=rep) if self.hidden_in else None
         # the variants' exported programs (a warm start lowers them without tracing the model)
         from jaxserve.parallel import collectives

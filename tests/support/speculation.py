@@ -1,12 +1,13 @@
-"""What the speculative-decoding tests share: greedy parameters, the outputs' token ids, a recorder of the
-drafts a draft proposer makes, and EAGLE heads made for the tiny Llama."""
+"""What the speculative-decoding tests share: greedy parameters, the outputs' token ids, prompts, the check that
+speculation keeps greedy output identical, a recorder of the drafts a draft proposer makes, and EAGLE and
+EAGLE-3 heads made for the tiny Llama."""
 import json
 
 import numpy as np
 from safetensors.numpy import save_file
 
 from jaxserve import SamplingParams
-from support.tiny_models import fixture_path
+from support.tiny_models import fixture_path, tiny_llm
 
 
 def greedy(m: int = 24) -> SamplingParams:
@@ -15,6 +16,30 @@ def greedy(m: int = 24) -> SamplingParams:
 
 def token_ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
+
+
+def spec_prompts() -> list[list[int]]:
+    """Sixteen prompts: fourteen random ones of 3 to 60 tokens, then two repetitive ones."""
+    rng = np.random.default_rng(3)
+    out = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(3, 60, size=14)]
+    return out + [[5, 6, 7, 8] * 5, list(range(10, 30)) * 2]
+
+
+def check_greedy_matches_with_preemption(llm, target: str, speculative_config: dict, prompts: list):
+    """``prompts`` batched, greedy, through ``target`` with ``speculative_config`` and a KV pool small enough to
+    preempt: the tokens are ``llm``'s (the same target without speculation), drafts were made, and every
+    block went back. Returns the speculative LLM, the reference tokens and the lengths asked for."""
+    lengths = [8 + 3 * (i % 7) for i in range(len(prompts))]
+    ref = token_ids(llm.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False))
+    spec = tiny_llm(target, speculative_config=speculative_config, num_gpu_blocks_override=70)
+    core = spec.engine.core
+    assert token_ids(spec.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)) == ref
+    stats = core.stats()
+    assert core.scheduler.num_preemptions > 0
+    assert stats["spec_decode_num_drafts"] > 0
+    assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
+    assert core.kv_manager.usage == 0.0
+    return spec, ref, lengths
 
 
 def record_drafts(llm) -> list[tuple[int, list[int]]]:
@@ -61,6 +86,59 @@ def make_eagle_head(folder, *, echo: bool = False, bias: bool = False, seed: int
         t["fc.weight"] = np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1).astype(np.float32)
         t[pre + "self_attn.o_proj.weight"][:] = 0
         t[pre + "mlp.down_proj.weight"][:] = 0
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf))
+    save_file(t, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def make_eagle3_head(folder, *, echo: bool = False, draft_ids=None, d2t: bool = True, layer0: str = "midlayer.",
+                     embed: bool = False, lm_head: bool = True, seed: int = 0, target: str = "tiny-llama3", aux_layers=(0, 1, 2),
+                     **config) -> str:
+    """An EAGLE-3 head's folder for a tiny Llama fixture (``target``): one layer, ``fc`` over its auxiliary layers
+    ``aux_layers``, random (std 0.1). ``draft_ids``: the target ids of its draft vocabulary, in its order
+    (``d2t``, unless ``d2t`` is False; None: the target's vocabulary, no ``d2t``). ``echo``: fc passes the last
+    auxiliary stream (the target's last residual stream, for the default layers) through, the layer adds
+    nothing (o and down zero), and its norm and lm_head are the target's (rows ``draft_ids``): its logits at a
+    target row are the target's there, over the draft vocabulary, and at its own rows the same again.
+    ``layer0``: its checkpoint's prefix of layer 0 (``midlayer.`` or ``layers.0.``); ``embed``: an embedding of
+    its own (random), else the target's; ``lm_head`` False: none, the target's (over the target's vocabulary)."""
+    hf = {**_target_config(target), "num_hidden_layers": 1, "architectures": ["LlamaForCausalLMEagle3"],
+          "eagle_aux_hidden_state_layer_ids": list(aux_layers), **config}
+    h, i = hf["hidden_size"], hf["intermediate_size"]
+    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
+    vocab = hf["vocab_size"]
+    ids = np.arange(vocab) if draft_ids is None else np.asarray(draft_ids)
+    if draft_ids is not None:
+        hf["draft_vocab_size"] = len(ids)
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    t = {"fc.weight": w(h, 3 * h), layer0 + "self_attn.q_proj.weight": w(q, 2 * h),
+         layer0 + "self_attn.k_proj.weight": w(kv, 2 * h), layer0 + "self_attn.v_proj.weight": w(kv, 2 * h),
+         layer0 + "self_attn.o_proj.weight": w(h, q), layer0 + "mlp.gate_proj.weight": w(i, h),
+         layer0 + "mlp.up_proj.weight": w(i, h), layer0 + "mlp.down_proj.weight": w(h, i),
+         layer0 + "input_layernorm.weight": 1 + w(h), layer0 + "hidden_norm.weight": 1 + w(h),
+         layer0 + "post_attention_layernorm.weight": np.ones(h, np.float32), "norm.weight": 1 + w(h),
+         "lm_head.weight": w(len(ids), h)}
+    if embed:
+        t["embed_tokens.weight"] = w(vocab, h)
+    if draft_ids is not None and d2t:
+        t["d2t"] = (ids - np.arange(len(ids))).astype(np.int64)
+        t["t2d"] = np.isin(np.arange(vocab), ids)
+    if echo:
+        from jaxserve.models.safetensors_loader import safetensors_getter
+        get, _ = safetensors_getter(fixture_path(target))
+        eye = np.eye(h, dtype=np.float32)
+        t["fc.weight"] = np.concatenate([np.zeros((h, 2 * h), np.float32), eye], axis=1)
+        t[layer0 + "self_attn.o_proj.weight"][:] = 0
+        t[layer0 + "mlp.down_proj.weight"][:] = 0
+        t["norm.weight"] = np.asarray(get("model.norm.weight"), np.float32)
+        if lm_head:
+            t["lm_head.weight"] = np.asarray(get("lm_head.weight"), np.float32)[ids]
+    if not lm_head:
+        del t["lm_head.weight"]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf))
     save_file(t, str(folder / "model.safetensors"))

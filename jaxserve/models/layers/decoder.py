@@ -213,9 +213,11 @@ class DecoderModel(nnx.Module):
 
     def __call__(self, kv_caches: list, input_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
                  backend: str, mm_embeds: jax.Array | None = None, mm_rows: jax.Array | None = None,
-                 lora: tuple | None = None, hidden_in: jax.Array | None = None):
+                 lora: tuple | None = None, hidden_in: jax.Array | None = None, aux_layers: tuple[int, ...] = ()):
         """``(h, kv_caches, expert load)``: h the final norm's output, or on a stage before the last the
-        residual stream its successor takes as ``hidden_in``."""
+        residual stream its successor takes as ``hidden_in``. ``aux_layers`` (an EAGLE-3 target's): a fourth
+        item, the residual streams entering those layers (``num_layers``: leaving the last) side by side,
+        ``[T, len * hidden]``."""
         spec, eps = self.spec, self.cfg.rms_norm_eps
         x = jnp.take(_w(self.embed), input_ids, axis=0) if self.first else hidden_in
         # LoRA (the plain pre-norm block only: ``supports_lora``): (slot stacks, each token's slot)
@@ -234,9 +236,11 @@ class DecoderModel(nnx.Module):
         # adapters' shrink reads the float activations, and each fp8 projection quantizes its own input
         readers = [() if lora is not None else layer.attention_readers() for layer in layers] + [()]
         h = normed_input(x, self.norm, _w(layers[0].attn_norm), eps, readers[0])
-        new_caches, routed = [], []
+        new_caches, routed, aux = [], [], []
         with live_tokens(md.query_start_loc[-1]):     # int4 decode computes only the bucket's real rows
             for layer, next_norm, next_readers, kv_cache in zip(layers, next_norms, readers[1:], kv_caches):
+                if layer.index in aux_layers:
+                    aux.append(x)
                 attn, kv_cache = layer.attention(h, cos_sin, kv_cache, md, backend, lora)
                 new_caches.append(kv_cache)
                 if spec.parallel_block:
@@ -271,6 +275,10 @@ class DecoderModel(nnx.Module):
                                           next_readers)
         # tokens per expert per MoE layer [L_moe, E] (None for a dense model)
         load = moe.expert_load(jnp.stack(routed), spec.moe.num_experts) if routed else None
+        if aux_layers:
+            if self.cfg.num_layers in aux_layers:      # the stream leaving the last layer
+                aux.append(x)
+            return h, new_caches, load, jnp.concatenate(aux, axis=-1)
         return h if self.last else x, new_caches, load
 
     def _add_norm(self, x, w, residual, norm_weight, readers=()):
@@ -413,14 +421,17 @@ class DecoderFamily:
 
     def forward_with_expert_load(self, params: dict, kv_caches: list, input_ids: jax.Array, positions: jax.Array,
                                  md: AttentionMetadata, cfg: ModelConfig, *, attn_backend: str = "reference",
-                                 mm_embeds=None, mm_rows=None, lora=None, stage=None, hidden_in=None):
+                                 mm_embeds=None, mm_rows=None, lora=None, stage=None, hidden_in=None,
+                                 aux_layers=()):
         """``forward`` and the tokens routed to each expert of each MoE layer ``[L_moe, E]`` int32 (None for a
         dense model): the engine's expert-load statistics, from the step itself. ``stage``: (first layer,
         end) of a pipeline stage, ``params``/``kv_caches`` its own (``parallel.pipeline.stage_params``); one
-        after the first takes the residual stream as ``hidden_in`` and one before the last returns it."""
+        after the first takes the residual stream as ``hidden_in`` and one before the last returns it.
+        ``aux_layers``: also the residual streams entering those layers (``DecoderModel.__call__``)."""
         graphdef = self.abstract(cfg)[0] if stage is None else self.abstract_stage(cfg, stage)
         model = nnx.merge(graphdef, _to_internal(params))
-        return model(kv_caches, input_ids, positions, md, attn_backend, mm_embeds, mm_rows, lora, hidden_in)
+        return model(kv_caches, input_ids, positions, md, attn_backend, mm_embeds, mm_rows, lora, hidden_in,
+                     aux_layers)
 
     def compute_logits(self, params: dict, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
         """``hidden [N, hidden_size]`` → logits ``[N, vocab]`` in float32 (float32 accumulation)."""

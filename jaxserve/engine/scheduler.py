@@ -21,7 +21,7 @@ before this schedule is scheduled with as many of them as the budget leaves room
 (``ScheduledRequest.spec_token_ids``, KV slots for all of them); ``update_from_output`` counts a placeholder
 for each token the step may emit (drafts + 1; the drafts' hold the drafts) and ``apply_sampled_tokens`` rolls
 back the drafts it rejected. With async scheduling the next step is placed as if all were accepted (its forward
-moves it back on the device, ``step_variants.shift_back``): a request whose placed tokens reach its limit is
+moves it back on the device, ``spec_shift.shift_back``): a request whose placed tokens reach its limit is
 capped until the read rolls them back (``uncap``), and a preempted one is not readmitted before its drafts
 are read.
 

@@ -118,8 +118,8 @@ class Speculator:
 
 
 def load_draft(executor, config):
-    """A ``draft_model``, ``eagle`` or ``deepseek_mtp`` speculator's proposer (its weights and KV cache: made before the target's
-    KV cache is sized from the memory left), else None."""
+    """A ``draft_model``, ``eagle``, ``eagle3`` or ``deepseek_mtp`` speculator's proposer (its weights and KV
+    cache: made before the target's KV cache is sized from the memory left), else None."""
     spec = config.speculative_config
     if spec is None or spec.method not in ("draft_model", *HIDDEN_STATE_METHODS):
         return None

@@ -113,7 +113,7 @@ def spec_sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitm
                    layout):
     """The speculative step's sampler (a jitted variant): the sampling metadata, ``draft_ids``, ``num_drafts``
     and ``shift_row`` arrive packed in one int32 and one float32 buffer (``packing``). A row its forward moved
-    back (``step_variants.shift_back``: the drafts ``prev_rejected`` [max_rows] counts) draws (seeded) with
+    back (``spec_shift.shift_back``: the drafts ``prev_rejected`` [max_rows] counts) draws (seeded) with
     the key counter of its true output count, as the synchronous step would. Returns its output and, padded to
     ``max_rows``, each row's last emitted token (as ``step_variants.sample_fn``) and its rejected drafts."""
     x = packing.unpack(ints, floats, layout)

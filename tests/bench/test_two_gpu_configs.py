@@ -217,7 +217,8 @@ def _worker() -> dict:
     from jaxserve import parallel
     from jaxserve.models import dummy_loader, loader, packaged, registry
     from jaxserve.models.configs import model_config_from_hf
-    from jaxserve.models.layers.decoder import _dummy_init_fn, _is_shape, _leaf_seed
+    from jaxserve.models.layers.decoder import _is_shape
+    from jaxserve.models.layers.dummy_init import dummy_init_fn as _dummy_init_fn, leaf_seed as _leaf_seed
 
     assert jax.device_count() == 2
     mesh = parallel.make_mesh(2)

@@ -109,14 +109,14 @@ def test_dummy_load_by_name(tmp_path, monkeypatch):
 
 
 def test_dummy_fill_is_uniform_std_002_and_seeded():
-    from jaxserve.models.layers import decoder
-    fill = decoder._dummy_init_fn("normal", (256, 3, 512), jnp.dtype(jnp.float32), None)
-    a = np.asarray(fill(decoder._leaf_seed(0, 1)))
-    assert abs(a.std() - decoder.DUMMY_STD) < 5e-4 and abs(a.mean()) < 5e-4
-    assert np.abs(a).max() <= decoder.DUMMY_STD * 3 ** 0.5
+    from jaxserve.models.layers import dummy_init
+    fill = dummy_init.dummy_init_fn("normal", (256, 3, 512), jnp.dtype(jnp.float32), None)
+    a = np.asarray(fill(dummy_init.leaf_seed(0, 1)))
+    assert abs(a.std() - dummy_init.DUMMY_STD) < 5e-4 and abs(a.mean()) < 5e-4
+    assert np.abs(a).max() <= dummy_init.DUMMY_STD * 3 ** 0.5
     assert len(np.unique(a)) > a.size * 0.98        # each its own 24-bit draw (~1 % meet by chance)
-    assert np.array_equal(a, np.asarray(fill(decoder._leaf_seed(0, 1))))  # the same seed, the same weights
-    b = np.asarray(fill(decoder._leaf_seed(0, 2)))                        # another leaf: unrelated values
+    assert np.array_equal(a, np.asarray(fill(dummy_init.leaf_seed(0, 1))))  # the same seed, the same weights
+    b = np.asarray(fill(dummy_init.leaf_seed(0, 2)))                        # another leaf: unrelated values
     assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.01
     rows = a.reshape(-1, 512)
     assert abs(np.corrcoef(rows[0], rows[1])[0, 1]) < 0.2 and abs(np.corrcoef(rows[:, 0], rows[:, 1])[0, 1]) < 0.2
@@ -127,10 +127,10 @@ def test_dummy_fill_is_the_same_in_any_sharding():
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from jaxserve.models.layers import decoder
+        from jaxserve.models.layers import dummy_init
         mesh = jax.make_mesh((2,), ("tp",))
-        seed = decoder._leaf_seed(0, 5)
-        fill = lambda sharding: decoder._dummy_init_fn("normal", (6, 4, 8), jnp.dtype(jnp.bfloat16), sharding)
+        seed = dummy_init.leaf_seed(0, 5)
+        fill = lambda sharding: dummy_init.dummy_init_fn("normal", (6, 4, 8), jnp.dtype(jnp.bfloat16), sharding)
         one = fill(None)(seed)
         for spec in (P(None, None, "tp"), P("tp")):
             split = fill(NamedSharding(mesh, spec))(seed)

@@ -12,8 +12,8 @@ from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.speculator import load_draft
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import load_model
-from support.speculation import (check_greedy_matches_with_preemption, greedy, make_eagle_head as make_head,
-                                record_drafts, spec_prompts, token_ids as _tokens)
+from support.speculation import (check_dummy_head_runs, check_greedy_matches_with_preemption, greedy,
+                                make_eagle_head as make_head, record_drafts, spec_prompts, token_ids as _tokens)
 from support.tiny_models import tiny_llm
 
 TARGET = "tiny-llama3"
@@ -78,10 +78,7 @@ def test_seeded_sampling_is_reproducible(heads, prompts):
 
 
 def test_dummy_head_weights_run(heads, prompts):
-    spec = tiny_llm(TARGET, speculative_config=eagle(heads["random"]), load_format="dummy")
-    outs = spec.generate(prompts[:3], greedy(10), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
-    assert spec.engine.core.stats()["spec_decode_num_drafts"] > 0
+    check_dummy_head_runs(TARGET, eagle(heads["random"]), prompts)
 
 
 def test_bad_configs_are_refused(tmp_path, heads):

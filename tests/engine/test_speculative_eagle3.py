@@ -19,8 +19,8 @@ from jaxserve.models import llava, load_model
 from jaxserve.models.eagle_loader import aux_layer_ids, draft_to_target, eagle3_config, load_eagle3_head
 from jaxserve.models.layers.norms import rms_norm
 from jaxserve.runner.step_variants import forward_fn
-from support.speculation import (check_greedy_matches_with_preemption, greedy, make_eagle3_head as make_head,
-                                record_drafts, spec_prompts, token_ids as _tokens)
+from support.speculation import (check_dummy_head_runs, check_greedy_matches_with_preemption, greedy,
+                                make_eagle3_head as make_head, record_drafts, spec_prompts, token_ids as _tokens)
 from support.tiny_models import PagedRunner, fixture_path, tiny_llm
 
 TARGET = "tiny-llama3"
@@ -117,10 +117,7 @@ def test_no_step_compiles_on_first_use(heads, prompts):
 
 
 def test_dummy_head_weights_run(heads, prompts):
-    spec = tiny_llm(TARGET, speculative_config=eagle3_spec(heads["random"]), load_format="dummy")
-    outs = spec.generate(prompts[:3], greedy(10), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
-    assert spec.engine.core.stats()["spec_decode_num_drafts"] > 0
+    check_dummy_head_runs(TARGET, eagle3_spec(heads["random"]), prompts)
 
 
 def test_bad_configs_are_refused(tmp_path, heads):

@@ -42,6 +42,14 @@ def check_greedy_matches_with_preemption(llm, target: str, speculative_config: d
     return spec, ref, lengths
 
 
+def check_dummy_head_runs(target: str, speculative_config: dict, prompts: list) -> None:
+    """A head with ``--load-format dummy`` weights loads, proposes and gives every request its tokens."""
+    spec = tiny_llm(target, speculative_config=speculative_config, load_format="dummy")
+    outs = spec.generate(prompts[:3], greedy(10), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+    assert spec.engine.core.stats()["spec_decode_num_drafts"] > 0
+
+
 def record_drafts(llm) -> list[tuple[int, list[int]]]:
     """A list that fills, as ``llm`` runs, with (the request's last token, its drafts) for each proposal of its
     draft proposer to a request that has outputs (a prompt's last token is not the target's)."""

@@ -12,8 +12,8 @@ from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.speculator import load_draft
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import load_model
-from support.speculation import (check_dummy_head_runs, check_greedy_matches_with_preemption, greedy,
-                                make_eagle_head as make_head, record_drafts, spec_prompts, token_ids as _tokens)
+from support.speculation import (check_dummy_head_runs, check_echo_head, check_greedy_matches_with_preemption, greedy,
+                                make_eagle_head as make_head, spec_prompts, token_ids as _tokens)
 from support.tiny_models import tiny_llm
 
 TARGET = "tiny-llama3"
@@ -55,12 +55,8 @@ def test_a_head_echoing_the_target_hidden_state_drafts_the_last_token(llm, heads
     output row does. A prompt longer than the token budget catches up over several steps; run again, the
     prompts hit the prefix caches and the head starts from its cached blocks."""
     spec = tiny_llm(TARGET, speculative_config=eagle(heads["echo"]), max_num_batched_tokens=32)
-    seen = record_drafts(spec)
+    ref, seen = check_echo_head(llm, spec, prompts)
     params = [greedy(12 + i) for i in range(6)]
-    ref = _tokens(llm.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False))
-    assert _tokens(spec.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False)) == ref
-    assert len(seen) > 20 and any(len(d) == 3 for _, d in seen)
-    assert all(d == [last] * len(d) for last, d in seen)
     first = len(seen)
     again = spec.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False)
     assert _tokens(again) == ref and sum(o.num_cached_tokens > 0 for o in again) >= 4

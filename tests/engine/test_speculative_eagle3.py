@@ -19,7 +19,7 @@ from jaxserve.models import llava, load_model
 from jaxserve.models.eagle_loader import aux_layer_ids, draft_to_target, eagle3_config, load_eagle3_head
 from jaxserve.models.layers.norms import rms_norm
 from jaxserve.runner.step_variants import forward_fn
-from support.speculation import (check_dummy_head_runs, check_greedy_matches_with_preemption, greedy,
+from support.speculation import (check_dummy_head_runs, check_echo_head, check_greedy_matches_with_preemption, greedy,
                                 make_eagle3_head as make_head, record_drafts, spec_prompts, token_ids as _tokens)
 from support.tiny_models import PagedRunner, fixture_path, tiny_llm
 
@@ -69,12 +69,7 @@ def test_a_head_echoing_the_target_last_stream_drafts_the_last_token(llm, heads,
     own output row arrives unmapped by fc. A prompt longer than the token budget catches up over several steps."""
     spec = tiny_llm(TARGET, speculative_config=eagle3_spec(heads["echo"]), max_num_batched_tokens=32)
     assert spec.engine.core.speculator.draft.model.params["embed"] is spec.engine.core.executor.model.params["embed"]
-    seen = record_drafts(spec)
-    params = [greedy(12 + i) for i in range(6)]
-    ref = _tokens(llm.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False))
-    assert _tokens(spec.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False)) == ref
-    assert len(seen) > 20 and any(len(d) == 3 for _, d in seen)
-    assert all(d == [last] * len(d) for last, d in seen)
+    check_echo_head(llm, spec, prompts)
 
 
 def test_a_draft_vocabulary_subset_drafts_only_its_tokens(llm, heads, prompts, subset):

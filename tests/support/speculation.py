@@ -50,6 +50,19 @@ def check_dummy_head_runs(target: str, speculative_config: dict, prompts: list) 
     assert spec.engine.core.stats()["spec_decode_num_drafts"] > 0
 
 
+def check_echo_head(llm, spec, prompts: list) -> tuple[list, list]:
+    """An echo head's run (``spec``) gives the target's greedy tokens (``llm``'s) and proposes, at every round,
+    the request's last token K times, over several rounds of three drafts: (the reference tokens, the
+    drafts ``record_drafts`` saw)."""
+    seen = record_drafts(spec)
+    params = [greedy(12 + i) for i in range(6)]
+    ref = token_ids(llm.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False))
+    assert token_ids(spec.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False)) == ref
+    assert len(seen) > 20 and any(len(d) == 3 for _, d in seen)
+    assert all(d == [last] * len(d) for last, d in seen)
+    return ref, seen
+
+
 def record_drafts(llm) -> list[tuple[int, list[int]]]:
     """A list that fills, as ``llm`` runs, with (the request's last token, its drafts) for each proposal of its
     draft proposer to a request that has outputs (a prompt's last token is not the target's)."""

@@ -33,13 +33,14 @@ class EagleProposer(DraftProposer):
     def __init__(self, executor, config):
         from jaxserve.models.eagle_loader import load_eagle3_head, load_eagle_head, load_mtp_head  # noqa: PLC0415
         spec = config.speculative_config
+        # on the target's mesh: sharded over "tp" as the target's layers are
+        kw = {"load_format": config.load_format, "seed": config.seed, "mesh": executor.mesh}
         if spec.method == "deepseek_mtp":
-            head = load_mtp_head(spec.model or config.model, executor.model, load_format=config.load_format,
-                                 seed=config.seed)
+            head = load_mtp_head(spec.model or config.model, executor.model, **kw)
         elif spec.method == "eagle3":
-            head = load_eagle3_head(spec.model, executor.model, load_format=config.load_format, seed=config.seed)
+            head = load_eagle3_head(spec.model, executor.model, **kw)
         else:
-            head = load_eagle_head(spec.model, executor.model, load_format=config.load_format, seed=config.seed)
+            head = load_eagle_head(spec.model, executor.model, **kw)
         super().__init__(executor, config, head, prefix_caching=config.cache.enable_prefix_caching)
         self.executor = executor
         self._seen = None           # the target step last read (``HiddenRows``)

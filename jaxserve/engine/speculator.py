@@ -10,8 +10,9 @@ applies sampled tokens rolls back the rejected ones. Speculating steps run synch
 before the next is scheduled (the proposer needs the tokens; async scheduling is off while
 ``--speculative-config`` is set).
 
-Under tensor parallelism a draft model runs on the target's mesh (its weights and KV cache sharded over "tp"
-as the target's; it must divide as the target does). With LoRA the draft proposes from its base weights and
+Under tensor parallelism a draft model or head runs on the target's mesh (its weights and KV cache sharded
+over "tp" as the target's; it must divide as the target does; a head reads the target's hidden states,
+replicated as every step output is). With LoRA the draft proposes from its base weights and
 the target verifies with each request's adapter: greedy output is the adapter's.
 
 A request speculates when its next token follows from the logits alone, the same at every position:
@@ -124,10 +125,6 @@ def load_draft(executor, config):
     if spec is None or spec.method not in ("draft_model", *HIDDEN_STATE_METHODS):
         return None
     if spec.method in HIDDEN_STATE_METHODS:
-        tp = config.parallel.tensor_parallel_size
-        if tp > 1:
-            raise ValueError(f"--speculative-config method {spec.method} is not supported with "
-                             f"--tensor-parallel-size {tp}; use ngram or draft_model, or one device")
         from jaxserve.engine.eagle_proposer import EagleProposer  # noqa: PLC0415
         return EagleProposer(executor, config)
     from jaxserve.engine.draft_proposer import DraftProposer  # noqa: PLC0415

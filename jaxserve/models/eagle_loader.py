@@ -1,11 +1,13 @@
 """Loading a draft head (``models.eagle``, ``models.eagle3``): an EAGLE or EAGLE-3 head's folder (its Llama
 config.json checked against the target's) or a DeepSeek target's MTP layer, from safetensors or as random
-weights of the config, the target's embedding (and lm_head, but an EAGLE-3 head's own) shared."""
+weights of the config, the target's embedding (and lm_head, but an EAGLE-3 head's own) shared. With the target's
+mesh each weight is placed sharded over "tp" as the head's family declares it (the target's layers' layout)."""
 from __future__ import annotations
 
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,8 +18,10 @@ from jaxserve.models.config_fields import freeze
 from jaxserve.models.eagle import ARCHITECTURE, FAMILY, MTP_ARCHITECTURE, MTP_FAMILY
 from jaxserve.models.hf_weights import load_weights
 from jaxserve.models.layers.decoder import DecoderFamily
+from jaxserve.models.layers.moe import EXPERT_PARALLEL, with_expert_parallel
 from jaxserve.models.loaded_model import LoadedModel
 from jaxserve.models.safetensors_loader import safetensors_getter
+from jaxserve.parallel import replicated, tp_size
 
 
 def _llama_head_config(hf: dict, target_cfg: ModelConfig, kind: str) -> ModelConfig:
@@ -42,9 +46,11 @@ def head_config(hf: dict, target_cfg: ModelConfig, fc_bias: bool) -> ModelConfig
                                extra=cfg.extra + (("fc_bias", bool(fc_bias)),))
 
 
-def load_eagle_head(path: str, target: LoadedModel, *, load_format: str = "auto", seed: int = 0) -> LoadedModel:
+def load_eagle_head(path: str, target: LoadedModel, *, load_format: str = "auto", seed: int = 0,
+                    mesh=None) -> LoadedModel:
     """The EAGLE head in the folder ``path`` (config.json and safetensors; ``load_format="dummy"``: random
-    weights of its config), on the target's device and in its dtype, sharing its embedding and lm_head."""
+    weights of its config), on the target's device(s) (``mesh``: the target's) and in its dtype, sharing its
+    embedding and lm_head."""
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
         raise ModelLoadError(f"EAGLE head {path!r}: not a folder (an EAGLE checkpoint's config.json and "
@@ -53,12 +59,12 @@ def load_eagle_head(path: str, target: LoadedModel, *, load_format: str = "auto"
     dtype = target.dtype
     if load_format == "dummy":
         cfg = head_config(hf, target.config, hf.get("bias", False))
-        params = FAMILY.init_dummy_params(cfg, dtype, seed=seed)
+        params = FAMILY.init_dummy_params(cfg, dtype, seed=seed, mesh=mesh)
     else:
         get, file_of = safetensors_getter(path)
         cfg = head_config(hf, target.config, hf.get("bias", False) or get.has("fc.bias"))
-        params = load_weights(cfg, FAMILY, get, dtype, file_of=file_of, desc="Loading the EAGLE head")
-        params["layers"][0]["attn_norm"] = jnp.ones((cfg.hidden_size,), dtype)      # (not read)
+        params = load_weights(cfg, FAMILY, get, dtype, mesh=mesh, file_of=file_of, desc="Loading the EAGLE head")
+        params["layers"][0]["attn_norm"] = _replicated(jnp.ones((cfg.hidden_size,), dtype), mesh)  # (not read)
     return _head_model(cfg, FAMILY, params, target, path, load_format)
 
 
@@ -123,10 +129,11 @@ def draft_to_target(d2t: np.ndarray | None, draft_vocab: int, vocab: int) -> np.
     return None if draft_vocab == vocab and (ids == np.arange(vocab)).all() else ids.astype(np.int32)
 
 
-def load_eagle3_head(path: str, target: LoadedModel, *, load_format: str = "auto", seed: int = 0) -> LoadedModel:
+def load_eagle3_head(path: str, target: LoadedModel, *, load_format: str = "auto", seed: int = 0,
+                     mesh=None) -> LoadedModel:
     """The EAGLE-3 head in the folder ``path`` (config.json and safetensors; ``load_format="dummy"``: random
-    weights of its config and an identity draft vocabulary), on the target's device and in its dtype, sharing
-    its embedding; the target's auxiliary layers (``aux_layer_ids``) are checked here."""
+    weights of its config and an identity draft vocabulary), on the target's device(s) (``mesh``: the target's)
+    and in its dtype, sharing its embedding; the target's auxiliary layers (``aux_layer_ids``) are checked here."""
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
         raise ModelLoadError(f"EAGLE-3 head {path!r}: not a folder (an EAGLE-3 checkpoint's config.json and "
@@ -140,7 +147,8 @@ def load_eagle3_head(path: str, target: LoadedModel, *, load_format: str = "auto
     hf = model_configs.read_json(os.path.join(path, "config.json"))
     if load_format == "dummy":
         cfg = eagle3_config(hf, target.config)
-        params = eagle3.FAMILY.init_dummy_params(cfg, target.dtype, seed=seed)
+        _check_draft_vocab_splits(cfg, mesh)
+        params = eagle3.FAMILY.init_dummy_params(cfg, target.dtype, seed=seed, mesh=mesh)
         draft_vocab = cfg.extra_dict["draft_vocab_size"]
         ids = np.arange(draft_vocab, dtype=np.int32) if draft_vocab != cfg.vocab_size else None
     else:
@@ -152,13 +160,29 @@ def load_eagle3_head(path: str, target: LoadedModel, *, load_format: str = "auto
                               cfg.vocab_size)
         if ids is None and cfg.extra_dict["draft_vocab_size"] != cfg.vocab_size:
             raise ModelLoadError("EAGLE-3 head has a draft vocabulary smaller than the target's and no d2t map")
-        params = load_weights(cfg, eagle3.FAMILY, get, target.dtype, file_of=file_of,
+        _check_draft_vocab_splits(cfg, mesh)
+        params = load_weights(cfg, eagle3.FAMILY, get, target.dtype, mesh=mesh, file_of=file_of,
                               desc="Loading the EAGLE-3 head")
     head = _head_model(cfg, eagle3.FAMILY, params, target, path, load_format,
                        share_lm_head=not cfg.extra_dict["own_lm_head"], share_embed=not cfg.extra_dict["own_embed"])
     if ids is not None:
-        head.params["draft_to_target"] = jnp.asarray(ids)
+        head.params["draft_to_target"] = _replicated(jnp.asarray(ids), mesh)
     return head
+
+
+def _check_draft_vocab_splits(cfg: ModelConfig, mesh) -> None:
+    """Refuse an EAGLE-3 head whose own lm_head (vocab-parallel, as the target's) cannot split over ``mesh``."""
+    tp, draft_vocab = tp_size(mesh), cfg.extra_dict["draft_vocab_size"]
+    if cfg.extra_dict["own_lm_head"] and draft_vocab % tp:
+        raise ModelLoadError(f"EAGLE-3 head's draft_vocab_size {draft_vocab} is not divisible by "
+                             f"tensor_parallel_size={tp} (its lm_head is split over the draft vocabulary)")
+
+
+def _replicated(x, mesh):
+    """``x`` on every device of ``mesh`` (as it is without one)."""
+    if mesh is None:
+        return x
+    return jax.device_put(x, replicated(mesh))
 
 
 def mtp_config(hf: dict) -> ModelConfig:
@@ -179,19 +203,23 @@ def mtp_config(hf: dict) -> ModelConfig:
     return dataclasses.replace(cfg, architecture=MTP_ARCHITECTURE, num_layers=1, extra=freeze(extra))
 
 
-def load_mtp_head(path: str, target: LoadedModel, *, load_format: str = "auto", seed: int = 0) -> LoadedModel:
+def load_mtp_head(path: str, target: LoadedModel, *, load_format: str = "auto", seed: int = 0,
+                  mesh=None) -> LoadedModel:
     """DeepSeek's MTP layer from the target's folder ``path`` (``load_format="dummy"``: random weights), on the
-    target's device and in its dtype, sharing its embedding and lm_head (``shared_head.head`` holds the same)."""
+    target's device(s) (``mesh``: the target's; its experts split as the target's are) and in its dtype, sharing
+    its embedding and lm_head (``shared_head.head`` holds the same)."""
     path = os.path.expanduser(path or "")
     if not os.path.isdir(path):
         raise ModelLoadError(f"deepseek_mtp: {path!r} is not a model folder (its MTP layers are read from the "
                              "target's safetensors)")
     cfg = mtp_config(model_configs.read_json(os.path.join(path, "config.json")))
+    cfg = with_expert_parallel(cfg, bool(target.config.extra_dict.get(EXPERT_PARALLEL)))
     if load_format == "dummy":
-        params = MTP_FAMILY.init_dummy_params(cfg, target.dtype, seed=seed)
+        params = MTP_FAMILY.init_dummy_params(cfg, target.dtype, seed=seed, mesh=mesh)
     else:
         get, file_of = safetensors_getter(path)
-        params = load_weights(cfg, MTP_FAMILY, get, target.dtype, file_of=file_of, desc="Loading the MTP layer")
+        params = load_weights(cfg, MTP_FAMILY, get, target.dtype, mesh=mesh, file_of=file_of,
+                              desc="Loading the MTP layer")
     return _head_model(cfg, MTP_FAMILY, params, target, path, load_format)
 
 

@@ -3,13 +3,10 @@ trained head is at hand): a random head keeps greedy output token-identical to t
 speculation (batched, prefix cache on, preemption forced); a head that echoes the target's hidden state
 proves the hidden-state plumbing (its every draft is the target's greedy token at the previous position,
 i.e. the request's last token, which only the right rows give); bad configs are refused by name."""
-from types import SimpleNamespace
 
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.config import SpeculativeConfig
-from jaxserve.engine.speculator import load_draft
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import load_model
 from support.speculation import (check_dummy_head_runs, check_echo_head, check_greedy_matches_with_preemption, greedy,
@@ -92,10 +89,3 @@ def test_bad_configs_are_refused(tmp_path, heads):
     served = make_head(tmp_path / "served", architectures=["EagleLlamaForCausalLM"])
     with pytest.raises(ModelLoadError, match="EAGLE draft head"):     # a head is not a model to serve
         load_model(served)
-
-
-def test_tensor_parallel_is_refused_before_loading(heads):
-    config = SimpleNamespace(speculative_config=SpeculativeConfig.coerce(eagle(heads["random"])),
-                             parallel=SimpleNamespace(tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="eagle is not supported with --tensor-parallel-size 2"):
-        load_draft(None, config)

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from jaxserve.config import SpeculativeConfig
-from jaxserve.engine.speculator import load_draft
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import llava, load_model
 from jaxserve.models.eagle_loader import aux_layer_ids, draft_to_target, eagle3_config, load_eagle3_head
@@ -180,10 +179,3 @@ def test_the_target_step_returns_its_auxiliary_layers_streams():
                                rtol=1e-4, atol=1e-4)
     assert not np.allclose(aux[:n, h:2 * h], aux[:n, :h]) and not np.allclose(aux[:n, h:2 * h], aux[:n, 2 * h:])
     np.testing.assert_allclose(runner.prompt_logits(prompt), np.asarray(logits), rtol=1e-5, atol=1e-5)
-
-
-def test_tensor_parallel_is_refused_before_loading(heads):
-    config = SimpleNamespace(speculative_config=SpeculativeConfig.coerce(eagle3_spec(heads["random"])),
-                             parallel=SimpleNamespace(tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="eagle3 is not supported with --tensor-parallel-size 2"):
-        load_draft(None, config)

@@ -7,37 +7,9 @@ import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
-from support.speculation import greedy, record_drafts, token_ids as _tokens
+from support.speculation import MTP_TARGET as TARGET, greedy, record_drafts, token_ids as _tokens, with_mtp_layer
 from support.tiny_models import fixture_path, tiny_llm
-
-TARGET = "tiny-deepseek-v3"
-
-
-def with_mtp_layer(folder, echo: bool = False) -> str:
-    """The tiny DeepSeek V3 with a full MTP layer 3: layer 2's block (MLA, MoE), random ``eh_proj``, unit norms,
-    ``shared_head.head`` the lm_head. ``echo``: ``eh_proj`` passes the (normed) hidden state through and the
-    block adds nothing (o and every down projection zero)."""
-    shutil.copytree(fixture_path(TARGET), folder)
-    tensors = load_file(f"{folder}/model.safetensors")
-    config = json.loads((folder / "config.json").read_text())
-    L, h = config["num_hidden_layers"], config["hidden_size"]
-    for name in [n for n in tensors if n.startswith(f"model.layers.{L - 1}.")]:
-        tensors[name.replace(f"layers.{L - 1}.", f"layers.{L}.")] = tensors[name].copy()
-    rng = np.random.default_rng(0)
-    pre = f"model.layers.{L}."
-    dtype = tensors["lm_head.weight"].dtype
-    tensors[pre + "eh_proj.weight"] = (rng.standard_normal((h, 2 * h)) * 0.1).astype(dtype)
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"{pre}{norm}.weight"] = np.ones(h, dtype)
-    tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].copy()
-    if echo:
-        tensors[pre + "eh_proj.weight"] = np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1).astype(dtype)
-        for name in [n for n in tensors if n.startswith(pre) and (n.endswith("down_proj.weight") or "o_proj" in n)]:
-            tensors[name] = np.zeros_like(tensors[name])
-    save_file(tensors, f"{folder}/model.safetensors")
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

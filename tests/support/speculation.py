@@ -1,13 +1,16 @@
 """What the speculative-decoding tests share: greedy parameters, the outputs' token ids, prompts, the check that
 speculation keeps greedy output identical, a recorder of the drafts a draft proposer makes, and EAGLE and
-EAGLE-3 heads made for the tiny Llama."""
+EAGLE-3 heads made for the tiny Llama, and the tiny DeepSeek V3 with an MTP layer."""
 import json
+import shutil
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from jaxserve import SamplingParams
 from support.tiny_models import fixture_path, tiny_llm
+
+MTP_TARGET = "tiny-deepseek-v3"
 
 
 def greedy(m: int = 24) -> SamplingParams:
@@ -163,4 +166,29 @@ def make_eagle3_head(folder, *, echo: bool = False, draft_ids=None, d2t: bool = 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf))
     save_file(t, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def with_mtp_layer(folder, echo: bool = False) -> str:
+    """The tiny DeepSeek V3 with a full MTP layer 3: layer 2's block (MLA, MoE), random ``eh_proj``, unit norms,
+    ``shared_head.head`` the lm_head. ``echo``: ``eh_proj`` passes the (normed) hidden state through and the
+    block adds nothing (o and every down projection zero)."""
+    shutil.copytree(fixture_path(MTP_TARGET), folder)
+    tensors = load_file(f"{folder}/model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    L, h = config["num_hidden_layers"], config["hidden_size"]
+    for name in [n for n in tensors if n.startswith(f"model.layers.{L - 1}.")]:
+        tensors[name.replace(f"layers.{L - 1}.", f"layers.{L}.")] = tensors[name].copy()
+    rng = np.random.default_rng(0)
+    pre = f"model.layers.{L}."
+    dtype = tensors["lm_head.weight"].dtype
+    tensors[pre + "eh_proj.weight"] = (rng.standard_normal((h, 2 * h)) * 0.1).astype(dtype)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{pre}{norm}.weight"] = np.ones(h, dtype)
+    tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].copy()
+    if echo:
+        tensors[pre + "eh_proj.weight"] = np.concatenate([np.zeros((h, h)), np.eye(h)], axis=1).astype(dtype)
+        for name in [n for n in tensors if n.startswith(pre) and (n.endswith("down_proj.weight") or "o_proj" in n)]:
+            tensors[name] = np.zeros_like(tensors[name])
+    save_file(tensors, f"{folder}/model.safetensors")
     return str(folder)

@@ -7,13 +7,15 @@ The head shares the target's embedding and lm_head (the checkpoint has ``fc.weig
 ``bias`` or the tensor present), ``layers.<i>.*`` in Llama's names, maybe an ``embed_tokens.weight`` that is
 not read). Layer 0 has no input norm (the residual stream is ``fc``'s output); the head's output is the last
 residual stream, with no final norm, and feeds both the lm_head and the next draft step. Its config.json is
-a Llama one (hidden size and vocabulary the target's).
+a Llama one (hidden size and vocabulary the target's); its ``logit_scale``, if any, multiplies the head's
+logits (vLLM's ``LogitsProcessor(scale=logit_scale)``; EAGLE-3 heads' too).
 
 Loading: ``eagle_loader``. The engine side (which rows, the proposal round) is ``engine.eagle_proposer``; the
 runner passes hidden states from step to step on the device (``runner.step_variants.forward_fn``).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -130,7 +132,12 @@ def check_config(cfg: ModelConfig) -> None:
     llama.check_config(cfg)
 
 
-FAMILY = EagleFamily(llama.decoder_spec, check_config, llama.LAYER_NAMES, architectures=(ARCHITECTURE,),
+def head_decoder_spec(cfg: ModelConfig):
+    """Llama's, with the head config's ``logit_scale`` on its logits (an EAGLE or EAGLE-3 head's)."""
+    return dataclasses.replace(llama.decoder_spec(cfg), logit_scale=cfg.extra_dict.get("logit_scale"))
+
+
+FAMILY = EagleFamily(head_decoder_spec, check_config, llama.LAYER_NAMES, architectures=(ARCHITECTURE,),
                      model_types={})
 
 

@@ -7,8 +7,8 @@ vLLM's ``(2, num_layers // 2, num_layers - 3)``). The head's ``fc`` maps them to
 layer attends over ``concat(input_layernorm(embed(token)), hidden_norm(h))`` (q/k/v ``2 * hidden`` wide), its
 residual stream starting at ``h`` (``norm_before_residual``: at ``hidden_norm(h)``); later layers are Llama's.
 Its output: its final ``norm`` over the last residual stream, through its own ``lm_head`` over a draft
-vocabulary (``draft_vocab_size``), whose id ``i`` is the target's ``i + d2t[i]`` (the ``t2d`` buffer is not
-read). Further into a proposal the head is fed its own last residual stream (before its norm) as ``h``, not
+vocabulary (``draft_vocab_size``), times the config's ``logit_scale`` (if any, as vLLM's ``LogitsProcessor``),
+whose id ``i`` is the target's ``i + d2t[i]`` (the ``t2d`` buffer is not read). Further into a proposal the head is fed its own last residual stream (before its norm) as ``h``, not
 through ``fc``: in the head's steps those rows are marked (``hidden_own``) and sit in the first ``hidden``
 columns of a ``3 * hidden`` row.
 
@@ -29,7 +29,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import checkpoint_names, llama
-from jaxserve.models.eagle import EagleFamily
+from jaxserve.models.eagle import EagleFamily, head_decoder_spec
 from jaxserve.models.layers.decoder import COLUMN, REPLICATED, VOCAB, DecoderLayer, _param, _to_internal, _w
 from jaxserve.models.layers.linear import linear, row_parallel_linear
 from jaxserve.models.layers.norms import NORMS
@@ -132,5 +132,5 @@ def check_config(cfg: ModelConfig) -> None:
     llama.check_config(cfg)
 
 
-FAMILY = Eagle3Family(llama.decoder_spec, check_config, llama.LAYER_NAMES, architectures=ARCHITECTURES,
+FAMILY = Eagle3Family(head_decoder_spec, check_config, llama.LAYER_NAMES, architectures=ARCHITECTURES,
                       model_types={})

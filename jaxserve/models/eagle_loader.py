@@ -25,13 +25,19 @@ from jaxserve.parallel import replicated, tp_size
 
 
 def _llama_head_config(hf: dict, target_cfg: ModelConfig, kind: str) -> ModelConfig:
-    """A head's Llama config.json read, refused unless its hidden size and vocabulary are the target's."""
+    """A head's Llama config.json read (its ``logit_scale`` kept), refused unless its hidden size and vocabulary
+    are the target's."""
     cfg = model_configs.model_config_from_hf({**hf, "architectures": ["LlamaForCausalLM"]})
     for field in ("hidden_size", "vocab_size"):
         if getattr(cfg, field) != getattr(target_cfg, field):
             raise ModelLoadError(f"{kind} head's {field} is {getattr(cfg, field)} and the target's "
                                  f"{getattr(target_cfg, field)}: the head must be trained for this target")
     llama.check_config(cfg)
+    scale = hf.get("logit_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ModelLoadError(f"{kind} head's logit_scale {scale!r} must be a number")
+    if scale != 1.0:        # the head's logits times it (vLLM's LogitsProcessor(scale=logit_scale))
+        cfg = dataclasses.replace(cfg, extra=cfg.extra + (("logit_scale", float(scale)),))
     return cfg
 
 

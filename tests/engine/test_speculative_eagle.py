@@ -3,15 +3,17 @@ trained head is at hand): a random head keeps greedy output token-identical to t
 speculation (batched, prefix cache on, preemption forced); a head that echoes the target's hidden state
 proves the hidden-state plumbing (its every draft is the target's greedy token at the previous position,
 i.e. the request's last token, which only the right rows give); bad configs are refused by name."""
-
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import load_model
+from jaxserve.models.eagle_loader import load_eagle_head
 from support.speculation import (check_dummy_head_runs, check_echo_head, check_greedy_matches_with_preemption, greedy,
                                 make_eagle_head as make_head, spec_prompts, token_ids as _tokens)
-from support.tiny_models import tiny_llm
+from support.tiny_models import fixture_path, tiny_llm
 
 TARGET = "tiny-llama3"
 
@@ -58,6 +60,17 @@ def test_a_head_echoing_the_target_hidden_state_drafts_the_last_token(llm, heads
     again = spec.generate(prompts[:5] + [prompts[-1]], params, use_tqdm=False)
     assert _tokens(again) == ref and sum(o.num_cached_tokens > 0 for o in again) >= 4
     assert len(seen) > first + 20 and all(d == [last] * len(d) for last, d in seen)
+
+
+def test_logit_scale_multiplies_the_head_logits(tmp_path):
+    """vLLM's EagleLlamaForCausalLM: ``LogitsProcessor(vocab_size, scale=logit_scale)`` over the shared lm_head."""
+    target = load_model(fixture_path(TARGET), dtype="float32")
+    scaled = load_eagle_head(make_head(tmp_path / "scaled", logit_scale=0.5), target)
+    plain = load_eagle_head(make_head(tmp_path / "plain"), target)
+    hidden = jnp.asarray(np.random.default_rng(0).standard_normal((3, target.config.hidden_size)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(scaled.family.compute_logits(scaled.params, hidden, scaled.config)),
+                               0.5 * np.asarray(plain.family.compute_logits(plain.params, hidden, plain.config)),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_seeded_sampling_is_reproducible(heads, prompts):

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.errors import ModelLoadError
@@ -93,6 +94,32 @@ def test_a_head_without_lm_head_shares_the_tied_targets(tmp_path, prompts):
     assert _tokens(spec.generate(prompts[:4], greedy(12), use_tqdm=False)) == ref
     assert "lm_head" not in spec.engine.core.speculator.draft.model.params
     assert len(seen) > 5 and all(d == [last] * len(d) for last, d in seen)
+
+
+def test_logit_scale_multiplies_the_draft_logits_as_vllm(tmp_path, llm, prompts, subset):
+    """vLLM's Eagle3LlamaForCausalLM: ``LogitsProcessor(draft_vocab_size, scale=logit_scale)`` over its lm_head's
+    draft-vocabulary logits (of the final norm), which d2t then places among the target's (-inf elsewhere).
+    Greedy output stays the target's."""
+    target = load_model(fixture_path(TARGET), dtype="float32")
+    path = make_head(tmp_path / "scaled", draft_ids=subset, logit_scale=4.0)
+    scaled = load_eagle3_head(path, target)
+    plain = load_eagle3_head(make_head(tmp_path / "plain", draft_ids=subset), target)    # the same weights
+    assert "logit_scale" not in plain.config.extra_dict
+    hidden = np.random.default_rng(0).standard_normal((5, target.config.hidden_size)).astype(np.float32)
+    t = load_file(f"{path}/model.safetensors")
+    normed = hidden / np.sqrt((hidden ** 2).mean(-1, keepdims=True) + target.config.rms_norm_eps) * t["norm.weight"]
+    expected = np.full((5, VOCAB), -np.inf, np.float32)
+    expected[:, subset] = normed @ t["lm_head.weight"].T * 4.0
+    got = np.asarray(scaled.family.compute_logits(scaled.params, jnp.asarray(hidden), scaled.config))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    unscaled = np.asarray(plain.family.compute_logits(plain.params, jnp.asarray(hidden), plain.config))
+    np.testing.assert_allclose(got[:, subset], 4.0 * unscaled[:, subset], rtol=1e-6, atol=1e-6)
+    spec = tiny_llm(TARGET, speculative_config=eagle3_spec(path))
+    ref = _tokens(llm.generate(prompts[:6], greedy(12), use_tqdm=False))
+    assert _tokens(spec.generate(prompts[:6], greedy(12), use_tqdm=False)) == ref
+    assert spec.engine.core.stats()["spec_decode_num_drafts"] > 0
+    with pytest.raises(ModelLoadError, match="logit_scale 'x' must be a number"):
+        load_eagle3_head(make_head(tmp_path / "bad", logit_scale="x"), target)
 
 
 def test_no_step_compiles_on_first_use(heads, prompts):

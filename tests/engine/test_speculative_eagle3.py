@@ -179,6 +179,9 @@ def test_bad_configs_are_refused(tmp_path, heads):
         load_eagle3_head(make_head(tmp_path / "no_d2t", draft_ids=np.arange(100), d2t=False), target)
     with pytest.raises(Exception, match="not a folder"):
         load_eagle3_head(str(tmp_path / "missing"), target)
+    with pytest.raises(ModelLoadError, match="draft_vocab_size 101 is not divisible by tensor_parallel_size=2"):
+        load_eagle3_head(make_head(tmp_path / "odd", draft_ids=np.arange(101)), target,
+                         mesh=SimpleNamespace(shape={"tp": 2}))       # (refused before any weight is placed)
     vision = SimpleNamespace(family=llava.FAMILY, config=SimpleNamespace(architecture="LlavaForConditionalGeneration"))
     with pytest.raises(ModelLoadError, match="LlavaForConditionalGeneration does not return"):
         load_eagle3_head(heads["random"], vision)

@@ -236,7 +236,8 @@ class ModelCost:
 # + a float32 scale per output channel (negligible)
 QUANTIZED_WEIGHT_BYTES = {"awq": 0.5 + 3 / 128, "gptq": 0.5 + 3 / 128, "compressed-tensors": 0.5 + 3 / 128,
                           "fp8": 1.0}
-PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down", "q_a", "q_b", "kv_a")   # quantization.loading.LINEAR_WEIGHTS
+# quantization.loading.LINEAR_WEIGHTS
+PROJECTIONS = ("q", "k", "v", "o", "gate_up", "down", "q_a", "q_b", "kv_a", "fused_qkv_a")
 EXPERTS = ("experts_gate_up", "experts_down")           # an MoE layer's routed experts (models/layers/moe.py)
 
 

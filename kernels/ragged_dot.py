@@ -25,10 +25,16 @@ rows of that expert (at most ``max_rows_per_expert``, the tile height), so each 
 are read once and nothing is sorted, counted or scattered back: the MoE layer passes its (token, slot) rows
 in token order. The plan compares every row with every row (``m²``), so it is for decode-sized ``m``;
 ``expert_rows_plan`` makes it once for several products of the same rows.
+
+Gated (``activation``, the MoE's gate/up product): ``rhs [G, k, 2n]`` holds each expert's gate columns then its
+up columns, and the result is ``activation(gate) * up`` ``[m, n]`` (``gated`` on the plain product: the
+reference). The Pallas kernel computes it in place, each program accumulating a block of gate columns and the
+same block of up columns, so the ``[m, 2n]`` product is never written and read back.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +46,24 @@ IMPLEMENTATIONS = ("ragged_dot", "gather", "pallas")
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str = "ragged_dot", *,
-                   interpret: bool = False) -> jax.Array:
+                   activation: Callable | None = None, interpret: bool = False) -> jax.Array:
     group_sizes = group_sizes.astype(jnp.int32)
-    if impl == "ragged_dot":
-        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
-    if impl == "gather":
-        return grouped_matmul_gather(lhs, rhs, group_sizes)
     if impl == "pallas":   # Triton lowers for NVIDIA GPUs; elsewhere the kernel runs in interpret mode
-        return grouped_matmul_pallas(lhs, rhs, group_sizes, interpret=interpret or jax.default_backend() != "gpu")
-    raise ValueError(f"grouped matmul implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+        return grouped_matmul_pallas(lhs, rhs, group_sizes, activation=activation,
+                                     interpret=interpret or jax.default_backend() != "gpu")
+    if impl == "ragged_dot":
+        out = lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
+    elif impl == "gather":
+        out = grouped_matmul_gather(lhs, rhs, group_sizes)
+    else:
+        raise ValueError(f"grouped matmul implementation {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    return out if activation is None else gated(out, activation)
+
+
+def gated(product: jax.Array, activation: Callable) -> jax.Array:
+    """``activation(gate) * up`` of a gate-then-up product ``[m, 2n]`` → ``[m, n]``."""
+    product = product.reshape(product.shape[0], 2, -1)
+    return activation(product[:, 0]) * product[:, 1]
 
 
 def count_ends_at_or_below(ends: jax.Array, x: jax.Array) -> jax.Array:
@@ -109,7 +124,7 @@ def _block(size: int, largest: int) -> int:
 
 
 def _gmm_kernel(group_ref, row0_ref, rows_ref, lhs_ref, rhs_ref, _out_in, out_ref, *, m, k, block_m, block_k,
-                block_n, gathered):
+                block_n, gathered, activation):
     t, j = pl.program_id(0), pl.program_id(1)
     num_rows = rows_ref[t]
 
@@ -123,16 +138,25 @@ def _gmm_kernel(group_ref, row0_ref, rows_ref, lhs_ref, rhs_ref, _out_in, out_re
         else:            # a run of num_rows rows from row0_ref[t]
             rows = jnp.where(r < num_rows, row0_ref[t] + r, m)
         cols = j * block_n + lax.iota(jnp.int32, block_n)
+        # gated: the gate's columns and, out_ref's width further on, the up's
+        halves = (0,) if activation is None else (0, out_ref.shape[1])
 
-        def step(kb, acc):
+        def step(kb, accs):
             ks = kb * block_k + lax.iota(jnp.int32, block_k)
             x = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]], other=0,
                            mask=jnp.broadcast_to((rows < m)[:, None], (block_m, block_k)))     # [bm, bk]
-            w = plgpu.load(rhs_ref.at[(g * k + ks)[:, None], cols[None, :]])            # [bk, bn]
-            return acc + plgpu.dot(x, w, allow_tf32=False)
+            return tuple(acc + plgpu.dot(x, plgpu.load(rhs_ref.at[(g * k + ks)[:, None], (cols + h)[None, :]]),
+                                         allow_tf32=False)                                    # [bk, bn] each
+                         for acc, h in zip(accs, halves))
 
-        acc = lax.fori_loop(0, k // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
-        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype))
+        zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in halves)
+        accs = lax.fori_loop(0, k // block_k, step, zeros)
+        if activation is None:
+            out = accs[0]
+        else:       # gate and up rounded as the plain product's output would be, then gated
+            gate, up = (a.astype(out_ref.dtype).astype(jnp.float32) for a in accs)
+            out = activation(gate) * up
+        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], out.astype(out_ref.dtype))
 
 
 def _auto_block_m(m: int, num_groups: int) -> int:
@@ -141,14 +165,20 @@ def _auto_block_m(m: int, num_groups: int) -> int:
     return max(16, min(128, 1 << max(0, (max(1, m // num_groups) - 1).bit_length())))
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "activation", "interpret"))
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, block_m: int | None = None,
-                          interpret: bool = False) -> jax.Array:
+                          activation: Callable | None = None, interpret: bool = False) -> jax.Array:
     m, k = lhs.shape
     block_m = block_m or _auto_block_m(m, rhs.shape[0])
     plan = tile_plan(group_sizes.astype(jnp.int32), m, block_m)
-    return _tiles_matmul(lhs, rhs, plan, block_m=block_m, block_k=_block(k, 64), block_n=_block(rhs.shape[2], 128),
-                         gathered=False, interpret=interpret)
+    # gated, a program holds two accumulators: half as many columns keeps its registers at the plain kernel's
+    block_n = _block(_out_width(rhs, activation), 128 if activation is None else 64)
+    return _tiles_matmul(lhs, rhs, plan, block_m=block_m, block_k=_block(k, 64), block_n=block_n, gathered=False,
+                         activation=activation, interpret=interpret)
+
+
+def _out_width(rhs: jax.Array, activation: Callable | None) -> int:
+    return rhs.shape[2] // 2 if activation is not None else rhs.shape[2]
 
 
 def gather_plan(row_expert: jax.Array, num_groups: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -183,9 +213,10 @@ def _rows_block(max_rows_per_expert: int) -> int:
     return max(16, 1 << (max_rows_per_expert - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("max_rows_per_expert", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_rows_per_expert", "activation", "interpret"))
 def expert_rows_matmul(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array | None, max_rows_per_expert: int, *,
-                       plan: tuple | None = None, interpret: bool = False) -> jax.Array:
+                       plan: tuple | None = None, activation: Callable | None = None,
+                       interpret: bool = False) -> jax.Array:
     """See the module docstring; rows beyond ``max_rows_per_expert`` of one expert would be left out, so the
     caller must bound it (the MoE layer: each token sends at most one row to an expert, so its token count).
     ``plan``: ``expert_rows_plan(row_expert, G, max_rows_per_expert)`` made once for several products of the
@@ -195,24 +226,24 @@ def expert_rows_matmul(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array | N
         plan = expert_rows_plan(row_expert, rhs.shape[0], max_rows_per_expert)
     k = lhs.shape[1]
     return _tiles_matmul(lhs, rhs, plan, block_m=_rows_block(max_rows_per_expert), block_k=_block(k, 128),
-                         block_n=_block(rhs.shape[2], 64), gathered=True,
+                         block_n=_block(_out_width(rhs, activation), 64), gathered=True, activation=activation,
                          interpret=interpret or jax.default_backend() != "gpu")
 
 
 def _tiles_matmul(lhs, rhs, plan, *, block_m: int, block_k: int, block_n: int, gathered: bool,
-                  interpret: bool) -> jax.Array:
+                  activation: Callable | None, interpret: bool) -> jax.Array:
     """The kernel over a tile plan ``(group, first row or row indices, num_rows)``: rows no tile covers come
     out zero."""
     m, k = lhs.shape
-    num_groups, _, n = rhs.shape
+    num_groups, n = rhs.shape[0], _out_width(rhs, activation)
     group, row0, rows = plan
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, m=m, k=k, block_m=block_m, block_k=block_k, block_n=block_n,
-                          gathered=gathered),
+                          gathered=gathered, activation=activation),
         grid=(group.shape[0], n // block_n),
         out_shape=jax.ShapeDtypeStruct((m + 1, n), lhs.dtype),
         input_output_aliases={5: 0},          # zeros: rows no tile covers stay zero
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret, name="moe_grouped_matmul",
-    )(group, row0, rows, lhs, rhs.reshape(num_groups * k, n), jnp.zeros((m + 1, n), lhs.dtype))
+    )(group, row0, rows, lhs, rhs.reshape(num_groups * k, -1), jnp.zeros((m + 1, n), lhs.dtype))
     return out[:m]

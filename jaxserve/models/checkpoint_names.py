@@ -4,7 +4,9 @@ A family's ``weight_plan(cfg)`` is a list of ``(param path, HF tensor names, bui
 weight pytree, from its names per layer weight (``llama.LAYER_NAMES`` is the layout most families extend);
 the loaders (safetensors, GGUF) only supply ``get(hf_name)`` in HF layout. Builds (run on the device by
 ``hf_weights.load_weights``): ``"same"`` (as is), ``"t"`` (an HF Linear ``[out, in]`` → ``[in, out]``),
-``"stack_t"`` (gate and up, each transposed, stacked on axis 1: ``[in, 2, out]``), ``("rows_t", start, stop)``
+``"stack_t"`` (gate and up, each transposed, stacked on axis 1: ``[in, 2, out]``), ``"cat_t"`` (projections of
+one input, each transposed, side by side on the output axis: DeepSeek's ``q_a_proj`` and ``kv_a_proj_with_mqa`` as
+``[in, q_out + kv_out]``), ``("rows_t", start, stop)``
 (rows ``start:stop`` of a fused projection, transposed: Phi-3's ``qkv_proj``), ``"fused_gate_up_t"`` (a
 fused ``[2 * out, in]`` gate-then-up projection → ``[in, 2, out]``: Phi-3's ``gate_up_proj``) and ``("mla_uk", heads,
 nope)`` / ``("mla_uv", heads, nope)`` (DeepSeek's ``kv_b_proj`` ``[heads * (nope + v), R]`` split by head into its key

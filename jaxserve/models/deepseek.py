@@ -15,7 +15,8 @@ code's rule; every released model has stride 1) are dense; the others route to `
 ``e_score_correction_bias``, node-limited over ``n_group`` / ``topk_group``, ``norm_topk_prob``), scaled by
 ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts (one ungated MLP of that many widths).
 
-Checkpoint: HF's per-expert tensors, stacked at load; the multi-token-prediction layers
+Checkpoint: HF's per-expert tensors, stacked at load; with a q LoRA, ``q_a_proj`` and ``kv_a_proj_with_mqa`` joined
+into one weight (``fuses_qkv_a`` says when); the multi-token-prediction layers
 (``num_nextn_predict_layers``, stored as layers past ``num_hidden_layers``) are not part of the target model:
 ``--speculative-config '{"method": "deepseek_mtp"}'`` loads the first as its draft head (``models.eagle``).
 """
@@ -33,6 +34,7 @@ from jaxserve.models.layers import moe
 from jaxserve.models.layers.decoder import DecoderFamily, DecoderSpec
 from jaxserve.models.layers.mla import MLASpec
 from jaxserve.models.layers.rotary import make_rotary
+from jaxserve.quantization.config import FP8_BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ ATTENTION_NAMES = {
     "q": ("t", ["self_attn.q_proj.weight"]), "q_a": ("t", ["self_attn.q_a_proj.weight"]),
     "q_a_norm": ("same", ["self_attn.q_a_layernorm.weight"]), "q_b": ("t", ["self_attn.q_b_proj.weight"]),
     "kv_a": ("t", ["self_attn.kv_a_proj_with_mqa.weight"]),
+    "fused_qkv_a": ("cat_t", ["self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"]),
     "kv_a_norm": ("same", ["self_attn.kv_a_layernorm.weight"]),
 }
 SHARED_EXPERTS = {
@@ -101,7 +104,21 @@ def mla_spec(cfg: ModelConfig) -> MLASpec:
     e = cfg.extra_dict
     return MLASpec(q_lora_rank=int(e["q_lora_rank"]) if e["q_lora_rank"] else None,
                    kv_lora_rank=int(e["kv_lora_rank"]), qk_nope_head_dim=int(e["qk_nope_head_dim"]),
-                   qk_rope_head_dim=int(e["qk_rope_head_dim"]), v_head_dim=int(e["v_head_dim"]))
+                   qk_rope_head_dim=int(e["qk_rope_head_dim"]), v_head_dim=int(e["v_head_dim"]),
+                   fused_qkv_a=bool(e.get("fused_qkv_a")))
+
+
+def fuses_qkv_a(hf: dict, q_lora_rank: int | None) -> bool:
+    """Whether ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both read the attention norm's output) load as one
+    ``fused_qkv_a`` weight, one GEMM a layer: with a q LoRA, from a float checkpoint, or an fp8 one whose
+    ``q_a_proj`` outputs fill whole 128 x 128 scale blocks (joined on the outputs, the blocks stay exact: V2 / V3's
+    1536). Other checkpoints keep the two GEMMs (int4 formats: each module has its own groups and act order)."""
+    if not q_lora_rank:
+        return False
+    qc = hf.get("quantization_config")
+    if not qc:
+        return True
+    return qc.get("quant_method") == "fp8" and int(q_lora_rank) % FP8_BLOCK == 0
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -149,14 +166,15 @@ def layer_names(cfg: ModelConfig) -> dict:
 
 
 def read_hf(hf: dict, fields: dict) -> dict:
-    """The MLA and MoE fields into ``extra``; the cache's one latent "kv head" of ``kv_lora_rank +
-    qk_rope_head_dim`` values as ``num_kv_heads`` / ``head_dim``."""
+    """The MLA and MoE fields into ``extra`` (and whether q_a and kv_a are fused: ``fuses_qkv_a``); the cache's
+    one latent "kv head" of ``kv_lora_rank + qk_rope_head_dim`` values as ``num_kv_heads`` / ``head_dim``."""
     defaults = DEFAULTS | (V3_DEFAULTS if hf.get("model_type") == "deepseek_v3" else {})
     extra = family_extra(hf, defaults)
     if extra["num_experts_per_tok"] is None:
         raise ModelLoadError("the DeepSeek config has no num_experts_per_tok")
     extra |= {"num_experts": int(extra.pop("n_routed_experts")),
-              "shared_expert_intermediate_size": int(extra["moe_intermediate_size"]) * int(extra["n_shared_experts"])}
+              "shared_expert_intermediate_size": int(extra["moe_intermediate_size"]) * int(extra["n_shared_experts"]),
+              "fused_qkv_a": fuses_qkv_a(hf, extra["q_lora_rank"])}
     if extra["num_nextn_predict_layers"]:
         logger.info("%d multi-token-prediction layer(s) of this checkpoint are not part of the model (the "
                     "speculative method deepseek_mtp loads them as its draft head)",

@@ -43,6 +43,7 @@ _BUILDS = {
     "same": lambda w: w,
     "t": lambda w: w.T,
     "stack_t": lambda g, u: jnp.stack([g.T, u.T], axis=1),
+    "cat_t": lambda *ws: jnp.concatenate([w.T for w in ws], axis=1),
     "fused_gate_up_t": lambda w: w.reshape(2, w.shape[0] // 2, w.shape[1]).transpose(2, 0, 1),
     # MoE: per-expert HF tensors stacked on a leading expert axis
     "experts_stack_t": lambda *gu: jnp.stack([jnp.stack([g.T, u.T], axis=1) for g, u in zip(gu[::2], gu[1::2])]),
@@ -80,6 +81,11 @@ def _hf_spec(kind, spec):
         if spec[1] is not None:
             raise ValueError(f"gate/up stack axis cannot be sharded ({P(*spec)})")
         return P(spec[2], spec[0])
+    if kind == "cat_t":
+        spec = spec + (None,) * (2 - len(spec))          # [in, out_1 + out_2] from [out_i, in]
+        if spec[1] is not None:
+            raise ValueError(f"projections joined on their output axis cannot be column-split ({P(*spec)})")
+        return P(None, spec[0])
     if kind in ("experts_stack_t", "experts_t") and spec[0] is None:   # experts tensor parallel: [out, in] slices
         return P(spec[-1], spec[1])
     return P()              # expert parallel: each expert's tensor goes whole to the devices that own it

@@ -23,8 +23,9 @@ from . import gguf_formats, int4_formats, online
 from .config import FP8_BLOCK, QuantConfig
 from .weights import FP8_DTYPE, Fp8Weight, Int4Weight, with_tp_axis
 
-# the decoder's projections (and MLA's q LoRA and kv_a, which ``layers.linear`` multiplies like them)
-LINEAR_WEIGHTS = ("q", "k", "v", "o", "gate_up", "down", "q_a", "q_b", "kv_a")
+# the decoder's projections (and MLA's q LoRA and kv_a, or the two fused, which ``layers.linear`` multiplies like
+# them)
+LINEAR_WEIGHTS = ("q", "k", "v", "o", "gate_up", "down", "q_a", "q_b", "kv_a", "fused_qkv_a")
 
 
 def is_linear(path: tuple) -> bool:
@@ -142,6 +143,8 @@ def _combine_fp8_scales(scales: list[np.ndarray], block: bool, kind, name: str) 
         return scales[0]
     if kind == "stack_t":
         return np.stack(scales, axis=-2 if block else 0)
+    if kind == "cat_t":             # per channel [N] or per block [K/128, N/128]: the outputs' axis is the last
+        return np.concatenate(scales, axis=-1)
     s = scales[0]
     if isinstance(kind, tuple) and kind[0] == "rows_t":
         start, stop = kind[1], kind[2]
@@ -169,6 +172,10 @@ def _load_fp8(q: QuantConfig, name: str, prefixes: list[str], kind, expected: tu
     if block:
         if kind == "stack_t" and expected[-1] % FP8_BLOCK:
             raise ModelLoadError(f"{name}: intermediate size {expected[-1]} is not a multiple of the 128x128 blocks")
+        cut = next((p for p, r in zip(prefixes[:-1], raws) if r.shape[0] % FP8_BLOCK), None)
+        if kind == "cat_t" and cut is not None:     # the next module's blocks would start inside this one's last
+            raise ModelLoadError(f"{name}: {cut}'s outputs are not a multiple of the 128x128 blocks, so its "
+                                 f"scale blocks cannot be joined with the next module's")
         check_shards(name, expected, sharding, FP8_BLOCK, "128x128 scale blocks")
     scale = _combine_fp8_scales([s for s, _ in got], block, kind, name)
     input_scale = None
@@ -198,6 +205,7 @@ def _load_fp8(q: QuantConfig, name: str, prefixes: list[str], kind, expected: tu
 _FP8_BUILDS = {
     "t": lambda w: w,
     "stack_t": lambda g, u: jnp.stack([g, u], axis=0),
+    "cat_t": lambda *ws: jnp.concatenate(ws, axis=0),
     "fused_gate_up_t": lambda w: w.reshape(2, w.shape[0] // 2, w.shape[1]),
 }
 
@@ -213,7 +221,7 @@ def _build_fp8(kind, raws: list[np.ndarray], sharding) -> jax.Array:
         raise ModelLoadError(f"build {kind!r} has no fp8 form")
     if sharding is None:
         return jax.jit(build)(*[jnp.asarray(np.ascontiguousarray(r)) for r in raws])
-    ndim = 2 if kind == "t" or isinstance(kind, tuple) else 3
+    ndim = 2 if kind in ("t", "cat_t") or isinstance(kind, tuple) else 3
     full = tuple(sharding.spec) + (None,) * (ndim - len(tuple(sharding.spec)))
     out_spec = P(*full[1:], full[0])
     if kind == "t":

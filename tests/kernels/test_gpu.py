@@ -198,12 +198,16 @@ def test_int4_kernel_matches_its_reference(m):
 
 
 @on_gpu
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 @pytest.mark.parametrize("impl", ["ragged_dot", "gather", "pallas", "rows"])
-def test_moe_grouped_gemm_matches_its_reference(impl):
+def test_moe_grouped_gemm_matches_its_reference(impl, gated):
     """8 tokens routed top-2 over 8 experts; the rows kernel takes them in token order, the last token's rows
-    unowned (padding, expert id = num experts)."""
+    unowned (padding, expert id = num experts). Gated: ``silu(gate) * up`` of the gate-then-up columns, inside
+    the Pallas kernel."""
     from jaxserve.kernels import ragged_dot
     experts, top_k, hidden, n = 8, 2, 512, 256
+    act = jax.nn.silu if gated else None
+    ref = (lambda y: ragged_dot.gated(y, act)) if gated else (lambda y: y)  # noqa: E731
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((experts, hidden, n)) * 0.02, jnp.bfloat16)
     ids = np.argsort(rng.random((8, experts)), axis=1)[:, :top_k]
@@ -212,14 +216,14 @@ def test_moe_grouped_gemm_matches_its_reference(impl):
         ids[-1] = experts
         order = np.argsort(ids.reshape(-1), kind="stable")
         sizes = jnp.asarray(np.bincount(ids.reshape(-1), minlength=experts + 1)[:experts])
-        want = np.empty((8 * top_k, n), np.float32)
-        want[order] = np.asarray(ragged_dot.grouped_matmul_reference(x[order], w, sizes), np.float32)
-        got = ragged_dot.expert_rows_matmul(x, w, jnp.asarray(ids.reshape(-1), jnp.int32), 8)
+        want = np.empty((8 * top_k, n // 2 if gated else n), np.float32)
+        want[order] = np.asarray(ref(ragged_dot.grouped_matmul_reference(x[order], w, sizes)), np.float32)
+        got = ragged_dot.expert_rows_matmul(x, w, jnp.asarray(ids.reshape(-1), jnp.int32), 8, activation=act)
     else:
         x_sorted = jnp.concatenate([x, jnp.ones((3, hidden), x.dtype)])     # 3 rows past the groups: zero out
         sizes = jnp.asarray(np.bincount(ids.reshape(-1), minlength=experts))
-        want = np.asarray(ragged_dot.grouped_matmul_reference(x_sorted, w, sizes), np.float32)
-        got = ragged_dot.grouped_matmul(x_sorted, w, sizes, impl)
+        want = np.asarray(ref(ragged_dot.grouped_matmul_reference(x_sorted, w, sizes)), np.float32)
+        got = ragged_dot.grouped_matmul(x_sorted, w, sizes, impl, activation=act)
     assert _rel_err(got, want) < 2e-2
 
 

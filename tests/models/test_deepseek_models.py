@@ -52,7 +52,9 @@ def test_deepseek_reads_its_config(tiny):
     layer1 = model.params["layers"][1]
     assert layer1["experts_gate_up"].shape == (spec.moe.num_experts, 64, 2, 16)
     assert ("router_bias" in layer1) == (name == "tiny-deepseek-v3")
-    assert ("q_a" in layer1) == (name != "tiny-deepseek-v2-lite")
+    # with a q LoRA, q_a_proj and kv_a_proj_with_mqa load as one weight (one GEMM a layer)
+    assert ("fused_qkv_a" in layer1) == (name != "tiny-deepseek-v2-lite") and "q_a" not in layer1
+    assert ("kv_a" in layer1) == (name == "tiny-deepseek-v2-lite")
 
 
 def test_deepseek_yarn_scales_softmax_and_rotary():
@@ -160,6 +162,94 @@ def test_deepseek_fp8_block_checkpoint(tmp_path):
     layer1 = load_model(str(tmp_path / "all"), dtype="float32").params["layers"][1]
     assert all(isinstance(layer1[n], Fp8Weight) for n in ("q_a", "q_b", "kv_a", "o"))
     assert not isinstance(layer1["uk"], Fp8Weight) and not isinstance(layer1["uv"], Fp8Weight) and len(prompt) == 10
+
+
+def test_deepseek_fused_qkv_a_matches_apart(tmp_path, monkeypatch):
+    """A q LoRA of whole 128 x 128 blocks (V3's 1536; here tiny-deepseek-v3's widened to 128): ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` load as one weight, in fp8 too (both modules' scales side by side), and the logits
+    equal those of the same checkpoint with the two loaded apart, float and fp8 alike. tiny-deepseek-v3's own
+    32 (a partial block) keeps them apart in fp8 (``test_deepseek_fp8_block_checkpoint``)."""
+    import ml_dtypes  # noqa: F401  (numpy reads the fixture's bfloat16 tensors)
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.models import deepseek
+    from jaxserve.quantization.weights import Fp8Weight
+    from support.tiny_models import PagedRunner
+
+    src, wide, rank = os.path.join(FIXTURES, "tiny-deepseek-v3"), tmp_path / "float", 128
+    rng = np.random.default_rng(0)
+    tensors = {k: v.astype(np.float32) for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    for name in [k for k in tensors if "q_a_proj" in k or "q_a_layernorm" in k or "q_b_proj" in k]:
+        shape = {"q_a_proj": (rank, 64), "q_a_layernorm": (rank,), "q_b_proj": (4 * 24, rank)}[name.split(".")[-2]]
+        tensors[name] = (1.0 if "layernorm" in name else 0.0) + rng.normal(0, 0.1, shape).astype(np.float32)
+    shutil.copytree(src, wide)
+    save_file(tensors, str(wide / "model.safetensors"))
+    with open(wide / "config.json") as f:
+        hf = json.load(f)
+    with open(wide / "config.json", "w") as f:
+        json.dump(hf | {"q_lora_rank": rank}, f)
+    _fp8_folder(str(tmp_path / "fp8"), str(wide), lambda n: ("self_attn." in n and "layernorm" not in n)
+                or "experts" in n)
+    prompt = json.load(open(os.path.join(src, "golden.json")))["prompt_ids"]
+    models = {d: load_model(str(tmp_path / d), dtype="float32") for d in ("float", "fp8")}
+    monkeypatch.setattr(deepseek, "fuses_qkv_a", lambda hf, q_lora_rank: False)
+    for d, fused in models.items():
+        apart = load_model(str(tmp_path / d), dtype="float32")
+        assert "fused_qkv_a" in fused.params["layers"][1] and "q_a" in apart.params["layers"][1]
+        got, want = (PagedRunner(m, max_reqs=1, max_len=16).prompt_logits(prompt) for m in (fused, apart))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=d)
+    weight = models["fp8"].params["layers"][1]["fused_qkv_a"]
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "np") as f:
+        per_module = [np.full(n, f.get_tensor(f"model.layers.1.self_attn.{m}.weight_scale_inv").item(), np.float32)
+                      for m, n in (("q_a_proj", rank), ("kv_a_proj_with_mqa", 40))]
+    assert isinstance(weight, Fp8Weight) and weight.shape == (64, rank + 40)
+    np.testing.assert_array_equal(np.asarray(weight.scale), np.concatenate(per_module))
+
+
+def test_fp8_block_scales_join_on_the_outputs():
+    """The fused ``cat_t`` build of 128 x 128 block-quantized modules: the weights and their scale blocks side by
+    side on the outputs, the product as the dequantized modules'; a module before the last whose outputs end
+    inside a block is refused (its blocks and the next module's would share a scale)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from jaxserve.errors import ModelLoadError
+    from jaxserve.quantization import loading
+    from jaxserve.quantization.config import resolve_quantization
+    from jaxserve.quantization.weights import matmul
+
+    q = resolve_quantization("auto", {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                              "weight_block_size": [128, 128]}})
+    rng = np.random.default_rng(0)
+
+    def source(outs: tuple[int, ...], k: int = 256):
+        tensors = {}
+        for i, n in enumerate(outs):
+            tensors[f"m{i}.weight"] = rng.normal(0, 100, (n, k)).astype(ml_dtypes.float8_e4m3fn)
+            tensors[f"m{i}.weight_scale_inv"] = rng.uniform(0.5, 2, (-(-n // 128), k // 128)).astype(np.float32)
+        get = tensors.__getitem__
+        return get, tensors.__contains__, [f"m{i}.weight" for i in range(len(outs))]
+
+    get, has, names = source((256, 72))
+    w = loading.load_linear(q, ("layers", 0, "fused_qkv_a"), names, "cat_t", (256, 328), None, get, has)
+    assert w.block and w.scale.shape == (2, 3)
+    float_w = np.concatenate(loading.dequantize_fp8_tensors(names, [get(n) for n in names], get, has), axis=0)
+    x = rng.normal(0, 1, (3, 256)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), w)), x @ float_w.T, rtol=1e-5, atol=1e-3)
+    get, has, names = source((200, 72))
+    with pytest.raises(ModelLoadError, match="not a multiple of the 128x128 blocks"):
+        loading.load_linear(q, ("layers", 0, "fused_qkv_a"), names, "cat_t", (256, 272), None, get, has)
+
+
+def test_deepseek_fuses_qkv_a_when_exact():
+    """q_a and kv_a fuse with a q LoRA, from float checkpoints and fp8 ones whose q LoRA fills whole scale blocks."""
+    from jaxserve.models.deepseek import fuses_qkv_a
+
+    fp8, awq = {"quant_method": "fp8", "weight_block_size": [128, 128]}, {"quant_method": "awq"}
+    assert fuses_qkv_a({}, 1536) and fuses_qkv_a({"quantization_config": fp8}, 1536)
+    assert not fuses_qkv_a({}, None) and not fuses_qkv_a({"quantization_config": fp8}, 32)
+    assert not fuses_qkv_a({"quantization_config": awq}, 1536)
 
 
 @pytest.mark.parametrize("name,architecture,billions,latent", [

@@ -53,7 +53,7 @@ def _worker() -> dict:
             "local_cache": list(runner.kv_caches[0][0].addressable_shards[0].data.shape),
             "cache": list(runner.kv_caches[0][0].shape),
             "uk_local": list(layer1["uk"].addressable_shards[0].data.shape), "uk": list(layer1["uk"].shape),
-            "kv_a_spec": str(layer1["kv_a"].sharding.spec),
+            "kv_a_spec": str(layer1.get("fused_qkv_a", layer1.get("kv_a")).sharding.spec),   # replicated
             "experts_local": layer1["experts_down"].addressable_shards[0].data.shape[0],
             "experts": layer1["experts_down"].shape[0]}
     return report

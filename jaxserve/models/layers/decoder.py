@@ -132,7 +132,7 @@ class DecoderLayer(nnx.Module):
     def attention_readers(self) -> tuple:
         """The projections that read the attention norm's output (``normed_input``)."""
         if self.spec.mla is not None:
-            return mla.readers(self._weights(("q", "q_a", "kv_a")), self.spec.mla)
+            return mla.readers(self._weights(("q", "q_a", "kv_a", "fused_qkv_a")), self.spec.mla)
         return (_w(self.q), _w(self.k), _w(self.v))
 
     def _weights(self, names) -> dict:
@@ -146,7 +146,7 @@ class DecoderLayer(nnx.Module):
         t, hq, hkv, d = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rotary = spec.rotaries[spec.layer_rotary[self.index]]
         if spec.mla is not None:
-            weights = self._weights(("q", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "uk", "uv"))
+            weights = self._weights(("q", "q_a", "q_a_norm", "q_b", "kv_a", "fused_qkv_a", "kv_a_norm", "uk", "uv"))
             return mla.attention(h, weights, spec.mla, hq, rotary, cos_sin[spec.layer_rotary[self.index]], kv_cache,
                                  md, sm_scale=spec.sm_scale, backend=backend)
         cos, sin = cos_sin[spec.layer_rotary[self.index]]

@@ -15,9 +15,12 @@ kernel, would have to decompress every cached page a chunk attends to (the prefi
 the cache as latents) and pad V to the key width; which is faster on the GPU is still to be measured.
 
 Weights (``[in, out]``): ``q`` (no q LoRA) or ``q_a`` → ``q_a_norm`` → ``q_b``; ``kv_a`` (``kv_a_proj_with_mqa``),
-``kv_a_norm``, ``uk`` / ``uv`` (``kv_b_proj``'s halves); ``o``. Under tensor parallelism ``q``/``q_b``/``uk``/
-``uv`` are split by heads (whole heads per device), ``o`` row-parallel, ``q_a``/``kv_a`` and the norms
-replicated, and so is the latent cache (``parallel.attention.write_latent_and_attend`` says why).
+``kv_a_norm``, ``uk`` / ``uv`` (``kv_b_proj``'s halves); ``o``. With a q LoRA, ``q_a`` and ``kv_a`` read the
+same input and are loaded side by side as one ``fused_qkv_a [hidden, q_lora_rank + R + P]`` (vLLM's
+``fused_qkv_a_proj``; ``MLASpec.fused_qkv_a``): one GEMM per layer instead of two, its output split after it.
+Under tensor parallelism ``q``/``q_b``/``uk``/``uv`` are split by heads (whole heads per device), ``o``
+row-parallel, ``q_a``/``kv_a`` (or ``fused_qkv_a``) and the norms replicated, and so is the latent cache
+(``parallel.attention.write_latent_and_attend`` says why).
 
 Numerics as HF transformers: q/kv LoRA norms with eps 1e-6 (their modules' default, not ``rms_norm_eps``); the
 rotary part interleaved or not as the config says; the softmax scale ``qk_head_dim ** -0.5`` times YaRN's
@@ -52,6 +55,7 @@ class MLASpec:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    fused_qkv_a: bool = False       # q_a and kv_a as one weight (a q LoRA, and a checkpoint whose form allows it)
 
     @property
     def qk_head_dim(self) -> int:
@@ -65,13 +69,17 @@ class MLASpec:
 
 def declare_params(layer, hidden: int, num_heads: int, spec: MLASpec, param: Callable) -> None:
     """The attention weights of one decoder layer, declared on it (flat, like the layer's other weights)."""
-    if spec.q_lora_rank:
+    if spec.fused_qkv_a:
+        layer.fused_qkv_a = param((hidden, spec.q_lora_rank + spec.latent_width), ())
+    elif spec.q_lora_rank:
         layer.q_a = param((hidden, spec.q_lora_rank), ())
+    if spec.q_lora_rank:
         layer.q_a_norm = param((spec.q_lora_rank,), (), "ones")
         layer.q_b = param((spec.q_lora_rank, num_heads * spec.qk_head_dim), COLUMN)
     else:
         layer.q = param((hidden, num_heads * spec.qk_head_dim), COLUMN)
-    layer.kv_a = param((hidden, spec.latent_width), ())
+    if not spec.fused_qkv_a:
+        layer.kv_a = param((hidden, spec.latent_width), ())
     layer.kv_a_norm = param((spec.kv_lora_rank,), (), "ones")
     layer.uk = param((num_heads, spec.qk_nope_head_dim, spec.kv_lora_rank), HEADS)
     layer.uv = param((num_heads, spec.kv_lora_rank, spec.v_head_dim), HEADS)
@@ -80,6 +88,8 @@ def declare_params(layer, hidden: int, num_heads: int, spec: MLASpec, param: Cal
 
 def readers(w: dict, spec: MLASpec) -> tuple:
     """The projections that read the attention norm's output."""
+    if spec.fused_qkv_a:
+        return (w["fused_qkv_a"],)
     return (w["q_a"] if spec.q_lora_rank else w["q"], w["kv_a"])
 
 
@@ -89,20 +99,25 @@ def attention(h: jax.Array, w: dict, spec: MLASpec, num_heads: int, rotary: Rota
     (latent_cache,))``; ``w`` the layer's weights by name."""
     t, heads, r, dn = h.shape[0], num_heads, spec.kv_lora_rank, spec.qk_nope_head_dim
     cos, sin = cos_sin
+    if spec.fused_qkv_a:         # [q_a | c_kv | k_rope]: each part sliced from it once
+        kv = linear(h, w["fused_qkv_a"])
+        q_a, c = kv[:, :spec.q_lora_rank], spec.q_lora_rank
+    else:
+        q_a = linear(h, w["q_a"]) if spec.q_lora_rank else None
+        kv, c = linear(h, w["kv_a"]), 0
     if spec.q_lora_rank:
-        q = linear(rms_norm(linear(h, w["q_a"]), w["q_a_norm"], LORA_NORM_EPS), w["q_b"])
+        q = linear(rms_norm(q_a, w["q_a_norm"], LORA_NORM_EPS), w["q_b"])
     else:
         q = linear(h, w["q"])
     q = q.reshape(t, heads, spec.qk_head_dim)
-    kv = linear(h, w["kv_a"])
-    c_kv = rms_norm(kv[:, :r], w["kv_a_norm"], LORA_NORM_EPS)
+    c_kv = rms_norm(kv[:, c:c + r], w["kv_a_norm"], LORA_NORM_EPS)
     if parallel.current_tp_mesh() is None:
         # the shared key as head ``heads`` beside the queries: one rotation for both. Under a mesh q is split
         # on heads and the join would reshard it, so each is rotated alone.
-        rope = rotary.apply(jnp.concatenate([q[..., dn:], kv[:, None, r:]], axis=1), cos, sin)
+        rope = rotary.apply(jnp.concatenate([q[..., dn:], kv[:, None, c + r:]], axis=1), cos, sin)
         q_rope, k_rope = rope[:, :heads], rope[:, heads]
     else:
-        q_rope, k_rope = rotary.apply(q[..., dn:], cos, sin), rotary.apply(kv[:, None, r:], cos, sin)[:, 0]
+        q_rope, k_rope = rotary.apply(q[..., dn:], cos, sin), rotary.apply(kv[:, None, c + r:], cos, sin)[:, 0]
     q_latent = jnp.einsum("thd,hdr->thr", q[..., :dn], w["uk"])
     latent = jnp.concatenate([c_kv, k_rope], axis=-1)
     out, latent_cache = tp_attention.write_latent_and_attend(q_latent, q_rope, latent, cache[0], md,

@@ -9,8 +9,8 @@ before the combine (``weights_in_hidden_dtype``), Mixtral keeps them in float32.
 
 NOTE the expert computation: the ``T * k`` (token, expert) assignments are sorted by expert (a stable sort,
 so ties keep token order); ``group_sizes`` counts each expert's rows; one grouped GEMM runs gate/up for every
-expert's rows, the activation, a second runs down; the rows go back to token order and each token sums its k
-rows times their weights (in float32). Assignments this device does not compute — padding tokens, and under
+expert's rows and the activation (the Pallas kernel inside itself: ``ragged_dot``'s gated form), a second runs
+down; the rows go back to token order and each token sums its k rows times their weights (in float32). Assignments this device does not compute — padding tokens, and under
 expert parallelism the experts another device owns — sort after the last group, where the grouped GEMM gives
 zeros and an implementation that skips them spends nothing.
 
@@ -236,17 +236,17 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
     if t <= spec.rows_path_max_tokens:        # decode sizes: (token, slot) rows as they are, no sort
         rows = jnp.repeat(h, k, axis=0)                                            # [T * k, hidden]
         plan = ragged_dot.expert_rows_plan(key, local_experts, t)                  # one plan for both products
-        y = ragged_dot.expert_rows_matmul(rows, gate_up.reshape(local_experts, hidden, -1), None, t, plan=plan)
-        y = y.reshape(t * k, 2, -1)
-        y = ragged_dot.expert_rows_matmul(activation(y[:, 0]) * y[:, 1], down, None, t, plan=plan)
+        y = ragged_dot.expert_rows_matmul(rows, gate_up.reshape(local_experts, hidden, -1), None, t, plan=plan,
+                                          activation=activation)                  # act(gate) * up, [T * k, i]
+        y = ragged_dot.expert_rows_matmul(y, down, None, t, plan=plan)
         y = y.reshape(t, k, hidden)
         return _combine(weights, y, h.dtype)
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
     rows = jnp.take(h, order // k, axis=0)                                         # [T * k, hidden]
-    y = ragged_dot.grouped_matmul(rows, gate_up.reshape(local_experts, hidden, -1), group_sizes, spec.grouped_gemm)
-    y = y.reshape(t * k, 2, -1)
-    y = ragged_dot.grouped_matmul(activation(y[:, 0]) * y[:, 1], down, group_sizes, spec.grouped_gemm)
+    y = ragged_dot.grouped_matmul(rows, gate_up.reshape(local_experts, hidden, -1), group_sizes, spec.grouped_gemm,
+                                  activation=activation)
+    y = ragged_dot.grouped_matmul(y, down, group_sizes, spec.grouped_gemm)
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, hidden)                   # back to token order
     return _combine(weights, y, h.dtype)
 

@@ -7,8 +7,10 @@ prompt + outputs on the host, ``draft_model`` runs a smaller model K steps greed
 as many as the token budget leaves room for in the same ragged step (1 + d tokens, KV slots for all of
 them); the runner's rejection sampler returns the accepted drafts and one more token; the one function that
 applies sampled tokens rolls back the rejected ones. Speculating steps run synchronously: each is read
-before the next is scheduled (the proposer needs the tokens; async scheduling is off while
-``--speculative-config`` is set).
+before the next is scheduled (the proposer needs the tokens), except n-gram ones under
+``JAXSERVE_SPEC_ASYNC=1``: each step is then placed as if the one in flight accepted all its drafts (moved
+back on the device by what it rejected), and a request proposes only from verified tokens, so one whose
+drafts are in flight decodes a plain token that round.
 
 Under tensor parallelism a draft model or head runs on the target's mesh (its weights and KV cache sharded
 over "tp" as the target's; it must divide as the target does; a head reads the target's hidden states,
@@ -61,9 +63,11 @@ class Speculator:
             req.spec_token_ids = None
             num_out = len(req.output_token_ids)
             room = min(self.k, req.max_output_tokens - num_out - 1)
-            # (its drafts in flight may all be rejected: the outputs it surely has must reach min_tokens)
-            if room <= 0 or req.num_computed_tokens != len(req._all_token_ids) - 1 \
-                    or num_out - req.num_drafts_in_flight < req.min_tokens or not speculates(req):
+            # drafts only from verified tokens: under async scheduling a request whose drafts are still in
+            # flight takes none this round (drafts continuing unverified ones are wrong whenever those are
+            # rejected, and are rejected in turn); synchronous steps never have drafts in flight here
+            if room <= 0 or req.num_drafts_in_flight or req.num_computed_tokens != len(req._all_token_ids) - 1 \
+                    or num_out < req.min_tokens or not speculates(req):
                 continue
             wanted.append((req, room))
         if wanted or (self.draft is not None and self.draft.every_step):

@@ -17,7 +17,10 @@ bucketed by patch count: each image goes to the smallest bucket that holds it (a
 the tower masks attention to each image's own patches), rows are batched in 1, 2, 3, 4, 6, 8, ... rows
 (``row_batch``), so the compiled encoder programs are bounded by the bucket and batch counts, not the image
 sizes: four buckets per doubling from ``min_patches`` to the largest image, times the row batches up to
-``max_batch``. ``gather(scheduled)``
+``max_batch``. These programs compile off the step loop: the first batch of a bucket compiles its own
+program (the step waits: logged), and every other row batch of that bucket is queued for the background
+compiler the moment the bucket is first seen; a batch whose exact row count is not compiled yet takes a
+compiled one of up to twice its rows (padding rows) rather than waiting. ``gather(scheduled)``
 gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the step's
 chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.multimodal.inputs import overlapping
+from jaxserve.runner.step_compiler import StepCompiler
 
 
 
@@ -91,6 +95,11 @@ class EncoderCache:
                              **({"out_shardings": rep} if rep is not None else {}))
         self.bidirectional = getattr(self.family, "bidirectional_images", False)
         self.rows: dict[str, np.ndarray] = {}
+        # packed families: each program's argument shapes, compiled by ``compiler``
+        self._slab_shape = jax.ShapeDtypeStruct(self.slab.shape, self.slab.dtype, sharding=self.slab.sharding)
+        self._arg_shapes: dict[tuple[int, str, int], tuple] = {}    # (bucket, payload dtype, rows) -> shapes
+        self._seen: set[tuple[int, str]] = set()
+        self.compiler = StepCompiler(self._lower)
         self._free = list(range(capacity - 1, -1, -1))
         self.num_images = 0
         self.encode_ms = 0.0              # host time of the encoder dispatches (the device runs them async)
@@ -189,16 +198,50 @@ class EncoderCache:
         for bucket, rows in self.bucket_rows(features).items():
             for i in range(0, len(rows), self.max_batch):
                 batch = rows[i:i + self.max_batch]
-                b = row_batch(len(batch))
-                inputs, tokens, num_out = self.family.pack_images(
-                    self.cfg, [[f.pixel_values for f in r] for r in batch], b, bucket)
+                pixels = [[f.pixel_values for f in r] for r in batch]
+                kind = (bucket, np.dtype(pixels[0][0].dtype).name)      # a program per payload dtype too
+                if kind not in self._seen:
+                    self._queue_bucket(kind, pixels)
+                b = self._rows_to_run(kind, len(batch))
+                inputs, tokens, num_out = self.family.pack_images(self.cfg, pixels, b, bucket)
                 dst = np.full(num_out, self.capacity, np.int32)     # padding tokens write the scratch row
                 for f, slots in zip((f for r in batch for f in r), tokens):
                     if len(slots) != f.length:
                         raise ValueError(f"an image of {len(slots)} tokens with {f.length} placeholders")
                     dst[slots] = self._take_rows(f)
-                self.slab = self._step(self.params, self.slab, inputs, dst)
+                step = self.compiler.need((*kind, b), "an image batch")
+                self.slab = step(self.params, self.slab, inputs, dst)
                 self.num_images += sum(len(r) for r in batch)
+
+    # ---------------------------------------------------------------- a packed family's programs
+    def _row_batches(self) -> list[int]:
+        """The row counts a packed call may run: ``row_batch``'s values up to ``max_batch``'s."""
+        return sorted({row_batch(n) for n in range(1, self.max_batch + 1)})
+
+    def _queue_bucket(self, kind: tuple[int, str], pixels: list) -> None:
+        """A (bucket, payload dtype) seen for the first time: the argument shapes of each of its row batches
+        (packing this batch's images, cut or padded to that many rows), all but this batch's own queued for
+        the background compiler (this one the caller compiles now)."""
+        self._seen.add(kind)
+        own = row_batch(len(pixels))
+        for b in self._row_batches():
+            inputs, _, num_out = self.family.pack_images(self.cfg, pixels[:b], b, kind[0])
+            self._arg_shapes[(*kind, b)] = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs),
+                                            jax.ShapeDtypeStruct((num_out,), np.int32))
+        self.compiler.submit([(*kind, b) for b in self._row_batches() if b != own])
+
+    def _rows_to_run(self, kind: tuple[int, str], n: int) -> int:
+        """The rows to run ``n`` rows of ``kind`` in: ``row_batch(n)``, or while that compiles a compiled
+        batch of up to twice as many rows."""
+        b = row_batch(n)
+        if (*kind, b) in self.compiler:
+            return b
+        ready = [r for r in self._row_batches() if b < r <= 2 * b and (*kind, r) in self.compiler]
+        return ready[0] if ready else b
+
+    def _lower(self, key: tuple[int, str, int]):
+        inputs, dst = self._arg_shapes[key]
+        return self._step.lower(self.params, self._slab_shape, inputs, dst)
 
     def gather(self, scheduled, num_tokens: int) -> np.ndarray | None:
         """``[2, T]`` int32: the step's image-token rows and their slab rows, padded (None: the step has none);

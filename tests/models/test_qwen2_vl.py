@@ -164,9 +164,29 @@ def test_encoder_compiles_once_per_bucket(name):
                for h, w in SIZES}
     for f in features(SIZES):
         cache.encode([f])
-    assert cache._step._cache_size() == len(buckets) < len(SIZES)
+    assert len(cache.compiler) == len(buckets) < len(SIZES)
     cache.encode(features(SIZES[::-1], seed=1))
-    assert cache._step._cache_size() == len(buckets)
+    assert len(cache.compiler) == len(buckets)
+
+
+@pytest.mark.parametrize("name", NAMES[:1])
+def test_encoder_compiles_a_buckets_other_row_batches_in_the_background(name):
+    """A bucket's first batch compiles its own program (the step waits); its other row batches compile in the
+    background, so later batches of that bucket wait for none, and a batch whose rows are not compiled yet
+    runs in a compiled batch of up to twice its rows."""
+    model = load(name)
+    cache = encoder(model, min_patches=16, max_batch=4)
+    size = [SIZES[0]]
+    cache.encode(features(size))                                          # one row: compiled on first use
+    assert [k[2] for k in cache.compiler.on_first_use] == [1]
+    assert cache.compiler.wait_all(timeout=600)
+    assert sorted(k[2] for k in cache.compiler.keys()) == [1, 2, 3, 4]
+    feats = features(size * 3, seed=1) + features(size, seed=2)           # 4 images: rows of 2 ... 4
+    cache.encode(feats)
+    assert len(cache.compiler.on_first_use) == 1                          # nothing more compiled on a step
+    kind = cache.compiler.keys()[0][:2]                                    # (bucket, payload dtype)
+    cache.compiler._ready.pop((*kind, 3))                                 # 3 rows not compiled: 4 run them
+    assert cache._rows_to_run(kind, 3) == 4
 
 
 def test_mrope_positions_as_hf():

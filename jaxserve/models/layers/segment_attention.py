@@ -58,10 +58,9 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, 
         dynamic = jax.default_backend() == "cpu"
     nb = n // b
     first, count = _key_blocks(seg, b)
-    qb = q.reshape(r, nb, b, heads, hd)
-    kb, vb = k.reshape(r, nb, b, heads, hd), v.reshape(r, nb, b, heads, hd)
+    # head-major blocks [R, nb, heads, b, hd], transposed once here, so neither matmul of a step transposes
+    qb, kb, vb = (t.reshape(r, nb, b, heads, hd).transpose(0, 1, 3, 2, 4) for t in (q, k, v))
     sq = seg.reshape(r, nb, b)
-    sk = seg.reshape(r, nb, b)
     scale = hd ** -0.5
 
     def step(t, carry):
@@ -69,15 +68,15 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, 
         j = jnp.minimum(first + t, nb - 1)                                     # [R, nb]: each block's key block
         kt = jnp.take_along_axis(kb, j[:, :, None, None, None], 1)
         vt = jnp.take_along_axis(vb, j[:, :, None, None, None], 1)
-        st = jnp.take_along_axis(sk, j[:, :, None], 1)
+        st = jnp.take_along_axis(sq, j[:, :, None], 1)
         see = (sq[:, :, :, None] == st[:, :, None, :]) & (sq[:, :, :, None] >= 0) & (t < count)[:, :, None, None]
-        s = jnp.einsum("rnqhd,rnkhd->rnhqk", qb, kt, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("rnhqd,rnhkd->rnhqk", qb, kt, preferred_element_type=jnp.float32) * scale
         s = jnp.where(see[:, :, None], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         l = alpha * l + p.sum(-1)
-        pv = jnp.einsum("rnhqk,rnkhd->rnhqd", p.astype(v.dtype), vt, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("rnhqk,rnhkd->rnhqd", p.astype(v.dtype), vt, preferred_element_type=jnp.float32)
         return m_new, l, alpha[..., None] * acc + pv
 
     init = (jnp.full((r, nb, heads, b), _NEG, jnp.float32), jnp.zeros((r, nb, heads, b), jnp.float32),

@@ -45,12 +45,12 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, 
                       dynamic: bool | None = None) -> jax.Array:
     """``q, k, v [R, N, heads, hd]``, ``seg [R, N]`` → ``[R, N, heads * hd]``: each query over the keys of its
     own segment (pads: none, 0), in blocks of at most ``block`` patches (a divisor of ``N``, or ``block`` with
-    the row padded when ``N`` has no divisor of at least half of it). ``dynamic`` None: on the CPU only (on a
+    the row padded when ``N`` has no divisor of at least half of ``block``). ``dynamic`` None: on the CPU only (on a
     GPU a loop bound computed on the device is read back by the host every step)."""
     r, n, heads, hd = q.shape
     b = _divisor_block(n, block)
     if b < min(n, block) // 2:                       # e.g. 4 x a prime: pad the row rather than tiny blocks
-        b, pad = block, -n % block
+        pad = -n % block
         q, k, v = (jnp.pad(t, ((0, 0), (0, pad), (0, 0), (0, 0))) for t in (q, k, v))
         out = segment_attention(q, k, v, jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1), block, dynamic)
         return out[:, :n]

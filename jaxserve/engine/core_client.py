@@ -191,11 +191,12 @@ class MPClient:
     # ---------------------------------------------------------------- requests
     def add_requests(self, reqs) -> None:
         """Send validated front-end Requests in one message: the core queues them all before its next step."""
-        msgs = [m.EngineCoreRequest(req.request_id, req.prompt_token_ids, pickle.dumps(req.sampling_params),
-                                    req.arrival_time, req.sampling_seed, req.priority, req.cache_salt,
-                                    pickle.dumps(req.mm_features) if req.mm_features else None,
-                                    _lora_fields(req.lora_request))
-                for req in reqs]
+        msgs = []
+        for req in reqs:
+            features, buffers = m.dump_features(req.mm_features) if req.mm_features else (None, None)
+            msgs.append(m.EngineCoreRequest(req.request_id, req.prompt_token_ids, pickle.dumps(req.sampling_params),
+                                            req.arrival_time, req.sampling_seed, req.priority, req.cache_salt,
+                                            features, _lora_fields(req.lora_request), buffers))
         self.send(msgs[0] if len(msgs) == 1 else m.AddRequests(msgs))
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -144,7 +144,8 @@ class EngineCoreLoop:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, pickle.loads(msg.sampling_params),
                                     msg.arrival_time, msg.sampling_seed, priority=msg.priority,
                                     cache_salt=msg.cache_salt,
-                                    mm_features=pickle.loads(msg.mm_features) if msg.mm_features else None,
+                                    mm_features=m.load_features(msg.mm_features, msg.mm_buffers)
+                                    if msg.mm_features else None,
                                     lora_request=LoRARequest(*msg.lora_request) if msg.lora_request else None)
         except Exception:  # noqa: BLE001 - the front end validated it; end that request, keep serving
             logger.exception("request %s could not be queued; it ends as aborted", msg.request_id)

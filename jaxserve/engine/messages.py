@@ -13,7 +13,11 @@ step); so do the facts of ``CoreReady`` (the tokenizer, the model config: once p
 """
 from __future__ import annotations
 
+import io
+import pickle
+
 import msgspec
+import numpy as np
 
 # Raw logprobs of one sampled position, as the runner reads them: (logprob, rank, top ids, top logprobs).
 RawLogprobs = tuple[float, int, list[int], list[float]]
@@ -27,8 +31,37 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True, gc=False):
     sampling_seed: int
     priority: int = 0
     cache_salt: str | None = None
-    mm_features: bytes | None = None  # pickle of the prompt's ImageFeatures (pixel arrays included)
+    mm_features: bytes | None = None  # pickle of the prompt's ImageFeatures, their pixel arrays out of band:
     lora_request: tuple[str, int, str] | None = None   # its LoRA adapter: (name, id, path)
+    mm_buffers: list[memoryview] | None = None        # ... the arrays' bytes (``dump_features``)
+
+
+def dump_features(features: list) -> tuple[bytes, list[memoryview]]:
+    """A prompt's ImageFeatures as ``EngineCoreRequest``'s ``mm_features`` and ``mm_buffers``: pickle protocol 5
+    with each contiguous array's bytes out of band, so the arrays are copied once, into the message (not into
+    a pickle and again into the message). numpy pickles an array of a dtype it does not define (bfloat16,
+    ml_dtypes') in band: such an array goes as its bytes' unsigned view, viewed back on arrival."""
+    buffers: list = []
+    out = io.BytesIO()
+    _OutOfBandPickler(out, protocol=5, buffer_callback=buffers.append).dump(features)
+    return out.getvalue(), [b.raw() for b in buffers]
+
+
+def load_features(data: bytes, buffers: list[memoryview] | None) -> list:
+    """``dump_features``' features again: the arrays are read-only views of ``buffers`` (of the received
+    message, which they keep alive), not copies."""
+    return pickle.loads(data, buffers=buffers or ())
+
+
+class _OutOfBandPickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if type(obj) is np.ndarray and obj.dtype.isbuiltin == 2 and obj.flags.c_contiguous:
+            return _viewed_as, (obj.view(f"u{obj.dtype.itemsize}"), obj.dtype)
+        return NotImplemented
+
+
+def _viewed_as(raw: np.ndarray, dtype) -> np.ndarray:
+    return raw.view(dtype)
 
 
 class AddRequests(msgspec.Struct, array_like=True, tag=True, gc=False):

@@ -264,6 +264,18 @@ def test_greedy_matches_hf(vl, llm, name):
     check(run_case(vl, llm, vl.cases[name]), vl.cases[name])
 
 
+def test_engine_core_process_takes_the_images_out_of_band(vl):
+    """The engine core in its own process: the images cross as views of the request message's buffers
+    (``messages.dump_features``), and HF's greedy continuation comes back."""
+    engine = vl.make_llm(multiprocess=True)
+    try:
+        for name in ("one_image", "two_images"):
+            if name in vl.cases:
+                check(run_case(vl, engine, vl.cases[name]), vl.cases[name])
+    finally:
+        engine.shutdown()
+
+
 def test_batched_with_text_only_requests(vl, llm):
     """Image prompts and text prompts in one batch (text-only rows: three equal position rows): each as alone."""
     cases = vl.cases

@@ -1,7 +1,8 @@
 """``QwenVLPixels`` (Qwen2-VL's image processing straight to the tower's payload) against transformers'
 processor and ``patch_blocks``: bit-equal payloads and equal grids for images that are scaled up, down, kept,
-capped by ``max_pixels`` and of odd aspect, in float32 and bfloat16; ``ImageProcessing`` uses it for RGB
-images and the processor otherwise, with the same results."""
+capped by ``max_pixels`` and of odd aspect, in float32, bfloat16 and float16, for an even patch side (pixels
+looked up in pairs) and an odd one; ``ImageProcessing`` uses it for RGB images and the processor otherwise,
+with the same results."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -21,8 +22,9 @@ def hf_payload(processor, image, dtype):
     return patch_blocks(out["pixel_values"], out["image_grid_thw"][0], processor, dtype), out["image_grid_thw"][0]
 
 
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-@pytest.mark.parametrize("kwargs", [{}, {"max_pixels": 28 * 28 * 256, "min_pixels": 28 * 28 * 4}])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("kwargs", [{}, {"max_pixels": 28 * 28 * 256, "min_pixels": 28 * 28 * 4},
+                                    {"patch_size": 15, "max_pixels": 30 * 30 * 64, "min_pixels": 30 * 30 * 4}])
 def test_payload_equals_the_processors(kwargs, dtype):
     from transformers import Qwen2VLImageProcessorPil
     processor = Qwen2VLImageProcessorPil(**({"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 16384} | kwargs))

@@ -4,8 +4,8 @@ Marked ``gpu`` and skipped unless JAX runs on a GPU (conftest makes JAX_PLATFORM
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_gpu.py
 
-- the Pallas attention kernels (decode, the decode-only launch, the Mosaic GPU prefill, the K/V write, the packed
-  write + attention) against the pure-jnp reference, bf16 / f32 / fp8 caches, soft-capping and windows;
+- the Pallas attention kernels (decode, the decode-only launch and its speculative verify steps, the Mosaic GPU
+  prefill, the K/V write, the packed write + attention) against the pure-jnp reference, bf16 / f32 / fp8 caches, soft-capping and windows;
   the int4 matmul kernel and the MoE grouped GEMMs against their references;
 - the embedded SmolLM2 end to end: every attention backend's greedy tokens against the reference path's and,
   in float32, HF's (a first difference only where the reference had a near-tie: ``tie_gap``);
@@ -178,6 +178,31 @@ def test_packed_write_and_attend_matches_the_reference(decode_only, cache):
     k, v = (jnp.asarray(rng.standard_normal((q.shape[0], KVH, D)), jnp.bfloat16) for _ in range(2))
     want = ops.write_kv_and_attend(q, k, v, kc, vc, md, **kw)
     got = ops.write_kv_and_attend(q, k, v, kc, vc, md, backend="pallas", **kw)
+    n_real = int(md.query_start_loc[int(md.num_seqs)])
+    assert _rel_err(got[0][:n_real], want[0][:n_real]) <= 1e-2
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(np.asarray(g[1:].astype(jnp.float32)), np.asarray(w[1:].astype(jnp.float32)))
+
+
+@on_gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("splits", [None, 4])
+@pytest.mark.parametrize("window", [None, 40])
+def test_speculative_verify_step_in_the_decode_launch(cache, splits, window):
+    """A verify step (1 to K + 1 = 5 tokens a request, bound padded to 8 in the tile) on the decode-only launch
+    that writes its K/V (``md.max_q_len``; ``JAXSERVE_SPEC_DECODE_TILE``): within 1e-2 of the reference's
+    write then attention, caches equal outside the null block."""
+    from jaxserve.kernels import ops
+    q, kc, vc, md = _batch(41, [5, 1, 3, 5, 2], [700, 33, 5, 300, 130], pad_tokens=3, pad_reqs=1)
+    md = dataclasses.replace(md, decode_only=True, max_q_len=5)
+    kw = dict(sm_scale=D ** -0.5, sliding_window=window)
+    if cache == "fp8":
+        kc, vc, scale = _fp8(kc, vc)
+        kw |= dict(k_scale=scale, v_scale=scale)
+    rng = np.random.default_rng(41)
+    k, v = (jnp.asarray(rng.standard_normal((q.shape[0], KVH, D)), jnp.bfloat16) for _ in range(2))
+    want = ops.write_kv_and_attend(q, k, v, kc, vc, md, **kw)
+    got = ops.write_kv_and_attend(q, k, v, kc, vc, md, backend="pallas", decode_splits=splits, **kw)
     n_real = int(md.query_start_loc[int(md.num_seqs)])
     assert _rel_err(got[0][:n_real], want[0][:n_real]) <= 1e-2
     for g, w in zip(got[1:], want[1:]):

@@ -7,7 +7,6 @@ Cases: q_len 1..max_q_len mixed in one step (a bound that is not a power of two 
 many pages, GQA groups 1, 4 and 8, sliding windows, soft-capping, one split and flash-decoding splits (a
 request's new tokens across a split edge), padding tokens and requests, an fp8 cache.
 """
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,19 +21,10 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 INTERPRET = jax.default_backend() != "gpu"
 
 
-def _step(seed, q_lens, ctx_lens, *, hq, kvh, d=32, dtype=jnp.float32, bs=16, cache=None, max_q_len=None):
-    rng = np.random.default_rng(seed)
-    q, k_cache, v_cache, md = synthetic.make_batch(rng, q_lens, ctx_lens, block_size=bs, num_q_heads=hq,
-                                                   num_kv_heads=kvh, head_dim=d, dtype=dtype, pad_tokens=3,
-                                                   pad_reqs=1)
-    kw = {}
-    if cache == "fp8":
-        scale = jnp.asarray(np.linspace(0.5, 1.5, kvh), jnp.float32)
-        k_cache, v_cache = synthetic.quantize_caches(k_cache, v_cache, jnp.float8_e4m3fn, scale, scale)
-        kw = dict(k_scale=scale, v_scale=scale)
-    new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], kvh, d)), dtype) for _ in range(2))
-    md = dataclasses.replace(md, decode_only=True, max_q_len=max_q_len or max(q_lens))
-    return q, new_k, new_v, k_cache, v_cache, md, kw
+def _step(seed, q_lens, ctx_lens, *, d=32, dtype=jnp.float32, max_q_len=None, **kw):
+    """A verify step (``max_q_len``: default the longest request's tokens), 3 padding tokens, a padding request."""
+    return synthetic.fused_decode_step(seed, q_lens, ctx_lens, d=d, dtype=dtype, pad_tokens=3,
+                                       max_q_len=max_q_len or max(q_lens), **kw)
 
 
 def _real_rows(md):
@@ -116,17 +106,7 @@ def test_verify_launch_lowers_for_cuda(cache, hq, kvh):
     one launch with one split, the decode then the combine with four; no separate K/V write kernel."""
     q, new_k, new_v, k_cache, v_cache, md, kw = _step(51, [5, 1, 3], [40, 9, 300], hq=hq, kvh=kvh, d=128,
                                                       dtype=jnp.bfloat16, cache=cache)
-
-    def layer(q, new_k, new_v, k_cache, v_cache, md, splits):      # ops.write_kv_and_attend's packed call
-        qkv = jnp.concatenate([q, new_k, new_v], axis=1)
-        return pa.ragged_paged_attention(qkv, k_cache, v_cache, md, sm_scale=0.1, num_q_heads=q.shape[1],
-                                         write_kv=True, decode_splits=splits, **kw)
-
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     for splits, launches in ((1, 1), (4, 2)):
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(layer, static_argnums=6).trace(q, new_k, new_v, k_cache, v_cache, md, splits).lower(
-                lowering_platforms=("cuda",)).as_text()
+        text = synthetic.lower_fused_decode_for_h200((q, new_k, new_v, k_cache, v_cache), md, splits, **kw)
         assert text.count("__gpu$xla.gpu.triton") == launches
         assert "paged_kv_write" not in text

@@ -3,6 +3,8 @@ step whose requests all have at most K + 1 tokens is marked decode-only with ``m
 ``("forward-spec", T, K + 1, True)`` variant; with it off the keys are today's. On CPU the reference attention
 ignores the mark, so greedy tokens stay the engine's without speculation either way (the kernel itself:
 tests/kernels/test_spec_decode_tile.py)."""
+import pytest
+
 from jaxserve import SamplingParams
 from support.tiny_models import tiny_llm
 
@@ -15,8 +17,11 @@ def _tokens(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_verify_steps_take_the_decode_only_forward_with_the_switch_on(llm, monkeypatch):
-    spec = tiny_llm(speculative_config=NGRAM, enforce_eager=True)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_verify_steps_take_the_decode_only_forward_with_the_switch_on(llm, monkeypatch, async_scheduling):
+    """Async: steps placed as if the one in flight accepted all its drafts, moved back on the device."""
+    monkeypatch.setenv("JAXSERVE_SPEC_ASYNC", "1" if async_scheduling else "0")
+    spec = tiny_llm(speculative_config=NGRAM, enforce_eager=True, async_scheduling=async_scheduling)
     runner = spec.engine.core.runner
     variants, width = runner.variants, runner.variants.spec_width
     runner.shapes.uniform_decode = True       # as under a Pallas backend (the reference has no decode launch)

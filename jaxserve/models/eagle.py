@@ -11,7 +11,7 @@ a Llama one (hidden size and vocabulary the target's); its ``logit_scale``, if a
 logits (vLLM's ``LogitsProcessor(scale=logit_scale)``; EAGLE-3 heads' too).
 
 Loading: ``eagle_loader``. The engine side (which rows, the proposal round) is ``engine.eagle_proposer``; the
-runner passes hidden states from step to step on the device (``runner.step_variants.forward_fn``).
+runner passes hidden states from step to step on the device (``runner.step_functions.forward_fn``).
 """
 from __future__ import annotations
 

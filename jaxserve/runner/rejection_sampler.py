@@ -115,7 +115,7 @@ def spec_sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitm
     and ``shift_row`` arrive packed in one int32 and one float32 buffer (``packing``). A row its forward moved
     back (``spec_shift.shift_back``: the drafts ``prev_rejected`` [max_rows] counts) draws (seeded) with
     the key counter of its true output count, as the synchronous step would. Returns its output and, padded to
-    ``max_rows``, each row's last emitted token (as ``step_variants.sample_fn``) and its rejected drafts."""
+    ``max_rows``, each row's last emitted token (as ``step_functions.sample_fn``) and its rejected drafts."""
     x = packing.unpack(ints, floats, layout)
     drafts, num_drafts, shift_row = x.pop("draft_ids"), x.pop("num_drafts"), x.pop("shift_row")
     if prev_rejected is not None:

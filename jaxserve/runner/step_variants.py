@@ -15,10 +15,12 @@ A variant's key:
   step without image tokens runs the plain forward;
 - ``("sample", num_logprobs, filtering, masked, s_layout)``: the sampler for ``s_layout``'s request count;
 - ``("decode-loop", T, num_logprobs, filtering, s_layout)``: a multi-step decode;
-- speculative decoding: ``("forward-spec", T, width)``, the forward returning logits at ``width`` (K + 1)
-  positions per request, and ``("spec-sample", num_logprobs, filtering, masked, s_layout)``, the rejection
-  sampler (``rejection_sampler``); compiled in the background after the others (a speculative step pads up
-  to a compiled one, as a plain step does, and compiles its own only when none is).
+- speculative decoding: ``("forward-spec", T, width[, True])``, the forward returning logits at ``width``
+  (K + 1) positions per request (``True``: its attention decode-only, for verify steps whose requests all have
+  at most ``width`` tokens, under ``JAXSERVE_SPEC_DECODE_TILE``), and ``("spec-sample", num_logprobs,
+  filtering, masked, s_layout)``, the rejection sampler (``rejection_sampler``); compiled in the background
+  after the others (a speculative step pads up to a compiled one, as a plain step does, and compiles its own
+  only when none is).
 
 Compiling (``StepCompiler``, which this class is): every executable is compiled ahead of time and called
 directly, so a step never compiles silently. ``warmup`` compiles what the first steps need (the smallest
@@ -31,7 +33,6 @@ variant on first use. A variant is lowered from its stored program (``program_ca
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -41,103 +42,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.config_decoding import HIDDEN_STATE_METHODS
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.kernels.metadata import SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.models.eagle_loader import aux_layer_ids
-from jaxserve.parallel import bind_mesh, gather_logits, kv_heads_per_device, tp_size
+from jaxserve.parallel import bind_mesh, kv_heads_per_device, tp_size
 from jaxserve.runner import packing, program_cache, sampler as sampler_mod, step_inputs
 from jaxserve.runner.multi_step import decode_loop_fn
 from jaxserve.runner.rejection_sampler import spec_sample_fn
-from jaxserve.runner.spec_shift import shift_back
 from jaxserve.runner.step_compiler import StepCompiler
+from jaxserve.runner.step_functions import forward_fn, sample_fn
 from jaxserve.runner.step_inputs import StepShapes
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
-               mm_index=None, prev_rejected=None, hidden_src=None, *, layout, decode_only=False, max_seq_len=None,
-               stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
-    """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``. ``stage`` (first layer, end): one
-    pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it
-    takes, and before the last it returns that stream instead of logits. ``hidden_rows``: also every row's
-    hidden state (the logits'; ``aux_layers``: the residual streams entering those layers, side by side, an
-    EAGLE-3 target's), padded to that many rows and ``hidden_width`` columns; ``hidden_src``: an EAGLE head's
-    step, each token's input hidden state is ``hidden_src[hidden_index]`` (a previous step's ``hidden``;
-    ``engine.eagle_proposer``; an EAGLE-3 head's own rows are marked by ``~row``)."""
-    # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
-    x = packing.unpack(ints, None, layout)
-    if stage is not None:
-        return _stage_forward(family, cfg, backend, params, kv_caches, x, prev_tokens, decode_only, max_seq_len,
-                              stage)
-    # LoRA on: the adapter slots ride beside the weights, each token's slot in the inputs
-    lora = {} if "lora" not in params else {"lora": (params["lora"], x["lora_slot"])}
-    params = {k: v for k, v in params.items() if k != "lora"} if lora else params
-    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
-    input_ids, positions, logits_indices, prev_index = x["input_ids"], x["positions"], x["logits_idx"], \
-        x["prev_index"]
-    # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
-    # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
-    input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
-    if prev_rejected is not None:       # a speculative step after one still in flight (``shift_back``)
-        positions, md = shift_back(x["shift_row"], block_size, prev_rejected, positions, md)
-    # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
-    # token rows (``mm_index``: [token rows, slab rows(, each token's attend limit)],
-    # ``encoder_cache.EncoderCache.gather``; the third row: a family whose image tokens attend both ways)
-    if getattr(family, "cross_attention", False):
-        # cross-attention (Mllama): the slab is the K/V pool, the index each token's [slot, keys, row on]
-        extra = lora if mm_slab is None else {"cross": (mm_slab, mm_index), **lora}
-    else:
-        extra = lora if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0], **lora}
-    if hidden_src is not None:
-        index = x["hidden_index"]
-        if getattr(family, "marks_own_hidden", False):
-            extra = {**extra, "hidden_own": index < 0}
-            index = jnp.where(index < 0, ~index, index)
-        extra = {**extra, "hidden_in": hidden_src[index]}
-    if mm_index is not None and mm_index.shape[0] == 3 and "cross" not in extra:
-        md = dataclasses.replace(md, attend_limit=mm_index[2])
-    fed = None
-    if aux_layers:
-        hidden, kv_caches, load, fed = family.forward_with_expert_load(
-            params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, aux_layers=aux_layers, **extra)
-    else:
-        hidden, kv_caches, load = family.forward_with_expert_load(
-            params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra) if expert_load else \
-            (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra), None)
-    # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
-    logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
-    out = (kv_caches, logits)
-    if hidden_rows:
-        fed = hidden if fed is None else fed
-        out += (jnp.pad(fed, ((0, hidden_rows - fed.shape[0]), (0, hidden_width - fed.shape[1]))),)
-    return (*out, load) if expert_load else out
-
-
-def _stage_forward(family, cfg, backend, params, kv_caches, x, carry, decode_only, max_seq_len, stage):
-    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
-    first, last = stage[0] == 0, stage[1] == cfg.num_layers
-    input_ids = x["input_ids"]
-    if first:     # as in forward_fn: the previous step's tokens resolve the placeholders on the device
-        input_ids = jnp.where(x["prev_index"] >= 0, carry[jnp.maximum(x["prev_index"], 0)], input_ids)
-    hidden, kv_caches, _ = family.forward_with_expert_load(params, kv_caches, input_ids, x["positions"], md, cfg,
-                                                           attn_backend=backend, stage=stage,
-                                                           hidden_in=None if first else carry)
-    if not last:
-        return kv_caches, hidden
-    return kv_caches, gather_logits(family.compute_logits(params, hidden[x["logits_idx"]], cfg))
-
-
-def sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=None, *, layout):
-    sampling_meta = sampler_mod.SamplingMetadata(**packing.unpack(ints, floats, layout))
-    out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs, filtering=filtering,
-                             bitmask=bitmask)
-    # the sampled ids padded to a fixed length, so the next step's forward sees one shape whatever this bucket
-    padded = jnp.zeros(max_rows, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
-    return out, padded
 
 
 class StepVariants(StepCompiler):
@@ -187,7 +107,8 @@ class StepVariants(StepCompiler):
         self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None,
                                                  block_size=config.cache.block_size, hidden_rows=self.hidden_rows,
                                                  hidden_width=self.hidden_width, aux_layers=self.aux_layers),
-                                         mesh), static_argnames=("layout", "decode_only", "max_seq_len"),
+                                         mesh),
+                               static_argnames=("layout", "decode_only", "max_seq_len", "max_q_len"),
                                **self._jit_kwargs["forward"])
         # Decode-only steps whose contexts are all within SHORT_SEQ_LEN get one more variant where it changes the
         # attention's launch: one decode launch instead of flash-decoding splits sized for max_model_len and
@@ -247,20 +168,28 @@ class StepVariants(StepCompiler):
         self.programs = program_cache.ProgramCache(
             program_cache.directory_for(jax.config.jax_compilation_cache_dir),
             context=f"mesh {mesh!r}; custom all-reduce {collectives._enabled} fused norm {collectives.fuses_norm()}")
-        # (exact bucket, decode-only) -> the compiled (bucket, decode-only) a step of that size runs in now;
-        # rebuilt whenever more executables are ready
-        self._routes: dict[tuple[int, bool], tuple[int, bool]] = {}
+        # (exact bucket[, "spec"], decode-only) -> the compiled (bucket, decode-only) a step of that size runs in
+        # now; rebuilt whenever more executables are ready
+        self._routes: dict[tuple, tuple[int, bool]] = {}
         self._routes_at = -1
         # a vision model's encoder slab, as the forward-mm variants read it (None: a text model)
         self._mm_slab_spec = None if mm_slab is None else jax.tree.map(spec, mm_slab)
         self.family, self.cross_attention = model.family, getattr(model.family, "cross_attention", False)
 
     # ---------------------------------------------------------------- which executable a step runs
+    @property
+    def spec_decode(self) -> bool:
+        """Verify steps whose requests all have at most K + 1 tokens run a decode-only speculative forward
+        (``JAXSERVE_SPEC_DECODE_TILE``, under the backends with a decode-only launch)."""
+        return bool(self.spec_width and self.shapes.uniform_decode and envs.JAXSERVE_SPEC_DECODE_TILE)
+
     def shape_for(self, num_tokens: int, all_decode: bool, spec: bool = False) -> tuple[int, int, bool]:
         """A step's compiled shape (T, R, decode-only): ``StepShapes.own``, routed to a compiled variant
-        (``spec``: a speculative step's forward, never decode-only)."""
+        (``spec``: a speculative step's forward; ``all_decode`` then says its requests all have at most K + 1
+        tokens, decode-only under ``spec_decode``)."""
         s = self.shapes
-        T, decode_only = self.route(s.bucket_for(num_tokens), s.uniform_decode and all_decode and not spec, spec)
+        T, decode_only = self.route(s.bucket_for(num_tokens),
+                                    (self.spec_decode if spec else s.uniform_decode) and all_decode, spec)
         return T, s.num_reqs_for(T), decode_only
 
     def route(self, T: int, decode_only: bool, spec: bool = False) -> tuple[int, bool]:
@@ -271,21 +200,21 @@ class StepVariants(StepCompiler):
         if self._routes_at != len(self):
             self._routes_at = len(self)
             self._routes = {}
-            sizes = self.shapes.sizes
+            sizes, w = self.shapes.sizes, self.spec_width
+            kinds = {(): lambda c, d: ("forward", c, d)}
+            if w:
+                kinds[("spec",)] = lambda c, d: ("forward-spec", c, w, True) if d else ("forward-spec", c, w)
             for b in sizes:
-                for dec in (False, True):
-                    for c in (c for c in sizes if c >= b):
-                        if dec and ("forward", c, True) in self:
-                            self._routes[b, dec] = (c, True)
-                            break
-                        if ("forward", c, False) in self:
-                            self._routes[b, dec] = (c, False)
-                            break
-                spec_c = next((c for c in sizes if c >= b and ("forward-spec", c, self.spec_width) in self),
-                              None) if self.spec_width else None
-                if spec_c is not None:
-                    self._routes[b, "spec"] = (spec_c, False)
-        return self._routes.get((T, "spec" if spec else decode_only), (T, decode_only))
+                for kind, key in kinds.items():
+                    for dec in (False, True):
+                        for c in (c for c in sizes if c >= b):
+                            if dec and key(c, True) in self:
+                                self._routes[(b, *kind, dec)] = (c, True)
+                                break
+                            if key(c, False) in self:
+                                self._routes[(b, *kind, dec)] = (c, False)
+                                break
+        return self._routes.get((T, "spec", decode_only) if spec else (T, decode_only), (T, decode_only))
 
     def forward_for(self, T: int, md: AttentionMetadata):
         """The forward a step of bucket ``T`` runs: the short-context decode variant when the step's contexts
@@ -300,9 +229,9 @@ class StepVariants(StepCompiler):
         key = ("forward-mm", T)
         return self.get(key) or self.need(key, f"a step of {T} tokens with image tokens")
 
-    def forward_spec_for(self, T: int):
-        """The speculative forward of bucket ``T`` (compiled now if need be)."""
-        key = ("forward-spec", T, self.spec_width)
+    def forward_spec_for(self, T: int, md: AttentionMetadata):
+        """The speculative forward of bucket ``T``, decode-only where ``md`` is (compiled now if need be)."""
+        key = ("forward-spec", T, self.spec_width) + ((True,) if md.decode_only else ())
         return self.get(key) or self.need(key, f"a speculative step of {T} tokens")
 
     def sampler_for(self, key):
@@ -382,11 +311,13 @@ class StepVariants(StepCompiler):
             args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec, index)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}
         elif kind == "forward-spec":
-            _, T, width = key
+            _, T, width, *dec = key
             ints, layout = self.padding_inputs(T, spec_width=width)
             fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec, None, None,
                                       self._prev_spec)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}
+            if dec:
+                static.update(decode_only=True, max_q_len=width)
         elif kind in ("sample", "spec-sample"):
             _, num_logprobs, filtering, masked, s_layout = key
             R = s_layout[0].shape[0]
@@ -444,6 +375,9 @@ class StepVariants(StepCompiler):
             rest += [k for T in s.sizes for k in (
                 ("forward-spec", T, self.spec_width),
                 ("spec-sample", 0, base_f, False, self._spec_layout(s.num_reqs_for(T))))]
+            verify_cap = s.bucket_for(min(s.max_num_seqs * self.spec_width, s.sizes[-1]))
+            rest += [("forward-spec", T, self.spec_width, True) for T in s.sizes
+                     if self.spec_decode and T <= verify_cap]
         if self.static_sampling:
             rest += [("sample", 0, True, False, self._sampler_layout(r)) for r in self._request_counts()]
             if self.decode_loops:

@@ -18,7 +18,7 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models import llava, load_model
 from jaxserve.models.eagle_loader import aux_layer_ids, draft_to_target, eagle3_config, load_eagle3_head
 from jaxserve.models.layers.norms import rms_norm
-from jaxserve.runner.step_variants import forward_fn
+from jaxserve.runner.step_functions import forward_fn
 from support.speculation import (check_dummy_head_runs, check_echo_head, check_greedy_matches_with_preemption, greedy,
                                 make_eagle3_head as make_head, record_drafts, spec_prompts, token_ids as _tokens)
 from support.tiny_models import PagedRunner, fixture_path, tiny_llm

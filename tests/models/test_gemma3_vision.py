@@ -34,7 +34,7 @@ llm = llm_fixture(VISION)
 def test_logits_match_hf():
     """The first case's prompt prefilled in one step, its image's tokens attending to each other: logits within
     1e-4 of HF's (causal image attention is far off: the limit row is what makes them match)."""
-    from jaxserve.runner.step_variants import forward_fn
+    from jaxserve.runner.step_functions import forward_fn
     model, ids, feats, slab = VISION.embedded_first_case()
     T = 64
     index = np.full((3, T), -1, np.int32)

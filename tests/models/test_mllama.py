@@ -30,7 +30,7 @@ def test_logits_match_hf():
     keys: logits within 1e-4, tokens before the image included (HF's fully masked rows)."""
     from jaxserve.models.loader import load_model
     from jaxserve.multimodal.processing import ImageProcessing
-    from jaxserve.runner.step_variants import forward_fn
+    from jaxserve.runner.step_functions import forward_fn
     model = load_model(FOLDER, dtype="float32")
     case = CASES["one_image"]
     proc = ImageProcessing.from_folder(FOLDER, model.config.extra_dict, tokenizer=model.tokenizer)

@@ -77,7 +77,7 @@ def processed(vl: VisionFixture, model, case: dict):
 def test_logits_match_hf(vl):
     """The first case's prompt (a 12x8-patch image: windows and full attention in 2.5, full in 2) prefilled in
     one step, its image embedded by the encoder, 3-D positions from the step inputs: logits within 1e-4."""
-    from jaxserve.runner.step_variants import forward_fn
+    from jaxserve.runner.step_functions import forward_fn
     model = load(vl.name)
     case = vl.cases["one_image"]
     ids, feats = processed(vl, model, case)

@@ -20,7 +20,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler_output import ScheduledRequest
 from jaxserve.runner import kv_cache, step_inputs
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.runner.step_variants import forward_fn
+from jaxserve.runner.step_functions import forward_fn
 from jaxserve.sampling_params import SamplingParams
 
 import support
@@ -49,7 +49,7 @@ def load_tiny(name: str):
 
 
 class PagedRunner:
-    """The runner's own step inputs (``step_inputs``) and forward (``step_variants.forward_fn``) driven from a
+    """The runner's own step inputs (``step_inputs``) and forward (``step_functions.forward_fn``) driven from a
     test, returning logits where the engine samples: fixed token/request buckets (so each shape compiles once),
     a paged cache with shuffled block ids, donated to every step. Under ``mesh`` the params must be placed
     already; the step inputs go replicated (every process passes the same values)."""

@@ -109,7 +109,7 @@ class VisionFixture:
 
         import jax
 
-        from jaxserve.runner.step_variants import forward_fn
+        from jaxserve.runner.step_functions import forward_fn
         runner = PagedRunner(model, max_reqs=1, max_len=max_len)
         ints, layout = runner.inputs([(0, ids, 0)], max_len, logits_rows=list(range(len(ids))))
         step = jax.jit(functools.partial(forward_fn, model.family, model.config, "reference", False),

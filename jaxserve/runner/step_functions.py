@@ -1,0 +1,98 @@
+"""The functions a step's executables trace (``step_variants`` compiles them, one variant per key): the
+model forward over the flat ragged token list (the whole model, or one pipeline stage's layers) and the
+on-device sampler."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.parallel import gather_logits
+from jaxserve.runner import packing, sampler as sampler_mod
+from jaxserve.runner.spec_shift import shift_back
+
+
+def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
+               mm_index=None, prev_rejected=None, hidden_src=None, *, layout, decode_only=False, max_seq_len=None,
+               max_q_len=1, stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
+    """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``. ``stage`` (first layer, end): one
+    pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it
+    takes, and before the last it returns that stream instead of logits. ``hidden_rows``: also every row's
+    hidden state (the logits'; ``aux_layers``: the residual streams entering those layers, side by side, an
+    EAGLE-3 target's), padded to that many rows and ``hidden_width`` columns; ``hidden_src``: an EAGLE head's
+    step, each token's input hidden state is ``hidden_src[hidden_index]`` (a previous step's ``hidden``;
+    ``engine.eagle_proposer``; an EAGLE-3 head's own rows are marked by ``~row``). ``decode_only``,
+    ``max_seq_len``, ``max_q_len``: the step's static ``AttentionMetadata`` fields (a speculative verify step in
+    the decode-only launch: ``max_q_len`` K + 1)."""
+    # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
+    x = packing.unpack(ints, None, layout)
+    if stage is not None:
+        return _stage_forward(family, cfg, backend, params, kv_caches, x, prev_tokens, decode_only, max_seq_len,
+                              stage)
+    # LoRA on: the adapter slots ride beside the weights, each token's slot in the inputs
+    lora = {} if "lora" not in params else {"lora": (params["lora"], x["lora_slot"])}
+    params = {k: v for k, v in params.items() if k != "lora"} if lora else params
+    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len,
+                           max_q_len=max_q_len)
+    input_ids, positions, logits_indices, prev_index = x["input_ids"], x["positions"], x["logits_idx"], \
+        x["prev_index"]
+    # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
+    # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
+    input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
+    if prev_rejected is not None:       # a speculative step after one still in flight (``shift_back``)
+        positions, md = shift_back(x["shift_row"], block_size, prev_rejected, positions, md)
+    # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their
+    # token rows (``mm_index``: [token rows, slab rows(, each token's attend limit)],
+    # ``encoder_cache.EncoderCache.gather``; the third row: a family whose image tokens attend both ways)
+    if getattr(family, "cross_attention", False):
+        # cross-attention (Mllama): the slab is the K/V pool, the index each token's [slot, keys, row on]
+        extra = lora if mm_slab is None else {"cross": (mm_slab, mm_index), **lora}
+    else:
+        extra = lora if mm_slab is None else {"mm_embeds": mm_slab[mm_index[1]], "mm_rows": mm_index[0], **lora}
+    if hidden_src is not None:
+        index = x["hidden_index"]
+        if getattr(family, "marks_own_hidden", False):
+            extra = {**extra, "hidden_own": index < 0}
+            index = jnp.where(index < 0, ~index, index)
+        extra = {**extra, "hidden_in": hidden_src[index]}
+    if mm_index is not None and mm_index.shape[0] == 3 and "cross" not in extra:
+        md = dataclasses.replace(md, attend_limit=mm_index[2])
+    fed = None
+    if aux_layers:
+        hidden, kv_caches, load, fed = family.forward_with_expert_load(
+            params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, aux_layers=aux_layers, **extra)
+    else:
+        hidden, kv_caches, load = family.forward_with_expert_load(
+            params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra) if expert_load else \
+            (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra), None)
+    # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
+    logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
+    out = (kv_caches, logits)
+    if hidden_rows:
+        fed = hidden if fed is None else fed
+        out += (jnp.pad(fed, ((0, hidden_rows - fed.shape[0]), (0, hidden_width - fed.shape[1]))),)
+    return (*out, load) if expert_load else out
+
+
+def _stage_forward(family, cfg, backend, params, kv_caches, x, carry, decode_only, max_seq_len, stage):
+    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
+    first, last = stage[0] == 0, stage[1] == cfg.num_layers
+    input_ids = x["input_ids"]
+    if first:     # as in forward_fn: the previous step's tokens resolve the placeholders on the device
+        input_ids = jnp.where(x["prev_index"] >= 0, carry[jnp.maximum(x["prev_index"], 0)], input_ids)
+    hidden, kv_caches, _ = family.forward_with_expert_load(params, kv_caches, input_ids, x["positions"], md, cfg,
+                                                           attn_backend=backend, stage=stage,
+                                                           hidden_in=None if first else carry)
+    if not last:
+        return kv_caches, hidden
+    return kv_caches, gather_logits(family.compute_logits(params, hidden[x["logits_idx"]], cfg))
+
+
+def sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=None, *, layout):
+    sampling_meta = sampler_mod.SamplingMetadata(**packing.unpack(ints, floats, layout))
+    out = sampler_mod.sample(logits, sampling_meta, num_logprobs=num_logprobs, filtering=filtering,
+                             bitmask=bitmask)
+    # the sampled ids padded to a fixed length, so the next step's forward sees one shape whatever this bucket
+    padded = jnp.zeros(max_rows, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
+    return out, padded

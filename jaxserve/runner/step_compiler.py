@@ -29,25 +29,23 @@ TRACE_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
-def _one_cpu_compile_at_a_time() -> None:
-    """On the CPU backend, XLA's compiles and loads from JAX's persistent compilation cache run one at a time
-    in the process: a load (``deserialize_executable``) beside another thread's load or compile crashed the
-    process (SIGSEGV, seen in loaded test runs, not reproduced in isolation). Tracing and lowering still
-    overlap them. A JAX without these hooks is left as it is."""
+def _one_cache_load_at_a_time() -> None:
+    """On the CPU backend, loads from JAX's persistent compilation cache take a lock: two threads deserializing
+    CPU executables at once crashed the process (SIGSEGV in ``deserialize_executable``, seen under a loaded
+    test run, not reproduced in isolation). A load takes milliseconds; the compiles still overlap. A JAX
+    without the hook leaves loads as they are."""
     import jax
-    from jax._src import compilation_cache, compiler
-    if jax.default_backend() != "cpu":
+    from jax._src import compilation_cache
+    load = getattr(compilation_cache, "get_executable_and_time", None)
+    if load is None or jax.default_backend() != "cpu":
         return
     lock = threading.Lock()
-    for module, name in ((compilation_cache, "get_executable_and_time"), (compiler, "backend_compile_and_load")):
-        fn = getattr(module, name, None)
-        if fn is None:
-            continue
 
-        def locked(*args, _fn=fn, **kwargs):
-            with lock:
-                return _fn(*args, **kwargs)
-        setattr(module, name, functools.wraps(fn)(locked))
+    @functools.wraps(load)
+    def locked(*args, **kwargs):
+        with lock:
+            return load(*args, **kwargs)
+    compilation_cache.get_executable_and_time = locked
 
 
 def default_workers() -> int:
@@ -59,7 +57,7 @@ class StepCompiler:
     """Compiles keys with ``build`` on ``workers`` threads in priority order; ``get`` never waits."""
 
     def __init__(self, lower: Callable[[Hashable], object], workers: int | None = None):
-        _one_cpu_compile_at_a_time()
+        _one_cache_load_at_a_time()
         self._lower = lower
         self.workers = workers or default_workers()
         self._ready: dict[Hashable, object] = {}

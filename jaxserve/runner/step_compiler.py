@@ -11,7 +11,6 @@ persistent-cache load) runs in C++ without it, so the compiles of independent va
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import logging
@@ -28,26 +27,6 @@ logger = logging.getLogger(__name__)
 TRACE_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=1)
-def _one_cache_load_at_a_time() -> None:
-    """On the CPU backend, loads from JAX's persistent compilation cache take a lock: two threads deserializing
-    CPU executables at once crashed the process (SIGSEGV in ``deserialize_executable``, seen under a loaded
-    test run, not reproduced in isolation). A load takes milliseconds; the compiles still overlap. A JAX
-    without the hook leaves loads as they are."""
-    import jax
-    from jax._src import compilation_cache
-    load = getattr(compilation_cache, "get_executable_and_time", None)
-    if load is None or jax.default_backend() != "cpu":
-        return
-    lock = threading.Lock()
-
-    @functools.wraps(load)
-    def locked(*args, **kwargs):
-        with lock:
-            return load(*args, **kwargs)
-    compilation_cache.get_executable_and_time = locked
-
-
 def default_workers() -> int:
     """One compile thread per core, at most 8 (more only add tracing contention for the GIL)."""
     return max(1, min(8, os.cpu_count() or 1))
@@ -57,7 +36,6 @@ class StepCompiler:
     """Compiles keys with ``build`` on ``workers`` threads in priority order; ``get`` never waits."""
 
     def __init__(self, lower: Callable[[Hashable], object], workers: int | None = None):
-        _one_cache_load_at_a_time()
         self._lower = lower
         self.workers = workers or default_workers()
         self._ready: dict[Hashable, object] = {}

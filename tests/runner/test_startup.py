@@ -55,16 +55,6 @@ def test_compile_now_overlaps_compiles_and_is_not_a_first_use():
     c.stop()
 
 
-def test_cpu_cache_loads_run_one_at_a_time():
-    # concurrent loads of CPU executables from the persistent cache crashed a test run (SIGSEGV)
-    from jax._src import compilation_cache
-    StepCompiler(lambda key: None)
-    load = compilation_cache.get_executable_and_time
-    assert load.__wrapped__ is not None
-    StepCompiler(lambda key: None)
-    assert compilation_cache.get_executable_and_time is load          # wrapped once per process
-
-
 def test_stop_drops_the_queue_and_a_failed_compile_raises_where_needed():
     def lower(key):
         if key == "bad":

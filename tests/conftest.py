@@ -10,9 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
 
-# one cache folder per xdist worker: a worker never loads an executable another process is writing
-_XLA_CACHE = os.environ.get("JAXSERVE_TEST_XLA_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
-jax.config.update("jax_compilation_cache_dir", os.path.join(_XLA_CACHE, os.environ.get("PYTEST_XDIST_WORKER", "main")))
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("JAXSERVE_TEST_XLA_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 

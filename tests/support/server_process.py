@@ -64,9 +64,7 @@ def smol_server(*flags: str, env: dict | None = None) -> ServerProcess:
     """The embedded SmolLM2 on CPU, served as "smol" with a small token budget (warm-up compiles a few buckets)
     and the tests' compilation cache, so every server with these engine flags reuses the same programs."""
     return ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens",
-                         "64", "--compilation-cache-dir",
-                         os.path.join(ROOT, ".jax_cache", "server-" + os.environ.get("PYTEST_XDIST_WORKER", "main")),
-                         "--served-model-name",
+                         "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--served-model-name",
                          "smol", *flags, env=env)
 
 

@@ -99,6 +99,8 @@ class EncoderCache:
         self._slab_shape = jax.ShapeDtypeStruct(self.slab.shape, self.slab.dtype, sharding=self.slab.sharding)
         self._arg_shapes: dict[tuple[int, str, int], tuple] = {}    # (bucket, payload dtype, rows) -> shapes
         self._seen: set[tuple[int, str]] = set()
+        # the row counts a packed call may run: ``row_batch``'s values up to ``max_batch``'s
+        self._row_batches = sorted({row_batch(n) for n in range(1, max_batch + 1)})
         self.compiler = StepCompiler(self._lower)
         self._free = list(range(capacity - 1, -1, -1))
         self.num_images = 0
@@ -214,21 +216,17 @@ class EncoderCache:
                 self.num_images += sum(len(r) for r in batch)
 
     # ---------------------------------------------------------------- a packed family's programs
-    def _row_batches(self) -> list[int]:
-        """The row counts a packed call may run: ``row_batch``'s values up to ``max_batch``'s."""
-        return sorted({row_batch(n) for n in range(1, self.max_batch + 1)})
-
     def _queue_bucket(self, kind: tuple[int, str], pixels: list) -> None:
         """A (bucket, payload dtype) seen for the first time: the argument shapes of each of its row batches
         (packing this batch's images, cut or padded to that many rows), all but this batch's own queued for
         the background compiler (this one the caller compiles now)."""
         self._seen.add(kind)
         own = row_batch(len(pixels))
-        for b in self._row_batches():
+        for b in self._row_batches:
             inputs, _, num_out = self.family.pack_images(self.cfg, pixels[:b], b, kind[0])
             self._arg_shapes[(*kind, b)] = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs),
                                             jax.ShapeDtypeStruct((num_out,), np.int32))
-        self.compiler.submit([(*kind, b) for b in self._row_batches() if b != own])
+        self.compiler.submit([(*kind, b) for b in self._row_batches if b != own])
 
     def _rows_to_run(self, kind: tuple[int, str], n: int) -> int:
         """The rows to run ``n`` rows of ``kind`` in: ``row_batch(n)``, or while that compiles a compiled
@@ -236,7 +234,7 @@ class EncoderCache:
         b = row_batch(n)
         if (*kind, b) in self.compiler:
             return b
-        ready = [r for r in self._row_batches() if b < r <= 2 * b and (*kind, r) in self.compiler]
+        ready = [r for r in self._row_batches if b < r <= 2 * b and (*kind, r) in self.compiler]
         return ready[0] if ready else b
 
     def _lower(self, key: tuple[int, str, int]):

@@ -15,17 +15,20 @@ generate: setup
 	$(PY) -m jaxserve generate --chat --prompt "What is the capital of France?" $(ARGS)
 
 # pytest-xdist workers, each running whole files (a file's module-scoped engines stay in one process): the
-# suite compiles and runs on one core at a time for long stretches, so two workers keep two cores busy
+# suite compiles and runs on one core at a time for long stretches, so two workers keep two cores busy. A
+# crashed worker is not replaced: under --dist loadfile xdist can hang after replacing one (pytest-xdist
+# #784), so the run ends at once instead, naming the test it crashed in
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not gpu" --durations=25 $(ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not gpu" --durations=25 $(ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -q -m "slow" $(ARGS)
 
 test-all: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" $(ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not gpu" $(ARGS)
 
 bench-smoke: setup
 	$(PY) -m jaxserve bench --config configs/bench/cpu-smoke.yaml

@@ -1,4 +1,6 @@
-"""Shared test setup: CPU JAX, no model hub, a persistent compilation cache so reruns are fast; and the fixtures
+"""Shared test setup: CPU JAX, no model hub, no persistent compilation cache unless $JAXSERVE_TEST_XLA_CACHE names
+one (XLA:CPU crashes now and then loading a cached executable: runner/compile_cache.py) but an in-process memo
+of compiled executables (support/executable_memo.py); and the fixtures
 several test folders use, each set up by a module attribute (``LLM_ARGS``, ``GOLDEN``). A folder's own fixtures
 live in its conftest.py, the helpers behind them in tests/support/."""
 import os
@@ -10,9 +12,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("JAXSERVE_TEST_XLA_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+if os.environ.get("JAXSERVE_TEST_XLA_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAXSERVE_TEST_XLA_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+else:
+    from support.executable_memo import install as install_executable_memo  # noqa: E402
+
+    install_executable_memo()
 
 
 import pytest  # noqa: E402

@@ -22,7 +22,6 @@ import importlib
 import logging
 import os
 import threading
-import time
 
 from jaxserve import envs
 

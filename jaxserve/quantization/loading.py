@@ -21,7 +21,7 @@ from jaxserve.errors import ModelLoadError
 
 from . import gguf_formats, int4_formats, online
 from .config import FP8_BLOCK, QuantConfig
-from .weights import FP8_DTYPE, Fp8Weight, Int4Weight, with_tp_axis
+from .weights import Fp8Weight, Int4Weight, with_tp_axis
 
 # the decoder's projections (and MLA's q LoRA and kv_a, or the two fused, which ``layers.linear`` multiplies like
 # them)

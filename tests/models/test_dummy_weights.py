@@ -1,7 +1,6 @@
 """Random weights (``--load-format dummy``) are made on the devices, in their sharding and dtype: float and the
 quantized storages, the same values for the same seed on any mesh, no weight ever whole on the host."""
 import json
-import os
 import textwrap
 
 from support.fake_devices import fake_device_report

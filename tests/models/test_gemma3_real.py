@@ -142,10 +142,10 @@ def test_last_position_logits_match_hf(llm, golden):
 def test_server_serves_gemma3(gemma3_path, golden):
     """`python -m jaxserve serve gemma3-270m` (the packaged name): a completion equals the golden tokens."""
     import openai
-    from support.server_process import ROOT, ServerProcess
+    from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 
     srv = ServerProcess("gemma3-270m", "--max-model-len", "128", "--max-num-seqs", "4",
-                        "--max-num-batched-tokens", "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
+                        "--max-num-batched-tokens", "64", *XLA_CACHE_FLAGS)
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
         assert [m.id for m in client.models.list().data] == ["gemma3-270m"]
@@ -165,9 +165,9 @@ def test_serve_with_default_flags_fits_the_context_to_the_cpu_kv_cache(gemma3_pa
     """`python -m jaxserve serve gemma3-270m` as the README shows it: the model's 32768 tokens do not fit the 1 GiB
     CPU KV cache, so the server serves the longest context that does, says so in one log line, and answers."""
     import openai
-    from support.server_process import ROOT, ServerProcess
+    from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 
-    srv = ServerProcess("gemma3-270m", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
+    srv = ServerProcess("gemma3-270m", *XLA_CACHE_FLAGS)
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
         (card,) = client.models.list().data

@@ -3,12 +3,11 @@ HF's greedy continuation for chat requests with data-URL images (one, two with t
 turn's image) and text only."""
 from __future__ import annotations
 
-import os
 
 import openai
 import pytest
 
-from support.server_process import ROOT, ServerProcess
+from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 from support.vision import GREEDY
 from test_gemma3_vision import CASES, FOLDER, VISION
 
@@ -17,7 +16,7 @@ from test_gemma3_vision import CASES, FOLDER, VISION
 def client():
     srv = ServerProcess(FOLDER, "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
                         "--max-num-batched-tokens", "64", "--served-model-name", "gemma3-vision",
-                        "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
+                        *XLA_CACHE_FLAGS)
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
     srv.stop()
 

@@ -4,14 +4,13 @@ server keeps answering: an image whose tile grid takes more tokens than the enco
 ``--limit-mm-per-prompt``."""
 from __future__ import annotations
 
-import os
 
 import httpx
 import openai
 import pytest
 
 from support.api_errors import api_error
-from support.server_process import ROOT, ServerProcess
+from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 from test_llava_next import CASES, FOLDER, VISION
 
 LIMIT = 2
@@ -23,7 +22,7 @@ def server():
     srv = ServerProcess(FOLDER, "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4",
                         "--max-num-batched-tokens", "64", "--served-model-name", "llava-next",
                         "--max-num-encoder-input-tokens", str(BUDGET),
-                        "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
+                        *XLA_CACHE_FLAGS,
                         "--limit-mm-per-prompt", f'{{"image": {LIMIT}}}')
     yield srv
     srv.stop()

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from support.api_errors import api_error
-from support.server_process import ROOT, ServerProcess
+from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 from test_llava import CASES, FOLDER, GREEDY, data_url, openai_messages
 from support.server_fakes import FakeEngine, InProcessServer
 
@@ -48,7 +48,7 @@ def media_server():
 def server():
     srv = ServerProcess(FOLDER, "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
                         "--max-num-batched-tokens", "64", "--served-model-name", "llava",
-                        "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"),
+                        *XLA_CACHE_FLAGS,
                         "--limit-mm-per-prompt", f'{{"image": {LIMIT}}}', "--max-image-pixels", "1000000",
                         "--allowed-local-media-path", FOLDER, "--allowed-media-domains", "127.0.0.1")
     yield srv

@@ -3,14 +3,13 @@ HF's greedy continuation for chat requests with data-URL images (one image, an e
 only; five images in one prompt (more than the model takes) a 400 naming it while the server keeps answering."""
 from __future__ import annotations
 
-import os
 
 import httpx
 import openai
 import pytest
 
 from support.api_errors import api_error
-from support.server_process import ROOT, ServerProcess
+from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 from test_mllama import CASES, FOLDER, VISION
 
 
@@ -19,7 +18,7 @@ def server():
     srv = ServerProcess(FOLDER, "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
                         "--max-num-batched-tokens", "64", "--served-model-name", "mllama",
                         "--limit-mm-per-prompt", '{"image": 8}',
-                        "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
+                        *XLA_CACHE_FLAGS)
     yield srv
     srv.stop()
 

@@ -77,14 +77,14 @@ def test_server_serves_a_family():
     """``python -m jaxserve serve <Gemma 2 checkpoint>``: an OpenAI completion from token ids gives HF's tokens
     (the tiny model's vocabulary is too small for text prompts)."""
     import httpx
-    from support.server_process import ROOT, ServerProcess
+    from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 
     from jaxserve.models.tokenizers import embedded_tokenizer
 
     golden = load_golden(os.path.join(FIXTURES, "tiny-gemma2", "golden.json"))
     srv = ServerProcess(os.path.join(FIXTURES, "tiny-gemma2"), "--dtype", "float32", "--max-model-len", "64",
                         "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--served-model-name", "gemma",
-                        "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
+                        *XLA_CACHE_FLAGS)
     try:
         body = {"model": "gemma", "prompt": golden["prompt_ids"], "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True, "logprobs": 0}

@@ -3,12 +3,11 @@ openai SDK: HF's greedy continuation for chat requests with data-URL images of d
 turn's image and text only."""
 from __future__ import annotations
 
-import os
 
 import openai
 import pytest
 
-from support.server_process import ROOT, ServerProcess
+from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 from test_qwen2_vl import FIXTURES, GREEDY, NAMES
 
 
@@ -17,7 +16,7 @@ def served(request):
     vl = FIXTURES[request.param]
     srv = ServerProcess(vl.folder, "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
                         "--max-num-batched-tokens", "128", "--served-model-name", "qwen-vl",
-                        "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
+                        *XLA_CACHE_FLAGS)
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
     yield vl, client
     srv.stop()

@@ -64,8 +64,9 @@ def _refusals() -> dict:
     from support.tiny_models import tiny_llm
 
     out = {}
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     for key, kw in {"lora": {"enable_lora": True}, "multi_step": {"num_scheduler_steps": 4},
-                    "devices": {"tensor_parallel_size": 4}}.items():
+                    "speculative": {"speculative_config": ngram}, "devices": {"tensor_parallel_size": 4}}.items():
         try:
             tiny_llm(pipeline_parallel_size=2, skip_warmup=True, **kw)
             out[key] = None
@@ -129,6 +130,7 @@ def test_unsupported_combinations_are_refused(report):
     refused = report["refused"]
     assert "does not support LoRA adapters (--enable-lora)" in refused["lora"]
     assert "multi-step decoding" in refused["multi_step"]
+    assert "does not support speculative decoding (--speculative-config)" in refused["speculative"]
     assert "needs 8 devices, but only 4" in refused["devices"]
 
 

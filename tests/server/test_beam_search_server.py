@@ -16,7 +16,7 @@ import pytest
 
 from support import FIXTURES
 from support.api_errors import api_error
-from support.server_fakes import EOS_ID as EOS, FakeEngine
+from support.server_fakes import FakeEngine
 from support.servers import scripted, serving
 from support.servers import smol as smol_spec
 

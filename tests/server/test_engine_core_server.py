@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
-from support.server_process import MAX_MODEL_LEN, ROOT, ServerProcess, start_long_streams
+from support.server_process import MAX_MODEL_LEN, XLA_CACHE_FLAGS, ServerProcess, start_long_streams
 
 FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-         "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--served-model-name", "smol")
+         *XLA_CACHE_FLAGS, "--served-model-name", "smol")
 
 
 def core_pid(srv: ServerProcess) -> int:

@@ -3,14 +3,13 @@ an adapter named as the model gives HF + peft's greedy output, /v1/models lists 
 adapters load and unload at run time while another request runs, and bad adapters are errors in OpenAI's
 shape."""
 import json
-import os
 import shutil
 import threading
 
 import openai
 import pytest
 
-from support import ROOT
+from support import XLA_CACHE_FLAGS
 from support.lora import adapter_path, lora_golden
 from support.server_process import ServerProcess
 from support.servers import ServerSpec
@@ -21,7 +20,7 @@ def _lora_server():
     return ServerProcess(
         fixture_path("tiny-llama3"), "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--kv-cache-memory",
-        str(1 << 24), "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--enable-lora",
+        str(1 << 24), *XLA_CACHE_FLAGS, "--enable-lora",
         "--max-loras", "2", "--lora-modules", f"attn-r8={adapter_path('attn-r8')}",
         '{"name": "mlp", "path": "%s", "base_model_name": "tiny"}' % adapter_path("mlp-r16"),
         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})

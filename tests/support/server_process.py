@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from support import ROOT, TESTS
+from support import ROOT, TESTS, XLA_CACHE_FLAGS
 from support.server_fakes import free_port
 
 MAX_MODEL_LEN = 512
@@ -64,7 +64,7 @@ def smol_server(*flags: str, env: dict | None = None) -> ServerProcess:
     """The embedded SmolLM2 on CPU, served as "smol" with a small token budget (warm-up compiles a few buckets)
     and the tests' compilation cache, so every server with these engine flags reuses the same programs."""
     return ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens",
-                         "64", "--compilation-cache-dir", os.path.join(ROOT, ".jax_cache"), "--served-model-name",
+                         "64", *XLA_CACHE_FLAGS, "--served-model-name",
                          "smol", *flags, env=env)
 
 

@@ -1,6 +1,6 @@
 """Fair prefill: with chunked prefill a long prompt shares the step with decodes and short prompts (the
 scheduler's NOTE): the others are served within a step or two, the step stays full, and long prompts alone
-run at full width. The fake device checks every step's KV context, as in test_scheduler."""
+run at full width. The fake device of support/fake_scheduler.py checks every step's KV context."""
 from __future__ import annotations
 
 from jaxserve.config import CacheConfig, SchedulerConfig
@@ -8,7 +8,7 @@ from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 
-from test_scheduler import FakeDevice, expected_outputs, params, run_to_completion, step
+from support.fake_scheduler import FakeDevice, expected_outputs, params, run_to_completion, step
 
 BUDGET = 16
 

@@ -268,7 +268,8 @@ def test_lark_grammar(llm):
 
 
 def test_a_constrained_request_makes_a_multi_step_decode_a_single_step():
-    from test_scheduler import Request, make, params, prefill
+    from jaxserve.engine.request import Request
+    from support.fake_scheduler import make, params, prefill
     sched, _, dev = make(steps=4)
     a = Request("a", [1, 2, 3], params(max_tokens=50))
     b = Request("b", [4, 5, 6], params(max_tokens=50))

@@ -11,7 +11,7 @@ import pytest
 from support.api_errors import api_error
 from support.servers import serving, smol
 from jaxserve.server.reasoning import REASONING_PARSERS, Qwen3ThinkingParser, ThinkingParser
-from test_tool_calls import TIME_TOOL, WEATHER_TOOL, ScriptedEngine, make_server
+from support.tool_calls import TIME_TOOL, WEATHER_TOOL, ScriptedEngine, make_server
 
 DELTA_SIZES = (1, 2, 5, None)     # None: the whole text at once
 

@@ -206,18 +206,13 @@ ENGINE_CASES = [("tiny-llama3", 1), ("tiny-llama3", 2), ("tiny-llama3", 4), ("ti
 
 def _engine_worker() -> dict:
     """Greedy tokens through the offline API (scheduler, runner, sampler) at each tensor_parallel_size."""
-    import tempfile
-
-    import jax
-
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
+    from support.executable_memo import install
 
-    # the async and the multi-step engines compile programs the tp=2 engine already compiled: a compile cache
-    # of this run's own (every executable, however quick) serves them
-    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="tp-engine-xla-"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # the async and the multi-step engines compile programs the tp=2 engine already compiled: the in-process
+    # memo serves them (not a persistent cache: XLA:CPU can crash loading one back)
+    install()
     report = {}
     for model, tp in ENGINE_CASES:
         llm = LLM(os.path.join(FIXTURES, model), tensor_parallel_size=tp, dtype="float32", max_model_len=128,

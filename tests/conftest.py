@@ -12,8 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
 
-if os.environ.get("JAXSERVE_TEST_XLA_CACHE"):
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAXSERVE_TEST_XLA_CACHE"])
+from support import XLA_CACHE_DIR  # noqa: E402
+
+if XLA_CACHE_DIR:
+    jax.config.update("jax_compilation_cache_dir", XLA_CACHE_DIR)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 else:
     from support.executable_memo import install as install_executable_memo  # noqa: E402

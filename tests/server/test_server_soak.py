@@ -21,9 +21,8 @@ import sys
 import pytest
 
 from soak_grammars import GRAMMAR_HOSTILE
-from support import XLA_CACHE_FLAGS
+from support import ROOT, XLA_CACHE_FLAGS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVER_FLAGS = " ".join(("--max-model-len 512 --max-num-seqs 32 --max-num-batched-tokens 128 --trust-request-chat-template "
                          "--read-timeout 5", *XLA_CACHE_FLAGS))
 

@@ -5,6 +5,7 @@ import os
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)                   # the repository
 FIXTURES = os.path.join(TESTS, "fixtures")      # checkpoints and goldens the make_*_fixtures.py scripts write
-# the servers' --compilation-cache-dir: none unless $JAXSERVE_TEST_XLA_CACHE names one (runner/compile_cache.py)
-XLA_CACHE_FLAGS = (("--compilation-cache-dir", os.environ["JAXSERVE_TEST_XLA_CACHE"])
-                   if os.environ.get("JAXSERVE_TEST_XLA_CACHE") else ())
+# the tests' persistent XLA cache: none unless $JAXSERVE_TEST_XLA_CACHE names a folder (runner/compile_cache.py),
+# and the servers' flag for it
+XLA_CACHE_DIR = os.environ.get("JAXSERVE_TEST_XLA_CACHE") or None
+XLA_CACHE_FLAGS = ("--compilation-cache-dir", XLA_CACHE_DIR) if XLA_CACHE_DIR else ()

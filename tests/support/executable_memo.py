@@ -25,21 +25,22 @@ def install(max_executables: int = MAX_EXECUTABLES) -> bool:
     memo: collections.OrderedDict[str, object] = collections.OrderedDict()
     lock = threading.Lock()
 
-    def compile_or_get_cached(backend, computation, devices, compile_options, host_callbacks, executable_devices,
-                              *args, **kwargs):
-        call = (backend, computation, devices, compile_options, host_callbacks, executable_devices, *args)
+    def compile_or_get_cached(backend, computation, devices, compile_options, host_callbacks, *args, **kwargs):
+        def compile_():
+            return original(backend, computation, devices, compile_options, host_callbacks, *args, **kwargs)
+
         if host_callbacks:
-            return original(*call, **kwargs)
+            return compile_()
         try:
             key = compilation_cache.get_cache_key(computation, devices, compile_options, backend)
         except Exception:           # a module JAX cannot key: compile it
-            return original(*call, **kwargs)
+            return compile_()
         with lock:
             exe = memo.get(key)
             if exe is not None:
                 memo.move_to_end(key)
                 return exe
-        exe = original(*call, **kwargs)
+        exe = compile_()
         with lock:
             memo[key] = exe
             while len(memo) > max_executables:

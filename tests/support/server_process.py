@@ -62,7 +62,7 @@ class ServerProcess:
 
 def smol_server(*flags: str, env: dict | None = None) -> ServerProcess:
     """The embedded SmolLM2 on CPU, served as "smol" with a small token budget (warm-up compiles a few buckets)
-    and the tests' compilation cache, so every server with these engine flags reuses the same programs."""
+    and the tests' compilation cache when one is named (``support.XLA_CACHE_FLAGS``)."""
     return ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens",
                          "64", *XLA_CACHE_FLAGS, "--served-model-name",
                          "smol", *flags, env=env)

@@ -75,7 +75,7 @@ def _tail(path: Path, n: int = 15) -> str:
 
 _COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions|structured_output_mask_steps"
                       r"|structured_output_mask_ms|structured_output_mask_wait_ms|step_variants_pending|images_encoded"
-                      r"|encoder_seconds|spec_decode_\w+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+                      r"|encoder_seconds|engine_steps|engine_step_ms|engine_device_wait_ms|spec_decode_\w+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float]:
@@ -98,6 +98,10 @@ def counter_delta(before: dict, after: dict) -> dict:
     d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0.0) / q if q else None
     images = d.get("images_encoded")
     d["encoder_ms_per_image"] = d.get("encoder_seconds", 0.0) * 1e3 / images if images else None
+    steps = d.get("engine_steps")
+    if steps:   # the engine loop's ms per step: inside step(), and of that waiting for the device
+        d["engine_ms_per_step"] = d.get("engine_step_ms", 0.0) / steps
+        d["engine_device_wait_ms_per_step"] = d.get("engine_device_wait_ms", 0.0) / steps
     masked = d.get("structured_output_mask_steps")
     d["structured_mask_ms_per_step"] = d.get("structured_output_mask_ms", 0.0) / masked if masked else None
     d["structured_mask_wait_ms_per_step"] = d.get("structured_output_mask_wait_ms", 0.0) / masked if masked else None
@@ -193,7 +197,9 @@ def run_serve(run) -> None:
                 seed=cfg["seed"] + i, ignore_eos=wl["ignore_eos"], api_key=cfg["serve"]["api_key"],
                 timeout_s=float(cfg["serve"]["request_timeout_s"]), desc=label))
             m = serving_metrics(timings, duration, wl.get("slo") or None)
-            m["server_counters"] = counter_delta(before, scrape_counters(base_url, cfg["serve"]["api_key"]))
+            m["server_counters"] = sc = counter_delta(before, scrape_counters(base_url, cfg["serve"]["api_key"]))
+            if sc.get("engine_step_ms") is not None and duration:
+                sc["engine_busy_fraction"] = sc["engine_step_ms"] / (duration * 1e3)
             m.update({"sweep_value": value, "request_rate": rate, "max_concurrency": conc,
                       "roofline": _limit(run, reqs, conc)})
             m.update({f"{k}_samples_ms": [v * 1e3 for t in timings if t.success and (v := getattr(t, a)) is not None]
@@ -202,8 +208,12 @@ def run_serve(run) -> None:
             # kept as it goes: a run cut short by a time limit still leaves the points it finished
             (run.out_dir / "points_partial.json").write_text(json.dumps(
                 [{k: v for k, v in p.items() if not k.endswith("_samples_ms")} for p in points], default=str))
+            busy = sc.get("engine_busy_fraction")
             print(f"[bench] {label}: {fmt(m['output_throughput'])} output tok/s, "
-                  f"TTFT median {fmt(m['ttft_ms']['median'])} ms, {m['failed']} failed", flush=True)
+                  f"TTFT median {fmt(m['ttft_ms']['median'])} ms, {m['failed']} failed"
+                  + (f"; engine loop busy {busy:.0%}, {fmt(sc.get('engine_ms_per_step'))} ms a step "
+                     f"({fmt(sc.get('engine_device_wait_ms_per_step'))} waiting for the device)" if busy else ""),
+                  flush=True)
     (run.out_dir / "points_partial.json").unlink(missing_ok=True)
     run.result["points"] = points
     run.result["sweep_param"] = param

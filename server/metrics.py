@@ -92,6 +92,11 @@ ENGINE_COUNTERS = {
     "images_encoded": ("images_encoded_total",),
     "images_reused": ("images_reused_total",),
     "encoder_seconds": ("encoder_seconds_total",),
+    # (jaxserve's own) the engine loop's time: steps run, ms inside its step() (host work and device waits), of
+    # which ms waiting for a step's results: busy = step_ms / wall time, host = step_ms - device_wait_ms
+    "engine_steps": ("steps",),
+    "engine_step_ms": ("step_ms_total",),
+    "engine_device_wait_ms": ("device_ms_total",),
     # speculative decoding (vLLM's names): requests' draft runs verified, their tokens, the tokens accepted
     "spec_decode_num_drafts": ("spec_decode_num_drafts",),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),

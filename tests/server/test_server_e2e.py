@@ -203,6 +203,9 @@ def test_cancelling_long_requests_frees_everything(server, http):
         assert time.monotonic() < deadline, f"still held after cancel: {values}"
         time.sleep(0.1)
     assert 'finished_reason="abort"' in http.get("/metrics").text
+    # the engine loop's own counters: steps ran, and its time inside them covers its waits for the device
+    steps, step_ms = metric(http, "engine_steps_total"), metric(http, "engine_step_ms_total")
+    assert steps > 0 and step_ms >= metric(http, "engine_device_wait_ms_total") > 0
 
 
 def test_models_health_version(http):

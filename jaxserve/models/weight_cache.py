@@ -3,7 +3,8 @@
 A GGUF load dequantizes its tensors (or repacks its quantized projections) on the host and runs a layout/cast
 jit per weight shape on the device (most of a small model's start on CPU). The result — the family's weight
 pytree, in the dtype it is served in, int4 leaves included — goes into one ``jaxserve.utils.file_store``
-entry next to the persistent compile cache: after the entry's header (the key), a table of each leaf's
+entry next to the persistent compile cache, or in ``weights/`` under jaxserve's cache folder when there is none
+(the CPU backend's default): after the entry's header (the key), a table of each leaf's
 offset, shape and dtype, then the leaves' bytes, 64-byte aligned. A warm start memory-maps the file and copies each leaf to the device. The key is the GGUF file
 (path, size, modification time, a hash of its first MiB), the model config, the dtype, the weights' tree and
 jaxserve's source (a converter fix invalidates every entry). An entry that is missing, stale or torn is
@@ -20,6 +21,7 @@ import os
 import jax
 import numpy as np
 
+from jaxserve.models import packaged
 from jaxserve.utils import file_store
 
 logger = logging.getLogger(__name__)
@@ -31,8 +33,11 @@ _ALIGN = 64
 MAX_BYTES = 4 << 30
 
 
-def directory_for(compile_cache_dir: str | None) -> str | None:
-    return os.path.join(compile_cache_dir, "jaxserve-weights") if compile_cache_dir else None
+def directory_for(compile_cache_dir: str | None) -> str:
+    """Inside the persistent compile cache's folder when there is one, else ``$JAXSERVE_CACHE_DIR/weights``."""
+    if compile_cache_dir:
+        return os.path.join(compile_cache_dir, "jaxserve-weights")
+    return str(packaged.cache_dir() / "weights")
 
 
 def key_text(path: str, cfg, dtype, structure) -> str:

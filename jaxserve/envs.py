@@ -74,7 +74,8 @@ _REGISTRY: dict[str, EnvVar] = {
     "XDG_CACHE_HOME": EnvVar(lambda raw: raw or os.path.join(os.path.expanduser("~"), ".cache"), "~/.cache",
                              "base of the default cache folders (XLA compilation cache, built kernels)"),
     "JAXSERVE_CACHE_DIR": EnvVar(_text, None, "folder of files built from packaged models and GGUF "
-                                              "tokenizers (default: $XDG_CACHE_HOME/jaxserve)"),
+                                              "tokenizers, and of converted GGUF weights when no compile "
+                                              "cache is on (default: $XDG_CACHE_HOME/jaxserve)"),
     # tensor parallelism
     "JAXSERVE_CUSTOM_ALL_REDUCE_FUSE_NORM": EnvVar(_flag, "1", "0 = the custom all-reduce does not fuse the "
                                                                "residual add + RMSNorm (A/B runs)"),

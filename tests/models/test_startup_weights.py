@@ -64,3 +64,11 @@ def test_a_changed_file_or_dtype_is_converted_again_and_a_torn_entry_is_not_used
     assert len(os.listdir(cache)) == 2                      # it replaced the float32 entry of the old file
     gguf_loader.load_gguf(gguf_path, dtype="float32")
     assert len(calls) == 4
+
+
+def test_the_folder_is_the_compile_caches_or_jaxserves_own_cache(tmp_path, monkeypatch):
+    """Next to a persistent compile cache when one is on; else (the CPU backend's default) in
+    $JAXSERVE_CACHE_DIR/weights, so a CPU start still maps the converted weights."""
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "jc"))
+    assert weight_cache.directory_for("/x/xla") == os.path.join("/x/xla", "jaxserve-weights")
+    assert weight_cache.directory_for(None) == str(tmp_path / "jc" / "weights")

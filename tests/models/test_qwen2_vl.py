@@ -241,6 +241,7 @@ def test_bfloat16_payload_encodes_as_float32_pixels():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow     # a bfloat16 engine of its own (~25 s)
 def test_bfloat16_engine_sends_bfloat16_pixels():
     """A bfloat16 engine's front end makes bfloat16 payloads; its greedy ids are those of float32 payloads
     (another content key, so the second request encodes its image again)."""

@@ -228,6 +228,7 @@ def test_percent_of_a_limit_never_exceeds_100():
     assert len(notes) == 1 and "configs/hardware" in notes[0] and roofline.take_exceeded() == []
 
 
+@pytest.mark.slow     # ~30 s of interpret-mode kernels the kernel tests already run
 def test_kernel_bench_runs_its_sections_on_cpu(capsys):
     """The kernel microbenchmark at its smoke sizes on CPU (Pallas interpreted): the bandwidth lines for the
     hardware files, paged decode against the stock kernel, prefill, the quantized matmuls, the MoE GEMM's

@@ -36,6 +36,7 @@ def expected(prompts):
         one.shutdown()
 
 
+@pytest.mark.slow     # Ray replicas of TP=2 each (~35 s)
 def test_replicas_with_tensor_parallelism_inside(ray_cluster, prompts, expected):
     # (first: the cluster's two CPUs then go to the replicas of the fixture below)
     llm = LLM(TINY, data_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray",

@@ -379,6 +379,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow     # a 200-grammar soak (~20 s)
 def test_rss_stays_flat_over_200_distinct_large_grammars(tok):
     """200 distinct 2,000-option choice lists (each a few hundred KiB compiled, ~100 MiB in all) through a
     32 MiB cache: RSS grows by at most the cache plus 64 MiB of allocator slack."""

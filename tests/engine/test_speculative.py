@@ -127,7 +127,9 @@ def test_a_speculative_step_pads_up_to_a_compiled_bucket(llm, prompts):
     assert {k[1] for k in variants.keys() if k[0] == "forward-spec"} == {largest}
 
 
-@pytest.mark.parametrize("spec", [NGRAM, _draft("tiny-llama3"), "eagle"], ids=["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("spec", [pytest.param(NGRAM, marks=pytest.mark.slow), _draft("tiny-llama3"),
+                                  pytest.param("eagle", marks=pytest.mark.slow)],     # ~25 s more
+                         ids=["ngram", "draft_model", "eagle"])
 def test_lora_adapters_are_verified_by_the_target(spec, tmp_path):
     """LoRA with speculation: the draft proposes without adapters (an EAGLE head from the adapted target's
     hidden states), the target verifies with each request's adapter, so greedy output is HF + peft's for every

@@ -17,6 +17,7 @@ def target(tmp_path_factory):
     return with_mtp_layer(tmp_path_factory.mktemp("mtp") / "deepseek")
 
 
+@pytest.mark.slow     # ~20 s; the greedy test below keeps MTP speculation token-identical
 def test_an_echoing_mtp_layer_drafts_the_last_token(tmp_path):
     """As the EAGLE test's echo head: the layer's logits are the target's lm_head over the (normed) hidden state
     it is given, so every draft is the request's last token (the target's greedy token there) only if the

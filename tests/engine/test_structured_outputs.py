@@ -336,6 +336,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow     # fake-device TP (~11 s)
 def test_tensor_parallel_2_gives_the_same_constrained_tokens():
     """One process, a 2-device mesh (fake CPU devices, so a subprocess): the mask reaches the replicated
     sampler and the tokens equal TP=1's (the tiny fixture model's ids < 256 include the letters)."""

@@ -118,6 +118,7 @@ LLM_ARGS = dict(model=None, dtype="float32", max_model_len=512, max_num_seqs=16,
                 block_size=BLOCK_SIZE, use_tqdm_on_load=False)
 
 
+@pytest.mark.slow     # ~40 s; tests/server/test_beam_search_server.py matches HF's beams in make test
 def test_beam_search_matches_hf_num_beams(llm, golden):
     """Every golden case: the same best beam (token ids) as HF's num_beams search, the same scores, and the
     other beams the same wherever HF's scores set them apart."""

@@ -160,6 +160,7 @@ def test_server_serves_gemma3(gemma3_path, golden):
         srv.stop()
 
 
+@pytest.mark.slow     # its own server (~30 s)
 @needs_family
 def test_serve_with_default_flags_fits_the_context_to_the_cpu_kv_cache(gemma3_path):
     """`python -m jaxserve serve gemma3-270m` as the README shows it: the model's 32768 tokens do not fit the 1 GiB

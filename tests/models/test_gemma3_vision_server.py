@@ -11,6 +11,8 @@ from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 from support.vision import GREEDY
 from test_gemma3_vision import CASES, FOLDER, VISION
 
+pytestmark = pytest.mark.slow     # its own server (~13 s); the engine tests match HF for Gemma 3 vision
+
 
 @pytest.fixture(scope="module")
 def client():

@@ -131,7 +131,7 @@ def encoder(model, min_patches: int, max_batch: int = 4):
 
 
 @pytest.mark.parametrize("query_block", [None, 64])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [NAMES[0], pytest.param(NAMES[1], marks=pytest.mark.slow)])    # ~25 s more
 def test_bucketed_encoder_equals_the_unpadded_one(name, query_block, monkeypatch):
     """Images of many sizes encoded together (several to a row, rows batched, padding rows and patches; full
     attention in one piece or in blocks of 64 queries): each image's slab rows equal its unpadded encoding
@@ -241,6 +241,7 @@ def test_bfloat16_payload_encodes_as_float32_pixels():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow     # a bfloat16 engine of its own (~25 s)
 def test_bfloat16_engine_sends_bfloat16_pixels():
     """A bfloat16 engine's front end makes bfloat16 payloads; its greedy ids are those of float32 payloads
     (another content key, so the second request encodes its image again)."""
@@ -264,9 +265,11 @@ def test_greedy_matches_hf(vl, llm, name):
     check(run_case(vl, llm, vl.cases[name]), vl.cases[name])
 
 
-def test_engine_core_process_takes_the_images_out_of_band(vl):
+def test_engine_core_process_takes_the_images_out_of_band():
     """The engine core in its own process: the images cross as views of the request message's buffers
-    (``messages.dump_features``), and HF's greedy continuation comes back."""
+    (``messages.dump_features``), and HF's greedy continuation comes back (one family: the crossing is the
+    same for both)."""
+    vl = FIXTURES[NAMES[0]]
     engine = vl.make_llm(multiprocess=True)
     try:
         for name in ("one_image", "two_images"):

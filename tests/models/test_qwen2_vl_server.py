@@ -11,7 +11,7 @@ from support.server_process import XLA_CACHE_FLAGS, ServerProcess
 from test_qwen2_vl import FIXTURES, GREEDY, NAMES
 
 
-@pytest.fixture(scope="module", params=NAMES)
+@pytest.fixture(scope="module", params=[NAMES[0], pytest.param(NAMES[1], marks=pytest.mark.slow)])   # a server each
 def served(request):
     vl = FIXTURES[request.param]
     srv = ServerProcess(vl.folder, "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",

@@ -18,6 +18,8 @@ import pytest
 
 from support.fake_devices import fake_device_report
 
+pytestmark = pytest.mark.slow     # fake-device TP runs of three heads (~75 s): make test-slow
+
 NUM_DEVICES = 2
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250], [1, 2, 3], list(range(30, 70)), [200, 11, 11, 11, 64, 9],
            [5, 6, 7, 8] * 5, list(range(10, 30)) * 2]

@@ -341,6 +341,7 @@ def engine_report():
     return _run_worker("engine")
 
 
+@pytest.mark.slow     # ~27 s; the tiny models at TP=2 in make test
 def test_smollm2_tp3_matches_transformers():
     report = _run_worker("smollm2")
     assert report["tp3"] == report["golden"]

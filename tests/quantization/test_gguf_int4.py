@@ -148,7 +148,7 @@ def _greedy_and_bytes(model, quantization: str) -> tuple[list, dict, object]:
 @pytest.mark.parametrize("name,kept,bits", [
     (None, "Q4_1 210", 5.0),                                        # the embedded SmolLM2: every projection Q4_1
     # Gemma 3 270M Q4_K_M: llama.cpp falls back to Q5_0 where a row of 640 cannot hold 256-value super-blocks
-    ("gemma3-270m", "Q4_K 27, Q5_0 81, Q6_K 9, Q8_0 9", 5.46),
+    pytest.param("gemma3-270m", "Q4_K 27, Q5_0 81, Q6_K 9, Q8_0 9", 5.46, marks=pytest.mark.slow),   # ~30 s
 ])
 def test_gguf_model_keeps_its_projections_quantized_with_the_same_greedy_tokens(caplog, name, kept, bits):
     model = packaged_model_or_skip(name) if name else None

@@ -30,6 +30,7 @@ def startup_phases(srv: ServerProcess) -> list[str]:
     return [name for name, _ in re.findall(LINE, log)]
 
 
+@pytest.mark.slow     # two servers (~45 s); every other server test runs the split one
 def test_one_process_and_split_servers_give_the_same_completions():
     split = ServerProcess(*FLAGS)
     try:

@@ -215,6 +215,7 @@ def test_models_health_version(http):
     assert http.get("/version").json()["version"]
 
 
+@pytest.mark.slow     # a second server (~45 s); the engine tests cover multi-step decoding
 def test_multi_step_server_streams_the_same_text(client):
     """A second server with --num-scheduler-steps 4 (the engine's multi-step decode behind the async front):
     streamed chat, stop strings, seeded sampling and concurrent streams give what the default server gives."""

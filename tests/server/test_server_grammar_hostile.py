@@ -23,9 +23,10 @@ from support.servers import smol
 from soak import read_metrics, rss_mb
 
 CONFIG = {"compile_timeout_s": 5, "grammar_cache_bytes": 32 << 20}
-# a compile on the loop would block a probe for up to compile_timeout_s (5 s); a loaded 2-core machine
-# (xdist workers, other processes) has delayed a probe by 3.1 s without one
-HEALTH_LIMIT_S = 4.5
+# a stall: a loaded 2-core machine (xdist workers, other processes) has delayed a probe by over 4.5 s with no
+# compile on the loop, so the bound is wide; the compilations counter proves no compile ran off the grammar
+# workers (test_each_distinct_grammar_compiles_once_in_each_process_and_never_off_the_workers)
+HEALTH_LIMIT_S = 8.0
 RSS_BOUND_MB = 150          # growth over 200 distinct 5,000-option choices (unbounded: about 400 MB)
 ASK = [{"role": "user", "content": "Answer."}]
 
@@ -104,7 +105,8 @@ def still_serving(load: OrdinaryLoad):
     assert sum(t > t0 for t in load.done) >= 2, "no ordinary request was answered during and after the hostile ones"
     assert not load.failures, load.failures[:5]
     probes = [(status, round(dt, 2)) for when, status, dt in load.health if when >= t0]
-    assert probes and all(status == 200 and dt < HEALTH_LIMIT_S for status, dt in probes), probes
+    slow = [(status, dt) for status, dt in probes if status != 200 or dt >= HEALTH_LIMIT_S]
+    assert probes and not slow, (slow, f"of {len(probes)} probes")
 
 
 def chat(http, **kw):

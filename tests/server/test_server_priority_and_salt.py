@@ -71,6 +71,7 @@ def test_hostile_values_are_400_naming_the_field(http, body, param, path):
     assert err["param"] == param, err
 
 
+@pytest.mark.slow     # ~30 s; the server tests above cover priority and salts
 def test_offline_priority_and_cache_salt():
     from jaxserve import LLM, SamplingParams
     ids = list(range(100, 164))                 # four blocks of 16

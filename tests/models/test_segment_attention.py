@@ -83,28 +83,3 @@ def test_key_blocks_cover_only_each_query_blocks_segments():
         lo, hi = 200 * min(ids), 200 * (max(ids) + 1)
         assert (first[i], count[i]) == (lo // 128, -(-hi // 128) - lo // 128)
     assert count.max() == 4 and count.sum() == 23
-
-
-@pytest.mark.parametrize("class_token", [False, True])
-def test_clip_siglip_tower_blockwise_equals_dense(class_token, monkeypatch):
-    """The CLIP / SigLIP tower (``VisionLayer``) past ``2 * ATTEND_BLOCK`` positions attends blockwise: equal to
-    its dense attention within float32 rounding; 65 positions with a class token (blocks of 30: no divisor of at
-    least 15, so padded to 90)."""
-    from flax import nnx
-
-    from jaxserve.models.layers import vision
-    spec = vision.VisionSpec(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, image_size=56,
-                             patch_size=7, class_token=class_token, pre_norm=class_token, post_norm=not class_token)
-    graphdef, state = nnx.split(vision.VisionTransformer(spec))
-    leaves, tree = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(0), len(leaves))
-    state = jax.tree.unflatten(tree, [jax.random.normal(kk, x.shape) * 0.3 for kk, x in zip(keys, leaves)])
-    pixels = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 56, 56)), jnp.float32)
-
-    def run(block):
-        monkeypatch.setattr(vision, "ATTEND_BLOCK", block)
-        tower = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
-        assert ("while" in str(tower.trace(state, pixels).jaxpr)) == (block < 32)      # the blockwise loop ran
-        return np.asarray(tower(state, pixels))
-    dense, blockwise = run(4096), run(30)
-    np.testing.assert_allclose(blockwise, dense, atol=2e-5, rtol=0)

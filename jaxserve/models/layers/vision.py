@@ -23,9 +23,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
-from .segment_attention import segment_attention
-
-ATTEND_BLOCK = 512       # a tower of more than twice this many positions attends blockwise, in blocks of this
 
 # what a family keeps of an HF CLIP / SigLIP vision config (``VisionSpec.from_hf``)
 VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
@@ -97,14 +94,6 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = N
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, heads * hd)
 
 
-def _attend_all(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Every position over every position: blockwise with an online softmax past ``2 * ATTEND_BLOCK``
-    positions (``segment_attention``, one segment: no ``[heads, N, N]`` scores; SigLIP at 896 pixels has 4,096)."""
-    if q.shape[1] > 2 * ATTEND_BLOCK:
-        return segment_attention(q, k, v, jnp.zeros(q.shape[:2], jnp.int32), ATTEND_BLOCK)
-    return _attend(q, k, v)
-
-
 def _fc_mlp(layer, h: jax.Array, activation: str) -> jax.Array:
     """``fc2(act(fc1(h)))`` with biases: a module's ``fc1`` / ``fc2`` weights."""
     h = VISION_ACTIVATIONS[activation](h @ _w(layer.fc1) + _w(layer.fc1_bias))
@@ -129,7 +118,7 @@ class VisionLayer(nnx.Module):
         spec = self.spec
         h = layer_norm(x, _w(self.norm1), _w(self.norm1_bias), spec.eps)
         q, k, v = _qkv(self, h, spec.num_heads)
-        x = x + _attend_all(q, k, v) @ _w(self.wo) + _w(self.wo_bias)
+        x = x + _attend(q, k, v) @ _w(self.wo) + _w(self.wo_bias)
         h = layer_norm(x, _w(self.norm2), _w(self.norm2_bias), spec.eps)
         return x + _fc_mlp(self, h, spec.activation)
 

@@ -14,14 +14,13 @@ once per bucket, not per image size). Within a row each image takes consecutive 
 (one window): each whole window a span, the partial windows of its right and bottom edges several to a span
 (``ImageLayout``), so window attention is a reshape of the row into spans of ``unit`` patches masked to equal
 window ids and an image pads at most its last few spans; without windows a merge block is the unit. Each
-patch carries its image's segment id and its window's id (padding: -1): attention is masked to equal ids (within
-the image or the window, as HF's ``cu_seqlens`` and ``cu_window_seqlens``; pads only see pads, or nothing in the
-blockwise path), so padding never reaches an image's rows; full attention over a long row runs blockwise with an
-online softmax (``segment_attention``: no ``N x N`` scores, the key blocks outside a query block's images
-skipped). The merged tokens come back in the packed order; ``pack`` says where each image's tokens (row-major)
-are. An image arrives as the front end made it (``image_blocks``' layout: the processor's patch order, merge
-blocks row-major, in the tower's dtype), so packing it is one gather of whole merge blocks into its slots, by
-index arrays cached per grid size.
+patch carries its image's segment id and its window's id (padding: -1): attention is masked to equal ids
+(within the image or the window, as HF's ``cu_seqlens`` and ``cu_window_seqlens``; pads only see pads), so
+padding never reaches an image's rows; full attention over a long row runs in blocks of queries (scores
+``block x N``, not ``N x N``). The merged tokens come back in the packed order; ``pack`` says where each
+image's tokens (row-major) are. An image arrives as the front end made it (``image_blocks``' layout: the
+processor's patch order, merge blocks row-major, in the tower's dtype), so packing it is one gather of whole
+merge blocks into its slots, by index arrays cached per grid size.
 """
 from __future__ import annotations
 
@@ -35,11 +34,10 @@ from flax import nnx
 
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
 from .norms import rms_norm
-from .segment_attention import segment_attention
 from .vision import _attend, _fc_mlp, _qkv, layer_norm
 
 
-QUERY_BLOCK = 512        # full attention over a row of more than twice this runs blockwise in blocks of this
+QUERY_BLOCK = 4096       # full attention over a longer row runs in query blocks of at most this many patches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,17 +204,26 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
+def _query_block(n: int) -> int:
+    """The largest divisor of ``n`` of at most ``QUERY_BLOCK`` (a row of ``n`` patches attends in such blocks)."""
+    return next(d for d in range(min(n, QUERY_BLOCK), 0, -1) if n % d == 0)
+
+
 def _attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, span: int | None) -> jax.Array:
     """Attention among patches of one id ``seg``: over the whole row (``span`` None: ids are images) or within
     consecutive spans of ``span`` patches (``N x span`` scores: ids are windows, several to a span). A row
-    longer than ``2 * QUERY_BLOCK`` attends blockwise (``segment_attention``: blocks of queries and keys, the
-    key blocks outside a query block's images skipped), so no ``N x N`` scores."""
+    longer than ``QUERY_BLOCK`` attends in blocks of queries, one after another (``block x N`` scores at a
+    time, not ``N x N``)."""
     r, n, heads, hd = q.shape
     if span is not None:
         q, k, v = (t.reshape(r * n // span, span, heads, hd) for t in (q, k, v))
         seg = seg.reshape(r * n // span, span)
-    elif n > 2 * QUERY_BLOCK:
-        return segment_attention(q, k, v, seg, QUERY_BLOCK)
+    elif n > QUERY_BLOCK:
+        block = _query_block(n)
+        qs = q.reshape(r, n // block, block, heads, hd).swapaxes(0, 1)
+        segs = seg.reshape(r, n // block, block).swapaxes(0, 1)
+        out = jax.lax.map(lambda a: _attend(a[0], k, v, a[1][:, :, None] == seg[:, None, :]), (qs, segs))
+        return out.swapaxes(0, 1).reshape(r, n, heads * hd)
     out = _attend(q, k, v, seg[:, :, None] == seg[:, None, :])
     return out.reshape(r, n, heads * hd)
 

@@ -94,12 +94,6 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_SPEC_ASYNC": EnvVar(lambda raw: bool(raw) and _flag(raw), "0", "1 = n-gram speculation under async scheduling (each step placed as if "
                                               "the one in flight accepted all its drafts); default: speculative steps "
                                               "run synchronously (A/B runs)"),
-    "JAXSERVE_SPEC_DECODE_TILE": EnvVar(lambda raw: bool(raw) and _flag(raw), "0",
-                                        "1 = a speculative verify step whose requests all have at most K + 1 "
-                                        "tokens runs the Pallas decode-only attention launch (each request's "
-                                        "tokens in one tile, their K/V written in that launch) instead of the "
-                                        "mixed launch and a separate K/V write; default 0 until measured on "
-                                        "the H200"),
     "JAXSERVE_FP8_NORM_QUANT": EnvVar(_flag, "1", "0 = each fp8 W8A8 projection quantizes its own input (an amax "
                                                   "and a cast before its GEMM) instead of the RMSNorm before it "
                                                   "quantizing it once (quantization.rms_norm_fp8; A/B runs)"),

@@ -22,25 +22,20 @@ def pick_splits(num_reqs: int, kv_heads: int, max_ctx: int, block_k: int) -> int
 
 
 def _combine_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, vs_ref, o_ref, m_ref, l_ref, *out_refs,
-                    group, group_pad, num_splits, num_q_heads, max_q_len):
-    """Merge the splits' softmax states of request r's decode token j (grid axis 2 when ``max_q_len`` > 1; the
-    states of its tokens are ``next_pow2(max_q_len)`` apart) for kv head h (flash-decoding).
+                    group, group_pad, num_splits, num_q_heads):
+    """Merge the splits' softmax states of request r's decode token for kv head h (flash-decoding).
     ``out_refs``: the output, after the aliased output buffer when one comes in."""
     out_ref = out_refs[-1]
     r, h = pl.program_id(0), pl.program_id(1)
-    j = pl.program_id(2) if max_q_len > 1 else 0
     tok = qsl_ref[r]
-    q_len = qsl_ref[r + 1] - tok
     seq_len = seq_lens_ref[r]
-    fits = (q_len == 1) if max_q_len == 1 else (j < q_len) & (q_len <= max_q_len)
-    active = (r < num_seqs_ref[0]) & fits & (seq_len > 0)
+    active = (r < num_seqs_ref[0]) & (qsl_ref[r + 1] - tok == 1) & (seq_len > 0)
     num_reqs = seq_lens_ref.shape[0]
     d = o_ref.shape[1]
     s = lax.iota(jnp.int32, num_splits)
     g = lax.iota(jnp.int32, group_pad)
     # Padded head slots (g >= group) re-read the last real head: in bounds, never stored.
-    part = ((s[:, None] * num_reqs + r) * next_pow2(max_q_len) + j) * num_q_heads + h * group + \
-        jnp.minimum(g, group - 1)[None, :]
+    part = (s[:, None] * num_reqs + r) * num_q_heads + h * group + jnp.minimum(g, group - 1)[None, :]
     m = plgpu.load(m_ref.at[part])                                          # [S, G]
     l = plgpu.load(l_ref.at[part])
     cols = lax.iota(jnp.int32, d)
@@ -50,18 +45,16 @@ def _combine_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, vs_ref, o_ref, m_ref, l
     l_all = (w * l).sum(axis=0)
     acc = (w[:, :, None] * o).sum(axis=0)                                   # [G, D]
     out = acc * (vs_ref[h] / jnp.where(l_all > 0, l_all, 1.0))[:, None]
-    store_rows(out_ref, (tok + j) * num_q_heads + h * group + g, out, active & (g < group))
+    store_rows(out_ref, tok * num_q_heads + h * group + g, out, active & (g < group))
 
 
 def combine(qsl, seq_lens, num_seqs, v_scale, parts, outs, *, out_shape, grid, num_splits, group, group_pad,
-            num_q_heads, interpret, max_q_len=1):
-    """The merged decode rows: written into ``outs[0]`` (aliased) when given, else a new ``out_shape`` array.
-    ``max_q_len``: the decode tiles' tokens per request (their states laid out as ``_decode_tile`` stores them)."""
+            num_q_heads, interpret):
+    """The merged decode rows: written into ``outs[0]`` (aliased) when given, else a new ``out_shape`` array."""
     o_parts, m_parts, l_parts = parts
     return pl.pallas_call(
         functools.partial(_combine_kernel, group=group, group_pad=group_pad, num_splits=num_splits,
-                          num_q_heads=num_q_heads, max_q_len=max_q_len),
-        grid=grid if max_q_len == 1 else (*grid, max_q_len), out_shape=out_shape,
-        input_output_aliases={7: 0} if outs else {},
+                          num_q_heads=num_q_heads),
+        grid=grid, out_shape=out_shape, input_output_aliases={7: 0} if outs else {},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
         name="ragged_paged_combine")(qsl, seq_lens, num_seqs, v_scale, o_parts, m_parts, l_parts, *outs)

@@ -36,10 +36,6 @@ class AttentionMetadata:
     # Pallas backend then launches its decode kernel alone (vLLM's uniform-decode case); the reference
     # ignores it. The caller must be right: a prefill token in such a step is left unwritten.
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    # Static, read with ``decode_only``: every real request has between 1 and ``max_q_len`` new tokens (a
-    # speculative verify step: its last known token and up to K drafts, bound K + 1). The Pallas decode launch
-    # then folds each request's tokens into its tile's rows; 1 is the single-token decode above.
-    max_q_len: int = dataclasses.field(default=1, metadata=dict(static=True))
     # Static: an upper bound on every request's seq_len in this step, known on the host (None: the block
     # tables' span). A launch-shape hint only: the Pallas decode sizes its flash-decoding splits from it (a
     # short-context step runs one decode launch, no splits and no combine); any seq_len is still attended

@@ -230,7 +230,7 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
             raise ValueError(f"{name} must be a power of two >= 16 (a Triton tile axis), got {n}")
     fp8 = jnp.dtype(latent_cache.dtype).itemsize == 1
     if decode_only is None:
-        decode_only = md.decode_only and md.max_q_len == 1
+        decode_only = md.decode_only
     tiles = default_tiles(H, fp8)
     block_h = block_h or tiles["block_h"]
     block_k = block_k or tiles["block_k"]

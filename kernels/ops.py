@@ -183,12 +183,12 @@ def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *,
 
     ``reference``: ``mla_ref``. The Pallas backends: steps whose requests all decode one token run
     ``mla_decode_pallas.mla_paged_attention`` (one page load serves a group of heads); steps with prefill
-    chunks (or several tokens a request: ``md.max_q_len`` > 1) run the reference under XLA (the kernel takes
-    them only one token a program, re-reading the context for each)."""
+    chunks run the reference under XLA (the kernel takes them only one token a program, re-reading the
+    context for each)."""
     _check_backend(backend)
     if backend != "reference":
         _check_gpu(interpret)
-    if backend == "reference" or not md.decode_only or md.max_q_len > 1:
+    if backend == "reference" or not md.decode_only:
         return mla_ref.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                            kv_lora_rank=kv_lora_rank, scale=scale)
     from . import mla_decode_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)

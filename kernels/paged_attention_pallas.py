@@ -20,9 +20,7 @@ host and compiles a variant for it) runs the decode tiles alone: no prefill tile
 its own (64-key tiles in 2 warps, 2 programs per SM, so one program's first loads overlap the other's
 streaming), which reads K/V faster than the mixed launch's one-program-per-SM tiles. That launch can also
 write the step's K/V (``write_kv``): each token's own key and value come from registers, so a batch-1 decode
-layer runs one attention launch and no separate K/V write. A speculative verify step (every request 1 to
-``md.max_q_len`` tokens) runs that launch too, a request's tokens x its GQA group in one tile's rows, causal
-among themselves, its new K/V written there as well; where the host bounds the contexts
+layer runs one attention launch and no separate K/V write; where the host bounds the contexts
 (``md.max_seq_len``), the split count comes from that bound rather than the block tables' span.
 
 K/V are read a page-row at a time: token ``pos`` of request ``r`` is row
@@ -105,18 +103,15 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     else triton) or ``"auto"`` (mgpu where supported and the step has at least ``MGPU_MIN_TOKENS`` token
     slots: its extra launch is nothing next to a long prefill but shows on small decode steps). The
     default here is triton (the benchmarks' baseline); the engine's ``pallas`` backend passes auto.
-    ``decode_only`` (default: ``md.decode_only``): every real request has ``q_len == 1`` (up to
-    ``md.max_q_len``, a speculative verify step: the tile's rows are a request's tokens x its GQA group, causal
-    among themselves); only the decode launch runs, so no prefill tile slots are scheduled and its shared
-    memory is the decode tile's alone.
+    ``decode_only`` (default: ``md.decode_only``): every real request has ``q_len == 1``; only the decode
+    launch runs, so no prefill tile slots are scheduled and its shared memory is the decode tile's alone.
     The flash-decoding split count (``decode_splits`` default) comes from the requests, kv heads and the longest
     context the step can see: ``md.max_seq_len`` where the host bounds it, else the block tables' span.
     ``write_kv`` (decode-only steps; ``q`` packed as ``[T, num_q_heads + 2 * kv_heads, D]``, K then V behind
     the queries, as ``ops.write_kv_and_attend`` packs them): the decode launch also stores each real token's
     K/V at ``md.slot_mapping`` (``kv_write_pallas.write_kv``'s result, in the same launch, padding tokens
-    skipped) and attends to it; returns ``(out, k_cache, v_cache)``. Each token's slot must be its position
-    (token j of a request with q_len new tokens: ``seq_len - q_len + j``), or ``PAD_SLOT`` for all of a
-    request's, as the engine's are.
+    skipped) and attends to it; returns ``(out, k_cache, v_cache)``. Each token's slot must be its request's
+    position ``seq_len - 1`` (or ``PAD_SLOT``), as the engine's are.
     """
     if prefill_kernel not in ("triton", "mgpu", "auto"):
         raise ValueError(f"prefill_kernel must be triton, mgpu or auto, got {prefill_kernel!r}")
@@ -129,8 +124,6 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         dot_dtype = jnp.float16
     if decode_only is None:
         decode_only = md.decode_only
-    max_q_len = md.max_q_len if decode_only else 1     # tokens per request the decode tiles take
-    q_pad = next_pow2(max_q_len)
     # Decode tile defaults (tuned on the H200 with benchmarks' decode sweep). The mixed launch shares one
     # program size with the prefill tiles (one program per SM), where 128-key tiles did best. The
     # decode-only launch runs 64-key tiles in 2 warps: 96 KiB of shared memory at 3 stages, 2 programs per
@@ -144,10 +137,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
             decode_block_k = max(decode_block_k, bs)
     if prefill_block_k is None:
         prefill_block_k = max(64, bs) if v_transposed else 64
-    group_pad = next_pow2(hq // kvh) if hq % kvh == 0 else 1
-    decode_rows = max(16, group_pad * q_pad)        # tl.dot needs M >= 16
-    if decode_warps is None:     # (a multi-token tile above 32 rows: 4 warps hold its accumulator; not tuned)
-        decode_warps = 2 if decode_only and (max_q_len == 1 or decode_rows <= 32) else 4
+    if decode_warps is None:
+        decode_warps = 2 if decode_only else 4
     if decode_stages is None:
         decode_stages = 3
         if fp8_cache:       # the decode-only launch's 64-key fp8 tiles take a deeper pipeline (128-key ones: 4)
@@ -174,6 +165,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
     if hq % kvh:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({kvh})")
     group = hq // kvh
+    group_pad = next_pow2(group)
     qsl = md.query_start_loc.astype(jnp.int32)
     ins = (qsl, md.seq_lens.astype(jnp.int32), md.num_seqs.reshape(1).astype(jnp.int32),
            md.block_tables.reshape(R * P).astype(jnp.int32), head_scale(k_scale, kvh), head_scale(v_scale, kvh),
@@ -199,8 +191,8 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         raise ValueError(f"decode_splits must be a power of two, got {splits}")
     prefill_kw = dict(group=group, group_pad=group_pad, block_q=block_q, block_k=prefill_block_k,
                       q_stride=q_stride, dot_dtype=tile_dot, **common)
-    decode_kw = dict(group=group, group_pad=group_pad, rows=decode_rows, num_splits=splits,
-                     block_k=decode_block_k, q_stride=q_stride, dot_dtype=tile_dot, max_q_len=max_q_len, **common)
+    decode_kw = dict(group=group, rows=max(16, group_pad), num_splits=splits, block_k=decode_block_k,
+                     q_stride=q_stride, dot_dtype=tile_dot, **common)  # tl.dot needs M >= 16
 
     # The first launch allocates the output and writes every real token's rows; padding tokens' rows are left
     # unwritten (the model never reads them back: logits are taken at real tokens only, and every op on the
@@ -211,9 +203,9 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         out = jnp.where(real[:, None], jnp.nan, jnp.zeros((T * hq, d), q.dtype)).astype(q.dtype)
         first_ins, first_alias = ins + (out,), {len(ins): 0}
     out_shape = jax.ShapeDtypeStruct((T * hq, d), q.dtype)
-    n_parts = splits * R * q_pad * hq               # a softmax state per (split, request, token, q head)
-    part_shapes = (jax.ShapeDtypeStruct((n_parts, d), jnp.float32), jax.ShapeDtypeStruct((n_parts,), jnp.float32),
-                   jax.ShapeDtypeStruct((n_parts,), jnp.float32))
+    part_shapes = (jax.ShapeDtypeStruct((splits * R * hq, d), jnp.float32),
+                   jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32),
+                   jax.ShapeDtypeStruct((splits * R * hq,), jnp.float32))
     decode_params = plgpu.CompilerParams(num_warps=decode_warps, num_stages=decode_stages)
 
     cache_shapes = (jax.ShapeDtypeStruct(ins[7].shape, k_cache.dtype),
@@ -269,7 +261,7 @@ def ragged_paged_attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_sca
         outs = (out,) if out is not None else ()
         out = flash_decoding.combine(ins[0], ins[1], ins[2], ins[5], parts, outs, out_shape=out_shape,
                                     grid=(R, kvh), num_splits=splits, group=group, group_pad=group_pad,
-                                    num_q_heads=hq, interpret=interpret, max_q_len=max_q_len)
+                                    num_q_heads=hq, interpret=interpret)
     out = out.reshape(T, hq, d)                    # the kernels store q's dtype
     if write_kv:
         return out, new_caches[0].reshape(k_cache.shape), new_caches[1].reshape(v_cache.shape)

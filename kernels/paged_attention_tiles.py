@@ -1,8 +1,7 @@
 """The tiles of the ragged paged attention kernel (``paged_attention_pallas``, which launches them and documents
 the design): the online-softmax loop over a request's K/V pages (``_kv_loop``), the prefill tile (``block_q``
-tokens x a GQA group, its request found in-kernel), the decode tile (one request's token, or up to
-``max_q_len`` of them in a speculative verify step, x kv head x flash-decoding split, optionally writing the
-step's own K/V: ``_own_key``), and the two kernel bodies that run them
+tokens x a GQA group, its request found in-kernel), the decode tile (one request x kv head x flash-decoding
+split, optionally writing the step's own K/V: ``_own_key``), and the two kernel bodies that run them
 (``decode_kernel``: decode tiles alone; ``fused_kernel``: prefill tiles, then decode tiles, in one launch).
 """
 from __future__ import annotations
@@ -17,7 +16,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .metadata import PAD_SLOT
 from .ref_attention import FP8_DTYPE, FP8_MAX
-from .triton_rows import next_pow2, rows_of, store_rows
+from .triton_rows import rows_of, store_rows
 
 # Finite, so a fully masked chunk gives exp2(MASK - MASK) = 1 instead of NaN; such a row's garbage is
 # wiped by the first real chunk (its correction factor is exp2(MASK - m_real) = 0) and rows that never
@@ -183,82 +182,60 @@ def _prefill_tile_body(x: _Refs, out_ref, qb, h, *, group, group_pad, block_q, q
     store_rows(out_ref, q_rows, out, row_valid)
 
 
-def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, group_pad, rows, num_splits, q_stride, dot_dtype,
-                 max_q_len=1, new_kv=None, **kw):
-    """Request r's decode tokens for kv head h over split s of its context.
+def _decode_tile(x: _Refs, out_refs, r, s, h, *, group, rows, num_splits, q_stride, dot_dtype, new_kv=None,
+                 **kw):
+    """Request r's decode token (if q_len == 1) for kv head h over split s of its context.
 
-    ``max_q_len`` 1: the request's one token (a request with more is a prefill tile's), the group's q heads in
-    the rows. Above 1 (a decode-only launch whose requests have 1 to ``max_q_len`` tokens: speculative
-    verification): its ``q_len`` tokens x the group's heads in the rows (token ``j = row // group_pad``, at
-    position ``seq_len - q_len + j``), causal among themselves; rows past ``q_len`` are masked.
-
-    ``new_kv`` (the decode launch that also writes the step's K/V): ``(kc_ref, vc_ref, num_q_heads)``; a
+    ``new_kv`` (the decode launch that also writes the step's K/V): ``(kc_ref, vc_ref, num_q_heads)``; the
     token's own K and V are rows ``num_q_heads + h`` and ``num_q_heads + kv_heads + h`` of its packed q row.
-    The split whose range holds a new token's position stores its K/V at ``slots[token]`` (quantized for fp8)
-    and takes that key from registers instead of the cache (``_own_key``, for the rows allowed to see it): no
-    program reads a slot this launch writes, so there is no ordering between programs to get wrong. A request
-    whose first new token's slot is ``PAD_SLOT`` (a multi-step loop's finished row) writes nothing and attends
-    to the cache as it is."""
+    The split whose range holds the token's position stores them at ``slots[tok]`` (quantized for fp8) and
+    takes that key from registers instead of the cache (``_own_key``): no program reads a slot this launch
+    writes, so there is no ordering between programs to get wrong. A token whose slot is ``PAD_SLOT`` (a
+    multi-step loop's finished row) writes nothing and attends to the cache as it is."""
     tok = x.qsl[r]
-    q_len = x.qsl[r + 1] - tok
     seq_len = x.seq_lens[r]
-    live = (r < x.num_seqs[0]) & (seq_len > 0)
-    i = lax.iota(jnp.int32, rows)
-    if max_q_len == 1:
-        active, j, g = live & (q_len == 1), jnp.zeros_like(i), i
-    else:
-        active, j, g = live & (q_len >= 1) & (q_len <= max_q_len), i // group_pad, i % group_pad
+    active = (r < x.num_seqs[0]) & (x.qsl[r + 1] - tok == 1) & (seq_len > 0)
     num_q_heads = group * kw["kv_heads"]
-    row_valid = active & (g < group) & (j < q_len)
-    q_rows = (tok + j) * num_q_heads + h * group + g
-    q = plgpu.load(rows_of(x.q, (tok + j) * q_stride + h * group + g),
+    g = lax.iota(jnp.int32, rows)
+    row_valid = active & (g < group)
+    q_rows = tok * num_q_heads + h * group + g
+    q = plgpu.load(rows_of(x.q, tok * q_stride + h * group + g),
                    mask=jnp.broadcast_to(row_valid[:, None], (rows, x.q.shape[1])), other=0)
     if dot_dtype is not None:
         q = q.astype(dot_dtype)
-    first_pos = seq_len - q_len                   # the request's first new token (its only one at max_q_len 1)
-    q_pos = first_pos + j
+    q_pos = jnp.broadcast_to(seq_len - 1, (rows,))
     block_k = kw["block_k"]
-    lo = _window_lo(first_pos, kw["sliding_window"], block_k)
+    lo = _window_lo(seq_len - 1, kw["sliding_window"], block_k)
     hi = jnp.where(active, seq_len, lo)
     chunk = pl.cdiv(pl.cdiv(hi - lo, num_splits), block_k) * block_k
     my_lo = lo + s * chunk
     my_hi = jnp.maximum(jnp.minimum(my_lo + chunk, hi), my_lo)
     cache_hi = my_hi
     if new_kv is not None:
-        # (a padding request's tok may be T)
-        fused = active & (x.slots[jnp.minimum(tok, x.slots.shape[0] - 1)] != PAD_SLOT)
-        cache_hi = jnp.where(fused, jnp.clip(first_pos, my_lo, my_hi), my_hi)     # the cache below the new keys
-    acc, m, l = _kv_loop(q, q_pos, first_pos, seq_len - 1, r, my_lo, cache_hi, x.k, x.v, x.bt, x.ks[h], h=h, **kw)
+        new_pos = seq_len - 1
+        slot = x.slots[jnp.minimum(tok, x.slots.shape[0] - 1)]     # a padding request's tok may be T
+        own = active & (slot != PAD_SLOT) & (my_lo <= new_pos) & (new_pos < my_hi)
+        cache_hi = jnp.where(own, new_pos, my_hi)
+    acc, m, l = _kv_loop(q, q_pos, seq_len - 1, seq_len - 1, r, my_lo, cache_hi, x.k, x.v, x.bt, x.ks[h], h=h, **kw)
     if new_kv is not None:
-        for jj in range(max_q_len):       # new token jj: stored by the split that holds it, seen by rows j >= jj
-            pos = first_pos + jj
-            t = jnp.minimum(tok + jj, x.slots.shape[0] - 1)
-            own = fused & (jj < q_len) & (my_lo <= pos) & (pos < my_hi)
-            see = None
-            if max_q_len > 1:
-                see = j >= jj
-                if kw["sliding_window"] is not None:
-                    see &= j - jj < kw["sliding_window"]
-            acc, m, l = _own_key(x, new_kv, q, acc, m, l, t, x.slots[t], h, own, see, q_stride=q_stride, **kw)
+        acc, m, l = _own_key(x, new_kv, q, acc, m, l, tok, slot, h, own, q_stride=q_stride, **kw)
     if num_splits == 1:                            # normalised rows straight into the output
         (out_ref,) = out_refs
         store_rows(out_ref, q_rows, acc * (x.vs[h] / jnp.where(l > 0, l, 1.0))[:, None], row_valid)
     else:                                          # this split's softmax state, merged by flash_decoding.combine
         o_ref, m_ref, l_ref = out_refs
-        q_pad = next_pow2(max_q_len)
-        part_rows = ((s * x.seq_lens.shape[0] + r) * q_pad + j) * num_q_heads + h * group + g
-        keep = (g < group) & (j < q_pad)
+        part_rows = (s * x.seq_lens.shape[0] + r) * num_q_heads + h * group + g
+        keep = g < group
         store_rows(o_ref, part_rows, acc, keep)
         plgpu.store(m_ref.at[part_rows], m, mask=keep)
         plgpu.store(l_ref.at[part_rows], l, mask=keep)
 
 
-def _own_key(x: _Refs, new_kv, q, acc, m, l, tok, slot, h, own, see=None, *, q_stride, kv_heads, block_size, sm_scale,
-             soft_cap, v_transposed, **_):
-    """Token ``tok``'s own K/V for kv head h: stored into the caches at its slot where ``own`` and there one more
-    key of the online softmax ``(acc, m, l)`` for the rows ``see [M]`` (default all), taken as the cache would
-    give it back (the cache dtype's rounding, or fp8's quantization), so the result is what reading the
-    just-written cache gives."""
+def _own_key(x: _Refs, new_kv, q, acc, m, l, tok, slot, h, own, *, q_stride, kv_heads, block_size, sm_scale, soft_cap,
+             v_transposed, **_):
+    """Token ``tok``'s own K/V for kv head h: stored into the caches at its slot and, where ``own``, one more
+    key of the online softmax ``(acc, m, l)``, taken as the cache would give it back (the cache dtype's
+    rounding, or fp8's quantization), so the result is what reading the just-written cache gives."""
     kc_ref, vc_ref, hq = new_kv
     d = q.shape[1]
     one = lax.iota(jnp.int32, 1)
@@ -285,11 +262,10 @@ def _own_key(x: _Refs, new_kv, q, acc, m, l, tok, slot, h, own, see=None, *, q_s
     s = jnp.sum(q.astype(jnp.float32) * k_new, axis=1) * (sm_scale * x.ks[h])  # [M]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    vis = own if see is None else own & see
-    s = jnp.where(vis, s * LOG2E, MASK_VALUE)
+    s = jnp.where(own, s * LOG2E, MASK_VALUE)
     m_new = jnp.maximum(m, s)
     alpha = jnp.exp2(m - m_new)
-    p = jnp.where(vis, jnp.exp2(s - m_new), 0.0)
+    p = jnp.where(own, jnp.exp2(s - m_new), 0.0)
     return acc * alpha[:, None] + p[:, None] * v_new, m_new, l * alpha + p
 
 

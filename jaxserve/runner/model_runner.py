@@ -259,8 +259,8 @@ class ModelRunner:
         elif limit is None:   # the forward first: the device starts on it while the host finishes the step
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
             if width:
-                self.kv_caches, logits, *load = v.forward_spec_for(T, md)(
-                    self.step_params, self.kv_caches, f_ints, prev_tokens, None, None, prev_rejected)
+                self.kv_caches, logits, *load = v.forward_spec_for(T)(self.step_params, self.kv_caches, f_ints,
+                                                                      prev_tokens, None, None, prev_rejected)
             else:
                 self.kv_caches, logits, *load = v.forward_for(T, md)(self.step_params, self.kv_caches, f_ints,
                                                                      prev_tokens, *hidden_args)

@@ -15,16 +15,14 @@ from jaxserve.runner.spec_shift import shift_back
 
 def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
                mm_index=None, prev_rejected=None, hidden_src=None, *, layout, decode_only=False, max_seq_len=None,
-               max_q_len=1, stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
+               stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
     """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``. ``stage`` (first layer, end): one
     pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it
     takes, and before the last it returns that stream instead of logits. ``hidden_rows``: also every row's
     hidden state (the logits'; ``aux_layers``: the residual streams entering those layers, side by side, an
     EAGLE-3 target's), padded to that many rows and ``hidden_width`` columns; ``hidden_src``: an EAGLE head's
     step, each token's input hidden state is ``hidden_src[hidden_index]`` (a previous step's ``hidden``;
-    ``engine.eagle_proposer``; an EAGLE-3 head's own rows are marked by ``~row``). ``decode_only``,
-    ``max_seq_len``, ``max_q_len``: the step's static ``AttentionMetadata`` fields (a speculative verify step in
-    the decode-only launch: ``max_q_len`` K + 1)."""
+    ``engine.eagle_proposer``; an EAGLE-3 head's own rows are marked by ``~row``)."""
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     if stage is not None:
@@ -33,8 +31,7 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # LoRA on: the adapter slots ride beside the weights, each token's slot in the inputs
     lora = {} if "lora" not in params else {"lora": (params["lora"], x["lora_slot"])}
     params = {k: v for k, v in params.items() if k != "lora"} if lora else params
-    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len,
-                           max_q_len=max_q_len)
+    md = AttentionMetadata(**packing.take(x, "md."), decode_only=decode_only, max_seq_len=max_seq_len)
     input_ids, positions, logits_indices, prev_index = x["input_ids"], x["positions"], x["logits_idx"], \
         x["prev_index"]
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them

@@ -101,14 +101,11 @@ def forward_inputs(scheduled, batch: InputBatch, block_size: int,
     of the step in flight's output, for the requests whose last token it samples (PLACEHOLDER here).
     ``mrope``: an M-RoPE family's ``mrope_positions(positions, features)``: positions become ``[3, T]``.
     ``spec_width``: a speculative step of K + 1 positions per request: each entry's ``spec_token_ids`` follow
-    its tokens, and ``logits_idx`` is ``[R * (K + 1)]`` (``spec_logits_rows``); ``shape``'s second argument
-    then says whether every request has at most K + 1 tokens (a verify step the decode launch can take: its
-    metadata's ``max_q_len`` is K + 1 where ``shape`` makes it decode-only)."""
+    its tokens, and ``logits_idx`` is ``[R * (K + 1)]`` (``spec_logits_rows``)."""
     n = len(scheduled)
     counts_list = [s.num_new_tokens for s in scheduled]
     n_tok = sum(counts_list)
-    T, R, decode_only = shape(n_tok, 0 < n and max(counts_list) <= spec_width) if spec_width else \
-        shape(n_tok, 0 < n == n_tok)
+    T, R, decode_only = shape(n_tok, 0 < n == n_tok)
     if n > R:
         raise ValueError(f"{n} requests in a step of {T} tokens ({R} request rows)")
     input_ids, positions, slots, tables, seq_lens, qsl, logits_idx, prev_index = \
@@ -163,8 +160,7 @@ def forward_inputs(scheduled, batch: InputBatch, block_size: int,
     if mrope is not None:
         positions = _mrope_rows(positions, scheduled, counts_list, mrope)
     md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
-                           num_seqs=np.int32(n), decode_only=decode_only,
-                           max_q_len=spec_width if decode_only and spec_width else 1)
+                           num_seqs=np.int32(n), decode_only=decode_only)
     return ForwardInputs(T, R, input_ids, positions, md, logits_idx, prev_index)
 
 

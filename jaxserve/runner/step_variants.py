@@ -15,12 +15,10 @@ A variant's key:
   step without image tokens runs the plain forward;
 - ``("sample", num_logprobs, filtering, masked, s_layout)``: the sampler for ``s_layout``'s request count;
 - ``("decode-loop", T, num_logprobs, filtering, s_layout)``: a multi-step decode;
-- speculative decoding: ``("forward-spec", T, width[, True])``, the forward returning logits at ``width``
-  (K + 1) positions per request (``True``: its attention decode-only, for verify steps whose requests all have
-  at most ``width`` tokens, under ``JAXSERVE_SPEC_DECODE_TILE``), and ``("spec-sample", num_logprobs,
-  filtering, masked, s_layout)``, the rejection sampler (``rejection_sampler``); compiled in the background
-  after the others (a speculative step pads up to a compiled one, as a plain step does, and compiles its own
-  only when none is).
+- speculative decoding: ``("forward-spec", T, width)``, the forward returning logits at ``width`` (K + 1)
+  positions per request, and ``("spec-sample", num_logprobs, filtering, masked, s_layout)``, the rejection
+  sampler (``rejection_sampler``); compiled in the background after the others (a speculative step pads up
+  to a compiled one, as a plain step does, and compiles its own only when none is).
 
 Compiling (``StepCompiler``, which this class is): every executable is compiled ahead of time and called
 directly, so a step never compiles silently. ``warmup`` compiles what the first steps need (the smallest
@@ -42,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.config_decoding import HIDDEN_STATE_METHODS
 from jaxserve.kernels import ops as kernel_ops
@@ -107,8 +104,7 @@ class StepVariants(StepCompiler):
         self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None,
                                                  block_size=config.cache.block_size, hidden_rows=self.hidden_rows,
                                                  hidden_width=self.hidden_width, aux_layers=self.aux_layers),
-                                         mesh),
-                               static_argnames=("layout", "decode_only", "max_seq_len", "max_q_len"),
+                                         mesh), static_argnames=("layout", "decode_only", "max_seq_len"),
                                **self._jit_kwargs["forward"])
         # Decode-only steps whose contexts are all within SHORT_SEQ_LEN get one more variant where it changes the
         # attention's launch: one decode launch instead of flash-decoding splits sized for max_model_len and
@@ -168,28 +164,20 @@ class StepVariants(StepCompiler):
         self.programs = program_cache.ProgramCache(
             program_cache.directory_for(jax.config.jax_compilation_cache_dir),
             context=f"mesh {mesh!r}; custom all-reduce {collectives._enabled} fused norm {collectives.fuses_norm()}")
-        # (exact bucket[, "spec"], decode-only) -> the compiled (bucket, decode-only) a step of that size runs in
-        # now; rebuilt whenever more executables are ready
-        self._routes: dict[tuple, tuple[int, bool]] = {}
+        # (exact bucket, decode-only) -> the compiled (bucket, decode-only) a step of that size runs in now;
+        # rebuilt whenever more executables are ready
+        self._routes: dict[tuple[int, bool], tuple[int, bool]] = {}
         self._routes_at = -1
         # a vision model's encoder slab, as the forward-mm variants read it (None: a text model)
         self._mm_slab_spec = None if mm_slab is None else jax.tree.map(spec, mm_slab)
         self.family, self.cross_attention = model.family, getattr(model.family, "cross_attention", False)
 
     # ---------------------------------------------------------------- which executable a step runs
-    @property
-    def spec_decode(self) -> bool:
-        """Verify steps whose requests all have at most K + 1 tokens run a decode-only speculative forward
-        (``JAXSERVE_SPEC_DECODE_TILE``, under the backends with a decode-only launch)."""
-        return bool(self.spec_width and self.shapes.uniform_decode and envs.JAXSERVE_SPEC_DECODE_TILE)
-
     def shape_for(self, num_tokens: int, all_decode: bool, spec: bool = False) -> tuple[int, int, bool]:
         """A step's compiled shape (T, R, decode-only): ``StepShapes.own``, routed to a compiled variant
-        (``spec``: a speculative step's forward; ``all_decode`` then says its requests all have at most K + 1
-        tokens, decode-only under ``spec_decode``)."""
+        (``spec``: a speculative step's forward, never decode-only)."""
         s = self.shapes
-        T, decode_only = self.route(s.bucket_for(num_tokens),
-                                    (self.spec_decode if spec else s.uniform_decode) and all_decode, spec)
+        T, decode_only = self.route(s.bucket_for(num_tokens), s.uniform_decode and all_decode and not spec, spec)
         return T, s.num_reqs_for(T), decode_only
 
     def route(self, T: int, decode_only: bool, spec: bool = False) -> tuple[int, bool]:
@@ -200,21 +188,21 @@ class StepVariants(StepCompiler):
         if self._routes_at != len(self):
             self._routes_at = len(self)
             self._routes = {}
-            sizes, w = self.shapes.sizes, self.spec_width
-            kinds = {(): lambda c, d: ("forward", c, d)}
-            if w:
-                kinds[("spec",)] = lambda c, d: ("forward-spec", c, w, True) if d else ("forward-spec", c, w)
+            sizes = self.shapes.sizes
             for b in sizes:
-                for kind, key in kinds.items():
-                    for dec in (False, True):
-                        for c in (c for c in sizes if c >= b):
-                            if dec and key(c, True) in self:
-                                self._routes[(b, *kind, dec)] = (c, True)
-                                break
-                            if key(c, False) in self:
-                                self._routes[(b, *kind, dec)] = (c, False)
-                                break
-        return self._routes.get((T, "spec", decode_only) if spec else (T, decode_only), (T, decode_only))
+                for dec in (False, True):
+                    for c in (c for c in sizes if c >= b):
+                        if dec and ("forward", c, True) in self:
+                            self._routes[b, dec] = (c, True)
+                            break
+                        if ("forward", c, False) in self:
+                            self._routes[b, dec] = (c, False)
+                            break
+                spec_c = next((c for c in sizes if c >= b and ("forward-spec", c, self.spec_width) in self),
+                              None) if self.spec_width else None
+                if spec_c is not None:
+                    self._routes[b, "spec"] = (spec_c, False)
+        return self._routes.get((T, "spec" if spec else decode_only), (T, decode_only))
 
     def forward_for(self, T: int, md: AttentionMetadata):
         """The forward a step of bucket ``T`` runs: the short-context decode variant when the step's contexts
@@ -229,9 +217,9 @@ class StepVariants(StepCompiler):
         key = ("forward-mm", T)
         return self.get(key) or self.need(key, f"a step of {T} tokens with image tokens")
 
-    def forward_spec_for(self, T: int, md: AttentionMetadata):
-        """The speculative forward of bucket ``T``, decode-only where ``md`` is (compiled now if need be)."""
-        key = ("forward-spec", T, self.spec_width) + ((True,) if md.decode_only else ())
+    def forward_spec_for(self, T: int):
+        """The speculative forward of bucket ``T`` (compiled now if need be)."""
+        key = ("forward-spec", T, self.spec_width)
         return self.get(key) or self.need(key, f"a speculative step of {T} tokens")
 
     def sampler_for(self, key):
@@ -311,13 +299,11 @@ class StepVariants(StepCompiler):
             args = (self._param_specs, self._kv_specs, ints, self._prev_spec, self._mm_slab_spec, index)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}
         elif kind == "forward-spec":
-            _, T, width, *dec = key
+            _, T, width = key
             ints, layout = self.padding_inputs(T, spec_width=width)
             fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec, None, None,
                                       self._prev_spec)
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}
-            if dec:
-                static.update(decode_only=True, max_q_len=width)
         elif kind in ("sample", "spec-sample"):
             _, num_logprobs, filtering, masked, s_layout = key
             R = s_layout[0].shape[0]
@@ -375,9 +361,6 @@ class StepVariants(StepCompiler):
             rest += [k for T in s.sizes for k in (
                 ("forward-spec", T, self.spec_width),
                 ("spec-sample", 0, base_f, False, self._spec_layout(s.num_reqs_for(T))))]
-            verify_cap = s.bucket_for(min(s.max_num_seqs * self.spec_width, s.sizes[-1]))
-            rest += [("forward-spec", T, self.spec_width, True) for T in s.sizes
-                     if self.spec_decode and T <= verify_cap]
         if self.static_sampling:
             rest += [("sample", 0, True, False, self._sampler_layout(r)) for r in self._request_counts()]
             if self.decode_loops:

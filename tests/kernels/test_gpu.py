@@ -4,8 +4,8 @@ Marked ``gpu`` and skipped unless JAX runs on a GPU (conftest makes JAX_PLATFORM
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_gpu.py
 
-- the Pallas attention kernels (decode, the decode-only launch and its speculative verify steps, the Mosaic GPU
-  prefill, the K/V write, the packed write + attention) against the pure-jnp reference, bf16 / f32 / fp8 caches, soft-capping and windows;
+- the Pallas attention kernels (decode, the decode-only launch, the Mosaic GPU prefill, the K/V write, the packed
+  write + attention) against the pure-jnp reference, bf16 / f32 / fp8 caches, soft-capping and windows;
   the int4 matmul kernel and the MoE grouped GEMMs against their references;
 - the embedded SmolLM2 end to end: every attention backend's greedy tokens against the reference path's and,
   in float32, HF's (a first difference only where the reference had a near-tie: ``tie_gap``);
@@ -161,18 +161,16 @@ def test_kv_write_matches_the_xla_scatter(kvh, cache):
 
 
 @on_gpu
-@pytest.mark.parametrize("step", ["decode", "mixed", "verify"])
+@pytest.mark.parametrize("decode_only", [True, False])
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("splits, window", [(None, None), (4, 40)])
-def test_packed_write_and_attend_matches_the_reference(step, cache, splits, window):
+def test_packed_write_and_attend_matches_the_reference(decode_only, cache, splits, window):
     """``ops.write_kv_and_attend`` on the Pallas backend (q, k, v packed for both kernels) against the
-    reference's write then attention: output within 1e-2, caches equal outside the null block. ``verify``: a
-    speculative verify step (1 to K + 1 = 5 tokens a request) on the decode-only launch (``md.max_q_len``)."""
+    reference's write then attention: output within 1e-2, caches equal outside the null block."""
     from jaxserve.kernels import ops
-    q_lens, ctx_lens = {"decode": ([1] * 5, [700, 33, 1, 300, 17]), "mixed": MIXED,
-                        "verify": ([5, 1, 3, 5, 2], [700, 33, 5, 300, 130])}[step]
+    q_lens, ctx_lens = ([1] * 5, [700, 33, 1, 300, 17]) if decode_only else MIXED
     q, kc, vc, md = _batch(31, q_lens, ctx_lens, pad_tokens=3, pad_reqs=1)
-    md = dataclasses.replace(md, decode_only=step != "mixed", max_q_len=5 if step == "verify" else 1)
+    md = dataclasses.replace(md, decode_only=decode_only)
     kw = dict(sm_scale=D ** -0.5, sliding_window=window)
     if cache == "fp8":
         kc, vc, scale = _fp8(kc, vc)

@@ -24,8 +24,18 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 INTERPRET = jax.default_backend() != "gpu"      # on a GPU host the same checks run the compiled kernels
 
 
-def _step(seed, ctx_lens, **kw):
-    return synthetic.fused_decode_step(seed, [1] * len(ctx_lens), ctx_lens, **kw)
+def _step(seed, ctx_lens, *, hq, kvh, d, dtype, bs=16, cache=None):
+    rng = np.random.default_rng(seed)
+    q, k_cache, v_cache, md = synthetic.make_batch(rng, [1] * len(ctx_lens), ctx_lens, block_size=bs,
+                                                   num_q_heads=hq, num_kv_heads=kvh, head_dim=d, dtype=dtype,
+                                                   pad_tokens=2, pad_reqs=1)
+    kw = {}
+    if cache == "fp8":
+        scale = jnp.asarray(np.linspace(0.5, 1.5, kvh), jnp.float32)
+        k_cache, v_cache = synthetic.quantize_caches(k_cache, v_cache, jnp.float8_e4m3fn, scale, scale)
+        kw = dict(k_scale=scale, v_scale=scale)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], kvh, d)), dtype) for _ in range(2))
+    return q, new_k, new_v, k_cache, v_cache, dataclasses.replace(md, decode_only=True), kw
 
 
 def _check(q, new_k, new_v, k_cache, v_cache, md, *, tol, **kw):
@@ -98,9 +108,18 @@ def test_fused_write_lowers_for_cuda(cache):
     *step, kw = _step(81, [40, 9, 300], hq=8, kvh=2, d=128, dtype=jnp.bfloat16, cache=cache)
     md = _wide_tables(step[-1])
 
+    def layer(q, new_k, new_v, k_cache, v_cache, md, splits):      # ops.write_kv_and_attend's packed call
+        qkv = jnp.concatenate([q, new_k, new_v], axis=1)
+        return pa.ragged_paged_attention(qkv, k_cache, v_cache, md, sm_scale=0.1, num_q_heads=q.shape[1],
+                                         write_kv=True, decode_splits=splits, **kw)
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     short = dataclasses.replace(md, max_seq_len=SHORT_SEQ_LEN)
     for md_, splits, launches in ((md, None, 2), (short, None, 1), (md, 1, 1), (short, 4, 2)):
-        text = synthetic.lower_fused_decode_for_h200(step[:-1], md_, splits, **kw)
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(layer, static_argnums=6).trace(*step[:-1], md_, splits).lower(
+                lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == launches, (md_.max_seq_len, splits)
         assert "paged_kv_write" not in text
 

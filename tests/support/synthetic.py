@@ -73,39 +73,3 @@ def quantize_caches(k_cache, v_cache, cache_dtype, k_scale=None, v_scale=None):
     if v_transposed(cache_dtype):
         v_cache = jnp.swapaxes(v_cache, 2, 3)
     return quantize_kv(k_cache, cache_dtype, k_scale), quantize_kv(v_cache, cache_dtype, v_scale)
-
-
-def fused_decode_step(seed, q_lens, ctx_lens, *, hq, kvh, d, dtype, bs=16, cache=None, pad_tokens=2,
-                      max_q_len=1):
-    """A decode-only step for the launch that writes its K/V: ``(q, new_k, new_v, k_cache, v_cache, md, kw)``,
-    ``md`` marked decode-only with ``max_q_len``, one padding request; ``cache="fp8"``: e4m3 caches with per-head
-    scales (``kw``: ``k_scale``/``v_scale``)."""
-    import dataclasses
-    rng = np.random.default_rng(seed)
-    q, k_cache, v_cache, md = make_batch(rng, q_lens, ctx_lens, block_size=bs, num_q_heads=hq, num_kv_heads=kvh,
-                                         head_dim=d, dtype=dtype, pad_tokens=pad_tokens, pad_reqs=1)
-    kw = {}
-    if cache == "fp8":
-        scale = jnp.asarray(np.linspace(0.5, 1.5, kvh), jnp.float32)
-        k_cache, v_cache = quantize_caches(k_cache, v_cache, jnp.float8_e4m3fn, scale, scale)
-        kw = dict(k_scale=scale, v_scale=scale)
-    new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], kvh, d)), dtype) for _ in range(2))
-    return q, new_k, new_v, k_cache, v_cache, dataclasses.replace(md, decode_only=True, max_q_len=max_q_len), kw
-
-
-def lower_fused_decode_for_h200(step, md, splits, **kw) -> str:
-    """``ops.write_kv_and_attend``'s packed decode-only call (q, k, v in one array, the launch writing K/V) over
-    ``step = (q, new_k, new_v, k_cache, v_cache)``, traced and lowered for an H200 on this host (nothing runs):
-    the lowered module's text, whose Triton launches the kernel tests count."""
-    import jax
-    from jaxserve.kernels import paged_attention_pallas as pa
-
-    def layer(q, new_k, new_v, k_cache, v_cache, md, splits):
-        qkv = jnp.concatenate([q, new_k, new_v], axis=1)
-        return pa.ragged_paged_attention(qkv, k_cache, v_cache, md, sm_scale=0.1, num_q_heads=q.shape[1],
-                                         write_kv=True, decode_splits=splits, **kw)
-
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(layer, static_argnums=6).trace(*step, md, splits).lower(lowering_platforms=("cuda",)).as_text()

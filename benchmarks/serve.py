@@ -75,7 +75,8 @@ def _tail(path: Path, n: int = 15) -> str:
 
 _COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions|structured_output_mask_steps"
                       r"|structured_output_mask_ms|structured_output_mask_wait_ms|step_variants_pending|images_encoded"
-                      r"|encoder_seconds|engine_steps|engine_step_ms|engine_device_wait_ms|spec_decode_\w+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+                      r"|encoder_seconds|engine_steps|engine_step_ms|engine_device_wait_ms|spec_decode_\w+?)"
+                      r"(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
 def scrape_counters(base_url: str, api_key: str | None = None) -> dict[str, float]:

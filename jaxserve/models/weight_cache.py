@@ -1,15 +1,15 @@
 """Converted GGUF weights on disk, so that a warm start maps them instead of dequantizing the file again.
 
-A GGUF load dequantizes its tensors (or repacks its quantized projections) on the host and runs a layout/cast
-jit per weight shape on the device (most of a small model's start on CPU). The result — the family's weight
-pytree, in the dtype it is served in, int4 leaves included — goes into one ``jaxserve.utils.file_store``
-entry next to the persistent compile cache, or in ``weights/`` under jaxserve's cache folder when there is none
-(the CPU backend's default): after the entry's header (the key), a table of each leaf's
-offset, shape and dtype, then the leaves' bytes, 64-byte aligned. A warm start memory-maps the file and copies each leaf to the device. The key is the GGUF file
-(path, size, modification time, a hash of its first MiB), the model config, the dtype, the weights' tree and
-jaxserve's source (a converter fix invalidates every entry). An entry that is missing, stale or torn is
-rebuilt from the GGUF; a new entry replaces the older ones of the same file and dtype, so the folder holds
-one copy per model and dtype.
+A GGUF load dequantizes its tensors (or repacks its quantized projections) on the host and runs a layout/cast jit
+per weight shape on the device (most of a small model's start on CPU). The result — the family's weight pytree, in
+the dtype it is served in, int4 leaves included — goes into one ``jaxserve.utils.file_store`` entry next to the
+persistent compile cache, or in ``weights/`` under jaxserve's cache folder when there is none (the CPU backend's
+default): after the entry's header (the key), a table of each leaf's offset, shape and dtype, then the leaves'
+bytes, 64-byte aligned. A warm start memory-maps the file and copies each leaf to the device. The key is the GGUF
+file (path, size, modification time, a hash of its first MiB), the model config, the dtype, the weights' tree and
+jaxserve's source (a converter fix invalidates every entry). An entry that is missing, stale or torn is rebuilt from
+the GGUF; a new entry replaces the older ones of the same file and dtype, so the folder holds one copy per model and
+dtype.
 """
 from __future__ import annotations
 

@@ -408,10 +408,11 @@ class EngineCore:
         s.update(step_ms_total=self._step_ms, runner_host_ms_total=rs.host_ms, device_ms_total=rs.device_ms,
                  tokens_total=rs.tokens)
         s["num_kv_blocks"] = self.runner.num_blocks
-        variants = getattr(self.runner, "variants", None)
-        if variants is not None:                # background compiles not done yet (the prompt scorer's too)
-            s["step_variants_pending"] = variants.pending() + (self._scorer.pending() if self._scorer else 0) + \
-                (self._draft_runner().variants.pending() if self._draft_runner() is not None else 0)
+        if getattr(self.runner, "variants", None) is not None:
+            # background compiles not done yet (a vision encoder's, the prompt scorer's and a draft's too)
+            s["step_variants_pending"] = self.runner.pending_compiles() + \
+                (self._scorer.pending() if self._scorer else 0) + \
+                (self._draft_runner().pending_compiles() if self._draft_runner() is not None else 0)
         s.update(self.structured_output.stats())
         if self.speculator is not None:
             s.update(self.speculator.stats())

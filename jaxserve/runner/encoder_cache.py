@@ -18,9 +18,11 @@ the tower masks attention to each image's own patches), rows are batched in 1, 2
 (``row_batch``), so the compiled encoder programs are bounded by the bucket and batch counts, not the image
 sizes: four buckets per doubling from ``min_patches`` to the largest image, times the row batches up to
 ``max_batch``. These programs compile off the step loop: the first batch of a bucket compiles its own
-program (the step waits: logged), and every other row batch of that bucket is queued for the background
-compiler the moment the bucket is first seen; a batch whose exact row count is not compiled yet takes a
-compiled one of up to twice its rows (padding rows) rather than waiting. ``gather(scheduled)``
+program (the step waits: logged), and the other row batches a step can fill under the encoder budget
+(``budget_rows``: each row holds an image too large for the bucket below) are queued for the background
+compiler the moment the bucket is first seen (``pending`` counts them: a benchmark waits for them, as for the
+step variants); a batch whose exact row count is not compiled yet takes a compiled one of up to twice its
+rows (padding rows) rather than waiting. ``gather(scheduled)``
 gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the step's
 chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
@@ -44,6 +46,10 @@ from jaxserve.runner.step_compiler import StepCompiler
 
 MIN_PATCH_BUCKET = 256            # the smallest patch bucket of a packed encoder (64 tokens at a 2x2 merge)
 BUCKET_STEPS = (4, 5, 6, 7)       # a doubling of patch buckets in quarters (of ``unit * 2**k``)
+# the least share of its packed patches an image's own patches are (the packing pads an image's partial
+# windows; ``budget_rows``): 0.78 over every grid of up to 120 x 120 merge blocks at Qwen2.5-VL's windows,
+# above its smallest bucket
+PACKED_FILL = 0.75
 
 
 def _encode_and_store(encode, cfg, params, slab, inputs, dst):
@@ -63,6 +69,27 @@ def patch_bucket(patches: int, unit: int, floor: int) -> int:
     return unit * next(m << j for j in (k, k + 1) for m in BUCKET_STEPS if m << j >= n)
 
 
+def smallest_in_bucket(bucket: int, unit: int, floor: int) -> int:
+    """The fewest packed patches an image of ``bucket`` has: one more than the bucket below holds (1 in the
+    smallest bucket)."""
+    lo, hi = 1, bucket
+    while lo < hi:                       # patch_bucket is monotone in the patch count
+        mid = (lo + hi) // 2
+        if patch_bucket(mid, unit, floor) >= bucket:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def budget_rows(bucket: int, unit: int, floor: int, tokens_per_row: int, budget: int, max_batch: int) -> int:
+    """The most rows of ``bucket`` patches one encoder call can need when a step encodes at most ``budget``
+    image tokens: a row holds at least one image of this bucket, of at least ``smallest_in_bucket`` packed
+    patches, ``PACKED_FILL`` of them its own (the budget counts an image's own tokens)."""
+    least = smallest_in_bucket(bucket, unit, floor) * tokens_per_row * PACKED_FILL / bucket
+    return max(1, min(max_batch, int(budget // max(least, 1.0))))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -78,11 +105,13 @@ def row_batch(n: int) -> int:
 
 
 class EncoderCache:
-    def __init__(self, model, capacity: int, max_batch: int, mesh=None, min_patches: int = MIN_PATCH_BUCKET):
+    def __init__(self, model, capacity: int, max_batch: int, mesh=None, min_patches: int = MIN_PATCH_BUCKET,
+                 budget: int | None = None):
         self.family, self.cfg, self.params = model.family, model.config, model.params
         self.packed = hasattr(self.family, "encode_packed")
         self.min_patches = min_patches
         self.capacity, self.max_batch = capacity, max_batch
+        self.budget = capacity if budget is None else budget        # image tokens a step encodes at most
         rep = None
         if mesh is not None:
             from jaxserve.parallel import replicated  # noqa: PLC0415
@@ -218,15 +247,22 @@ class EncoderCache:
     # ---------------------------------------------------------------- a packed family's programs
     def _queue_bucket(self, kind: tuple[int, str], pixels: list) -> None:
         """A (bucket, payload dtype) seen for the first time: the argument shapes of each of its row batches
-        (packing this batch's images, cut or padded to that many rows), all but this batch's own queued for
-        the background compiler (this one the caller compiles now)."""
+        (packing this batch's images, cut or padded to that many rows), and those a step can fill under the
+        encoder budget (``budget_rows``) but this batch's own queued for the background compiler (this one the
+        caller compiles now; a larger batch, should one come, compiles when it does)."""
         self._seen.add(kind)
         own = row_batch(len(pixels))
         for b in self._row_batches:
             inputs, _, num_out = self.family.pack_images(self.cfg, pixels[:b], b, kind[0])
             self._arg_shapes[(*kind, b)] = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs),
                                             jax.ShapeDtypeStruct((num_out,), np.int32))
-        self.compiler.submit([(*kind, b) for b in self._row_batches if b != own])
+        rows = budget_rows(kind[0], self.family.patch_unit(self.cfg), self.min_patches, num_out // b, self.budget,
+                           self.max_batch)
+        self.compiler.submit([(*kind, b) for b in self._row_batches if b != own and b <= row_batch(rows)])
+
+    def pending(self) -> int:
+        """Row batches queued or compiling in the background."""
+        return self.compiler.pending()
 
     def _rows_to_run(self, kind: tuple[int, str], n: int) -> int:
         """The rows to run ``n`` rows of ``kind`` in: ``row_batch(n)``, or while that compiles a compiled

@@ -168,7 +168,8 @@ class ModelRunner:
         # a vision model: the encoder step and its cache (``encoder_cache``; a cross-attention one's is above)
         if not self.cross_attention and hasattr(model.family, "encode_images"):
             from jaxserve.runner.encoder_cache import EncoderCache  # noqa: PLC0415
-            self.encoder = EncoderCache(model, sc.encoder_limits()[1], max_batch=8, mesh=mesh)
+            budget, capacity = sc.encoder_limits()
+            self.encoder = EncoderCache(model, capacity, max_batch=8, mesh=mesh, budget=budget)
         self.variants = StepVariants(model, config, self.shapes, backend=self.backend, kv_caches=self.kv_caches,
                                      max_model_len=max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
                                      penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh,
@@ -398,14 +399,25 @@ class ModelRunner:
     def warmup_for(self, prompt_lens: list[int]) -> float:
         return self.variants.warmup_for(prompt_lens)
 
+    def _compilers(self) -> list:
+        """The background compilers: the step variants', and a packed vision encoder's row batches."""
+        return [self.variants] + ([self.encoder.compiler] if hasattr(self.encoder, "compiler") else [])
+
     def stop_background_compiles(self, wait: bool = False) -> None:
         """Drop the queued background compiles (a one-shot run); a variant a step needs still compiles.
         ``wait``: also for the compiles in progress, after which no compile thread holds this runner."""
-        self.variants.stop(wait=wait)
+        for c in self._compilers():
+            c.stop(wait=wait)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compiles are done (False on timeout)."""
-        return self.variants.wait_all(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(c.wait_all(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                   for c in self._compilers())
+
+    def pending_compiles(self) -> int:
+        """Background compiles queued or running (the step variants' and the encoder's)."""
+        return sum(c.pending() for c in self._compilers())
 
     def compiled_variants(self) -> int:
         """How many executables exist (the no-recompilation test compares this before and after a workload)."""

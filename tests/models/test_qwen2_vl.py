@@ -189,6 +189,49 @@ def test_encoder_compiles_a_buckets_other_row_batches_in_the_background(name):
     assert cache._rows_to_run(kind, 3) == 4
 
 
+@pytest.mark.parametrize("budget_images", [1, 4])
+def test_encoder_queues_only_the_row_batches_its_budget_can_fill(budget_images, monkeypatch):
+    """A bucket's other row batches are queued only up to the rows a step can fill under the encoder budget
+    (a step with one large image's worth of budget never needs two rows of its bucket), and ``pending``
+    counts them until they compile (the engine's ``step_variants_pending`` adds them: benchmarks wait)."""
+    from jaxserve.runner.encoder_cache import EncoderCache, budget_rows, row_batch
+    from jaxserve.runner.step_compiler import StepCompiler
+    monkeypatch.setattr(StepCompiler, "_start_threads", lambda self: None)     # queued compiles stay queued
+    model = load(NAMES[0])
+    (f,) = features([SIZES[-1]])
+    cache = EncoderCache(model, capacity=2048, max_batch=4, min_patches=16, budget=budget_images * f.length)
+    cache.encode([f])
+    (kind,) = {k[:2] for k in cache.compiler.keys()}
+    per_row = cache.family.pack_images(cache.cfg, [[f.pixel_values]], 1, kind[0])[2]
+    rows = budget_rows(kind[0], cache.family.patch_unit(cache.cfg), 16, per_row, cache.budget, 4)
+    assert rows == budget_images
+    queued = sorted(k[2] for k in cache.compiler._queued)
+    assert queued == [b for b in (2, 3, 4) if b <= row_batch(rows)]
+    assert cache.pending() == len(queued)
+
+
+def test_runner_counts_and_waits_for_the_encoders_compiles():
+    """The runner's pending compiles and ``wait_compiled`` take a packed encoder's row batches with the step
+    variants'."""
+    from jaxserve.runner.model_runner import ModelRunner
+
+    class Compiler:
+        def __init__(self, pending):
+            self.n = pending
+
+        def pending(self):
+            return self.n
+
+        def wait_all(self, timeout=None):
+            return self.n == 0
+
+    runner = object.__new__(ModelRunner)
+    runner.variants, runner.encoder = Compiler(0), type("Encoder", (), {"compiler": Compiler(2)})()
+    assert runner.pending_compiles() == 2 and not runner.wait_compiled(timeout=0.01)
+    runner.encoder.compiler.n = 0
+    assert runner.pending_compiles() == 0 and runner.wait_compiled(timeout=0.01)
+
+
 def test_mrope_positions_as_hf():
     """Text, an image (its start, then row and column), text continuing after the image's larger side."""
     from jaxserve.models.qwen2_vl import mrope_positions

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.runner.encoder_cache import BUCKET_STEPS, patch_bucket, row_batch
+from jaxserve.runner.encoder_cache import BUCKET_STEPS, budget_rows, patch_bucket, row_batch, smallest_in_bucket
 
 
 @pytest.mark.parametrize("unit, floor", [(64, 256), (4, 256), (64, 16), (16, 1), (100, 300)])
@@ -40,3 +40,19 @@ def test_row_batches():
     assert [row_batch(n) for n in range(1, 18)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 24]
     for n in range(4, 200):
         assert n <= row_batch(n) < n * 3 / 2 and row_batch(n) >= row_batch(n - 1)
+
+
+@pytest.mark.parametrize("unit, floor", [(64, 256), (4, 256), (16, 1)])
+def test_smallest_in_bucket_is_one_past_the_bucket_below(unit, floor):
+    for b in sorted({patch_bucket(n, unit, floor) for n in range(1, 20_000, 3)}):
+        n = smallest_in_bucket(b, unit, floor)
+        assert patch_bucket(n, unit, floor) == b and (n == 1 or patch_bucket(n - 1, unit, floor) < b)
+
+
+def test_budget_rows_of_qwen_images():
+    """A 1024² image (5,504 packed patches, bucket 6,144, 1,536 tokens a row): two rows at most under a
+    2,048-token encoder budget, eight (the batch cap) under 16,384; the smallest bucket may fill every row."""
+    assert budget_rows(6144, 64, 256, 1536, 2048, 8) == 2
+    assert budget_rows(6144, 64, 256, 1536, 16384, 8) == 8
+    assert budget_rows(6144, 64, 256, 1536, 1369, 8) == 1
+    assert budget_rows(256, 64, 256, 64, 2048, 8) == 8

@@ -199,6 +199,9 @@ def run_serve(run) -> None:
                 timeout_s=float(cfg["serve"]["request_timeout_s"]), desc=label))
             m = serving_metrics(timings, duration, wl.get("slo") or None)
             m["server_counters"] = sc = counter_delta(before, scrape_counters(base_url, cfg["serve"]["api_key"]))
+            # a gauge, not a counter: what was still compiling when the point began (its figures include it)
+            sc["compiles_pending_at_start"] = before.get("step_variants_pending", 0.0)
+            sc.pop("step_variants_pending", None)
             if sc.get("engine_step_ms") is not None and duration:
                 sc["engine_busy_fraction"] = sc["engine_step_ms"] / (duration * 1e3)
             m.update({"sweep_value": value, "request_rate": rate, "max_concurrency": conc,
@@ -221,6 +224,14 @@ def run_serve(run) -> None:
     _tables(run, points, param)
     if cfg["report"]["plots"]:
         _plots(run, points, param)
+
+
+def pending_compile_notes(points: list[dict], param: str | None) -> list[str]:
+    """A note for each point that began while the server still had background compiles (the warm-up waits for
+    them up to its time limit): its figures include their host and GPU time."""
+    return [f"{param or 'the run'}={p['sweep_value']}: {n:.0f} background compiles were still pending when the "
+            "point began: its figures include them"
+            for p in points if (n := p["server_counters"].get("compiles_pending_at_start"))]
 
 
 def _limit(run, reqs, conc) -> dict:
@@ -251,6 +262,7 @@ def _tables(run, points: list[dict], param: str | None) -> None:
             p["server_counters"].get("num_preemptions"), p["failed"]]
         t.rows.append(row)
     run.tables.append(t)
+    run.notes += pending_compile_notes(points, param)
     errors = {e: c for p in points for e, c in p["errors"].items()}
     for e, c in list(errors.items())[:5]:
         run.notes.append(f"{c} failed: {e}")

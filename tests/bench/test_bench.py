@@ -284,6 +284,14 @@ def test_metrics_scrape_parsing(scripted_server):
     assert serve.scrape_counters(url) == {}          # a server without those counters: nothing, no error
 
 
+def test_a_point_begun_with_compiles_pending_is_noted():
+    from jaxserve.benchmarks import serve
+    points = [{"sweep_value": 1, "server_counters": {"compiles_pending_at_start": 0.0}},
+              {"sweep_value": 64, "server_counters": {"compiles_pending_at_start": 3.0}}]
+    assert serve.pending_compile_notes(points, "max_concurrency") == [
+        "max_concurrency=64: 3 background compiles were still pending when the point began: its figures include them"]
+
+
 def test_set_overrides_across_configs_of_different_modes():
     thr, lat = bcfg.load_configs(["cpu-smoke", "cpu-smoke-latency"], ["workload.num_prompts=3", "workload.batch_size=5",
                                                                       "workload.output_len=2"])

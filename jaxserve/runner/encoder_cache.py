@@ -17,12 +17,12 @@ bucketed by patch count: each image goes to the smallest bucket that holds it (a
 the tower masks attention to each image's own patches), rows are batched in 1, 2, 3, 4, 6, 8, ... rows
 (``row_batch``), so the compiled encoder programs are bounded by the bucket and batch counts, not the image
 sizes: four buckets per doubling from ``min_patches`` to the largest image, times the row batches up to
-``max_batch``. These programs compile off the step loop: the first batch of a bucket compiles its own
-program (the step waits: logged), and the other row batches a step can fill under the encoder budget
-(``budget_rows``: each row holds an image too large for the bucket below) are queued for the background
-compiler the moment the bucket is first seen (``pending`` counts them: a benchmark waits for them, as for the
-step variants); a batch whose exact row count is not compiled yet takes a compiled one of up to twice its
-rows (padding rows) rather than waiting. ``gather(scheduled)``
+``max_batch``. These programs compile off the step loop: the row batches a step can fill under the encoder
+budget (``budget_rows``: each row holds an image too large for the bucket below) are queued for the background
+compiler the moment a bucket is first seen (``pending`` counts them: a benchmark waits for them, as for the
+step variants); until its own is ready a batch runs in the smallest larger bucket compiled (more padding, no
+wait), and only a batch larger than every compiled bucket waits for its program (logged); a batch whose exact
+row count is not compiled yet takes a compiled one of up to twice its rows (padding rows) rather than waiting. ``gather(scheduled)``
 gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the step's
 chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
@@ -209,20 +209,21 @@ class EncoderCache:
         self.slab = self._step(self.params, self.slab, pixels, dst.reshape(-1))
         self.num_images += len(items)
 
-    def bucket_rows(self, features: list) -> dict[int, list[list]]:
-        """The images by patch bucket, packed first-fit into rows of it."""
+    def bucket_rows(self, features: list, bucket: int | None = None) -> dict[int, list[list]]:
+        """The images by patch bucket (or all in rows of ``bucket``, which holds each), packed first-fit into
+        rows of it."""
         unit = self.family.patch_unit(self.cfg)
         rows: dict[int, list[list]] = {}
         for f in features:
             n = self.family.packed_patches(self.cfg, f.pixel_values.shape)
-            bucket = patch_bucket(n, unit, self.min_patches)
-            for row in rows.setdefault(bucket, []):
-                if row[0] + n <= bucket:
+            b = bucket or patch_bucket(n, unit, self.min_patches)
+            for row in rows.setdefault(b, []):
+                if row[0] + n <= b:
                     row[0] += n
                     row.append(f)
                     break
             else:
-                rows[bucket].append([n, f])
+                rows[b].append([n, f])
         return {b: [row[1:] for row in rs] for b, rs in rows.items()}
 
     def _encode_packed(self, features: list) -> None:
@@ -234,22 +235,44 @@ class EncoderCache:
                 if kind not in self._seen:
                     self._queue_bucket(kind, pixels)
                 b = self._rows_to_run(kind, len(batch))
-                inputs, tokens, num_out = self.family.pack_images(self.cfg, pixels, b, bucket)
-                dst = np.full(num_out, self.capacity, np.int32)     # padding tokens write the scratch row
-                for f, slots in zip((f for r in batch for f in r), tokens):
-                    if len(slots) != f.length:
-                        raise ValueError(f"an image of {len(slots)} tokens with {f.length} placeholders")
-                    dst[slots] = self._take_rows(f)
-                step = self.compiler.need((*kind, b), "an image batch")
-                self.slab = step(self.params, self.slab, inputs, dst)
-                self.num_images += sum(len(r) for r in batch)
+                if (*kind, b) not in self.compiler:
+                    larger = self._larger_bucket(kind, batch)
+                    if larger is not None:          # this bucket compiles in the background meanwhile
+                        kind, b, batch = larger
+                        pixels = [[f.pixel_values for f in r] for r in batch]
+                self._run_packed(kind, b, batch, pixels)
+
+    def _run_packed(self, kind: tuple[int, str], b: int, batch: list, pixels: list) -> None:
+        inputs, tokens, num_out = self.family.pack_images(self.cfg, pixels, b, kind[0])
+        dst = np.full(num_out, self.capacity, np.int32)     # padding tokens write the scratch row
+        for f, slots in zip((f for r in batch for f in r), tokens):
+            if len(slots) != f.length:
+                raise ValueError(f"an image of {len(slots)} tokens with {f.length} placeholders")
+            dst[slots] = self._take_rows(f)
+        step = self.compiler.need((*kind, b), "an image batch")
+        self.slab = step(self.params, self.slab, inputs, dst)
+        self.num_images += sum(len(r) for r in batch)
+
+    def _larger_bucket(self, kind: tuple[int, str], batch: list):
+        """For images whose own program is not compiled yet: the smallest larger bucket with a compiled program
+        that holds them (more padding, no wait), as ``(kind, rows to run, the images in its rows)``; None when
+        there is none (the step waits for its own)."""
+        feats = [f for r in batch for f in r]
+        ready = sorted({k[0] for k in self.compiler.keys() if k[1] == kind[1] and k[0] > kind[0]})
+        for bucket in ready:
+            rows = self.bucket_rows(feats, bucket)[bucket]
+            b = next((r for r in self._row_batches if r >= len(rows) and (bucket, kind[1], r) in self.compiler),
+                     None)
+            if b is not None:
+                return (bucket, kind[1]), b, rows
+        return None
 
     # ---------------------------------------------------------------- a packed family's programs
     def _queue_bucket(self, kind: tuple[int, str], pixels: list) -> None:
         """A (bucket, payload dtype) seen for the first time: the argument shapes of each of its row batches
-        (packing this batch's images, cut or padded to that many rows), and those a step can fill under the
-        encoder budget (``budget_rows``) but this batch's own queued for the background compiler (this one the
-        caller compiles now; a larger batch, should one come, compiles when it does)."""
+        (packing this batch's images, cut or padded to that many rows), this batch's own and those a step can
+        fill under the encoder budget (``budget_rows``) queued for the background compiler (a larger batch,
+        should one come, compiles when it does)."""
         self._seen.add(kind)
         own = row_batch(len(pixels))
         for b in self._row_batches:
@@ -258,7 +281,9 @@ class EncoderCache:
                                             jax.ShapeDtypeStruct((num_out,), np.int32))
         rows = budget_rows(kind[0], self.family.patch_unit(self.cfg), self.min_patches, num_out // b, self.budget,
                            self.max_batch)
-        self.compiler.submit([(*kind, b) for b in self._row_batches if b != own and b <= row_batch(rows)])
+        # this batch's own first: a step waits for it only when no larger bucket is compiled (``_larger_bucket``)
+        self.compiler.submit([(*kind, own)] + [(*kind, b) for b in self._row_batches if b != own and
+                                               b <= row_batch(rows)])
 
     def pending(self) -> int:
         """Row batches queued or compiling in the background."""

@@ -164,9 +164,10 @@ def test_encoder_compiles_once_per_bucket(name):
                for h, w in SIZES}
     for f in features(SIZES):
         cache.encode([f])
+    assert cache.compiler.wait_all(600)       # a bucket smaller than one compiled compiles in the background
     assert len(cache.compiler) == len(buckets) < len(SIZES)
     cache.encode(features(SIZES[::-1], seed=1))
-    assert len(cache.compiler) == len(buckets)
+    assert cache.compiler.wait_all(600) and len(cache.compiler) == len(buckets)
 
 
 @pytest.mark.parametrize("name", NAMES[:1])
@@ -187,6 +188,27 @@ def test_encoder_compiles_a_buckets_other_row_batches_in_the_background(name):
     kind = cache.compiler.keys()[0][:2]                                    # (bucket, payload dtype)
     cache.compiler._ready.pop((*kind, 3))                                 # 3 rows not compiled: 4 run them
     assert cache._rows_to_run(kind, 3) == 4
+
+
+@pytest.mark.parametrize("name", NAMES[:1])
+def test_a_new_bucket_runs_in_a_larger_compiled_one_meanwhile(name, monkeypatch):
+    """An image whose bucket is not compiled yet runs in the smallest larger bucket compiled (its own queued
+    for the background): no step waits for a compile, and its slab rows equal its unpadded encoding."""
+    from jaxserve.runner.encoder_cache import patch_bucket
+    from jaxserve.runner.step_compiler import StepCompiler
+    model = load(name)
+    cache = encoder(model, min_patches=16, max_batch=2)
+    cache.encode(features([SIZES[-1]]))                    # nothing compiled yet: this step waits for its own
+    assert cache.compiler.wait_all(600) and len(cache.compiler.on_first_use) == 1
+    monkeypatch.setattr(StepCompiler, "_start_threads", lambda self: None)     # queued compiles stay queued
+    (small,) = features([SIZES[3]], seed=1)
+    unit = model.family.patch_unit(model.config)
+    own = patch_bucket(model.family.packed_patches(model.config, small.pixel_values.shape), unit, 16)
+    cache.encode([small])
+    assert len(cache.compiler.on_first_use) == 1                              # no step waited
+    assert own not in {k[0] for k in cache.compiler.keys()} and cache.pending() >= 1
+    alone = np.asarray(model.family.encode_images(model.params, small.pixel_values[None], model.config))[0]
+    np.testing.assert_allclose(np.asarray(cache.slab)[cache.rows[small.hash]], alone, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("budget_images", [1, 4])

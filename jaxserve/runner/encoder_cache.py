@@ -22,9 +22,9 @@ budget (``budget_rows``: each row holds an image too large for the bucket below)
 compiler the moment a bucket is first seen (``pending`` counts them: a benchmark waits for them, as for the
 step variants); until its own is ready a batch runs in the smallest larger bucket compiled (more padding, no
 wait), and only a batch larger than every compiled bucket waits for its program (logged); a batch whose exact
-row count is not compiled yet takes a compiled one of up to twice its rows (padding rows) rather than waiting. ``gather(scheduled)``
-gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the step's
-chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
+row count is not compiled yet takes a compiled one of up to twice its rows (padding rows) rather than waiting.
+``gather(scheduled)`` gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the
+step's chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
 device op builds them. A family whose image tokens attend to each other both ways (``bidirectional_images``)
 gets a third row: each token row's attend limit (``AttentionMetadata.attend_limit``: its image's last
@@ -279,7 +279,8 @@ class EncoderCache:
             inputs, _, num_out = self.family.pack_images(self.cfg, pixels[:b], b, kind[0])
             self._arg_shapes[(*kind, b)] = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs),
                                             jax.ShapeDtypeStruct((num_out,), np.int32))
-        rows = budget_rows(kind[0], self.family.patch_unit(self.cfg), self.min_patches, num_out // b, self.budget,
+            tokens_per_row = num_out // b
+        rows = budget_rows(kind[0], self.family.patch_unit(self.cfg), self.min_patches, tokens_per_row, self.budget,
                            self.max_batch)
         # this batch's own first: a step waits for it only when no larger bucket is compiled (``_larger_bucket``)
         self.compiler.submit([(*kind, own)] + [(*kind, b) for b in self._row_batches if b != own and

@@ -10,9 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import jax  # noqa: E402
+from support import XLA_CACHE_DIR, xla_flags  # noqa: E402
 
-from support import XLA_CACHE_DIR  # noqa: E402
+os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS"))
+
+import jax  # noqa: E402
 
 if XLA_CACHE_DIR:
     jax.config.update("jax_compilation_cache_dir", XLA_CACHE_DIR)

@@ -77,7 +77,7 @@ class RayWorkers:
         self.coordinator = f"{host}:{distributed.free_port(host)}"
         env = {k: v for k in ("JAX_PLATFORMS", "JAXSERVE_PP_LAYER_PARTITION") if (v := getattr(envs, k))}
         if on_cpu:
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={tp}"
+            env["XLA_FLAGS"] = " ".join(filter(None, (envs.XLA_FLAGS, f"--xla_force_host_platform_device_count={tp}")))
         actor = ray.remote(StageWorker)
         self.actors = [actor.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=b),

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from jaxserve.benchmarks import config as bcfg
 from jaxserve.benchmarks import roofline
+from support import xla_flags
 from jaxserve.benchmarks.models import resolve_model
 
 MODELS = ROOT / "configs" / "models"
@@ -275,7 +276,7 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from support import FIXTURES, TESTS
+from support import FIXTURES, TESTS, xla_flags
 
 MAX_NEW_TOKENS = 5
 TIMEOUT_S = 300
@@ -91,7 +91,7 @@ def two_process_run(tmp_path_factory):
 
     port, logs = free_port(), tmp_path_factory.mktemp("procs")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=TESTS)
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    env["XLA_FLAGS"] = xla_flags()  # one CPU device per process
     # output to files, not pipes: a process blocked on a full pipe stops its heartbeats and the other aborts
     files = [(open(logs / f"p{i}.out", "w+"), open(logs / f"p{i}.err", "w+")) for i in range(2)]
     procs = [subprocess.Popen([sys.executable, __file__, str(i), str(port)], env=env, stdout=out, stderr=err)
@@ -147,7 +147,7 @@ def test_cli_three_processes_smollm2_tp3(tmp_path):
     flags = ["--prompt", prompt, "--max-tokens", "8", "--max-model-len", "128", "--max-num-batched-tokens", "64",
              "--max-num-seqs", "4", "--skip-warmup", "--dtype", "float32"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     logs = [(open(tmp_path / f"{i}.out", "w+"), open(tmp_path / f"{i}.err", "w+")) for i in range(3)]
     procs = [subprocess.Popen([sys.executable, "-m", "jaxserve", "generate", "--tensor-parallel-size", "3",
                                "--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "3",
@@ -254,7 +254,7 @@ def _mp_generate(max_tokens: int, *flags: str):
 
     prompt = "The capital of France is"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--tensor-parallel-size", "3",
                            "--distributed-executor-backend", "mp", *flags, "--prompt", prompt,
                            "--max-tokens", str(max_tokens), "--max-model-len", "128", "--max-num-batched-tokens", "64",

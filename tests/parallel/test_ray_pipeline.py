@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from support import xla_flags
 from support.ray_cluster import LOOPBACK_ENV, local_ray_cluster
 from support.server_process import MAX_MODEL_LEN, ServerProcess, start_long_streams
 
@@ -51,7 +52,7 @@ def test_ray_pipeline_server_matches_one_process_and_fails_fast(ray_cluster):
     # the driver joins the cluster on the loopback address its nodes use (Ray otherwise maps 127.0.0.1 to the
     # host's network address), with one CPU device per JAX process
     env = {"RAY_ADDRESS": ray_cluster.address, **LOOPBACK_ENV, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+           "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=1")}
     srv = ServerProcess(*FLAGS, env=env, startup_timeout=400)
     try:
         assert len(_stage_worker_pids()) == 1

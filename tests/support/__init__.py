@@ -9,3 +9,12 @@ FIXTURES = os.path.join(TESTS, "fixtures")      # checkpoints and goldens the ma
 # and the servers' flag for it
 XLA_CACHE_DIR = os.environ.get("JAXSERVE_TEST_XLA_CACHE") or None
 XLA_CACHE_FLAGS = ("--compilation-cache-dir", XLA_CACHE_DIR) if XLA_CACHE_DIR else ()
+# XLA:CPU's backend at optimization level 1: the default level's compile time outweighs what it saves in
+# running the tests' small programs, level 0's slower programs outweigh what it saves in compiling (measured in
+# the make-test results); every test process, subprocesses included, runs with it
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=1"
+
+
+def xla_flags(*flags: str | None) -> str:
+    """XLA_FLAGS for a test process: ``TEST_XLA_FLAGS`` and then ``flags`` (a later flag overrides an earlier)."""
+    return " ".join(filter(None, (TEST_XLA_FLAGS, *flags)))

@@ -7,15 +7,15 @@ import os
 import subprocess
 import sys
 
-from support import TESTS
+from support import TESTS, xla_flags
 
 
 def run_on_fake_devices(args: list[str], num_devices: int, timeout: float = 900) -> str:
     """Runs ``python *args`` (a script path and its arguments, or ``-c`` and a program) on ``num_devices``
     fake CPU devices, tests/ importable; fails the test with the end of its stderr unless it exits 0.
     Returns its stdout."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={num_devices}"),
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout

@@ -127,8 +127,9 @@ class SchedulerConfig:
                 "min_tokens runs one iteration")
 
     max_num_encoder_input_tokens: int | None = option(
-        None, help="image tokens the vision encoder may compute in one step (vLLM's encoder budget, beside the "
-                   "token budget; default: --max-num-batched-tokens, at least one image's)")
+        None, help="image tokens the vision encoder may compute in one step, and the most one image may take "
+                   "(vLLM's encoder budget, beside the token budget; default: twice --max-num-batched-tokens, so "
+                   "images never cut a step's chunks short of the token budget)")
     disable_chunked_mm_input: bool = option(
         False, help="never split an image's tokens over two steps: a chunk stops before an image it cannot take "
                     "whole (vLLM's flag; always on for models whose image tokens attend to each other both ways, "
@@ -148,8 +149,11 @@ class SchedulerConfig:
         return self.cross_attention_slots or min(self.max_num_seqs, 8)
 
     def encoder_limits(self) -> tuple[int, int]:
-        """(image tokens encoded per step, image tokens cached) of a resolved config."""
-        budget = self.max_num_encoder_input_tokens or self.max_num_batched_tokens
+        """(image tokens encoded per step, image tokens cached) of a resolved config. The default budget is twice
+        the token budget: the images a step's chunks reach take at most the token budget plus one image cut
+        at the chunk's end, so a step is never cut short at an image it cannot encode (with one token budget,
+        a step that prefills one image's prompt stops at the next image and pads up to its token bucket)."""
+        budget = self.max_num_encoder_input_tokens or 2 * self.max_num_batched_tokens
         return budget, max(self.encoder_cache_size or budget, budget)
 
     def __post_init__(self) -> None:

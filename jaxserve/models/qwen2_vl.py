@@ -230,6 +230,13 @@ class QwenVLFamily(DecoderFamily):
         """The patches an image of pixel payload ``[lh, lw, ...]`` takes in ``pack_images``' rows."""
         return vision_spec(cfg).patches(pixel_shape)
 
+    def warmup_payload(self, cfg: ModelConfig, tokens: int, dtype) -> np.ndarray:
+        """The pixel payload (zeros) of the smallest square image of at least ``tokens`` merged tokens: its patch
+        bucket is the one the encoder cache compiles at start-up, which smaller images can run in."""
+        spec = vision_spec(cfg)
+        side = math.isqrt(max(tokens, 1) - 1) + 1
+        return np.zeros((side, side, spec.merge ** 2 * spec.in_channels * spec.patch_size ** 2), dtype)
+
     def patch_unit(self, cfg: ModelConfig) -> int:
         """What every bucket of ``pack_images`` must be a multiple of."""
         return vision_spec(cfg).unit

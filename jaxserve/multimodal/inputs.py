@@ -41,3 +41,12 @@ def image_hash(pixels: np.ndarray, mode: str, kwargs_key: str = "") -> str:
 def overlapping(features: list[ImageFeature], start: int, end: int) -> list[ImageFeature]:
     """The features with at least one token in prompt positions ``[start, end)``."""
     return [f for f in features if f.offset < end and f.end > start]
+
+
+def pixel_dtype(name: str | None):
+    """The payload dtype of a model of dtype ``name``: a 16-bit float as itself (the tower computes in it),
+    float32 otherwise."""
+    if name in ("bfloat16", "float16"):
+        import ml_dtypes  # noqa: PLC0415  (jax's dependency)
+        return np.float16 if name == "float16" else ml_dtypes.bfloat16
+    return np.float32

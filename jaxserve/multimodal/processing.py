@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxserve.errors import InvalidRequestError, ModelLoadError
 from jaxserve.multimodal import anyres
-from jaxserve.multimodal.inputs import ImageFeature, image_hash
+from jaxserve.multimodal.inputs import ImageFeature, image_hash, pixel_dtype
 from jaxserve.multimodal.qwen_vl_pixels import QwenVLPixels
 
 
@@ -136,7 +136,7 @@ class ImageProcessing:
                    num_tokens=(lambda pv, ex: fixed) if fixed else None,
                    fill_token_id=model_extra.get("image_fill_token_id"),
                    merges=newline_merges(tokenizer) if wrap else None, crops=crops,
-                   pixel_dtype=_pixel_dtype(dtype))
+                   pixel_dtype=pixel_dtype(dtype))
 
     def num_tokens(self, pixel_values: np.ndarray, extra: dict) -> int:
         if self._num_tokens is not None:
@@ -209,15 +209,6 @@ class ImageProcessing:
             return [*self.wrap[0], None, *self.wrap[1]]
         ids = self.crops(num_crops)
         return [x for t in ids for x in ((t, None) if t == self.image_token_id else (t,))]
-
-
-def _pixel_dtype(name: str | None):
-    """The payload dtype of a model of dtype ``name``: a 16-bit float as itself (the tower computes in it),
-    float32 otherwise."""
-    if name in ("bfloat16", "float16"):
-        import ml_dtypes  # noqa: PLC0415  (jax's dependency)
-        return np.float16 if name == "float16" else ml_dtypes.bfloat16
-    return np.float32
 
 
 def encode_around(tokenizer: Any, text: str, placeholder: str, placeholder_id: int,

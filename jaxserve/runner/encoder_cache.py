@@ -21,8 +21,10 @@ sizes: four buckets per doubling from ``min_patches`` to the largest image, time
 budget (``budget_rows``: each row holds an image too large for the bucket below) are queued for the background
 compiler the moment a bucket is first seen (``pending`` counts them: a benchmark waits for them, as for the
 step variants); until its own is ready a batch runs in the smallest larger bucket compiled (more padding, no
-wait), and only a batch larger than every compiled bucket waits for its program (logged); a batch whose exact
-row count is not compiled yet takes a compiled one of up to twice its rows (padding rows) rather than waiting.
+wait), and only a batch larger than every compiled bucket waits for its program (logged; ``warmup`` queues the
+bucket of a square image of the token budget, so after start-up only an image larger than that can wait);
+a batch whose exact row count is not compiled yet takes a compiled one of up to twice its rows (padding rows)
+rather than waiting.
 ``gather(scheduled)`` gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the
 step's chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.multimodal.inputs import overlapping
+from jaxserve.multimodal.inputs import overlapping, pixel_dtype
 from jaxserve.runner.step_compiler import StepCompiler
 
 
@@ -106,17 +108,19 @@ def row_batch(n: int) -> int:
 
 class EncoderCache:
     def __init__(self, model, capacity: int, max_batch: int, mesh=None, min_patches: int = MIN_PATCH_BUCKET,
-                 budget: int | None = None):
+                 budget: int | None = None, warm_tokens: int | None = None):
         self.family, self.cfg, self.params = model.family, model.config, model.params
         self.packed = hasattr(self.family, "encode_packed")
         self.min_patches = min_patches
         self.capacity, self.max_batch = capacity, max_batch
         self.budget = capacity if budget is None else budget        # image tokens a step encodes at most
+        self.warm_tokens = warm_tokens or self.budget       # an image of these tokens fits the warm-up's bucket
         rep = None
         if mesh is not None:
             from jaxserve.parallel import replicated  # noqa: PLC0415
             rep = replicated(mesh)
         dtype = jax.tree.leaves(model.params)[0].dtype
+        self.dtype_name = str(getattr(model.dtype, "__name__", model.dtype))    # the front end's payload dtype
         shape = (capacity + 1, model.config.hidden_size)     # + a scratch row that padding images write
         self.slab = jnp.zeros(shape, dtype) if rep is None else jnp.zeros(shape, dtype, device=rep)
         encode = self.family.encode_packed if self.packed else self.family.encode_images
@@ -137,9 +141,16 @@ class EncoderCache:
 
     def warmup(self) -> float:
         """Compile the encoder's batch buckets at the tower's own image size (the size a fixed-resolution
-        processor gives every image); other pixel shapes, and a packing family's patch buckets, compile on
-        first use. Returns the seconds taken."""
+        processor gives every image); other pixel shapes compile on first use. A packing family queues the
+        patch bucket of a square image of ``warm_tokens`` (the runner's: the token budget, at most the encoder
+        budget) for the background compiler: once it is compiled, an image that fits it never waits for a
+        compile (it runs there while its own bucket compiles, ``_larger_bucket``). Returns the seconds taken."""
         t0 = time.perf_counter()
+        if self.packed and hasattr(self.family, "warmup_payload"):
+            payload = self.family.warmup_payload(self.cfg, self.warm_tokens, pixel_dtype(self.dtype_name))
+            bucket = patch_bucket(self.family.packed_patches(self.cfg, payload.shape),
+                                  self.family.patch_unit(self.cfg), self.min_patches)
+            self._queue_bucket((bucket, np.dtype(payload.dtype).name), [[payload]])
         size = dict(self.cfg.extra_dict.get("vision") or ()).get("image_size")
         shapes = self.family.warmup_pixel_shapes(self.cfg) if hasattr(self.family, "warmup_pixel_shapes") \
             else [(3, size, size)] if size else []

@@ -169,7 +169,8 @@ class ModelRunner:
         if not self.cross_attention and hasattr(model.family, "encode_images"):
             from jaxserve.runner.encoder_cache import EncoderCache  # noqa: PLC0415
             budget, capacity = sc.encoder_limits()
-            self.encoder = EncoderCache(model, capacity, max_batch=8, mesh=mesh, budget=budget)
+            self.encoder = EncoderCache(model, capacity, max_batch=8, mesh=mesh, budget=budget,
+                                        warm_tokens=min(budget, sc.max_num_batched_tokens))
         self.variants = StepVariants(model, config, self.shapes, backend=self.backend, kv_caches=self.kv_caches,
                                      max_model_len=max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
                                      penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh,

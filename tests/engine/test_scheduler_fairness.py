@@ -127,3 +127,28 @@ def test_an_image_taken_whole_passes_the_long_share_beside_decodes():
         sizes.append(chunks(out).get("img"))
         assert chunks(out)["d0"] == 1 and chunks(out)["d1"] == 1
     assert sizes[:2] == [5, 12] and req.num_computed_tokens >= image.end     # up to the image, then all of it
+
+
+def test_default_encoder_budget_lets_image_prompts_fill_the_step():
+    """With the default encoder limits (twice the token budget), prompts that are mostly one image each fill
+    the step's token budget, the next prompt's chunk ending inside its image, as text prompts do; with an
+    encoder budget of one token budget the first step stops the later prompts before their images and runs 14
+    of its 16 tokens (a step pads to its token bucket: it costs a full one)."""
+    import numpy as np
+
+    from jaxserve.engine.encoder_cache_manager import EncoderCacheManager
+    from jaxserve.multimodal.inputs import ImageFeature
+    results = {}
+    for budget in (None, BUDGET):
+        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=BUDGET, max_num_encoder_input_tokens=budget)
+        kv = KVCacheManager(128, 4, True, 256)
+        sched = Scheduler(sc, CacheConfig(block_size=4, enable_prefix_caching=True), kv, 256,
+                          EncoderCacheManager(*sc.encoder_limits()))
+        for i in range(3):           # 12 tokens each: one text token, a 10-token image, one text token
+            sched.add_request(Request(f"r{i}", prompt(12, 20 + i), params(max_tokens=2),
+                                      mm_features=[ImageFeature(f"img{i}", 1, 10, np.zeros(1))]))
+        results[budget] = chunks(step(sched, FakeDevice(kv))[0])
+    assert sc.encoder_limits() == (BUDGET, BUDGET) and SchedulerConfig(max_num_batched_tokens=BUDGET) \
+        .encoder_limits() == (2 * BUDGET, 2 * BUDGET)
+    assert results[None] == {"r0": 12, "r1": 4}                       # r1's chunk ends inside its image
+    assert results[BUDGET] == {"r0": 12, "r1": 1, "r2": 1}            # they stop before their images

@@ -211,6 +211,27 @@ def test_a_new_bucket_runs_in_a_larger_compiled_one_meanwhile(name, monkeypatch)
     np.testing.assert_allclose(np.asarray(cache.slab)[cache.rows[small.hash]], alone, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", NAMES[:1])
+def test_warmup_compiles_a_bucket_every_image_in_the_budget_runs_in(name, monkeypatch):
+    """Warm-up queues (in the background) the bucket of a square image of the encoder budget's tokens: once
+    it is compiled, images of new sizes up to the budget (the largest included) never wait for a compile, and
+    their slab rows equal their unpadded encoding."""
+    from jaxserve.runner.encoder_cache import EncoderCache
+    from jaxserve.runner.step_compiler import StepCompiler
+    model = load(name)
+    cache = EncoderCache(model, capacity=2048, max_batch=2, min_patches=16, budget=72)   # SIZES[-1]: 72 tokens
+    cache.warmup()
+    assert cache.compiler.wait_all(600) and len(cache.compiler) >= 1 and not cache.compiler.on_first_use
+    monkeypatch.setattr(StepCompiler, "_start_threads", lambda self: None)     # queued compiles stay queued
+    feats = features([SIZES[3], SIZES[-1]], seed=2)
+    for f in feats:
+        cache.encode([f])
+    assert not cache.compiler.on_first_use and cache.pending() >= 1          # no step waited
+    for f in feats:
+        alone = np.asarray(model.family.encode_images(model.params, f.pixel_values[None], model.config))[0]
+        np.testing.assert_allclose(np.asarray(cache.slab)[cache.rows[f.hash]], alone, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("budget_images", [1, 4])
 def test_encoder_queues_only_the_row_batches_its_budget_can_fill(budget_images, monkeypatch):
     """A bucket's other row batches are queued only up to the rows a step can fill under the encoder budget

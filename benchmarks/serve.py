@@ -75,7 +75,8 @@ def _tail(path: Path, n: int = 15) -> str:
 
 _COUNTER = re.compile(r"^\w+:(prefix_cache_queries|prefix_cache_hits|num_preemptions|structured_output_mask_steps"
                       r"|structured_output_mask_ms|structured_output_mask_wait_ms|step_variants_pending|images_encoded"
-                      r"|encoder_seconds|engine_steps|engine_step_ms|engine_device_wait_ms|spec_decode_\w+?)"
+                      r"|encoder_seconds|engine_steps|engine_step_ms|engine_device_wait_ms|engine_tokens"
+                      r"|engine_padded_tokens|spec_decode_\w+?)"
                       r"(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
@@ -103,6 +104,9 @@ def counter_delta(before: dict, after: dict) -> dict:
     if steps:   # the engine loop's ms per step: inside step(), and of that waiting for the device
         d["engine_ms_per_step"] = d.get("engine_step_ms", 0.0) / steps
         d["engine_device_wait_ms_per_step"] = d.get("engine_device_wait_ms", 0.0) / steps
+    padded = d.get("engine_padded_tokens")
+    # the share of the forwards' token rows that were padding (the steps' buckets over their tokens)
+    d["engine_padding_fraction"] = 1.0 - d.get("engine_tokens", 0.0) / padded if padded else None
     masked = d.get("structured_output_mask_steps")
     d["structured_mask_ms_per_step"] = d.get("structured_output_mask_ms", 0.0) / masked if masked else None
     d["structured_mask_wait_ms_per_step"] = d.get("structured_output_mask_wait_ms", 0.0) / masked if masked else None
@@ -216,7 +220,9 @@ def run_serve(run) -> None:
             print(f"[bench] {label}: {fmt(m['output_throughput'])} output tok/s, "
                   f"TTFT median {fmt(m['ttft_ms']['median'])} ms, {m['failed']} failed"
                   + (f"; engine loop busy {busy:.0%}, {fmt(sc.get('engine_ms_per_step'))} ms a step "
-                     f"({fmt(sc.get('engine_device_wait_ms_per_step'))} waiting for the device)" if busy else ""),
+                     f"({fmt(sc.get('engine_device_wait_ms_per_step'))} waiting for the device)" if busy else "")
+                  + (f", {sc['engine_padding_fraction']:.0%} of its token rows padding"
+                     if sc.get("engine_padding_fraction") is not None else ""),
                   flush=True)
     (run.out_dir / "points_partial.json").unlink(missing_ok=True)
     run.result["points"] = points

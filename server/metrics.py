@@ -97,6 +97,10 @@ ENGINE_COUNTERS = {
     "engine_steps": ("steps",),
     "engine_step_ms": ("step_ms_total",),
     "engine_device_wait_ms": ("device_ms_total",),
+    # (jaxserve's own) tokens the steps computed, and the token rows their forwards ran (a step pads up to its
+    # compiled bucket): padding = 1 - tokens / padded tokens
+    "engine_tokens": ("tokens_total",),
+    "engine_padded_tokens": ("padded_tokens_total",),
     # speculative decoding (vLLM's names): requests' draft runs verified, their tokens, the tokens accepted
     "spec_decode_num_drafts": ("spec_decode_num_drafts",),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),

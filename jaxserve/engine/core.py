@@ -406,7 +406,7 @@ class EngineCore:
         s.update(rs.snapshot())
         # raw totals, so a benchmark can diff a window: host ms/step = (step_ms - device_ms) / steps
         s.update(step_ms_total=self._step_ms, runner_host_ms_total=rs.host_ms, device_ms_total=rs.device_ms,
-                 tokens_total=rs.tokens)
+                 tokens_total=rs.tokens, padded_tokens_total=rs.padded_tokens)
         s["num_kv_blocks"] = self.runner.num_blocks
         if getattr(self.runner, "variants", None) is not None:
             # background compiles not done yet (a vision encoder's, the prompt scorer's and a draft's too)

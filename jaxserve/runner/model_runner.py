@@ -233,6 +233,7 @@ class ModelRunner:
         T, R, input_ids, positions, md, logits_idx, prev_index = self.prepare(scheduled, prev,
                                                                               pad_to_compiled=not multi,
                                                                               spec_width=width)
+        self.stats.padded_tokens += T * (v.num_scheduler_steps if multi else 1)
         smeta = step_inputs.sampling_inputs(scheduled, self.input_batch, R, vocab_size=self.vocab_size,
                                             penalty_width=self.penalty_width, step=self._step_count,
                                             engine_seed=self.config.seed)

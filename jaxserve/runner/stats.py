@@ -39,6 +39,7 @@ class RunnerStats:
     host_ms: float = 0.0        # building inputs + dispatch, summed
     device_ms: float = 0.0      # waiting for the step's results, summed
     tokens: int = 0
+    padded_tokens: int = 0      # token rows the dispatched forwards computed (their buckets), padding included
     # steps by tokens computed: [i] counts steps of at most ITERATION_TOKEN_BUCKETS[i] tokens (the last: more)
     token_buckets: list = dataclasses.field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
     expert_load: ExpertLoad | None = None       # MoE models

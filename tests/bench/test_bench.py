@@ -267,7 +267,9 @@ def test_metrics_scrape_parsing(scripted_server):
             'jaxserve:num_requests_running{model_name="m"} 1.0\njaxserve:images_encoded_total{model_name="m"} 4.0\n'
             'jaxserve:encoder_seconds_total{model_name="m"} 0.2\njaxserve:engine_steps_total{model_name="m"} 50.0\n'
             'jaxserve:engine_step_ms_total{model_name="m"} 400.0\n'
-            'jaxserve:engine_device_wait_ms_total{model_name="m"} 300.0\n')
+            'jaxserve:engine_device_wait_ms_total{model_name="m"} 300.0\n'
+            'jaxserve:engine_tokens_total{model_name="m"} 150.0\n'
+            'jaxserve:engine_padded_tokens_total{model_name="m"} 200.0\n')
     got = {}
     for line in text.splitlines():
         m = serve._COUNTER.match(line)
@@ -275,11 +277,12 @@ def test_metrics_scrape_parsing(scripted_server):
             got[m.group(1)] = float(m.group(2))
     assert got == {"prefix_cache_queries": 120.0, "prefix_cache_hits": 90.0, "num_preemptions": 2.0,
                    "images_encoded": 4.0, "encoder_seconds": 0.2, "engine_steps": 50.0, "engine_step_ms": 400.0,
-                   "engine_device_wait_ms": 300.0}
+                   "engine_device_wait_ms": 300.0, "engine_tokens": 150.0, "engine_padded_tokens": 200.0}
     d = serve.counter_delta({"prefix_cache_queries": 20.0, "prefix_cache_hits": 10.0}, got)
     assert d["prefix_cache_hit_rate"] == pytest.approx(80 / 100) and d["num_preemptions"] == 2.0
     assert d["encoder_ms_per_image"] == pytest.approx(50.0)
     assert d["engine_ms_per_step"] == pytest.approx(8.0) and d["engine_device_wait_ms_per_step"] == pytest.approx(6.0)
+    assert d["engine_padding_fraction"] == pytest.approx(0.25)
     _, url = scripted_server
     assert serve.scrape_counters(url) == {}          # a server without those counters: nothing, no error
 

@@ -206,6 +206,7 @@ def test_cancelling_long_requests_frees_everything(server, http):
     # the engine loop's own counters: steps ran, and its time inside them covers its waits for the device
     steps, step_ms = metric(http, "engine_steps_total"), metric(http, "engine_step_ms_total")
     assert steps > 0 and step_ms >= metric(http, "engine_device_wait_ms_total") > 0
+    assert metric(http, "engine_padded_tokens_total") >= metric(http, "engine_tokens_total") > 0
 
 
 def test_models_health_version(http):

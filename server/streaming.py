@@ -48,6 +48,10 @@ Render = Callable[[AsyncIterator[tuple[Any, Any, Any]]], AsyncIterator[bytes]]
 # input, queue full) come within milliseconds and keep their HTTP status; a slow first token (a long
 # queue) does not hold the headers back, so proxies with header timeouts do not cut the request.
 HEADER_WAIT_S = 0.5
+# A constrained request waits longer: its grammar's matcher can fail at its first token (a parser limit met
+# only while generating), which is a 400 only while no header has gone; a first token comes within a step or
+# two unless the queue is long, and a proxy's header timeout is far longer than this.
+CONSTRAINED_HEADER_WAIT_S = 5.0
 
 
 class Renderer(Protocol):
@@ -74,11 +78,13 @@ async def open_stream(runs: EngineRuns, prompts: list[Prompt], receive, render: 
     through becomes an error event, and [DONE] always ends the stream. A client disconnect cancels the
     body, which closes `runs.run`, which aborts the unfinished engine requests.
     """
+    constrained = any(c.params.structured_outputs is not None for p in prompts for c in p.choices)
     outputs = runs.run(prompts)
     first = asyncio.ensure_future(outputs.__anext__())
     watch = asyncio.ensure_future(wait_disconnect(receive))
     try:
-        await asyncio.wait({first, watch}, timeout=HEADER_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({first, watch}, timeout=CONSTRAINED_HEADER_WAIT_S if constrained else HEADER_WAIT_S,
+                           return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         first.cancel()
         raise

@@ -424,3 +424,18 @@ def test_token_ids_checked_against_the_model_vocab_not_the_tokenizer():
         prompts.check_token_ids([n_tok + 100], "prompt")
     assert e.value.status == 400 and f"the vocabulary has {n_tok + 100} tokens" in e.value.message
     assert Serving(FakeEngine(), ServerArgs()).prompts.vocab_size == n_tok       # no model_config: the tokenizer's
+
+
+def test_a_constrained_stream_holds_its_headers_for_its_first_output(server):
+    """A constrained request's matcher can fail at its first token, which is a 400 only before the headers: its
+    stream waits for its first output (up to CONSTRAINED_HEADER_WAIT_S), not only the plain 0.5 s."""
+    import socket
+    eng = server.engine
+    s = _raw_request(server.port, {"prompt": "LATE", "max_tokens": 5, "stream": True, "guided_regex": "[a-z]+"})
+    s.settimeout(2.0)  # the first token comes at 3 s
+    with pytest.raises(socket.timeout):
+        s.recv(4096)
+    s.settimeout(5.0)
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s.close()
+    _wait(lambda: not eng.running)

@@ -120,7 +120,8 @@ class EncoderCache:
             from jaxserve.parallel import replicated  # noqa: PLC0415
             rep = replicated(mesh)
         dtype = jax.tree.leaves(model.params)[0].dtype
-        self.dtype_name = str(getattr(model.dtype, "__name__", model.dtype))    # the front end's payload dtype
+        # the dtype the front end sends pixel payloads in (the warm-up's payload takes it)
+        self.payload_dtype = pixel_dtype(str(getattr(model.dtype, "__name__", model.dtype)))
         shape = (capacity + 1, model.config.hidden_size)     # + a scratch row that padding images write
         self.slab = jnp.zeros(shape, dtype) if rep is None else jnp.zeros(shape, dtype, device=rep)
         encode = self.family.encode_packed if self.packed else self.family.encode_images
@@ -147,7 +148,7 @@ class EncoderCache:
         compile (it runs there while its own bucket compiles, ``_larger_bucket``). Returns the seconds taken."""
         t0 = time.perf_counter()
         if self.packed and hasattr(self.family, "warmup_payload"):
-            payload = self.family.warmup_payload(self.cfg, self.warm_tokens, pixel_dtype(self.dtype_name))
+            payload = self.family.warmup_payload(self.cfg, self.warm_tokens, self.payload_dtype)
             bucket = patch_bucket(self.family.packed_patches(self.cfg, payload.shape),
                                   self.family.patch_unit(self.cfg), self.min_patches)
             self._queue_bucket((bucket, np.dtype(payload.dtype).name), [[payload]])
@@ -281,16 +282,16 @@ class EncoderCache:
     # ---------------------------------------------------------------- a packed family's programs
     def _queue_bucket(self, kind: tuple[int, str], pixels: list) -> None:
         """A (bucket, payload dtype) seen for the first time: the argument shapes of each of its row batches
-        (packing this batch's images, cut or padded to that many rows), this batch's own and those a step can
-        fill under the encoder budget (``budget_rows``) queued for the background compiler (a larger batch,
-        should one come, compiles when it does)."""
+        (``pack_images``' arrays lead with the row count: one row packed gives them all), this batch's own and
+        those a step can fill under the encoder budget (``budget_rows``) queued for the background compiler (a
+        larger batch, should one come, compiles when it does)."""
         self._seen.add(kind)
         own = row_batch(len(pixels))
+        one_row, _, tokens_per_row = self.family.pack_images(self.cfg, pixels[:1], 1, kind[0])
         for b in self._row_batches:
-            inputs, _, num_out = self.family.pack_images(self.cfg, pixels[:b], b, kind[0])
-            self._arg_shapes[(*kind, b)] = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs),
-                                            jax.ShapeDtypeStruct((num_out,), np.int32))
-            tokens_per_row = num_out // b
+            self._arg_shapes[(*kind, b)] = (
+                jax.tree.map(lambda a, b=b: jax.ShapeDtypeStruct((b, *a.shape[1:]), a.dtype), one_row),
+                jax.ShapeDtypeStruct((b * tokens_per_row,), np.int32))
         rows = budget_rows(kind[0], self.family.patch_unit(self.cfg), self.min_patches, tokens_per_row, self.budget,
                            self.max_batch)
         # this batch's own first: a step waits for it only when no larger bucket is compiled (``_larger_bucket``)

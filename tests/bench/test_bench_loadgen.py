@@ -21,7 +21,8 @@ def test_loadgen_timings_and_concurrency_cap(scripted_server):
     assert all(len(t.itl) == 3 for t in timings)
     gaps = sorted(g for t in timings for g in t.itl)                # the server's 20 ms gaps (a late read
     assert gaps[len(gaps) // 2] >= 0.015                            # can shorten one on a loaded machine)
-    assert all(t.ttft >= 0.015 and t.e2e >= t.ttft + 0.045 for t in timings)
+    # a late first read lengthens ttft and shortens the rest, but nothing is read before the server's four sleeps
+    assert all(t.ttft >= 0.015 and t.e2e >= 4 * 0.02 - 0.005 for t in timings)
     assert duration >= 3 * 4 * 0.02                                # 6 requests, 2 at a time, 80 ms each
     body = app.bodies[-1]
     assert body["stream"] and body["ignore_eos"] and body["stream_options"] == {"include_usage": True}

@@ -212,3 +212,9 @@ class DeviceNgram:
                                                                        counts)
         self.last_rows = rows
         return self.counts
+
+    @staticmethod
+    def read_counts(counts: jax.Array, rows: dict[str, int]) -> dict[str, int]:
+        """A read step's proposal counts by request id (``after_step``'s, copied to the host meanwhile)."""
+        c = np.asarray(counts).tolist()
+        return {rid: c[i] for rid, i in rows.items()}

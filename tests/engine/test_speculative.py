@@ -206,3 +206,29 @@ def test_ngram_drafts_come_from_verified_tokens_only():
     req.num_drafts_in_flight = 3
     spec.propose([req])
     assert req.spec_token_ids is None
+
+
+def test_device_ngram_speculates_every_step_once_the_text_repeats(llm, spec_llm):
+    """Async n-gram proposes on the device from the tokens the step before accepted: once the output repeats,
+    every step verifies drafts (the host-proposed path skipped every other step: drafts in flight)."""
+    core = spec_llm.engine.core
+    if not core.speculator.on_device:
+        pytest.skip("synchronous speculation proposes on the host")
+    prompt, params = [5, 6, 7, 8] * 5, greedy(64)
+    steps, read = [], core._process_read
+
+    def spy(step, result):
+        for req, first in step.sampled:
+            steps.append((first, (result.spec or {}).get(req.request_id)))
+        return read(step, result)
+    core._process_read = spy
+    try:
+        got = _tokens(spec_llm.generate([prompt], params, use_tqdm=False))[0]
+    finally:
+        del core._process_read
+    assert got == _tokens(llm.generate([prompt], params, use_tqdm=False))[0]
+    assert set(got[23:58]) == {168}              # the tiny model's output repeats one token for a while
+    # from its second repeat on, every step verifies a draft (the lookup's latest match is the token just
+    # before: one draft) and accepts it: two tokens a step
+    late = [spec for first, spec in steps if 25 <= first < 56]
+    assert len(late) == 16 and all(spec == (3, 1, 1) for spec in late)

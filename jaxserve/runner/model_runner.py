@@ -424,6 +424,10 @@ class ModelRunner:
     def warmup(self, progress: bool = True, background: bool | None = None) -> float:
         """Compile the step variants (``StepVariants.warmup``) and a vision model's encoder batches."""
         seconds = self.variants.warmup(progress, background)
+        if self.ngram is not None and not self.enforce_eager:
+            t0 = time.perf_counter()
+            self.ngram.warmup(self.variants._request_counts())
+            seconds += time.perf_counter() - t0
         if self.encoder is not None and not self.enforce_eager:
             seconds += self.encoder.warmup()
         return seconds

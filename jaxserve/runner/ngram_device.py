@@ -114,7 +114,7 @@ class DeviceNgram:
         self.k, self.max_rows = spec.num_speculative_tokens, max_num_seqs
         self.capacity = 2 * max_num_seqs
         self.window = min(max_model_len, WINDOW)
-        put = (lambda x: jax.device_put(x, replicated)) if replicated is not None else jnp.asarray
+        put = (lambda x: jax.device_put(x, replicated if replicated is not None else jax.devices()[0]))
         self.hist = put(np.zeros((self.capacity, self.window), np.int32))
         self.hist_len = put(np.zeros(self.capacity, np.int32))
         self.drafts = put(np.zeros(max_num_seqs * self.k, np.int32))     # the latest step's proposals
@@ -127,6 +127,42 @@ class DeviceNgram:
                                      k=self.k, max_rows=max_num_seqs), donate_argnums=(0, 1), **out)
         self._write = jax.jit(_write, donate_argnums=(0, 1), **out)
         self._move = jax.jit(_move, **out)
+        # compiled ahead by shape and called directly (a jitted call would compile again for inputs that
+        # differ only in being committed to a device): ("step", R, W) and ("write", W) -> executable
+        self.executables: dict[tuple, object] = {}
+        self._sharding = replicated if replicated is not None else \
+            jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def _exe(self, key: tuple):
+        """The executable of ``key`` (compiled now if it is not yet: ``warmup`` compiles them all)."""
+        exe = self.executables.get(key)
+        if exe is None:
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._sharding)  # noqa: E731
+            C, L = self.capacity, self.window
+            if key[0] == "step":
+                _, R, W = key
+                args = (i32(C, L), i32(C), np.zeros(R, np.int32), i32(R) if W == 1 else i32(R, W),
+                        None if W == 1 else i32(R))
+                exe = self._step.lower(*args).compile()
+            else:
+                _, W = key
+                exe = self._write.lower(i32(C, L), i32(C), np.zeros(W, np.int32), np.zeros((W, L), np.int32),
+                                        np.zeros(W, np.int32)).compile()
+            self.executables[key] = exe
+        return exe
+
+    def warmup(self, request_counts: list[int]) -> None:
+        """Compile the per-step call for each step's request count (plain and speculative steps) and the row
+        writes for each padded count, so that no step compiles them."""
+        for R in request_counts:
+            for W in (1, self.k + 1):
+                self._exe(("step", R, W))
+        for W in {self._write_width(n) for n in range(1, self.max_rows + 1)}:
+            self._exe(("write", W))
+
+    def _write_width(self, n: int) -> int:
+        """The rows a write of ``n`` new rows pads to (a power of two, at most a step's)."""
+        return min(1 << (n - 1).bit_length(), self.max_rows)
 
     # ------------------------------------------------------------------ before a step
     def hist_rows(self, scheduled, R: int) -> np.ndarray:
@@ -167,7 +203,7 @@ class DeviceNgram:
 
     def _write_rows(self, new: list) -> None:
         """Write the new rows' known tokens (their latest ``window``), padded to a power of two of rows."""
-        W = 1 << (len(new) - 1).bit_length()
+        W = self._write_width(len(new))
         rows = np.full(W, self.capacity, np.int32)
         tokens = np.zeros((W, self.window), np.int32)
         lens = np.zeros(W, np.int32)
@@ -182,7 +218,7 @@ class DeviceNgram:
             toks = toks[-self.window:]
             rows[j], lens[j] = row, len(toks)
             tokens[j, :len(toks)] = toks
-        self.hist, self.hist_len = self._write(self.hist, self.hist_len, rows, tokens, lens)
+        self.hist, self.hist_len = self._exe(("write", W))(self.hist, self.hist_len, rows, tokens, lens)
 
     def draft_sources(self, scheduled, input_ids: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray]:
         """A speculative step's ``draft_index`` [T] (each draft slot's index into the latest step's ``drafts``,
@@ -208,8 +244,8 @@ class DeviceNgram:
         """Append the step's emitted tokens (``out``: its sampler's output, on the device) to the histories and
         propose the next step's drafts; returns their counts (the host reads them with the step's tokens)."""
         emitted, counts = (out.token_ids, out.num_tokens) if spec else (out.token_ids, None)
-        self.hist, self.hist_len, self.drafts, self.counts = self._step(self.hist, self.hist_len, hist_rows, emitted,
-                                                                       counts)
+        exe = self._exe(("step", *emitted.shape[:1], emitted.shape[1] if spec else 1))
+        self.hist, self.hist_len, self.drafts, self.counts = exe(self.hist, self.hist_len, hist_rows, emitted, counts)
         self.last_rows = rows
         return self.counts
 

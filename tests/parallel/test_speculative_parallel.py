@@ -53,9 +53,11 @@ def _worker() -> dict:
                   token_buckets=[16, 64] if warm else None, skip_warmup=not warm, compilation_cache_dir="",
                   use_tqdm_on_load=False, speculative_config=spec)
         core = llm.engine.core
+        ngram = core.runner.ngram
+        compiles = (lambda: len(ngram.executables)) if ngram else (lambda: 0)
         if warm:
             core.wait_compiled()
-            before = core.runner.compiled_variants()
+            before = core.runner.compiled_variants() + compiles()
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         entry = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
         if spec is not None:
@@ -68,9 +70,9 @@ def _worker() -> dict:
                 entry["draft_k_spec"] = str(draft.model.params["layers"][0]["k"].sharding.spec)
                 entry["draft_mesh_is_target's"] = draft.runner.mesh is core.runner.mesh
         if warm:
-            entry["new_variants"] = core.runner.compiled_variants() - before
+            entry["new_variants"] = core.runner.compiled_variants() + compiles() - before
         report[name] = entry
-        del llm, core
+        del llm, core, ngram
     return report
 
 

@@ -14,8 +14,8 @@ from jaxserve.runner.spec_shift import shift_back
 
 
 def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
-               mm_index=None, prev_rejected=None, hidden_src=None, prev_drafts=None, *, layout, decode_only=False, max_seq_len=None,
-               stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
+               mm_index=None, prev_rejected=None, hidden_src=None, prev_drafts=None, *, layout, decode_only=False,
+               max_seq_len=None, stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
     """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``. ``stage`` (first layer, end): one
     pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it
     takes, and before the last it returns that stream instead of logits. ``hidden_rows``: also every row's

@@ -12,7 +12,7 @@ from jaxserve.engine.draft_proposer import check_same_tokenizer
 from jaxserve.lora import LoRARequest
 from jaxserve.sampling_params import BeamSearchParams, StructuredOutputsParams
 from support.lora import adapter_names, adapter_path, lora_golden
-from support.speculation import make_eagle_head
+from support.speculation import make_eagle_head, read_steps
 from support.tiny_models import fixture_path, tiny_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -215,17 +215,8 @@ def test_device_ngram_speculates_every_step_once_the_text_repeats(llm, spec_llm)
     if not core.speculator.on_device:
         pytest.skip("synchronous speculation proposes on the host")
     prompt, params = [5, 6, 7, 8] * 5, greedy(64)
-    steps, read = [], core._process_read
-
-    def spy(step, result):
-        for req, first in step.sampled:
-            steps.append((first, (result.spec or {}).get(req.request_id)))
-        return read(step, result)
-    core._process_read = spy
-    try:
+    with read_steps(core) as steps:
         got = _tokens(spec_llm.generate([prompt], params, use_tqdm=False))[0]
-    finally:
-        del core._process_read
     assert got == _tokens(llm.generate([prompt], params, use_tqdm=False))[0]
     assert set(got[23:58]) == {168}              # the tiny model's output repeats one token for a while
     # from its second repeat on, every step verifies a draft (the lookup's latest match is the token just

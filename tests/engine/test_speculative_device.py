@@ -9,6 +9,7 @@ import os
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from support.speculation import read_steps
 
 pytestmark = pytest.mark.slow      # two SmolLM2 engines (~1 min on 2 cores)
 
@@ -65,20 +66,11 @@ def test_greedy_matches_without_speculation(engines, prompts):
     assert again.outputs[0].token_ids == want[1].outputs[0].token_ids and again.num_cached_tokens > 0
 
 
-def test_a_copying_request_speculates_in_consecutive_steps(engines, prompts):
+def test_a_copying_request_speculates_in_consecutive_steps(engines):
     _, spec = engines
     core = spec.engine.core
-    steps, read = [], core._process_read
-
-    def spy(step, result):
-        for req, first in step.sampled:
-            steps.append((first, (result.spec or {}).get(req.request_id)))
-        return read(step, result)
-    core._process_read = spy
-    try:
+    with read_steps(core) as steps:
         out = spec.generate([PASSAGE], _params(64, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    finally:
-        del core._process_read
     # a request that copies its prompt verifies drafts in consecutive steps (the host-proposed async path
     # verified them every other step at most): a run of steps accepting all K drafts, K + 1 tokens each
     run = longest = 0

@@ -1,11 +1,13 @@
 """The device n-gram lookup (``runner.ngram_device``) equals the host's ``propose_ngram`` on random sequences
 (many lengths, repeats, no match, a match near the end, K longer than what follows), and its per-step call
 appends each row's emitted tokens (sliding a full window) before proposing."""
+from types import SimpleNamespace
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runner.ngram_device import append_and_propose, lookup
+from jaxserve.runner.ngram_device import DeviceNgram, append_and_propose, lookup
 from jaxserve.runner.ngram_proposer import propose_ngram
 
 
@@ -58,3 +60,37 @@ def test_append_then_propose_slides_a_full_window():
     # [..., 9, 4]: the 2-gram misses, the 1-gram [4] last occurred before 9: 9, 4
     assert np.asarray(hist[0]).tolist() == [3, 4, 1, 2, 3, 4, 9, 4]
     assert np.asarray(counts).tolist()[:1] == [2] and np.asarray(drafts)[:k].tolist() == [9, 4, 0]
+
+
+def _entry(req, samples=True):
+    n = len(req.all_token_ids)
+    return SimpleNamespace(request=req, samples=samples, start_pos=0, num_new_tokens=n, spec_token_ids=None)
+
+
+def test_rows_are_written_once_and_kept_when_they_run_out():
+    spec = SimpleNamespace(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+    ng = DeviceNgram(spec, max_model_len=16, max_num_seqs=2)         # 4 history rows
+    reqs = {c: SimpleNamespace(request_id=c, all_token_ids=[i + 1, i + 2, i + 1]) for i, c in enumerate("ABCDE")}
+
+    def step(names, emitted):
+        sched = [_entry(reqs[c]) for c in names]
+        rows = ng.hist_rows(sched, 2)
+        counts = ng.after_step(SimpleNamespace(token_ids=jnp.asarray(emitted, jnp.int32)),
+                               {c: i for i, c in enumerate(names)}, rows, spec=False)
+        return rows.tolist(), np.asarray(counts)[:len(names)].tolist()
+
+    def history(c):
+        row = ng._owner(reqs[c])
+        return np.asarray(ng.hist)[row, :int(np.asarray(ng.hist_len)[row])].tolist()
+
+    assert step("AB", [9, 8]) == ([0, 1], [0, 0])
+    assert history("A") == [1, 2, 1, 9] and history("B") == [2, 3, 2, 8]
+    assert step("AB", [1, 2]) == ([0, 1], [2, 2])        # A: [1, 2, 1, 9, 1] proposes 9, 1 (after the latest 1)
+    assert np.asarray(ng.drafts).tolist() == [9, 1, 8, 2]
+    assert step("CD", [5, 5])[0] == [2, 3]
+    # out of rows: A (in this step) keeps its history, moved to row 0; E gets a row; B, C, D lose theirs
+    assert step("AE", [7, 7])[0] == [0, 1]
+    assert history("A") == [1, 2, 1, 9, 1, 7] and history("E") == [5, 6, 5, 7]
+    assert ng._owner(reqs["B"]) is None
+    # a row that samples nothing (a prompt chunk before its last) gets none
+    assert ng.hist_rows([_entry(reqs["B"], samples=False), _entry(reqs["A"])], 2).tolist() == [-1, 0]

@@ -92,8 +92,9 @@ _REGISTRY: dict[str, EnvVar] = {
                                     "the CUDA FFI GEMV (kernels/fp8_gemv.cuh) on a GPU with nvcc, per-channel and "
                                     "128x128-block scales alike (A/B runs)"),
     "JAXSERVE_SPEC_ASYNC": EnvVar(lambda raw: bool(raw) and _flag(raw), "0", "1 = n-gram speculation under async scheduling (each step placed as if "
-                                              "the one in flight accepted all its drafts); default: speculative steps "
-                                              "run synchronously (A/B runs)"),
+                                              "the one in flight accepted all its drafts; drafts proposed on the "
+                                              "device after every step); default: speculative steps run "
+                                              "synchronously (A/B runs)"),
     "JAXSERVE_FP8_NORM_QUANT": EnvVar(_flag, "1", "0 = each fp8 W8A8 projection quantizes its own input (an amax "
                                                   "and a cast before its GEMM) instead of the RMSNorm before it "
                                                   "quantizing it once (quantization.rms_norm_fp8; A/B runs)"),

@@ -155,6 +155,8 @@ class EngineCore:
                 if draft is not None or not envs.JAXSERVE_SPEC_ASYNC:
                     self._lookahead = 0
                 self.scheduler.async_drafts = self._lookahead > 0
+                # async n-gram: the runner proposes on the device after every step (``runner.ngram_device``)
+                self.speculator.on_device = getattr(self.runner, "ngram", None) is not None
             if self._batch_queue:
                 self.scheduler.num_batches = self._lookahead = self._batch_queue
             self.executor.warm_up(progress=progress)
@@ -252,7 +254,8 @@ class EngineCore:
                 # a step that reads its predecessor before dispatch (penalties, structured outputs) would
                 # find its entries placed past drafts that step rejects: read it first
                 outputs += self._process_in_flight(keep=0)
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, getattr(self.runner.ngram, "last_rows", None)
+                                    if self.speculator.on_device else None)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.scheduled:
             outputs += self._dispatch(scheduler_output)
@@ -351,15 +354,17 @@ class EngineCore:
             if so.has_requests:
                 for rid in request_ids:
                     so.remove(rid)
+        if result.proposed is not None:
+            self.speculator.read_proposals(result.proposed)
         if result.spec:
             self.speculator.record(result.spec)
             self._after_roll_back(result.spec)
         return outputs
 
-    def _after_roll_back(self, spec: dict[str, tuple[int, int]]) -> None:
+    def _after_roll_back(self, spec: dict[str, tuple[int, int, int]]) -> None:
         """A read speculative step rolled back its rejected drafts: the steps in flight after it, placed past
         them, take their tokens from indices as many lower; a request capped on them runs again."""
-        rolled = {rid: d - a for rid, (d, a) in spec.items() if d > a}
+        rolled = {rid: d - a for rid, (d, a, _) in spec.items() if d > a}
         if not rolled:
             return
         for later in self._in_flight:

@@ -237,7 +237,9 @@ class Scheduler(PrefillShares):
         #    grammar is still compiling is not here yet: the engine core holds it apart, WAITING_FOR_FSM.)
         skipped: list[Request] = []
         lora_blocked = False
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and \
+        # (a request capped on drafts in flight may run again, ``uncap``: it keeps its seat)
+        seated = len(self.running) + (len(self.capped) if self.async_drafts else 0)
+        while self.waiting and budget > 0 and seated < self.max_num_seqs and not preempted and \
                 (not seats or len(scheduled) < seats):
             req = self.waiting[0]
             scores = self.num_scoring and scores_prompt(req)
@@ -298,6 +300,7 @@ class Scheduler(PrefillShares):
                 bisect.insort(self.running, req, key=priority_key)
             else:
                 self.running.append(req)
+            seated += 1
             scheduled.append(self._scheduled(req, num_new, encode))
             budget -= cost
             share -= cost if cost > num_new else 0

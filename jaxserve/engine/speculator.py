@@ -9,8 +9,9 @@ them); the runner's rejection sampler returns the accepted drafts and one more t
 applies sampled tokens rolls back the rejected ones. Speculating steps run synchronously: each is read
 before the next is scheduled (the proposer needs the tokens), except n-gram ones under
 ``JAXSERVE_SPEC_ASYNC=1``: each step is then placed as if the one in flight accepted all its drafts (moved
-back on the device by what it rejected), and a request proposes only from verified tokens, so one whose
-drafts are in flight decodes a plain token that round.
+back on the device by what it rejected), and the drafts are proposed on the device after every step from
+the tokens it accepted (``runner.ngram_device``): the host places K draft slots (placeholders) for a request
+that was in the step before and whose last proposal count read was > 0, the step reads the drafts there.
 
 Under tensor parallelism a draft model or head runs on the target's mesh (its weights and KV cache sharded
 over "tp" as the target's; it must divide as the target does; a head reads the target's hidden states,
@@ -31,6 +32,7 @@ import numpy as np
 from jaxserve.config_decoding import HIDDEN_STATE_METHODS, SpeculativeConfig
 from jaxserve.engine.request import Request
 from jaxserve.runner.ngram_proposer import propose_ngram
+from jaxserve.runner.step_contract import PLACEHOLDER
 
 
 def speculates(req: Request) -> bool:
@@ -50,24 +52,31 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # drafts accepted at each position 0 .. K - 1
         self.propose_ms = 0.0                 # host time spent proposing
+        # drafts proposed on the device (``runner.ngram_device``; set by the engine core): request id -> the
+        # count proposed after the latest step read that sampled it
+        self.on_device = False
+        self.device_counts: dict[str, int] = {}
         # ngram: each proposing request's tokens as a numpy array, extended by the tokens it gained since
         # (converting the whole list every step cost ten times the lookup): request id -> (request, buffer,
         # tokens in it), of the requests that proposed last round
         self._arrays: dict[str, tuple[Request, np.ndarray, int]] = {}
 
-    def propose(self, running: list[Request]) -> None:
-        """Set each running request's ``spec_token_ids`` for the next schedule (None where it takes none)."""
+    def propose(self, running: list[Request], device_rows: dict[str, int] | None = None) -> None:
+        """Set each running request's ``spec_token_ids`` for the next schedule (None where it takes none).
+        ``device_rows``: drafts on the device, of the requests in the latest step (``propose_on_device``)."""
         t0 = time.perf_counter()
+        if self.on_device:
+            self.propose_on_device(running, device_rows or {})
+            self.propose_ms += (time.perf_counter() - t0) * 1e3
+            return
         wanted: list[tuple[Request, int]] = []
         for req in running:
             req.spec_token_ids = None
-            num_out = len(req.output_token_ids)
-            room = min(self.k, req.max_output_tokens - num_out - 1)
+            room = self._room(req)
             # drafts only from verified tokens: under async scheduling a request whose drafts are still in
             # flight takes none this round (drafts continuing unverified ones are wrong whenever those are
             # rejected, and are rejected in turn); synchronous steps never have drafts in flight here
-            if room <= 0 or req.num_drafts_in_flight or req.num_computed_tokens != len(req._all_token_ids) - 1 \
-                    or num_out < req.min_tokens or not speculates(req):
+            if room <= 0 or req.num_drafts_in_flight:
                 continue
             wanted.append((req, room))
         if wanted or (self.draft is not None and self.draft.every_step):
@@ -86,6 +95,35 @@ class Speculator:
                 self._arrays = arrays       # (the requests that did not propose now drop theirs)
         self.propose_ms += (time.perf_counter() - t0) * 1e3
 
+    def _room(self, req: Request) -> int:
+        """The drafts ``req`` may take now (0: none): its length limit's room, none before its prompt is done,
+        below ``min_tokens`` or where it must not speculate (``speculates``)."""
+        num_out = len(req.output_token_ids)
+        if req.num_computed_tokens != len(req._all_token_ids) - 1 or num_out < req.min_tokens \
+                or not speculates(req):
+            return 0
+        return min(self.k, req.max_output_tokens - num_out - 1)
+
+    def propose_on_device(self, running: list[Request], device_rows: dict[str, int]) -> None:
+        """Drafts proposed on the device: K draft slots (placeholders: the step reads the drafts there) for
+        each request that was in the latest step (its drafts exist) and whose last count read was > 0 (one
+        step late: a request whose text offers no match decodes a plain token a step)."""
+        counts = self.device_counts
+        if len(counts) > 2 * len(running) + 64:     # (forget finished requests)
+            self.device_counts = counts = {r.request_id: counts[r.request_id] for r in running
+                                           if r.request_id in counts}
+        for req in running:
+            req.spec_token_ids = None
+            rid = req.request_id
+            if rid in device_rows and counts.get(rid, 0) > 0:
+                room = self._room(req)
+                if room > 0:
+                    req.spec_token_ids = [PLACEHOLDER] * room
+
+    def read_proposals(self, proposed: dict[str, int]) -> None:
+        """A read step's device proposal counts (``propose_on_device`` gates on them)."""
+        self.device_counts.update(proposed)
+
     def _tokens(self, req: Request, arrays: dict) -> np.ndarray:
         """``req``'s tokens as a numpy array (with async scheduling its drafts in flight stand where they
         would be accepted, its last token a placeholder), its buffer extended from the previous round's known
@@ -102,12 +140,14 @@ class Speculator:
         arrays[req.request_id] = (req, buf, n - req.num_placeholders)
         return buf[:n]
 
-    def record(self, spec: dict[str, tuple[int, int]] | None) -> None:
-        """Count a read step's verified drafts: request id -> (drafts, accepted)."""
+    def record(self, spec: dict[str, tuple[int, int, int]] | None) -> None:
+        """Count a read step's verified drafts: request id -> (draft slots, accepted, drafts verified)."""
         if not spec:
             return
         per_pos = self.accepted_per_pos
-        for num_drafts, num_accepted in spec.values():
+        for _, num_accepted, num_drafts in spec.values():
+            if not num_drafts:      # (draft slots the device proposed nothing for)
+                continue
             self.num_drafts += 1
             self.num_draft_tokens += num_drafts
             self.num_accepted_tokens += num_accepted

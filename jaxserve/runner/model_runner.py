@@ -25,6 +25,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.kernels import ops as kernel_ops
 from jaxserve.runner import kv_cache, packing, sampler as sampler_mod, step_inputs
 from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.ngram_device import DeviceNgram, device_ngram_enabled
 # ExpertLoad, RunnerStats, MIN_TOKEN_BUCKET and token_buckets are imported from here too
 from jaxserve.runner.stats import ExpertLoad, RunnerStats, moe_layers, runner_stats  # noqa: F401
 from jaxserve.runner.step_inputs import MIN_TOKEN_BUCKET, StepShapes, forward_pack, token_buckets
@@ -47,9 +48,12 @@ class StepResult:
     token_ids: dict[str, int] | dict[str, list[int]]
     # logprob, rank, top ids, top logprobs (a list of them per request after a multi-step dispatch)
     logprobs: dict[str, tuple[float, int, list[int], list[float]]] | dict[str, list[tuple]]
-    # a speculative step: request id -> (draft tokens verified, drafts accepted) for the requests with drafts
+    # a speculative step: request id -> (draft slots placed, drafts accepted, drafts verified) for the requests
+    # with drafts
     # (their token_ids are lists: the accepted drafts, then one drawn token)
-    spec: dict[str, tuple[int, int]] | None = None
+    spec: dict[str, tuple[int, int, int]] | None = None
+    # n-gram drafts proposed on the device after this step, per sampling request (``ngram_device``)
+    proposed: dict[str, int] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -70,6 +74,7 @@ class ForwardStep:
     drafts: dict[str, int] | None = None   # a speculative step: request id -> its draft tokens
     prev_rejected: jax.Array | None = None  # a speculative step: the previous step's rejected drafts per row
     hidden: jax.Array | None = None         # EAGLE: every token row's hidden state (``StepVariants.hidden_rows``)
+    ngram: tuple | None = None              # device n-gram: (history rows, the previous step's drafts, counts)
 
 
 @dataclasses.dataclass(slots=True)
@@ -85,6 +90,7 @@ class PendingStep:
     drafts: dict[str, int] | None = None  # a speculative step: request id -> its draft tokens (out: SpecOutput)
     rejected: jax.Array | None = None     # a speculative step: [max_num_seqs] drafts each row rejected
     hidden: jax.Array | None = None       # EAGLE: every token row's hidden state, padded (on the device)
+    proposed: jax.Array | None = None     # device n-gram: the drafts proposed after it per row (``ngram_device``)
 
 
 @dataclasses.dataclass(slots=True)
@@ -175,8 +181,13 @@ class ModelRunner:
                                      max_model_len=max_model_len, max_blocks_per_seq=self.max_blocks_per_seq,
                                      penalty_width=self.penalty_width, moe_layers=self.moe_layers, mesh=mesh,
                                      mm_slab=self.encoder.slab if self.encoder is not None else None,
-                                     params=self.step_params, stages=stages)
+                                     params=self.step_params, stages=stages,
+                                     device_drafts=device_ngram_enabled(config))
         self.enforce_eager = self.variants.enforce_eager
+        # n-gram speculation under async scheduling: drafts proposed on the device after every step (None: on
+        # the host, or no n-gram speculation)
+        self.ngram = DeviceNgram(config.speculative_config, max_model_len, self.max_num_seqs,
+                                 self.variants.replicated) if self.variants.device_drafts else None
         self._step_count = 0
         # an M-RoPE family's 3-D positions (None: the positions stay 1-D)
         self.mrope = getattr(model.family, "mrope_positions", None)
@@ -240,12 +251,17 @@ class ModelRunner:
         prev_tokens = prev.tokens if prev is not None else v.no_prev
         limit = step_inputs.step_limits(scheduled, R) if multi else None
         lora = step_inputs.lora_slots(scheduled, T) if self.lora is not None else None
-        shift = prev_rejected = None
+        shift = prev_rejected = draft_src = None
+        ngram = self.ngram
         if width:       # rows placed as if the step in flight accepted all their drafts (async scheduling)
             shift_row = step_inputs.shift_rows(scheduled, R, prev.rows if prev is not None else None,
                                                prev.drafts if prev is not None else None)
             shift = {"shift_row": shift_row}
+            if ngram is not None:   # the draft slots read the previous step's proposals on the device
+                shift["draft_index"], draft_src = ngram.draft_sources(scheduled, input_ids, R)
             prev_rejected = prev.rejected if prev is not None and prev.rejected is not None else v.no_prev
+        if ngram is not None:       # (this step's rows, before the forward: it may write new ones)
+            ngram = (ngram.hist_rows(scheduled, R), ngram.drafts, ngram.counts)
         hidden_args, hidden_index = (), None
         if v.hidden_in:
             hidden_index = np.zeros(T, np.int32)
@@ -263,7 +279,8 @@ class ModelRunner:
             # numpy in, so jit moves each buffer itself: 3 host-to-device copies, not ~24 (zero-copy on CPU)
             if width:
                 self.kv_caches, logits, *load = v.forward_spec_for(T)(self.step_params, self.kv_caches, f_ints,
-                                                                      prev_tokens, None, None, prev_rejected)
+                                                                      prev_tokens, None, None, prev_rejected,
+                                                                      *((None, ngram[1]) if ngram else ()))
             else:
                 self.kv_caches, logits, *load = v.forward_for(T, md)(self.step_params, self.kv_caches, f_ints,
                                                                      prev_tokens, *hidden_args)
@@ -275,13 +292,15 @@ class ModelRunner:
         if width:       # the rejection sampler's extra inputs: each row's drafts and their count
             s_fields["draft_ids"], s_fields["num_drafts"] = step_inputs.draft_arrays(scheduled, R, width - 1)
             s_fields["shift_row"] = shift["shift_row"]
+            if draft_src is not None:
+                s_fields["draft_src"] = draft_src
             drafts = {s.request.request_id: len(s.spec_token_ids) for s in scheduled if s.spec_token_ids}
         s_ints, s_floats, s_layout = packing.pack(s_fields)
         rows, lp_k, filtering = step_inputs.sampled_rows(scheduled, self.input_batch, v.static_sampling)
         key = (self.config.max_logprobs if lp_k else 0, filtering)
         if limit is None:
             return ForwardStep(logits, s_ints, s_floats, s_layout, key, rows, lp_k, int(md.query_start_loc[-1]), R,
-                               (time.perf_counter() - t0) * 1e3, load, drafts, prev_rejected, out_hidden)
+                               (time.perf_counter() - t0) * 1e3, load, drafts, prev_rejected, out_hidden, ngram)
         # the scheduler gave each entry ``num_steps``: the loop's rows run that many
         loop_key = ("decode-loop", T, *key, s_layout)
         loop = v.get(loop_key) or v.need(loop_key, f"a multi-step decode of {T} tokens")
@@ -329,17 +348,22 @@ class ModelRunner:
         exe = self.variants.sampler_for((kind, *step.key, bitmask is not None, step.s_layout))
         rejected = None
         if step.drafts is not None:
-            out, padded, rejected = exe(step.logits, step.s_ints, step.s_floats, bitmask, step.prev_rejected)
+            out, padded, rejected = exe(step.logits, step.s_ints, step.s_floats, bitmask, step.prev_rejected,
+                                        *(step.ngram[1:] if step.ngram else ()))
         elif bitmask is None:
             out, padded = exe(step.logits, step.s_ints, step.s_floats)
         else:
             out, padded = exe(step.logits, step.s_ints, step.s_floats, bitmask)
         if self._to_driver is not None:
             out, padded = jax.device_put((out, padded), self._to_driver)
+        proposed = None
+        if step.ngram is not None:      # append the emitted tokens to the histories, propose the next drafts
+            proposed = self.ngram.after_step(out, step.rows, step.ngram[0], step.drafts is not None)
+            proposed.copy_to_host_async()
         self._step_count += 1
         self.stats.host_ms += step.t_host + (time.perf_counter() - t0) * 1e3
         return PendingStep(out, padded, step.rows, step.logprobs_k, step.num_tokens, None, step.expert_load,
-                           step.drafts, rejected, step.hidden)
+                           step.drafts, rejected, step.hidden, proposed)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled tokens (and logprobs) to the host."""
@@ -355,7 +379,10 @@ class ModelRunner:
         self.stats.count_step(pending.num_tokens, (time.perf_counter() - t0) * 1e3)
         rows, steps = pending.rows, pending.steps
         if pending.drafts is not None:
-            return self._spec_result(pending, token_ids, lp)
+            res = self._spec_result(pending, token_ids, lp)
+            if pending.proposed is not None:
+                res.proposed = self.ngram.read_counts(pending.proposed, rows)
+            return res
 
         def entry(at, k):   # (logprob, rank, top ids, top logprobs) at a row, or (iteration, row)
             return float(lp[0][at]), int(lp[1][at]), lp[2][at][:k].tolist(), lp[3][at][:k].tolist()
@@ -364,6 +391,8 @@ class ModelRunner:
             res = StepResult({rid: toks[i] for rid, i in rows.items()}, {})
             for rid, k in pending.logprobs_k.items():
                 res.logprobs[rid] = entry(rows[rid], k)
+            if pending.proposed is not None:
+                res.proposed = self.ngram.read_counts(pending.proposed, rows)
         else:               # multi-step: [steps, R] arrays, row i ran steps[rid] of them
             toks = token_ids.T.tolist()
             res = StepResult({rid: toks[i][:steps[rid]] for rid, i in rows.items()}, {})
@@ -376,13 +405,14 @@ class ModelRunner:
         """A speculative step's result: a list of tokens for each request with drafts, a token for the others
         (whose logprobs, when asked, are those of the token drawn)."""
         counts = np.asarray(pending.out.num_tokens).tolist()
+        verified = np.asarray(pending.out.num_drafts).tolist()
         toks = token_ids.tolist()
         res = StepResult({}, {}, {})
         for rid, i in pending.rows.items():
             d = pending.drafts.get(rid)
             if d:
                 res.token_ids[rid] = toks[i][:counts[i]]
-                res.spec[rid] = (d, counts[i] - 1)
+                res.spec[rid] = (d, counts[i] - 1, verified[i])
             else:
                 res.token_ids[rid] = toks[i][0]
         for rid, k in pending.logprobs_k.items():
@@ -394,6 +424,10 @@ class ModelRunner:
     def warmup(self, progress: bool = True, background: bool | None = None) -> float:
         """Compile the step variants (``StepVariants.warmup``) and a vision model's encoder batches."""
         seconds = self.variants.warmup(progress, background)
+        if self.ngram is not None and not self.enforce_eager:
+            t0 = time.perf_counter()
+            self.ngram.warmup(self.variants._request_counts())
+            seconds += time.perf_counter() - t0
         if self.encoder is not None and not self.enforce_eager:
             seconds += self.encoder.warmup()
         return seconds

@@ -39,6 +39,7 @@ class SpecOutput(NamedTuple):
     ranks: jax.Array           # [R] i32
     topk_ids: jax.Array        # [R, k] i32
     topk_logprobs: jax.Array   # [R, k] f32
+    num_drafts: jax.Array | None = None     # [R] i32: the drafts each row verified
 
 
 def per_position(meta: SamplingMetadata, width: int) -> SamplingMetadata:
@@ -106,25 +107,34 @@ def rejection_sample(logits: jax.Array, meta: SamplingMetadata, draft_ids: jax.A
     # the logprobs of the rows that give a token only (one of each request's K + 1)
     at_final = jax.nn.log_softmax(logits.reshape(R, width, vocab)[jnp.arange(R), num_accepted], axis=1)
     return SpecOutput(tokens, (num_accepted + 1).astype(jnp.int32),
-                      *sampler_mod.compute_logprobs(at_final, final, num_logprobs))
+                      *sampler_mod.compute_logprobs(at_final, final, num_logprobs), num_drafts.astype(jnp.int32))
 
 
-def spec_sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=None, prev_rejected=None, *,
-                   layout):
+def spec_sample_fn(num_logprobs, max_rows, filtering, logits, ints, floats, bitmask=None, prev_rejected=None,
+                   prev_drafts=None, prev_counts=None, *, layout):
     """The speculative step's sampler (a jitted variant): the sampling metadata, ``draft_ids``, ``num_drafts``
     and ``shift_row`` arrive packed in one int32 and one float32 buffer (``packing``). A row its forward moved
     back (``spec_shift.shift_back``: the drafts ``prev_rejected`` [max_rows] counts) draws (seeded) with
-    the key counter of its true output count, as the synchronous step would. Returns its output and, padded to
+    the key counter of its true output count, as the synchronous step would. Drafts proposed on the device
+    (``ngram_device``): ``num_drafts`` counts each row's draft slots, ``draft_src`` its row in the previous
+    step, whose proposals ``prev_drafts`` [max_rows * K] and ``prev_counts`` [max_rows] are; a row verifies
+    ``min(slots, count)`` drafts and rejects the slots past them. Returns its output and, padded to
     ``max_rows``, each row's last emitted token (as ``step_functions.sample_fn``) and its rejected drafts."""
     x = packing.unpack(ints, floats, layout)
     drafts, num_drafts, shift_row = x.pop("draft_ids"), x.pop("num_drafts"), x.pop("shift_row")
+    slots = num_drafts
+    if prev_drafts is not None:
+        src = x.pop("draft_src")
+        at = jnp.maximum(src, 0)
+        drafts = prev_drafts.reshape(max_rows, -1)[at]
+        num_drafts = jnp.where(src >= 0, jnp.minimum(slots, prev_counts[at]), 0)
     if prev_rejected is not None:
         shift = jnp.where((shift_row >= 0) & x["seeded"], prev_rejected[jnp.maximum(shift_row, 0)], 0)
         x["key_counter"] = x["key_counter"] - shift.astype(x["key_counter"].dtype)
     out = rejection_sample(logits, SamplingMetadata(**x), drafts, num_drafts, num_logprobs=num_logprobs,
                            filtering=filtering, bitmask=bitmask)
     last = jnp.take_along_axis(out.token_ids, (out.num_tokens - 1)[:, None], axis=1)[:, 0]
-    rejected = num_drafts - (out.num_tokens - 1)
+    rejected = slots - (out.num_tokens - 1)
     R = last.shape[0]
     return (out, jnp.zeros(max_rows, jnp.int32).at[:R].set(last),
             jnp.zeros(max_rows, jnp.int32).at[:R].set(rejected.astype(jnp.int32)))

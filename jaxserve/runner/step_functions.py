@@ -14,15 +14,16 @@ from jaxserve.runner.spec_shift import shift_back
 
 
 def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
-               mm_index=None, prev_rejected=None, hidden_src=None, *, layout, decode_only=False, max_seq_len=None,
-               stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
+               mm_index=None, prev_rejected=None, hidden_src=None, prev_drafts=None, *, layout, decode_only=False,
+               max_seq_len=None, stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
     """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``. ``stage`` (first layer, end): one
     pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it
     takes, and before the last it returns that stream instead of logits. ``hidden_rows``: also every row's
     hidden state (the logits'; ``aux_layers``: the residual streams entering those layers, side by side, an
     EAGLE-3 target's), padded to that many rows and ``hidden_width`` columns; ``hidden_src``: an EAGLE head's
     step, each token's input hidden state is ``hidden_src[hidden_index]`` (a previous step's ``hidden``;
-    ``engine.eagle_proposer``; an EAGLE-3 head's own rows are marked by ``~row``)."""
+    ``engine.eagle_proposer``; an EAGLE-3 head's own rows are marked by ``~row``). ``prev_drafts``: the
+    previous step's proposals on the device (``ngram_device``), which the draft slots take (``draft_index``)."""
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
     x = packing.unpack(ints, None, layout)
     if stage is not None:
@@ -37,6 +38,8 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
     # Tokens sampled by the previous step never visit the host before this step runs: the host marks them
     # PLACEHOLDER and ``prev_index`` says which row of the previous step's (padded) output holds each one.
     input_ids = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], input_ids)
+    if prev_drafts is not None:
+        input_ids = jnp.where(x["draft_index"] >= 0, prev_drafts[jnp.maximum(x["draft_index"], 0)], input_ids)
     if prev_rejected is not None:       # a speculative step after one still in flight (``shift_back``)
         positions, md = shift_back(x["shift_row"], block_size, prev_rejected, positions, md)
     # a multimodal step (its own executables): image embeddings from the encoder cache's slab over their

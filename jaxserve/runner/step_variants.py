@@ -62,7 +62,7 @@ class StepVariants(StepCompiler):
 
     def __init__(self, model, config: EngineConfig, shapes: StepShapes, *, backend: str, kv_caches,
                  max_model_len: int, max_blocks_per_seq: int, penalty_width: int, moe_layers, mesh=None,
-                 mm_slab=None, params=None, stages=None):
+                 mm_slab=None, params=None, stages=None, device_drafts: bool = False):
         super().__init__(self.lower)
         self.cfg, self.shapes, self.mesh = model.config, shapes, mesh
         self.max_model_len, self.max_blocks_per_seq = max_model_len, max_blocks_per_seq
@@ -121,6 +121,8 @@ class StepVariants(StepCompiler):
         # speculative decoding (--speculative-config): the K + 1 positions each request verifies per step
         spec = config.speculative_config
         self.spec_width = spec.num_speculative_tokens + 1 if spec is not None else 0
+        # n-gram drafts proposed on the device (``ngram_device``): the speculative variants read them there
+        self.device_drafts = device_drafts
         self.spec_samplers = {(nl, f): jax.jit(partial(spec_sample_fn, nl, max_num_seqs, f),
                                                static_argnames=("layout",), **samp_out)
                               for nl in (0, max_logprobs) for f in filter_modes} if spec is not None else {}
@@ -157,6 +159,9 @@ class StepVariants(StepCompiler):
         self.lora = params is not None and "lora" in params
         self._kv_specs = jax.tree.map(spec, kv_caches)
         self._prev_spec = spec(self.no_prev)
+        # the previous step's device proposals, flat [max_num_seqs * K] (``ngram_device``)
+        self._drafts_spec = jax.ShapeDtypeStruct((max_num_seqs * max(self.spec_width - 1, 0),), jnp.int32,
+                                                 sharding=rep) if device_drafts else None
         self._hidden_spec = jax.ShapeDtypeStruct((self.hidden_rows, self.hidden_width), model.dtype,
                                                  sharding=rep) if self.hidden_in else None
         # the variants' exported programs (a warm start lowers them without tracing the model)
@@ -247,6 +252,8 @@ class StepVariants(StepCompiler):
         if spec_width:
             x[3] = np.zeros(R * spec_width, np.int32)
             shift = {"shift_row": np.full(R, -1, np.int32)}
+            if self.device_drafts:
+                shift["draft_index"] = np.full(T, -1, np.int32)
         return step_inputs.forward_pack(*x, np.ones(R, np.int32) if multi_step else None,
                                         np.zeros(T, np.int32) if self.lora else None, shift,
                                         np.zeros(T, np.int32) if self.hidden_in else None)
@@ -266,8 +273,9 @@ class StepVariants(StepCompiler):
         smeta = sampler_mod.make_sampling_metadata([], [], [], [], self.vocab_size, pad_to=R,
                                                    penalty_width=self.penalty_width)
         drafts, counts = step_inputs.draft_arrays([], R, self.spec_width - 1)
+        device = {"draft_src": np.full(R, -1, np.int32)} if self.device_drafts else {}
         return packing.pack({**packing.fields(smeta), "draft_ids": drafts, "num_drafts": counts,
-                             "shift_row": np.full(R, -1, np.int32)})[2]
+                             "shift_row": np.full(R, -1, np.int32), **device})[2]
 
     @staticmethod
     def _buffers(layout: packing.Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -302,7 +310,7 @@ class StepVariants(StepCompiler):
             _, T, width = key
             ints, layout = self.padding_inputs(T, spec_width=width)
             fn, args = self.forward, (self._param_specs, self._kv_specs, ints, self._prev_spec, None, None,
-                                      self._prev_spec)
+                                      self._prev_spec, *((None, self._drafts_spec) if self.device_drafts else ()))
             static = {"layout": layout, "decode_only": False, "max_seq_len": None}
         elif kind in ("sample", "spec-sample"):
             _, num_logprobs, filtering, masked, s_layout = key
@@ -312,6 +320,8 @@ class StepVariants(StepCompiler):
             extra = (np.zeros((R, self.bitmask_width), np.int32),) if masked else ()
             if kind == "spec-sample":       # (the bitmask, or None; the previous step's rejected counts)
                 extra = (extra[0] if masked else None, self._prev_spec)
+                if self.device_drafts:      # (its device proposals and their counts)
+                    extra += (self._drafts_spec, self._prev_spec)
             samplers = self.spec_samplers if kind == "spec-sample" else self.samplers
             fn, args = samplers[num_logprobs, filtering], (logits, *self._buffers(s_layout), *extra)
             static = {"layout": s_layout}

@@ -12,7 +12,7 @@ from jaxserve.engine.draft_proposer import check_same_tokenizer
 from jaxserve.lora import LoRARequest
 from jaxserve.sampling_params import BeamSearchParams, StructuredOutputsParams
 from support.lora import adapter_names, adapter_path, lora_golden
-from support.speculation import make_eagle_head
+from support.speculation import make_eagle_head, read_steps
 from support.tiny_models import fixture_path, tiny_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -206,3 +206,20 @@ def test_ngram_drafts_come_from_verified_tokens_only():
     req.num_drafts_in_flight = 3
     spec.propose([req])
     assert req.spec_token_ids is None
+
+
+def test_device_ngram_speculates_every_step_once_the_text_repeats(llm, spec_llm):
+    """Async n-gram proposes on the device from the tokens the step before accepted: once the output repeats,
+    every step verifies drafts (the host-proposed path skipped every other step: drafts in flight)."""
+    core = spec_llm.engine.core
+    if not core.speculator.on_device:
+        pytest.skip("synchronous speculation proposes on the host")
+    prompt, params = [5, 6, 7, 8] * 5, greedy(64)
+    with read_steps(core) as steps:
+        got = _tokens(spec_llm.generate([prompt], params, use_tqdm=False))[0]
+    assert got == _tokens(llm.generate([prompt], params, use_tqdm=False))[0]
+    assert set(got[23:58]) == {168}              # the tiny model's output repeats one token for a while
+    # from its second repeat on, every step verifies a draft (the lookup's latest match is the token just
+    # before: one draft) and accepts it: two tokens a step
+    late = [spec for first, spec in steps if 25 <= first < 56]
+    assert len(late) == 16 and all(spec == (3, 1, 1) for spec in late)

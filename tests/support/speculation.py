@@ -1,6 +1,8 @@
 """What the speculative-decoding tests share: greedy parameters, the outputs' token ids, prompts, the check that
-speculation keeps greedy output identical, a recorder of the drafts a draft proposer makes, and EAGLE and
-EAGLE-3 heads made for the tiny Llama, and the tiny DeepSeek V3 with an MTP layer."""
+speculation keeps greedy output identical, a recorder of the drafts a draft proposer makes, a recorder of each
+read step's verification per request, and EAGLE and EAGLE-3 heads made for the tiny Llama, and the tiny DeepSeek
+V3 with an MTP layer."""
+import contextlib
 import json
 import shutil
 
@@ -11,6 +13,23 @@ from jaxserve import SamplingParams
 from support.tiny_models import fixture_path, tiny_llm
 
 MTP_TARGET = "tiny-deepseek-v3"
+
+
+@contextlib.contextmanager
+def read_steps(core):
+    """Record each step the engine ``core`` reads, per request it sampled for: (its first output index in the
+    step, ``StepResult.spec``'s (draft slots, accepted, verified) for it, or None: no draft slots)."""
+    steps, read = [], core._process_read
+
+    def spy(step, result):
+        for req, first in step.sampled:
+            steps.append((first, (result.spec or {}).get(req.request_id)))
+        return read(step, result)
+    core._process_read = spy
+    try:
+        yield steps
+    finally:
+        del core._process_read
 
 
 def greedy(m: int = 24) -> SamplingParams:

@@ -169,12 +169,12 @@ class DeviceNgram:
         """Each step row's history row ``[R]`` (-1: it samples nothing), giving a request that samples for the
         first time its row and writing its known tokens there."""
         out = np.full(R, -1, np.int32)
-        sampling = [(i, s.request) for i, s in enumerate(scheduled) if s.samples]
-        if self._next + sum(1 for _, r in sampling if self._owner(r) is None) > self.capacity:
-            self._compact([r for _, r in sampling])
+        sampling = [(i, s.request, self._owner(s.request)) for i, s in enumerate(scheduled) if s.samples]
+        if self._next + sum(row is None for *_, row in sampling) > self.capacity:
+            self._compact([r for _, r, _ in sampling])
+            sampling = [(i, r, self._owner(r)) for i, r, _ in sampling]
         new = []
-        for i, req in sampling:
-            row = self._owner(req)
+        for i, req, row in sampling:
             if row is None:
                 row = self._next
                 self._next += 1

@@ -91,10 +91,16 @@ _REGISTRY: dict[str, EnvVar] = {
                                     "1 = fp8 weights of steps of <= 16 bf16 tokens run weight-only (W8A16) through "
                                     "the CUDA FFI GEMV (kernels/fp8_gemv.cuh) on a GPU with nvcc, per-channel and "
                                     "128x128-block scales alike (A/B runs)"),
-    "JAXSERVE_SPEC_ASYNC": EnvVar(lambda raw: bool(raw) and _flag(raw), "0", "1 = n-gram speculation under async scheduling (each step placed as if "
-                                              "the one in flight accepted all its drafts; drafts proposed on the "
-                                              "device after every step); default: speculative steps run "
-                                              "synchronously (A/B runs)"),
+    "JAXSERVE_SPEC_ASYNC": EnvVar(_optional_flag, None,
+                                  "1 = n-gram speculation under async scheduling (each step placed as if the one "
+                                  "in flight accepted all its drafts; drafts proposed on the device after every "
+                                  "step), 0 = speculative steps run synchronously; unset: 1 on a GPU, 0 on the "
+                                  "CPU (where host and device share the cores, synchronous steps measured faster)"),
+    "JAXSERVE_SPEC_FORCE_DRAFTS": EnvVar(lambda raw: bool(raw) and _flag(raw), "0",
+                                         "1 = device n-gram drafts (JAXSERVE_SPEC_ASYNC=1) are proposed for every "
+                                         "row, K of them, whatever the lookup finds (the row's last token "
+                                         "repeated): the benchmarks' verify-step cost on random weights, whose "
+                                         "text offers no matches. Output stays exact (drafts are verified)"),
     "JAXSERVE_FP8_NORM_QUANT": EnvVar(_flag, "1", "0 = each fp8 W8A8 projection quantizes its own input (an amax "
                                                   "and a cast before its GEMM) instead of the RMSNorm before it "
                                                   "quantizing it once (quantization.rms_norm_fp8; A/B runs)"),

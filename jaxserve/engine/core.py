@@ -16,7 +16,6 @@ import logging
 import time
 from collections import deque
 
-from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core_outputs import apply_sampled_tokens
 from jaxserve.engine.embedder import Embedder, is_embedding_model
@@ -33,6 +32,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.executor.model_executor import ModelExecutor
 from jaxserve.lora.peft import AdapterError
 from jaxserve.runner.model_runner import resolve_attention_backend
+from jaxserve.runner.ngram_device import spec_async
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.utils import startup_timeline
 
@@ -151,8 +151,8 @@ class EngineCore:
             if config.speculative_config is not None:
                 self.speculator = make_speculator(self, config, draft)
                 # a draft model proposes from the tokens read: synchronous steps; n-gram ones overlap the host
-                # with the device only when asked (JAXSERVE_SPEC_ASYNC: its drafts are a step stale)
-                if draft is not None or not envs.JAXSERVE_SPEC_ASYNC:
+                # with the device under spec_async (JAXSERVE_SPEC_ASYNC; by default on a GPU)
+                if draft is not None or not spec_async():
                     self._lookahead = 0
                 self.scheduler.async_drafts = self._lookahead > 0
                 # async n-gram: the runner proposes on the device after every step (``runner.ngram_device``)

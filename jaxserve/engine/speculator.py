@@ -7,8 +7,8 @@ prompt + outputs on the host, ``draft_model`` runs a smaller model K steps greed
 as many as the token budget leaves room for in the same ragged step (1 + d tokens, KV slots for all of
 them); the runner's rejection sampler returns the accepted drafts and one more token; the one function that
 applies sampled tokens rolls back the rejected ones. Speculating steps run synchronously: each is read
-before the next is scheduled (the proposer needs the tokens), except n-gram ones under
-``JAXSERVE_SPEC_ASYNC=1``: each step is then placed as if the one in flight accepted all its drafts (moved
+before the next is scheduled (the proposer needs the tokens), except n-gram ones under async scheduling
+(``JAXSERVE_SPEC_ASYNC``, by default on a GPU): each step is then placed as if the one in flight accepted all its drafts (moved
 back on the device by what it rejected), and the drafts are proposed on the device after every step from
 the tokens it accepted (``runner.ngram_device``): the host places K draft slots (placeholders) for a request
 that was in the step before and whose last proposal count read was > 0, the step reads the drafts there.

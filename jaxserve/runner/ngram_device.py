@@ -1,5 +1,5 @@
 """N-gram (prompt lookup) proposals on the device, so that under async scheduling every step can speculate with
-no host in the loop (``--speculative-config`` method ``ngram`` with ``JAXSERVE_SPEC_ASYNC=1``).
+no host in the loop (``--speculative-config`` method ``ngram`` under ``spec_async``).
 
 NOTE (the design): the device keeps each request's tokens, ``hist [C, L]`` and ``hist_len [C]`` (C rows of
 its own, handed out like ``InputBatch``'s; L: ``max_model_len``, at most ``WINDOW``: a longer request keeps its
@@ -33,12 +33,20 @@ from jaxserve.runner.step_contract import PLACEHOLDER
 WINDOW = 8192
 
 
+def spec_async() -> bool:
+    """Whether n-gram speculation runs under async scheduling: ``JAXSERVE_SPEC_ASYNC``, by default on a GPU (a
+    synchronous step waits for the device each step: 0.64x of decoding without speculation on text that offers
+    no drafts; async steps with drafts on the device 0.99x) and not on the CPU (host and device share the cores
+    there, and synchronous steps measured faster)."""
+    chosen = envs.JAXSERVE_SPEC_ASYNC
+    return jax.default_backend() == "gpu" if chosen is None else chosen
+
+
 def device_ngram_enabled(config) -> bool:
-    """Whether n-gram drafts are proposed on the device: method ngram under async scheduling, asked for with
-    ``JAXSERVE_SPEC_ASYNC=1`` (else the speculator proposes on the host, before each schedule)."""
+    """Whether n-gram drafts are proposed on the device: method ngram under async scheduling (``spec_async``;
+    else the speculator proposes on the host, before each schedule)."""
     spec = getattr(config, "speculative_config", None)
-    return spec is not None and spec.method == "ngram" and bool(config.async_scheduling) \
-        and envs.JAXSERVE_SPEC_ASYNC
+    return spec is not None and spec.method == "ngram" and bool(config.async_scheduling) and spec_async()
 
 
 def lookup(hist: jax.Array, n: jax.Array, min_n: int, max_n: int, k: int) -> tuple[jax.Array, jax.Array]:
@@ -64,11 +72,11 @@ def lookup(hist: jax.Array, n: jax.Array, min_n: int, max_n: int, k: int) -> tup
     return drafts.astype(jnp.int32), count
 
 
-def append_and_propose(hist, hist_len, rows, emitted, counts, *, min_n, max_n, k, max_rows):
+def append_and_propose(hist, hist_len, rows, emitted, counts, *, min_n, max_n, k, max_rows, force=False):
     """Append each step row's ``counts`` [R] tokens of ``emitted`` [R, W] to its history row ``rows`` [R] (-1:
     a row that sampled nothing), sliding a full row to keep its latest tokens, then propose from it. Returns the
     new ``hist``, ``hist_len`` and, padded to ``max_rows`` step rows, the drafts (flat, row * k + slot) and
-    their counts."""
+    their counts. ``force``: K drafts for every row, its last token repeated (``JAXSERVE_SPEC_FORCE_DRAFTS``)."""
     if emitted.ndim == 1:           # a plain step: one token a row
         emitted = emitted[:, None]
     C, L = hist.shape
@@ -90,6 +98,9 @@ def append_and_propose(hist, hist_len, rows, emitted, counts, *, min_n, max_n, k
     hist = hist.at[dst].set(h, mode="drop")
     hist_len = hist_len.at[dst].set(n, mode="drop")
     drafts, count = lookup(h, n, min_n, max_n, k)
+    if force:
+        last = h[jnp.arange(R), jnp.clip(n - 1, 0, L - 1)]
+        drafts, count = jnp.broadcast_to(last[:, None], (R, k)), jnp.full(R, k, jnp.int32)
     count = jnp.where(valid, count, 0)
     return (hist, hist_len, jnp.zeros((max_rows, k), jnp.int32).at[:R].set(drafts).reshape(-1),
             jnp.zeros(max_rows, jnp.int32).at[:R].set(count))
@@ -124,7 +135,8 @@ class DeviceNgram:
         self._next = 0
         out = {"out_shardings": replicated} if replicated is not None else {}
         self._step = jax.jit(partial(append_and_propose, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
-                                     k=self.k, max_rows=max_num_seqs), donate_argnums=(0, 1), **out)
+                                     k=self.k, max_rows=max_num_seqs, force=envs.JAXSERVE_SPEC_FORCE_DRAFTS),
+                             donate_argnums=(0, 1), **out)
         self._write = jax.jit(_write, donate_argnums=(0, 1), **out)
         self._move = jax.jit(_move, **out)
         # compiled ahead by shape and called directly (a jitted call would compile again for inputs that

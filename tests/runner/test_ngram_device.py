@@ -61,6 +61,12 @@ def test_append_then_propose_slides_a_full_window():
     assert np.asarray(hist[0]).tolist() == [3, 4, 1, 2, 3, 4, 9, 4]
     assert np.asarray(counts).tolist()[:1] == [2] and np.asarray(drafts)[:k].tolist() == [9, 4, 0]
 
+    # forced drafts (JAXSERVE_SPEC_FORCE_DRAFTS, the benchmarks' verify-step cost): K of the last token for every
+    # row that sampled, none for one that did not
+    _, _, drafts, counts = append_and_propose(hist, hist_len, rows, emitted, jnp.array([1, 4]), min_n=1, max_n=2,
+                                              k=k, max_rows=4, force=True)
+    assert np.asarray(counts).tolist() == [k, 0, 0, 0] and np.asarray(drafts)[:k].tolist() == [3, 3, 3]
+
 
 def _entry(req, samples=True):
     n = len(req.all_token_ids)

@@ -140,7 +140,7 @@ class DeviceNgram:
         self._write = jax.jit(_write, donate_argnums=(0, 1), **out)
         self._move = jax.jit(_move, **out)
         # compiled ahead by shape and called directly (a jitted call would compile again for inputs that
-        # differ only in being committed to a device): ("step", R, W) and ("write", W) -> executable
+        # differ only in being committed to a device): ("step", R, W), ("write", W), ("move",) -> executable
         self.executables: dict[tuple, object] = {}
         self._sharding = replicated if replicated is not None else \
             jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -156,6 +156,8 @@ class DeviceNgram:
                 args = (i32(C, L), i32(C), np.zeros(R, np.int32), i32(R) if W == 1 else i32(R, W),
                         None if W == 1 else i32(R))
                 exe = self._step.lower(*args).compile()
+            elif key[0] == "move":
+                exe = self._move.lower(i32(C, L), i32(C), np.zeros(C, np.int32)).compile()
             else:
                 _, W = key
                 exe = self._write.lower(i32(C, L), i32(C), np.zeros(W, np.int32), np.zeros((W, L), np.int32),
@@ -164,13 +166,14 @@ class DeviceNgram:
         return exe
 
     def warmup(self, request_counts: list[int]) -> None:
-        """Compile the per-step call for each step's request count (plain and speculative steps) and the row
-        writes for each padded count, so that no step compiles them."""
+        """Compile the per-step call for each step's request count (plain and speculative steps), the row
+        writes for each padded count and the compaction, so that no step compiles them."""
         for R in request_counts:
             for W in (1, self.k + 1):
                 self._exe(("step", R, W))
         for W in {self._write_width(n) for n in range(1, self.max_rows + 1)}:
             self._exe(("write", W))
+        self._exe(("move",))
 
     def _write_width(self, n: int) -> int:
         """The rows a write of ``n`` new rows pads to (a power of two, at most a step's)."""
@@ -210,7 +213,7 @@ class DeviceNgram:
             if row is not None:
                 src[len(row_of)] = row
                 row_of[req.request_id] = (req, len(row_of))
-        self.hist, self.hist_len = self._move(self.hist, self.hist_len, src)
+        self.hist, self.hist_len = self._exe(("move",))(self.hist, self.hist_len, src)
         self._row_of, self._next = row_of, len(row_of)
 
     def _write_rows(self, new: list) -> None:

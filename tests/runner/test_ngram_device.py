@@ -3,6 +3,7 @@
 appends each row's emitted tokens (sliding a full window) before proposing."""
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,6 +77,13 @@ def _entry(req, samples=True):
 def test_rows_are_written_once_and_kept_when_they_run_out():
     spec = SimpleNamespace(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
     ng = DeviceNgram(spec, max_model_len=16, max_num_seqs=2)         # 4 history rows
+    ng.warmup([2])
+    compiles = []
+
+    def on_event(name, *_, **__):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+    jax.monitoring.register_event_duration_secs_listener(on_event)
     reqs = {c: SimpleNamespace(request_id=c, all_token_ids=[i + 1, i + 2, i + 1]) for i, c in enumerate("ABCDE")}
 
     def step(names, emitted):
@@ -98,5 +106,6 @@ def test_rows_are_written_once_and_kept_when_they_run_out():
     assert step("AE", [7, 7])[0] == [0, 1]
     assert history("A") == [1, 2, 1, 9, 1, 7] and history("E") == [5, 6, 5, 7]
     assert ng._owner(reqs["B"]) is None
+    assert not compiles          # the steps, row writes and the compaction ran what the warm-up compiled
     # a row that samples nothing (a prompt chunk before its last) gets none
     assert ng.hist_rows([_entry(reqs["B"], samples=False), _entry(reqs["A"])], 2).tolist() == [-1, 0]

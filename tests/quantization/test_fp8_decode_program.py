@@ -63,7 +63,7 @@ def test_every_fp8_weight_is_read_only_by_fp8_dots_contracting_its_minor_dim(dec
             continue
         assert op == "dot_general", f"an fp8 weight feeds {op}: {line.strip()}"
         dots += 1
-        lhs, rhs = re.search(r"stablehlo\.dot_general (%\w+), (%\w+),", line).groups()
+        lhs, rhs = re.search(r"stablehlo\.dot_general (%[\w#]+), (%[\w#]+),", line).groups()
         assert rhs in weights and lhs not in weights, line.strip()
         assert "contracting_dims = [1] x [1]" in line and "batching_dims" not in line, line.strip()
         operands = re.search(r": \((tensor<[^>]+>), (tensor<[^>]+>)\)", line).groups()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import pytest
 
 from jaxserve.benchmarks.step_memory import abstract_variants
@@ -59,3 +60,14 @@ def test_step_temp_grows_by_no_copy_of_the_weights_per_layer(quantization, per_w
     for T, small, large in zip(BUCKETS, temps[2], temps[4]):
         assert (large - small) / 2 <= bound, (f"bucket {T}: temp grows {(large - small) / 2:.0f} bytes a layer "
                                               f"(bound {bound}): a copy of each layer's weights")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (JAX_PLATFORMS=cuda pytest -m gpu)")
+def test_fp8_decode_step_on_a_gpu_copies_no_weight():
+    """Compiled by XLA's GPU pipeline at the 8B shape (two layers), the fp8 decode step dots each weight as
+    stored: no q / k / v concatenation (XLA's dot merger made one every step before ``layers.linear.unmerged``)."""
+    from jaxserve.benchmarks.step_memory import model_config, weight_copies
+    cfg, family = model_config("llama-3.1-8b", 2)
+    variants, _, _ = abstract_variants(cfg, family, "fp8", [4], 1024, "pallas")
+    assert weight_copies(variants.lower(("forward", 4, True)).compile().as_text()) == []

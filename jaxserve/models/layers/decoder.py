@@ -46,7 +46,7 @@ from jaxserve.parallel import attention as tp_attention
 from . import mla, moe
 from .dummy_init import dummy_init_fn, leaf_seed
 from .lora import LoRABatch, lora_batch
-from .linear import linear, normed_input, row_parallel_linear, row_parallel_linear_add_rms_norm
+from .linear import linear, normed_input, row_parallel_linear, row_parallel_linear_add_rms_norm, unmerged
 from .norms import NORMS, inv_rms
 from .rotary import Rotary
 
@@ -150,7 +150,8 @@ class DecoderLayer(nnx.Module):
             return mla.attention(h, weights, spec.mla, hq, rotary, cos_sin[spec.layer_rotary[self.index]], kv_cache,
                                  md, sm_scale=spec.sm_scale, backend=backend)
         cos, sin = cos_sin[spec.layer_rotary[self.index]]
-        q, k, v = linear(h, _w(self.q)), linear(h, _w(self.k)), linear(h, _w(self.v))
+        hq_in, hk_in, hv_in = unmerged(h, 3)
+        q, k, v = linear(hq_in, _w(self.q)), linear(hk_in, _w(self.k)), linear(hv_in, _w(self.v))
         if lora is not None:
             q, k, v = lora.add_qkv(self.index, h, q, k, v)
         if spec.attention_bias:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import parallel
-from jaxserve.quantization import is_quantized, matmul, reads_fp8_activations, rms_norm_fp8
+from jaxserve.quantization import Fp8Activation, is_quantized, matmul, reads_fp8_activations, rms_norm_fp8
 
 from .norms import rms_norm
 
@@ -22,6 +22,17 @@ def linear(x: jax.Array, w) -> jax.Array:
         return x @ w
     return jnp.einsum("th,hci->tci", x, w)     # gate_up [hidden, 2, inter]
 
+
+
+def unmerged(h, n: int) -> tuple:
+    """``n`` uses of the normed input ``h`` that XLA cannot tell apart from each other's: for an fp8 activation
+    (``Fp8Activation``, read by the q, k and v fp8 dots) an optimization barrier, because XLA's GPU dot merger
+    merges dots of one shared operand whose weights are small enough (fp8 q, k and v at the 8B shape, not their
+    bf16 ones) into one dot over the weights concatenated anew every step: 24 MiB read and written a layer.
+    Other inputs are returned as they are."""
+    if not isinstance(h, Fp8Activation):
+        return (h,) * n
+    return (h, *jax.lax.optimization_barrier((h,) * (n - 1)))
 
 def row_parallel_linear(x: jax.Array, w) -> jax.Array:
     """``x @ w`` for a row-parallel weight (o, down), summed over ``"tp"``."""

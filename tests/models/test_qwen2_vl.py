@@ -375,6 +375,33 @@ def test_batched_with_text_only_requests(vl, llm):
     assert [list(o.outputs[0].token_ids) for o in outs] == [c["greedy_ids"] for c in expect]
 
 
+def test_chats_of_one_call_load_and_process_their_images_together_each_as_alone(vl, llm, monkeypatch):
+    """``LLM.chat`` of several conversations: all their images load in one ``map_media`` (worker threads), and
+    ``generate`` preprocesses every image prompt in one, each prompt still with its own images in order: HF's
+    greedy continuation each."""
+    from jaxserve import llm as llm_module
+    calls, real = [], llm_module.map_media
+    monkeypatch.setattr(llm_module, "map_media", lambda fn, items: calls.append(len(items)) or real(fn, items))
+    names = [n for n in ("two_images", "one_image", "text_only", "two_turns") if n in vl.cases]
+    outs = llm.chat([vl.openai_messages(vl.cases[n]) for n in names], sampling(), use_tqdm=False)
+    for out, n in zip(outs, names):
+        check(out, vl.cases[n])
+    images = [len(vl.cases[n]["images"]) for n in names]
+    assert calls == [sum(images), sum(1 for k in images if k)]
+
+
+def test_a_bad_prompt_among_image_prompts_queues_none(vl, llm):
+    """An image prompt whose placeholders do not match its images, after a good one: the error the prompt
+    would raise alone, and nothing of the call is queued."""
+    from jaxserve.errors import InvalidRequestError
+    case = vl.cases["text_around"]
+    bad = {"prompt": case["prompt"], "multi_modal_data": {"image": [vl.image(n) for n in case["images"]] * 2}}
+    with pytest.raises(InvalidRequestError, match="placeholder"):
+        llm.generate([request(vl, case), bad], sampling(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    check(run_case(vl, llm, case), case)
+
+
 def test_prefix_cache_same_image_shares_and_other_image_does_not(vl):
     """The same image reuses the prompt's blocks (the 3-D positions come from the features, not the cache);
     another image of the same size with the same text shares only the block before it."""

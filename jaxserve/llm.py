@@ -11,6 +11,7 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+from jaxserve import envs
 from jaxserve.beam_search import BeamSearchOutput, beam_search_offline
 from jaxserve.config import EngineConfig
 from jaxserve.options import from_kwargs
@@ -40,6 +41,20 @@ def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None, str 
         else:
             out.append((None, list(p), None))
     return out
+
+
+def map_media(fn, items: list) -> list:
+    """``[fn(x) for x in items]`` on up to ``VLLM_MEDIA_LOADING_THREAD_COUNT`` worker threads, as the server
+    loads and preprocesses images (decoding, resizing and hashing release the GIL for most of their time):
+    the results in order; the first item's error in order is raised, the items not started yet dropped."""
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+    pool = ThreadPoolExecutor(min(envs.VLLM_MEDIA_LOADING_THREAD_COUNT, len(items)), thread_name_prefix="media")
+    try:
+        return list(pool.map(fn, items))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _images(prompts) -> list[list]:
@@ -100,16 +115,21 @@ class LLM:
         if len(loras) != len(items):
             raise ValueError(f"{len(loras)} LoRA requests for {len(items)} prompts")
         eng = self.engine
-        order: list[tuple[str, int]] = []        # (parent id, n)
-        batch = []                               # every request, queued at once
-        for (text, ids, salt), params, prio, images, lora in zip(items, params_list, priorities, _images(prompts),
-                                                                 loras):
+        all_ids, all_images = [], _images(prompts)
+        for (text, ids, _), images in zip(items, all_images):
             if ids is None:
                 ids = eng.images.encode(text, True) if images and eng.images.splits_placeholder else \
                     self.tokenizer.encode(text)
-            features = None
-            if images or (eng.facts().is_multimodal and eng.images.processing.count_placeholders(ids)):
-                ids, features = eng.images.process(ids, images)
+            all_ids.append(ids)
+        # the images preprocessed on worker threads (the first error in prompt order raised, as one by one)
+        with_images = [k for k, (ids, images) in enumerate(zip(all_ids, all_images))
+                       if images or (eng.facts().is_multimodal and eng.images.processing.count_placeholders(ids))]
+        processed = dict(zip(with_images, map_media(lambda k: eng.images.process(all_ids[k], all_images[k]),
+                                                    with_images)))
+        order: list[tuple[str, int]] = []        # (parent id, n)
+        batch = []                               # every request, queued at once
+        for k, ((text, _, salt), params, prio, lora) in enumerate(zip(items, params_list, priorities, loras)):
+            ids, features = processed.get(k, (all_ids[k], None))
             parent = eng.new_request_id()
             order.append((parent, params.n))
             for i in range(params.n):
@@ -182,13 +202,13 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = chat_template or self.engine.chat_template
         vision = self.engine.facts().is_multimodal and template_reads_parts(template)
+        imgs = self.engine.images
+        parsed = [image_conversation(c, template, imgs.placeholder if vision else "", imgs.limit)
+                  if vision or has_image_parts(c) else (c, []) for c in conversations]
+        loaded = iter(map_media(imgs.load, [u for _, urls in parsed for u in urls]))    # worker threads
         prompts = []
-        for c in conversations:
-            images = []
-            if vision or has_image_parts(c):
-                imgs = self.engine.images
-                c, urls = image_conversation(c, template, imgs.placeholder if vision else "", imgs.limit)
-                images = [imgs.load(u) for u in urls]
+        for c, urls in parsed:
+            images = [next(loaded) for _ in urls]
             if images and self.engine.images.splits_placeholder:
                 text = self.tokenizer.apply_chat_template(c, chat_template=template, tokenize=False,
                                                           add_generation_prompt=add_generation_prompt,

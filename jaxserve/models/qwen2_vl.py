@@ -230,22 +230,25 @@ class QwenVLFamily(DecoderFamily):
         """The patches an image of pixel payload ``[lh, lw, ...]`` takes in ``pack_images``' rows."""
         return vision_spec(cfg).patches(pixel_shape)
 
-    def warmup_payload(self, cfg: ModelConfig, tokens: int, dtype) -> np.ndarray:
-        """The pixel payload (zeros) of the smallest square image of at least ``tokens`` merged tokens: its patch
-        bucket is the one the encoder cache compiles at start-up, which smaller images can run in."""
+    def warmup_payload(self, cfg: ModelConfig, tokens: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+        """The pixel payload (zero bytes) of the smallest square image of at least ``tokens`` merged tokens, and
+        its value table in ``dtype`` (an RGB image's, as the front end sends it): its patch bucket is the one the
+        encoder cache compiles at start-up, which smaller images can run in."""
         spec = vision_spec(cfg)
         side = math.isqrt(max(tokens, 1) - 1) + 1
-        return np.zeros((side, side, spec.merge ** 2 * spec.in_channels * spec.patch_size ** 2), dtype)
+        return np.zeros((side, side, spec.merge ** 2 * spec.in_channels * spec.patch_size ** 2), np.uint8), \
+            np.zeros((spec.in_channels, 256), dtype)
 
     def patch_unit(self, cfg: ModelConfig) -> int:
         """What every bucket of ``pack_images`` must be a multiple of."""
         return vision_spec(cfg).unit
 
-    def pack_images(self, cfg: ModelConfig, rows: list, num_rows: int, bucket: int) -> tuple:
-        """Host: pixel payloads ``[lh, lw, ...]`` (the images of each row) as ``encode_packed``'s input of
-        ``num_rows`` rows of ``bucket`` patches, each image's token indices in its output, their number
-        (``qwen_vision.pack``)."""
-        return pack(vision_spec(cfg), rows, num_rows, bucket)
+    def pack_images(self, cfg: ModelConfig, rows: list, num_rows: int, bucket: int, tables: list | None = None) \
+            -> tuple:
+        """Host: pixel payloads ``[lh, lw, ...]`` (the images of each row; uint8 ones with their value
+        ``tables``) as ``encode_packed``'s input of ``num_rows`` rows of ``bucket`` patches, each image's token
+        indices in its output, their number (``qwen_vision.pack``)."""
+        return pack(vision_spec(cfg), rows, num_rows, bucket, tables)
 
     def encode_packed(self, params: dict, inputs: tuple, cfg: ModelConfig) -> jax.Array:
         """``pack_images``' arrays → merged tokens ``[rows, bucket / merge**2, hidden_size]`` (packed order)."""

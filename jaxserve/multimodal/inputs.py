@@ -21,7 +21,7 @@ class ImageFeature:
     hash: str                         # content hash (hex): the encoder cache key
     offset: int                       # index of the first image token in the prompt
     length: int                       # how many image tokens the placeholder expands to
-    pixel_values: np.ndarray          # the image processor's output for this image (float32)
+    pixel_values: np.ndarray          # the processor's output (Qwen-VL RGB: bytes, extra["pixel_table"])
     extra: dict = dataclasses.field(default_factory=dict)   # family-specific arrays (grid sizes, ...)
 
     @property

@@ -77,7 +77,8 @@ class ImageProcessing:
     + extra_tokens`` image tokens for pixel values of ``H x W``; a family with another rule passes
     ``num_tokens``; Qwen2-VL's processors: one token per merge block of the image's grid; LLaVA-NeXT's: the
     base tile's and the cropped tile grid's, ``multimodal.anyres``). ``pixel_dtype``:
-    what Qwen2-VL's pixel payloads are stored in (the model's dtype where it is a 16-bit float)."""
+    what Qwen2-VL's pixel payloads are stored in (the model's dtype where it is a 16-bit float); an RGB image
+    through ``QwenVLPixels`` goes as its bytes with ``extra["pixel_table"]`` (``[C, 256]`` in that dtype)."""
 
     def __init__(self, image_processor: Any, image_token: str, image_token_id: int, patch_size: int,
                  extra_tokens: int = 0, processor_kwargs: dict | None = None, num_tokens=None,
@@ -156,7 +157,9 @@ class ImageProcessing:
         pixels = np.asarray(image)
         digest = image_hash(pixels, image.mode, self._kwargs_key)
         if self._qwen_vl is not None and getattr(image, "mode", None) == "RGB":
-            payload, extra = self._qwen_vl(image, self.pixel_dtype)
+            # the image's bytes and each channel's byte -> value table: the tower looks them up on the device
+            payload, extra = self._qwen_vl.byte_blocks(image)
+            extra["pixel_table"] = self._qwen_vl.value_table(self.pixel_dtype)
             return [(payload, extra, digest)]
         out = self.image_processor(images=[image], return_tensors="np")
         extra = {k: np.asarray(v[0]) for k, v in out.items() if k != "pixel_values"}

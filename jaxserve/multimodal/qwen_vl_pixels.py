@@ -8,7 +8,9 @@ table per channel maps each byte to what the rescale and normalize give it, in t
 the processor's output, bit for bit, at a fraction of its host time. The table is computed with the
 processor's own operations on the 256 byte values, so it is exact rather than close. For a 16-bit payload
 two pixels of a patch row are looked up at once, in a table of the 65,536 byte pairs (numpy widens every
-index to ``intp``: half the indices, half that work).
+index to ``intp``: half the indices, half that work). ``byte_blocks`` and ``value_table`` are the two halves
+apart: the front end sends an image's bytes and its table, a quarter of a float32 payload's size and half a
+16-bit one's, and the tower looks the bytes up on the device (``qwen_vision.pack``'s ``tables``), the same values.
 """
 from __future__ import annotations
 
@@ -50,21 +52,33 @@ class QwenVLPixels:
 
     def __call__(self, image, dtype) -> tuple[np.ndarray, dict]:
         """``image``: a PIL image in mode RGB."""
-        p, m = self.patch, self.merge
-        h, w = self.smart_resize(image.height, image.width, factor=p * m, min_pixels=self.min_pixels,
-                            max_pixels=self.max_pixels)
-        pixels = np.asarray(image.resize((w, h), resample=self.resample))              # [h, w, 3] uint8
-        lh, lw = h // (p * m), w // (p * m)
-        # merge blocks row-major, each block's patches row-major, a patch (C, row, column): uint8, one copy
-        blocks = np.ascontiguousarray(pixels.reshape(lh, m, p, lw, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5))
+        blocks, extra = self.byte_blocks(image)
+        lh, lw = blocks.shape[:2]
+        blocks = blocks.reshape(lh, lw, self.merge ** 2, 3, self.patch, self.patch)
         table = self._table(np.dtype(dtype))
         if table.shape[1] > 256:            # a patch row's pixels two at a time: half the lookups
             blocks = blocks.view(np.uint16)
         out = np.empty(blocks.shape, table.dtype)
         for c in range(3):
             np.take(table[c], blocks[..., c, :, :], out=out[..., c, :, :], mode="clip")
-        grid = np.array([1, lh * m, lw * m], np.int64)
-        return out.view(dtype).reshape(lh, lw, -1), {"image_grid_thw": grid}
+        return out.view(dtype).reshape(lh, lw, -1), extra
+
+    def byte_blocks(self, image) -> tuple[np.ndarray, dict]:
+        """The payload before the lookup: the resized image's bytes ``[lh, lw, merge**2 * C * p * p]`` uint8 in
+        the payload's order (``table``'s channel rows map them to the payload's values), and the grid."""
+        p, m = self.patch, self.merge
+        h, w = self.smart_resize(image.height, image.width, factor=p * m, min_pixels=self.min_pixels,
+                                 max_pixels=self.max_pixels)
+        pixels = np.asarray(image.resize((w, h), resample=self.resample))              # [h, w, 3] uint8
+        lh, lw = h // (p * m), w // (p * m)
+        # merge blocks row-major, each block's patches row-major, a patch (C, row, column): uint8, one copy
+        blocks = np.ascontiguousarray(pixels.reshape(lh, m, p, lw, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5))
+        return blocks.reshape(lh, lw, -1), {"image_grid_thw": np.array([1, lh * m, lw * m], np.int64)}
+
+    def value_table(self, dtype) -> np.ndarray:
+        """``[C, 256]``: what each byte of a channel is in the payload of ``dtype`` (the processor's rescale and
+        normalize, cast), as the tower looks ``byte_blocks`` up on the device."""
+        return self.table.astype(dtype)
 
     def _table(self, dtype: np.dtype) -> np.ndarray:
         """Per channel, what each byte maps to in ``dtype``; for an even patch side and a 16-bit ``dtype``, what

@@ -24,7 +24,9 @@ step variants); until its own is ready a batch runs in the smallest larger bucke
 wait), and only a batch larger than every compiled bucket waits for its program (logged; ``warmup`` queues the
 bucket of a square image of the token budget, so after start-up only an image larger than that can wait);
 a batch whose exact row count is not compiled yet takes a compiled one of up to twice its rows (padding rows)
-rather than waiting.
+rather than waiting. Programs are per payload dtype too: an RGB image comes as its bytes (uint8) with a value
+table per channel (``extra["pixel_table"]``, the front end's ``QwenVLPixels``), which the tower looks up on
+the device: half a 16-bit payload's bytes to pack and copy to the device.
 ``gather(scheduled)`` gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the
 step's chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
@@ -92,6 +94,20 @@ def budget_rows(bucket: int, unit: int, floor: int, tokens_per_row: int, budget:
     return max(1, min(max_batch, int(budget // max(least, 1.0))))
 
 
+def _payload_kind(pixels: np.ndarray, table: np.ndarray | None) -> str:
+    """The dtype part of a packed program's key: the payload's, and a uint8 payload's value table's."""
+    name = np.dtype(pixels.dtype).name
+    return name if table is None else f"{name}>{np.dtype(table.dtype).name}"
+
+
+def _row_inputs(batch: list) -> tuple[list, list | None]:
+    """The payloads of a batch's rows of images, and their value tables (uint8 payloads; else None)."""
+    pixels = [[f.pixel_values for f in r] for r in batch]
+    if "pixel_table" not in batch[0][0].extra:
+        return pixels, None
+    return pixels, [[f.extra["pixel_table"] for f in r] for r in batch]
+
+
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -120,7 +136,7 @@ class EncoderCache:
             from jaxserve.parallel import replicated  # noqa: PLC0415
             rep = replicated(mesh)
         dtype = jax.tree.leaves(model.params)[0].dtype
-        # the dtype the front end sends pixel payloads in (the warm-up's payload takes it)
+        # the dtype the front end sends pixel payloads in (the warm-up's value table takes it)
         self.payload_dtype = pixel_dtype(str(getattr(model.dtype, "__name__", model.dtype)))
         shape = (capacity + 1, model.config.hidden_size)     # + a scratch row that padding images write
         self.slab = jnp.zeros(shape, dtype) if rep is None else jnp.zeros(shape, dtype, device=rep)
@@ -148,10 +164,11 @@ class EncoderCache:
         compile (it runs there while its own bucket compiles, ``_larger_bucket``). Returns the seconds taken."""
         t0 = time.perf_counter()
         if self.packed and hasattr(self.family, "warmup_payload"):
-            payload = self.family.warmup_payload(self.cfg, self.warm_tokens, self.payload_dtype)
+            payload, table = self.family.warmup_payload(self.cfg, self.warm_tokens, self.payload_dtype)
             bucket = patch_bucket(self.family.packed_patches(self.cfg, payload.shape),
                                   self.family.patch_unit(self.cfg), self.min_patches)
-            self._queue_bucket((bucket, np.dtype(payload.dtype).name), [[payload]])
+            self._queue_bucket((bucket, _payload_kind(payload, table)), [[payload]],
+                               None if table is None else [[table]])
         size = dict(self.cfg.extra_dict.get("vision") or ()).get("image_size")
         shapes = self.family.warmup_pixel_shapes(self.cfg) if hasattr(self.family, "warmup_pixel_shapes") \
             else [(3, size, size)] if size else []
@@ -239,23 +256,26 @@ class EncoderCache:
         return {b: [row[1:] for row in rs] for b, rs in rows.items()}
 
     def _encode_packed(self, features: list) -> None:
-        for bucket, rows in self.bucket_rows(features).items():
-            for i in range(0, len(rows), self.max_batch):
-                batch = rows[i:i + self.max_batch]
-                pixels = [[f.pixel_values for f in r] for r in batch]
-                kind = (bucket, np.dtype(pixels[0][0].dtype).name)      # a program per payload dtype too
-                if kind not in self._seen:
-                    self._queue_bucket(kind, pixels)
-                b = self._rows_to_run(kind, len(batch))
-                if (*kind, b) not in self.compiler:
-                    larger = self._larger_bucket(kind, batch)
-                    if larger is not None:          # this bucket compiles in the background meanwhile
-                        kind, b, batch = larger
-                        pixels = [[f.pixel_values for f in r] for r in batch]
-                self._run_packed(kind, b, batch, pixels)
+        by_dtype: dict[str, list] = {}          # a program per payload dtype too (uint8: and its tables')
+        for f in features:
+            by_dtype.setdefault(_payload_kind(f.pixel_values, f.extra.get("pixel_table")), []).append(f)
+        for dtype, feats in by_dtype.items():
+            for bucket, rows in self.bucket_rows(feats).items():
+                for i in range(0, len(rows), self.max_batch):
+                    batch = rows[i:i + self.max_batch]
+                    kind = (bucket, dtype)
+                    if kind not in self._seen:
+                        self._queue_bucket(kind, *_row_inputs(batch))
+                    b = self._rows_to_run(kind, len(batch))
+                    if (*kind, b) not in self.compiler:
+                        larger = self._larger_bucket(kind, batch)
+                        if larger is not None:          # this bucket compiles in the background meanwhile
+                            kind, b, batch = larger
+                    self._run_packed(kind, b, batch)
 
-    def _run_packed(self, kind: tuple[int, str], b: int, batch: list, pixels: list) -> None:
-        inputs, tokens, num_out = self.family.pack_images(self.cfg, pixels, b, kind[0])
+    def _run_packed(self, kind: tuple[int, str], b: int, batch: list) -> None:
+        pixels, tables = _row_inputs(batch)
+        inputs, tokens, num_out = self.family.pack_images(self.cfg, pixels, b, kind[0], tables)
         dst = np.full(num_out, self.capacity, np.int32)     # padding tokens write the scratch row
         for f, slots in zip((f for r in batch for f in r), tokens):
             if len(slots) != f.length:
@@ -280,14 +300,15 @@ class EncoderCache:
         return None
 
     # ---------------------------------------------------------------- a packed family's programs
-    def _queue_bucket(self, kind: tuple[int, str], pixels: list) -> None:
+    def _queue_bucket(self, kind: tuple[int, str], pixels: list, tables: list | None = None) -> None:
         """A (bucket, payload dtype) seen for the first time: the argument shapes of each of its row batches
         (``pack_images``' arrays lead with the row count: one row packed gives them all), this batch's own and
         those a step can fill under the encoder budget (``budget_rows``) queued for the background compiler (a
         larger batch, should one come, compiles when it does)."""
         self._seen.add(kind)
         own = row_batch(len(pixels))
-        one_row, _, tokens_per_row = self.family.pack_images(self.cfg, pixels[:1], 1, kind[0])
+        one_row, _, tokens_per_row = self.family.pack_images(self.cfg, pixels[:1], 1, kind[0],
+                                                             None if tables is None else tables[:1])
         for b in self._row_batches:
             self._arg_shapes[(*kind, b)] = (
                 jax.tree.map(lambda a, b=b: jax.ShapeDtypeStruct((b, *a.shape[1:]), a.dtype), one_row),

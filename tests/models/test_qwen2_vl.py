@@ -70,8 +70,11 @@ def load(name: str):
 def processed(vl: VisionFixture, model, case: dict):
     from jaxserve.multimodal.processing import ImageProcessing
     proc = ImageProcessing.from_folder(vl.folder, model.config.extra_dict)
-    return proc.process(model.tokenizer.encode(case["prompt"], add_special_tokens=False),
-                        [vl.image(n).convert("RGB") for n in case["images"]])
+    ids, feats = proc.process(model.tokenizer.encode(case["prompt"], add_special_tokens=False),
+                              [vl.image(n).convert("RGB") for n in case["images"]])
+    for f in feats:         # the float payload the tower looks an RGB image's bytes up into
+        f.pixel_values = looked_up(f.pixel_values, f.extra.pop("pixel_table"))
+    return ids, feats
 
 
 def test_logits_match_hf(vl):
@@ -122,6 +125,18 @@ def features(sizes, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
     return [ImageFeature(f"img{seed}-{i}", 0, (h // 28) * (w // 28),
                          image_blocks(rng.standard_normal((3, h, w)).astype(np.float32), 14, 2))
+            for i, (h, w) in enumerate(sizes)]
+
+
+def byte_features(sizes, seed: int = 0) -> list:
+    """Random RGB images of ``sizes`` as the front end sends them: bytes by merge block, a value table."""
+    from jaxserve.models.layers.qwen_vision import image_blocks
+    from jaxserve.multimodal.inputs import ImageFeature
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((3, 256)).astype(np.float32)
+    return [ImageFeature(f"bytes{seed}-{i}", 0, (h // 28) * (w // 28),
+                         image_blocks(rng.integers(0, 256, (3, h, w), dtype=np.uint8), 14, 2),
+                         {"pixel_table": table})
             for i, (h, w) in enumerate(sizes)]
 
 
@@ -223,12 +238,13 @@ def test_warmup_compiles_a_bucket_every_image_in_the_budget_runs_in(name, monkey
     cache.warmup()
     assert cache.compiler.wait_all(600) and len(cache.compiler) >= 1 and not cache.compiler.on_first_use
     monkeypatch.setattr(StepCompiler, "_start_threads", lambda self: None)     # queued compiles stay queued
-    feats = features([SIZES[3], SIZES[-1]], seed=2)
+    feats = byte_features([SIZES[3], SIZES[-1]], seed=2)       # as the front end sends RGB images
     for f in feats:
         cache.encode([f])
     assert not cache.compiler.on_first_use and cache.pending() >= 1          # no step waited
     for f in feats:
-        alone = np.asarray(model.family.encode_images(model.params, f.pixel_values[None], model.config))[0]
+        px = looked_up(f.pixel_values, f.extra["pixel_table"])
+        alone = np.asarray(model.family.encode_images(model.params, px[None], model.config))[0]
         np.testing.assert_allclose(np.asarray(cache.slab)[cache.rows[f.hash]], alone, atol=1e-5, rtol=0)
 
 
@@ -308,6 +324,42 @@ def test_payload_is_the_processors_patches_by_merge_block():
         np.testing.assert_array_equal(payload, image_blocks(image, 14, 2))
 
 
+def looked_up(payload: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """A uint8 payload ``[lh, lw, merge**2 * C * p * p]`` through its ``[C, 256]`` value table, on the host."""
+    lh, lw, k = payload.shape
+    c = table.shape[0]
+    blocks = payload.reshape(lh, lw, -1, c, k // (4 * c)).astype(np.intp)
+    return table[np.arange(c)[:, None], blocks].reshape(lh, lw, k)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_byte_payload_encodes_as_the_processors_pixels(dtype):
+    """An RGB image goes to the core as its bytes and a value table per channel (``QwenVLPixels``): looked
+    up, they are the processor's payload bit for bit, and the encoder's slab rows for them equal those for
+    that payload exactly (the tower looks the bytes up on the device), in a bucket with padding patches."""
+    from jaxserve.models.loader import load_model
+    from jaxserve.multimodal.inputs import ImageFeature
+    from jaxserve.multimodal.processing import ImageProcessing
+    vl = FIXTURES[NAMES[0]]
+    model = load_model(vl.folder, dtype=dtype)
+    proc = ImageProcessing.from_folder(vl.folder, model.config.extra_dict, dtype=dtype)
+    slow = ImageProcessing.from_folder(vl.folder, model.config.extra_dict, dtype=dtype)
+    slow._qwen_vl = None                                    # transformers' processor
+    cache = encoder(model, min_patches=256, max_batch=2)
+    for name in ("wide.png", "tall.png"):
+        image = vl.image(name).convert("RGB")
+        (px, extra, digest), = proc.process_image(image)
+        (want, want_extra, want_digest), = slow.process_image(image)
+        assert px.dtype == np.uint8 and extra["pixel_table"].dtype == want.dtype and digest == want_digest
+        np.testing.assert_array_equal(looked_up(px, extra["pixel_table"]), want)
+        n = proc.num_tokens(px, extra)
+        assert n == slow.num_tokens(want, want_extra)
+        cache.encode([ImageFeature(name, 0, n, px, extra), ImageFeature(name + "-f", 0, n, want, want_extra)])
+        slab = np.asarray(cache.slab)
+        np.testing.assert_array_equal(slab[cache.rows[name]], slab[cache.rows[name + "-f"]])
+    assert {k[1] for k in cache.compiler.keys()} == {f"uint8>{dtype}", dtype}
+
+
 def test_bfloat16_payload_encodes_as_float32_pixels():
     """A bfloat16 model's payload sent in bfloat16 (what the front end makes for it) encodes exactly as the
     float32 payload the tower casts on the device."""
@@ -319,8 +371,9 @@ def test_bfloat16_payload_encodes_as_float32_pixels():
     model = load_model(vl.folder, dtype="bfloat16")
     image = vl.image("wide.png").convert("RGB")
     proc16 = ImageProcessing.from_folder(vl.folder, model.config.extra_dict, dtype="bfloat16")
-    px16 = proc16.process_image(image)[0][0]
-    px32 = ImageProcessing.from_folder(vl.folder, model.config.extra_dict).process_image(image)[0][0]
+    (u8, extra, _), = proc16.process_image(image)
+    px16 = looked_up(u8, extra["pixel_table"])
+    px32 = ImageProcessing.from_folder(vl.folder, model.config.extra_dict)._qwen_vl(image, np.float32)[0]
     assert px16.dtype == ml_dtypes.bfloat16 and px32.dtype == np.float32
     np.testing.assert_array_equal(px16, px32.astype(ml_dtypes.bfloat16))
     a, b = (np.asarray(model.family.encode_images(model.params, px[None], model.config)) for px in (px16, px32))
@@ -373,6 +426,33 @@ def test_batched_with_text_only_requests(vl, llm):
                          {"prompt_token_ids": text_ids}], sampling(), use_tqdm=False)
     expect = [cases["text_only"], cases["text_around"], cases["text_only"]]
     assert [list(o.outputs[0].token_ids) for o in outs] == [c["greedy_ids"] for c in expect]
+
+
+def test_chats_of_one_call_load_and_process_their_images_together_each_as_alone(vl, llm, monkeypatch):
+    """``LLM.chat`` of several conversations: all their images load in one ``map_media`` (worker threads), and
+    ``generate`` preprocesses every image prompt in one, each prompt still with its own images in order: HF's
+    greedy continuation each."""
+    from jaxserve import llm as llm_module
+    calls, real = [], llm_module.map_media
+    monkeypatch.setattr(llm_module, "map_media", lambda fn, items: calls.append(len(items)) or real(fn, items))
+    names = [n for n in ("two_images", "one_image", "text_only", "two_turns") if n in vl.cases]
+    outs = llm.chat([vl.openai_messages(vl.cases[n]) for n in names], sampling(), use_tqdm=False)
+    for out, n in zip(outs, names):
+        check(out, vl.cases[n])
+    images = [len(vl.cases[n]["images"]) for n in names]
+    assert calls == [sum(images), sum(1 for k in images if k)]
+
+
+def test_a_bad_prompt_among_image_prompts_queues_none(vl, llm):
+    """An image prompt whose placeholders do not match its images, after a good one: the error the prompt
+    would raise alone, and nothing of the call is queued."""
+    from jaxserve.errors import InvalidRequestError
+    case = vl.cases["text_around"]
+    bad = {"prompt": case["prompt"], "multi_modal_data": {"image": [vl.image(n) for n in case["images"]] * 2}}
+    with pytest.raises(InvalidRequestError, match="placeholder"):
+        llm.generate([request(vl, case), bad], sampling(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    check(run_case(vl, llm, case), case)
 
 
 def test_prefix_cache_same_image_shares_and_other_image_does_not(vl):

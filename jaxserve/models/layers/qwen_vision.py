@@ -145,15 +145,17 @@ def image_blocks(image: np.ndarray, patch: int, merge: int) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(lh, lw, -1)
 
 
-def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, bucket: int) \
-        -> tuple[tuple[np.ndarray, ...], list[np.ndarray], int]:
+def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, bucket: int,
+         tables: list[list[np.ndarray]] | None = None) -> tuple[tuple[np.ndarray, ...], list[np.ndarray], int]:
     """Images as pixel payloads ``[lh, lw, merge**2 * C * p * p]`` (``image_blocks``' layout; ``rows``: the
     images of each row, at most ``bucket`` packed patches a row) as the tower's input ``(patches [R, bucket,
     C*p*p] in the payloads' dtype, positions [R, bucket, 2], segments [R, bucket], windows [R, bucket])`` of
     ``num_rows`` rows (segment: the image in its row, window: the window in its row; pads -1); per image (in
     ``rows`` order) the flat indices of its merged tokens (row-major) among the tower's outputs; their number,
     ``R * bucket / merge**2``. An image is one gather of its blocks into its slots (the layout of each grid
-    size is cached), so this is a copy of the pixels, not a re-patchify."""
+    size is cached), so this is a copy of the pixels, not a re-patchify. ``tables``: uint8 payloads (the image's
+    bytes) with each image's ``[C, 256]`` byte -> value table (``QwenVLPixels.value_table``; the images of a row
+    share one): the input gains each row's, ``[R, C, 256]``, which the tower looks the bytes up in."""
     m, win = spec.merge, max(spec.window, 1)
     mm, per_row = m * m, bucket // (m * m)
     dtype = np.result_type(*(px.dtype for images in rows for px in images)) if any(rows) else np.float32
@@ -180,8 +182,21 @@ def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, buck
         patches[r, at:] = 0
     patches[len(rows):] = 0
     shape = (num_rows, per_row * mm)
-    return (patches.reshape(*shape, -1), pos.reshape(*shape, 2), np.repeat(seg, mm, axis=1),
-            np.repeat(wid, mm, axis=1)), tokens, num_rows * per_row
+    out = (patches.reshape(*shape, -1), pos.reshape(*shape, 2), np.repeat(seg, mm, axis=1),
+           np.repeat(wid, mm, axis=1))
+    if tables is not None:
+        if dtype != np.uint8:
+            raise ValueError(f"value tables for {dtype} pixels (they map uint8 ones)")
+        first = next(t[0] for t in tables if t)
+        table = np.zeros((num_rows, *first.shape), first.dtype)
+        for r, ts in enumerate(tables):
+            if ts and any(not np.array_equal(t, ts[0]) for t in ts[1:]):
+                raise ValueError("images of different value tables in one row")
+            table[r] = ts[0] if ts else 0
+        out += (table,)
+    elif dtype == np.uint8:
+        raise ValueError("uint8 pixels without their value tables")
+    return out, tokens, num_rows * per_row
 
 
 def axial_rotary(pos: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -297,11 +312,18 @@ class QwenVisionTower(nnx.Module):
         self.layers = nnx.List([QwenVisionLayer(spec) for _ in range(spec.depth)])
         self.merger = PatchMerger(spec)
 
-    def __call__(self, patches: jax.Array, pos: jax.Array, seg: jax.Array, win: jax.Array) -> jax.Array:
+    def __call__(self, patches: jax.Array, pos: jax.Array, seg: jax.Array, win: jax.Array,
+                 table: jax.Array | None = None) -> jax.Array:
         """``pack``'s arrays → merged tokens ``[R, bucket / merge**2, out_hidden_size]`` in the packed order."""
         spec = self.spec
         w = _w(self.patch_embed)
         r, n, _ = patches.shape
+        if table is not None:       # uint8 pixels: each channel's byte looked up in its row's table
+            c = spec.in_channels
+            idx = patches.reshape(r, n, c, -1).astype(jnp.int32) + (jnp.arange(c, dtype=jnp.int32) * 256)[:, None]
+            patches = jnp.take_along_axis(table.reshape(r, c * 256), idx.reshape(r, -1), axis=1,
+                                          mode="clip").reshape(r, n, -1)
+            patches = jnp.where(seg[..., None] >= 0, patches, 0)         # padding patches zero, as float ones
         # each patch flattened (C, frame, row, col) as the 3-D convolution reads it, both frames the image
         x = patches.astype(w.dtype).reshape(r, n, spec.in_channels, 1, -1)
         x = jnp.broadcast_to(x, (r, n, spec.in_channels, spec.temporal_patch_size, x.shape[-1]))

@@ -82,6 +82,7 @@ def budget_blocks(cfg, config: EngineConfig, dtype, mesh=None, num_layers: int |
             act = 64 * sc.max_num_batched_tokens * max(cfg.hidden_size, cfg.intermediate_size) \
                 + 8 * sc.max_num_seqs * cfg.vocab_size
             budget = int(limit * cc.gpu_memory_utilization) - in_use - act
+            warn_over_xla_planning_base(jax.local_devices()[0], in_use, budget)
         else:
             budget = cc.cpu_kv_cache_memory_bytes
     n = max(int(budget // per_block), 0)
@@ -92,6 +93,27 @@ def budget_blocks(cfg, config: EngineConfig, dtype, mesh=None, num_layers: int |
         n = int(np.min(multihost_utils.process_allgather(np.int32(min(n, np.iinfo(np.int32).max)))))
     return n, int(budget)
 
+
+
+# XLA's GPU scheduler and rematerialization plan a program's memory against this share of the device's memory
+XLA_PLANNING_SHARE = 0.8
+
+
+def warn_over_xla_planning_base(device, in_use: int, budget: int) -> bool:
+    """Log a warning (and return True) when the weights and arrays in use plus the KV budget exceed the share of
+    the GPU's memory XLA plans each program against: its rematerialization pass then cannot get under its limit
+    and compiles slowly or not at all (an 8B fp8 model under ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` did not
+    compile its prefill program in 140 s)."""
+    if device.platform != "gpu":
+        return False
+    total = device_memory.cuda_total_memory(device.local_hardware_id)
+    if not total or in_use + budget <= XLA_PLANNING_SHARE * total:
+        return False
+    logger.warning("the weights (%.1f GiB in use) and the KV cache budget (%.1f GiB) exceed %d%% of the GPU's "
+                   "%.1f GiB, the memory XLA plans each program against: compiles may be slow or fail; lower "
+                   "XLA_PYTHON_CLIENT_MEM_FRACTION or --gpu-memory-utilization", in_use / 2**30, budget / 2**30,
+                   round(100 * XLA_PLANNING_SHARE), total / 2**30)
+    return True
 
 def allocate(cfg, num_blocks: int, block_size: int, dtype, mesh=None, stages=None):
     """The per-layer caches, zeroed (under a mesh: placed with the cache's sharding; with pipeline

@@ -110,3 +110,15 @@ def test_an_explicit_max_model_len_that_does_not_fit_is_one_line_from_serve_and_
             rf"jaxserve {cmd[0]}: --max-model-len 512 does not fit the KV cache: \d+ blocks of 16 tokens in 10 MiB "
             r"hold (\d+) tokens for one request; lower --max-model-len to \1 or less, or give the cache more memory "
             r"\(--kv-cache-memory, --gpu-memory-utilization\)", lines[0]), out.stderr[-3000:]
+
+
+def test_a_budget_over_xla_planning_share_of_the_gpu_is_warned(monkeypatch, caplog):
+    from jaxserve.runner import kv_cache
+    monkeypatch.setattr(device_memory, "cuda_total_memory", lambda ordinal: 140 << 30)
+    gpu = FakeDevice("gpu", {})
+    # the H200 case: 8.5 GiB of fp8 weights and a 109.6 GiB cache (fraction 0.95) against 80 % of 140 GiB
+    with caplog.at_level("WARNING", logger=kv_cache.__name__):
+        assert kv_cache.warn_over_xla_planning_base(gpu, int(8.5 * 2**30), int(109.6 * 2**30))
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in caplog.text
+    assert not kv_cache.warn_over_xla_planning_base(gpu, int(8.5 * 2**30), int(84.3 * 2**30))   # fraction 0.75
+    assert not kv_cache.warn_over_xla_planning_base(FakeDevice("cpu", {}), 1 << 40, 1 << 40)

@@ -71,3 +71,45 @@ def device_arch(device) -> str | None:
     """``sm_XY`` of a ``jax.Device`` (not "native", so a cache shared by different GPUs keeps one build per kind)."""
     cc = str(getattr(device, "compute_capability", "") or "").replace(".", "")
     return f"sm_{cc}" if cc.isdigit() else None
+
+
+def resource_usage(source: Path, toolchain: Toolchain, *, arch: str = "sm_90a") -> dict[str, tuple[int, int, int]]:
+    """Per kernel of ``source`` compiled for ``arch`` (device code only, ``nvcc -cubin --resource-usage``):
+    ``name<template args> -> (registers, spill store bytes, spill load bytes)``; the name is the mangled one's
+    function and its template arguments as written in the mangling (``int4_gemv_kernel<bf16,0,4,4,2>``)."""
+    import re
+    import tempfile
+
+    import jax.ffi
+    nvcc = toolchain.find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("no nvcc found (set JAXSERVE_NVCC or CUDA_HOME)")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([nvcc, "-O3", "-std=c++17", f"-arch={arch}", "-cubin", "--resource-usage",
+                               "-isystem", jax.ffi.include_dir(), "-o", os.path.join(tmp, "out.cubin"),
+                               str(source)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    types = {"f": "f32", "13__nv_bfloat16": "bf16", "6__half": "f16"}
+    out = {}
+    for m in re.finditer(r"Function properties for (\S+)\n\s+\d+ bytes stack frame, (\d+) bytes spill stores, "
+                         r"(\d+) bytes spill loads\n[^\n]*Used (\d+) registers", proc.stdout + proc.stderr):
+        out[_kernel_name(m.group(1), types)] = (int(m.group(4)), int(m.group(2)), int(m.group(3)))
+    return out
+
+
+def _kernel_name(mangled: str, types: dict[str, str]) -> str:
+    """``_ZN<len><ns><len><name>I<args>E...`` -> ``name<args>`` (scale types by ``types``, literals bare)."""
+    import re
+    pos, name = mangled.find("N") + 1, mangled
+    while pos and (m := re.match(r"(\d+)", mangled[pos:])):      # the nested name's parts; the last is the kernel
+        start = pos + len(m.group(1))
+        name, pos = mangled[start:start + int(m.group(1))], start + int(m.group(1))
+    rest = mangled[pos:] if pos else ""
+    if not rest.startswith("I"):
+        return name
+    args = re.match(r"I((?:f|13__nv_bfloat16|6__half)?)((?:L[bi]\d+E)*)E", rest)
+    if not args:
+        return name
+    parts = ([types[args.group(1)]] if args.group(1) else []) + re.findall(r"L[bi](\d+)E", args.group(2))
+    return f"{name}<{','.join(parts)}>"

@@ -79,9 +79,10 @@ struct Int4Columns {   // mma j's A rows g, g + 8 = the lane's columns 2j, 2j + 
 
 // kTall: more than 8 rows (a second mma per A tile for x's rows 8..15). kChunk: consecutive steps a warp loads
 // at once. kGroupSteps: consecutive steps of a chunk that share one group (gcd(kChunk, group / 32)): their
-// products are summed before the one scale multiply.
-template <typename S, bool kTall, int kChunk, int kGroupSteps>
-__global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
+// products are summed before the one scale multiply. kMinBlocks: resident blocks an SM the registers must allow
+// (2: <= 128 registers, the default; the occupancy variants ask 3 (<= 80) or 4 (<= 64)).
+template <typename S, bool kTall, int kChunk, int kGroupSteps, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) int4_gemv_kernel(
     const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ packed, const S* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ partials,
     unsigned* __restrict__ counters, int m, int k, int n, int group, int splits) {
@@ -199,11 +200,11 @@ __global__ void __launch_bounds__(kThreads, 2) int4_gemv_kernel(
   finish(acc, Int4Columns{}, nullptr, m, n, n0, split, splits, out, partials, counters);
 }
 
-template <typename S, bool kTall, int kChunk, int kGroupSteps>
+template <typename S, bool kTall, int kChunk, int kGroupSteps, int kMinBlocks>
 void launch(cudaStream_t stream, dim3 grid, const void* x, const void* packed, const void* scales,
             const void* zeros, void* out, void* partials, unsigned* counters, int m, int k, int n, int group,
             int splits) {
-  int4_gemv_kernel<S, kTall, kChunk, kGroupSteps><<<grid, kThreads, 0, stream>>>(
+  int4_gemv_kernel<S, kTall, kChunk, kGroupSteps, kMinBlocks><<<grid, kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<const uint32_t*>(packed), static_cast<const S*>(scales),
       static_cast<const uint8_t*>(zeros), static_cast<__nv_bfloat16*>(out), static_cast<float*>(partials),
       counters, m, k, n, group, splits);
@@ -213,96 +214,40 @@ void launch(cudaStream_t stream, dim3 grid, const void* x, const void* packed, c
 
 // The steps of a chunk sharing a group: gcd(kChunk, group / 32), from `pow2`, the largest power of two dividing
 // group / 32 (a chunk of 8 runs only for groups of 128 rows or more)
-template <typename S, bool kTall, int kChunk>
+template <typename S, bool kTall, int kChunk, int kMinBlocks>
 void launch_chunk(int pow2, cudaStream_t stream, dim3 grid, const void* x, const void* packed,
                   const void* scales, const void* zeros, void* out, void* partials, unsigned* counters, int m,
                   int k, int n, int group, int splits) {
   if (pow2 >= kChunk) {
-    launch<S, kTall, kChunk, kChunk>(JAXSERVE_INT4_ARGS);
+    launch<S, kTall, kChunk, kChunk, kMinBlocks>(JAXSERVE_INT4_ARGS);
   } else if constexpr (kChunk == kMaxChunk) {
-    launch<S, kTall, kChunk, kMinChunk>(JAXSERVE_INT4_ARGS);
+    launch<S, kTall, kChunk, kMinChunk, kMinBlocks>(JAXSERVE_INT4_ARGS);
   } else if (pow2 == 2) {
-    launch<S, kTall, kChunk, 2>(JAXSERVE_INT4_ARGS);
+    launch<S, kTall, kChunk, 2, kMinBlocks>(JAXSERVE_INT4_ARGS);
   } else {
-    launch<S, kTall, kChunk, 1>(JAXSERVE_INT4_ARGS);
+    launch<S, kTall, kChunk, 1, kMinBlocks>(JAXSERVE_INT4_ARGS);
   }
 }
 
 // The kernel instance for this call: chunks of 8 steps where asked for and registers allow (up to 8 rows, groups
-// of 128 rows or more), else 4
-template <typename S>
+// of 128 rows or more, the default 2 blocks an SM), else 4. `tall` only with kMinBlocks == 2.
+template <typename S, int kMinBlocks>
 void launch_for(bool tall, int chunk, int group_steps, cudaStream_t stream, dim3 grid, const void* x,
                 const void* packed, const void* scales, const void* zeros, void* out, void* partials,
                 unsigned* counters, int m, int k, int n, int group, int splits) {
   const int pow2 = group_steps & -group_steps;
-  if (tall) {
-    launch_chunk<S, true, kMinChunk>(pow2, JAXSERVE_INT4_ARGS);
-  } else if (chunk == kMaxChunk && pow2 >= kMinChunk) {
-    launch_chunk<S, false, kMaxChunk>(pow2, JAXSERVE_INT4_ARGS);
-  } else {
-    launch_chunk<S, false, kMinChunk>(pow2, JAXSERVE_INT4_ARGS);
+  if constexpr (kMinBlocks == 2) {
+    if (tall) {
+      launch_chunk<S, true, kMinChunk, kMinBlocks>(pow2, JAXSERVE_INT4_ARGS);
+    } else if (chunk == kMaxChunk && pow2 >= kMinChunk) {
+      launch_chunk<S, false, kMaxChunk, kMinBlocks>(pow2, JAXSERVE_INT4_ARGS);
+    } else {
+      launch_chunk<S, false, kMinChunk, kMinBlocks>(pow2, JAXSERVE_INT4_ARGS);
+    }
+  } else {   // the occupancy variants: up to 8 rows, chunks of 4 (8 would hold 64 registers of loads alone)
+    launch_chunk<S, false, kMinChunk, kMinBlocks>(pow2, JAXSERVE_INT4_ARGS);
   }
 }
 #undef JAXSERVE_INT4_ARGS
-
-ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer packed,
-                        ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> partials, int64_t group_size, int64_t splits, int64_t chunk,
-                        int64_t slot) {
-  const std::string name = "jaxserve int4 gemv: ";
-  if (device < 0 || device >= kMaxDevices || g_counters[device] == nullptr) {
-    return ffi::Error::InvalidArgument(name + "not initialized on CUDA device " + std::to_string(device));
-  }
-  const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scales.dimensions(), zd = zeros.dimensions();
-  if (xd.size() != 2 || pd.size() != 2 || sd.size() != 2 || zd.size() != 2) {
-    return ffi::Error::InvalidArgument(name + "x, packed, scales and zeros must be 2-D");
-  }
-  const int64_t m = xd[0], k = xd[1], n = pd[1];
-  if (x.element_type() != ffi::DataType::BF16 || out->element_type() != ffi::DataType::BF16 ||
-      packed.element_type() != ffi::DataType::S32 ||
-      (zeros.element_type() != ffi::DataType::S8 && zeros.element_type() != ffi::DataType::U8)) {
-    return ffi::Error::InvalidArgument(name + "x and the output bf16, packed int32, zeros int8");
-  }
-  if (m < 1 || m > kMaxRows || k % kStepK || n % 8 || pd[0] * 8 != k || group_size < kStepK ||
-      group_size % kStepK || k % group_size || sd[0] != k / group_size || sd[1] != n || zd[0] != sd[0] ||
-      zd[1] != n) {
-    return ffi::Error::InvalidArgument(name + "unsupported shapes (M <= 16, K and the group multiples of 32, "
-                                       "N of 8)");
-  }
-  const int64_t tiles = (n + kCols - 1) / kCols;
-  if (splits < 1 || splits > k / kStepK || (chunk != kMinChunk && chunk != kMaxChunk) || slot < 0 || slot >= kSlots ||
-      (splits > 1 && (tiles > kSlotTiles ||
-                      partials->element_count() < static_cast<size_t>(splits * m * n)))) {
-    return ffi::Error::InvalidArgument(name + "bad splits/chunk/slot or partials buffer");
-  }
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
-  unsigned* counters = g_counters[device] + slot * kSlotTiles;
-  const bool tall = m > 8;
-  const int gsteps = static_cast<int>(group_size / kStepK), ci = static_cast<int>(chunk);
-  const int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
-  const int gi = static_cast<int>(group_size), si = static_cast<int>(splits);
-  switch (scales.element_type()) {
-    case ffi::DataType::BF16:
-      launch_for<__nv_bfloat16>(tall, ci, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(),
-                                 scales.untyped_data(), zeros.untyped_data(), out->untyped_data(),
-                                 partials->untyped_data(), counters, mi, ki, ni, gi, si);
-      break;
-    case ffi::DataType::F16:
-      launch_for<__half>(tall, ci, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
-                          zeros.untyped_data(), out->untyped_data(), partials->untyped_data(), counters, mi, ki,
-                          ni, gi, si);
-      break;
-    case ffi::DataType::F32:
-      launch_for<float>(tall, ci, gsteps, stream, grid, x.untyped_data(), packed.untyped_data(), scales.untyped_data(),
-                         zeros.untyped_data(), out->untyped_data(), partials->untyped_data(), counters, mi, ki,
-                         ni, gi, si);
-      break;
-    default:
-      return ffi::Error::InvalidArgument(name + "scales must be bf16, f16 or f32");
-  }
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(name + "launch: " + cudaGetErrorString(e));
-  return ffi::Error::Success();
-}
 
 }  // namespace

@@ -1,9 +1,12 @@
 // Quantized decode GEMMs for 1..16 rows as XLA FFI custom calls, built and loaded by quant_gemv.py (which says
-// why and how they are used): int4 W4A16 (int4_gemv.cuh) and fp8 e4m3 weight-only W8A16 (fp8_gemv.cuh), both
+// why and how they are used): int4 W4A16 (int4_gemv.cuh; its warp-specialized variant int4_gemv_ws.cuh; the
+// handler int4_gemv_ffi.cuh) and fp8 e4m3 weight-only W8A16 (fp8_gemv.cuh), both
 // on the bf16 tensor cores with the weights as the mma's A operand, sharing the block shape and the split-K
 // end (gemv_common.cuh).
 #include "gemv_common.cuh"
 #include "int4_gemv.cuh"
+#include "int4_gemv_ws.cuh"
+#include "int4_gemv_ffi.cuh"
 #include "fp8_gemv.cuh"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Gemv, Int4GemvImpl,
@@ -19,7 +22,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4Gemv, Int4GemvImpl,
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("splits")
                                   .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("slot"),
+                                  .Attr<int64_t>("slot")
+                                  .Attr<int64_t>("variant"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFp8Gemv, Fp8GemvImpl,

@@ -16,6 +16,10 @@ partials in split order (deterministic) through a per-device arrival counter. An
 or 8 K steps (32 rows each) before their math; ``default_launch`` picks the chunk and the splits that fill the
 GPU with whole waves of blocks whose warps all have work.
 
+Variants of the int4 kernel (``VARIANTS``; the engine's is ``JAXSERVE_INT4_GEMV_VARIANT``, default the
+register-pipelined "v1"): the same kernel with registers capped for 3 or 4 blocks an SM, and a warp-specialized
+one fed by bulk asynchronous copies into shared memory (kernels/README.md, "to measure").
+
 Limits: bf16 activations, 1..16 rows, N a multiple of 8; int4: K and the group size multiples of 32, scales
 bf16, f16 or f32, zero points always applied (symmetric formats store 8) (``supports``); fp8: K a multiple of
 64, float32 scales (``supports_fp8``). Built with the machine's ``nvcc`` on first use (``cuda_build``);
@@ -44,6 +48,14 @@ WARPS = 8                       # warps per block, each taking every 8th chunk o
 BLOCKS_PER_SM = 2               # resident blocks of 256 threads at <= 128 registers
 SLOTS = 16                      # counter regions: consecutive calls use different ones
 SLOT_TILES = 4096               # column tiles per region
+# int4 kernel variants (the .cu's ``variant`` attribute is the index): "v1" the register-pipelined kernel (the
+# default); "occ3" / "occ4" the same with registers capped so 3 / 4 blocks fit an SM (<= 80 / 64 registers,
+# chunks of 4 steps; above 8 rows they spill, so the default kernel runs those); "ws" warp-specialized (a
+# producer warp's bulk copies into a shared-memory ring, 4 math warps, 128 columns a block: int4_gemv_ws.cuh)
+VARIANTS = ("v1", "occ3", "occ4", "ws")
+VARIANT_BLOCKS_PER_SM = {"v1": 2, "occ3": 3, "occ4": 4}
+WS_BLOCK_COLS = 128
+WS_STAGE_STEPS = 4              # K steps per shared-memory stage
 
 _lib = None
 _load_lock = threading.Lock()      # steps are traced on several threads at once
@@ -112,11 +124,26 @@ def default_fp8_splits(k: int, n: int, sms: int) -> int:
     return good[0] if good else max(options, key=lambda s: (fill(steps * STEP_K, n, sms, 2, s), -s))
 
 
-def chunk_steps(m: int, group_size: int, chunk: int) -> int:
+def chunk_steps(m: int, group_size: int, chunk: int, variant: str = "v1") -> int:
     """The steps per warp load the kernel runs when asked for ``chunk``: 8 only up to 8 rows and for groups of
-    128 rows or more (else its registers spill), 4 otherwise (as the .cu's ``launch_for``)."""
+    128 rows or more (else its registers spill), 4 otherwise and in every other variant (as the .cu's
+    ``launch_for``)."""
     g = group_size // STEP_K
-    return 8 if chunk == 8 and m <= 8 and (g & -g) >= 4 else 4
+    return 8 if chunk == 8 and m <= 8 and (g & -g) >= 4 and variant == "v1" else 4
+
+
+def blocks_per_sm(variant: str, m: int) -> int:
+    """Resident blocks an SM the variant's launch plans for (its registers; above 8 rows the occupancy variants
+    run the default kernel)."""
+    return VARIANT_BLOCKS_PER_SM[variant if m <= 8 else "v1"]
+
+
+def default_ws_splits(k: int, n: int, sms: int) -> int:
+    """``ws``'s K splits: the fewest that give every SM two blocks (two rings of 32 KB in flight), at most one
+    stage of 4 steps a split."""
+    tiles = -(-n // WS_BLOCK_COLS)
+    stages = -(-(k // STEP_K) // WS_STAGE_STEPS)
+    return max(1, min(stages, -(-2 * sms // tiles)))
 
 
 def max_splits(k: int, chunk: int = 4) -> int:
@@ -124,48 +151,54 @@ def max_splits(k: int, chunk: int = 4) -> int:
     return -(-(k // STEP_K) // chunk)
 
 
-def fill(k: int, n: int, sms: int, chunk: int, splits: int) -> float:
-    """How full the launch keeps the GPU: the waves of resident blocks it fills (1.0: whole waves), times the
-    share of a block's warps that have a chunk of K to load."""
+def fill(k: int, n: int, sms: int, chunk: int, splits: int, per_sm: int = BLOCKS_PER_SM) -> float:
+    """How full the launch keeps the GPU: the waves of resident blocks (``per_sm`` an SM) it fills (1.0: whole
+    waves), times the share of a block's warps that have a chunk of K to load."""
     blocks = -(-n // BLOCK_COLS) * splits
-    slots = BLOCKS_PER_SM * sms
+    slots = per_sm * sms
     busy = min(1.0, max_splits(k, chunk) / splits / WARPS)
     return blocks / (-(-blocks // slots) * slots) * busy
 
 
-def default_launch(m: int, k: int, n: int, group_size: int, sms: int) -> tuple[int, int]:
+def default_launch(m: int, k: int, n: int, group_size: int, sms: int, variant: str = "v1") -> tuple[int, int]:
     """``(chunk, splits)``: over the chunk sizes this call can run, the fewest K splits whose blocks fill at
     least one wave of ``sms`` SMs at least 90 % (``fill``); the fullest launch where none does, the larger
-    chunk on a tie (more bytes in flight per warp)."""
+    chunk on a tie (more bytes in flight per warp). ``ws``: chunk 4 (unused) and ``default_ws_splits``."""
+    if variant == "ws":
+        return 4, default_ws_splits(k, n, sms)
+    per_sm = blocks_per_sm(variant, m)
     best = None
-    for chunk in sorted({chunk_steps(m, group_size, c) for c in CHUNKS}, reverse=True):
+    for chunk in sorted({chunk_steps(m, group_size, c, variant) for c in CHUNKS}, reverse=True):
         tiles = -(-n // BLOCK_COLS)
-        options = [s for s in range(1, max_splits(k, chunk) + 1) if tiles * s >= BLOCKS_PER_SM * sms] or [1]
-        good = [s for s in options if fill(k, n, sms, chunk, s) >= 0.9]
-        splits = good[0] if good else max(options, key=lambda s: (fill(k, n, sms, chunk, s), -s))
-        score = fill(k, n, sms, chunk, splits)
+        options = [s for s in range(1, max_splits(k, chunk) + 1) if tiles * s >= per_sm * sms] or [1]
+        good = [s for s in options if fill(k, n, sms, chunk, s, per_sm) >= 0.9]
+        splits = good[0] if good else max(options, key=lambda s: (fill(k, n, sms, chunk, s, per_sm), -s))
+        score = fill(k, n, sms, chunk, splits, per_sm)
         if best is None or score > best[0] + 1e-9:
             best = (score, chunk, splits)
     return best[1], best[2]
 
 
-def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None, chunk: int | None = None):
+def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None, chunk: int | None = None,
+              variant: str = "v1"):
     """``x [M, K] @ w [K, N]`` for the int4 weight ``(packed, scales, zeros)`` (``int4_matmul_pallas``'s layout),
     bf16 out; ``load`` must have run in this process. ``splits`` (K splits across blocks) and ``chunk`` (steps
-    per warp load, 4 or 8): None for ``default_launch``'s."""
+    per warp load, 4 or 8): None for ``default_launch``'s; ``variant`` one of ``VARIANTS``."""
     import jax
     import jax.numpy as jnp
     from .device_info import num_sms
+    if variant not in VARIANTS:
+        raise ValueError(f"int4 GEMV variant {variant!r} not among {', '.join(VARIANTS)}")
     m, k = x.shape
     n = packed.shape[1]
-    auto_chunk, auto_splits = default_launch(m, k, n, group_size, num_sms())
-    chunk = chunk_steps(m, group_size, chunk or auto_chunk)
+    auto_chunk, auto_splits = default_launch(m, k, n, group_size, num_sms(), variant)
+    chunk = chunk_steps(m, group_size, chunk or auto_chunk, variant)
     splits = int(splits or (auto_splits if chunk == auto_chunk else max(1, min(auto_splits, max_splits(k, chunk)))))
     splits = min(splits, k // STEP_K)     # the kernel takes at most one K step per split
     partials = jax.ShapeDtypeStruct((splits * m * n if splits > 1 else 1,), jnp.float32)
     out, _ = jax.ffi.ffi_call(TARGET_INT4, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(
         x, packed, scales, zeros, group_size=np.int64(group_size), splits=np.int64(splits), chunk=np.int64(chunk),
-        slot=np.int64(next(_slots) % SLOTS))
+        slot=np.int64(next(_slots) % SLOTS), variant=np.int64(VARIANTS.index(variant)))
     return out
 
 

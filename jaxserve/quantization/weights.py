@@ -275,7 +275,8 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
 
 def _int4_kernel(kernel: str, x, packed, scales, zeros, group_size: int, live) -> jax.Array:
     if kernel == "ffi":
-        return quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=group_size)
+        return quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=group_size,
+                                    variant=envs.JAXSERVE_INT4_GEMV_VARIANT)
     m, k, n = x.shape[0], x.shape[1], packed.shape[1]
     live = live if live is not None and m > 1 else None
     cfg = int4_kernel.default_config(m, k, n, group_size, live_one=live is not None)

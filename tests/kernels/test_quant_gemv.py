@@ -220,6 +220,26 @@ def test_chunks_of_8_only_where_registers_allow():
     assert quant_gemv.chunk_steps(1, 128, 4) == 4
 
 
+@pytest.mark.parametrize("k,n", [(4096, 28672), (14336, 4096), (4096, 4096), (4096, 1024), (96, 8)])
+def test_the_variants_launches(k, n):
+    """The occupancy variants plan waves of 3 / 4 blocks an SM with chunks of 4 (above 8 rows: the default
+    kernel's launch); ws gives every SM two blocks where K has the stages, at most one stage a split."""
+    for m in (1, 4, 16):
+        if m > 8:
+            for variant in ("occ3", "occ4"):
+                assert quant_gemv.default_launch(m, k, n, 128, 132, variant) == \
+                    quant_gemv.default_launch(m, k, n, 128, 132, "v1")
+        for variant in ("occ3", "occ4", "ws"):
+            chunk, splits = quant_gemv.default_launch(m, k, n, 128, 132, variant)
+            assert chunk == 4 and splits >= 1
+        stages = -(-k // 128)
+        splits = quant_gemv.default_ws_splits(k, n, 132)
+        assert 1 <= splits <= stages
+        assert splits == stages or -(-n // 128) * splits >= 2 * 132
+    assert quant_gemv.blocks_per_sm("occ4", 8) == 4 and quant_gemv.blocks_per_sm("occ4", 9) == 2
+    assert quant_gemv.chunk_steps(1, 128, 8, "occ3") == 4
+
+
 @pytest.mark.slow     # nvcc takes about a minute: make test-slow
 def test_the_cuda_source_compiles_for_hopper(tmp_path):
     toolchain = cuda_build.Toolchain(cache_dir=tmp_path)
@@ -227,3 +247,31 @@ def test_the_cuda_source_compiles_for_hopper(tmp_path):
         pytest.skip("no nvcc on this machine")
     lib = quant_gemv.build(toolchain, arch="sm_90a")
     assert lib.exists() and lib.stat().st_size > 0
+
+
+@pytest.mark.slow     # device code only, about 30 s on two cores: make test-slow
+def test_every_int4_variant_compiles_within_its_register_budget(tmp_path):
+    """Each variant's kernels compile for Hopper with the registers their launch plans for: v1 and ws never
+    spill, the occupancy variants stay under their caps (3 blocks of 256 threads: 80; 4: 64) and spill at most
+    a few words at groups of 128 rows (what the engine's int4 weights use); ws fits 3 blocks of 160 threads."""
+    toolchain = cuda_build.Toolchain(cache_dir=tmp_path)
+    if toolchain.find_nvcc() is None:
+        pytest.skip("no nvcc on this machine")
+    usage = cuda_build.resource_usage(quant_gemv.SOURCE, toolchain, arch="sm_90a")
+    int4 = {k: v for k, v in usage.items() if k.startswith("int4_gemv_kernel<")}
+    ws = {k: v for k, v in usage.items() if k.startswith("int4_gemv_ws_kernel<")}
+    assert len(ws) == 3 * 2 * 3, sorted(ws)           # scale types x (<= 8 rows, more) x steps sharing a group
+    for name, (regs, spill_st, spill_ld) in ws.items():
+        assert regs <= 65536 // (3 * 160) and spill_st == spill_ld == 0, (name, regs, spill_st)
+    for min_blocks, cap in ((2, 128), (3, 80), (4, 64)):
+        kernels = {k: v for k, v in int4.items() if k.endswith(f",{min_blocks}>")}
+        assert kernels, min_blocks
+        for name, (regs, spill_st, spill_ld) in kernels.items():
+            assert regs <= cap, (name, regs)
+            if min_blocks == 2:
+                assert spill_st == spill_ld == 0, (name, spill_st)
+            else:
+                tall, group_steps = name.split("<")[1].split(",")[1], int(name.split(",")[3])
+                assert tall == "0", name                       # > 8 rows run the default kernel
+                if group_steps == 4:
+                    assert spill_st <= 8 and spill_ld <= 16, (name, spill_st, spill_ld)

@@ -2,11 +2,12 @@
 references. int4:
 random shapes with K and N tails (K not a multiple of the blocks' K ranges, N not of the 32-column tiles),
 groups of 32 / 64 / 128, zero points random or the symmetric 8, scales bf16 / f16 / f32, M = 1, 3, 16, chunks
-of 4 and 8 steps, K split across blocks or not (more splits than chunks too); the engine's int4 matmul taking
-it with ``JAXSERVE_INT4_FFI_GEMV=1``. fp8 (e4m3, W8A16): channel and 128 x 128-block scales, K a multiple of 64 but not of 128, N tails, M = 1,
+of 4 and 8 steps, K split across blocks or not (more splits than chunks too), every kernel variant
+(``quant_gemv.VARIANTS``; groups of 256 too, M = 8 as well); the engine's int4 matmul taking it with
+``JAXSERVE_INT4_FFI_GEMV=1`` (and ``JAXSERVE_INT4_GEMV_VARIANT=ws``). fp8 (e4m3, W8A16): channel and 128 x 128-block scales, K a multiple of 64 but not of 128, N tails, M = 1,
 3, 16; the engine's fp8 matmul taking it with ``JAXSERVE_FP8_FFI_GEMV=1``. Marked ``gpu``; on a GPU host with nvcc:
 
-    JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_int4_gemv_gpu.py
+    JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_quant_gemv_gpu.py
 """
 from __future__ import annotations
 
@@ -67,21 +68,57 @@ def test_matches_the_exact_product_and_the_reference(k, n, group, m, symmetric):
         assert _rel_err(got, k4.int4_matmul_reference(x, *args, group)) < 1e-2
 
 
-def test_repeated_calls_in_one_program_are_deterministic():
+VARIANT_CASES = CASES + [(1024, 136, 256)]   # + groups wider than a ws stage
+
+
+@pytest.mark.parametrize("variant", [v for v in quant_gemv.VARIANTS if v != "v1"])
+@pytest.mark.parametrize("k,n,group", VARIANT_CASES)
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_every_variant_matches_the_exact_product_and_the_reference(variant, k, n, group, m, symmetric):
+    """The occupancy variants and the warp-specialized one (K tails inside a stage, N tails inside a 128-column
+    block, whole consumer warps past N, more splits than stages) against the exact product and the reference."""
+    rng = np.random.default_rng(k + n + m + symmetric)
+    scale_dtype = (np.float16, jnp.bfloat16, np.float32)[(k + m) % 3]
+    args, w = _weight(rng, k, n, group, scale_dtype, symmetric)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    exact = np.asarray(x, np.float64) @ w
+    for splits in (None, 1, 3, 7):
+        f = jax.jit(lambda x, *a, s=splits: quant_gemv.int4_gemv(x, *a, group_size=group, splits=s, variant=variant))
+        got = f(x, *args)
+        assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+        assert np.isfinite(np.asarray(got, np.float32)).all(), splits
+        assert _rel_err(got, exact) < 4e-3, (splits, _rel_err(got, exact))
+        assert _rel_err(got, k4.int4_matmul_reference(x, *args, group)) < 1e-2
+
+
+def test_an_unknown_variant_is_refused():
+    x = jnp.zeros((1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="variant"):
+        quant_gemv.int4_gemv(x, jnp.zeros((8, 8), jnp.int32), jnp.zeros((2, 8), jnp.bfloat16),
+                             jnp.zeros((2, 8), jnp.int8), group_size=32, variant="nope")
+
+
+@pytest.mark.parametrize("variant", quant_gemv.VARIANTS)
+def test_repeated_calls_in_one_program_are_deterministic(variant):
     """Split-K calls back to back (each last block resets its counters for the next call) give the same bits."""
     rng = np.random.default_rng(0)
     args, _ = _weight(rng, 4096, 6144, 128, jnp.bfloat16, False)
     x = jnp.asarray(rng.standard_normal((4, 4096)), jnp.bfloat16)
-    f = jax.jit(lambda x, *a: [quant_gemv.int4_gemv(x, *a, group_size=128, splits=4, chunk=8) for _ in range(20)])
+    f = jax.jit(lambda x, *a: [quant_gemv.int4_gemv(x, *a, group_size=128, splits=4, chunk=8, variant=variant)
+                               for _ in range(20)])
     outs = [np.asarray(o, np.float32) for o in f(x, *args) + f(x, *args)]
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
 
 
+@pytest.mark.parametrize("variant", [None, "ws"])
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_the_engine_matmul_runs_it_when_switched_on(m, monkeypatch):
+def test_the_engine_matmul_runs_it_when_switched_on(m, variant, monkeypatch):
     from jaxserve.quantization import online, weights
     monkeypatch.setenv("JAXSERVE_INT4_FFI_GEMV", "1")
+    if variant:
+        monkeypatch.setenv("JAXSERVE_INT4_GEMV_VARIANT", variant)
     k, n, group = 4096, 4096, 128
     w = online.quantize_int4(jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16) * 0.02, group, jnp.bfloat16)
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)

@@ -1,0 +1,101 @@
+"""The int4 CUDA GEMV's variants (``kernels/quant_gemv.py`` ``VARIANTS``) side by side, in one process: us per
+call and % of the read ceiling at Llama-3.1-8B's projection shapes, each variant first checked against the
+default one ("v1") on the same inputs.
+
+    python -m jaxserve.benchmarks.int4_gemv_variants --variants v1,occ3,occ4,ws,ws@2 --m 1,4,16
+
+A variant may name its K splits after ``@`` (``ws@2``); without, the variant's default launch. Timing as
+kernel_bench's quant section (``--layers`` distinct weights per program, no L2 repeat), the variants
+interleaved over ``--rounds`` rounds and the best round kept. Bytes read: packed weights, scales and zero points.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import numpy as np
+
+from .kernel_bench import INT4_GROUP, LLAMA8B_PROJECTIONS, Bench, Sizes, _activations, _layered, call_seconds
+
+
+def _int4_weights(k: int, n: int, layers: int) -> list:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.quantization import online
+    quant4 = jax.jit(lambda w: online.quantize_int4(w, INT4_GROUP, jnp.bfloat16))
+    return [quant4(jax.random.normal(jax.random.key(layer), (k, n), jnp.bfloat16) * 0.02) for layer in range(layers)]
+
+
+def parse_variants(text: str) -> list[tuple[str, int | None]]:
+    """``"v1,ws@2"`` -> ``[("v1", None), ("ws", 2)]``; unknown names raise ValueError."""
+    from jaxserve.kernels import quant_gemv
+    out = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        name, _, splits = spec.partition("@")
+        if name not in quant_gemv.VARIANTS:
+            raise ValueError(f"--variants: {name!r} not among {', '.join(quant_gemv.VARIANTS)}")
+        out.append((name, int(splits) if splits else None))
+    return out
+
+
+def variants_table(b: Bench, variants: list[tuple[str, int | None]], rounds: int) -> None:
+    import jax
+
+    from jaxserve.kernels import quant_gemv
+    from jaxserve.parallel.collectives import kernel_toolchain
+    quant_gemv.load(kernel_toolchain())
+    S = b.S
+    labels = [f"{v}@{s}" if s else v for v, s in variants]
+    b.emit(f"\n## int4 CUDA GEMV variants, {S.layers} weights per program, best of {rounds} interleaved rounds; "
+           "us per call (% of the read ceiling); err: max |y - y_v1| / max |y_v1|\n"
+           f"| shape | M | {' | '.join(labels)} | max err |\n|---|---|{'---|' * len(labels)}---|")
+    for name, k, n in S.projections:
+        ws = _int4_weights(k, n, S.layers)
+        nbytes = sum(a.nbytes for a in (ws[0].packed, ws[0].scales, ws[0].zeros))
+        for m in S.quant_m:
+            xs = _activations(m, k, S.layers)
+            fns = [_layered(lambda x, w, v=v, s=s: quant_gemv.int4_gemv(
+                x, w.packed, w.scales, w.zeros, group_size=w.group_size, splits=s, variant=v)) for v, s in variants]
+            ref = np.asarray(quant_gemv.int4_gemv(xs[0], ws[0].packed, ws[0].scales, ws[0].zeros,
+                                                  group_size=ws[0].group_size), np.float32)
+            err = max(float(np.max(np.abs(np.asarray(f(xs[:1], ws[:1])[0], np.float32) - ref)))
+                      for f in fns) / max(float(np.max(np.abs(ref))), 1e-30)
+            best = [float("inf")] * len(fns)
+            for _ in range(rounds):
+                for i, f in enumerate(fns):
+                    best[i] = min(best[i], min(call_seconds(f, xs, ws, calls=10, repeats=1)) / S.layers * 1e6)
+            cells = [f"{us:.1f} ({b.read_pct(nbytes / us * 1e6):.0f})" for us in best]
+            b.emit(f"| {name} {k}x{n} | {m} | {' | '.join(cells)} | {err:.1e} |")
+            b.rows.append((f"{name} {k}x{n} M={m}", ", ".join(f"{lab} {us:.1f} us" for lab, us in zip(labels, best))))
+            jax.clear_caches()
+        del ws
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxserve.kernels import quant_gemv
+    ap = argparse.ArgumentParser(prog="python -m jaxserve.benchmarks.int4_gemv_variants", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(quant_gemv.VARIANTS), help="comma list, NAME or NAME@SPLITS")
+    ap.add_argument("--m", default="1,4,16", help="token counts")
+    ap.add_argument("--layers", type=int, default=Sizes.layers, help="distinct weights per program")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hardware", default="auto", help="ceilings from configs/hardware (auto: the device's kind)")
+    ap.add_argument("--shapes", default=None, help="comma list of projection names (default all: "
+                                                   f"{', '.join(p[0] for p in LLAMA8B_PROJECTIONS)})")
+    a = ap.parse_args(argv)
+    try:
+        variants = parse_variants(a.variants)
+    except ValueError as e:
+        ap.error(str(e))
+    shapes = tuple(p for p in LLAMA8B_PROJECTIONS if a.shapes is None or p[0] in a.shapes.split(","))
+    sizes = dataclasses.replace(Sizes(), projections=shapes, layers=a.layers,
+                                quant_m=tuple(int(v) for v in a.m.split(",") if v))
+    b = Bench(sizes, a.hardware)
+    variants_table(b, variants, a.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,7 +19,7 @@ from PIL import Image
 
 from support.fake_devices import fake_device_report
 from support.tiny_models import PagedRunner, hf_logits
-from support.vision import GREEDY, VisionFixture
+from support.vision import GREEDY, VisionFixture, looked_up
 
 NAMES = ("tiny-qwen2.5-vl", "tiny-qwen2-vl")
 FIXTURES = {name: VisionFixture(name, max_num_batched_tokens=128) for name in NAMES}
@@ -305,79 +305,6 @@ def test_mrope_positions_as_hf():
     full = mrope_positions(np.arange(40), feats)     # the general path, over the images
     for start in (13, 14, 27):                       # tokens past the last image only: the decode path
         np.testing.assert_array_equal(mrope_positions(np.arange(start, 40), feats), full[:, start:])
-
-
-def test_payload_is_the_processors_patches_by_merge_block():
-    """The tower's pixel payload made from the processor's flattened patches (``patch_blocks``, the front end)
-    is the image's merge blocks as ``image_blocks`` lays them out, for grids of odd block counts too."""
-    from transformers import Qwen2VLImageProcessorPil
-
-    from jaxserve.models.layers.qwen_vision import image_blocks
-    from jaxserve.multimodal.processing import patch_blocks
-    proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 64)
-    rng = np.random.default_rng(0)
-    for h, w in ((112, 168), (28, 84), (140, 196)):
-        image = rng.standard_normal((3, h, w)).astype(np.float32)
-        patches, gh, gw = proc.patchify(image, patch_size=14, merge_size=2, temporal_patch_size=2)
-        payload = patch_blocks(patches, np.array([1, gh, gw]), proc)
-        assert payload.shape == (h // 28, w // 28, 4 * 3 * 14 * 14) and payload.dtype == np.float32
-        np.testing.assert_array_equal(payload, image_blocks(image, 14, 2))
-
-
-def looked_up(payload: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """A uint8 payload ``[lh, lw, merge**2 * C * p * p]`` through its ``[C, 256]`` value table, on the host."""
-    lh, lw, k = payload.shape
-    c = table.shape[0]
-    blocks = payload.reshape(lh, lw, -1, c, k // (4 * c)).astype(np.intp)
-    return table[np.arange(c)[:, None], blocks].reshape(lh, lw, k)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_byte_payload_encodes_as_the_processors_pixels(dtype):
-    """An RGB image goes to the core as its bytes and a value table per channel (``QwenVLPixels``): looked
-    up, they are the processor's payload bit for bit, and the encoder's slab rows for them equal those for
-    that payload exactly (the tower looks the bytes up on the device), in a bucket with padding patches."""
-    from jaxserve.models.loader import load_model
-    from jaxserve.multimodal.inputs import ImageFeature
-    from jaxserve.multimodal.processing import ImageProcessing
-    vl = FIXTURES[NAMES[0]]
-    model = load_model(vl.folder, dtype=dtype)
-    proc = ImageProcessing.from_folder(vl.folder, model.config.extra_dict, dtype=dtype)
-    slow = ImageProcessing.from_folder(vl.folder, model.config.extra_dict, dtype=dtype)
-    slow._qwen_vl = None                                    # transformers' processor
-    cache = encoder(model, min_patches=256, max_batch=2)
-    for name in ("wide.png", "tall.png"):
-        image = vl.image(name).convert("RGB")
-        (px, extra, digest), = proc.process_image(image)
-        (want, want_extra, want_digest), = slow.process_image(image)
-        assert px.dtype == np.uint8 and extra["pixel_table"].dtype == want.dtype and digest == want_digest
-        np.testing.assert_array_equal(looked_up(px, extra["pixel_table"]), want)
-        n = proc.num_tokens(px, extra)
-        assert n == slow.num_tokens(want, want_extra)
-        cache.encode([ImageFeature(name, 0, n, px, extra), ImageFeature(name + "-f", 0, n, want, want_extra)])
-        slab = np.asarray(cache.slab)
-        np.testing.assert_array_equal(slab[cache.rows[name]], slab[cache.rows[name + "-f"]])
-    assert {k[1] for k in cache.compiler.keys()} == {f"uint8>{dtype}", dtype}
-
-
-def test_bfloat16_payload_encodes_as_float32_pixels():
-    """A bfloat16 model's payload sent in bfloat16 (what the front end makes for it) encodes exactly as the
-    float32 payload the tower casts on the device."""
-    import ml_dtypes
-
-    from jaxserve.models.loader import load_model
-    from jaxserve.multimodal.processing import ImageProcessing
-    vl = FIXTURES[NAMES[0]]
-    model = load_model(vl.folder, dtype="bfloat16")
-    image = vl.image("wide.png").convert("RGB")
-    proc16 = ImageProcessing.from_folder(vl.folder, model.config.extra_dict, dtype="bfloat16")
-    (u8, extra, _), = proc16.process_image(image)
-    px16 = looked_up(u8, extra["pixel_table"])
-    px32 = ImageProcessing.from_folder(vl.folder, model.config.extra_dict)._qwen_vl(image, np.float32)[0]
-    assert px16.dtype == ml_dtypes.bfloat16 and px32.dtype == np.float32
-    np.testing.assert_array_equal(px16, px32.astype(ml_dtypes.bfloat16))
-    a, b = (np.asarray(model.family.encode_images(model.params, px[None], model.config)) for px in (px16, px32))
-    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow     # a bfloat16 engine of its own (~25 s)

@@ -66,5 +66,6 @@ def test_a_phase_on_another_thread_is_overlapped_and_not_in_the_total(caplog):
     side.join()
     assert phase_lines(caplog.text)["config/tokenizer"][0].endswith("(overlapped)")
     summary = startup_timeline.summary()
-    assert re.search(r"config/tokenizer 0\.[23] s \(overlapped\); total", summary)
+    # (another engine's tokenizer thread, left from an earlier test in this worker, may add its own after it)
+    assert re.search(r"config/tokenizer 0\.[23] s \(overlapped\)(; total|, )", summary)
     assert summary.rpartition("; ")[2] == total_before

@@ -71,6 +71,62 @@ template <> struct Scales<float> {
   __device__ static float at(const uint32_t (&w)[kWords], int j) { return __uint_as_float(w[j]); }
 };
 
+// bf16x2 (128 + z, 128 + z) of each of the thread's 4 columns, from their packed zero-point word: one byte
+// permute each
+__device__ __forceinline__ void zero_pairs(uint32_t zw, uint32_t (&zz)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) zz[i] = __byte_perm(zw, 0x43434343u, 0x4040u | (0x101u * i));
+}
+
+// One step (4 packed rows) of the thread's 4 columns against x's kBlocks 8-row blocks, into t[mma j][block]:
+// B fragments are (x[8r + p], x[8r + p + 4]) pairs of both k16 halves, A the columns' nibble pairs (p, p + 4)
+// as exact bf16 q - z
+template <int kBlocks>
+__device__ __forceinline__ void mma_step(const uint4& wv, const uint4 (&xs)[2], const uint32_t (&zz)[4],
+                                         float (&t)[2][2][4]) {
+  uint32_t b[2][4];
+#pragma unroll
+  for (int blk = 0; blk < kBlocks; ++blk) {
+    b[blk][0] = __byte_perm(xs[blk].x, xs[blk].z, 0x5410);
+    b[blk][1] = __byte_perm(xs[blk].x, xs[blk].z, 0x7632);
+    b[blk][2] = __byte_perm(xs[blk].y, xs[blk].w, 0x5410);
+    b[blk][3] = __byte_perm(xs[blk].y, xs[blk].w, 0x7632);
+  }
+  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+  uint32_t d[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int pr = 0; pr < 4; ++pr) d[i][pr] = sub_bf16x2(nibbles_to_bf16x2(words[i] >> (4 * pr)), zz[i]);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int blk = 0; blk < kBlocks; ++blk) {
+      mma_bf16(t[j][blk], d[2 * j][0], d[2 * j + 1][0], d[2 * j][1], d[2 * j + 1][1], b[blk][0], b[blk][1]);
+      mma_bf16(t[j][blk], d[2 * j][2], d[2 * j + 1][2], d[2 * j][3], d[2 * j + 1][3], b[blk][2], b[blk][3]);
+    }
+  }
+}
+
+// A group's products t scaled once by its columns' scales into the accumulators
+template <typename S, int kBlocks>
+__device__ __forceinline__ void add_scaled(float* acc, const float (&t)[2][2][4],
+                                           const uint32_t (&sc)[Scales<S>::kWords]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float s_even = Scales<S>::at(sc, 2 * j), s_odd = Scales<S>::at(sc, 2 * j + 1);
+#pragma unroll
+    for (int blk = 0; blk < kBlocks; ++blk) {
+      float* a = acc + 8 * j + 4 * blk;
+      a[0] = fmaf(s_even, t[j][blk][0], a[0]);
+      a[1] = fmaf(s_even, t[j][blk][1], a[1]);
+      a[2] = fmaf(s_odd, t[j][blk][2], a[2]);
+      a[3] = fmaf(s_odd, t[j][blk][3], a[3]);
+    }
+  }
+}
+
 struct Int4Columns {   // mma j's A rows g, g + 8 = the lane's columns 2j, 2j + 1 (4 per lane, from n0 + 4g)
   __device__ int operator()(int v, int lane, int n0) const {
     return n0 + 4 * (lane >> 2) + 2 * (v >> 3) + ((v & 3) >> 1);
@@ -141,53 +197,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) int4_gemv_kernel(
     }
 #pragma unroll
     for (int q = 0; q < kGroups; ++q) {
-      uint32_t zz[4];   // bf16x2 (128 + z, 128 + z) of each of the thread's columns: one byte permute
-#pragma unroll
-      for (int i = 0; i < 4; ++i) zz[i] = __byte_perm(zw[q], 0x43434343u, 0x4040u | (0x101u * i));
+      uint32_t zz[4];
+      zero_pairs(zw[q], zz);
       float t[2][2][4] = {};
 #pragma unroll
       for (int v = 0; v < kGroupSteps; ++v) {
         const int u = q * kGroupSteps + v;
-        // B fragments of x's two row blocks, both k16 halves: (x[8r + p], x[8r + p + 4]) pairs (zeros past the
-        // range: no-ops)
-        uint32_t b[2][4];
         const uint4 xs[2] = {xa[u], xb[u]};
-#pragma unroll
-        for (int blk = 0; blk < kBlocks; ++blk) {
-          b[blk][0] = __byte_perm(xs[blk].x, xs[blk].z, 0x5410);
-          b[blk][1] = __byte_perm(xs[blk].x, xs[blk].z, 0x7632);
-          b[blk][2] = __byte_perm(xs[blk].y, xs[blk].w, 0x5410);
-          b[blk][3] = __byte_perm(xs[blk].y, xs[blk].w, 0x7632);
-        }
-        // A: the 4 columns' nibble pairs (p, p + 4) as exact bf16 q - z
-        const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
-        uint32_t d[4][4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-          for (int pr = 0; pr < 4; ++pr) d[i][pr] = sub_bf16x2(nibbles_to_bf16x2(words[i] >> (4 * pr)), zz[i]);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-#pragma unroll
-          for (int blk = 0; blk < kBlocks; ++blk) {
-            mma_bf16(t[j][blk], d[2 * j][0], d[2 * j + 1][0], d[2 * j][1], d[2 * j + 1][1], b[blk][0], b[blk][1]);
-            mma_bf16(t[j][blk], d[2 * j][2], d[2 * j + 1][2], d[2 * j][3], d[2 * j + 1][3], b[blk][2], b[blk][3]);
-          }
-        }
+        mma_step<kBlocks>(w[u], xs, zz, t);
       }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float s_even = Scales<S>::at(sc[q], 2 * j), s_odd = Scales<S>::at(sc[q], 2 * j + 1);
-#pragma unroll
-        for (int blk = 0; blk < kBlocks; ++blk) {
-          float* a = acc + 8 * j + 4 * blk;
-          a[0] = fmaf(s_even, t[j][blk][0], a[0]);
-          a[1] = fmaf(s_even, t[j][blk][1], a[1]);
-          a[2] = fmaf(s_odd, t[j][blk][2], a[2]);
-          a[3] = fmaf(s_odd, t[j][blk][3], a[3]);
-        }
-      }
+      add_scaled<S, kBlocks>(acc, t, sc[q]);
     }
    };
    if (s0 + kChunk <= hi) {

@@ -57,19 +57,15 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   auto run = [&](auto scale_type) {
     using S = decltype(scale_type);
     switch (variant) {
-      case kOcc3:   // up to 8 rows (more spill hundreds of bytes under the cap: the default kernel runs them)
-        if (!tall) {
-          launch_for<S, 3>(false, ci, gsteps, stream, grid, xp, pp, sp, zp, op, tp, counters, mi, ki, ni, gi, si);
-          break;
-        }
-        launch_for<S, 2>(true, ci, gsteps, stream, grid, xp, pp, sp, zp, op, tp, counters, mi, ki, ni, gi, si);
-        break;
+      case kOcc3:   // up to 8 rows (more spill hundreds of bytes under the caps: the default kernel runs them)
       case kOcc4:
-        if (!tall) {
+        if (tall) {
+          launch_for<S, 2>(true, ci, gsteps, stream, grid, xp, pp, sp, zp, op, tp, counters, mi, ki, ni, gi, si);
+        } else if (variant == kOcc3) {
+          launch_for<S, 3>(false, ci, gsteps, stream, grid, xp, pp, sp, zp, op, tp, counters, mi, ki, ni, gi, si);
+        } else {
           launch_for<S, 4>(false, ci, gsteps, stream, grid, xp, pp, sp, zp, op, tp, counters, mi, ki, ni, gi, si);
-          break;
         }
-        launch_for<S, 2>(true, ci, gsteps, stream, grid, xp, pp, sp, zp, op, tp, counters, mi, ki, ni, gi, si);
         break;
       case kWs:
         launch_ws_for<S>(tall, gsteps, stream, static_cast<int>(tiles), xp, pp, sp, zp, op, tp, counters, mi, ki,

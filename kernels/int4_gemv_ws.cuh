@@ -183,8 +183,7 @@ __global__ void __launch_bounds__(kWsThreads, kWsMinBlocks) int4_gemv_ws_kernel(
 #pragma unroll
     for (int q = 0; q < kGroups; ++q) {
       uint32_t zz[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) zz[j] = __byte_perm(zw[q], 0x43434343u, 0x4040u | (0x101u * j));
+      zero_pairs(zw[q], zz);
       float t[2][2][4] = {};
 #pragma unroll
       for (int v = 0; v < kGroupSteps; ++v) {
@@ -194,43 +193,10 @@ __global__ void __launch_bounds__(kWsThreads, kWsMinBlocks) int4_gemv_ws_kernel(
           uint4 xs[2];
           xs[0] = *reinterpret_cast<const uint4*>(base + xa_off + 64 * u);
           xs[1] = kTall ? *reinterpret_cast<const uint4*>(base + xb_off + 64 * u) : make_uint4(0, 0, 0, 0);
-          uint32_t b[2][4];
-#pragma unroll
-          for (int blk = 0; blk < kBlocks; ++blk) {
-            b[blk][0] = __byte_perm(xs[blk].x, xs[blk].z, 0x5410);
-            b[blk][1] = __byte_perm(xs[blk].x, xs[blk].z, 0x7632);
-            b[blk][2] = __byte_perm(xs[blk].y, xs[blk].w, 0x5410);
-            b[blk][3] = __byte_perm(xs[blk].y, xs[blk].w, 0x7632);
-          }
-          const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
-          uint32_t d[4][4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int pr = 0; pr < 4; ++pr) d[j][pr] = sub_bf16x2(nibbles_to_bf16x2(words[j] >> (4 * pr)), zz[j]);
-          }
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-#pragma unroll
-            for (int blk = 0; blk < kBlocks; ++blk) {
-              mma_bf16(t[j][blk], d[2 * j][0], d[2 * j + 1][0], d[2 * j][1], d[2 * j + 1][1], b[blk][0], b[blk][1]);
-              mma_bf16(t[j][blk], d[2 * j][2], d[2 * j + 1][2], d[2 * j][3], d[2 * j + 1][3], b[blk][2], b[blk][3]);
-            }
-          }
+          mma_step<kBlocks>(wv, xs, zz, t);
         }
       }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float s_even = Scales<S>::at(sc[q], 2 * j), s_odd = Scales<S>::at(sc[q], 2 * j + 1);
-#pragma unroll
-        for (int blk = 0; blk < kBlocks; ++blk) {
-          float* a = acc + 8 * j + 4 * blk;
-          a[0] = fmaf(s_even, t[j][blk][0], a[0]);
-          a[1] = fmaf(s_even, t[j][blk][1], a[1]);
-          a[2] = fmaf(s_odd, t[j][blk][2], a[2]);
-          a[3] = fmaf(s_odd, t[j][blk][3], a[3]);
-        }
-      }
+      add_scaled<S, kBlocks>(acc, t, sc[q]);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);   // the warp's reads of this stage are done

@@ -2,7 +2,7 @@
 text tokens, then N text prompts of the same length, each under ``jax.profiler``; prints the wall time, the GPU's
 busy time and its kernels by total time for both.
 
-    python -m benchmarks.vision_profile --model qwen2.5-vl-7b --num-prompts 64 --image-size 1024
+    python -m jaxserve.benchmarks.vision_profile --model qwen2.5-vl-7b --num-prompts 64 --image-size 1024
 
 Random weights (``load_format dummy``); the image prompts are token ids with the model's image placeholder, so
 no chat template or tokenizer is needed. The warm-up sends two prompts of each kind and waits for the background

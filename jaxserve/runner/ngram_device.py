@@ -97,10 +97,11 @@ def append_and_propose(hist, hist_len, rows, emitted, counts, *, min_n, max_n, k
     dst = jnp.where(valid, rows, C)
     hist = hist.at[dst].set(h, mode="drop")
     hist_len = hist_len.at[dst].set(n, mode="drop")
-    drafts, count = lookup(h, n, min_n, max_n, k)
     if force:
         last = h[jnp.arange(R), jnp.clip(n - 1, 0, L - 1)]
         drafts, count = jnp.broadcast_to(last[:, None], (R, k)), jnp.full(R, k, jnp.int32)
+    else:
+        drafts, count = lookup(h, n, min_n, max_n, k)
     count = jnp.where(valid, count, 0)
     return (hist, hist_len, jnp.zeros((max_rows, k), jnp.int32).at[:R].set(drafts).reshape(-1),
             jnp.zeros(max_rows, jnp.int32).at[:R].set(count))

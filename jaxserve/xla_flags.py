@@ -10,10 +10,9 @@ from jaxserve import envs
 DEFAULTS = {
     # A step's CUDA graph is re-recorded, command by command, whenever a buffer it uses has moved since its last
     # call. The temp buffer moves nearly every call and nearly every command uses it, so the re-record bounded
-    # launch-bound steps (Qwen3-30B-A3B batch 1: 8.5 ms of host a step, 106-135 tok/s). SKIP_TEMP keeps the temp
-    # buffer at one virtual address (XLA maps it there; this selects XLA's VMM allocator), so a call updates only
-    # the commands whose inputs moved: 2.9 ms, 218-223 tok/s; Llama-3.1-8B batch 1 unchanged at 231 tok/s with
-    # 2.1 ms of host a step against 3.4 (benchmarks/results/README.md).
+    # launch-bound steps (MoE at batch 1). SKIP_TEMP keeps the temp buffer at one virtual address (XLA maps it
+    # there; this selects XLA's VMM allocator), so a call updates only the commands whose inputs moved. Measured
+    # in benchmarks/results/README.md (the command-buffer update mode row).
     "xla_gpu_command_buffer_update_mode": "SKIP_TEMP",
 }
 

@@ -14,8 +14,8 @@ XLA forms command buffers on the thunk sequence after emission (its CommandBuffe
 optimized HLO shows none: the counts come from the thunk sequence XLA dumps after its thunk passes. One JSON
 line says: ``command_buffers``, ``commands`` (thunks inside them), ``outside`` (top-level thunks outside any
 command buffer: each a launch of its own on every step, by thunk kind and the HLO op it came from), and the
-XLA flags the compile saw. Each step still walks every command of its graphs on the host to update the ones
-whose buffers moved, so ``commands`` is a launch-bound step's other cost.
+XLA flags the compile saw. With nothing outside, ``commands`` (what a call of the graph updates and launches)
+is what a launch-bound step's host time can grow with.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ altered the program XLA is given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import re
@@ -50,6 +51,7 @@ def abstract_variants(cfg, family, quantization: str | None, buckets: list[int],
     from jaxserve.options import from_kwargs
     from jaxserve.runner import kv_cache
     from jaxserve.runner.step_inputs import StepShapes
+    from jaxserve.runner.stats import moe_layers
     from jaxserve.runner.step_variants import StepVariants
 
     quant = dummy_quantization(quantization)
@@ -65,7 +67,7 @@ def abstract_variants(cfg, family, quantization: str | None, buckets: list[int],
     shapes = StepShapes(buckets, max_num_seqs, uniform_decode=backend != "reference")
     variants = StepVariants(loaded, config, shapes, backend=backend, kv_caches=caches, max_model_len=max_model_len,
                             max_blocks_per_seq=-(-max_model_len // 16), penalty_width=max_model_len,
-                            moe_layers=None)
+                            moe_layers=moe_layers(loaded))     # an MoE step returns its expert load, as the engine's
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     return variants, nbytes(params), nbytes(caches)
 
@@ -96,27 +98,40 @@ def weight_copies(compiled_text: str) -> list[str]:
     return out
 
 
-def lowered_for_cuda(variants, key):
-    """``key``'s forward lowered for CUDA (the Pallas kernels built on any host; nothing compiled)."""
+@contextlib.contextmanager
+def tracing_for_cuda(device_kind: str = "NVIDIA H200", num_cores: int = 132):
+    """Trace the step's GPU branches (Pallas kernels, GEMVs) on any host: jaxserve's ``jax.default_backend()``
+    reads "gpu", the kernels' GPU check passes, and an abstract mesh names the GPU the Pallas kernels build for."""
     from jaxserve.kernels import ops
 
+    saved_check, saved_backend = ops._check_gpu, jax.default_backend
+    ops._check_gpu = lambda interpret: None
+    jax.default_backend = lambda: "gpu"
+    # (an Auto axis: under an Explicit one the MoE's ragged_dot_general asks for its output's sharding)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=jax.sharding.AbstractDevice(
+                                         device_kind=device_kind, num_cores=num_cores, platform="gpu"))
+    try:
+        with jax.sharding.use_abstract_mesh(mesh):
+            yield
+    finally:
+        ops._check_gpu, jax.default_backend = saved_check, saved_backend
+
+
+def lowered_for_cuda(variants, key):
+    """``key``'s forward lowered for CUDA (the Pallas kernels built on any host; nothing compiled)."""
     jitted = variants.forward
 
     class ForCuda:
         def lower(self, *args, **static):
             return jitted.trace(*args, **static).lower(lowering_platforms=("cuda",))
 
-    saved_check, saved_backend = ops._check_gpu, jax.default_backend
     variants.forward = ForCuda()
-    ops._check_gpu = lambda interpret: None
-    jax.default_backend = lambda: "gpu"         # the GPU branches of the step (kernels, GEMVs) are traced
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     try:
-        with jax.sharding.use_abstract_mesh(mesh):
+        with tracing_for_cuda():
             return variants.lower(key)
     finally:
-        variants.forward, ops._check_gpu, jax.default_backend = jitted, saved_check, saved_backend
+        variants.forward = jitted
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,63 @@
+"""benchmarks/gpu_step_hlo.py: the decode step compiled for an H200 on this host, and its thunks counted inside
+and outside XLA's command buffers."""
+import importlib.util
+import json
+
+import pytest
+
+from jaxserve.benchmarks import gpu_step_hlo
+
+# XLA's dumps, cut down: a command buffer around a copy and a kernel, then a Pallas call and a while loop outside
+SEQUENCE = """000: kCommandBuffer [source | sink]
+    001: kCopy         [source       | next=002 (1)] kCopy
+    002: kCustomKernel [prev=001 (1) | sink        ] loop_add_fusion grid: [1, 1, 1]
+003: kCustomKernel [source | sink] ragged_paged_decode grid: [4, 8, 1]
+004: kWhile [source | sink]
+    005: kKernel [source | sink] body_fusion
+"""
+METADATA = """thunk_metadata {
+  thunk_info {
+    profile_annotation: "command_buffer_1"
+  }
+  thunk_kind: "kCommandBuffer"
+}
+thunk_metadata {
+  thunk_info {
+    profile_annotation: "pallas_call.8"
+    thunk_id: 3
+  }
+  thunk_kind: "kCustomKernel"
+}
+thunk_metadata {
+  thunk_info {
+    profile_annotation: "while.2"
+    thunk_id: 4
+  }
+  thunk_kind: "kWhile"
+}
+"""
+HLO = """ENTRY %main.2 (x: s32[4]) -> s32[4] {
+  %pallas_call.8 = (bf16[128,128]{1,0}) custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", api_version=4
+  ROOT %while.2 = (s32[4]{0}) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_thunk_counts_split_the_sequence_at_the_command_buffers():
+    counts = gpu_step_hlo.thunk_counts(SEQUENCE, METADATA, HLO)
+    assert counts["command_buffers"] == 1
+    assert counts["commands"] == 2 and counts["commands_by_kind"] == {"kCopy": 1, "kCustomKernel": 1}
+    assert counts["outside_by_kind"] == {"kCustomKernel custom-call __gpu$xla.gpu.triton": 1, "kWhile while": 1}
+    assert counts["outside"] == 2 and counts["nested_outside"] == 1
+
+
+@pytest.mark.slow      # ~11 s: one decoder layer compiled for the GPU
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                    reason="needs the CUDA PJRT plugin (pip install -e .[gpu-aot])")
+def test_a_one_layer_decode_step_compiles_for_an_h200_into_one_command_buffer(capsys):
+    assert gpu_step_hlo.main(["--model", "llama-3.1-8b", "--layers", "1"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["gpu"] == "NVIDIA H200" and row["variant"] == [4, True, 512]
+    assert row["command_buffers"] == 1 and row["outside"] == 0
+    # a layer's kernels (norms, QKV, the Pallas attention, o, MLP) and the head's are all in the graph
+    assert row["commands"] >= 15

@@ -3,6 +3,7 @@ on any host, no GPU needed.
 
     python -m jaxserve.benchmarks.gpu_step_hlo --model qwen3-30b-a3b --batch 1
     python -m jaxserve.benchmarks.gpu_step_hlo --model deepseek-v2-lite --gpu h100 --long --layers 4
+    python -m jaxserve.benchmarks.gpu_step_hlo --model llama-3.1-8b --moving
 
 Needs the CUDA PJRT plugin (``pip install -e .[gpu-aot]``: jax-cuda12-plugin, no CUDA libraries); on a host
 without CUDA it runs with JAX_PLATFORMS=cpu, the plugin only compiling. The step is the engine's decode-only
@@ -14,8 +15,10 @@ XLA forms command buffers on the thunk sequence after emission (its CommandBuffe
 optimized HLO shows none: the counts come from the thunk sequence XLA dumps after its thunk passes. One JSON
 line says: ``command_buffers``, ``commands`` (thunks inside them), ``outside`` (top-level thunks outside any
 command buffer: each a launch of its own on every step, by thunk kind and the HLO op it came from), and the
-XLA flags the compile saw. With nothing outside, ``commands`` (what a call of the graph updates and launches)
-is what a launch-bound step's host time can grow with.
+XLA flags the compile saw. With nothing outside, ``commands`` (what a call of the graph launches) is what a
+launch-bound step's host time can grow with. ``--moving`` adds ``moving_commands``: those among them that use
+an allocation whose address changes from call to call, which XLA updates on every call (``cmdbuf_updates``), by
+what moves (``moving_by_allocation``: a command may count under several).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import re
 import sys
 import tempfile
 import time
+
+from jaxserve.benchmarks import cmdbuf_updates
 
 # The GPUs' target descriptions (XLA's GpuTargetConfigProto, text): what XLA would query from the device.
 # The versions matter: below CUDA 12.3 XLA keeps custom calls, while loops and conditionals out of the graphs.
@@ -130,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's)")
     ap.add_argument("--long", action="store_true", help="the decode variant for contexts over 512 tokens")
     ap.add_argument("--dump", default=None, help="keep XLA's dumps in this folder (default: a temporary one)")
+    ap.add_argument("--moving", action="store_true",
+                    help="also count the commands that use an allocation whose address changes from call to call "
+                         "(the ones XLA updates on every call: cmdbuf_updates)")
     a = ap.parse_args(argv)
     import jax
 
@@ -144,6 +152,12 @@ def main(argv=None) -> int:
         sequence = found.get("thunk_sequence_after_thunk_passes", found["thunk_sequence"])
         counts = thunk_counts(sequence.read_text(),
                               found["thunk_metadata"].read_text(), compiled.as_text())
+        if a.moving:
+            assignment = {p.name.rsplit("-", 2)[-1]: p
+                          for p in pathlib.Path(dump).glob("*forward_fn*buffer-assignment*")}
+            counts.update(cmdbuf_updates.moving_commands(
+                sequence.read_text(), found["thunk_metadata"].read_text(), assignment["assignment.txt"].read_text(),
+                assignment["values.txt"].read_text(), skip_temp="SKIP_TEMP" in os.environ.get("XLA_FLAGS", "")))
     print(json.dumps({"model": a.model, "batch": a.batch, "variant": list(key[1:]), "gpu": GPUS[a.gpu]["name"],
                       **counts, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.kernels.metadata import AttentionMetadata
@@ -16,19 +17,24 @@ from jaxserve.runner.spec_shift import shift_back
 def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_tokens, mm_slab=None,
                mm_index=None, prev_rejected=None, hidden_src=None, prev_drafts=None, *, layout, decode_only=False,
                max_seq_len=None, stage=None, block_size=0, hidden_rows=0, hidden_width=0, aux_layers=()):
-    """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``. ``stage`` (first layer, end): one
-    pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the residual stream it
-    takes, and before the last it returns that stream instead of logits. ``hidden_rows``: also every row's
-    hidden state (the logits'; ``aux_layers``: the residual streams entering those layers, side by side, an
-    EAGLE-3 target's), padded to that many rows and ``hidden_width`` columns; ``hidden_src``: an EAGLE head's
-    step, each token's input hidden state is ``hidden_src[hidden_index]`` (a previous step's ``hidden``;
-    ``engine.eagle_proposer``; an EAGLE-3 head's own rows are marked by ``~row``). ``prev_drafts``: the
-    previous step's proposals on the device (``ngram_device``), which the draft slots take (``draft_index``)."""
+    """The step's forward: ``(kv_caches, logits[, hidden][, expert load])``; ``expert_load``: the expert load's
+    shape ``(MoE layers, experts)`` when the step returns it (``stats.moe_layers``), else None. ``stage`` (first
+    layer, end): one pipeline stage's part (``runner.pipeline``); after the first, ``prev_tokens`` is the
+    residual stream it takes, and before the last it returns that stream instead of logits. ``hidden_rows``:
+    also every row's hidden state (the logits'; ``aux_layers``: the residual streams entering those layers, side
+    by side, an EAGLE-3 target's), padded to that many rows and ``hidden_width`` columns; ``hidden_src``: an
+    EAGLE head's step, each token's input hidden state is ``hidden_src[hidden_index]`` (a previous step's
+    ``hidden``; ``engine.eagle_proposer``; an EAGLE-3 head's own rows are marked by ``~row``). ``prev_drafts``:
+    the previous step's proposals on the device (``ngram_device``), which the draft slots take
+    (``draft_index``)."""
     # The step's int32 inputs arrive packed in one buffer (one host-to-device copy; ``packing``).
-    x = packing.unpack(ints, None, layout)
     if stage is not None:
-        return _stage_forward(family, cfg, backend, params, kv_caches, x, prev_tokens, decode_only, max_seq_len,
-                              stage)
+        return _stage_forward(family, cfg, backend, params, kv_caches, packing.unpack(ints, None, layout),
+                              prev_tokens, decode_only, max_seq_len, stage)
+    rows = next(piece.shape[0] for piece in layout if piece.name == "logits_idx")
+    out_specs = [((rows, cfg.vocab_size), jnp.float32)] + ([(tuple(expert_load), jnp.int32)] if expert_load else [])
+    zero_outs, ints = _per_call_buffers_apart(ints, out_specs)
+    x = packing.unpack(ints, None, layout)
     # LoRA on: the adapter slots ride beside the weights, each token's slot in the inputs
     lora = {} if "lora" not in params else {"lora": (params["lora"], x["lora_slot"])}
     params = {k: v for k, v in params.items() if k != "lora"} if lora else params
@@ -67,12 +73,29 @@ def forward_fn(family, cfg, backend, expert_load, params, kv_caches, ints, prev_
             params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra) if expert_load else \
             (*family.forward(params, kv_caches, input_ids, positions, md, cfg, attn_backend=backend, **extra), None)
     # under a tp mesh: vocab-sharded logits gathered once ([R, vocab]) for the sampler
-    logits = gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
+    logits = zero_outs[0] + gather_logits(family.compute_logits(params, hidden[logits_indices], cfg))
     out = (kv_caches, logits)
     if hidden_rows:
         fed = hidden if fed is None else fed
         out += (jnp.pad(fed, ((0, hidden_rows - fed.shape[0]), (0, hidden_width - fed.shape[1]))),)
-    return (*out, load) if expert_load else out
+    return (*out, zero_outs[1] + load) if expert_load else out
+
+
+def _per_call_buffers_apart(ints, out_specs):
+    """(a zero buffer for each output in ``out_specs`` [(shape, dtype)], the packed inputs ``ints``) arranged
+    so that few commands of the step's CUDA graph use a buffer that is new on every call.
+
+    NOTE: on each call XLA updates the graph's commands that use a buffer whose address changed since the last
+    call (openxla/xla ``CommandExecutor::RecordUpdate``; ``benchmarks/cmdbuf_updates.py`` counts them). A
+    step's inputs and its outputs other than the donated KV cache are new buffers on every call. Left alone,
+    XLA spreads them over most commands: it places temporaries of every layer in an output's buffer while that
+    output is not yet live, and fuses slices of the packed inputs into each layer's kernels (the slot mapping
+    into every KV write). So each output is a zero buffer made before the layers run and added to at the end
+    (its buffer is busy the whole step and holds nothing else), and the inputs are copied once into a
+    temporary behind an optimization barrier, which XLA neither fuses through nor forwards."""
+    outs = tuple(jnp.zeros(shape, dtype) for shape, dtype in out_specs)
+    outs, zeros = jax.lax.optimization_barrier((outs, jnp.zeros_like(ints)))
+    return outs, jax.lax.optimization_barrier(ints | zeros)
 
 
 def _stage_forward(family, cfg, backend, params, kv_caches, x, carry, decode_only, max_seq_len, stage):

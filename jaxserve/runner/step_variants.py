@@ -101,7 +101,7 @@ class StepVariants(StepCompiler):
                             "forward-spec": {"donate_argnums": (1,), **fwd_out}, "spec-sample": samp_out,
                             "decode-loop": {"donate_argnums": (1,), **loop_out}}
         # bind_mesh: the forward traces under the mesh so attention runs in shard_map over "tp"
-        self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers is not None,
+        self.forward = jax.jit(bind_mesh(partial(forward_fn, model.family, self.cfg, backend, moe_layers,
                                                  block_size=config.cache.block_size, hidden_rows=self.hidden_rows,
                                                  hidden_width=self.hidden_width, aux_layers=self.aux_layers),
                                          mesh), static_argnames=("layout", "decode_only", "max_seq_len"),

@@ -55,9 +55,12 @@ def test_thunk_counts_split_the_sequence_at_the_command_buffers():
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
                     reason="needs the CUDA PJRT plugin (pip install -e .[gpu-aot])")
 def test_a_one_layer_decode_step_compiles_for_an_h200_into_one_command_buffer(capsys):
-    assert gpu_step_hlo.main(["--model", "llama-3.1-8b", "--layers", "1"]) == 0
+    assert gpu_step_hlo.main(["--model", "llama-3.1-8b", "--layers", "1", "--moving"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["gpu"] == "NVIDIA H200" and row["variant"] == [4, True, 512]
     assert row["command_buffers"] == 1 and row["outside"] == 0
     # a layer's kernels (norms, QKV, the Pallas attention, o, MLP) and the head's are all in the graph
     assert row["commands"] >= 15
+    # on each call XLA updates only the commands using the step's new buffers: the packed inputs' one copy, the
+    # previous tokens' gather and the logits' zero fill and final add (not the layer's kernels: step_functions)
+    assert row["moving_unmapped"] == 0 and row["moving_commands"] <= 4, row["moving_by_allocation"]

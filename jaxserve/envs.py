@@ -95,6 +95,11 @@ _REGISTRY: dict[str, EnvVar] = {
                                     "1 = fp8 weights of steps of <= 16 bf16 tokens run weight-only (W8A16) through "
                                     "the CUDA FFI GEMV (kernels/fp8_gemv.cuh) on a GPU with nvcc, per-channel and "
                                     "128x128-block scales alike (A/B runs)"),
+    "JAXSERVE_STEP_BUFFERS_APART": EnvVar(_flag, "1",
+                                          "1 = the step keeps its per-call buffers (packed inputs, outputs) out of "
+                                          "the layers' commands, so XLA updates a few commands of the step's CUDA "
+                                          "graph a call (runner.step_functions); 0 = XLA's own placement (an A/B "
+                                          "switch for the GPU host time)"),
     "JAXSERVE_SPEC_ASYNC": EnvVar(_optional_flag, None,
                                   "1 = n-gram speculation under async scheduling (each step placed as if the one "
                                   "in flight accepted all its drafts; drafts proposed on the device after every "

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve import envs
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.parallel import gather_logits
 from jaxserve.runner import packing, sampler as sampler_mod
@@ -94,6 +95,8 @@ def _per_call_buffers_apart(ints, out_specs):
     (its buffer is busy the whole step and holds nothing else), and the inputs are copied once into a
     temporary behind an optimization barrier, which XLA neither fuses through nor forwards."""
     outs = tuple(jnp.zeros(shape, dtype) for shape, dtype in out_specs)
+    if not envs.JAXSERVE_STEP_BUFFERS_APART:
+        return outs, ints
     outs, zeros = jax.lax.optimization_barrier((outs, jnp.zeros_like(ints)))
     return outs, jax.lax.optimization_barrier(ints | zeros)
 

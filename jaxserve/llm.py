@@ -1,12 +1,15 @@
 """The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, ``.chat(...)``, ``.embed(...)``.
 
 ``generate`` runs the engine to completion with FINAL_ONLY outputs. ``multiprocess=True`` (or
-JAXSERVE_ENABLE_MULTIPROCESSING=1) runs the engine core in its own process; the default is one process. A SamplingParams with n > 1 becomes n
-engine requests (``<id>_<i>``, seeds ``seed + i``), merged back into one RequestOutput by index, as the
-server does for its choices.
+JAXSERVE_ENABLE_MULTIPROCESSING=1) runs the engine core in its own process; the default is one process: either
+way the caller's thread steps the engine, and queues each prompt between steps, in prompt order, once its images
+are preprocessed on worker threads (``Admission``). A SamplingParams with n > 1 becomes n engine requests
+(``<id>_<i>``, seeds ``seed + i``), merged back into one RequestOutput by index, as the server does for its
+choices.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -17,6 +20,10 @@ from jaxserve.config import EngineConfig
 from jaxserve.options import from_kwargs
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+ADMIT_POLL_S = 0.01      # with the core in its own process: how long a step waits for outputs while
+                         # prompts are still being preprocessed
+_END = object()
 
 
 def engine_config_from_kwargs(model: str | None = None, **kw) -> EngineConfig:
@@ -57,6 +64,50 @@ def map_media(fn, items: list) -> list:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+class MediaAhead:
+    """``fn`` over ``items`` on up to ``VLLM_MEDIA_LOADING_THREAD_COUNT`` worker threads, at most ``window``
+    items (default: twice the threads) started and not taken yet, so that few results wait in memory: ``take()``
+    is the next item's result in order (waiting for it; its error raised), ``ready()`` whether it is done.
+    Closing drops the items not started and waits for those running."""
+
+    def __init__(self, fn, items: list, window: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+        threads = max(1, min(envs.VLLM_MEDIA_LOADING_THREAD_COUNT, len(items)))
+        self._fn, self._items, self._window = fn, iter(items), window or 2 * threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="media")
+        self._started: collections.deque = collections.deque()
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self._started) < self._window and (x := next(self._items, _END)) is not _END:
+            self._started.append(self._pool.submit(self._fn, x))
+
+    def ready(self) -> bool:
+        return bool(self._started) and self._started[0].done()
+
+    def take(self):
+        fut = self._started.popleft()
+        try:
+            return fut.result()
+        finally:
+            self._fill()
+
+    def drain(self) -> None:
+        """Take every item left, raising the first one's error in order."""
+        while self._started:
+            self.take()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "MediaAhead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+
 def _images(prompts) -> list[list]:
     """Each prompt's images (``{"prompt": ..., "multi_modal_data": {"image": PIL.Image | [...]}}``, vLLM's)."""
     if isinstance(prompts, (str, dict)):
@@ -69,6 +120,54 @@ def _images(prompts) -> list[list]:
         image = (data or {}).get("image")
         out.append([] if image is None else list(image) if isinstance(image, (list, tuple)) else [image])
     return out
+
+
+class Admission:
+    """A ``generate`` call's prompts into the engine: ``admit(wait)``, called by the thread that steps, before
+    each step, queues the prompts that are ready (``wait``: one at least; the engine has nothing to run) and
+    says whether all are queued. Their images are preprocessed on worker threads (``MediaAhead``), and each
+    prompt is queued, in prompt order, as soon as its own images are done, so the engine steps while the rest
+    are preprocessed; preprocessing never runs in the step loop's thread.
+
+    ``requests(k, ids, features)``: prompt k's validated Requests. Errors are those of preprocessing every image
+    before building any request (the first failing image in prompt order; else the first invalid prompt): a
+    prompt that fails validation raises the first later image's error if one fails. The caller aborts what was
+    queued before an error."""
+
+    def __init__(self, eng, requests, all_ids: list[list[int]], all_images: list[list]):
+        self.eng, self.requests, self.all_ids = eng, requests, all_ids
+        self.has_images = [bool(images) or bool(eng.facts().is_multimodal
+                                                and eng.images.processing.count_placeholders(ids))
+                           for ids, images in zip(all_ids, all_images)]
+        image_prompts = [k for k, h in enumerate(self.has_images) if h]
+        self.ahead = MediaAhead(lambda k: eng.images.process(all_ids[k], all_images[k]), image_prompts) \
+            if image_prompts else None
+        self.next = 0               # the first prompt not queued
+
+    def __call__(self, wait: bool) -> bool:
+        batch = []
+        while self.next < len(self.all_ids):
+            k = self.next
+            if self.has_images[k] and not (wait or self.ahead.ready()):
+                break
+            ids, features = self.ahead.take() if self.has_images[k] else (self.all_ids[k], None)
+            try:
+                batch += self.requests(k, ids, features)
+            except Exception:
+                if self.ahead is not None:
+                    self.ahead.drain()
+                raise
+            self.next, wait = k + 1, False
+        if batch:
+            self.eng.add_requests(batch)
+        return self.next == len(self.all_ids)
+
+    def __enter__(self) -> "Admission":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
 
 
 class LLM:
@@ -121,26 +220,24 @@ class LLM:
                 ids = eng.images.encode(text, True) if images and eng.images.splits_placeholder else \
                     self.tokenizer.encode(text)
             all_ids.append(ids)
-        # the images preprocessed on worker threads (the first error in prompt order raised, as one by one)
-        with_images = [k for k, (ids, images) in enumerate(zip(all_ids, all_images))
-                       if images or (eng.facts().is_multimodal and eng.images.processing.count_placeholders(ids))]
-        processed = dict(zip(with_images, map_media(lambda k: eng.images.process(all_ids[k], all_images[k]),
-                                                    with_images)))
-        order: list[tuple[str, int]] = []        # (parent id, n)
-        batch = []                               # every request, queued at once
-        for k, ((text, _, salt), params, prio, lora) in enumerate(zip(items, params_list, priorities, loras)):
-            ids, features = processed.get(k, (all_ids[k], None))
+        order: list[tuple[str, int]] = []        # (parent id, n), in prompt order
+
+        def requests(k: int, ids: list[int], features) -> list:
+            (text, _, salt), params = items[k], params_list[k]
             parent = eng.new_request_id()
             order.append((parent, params.n))
+            reqs = []
             for i in range(params.n):
                 child = dataclasses.replace(params, n=1, output_kind=RequestOutputKind.FINAL_ONLY)
                 if params.n > 1 and params.seed is not None:
                     child.seed = params.seed + i
                 rid = f"{parent}" if params.n == 1 else f"{parent}_{i}"
-                batch.append(eng.make_request(rid, ids, child, prompt=text, priority=prio, cache_salt=salt,
-                                              mm_features=features, lora_request=lora))
-        eng.add_requests(batch)
-        finals = self._run(sum(n for _, n in order), use_tqdm)
+                reqs.append(eng.make_request(rid, ids, child, prompt=text, priority=priorities[k], cache_salt=salt,
+                                             mm_features=features, lora_request=loras[k]))
+            return reqs
+
+        with Admission(eng, requests, all_ids, all_images) as admit:
+            finals = self._run(sum(p.n for p in params_list), use_tqdm, admit)
         results = []
         for parent, n in order:
             if n == 1:
@@ -154,16 +251,24 @@ class LLM:
             results.append(dataclasses.replace(kids[0], request_id=parent, outputs=outs))
         return results
 
-    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run(self, total: int, use_tqdm: bool, admit) -> dict[str, RequestOutput]:
+        """Step the engine until the requests ``admit`` queues are finished: ``admit(wait)`` is called before
+        each step (``wait``: the engine has nothing to run) and says whether every request is queued."""
         from tqdm.auto import tqdm
         eng = self.engine
         finals: dict[str, RequestOutput] = {}
         bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         t0 = time.perf_counter()
         n_in = n_out = 0
+        all_queued = False
         try:
-            while eng.has_unfinished_requests():
-                for out in eng.step():
+            while True:
+                if not all_queued:
+                    all_queued = admit(not eng.has_unfinished_requests())
+                if not eng.has_unfinished_requests():
+                    break
+                # (with the core in its own process: back to admitting after a while without outputs)
+                for out in eng.step(None if all_queued else ADMIT_POLL_S):
                     if out.finished:
                         finals[out.request_id] = out
                         n_in += len(out.prompt_token_ids)
@@ -172,7 +277,7 @@ class LLM:
                         bar.set_postfix_str(f"input: {n_in / dt:.1f} tok/s, output: {n_out / dt:.1f} tok/s")
                         bar.update(1)
         except BaseException:
-            # Ctrl-C: free what this call queued
+            # Ctrl-C, or a prompt's error after others were queued: free what this call queued
             eng.abort_request(eng.request_ids())
             raise
         finally:

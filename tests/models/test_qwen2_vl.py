@@ -357,22 +357,28 @@ def test_batched_with_text_only_requests(vl, llm):
 
 def test_chats_of_one_call_load_and_process_their_images_together_each_as_alone(vl, llm, monkeypatch):
     """``LLM.chat`` of several conversations: all their images load in one ``map_media`` (worker threads), and
-    ``generate`` preprocesses every image prompt in one, each prompt still with its own images in order: HF's
-    greedy continuation each."""
+    ``generate`` preprocesses every image prompt through one ``MediaAhead``, each prompt still with its own
+    images in order: HF's greedy continuation each."""
     from jaxserve import llm as llm_module
-    calls, real = [], llm_module.map_media
+    calls, real, ahead = [], llm_module.map_media, []
     monkeypatch.setattr(llm_module, "map_media", lambda fn, items: calls.append(len(items)) or real(fn, items))
+
+    class CountedAhead(llm_module.MediaAhead):
+        def __init__(self, fn, items, window=None):
+            ahead.append(len(items))
+            super().__init__(fn, items, window)
+    monkeypatch.setattr(llm_module, "MediaAhead", CountedAhead)
     names = [n for n in ("two_images", "one_image", "text_only", "two_turns") if n in vl.cases]
     outs = llm.chat([vl.openai_messages(vl.cases[n]) for n in names], sampling(), use_tqdm=False)
     for out, n in zip(outs, names):
         check(out, vl.cases[n])
     images = [len(vl.cases[n]["images"]) for n in names]
-    assert calls == [sum(images), sum(1 for k in images if k)]
+    assert calls == [sum(images)] and ahead == [sum(1 for k in images if k)]
 
 
-def test_a_bad_prompt_among_image_prompts_queues_none(vl, llm):
+def test_a_bad_prompt_among_image_prompts_leaves_none_queued(vl, llm):
     """An image prompt whose placeholders do not match its images, after a good one: the error the prompt
-    would raise alone, and nothing of the call is queued."""
+    would raise alone, and nothing of the call is left queued."""
     from jaxserve.errors import InvalidRequestError
     case = vl.cases["text_around"]
     bad = {"prompt": case["prompt"], "multi_modal_data": {"image": [vl.image(n) for n in case["images"]] * 2}}

@@ -100,6 +100,11 @@ _REGISTRY: dict[str, EnvVar] = {
                                           "the layers' commands, so XLA updates a few commands of the step's CUDA "
                                           "graph a call (runner.step_functions); 0 = XLA's own placement (an A/B "
                                           "switch for the GPU host time)"),
+    "JAXSERVE_OFFLINE_MEDIA_OVERLAP": EnvVar(_optional_flag, None,
+                                             "1 = the offline API queues each prompt as soon as its images are "
+                                             "preprocessed, so engine steps overlap the preprocessing of the rest; "
+                                             "0 = every image first, then the prompts; unset: 1 on a GPU, 0 on the "
+                                             "CPU (where steps and preprocessing share the cores: measured slower)"),
     "JAXSERVE_SPEC_ASYNC": EnvVar(_optional_flag, None,
                                   "1 = n-gram speculation under async scheduling (each step placed as if the one "
                                   "in flight accepted all its drafts; drafts proposed on the device after every "

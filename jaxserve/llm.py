@@ -122,6 +122,14 @@ def _images(prompts) -> list[list]:
     return out
 
 
+def media_overlap(platform: str) -> bool:
+    """Whether ``generate`` queues prompts as their images are done (``Admission``): JAXSERVE_OFFLINE_MEDIA_OVERLAP,
+    by default on an accelerator, not on the CPU, where the steps and the preprocessing share the cores (an
+    image run measured slower overlapped there: benchmarks/results/README.md)."""
+    chosen = envs.JAXSERVE_OFFLINE_MEDIA_OVERLAP
+    return platform != "cpu" if chosen is None else chosen
+
+
 class Admission:
     """A ``generate`` call's prompts into the engine: ``admit(wait)``, called by the thread that steps, before
     each step, queues the prompts that are ready (``wait``: one at least; the engine has nothing to run) and
@@ -143,12 +151,13 @@ class Admission:
         self.ahead = MediaAhead(lambda k: eng.images.process(all_ids[k], all_images[k]), image_prompts) \
             if image_prompts else None
         self.next = 0               # the first prompt not queued
+        self.overlap = media_overlap(eng.facts().platform)
 
     def __call__(self, wait: bool) -> bool:
         batch = []
         while self.next < len(self.all_ids):
             k = self.next
-            if self.has_images[k] and not (wait or self.ahead.ready()):
+            if self.has_images[k] and not (wait or not self.overlap or self.ahead.ready()):
                 break
             ids, features = self.ahead.take() if self.has_images[k] else (self.all_ids[k], None)
             try:

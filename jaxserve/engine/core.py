@@ -66,6 +66,7 @@ class EngineFacts:
     whole_images: bool = False            # a step computes an image's tokens all together (whole_images)
     startup_phases: tuple = ()            # the core process's start-up timeline: (phase, seconds, detail)
     startup_seconds: float | None = None  # the core process's wall seconds from its start to these facts
+    platform: str = "cpu"                 # the core's JAX backend (jax.default_backend())
 
     @property
     def served_model_name(self) -> str:
@@ -183,7 +184,7 @@ class EngineCore:
             num_kv_blocks=self.runner.num_blocks if self.runner is not None else None,
             is_multimodal=self.runner is not None and self.runner.encoder is not None,
             whole_images=self.whole_images, startup_phases=tuple(startup_timeline.timeline()),
-            startup_seconds=startup_timeline.seconds_since_process_start())
+            startup_seconds=startup_timeline.seconds_since_process_start(), platform=_platform())
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -451,3 +452,8 @@ class EngineCore:
         self.runner.stop_background_compiles(wait=True)
         if self._draft_runner() is not None:
             self._draft_runner().stop_background_compiles(wait=True)
+
+
+def _platform() -> str:
+    import jax  # noqa: PLC0415  (the core has started its backend by now)
+    return jax.default_backend()

@@ -171,6 +171,7 @@ def test_draft_model_set_to_the_target_accepts_every_token(llm, prompts):
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
 
 
+@pytest.mark.slow    # ~30 s; the draft-model path with preemption is also in test_draft_model_* and the LoRA test
 def test_another_draft_model_keeps_greedy_output_with_preemption(llm, prompts):
     lengths = [8 + 3 * (i % 7) for i in range(len(prompts))]
     ref = _tokens(llm.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False))

@@ -83,6 +83,7 @@ def test_a_draft_vocabulary_subset_drafts_only_its_tokens(llm, heads, prompts, s
     assert any(last not in allowed for last, _ in seen)
 
 
+@pytest.mark.slow    # ~25 s
 def test_a_head_without_lm_head_shares_the_tied_targets(tmp_path, prompts):
     """On a target that ties its lm_head to its embedding, an echo head with no lm_head of its own drafts the
     last token through the target's embedding."""
@@ -96,6 +97,7 @@ def test_a_head_without_lm_head_shares_the_tied_targets(tmp_path, prompts):
     assert len(seen) > 5 and all(d == [last] * len(d) for last, d in seen)
 
 
+@pytest.mark.slow    # ~16 s
 def test_logit_scale_multiplies_the_draft_logits_as_vllm(tmp_path, llm, prompts, subset):
     """vLLM's Eagle3LlamaForCausalLM: ``LogitsProcessor(draft_vocab_size, scale=logit_scale)`` over its lm_head's
     draft-vocabulary logits (of the final norm), which d2t then places among the target's (-inf elsewhere).

@@ -41,12 +41,13 @@ def _prefill_rows(md, q_lens):
     ([64, 1, 63, 65, 2], [64, 3, 100, 65, 40], 4, 2, 64, 16, 64, 2, 3),
     # GQA group 3, 32-token pages, 3 stages; a 200-token chunk on a 190-token cached prefix next to a fresh
     # 130-token prompt: items of 1 to 7 K/V steps, 8 slots x 6 heads over 5 programs
-    ([1, 200, 1, 5, 130], [30, 390, 7, 300, 130], 6, 2, 64, 32, 64, 3, 5),
+    pytest.param([1, 200, 1, 5, 130], [30, 390, 7, 300, 130], 6, 2, 64, 32, 64, 3, 5,
+                 marks=pytest.mark.slow),     # ~16 s
     # head_dim 128, 2 pages per K/V step; more programs asked for than there are items (clamped to 5 x 2)
     ([129, 1, 70], [129, 20, 200], 2, 1, 128, 32, 64, 2, 132),
     # block_kv 128: half-width last steps, for the first warpgroup of aligned tiles (the 129-token prompt)
     # and for the second (a 200-token chunk on a 64-token prefix: rows end at 191 and 263)
-    ([129, 1, 200], [129, 20, 264], 2, 1, 64, 16, 128, 2, 4),
+    pytest.param([129, 1, 200], [129, 20, 264], 2, 1, 64, 16, 128, 2, 4, marks=pytest.mark.slow),   # ~8 s
 ])
 def test_persistent_matches_reference(q_lens, ctx_lens, hq, kvh, d, bs, block_kv, stages, num_programs, capsys):
     q, k, v, md = _batch(hq * 10 + bs, q_lens, ctx_lens, hq=hq, kvh=kvh, d=d, bs=bs)

@@ -5,6 +5,7 @@ Qwen2.5-VL checkpoint (tests/make_qwen_vl_fixtures.py); a fake slow preprocessor
 event) orders the threads, with no timing assumptions."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -30,6 +31,12 @@ def llm():
     engine = VL.make_llm()
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def overlap(monkeypatch):
+    """The overlap is off by default on the CPU (``llm.media_overlap``): these tests turn it on."""
+    monkeypatch.setenv("JAXSERVE_OFFLINE_MEDIA_OVERLAP", "1")
 
 
 class Held:
@@ -74,6 +81,27 @@ def test_engine_steps_while_the_last_image_is_preprocessed(llm, monkeypatch):
     assert [list(o.outputs[0].token_ids) for o in outs] == [c["greedy_ids"] for c in expect]
     assert [o.prompt_token_ids for o in outs] == [c["prompt_ids"] for c in expect]
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_without_the_overlap_every_image_is_preprocessed_before_the_first_step(llm, monkeypatch):
+    """JAXSERVE_OFFLINE_MEDIA_OVERLAP=0 (the CPU's default): the engine steps only once every image is done, so
+    the held last image never sees a step and waits out its (short) hold; the outputs stay HF's."""
+    monkeypatch.setenv("JAXSERVE_OFFLINE_MEDIA_OVERLAP", "0")
+    last = VL.image(CASE["images"][0])
+    held = Held(llm, monkeypatch, {})
+    held.hold[id(last)] = held.stepped
+    monkeypatch.setattr(sys.modules[__name__], "WAIT_S", 2)
+    outs = llm.generate([image_prompt(), image_prompt([last])], sampling(), use_tqdm=False)
+    assert held.waited == {id(last): False}
+    assert [list(o.outputs[0].token_ids) for o in outs] == [CASE["greedy_ids"]] * 2
+
+
+def test_the_overlap_defaults_to_accelerators_only(monkeypatch):
+    from jaxserve.llm import media_overlap
+    monkeypatch.delenv("JAXSERVE_OFFLINE_MEDIA_OVERLAP")
+    assert media_overlap("gpu") and not media_overlap("cpu")
+    monkeypatch.setenv("JAXSERVE_OFFLINE_MEDIA_OVERLAP", "1")
+    assert media_overlap("cpu")
 
 
 def test_images_done_out_of_order_keep_the_callers_order(llm, monkeypatch):

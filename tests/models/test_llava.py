@@ -63,6 +63,7 @@ def test_batched_with_text_only_requests(llm):
     assert stats["images_encoded_total"] >= 1 and stats["encoder_seconds_total"] > 0
 
 
+@pytest.mark.slow    # ~10 s; the image-keyed prefix cache runs fast for Qwen-VL
 def test_prefix_cache_same_image_shares_and_other_image_does_not():
     """Block hashes include the images a block overlaps: the same image reuses the prompt's blocks, another
     image with the same text shares only the blocks before it."""

@@ -287,6 +287,7 @@ def test_mesh_places_weights_with_partition_specs():
     assert "OK" in run_on_fake_devices(["-c", MESH_SCRIPT, TINY_QWEN2], 2, timeout=300)
 
 
+@pytest.mark.slow    # ~13 s; test_parallel_safetensors bounds the host memory of the threaded load
 def test_host_memory_is_one_tensor_at_a_time(tmp_path, monkeypatch):
     """Loading converts tensor by tensor: host (numpy) allocations peak at a fraction of the weights, in
     either target dtype; a whole-model float32 staging copy would be >= 1x (2x for a bf16 checkpoint)."""

@@ -81,6 +81,7 @@ def test_more_images_than_supported_is_a_400(llm):
                      SamplingParams(max_tokens=2), use_tqdm=False)
 
 
+@pytest.mark.slow    # ~25 s; the image-keyed prefix cache runs fast for Qwen-VL
 def test_prefix_cache_same_image_shares_and_other_image_does_not():
     """Every token of an image prompt depends on the image (the cross layers; tokens before it too, as HF's
     masked rows): the same image reuses the prompt's blocks, another image with the same text none."""

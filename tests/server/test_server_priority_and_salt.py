@@ -38,6 +38,7 @@ def test_two_salts_never_share_cached_blocks_and_one_salt_does(client, http):
     assert prefix_cache_hits(http) > hits
 
 
+@pytest.mark.slow    # ~30 s; the scheduler's priority order is tested in tests/engine/test_scheduler.py
 def test_a_lower_priority_value_is_scheduled_first(client):
     """Eight choices fill the server's eight sequences; two requests of eight more wait. The one sent later
     with the lower priority value runs first, so it finishes before the other starts."""

@@ -34,6 +34,18 @@ THUNK = re.compile(r"^( *)(\d+): (\w+)")
 STABLE_PARAMETERS = ("params", "kv_caches")
 
 
+def thunks(sequence: str):
+    """``(top-level kind, depth, thunk id, kind)`` of each thunk in XLA's thunk-sequence dump, in order; a
+    top-level thunk's first item is its own kind."""
+    top_kind = None
+    for line in sequence.splitlines():
+        m = THUNK.match(line)
+        if m:
+            indent, thunk_id, kind = len(m.group(1)), int(m.group(2)), m.group(3)
+            top_kind = kind if indent == 0 else top_kind
+            yield top_kind, indent, thunk_id, kind
+
+
 def allocations(buffer_assignment: str) -> tuple[dict[int, dict], dict[int, int]]:
     """({allocation index: {size, parameter, shape, live_out, temp, constant, thread_local, output}},
     {value id: allocation index}) from XLA's ``*-buffer-assignment.txt`` dump."""
@@ -107,16 +119,8 @@ def moving_commands(sequence: str, metadata: str, buffer_assignment: str, values
     annotation = {int(i or 0): name for name, i, _ in METADATA.findall(metadata)}
     commands, hit, unmapped = 0, collections.Counter(), 0
     by_reason: collections.Counter = collections.Counter()
-    top_kind = None
-    for line in sequence.splitlines():
-        m = THUNK.match(line)
-        if not m:
-            continue
-        indent, thunk_id, kind = len(m.group(1)), int(m.group(2)), m.group(3)
-        if indent == 0:
-            top_kind = kind
-            continue
-        if top_kind != "kCommandBuffer":
+    for top_kind, indent, thunk_id, kind in thunks(sequence):
+        if indent == 0 or top_kind != "kCommandBuffer":
             continue
         commands += 1
         name = annotation.get(thunk_id)

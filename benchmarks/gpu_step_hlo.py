@@ -54,7 +54,6 @@ GPUS = {
     "h200": dict(name="NVIDIA H200", cores=132, bandwidth=4_800_000_000_000, memory=151_397_597_184),
     "h100": dict(name="NVIDIA H100 80GB HBM3", cores=132, bandwidth=3_352_320_000_000, memory=85_520_809_984),
 }
-THUNK = re.compile(r"^( *)(\d+): (\w+)")
 METADATA = re.compile(r'profile_annotation: "([^"]*)"\s*(?:thunk_id: (\d+)\s*)?}\s*thunk_kind: "(\w+)"')
 HLO_OP = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*? ([a-z][\w\-]*)\((.*)$")
 
@@ -106,14 +105,8 @@ def thunk_counts(sequence: str, metadata: str, hlo: str) -> dict:
             ops[name] = f"custom-call {target.group(1)}" if target else op
     buffers, inside, nested_outside = 0, collections.Counter(), 0
     outside: collections.Counter = collections.Counter()
-    top_kind = None
-    for line in sequence.splitlines():
-        m = THUNK.match(line)
-        if not m:
-            continue
-        indent, thunk_id, kind = len(m.group(1)), int(m.group(2)), m.group(3)
+    for top_kind, indent, thunk_id, kind in cmdbuf_updates.thunks(sequence):
         if indent == 0:
-            top_kind = kind
             if kind == "kCommandBuffer":
                 buffers += 1
             else:

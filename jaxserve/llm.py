@@ -107,7 +107,6 @@ class MediaAhead:
         self.close()
 
 
-
 def _images(prompts) -> list[list]:
     """Each prompt's images (``{"prompt": ..., "multi_modal_data": {"image": PIL.Image | [...]}}``, vLLM's)."""
     if isinstance(prompts, (str, dict)):
@@ -144,8 +143,8 @@ class Admission:
 
     def __init__(self, eng, requests, all_ids: list[list[int]], all_images: list[list]):
         self.eng, self.requests, self.all_ids = eng, requests, all_ids
-        self.has_images = [bool(images) or bool(eng.facts().is_multimodal
-                                                and eng.images.processing.count_placeholders(ids))
+        multimodal = eng.facts().is_multimodal
+        self.has_images = [bool(images) or bool(multimodal and eng.images.processing.count_placeholders(ids))
                            for ids, images in zip(all_ids, all_images)]
         image_prompts = [k for k, h in enumerate(self.has_images) if h]
         self.ahead = MediaAhead(lambda k: eng.images.process(all_ids[k], all_images[k]), image_prompts) \

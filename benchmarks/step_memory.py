@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import pathlib
 import re
 import sys
@@ -148,6 +149,8 @@ def main(argv=None) -> int:
     from jaxserve.kernels import ops
     keys = [(int(k.rstrip("d")), k.endswith("d")) for k in a.buckets.split(",")]
     backend = "pallas" if a.cuda else a.backend if a.backend != "auto" else ops.default_backend()
+    if a.cuda:        # the MoE layers' GPU path (the rows kernel), which "auto" would choose by this host's backend
+        os.environ.setdefault("JAXSERVE_MOE_GROUPED_GEMM", "rows")
     cfg, family = model_config(a.model, a.layers)
     variants, wbytes, kvbytes = abstract_variants(cfg, family, a.quantization, sorted({t for t, _ in keys}),
                                                   a.blocks, backend)

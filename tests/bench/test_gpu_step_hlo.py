@@ -72,3 +72,21 @@ def test_a_one_layer_decode_step_compiles_for_an_h200_into_one_command_buffer(ca
     # on each call XLA updates only the commands using the step's new buffers: the packed inputs' one copy, the
     # previous tokens' gather and the logits' zero fill and final add (not the layer's kernels: step_functions)
     assert row["moving_unmapped"] == 0 and row["moving_commands"] <= 4, row["moving_by_allocation"]
+
+
+def test_the_step_is_traced_with_the_gpus_moe_path(monkeypatch):
+    """The MoE layers choose their grouped GEMM by the backend ("auto": rows on a GPU), which on this host reads
+    cpu: the tool must ask for the GPU's path (``ragged_dot`` there would be a dense product the GPU never runs)."""
+    from jaxserve.models.layers import moe
+
+    monkeypatch.delenv("JAXSERVE_MOE_GROUPED_GEMM", raising=False)
+    seen = []
+
+    def compile_step(*args):
+        seen.append(moe._grouped_gemm())
+        raise SystemExit(0)
+
+    monkeypatch.setattr(gpu_step_hlo, "compile_step", compile_step)
+    with pytest.raises(SystemExit):
+        gpu_step_hlo.main(["--model", "qwen3-30b-a3b", "--layers", "1"])
+    assert seen == [("pallas", True)]

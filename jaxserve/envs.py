@@ -126,8 +126,9 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_MOE_GROUPED_GEMM": EnvVar(lambda raw: raw or "auto", "auto",
                                         "the MoE layers' grouped GEMM: auto (rows on a GPU, ragged_dot "
                                         "elsewhere), rows (pallas, and steps of <= 16 tokens through the "
-                                        "sort-free rows kernel), ragged_dot, gather or pallas "
-                                        "(kernels/ragged_dot.py)"),
+                                        "sort-free rows kernel), rows_fused (the same, each rows product "
+                                        "one launch: its plan made in the kernel; an A/B candidate), "
+                                        "ragged_dot, gather or pallas (kernels/ragged_dot.py)"),
     # XLA
     "JAXSERVE_LOAD_THREADS": EnvVar(lambda raw: _int("JAXSERVE_LOAD_THREADS")(raw or "8"), "8",
                                     "threads that read a safetensors checkpoint's tensors and copy them to the "

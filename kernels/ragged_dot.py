@@ -230,6 +230,80 @@ def expert_rows_matmul(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array | N
                          interpret=interpret or jax.default_backend() != "gpu")
 
 
+@functools.partial(jax.jit, static_argnames=("max_rows_per_expert", "rows_per_lhs_row", "activation", "interpret"))
+def expert_rows_matmul_fused(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array, max_rows_per_expert: int, *,
+                                rows_per_lhs_row: int = 1, activation: Callable | None = None,
+                                interpret: bool = False) -> jax.Array:
+    """``expert_rows_matmul`` in one kernel launch: each program makes its own tile from ``row_expert`` (no
+    plan ops before it), row ``r`` reads ``lhs[r // rows_per_lhs_row]`` (the MoE's gate/up reads each token's
+    hidden state once for its ``k`` rows: no repeated copy), and a row whose expert is outside ``0 .. G-1`` is
+    written zero by its own program (no zeroed output to start from). Out ``[m + 1, n]``, ``m =
+    len(row_expert)``: row m is scratch (a masked lane's store names it: Pallas' interpret mode writes masked
+    lanes back, so they must not name a real row); ``lhs`` may carry it too (``lhs[: m // rows_per_lhs_row]``
+    is read), so the down product takes the gate/up product as it comes."""
+    m, num_groups, k = row_expert.shape[0], rhs.shape[0], lhs.shape[1]
+    if lhs.shape[0] * rows_per_lhs_row < m:
+        raise ValueError(f"{lhs.shape[0]} lhs rows x {rows_per_lhs_row} < {m} row experts")
+    n = _out_width(rhs, activation)
+    block_m, block_n = _rows_block(max_rows_per_expert), _block(n, 64)
+    out = pl.pallas_call(
+        functools.partial(_rows_fused_kernel, m=m, mp=max(16, 1 << (m - 1).bit_length()), k=k, groups=num_groups,
+                          block_m=block_m, block_k=_block(k, 128), block_n=block_n, per_lhs=rows_per_lhs_row,
+                          activation=activation),
+        grid=(m, n // block_n),
+        out_shape=jax.ShapeDtypeStruct((m + 1, n), lhs.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret or jax.default_backend() != "gpu", name="moe_expert_rows",
+    )(row_expert.astype(jnp.int32), lhs, rhs.reshape(num_groups * k, -1))
+    return out
+
+
+def _rows_fused_kernel(expert_ref, lhs_ref, rhs_ref, out_ref, *, m, mp, k, groups, block_m, block_k, block_n,
+                     per_lhs, activation):
+    """Program (t, j): if row t is the first row of its expert, that expert's rows (in order, at most block_m)
+    times its weights' columns block j; if row t has no expert here, zeros in its row; otherwise nothing."""
+    t, j = pl.program_id(0), pl.program_id(1)
+    e = expert_ref[t]
+    idx = lax.iota(jnp.int32, mp)
+    ids = plgpu.load(expert_ref.at[jnp.minimum(idx, m - 1)], mask=idx < m, other=-1)          # [mp]
+    mine = (e >= 0) & (e < groups)
+    same = (ids == e) & (idx < m)
+    first = jnp.sum(jnp.where(same & (idx < t), 1, 0)) == 0
+    r = lax.iota(jnp.int32, block_m)
+    cols = j * block_n + lax.iota(jnp.int32, block_n)
+
+    @pl.when(mine & first)
+    def _():
+        # each same-expert row's rank among them (the earlier same rows), then the tile's rows by rank
+        rank = jnp.sum(jnp.where(same[None, :] & (idx[None, :] < idx[:, None]), 1, 0), axis=1)    # [mp]
+        rows = jnp.min(jnp.where(same[None, :] & (rank[None, :] == r[:, None]), idx[None, :], m), axis=1)
+        live = rows < m                                                                              # [block_m]
+        src = jnp.where(live, rows // per_lhs, 0)
+        halves = (0,) if activation is None else (0, out_ref.shape[1])
+
+        def step(kb, accs):
+            ks = kb * block_k + lax.iota(jnp.int32, block_k)
+            x = plgpu.load(lhs_ref.at[src[:, None], ks[None, :]], other=0,
+                           mask=jnp.broadcast_to(live[:, None], (block_m, block_k)))
+            return tuple(acc + plgpu.dot(x, plgpu.load(rhs_ref.at[(e * k + ks)[:, None], (cols + h)[None, :]]),
+                                         allow_tf32=False) for acc, h in zip(accs, halves))
+
+        accs = lax.fori_loop(0, k // block_k, step, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in halves))
+        if activation is None:
+            out = accs[0]
+        else:       # gate and up rounded as the plain product's output would be, then gated
+            gate, up = (a.astype(out_ref.dtype).astype(jnp.float32) for a in accs)
+            out = activation(gate) * up
+        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], out.astype(out_ref.dtype),
+                    mask=jnp.broadcast_to(live[:, None], (block_m, block_n)))
+
+    @pl.when(jnp.logical_not(mine))
+    def _():
+        plgpu.store(out_ref.at[jnp.where(r == 0, t, m)[:, None], cols[None, :]],
+                    jnp.zeros((block_m, block_n), out_ref.dtype),
+                    mask=jnp.broadcast_to((r == 0)[:, None], (block_m, block_n)))
+
+
 def _tiles_matmul(lhs, rhs, plan, *, block_m: int, block_k: int, block_n: int, gathered: bool,
                   activation: Callable | None, interpret: bool) -> jax.Array:
     """The kernel over a tile plan ``(group, first row or row indices, num_rows)``: rows no tile covers come

@@ -89,4 +89,4 @@ def test_the_step_is_traced_with_the_gpus_moe_path(monkeypatch):
     monkeypatch.setattr(gpu_step_hlo, "compile_step", compile_step)
     with pytest.raises(SystemExit):
         gpu_step_hlo.main(["--model", "qwen3-30b-a3b", "--layers", "1"])
-    assert seen == [("pallas", True)]
+    assert seen == [("pallas", True, False)]

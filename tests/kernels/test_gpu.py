@@ -200,7 +200,7 @@ def test_int4_kernel_matches_its_reference(m):
 
 @on_gpu
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("impl", ["ragged_dot", "gather", "pallas", "rows"])
+@pytest.mark.parametrize("impl", ["ragged_dot", "gather", "pallas", "rows", "rows_fused"])
 def test_moe_grouped_gemm_matches_its_reference(impl, gated):
     """8 tokens routed top-2 over 8 experts; the rows kernel takes them in token order, the last token's rows
     unowned (padding, expert id = num experts). Gated: ``silu(gate) * up`` of the gate-then-up columns, inside
@@ -213,13 +213,21 @@ def test_moe_grouped_gemm_matches_its_reference(impl, gated):
     w = jnp.asarray(rng.standard_normal((experts, hidden, n)) * 0.02, jnp.bfloat16)
     ids = np.argsort(rng.random((8, experts)), axis=1)[:, :top_k]
     x = jnp.asarray(rng.standard_normal((8 * top_k, hidden)) * 0.1, jnp.bfloat16)
-    if impl == "rows":
+    if impl in ("rows", "rows_fused"):
         ids[-1] = experts
+        if impl == "rows_fused":       # a token's rows are its state, read once for its top_k rows
+            x = jnp.repeat(x[::top_k], top_k, axis=0)
         order = np.argsort(ids.reshape(-1), kind="stable")
         sizes = jnp.asarray(np.bincount(ids.reshape(-1), minlength=experts + 1)[:experts])
         want = np.empty((8 * top_k, n // 2 if gated else n), np.float32)
         want[order] = np.asarray(ref(ragged_dot.grouped_matmul_reference(x[order], w, sizes)), np.float32)
-        got = ragged_dot.expert_rows_matmul(x, w, jnp.asarray(ids.reshape(-1), jnp.int32), 8, activation=act)
+        row_ids = jnp.asarray(ids.reshape(-1), jnp.int32)
+        if impl == "rows":
+            got = ragged_dot.expert_rows_matmul(x, w, row_ids, 8, activation=act)
+        else:       # the unowned rows written zero by their own programs
+            got = ragged_dot.expert_rows_matmul_fused(x[::top_k], w, row_ids, 8, rows_per_lhs_row=top_k,
+                                                      activation=act)[:-1]
+            assert not np.asarray(got[-top_k:], np.float32).any()
     else:
         x_sorted = jnp.concatenate([x, jnp.ones((3, hidden), x.dtype)])     # 3 rows past the groups: zero out
         sizes = jnp.asarray(np.bincount(ids.reshape(-1), minlength=experts))
@@ -311,7 +319,7 @@ print(json.dumps({"want": golden["greedy_ids"], "got": [o.outputs[0].token_ids f
 
 
 @on_gpu
-@pytest.mark.parametrize("impl", ["rows", "ragged_dot", "gather", "pallas"])
+@pytest.mark.parametrize("impl", ["rows", "rows_fused", "ragged_dot", "gather", "pallas"])
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2moe", "tiny-qwen3moe"])
 def test_moe_checkpoint_matches_hf_with_each_grouped_gemm(name, impl):
     """The MoE kernels inside the whole model, on this GPU: one process per ``JAXSERVE_MOE_GROUPED_GEMM`` (the

@@ -76,6 +76,30 @@ def test_expert_rows_matmul_is_each_rows_own_expert(experts):
         np.testing.assert_allclose(got[r], want, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("experts", ROW_EXPERTS + [[5, 1, 9, 5, 5, 2] * 4],
+                         ids=["mixed-with-unowned", "one-expert", "none", "one-each", "m-24"])
+@pytest.mark.parametrize("per", [1, 2, 3])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fused_rows_kernel_is_the_rows_kernel_without_its_plan(experts, per, gated):
+    """One launch a product: each row ``lhs[r // per] @ rhs[expert]`` (the gate/up reads a token's state for its
+    ``per`` rows), unowned rows zero, the scratch row past them ignored; the same bits as the planned kernel
+    over the repeated rows. m = 24 is no power of two (DeepSeek-V2-Lite's 6 experts a token)."""
+    m = len(experts)
+    if m % per:
+        pytest.skip("rows not a multiple of the rows per token")
+    rng = np.random.default_rng(m + per)
+    lhs = jnp.asarray(rng.standard_normal((m // per, 32)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((8, 32, 64)), jnp.float32)
+    ids, act = jnp.asarray(experts, jnp.int32), jax.nn.silu if gated else None
+    got = np.asarray(ragged_dot.expert_rows_matmul_fused(lhs, rhs, ids, m, rows_per_lhs_row=per, activation=act,
+                                                         interpret=True))
+    want = np.asarray(ragged_dot.expert_rows_matmul(jnp.repeat(lhs, per, axis=0), rhs, ids, m, activation=act,
+                                                    interpret=True))
+    assert got.shape == (m + 1, want.shape[1])
+    np.testing.assert_array_equal(got[:m], want)
+    assert not got[:m][[not 0 <= e < 8 for e in experts]].any()
+
+
 def test_gather_plan_reads_each_expert_once_and_covers_every_row():
     experts = jnp.asarray([3, 0, 3, 7, 9, 3, 0], jnp.int32)
     group, index, num_rows = (np.asarray(a) for a in ragged_dot.gather_plan(experts, 8, 16))
@@ -144,7 +168,7 @@ def _dense_reference(h, w, spec):
     return out
 
 
-@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS + ("rows",))
+@pytest.mark.parametrize("impl", ragged_dot.IMPLEMENTATIONS + ("rows", "rows_fused"))
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2-shared"])
 def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
     spec = _with_impl(SPEC, impl)
@@ -159,13 +183,14 @@ def test_moe_mlp_matches_dense_every_expert_loop(impl, kind):
 
 def _with_impl(spec, impl):
     """``rows``: the sort-free decode kernel (Pallas, interpreted here) up to 16 tokens, the Pallas grouped GEMM
-    above."""
-    if impl == "rows":
-        return dataclasses.replace(spec, grouped_gemm="pallas", rows_path_max_tokens=moe.ROWS_PATH_MAX_TOKENS)
+    above; ``rows_fused``: the same in one launch a product."""
+    if impl in ("rows", "rows_fused"):
+        return dataclasses.replace(spec, grouped_gemm="pallas", rows_path_max_tokens=moe.ROWS_PATH_MAX_TOKENS,
+                                   rows_fused=impl == "rows_fused")
     return dataclasses.replace(spec, grouped_gemm=impl)
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "rows"])
+@pytest.mark.parametrize("impl", ["ragged_dot", "rows", "rows_fused"])
 def test_padding_tokens_reach_no_expert(impl):
     spec = _with_impl(SPEC, impl)
     w = _weights(spec)
@@ -179,10 +204,11 @@ def test_padding_tokens_reach_no_expert(impl):
     assert int(np.asarray(load).sum()) == 2 * spec.top_k, "padding tokens must not count in the expert load"
 
 
-def test_rows_path_runs_only_at_decode_sizes():
+@pytest.mark.parametrize("impl", ["rows", "rows_fused"])
+def test_rows_path_runs_only_at_decode_sizes(impl):
     """16 tokens (one expert may get 16 rows: a full tile) take the rows path, 17 the sorted one; both
     match the dense loop."""
-    spec = _with_impl(dataclasses.replace(SPEC, num_experts=4), "rows")
+    spec = _with_impl(dataclasses.replace(SPEC, num_experts=4), impl)
     w = _weights(spec, seed=4)
     for t in (16, 17):
         h = jnp.asarray(np.random.default_rng(t).standard_normal((t, 32)), jnp.float32)
@@ -235,12 +261,13 @@ def test_grouped_gemm_switch_picks_the_path_and_refuses_other_names(monkeypatch)
     def spec(value):
         monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", value)
         s = moe.moe_spec(cfg, renormalize=True, weights_in_hidden_dtype=False)
-        return s.grouped_gemm, s.rows_path_max_tokens
+        return s.grouped_gemm, s.rows_path_max_tokens, s.rows_fused
 
-    assert spec("auto") == ("ragged_dot", 0)                      # tests run on CPU
-    assert spec("rows") == ("pallas", moe.ROWS_PATH_MAX_TOKENS)
-    assert spec("gather") == ("gather", 0)
-    with pytest.raises(ValueError, match="JAXSERVE_MOE_GROUPED_GEMM='fused' is not one of auto, rows, ragged_dot"):
+    assert spec("auto") == ("ragged_dot", 0, False)                      # tests run on CPU
+    assert spec("rows") == ("pallas", moe.ROWS_PATH_MAX_TOKENS, False)
+    assert spec("rows_fused") == ("pallas", moe.ROWS_PATH_MAX_TOKENS, True)
+    assert spec("gather") == ("gather", 0, False)
+    with pytest.raises(ValueError, match="MOE_GROUPED_GEMM='fused' is not one of auto, rows, rows_fused, ragged_dot"):
         spec("fused")
 
 

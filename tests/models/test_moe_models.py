@@ -103,11 +103,13 @@ def test_moe_orbax_round_trip(tmp_path):
     check_orbax_round_trip("tiny-qwen2moe", str(tmp_path / "ckpt"))
 
 
+@pytest.mark.parametrize("impl", ["rows", "rows_fused"])
 @pytest.mark.parametrize("name", MOE)
-def test_moe_rows_path_matches_hf(name, monkeypatch):
-    """The GPU default's sort-free decode path (``rows``, the Pallas kernel interpreted here): a 16-token
-    prefill step takes it, then HF's greedy continuation decoded twice in one batch."""
-    monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "rows")
+def test_moe_rows_path_matches_hf(name, impl, monkeypatch):
+    """The GPU default's sort-free decode path (``rows``, the Pallas kernel interpreted here; ``rows_fused``, its
+    one-launch form): a 16-token prefill step takes it, then HF's greedy continuation decoded twice in one
+    batch."""
+    monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", impl)
     model = load_model(os.path.join(FIXTURES, name), dtype="float32")
     model.family.clear_caches()          # specs are cached per config: forget the other runs'
     try:

@@ -66,14 +66,15 @@ def _worker() -> dict:
             "experts": model.config.extra_dict["num_experts"],
             "intermediate": model.config.extra_dict["moe_intermediate_size"]}
     families = {registry.resolve_architecture(a)[1] for a in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")}
-    os.environ["JAXSERVE_MOE_GROUPED_GEMM"] = "rows"
-    for family in families:               # specs are cached per config: the rows path from here on
-        family.clear_caches()
-    for name, tp, ep in ROWS_CASES:
-        model, logits, tokens = run(name, parallel.make_mesh(tp), ep)
-        assert model.family.decoder_spec(model.config).moe.rows_path_max_tokens > 0
-        report[f"rows/{name}/tp{tp}/ep{int(ep)}"] = {"err": float(np.abs(logits - single[name][0]).max()),
-                                                    "same_tokens": tokens == single[name][1]}
+    for impl in ("rows", "rows_fused"):
+        os.environ["JAXSERVE_MOE_GROUPED_GEMM"] = impl
+        for family in families:               # specs are cached per config: the rows path from here on
+            family.clear_caches()
+        for name, tp, ep in ROWS_CASES:
+            model, logits, tokens = run(name, parallel.make_mesh(tp), ep)
+            assert model.family.decoder_spec(model.config).moe.rows_path_max_tokens > 0
+            report[f"{impl}/{name}/tp{tp}/ep{int(ep)}"] = {"err": float(np.abs(logits - single[name][0]).max()),
+                                                          "same_tokens": tokens == single[name][1]}
     del os.environ["JAXSERVE_MOE_GROUPED_GEMM"]
     for family in families:
         family.clear_caches()
@@ -104,10 +105,11 @@ def test_parallel_logits_equal_one_device(report, case):
         assert entry["local_gate_up"] == [entry["experts"], 64, 2, entry["intermediate"] // tp], entry
 
 
+@pytest.mark.parametrize("impl", ["rows", "rows_fused"])
 @pytest.mark.parametrize("case", ROWS_CASES, ids=[f"{n}-tp{t}-{'ep' if e else 'tp'}" for n, t, e in ROWS_CASES])
-def test_rows_path_parallel_logits_equal_one_device(report, case):
+def test_rows_path_parallel_logits_equal_one_device(report, case, impl):
     name, tp, ep = case
-    entry = report[f"rows/{name}/tp{tp}/ep{int(ep)}"]
+    entry = report[f"{impl}/{name}/tp{tp}/ep{int(ep)}"]
     assert entry["err"] <= 1e-5 and entry["same_tokens"], entry
 
 

@@ -10,9 +10,10 @@ before the combine (``weights_in_hidden_dtype``), Mixtral keeps them in float32.
 NOTE the expert computation: the ``T * k`` (token, expert) assignments are sorted by expert (a stable sort,
 so ties keep token order); ``group_sizes`` counts each expert's rows; one grouped GEMM runs gate/up for every
 expert's rows and the activation (the Pallas kernel inside itself: ``ragged_dot``'s gated form), a second runs
-down; the rows go back to token order and each token sums its k rows times their weights (in float32). Assignments this device does not compute — padding tokens, and under
-expert parallelism the experts another device owns — sort after the last group, where the grouped GEMM gives
-zeros and an implementation that skips them spends nothing.
+down; the rows go back to token order and each token sums its k rows times their weights (in float32).
+Assignments this device does not compute — padding tokens, and under expert parallelism the experts another
+device owns — sort after the last group, where the grouped GEMM gives zeros and an implementation that skips
+them spends nothing.
 
 Decode-sized steps (at most ``MoESpec.rows_path_max_tokens`` tokens, a static bucket size) skip the sort:
 the (token, slot) rows go in token order to ``ragged_dot.expert_rows_matmul``, one kernel tile per distinct
@@ -20,6 +21,11 @@ expert gathering that expert's rows (at most one per token), and come back in to
 (padding, another device's expert) belongs to no tile. Both paths read each selected expert's weights once;
 the rows path saves the sort, the group count, the tile plan's prefix sums and the scatter back (a handful
 of small launches per layer, which at batch 1 are a large share of the step), at an ``(T·k)²`` plan.
+``rows_fused`` (``JAXSERVE_MOE_GROUPED_GEMM=rows_fused``) runs each product as one launch
+(``expert_rows_matmul_fused``: every program makes its tile from the ids, gate/up reads each token's hidden
+state for its k rows, unowned rows are zeroed by their own program), without the plan, the repeat and the
+zero fills between the kernels, and the softmax router's top-k, weights and padding mask as one more
+(``kernels/moe_route.softmax_top_k``) instead of XLA's sort and its neighbours.
 
 Routing as computed: top-k of the logits (softmax is monotone, so the same experts in the same order), then
 the weights in float32 from those k logits alone when renormalising (the softmax of the k values equals the
@@ -46,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import envs, parallel
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.kernels import ragged_dot
+from jaxserve.kernels import moe_route, ragged_dot
 
 from . import moe_routing
 
@@ -67,6 +73,7 @@ class MoESpec:
     expert_parallel: bool = False
     grouped_gemm: str = "ragged_dot"           # kernels.ragged_dot implementation
     rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
+    rows_fused: bool = False                   # the rows path: one launch a product, one for the top-k
     # DeepSeekMoE (``moe_routing``): its router, an ungated shared expert, the routed weights' scale
     router: str = "softmax"                    # "softmax" (route below) or a moe_routing.ROUTERS key
     num_groups: int = 1                        # expert groups for group-limited / node-limited top-k
@@ -83,13 +90,13 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
     extra = cfg.extra_dict
     step, dense = int(extra.get("decoder_sparse_step") or 1), set(extra.get("mlp_only_layers") or ())
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
-    impl, rows_path = _grouped_gemm()
+    impl, rows_path, rows_fused = _grouped_gemm()
     return MoESpec(num_experts=int(extra["num_experts"]), top_k=int(extra["num_experts_per_tok"]),
                    intermediate_size=int(extra["moe_intermediate_size"]), renormalize=renormalize,
                    weights_in_hidden_dtype=weights_in_hidden_dtype,
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
                    expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=impl,
-                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0)
+                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0, rows_fused=rows_fused)
 
 
 def experts_from_hf(hf: dict, extra: dict) -> dict:
@@ -101,10 +108,12 @@ def experts_from_hf(hf: dict, extra: dict) -> dict:
 
 
 ROWS = "rows"      # JAXSERVE_MOE_GROUPED_GEMM: the Pallas kernel, and the sort-free rows path at decode sizes
+ROWS_FUSED = "rows_fused"      # the same, each rows product one launch (ragged_dot.expert_rows_matmul_fused)
 
 
-def _grouped_gemm() -> tuple[str, bool]:
-    """(the grouped GEMM the MoE layers run, whether decode-sized steps take the sort-free rows path).
+def _grouped_gemm() -> tuple[str, bool, bool]:
+    """(the grouped GEMM the MoE layers run, whether decode-sized steps take the sort-free rows path, whether
+    that path runs ``expert_rows_matmul_fused``: no plan, repeat or zero-fill ops around its two kernels).
     ``auto`` is ``rows`` on a GPU and ``ragged_dot`` elsewhere. On a GPU ``lax.ragged_dot`` lowers to a dense
     padded product, far slower than the Pallas kernel past a few tokens
     (benchmarks/results/2026-12-01-h200-moe-grouped-gemm.md). A named ragged_dot implementation runs at every
@@ -112,12 +121,12 @@ def _grouped_gemm() -> tuple[str, bool]:
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
         impl = ROWS if jax.default_backend() == "gpu" else "ragged_dot"
-    if impl == ROWS:
-        return "pallas", True
+    if impl in (ROWS, ROWS_FUSED):
+        return "pallas", True, impl == ROWS_FUSED
     if impl not in ragged_dot.IMPLEMENTATIONS:
-        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {ROWS}, "
+        raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {ROWS}, {ROWS_FUSED}, "
                          f"{', '.join(ragged_dot.IMPLEMENTATIONS)}")
-    return impl, False
+    return impl, False, False
 
 
 ROWS_PATH_MAX_TOKENS = 16    # one 16-row kernel tile holds an expert's rows; the plan is (16·k)² compares
@@ -177,14 +186,22 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
     """The MoE MLP of the normed input ``h [T, hidden]`` (``w``: the layer's MoE weights by name);
     ``valid [T]`` marks real tokens (padding tokens are routed nowhere). Returns the output and the routed
     expert ids ``[T, k]`` (a padding token's: ``num_experts``), which ``expert_load`` counts."""
-    if spec.router == "softmax":
-        weights, ids = route(h @ w["router"], spec)
+    fused = spec.rows_fused and h.shape[0] <= spec.rows_path_max_tokens
+    if fused and spec.router == "softmax":     # the top-k, its weights and the padding mask in one launch
+        weights, ids = moe_route.softmax_top_k(h @ w["router"], spec.top_k, spec.renormalize, valid)
+    elif fused and moe_routing.is_plain_softmax(spec):
+        weights, ids = moe_route.softmax_top_k(moe_routing.router_logits(h, w["router"]), spec.top_k, False, valid)
+        if spec.routed_scaling_factor != 1.0:
+            weights = weights * spec.routed_scaling_factor
     else:
-        weights, ids = moe_routing.route(h, w["router"], w.get("router_bias"), spec)
+        if spec.router == "softmax":
+            weights, ids = route(h @ w["router"], spec)
+        else:
+            weights, ids = moe_routing.route(h, w["router"], w.get("router_bias"), spec)
+        if valid is not None:
+            ids = jnp.where(valid[:, None], ids, spec.num_experts)      # an id no device owns
     if spec.weights_in_hidden_dtype:
         weights = weights.astype(h.dtype)
-    if valid is not None:
-        ids = jnp.where(valid[:, None], ids, spec.num_experts)      # an id no device owns
     out = routed_experts(h, ids, weights, w["experts_gate_up"], w["experts_down"], spec, activation)
     if spec.shared_intermediate_size:
         gate_up = jnp.einsum("th,hci->tci", h, w["shared_gate_up"])
@@ -233,6 +250,11 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
         mine = (local >= 0) & (local < local_experts)
         key = jnp.where(mine, local, local_experts).reshape(-1)
         weights = jnp.where(mine, weights, 0)
+    if t <= spec.rows_path_max_tokens and spec.rows_fused:     # decode sizes, one launch a product
+        y = ragged_dot.expert_rows_matmul_fused(h, gate_up.reshape(local_experts, hidden, -1), key, t,
+                                                rows_per_lhs_row=k, activation=activation)   # [T * k + 1, i]
+        y = ragged_dot.expert_rows_matmul_fused(y, down, key, t)                          # row T * k: scratch
+        return _combine(weights, y[:t * k].reshape(t, k, hidden), h.dtype)
     if t <= spec.rows_path_max_tokens:        # decode sizes: (token, slot) rows as they are, no sort
         rows = jnp.repeat(h, k, axis=0)                                            # [T * k, hidden]
         plan = ragged_dot.expert_rows_plan(key, local_experts, t)                  # one plan for both products

@@ -39,11 +39,22 @@ def _mask_groups(x: jax.Array, keep: jax.Array, fill: float) -> jax.Array:
     return jnp.where(keep[:, :, None], x.reshape(t, g, e // g), fill).reshape(t, e)
 
 
+def router_logits(h: jax.Array, router: jax.Array) -> jax.Array:
+    """``[T, E]`` float32: float32 products and sums of the inputs as they are (bf16 products are exact in
+    float32, so this is HF's widen-then-multiply without a float32 copy of the hidden state and the router
+    weight each step)."""
+    return jnp.dot(h, router, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def is_plain_softmax(spec) -> bool:
+    """Whether the router is a softmax's top-k without renormalising (V2's ``greedy``: one group), which
+    ``kernels.moe_route.softmax_top_k`` computes (then times ``routed_scaling_factor``)."""
+    return spec.router == "deepseek_v2" and spec.num_groups == 1
+
+
 def route(h: jax.Array, router: jax.Array, bias: jax.Array | None, spec) -> tuple[jax.Array, jax.Array]:
     """The routing of ``h [T, hidden]`` by ``router [hidden, E]`` (``spec``: a ``moe.MoESpec``)."""
-    # float32 products and sums of the inputs as they are: bf16 products are exact in float32, so this is
-    # HF's widen-then-multiply without a float32 copy of the hidden state and the router weight each step
-    logits = jnp.dot(h, router, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    logits = router_logits(h, router)
     t, e = logits.shape
     g = spec.num_groups
     if spec.router == "deepseek_v2":

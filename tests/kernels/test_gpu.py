@@ -236,6 +236,24 @@ def test_moe_grouped_gemm_matches_its_reference(impl, gated):
     assert _rel_err(got, want) < 2e-2
 
 
+@on_gpu
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_softmax_top_k_matches_the_layers_routing(renormalize):
+    """The router's top-k kernel compiled by Triton: the same experts (ties to the lower one) and weights as
+    ``moe.route``, padding tokens routed to no expert; 4 and 16 tokens over 128 experts, 6 tokens over 60."""
+    from jaxserve.kernels import moe_route
+    from jaxserve.models.layers import moe
+    rng = np.random.default_rng(5)
+    for tokens, experts, top_k in ((4, 128, 8), (16, 128, 8), (6, 60, 4)):
+        logits = jnp.asarray(rng.standard_normal((tokens, experts)) * 3, jnp.bfloat16)
+        valid = jnp.asarray(np.arange(tokens) % 4 != 3)
+        spec = moe.MoESpec(num_experts=experts, top_k=top_k, intermediate_size=16, renormalize=renormalize)
+        want_w, want_ids = moe.route(logits, spec)
+        weights, ids = moe_route.softmax_top_k(logits, top_k, renormalize, valid)
+        np.testing.assert_array_equal(np.asarray(ids), np.where(np.asarray(valid)[:, None], want_ids, experts))
+        np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- end to end
 @functools.cache
 def _golden() -> tuple[str | None, str, dict]:

@@ -254,6 +254,26 @@ def test_moe_softmax_top_k_matches_the_layers_routing(renormalize):
         np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-5, atol=1e-6)
 
 
+@on_gpu
+@pytest.mark.parametrize("router,groups,topk_groups,top_k", [("deepseek_v2", 8, 3, 6), ("deepseek_v3", 8, 4, 8)])
+def test_moe_grouped_top_k_matches_deepseeks_routers(router, groups, topk_groups, top_k):
+    """DeepSeek's group-limited routers in the top-k kernel compiled by Triton, against ``moe_routing.route``."""
+    from jaxserve.kernels import moe_route
+    from jaxserve.models.layers import moe, moe_routing
+    rng = np.random.default_rng(6)
+    experts, v3 = 256, router == "deepseek_v3"
+    h = jnp.asarray(rng.standard_normal((4, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, experts)) * 0.3, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(experts) * 0.1, jnp.float32) if v3 else None
+    spec = moe.MoESpec(num_experts=experts, top_k=top_k, intermediate_size=16, renormalize=v3, router=router,
+                       num_groups=groups, topk_groups=topk_groups)
+    want_w, want_ids = moe_routing.route(h, w, bias, spec)
+    weights, ids = moe_route.grouped_top_k(moe_routing.router_logits(h, w), top_k, v3, None, bias, sigmoid=v3,
+                                           num_groups=groups, topk_groups=topk_groups)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- end to end
 @functools.cache
 def _golden() -> tuple[str | None, str, dict]:

@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.models.loader import load_model
 from support.tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
-                         check_orbax_round_trip, engine_with_preemption, load_tiny)
+                         check_orbax_round_trip, engine_with_preemption, golden, load_tiny)
 
 DEEPSEEK = ["tiny-deepseek-v2", "tiny-deepseek-v2-lite", "tiny-deepseek-v3"]
 
@@ -35,6 +35,21 @@ def test_deepseek_chunked_prefill_matches_hf(tiny):
 
 def test_deepseek_greedy_matches_hf(tiny):
     check_greedy_matches_hf(*tiny)
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_fused_rows_path_matches_hf(name, monkeypatch):
+    """``JAXSERVE_MOE_GROUPED_GEMM=rows_fused`` (the kernels interpreted here): decode steps route through
+    ``kernels.moe_route.grouped_top_k`` (V2's group-limited softmax, V2-Lite's greedy, V3's sigmoid + bias
+    node-limited top-k) and the one-launch rows products; HF's greedy continuation decoded twice in one batch."""
+    monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "rows_fused")
+    model = load_model(os.path.join(FIXTURES, name), dtype="float32")
+    model.family.clear_caches()          # specs are cached per config: forget the other runs'
+    try:
+        assert model.family.decoder_spec(model.config).moe.rows_fused
+        check_greedy_matches_hf(name, model, golden(name))
+    finally:
+        model.family.clear_caches()
 
 
 def test_deepseek_reads_its_config(tiny):

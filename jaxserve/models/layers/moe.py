@@ -24,8 +24,8 @@ of small launches per layer, which at batch 1 are a large share of the step), at
 ``rows_fused`` (``JAXSERVE_MOE_GROUPED_GEMM=rows_fused``) runs each product as one launch
 (``expert_rows_matmul_fused``: every program makes its tile from the ids, gate/up reads each token's hidden
 state for its k rows, unowned rows are zeroed by their own program), without the plan, the repeat and the
-zero fills between the kernels, and the softmax router's top-k, weights and padding mask as one more
-(``kernels/moe_route.softmax_top_k``) instead of XLA's sort and its neighbours.
+zero fills between the kernels, and the router's top-k, weights and padding mask as one more
+(``kernels/moe_route``: the softmax router and DeepSeek's) instead of XLA's sort and its neighbours.
 
 Routing as computed: top-k of the logits (softmax is monotone, so the same experts in the same order), then
 the weights in float32 from those k logits alone when renormalising (the softmax of the k values equals the
@@ -186,13 +186,8 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
     """The MoE MLP of the normed input ``h [T, hidden]`` (``w``: the layer's MoE weights by name);
     ``valid [T]`` marks real tokens (padding tokens are routed nowhere). Returns the output and the routed
     expert ids ``[T, k]`` (a padding token's: ``num_experts``), which ``expert_load`` counts."""
-    fused = spec.rows_fused and h.shape[0] <= spec.rows_path_max_tokens
-    if fused and spec.router == "softmax":     # the top-k, its weights and the padding mask in one launch
-        weights, ids = moe_route.softmax_top_k(h @ w["router"], spec.top_k, spec.renormalize, valid)
-    elif fused and moe_routing.is_plain_softmax(spec):
-        weights, ids = moe_route.softmax_top_k(moe_routing.router_logits(h, w["router"]), spec.top_k, False, valid)
-        if spec.routed_scaling_factor != 1.0:
-            weights = weights * spec.routed_scaling_factor
+    if spec.rows_fused and h.shape[0] <= spec.rows_path_max_tokens:
+        weights, ids = _fused_route(h, w, spec, valid)
     else:
         if spec.router == "softmax":
             weights, ids = route(h @ w["router"], spec)
@@ -208,6 +203,21 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
         shared = parallel.row_parallel_matmul(activation(gate_up[:, 0]) * gate_up[:, 1], w["shared_down"])
         out = out + (jax.nn.sigmoid(h @ w["shared_gate"]) * shared if spec.shared_expert_gate else shared)
     return out, ids
+
+
+def _fused_route(h: jax.Array, w: dict, spec: MoESpec, valid: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """``route`` / ``moe_routing.route`` and the padding mask in one launch (``kernels.moe_route``)."""
+    if spec.router == "softmax":
+        return moe_route.softmax_top_k(h @ w["router"], spec.top_k, spec.renormalize, valid)
+    if spec.router not in moe_routing.ROUTERS:
+        raise ValueError(f"unknown MoE router {spec.router!r}; one of softmax, {', '.join(moe_routing.ROUTERS)}")
+    v3 = spec.router == "deepseek_v3"        # V2's weights are never renormalised (as transformers')
+    weights, ids = moe_route.grouped_top_k(moe_routing.router_logits(h, w["router"]), spec.top_k,
+                                           v3 and spec.renormalize, valid, w.get("router_bias"), sigmoid=v3,
+                                           num_groups=spec.num_groups, topk_groups=spec.topk_groups)
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
+    return weights, ids
 
 
 def expert_load(ids: jax.Array, num_experts: int) -> jax.Array:

@@ -46,12 +46,6 @@ def router_logits(h: jax.Array, router: jax.Array) -> jax.Array:
     return jnp.dot(h, router, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def is_plain_softmax(spec) -> bool:
-    """Whether the router is a softmax's top-k without renormalising (V2's ``greedy``: one group), which
-    ``kernels.moe_route.softmax_top_k`` computes (then times ``routed_scaling_factor``)."""
-    return spec.router == "deepseek_v2" and spec.num_groups == 1
-
-
 def route(h: jax.Array, router: jax.Array, bias: jax.Array | None, spec) -> tuple[jax.Array, jax.Array]:
     """The routing of ``h [T, hidden]`` by ``router [hidden, E]`` (``spec``: a ``moe.MoESpec``)."""
     logits = router_logits(h, router)

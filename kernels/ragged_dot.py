@@ -274,9 +274,12 @@ def _rows_fused_kernel(expert_ref, lhs_ref, rhs_ref, out_ref, *, m, mp, k, group
 
     @pl.when(mine & first)
     def _():
-        # each same-expert row's rank among them (the earlier same rows), then the tile's rows by rank
-        rank = jnp.sum(jnp.where(same[None, :] & (idx[None, :] < idx[:, None]), 1, 0), axis=1)    # [mp]
-        rows = jnp.min(jnp.where(same[None, :] & (rank[None, :] == r[:, None]), idx[None, :], m), axis=1)
+        # the expert's rows in order, each the first same row after the last (block_m reductions over [mp]:
+        # no [mp, mp] rank matrix, whose registers a bucket of 16 tokens, k = 8 would spill)
+        rows, last = jnp.full((block_m,), m, jnp.int32), t
+        for slot in range(block_m):
+            rows = jnp.where(r == slot, last, rows)
+            last = jnp.min(jnp.where(same & (idx > last), idx, m))
         live = rows < m                                                                              # [block_m]
         src = jnp.where(live, rows // per_lhs, 0)
         halves = (0,) if activation is None else (0, out_ref.shape[1])

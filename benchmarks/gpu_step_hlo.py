@@ -136,8 +136,8 @@ def main(argv=None) -> int:
 
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")   # the CUDA plugin compiles for the topology, runs nothing
-    # the MoE layers' GPU path (the rows kernel), which "auto" would choose by this host's backend
-    os.environ.setdefault("JAXSERVE_MOE_GROUPED_GEMM", "rows")
+    from jaxserve.benchmarks import step_memory
+    step_memory.use_gpu_moe_path()
     with tempfile.TemporaryDirectory() as tmp:
         dump = a.dump or tmp
         t0 = time.perf_counter()

@@ -99,6 +99,12 @@ def weight_copies(compiled_text: str) -> list[str]:
     return out
 
 
+def use_gpu_moe_path() -> None:
+    """The MoE layers' GPU path (the rows kernel) for a step compiled for CUDA on this host, where
+    ``JAXSERVE_MOE_GROUPED_GEMM=auto`` would choose by the host's backend (a set value stays)."""
+    os.environ.setdefault("JAXSERVE_MOE_GROUPED_GEMM", "rows")
+
+
 @contextlib.contextmanager
 def tracing_for_cuda(device_kind: str = "NVIDIA H200", num_cores: int = 132):
     """Trace the step's GPU branches (Pallas kernels, GEMVs) on any host: jaxserve's ``jax.default_backend()``
@@ -149,8 +155,8 @@ def main(argv=None) -> int:
     from jaxserve.kernels import ops
     keys = [(int(k.rstrip("d")), k.endswith("d")) for k in a.buckets.split(",")]
     backend = "pallas" if a.cuda else a.backend if a.backend != "auto" else ops.default_backend()
-    if a.cuda:        # the MoE layers' GPU path (the rows kernel), which "auto" would choose by this host's backend
-        os.environ.setdefault("JAXSERVE_MOE_GROUPED_GEMM", "rows")
+    if a.cuda:
+        use_gpu_moe_path()
     cfg, family = model_config(a.model, a.layers)
     variants, wbytes, kvbytes = abstract_variants(cfg, family, a.quantization, sorted({t for t, _ in keys}),
                                                   a.blocks, backend)

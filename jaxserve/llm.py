@@ -143,20 +143,20 @@ class Admission:
 
     def __init__(self, eng, requests, all_ids: list[list[int]], all_images: list[list]):
         self.eng, self.requests, self.all_ids = eng, requests, all_ids
-        multimodal = eng.facts().is_multimodal
-        self.has_images = [bool(images) or bool(multimodal and eng.images.processing.count_placeholders(ids))
+        facts = eng.facts()
+        self.has_images = [bool(images) or bool(facts.is_multimodal and eng.images.processing.count_placeholders(ids))
                            for ids, images in zip(all_ids, all_images)]
         image_prompts = [k for k, h in enumerate(self.has_images) if h]
         self.ahead = MediaAhead(lambda k: eng.images.process(all_ids[k], all_images[k]), image_prompts) \
             if image_prompts else None
         self.next = 0               # the first prompt not queued
-        self.overlap = media_overlap(eng.facts().platform)
+        self.overlap = media_overlap(facts.platform)
 
     def __call__(self, wait: bool) -> bool:
         batch = []
         while self.next < len(self.all_ids):
             k = self.next
-            if self.has_images[k] and not (wait or not self.overlap or self.ahead.ready()):
+            if self.has_images[k] and self.overlap and not wait and not self.ahead.ready():
                 break
             ids, features = self.ahead.take() if self.has_images[k] else (self.all_ids[k], None)
             try:

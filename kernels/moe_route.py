@@ -31,7 +31,6 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("k", "renormalize", "interpret"))
 def softmax_top_k(logits: jax.Array, k: int, renormalize: bool, valid: jax.Array | None = None, *,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The softmax router's top-k (see the module docstring)."""

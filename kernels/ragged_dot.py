@@ -138,25 +138,31 @@ def _gmm_kernel(group_ref, row0_ref, rows_ref, lhs_ref, rhs_ref, _out_in, out_re
         else:            # a run of num_rows rows from row0_ref[t]
             rows = jnp.where(r < num_rows, row0_ref[t] + r, m)
         cols = j * block_n + lax.iota(jnp.int32, block_n)
-        # gated: the gate's columns and, out_ref's width further on, the up's
-        halves = (0,) if activation is None else (0, out_ref.shape[1])
+        out = _tile_product(lhs_ref, rhs_ref, out_ref, rows, rows < m, g, cols, k=k, block_k=block_k,
+                            activation=activation)
+        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], out)
 
-        def step(kb, accs):
-            ks = kb * block_k + lax.iota(jnp.int32, block_k)
-            x = plgpu.load(lhs_ref.at[rows[:, None], ks[None, :]], other=0,
-                           mask=jnp.broadcast_to((rows < m)[:, None], (block_m, block_k)))     # [bm, bk]
-            return tuple(acc + plgpu.dot(x, plgpu.load(rhs_ref.at[(g * k + ks)[:, None], (cols + h)[None, :]]),
-                                         allow_tf32=False)                                    # [bk, bn] each
-                         for acc, h in zip(accs, halves))
 
-        zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in halves)
-        accs = lax.fori_loop(0, k // block_k, step, zeros)
-        if activation is None:
-            out = accs[0]
-        else:       # gate and up rounded as the plain product's output would be, then gated
-            gate, up = (a.astype(out_ref.dtype).astype(jnp.float32) for a in accs)
-            out = activation(gate) * up
-        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], out.astype(out_ref.dtype))
+def _tile_product(lhs_ref, rhs_ref, out_ref, src, live, g, cols, *, k, block_k, activation):
+    """``lhs`` rows ``src`` (those not ``live`` read as zeros) times expert ``g``'s columns ``cols``, in
+    float32, gated when ``activation`` (the gate's columns and, out_ref's width further on, the up's), in
+    out_ref's dtype."""
+    block_m, block_n = src.shape[0], cols.shape[0]
+    halves = (0,) if activation is None else (0, out_ref.shape[1])
+
+    def step(kb, accs):
+        ks = kb * block_k + lax.iota(jnp.int32, block_k)
+        x = plgpu.load(lhs_ref.at[src[:, None], ks[None, :]], other=0,
+                       mask=jnp.broadcast_to(live[:, None], (block_m, block_k)))                # [bm, bk]
+        return tuple(acc + plgpu.dot(x, plgpu.load(rhs_ref.at[(g * k + ks)[:, None], (cols + h)[None, :]]),
+                                     allow_tf32=False)                                        # [bk, bn] each
+                     for acc, h in zip(accs, halves))
+
+    accs = lax.fori_loop(0, k // block_k, step, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in halves))
+    if activation is None:
+        return accs[0].astype(out_ref.dtype)
+    gate, up = (a.astype(out_ref.dtype).astype(jnp.float32) for a in accs)   # rounded as the plain product's
+    return (activation(gate) * up).astype(out_ref.dtype)
 
 
 def _auto_block_m(m: int, num_groups: int) -> int:
@@ -232,8 +238,8 @@ def expert_rows_matmul(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array | N
 
 @functools.partial(jax.jit, static_argnames=("max_rows_per_expert", "rows_per_lhs_row", "activation", "interpret"))
 def expert_rows_matmul_fused(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array, max_rows_per_expert: int, *,
-                                rows_per_lhs_row: int = 1, activation: Callable | None = None,
-                                interpret: bool = False) -> jax.Array:
+                             rows_per_lhs_row: int = 1, activation: Callable | None = None,
+                             interpret: bool = False) -> jax.Array:
     """``expert_rows_matmul`` in one kernel launch: each program makes its own tile from ``row_expert`` (no
     plan ops before it), row ``r`` reads ``lhs[r // rows_per_lhs_row]`` (the MoE's gate/up reads each token's
     hidden state once for its ``k`` rows: no repeated copy), and a row whose expert is outside ``0 .. G-1`` is
@@ -246,7 +252,7 @@ def expert_rows_matmul_fused(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Arr
         raise ValueError(f"{lhs.shape[0]} lhs rows x {rows_per_lhs_row} < {m} row experts")
     n = _out_width(rhs, activation)
     block_m, block_n = _rows_block(max_rows_per_expert), _block(n, 64)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_rows_fused_kernel, m=m, mp=max(16, 1 << (m - 1).bit_length()), k=k, groups=num_groups,
                           block_m=block_m, block_k=_block(k, 128), block_n=block_n, per_lhs=rows_per_lhs_row,
                           activation=activation),
@@ -255,11 +261,10 @@ def expert_rows_matmul_fused(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Arr
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret or jax.default_backend() != "gpu", name="moe_expert_rows",
     )(row_expert.astype(jnp.int32), lhs, rhs.reshape(num_groups * k, -1))
-    return out
 
 
 def _rows_fused_kernel(expert_ref, lhs_ref, rhs_ref, out_ref, *, m, mp, k, groups, block_m, block_k, block_n,
-                     per_lhs, activation):
+                       per_lhs, activation):
     """Program (t, j): if row t is the first row of its expert, that expert's rows (in order, at most block_m)
     times its weights' columns block j; if row t has no expert here, zeros in its row; otherwise nothing."""
     t, j = pl.program_id(0), pl.program_id(1)
@@ -281,23 +286,9 @@ def _rows_fused_kernel(expert_ref, lhs_ref, rhs_ref, out_ref, *, m, mp, k, group
             rows = jnp.where(r == slot, last, rows)
             last = jnp.min(jnp.where(same & (idx > last), idx, m))
         live = rows < m                                                                              # [block_m]
-        src = jnp.where(live, rows // per_lhs, 0)
-        halves = (0,) if activation is None else (0, out_ref.shape[1])
-
-        def step(kb, accs):
-            ks = kb * block_k + lax.iota(jnp.int32, block_k)
-            x = plgpu.load(lhs_ref.at[src[:, None], ks[None, :]], other=0,
-                           mask=jnp.broadcast_to(live[:, None], (block_m, block_k)))
-            return tuple(acc + plgpu.dot(x, plgpu.load(rhs_ref.at[(e * k + ks)[:, None], (cols + h)[None, :]]),
-                                         allow_tf32=False) for acc, h in zip(accs, halves))
-
-        accs = lax.fori_loop(0, k // block_k, step, tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in halves))
-        if activation is None:
-            out = accs[0]
-        else:       # gate and up rounded as the plain product's output would be, then gated
-            gate, up = (a.astype(out_ref.dtype).astype(jnp.float32) for a in accs)
-            out = activation(gate) * up
-        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], out.astype(out_ref.dtype),
+        out = _tile_product(lhs_ref, rhs_ref, out_ref, jnp.where(live, rows // per_lhs, 0), live, e, cols, k=k,
+                            block_k=block_k, activation=activation)
+        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], out,
                     mask=jnp.broadcast_to(live[:, None], (block_m, block_n)))
 
     @pl.when(jnp.logical_not(mine))

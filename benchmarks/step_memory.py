@@ -100,9 +100,9 @@ def weight_copies(compiled_text: str) -> list[str]:
 
 
 def use_gpu_moe_path() -> None:
-    """The MoE layers' GPU path (the rows kernel) for a step compiled for CUDA on this host, where
+    """The MoE layers' GPU path (the fused rows kernels) for a step compiled for CUDA on this host, where
     ``JAXSERVE_MOE_GROUPED_GEMM=auto`` would choose by the host's backend (a set value stays)."""
-    os.environ.setdefault("JAXSERVE_MOE_GROUPED_GEMM", "rows")
+    os.environ.setdefault("JAXSERVE_MOE_GROUPED_GEMM", "rows_fused")
 
 
 @contextlib.contextmanager

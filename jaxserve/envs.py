@@ -124,10 +124,10 @@ _REGISTRY: dict[str, EnvVar] = {
                                                   "of W8A8 (A/B runs of the decode path)"),
     # mixture of experts
     "JAXSERVE_MOE_GROUPED_GEMM": EnvVar(lambda raw: raw or "auto", "auto",
-                                        "the MoE layers' grouped GEMM: auto (rows on a GPU, ragged_dot "
-                                        "elsewhere), rows (pallas, and steps of <= 16 tokens through the "
-                                        "sort-free rows kernel), rows_fused (the same, each rows product "
-                                        "one launch: its plan made in the kernel; an A/B candidate), "
+                                        "the MoE layers' grouped GEMM: auto (rows_fused on a GPU, "
+                                        "ragged_dot elsewhere), rows (pallas, and steps of <= 16 tokens "
+                                        "through the sort-free rows kernel), rows_fused (the same, each rows "
+                                        "product one launch: its plan made in the kernel), "
                                         "ragged_dot, gather or pallas (kernels/ragged_dot.py)"),
     # XLA
     "JAXSERVE_LOAD_THREADS": EnvVar(lambda raw: _int("JAXSERVE_LOAD_THREADS")(raw or "8"), "8",

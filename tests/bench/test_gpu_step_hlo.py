@@ -75,7 +75,7 @@ def test_a_one_layer_decode_step_compiles_for_an_h200_into_one_command_buffer(ca
 
 
 def test_the_step_is_traced_with_the_gpus_moe_path(monkeypatch):
-    """The MoE layers choose their grouped GEMM by the backend ("auto": rows on a GPU), which on this host reads
+    """The MoE layers choose their grouped GEMM by the backend ("auto": rows_fused on a GPU), which on this host reads
     cpu: the tool must ask for the GPU's path (``ragged_dot`` there would be a dense product the GPU never runs)."""
     from jaxserve.models.layers import moe
 
@@ -89,4 +89,4 @@ def test_the_step_is_traced_with_the_gpus_moe_path(monkeypatch):
     monkeypatch.setattr(gpu_step_hlo, "compile_step", compile_step)
     with pytest.raises(SystemExit):
         gpu_step_hlo.main(["--model", "qwen3-30b-a3b", "--layers", "1"])
-    assert seen == [("pallas", True, False)]
+    assert seen == [("pallas", True, True)]

@@ -21,10 +21,10 @@ expert gathering that expert's rows (at most one per token), and come back in to
 (padding, another device's expert) belongs to no tile. Both paths read each selected expert's weights once;
 the rows path saves the sort, the group count, the tile plan's prefix sums and the scatter back (a handful
 of small launches per layer, which at batch 1 are a large share of the step), at an ``(T·k)²`` plan.
-``rows_fused`` (``JAXSERVE_MOE_GROUPED_GEMM=rows_fused``) runs each product as one launch
-(``expert_rows_matmul_fused``: every program makes its tile from the ids, gate/up reads each token's hidden
-state for its k rows, unowned rows are zeroed by their own program), without the plan, the repeat and the
-zero fills between the kernels, and the router's top-k, weights and padding mask as one more
+``rows_fused`` (the GPU's default; ``JAXSERVE_MOE_GROUPED_GEMM=rows`` for the planned kernel) runs each
+product as one launch (``expert_rows_matmul_fused``: every program makes its tile from the ids, gate/up reads
+each token's hidden state for its k rows, unowned rows are zeroed by their own program), without the plan, the
+repeat and the zero fills between the kernels, and the router's top-k, weights and padding mask as one more
 (``kernels/moe_route``: the softmax router and DeepSeek's) instead of XLA's sort and its neighbours.
 
 Routing as computed: top-k of the logits (softmax is monotone, so the same experts in the same order), then
@@ -114,13 +114,14 @@ ROWS_FUSED = "rows_fused"      # the same, each rows product one launch (ragged_
 def _grouped_gemm() -> tuple[str, bool, bool]:
     """(the grouped GEMM the MoE layers run, whether decode-sized steps take the sort-free rows path, whether
     that path runs ``expert_rows_matmul_fused``: no plan, repeat or zero-fill ops around its two kernels).
-    ``auto`` is ``rows`` on a GPU and ``ragged_dot`` elsewhere. On a GPU ``lax.ragged_dot`` lowers to a dense
+    ``auto`` is ``rows_fused`` on a GPU (benchmarks/results/2026-12-06-h100-moe-rows-fused.md) and ``ragged_dot``
+    elsewhere. On a GPU ``lax.ragged_dot`` lowers to a dense
     padded product, far slower than the Pallas kernel past a few tokens
     (benchmarks/results/2026-12-01-h200-moe-grouped-gemm.md). A named ragged_dot implementation runs at every
     size (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
-        impl = ROWS if jax.default_backend() == "gpu" else "ragged_dot"
+        impl = ROWS_FUSED if jax.default_backend() == "gpu" else "ragged_dot"
     if impl in (ROWS, ROWS_FUSED):
         return "pallas", True, impl == ROWS_FUSED
     if impl not in ragged_dot.IMPLEMENTATIONS:

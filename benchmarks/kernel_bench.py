@@ -21,7 +21,8 @@ import numpy as np
 from . import roofline
 
 SECTIONS = ("bandwidth", "attention", "quant", "moe", "mla")
-LLAMA8B_PROJECTIONS = (("gate_up", 4096, 28672), ("down", 14336, 4096), ("q/o", 4096, 4096), ("k/v", 4096, 1024))
+LLAMA8B_PROJECTIONS = (("gate_up", 4096, 28672), ("down", 14336, 4096), ("qkv", 4096, 6144), ("q/o", 4096, 4096),
+                       ("k/v", 4096, 1024))      # qkv: q, k and v fused, as a quantized model loads them
 INT4_GROUP = 128
 
 

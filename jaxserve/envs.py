@@ -95,6 +95,9 @@ _REGISTRY: dict[str, EnvVar] = {
                                     "1 = fp8 weights of steps of <= 16 bf16 tokens run weight-only (W8A16) through "
                                     "the CUDA FFI GEMV (kernels/fp8_gemv.cuh) on a GPU with nvcc, per-channel and "
                                     "128x128-block scales alike (A/B runs)"),
+    "JAXSERVE_FUSED_QKV": EnvVar(_flag, "1", "0 = a quantized model keeps q, k and v as three weights (three "
+                                 "GEMMs a layer) instead of one fused qkv weight (A/B runs; models.loaded_model."
+                                 "with_fused_qkv)"),
     "JAXSERVE_STEP_BUFFERS_APART": EnvVar(_flag, "1",
                                           "1 = the step keeps its per-call buffers (packed inputs, outputs) out of "
                                           "the layers' commands, so XLA updates a few commands of the step's CUDA "

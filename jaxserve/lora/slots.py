@@ -61,9 +61,11 @@ def stack_shapes(cfg: ModelConfig, num_slots: int, rank: int, merge_qkv: bool = 
 
 
 def _base_weight(layer: dict, key: str):
-    """The base weight whose sharding a stack follows (q's for the shared qkv_a and the merged qkv_b)."""
+    """The base weight whose sharding a stack follows (q's for the shared qkv_a and the merged qkv_b; a fused
+    ``qkv`` weight's for q, k and v)."""
     name = key.rpartition("_")[0]
-    return layer["q" if name == "qkv" else name]
+    name = "q" if name == "qkv" else name
+    return layer[name] if name in layer else layer["qkv"]
 
 
 def _sharding(mesh, base_weight, a: bool):
@@ -100,7 +102,7 @@ def _fold(w: jax.Array, width: int) -> jax.Array:
 
 def can_fold(params: dict, mesh) -> bool:
     """The A stacks can be columns of their base weights: no mesh, and every target a float array."""
-    return mesh is None and all(isinstance(layer[t], jax.Array) and jnp.issubdtype(layer[t].dtype, jnp.floating)
+    return mesh is None and all(isinstance(layer.get(t), jax.Array) and jnp.issubdtype(layer[t].dtype, jnp.floating)
                                 for layer in params["layers"] for t in set(FOLDED_INTO.values()))
 
 

@@ -29,12 +29,24 @@ def weight_plan(shapes: dict, layer_names: Callable[[int], dict] | dict, top: di
     plan = [((name,), list(build_names[1]), build_names[0]) for name, build_names in top.items() if name in shapes]
     for i, layer in enumerate(shapes["layers"]):
         names = layer_names(i) if callable(layer_names) else layer_names
+        if "qkv" in layer and "qkv" not in names:
+            names = fused_qkv_names(names)
         missing = set(layer) - set(names)
         assert not missing, f"no checkpoint names for {sorted(missing)}"
         pre = f"{prefix}{i}."
         plan += [(("layers", i, weight), [pre + n for n in hf], build)
                  for weight, (build, hf) in names.items() if weight in layer]
     return plan
+
+
+def fused_qkv_names(names: dict) -> dict:
+    """A layer's names with q, k and v (each a plain ``"t"`` build) as one ``qkv`` weight: their tensors side by
+    side on the output axis (``"cat_t"``, q then k then v); unchanged when they are built otherwise."""
+    parts = [names.get(w) for w in ("q", "k", "v")]
+    if any(p is None or p[0] != "t" for p in parts):
+        return names
+    return {**{w: b for w, b in names.items() if w not in ("q", "k", "v")},
+            "qkv": ("cat_t", [n for p in parts for n in p[1]])}
 
 
 # Where a multimodal wrapper (Gemma 3's ConditionalGeneration) keeps its text model's tensors: transformers 5

@@ -11,7 +11,7 @@ from jaxserve.models import packaged, registry
 from jaxserve.models.hf_weights import tree_get
 from jaxserve.models.layers.moe import with_expert_parallel
 from jaxserve.models.loaded_model import (LoadedModel, config_dtype, generation_config, resolve_dtype,
-                                          resolve_max_model_len)
+                                          resolve_max_model_len, with_fused_qkv)
 from jaxserve.models.tokenizers import embedded_tokenizer, with_tokenizer
 from jaxserve.quantization import config as quant_config
 from jaxserve.quantization import loading as quant_loading
@@ -35,6 +35,7 @@ def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: 
     family.check_config(cfg)
     jdtype = resolve_dtype(dtype, config_dtype(hf, jnp.bfloat16))
     quant = dummy_quantization(quantization)
+    cfg = with_fused_qkv(cfg, family, quant, mesh)
     params, tokenizer = with_tokenizer(embedded_tokenizer,
                                        lambda: dummy_params(cfg, family, jdtype, seed, mesh, quant))
     return LoadedModel(config=cfg, params=params, family=family, tokenizer=tokenizer,

@@ -68,3 +68,30 @@ def float_only(quantization: str | None, what: str) -> None:
     if quantization not in (None, "auto", "none"):
         raise ModelLoadError(f"--quantization {quantization}: {what}; quantized loading reads HF safetensors "
                              f"checkpoints (or random weights with --load-format dummy)")
+
+
+def with_fused_qkv(cfg: ModelConfig, family: Any, quant, mesh) -> ModelConfig:
+    """``cfg`` with q, k and v loaded as one ``qkv`` weight (``layers.decoder.FUSED_QKV``) where that makes one
+    quantized GEMM a layer of three: XLA merges the three bf16 dots of one input itself, but not three int4 custom
+    calls, each with a fixed cost at decode sizes (benchmarks/results/2026-12-06-h200-llama8b-decode-profile.md).
+    Only for int4 without act-order (AWQ, GPTQ) and fp8 with dynamic activation scales (a static one per module
+    would have to become their largest) whose 128 × 128 blocks end where each module does; without a mesh (a
+    column split of the joined weight would not line up with the head shards); for a decoder whose q, k and v
+    are plain projections. ``JAXSERVE_FUSED_QKV=0`` keeps three."""
+    from jaxserve import envs
+    from jaxserve.models.layers.decoder import FUSED_QKV
+    if not envs.JAXSERVE_FUSED_QKV or quant is None or mesh is not None:
+        return cfg
+    if quant.weights == "int4" and (quant.desc_act or quant.method not in ("awq", "gptq")):
+        return cfg
+    outs = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+    block_cut = quant.fp8_scales == "block" and any(n % 128 for n in outs)
+    if quant.weights == "fp8" and (quant.activation_scheme != "dynamic" or block_cut):
+        return cfg
+    fused = dataclasses.replace(cfg, extra=tuple(sorted({**dict(cfg.extra), FUSED_QKV: True}.items())))
+    try:
+        layers = family.param_shapes(fused)["layers"]
+        built = {path[1] for path, _, build in family.weight_plan(fused) if path[-1] == "qkv" and build == "cat_t"}
+    except (AttributeError, KeyError, TypeError, AssertionError):
+        return cfg
+    return fused if layers and all("qkv" in layer for layer in layers) and built == set(range(len(layers))) else cfg

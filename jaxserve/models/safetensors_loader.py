@@ -22,7 +22,7 @@ from jaxserve.models import configs as model_configs
 from jaxserve.models.hf_weights import load_weights
 from jaxserve.models.layers.moe import with_expert_parallel
 from jaxserve.models.loaded_model import (LoadedModel, config_dtype, float_only, generation_config, resolve_dtype,
-                                          resolve_max_model_len)
+                                          resolve_max_model_len, with_fused_qkv)
 from jaxserve.models.tokenizers import folder_tokenizer, with_tokenizer
 from jaxserve.quantization import config as quant_config
 
@@ -160,7 +160,7 @@ def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, 
         float_only(quantization, f"{folder} is an encoder model")
         return family.load(folder, dtype)   # the encoder family resolves "auto" itself
     cfg, hf, gen = model_configs.model_config_from_folder(folder)
-    cfg = with_expert_parallel(cfg, enable_expert_parallel)
+    cfg = with_fused_qkv(with_expert_parallel(cfg, enable_expert_parallel), family, quant, mesh)
     family.check_config(cfg)
 
     def load():

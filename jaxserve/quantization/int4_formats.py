@@ -152,22 +152,30 @@ def read_compressed_tensors(get: Callable[[str], np.ndarray], prefix: str, group
     return Int4Parts(np.ascontiguousarray(q.T), np.ascontiguousarray(scales.T), zeros, None, g)
 
 
+def _same_form(parts: list[Int4Parts], name: str) -> None:
+    """The modules of one fused weight must share their groups, act-order permutation and storage form."""
+    first = parts[0]
+    if any(p.group_size != first.group_size for p in parts):
+        raise ModelLoadError(f"{name}: its modules have different group sizes")
+    if any((p.perm is None) != (first.perm is None) or (p.perm is not None and not np.array_equal(p.perm, first.perm))
+           for p in parts):
+        raise ModelLoadError(f"{name}: its modules have different act-order permutations (g_idx); their fused "
+                             f"projection needs one")
+    forms = [(p.high_bits, p.offset, {f: a.shape[0] for f, a in p.arrays().items()}) for p in parts]
+    if any(f != forms[0] for f in forms):
+        raise ModelLoadError(f"{name}: its modules are stored in different int4 forms")
+
+
 def combine(parts: list[Int4Parts], kind, name: str) -> Int4Parts:
     """One weight from its modules' parts by the weight plan's build ``kind`` (checkpoint_names)."""
     if kind == "t":
         return parts[0]
-    if kind == "stack_t":
-        gate, up = parts
-        if gate.group_size != up.group_size:
-            raise ModelLoadError(f"{name}: gate and up have different group sizes")
-        if (gate.perm is None) != (up.perm is None) or (gate.perm is not None
-                                                         and not np.array_equal(gate.perm, up.perm)):
-            raise ModelLoadError(f"{name}: gate_proj and up_proj have different act-order permutations "
-                                 f"(g_idx); their fused projection needs one")
-        forms = [(p.high_bits, p.offset, {f: a.shape[0] for f, a in p.arrays().items()}) for p in parts]
-        if forms[0] != forms[1]:
-            raise ModelLoadError(f"{name}: gate_proj and up_proj are stored in different int4 forms")
-        return gate.with_arrays(lambda a, b: np.stack([a, b], axis=1), up)
+    if kind == "stack_t":           # gate and up
+        _same_form(parts, name)
+        return parts[0].with_arrays(lambda a, b: np.stack([a, b], axis=1), parts[1])
+    if kind == "cat_t":             # projections of one input side by side on the outputs (a fused qkv)
+        _same_form(parts, name)
+        return parts[0].with_arrays(lambda *arrays: np.concatenate(arrays, axis=1), *parts[1:])
     p = parts[0]
     if isinstance(kind, tuple) and kind[0] == "rows_t":
         cols = slice(kind[1], kind[2])

@@ -23,9 +23,9 @@ from . import gguf_formats, int4_formats, online
 from .config import FP8_BLOCK, QuantConfig
 from .weights import Fp8Weight, Int4Weight, with_tp_axis
 
-# the decoder's projections (and MLA's q LoRA and kv_a, or the two fused, which ``layers.linear`` multiplies like
-# them)
-LINEAR_WEIGHTS = ("q", "k", "v", "o", "gate_up", "down", "q_a", "q_b", "kv_a", "fused_qkv_a")
+# the decoder's projections (q, k and v or the three fused, and MLA's q LoRA and kv_a, or the two fused, which
+# ``layers.linear`` multiplies like them)
+LINEAR_WEIGHTS = ("q", "k", "v", "qkv", "o", "gate_up", "down", "q_a", "q_b", "kv_a", "fused_qkv_a")
 
 
 def is_linear(path: tuple) -> bool:

@@ -195,7 +195,7 @@ def test_fp8_random_weights_are_quantized_as_they_are_made(tmp_path, monkeypatch
 
     (tmp_path / "scaled-70b.json").write_text(json.dumps(_scaled_70b()))
     monkeypatch.setattr(packaged, "DUMMY_CONFIG_DIR", tmp_path)
-    cfg_shapes = {(1024, 1024), (1024, 128), (1024, 2, 3584), (3584, 1024)}     # q/o, k/v, gate_up, down
+    cfg_shapes = {(1024, 1280), (1024, 1024), (1024, 2, 3584), (3584, 1024)}   # qkv (fused), o, gate_up, down
     alive, quantize = [], quant_loading.quantize_leaf
 
     def counting(q, path, w, sharding, scale_dtype):
@@ -204,8 +204,8 @@ def test_fp8_random_weights_are_quantized_as_they_are_made(tmp_path, monkeypatch
 
     monkeypatch.setattr(quant_loading, "quantize_leaf", counting)
     model = loader.load_model("scaled-70b", load_format="dummy", dtype="bfloat16", quantization="fp8")
-    assert len(alive) == 2 * 6 and max(alive) == 1, alive
-    assert all(isinstance(model.params["layers"][1][n], Fp8Weight) for n in ("q", "k", "v", "o", "gate_up", "down"))
+    assert len(alive) == 2 * 4 and max(alive) == 1, alive
+    assert all(isinstance(model.params["layers"][1][n], Fp8Weight) for n in ("qkv", "o", "gate_up", "down"))
 
 
 # ------------------------------------------------------------------------------------ TP=2, 2 fake devices

@@ -199,11 +199,15 @@ def test_int4_checkpoint_loads_the_reference_weights_and_logits(case, tmp):
     model = load_model(folder, dtype="float32")
     assert model.quantization == qc["quant_method"]
     layer = model.params["layers"][1]
-    for weight, module in (("q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
+    # q, k and v load as one qkv weight for AWQ and GPTQ without act-order (``with_fused_qkv``), q's columns first
+    fused = INT4_CASES[case]["fmt"] in ("awq", "gptq") and not INT4_CASES[case].get("desc_act")
+    assert ("qkv" in layer) == fused and ("q" in layer) != fused
+    for weight, module in (("qkv" if fused else "q", "self_attn.q_proj"), ("down", "mlp.down_proj")):
         w = layer[weight]
         assert isinstance(w, Int4Weight) and w.group_size == INT4_CASES[case].get("group", 128)
-        got = int4_kernel.dequantize_int4(w.packed, w.scales, w.zeros, w.group_size)
-        np.testing.assert_array_equal(np.asarray(got), loaded_order[f"model.layers.1.{module}"])
+        got = np.asarray(int4_kernel.dequantize_int4(w.packed, w.scales, w.zeros, w.group_size))
+        want = loaded_order[f"model.layers.1.{module}"]
+        np.testing.assert_array_equal(got[:, :want.shape[1]], want)
         assert (w.perm is not None) == INT4_CASES[case].get("desc_act", False)
     gate_up = layer["gate_up"]
     assert gate_up.shape == (256, 2, 512)
@@ -248,8 +252,8 @@ def test_online_fp8_quantizes_a_float_checkpoint(tmp):
     folder = write_folder(tmp / "float", float_model(), HF | {"torch_dtype": "float32"})
     model = load_model(folder, dtype="float32", quantization="fp8")
     assert model.quantization == "fp8"
-    w = model.params["layers"][0]["q"]
-    assert isinstance(w, Fp8Weight) and w.scale.shape == (256,) and not w.block
+    w = model.params["layers"][0]["qkv"]           # q, k and v as one weight: 256 + 2 x 128 outputs
+    assert isinstance(w, Fp8Weight) and w.scale.shape == (512,) and not w.block
     assert model.params["embed"].dtype == jnp.float32
     got, want = logits_of(model), logits_of(load_model(folder, dtype="float32"))
     assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
@@ -260,8 +264,48 @@ def test_dummy_weights_take_the_quantized_storage(tmp):
     for method, cls in (("awq", Int4Weight), ("gptq", Int4Weight), ("fp8", Fp8Weight)):
         model = load_model(folder, dtype="bfloat16", load_format="dummy", quantization=method)
         assert model.quantization == method
-        assert all(isinstance(model.params["layers"][0][n], cls) for n in ("q", "k", "v", "o", "gate_up", "down"))
+        assert all(isinstance(model.params["layers"][0][n], cls) for n in ("qkv", "o", "gate_up", "down"))
         assert np.isfinite(logits_of(model)).all()
+
+
+@pytest.mark.parametrize("case", ["awq", "gptq-asym-g64", "fp8-block", "fp8-channel", "online-fp8"])
+def test_fused_qkv_gives_the_three_projections_logits(case, tmp, monkeypatch):
+    """A quantized model's q, k and v as one ``qkv`` weight (one GEMM a layer) give the logits of the three
+    weights they were loaded from (``JAXSERVE_FUSED_QKV=0``). (The engine's greedy run of a fused GPTQ model:
+    ``test_engine_greedy_continuations_match_the_dequantized_model``.)"""
+    if case.startswith("fp8-"):
+        tensors, qc, _ = fp8_checkpoint(case[4:], "dynamic")
+        folder = write_folder(tmp / f"fused-{case}", tensors, HF | {"quantization_config": qc})
+    elif case == "online-fp8":
+        folder = write_folder(tmp / "fused-float", float_model(), HF | {"torch_dtype": "float32"})
+    else:
+        tensors, qc, _, _ = quantized_checkpoint(**INT4_CASES[case])
+        folder = write_folder(tmp / f"fused-{case}", tensors, HF | {"quantization_config": qc})
+    quantization = "fp8" if case == "online-fp8" else "auto"
+    fused = load_model(folder, dtype="float32", quantization=quantization)
+    monkeypatch.setenv("JAXSERVE_FUSED_QKV", "0")
+    apart = load_model(folder, dtype="float32", quantization=quantization)
+    assert all("qkv" in layer and "q" not in layer for layer in fused.params["layers"])
+    assert all("qkv" not in layer and "v" in layer for layer in apart.params["layers"])
+    np.testing.assert_allclose(logits_of(fused), logits_of(apart), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_qkv_stays_off_where_it_does_not_apply(tmp):
+    """Three weights where one cannot stand for them: act-order int4, fp8 with static activation scales
+    (each module's own), a tensor-parallel mesh, a float model."""
+    from jaxserve.models import registry
+    from jaxserve.models.configs import model_config_from_hf
+    from jaxserve.models.loaded_model import with_fused_qkv
+    from jaxserve.quantization.config import QuantConfig
+
+    cfg = model_config_from_hf(HF)
+    _, family = registry.resolve_architecture(HF["architectures"])
+    awq = QuantConfig(method="awq", weights="int4")
+    assert with_fused_qkv(cfg, family, awq, None).extra_dict.get("fused_qkv")
+    for quant, mesh in ((QuantConfig(method="gptq", weights="int4", desc_act=True), None),
+                        (QuantConfig(method="fp8", weights="fp8", activation_scheme="static"), None),
+                        (awq, object()), (None, None)):
+        assert with_fused_qkv(cfg, family, quant, mesh) is cfg
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -292,7 +336,7 @@ def test_gptq_act_order_gate_and_up_must_share_their_permutation(tmp):
     tensors, qc, _, _ = quantized_checkpoint("gptq", symmetric=True, desc_act=True)
     name = "model.layers.0.mlp.up_proj.g_idx"
     tensors[name] = np.ascontiguousarray(tensors[name][::-1])
-    with pytest.raises(ModelLoadError, match="gate_proj and up_proj have different act-order permutations"):
+    with pytest.raises(ModelLoadError, match="gate_up: its modules have different act-order permutations"):
         load_model(write_folder(tmp / "gptq-two-orders", tensors, HF | {"quantization_config": qc}))
 
 

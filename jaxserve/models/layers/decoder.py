@@ -13,7 +13,9 @@ can tell a kv projection by its name (``parallel.mesh.adjust_spec_for_tp``).
 Layout: matmul weights are ``[in, out]`` so the step never transposes; ``gate_up`` is the gated MLP's input
 projection ``[hidden, 2, intermediate]`` (gate then up), fused along its own axis so tensor parallelism still
 shards ``intermediate``; q/k/v stay separate (under GQA a fused column split would not line up with head
-shards; Phi-3's fused checkpoint tensors are split at load). With LoRA adapters folded (``layers.lora``), q, o,
+shards; Phi-3's fused checkpoint tensors are split at load), except that a quantized model without tensor
+parallelism loads them as one ``qkv [hidden, q_out + 2 * kv_out]`` (``with_fused_qkv``: one quantized GEMM a
+layer instead of three, where XLA cannot merge the three custom calls itself). With LoRA adapters folded (``layers.lora``), q, o,
 gate_up and down are ``[in, out + S * w]`` instead: their adapter slots' A columns appended (gate_up flat).
 
 The step: ``forward`` merges the graph definition (static, cached per config) with the weight pytree it was
@@ -52,6 +54,8 @@ from .rotary import Rotary
 
 TP = "tp"
 COLUMN, ROW, VOCAB, REPLICATED, COLUMN_BIAS = (None, TP), (TP, None), (TP, None), (), (TP,)
+# ModelConfig.extra: q, k and v loaded as one ``qkv [hidden, q_out + 2 * kv_out]`` weight (``with_fused_qkv``)
+FUSED_QKV = "fused_qkv"
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
@@ -108,6 +112,9 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = _param((h,), REPLICATED, norm_init)
         if spec.mla is not None:
             mla.declare_params(self, h, cfg.num_heads, spec.mla, _param)
+        elif cfg.extra_dict.get(FUSED_QKV):
+            self.qkv = _param((h, q_out + 2 * kv_out), COLUMN)
+            self.o = _param((q_out, h), ROW)
         else:
             self.q, self.k = _param((h, q_out), COLUMN), _param((h, kv_out), COLUMN)
             self.v = _param((h, kv_out), COLUMN)
@@ -133,6 +140,8 @@ class DecoderLayer(nnx.Module):
         """The projections that read the attention norm's output (``normed_input``)."""
         if self.spec.mla is not None:
             return mla.readers(self._weights(("q", "q_a", "kv_a", "fused_qkv_a")), self.spec.mla)
+        if hasattr(self, "qkv"):
+            return (_w(self.qkv),)
         return (_w(self.q), _w(self.k), _w(self.v))
 
     def _weights(self, names) -> dict:
@@ -150,8 +159,11 @@ class DecoderLayer(nnx.Module):
             return mla.attention(h, weights, spec.mla, hq, rotary, cos_sin[spec.layer_rotary[self.index]], kv_cache,
                                  md, sm_scale=spec.sm_scale, backend=backend)
         cos, sin = cos_sin[spec.layer_rotary[self.index]]
-        hq_in, hk_in, hv_in = unmerged(h, 3)
-        q, k, v = linear(hq_in, _w(self.q)), linear(hk_in, _w(self.k)), linear(hv_in, _w(self.v))
+        if hasattr(self, "qkv"):        # one GEMM, its output split after it (``with_fused_qkv``)
+            q, k, v = jnp.split(linear(h, _w(self.qkv)), (hq * d, (hq + hkv) * d), axis=-1)
+        else:
+            hq_in, hk_in, hv_in = unmerged(h, 3)
+            q, k, v = linear(hq_in, _w(self.q)), linear(hk_in, _w(self.k)), linear(hv_in, _w(self.v))
         if lora is not None:
             q, k, v = lora.add_qkv(self.index, h, q, k, v)
         if spec.attention_bias:

@@ -103,6 +103,11 @@ _REGISTRY: dict[str, EnvVar] = {
                                           "the layers' commands, so XLA updates a few commands of the step's CUDA "
                                           "graph a call (runner.step_functions); 0 = XLA's own placement (an A/B "
                                           "switch for the GPU host time)"),
+    "JAXSERVE_VISION_ATTENTION": EnvVar(lambda raw: raw or "dense", "dense",
+                                        "the vision towers' attention on a GPU: dense (float32 scores per block of "
+                                        "queries, as HF's eager path) or cudnn (cuDNN's fused attention through "
+                                        "jax.nn.dot_product_attention; an A/B candidate; the CPU keeps dense) or "
+                                        "xla (the same call's XLA path, any backend)"),
     "JAXSERVE_OFFLINE_MEDIA_OVERLAP": EnvVar(_optional_flag, None,
                                              "1 = the offline API queues each prompt as soon as its images are "
                                              "preprocessed, so engine steps overlap the preprocessing of the rest; "

@@ -10,7 +10,8 @@ Marked ``gpu`` and skipped unless JAX runs on a GPU (conftest makes JAX_PLATFORM
 - the embedded SmolLM2 end to end: every attention backend's greedy tokens against the reference path's and,
   in float32, HF's (a first difference only where the reference had a near-tie: ``tie_gap``);
 - each decoder family's tiny checkpoint (tests/fixtures/models) on the Pallas kernels and the reference, and
-  the tiny MoE checkpoints under every ``JAXSERVE_MOE_GROUPED_GEMM``, against HF's greedy ids.
+  the tiny MoE checkpoints under every ``JAXSERVE_MOE_GROUPED_GEMM``, against HF's greedy ids;
+- the vision towers' cuDNN attention (``JAXSERVE_VISION_ATTENTION=cudnn``) against the dense scores.
 """
 from __future__ import annotations
 
@@ -378,6 +379,23 @@ llm = LLM("llama-3.2-1b", load_format="dummy", max_model_len=2048, max_num_batch
           token_buckets=[4, 1024], compilation_cache_dir=sys.argv[1], use_tqdm_on_load=False)
 llm.generate(["x " * 700], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
 """
+
+
+@on_gpu
+@pytest.mark.parametrize("n,segments", [(1024, 1), (6144, 1), (4096, 4)])
+def test_vision_cudnn_attention_matches_the_dense_scores(n, segments):
+    """The towers' fused attention (``JAXSERVE_VISION_ATTENTION=cudnn``: cuDNN's kernel, the segment mask as
+    its bias) against the dense float32 scores, Qwen2.5-VL's width (16 heads of 80), bf16, two rows; a row of
+    ``segments`` images of equal length (the last one ends in padding: its own id)."""
+    from jaxserve.models.layers.vision import _attend
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (2, n, 16, 80), jnp.bfloat16) for key in keys)
+    seg = jnp.broadcast_to(jnp.arange(n) * segments // n, (2, n)).at[:, n - 7:].set(-1)
+    mask = seg[:, :, None] == seg[:, None, :]
+    dense = jax.jit(lambda a, b, c, m: _attend(a, b, c, m))(q, k, v, mask)
+    fused = jax.jit(lambda a, b, c, m: _attend(a, b, c, m, "cudnn"))(q, k, v, mask)
+    err = float(jnp.abs(fused.astype(jnp.float32) - dense.astype(jnp.float32)).max())
+    assert err < 2e-2, err
 
 
 @on_gpu

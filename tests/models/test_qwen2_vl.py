@@ -168,6 +168,27 @@ def test_bucketed_encoder_equals_the_unpadded_one(name, query_block, monkeypatch
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_fused_attention_call_encodes_as_the_dense_scores(name, monkeypatch):
+    """``JAXSERVE_VISION_ATTENTION``'s fused call (``jax.nn.dot_product_attention``: cuDNN's kernel on a GPU, its
+    XLA path here): the bucketed encoder's rows (windows, full attention over rows of several images, padding)
+    equal the dense scores' within 1e-5."""
+    model = load(name)
+    feats = features(SIZES)
+    dense = encoder(model, min_patches=256, max_batch=5)
+    dense.encode(feats)
+    calls = []
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setenv("JAXSERVE_VISION_ATTENTION", "xla")
+    fused = encoder(model, min_patches=256, max_batch=5)
+    fused.encode(feats)
+    assert calls and all(kw["implementation"] == "xla" for kw in calls)
+    for f in feats:
+        np.testing.assert_allclose(np.asarray(fused.slab)[fused.rows[f.hash]],
+                                   np.asarray(dense.slab)[dense.rows[f.hash]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_encoder_compiles_once_per_bucket(name):
     """Thirteen image sizes one at a time, then all together: the encoder compiles one program per (patch
     bucket, batch bucket) it meets, not one per size; more sizes in known buckets compile nothing."""

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
-from .vision import _attend, _fc_mlp, layer_norm
+from .vision import _attend, _fc_mlp, attention_implementation, layer_norm
 
 EDGE_NORM_EPS = 1e-5                 # layernorm_pre / layernorm_post: torch's LayerNorm default
 
@@ -90,7 +90,7 @@ class MllamaVisionLayer(nnx.Module):
         b, n, d = x.shape
         h = layer_norm(x, _w(self.norm1), _w(self.norm1_bias), spec.eps)
         q, k, v = ((h @ _w(w)).reshape(b, n, spec.num_heads, d // spec.num_heads) for w in (self.wq, self.wk, self.wv))
-        a = _attend(q, k, v, sees) @ _w(self.wo)
+        a = _attend(q, k, v, sees, attention_implementation()) @ _w(self.wo)
         if self.gated:
             a = jnp.tanh(_w(self.gate_attn)).astype(a.dtype) * a
         x = x + a

@@ -34,7 +34,7 @@ from flax import nnx
 
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
 from .norms import rms_norm
-from .vision import _attend, _fc_mlp, _qkv, layer_norm
+from .vision import _attend, _fc_mlp, _qkv, attention_implementation, layer_norm
 
 
 QUERY_BLOCK = 4096       # full attention over a longer row runs in query blocks of at most this many patches
@@ -228,18 +228,19 @@ def _attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, s
     """Attention among patches of one id ``seg``: over the whole row (``span`` None: ids are images) or within
     consecutive spans of ``span`` patches (``N x span`` scores: ids are windows, several to a span). A row
     longer than ``QUERY_BLOCK`` attends in blocks of queries, one after another (``block x N`` scores at a
-    time, not ``N x N``)."""
+    time, not ``N x N``; a fused attention needs no blocks)."""
     r, n, heads, hd = q.shape
+    impl = attention_implementation()
     if span is not None:
         q, k, v = (t.reshape(r * n // span, span, heads, hd) for t in (q, k, v))
         seg = seg.reshape(r * n // span, span)
-    elif n > QUERY_BLOCK:
+    elif n > QUERY_BLOCK and impl is None:
         block = _query_block(n)
         qs = q.reshape(r, n // block, block, heads, hd).swapaxes(0, 1)
         segs = seg.reshape(r, n // block, block).swapaxes(0, 1)
         out = jax.lax.map(lambda a: _attend(a[0], k, v, a[1][:, :, None] == seg[:, None, :]), (qs, segs))
         return out.swapaxes(0, 1).reshape(r, n, heads * hd)
-    out = _attend(q, k, v, seg[:, :, None] == seg[:, None, :])
+    out = _attend(q, k, v, seg[:, :, None] == seg[:, None, :], impl)
     return out.reshape(r, n, heads * hd)
 
 

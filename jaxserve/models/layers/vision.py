@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve import envs
+
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
 
 # what a family keeps of an HF CLIP / SigLIP vision config (``VisionSpec.from_hf``)
@@ -83,10 +85,28 @@ def _qkv(layer, h: jax.Array, heads: int) -> tuple[jax.Array, jax.Array, jax.Arr
                  for w in ("wq", "wk", "wv"))
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+def attention_implementation() -> str | None:
+    """``"cudnn"`` where the towers attend through cuDNN's fused attention (``JAXSERVE_VISION_ATTENTION=cudnn``
+    on a GPU: no ``N x N`` float32 scores and softmax in device memory; at 6,144 patches and 16 heads those are
+    2.4 GB written and read back per full-attention block); ``"xla"`` where asked for (the same call's XLA path,
+    on any backend); else None (dense scores)."""
+    chosen = envs.JAXSERVE_VISION_ATTENTION
+    if chosen == "cudnn":
+        return "cudnn" if jax.default_backend() == "gpu" else None
+    return "xla" if chosen == "xla" else None
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
+            implementation: str | None = None) -> jax.Array:
     """Bidirectional attention ``[B, N, heads * head_dim]``: scores and softmax in float32 (as HF's eager
-    path); ``mask [B, N, N]``: which keys each query sees (every query at least itself)."""
+    path); ``mask [B, N, N]``: which keys each query sees (every query at least itself). ``implementation``
+    ``"cudnn"`` (``attention_implementation``; ``"xla"`` its same call on any backend): ``jax.nn.dot_product_attention``,
+    the mask as the kernel's bias, the softmax in float32 inside the kernel."""
     b, n, heads, hd = q.shape
+    if implementation is not None:
+        out = jax.nn.dot_product_attention(q, k, v, mask=None if mask is None else mask[:, None],
+                                           implementation=implementation)
+        return out.reshape(b, n, heads * hd)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
     if mask is not None:
         scores = jnp.where(mask[:, None], scores, -jnp.inf)
@@ -118,7 +138,7 @@ class VisionLayer(nnx.Module):
         spec = self.spec
         h = layer_norm(x, _w(self.norm1), _w(self.norm1_bias), spec.eps)
         q, k, v = _qkv(self, h, spec.num_heads)
-        x = x + _attend(q, k, v) @ _w(self.wo) + _w(self.wo_bias)
+        x = x + _attend(q, k, v, implementation=attention_implementation()) @ _w(self.wo) + _w(self.wo_bias)
         h = layer_norm(x, _w(self.norm2), _w(self.norm2_bias), spec.eps)
         return x + _fc_mlp(self, h, spec.activation)
 

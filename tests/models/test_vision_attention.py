@@ -37,3 +37,6 @@ def test_cudnn_is_asked_for_on_a_gpu_only(monkeypatch):
     assert vision.attention_implementation() == "cudnn"
     monkeypatch.setenv("JAXSERVE_VISION_ATTENTION", "dense")
     assert vision.attention_implementation() is None
+    # cuDNN's kernel takes 16-bit inputs: a float32 tower asked for it attends densely
+    q = jax.numpy.ones((1, 4, 2, 8), jax.numpy.float32)
+    np.testing.assert_array_equal(vision._attend(q, q, q, None, "cudnn"), vision._attend(q, q, q))

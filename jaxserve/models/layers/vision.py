@@ -101,8 +101,11 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = N
     """Bidirectional attention ``[B, N, heads * head_dim]``: scores and softmax in float32 (as HF's eager
     path); ``mask [B, N, N]``: which keys each query sees (every query at least itself). ``implementation``
     ``"cudnn"`` (``attention_implementation``; ``"xla"`` its same call on any backend): ``jax.nn.dot_product_attention``,
-    the mask as the kernel's bias, the softmax in float32 inside the kernel."""
+    the mask as the kernel's bias, the softmax in float32 inside the kernel; cuDNN's takes 16-bit inputs only,
+    so a float32 tower stays dense."""
     b, n, heads, hd = q.shape
+    if implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+        implementation = None
     if implementation is not None:
         out = jax.nn.dot_product_attention(q, k, v, mask=None if mask is None else mask[:, None],
                                            implementation=implementation)

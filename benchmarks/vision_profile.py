@@ -11,27 +11,10 @@ compiles (``step_variants_pending``), so no measured step runs in a larger bucke
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
-import json
-import tempfile
-import time
 
 import numpy as np
 
-
-def gpu_kernels(trace_dir: str) -> collections.Counter:
-    """Microseconds per kernel name on the GPU streams of the Perfetto trace ``jax.profiler`` wrote."""
-    path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
-    events = json.load(gzip.open(path))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    by: collections.Counter = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e and "GPU" in procs.get(e.get("pid"), ""):
-            by[e["name"][:60]] += e["dur"]
-    return by
+from .decode_profile import print_kernels, profiled_generate, wait_compiled
 
 
 def main(argv=None) -> None:
@@ -43,7 +26,6 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args(argv)
-    import jax
     from PIL import Image
 
     from jaxserve import LLM, SamplingParams
@@ -60,24 +42,12 @@ def main(argv=None) -> None:
     prompt_len = len(llm.generate(images[:2], params, use_tqdm=False)[0].prompt_token_ids)
     texts = [{"prompt_token_ids": rng.integers(10, vocab, prompt_len).tolist()} for _ in range(n + 2)]
     llm.generate(texts[:2], params, use_tqdm=False)
-    core, t0 = llm.engine.core, time.time()
-    while core.stats().get("step_variants_pending", 0) and time.time() - t0 < 300:
-        time.sleep(1)
-    print(f"prompt tokens {prompt_len}; background compiles done after {time.time() - t0:.0f} s", flush=True)
+    print(f"prompt tokens {prompt_len}; background compiles done after {wait_compiled(llm):.0f} s", flush=True)
     for name, prompts in (("images", images[2:]), ("text", texts[2:])):
-        with tempfile.TemporaryDirectory() as d:
-            steps0 = core.stats()["steps"]
-            jax.profiler.start_trace(d, create_perfetto_trace=True)
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - t
-            jax.profiler.stop_trace()
-            by = gpu_kernels(d)
-        busy = sum(by.values())
+        wall, by, steps = profiled_generate(llm, prompts, params)
         print(f"\n## {name}: wall {wall:.2f} s, {n * args.output_len / wall:.0f} output tok/s, GPU busy "
-              f"{busy / 1e6:.2f} s, {core.stats()['steps'] - steps0} steps")
-        for k, v in by.most_common(args.top):
-            print(f"| {v / 1e3:9.1f} ms | {100 * v / max(busy, 1):5.1f} % | {k}")
+              f"{sum(by.values()) / 1e6:.2f} s, {steps} steps")
+        print_kernels(by, args.top)
 
 
 if __name__ == "__main__":

@@ -89,9 +89,8 @@ def with_fused_qkv(cfg: ModelConfig, family: Any, quant, mesh) -> ModelConfig:
     if quant.weights == "fp8" and (quant.activation_scheme != "dynamic" or block_cut):
         return cfg
     fused = dataclasses.replace(cfg, extra=tuple(sorted({**dict(cfg.extra), FUSED_QKV: True}.items())))
-    try:
-        layers = family.param_shapes(fused)["layers"]
+    try:        # every layer's qkv built from its three checkpoint tensors (not MLA, not Phi-3's fused rows)
         built = {path[1] for path, _, build in family.weight_plan(fused) if path[-1] == "qkv" and build == "cat_t"}
     except (AttributeError, KeyError, TypeError, AssertionError):
         return cfg
-    return fused if layers and all("qkv" in layer for layer in layers) and built == set(range(len(layers))) else cfg
+    return fused if built == set(range(cfg.num_layers)) else cfg

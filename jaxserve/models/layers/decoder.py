@@ -15,8 +15,9 @@ projection ``[hidden, 2, intermediate]`` (gate then up), fused along its own axi
 shards ``intermediate``; q/k/v stay separate (under GQA a fused column split would not line up with head
 shards; Phi-3's fused checkpoint tensors are split at load), except that a quantized model without tensor
 parallelism loads them as one ``qkv [hidden, q_out + 2 * kv_out]`` (``with_fused_qkv``: one quantized GEMM a
-layer instead of three, where XLA cannot merge the three custom calls itself). With LoRA adapters folded (``layers.lora``), q, o,
-gate_up and down are ``[in, out + S * w]`` instead: their adapter slots' A columns appended (gate_up flat).
+layer instead of three, where XLA cannot merge the three custom calls itself). With LoRA adapters folded
+(``layers.lora``), q, o, gate_up and down are ``[in, out + S * w]`` instead: their adapter slots' A columns
+appended (gate_up flat).
 
 The step: ``forward`` merges the graph definition (static, cached per config) with the weight pytree it was
 given and runs the model: layers unrolled in Python, each writing its K/V into its paged cache (the caches
@@ -112,12 +113,12 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = _param((h,), REPLICATED, norm_init)
         if spec.mla is not None:
             mla.declare_params(self, h, cfg.num_heads, spec.mla, _param)
-        elif cfg.extra_dict.get(FUSED_QKV):
-            self.qkv = _param((h, q_out + 2 * kv_out), COLUMN)
-            self.o = _param((q_out, h), ROW)
         else:
-            self.q, self.k = _param((h, q_out), COLUMN), _param((h, kv_out), COLUMN)
-            self.v = _param((h, kv_out), COLUMN)
+            if cfg.extra_dict.get(FUSED_QKV):
+                self.qkv = _param((h, q_out + 2 * kv_out), COLUMN)
+            else:
+                self.q, self.k = _param((h, q_out), COLUMN), _param((h, kv_out), COLUMN)
+                self.v = _param((h, kv_out), COLUMN)
             self.o = _param((q_out, h), ROW)
         if spec.attention_bias:
             self.q_bias, self.k_bias, self.v_bias = (_param((q_out,), COLUMN_BIAS), _param((kv_out,), COLUMN_BIAS),

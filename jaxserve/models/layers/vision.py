@@ -100,8 +100,8 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = N
             implementation: str | None = None) -> jax.Array:
     """Bidirectional attention ``[B, N, heads * head_dim]``: scores and softmax in float32 (as HF's eager
     path); ``mask [B, N, N]``: which keys each query sees (every query at least itself). ``implementation``
-    ``"cudnn"`` (``attention_implementation``; ``"xla"`` its same call on any backend): ``jax.nn.dot_product_attention``,
-    the mask as the kernel's bias, the softmax in float32 inside the kernel; cuDNN's takes 16-bit inputs only,
+    ``"cudnn"`` (``attention_implementation``; ``"xla"`` its same call on any backend):
+    ``jax.nn.dot_product_attention``, the mask as the kernel's bias, the softmax in float32 inside the kernel; cuDNN's takes 16-bit inputs only,
     so a float32 tower stays dense."""
     b, n, heads, hd = q.shape
     if implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):

@@ -91,10 +91,10 @@ _REGISTRY: dict[str, EnvVar] = {
                                          "which int4 CUDA GEMV kernel runs (kernels/quant_gemv.py VARIANTS): v1 "
                                          "the register-pipelined one; occ3 / occ4 its registers capped for 3 / 4 "
                                          "blocks an SM; ws warp-specialized (bulk copies into shared memory)"),
-    "JAXSERVE_FP8_FFI_GEMV": EnvVar(lambda raw: bool(raw) and _flag(raw), "0",
-                                    "1 = fp8 weights of steps of <= 16 bf16 tokens run weight-only (W8A16) through "
+    "JAXSERVE_FP8_FFI_GEMV": EnvVar(lambda raw: raw is None or (bool(raw) and _flag(raw)), "1",
+                                    "fp8 weights of steps of <= 16 bf16 tokens run weight-only (W8A16) through "
                                     "the CUDA FFI GEMV (kernels/fp8_gemv.cuh) on a GPU with nvcc, per-channel and "
-                                    "128x128-block scales alike (A/B runs)"),
+                                    "128x128-block scales alike; 0 = W8A8 through XLA's fp8 dot"),
     "JAXSERVE_FUSED_QKV": EnvVar(_flag, "1", "0 = a quantized model keeps q, k and v as three weights (three "
                                  "GEMMs a layer) instead of one fused qkv weight (A/B runs; models.loaded_model."
                                  "with_fused_qkv)"),
@@ -103,11 +103,11 @@ _REGISTRY: dict[str, EnvVar] = {
                                           "the layers' commands, so XLA updates a few commands of the step's CUDA "
                                           "graph a call (runner.step_functions); 0 = XLA's own placement (an A/B "
                                           "switch for the GPU host time)"),
-    "JAXSERVE_VISION_ATTENTION": EnvVar(lambda raw: raw or "dense", "dense",
-                                        "the vision towers' attention on a GPU: dense (float32 scores per block of "
-                                        "queries, as HF's eager path) or cudnn (cuDNN's fused attention through "
-                                        "jax.nn.dot_product_attention; an A/B candidate; the CPU keeps dense) or "
-                                        "xla (the same call's XLA path, any backend)"),
+    "JAXSERVE_VISION_ATTENTION": EnvVar(lambda raw: raw or "auto", "auto",
+                                        "the vision towers' attention: auto (cudnn on a GPU, dense elsewhere), "
+                                        "cudnn (cuDNN's fused attention through jax.nn.dot_product_attention, GPU "
+                                        "only), dense (float32 scores per block of queries, as HF's eager path) or "
+                                        "xla (the fused call's XLA path, any backend)"),
     "JAXSERVE_OFFLINE_MEDIA_OVERLAP": EnvVar(_optional_flag, None,
                                              "1 = the offline API queues each prompt as soon as its images are "
                                              "preprocessed, so engine steps overlap the preprocessing of the rest; "

@@ -1,15 +1,13 @@
 // The int4 GEMM's XLA FFI handler (included by quant_gemv.cu after the kernels): checks the call and runs the
-// variant it names, the register-pipelined kernel (int4_gemv.cuh) at 2, 3 or 4 resident blocks an SM, or the
-// warp-specialized one (int4_gemv_ws.cuh).
+// variant it names: the register-pipelined kernel (int4_gemv.cuh) at 2, 3 or 4 resident blocks an SM.
 #pragma once
 
 #include "int4_gemv.cuh"
-#include "int4_gemv_ws.cuh"
 
 namespace {
 
 // The `variant` attribute (quant_gemv.py's VARIANTS, in this order)
-enum Int4Variant : int64_t { kV1 = 0, kOcc3 = 1, kOcc4 = 2, kWs = 3, kVariants = 4 };
+enum Int4Variant : int64_t { kV1 = 0, kOcc3 = 1, kOcc4 = 2, kVariants = 3 };
 
 ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer packed,
                         ffi::AnyBuffer scales, ffi::AnyBuffer zeros, ffi::Result<ffi::AnyBuffer> out,
@@ -36,7 +34,7 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                                        "N of 8)");
   }
   if (variant < 0 || variant >= kVariants) return ffi::Error::InvalidArgument(name + "unknown variant");
-  const int64_t tiles = (n + (variant == kWs ? kWsCols : kCols) - 1) / (variant == kWs ? kWsCols : kCols);
+  const int64_t tiles = (n + kCols - 1) / kCols;
   if (splits < 1 || splits > k / kStepK || (chunk != kMinChunk && chunk != kMaxChunk) || slot < 0 || slot >= kSlots ||
       (splits > 1 && (tiles > kSlotTiles ||
                       partials->element_count() < static_cast<size_t>(splits * m * n)))) {
@@ -66,10 +64,6 @@ ffi::Error Int4GemvImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
         } else {
           launch_for<S, 4>(false, ci, gsteps, stream, grid, xp, pp, sp, zp, op, tp, counters, mi, ki, ni, gi, si);
         }
-        break;
-      case kWs:
-        launch_ws_for<S>(tall, gsteps, stream, static_cast<int>(tiles), xp, pp, sp, zp, op, tp, counters, mi, ki,
-                         ni, gi, si);
         break;
       default:
         launch_for<S, 2>(tall, ci, gsteps, stream, grid, xp, pp, sp, zp, op, tp, counters, mi, ki, ni, gi, si);

@@ -13,12 +13,11 @@ inside an mma are chosen so each lane's fragment is its own loaded bytes (``int4
 Launch: one block of 8 warps per 32 output columns, its warps splitting K; ``splits`` > 1 also splits K across
 blocks (short-and-wide shapes would leave SMs idle), the last block of a column tile adding the float32
 partials in split order (deterministic) through a per-device arrival counter. An int4 warp loads a chunk of 4
-or 8 K steps (32 rows each) before their math; ``default_launch`` picks the chunk and the splits that fill the
-GPU with whole waves of blocks whose warps all have work.
+or 8 K steps (32 rows each) before their math; ``default_launch`` picks the chunk, and splits K only where a
+warp would walk a long chain of steps (the partials cost more than idle SMs: benchmarks/results).
 
 Variants of the int4 kernel (``VARIANTS``; the engine's is ``JAXSERVE_INT4_GEMV_VARIANT``, default the
-register-pipelined "v1"): the same kernel with registers capped for 3 or 4 blocks an SM, and a warp-specialized
-one fed by bulk asynchronous copies into shared memory (kernels/README.md, "to measure").
+register-pipelined "v1"): the same kernel with registers capped for 3 or 4 blocks an SM (kernels/README.md).
 
 Limits: bf16 activations, 1..16 rows, N a multiple of 8; int4: K and the group size multiples of 32, scales
 bf16, f16 or f32, zero points always applied (symmetric formats store 8) (``supports``); fp8: K a multiple of
@@ -46,16 +45,14 @@ CHUNKS = (4, 8)                 # consecutive steps a warp loads at once (8: up 
 BLOCK_COLS = 32                 # output columns per block
 WARPS = 8                       # warps per block, each taking every 8th chunk of the block's K range
 BLOCKS_PER_SM = 2               # resident blocks of 256 threads at <= 128 registers
+WARP_STEPS = 32                 # K steps a warp walks before default_launch splits K across blocks
 SLOTS = 16                      # counter regions: consecutive calls use different ones
 SLOT_TILES = 4096               # column tiles per region
 # int4 kernel variants (the .cu's ``variant`` attribute is the index): "v1" the register-pipelined kernel (the
 # default); "occ3" / "occ4" the same with registers capped so 3 / 4 blocks fit an SM (<= 80 / 64 registers,
-# chunks of 4 steps; above 8 rows they spill, so the default kernel runs those); "ws" warp-specialized (a
-# producer warp's bulk copies into a shared-memory ring, 4 math warps, 128 columns a block: int4_gemv_ws.cuh)
-VARIANTS = ("v1", "occ3", "occ4", "ws")
+# chunks of 4 steps; above 8 rows they spill, so the default kernel runs those)
+VARIANTS = ("v1", "occ3", "occ4")
 VARIANT_BLOCKS_PER_SM = {"v1": 2, "occ3": 3, "occ4": 4}
-WS_BLOCK_COLS = 128
-WS_STAGE_STEPS = 4              # K steps per shared-memory stage
 
 _lib = None
 _load_lock = threading.Lock()      # steps are traced on several threads at once
@@ -115,13 +112,10 @@ def supports_fp8(m: int, k: int, n: int, dtype) -> bool:
 
 
 def default_fp8_splits(k: int, n: int, sms: int) -> int:
-    """``fp8_gemv``'s K splits: the fewest whose blocks fill whole waves at least 90 % (``fill`` with the fp8
-    kernel's 2-step chunks), the fullest launch where none does."""
-    steps = k // FP8_STEP_K
+    """``fp8_gemv``'s K splits: one (the partials cost more than idle SMs, as for int4), unless the column tiles
+    cover fewer than half the SMs, then the fewest splits whose blocks do (at most one 2-step chunk a warp)."""
     tiles = -(-n // BLOCK_COLS)
-    options = [s for s in range(1, max_splits(k // 2, 2) + 1) if tiles * s >= BLOCKS_PER_SM * sms] or [1]
-    good = [s for s in options if fill(steps * STEP_K, n, sms, 2, s) >= 0.9]
-    return good[0] if good else max(options, key=lambda s: (fill(steps * STEP_K, n, sms, 2, s), -s))
+    return max(1, min(max_splits(k // 2, 2), -(-sms // (2 * tiles))))
 
 
 def chunk_steps(m: int, group_size: int, chunk: int, variant: str = "v1") -> int:
@@ -136,14 +130,6 @@ def blocks_per_sm(variant: str, m: int) -> int:
     """Resident blocks an SM the variant's launch plans for (its registers; above 8 rows the occupancy variants
     run the default kernel)."""
     return VARIANT_BLOCKS_PER_SM[variant if m <= 8 else "v1"]
-
-
-def default_ws_splits(k: int, n: int, sms: int) -> int:
-    """``ws``'s K splits: the fewest that give every SM two blocks (two rings of 32 KB in flight), at most one
-    stage of 4 steps a split."""
-    tiles = -(-n // WS_BLOCK_COLS)
-    stages = -(-(k // STEP_K) // WS_STAGE_STEPS)
-    return max(1, min(stages, -(-2 * sms // tiles)))
 
 
 def max_splits(k: int, chunk: int = 4) -> int:
@@ -161,11 +147,20 @@ def fill(k: int, n: int, sms: int, chunk: int, splits: int, per_sm: int = BLOCKS
 
 
 def default_launch(m: int, k: int, n: int, group_size: int, sms: int, variant: str = "v1") -> tuple[int, int]:
-    """``(chunk, splits)``: over the chunk sizes this call can run, the fewest K splits whose blocks fill at
-    least one wave of ``sms`` SMs at least 90 % (``fill``); the fullest launch where none does, the larger
-    chunk on a tie (more bytes in flight per warp). ``ws``: chunk 4 (unused) and ``default_ws_splits``."""
-    if variant == "ws":
-        return 4, default_ws_splits(k, n, sms)
+    """``(chunk, splits)``: the chunk of the launch that fills the GPU best (``fill``: the fewest K splits whose
+    blocks fill a wave of ``sms`` SMs at least 90 %, the larger chunk on a tie), run with ``launch_splits``:
+    splitting K across blocks costs more (float32 partials, the arrival counter, a second pass) than filling
+    the waves gains, so K is split only where a warp would otherwise walk more than ``WARP_STEPS`` steps."""
+    return (chunk := fullest_chunk(m, k, n, group_size, sms, variant)), launch_splits(k, chunk)
+
+
+def launch_splits(k: int, chunk: int) -> int:
+    """The fewest K splits that leave each of a block's warps at most ``WARP_STEPS`` steps of 32 rows."""
+    return max(1, min(max_splits(k, chunk), -(-(k // STEP_K) // (WARPS * WARP_STEPS))))
+
+
+def fullest_chunk(m: int, k: int, n: int, group_size: int, sms: int, variant: str = "v1") -> int:
+    """The chunk (steps a warp loads at once) whose fewest wave-filling K splits fill the GPU best."""
     per_sm = blocks_per_sm(variant, m)
     best = None
     for chunk in sorted({chunk_steps(m, group_size, c, variant) for c in CHUNKS}, reverse=True):
@@ -175,8 +170,8 @@ def default_launch(m: int, k: int, n: int, group_size: int, sms: int, variant: s
         splits = good[0] if good else max(options, key=lambda s: (fill(k, n, sms, chunk, s, per_sm), -s))
         score = fill(k, n, sms, chunk, splits, per_sm)
         if best is None or score > best[0] + 1e-9:
-            best = (score, chunk, splits)
-    return best[1], best[2]
+            best = (score, chunk)
+    return best[1]
 
 
 def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None = None, chunk: int | None = None,
@@ -193,7 +188,7 @@ def int4_gemv(x, packed, scales, zeros, *, group_size: int, splits: int | None =
     n = packed.shape[1]
     auto_chunk, auto_splits = default_launch(m, k, n, group_size, num_sms(), variant)
     chunk = chunk_steps(m, group_size, chunk or auto_chunk, variant)
-    splits = int(splits or (auto_splits if chunk == auto_chunk else max(1, min(auto_splits, max_splits(k, chunk)))))
+    splits = int(splits or (auto_splits if chunk == auto_chunk else launch_splits(k, chunk)))
     splits = min(splits, k // STEP_K)     # the kernel takes at most one K step per split
     partials = jax.ShapeDtypeStruct((splits * m * n if splits > 1 else 1,), jnp.float32)
     out, _ = jax.ffi.ffi_call(TARGET_INT4, (jax.ShapeDtypeStruct((m, n), x.dtype), partials))(

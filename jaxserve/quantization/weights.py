@@ -15,8 +15,8 @@ through ``kernels.int4_matmul_pallas``, both dequantizing in registers; larger s
 GEMM.
 FP8 per-channel weights run W8A8 as an fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper
 GPUs), the per-token activation scale and the weight's channel scale applied to the result; 128 × 128 block
-weights are dequantized to the activation dtype before the dot (W8A16). With ``JAXSERVE_FP8_FFI_GEMV`` steps of
-up to 16 tokens run both kinds weight-only through the CUDA GEMV ``kernels.quant_gemv.fp8_gemv``.
+weights are dequantized to the activation dtype before the dot (W8A16). On a GPU, steps of up to 16 tokens run
+both kinds weight-only through the CUDA GEMV ``kernels.quant_gemv.fp8_gemv`` (``JAXSERVE_FP8_FFI_GEMV=0``: not).
 """
 from __future__ import annotations
 

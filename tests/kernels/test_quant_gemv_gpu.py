@@ -4,8 +4,9 @@ random shapes with K and N tails (K not a multiple of the blocks' K ranges, N no
 groups of 32 / 64 / 128, zero points random or the symmetric 8, scales bf16 / f16 / f32, M = 1, 3, 16, chunks
 of 4 and 8 steps, K split across blocks or not (more splits than chunks too), every kernel variant
 (``quant_gemv.VARIANTS``; groups of 256 too, M = 8 as well); the engine's int4 matmul taking it with
-``JAXSERVE_INT4_FFI_GEMV=1`` (and ``JAXSERVE_INT4_GEMV_VARIANT=ws``). fp8 (e4m3, W8A16): channel and 128 x 128-block scales, K a multiple of 64 but not of 128, N tails, M = 1,
-3, 16; the engine's fp8 matmul taking it with ``JAXSERVE_FP8_FFI_GEMV=1``. Marked ``gpu``; on a GPU host with nvcc:
+``JAXSERVE_INT4_FFI_GEMV=1`` (and ``JAXSERVE_INT4_GEMV_VARIANT=occ4``). fp8 (e4m3, W8A16): channel and
+128 x 128-block scales, K a multiple of 64 but not of 128, N tails, M = 1, 3, 16; the engine's fp8 matmul taking
+it (the default, ``JAXSERVE_FP8_FFI_GEMV=1``). Marked ``gpu``; on a GPU host with nvcc:
 
     JAX_PLATFORMS=cuda python -m pytest -q -m gpu tests/kernels/test_quant_gemv_gpu.py
 """
@@ -68,7 +69,7 @@ def test_matches_the_exact_product_and_the_reference(k, n, group, m, symmetric):
         assert _rel_err(got, k4.int4_matmul_reference(x, *args, group)) < 1e-2
 
 
-VARIANT_CASES = CASES + [(1024, 136, 256)]   # + groups wider than a ws stage
+VARIANT_CASES = CASES + [(1024, 136, 256)]   # + groups of 256
 
 
 @pytest.mark.parametrize("variant", [v for v in quant_gemv.VARIANTS if v != "v1"])
@@ -76,8 +77,8 @@ VARIANT_CASES = CASES + [(1024, 136, 256)]   # + groups wider than a ws stage
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_every_variant_matches_the_exact_product_and_the_reference(variant, k, n, group, m, symmetric):
-    """The occupancy variants and the warp-specialized one (K tails inside a stage, N tails inside a 128-column
-    block, whole consumer warps past N, more splits than stages) against the exact product and the reference."""
+    """The occupancy variants (K and N tails, more splits than chunks) against the exact product and the
+    reference."""
     rng = np.random.default_rng(k + n + m + symmetric)
     scale_dtype = (np.float16, jnp.bfloat16, np.float32)[(k + m) % 3]
     args, w = _weight(rng, k, n, group, scale_dtype, symmetric)
@@ -112,7 +113,7 @@ def test_repeated_calls_in_one_program_are_deterministic(variant):
         np.testing.assert_array_equal(o, outs[0])
 
 
-@pytest.mark.parametrize("variant", [None, "ws"])
+@pytest.mark.parametrize("variant", [None, "occ4"])
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_the_engine_matmul_runs_it_when_switched_on(m, variant, monkeypatch):
     from jaxserve.quantization import online, weights

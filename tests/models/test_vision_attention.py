@@ -35,8 +35,11 @@ def test_cudnn_is_asked_for_on_a_gpu_only(monkeypatch):
     assert vision.attention_implementation() is None            # this host has no GPU: dense
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert vision.attention_implementation() == "cudnn"
+    monkeypatch.delenv("JAXSERVE_VISION_ATTENTION")
+    assert vision.attention_implementation() == "cudnn"         # auto: cuDNN on a GPU
     monkeypatch.setenv("JAXSERVE_VISION_ATTENTION", "dense")
     assert vision.attention_implementation() is None
-    # cuDNN's kernel takes 16-bit inputs: a float32 tower asked for it attends densely
-    q = jax.numpy.ones((1, 4, 2, 8), jax.numpy.float32)
-    np.testing.assert_array_equal(vision._attend(q, q, q, None, "cudnn"), vision._attend(q, q, q))
+    # cuDNN's kernel takes 16-bit inputs and head sizes of multiples of 8 up to 128: other towers attend densely
+    for q in (jax.numpy.ones((1, 4, 2, 8), jax.numpy.float32), jax.numpy.ones((1, 4, 2, 12), jax.numpy.bfloat16),
+              jax.numpy.ones((1, 4, 2, 144), jax.numpy.bfloat16)):
+        np.testing.assert_array_equal(vision._attend(q, q, q, None, "cudnn"), vision._attend(q, q, q))

@@ -1,8 +1,8 @@
 """Which kernel a GPU runs a quantized product with. int4 (``weights.int4_step_kernel``): by default the CUDA
 FFI GEMV for bf16 steps of up to 16 tokens; with ``JAXSERVE_INT4_FFI_GEMV=0`` or where the GEMV cannot run (no
 nvcc: one log line) the Pallas kernel; XLA's GEMM above 16 tokens. fp8 (``weights.fp8_step_uses_gemv``):
-the CUDA GEMV, weight-only, only with ``JAXSERVE_FP8_FFI_GEMV=1``, and then the norm does not quantize the
-activations for it. CPU keeps the jnp reference."""
+the CUDA GEMV, weight-only, for bf16 steps of up to 16 tokens (the norm then does not quantize the activations
+for it); with ``JAXSERVE_FP8_FFI_GEMV=0`` W8A8. CPU keeps the jnp reference."""
 from __future__ import annotations
 
 import logging
@@ -71,12 +71,13 @@ def test_cpu_keeps_the_reference(ready):
     np.testing.assert_array_equal(np.asarray(weights.matmul(x, w), np.float32), np.asarray(want, np.float32))
 
 
-def test_fp8_takes_the_gemv_only_when_switched_on(ready, monkeypatch):
+def test_fp8_takes_the_gemv_unless_switched_off(ready, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     w8 = online.quantize_fp8_per_channel(jax.random.normal(jax.random.key(0), (256, 64), jnp.float32))
+    monkeypatch.setenv("JAXSERVE_FP8_FFI_GEMV", "0")
     assert not weights.fp8_step_uses_gemv(4)
-    assert weights.reads_fp8_activations([w8], 4)                    # W8A8, as before
-    monkeypatch.setenv("JAXSERVE_FP8_FFI_GEMV", "1")
+    assert weights.reads_fp8_activations([w8], 4)                    # W8A8
+    monkeypatch.delenv("JAXSERVE_FP8_FFI_GEMV")
     assert weights.fp8_step_uses_gemv(1) and weights.fp8_step_uses_gemv(16)
     assert not weights.fp8_step_uses_gemv(17)
     assert not weights.reads_fp8_activations([w8], 4)                # weight-only: bf16 activations

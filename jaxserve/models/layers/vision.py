@@ -86,12 +86,12 @@ def _qkv(layer, h: jax.Array, heads: int) -> tuple[jax.Array, jax.Array, jax.Arr
 
 
 def attention_implementation() -> str | None:
-    """``"cudnn"`` where the towers attend through cuDNN's fused attention (``JAXSERVE_VISION_ATTENTION=cudnn``
-    on a GPU: no ``N x N`` float32 scores and softmax in device memory; at 6,144 patches and 16 heads those are
-    2.4 GB written and read back per full-attention block); ``"xla"`` where asked for (the same call's XLA path,
-    on any backend); else None (dense scores)."""
+    """``"cudnn"`` where the towers attend through cuDNN's fused attention (``JAXSERVE_VISION_ATTENTION`` auto or
+    cudnn, on a GPU: no ``N x N`` float32 scores and softmax in device memory; at 6,144 patches and 16 heads
+    those are 2.4 GB written and read back per full-attention block); ``"xla"`` where asked for (the same
+    call's XLA path, on any backend); else None (dense scores)."""
     chosen = envs.JAXSERVE_VISION_ATTENTION
-    if chosen == "cudnn":
+    if chosen in ("auto", "cudnn"):
         return "cudnn" if jax.default_backend() == "gpu" else None
     return "xla" if chosen == "xla" else None
 
@@ -101,10 +101,10 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = N
     """Bidirectional attention ``[B, N, heads * head_dim]``: scores and softmax in float32 (as HF's eager
     path); ``mask [B, N, N]``: which keys each query sees (every query at least itself). ``implementation``
     ``"cudnn"`` (``attention_implementation``; ``"xla"`` its same call on any backend):
-    ``jax.nn.dot_product_attention``, the mask as the kernel's bias, the softmax in float32 inside the kernel; cuDNN's takes 16-bit inputs only,
-    so a float32 tower stays dense."""
+    ``jax.nn.dot_product_attention``, the mask as the kernel's bias, the softmax in float32 inside the kernel.
+    cuDNN's takes 16-bit inputs and head sizes that are multiples of 8 up to 128: other towers stay dense."""
     b, n, heads, hd = q.shape
-    if implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+    if implementation == "cudnn" and (q.dtype not in (jnp.bfloat16, jnp.float16) or hd % 8 or hd > 128):
         implementation = None
     if implementation is not None:
         out = jax.nn.dot_product_attention(q, k, v, mask=None if mask is None else mask[:, None],

@@ -87,10 +87,14 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_INT4_FFI_GEMV": EnvVar(lambda raw: raw is None or (bool(raw) and _flag(raw)), "1",
                                      "int4 steps of <= 16 tokens run the CUDA FFI GEMV (kernels/quant_gemv.cu) on "
                                      "a GPU with nvcc; 0 = the Pallas kernel (kernels/int4_matmul_pallas.py)"),
+    "JAXSERVE_INT4_GEMV_MAX_TOKENS": EnvVar(lambda raw: _int("JAXSERVE_INT4_GEMV_MAX_TOKENS")(raw or "16"), "16",
+                                            "int4 steps of up to this many tokens run the CUDA FFI GEMV, in calls "
+                                            "of at most 16 rows (each reads the weights once); larger steps "
+                                            "dequantize and run XLA's GEMM (A/B runs of 32 / 64)"),
     "JAXSERVE_INT4_GEMV_VARIANT": EnvVar(lambda raw: raw or "v1", "v1",
                                          "which int4 CUDA GEMV kernel runs (kernels/quant_gemv.py VARIANTS): v1 "
                                          "the register-pipelined one; occ3 / occ4 its registers capped for 3 / 4 "
-                                         "blocks an SM; ws warp-specialized (bulk copies into shared memory)"),
+                                         "blocks an SM"),
     "JAXSERVE_FP8_FFI_GEMV": EnvVar(lambda raw: raw is None or (bool(raw) and _flag(raw)), "1",
                                     "fp8 weights of steps of <= 16 bf16 tokens run weight-only (W8A16) through "
                                     "the CUDA FFI GEMV (kernels/fp8_gemv.cuh) on a GPU with nvcc, per-channel and "

@@ -11,8 +11,8 @@ row-parallel partials.
 On CPU the int4 weight is dequantized in jnp (the path tests and the embedded model run); on a GPU steps of
 up to ``INT4_KERNEL_MAX_TOKENS`` tokens go through the CUDA GEMV ``kernels.quant_gemv`` (an XLA FFI call, built
 with the host's nvcc on first use) where it can run (nvcc, bf16), else (or with ``JAXSERVE_INT4_FFI_GEMV=0``)
-through ``kernels.int4_matmul_pallas``, both dequantizing in registers; larger steps dequantize and run XLA's
-GEMM.
+through ``kernels.int4_matmul_pallas``, both dequantizing in registers; ``JAXSERVE_INT4_GEMV_MAX_TOKENS`` above 16
+runs the GEMV on larger steps too, 16 rows a call; larger steps dequantize and run XLA's GEMM.
 FP8 per-channel weights run W8A8 as an fp8 dot with float32 accumulation (XLA's cuBLASLt fp8 GEMM on Hopper
 GPUs), the per-token activation scale and the weight's channel scale applied to the result; 128 × 128 block
 weights are dequantized to the activation dtype before the dot (W8A16). On a GPU, steps of up to 16 tokens run
@@ -274,9 +274,11 @@ def _int4_matmul(x: jax.Array, w: Int4Weight, n: int, live: jax.Array | None) ->
 
 
 def _int4_kernel(kernel: str, x, packed, scales, zeros, group_size: int, live) -> jax.Array:
-    if kernel == "ffi":
-        return quant_gemv.int4_gemv(x, packed, scales, zeros, group_size=group_size,
-                                    variant=envs.JAXSERVE_INT4_GEMV_VARIANT)
+    if kernel == "ffi":       # steps above 16 tokens: calls of 16 rows, each reading the weights once
+        rows = quant_gemv.MAX_ROWS
+        return jnp.concatenate([quant_gemv.int4_gemv(x[i:i + rows], packed, scales, zeros, group_size=group_size,
+                                                     variant=envs.JAXSERVE_INT4_GEMV_VARIANT)
+                                for i in range(0, x.shape[0], rows)])
     m, k, n = x.shape[0], x.shape[1], packed.shape[1]
     live = live if live is not None and m > 1 else None
     cfg = int4_kernel.default_config(m, k, n, group_size, live_one=live is not None)
@@ -288,10 +290,13 @@ def _int4_kernel(kernel: str, x, packed, scales, zeros, group_size: int, live) -
 def int4_step_kernel(m: int, k: int, n: int, group_size: int, dtype) -> str | None:
     """The kernel a GPU runs an int4 product of ``m`` tokens with: ``"ffi"`` (the CUDA GEMV), ``"pallas"``, or
     None (dequantize, then XLA's GEMM)."""
+    if m > max(INT4_KERNEL_MAX_TOKENS, envs.JAXSERVE_INT4_GEMV_MAX_TOKENS):
+        return None
+    rows = min(m, quant_gemv.MAX_ROWS)
+    if envs.JAXSERVE_INT4_FFI_GEMV and quant_gemv.supports(rows, k, n, group_size, dtype) and quant_gemv_ready():
+        return "ffi"
     if m > INT4_KERNEL_MAX_TOKENS:
         return None
-    if envs.JAXSERVE_INT4_FFI_GEMV and quant_gemv.supports(m, k, n, group_size, dtype) and quant_gemv_ready():
-        return "ffi"
     return "pallas" if int4_kernel.supports(m, k, n, group_size) else None
 
 

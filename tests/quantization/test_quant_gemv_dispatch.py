@@ -87,3 +87,21 @@ def test_fp8_takes_the_gemv_unless_switched_off(ready, monkeypatch):
 def test_fp8_switch_does_nothing_on_cpu(ready, monkeypatch):
     monkeypatch.setenv("JAXSERVE_FP8_FFI_GEMV", "1")
     assert not weights.fp8_step_uses_gemv(4)
+
+
+def test_larger_steps_take_the_gemv_16_rows_a_call_when_asked(ready, monkeypatch):
+    assert weights.int4_step_kernel(40, 4096, 4096, 128, jnp.bfloat16) is None         # default: XLA's GEMM
+    monkeypatch.setenv("JAXSERVE_INT4_GEMV_MAX_TOKENS", "64")
+    assert weights.int4_step_kernel(40, 4096, 4096, 128, jnp.bfloat16) == "ffi"
+    assert weights.int4_step_kernel(64, 4096, 4096, 128, jnp.bfloat16) == "ffi"
+    assert weights.int4_step_kernel(65, 4096, 4096, 128, jnp.bfloat16) is None
+    assert weights.int4_step_kernel(40, 4096, 4096, 128, jnp.float32) is None           # not the Pallas kernel
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    from jaxserve.kernels import device_info
+    monkeypatch.setattr(device_info, "num_sms", lambda: 132)
+    w = online.quantize_int4(jax.random.normal(jax.random.key(0), (256, 64), jnp.float32) * 0.02, 64,
+                             jnp.bfloat16)
+    x = jnp.zeros((40, 256), jnp.bfloat16)
+    hlo = jax.jit(weights.matmul).lower(x, w).as_text()
+    calls = [line for line in hlo.splitlines() if quant_gemv.TARGET_INT4 in line and "custom_call" in line]
+    assert len(calls) == 3, calls                     # rows 0-15, 16-31, 32-39

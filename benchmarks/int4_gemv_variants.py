@@ -6,7 +6,8 @@ those K splits (0: its default launch) the same way.
     python -m jaxserve.benchmarks.int4_gemv_variants --variants v1,occ3,occ4,v1@2 --m 1,4,16
     python -m jaxserve.benchmarks.int4_gemv_variants --variants none --fp8-splits 0,1,2,4 --m 1,16
 
-A variant may name its K splits after ``@`` (``v1@2``); without, the variant's default launch. Timing as
+A variant may name its K splits after ``@`` (``v1@2``) and the steps a warp loads at once after ``/`` (``v1/8``);
+without, the variant's default launch. Timing as
 kernel_bench's quant section (``--layers`` distinct weights per program, no L2 repeat), the variants
 interleaved over ``--rounds`` rounds and the best round kept. Bytes read: packed weights, scales and zero points.
 """
@@ -30,31 +31,36 @@ def _int4_weights(k: int, n: int, layers: int) -> list:
     return [quant4(jax.random.normal(jax.random.key(layer), (k, n), jnp.bfloat16) * 0.02) for layer in range(layers)]
 
 
-def parse_variants(text: str) -> list[tuple[str, int | None]]:
-    """``"v1,occ3@2"`` -> ``[("v1", None), ("occ3", 2)]``; unknown names raise ValueError."""
+def parse_variants(text: str) -> list[tuple[str, int | None, int | None]]:
+    """``"v1,occ3@2,v1/8"`` -> ``[("v1", None, None), ("occ3", 2, None), ("v1", None, 8)]``: name, K splits,
+    steps a warp loads at once (None: the default launch's); unknown names raise ValueError."""
     from jaxserve.kernels import quant_gemv
     out = []
     for spec in (s.strip() for s in text.split(",") if s.strip() and s.strip() != "none"):
+        spec, _, chunk = spec.partition("/")
         name, _, splits = spec.partition("@")
         if name not in quant_gemv.VARIANTS:
             raise ValueError(f"--variants: {name!r} not among {', '.join(quant_gemv.VARIANTS)}")
-        out.append((name, int(splits) if splits else None))
+        if chunk and int(chunk) not in quant_gemv.CHUNKS:
+            raise ValueError(f"--variants: chunk {chunk} not among {quant_gemv.CHUNKS}")
+        out.append((name, int(splits) if splits else None, int(chunk) if chunk else None))
     return out
 
 
-def variants_table(b: Bench, variants: list[tuple[str, int | None]], rounds: int) -> None:
+def variants_table(b: Bench, variants: list[tuple[str, int | None, int | None]], rounds: int) -> None:
     from jaxserve.kernels import quant_gemv
     from jaxserve.parallel.collectives import kernel_toolchain
     quant_gemv.load(kernel_toolchain())
-    labels = [f"{v}@{s}" if s else v for v, s in variants]
+    labels = [v + (f"@{s}" if s else "") + (f"/{c}" if c else "") for v, s, c in variants]
     b.emit(f"\n## int4 CUDA GEMV variants, {b.S.layers} weights per program, best of {rounds} interleaved rounds; "
            "us per call (% of the read ceiling); err: max |y - y_v1| / max |y_v1|\n"
            f"| shape | M | {' | '.join(labels)} | max err |\n|---|---|{'---|' * len(labels)}---|")
 
-    def gemv(x, w, v="v1", s=None):
-        return quant_gemv.int4_gemv(x, w.packed, w.scales, w.zeros, group_size=w.group_size, splits=s, variant=v)
-    _timed_table(b, labels, _int4_weights, lambda: [_layered(lambda x, w, v=v, s=s: gemv(x, w, v, s))
-                                                    for v, s in variants],
+    def gemv(x, w, v="v1", s=None, c=None):
+        return quant_gemv.int4_gemv(x, w.packed, w.scales, w.zeros, group_size=w.group_size, splits=s, chunk=c,
+                                    variant=v)
+    _timed_table(b, labels, _int4_weights, lambda: [_layered(lambda x, w, v=v, s=s, c=c: gemv(x, w, v, s, c))
+                                                    for v, s, c in variants],
                  gemv, rounds, lambda w: sum(a.nbytes for a in (w.packed, w.scales, w.zeros)))
 
 

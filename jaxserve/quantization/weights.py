@@ -338,11 +338,10 @@ def reads_fp8_activations(weights, tokens: int) -> bool:
     """Whether every one of ``weights`` quantizes its input per token (fp8 W8A8, dynamic scales) in a step of
     ``tokens`` tokens: then their input can be quantized once, where it is made (``rms_norm_fp8``), unless
     ``JAXSERVE_FP8_NORM_QUANT=0``."""
-    if not envs.JAXSERVE_FP8_NORM_QUANT:
-        return False
-    weight_only = tokens <= (envs.JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS or 0) or fp8_step_uses_gemv(tokens)
-    return bool(weights) and not weight_only and all(
-        isinstance(w, Fp8Weight) and not w.block and w.input_scale is None for w in weights)
+    if not (envs.JAXSERVE_FP8_NORM_QUANT and weights and all(
+            isinstance(w, Fp8Weight) and not w.block and w.input_scale is None for w in weights)):
+        return False        # (asked before the GEMV, whose first question builds it: a bf16 model never does)
+    return not (tokens <= (envs.JAXSERVE_FP8_WEIGHT_ONLY_MAX_TOKENS or 0) or fp8_step_uses_gemv(tokens))
 
 
 # the per-token scale from max |w x| inv may sit below max |w bf16(x inv)| by the two bf16 roundings of the

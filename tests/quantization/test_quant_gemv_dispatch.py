@@ -105,3 +105,15 @@ def test_larger_steps_take_the_gemv_16_rows_a_call_when_asked(ready, monkeypatch
     hlo = jax.jit(weights.matmul).lower(x, w).as_text()
     calls = [line for line in hlo.splitlines() if quant_gemv.TARGET_INT4 in line and "custom_call" in line]
     assert len(calls) == 3, calls                     # rows 0-15, 16-31, 32-39
+
+
+def test_a_float_model_never_builds_the_gemv(monkeypatch):
+    """The norm asks whether its projections read fp8 activations on every step of every model: for weights
+    that are not fp8 the answer must not start the GEMV's build (nvcc) on a GPU host."""
+    weights.quant_gemv_ready.cache_clear()
+    asked = []
+    monkeypatch.setattr(weights, "quant_gemv_ready", lambda: asked.append(1) or True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not weights.reads_fp8_activations((jnp.zeros((64, 64)), jnp.zeros((64, 64))), 4)
+    assert not weights.reads_fp8_activations((), 4)
+    assert asked == []

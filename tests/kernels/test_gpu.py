@@ -11,7 +11,7 @@ Marked ``gpu`` and skipped unless JAX runs on a GPU (conftest makes JAX_PLATFORM
   in float32, HF's (a first difference only where the reference had a near-tie: ``tie_gap``);
 - each decoder family's tiny checkpoint (tests/fixtures/models) on the Pallas kernels and the reference, and
   the tiny MoE checkpoints under every ``JAXSERVE_MOE_GROUPED_GEMM``, against HF's greedy ids;
-- the vision towers' cuDNN attention (``JAXSERVE_VISION_ATTENTION=cudnn``) against the dense scores.
+- the vision towers' cuDNN attention (``JAXSERVE_VISION_ATTENTION`` auto or cudnn) against the dense scores.
 """
 from __future__ import annotations
 
@@ -384,7 +384,7 @@ llm.generate(["x " * 700], SamplingParams(max_tokens=2, temperature=0), use_tqdm
 @on_gpu
 @pytest.mark.parametrize("n,segments", [(1024, 1), (6144, 1), (4096, 4)])
 def test_vision_cudnn_attention_matches_the_dense_scores(n, segments):
-    """The towers' fused attention (``JAXSERVE_VISION_ATTENTION=cudnn``: cuDNN's kernel, the segment mask as
+    """The towers' fused attention (``JAXSERVE_VISION_ATTENTION`` auto / cudnn: cuDNN's kernel, the segment mask as
     its bias) against the dense float32 scores, Qwen2.5-VL's width (16 heads of 80), bf16, two rows; a row of
     ``segments`` images of equal length (the last one ends in padding: its own id)."""
     from jaxserve.models.layers.vision import _attend

@@ -23,23 +23,28 @@ def named_model_hf_config(name: str) -> dict | None:
 
 def resolve_model(cfg: dict):
     """(ModelConfig, HF config dict) of the config's model: a configs/models name, an HF folder, a GGUF
-    file, or (neither) the embedded SmolLM2 GGUF."""
-    from jaxserve.models.configs import model_config_from_hf
+    file, or (neither) the embedded SmolLM2 GGUF; the engine section's ``hf_overrides`` applied as the engine
+    applies them."""
+    from jaxserve.models.configs import model_config_from_hf, with_hf_overrides
     from jaxserve.models.packaged import embedded_model_path, is_packaged_model, packaged_gguf_path
+    overrides = (cfg.get("engine") or {}).get("hf_overrides")
+
+    def read(hf: dict):
+        hf = with_hf_overrides(hf, overrides)
+        return model_config_from_hf(hf), hf
 
     m = cfg["model"]
     target = m.get("path") or m.get("name")
     if is_packaged_model(target):           # a packaged GGUF by its short name (gemma3-270m)
         target = packaged_gguf_path(target)
     if target and Path(target).is_dir():
-        hf = json.loads((Path(target) / "config.json").read_text())
-        return model_config_from_hf(hf), hf
+        return read(json.loads((Path(target) / "config.json").read_text()))
     if m.get("name") and not Path(target).exists():
         hf = named_model_hf_config(m["name"])
         if hf is None:
             known = ", ".join(sorted(p.stem for p in MODELS_DIR.iterdir())) if MODELS_DIR.is_dir() else "none"
             raise ValueError(f"model.name {m['name']!r} is not in configs/models (known: {known})")
-        return model_config_from_hf(hf), hf
+        return read(hf)
     path = target or embedded_model_path()
     if not str(path).endswith(".gguf") or not Path(path).is_file():
         raise ValueError(f"model {path!r}: expected an HF folder, a .gguf file or a configs/models name")
@@ -49,7 +54,7 @@ def resolve_model(cfg: dict):
     names = {t.name for t in reader.tensors}
     hf = gguf_hf_config(reader.fields, names, reader)      # the architectures read through their HF config
     if hf is not None:
-        return model_config_from_hf(hf), hf
+        return read(hf)
     mc = model_config_from_gguf(reader.metadata(), names, rope_freqs=gguf_rope_freqs(reader))
     return mc, hf_config_from_model_config(mc)
 

@@ -295,6 +295,11 @@ class EngineConfig:
              "file's 4-bit weights stay int4; none dequantizes them); fp8 also quantizes a float checkpoint at "
              "load; with --load-format dummy, random weights in that storage")
     max_model_len: int | None = option(None, help="longest prompt + output in tokens (default: the model's)")
+    hf_overrides: dict = option(
+        default_factory=dict, type=json_dict,
+        help='JSON keys that replace the model\'s HF config values before it is read, as vLLM\'s: e.g. '
+             '\'{"num_hidden_layers": 24}\' or \'{"rope_scaling": {...}}\'; a nested config (text_config, ...) '
+             'takes its keys in turn (HF folders, GGUF files with an HF config, configs/models names)')
     seed: int = option(0, help="seeds the sampling of requests that give no seed of their own")
     task: str = option("auto", choices=("auto", "generate", "embed"),
                        help="what the model serves (auto: embed for an embedding model, else generate)")

@@ -82,7 +82,8 @@ class ModelExecutor:
                 self.model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                         max_model_len=config.max_model_len, mesh=load_mesh,
                                         quantization=config.quantization,
-                                        enable_expert_parallel=config.parallel.enable_expert_parallel)
+                                        enable_expert_parallel=config.parallel.enable_expert_parallel,
+                                        hf_overrides=config.hf_overrides)
             # the weights' seconds are the device's too: wait for the last fill or copy (warm-up would)
             weights.nbytes = tree_nbytes(jax.block_until_ready(self.model.params))
             weights.note = "by storage: " + describe_bytes(self.model.params)

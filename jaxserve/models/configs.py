@@ -77,9 +77,22 @@ def read_json(path: str) -> dict:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
 
 
-def model_config_from_folder(folder: str) -> tuple[ModelConfig, dict, dict]:
-    """(ModelConfig, raw config.json, generation_config.json or {}) of an HF model folder."""
-    hf = read_json(os.path.join(folder, "config.json"))
+def with_hf_overrides(hf: dict, overrides: dict | None) -> dict:
+    """``hf`` (a config.json) with vLLM's ``--hf-overrides`` applied: each key replaces the config's, except a
+    dict given for a nested config (``text_config``, ``vision_config``, ...), whose keys are applied in turn."""
+    if not overrides:
+        return hf
+    out = dict(hf)
+    for key, value in overrides.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict) and key.endswith("_config")
+        out[key] = with_hf_overrides(out[key], value) if nested else value
+    return out
+
+
+def model_config_from_folder(folder: str, hf_overrides: dict | None = None) -> tuple[ModelConfig, dict, dict]:
+    """(ModelConfig, raw config.json with ``hf_overrides`` applied, generation_config.json or {}) of an HF model
+    folder."""
+    hf = with_hf_overrides(read_json(os.path.join(folder, "config.json")), hf_overrides)
     gen_path = os.path.join(folder, "generation_config.json")
     gen = read_json(gen_path) if os.path.exists(gen_path) else {}
     return model_config_from_hf(hf, gen), hf, gen

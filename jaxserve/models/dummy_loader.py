@@ -26,10 +26,12 @@ def is_dummy_config(name: str) -> bool:
 
 
 def load_dummy(name: str, *, dtype="auto", max_model_len=None, mesh=None, seed: int = 0,
-               quantization: str | None = "auto", enable_expert_parallel: bool = False) -> LoadedModel:
-    """Random weights for ``configs/models/NAME.json``; the tokenizer is the embedded SmolLM2 one, since no
-    model files exist (token ids beyond its vocab are never produced by it)."""
-    hf = model_configs.read_json(str(packaged.DUMMY_CONFIG_DIR / f"{name}.json"))
+               quantization: str | None = "auto", enable_expert_parallel: bool = False,
+               hf_overrides: dict | None = None) -> LoadedModel:
+    """Random weights for ``configs/models/NAME.json`` (with ``hf_overrides`` applied); the tokenizer is the
+    embedded SmolLM2 one, since no model files exist (token ids beyond its vocab are never produced by it)."""
+    hf = model_configs.with_hf_overrides(model_configs.read_json(str(packaged.DUMMY_CONFIG_DIR / f"{name}.json")),
+                                         hf_overrides)
     cfg = with_expert_parallel(model_configs.model_config_from_hf(hf), enable_expert_parallel)
     _, family = registry.resolve_architecture(hf.get("architectures"))
     family.check_config(cfg)

@@ -33,24 +33,29 @@ def model_path(model: str | None) -> str:
 
 def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str = "auto",
                max_model_len: int | None = None, mesh=None, seed: int = 0,
-               quantization: str | None = "auto", enable_expert_parallel: bool = False) -> LoadedModel:
+               quantization: str | None = "auto", enable_expert_parallel: bool = False,
+               hf_overrides: dict | None = None) -> LoadedModel:
     """Load a model: ``None`` (the embedded SmolLM2 GGUF), a packaged model's name (``gemma3-270m``), a
     ``.gguf`` file, an HF folder, or the name of a ``configs/models/*.json`` (random weights).
     ``load_format="dummy"`` gives random weights for any of them.
     ``quantization`` (vLLM's ``--quantization``): ``auto`` follows an HF checkpoint's ``quantization_config``;
     random weights take any method's storage (int4 groups of 128 for awq / gptq / compressed-tensors).
     ``enable_expert_parallel``: a mixture-of-experts model's experts sharded over the mesh (``layers.moe``;
-    HF folders, GGUF files and dummy configs).
+    HF folders, GGUF files and dummy configs). ``hf_overrides``: vLLM's ``--hf-overrides``, keys of the model's
+    HF config replaced before it is read (HF folders, GGUF files with an HF config, dummy configs).
     """
     quantization = quantization or "auto"
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
     path = model_path(model)
     ep = {"enable_expert_parallel": True} if enable_expert_parallel else {}
+    if hf_overrides:
+        ep["hf_overrides"] = dict(hf_overrides)
     if load_format == "orbax" or (load_format == "auto" and is_orbax_checkpoint(path)):
         float_only(quantization, f"{path} is an orbax checkpoint (float weights)")
         if ep:
-            raise ModelLoadError("--enable-expert-parallel needs an HF folder or a configs/models name (not orbax)")
+            raise ModelLoadError(f"--{next(iter(ep)).replace('_', '-')} needs an HF folder or a configs/models "
+                                 "name (not orbax)")
         return load_orbax(path, dtype=dtype, max_model_len=max_model_len, mesh=mesh)
     if os.path.isfile(path) and path.endswith(".gguf"):
         if load_format not in ("auto", "gguf"):

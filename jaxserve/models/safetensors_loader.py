@@ -145,9 +145,10 @@ def safetensors_getter(folder: str) -> tuple[Callable[[str], np.ndarray], Callab
 
 def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, dummy=False,
                    seed: int = 0, quantization: str | None = "auto",
-                   enable_expert_parallel: bool = False) -> LoadedModel:
-    """The model of an HF folder; ``dummy``: random weights in the shape (and storage) its config describes."""
-    hf = model_configs.read_json(os.path.join(folder, "config.json"))
+                   enable_expert_parallel: bool = False, hf_overrides: dict | None = None) -> LoadedModel:
+    """The model of an HF folder; ``dummy``: random weights in the shape (and storage) its config describes;
+    ``hf_overrides``: vLLM's ``--hf-overrides`` (``configs.with_hf_overrides``)."""
+    hf = model_configs.with_hf_overrides(model_configs.read_json(os.path.join(folder, "config.json")), hf_overrides)
     arch, family = registry.resolve_architecture(hf.get("architectures"))
     if dummy:     # random weights in the checkpoint's storage, or in any method's the flag names
         stored = (hf.get("quantization_config") or {}).get("quant_method")
@@ -158,8 +159,10 @@ def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, 
     jdtype = resolve_dtype(dtype, config_dtype(hf, jnp.float32))
     if registry.is_encoder(arch):
         float_only(quantization, f"{folder} is an encoder model")
+        if hf_overrides:
+            raise ModelLoadError(f"{folder} is an encoder model: --hf-overrides applies to decoder models")
         return family.load(folder, dtype)   # the encoder family resolves "auto" itself
-    cfg, hf, gen = model_configs.model_config_from_folder(folder)
+    cfg, hf, gen = model_configs.model_config_from_folder(folder, hf_overrides)
     cfg = with_fused_qkv(with_expert_parallel(cfg, enable_expert_parallel), family, quant, mesh)
     family.check_config(cfg)
 

@@ -98,6 +98,8 @@ def _other_value(o):
         return ["h:1"], "h:1"
     if o.name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
         return ['{"image": 2}'], {"image": 2}
+    if o.name == "hf_overrides":
+        return ['{"num_hidden_layers": 2}'], {"num_hidden_layers": 2}
     if o.name == "allowed_media_domains":
         return ["a.com,b.org"], ("a.com", "b.org")
     for scalar in (int, float, str):

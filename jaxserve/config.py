@@ -299,7 +299,8 @@ class EngineConfig:
         default_factory=dict, type=json_dict,
         help='JSON keys that replace the model\'s HF config values before it is read, as vLLM\'s: e.g. '
              '\'{"num_hidden_layers": 24}\' or \'{"rope_scaling": {...}}\'; a nested config (text_config, ...) '
-             'takes its keys in turn (HF folders, GGUF files with an HF config, configs/models names)')
+             'takes its keys in turn (HF folders, GGUF files, configs/models names; a GGUF file read from its metadata '
+             'alone takes num_hidden_layers, max_position_embeddings, rope_theta, rms_norm_eps, sliding_window)')
     seed: int = option(0, help="seeds the sampling of requests that give no seed of their own")
     task: str = option("auto", choices=("auto", "generate", "embed"),
                        help="what the model serves (auto: embed for an embedding model, else generate)")

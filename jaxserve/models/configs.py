@@ -8,6 +8,7 @@ reaches a ``ModelConfig`` through the family's GGUF reader (``gguf_loader``). Th
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -87,6 +88,23 @@ def with_hf_overrides(hf: dict, overrides: dict | None) -> dict:
         nested = isinstance(value, dict) and isinstance(out.get(key), dict) and key.endswith("_config")
         out[key] = with_hf_overrides(out[key], value) if nested else value
     return out
+
+
+# the HF keys ``--hf-overrides`` can set on a config read from GGUF metadata alone (no HF config in between)
+GGUF_OVERRIDABLE = {"num_hidden_layers": "num_layers", "max_position_embeddings": "max_position_embeddings",
+                    "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps", "sliding_window": "sliding_window"}
+
+
+def with_config_overrides(cfg: ModelConfig, overrides: dict | None, source: str) -> ModelConfig:
+    """``cfg`` (read from GGUF metadata alone) with ``--hf-overrides`` of the keys in ``GGUF_OVERRIDABLE``; any
+    other key is an error naming it (it would otherwise be silently dropped)."""
+    if not overrides:
+        return cfg
+    unknown = sorted(set(overrides) - set(GGUF_OVERRIDABLE))
+    if unknown:
+        raise ModelLoadError(f"{source}: --hf-overrides {', '.join(unknown)} cannot apply: this GGUF file's "
+                             f"config is read from its metadata, which takes only {', '.join(GGUF_OVERRIDABLE)}")
+    return dataclasses.replace(cfg, **{GGUF_OVERRIDABLE[k]: v for k, v in overrides.items()})
 
 
 def model_config_from_folder(folder: str, hf_overrides: dict | None = None) -> tuple[ModelConfig, dict, dict]:

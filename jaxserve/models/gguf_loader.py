@@ -26,7 +26,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.models import registry, weight_cache
-from jaxserve.models.configs import model_config_from_hf, with_hf_overrides
+from jaxserve.models.configs import model_config_from_hf, with_config_overrides, with_hf_overrides
 from jaxserve.models.gguf_config import GGUFMeta, gguf_tensor
 from jaxserve.models.gguf_file import dequantize, open_gguf
 from jaxserve.models.hf_weights import load_weights, tree_set
@@ -177,11 +177,9 @@ def load_gguf(path: str, *, dtype="auto", max_model_len=None, mesh=None, quantiz
     meta = reader.metadata()
     tensor_names = {t.name for t in reader.tensors}
     hf = gguf_hf_config(reader.fields, tensor_names, reader)
-    if hf_overrides and hf is None:
-        raise ModelLoadError(f"{os.path.basename(path)}: --hf-overrides needs an HF config, and this GGUF "
-                             "file's architecture is read from its metadata alone")
     cfg = (model_config_from_hf(with_hf_overrides(hf, hf_overrides)) if hf is not None else
-           model_config_from_gguf(meta, tensor_names, rope_freqs=gguf_rope_freqs(reader)))
+           with_config_overrides(model_config_from_gguf(meta, tensor_names, rope_freqs=gguf_rope_freqs(reader)),
+                                 hf_overrides, os.path.basename(path)))
     cfg = with_expert_parallel(cfg, enable_expert_parallel)
     _, family = registry.resolve_architecture(cfg.architecture)
     family.check_config(cfg)

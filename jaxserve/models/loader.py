@@ -42,7 +42,7 @@ def load_model(model: str | None, *, dtype: str | Any = "auto", load_format: str
     random weights take any method's storage (int4 groups of 128 for awq / gptq / compressed-tensors).
     ``enable_expert_parallel``: a mixture-of-experts model's experts sharded over the mesh (``layers.moe``;
     HF folders, GGUF files and dummy configs). ``hf_overrides``: vLLM's ``--hf-overrides``, keys of the model's
-    HF config replaced before it is read (HF folders, GGUF files with an HF config, dummy configs).
+    HF config replaced before it is read (HF folders, GGUF files, dummy configs).
     """
     quantization = quantization or "auto"
     if load_format not in LOAD_FORMATS:

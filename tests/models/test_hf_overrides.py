@@ -1,6 +1,6 @@
 """vLLM's ``--hf-overrides``: keys of the model's HF config replaced before it is read, for HF folders, dummy
-configs and GGUF files with an HF config; refused where there is no HF config to override (orbax, encoder
-models, GGUF files read from their metadata alone)."""
+configs and GGUF files with an HF config; a GGUF file read from its metadata alone takes the scalar keys of
+``configs.GGUF_OVERRIDABLE``; refused where there is nothing to override (orbax, encoder models, other keys)."""
 from __future__ import annotations
 
 import os
@@ -62,5 +62,10 @@ def test_where_there_is_no_hf_config_it_is_refused(tmp_path):
     orbax_io.convert(fixture_path("tiny-llama3"), folder)
     with pytest.raises(ModelLoadError, match="--hf-overrides needs an HF folder"):
         load_model(folder, hf_overrides={"num_hidden_layers": 1})
-    with pytest.raises(ModelLoadError, match="read from its metadata alone"):      # the embedded SmolLM2 GGUF
-        load_model(None, hf_overrides={"num_hidden_layers": 2})
+    with pytest.raises(ModelLoadError, match="hidden_act cannot apply"):     # the embedded GGUF: metadata only
+        load_model(None, hf_overrides={"num_hidden_layers": 2, "hidden_act": "gelu"})
+
+
+def test_a_gguf_read_from_its_metadata_takes_the_scalar_keys():
+    m = load_model(None, hf_overrides={"num_hidden_layers": 2, "rope_theta": 5000.0})
+    assert m.config.num_layers == 2 and m.config.rope_theta == 5000.0 and len(m.params["layers"]) == 2

@@ -22,13 +22,19 @@ import numpy as np
 from .kernel_bench import INT4_GROUP, LLAMA8B_PROJECTIONS, Bench, Sizes, _activations, _layered, call_seconds
 
 
-def _int4_weights(k: int, n: int, layers: int) -> list:
+def _random_weights(quantize, k: int, n: int, layers: int) -> list:
+    """``layers`` random ``[k, n]`` weights in ``quantize``'s storage (an ``online`` quantizer)."""
     import jax
+    import jax.numpy as jnp
+    quant = jax.jit(quantize)
+    return [quant(jax.random.normal(jax.random.key(layer), (k, n), jnp.bfloat16) * 0.02) for layer in range(layers)]
+
+
+def _int4_weights(k: int, n: int, layers: int) -> list:
     import jax.numpy as jnp
 
     from jaxserve.quantization import online
-    quant4 = jax.jit(lambda w: online.quantize_int4(w, INT4_GROUP, jnp.bfloat16))
-    return [quant4(jax.random.normal(jax.random.key(layer), (k, n), jnp.bfloat16) * 0.02) for layer in range(layers)]
+    return _random_weights(lambda w: online.quantize_int4(w, INT4_GROUP, jnp.bfloat16), k, n, layers)
 
 
 def parse_variants(text: str) -> list[tuple[str, int | None, int | None]]:
@@ -91,9 +97,6 @@ def _timed_table(b: Bench, labels: list[str], weights, make_fns, ref_fn, rounds:
 
 def fp8_table(b: Bench, splits: list[int], rounds: int) -> None:
     """The fp8 W8A16 GEMV (channel scales) at each of ``splits`` (0: ``default_fp8_splits``)."""
-    import jax
-    import jax.numpy as jnp
-
     from jaxserve.kernels import quant_gemv
     from jaxserve.parallel.collectives import kernel_toolchain
     from jaxserve.quantization import online
@@ -102,10 +105,8 @@ def fp8_table(b: Bench, splits: list[int], rounds: int) -> None:
     b.emit(f"\n## fp8 W8A16 CUDA GEMV by K splits, {b.S.layers} weights per program, best of {rounds} interleaved "
            "rounds; us per call (% of the read ceiling); err: max |y - y_default| / max |y_default|\n"
            f"| shape | M | {' | '.join(labels)} | max err |\n|---|---|{'---|' * len(labels)}---|")
-    quant8 = jax.jit(online.quantize_fp8_per_channel)
-
     def weights(k, n, layers):
-        return [quant8(jax.random.normal(jax.random.key(layer), (k, n), jnp.bfloat16) * 0.02) for layer in range(layers)]
+        return _random_weights(online.quantize_fp8_per_channel, k, n, layers)
 
     def gemv(x, w, s=None):
         return quant_gemv.fp8_gemv(x, w.weight, w.scale, splits=s or None)

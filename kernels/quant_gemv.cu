@@ -1,7 +1,7 @@
 // Quantized decode GEMMs for 1..16 rows as XLA FFI custom calls, built and loaded by quant_gemv.py (which says
-// why and how they are used): int4 W4A16 (int4_gemv.cuh; the handler int4_gemv_ffi.cuh) and fp8 e4m3 weight-only W8A16 (fp8_gemv.cuh), both
-// on the bf16 tensor cores with the weights as the mma's A operand, sharing the block shape and the split-K
-// end (gemv_common.cuh).
+// why and how they are used): int4 W4A16 (int4_gemv.cuh; the handler int4_gemv_ffi.cuh) and fp8 e4m3
+// weight-only W8A16 (fp8_gemv.cuh), both on the bf16 tensor cores with the weights as the mma's A operand,
+// sharing the block shape and the split-K end (gemv_common.cuh).
 #include "gemv_common.cuh"
 #include "int4_gemv.cuh"
 #include "int4_gemv_ffi.cuh"

@@ -107,10 +107,15 @@ def with_config_overrides(cfg: ModelConfig, overrides: dict | None, source: str)
     return dataclasses.replace(cfg, **{GGUF_OVERRIDABLE[k]: v for k, v in overrides.items()})
 
 
+def read_generation_config(folder: str) -> dict:
+    """An HF model folder's ``generation_config.json``, or {}."""
+    path = os.path.join(folder, "generation_config.json")
+    return read_json(path) if os.path.exists(path) else {}
+
+
 def model_config_from_folder(folder: str, hf_overrides: dict | None = None) -> tuple[ModelConfig, dict, dict]:
     """(ModelConfig, raw config.json with ``hf_overrides`` applied, generation_config.json or {}) of an HF model
     folder."""
     hf = with_hf_overrides(read_json(os.path.join(folder, "config.json")), hf_overrides)
-    gen_path = os.path.join(folder, "generation_config.json")
-    gen = read_json(gen_path) if os.path.exists(gen_path) else {}
+    gen = read_generation_config(folder)
     return model_config_from_hf(hf, gen), hf, gen

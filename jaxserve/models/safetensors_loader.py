@@ -162,7 +162,8 @@ def load_hf_folder(folder: str, *, dtype="auto", max_model_len=None, mesh=None, 
         if hf_overrides:
             raise ModelLoadError(f"{folder} is an encoder model: --hf-overrides applies to decoder models")
         return family.load(folder, dtype)   # the encoder family resolves "auto" itself
-    cfg, hf, gen = model_configs.model_config_from_folder(folder, hf_overrides)
+    gen = model_configs.read_generation_config(folder)
+    cfg = model_configs.model_config_from_hf(hf, gen)
     cfg = with_fused_qkv(with_expert_parallel(cfg, enable_expert_parallel), family, quant, mesh)
     family.check_config(cfg)
 

@@ -37,9 +37,13 @@ def test_cudnn_is_asked_for_on_a_gpu_only(monkeypatch):
     assert vision.attention_implementation() == "cudnn"
     monkeypatch.delenv("JAXSERVE_VISION_ATTENTION")
     assert vision.attention_implementation() == "cudnn"         # auto: cuDNN on a GPU
-    monkeypatch.setenv("JAXSERVE_VISION_ATTENTION", "dense")
-    assert vision.attention_implementation() is None
     # cuDNN's kernel takes 16-bit inputs and head sizes of multiples of 8 up to 128: other towers attend densely
+    # (and so keep the query blocks of a long row)
+    assert vision.attention_implementation(jax.numpy.ones((1, 4, 2, 64), jax.numpy.bfloat16)) == "cudnn"
     for q in (jax.numpy.ones((1, 4, 2, 8), jax.numpy.float32), jax.numpy.ones((1, 4, 2, 12), jax.numpy.bfloat16),
               jax.numpy.ones((1, 4, 2, 144), jax.numpy.bfloat16)):
-        np.testing.assert_array_equal(vision._attend(q, q, q, None, "cudnn"), vision._attend(q, q, q))
+        assert vision.attention_implementation(q) is None
+        np.testing.assert_array_equal(vision._attend(q, q, q, None, vision.attention_implementation(q)),
+                                      vision._attend(q, q, q))
+    monkeypatch.setenv("JAXSERVE_VISION_ATTENTION", "dense")
+    assert vision.attention_implementation() is None

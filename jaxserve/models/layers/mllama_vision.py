@@ -90,7 +90,7 @@ class MllamaVisionLayer(nnx.Module):
         b, n, d = x.shape
         h = layer_norm(x, _w(self.norm1), _w(self.norm1_bias), spec.eps)
         q, k, v = ((h @ _w(w)).reshape(b, n, spec.num_heads, d // spec.num_heads) for w in (self.wq, self.wk, self.wv))
-        a = _attend(q, k, v, sees, attention_implementation()) @ _w(self.wo)
+        a = _attend(q, k, v, sees, attention_implementation(q)) @ _w(self.wo)
         if self.gated:
             a = jnp.tanh(_w(self.gate_attn)).astype(a.dtype) * a
         x = x + a

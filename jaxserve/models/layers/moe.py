@@ -116,8 +116,8 @@ def _grouped_gemm() -> tuple[str, bool, bool]:
     that path runs ``expert_rows_matmul_fused``: no plan, repeat or zero-fill ops around its two kernels).
     ``auto`` is ``rows_fused`` on a GPU (benchmarks/results/2026-12-06-h100-moe-rows-fused.md) and ``ragged_dot``
     elsewhere. On a GPU ``lax.ragged_dot`` lowers to a dense padded product, far slower than the Pallas kernel
-    past a few tokens (benchmarks/results/2026-12-01-h200-moe-grouped-gemm.md). A named ragged_dot implementation runs at every
-    size (A/B runs)."""
+    past a few tokens (benchmarks/results/2026-12-01-h200-moe-grouped-gemm.md). A named ragged_dot
+    implementation runs at every size (A/B runs)."""
     impl = envs.JAXSERVE_MOE_GROUPED_GEMM
     if impl == "auto":
         impl = ROWS_FUSED if jax.default_backend() == "gpu" else "ragged_dot"

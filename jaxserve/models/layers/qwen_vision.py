@@ -230,7 +230,7 @@ def _attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, s
     longer than ``QUERY_BLOCK`` attends in blocks of queries, one after another (``block x N`` scores at a
     time, not ``N x N``; a fused attention needs no blocks)."""
     r, n, heads, hd = q.shape
-    impl = attention_implementation()
+    impl = attention_implementation(q)
     if span is not None:
         q, k, v = (t.reshape(r * n // span, span, heads, hd) for t in (q, k, v))
         seg = seg.reshape(r * n // span, span)

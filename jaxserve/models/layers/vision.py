@@ -85,27 +85,30 @@ def _qkv(layer, h: jax.Array, heads: int) -> tuple[jax.Array, jax.Array, jax.Arr
                  for w in ("wq", "wk", "wv"))
 
 
-def attention_implementation() -> str | None:
+def attention_implementation(q: jax.Array | None = None) -> str | None:
     """``"cudnn"`` where the towers attend through cuDNN's fused attention (``JAXSERVE_VISION_ATTENTION`` auto or
     cudnn, on a GPU: no ``N x N`` float32 scores and softmax in device memory; at 6,144 patches and 16 heads
     those are 2.4 GB written and read back per full-attention block); ``"xla"`` where asked for (the same
-    call's XLA path, on any backend); else None (dense scores)."""
+    call's XLA path, on any backend); else None (dense scores). Given the queries ``q [..., heads, head_dim]``,
+    None where cuDNN's kernel cannot take them (it takes 16-bit inputs and head sizes that are multiples of 8
+    up to 128)."""
     chosen = envs.JAXSERVE_VISION_ATTENTION
-    if chosen in ("auto", "cudnn"):
-        return "cudnn" if jax.default_backend() == "gpu" else None
-    return "xla" if chosen == "xla" else None
+    if chosen == "xla":
+        return "xla"
+    if chosen not in ("auto", "cudnn") or jax.default_backend() != "gpu":
+        return None
+    if q is not None and (q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 8 or q.shape[-1] > 128):
+        return None
+    return "cudnn"
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
             implementation: str | None = None) -> jax.Array:
     """Bidirectional attention ``[B, N, heads * head_dim]``: scores and softmax in float32 (as HF's eager
     path); ``mask [B, N, N]``: which keys each query sees (every query at least itself). ``implementation``
-    ``"cudnn"`` (``attention_implementation``; ``"xla"`` its same call on any backend):
-    ``jax.nn.dot_product_attention``, the mask as the kernel's bias, the softmax in float32 inside the kernel.
-    cuDNN's takes 16-bit inputs and head sizes that are multiples of 8 up to 128: other towers stay dense."""
+    ``attention_implementation(q)``'s: ``jax.nn.dot_product_attention``, the mask as the kernel's bias, the
+    softmax in float32 inside the kernel."""
     b, n, heads, hd = q.shape
-    if implementation == "cudnn" and (q.dtype not in (jnp.bfloat16, jnp.float16) or hd % 8 or hd > 128):
-        implementation = None
     if implementation is not None:
         out = jax.nn.dot_product_attention(q, k, v, mask=None if mask is None else mask[:, None],
                                            implementation=implementation)
@@ -141,7 +144,7 @@ class VisionLayer(nnx.Module):
         spec = self.spec
         h = layer_norm(x, _w(self.norm1), _w(self.norm1_bias), spec.eps)
         q, k, v = _qkv(self, h, spec.num_heads)
-        x = x + _attend(q, k, v, implementation=attention_implementation()) @ _w(self.wo) + _w(self.wo_bias)
+        x = x + _attend(q, k, v, implementation=attention_implementation(q)) @ _w(self.wo) + _w(self.wo_bias)
         h = layer_norm(x, _w(self.norm2), _w(self.norm2_bias), spec.eps)
         return x + _fc_mlp(self, h, spec.activation)
 

@@ -141,6 +141,10 @@ _REGISTRY: dict[str, EnvVar] = {
                                         "through the sort-free rows kernel), rows_fused (the same, each rows "
                                         "product one launch: its plan made in the kernel), "
                                         "ragged_dot, gather or pallas (kernels/ragged_dot.py)"),
+    "JAXSERVE_MOE_ROWS_LAUNCH": EnvVar(lambda raw: raw or "", "",
+                                       "the fused rows kernel's launch bounds, GATE_UP[,DOWN], each "
+                                       "BLOCK_N/BLOCK_K/WARPS/STAGES (A/B runs; benchmarks/moe_rows_launch.py "
+                                       "times them); empty: kernels/ragged_dot.py ROWS_LAUNCH"),
     # XLA
     "JAXSERVE_LOAD_THREADS": EnvVar(lambda raw: _int("JAXSERVE_LOAD_THREADS")(raw or "8"), "8",
                                     "threads that read a safetensors checkpoint's tensors and copy them to the "

@@ -236,29 +236,50 @@ def expert_rows_matmul(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array | N
                          interpret=interpret or jax.default_backend() != "gpu")
 
 
-@functools.partial(jax.jit, static_argnames=("max_rows_per_expert", "rows_per_lhs_row", "activation", "interpret"))
+ROWS_LAUNCH = (64, 128, 4, 3)     # the fused rows kernel's (block_n, block_k, num_warps, num_stages) bounds
+
+
+def rows_launch(k: int, n: int, launch: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
+    """``expert_rows_matmul_fused``'s launch for a ``[k, n]`` product (``n``: output columns, a gated product's
+    half): the largest power-of-two blocks dividing ``k`` and ``n`` up to ``launch``'s (default ``ROWS_LAUNCH``)."""
+    block_n, block_k, warps, stages = launch or ROWS_LAUNCH
+    return _block(n, block_n), _block(k, block_k), warps, stages
+
+
+def parse_rows_launch(spec: str) -> tuple[int, int, int, int]:
+    """``"64/128/4/3"`` -> ``(64, 128, 4, 3)``: BLOCK_N/BLOCK_K/WARPS/STAGES, each a power of two (stages: >= 1)."""
+    parts = spec.strip().split("/")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts) or \
+            not all(int(p) & (int(p) - 1) == 0 for p in parts[:3]) or min(int(p) for p in parts[:2]) < 16:
+        raise ValueError(f"MoE rows launch {spec!r} is not BLOCK_N/BLOCK_K/WARPS/STAGES (powers of two, blocks >= 16)")
+    return tuple(int(p) for p in parts)
+
+
+@functools.partial(jax.jit, static_argnames=("max_rows_per_expert", "rows_per_lhs_row", "activation", "launch",
+                                             "interpret"))
 def expert_rows_matmul_fused(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array, max_rows_per_expert: int, *,
                              rows_per_lhs_row: int = 1, activation: Callable | None = None,
-                             interpret: bool = False) -> jax.Array:
+                             launch: tuple[int, int, int, int] | None = None, interpret: bool = False) -> jax.Array:
     """``expert_rows_matmul`` in one kernel launch: each program makes its own tile from ``row_expert`` (no
     plan ops before it), row ``r`` reads ``lhs[r // rows_per_lhs_row]`` (the MoE's gate/up reads each token's
     hidden state once for its ``k`` rows: no repeated copy), and a row whose expert is outside ``0 .. G-1`` is
     written zero by its own program (no zeroed output to start from). Out ``[m + 1, n]``, ``m =
     len(row_expert)``: row m is scratch (a masked lane's store names it: Pallas' interpret mode writes masked
     lanes back, so they must not name a real row); ``lhs`` may carry it too (``lhs[: m // rows_per_lhs_row]``
-    is read), so the down product takes the gate/up product as it comes."""
+    is read), so the down product takes the gate/up product as it comes. ``launch``: ``rows_launch``'s bounds
+    (A/B runs: ``benchmarks/moe_rows_launch.py``)."""
     m, num_groups, k = row_expert.shape[0], rhs.shape[0], lhs.shape[1]
     if lhs.shape[0] * rows_per_lhs_row < m:
         raise ValueError(f"{lhs.shape[0]} lhs rows x {rows_per_lhs_row} < {m} row experts")
     n = _out_width(rhs, activation)
-    block_m, block_n = _rows_block(max_rows_per_expert), _block(n, 64)
+    block_n, block_k, warps, stages = rows_launch(k, n, launch)
     return pl.pallas_call(
         functools.partial(_rows_fused_kernel, m=m, mp=max(16, 1 << (m - 1).bit_length()), k=k, groups=num_groups,
-                          block_m=block_m, block_k=_block(k, 128), block_n=block_n, per_lhs=rows_per_lhs_row,
-                          activation=activation),
+                          block_m=_rows_block(max_rows_per_expert), block_k=block_k, block_n=block_n,
+                          per_lhs=rows_per_lhs_row, activation=activation),
         grid=(m, n // block_n),
         out_shape=jax.ShapeDtypeStruct((m + 1, n), lhs.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret or jax.default_backend() != "gpu", name="moe_expert_rows",
     )(row_expert.astype(jnp.int32), lhs, rhs.reshape(num_groups * k, -1))
 

@@ -74,6 +74,7 @@ class MoESpec:
     grouped_gemm: str = "ragged_dot"           # kernels.ragged_dot implementation
     rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
     rows_fused: bool = False                   # the rows path: one launch a product, one for the top-k
+    rows_launch: tuple = (None, None)          # the fused products' launch bounds (gate/up, down; None: default)
     # DeepSeekMoE (``moe_routing``): its router, an ungated shared expert, the routed weights' scale
     router: str = "softmax"                    # "softmax" (route below) or a moe_routing.ROUTERS key
     num_groups: int = 1                        # expert groups for group-limited / node-limited top-k
@@ -96,7 +97,8 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
                    weights_in_hidden_dtype=weights_in_hidden_dtype,
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
                    expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=impl,
-                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0, rows_fused=rows_fused)
+                   rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0, rows_fused=rows_fused,
+                   rows_launch=_rows_launch(envs.JAXSERVE_MOE_ROWS_LAUNCH))
 
 
 def experts_from_hf(hf: dict, extra: dict) -> dict:
@@ -127,6 +129,16 @@ def _grouped_gemm() -> tuple[str, bool, bool]:
         raise ValueError(f"JAXSERVE_MOE_GROUPED_GEMM={impl!r} is not one of auto, {ROWS}, {ROWS_FUSED}, "
                          f"{', '.join(ragged_dot.IMPLEMENTATIONS)}")
     return impl, False, False
+
+
+def _rows_launch(text: str) -> tuple:
+    """``JAXSERVE_MOE_ROWS_LAUNCH`` ("GATE_UP[,DOWN]") as ``(gate/up launch, down launch)``; one launch is both's."""
+    if not text.strip():
+        return None, None
+    launches = [ragged_dot.parse_rows_launch(s) for s in text.split(",")]
+    if len(launches) > 2:
+        raise ValueError(f"JAXSERVE_MOE_ROWS_LAUNCH={text!r}: at most two launches (gate/up, down)")
+    return launches[0], launches[-1]
 
 
 ROWS_PATH_MAX_TOKENS = 16    # one 16-row kernel tile holds an expert's rows; the plan is (16·k)² compares
@@ -261,9 +273,11 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
         key = jnp.where(mine, local, local_experts).reshape(-1)
         weights = jnp.where(mine, weights, 0)
     if t <= spec.rows_path_max_tokens and spec.rows_fused:     # decode sizes, one launch a product
+        gu_launch, down_launch = spec.rows_launch
         y = ragged_dot.expert_rows_matmul_fused(h, gate_up.reshape(local_experts, hidden, -1), key, t,
-                                                rows_per_lhs_row=k, activation=activation)   # [T * k + 1, i]
-        y = ragged_dot.expert_rows_matmul_fused(y, down, key, t)                          # row T * k: scratch
+                                                rows_per_lhs_row=k, activation=activation,
+                                                launch=gu_launch)                          # [T * k + 1, i]
+        y = ragged_dot.expert_rows_matmul_fused(y, down, key, t, launch=down_launch)       # row T * k: scratch
         return _combine(weights, y[:t * k].reshape(t, k, hidden), h.dtype)
     if t <= spec.rows_path_max_tokens:        # decode sizes: (token, slot) rows as they are, no sort
         rows = jnp.repeat(h, k, axis=0)                                            # [T * k, hidden]

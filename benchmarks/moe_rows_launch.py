@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from .kernel_bench import Bench, Sizes, chain_seconds
+from .kernel_bench import Bench, Sizes, _moe_chain, chain_seconds
 
 # name: (experts, top_k, hidden, moe_intermediate)
 SHAPES = {"deepseek-v2-lite": (64, 6, 2048, 1408), "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -43,19 +43,6 @@ def _routings(experts: int, top_k: int, tokens: int, valid: int, pool: int, rng)
     for p in range(pool):
         ids[p, :valid] = np.argsort(rng.random((valid, experts)), axis=1)[:, :top_k]
     return ids.reshape(pool, -1)
-
-
-def _chain(call, n_iter: int, pool: int):
-    import jax
-    import jax.numpy as jnp
-
-    def run(x, w, routings):
-        def body(i, carry):
-            x, acc = carry
-            acc = acc + call(x, w, routings[i % pool])[0, 0].astype(jnp.float32)
-            return x * (1 + acc * 1e-30).astype(x.dtype), acc
-        return jax.lax.fori_loop(0, n_iter, body, (x, jnp.float32(0)))[1]
-    return jax.jit(run)
 
 
 def products(shape: str, tokens: int, valid: int, pool: int, rng) -> list[tuple]:
@@ -100,7 +87,8 @@ def launch_table(b: Bench, shapes: list[str], launches: list[tuple], tokens: int
                             err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-9))
                             if err > 2e-2:
                                 raise AssertionError(f"differs from the default launch by {err:.3g}")
-                            chains[launch] = _chain(lambda x, w, r, launch=launch: call(x, w, r, launch), n_iter, pool)
+                            chains[launch] = _moe_chain(lambda x, w, r, launch=launch: call(x, w, r, launch),
+                                                        n_iter, pool)
                         s = chain_seconds(chains[launch], lhs, w, routings, n_iter=n_iter, reps=5)
                     except Exception as e:  # noqa: BLE001  (a launch that fails to compile is said, not fatal)
                         best[launch] = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"

@@ -24,7 +24,10 @@ zero and free. The same kernel over a plan with one tile per distinct expert, it
 rows of that expert (at most ``max_rows_per_expert``, the tile height), so each selected expert's weights
 are read once and nothing is sorted, counted or scattered back: the MoE layer passes its (token, slot) rows
 in token order. The plan compares every row with every row (``m²``), so it is for decode-sized ``m``;
-``expert_rows_plan`` makes it once for several products of the same rows.
+``expert_rows_plan`` makes it once for several products of the same rows. ``expert_rows_matmul_fused`` is the
+same product in one launch, each program making its tile from the ids; given a shared MLP's weights (``shared``:
+DeepSeek's shared experts, Qwen2-MoE's shared expert) that MLP rides along as S more experts of the routed
+ones' width, which every real token selects: S more rows a token in the same launch, their sum the MLP's output.
 
 Gated (``activation``, the MoE's gate/up product): ``rhs [G, k, 2n]`` holds each expert's gate columns then its
 up columns, and the result is ``activation(gate) * up`` ``[m, n]`` (``gated`` on the plain product: the
@@ -138,23 +141,23 @@ def _gmm_kernel(group_ref, row0_ref, rows_ref, lhs_ref, rhs_ref, _out_in, out_re
         else:            # a run of num_rows rows from row0_ref[t]
             rows = jnp.where(r < num_rows, row0_ref[t] + r, m)
         cols = j * block_n + lax.iota(jnp.int32, block_n)
-        out = _tile_product(lhs_ref, rhs_ref, out_ref, rows, rows < m, g, cols, k=k, block_k=block_k,
+        out = _tile_product(lhs_ref, rhs_ref, out_ref, rows, rows < m, g * k, cols, k=k, block_k=block_k,
                             activation=activation)
         plgpu.store(out_ref.at[rows[:, None], cols[None, :]], out)
 
 
-def _tile_product(lhs_ref, rhs_ref, out_ref, src, live, g, cols, *, k, block_k, activation):
-    """``lhs`` rows ``src`` (those not ``live`` read as zeros) times expert ``g``'s columns ``cols``, in
-    float32, gated when ``activation`` (the gate's columns and, out_ref's width further on, the up's), in
-    out_ref's dtype."""
+def _tile_product(lhs_ref, rhs_ref, out_ref, src, live, row0, cols, *, k, block_k, activation, half=None):
+    """``lhs`` rows ``src`` (those not ``live`` read as zeros) times ``rhs_ref``'s rows ``row0 .. row0 + k``
+    (expert g's: ``g * k``), columns ``cols``, in float32, gated when ``activation`` (the gate's columns and,
+    ``half`` further on (default: out_ref's width), the up's), in out_ref's dtype."""
     block_m, block_n = src.shape[0], cols.shape[0]
-    halves = (0,) if activation is None else (0, out_ref.shape[1])
+    halves = (0,) if activation is None else (0, out_ref.shape[1] if half is None else half)
 
     def step(kb, accs):
         ks = kb * block_k + lax.iota(jnp.int32, block_k)
         x = plgpu.load(lhs_ref.at[src[:, None], ks[None, :]], other=0,
                        mask=jnp.broadcast_to(live[:, None], (block_m, block_k)))                # [bm, bk]
-        return tuple(acc + plgpu.dot(x, plgpu.load(rhs_ref.at[(g * k + ks)[:, None], (cols + h)[None, :]]),
+        return tuple(acc + plgpu.dot(x, plgpu.load(rhs_ref.at[(row0 + ks)[:, None], (cols + h)[None, :]]),
                                      allow_tf32=False)                                        # [bk, bn] each
                      for acc, h in zip(accs, halves))
 
@@ -259,7 +262,8 @@ def parse_rows_launch(spec: str) -> tuple[int, int, int, int]:
                                              "interpret"))
 def expert_rows_matmul_fused(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array, max_rows_per_expert: int, *,
                              rows_per_lhs_row: int = 1, activation: Callable | None = None,
-                             launch: tuple[int, int, int, int] | None = None, interpret: bool = False) -> jax.Array:
+                             launch: tuple[int, int, int, int] | None = None, shared: jax.Array | None = None,
+                             interpret: bool = False) -> jax.Array:
     """``expert_rows_matmul`` in one kernel launch: each program makes its own tile from ``row_expert`` (no
     plan ops before it), row ``r`` reads ``lhs[r // rows_per_lhs_row]`` (the MoE's gate/up reads each token's
     hidden state once for its ``k`` rows: no repeated copy), and a row whose expert is outside ``0 .. G-1`` is
@@ -267,39 +271,79 @@ def expert_rows_matmul_fused(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Arr
     len(row_expert)``: row m is scratch (a masked lane's store names it: Pallas' interpret mode writes masked
     lanes back, so they must not name a real row); ``lhs`` may carry it too (``lhs[: m // rows_per_lhs_row]``
     is read), so the down product takes the gate/up product as it comes. ``launch``: ``rows_launch``'s bounds
-    (A/B runs: ``benchmarks/moe_rows_launch.py``)."""
-    m, num_groups, k = row_expert.shape[0], rhs.shape[0], lhs.shape[1]
+    (A/B runs: ``benchmarks/moe_rows_launch.py``).
+
+    ``shared``: a shared MLP's weights, ``S`` experts of ``rhs``'s size side by side — gated ``[k, 2 * S * n]``
+    (its gate columns, then its up columns), plain ``[S * k, n]`` — computed in the same launch as ``S``
+    experts ``G .. G+S-1`` that every token selects. ``row_expert`` is then the routed ids ``[T, r]`` and the
+    ``m = T * (r + S)`` rows are token-major: a token's r routed rows, then its S shared ones (none when its
+    first routed id is outside ``0 .. G-1``: a padding token); the shared rows' sum is the MLP's output."""
+    num_groups, k, n = rhs.shape[0], lhs.shape[1], _out_width(rhs, activation)
+    routed, extra = 1, 0
+    if shared is not None:
+        if row_expert.ndim != 2:
+            raise ValueError(f"with shared experts the row experts are [tokens, k], not {row_expert.shape}")
+        routed, extra = row_expert.shape[1], _shared_experts(shared.shape, k, n, activation is not None)
+    m = row_expert.shape[0] * (routed + extra) if shared is not None else row_expert.shape[0]
     if lhs.shape[0] * rows_per_lhs_row < m:
         raise ValueError(f"{lhs.shape[0]} lhs rows x {rows_per_lhs_row} < {m} row experts")
-    n = _out_width(rhs, activation)
     block_n, block_k, warps, stages = rows_launch(k, n, launch)
     return pl.pallas_call(
         functools.partial(_rows_fused_kernel, m=m, mp=max(16, 1 << (m - 1).bit_length()), k=k, groups=num_groups,
-                          block_m=_rows_block(max_rows_per_expert), block_k=block_k, block_n=block_n,
-                          per_lhs=rows_per_lhs_row, activation=activation),
+                          routed=routed, shared=extra, block_m=_rows_block(max_rows_per_expert), block_k=block_k,
+                          block_n=block_n, per_lhs=rows_per_lhs_row, activation=activation),
         grid=(m, n // block_n),
         out_shape=jax.ShapeDtypeStruct((m + 1, n), lhs.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret or jax.default_backend() != "gpu", name="moe_expert_rows",
-    )(row_expert.astype(jnp.int32), lhs, rhs.reshape(num_groups * k, -1))
+    )(row_expert.reshape(-1).astype(jnp.int32), lhs, rhs.reshape(num_groups * k, -1),
+      *(() if shared is None else (shared,)))
 
 
-def _rows_fused_kernel(expert_ref, lhs_ref, rhs_ref, out_ref, *, m, mp, k, groups, block_m, block_k, block_n,
-                       per_lhs, activation):
+def _shared_experts(shape: tuple, k: int, n: int, gated: bool) -> int:
+    """How many experts of a ``[k, n]`` product (gated: ``[k, 2n]``) the shared weights of ``shape`` hold."""
+    size = shape[1] // (2 * n) if gated else shape[0] // k
+    if size < 1 or tuple(shape) != ((k, 2 * size * n) if gated else (size * k, n)):
+        raise ValueError(f"shared expert weights {tuple(shape)} are not experts of [{k}, {2 * n if gated else n}] "
+                         f"side by side")
+    return size
+
+
+def _row_experts(expert_ref, idx, *, m, groups, routed, shared):
+    """The expert of each row ``idx`` (-1 past row m): ``row_expert[idx]``, or with ``shared`` experts the
+    token-major rows' (see ``expert_rows_matmul_fused``), an unowned routed id made -1."""
+    inside = idx < m
+    if not shared:
+        return plgpu.load(expert_ref.at[jnp.minimum(idx, m - 1)], mask=inside, other=-1)
+    per = routed + shared
+    tok, slot = idx // per, idx % per
+
+    def owned(i):
+        e = plgpu.load(expert_ref.at[jnp.minimum(i, m // per * routed - 1)], mask=inside, other=-1)
+        return jnp.where((e >= 0) & (e < groups), e, -1)
+
+    own = owned(tok * routed + jnp.minimum(slot, routed - 1))
+    return jnp.where(slot < routed, own, jnp.where(owned(tok * routed) >= 0, groups + slot - routed, -1))
+
+
+def _rows_fused_kernel(expert_ref, lhs_ref, rhs_ref, *refs, m, mp, k, groups, routed, shared, block_m, block_k,
+                       block_n, per_lhs, activation):
     """Program (t, j): if row t is the first row of its expert, that expert's rows (in order, at most block_m)
-    times its weights' columns block j; if row t has no expert here, zeros in its row; otherwise nothing."""
+    times its weights' columns block j (a shared expert's from ``shared_ref``); if row t has no expert here,
+    zeros in its row; otherwise nothing."""
+    shared_ref, out_ref = refs if shared else (None, refs[0])
     t, j = pl.program_id(0), pl.program_id(1)
-    e = expert_ref[t]
     idx = lax.iota(jnp.int32, mp)
-    ids = plgpu.load(expert_ref.at[jnp.minimum(idx, m - 1)], mask=idx < m, other=-1)          # [mp]
-    mine = (e >= 0) & (e < groups)
+    ids = _row_experts(expert_ref, idx, m=m, groups=groups, routed=routed, shared=shared)           # [mp]
+    e = jnp.sum(jnp.where(idx == t, ids, 0)) if shared else expert_ref[t]
+    mine = (e >= 0) & (e < groups + shared)
     same = (ids == e) & (idx < m)
     first = jnp.sum(jnp.where(same & (idx < t), 1, 0)) == 0
     r = lax.iota(jnp.int32, block_m)
     cols = j * block_n + lax.iota(jnp.int32, block_n)
+    n = out_ref.shape[1]
 
-    @pl.when(mine & first)
-    def _():
+    def tile(weights_ref, row0, col0, half):
         # the expert's rows in order, each the first same row after the last (block_m reductions over [mp]:
         # no [mp, mp] rank matrix, whose registers a bucket of 16 tokens, k = 8 would spill)
         rows, last = jnp.full((block_m,), m, jnp.int32), t
@@ -307,10 +351,23 @@ def _rows_fused_kernel(expert_ref, lhs_ref, rhs_ref, out_ref, *, m, mp, k, group
             rows = jnp.where(r == slot, last, rows)
             last = jnp.min(jnp.where(same & (idx > last), idx, m))
         live = rows < m                                                                              # [block_m]
-        out = _tile_product(lhs_ref, rhs_ref, out_ref, jnp.where(live, rows // per_lhs, 0), live, e, cols, k=k,
-                            block_k=block_k, activation=activation)
+        out = _tile_product(lhs_ref, weights_ref, out_ref, jnp.where(live, rows // per_lhs, 0), live, row0,
+                            col0 + cols, k=k, block_k=block_k, activation=activation, half=half)
         plgpu.store(out_ref.at[rows[:, None], cols[None, :]], out,
                     mask=jnp.broadcast_to(live[:, None], (block_m, block_n)))
+
+    @pl.when(mine & first & (e < groups))
+    def _():
+        tile(rhs_ref, e * k, 0, n)
+
+    if shared:      # shared expert s: columns s * n of each half (gated), else rows s * k
+        @pl.when(mine & first & (e >= groups))
+        def _():
+            s = e - groups
+            if activation is None:
+                tile(shared_ref, s * k, 0, n)
+            else:
+                tile(shared_ref, 0, s * n, shared * n)
 
     @pl.when(jnp.logical_not(mine))
     def _():

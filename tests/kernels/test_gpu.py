@@ -238,6 +238,29 @@ def test_moe_grouped_gemm_matches_its_reference(impl, gated):
 
 
 @on_gpu
+@pytest.mark.parametrize("gated_shared", [False, True], ids=["deepseek", "qwen2-moe"])
+def test_moe_shared_expert_in_the_rows_launches_matches_it_apart(gated_shared):
+    """The rows_fused MoE layer compiled by Triton, the shared expert (2 experts wide: DeepSeek's ungated, or
+    behind Qwen2-MoE's sigmoid gate) in the routed experts' two launches, against the same layer computing it
+    apart; 4 tokens top-6 over 16 experts, bf16, the last token padding (its output zero)."""
+    from jaxserve.models.layers import moe
+    spec = moe.MoESpec(num_experts=16, top_k=6, intermediate_size=64, renormalize=False, layers=(True,),
+                       grouped_gemm="pallas", rows_path_max_tokens=moe.ROWS_PATH_MAX_TOKENS, rows_fused=True,
+                       router="softmax" if gated_shared else "deepseek_v2", shared_intermediate_size=128,
+                       shared_expert_gate=gated_shared)
+    rng = np.random.default_rng(0)
+    shapes = {"router": (256, 16), "experts_gate_up": (16, 256, 2, 64), "experts_down": (16, 64, 256),
+              "shared_gate_up": (256, 2, 128), "shared_down": (128, 256), "shared_gate": (256, 1)}
+    w = {name: jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.bfloat16) for name, shape in shapes.items()}
+    h = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    valid = jnp.asarray([True, True, True, False])
+    mlp = jax.jit(moe.moe_mlp, static_argnums=(2, 3))
+    got = np.asarray(mlp(h, w, spec, jax.nn.silu, valid)[0], np.float32)
+    want = mlp(h, w, dataclasses.replace(spec, rows_fused=False), jax.nn.silu, valid)[0]
+    assert _rel_err(got[:3], want[:3]) < 2e-2 and not got[3].any()
+
+
+@on_gpu
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_moe_softmax_top_k_matches_the_layers_routing(renormalize):
     """The router's top-k kernel compiled by Triton: the same experts (ties to the lower one) and weights as

@@ -13,6 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
+from jaxserve.models.layers import moe
 from jaxserve.models.loader import load_model
 from support.tiny_models import (FIXTURES, check_chunked_prefill_matches_hf, check_greedy_matches_hf, check_logits_match_hf,
                          check_orbax_round_trip, engine_with_preemption, golden, load_tiny)
@@ -41,12 +42,14 @@ def test_deepseek_greedy_matches_hf(tiny):
 def test_deepseek_fused_rows_path_matches_hf(name, monkeypatch):
     """``JAXSERVE_MOE_GROUPED_GEMM=rows_fused`` (the kernels interpreted here): decode steps route through
     ``kernels.moe_route.grouped_top_k`` (V2's group-limited softmax, V2-Lite's greedy, V3's sigmoid + bias
-    node-limited top-k) and the one-launch rows products; HF's greedy continuation decoded twice in one batch."""
+    node-limited top-k) and the one-launch rows products, the shared experts in the same launches; HF's greedy
+    continuation decoded twice in one batch."""
     monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "rows_fused")
     model = load_model(os.path.join(FIXTURES, name), dtype="float32")
     model.family.clear_caches()          # specs are cached per config: forget the other runs'
     try:
-        assert model.family.decoder_spec(model.config).moe.rows_fused
+        spec = model.family.decoder_spec(model.config).moe
+        assert spec.rows_fused and moe._shared_rides_along(1, model.params["layers"][1], spec)     # layer 0: dense
         check_greedy_matches_hf(name, model, golden(name))
     finally:
         model.family.clear_caches()

@@ -100,6 +100,49 @@ def test_fused_rows_kernel_is_the_rows_kernel_without_its_plan(experts, per, gat
     assert not got[:m][[not 0 <= e < 8 for e in experts]].any()
 
 
+# 5 tokens of 3 routed ids each: token 1 is padding (routed nowhere), token 3 picks expert 0 twice
+SHARED_ROUTED = [[3, 0, 5], [8, 8, 8], [1, 7, 2], [0, 6, 0], [5, 2, 4]]
+
+
+@pytest.mark.parametrize("shared", [1, 2, 3])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fused_rows_kernel_runs_the_shared_experts_in_the_same_launch(shared, gated):
+    """``shared``: a token's rows are its k routed rows (the kernel without it, bit for bit), then S rows of
+    the shared MLP's expert-wide slices — gate/up: columns ``s * n`` of the gate half and of the up half;
+    down: rows ``s * k`` — a padding token's rows all zero. T * (k + S) = 20, 25, 30 rows: no power of two."""
+    tokens, k, n = len(SHARED_ROUTED), len(SHARED_ROUTED[0]), 32
+    per, rng = k + shared, np.random.default_rng(shared + 10 * gated)
+    routed = jnp.asarray(SHARED_ROUTED, jnp.int32)
+    rows = tokens * per
+    lhs = jnp.asarray(rng.standard_normal((tokens if gated else rows + 1, 32)), jnp.float32)   # + scratch row
+    rhs = jnp.asarray(rng.standard_normal((8, 32, 2 * n if gated else n)) * 0.3, jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((32, 2 * shared * n) if gated else (shared * 32, n)) * 0.3,
+                          jnp.float32)
+    act = jax.nn.silu if gated else None
+    got = np.asarray(ragged_dot.expert_rows_matmul_fused(lhs, rhs, routed, tokens, rows_per_lhs_row=per if gated else 1,
+                                                         activation=act, shared=weights, interpret=True))
+    assert got.shape == (rows + 1, n)
+    got = got[:rows].reshape(tokens, per, n)
+    routed_rows = jnp.asarray(np.arange(rows).reshape(tokens, per)[:, :k].reshape(-1))
+    alone = ragged_dot.expert_rows_matmul_fused(lhs[routed_rows // per] if gated else lhs[routed_rows], rhs,
+                                                routed.reshape(-1), tokens * k, activation=act, interpret=True)
+    np.testing.assert_array_equal(got[:, :k], np.asarray(alone[:tokens * k]).reshape(tokens, k, n))
+    for t in range(tokens):
+        x = lhs[t] if gated else lhs[t * per + k:(t + 1) * per]              # the token's state / its S rows
+        for s in range(shared):
+            if gated:
+                gate, up = x @ weights[:, s * n:(s + 1) * n], x @ weights[:, (shared + s) * n:(shared + s + 1) * n]
+                want = jax.nn.silu(gate) * up
+            else:
+                want = x[s] @ weights[s * 32:(s + 1) * 32]
+            want = np.zeros(n) if SHARED_ROUTED[t][0] == 8 else np.asarray(want)
+            np.testing.assert_allclose(got[t, k + s], want, atol=1e-5, rtol=1e-5)
+    assert not got[1].any()
+    with pytest.raises(ValueError, match="are not experts of"):
+        ragged_dot.expert_rows_matmul_fused(lhs, rhs, routed, tokens, activation=act, shared=weights[:, :-16],
+                                            interpret=True)
+
+
 def test_gather_plan_reads_each_expert_once_and_covers_every_row():
     experts = jnp.asarray([3, 0, 3, 7, 9, 3, 0], jnp.int32)
     group, index, num_rows = (np.asarray(a) for a in ragged_dot.gather_plan(experts, 8, 16))
@@ -202,6 +245,51 @@ def test_padding_tokens_reach_no_expert(impl):
     np.testing.assert_allclose(out[:2], _dense_reference(h[:2], w, spec), atol=1e-4, rtol=1e-4)
     load = moe.expert_load(ids[None], spec.num_experts)
     assert int(np.asarray(load).sum()) == 2 * spec.top_k, "padding tokens must not count in the expert load"
+
+
+SHARED_KINDS = {"deepseek-v2": dict(router="deepseek_v2", renormalize=False, routed_scaling_factor=1.5),
+                "deepseek-v3": dict(router="deepseek_v3", top_k=3, num_groups=4, topk_groups=2),
+                "qwen2-shared": dict(top_k=4, renormalize=False, weights_in_hidden_dtype=True)}
+
+
+@pytest.mark.parametrize("kind", sorted(SHARED_KINDS))
+def test_rows_fused_runs_the_shared_expert_with_the_routed_ones(kind):
+    """``rows_fused``: the shared expert rides in the routed experts' two launches, no product of its own in
+    the step — DeepSeek's ungated shared experts (2 experts wide; V2's softmax router, V3's sigmoid one) and
+    Qwen2-MoE's gated one (3 wide, its sigmoid the combine weight) — and equals the separate computation on
+    the real tokens; padding tokens come out zero and count in no expert's load. A shared MLP of no whole
+    number of experts, or expert parallelism, keeps the separate products."""
+    gated = kind == "qwen2-shared"
+    spec = dataclasses.replace(_with_impl(SPEC, "rows_fused"), shared_intermediate_size=(3 if gated else 2) * 16,
+                               shared_expert_gate=gated, **SHARED_KINDS[kind])
+    w = _weights(spec, seed=6)
+    if kind == "deepseek-v3":
+        w["router_bias"] = jnp.asarray(np.random.default_rng(7).standard_normal(8) * 0.1, jnp.float32)
+    h = jnp.asarray(np.random.default_rng(8).standard_normal((7, 32)), jnp.float32)
+    valid = np.asarray([True, True, False, True, True, False, True])
+    out, ids = moe_mlp(h, w, spec, jax.nn.silu, jnp.asarray(valid))
+    want, want_ids = moe_mlp(h, w, dataclasses.replace(spec, rows_fused=False), jax.nn.silu, jnp.asarray(valid))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))         # the routed ids [T, k] alone
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(want)[valid], atol=1e-5, rtol=1e-5)
+    assert not np.asarray(out)[~valid].any()
+    assert int(np.asarray(moe.expert_load(ids[None], 8)).sum()) == valid.sum() * spec.top_k
+
+    def products(spec, w):       # matmuls outside the Pallas kernels
+        jaxpr = jax.make_jaxpr(moe.moe_mlp, static_argnums=(2, 3))(h, w, spec, jax.nn.silu, jnp.asarray(valid))
+        return _dots_outside_kernels(jaxpr.jaxpr)
+
+    router = 2 if gated else 1         # the router's logits, Qwen2-MoE's shared gate
+    assert products(spec, w) == router
+    assert products(dataclasses.replace(spec, expert_parallel=True), w) == router + 2
+    odd = dataclasses.replace(spec, shared_intermediate_size=40)
+    assert products(odd, _weights(odd)) == router + 2
+
+
+def _dots_outside_kernels(jaxpr) -> int:
+    from jax.extend.core import jaxprs_in_params
+
+    return sum(int(eqn.primitive.name == "dot_general") + sum(_dots_outside_kernels(sub) for sub in
+               jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns if eqn.primitive.name != "pallas_call")
 
 
 @pytest.mark.parametrize("impl", ["rows", "rows_fused"])

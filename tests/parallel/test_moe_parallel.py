@@ -78,12 +78,52 @@ def _worker() -> dict:
     del os.environ["JAXSERVE_MOE_GROUPED_GEMM"]
     for family in families:
         family.clear_caches()
+    report["shared-layer"] = _shared_experts_layer(parallel.make_mesh(2))
     try:
         load_model(os.path.join(FIXTURES, "tiny-mixtral"), dtype="float32", mesh=parallel.make_mesh(3),
                    enable_expert_parallel=True)
     except ValueError as e:
         report["ep3"] = str(e)
     return report
+
+
+def _shared_experts_layer(mesh) -> dict:
+    """The MoE layer alone on the rows_fused path under ``mesh`` (the tiny checkpoints' experts are too narrow to
+    split for the kernel): its output's largest difference from one device's and from the shared expert
+    computed apart, over the real tokens; whether the padding tokens' rows are zero."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.models.layers import moe
+
+    found, hidden, rng = {}, 64, np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((5, hidden)), jnp.float32)
+    valid = np.asarray([True, False, True, True, False])
+    for kind, gated in (("deepseek", False), ("qwen2", True)):
+        # intermediate 32: 16 columns a device, the kernel's smallest block; shared 2 (3) experts wide
+        spec = moe.MoESpec(num_experts=8, top_k=2, intermediate_size=32, renormalize=False, layers=(True,),
+                           grouped_gemm="pallas", rows_path_max_tokens=moe.ROWS_PATH_MAX_TOKENS, rows_fused=True,
+                           router="softmax" if gated else "deepseek_v2", shared_expert_gate=gated,
+                           shared_intermediate_size=(3 if gated else 2) * 32)
+        layer = type("Layer", (), {})()
+        moe.declare_params(layer, hidden, spec, lambda shape, sharding, *_: (shape, sharding))
+        w = {name: (jnp.asarray(rng.standard_normal(shape) * 0.2, jnp.float32), sharding)
+             for name, (shape, sharding) in vars(layer).items()}
+        placed = {name: jax.device_put(a, NamedSharding(mesh, P(*sharding))) for name, (a, sharding) in w.items()}
+        w = {name: a for name, (a, _) in w.items()}
+        mlp = jax.jit(lambda h, w, spec: moe.moe_mlp(h, w, spec, jax.nn.silu, jnp.asarray(valid))[0],
+                      static_argnums=2)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            out = np.asarray(mlp(h, placed, spec))
+        one, apart = (np.asarray(mlp(h, w, s)) for s in (spec, dataclasses.replace(spec, rows_fused=False)))
+        found[kind] = {"err": float(np.abs(out - one)[valid].max()),
+                       "apart_err": float(np.abs(out - apart)[valid].max()), "padding_zero": not out[~valid].any()}
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +151,14 @@ def test_rows_path_parallel_logits_equal_one_device(report, case, impl):
     name, tp, ep = case
     entry = report[f"{impl}/{name}/tp{tp}/ep{int(ep)}"]
     assert entry["err"] <= 1e-5 and entry["same_tokens"], entry
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "qwen2"])
+def test_shared_experts_ride_along_under_tensor_parallelism(report, kind):
+    """The rows_fused layer at tp = 2: each device computes its part of the shared MLP as experts of its part
+    of the routed experts' width, in their launches, and the one all-reduce sums both."""
+    entry = report["shared-layer"][kind]
+    assert entry["err"] <= 1e-5 and entry["apart_err"] <= 1e-5 and entry["padding_zero"], entry
 
 
 def test_expert_parallel_split_must_divide_the_experts(report):

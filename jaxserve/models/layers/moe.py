@@ -1,6 +1,7 @@
 """The mixture-of-experts MLP: a router, top-k experts per token through a grouped GEMM, the weighted combine,
-and Qwen2-MoE's gated shared expert. One more layer kind of ``layers.decoder``: a layer whose ``MoESpec.layers``
-entry is True declares these weights instead of the dense ``gate_up`` / ``down``.
+and a shared expert (Qwen2-MoE's behind a sigmoid gate, DeepSeek's ungated). One more layer kind of
+``layers.decoder``: a layer whose ``MoESpec.layers`` entry is True declares these weights instead of the dense
+``gate_up`` / ``down``.
 
 Routing, as HF transformers (and vLLM) computes it for Mixtral, Qwen2-MoE and Qwen3-MoE: router logits in the
 parameter dtype, softmax over all experts in float32, top-k, then (``renormalize``: Mixtral always,
@@ -25,7 +26,11 @@ of small launches per layer, which at batch 1 are a large share of the step), at
 product as one launch (``expert_rows_matmul_fused``: every program makes its tile from the ids, gate/up reads
 each token's hidden state for its k rows, unowned rows are zeroed by their own program), without the plan, the
 repeat and the zero fills between the kernels, and the router's top-k, weights and padding mask as one more
-(``kernels/moe_route``: the softmax router and DeepSeek's) instead of XLA's sort and its neighbours.
+(``kernels/moe_route``: the softmax router and DeepSeek's) instead of XLA's sort and its neighbours. The shared
+expert rides along in the same two launches (``_shared_rides_along``: a shared MLP a whole number S of experts
+wide, plain weights, no expert parallelism): its S expert-wide slices are S more rows of every real token, each
+weighing 1 in the combine (Qwen2-MoE: its sigmoid gate), summed by the same all-reduce under tensor parallelism;
+no products of its own.
 
 Routing as computed: top-k of the logits (softmax is monotone, so the same experts in the same order), then
 the weights in float32 from those k logits alone when renormalising (the softmax of the k values equals the
@@ -209,12 +214,26 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
             ids = jnp.where(valid[:, None], ids, spec.num_experts)      # an id no device owns
     if spec.weights_in_hidden_dtype:
         weights = weights.astype(h.dtype)
-    out = routed_experts(h, ids, weights, w["experts_gate_up"], w["experts_down"], spec, activation)
-    if spec.shared_intermediate_size:
+    shared = None
+    if _shared_rides_along(h.shape[0], w, spec):
+        gate = jax.nn.sigmoid(h @ w["shared_gate"]) if spec.shared_expert_gate else None
+        shared = (w["shared_gate_up"], w["shared_down"], gate)
+    out = routed_experts(h, ids, weights, w["experts_gate_up"], w["experts_down"], spec, activation, shared)
+    if spec.shared_intermediate_size and shared is None:
         gate_up = jnp.einsum("th,hci->tci", h, w["shared_gate_up"])
         shared = parallel.row_parallel_matmul(activation(gate_up[:, 0]) * gate_up[:, 1], w["shared_down"])
         out = out + (jax.nn.sigmoid(h @ w["shared_gate"]) * shared if spec.shared_expert_gate else shared)
     return out, ids
+
+
+def _shared_rides_along(t: int, w: dict, spec: MoESpec) -> bool:
+    """Whether the shared expert runs in the routed experts' two launches (``_experts``): a ``rows_fused`` step,
+    a shared MLP that is whole experts wide, plain arrays of one dtype, and no expert parallelism (each device
+    would add it to the all-reduce)."""
+    si, names = spec.shared_intermediate_size, ("experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
+    return (spec.rows_fused and t <= spec.rows_path_max_tokens and bool(si) and si % spec.intermediate_size == 0
+            and not spec.expert_parallel and all(isinstance(w[n], jax.Array) for n in names)
+            and len({w[n].dtype for n in names}) == 1)
 
 
 def _fused_route(h: jax.Array, w: dict, spec: MoESpec, valid: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -243,24 +262,35 @@ def expert_load(ids: jax.Array, num_experts: int) -> jax.Array:
     return counts[:, :num_experts].astype(jnp.int32)
 
 
-def routed_experts(h, ids, weights, gate_up, down, spec: MoESpec, activation: Callable) -> jax.Array:
-    """Sum over each token's k experts of weight × expert MLP, on one device or over the tp mesh."""
+def routed_experts(h, ids, weights, gate_up, down, spec: MoESpec, activation: Callable,
+                   shared: tuple | None = None) -> jax.Array:
+    """Sum over each token's k experts of weight × expert MLP, on one device or over the tp mesh; with
+    ``shared`` (``(shared_gate_up, shared_down, gate [T, 1] or None)``, the rows_fused path only) plus the
+    shared expert (times its gate)."""
     mesh = parallel.current_tp_mesh()
-    compute = lambda h, ids, wts, gu, dn, offset: _experts(h, ids, wts, gu, dn, offset, spec, activation)  # noqa: E731
+
+    def compute(h, ids, wts, gu, dn, offset, *shared):
+        return _experts(h, ids, wts, gu, dn, offset, spec, activation, shared or None)
+
+    shared = () if shared is None else shared
     if mesh is None:
-        return compute(h, ids, weights, gate_up, down, 0)
+        return compute(h, ids, weights, gate_up, down, 0, *shared)
     gate_up_spec, down_spec = expert_partition(spec)
+    # the shared MLP's intermediate columns are split like the experts': each device's S experts are its part
+    shared_specs = (P(None, None, TP), P(TP, None), P())[:len(shared)]
 
-    def local(h, ids, wts, gu, dn):
+    def local(h, ids, wts, gu, dn, *shared):
         offset = lax.axis_index(TP) * gu.shape[0] if spec.expert_parallel else 0
-        return lax.psum(compute(h, ids, wts, gu, dn, offset), TP)
+        return lax.psum(compute(h, ids, wts, gu, dn, offset, *shared), TP)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(*gate_up_spec), P(*down_spec)),
-                         out_specs=P(), check_vma=False)(h, ids, weights, gate_up, down)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(*gate_up_spec), P(*down_spec), *shared_specs),
+                         out_specs=P(), check_vma=False)(h, ids, weights, gate_up, down, *shared)
 
 
-def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: Callable) -> jax.Array:
-    """This device's experts ``offset .. offset + E_local`` (see the module NOTE)."""
+def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: Callable,
+             shared: tuple | None = None) -> jax.Array:
+    """This device's experts ``offset .. offset + E_local`` (see the module NOTE); ``shared``: see
+    ``routed_experts``."""
     t, k = ids.shape
     local_experts, hidden = gate_up.shape[:2]
     if isinstance(offset, int) and offset == 0 and local_experts == spec.num_experts:
@@ -274,11 +304,16 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
         weights = jnp.where(mine, weights, 0)
     if t <= spec.rows_path_max_tokens and spec.rows_fused:     # decode sizes, one launch a product
         gu_launch, down_launch = spec.rows_launch
+        shared_gu, shared_down, shared_gate = shared or (None, None, None)
+        if shared:       # S more rows a token: the shared MLP as S experts (ragged_dot.expert_rows_matmul_fused)
+            shared_gu, key = shared_gu.reshape(hidden, -1), key.reshape(t, k)    # [hidden, 2 * si]: gates, ups
+        per = k + (shared_down.shape[0] // down.shape[1] if shared else 0)
         y = ragged_dot.expert_rows_matmul_fused(h, gate_up.reshape(local_experts, hidden, -1), key, t,
-                                                rows_per_lhs_row=k, activation=activation,
-                                                launch=gu_launch)                          # [T * k + 1, i]
-        y = ragged_dot.expert_rows_matmul_fused(y, down, key, t, launch=down_launch)       # row T * k: scratch
-        return _combine(weights, y[:t * k].reshape(t, k, hidden), h.dtype)
+                                                rows_per_lhs_row=per, activation=activation, launch=gu_launch,
+                                                shared=shared_gu)                          # [T * per + 1, i]
+        y = ragged_dot.expert_rows_matmul_fused(y, down, key, t, launch=down_launch,
+                                                shared=shared_down)                        # row T * per: scratch
+        return _combine(weights, y[:t * per].reshape(t, per, hidden), h.dtype, shared_gate)
     if t <= spec.rows_path_max_tokens:        # decode sizes: (token, slot) rows as they are, no sort
         rows = jnp.repeat(h, k, axis=0)                                            # [T * k, hidden]
         plan = ragged_dot.expert_rows_plan(key, local_experts, t)                  # one plan for both products
@@ -297,10 +332,16 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
     return _combine(weights, y, h.dtype)
 
 
-def _combine(weights: jax.Array, y: jax.Array, dtype) -> jax.Array:
+def _combine(weights: jax.Array, y: jax.Array, dtype, shared_gate: jax.Array | None = None) -> jax.Array:
     """Each token's ``sum_k weights[t, k] * y[t, k]`` in float32: a multiply and a sum over the k rows, which
-    XLA fuses with the widening and the residual add (a batched dot of depth k is a matmul launch of its own)."""
-    return jnp.sum(weights[..., None].astype(jnp.float32) * y.astype(jnp.float32), axis=1).astype(dtype)
+    XLA fuses with the widening and the residual add (a batched dot of depth k is a matmul launch of its own).
+    Rows of ``y`` past the k (the shared expert's) weigh 1, or ``shared_gate [T, 1]``: still one reduction."""
+    weights = weights.astype(jnp.float32)
+    t, k = weights.shape
+    if y.shape[1] > k:
+        gate = jnp.ones((t, 1), jnp.float32) if shared_gate is None else shared_gate.astype(jnp.float32)
+        weights = jnp.concatenate([weights, jnp.broadcast_to(gate, (t, y.shape[1] - k))], axis=1)
+    return jnp.sum(weights[..., None] * y.astype(jnp.float32), axis=1).astype(dtype)
 
 
 def check_config(cfg: ModelConfig) -> None:

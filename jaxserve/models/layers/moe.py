@@ -80,6 +80,7 @@ class MoESpec:
     rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
     rows_fused: bool = False                   # the rows path: one launch a product, one for the top-k
     rows_launch: tuple = (None, None)          # the fused products' launch bounds (gate/up, down; None: default)
+    shared_in_rows: bool = True                # rows_fused: the shared expert in the same launches (A/B: env)
     # DeepSeekMoE (``moe_routing``): its router, an ungated shared expert, the routed weights' scale
     router: str = "softmax"                    # "softmax" (route below) or a moe_routing.ROUTERS key
     num_groups: int = 1                        # expert groups for group-limited / node-limited top-k
@@ -103,7 +104,8 @@ def moe_spec(cfg: ModelConfig, *, renormalize: bool, weights_in_hidden_dtype: bo
                    shared_intermediate_size=shared_intermediate_size, layers=layers,
                    expert_parallel=bool(extra.get(EXPERT_PARALLEL, False)), grouped_gemm=impl,
                    rows_path_max_tokens=ROWS_PATH_MAX_TOKENS if rows_path else 0, rows_fused=rows_fused,
-                   rows_launch=_rows_launch(envs.JAXSERVE_MOE_ROWS_LAUNCH))
+                   rows_launch=_rows_launch(envs.JAXSERVE_MOE_ROWS_LAUNCH),
+                   shared_in_rows=envs.JAXSERVE_MOE_SHARED_IN_ROWS)
 
 
 def experts_from_hf(hf: dict, extra: dict) -> dict:
@@ -231,7 +233,8 @@ def _shared_rides_along(t: int, w: dict, spec: MoESpec) -> bool:
     a shared MLP that is whole experts wide, plain arrays of one dtype, and no expert parallelism (each device
     would add it to the all-reduce)."""
     si, names = spec.shared_intermediate_size, ("experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
-    return (spec.rows_fused and t <= spec.rows_path_max_tokens and bool(si) and si % spec.intermediate_size == 0
+    return (spec.rows_fused and spec.shared_in_rows and t <= spec.rows_path_max_tokens and bool(si)
+            and si % spec.intermediate_size == 0
             and not spec.expert_parallel and all(isinstance(w[n], jax.Array) for n in names)
             and len({w[n].dtype for n in names}) == 1)
 

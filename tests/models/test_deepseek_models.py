@@ -45,6 +45,7 @@ def test_deepseek_fused_rows_path_matches_hf(name, monkeypatch):
     node-limited top-k) and the one-launch rows products, the shared experts in the same launches; HF's greedy
     continuation decoded twice in one batch."""
     monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", "rows_fused")
+    monkeypatch.setenv("JAXSERVE_MOE_SHARED_IN_ROWS", "1")
     model = load_model(os.path.join(FIXTURES, name), dtype="float32")
     model.family.clear_caches()          # specs are cached per config: forget the other runs'
     try:

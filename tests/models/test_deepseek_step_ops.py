@@ -99,13 +99,14 @@ def decode_step_hlo(name: str, num_layers: int) -> str:
 def test_moe_layer_ops_in_the_decode_step(name, monkeypatch):
     # the GPU build's choices (Pallas kernels, the MoE rows path) follow the default backend
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("JAXSERVE_MOE_SHARED_IN_ROWS", "1")
     first = FIRST_MOE[name]
     without, with_one = (op_counts(decode_step_hlo(name, n)) for n in (first + 1, first + 2))
     layer = with_one - without
     ops, launches = PINS[name]
     summary = sorted(layer.items(), key=lambda kv: -kv[1])
     # one MLA decode launch (no split-K combine within SHORT_SEQ_LEN), the router's top-k, the gate/up and down of
-    # the routed and shared experts together (the fused rows path, the GPU's default)
+    # the routed and shared experts together (the fused rows path, the GPU's default, the shared expert in it)
     assert layer[TRITON] == 4, summary
     assert layer["scatter"] == 1 and "sort" not in layer, summary      # the latent write
     assert sum(n for op, n in layer.items() if op in LAUNCHES) <= launches, summary

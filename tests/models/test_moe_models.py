@@ -110,6 +110,7 @@ def test_moe_rows_path_matches_hf(name, impl, monkeypatch):
     one-launch form): a 16-token prefill step takes it, then HF's greedy continuation decoded twice in one
     batch."""
     monkeypatch.setenv("JAXSERVE_MOE_GROUPED_GEMM", impl)
+    monkeypatch.setenv("JAXSERVE_MOE_SHARED_IN_ROWS", "1")      # rows_fused: Qwen2-MoE's shared expert rides along
     model = load_model(os.path.join(FIXTURES, name), dtype="float32")
     model.family.clear_caches()          # specs are cached per config: forget the other runs'
     try:

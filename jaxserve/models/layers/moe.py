@@ -28,10 +28,10 @@ each token's hidden state for its k rows, unowned rows are zeroed by their own p
 repeat and the zero fills between the kernels, and the router's top-k, weights and padding mask as one more
 (``kernels/moe_route``: the softmax router and DeepSeek's) instead of XLA's sort and its neighbours. With
 ``JAXSERVE_MOE_SHARED_IN_ROWS=1`` (off by default until it is timed on a GPU) the shared expert rides along in
-the same two launches (``_shared_rides_along``: a shared MLP a whole number S of experts
-wide, plain weights, no expert parallelism): its S expert-wide slices are S more rows of every real token, each
-weighing 1 in the combine (Qwen2-MoE: its sigmoid gate), summed by the same all-reduce under tensor parallelism;
-no products of its own.
+the same two launches (``_shared_rides_along``: a shared MLP a whole number S of experts wide, plain weights,
+no expert parallelism): its S expert-wide slices are S more rows of every real token, each weighing 1 in the
+combine (Qwen2-MoE: its sigmoid gate), summed by the same all-reduce under tensor parallelism; no products of
+its own.
 
 Routing as computed: top-k of the logits (softmax is monotone, so the same experts in the same order), then
 the weights in float32 from those k logits alone when renormalising (the softmax of the k values equals the

@@ -145,10 +145,10 @@ _REGISTRY: dict[str, EnvVar] = {
                                        "the fused rows kernel's launch bounds, GATE_UP[,DOWN], each "
                                        "BLOCK_N/BLOCK_K/WARPS/STAGES (A/B runs; benchmarks/moe_rows_launch.py "
                                        "times them); empty: kernels/ragged_dot.py ROWS_LAUNCH"),
-    "JAXSERVE_MOE_SHARED_IN_ROWS": EnvVar(lambda raw: bool(raw) and _flag(raw), "0",
-                                          "1: rows_fused steps compute a shared expert in the routed experts' two "
-                                          "launches (3 fewer kernels a MoE layer; not yet timed on a GPU); 0 "
-                                          "(default): its own products"),
+    "JAXSERVE_MOE_SHARED_IN_ROWS": EnvVar(lambda raw: _flag(raw or "1"), "1",
+                                          "1 (default): rows_fused steps compute a shared expert in the routed "
+                                          "experts' two launches (3 fewer kernels a MoE layer); 0: its own "
+                                          "products"),
     # XLA
     "JAXSERVE_LOAD_THREADS": EnvVar(lambda raw: _int("JAXSERVE_LOAD_THREADS")(raw or "8"), "8",
                                     "threads that read a safetensors checkpoint's tensors and copy them to the "

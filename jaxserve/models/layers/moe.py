@@ -27,7 +27,7 @@ product as one launch (``expert_rows_matmul_fused``: every program makes its til
 each token's hidden state for its k rows, unowned rows are zeroed by their own program), without the plan, the
 repeat and the zero fills between the kernels, and the router's top-k, weights and padding mask as one more
 (``kernels/moe_route``: the softmax router and DeepSeek's) instead of XLA's sort and its neighbours. With
-``JAXSERVE_MOE_SHARED_IN_ROWS=1`` (off by default until it is timed on a GPU) the shared expert rides along in
+``JAXSERVE_MOE_SHARED_IN_ROWS`` on (the default; 0 keeps its own products) the shared expert rides along in
 the same two launches (``_shared_rides_along``: a shared MLP a whole number S of experts wide, plain weights,
 no expert parallelism): its S expert-wide slices are S more rows of every real token, each weighing 1 in the
 combine (Qwen2-MoE: its sigmoid gate), summed by the same all-reduce under tensor parallelism; no products of
@@ -81,7 +81,7 @@ class MoESpec:
     rows_path_max_tokens: int = 0              # steps of at most this many tokens skip the sort (0: none do)
     rows_fused: bool = False                   # the rows path: one launch a product, one for the top-k
     rows_launch: tuple = (None, None)          # the fused products' launch bounds (gate/up, down; None: default)
-    shared_in_rows: bool = True                # rows_fused: the shared expert in the same launches (the env's off)
+    shared_in_rows: bool = True                # rows_fused: the shared expert in the same launches
     # DeepSeekMoE (``moe_routing``): its router, an ungated shared expert, the routed weights' scale
     router: str = "softmax"                    # "softmax" (route below) or a moe_routing.ROUTERS key
     num_groups: int = 1                        # expert groups for group-limited / node-limited top-k

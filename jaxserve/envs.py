@@ -107,6 +107,11 @@ _REGISTRY: dict[str, EnvVar] = {
                                           "the layers' commands, so XLA updates a few commands of the step's CUDA "
                                           "graph a call (runner.step_functions); 0 = XLA's own placement (an A/B "
                                           "switch for the GPU host time)"),
+    "JAXSERVE_VISION_SEQ_LENGTHS": EnvVar(lambda raw: _flag(raw or "1"), "1",
+                                          "1 (default): a vision tower's full-attention blocks over rows of one "
+                                          "image (Qwen-VL) attend through the fused call by sequence length, the "
+                                          "image's patches gathered in front; 0: masked to the image (an N x N "
+                                          "mask the kernel reads)"),
     "JAXSERVE_VISION_ATTENTION": EnvVar(lambda raw: raw or "auto", "auto",
                                         "the vision towers' attention: auto (cudnn on a GPU, dense elsewhere), "
                                         "cudnn (cuDNN's fused attention through jax.nn.dot_product_attention, GPU "

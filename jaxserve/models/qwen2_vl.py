@@ -243,12 +243,12 @@ class QwenVLFamily(DecoderFamily):
         """What every bucket of ``pack_images`` must be a multiple of."""
         return vision_spec(cfg).unit
 
-    def pack_images(self, cfg: ModelConfig, rows: list, num_rows: int, bucket: int, tables: list | None = None) \
-            -> tuple:
+    def pack_images(self, cfg: ModelConfig, rows: list, num_rows: int, bucket: int, tables: list | None = None,
+                    single: bool = False) -> tuple:
         """Host: pixel payloads ``[lh, lw, ...]`` (the images of each row; uint8 ones with their value
         ``tables``) as ``encode_packed``'s input of ``num_rows`` rows of ``bucket`` patches, each image's token
-        indices in its output, their number (``qwen_vision.pack``)."""
-        return pack(vision_spec(cfg), rows, num_rows, bucket, tables)
+        indices in its output, their number (``qwen_vision.pack``; ``single``: rows of at most one image)."""
+        return pack(vision_spec(cfg), rows, num_rows, bucket, tables, single)
 
     def encode_packed(self, params: dict, inputs: tuple, cfg: ModelConfig) -> jax.Array:
         """``pack_images``' arrays → merged tokens ``[rows, bucket / merge**2, hidden_size]`` (packed order)."""
@@ -260,7 +260,7 @@ class QwenVLFamily(DecoderFamily):
         embeddings ``[B, tokens per image, hidden_size]``."""
         b = len(pixel_values)
         inputs, tokens, _ = self.pack_images(cfg, [[px] for px in pixel_values], b,
-                                          self.packed_patches(cfg, pixel_values.shape[1:]))
+                                          self.packed_patches(cfg, pixel_values.shape[1:]), single=True)
         out = self.encode_packed(params, inputs, cfg)
         return out.reshape(-1, out.shape[-1])[np.stack(tokens)]
 

@@ -5,28 +5,28 @@ its rows: an image's embeddings take ``length`` rows (anywhere: no fragmentation
 hash. The engine's ``EncoderCacheManager`` decides what is kept and evicted with the same capacity, so an
 image the scheduler admits always finds rows here; evicted hashes come back through ``free``.
 
-``encode(features)`` runs the family's encoder over the step's new images, batched across requests, and
-writes each image's rows into the slab in the same jitted call (the slab is donated: updated in place;
-padding writes a scratch row). A family of fixed-size images (``encode_images``: LLaVA) is batched by pixel
-shape into batch buckets of powers of two (a family with ``image_slots``, LLaVA-NeXT, says which rows of its
-encoder's output are an image's tokens: the others write the scratch row; ``warmup_pixel_shapes``, which
-shapes to compile at start-up). A family of any image size (``pack_images`` / ``encode_packed``: Qwen-VL) is
-bucketed by patch count: each image goes to the smallest bucket that holds it (at least
-``min_patches``) of a ladder of ``unit * m * 2**k`` patches, ``m`` in 4..7 (``patch_bucket``: steps of at most
-1.25x, so under a fifth of a bucket is padding), images of one bucket share rows where they fit (first fit;
-the tower masks attention to each image's own patches), rows are batched in 1, 2, 3, 4, 6, 8, ... rows
-(``row_batch``), so the compiled encoder programs are bounded by the bucket and batch counts, not the image
-sizes: four buckets per doubling from ``min_patches`` to the largest image, times the row batches up to
-``max_batch``. These programs compile off the step loop: the row batches a step can fill under the encoder
-budget (``budget_rows``: each row holds an image too large for the bucket below) are queued for the background
-compiler the moment a bucket is first seen (``pending`` counts them: a benchmark waits for them, as for the
-step variants); until its own is ready a batch runs in the smallest larger bucket compiled (more padding, no
-wait), and only a batch larger than every compiled bucket waits for its program (logged; ``warmup`` queues the
-bucket of a square image of the token budget, so after start-up only an image larger than that can wait);
-a batch whose exact row count is not compiled yet takes a compiled one of up to twice its rows (padding rows)
-rather than waiting. Programs are per payload dtype too: an RGB image comes as its bytes (uint8) with a value
-table per channel (``extra["pixel_table"]``, the front end's ``QwenVLPixels``), which the tower looks up on
-the device: half a 16-bit payload's bytes to pack and copy to the device.
+``encode(features)`` runs the family's encoder over the step's new images, batched across requests, and writes each
+image's rows into the slab in the same jitted call (the slab is donated: updated in place; padding writes a scratch
+row). A family of fixed-size images (``encode_images``: LLaVA) is batched by pixel shape into batch buckets of
+powers of two (a family with ``image_slots``, LLaVA-NeXT, says which rows of its encoder's output are an image's
+tokens: the others write the scratch row; ``warmup_pixel_shapes``, which shapes to compile at start-up). A family
+of any image size (``pack_images`` / ``encode_packed``: Qwen-VL) is bucketed by patch count: each image goes to the
+smallest bucket that holds it (at least ``min_patches``) of a ladder of ``unit * m * 2**k`` patches, ``m`` in 4..7
+(``patch_bucket``: steps of at most 1.25x, so under a fifth of a bucket is padding), images of the smallest bucket
+share rows where they fit (first fit; the tower masks attention to each image's own patches; in a larger bucket no
+two images fit a row, so its rows are packed ``single``: the full-attention blocks attend by sequence length, with
+no mask), rows are batched in 1, 2, 3, 4, 6, 8, ... rows (``row_batch``), so the compiled encoder programs are
+bounded by the bucket and batch counts, not the image sizes: four buckets per doubling from ``min_patches`` to the
+largest image, times the row batches up to ``max_batch``. These programs compile off the step loop: the row batches
+a step can fill under the encoder budget (``budget_rows``: each row holds an image too large for the bucket below)
+are queued for the background compiler the moment a bucket is first seen (``pending`` counts them: a benchmark
+waits for them, as for the step variants); until its own is ready a batch runs in the smallest larger bucket
+compiled (more padding, no wait), and only a batch larger than every compiled bucket waits for its program (logged;
+``warmup`` queues the bucket of a square image of the token budget, so after start-up only an image larger than
+that can wait); a batch whose exact row count is not compiled yet takes a compiled one of up to twice its rows
+(padding rows) rather than waiting. Programs are per payload dtype too: an RGB image comes as its bytes (uint8)
+with a value table per channel (``extra["pixel_table"]``, the front end's ``QwenVLPixels``), which the tower looks
+up on the device: half a 16-bit payload's bytes to pack and copy to the device.
 ``gather(scheduled)`` gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the
 step's chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
 image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
@@ -240,13 +240,14 @@ class EncoderCache:
 
     def bucket_rows(self, features: list, bucket: int | None = None) -> dict[int, list[list]]:
         """The images by patch bucket (or all in rows of ``bucket``, which holds each), packed first-fit into
-        rows of it."""
+        rows of it (one image a row where the bucket is ``_single``)."""
         unit = self.family.patch_unit(self.cfg)
         rows: dict[int, list[list]] = {}
         for f in features:
             n = self.family.packed_patches(self.cfg, f.pixel_values.shape)
             b = bucket or patch_bucket(n, unit, self.min_patches)
-            for row in rows.setdefault(b, []):
+            rows.setdefault(b, [])
+            for row in [] if self._single(b) else rows[b]:
                 if row[0] + n <= b:
                     row[0] += n
                     row.append(f)
@@ -275,7 +276,8 @@ class EncoderCache:
 
     def _run_packed(self, kind: tuple[int, str], b: int, batch: list) -> None:
         pixels, tables = _row_inputs(batch)
-        inputs, tokens, num_out = self.family.pack_images(self.cfg, pixels, b, kind[0], tables)
+        inputs, tokens, num_out = self.family.pack_images(self.cfg, pixels, b, kind[0], tables,
+                                                          single=self._single(kind[0]))
         dst = np.full(num_out, self.capacity, np.int32)     # padding tokens write the scratch row
         for f, slots in zip((f for r in batch for f in r), tokens):
             if len(slots) != f.length:
@@ -308,7 +310,8 @@ class EncoderCache:
         self._seen.add(kind)
         own = row_batch(len(pixels))
         one_row, _, tokens_per_row = self.family.pack_images(self.cfg, pixels[:1], 1, kind[0],
-                                                             None if tables is None else tables[:1])
+                                                             None if tables is None else tables[:1],
+                                                             single=self._single(kind[0]))
         for b in self._row_batches:
             self._arg_shapes[(*kind, b)] = (
                 jax.tree.map(lambda a, b=b: jax.ShapeDtypeStruct((b, *a.shape[1:]), a.dtype), one_row),
@@ -318,6 +321,11 @@ class EncoderCache:
         # this batch's own first: a step waits for it only when no larger bucket is compiled (``_larger_bucket``)
         self.compiler.submit([(*kind, own)] + [(*kind, b) for b in self._row_batches if b != own and
                                                b <= row_batch(rows)])
+
+    def _single(self, bucket: int) -> bool:
+        """Whether rows of ``bucket`` hold one image each: every bucket above the smallest (an image there has
+        more than the bucket below's patches, at least 0.8 of its own)."""
+        return bucket > patch_bucket(1, self.family.patch_unit(self.cfg), self.min_patches)
 
     def pending(self) -> int:
         """Row batches queued or compiling in the background."""

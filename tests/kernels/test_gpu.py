@@ -422,6 +422,29 @@ def test_vision_cudnn_attention_matches_the_dense_scores(n, segments):
 
 
 @on_gpu
+@pytest.mark.parametrize("n", [1024, 6144])
+def test_vision_rows_of_one_image_attend_by_length_as_the_dense_scores(n):
+    """Full attention over rows of one image (``qwen_vision.FullRows``: cuDNN's kernel by sequence length over
+    the image's patches gathered in front, no mask) against the dense float32 scores masked to the image, its
+    padding patches scattered through the row (as partial windows leave them); the image's rows compared."""
+    import numpy as np
+
+    from jaxserve.models.layers.qwen_vision import _attend_segments, full_rows
+    from jaxserve.models.layers.vision import _attend
+    keys = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(key, (2, n, 16, 80), jnp.bfloat16) for key in keys)
+    seg = np.zeros((2, n), np.int32)
+    seg[:, np.random.default_rng(0).choice(n, n // 9, replace=False)] = -1
+    full = jax.tree.map(jnp.asarray, full_rows(seg))
+    seg = jnp.asarray(seg)
+    dense = jax.jit(lambda a, b, c: _attend(a, b, c, seg[:, :, None] == seg[:, None, :]))(q, k, v)
+    fused = jax.jit(lambda a, b, c: _attend_segments(a, b, c, seg, None, full))(q, k, v)
+    own = np.asarray(seg) >= 0
+    err = float(jnp.abs(fused.astype(jnp.float32) - dense.astype(jnp.float32)).max(axis=-1)[own].max())
+    assert err < 2e-2, err
+
+
+@on_gpu
 def test_a_warm_start_reads_the_mosaic_gpu_steps_back_from_the_cache(tmp_path):
     """A cached step that calls the Mosaic GPU prefill kernel loads in a new process (its runtime's symbols are
     there before the cache is read) instead of failing to load and being traced and compiled again."""

@@ -189,6 +189,28 @@ def test_fused_attention_call_encodes_as_the_dense_scores(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_rows_of_one_image_attend_by_sequence_length(name, monkeypatch):
+    """Images in buckets above the smallest each get a row of their own, whose full-attention blocks the fused
+    call takes by sequence length over the image's patches gathered in front (no mask): each image's slab
+    rows equal the dense scores' within 1e-5."""
+    model = load(name)
+    feats = features(SIZES[3:9])
+    dense = encoder(model, min_patches=16, max_batch=6)
+    dense.encode(feats)
+    assert all(len(r) == 1 for rs in dense.bucket_rows(feats).values() for r in rs)
+    calls = []
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setenv("JAXSERVE_VISION_ATTENTION", "xla")
+    fused = encoder(model, min_patches=16, max_batch=6)
+    fused.encode(feats)
+    assert any(kw.get("key_value_seq_lengths") is not None for kw in calls)
+    for f in feats:
+        np.testing.assert_allclose(np.asarray(fused.slab)[fused.rows[f.hash]],
+                                   np.asarray(dense.slab)[dense.rows[f.hash]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_encoder_compiles_once_per_bucket(name):
     """Thirteen image sizes one at a time, then all together: the encoder compiles one program per (patch
     bucket, batch bucket) it meets, not one per size; more sizes in known buckets compile nothing."""

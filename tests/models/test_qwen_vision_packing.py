@@ -108,3 +108,25 @@ def test_layout_arrays_are_cached_and_read_only():
     a = image_layout(10, 14, 2, 4)
     assert image_layout(10, 14, 2, 4) is a and not a.src.flags.writeable and not a.win.flags.writeable
     assert a.size == 3 * 16 and a.valid.sum() == 35 and len(a.pads) == a.size - 35
+
+
+def test_single_rows_carry_each_images_patches_in_front():
+    """``pack(single=True)``: each row's ``FullRows`` order lists its image's patches first (in packed order),
+    then the padding; the inverse undoes it; the length is the image's patches; a row of two images is
+    refused."""
+    s = spec(2)
+    rng = np.random.default_rng(0)
+    images = [[image_blocks(rng.standard_normal((3, lh * 8, lw * 8)).astype(np.float32), 4, 2)] for lh, lw in
+              [(5, 7), (3, 9)]]
+    bucket = s.unit * -(-max(s.patches(px[0].shape) for px in images) // s.unit) + s.unit
+    out, _, _ = pack(s, images, 3, bucket, single=True)
+    seg, table, full = out[2], out[4], out[5]
+    assert table is None
+    for r in range(3):
+        own = np.flatnonzero(seg[r] >= 0)
+        assert full.lengths[r] == len(own)
+        np.testing.assert_array_equal(full.order[r, :len(own)], own)
+        assert (seg[r, full.order[r, len(own):]] < 0).all()
+        np.testing.assert_array_equal(full.order[r][full.inverse[r]], np.arange(bucket))
+    with pytest.raises(ValueError, match="2 images in a row of one"):
+        pack(s, [[images[0][0], images[1][0]]], 1, 2 * bucket, single=True)

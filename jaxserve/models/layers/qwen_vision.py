@@ -8,29 +8,34 @@ window`` merge blocks except at ``full_blocks``, its merger an RMSNorm. Both: th
 still image is its own second frame), the 2-D rotary of each patch's row and column, the merger mapping each
 ``merge x merge`` block of patches to one text token.
 
-Packing (``pack``): the images of one encoder call are laid out along rows of ``bucket`` patches (a size from
-a small set: the runner's ``EncoderCache`` picks it from a ladder of about 1.2x steps, so the tower compiles
-once per bucket, not per image size). Within a row each image takes consecutive spans of ``unit`` patches
-(one window): each whole window a span, the partial windows of its right and bottom edges several to a span
-(``ImageLayout``), so window attention is a reshape of the row into spans of ``unit`` patches masked to equal
-window ids and an image pads at most its last few spans; without windows a merge block is the unit. Each
-patch carries its image's segment id and its window's id (padding: -1): attention is masked to equal ids
-(within the image or the window, as HF's ``cu_seqlens`` and ``cu_window_seqlens``; pads only see pads), so
-padding never reaches an image's rows; full attention over a long row runs in blocks of queries (scores
-``block x N``, not ``N x N``). The merged tokens come back in the packed order; ``pack`` says where each
+Packing (``pack``): the images of one encoder call are laid out along rows of ``bucket`` patches (a size from a
+small set: the runner's ``EncoderCache`` picks it from a ladder of about 1.2x steps, so the tower compiles once per
+bucket, not per image size). Within a row each image takes consecutive spans of ``unit`` patches (one window): each
+whole window a span, the partial windows of its right and bottom edges several to a span (``ImageLayout``), so
+window attention is a reshape of the row into spans of ``unit`` patches masked to equal window ids and an image
+pads at most its last few spans; without windows a merge block is the unit. Each patch carries its image's segment
+id and its window's id (padding: -1): attention is masked to equal ids (within the image or the window, as HF's
+``cu_seqlens`` and ``cu_window_seqlens``; pads only see pads), so padding never reaches an image's rows; full
+attention over a long row runs in blocks of queries (scores ``block x N``, not ``N x N``). A row that holds one
+image (``pack(single=True)``: every bucket but the smallest) also carries its patches' order with the image's own
+first and their count (``FullRows``): a fused attention call then attends over the gathered patches by sequence
+length, with no ``N x N`` mask to read. The merged tokens come back in the packed order; ``pack`` says where each
 image's tokens (row-major) are. An image arrives as the front end made it (``image_blocks``' layout: the
-processor's patch order, merge blocks row-major, in the tower's dtype), so packing it is one gather of whole
-merge blocks into its slots, by index arrays cached per grid size.
+processor's patch order, merge blocks row-major, in the tower's dtype), so packing it is one gather of whole merge
+blocks into its slots, by index arrays cached per grid size.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxserve import envs
 
 from .decoder import COLUMN, COLUMN_BIAS, REPLICATED, ROW, _param, _w
 from .norms import rms_norm
@@ -145,8 +150,23 @@ def image_blocks(image: np.ndarray, patch: int, merge: int) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(lh, lw, -1)
 
 
+class FullRows(NamedTuple):
+    """Rows of one image each, for full attention by sequence length: ``order [R, N]`` the row's patches with
+    the image's first (in packed order), ``inverse [R, N]`` its inverse, ``lengths [R]`` the image's patches."""
+    order: np.ndarray
+    inverse: np.ndarray
+    lengths: np.ndarray
+
+
+def full_rows(seg: np.ndarray) -> FullRows:
+    """``FullRows`` of segment ids ``[R, N]`` (each row one image, 0, or none; padding -1)."""
+    order = np.argsort(seg < 0, axis=1, kind="stable").astype(np.int32)
+    return FullRows(order, np.argsort(order, axis=1).astype(np.int32), (seg >= 0).sum(axis=1, dtype=np.int32))
+
+
 def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, bucket: int,
-         tables: list[list[np.ndarray]] | None = None) -> tuple[tuple[np.ndarray, ...], list[np.ndarray], int]:
+         tables: list[list[np.ndarray]] | None = None, single: bool = False) \
+        -> tuple[tuple[np.ndarray, ...], list[np.ndarray], int]:
     """Images as pixel payloads ``[lh, lw, merge**2 * C * p * p]`` (``image_blocks``' layout; ``rows``: the
     images of each row, at most ``bucket`` packed patches a row) as the tower's input ``(patches [R, bucket,
     C*p*p] in the payloads' dtype, positions [R, bucket, 2], segments [R, bucket], windows [R, bucket])`` of
@@ -155,7 +175,8 @@ def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, buck
     ``R * bucket / merge**2``. An image is one gather of its blocks into its slots (the layout of each grid
     size is cached), so this is a copy of the pixels, not a re-patchify. ``tables``: uint8 payloads (the image's
     bytes) with each image's ``[C, 256]`` byte -> value table (``QwenVLPixels.value_table``; the images of a row
-    share one): the input gains each row's, ``[R, C, 256]``, which the tower looks the bytes up in."""
+    share one): the input gains each row's, ``[R, C, 256]``, which the tower looks the bytes up in. ``single``:
+    rows of at most one image, the input then ``(..., table or None, FullRows)``."""
     m, win = spec.merge, max(spec.window, 1)
     mm, per_row = m * m, bucket // (m * m)
     dtype = np.result_type(*(px.dtype for images in rows for px in images)) if any(rows) else np.float32
@@ -165,6 +186,8 @@ def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, buck
     wid = np.full((num_rows, per_row), -1, np.int32)
     tokens = []
     for r, images in enumerate(rows):
+        if single and len(images) > 1:
+            raise ValueError(f"{len(images)} images in a row of one")
         at, windows = 0, 0                                      # at: in merge blocks
         for k, px in enumerate(images):
             lh, lw = px.shape[:2]
@@ -196,6 +219,8 @@ def pack(spec: QwenVisionSpec, rows: list[list[np.ndarray]], num_rows: int, buck
         out += (table,)
     elif dtype == np.uint8:
         raise ValueError("uint8 pixels without their value tables")
+    if single:
+        out = out[:4] + (out[4] if tables is not None else None, full_rows(out[2]))
     return out, tokens, num_rows * per_row
 
 
@@ -224,13 +249,20 @@ def _query_block(n: int) -> int:
     return next(d for d in range(min(n, QUERY_BLOCK), 0, -1) if n % d == 0)
 
 
-def _attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, span: int | None) -> jax.Array:
+def _attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, span: int | None,
+                     full: FullRows | None = None) -> jax.Array:
     """Attention among patches of one id ``seg``: over the whole row (``span`` None: ids are images) or within
     consecutive spans of ``span`` patches (``N x span`` scores: ids are windows, several to a span). A row
     longer than ``QUERY_BLOCK`` attends in blocks of queries, one after another (``block x N`` scores at a
-    time, not ``N x N``; a fused attention needs no blocks)."""
+    time, not ``N x N``; a fused attention needs no blocks). ``full``: rows of one image, which a fused call
+    attends over gathered in front, by sequence length."""
     r, n, heads, hd = q.shape
     impl = attention_implementation(q)
+    if span is None and full is not None and impl is not None and envs.JAXSERVE_VISION_SEQ_LENGTHS:
+        q, k, v = (jnp.take_along_axis(t, full.order[:, :, None, None], axis=1) for t in (q, k, v))
+        out = jax.nn.dot_product_attention(q, k, v, query_seq_lengths=full.lengths,
+                                           key_value_seq_lengths=full.lengths, implementation=impl)
+        return jnp.take_along_axis(out, full.inverse[:, :, None, None], axis=1).reshape(r, n, heads * hd)
     if span is not None:
         q, k, v = (t.reshape(r * n // span, span, heads, hd) for t in (q, k, v))
         seg = seg.reshape(r * n // span, span)
@@ -269,12 +301,14 @@ class QwenVisionLayer(nnx.Module):
             return layer_norm(x, _w(getattr(self, which)), _w(getattr(self, which + "_bias")), self.spec.eps)
         return rms_norm(x, _w(getattr(self, which)), self.spec.eps)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, seg: jax.Array, span: int | None):
-        """``seg``: each patch's image (full attention, ``span`` None) or window (``span`` patches a span)."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, seg: jax.Array, span: int | None,
+                 full: FullRows | None = None):
+        """``seg``: each patch's image (full attention, ``span`` None; ``full``: rows of one image, their
+        order) or window (``span`` patches a span)."""
         spec = self.spec
         q, k, v = _qkv(self, self._norm(x, "norm1"), spec.num_heads)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        x = x + _attend_segments(q, k, v, seg, span) @ _w(self.wo) + _w(self.wo_bias)
+        x = x + _attend_segments(q, k, v, seg, span, full) @ _w(self.wo) + _w(self.wo_bias)
         h = self._norm(x, "norm2")
         if spec.mlp == "fc":
             return x + _fc_mlp(self, h, spec.activation)
@@ -314,7 +348,7 @@ class QwenVisionTower(nnx.Module):
         self.merger = PatchMerger(spec)
 
     def __call__(self, patches: jax.Array, pos: jax.Array, seg: jax.Array, win: jax.Array,
-                 table: jax.Array | None = None) -> jax.Array:
+                 table: jax.Array | None = None, full: FullRows | None = None) -> jax.Array:
         """``pack``'s arrays → merged tokens ``[R, bucket / merge**2, out_hidden_size]`` in the packed order."""
         spec = self.spec
         w = _w(self.patch_embed)
@@ -331,5 +365,5 @@ class QwenVisionTower(nnx.Module):
         x = x.reshape(r, n, -1) @ w
         cos, sin = axial_rotary(pos, spec.hidden_size // spec.num_heads, spec.rope_theta)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, win, spec.unit) if spec.windowed(i) else layer(x, cos, sin, seg, None)
+            x = layer(x, cos, sin, win, spec.unit) if spec.windowed(i) else layer(x, cos, sin, seg, None, full)
         return self.merger(x)

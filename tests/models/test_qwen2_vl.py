@@ -167,44 +167,28 @@ def test_bucketed_encoder_equals_the_unpadded_one(name, query_block, monkeypatch
         np.testing.assert_allclose(slab[cache.rows[f.hash]], expect, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("rows", ["shared", "single"])
 @pytest.mark.parametrize("name", NAMES)
-def test_fused_attention_call_encodes_as_the_dense_scores(name, monkeypatch):
+def test_fused_attention_call_encodes_as_the_dense_scores(name, rows, monkeypatch):
     """``JAXSERVE_VISION_ATTENTION``'s fused call (``jax.nn.dot_product_attention``: cuDNN's kernel on a GPU, its
-    XLA path here): the bucketed encoder's rows (windows, full attention over rows of several images, padding)
-    equal the dense scores' within 1e-5."""
+    XLA path here): the bucketed encoder's rows equal the dense scores' within 1e-5. ``shared``: windows, full
+    attention over rows of several images (the smallest bucket) and rows of one, padding; ``single``: images in
+    buckets above the smallest, a row each, whose full-attention blocks the call takes by sequence length over
+    the image's patches gathered in front (no mask)."""
     model = load(name)
-    feats = features(SIZES)
-    dense = encoder(model, min_patches=256, max_batch=5)
+    feats, min_patches, max_batch = (features(SIZES), 256, 5) if rows == "shared" else (features(SIZES[3:9]), 16, 6)
+    dense = encoder(model, min_patches=min_patches, max_batch=max_batch)
     dense.encode(feats)
+    one_each = all(len(r) == 1 for rs in dense.bucket_rows(feats).values() for r in rs)
+    assert one_each == (rows == "single")                     # shared: some images share a row
     calls = []
     real = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     monkeypatch.setenv("JAXSERVE_VISION_ATTENTION", "xla")
-    fused = encoder(model, min_patches=256, max_batch=5)
+    fused = encoder(model, min_patches=min_patches, max_batch=max_batch)
     fused.encode(feats)
     assert calls and all(kw["implementation"] == "xla" for kw in calls)
-    for f in feats:
-        np.testing.assert_allclose(np.asarray(fused.slab)[fused.rows[f.hash]],
-                                   np.asarray(dense.slab)[dense.rows[f.hash]], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_rows_of_one_image_attend_by_sequence_length(name, monkeypatch):
-    """Images in buckets above the smallest each get a row of their own, whose full-attention blocks the fused
-    call takes by sequence length over the image's patches gathered in front (no mask): each image's slab
-    rows equal the dense scores' within 1e-5."""
-    model = load(name)
-    feats = features(SIZES[3:9])
-    dense = encoder(model, min_patches=16, max_batch=6)
-    dense.encode(feats)
-    assert all(len(r) == 1 for rs in dense.bucket_rows(feats).values() for r in rs)
-    calls = []
-    real = jax.nn.dot_product_attention
-    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    monkeypatch.setenv("JAXSERVE_VISION_ATTENTION", "xla")
-    fused = encoder(model, min_patches=16, max_batch=6)
-    fused.encode(feats)
-    assert any(kw.get("key_value_seq_lengths") is not None for kw in calls)
+    assert rows == "shared" or any(kw.get("key_value_seq_lengths") is not None for kw in calls)
     for f in feats:
         np.testing.assert_allclose(np.asarray(fused.slab)[fused.rows[f.hash]],
                                    np.asarray(dense.slab)[dense.rows[f.hash]], atol=1e-5, rtol=0)

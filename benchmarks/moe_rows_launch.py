@@ -67,7 +67,8 @@ def launch_table(b: Bench, shapes: list[str], launches: list[tuple], tokens: int
     from jaxserve.kernels import ragged_dot
     rng = np.random.default_rng(0)
     b.emit(f"\n## MoE fused rows kernel, {tokens}-token step ({valid} real), launch BLOCK_N/BLOCK_K/WARPS/STAGES "
-           f"(default {'/'.join(map(str, ragged_dot.ROWS_LAUNCH))})\n")
+           f"(default {'/'.join(map(str, ragged_dot.ROWS_LAUNCH_GATED))} gate/up, "
+           f"{'/'.join(map(str, ragged_dot.ROWS_LAUNCH))} down)\n")
     fastest = {}
     for shape in shapes:
         for label, lhs, w, routings, per, act, nbytes in products(shape, tokens, valid, pool, rng):
@@ -124,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not 1 <= a.valid <= a.tokens <= 16:
         ap.error(f"shapes {unknown} not among {', '.join(SHAPES)}, or not 1 <= valid <= tokens <= 16")
     launches = parse_launches(a.launches)
-    if ragged_dot.ROWS_LAUNCH not in launches:
-        launches.insert(0, ragged_dot.ROWS_LAUNCH)
+    for default in (ragged_dot.ROWS_LAUNCH, ragged_dot.ROWS_LAUNCH_GATED):
+        if default not in launches:
+            launches.insert(0, default)
     fastest = launch_table(Bench(Sizes(), a.hardware), shapes, launches, a.tokens, a.valid, a.rounds)
     for label, launch in fastest.items():
         print(f"fastest {label.replace(' ', ':')} {'/'.join(map(str, launch))}")

@@ -149,7 +149,8 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_MOE_ROWS_LAUNCH": EnvVar(lambda raw: raw or "", "",
                                        "the fused rows kernel's launch bounds, GATE_UP[,DOWN], each "
                                        "BLOCK_N/BLOCK_K/WARPS/STAGES (A/B runs; benchmarks/moe_rows_launch.py "
-                                       "times them); empty: kernels/ragged_dot.py ROWS_LAUNCH"),
+                                       "times them); empty: kernels/ragged_dot.py ROWS_LAUNCH_GATED, "
+                                       "ROWS_LAUNCH"),
     "JAXSERVE_MOE_SHARED_IN_ROWS": EnvVar(lambda raw: _flag(raw or "1"), "1",
                                           "1 (default): rows_fused steps compute a shared expert in the routed "
                                           "experts' two launches (3 fewer kernels a MoE layer); 0: its own "

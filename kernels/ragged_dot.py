@@ -240,12 +240,15 @@ def expert_rows_matmul(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Array | N
 
 
 ROWS_LAUNCH = (64, 128, 4, 3)     # the fused rows kernel's (block_n, block_k, num_warps, num_stages) bounds
+ROWS_LAUNCH_GATED = (128, 128, 4, 3)     # and its gated (gate/up) product's: benchmarks/moe_rows_launch.py
 
 
-def rows_launch(k: int, n: int, launch: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
+def rows_launch(k: int, n: int, launch: tuple[int, int, int, int] | None = None,
+                gated: bool = False) -> tuple[int, int, int, int]:
     """``expert_rows_matmul_fused``'s launch for a ``[k, n]`` product (``n``: output columns, a gated product's
-    half): the largest power-of-two blocks dividing ``k`` and ``n`` up to ``launch``'s (default ``ROWS_LAUNCH``)."""
-    block_n, block_k, warps, stages = launch or ROWS_LAUNCH
+    half): the largest power-of-two blocks dividing ``k`` and ``n`` up to ``launch``'s (default ``ROWS_LAUNCH``,
+    ``ROWS_LAUNCH_GATED`` for a gated product)."""
+    block_n, block_k, warps, stages = launch or (ROWS_LAUNCH_GATED if gated else ROWS_LAUNCH)
     return _block(n, block_n), _block(k, block_k), warps, stages
 
 
@@ -287,7 +290,7 @@ def expert_rows_matmul_fused(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Arr
     m = row_expert.shape[0] * (routed + extra) if shared is not None else row_expert.shape[0]
     if lhs.shape[0] * rows_per_lhs_row < m:
         raise ValueError(f"{lhs.shape[0]} lhs rows x {rows_per_lhs_row} < {m} row experts")
-    block_n, block_k, warps, stages = rows_launch(k, n, launch)
+    block_n, block_k, warps, stages = rows_launch(k, n, launch, gated=activation is not None)
     return pl.pallas_call(
         functools.partial(_rows_fused_kernel, m=m, mp=max(16, 1 << (m - 1).bit_length()), k=k, groups=num_groups,
                           routed=routed, shared=extra, block_m=_rows_block(max_rows_per_expert), block_k=block_k,

@@ -25,6 +25,7 @@ def test_the_env_gives_gate_up_and_down_launches():
 def test_rows_launch_shrinks_blocks_to_divide_the_shape():
     assert ragged_dot.rows_launch(1408, 2048, (128, 256, 8, 4)) == (128, 128, 8, 4)     # 1408 = 11 * 128
     assert ragged_dot.rows_launch(768, 1408) == (64, 128, 4, 3)
+    assert ragged_dot.rows_launch(2048, 1408, gated=True) == (128, 128, 4, 3)
 
 
 def test_a_tiny_sweep_runs_and_names_the_fastest(capsys):

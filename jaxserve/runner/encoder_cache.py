@@ -324,7 +324,7 @@ class EncoderCache:
 
     def _single(self, bucket: int) -> bool:
         """Whether rows of ``bucket`` hold one image each: every bucket above the smallest (an image there has
-        more than the bucket below's patches, at least 0.8 of its own)."""
+        more than the bucket below's patches, over half of its own: two never fit)."""
         return bucket > patch_bucket(1, self.family.patch_unit(self.cfg), self.min_patches)
 
     def pending(self) -> int:

@@ -28,7 +28,7 @@ from jaxserve.models.configs import model_config_from_hf
 TRITON = "__gpu$xla.gpu.triton"
 # ops that start a GPU kernel of their own (the rest fuse into them or into loop fusions)
 LAUNCHES = {"reduce", "reduce-window", "scan", "sort", "topk", "dot", "gather", "scatter", "while", TRITON}
-FREE = {"broadcast", "reshape"}       # views XLA folds into their users
+FREE = {"broadcast", "reshape", "opt-barrier"}    # views XLA folds into their users; a fusion boundary
 # per MoE layer: (ops but FREE ones, LAUNCHES ops); config, its first MoE layer
 PINS = {"deepseek-v2-lite": (65, 15), "deepseek-v3-6l": (76, 16)}
 FIRST_MOE = {"deepseek-v2-lite": 1, "deepseek-v3-6l": 3}

@@ -207,6 +207,9 @@ def moe_mlp(h: jax.Array, w: dict, spec: MoESpec, activation: Callable,
     ``valid [T]`` marks real tokens (padding tokens are routed nowhere). Returns the output and the routed
     expert ids ``[T, k]`` (a padding token's: ``num_experts``), which ``expert_load`` counts."""
     if spec.rows_fused and h.shape[0] <= spec.rows_path_max_tokens:
+        # h as one array for the router and the Pallas kernels: else XLA fuses the norm weight's multiply into
+        # the router GEMM and runs it again as a kernel of its own for the Pallas input (a launch a MoE layer)
+        h = lax.optimization_barrier(h)
         weights, ids = _fused_route(h, w, spec, valid)
     else:
         if spec.router == "softmax":

@@ -16,6 +16,10 @@ from support.speculation import make_eagle_head, read_steps
 from support.tiny_models import fixture_path, tiny_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# the engines here compile two token buckets (16 and the largest) instead of five: what these tests check does
+# not depend on the step sizes, and each bucket is a forward (and its samplers) compiled per engine
+BUCKETS = [16]
+LLM_ARGS = dict(token_buckets=BUCKETS)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
@@ -24,7 +28,8 @@ def spec_llm(request):
     # step as if the step in flight accepted all its drafts (moved back on the device)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAXSERVE_SPEC_ASYNC", "1" if request.param else "0")
-        return tiny_llm(speculative_config=NGRAM, num_gpu_blocks_override=70, async_scheduling=request.param)
+        return tiny_llm(speculative_config=NGRAM, num_gpu_blocks_override=70, async_scheduling=request.param,
+                        token_buckets=BUCKETS)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +148,8 @@ def test_lora_adapters_are_verified_by_the_target(spec, tmp_path):
             prompts.append({"prompt_token_ids": p})
             loras.append(None if name is None else LoRARequest(name, i, adapter_path(name)))
             want.append(g["base"][j] if name is None else g["adapters"][name][j])
-    llm = tiny_llm(speculative_config=spec, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2)
+    llm = tiny_llm(speculative_config=spec, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2,
+                   token_buckets=BUCKETS)
     outs = llm.generate(prompts, greedy(g["max_tokens"]), use_tqdm=False, lora_request=loras)
     assert _tokens(outs) == want
     stats = llm.engine.core.stats()
@@ -164,7 +170,7 @@ def test_draft_model_set_to_the_target_accepts_every_token(llm, prompts):
     the draft's token budget catches up over several rounds)."""
     params = [greedy(12 + i) for i in range(6)]
     ref = _tokens(llm.generate(prompts[:6], params, use_tqdm=False))
-    spec = tiny_llm(speculative_config=_draft("tiny-llama3"), max_num_batched_tokens=32)
+    spec = tiny_llm(speculative_config=_draft("tiny-llama3"), max_num_batched_tokens=32, token_buckets=BUCKETS)
     assert _tokens(spec.generate(prompts[:6], params, use_tqdm=False)) == ref
     stats = spec.engine.core.stats()
     assert stats["spec_decode_num_draft_tokens"] > 20

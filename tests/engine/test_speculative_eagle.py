@@ -16,6 +16,10 @@ from support.speculation import (check_dummy_head_runs, check_echo_head, check_g
 from support.tiny_models import fixture_path, tiny_llm
 
 TARGET = "tiny-llama3"
+# the engines here compile two token buckets (16 and the largest) instead of five: what these tests check does
+# not depend on the step sizes, and each bucket is a forward (and its samplers) compiled per engine
+BUCKETS = [16]
+LLM_ARGS = dict(token_buckets=BUCKETS)
 
 
 def eagle(path, k=3):
@@ -34,7 +38,8 @@ def prompts():
 
 
 def test_greedy_matches_without_speculation_batched_with_preemption(llm, heads, prompts):
-    spec, ref, lengths = check_greedy_matches_with_preemption(llm, TARGET, eagle(heads["random"]), prompts)
+    spec, ref, lengths = check_greedy_matches_with_preemption(llm, TARGET, eagle(heads["random"]), prompts,
+                                                              token_buckets=BUCKETS)
     core = spec.engine.core
     stats = core.stats()
     # the prefix cache holds the finished requests' blocks, the head's its own: again, a hit, the same tokens,
@@ -53,7 +58,7 @@ def test_a_head_echoing_the_target_hidden_state_drafts_the_last_token(llm, heads
     only if the target's row for that position arrives, and the later drafts repeat it only if the head's own
     output row does. A prompt longer than the token budget catches up over several steps; run again, the
     prompts hit the prefix caches and the head starts from its cached blocks."""
-    spec = tiny_llm(TARGET, speculative_config=eagle(heads["echo"]), max_num_batched_tokens=32)
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["echo"]), max_num_batched_tokens=32, token_buckets=BUCKETS)
     ref, seen = check_echo_head(llm, spec, prompts)
     params = [greedy(12 + i) for i in range(6)]
     first = len(seen)
@@ -76,7 +81,8 @@ def test_logit_scale_multiplies_the_head_logits(tmp_path):
 def test_seeded_sampling_is_reproducible(heads, prompts):
     """The same drafts, the same seeded samples (no prefix cache: a request that hits it proposes nothing, and
     a seeded sample depends on the drafts it verifies)."""
-    spec = tiny_llm(TARGET, speculative_config=eagle(heads["random"]), enable_prefix_caching=False)
+    spec = tiny_llm(TARGET, speculative_config=eagle(heads["random"]), enable_prefix_caching=False,
+                    token_buckets=BUCKETS)
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seed=s, ignore_eos=True) for s in range(4)]
     first = _tokens(spec.generate(prompts[-2:] * 2, params, use_tqdm=False))
     assert first == _tokens(spec.generate(prompts[-2:] * 2, params, use_tqdm=False))
@@ -84,7 +90,7 @@ def test_seeded_sampling_is_reproducible(heads, prompts):
 
 
 def test_dummy_head_weights_run(heads, prompts):
-    check_dummy_head_runs(TARGET, eagle(heads["random"]), prompts)
+    check_dummy_head_runs(TARGET, eagle(heads["random"]), prompts, token_buckets=BUCKETS)
 
 
 def test_bad_configs_are_refused(tmp_path, heads):

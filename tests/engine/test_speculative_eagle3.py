@@ -25,6 +25,10 @@ from support.tiny_models import PagedRunner, fixture_path, tiny_llm
 
 TARGET = "tiny-llama3"
 VOCAB = 256
+# the engines here compile two token buckets (16 and the largest) instead of five: what these tests check does
+# not depend on the step sizes, and each bucket is a forward (and its samplers) compiled per engine
+BUCKETS = [16]
+LLM_ARGS = dict(token_buckets=BUCKETS)
 
 
 def eagle3_spec(path, k=3):
@@ -52,7 +56,8 @@ def prompts():
 
 def test_greedy_matches_without_speculation_batched_with_preemption(llm, heads, prompts):
     """Then again: the prefix caches (the target's and the head's) hit, and the tokens are the same."""
-    spec, ref, lengths = check_greedy_matches_with_preemption(llm, TARGET, eagle3_spec(heads["random"]), prompts)
+    spec, ref, lengths = check_greedy_matches_with_preemption(llm, TARGET, eagle3_spec(heads["random"]), prompts,
+                                                              token_buckets=BUCKETS)
     head, target = spec.engine.core.speculator.draft.model, spec.engine.core.executor.model
     assert head.params["embed"] is not target.params["embed"]       # its checkpoint has one
     assert head.params["lm_head"].shape == (64, 200) and head.params["draft_to_target"].shape == (200,)
@@ -67,13 +72,14 @@ def test_a_head_echoing_the_target_last_stream_drafts_the_last_token(llm, heads,
     only if the target's row for that position arrives with its last residual stream in the third auxiliary
     slot, and the draft id is mapped through its (permuted) d2t; the later drafts repeat it only if the head's
     own output row arrives unmapped by fc. A prompt longer than the token budget catches up over several steps."""
-    spec = tiny_llm(TARGET, speculative_config=eagle3_spec(heads["echo"]), max_num_batched_tokens=32)
+    spec = tiny_llm(TARGET, speculative_config=eagle3_spec(heads["echo"]), max_num_batched_tokens=32,
+                    token_buckets=BUCKETS)
     assert spec.engine.core.speculator.draft.model.params["embed"] is spec.engine.core.executor.model.params["embed"]
     check_echo_head(llm, spec, prompts)
 
 
 def test_a_draft_vocabulary_subset_drafts_only_its_tokens(llm, heads, prompts, subset):
-    spec = tiny_llm(TARGET, speculative_config=eagle3_spec(heads["echo_subset"], k=2))
+    spec = tiny_llm(TARGET, speculative_config=eagle3_spec(heads["echo_subset"], k=2), token_buckets=BUCKETS)
     seen = record_drafts(spec)
     ref = _tokens(llm.generate(prompts[:6], greedy(16), use_tqdm=False))
     assert _tokens(spec.generate(prompts[:6], greedy(16), use_tqdm=False)) == ref
@@ -140,7 +146,7 @@ def test_no_step_compiles_on_first_use(heads, prompts):
 
 
 def test_dummy_head_weights_run(heads, prompts):
-    check_dummy_head_runs(TARGET, eagle3_spec(heads["random"]), prompts)
+    check_dummy_head_runs(TARGET, eagle3_spec(heads["random"]), prompts, token_buckets=BUCKETS)
 
 
 def test_bad_configs_are_refused(tmp_path, heads):

@@ -47,13 +47,14 @@ def spec_prompts() -> list[list[int]]:
     return out + [[5, 6, 7, 8] * 5, list(range(10, 30)) * 2]
 
 
-def check_greedy_matches_with_preemption(llm, target: str, speculative_config: dict, prompts: list):
+def check_greedy_matches_with_preemption(llm, target: str, speculative_config: dict, prompts: list, **engine):
     """``prompts`` batched, greedy, through ``target`` with ``speculative_config`` and a KV pool small enough to
-    preempt: the tokens are ``llm``'s (the same target without speculation), drafts were made, and every
-    block went back. Returns the speculative LLM, the reference tokens and the lengths asked for."""
+    preempt (``engine``: more engine options): the tokens are ``llm``'s (the same target without speculation),
+    drafts were made, and every block went back. Returns the speculative LLM, the reference tokens and the
+    lengths asked for."""
     lengths = [8 + 3 * (i % 7) for i in range(len(prompts))]
     ref = token_ids(llm.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False))
-    spec = tiny_llm(target, speculative_config=speculative_config, num_gpu_blocks_override=70)
+    spec = tiny_llm(target, speculative_config=speculative_config, num_gpu_blocks_override=70, **engine)
     core = spec.engine.core
     assert token_ids(spec.generate(prompts, [greedy(m) for m in lengths], use_tqdm=False)) == ref
     stats = core.stats()
@@ -64,9 +65,10 @@ def check_greedy_matches_with_preemption(llm, target: str, speculative_config: d
     return spec, ref, lengths
 
 
-def check_dummy_head_runs(target: str, speculative_config: dict, prompts: list) -> None:
-    """A head with ``--load-format dummy`` weights loads, proposes and gives every request its tokens."""
-    spec = tiny_llm(target, speculative_config=speculative_config, load_format="dummy")
+def check_dummy_head_runs(target: str, speculative_config: dict, prompts: list, **engine) -> None:
+    """A head with ``--load-format dummy`` weights loads, proposes and gives every request its tokens
+    (``engine``: more engine options)."""
+    spec = tiny_llm(target, speculative_config=speculative_config, load_format="dummy", **engine)
     outs = spec.generate(prompts[:3], greedy(10), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
     assert spec.engine.core.stats()["spec_decode_num_drafts"] > 0

@@ -21,7 +21,8 @@ from jaxserve import LLM, SamplingParams, StructuredOutputsParams
 from jaxserve.runner import sampler as S
 
 MAX_TOKENS = 96
-ENGINE = dict(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256)
+# two token buckets (32 and the largest) instead of seven: fewer forwards to compile, nothing here is about them
+ENGINE = dict(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256, token_buckets=[32])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def test_preempted_constrained_requests_keep_their_grammar_state_without_async_s
     """A KV cache too small for all requests at once: constrained requests are preempted and recomputed
     (their matchers keep the tokens already generated), here with the synchronous step loop."""
     llm = LLM(None, dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-              num_gpu_blocks_override=10, async_scheduling=False)
+              num_gpu_blocks_override=10, async_scheduling=False, token_buckets=[16])
     schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"enum": ["red", "green"]},
                                                          "minItems": 10, "maxItems": 12}},
               "required": ["items"], "additionalProperties": False}

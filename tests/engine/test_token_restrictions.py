@@ -9,6 +9,10 @@ from jaxserve.errors import InvalidRequestError
 from support.tiny_models import tiny_llm as make_llm
 
 ONE, TWO = 33, 34                   # "1" and "2": "12" is these two tokens, " 12" three
+# the engines here compile two token buckets (16 and the largest) instead of five: the restrictions are the
+# sampler's, whatever the step size, and each bucket is a forward (and its samplers) compiled per engine
+BUCKETS = [16]
+LLM_ARGS = dict(token_buckets=BUCKETS)
 
 
 def run(llm, prompts, params):
@@ -76,7 +80,7 @@ def test_plain_steps_run_the_programs_they_ran_before(llm):
 def test_multi_step_decoding_applies_them_every_iteration(llm):
     """--num-scheduler-steps: bias, allowed ids and one-token bad words are fixed for a request's life, so its
     decode loop applies them at each iteration; a multi-token bad word runs single steps (it reads the output)."""
-    multi = make_llm(num_scheduler_steps=4)
+    multi = make_llm(num_scheduler_steps=4, token_buckets=BUCKETS)
     sched, steps = multi.engine.core.scheduler, []
     schedule = sched.schedule
 

@@ -128,6 +128,8 @@ class EncoderCache:
         self.family, self.cfg, self.params = model.family, model.config, model.params
         self.packed = hasattr(self.family, "encode_packed")
         self.min_patches = min_patches
+        # a packed family's smallest patch bucket: the only one whose rows may hold several images (``_single``)
+        self._smallest = patch_bucket(1, self.family.patch_unit(self.cfg), min_patches) if self.packed else 0
         self.capacity, self.max_batch = capacity, max_batch
         self.budget = capacity if budget is None else budget        # image tokens a step encodes at most
         self.warm_tokens = warm_tokens or self.budget       # an image of these tokens fits the warm-up's bucket
@@ -246,14 +248,14 @@ class EncoderCache:
         for f in features:
             n = self.family.packed_patches(self.cfg, f.pixel_values.shape)
             b = bucket or patch_bucket(n, unit, self.min_patches)
-            rows.setdefault(b, [])
-            for row in [] if self._single(b) else rows[b]:
+            open_rows = rows.setdefault(b, [])
+            for row in open_rows if not self._single(b) else ():
                 if row[0] + n <= b:
                     row[0] += n
                     row.append(f)
                     break
             else:
-                rows[b].append([n, f])
+                open_rows.append([n, f])
         return {b: [row[1:] for row in rs] for b, rs in rows.items()}
 
     def _encode_packed(self, features: list) -> None:
@@ -325,7 +327,7 @@ class EncoderCache:
     def _single(self, bucket: int) -> bool:
         """Whether rows of ``bucket`` hold one image each: every bucket above the smallest (an image there has
         more than the bucket below's patches, over half of its own: two never fit)."""
-        return bucket > patch_bucket(1, self.family.patch_unit(self.cfg), self.min_patches)
+        return bucket > self._smallest
 
     def pending(self) -> int:
         """Row batches queued or compiling in the background."""

@@ -53,45 +53,54 @@ def _cols(ref, rows, lo, n):
     return ref.at[rows[:, None], (lo + lax.iota(jnp.int32, n))[None, :]]
 
 
-def _token_request(qsl_ref, num_reqs, t, decode_only):
-    """Request owning token slot ``t``: ``t`` itself in a decode-only step, else a binary search for the last
-    ``r`` with ``qsl[r] <= t`` (padding requests' empty ranges sit after the real ones)."""
+def _token_request(qsl_ref, num_reqs, t, decode_only, block_t=1):
+    """Request owning token slot ``t`` (``block_t == 1``): ``t`` itself in a decode-only step, else a binary
+    search for the last ``r`` with ``qsl[r] <= t`` (padding requests' empty ranges sit after the real ones).
+    With ``block_t > 1`` ``t`` is a tile slot: request r owns slots ``qsl[r] // block_t + r`` onwards (one per
+    ``block_t``-aligned tile its tokens touch), so the search is over that strictly increasing start."""
     if decode_only:
         return jnp.minimum(t, num_reqs - 1)
     lo, hi = jnp.int32(0), jnp.int32(num_reqs - 1)
     for _ in range(max(1, (num_reqs - 1).bit_length())):
         mid = (lo + hi + 1) // 2
-        ok = qsl_ref[mid] <= t
+        ok = (qsl_ref[mid] // block_t + mid if block_t > 1 else qsl_ref[mid]) <= t
         lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
     return lo
 
 
 def _mla_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, bt_ref, scale_ref, qn_ref, qr_ref, cache_ref, *out_refs,
-                num_heads, block_h, block_k, block_size, pages_per_seq, rank, rope, sm_scale, num_splits,
+                num_heads, block_h, block_t, block_k, block_size, pages_per_seq, rank, rope, sm_scale, num_splits,
                 dot_dtype, decode_only):
-    hg, s, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hg, s, slot = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_reqs = seq_lens_ref.shape[0]
-    r = _token_request(qsl_ref, num_reqs, t, decode_only)
+    num_tokens = qn_ref.shape[0] // num_heads
+    r = _token_request(qsl_ref, num_reqs, slot, decode_only, block_t)
     q_start, q_end = qsl_ref[r], qsl_ref[r + 1]
     seq_len = seq_lens_ref[r]
-    active = (r < num_seqs_ref[0]) & (q_start <= t) & (t < q_end) & (seq_len > 0)
+    # the program's tokens: [t_lo, t_hi) of request r (one token, or the request's part of a block_t tile)
+    t0 = (slot - r) * block_t if block_t > 1 else slot
+    t_lo, t_hi = jnp.maximum(t0, q_start), jnp.minimum(t0 + block_t, q_end)
+    active = (r < num_seqs_ref[0]) & (t_lo < t_hi) & (seq_len > 0)
     if decode_only:
         active &= q_end - q_start == 1
-    pos = seq_len - (q_end - t)                                   # the token's position: it sees keys [0, pos]
-    hi = jnp.where(active, pos + 1, 0)
+    hi = jnp.where(active, seq_len - (q_end - t_hi), 0)           # the last token sees keys [0, its position]
+    full = jnp.where(active, seq_len - (q_end - t_lo) + 1, 0)     # keys every token of the program sees
     chunk = pl.cdiv(pl.cdiv(hi, num_splits), block_k) * block_k
     lo = jnp.minimum(s * chunk, hi)
     hi = jnp.minimum(lo + chunk, hi)
 
-    g = lax.iota(jnp.int32, block_h)
-    head = hg * block_h + g
-    row_valid = active & (head < num_heads)
-    # padding head rows load a real row (in bounds) and store to distinct rows past it (masked): interpret
-    # mode's masked store rewrites the rows it skips, so two stores to one row would undo each other
-    q_rows = t * num_heads + head
-    ld_rows = t * num_heads + jnp.minimum(head, num_heads - 1)
-    qn = plgpu.load(rows_of(qn_ref, ld_rows), mask=jnp.broadcast_to(row_valid[:, None], (block_h, rank)), other=0)
-    qr = plgpu.load(rows_of(qr_ref, ld_rows), mask=jnp.broadcast_to(row_valid[:, None], (block_h, rope)), other=0)
+    # rows: block_t tokens x block_h heads, token-major
+    g = lax.iota(jnp.int32, block_t * block_h)
+    tok, head = t0 + g // block_h, hg * block_h + g % block_h
+    row_valid = active & (head < num_heads) & (tok >= t_lo) & (tok < t_hi)
+    pos = seq_len - (q_end - tok)                                 # each row's token sees keys [0, pos]
+    # rows outside the program load a real row (in bounds) and store to distinct rows of their own (masked):
+    # interpret mode's masked store rewrites the rows it skips, so two stores to one row would undo each other
+    q_rows = tok * num_heads + head
+    ld_rows = jnp.clip(tok, 0, num_tokens - 1) * num_heads + jnp.minimum(head, num_heads - 1)
+    rows_n = block_t * block_h
+    qn = plgpu.load(rows_of(qn_ref, ld_rows), mask=jnp.broadcast_to(row_valid[:, None], (rows_n, rank)), other=0)
+    qr = plgpu.load(rows_of(qr_ref, ld_rows), mask=jnp.broadcast_to(row_valid[:, None], (rows_n, rope)), other=0)
     qn, qr = qn.astype(dot_dtype), qr.astype(dot_dtype)
     s_scale = sm_scale * scale_ref[0] * LOG2E
     offs = lax.iota(jnp.int32, block_k)
@@ -113,9 +122,10 @@ def _mla_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, bt_ref, scale_ref, qn_ref, 
             kr = plgpu.load(_cols(cache_ref, rows, rank, rope))
         c, kr = c.astype(dot_dtype), kr.astype(dot_dtype)
         sc = (plgpu.dot(qn, c, trans_b=True, allow_tf32=False)
-              + plgpu.dot(qr, kr, trans_b=True, allow_tf32=False)) * s_scale     # [BH, BK] f32, base 2
+              + plgpu.dot(qr, kr, trans_b=True, allow_tf32=False)) * s_scale     # [rows, BK] f32, base 2
         if masked:
-            sc = jnp.where(in_range[None, :], sc, MASK_VALUE)
+            see = in_range[None, :] & (key[None, :] <= pos[:, None]) if block_t > 1 else in_range[None, :]
+            sc = jnp.where(see, sc, MASK_VALUE)
         m_new = jnp.maximum(m_prev, sc.max(axis=-1))
         alpha = jnp.exp2(m_prev - m_new)
         p = jnp.exp2(sc - m_new[:, None])
@@ -123,9 +133,10 @@ def _mla_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, bt_ref, scale_ref, qn_ref, 
         acc = acc * alpha[:, None] + plgpu.dot(p.astype(dot_dtype), c, allow_tf32=False)
         return acc, m_new, l_new
 
-    carry = (jnp.zeros((block_h, rank), jnp.float32), jnp.full((block_h,), MASK_VALUE, jnp.float32),
-             jnp.zeros((block_h,), jnp.float32))
-    n_full = jnp.maximum(hi - lo, 0) // block_k          # whole steps need no mask; the ragged end one step
+    carry = (jnp.zeros((rows_n, rank), jnp.float32), jnp.full((rows_n,), MASK_VALUE, jnp.float32),
+             jnp.zeros((rows_n,), jnp.float32))
+    # whole steps every row sees need no mask; then the ragged end (and, for a tile, the causal diagonal)
+    n_full = jnp.maximum(jnp.minimum(hi, full) - lo, 0) // block_k
     carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(n_full, pl.cdiv(jnp.maximum(hi - lo, 0), block_k),
                               functools.partial(step, masked=True), carry)
@@ -135,8 +146,7 @@ def _mla_kernel(qsl_ref, seq_lens_ref, num_seqs_ref, bt_ref, scale_ref, qn_ref, 
         store_rows(out_ref, q_rows, out, row_valid)
     else:
         o_ref, m_ref, l_ref = out_refs
-        num_tokens = qn_ref.shape[0] // num_heads
-        part = (s * num_tokens + t) * num_heads + head
+        part = (s * num_tokens + slot) * num_heads + head
         keep = head < num_heads
         store_rows(o_ref, part, acc, keep)
         plgpu.store(m_ref.at[part], m, mask=keep)
@@ -193,12 +203,20 @@ def default_tiles(num_heads: int, fp8: bool) -> dict:
     return dict(block_h=block_h, block_k=32, num_warps=4 if block_h <= 32 else 8, num_stages=4 if fp8 else 3)
 
 
+def prefill_tiles(num_heads: int, fp8: bool) -> dict:
+    """Launch defaults of a step with prefill chunks: ``block_t`` tokens of one request a program, so that the
+    tile's ``block_t * block_h`` rows make one 64-row MMA and a key page loaded serves all its tokens."""
+    block_h = min(64, max(16, next_pow2(num_heads)))
+    return dict(block_h=block_h, block_t=64 // block_h, block_k=32, num_warps=8, num_stages=2 if not fp8 else 3)
+
+
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "kv_lora_rank", "interpret", "block_h", "block_k", "num_splits", "num_warps", "num_stages",
-    "dot_dtype", "decode_only", "poison_output"))
+    "sm_scale", "kv_lora_rank", "interpret", "block_h", "block_t", "block_k", "num_splits", "num_warps",
+    "num_stages", "dot_dtype", "decode_only", "poison_output"))
 def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *, sm_scale: float,
                         kv_lora_rank: int | None = None, kv_scale=None, interpret: bool = False,
-                        block_h: int | None = None, block_k: int | None = None, num_splits: int | None = None,
+                        block_h: int | None = None, block_t: int | None = None, block_k: int | None = None,
+                        num_splits: int | None = None,
                         num_warps: int | None = None, num_stages: int | None = None, dot_dtype=None,
                         decode_only: bool | None = None, poison_output: bool = False):
     """Absorbed MLA attention over a paged latent cache: ``[T, H, R]`` (q's dtype).
@@ -209,8 +227,10 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
     causally to its request's cached tokens ``0 .. seq_lens[r] - (query_end - t) - 1``, its own included:
     the caller writes the step's latents first. R and P must be powers of two (at least 16).
 
-    Tuning (static): ``block_h`` heads per program, ``block_k`` keys per step, ``num_splits`` (a power of two)
-    flash-decoding splits of each token's context, ``num_warps``/``num_stages`` the Triton launch;
+    Tuning (static): ``block_h`` heads per program, ``block_t`` tokens of one request per program (a power of
+    two; default 1 in a decode-only step, else ``prefill_tiles``: a chunk's tokens share each page load),
+    ``block_k`` keys per step, ``num_splits`` (a power of two; 1 where ``block_t > 1``) flash-decoding splits
+    of each token's context, ``num_warps``/``num_stages`` the Triton launch;
     ``dot_dtype`` the MMA operand dtype (default q's, f16 over an fp8 cache). ``decode_only`` (default
     ``md.decode_only``): every real request has one new token, so token slot t is request t (no search).
     The split count defaults from the contexts the step can see (``md.max_seq_len`` where set, else the block
@@ -231,22 +251,32 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
     fp8 = jnp.dtype(latent_cache.dtype).itemsize == 1
     if decode_only is None:
         decode_only = md.decode_only
-    tiles = default_tiles(H, fp8)
+    if block_t is None:
+        block_t = 1 if decode_only or (num_splits or 1) > 1 else prefill_tiles(H, fp8)["block_t"]
+    tiles = default_tiles(H, fp8) if block_t == 1 else prefill_tiles(H, fp8)
     block_h = block_h or tiles["block_h"]
     block_k = block_k or tiles["block_k"]
     num_warps = num_warps or tiles["num_warps"]
     num_stages = num_stages or tiles["num_stages"]
     if block_h < 16 or block_h & (block_h - 1) or block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_h ({block_h}) and block_k ({block_k}) must be powers of two >= 16 (MMA tiles)")
+    if block_t < 1 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two, got {block_t}")
+    if block_t > 1 and (num_splits or 1) > 1:
+        raise ValueError("num_splits > 1 needs block_t == 1 (a split holds one token's partial state)")
     if dot_dtype is None:
         dot_dtype = jnp.float16 if fp8 and q_nope_latent.dtype == jnp.bfloat16 else q_nope_latent.dtype
     Rq, pages = md.block_tables.shape
     groups = pl.cdiv(H, block_h)
     span = pages * bs if md.max_seq_len is None else min(pages * bs, md.max_seq_len)
     # a program of at most 16 heads leaves room for two per SM; wider ones take an SM's shared memory
-    splits = num_splits or pick_splits(T * groups, span, block_k, 2 if block_h <= 16 else 1)
+    splits = num_splits or (1 if block_t > 1 else pick_splits(T * groups, span, block_k, 2 if block_h <= 16 else 1))
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
+    T_out = T
+    if T % block_t:        # whole tiles: a tile's rows past the step's tokens stay in bounds (sliced off after)
+        pad = ((0, -T % block_t), (0, 0), (0, 0))
+        q_nope_latent, q_rope, T = jnp.pad(q_nope_latent, pad), jnp.pad(q_rope, pad), T + (-T % block_t)
     qsl = md.query_start_loc.astype(jnp.int32)
     scale = jnp.ones((1,), jnp.float32) if kv_scale is None else jnp.asarray(kv_scale, jnp.float32).reshape(1)
     ins = (qsl, md.seq_lens.astype(jnp.int32), md.num_seqs.reshape(1).astype(jnp.int32),
@@ -258,14 +288,17 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
         real = jnp.repeat(jnp.arange(T) < qsl[md.num_seqs], H)[:, None]
         outs = (jnp.broadcast_to(jnp.where(real, jnp.nan, 0.0), (T * H, R)).astype(q_nope_latent.dtype),)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    kernel = functools.partial(_mla_kernel, num_heads=H, block_h=block_h, block_k=block_k, block_size=bs,
+    kernel = functools.partial(_mla_kernel, num_heads=H, block_h=block_h, block_t=block_t, block_k=block_k,
+                               block_size=bs,
                                pages_per_seq=pages, rank=R, rope=P, sm_scale=float(sm_scale),
                                num_splits=splits, dot_dtype=jnp.dtype(dot_dtype), decode_only=decode_only)
     if splits == 1:
-        out = pl.pallas_call(kernel, grid=(groups, 1, T), out_shape=out_shape,
+        slots = T if block_t == 1 else T // block_t + Rq        # a request's tiles: slots qsl[r] // block_t + r..
+        out = pl.pallas_call(kernel, grid=(groups, 1, slots), out_shape=out_shape,
                              input_output_aliases={len(ins): 0} if outs else {}, compiler_params=params,
-                             interpret=interpret, name="mla_paged_decode")(*ins, *outs)
-        return out.reshape(T, H, R)
+                             interpret=interpret, name="mla_paged_decode" if block_t == 1 else "mla_paged_prefill")(
+            *ins, *outs)
+        return out.reshape(T, H, R)[:T_out]
     n = splits * T * H
     parts = pl.pallas_call(
         kernel, grid=(groups, splits, T), compiler_params=params, interpret=interpret, name="mla_paged_decode_split",

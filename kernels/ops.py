@@ -178,17 +178,20 @@ def write_latent(latent_cache, latent, slot_mapping, *, backend: str = "referenc
 
 def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *, sm_scale: float,
                   kv_lora_rank: int, backend: str = "reference", scale=None, interpret: bool = False,
-                  **pallas_options):
+                  prefill: str = "kernel", **pallas_options):
     """Absorbed MLA over the paged latent cache: ``[T, H, R]`` latent outputs (``mla_ref`` has the semantics).
 
-    ``reference``: ``mla_ref``. The Pallas backends: steps whose requests all decode one token run
-    ``mla_decode_pallas.mla_paged_attention`` (one page load serves a group of heads); steps with prefill
-    chunks run the reference under XLA (the kernel takes them only one token a program, re-reading the
-    context for each)."""
+    ``reference``: ``mla_ref``. The Pallas backends run ``mla_decode_pallas.mla_paged_attention``: a
+    decode-only step one token a program (one page load serves a group of heads), a step with prefill chunks
+    in tiles of a few tokens of one request (one page load serves the tile's tokens and heads).
+    ``prefill="reference"`` runs the latter steps through ``mla_ref`` under XLA instead (a token's context
+    gathered for each token)."""
     _check_backend(backend)
+    if prefill not in ("kernel", "reference"):
+        raise ValueError(f"prefill must be 'kernel' or 'reference', got {prefill!r}")
     if backend != "reference":
         _check_gpu(interpret)
-    if backend == "reference" or not md.decode_only:
+    if backend == "reference" or (not md.decode_only and prefill == "reference"):
         return mla_ref.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                            kv_lora_rank=kv_lora_rank, scale=scale)
     from . import mla_decode_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)

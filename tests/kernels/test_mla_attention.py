@@ -115,15 +115,18 @@ def test_mla_dispatch():
     assert out.shape == q_latent.shape
     with pytest.raises(ValueError, match="unknown attention backend"):
         ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=32, backend="flash")
+    with pytest.raises(ValueError, match="prefill must be"):
+        ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=32, prefill="dense")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
             ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=32, backend="pallas")
 
 
-@pytest.mark.parametrize("decode_only", [True, False])
-def test_the_pallas_backends_run_the_decode_kernel_on_decode_steps(decode_only):
-    """A decode-only step under the Pallas backends runs mla_decode_pallas (interpreted here), a step with a
-    prefill chunk the reference; both agree with the reference backend, an fp8 cache's scale included."""
+@pytest.mark.parametrize("decode_only,prefill", [(True, "kernel"), (False, "kernel"), (False, "reference")])
+def test_the_pallas_backends_run_the_kernel(decode_only, prefill):
+    """Under the Pallas backends a decode-only step runs mla_decode_pallas (interpreted here) a token a program,
+    a step with a prefill chunk its prefill tiles (or, ``prefill="reference"``, the reference); each agrees
+    with the reference backend, an fp8 cache's scale included."""
     import dataclasses
     rng = np.random.default_rng(3)
     q_lens = [1, 1, 1] if decode_only else [1, 3]
@@ -136,6 +139,6 @@ def test_the_pallas_backends_run_the_decode_kernel_on_decode_steps(decode_only):
     for c, s in ((cache, None), (fp8, scale)):
         want = ops.mla_attention(q_latent, q_rope, c, md, sm_scale=0.2, kv_lora_rank=32, scale=s)
         got = ops.mla_attention(q_latent, q_rope, c, md, sm_scale=0.2, kv_lora_rank=32, scale=s, backend="pallas",
-                                interpret=True)
+                                interpret=True, prefill=prefill)
         n = int(md.query_start_loc[int(md.num_seqs)])
         np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=2e-3, rtol=2e-3)

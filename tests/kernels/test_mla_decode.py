@@ -97,6 +97,14 @@ def test_prefill_chunks_with_decodes(splits):
     check(10 + splits, [1, 9, 1, 20], [45, 9, 70, 53], heads=8, rank=128, rope=32, bs=16, num_splits=splits)
 
 
+@pytest.mark.parametrize("block_t,heads", [(2, 8), (4, 16), (8, 4)])
+def test_prefill_tiles(block_t, heads):
+    """Tiles of ``block_t`` tokens of one request: chunks that start and end mid-tile, tiles two requests share,
+    decodes (one token of a tile), a step not a whole number of tiles (padded), causal within each tile."""
+    check(20 + block_t, [1, 9, 1, 20, 3, 6], [45, 9, 70, 53, 3, 40], heads=heads, rank=128, rope=32, bs=16,
+          block_t=block_t, block_k=16)
+
+
 def test_heads_not_a_power_of_two_and_default_launch():
     """20 heads (a 32-row tile, 12 padding rows) on the default tiles and split count."""
     check(4, [1, 3, 1], [130, 40, 7], heads=20, rank=128, rope=32, bs=16)
@@ -163,9 +171,11 @@ def test_split_count_fills_the_chip():
 
 
 @pytest.mark.parametrize("heads,fp8,decode_only,splits", [(128, False, True, 1), (16, False, True, 4),
-                                                         (16, True, True, 2), (128, True, False, 2)])
+                                                         (16, True, True, 2), (128, True, False, 2),
+                                                         (16, False, False, 1)])
 def test_lowers_for_cuda(heads, fp8, decode_only, splits):
-    """The GPU build (Triton) of the DeepSeek shape lowers here on CPU: bf16 and fp8 caches, both launches."""
+    """The GPU build (Triton) of the DeepSeek shape lowers here on CPU: bf16 and fp8 caches, both launches,
+    and the prefill tiles (16 heads x 4 tokens a program)."""
     qn, qr, latent, md = make_step(1, [1] * 4 if decode_only else [1, 9], [40, 9, 17, 300] if decode_only else
                                    [40, 300], heads=heads, rank=512, rope=64, bs=16, dtype=jnp.bfloat16,
                                    decode_only=decode_only)

@@ -9,10 +9,11 @@ Every step runs absorbed (prefill chunks and decodes alike): ``kv_b_proj`` is sp
 ``uk [heads, qk_nope_head_dim, R]`` and value half ``uv [heads, R, v_head_dim]``, head-major so that both
 absorptions are batched matmuls over whole weights (slicing one ``kv_b`` per step copied both halves every
 step); the queries' no-rope part is projected into the latent space (``q_nope · W_UK``), the
-attention runs over the latent pages (``kernels.ops.mla_attention``), and its latent output is projected back
-with ``W_UV`` before ``o_proj``. The alternative for prefill, decompressing K/V per chunk for the GQA prefill
-kernel, would have to decompress every cached page a chunk attends to (the prefix and the earlier chunks live in
-the cache as latents) and pad V to the key width; which is faster on the GPU is still to be measured.
+attention runs over the latent pages (``kernels.ops.mla_attention``; a prefill chunk in tiles of a few tokens
+that share each page load), and its latent output is projected back with ``W_UV`` before ``o_proj``. The
+alternative for prefill, decompressing K/V per chunk for the GQA prefill kernel, would have to decompress every
+cached page a chunk attends to (the prefix and the earlier chunks live in the cache as latents) and pad V to the
+key width.
 
 Weights (``[in, out]``): ``q`` (no q LoRA) or ``q_a`` → ``q_a_norm`` → ``q_b``; ``kv_a`` (``kv_a_proj_with_mqa``),
 ``kv_a_norm``, ``uk`` / ``uv`` (``kv_b_proj``'s halves); ``o``. With a q LoRA, ``q_a`` and ``kv_a`` read the
@@ -34,7 +35,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve import parallel
+from jaxserve import envs, parallel
 from jaxserve.kernels.metadata import AttentionMetadata
 from jaxserve.parallel import attention as tp_attention
 
@@ -121,6 +122,7 @@ def attention(h: jax.Array, w: dict, spec: MLASpec, num_heads: int, rotary: Rota
     q_latent = jnp.einsum("thd,hdr->thr", q[..., :dn], w["uk"])
     latent = jnp.concatenate([c_kv, k_rope], axis=-1)
     out, latent_cache = tp_attention.write_latent_and_attend(q_latent, q_rope, latent, cache[0], md,
-                                                             sm_scale=sm_scale, kv_lora_rank=r, backend=backend)
+                                                             sm_scale=sm_scale, kv_lora_rank=r, backend=backend,
+                                                             prefill=envs.JAXSERVE_MLA_PREFILL)
     attn = jnp.einsum("thr,hrv->thv", out, w["uv"])
     return attn.reshape(t, heads * spec.v_head_dim), (latent_cache,)

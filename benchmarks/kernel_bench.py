@@ -45,6 +45,7 @@ class Sizes:
     mla_batch: tuple = (64, 4096)                  # requests x context
     mla_heads: tuple = (16, 128)
     mla_sweep: bool = True                         # MLA: also sweep the launch options (bf16 cache)
+    mla_backends: tuple = ("triton",)              # MLA: triton (mla_decode_pallas), mgpu (mla_decode_mgpu)
     n_iter: int = 16
     reps: int = 5
     interpret: bool = False
@@ -415,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--m", default=None, help="quant: token counts (default 1,4,16)")
     ap.add_argument("--tokens", default=None, help="moe: token counts (default 1,4,16,256,8192)")
     ap.add_argument("--out", default=None, help="also write the output to this file as it goes")
-    ap.add_argument("--no-sweep", action="store_true", help="mla: time the default launch only")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="mla: time the Triton kernel's default launch only (the mgpu backend's short sweep runs)")
+    ap.add_argument("--mla-backend", default="triton", help="mla: comma list of triton, mgpu (the Mosaic GPU kernel)")
     return ap
 
 
@@ -430,7 +433,11 @@ def run_sections(a: argparse.Namespace) -> tuple[int, list[tuple[str, str]]]:
     sizes = SMOKE if a.smoke else Sizes()
     sizes = dataclasses.replace(sizes, quant_m=tuple(int(v) for v in (a.m or "").split(",") if v) or sizes.quant_m,
                                 moe_tokens=tuple(int(v) for v in (a.tokens or "").split(",") if v) or sizes.moe_tokens,
-                                mla_sweep=sizes.mla_sweep and not a.no_sweep)
+                                mla_sweep=sizes.mla_sweep and not a.no_sweep,
+                                mla_backends=tuple(v for v in a.mla_backend.split(",") if v))
+    bad = sorted(set(sizes.mla_backends) - {"triton", "mgpu"})
+    if bad:
+        raise ValueError(f"--mla-backend: {', '.join(bad)} not among triton, mgpu")
     out = open(a.out, "w") if a.out else None
     b = Bench(sizes, a.hardware, out)
     failed = []

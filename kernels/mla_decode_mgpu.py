@@ -197,13 +197,14 @@ def _kernel(meta_ref, qn_ref, qr_ref, cache_ref, *refs, num_reqs, pages_per_seq,
         @pl.loop(0, n_steps)
         def _stream(i):
             slot = lax.rem(i, stages)
-            pl.when(i >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))     # step i - stages released it
             key0 = lo + i * block_kv
+            # the page ids first: their loads from the block table complete while the slot is still in use
             if bs <= block_kv:
                 copies = [(bt_ref[base + jnp.minimum(key0 // bs + j, pages_per_seq - 1)], pl.ds(0, bs),
                            pl.ds(j * bs, bs)) for j in range(block_kv // bs)]
             else:
                 copies = [(bt_ref[base + key0 // bs], pl.ds(lax.rem(key0, bs), block_kv), pl.ds(0, block_kv))]
+            pl.when(i >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))     # step i - stages released it
             for page, rows, dst in copies:
                 plgpu.copy_gmem_to_smem(cache_ref.at[page, rows, pl.ds(0, R)], c_s.at[slot, dst], ready.at[slot])
                 plgpu.copy_gmem_to_smem(cache_ref.at[page, rows, pl.ds(R, P)], r_s.at[slot, dst], ready.at[slot])

@@ -75,7 +75,7 @@ def smem_bytes(rank: int, rope: int, block_h: int, block_kv: int, stages: int, s
         + REDUCTION_SCRATCH + ALIGN_SLACK
 
 
-def supported(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata | None = None, *, kv_scale=None,
+def supported(q_nope_latent, q_rope, latent_cache, *, kv_scale=None,
               block_h: int | None = None, block_kv: int = 64, stages: int = 2, num_splits: int | None = None) -> bool:
     """Whether ``mla_paged_attention`` here handles this call (else use ``mla_decode_pallas``)."""
     T, H, R = q_nope_latent.shape
@@ -100,7 +100,7 @@ def _kernel(meta_ref, qn_ref, qr_ref, cache_ref, *refs, num_reqs, pages_per_seq,
     _, bs, _ = cache_ref.shape
     R, P = qn_ref.shape[-1], qr_ref.shape[-1]
 
-    # meta = [query_start_loc (R+1), seq_lens (R), num_seqs (1), block_tables (R*P)]
+    # meta = [query_start_loc (num_reqs + 1), seq_lens (num_reqs), num_seqs (1), block_tables (num_reqs x pages)]
     qsl_ref = meta_ref.at[pl.ds(0, num_reqs + 1)]
     seq_lens_ref = meta_ref.at[pl.ds(num_reqs + 1, num_reqs)]
     num_seqs = meta_ref[2 * num_reqs + 1]

@@ -30,7 +30,7 @@ def check(seed, q_lens, ctx_lens, *, heads, rank=128, rope=64, bs=16, decode_onl
     qn, qr, latent, md = make_step(seed, q_lens, ctx_lens, heads=heads, rank=rank, rope=rope, bs=bs,
                                    dtype=dtype, pad_tokens=pad_tokens, decode_only=decode_only)
     sm_scale = (rank + rope) ** -0.5
-    assert mgpu.supported(qn, qr, latent, md, **launch)
+    assert mgpu.supported(qn, qr, latent, **launch)
     out = mgpu.mla_paged_attention(qn, qr, latent, md, sm_scale=sm_scale, interpret=interpret, **launch)
     if capsys is not None:
         assert "RACE DETECTED" not in capsys.readouterr().out
@@ -92,13 +92,13 @@ def test_supported_and_default_launch():
     shared memory beyond 227 KiB go to the Triton kernel. DeepSeek's latent fits 2 slots of 64 keys; a split's
     float32 state tile takes 32 heads past the limit, so split 128-head steps run 16 heads a program."""
     qn, qr, latent, md = make_step(0, [1], [5], heads=16, rank=512, rope=64, bs=16, dtype=jnp.bfloat16)
-    assert mgpu.supported(qn, qr, latent, md)
-    assert not mgpu.supported(qn, qr, latent.astype(jnp.float8_e4m3fn), md)
-    assert not mgpu.supported(qn, qr, latent, md, kv_scale=jnp.float32(0.5))
-    assert not mgpu.supported(qn[:, :12], qr[:, :12], latent, md)
-    assert not mgpu.supported(qn, qr, latent, md, stages=3)
-    assert not mgpu.supported(qn.astype(jnp.float32), qr.astype(jnp.float32), latent.astype(jnp.float32), md)
-    assert not mgpu.supported(qn[..., :96], qr, latent[..., 32:], md)
+    assert mgpu.supported(qn, qr, latent)
+    assert not mgpu.supported(qn, qr, latent.astype(jnp.float8_e4m3fn))
+    assert not mgpu.supported(qn, qr, latent, kv_scale=jnp.float32(0.5))
+    assert not mgpu.supported(qn[:, :12], qr[:, :12], latent)
+    assert not mgpu.supported(qn, qr, latent, stages=3)
+    assert not mgpu.supported(qn.astype(jnp.float32), qr.astype(jnp.float32), latent.astype(jnp.float32))
+    assert not mgpu.supported(qn[..., :96], qr, latent[..., 32:])
     assert mgpu.default_launch(64, 16, 512, 64, 4096) == (16, 2)      # 64 programs: 2 splits fill 128 SMs
     assert mgpu.default_launch(64, 128, 512, 64, 4096) == (32, 1)     # 256 programs: no split
     assert mgpu.default_launch(4, 128, 512, 64, 4096) == (16, 4)      # split: 32 heads' state does not fit

@@ -63,6 +63,9 @@ _REGISTRY: dict[str, EnvVar] = {
     "JAXSERVE_CONFIGS": EnvVar(_text, None, "folder holding models/, bench/ and hardware/ (the model, benchmark "
                                             "and hardware configs) when jaxserve is installed outside its source "
                                             "checkout"),
+    "JAXSERVE_MLA_DECODE": EnvVar(lambda raw: raw or "auto", "auto",
+                                  "MLA decode-only steps' kernel: auto (default: Mosaic GPU at 64 heads or more a "
+                                  "device, else Triton), triton, mgpu (where it takes the call, else Triton)"),
     "JAXSERVE_MLA_PREFILL": EnvVar(lambda raw: raw or "kernel", "kernel",
                                    "kernel (default): MLA steps with prefill chunks run the Pallas kernel in tiles of "
                                    "a request's tokens; reference: XLA's jnp reference (a context gathered a token)"),

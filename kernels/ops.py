@@ -176,24 +176,36 @@ def write_latent(latent_cache, latent, slot_mapping, *, backend: str = "referenc
     return mla_ref.write_latent(latent_cache, latent, slot_mapping, scale=scale)
 
 
+MGPU_MIN_HEADS = 64     # mla_attention's decode="auto": the Mosaic GPU kernel from this many heads (DeepSeek-V3)
+
+
 def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *, sm_scale: float,
                   kv_lora_rank: int, backend: str = "reference", scale=None, interpret: bool = False,
-                  prefill: str = "kernel", **pallas_options):
+                  prefill: str = "kernel", decode: str = "auto", **pallas_options):
     """Absorbed MLA over the paged latent cache: ``[T, H, R]`` latent outputs (``mla_ref`` has the semantics).
 
     ``reference``: ``mla_ref``. The Pallas backends run ``mla_decode_pallas.mla_paged_attention``: a
     decode-only step one token a program (one page load serves a group of heads), a step with prefill chunks
     in tiles of a few tokens of one request (one page load serves the tile's tokens and heads).
     ``prefill="reference"`` runs the latter steps through ``mla_ref`` under XLA instead (a token's context
-    gathered for each token)."""
+    gathered for each token). ``decode``: the decode-only steps' kernel, ``triton`` (``mla_decode_pallas``),
+    ``mgpu`` (``mla_decode_mgpu`` where it ``supported`` the call, else Triton) or ``auto`` (``mgpu`` at
+    ``MGPU_MIN_HEADS`` heads or more, where its TMA pages and wgmma beat the Triton gathers: kernels/README.md)."""
     _check_backend(backend)
     if prefill not in ("kernel", "reference"):
         raise ValueError(f"prefill must be 'kernel' or 'reference', got {prefill!r}")
+    if decode not in ("auto", "triton", "mgpu"):
+        raise ValueError(f"decode must be 'auto', 'triton' or 'mgpu', got {decode!r}")
     if backend != "reference":
         _check_gpu(interpret)
     if backend == "reference" or (not md.decode_only and prefill == "reference"):
         return mla_ref.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                            kv_lora_rank=kv_lora_rank, scale=scale)
+    if md.decode_only and (decode == "mgpu" or (decode == "auto" and q_nope_latent.shape[1] >= MGPU_MIN_HEADS)):
+        from . import mla_decode_mgpu  # noqa: PLC0415
+        if mla_decode_mgpu.supported(q_nope_latent, q_rope, latent_cache, kv_scale=scale):
+            return mla_decode_mgpu.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
+                                                       kv_lora_rank=kv_lora_rank, interpret=interpret)
     from . import mla_decode_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
     return mla_decode_pallas.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                                  kv_lora_rank=kv_lora_rank, kv_scale=scale, interpret=interpret,

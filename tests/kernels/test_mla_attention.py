@@ -142,3 +142,36 @@ def test_the_pallas_backends_run_the_kernel(decode_only, prefill):
                                 interpret=True, prefill=prefill)
         n = int(md.query_start_loc[int(md.num_seqs)])
         np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("decode", ["mgpu", "auto"])
+def test_decode_steps_take_the_mosaic_gpu_kernel_where_it_applies(decode, monkeypatch):
+    """``decode="mgpu"`` (or ``auto`` at MGPU_MIN_HEADS heads) runs mla_decode_mgpu on a bf16 decode-only step
+    (Mosaic GPU's interpret mode here) and agrees with the reference; an fp8 cache falls back to Triton; an
+    unknown choice is refused."""
+    import dataclasses
+    from jaxserve.kernels import mla_decode_mgpu, mla_decode_pallas
+    rng = np.random.default_rng(4)
+    q_nope, q_rope, cache, md, w_uk, _ = latent_batch(rng, [1, 1, 1], [9, 17, 30], heads=8, rank=64, rope=64,
+                                                      block_size=8)
+    md = dataclasses.replace(md, decode_only=True)
+    q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk).astype(jnp.bfloat16)
+    q_rope, cache = q_rope.astype(jnp.bfloat16), cache.astype(jnp.bfloat16)
+    if decode == "auto":
+        monkeypatch.setattr(ops, "MGPU_MIN_HEADS", 8)
+    calls = []
+    for mod in (mla_decode_mgpu, mla_decode_pallas):
+        real = mod.mla_paged_attention
+        monkeypatch.setattr(mod, "mla_paged_attention",
+                            lambda *a, _real=real, _name=mod.__name__, **k: calls.append(_name) or _real(*a, **k))
+    want = ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=64)
+    got = ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=64, backend="pallas",
+                            interpret=True, decode=decode)
+    assert calls == [mla_decode_mgpu.__name__]
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:3], np.asarray(want, np.float32)[:3], atol=2e-2, rtol=2e-2)
+    fp8 = mla_ref.quantize_latent(cache, jnp.float8_e4m3fn, jnp.float32(0.5))
+    ops.mla_attention(q_latent, q_rope, fp8, md, sm_scale=0.2, kv_lora_rank=64, scale=jnp.float32(0.5),
+                      backend="pallas", interpret=True, decode=decode)
+    assert calls[-1] == mla_decode_pallas.__name__
+    with pytest.raises(ValueError, match="decode must be"):
+        ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=64, decode="flash")

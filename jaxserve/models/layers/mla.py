@@ -123,6 +123,7 @@ def attention(h: jax.Array, w: dict, spec: MLASpec, num_heads: int, rotary: Rota
     latent = jnp.concatenate([c_kv, k_rope], axis=-1)
     out, latent_cache = tp_attention.write_latent_and_attend(q_latent, q_rope, latent, cache[0], md,
                                                              sm_scale=sm_scale, kv_lora_rank=r, backend=backend,
-                                                             prefill=envs.JAXSERVE_MLA_PREFILL)
+                                                             prefill=envs.JAXSERVE_MLA_PREFILL,
+                                                             decode=envs.JAXSERVE_MLA_DECODE)
     attn = jnp.einsum("thr,hrv->thv", out, w["uv"])
     return attn.reshape(t, heads * spec.v_head_dim), (latent_cache,)

@@ -72,11 +72,13 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--hf-overrides", type=json.loads, default=None,
+                    help='JSON over the model config, e.g. \'{"num_hidden_layers": 5}\' (a shape cut to fit a GPU)')
     args = ap.parse_args(argv)
     from jaxserve import LLM, SamplingParams
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", quantization=args.quantization,
               max_model_len=args.max_model_len, max_num_seqs=256, max_num_batched_tokens=2048,
-              token_buckets=[4, 8, 16, 64, 256, 2048])
+              token_buckets=[4, 8, 16, 64, 256, 2048], hf_overrides=args.hf_overrides)
     rng = np.random.default_rng(0)
     vocab = min(20000, llm.engine.facts().model_config.vocab_size - 1)
     prompts = [{"prompt_token_ids": rng.integers(10, vocab, args.input_len).tolist()} for _ in range(2 * args.batch)]

@@ -335,8 +335,11 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
     y = ragged_dot.grouped_matmul(rows, gate_up.reshape(local_experts, hidden, -1), group_sizes, spec.grouped_gemm,
                                   activation=activation)
     y = ragged_dot.grouped_matmul(y, down, group_sizes, spec.grouped_gemm)
-    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, hidden)                   # back to token order
-    return _combine(weights, y, h.dtype)
+    # back to token order as a row gather (the inverse permutation is a small int scatter): XLA fuses the
+    # gather into _combine's weighted sum, where scattering the rows wrote and re-read all T * k of them
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                  unique_indices=True)
+    return _combine(weights, jnp.take(y, inverse, axis=0).reshape(t, k, hidden), h.dtype)
 
 
 def _combine(weights: jax.Array, y: jax.Array, dtype, shared_gate: jax.Array | None = None) -> jax.Array:

@@ -338,8 +338,8 @@ def _experts(h, ids, weights, gate_up, down, offset, spec: MoESpec, activation: 
     # back to token order as a row gather (the inverse permutation is a small int scatter): XLA fuses the
     # gather into _combine's weighted sum, where scattering the rows wrote and re-read all T * k of them
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                  unique_indices=True)
-    return _combine(weights, jnp.take(y, inverse, axis=0).reshape(t, k, hidden), h.dtype)
+                                                  unique_indices=True, mode="promise_in_bounds")
+    return _combine(weights, y.at[inverse].get(mode="promise_in_bounds").reshape(t, k, hidden), h.dtype)
 
 
 def _combine(weights: jax.Array, y: jax.Array, dtype, shared_gate: jax.Array | None = None) -> jax.Array:

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .metadata import AttentionMetadata
-from .mla_decode_pallas import MASK_VALUE, _token_request, pick_splits
+from .mla_decode_pallas import MASK_VALUE, _token_request, latent_shapes, pick_splits
 
 LOG2E = math.log2(math.e)
 SMEM_BYTES = 227 * 1024       # Hopper's shared memory per block
@@ -231,14 +231,7 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
     Every row is written (padding tokens' rows zero): ``poison_output`` is accepted for the Triton kernel's
     signature and changes nothing.
     """
-    T, H, R = q_nope_latent.shape
-    P = q_rope.shape[-1]
-    nb, bs, width = latent_cache.shape
-    if kv_lora_rank is not None and kv_lora_rank != R:
-        raise ValueError(f"q_nope_latent has {R} latent features, kv_lora_rank is {kv_lora_rank}")
-    if q_rope.shape[:2] != (T, H) or width != R + P:
-        raise ValueError(f"q_rope {q_rope.shape} and latent_cache {latent_cache.shape} do not match "
-                         f"q_nope_latent {q_nope_latent.shape} (a cache row is R + P = {R} + {P})")
+    T, H, R, P, nb, bs, width = latent_shapes(q_nope_latent, q_rope, latent_cache, kv_lora_rank)
     if decode_only is None:
         decode_only = md.decode_only
     Rq, pages = md.block_tables.shape

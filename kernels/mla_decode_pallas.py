@@ -210,6 +210,19 @@ def prefill_tiles(num_heads: int, fp8: bool) -> dict:
     return dict(block_h=block_h, block_t=64 // block_h, block_k=32, num_warps=8, num_stages=2 if not fp8 else 3)
 
 
+def latent_shapes(q_nope_latent, q_rope, latent_cache, kv_lora_rank: int | None) -> tuple[int, ...]:
+    """``(T, H, R, P, num_blocks, block_size, R + P)`` of an MLA call, its arrays checked against each other."""
+    T, H, R = q_nope_latent.shape
+    P = q_rope.shape[-1]
+    nb, bs, width = latent_cache.shape
+    if kv_lora_rank is not None and kv_lora_rank != R:
+        raise ValueError(f"q_nope_latent has {R} latent features, kv_lora_rank is {kv_lora_rank}")
+    if q_rope.shape[:2] != (T, H) or width != R + P:
+        raise ValueError(f"q_rope {q_rope.shape} and latent_cache {latent_cache.shape} do not match "
+                         f"q_nope_latent {q_nope_latent.shape} (a cache row is R + P = {R} + {P})")
+    return T, H, R, P, nb, bs, width
+
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "kv_lora_rank", "interpret", "block_h", "block_t", "block_k", "num_splits", "num_warps",
     "num_stages", "dot_dtype", "decode_only", "poison_output"))
@@ -237,14 +250,7 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
     tables' span). Padding tokens' rows are left unwritten (every op after attention is row-wise, as for
     ``paged_attention_pallas``); ``poison_output`` (tests) passes in a buffer, real rows NaN, padding rows zero.
     """
-    T, H, R = q_nope_latent.shape
-    P = q_rope.shape[-1]
-    nb, bs, width = latent_cache.shape
-    if kv_lora_rank is not None and kv_lora_rank != R:
-        raise ValueError(f"q_nope_latent has {R} latent features, kv_lora_rank is {kv_lora_rank}")
-    if q_rope.shape[:2] != (T, H) or width != R + P:
-        raise ValueError(f"q_rope {q_rope.shape} and latent_cache {latent_cache.shape} do not match "
-                         f"q_nope_latent {q_nope_latent.shape} (a cache row is R + P = {R} + {P})")
+    T, H, R, P, nb, bs, width = latent_shapes(q_nope_latent, q_rope, latent_cache, kv_lora_rank)
     for name, n in (("kv_lora_rank", R), ("rope dim", P)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (a Triton tile axis), got {n}")

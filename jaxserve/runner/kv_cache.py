@@ -49,6 +49,7 @@ def fit(cfg, config: EngineConfig, max_model_len: int, dtype, mesh=None,
     both numbers and the flags that change them."""
     block_size = config.cache.block_size
     n, budget = budget_blocks(cfg, config, dtype, mesh, num_layers)
+    n = offset_safe_blocks(cfg, block_size, dtype, mesh, n)
     fits = (n - 1) * block_size          # block 0 is the null block
     if fits < max_model_len:
         where = f"{n} blocks of {block_size} tokens" + (f" in {budget / 2**20:.0f} MiB" if budget else "")
@@ -62,6 +63,27 @@ def fit(cfg, config: EngineConfig, max_model_len: int, dtype, mesh=None,
         max_model_len = fits
     # never more blocks than can ever be used at once
     return min(n, config.scheduler.max_num_seqs * math.ceil(max_model_len / block_size) + 1), max_model_len
+
+
+# Pallas's Triton lowering addresses an array of at most 4 GiB with 32-bit element offsets (64-bit above): a
+# 1-byte array (an fp8 cache) between 2 and 4 GiB holds more elements than those offsets reach
+OFFSET_LIMIT, WIDE_OFFSETS_ABOVE = 2**31, 2**32
+
+
+def offset_safe_blocks(cfg, block_size: int, dtype, mesh, n: int) -> int:
+    """``n`` blocks, or fewer where a layer's 1-byte cache array (on one device) would fall between 2 and 4 GiB:
+    then capped at 2 GiB (said in one log line), so the kernels' 32-bit offsets reach every element."""
+    if jnp.dtype(dtype).itemsize != 1:
+        return n
+    split = tp_size(mesh) if kv_heads_sharded(cfg, tp_size(mesh)) else 1
+    per_block = max(math.prod(shape[1:]) for shape in layer_shapes(cfg, 1, block_size, dtype)) // split
+    if not OFFSET_LIMIT < n * per_block <= WIDE_OFFSETS_ABOVE:
+        return n
+    cap = OFFSET_LIMIT // per_block
+    logger.warning("the %s KV cache holds %d blocks, not %d: a layer's cache array is kept at 2 GiB, since the "
+                   "Pallas kernels address a 1-byte array of 2 to 4 GiB with 32-bit offsets that do not reach past "
+                   "2 GiB", jnp.dtype(dtype).name, cap, n)
+    return cap
 
 
 def budget_blocks(cfg, config: EngineConfig, dtype, mesh=None, num_layers: int | None = None) -> tuple[int, int | None]:

@@ -122,3 +122,22 @@ def test_a_budget_over_xla_planning_share_of_the_gpu_is_warned(monkeypatch, capl
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in caplog.text
     assert not kv_cache.warn_over_xla_planning_base(gpu, int(8.5 * 2**30), int(84.3 * 2**30))   # fraction 0.75
     assert not kv_cache.warn_over_xla_planning_base(FakeDevice("cpu", {}), 1 << 40, 1 << 40)
+
+
+def test_a_one_byte_cache_between_2_and_4_gib_a_layer_is_capped_at_2_gib(caplog):
+    """Pallas's Triton kernels address arrays of up to 4 GiB with 32-bit element offsets: a 1-byte (fp8) cache
+    array of 2 to 4 GiB would be read past 2 GiB at wrapped offsets, so the blocks stop at 2 GiB a layer there;
+    16-bit caches and arrays over 4 GiB (64-bit offsets) keep every block."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.runner import kv_cache
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=HEADS * HEAD_DIM,
+                      intermediate_size=32, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=HEADS,
+                      head_dim=HEAD_DIM)
+    per_block = 16 * HEADS * HEAD_DIM                                  # one layer's K (or V) array, 1 byte each
+    fp8 = jnp.float8_e4m3fn
+    with caplog.at_level("WARNING", logger="jaxserve.runner.kv_cache"):
+        assert kv_cache.offset_safe_blocks(cfg, 16, fp8, None, 3 * 2**30 // per_block) == 2**31 // per_block
+    assert "holds 8388608 blocks, not 12582912" in caplog.text
+    for n in (2**31 // per_block, 2**32 // per_block + 1, 1000):             # at 2 GiB, over 4 GiB, small
+        assert kv_cache.offset_safe_blocks(cfg, 16, fp8, None, n) == n
+    assert kv_cache.offset_safe_blocks(cfg, 16, jnp.bfloat16, None, 3 * 2**30 // per_block) == 3 * 2**30 // per_block

@@ -18,9 +18,11 @@ Flash-decoding: when too few (token, head group) programs fill the chip, the KV 
 kernel merges the splits' softmax states (base-2, as ``flash_decoding``'s; its merge is per GQA head group
 with a ``head_dim`` of 128, too wide a tile at ``R = 512``, hence one here that loops over the splits).
 
-Tokens with ``q_len > 1`` (prefill chunks) are handled, causally, by the same program shape: one program per
-token, so a chunk of n tokens reads its context n times. Correct, not fast: the model's prefill path should
-decompress K/V for the prefill kernel (or a kernel that tiles tokens x heads) instead.
+Steps with ``q_len > 1`` (prefill chunks) run tiles of ``block_t`` consecutive tokens of one request times
+``block_h`` heads a program (``prefill_tiles``: 4 x 16 at 16 heads, one 64-row MMA), so a page load serves the
+tile's tokens; each row masks the keys past its own token. Request r owns the tile slots from
+``query_start_loc[r] // block_t + r`` (one for each ``block_t``-aligned tile its tokens touch); a program finds
+its request by a binary search over that increasing start, and the step is padded to whole tiles.
 
 An fp8 (e4m3) cache takes a per-tensor ``kv_scale``; its tiles are converted to f16 for the MMAs (Hopper
 converts e4m3 to f16 in one instruction, to bf16 in none), and q is cast to f16 in the kernel after its load.

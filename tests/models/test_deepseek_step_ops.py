@@ -25,15 +25,18 @@ from jaxserve.kernels.metadata import SHORT_SEQ_LEN, AttentionMetadata
 from jaxserve.models import registry
 from jaxserve.models.configs import model_config_from_hf
 
-TRITON = "__gpu$xla.gpu.triton"
+TRITON, MOSAIC = "__gpu$xla.gpu.triton", "mosaic_gpu_v2"
 # ops that start a GPU kernel of their own (the rest fuse into them or into loop fusions)
-LAUNCHES = {"reduce", "reduce-window", "scan", "sort", "topk", "dot", "gather", "scatter", "while", TRITON}
+LAUNCHES = {"reduce", "reduce-window", "scan", "sort", "topk", "dot", "gather", "scatter", "while", TRITON, MOSAIC}
+# the MLA decode's kernel: Triton at 16 heads, Mosaic GPU from 64 (kernels.ops.MGPU_MIN_HEADS)
+MLA_MOSAIC = {"deepseek-v2-lite": 0, "deepseek-v3-6l": 1}
 FREE = {"broadcast", "reshape", "opt-barrier"}    # views XLA folds into their users; a fusion boundary
 # per MoE layer: (ops but FREE ones, LAUNCHES ops); config, its first MoE layer
-PINS = {"deepseek-v2-lite": (65, 15), "deepseek-v3-6l": (76, 16)}
+# (V3's count holds one concatenate more than V2-Lite's for the Mosaic GPU MLA kernel's one metadata operand)
+PINS = {"deepseek-v2-lite": (65, 15), "deepseek-v3-6l": (77, 16)}
 FIRST_MOE = {"deepseek-v2-lite": 1, "deepseek-v3-6l": 3}
 # per dense layer of deepseek-v3-6l (its first three are dense): the same two pins
-DENSE_PINS = (73, 13)
+DENSE_PINS = (74, 13)
 NOT_COUNTED = {"parameter", "constant", "tuple", "get-tuple-element", "Sharding"}   # the last: the mesh's notes
 
 
@@ -107,7 +110,7 @@ def test_moe_layer_ops_in_the_decode_step(name, monkeypatch):
     summary = sorted(layer.items(), key=lambda kv: -kv[1])
     # one MLA decode launch (no split-K combine within SHORT_SEQ_LEN), the router's top-k, the gate/up and down of
     # the routed and shared experts together (the fused rows path, the GPU's default, the shared expert in it)
-    assert layer[TRITON] == 4, summary
+    assert layer[MOSAIC] == MLA_MOSAIC[name] and layer[TRITON] + layer[MOSAIC] == 4, summary
     assert layer["scatter"] == 1 and "sort" not in layer, summary      # the latent write
     assert sum(n for op, n in layer.items() if op in LAUNCHES) <= launches, summary
     assert sum(n for op, n in layer.items() if op not in FREE) <= ops, summary
@@ -119,6 +122,6 @@ def test_dense_layer_ops_in_the_decode_step(monkeypatch):
     layer = with_one - without
     ops, launches = DENSE_PINS
     summary = sorted(layer.items(), key=lambda kv: -kv[1])
-    assert layer[TRITON] == 1 and layer["scatter"] == 1, summary        # the MLA decode; the latent write
+    assert layer[MOSAIC] == 1 and layer["scatter"] == 1, summary        # the MLA decode; the latent write
     assert sum(n for op, n in layer.items() if op in LAUNCHES) <= launches, summary
     assert sum(n for op, n in layer.items() if op not in FREE) <= ops, summary

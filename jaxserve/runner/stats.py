@@ -60,10 +60,11 @@ class RunnerStats:
 
 
 def moe_layers(model) -> tuple[int, int] | None:
-    """(MoE layers, experts) of a mixture-of-experts decoder, else None."""
+    """(MoE layers, experts) of a mixture-of-experts decoder with at least one MoE layer, else None (a config cut
+    to its leading dense layers, DeepSeek's ``first_k_dense_replace``, has no expert load to count)."""
     spec = getattr(model.family, "decoder_spec", None)
     moe = spec(model.config).moe if spec is not None else None
-    return (sum(moe.layers), moe.num_experts) if moe is not None else None
+    return (sum(moe.layers), moe.num_experts) if moe is not None and sum(moe.layers) else None
 
 
 def runner_stats(moe: tuple[int, int] | None) -> RunnerStats:

@@ -350,3 +350,16 @@ def test_deepseek_v3_router_bias_stays_float32(tmp_path):
     check(restored.params)
     np.testing.assert_array_equal(np.asarray(restored.params["layers"][1]["router_bias"]), bias)
     check(model.family.init_dummy_params(model.config, jnp.bfloat16))
+
+
+def test_deepseek_cut_to_its_dense_layers_serves():
+    """A DeepSeek config cut (``hf_overrides``) to its leading dense layers has no MoE layer: the engine has no
+    expert load to count and still decodes (it failed adding the load of no layer)."""
+    from jaxserve import LLM, SamplingParams
+    llm = LLM(os.path.join(FIXTURES, DEEPSEEK[0]), dtype="float32", max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=32, token_buckets=[4, 32], hf_overrides={"num_hidden_layers": 1},
+              use_tqdm_on_load=False)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert "moe_layers" not in llm.engine.core.stats()
+    llm.shutdown()

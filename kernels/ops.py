@@ -198,7 +198,9 @@ def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *,
         raise ValueError(f"decode must be 'auto', 'triton' or 'mgpu', got {decode!r}")
     if backend != "reference":
         _check_gpu(interpret)
-    if backend == "reference" or (not md.decode_only and prefill == "reference"):
+    if backend == "reference" or (not md.decode_only and prefill == "reference") \
+            or not all(n >= 16 and n & (n - 1) == 0 for n in (q_nope_latent.shape[-1], q_rope.shape[-1])):
+        # (the Pallas kernels tile R and P as powers of two of at least 16: DeepSeek's 512 and 64; others here)
         return mla_ref.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                            kv_lora_rank=kv_lora_rank, scale=scale)
     if md.decode_only and (decode == "mgpu" or (decode == "auto" and q_nope_latent.shape[1] >= MGPU_MIN_HEADS)):

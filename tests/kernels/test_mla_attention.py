@@ -175,3 +175,19 @@ def test_decode_steps_take_the_mosaic_gpu_kernel_where_it_applies(decode, monkey
     assert calls[-1] == mla_decode_pallas.__name__
     with pytest.raises(ValueError, match="decode must be"):
         ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=64, decode="flash")
+
+
+def test_shapes_the_kernels_do_not_tile_take_the_reference(monkeypatch):
+    """A rope dim (or latent rank) that is not a power of two of at least 16 (the tiny checkpoints' 8) runs the
+    reference under the Pallas backends instead of failing in the kernel's shape check."""
+    import dataclasses
+    from jaxserve.kernels import mla_decode_pallas
+    rng = np.random.default_rng(5)
+    q_nope, q_rope, cache, md, w_uk, _ = latent_batch(rng, [1, 1], [9, 17], heads=4, rank=32, rope=8, block_size=8)
+    md = dataclasses.replace(md, decode_only=True)
+    q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+    monkeypatch.setattr(mla_decode_pallas, "mla_paged_attention", lambda *a, **k: pytest.fail("kernel called"))
+    want = ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=32)
+    got = ops.mla_attention(q_latent, q_rope, cache, md, sm_scale=0.2, kv_lora_rank=32, backend="pallas",
+                            interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

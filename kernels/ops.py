@@ -190,7 +190,8 @@ def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *,
     ``prefill="reference"`` runs the latter steps through ``mla_ref`` under XLA instead (a token's context
     gathered for each token). ``decode``: the decode-only steps' kernel, ``triton`` (``mla_decode_pallas``),
     ``mgpu`` (``mla_decode_mgpu`` where it ``supported`` the call, else Triton) or ``auto`` (``mgpu`` at
-    ``MGPU_MIN_HEADS`` heads or more, where its TMA pages and wgmma beat the Triton gathers: kernels/README.md)."""
+    ``MGPU_MIN_HEADS`` heads or more, where its TMA pages and wgmma beat the Triton gathers: kernels/README.md).
+    A latent rank or rope dim the kernels do not tile (not a power of two of at least 16) runs the reference."""
     _check_backend(backend)
     if prefill not in ("kernel", "reference"):
         raise ValueError(f"prefill must be 'kernel' or 'reference', got {prefill!r}")
@@ -200,7 +201,6 @@ def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *,
         _check_gpu(interpret)
     if backend == "reference" or (not md.decode_only and prefill == "reference") \
             or not all(n >= 16 and n & (n - 1) == 0 for n in (q_nope_latent.shape[-1], q_rope.shape[-1])):
-        # (the Pallas kernels tile R and P as powers of two of at least 16: DeepSeek's 512 and 64; others here)
         return mla_ref.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                            kv_lora_rank=kv_lora_rank, scale=scale)
     if md.decode_only and (decode == "mgpu" or (decode == "auto" and q_nope_latent.shape[1] >= MGPU_MIN_HEADS)):

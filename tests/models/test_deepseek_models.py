@@ -309,7 +309,7 @@ def test_deepseek_bench_configs():
         config = load_config(name)
         if config["mode"] != "kernels":
             assert resolve_model(config)[0].architecture.startswith("Deepseek")
-    assert len(names) == 7
+    assert len(names) == 8
 
 
 def test_deepseek_orbax_round_trip(tmp_path):

@@ -212,6 +212,11 @@ def prefill_tiles(num_heads: int, fp8: bool) -> dict:
     return dict(block_h=block_h, block_t=64 // block_h, block_k=32, num_warps=8, num_stages=2 if not fp8 else 3)
 
 
+def tileable(rank: int, rope: int) -> bool:
+    """Whether the kernel tiles a latent rank and rope dim: powers of two of at least 16 (DeepSeek's 512, 64)."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (rank, rope))
+
+
 def latent_shapes(q_nope_latent, q_rope, latent_cache, kv_lora_rank: int | None) -> tuple[int, ...]:
     """``(T, H, R, P, num_blocks, block_size, R + P)`` of an MLA call, its arrays checked against each other."""
     T, H, R = q_nope_latent.shape
@@ -253,15 +258,14 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
     ``paged_attention_pallas``); ``poison_output`` (tests) passes in a buffer, real rows NaN, padding rows zero.
     """
     T, H, R, P, nb, bs, width = latent_shapes(q_nope_latent, q_rope, latent_cache, kv_lora_rank)
-    for name, n in (("kv_lora_rank", R), ("rope dim", P)):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (a Triton tile axis), got {n}")
+    if not tileable(R, P):
+        raise ValueError(f"kv_lora_rank ({R}) and rope dim ({P}) must each be a power of two >= 16 (Triton tiles)")
     fp8 = jnp.dtype(latent_cache.dtype).itemsize == 1
     if decode_only is None:
         decode_only = md.decode_only
-    if block_t is None:
-        block_t = 1 if decode_only or (num_splits or 1) > 1 else prefill_tiles(H, fp8)["block_t"]
-    tiles = default_tiles(H, fp8) if block_t == 1 else prefill_tiles(H, fp8)
+    prefill = not decode_only and (num_splits or 1) == 1 if block_t is None else block_t > 1
+    tiles = prefill_tiles(H, fp8) if prefill else default_tiles(H, fp8)
+    block_t = block_t or tiles.get("block_t", 1)
     block_h = block_h or tiles["block_h"]
     block_k = block_k or tiles["block_k"]
     num_warps = num_warps or tiles["num_warps"]
@@ -297,8 +301,7 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
         outs = (jnp.broadcast_to(jnp.where(real, jnp.nan, 0.0), (T * H, R)).astype(q_nope_latent.dtype),)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     kernel = functools.partial(_mla_kernel, num_heads=H, block_h=block_h, block_t=block_t, block_k=block_k,
-                               block_size=bs,
-                               pages_per_seq=pages, rank=R, rope=P, sm_scale=float(sm_scale),
+                               block_size=bs, pages_per_seq=pages, rank=R, rope=P, sm_scale=float(sm_scale),
                                num_splits=splits, dot_dtype=jnp.dtype(dot_dtype), decode_only=decode_only)
     if splits == 1:
         slots = T if block_t == 1 else T // block_t + Rq        # a request's tiles: slots qsl[r] // block_t + r..

@@ -199,8 +199,9 @@ def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *,
         raise ValueError(f"decode must be 'auto', 'triton' or 'mgpu', got {decode!r}")
     if backend != "reference":
         _check_gpu(interpret)
+        from . import mla_decode_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
     if backend == "reference" or (not md.decode_only and prefill == "reference") \
-            or not all(n >= 16 and n & (n - 1) == 0 for n in (q_nope_latent.shape[-1], q_rope.shape[-1])):
+            or not mla_decode_pallas.tileable(q_nope_latent.shape[-1], q_rope.shape[-1]):
         return mla_ref.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                            kv_lora_rank=kv_lora_rank, scale=scale)
     if md.decode_only and (decode == "mgpu" or (decode == "auto" and q_nope_latent.shape[1] >= MGPU_MIN_HEADS)):
@@ -208,7 +209,6 @@ def mla_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetadata, *,
         if mla_decode_mgpu.supported(q_nope_latent, q_rope, latent_cache, kv_scale=scale):
             return mla_decode_mgpu.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                                        kv_lora_rank=kv_lora_rank, interpret=interpret)
-    from . import mla_decode_pallas  # noqa: PLC0415  (keeps Pallas off the CPU import path)
     return mla_decode_pallas.mla_paged_attention(q_nope_latent, q_rope, latent_cache, md, sm_scale=sm_scale,
                                                  kv_lora_rank=kv_lora_rank, kv_scale=scale, interpret=interpret,
                                                  **pallas_options)

@@ -47,6 +47,7 @@ from .triton_rows import next_pow2, rows_of, store_rows
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
 COMBINE_HEADS = 8          # heads per combine program: [8, R] f32 tiles, one split at a time
+SHARED_MEMORY = 227 << 10  # an H100 / H200 block's shared memory limit (bytes)
 MIN_SPLIT_KEYS = 256       # below this a split's keys cost less than its partial state's round trip
 
 
@@ -212,6 +213,23 @@ def prefill_tiles(num_heads: int, fp8: bool) -> dict:
     return dict(block_h=block_h, block_t=64 // block_h, block_k=32, num_warps=8, num_stages=2 if not fp8 else 3)
 
 
+def fit_shared(tiles: dict, width: int, q_itemsize: int, kv_itemsize: int) -> dict:
+    """``tiles`` with fewer keys a step, then fewer stages, until what a program stages fits an SM's shared
+    memory: its query tile (``block_t * block_h`` rows) and ``num_stages`` key tiles, ``width`` columns each.
+    The 16-bit and fp8 defaults fit as they are; a float32 prefill tile (64 rows, 32 keys, 2 stages) asked
+    Triton for 272 KB on an H100 and did not compile."""
+    t = dict(tiles)
+    rows = t.get("block_t", 1) * t["block_h"]
+
+    def need() -> int:
+        return (rows * q_itemsize + t["num_stages"] * t["block_k"] * kv_itemsize) * width
+    while need() > SHARED_MEMORY and t["block_k"] > 16:
+        t["block_k"] //= 2
+    while need() > SHARED_MEMORY and t["num_stages"] > 1:
+        t["num_stages"] -= 1
+    return t
+
+
 def tileable(rank: int, rope: int) -> bool:
     """Whether the kernel tiles a latent rank and rope dim: powers of two of at least 16 (DeepSeek's 512, 64)."""
     return all(n >= 16 and n & (n - 1) == 0 for n in (rank, rope))
@@ -264,7 +282,10 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
     if decode_only is None:
         decode_only = md.decode_only
     prefill = not decode_only and (num_splits or 1) == 1 if block_t is None else block_t > 1
-    tiles = prefill_tiles(H, fp8) if prefill else default_tiles(H, fp8)
+    if dot_dtype is None:
+        dot_dtype = jnp.float16 if fp8 and q_nope_latent.dtype == jnp.bfloat16 else q_nope_latent.dtype
+    tiles = fit_shared(prefill_tiles(H, fp8) if prefill else default_tiles(H, fp8), width,
+                       jnp.dtype(dot_dtype).itemsize, jnp.dtype(latent_cache.dtype).itemsize)
     block_t = block_t or tiles.get("block_t", 1)
     block_h = block_h or tiles["block_h"]
     block_k = block_k or tiles["block_k"]
@@ -276,8 +297,6 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
         raise ValueError(f"block_t must be a power of two, got {block_t}")
     if block_t > 1 and (num_splits or 1) > 1:
         raise ValueError("num_splits > 1 needs block_t == 1 (a split holds one token's partial state)")
-    if dot_dtype is None:
-        dot_dtype = jnp.float16 if fp8 and q_nope_latent.dtype == jnp.bfloat16 else q_nope_latent.dtype
     Rq, pages = md.block_tables.shape
     groups = pl.cdiv(H, block_h)
     span = pages * bs if md.max_seq_len is None else min(pages * bs, md.max_seq_len)

@@ -201,3 +201,18 @@ def test_matches_the_reference_on_the_gpu(heads, fp8, decode_only):
     for splits in (None, 4):
         check(heads, q_lens, ctx_lens, heads=heads, rank=512, rope=64, bs=16, dtype=jnp.bfloat16,
               fp8_scale=0.05 if fp8 else None, decode_only=decode_only, num_splits=splits, interpret=False)
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_launch_defaults_fit_shared_memory(heads):
+    """The 16-bit and fp8 defaults stay as swept; a float32 launch (the tests' dtype) sheds keys a step until
+    its query tile and staged key tiles fit an SM (a 64-row float32 prefill tile at 32 keys did not compile)."""
+    width = 576
+    for tiles in (mla.default_tiles(heads, False), mla.prefill_tiles(heads, False)):
+        assert mla.fit_shared(tiles, width, 2, 2) == tiles
+    for tiles in (mla.default_tiles(heads, True), mla.prefill_tiles(heads, True)):
+        assert mla.fit_shared(tiles, width, 2, 1) == tiles
+    wide = mla.fit_shared(mla.prefill_tiles(heads, False), width, 4, 4)
+    assert wide["block_k"] == 16 and wide["num_stages"] == 2
+    rows = wide.get("block_t", 1) * wide["block_h"]
+    assert (rows * 4 + wide["num_stages"] * wide["block_k"] * 4) * width <= mla.SHARED_MEMORY

@@ -22,9 +22,9 @@ table, all landing on the slot's barrier; it refills a slot once the compute war
 compute warpgroup runs each step's two MMAs and the online softmax (base 2, the scale in exp2's argument).
 
 Splits: when the (token, head group) programs do not fill the SMs (one program an SM: the ring takes most of
-the shared memory), the context is split in a power of two (``mla_decode_pallas.pick_splits``); the programs
-then write float32 states (``O^T`` per head group, m, l) and ``combine``, a few jnp ops XLA fuses, merges
-them. Unsplit programs normalize and store the output themselves (padding tokens' rows get zeros).
+the shared memory), the context is split in a power of two (``mla_decode_pallas.pick_splits``; within the
+runner's short-context bound not at all: there the splits' jnp combine is unmeasured); the programs then write
+float32 states (``O^T`` per head group, m, l) and ``combine``, a few jnp ops XLA fuses, merges them. Unsplit programs normalize and store the output themselves (padding tokens' rows get zeros).
 
 Limits (``supported``; the caller falls back to ``mla_decode_pallas`` outside them): a 16-bit cache of q's
 dtype (no fp8, no ``kv_scale``); heads a multiple of 8; R a multiple of 64 and P of 64; ``block_kv`` a multiple
@@ -61,7 +61,7 @@ def default_launch(num_tokens: int, num_heads: int, rank: int, rope: int, span: 
     for bh in BLOCK_HS:
         if num_heads % bh:
             continue
-        splits = num_splits or pick_splits(num_tokens * (num_heads // bh), span, block_kv, 1)
+        splits = num_splits or pick_splits(num_tokens * (num_heads // bh), span, block_kv, 1, short_keys=None)
         if smem_bytes(rank, rope, bh, block_kv, stages, splits > 1, itemsize) <= SMEM_BYTES:
             return bh, splits
     return 0, 1
@@ -240,7 +240,7 @@ def mla_paged_attention(q_nope_latent, q_rope, latent_cache, md: AttentionMetada
         block_h, splits = default_launch(T, H, R, P, span, block_kv, stages, q_nope_latent.dtype.itemsize, num_splits)
         block_h = block_h or BLOCK_HS[-1]
     else:
-        splits = num_splits or pick_splits(T * (H // block_h), span, block_kv, 1)
+        splits = num_splits or pick_splits(T * (H // block_h), span, block_kv, 1, short_keys=None)
     groups = H // block_h
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")

@@ -49,6 +49,8 @@ LOG2E = math.log2(math.e)
 COMBINE_HEADS = 8          # heads per combine program: [8, R] f32 tiles, one split at a time
 SHARED_MEMORY = 227 << 10  # an H100 / H200 block's shared memory limit (bytes)
 MIN_SPLIT_KEYS = 256       # below this a split's keys cost less than its partial state's round trip
+SHORT_SPLIT_KEYS = 128     # a short step's splits (few programs): 4 of 128 keys beat 1 of 512 by 1.8x
+SHORT_SPLIT_IDLE = 8       # a short step splits while its programs fill at most 1/8 of the SMs
 
 
 def _cols(ref, rows, lo, n):
@@ -182,16 +184,23 @@ def _combine_kernel(qsl_ref, num_seqs_ref, scale_ref, o_ref, m_ref, l_ref, *out_
     store_rows(out_ref, t * num_heads + head, acc * (scale_ref[0] / jnp.where(l > 0, l, 1.0))[:, None], real & keep)
 
 
-def pick_splits(programs: int, max_ctx: int, block_k: int, programs_per_sm: int) -> int:
+def pick_splits(programs: int, max_ctx: int, block_k: int, programs_per_sm: int,
+                short_keys: int | None = SHORT_SPLIT_KEYS) -> int:
     """KV splits (a power of two) so that ``programs`` (token, head group) programs times the splits fill
     the SMs' program slots about once, each split keeping at least ``MIN_SPLIT_KEYS`` keys and 2 steps. A
-    step bounded by the runner's short-context bound runs one launch (``metadata.SHORT_SEQ_LEN``'s contract):
-    there a split saves less than the combine's launch costs."""
-    if max_ctx <= SHORT_SEQ_LEN:
-        return 1
+    step bounded by the runner's short-context bound (``metadata.SHORT_SEQ_LEN``) splits only where its
+    programs leave most SMs idle (a batch of a few tokens), into splits of at least ``short_keys``: there one
+    program walking its context is latency, and splits of it beat the combine's launch from a few hundred keys
+    (this kernel: ``benchmarks/results/2026-12-06-h100-deepseek-gpu-checks.md``); a fuller chip, or
+    ``short_keys=None``, runs one launch."""
     want = max(1, (programs_per_sm * num_sms()) // max(1, programs))
     want = 1 << (want.bit_length() - 1)                                  # round down: no half-empty last wave
-    cap = max(1, max_ctx // max(MIN_SPLIT_KEYS, 2 * block_k))
+    if max_ctx <= SHORT_SEQ_LEN:
+        if short_keys is None or programs * SHORT_SPLIT_IDLE > num_sms():
+            return 1
+        cap = max(1, max_ctx // short_keys)
+    else:
+        cap = max(1, max_ctx // max(MIN_SPLIT_KEYS, 2 * block_k))
     return max(1, min(want, 1 << (cap.bit_length() - 1)))
 
 

@@ -161,13 +161,17 @@ def test_rejects_mismatched_shapes():
 
 
 def test_split_count_fills_the_chip():
-    """Few programs get splits (each >= MIN_SPLIT_KEYS keys), a full chip none."""
+    """Few programs get splits (each >= MIN_SPLIT_KEYS keys), a full chip none (132 SMs)."""
     assert mla.pick_splits(64, 4096, 32, programs_per_sm=2) == 4        # 64 tokens x 1 head group: 256 programs
     assert mla.pick_splits(128, 4096, 32, programs_per_sm=1) == 1       # 64 tokens x 2 groups of 64 heads
     assert mla.pick_splits(1, 4096, 32, programs_per_sm=2) == 16        # capped at 256 keys a split
-    assert mla.pick_splits(1, 300, 32, programs_per_sm=2) == 1
-    assert mla.pick_splits(1, 512, 32, programs_per_sm=2) == 1        # the runner's short-context bound
     assert mla.pick_splits(1, 513, 32, programs_per_sm=2) == 2
+    # within the runner's short-context bound: splits of at least 128 keys while the chip is mostly idle
+    assert mla.pick_splits(1, 512, 32, programs_per_sm=2) == 4
+    assert mla.pick_splits(1, 300, 32, programs_per_sm=2) == 2
+    assert mla.pick_splits(1, 200, 32, programs_per_sm=2) == 1
+    assert mla.pick_splits(16, 512, 32, programs_per_sm=2) == 4         # 16 of 132 SMs busy
+    assert mla.pick_splits(17, 512, 32, programs_per_sm=2) == 1
 
 
 @pytest.mark.parametrize("heads,fp8,decode_only,splits", [(128, False, True, 1), (16, False, True, 4),

@@ -24,7 +24,8 @@ compute warpgroup runs each step's two MMAs and the online softmax (base 2, the 
 Splits: when the (token, head group) programs do not fill the SMs (one program an SM: the ring takes most of
 the shared memory), the context is split in a power of two (``mla_decode_pallas.pick_splits``; within the
 runner's short-context bound not at all: there the splits' jnp combine is unmeasured); the programs then write
-float32 states (``O^T`` per head group, m, l) and ``combine``, a few jnp ops XLA fuses, merges them. Unsplit programs normalize and store the output themselves (padding tokens' rows get zeros).
+float32 states (``O^T`` per head group, m, l) and ``combine``, a few jnp ops XLA fuses, merges them. Unsplit
+programs normalize and store the output themselves (padding tokens' rows get zeros).
 
 Limits (``supported``; the caller falls back to ``mla_decode_pallas`` outside them): a 16-bit cache of q's
 dtype (no fp8, no ``kv_scale``); heads a multiple of 8; R a multiple of 64 and P of 64; ``block_kv`` a multiple

@@ -38,7 +38,8 @@ class AttentionMetadata:
     decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # Static: an upper bound on every request's seq_len in this step, known on the host (None: the block
     # tables' span). A launch-shape hint only: the Pallas decode sizes its flash-decoding splits from it (a
-    # short-context step runs one decode launch, no splits and no combine); any seq_len is still attended
+    # short-context step runs one GQA decode launch, no splits and no combine; the MLA kernel splits one of a
+    # few tokens into splits of 128 keys, fewer than at max_model_len); any seq_len is still attended
     # exactly, so a step may run a variant compiled without it. The runner sets it to SHORT_SEQ_LEN or None.
     max_seq_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 

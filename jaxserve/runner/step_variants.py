@@ -108,7 +108,8 @@ class StepVariants(StepCompiler):
                                **self._jit_kwargs["forward"])
         # Decode-only steps whose contexts are all within SHORT_SEQ_LEN get one more variant where it changes the
         # attention's launch: one decode launch instead of flash-decoding splits sized for max_model_len and
-        # their combine (the splits a batch-1 step takes at short context cost a launch a layer). Compiled in
+        # their combine (the splits a batch-1 step takes at short context cost a launch a layer; MLA's kernel
+        # splits such a step too, but into fewer, shorter splits). Compiled in
         # the background; until then (or past the bound) a step runs the ordinary decode-only variant.
         self.short_decode = shapes.uniform_decode and max_model_len > SHORT_SEQ_LEN
         # On GPU the sampler must not contain XLA conditionals (each one syncs the host with the device), so

@@ -23,29 +23,30 @@ from .kernel_bench import chain_seconds
 R, P, D_NOPE, D_V, BLOCK = 512, 64, 128, 128, 16       # DeepSeek V2 / V3's MLA shape, pages of 16
 
 
-def _inputs(B: int, T: int, H: int, dtype):
+def case(B: int, T: int, H: int, dtype):
+    """``(weights, q_nope, q_rope, latent, latent_cache, md)`` of B fresh prompts of T tokens at H heads: the
+    absorbed form's ``uk`` / ``uv`` are the halves of the decompressed form's ``kv_b``, and the paged cache
+    already holds the step's latents."""
     import jax
-    import jax.numpy as jnp
-    ks = jax.random.split(jax.random.key(0), 6)
-    n = B * T
-    kv_b = jax.random.normal(ks[2], (R, H, D_NOPE + D_V), dtype) * R ** -0.5
-    w = {"kv_b": kv_b.reshape(R, -1),                     # the absorbed form's halves of the same kv_b_proj
-         "uk": kv_b[..., :D_NOPE].transpose(1, 2, 0), "uv": kv_b[..., D_NOPE:].transpose(1, 0, 2)}
-    q_nope = jax.random.normal(ks[3], (n, H, D_NOPE), dtype)
-    q_rope = jax.random.normal(ks[4], (n, H, P), dtype)
-    latent = jax.random.normal(ks[5], (n, R + P), dtype)
-    return w, q_nope, q_rope, latent
-
-
-def _metadata(B: int, T: int):
     import jax.numpy as jnp
 
     from jaxserve.kernels.metadata import AttentionMetadata
+    from jaxserve.kernels.mla_ref import write_latent
+    ks = jax.random.split(jax.random.key(0), 4)
+    n = B * T
+    kv_b = jax.random.normal(ks[0], (R, H, D_NOPE + D_V), dtype) * R ** -0.5
+    w = {"kv_b": kv_b.reshape(R, -1),
+         "uk": kv_b[..., :D_NOPE].transpose(1, 2, 0), "uv": kv_b[..., D_NOPE:].transpose(1, 0, 2)}
+    q_nope = jax.random.normal(ks[1], (n, H, D_NOPE), dtype)
+    q_rope = jax.random.normal(ks[2], (n, H, P), dtype)
+    latent = jax.random.normal(ks[3], (n, R + P), dtype)
     pages = -(-T // BLOCK)
     tables = 1 + jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
     slots = (tables[:, :, None] * BLOCK + jnp.arange(BLOCK)).reshape(B, pages * BLOCK)[:, :T].reshape(-1)
-    return AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=jnp.full((B,), T, jnp.int32),
-                             query_start_loc=jnp.arange(B + 1, dtype=jnp.int32) * T, num_seqs=jnp.int32(B)), pages
+    md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=jnp.full((B,), T, jnp.int32),
+                           query_start_loc=jnp.arange(B + 1, dtype=jnp.int32) * T, num_seqs=jnp.int32(B))
+    cache = write_latent(jnp.zeros((1 + B * pages, BLOCK, R + P), dtype), latent, slots)
+    return w, q_nope, q_rope, latent, cache, md
 
 
 def absorbed_layer(w, q_nope, q_rope, latent_cache, md, *, scale: float, interpret: bool = False):
@@ -78,11 +79,7 @@ def time_forms(B: int, T: int, H: int, layers: int, reps: int, interpret: bool =
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.kernels.mla_ref import write_latent
-    dtype = jnp.float32 if interpret else jnp.bfloat16
-    w, q_nope, q_rope, latent = _inputs(B, T, H, dtype)
-    md, pages = _metadata(B, T)
-    cache = write_latent(jnp.zeros((1 + B * pages, BLOCK, R + P), dtype), latent, md.slot_mapping)
+    w, q_nope, q_rope, latent, cache, md = case(B, T, H, jnp.float32 if interpret else jnp.bfloat16)
     scale = (D_NOPE + P) ** -0.5
 
     def absorbed(q, qr, cache, md):

@@ -255,11 +255,8 @@ def test_mla_prefill_forms_compute_the_same_attention_on_cpu():
     import jax.numpy as jnp
 
     from jaxserve.benchmarks import mla_prefill_forms as f
-    from jaxserve.kernels.mla_ref import write_latent
     B, T, H = 2, 24, 16
-    w, q_nope, q_rope, latent = f._inputs(B, T, H, jnp.float32)
-    md, pages = f._metadata(B, T)
-    cache = write_latent(jnp.zeros((1 + B * pages, f.BLOCK, f.R + f.P), jnp.float32), latent, md.slot_mapping)
+    w, q_nope, q_rope, latent, cache, md = f.case(B, T, H, jnp.float32)
     got = f.absorbed_layer(w, q_nope, q_rope, cache, md, scale=0.1, interpret=True)
     want = f.decompressed_layer(w, q_nope, q_rope, latent, B, T, scale=0.1, implementation="xla")
     assert got.shape == want.shape == (B * T, H, f.D_V)

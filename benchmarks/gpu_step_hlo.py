@@ -69,8 +69,10 @@ def gpu_device(gpu: str):
     return topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=target_config(gpu)).devices[0]
 
 
-def compile_step(model: str, batch: int, gpu: str, layers: int | None, long_context: bool, dump_dir: str):
-    """The decode step's compiled executable for ``gpu``, XLA's dumps of it in ``dump_dir``."""
+def compile_step(model: str, batch: int, gpu: str, layers: int | None, long_context: bool, dump_dir: str,
+                 dtype: str = "bfloat16", key: tuple | None = None):
+    """The decode step's compiled executable for ``gpu`` in ``dtype``, XLA's dumps of it in ``dump_dir``; ``key``:
+    another of the step's variants (``("forward", T, False)``: a step with prefill chunks of ``T`` tokens)."""
     import jax
 
     from jaxserve.benchmarks import step_memory
@@ -79,7 +81,7 @@ def compile_step(model: str, batch: int, gpu: str, layers: int | None, long_cont
     device = gpu_device(gpu)
     cfg, family = step_memory.model_config(model, layers)
     variants, _, _ = step_memory.abstract_variants(cfg, family, None, [4, 8, 16, 32, 64, 128, 256], 1024, "pallas",
-                                                   max_num_seqs=max(batch, 4))
+                                                   max_num_seqs=max(batch, 4), dtype=jax.numpy.dtype(dtype))
     variants.programs.directory = None          # trace: no stored program, none written
     on_gpu = jax.sharding.SingleDeviceSharding(device)
     put = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_gpu)  # noqa: E731
@@ -87,7 +89,8 @@ def compile_step(model: str, batch: int, gpu: str, layers: int | None, long_cont
     variants._kv_specs = jax.tree.map(put, variants._kv_specs)
     variants._prev_spec = put(variants._prev_spec)
     T = variants.shapes.bucket_for(batch)
-    key = ("forward", T, True) if long_context or not variants.short_decode else ("forward", T, True, SHORT_SEQ_LEN)
+    if key is None:
+        key = ("forward", T, True) if long_context or not variants.short_decode else ("forward", T, True, SHORT_SEQ_LEN)
     lowered = step_memory.lowered_for_cuda(variants, key)
     return key, lowered.compile(compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_module_re": "forward"})
 
@@ -127,6 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", default="h200", choices=sorted(GPUS))
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's)")
     ap.add_argument("--long", action="store_true", help="the decode variant for contexts over 512 tokens")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV cache")
     ap.add_argument("--dump", default=None, help="keep XLA's dumps in this folder (default: a temporary one)")
     ap.add_argument("--moving", action="store_true",
                     help="also count the commands that use an allocation whose address changes from call to call "
@@ -141,7 +145,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dump = a.dump or tmp
         t0 = time.perf_counter()
-        key, compiled = compile_step(a.model, a.batch, a.gpu, a.layers, a.long, dump)
+        key, compiled = compile_step(a.model, a.batch, a.gpu, a.layers, a.long, dump, a.dtype)
         found = {p.name.split(".")[-2]: p for p in pathlib.Path(dump).glob("*jit_forward_fn*.txt")}
         # (no file "after thunk passes" when the passes changed nothing: no command buffer formed)
         sequence = found.get("thunk_sequence_after_thunk_passes", found["thunk_sequence"])

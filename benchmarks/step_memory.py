@@ -44,9 +44,9 @@ def model_config(model: str, num_layers: int | None = None):
 
 
 def abstract_variants(cfg, family, quantization: str | None, buckets: list[int], num_blocks: int, backend: str,
-                      max_model_len: int = 4096, max_num_seqs: int = 256):
+                      max_model_len: int = 4096, max_num_seqs: int = 256, dtype=jnp.bfloat16):
     """(StepVariants over abstract weights (``--load-format dummy``'s, in ``quantization``'s storage) and KV
-    cache, weight bytes, KV bytes): nothing is allocated."""
+    cache of ``dtype``, weight bytes, KV bytes): nothing is allocated."""
     from jaxserve.config import EngineConfig
     from jaxserve.models.dummy_loader import dummy_params, dummy_quantization
     from jaxserve.options import from_kwargs
@@ -56,7 +56,6 @@ def abstract_variants(cfg, family, quantization: str | None, buckets: list[int],
     from jaxserve.runner.step_variants import StepVariants
 
     quant = dummy_quantization(quantization)
-    dtype = jnp.bfloat16
     params = jax.eval_shape(lambda: dummy_params(cfg, family, dtype, 0, None, quant))
     max_num_seqs = min(max_num_seqs, max(buckets))
     config = from_kwargs(EngineConfig, {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs,

@@ -5,6 +5,8 @@ import functools
 
 import jax
 
+SHARED_MEMORY = 227 << 10  # an H100 / H200 block's shared memory limit (bytes, the opt-in maximum)
+
 # where the device reports no count (CPU interpret mode, where only correctness is checked): a Hopper's
 ASSUMED_SMS = 132
 

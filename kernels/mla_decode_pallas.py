@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .device_info import num_sms
+from .device_info import SHARED_MEMORY, num_sms
 from .metadata import SHORT_SEQ_LEN, AttentionMetadata
 from .triton_rows import next_pow2, rows_of, store_rows
 
@@ -47,7 +47,6 @@ from .triton_rows import next_pow2, rows_of, store_rows
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
 COMBINE_HEADS = 8          # heads per combine program: [8, R] f32 tiles, one split at a time
-SHARED_MEMORY = 227 << 10  # an H100 / H200 block's shared memory limit (bytes)
 MIN_SPLIT_KEYS = 256       # below this a split's keys cost less than its partial state's round trip
 SHORT_SPLIT_KEYS = 128     # a short step's splits (few programs): 4 of 128 keys beat 1 of 512 by 1.8x
 SHORT_SPLIT_IDLE = 8       # a short step splits while its programs fill at most 1/8 of the SMs
@@ -224,9 +223,10 @@ def prefill_tiles(num_heads: int, fp8: bool) -> dict:
 
 def fit_shared(tiles: dict, width: int, q_itemsize: int, kv_itemsize: int) -> dict:
     """``tiles`` with fewer keys a step, then fewer stages, until what a program stages fits an SM's shared
-    memory: its query tile (``block_t * block_h`` rows) and ``num_stages`` key tiles, ``width`` columns each.
-    The 16-bit and fp8 defaults fit as they are; a float32 prefill tile (64 rows, 32 keys, 2 stages) asked
-    Triton for 272 KB on an H100 and did not compile."""
+    memory: its query tile (``block_t * block_h`` rows) and ``num_stages`` key tiles, ``width`` columns each
+    (Triton stages ``num_stages - 1``; the one more is a margin for the kernel's other scratch: the float32
+    prefill tile at 32 keys and 2 stages compiles for an H100 to 229,632 bytes of the 232,448, 8 KB past
+    the ``num_stages - 1`` count). The 16-bit and fp8 defaults fit as they are."""
     t = dict(tiles)
     rows = t.get("block_t", 1) * t["block_h"]
 

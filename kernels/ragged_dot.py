@@ -45,6 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .device_info import SHARED_MEMORY
+
 IMPLEMENTATIONS = ("ragged_dot", "gather", "pallas")
 
 
@@ -243,13 +245,20 @@ ROWS_LAUNCH = (64, 128, 4, 3)     # the fused rows kernel's (block_n, block_k, n
 ROWS_LAUNCH_GATED = (128, 128, 4, 3)     # and its gated (gate/up) product's: benchmarks/moe_rows_launch.py
 
 
-def rows_launch(k: int, n: int, launch: tuple[int, int, int, int] | None = None,
-                gated: bool = False) -> tuple[int, int, int, int]:
+def rows_launch(k: int, n: int, launch: tuple[int, int, int, int] | None = None, gated: bool = False, *,
+                block_m: int = 16, itemsize: int = 2) -> tuple[int, int, int, int]:
     """``expert_rows_matmul_fused``'s launch for a ``[k, n]`` product (``n``: output columns, a gated product's
     half): the largest power-of-two blocks dividing ``k`` and ``n`` up to ``launch``'s (default ``ROWS_LAUNCH``,
-    ``ROWS_LAUNCH_GATED`` for a gated product)."""
+    ``ROWS_LAUNCH_GATED`` for a gated product), ``block_k`` then halved until the tiles Triton stages fit an
+    SM's shared memory: ``num_stages - 1`` copies of the ``block_m`` rows' and the weight columns' (both
+    halves of a gated product) ``block_k``-deep tiles, ``itemsize`` bytes each. The 16-bit defaults fit as they
+    are; in float32 the gated default asked for 272 KB on an H100 and did not compile."""
     block_n, block_k, warps, stages = launch or (ROWS_LAUNCH_GATED if gated else ROWS_LAUNCH)
-    return _block(n, block_n), _block(k, block_k), warps, stages
+    block_n, block_k = _block(n, block_n), _block(k, block_k)
+    cols = block_n * (2 if gated else 1)
+    while (stages - 1) * (block_m + cols) * block_k * itemsize > SHARED_MEMORY and block_k > 16:
+        block_k //= 2
+    return block_n, block_k, warps, stages
 
 
 def parse_rows_launch(spec: str) -> tuple[int, int, int, int]:
@@ -290,10 +299,12 @@ def expert_rows_matmul_fused(lhs: jax.Array, rhs: jax.Array, row_expert: jax.Arr
     m = row_expert.shape[0] * (routed + extra) if shared is not None else row_expert.shape[0]
     if lhs.shape[0] * rows_per_lhs_row < m:
         raise ValueError(f"{lhs.shape[0]} lhs rows x {rows_per_lhs_row} < {m} row experts")
-    block_n, block_k, warps, stages = rows_launch(k, n, launch, gated=activation is not None)
+    block_m = _rows_block(max_rows_per_expert)
+    block_n, block_k, warps, stages = rows_launch(k, n, launch, gated=activation is not None, block_m=block_m,
+                                                  itemsize=jnp.dtype(lhs.dtype).itemsize)
     return pl.pallas_call(
         functools.partial(_rows_fused_kernel, m=m, mp=max(16, 1 << (m - 1).bit_length()), k=k, groups=num_groups,
-                          routed=routed, shared=extra, block_m=_rows_block(max_rows_per_expert), block_k=block_k,
+                          routed=routed, shared=extra, block_m=block_m, block_k=block_k,
                           block_n=block_n, per_lhs=rows_per_lhs_row, activation=activation),
         grid=(m, n // block_n),
         out_shape=jax.ShapeDtypeStruct((m + 1, n), lhs.dtype),

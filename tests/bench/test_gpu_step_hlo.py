@@ -90,3 +90,16 @@ def test_the_step_is_traced_with_the_gpus_moe_path(monkeypatch):
     with pytest.raises(SystemExit):
         gpu_step_hlo.main(["--model", "qwen3-30b-a3b", "--layers", "1"])
     assert seen == [("pallas", True, True)]
+
+
+@pytest.mark.slow      # ~20 s: three steps of two DeepSeek layers compiled for the GPU
+@pytest.mark.skipif(not cuda_plugin(), reason="needs the CUDA PJRT plugin (pip install -e .[gpu-aot])")
+def test_deepseek_float32_steps_fit_an_h100s_shared_memory(tmp_path):
+    """Every Pallas kernel of DeepSeek-V2-Lite's float32 steps (a step with prefill chunks: the MLA kernel's
+    tiles; decodes; the fused MoE rows kernels) compiles for an H100: Triton's shared-memory check runs in
+    XLA's compile here, where the GPU tests first met a float32 rows launch asking for 272 KB."""
+    from jaxserve.benchmarks import step_memory
+    step_memory.use_gpu_moe_path()
+    for key in (("forward", 16, False), None):
+        for long_context in ((False, True) if key is None else (False,)):
+            gpu_step_hlo.compile_step("deepseek-v2-lite", 4, "h100", 2, long_context, str(tmp_path), "float32", key)

@@ -28,6 +28,20 @@ def test_rows_launch_shrinks_blocks_to_divide_the_shape():
     assert ragged_dot.rows_launch(2048, 1408, gated=True) == (128, 128, 4, 3)
 
 
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+@pytest.mark.parametrize("gated", [False, True])
+def test_rows_launch_fits_shared_memory(itemsize, gated):
+    """What Triton stages (``num_stages - 1`` copies of the rows' and weight columns' tiles) fits an SM: a
+    float32 gated product at the default launch asked for 272 KB on an H100 (DeepSeek in float32 did not
+    compile); the 16-bit and fp8 defaults stay as they were."""
+    for k, n, block_m in ((2048, 1408, 16), (7168, 2048, 64), (1408, 2048, 16)):
+        block_n, block_k, _, stages = ragged_dot.rows_launch(k, n, gated=gated, block_m=block_m, itemsize=itemsize)
+        assert (stages - 1) * (block_m + block_n * (1 + gated)) * block_k * itemsize <= ragged_dot.SHARED_MEMORY
+        if itemsize < 4:
+            assert (block_n, block_k) == ragged_dot.rows_launch(k, n, gated=gated)[:2]
+    assert ragged_dot.rows_launch(2048, 1408, gated=True, itemsize=4)[1] == 64
+
+
 def test_a_tiny_sweep_runs_and_names_the_fastest(capsys):
     assert moe_rows_launch.main(["--shapes", "tiny", "--launches", "32/64/8/3", "--rounds", "1", "--tokens", "4",
                                  "--valid", "2", "--hardware", "h100"]) == 0

@@ -12,7 +12,7 @@ from .kernel_bench import Bench, chain, chain_seconds, decode_metadata, rotating
 def _launches(heads: int, width: int, quick: bool) -> list[dict]:
     """The launches swept at ``heads`` (bf16 rows ``width`` wide): heads a program, keys a step, warps, stages
     (where the tiles fit in shared memory), then split counts."""
-    from jaxserve.kernels.mla_decode_pallas import SHARED_MEMORY
+    from jaxserve.kernels.device_info import SHARED_MEMORY
     if quick:
         return [dict(block_k=16, num_stages=2), dict(num_splits=2)]
     block_hs = [bh for bh in (16, 32, 64) if bh <= max(16, heads)]

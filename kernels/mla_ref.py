@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .metadata import AttentionMetadata
+from .metadata import PAD_SLOT, AttentionMetadata
 from .ref_attention import FP8_DTYPE, FP8_MAX, HIGHEST, token_layout
 
 
@@ -36,10 +36,17 @@ def quantize_latent(x, cache_dtype, scale=None):
 def write_latent(latent_cache, latent, slot_mapping, *, scale=None):
     """Scatter the step's latent rows ``[T, R + P]`` into their slots (run on a donated cache: in place). The
     cache is seen as ``[num_blocks * block_size, R + P]`` rows, so a slot is the row index as it is (no block /
-    offset split in every layer); a slot out of range is dropped, not wrapped."""
+    offset split in every layer); a slot out of range is dropped, not wrapped, and padding tokens (``PAD_SLOT``)
+    write nothing. Each padding token is given its own slot past the end, so every index of the scatter is
+    distinct and XLA stores the rows plainly: with repeated indices a 16-bit or fp8 scatter is a
+    compare-and-swap loop per element on the GPU, and a bucket's padding rows all on the null block's first slot
+    serialize on its words (a 512-token prompt in a 2048-token bucket: 1,536 rows on one slot, in every layer)."""
     nb, bs, width = latent_cache.shape
-    rows = latent_cache.reshape(nb * bs, width).at[slot_mapping].set(
-        quantize_latent(latent, latent_cache.dtype, scale), wrap_negative_indices=False)
+    T = slot_mapping.shape[0]
+    slots = jnp.where(slot_mapping == PAD_SLOT, nb * bs + jnp.arange(T, dtype=slot_mapping.dtype), slot_mapping)
+    rows = latent_cache.reshape(nb * bs, width).at[slots].set(
+        quantize_latent(latent, latent_cache.dtype, scale), wrap_negative_indices=False, mode="drop",
+        unique_indices=True)
     return rows.reshape(latent_cache.shape)
 
 

@@ -74,8 +74,8 @@ def test_mla_reference_matches_decompressed_attention(q_lens, ctx_lens, heads, r
 
 
 def test_write_latent_then_attend_sees_the_step():
-    """``write_latent_and_attend`` stores the step's rows at their slots first (padding goes to the null
-    block), so a fresh prompt attends to itself."""
+    """``write_latent_and_attend`` stores the step's rows at their slots first (padding writes nothing: the
+    null block stays as it was), so a fresh prompt attends to itself."""
     rng = np.random.default_rng(0)
     q_nope, q_rope, cache, md, w_uk, w_uv = latent_batch(rng, [6, 1], [6, 9], heads=2, rank=32, rope=8,
                                                          block_size=4, pad_tokens=2)
@@ -85,8 +85,23 @@ def test_write_latent_then_attend_sees_the_step():
     slots = np.asarray(md.slot_mapping)[:7]
     flat = np.asarray(new_cache).reshape(-1, 40)
     np.testing.assert_array_equal(flat[slots], np.asarray(latent)[:7])
+    np.testing.assert_array_equal(np.asarray(new_cache)[0], np.asarray(cache)[0])
     np.testing.assert_allclose(np.asarray(out), np.asarray(mla_ref.mla_paged_attention(
         q_latent, q_rope, new_cache, md, sm_scale=0.2, kv_lora_rank=32)), rtol=0, atol=0)
+
+
+def test_write_latent_scatter_has_distinct_indices():
+    """The latent write is one scatter XLA may treat as unique-indexed (padding tokens each dropped past the
+    end, not all on the null slot): on the GPU a 16-bit scatter with repeated indices is a compare-and-swap
+    loop per element, and a 2048-token bucket's padding rows on one slot took ~1 s a step."""
+    cache = jnp.zeros((4, 4, 8), jnp.bfloat16)
+    slots = jnp.asarray([5, 6, 0, 0, 0], jnp.int32)
+    latent = jnp.arange(40, dtype=jnp.float32).reshape(5, 8)
+    hlo = jax.jit(mla_ref.write_latent).lower(cache, latent, slots).as_text()
+    assert "unique_indices = true" in hlo or "unique_indices=true" in hlo
+    out = np.asarray(mla_ref.write_latent(cache, latent, slots), np.float32).reshape(16, 8)
+    np.testing.assert_array_equal(out[[5, 6]], np.asarray(latent)[:2])
+    assert not out[[0, 1, 2, 3, 4, 7]].any()                   # padding wrote nothing, the null block included
 
 
 def test_fp8_latent_cache():

@@ -35,11 +35,12 @@ MLA_LAUNCHES = {"deepseek-v2-lite": 2, "deepseek-v3-6l": 1}
 FREE = {"broadcast", "reshape", "opt-barrier"}    # views XLA folds into their users; a fusion boundary
 # per MoE layer: (ops but FREE ones, LAUNCHES ops); config, its first MoE layer
 # (V3's count holds one concatenate more than V2-Lite's for the Mosaic GPU MLA kernel's one metadata operand;
-# V2-Lite's one launch more for its MLA splits' combine)
-PINS = {"deepseek-v2-lite": (66, 16), "deepseek-v3-6l": (77, 16)}
+# V2-Lite's one launch more for its MLA splits' combine; 4 ops of each are the latent write's slots for padding,
+# the same in every layer, which XLA's CSE computes once)
+PINS = {"deepseek-v2-lite": (70, 16), "deepseek-v3-6l": (81, 16)}
 FIRST_MOE = {"deepseek-v2-lite": 1, "deepseek-v3-6l": 3}
 # per dense layer of deepseek-v3-6l (its first three are dense): the same two pins
-DENSE_PINS = (74, 13)
+DENSE_PINS = (78, 13)
 NOT_COUNTED = {"parameter", "constant", "tuple", "get-tuple-element", "Sharding"}   # the last: the mesh's notes
 
 

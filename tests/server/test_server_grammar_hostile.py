@@ -23,10 +23,11 @@ from support.servers import smol
 from soak import read_metrics, rss_mb
 
 CONFIG = {"compile_timeout_s": 5, "grammar_cache_bytes": 32 << 20}
-# a stall: a loaded 2-core machine (xdist workers, other processes) has delayed a probe by over 4.5 s with no
-# compile on the loop, so the bound is wide; the compilations counter proves no compile ran off the grammar
-# workers (test_each_distinct_grammar_compiles_once_in_each_process_and_never_off_the_workers)
-HEALTH_LIMIT_S = 8.0
+# a stall: a loaded 2-core machine (xdist workers, other processes) has delayed a probe by 8.2 s with no
+# compile on the loop (the whole suite on a fresh clone), so the bound is wide; the compilations counter proves
+# no compile ran off the grammar workers
+# (test_each_distinct_grammar_compiles_once_in_each_process_and_never_off_the_workers)
+HEALTH_LIMIT_S = 12.0
 RSS_BOUND_MB = 150          # growth over 200 distinct 5,000-option choices (unbounded: about 400 MB)
 ASK = [{"role": "user", "content": "Answer."}]
 

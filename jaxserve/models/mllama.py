@@ -132,11 +132,11 @@ def cross_index_rows(cfg: ModelConfig) -> int:
 
 def cross_attend(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slots: jax.Array,
                  visible: jax.Array) -> jax.Array:
-    """Each token's attention over the keys of its images: ``q [T, hq, d]``, pools ``[slots + 1, N, kvh, d]``
-    (the last a scratch slot), ``slots`` / ``visible`` ``[images, T]`` (each image's slot, and how many of its
-    keys the token sees: 0 none) → ``[T, hq, d]`` (zeros for a row that sees none). One slot at a time with
-    an online softmax, so the scores stay ``[T, hq, N]`` whatever the pool's size; an image a prompt holds
-    twice counts twice (its keys' weights doubled, as HF's concatenated states have them)."""
+    """Each token's attention over the keys of its images: ``q [T, hq, d]``, pools ``[slots, N, kvh, d]``,
+    ``slots`` / ``visible`` ``[images, T]`` (each image's slot, and how many of its keys the token sees: 0
+    none) → ``[T, hq, d]`` (zeros for a row that sees none). One slot at a time with an online softmax, so the
+    scores stay ``[T, hq, N]`` whatever the pool's size; an image a prompt holds twice counts twice (its keys'
+    weights doubled, as HF's concatenated states have them)."""
     t, hq, d = q.shape
     n, hkv = k_pool.shape[1], k_pool.shape[2]
     qg = q.reshape(t, hkv, hq // hkv, d)
@@ -158,7 +158,7 @@ def cross_attend(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slots: jax.
     shape = (t, hkv, hq // hkv)
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, d), jnp.float32))
-    _, total, acc = jax.lax.fori_loop(0, k_pool.shape[0] - 1, one, init)
+    _, total, acc = jax.lax.fori_loop(0, k_pool.shape[0], one, init)
     return (acc / jnp.where(total > 0, total, 1.0)[..., None]).reshape(t, hq, d).astype(q.dtype)
 
 

@@ -2,15 +2,15 @@
 every cross layer, computed once by the encoder step into a slot of a fixed pool, read by every decoder step
 of a request with that image until the request finishes.
 
-The pool is two arrays (K, V) ``[cross layers, slots + 1, keys per image, kv_heads, head_dim]`` (the last slot a
-scratch that padding images write), allocated once: ``--cross-attention-slots`` slots (default: ``max_num_seqs``,
-at most 8); one slot holds ``max_num_tiles * num_patches`` keys of each cross layer (Llama 3.2
-11B: 8 layers x 6,404 keys x 8 heads x 128, K and V, in bf16: 200 MiB a slot). The runner allocates it
-before the paged KV cache, which is then sized from the device memory left. Slots are keyed by the image's
-content hash: two requests with one image share its slot. The engine's ``EncoderCacheManager`` (``whole_request``:
-an image is held from the request's first step to its end, one slot per image) decides what is kept and
-evicted with the same capacity, so a request with an image waits in the queue until a slot is free, and
-evicted hashes come back through ``free``.
+The pool is two arrays (K, V) ``[cross layers, slots, keys per image, kv_heads, head_dim]`` (padding images target
+distinct slots past the end and write nothing, ``drop_targets``), allocated once: ``--cross-attention-slots`` slots
+(default: ``max_num_seqs``, at most 8); one slot holds ``max_num_tiles * num_patches`` keys of each cross layer
+(Llama 3.2 11B: 8 layers x 6,404 keys x 8 heads x 128, K and V, in bf16: 200 MiB a slot). The runner allocates it
+before the paged KV cache, which is then sized from the device memory left. Slots are keyed by the image's content
+hash: two requests with one image share its slot. The engine's ``EncoderCacheManager`` (``whole_request``: an image
+is held from the request's first step to its end, one slot per image) decides what is kept and evicted with the same
+capacity, so a request with an image waits in the queue until a slot is free, and evicted hashes come back through
+``free``.
 
 ``encode(features)`` runs the tower and each cross layer's k/v projections over the step's new images,
 batched in powers of two, and writes their slots in the same jitted call (the pool is donated).
@@ -30,11 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runner.encoder_cache import _pow2
+from jaxserve.runner.encoder_cache import _pow2, drop_targets
 
 def _encode_and_store(family, cfg, params, pool, pixel_values, ar_ids, ar_mask, dst):
     k, v = family.encode_cross_kv(params, pixel_values, ar_ids, ar_mask, cfg)       # [L, B, N, kvh, d]
-    return pool[0].at[:, dst].set(k.astype(pool[0].dtype)), pool[1].at[:, dst].set(v.astype(pool[1].dtype))
+    def store(p, x):
+        return p.at[:, dst].set(x.astype(p.dtype), mode="drop", unique_indices=True)
+    return store(pool[0], k), store(pool[1], v)
 
 
 class CrossAttentionCache:
@@ -51,7 +53,7 @@ class CrossAttentionCache:
             from jaxserve.parallel import replicated  # noqa: PLC0415
             rep = replicated(mesh)
         dtype = jax.tree.leaves(model.params)[0].dtype
-        shape = (layers, num_slots + 1, self.num_keys, kv_heads, head_dim)
+        shape = (layers, num_slots, self.num_keys, kv_heads, head_dim)
         make = (lambda: jnp.zeros(shape, dtype)) if rep is None else (lambda: jnp.zeros(shape, dtype, device=rep))
         self.slab = (make(), make())           # the decoder step reads it as the multimodal slab
         self._step = jax.jit(partial(_encode_and_store, self.family, self.cfg), donate_argnums=(1,),
@@ -72,7 +74,7 @@ class CrossAttentionCache:
         b = 1
         while b <= self.max_batch:
             self._run(np.zeros((b, self.tiles, 3, self.tile_size, self.tile_size), np.float32),
-                      np.ones(b, np.int32), np.ones((b, self.tiles), np.int32), np.full(b, self.capacity, np.int32))
+                      np.ones(b, np.int32), np.ones((b, self.tiles), np.int32), drop_targets(b, self.capacity))
             b *= 2
         jax.block_until_ready(self.slab)
         return time.perf_counter() - t0
@@ -96,7 +98,7 @@ class CrossAttentionCache:
             b = _pow2(len(items))
             pixels = np.zeros((b, self.tiles, 3, self.tile_size, self.tile_size), np.float32)
             ar_ids, ar_mask = np.zeros(b, np.int32), np.zeros((b, self.tiles), np.int32)
-            dst = np.full(b, self.capacity, np.int32)           # padding images write the scratch slot
+            dst = drop_targets(b, self.capacity)                # padding images write nothing
             for j, f in enumerate(items):
                 if not self._free:
                     raise RuntimeError("the cross-attention cache is full (the scheduler's encoder cache "

@@ -6,33 +6,34 @@ hash. The engine's ``EncoderCacheManager`` decides what is kept and evicted with
 image the scheduler admits always finds rows here; evicted hashes come back through ``free``.
 
 ``encode(features)`` runs the family's encoder over the step's new images, batched across requests, and writes each
-image's rows into the slab in the same jitted call (the slab is donated: updated in place; padding writes a scratch
-row). A family of fixed-size images (``encode_images``: LLaVA) is batched by pixel shape into batch buckets of
-powers of two (a family with ``image_slots``, LLaVA-NeXT, says which rows of its encoder's output are an image's
-tokens: the others write the scratch row; ``warmup_pixel_shapes``, which shapes to compile at start-up). A family
-of any image size (``pack_images`` / ``encode_packed``: Qwen-VL) is bucketed by patch count: each image goes to the
-smallest bucket that holds it (at least ``min_patches``) of a ladder of ``unit * m * 2**k`` patches, ``m`` in 4..7
-(``patch_bucket``: steps of at most 1.25x, so under a fifth of a bucket is padding), images of the smallest bucket
-share rows where they fit (first fit; the tower masks attention to each image's own patches; in a larger bucket no
-two images fit a row, so its rows are packed ``single``: the full-attention blocks attend by sequence length, with
-no mask), rows are batched in 1, 2, 3, 4, 6, 8, ... rows (``row_batch``), so the compiled encoder programs are
-bounded by the bucket and batch counts, not the image sizes: four buckets per doubling from ``min_patches`` to the
-largest image, times the row batches up to ``max_batch``. These programs compile off the step loop: the row batches
-a step can fill under the encoder budget (``budget_rows``: each row holds an image too large for the bucket below)
-are queued for the background compiler the moment a bucket is first seen (``pending`` counts them: a benchmark
-waits for them, as for the step variants); until its own is ready a batch runs in the smallest larger bucket
-compiled (more padding, no wait), and only a batch larger than every compiled bucket waits for its program (logged;
-``warmup`` queues the bucket of a square image of the token budget, so after start-up only an image larger than
-that can wait); a batch whose exact row count is not compiled yet takes a compiled one of up to twice its rows
-(padding rows) rather than waiting. Programs are per payload dtype too: an RGB image comes as its bytes (uint8)
-with a value table per channel (``extra["pixel_table"]``, the front end's ``QwenVLPixels``), which the tower looks
-up on the device: half a 16-bit payload's bytes to pack and copy to the device.
+image's rows into the slab in the same jitted call (the slab is donated: updated in place; padding rows target
+distinct rows past its end, ``drop_targets``, and write nothing). A family of fixed-size images (``encode_images``:
+LLaVA) is batched by pixel shape into batch buckets of powers of two (a family with ``image_slots``, LLaVA-NeXT,
+says which rows of its encoder's output are an image's tokens: the others write nothing; ``warmup_pixel_shapes``,
+which shapes to compile at start-up). A family of any image size (``pack_images`` / ``encode_packed``: Qwen-VL) is
+bucketed by patch count: each image goes to the smallest bucket that holds it (at least ``min_patches``) of a ladder
+of ``unit * m * 2**k`` patches, ``m`` in 4..7 (``patch_bucket``: steps of at most 1.25x, so under a fifth of a
+bucket is padding), images of the smallest bucket share rows where they fit (first fit; the tower masks attention to
+each image's own patches; in a larger bucket no two images fit a row, so its rows are packed ``single``: the
+full-attention blocks attend by sequence length, with no mask), rows are batched in 1, 2, 3, 4, 6, 8, ... rows
+(``row_batch``), so the compiled encoder programs are bounded by the bucket and batch counts, not the image sizes:
+four buckets per doubling from ``min_patches`` to the largest image, times the row batches up to ``max_batch``.
+These programs compile off the step loop: the row batches a step can fill under the encoder budget (``budget_rows``:
+each row holds an image too large for the bucket below) are queued for the background compiler the moment a bucket
+is first seen (``pending`` counts them: a benchmark waits for them, as for the step variants); until its own is
+ready a batch runs in the smallest larger bucket compiled (more padding, no wait), and only a batch larger than
+every compiled bucket waits for its program (logged; ``warmup`` queues the bucket of a square image of the token
+budget, so after start-up only an image larger than that can wait); a batch whose exact row count is not compiled
+yet takes a compiled one of up to twice its rows (padding rows) rather than waiting. Programs are per payload dtype
+too: an RGB image comes as its bytes (uint8) with a value table per channel (``extra["pixel_table"]``, the front
+end's ``QwenVLPixels``), which the tower looks up on the device: half a 16-bit payload's bytes to pack and copy to
+the device.
 ``gather(scheduled)`` gives the decoder step its ``[2, T]`` index (token row, slab row) for the image tokens of the
-step's chunks, padded to the step's T rows (padding rows point past the step's tokens and are dropped): one
-image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
-device op builds them. A family whose image tokens attend to each other both ways (``bidirectional_images``)
-gets a third row: each token row's attend limit (``AttentionMetadata.attend_limit``: its image's last
-position, -1 outside images; the scheduler keeps an image's remaining tokens in one chunk).
+step's chunks, padded to the step's T rows (padding rows point to distinct rows past the step's tokens and are
+dropped): one image variant per token bucket, and the step reads the embeddings from the slab itself, so no per-step
+device op builds them. A family whose image tokens attend to each other both ways (``bidirectional_images``) gets a
+third row: each token row's attend limit (``AttentionMetadata.attend_limit``: its image's last position, -1 outside
+images; the scheduler keeps an image's remaining tokens in one chunk).
 """
 from __future__ import annotations
 
@@ -56,9 +57,17 @@ BUCKET_STEPS = (4, 5, 6, 7)       # a doubling of patch buckets in quarters (of 
 PACKED_FILL = 0.75
 
 
+def drop_targets(n: int, end: int) -> np.ndarray:
+    """``n`` distinct scatter targets past a slab of ``end`` rows, for padding rows: a ``mode="drop"`` scatter
+    writes nothing there, and with every index distinct it may be marked ``unique_indices`` so XLA stores rows
+    plainly (with repeated indices a 16-bit scatter is a compare-and-swap loop per element on the GPU, and
+    padding rows all on one scratch row serialize on its words)."""
+    return np.arange(end, end + n, dtype=np.int32)
+
+
 def _encode_and_store(encode, cfg, params, slab, inputs, dst):
     emb = encode(params, inputs, cfg)                                   # [B, N, hidden]
-    return slab.at[dst].set(emb.reshape(-1, emb.shape[-1]).astype(slab.dtype), mode="drop")
+    return slab.at[dst].set(emb.reshape(-1, emb.shape[-1]).astype(slab.dtype), mode="drop", unique_indices=True)
 
 
 def patch_bucket(patches: int, unit: int, floor: int) -> int:
@@ -140,7 +149,7 @@ class EncoderCache:
         dtype = jax.tree.leaves(model.params)[0].dtype
         # the dtype the front end sends pixel payloads in (the warm-up's value table takes it)
         self.payload_dtype = pixel_dtype(str(getattr(model.dtype, "__name__", model.dtype)))
-        shape = (capacity + 1, model.config.hidden_size)     # + a scratch row that padding images write
+        shape = (capacity, model.config.hidden_size)
         self.slab = jnp.zeros(shape, dtype) if rep is None else jnp.zeros(shape, dtype, device=rep)
         encode = self.family.encode_packed if self.packed else self.family.encode_images
         self._step = jax.jit(partial(_encode_and_store, encode, self.cfg), donate_argnums=(1,),
@@ -178,8 +187,8 @@ class EncoderCache:
             b = 1
             while b <= self.max_batch:
                 pixels = np.zeros((b, *shape), np.float32)
-                self.slab = self._step(self.params, self.slab, pixels, np.full(b * self._tokens_per_image(shape),
-                                                                                 self.capacity, np.int32))
+                dst = drop_targets(b * self._tokens_per_image(shape), self.capacity)
+                self.slab = self._step(self.params, self.slab, pixels, dst)
                 b *= 2
         jax.block_until_ready(self.slab)
         return time.perf_counter() - t0
@@ -231,7 +240,7 @@ class EncoderCache:
         slots = [self.family.image_slots(self.cfg, f) if hasattr(self.family, "image_slots")
                  else (f.length, slice(None)) for f in items]
         n = slots[0][0]
-        dst = np.full((b, n), self.capacity, np.int32)       # padding images and unused rows write the scratch row
+        dst = drop_targets(b * n, self.capacity).reshape(b, n)     # padding images and unused rows write nothing
         for j, (f, (n_j, rows)) in enumerate(zip(items, slots)):
             if n_j != n:
                 raise ValueError(f"images of one pixel shape with {n_j} and {n} encoder rows")
@@ -280,7 +289,7 @@ class EncoderCache:
         pixels, tables = _row_inputs(batch)
         inputs, tokens, num_out = self.family.pack_images(self.cfg, pixels, b, kind[0], tables,
                                                           single=self._single(kind[0]))
-        dst = np.full(num_out, self.capacity, np.int32)     # padding tokens write the scratch row
+        dst = drop_targets(num_out, self.capacity)                # padding tokens write nothing
         for f, slots in zip((f for r in batch for f in r), tokens):
             if len(slots) != f.length:
                 raise ValueError(f"an image of {len(slots)} tokens with {f.length} placeholders")
@@ -367,7 +376,7 @@ class EncoderCache:
             return None
         d, s_ = np.concatenate(dst), np.concatenate(src)
         index = np.empty((3 if self.bidirectional else 2, num_tokens), np.int32)
-        index[0], index[1] = num_tokens, 0
+        index[0], index[1] = drop_targets(num_tokens, num_tokens), 0      # padding: distinct rows past T
         index[0, :len(d)], index[1, :len(d)] = d, s_
         if self.bidirectional:
             index[2] = -1

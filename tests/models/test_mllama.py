@@ -39,7 +39,7 @@ def test_logits_match_hf():
     assert ids == case["prompt_ids"] and f.length == 1
     kv = model.family.encode_cross_kv(model.params, f.pixel_values, f.extra["aspect_ratio_ids"].reshape(1),
                                       f.extra["aspect_ratio_mask"].reshape(1, -1), model.config)
-    pool = tuple(np.concatenate([np.asarray(x), np.zeros_like(x)], axis=1) for x in kv)   # + the scratch slot
+    pool = tuple(np.concatenate([np.asarray(x), np.zeros_like(x)], axis=1) for x in kv)   # + an empty slot
     runner = PagedRunner(model, max_reqs=1, max_len=64)
     ints, layout = runner.inputs([(0, ids, 0)], 64, logits_rows=list(range(len(ids))))
     after = np.arange(len(ids)) >= f.offset

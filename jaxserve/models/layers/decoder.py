@@ -238,8 +238,8 @@ class DecoderModel(nnx.Module):
         lora = lora_batch(*lora, x.dtype) if lora is not None else None
         if spec.embed_scale is not None and self.first:
             x = x * jnp.asarray(spec.embed_scale, x.dtype)
-        if mm_embeds is not None:       # image embeddings over their token rows (padding rows point past T)
-            x = x.at[mm_rows].set(mm_embeds.astype(x.dtype), mode="drop")
+        if mm_embeds is not None:       # image embeddings over their token rows (padding: distinct rows past T)
+            x = x.at[mm_rows].set(mm_embeds.astype(x.dtype), mode="drop", unique_indices=True)
         cos_sin = [r.cos_sin(positions, x.dtype) for r in spec.rotaries]
         layers = list(self.layers)
         # a stage before the last hands on x, not the next norm's output (that norm's weight is the next

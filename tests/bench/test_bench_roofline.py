@@ -247,17 +247,3 @@ def test_kernel_bench_runs_its_sections_on_cpu(capsys):
     assert "| MLA decode B=2 ctx=40 H=4 float8_e4m3fn | default" in summary
     with pytest.raises(SystemExit):
         kernel_bench.main(["--only", "attention,nope"])
-
-
-def test_mla_prefill_forms_compute_the_same_attention_on_cpu():
-    """The prefill forms the MLA benchmark times are the same layer: the absorbed form (the kernel's prefill
-    tiles, ``W_UK`` / ``W_UV`` from ``kv_b``) against K/V decompressed through ``kv_b``, two prompts, float32."""
-    import jax.numpy as jnp
-
-    from jaxserve.benchmarks import mla_prefill_forms as f
-    B, T, H = 2, 24, 16
-    w, q_nope, q_rope, latent, cache, md = f.case(B, T, H, jnp.float32)
-    got = f.absorbed_layer(w, q_nope, q_rope, cache, md, scale=0.1, interpret=True)
-    want = f.decompressed_layer(w, q_nope, q_rope, latent, B, T, scale=0.1, implementation="xla")
-    assert got.shape == want.shape == (B * T, H, f.D_V)
-    assert float(jnp.max(jnp.abs(got - want))) < 1e-4
